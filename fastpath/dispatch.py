@@ -1,0 +1,811 @@
+"""Token dispatch on the GPU (Triton): the fast paths of :mod:`moeref.dispatch`, same signatures and results.
+
+Every function here takes and returns torch tensors (CUDA; CPU tensors under ``TRITON_INTERPRET=1``)
+and returns the reference's own result classes (:class:`moeref.dispatch.AlignResult`,
+:class:`~moeref.dispatch.Permuted`, :class:`~moeref.dispatch.Contiguous`,
+:class:`~moeref.dispatch.Masked`, :class:`~moeref.dispatch.Batched`) holding torch tensors. The
+results are **bit for bit those of the reference**, order within an expert included: the kernels
+implement the reference's one stable sort (``moeref.dispatch.grouping``: slots ``t*k + j`` by
+``(local expert, src)``, absent slots after) as a deterministic counting sort, with no atomics:
+
+1. ``_hist_kernel``: the slots are cut into chunks of ``CHUNK`` consecutive slots; one program per
+   chunk computes each slot's *key* (its local expert; absent slots get keys after every expert:
+   non-local experts by global id, then padding, the golden's order) and the chunk's key histogram.
+2. ``_chunk_scan_kernel``: per key, the exclusive prefix sum of the histogram over chunks (how many
+   slots with that key precede the chunk), in place, and the key totals (expert counts).
+3. ``_group_starts_kernel``: one program turns the totals into each group's first row in the
+   layout (unpadded offsets, block- or alignment-padded starts, or ``g * capacity``) and writes the
+   layout's metadata (``expert_first_token_offset``, ``num_tokens_post_padded``, ``psum``).
+4. ``_rank_kernel``: one program per chunk gives each slot its rank among the equal-key slots of
+   the chunk (a ``CHUNK x CHUNK`` comparison), adds the chunk's prefix and the group's start, and
+   writes the slot -> row map (``inv_permuted_idx``) and the row -> slot lists (``sorted_token_ids``,
+   ``permuted_idx``, ``src``, ``m_indices``). The rank is the reference's stable order exactly.
+5. ``_fill_kernel``: every padding position of a padded layout (align blocks, DeepGEMM alignment,
+   masked/batched capacity) gets the sentinel / ``-1`` / zero row, and ``expert_ids`` one label per
+   block; with step 4 every output element is written exactly once (no memset needed).
+6. ``_scatter_rows_kernel``: data movement, one pass: each token row is read once and written to
+   its ``k`` destination rows (bit copies through an integer view: bf16, fp8 codes, scales alike;
+   any row stride of ``hidden``; int64 addressing).
+7. ``_reduce_kernel``: unpermute-and-reduce / weight-and-reduce: ``out[t] = sum_j w[t,j] *
+   row(t*k+j)`` accumulated in float32 in slot order ``j = 0..k-1``; absent slots contribute 0
+   whatever their rows hold (masked loads, never ``0 * row``).
+
+Contracts, sources and the meaning of every field: the reference modules
+(:mod:`moeref.dispatch.align`, ``.permute``, ``.contiguous``, ``.masked``, ``.batched``,
+``.finalize``). Differences, all documented per function:
+
+* ``validate=True`` (default) checks ``topk_ids`` and ``expert_map`` with the reference validators
+  on a CPU copy (one device sync); pass ``validate=False`` on hot paths. Invalid ids with
+  ``validate=False`` are undefined behaviour (as in vLLM's kernels).
+* An ``expert_map`` given as a device tensor costs one sync to count its local experts; pass it as a
+  NumPy array or list to avoid it (it is then uploaded).
+* ``to_contiguous`` with ``m_sum=None``/"tight", ``to_masked`` and ``to_batched`` need the expert
+  counts on the host (buffer sizes / capacity check): one sync each, as in the reference's API.
+* Float outputs of the reductions are float32 sums (the reference sums in float64): they agree
+  within ``gamma_k * sum_j |w_j x_j|`` plus the output rounding (``property_tests`` prove it).
+
+Proof: ``property_tests/test_fastpath_dispatch.py`` (Hypothesis routings incl. empty experts,
+all-to-one, EP maps, -1 padding; outputs poisoned before each run). Speed: ``bench/bench_dispatch_gpu.py``;
+``docs/fastpaths-dispatch.md``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from moeref import _interop
+from moeref.dispatch.align import AlignResult, max_num_tokens_padded
+from moeref.dispatch.batched import Batched
+from moeref.dispatch.contiguous import Contiguous, contiguous_m_sum
+from moeref.dispatch.masked import Masked
+from moeref.dispatch.permute import Permuted
+from moeref.routing.expert_map import check_expert_map
+from moeref.routing.ids import check_topk_ids
+
+__all__ = [
+    "expert_counts",
+    "expert_first_token_offset",
+    "moe_align_block_size",
+    "moe_permute",
+    "moe_unpermute",
+    "to_batched",
+    "to_contiguous",
+    "to_masked",
+    "weight_and_reduce",
+]
+
+CHUNK = 128
+"""Slots per program of the counting sort (the rank step compares ``CHUNK x CHUNK`` keys)."""
+
+# Layout modes of _group_starts_kernel / _fill_kernel.
+_PADDED = 0  # group g starts at the sum of round_up(count, PAD) of the groups before it
+_CAPACITY = 1  # group g starts at g * CAP
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _slot_keys(ids_ptr, emap_ptr, offs, mask, E, G, USE_MAP: tl.constexpr):
+    """Key of each slot: its group (local expert) in ``[0, G)``; absent slots after: with a map,
+    ``G + global id`` for non-local experts and ``G + E`` for padding; without, ``G`` for padding."""
+    ids = tl.load(ids_ptr + offs, mask=mask, other=-1).to(tl.int32)
+    if USE_MAP:
+        loc = tl.load(emap_ptr + ids, mask=mask & (ids >= 0), other=-1).to(tl.int32)
+        key = tl.where(loc >= 0, loc, tl.where(ids >= 0, G + ids, G + E))
+    else:
+        key = tl.where(ids >= 0, ids, G)
+    return key
+
+
+@triton.jit
+def _hist_kernel(ids_ptr, emap_ptr, hist_ptr, N, E, G, NK,
+                 USE_MAP: tl.constexpr, S: tl.constexpr, NKP: tl.constexpr):
+    c = tl.program_id(0)
+    offs = c * S + tl.arange(0, S)
+    mask = offs < N
+    key = _slot_keys(ids_ptr, emap_ptr, offs, mask, E, G, USE_MAP)
+    h = tl.histogram(key, NKP, mask=mask)
+    g = tl.arange(0, NKP)
+    tl.store(hist_ptr + c * NK + g, h, mask=g < NK)
+
+
+@triton.jit
+def _chunk_scan_kernel(hist_ptr, totals_ptr, C, NK, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
+    g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+    gm = g < NK
+    carry = tl.zeros([BLOCK_G], dtype=tl.int32)
+    c0 = 0
+    while c0 < C:  # a while loop: the interpreter's `range` over a runtime bound fails on NumPy 2.4
+        c = c0 + tl.arange(0, BLOCK_C)
+        m = (c[:, None] < C) & gm[None, :]
+        ptrs = hist_ptr + c[:, None] * NK + g[None, :]
+        h = tl.load(ptrs, mask=m, other=0)
+        incl = tl.cumsum(h, axis=0)
+        tl.store(ptrs, incl - h + carry[None, :], mask=m)
+        carry += tl.sum(h, axis=0)
+        c0 += BLOCK_C
+    tl.store(totals_ptr + g, carry, mask=gm)
+
+
+@triton.jit
+def _group_starts_kernel(totals_ptr, starts_ptr, ends_ptr, offsets_ptr, meta_ptr, psum_ptr,
+                         G, NK, PAD, CAP,
+                         MODE: tl.constexpr, WRITE_PSUM: tl.constexpr, NKP: tl.constexpr):
+    """starts[NK] (row of each group's first slot), ends[G] (end of each present group's padded
+    region), offsets[G+1] int64 (unpadded exclusive prefix sum of the present groups), meta[0] =
+    rows used by present groups (num_tokens_post_padded), meta[1] = present slots."""
+    g = tl.arange(0, NKP)
+    gm = g < NK
+    present = g < G
+    cnt = tl.load(totals_ptr + g, mask=gm, other=0)
+    cnt_present = tl.where(present, cnt, 0)
+    n_present = tl.sum(cnt_present, axis=0)
+    if MODE == 1:
+        start = g * CAP
+        end = start + CAP
+        used = G * CAP
+    else:
+        size = tl.where(present, (cnt + PAD - 1) // PAD * PAD, cnt)
+        incl = tl.cumsum(size, axis=0)
+        start = incl - size
+        end = incl
+        used = tl.sum(tl.where(present, size, 0), axis=0)
+    tl.store(starts_ptr + g, start, mask=gm)
+    tl.store(ends_ptr + g, end, mask=present)
+    oincl = tl.cumsum(cnt_present, axis=0)
+    tl.store(offsets_ptr + g, (oincl - cnt_present).to(tl.int64), mask=present)
+    tl.store(offsets_ptr + G, n_present.to(tl.int64))
+    tl.store(meta_ptr, used)
+    tl.store(meta_ptr + 1, n_present)
+    if WRITE_PSUM:
+        tl.store(psum_ptr + g, start + cnt, mask=present)
+
+
+@triton.jit
+def _rank_kernel(ids_ptr, emap_ptr, base_ptr, starts_ptr, dst_ptr, list_ptr, grp_ptr,
+                 N, E, G, NK, SENTINEL,
+                 USE_MAP: tl.constexpr, S: tl.constexpr,
+                 DST_MODE: tl.constexpr, LIST_MODE: tl.constexpr, WRITE_GRP: tl.constexpr):
+    """DST_MODE 0: none, 1: dst[s] = row (present) or -1, 2: dst[s] = row for every slot.
+    LIST_MODE 0: none, 1: list[row] = s (present), 2: list[row] = s (present) or SENTINEL (absent).
+    WRITE_GRP: grp[row] = local expert (present)."""
+    c = tl.program_id(0)
+    i = tl.arange(0, S)
+    offs = c * S + i
+    mask = offs < N
+    key = _slot_keys(ids_ptr, emap_ptr, offs, mask, E, G, USE_MAP)
+    keyv = tl.where(mask, key, -1)
+    same = (keyv[:, None] == keyv[None, :]) & (i[None, :] < i[:, None])
+    within = tl.sum(same.to(tl.int32), axis=1)
+    before = tl.load(base_ptr + c * NK + key, mask=mask, other=0)
+    start = tl.load(starts_ptr + key, mask=mask, other=0)
+    row = start + before + within
+    present = mask & (key < G)
+    if DST_MODE == 1:
+        tl.store(dst_ptr + offs, tl.where(present, row, -1), mask=mask)
+    if DST_MODE == 2:
+        tl.store(dst_ptr + offs, row, mask=mask)
+    if LIST_MODE == 1:
+        tl.store(list_ptr + row, offs, mask=present)
+    if LIST_MODE == 2:
+        tl.store(list_ptr + row, tl.where(present, offs, SENTINEL), mask=mask)
+    if WRITE_GRP:
+        tl.store(grp_ptr + row, key, mask=present)
+
+
+@triton.jit
+def _group_of(ends_ptr, p, G, LOG_G: tl.constexpr):
+    """Number of present groups whose padded region ends at or before ``p`` (binary search over the
+    nondecreasing ``ends[G]``): the group holding position ``p``, or ``G`` past the last one."""
+    lo = tl.zeros_like(p)
+    for bb in tl.static_range(LOG_G + 1):
+        cand = lo + (1 << (LOG_G - bb))
+        ok = cand <= G
+        e = tl.load(ends_ptr + cand - 1, mask=ok, other=0)
+        lo = tl.where(ok & (e <= p), cand, lo)
+    return lo
+
+
+@triton.jit
+def _fill_kernel(starts_ptr, ends_ptr, totals_ptr, meta_ptr, label_ptr,
+                 list_ptr, grp_ptr, blk_ptr, rows_ptr,
+                 P, NBLK, G, CAP, BS, LIST_PAD, K, stride_rm,
+                 MODE: tl.constexpr, LOG_G: tl.constexpr, BLOCK_P: tl.constexpr,
+                 WRITE_LIST: tl.constexpr, WRITE_GRP: tl.constexpr, WRITE_BLK: tl.constexpr,
+                 HAS_LABEL: tl.constexpr, ZERO_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Padding positions ``p < P`` of a padded layout: list[p] = LIST_PAD, grp[p] = -1, zero rows;
+    and block labels blk[b] for ``b < NBLK`` (block b starts at position b*BS)."""
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    if MODE == 1:
+        g = p // CAP
+        inside = g < G
+    else:
+        g = _group_of(ends_ptr, p, G, LOG_G)
+        inside = g < G
+    st = tl.load(starts_ptr + g, mask=inside, other=0)
+    cnt = tl.load(totals_ptr + g, mask=inside, other=0)
+    pad = (p < P) & ((~inside) | (p - st >= cnt))
+    if WRITE_LIST:
+        tl.store(list_ptr + p, tl.full([BLOCK_P], 0, tl.int32) + LIST_PAD, mask=pad)
+    if WRITE_GRP:
+        tl.store(grp_ptr + p, tl.full([BLOCK_P], -1, tl.int32), mask=pad)
+    if WRITE_BLK:
+        used = tl.load(meta_ptr)
+        q = p * BS
+        gb = _group_of(ends_ptr, q, G, LOG_G)
+        real = (q < used) & (gb < G)
+        if HAS_LABEL:
+            lab = tl.load(label_ptr + gb, mask=real, other=-1).to(tl.int32)
+        else:
+            lab = gb
+        tl.store(blk_ptr + p, tl.where(real, lab, -1), mask=p < NBLK)
+    if ZERO_ROWS:
+        prow = p.to(tl.int64) * stride_rm
+        k0 = 0
+        while k0 < K:
+            k = k0 + tl.arange(0, BLOCK_K)
+            z = tl.zeros([BLOCK_P, BLOCK_K], dtype=rows_ptr.dtype.element_ty)
+            tl.store(rows_ptr + prow[:, None] + k[None, :], z, mask=pad[:, None] & (k[None, :] < K))
+            k0 += BLOCK_K
+
+
+@triton.jit
+def _scatter_rows_kernel(x_ptr, dst_ptr, out_ptr, nvalid_ptr, M, K, stride_xm, stride_xk, stride_om,
+                         TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                         ZERO_ABSENT: tl.constexpr):
+    """out[dst[t*k+j]] = x[t] for every slot with dst >= 0; with ZERO_ABSENT rows dst >= nvalid
+    (absent slots of the permuted layout) get zeros instead."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    tm = t < M
+    km = k < K
+    x = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_xm + k[None, :] * stride_xk,
+                mask=tm[:, None] & km[None, :], other=0)
+    if ZERO_ABSENT:
+        nv = tl.load(nvalid_ptr).to(tl.int32)
+    for j in tl.static_range(TOPK):
+        d = tl.load(dst_ptr + t * TOPK + j, mask=tm, other=-1)
+        if ZERO_ABSENT:
+            v = tl.where((d < nv)[:, None], x, tl.zeros_like(x))
+        else:
+            v = x
+        tl.store(out_ptr + d.to(tl.int64)[:, None] * stride_om + k[None, :], v,
+                 mask=(d >= 0)[:, None] & km[None, :])
+
+
+@triton.jit
+def _bf16_bits_rne(x):
+    """float32 -> bfloat16 bit pattern (uint16 in int32), round to nearest even; NaN -> 0x7FC0 with
+    its sign. Done in integers because the interpreter's float32 -> bfloat16 cast truncates (the
+    GPU's ``cvt.rn.bf16.f32`` rounds to nearest even; this gives the same bits on both)."""
+    b = x.to(tl.uint32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    nan = (b & 0x7FFFFFFF) > 0x7F800000
+    r = tl.where(nan, ((b >> 16) & 0x8000) | 0x7FC0, r)
+    return r.to(tl.int32)
+
+
+@triton.jit
+def _reduce_kernel(y_ptr, w_ptr, dst_ptr, nvalid_ptr, out_ptr, M, K, NV,
+                   stride_ym, stride_yk, stride_wm, stride_wk, stride_om,
+                   TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                   APPLY_W: tl.constexpr, NV_FROM_PTR: tl.constexpr, OUT_BF16: tl.constexpr):
+    """out[t] = sum_j w[t,j] * y[dst[t*k+j]] in float32, j ascending; slots with dst outside
+    [0, nvalid) contribute 0 (their rows are never read)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    tm = t < M
+    km = k < K
+    if NV_FROM_PTR:
+        nv = tl.load(nvalid_ptr)
+    else:
+        nv = NV
+    acc = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        d = tl.load(dst_ptr + t * TOPK + j, mask=tm, other=-1)
+        pres = tm & (d >= 0) & (d < nv)
+        x = tl.load(y_ptr + d.to(tl.int64)[:, None] * stride_ym + k[None, :] * stride_yk,
+                    mask=pres[:, None] & km[None, :], other=0).to(tl.float32)
+        if APPLY_W:
+            w = tl.load(w_ptr + t.to(tl.int64) * stride_wm + j * stride_wk, mask=tm, other=0).to(tl.float32)
+            acc += w[:, None] * x
+        else:
+            acc += x
+    if OUT_BF16:  # out_ptr is an int16 view of the bfloat16 output
+        res = _bf16_bits_rne(acc).to(tl.int16)
+    else:
+        res = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_om + k[None, :], res, mask=tm[:, None] & km[None, :])
+
+
+@triton.jit
+def _invert_kernel(src_ptr, dst_ptr, R, BLOCK: tl.constexpr):
+    """dst[src[r]] = r for rows with src >= 0 (slot -> row map of a layout)."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    s = tl.load(src_ptr + r, mask=r < R, other=-1)
+    tl.store(dst_ptr + s, r, mask=(r < R) & (s >= 0))
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _launch(kernel, grid, *args, **kwargs):
+    if all(int(g) > 0 for g in grid):
+        kernel[grid](*args, **kwargs)
+
+
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Same-size integer view (copies rows bit for bit: NaN payloads, fp8 codes, scales)."""
+    return t.view(_INT_VIEW[t.element_size()])
+
+
+def _check_int(x, name: str, ndim: int) -> torch.Tensor:
+    if not torch.is_tensor(x):
+        raise TypeError(f"{name} must be a torch tensor; got {type(x).__name__}")
+    if x.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must have dtype int32 or int64; got {x.dtype}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D; got shape {tuple(x.shape)}")
+    return x
+
+
+def _check_positive(v, name: str, allow_zero: bool = False) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name} must be an int; got {type(v).__name__}")
+    if v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}; got {v}")
+    return int(v)
+
+
+def _check_hidden(hidden, num_tokens: int, device) -> torch.Tensor:
+    if not torch.is_tensor(hidden):
+        raise TypeError(f"hidden must be a torch tensor or None; got {type(hidden).__name__}")
+    if hidden.ndim != 2:
+        raise ValueError(f"hidden must be 2-D [M, K]; got shape {tuple(hidden.shape)}")
+    if hidden.shape[0] != num_tokens:
+        raise ValueError(f"hidden must have {num_tokens} rows (one per token); got shape {tuple(hidden.shape)}")
+    if hidden.device != device:
+        raise ValueError(f"hidden is on {hidden.device} but topk_ids is on {device}")
+    if hidden.element_size() not in _INT_VIEW or hidden.is_complex():
+        raise TypeError(f"hidden must be a real numeric tensor; got {hidden.dtype}")
+    return hidden
+
+
+@dataclass
+class _Sorted:
+    """Device state of the counting sort (see the module docstring)."""
+
+    ids: torch.Tensor  # flat int32/int64 [N]
+    emap: torch.Tensor  # int32 [E] (dummy when unused)
+    use_map: bool
+    num_tokens: int
+    top_k: int
+    E: int
+    G: int
+    NK: int
+    C: int
+    base: torch.Tensor  # int32 [C, NK], chunk prefix per key
+    totals: torch.Tensor  # int32 [NKP]
+    starts: torch.Tensor  # int32 [NKP]
+    ends: torch.Tensor  # int32 [max(G,1)]
+    offsets: torch.Tensor  # int64 [G+1]
+    meta: torch.Tensor  # int32 [2]: rows used, present slots
+    psum: torch.Tensor | None
+
+    @property
+    def N(self) -> int:
+        return self.num_tokens * self.top_k
+
+
+def _prepare_map(expert_map, num_experts: int, device, validate: bool):
+    """(int32 device map, number of local experts)."""
+    if torch.is_tensor(expert_map):
+        if validate:
+            _, n_local = check_expert_map(_interop.to_numpy(expert_map), num_experts)
+        else:
+            if expert_map.ndim != 1 or expert_map.shape[0] != num_experts:
+                raise ValueError(f"expert_map must have length num_experts={num_experts}; got shape {tuple(expert_map.shape)}")
+            n_local = int((expert_map >= 0).sum().item())
+        return expert_map.to(device=device, dtype=torch.int32).contiguous(), n_local
+    emap, n_local = check_expert_map(np.asarray(expert_map), num_experts)
+    return torch.from_numpy(np.ascontiguousarray(emap, dtype=np.int32)).to(device), n_local
+
+
+def _prepare_ids(topk_ids, num_experts: int, validate: bool) -> torch.Tensor:
+    _check_int(topk_ids, "topk_ids", 2)
+    if validate:
+        check_topk_ids(_interop.to_numpy(topk_ids), num_experts)
+    return topk_ids
+
+
+def _sort(topk_ids, num_experts: int, emap, n_local: int, *, local: bool, mode: int = _PADDED,
+          pad: int = 1, cap: int = 0, want_psum: bool = False) -> _Sorted:
+    """Steps 1-3 of the counting sort. ``local``: key by local expert (through ``emap`` if given),
+    else by global id (align without ``ignore_invalid_experts``)."""
+    device = topk_ids.device
+    m, k = topk_ids.shape
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    n = ids.numel()
+    use_map = local and emap is not None
+    G = n_local if use_map else num_experts
+    NK = G + num_experts + 1 if use_map else G + 1
+    NKP = _next_pow2(NK)
+    C = max(1, triton.cdiv(n, CHUNK))
+    if emap is None:
+        emap = _alloc(1, torch.int32, device)
+    base = _alloc((C, NK), torch.int32, device)
+    totals = _alloc(NKP, torch.int32, device)
+    starts = _alloc(NKP, torch.int32, device)
+    ends = _alloc(max(G, 1), torch.int32, device)
+    offsets = _alloc(G + 1, torch.int64, device)
+    meta = _alloc(2, torch.int32, device)
+    psum = _alloc(max(G, 1), torch.int32, device) if want_psum else None
+    _hist_kernel[(C,)](ids, emap, base, n, num_experts, G, NK, USE_MAP=use_map, S=CHUNK, NKP=NKP)
+    block_g = 32
+    _chunk_scan_kernel[(triton.cdiv(NK, block_g),)](base, totals, C, NK, BLOCK_C=32, BLOCK_G=block_g)
+    _group_starts_kernel[(1,)](totals, starts, ends, offsets, meta, psum if want_psum else meta,
+                               G, NK, pad, cap, MODE=mode, WRITE_PSUM=want_psum, NKP=NKP)
+    return _Sorted(ids, emap, use_map, m, k, num_experts, G, NK, C, base, totals, starts, ends,
+                   offsets, meta, psum[:G] if want_psum else None)
+
+
+def _rank(s: _Sorted, *, dst=None, dst_mode=0, lst=None, list_mode=0, grp=None, sentinel=0):
+    dummy = s.meta
+    _launch(_rank_kernel, (triton.cdiv(s.N, CHUNK),), s.ids, s.emap, s.base, s.starts,
+            dst if dst is not None else dummy, lst if lst is not None else dummy,
+            grp if grp is not None else dummy, s.N, s.E, s.G, s.NK, sentinel,
+            USE_MAP=s.use_map, S=CHUNK, DST_MODE=dst_mode, LIST_MODE=list_mode, WRITE_GRP=grp is not None)
+
+
+def _fill(s: _Sorted, positions: int, *, mode=_PADDED, cap=0, lst=None, list_pad=0, grp=None,
+          blk=None, block_size=1, label=None, rows=None):
+    nblk = blk.numel() if blk is not None else 0
+    span = max(positions, nblk)
+    block_p = 128
+    dummy = s.meta
+    K = rows.shape[-1] if rows is not None else 0
+    _launch(_fill_kernel, (triton.cdiv(span, block_p),), s.starts, s.ends, s.totals, s.meta,
+            label if label is not None else dummy,
+            lst if lst is not None else dummy, grp if grp is not None else dummy,
+            blk if blk is not None else dummy, rows if rows is not None else dummy,
+            positions, nblk, s.G, cap, block_size, list_pad, K, K,
+            MODE=mode, LOG_G=max(0, int(s.G).bit_length()), BLOCK_P=block_p,
+            WRITE_LIST=lst is not None, WRITE_GRP=grp is not None, WRITE_BLK=blk is not None,
+            HAS_LABEL=label is not None, ZERO_ROWS=rows is not None,
+            BLOCK_K=min(256, _next_pow2(max(K, 1))))
+
+
+ROW_CONFIG: dict[str, tuple[int, int, int]] = {
+    # kernel -> (BLOCK_T tokens, bytes of a row per program, num_warps) on the GPU; the bench
+    # (bench/bench_dispatch_gpu.py --sweep) picks these. Under the interpreter a program costs
+    # ~ms whatever its size, so there BLOCK_T is 32 and whole rows (<= 256 elements) are taken.
+    "scatter": (1, 4096, 4),
+    "reduce": (1, 4096, 4),
+}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _row_config(kind: str, K: int, elem: int):
+    """(BLOCK_T, BLOCK_K, num_warps) for the row kernels."""
+    if _interpreting():
+        return 32, min(_next_pow2(max(K, 1)), 256), 4
+    bt, row_bytes, nw = ROW_CONFIG[kind]
+    return bt, min(_next_pow2(max(K, 1)), max(16, row_bytes // elem)), nw
+
+
+def _alloc(shape, dtype, device) -> torch.Tensor:
+    """Every buffer the kernels write (outputs and scratch) comes from here, uninitialized. The
+    tests replace it with one that poisons the buffer, so an element no kernel wrote shows up."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _scatter_rows(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor, top_k: int, nvalid=None):
+    m, K = x.shape
+    xb, ob = _bits(x), _bits(out)
+    bt, bk, nw = _row_config("scatter", K, x.element_size())
+    _launch(_scatter_rows_kernel, (triton.cdiv(m, bt), triton.cdiv(K, bk)), xb, dst, ob,
+            nvalid if nvalid is not None else dst, m, K, xb.stride(0), xb.stride(1), K,
+            TOPK=top_k, BLOCK_T=bt, BLOCK_K=bk, ZERO_ABSENT=nvalid is not None, num_warps=nw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API (same signatures as moeref.dispatch, plus validate=)
+# ----------------------------------------------------------------------------------------------
+def moe_align_block_size(topk_ids, block_size: int, num_experts: int, expert_map=None,
+                         pad_sorted_ids: bool = False, ignore_invalid_experts: bool = False,
+                         *, validate: bool = True) -> AlignResult:
+    """vLLM ``moe_align_block_size`` on the GPU; contract: :func:`moeref.dispatch.moe_align_block_size`.
+
+    Returns :class:`~moeref.dispatch.AlignResult` of torch tensors: ``sorted_token_ids`` int32
+    ``[max_num_tokens_padded]`` (sentinel ``M*k``), ``expert_ids`` int32 (``-1`` for unused and
+    non-local blocks), ``num_tokens_post_padded`` int32 ``[1]`` (a view of a device buffer). The
+    order within an expert is ascending ``t*k+j``, as in the reference (vLLM's CUDA kernel leaves it
+    unspecified).
+    """
+    block_size = _check_positive(block_size, "block_size")
+    num_experts = _check_positive(num_experts, "num_experts")
+    if ignore_invalid_experts and expert_map is None:
+        raise ValueError("ignore_invalid_experts=True needs an expert_map")
+    topk_ids = _prepare_ids(topk_ids, num_experts, validate)
+    device = topk_ids.device
+    emap, n_local = (None, 0) if expert_map is None else _prepare_map(expert_map, num_experts, device, validate)
+    n = topk_ids.numel()
+    size = max_num_tokens_padded(n, num_experts, block_size, pad_sorted_ids)
+    s = _sort(topk_ids, num_experts, emap if ignore_invalid_experts else None,
+              n_local if ignore_invalid_experts else num_experts, local=ignore_invalid_experts,
+              pad=block_size)
+    sorted_ids = _alloc(size, torch.int32, device)
+    expert_ids = _alloc(triton.cdiv(size, block_size), torch.int32, device)
+    _rank(s, lst=sorted_ids, list_mode=1)
+    label = emap if (emap is not None and not ignore_invalid_experts) else None
+    _fill(s, size, lst=sorted_ids, list_pad=n, blk=expert_ids, block_size=block_size, label=label)
+    return AlignResult(sorted_ids, expert_ids, s.meta[:1], n, block_size)
+
+
+def expert_first_token_offset(topk_ids, num_local_experts: int, expert_map=None, *, num_experts=None,
+                              validate: bool = True) -> torch.Tensor:
+    """int64 ``[E_local+1]`` offsets of the permuted layout (no padding); contract:
+    :func:`moeref.dispatch.expert_first_token_offset`."""
+    num_local_experts = _check_positive(num_local_experts, "num_local_experts", allow_zero=expert_map is not None)
+    if expert_map is None:
+        topk_ids = _prepare_ids(topk_ids, num_local_experts, validate)
+        s = _sort(topk_ids, num_local_experts, None, num_local_experts, local=True)
+    else:
+        n_global = int(expert_map.shape[0]) if num_experts is None else _check_positive(num_experts, "num_experts")
+        topk_ids = _prepare_ids(topk_ids, n_global, validate)
+        emap, n_local = _prepare_map(expert_map, n_global, topk_ids.device, validate)
+        if n_local != num_local_experts:
+            raise ValueError(f"num_local_experts={num_local_experts} but expert_map has {n_local} local experts")
+        s = _sort(topk_ids, n_global, emap, n_local, local=True)
+    return s.offsets
+
+
+def expert_counts(topk_ids, num_experts: int, expert_map=None, *, validate: bool = True) -> torch.Tensor:
+    """int32 ``[E_local]``: slots per local expert (padding and non-local slots not counted); the
+    reference is ``moeref.dispatch.group_slots(...).counts``."""
+    num_experts = _check_positive(num_experts, "num_experts")
+    topk_ids = _prepare_ids(topk_ids, num_experts, validate)
+    emap, n_local = (None, num_experts) if expert_map is None else _prepare_map(expert_map, num_experts, topk_ids.device, validate)
+    s = _sort(topk_ids, num_experts, emap, n_local, local=True)
+    return s.totals[: s.G]
+
+
+def moe_permute(hidden, topk_ids, num_experts: int, expert_map=None, *, validate: bool = True) -> Permuted:
+    """vLLM ``moe_permute`` on the GPU; contract: :func:`moeref.dispatch.moe_permute`.
+
+    ``hidden``: ``[M, K]`` tensor of any dtype and row stride (rows are copied bit for bit), or None
+    for indices only. Returns :class:`~moeref.dispatch.Permuted` of torch tensors: ``hidden``
+    ``[M*k, K]`` (rows ``>= offset[-1]`` zero, as in the reference), ``expert_first_token_offset``
+    int64, ``permuted_idx`` and ``inv_permuted_idx`` int32, equal to the reference element for
+    element (absent slots' rows too: non-local by global id, then padding, each in slot order).
+    """
+    num_experts = _check_positive(num_experts, "num_experts")
+    topk_ids = _prepare_ids(topk_ids, num_experts, validate)
+    device = topk_ids.device
+    m, k = topk_ids.shape
+    emap, n_local = (None, num_experts) if expert_map is None else _prepare_map(expert_map, num_experts, device, validate)
+    x = None if hidden is None else _check_hidden(hidden, m, device)
+    s = _sort(topk_ids, num_experts, emap, n_local, local=True)
+    n = m * k
+    perm = _alloc(n, torch.int32, device)
+    inv = _alloc(n, torch.int32, device)
+    _rank(s, dst=inv, dst_mode=2, lst=perm, list_mode=2, sentinel=n)
+    out = None
+    if x is not None:
+        out = _alloc((n, x.shape[1]), x.dtype, device)
+        _scatter_rows(x, inv, out, k, nvalid=s.offsets[s.G:])
+    return Permuted(out, s.offsets, perm, inv, m, k)
+
+
+def _reduce(rows: torch.Tensor, dst: torch.Tensor, topk_weights: torch.Tensor, *, nvalid_ptr=None,
+            nvalid: int = 0, apply_weights: bool = True, out_dtype=torch.float32) -> torch.Tensor:
+    if not isinstance(out_dtype, torch.dtype):
+        out_dtype = _interop.torch_dtype_for(out_dtype)
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise TypeError(f"out_dtype must be float32, bfloat16, float16 or float64; got {out_dtype}")
+    m, k = topk_weights.shape
+    K = rows.shape[1]
+    out = _alloc((m, K), out_dtype, rows.device)
+    bt, bk, nw = _row_config("reduce", K, max(rows.element_size(), 2))
+    out_bf16 = out_dtype == torch.bfloat16
+    _launch(_reduce_kernel, (triton.cdiv(m, bt), triton.cdiv(K, bk)), rows, topk_weights, dst,
+            nvalid_ptr if nvalid_ptr is not None else dst, out.view(torch.int16) if out_bf16 else out, m, K, nvalid,
+            rows.stride(0), rows.stride(1), topk_weights.stride(0), topk_weights.stride(1), K,
+            TOPK=k, BLOCK_T=bt, BLOCK_K=bk, APPLY_W=apply_weights, NV_FROM_PTR=nvalid_ptr is not None,
+            OUT_BF16=out_bf16, num_warps=nw)
+    return out
+
+
+def _check_float(x, name: str, ndim: int) -> torch.Tensor:
+    if not torch.is_tensor(x):
+        raise TypeError(f"{name} must be a torch tensor; got {type(x).__name__}")
+    if not x.is_floating_point() or x.element_size() < 2 or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"{name} must be float16/bfloat16/float32/float64; got {x.dtype}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D; got shape {tuple(x.shape)}")
+    return x
+
+
+def moe_unpermute(permuted_out, topk_weights, inv_permuted_idx, expert_first_token_offset, *,
+                  out_dtype=torch.float32) -> torch.Tensor:
+    """Weight and reduce permuted expert outputs back to tokens ``[M, K]`` (``out_dtype``); contract:
+    :func:`moeref.dispatch.moe_unpermute`. Sums in float32 in slot order (the reference: float64),
+    so the result is within ``gamma_k * sum_j |w_j y_j|`` plus one rounding to ``out_dtype``.
+    Slots whose destination is ``>= offset[-1]`` contribute exactly 0, NaN rows included; the
+    offset is read on the device (no sync)."""
+    y = _check_float(permuted_out, "permuted_out", 2)
+    w = _check_float(topk_weights, "topk_weights", 2)
+    inv = _check_int(inv_permuted_idx, "inv_permuted_idx", 1)
+    off = _check_int(expert_first_token_offset, "expert_first_token_offset", 1)
+    m, k = w.shape
+    if inv.numel() != m * k:
+        raise ValueError(f"inv_permuted_idx must have M*k = {m * k} entries; got {inv.numel()}")
+    if inv.dtype != torch.int32:
+        inv = inv.to(torch.int32)
+    return _reduce(y, inv.contiguous(), w, nvalid_ptr=off[off.numel() - 1:], out_dtype=out_dtype)
+
+
+def weight_and_reduce(expert_rows, src, topk_weights, num_tokens: int, *, apply_weights: bool = True,
+                      out_dtype=torch.float32, validate: bool = True) -> torch.Tensor:
+    """Finalize any layout (``[..., K]`` rows with ``src`` = slot of each row or -1) back to tokens;
+    contract: :func:`moeref.dispatch.weight_and_reduce`. ``validate`` checks on the host that each
+    slot appears at most once (the reference's ``ValueError``); with ``validate=False`` a repeated
+    slot keeps one of its rows."""
+    num_tokens = _check_positive(num_tokens, "num_tokens", allow_zero=True)
+    w = _check_float(topk_weights, "topk_weights", 2)
+    if w.shape[0] != num_tokens:
+        raise ValueError(f"topk_weights must have num_tokens={num_tokens} rows; got shape {tuple(w.shape)}")
+    y = _check_float(expert_rows, "expert_rows", expert_rows.ndim if torch.is_tensor(expert_rows) else 2)
+    s = _check_int(src, "src", src.ndim if torch.is_tensor(src) else 1)
+    if y.ndim < 1 or tuple(s.shape) != tuple(y.shape[:-1]):
+        raise ValueError(f"src must have the leading shape of expert_rows {tuple(y.shape[:-1])}; got {tuple(s.shape)}")
+    y = y.reshape(-1, y.shape[-1])
+    s = s.reshape(-1).contiguous()
+    n_slots = num_tokens * w.shape[1]
+    if validate:
+        from moeref.dispatch.finalize import weight_and_reduce as _ref_check  # noqa: F401 (same rules)
+
+        sn = _interop.to_numpy(s).astype(np.int64)
+        bad = np.flatnonzero((sn < -1) | (sn >= n_slots))
+        if bad.size:
+            raise ValueError(f"src[{int(bad[0])}] = {int(sn[bad[0]])} is out of range [-1, {n_slots})")
+        counts = np.bincount(sn[sn >= 0], minlength=n_slots)
+        if (counts > 1).any():
+            slot = int(np.flatnonzero(counts > 1)[0])
+            raise ValueError(f"slot {slot} appears in rows {np.flatnonzero(sn == slot).tolist()}; each slot at most once")
+    dst = torch.full((n_slots,), -1, dtype=torch.int32, device=y.device)
+    R = s.numel()
+    _launch(_invert_kernel, (triton.cdiv(R, 1024),), s, dst, R, BLOCK=1024)
+    return _reduce(y, dst, w, nvalid=R, apply_weights=apply_weights, out_dtype=out_dtype)
+
+
+def _host_counts(s: _Sorted) -> np.ndarray:
+    return s.totals[: s.G].cpu().numpy().astype(np.int64)
+
+
+def to_contiguous(hidden, topk_ids, num_experts: int, alignment: int, expert_map=None, *, m_sum=None,
+                  validate: bool = True) -> Contiguous:
+    """DeepGEMM contiguous layout on the GPU; contract: :func:`moeref.dispatch.to_contiguous`.
+
+    ``a [M_sum, K]`` (padding rows zero), ``m_indices`` int32 (-1 padding), ``src`` int64 (-1
+    padding), ``psum`` int32. Any positive ``alignment`` (DeepGEMM SM100 uses 224). ``m_sum``:
+    None/"tight" (one sync for the counts), "worst_case" (vLLM's buffer; no sync) or an int (one sync
+    to check it is large enough)."""
+    num_experts = _check_positive(num_experts, "num_experts")
+    alignment = _check_positive(alignment, "alignment")
+    topk_ids = _prepare_ids(topk_ids, num_experts, validate)
+    device = topk_ids.device
+    m, k = topk_ids.shape
+    emap, n_local = (None, num_experts) if expert_map is None else _prepare_map(expert_map, num_experts, device, validate)
+    x = None if hidden is None else _check_hidden(hidden, m, device)
+    s = _sort(topk_ids, num_experts, emap, n_local, local=True, pad=alignment, want_psum=True)
+    if m_sum == "worst_case":
+        size = contiguous_m_sum(np.zeros(s.G), alignment, "worst_case", num_slots=m * k)
+    else:
+        tight = contiguous_m_sum(_host_counts(s), alignment)
+        if m_sum is None or m_sum == "tight":
+            size = tight
+        else:
+            size = _check_positive(m_sum, "m_sum", allow_zero=True)
+            if size < tight:
+                raise ValueError(f"m_sum={size} is smaller than the rows the routing needs ({tight})")
+    m_indices = _alloc(size, torch.int32, device)
+    src = _alloc(size, torch.int64, device)
+    dst = _alloc(m * k, torch.int32, device)
+    _rank(s, dst=dst, dst_mode=1, lst=src, list_mode=1, grp=m_indices)
+    a = None if x is None else _alloc((size, x.shape[1]), x.dtype, device)
+    _fill(s, size, lst=src, list_pad=-1, grp=m_indices, rows=None if a is None else _bits(a))
+    if a is not None:
+        _scatter_rows(x, dst, a, k)
+    return Contiguous(a, m_indices, src, s.psum, alignment, m, k)
+
+
+def _to_capacity(hidden, topk_ids, num_experts, expert_map, validate, capacity_of):
+    num_experts = _check_positive(num_experts, "num_experts")
+    topk_ids = _prepare_ids(topk_ids, num_experts, validate)
+    device = topk_ids.device
+    m, k = topk_ids.shape
+    emap, n_local = (None, num_experts) if expert_map is None else _prepare_map(expert_map, num_experts, device, validate)
+    x = None if hidden is None else _check_hidden(hidden, m, device)
+    # Counts first (needed on the host for the capacity), then the starts g * cap.
+    probe = _sort(topk_ids, num_experts, emap, n_local, local=True)
+    counts = _host_counts(probe)
+    cap = capacity_of(counts)
+    over = np.flatnonzero(counts > cap)
+    if over.size:
+        e = int(over[0])
+        raise ValueError(f"local expert {e} has {int(counts[e])} rows, more than the capacity {cap}")
+    G = probe.G
+    starts_kernel_args = (probe.totals, probe.starts, probe.ends, probe.offsets, probe.meta, probe.meta,
+                          G, probe.NK, 1, cap)
+    NKP = probe.totals.numel()
+    _group_starts_kernel[(1,)](*starts_kernel_args, MODE=_CAPACITY, WRITE_PSUM=False, NKP=NKP)
+    s = probe
+    src = _alloc((G, cap), torch.int64, device)
+    dst = _alloc(m * k, torch.int32, device)
+    _rank(s, dst=dst, dst_mode=1, lst=src, list_mode=1)
+    a = None if x is None else _alloc((G, cap, x.shape[1]), x.dtype, device)
+    _fill(s, G * cap, mode=_CAPACITY, cap=cap, lst=src, list_pad=-1,
+          rows=None if a is None else _bits(a).view(G * cap, x.shape[1]))
+    if a is not None:
+        _scatter_rows(x, dst, a.view(G * cap, x.shape[1]), k)
+    return s, counts, cap, a, src, m, k
+
+
+def to_masked(hidden, topk_ids, num_experts: int, max_m=None, expert_map=None, *, validate: bool = True) -> Masked:
+    """DeepGEMM masked layout on the GPU; contract: :func:`moeref.dispatch.to_masked` (``a [E_local,
+    max_m, K]`` zero past ``masked_m``; ``src`` int64 -1 fill). One sync for the counts."""
+    if max_m is not None:
+        max_m = _check_positive(max_m, "max_m")
+    s, counts, cap, a, src, m, k = _to_capacity(
+        hidden, topk_ids, num_experts, expert_map, validate,
+        lambda c: max_m if max_m is not None else max(1, int(c.max()) if c.size else 0))
+    n_present = int(counts.sum())
+    expected_m = max(1, -(-n_present // s.G)) if s.G else 1
+    return Masked(a, s.totals[: s.G], int(expected_m), src, m, k)
+
+
+def to_batched(hidden, topk_ids, num_experts: int, max_tokens_per_dispatcher: int, num_dispatchers: int = 1,
+               expert_map=None, *, validate: bool = True) -> Batched:
+    """vLLM BatchedExperts layout on the GPU; contract: :func:`moeref.dispatch.to_batched`."""
+    t = _check_positive(max_tokens_per_dispatcher, "max_tokens_per_dispatcher")
+    d = _check_positive(num_dispatchers, "num_dispatchers")
+    _check_int(topk_ids, "topk_ids", 2)
+    if topk_ids.shape[0] > t * d:
+        raise ValueError(f"{topk_ids.shape[0]} tokens exceed max_tokens_per_dispatcher * num_dispatchers = {t * d}")
+    s, counts, cap, a, src, m, k = _to_capacity(hidden, topk_ids, num_experts, expert_map, validate, lambda c: t * d)
+    return Batched(a, s.totals[: s.G], src, m, k, t, d)
+
+
+# ----------------------------------------------------------------------------------------------
+# Registry
+# ----------------------------------------------------------------------------------------------
+_REGISTRATIONS = [
+    # (reference qualname, fast path)
+    ("moeref.dispatch.moe_align_block_size", moe_align_block_size),
+    ("moeref.dispatch.expert_first_token_offset", expert_first_token_offset),
+    ("moeref.dispatch.moe_permute", moe_permute),
+    ("moeref.dispatch.moe_unpermute", moe_unpermute),
+    ("moeref.dispatch.to_contiguous", to_contiguous),
+    ("moeref.dispatch.to_masked", to_masked),
+    ("moeref.dispatch.to_batched", to_batched),
+    ("moeref.dispatch.weight_and_reduce", weight_and_reduce),
+]

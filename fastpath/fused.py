@@ -1,0 +1,179 @@
+"""Gated activation + FP8 group quantization in one kernel (``silu_and_mul`` / ``swigluoai`` -> 1xG).
+
+The MoE expert's first GEMM produces ``h[..., 2N]``; the second GEMM wants FP8 codes of
+``act(h)[..., N]`` with per-token-group scales (DeepGEMM / vLLM 1x128). Fusing saves writing and
+re-reading the activation (2N*2 bytes read, N + N/32 bytes written per row instead of 2N*2 + 2*N*2 +
+N*2 + ...). The kernel is :func:`fastpath.quant._quant_kernel` with ``ACT`` set: the tile loader
+computes the activation in float32 (:func:`fastpath.quant._activation`) and everything after is
+the group quantizer, so every preset/layout of :func:`fastpath.quant.quantize` is available.
+
+What is proven, and how (tests: ``property_tests/test_fastpath_quant.py``):
+
+* The quantization is exact: ``fused(x)`` equals, bit for bit, the reference quantizer
+  (:func:`moeref.quant.quantize`) applied to the float32 activation this module computes
+  (:func:`silu_and_mul` / :func:`swigluoai`, the same device function in an unfused kernel).
+* The activation is float32 arithmetic (``exp`` is the GPU's fast ``ex2``), so it matches the
+  float64 reference (:mod:`moeref.activations`) to a few float32 ulps, not bitwise; the tests
+  bound it (relative 1e-5 plus an absolute floor). Consequently the fused codes equal the codes of
+  the exact reference activation except where the float32 activation sits next to an FP8 rounding
+  boundary: those differ by one code, and the tests bound how many.
+
+Layouts: ``silu_and_mul`` reads ``gate = h[..., :N]``, ``up = h[..., N:]`` (vLLM ``SiluAndMul``,
+``layout="gate_up"``); ``swigluoai`` reads interleaved pairs ``gate = h[..., 0::2]``,
+``up = h[..., 1::2]`` (gpt-oss, ``layout="interleaved"``), with ``alpha``/``limit``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from moeref.quant import fp8_group
+from moeref.quant.scheme import Scheme
+
+from . import quant as Q
+
+__all__ = [
+    "silu_and_mul_quant_fp8",
+    "swigluoai_quant_fp8",
+    "silu_and_mul",
+    "swigluoai",
+    "reference_silu_and_mul_quant_fp8",
+    "reference_swigluoai_quant_fp8",
+    "supports",
+]
+
+_ACT = {"silu_and_mul": 1, "swigluoai": 2}
+
+
+def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_major", **_) -> tuple[bool, str]:
+    """Whether the fused kernel runs ``scheme`` on ``x`` (``[..., 2N]``) here."""
+    if scheme is None:
+        scheme = fp8_group(128)
+    if scheme.element not in ("e4m3fn", "e5m2") or scheme.family != "blockwise":
+        return False, "the fused kernels produce FP8 (E4M3/E5M2) codes only"
+    if Q._kind(scheme) != "rows":
+        return False, "the fused kernels quantize per-token or 1xG groups (no per-tensor pass)"
+    xx = None
+    if x is not None:
+        if x.shape[-1] % 2:
+            return False, f"the gated input needs an even last axis (2N); got {x.shape[-1]}"
+        xx = x[..., : x.shape[-1] // 2]
+    return Q.supports(scheme, xx, scale_layout)
+
+
+@triton.jit
+def _act_kernel(x_ptr, stride_xm, stride_xk, o_ptr, M, N, ACT: tl.constexpr, ALPHA: tl.constexpr,
+                LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The float32 activation alone (the same device function the fused kernel uses)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = (rows < M)[:, None] & (cols < N)[None, :]
+    xb = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    out = Q._activation(xb, cols[None, :], stride_xk, N, m, ACT, ALPHA, LIMIT)
+    tl.store(o_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], out, mask=m)
+
+
+def _flat2(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 1:
+        return x.unsqueeze(0)
+    return x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x
+
+
+def _activation_torch(x: torch.Tensor, act: str, alpha: float, limit: float) -> torch.Tensor:
+    shape = tuple(x.shape)
+    x2 = _flat2(x)
+    M, two_n = x2.shape
+    N = two_n // 2
+    out = torch.empty((M, N), dtype=torch.float32, device=x.device)
+    BM, BN = 4, min(1024, Q._next_pow2(max(N, 1)))
+    _act_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+        x2, x2.stride(0), x2.stride(1), out, M, N, ACT=_ACT[act], ALPHA=float(alpha),
+        LIMIT=float(limit), BLOCK_M=BM, BLOCK_N=BN)
+    return out.reshape(shape[:-1] + (N,))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``silu(x[..., :N]) * x[..., N:]`` computed by the fused kernel's activation code."""
+    return _activation_torch(x, "silu_and_mul", 0.0, 0.0)
+
+
+def swigluoai(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """float32 gpt-oss SwiGLU of interleaved ``x[..., 2N]`` by the fused kernel's activation code."""
+    return _activation_torch(x, "swigluoai", alpha, limit)
+
+
+def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme | None,
+           scale_layout: str, hw_fp8: bool | None, block_m=None, groups_per_program=None,
+           num_warps=None) -> Q.FastQuantized:
+    scheme = fp8_group(128) if scheme is None else scheme
+    ok, why = supports(scheme, x, scale_layout)
+    if not ok:
+        raise ValueError(f"fastpath.fused cannot run {scheme.name!r}: {why}")
+    shape_in = tuple(int(d) for d in x.shape)
+    N = shape_in[-1] // 2
+    shape = shape_in[:-1] + (N,)
+    x3 = x.reshape((1, 1) + shape_in) if x.dim() == 1 else (x.unsqueeze(0) if x.dim() == 2 else x)
+    B, M = int(x3.shape[0]), int(x3.shape[1])
+    dev = x.device
+    if hw_fp8 is None:
+        hw_fp8 = dev.type == "cuda"
+    ce = Q._constexprs(scheme, hw_fp8)
+    codes = torch.empty((B, M, N), dtype=torch.uint8, device=dev)
+    gs = scheme.resolve_block(shape)[-1]
+    ng = triton.cdiv(N, gs)
+    sshape, sdt, (m_pad, ng_pad, ssm, ssg) = Q.scale_storage_shape((B, M, N), scheme, scale_layout)
+    scales = torch.empty(sshape, dtype=sdt, device=dev)
+    gb, gpp, bm = Q._tile(gs, block_m, groups_per_program, scale_layout, ng)
+    dummy = torch.empty(1, dtype=torch.float32, device=dev)
+    grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp), B)
+    Q._quant_kernel[grid](
+        x3, x3.stride(0), x3.stride(1), x3.stride(2), codes, codes.stride(0), codes.stride(1),
+        scales, scales.stride(0), ssm, ssg, dummy, dummy, dummy, dummy, M, N, ng, m_pad, ng_pad, 1,
+        GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=Q._SF_LAYOUT[scale_layout], AMAX_SRC=0,
+        STATIC=False, TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=True, ACT=_ACT[act],
+        ACT_ALPHA=float(alpha), ACT_LIMIT=float(limit), num_warps=num_warps or 4, **ce)
+    if scale_layout == "row_major":
+        scales = scales.reshape(Q._grid_of(shape, scheme))
+    elif len(shape) <= 2:
+        scales = scales[0]
+    return Q.FastQuantized(codes.reshape(shape), scales, scale_layout, scheme, shape)
+
+
+def silu_and_mul_quant_fp8(x: torch.Tensor, scheme: Scheme | None = None, *,
+                           scale_layout: str = "row_major", hw_fp8: bool | None = None,
+                           **tile) -> Q.FastQuantized:
+    """FP8 group quantization of ``silu(x[..., :N]) * x[..., N:]`` in one kernel.
+
+    Args:
+        x: float32/bfloat16/float16 ``[..., 2N]`` (1 to 3 dims, any strides).
+        scheme: an FP8 per-token or 1xG scheme (default ``fp8_group(128)``, moeref's default
+            preset; ``fp8_group(128, "ue8m0", "deepgemm")`` for DeepGEMM's recipe).
+        scale_layout: see :data:`fastpath.quant.SCALE_LAYOUTS`.
+    """
+    return _fused(x, "silu_and_mul", 0.0, 0.0, scheme, scale_layout, hw_fp8, **tile)
+
+
+def swigluoai_quant_fp8(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0,
+                        scheme: Scheme | None = None, *, scale_layout: str = "row_major",
+                        hw_fp8: bool | None = None, **tile) -> Q.FastQuantized:
+    """FP8 group quantization of gpt-oss ``swigluoai`` (interleaved ``x[..., 2N]``) in one kernel."""
+    return _fused(x, "swigluoai", alpha, limit, scheme, scale_layout, hw_fp8, **tile)
+
+
+def reference_silu_and_mul_quant_fp8(x, scheme: Scheme | None = None):
+    """The specification: :func:`moeref.activations.silu_and_mul` (float64, rounded to float32),
+    then :func:`moeref.quant.quantize` (a :class:`moeref.quant.QuantizedTensor`)."""
+    from moeref.activations import silu_and_mul as act
+    from moeref.quant import quantize
+    return quantize(np.asarray(act(x), np.float32), fp8_group(128) if scheme is None else scheme)
+
+
+def reference_swigluoai_quant_fp8(x, alpha: float = 1.702, limit: float = 7.0,
+                                  scheme: Scheme | None = None):
+    """The specification: :func:`moeref.activations.swigluoai` (interleaved), then quantize."""
+    from moeref.activations import swigluoai as act
+    from moeref.quant import quantize
+    return quantize(np.asarray(act(x, alpha=alpha, limit=limit), np.float32),
+                    fp8_group(128) if scheme is None else scheme)

@@ -1,0 +1,1083 @@
+"""Triton quantizers and dequantizers for the blockwise schemes of :mod:`moeref.quant`.
+
+One kernel, :func:`_quant_kernel`, serves FP8 per-tensor / per-token / 1xG groups, MXFP8, MXFP4
+and NVFP4: every knob of the scheme's :class:`~moeref.quant.scheme.Preset` (scale rule, amax floor,
+zero-block and non-finite policy, how the scale is applied, element rounding, overflow, signed
+zero, NaN code) becomes a ``tl.constexpr``, so each preset compiles to its own straight-line code.
+The scale output is written directly in the layout the consuming GEMM reads:
+
+``"row_major"``      the reference's scale grid ``[..., M, groups]`` (float32 or uint8 codes).
+``"mn_major"``       DeepGEMM SM90 / cuBLAS 1x128: storage ``[..., groups, align(M, 16/itemsize)]``,
+                     padding zero (:func:`moeref.layouts.to_mn_major_tma_aligned`).
+``"packed_ue8m0"``   DeepGEMM SM100: int32 storage ``[..., ceil(groups/4), align(M, 4)]``, four
+                     E8M0 bytes per word, K padding 0x00 (:func:`moeref.layouts.pack_ue8m0`).
+``"swizzled_128x4"`` cuBLAS / CUTLASS block-scaled: flat ``[..., roundup(M,128) * roundup(groups,4)]``
+                     bytes, padding zero (:func:`moeref.layouts.swizzle_128x4`).
+
+Every padding element is WRITTEN by the kernel (the grid covers the padded extents), so output
+buffers come from ``torch.empty`` and the tests poison them first.
+
+Exactness: the arithmetic is the reference's, operation for operation, in float32:
+``tl.math.div_rn`` for every division (Triton's ``/`` is an approximate ``div.full.f32`` on the
+GPU), products and the block amax as in :mod:`moeref.quant.blockwise`, the amax taken on the
+integer bit patterns of ``|x|`` (non-negative floats order like their bits; NaN patterns sort
+above Inf, so a NaN-propagating max is one integer max), E8M0 scales from exponent bits, and
+element codes from :mod:`fastpath._triton_rounding`. On a GPU the FP8 element cast may instead
+use the hardware ``cvt.rn.satfinite`` (``hw_fp8=True``, the default on CUDA for saturating
+presets): the GPU suite checks that both give identical codes. NaN element codes are compared
+modulo their sign bit: IEEE leaves the sign of a NaN produced by arithmetic unspecified (x86
+yields -NaN for 0 * Inf, CUDA +NaN; formats-semantics notes §4.2).
+
+Unsupported combinations (INT/FP6 elements, 2-D blocks, the ``signed_minmax`` and
+``encode_decode_pair`` FP32 rules, groups wider than 32768) are refused by :func:`supports` with the
+reason; :func:`quantize` raises ``ValueError`` with it. Nothing falls back silently.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from moeref.quant.scheme import Scheme
+
+from . import _triton_rounding as R
+
+__all__ = [
+    "SCALE_LAYOUTS",
+    "FastQuantized",
+    "supports",
+    "quantize",
+    "dequantize",
+    "scale_storage_shape",
+]
+
+SCALE_LAYOUTS = ("row_major", "mn_major", "packed_ue8m0", "swizzled_128x4")
+MAX_GROUP = 32768
+
+_ELEM = {"e4m3fn": 0, "e5m2": 1, "e2m1": 2}
+_ELEM_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0, "e2m1": 6.0}
+_ELEM_EMAX = {"e4m3fn": 8, "e5m2": 15, "e2m1": 2}
+_ELEM_MBITS = {"e4m3fn": 3, "e5m2": 2, "e2m1": 1}
+_SCALE_KIND = {"fp32": 0, "ue8m0": 1, "ue4m3": 2}
+_E8M0_RULE = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3, "ceil_div": 4}
+_E8M0_NONFINITE = {"nan": 0, "satfinite": 1, "clamp": 2}
+_NONFINITE = {"nan_block": 0, "ignore_nan": 1, "propagate": 2}
+_ZERO_BLOCK = {"rule": 0, "one": 1, "zero": 2}
+_APPLY = {"mul_recip": 0, "div": 1, "mul_encode": 2}
+_ROUND = {"rne": 0, "ties_toward_zero": 1, "ties_away": 2}
+_SF_LAYOUT = {"row_major": 0, "mn_major": 0, "packed_ue8m0": 2, "swizzled_128x4": 3}
+# NVFP4 op orders (moeref.quant.nvfp4 options "order"): see _nvfp4_block_scale
+_NVFP4_ORDER = {"te": 0, "flashinfer": 1, "vllm": 1, "torchao": 2}
+
+
+def _f32(v: float) -> float:
+    """Python float holding exactly the float32 nearest to ``v`` (constants are passed this way so
+    the kernel and the NumPy reference use the same float32 constant)."""
+    return float(np.float32(v))
+
+
+# ============================================================================ device helpers
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _pow2(e):
+    """float32 2^e for integer e in [-149, 127] (int32 tensor), built from bits."""
+    bits = tl.where(e >= -126, (e + 127) << 23, 1 << tl.maximum(e + 149, 0))
+    return bits.to(tl.uint32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _amax_bits(x, NONFINITE: tl.constexpr, AXIS: tl.constexpr):
+    """Block amax as float32 via an integer max of |x|'s bits (NaN propagates unless ignore_nan)."""
+    a = R.f32_bits(x) & 0x7FFFFFFF
+    if NONFINITE == 1:  # ignore_nan (TE fmaxf): NaN elements do not reach the amax
+        a = tl.where(a > 0x7F800000, 0, a)
+    m = tl.max(a, axis=AXIS)
+    return m.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0_code(amax, RULE: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
+               INV_M: tl.constexpr, ELEM_MAX: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
+               NF: tl.constexpr):
+    """UE8M0 byte (int32) of a block amax (moeref.quant.scale_rules.e8m0_codes_from_amax)."""
+    abits = R.f32_bits(amax) & 0x7FFFFFFF
+    nonfinite = abits >= 0x7F800000
+    src = tl.where(nonfinite, 0.0, amax)
+    if RULE <= 2:
+        if RULE == 2:  # EVEN: (bits + 2^(22-mbits)) & 0xFF800000, then FLOOR
+            b = R.f32_bits(src) + (1 << (22 - MBITS))
+            b = b & 0xFF800000
+            ovf = b >= 0x7F800000
+            nonfinite = nonfinite | ovf
+            src = tl.where(ovf, 0.0, b.to(tl.float32, bitcast=True))
+        sb = R.f32_bits(src)
+        fl = (sb >> 23).to(tl.int32)  # floor exponent; 0 for zero/subnormal (saturated to 0x00)
+        if RULE == 1:  # CEIL: +1 unless src is exactly 2^(fl-127) (2^-127 is the subnormal 0x00400000)
+            exact = tl.where(fl == 0, sb == 0x00400000, (sb & 0x7FFFFF) == 0)
+            fl = fl + tl.where(exact, 0, 1)
+        code = fl - EMAX
+    else:
+        if RULE == 3:  # RCEIL: amax * fl(1/M)
+            d = src * INV_M
+        else:  # ceil_div: amax / M
+            d = tl.math.div_rn(src, tl.full(src.shape, ELEM_MAX, tl.float32))
+        code = R.e8m0_from_f32(d, R.E8M0_RCEIL).to(tl.int32)  # exact ceil to a power of two
+        code = tl.minimum(code, 254)  # finite overflow saturates (encode saturate)
+    code = tl.minimum(tl.maximum(code, LO), HI)
+    if NF == 0:
+        code = tl.where(nonfinite, 255, code)
+    elif NF == 1:
+        code = tl.where(abits > 0x7F800000, 255, tl.where(nonfinite, 254, code))
+    else:
+        code = tl.where(nonfinite, HI, code)
+    return code
+
+
+@triton.jit
+def _encode_elem(y, ELEM: tl.constexpr, SATURATE: tl.constexpr, ROUND: tl.constexpr,
+                 NAN_CODE: tl.constexpr, HW_FP8: tl.constexpr):
+    """Element codes (uint32) of already-scaled float32 values."""
+    if ELEM == 0:
+        if HW_FP8:
+            hw = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
+            sgn = R.f32_bits(y) >> 31
+            c = tl.where(y != y, 0x7F | (sgn << 7), hw)
+        else:
+            c = R.encode_minifloat(y, 4, 3, 7, 0x7E, SATURATE, 0x7F, 0x7F, True, ROUND, False)
+    elif ELEM == 1:
+        if HW_FP8:
+            hw = y.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.uint32)
+            sgn = R.f32_bits(y) >> 31
+            c = tl.where(y != y, 0x7E | (sgn << 7), hw)
+        else:
+            c = R.encode_minifloat(y, 5, 2, 15, 0x7B, SATURATE, 0x7C, 0x7E, True, ROUND, False)
+    else:
+        c = R.encode_minifloat(y, 2, 1, 1, 0x7, True, 0x7, NAN_CODE, False, ROUND, False)
+    return c
+
+
+@triton.jit
+def _block_scales(amax, ELEM_MAX: tl.constexpr, INV_M: tl.constexpr, EMAX: tl.constexpr,
+                  MBITS: tl.constexpr, SCALE_KIND: tl.constexpr, FP32_RULE: tl.constexpr,
+                  FP32_POW2: tl.constexpr, E8_RULE: tl.constexpr, E8_LO: tl.constexpr,
+                  E8_HI: tl.constexpr, E8_NF: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+                  ZERO_BLOCK: tl.constexpr, NONFINITE: tl.constexpr, APPLY: tl.constexpr,
+                  STATIC: tl.constexpr, static_dec, G_ENC, G_DEC, NV_ORDER: tl.constexpr):
+    """(stored, factor, nan_block) for a grid of block amaxes; stored is float32 (FP32 scales) or
+    int32 codes (UE8M0/UE4M3). ``factor`` multiplies (APPLY 0/2) or divides (APPLY 1) the data.
+    Mirrors moeref.quant.scale_rules (compute_scales + finalize_scales) and moeref.quant.nvfp4."""
+    abits = R.f32_bits(amax) & 0x7FFFFFFF
+    if AMAX_FLOOR > 0.0:
+        amax = tl.where(abits > 0x7F800000, amax, tl.maximum(amax, AMAX_FLOOR))
+    abits = R.f32_bits(amax) & 0x7FFFFFFF
+    is_nf = abits >= 0x7F800000
+    is_zero = abits == 0
+    one = tl.full(amax.shape, 1.0, tl.float32)
+    if SCALE_KIND == 0:
+        if STATIC:
+            dec = tl.zeros(amax.shape, tl.float32) + static_dec
+            enc = dec
+            has_enc = False
+        elif FP32_RULE == 0:  # amax_over_max
+            dec = tl.math.div_rn(amax, tl.full(amax.shape, ELEM_MAX, tl.float32))
+            enc = dec
+            has_enc = False
+            if FP32_POW2:
+                pc = R.e8m0_from_f32(dec, R.E8M0_RCEIL)
+                pc = tl.where(dec != dec, 255, tl.minimum(pc, 254))
+                dec = R.e8m0_to_f32(pc)
+        else:  # "te": e = M / a (FLT_MAX on overflow, 1 for a == 0 or Inf), dec = 1 / e
+            e = tl.math.div_rn(tl.full(amax.shape, ELEM_MAX, tl.float32), amax)
+            ebits = R.f32_bits(e) & 0x7FFFFFFF
+            e = tl.where(ebits == 0x7F800000, 3.4028234663852886e38, e)
+            e = tl.where(is_zero | (abits == 0x7F800000), 1.0, e)
+            if FP32_POW2:
+                e = (R.f32_bits(e) & 0xFF800000).to(tl.float32, bitcast=True)
+            dec = tl.math.div_rn(one, e)
+            enc = e
+            has_enc = True
+        if APPLY == 1:
+            factor = dec
+        elif APPLY == 2 and has_enc:
+            factor = enc
+        else:
+            factor = tl.math.div_rn(one, dec)
+        stored_f = dec
+        stored_i = abits.to(tl.int32)  # unused
+    elif SCALE_KIND == 1:
+        if STATIC:
+            code = tl.zeros(amax.shape, tl.int32) + static_dec.to(tl.int32)
+        else:
+            code = _e8m0_code(amax, E8_RULE, EMAX, MBITS, INV_M, ELEM_MAX, E8_LO, E8_HI, E8_NF)
+        dec = R.e8m0_to_f32(code)
+        if APPLY == 1:
+            factor = dec
+        else:
+            factor = tl.where(code == 255, float("nan"), _pow2(127 - code))
+        stored_i = code
+        stored_f = dec
+    else:  # UE4M3 block scale of a two-level (NVFP4) scheme (moeref.quant.nvfp4._nvfp4_rule)
+        if NV_ORDER == 0:  # TE: e4m3(min(a * fl(S_enc * fl(1/6)), 448)), one rounding
+            sf = amax * (G_ENC * 0.1666666716337204)
+        elif NV_ORDER == 1:  # FlashInfer/vLLM ref: e4m3(min(S_enc * fl(a * fl(1/6)), 448))
+            sf = G_ENC * (amax * 0.1666666716337204)
+        else:  # torchao: e4m3(clamp(fl(a / 6) / pts, 2^-6, 448)); pts == 0: the zero tensor
+            sf = tl.math.div_rn(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)),
+                                tl.zeros(amax.shape, tl.float32) + G_DEC)
+            sf = tl.where(G_DEC == 0.0, 0.0, sf)
+            sf = tl.maximum(sf, 0.015625)
+        sf = tl.minimum(sf, 448.0)
+        code = R.encode_ue4m3(sf).to(tl.int32)
+        sdec = R.decode_minifloat(code, 4, 3, 7, False, 1)
+        if NV_ORDER == 0:  # min(1 / fl(s * fl(1/S_enc)), FLT_MAX)
+            gd = tl.math.div_rn(one, tl.zeros(amax.shape, tl.float32) + G_ENC)
+            factor = tl.minimum(tl.math.div_rn(one, sdec * gd), 3.4028234663852886e38)
+        elif NV_ORDER == 1:  # rcp0(s * rcp0(S_enc)), rcp0(0) := 0
+            ge = tl.zeros(amax.shape, tl.float32) + G_ENC
+            gd = tl.where(ge == 0.0, 0.0, tl.math.div_rn(one, ge))
+            den = sdec * gd
+            factor = tl.where(den == 0.0, 0.0, tl.math.div_rn(one, den))
+        else:  # fl(fl(1/pts) / s); 0 for the zero tensor
+            gp = tl.zeros(amax.shape, tl.float32) + G_DEC
+            factor = tl.math.div_rn(tl.math.div_rn(one, gp), sdec)
+            factor = tl.where(gp == 0.0, 0.0, factor)
+        stored_i = code
+        stored_f = sdec
+        dec = sdec
+    # finalize_scales: zero blocks and non-finite blocks (NVFP4's rule has its own)
+    if (not STATIC) and SCALE_KIND != 2:
+        if ZERO_BLOCK == 1:
+            if SCALE_KIND == 0:
+                stored_f = tl.where(is_zero, 1.0, stored_f)
+            elif SCALE_KIND == 1:
+                stored_i = tl.where(is_zero, 127, stored_i)
+            else:
+                stored_i = tl.where(is_zero, 0x38, stored_i)
+            factor = tl.where(is_zero, 1.0, factor)
+        elif ZERO_BLOCK == 2:
+            if SCALE_KIND == 0:
+                stored_f = tl.where(is_zero, 0.0, stored_f)
+            else:
+                stored_i = tl.where(is_zero, 0, stored_i)
+            if APPLY == 1:
+                factor = tl.where(is_zero, 1.0, factor)
+            else:
+                factor = tl.where(is_zero, 0.0, factor)
+        else:
+            fbits = R.f32_bits(factor) & 0x7FFFFFFF
+            if APPLY == 1:
+                bad = is_zero & ((fbits >= 0x7F800000) | (fbits == 0))
+                factor = tl.where(bad, 1.0, factor)
+            else:
+                bad = is_zero & (fbits >= 0x7F800000)
+                factor = tl.where(bad, 0.0, factor)
+    if NONFINITE == 0:
+        nan_block = is_nf
+        if SCALE_KIND == 0:
+            stored_f = tl.where(is_nf, float("nan"), stored_f)
+        elif SCALE_KIND == 1:
+            stored_i = tl.where(is_nf, 255, stored_i)
+        else:
+            stored_i = tl.where(is_nf, 0x7F, stored_i)
+    else:
+        nan_block = is_zero & (abits != abits)  # all False
+    return stored_f, stored_i, factor, nan_block
+
+
+@triton.jit
+def _activation(xb, k, stride_xk, N, mask, ACT: tl.constexpr, ALPHA: tl.constexpr,
+                LIMIT: tl.constexpr):
+    """Gated activation in float32 of a row block whose input has 2N columns.
+
+    ACT 1: ``silu(gate) * up`` with gate = x[:, :N], up = x[:, N:] (vLLM ``SiluAndMul``,
+    :func:`moeref.activations.silu_and_mul` layout "gate_up").
+    ACT 2: gpt-oss ``swigluoai``: gate = x[:, 0::2], up = x[:, 1::2], ``g = min(gate, LIMIT)``,
+    ``u = clip(up, -LIMIT, LIMIT)``, ``(u + 1) * g * sigmoid(ALPHA * g)``
+    (:func:`moeref.activations.swigluoai`, layout "interleaved"). NaN propagates through the clamps
+    as NumPy's ``minimum``/``clip`` do.
+    """
+    if ACT == 1:
+        g = tl.load(xb + k * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(xb + (k + N) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        out = g * tl.sigmoid(g) * u
+    else:
+        g = tl.load(xb + (2 * k) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(xb + (2 * k + 1) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        g = tl.minimum(g, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+        u = tl.minimum(tl.maximum(u, -LIMIT, propagate_nan=tl.PropagateNan.ALL), LIMIT,
+                       propagate_nan=tl.PropagateNan.ALL)
+        out = (u + 1.0) * g * tl.sigmoid(ALPHA * g)
+    return out
+
+
+# ============================================================================ the kernel
+
+
+@triton.jit
+def _quant_kernel(
+    x_ptr, stride_xb, stride_xm, stride_xk,
+    c_ptr, stride_cb, stride_cm,
+    s_ptr, stride_sb, stride_sm, stride_sg,
+    amax_ptr, static_ptr, genc_ptr, gdec_ptr,
+    M, K, NG, M_PAD, NG_PAD, ROWS_PER_SCALE,
+    GS: tl.constexpr, GB: tl.constexpr, GPP: tl.constexpr, BLOCK_M: tl.constexpr,
+    ELEM: tl.constexpr, ELEM_MAX: tl.constexpr, INV_M: tl.constexpr, EMAX: tl.constexpr,
+    MBITS: tl.constexpr, SCALE_KIND: tl.constexpr, FP32_RULE: tl.constexpr,
+    FP32_POW2: tl.constexpr, E8_RULE: tl.constexpr, E8_LO: tl.constexpr, E8_HI: tl.constexpr,
+    E8_NF: tl.constexpr, AMAX_FLOOR: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+    NONFINITE: tl.constexpr, APPLY: tl.constexpr, SATURATE: tl.constexpr, ROUND: tl.constexpr,
+    DROP_NEG_ZERO: tl.constexpr, NAN_CODE: tl.constexpr, FILL_CODE: tl.constexpr,
+    HW_FP8: tl.constexpr, SF_LAYOUT: tl.constexpr, AMAX_SRC: tl.constexpr, STATIC: tl.constexpr,
+    TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr, WRITE_SCALES: tl.constexpr,
+    ACT: tl.constexpr, ACT_ALPHA: tl.constexpr, ACT_LIMIT: tl.constexpr,
+):
+    """Quantize a [BLOCK_M, GPP * GS] tile of one matrix of x; see the module docstring.
+
+    AMAX_SRC: 0 = block amax from the tile (groups), 1 = per-scale amax read from ``amax_ptr``
+    (per-tensor: one amax per ROWS_PER_SCALE rows). ACT: 0 = x is the input; 1 = silu_and_mul
+    of a gate_up input [.., 2K]; 2 = swigluoai of an interleaved input [.., 2K] (fastpath.fused).
+    """
+    pid_m = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    gidx = pid_g * GPP + tl.arange(0, GPP)
+    kin = tl.arange(0, GB)
+    k = gidx[:, None] * GS + kin[None, :]  # [GPP, GB]
+    kmask = (kin[None, :] < GS) & (k < K)
+    rmask = rows < M
+    m3 = rmask[:, None, None] & kmask[None, :, :]
+    xb = x_ptr + pid_b.to(tl.int64) * stride_xb + rows.to(tl.int64)[:, None, None] * stride_xm
+    if ACT == 0:
+        x = tl.load(xb + k[None, :, :] * stride_xk, mask=m3, other=0.0).to(tl.float32)
+    else:
+        x = _activation(xb, k[None, :, :], stride_xk, K, m3, ACT, ACT_ALPHA, ACT_LIMIT)
+    # ---- block scales
+    if AMAX_SRC == 0:
+        amax = _amax_bits(x, NONFINITE, 2)  # [BLOCK_M, GPP]
+    else:
+        sidx = (pid_b * M + rows) // ROWS_PER_SCALE
+        amax1 = tl.load(amax_ptr + sidx, mask=rmask, other=0.0)
+        amax = tl.zeros((BLOCK_M, GPP), tl.float32) + amax1[:, None]
+    if STATIC:
+        static_dec = tl.load(static_ptr)
+    else:
+        static_dec = 0.0
+    if TWO_LEVEL:  # one global factor for the whole tensor (moeref: the tensor amax)
+        g_enc = tl.load(genc_ptr)
+        g_dec = tl.load(gdec_ptr)
+    else:
+        g_enc = 1.0
+        g_dec = 1.0
+    stored_f, stored_i, factor, nan_block = _block_scales(
+        amax, ELEM_MAX, INV_M, EMAX, MBITS, SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO,
+        E8_HI, E8_NF, AMAX_FLOOR, ZERO_BLOCK, NONFINITE, APPLY, STATIC, static_dec, g_enc, g_dec,
+        NV_ORDER)
+    # ---- scale the data and encode
+    if APPLY == 1:
+        y = tl.math.div_rn(x, factor[:, :, None] + tl.zeros(x.shape, tl.float32))
+    else:
+        y = x * factor[:, :, None]
+    code = _encode_elem(y, ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8)
+    if NONFINITE == 0:
+        code = tl.where(nan_block[:, :, None], FILL_CODE, code)
+    if TWO_LEVEL:
+        if NV_ORDER == 0:  # TE cast_to_fp4x2: an exact zero product (-0.0 too) is code 0x0
+            code = tl.where(y == 0.0, 0, code)
+    if DROP_NEG_ZERO:
+        sign_mask: tl.constexpr = 0x8 if ELEM == 2 else 0x80
+        code = tl.where(code == sign_mask, 0, code)
+    # ---- store codes
+    cb = c_ptr + pid_b.to(tl.int64) * stride_cb + rows.to(tl.int64)[:, None, None] * stride_cm
+    if ELEM == 2:
+        code = tl.where(m3, code, 0)  # the nibble padding an odd K is a +0 code
+        pairs = tl.reshape(code, (BLOCK_M, GPP, GB // 2, 2))
+        lo, hi = tl.split(pairs)
+        byte = (lo | (hi << 4)).to(tl.uint8)
+        kp = gidx[:, None] * (GS // 2) + tl.arange(0, GB // 2)[None, :]
+        pm = (tl.arange(0, GB // 2)[None, :] < (GS // 2)) & (kp < (K + 1) // 2)
+        tl.store(cb + kp[None, :, :], byte, mask=rmask[:, None, None] & pm[None, :, :])
+    else:
+        tl.store(cb + k[None, :, :], code.to(tl.uint8), mask=m3)
+    # ---- store scales (padding included: rows < M_PAD, groups < NG_PAD)
+    if WRITE_SCALES:
+        valid = (rows < M)[:, None] & (gidx < NG)[None, :]
+        sb = s_ptr + pid_b.to(tl.int64) * stride_sb
+        if SCALE_KIND == 0:
+            sval = tl.where(valid, stored_f, 0.0)
+        else:
+            sval = tl.where(valid, stored_i, 0)
+        smask = (rows < M_PAD)[:, None] & (gidx < NG_PAD)[None, :]
+        if SF_LAYOUT == 0:  # strided: row-major or MN-major storage
+            off = rows[:, None] * stride_sm + gidx[None, :] * stride_sg
+            if SCALE_KIND == 0:
+                tl.store(sb + off, sval, mask=smask)
+            else:
+                tl.store(sb + off, sval.to(tl.uint8), mask=smask)
+        elif SF_LAYOUT == 2:  # packed UE8M0: word (row, g // 4), byte g % 4; MN-major words
+            w4 = tl.reshape(sval.to(tl.uint32), (BLOCK_M, GPP // 4, 4))
+            sh = (tl.arange(0, 4) * 8).to(tl.uint32)
+            words = tl.reduce(w4 << sh[None, None, :], 2, _or)
+            widx = pid_g * (GPP // 4) + tl.arange(0, GPP // 4)
+            off = rows[:, None] * stride_sm + widx[None, :] * stride_sg
+            wmask = (rows < M_PAD)[:, None] & (widx < NG_PAD // 4)[None, :]
+            tl.store(sb + off, words.to(tl.int32, bitcast=True), mask=wmask)
+        else:  # 128x4 swizzle: (r//128)*(NG_PAD/4)*512 + (c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + c%4
+            r = rows[:, None]
+            c = gidx[None, :]
+            off = (r // 128) * (NG_PAD // 4) * 512 + (c // 4) * 512 + (r % 32) * 16 \
+                + ((r % 128) // 32) * 4 + (c % 4)
+            tl.store(sb + off, sval.to(tl.uint8), mask=smask)
+
+
+@triton.jit
+def _amax_partial_kernel(x_ptr, stride_xb, stride_xm, stride_xk, p_ptr, M, K, NPROG_M,
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NONFINITE: tl.constexpr,
+                         K_ITERS: tl.constexpr):
+    """Per-program partial amax (float32 bits max) of one matrix of x: p[b, pid_m].
+    (Loop trip counts are constexpr: the interpreter under NumPy 2.4 cannot loop to a runtime
+    bound, ``int()`` of a 1-element array being an error there.)"""
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_K), tl.uint32)
+    base = x_ptr + pid_b.to(tl.int64) * stride_xb + rows.to(tl.int64)[:, None] * stride_xm
+    for it in range(K_ITERS):
+        kk = it * BLOCK_K + tl.arange(0, BLOCK_K)
+        m = (rows < M)[:, None] & (kk < K)[None, :]
+        x = tl.load(base + kk[None, :] * stride_xk, mask=m, other=0.0).to(tl.float32)
+        a = R.f32_bits(x) & 0x7FFFFFFF
+        if NONFINITE == 1:
+            a = tl.where(a > 0x7F800000, 0, a)
+        acc = tl.maximum(acc, a)
+    tl.store(p_ptr + pid_b * NPROG_M + pid_m, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+@triton.jit
+def _amax_final_kernel(p_ptr, out_ptr, NPROG_M, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """out[b] = max of the partial amax bit patterns of matrix b, as float32."""
+    pid_b = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), tl.uint32)
+    for it in range(ITERS):
+        idx = it * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(p_ptr + pid_b * NPROG_M + idx, mask=idx < NPROG_M, other=0)
+        acc = tl.maximum(acc, v)
+    tl.store(out_ptr + pid_b, tl.max(acc, axis=0).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _per_tensor_scale_kernel(amax_ptr, s_ptr, static_ptr, genc_ptr, gdec_ptr, B,
+                             BLOCK: tl.constexpr,
+                             ELEM_MAX: tl.constexpr, INV_M: tl.constexpr, EMAX: tl.constexpr,
+                             MBITS: tl.constexpr, SCALE_KIND: tl.constexpr, FP32_RULE: tl.constexpr,
+                             FP32_POW2: tl.constexpr, E8_RULE: tl.constexpr, E8_LO: tl.constexpr,
+                             E8_HI: tl.constexpr, E8_NF: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+                             ZERO_BLOCK: tl.constexpr, NONFINITE: tl.constexpr, APPLY: tl.constexpr,
+                             STATIC: tl.constexpr):
+    """The stored per-tensor scale of each matrix (the same _block_scales as the data pass)."""
+    idx = tl.arange(0, BLOCK)
+    m = idx < B
+    amax = tl.load(amax_ptr + idx, mask=m, other=0.0)
+    if STATIC:
+        static_dec = tl.load(static_ptr)
+    else:
+        static_dec = 0.0
+    stored_f, stored_i, factor, nan_block = _block_scales(
+        amax, ELEM_MAX, INV_M, EMAX, MBITS, SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO,
+        E8_HI, E8_NF, AMAX_FLOOR, ZERO_BLOCK, NONFINITE, APPLY, STATIC, static_dec, 1.0, 1.0, 0)
+    if SCALE_KIND == 0:
+        tl.store(s_ptr + idx, stored_f, mask=m)
+    else:
+        tl.store(s_ptr + idx, stored_i.to(tl.uint8), mask=m)
+
+
+@triton.jit
+def _nvfp4_global_kernel(amax_ptr, genc_ptr, gdec_ptr, B, BLOCK: tl.constexpr, ORDER: tl.constexpr):
+    """NVFP4 per-tensor float32 factors from the tensor amax A (moeref.quant.nvfp4._nvfp4_rule):
+    TE: S_enc = min(fl(2688 / A), FLT_MAX), 1 if that is 0 or A == 0; FlashInfer/vLLM:
+    S_enc = fl(2688 / A), 1 if A == 0 (no clamp); torchao: pts = fl(A / 2688) (decode)."""
+    idx = tl.arange(0, BLOCK)
+    m = idx < B
+    amax = tl.load(amax_ptr + idx, mask=m, other=1.0)
+    c = tl.full(amax.shape, 2688.0, tl.float32)
+    s_enc = tl.math.div_rn(c, amax)
+    if ORDER == 0:
+        s_enc = tl.minimum(s_enc, 3.4028234663852886e38)
+        s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)
+    s_enc = tl.where(amax == 0.0, 1.0, s_enc)
+    dec = tl.math.div_rn(amax, c)
+    tl.store(genc_ptr + idx, s_enc, mask=m)
+    tl.store(gdec_ptr + idx, dec, mask=m)
+
+
+# ============================================================================ host side
+
+
+@dataclass(frozen=True)
+class FastQuantized:
+    """Output of :func:`quantize`: device tensors plus what is needed to read them.
+
+    Attributes:
+        codes: uint8 ``[..., M, K]`` (FP8) or ``[..., M, ceil(K/2)]`` (FP4, even element low).
+        scales: the scale storage in ``scale_layout`` (see the module docstring); for per-tensor
+            schemes ``[..., 1, 1]`` float32/uint8.
+        scale_layout: one of :data:`SCALE_LAYOUTS`.
+        scheme: the :class:`~moeref.quant.scheme.Scheme`.
+        shape: logical shape of x.
+        global_scale: float64 tensor ``[1]``: the NVFP4 decode factor exactly as the reference's
+            ``QuantizedTensor.global_scale`` (``A/2688``, ``1/S_enc`` or torchao's ``pts``,
+            computed in float64 from the float32 quantity of the preset's convention), or None.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    scale_layout: str
+    scheme: Scheme
+    shape: tuple
+    global_scale: torch.Tensor | None = None
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """Logical scale grid shape (the reference's ``QuantizedTensor.scales.shape``)."""
+        from moeref.quant.blockwise import grid_shape
+        return grid_shape(self.shape, self.scheme.resolve_block(self.shape))
+
+    def scales_logical(self) -> np.ndarray:
+        """The scales as the reference's grid (NumPy), read back through moeref.layouts inverses."""
+        from moeref import layouts
+        from moeref._interop import to_numpy
+
+        g = self.grid
+        s = to_numpy(self.scales.cpu())
+        if self.scale_layout == "row_major":
+            return np.ascontiguousarray(s).reshape(g)
+        mn, ng = g[-2], g[-1]
+        if self.scale_layout == "mn_major":
+            return layouts.from_mn_major_tma_aligned(s, mn=mn).reshape(g)
+        if self.scale_layout == "packed_ue8m0":
+            v = np.swapaxes(s, -1, -2)[..., :mn, :]
+            return layouts.unpack_ue8m0(v, ng, as_codes=True).reshape(g)
+        return layouts.unswizzle_128x4(s, mn, ng).reshape(g)
+
+    def to_reference(self):
+        """A :class:`moeref.quant.QuantizedTensor` with these codes and scales (host copies)."""
+        from moeref.quant import QuantizedTensor
+
+        gs = None
+        if self.global_scale is not None:
+            gs = float(self.global_scale.reshape(-1)[0].item())
+        return QuantizedTensor(codes=self.codes.cpu().numpy(), scales=self.scales_logical(),
+                               scheme=self.scheme, shape=self.shape, global_scale=gs)
+
+
+def _kind(scheme: Scheme) -> str | None:
+    """"per_tensor", "rows" (per-token / 1xG groups) or None for unsupported blocks."""
+    b = scheme.block
+    if len(b) == 2 and b[0] is None and b[1] is None:
+        return "per_tensor"
+    if len(b) == 2 and b[0] == 1:
+        return "rows"
+    if len(b) == 1:
+        return "rows"
+    return None
+
+
+def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_major", **_) -> tuple[bool, str]:
+    """Whether :func:`quantize` can run ``scheme`` on ``x`` with ``scale_layout`` here, and why not.
+
+    Checks the environment (a CUDA device, or TRITON_INTERPRET=1 for CPU tensors), the scheme
+    (element, block shape, preset knobs) and the layout (packed UE8M0 needs UE8M0 scales; the
+    swizzle needs 1-byte scales).
+    """
+    import os
+
+    if x is not None and isinstance(x, torch.Tensor):
+        if x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            return False, "x is a CPU tensor and TRITON_INTERPRET=1 is not set (no GPU to run on)"
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False, f"x dtype {x.dtype} not supported (float32, bfloat16, float16)"
+        if x.dim() < 1 or x.dim() > 3:
+            return False, f"x must have 1 to 3 dims; got {x.dim()}"
+    elif not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return False, "no CUDA device and TRITON_INTERPRET is not 1"
+    if scheme is None:
+        return True, "ok"
+    if not isinstance(scheme, Scheme):
+        return False, f"scheme must be a moeref Scheme; got {type(scheme).__name__}"
+    if scale_layout not in SCALE_LAYOUTS:
+        return False, f"scale_layout {scale_layout!r} is not one of {SCALE_LAYOUTS}"
+    if scheme.element not in _ELEM:
+        return False, f"element {scheme.element!r} has no Triton kernel (supported: {', '.join(_ELEM)})"
+    if scheme.family not in ("blockwise", "nvfp4"):
+        return False, f"family {scheme.family!r} has no Triton kernel"
+    if scheme.zero_point or scheme.channel_block:
+        return False, "zero points / channel scales have no Triton kernel"
+    kind = _kind(scheme)
+    if kind is None:
+        return False, f"block {scheme.block} has no Triton kernel (per-tensor, per-token and 1xG only)"
+    p = scheme.preset
+    if scheme.scale_format == "fp32" and p.fp32_rule not in ("amax_over_max", "te"):
+        return False, f"fp32_rule {p.fp32_rule!r} has no Triton kernel"
+    if p.element_max is not None and p.element_max != _ELEM_MAX[scheme.element]:
+        return False, "element_max override has no Triton kernel"
+    if scheme.family == "nvfp4":
+        if scheme.scale_format != "ue4m3" or scheme.block[-1] != 16 or kind != "rows":
+            return False, "NVFP4 kernel covers the 1x16 UE4M3 recipe only"
+        if p.option("nvfp4_order") not in _NVFP4_ORDER:
+            return False, f"NVFP4 order {p.option('nvfp4_order')!r} has no Triton kernel"
+    elif scheme.scale_format == "ue4m3":
+        return False, "UE4M3 scales belong to the nvfp4 family"
+    if scheme.element == "e2m1" and p.overflow != "saturate":
+        pass  # E2M1 always saturates (the codec refuses inf_nan for it)
+    if kind == "per_tensor" and scale_layout != "row_major":
+        return False, "per-tensor scales have only the row_major layout"
+    if scale_layout == "packed_ue8m0" and scheme.scale_format != "ue8m0":
+        return False, "packed_ue8m0 needs UE8M0 scales"
+    if scale_layout == "swizzled_128x4" and scheme.scale_format == "fp32":
+        return False, "the 128x4 swizzle holds 1-byte scales (UE8M0/UE4M3), not FP32"
+    if x is not None:
+        K = int(x.shape[-1])
+        gs = scheme.resolve_block(tuple(x.shape))[-1]
+        if kind == "rows" and gs > MAX_GROUP:
+            return False, f"group of {gs} elements exceeds the kernel limit {MAX_GROUP}"
+        if scheme.element == "e2m1" and gs % 2 and gs < K:
+            return False, "FP4 groups of odd size are not supported"
+        if scheme.element == "e2m1" and kind == "per_tensor" and K % 2:
+            return False, "per-tensor FP4 with odd K is not supported"
+        if kind == "per_tensor" and scheme.static_scale is None and x.dim() < 1:
+            return False, "per-tensor needs at least one axis"
+    return True, "ok"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def scale_storage_shape(shape, scheme: Scheme, scale_layout: str) -> tuple[tuple[int, ...], torch.dtype, tuple]:
+    """(storage shape, dtype, (M_PAD, NG_PAD, stride_sm, stride_sg)) of the scale output."""
+    from moeref.quant.blockwise import grid_shape
+    g = grid_shape(tuple(shape), scheme.resolve_block(tuple(shape)))
+    mn, ng = (g[-2], g[-1]) if len(g) >= 2 else (1, g[-1])
+    lead = tuple(g[:-2])
+    fp32 = scheme.scale_format == "fp32"
+    dt = torch.float32 if fp32 else torch.uint8
+    if scale_layout == "row_major":
+        return g, dt, (mn, ng, ng, 1)
+    if scale_layout == "mn_major":
+        align = 4 if fp32 else 16
+        mp = -(-mn // align) * align
+        return lead + (ng, mp), dt, (mp, ng, 1, mp)
+    if scale_layout == "packed_ue8m0":
+        mp = -(-mn // 4) * 4
+        nw = -(-ng // 4)
+        return lead + (nw, mp), torch.int32, (mp, nw * 4, 1, mp)
+    mp = -(-mn // 128) * 128
+    gp = -(-ng // 4) * 4
+    return lead + (mp * gp,), torch.uint8, (mp, gp, 0, 0)
+
+
+def _constexprs(scheme: Scheme, hw_fp8: bool) -> dict:
+    p = scheme.preset
+    el = scheme.element
+    M = _ELEM_MAX[el]
+    rounding = p.rounding_for(el) if hasattr(p, "rounding_for") else p.rounding
+    signed_zero = p.signed_zero_for(el) if hasattr(p, "signed_zero_for") else p.signed_zero
+    nan_code = p.nan_code if p.nan_code is not None else 0
+    if el == "e4m3fn":
+        fill = 0x7F
+    elif el == "e5m2":
+        fill = 0x7E
+    else:
+        fill = nan_code
+    return dict(
+        ELEM=_ELEM[el], ELEM_MAX=M, INV_M=_f32(1.0 / M), EMAX=_ELEM_EMAX[el],
+        MBITS=_ELEM_MBITS[el], SCALE_KIND=_SCALE_KIND[scheme.scale_format],
+        FP32_RULE=0 if p.fp32_rule == "amax_over_max" else 1, FP32_POW2=bool(p.fp32_pow2),
+        E8_RULE=_E8M0_RULE[p.e8m0_rule], E8_LO=int(p.e8m0_clamp[0]), E8_HI=int(p.e8m0_clamp[1]),
+        E8_NF=_E8M0_NONFINITE[p.e8m0_nonfinite], AMAX_FLOOR=_f32(p.amax_floor),
+        ZERO_BLOCK=_ZERO_BLOCK[p.zero_block], NONFINITE=_NONFINITE[p.nonfinite],
+        APPLY=_APPLY[p.apply], SATURATE=(p.overflow == "saturate") or el == "e2m1",
+        ROUND=_ROUND[rounding], DROP_NEG_ZERO=(signed_zero == "drop"), NAN_CODE=nan_code,
+        FILL_CODE=fill,
+        HW_FP8=bool(hw_fp8 and el != "e2m1" and p.overflow == "saturate" and rounding == "rne"),
+    )
+
+
+def _tile(gs: int, block_m: int | None, gpp: int | None, layout: str, ng: int):
+    gb = _next_pow2(gs)
+    if gpp is None:
+        gpp = max(1, min(_next_pow2(ng), 512 // gb)) if gb < 512 else 1
+    if layout == "packed_ue8m0":
+        gpp = max(gpp, 4)
+    if block_m is None:
+        block_m = max(1, min(16, 4096 // (gb * gpp)))
+    return gb, gpp, block_m
+
+
+def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major", scale=None,
+             hw_fp8: bool | None = None, block_m: int | None = None, groups_per_program: int | None = None,
+             num_warps: int | None = None) -> FastQuantized:
+    """Quantize ``x`` (CUDA tensor, or CPU under TRITON_INTERPRET=1) with ``scheme``.
+
+    Args:
+        x: float32/bfloat16/float16 ``[K]``, ``[M, K]`` or ``[B, M, K]``, any strides.
+        scheme: a :mod:`moeref.quant` scheme (FP8 per-tensor/per-token/1xG, MXFP8, MXFP4, NVFP4).
+        scale_layout: where the scales go (:data:`SCALE_LAYOUTS`).
+        scale: static per-tensor decode scale (overrides ``scheme.static_scale``).
+        hw_fp8: use the hardware FP8 cast on CUDA (default: yes on CUDA for saturating RNE presets).
+        block_m, groups_per_program, num_warps: tile overrides (benchmarks).
+
+    Returns:
+        :class:`FastQuantized`; ``.to_reference()`` gives the :class:`moeref.quant.QuantizedTensor`.
+    """
+    ok, why = supports(scheme, x, scale_layout)
+    if not ok:
+        raise ValueError(f"fastpath.quant.quantize cannot run {getattr(scheme, 'name', scheme)!r}: {why}")
+    shape = tuple(int(d) for d in x.shape)
+    x3 = x.reshape((1, 1) + shape) if x.dim() == 1 else (x.unsqueeze(0) if x.dim() == 2 else x)
+    B, M, K = (int(d) for d in x3.shape)
+    dev = x.device
+    if hw_fp8 is None:
+        hw_fp8 = dev.type == "cuda"
+    ce = _constexprs(scheme, hw_fp8)
+    kind = _kind(scheme)
+    p = scheme.preset
+    static = scheme.static_scale if scale is None else scale
+    if static is not None:
+        from moeref.quant.scheme import _check_static_scale
+        static = _check_static_scale(static, scheme.scale_format, "scale")
+    packed = scheme.element == "e2m1"
+    cshape = (B, M, (K + 1) // 2 if packed else K)
+    codes = torch.empty(cshape, dtype=torch.uint8, device=dev)
+    dummy = torch.empty(1, dtype=torch.float32, device=dev)
+    static_t = dummy
+    if static is not None:
+        sv = float(np.float32(static)) if scheme.scale_format == "fp32" else \
+            float(int(np.frexp(static)[1]) - 1 + 127)
+        static_t = torch.full((1,), sv, dtype=torch.float32, device=dev)
+
+    if kind == "per_tensor":
+        # one scale per matrix: amax pass, scale kernel, then the data pass with AMAX_SRC=1
+        need_amax = static is None or p.nonfinite == "nan_block"
+        amax = torch.zeros(B, dtype=torch.float32, device=dev)
+        if need_amax:
+            BMa, BKa = 8, min(1024, _next_pow2(K))
+            nprog = triton.cdiv(M, BMa)
+            part = torch.empty(B * nprog, dtype=torch.int32, device=dev)
+            _amax_partial_kernel[(nprog, B)](x3, x3.stride(0), x3.stride(1), x3.stride(2), part, M, K,
+                                             nprog, BLOCK_M=BMa, BLOCK_K=BKa, NONFINITE=ce["NONFINITE"],
+                                             K_ITERS=triton.cdiv(K, BKa))
+            _amax_final_kernel[(B,)](part, amax, nprog, BLOCK=1024, ITERS=triton.cdiv(nprog, 1024))
+        sdt = torch.float32 if scheme.scale_format == "fp32" else torch.uint8
+        scales = torch.empty((B, 1, 1), dtype=sdt, device=dev)
+        keys = ("ELEM_MAX", "INV_M", "EMAX", "MBITS", "SCALE_KIND", "FP32_RULE", "FP32_POW2",
+                "E8_RULE", "E8_LO", "E8_HI", "E8_NF", "AMAX_FLOOR", "ZERO_BLOCK", "NONFINITE", "APPLY")
+        _per_tensor_scale_kernel[(1,)](amax, scales, static_t, dummy, dummy, B,
+                                       BLOCK=_next_pow2(max(B, 2)), STATIC=static is not None,
+                                       **{k_: ce[k_] for k_ in keys})
+        gs = min(K, 128) if not packed else max(2, min(_next_pow2(K), 128))
+        gs = _next_pow2(gs)
+        ng = triton.cdiv(K, gs)
+        gb, gpp, bm = _tile(gs, block_m, groups_per_program, "row_major", ng)
+        grid = (triton.cdiv(M, bm), triton.cdiv(ng, gpp), B)
+        _quant_kernel[grid](
+            x3, x3.stride(0), x3.stride(1), x3.stride(2), codes, codes.stride(0), codes.stride(1),
+            dummy, 0, 0, 0, amax, static_t, dummy, dummy, M, K, ng, M, ng, M,
+            GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=0, AMAX_SRC=1, STATIC=static is not None,
+            TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=False, ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0,
+            num_warps=num_warps or 4, **ce)
+        out_codes = codes.reshape(shape[:-1] + (cshape[-1],))
+        return FastQuantized(out_codes, scales.reshape(_grid_of(shape, scheme)), "row_major", scheme, shape)
+
+    gs = scheme.resolve_block(shape)[-1]
+    ng = triton.cdiv(K, gs)
+    sshape, sdt, (m_pad, ng_pad, ssm, ssg) = scale_storage_shape((B, M, K), scheme, scale_layout)
+    scales = torch.empty(sshape, dtype=sdt, device=dev)
+    ssb = scales.stride(0)
+    gb, gpp, bm = _tile(gs, block_m, groups_per_program, scale_layout, ng)
+    two_level = scheme.family == "nvfp4"
+    genc = gdec = dummy
+    if two_level:
+        order = _NVFP4_ORDER[p.option("nvfp4_order")]
+        BMa, BKa = 8, min(1024, _next_pow2(K))
+        nprog = triton.cdiv(M, BMa)
+        part = torch.empty(B * nprog, dtype=torch.int32, device=dev)
+        amax = torch.empty(1, dtype=torch.float32, device=dev)
+        _amax_partial_kernel[(nprog, B)](x3, x3.stride(0), x3.stride(1), x3.stride(2), part, M, K,
+                                         nprog, BLOCK_M=BMa, BLOCK_K=BKa, NONFINITE=ce["NONFINITE"],
+                                         K_ITERS=triton.cdiv(K, BKa))
+        _amax_final_kernel[(1,)](part, amax, B * nprog, BLOCK=1024, ITERS=triton.cdiv(B * nprog, 1024))
+        genc = torch.empty(1, dtype=torch.float32, device=dev)
+        gdec = torch.empty(1, dtype=torch.float32, device=dev)
+        _nvfp4_global_kernel[(1,)](amax, genc, gdec, 1, BLOCK=2, ORDER=order)
+        # the reference's float64 decode factor, from the float32 quantity of the convention
+        conv = p.option("global_convention")
+        if conv == "amax":
+            glob = amax.double() / 2688.0
+        elif order == 2:
+            glob = gdec.double()
+        else:
+            glob = 1.0 / genc.double()
+        glob = torch.where(amax == 0, torch.zeros_like(glob), glob)
+    else:
+        order = 0
+    grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp), B)
+    _quant_kernel[grid](
+        x3, x3.stride(0), x3.stride(1), x3.stride(2), codes, codes.stride(0), codes.stride(1),
+        scales, ssb, ssm, ssg, dummy, static_t, genc, gdec, M, K, ng, m_pad, ng_pad, 1,
+        GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=_SF_LAYOUT[scale_layout], AMAX_SRC=0,
+        STATIC=static is not None, TWO_LEVEL=two_level, NV_ORDER=order, WRITE_SCALES=True,
+        ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0, num_warps=num_warps or 4, **ce)
+    lead = shape[:-2] if len(shape) >= 2 else ()
+    out_codes = codes.reshape(shape[:-1] + (cshape[-1],))
+    if scale_layout == "row_major":
+        scales = scales.reshape(_grid_of(shape, scheme))
+    elif len(shape) == 2:
+        scales = scales[0]
+    elif len(shape) == 1:
+        scales = scales[0]
+    return FastQuantized(out_codes, scales, scale_layout, scheme, shape,
+                         global_scale=glob if two_level else None)
+
+
+def _grid_of(shape, scheme):
+    from moeref.quant.blockwise import grid_shape
+    return grid_shape(tuple(shape), scheme.resolve_block(tuple(shape)))
+
+
+# ============================================================================ dequantize
+
+
+@triton.jit
+def _round_f32_to_16(p, e, OUT: tl.constexpr):
+    """Round the exact value ``p + e`` (``p = fl32(p + e)``, ``|e| <= ulp32(p)/2``) to bfloat16
+    (OUT=1) or float16 (OUT=2) bits with RNE, ``e`` deciding ties and sticky bits: one rounding,
+    like the reference's float64 -> dtype cast. float16 overflow gives Inf, subnormals are exact."""
+    bits = R.f32_bits(p)
+    sign = bits & 0x80000000
+    a = bits & 0x7FFFFFFF
+    ebits = R.f32_bits(e)
+    e_nz = (ebits & 0x7FFFFFFF) != 0
+    same = e_nz & ((ebits & 0x80000000) == sign)
+    opp = e_nz & ((ebits & 0x80000000) != sign)
+    if OUT == 1:
+        s = tl.full(a.shape, 16, tl.uint32)
+        base = a
+    else:
+        ef = (a >> 23).to(tl.int32)
+        s = tl.where(ef >= 113, 13, tl.minimum(126 - ef, 31)).to(tl.uint32)
+        base = tl.where(ef >= 113, a, tl.where(ef == 0, a, (a & 0x7FFFFF) | 0x800000))
+    q = base >> s
+    rem = base & ((tl.full(a.shape, 1, tl.uint32) << s) - 1)
+    half = tl.full(a.shape, 1, tl.uint32) << (s - 1)
+    tie_up = same | ((opp == 0) & ((q & 1) == 1))
+    up = (rem > half) | ((rem == half) & tie_up)
+    r = q + up.to(tl.uint32)
+    if OUT == 1:
+        out = (sign >> 16) | r
+        out = tl.where(a > 0x7F800000, 0x7FC0 | (sign >> 16), out)
+    else:
+        ef2 = (a >> 23).to(tl.int32)
+        mag = tl.where(ef2 >= 113, r - (112 << 10), r)
+        mag = tl.where(mag >= 0x7C00, 0x7C00, mag)
+        out = (sign >> 16) | mag
+        out = tl.where(a > 0x7F800000, 0x7E00 | (sign >> 16), out)
+    return out.to(tl.uint16)
+
+
+@triton.jit
+def _dequant_kernel(c_ptr, stride_cb, stride_cm, s_ptr, stride_sb, stride_sm, stride_sg, g_ptr,
+                    o_ptr, stride_ob, stride_om, M, K, NG_PAD, ROWS_PER_SCALE,
+                    GS: tl.constexpr, GB: tl.constexpr, GPP: tl.constexpr, BLOCK_M: tl.constexpr,
+                    ELEM: tl.constexpr, SCALE_KIND: tl.constexpr, SF_LAYOUT: tl.constexpr,
+                    PER_TENSOR: tl.constexpr, TWO_LEVEL: tl.constexpr, OUT: tl.constexpr):
+    """out = decode(code) * decode(scale) [* global], rounded once to the output dtype."""
+    pid_m = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    gidx = pid_g * GPP + tl.arange(0, GPP)
+    kin = tl.arange(0, GB)
+    k = gidx[:, None] * GS + kin[None, :]
+    kmask = (kin[None, :] < GS) & (k < K)
+    rmask = rows < M
+    m3 = rmask[:, None, None] & kmask[None, :, :]
+    cb = c_ptr + pid_b.to(tl.int64) * stride_cb + rows.to(tl.int64)[:, None, None] * stride_cm
+    if ELEM == 2:
+        byte = tl.load(cb + (k // 2)[None, :, :], mask=m3, other=0).to(tl.uint32)
+        code = tl.where((k % 2)[None, :, :] == 1, byte >> 4, byte & 0xF)
+        v = R.decode_minifloat(code, 2, 1, 1, True, 0)
+    else:
+        code = tl.load(cb + k[None, :, :], mask=m3, other=0)
+        if ELEM == 0:
+            v = R.decode_minifloat(code, 4, 3, 7, True, 1)
+        else:
+            v = R.decode_minifloat(code, 5, 2, 15, True, 2)
+    # scales [BLOCK_M, GPP]
+    sb = s_ptr + pid_b.to(tl.int64) * stride_sb
+    smask = rmask[:, None] & (gidx < NG_PAD)[None, :]
+    if PER_TENSOR:
+        raw = tl.load(s_ptr + pid_b + 0 * rows, mask=rmask, other=0)
+        raw = raw[:, None] + tl.zeros((BLOCK_M, GPP), raw.dtype)
+    elif SF_LAYOUT == 0:
+        raw = tl.load(sb + rows[:, None] * stride_sm + gidx[None, :] * stride_sg, mask=smask, other=0)
+    elif SF_LAYOUT == 2:
+        w = tl.load(sb + rows[:, None] * stride_sm + (gidx // 4)[None, :] * stride_sg, mask=smask,
+                    other=0).to(tl.uint32, bitcast=True)
+        raw = (w >> ((gidx % 4) * 8).to(tl.uint32)[None, :]) & 0xFF
+    else:
+        r = rows[:, None]
+        c = gidx[None, :]
+        off = (r // 128) * (NG_PAD // 4) * 512 + (c // 4) * 512 + (r % 32) * 16 \
+            + ((r % 128) // 32) * 4 + (c % 4)
+        raw = tl.load(sb + off, mask=smask, other=0)
+    if SCALE_KIND == 0:
+        s = raw.to(tl.float32)
+    elif SCALE_KIND == 1:
+        s = R.e8m0_to_f32(raw.to(tl.uint32))
+    else:
+        s = R.decode_minifloat(raw.to(tl.uint32), 4, 3, 7, False, 1)
+    if TWO_LEVEL:
+        gsc = tl.load(g_ptr)  # float64
+    else:
+        gsc = 1.0
+    s3 = s[:, :, None] + tl.zeros(v.shape, tl.float32)
+    # exact product v * s (* g): split s into 12-bit halves so each partial product is exact
+    # (v has <= 4 significant bits), then Fast2Sum gives p = fl32(v*s) and the exact error e.
+    sh = (R.f32_bits(s3) & 0xFFFFF000).to(tl.float32, bitcast=True)
+    sl = s3 - sh
+    hi = v * sh
+    lo = v * sl
+    p = hi + lo
+    e = lo - (p - hi)
+    sfin = (R.f32_bits(s3) & 0x7FFFFFFF) < 0x7F800000
+    p = tl.where(sfin, p, v * s3)
+    e = tl.where(sfin, e, 0.0)
+    if TWO_LEVEL:
+        # the reference: element * fl64(block scale * global), in float64, then one rounding
+        d = v.to(tl.float64) * (s3.to(tl.float64) * gsc)
+        p = d.to(tl.float32)
+        e = (d - p.to(tl.float64)).to(tl.float32)
+    ob = o_ptr + pid_b.to(tl.int64) * stride_ob + rows.to(tl.int64)[:, None, None] * stride_om
+    if OUT == 0:
+        tl.store(ob + k[None, :, :], p, mask=m3)
+    else:
+        r16 = _round_f32_to_16(p, e, OUT)
+        if OUT == 1:
+            tl.store(ob + k[None, :, :], r16.to(tl.bfloat16, bitcast=True), mask=m3)
+        else:
+            tl.store(ob + k[None, :, :], r16.to(tl.float16, bitcast=True), mask=m3)
+
+
+_OUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def dequantize(q: FastQuantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``decode(codes) * scale`` (x global factor), rounded ONCE to ``dtype`` (float32, bfloat16,
+    float16), like :meth:`moeref.quant.QuantizedTensor.dequantize`: the product is formed exactly
+    as a float32 pair (hi, lo) and rounded with integer RNE. Exact wherever the float32 partial
+    products stay normal (|value| >= 2^-100 or so; a subnormal product may round twice)."""
+    if dtype not in _OUT:
+        raise ValueError(f"dtype must be float32, bfloat16 or float16; got {dtype}")
+    scheme = q.scheme
+    shape = q.shape
+    x3shape = (1, 1) + shape if len(shape) == 1 else ((1,) + shape if len(shape) == 2 else shape)
+    B, M, K = x3shape
+    codes = q.codes.reshape(B, M, -1)
+    out = torch.empty((B, M, K), dtype=dtype, device=codes.device)
+    kind = _kind(scheme)
+    packed = scheme.element == "e2m1"
+    ce = dict(ELEM=_ELEM[scheme.element], SCALE_KIND=_SCALE_KIND[scheme.scale_format])
+    if kind == "per_tensor":
+        gs = 128
+        ng = triton.cdiv(K, gs)
+        gb, gpp, bm = _tile(gs, None, None, "row_major", ng)
+        s = q.scales.reshape(B)
+        grid = (triton.cdiv(M, bm), triton.cdiv(ng, gpp), B)
+        _dequant_kernel[grid](codes, codes.stride(0), codes.stride(1), s, 1, 0, 0, s, out,
+                              out.stride(0), out.stride(1), M, K, ng, M, GS=gs, GB=gb, GPP=gpp,
+                              BLOCK_M=bm, SF_LAYOUT=0, PER_TENSOR=True, TWO_LEVEL=False,
+                              OUT=_OUT[dtype], **ce)
+        return out.reshape(shape)
+    gs = scheme.resolve_block(shape)[-1]
+    ng = triton.cdiv(K, gs)
+    _, _, (m_pad, ng_pad, ssm, ssg) = scale_storage_shape((B, M, K), scheme, q.scale_layout)
+    s = q.scales
+    if q.scale_layout == "row_major":
+        s = s.reshape(B, M, ng)
+        ssb = s.stride(0)
+    else:
+        s = s.reshape((B,) + tuple(s.shape[-2:]) if q.scale_layout != "swizzled_128x4" else (B, -1))
+        ssb = s.stride(0)
+    gb, gpp, bm = _tile(gs, None, None, q.scale_layout, ng)
+    g = q.global_scale if q.global_scale is not None else s
+    grid = (triton.cdiv(M, bm), triton.cdiv(ng, gpp), B)
+    _dequant_kernel[grid](codes, codes.stride(0), codes.stride(1), s, ssb, ssm, ssg, g, out,
+                          out.stride(0), out.stride(1), M, K, ng_pad, 1, GS=gs, GB=gb, GPP=gpp,
+                          BLOCK_M=bm, SF_LAYOUT=_SF_LAYOUT[q.scale_layout], PER_TENSOR=False,
+                          TWO_LEVEL=q.global_scale is not None, OUT=_OUT[dtype], **ce)
+    return out.reshape(shape)
+
+
+# ============================================================================ DeepGEMM adapter
+
+
+def deep_gemm_supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_major", **_) -> tuple[bool, str]:
+    """Whether DeepGEMM's own quantizer (``deep_gemm.utils.per_token_cast_to_fp8``) can produce
+    ``scheme``: DeepGEMM installed, a CUDA tensor, FP8 E4M3 1xG with the ``deepgemm`` preset."""
+    try:
+        import deep_gemm  # noqa: F401
+    except Exception as e:  # ImportError, or a broken build
+        return False, f"deep_gemm is not importable ({type(e).__name__}: {e})"
+    if x is not None and (not isinstance(x, torch.Tensor) or x.device.type != "cuda" or x.dim() != 2):
+        return False, "deep_gemm's quantizer takes a 2-D CUDA tensor"
+    if scheme is None:
+        return True, "ok"
+    if scheme.element != "e4m3fn" or scheme.family != "blockwise" or len(scheme.block) != 2 \
+            or scheme.block[0] != 1 or scheme.block[1] is None:
+        return False, "deep_gemm's per_token_cast_to_fp8 produces E4M3 1xG groups only"
+    if scheme.preset.name != "deepgemm":
+        return False, f"deep_gemm computes the 'deepgemm' preset, not {scheme.preset.name!r}"
+    if scale_layout not in ("row_major", "mn_major", "packed_ue8m0"):
+        return False, f"scale_layout {scale_layout!r} is not produced by deep_gemm"
+    if scale_layout == "packed_ue8m0" and scheme.scale_format != "ue8m0":
+        return False, "packed_ue8m0 needs UE8M0 scales"
+    return True, "ok"
+
+
+def deep_gemm_quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major") -> FastQuantized:
+    """DeepGEMM's torch quantizer (``per_token_cast_to_fp8``, then ``get_mn_major_tma_aligned_tensor``
+    or ``get_mn_major_tma_aligned_packed_ue8m0_tensor``) wrapped as a :class:`FastQuantized`.
+
+    Used to cross-check the Triton kernels on the GPU and as a speed baseline. The storage of
+    mn_major / packed layouts is DeepGEMM's (its MN padding is not written: ``torch.empty_strided``)."""
+    ok, why = deep_gemm_supports(scheme, x, scale_layout)
+    if not ok:
+        raise ValueError(f"deep_gemm quantize cannot run: {why}")
+    import deep_gemm
+
+    gs = scheme.block[1]
+    ue8m0 = scheme.scale_format == "ue8m0"
+    q, sf = deep_gemm.utils.per_token_cast_to_fp8(x, use_ue8m0=ue8m0, gran_k=gs)
+    codes = q.view(torch.uint8)
+    if scale_layout == "row_major":
+        scales = sf if not ue8m0 else ((sf.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    elif scale_layout == "mn_major":
+        if ue8m0:
+            raise ValueError("deep_gemm's MN-major FP32 layout holds FP32 scales; use packed_ue8m0")
+        v = deep_gemm.utils.get_mn_major_tma_aligned_tensor(sf)
+        scales = torch.as_strided(v, (v.shape[1], v.stride(1)), (v.stride(1), 1))
+    else:
+        v = deep_gemm.utils.get_mn_major_tma_aligned_packed_ue8m0_tensor(sf)
+        scales = torch.as_strided(v, (v.shape[1], v.stride(1)), (v.stride(1), 1))
+    return FastQuantized(codes, scales, scale_layout, scheme, tuple(x.shape))

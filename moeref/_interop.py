@@ -1,0 +1,66 @@
+"""NumPy <-> torch bridging without copies where possible.
+
+torch is optional. ``to_numpy`` turns a torch tensor into a NumPy array with the matching dtype
+(bfloat16 and the float8 dtypes through a bit view into ml_dtypes, since ``Tensor.numpy()`` rejects
+them); ``to_torch`` goes back. Everything else passes through unchanged.
+"""
+from __future__ import annotations
+
+import numpy as np
+import ml_dtypes
+
+__all__ = ["is_torch_tensor", "to_numpy", "to_torch", "torch_dtype_for"]
+
+_BITVIEW = {  # torch dtype name -> (integer view dtype name, ml_dtypes/numpy dtype)
+    "bfloat16": ("int16", ml_dtypes.bfloat16),
+    "float8_e4m3fn": ("uint8", ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": ("uint8", ml_dtypes.float8_e5m2),
+    "float8_e4m3fnuz": ("uint8", ml_dtypes.float8_e4m3fnuz),
+    "float8_e5m2fnuz": ("uint8", ml_dtypes.float8_e5m2fnuz),
+    "float8_e8m0fnu": ("uint8", ml_dtypes.float8_e8m0fnu),
+}
+
+
+def is_torch_tensor(x) -> bool:
+    t = type(x)
+    return t.__module__.startswith("torch") and t.__name__ in ("Tensor", "Parameter")
+
+
+def to_numpy(x):
+    """NumPy view of a torch tensor (moved to CPU first); other objects are returned unchanged."""
+    if not is_torch_tensor(x):
+        return x
+    import torch
+
+    x = x.detach()
+    if x.device.type != "cpu":
+        x = x.cpu()
+    name = str(x.dtype).replace("torch.", "")
+    if name in _BITVIEW:
+        int_name, np_dtype = _BITVIEW[name]
+        return x.contiguous().view(getattr(torch, int_name)).numpy().view(np_dtype)
+    return x.numpy()
+
+
+def torch_dtype_for(np_dtype):
+    import torch
+
+    np_dtype = np.dtype(np_dtype)
+    for name, (_, ml) in _BITVIEW.items():
+        if np_dtype == np.dtype(ml):
+            return getattr(torch, name)
+    return torch.from_numpy(np.zeros(0, np_dtype)).dtype
+
+
+def to_torch(a: np.ndarray, device=None):
+    """torch tensor sharing memory with ``a`` where possible (bf16/fp8 through bit views)."""
+    import torch
+
+    a = np.ascontiguousarray(a)
+    for name, (int_name, ml) in _BITVIEW.items():
+        if a.dtype == np.dtype(ml):
+            t = torch.from_numpy(a.view(np.dtype(int_name))).view(getattr(torch, name))
+            break
+    else:
+        t = torch.from_numpy(a)
+    return t if device is None else t.to(device)

@@ -1,0 +1,302 @@
+"""Sound per-element error bounds for a MoE layer computed with a declared arithmetic (a :class:`Profile`).
+
+The reference (:func:`moeref.moe.run_moe`) computes the layer exactly per block, in float64. A
+kernel that follows the same semantics but accumulates in lower precision differs from it by at
+most the bound built here, stage by stage (derivation: docs/error-bounds.md). With
+``gamma(n, u) = n u / (1 - n u)`` (Higham, Accuracy and Stability, Lemma 3.1):
+
+1. **GEMM** (``K`` columns, ``S`` scale blocks along K): within a promotion chunk of ``c`` columns
+   the accumulator has unit roundoff ``u_acc`` (Hopper FP8 tensor cores keep about 14 bits until
+   DeepGEMM promotes every 128 columns into FP32 registers; a plain FP32 GEMM has ``c = K``); the
+   promoted sum, the scale multiplications and the bias add are FP32. Any order of the sums gives
+   ``|C~ - C| <= coef * (|A| |B|^T + |bias|)`` with
+   ``coef = gamma(c + 1, u_acc) + (1 + gamma(c + 1, u_acc)) * gamma(ceil(K/c) + S + 3, u_fp32)``.
+   Products of FP8/FP4/bf16 elements are exact in FP32, so the accumulation terms carry it all.
+   A stored GEMM output (bf16) adds ``u_out (|C| + bound)``.
+2. **Activation**: Lipschitz bounds on the gate function (``|silu'| <= 1.0998``, ``|gelu'| <= 1.129``,
+   clamps are 1-Lipschitz) and ``|f(g)| <= |g|`` give, for ``f(g) * up(u)``,
+   ``dx <= L dg (|u| + |beta|) + (|g| + dg) du``; ``relu2``: ``dh (2|h| + dh)``. The kernel's own
+   evaluation and store add ``u_act (|x| + dx)``.
+3. **Intermediate re-quantization** (flip-aware). The kernel rounds ``x~`` where the reference rounds
+   ``x``. The candidate's block scale lies between the scale of the block with every magnitude
+   lowered by ``dx`` and raised by ``dx`` (every scale rule is monotone in the amax); if those agree,
+   the candidate's element lies between the roundings of ``(x - dx)/s`` and ``(x + dx)/s``, so an
+   element whose interval contains no rounding boundary has uncertainty 0 and one that straddles a
+   boundary gets the full distance to the reachable grid values (one element-format ulp at its block
+   scale when ``dx`` is small). Otherwise ``|q~ - q| <= dx + |x - q| + s_hi gap/2 + clip``.
+4. **GEMM2**: ``dy <= |W2| unc + coef (|xq| + unc) |W2|^T + ...`` (the ``|w2|`` sums of the uncertain
+   intermediate elements).
+5. **Finalize**: ``sum_j |w_j| dy_j + gamma(k + 2, u_red) sum_j |w_j| (|y_j| + dy_j)``, shared experts
+   added the same way, then the output store ``u_out (|out| + bound)``.
+
+Every term is an upper bound of the exact error of an implementation that follows the declared
+arithmetic, whatever its summation order or chunking: honest kernels never fail. A wrong kernel
+fails wherever its error exceeds what that arithmetic can produce.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..activations import ACTIVATIONS, split_w13
+from ..dispatch import weight_and_reduce
+from ..gemm.exact import BlockOperand, as_operand
+from ..gemm.grouped import ExpertOperands, expert_rows_gemm
+
+__all__ = [
+    "Profile",
+    "EXACT",
+    "FP32_ACCUM",
+    "BF16_OUTPUT",
+    "HOPPER_FP8_DEEPGEMM",
+    "PROFILES",
+    "gamma",
+    "gemm_coefficient",
+    "activation_error",
+    "requant_uncertainty",
+    "layer_bound",
+]
+
+U_FP32 = 2.0**-24
+U_BF16 = 2.0**-8
+
+
+def gamma(n, u: float) -> float:
+    """``n u / (1 - n u)`` (Higham's gamma_n); ``inf`` when ``n u >= 1``.
+
+    >>> gamma(128, 2.0**-24) < 128 * 2.0**-24 * 1.00001
+    True
+    """
+    nu = float(n) * u
+    return math.inf if nu >= 1 else nu / (1.0 - nu)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The arithmetic a kernel declares.
+
+    Attributes:
+        name, description: labels.
+        accum_unit: unit roundoff of the GEMM accumulator between promotions (FP32: ``2^-24``;
+            Hopper FP8 WGMMA: ``2^-13``, about 14 bits kept, truncating).
+        promote_every: K columns after which partial sums are promoted to FP32 (DeepGEMM: 128);
+            None: never (one accumulator over K).
+        promote_unit: unit roundoff of the promoted sum, scale products and bias add (FP32).
+        gemm_out_unit: rounding of each GEMM output store (bf16 ``2^-8``; 0 for none).
+        act_unit: relative error of evaluating and storing the activation (incl. a bf16 store).
+        reduce_unit: unit roundoff of the top-k weighted sum (FP32).
+        out_unit: rounding of the output store (bf16 ``2^-8``, FP32 ``2^-24``).
+    """
+
+    name: str
+    description: str = ""
+    accum_unit: float = U_FP32
+    promote_every: int | None = None
+    promote_unit: float = U_FP32
+    gemm_out_unit: float = 0.0
+    act_unit: float = 16 * U_FP32
+    reduce_unit: float = U_FP32
+    out_unit: float = U_FP32
+
+
+EXACT = Profile("EXACT", "float64 reference against itself (only float64 roundings)",
+                accum_unit=2.0**-52, promote_unit=2.0**-52, act_unit=2.0**-48, reduce_unit=2.0**-52,
+                out_unit=0.0)
+FP32_ACCUM = Profile("FP32_ACCUM", "FP32 accumulation in any order/chunking, FP32 intermediates and output")
+BF16_OUTPUT = Profile("BF16_OUTPUT", "FP32 accumulation; GEMM outputs, activations and output stored as bf16 "
+                      "(torch bf16 matmul, vLLM Triton fused_moe)", gemm_out_unit=U_BF16,
+                      act_unit=U_BF16 + 16 * U_FP32, out_unit=U_BF16)
+HOPPER_FP8_DEEPGEMM = Profile(
+    "HOPPER_FP8_DEEPGEMM",
+    "Hopper FP8 WGMMA: ~14-bit accumulation promoted to FP32 every 128 K (DeepGEMM), bf16 GEMM outputs "
+    "and output", accum_unit=2.0**-13, promote_every=128, gemm_out_unit=U_BF16,
+    act_unit=U_BF16 + 16 * U_FP32, out_unit=U_BF16)
+PROFILES = {p.name: p for p in (EXACT, FP32_ACCUM, BF16_OUTPUT, HOPPER_FP8_DEEPGEMM)}
+
+
+def gemm_coefficient(profile: Profile, k: int, num_k_blocks: int = 1) -> float:
+    """``coef`` of stage 1: ``|C~ - C| <= coef * (|A||B|^T + |bias|)`` (module docstring)."""
+    c = k if profile.promote_every is None else min(profile.promote_every, k)
+    c = max(c, 1)
+    g_acc = gamma(c + 1, profile.accum_unit)
+    n_prom = -(-k // c) + num_k_blocks + 3
+    return g_acc + (1.0 + g_acc) * gamma(n_prom, profile.promote_unit)
+
+
+_LIPSCHITZ = {"silu": 1.0998, "gelu": 1.1290}
+_GATED = {  # name -> (gate family, layout override, |up offset| param)
+    "silu_and_mul": ("silu", None, None),
+    "mul_and_silu": ("silu", "up_gate", None),
+    "gelu_and_mul": ("gelu", None, None),
+    "swigluoai": ("silu", None, 1.0),
+    "swiglu_bias": ("silu", None, "beta"),
+    "swiglustep": ("silu", None, None),
+}
+
+
+def activation_error(name: str, h: np.ndarray, dh: np.ndarray, w13_layout: str, params: dict | None = None) -> np.ndarray:
+    """Bound on ``|act(h~) - act(h)|`` for ``|h~ - h| <= dh`` (stage 2), shape of the activation output.
+
+    >>> float(activation_error("relu2_no_mul", np.array([3.0]), np.array([0.5]), "gate_up")[0])
+    3.25
+    """
+    params = dict(params or {})
+    h = np.asarray(h, dtype=np.float64)
+    dh = np.asarray(dh, dtype=np.float64)
+    if name in _GATED:
+        fam, lay, beta = _GATED[name]
+        lay = lay or params.get("layout", w13_layout)
+        g, u = split_w13(h, lay, axis=-1)
+        dg, du = split_w13(dh, lay, axis=-1)
+        b = abs(float(params.get("beta", 0.0))) if beta == "beta" else (beta or 0.0)
+        # sigmoid(alpha g) scaling does not change the Lipschitz constant of g*sigmoid(alpha g)
+        return _LIPSCHITZ[fam] * dg * (np.abs(u) + b) + (np.abs(g) + dg) * du
+    if name == "relu2_no_mul":
+        return dh * (2.0 * np.abs(h) + dh)
+    if name == "silu_no_mul":
+        return _LIPSCHITZ["silu"] * dh
+    if name == "gelu_no_mul":
+        return _LIPSCHITZ["gelu"] * dh
+    raise ValueError(f"no error bound for activation {name!r}; known: {', '.join(ACTIVATIONS)}")
+
+
+def _quantize_with(quantizer, x):
+    from ..moe.pipeline import _run_quantizer
+
+    return _run_quantizer(quantizer, x)[1]
+
+
+def _gap(fmt, v: np.ndarray) -> np.ndarray:
+    """Spacing of the element grid at magnitude ``v`` (>= the gap just above ``v``)."""
+    if fmt.kind == "int":
+        return np.ones_like(v)
+    vmax = fmt.max_finite
+    vv = np.clip(v, fmt.min_normal, vmax)
+    e = np.floor(np.log2(vv))
+    return np.exp2(e - fmt.man_bits + 1.0)  # one binade up covers boundary cases
+
+
+def requant_uncertainty(x: np.ndarray, dx: np.ndarray, quantizer, qt) -> tuple[np.ndarray, int]:
+    """Bound on ``|q~ - q|`` for the re-quantized intermediate (stage 3, flip-aware), and the number
+    of elements whose rounding can flip.
+
+    ``x``: float64 ``[R, N]`` the reference's activation output (valid rows), ``dx`` its bound,
+    ``quantizer``: the ``a2`` quantizer, ``qt``: the reference's quantized ``x``.
+    """
+    from ..formats import round_to_format
+    from ..quant.blockwise import expand_to_elements
+
+    x = np.asarray(x, dtype=np.float64)
+    dx = np.asarray(dx, dtype=np.float64)
+    if x.size == 0 or not np.any(dx > 0):
+        return np.zeros_like(x), 0
+    scheme = qt.scheme
+    fmt = scheme.element_format
+    q_ref = qt.dequantize(np.float64)
+    s_ref = expand_to_elements(qt.scale_values(), qt.block_shape, qt.shape)
+    mag = np.abs(x)
+    sign = np.where(x < 0, -1.0, 1.0)
+    up = _quantize_with(quantizer, sign * (mag + dx))
+    dn = _quantize_with(quantizer, sign * np.maximum(mag - dx, 0.0))
+    s_hi = np.maximum(expand_to_elements(up.scale_values(), up.block_shape, up.shape), s_ref)
+    s_lo = np.minimum(expand_to_elements(dn.scale_values(), dn.block_shape, dn.shape), s_ref)
+    # the candidate's scaled value x~/s~ lies in [t_lo, t_hi] for any s~ in [s_lo, s_hi]
+    s_lo_safe = np.where(s_lo > 0, s_lo, s_hi)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        ends = np.stack([(x - dx) / s_lo_safe, (x - dx) / s_hi, (x + dx) / s_lo_safe, (x + dx) / s_hi])
+    ends = np.where(np.isfinite(ends), ends, 0.0)
+    t_lo, t_hi = ends.min(axis=0), ends.max(axis=0)
+    # x * fl(1/s) or x / s in FP32 adds at most two roundings: widen by 2^-20 relative
+    widen = 2.0**-20 * np.maximum(np.abs(t_lo), np.abs(t_hi)) + 1e-300
+    zp = getattr(qt, "zero_points", None)
+    if fmt.kind == "int" or zp is not None:
+        r_lo, r_hi = np.floor(t_lo - widen), np.ceil(t_hi + widen)
+    else:
+        nan_code = None if fmt.has_nan else 0
+        rounding = scheme.preset.rounding
+        r_lo = round_to_format(t_lo - widen, fmt, overflow="saturate", rounding=rounding, nan_code=nan_code)
+        r_hi = round_to_format(t_hi + widen, fmt, overflow="saturate", rounding=rounding, nan_code=nan_code)
+    # q~ = s~ * code~ is monotone in each factor: its extremes are at the corners
+    corners = np.stack([s_lo * r_lo, s_lo * r_hi, s_hi * r_lo, s_hi * r_hi])
+    unc = np.abs(corners - q_ref).max(axis=0)
+    unc = np.where(np.isfinite(unc), unc, np.inf)
+    return unc, int(np.count_nonzero(r_lo != r_hi))
+
+
+@dataclass(frozen=True, eq=False)
+class LayerBound:
+    """``bound`` float64 ``[M, K]`` plus per-slot bounds ``slot_bound [M*k, K]`` (first chunk layout)."""
+
+    bound: np.ndarray
+    flips: int
+
+
+def _num_k_blocks(a: BlockOperand, w: BlockOperand) -> int:
+    k = a.values.shape[1]
+    bk = max(1, min(a.block[1], w.block[1], max(k, 1)))
+    return -(-k // bk)
+
+
+def _chunk_bound(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, int]:
+    """Per-token bound of one chunk (stages 1-5 without the output store) and the count of
+    intermediate elements whose rounding can flip."""
+    w13 = ExpertOperands(weights.w13, "w13")
+    w2 = ExpertOperands(weights.w2, "w2")
+    valid = e.valid
+    rows = p.row_expert
+    used = np.unique(rows[valid])
+    if used.size == 0:
+        return np.zeros((p.num_tokens, e.y.shape[1])), 0
+    e0 = int(used[0])
+    k1 = p.a.values.shape[1]
+    c1 = gemm_coefficient(profile, k1, _num_k_blocks(p.a, w13[e0]))
+    s1 = expert_rows_gemm(p.a, rows, w13, weights.b13, abs_values=True)
+    dh = c1 * s1
+    dh += profile.gemm_out_unit * (np.abs(e.h) + dh)
+    dx = activation_error(cfg["activation"], e.h, dh, weights.w13_layout, cfg["activation_params"])
+    dx += profile.act_unit * (np.abs(e.x) + dx)
+    dx[~valid] = 0.0
+    quant = cfg["quant"]
+    flips = 0
+    if e.a2 is None:
+        unc = dx
+    else:
+        vidx = np.flatnonzero(valid)
+        unc = np.zeros_like(dx)
+        unc[vidx], flips = requant_uncertainty(e.x[vidx], dx[vidx], quant.a2, e.a2)
+    xq_abs = np.abs(e.xq.dequantize())
+    c2 = gemm_coefficient(profile, xq_abs.shape[1], _num_k_blocks(e.xq, w2[e0]))
+    s_unc = expert_rows_gemm(unc, rows, w2, None, abs_values=True)
+    s2 = expert_rows_gemm(xq_abs + unc, rows, w2, weights.b2, abs_values=True)
+    dy = s_unc + c2 * s2
+    dy += profile.gemm_out_unit * (np.abs(e.y) + dy)
+    w_abs = np.abs(p.topk_weights)
+    k = p.top_k
+    d_tok = weight_and_reduce(dy, p.src, w_abs, p.num_tokens, apply_weights=p.apply_weights, out_dtype=np.float64)
+    mag = weight_and_reduce(np.abs(e.y) + dy, p.src, w_abs, p.num_tokens, apply_weights=p.apply_weights,
+                            out_dtype=np.float64)
+    return d_tok + gamma(k + 2, profile.reduce_unit) * mag, flips
+
+
+def layer_bound(run, profile: Profile) -> LayerBound:
+    """Per-element bound ``[M, K]`` for a traced reference ``run`` (:func:`moeref.moe.run_moe`)."""
+    cfg = run.config
+    weights = cfg["weights"]
+    parts, flips = [], 0
+    for p, e in run.chunks:
+        b, f = _chunk_bound(p, e, weights, profile, cfg)
+        parts.append(b)
+        flips += f
+    bound = np.concatenate(parts, axis=0) if parts else np.zeros_like(run.output)
+    if run.shared is not None:
+        sw = cfg["shared_experts"].as_weights()
+        sparts = []
+        for p, e in run.shared_chunks:
+            b, f = _chunk_bound(p, e, sw, profile, cfg)
+            sparts.append(b)
+            flips += f
+        bound = bound + np.concatenate(sparts, axis=0) + profile.reduce_unit * 2 * (np.abs(run.output) + bound)
+    bound = bound + profile.out_unit * (np.abs(run.output) + bound)
+    return LayerBound(bound, flips)

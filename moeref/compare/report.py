@@ -1,0 +1,186 @@
+"""``compare(candidate, reference, profile) -> Report``: per-element bound checks, per-token and
+per-expert violation groups, and the conventional metrics side by side.
+
+A violation is an element where ``|candidate - reference| > bound`` (NaN counts as a violation unless
+the reference is NaN there too). The conventional metrics are reported for orientation only:
+
+* relative L2 ``||c - r|| / ||r||``;
+* DeepGEMM ``calc_diff = 1 - 2 sum(c r) / sum(c^2 + r^2)`` (``deep_gemm/testing/numeric.py``);
+* SQNR ``20 log10(||r|| / ||r - c||)`` dB (torchao ``compute_error``);
+* cosine similarity; max abs error;
+* vLLM-style checks: ``atol=2e-2, rtol=0`` (``tests/kernels/moe/test_moe.py``) and
+  ``atol=rtol=3e-2`` (modular-kernel harness), DeepGEMM ``calc_diff < 1e-3``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .bounds import Profile, layer_bound
+
+__all__ = ["Report", "compare", "conventional_checks", "metrics"]
+
+
+def metrics(candidate, reference) -> dict:
+    """Conventional whole-tensor metrics in float64 (NaN where the candidate has NaN).
+
+    >>> m = metrics(np.array([1.0, 2.0]), np.array([1.0, 2.0]))
+    >>> m["rel_l2"], m["calc_diff"], m["cosine"], m["max_abs"]
+    (0.0, 0.0, 1.0, 0.0)
+    """
+    c = np.asarray(candidate, dtype=np.float64).ravel()
+    r = np.asarray(reference, dtype=np.float64).ravel()
+    d = c - r
+    nr, nc, nd = np.linalg.norm(r), np.linalg.norm(c), np.linalg.norm(d)
+    denom = float(np.sum(c * c + r * r))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return {
+            "rel_l2": float(nd / nr) if nr else float(nd),
+            "calc_diff": float(1.0 - 2.0 * np.sum(c * r) / denom) if denom else 0.0,
+            "sqnr_db": float(20 * np.log10(nr / nd)) if nd else float("inf"),
+            "cosine": float(np.sum(c * r) / (nr * nc)) if nr and nc else float("nan"),
+            "max_abs": float(np.max(np.abs(d))) if d.size else 0.0,
+        }
+
+
+def conventional_checks(candidate, reference) -> dict:
+    """The tolerance checks MoE suites use, as ``name -> passed`` (NaN fails, as torch's)."""
+    c = np.asarray(candidate, dtype=np.float64)
+    r = np.asarray(reference, dtype=np.float64)
+    d = np.abs(c - r)
+
+    def close(atol, rtol):
+        return bool(np.all(d <= atol + rtol * np.abs(r)))
+
+    cd = metrics(c, r)["calc_diff"]
+    return {
+        "vLLM atol=2e-2 rtol=0": close(2e-2, 0.0),
+        "vLLM modular atol=rtol=3e-2": close(3e-2, 3e-2),
+        "DeepGEMM calc_diff<1e-3": bool(cd < 1e-3),
+    }
+
+
+@dataclass(frozen=True, eq=False)
+class Report:
+    """Result of :func:`compare`.
+
+    ``error``/``bound``: float64 ``[M, K]``; ``violations``: bool ``[M, K]``; ``token_violations``:
+    int ``[M]`` (violating elements per token); ``expert_violations``: ``{global expert: tokens with a
+    violation routed to it}``; ``metrics``/``checks``: :func:`metrics`, :func:`conventional_checks`;
+    ``flips``: intermediate elements whose rounding the declared arithmetic may flip.
+    """
+
+    profile: Profile
+    error: np.ndarray
+    bound: np.ndarray
+    violations: np.ndarray
+    token_violations: np.ndarray
+    expert_violations: dict
+    metrics: dict
+    checks: dict
+    flips: int = 0
+    label: str = ""
+    topk_ids: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def passed(self) -> bool:
+        return not bool(self.violations.any())
+
+    @property
+    def num_violations(self) -> int:
+        return int(self.violations.sum())
+
+    def worst_tokens(self, n: int = 5) -> list[dict]:
+        """Up to ``n`` violating tokens, worst ``error / bound`` first."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(np.isnan(self.error), np.inf, self.error / np.maximum(self.bound, 1e-300))
+        bad = np.flatnonzero(self.token_violations)
+        if bad.size == 0:
+            return []
+        worst = ratio[bad].max(axis=1)
+        order = bad[np.argsort(-worst, kind="stable")][:n]
+        out = []
+        for t in order.tolist():
+            col = int(np.argmax(np.where(self.violations[t], ratio[t], -np.inf)))
+            experts = [] if self.topk_ids is None else [int(e) for e in self.topk_ids[t] if e >= 0]
+            out.append({"token": t, "elements": int(self.token_violations[t]), "column": col,
+                        "error": float(self.error[t, col]), "bound": float(self.bound[t, col]),
+                        "ratio": float(ratio[t, col]), "experts": experts})
+        return out
+
+    def summary(self) -> str:
+        """Plain-text report."""
+        m, k = self.error.shape if self.error.ndim == 2 else (self.error.size, 1)
+        head = f"{'PASS' if self.passed else 'FAIL'} {self.label} [{self.profile.name}] {m}x{k}: "
+        head += f"{self.num_violations} element(s) beyond the bound in {int((self.token_violations > 0).sum())} token(s)"
+        lines = [head]
+        mt = self.metrics
+        lines.append(
+            f"  rel_l2={mt['rel_l2']:.3g} calc_diff={mt['calc_diff']:.3g} sqnr={mt['sqnr_db']:.1f}dB "
+            f"cosine={mt['cosine']:.6f} max_abs={mt['max_abs']:.3g} (intermediate flips allowed: {self.flips})"
+        )
+        lines.append("  conventional: " + ", ".join(f"{n}: {'pass' if ok else 'FAIL'}" for n, ok in self.checks.items()))
+        for w in self.worst_tokens():
+            lines.append(
+                f"  token {w['token']}: {w['elements']} element(s), worst col {w['column']} "
+                f"|err|={w['error']:.3g} > bound {w['bound']:.3g} (x{w['ratio']:.3g}); experts {w['experts']}"
+            )
+        if self.expert_violations:
+            top = sorted(self.expert_violations.items(), key=lambda kv: -kv[1])[:8]
+            lines.append("  experts of violating tokens: " + ", ".join(f"{e}:{c}" for e, c in top))
+        return "\n".join(lines)
+
+    def __rich__(self):
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        ok = self.passed
+        title = Text(f"{'PASS' if ok else 'FAIL'} ", style="bold green" if ok else "bold red")
+        title.append(f"{self.label} [{self.profile.name}]: {self.num_violations} element(s) beyond the bound, "
+                     f"{int((self.token_violations > 0).sum())} token(s)")
+        mt = self.metrics
+        conv = Table(title="conventional checks", show_header=True)
+        conv.add_column("check")
+        conv.add_column("result")
+        for n, passed in self.checks.items():
+            conv.add_row(n, Text("pass", style="green") if passed else Text("FAIL", style="red"))
+        conv.add_row("rel_l2 / calc_diff / SQNR / cosine",
+                     f"{mt['rel_l2']:.3g} / {mt['calc_diff']:.3g} / {mt['sqnr_db']:.1f} dB / {mt['cosine']:.5f}")
+        parts = [title, conv]
+        worst = self.worst_tokens()
+        if worst:
+            t = Table(title="worst tokens", show_header=True)
+            for c in ("token", "elements", "col", "|err|", "bound", "x bound", "experts"):
+                t.add_column(c)
+            for w in worst:
+                t.add_row(str(w["token"]), str(w["elements"]), str(w["column"]), f"{w['error']:.3g}",
+                          f"{w['bound']:.3g}", Text(f"{w['ratio']:.3g}", style="red"), str(w["experts"]))
+            parts.append(t)
+        return Group(*parts)
+
+
+def compare(candidate, reference, profile: Profile, *, label: str = "") -> Report:
+    """Check ``candidate`` (float ``[M, K]``, any dtype incl. bf16/torch) against a traced reference
+    run (:func:`moeref.moe.run_moe`) under the arithmetic ``profile`` declares."""
+    from .. import _interop
+
+    c = np.asarray(_interop.to_numpy(candidate)).astype(np.float64)
+    r = np.asarray(reference.output, dtype=np.float64)
+    if c.shape != r.shape:
+        raise ValueError(f"candidate has shape {c.shape} but the reference output has {r.shape}")
+    lb = layer_bound(reference, profile)
+    err = np.abs(c - r)
+    ok = (err <= lb.bound) | (np.isnan(c) & np.isnan(r))
+    viol = ~ok
+    tok = viol.sum(axis=1) if viol.ndim == 2 else viol.astype(np.int64)
+    ids = [p.topk_ids for p, _ in reference.chunks]
+    topk_ids = np.concatenate(ids, axis=0) if ids else None
+    experts: dict = {}
+    if topk_ids is not None and topk_ids.size and tok.any():
+        sel = topk_ids[tok > 0]
+        e, cnt = np.unique(sel[sel >= 0], return_counts=True)
+        experts = {int(a): int(b) for a, b in zip(e, cnt)}
+    return Report(profile, err, lb.bound, viol, tok, experts, metrics(c, r), conventional_checks(c, r),
+                  lb.flips, label, topk_ids)

@@ -1,0 +1,293 @@
+"""``moeref explain SCHEME``: walk a small example through a scaling scheme, step by step.
+
+For each preset asked for, the example is quantized with :func:`moeref.quant.quantize` and every
+intermediate is read back from the :class:`~moeref.quant.QuantizedTensor` (nothing is recomputed
+here): the block amax, the global scale of two-level schemes (NVFP4), each block's stored scale
+code and the decode multiplier it stands for, then each element's scaled value ``x / scale``, its
+code, its decoded value and the error. Notes flag the interesting cases: an exact tie of the
+element rounding, a saturated element, a negative zero, and codes that differ between presets.
+
+The default example (``seed=0``) is hand-picked: 32 values in two rows of 16 for 2-D blocks, or one
+row of 32, holding ties of E2M1 rounding (2.5, -5, 0.25, 1.75, 3.5, 0.75, 1.25), a tiny negative
+value, and a second block whose amax 1.125 puts the NVFP4 scale exactly on a UE4M3 tie (84 lies
+half-way between 80 and 88), which TransformerEngine's and FlashInfer's operation orders round
+differently (notes §4.4). Any other seed draws random data with a few outliers.
+
+Plain data (:func:`explain_steps`) is separate from the ``rich`` rendering (:func:`explain`) so
+that both can be tested; :func:`explain_text` renders to a string.
+
+>>> steps = explain_steps("nvfp4", presets=["te", "flashinfer"])
+>>> [r["blocks"][1]["scale code"] for r in steps["runs"]]
+['0x6b', '0x6a']
+>>> [r["blocks"][1]["scale"] for r in steps["runs"]]
+['88', '80']
+"""
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+
+from .formats import decode_table, representable_values
+
+__all__ = ["example_input", "explain_steps", "explain", "explain_text"]
+
+MAX_ELEMENTS = 64  # the walk lists every element; keep examples small
+
+_CURATED = np.array(
+    [6.0, 2.5, -5.0, 0.25, 1.75, 3.5, 0.75, 1.25, -0.1, 4.4, 3.0, -1.0, 0.5, 2.0, 5.5, -2.9,
+     1.125, -0.9, 0.3, 0.6, -0.45, 0.15, 0.05, -1.0, 0.8, 0.7, -0.2, 0.33, 0.0, 0.99, -0.55, 0.4],
+    np.float32)
+
+
+def _schemes():
+    from .quant import SCHEMES
+
+    return SCHEMES
+
+
+def _make_scheme(name: str, preset):
+    schemes = _schemes()
+    if not isinstance(name, str) or name not in schemes:
+        raise ValueError(f"unknown scheme {name!r}; accepted: {', '.join(schemes)}")
+    factory = schemes[name]
+    if preset is None:
+        return factory()
+    if "preset" not in inspect.signature(factory).parameters:
+        raise ValueError(f"scheme {name!r} has no presets to choose from; drop --preset")
+    return factory(preset=preset)
+
+
+def _two_d(scheme) -> bool:
+    return len(scheme.block) >= 2 and scheme.block[-2] not in (None, 1)
+
+
+def example_input(scheme_name: str, seed: int = 0) -> np.ndarray:
+    """The example walked by :func:`explain`: float32, shape ``(1, 32)`` or ``(2, 16)`` (2-D blocks).
+
+    ``seed=0``: the hand-picked values (module docstring); otherwise standard normal values with
+    two outliers (x8), rounded to 3 significant digits so the table reads easily.
+
+    >>> example_input("nvfp4").shape, example_input("nvfp4_weight").shape
+    ((1, 32), (2, 16))
+    """
+    scheme = _make_scheme(scheme_name, None)
+    if seed == 0:
+        x = _CURATED.copy()
+    else:
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal(32)
+        x[rng.choice(32, 2, replace=False)] *= 8.0
+        x = np.array([float(f"{v:.3g}") for v in x], np.float32)
+    return x.reshape((2, 16) if _two_d(scheme) else (1, 32))
+
+
+def _num(v: float) -> str:
+    v = float(v)
+    if np.isnan(v):
+        return "NaN"
+    if np.isinf(v):
+        return "-Inf" if v < 0 else "Inf"
+    if v == 0:
+        return "-0" if np.signbit(v) else "0"
+    return f"{v:.6g}"
+
+
+def _block_amax(x: np.ndarray, block) -> np.ndarray:
+    from .quant.blockwise import block_reduce, block_view
+
+    return block_reduce(block_view(x.astype(np.float64), block), len(block), "amax")
+
+
+def _global_rows(q) -> list[tuple[str, str]] | None:
+    if q.global_scale is None:
+        return None
+    rows = [("global decode factor g", _num(q.global_scale))]
+    if q.scheme.family == "nvfp4":
+        from .quant.nvfp4 import global_scale_as
+
+        conv = q.scheme.preset.option("global_convention")
+        rows.insert(0, ("stored global scale", f"{_num(global_scale_as(q, conv))} ({conv})"))
+        rows.append(("encode scale 1/g = 2688/amax", _num(global_scale_as(q, "encode_scale"))))
+    return rows
+
+
+def explain_steps(scheme_name: str, presets=None, x=None, seed: int = 0) -> dict:
+    """The walk as plain data.
+
+    Args:
+        scheme_name: a key of :data:`moeref.quant.SCHEMES` (``"nvfp4"``, ``"mxfp4"``, ...).
+        presets: None (the scheme's default preset) or a list of preset names (NVFP4 also takes
+            the short orders ``"te"``, ``"flashinfer"``, ``"vllm"``, ``"torchao"``).
+        x: example data (at most 64 elements; 1-D input is one row); None = :func:`example_input`.
+        seed: example seed (0 = the hand-picked example).
+
+    Returns:
+        ``{"scheme": str, "shape": tuple, "runs": [run, ...]}``; each run has ``"preset"``,
+        ``"description"``, ``"global"`` (rows or None), ``"blocks"`` (one dict per block: index,
+        amax, scale code, scale, decode multiplier) and ``"elements"`` (one dict per element:
+        index, block, x, x / scale, code, value, dequantized, error, note).
+    """
+    from .quant import quantize
+
+    preset_list = [None] if not presets else list(presets)
+    schemes = [_make_scheme(scheme_name, p) for p in preset_list]
+    if x is None:
+        xa = example_input(scheme_name, seed)
+    else:
+        from ._checks import as_float_array
+
+        xa = np.asarray(as_float_array(x, "x"))
+        if xa.ndim == 1:
+            xa = xa[None, :]
+        if xa.size > MAX_ELEMENTS or xa.size == 0:
+            raise ValueError(f"x must hold 1..{MAX_ELEMENTS} elements to be walked; got shape {xa.shape}")
+    runs = []
+    for scheme in schemes:
+        q = quantize(xa, scheme)
+        block = q.block_shape
+        el = scheme.element_format
+        amax = _block_amax(xa, block)
+        sv = q.scale_values()
+        grid_codes = q.scales
+        blocks = []
+        for idx in np.ndindex(*amax.shape):
+            code = grid_codes[idx]
+            blocks.append({
+                "block": str(idx),
+                "amax": _num(amax[idx]),
+                "scale code": f"0x{int(code):02x}" if code.dtype == np.uint8 else "fp32",
+                "scale": _num(_scale_value(q, idx)),
+                "decode multiplier": _num(sv[idx]),
+            })
+        from .quant.blockwise import expand_to_elements
+
+        d = expand_to_elements(sv, block, q.shape)
+        codes = q.element_codes()
+        vals = q.element_values()
+        deq = q.dequantize(np.float64)
+        x64 = xa.astype(np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scaled = np.where(d == 0, 0.0, x64 / d)
+        mids = _midpoints(el)
+        elements = []
+        for idx in np.ndindex(*xa.shape):
+            bidx = tuple(i // b for i, b in zip(idx[len(idx) - len(block):], block))
+            bidx = idx[: len(idx) - len(block)] + bidx
+            note = []
+            s = abs(float(np.float32(scaled[idx])))  # the anchors scale in float32
+            if s in mids:
+                note.append("tie")
+            if s > el.max_finite:
+                note.append("saturated")
+            if vals[idx] == 0 and codes[idx] != 0:
+                note.append("-0")
+            elements.append({
+                "index": str(idx), "block": str(bidx), "x": _num(x64[idx]),
+                "x / scale": _num(scaled[idx]), "code": f"0x{int(codes[idx]):x}",
+                "value": _num(vals[idx]), "dequantized": _num(deq[idx]),
+                "error": _num(deq[idx] - x64[idx]), "note": " ".join(note),
+                "_code": int(codes[idx]),
+            })
+        runs.append({
+            "preset": scheme.preset.name,
+            "description": scheme.preset.description,
+            "scheme description": scheme.description or scheme.name,
+            "global": _global_rows(q),
+            "blocks": blocks,
+            "elements": elements,
+        })
+    if len(runs) > 1:
+        for i in range(len(runs[0]["elements"])):
+            cs = {r["elements"][i]["_code"] for r in runs}
+            if len(cs) > 1:
+                for r in runs:
+                    e = r["elements"][i]
+                    e["note"] = (e["note"] + " differs").strip()
+    return {"scheme": scheme_name, "shape": tuple(xa.shape), "runs": runs}
+
+
+def _scale_value(q, idx) -> float:
+    fmt = q.scheme.scale_format
+    if fmt == "fp32":
+        return float(q.scales[idx])
+    return float(decode_table("e8m0" if fmt == "ue8m0" else "ue4m3")[int(q.scales[idx])])
+
+
+def _midpoints(el) -> set:
+    v = representable_values(el)
+    v = v[v >= 0]
+    return set(((v[:-1] + v[1:]) / 2).tolist())
+
+
+# ---- rich rendering (the cli extra) ------------------------------------------------------------
+
+def explain(scheme_name: str, presets=None, x=None, seed: int = 0):
+    """``rich`` renderable of :func:`explain_steps` (``moeref explain SCHEME [--preset A ...]``).
+
+    With several presets the block and element tables put the presets side by side.
+    """
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    steps = explain_steps(scheme_name, presets=presets, x=x, seed=seed)
+    runs = steps["runs"]
+    parts = [Text(f"{steps['scheme']}: {runs[0]['scheme description']}  (input shape "
+                  f"{steps['shape']})", style="bold")]
+    multi = len(runs) > 1
+    tags = {r["preset"]: (f" ({chr(65 + i)})" if multi else "") for i, r in enumerate(runs)}
+    for r in runs:
+        parts.append(Text(f"preset{tags[r['preset']]} {r['preset']}: {r['description']}"))
+    if runs[0]["global"] is not None:
+        t = Table(title="Step 1. Global (per-tensor) scale", title_justify="left")
+        t.add_column("quantity")
+        for r in runs:
+            t.add_column(r["preset"], justify="right")
+        for i, (label, _) in enumerate(runs[0]["global"]):
+            t.add_row(label, *[r["global"][i][1] for r in runs])
+        parts.append(t)
+    t = Table(title="Step 2. Block amax -> scale code -> decode multiplier", title_justify="left")
+    t.add_column("block")
+    t.add_column("amax", justify="right")
+    for r in runs:
+        tag = tags[r["preset"]]
+        for c in ("scale code", "scale", "decode multiplier"):
+            t.add_column(c + tag, justify="right")
+    for i, b in enumerate(runs[0]["blocks"]):
+        t.add_row(b["block"], b["amax"],
+                  *[r["blocks"][i][c] for r in runs for c in ("scale code", "scale", "decode multiplier")])
+    parts.append(t)
+    t = Table(title="Step 3. Elements: x / scale -> code -> value -> dequantized, error",
+              title_justify="left")
+    for c in ("index", "block", "x"):
+        t.add_column(c, justify="right" if c == "x" else "left")
+    per = ("x / scale", "code", "value", "dequantized", "error", "note")
+    short = {"x / scale": "x/s", "dequantized": "deq", "error": "err"} if multi else {}
+    for r in runs:
+        tag = tags[r["preset"]]
+        for c in per:
+            t.add_column(short.get(c, c) + tag, justify="left" if c == "note" else "right")
+    for i, e in enumerate(runs[0]["elements"]):
+        row = [e["index"], e["block"], e["x"]]
+        for r in runs:
+            ee = r["elements"][i]
+            row += [ee[c] for c in per]
+        style = "bold" if "differs" in e["note"] else None
+        t.add_row(*row, style=style)
+    parts.append(t)
+    parts.append(Text("notes: tie = exactly half-way between two element values (rounded to even); "
+                      "saturated = beyond the element max, clamped; -0 = negative zero code; "
+                      "differs = the presets disagree on this code."))
+    return Group(*parts)
+
+
+def explain_text(scheme_name: str, presets=None, x=None, seed: int = 0, width: int = 160) -> str:
+    """:func:`explain` rendered to plain text (no colour) at ``width`` columns."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=width, color_system=None, record=True)
+    console.print(explain(scheme_name, presets=presets, x=x, seed=seed))
+    return console.export_text()

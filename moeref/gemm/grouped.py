@@ -1,0 +1,188 @@
+"""Grouped GEMMs for every dispatch layout, all through one engine (:func:`expert_rows_gemm`).
+
+Each layout of :mod:`moeref.dispatch` says, per row, which local expert the row belongs to (or that it
+is padding). The grouped GEMM of any layout is therefore one function: for each local expert ``e``,
+``out[rows of e] = block_gemm(a[rows of e], W[e])`` (+ ``bias[e]``), padding rows 0. The layout
+wrappers only read the row -> expert map of their layout:
+
+=================================== ================================ ===============================================
+function                            A                                rows of expert ``e``
+=================================== ================================ ===============================================
+:func:`grouped_gemm_standard`       tokens ``[M, K]`` + ``topk_ids``   slots ``t*k+j`` with ``topk_ids[t,j] -> e``
+                                                                     (vLLM ``fused_experts`` / ``torch_experts``)
+:func:`grouped_gemm_contiguous`     ``[M_sum, K]`` + ``m_indices``      ``m_indices == e`` (-1 padding; DeepGEMM
+                                                                     ``m_grouped_*_contiguous``)
+:func:`grouped_gemm_masked`         ``[E, max_m, K]`` + ``masked_m``    ``a[e, :masked_m[e]]`` (DeepGEMM ``*_masked``)
+:func:`grouped_gemm_batched`        ``[E, T, K]`` + ``expert_num_tokens`` ``a[e, :expert_num_tokens[e]]`` (vLLM
+                                                                     BatchedExperts)
+=================================== ================================ ===============================================
+
+Padding rows of the output are **0** here; kernels leave them unspecified (DeepGEMM, vLLM), so
+compare only valid rows. Weights: ``weights[e]`` is expert ``e``'s ``[N, K]`` operand (NT layout) --
+a float array ``[E, N, K]``, or a sequence of per-expert quantized tensors / arrays (vLLM quantizes
+weights per expert: ``moe_quantize_weights_2d``). Biases: float ``[E, N]``, added in float64 after the
+GEMM (vLLM ``torch_experts`` adds ``b_bias1``/``b_bias2`` after the matmul).
+
+Exactness: that of :func:`moeref.gemm.block_gemm` per row; adding the bias is one float64 rounding.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .._checks import as_float_array, as_int_array, check_ndim
+from ..dispatch.grouping import group_slots
+from .exact import BlockOperand, as_operand, block_gemm
+
+__all__ = [
+    "ExpertOperands",
+    "expert_rows_gemm",
+    "grouped_gemm_batched",
+    "grouped_gemm_contiguous",
+    "grouped_gemm_masked",
+    "grouped_gemm_standard",
+]
+
+
+class ExpertOperands:
+    """Per-expert :class:`BlockOperand` view of ``weights`` (decoded lazily, once per expert).
+
+    ``weights``: float array ``[E, N, K]`` or a sequence of ``E`` per-expert operands ``[N, K]``.
+    """
+
+    def __init__(self, weights, name: str = "weights"):
+        if isinstance(weights, ExpertOperands):
+            self._items, self.name, self._cache = weights._items, weights.name, weights._cache
+            return
+        self.name = name
+        if isinstance(weights, (list, tuple)):
+            self._items = list(weights)
+        else:
+            w = as_float_array(weights, name)
+            check_ndim(w, 3, name)
+            self._items = [w[e] for e in range(w.shape[0])]
+        self._cache: dict[int, BlockOperand] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, e: int) -> BlockOperand:
+        if not 0 <= e < len(self._items):
+            raise ValueError(f"{self.name} has {len(self._items)} experts; expert {e} requested")
+        key = id(self._items[e])
+        if key not in self._cache:
+            self._cache[key] = as_operand(self._items[e], f"{self.name}[{e}]")
+        return self._cache[key]
+
+    def raw(self, e: int):
+        return self._items[e]
+
+
+def _bias(bias, num_experts: int, n: int, name: str):
+    if bias is None:
+        return None
+    b = as_float_array(bias, name).astype(np.float64)
+    if b.shape != (num_experts, n):
+        raise ValueError(f"{name} must have shape ({num_experts}, {n}); got {b.shape}")
+    return b
+
+
+def expert_rows_gemm(a, row_expert, weights, bias=None, *, abs_values: bool = False) -> np.ndarray:
+    """The engine of every layout: ``out[r] = a[r] @ W[row_expert[r]].T (+ bias)``, 0 where -1.
+
+    Args:
+        a: operand ``[R, K]`` (quantized tensor, float array or :class:`BlockOperand`).
+        row_expert: int ``[R]``, the local expert of each row, -1 for padding rows.
+        weights: per-expert ``[N, K]`` operands (:class:`ExpertOperands` input).
+        bias: optional float ``[E, N]``.
+        abs_values: compute ``|a| @ |W|.T + |bias|`` instead (the magnitude sums of error bounds).
+
+    Returns: float64 ``[R, N]``.
+    """
+    a = as_operand(a, "a")
+    w = ExpertOperands(weights)
+    rows = as_int_array(row_expert, "row_expert").reshape(-1).astype(np.int64)
+    if rows.size != a.values.shape[0]:
+        raise ValueError(f"row_expert has {rows.size} entries but a has {a.values.shape[0]} rows")
+    bad = np.flatnonzero((rows < -1) | (rows >= len(w)))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"row_expert[{i}] = {int(rows[i])} is out of range [-1, {len(w)})")
+    if abs_values:
+        a = a.abs()
+    n = None
+    out = None
+    for e in np.unique(rows[rows >= 0]).tolist():
+        we = w[e].abs() if abs_values else w[e]
+        if n is None:
+            n = we.values.shape[0]
+            out = np.zeros((rows.size, n))
+        idx = np.flatnonzero(rows == e)
+        out[idx] = block_gemm(a.take_rows(idx), we, name_a="a", name_b=f"{w.name}[{e}]")
+    if out is None:  # no valid row: the width comes from expert 0
+        n = w[0].values.shape[0] if len(w) else 0
+        out = np.zeros((rows.size, n))
+    b = _bias(bias, len(w), n, "bias")
+    if b is not None:
+        valid = rows >= 0
+        add = np.abs(b) if abs_values else b
+        out[valid] += add[rows[valid]]
+    return out
+
+
+def grouped_gemm_standard(a, weights, topk_ids, num_experts: int, expert_map=None, bias=None,
+                          *, abs_values: bool = False) -> np.ndarray:
+    """Standard layout: token rows ``a [M, K]`` and ``topk_ids [M, k]`` -> float64 ``[M, k, N]``.
+
+    Slot ``(t, j)`` gets ``a[t] @ W[local(topk_ids[t, j])].T``; slots with id -1 or a non-local expert
+    (``expert_map``) are 0 (vLLM ``torch_experts``: "-1 matches no expert").
+
+    >>> w = np.stack([np.eye(2), 2 * np.eye(2)])
+    >>> grouped_gemm_standard(np.array([[1.0, 3.0]]), w, np.array([[1, 0]], dtype=np.int32), 2).tolist()
+    [[[2.0, 6.0], [1.0, 3.0]]]
+    """
+    g = group_slots(topk_ids, num_experts, expert_map)
+    k = max(g.top_k, 1)
+    slots = np.arange(g.num_slots)
+    op = as_operand(a, "a")
+    if op.values.shape[0] != g.num_tokens:
+        raise ValueError(f"a must have {g.num_tokens} rows (one per token); got {op.values.shape[0]}")
+    rows = op.take_rows(slots // k)
+    out = expert_rows_gemm(rows, g.local_ids, weights, bias, abs_values=abs_values)
+    return out.reshape(g.num_tokens, g.top_k, -1)
+
+
+def grouped_gemm_contiguous(a, weights, m_indices, bias=None, *, abs_values: bool = False) -> np.ndarray:
+    """DeepGEMM contiguous layout: ``a [M_sum, K]``, ``m_indices`` int ``[M_sum]`` (-1 padding)
+    -> float64 ``[M_sum, N]`` (padding rows 0)."""
+    return expert_rows_gemm(a, m_indices, weights, bias, abs_values=abs_values)
+
+
+def _per_expert_rows(counts, max_m: int, name: str) -> np.ndarray:
+    c = as_int_array(counts, name).reshape(-1).astype(np.int64)
+    bad = np.flatnonzero((c < 0) | (c > max_m))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{name}[{i}] = {int(c[i])} is out of range [0, {max_m}]")
+    pos = np.arange(max_m)[None, :]
+    return np.where(pos < c[:, None], np.arange(c.size)[:, None], -1).reshape(-1)
+
+
+def grouped_gemm_masked(a, weights, masked_m, bias=None, *, abs_values: bool = False) -> np.ndarray:
+    """DeepGEMM masked layout: ``a [E, max_m, K]``, ``masked_m`` int ``[E]`` -> float64
+    ``[E, max_m, N]``; rows ``>= masked_m[e]`` are 0 (unspecified in DeepGEMM)."""
+    op = as_operand(a, "a")
+    e = np.asarray(masked_m).size
+    if e == 0 or op.values.shape[0] % e:
+        raise ValueError(f"a has {op.values.shape[0]} rows, not a multiple of the {e} experts of masked_m")
+    max_m = op.values.shape[0] // e
+    out = expert_rows_gemm(op, _per_expert_rows(masked_m, max_m, "masked_m"), weights, bias,
+                           abs_values=abs_values)
+    return out.reshape(e, max_m, -1)
+
+
+def grouped_gemm_batched(a, weights, expert_num_tokens, bias=None, *, abs_values: bool = False) -> np.ndarray:
+    """vLLM BatchedExperts layout: ``a [E, T, K]``, ``expert_num_tokens`` int ``[E]`` -> float64
+    ``[E, T, N]``. The same arithmetic as :func:`grouped_gemm_masked` (DeepEP low-latency output)."""
+    return grouped_gemm_masked(a, weights, expert_num_tokens, bias, abs_values=abs_values)

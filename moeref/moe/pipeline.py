@@ -1,0 +1,365 @@
+"""The fused-MoE layer as three public stages: ``prepare -> experts -> finalize`` (vLLM modular kernel).
+
+::
+
+    hidden [M, K] --(router weight on input, top-1 only)--> quantize a1 --> dispatch (layout)
+        |                                                                         |
+        |   prepare: Prepared(a rows [R, K], row_expert [R], src [R], layout)  <--+
+        v
+    experts:  h = a @ W13[e].T (+b13)        GEMM1, exact per block (moeref.gemm)
+              x = act(h; w13_layout)         activation, float64 (moeref.activations)
+              xq = quantize a2 (x)           re-quantization: dynamic per token/group, static, NVFP4 global
+              y = xq @ W2[e].T (+b2)         GEMM2, exact per block
+        v
+    finalize: out[t] = sum_j w[t,j] * y[slot t*k+j]   (float64, slot order), + shared experts,
+              rounded once to out_dtype
+
+Semantics (each with its source):
+
+* Router weight on input (``apply_router_weight_on_input``): top-1 only; the input is scaled in
+  float64 and rounded to float32 before quantization, and finalize only sums (vLLM
+  ``torch_experts``, Llama 4; :func:`moeref.dispatch.apply_router_weight_on_input`).
+* Input quantization happens in ``prepare`` over the token rows, before dispatch (vLLM
+  ``MoEPrepareAndFinalizeNoEP.prepare`` -> ``moe_kernel_quantize_input``); row-wise schemes therefore
+  give the same codes in every layout. A per-tensor *dynamic* scale is computed over the rows of the
+  call, so it is not chunk-invariant (as in vLLM, where each chunk is quantized on its own).
+* Intermediate re-quantization uses the ``a2`` quantizer on the activation output of the valid rows
+  (padding rows never reach an amax). Dynamic per-token/group, static (``Scheme.static_scale``) and
+  NVFP4 with a global scale are all just quantizers here.
+* Padding rows (contiguous ``m_indices == -1``, masked/batched rows past the count) produce 0 and are
+  never read by finalize (their ``src`` is -1).
+* Everything is float64 from the exact GEMMs to the final sum (vLLM ``torch_experts`` reduces in
+  fp32); the only roundings are the declared quantizers, the optional ``gemm1_out_dtype`` /
+  ``act_out_dtype`` stores (kernels keep these in bf16) and the final ``out_dtype``.
+
+``gemm``: the GEMM engine, ``(a_operand, w_operand) -> float array``; :func:`moeref.gemm.block_gemm`
+by default. Honest variants and planted faults (:mod:`moeref.compare.faults`) plug in here.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import numpy as np
+
+from .._checks import as_float_array, check_choice, check_ndim, check_positive_int
+from ..activations import ACTIVATIONS, apply_activation
+from ..dispatch import apply_router_weight_on_input as _weight_input
+from ..dispatch import to_batched, to_contiguous, to_masked, weight_and_reduce
+from ..dispatch.grouping import group_slots
+from ..gemm.exact import BlockOperand, as_operand, block_gemm
+from ..gemm.grouped import ExpertOperands
+from .weights import MoEWeights, SharedExperts
+
+__all__ = [
+    "LAYOUTS",
+    "MoEQuant",
+    "NO_QUANT",
+    "Prepared",
+    "ExpertsOutput",
+    "MoERun",
+    "prepare",
+    "experts",
+    "finalize",
+    "fused_moe",
+    "run_moe",
+    "round_to_dtype",
+]
+
+LAYOUTS = ("standard", "contiguous", "masked", "batched")
+
+
+@dataclass(frozen=True)
+class MoEQuant:
+    """How activations are quantized: ``a1`` (GEMM1 input) and ``a2`` (intermediate, GEMM2 input).
+
+    Each is None (no quantization: float64 values), a :class:`moeref.quant.Scheme` (run through
+    :func:`moeref.quant.quantize`) or a callable ``x -> QuantizedTensor`` (e.g. a static-scale or
+    NVFP4-global-scale quantizer with its scale bound). ``name`` labels reports.
+    """
+
+    a1: object = None
+    a2: object = None
+    name: str = "none"
+
+
+NO_QUANT = MoEQuant()
+
+
+def _run_quantizer(q, x: np.ndarray):
+    if q is None:
+        return as_operand(x, "x"), None
+    if callable(q) and not hasattr(q, "element"):
+        qt = q(x)
+    else:
+        from ..quant import quantize
+
+        qt = quantize(x, q)
+    return as_operand(qt, "quantized"), qt
+
+
+def round_to_dtype(x, dtype) -> np.ndarray:
+    """Round float64 ``x`` to ``dtype`` (numpy/ml_dtypes name or dtype, RNE) and back to float64;
+    ``None`` or float64 returns ``x``."""
+    if dtype is None:
+        return np.asarray(x, dtype=np.float64)
+    dt = _dtype(dtype)
+    if dt == np.float64:
+        return np.asarray(x, dtype=np.float64)
+    return np.asarray(x, dtype=np.float64).astype(dt).astype(np.float64)
+
+
+def _dtype(dtype) -> np.dtype:
+    if isinstance(dtype, str) and dtype in ("bfloat16", "bf16"):
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class Prepared:
+    """Output of :func:`prepare`.
+
+    ``a``: :class:`BlockOperand` ``[R, K]``, the layout's rows (quantized codes + scales, or float);
+    ``row_expert``: int64 ``[R]`` local expert per row, -1 padding; ``src``: int64 ``[R]`` slot
+    ``t*k+j`` per row, -1 padding; ``dispatch``: the layout object of :mod:`moeref.dispatch` (None for
+    ``"standard"``); ``topk_weights`` float ``[M, k]``; ``apply_weights``: False when the weight was
+    applied on the input; ``a1``: the quantized token tensor (or None).
+    """
+
+    layout: str
+    a: BlockOperand
+    row_expert: np.ndarray
+    src: np.ndarray
+    dispatch: object
+    topk_weights: np.ndarray
+    topk_ids: np.ndarray
+    num_tokens: int
+    apply_weights: bool
+    a1: object = None
+
+    @property
+    def top_k(self) -> int:
+        return int(self.topk_ids.shape[1])
+
+
+def prepare(hidden, topk_weights, topk_ids, *, num_experts: int, layout: str = "standard",
+            quant: MoEQuant = NO_QUANT, expert_map=None, apply_router_weight_on_input: bool = False,
+            alignment: int = 128, max_m: int | None = None) -> Prepared:
+    """Router weight on input (top-1), input quantization, dispatch into ``layout``.
+
+    Args:
+        hidden: float ``[M, K]`` tokens. topk_weights: float ``[M, k]``. topk_ids: int ``[M, k]``
+            global expert ids, -1 padding. num_experts: global E.
+        layout: ``"standard"`` (slot rows in ``t*k+j`` order), ``"contiguous"`` (DeepGEMM,
+            ``alignment`` rows per group), ``"masked"`` (``max_m`` rows per expert; default: the largest
+            count), ``"batched"`` (vLLM, ``max_m`` tokens per expert; default M).
+    """
+    check_choice(layout, LAYOUTS, "layout")
+    x = as_float_array(hidden, "hidden")
+    check_ndim(x, 2, "hidden")
+    w = as_float_array(topk_weights, "topk_weights")
+    check_ndim(w, 2, "topk_weights")
+    g = group_slots(topk_ids, num_experts, expert_map)
+    ids = np.asarray(topk_ids)
+    if x.shape[0] != g.num_tokens or w.shape != ids.shape:
+        raise ValueError(
+            f"hidden {x.shape}, topk_weights {w.shape} and topk_ids {ids.shape} must agree on tokens and k"
+        )
+    if apply_router_weight_on_input:
+        x = _weight_input(x, w)
+    a_tok, a1 = _run_quantizer(quant.a1, np.asarray(x))
+    k = max(g.top_k, 1)
+    if layout == "standard":
+        src = np.where(g.local_ids >= 0, np.arange(g.num_slots), -1)
+        row_expert = g.local_ids.copy()
+        disp = None
+    elif layout == "contiguous":
+        disp = to_contiguous(None, ids, num_experts, alignment, expert_map)
+        src, row_expert = disp.src.astype(np.int64), disp.m_indices.astype(np.int64)
+    else:
+        cap = int(max_m) if max_m is not None else (max(int(g.counts.max(initial=0)), 1) if layout == "masked"
+                                                    else max(g.num_tokens, 1))
+        if layout == "masked":
+            disp = to_masked(None, ids, num_experts, cap, expert_map)
+        else:
+            disp = to_batched(None, ids, num_experts, cap, 1, expert_map)
+        src = disp.src.reshape(-1).astype(np.int64)
+        row_expert = np.where(src >= 0, np.repeat(np.arange(disp.src.shape[0]), disp.src.shape[1]), -1)
+    rows = np.where(src >= 0, src // k, -1)
+    return Prepared(layout, a_tok.take_rows(rows), row_expert.astype(np.int64), src.astype(np.int64), disp,
+                    np.asarray(w), ids, g.num_tokens, not apply_router_weight_on_input, a1)
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertsOutput:
+    """Output of :func:`experts`: ``y`` float64 ``[R, K]`` (padding rows 0) and the trace the error
+    bounds read: ``h`` (GEMM1 output ``[R, 2N]``), ``x`` (activation output before re-quantization,
+    ``[R, N]``), ``xq`` (the GEMM2 input operand) and ``a2`` (the quantized intermediate or None)."""
+
+    y: np.ndarray
+    h: np.ndarray
+    x: np.ndarray
+    xq: BlockOperand
+    a2: object
+    valid: np.ndarray
+
+
+def _activation(name: str, h: np.ndarray, w13_layout: str, params: dict) -> np.ndarray:
+    check_choice(name, tuple(ACTIVATIONS), "activation")
+    spec = ACTIVATIONS[name]
+    params = dict(params or {})
+    if spec.gated and "layout" in inspect.signature(spec.function).parameters and "layout" not in params:
+        params["layout"] = w13_layout
+    return np.asarray(apply_activation(name, h, **params), dtype=np.float64)
+
+
+def _gemm_rows(a: BlockOperand, row_expert, weights: ExpertOperands, bias, gemm) -> np.ndarray:
+    out = None
+    for e in np.unique(row_expert[row_expert >= 0]).tolist():
+        idx = np.flatnonzero(row_expert == e)
+        r = np.asarray(gemm(a.take_rows(idx), weights[e]), dtype=np.float64)
+        if out is None:
+            out = np.zeros((row_expert.size, r.shape[1]))
+        out[idx] = r
+    if out is None:
+        n = weights[0].values.shape[0] if len(weights) else 0
+        out = np.zeros((row_expert.size, n))
+    if bias is not None:
+        b = np.asarray(bias, dtype=np.float64)
+        valid = row_expert >= 0
+        out[valid] += b[row_expert[valid]]
+    return out
+
+
+def experts(prepared: Prepared, weights: MoEWeights, *, activation: str = "silu_and_mul",
+            activation_params: dict | None = None, quant: MoEQuant = NO_QUANT,
+            gemm1_out_dtype=None, act_out_dtype=None, gemm: Callable | None = None) -> ExpertsOutput:
+    """GEMM1 (+b13) -> activation (``weights.w13_layout``) -> re-quantize (``quant.a2``) -> GEMM2 (+b2).
+
+    ``gemm1_out_dtype`` / ``act_out_dtype``: optional stores (e.g. ``"bfloat16"``) of the GEMM1 output
+    and of the activation output, as kernels keep them (None: float64, no rounding).
+    """
+    gemm = block_gemm if gemm is None else gemm
+    w13 = ExpertOperands(weights.w13, "w13")
+    w2 = ExpertOperands(weights.w2, "w2")
+    if len(w13) < int(prepared.row_expert.max(initial=-1)) + 1:
+        raise ValueError(f"the routing uses local expert {int(prepared.row_expert.max())} but weights has {len(w13)}")
+    valid = prepared.row_expert >= 0
+    if not valid.any():  # no row for this rank (EP shard without local experts, empty routing)
+        r, k = prepared.a.values.shape
+        empty = np.zeros((r, 0))
+        return ExpertsOutput(np.zeros((r, k)), empty, empty, as_operand(empty), None, valid)
+    h = round_to_dtype(_gemm_rows(prepared.a, prepared.row_expert, w13, weights.b13, gemm), gemm1_out_dtype)
+    x = _activation(activation, h, weights.w13_layout, activation_params)
+    x[~valid] = 0.0
+    x = round_to_dtype(x, act_out_dtype)
+    vidx = np.flatnonzero(valid)
+    xq_valid, a2 = _run_quantizer(quant.a2, x[vidx])
+    # padding rows are zero rows of the operand (they never reach a quantizer's amax)
+    pos = np.full(x.shape[0], -1, dtype=np.int64)
+    pos[vidx] = np.arange(vidx.size)
+    xq = xq_valid.take_rows(pos)
+    y = _gemm_rows(xq, prepared.row_expert, w2, weights.b2, gemm)
+    return ExpertsOutput(y, h, x, xq, a2, valid)
+
+
+def finalize(prepared: Prepared, out: ExpertsOutput, *, out_dtype=None) -> np.ndarray:
+    """``out[t] = sum_j w[t, j] * y[slot t*k+j]`` in float64 (slot order, via
+    :func:`moeref.dispatch.weight_and_reduce`), rounded to ``out_dtype`` (None: float64)."""
+    y = weight_and_reduce(out.y, prepared.src, prepared.topk_weights, prepared.num_tokens,
+                          apply_weights=prepared.apply_weights, out_dtype=np.float64)
+    return round_to_dtype(y, out_dtype).astype(_dtype(out_dtype) if out_dtype is not None else np.float64)
+
+
+@dataclass(frozen=True, eq=False)
+class MoERun:
+    """A traced reference run (:func:`run_moe`): ``output`` float64 ``[M, K]`` before output rounding,
+    ``out`` rounded to ``out_dtype``, per chunk the :class:`Prepared` and :class:`ExpertsOutput`,
+    ``shared`` (float64 ``[M, K]`` or None) and the arguments the bounds need."""
+
+    output: np.ndarray
+    out: np.ndarray
+    chunks: list
+    shared: object
+    shared_chunks: list
+    config: dict = field(default_factory=dict)
+
+
+def run_moe(hidden, weights: MoEWeights, topk_weights, topk_ids, *, activation: str = "silu_and_mul",
+            activation_params: dict | None = None, quant: MoEQuant = NO_QUANT, layout: str = "standard",
+            expert_map=None, num_experts: int | None = None, apply_router_weight_on_input: bool = False,
+            chunk_size: int | None = None, shared_experts: SharedExperts | None = None, out_dtype=None,
+            alignment: int = 128, max_m: int | None = None, gemm1_out_dtype=None, act_out_dtype=None,
+            gemm: Callable | None = None) -> MoERun:
+    """:func:`fused_moe` keeping the trace of every stage (for :mod:`moeref.compare`)."""
+    x = as_float_array(hidden, "hidden")
+    check_ndim(x, 2, "hidden")
+    m = x.shape[0]
+    if num_experts is None:
+        if expert_map is not None:
+            raise ValueError("num_experts (global) is required with an expert_map")
+        num_experts = weights.num_experts
+    chunk = m if chunk_size is None else check_positive_int(chunk_size, "chunk_size")
+    w = np.asarray(topk_weights)
+    ids = np.asarray(topk_ids)
+    kw = dict(activation=activation, activation_params=activation_params, quant=quant,
+              gemm1_out_dtype=gemm1_out_dtype, act_out_dtype=act_out_dtype, gemm=gemm)
+    outs, chunks, shared_chunks, shared_parts = [], [], [], []
+    for start in range(0, max(m, 1), max(chunk, 1)):
+        sl = slice(start, min(start + chunk, m))
+        p = prepare(x[sl], w[sl], ids[sl], num_experts=num_experts, layout=layout, quant=quant,
+                    expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input,
+                    alignment=alignment, max_m=max_m)
+        e = experts(p, weights, **kw)
+        outs.append(finalize(p, e))
+        chunks.append((p, e))
+        if shared_experts is not None:
+            n = sl.stop - sl.start
+            sp = prepare(x[sl], np.ones((n, 1), np.float32), np.zeros((n, 1), np.int32), num_experts=1,
+                         quant=quant)
+            se = experts(sp, shared_experts.as_weights(), **kw)
+            shared_parts.append(finalize(sp, se))
+            shared_chunks.append((sp, se))
+    routed = np.concatenate(outs, axis=0) if outs else np.zeros((0, 0))
+    shared = np.concatenate(shared_parts, axis=0) if shared_parts else None
+    output = routed + shared if shared is not None else routed
+    out = output if out_dtype is None else output.astype(_dtype(out_dtype))
+    config = dict(activation=activation, activation_params=activation_params or {}, quant=quant, layout=layout,
+                  out_dtype=out_dtype, num_experts=num_experts, w13_layout=weights.w13_layout,
+                  apply_router_weight_on_input=apply_router_weight_on_input, weights=weights,
+                  shared_experts=shared_experts)
+    return MoERun(output, out, chunks, shared, shared_chunks, config)
+
+
+def fused_moe(hidden, weights: MoEWeights, topk_weights, topk_ids, *, activation: str = "silu_and_mul",
+              activation_params: dict | None = None, quant: MoEQuant = NO_QUANT, layout: str = "standard",
+              expert_map=None, num_experts: int | None = None, apply_router_weight_on_input: bool = False,
+              chunk_size: int | None = None, shared_experts: SharedExperts | None = None, out_dtype=None,
+              alignment: int = 128, max_m: int | None = None, gemm1_out_dtype=None, act_out_dtype=None,
+              gemm: Callable | None = None) -> np.ndarray:
+    """The whole layer: ``prepare -> experts -> finalize`` per chunk of ``chunk_size`` tokens, plus
+    shared experts, rounded once to ``out_dtype`` (None: float64).
+
+    Any routing (``topk_ids`` with -1 padding), any ``layout`` (the output does not depend on it),
+    ``expert_map`` (EP: ``weights`` holds this rank's local experts; non-local slots contribute 0,
+    so the sum over ranks is the full layer), biases (in ``weights``), shared experts (a plain MLP,
+    weight 1). The output does not depend on ``chunk_size`` unless an activation scheme has a dynamic
+    per-tensor scale (computed per chunk, as in vLLM). Argument mapping to FlashInfer
+    ``cutlass_fused_moe`` and vLLM: :mod:`moeref.moe.mapping`.
+
+    >>> from moeref.moe.weights import make_layer
+    >>> lw = make_layer(2, 4, 2, seed=0)
+    >>> x = np.eye(4, dtype=np.float32)[:2]
+    >>> y = fused_moe(x, lw, np.array([[1.0], [1.0]], np.float32), np.array([[0], [1]], np.int32))
+    >>> y.shape, y.dtype
+    ((2, 4), dtype('float64'))
+    """
+    return run_moe(hidden, weights, topk_weights, topk_ids, activation=activation,
+                   activation_params=activation_params, quant=quant, layout=layout, expert_map=expert_map,
+                   num_experts=num_experts, apply_router_weight_on_input=apply_router_weight_on_input,
+                   chunk_size=chunk_size, shared_experts=shared_experts, out_dtype=out_dtype,
+                   alignment=alignment, max_m=max_m, gemm1_out_dtype=gemm1_out_dtype,
+                   act_out_dtype=act_out_dtype, gemm=gemm).out

@@ -1,0 +1,58 @@
+"""Scaling schemes: presets, QuantizedTensor, quantize / dequantize / requantize.
+
+One generic blockwise engine (:mod:`.blockwise`) and one place for scale rules
+(:mod:`.scale_rules`) serve every scheme; :mod:`.fp8`, :mod:`.mx`, :mod:`.intq` (and
+:mod:`.nvfp4`) only build :class:`Scheme` objects. Teaching pages: docs/fp8-scaling.md,
+docs/mx-formats.md, docs/int4-groups.md.
+
+>>> import numpy as np
+>>> from moeref.quant import quantize, SCHEMES
+>>> q = quantize(np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32), SCHEMES["mxfp8"]())
+>>> q.codes.shape, q.scales.shape
+((2, 32), (2, 1))
+"""
+from __future__ import annotations
+
+from .scheme import (
+    Preset, Scheme, PRESETS, get_preset, register_preset,
+)
+from .tensor import (
+    QuantizedTensor, RequantReport, quantize, dequantize, requantize, QUANTIZERS,
+    register_quantizer,
+)
+from .fp8 import fp8_per_tensor, fp8_per_token, fp8_per_channel, fp8_group, fp8_block
+from .mx import mxfp8, mxfp6, mxfp4
+from .intq import int8_per_token, int8_per_channel, int4_group, w4a8_cutlass
+
+SCHEMES = {
+    "fp8_per_tensor": fp8_per_tensor,
+    "fp8_per_token": fp8_per_token,
+    "fp8_per_channel": fp8_per_channel,
+    "fp8_group": fp8_group,
+    "fp8_block": fp8_block,
+    "mxfp8": mxfp8,
+    "mxfp6": mxfp6,
+    "mxfp4": mxfp4,
+    "int8_per_token": int8_per_token,
+    "int8_per_channel": int8_per_channel,
+    "int4_group": int4_group,
+    "w4a8_cutlass": w4a8_cutlass,
+}
+
+__all__ = [
+    "Preset", "Scheme", "PRESETS", "SCHEMES", "get_preset", "register_preset",
+    "QuantizedTensor", "RequantReport", "quantize", "dequantize", "requantize", "QUANTIZERS",
+    "register_quantizer",
+    "fp8_per_tensor", "fp8_per_token", "fp8_per_channel", "fp8_group", "fp8_block",
+    "mxfp8", "mxfp6", "mxfp4", "int8_per_token", "int8_per_channel", "int4_group", "w4a8_cutlass",
+]
+
+import importlib.util as _ilu
+
+if _ilu.find_spec(__name__ + ".nvfp4") is not None:  # NVFP4: moeref/quant/nvfp4.py, on this engine
+    from . import nvfp4 as _nvfp4
+    from .nvfp4 import *  # noqa: F401,F403
+
+    __all__ += [_n for _n in getattr(_nvfp4, "__all__", ()) if _n not in __all__]
+    SCHEMES.update(getattr(_nvfp4, "SCHEMES", {}))
+del _ilu
