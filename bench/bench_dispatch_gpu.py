@@ -12,7 +12,8 @@ Usage (on the GPU machine, from the repository root)::
     PYTHONPATH=$PWD python3 bench/bench_dispatch_gpu.py [--sweep] [--out DIR] [--no-compile]
 
 ``--sweep`` first times a few (BLOCK_T, row bytes, num_warps) configurations of the row kernels at
-the largest size and uses the fastest (printed, to be copied into ``fastpath.dispatch.ROW_CONFIG``).
+the largest size and prints the fastest (to be copied into ``fastpath.dispatch.ROW_CONFIG``); the
+tables are then timed with the shipped ``ROW_CONFIG``.
 """
 from __future__ import annotations
 
@@ -99,6 +100,25 @@ def eager_contiguous(x, ids, E: int, alignment: int):
     return a, m_idx[:size], src
 
 
+def eager_masked(x, ids, E: int, max_m: int):
+    n = ids.numel()
+    k = ids.shape[1]
+    flat = ids.reshape(-1).long()
+    key = torch.where(flat >= 0, flat, E)
+    sorted_key, order = torch.sort(key, stable=True)
+    counts = torch.bincount(key, minlength=E + 1)[:E]
+    cstart = torch.cumsum(counts, 0) - counts
+    valid = sorted_key < E
+    ks = sorted_key.clamp(max=E - 1)
+    pos = torch.where(valid, ks * max_m + torch.arange(n, device=ids.device) - cstart[ks], E * max_m)
+    src = torch.full((E * max_m + 1,), -1, dtype=torch.int64, device=ids.device)
+    src.scatter_(0, pos, order)
+    src = src[:-1]
+    a = x.index_select(0, src.clamp(min=0) // k)
+    a = torch.where((src >= 0)[:, None], a, torch.zeros((), dtype=x.dtype, device=x.device))
+    return a.view(E, max_m, -1), counts.int(), src.view(E, max_m)
+
+
 def eager_unpermute(y, w, inv, offsets):
     m, k = w.shape
     idx = inv.long()
@@ -138,17 +158,28 @@ def copy_bandwidth(device) -> float:
     return 2 * n / (ms * 1e-3) / 1e9
 
 
+def fill_bandwidth(device) -> float:
+    n = 1 << 30
+    b = torch.empty(n, dtype=torch.uint8, device=device)
+    ms = triton.testing.do_bench(lambda: b.fill_(7), warmup=25, rep=200, return_mode="median")
+    del b
+    return n / (ms * 1e-3) / 1e9
+
+
 def sweep(device, M=16384, E=256, k=8, K=7168):
     sets = [routing(M, E, k, device, s) for s in range(2)]
     xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16) for _ in range(2)]
     perms = [F.moe_permute(xs[i], sets[i][0], E, validate=False) for i in range(2)]
-    cfgs = [(1, 1024, 4), (1, 2048, 4), (1, 4096, 4), (1, 4096, 8), (1, 8192, 8), (2, 2048, 4),
-            (2, 4096, 8), (4, 1024, 4), (4, 2048, 8), (8, 1024, 8)]
+    cfgs = {  # (BLOCK_T, row bytes per program, num_warps)
+        "scatter": [(1, 2048, 4), (1, 4096, 4), (1, 8192, 8), (1, 16384, 8), (1, 16384, 16), (2, 8192, 8),
+                    (4, 2048, 8)],
+        "reduce": [(1, 2048, 4), (1, 8192, 8), (1, 16384, 8), (2, 4096, 8)],
+    }
     best = {}
     rows = []
     for kind in ("scatter", "reduce"):
-        saved = F.ROW_CONFIG[kind]
-        for cfg in cfgs:
+        shipped = F.ROW_CONFIG[kind]
+        for cfg in cfgs[kind]:
             F.ROW_CONFIG[kind] = cfg
             if kind == "scatter":
                 ms = bench(lambda i: F.moe_permute(xs[i], sets[i][0], E, validate=False), 2)
@@ -159,13 +190,37 @@ def sweep(device, M=16384, E=256, k=8, K=7168):
             print(f"sweep {kind:8s} BLOCK_T={cfg[0]} row_bytes={cfg[1]} warps={cfg[2]}: {ms * 1e3:8.1f} us", flush=True)
             if kind not in best or ms < best[kind][1]:
                 best[kind] = (cfg, ms)
-        F.ROW_CONFIG[kind] = best[kind][0]
-    print("best ROW_CONFIG:", {k: v[0] for k, v in best.items()}, flush=True)
+        F.ROW_CONFIG[kind] = shipped  # the tables below time the shipped configuration
+    print("fastest in this sweep:", {k: v[0] for k, v in best.items()}, "; timing the shipped ROW_CONFIG",
+          dict(F.ROW_CONFIG), flush=True)
     return rows, best
+
+
+def smoke(device):
+    """Every operation once on small shapes (EP map, padding rows, strided hidden): for
+    ``compute-sanitizer --tool memcheck python3 bench/bench_dispatch_gpu.py --smoke``."""
+    from moeref.routing import expert_map
+
+    M, E, k, K = 37, 16, 4, 100
+    ids, w = routing(M, E, k, device, 7, pad_frac=0.2)
+    emap = expert_map(E, 3, 1, "round_robin")
+    x = torch.randn(M, 2 * K, device=device).to(torch.bfloat16)[:, ::2]
+    for em in (None, emap):
+        F.moe_align_block_size(ids, 16, E, em, True, em is not None)
+        F.moe_align_block_size(ids, 16, E, em)
+        p = F.moe_permute(x, ids, E, em)
+        F.moe_unpermute(p.hidden, w, p.inv_permuted_idx, p.expert_first_token_offset, out_dtype=torch.bfloat16)
+        c = F.to_contiguous(x, ids, E, 96, em)
+        F.weight_and_reduce(c.a, c.src, w, M)
+        F.to_masked(x, ids, E, None, em)
+        F.to_batched(x, ids, E, M, 1, em)
+    torch.cuda.synchronize()
+    print("smoke ok", flush=True)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -174,9 +229,14 @@ def main(argv=None):
     args = ap.parse_args(argv)
     device = torch.device("cuda")
     torch.manual_seed(0)
+    if args.smoke:
+        smoke(device)
+        return 0
     gpu = torch.cuda.get_device_name()
     copy_bw = copy_bandwidth(device)
-    print(f"# {gpu}; torch {torch.__version__}; triton {triton.__version__}; copy bandwidth {copy_bw:.0f} GB/s", flush=True)
+    fill_bw = fill_bandwidth(device)
+    print(f"# {gpu}; torch {torch.__version__}; triton {triton.__version__}; copy bandwidth {copy_bw:.0f} GB/s "
+          f"(read + write); write-only (fill_) {fill_bw:.0f} GB/s", flush=True)
     sweep_rows, best = sweep(device) if args.sweep else ([], {})
 
     E, k, K, bs, align = 256, 8, 7168, 64, 128
@@ -187,6 +247,7 @@ def main(argv=None):
             "permute": torch.compile(eager_permute, dynamic=False),
             "align": torch.compile(eager_align, dynamic=False),
             "contiguous": torch.compile(eager_contiguous, dynamic=False),
+            "masked": torch.compile(eager_masked, dynamic=False),
             "unpermute": torch.compile(eager_unpermute, dynamic=False),
         }
     for M in [int(s) for s in args.sizes.split(",")]:
@@ -210,6 +271,10 @@ def main(argv=None):
         eu = eager_unpermute(perms[0].hidden, sets[0][1], perms[0].inv_permuted_idx, perms[0].expert_first_token_offset)
         assert torch.allclose(fu, eu, rtol=1e-5, atol=1e-5)
         m_sum = fc.m_indices.numel()
+        max_m = int(torch.stack([torch.bincount(st[0].reshape(-1).long(), minlength=E) for st in sets]).max())
+        fm = F.to_masked(xs[0], sets[0][0], E, max_m, validate=False)
+        em = eager_masked(xs[0], sets[0][0], E, max_m)
+        assert torch.equal(em[0], fm.a) and torch.equal(em[1], fm.masked_m) and torch.equal(em[2], fm.src)
         rowb = K * 2
         ops = {
             # name: (fast, eager, bytes moved)
@@ -225,6 +290,10 @@ def main(argv=None):
                 lambda i: F.to_contiguous(xs[i], sets[i][0], E, align, m_sum="worst_case", validate=False),
                 lambda i, f=eager_contiguous: f(xs[i], sets[i][0], E, align),
                 "contiguous", M * rowb + m_sum * rowb + n * 4 + m_sum * 12),
+            "to_masked (max_m given; 1 sync)": (
+                lambda i: F.to_masked(xs[i], sets[i][0], E, max_m, validate=False),
+                lambda i, f=eager_masked: f(xs[i], sets[i][0], E, max_m),
+                "masked", M * rowb + E * max_m * rowb + n * 4 + E * max_m * 8),
             "moe_unpermute (bf16 in, bf16 out)": (
                 lambda i: F.moe_unpermute(perms[i].hidden, sets[i][1], perms[i].inv_permuted_idx,
                                           perms[i].expert_first_token_offset, out_dtype=torch.bfloat16),
@@ -232,6 +301,19 @@ def main(argv=None):
                                                perms[i].expert_first_token_offset).to(torch.bfloat16),
                 "unpermute", n * rowb + M * rowb + n * 8),
         }
+        # The permute's traffic mix (read each row once, write it k times) done by torch as a dense
+        # broadcast copy: the ceiling for a gather/scatter with that read:write ratio on this device.
+        # Also the row kernel alone with identity destinations (dense, sequential writes).
+        bcast_out = torch.empty((M, k, K), dtype=torch.bfloat16, device=device)
+        t_bcast = bench(lambda i: bcast_out.copy_(xs[i].unsqueeze(1).expand(M, k, K)), n_sets)
+        bcast_bw = (M * rowb + n * rowb) / (t_bcast * 1e-3) / 1e9
+        ident = torch.arange(n, dtype=torch.int32, device=device)
+        flat_out = bcast_out.view(n, K)
+        t_dense = bench(lambda i: F._scatter_rows(xs[i], ident, flat_out, k), n_sets)
+        dense_bw = (M * rowb + n * rowb) / (t_dense * 1e-3) / 1e9
+        print(f"{'broadcast copy (torch, 1 read : k writes)':36s} M={M:6d} {t_bcast * 1e3:9.1f} us  {bcast_bw:7.0f} GB/s; "
+              f"same with the row kernel, identity destinations: {t_dense * 1e3:9.1f} us  {dense_bw:7.0f} GB/s", flush=True)
+        del bcast_out, flat_out
         for name, (fast, eager, ckey, nbytes) in ops.items():
             t_fast = bench(fast, n_sets)
             t_eager = bench(eager, n_sets)
@@ -245,6 +327,8 @@ def main(argv=None):
                         g = lambda i: f(sets[i][0], bs, E)  # noqa: E731
                     elif ckey == "contiguous":
                         g = lambda i: f(xs[i], sets[i][0], E, align)  # noqa: E731
+                    elif ckey == "masked":
+                        g = lambda i: f(xs[i], sets[i][0], E, max_m)  # noqa: E731
                     else:
                         g = lambda i: f(perms[i].hidden, sets[i][1], perms[i].inv_permuted_idx,  # noqa: E731
                                         perms[i].expert_first_token_offset).to(torch.bfloat16)
@@ -253,16 +337,18 @@ def main(argv=None):
                 except Exception as e:  # report, do not hide
                     print(f"torch.compile failed for {name}: {type(e).__name__}: {e}", flush=True)
             t_graph = None
-            if M <= 4096:  # launch-free latency: the same call replayed from a CUDA graph
+            if M <= 4096 and ckey != "masked":  # launch-free latency (to_masked syncs: not capturable): the same call replayed from a CUDA graph
                 try:
                     t_graph = triton.testing.do_bench_cudagraph(lambda: fast(0), rep=100, return_mode="median")
                 except Exception as e:
                     print(f"graph capture failed for {name}: {type(e).__name__}: {e}", flush=True)
             bw = nbytes / (t_fast * 1e-3) / 1e9
             r = dict(op=name, M=M, E=E, k=k, K=K, fast_us=t_fast * 1e3, eager_us=t_eager * 1e3,
+                     bcast_gbps=bcast_bw, dense_row_kernel_gbps=dense_bw,
                      compile_us=None if t_comp is None else t_comp * 1e3, bytes=nbytes, gbps=bw,
                      graph_us=None if t_graph is None else t_graph * 1e3,
-                     pct_copy=100 * bw / copy_bw, x_eager=t_eager / t_fast,
+                     pct_copy=100 * bw / copy_bw, pct_bcast=100 * bw / bcast_bw, pct_dense=100 * bw / dense_bw,
+                     x_eager=t_eager / t_fast,
                      x_compile=None if t_comp is None else t_comp / t_fast)
             results.append(r)
             print(f"{name:36s} M={M:6d} fast {r['fast_us']:9.1f} us  {bw:7.0f} GB/s ({r['pct_copy']:5.1f}% copy)  "
@@ -272,18 +358,18 @@ def main(argv=None):
         del sets, xs, perms
         torch.cuda.empty_cache()
     meta = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, copy_gbps=copy_bw,
-                date=time.strftime("%Y-%m-%d"), row_config=dict(F.ROW_CONFIG),
+                date=time.strftime("%Y-%m-%d"), row_config=dict(F.ROW_CONFIG), write_only_gbps=fill_bw,
                 sweep=[dict(kind=a, cfg=list(b), us=c * 1e3) for a, b, c in sweep_rows])
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_dispatch.json"), "w") as fh:
         json.dump(dict(meta=meta, results=results), fh, indent=1)
     # final table (markdown)
-    print(f"\n| op | M | fast us | GB/s | % copy ({copy_bw:.0f} GB/s) | eager us | x eager | compile us | x compile | fast us (graph) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"\n| op | M | fast us | GB/s | % copy ({copy_bw:.0f} GB/s) | % dense 1:k | eager us | x eager | compile us | x compile | fast us (graph) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         cu = "-" if r["compile_us"] is None else f"{r['compile_us']:.1f}"
         xc = "-" if r["x_compile"] is None else f"{r['x_compile']:.2f}"
-        print(f"| {r['op']} | {r['M']} | {r['fast_us']:.1f} | {r['gbps']:.0f} | {r['pct_copy']:.1f} | "
+        print(f"| {r['op']} | {r['M']} | {r['fast_us']:.1f} | {r['gbps']:.0f} | {r['pct_copy']:.1f} | {r['pct_dense']:.1f} | "
               f"{r['eager_us']:.1f} | {r['x_eager']:.2f} | {cu} | {xc} | "
               + ("-" if r["graph_us"] is None else f"{r['graph_us']:.1f}") + " |")
     return 0

@@ -247,8 +247,9 @@ def _fill_kernel(starts_ptr, ends_ptr, totals_ptr, meta_ptr, label_ptr,
         tl.store(blk_ptr + p, tl.where(real, lab, -1), mask=p < NBLK)
     if ZERO_ROWS:
         prow = p.to(tl.int64) * stride_rm
+        k_end = tl.where(tl.sum(pad.to(tl.int32), axis=0) > 0, K, 0)  # skip blocks with no padding row
         k0 = 0
-        while k0 < K:
+        while k0 < k_end:
             k = k0 + tl.arange(0, BLOCK_K)
             z = tl.zeros([BLOCK_P, BLOCK_K], dtype=rows_ptr.dtype.element_ty)
             tl.store(rows_ptr + prow[:, None] + k[None, :], z, mask=pad[:, None] & (k[None, :] < K))
@@ -446,15 +447,15 @@ def _sort(topk_ids, num_experts: int, emap, n_local: int, *, local: bool, mode: 
     NK = G + num_experts + 1 if use_map else G + 1
     NKP = _next_pow2(NK)
     C = max(1, triton.cdiv(n, CHUNK))
-    if emap is None:
-        emap = _alloc(1, torch.int32, device)
-    base = _alloc((C, NK), torch.int32, device)
-    totals = _alloc(NKP, torch.int32, device)
-    starts = _alloc(NKP, torch.int32, device)
-    ends = _alloc(max(G, 1), torch.int32, device)
+    # One allocation for the int32 scratch (host overhead matters at small sizes).
+    n_g = max(G, 1)
+    sizes = [C * NK, NKP, NKP, n_g, 2, n_g if want_psum else 0]
+    ws = _alloc(sum(sizes), torch.int32, device)
+    base, totals, starts, ends, meta, psum = torch.split(ws, sizes)
+    base = base.view(C, NK)
     offsets = _alloc(G + 1, torch.int64, device)
-    meta = _alloc(2, torch.int32, device)
-    psum = _alloc(max(G, 1), torch.int32, device) if want_psum else None
+    if emap is None:
+        emap = meta  # never read (USE_MAP is off)
     _hist_kernel[(C,)](ids, emap, base, n, num_experts, G, NK, USE_MAP=use_map, S=CHUNK, NKP=NKP)
     block_g = 32
     _chunk_scan_kernel[(triton.cdiv(NK, block_g),)](base, totals, C, NK, BLOCK_C=32, BLOCK_G=block_g)
@@ -491,12 +492,15 @@ def _fill(s: _Sorted, positions: int, *, mode=_PADDED, cap=0, lst=None, list_pad
 
 
 ROW_CONFIG: dict[str, tuple[int, int, int]] = {
-    # kernel -> (BLOCK_T tokens, bytes of a row per program, num_warps) on the GPU; the bench
-    # (bench/bench_dispatch_gpu.py --sweep) picks these. Under the interpreter a program costs
-    # ~ms whatever its size, so there BLOCK_T is 32 and whole rows (<= 256 elements) are taken.
-    "scatter": (1, 4096, 4),
-    "reduce": (1, 4096, 4),
+    # kernel -> (BLOCK_T tokens, bytes of a row per program, num_warps) on the GPU, from the sweep
+    # of bench/bench_dispatch_gpu.py --sweep on an H200 (2026-11-21): every configuration from
+    # 2 KB to 16 KB per program and 4 to 16 warps was within 2% at 16384 x 7168 bf16, and
+    # evict-first loads with streaming (.cs) stores were 2% slower, so they are not used. Under the
+    # interpreter a program costs ~ms whatever its size: BLOCK_T 32, whole rows up to 256 elements.
+    "scatter": (1, 8192, 8),
+    "reduce": (1, 8192, 8),
 }
+
 
 
 def _interpreting() -> bool:
@@ -796,16 +800,62 @@ def to_batched(hidden, topk_ids, num_experts: int, max_tokens_per_dispatcher: in
 
 
 # ----------------------------------------------------------------------------------------------
-# Registry
+# Registry (fastpath.registry): ``supports`` is what the registry's triton entries call
 # ----------------------------------------------------------------------------------------------
-_REGISTRATIONS = [
-    # (reference qualname, fast path)
-    ("moeref.dispatch.moe_align_block_size", moe_align_block_size),
-    ("moeref.dispatch.expert_first_token_offset", expert_first_token_offset),
-    ("moeref.dispatch.moe_permute", moe_permute),
-    ("moeref.dispatch.moe_unpermute", moe_unpermute),
-    ("moeref.dispatch.to_contiguous", to_contiguous),
-    ("moeref.dispatch.to_masked", to_masked),
-    ("moeref.dispatch.to_batched", to_batched),
-    ("moeref.dispatch.weight_and_reduce", weight_and_reduce),
-]
+OPERATIONS = (
+    "moe_align_block_size",
+    "expert_first_token_offset",
+    "moe_permute",
+    "moe_unpermute",
+    "to_contiguous",
+    "to_masked",
+    "to_batched",
+    "weight_and_reduce",
+)
+"""Operations of :mod:`moeref.dispatch` this module implements (same names, same signatures)."""
+
+
+def supports(topk_ids=None, hidden=None, **_) -> tuple[bool, str]:
+    """Whether the dispatch kernels can run here on these tensors, and why not.
+
+    Needs a CUDA device, or CPU tensors with ``TRITON_INTERPRET=1`` (set before triton is imported).
+    ``topk_ids`` must be an int32/int64 torch tensor ``[M, k]``; ``hidden`` any real dtype ``[M, K]``
+    on the same device.
+    """
+    interp = _interpreting()
+    for name, t in (("topk_ids", topk_ids), ("hidden", hidden)):
+        if t is None:
+            continue
+        if not torch.is_tensor(t):
+            return False, f"{name} must be a torch tensor; got {type(t).__name__}"
+        if t.device.type == "cpu" and not interp:
+            return False, f"{name} is a CPU tensor and TRITON_INTERPRET=1 is not set (no GPU to run on)"
+        if t.device.type not in ("cpu", "cuda"):
+            return False, f"{name} is on {t.device}; the kernels run on CUDA (or CPU under the interpreter)"
+    if topk_ids is not None and (topk_ids.dtype not in (torch.int32, torch.int64) or topk_ids.ndim != 2):
+        return False, f"topk_ids must be int32/int64 [M, k]; got {topk_ids.dtype} {tuple(topk_ids.shape)}"
+    if hidden is not None and (hidden.ndim != 2 or hidden.is_complex() or hidden.element_size() not in _INT_VIEW):
+        return False, f"hidden must be a real [M, K] tensor; got {hidden.dtype} {tuple(hidden.shape)}"
+    if topk_ids is None and hidden is None and not torch.cuda.is_available() and not interp:
+        return False, "no CUDA device and TRITON_INTERPRET is not 1"
+    return True, "ok"
+
+
+def reference_supports(**context) -> tuple[bool, str]:
+    """The references take host data: any CUDA tensor in ``context`` is a "no", with the reason."""
+    for name, v in context.items():
+        if torch.is_tensor(v) and v.device.type != "cpu":
+            return False, f"the reference takes host data (NumPy or CPU tensors); {name} is on {v.device}"
+    return True, "ok"
+
+
+def register_all(register) -> None:
+    """Register the reference and the Triton implementation of every operation in :data:`OPERATIONS`
+    with ``register(op, name, target, supports, description)`` (:func:`fastpath.registry.register`).
+    The registry's own built-in list should call this (or carry the same rows); importing this
+    module needs torch and triton."""
+    for op in OPERATIONS:
+        register(op, "reference", f"moeref.dispatch:{op}", reference_supports,
+                 "exact NumPy specification (moeref.dispatch, one stable sort)")
+        register(op, "triton", f"fastpath.dispatch:{op}", supports,
+                 "Triton counting sort (deterministic, reference order) + one-pass row kernels")

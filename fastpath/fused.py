@@ -33,6 +33,7 @@ from moeref.quant import fp8_group
 from moeref.quant.scheme import Scheme
 
 from . import quant as Q
+from .quant import _alloc
 
 __all__ = [
     "silu_and_mul_quant_fp8",
@@ -86,7 +87,7 @@ def _activation_torch(x: torch.Tensor, act: str, alpha: float, limit: float) -> 
     x2 = _flat2(x)
     M, two_n = x2.shape
     N = two_n // 2
-    out = torch.empty((M, N), dtype=torch.float32, device=x.device)
+    out = _alloc((M, N), dtype=torch.float32, device=x.device)
     BM, BN = 4, min(1024, Q._next_pow2(max(N, 1)))
     _act_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
         x2, x2.stride(0), x2.stride(1), out, M, N, ACT=_ACT[act], ALPHA=float(alpha),
@@ -120,13 +121,13 @@ def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme
     if hw_fp8 is None:
         hw_fp8 = dev.type == "cuda"
     ce = Q._constexprs(scheme, hw_fp8)
-    codes = torch.empty((B, M, N), dtype=torch.uint8, device=dev)
+    codes = _alloc((B, M, N), dtype=torch.uint8, device=dev)
     gs = scheme.resolve_block(shape)[-1]
     ng = triton.cdiv(N, gs)
     sshape, sdt, (m_pad, ng_pad, ssm, ssg) = Q.scale_storage_shape((B, M, N), scheme, scale_layout)
-    scales = torch.empty(sshape, dtype=sdt, device=dev)
+    scales = _alloc(sshape, dtype=sdt, device=dev)
     gb, gpp, bm = Q._tile(gs, block_m, groups_per_program, scale_layout, ng)
-    dummy = torch.empty(1, dtype=torch.float32, device=dev)
+    dummy = _alloc(1, dtype=torch.float32, device=dev)
     grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp), B)
     Q._quant_kernel[grid](
         x3, x3.stride(0), x3.stride(1), x3.stride(2), codes, codes.stride(0), codes.stride(1),

@@ -58,6 +58,15 @@ __all__ = [
 SCALE_LAYOUTS = ("row_major", "mn_major", "packed_ue8m0", "swizzled_128x4")
 MAX_GROUP = 32768
 
+
+def _alloc(*shape, **kw) -> torch.Tensor:
+    """Every buffer the kernels write comes from here (``torch.empty``); :mod:`fastpath.testing`
+    swaps it for a poisoning allocator so that an element a kernel fails to write is caught."""
+    return _ALLOCATOR(*shape, **kw)
+
+
+_ALLOCATOR = torch.empty
+
 _ELEM = {"e4m3fn": 0, "e5m2": 1, "e2m1": 2}
 _ELEM_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0, "e2m1": 6.0}
 _ELEM_EMAX = {"e4m3fn": 8, "e5m2": 15, "e2m1": 2}
@@ -758,8 +767,8 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         static = _check_static_scale(static, scheme.scale_format, "scale")
     packed = scheme.element == "e2m1"
     cshape = (B, M, (K + 1) // 2 if packed else K)
-    codes = torch.empty(cshape, dtype=torch.uint8, device=dev)
-    dummy = torch.empty(1, dtype=torch.float32, device=dev)
+    codes = _alloc(cshape, dtype=torch.uint8, device=dev)
+    dummy = _alloc(1, dtype=torch.float32, device=dev)
     static_t = dummy
     if static is not None:
         sv = float(np.float32(static)) if scheme.scale_format == "fp32" else \
@@ -773,13 +782,13 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         if need_amax:
             BMa, BKa = 8, min(1024, _next_pow2(K))
             nprog = triton.cdiv(M, BMa)
-            part = torch.empty(B * nprog, dtype=torch.int32, device=dev)
+            part = _alloc(B * nprog, dtype=torch.int32, device=dev)
             _amax_partial_kernel[(nprog, B)](x3, x3.stride(0), x3.stride(1), x3.stride(2), part, M, K,
                                              nprog, BLOCK_M=BMa, BLOCK_K=BKa, NONFINITE=ce["NONFINITE"],
                                              K_ITERS=triton.cdiv(K, BKa))
             _amax_final_kernel[(B,)](part, amax, nprog, BLOCK=1024, ITERS=triton.cdiv(nprog, 1024))
         sdt = torch.float32 if scheme.scale_format == "fp32" else torch.uint8
-        scales = torch.empty((B, 1, 1), dtype=sdt, device=dev)
+        scales = _alloc((B, 1, 1), dtype=sdt, device=dev)
         keys = ("ELEM_MAX", "INV_M", "EMAX", "MBITS", "SCALE_KIND", "FP32_RULE", "FP32_POW2",
                 "E8_RULE", "E8_LO", "E8_HI", "E8_NF", "AMAX_FLOOR", "ZERO_BLOCK", "NONFINITE", "APPLY")
         _per_tensor_scale_kernel[(1,)](amax, scales, static_t, dummy, dummy, B,
@@ -802,7 +811,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
     gs = scheme.resolve_block(shape)[-1]
     ng = triton.cdiv(K, gs)
     sshape, sdt, (m_pad, ng_pad, ssm, ssg) = scale_storage_shape((B, M, K), scheme, scale_layout)
-    scales = torch.empty(sshape, dtype=sdt, device=dev)
+    scales = _alloc(sshape, dtype=sdt, device=dev)
     ssb = scales.stride(0)
     gb, gpp, bm = _tile(gs, block_m, groups_per_program, scale_layout, ng)
     two_level = scheme.family == "nvfp4"
@@ -811,14 +820,14 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         order = _NVFP4_ORDER[p.option("nvfp4_order")]
         BMa, BKa = 8, min(1024, _next_pow2(K))
         nprog = triton.cdiv(M, BMa)
-        part = torch.empty(B * nprog, dtype=torch.int32, device=dev)
-        amax = torch.empty(1, dtype=torch.float32, device=dev)
+        part = _alloc(B * nprog, dtype=torch.int32, device=dev)
+        amax = _alloc(1, dtype=torch.float32, device=dev)
         _amax_partial_kernel[(nprog, B)](x3, x3.stride(0), x3.stride(1), x3.stride(2), part, M, K,
                                          nprog, BLOCK_M=BMa, BLOCK_K=BKa, NONFINITE=ce["NONFINITE"],
                                          K_ITERS=triton.cdiv(K, BKa))
         _amax_final_kernel[(1,)](part, amax, B * nprog, BLOCK=1024, ITERS=triton.cdiv(B * nprog, 1024))
-        genc = torch.empty(1, dtype=torch.float32, device=dev)
-        gdec = torch.empty(1, dtype=torch.float32, device=dev)
+        genc = _alloc(1, dtype=torch.float32, device=dev)
+        gdec = _alloc(1, dtype=torch.float32, device=dev)
         _nvfp4_global_kernel[(1,)](amax, genc, gdec, 1, BLOCK=2, ORDER=order)
         # the reference's float64 decode factor, from the float32 quantity of the convention
         conv = p.option("global_convention")
@@ -994,7 +1003,7 @@ def dequantize(q: FastQuantized, dtype: torch.dtype = torch.float32) -> torch.Te
     x3shape = (1, 1) + shape if len(shape) == 1 else ((1,) + shape if len(shape) == 2 else shape)
     B, M, K = x3shape
     codes = q.codes.reshape(B, M, -1)
-    out = torch.empty((B, M, K), dtype=dtype, device=codes.device)
+    out = _alloc((B, M, K), dtype=dtype, device=codes.device)
     kind = _kind(scheme)
     packed = scheme.element == "e2m1"
     ce = dict(ELEM=_ELEM[scheme.element], SCALE_KIND=_SCALE_KIND[scheme.scale_format])

@@ -442,3 +442,26 @@ def test_production_shapes_equal_reference(m, e, k, ep):
     want, got = ref.to_contiguous(xn, ids, e, 128, emap), fast.to_contiguous(x, _t(ids), e, 128, emap)
     for f in ("a", "m_indices", "src", "psum"):
         _assert_same(f, getattr(want, f), getattr(got, f))
+    for max_m in (None, 700):
+        want, got = ref.to_masked(xn, ids, e, max_m, emap), fast.to_masked(x, _t(ids), e, max_m, emap)
+        for f in ("a", "masked_m", "src"):
+            _assert_same(f, getattr(want, f), getattr(got, f))
+        assert got.expected_m == want.expected_m
+
+
+# ----------------------------------------------------------------------------------------------
+# Registry hooks
+# ----------------------------------------------------------------------------------------------
+def test_register_all_and_supports():
+    rows = []
+    fast.register_all(lambda op, name, target, sup, desc="": rows.append((op, name, target, sup)))
+    assert {(op, name) for op, name, _, _ in rows} == {(op, n) for op in fast.OPERATIONS for n in ("reference", "triton")}
+    for op, name, target, sup in rows:
+        module, attr = target.split(":")
+        assert callable(getattr(__import__(module, fromlist=[attr]), attr)), target
+    ok, reason = fast.supports(topk_ids=torch.zeros((2, 2), dtype=torch.int32, device=DEVICE))
+    assert ok, reason
+    ok, reason = fast.supports(topk_ids=torch.zeros((2, 2), dtype=torch.float32, device=DEVICE))
+    assert not ok and "int32/int64" in reason
+    ok, reason = fast.reference_supports(topk_ids=torch.zeros((2, 2), dtype=torch.int32, device="meta"))
+    assert not ok and "host data" in reason

@@ -36,7 +36,7 @@ SCHEMES = {
     "nvfp4": (nvfp4("activation"), nvfp4("weight"), 16, False),
 }
 ACTIVATIONS = ("silu_and_mul", "gelu_and_mul", "swigluoai", "relu2_no_mul")
-SLOW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SLOW = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite

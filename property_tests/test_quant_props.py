@@ -68,12 +68,14 @@ CASES = {
 # (scale 2^k with max code M/2, or 2^(k-1) with M); requantizing picks the second. Same values.
 VALUE_ONLY = {"fp8_g32_ue8m0_deepgemm", "fp8_g32_ue8m0_vllm", "fp8_g32_ue8m0_default",
               "mxfp8_ceil", "mxfp8_rceil", "mxfp8_te", "mxfp6_e3m2_rceil", "mxfp4_default",
-              "mxfp4_deepgemm", "fp8_blk_te_pow2", "mxfp8_even"}
+              "mxfp4_deepgemm", "fp8_blk_te_pow2"}
 # Not idempotent by design of the published algorithm:
 #   gptq: s = 2 amax / 15 makes +amax saturate to 7, so the requantized amax is 7s, not 7.5s;
 #   int4 asymmetric: the max may round to code 14, shrinking the next (max - min);
-#   TE current scaling: scale_inv = fl(1/fl(448/amax)) and 448 * scale_inv are not inverse.
-NOT_IDEMPOTENT = {"int4_g16_gptq", "int4_g16_asym", "fp8_tensor_te"}
+#   TE current scaling: scale_inv = fl(1/fl(448/amax)) and 448 * scale_inv are not inverse;
+#   W4A8: the group scale is rounded to E4M3 after it is chosen, so a group's max code is often
+#   below 7 (or saturates) and the requantized group picks a different scale.
+NOT_IDEMPOTENT = {"int4_g16_gptq", "int4_g16_asym", "fp8_tensor_te", "w4a8"}
 
 SPECIALS = [0.0, -0.0, 1e-40, -3e-39, 1e-4, 448.0, float(np.nextafter(np.float32(448), np.float32(0))),
             float(np.nextafter(np.float32(448), np.float32(1e9))), 480.0, 6.0, 5.0, 0.75, 57344.0,
@@ -100,6 +102,19 @@ def tensors(draw, min_ndim=1, max_ndim=3, max_side=70):
     return x.reshape(shape)
 
 
+def _prep(name, x):
+    if _need2d(name) and x.ndim < 2:
+        x = x.reshape(1, -1)
+    if name == "w4a8":  # CUTLASS W4A8 needs whole groups along K
+        k = x.shape[-1]
+        x = np.concatenate([x, np.zeros(x.shape[:-1] + ((-k) % 16,), np.float32)], axis=-1)
+    if name == "int8_token_vllm":
+        # vLLM's 127/amax overflows to Inf for an FP32-subnormal amax and the data saturate
+        # (pinned in tests/test_quant_int.py); keep such rows out of the generic properties
+        x = np.where(np.abs(x) < np.float32(2.0 ** -126), np.float32(0), x).astype(np.float32)
+    return x
+
+
 def _need2d(name):
     return name.startswith(("fp8_blk", "w4a8"))
 
@@ -113,13 +128,17 @@ def _expand(grid, q):
 @settings(max_examples=N_EX)
 @given(x=tensors())
 def test_idempotent(name, x):
-    if _need2d(name) and x.ndim < 2:
-        x = x.reshape(1, -1)
+    x = _prep(name, x)
     s = CASES[name]()
     q = quantize(x, s)
     d = q.dequantize(np.float64)
     q2 = quantize(d, s)
     if name in NOT_IDEMPOTENT:
+        # still a faithful quantization of d: NaN where d is NaN, within the scheme's bound
+        d2 = q2.dequantize(np.float64)
+        assert np.array_equal(np.isnan(d2), np.isnan(d))
+        if name != "int4_g16_asym":
+            _assert_within_bound(q2, d)
         return
     assert np.array_equal(q2.dequantize(np.float64), d, equal_nan=True)
     if name not in VALUE_ONLY:
@@ -144,16 +163,19 @@ def _half_ulp_and_excess(y, el, preset):
 @settings(max_examples=N_EX)
 @given(x=tensors())
 def test_error_bound(name, x):
-    if _need2d(name) and x.ndim < 2:
-        x = x.reshape(1, -1)
-    s = CASES[name]()
-    q = quantize(x, s)
+    x = _prep(name, x)
+    _assert_within_bound(quantize(x, CASES[name]()), x)
+
+
+def _assert_within_bound(q, x):
+    s = q.scheme
     sv = _expand(q.scale_values(), q)
     x64 = x.astype(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         y = np.where(sv > 0, x64 / sv, 0.0)
     bound = sv * _half_ulp_and_excess(y, s.element_format, s.preset)
-    slack = np.abs(x64) * 2.0 ** -22 + sv * 2.0 ** -140  # float32 rounding of x * (1/s)
+    # float32 rounding of x * (1/s), and of a scale that is itself an FP32 subnormal
+    slack = np.abs(x64) * 2.0 ** -22 + sv * 2.0 ** -140 + 2.0 ** -140
     err = np.abs(q.dequantize(np.float64) - x64)
     ok = np.isnan(sv) | (err <= bound + slack)
     assert ok.all(), (np.argwhere(~ok)[:3], x64[~ok][:3], err[~ok][:3], bound[~ok][:3])
@@ -189,6 +211,32 @@ def test_representable_inputs_round_trip(data, name):
     k = data.draw(st.integers(-10, 10))
     x = (vals * 2.0 ** k).astype(np.float32)
     assert np.array_equal(quantize(x, s).dequantize(np.float64), x.astype(np.float64))
+
+
+NAN_BLOCK_CASES = sorted(n for n in CASES if CASES[n]().preset.nonfinite == "nan_block"
+                         and CASES[n]().block != (None, None))
+
+
+@settings(max_examples=N_EX)
+@given(x=tensors(min_ndim=2, max_ndim=2), name=st.sampled_from(NAN_BLOCK_CASES), data=st.data())
+def test_nonfinite_stays_in_its_block(x, name, data):
+    """NaN/+-Inf make their own block NaN (scale and decode) and leave every other block as if
+    they were not there (compared with the same tensor where those elements are 0)."""
+    s = CASES[name]()
+    x = _prep(name, x)
+    n = data.draw(st.integers(1, 3))
+    flat = data.draw(st.lists(st.integers(0, x.size - 1), min_size=n, max_size=n))
+    vals = data.draw(st.lists(st.sampled_from([np.nan, np.inf, -np.inf]), min_size=n, max_size=n))
+    y = x.copy().ravel()
+    y[flat] = vals
+    y = y.reshape(x.shape)
+    z = np.where(np.isfinite(y), y, np.float32(0))
+    qy, qz = quantize(y, s), quantize(z, s)
+    bad_blocks = ~np.isfinite(qy.scale_values())
+    bad_elems = _expand(bad_blocks, qy)
+    assert bad_elems[~np.isfinite(y)].all()
+    assert np.isnan(qy.dequantize()[bad_elems]).all()
+    assert np.array_equal(qy.dequantize()[~bad_elems], qz.dequantize()[~bad_elems])
 
 
 # ---- oracles on random shapes -----------------------------------------------------------------

@@ -103,6 +103,8 @@ def test_routing_is_equivariant_to_token_permutation(shape, data):
              lambda z: topk_softmax(z, k), lambda z: biased_topk(z, k, bias, scoring="sigmoid")]
     if k == 1:
         calls.append(lambda z: llama4_top1(z))
+    if e % 2 == 0 and e >= 4 and k <= e // 2:
+        calls.append(lambda z: grouped_topk(z, k, 2, 1, scoring="sigmoid", bias=bias, renormalize=True))
     for f in calls:
         a, b = f(x), f(x[perm])
         assert b.ids.tolist() == a.ids[perm].tolist()
@@ -179,3 +181,59 @@ def test_ep_maps_partition_the_experts(e, ep_size, strategy, shared):
 @given(st.integers(2, 64).flatmap(lambda e: ep_shards(e, max_ep_size=8)))
 def test_ep_shard_strategy_shrinks_to_valid_maps(shard):
     assert shard.expert_map.dtype == np.int32 and 0 <= shard.ep_rank < shard.ep_size
+
+
+# ------------------------------------------------------------------------------------------------
+# the strategies themselves
+
+
+from hypothesis import find  # noqa: E402
+
+from moeref.strategies import ROUTING_KINDS, alignments, routings, token_counts  # noqa: E402
+
+
+@given(routings(allow_zero_tokens=True))
+def test_routings_satisfy_the_topk_ids_contract(case):
+    from moeref.routing import check_topk_ids
+
+    ids = check_topk_ids(case.ids, case.num_experts)
+    assert ids.dtype == np.int32 and ids.shape == (case.num_tokens, case.top_k)
+    assert case.weights.dtype == np.float32 and case.weights.shape == ids.shape
+    pad = (ids < 0).all(axis=1)
+    assert ((ids < 0).any(axis=1) == pad).all()  # padding is whole tokens
+    assert int(pad.sum()) == case.num_padding and (case.weights[pad] == 0).all()
+    assert case.kind in ROUTING_KINDS
+    if case.logits is not None:
+        assert case.logits.shape == (case.num_tokens, case.num_experts)
+    if case.kind == "negative_bias":
+        assert case.bias.shape == (case.num_experts,)
+
+
+@given(routings(kinds=("all_to_one",)))
+def test_all_to_one_sends_every_token_to_the_same_experts(case):
+    rows = {tuple(r) for r in case.ids.tolist() if r[0] >= 0}
+    assert len(rows) <= 1
+
+
+@given(routings(kinds=("hot1",)))
+def test_hot1_has_an_expert_in_every_token(case):
+    rows = [set(r) for r in case.ids.tolist() if r[0] >= 0]
+    if rows:
+        assert set.intersection(*rows)
+
+
+def test_strategies_shrink_to_the_smallest_case():
+    c = find(routings(), lambda c: True)
+    assert (c.num_tokens, c.num_experts, c.top_k, c.kind, c.ids.tolist()) == (1, 1, 1, "uniform", [[0]])
+    c = find(routings(), lambda c: c.num_padding > 0)
+    assert (c.num_tokens, c.num_experts, c.top_k, c.ids.tolist()) == (1, 1, 1, [[-1]])
+    c = find(routings(), lambda c: c.top_k >= 2 and len({int(i) for i in c.ids.reshape(-1) if i >= 0}) >= 3)
+    assert (c.num_tokens, c.num_experts, c.top_k) in ((2, 3, 2), (1, 3, 3))
+    assert find(token_counts(block=128, large=True), lambda n: True) == 1
+    assert find(token_counts(allow_zero=True), lambda n: True) == 0
+    assert find(alignments(), lambda a: True) == 32
+
+
+@given(token_counts(max_tokens=4, block=128, large=True))
+def test_token_counts_cover_boundaries(n):
+    assert 1 <= n <= 4 or 126 <= n <= 130 or n in (4095, 4096, 4097)

@@ -96,6 +96,8 @@ def test_routing_faults_are_localised_to_their_token(fp8_case):
     rep = compare(FAULTS["token 0 routed to a wrong expert"](case), ref, FP32_ACCUM)
     assert np.flatnonzero(rep.token_violations).tolist() == [0]
     assert set(rep.expert_violations) == {int(e) for e in case.topk_ids[0]}
+    assert list(rep.violations_by_token()) == [0] and rep.violations_by_token()[0].size == rep.token_violations[0]
+    assert {e: t.tolist() for e, t in rep.violations_by_expert().items()} == {int(e): [0] for e in case.topk_ids[0]}
     rep = compare(FAULTS["output row 0 unwritten (NaN)"](case), ref, FP32_ACCUM)
     assert np.flatnonzero(rep.token_violations).tolist() == [0]
     assert rep.worst_tokens()[0]["token"] == 0

@@ -215,3 +215,9 @@ def test_grouped_errors_name_the_argument():
         grouped_gemm_masked(np.ones((8, 32)), w, np.array([5, 0, 0, 0], dtype=np.int32))
     with pytest.raises(ValueError, match="row_expert"):
         grouped_gemm_contiguous(np.ones((2, 32)), w, np.array([0, 7], dtype=np.int32))
+
+
+def test_fast_element_decode_equals_element_values():
+    for scheme in (fp8_block(), int8_per_channel(), mxfp4(), w4a8_cutlass()):
+        q = quantize(RNG.standard_normal((8, 256)).astype(np.float32), scheme)
+        np.testing.assert_array_equal(as_operand(q).values, q.element_values(np.float64))

@@ -220,3 +220,31 @@ def test_bad_arguments():
         fused_moe(x, lw, tw, ids, activation="swish")
     with pytest.raises(ValueError, match="num_experts"):
         fused_moe(x, lw, tw, ids, expert_map=np.array([0, 1, 2], dtype=np.int32))
+
+
+def test_nvfp4_with_static_global_scales_cutlass_path():
+    """CUTLASS FP4 MoE (vLLM/FlashInfer): a1_gscale / a2_gscale are static ENCODE factors 448*6/amax;
+    the layer equals the float64 layer on the dequantized NVFP4 operands."""
+    from moeref.moe import quantizer
+    from moeref.quant.nvfp4 import nvfp4
+
+    lw = make_layer(3, 64, 32, seed=30)
+    qw = quantize_weights(lw, nvfp4("weight", preset="vllm"))
+    x = make_tokens(4, 64, seed=31)
+    tw, ids = _routing(4, 3, 2, seed=32)
+    a1_gscale, a2_gscale = 448.0 * 6 / 4.0, 448.0 * 6 / 8.0
+    s = nvfp4("activation", preset="vllm")
+    q = MoEQuant(quantizer(s, global_scale=a1_gscale), quantizer(s, global_scale=a2_gscale), "nvfp4")
+    got = fused_moe(x, qw, tw, ids, quant=q)
+    a1 = quantize(x, s, global_scale=a1_gscale)
+    assert a1.global_scale == pytest.approx(1 / a1_gscale)
+    xq = a1.dequantize(np.float64)
+    w13 = [w.dequantize(np.float64) for w in qw.w13]
+    w2 = [w.dequantize(np.float64) for w in qw.w2]
+    hs = np.array([w13[e] @ xq[t] for t in range(4) for e in ids[t]])
+    acts = _silu(hs[:, :32]) * hs[:, 32:]
+    acts = quantize(acts, s, global_scale=a2_gscale).dequantize(np.float64)
+    want = np.zeros((4, 64))
+    for i, (t, e) in enumerate((t, e) for t in range(4) for e in ids[t]):
+        want[t] += tw[t, list(ids[t]).index(e)] * (w2[e] @ acts[i])
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

@@ -66,6 +66,12 @@ def test_vllm_dynamic_int8_bitwise():
     assert np.array_equal(q.element_values().astype(np.int64), q_ref)
 
 
+def test_vllm_int8_subnormal_amax_overflows_like_vllm():
+    # 127 / 3e-39 overflows float32 to Inf; -3e-39 * Inf = -Inf saturates to -128
+    q = quantize(np.array([[-3e-39, 0.0]], np.float32), int8_per_token(preset="vllm_int8"))
+    assert q.element_values().tolist() == [[-128.0, 0.0]]  # 0 * Inf = NaN -> 0 (cvt.rni.sat)
+
+
 def test_int8_hand_values():
     x = np.array([[127.0, -127.0, 63.5, 0.5], [0, 0, 0, 0]], np.float32)
     q = quantize(x, int8_per_channel())
@@ -104,7 +110,9 @@ def test_w4a8_scales_and_codes_agree():
     assert q.scales.dtype == np.uint8  # E4M3 group scales
     # the data were quantized with the STORED group scale x channel scale (not the unrounded one)
     eff = np.repeat(q.scale_values(), 128, axis=1)
-    ref = np.clip(np.rint(w.astype(np.float64) / eff), -8, 7)
+    zero = eff == 0  # row 0 is all zeros: group scale code 0, codes 0
+    assert np.array_equal(zero, np.repeat(w.reshape(8, 2, 128).any(-1) == 0, 128, axis=1))
+    ref = np.clip(np.rint(w.astype(np.float64) / np.where(zero, 1.0, eff)), -8, 7)
     assert np.array_equal(q.element_values(), ref)
     # each row's largest group scale is 448 in E4M3 (the channel scale spreads the range)
     live = q.scales.max(axis=1)[1:]
@@ -129,5 +137,7 @@ def test_bad_input():
         w4a8_cutlass(channel_scales="x")
     with pytest.raises(ValueError, match="W4A8 weights"):
         quantize(np.ones(8, np.float32), w4a8_cutlass())
+    with pytest.raises(ValueError, match="multiple of the group size 128"):
+        quantize(np.ones((2, 200), np.float32), w4a8_cutlass())
     with pytest.raises(TypeError):
         quantize(np.ones((2, 8), np.int8), int8_per_token())

@@ -256,8 +256,11 @@ def test_bad_routing_input(call, exc, match):
 
 
 def test_zero_tokens():
-    r = softmax_topk(np.zeros((0, 4), dtype=np.float32), 2)
-    assert r.ids.shape == (0, 2) and r.weights.shape == (0, 2)
+    x = np.zeros((0, 8), dtype=np.float32)
+    for r in (softmax_topk(x, 2), softmax_topk(x, 2, renormalize=True), sigmoid_topk(x, 2), topk_softmax(x, 2),
+              biased_topk(x, 2, np.zeros(8)), grouped_topk(x, 2, 4, 2, bias=np.zeros(8)), grouped_topk(x, 2, 4, 2)):
+        assert r.ids.shape == (0, 2) and r.weights.shape == (0, 2) and r.ids.dtype == np.int32
+    assert llama4_top1(x).ids.shape == (0, 1)
 
 
 def test_bf16_logits_are_exact():

@@ -16,7 +16,7 @@ most the bound built here, stage by stage (derivation: docs/error-bounds.md). Wi
 2. **Activation**: Lipschitz bounds on the gate function (``|silu'| <= 1.0998``, ``|gelu'| <= 1.129``,
    clamps are 1-Lipschitz) and ``|f(g)| <= |g|`` give, for ``f(g) * up(u)``,
    ``dx <= L dg (|u| + |beta|) + (|g| + dg) du``; ``relu2``: ``dh (2|h| + dh)``. The kernel's own
-   evaluation and store add ``u_act (|x| + dx)``.
+   evaluation and store add ``u_act (|x| + |g|(|u| + |beta|) + dx)`` (:func:`activation_magnitude`).
 3. **Intermediate re-quantization** (flip-aware). The kernel rounds ``x~`` where the reference rounds
    ``x``. The candidate's block scale lies between the scale of the block with every magnitude
    lowered by ``dx`` and raised by ``dx`` (every scale rule is monotone in the amax); if those agree,
@@ -55,6 +55,7 @@ __all__ = [
     "gamma",
     "gemm_coefficient",
     "activation_error",
+    "activation_magnitude",
     "requant_uncertainty",
     "layer_bound",
 ]
@@ -162,6 +163,20 @@ def activation_error(name: str, h: np.ndarray, dh: np.ndarray, w13_layout: str, 
     raise ValueError(f"no error bound for activation {name!r}; known: {', '.join(ACTIVATIONS)}")
 
 
+def activation_magnitude(name: str, h: np.ndarray, w13_layout: str, params: dict | None = None) -> np.ndarray:
+    """Magnitude against which an activation's own evaluation error is measured: ``|g| (|u| + |beta|)``
+    for gated activations, ``|h|`` (``h^2`` for relu2) otherwise. FP32 GELU loses relative accuracy
+    where ``1 + erf`` cancels (large negative gates); its error stays below a few ulps of this."""
+    params = dict(params or {})
+    h = np.abs(np.asarray(h, dtype=np.float64))
+    if name in _GATED:
+        _, lay, beta = _GATED[name]
+        g, u = split_w13(h, lay or params.get("layout", w13_layout), axis=-1)
+        b = abs(float(params.get("beta", 0.0))) if beta == "beta" else (beta or 0.0)
+        return g * (u + b)
+    return h * h if name == "relu2_no_mul" else h
+
+
 def _quantize_with(quantizer, x):
     from ..moe.pipeline import _run_quantizer
 
@@ -256,7 +271,8 @@ def _chunk_bound(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, int]
     dh = c1 * s1
     dh += profile.gemm_out_unit * (np.abs(e.h) + dh)
     dx = activation_error(cfg["activation"], e.h, dh, weights.w13_layout, cfg["activation_params"])
-    dx += profile.act_unit * (np.abs(e.x) + dx)
+    mag_act = activation_magnitude(cfg["activation"], e.h, weights.w13_layout, cfg["activation_params"])
+    dx += profile.act_unit * (np.abs(e.x) + mag_act + dx)
     dx[~valid] = 0.0
     quant = cfg["quant"]
     flips = 0

@@ -91,6 +91,21 @@ class Report:
     def num_violations(self) -> int:
         return int(self.violations.sum())
 
+    def violations_by_token(self) -> dict:
+        """``{token: int array of the violating columns}`` for every violating token."""
+        t, c = np.nonzero(self.violations)
+        return {int(k): c[t == k] for k in np.unique(t)}
+
+    def violations_by_expert(self) -> dict:
+        """``{global expert: int array of violating tokens routed to it}``."""
+        if self.topk_ids is None:
+            return {}
+        bad = np.flatnonzero(self.token_violations)
+        out: dict = {}
+        for e in np.unique(self.topk_ids[bad][self.topk_ids[bad] >= 0]).tolist():
+            out[int(e)] = bad[(self.topk_ids[bad] == e).any(axis=1)]
+        return out
+
     def worst_tokens(self, n: int = 5) -> list[dict]:
         """Up to ``n`` violating tokens, worst ``error / bound`` first."""
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -163,9 +178,14 @@ class Report:
 
 def compare(candidate, reference, profile: Profile, *, label: str = "") -> Report:
     """Check ``candidate`` (float ``[M, K]``, any dtype incl. bf16/torch) against a traced reference
-    run (:func:`moeref.moe.run_moe`) under the arithmetic ``profile`` declares."""
+    run (:func:`moeref.moe.run_moe`), or the inputs of one (a :class:`moeref.compare.faults.LayerCase`,
+    run here), under the arithmetic ``profile`` declares."""
     from .. import _interop
 
+    if not hasattr(reference, "chunks"):
+        from .faults import reference as run_reference
+
+        reference = run_reference(reference)
     c = np.asarray(_interop.to_numpy(candidate)).astype(np.float64)
     r = np.asarray(reference.output, dtype=np.float64)
     if c.shape != r.shape:

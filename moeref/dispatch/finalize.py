@@ -34,7 +34,8 @@ def reduce_slot_rows(slot_rows, topk_weights, *, apply_weights: bool = True, out
     w = as_float_array(topk_weights, "topk_weights").astype(np.float64)
     check_ndim(w, 2, "topk_weights")
     m, k = w.shape
-    rows = np.asarray(slot_rows, dtype=np.float64).reshape(m, k, -1)
+    rows = np.asarray(slot_rows, dtype=np.float64)
+    rows = rows.reshape(m, k, rows.shape[-1])  # explicit K: M may be 0
     if not apply_weights:
         w = np.ones_like(w)
     # An explicit loop over j (k <= a few dozen) fixes the summation order: out = ((r0 + r1) + r2) ...

@@ -151,7 +151,7 @@ def as_operand(x, name: str = "operand") -> BlockOperand:
     if isinstance(x, BlockOperand):
         return x
     if hasattr(x, "element_values") and hasattr(x, "scale_values"):
-        vals = np.asarray(x.element_values(), dtype=np.float64)
+        vals = _element_values(x)
         if vals.ndim < 1:
             raise ValueError(f"{name} must have at least 1 dimension; got a scalar")
         block = tuple(int(b) for b in getattr(x, "block_shape", ()))
@@ -182,6 +182,23 @@ def as_operand(x, name: str = "operand") -> BlockOperand:
     check_ndim(a, 2, name)
     a = a.astype(np.float64)
     return BlockOperand(a, np.ones((1, 1)), (max(a.shape[0], 1), max(a.shape[1], 1)), False)
+
+
+def _element_values(x) -> np.ndarray:
+    """float64 element values of a quantized tensor: ``x.element_values()``, or for unpacked 8-bit codes
+    without zero points the same :func:`moeref.formats.decode_table` lookup done in one pass (the
+    weights of a large layer are decoded per call; this avoids two full-size temporaries)."""
+    scheme = getattr(x, "scheme", None)
+    codes = getattr(x, "codes", None)
+    if (scheme is not None and codes is not None and getattr(x, "zero_points", None) is None
+            and not getattr(scheme, "packed", True) and codes.dtype == np.uint8
+            and codes.shape == tuple(x.shape)):
+        from ..formats import decode_table
+
+        if codes.ndim == 2:  # decoded column-major: block_gemm reads contiguous K-segments of W.T
+            return decode_table(scheme.element).astype(np.float64)[codes.T].T
+        return decode_table(scheme.element).astype(np.float64)[codes]
+    return np.asarray(x.element_values(), dtype=np.float64)
 
 
 def quantum_and_max(values) -> tuple[float, float]:

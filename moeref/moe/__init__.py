@@ -14,6 +14,7 @@ from .pipeline import (
     finalize,
     fused_moe,
     prepare,
+    quantizer,
     round_to_dtype,
     run_moe,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "make_tokens",
     "prepare",
     "quantize_weights",
+    "quantizer",
     "round_to_dtype",
     "run_moe",
 ]

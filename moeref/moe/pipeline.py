@@ -56,6 +56,7 @@ __all__ = [
     "LAYOUTS",
     "MoEQuant",
     "NO_QUANT",
+    "quantizer",
     "Prepared",
     "ExpertsOutput",
     "MoERun",
@@ -87,10 +88,25 @@ class MoEQuant:
 NO_QUANT = MoEQuant()
 
 
+def quantizer(scheme, **static) -> Callable:
+    """A quantizer ``x -> QuantizedTensor`` with static arguments bound, for :class:`MoEQuant`:
+    ``quantizer(fp8_per_tensor(), scale=s)`` (static FP8 a1/a2 scale, vLLM ``a1_scale``/``a2_scale``),
+    ``quantizer(nvfp4(preset="vllm"), global_scale=a1_gscale)`` (NVFP4 input/intermediate global scale in
+    the preset's convention; vLLM/FlashInfer pass the encode factor ``448 * 6 / amax``).
+    """
+    from ..quant import quantize
+
+    def run(x):
+        return quantize(x, scheme, **static)
+
+    run.scheme = scheme
+    return run
+
+
 def _run_quantizer(q, x: np.ndarray):
     if q is None:
         return as_operand(x, "x"), None
-    if callable(q) and not hasattr(q, "element"):
+    if callable(q) and not hasattr(q, "element"):  # a bound quantizer (see quantizer())
         qt = q(x)
     else:
         from ..quant import quantize

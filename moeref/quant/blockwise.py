@@ -37,6 +37,7 @@ __all__ = [
     "working_dtype",
     "as_input",
     "block_view",
+    "block_amax",
     "block_reduce",
     "broadcast_to_blocks",
     "grid_shape",
@@ -92,23 +93,36 @@ def _block_axes(ndim_lead: int, k: int) -> tuple[int, ...]:
     return tuple(ndim_lead + 2 * i + 1 for i in range(k))
 
 
-def block_reduce(xb: np.ndarray, k: int, how: str) -> np.ndarray:
-    """Reduce a block view ``[..., n0, b0, ...]`` over the ``b`` axes.
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
-    ``how``: ``"amax"`` (NaN propagates), ``"amax_ignore_nan"`` (``fmax``: NaN ignored unless the
-    whole block is NaN, then 0), ``"max"``, ``"min"`` (signed, NaN propagates).
+
+def block_amax(xb: np.ndarray, k: int, ignore_nan: bool = False) -> np.ndarray:
+    """``max |x|`` over the ``b`` axes of a block view, exactly, from the IEEE bit patterns.
+
+    With the sign bit cleared, the unsigned order of float bit patterns is the order of
+    magnitudes, and NaN patterns sort above Inf: the max of the masked bits is the amax, or a
+    NaN when the block holds one (``np.max``/``torch.amax`` propagation). ``ignore_nan`` drops
+    NaN patterns first (TE's ``fmaxf`` from 0). Works on the input dtype (bfloat16 amax is
+    exact in bfloat16, as torchao takes it) and is several times faster than ``abs`` + ``max``.
     """
-    axes = _block_axes(xb.ndim - 2 * k, k)
-    if how == "amax":
-        return np.max(np.abs(xb), axis=axes)
-    if how == "amax_ignore_nan":
-        a = np.abs(xb)
-        return np.max(np.where(np.isnan(a), a.dtype.type(0), a), axis=axes)
+    axes = tuple(xb.ndim - 2 * k + 2 * i + 1 for i in range(k))
+    u = _UINT[xb.dtype.itemsize]
+    nbits = 8 * xb.dtype.itemsize
+    bits = xb.view(u) & u((1 << (nbits - 1)) - 1)
+    if ignore_nan:
+        inf_bits = np.array(np.inf, xb.dtype).view(u)
+        bits = np.where(bits > inf_bits, u(0), bits)
+    return np.max(bits, axis=axes).view(xb.dtype)
+
+
+def block_reduce(xb: np.ndarray, k: int, how: str) -> np.ndarray:
+    """Signed ``"max"`` or ``"min"`` over the ``b`` axes of a block view (NaN propagates)."""
+    axes = tuple(xb.ndim - 2 * k + 2 * i + 1 for i in range(k))
     if how == "max":
         return np.max(xb, axis=axes)
     if how == "min":
         return np.min(xb, axis=axes)
-    raise ValueError(f"unknown reduction {how!r}")
+    raise ValueError(f"unknown reduction {how!r}; accepted: 'max', 'min'")
 
 
 def broadcast_to_blocks(grid: np.ndarray, k: int) -> np.ndarray:
@@ -128,9 +142,16 @@ def expand_to_elements(grid: np.ndarray, block, shape) -> np.ndarray:
     return out[(...,) + tuple(slice(0, d) for d in shape[len(shape) - k:])]
 
 
-def encode_elements(scaled: np.ndarray, element: ElementFormat, preset) -> np.ndarray:
-    """Element cast of already-scaled data under the preset's rounding/overflow/NaN code."""
+def encode_elements(scaled: np.ndarray, element: ElementFormat, preset, *,
+                    nan_free: bool = False) -> np.ndarray:
+    """Element cast of already-scaled data under the preset's rounding/overflow/NaN code.
+
+    ``nan_free``: the caller guarantees ``scaled`` holds no NaN (NaN blocks already masked), so
+    formats without NaN can use the codec's fast table path (any nan_code is then never used).
+    """
     nan_code = preset.nan_code if not element.has_nan else None
+    if nan_code is None and nan_free and not element.has_nan:
+        nan_code = 0
     overflow = preset.overflow if element.has_nan else "saturate"
     return encode(scaled, element, overflow=overflow, rounding=preset.rounding_for(element),
                   nan_code=nan_code)
@@ -166,8 +187,7 @@ def quantize_blockwise(x, scheme: Scheme, *, rule: Callable | None = None, stati
     xb = block_view(xw, block)
 
     with np.errstate(invalid="ignore"):
-        how = "amax_ignore_nan" if p.nonfinite == "ignore_nan" else "amax"
-        amax = block_reduce(xb, k, how)
+        amax = block_amax(block_view(xa, block), k, p.nonfinite == "ignore_nan").astype(w)
         if p.amax_floor > 0:
             amax = np.maximum(amax, w.type(p.amax_floor))
         if p.zero_block == "unit_amax":
@@ -193,7 +213,7 @@ def quantize_blockwise(x, scheme: Scheme, *, rule: Callable | None = None, stati
         r = r + broadcast_to_blocks(res.zero_point.astype(np.int16), k)
         codes = np.clip(r, el.min_value, el.max_finite).astype(np.uint8)
     else:
-        codes = encode_elements(scaled, el, p)
+        codes = encode_elements(scaled, el, p, nan_free=p.nonfinite == "nan_block")
     if nan_blocks.any():
         codes = np.where(broadcast_to_blocks(nan_blocks, k), np.uint8(fill), codes).astype(np.uint8)
     if p.signed_zero_for(el) == "drop" and el.has_negative_zero:

@@ -108,19 +108,20 @@ def _quantize_int_asym(x, scheme: Scheme):
 
 def _w4a8_rule(amax, ctx) -> ScaleResult:
     sg = fp32_scales(amax, ctx).stored.astype(np.float64)  # signed_minmax group scales
-    sg = np.where(sg > 0, sg, 1.0)  # all-zero group: scale 1 (codes are 0 anyway)
+    zero = ~(sg > 0)  # all-zero group: scale code 0, codes 0
     if ctx.preset.option("channel_scales") == "ones":
         ch = np.ones(sg.shape[:-1] + (1,), np.float32)
     else:
-        ch = (np.max(sg, axis=-1, keepdims=True) / 448.0).astype(np.float32)
-    codes = encode(sg / ch.astype(np.float64), "ue4m3", overflow="saturate")
+        top = np.max(np.where(zero, 0.0, sg), axis=-1, keepdims=True)
+        ch = np.where(top > 0, top / 448.0, 1.0).astype(np.float32)
+    codes = encode(np.where(zero, 0.0, sg / ch.astype(np.float64)), "ue4m3", overflow="saturate")
+    # a group 2^-18 below its row's largest rounds to scale 0: use the smallest E4M3 scale
+    # instead (coarser, never saturating), so its values are not silently zeroed
+    codes = np.where(zero, 0, np.maximum(codes, 1)).astype(np.uint8)
     dec = decode_table("ue4m3")[codes]
-    if np.any(dec == 0):
-        i = tuple(int(v) for v in np.argwhere(dec == 0)[0])
-        raise ValueError(f"group scale at grid index {i} underflows E4M3 (ratio to the channel "
-                         "scale below 2^-10); use channel_scales='max'")
     eff = dec * ch.astype(np.float64)
-    return ScaleResult(stored=codes, decode=dec, factor=eff.astype(ctx.work), op="div",
+    factor = np.where(zero, 1.0, eff).astype(ctx.work)
+    return ScaleResult(stored=codes, decode=dec, factor=factor, op="div",
                        extra={"channel_scales": ch})
 
 
@@ -128,6 +129,10 @@ def _quantize_w4a8(x, scheme: Scheme):
     xa = as_input(x)
     if xa.ndim < 2:
         raise ValueError(f"W4A8 weights must be [..., N, K]; got shape {xa.shape}")
+    g = scheme.block[-1]
+    if xa.shape[-1] % g:
+        raise ValueError(f"W4A8 weights need K = {xa.shape[-1]} to be a multiple of the group size "
+                         f"{g} (cutlass_w4a8_mm reads whole groups); pad K first")
     return quantize_blockwise(xa.astype(np.float64), scheme, rule=_w4a8_rule, need_minmax=True)
 
 

@@ -287,10 +287,11 @@ for _p in (
     ),
     Preset(
         "vllm_int8",
-        "vLLM dynamic_scaled_int8_quant: scale = amax/127, data x * (127/amax), round to "
-        "nearest even, saturate to [-128, 127].",
+        "vLLM dynamic_scaled_int8_quant: scale = amax/127, data x * (127/amax), "
+        "cvt.rni.sat.s8.f32 (nearest even, saturate to [-128, 127], NaN -> 0; an FP32-subnormal "
+        "amax makes 127/amax Inf, as in vLLM).",
         fp32_rule="encode_decode_pair", apply="mul_encode", zero_block="one",
-        nonfinite="propagate",
+        nonfinite="propagate", nan_code=0,
     ),
     Preset(
         "gptq",

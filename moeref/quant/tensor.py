@@ -14,7 +14,8 @@ import numpy as np
 import ml_dtypes
 
 from ..formats import decode_table, encode, unpack_nibbles
-from .blockwise import expand_to_elements, grid_shape, quantize_blockwise
+from .blockwise import (block_view, broadcast_to_blocks, expand_to_elements, grid_shape,
+                        quantize_blockwise)
 from .scheme import Scheme, _check_static_scale
 
 __all__ = [
@@ -111,10 +112,11 @@ class QuantizedTensor:
 
     def element_values(self, dtype=np.float64) -> np.ndarray:
         """Decoded element values, zero point subtracted, logical shape. Exact (float32 too)."""
-        v = decode_table(self.scheme.element)[self.element_codes().astype(np.intp)]
+        table = decode_table(self.scheme.element).astype(dtype)
+        v = table[self.element_codes()]
         if self.zero_points is not None:
-            v = v - expand_to_elements(self.zero_points.astype(np.float64), self.block_shape, self.shape)
-        return v.astype(dtype)
+            v = v - expand_to_elements(self.zero_points.astype(dtype), self.block_shape, self.shape)
+        return v
 
     def scale_values(self) -> np.ndarray:
         """float64 decode multiplier per block (grid shape), global and channel factors included."""
@@ -138,10 +140,23 @@ class QuantizedTensor:
         if dtype not in (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64),
                          np.dtype(ml_dtypes.bfloat16)):
             raise ValueError(f"dtype must be float16, bfloat16, float32 or float64; got {dtype}")
-        sv = expand_to_elements(self.scale_values(), self.block_shape, self.shape)
+        sv = self.scale_values()
+        block = self.block_shape
+        # float32 output from float32-exact scales: fl32(code * scale) is the exact product
+        # rounded once, the same as rounding the float64 product; otherwise go through float64
+        work = np.float64
+        if dtype == np.float32:
+            with np.errstate(over="ignore", invalid="ignore"):
+                if np.array_equal(sv.astype(np.float32).astype(np.float64), sv, equal_nan=True):
+                    work = np.float32
+        vb = block_view(self.element_values(work), block)
         with np.errstate(invalid="ignore", over="ignore"):
-            out = self.element_values(np.float64) * sv
-            return out.astype(dtype)
+            out = vb * broadcast_to_blocks(sv.astype(work), len(block))
+        k = len(block)
+        padded = self.shape[: len(self.shape) - k] + tuple(
+            n * b for n, b in zip(sv.shape[len(sv.shape) - k:], block))
+        out = out.reshape(padded)[(...,) + tuple(slice(0, d) for d in self.shape[len(self.shape) - k:])]
+        return np.ascontiguousarray(out.astype(dtype, copy=False))
 
     @property
     def nbytes(self) -> int:

@@ -28,7 +28,7 @@ from .methods import (
     with_padding,
 )
 from .names import LIBRARY_METHOD_NAMES, LibraryMethod, route_as
-from .topk import order_keys, stable_topk
+from .topk import order_keys, stable_topk, top_values
 
 __all__ = [
     "EP_STRATEGIES",
@@ -54,6 +54,7 @@ __all__ = [
     "softmax_topk",
     "stable_topk",
     "to_local_ids",
+    "top_values",
     "topk_softmax",
     "with_padding",
 ]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._checks import as_float_array, check_choice, check_ndim, check_positive_int
-from .topk import stable_topk
+from .topk import EXCLUDED_KEY, order_keys, stable_topk, top_values_from_keys, topk_from_keys
 
 __all__ = [
     "METHODS",
@@ -97,11 +97,12 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    """Elementwise logistic sigmoid in float64 (no overflow warnings; ``sigmoid(NaN) = NaN``)."""
+    """Elementwise logistic sigmoid ``1 / (1 + exp(-x))`` in float64 (relative error of a few float64
+    ulps; ``exp`` overflow for ``x < -709`` gives exactly 0, the float32 result anyway;
+    ``sigmoid(NaN) = NaN``)."""
     x = np.asarray(x, dtype=np.float64)
     with np.errstate(over="ignore"):
-        e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))  # NaN: e is NaN, so is the result
+        return 1.0 / (1.0 + np.exp(-x))
 
 
 def _score(x: np.ndarray, scoring: str) -> np.ndarray:
@@ -282,19 +283,19 @@ def grouped_topk(
         )
     s = _score(x, scoring)
     c = s if bias is None else s + _bias(bias, e)
-    per_group = c.reshape(m * n_group, group_size)
+    keys = order_keys(c)  # one ranking pass, shared by the group scores and the final selection
+    per_group = keys.reshape(m * n_group, group_size)
     if bias is not None:
         if group_size < 2:
             raise ValueError(f"a biased group score sums the top-2 of each group; group size is {group_size}")
-        top2 = np.take_along_axis(per_group, stable_topk(per_group, 2), axis=1)
-        group_score = top2.sum(axis=1)
+        group_score = top_values_from_keys(per_group, 2).sum(axis=1)  # top-2 in the declared order
     else:
-        group_score = np.take_along_axis(per_group, stable_topk(per_group, 1), axis=1)[:, 0]
+        group_score = top_values_from_keys(per_group, 1)[:, 0]
     kept_groups = stable_topk(group_score.reshape(m, n_group), topk_group)
     kept = np.zeros((m, n_group), dtype=bool)
     np.put_along_axis(kept, kept_groups, True, axis=1)
-    excluded = ~np.repeat(kept, group_size, axis=1)
-    ids = stable_topk(c, k, exclude=excluded)
+    keys[~np.repeat(kept, group_size, axis=1)] = EXCLUDED_KEY  # dropped groups rank below everything
+    ids = topk_from_keys(keys, k)
     w = np.take_along_axis(s, ids, axis=1)
     return _finish(w, ids, renormalize, _scale(routed_scaling_factor), ids_dtype, "grouped_topk")
 

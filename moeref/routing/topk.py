@@ -29,10 +29,11 @@ import numpy as np
 
 from .._checks import check_ndim, check_positive_int
 
-__all__ = ["order_keys", "stable_topk"]
+__all__ = ["EXCLUDED_KEY", "keys_to_values", "order_keys", "stable_topk", "top_values", "topk_from_keys"]
 
 _INT64_MIN = np.iinfo(np.int64).min
 _EXCLUDED_KEY = _INT64_MIN  # below everything
+EXCLUDED_KEY = _EXCLUDED_KEY
 _NAN_KEY = _INT64_MIN + 1  # below every number, above excluded entries
 
 
@@ -71,11 +72,15 @@ def stable_topk(scores: np.ndarray, k: int, *, exclude: np.ndarray | None = None
     """
     scores = np.asarray(scores)
     check_ndim(scores, 2, "scores")
+    return topk_from_keys(order_keys(scores, exclude), k)
+
+
+def topk_from_keys(keys: np.ndarray, k: int) -> np.ndarray:
+    """:func:`stable_topk` on precomputed :func:`order_keys` ``[M, N]`` (int64): ids ``[M, k]``."""
     k = check_positive_int(k, "k")
-    m, n = scores.shape
+    m, n = keys.shape
     if k > n:
         raise ValueError(f"k must be <= the number of columns ({n}); got k={k}")
-    keys = order_keys(scores, exclude)
     if m == 0:
         return np.zeros((0, k), dtype=np.int64)
     kth = np.partition(keys, n - k, axis=1)[:, n - k : n - k + 1]  # k-th largest key per row
@@ -93,3 +98,35 @@ def stable_topk(scores: np.ndarray, k: int, *, exclude: np.ndarray | None = None
     # Descending key, stable: ~key is strictly decreasing in key and cannot overflow.
     rank = np.argsort(~chosen_keys, axis=1, kind="stable")
     return np.take_along_axis(ids, rank, axis=1)
+
+
+def keys_to_values(keys: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`order_keys`: float64 values (NaN for NaN and excluded keys; -0.0 comes back
+    as +0.0)."""
+    keys = np.asarray(keys, dtype=np.int64)
+    bits = keys ^ ((keys >> np.int64(63)) & np.int64(0x7FFFFFFFFFFFFFFF))  # the transform is an involution
+    out = bits.view(np.float64).copy()
+    out[keys <= _NAN_KEY] = np.nan
+    return out
+
+
+def top_values(scores: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` best values of each row of ``scores [M, N]`` in the declared order (best first):
+    float64 ``[M, k]``. Same ranking as :func:`stable_topk` (NaN below -inf), without the ids.
+
+    >>> top_values(np.array([[1.0, np.nan, 3.0, -np.inf]]), 3)
+    array([[  3.,   1., -inf]])
+    """
+    scores = np.asarray(scores)
+    check_ndim(scores, 2, "scores")
+    return top_values_from_keys(order_keys(scores), k)
+
+
+def top_values_from_keys(keys: np.ndarray, k: int) -> np.ndarray:
+    """:func:`top_values` on precomputed :func:`order_keys` ``[M, N]``."""
+    k = check_positive_int(k, "k")
+    n = keys.shape[1]
+    if k > n:
+        raise ValueError(f"k must be <= the number of columns ({n}); got k={k}")
+    best = np.partition(keys, n - k, axis=1)[:, n - k:]
+    return keys_to_values(np.sort(best, axis=1)[:, ::-1])

@@ -15,10 +15,13 @@ Distributions (``ROUTING_KINDS``), each a known bug class (moe-semantics.md sect
 ``negative_logits`` every logit negative (FlashInfer #2822 / vLLM #37591)
 ``nonfinite``       logits with +-inf and NaN entries (declared NaN policy)
 ``skewed_logits``   logits + a linspace(8, -8) expert bias (FlashInfer fuzzer "imbalanced")
+``negative_bias``   sigmoid scores + a per-expert correction bias that may be negative everywhere,
+                    routed by ``biased_topk`` (FlashInfer #2168, SGLang PR #3705)
 ==================  ===========================================================================
 
-Logit-based kinds route with :func:`moeref.routing.softmax_topk` (renormalize=True) and keep the
-logits in :attr:`RoutingCase.logits`. Padding tokens (``ids == -1`` in every slot, weight 0) are
+Logit-based kinds route with :func:`moeref.routing.softmax_topk` (renormalize=True), except
+``negative_bias`` (:func:`moeref.routing.biased_topk`, sigmoid, renormalize=True; the bias is kept in
+:attr:`RoutingCase.bias`), and keep the logits in :attr:`RoutingCase.logits`. Padding tokens (``ids == -1`` in every slot, weight 0) are
 drawn on top of any kind when ``allow_padding``. Logits and weights are drawn on exact binary grids
 (multiples of 1/8 and 1/64) so shifted or rescaled copies stay exact.
 """
@@ -30,7 +33,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from ..routing.expert_map import EP_STRATEGIES, expert_map
-from ..routing.methods import softmax_topk
+from ..routing.methods import biased_topk, softmax_topk
 
 __all__ = [
     "BLACKWELL_ALIGNMENTS",
@@ -49,7 +52,7 @@ __all__ = [
 ]
 
 ID_KINDS = ("uniform", "hot1", "all_to_one", "zipf", "empty_experts")
-LOGIT_KINDS = ("tied_logits", "negative_logits", "nonfinite", "skewed_logits")
+LOGIT_KINDS = ("tied_logits", "negative_logits", "nonfinite", "skewed_logits", "negative_bias")
 ROUTING_KINDS = ID_KINDS + LOGIT_KINDS
 BLACKWELL_ALIGNMENTS = tuple(range(32, 225, 32))  # DeepGEMM SM100: 224 stepping down by 32
 BOUNDARY_TOKEN_COUNTS = (4095, 4096, 4097)  # FlashInfer fuzzer's autotune-cache boundary
@@ -59,7 +62,8 @@ BOUNDARY_TOKEN_COUNTS = (4095, 4096, 4097)  # FlashInfer fuzzer's autotune-cache
 class RoutingCase:
     """A drawn routing. ``ids``: int32 ``[M, k]`` (-1 = padding slot), ``weights``: float32 ``[M, k]``
     (0 for padding), ``logits``: float32 ``[M, E]`` for logit-based kinds else None, ``kind``: the
-    distribution, ``num_padding``: padding tokens."""
+    distribution, ``num_padding``: padding tokens, ``bias``: float64 ``[E]`` correction bias of the
+    ``negative_bias`` kind else None."""
 
     num_tokens: int
     num_experts: int
@@ -69,12 +73,14 @@ class RoutingCase:
     logits: np.ndarray | None
     kind: str
     num_padding: int = 0
+    bias: np.ndarray | None = None
 
     def __repr__(self) -> str:  # Hypothesis prints this for a failing example
         return (
             f"RoutingCase(kind={self.kind!r}, num_tokens={self.num_tokens}, num_experts={self.num_experts}, "
             f"top_k={self.top_k}, num_padding={self.num_padding}, ids={self.ids.tolist()}, "
-            f"weights={self.weights.tolist()}, logits={None if self.logits is None else self.logits.tolist()})"
+            f"weights={self.weights.tolist()}, logits={None if self.logits is None else self.logits.tolist()}, "
+            f"bias={None if self.bias is None else self.bias.tolist()})"
         )
 
 
@@ -136,9 +142,13 @@ def biases(num_experts: int, *, negative: bool = True) -> st.SearchStrategy[np.n
     """Correction biases ``float64 [E]`` on a 1/16 grid; with ``negative`` they may all be negative
     (FlashInfer #2168), and they vary per expert (vLLM's test uses a constant 0.9, which cannot
     change a selection)."""
-    low = -4.0 if negative else 0.0
-    elems = st.integers(int(low * 16), 64).map(lambda v: v / 16.0)
-    return st.lists(elems, min_size=num_experts, max_size=num_experts).map(lambda v: np.array(v, dtype=np.float64))
+    def of(lo, hi):
+        elems = st.integers(lo, hi).map(lambda v: v / 16.0)
+        return st.lists(elems, min_size=num_experts, max_size=num_experts).map(lambda v: np.array(v, dtype=np.float64))
+
+    if not negative:
+        return of(0, 64)
+    return st.one_of(of(-64, 64), of(-64, -1))  # mixed signs, or negative for every expert
 
 
 @st.composite
@@ -200,8 +210,14 @@ def routings(
         raise ValueError(f"top_k={k} > num_experts={e}")
     m = pick(num_tokens, st.integers(0 if allow_zero_tokens else 1, max(1, max_tokens)))
     kind = draw(st.sampled_from(kinds))
-    logits = None
-    if kind in LOGIT_KINDS:
+    logits = bias = None
+    if kind == "negative_bias":
+        logits = draw(router_logits(m, e, "grid"))
+        bias = draw(biases(e, negative=True))
+        r = biased_topk(logits, k, bias, scoring="sigmoid", renormalize=True) if m else None
+        ids = r.ids.astype(np.int64) if m else np.zeros((0, k), dtype=np.int64)
+        weights = r.weights if m else np.zeros((0, k), dtype=np.float32)
+    elif kind in LOGIT_KINDS:
         logits = draw(router_logits(m, e, kind))
         r = softmax_topk(logits, k, renormalize=True) if m else None
         ids = r.ids.astype(np.int64) if m else np.zeros((0, k), dtype=np.int64)
@@ -236,4 +252,4 @@ def routings(
         ids[pad] = -1
         weights = np.where(pad[:, None], np.float32(0.0), weights).astype(np.float32)
         n_pad = int(pad.sum())
-    return RoutingCase(m, e, k, ids, weights.astype(np.float32), logits, kind, n_pad)
+    return RoutingCase(m, e, k, ids, weights.astype(np.float32), logits, kind, n_pad, bias)

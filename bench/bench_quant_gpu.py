@@ -1,0 +1,362 @@
+"""Benchmark the Triton quantization fast paths on a GPU: achieved bandwidth vs the device copy.
+
+For each kernel, at large sizes (default 16384 x 7168 bf16 input):
+
+* achieved bandwidth = (bytes the operation must read + bytes it must write) / median time,
+  timed with ``triton.testing.do_bench`` (CUDA events, median), inputs rotated across enough
+  buffers that the L2 cache (50-60 MB) cannot hold them;
+* next to the device-to-device copy bandwidth measured in the same run (a 2 GiB ``copy_``,
+  bytes read + written);
+* speedup over a torch-eager implementation of the same operation, and over ``torch.compile`` of
+  that implementation (``--baselines``), plus DeepGEMM's own quantizer when installed.
+
+Small sizes are reported as latency (microseconds). Writes ``bench_quant.json``, ``bench_quant.md``
+and ``fastpath_bandwidth.png`` (bandwidth vs bytes moved, one line per kernel) to ``--out``.
+
+Run: ``python bench/bench_quant_gpu.py --out OUTDIR [--baselines] [--quick]`` (bench/run_gpu.sh).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from moeref.quant import fp8_group, fp8_per_tensor, fp8_per_token, mxfp4, mxfp8  # noqa: E402
+from moeref.quant.nvfp4 import nvfp4  # noqa: E402
+
+from fastpath import fused as F  # noqa: E402
+from fastpath import quant as Q  # noqa: E402
+
+L2_BYTES = 64 << 20
+
+
+# ----------------------------------------------------------------------------- torch baselines
+# Same operation, written the way one writes it in PyTorch (DeepGEMM's per_token_cast_to_fp8 style).
+
+def _ceil_ue8m0(sf):
+    bits = sf.view(torch.int32)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()
+    return (e.clamp(1, 254) << 23).view(torch.float32)
+
+
+def torch_group_fp8(x, g=128, ue8m0=False):
+    m, k = x.shape
+    xv = x.view(m, k // g, g).float()
+    amax = xv.abs().amax(dim=2).clamp(min=1e-4)
+    sf = amax / 448.0
+    if ue8m0:
+        sf = _ceil_ue8m0(sf)
+    q = (xv * (1.0 / sf.unsqueeze(2))).clamp(-448, 448).to(torch.float8_e4m3fn).view(m, k)
+    return q, sf
+
+
+def torch_per_token_fp8(x):
+    xf = x.float()
+    sf = xf.abs().amax(dim=1, keepdim=True) / 448.0
+    sf = torch.where(sf == 0, torch.ones_like(sf), sf)
+    return (xf / sf).clamp(-448, 448).to(torch.float8_e4m3fn), sf
+
+
+def torch_per_tensor_fp8(x):
+    xf = x.float()
+    sf = xf.abs().amax() / 448.0
+    return (xf / sf).clamp(-448, 448).to(torch.float8_e4m3fn), sf
+
+
+def torch_mxfp8(x):
+    m, k = x.shape
+    xv = x.view(m, k // 32, 32).float()
+    amax = xv.abs().amax(dim=2)
+    bits = (amax * (1.0 / 448.0)).view(torch.int32)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()
+    scale = (e.clamp(1, 254) << 23).view(torch.float32)
+    q = (xv / scale.unsqueeze(2)).clamp(-448, 448).to(torch.float8_e4m3fn).view(m, k)
+    return q, e.to(torch.uint8)
+
+
+_FP4_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _fp4_codes(y):
+    a = y.abs()
+    code = torch.zeros_like(a, dtype=torch.uint8)
+    for b in _FP4_BOUNDS:
+        code = code + (a > b).to(torch.uint8)
+    code = code | ((y < 0).to(torch.uint8) << 3)
+    return code
+
+
+def torch_mxfp4(x):
+    m, k = x.shape
+    xv = x.view(m, k // 32, 32).float()
+    amax = xv.abs().amax(dim=2)
+    bits = (amax * (1.0 / 6.0)).view(torch.int32)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()
+    scale = (e.clamp(1, 254) << 23).view(torch.float32)
+    c = _fp4_codes(xv / scale.unsqueeze(2)).view(m, k // 2, 2)
+    return c[..., 0] | (c[..., 1] << 4), e.to(torch.uint8)
+
+
+def torch_nvfp4(x):
+    m, k = x.shape
+    xf = x.float()
+    s_enc = 2688.0 / xf.abs().amax()
+    xv = xf.view(m, k // 16, 16)
+    sf = (xv.abs().amax(dim=2) * (s_enc / 6.0)).clamp(max=448).to(torch.float8_e4m3fn)
+    fac = 1.0 / (sf.float() / s_enc)
+    c = _fp4_codes((xv * fac.unsqueeze(2)).clamp(-6, 6)).view(m, k // 2, 2)
+    return c[..., 0] | (c[..., 1] << 4), sf
+
+
+def torch_silu_group_fp8(x):
+    n = x.shape[1] // 2
+    a = torch.nn.functional.silu(x[:, :n].float()) * x[:, n:].float()
+    return torch_group_fp8(a)
+
+
+def torch_swigluoai_group_fp8(x, alpha=1.702, limit=7.0):
+    g = x[:, 0::2].float().clamp(max=limit)
+    u = x[:, 1::2].float().clamp(-limit, limit)
+    a = (u + 1) * g * torch.sigmoid(alpha * g)
+    return torch_group_fp8(a)
+
+
+def torch_dequant_group(codes, sf):
+    m, k = codes.shape
+    return (codes.view(torch.float8_e4m3fn).float().view(m, k // 128, 128) * sf.unsqueeze(2)).view(m, k).bfloat16()
+
+
+# ----------------------------------------------------------------------------- kernels under test
+
+def kernels():
+    """name -> (make_inputs(M, K) -> tuple, run(*inputs), bytes(M, K), torch_fn or None)."""
+    bf = torch.bfloat16
+
+    def x_in(M, K):
+        return (torch.randn(M, K, device="cuda", dtype=bf),)
+
+    def x2_in(M, K):
+        return (torch.randn(M, 2 * K, device="cuda", dtype=bf),)
+
+    def bytes_q(elem_bytes, scale_bytes_per_group, g):
+        return lambda M, K: M * K * 2 + M * K * elem_bytes + M * (-(-K // g)) * scale_bytes_per_group
+
+    def dq_in(M, K):
+        x = torch.randn(M, K, device="cuda", dtype=bf)
+        q = Q.quantize(x, fp8_group(128))
+        return (q,)
+
+    def dq_torch_in(M, K):
+        x = torch.randn(M, K, device="cuda", dtype=bf)
+        q = Q.quantize(x, fp8_group(128))
+        return (q.codes, q.scales)
+
+    s_g = fp8_group(128)
+    s_dg = fp8_group(128, "ue8m0", "deepgemm")
+    s_dg32 = fp8_group(128, "fp32", "deepgemm")
+    s_tok = fp8_per_token()
+    s_ten = fp8_per_tensor()
+    s_mx8 = mxfp8()
+    s_mx4 = mxfp4()
+    s_nv = nvfp4()
+    return {
+        "fp8_1x128_fp32": (x_in, lambda x: Q.quantize(x, s_g), bytes_q(1, 4, 128),
+                           lambda x: torch_group_fp8(x)),
+        "fp8_1x128_ue8m0_packed (deepgemm)": (x_in, lambda x: Q.quantize(x, s_dg, scale_layout="packed_ue8m0"),
+                                              bytes_q(1, 1, 128), lambda x: torch_group_fp8(x, ue8m0=True)),
+        "fp8_1x128_fp32_mn_major (deepgemm)": (x_in, lambda x: Q.quantize(x, s_dg32, scale_layout="mn_major"),
+                                               bytes_q(1, 4, 128), lambda x: torch_group_fp8(x)),
+        "fp8_per_token": (x_in, lambda x: Q.quantize(x, s_tok), lambda M, K: M * K * 3 + 4 * M,
+                          torch_per_token_fp8),
+        "fp8_per_tensor": (x_in, lambda x: Q.quantize(x, s_ten), lambda M, K: M * K * 3 + 4,
+                           torch_per_tensor_fp8),
+        "mxfp8_swizzled": (x_in, lambda x: Q.quantize(x, s_mx8, scale_layout="swizzled_128x4"),
+                           bytes_q(1, 1, 32), torch_mxfp8),
+        "mxfp4_swizzled": (x_in, lambda x: Q.quantize(x, s_mx4, scale_layout="swizzled_128x4"),
+                           bytes_q(0.5, 1, 32), torch_mxfp4),
+        "nvfp4_swizzled": (x_in, lambda x: Q.quantize(x, s_nv, scale_layout="swizzled_128x4"),
+                           bytes_q(0.5, 1, 16), torch_nvfp4),
+        "silu_and_mul+fp8_1x128": (x2_in, lambda x: F.silu_and_mul_quant_fp8(x, s_g),
+                                   lambda M, K: M * 2 * K * 2 + M * K + M * (K // 128) * 4,
+                                   torch_silu_group_fp8),
+        "swigluoai+fp8_1x128": (x2_in, lambda x: F.swigluoai_quant_fp8(x, 1.702, 7.0, s_g),
+                                lambda M, K: M * 2 * K * 2 + M * K + M * (K // 128) * 4,
+                                torch_swigluoai_group_fp8),
+        "dequant_fp8_1x128_to_bf16": (dq_in, lambda q: Q.dequantize(q, torch.bfloat16),
+                                      lambda M, K: M * K * 1 + M * (K // 128) * 4 + M * K * 2,
+                                      None),
+    }
+
+
+def bench_fn(fn, inputs_list, warmup_ms=25, rep_ms=200):
+    """Median ms of fn over rotating inputs (each call uses the next input set)."""
+    state = {"i": 0}
+
+    def call():
+        args = inputs_list[state["i"] % len(inputs_list)]
+        state["i"] += 1
+        fn(*args)
+
+    return triton.testing.do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def make_rotation(make, M, K, bytes_per_call):
+    n = max(1, min(32, int(np.ceil(4 * L2_BYTES / max(bytes_per_call, 1)))))
+    return [make(M, K) for _ in range(n)]
+
+
+def copy_bandwidth():
+    n = 1 << 30  # 1 GiB each way
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    a.random_(0, 255)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n / (ms * 1e-3) / 1e12
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--baselines", action="store_true", help="also time torch eager / torch.compile / deep_gemm")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes")
+    ap.add_argument("--only", default="", help="comma-separated substrings of kernel names")
+    ap.add_argument("--M", type=int, default=16384)
+    ap.add_argument("--K", type=int, default=7168)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    dev = torch.cuda.get_device_name()
+    date = datetime.date.today().isoformat()
+    copy_tbs = copy_bandwidth()
+    print(f"device {dev}  date {date}  copy bandwidth {copy_tbs:.3f} TB/s", flush=True)
+    ks = kernels()
+    if args.only:
+        keys = [k for k in ks if any(s in k for s in args.only.split(","))]
+        ks = {k: ks[k] for k in keys}
+    Ms = [1, 16, 128, 1024, 4096, args.M] if not args.quick else [16, 1024, args.M]
+    results = {"device": dev, "date": date, "copy_TBps": copy_tbs, "M": args.M, "K": args.K,
+               "kernels": {}}
+    for name, (make, run, nbytes, tfn) in ks.items():
+        rec = {"sweep": []}
+        for M in Ms:
+            b = nbytes(M, args.K)
+            inputs = make_rotation(make, M, args.K, b)
+            run(*inputs[0])  # compile
+            torch.cuda.synchronize()
+            ms = bench_fn(run, inputs)
+            rec["sweep"].append({"M": M, "bytes": b, "us": ms * 1e3, "TBps": b / (ms * 1e-3) / 1e12})
+            del inputs
+        big = rec["sweep"][-1]
+        rec["large_TBps"] = big["TBps"]
+        rec["large_us"] = big["us"]
+        rec["pct_copy"] = 100 * big["TBps"] / copy_tbs
+        rec["small_us"] = rec["sweep"][0]["us"]
+        if args.baselines and tfn is not None:
+            inputs = make_rotation(make, args.M, args.K, big["bytes"])
+            try:
+                tfn(*inputs[0])
+                torch.cuda.synchronize()
+                rec["eager_us"] = bench_fn(tfn, inputs, rep_ms=100) * 1e3
+            except Exception as e:  # report, do not hide
+                rec["eager_error"] = f"{type(e).__name__}: {e}"[:200]
+            try:
+                cfn = torch.compile(tfn, dynamic=False)
+                t0 = time.time()
+                cfn(*inputs[0])
+                torch.cuda.synchronize()
+                rec["compile_s"] = time.time() - t0
+                rec["compiled_us"] = bench_fn(cfn, inputs, rep_ms=100) * 1e3
+            except Exception as e:
+                rec["compile_error"] = f"{type(e).__name__}: {e}"[:200]
+            for k2 in ("eager", "compiled"):
+                if f"{k2}_us" in rec:
+                    rec[f"speedup_vs_{k2}"] = rec[f"{k2}_us"] / big["us"]
+                    rec[f"{k2}_TBps"] = big["bytes"] / (rec[f"{k2}_us"] * 1e-6) / 1e12
+            del inputs
+            torch.cuda.empty_cache()
+        results["kernels"][name] = rec
+        msg = (f"{name:38s} {big['TBps']:6.3f} TB/s ({rec['pct_copy']:5.1f}% of copy) "
+               f"{big['us']:9.1f} us @M={args.M}  small(M={Ms[0]}) {rec['small_us']:7.1f} us")
+        if "speedup_vs_eager" in rec:
+            msg += f"  x{rec['speedup_vs_eager']:.1f} eager"
+        if "speedup_vs_compiled" in rec:
+            msg += f"  x{rec['speedup_vs_compiled']:.2f} compiled"
+        print(msg, flush=True)
+    if args.baselines:
+        try:
+            import deep_gemm
+            x = [torch.randn(args.M, args.K, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+            f = lambda t: deep_gemm.utils.per_token_cast_to_fp8(t, use_ue8m0=True)  # noqa: E731
+            f(x[0])
+            us = bench_fn(f, [(t,) for t in x], rep_ms=100) * 1e3
+            b = args.M * args.K * 3 + args.M * (args.K // 128) * 4
+            rec = {"eager_us": us, "eager_TBps": b / (us * 1e-6) / 1e12}
+            cf = torch.compile(f, dynamic=False)
+            cf(x[0])
+            us2 = bench_fn(cf, [(t,) for t in x], rep_ms=100) * 1e3
+            rec.update(compiled_us=us2, compiled_TBps=b / (us2 * 1e-6) / 1e12)
+            results["deep_gemm_per_token_cast_to_fp8"] = rec
+            print(f"deep_gemm per_token_cast_to_fp8 (ue8m0): eager {rec['eager_TBps']:.3f} TB/s, "
+                  f"compiled {rec['compiled_TBps']:.3f} TB/s", flush=True)
+        except Exception as e:
+            results["deep_gemm_per_token_cast_to_fp8"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            print("deep_gemm baseline unavailable:", e, flush=True)
+
+    with open(os.path.join(args.out, "bench_quant.json"), "w") as fh:
+        json.dump(results, fh, indent=1)
+    write_markdown(results, os.path.join(args.out, "bench_quant.md"))
+    plot(results, os.path.join(args.out, "fastpath_bandwidth.png"))
+
+
+def write_markdown(res, path):
+    lines = [f"GPU: {res['device']}, date {res['date']}, input {res['M']} x {res['K']} bf16; "
+             f"device copy bandwidth {res['copy_TBps']:.2f} TB/s (read + write).", "",
+             "| kernel | TB/s | % of copy | time (us) | small M latency (us) | torch eager (us) | "
+             "x eager | torch.compile (us) | x compiled |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in res["kernels"].items():
+        lines.append(
+            f"| {name} | {r['large_TBps']:.2f} | {r['pct_copy']:.0f}% | {r['large_us']:.1f} | "
+            f"{r['small_us']:.1f} | {r.get('eager_us', float('nan')):.1f} | "
+            f"{r.get('speedup_vs_eager', float('nan')):.1f} | {r.get('compiled_us', float('nan')):.1f} | "
+            f"{r.get('speedup_vs_compiled', float('nan')):.2f} |")
+    dg = res.get("deep_gemm_per_token_cast_to_fp8")
+    if dg and "eager_TBps" in dg:
+        lines += ["", f"DeepGEMM `per_token_cast_to_fp8` (ue8m0, same data): eager {dg['eager_TBps']:.2f} TB/s, "
+                  f"torch.compile {dg['compiled_TBps']:.2f} TB/s."]
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+def plot(res, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, r in res["kernels"].items():
+        xs = [p["bytes"] / 1e6 for p in r["sweep"]]
+        ys = [p["TBps"] for p in r["sweep"]]
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.axhline(res["copy_TBps"], color="k", linestyle="--", label="device copy")
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes moved per call (MB, read + write)")
+    ax.set_ylabel("achieved bandwidth (TB/s)")
+    ax.set_title(f"fastpath quantization kernels, {res['device']}, {res['date']}")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

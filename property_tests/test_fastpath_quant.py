@@ -1,0 +1,519 @@
+"""The Triton quantization fast paths equal the moeref references, bit for bit.
+
+Runs everywhere: on a CUDA GPU for real (``gpu`` Hypothesis profile: more and larger examples), and
+on CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py) with small shapes and
+few examples. What is compared, and why it is a proof rather than a smoke test:
+
+* element codes and scales, byte for byte, against :func:`moeref.quant.quantize` (the
+  specification), for every scale layout, read back through the :mod:`moeref.layouts` inverses AND
+  compared as raw storage with the layout functions' output (so padding bytes are checked too);
+* output buffers are poisoned (0xA5) before every launch (:func:`fastpath.testing.poisoned`), so an
+  element the kernel never writes shows up as a mismatch;
+* inputs include NaN, +-Inf, -0.0, all-zero rows, subnormal-scale rows, huge values and
+  non-contiguous strides, and bf16 / fp16 / fp32 dtypes;
+* the only normalisation is the sign bit of NaN codes: IEEE leaves the sign of a NaN made by
+  arithmetic unspecified (x86 makes -NaN from 0 * Inf, CUDA +NaN), formats-semantics notes §4.2;
+* the integer rounding helpers are checked exhaustively (every bf16 bit pattern) against
+  :func:`moeref.formats.encode`, and the E8M0 rules against oracles written here from DeepGEMM's
+  ``ceil_to_ue8m0`` and torchao's ``_f32_to_e8m0_rceil``;
+* on a GPU with DeepGEMM installed, DeepGEMM's own ``per_token_cast_to_fp8`` / layout helpers agree
+  with the Triton kernels under the ``deepgemm`` preset.
+"""
+from __future__ import annotations
+
+import numpy as np
+import ml_dtypes
+import pytest
+
+torch = pytest.importorskip("torch")
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from hypothesis import HealthCheck, assume, given, settings, strategies as st  # noqa: E402
+
+from moeref import activations as ACT  # noqa: E402
+from moeref import layouts  # noqa: E402
+from moeref.formats import decode_table, encode  # noqa: E402
+from moeref.quant import (  # noqa: E402
+    fp8_group, fp8_per_tensor, fp8_per_token, mxfp4, mxfp8, quantize as ref_quantize,
+)
+from moeref.quant.nvfp4 import nvfp4  # noqa: E402
+
+from fastpath import _triton_rounding as R  # noqa: E402
+from fastpath import fused as F  # noqa: E402
+from fastpath import quant as Q  # noqa: E402
+from fastpath import registry  # noqa: E402
+from fastpath.testing import device, on_gpu, poisoned, to_device  # noqa: E402
+
+GPU = on_gpu()
+DEV = device()
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning")]  # NaN/Inf arithmetic in inputs
+if not GPU:
+    pytestmark.append(pytest.mark.interp)
+
+_N = settings().max_examples
+# CPU interpreter: each example is ~0.1-0.5 s, keep the file under a few minutes on 2 cores
+EXAMPLES = max(10, _N // 2) if GPU else max(4, _N // 3)
+MAX_M = 600 if GPU else 40
+MAX_K = 4096 if GPU else 300
+SETTINGS = settings(max_examples=EXAMPLES, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def canon_codes(codes: np.ndarray, element: str) -> np.ndarray:
+    """Codes with the sign of NaN codes cleared (the one thing IEEE leaves unspecified)."""
+    c = np.array(codes, dtype=np.uint8, copy=True)
+    if element == "e4m3fn":
+        c[(c & 0x7F) == 0x7F] = 0x7F
+    elif element == "e5m2":
+        c[((c & 0x7C) == 0x7C) & ((c & 0x3) != 0)] = 0x7E
+    return c
+
+
+def assert_same_scales(got: np.ndarray, ref: np.ndarray, what: str):
+    assert got.shape == ref.shape, (what, got.shape, ref.shape)
+    if ref.dtype == np.float32:
+        same = (got.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(got) & np.isnan(ref))
+    else:
+        same = got == ref
+    if not same.all():
+        i = tuple(np.argwhere(~same)[0])
+        raise AssertionError(f"{what}: {int((~same).sum())} scales differ; first at {i}: "
+                             f"kernel {got[i]!r} reference {ref[i]!r}")
+
+
+def assert_same_codes(got, ref, element: str, what: str):
+    g, r = canon_codes(got, element), canon_codes(ref, element)
+    assert g.shape == r.shape, (what, g.shape, r.shape)
+    if not np.array_equal(g, r):
+        i = tuple(np.argwhere(g != r)[0])
+        raise AssertionError(f"{what}: {int((g != r).sum())} codes differ; first at {i}: "
+                             f"kernel {g[i]:#04x} reference {r[i]:#04x}")
+
+
+def expected_storage(ref_scales: np.ndarray, layout: str) -> np.ndarray:
+    """The raw storage the kernel must write, built by the moeref.layouts functions."""
+    if layout == "mn_major":
+        return layouts.mn_major_storage(layouts.to_mn_major_tma_aligned(ref_scales))
+    if layout == "packed_ue8m0":
+        return layouts.mn_major_storage(layouts.pack_ue8m0(ref_scales))
+    if layout == "swizzled_128x4":
+        return layouts.swizzle_128x4(ref_scales)
+    return ref_scales
+
+
+def make_input(seed: int, shape, dtype: str, log_range: float, specials: str):
+    """float32 values (then cast to ``dtype``): rows with their own magnitude 2^[-lr, lr], plus
+    specials: 'none', 'finite' (zero rows, -0.0, huge/tiny values), 'all' (also NaN, +-Inf)."""
+    rng = np.random.default_rng(seed)
+    M, K = shape[-2], shape[-1]
+    lead = shape[:-2]
+    x = rng.standard_normal(shape).astype(np.float64)
+    x *= np.exp2(rng.uniform(-log_range, log_range, lead + (M, 1)))
+    if specials != "none":
+        flat = x.reshape(-1, K)
+        n = flat.shape[0]
+        flat[rng.integers(0, n)] = 0.0
+        flat[rng.integers(0, n), rng.integers(0, K)] = -0.0
+        flat[rng.integers(0, n), : max(1, K // 3)] = -0.0
+        flat[rng.integers(0, n), rng.integers(0, K)] = 3.0e38 if dtype == "float32" else 6.0e4
+        flat[rng.integers(0, n), rng.integers(0, K)] = 1e-30 if dtype != "float16" else 1e-7
+        if specials == "all":
+            flat[rng.integers(0, n), rng.integers(0, K)] = np.nan
+            flat[rng.integers(0, n), rng.integers(0, K)] = np.inf
+            flat[rng.integers(0, n), rng.integers(0, K)] = -np.inf
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
+    with np.errstate(over="ignore"):
+        return x.astype(np.float32).astype(np_dtype)
+
+
+def device_input(xn: np.ndarray, strided: bool):
+    """Torch tensor on the device; ``strided`` gives a non-contiguous view with the same values."""
+    if not strided:
+        return to_device(xn)
+    # store transposed, hand the kernel the transposed view: strides (1, M)
+    t = to_device(np.ascontiguousarray(np.swapaxes(xn, -1, -2)))
+    return t.transpose(-1, -2)
+
+
+# (scheme factory, allowed layouts, specials allowed)
+SCHEMES = [
+    (lambda: fp8_group(128), ("row_major", "mn_major"), "all"),
+    (lambda: fp8_group(128, "ue8m0", "deepgemm"), ("row_major", "mn_major", "packed_ue8m0"), "all"),
+    (lambda: fp8_group(128, "fp32", "deepgemm"), ("row_major", "mn_major"), "all"),
+    (lambda: fp8_group(128, "ue8m0", "vllm"), ("row_major", "packed_ue8m0"), "all"),
+    (lambda: fp8_group(64, "fp32", "te_fp8_block"), ("row_major",), "all"),
+    (lambda: fp8_group(32, "fp32", "te_fp8", element="e5m2"), ("row_major", "mn_major"), "all"),
+    (lambda: fp8_per_token(), ("row_major",), "all"),
+    (lambda: fp8_per_token(preset="vllm"), ("row_major",), "all"),
+    (lambda: fp8_per_tensor(), ("row_major",), "all"),
+    (lambda: fp8_per_tensor(preset="deepgemm"), ("row_major",), "all"),
+    (lambda: fp8_per_tensor(static_scale=0.0125), ("row_major",), "all"),
+    (lambda: mxfp8(), ("row_major", "swizzled_128x4"), "all"),
+    (lambda: mxfp8(preset="ocp"), ("row_major", "swizzled_128x4"), "all"),
+    (lambda: mxfp8(preset="te_mxfp8"), ("row_major",), "all"),
+    (lambda: mxfp8(preset="torchao_even"), ("row_major",), "all"),
+    (lambda: mxfp8("e5m2", preset="torchao_ceil"), ("row_major", "packed_ue8m0"), "all"),
+    (lambda: mxfp4(), ("row_major", "swizzled_128x4"), "all"),
+    (lambda: mxfp4(preset="deepgemm"), ("row_major", "packed_ue8m0"), "all"),
+    (lambda: mxfp4(preset="microxcaling"), ("row_major",), "all"),
+    (lambda: nvfp4(preset="te"), ("row_major", "swizzled_128x4"), "finite"),
+    (lambda: nvfp4(preset="flashinfer"), ("swizzled_128x4",), "finite"),
+    (lambda: nvfp4(preset="vllm"), ("swizzled_128x4",), "finite"),
+    (lambda: nvfp4(preset="torchao"), ("row_major", "swizzled_128x4"), "finite"),
+]
+
+
+@st.composite
+def cases(draw):
+    i = draw(st.integers(0, len(SCHEMES) - 1))
+    factory, lays, specials_ok = SCHEMES[i]
+    scheme = factory()
+    layout = draw(st.sampled_from(lays))
+    ndim = draw(st.sampled_from((2, 2, 3)))
+    M = draw(st.integers(1, MAX_M))
+    K = draw(st.integers(1, MAX_K))
+    shape = (draw(st.integers(1, 3)), M, K) if ndim == 3 else (M, K)
+    dtype = draw(st.sampled_from(("float32", "bfloat16", "float16")))
+    specials = draw(st.sampled_from(("none", "finite", "all") if specials_ok == "all" else ("none", "finite")))
+    if scheme.element == "e2m1" and scheme.preset.nan_code is None and scheme.preset.nonfinite != "nan_block":
+        specials = "finite" if specials == "all" else specials  # reference refuses NaN codes
+    strided = draw(st.booleans())
+    log_range = draw(st.sampled_from((0.0, 4.0, 30.0)))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return scheme, layout, shape, dtype, specials, strided, log_range, seed
+
+
+def run_and_check(scheme, layout, xn, x, hw_fp8=None):
+    ref = ref_quantize(xn, scheme)
+    with poisoned():
+        got = Q.quantize(x, scheme, scale_layout=layout, hw_fp8=hw_fp8)
+    what = f"{scheme.name}/{scheme.preset.name}/{layout} shape={xn.shape} dtype={xn.dtype}"
+    codes = got.codes.cpu().numpy()
+    assert_same_codes(codes, ref.codes, scheme.element, what)
+    assert_same_scales(got.scales_logical(), ref.scales, what)
+    if layout != "row_major":  # the raw storage, padding included (poisoned -> must be written 0)
+        from moeref._interop import to_numpy
+        storage = to_numpy(got.scales.cpu())
+        want = expected_storage(ref.scales, layout)
+        assert_same_scales(np.ascontiguousarray(storage).reshape(want.shape).view(want.dtype),
+                           want, what + " storage")
+    if scheme.family == "nvfp4":
+        assert float(got.global_scale.reshape(-1)[0]) == ref.global_scale, what
+    return got, ref
+
+
+# ----------------------------------------------------------------------------- rounding helpers
+
+@triton.jit
+def _rounding_kernel(x_ptr, o_ptr, n, FMT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    if FMT == 0:
+        c = R.encode_e4m3(x, True)
+    elif FMT == 1:
+        c = R.encode_e4m3(x, False)
+    elif FMT == 2:
+        c = R.encode_e5m2(x, True)
+    elif FMT == 3:
+        c = R.encode_e5m2(x, False)
+    elif FMT == 4:
+        c = R.encode_e2m1(x, 0, 0x8, False)
+    elif FMT == 5:
+        c = R.encode_e2m1(x, 1, 0x0, False)
+    elif FMT == 6:
+        c = R.encode_e2m1(x, 2, 0x0, False)
+    elif FMT == 7:
+        c = R.encode_ue4m3(tl.abs(x))
+    elif FMT == 8:
+        c = R.e8m0_from_f32(tl.abs(x), R.E8M0_CEIL)
+    elif FMT == 9:
+        c = R.e8m0_from_f32(tl.abs(x), R.E8M0_RCEIL)
+    elif FMT == 10:
+        c = R.e8m0_from_f32(tl.abs(x), R.E8M0_RCEIL_SATFINITE)
+    else:
+        c = R.e8m0_from_f32(tl.abs(x), R.E8M0_FLOOR)
+    tl.store(o_ptr + offs, c.to(tl.uint8), mask=m)
+
+
+def _encode_dev(x32: np.ndarray, fmt: int) -> np.ndarray:
+    xt = to_device(x32)
+    out = torch.empty(x32.shape, dtype=torch.uint8, device=DEV)
+    n = x32.size
+    block = 65536 if not GPU else 1024
+    _rounding_kernel[(triton.cdiv(n, block),)](xt, out, n, FMT=fmt, BLOCK=block)
+    return out.cpu().numpy()
+
+
+def _probe_values() -> np.ndarray:
+    """Every bf16 bit pattern (as float32) and random float32 bit patterns and magnitudes."""
+    allbf = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+    rng = np.random.default_rng(20261121)
+    with np.errstate(over="ignore"):
+        mags = (rng.standard_normal(100000) * np.exp2(rng.uniform(-140, 128, 100000))).astype(np.float32)
+    raw = rng.integers(0, 2**32, 100000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    return np.concatenate([allbf, mags, raw])
+
+
+def _ceil_to_ue8m0_oracle(v: np.ndarray) -> np.ndarray:
+    """DeepGEMM deep_gemm/utils/math.py ceil_to_ue8m0, as a byte: exp + (mantissa != 0), clamp [1, 254]."""
+    b = np.abs(v).astype(np.float32).view(np.uint32).astype(np.int64)
+    e = ((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0)
+    return np.clip(e, 1, 254).astype(np.uint8)
+
+
+def _rceil_oracle(v: np.ndarray, satfinite: bool) -> np.ndarray:
+    """torchao _f32_to_e8m0_rceil / TE float_to_e8m0 (formats-semantics notes §4.1)."""
+    b = np.abs(v).astype(np.float32).view(np.uint32).astype(np.int64)
+    e = (b >> 23) & 0xFF
+    m = b & 0x7FFFFF
+    up = np.where(e == 0, m > 0x400000, m != 0)
+    if satfinite:
+        up &= e != 0xFE
+    c = e + up
+    if satfinite:
+        c = np.where(b == 0x7F800000, 0xFE, c)
+        c = np.where(b > 0x7F800000, 0xFF, c)
+    else:
+        c = np.where(e == 0xFF, 0xFF, c)
+    return c.astype(np.uint8)
+
+
+def test_rounding_helpers_match_codec():
+    x = _probe_values()
+    cases_ = [
+        (0, "e4m3fn", "saturate", "rne", None), (1, "e4m3fn", "inf_nan", "rne", None),
+        (2, "e5m2", "saturate", "rne", None), (3, "e5m2", "inf_nan", "rne", None),
+        (4, "e2m1", "saturate", "rne", 0x8), (5, "e2m1", "saturate", "ties_toward_zero", 0x0),
+        (6, "e2m1", "saturate", "ties_away", 0x0),
+    ]
+    for fmt, name, ov, rd, nc in cases_:
+        got = _encode_dev(x, fmt)
+        want = encode(x, name, overflow=ov, rounding=rd, nan_code=nc)
+        bad = got != want
+        assert not bad.any(), (name, ov, rd, x[bad][:5], got[bad][:5], want[bad][:5])
+    got = _encode_dev(x, 7)
+    assert np.array_equal(got, encode(np.abs(x), "ue4m3", overflow="saturate"))
+
+
+def test_e8m0_helpers_match_oracles():
+    x = _probe_values()
+    assert np.array_equal(_encode_dev(x, 8), _ceil_to_ue8m0_oracle(x))
+    assert np.array_equal(_encode_dev(x, 9), _rceil_oracle(x, False))
+    assert np.array_equal(_encode_dev(x, 10), _rceil_oracle(x, True))
+    b = np.abs(x).view(np.uint32)
+    assert np.array_equal(_encode_dev(x, 11), ((b >> 23) & 0xFF).astype(np.uint8))
+
+
+def test_e8m0_known_values():
+    # hand-derived: 1.0 -> 127 in every rule; 1.5 -> ceil 128, floor 127; 0 -> ceil clamps to 1
+    v = np.array([1.0, 1.5, 0.0, 2.0 ** -127, 7.0e-39, np.inf], np.float32)  # 7e-39 > 2^-127
+    assert _encode_dev(v, 8).tolist() == [127, 128, 1, 1, 1, 254]
+    assert _encode_dev(v, 9).tolist() == [127, 128, 0, 0, 1, 255]
+    assert _encode_dev(v, 10).tolist() == [127, 128, 0, 0, 1, 254]
+    assert _encode_dev(v, 11).tolist() == [127, 127, 0, 0, 0, 255]
+
+
+@triton.jit
+def _decode_kernel(c_ptr, o_ptr, FMT: tl.constexpr):
+    c = tl.load(c_ptr + tl.arange(0, 256)).to(tl.uint32)
+    if FMT == 0:
+        v = R.decode_minifloat(c, 4, 3, 7, True, 1)
+    elif FMT == 1:
+        v = R.decode_minifloat(c, 5, 2, 15, True, 2)
+    elif FMT == 2:
+        v = R.decode_minifloat(c & 0xF, 2, 1, 1, True, 0)
+    else:
+        v = R.e8m0_to_f32(c)
+    tl.store(o_ptr + tl.arange(0, 256), v)
+
+
+def test_decode_helper_every_code():
+    codes = to_device(np.arange(256, dtype=np.uint8))
+    for fmt, name in [(0, "e4m3fn"), (1, "e5m2"), (2, "e2m1"), (3, "e8m0")]:
+        out = torch.empty(256, dtype=torch.float32, device=DEV)
+        _decode_kernel[(1,)](codes, out, FMT=fmt)
+        got = out.cpu().numpy()
+        tab = decode_table(name)
+        want = (tab[np.arange(256) & 0xF] if name == "e2m1" else tab).astype(np.float32)
+        same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+        assert same.all(), (name, np.flatnonzero(~same)[:5])
+
+
+# ----------------------------------------------------------------------------- quantize
+
+@SETTINGS
+@given(cases())
+def test_quantize_matches_reference(case):
+    scheme, layout, shape, dtype, specials, strided, log_range, seed = case
+    xn = make_input(seed, shape, dtype, log_range, specials)
+    run_and_check(scheme, layout, xn, device_input(xn, strided))
+
+
+@pytest.mark.parametrize("factory,layout", [
+    (lambda: fp8_group(128, "ue8m0", "deepgemm"), "packed_ue8m0"),
+    (lambda: fp8_group(128), "mn_major"),
+    (lambda: mxfp4(), "swizzled_128x4"),
+    (lambda: nvfp4(), "swizzled_128x4"),
+    (lambda: fp8_per_tensor(), "row_major"),
+])
+def test_padding_is_zero_and_rows_of_zeros(factory, layout):
+    """Shapes whose padding is large (M=5 -> 128 swizzle rows; 3 groups -> 4 packed) and all-zero
+    input: padding must be 0 despite the poisoned buffers, zero blocks follow the preset."""
+    scheme = factory()
+    xn = np.zeros((5, 96 if scheme.element != "e2m1" else 96), np.float32)
+    xn[1, :] = np.linspace(-3, 3, xn.shape[1])
+    run_and_check(scheme, layout, xn, to_device(xn))
+
+
+def test_1d_input_and_odd_fp4_width():
+    for scheme in (fp8_group(128), fp8_per_token(), mxfp8()):
+        xn = np.linspace(-5, 5, 77).astype(np.float32)
+        run_and_check(scheme, "row_major", xn, to_device(xn))
+    xn = np.linspace(-5, 5, 3 * 77).astype(np.float32).reshape(3, 77)
+    run_and_check(mxfp4(), "row_major", xn, to_device(xn))  # odd K: one zero nibble of padding
+
+
+# ----------------------------------------------------------------------------- dequantize
+
+DQ_SCHEMES = [
+    (lambda: fp8_group(128), "row_major"), (lambda: fp8_group(128, "ue8m0", "deepgemm"), "packed_ue8m0"),
+    (lambda: fp8_per_tensor(), "row_major"), (lambda: fp8_per_token(preset="vllm"), "row_major"),
+    (lambda: fp8_group(32, element="e5m2"), "mn_major"), (lambda: mxfp8(), "swizzled_128x4"),
+    (lambda: mxfp4(), "row_major"), (lambda: nvfp4(preset="te"), "swizzled_128x4"),
+    (lambda: nvfp4(preset="torchao"), "row_major"),
+]
+
+
+@SETTINGS
+@given(st.integers(0, len(DQ_SCHEMES) - 1), st.integers(1, MAX_M), st.integers(1, MAX_K),
+       st.sampled_from((0.0, 4.0, 20.0)), st.integers(0, 2**32 - 1))
+def test_dequantize_matches_reference(i, M, K, log_range, seed):
+    factory, layout = DQ_SCHEMES[i]
+    scheme = factory()
+    if scheme.element == "e2m1":
+        K += K % 2
+    xn = make_input(seed, (M, K), "float32", log_range, "none")
+    q = Q.quantize(to_device(xn), scheme, scale_layout=layout)
+    ref = q.to_reference()
+    for dt, npdt, iview in [(torch.float32, np.float32, np.uint32),
+                            (torch.bfloat16, ml_dtypes.bfloat16, np.uint16),
+                            (torch.float16, np.float16, np.uint16)]:
+        with poisoned():
+            got = Q.dequantize(q, dt)
+        g = got.cpu()
+        g = g.view(torch.int32 if dt == torch.float32 else torch.int16).numpy().view(iview)
+        want = ref.dequantize(npdt)
+        w = want.view(iview)
+        nan = np.isnan(want.astype(np.float32)) & np.isnan(got.float().cpu().numpy())
+        bad = (g != w) & ~nan
+        assert not bad.any(), (scheme.name, dt, np.argwhere(bad)[:3])
+
+
+# ----------------------------------------------------------------------------- fused activation + quant
+
+@SETTINGS
+@given(st.sampled_from(("silu_and_mul", "swigluoai")), st.integers(1, MAX_M),
+       st.integers(1, MAX_K // 2), st.sampled_from(("float32", "bfloat16")),
+       st.sampled_from(("row_major", "mn_major", "packed_ue8m0")), st.booleans(),
+       st.integers(0, 2**32 - 1))
+def test_fused_activation_quant(op, M, N, dtype, layout, ue8m0, seed):
+    scheme = fp8_group(128, "ue8m0", "deepgemm") if ue8m0 else fp8_group(128)
+    assume(not (layout == "packed_ue8m0" and not ue8m0))
+    xn = make_input(seed, (M, 2 * N), dtype, 2.0, "none")
+    x = to_device(xn)
+    with poisoned():
+        if op == "silu_and_mul":
+            got = F.silu_and_mul_quant_fp8(x, scheme, scale_layout=layout)
+            act = F.silu_and_mul(x).cpu().numpy()
+            exact = ACT.silu_and_mul(xn.astype(np.float64))
+        else:
+            got = F.swigluoai_quant_fp8(x, 1.702, 7.0, scheme, scale_layout=layout)
+            act = F.swigluoai(x).cpu().numpy()
+            exact = ACT.swigluoai(xn.astype(np.float64))
+    # 1. the float32 activation is within a few float32 ulps of the float64 reference
+    err = np.abs(act.astype(np.float64) - exact)
+    assert np.all(err <= 1e-5 * np.abs(exact) + 1e-30), float(np.max(err / (np.abs(exact) + 1e-30)))
+    # 2. the quantization of that activation is exact (bitwise vs the reference quantizer)
+    ref = ref_quantize(act, scheme)
+    what = f"{op}/{scheme.name}/{layout}"
+    assert_same_codes(got.codes.cpu().numpy(), ref.codes, "e4m3fn", what)
+    assert_same_scales(got.scales_logical(), ref.scales, what)
+    # 3. against the exact activation, codes move by at most one step, and rarely
+    ref_exact = ref_quantize(exact.astype(np.float32), scheme)
+    d = np.abs(got.codes.cpu().numpy().astype(int) - ref_exact.codes.astype(int))
+    d = np.where(d > 0x40, 0, d)  # sign flips of tiny values at zero are not a step
+    assert d.max(initial=0) <= 1 and d.mean() < 0.02
+
+
+# ----------------------------------------------------------------------------- registry
+
+def test_registry_lists_and_refuses_with_reason():
+    rows = registry.available("quantize", scheme=fp8_group(128), x=to_device(np.zeros((2, 128), np.float32)))
+    names = {r.implementation: r for r in rows}
+    assert names["triton"].ok
+    with pytest.raises(registry.ImplementationUnavailable, match="128x128|block"):
+        registry.get_implementation("quantize", "triton", scheme=__import__("moeref.quant", fromlist=["fp8_block"]).fp8_block())
+    with pytest.raises(registry.ImplementationUnavailable, match="packed_ue8m0 needs UE8M0"):
+        registry.get_implementation("quantize", "triton", scheme=fp8_group(128), scale_layout="packed_ue8m0")
+    with pytest.raises(ValueError, match="no implementation"):
+        registry.get_implementation("quantize", "cutlass")
+    fn = registry.get_implementation("quantize", "triton", scheme=mxfp4())
+    assert fn is Q.quantize
+    with pytest.raises(ValueError, match="cannot run"):
+        Q.quantize(to_device(np.zeros((2, 32), np.float32)), fp8_group(128), scale_layout="swizzled_128x4")
+
+
+# ----------------------------------------------------------------------------- GPU only
+
+@pytest.mark.gpu
+def test_gpu_hardware_fp8_cast_equals_integer_rounding():
+    """On the GPU the default FP8 path uses cvt.rn.satfinite; it must equal the integer path."""
+    x = _probe_values()
+    xt = to_device(x.reshape(-1, 256)[: (x.size // 256)])
+    for scheme in (fp8_group(128), fp8_group(128, "ue8m0", "deepgemm"), mxfp8("e5m2")):
+        a = Q.quantize(xt, scheme, hw_fp8=True)
+        b = Q.quantize(xt, scheme, hw_fp8=False)
+        assert np.array_equal(canon_codes(a.codes.cpu().numpy(), scheme.element),
+                              canon_codes(b.codes.cpu().numpy(), scheme.element))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K", [(4096, 7168), (1, 7168), (333, 2880), (16384, 4096)])
+def test_gpu_large_shapes(M, K):
+    rng = np.random.default_rng(M * K)
+    xn = (rng.standard_normal((M, K)) * 3).astype(ml_dtypes.bfloat16)
+    x = to_device(xn)
+    for scheme, layout in [(fp8_group(128, "ue8m0", "deepgemm"), "packed_ue8m0"),
+                           (fp8_group(128), "mn_major"), (mxfp4(), "swizzled_128x4"),
+                           (nvfp4(), "swizzled_128x4"), (fp8_per_tensor(), "row_major")]:
+        run_and_check(scheme, layout, xn, x)
+
+
+@pytest.mark.gpu
+def test_gpu_deep_gemm_agrees():
+    """DeepGEMM's own torch quantizer and layout helpers give the same bytes (deepgemm preset)."""
+    dg = pytest.importorskip("deep_gemm", reason="deep_gemm not installed (bench/run_gpu.sh builds it)")
+    rng = np.random.default_rng(7)
+    for M, K in [(300, 7168), (7, 512), (128, 4096)]:
+        xn = (rng.standard_normal((M, K)) * np.exp2(rng.uniform(-6, 6, (M, 1)))).astype(ml_dtypes.bfloat16)
+        x = to_device(xn)
+        for ue8m0 in (False, True):
+            scheme = fp8_group(128, "ue8m0" if ue8m0 else "fp32", "deepgemm")
+            q_dg, sf_dg = dg.utils.per_token_cast_to_fp8(x, use_ue8m0=ue8m0, gran_k=128)
+            ours = Q.quantize(x, scheme)
+            assert torch.equal(q_dg.view(torch.uint8), ours.codes)
+            if ue8m0:
+                codes = ((sf_dg.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+                assert torch.equal(codes, ours.scales)
+                assert torch.equal(dg.utils.ceil_to_ue8m0(sf_dg).view(torch.int32), sf_dg.view(torch.int32))
+                packed = dg.utils.get_mn_major_tma_aligned_packed_ue8m0_tensor(sf_dg)
+                ours_p = Q.quantize(x, scheme, scale_layout="packed_ue8m0")
+                assert torch.equal(packed, ours_p.scales.transpose(0, 1)[:M])
+            else:
+                assert torch.equal(sf_dg.view(torch.int32), ours.scales.view(torch.int32))
+                mn = dg.utils.get_mn_major_tma_aligned_tensor(sf_dg)
+                ours_m = Q.quantize(x, scheme, scale_layout="mn_major")
+                assert torch.equal(mn.view(torch.int32), ours_m.scales.transpose(0, 1)[:M].view(torch.int32))
