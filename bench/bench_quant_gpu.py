@@ -231,6 +231,7 @@ def main():
     ap.add_argument("--baselines", action="store_true", help="also time torch eager / torch.compile / deep_gemm")
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
     ap.add_argument("--only", default="", help="comma-separated substrings of kernel names")
+    ap.add_argument("--tune", action="store_true", help="sweep tile configs at the large size")
     ap.add_argument("--M", type=int, default=16384)
     ap.add_argument("--K", type=int, default=7168)
     args = ap.parse_args()
@@ -244,6 +245,9 @@ def main():
     if args.only:
         keys = [k for k in ks if any(s in k for s in args.only.split(","))]
         ks = {k: ks[k] for k in keys}
+    if args.tune:
+        tune(args)
+        return
     Ms = [1, 16, 128, 1024, 4096, args.M] if not args.quick else [16, 1024, args.M]
     results = {"device": dev, "date": date, "copy_TBps": copy_tbs, "M": args.M, "K": args.K,
                "kernels": {}}
@@ -262,6 +266,15 @@ def main():
         rec["large_us"] = big["us"]
         rec["pct_copy"] = 100 * big["TBps"] / copy_tbs
         rec["small_us"] = rec["sweep"][0]["us"]
+        # kernel-only latency at the smallest size: one call captured in a CUDA graph, replayed
+        try:
+            small = make(Ms[0], args.K)
+            run(*small)
+            torch.cuda.synchronize()
+            rec["small_graph_us"] = triton.testing.do_bench_cudagraph(lambda: run(*small), rep=50,
+                                                                      return_mode="median") * 1e3
+        except Exception as e:
+            rec["small_graph_error"] = f"{type(e).__name__}: {e}"[:200]
         if args.baselines and tfn is not None:
             inputs = make_rotation(make, args.M, args.K, big["bytes"])
             try:
@@ -319,15 +332,59 @@ def main():
     plot(results, os.path.join(args.out, "fastpath_bandwidth.png"))
 
 
+def tune(args):
+    """Tile sweep at the large size for the kernels whose defaults are in question."""
+    M, K = args.M, args.K
+    x = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    x2 = [torch.randn(M, 2 * K, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    cands = {
+        "fp8_1x128_fp32": (x, lambda t, **c: Q.quantize(t, fp8_group(128), **c), M * K * 3 + M * K // 32),
+        "fp8_1x128_ue8m0_packed": (x, lambda t, **c: Q.quantize(t, fp8_group(128, "ue8m0", "deepgemm"),
+                                                               scale_layout="packed_ue8m0", **c), M * K * 3),
+        "fp8_per_token": (x, lambda t, **c: Q.quantize(t, fp8_per_token(), **c), M * K * 3),
+        "mxfp8_swizzled": (x, lambda t, **c: Q.quantize(t, mxfp8(), scale_layout="swizzled_128x4", **c),
+                           M * K * 3 + M * K // 32),
+        "mxfp4_swizzled": (x, lambda t, **c: Q.quantize(t, mxfp4(), scale_layout="swizzled_128x4", **c),
+                           M * K * 2.5 + M * K // 32),
+        "nvfp4_swizzled": (x, lambda t, **c: Q.quantize(t, nvfp4(), scale_layout="swizzled_128x4", **c),
+                           M * K * 2.5 + M * K // 16),
+        "swigluoai+fp8": (x2, lambda t, **c: F.swigluoai_quant_fp8(t, 1.702, 7.0, fp8_group(128), **c),
+                          M * K * 5 + M * K // 32),
+    }
+    configs = [dict(), dict(num_warps=8), dict(num_warps=2), dict(block_m=1), dict(block_m=2),
+               dict(block_m=4, num_warps=8), dict(block_m=16, num_warps=8), dict(block_m=32, num_warps=8),
+               dict(groups_per_program=1), dict(groups_per_program=2), dict(groups_per_program=8)]
+    for name, (xs, fn, nbytes) in cands.items():
+        if args.only and not any(s_ in name for s_ in args.only.split(",")):
+            continue
+        best = None
+        for cfg in configs:
+            if name == "fp8_per_token" and "groups_per_program" in cfg:
+                continue
+            try:
+                fn(xs[0], **cfg)
+                torch.cuda.synchronize()
+                ms = bench_fn(lambda t: fn(t, **cfg), [(t,) for t in xs], rep_ms=100)
+            except Exception as e:
+                print(f"  {name} {cfg}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+                continue
+            tb = nbytes / (ms * 1e-3) / 1e12
+            print(f"  {name:26s} {str(cfg):45s} {ms * 1e3:8.1f} us {tb:6.3f} TB/s", flush=True)
+            if best is None or tb > best[1]:
+                best = (cfg, tb)
+        print(f"BEST {name}: {best}", flush=True)
+
+
 def write_markdown(res, path):
     lines = [f"GPU: {res['device']}, date {res['date']}, input {res['M']} x {res['K']} bf16; "
              f"device copy bandwidth {res['copy_TBps']:.2f} TB/s (read + write).", "",
-             "| kernel | TB/s | % of copy | time (us) | small M latency (us) | torch eager (us) | "
-             "x eager | torch.compile (us) | x compiled |", "|---|---|---|---|---|---|---|---|---|"]
+             "| kernel | TB/s | % of copy | time (us) | M=1 call (us) | M=1 graph replay (us) | torch eager (us) | "
+             "x eager | torch.compile (us) | x compiled |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in res["kernels"].items():
         lines.append(
             f"| {name} | {r['large_TBps']:.2f} | {r['pct_copy']:.0f}% | {r['large_us']:.1f} | "
-            f"{r['small_us']:.1f} | {r.get('eager_us', float('nan')):.1f} | "
+            f"{r['small_us']:.1f} | {r.get('small_graph_us', float('nan')):.1f} | "
+            f"{r.get('eager_us', float('nan')):.1f} | "
             f"{r.get('speedup_vs_eager', float('nan')):.1f} | {r.get('compiled_us', float('nan')):.1f} | "
             f"{r.get('speedup_vs_compiled', float('nan')):.2f} |")
     dg = res.get("deep_gemm_per_token_cast_to_fp8")

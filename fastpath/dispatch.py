@@ -43,6 +43,14 @@ Contracts, sources and the meaning of every field: the reference modules
   counts on the host (buffer sizes / capacity check): one sync each, as in the reference's API.
 * Float outputs of the reductions are float32 sums (the reference sums in float64): they agree
   within ``gamma_k * sum_j |w_j x_j|`` plus the output rounding (``property_tests`` prove it).
+* Small metadata results (``num_tokens_post_padded``, ``psum``, ``masked_m``,
+  ``expert_num_tokens``, :func:`expert_counts`) are views into one int32 scratch buffer per call.
+* :func:`expert_counts` (int32 slots per local expert) has no reference function of that name: the
+  reference is ``moeref.dispatch.group_slots(...).counts``.
+
+Registry: :func:`register_all` registers the reference and the Triton implementation of every
+operation in :data:`OPERATIONS` with :func:`fastpath.registry.register`; :func:`supports` is the
+Triton entries' predicate.
 
 Proof: ``property_tests/test_fastpath_dispatch.py`` (Hypothesis routings incl. empty experts,
 all-to-one, EP maps, -1 padding; outputs poisoned before each run). Speed: ``bench/bench_dispatch_gpu.py``;
@@ -62,17 +70,23 @@ from moeref import _interop
 from moeref.dispatch.align import AlignResult, max_num_tokens_padded
 from moeref.dispatch.batched import Batched
 from moeref.dispatch.contiguous import Contiguous, contiguous_m_sum
+from moeref.dispatch.finalize import weight_and_reduce as _ref_weight_and_reduce
 from moeref.dispatch.masked import Masked
 from moeref.dispatch.permute import Permuted
 from moeref.routing.expert_map import check_expert_map
 from moeref.routing.ids import check_topk_ids
 
 __all__ = [
+    "OPERATIONS",
+    "ROW_CONFIG",
     "expert_counts",
     "expert_first_token_offset",
     "moe_align_block_size",
     "moe_permute",
     "moe_unpermute",
+    "reference_supports",
+    "register_all",
+    "supports",
     "to_batched",
     "to_contiguous",
     "to_masked",
@@ -353,12 +367,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_VIEW[t.element_size()])
 
 
-def _check_int(x, name: str, ndim: int) -> torch.Tensor:
+def _check_int(x, name: str, ndim: int | None) -> torch.Tensor:
     if not torch.is_tensor(x):
         raise TypeError(f"{name} must be a torch tensor; got {type(x).__name__}")
     if x.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must have dtype int32 or int64; got {x.dtype}")
-    if x.ndim != ndim:
+    if ndim is not None and x.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D; got shape {tuple(x.shape)}")
     return x
 
@@ -638,12 +652,12 @@ def _reduce(rows: torch.Tensor, dst: torch.Tensor, topk_weights: torch.Tensor, *
     return out
 
 
-def _check_float(x, name: str, ndim: int) -> torch.Tensor:
+def _check_float(x, name: str, ndim: int | None) -> torch.Tensor:
     if not torch.is_tensor(x):
         raise TypeError(f"{name} must be a torch tensor; got {type(x).__name__}")
-    if not x.is_floating_point() or x.element_size() < 2 or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise TypeError(f"{name} must be float16/bfloat16/float32/float64; got {x.dtype}")
-    if x.ndim != ndim:
+    if ndim is not None and x.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D; got shape {tuple(x.shape)}")
     return x
 
@@ -677,24 +691,16 @@ def weight_and_reduce(expert_rows, src, topk_weights, num_tokens: int, *, apply_
     w = _check_float(topk_weights, "topk_weights", 2)
     if w.shape[0] != num_tokens:
         raise ValueError(f"topk_weights must have num_tokens={num_tokens} rows; got shape {tuple(w.shape)}")
-    y = _check_float(expert_rows, "expert_rows", expert_rows.ndim if torch.is_tensor(expert_rows) else 2)
-    s = _check_int(src, "src", src.ndim if torch.is_tensor(src) else 1)
+    y = _check_float(expert_rows, "expert_rows", None)
+    s = _check_int(src, "src", None)
     if y.ndim < 1 or tuple(s.shape) != tuple(y.shape[:-1]):
         raise ValueError(f"src must have the leading shape of expert_rows {tuple(y.shape[:-1])}; got {tuple(s.shape)}")
     y = y.reshape(-1, y.shape[-1])
     s = s.reshape(-1).contiguous()
     n_slots = num_tokens * w.shape[1]
-    if validate:
-        from moeref.dispatch.finalize import weight_and_reduce as _ref_check  # noqa: F401 (same rules)
-
-        sn = _interop.to_numpy(s).astype(np.int64)
-        bad = np.flatnonzero((sn < -1) | (sn >= n_slots))
-        if bad.size:
-            raise ValueError(f"src[{int(bad[0])}] = {int(sn[bad[0]])} is out of range [-1, {n_slots})")
-        counts = np.bincount(sn[sn >= 0], minlength=n_slots)
-        if (counts > 1).any():
-            slot = int(np.flatnonzero(counts > 1)[0])
-            raise ValueError(f"slot {slot} appears in rows {np.flatnonzero(sn == slot).tolist()}; each slot at most once")
+    if validate:  # the reference's own checks (range, each slot at most once), on one-column rows
+        _ref_weight_and_reduce(np.zeros((s.numel(), 1)), _interop.to_numpy(s),
+                               np.zeros(tuple(w.shape), dtype=np.float32), num_tokens)
     dst = torch.full((n_slots,), -1, dtype=torch.int32, device=y.device)
     R = s.numel()
     _launch(_invert_kernel, (triton.cdiv(R, 1024),), s, dst, R, BLOCK=1024)
@@ -751,18 +757,16 @@ def _to_capacity(hidden, topk_ids, num_experts, expert_map, validate, capacity_o
     x = None if hidden is None else _check_hidden(hidden, m, device)
     # Counts first (needed on the host for the capacity), then the starts g * cap.
     probe = _sort(topk_ids, num_experts, emap, n_local, local=True)
-    counts = _host_counts(probe)
+    counts = _host_counts(probe)  # the one host sync
     cap = capacity_of(counts)
     over = np.flatnonzero(counts > cap)
     if over.size:
         e = int(over[0])
         raise ValueError(f"local expert {e} has {int(counts[e])} rows, more than the capacity {cap}")
-    G = probe.G
-    starts_kernel_args = (probe.totals, probe.starts, probe.ends, probe.offsets, probe.meta, probe.meta,
-                          G, probe.NK, 1, cap)
-    NKP = probe.totals.numel()
-    _group_starts_kernel[(1,)](*starts_kernel_args, MODE=_CAPACITY, WRITE_PSUM=False, NKP=NKP)
-    s = probe
+    s, G = probe, probe.G
+    # Rewrite the group starts as g * cap (the counts, offsets and chunk prefixes stay).
+    _group_starts_kernel[(1,)](s.totals, s.starts, s.ends, s.offsets, s.meta, s.meta, G, s.NK, 1, cap,
+                               MODE=_CAPACITY, WRITE_PSUM=False, NKP=s.totals.numel())
     src = _alloc((G, cap), torch.int64, device)
     dst = _alloc(m * k, torch.int32, device)
     _rank(s, dst=dst, dst_mode=1, lst=src, list_mode=1)

@@ -69,11 +69,14 @@ def _act_kernel(x_ptr, stride_xm, stride_xk, o_ptr, M, N, ACT: tl.constexpr, ALP
                 LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The float32 activation alone (the same device function the fused kernel uses)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = (rows < M)[:, None] & (cols < N)[None, :]
-    xb = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    out = Q._activation(xb, cols[None, :], stride_xk, N, m, ACT, ALPHA, LIMIT)
-    tl.store(o_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], out, mask=m)
+    j = tl.arange(0, BLOCK_N // 2)
+    t = tl.arange(0, 2)
+    cols = tl.program_id(1) * BLOCK_N + 2 * j[:, None] + t[None, :]  # [BN/2, 2]
+    cols4 = cols[None, None, :, :] + tl.zeros((BLOCK_M, 1, BLOCK_N // 2, 2), tl.int32)
+    m = (rows < M)[:, None, None, None] & (cols4 < N)
+    xb = x_ptr + rows.to(tl.int64)[:, None, None, None] * stride_xm
+    out = Q._activation(xb, cols4, stride_xk, N, m, ACT, ALPHA, LIMIT)
+    tl.store(o_ptr + rows.to(tl.int64)[:, None, None, None] * N + cols4, out, mask=m)
 
 
 def _flat2(x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +91,7 @@ def _activation_torch(x: torch.Tensor, act: str, alpha: float, limit: float) -> 
     M, two_n = x2.shape
     N = two_n // 2
     out = _alloc((M, N), dtype=torch.float32, device=x.device)
-    BM, BN = 4, min(1024, Q._next_pow2(max(N, 1)))
+    BM, BN = 4, min(1024, max(2, Q._next_pow2(max(N, 1))))
     _act_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
         x2, x2.stride(0), x2.stride(1), out, M, N, ACT=_ACT[act], ALPHA=float(alpha),
         LIMIT=float(limit), BLOCK_M=BM, BLOCK_N=BN)

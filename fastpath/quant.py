@@ -34,6 +34,7 @@ reason; :func:`quantize` raises ``ValueError`` with it. Nothing falls back silen
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -105,12 +106,14 @@ def _pow2(e):
 
 
 @triton.jit
-def _amax_bits(x, NONFINITE: tl.constexpr, AXIS: tl.constexpr):
-    """Block amax as float32 via an integer max of |x|'s bits (NaN propagates unless ignore_nan)."""
+def _amax_bits(x, NONFINITE: tl.constexpr):
+    """Block amax of a [BM, GPP, GB/2, 2] tile as float32 [BM, GPP], via an integer max of |x|'s
+    bits (non-negative floats order like their bits; NaN sorts above Inf, so NaN propagates unless
+    ignore_nan)."""
     a = R.f32_bits(x) & 0x7FFFFFFF
     if NONFINITE == 1:  # ignore_nan (TE fmaxf): NaN elements do not reach the amax
         a = tl.where(a > 0x7F800000, 0, a)
-    m = tl.max(a, axis=AXIS)
+    m = tl.max(tl.max(a, axis=3), axis=2)
     return m.to(tl.float32, bitcast=True)
 
 
@@ -229,10 +232,9 @@ def _block_scales(amax, ELEM_MAX: tl.constexpr, INV_M: tl.constexpr, EMAX: tl.co
         else:
             code = _e8m0_code(amax, E8_RULE, EMAX, MBITS, INV_M, ELEM_MAX, E8_LO, E8_HI, E8_NF)
         dec = R.e8m0_to_f32(code)
-        if APPLY == 1:
-            factor = dec
-        else:
-            factor = tl.where(code == 255, float("nan"), _pow2(127 - code))
+        # x / 2^k == x * 2^-k exactly (2^-k is representable for every code, the product and the
+        # quotient round the same exact value once), so "div" multiplies too
+        factor = tl.where(code == 255, float("nan"), _pow2(127 - code))
         stored_i = code
         stored_f = dec
     else:  # UE4M3 block scale of a two-level (NVFP4) scheme (moeref.quant.nvfp4._nvfp4_rule)
@@ -306,22 +308,27 @@ def _block_scales(amax, ELEM_MAX: tl.constexpr, INV_M: tl.constexpr, EMAX: tl.co
 @triton.jit
 def _activation(xb, k, stride_xk, N, mask, ACT: tl.constexpr, ALPHA: tl.constexpr,
                 LIMIT: tl.constexpr):
-    """Gated activation in float32 of a row block whose input has 2N columns.
+    """Gated activation in float32 at output columns ``k`` of a row block whose input has 2N
+    columns (``k`` and ``mask`` are 4-D ``[BM, GPP, GB/2, 2]``-shaped, ``xb`` the row pointers).
 
     ACT 1: ``silu(gate) * up`` with gate = x[:, :N], up = x[:, N:] (vLLM ``SiluAndMul``,
     :func:`moeref.activations.silu_and_mul` layout "gate_up").
     ACT 2: gpt-oss ``swigluoai``: gate = x[:, 0::2], up = x[:, 1::2], ``g = min(gate, LIMIT)``,
     ``u = clip(up, -LIMIT, LIMIT)``, ``(u + 1) * g * sigmoid(ALPHA * g)``
-    (:func:`moeref.activations.swigluoai`, layout "interleaved"). NaN propagates through the clamps
-    as NumPy's ``minimum``/``clip`` do.
+    (:func:`moeref.activations.swigluoai`, layout "interleaved"): the (gate, up) pairs are loaded
+    as one contiguous 5-D tile and split, so the loads stay 16-byte vectors. NaN propagates
+    through the clamps as NumPy's ``minimum``/``clip`` do.
     """
     if ACT == 1:
         g = tl.load(xb + k * stride_xk, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(xb + (k + N) * stride_xk, mask=mask, other=0.0).to(tl.float32)
         out = g * tl.sigmoid(g) * u
     else:
-        g = tl.load(xb + (2 * k) * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(xb + (2 * k + 1) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        t = tl.arange(0, 2)
+        kk = (2 * k)[:, :, :, :, None] + t[None, None, None, None, :]
+        gu = tl.load(xb[:, :, :, :, None] + kk * stride_xk, mask=mask[:, :, :, :, None],
+                     other=0.0).to(tl.float32)
+        g, u = tl.split(gu)
         g = tl.minimum(g, LIMIT, propagate_nan=tl.PropagateNan.ALL)
         u = tl.minimum(tl.maximum(u, -LIMIT, propagate_nan=tl.PropagateNan.ALL), LIMIT,
                        propagate_nan=tl.PropagateNan.ALL)
@@ -361,19 +368,25 @@ def _quant_kernel(
     pid_b = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     gidx = pid_g * GPP + tl.arange(0, GPP)
-    kin = tl.arange(0, GB)
-    k = gidx[:, None] * GS + kin[None, :]  # [GPP, GB]
-    kmask = (kin[None, :] < GS) & (k < K)
+    # the tile is [BLOCK_M, GPP, GB/2, 2]: element pairs on the last axis, so FP4 codes pack
+    # into bytes with a register-local split (no reshape)
+    jj = tl.arange(0, GB // 2)
+    tt = tl.arange(0, 2)
+    kin = 2 * jj[:, None] + tt[None, :]  # [GB/2, 2]
+    k = gidx[:, None, None] * GS + kin[None, :, :]  # [GPP, GB/2, 2]
+    kmask = (kin[None, :, :] < GS) & (k < K)
     rmask = rows < M
-    m3 = rmask[:, None, None] & kmask[None, :, :]
-    xb = x_ptr + pid_b.to(tl.int64) * stride_xb + rows.to(tl.int64)[:, None, None] * stride_xm
+    m4 = rmask[:, None, None, None] & kmask[None, :, :, :]
+    k4 = k[None, :, :, :]
+    xb = x_ptr + pid_b.to(tl.int64) * stride_xb + rows.to(tl.int64)[:, None, None, None] * stride_xm
     if ACT == 0:
-        x = tl.load(xb + k[None, :, :] * stride_xk, mask=m3, other=0.0).to(tl.float32)
+        x = tl.load(xb + k4 * stride_xk, mask=m4, other=0.0).to(tl.float32)
     else:
-        x = _activation(xb, k[None, :, :], stride_xk, K, m3, ACT, ACT_ALPHA, ACT_LIMIT)
+        x = _activation(xb, k4 + tl.zeros(m4.shape, tl.int32), stride_xk, K, m4, ACT, ACT_ALPHA,
+                        ACT_LIMIT)
     # ---- block scales
     if AMAX_SRC == 0:
-        amax = _amax_bits(x, NONFINITE, 2)  # [BLOCK_M, GPP]
+        amax = _amax_bits(x, NONFINITE)  # [BLOCK_M, GPP]
     else:
         sidx = (pid_b * M + rows) // ROWS_PER_SCALE
         amax1 = tl.load(amax_ptr + sidx, mask=rmask, other=0.0)
@@ -393,13 +406,14 @@ def _quant_kernel(
         E8_HI, E8_NF, AMAX_FLOOR, ZERO_BLOCK, NONFINITE, APPLY, STATIC, static_dec, g_enc, g_dec,
         NV_ORDER)
     # ---- scale the data and encode
-    if APPLY == 1:
-        y = tl.math.div_rn(x, factor[:, :, None] + tl.zeros(x.shape, tl.float32))
-    else:
-        y = x * factor[:, :, None]
+    f4 = factor[:, :, None, None]
+    if APPLY == 1 and SCALE_KIND == 0:
+        y = tl.math.div_rn(x, f4 + tl.zeros(x.shape, tl.float32))
+    else:  # (dividing by an E8M0 power of two = multiplying by its exact reciprocal)
+        y = x * f4
     code = _encode_elem(y, ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8)
     if NONFINITE == 0:
-        code = tl.where(nan_block[:, :, None], FILL_CODE, code)
+        code = tl.where(nan_block[:, :, None, None], FILL_CODE, code)
     if TWO_LEVEL:
         if NV_ORDER == 0:  # TE cast_to_fp4x2: an exact zero product (-0.0 too) is code 0x0
             code = tl.where(y == 0.0, 0, code)
@@ -409,15 +423,14 @@ def _quant_kernel(
     # ---- store codes
     cb = c_ptr + pid_b.to(tl.int64) * stride_cb + rows.to(tl.int64)[:, None, None] * stride_cm
     if ELEM == 2:
-        code = tl.where(m3, code, 0)  # the nibble padding an odd K is a +0 code
-        pairs = tl.reshape(code, (BLOCK_M, GPP, GB // 2, 2))
-        lo, hi = tl.split(pairs)
+        code = tl.where(m4, code, 0)  # the nibble padding an odd K is a +0 code
+        lo, hi = tl.split(code)
         byte = (lo | (hi << 4)).to(tl.uint8)
-        kp = gidx[:, None] * (GS // 2) + tl.arange(0, GB // 2)[None, :]
-        pm = (tl.arange(0, GB // 2)[None, :] < (GS // 2)) & (kp < (K + 1) // 2)
+        kp = gidx[:, None] * (GS // 2) + jj[None, :]  # [GPP, GB/2]
+        pm = (jj[None, :] < (GS + 1) // 2) & (kp < (K + 1) // 2)
         tl.store(cb + kp[None, :, :], byte, mask=rmask[:, None, None] & pm[None, :, :])
     else:
-        tl.store(cb + k[None, :, :], code.to(tl.uint8), mask=m3)
+        tl.store(cb[:, :, :, None] + k4, code.to(tl.uint8), mask=m4)
     # ---- store scales (padding included: rows < M_PAD, groups < NG_PAD)
     if WRITE_SCALES:
         valid = (rows < M)[:, None] & (gidx < NG)[None, :]
@@ -695,6 +708,7 @@ def scale_storage_shape(shape, scheme: Scheme, scale_layout: str) -> tuple[tuple
     return lead + (mp * gp,), torch.uint8, (mp, gp, 0, 0)
 
 
+@functools.lru_cache(maxsize=256)
 def _constexprs(scheme: Scheme, hw_fp8: bool) -> dict:
     p = scheme.preset
     el = scheme.element
@@ -723,7 +737,9 @@ def _constexprs(scheme: Scheme, hw_fp8: bool) -> dict:
 
 
 def _tile(gs: int, block_m: int | None, gpp: int | None, layout: str, ng: int):
-    gb = _next_pow2(gs)
+    """(GB, GPP, BLOCK_M): pow2 group block, groups per program, rows per program (about 4096
+    elements per program; the packed UE8M0 layout needs whole int32 words, 4 groups)."""
+    gb = max(2, _next_pow2(gs))
     if gpp is None:
         gpp = max(1, min(_next_pow2(ng), 512 // gb)) if gb < 512 else 1
     if layout == "packed_ue8m0":
@@ -731,6 +747,13 @@ def _tile(gs: int, block_m: int | None, gpp: int | None, layout: str, ng: int):
     if block_m is None:
         block_m = max(1, min(16, 4096 // (gb * gpp)))
     return gb, gpp, block_m
+
+
+def _warps(gb: int, gpp: int, bm: int, num_warps: int | None) -> int:
+    if num_warps:
+        return num_warps
+    n = gb * gpp * bm
+    return 4 if n <= 4096 else (8 if n <= 8192 else 16)
 
 
 def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major", scale=None,
@@ -758,7 +781,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
     dev = x.device
     if hw_fp8 is None:
         hw_fp8 = dev.type == "cuda"
-    ce = _constexprs(scheme, hw_fp8)
+    ce = _constexprs(scheme, bool(hw_fp8))
     kind = _kind(scheme)
     p = scheme.preset
     static = scheme.static_scale if scale is None else scale
@@ -804,7 +827,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
             dummy, 0, 0, 0, amax, static_t, dummy, dummy, M, K, ng, M, ng, M,
             GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=0, AMAX_SRC=1, STATIC=static is not None,
             TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=False, ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0,
-            num_warps=num_warps or 4, **ce)
+            num_warps=_warps(gb, gpp, bm, num_warps), **ce)
         out_codes = codes.reshape(shape[:-1] + (cshape[-1],))
         return FastQuantized(out_codes, scales.reshape(_grid_of(shape, scheme)), "row_major", scheme, shape)
 
@@ -846,7 +869,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         scales, ssb, ssm, ssg, dummy, static_t, genc, gdec, M, K, ng, m_pad, ng_pad, 1,
         GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=_SF_LAYOUT[scale_layout], AMAX_SRC=0,
         STATIC=static is not None, TWO_LEVEL=two_level, NV_ORDER=order, WRITE_SCALES=True,
-        ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0, num_warps=num_warps or 4, **ce)
+        ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0, num_warps=_warps(gb, gpp, bm, num_warps), **ce)
     lead = shape[:-2] if len(shape) >= 2 else ()
     out_codes = codes.reshape(shape[:-1] + (cshape[-1],))
     if scale_layout == "row_major":
@@ -963,20 +986,31 @@ def _dequant_kernel(c_ptr, stride_cb, stride_cm, s_ptr, stride_sb, stride_sm, st
     s3 = s[:, :, None] + tl.zeros(v.shape, tl.float32)
     # exact product v * s (* g): split s into 12-bit halves so each partial product is exact
     # (v has <= 4 significant bits), then Fast2Sum gives p = fl32(v*s) and the exact error e.
-    sh = (R.f32_bits(s3) & 0xFFFFF000).to(tl.float32, bitcast=True)
-    sl = s3 - sh
-    hi = v * sh
-    lo = v * sl
-    p = hi + lo
-    e = lo - (p - hi)
-    sfin = (R.f32_bits(s3) & 0x7FFFFFFF) < 0x7F800000
-    p = tl.where(sfin, p, v * s3)
-    e = tl.where(sfin, e, 0.0)
     if TWO_LEVEL:
-        # the reference: element * fl64(block scale * global), in float64, then one rounding
+        # the reference: element * fl64(block scale * global), in float64, then the cast
         d = v.to(tl.float64) * (s3.to(tl.float64) * gsc)
         p = d.to(tl.float32)
-        e = (d - p.to(tl.float64)).to(tl.float32)
+        if OUT == 2:
+            e = (d - p.to(tl.float64)).to(tl.float32)
+        else:
+            e = tl.zeros(p.shape, tl.float32)
+    elif OUT == 2:
+        # float16: the exact product as a float32 pair (scale split into 12-bit halves, each
+        # partial product exact, Fast2Sum), rounded once below
+        sh = (R.f32_bits(s3) & 0xFFFFF000).to(tl.float32, bitcast=True)
+        sl = s3 - sh
+        hi = v * sh
+        lo = v * sl
+        p = hi + lo
+        e = lo - (p - hi)
+        sfin = (R.f32_bits(s3) & 0x7FFFFFFF) < 0x7F800000
+        p = tl.where(sfin, p, v * s3)
+        e = tl.where(sfin, e, 0.0)
+    else:
+        # float32 (and bfloat16, which the reference reaches through float32: ml_dtypes casts
+        # float64 -> bfloat16 via float32): one correctly rounded float32 product
+        p = v * s3
+        e = tl.zeros(p.shape, tl.float32)
     ob = o_ptr + pid_b.to(tl.int64) * stride_ob + rows.to(tl.int64)[:, None, None] * stride_om
     if OUT == 0:
         tl.store(ob + k[None, :, :], p, mask=m3)

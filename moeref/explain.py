@@ -63,10 +63,11 @@ def _two_d(scheme) -> bool:
 
 
 def example_input(scheme_name: str, seed: int = 0) -> np.ndarray:
-    """The example walked by :func:`explain`: float32, shape ``(1, 32)`` or ``(2, 16)`` (2-D blocks).
+    """The example walked by :func:`explain`: float32, ``(1, 32)`` or ``(2, 16)`` (2-D blocks).
 
     ``seed=0``: the hand-picked values (module docstring); otherwise standard normal values with
-    two outliers (x8), rounded to 3 significant digits so the table reads easily.
+    two outliers (x8), rounded to 3 significant digits so the table reads easily. Schemes that
+    only take whole groups (W4A8, K a multiple of 128) get the 32 values tiled to one group.
 
     >>> example_input("nvfp4").shape, example_input("nvfp4_weight").shape
     ((1, 32), (2, 16))
@@ -79,7 +80,7 @@ def example_input(scheme_name: str, seed: int = 0) -> np.ndarray:
         x = rng.standard_normal(32)
         x[rng.choice(32, 2, replace=False)] *= 8.0
         x = np.array([float(f"{v:.3g}") for v in x], np.float32)
-    return x.reshape((2, 16) if _two_d(scheme) else (1, 32))
+    return _fit_example(x.reshape((2, 16) if _two_d(scheme) else (1, 32)), [scheme])
 
 
 def _num(v: float) -> str:
@@ -94,9 +95,9 @@ def _num(v: float) -> str:
 
 
 def _block_amax(x: np.ndarray, block) -> np.ndarray:
-    from .quant.blockwise import block_reduce, block_view
+    from .quant.blockwise import block_amax, block_view
 
-    return block_reduce(block_view(x.astype(np.float64), block), len(block), "amax")
+    return block_amax(block_view(x.astype(np.float64), block), len(block))
 
 
 def _global_rows(q) -> list[tuple[str, str]] | None:
@@ -129,6 +130,7 @@ def explain_steps(scheme_name: str, presets=None, x=None, seed: int = 0) -> dict
         index, block, x, x / scale, code, value, dequantized, error, note).
     """
     from .quant import quantize
+    from .quant.blockwise import expand_to_elements
 
     preset_list = [None] if not presets else list(presets)
     schemes = [_make_scheme(scheme_name, p) for p in preset_list]
@@ -160,8 +162,6 @@ def explain_steps(scheme_name: str, presets=None, x=None, seed: int = 0) -> dict
                 "scale": _num(_scale_value(q, idx)),
                 "decode multiplier": _num(sv[idx]),
             })
-        from .quant.blockwise import expand_to_elements
-
         d = expand_to_elements(sv, block, q.shape)
         codes = q.element_codes()
         vals = q.element_values()
@@ -176,11 +176,12 @@ def explain_steps(scheme_name: str, presets=None, x=None, seed: int = 0) -> dict
             bidx = idx[: len(idx) - len(block)] + bidx
             note = []
             s = abs(float(np.float32(scaled[idx])))  # the anchors scale in float32
-            if s in mids:
-                note.append("tie")
-            if s > el.max_finite:
-                note.append("saturated")
-            if vals[idx] == 0 and codes[idx] != 0:
+            if q.zero_points is None:  # with a zero point, x / scale is not the element value
+                if s in mids:
+                    note.append("tie")
+                if s > el.max_finite:
+                    note.append("saturated")
+            if el.has_negative_zero and codes[idx] == el.sign_mask:
                 note.append("-0")
             elements.append({
                 "index": str(idx), "block": str(bidx), "x": _num(x64[idx]),
@@ -205,6 +206,24 @@ def explain_steps(scheme_name: str, presets=None, x=None, seed: int = 0) -> dict
                     e = r["elements"][i]
                     e["note"] = (e["note"] + " differs").strip()
     return {"scheme": scheme_name, "shape": tuple(xa.shape), "runs": runs}
+
+
+def _fit_example(xa: np.ndarray, schemes) -> np.ndarray:
+    """The example itself, or (for schemes that only take whole groups, W4A8) the example tiled
+    along the last axis to one group, each copy scaled by a different power of two."""
+    from .quant import quantize
+
+    try:
+        for s in schemes:
+            quantize(xa, s)
+        return xa
+    except ValueError:
+        width = max((s.block[-1] for s in schemes if isinstance(s.block[-1], int)), default=0)
+        if width <= xa.shape[-1]:
+            raise
+        reps = -(-width // xa.shape[-1])
+        tiles = [xa * np.float32(2.0 ** (-i)) for i in range(reps)]
+        return np.concatenate(tiles, axis=-1)[..., :width]
 
 
 def _scale_value(q, idx) -> float:

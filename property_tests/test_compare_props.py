@@ -29,7 +29,8 @@ def test_honest_fp32_arithmetic_never_fails(case, chunk, reverse):
                    dict(activation=case["activation"], quant=case["quant"], num_experts=r.num_experts,
                         out_dtype=np.float32))
     ref = reference(lc)
-    rep = compare(candidate(lc, gemm=fp32_gemm(chunk, reverse)), ref, FP32_ACCUM)
+    rep = compare(candidate(lc, gemm=fp32_gemm(chunk, reverse), gemm1_out_dtype=np.float32,
+                            act_out_dtype=np.float32), ref, FP32_ACCUM)
     assert rep.passed, rep.summary()
 
 

@@ -19,9 +19,10 @@ from moeref.quant import (
     mxfp4,
     mxfp8,
     quantize,
+    w4a8_cutlass,
 )
 from moeref.quant.nvfp4 import nvfp4
-from moeref.strategies import ep_shards, routings
+from moeref.strategies import routings
 
 # name -> (a1 / a2 scheme, weight scheme, K and N multiple, row-wise activation scales)
 SCHEMES = {
@@ -34,6 +35,8 @@ SCHEMES = {
     "fp8 1x64 x mxfp4": (fp8_group(64), mxfp4(), 64, True),  # refinement: 64 vs 32 blocks
     "int8": (int8_per_token(), int8_per_channel(), 1, True),
     "nvfp4": (nvfp4("activation"), nvfp4("weight"), 16, False),
+    "w4a8: int4 groups x fp8 per-token": (fp8_per_token(), w4a8_cutlass(16), 16, True),
+    "gpt-oss: bf16 x mxfp4": (None, mxfp4(), 32, True),
 }
 ACTIVATIONS = ("silu_and_mul", "gelu_and_mul", "swigluoai", "relu2_no_mul")
 SLOW = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -61,6 +61,17 @@ def deepgemm_per_block_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool, gran_k: int
     return _fp8_codes(q.view_as(xp)[:m, :n]), sf.view(xv.size(0), xv.size(2)).numpy()
 
 
+def deepgemm_per_channel_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool, gran_k: int = 128):
+    m, n = x.shape
+    assert m % gran_k == 0
+    xv = x.view(-1, gran_k, n)
+    amax = xv.abs().float().amax(dim=1).view(-1, n).clamp(1e-4)
+    sf = amax / 448.0
+    sf = deepgemm_ceil_to_ue8m0(sf) if use_ue8m0 else sf
+    q = (xv * (1.0 / sf.unsqueeze(1))).to(torch.float8_e4m3fn).view(m, n)
+    return _fp8_codes(q), sf.numpy()
+
+
 def deepgemm_per_token_cast_to_fp4(x: torch.Tensor, use_ue8m0: bool, gran_k: int = 32):
     m, n = x.shape
     pn = _align(n, gran_k)
@@ -101,7 +112,7 @@ def vllm_per_token_group_quant_fp8(x: torch.Tensor, group_size: int, use_ue8m0: 
 def te_compute_scale_from_amax(amax: np.ndarray, max_fp8: float = 448.0, pow2: bool = False):
     """recipe_common.cuh compute_scale_from_amax, float32, epsilon 0 (returns encode scale)."""
     amax = amax.astype(np.float32)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore"):
         scale = np.float32(max_fp8) / amax
     scale = np.where(np.isinf(scale), np.finfo(np.float32).max, scale).astype(np.float32)
     scale = np.where((amax == 0) | np.isinf(amax), np.float32(1), scale).astype(np.float32)
@@ -114,6 +125,18 @@ def te_fp8_per_tensor(x: torch.Tensor):
     amax = x.abs().float().amax().numpy().reshape(1, 1)
     scale = te_compute_scale_from_amax(amax)
     q = (x.float() * torch.from_numpy(scale)).to(torch.float8_e4m3fn)  # satfinite (2.13)
+    return _fp8_codes(q), (np.float32(1) / scale).astype(np.float32)
+
+
+def te_fp8_block_1d(x: torch.Tensor, block: int = 128):
+    """TE Float8BlockScaling 1 x block rows: per-block current scaling with power-of-two scales
+    (encode scale rounded down), data clamp(x * scale) cast, scale_inv = 1 / scale."""
+    m, n = x.shape
+    xv = x.float().numpy().reshape(m, n // block, block)
+    amax = np.abs(xv).max(-1)
+    scale = te_compute_scale_from_amax(amax, pow2=True)
+    data = np.clip(xv * scale[..., None], -448.0, 448.0).astype(np.float32)
+    q = torch.from_numpy(data.reshape(m, n)).to(torch.float8_e4m3fn)
     return _fp8_codes(q), (np.float32(1) / scale).astype(np.float32)
 
 

@@ -123,11 +123,13 @@ def test_side_by_side_with_conventional_checks():
 
 
 def test_hopper_bound_is_sound_but_loose():
-    """The declared 14-bit accumulator allows gamma_129(2^-13) ~ 1.6% of sum|a||b| per GEMM: a token
-    on a wrong expert still fails at K=256, an all-zero output of a large layer does too."""
+    """The declared 14-bit accumulator allows gamma_133(2^-13) ~ 1.6% of sum|a||b| per GEMM, errors in
+    gate and up multiply, and the intermediate may then flip anywhere: the worst case exceeds the output
+    itself, so only a NaN row fails here. Sound, and documented as loose (docs/error-bounds.md)."""
     case = _fp8_case(m=6)
     ref = reference(case)
     assert not compare(FAULTS["output row 0 unwritten (NaN)"](case), ref, HOPPER_FP8_DEEPGEMM).passed
+    assert compare(FAULTS["all-zero output"](case), ref, HOPPER_FP8_DEEPGEMM).passed
     assert gemm_coefficient(HOPPER_FP8_DEEPGEMM, 256, 2) > 0.015
 
 
@@ -139,7 +141,7 @@ def test_gamma_and_gemm_coefficient_hand_values():
     assert gamma(3, 2.0**-24) == pytest.approx(3 * 2.0**-24, rel=1e-6)
     assert gamma(2, 0.5) == float("inf")
     p = Profile("t", accum_unit=2.0**-10, promote_every=4, promote_unit=2.0**-20)
-    g5 = 5 * 2.0**-10 / (1 - 5 * 2.0**-10)
+    g5 = 6 * 2.0**-10 / (1 - 6 * 2.0**-10)  # c + ceil(c/32) + 1 = 4 + 1 + 1
     want = g5 + (1 + g5) * (6 * 2.0**-20 / (1 - 6 * 2.0**-20))  # ceil(8/4) + 1 block + 3 = 6
     assert gemm_coefficient(p, 8, 1) == pytest.approx(want, rel=1e-12)
 
@@ -198,5 +200,6 @@ def test_report_renders_summary_and_rich(fp8_case):
     console.print(rep)
     assert "worst tokens" in console.export_text()
     assert compare(ref.out, ref, FP32_ACCUM).summary().startswith("PASS")
+    assert compare(ref.out, case, FP32_ACCUM).passed  # inputs instead of a traced run
     with pytest.raises(ValueError, match="shape"):
         compare(ref.out[:2], ref, FP32_ACCUM)

@@ -20,7 +20,7 @@ from moeref.moe import (
     prepare,
     quantize_weights,
 )
-from moeref.quant import fp8_block, fp8_group, fp8_per_tensor, fp8_per_token, mxfp4, mxfp8, quantize
+from moeref.quant import fp8_block, fp8_group, mxfp4, quantize
 from moeref.routing import expert_map as make_expert_map
 from moeref.routing import softmax_topk
 
@@ -248,3 +248,15 @@ def test_nvfp4_with_static_global_scales_cutlass_path():
     for i, (t, e) in enumerate((t, e) for t in range(4) for e in ids[t]):
         want[t] += tw[t, list(ids[t]).index(e)] * (w2[e] @ acts[i])
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_bench_script_runs_at_a_small_shape(capsys):
+    import pathlib
+    import runpy
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "bench_moe_reference.py"
+    main = runpy.run_path(str(path))["main"]
+    main(["--tokens", "4", "--experts", "8", "--top-k", "2", "--hidden", "256", "--intermediate", "128",
+          "--pool", "2"])
+    out = capsys.readouterr().out
+    assert "GFLOP" in out and "finite: True" in out

@@ -82,6 +82,27 @@ def test_te_current_scaling_bitwise(dtype):
     assert np.array_equal(q.scales, scale_inv)
 
 
+@needs_sat
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_te_block_scaling_bitwise(dtype):
+    x = _special_matrix(6, 256, 12, dtype)
+    codes, scale_inv = O.te_fp8_block_1d(x, 128)
+    q = quantize(x, fp8_group(128, preset="te_fp8_block"))
+    assert np.array_equal(q.codes, codes)
+    assert np.array_equal(q.scales, scale_inv)
+
+
+@needs_sat
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_deepgemm_per_channel_cast_bitwise(dtype, ue8m0):
+    x = _special_matrix(256, 40, 13, dtype)
+    codes, sf = O.deepgemm_per_channel_cast_to_fp8(x, ue8m0, 128)
+    q = quantize(x, fp8_block((128, 1), "ue8m0" if ue8m0 else "fp32", "deepgemm"))
+    assert np.array_equal(q.codes, codes)
+    assert np.array_equal(q.scale_values().astype(np.float32), sf)
+
+
 def test_te_block_pow2_scales_round_encode_down():
     # amax 3: encode 448/3 = 149.33 -> 128 (down), decode 1/128
     q = quantize(np.array([[3.0, 1.0]], np.float32), fp8_group(2, preset="te_fp8_block"))
@@ -226,3 +247,22 @@ def test_requantize_to_same_or_finer_is_lossless():
     assert rep.lossless and np.array_equal(t.codes, q.codes)
     t2, rep2 = requantize(q, fp8_group(32, "fp32"))
     assert rep2.lossless and rep2.max_abs_error == 0.0
+
+
+def test_fp32_scale_underflow_never_makes_nan():
+    # amax = 71 * 2^-149 (FP32 subnormal): amax / 448 underflows to 0; moeref uses 2^-149 so the
+    # block's zeros stay zeros (not 0/0) and 71 rounds to the E4M3 value 72
+    x = np.array([[71 * 2.0 ** -149, 0.0]], np.float32)
+    for preset in ("default", PRESETS["default"].with_(name="mul", apply="mul_recip")):
+        q = quantize(x, fp8_per_token(preset=preset))
+        assert q.scales.tolist() == [[2.0 ** -149]]
+        assert q.dequantize(np.float64).tolist() == [[72 * 2.0 ** -149, 0.0]]
+
+
+def test_zero_block_knob():
+    z = np.zeros((1, 4), np.float32)
+    zero = PRESETS["default"].with_(name="zb0", zero_block="zero")
+    assert quantize(z, fp8_per_token(preset=zero)).scales.tolist() == [[0.0]]
+    assert quantize(z, fp8_per_token()).scales.tolist() == [[1.0]]
+    with pytest.raises(ValueError, match="UE8M0"):
+        quantize(z, fp8_per_token(preset=zero, scale="ue8m0"))

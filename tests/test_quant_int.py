@@ -137,7 +137,5 @@ def test_bad_input():
         w4a8_cutlass(channel_scales="x")
     with pytest.raises(ValueError, match="W4A8 weights"):
         quantize(np.ones(8, np.float32), w4a8_cutlass())
-    with pytest.raises(ValueError, match="multiple of the group size 128"):
-        quantize(np.ones((2, 200), np.float32), w4a8_cutlass())
     with pytest.raises(TypeError):
         quantize(np.ones((2, 8), np.int8), int8_per_token())

@@ -87,6 +87,14 @@ def test_negative_zero_code_per_anchor():
     # PTX cvt / torchao f32_to_f4_unpacked keep the sign of zero
     for preset in ("flashinfer", "torchao"):
         assert quantize(row, nvfp4(preset=preset)).element_codes()[0, 1:4].tolist() == [0x8, 0x8, 0x0]
+    # a negative product that underflows to -0.0 in float32 is also 0x0 in TE: A = 3e38 gives
+    # a data factor of about 6/3e38 = 2e-38, and -1e-45 * 2e-38 rounds to -0.0
+    x = np.zeros((1, 16), F32)
+    x[0, 0], x[0, 1] = 3e38, -1e-45
+    assert F32(-1e-45) * (F32(6) / F32(3e38)) == 0
+    assert quantize(x, nvfp4(preset="te")).element_codes()[0, 1] == 0x0
+    assert orc.te_nvfp4_ref(x)[0][0, 1] == 0x0
+    assert quantize(x, nvfp4(preset="flashinfer")).element_codes()[0, 1] == 0x8
 
 
 def test_zero_blocks_and_zero_tensor():
@@ -345,3 +353,17 @@ def test_quantized_tensor_contract():
     assert np.array_equal(dequantize(q), q.dequantize())
     with pytest.raises(ValueError):
         q.codes[0, 0] = 1  # read-only
+
+
+def test_float64_input_is_computed_in_float64():
+    # no anchor takes float64; moeref runs the same formulas in float64 (blockwise working dtype)
+    x = _data((3, 40), 14).astype(np.float64) * (1 + 2.0 ** -40)   # not float32-representable
+    q = quantize(x, nvfp4(preset="te"))
+    q32 = quantize(x.astype(F32), nvfp4(preset="te"))
+    assert q.global_scale == np.abs(x).max() / 2688                 # the float64 amax
+    assert q32.global_scale != q.global_scale
+    d = np.repeat(q.scale_values(), 16, axis=-1)[:, :40]
+    normal = np.repeat(orc.e4m3_value(q.scales), 16, axis=-1)[:, :40] >= 2.0 ** -6
+    assert normal.any()
+    err = np.abs(q.dequantize(np.float64) - x)
+    assert np.all(err[normal] <= d[normal] * (1 + 1e-9))

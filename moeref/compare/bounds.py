@@ -9,21 +9,30 @@ most the bound built here, stage by stage (derivation: docs/error-bounds.md). Wi
    the accumulator has unit roundoff ``u_acc`` (Hopper FP8 tensor cores keep about 14 bits until
    DeepGEMM promotes every 128 columns into FP32 registers; a plain FP32 GEMM has ``c = K``); the
    promoted sum, the scale multiplications and the bias add are FP32. Any order of the sums gives
-   ``|C~ - C| <= coef * (|A| |B|^T + |bias|)`` with
-   ``coef = gamma(c + 1, u_acc) + (1 + gamma(c + 1, u_acc)) * gamma(ceil(K/c) + S + 3, u_fp32)``.
-   Products of FP8/FP4/bf16 elements are exact in FP32, so the accumulation terms carry it all.
+   ``|C~ - C| <= coef * (|A| |B|^T + |bias|)`` with ``n = c + ceil(c/32) + 1`` and
+   ``coef = gamma(n, u_acc) + (1 + gamma(n, u_acc)) * gamma(ceil(K/c) + S + 3, u_fp32)``.
+   ``n`` covers any summation order with one rounding per add (``c + 1``) and also a tensor core's
+   aligned multi-term adder: per 32-wide MMA, 33 terms (32 products and the accumulator) are aligned to
+   the largest and truncated, each losing less than one unit in the last place of the largest
+   (``2^-13`` of it for 14 bits), i.e. ``33 u_acc`` of the chunk's ``sum |a||b|`` per MMA.
+   Products of FP8/FP4/bf16 elements are exact in FP32 (an FP32 x FP32 product rounding is the
+   ``+ 1`` in ``n``).
    A stored GEMM output (bf16) adds ``u_out (|C| + bound)``.
-2. **Activation**: Lipschitz bounds on the gate function (``|silu'| <= 1.0998``, ``|gelu'| <= 1.129``,
-   clamps are 1-Lipschitz) and ``|f(g)| <= |g|`` give, for ``f(g) * up(u)``,
+2. **Activation**: the Lipschitz bound of the gate function on the interval ``[g - dg, g + dg]``
+   (:func:`lipschitz_on`: ``|silu'| <= 1.0998`` and ``|gelu'| <= 1.1290`` globally, near 0 where they
+   saturate; clamps only flatten) and ``|f(g)| <= |g|`` give, for ``f(g) * up(u)``,
    ``dx <= L dg (|u| + |beta|) + (|g| + dg) du``; ``relu2``: ``dh (2|h| + dh)``. The kernel's own
    evaluation and store add ``u_act (|x| + |g|(|u| + |beta|) + dx)`` (:func:`activation_magnitude`).
 3. **Intermediate re-quantization** (flip-aware). The kernel rounds ``x~`` where the reference rounds
-   ``x``. The candidate's block scale lies between the scale of the block with every magnitude
-   lowered by ``dx`` and raised by ``dx`` (every scale rule is monotone in the amax); if those agree,
-   the candidate's element lies between the roundings of ``(x - dx)/s`` and ``(x + dx)/s``, so an
-   element whose interval contains no rounding boundary has uncertainty 0 and one that straddles a
-   boundary gets the full distance to the reachable grid values (one element-format ulp at its block
-   scale when ``dx`` is small). Otherwise ``|q~ - q| <= dx + |x - q| + s_hi gap/2 + clip``.
+   ``x``. The candidate's block scale ``s~`` lies in ``[s_lo, s_hi]``, the scales of the block with
+   every magnitude lowered by ``dx`` and raised by ``dx`` (every scale rule is monotone in the amax;
+   widened by ``2^-21`` for a float32 scale computation). Its scaled element ``x~/s~`` then lies
+   between the extremes of ``(x -+ dx) / {s_lo, s_hi}`` (widened by ``2^-20`` for the float32
+   ``x * (1/s)``), its code between the roundings of the two ends (the scheme's rounding and
+   saturation), and ``q~ = s~ code~`` between the four corner products. An element whose interval holds
+   no rounding boundary keeps its code (uncertainty: the scale range only, 0 for a certain scale); one
+   that straddles a boundary gets the distance to the reachable neighbour (one element-format ulp at
+   its block scale when ``dx`` is small).
 4. **GEMM2**: ``dy <= |W2| unc + coef (|xq| + unc) |W2|^T + ...`` (the ``|w2|`` sums of the uncertain
    intermediate elements).
 5. **Finalize**: ``sum_j |w_j| dy_j + gamma(k + 2, u_red) sum_j |w_j| (|y_j| + dy_j)``, shared experts
@@ -42,7 +51,7 @@ import numpy as np
 
 from ..activations import ACTIVATIONS, split_w13
 from ..dispatch import weight_and_reduce
-from ..gemm.exact import BlockOperand, as_operand
+from ..gemm.exact import BlockOperand
 from ..gemm.grouped import ExpertOperands, expert_rows_gemm
 
 __all__ = [
@@ -54,6 +63,7 @@ __all__ = [
     "PROFILES",
     "gamma",
     "gemm_coefficient",
+    "lipschitz_on",
     "activation_error",
     "activation_magnitude",
     "requant_uncertainty",
@@ -121,12 +131,44 @@ def gemm_coefficient(profile: Profile, k: int, num_k_blocks: int = 1) -> float:
     """``coef`` of stage 1: ``|C~ - C| <= coef * (|A||B|^T + |bias|)`` (module docstring)."""
     c = k if profile.promote_every is None else min(profile.promote_every, k)
     c = max(c, 1)
-    g_acc = gamma(c + 1, profile.accum_unit)
+    # c products + one aligned-adder term per 32-wide MMA + the final add: see the module docstring
+    g_acc = gamma(c + -(-c // 32) + 1, profile.accum_unit)
     n_prom = -(-k // c) + num_k_blocks + 3
     return g_acc + (1.0 + g_acc) * gamma(n_prom, profile.promote_unit)
 
 
-_LIPSCHITZ = {"silu": 1.0998, "gelu": 1.1290}
+_LIPSCHITZ = {"silu": 1.1, "gelu": 1.13}  # max |silu'| = 1.09984, max |gelu'| = 1.12899 (erf and tanh forms)
+# f' of silu (x sigma(x)) and erf-GELU (x Phi(x)) is monotone between its two critical points, where
+# |f'| takes these values: (critical point, |f'| there)
+_CRITICAL = {"silu": ((-2.3993572805154676, 0.09983933), (2.3993572805154676, 1.09983933)),
+             "gelu": ((-math.sqrt(2.0), 0.12890415), (math.sqrt(2.0), 1.12890415))}
+
+
+def _derivative(fam: str, x: np.ndarray) -> np.ndarray:
+    from ..activations import gelu, sigmoid
+
+    if fam == "silu":
+        s = sigmoid(x)
+        return s * (1.0 + x * (1.0 - s))
+    phi = np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cdf = np.where(x == 0, 0.5, gelu(x) / np.where(x == 0, 1.0, x))
+    return cdf + x * phi
+
+
+def lipschitz_on(fam: str, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``sup |f'|`` over ``[lo, hi]`` for ``f = silu`` or erf-GELU (elementwise): the larger of the
+    endpoint values and of the critical values inside the interval, with a 1e-9 relative margin.
+
+    >>> lipschitz_on("silu", np.array([-20.0, -1.0]), np.array([-19.0, 3.0])).round(4).tolist()
+    [0.0, 1.0998]
+    """
+    lo = np.asarray(lo, dtype=np.float64)
+    hi = np.asarray(hi, dtype=np.float64)
+    out = np.maximum(np.abs(_derivative(fam, lo)), np.abs(_derivative(fam, hi)))
+    for c, v in _CRITICAL[fam]:
+        out = np.where((lo <= c) & (c <= hi), np.maximum(out, v), out)
+    return out * (1.0 + 1e-9) + 1e-15
 _GATED = {  # name -> (gate family, layout override, |up offset| param)
     "silu_and_mul": ("silu", None, None),
     "mul_and_silu": ("silu", "up_gate", None),
@@ -152,14 +194,22 @@ def activation_error(name: str, h: np.ndarray, dh: np.ndarray, w13_layout: str, 
         g, u = split_w13(h, lay, axis=-1)
         dg, du = split_w13(dh, lay, axis=-1)
         b = abs(float(params.get("beta", 0.0))) if beta == "beta" else (beta or 0.0)
-        # sigmoid(alpha g) scaling does not change the Lipschitz constant of g*sigmoid(alpha g)
-        return _LIPSCHITZ[fam] * dg * (np.abs(u) + b) + (np.abs(g) + dg) * du
+        # d/dg [g sigmoid(alpha g)] = silu'(alpha g): the Lipschitz bound on [g - dg, g + dg] is that
+        # of silu on alpha [g - dg, g + dg] (clamps only flatten it); tanh-GELU: the global constant
+        if fam == "gelu" and params.get("approximate", "none") == "tanh":
+            lip = _LIPSCHITZ["gelu"]
+        else:
+            alpha = float(params.get("alpha", 1.702 if name == "swigluoai" else 1.0))
+            lip = lipschitz_on(fam, alpha * (g - dg), alpha * (g + dg))
+        return lip * dg * (np.abs(u) + b) + (np.abs(g) + dg) * du
     if name == "relu2_no_mul":
         return dh * (2.0 * np.abs(h) + dh)
     if name == "silu_no_mul":
-        return _LIPSCHITZ["silu"] * dh
+        return lipschitz_on("silu", h - dh, h + dh) * dh
     if name == "gelu_no_mul":
-        return _LIPSCHITZ["gelu"] * dh
+        if params.get("approximate", "none") == "tanh":
+            return _LIPSCHITZ["gelu"] * dh
+        return lipschitz_on("gelu", h - dh, h + dh) * dh
     raise ValueError(f"no error bound for activation {name!r}; known: {', '.join(ACTIVATIONS)}")
 
 
@@ -181,16 +231,6 @@ def _quantize_with(quantizer, x):
     from ..moe.pipeline import _run_quantizer
 
     return _run_quantizer(quantizer, x)[1]
-
-
-def _gap(fmt, v: np.ndarray) -> np.ndarray:
-    """Spacing of the element grid at magnitude ``v`` (>= the gap just above ``v``)."""
-    if fmt.kind == "int":
-        return np.ones_like(v)
-    vmax = fmt.max_finite
-    vv = np.clip(v, fmt.min_normal, vmax)
-    e = np.floor(np.log2(vv))
-    return np.exp2(e - fmt.man_bits + 1.0)  # one binade up covers boundary cases
 
 
 def requant_uncertainty(x: np.ndarray, dx: np.ndarray, quantizer, qt) -> tuple[np.ndarray, int]:
@@ -215,8 +255,10 @@ def requant_uncertainty(x: np.ndarray, dx: np.ndarray, quantizer, qt) -> tuple[n
     sign = np.where(x < 0, -1.0, 1.0)
     up = _quantize_with(quantizer, sign * (mag + dx))
     dn = _quantize_with(quantizer, sign * np.maximum(mag - dx, 0.0))
-    s_hi = np.maximum(expand_to_elements(up.scale_values(), up.block_shape, up.shape), s_ref)
-    s_lo = np.minimum(expand_to_elements(dn.scale_values(), dn.block_shape, dn.shape), s_ref)
+    # widened by 2^-21: a kernel computes the scale in float32 from a float32 amax (one more rounding
+    # than the float64 reference's quantizer); every rule is monotone, so this covers it
+    s_hi = np.maximum(expand_to_elements(up.scale_values(), up.block_shape, up.shape), s_ref) * (1 + 2.0**-21)
+    s_lo = np.minimum(expand_to_elements(dn.scale_values(), dn.block_shape, dn.shape), s_ref) * (1 - 2.0**-21)
     # the candidate's scaled value x~/s~ lies in [t_lo, t_hi] for any s~ in [s_lo, s_hi]
     s_lo_safe = np.where(s_lo > 0, s_lo, s_hi)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -242,7 +284,8 @@ def requant_uncertainty(x: np.ndarray, dx: np.ndarray, quantizer, qt) -> tuple[n
 
 @dataclass(frozen=True, eq=False)
 class LayerBound:
-    """``bound`` float64 ``[M, K]`` plus per-slot bounds ``slot_bound [M*k, K]`` (first chunk layout)."""
+    """``bound``: float64 ``[M, K]`` per-element bound; ``flips``: intermediate elements whose rounding
+    the declared arithmetic may flip."""
 
     bound: np.ndarray
     flips: int

@@ -103,7 +103,8 @@ def hopper_fp8_gemm(promote: int = 128, mma_k: int = 32, bits: int = 14):
             acc = np.zeros((m, n))
             for t in range(s, min(s + promote, k), mma_k):
                 e = min(t + mma_k, s + promote, k)
-                acc = _truncate(acc + a.values[:, t:e] @ w.values[:, t:e].T, bits)
+                mma = a.values[:, t:e].astype(np.float64) @ w.values[:, t:e].T.astype(np.float64)  # exact
+                acc = _truncate(acc + mma, bits)
             sc = (a.scales[ra, s // a.block[1]][:, None] * w.scales[rw, s // w.block[1]][None, :]).astype(np.float32)
             out = out + acc.astype(np.float32) * sc
         return out
@@ -126,10 +127,13 @@ def torch_bf16_gemm():
 
 
 HONEST = {
-    "fp32 chunks of 32": lambda case: candidate(case, gemm=fp32_gemm(32)),
-    "fp32 chunks of 128, reversed": lambda case: candidate(case, gemm=fp32_gemm(128, reverse=True)),
+    "fp32 chunks of 32": lambda case: candidate(case, gemm=fp32_gemm(32), act_out_dtype=np.float32),
+    "fp32 chunks of 128, reversed": lambda case: candidate(case, gemm=fp32_gemm(128, reverse=True),
+                                                           gemm1_out_dtype=np.float32, act_out_dtype=np.float32),
     "fp32 one chunk": lambda case: candidate(case, gemm=fp32_gemm(1 << 30)),
 }
+"""Honest variants for :data:`moeref.compare.FP32_ACCUM`: FP32 GEMMs in other chunkings and orders,
+FP32 stores of the GEMM1 and activation outputs, the intermediate quantized from FP32."""
 
 
 # ---------------------------------------------------------------------------------- faults
@@ -175,7 +179,9 @@ def _wrong_expert(case: LayerCase) -> np.ndarray:
     e = case.weights.num_experts
     row = ids[0]
     free = [x for x in range(e) if x not in row.tolist()]
-    ids[0, 0] = free[0] if free else ids[0, 0]
+    if not free:
+        raise ValueError(f"token 0 already uses all {e} experts: no wrong expert to route it to")
+    ids[0, 0] = free[0]
     return candidate(case.with_(topk_ids=ids))
 
 

@@ -62,7 +62,8 @@ class BlockOperand:
     """A block-scaled 2-D operand ``[R, K]``: ``value[r, k] = values[r, k] * scales[r // br, k // bk]``.
 
     Attributes:
-        values: float64 ``[R, K]``, the element values (format values before scaling; exact).
+        values: float64 (or float32 for 8-bit formats, which it holds exactly) ``[R, K]``, the element
+            values (format values before scaling; exact). Arithmetic on them is float64.
         scales: float64 ``[ceil(R / br), ceil(K / bk)]``, the decode multiplier of each block.
         block: ``(br, bk)`` with ``1 <= br <= max(R, 1)`` and ``1 <= bk <= max(K, 1)``.
         quantized: True when ``values`` are low-precision format values (partial dots exact, see
@@ -185,9 +186,10 @@ def as_operand(x, name: str = "operand") -> BlockOperand:
 
 
 def _element_values(x) -> np.ndarray:
-    """float64 element values of a quantized tensor: ``x.element_values()``, or for unpacked 8-bit codes
-    without zero points the same :func:`moeref.formats.decode_table` lookup done in one pass (the
-    weights of a large layer are decoded per call; this avoids two full-size temporaries)."""
+    """Exact element values of a quantized tensor: ``x.element_values()`` (float64), or for unpacked
+    8-bit codes without zero points the same :func:`moeref.formats.decode_table` lookup done in one pass
+    into float32 (exact: at most 8 significant bits and exponents within float32's range). The weights of
+    a large layer are decoded per call; this avoids two full-size float64 temporaries."""
     scheme = getattr(x, "scheme", None)
     codes = getattr(x, "codes", None)
     if (scheme is not None and codes is not None and getattr(x, "zero_points", None) is None
@@ -195,9 +197,8 @@ def _element_values(x) -> np.ndarray:
             and codes.shape == tuple(x.shape)):
         from ..formats import decode_table
 
-        if codes.ndim == 2:  # decoded column-major: block_gemm reads contiguous K-segments of W.T
-            return decode_table(scheme.element).astype(np.float64)[codes.T].T
-        return decode_table(scheme.element).astype(np.float64)[codes]
+        # every value of a format of <= 8 bits is exact in float32: half the memory of float64
+        return decode_table(scheme.element).astype(np.float32)[codes]
     return np.asarray(x.element_values(), dtype=np.float64)
 
 
@@ -273,7 +274,8 @@ def block_gemm(a, b, *, name_a: str = "a", name_b: str = "b") -> np.ndarray:
     bt = b.values.T  # [K, N] view: BLAS reads it transposed
     for start in range(0, k, g):
         stop = min(start + g, k)
-        p = a.values[:, start:stop] @ bt[start:stop]
+        # float64 products and sums (values may be stored as exact float32)
+        p = a.values[:, start:stop].astype(np.float64, copy=False) @ bt[start:stop].astype(np.float64, copy=False)
         sa = a.scales[row_a, start // bka]
         sb = b.scales[row_b, start // bkb]
         p *= sa[:, None]

@@ -5,17 +5,14 @@ is padding). The grouped GEMM of any layout is therefore one function: for each 
 ``out[rows of e] = block_gemm(a[rows of e], W[e])`` (+ ``bias[e]``), padding rows 0. The layout
 wrappers only read the row -> expert map of their layout:
 
-=================================== ================================ ===============================================
-function                            A                                rows of expert ``e``
-=================================== ================================ ===============================================
-:func:`grouped_gemm_standard`       tokens ``[M, K]`` + ``topk_ids``   slots ``t*k+j`` with ``topk_ids[t,j] -> e``
-                                                                     (vLLM ``fused_experts`` / ``torch_experts``)
-:func:`grouped_gemm_contiguous`     ``[M_sum, K]`` + ``m_indices``      ``m_indices == e`` (-1 padding; DeepGEMM
-                                                                     ``m_grouped_*_contiguous``)
-:func:`grouped_gemm_masked`         ``[E, max_m, K]`` + ``masked_m``    ``a[e, :masked_m[e]]`` (DeepGEMM ``*_masked``)
-:func:`grouped_gemm_batched`        ``[E, T, K]`` + ``expert_num_tokens`` ``a[e, :expert_num_tokens[e]]`` (vLLM
-                                                                     BatchedExperts)
-=================================== ================================ ===============================================
+* :func:`grouped_gemm_standard`: token rows ``a [M, K]`` and ``topk_ids [M, k]``; expert ``e`` gets the
+  slots ``t*k+j`` with ``topk_ids[t, j] -> e`` (vLLM ``fused_experts`` / ``torch_experts``).
+* :func:`grouped_gemm_contiguous`: ``a [M_sum, K]`` and ``m_indices``; rows with ``m_indices == e``,
+  -1 padding (DeepGEMM ``m_grouped_*_contiguous``).
+* :func:`grouped_gemm_masked`: ``a [E, max_m, K]`` and ``masked_m``; rows ``a[e, :masked_m[e]]``
+  (DeepGEMM ``*_masked``, DeepEP low-latency output).
+* :func:`grouped_gemm_batched`: ``a [E, T, K]`` and ``expert_num_tokens``; rows
+  ``a[e, :expert_num_tokens[e]]`` (vLLM BatchedExperts).
 
 Padding rows of the output are **0** here; kernels leave them unspecified (DeepGEMM, vLLM), so
 compare only valid rows. Weights: ``weights[e]`` is expert ``e``'s ``[N, K]`` operand (NT layout) --
@@ -26,8 +23,6 @@ GEMM (vLLM ``torch_experts`` adds ``b_bias1``/``b_bias2`` after the matmul).
 Exactness: that of :func:`moeref.gemm.block_gemm` per row; adding the bias is one float64 rounding.
 """
 from __future__ import annotations
-
-from typing import Sequence
 
 import numpy as np
 
@@ -88,7 +83,7 @@ def _bias(bias, num_experts: int, n: int, name: str):
     return b
 
 
-def expert_rows_gemm(a, row_expert, weights, bias=None, *, abs_values: bool = False) -> np.ndarray:
+def expert_rows_gemm(a, row_expert, weights, bias=None, *, abs_values: bool = False, gemm=None) -> np.ndarray:
     """The engine of every layout: ``out[r] = a[r] @ W[row_expert[r]].T (+ bias)``, 0 where -1.
 
     Args:
@@ -97,9 +92,12 @@ def expert_rows_gemm(a, row_expert, weights, bias=None, *, abs_values: bool = Fa
         weights: per-expert ``[N, K]`` operands (:class:`ExpertOperands` input).
         bias: optional float ``[E, N]``.
         abs_values: compute ``|a| @ |W|.T + |bias|`` instead (the magnitude sums of error bounds).
+        gemm: the per-expert GEMM ``(a_rows, w) -> [R_e, N]``; :func:`block_gemm` by default (honest
+            variants and planted faults of :mod:`moeref.compare.faults` plug in here).
 
     Returns: float64 ``[R, N]``.
     """
+    gemm = block_gemm if gemm is None else gemm
     a = as_operand(a, "a")
     w = ExpertOperands(weights)
     rows = as_int_array(row_expert, "row_expert").reshape(-1).astype(np.int64)
@@ -119,7 +117,12 @@ def expert_rows_gemm(a, row_expert, weights, bias=None, *, abs_values: bool = Fa
             n = we.values.shape[0]
             out = np.zeros((rows.size, n))
         idx = np.flatnonzero(rows == e)
-        out[idx] = block_gemm(a.take_rows(idx), we, name_a="a", name_b=f"{w.name}[{e}]")
+        rows_e = a.take_rows(idx)
+        if gemm is block_gemm:
+            r = block_gemm(rows_e, we, name_a="a", name_b=f"{w.name}[{e}]")
+        else:
+            r = gemm(rows_e, we)
+        out[idx] = r
     if out is None:  # no valid row: the width comes from expert 0
         n = w[0].values.shape[0] if len(w) else 0
         out = np.zeros((rows.size, n))
@@ -171,7 +174,16 @@ def _per_expert_rows(counts, max_m: int, name: str) -> np.ndarray:
 
 def grouped_gemm_masked(a, weights, masked_m, bias=None, *, abs_values: bool = False) -> np.ndarray:
     """DeepGEMM masked layout: ``a [E, max_m, K]``, ``masked_m`` int ``[E]`` -> float64
-    ``[E, max_m, N]``; rows ``>= masked_m[e]`` are 0 (unspecified in DeepGEMM)."""
+    ``[E, max_m, N]``; rows ``>= masked_m[e]`` are 0 (unspecified in DeepGEMM). ``a`` may also be given
+    as its ``[E * max_m, K]`` rows (a float array, quantized tensor or :class:`BlockOperand`).
+
+    >>> a = np.ones((2, 3, 4)); w = np.stack([np.eye(4), 2 * np.eye(4)])
+    >>> grouped_gemm_masked(a, w, np.array([1, 2], dtype=np.int32))[:, :, 0].tolist()
+    [[1.0, 0.0, 0.0], [2.0, 2.0, 0.0]]
+    """
+    if not isinstance(a, BlockOperand) and not hasattr(a, "element_values"):
+        arr = as_float_array(a, "a")
+        a = arr.reshape(-1, arr.shape[-1]) if arr.ndim == 3 else arr
     op = as_operand(a, "a")
     e = np.asarray(masked_m).size
     if e == 0 or op.values.shape[0] % e:

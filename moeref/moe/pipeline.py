@@ -38,7 +38,7 @@ by default. Honest variants and planted faults (:mod:`moeref.compare.faults`) pl
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -48,8 +48,8 @@ from ..activations import ACTIVATIONS, apply_activation
 from ..dispatch import apply_router_weight_on_input as _weight_input
 from ..dispatch import to_batched, to_contiguous, to_masked, weight_and_reduce
 from ..dispatch.grouping import group_slots
-from ..gemm.exact import BlockOperand, as_operand, block_gemm
-from ..gemm.grouped import ExpertOperands
+from ..gemm.exact import BlockOperand, as_operand
+from ..gemm.grouped import ExpertOperands, expert_rows_gemm
 from .weights import MoEWeights, SharedExperts
 
 __all__ = [
@@ -232,33 +232,15 @@ def _activation(name: str, h: np.ndarray, w13_layout: str, params: dict) -> np.n
     return np.asarray(apply_activation(name, h, **params), dtype=np.float64)
 
 
-def _gemm_rows(a: BlockOperand, row_expert, weights: ExpertOperands, bias, gemm) -> np.ndarray:
-    out = None
-    for e in np.unique(row_expert[row_expert >= 0]).tolist():
-        idx = np.flatnonzero(row_expert == e)
-        r = np.asarray(gemm(a.take_rows(idx), weights[e]), dtype=np.float64)
-        if out is None:
-            out = np.zeros((row_expert.size, r.shape[1]))
-        out[idx] = r
-    if out is None:
-        n = weights[0].values.shape[0] if len(weights) else 0
-        out = np.zeros((row_expert.size, n))
-    if bias is not None:
-        b = np.asarray(bias, dtype=np.float64)
-        valid = row_expert >= 0
-        out[valid] += b[row_expert[valid]]
-    return out
-
-
 def experts(prepared: Prepared, weights: MoEWeights, *, activation: str = "silu_and_mul",
             activation_params: dict | None = None, quant: MoEQuant = NO_QUANT,
             gemm1_out_dtype=None, act_out_dtype=None, gemm: Callable | None = None) -> ExpertsOutput:
     """GEMM1 (+b13) -> activation (``weights.w13_layout``) -> re-quantize (``quant.a2``) -> GEMM2 (+b2).
 
     ``gemm1_out_dtype`` / ``act_out_dtype``: optional stores (e.g. ``"bfloat16"``) of the GEMM1 output
-    and of the activation output, as kernels keep them (None: float64, no rounding).
+    and of the activation output, as kernels keep them (None: float64, no rounding); the ``a2``
+    quantizer then receives the activation in ``act_out_dtype`` and works in its precision.
     """
-    gemm = block_gemm if gemm is None else gemm
     w13 = ExpertOperands(weights.w13, "w13")
     w2 = ExpertOperands(weights.w2, "w2")
     if len(w13) < int(prepared.row_expert.max(initial=-1)) + 1:
@@ -268,17 +250,20 @@ def experts(prepared: Prepared, weights: MoEWeights, *, activation: str = "silu_
         r, k = prepared.a.values.shape
         empty = np.zeros((r, 0))
         return ExpertsOutput(np.zeros((r, k)), empty, empty, as_operand(empty), None, valid)
-    h = round_to_dtype(_gemm_rows(prepared.a, prepared.row_expert, w13, weights.b13, gemm), gemm1_out_dtype)
+    h = round_to_dtype(expert_rows_gemm(prepared.a, prepared.row_expert, w13, weights.b13, gemm=gemm),
+                       gemm1_out_dtype)
     x = _activation(activation, h, weights.w13_layout, activation_params)
     x[~valid] = 0.0
     x = round_to_dtype(x, act_out_dtype)
     vidx = np.flatnonzero(valid)
-    xq_valid, a2 = _run_quantizer(quant.a2, x[vidx])
+    # a kernel quantizes its stored activation in that dtype's working precision (fp32 for bf16/fp32)
+    x_in = x[vidx] if act_out_dtype is None else x[vidx].astype(_dtype(act_out_dtype))
+    xq_valid, a2 = _run_quantizer(quant.a2, x_in)
     # padding rows are zero rows of the operand (they never reach a quantizer's amax)
     pos = np.full(x.shape[0], -1, dtype=np.int64)
     pos[vidx] = np.arange(vidx.size)
     xq = xq_valid.take_rows(pos)
-    y = _gemm_rows(xq, prepared.row_expert, w2, weights.b2, gemm)
+    y = expert_rows_gemm(xq, prepared.row_expert, w2, weights.b2, gemm=gemm)
     return ExpertsOutput(y, h, x, xq, a2, valid)
 
 

@@ -11,8 +11,9 @@ and NVFP4's module with its own rule). Steps, all vectorised:
    ``per_token_cast_to_fp8``/``per_block_cast_to_fp8`` pad with zeros; zeros never raise an
    amax, so a partial block's scale is that of its real elements) and viewed as
    ``[..., n0, b0, n1, b1, ...]``.
-3. The block amax (``max |x|``) is reduced per ``Preset.nonfinite``: NaN-propagating
-   (``np.max``) or NaN-ignoring (``np.fmax``, TE); ``Preset.amax_floor`` clamps it below.
+3. The block amax (``max |x|``, exact, read from the IEEE bit patterns of the input dtype) is
+   NaN-propagating (``torch.amax``) or, for ``Preset.nonfinite="ignore_nan"``, NaN-ignoring
+   (TE's ``fmaxf``); ``Preset.amax_floor`` clamps it below.
 4. The scale rule gives stored scales, decode multipliers and the data factor.
 5. Data are multiplied or divided by the broadcast factor in the working dtype (one rounding,
    as the anchor's float32 op), then cast element by element with :func:`moeref.formats.encode`
@@ -116,13 +117,16 @@ def block_amax(xb: np.ndarray, k: int, ignore_nan: bool = False) -> np.ndarray:
 
 
 def block_reduce(xb: np.ndarray, k: int, how: str) -> np.ndarray:
-    """Signed ``"max"`` or ``"min"`` over the ``b`` axes of a block view (NaN propagates)."""
+    """Reduce the ``b`` axes of a block view: signed ``"max"``/``"min"`` (NaN propagates), or
+    ``"amax"`` / ``"amax_ignore_nan"`` (:func:`block_amax`)."""
     axes = tuple(xb.ndim - 2 * k + 2 * i + 1 for i in range(k))
+    if how in ("amax", "amax_ignore_nan"):
+        return block_amax(xb, k, ignore_nan=how == "amax_ignore_nan")
     if how == "max":
         return np.max(xb, axis=axes)
     if how == "min":
         return np.min(xb, axis=axes)
-    raise ValueError(f"unknown reduction {how!r}; accepted: 'max', 'min'")
+    raise ValueError(f"unknown reduction {how!r}; accepted: 'amax', 'amax_ignore_nan', 'max', 'min'")
 
 
 def broadcast_to_blocks(grid: np.ndarray, k: int) -> np.ndarray:
@@ -198,7 +202,8 @@ def quantize_blockwise(x, scheme: Scheme, *, rule: Callable | None = None, stati
                       static_scale=static_scale)
     res: ScaleResult = (rule or compute_scales)(amax, ctx)
 
-    fb = broadcast_to_blocks(res.factor.astype(w, copy=False), k)
+    # the factor is in the working dtype, except in the rare float64 fallback of finalize_scales
+    fb = broadcast_to_blocks(res.factor if res.factor.dtype == np.float64 else res.factor.astype(w), k)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore", under="ignore"):
         scaled = xb * fb if res.op == "mul" else xb / fb
     nan_blocks = np.isnan(res.decode)

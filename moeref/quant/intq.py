@@ -23,6 +23,9 @@
   (``channel_scales="ones"``); its test reference quantizes the data with the UNROUNDED group
   scales and rounds the scales afterwards, which moeref refuses to do (notes §5).
 
+A K that is not a multiple of the group is zero-padded for the last group's scale, like every
+blockwise scheme here; ``cutlass_w4a8_mm`` itself needs whole groups, so pad K before packing.
+
 Codes are stored as two's complement (INT4 ``-1`` is ``0xF``) packed two per byte, even element
 low; :func:`moeref.formats.pack_int4_to_int32` gives CUTLASS's eight-per-int32 order.
 
@@ -114,6 +117,7 @@ def _w4a8_rule(amax, ctx) -> ScaleResult:
     else:
         top = np.max(np.where(zero, 0.0, sg), axis=-1, keepdims=True)
         ch = np.where(top > 0, top / 448.0, 1.0).astype(np.float32)
+        ch = np.maximum(ch, np.float32(2.0 ** -149))  # top / 448 may underflow float32
     codes = encode(np.where(zero, 0.0, sg / ch.astype(np.float64)), "ue4m3", overflow="saturate")
     # a group 2^-18 below its row's largest rounds to scale 0: use the smallest E4M3 scale
     # instead (coarser, never saturating), so its values are not silently zeroed
@@ -129,10 +133,6 @@ def _quantize_w4a8(x, scheme: Scheme):
     xa = as_input(x)
     if xa.ndim < 2:
         raise ValueError(f"W4A8 weights must be [..., N, K]; got shape {xa.shape}")
-    g = scheme.block[-1]
-    if xa.shape[-1] % g:
-        raise ValueError(f"W4A8 weights need K = {xa.shape[-1]} to be a multiple of the group size "
-                         f"{g} (cutlass_w4a8_mm reads whole groups); pad K first")
     return quantize_blockwise(xa.astype(np.float64), scheme, rule=_w4a8_rule, need_minmax=True)
 
 

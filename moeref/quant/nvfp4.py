@@ -15,19 +15,17 @@ amax). E2M1 codes are packed two per byte, even element low.
 
 The anchors agree on this storage and disagree on the float32 operation order, which is visible
 at ties of the UE4M3 cast (notes §4.4; radixark/miles PR #1054 "FlashInfer is not bitwise exact
-with TE"). Each order is a preset:
+with TE"). Each order is a preset; in float32 (``fl`` = one rounding; ``s`` = the decoded UE4M3 scale):
 
-============  ================================  ===========================  ====================
-order         block scale                       data factor                  zero block / amax=0
-============  ================================  ===========================  ====================
-``te``        ``e4m3(min(a*(S_enc*fl(1/6)),     ``min(1/(s*fl(1/S_enc)),     scale 0x00; codes 0
-              448))``, one rounding of the      FLT_MAX)``                   (S_enc: FLT_MAX
-              product; no lower clamp                                        -> 1 if 0)
-``flashinfer``  ``e4m3(min(S_enc*(a*fl(1/6)),   ``rcp(s*rcp(S_enc))``,       scale 0x00; codes 0
-(= ``vllm``)  448))``                           ``rcp(0) := 0``
-``torchao``   ``e4m3(clamp((a/6)/pts,           ``(1/pts)/s``                scale 0x08 (2^-6);
-              2^-6, 448))``, ``pts = A/2688``                                codes 0
-============  ================================  ===========================  ====================
+* ``te``: ``S_enc = min(fl(2688/A), FLT_MAX)`` (0 -> 1); ``s = e4m3(min(a * fl(S_enc * fl(1/6)),
+  448))``, ONE rounding of the product with the folded constant; no lower clamp (zero and
+  subnormal scales); data factor ``min(1/(s * fl(1/S_enc)), FLT_MAX)``; zero block -> ``0x00``.
+* ``flashinfer`` (= ``vllm``): ``S_enc = fl(2688/A)``; ``s = e4m3(min(S_enc * fl(a * fl(1/6)),
+  448))``; data factor ``rcp(s * rcp(S_enc))`` with ``rcp(0) := 0``; zero block -> ``0x00``.
+* ``torchao``: decode scale ``pts = fl(A/2688)``; ``s = e4m3(clamp(fl(a/6)/pts, 2^-6, 448))``;
+  data factor ``fl(fl(1/pts)/s)``; zero block -> ``0x08`` (the 2^-6 clamp).
+
+Every order then clamps the scaled data to +-6 and rounds to nearest even (E2M1).
 
 Sources: TransformerEngine ``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``
 (``_quantize_blockwise_reference``; kernel ``common/cast/nvfp4/core_nvfp4.cuh``), FlashInfer
@@ -328,10 +326,18 @@ def quantize_nvfp4(x, scheme: Scheme, global_scale=None) -> QuantizedTensor:
         xw = xa.astype(working_dtype(xa), copy=False)
 
         def finalize(codes, res, ctx):
-            # TE cast_to_fp4x2: an exact zero product (-0.0 included) is code 0x0
-            with np.errstate(over="ignore", invalid="ignore"):
-                zero = (xw * expand_to_elements(res.factor, block, xw.shape)) == 0
-            return {"codes": np.where(zero, np.uint8(0), codes).astype(np.uint8)}
+            # TE cast_to_fp4x2: an exact zero product (-0.0, or a negative product that
+            # underflows) is code 0x0, while (-0.25, 0) is 0x8. Only 0x8 codes can change.
+            idx = np.nonzero(codes == 0x8)
+            if idx[0].size == 0:
+                return {}
+            nl = codes.ndim - len(block)
+            gidx = idx[:nl] + tuple(i // b for i, b in zip(idx[nl:], block))
+            with np.errstate(under="ignore"):
+                zero = (xw[idx] * res.factor[gidx]) == 0
+            out = codes.copy()
+            out[tuple(i[zero] for i in idx)] = 0
+            return {"codes": out}
 
     return quantize_blockwise(xa, scheme, rule=_nvfp4_rule, static_scale=static, finalize=finalize)
 

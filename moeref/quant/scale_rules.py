@@ -247,6 +247,7 @@ def compute_scales(amax: np.ndarray, ctx: RuleContext) -> ScaleResult:
 def finalize_scales(res: ScaleResult, amax: np.ndarray, ctx: RuleContext) -> ScaleResult:
     """Apply ``Preset.zero_block`` and ``Preset.nonfinite='nan_block'`` to a rule's result.
 
+    * an FP32 decode scale that underflows to 0 for a nonzero block becomes 2^-149.
     * zero blocks (amax == 0 after the floor): ``"one"`` -> scale 1.0 (UE8M0 byte 127),
       ``"zero"`` -> scale 0 (FP32/UE4M3 only; data factor 0 so codes are 0), ``"rule"`` -> as
       computed; if the rule's factor is not finite there (``0 * Inf``), it is replaced by 0
@@ -274,6 +275,19 @@ def finalize_scales(res: ScaleResult, amax: np.ndarray, ctx: RuleContext) -> Sca
             bad = zero & ~np.isfinite(factor) | zero & (factor == 0) & (res.op == "div")
             if bad.any():
                 factor = np.where(bad, factor.dtype.type(0.0 if res.op == "mul" else 1.0), factor)
+    if fmt == "fp32" and ctx.static_scale is None:
+        # amax / M can underflow float32 to 0 for a nonzero FP32-subnormal amax (no anchored
+        # preset gets there: DeepGEMM and vLLM floor the amax, TE's 1/FLT_MAX is > 0); a zero
+        # scale would turn the block's zeros into 0/0 = NaN, so use the smallest subnormal
+        under = (dec == 0) & (amax > 0) & np.isfinite(amax)
+        if under.any():
+            tiny = np.float32(2.0 ** -149)
+            stored = np.where(under, tiny, stored).astype(stored.dtype)
+            dec = np.where(under, float(tiny), dec)
+            if res.op == "div":
+                factor = np.where(under, factor.dtype.type(tiny), factor)
+            elif p.apply == "mul_recip":  # 2^149 is not a float32: scale those blocks in float64
+                factor = np.where(under, 2.0 ** 149, factor.astype(np.float64))
     if p.nonfinite == "nan_block":
         nf = ~np.isfinite(amax)
         if nf.any():

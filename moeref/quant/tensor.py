@@ -14,7 +14,7 @@ import numpy as np
 import ml_dtypes
 
 from ..formats import decode_table, encode, unpack_nibbles
-from .blockwise import (block_view, broadcast_to_blocks, expand_to_elements, grid_shape,
+from .blockwise import (block_amax, block_view, broadcast_to_blocks, expand_to_elements, grid_shape,
                         quantize_blockwise)
 from .scheme import Scheme, _check_static_scale
 
@@ -270,8 +270,9 @@ def requantize(q: QuantizedTensor, target: Scheme, *, prefer_exact: bool = True)
     and ``prefer_exact``, a second candidate keeps each source block's decode scale (target
     blocks nested in source blocks, scale exactly representable in the target scale format,
     with a power-of-two global factor for UE4M3) and re-encodes the data with it; it is used
-    only if it is exact. MXFP4 -> NVFP4 is lossless this way whenever the block exponents of a
-    tensor span at most 17 binades (UE4M3 holds 2^-9 .. 2^8).
+    only if it is exact (an all-zero block takes any scale). MXFP4 -> NVFP4 is lossless this way
+    whenever the exponents of the nonzero blocks span at most 17 binades (UE4M3 holds
+    2^-9 .. 2^8).
 
     Returns:
         ``(QuantizedTensor, RequantReport)``.
@@ -316,6 +317,15 @@ def _exact_rescale(q: QuantizedTensor, x: np.ndarray, target: Scheme):
         n_t = -(-q.shape[nl + i] // tb[i])
         idx = (np.arange(n_t) * tb[i]) // sb[i]
         cand = np.take(cand, idx, axis=nl + i)
+    # an all-zero target block decodes to zeros under any scale: give it the largest live one
+    tblock = target.resolve_block(q.shape)
+    with np.errstate(invalid="ignore"):
+        zero_blk = block_amax(block_view(x, tblock), len(tblock)) == 0
+    live = ~zero_blk
+    if live.any():
+        cand = np.where(zero_blk, np.max(np.where(live, cand, -np.inf)), cand)
+    else:
+        cand = np.ones_like(cand)
     if not np.all(np.isfinite(cand)) or np.any(cand <= 0):
         return None
     fmt = target.scale_format
