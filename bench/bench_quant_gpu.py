@@ -49,6 +49,7 @@ def _ceil_ue8m0(sf):
 
 
 def torch_group_fp8(x, g=128, ue8m0=False):
+    """DeepGEMM's recipe (deep_gemm/utils/math.py per_token_cast_to_fp8): x * (1 / sf)."""
     m, k = x.shape
     xv = x.view(m, k // g, g).float()
     amax = xv.abs().amax(dim=2).clamp(min=1e-4)
@@ -56,6 +57,16 @@ def torch_group_fp8(x, g=128, ue8m0=False):
     if ue8m0:
         sf = _ceil_ue8m0(sf)
     q = (xv * (1.0 / sf.unsqueeze(2))).clamp(-448, 448).to(torch.float8_e4m3fn).view(m, k)
+    return q, sf
+
+
+def torch_group_fp8_div(x, g=128):
+    """moeref's default preset: sf = amax / 448 (1 for a zero block), x / sf."""
+    m, k = x.shape
+    xv = x.view(m, k // g, g).float()
+    sf = xv.abs().amax(dim=2) / 448.0
+    sf = torch.where(sf == 0, torch.ones_like(sf), sf)
+    q = (xv / sf.unsqueeze(2)).clamp(-448, 448).to(torch.float8_e4m3fn).view(m, k)
     return q, sf
 
 
@@ -120,14 +131,14 @@ def torch_nvfp4(x):
 def torch_silu_group_fp8(x):
     n = x.shape[1] // 2
     a = torch.nn.functional.silu(x[:, :n].float()) * x[:, n:].float()
-    return torch_group_fp8(a)
+    return torch_group_fp8_div(a)
 
 
 def torch_swigluoai_group_fp8(x, alpha=1.702, limit=7.0):
     g = x[:, 0::2].float().clamp(max=limit)
     u = x[:, 1::2].float().clamp(-limit, limit)
     a = (u + 1) * g * torch.sigmoid(alpha * g)
-    return torch_group_fp8(a)
+    return torch_group_fp8_div(a)
 
 
 def torch_dequant_group(codes, sf):
@@ -169,8 +180,10 @@ def kernels():
     s_mx4 = mxfp4()
     s_nv = nvfp4()
     return {
-        "fp8_1x128_fp32": (x_in, lambda x: Q.quantize(x, s_g), bytes_q(1, 4, 128),
-                           lambda x: torch_group_fp8(x)),
+        "fp8_1x128_fp32 (default: x / s)": (x_in, lambda x: Q.quantize(x, s_g), bytes_q(1, 4, 128),
+                                            lambda x: torch_group_fp8_div(x)),
+        "fp8_1x128_fp32 (deepgemm: x * (1/s))": (x_in, lambda x: Q.quantize(x, s_dg32), bytes_q(1, 4, 128),
+                                                 lambda x: torch_group_fp8(x)),
         "fp8_1x128_ue8m0_packed (deepgemm)": (x_in, lambda x: Q.quantize(x, s_dg, scale_layout="packed_ue8m0"),
                                               bytes_q(1, 1, 128), lambda x: torch_group_fp8(x, ue8m0=True)),
         "fp8_1x128_fp32_mn_major (deepgemm)": (x_in, lambda x: Q.quantize(x, s_dg32, scale_layout="mn_major"),

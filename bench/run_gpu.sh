@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# One command for a GPU machine: the fast-path test suite on the GPU, then the benchmarks.
+# One command for a GPU machine: the whole test suite on the GPU (the `gpu` tests run for real,
+# the Hypothesis profile `gpu` draws more and larger examples), then the fast-path benchmarks.
 #
 #   bash bench/run_gpu.sh [OUTDIR]          # default OUTDIR: bench_out/
 #
 # Needs: a CUDA GPU, torch + triton 3.6, numpy, ml_dtypes, hypothesis, pytest (pytest-xdist used
-# when present). DeepGEMM is optional: if .gpu/deep_gemm/install.sh exists it is built (~70 s) so
-# that the cross-check against deep_gemm.utils runs (otherwise that test skips, saying why) and the
-# benchmark includes DeepGEMM's own quantizer as a baseline.
-# Environment: RUN_TESTS=0 / RUN_BENCH=0 skip a part; BENCH_ARGS adds benchmark flags (--quick ...).
+# when present), rich. DeepGEMM is optional: if .gpu/deep_gemm/install.sh exists it is built
+# (~70 s) so that the cross-check against deep_gemm.utils runs (otherwise that test skips, saying
+# why) and the benchmark includes DeepGEMM's own quantizer as a baseline.
+# Environment: RUN_TESTS=0 / RUN_BENCH=0 skip a part; TESTS picks test paths (default: all);
+# BENCH_ARGS adds quantization-benchmark flags (--quick ...).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR="${1:-bench_out}"
@@ -23,11 +25,14 @@ status=0
 if [ "${RUN_TESTS:-1}" = 1 ]; then
   xdist=""
   python3 -c 'import xdist' 2>/dev/null && xdist="-n ${PYTEST_WORKERS:-8}"
-  MOEREF_HYPOTHESIS_PROFILE=gpu python3 -m pytest property_tests/test_fastpath_quant.py -q -p no:randomly \
-    -p no:cacheprovider $xdist -rs 2>&1 | tee "$OUTDIR/gpu_tests.log"
+  # shellcheck disable=SC2086
+  MOEREF_HYPOTHESIS_PROFILE=gpu python3 -m pytest ${TESTS:-} -q -p no:cacheprovider $xdist -rs \
+    2>&1 | tee "$OUTDIR/gpu_tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "${RUN_BENCH:-1}" = 1 ]; then
-  python3 bench/bench_quant_gpu.py --out "$OUTDIR" --baselines ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/bench.log"
+  # shellcheck disable=SC2086
+  python3 bench/bench_quant_gpu.py --out "$OUTDIR" --baselines ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/bench_quant.log"
+  python3 bench/bench_dispatch_gpu.py --out "$OUTDIR" 2>&1 | tee "$OUTDIR/bench_dispatch.log"
 fi
 exit $status

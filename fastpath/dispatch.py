@@ -48,9 +48,8 @@ Contracts, sources and the meaning of every field: the reference modules
 * :func:`expert_counts` (int32 slots per local expert) has no reference function of that name: the
   reference is ``moeref.dispatch.group_slots(...).counts``.
 
-Registry: :func:`register_all` registers the reference and the Triton implementation of every
-operation in :data:`OPERATIONS` with :func:`fastpath.registry.register`; :func:`supports` is the
-Triton entries' predicate.
+Registry: :mod:`fastpath.registry` lists these operations (``DISPATCH_OPERATIONS``) with the
+reference and this module's implementation; :func:`supports` is the Triton entries' predicate.
 
 Proof: ``property_tests/test_fastpath_dispatch.py`` (Hypothesis routings incl. empty experts,
 all-to-one, EP maps, -1 padding; outputs poisoned before each run). Speed: ``bench/bench_dispatch_gpu.py``;
@@ -84,8 +83,6 @@ __all__ = [
     "moe_align_block_size",
     "moe_permute",
     "moe_unpermute",
-    "reference_supports",
-    "register_all",
     "supports",
     "to_batched",
     "to_contiguous",
@@ -806,17 +803,7 @@ def to_batched(hidden, topk_ids, num_experts: int, max_tokens_per_dispatcher: in
 # ----------------------------------------------------------------------------------------------
 # Registry (fastpath.registry): ``supports`` is what the registry's triton entries call
 # ----------------------------------------------------------------------------------------------
-OPERATIONS = (
-    "moe_align_block_size",
-    "expert_first_token_offset",
-    "moe_permute",
-    "moe_unpermute",
-    "to_contiguous",
-    "to_masked",
-    "to_batched",
-    "weight_and_reduce",
-)
-"""Operations of :mod:`moeref.dispatch` this module implements (same names, same signatures)."""
+from .registry import DISPATCH_OPERATIONS as OPERATIONS  # noqa: E402  (one list, in the registry)
 
 
 def supports(topk_ids=None, hidden=None, **_) -> tuple[bool, str]:
@@ -845,21 +832,3 @@ def supports(topk_ids=None, hidden=None, **_) -> tuple[bool, str]:
     return True, "ok"
 
 
-def reference_supports(**context) -> tuple[bool, str]:
-    """The references take host data: any CUDA tensor in ``context`` is a "no", with the reason."""
-    for name, v in context.items():
-        if torch.is_tensor(v) and v.device.type != "cpu":
-            return False, f"the reference takes host data (NumPy or CPU tensors); {name} is on {v.device}"
-    return True, "ok"
-
-
-def register_all(register) -> None:
-    """Register the reference and the Triton implementation of every operation in :data:`OPERATIONS`
-    with ``register(op, name, target, supports, description)`` (:func:`fastpath.registry.register`).
-    The registry's own built-in list should call this (or carry the same rows); importing this
-    module needs torch and triton."""
-    for op in OPERATIONS:
-        register(op, "reference", f"moeref.dispatch:{op}", reference_supports,
-                 "exact NumPy specification (moeref.dispatch, one stable sort)")
-        register(op, "triton", f"fastpath.dispatch:{op}", supports,
-                 "Triton counting sort (deterministic, reference order) + one-pass row kernels")

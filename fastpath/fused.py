@@ -1,9 +1,10 @@
 """Gated activation + FP8 group quantization in one kernel (``silu_and_mul`` / ``swigluoai`` -> 1xG).
 
 The MoE expert's first GEMM produces ``h[..., 2N]``; the second GEMM wants FP8 codes of
-``act(h)[..., N]`` with per-token-group scales (DeepGEMM / vLLM 1x128). Fusing saves writing and
-re-reading the activation (2N*2 bytes read, N + N/32 bytes written per row instead of 2N*2 + 2*N*2 +
-N*2 + ...). The kernel is :func:`fastpath.quant._quant_kernel` with ``ACT`` set: the tile loader
+``act(h)[..., N]`` with per-token-group scales (DeepGEMM / vLLM 1x128). Fusing saves writing the
+activation and reading it back: per row, 4N bytes of bf16 input are read and N code bytes plus
+the scales written, instead of an extra 2N-byte write and 2N-byte read of the bf16 activation.
+The kernel is :func:`fastpath.quant._quant_kernel` with ``ACT`` set: the tile loader
 computes the activation in float32 (:func:`fastpath.quant._activation`) and everything after is
 the group quantizer, so every preset/layout of :func:`fastpath.quant.quantize` is available.
 
@@ -132,12 +133,16 @@ def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme
     gb, gpp, bm = Q._tile(gs, block_m, groups_per_program, scale_layout, ng)
     dummy = _alloc(1, dtype=torch.float32, device=dev)
     grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp), B)
+    xk, pair, in16 = Q._pair_view(x3, act == "swigluoai")
+    if pair == 2:
+        pair = 0  # the generic swigluoai path loads gate/up with stride 2 on plain tiles
     Q._quant_kernel[grid](
-        x3, x3.stride(0), x3.stride(1), x3.stride(2), codes, codes.stride(0), codes.stride(1),
+        xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
         scales, scales.stride(0), ssm, ssg, dummy, dummy, dummy, dummy, M, N, ng, m_pad, ng_pad, 1,
         GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=Q._SF_LAYOUT[scale_layout], AMAX_SRC=0,
         STATIC=False, TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=True, ACT=_ACT[act],
-        ACT_ALPHA=float(alpha), ACT_LIMIT=float(limit), num_warps=num_warps or 4, **ce)
+        ACT_ALPHA=float(alpha), ACT_LIMIT=float(limit), PAIR=pair, IN16=in16,
+        num_warps=Q._warps(gb, gpp, bm, num_warps, Q._divides(ce)), **ce)
     if scale_layout == "row_major":
         scales = scales.reshape(Q._grid_of(shape, scheme))
     elif len(shape) <= 2:

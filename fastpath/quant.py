@@ -28,6 +28,14 @@ presets): the GPU suite checks that both give identical codes. NaN element codes
 modulo their sign bit: IEEE leaves the sign of a NaN produced by arithmetic unspecified (x86
 yields -NaN for 0 * Inf, CUDA +NaN; formats-semantics notes §4.2).
 
+Tiles: a program quantizes ``BLOCK_M`` rows x ``GPP`` groups (about 4096 elements). FP8 uses
+plain ``[BLOCK_M, GPP, GB]`` tiles. FP4 packs element pairs into bytes, and ``swigluoai`` reads
+interleaved (gate, up) pairs: for contiguous 16-bit input both read int32 words, one pair per
+word (16-byte loads, no shuffles; ``PAIR=1``); other inputs (float32, strided, odd K) take a
+generic ``[.., GB/2, 2]`` tile split on its last axis (``PAIR=2``). Per-tensor and NVFP4 first
+reduce the tensor amax (partial-amax kernel, one-program reduction), then quantize.
+Measured speeds and their limits: docs/fastpaths.md.
+
 Unsupported combinations (INT/FP6 elements, 2-D blocks, the ``signed_minmax`` and
 ``encode_decode_pair`` FP32 rules, groups wider than 32768) are refused by :func:`supports` with the
 reason; :func:`quantize` raises ``ValueError`` with it. Nothing falls back silently.
@@ -35,7 +43,6 @@ reason; :func:`quantize` raises ``ValueError`` with it. Nothing falls back silen
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,6 +85,7 @@ _E8M0_NONFINITE = {"nan": 0, "satfinite": 1, "clamp": 2}
 _NONFINITE = {"nan_block": 0, "ignore_nan": 1, "propagate": 2}
 _ZERO_BLOCK = {"rule": 0, "one": 1, "zero": 2}
 _APPLY = {"mul_recip": 0, "div": 1, "mul_encode": 2}
+_FP32_RULE = {"amax_over_max": 0, "te": 1, "amax_times_recip_max": 2}
 _ROUND = {"rne": 0, "ties_toward_zero": 1, "ties_away": 2}
 _SF_LAYOUT = {"row_major": 0, "mn_major": 0, "packed_ue8m0": 2, "swizzled_128x4": 3}
 # NVFP4 op orders (moeref.quant.nvfp4 options "order"): see _nvfp4_block_scale
@@ -103,18 +111,6 @@ def _pow2(e):
     """float32 2^e for integer e in [-149, 127] (int32 tensor), built from bits."""
     bits = tl.where(e >= -126, (e + 127) << 23, 1 << tl.maximum(e + 149, 0))
     return bits.to(tl.uint32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _amax_bits(x, NONFINITE: tl.constexpr):
-    """Block amax of a [BM, GPP, GB/2, 2] tile as float32 [BM, GPP], via an integer max of |x|'s
-    bits (non-negative floats order like their bits; NaN sorts above Inf, so NaN propagates unless
-    ignore_nan)."""
-    a = R.f32_bits(x) & 0x7FFFFFFF
-    if NONFINITE == 1:  # ignore_nan (TE fmaxf): NaN elements do not reach the amax
-        a = tl.where(a > 0x7F800000, 0, a)
-    m = tl.max(tl.max(a, axis=3), axis=2)
-    return m.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -202,6 +198,14 @@ def _block_scales(amax, ELEM_MAX: tl.constexpr, INV_M: tl.constexpr, EMAX: tl.co
             has_enc = False
         elif FP32_RULE == 0:  # amax_over_max
             dec = tl.math.div_rn(amax, tl.full(amax.shape, ELEM_MAX, tl.float32))
+            enc = dec
+            has_enc = False
+            if FP32_POW2:
+                pc = R.e8m0_from_f32(dec, R.E8M0_RCEIL)
+                pc = tl.where(dec != dec, 255, tl.minimum(pc, 254))
+                dec = R.e8m0_to_f32(pc)
+        elif FP32_RULE == 2:  # amax_times_recip_max: fl(a * fl(1/M)) (torch CUDA's a / 448.0)
+            dec = amax * INV_M
             enc = dec
             has_enc = False
             if FP32_POW2:
@@ -306,37 +310,142 @@ def _block_scales(amax, ELEM_MAX: tl.constexpr, INV_M: tl.constexpr, EMAX: tl.co
 
 
 @triton.jit
-def _activation(xb, k, stride_xk, N, mask, ACT: tl.constexpr, ALPHA: tl.constexpr,
+def _swiglu(g, u, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """gpt-oss SwiGLU in float32: ``(clip(u, -L, L) + 1) * min(g, L) * sigmoid(ALPHA * min(g, L))``;
+    NaN propagates through the clamps as NumPy's ``minimum``/``clip`` do."""
+    g = tl.minimum(g, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+    u = tl.minimum(tl.maximum(u, -LIMIT, propagate_nan=tl.PropagateNan.ALL), LIMIT,
+                   propagate_nan=tl.PropagateNan.ALL)
+    return (u + 1.0) * g * tl.sigmoid(ALPHA * g)
+
+
+@triton.jit
+def _activation(rp, k, stride_xk, N, mask, ACT: tl.constexpr, ALPHA: tl.constexpr,
                 LIMIT: tl.constexpr):
-    """Gated activation in float32 at output columns ``k`` of a row block whose input has 2N
-    columns (``k`` and ``mask`` are 4-D ``[BM, GPP, GB/2, 2]``-shaped, ``xb`` the row pointers).
+    """Gated activation in float32 at output columns ``k`` (any tile shape; ``rp`` the row
+    pointers broadcastable to it) of rows whose input has 2N columns.
 
     ACT 1: ``silu(gate) * up`` with gate = x[:, :N], up = x[:, N:] (vLLM ``SiluAndMul``,
     :func:`moeref.activations.silu_and_mul` layout "gate_up").
-    ACT 2: gpt-oss ``swigluoai``: gate = x[:, 0::2], up = x[:, 1::2], ``g = min(gate, LIMIT)``,
-    ``u = clip(up, -LIMIT, LIMIT)``, ``(u + 1) * g * sigmoid(ALPHA * g)``
-    (:func:`moeref.activations.swigluoai`, layout "interleaved"): the (gate, up) pairs are loaded
-    as one contiguous 5-D tile and split, so the loads stay 16-byte vectors. NaN propagates
-    through the clamps as NumPy's ``minimum``/``clip`` do.
+    ACT 2: gpt-oss ``swigluoai``: gate = x[:, 0::2], up = x[:, 1::2] (:func:`moeref.activations.swigluoai`,
+    layout "interleaved"); this generic path loads them with stride 2 (the fast path reads
+    16-bit pairs as int32 words, see ``PAIR``).
     """
     if ACT == 1:
-        g = tl.load(xb + k * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(xb + (k + N) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(rp + k * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(rp + (k + N) * stride_xk, mask=mask, other=0.0).to(tl.float32)
         out = g * tl.sigmoid(g) * u
     else:
-        t = tl.arange(0, 2)
-        kk = (2 * k)[:, :, :, :, None] + t[None, None, None, None, :]
-        gu = tl.load(xb[:, :, :, :, None] + kk * stride_xk, mask=mask[:, :, :, :, None],
-                     other=0.0).to(tl.float32)
-        g, u = tl.split(gu)
-        g = tl.minimum(g, LIMIT, propagate_nan=tl.PropagateNan.ALL)
-        u = tl.minimum(tl.maximum(u, -LIMIT, propagate_nan=tl.PropagateNan.ALL), LIMIT,
-                       propagate_nan=tl.PropagateNan.ALL)
-        out = (u + 1.0) * g * tl.sigmoid(ALPHA * g)
+        g = tl.load(rp + (2 * k) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(rp + (2 * k + 1) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        out = _swiglu(g, u, ALPHA, LIMIT)
     return out
 
 
 # ============================================================================ the kernel
+
+
+@triton.jit
+def _tile_scales(amax, rows, gidx, pid_b, s_ptr, stride_sb, stride_sm, stride_sg, static_ptr,
+                 genc_ptr, gdec_ptr, M, NG, M_PAD, NG_PAD,
+                 GPP: tl.constexpr, BLOCK_M: tl.constexpr, ELEM_MAX: tl.constexpr,
+                 INV_M: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
+                 SCALE_KIND: tl.constexpr, FP32_RULE: tl.constexpr, FP32_POW2: tl.constexpr,
+                 E8_RULE: tl.constexpr, E8_LO: tl.constexpr, E8_HI: tl.constexpr,
+                 E8_NF: tl.constexpr, AMAX_FLOOR: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+                 NONFINITE: tl.constexpr, APPLY: tl.constexpr, SF_LAYOUT: tl.constexpr,
+                 STATIC: tl.constexpr, TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr,
+                 WRITE_SCALES: tl.constexpr):
+    """Scales of a [BLOCK_M, GPP] grid of block amaxes: computes them (_block_scales), writes them
+    in the requested layout (padding included: rows < M_PAD, groups < NG_PAD get 0), and returns
+    (factor, nan_block) for the data."""
+    if STATIC:
+        static_dec = tl.load(static_ptr)
+    else:
+        static_dec = 0.0
+    if TWO_LEVEL:  # one global factor for the whole tensor (moeref: the tensor amax)
+        g_enc = tl.load(genc_ptr)
+        g_dec = tl.load(gdec_ptr)
+    else:
+        g_enc = 1.0
+        g_dec = 1.0
+    stored_f, stored_i, factor, nan_block = _block_scales(
+        amax, ELEM_MAX, INV_M, EMAX, MBITS, SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO,
+        E8_HI, E8_NF, AMAX_FLOOR, ZERO_BLOCK, NONFINITE, APPLY, STATIC, static_dec, g_enc, g_dec,
+        NV_ORDER)
+    if WRITE_SCALES:
+        valid = (rows < M)[:, None] & (gidx < NG)[None, :]
+        sb = s_ptr + pid_b.to(tl.int64) * stride_sb
+        if SCALE_KIND == 0:
+            sval = tl.where(valid, stored_f, 0.0)
+        else:
+            sval = tl.where(valid, stored_i, 0)
+        smask = (rows < M_PAD)[:, None] & (gidx < NG_PAD)[None, :]
+        if SF_LAYOUT == 0:  # strided: row-major or MN-major storage
+            off = rows[:, None] * stride_sm + gidx[None, :] * stride_sg
+            if SCALE_KIND == 0:
+                tl.store(sb + off, sval, mask=smask)
+            else:
+                tl.store(sb + off, sval.to(tl.uint8), mask=smask)
+        elif SF_LAYOUT == 2:  # packed UE8M0: word (row, g // 4), byte g % 4; MN-major words
+            w4 = tl.reshape(sval.to(tl.uint32), (BLOCK_M, GPP // 4, 4))
+            sh = (tl.arange(0, 4) * 8).to(tl.uint32)
+            words = tl.reduce(w4 << sh[None, None, :], 2, _or)
+            widx = tl.program_id(1) * (GPP // 4) + tl.arange(0, GPP // 4)
+            off = rows[:, None] * stride_sm + widx[None, :] * stride_sg
+            wmask = (rows < M_PAD)[:, None] & (widx < NG_PAD // 4)[None, :]
+            tl.store(sb + off, words.to(tl.int32, bitcast=True), mask=wmask)
+        else:  # 128x4 swizzle: (r//128)*(NG_PAD/4)*512 + (c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + c%4
+            r = rows[:, None]
+            c = gidx[None, :]
+            off = (r // 128) * (NG_PAD // 4) * 512 + (c // 4) * 512 + (r % 32) * 16 \
+                + ((r % 128) // 32) * 4 + (c % 4)
+            tl.store(sb + off, sval.to(tl.uint8), mask=smask)
+    return factor, nan_block
+
+
+@triton.jit
+def _scale_data(x, f, APPLY: tl.constexpr, SCALE_KIND: tl.constexpr):
+    """x / f (FP32 scales, "div": correctly rounded) or x * f (dividing by an E8M0 power of two
+    equals multiplying by its exact reciprocal: 2^-k is representable for every code and both
+    round the same exact value once)."""
+    if APPLY == 1 and SCALE_KIND == 0:
+        y = tl.math.div_rn(x, f + tl.zeros(x.shape, tl.float32))
+    else:
+        y = x * f
+    return y
+
+
+@triton.jit
+def _codes_of(y, nan_block, ELEM: tl.constexpr, SATURATE: tl.constexpr, ROUND: tl.constexpr,
+              NAN_CODE: tl.constexpr, HW_FP8: tl.constexpr, NONFINITE: tl.constexpr,
+              FILL_CODE: tl.constexpr, TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr,
+              DROP_NEG_ZERO: tl.constexpr):
+    """Element codes of scaled data, then the block policies (moeref.quant.blockwise step 6)."""
+    code = _encode_elem(y, ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8)
+    if NONFINITE == 0:
+        code = tl.where(nan_block, FILL_CODE, code)
+    if TWO_LEVEL:
+        if NV_ORDER == 0:  # TE cast_to_fp4x2: an exact zero product (-0.0 too) is code 0x0
+            code = tl.where(y == 0.0, 0, code)
+    if DROP_NEG_ZERO:
+        sign_mask: tl.constexpr = 0x8 if ELEM == 2 else 0x80
+        code = tl.where(code == sign_mask, 0, code)
+    return code
+
+
+@triton.jit
+def _unpack_pair(w, IN16: tl.constexpr):
+    """The two 16-bit floats of int32 words (little-endian: element 2i low), as float32.
+    IN16: 1 bfloat16, 2 float16."""
+    u = w.to(tl.uint32, bitcast=True)
+    if IN16 == 1:
+        lo = (u << 16).to(tl.float32, bitcast=True)
+        hi = (u & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        lo = (u & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (u >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
 
 
 @triton.jit
@@ -356,110 +465,148 @@ def _quant_kernel(
     HW_FP8: tl.constexpr, SF_LAYOUT: tl.constexpr, AMAX_SRC: tl.constexpr, STATIC: tl.constexpr,
     TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr, WRITE_SCALES: tl.constexpr,
     ACT: tl.constexpr, ACT_ALPHA: tl.constexpr, ACT_LIMIT: tl.constexpr,
+    PAIR: tl.constexpr, IN16: tl.constexpr,
 ):
-    """Quantize a [BLOCK_M, GPP * GS] tile of one matrix of x; see the module docstring.
+    """Quantize a [BLOCK_M, GPP groups of GS] tile of one matrix of x; see the module docstring.
 
-    AMAX_SRC: 0 = block amax from the tile (groups), 1 = per-scale amax read from ``amax_ptr``
-    (per-tensor: one amax per ROWS_PER_SCALE rows). ACT: 0 = x is the input; 1 = silu_and_mul
-    of a gate_up input [.., 2K]; 2 = swigluoai of an interleaved input [.., 2K] (fastpath.fused).
+    AMAX_SRC: 0 = block amax from the tile, 1 = per-scale amax read from ``amax_ptr`` (per-tensor:
+    one amax per ROWS_PER_SCALE rows). ACT: 0 = x is the input; 1 = silu_and_mul of a gate_up
+    input [.., 2K]; 2 = swigluoai of an interleaved input [.., 2K] (fastpath.fused).
+
+    PAIR picks how element pairs are read (FP4 packs pairs into a byte; swigluoai's (gate, up) are
+    adjacent): 0 = plain [BLOCK_M, GPP, GB] tiles (FP8); 1 = 16-bit input read as int32 words,
+    each word one pair (contiguous rows, even K: 16-byte loads, no shuffles); 2 = generic
+    [BLOCK_M, GPP, GB/2, 2] tiles split on the last axis (any strides, any K; slower).
     """
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
     pid_b = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     gidx = pid_g * GPP + tl.arange(0, GPP)
-    # the tile is [BLOCK_M, GPP, GB/2, 2]: element pairs on the last axis, so FP4 codes pack
-    # into bytes with a register-local split (no reshape)
-    jj = tl.arange(0, GB // 2)
-    tt = tl.arange(0, 2)
-    kin = 2 * jj[:, None] + tt[None, :]  # [GB/2, 2]
-    k = gidx[:, None, None] * GS + kin[None, :, :]  # [GPP, GB/2, 2]
-    kmask = (kin[None, :, :] < GS) & (k < K)
     rmask = rows < M
-    m4 = rmask[:, None, None, None] & kmask[None, :, :, :]
-    k4 = k[None, :, :, :]
-    xb = x_ptr + pid_b.to(tl.int64) * stride_xb + rows.to(tl.int64)[:, None, None, None] * stride_xm
-    if ACT == 0:
-        x = tl.load(xb + k4 * stride_xk, mask=m4, other=0.0).to(tl.float32)
-    else:
-        x = _activation(xb, k4 + tl.zeros(m4.shape, tl.int32), stride_xk, K, m4, ACT, ACT_ALPHA,
-                        ACT_LIMIT)
-    # ---- block scales
-    if AMAX_SRC == 0:
-        amax = _amax_bits(x, NONFINITE)  # [BLOCK_M, GPP]
-    else:
-        sidx = (pid_b * M + rows) // ROWS_PER_SCALE
-        amax1 = tl.load(amax_ptr + sidx, mask=rmask, other=0.0)
-        amax = tl.zeros((BLOCK_M, GPP), tl.float32) + amax1[:, None]
-    if STATIC:
-        static_dec = tl.load(static_ptr)
-    else:
-        static_dec = 0.0
-    if TWO_LEVEL:  # one global factor for the whole tensor (moeref: the tensor amax)
-        g_enc = tl.load(genc_ptr)
-        g_dec = tl.load(gdec_ptr)
-    else:
-        g_enc = 1.0
-        g_dec = 1.0
-    stored_f, stored_i, factor, nan_block = _block_scales(
-        amax, ELEM_MAX, INV_M, EMAX, MBITS, SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO,
-        E8_HI, E8_NF, AMAX_FLOOR, ZERO_BLOCK, NONFINITE, APPLY, STATIC, static_dec, g_enc, g_dec,
-        NV_ORDER)
-    # ---- scale the data and encode
-    f4 = factor[:, :, None, None]
-    if APPLY == 1 and SCALE_KIND == 0:
-        y = tl.math.div_rn(x, f4 + tl.zeros(x.shape, tl.float32))
-    else:  # (dividing by an E8M0 power of two = multiplying by its exact reciprocal)
-        y = x * f4
-    code = _encode_elem(y, ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8)
-    if NONFINITE == 0:
-        code = tl.where(nan_block[:, :, None, None], FILL_CODE, code)
-    if TWO_LEVEL:
-        if NV_ORDER == 0:  # TE cast_to_fp4x2: an exact zero product (-0.0 too) is code 0x0
-            code = tl.where(y == 0.0, 0, code)
-    if DROP_NEG_ZERO:
-        sign_mask: tl.constexpr = 0x8 if ELEM == 2 else 0x80
-        code = tl.where(code == sign_mask, 0, code)
-    # ---- store codes
-    cb = c_ptr + pid_b.to(tl.int64) * stride_cb + rows.to(tl.int64)[:, None, None] * stride_cm
-    if ELEM == 2:
-        code = tl.where(m4, code, 0)  # the nibble padding an odd K is a +0 code
-        lo, hi = tl.split(code)
-        byte = (lo | (hi << 4)).to(tl.uint8)
-        kp = gidx[:, None] * (GS // 2) + jj[None, :]  # [GPP, GB/2]
-        pm = (jj[None, :] < (GS + 1) // 2) & (kp < (K + 1) // 2)
-        tl.store(cb + kp[None, :, :], byte, mask=rmask[:, None, None] & pm[None, :, :])
-    else:
-        tl.store(cb[:, :, :, None] + k4, code.to(tl.uint8), mask=m4)
-    # ---- store scales (padding included: rows < M_PAD, groups < NG_PAD)
-    if WRITE_SCALES:
-        valid = (rows < M)[:, None] & (gidx < NG)[None, :]
-        sb = s_ptr + pid_b.to(tl.int64) * stride_sb
-        if SCALE_KIND == 0:
-            sval = tl.where(valid, stored_f, 0.0)
+    xb = x_ptr + pid_b.to(tl.int64) * stride_xb
+    cb = c_ptr + pid_b.to(tl.int64) * stride_cb
+    if PAIR == 1 and ELEM == 2 and ACT == 0:
+        # ---- FP4 from 16-bit words: word w of a row = elements (2w, 2w+1) = output byte w
+        jw = tl.arange(0, GB // 2)
+        w = gidx[:, None] * (GS // 2) + jw[None, :]  # [GPP, GB/2]
+        wm = (jw[None, :] < GS // 2) & (w < K // 2)
+        m3 = rmask[:, None, None] & wm[None, :, :]
+        words = tl.load(xb + rows.to(tl.int64)[:, None, None] * stride_xm + w[None, :, :] * stride_xk,
+                        mask=m3, other=0)
+        xe, xo = _unpack_pair(words, IN16)
+        if AMAX_SRC == 0:
+            amax = _amax_pair(xe, xo, NONFINITE)
         else:
-            sval = tl.where(valid, stored_i, 0)
-        smask = (rows < M_PAD)[:, None] & (gidx < NG_PAD)[None, :]
-        if SF_LAYOUT == 0:  # strided: row-major or MN-major storage
-            off = rows[:, None] * stride_sm + gidx[None, :] * stride_sg
-            if SCALE_KIND == 0:
-                tl.store(sb + off, sval, mask=smask)
-            else:
-                tl.store(sb + off, sval.to(tl.uint8), mask=smask)
-        elif SF_LAYOUT == 2:  # packed UE8M0: word (row, g // 4), byte g % 4; MN-major words
-            w4 = tl.reshape(sval.to(tl.uint32), (BLOCK_M, GPP // 4, 4))
-            sh = (tl.arange(0, 4) * 8).to(tl.uint32)
-            words = tl.reduce(w4 << sh[None, None, :], 2, _or)
-            widx = pid_g * (GPP // 4) + tl.arange(0, GPP // 4)
-            off = rows[:, None] * stride_sm + widx[None, :] * stride_sg
-            wmask = (rows < M_PAD)[:, None] & (widx < NG_PAD // 4)[None, :]
-            tl.store(sb + off, words.to(tl.int32, bitcast=True), mask=wmask)
-        else:  # 128x4 swizzle: (r//128)*(NG_PAD/4)*512 + (c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + c%4
-            r = rows[:, None]
-            c = gidx[None, :]
-            off = (r // 128) * (NG_PAD // 4) * 512 + (c // 4) * 512 + (r % 32) * 16 \
-                + ((r % 128) // 32) * 4 + (c % 4)
-            tl.store(sb + off, sval.to(tl.uint8), mask=smask)
+            amax = _amax_loaded(amax_ptr, pid_b, M, rows, rmask, ROWS_PER_SCALE, GPP, BLOCK_M)
+        factor, nan_block = _tile_scales(
+            amax, rows, gidx, pid_b, s_ptr, stride_sb, stride_sm, stride_sg, static_ptr, genc_ptr,
+            gdec_ptr, M, NG, M_PAD, NG_PAD, GPP, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
+            SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO, E8_HI, E8_NF, AMAX_FLOOR,
+            ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, STATIC, TWO_LEVEL, NV_ORDER, WRITE_SCALES)
+        f3 = factor[:, :, None]
+        nb3 = nan_block[:, :, None]
+        ce = _codes_of(_scale_data(xe, f3, APPLY, SCALE_KIND), nb3, ELEM, SATURATE, ROUND,
+                       NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO)
+        co = _codes_of(_scale_data(xo, f3, APPLY, SCALE_KIND), nb3, ELEM, SATURATE, ROUND,
+                       NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO)
+        byte = (ce | (co << 4)).to(tl.uint8)
+        tl.store(cb + rows.to(tl.int64)[:, None, None] * stride_cm + w[None, :, :], byte, mask=m3)
+    elif PAIR == 2 and ELEM == 2:
+        # ---- FP4, generic strides: [BM, GPP, GB/2, 2] tile split into the pair halves
+        jj = tl.arange(0, GB // 2)
+        tt = tl.arange(0, 2)
+        kin = 2 * jj[:, None] + tt[None, :]  # [GB/2, 2]
+        k = gidx[:, None, None] * GS + kin[None, :, :]
+        kmask = (kin[None, :, :] < GS) & (k < K)
+        m4 = rmask[:, None, None, None] & kmask[None, :, :, :]
+        x = tl.load(xb + rows.to(tl.int64)[:, None, None, None] * stride_xm + k[None, :, :, :] * stride_xk,
+                    mask=m4, other=0.0).to(tl.float32)
+        xe, xo = tl.split(x)
+        me, mo = tl.split(m4)
+        if AMAX_SRC == 0:
+            amax = _amax_pair(xe, xo, NONFINITE)
+        else:
+            amax = _amax_loaded(amax_ptr, pid_b, M, rows, rmask, ROWS_PER_SCALE, GPP, BLOCK_M)
+        factor, nan_block = _tile_scales(
+            amax, rows, gidx, pid_b, s_ptr, stride_sb, stride_sm, stride_sg, static_ptr, genc_ptr,
+            gdec_ptr, M, NG, M_PAD, NG_PAD, GPP, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
+            SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO, E8_HI, E8_NF, AMAX_FLOOR,
+            ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, STATIC, TWO_LEVEL, NV_ORDER, WRITE_SCALES)
+        f3 = factor[:, :, None]
+        nb3 = nan_block[:, :, None]
+        ce = _codes_of(_scale_data(xe, f3, APPLY, SCALE_KIND), nb3, ELEM, SATURATE, ROUND,
+                       NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO)
+        co = _codes_of(_scale_data(xo, f3, APPLY, SCALE_KIND), nb3, ELEM, SATURATE, ROUND,
+                       NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO)
+        ce = tl.where(me, ce, 0)
+        co = tl.where(mo, co, 0)  # the nibble padding an odd K is a +0 code
+        byte = (ce | (co << 4)).to(tl.uint8)
+        kp = gidx[:, None] * (GS // 2) + jj[None, :]
+        pm = (jj[None, :] < (GS + 1) // 2) & (kp < (K + 1) // 2)
+        tl.store(cb + rows.to(tl.int64)[:, None, None] * stride_cm + kp[None, :, :], byte,
+                 mask=rmask[:, None, None] & pm[None, :, :])
+    else:
+        # ---- FP8 codes, one per byte: a [BM, GPP, GB] tile
+        kin = tl.arange(0, GB)
+        k = gidx[:, None] * GS + kin[None, :]  # [GPP, GB]
+        kmask = (kin[None, :] < GS) & (k < K)
+        m3 = rmask[:, None, None] & kmask[None, :, :]
+        rp = xb + rows.to(tl.int64)[:, None, None] * stride_xm
+        k3 = k[None, :, :]
+        if ACT == 0:
+            x = tl.load(rp + k3 * stride_xk, mask=m3, other=0.0).to(tl.float32)
+        elif ACT == 1:
+            x = _activation(rp, k3, stride_xk, K, m3, ACT, ACT_ALPHA, ACT_LIMIT)
+        elif PAIR == 1:  # swigluoai from int32 words: word k = (gate_k, up_k)
+            words = tl.load(rp + k3 * stride_xk, mask=m3, other=0)
+            g, u = _unpack_pair(words, IN16)
+            x = _swiglu(g, u, ACT_ALPHA, ACT_LIMIT)
+        else:
+            x = _activation(rp, k3, stride_xk, K, m3, ACT, ACT_ALPHA, ACT_LIMIT)
+        if AMAX_SRC == 0:
+            amax = _amax3(x, NONFINITE)
+        else:
+            amax = _amax_loaded(amax_ptr, pid_b, M, rows, rmask, ROWS_PER_SCALE, GPP, BLOCK_M)
+        factor, nan_block = _tile_scales(
+            amax, rows, gidx, pid_b, s_ptr, stride_sb, stride_sm, stride_sg, static_ptr, genc_ptr,
+            gdec_ptr, M, NG, M_PAD, NG_PAD, GPP, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
+            SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO, E8_HI, E8_NF, AMAX_FLOOR,
+            ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, STATIC, TWO_LEVEL, NV_ORDER, WRITE_SCALES)
+        y = _scale_data(x, factor[:, :, None], APPLY, SCALE_KIND)
+        code = _codes_of(y, nan_block[:, :, None], ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8,
+                         NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO)
+        tl.store(cb + rows.to(tl.int64)[:, None, None] * stride_cm + k3, code.to(tl.uint8), mask=m3)
+
+
+@triton.jit
+def _amax3_bits(x, NONFINITE: tl.constexpr):
+    """Block amax over the last axis of a [BM, GPP, G] tile as uint32 bits [BM, GPP]: an integer
+    max of |x|'s bits (non-negative floats order like their bits; NaN sorts above Inf, so NaN
+    propagates unless ignore_nan, TE's fmaxf). Combine partial amaxes in this integer domain:
+    a float ``max`` would drop NaN on the GPU (max.f32 is maxNum)."""
+    a = R.f32_bits(x) & 0x7FFFFFFF
+    if NONFINITE == 1:
+        a = tl.where(a > 0x7F800000, 0, a)
+    return tl.max(a, axis=2)
+
+
+@triton.jit
+def _amax3(x, NONFINITE: tl.constexpr):
+    return _amax3_bits(x, NONFINITE).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _amax_pair(xe, xo, NONFINITE: tl.constexpr):
+    return tl.maximum(_amax3_bits(xe, NONFINITE), _amax3_bits(xo, NONFINITE)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _amax_loaded(amax_ptr, pid_b, M, rows, rmask, ROWS_PER_SCALE, GPP: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    sidx = (pid_b * M + rows) // ROWS_PER_SCALE
+    amax1 = tl.load(amax_ptr + sidx, mask=rmask, other=0.0)
+    return tl.zeros((BLOCK_M, GPP), tl.float32) + amax1[:, None]
 
 
 @triton.jit
@@ -648,7 +795,7 @@ def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_majo
     if kind is None:
         return False, f"block {scheme.block} has no Triton kernel (per-tensor, per-token and 1xG only)"
     p = scheme.preset
-    if scheme.scale_format == "fp32" and p.fp32_rule not in ("amax_over_max", "te"):
+    if scheme.scale_format == "fp32" and p.fp32_rule not in _FP32_RULE:
         return False, f"fp32_rule {p.fp32_rule!r} has no Triton kernel"
     if p.element_max is not None and p.element_max != _ELEM_MAX[scheme.element]:
         return False, "element_max override has no Triton kernel"
@@ -725,7 +872,7 @@ def _constexprs(scheme: Scheme, hw_fp8: bool) -> dict:
     return dict(
         ELEM=_ELEM[el], ELEM_MAX=M, INV_M=_f32(1.0 / M), EMAX=_ELEM_EMAX[el],
         MBITS=_ELEM_MBITS[el], SCALE_KIND=_SCALE_KIND[scheme.scale_format],
-        FP32_RULE=0 if p.fp32_rule == "amax_over_max" else 1, FP32_POW2=bool(p.fp32_pow2),
+        FP32_RULE=_FP32_RULE.get(p.fp32_rule, 0), FP32_POW2=bool(p.fp32_pow2),
         E8_RULE=_E8M0_RULE[p.e8m0_rule], E8_LO=int(p.e8m0_clamp[0]), E8_HI=int(p.e8m0_clamp[1]),
         E8_NF=_E8M0_NONFINITE[p.e8m0_nonfinite], AMAX_FLOOR=_f32(p.amax_floor),
         ZERO_BLOCK=_ZERO_BLOCK[p.zero_block], NONFINITE=_NONFINITE[p.nonfinite],
@@ -749,11 +896,32 @@ def _tile(gs: int, block_m: int | None, gpp: int | None, layout: str, ng: int):
     return gb, gpp, block_m
 
 
-def _warps(gb: int, gpp: int, bm: int, num_warps: int | None) -> int:
+def _divides(ce: dict) -> bool:
+    return ce["APPLY"] == 1 and ce["SCALE_KIND"] == 0
+
+
+def _pair_view(x3: torch.Tensor, want_pairs: bool):
+    """(tensor to pass, PAIR, IN16): int32 words of 16-bit pairs when possible (PAIR 1), else the
+    generic split tile (PAIR 2) where pairs are needed, else plain tiles (PAIR 0)."""
+    if not want_pairs:
+        return x3, 0, 0
+    ok = (x3.dtype in (torch.bfloat16, torch.float16) and x3.stride(2) == 1 and x3.shape[2] % 2 == 0
+          and x3.stride(1) % 2 == 0 and x3.stride(0) % 2 == 0 and x3.data_ptr() % 4 == 0)
+    if ok:
+        return x3.view(torch.int32), 1, 1 if x3.dtype == torch.bfloat16 else 2
+    return x3, 2, 0
+
+
+def _warps(gb: int, gpp: int, bm: int, num_warps: int | None, divides: bool = True) -> int:
+    """Warps per program: measured on an H200 (bench --tune, 2026-11-21), 4096-element tiles run
+    best with 2 warps when the data are multiplied by the scale, 4 when they are divided
+    (div.rn.f32 needs the latency hiding); larger tiles get more."""
     if num_warps:
         return num_warps
     n = gb * gpp * bm
-    return 4 if n <= 4096 else (8 if n <= 8192 else 16)
+    if n <= 4096:
+        return 4 if divides else 2
+    return 8 if n <= 8192 else 16
 
 
 def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major", scale=None,
@@ -822,12 +990,14 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         ng = triton.cdiv(K, gs)
         gb, gpp, bm = _tile(gs, block_m, groups_per_program, "row_major", ng)
         grid = (triton.cdiv(M, bm), triton.cdiv(ng, gpp), B)
+        xk, pair, in16 = _pair_view(x3, packed)
         _quant_kernel[grid](
-            x3, x3.stride(0), x3.stride(1), x3.stride(2), codes, codes.stride(0), codes.stride(1),
+            xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
             dummy, 0, 0, 0, amax, static_t, dummy, dummy, M, K, ng, M, ng, M,
             GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=0, AMAX_SRC=1, STATIC=static is not None,
             TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=False, ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0,
-            num_warps=_warps(gb, gpp, bm, num_warps), **ce)
+            PAIR=pair, IN16=in16,
+            num_warps=_warps(gb, gpp, bm, num_warps, _divides(ce)), **ce)
         out_codes = codes.reshape(shape[:-1] + (cshape[-1],))
         return FastQuantized(out_codes, scales.reshape(_grid_of(shape, scheme)), "row_major", scheme, shape)
 
@@ -864,12 +1034,14 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
     else:
         order = 0
     grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp), B)
+    xk, pair, in16 = _pair_view(x3, packed)
     _quant_kernel[grid](
-        x3, x3.stride(0), x3.stride(1), x3.stride(2), codes, codes.stride(0), codes.stride(1),
+        xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
         scales, ssb, ssm, ssg, dummy, static_t, genc, gdec, M, K, ng, m_pad, ng_pad, 1,
         GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=_SF_LAYOUT[scale_layout], AMAX_SRC=0,
         STATIC=static is not None, TWO_LEVEL=two_level, NV_ORDER=order, WRITE_SCALES=True,
-        ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0, num_warps=_warps(gb, gpp, bm, num_warps), **ce)
+        ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0, PAIR=pair, IN16=in16,
+        num_warps=_warps(gb, gpp, bm, num_warps, _divides(ce)), **ce)
     lead = shape[:-2] if len(shape) >= 2 else ()
     out_codes = codes.reshape(shape[:-1] + (cshape[-1],))
     if scale_layout == "row_major":

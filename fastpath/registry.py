@@ -145,11 +145,27 @@ def available(op: str | None = None, **context) -> list[Availability]:
 
 
 def _reference_supports(**context) -> tuple[bool, str]:
-    """The NumPy references run everywhere on host data; a CUDA tensor must be copied first."""
-    x = context.get("x")
-    if x is not None and getattr(getattr(x, "device", None), "type", "cpu") != "cpu":
-        return False, "the reference takes host data (NumPy or a CPU tensor); call x.cpu() first"
+    """The NumPy references run everywhere on host data; a device tensor must be copied first."""
+    for name, v in context.items():
+        device = getattr(getattr(v, "device", None), "type", "cpu")
+        if device != "cpu":
+            return False, (f"the reference takes host data (NumPy or CPU tensors); {name} is on "
+                           f"{device}: call .cpu() first")
     return True, "ok"
+
+
+DISPATCH_OPERATIONS = (
+    "moe_align_block_size",
+    "expert_first_token_offset",
+    "moe_permute",
+    "moe_unpermute",
+    "to_contiguous",
+    "to_masked",
+    "to_batched",
+    "weight_and_reduce",
+)
+"""Operations of :mod:`moeref.dispatch` that :mod:`fastpath.dispatch` implements (same names and
+signatures)."""
 
 
 def _triton_supports(module: str, attr: str = "supports"):
@@ -188,6 +204,11 @@ def _ensure_loaded() -> None:
              "exact float64 product, rounded once")
     register("dequantize", "triton", "fastpath.quant:dequantize", _dequant_supports,
              "Triton kernel: exact product as a float32 pair, integer RNE to the output dtype")
+    for op in DISPATCH_OPERATIONS:
+        register(op, "reference", f"moeref.dispatch:{op}", _reference_supports,
+                 "exact NumPy specification (moeref.dispatch, one stable sort)")
+        register(op, "triton", f"fastpath.dispatch:{op}", _triton_supports("fastpath.dispatch"),
+                 "Triton counting sort (deterministic, reference order) + one-pass row kernels")
     for op in ("silu_and_mul_quant_fp8", "swigluoai_quant_fp8"):
         register(op, "reference", f"fastpath.fused:reference_{op}", _reference_supports,
                  "moeref.activations (float64) then moeref.quant.quantize")

@@ -452,16 +452,16 @@ def test_production_shapes_equal_reference(m, e, k, ep):
 # ----------------------------------------------------------------------------------------------
 # Registry hooks
 # ----------------------------------------------------------------------------------------------
-def test_register_all_and_supports():
-    rows = []
-    fast.register_all(lambda op, name, target, sup, desc="": rows.append((op, name, target, sup)))
-    assert {(op, name) for op, name, _, _ in rows} == {(op, n) for op in fast.OPERATIONS for n in ("reference", "triton")}
-    for op, name, target, sup in rows:
-        module, attr = target.split(":")
-        assert callable(getattr(__import__(module, fromlist=[attr]), attr)), target
+def test_registry_lists_dispatch_and_supports():
+    from fastpath import registry
+    for op in fast.OPERATIONS:
+        assert set(registry.implementations(op)) >= {"reference", "triton"}
+        for name in ("reference", "triton"):
+            assert callable(registry.get_implementation(op, name)), (op, name)
     ok, reason = fast.supports(topk_ids=torch.zeros((2, 2), dtype=torch.int32, device=DEVICE))
     assert ok, reason
     ok, reason = fast.supports(topk_ids=torch.zeros((2, 2), dtype=torch.float32, device=DEVICE))
     assert not ok and "int32/int64" in reason
-    ok, reason = fast.reference_supports(topk_ids=torch.zeros((2, 2), dtype=torch.int32, device="meta"))
-    assert not ok and "host data" in reason
+    meta = torch.zeros((2, 2), dtype=torch.int32, device="meta")
+    with pytest.raises(Exception, match="host data"):
+        registry.get_implementation("moe_permute", "reference", topk_ids=meta)

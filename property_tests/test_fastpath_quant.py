@@ -150,6 +150,8 @@ SCHEMES = [
     (lambda: fp8_group(128), ("row_major", "mn_major"), "all"),
     (lambda: fp8_group(128, "ue8m0", "deepgemm"), ("row_major", "mn_major", "packed_ue8m0"), "all"),
     (lambda: fp8_group(128, "fp32", "deepgemm"), ("row_major", "mn_major"), "all"),
+    (lambda: fp8_group(128, "fp32", "deepgemm_cuda"), ("row_major", "mn_major"), "all"),
+    (lambda: fp8_group(128, "ue8m0", "deepgemm_cuda"), ("row_major", "packed_ue8m0"), "all"),
     (lambda: fp8_group(128, "ue8m0", "vllm"), ("row_major", "packed_ue8m0"), "all"),
     (lambda: fp8_group(64, "fp32", "te_fp8_block"), ("row_major",), "all"),
     (lambda: fp8_group(32, "fp32", "te_fp8", element="e5m2"), ("row_major", "mn_major"), "all"),
@@ -480,7 +482,7 @@ def test_registry_lists_and_refuses_with_reason():
 def test_gpu_hardware_fp8_cast_equals_integer_rounding():
     """On the GPU the default FP8 path uses cvt.rn.satfinite; it must equal the integer path."""
     x = _probe_values()
-    xt = to_device(x.reshape(-1, 256)[: (x.size // 256)])
+    xt = to_device(x[: (x.size // 256) * 256].reshape(-1, 256))
     for scheme in (fp8_group(128), fp8_group(128, "ue8m0", "deepgemm"), mxfp8("e5m2")):
         a = Q.quantize(xt, scheme, hw_fp8=True)
         b = Q.quantize(xt, scheme, hw_fp8=False)
@@ -502,29 +504,46 @@ def test_gpu_large_shapes(M, K):
 
 @pytest.mark.gpu
 def test_gpu_deep_gemm_agrees():
-    """DeepGEMM's own torch quantizer and layout helpers give the same bytes (deepgemm preset)."""
+    """DeepGEMM's own torch quantizer and layout helpers against the kernels and the reference.
+
+    On CUDA, PyTorch computes DeepGEMM's ``x_amax / 448.0`` (a CPU-scalar divisor) as
+    ``x_amax * fl(1/448)`` (ATen ``BinaryDivTrueKernel.cu``: "compute a * reciprocal(b)"), so
+    DeepGEMM on a GPU is reproduced by the ``deepgemm_cuda`` preset (the ``deepgemm`` preset is the
+    same code run by torch on the CPU, which divides). Pinned here, bit for bit: DeepGEMM's scales
+    and codes equal both our kernel's and the CPU reference's under ``deepgemm_cuda``, for FP32
+    and UE8M0 scales; and DeepGEMM's layout helpers lay its scales out exactly as the
+    moeref.layouts functions do (the layouts our kernels are proven against).
+    """
     try:
         import deep_gemm as dg
     except Exception as e:  # say why: not installed, or a broken build
         pytest.skip(f"deep_gemm not importable ({type(e).__name__}: {e}); bench/run_gpu.sh builds it")
+    from moeref._interop import to_numpy
+    from moeref.quant import quantize as ref_quantize
     rng = np.random.default_rng(7)
     for M, K in [(300, 7168), (7, 512), (128, 4096)]:
         xn = (rng.standard_normal((M, K)) * np.exp2(rng.uniform(-6, 6, (M, 1)))).astype(ml_dtypes.bfloat16)
         x = to_device(xn)
         for ue8m0 in (False, True):
-            scheme = fp8_group(128, "ue8m0" if ue8m0 else "fp32", "deepgemm")
+            scheme = fp8_group(128, "ue8m0" if ue8m0 else "fp32", "deepgemm_cuda")
             q_dg, sf_dg = dg.utils.per_token_cast_to_fp8(x, use_ue8m0=ue8m0, gran_k=128)
             ours = Q.quantize(x, scheme)
+            ours_sf = ((ours.scales.to(torch.int32) << 23).view(torch.float32) if ue8m0 else ours.scales)
+            assert torch.equal(ours_sf.view(torch.int32), sf_dg.view(torch.int32))
             assert torch.equal(q_dg.view(torch.uint8), ours.codes)
+            ref = ref_quantize(xn, scheme)
+            ref_sf = (ref.scales.astype(np.int32) << 23).view(np.float32) if ue8m0 else ref.scales
+            assert np.array_equal(to_numpy(sf_dg.cpu()).view(np.int32), np.asarray(ref_sf).view(np.int32))
+            assert np.array_equal(to_numpy(q_dg.cpu()).view(np.uint8), ref.codes)
+            # layouts: DeepGEMM's helpers vs the moeref.layouts functions, on DeepGEMM's scales
+            sf_host = to_numpy(sf_dg.cpu())
             if ue8m0:
-                codes = ((sf_dg.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-                assert torch.equal(codes, ours.scales)
-                assert torch.equal(dg.utils.ceil_to_ue8m0(sf_dg).view(torch.int32), sf_dg.view(torch.int32))
                 packed = dg.utils.get_mn_major_tma_aligned_packed_ue8m0_tensor(sf_dg)
-                ours_p = Q.quantize(x, scheme, scale_layout="packed_ue8m0")
-                assert torch.equal(packed, ours_p.scales.transpose(0, 1)[:M])
+                want = layouts.pack_ue8m0(sf_host)
+                assert tuple(packed.stride()) == tuple(st // 4 for st in want.strides)  # (1, align(M, 4))
+                assert np.array_equal(to_numpy(packed.cpu()), want)
             else:
-                assert torch.equal(sf_dg.view(torch.int32), ours.scales.view(torch.int32))
                 mn = dg.utils.get_mn_major_tma_aligned_tensor(sf_dg)
-                ours_m = Q.quantize(x, scheme, scale_layout="mn_major")
-                assert torch.equal(mn.view(torch.int32), ours_m.scales.transpose(0, 1)[:M].view(torch.int32))
+                want = layouts.to_mn_major_tma_aligned(sf_host)
+                assert tuple(mn.stride()) == tuple(st // 4 for st in want.strides)
+                assert np.array_equal(to_numpy(mn.cpu()).view(np.uint32), want.view(np.uint32))

@@ -36,14 +36,17 @@ def deepgemm_ceil_to_ue8m0(x: torch.Tensor) -> torch.Tensor:
     return (exp.clamp(1, 254) << 23).view(torch.float)
 
 
-def deepgemm_per_token_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool, gran_k: int = 128):
+def deepgemm_per_token_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool, gran_k: int = 128,
+                                   cuda_division: bool = False):
+    """``cuda_division``: compute ``amax / 448.0`` as torch does on a CUDA tensor, where ATen
+    divides by a CPU scalar through its float32 reciprocal (``BinaryDivTrueKernel.cu``)."""
     m, n = x.shape
     pn = _align(n, gran_k)
     xp = torch.zeros((m, pn), dtype=x.dtype)
     xp[:, :n] = x
     xv = xp.view(m, pn // gran_k, gran_k)
     amax = xv.abs().float().amax(dim=2).view(m, pn // gran_k).clamp(1e-4)
-    sf = amax / 448.0
+    sf = amax * torch.tensor(1.0 / 448.0, dtype=torch.float32) if cuda_division else amax / 448.0
     sf = deepgemm_ceil_to_ue8m0(sf) if use_ue8m0 else sf
     q = (xv * (1.0 / sf.unsqueeze(2))).to(torch.float8_e4m3fn).view(m, pn)[:, :n]
     return _fp8_codes(q), sf.numpy()

@@ -52,6 +52,22 @@ def test_deepgemm_per_token_cast_bitwise(dtype, ue8m0, n):
 @needs_sat
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ue8m0", [False, True])
+def test_deepgemm_cuda_preset_reproduces_gpu_division(dtype, ue8m0):
+    """``deepgemm_cuda``: DeepGEMM's utils as they run on a CUDA tensor (amax * fl(1/448)); the
+    FP32 scales differ from the CPU run's (``deepgemm``) in some groups, by one ulp."""
+    x = _special_matrix(64, 1024, 5, dtype)
+    codes, sf = O.deepgemm_per_token_cast_to_fp8(x, ue8m0, 128, cuda_division=True)
+    q = quantize(x, fp8_group(128, "ue8m0" if ue8m0 else "fp32", "deepgemm_cuda"))
+    assert np.array_equal(q.codes, codes)
+    assert np.array_equal(q.scale_values().astype(np.float32), sf)
+    if not ue8m0:
+        cpu = quantize(x, fp8_group(128, "fp32", "deepgemm"))
+        assert not np.array_equal(cpu.scales, q.scales)  # the two runs of DeepGEMM really differ
+
+
+@needs_sat
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ue8m0", [False, True])
 @pytest.mark.parametrize("shape", [(256, 256), (130, 200), (64, 64)])
 def test_deepgemm_per_block_cast_bitwise(dtype, ue8m0, shape):
     x = _special_matrix(*shape, seed=shape[1], dtype=dtype)

@@ -111,6 +111,9 @@ def fp32_scales(amax: np.ndarray, ctx: RuleContext) -> ScaleResult:
         if p.fp32_rule == "amax_over_max":
             dec = (a / M).astype(np.float32)
             enc = None
+        elif p.fp32_rule == "amax_times_recip_max":
+            dec = (a.astype(np.float32) * np.float32(1.0 / np.float32(M))).astype(np.float32)
+            enc = None
         elif p.fp32_rule == "signed_minmax":
             qmax = w.type(ctx.element.max_finite)
             qmin = w.type(ctx.element.min_value)

@@ -49,7 +49,7 @@ __all__ = [
     "SCALE_FORMATS",
 ]
 
-FP32_RULES = ("amax_over_max", "te", "encode_decode_pair", "signed_minmax")
+FP32_RULES = ("amax_over_max", "amax_times_recip_max", "te", "encode_decode_pair", "signed_minmax")
 E8M0_RULES = ("floor", "ceil", "even", "rceil", "ceil_div")
 E8M0_NONFINITE = ("nan", "satfinite", "clamp")
 NONFINITE_POLICIES = ("nan_block", "ignore_nan", "propagate")
@@ -72,6 +72,10 @@ class Preset:
 
             ``"amax_over_max"``  decode scale ``s = fl(a / M)`` (DeepGEMM, vLLM); the data are
                                  then scaled by ``apply``.
+            ``"amax_times_recip_max"``  ``s = fl(a * fl(1/M))``: what ``amax / 448.0`` computes in
+                                 torch on CUDA, where ATen's true division by a CPU scalar
+                                 multiplies by the scalar's reciprocal (``BinaryDivTrueKernel.cu``);
+                                 so DeepGEMM's utils give different scales on GPU than on CPU.
             ``"te"``             TransformerEngine ``compute_scale_from_amax``: encode
                                  ``e = fl(M / a)``, ``e = FLT_MAX`` if that overflows, ``e = 1``
                                  if ``a == 0`` or ``a`` is Inf; ``fp32_pow2`` rounds ``e`` DOWN
@@ -258,6 +262,15 @@ for _p in (
         e8m0_rule="ceil_div", e8m0_clamp=(1, 254), e8m0_nonfinite="clamp", amax_floor=1e-4,
         nonfinite="propagate", apply="mul_recip", fp4_rounding="ties_toward_zero",
         fp4_signed_zero="drop", nan_code=0,
+    ),
+    Preset(
+        "deepgemm_cuda",
+        "DeepGEMM deep_gemm/utils/math.py as it runs on a CUDA tensor: torch computes amax / 448.0 "
+        "as amax * fl(1/448) there (ATen divides by a CPU scalar through its reciprocal), so "
+        "sf = fl(amax * fl(1/M)) and ceil_to_ue8m0 of it is RCEIL; otherwise as 'deepgemm'.",
+        fp32_rule="amax_times_recip_max", e8m0_rule="rceil", e8m0_clamp=(1, 254),
+        e8m0_nonfinite="clamp", amax_floor=1e-4, nonfinite="propagate", apply="mul_recip",
+        fp4_rounding="ties_toward_zero", fp4_signed_zero="drop", nan_code=0,
     ),
     Preset(
         "vllm",
