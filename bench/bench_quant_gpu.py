@@ -346,46 +346,61 @@ def main():
 
 
 def tune(args):
-    """Tile sweep at the large size for the kernels whose defaults are in question."""
+    """Tile sweep at the large size: time every candidate (block_m, groups_per_program,
+    num_warps) of each kernel, print each and the best (the defaults in fastpath.quant come
+    from this sweep)."""
     M, K = args.M, args.K
-    x = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    x = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
     x2 = [torch.randn(M, 2 * K, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    qd = [(Q.quantize(t, fp8_group(128)),) for t in x]
+    g = fp8_group(128)
     cands = {
-        "fp8_1x128_fp32": (x, lambda t, **c: Q.quantize(t, fp8_group(128), **c), M * K * 3 + M * K // 32),
+        "fp8_1x128_fp32 (default: x / s)": (x, lambda t, **c: Q.quantize(t, g, **c), M * K * 3 + M * K // 32),
+        "fp8_1x128_fp32 (deepgemm)": (x, lambda t, **c: Q.quantize(t, fp8_group(128, "fp32", "deepgemm"), **c),
+                                      M * K * 3 + M * K // 32),
         "fp8_1x128_ue8m0_packed": (x, lambda t, **c: Q.quantize(t, fp8_group(128, "ue8m0", "deepgemm"),
                                                                scale_layout="packed_ue8m0", **c), M * K * 3),
         "fp8_per_token": (x, lambda t, **c: Q.quantize(t, fp8_per_token(), **c), M * K * 3),
+        "fp8_per_tensor": (x, lambda t, **c: Q.quantize(t, fp8_per_tensor(), **c), M * K * 3),
         "mxfp8_swizzled": (x, lambda t, **c: Q.quantize(t, mxfp8(), scale_layout="swizzled_128x4", **c),
                            M * K * 3 + M * K // 32),
         "mxfp4_swizzled": (x, lambda t, **c: Q.quantize(t, mxfp4(), scale_layout="swizzled_128x4", **c),
                            M * K * 2.5 + M * K // 32),
         "nvfp4_swizzled": (x, lambda t, **c: Q.quantize(t, nvfp4(), scale_layout="swizzled_128x4", **c),
                            M * K * 2.5 + M * K // 16),
-        "swigluoai+fp8": (x2, lambda t, **c: F.swigluoai_quant_fp8(t, 1.702, 7.0, fp8_group(128), **c),
+        "silu_and_mul+fp8": (x2, lambda t, **c: F.silu_and_mul_quant_fp8(t, g, **c), M * K * 5 + M * K // 32),
+        "swigluoai+fp8": (x2, lambda t, **c: F.swigluoai_quant_fp8(t, 1.702, 7.0, g, **c),
                           M * K * 5 + M * K // 32),
+        "dequant_fp8_1x128_to_bf16": (qd, lambda q, **c: Q.dequantize(q, torch.bfloat16, **c),
+                                      M * K * 3 + M * K // 32),
     }
-    configs = [dict(), dict(num_warps=8), dict(num_warps=2), dict(block_m=1), dict(block_m=2),
-               dict(block_m=4, num_warps=8), dict(block_m=16, num_warps=8), dict(block_m=32, num_warps=8),
-               dict(groups_per_program=1), dict(groups_per_program=2), dict(groups_per_program=8)]
+    tiles = [dict(), dict(num_warps=2), dict(num_warps=4), dict(num_warps=8),
+             dict(block_m=16, num_warps=4), dict(block_m=16, num_warps=8),
+             dict(block_m=32, num_warps=8), dict(block_m=4, groups_per_program=8, num_warps=4)]
+    rows = [dict(), dict(num_warps=4), dict(num_warps=16), dict(block_m=2, num_warps=16)]
+    out = {}
     for name, (xs, fn, nbytes) in cands.items():
         if args.only and not any(s_ in name for s_ in args.only.split(",")):
             continue
+        configs = rows if name == "fp8_per_token" else tiles
         best = None
         for cfg in configs:
-            if name == "fp8_per_token" and "groups_per_program" in cfg:
-                continue
             try:
-                fn(xs[0], **cfg)
+                fn(*xs[0], **cfg) if isinstance(xs[0], tuple) else fn(xs[0], **cfg)
                 torch.cuda.synchronize()
-                ms = bench_fn(lambda t: fn(t, **cfg), [(t,) for t in xs], rep_ms=100)
+                inputs = [t if isinstance(t, tuple) else (t,) for t in xs]
+                ms = bench_fn(lambda *t: fn(*t, **cfg), inputs, rep_ms=100)
             except Exception as e:
                 print(f"  {name} {cfg}: {type(e).__name__}: {str(e)[:80]}", flush=True)
                 continue
             tb = nbytes / (ms * 1e-3) / 1e12
-            print(f"  {name:26s} {str(cfg):45s} {ms * 1e3:8.1f} us {tb:6.3f} TB/s", flush=True)
+            print(f"  {name:34s} {str(cfg):52s} {ms * 1e3:8.1f} us {tb:6.3f} TB/s", flush=True)
+            out.setdefault(name, []).append({"cfg": cfg, "us": ms * 1e3, "TBps": tb})
             if best is None or tb > best[1]:
                 best = (cfg, tb)
         print(f"BEST {name}: {best}", flush=True)
+    with open(os.path.join(args.out, "tune.json"), "w") as fh:
+        json.dump(out, fh, indent=1)
 
 
 def write_markdown(res, path):

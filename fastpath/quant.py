@@ -170,7 +170,9 @@ def _encode_elem(y, ELEM: tl.constexpr, SATURATE: tl.constexpr, ROUND: tl.conste
         else:
             c = R.encode_minifloat(y, 5, 2, 15, 0x7B, SATURATE, 0x7C, 0x7E, True, ROUND, False)
     else:
-        c = R.encode_minifloat(y, 2, 1, 1, 0x7, True, 0x7, NAN_CODE, False, ROUND, False)
+        # E2M1: count of the seven midpoints below |y| (R.encode_e2m1), equal bit for bit to
+        # the integer minifloat path (tested on every bf16 pattern) at a fraction of its cost
+        c = R.encode_e2m1(y, ROUND, NAN_CODE, False)
     return c
 
 
@@ -405,12 +407,71 @@ def _tile_scales(amax, rows, gidx, pid_b, s_ptr, stride_sb, stride_sm, stride_sg
 
 
 @triton.jit
-def _scale_data(x, f, APPLY: tl.constexpr, SCALE_KIND: tl.constexpr):
-    """x / f (FP32 scales, "div": correctly rounded) or x * f (dividing by an E8M0 power of two
-    equals multiplying by its exact reciprocal: 2^-k is representable for every code and both
-    round the same exact value once)."""
+def _fma(a, b, c, DIV: tl.constexpr):
+    """``fl(a * b + c)`` with one rounding. DIV 1: the hardware ``fma.rn.f32``. DIV 2 (Triton's
+    interpreter, whose ``tl.fma`` rounds the product first): float64 ``a * b`` (exact: 48 bits)
+    plus ``c``, then rounded to float32; exact for the remainders of :func:`_div_exact` (they are
+    representable), and for its correction steps off by double rounding only if the float64 sum
+    lands exactly on a float32 midpoint (the GPU, the code that matters, has a true FMA)."""
+    if DIV == 1:
+        r = tl.fma(a, b, c)
+    else:
+        r = (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
+    return r
+
+
+@triton.jit
+def _div_exact(x, s, DIV: tl.constexpr):
+    """``div_rn(x, s)`` (float32, correctly rounded) for a tile ``x`` and per-group divisors ``s``
+    (broadcastable, e.g. ``[BM, GPP, 1]``), without a division per element.
+
+    Per group: ``r = div_rn(1, s)`` (relative error < 2^-24) and ``ns = -s``. Per element:
+    ``q0 = fl(x*r)`` (within 1.5 ulp of x/s), ``q1 = fma(fma(q0, ns, x), r, q0)`` (faithful: its
+    error before rounding is under 1.5 * 2^-24 ulp), ``q2 = fma(fma(q1, ns, x), r, q1)``, which
+    is ``RN(x / s)`` by Markstein's theorem (IBM J. Res. Dev. 34(1), 1990; Muller et al.,
+    Handbook of Floating-Point Arithmetic, "Newton-Raphson-based division with an FMA": q
+    faithful and y within relative error 2^-p of 1/b give ``RN(q + RN(a - bq) y) = RN(a/b)``,
+    the remainder being exact) as long as nothing underflows or overflows. That is guaranteed in
+    the window ``|s|`` in [2^-32, 2^33) and ``|q0|`` in [2^-32, 2^32] (exponent sums >= -65, so
+    every remainder is an exact normal float32; every intermediate is far from overflow).
+    Outside it:
+
+    * ``|q0| < 2^-32`` (0 and -0 included): ``|x/s| < 2^-31``, so RN(x/s) and q0 both encode to
+      a signed FP8 zero with the sign of x/s; q0 is kept (an FMA would lose the sign of -0).
+    * ``|q0| > 2^32``, +-Inf, NaN: both far beyond the FP8 range (same overflow code) or NaN;
+      q0 is kept.
+    * a group with ``|s|`` outside the window (subnormal/tiny amax, static scales, NaN blocks):
+      the whole tile is recomputed with ``div_rn`` (a branch taken per program, not per element).
+
+    These two element cases give the same FP8 CODE, not the same float: the helper is for
+    quantization only. The property tests check the codes against the reference's division.
+    """
+    sb = R.f32_bits(s) & 0x7FFFFFFF
+    s_ok = (sb >= ((127 - 32) << 23)) & (sb < ((127 + 33) << 23))
+    r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    ns = (R.f32_bits(s) ^ 0x80000000).to(tl.float32, bitcast=True)
+    q0 = x * r
+    q1 = _fma(_fma(q0, ns, x, DIV), r, q0, DIV)
+    q2 = _fma(_fma(q1, ns, x, DIV), r, q1, DIV)
+    aq = R.f32_bits(q0) & 0x7FFFFFFF
+    win = (aq >= ((127 - 32) << 23)) & (aq <= ((127 + 32) << 23))
+    y = tl.where(win, q2, q0)
+    if tl.max(tl.where(s_ok, 0, 1)) > 0:
+        y = tl.math.div_rn(x, s + tl.zeros(x.shape, tl.float32))
+    return y
+
+
+@triton.jit
+def _scale_data(x, f, APPLY: tl.constexpr, SCALE_KIND: tl.constexpr, DIV: tl.constexpr):
+    """x / f (FP32 scales, "div": correctly rounded; DIV 0 ``div_rn`` per element, 1/2 the
+    FMA-corrected reciprocal of :func:`_div_exact`, same codes) or x * f (dividing by an E8M0
+    power of two equals multiplying by its exact reciprocal: 2^-k is representable for every
+    code and both round the same exact value once)."""
     if APPLY == 1 and SCALE_KIND == 0:
-        y = tl.math.div_rn(x, f + tl.zeros(x.shape, tl.float32))
+        if DIV == 0:
+            y = tl.math.div_rn(x, f + tl.zeros(x.shape, tl.float32))
+        else:
+            y = _div_exact(x, f, DIV)
     else:
         y = x * f
     return y
@@ -465,7 +526,7 @@ def _quant_kernel(
     HW_FP8: tl.constexpr, SF_LAYOUT: tl.constexpr, AMAX_SRC: tl.constexpr, STATIC: tl.constexpr,
     TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr, WRITE_SCALES: tl.constexpr,
     ACT: tl.constexpr, ACT_ALPHA: tl.constexpr, ACT_LIMIT: tl.constexpr,
-    PAIR: tl.constexpr, IN16: tl.constexpr,
+    PAIR: tl.constexpr, IN16: tl.constexpr, DIV: tl.constexpr,
 ):
     """Quantize a [BLOCK_M, GPP groups of GS] tile of one matrix of x; see the module docstring.
 
@@ -506,9 +567,9 @@ def _quant_kernel(
             ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, STATIC, TWO_LEVEL, NV_ORDER, WRITE_SCALES)
         f3 = factor[:, :, None]
         nb3 = nan_block[:, :, None]
-        ce = _codes_of(_scale_data(xe, f3, APPLY, SCALE_KIND), nb3, ELEM, SATURATE, ROUND,
+        ce = _codes_of(_scale_data(xe, f3, APPLY, SCALE_KIND, DIV), nb3, ELEM, SATURATE, ROUND,
                        NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO)
-        co = _codes_of(_scale_data(xo, f3, APPLY, SCALE_KIND), nb3, ELEM, SATURATE, ROUND,
+        co = _codes_of(_scale_data(xo, f3, APPLY, SCALE_KIND, DIV), nb3, ELEM, SATURATE, ROUND,
                        NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO)
         byte = (ce | (co << 4)).to(tl.uint8)
         tl.store(cb + rows.to(tl.int64)[:, None, None] * stride_cm + w[None, :, :], byte, mask=m3)
@@ -535,9 +596,9 @@ def _quant_kernel(
             ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, STATIC, TWO_LEVEL, NV_ORDER, WRITE_SCALES)
         f3 = factor[:, :, None]
         nb3 = nan_block[:, :, None]
-        ce = _codes_of(_scale_data(xe, f3, APPLY, SCALE_KIND), nb3, ELEM, SATURATE, ROUND,
+        ce = _codes_of(_scale_data(xe, f3, APPLY, SCALE_KIND, DIV), nb3, ELEM, SATURATE, ROUND,
                        NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO)
-        co = _codes_of(_scale_data(xo, f3, APPLY, SCALE_KIND), nb3, ELEM, SATURATE, ROUND,
+        co = _codes_of(_scale_data(xo, f3, APPLY, SCALE_KIND, DIV), nb3, ELEM, SATURATE, ROUND,
                        NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO)
         ce = tl.where(me, ce, 0)
         co = tl.where(mo, co, 0)  # the nibble padding an odd K is a +0 code
@@ -573,7 +634,7 @@ def _quant_kernel(
             gdec_ptr, M, NG, M_PAD, NG_PAD, GPP, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
             SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO, E8_HI, E8_NF, AMAX_FLOOR,
             ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, STATIC, TWO_LEVEL, NV_ORDER, WRITE_SCALES)
-        y = _scale_data(x, factor[:, :, None], APPLY, SCALE_KIND)
+        y = _scale_data(x, factor[:, :, None], APPLY, SCALE_KIND, DIV)
         code = _codes_of(y, nan_block[:, :, None], ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8,
                          NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO)
         tl.store(cb + rows.to(tl.int64)[:, None, None] * stride_cm + k3, code.to(tl.uint8), mask=m3)
@@ -855,8 +916,16 @@ def scale_storage_shape(shape, scheme: Scheme, scale_layout: str) -> tuple[tuple
     return lead + (mp * gp,), torch.uint8, (mp, gp, 0, 0)
 
 
-@functools.lru_cache(maxsize=256)
 def _constexprs(scheme: Scheme, hw_fp8: bool) -> dict:
+    """The kernel's compile-time knobs for ``scheme`` (cached per scheme, cast path and
+    interpreter mode). ``DIV``: how ``x / s`` is computed (see :func:`_scale_data`): 1 with the
+    hardware FMA, 2 under Triton's interpreter (float64-emulated FMA)."""
+    import os
+    return _constexprs_cached(scheme, bool(hw_fp8), os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@functools.lru_cache(maxsize=256)
+def _constexprs_cached(scheme: Scheme, hw_fp8: bool, interp: bool) -> dict:
     p = scheme.preset
     el = scheme.element
     M = _ELEM_MAX[el]
@@ -880,19 +949,25 @@ def _constexprs(scheme: Scheme, hw_fp8: bool) -> dict:
         ROUND=_ROUND[rounding], DROP_NEG_ZERO=(signed_zero == "drop"), NAN_CODE=nan_code,
         FILL_CODE=fill,
         HW_FP8=bool(hw_fp8 and el != "e2m1" and p.overflow == "saturate" and rounding == "rne"),
+        DIV=2 if interp else 1,
     )
 
 
-def _tile(gs: int, block_m: int | None, gpp: int | None, layout: str, ng: int):
-    """(GB, GPP, BLOCK_M): pow2 group block, groups per program, rows per program (about 4096
-    elements per program; the packed UE8M0 layout needs whole int32 words, 4 groups)."""
+# dequantize tiles: elements per program and warps (H200 sweep, bench_quant_gpu.py --tune)
+_DQ_ELEMS = 4096
+_DQ_WARPS = 4
+
+
+def _tile(gs: int, block_m: int | None, gpp: int | None, layout: str, ng: int, elems: int = 4096):
+    """(GB, GPP, BLOCK_M): pow2 group block, groups per program, rows per program (about
+    ``elems`` elements per program; the packed UE8M0 layout needs whole int32 words, 4 groups)."""
     gb = max(2, _next_pow2(gs))
     if gpp is None:
         gpp = max(1, min(_next_pow2(ng), 512 // gb)) if gb < 512 else 1
     if layout == "packed_ue8m0":
         gpp = max(gpp, 4)
     if block_m is None:
-        block_m = max(1, min(16, 4096 // (gb * gpp)))
+        block_m = max(1, min(max(16, elems // 512), elems // (gb * gpp)))
     return gb, gpp, block_m
 
 
@@ -1104,8 +1179,15 @@ def _dequant_kernel(c_ptr, stride_cb, stride_cm, s_ptr, stride_sb, stride_sm, st
                     o_ptr, stride_ob, stride_om, M, K, NG_PAD, ROWS_PER_SCALE,
                     GS: tl.constexpr, GB: tl.constexpr, GPP: tl.constexpr, BLOCK_M: tl.constexpr,
                     ELEM: tl.constexpr, SCALE_KIND: tl.constexpr, SF_LAYOUT: tl.constexpr,
-                    PER_TENSOR: tl.constexpr, TWO_LEVEL: tl.constexpr, OUT: tl.constexpr):
-    """out = decode(code) * decode(scale) [* global], rounded once to the output dtype."""
+                    PER_TENSOR: tl.constexpr, TWO_LEVEL: tl.constexpr, OUT: tl.constexpr,
+                    HW: tl.constexpr):
+    """out = decode(code) * decode(scale) [* global], rounded once to the output dtype.
+
+    HW (GPU only): FP8 codes decoded by the hardware conversion (``cvt`` e4m3/e5m2 -> f16, exact:
+    every FP8 value is a float16; NaN and Inf as the format says) and the float32 -> bfloat16
+    rounding by ``cvt.rn.bf16.f32`` (RNE, subnormals kept), NaN codes rewritten to the integer
+    path's ``0x7FC0 | sign``. The interpreter decodes FP8 specials wrongly, so it keeps the
+    integer path (HW = False)."""
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
     pid_b = tl.program_id(2)
@@ -1123,7 +1205,12 @@ def _dequant_kernel(c_ptr, stride_cb, stride_cm, s_ptr, stride_sb, stride_sm, st
         v = R.decode_minifloat(code, 2, 1, 1, True, 0)
     else:
         code = tl.load(cb + k[None, :, :], mask=m3, other=0)
-        if ELEM == 0:
+        if HW:
+            if ELEM == 0:
+                v = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                v = code.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
+        elif ELEM == 0:
             v = R.decode_minifloat(code, 4, 3, 7, True, 1)
         else:
             v = R.decode_minifloat(code, 5, 2, 15, True, 2)
@@ -1186,6 +1273,11 @@ def _dequant_kernel(c_ptr, stride_cb, stride_cm, s_ptr, stride_sb, stride_sm, st
     ob = o_ptr + pid_b.to(tl.int64) * stride_ob + rows.to(tl.int64)[:, None, None] * stride_om
     if OUT == 0:
         tl.store(ob + k[None, :, :], p, mask=m3)
+    elif OUT == 1 and HW and not TWO_LEVEL:
+        pb = R.f32_bits(p)
+        hb = p.to(tl.bfloat16).to(tl.uint16, bitcast=True)
+        hb = tl.where(p != p, (0x7FC0 | ((pb >> 16) & 0x8000)).to(tl.uint16), hb)
+        tl.store(ob + k[None, :, :], hb.to(tl.bfloat16, bitcast=True), mask=m3)
     else:
         r16 = _round_f32_to_16(p, e, OUT)
         if OUT == 1:
@@ -1197,7 +1289,8 @@ def _dequant_kernel(c_ptr, stride_cb, stride_cm, s_ptr, stride_sb, stride_sm, st
 _OUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def dequantize(q: FastQuantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(q: FastQuantized, dtype: torch.dtype = torch.float32, *, block_m: int | None = None,
+               groups_per_program: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """``decode(codes) * scale`` (x global factor), rounded ONCE to ``dtype`` (float32, bfloat16,
     float16), like :meth:`moeref.quant.QuantizedTensor.dequantize`: the product is formed exactly
     as a float32 pair (hi, lo) and rounded with integer RNE. Exact wherever the float32 partial
@@ -1212,17 +1305,18 @@ def dequantize(q: FastQuantized, dtype: torch.dtype = torch.float32) -> torch.Te
     out = _alloc((B, M, K), dtype=dtype, device=codes.device)
     kind = _kind(scheme)
     packed = scheme.element == "e2m1"
-    ce = dict(ELEM=_ELEM[scheme.element], SCALE_KIND=_SCALE_KIND[scheme.scale_format])
+    ce = dict(ELEM=_ELEM[scheme.element], SCALE_KIND=_SCALE_KIND[scheme.scale_format],
+              HW=codes.device.type == "cuda")
     if kind == "per_tensor":
         gs = 128
         ng = triton.cdiv(K, gs)
-        gb, gpp, bm = _tile(gs, None, None, "row_major", ng)
+        gb, gpp, bm = _tile(gs, block_m, groups_per_program, "row_major", ng, _DQ_ELEMS)
         s = q.scales.reshape(B)
         grid = (triton.cdiv(M, bm), triton.cdiv(ng, gpp), B)
         _dequant_kernel[grid](codes, codes.stride(0), codes.stride(1), s, 1, 0, 0, s, out,
                               out.stride(0), out.stride(1), M, K, ng, M, GS=gs, GB=gb, GPP=gpp,
                               BLOCK_M=bm, SF_LAYOUT=0, PER_TENSOR=True, TWO_LEVEL=False,
-                              OUT=_OUT[dtype], **ce)
+                              OUT=_OUT[dtype], num_warps=num_warps or _DQ_WARPS, **ce)
         return out.reshape(shape)
     gs = scheme.resolve_block(shape)[-1]
     ng = triton.cdiv(K, gs)
@@ -1234,13 +1328,14 @@ def dequantize(q: FastQuantized, dtype: torch.dtype = torch.float32) -> torch.Te
     else:
         s = s.reshape((B,) + tuple(s.shape[-2:]) if q.scale_layout != "swizzled_128x4" else (B, -1))
         ssb = s.stride(0)
-    gb, gpp, bm = _tile(gs, None, None, q.scale_layout, ng)
+    gb, gpp, bm = _tile(gs, block_m, groups_per_program, q.scale_layout, ng, _DQ_ELEMS)
     g = q.global_scale if q.global_scale is not None else s
     grid = (triton.cdiv(M, bm), triton.cdiv(ng, gpp), B)
     _dequant_kernel[grid](codes, codes.stride(0), codes.stride(1), s, ssb, ssm, ssg, g, out,
                           out.stride(0), out.stride(1), M, K, ng_pad, 1, GS=gs, GB=gb, GPP=gpp,
                           BLOCK_M=bm, SF_LAYOUT=_SF_LAYOUT[q.scale_layout], PER_TENSOR=False,
-                          TWO_LEVEL=q.global_scale is not None, OUT=_OUT[dtype], **ce)
+                          TWO_LEVEL=q.global_scale is not None, OUT=_OUT[dtype],
+                          num_warps=num_warps or _DQ_WARPS, **ce)
     return out.reshape(shape)
 
 

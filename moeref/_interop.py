@@ -64,3 +64,16 @@ def to_torch(a: np.ndarray, device=None):
     else:
         t = torch.from_numpy(a)
     return t if device is None else t.to(device)
+
+
+def torch_e4m3_cast_saturates() -> bool:
+    """Whether this torch's ``.to(torch.float8_e4m3fn)`` saturates (1000.0 -> 448) or gives NaN.
+
+    torch >= 2.13 saturates finite overflow and +-Inf (pytorch/pytorch PRs #178817, #177870);
+    torch <= 2.12 returns NaN. Measured, not read off the version string. Raises ImportError
+    without torch.
+    """
+    import torch
+
+    code = torch.tensor([1000.0]).to(torch.float8_e4m3fn).view(torch.uint8).item()
+    return code == 0x7E

@@ -16,6 +16,7 @@ import math
 import ml_dtypes
 import numpy as np
 import torch
+from moeref._interop import torch_e4m3_cast_saturates
 
 F32 = torch.float32
 
@@ -184,8 +185,15 @@ def _e8m0_to_rcp_fp32(b: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+_TORCH_E4M3_SATURATES = torch_e4m3_cast_saturates()
+
+
 def _lowp_cast(data: torch.Tensor, elem: str) -> np.ndarray:
     if elem == "e4m3fn":
+        # torchao clamps before the cast where torch's E4M3 cast does not saturate (torch < 2.13,
+        # pytorch/ao PR #4364); on torch >= 2.13 the cast saturates by itself.
+        if not _TORCH_E4M3_SATURATES:
+            data = torch.clamp(data, -448.0, 448.0)
         return _fp8_codes(data.to(torch.float8_e4m3fn))
     if elem == "e5m2":
         return _fp8_codes(torch.clamp(data, -57344.0, 57344.0).to(torch.float8_e5m2))

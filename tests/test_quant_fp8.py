@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from moeref._interop import torch_e4m3_cast_saturates
 import ml_dtypes
 
 import quant_oracles as O
@@ -13,7 +14,7 @@ from moeref.quant import (
     quantize, dequantize, requantize,
 )
 
-TORCH_SATURATES = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+TORCH_SATURATES = torch_e4m3_cast_saturates()
 needs_sat = pytest.mark.skipif(not TORCH_SATURATES, reason="torch < 2.13 e4m3 cast is non-saturating")
 
 

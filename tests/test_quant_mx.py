@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from moeref._interop import torch_e4m3_cast_saturates
 
 import quant_oracles as O
 from moeref.quant import (
     PRESETS, Scheme, mxfp4, mxfp6, mxfp8, quantize, requantize,
 )
 
-TORCH_SATURATES = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+TORCH_SATURATES = torch_e4m3_cast_saturates()
 needs_sat = pytest.mark.skipif(not TORCH_SATURATES, reason="torch < 2.13 e4m3 cast is non-saturating")
 
 
