@@ -281,7 +281,9 @@ def explain(scheme_name: str, presets=None, x=None, seed: int = 0):
               title_justify="left")
     for c in ("index", "block", "x"):
         t.add_column(c, justify="right" if c == "x" else "left")
-    per = ("x / scale", "code", "value", "dequantized", "error", "note")
+    # side by side, the element value column is dropped (the code and the dequantized value carry it)
+    per = ("x / scale", "code", "dequantized", "error", "note") if multi else (
+        "x / scale", "code", "value", "dequantized", "error", "note")
     short = {"x / scale": "x/s", "dequantized": "deq", "error": "err"} if multi else {}
     for r in runs:
         tag = tags[r["preset"]]
