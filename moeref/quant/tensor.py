@@ -2,8 +2,8 @@
 
 Decoding is exact: ``element_values`` (float64) times the broadcast ``scale_values`` (float64:
 block scale x global factor x per-channel factor) is the exact real value of every element
-(at most 4 + 24 + 24 significant bits, well inside float64's 53); ``dequantize`` rounds that once
-to the requested dtype.
+(at most 4 + 24 + 24 significant bits, well inside float64's 53); ``dequantize`` rounds that to
+the requested dtype (once, except bfloat16: see :meth:`QuantizedTensor.dequantize`).
 """
 from __future__ import annotations
 
@@ -132,9 +132,13 @@ class QuantizedTensor:
         return s
 
     def dequantize(self, dtype=np.float32) -> np.ndarray:
-        """``element_values * scale_values`` (exact in float64), rounded once to ``dtype``.
+        """``element_values * scale_values`` (exact in float64), rounded to ``dtype``.
 
-        ``dtype``: float16, bfloat16 (ml_dtypes), float32 or float64.
+        ``dtype``: float16, bfloat16 (ml_dtypes), float32 or float64. float16/float32/float64 are
+        one rounding (round to nearest even) of the exact product. bfloat16 is what ml_dtypes'
+        cast does, float64 -> float32 -> bfloat16: two roundings, which differ from one rounding
+        only when the float32 result lands exactly on a bfloat16 midpoint (a product of up to
+        4 + 24 + 24 significant bits). The Triton dequantize kernel reproduces this bit for bit.
         """
         dtype = np.dtype(dtype)
         if dtype not in (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64),
