@@ -312,6 +312,8 @@ def main():
             del inputs
             torch.cuda.empty_cache()
         results["kernels"][name] = rec
+        with open(os.path.join(args.out, "bench_quant.json"), "w") as fh:  # partial results too
+            json.dump(results, fh, indent=1)
         msg = (f"{name:38s} {big['TBps']:6.3f} TB/s ({rec['pct_copy']:5.1f}% of copy) "
                f"{big['us']:9.1f} us @M={args.M}  small(M={Ms[0]}) {rec['small_us']:7.1f} us")
         if "speedup_vs_eager" in rec:

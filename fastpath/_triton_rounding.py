@@ -54,6 +54,7 @@ __all__ = [
     "encode_e4m3",
     "encode_e5m2",
     "encode_e2m1",
+    "encode_e2m1_nonnan",
     "encode_ue4m3",
     "e8m0_from_f32",
     "e8m0_to_f32",
@@ -144,7 +145,15 @@ def encode_e5m2(x, SATURATE: tl.constexpr):
 
 @triton.jit
 def encode_e2m1(x, ROUND: tl.constexpr, NAN_CODE: tl.constexpr, DROP_NEG_ZERO: tl.constexpr):
-    """OCP FP4 E2M1 (max 6, saturating: the format has no Inf/NaN). NaN -> ``NAN_CODE``.
+    """See :func:`encode_e2m1_nonnan`; NaN -> ``NAN_CODE``."""
+    return tl.where(x != x, NAN_CODE, encode_e2m1_nonnan(x, ROUND, DROP_NEG_ZERO))
+
+
+@triton.jit
+def encode_e2m1_nonnan(x, ROUND: tl.constexpr, DROP_NEG_ZERO: tl.constexpr):
+    """OCP FP4 E2M1 (max 6, saturating: the format has no Inf/NaN) of non-NaN ``x`` (a NaN gets an
+    unspecified code: for callers whose NaN elements are overwritten anyway, see
+    :func:`encode_e2m1`).
 
     E2M1 has eight magnitudes, so the nearest one is the count of midpoints below ``|x|``:
     0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5. A tie (``|x|`` equal to a midpoint) goes up when the
@@ -179,7 +188,7 @@ def encode_e2m1(x, ROUND: tl.constexpr, NAN_CODE: tl.constexpr, DROP_NEG_ZERO: t
         c = tl.where((sign == 1) & (c != 0), c | 0x8, c)
     else:
         c = c | (sign << 3)
-    return tl.where(x != x, NAN_CODE, c)
+    return c
 
 
 @triton.jit

@@ -153,8 +153,9 @@ def _e8m0_code(amax, RULE: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr
 
 @triton.jit
 def _encode_elem(y, ELEM: tl.constexpr, SATURATE: tl.constexpr, ROUND: tl.constexpr,
-                 NAN_CODE: tl.constexpr, HW_FP8: tl.constexpr):
-    """Element codes (uint32) of already-scaled float32 values."""
+                 NAN_CODE: tl.constexpr, HW_FP8: tl.constexpr, NAN_FREE: tl.constexpr):
+    """Element codes (uint32) of already-scaled float32 values. NAN_FREE: a NaN ``y`` only occurs
+    in NaN blocks, whose codes the caller overwrites (FP4 skips its NaN select then)."""
     if ELEM == 0:
         if HW_FP8:
             hw = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
@@ -172,7 +173,10 @@ def _encode_elem(y, ELEM: tl.constexpr, SATURATE: tl.constexpr, ROUND: tl.conste
     else:
         # E2M1: count of the seven midpoints below |y| (R.encode_e2m1), equal bit for bit to
         # the integer minifloat path (tested on every bf16 pattern) at a fraction of its cost
-        c = R.encode_e2m1(y, ROUND, NAN_CODE, False)
+        if NAN_FREE:
+            c = R.encode_e2m1_nonnan(y, ROUND, False)
+        else:
+            c = R.encode_e2m1(y, ROUND, NAN_CODE, False)
     return c
 
 
@@ -493,9 +497,12 @@ def _scale_data(x, f, APPLY: tl.constexpr, SCALE_KIND: tl.constexpr, DIV: tl.con
 def _codes_of(y, nan_block, ELEM: tl.constexpr, SATURATE: tl.constexpr, ROUND: tl.constexpr,
               NAN_CODE: tl.constexpr, HW_FP8: tl.constexpr, NONFINITE: tl.constexpr,
               FILL_CODE: tl.constexpr, TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr,
-              DROP_NEG_ZERO: tl.constexpr):
-    """Element codes of scaled data, then the block policies (moeref.quant.blockwise step 6)."""
-    code = _encode_elem(y, ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8)
+              DROP_NEG_ZERO: tl.constexpr, SCALE_KIND: tl.constexpr):
+    """Element codes of scaled data, then the block policies (moeref.quant.blockwise step 6).
+    With the NaN-block policy and E8M0 factors (finite powers of two, NaN only for a NaN
+    block), a NaN ``y`` lies in a NaN block, so the per-element NaN select is skipped."""
+    code = _encode_elem(y, ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8,
+                        NONFINITE == 0 and SCALE_KIND == 1)
     if NONFINITE == 0:
         code = tl.where(nan_block, FILL_CODE, code)
     if TWO_LEVEL:
@@ -579,10 +586,12 @@ def _quant_kernel(
             ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, STATIC, TWO_LEVEL, NV_ORDER, WRITE_SCALES)
         f3 = factor[:, :, None]
         nb3 = nan_block[:, :, None]
-        ce = _codes_of(_scale_data(xe, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3, ELEM, SATURATE, ROUND,
-                       NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO)
-        co = _codes_of(_scale_data(xo, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3, ELEM, SATURATE, ROUND,
-                       NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO)
+        ce = _codes_of(_scale_data(xe, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3, ELEM,
+                       SATURATE, ROUND, NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL,
+                       NV_ORDER, DROP_NEG_ZERO, SCALE_KIND)
+        co = _codes_of(_scale_data(xo, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3, ELEM,
+                       SATURATE, ROUND, NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL,
+                       NV_ORDER, DROP_NEG_ZERO, SCALE_KIND)
         byte = (ce | (co << 4)).to(tl.uint8)
         tl.store(cb + rows.to(tl.int64)[:, None, None] * stride_cm + w[None, :, :], byte, mask=m3)
     elif PAIR == 2 and ELEM == 2:
@@ -608,10 +617,12 @@ def _quant_kernel(
             ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, STATIC, TWO_LEVEL, NV_ORDER, WRITE_SCALES)
         f3 = factor[:, :, None]
         nb3 = nan_block[:, :, None]
-        ce = _codes_of(_scale_data(xe, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3, ELEM, SATURATE, ROUND,
-                       NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO)
-        co = _codes_of(_scale_data(xo, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3, ELEM, SATURATE, ROUND,
-                       NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO)
+        ce = _codes_of(_scale_data(xe, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3, ELEM,
+                       SATURATE, ROUND, NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL,
+                       NV_ORDER, DROP_NEG_ZERO, SCALE_KIND)
+        co = _codes_of(_scale_data(xo, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3, ELEM,
+                       SATURATE, ROUND, NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL,
+                       NV_ORDER, DROP_NEG_ZERO, SCALE_KIND)
         ce = tl.where(me, ce, 0)
         co = tl.where(mo, co, 0)  # the nibble padding an odd K is a +0 code
         byte = (ce | (co << 4)).to(tl.uint8)
@@ -660,7 +671,7 @@ def _quant_kernel(
         else:
             y = _scale_data(x, factor[:, :, None], APPLY, SCALE_KIND, DIV, NONFINITE, STATIC)
             code = _codes_of(y, nan_block[:, :, None], ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8,
-                             NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO)
+                             NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO, SCALE_KIND)
             tl.store(cb + rows.to(tl.int64)[:, None, None] * stride_cm + k3, code.to(tl.uint8),
                      mask=m3)
 
@@ -678,13 +689,33 @@ def _amax3_bits(x, NONFINITE: tl.constexpr):
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _amax3(x, NONFINITE: tl.constexpr):
-    return _amax3_bits(x, NONFINITE).to(tl.float32, bitcast=True)
+    """Block amax [BM, GPP] of a [BM, GPP, G] tile. When NaN propagates (NONFINITE 0, the NaN
+    block, and 2) a float max that propagates NaN (``max.NaN.f32``: one FMNMX with the |x|
+    operand modifier per element) gives the integer max of the bits (:func:`_amax3_bits`) up to
+    the payload of a NaN amax, which nothing downstream keeps (NaN blocks store the NaN
+    constant or code 0xFF/0x7F; GPU arithmetic on NaN returns the canonical NaN; the tests
+    compare NaN scales as NaN). ``ignore_nan`` (1) needs the integer max."""
+    if NONFINITE != 1:
+        amax = tl.reduce(tl.abs(x), 2, _max_nan)
+    else:
+        amax = _amax3_bits(x, NONFINITE).to(tl.float32, bitcast=True)
+    return amax
 
 
 @triton.jit
 def _amax_pair(xe, xo, NONFINITE: tl.constexpr):
-    return tl.maximum(_amax3_bits(xe, NONFINITE), _amax3_bits(xo, NONFINITE)).to(tl.float32, bitcast=True)
+    if NONFINITE != 1:
+        amax = _max_nan(_amax3(xe, NONFINITE), _amax3(xo, NONFINITE))
+    else:
+        amax = tl.maximum(_amax3_bits(xe, NONFINITE),
+                          _amax3_bits(xo, NONFINITE)).to(tl.float32, bitcast=True)
+    return amax
 
 
 @triton.jit
@@ -989,15 +1020,13 @@ def _tile(gs: int, block_m: int | None, gpp: int | None, layout: str, ng: int, e
     gb = max(2, _next_pow2(gs))
     if gpp is None:
         gpp = max(1, min(_next_pow2(ng), 512 // gb)) if gb < 512 else 1
+        if gb == 128 and block_m is None and ng >= 8 and elems == 4096:
+            gpp, block_m = 8, 4  # 1x128 groups: 4 rows x 8 groups (H200 sweep: best or within 1%)
     if layout == "packed_ue8m0":
         gpp = max(gpp, 4)
     if block_m is None:
         block_m = max(1, min(max(16, elems // 512), elems // (gb * gpp)))
     return gb, gpp, block_m
-
-
-def _divides(ce: dict) -> bool:
-    return ce["APPLY"] == 1 and ce["SCALE_KIND"] == 0
 
 
 def _pair_view(x3: torch.Tensor, want_pairs: bool):
@@ -1012,15 +1041,15 @@ def _pair_view(x3: torch.Tensor, want_pairs: bool):
     return x3, 2, 0
 
 
-def _warps(gb: int, gpp: int, bm: int, num_warps: int | None, divides: bool = True) -> int:
-    """Warps per program: measured on an H200 (bench --tune, 2026-11-21), 4096-element tiles run
-    best with 2 warps when the data are multiplied by the scale, 4 when they are divided
-    (div.rn.f32 needs the latency hiding); larger tiles get more."""
+def _warps(gb: int, gpp: int, bm: int, num_warps: int | None, fp8: bool = True) -> int:
+    """Warps per program, from a tile sweep on an H200 (bench_quant_gpu.py --tune, 2026-11-21):
+    4096-element tiles run best with 4 warps for FP8 codes and 2 for FP4 (whose packing doubles
+    the work per thread); larger tiles (per-token rows) get more."""
     if num_warps:
         return num_warps
     n = gb * gpp * bm
     if n <= 4096:
-        return 4 if divides else 2
+        return 4 if fp8 else 2
     return 8 if n <= 8192 else 16
 
 
@@ -1097,7 +1126,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
             GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=0, AMAX_SRC=1, STATIC=static is not None,
             TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=False, ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0,
             PAIR=pair, IN16=in16,
-            num_warps=_warps(gb, gpp, bm, num_warps, _divides(ce)), **ce)
+            num_warps=_warps(gb, gpp, bm, num_warps, ce["ELEM"] != 2), **ce)
         out_codes = codes.reshape(shape[:-1] + (cshape[-1],))
         return FastQuantized(out_codes, scales.reshape(_grid_of(shape, scheme)), "row_major", scheme, shape)
 
@@ -1141,7 +1170,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=_SF_LAYOUT[scale_layout], AMAX_SRC=0,
         STATIC=static is not None, TWO_LEVEL=two_level, NV_ORDER=order, WRITE_SCALES=True,
         ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0, PAIR=pair, IN16=in16,
-        num_warps=_warps(gb, gpp, bm, num_warps, _divides(ce)), **ce)
+        num_warps=_warps(gb, gpp, bm, num_warps, ce["ELEM"] != 2), **ce)
     lead = shape[:-2] if len(shape) >= 2 else ()
     out_codes = codes.reshape(shape[:-1] + (cshape[-1],))
     if scale_layout == "row_major":

@@ -21,7 +21,9 @@ from moeref.compare import (
     metrics,
     requant_uncertainty,
 )
+from moeref.compare.bounds import HOPPER_FP8_DEEPGEMM_DATA, gemm_error_bound, layer_bound
 from moeref.compare.faults import FAULTS, HONEST, LayerCase, candidate, hopper_fp8_gemm, reference, torch_bf16_gemm
+from moeref.gemm.exact import BlockOperand, as_operand
 from moeref.moe import MoEQuant, make_layer, make_tokens, quantize_weights
 from moeref.quant import fp8_block, fp8_group, quantize
 from moeref.routing import softmax_topk
@@ -43,6 +45,48 @@ def fp8_case():
     return case, reference(case)
 
 
+def aligned_adder_gemm(bits: int = 14, headroom: int = 1, rounding: str = "trunc", renormalize: bool = True,
+                       promote: int = 128, mma_k: int = 32):
+    """Test oracle: a tensor-core accumulator written from the published model (Fasi, Higham, Mikaitis,
+    Pranesh, "Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021; DeepSeek-V3 report §3.3.2: about
+    14 bits kept, promotion to FP32 every 128 columns), made adversarial.
+
+    Per promotion chunk a fresh accumulator; per ``mma_k``-column MMA the exact products and the incoming
+    accumulator are aligned to the largest addend's exponent ``e`` and every addend is cut to the grid
+    ``2^(e - bits + 1 + headroom)`` (``headroom=1``: one bit coarser than a ``bits``-bit significand of
+    the largest), toward zero (``trunc``: all same-sign errors add up) or toward -inf (``floor``); the cut
+    addends are summed exactly and the sum is truncated to ``bits`` significant bits (``renormalize``).
+    Each chunk is then multiplied by its FP32 scale product and added to an FP32 sum. Scale blocks must
+    cover whole promotion chunks (DeepGEMM: 128)."""
+    cut = {"trunc": np.trunc, "floor": np.floor}[rounding]
+
+    def gemm(a, w):
+        a, w = as_operand(a), as_operand(w)
+        m, k = a.values.shape
+        n = w.values.shape[0]
+        out = np.zeros((m, n), dtype=np.float32)
+        ra, rw = np.arange(m) // a.block[0], np.arange(n) // w.block[0]
+        for s in range(0, k, promote):
+            acc = np.zeros((m, n))
+            for j, t in enumerate(range(s, min(s + promote, k), mma_k)):
+                e = min(t + mma_k, s + promote, k)
+                prods = a.values[:, None, t:e].astype(np.float64) * w.values[None, :, t:e].astype(np.float64)
+                addends = np.concatenate([prods, acc[..., None]], axis=-1) if j else prods
+                big = np.abs(addends).max(axis=-1)
+                _, ex = np.frexp(np.where(big > 0, big, 1.0))  # big = f 2^ex, f in [0.5, 1)
+                grid = np.ldexp(1.0, ex - 1 - (bits - 1) + headroom)[..., None]
+                total = (cut(addends / grid) * grid).sum(axis=-1)  # power-of-two grid: exact
+                if renormalize:
+                    mant, ex2 = np.frexp(total)
+                    total = np.ldexp(np.trunc(mant * 2.0**bits) / 2.0**bits, ex2)
+                acc = total
+            sc = (a.scales[ra, s // a.block[1]][:, None] * w.scales[rw, s // w.block[1]][None, :]).astype(np.float32)
+            out = out + acc.astype(np.float32) * sc
+        return out
+
+    return gemm
+
+
 # ------------------------------------------------------------------ soundness
 
 
@@ -61,6 +105,17 @@ def test_emulated_hopper_accumulator_passes_its_profile(fp8_case):
     rep = compare(cand, ref, HOPPER_FP8_DEEPGEMM)
     assert rep.passed, rep.summary()
     assert not compare(cand, ref, FP32_ACCUM).passed  # 14-bit accumulation is not FP32 arithmetic
+
+
+@pytest.mark.parametrize("headroom,rounding", [(0, "trunc"), (1, "trunc"), (1, "floor")])
+def test_adversarial_hopper_accumulator_passes_data_dependent_bound(fp8_case, headroom, rounding):
+    case, ref = fp8_case
+    for gemm in (hopper_fp8_gemm(), aligned_adder_gemm(headroom=headroom, rounding=rounding)):
+        cand = candidate(case, gemm=gemm, gemm1_out_dtype="bfloat16", act_out_dtype="bfloat16",
+                         out_dtype=ml_dtypes.bfloat16)
+        rep = compare(cand, ref, HOPPER_FP8_DEEPGEMM_DATA)
+        assert rep.passed, rep.summary()
+        assert rep.metrics["max_abs"] > 0
 
 
 def test_torch_bf16_layer_passes_bf16_profile():
@@ -131,6 +186,65 @@ def test_hopper_bound_is_sound_but_loose():
     assert not compare(FAULTS["output row 0 unwritten (NaN)"](case), ref, HOPPER_FP8_DEEPGEMM).passed
     assert compare(FAULTS["all-zero output"](case), ref, HOPPER_FP8_DEEPGEMM).passed
     assert gemm_coefficient(HOPPER_FP8_DEEPGEMM, 256, 2) > 0.015
+
+
+def test_data_dependent_hopper_bound_catches_what_the_worst_case_cannot():
+    """The demo layer (moeref.moe.demo, outputs ~1e-2): the worst-case Hopper bound lets every fault but the
+    NaN row through; the data-dependent one also catches the all-zero output, the dropped slot, gate/up
+    swapped, the misrouted token (only on token 0) and the doubled router weights (each by 1.3x to 4x its
+    bound, seeds 0-2), and is about 8x tighter. The intermediate may still flip everywhere, so the scale
+    and re-quantization faults stay within what 14-bit accumulation permits."""
+    from moeref.moe.demo import demo_case
+
+    _, case = demo_case(seed=0, out_scale=2e-3)
+    ref = reference(case)
+    old = layer_bound(ref, HOPPER_FP8_DEEPGEMM).bound
+    new = layer_bound(ref, HOPPER_FP8_DEEPGEMM_DATA).bound
+    assert np.median(new / old) < 0.2 and np.median(new / np.abs(ref.output)) < 3
+    caught = {f for f, make in FAULTS.items() if not compare(make(case), ref, HOPPER_FP8_DEEPGEMM_DATA).passed}
+    caught_old = {f for f, make in FAULTS.items() if not compare(make(case), ref, HOPPER_FP8_DEEPGEMM).passed}
+    assert caught_old == {"output row 0 unwritten (NaN)"}
+    assert {"all-zero output", "top-k slot dropped", "gate and up swapped", "token 0 routed to a wrong expert",
+            "router weights applied twice", "output row 0 unwritten (NaN)"} <= caught
+    rep = compare(FAULTS["token 0 routed to a wrong expert"](case), ref, HOPPER_FP8_DEEPGEMM_DATA)
+    assert np.flatnonzero(rep.token_violations).tolist() == [0]
+
+
+def test_gemm_error_bound_hand_values():
+    """The recurrence of gemm_error_bound's docstring by hand: u = 2^-13 (grid 2 u 2^floor(log2 M) for exact
+    operands), FP32 promotion gamma(5, 2^-24) (1 chunk + 1 scale block + 3)."""
+    u2 = 2 * 2.0**-13
+    g5 = gamma(5, 2.0**-24)
+    hop = HOPPER_FP8_DEEPGEMM_DATA
+    # K = 2, one MMA: products 1, 1 (largest 1, two addends), exact sum 2 (normalisation: 2^1)
+    e0 = 2 * u2 * 1 + u2 * 2
+    assert gemm_error_bound(np.ones((1, 2)), np.ones((1, 2)), hop)[0, 0] == pytest.approx(e0 + g5 * (2 + e0), rel=1e-8)
+    # K = 33: step 0 has 32 products of 1 (sum 32); step 1 one product and the accumulator (32 + e0 < 64)
+    e0 = 32 * u2 * 1 + u2 * 32
+    e1 = e0 + 2 * u2 * 32 + u2 * 32
+    got = gemm_error_bound(np.ones((1, 33)), np.ones((1, 33)), hop)
+    assert got[0, 0] == pytest.approx(e1 + g5 * (33 + e1), rel=1e-8)
+    # zeros are exact: one nonzero product of 4 loses at most 2 u_acc 4, the zero ones nothing
+    e0 = 1 * u2 * 4 + u2 * 4
+    got = gemm_error_bound(np.array([[4.0, 0.0, 0.0]]), np.array([[1.0, 1.0, 1.0]]), hop)
+    assert got[0, 0] == pytest.approx(e0 + g5 * (4 + e0), rel=1e-8)
+    # block scales (3 and 5, not powers of two): the unscaled bound times 15
+    a = BlockOperand(np.ones((1, 2)), np.array([[3.0]]), (1, 2), True)
+    w = BlockOperand(np.ones((1, 2)), np.array([[5.0]]), (1, 2), True)
+    e0 = 2 * u2 * 1 + u2 * 2
+    assert gemm_error_bound(a, w, hop)[0, 0] == pytest.approx(15 * (e0 + g5 * (2 + e0)), rel=1e-8)
+    # inexact float operands: the scaled domain, grid 2 u M without the power of two
+    p = 0.1 * 0.1
+    e0 = 2 * u2 * p + u2 * (2 * p + 2 * u2 * p)
+    got = gemm_error_bound(np.full((1, 2), 0.1), np.full((1, 2), 0.1), hop)
+    assert got[0, 0] == pytest.approx(e0 + g5 * (2 * p + e0), rel=1e-8)
+    # the worst-case model is the old coefficient times |A||B|^T
+    assert gemm_error_bound(np.ones((1, 33)), np.ones((1, 33)), HOPPER_FP8_DEEPGEMM)[0, 0] == pytest.approx(
+        33 * gemm_coefficient(HOPPER_FP8_DEEPGEMM, 33, 1), rel=1e-12)
+    with pytest.raises(ValueError, match="accum_model"):
+        Profile("bad", accum_model="optimistic")
+    with pytest.raises(ValueError, match="a_radius"):
+        gemm_error_bound(np.ones((1, 2)), np.ones((1, 2)), HOPPER_FP8_DEEPGEMM_DATA, a_radius=np.ones((1, 3)))
 
 
 # ------------------------------------------------------------------ components

@@ -17,7 +17,12 @@ most the bound built here, stage by stage (derivation: docs/error-bounds.md). Wi
    (``2^-13`` of it for 14 bits), i.e. ``33 u_acc`` of the chunk's ``sum |a||b|`` per MMA.
    Products of FP8/FP4/bf16 elements are exact in FP32 (an FP32 x FP32 product rounding is the
    ``+ 1`` in ``n``).
-   A stored GEMM output (bf16) adds ``u_out (|C| + bound)``.
+   A stored GEMM output (bf16) adds ``u_out (|C| + bound)``. That is ``accum_model="worst_case"``;
+   ``accum_model="data_dependent"`` (:data:`HOPPER_FP8_DEEPGEMM_DATA`) bounds each output element from
+   its own products instead: per 32-wide MMA, ``(nonzero addends) * 2 u_acc * 2^floor(log2 M)`` with
+   ``M`` the larger of the step's largest product and ``|exact partial sum| + error so far`` (the
+   incoming accumulator), plus the normalisation of the MMA result (:func:`gemm_error_bound` states the
+   hardware model). On the demo layer it is about 8x tighter.
 2. **Activation**: the Lipschitz bound of the gate function on the interval ``[g - dg, g + dg]``
    (:func:`lipschitz_on`: ``|silu'| <= 1.0998`` and ``|gelu'| <= 1.1290`` globally, near 0 where they
    saturate; clamps only flatten) and ``|f(g)| <= |g|`` give, for ``f(g) * up(u)``,
@@ -45,7 +50,7 @@ fails wherever its error exceeds what that arithmetic can produce.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -60,9 +65,11 @@ __all__ = [
     "FP32_ACCUM",
     "BF16_OUTPUT",
     "HOPPER_FP8_DEEPGEMM",
+    "HOPPER_FP8_DEEPGEMM_DATA",
     "PROFILES",
     "gamma",
     "gemm_coefficient",
+    "gemm_error_bound",
     "lipschitz_on",
     "activation_error",
     "activation_magnitude",
@@ -99,6 +106,11 @@ class Profile:
         act_unit: relative error of evaluating and storing the activation (incl. a bf16 store).
         reduce_unit: unit roundoff of the top-k weighted sum (FP32).
         out_unit: rounding of the output store (bf16 ``2^-8``, FP32 ``2^-24``).
+        accum_model: ``"worst_case"``: the GEMM bound is ``coef * |A||B|^T`` (:func:`gemm_coefficient`,
+            any summation order); ``"data_dependent"``: the aligned-adder model of
+            :func:`gemm_error_bound`, computed from the operands' actual products (Hopper only makes
+            sense with ``promote_every`` and ``mma_k`` set).
+        mma_k: K columns of one tensor-core MMA (one aligned multi-term addition); Hopper FP8 WGMMA: 32.
     """
 
     name: str
@@ -110,6 +122,16 @@ class Profile:
     act_unit: float = 16 * U_FP32
     reduce_unit: float = U_FP32
     out_unit: float = U_FP32
+    accum_model: str = "worst_case"
+    mma_k: int = 32
+
+    def __post_init__(self):
+        if self.accum_model not in ("worst_case", "data_dependent"):
+            raise ValueError(f"accum_model must be 'worst_case' or 'data_dependent'; got {self.accum_model!r}")
+        if int(self.mma_k) < 1:
+            raise ValueError(f"mma_k must be >= 1; got {self.mma_k}")
+        if self.promote_every is not None and int(self.promote_every) < 1:
+            raise ValueError(f"promote_every must be >= 1 or None; got {self.promote_every}")
 
 
 EXACT = Profile("EXACT", "float64 reference against itself (only float64 roundings)",
@@ -124,7 +146,11 @@ HOPPER_FP8_DEEPGEMM = Profile(
     "Hopper FP8 WGMMA: ~14-bit accumulation promoted to FP32 every 128 K (DeepGEMM), bf16 GEMM outputs "
     "and output", accum_unit=2.0**-13, promote_every=128, gemm_out_unit=U_BF16,
     act_unit=U_BF16 + 16 * U_FP32, out_unit=U_BF16)
-PROFILES = {p.name: p for p in (EXACT, FP32_ACCUM, BF16_OUTPUT, HOPPER_FP8_DEEPGEMM)}
+HOPPER_FP8_DEEPGEMM_DATA = replace(
+    HOPPER_FP8_DEEPGEMM, name="HOPPER_FP8_DEEPGEMM_DATA",
+    description="HOPPER_FP8_DEEPGEMM with the data-dependent aligned-adder bound (per 32-wide MMA, from the "
+    "actual products and partial sums)", accum_model="data_dependent")
+PROFILES = {p.name: p for p in (EXACT, FP32_ACCUM, BF16_OUTPUT, HOPPER_FP8_DEEPGEMM, HOPPER_FP8_DEEPGEMM_DATA)}
 
 
 def gemm_coefficient(profile: Profile, k: int, num_k_blocks: int = 1) -> float:
@@ -135,6 +161,169 @@ def gemm_coefficient(profile: Profile, k: int, num_k_blocks: int = 1) -> float:
     g_acc = gamma(c + -(-c // 32) + 1, profile.accum_unit)
     n_prom = -(-k // c) + num_k_blocks + 3
     return g_acc + (1.0 + g_acc) * gamma(n_prom, profile.promote_unit)
+
+
+def gemm_error_bound(a, w, profile: Profile, *, a_radius=None, bias=None) -> np.ndarray:
+    """Bound on the arithmetic error of ``C = A @ W.T (+ bias)`` computed as ``profile`` declares,
+    float64 ``[M, N]``.
+
+    ``a``: ``[M, K]`` and ``w``: ``[N, K]`` operands (:func:`moeref.gemm.exact.as_operand` input);
+    ``a_radius``: optional float ``[M, K]`` (>= 0): the kernel multiplies some ``A~`` with
+    ``|A~ - A| <= a_radius`` elementwise (the uncertain re-quantized intermediate of GEMM2); the bound
+    covers the arithmetic error of ``A~ @ W.T`` for every such ``A~`` (the operand difference itself,
+    ``a_radius @ |W|.T``, is not included); ``bias``: optional float ``[N]``.
+
+    ``accum_model="worst_case"``: ``coef * ((|A| + a_radius) |W|^T + |bias|)`` with ``coef`` of
+    :func:`gemm_coefficient` (any summation order).
+
+    ``accum_model="data_dependent"`` (the hardware model, docs/error-bounds.md): K is cut into promotion
+    chunks of ``c = promote_every`` columns (``K`` when None), each into MMA steps of ``mma_k`` columns.
+    Each chunk starts a fresh accumulator (DeepGEMM issues the first WGMMA of a promotion block with
+    the accumulator cleared). One MMA step adds its products (exact: FP8/FP4/bf16 products fit an FP32
+    significand) and the incoming accumulator (steps after the first) in an aligned multi-term adder:
+    every addend is aligned to the largest addend's exponent ``e = floor(log2 max|addend|)`` and cut to
+    a grid no finer than ``2^(e + 1) * u_acc`` (``u_acc = 2^-13``: 14 bits kept, plus one bit of headroom
+    for a carry or a 13-bit alignment: twice the grid of a 14-bit significand of the largest), any
+    rounding direction; the sum is exact and then normalised, losing less than ``2 u_acc`` of its
+    magnitude (again one bit of headroom). Block scales are constant over a chunk (DeepGEMM's 1x128 and
+    128x128 blocks); each chunk is multiplied by its scales and added in FP32. Sources: DeepSeek-V3
+    technical report §3.3.2 (~14 bits, promotion every 128 columns); Fasi, Higham, Mikaitis, Pranesh,
+    "Numerical behavior of NVIDIA tensor cores" (PeerJ CS 2021: alignment to the largest exponent,
+    truncation). Per output element, chunk and step ``j`` (``P_j`` the products of the step, ``S_j`` the
+    exact partial sum of the chunk through step ``j``, ``E_j`` the error bound so far, ``n_j`` the nonzero
+    products plus 1 for the accumulator when ``j > 0``, ``p2(x) = 2^floor(log2 x)``):
+
+        M_j     = max(max |P_j|, |S_{j-1}| + E_{j-1})          (bound on the largest addend)
+        align_j = n_j * 2 u_acc * p2(M_j)                        (>= n_j * 2^(e + 1) * u_acc)
+        E_j     = E_{j-1} + align_j + 2 u_acc p2(|S_j| + E_{j-1} + align_j)
+
+    and the chunk's accumulator satisfies ``|acc| <= |S| + E``. This runs on the unscaled elements (exact
+    in float64 when ``c * max|a| * max|w| <= 2^53 q_a q_w``, :func:`moeref.gemm.exact.quantum_and_max`) and
+    is multiplied by the chunk's ``|scale_a scale_w|``. Otherwise (a scale block shorter than a chunk,
+    inexact partial sums, or ``a_radius`` given) it runs on the scaled products with ``p2`` replaced by the
+    identity: ``2^floor(log2 x_unscaled) * scale <= x``, whatever the scale, so the bound holds whether the
+    kernel scales before or after accumulating. The promotions, scale products and the bias add are FP32:
+    ``gamma(ceil(K/c) + S + 3, u_fp32) (sum_chunks scale (|S| + E) + |bias|)`` (as in
+    :func:`gemm_coefficient`). With ``a_radius``, ``max |P_j|`` uses ``(|A| + a_radius) |W|`` and ``|S_j|``
+    grows by the partial sums of ``a_radius |W|``. ``M_j`` is widened by ``2^-40`` before ``p2`` and the
+    result by ``1e-9`` relative, for the float64 rounding of the bound's own arithmetic.
+
+    Cost: the product tensor ``[M, N, K]`` in float64 (in row blocks of at most 2^22 elements) plus an
+    ``O(M N K / mma_k)`` recurrence: fine for test-sized layers, not for production shapes.
+
+    >>> hop = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
+    >>> a = np.array([[1.0, 1.0, 0.0]]); w = np.array([[1.0, -1.0, 0.0]])
+    >>> round(float(gemm_error_bound(a, w, hop)[0, 0]) / 2.0**-13, 4)  # 2 products, M = 1: 2 * 2 u_acc
+    4.001
+    """
+    from ..gemm.exact import as_operand, quantum_and_max
+
+    a = as_operand(a, "a")
+    w = as_operand(w, "w")
+    m, k = a.values.shape
+    n = w.values.shape[0]
+    if w.values.shape[1] != k:
+        raise ValueError(f"a has K={k} columns but w has K={w.values.shape[1]}")
+    b_abs = np.zeros(n) if bias is None else np.abs(np.asarray(bias, dtype=np.float64)).reshape(-1)
+    if b_abs.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},); got {np.shape(bias)}")
+    radius = None
+    if a_radius is not None:
+        radius = np.asarray(a_radius, dtype=np.float64)
+        if radius.shape != (m, k):
+            raise ValueError(f"a_radius must have the shape of a, ({m}, {k}); got {radius.shape}")
+        if np.any(radius < 0):
+            raise ValueError("a_radius must be >= 0")
+    s_blocks = _num_k_blocks(a, w)
+    if profile.accum_model == "worst_case":
+        coef = gemm_coefficient(profile, k, s_blocks)
+        a_abs = np.abs(a.dequantize()) + (0.0 if radius is None else radius)
+        return coef * (a_abs @ np.abs(w.dequantize()).T + b_abs[None, :])
+    c = max(1, k if profile.promote_every is None else min(int(profile.promote_every), k))
+    n_prom = -(-k // c) + s_blocks + 3
+    g_prom = gamma(n_prom, profile.promote_unit)
+    if m == 0 or n == 0 or k == 0:
+        return np.broadcast_to(g_prom * b_abs, (m, n)).copy()
+    mma = int(profile.mma_k)
+    steps = -(-c // mma)
+    nch = -(-k // c)
+    # chunk-major column grid [nch, steps * mma]: column index or -1 (padding: zero products)
+    pos = np.arange(steps * mma)
+    cols = np.arange(nch)[:, None] * c + pos[None, :]
+    cols = np.where((pos[None, :] < c) & (cols < k), cols, -1)
+
+    def gathered(x):  # [R, K] -> [R, nch, steps, mma], zeros at padding
+        g = np.where(cols >= 0, x[:, np.maximum(cols, 0)], 0.0)
+        return g.reshape(x.shape[0], nch, steps, mma)
+
+    # exact domain: the unscaled element products and chunk sums are exact in float64 and every chunk
+    # lies in one scale block of each operand, so the adder's grid is known up to a power of two
+    blk = np.arange(nch) * c
+    last = np.minimum(blk + c, k) - 1
+    const_scales = all(np.array_equal(blk // op.block[1], last // op.block[1]) for op in (a, w))
+    exact = radius is None and const_scales and bool(np.all(np.isfinite(a.values)) and np.all(np.isfinite(w.values)))
+    if exact:
+        qa, ma = quantum_and_max(a.values)
+        qw, mw = quantum_and_max(w.values)
+        exact = ma == 0 or mw == 0 or c * ma * mw <= 2.0**53 * qa * qw
+    if exact:
+        ac, bd = gathered(a.values.astype(np.float64)), gathered(w.values.astype(np.float64))
+        sa = np.abs(a.scales[(np.arange(m) // a.block[0])[:, None], (blk // a.block[1])[None, :]])
+        sw = np.abs(w.scales[(np.arange(n) // w.block[0])[:, None], (blk // w.block[1])[None, :]])
+
+        def grid(x):  # 2^floor(log2 x) (0 for x = 0), x widened by 2^-40 for the float64 sums of E
+            _, ex = np.frexp(x * (1.0 + 2.0**-40))
+            return np.where(x > 0, np.ldexp(1.0, ex - 1), 0.0)
+    else:
+        ac, bd = gathered(a.dequantize()), gathered(w.dequantize())
+
+        def grid(x):  # scaled domain: 2^floor(log2 x_unscaled) * scale <= x
+            return x
+    ar = None if radius is None else gathered(radius)
+    bd_abs = np.abs(bd)
+    au = np.abs(ac) if ar is None else np.abs(ac) + ar
+    u2 = 2.0 * profile.accum_unit
+    out = np.empty((m, n))
+    rb = max(1, (1 << 22) // max(1, n * nch * steps * mma))
+    for r0 in range(0, m, rb):  # row blocks bound the memory of the [rb, N, K] product tensor
+        r1 = min(r0 + rb, m)
+        p_abs = au[r0:r1, None] * bd_abs[None]                           # [rb, N, nch, steps, mma]
+        p_max = p_abs.max(axis=-1)
+        cnt = np.count_nonzero(p_abs, axis=-1).astype(np.float64)
+        s_part = np.abs(np.cumsum((ac[r0:r1, None] * bd[None]).sum(axis=-1), axis=-1))  # |S_j|
+        if ar is not None:
+            s_part = s_part + np.cumsum((ar[r0:r1, None] * bd_abs[None]).sum(axis=-1), axis=-1)
+        err = np.zeros(p_max.shape[:-1])                                 # [rb, N, nch]
+        prev = np.zeros_like(err)                                        # |S_{j-1}| + E_{j-1}
+        for j in range(steps):  # <= promote_every / mma_k steps (4 for DeepGEMM): the recurrence
+            align = (cnt[..., j] + (j > 0)) * u2 * grid(np.maximum(p_max[..., j], prev))
+            err = err + align + u2 * grid(s_part[..., j] + err + align)
+            prev = s_part[..., j] + err
+        if exact:
+            scale = sa[r0:r1, None, :] * sw[None, :, :]
+            err, prev = err * scale, prev * scale
+        out[r0:r1] = err.sum(axis=-1) + g_prom * (prev.sum(axis=-1) + b_abs[None, :])
+    return out * (1.0 + 1e-9)
+
+
+def _rows_error_bound(a, a_radius, row_expert, weights, bias, profile: Profile) -> np.ndarray:
+    """:func:`gemm_error_bound` of every row against its expert's weights (the row -> expert map of
+    :func:`moeref.gemm.grouped.expert_rows_gemm`), float64 ``[R, N]``, 0 on padding rows."""
+    from ..gemm.exact import as_operand
+
+    a = as_operand(a, "a")
+    w = ExpertOperands(weights)
+    b = None if bias is None else np.asarray(bias, dtype=np.float64)
+    out = None
+    for e in np.unique(row_expert[row_expert >= 0]).tolist():  # a loop over experts
+        idx = np.flatnonzero(row_expert == e)
+        r = gemm_error_bound(a.take_rows(idx), w[e], profile,
+                             a_radius=None if a_radius is None else a_radius[idx],
+                             bias=None if b is None else b[e])
+        if out is None:
+            out = np.zeros((row_expert.size, r.shape[1]))
+        out[idx] = r
+    return np.zeros((row_expert.size, w[0].values.shape[0])) if out is None else out
 
 
 _LIPSCHITZ = {"silu": 1.1, "gelu": 1.13}  # max |silu'| = 1.09984, max |gelu'| = 1.12899 (erf and tanh forms)
@@ -307,11 +496,7 @@ def _chunk_bound(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, int]
     used = np.unique(rows[valid])
     if used.size == 0:
         return np.zeros((p.num_tokens, e.y.shape[1])), 0
-    e0 = int(used[0])
-    k1 = p.a.values.shape[1]
-    c1 = gemm_coefficient(profile, k1, _num_k_blocks(p.a, w13[e0]))
-    s1 = expert_rows_gemm(p.a, rows, w13, weights.b13, abs_values=True)
-    dh = c1 * s1
+    dh = _rows_error_bound(p.a, None, rows, w13, weights.b13, profile)
     dh += profile.gemm_out_unit * (np.abs(e.h) + dh)
     dx = activation_error(cfg["activation"], e.h, dh, weights.w13_layout, cfg["activation_params"])
     mag_act = activation_magnitude(cfg["activation"], e.h, weights.w13_layout, cfg["activation_params"])
@@ -325,11 +510,8 @@ def _chunk_bound(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, int]
         vidx = np.flatnonzero(valid)
         unc = np.zeros_like(dx)
         unc[vidx], flips = requant_uncertainty(e.x[vidx], dx[vidx], quant.a2, e.a2)
-    xq_abs = np.abs(e.xq.dequantize())
-    c2 = gemm_coefficient(profile, xq_abs.shape[1], _num_k_blocks(e.xq, w2[e0]))
-    s_unc = expert_rows_gemm(unc, rows, w2, None, abs_values=True)
-    s2 = expert_rows_gemm(xq_abs + unc, rows, w2, weights.b2, abs_values=True)
-    dy = s_unc + c2 * s2
+    dy = expert_rows_gemm(unc, rows, w2, None, abs_values=True) + _rows_error_bound(e.xq, unc, rows, w2,
+                                                                                     weights.b2, profile)
     dy += profile.gemm_out_unit * (np.abs(e.y) + dy)
     w_abs = np.abs(p.topk_weights)
     k = p.top_k

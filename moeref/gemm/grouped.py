@@ -41,7 +41,11 @@ __all__ = [
 
 
 class ExpertOperands:
-    """Per-expert :class:`BlockOperand` view of ``weights`` (decoded lazily, once per expert).
+    """Per-expert :class:`BlockOperand` view of ``weights``, built on first use, once per distinct tensor.
+
+    Quantized tensors of 8-bit codes stay codes (:func:`moeref.gemm.as_operand`): the blocked
+    :func:`moeref.gemm.block_gemm` decodes them block by block, so a layer of 256 distinct DeepSeek-V3
+    experts (11.3 GB of codes) never holds more than a few decoded blocks.
 
     ``weights``: float array ``[E, N, K]`` or a sequence of ``E`` per-expert operands ``[N, K]``.
     """
@@ -101,8 +105,8 @@ def expert_rows_gemm(a, row_expert, weights, bias=None, *, abs_values: bool = Fa
     a = as_operand(a, "a")
     w = ExpertOperands(weights)
     rows = as_int_array(row_expert, "row_expert").reshape(-1).astype(np.int64)
-    if rows.size != a.values.shape[0]:
-        raise ValueError(f"row_expert has {rows.size} entries but a has {a.values.shape[0]} rows")
+    if rows.size != a.shape[0]:
+        raise ValueError(f"row_expert has {rows.size} entries but a has {a.shape[0]} rows")
     bad = np.flatnonzero((rows < -1) | (rows >= len(w)))
     if bad.size:
         i = int(bad[0])
@@ -114,7 +118,7 @@ def expert_rows_gemm(a, row_expert, weights, bias=None, *, abs_values: bool = Fa
     for e in np.unique(rows[rows >= 0]).tolist():
         we = w[e].abs() if abs_values else w[e]
         if n is None:
-            n = we.values.shape[0]
+            n = we.shape[0]
             out = np.zeros((rows.size, n))
         idx = np.flatnonzero(rows == e)
         rows_e = a.take_rows(idx)
@@ -124,7 +128,7 @@ def expert_rows_gemm(a, row_expert, weights, bias=None, *, abs_values: bool = Fa
             r = gemm(rows_e, we)
         out[idx] = r
     if out is None:  # no valid row: the width comes from expert 0
-        n = w[0].values.shape[0] if len(w) else 0
+        n = w[0].shape[0] if len(w) else 0
         out = np.zeros((rows.size, n))
     b = _bias(bias, len(w), n, "bias")
     if b is not None:
@@ -149,8 +153,8 @@ def grouped_gemm_standard(a, weights, topk_ids, num_experts: int, expert_map=Non
     k = max(g.top_k, 1)
     slots = np.arange(g.num_slots)
     op = as_operand(a, "a")
-    if op.values.shape[0] != g.num_tokens:
-        raise ValueError(f"a must have {g.num_tokens} rows (one per token); got {op.values.shape[0]}")
+    if op.shape[0] != g.num_tokens:
+        raise ValueError(f"a must have {g.num_tokens} rows (one per token); got {op.shape[0]}")
     rows = op.take_rows(slots // k)
     out = expert_rows_gemm(rows, g.local_ids, weights, bias, abs_values=abs_values)
     return out.reshape(g.num_tokens, g.top_k, -1)
@@ -186,9 +190,9 @@ def grouped_gemm_masked(a, weights, masked_m, bias=None, *, abs_values: bool = F
         a = arr.reshape(-1, arr.shape[-1]) if arr.ndim == 3 else arr
     op = as_operand(a, "a")
     e = np.asarray(masked_m).size
-    if e == 0 or op.values.shape[0] % e:
-        raise ValueError(f"a has {op.values.shape[0]} rows, not a multiple of the {e} experts of masked_m")
-    max_m = op.values.shape[0] // e
+    if e == 0 or op.shape[0] % e:
+        raise ValueError(f"a has {op.shape[0]} rows, not a multiple of the {e} experts of masked_m")
+    max_m = op.shape[0] // e
     out = expert_rows_gemm(op, _per_expert_rows(masked_m, max_m, "masked_m"), weights, bias,
                            abs_values=abs_values)
     return out.reshape(e, max_m, -1)
