@@ -430,10 +430,13 @@ def plot(res, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5))
-    for name, r in res["kernels"].items():
+    colors = plt.get_cmap("tab20").colors
+    markers = "os^vD<>pP*Xh"
+    for i, (name, r) in enumerate(res["kernels"].items()):
         xs = [p["bytes"] / 1e6 for p in r["sweep"]]
         ys = [p["TBps"] for p in r["sweep"]]
-        ax.plot(xs, ys, marker="o", label=name)
+        ax.plot(xs, ys, marker=markers[i % len(markers)], color=colors[(2 * i) % 20 + (i >= 10)],
+                label=name)
     ax.axhline(res["copy_TBps"], color="k", linestyle="--", label="device copy")
     ax.set_xscale("log")
     ax.set_xlabel("bytes moved per call (MB, read + write)")

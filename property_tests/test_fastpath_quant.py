@@ -547,3 +547,46 @@ def test_gpu_deep_gemm_agrees():
                 want = layouts.to_mn_major_tma_aligned(sf_host)
                 assert tuple(mn.stride()) == tuple(st // 4 for st in want.strides)
                 assert np.array_equal(to_numpy(mn.cpu()).view(np.uint32), want.view(np.uint32))
+
+
+# ----------------------------------------------------------------------------------------------
+# The FMA-corrected division the "div" presets use (fastpath.quant._div_exact)
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _div_exact_kernel(x_ptr, s_ptr, o_ptr, N: tl.constexpr, DIV: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(o_ptr + i, Q._div_exact(tl.load(x_ptr + i), tl.load(s_ptr + i), DIV, False))
+
+
+def test_div_exact_is_the_correctly_rounded_quotient():
+    """``_div_exact`` (reciprocal + two FMA corrections, Markstein) equals RN(x / s) wherever its
+    window holds (|s| in [2^-32, 2^33), |x/s| in [2^-32, 2^32]), on random pairs and on near-ties
+    x = q (1 + 2^-24) s. The float64 quotient rounded to float32 is the correctly rounded float32
+    quotient (53 >= 2*24 + 2: double rounding is innocuous for division)."""
+    import os
+
+    n = 1 << 16 if on_gpu() else 1 << 12
+    div = 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
+    rng = np.random.default_rng(5)
+    mismatches = 0
+    for _ in range(8 if on_gpu() else 2):
+        s_exp = rng.integers(127 - 32, 127 + 32, n, dtype=np.uint32)
+        s_man = rng.integers(0, 1 << 23, n, dtype=np.uint32)
+        s_man[: n // 8] = 0x7FFFFF
+        s = ((s_exp << 23) | s_man).view(np.float32)
+        q_exp = rng.integers(127 - 31, 127 + 31, n, dtype=np.uint32)
+        q = ((q_exp << 23) | rng.integers(0, 1 << 23, n, dtype=np.uint32)).view(np.float32)
+        x = (q.astype(np.float64) * (1 + 2.0**-24) * s.astype(np.float64)).astype(np.float32)
+        half = n // 2
+        x[half:] = ((rng.integers(127 - 40, 127 + 40, n - half, dtype=np.uint32) << 23)
+                    | rng.integers(0, 1 << 23, n - half, dtype=np.uint32)).view(np.float32)
+        x = np.where(rng.random(n) < 0.5, -x, x).astype(np.float32)
+        out = torch.empty(n, dtype=torch.float32, device=device())
+        _div_exact_kernel[(1,)](to_device(x), to_device(s), out, N=n, DIV=div)
+        want = (x.astype(np.float64) / s.astype(np.float64)).astype(np.float32)
+        a = np.abs(want)
+        window = (a >= 2.0**-31) & (a <= 2.0**31)
+        got = out.cpu().numpy()
+        mismatches += int((got[window].view(np.uint32) != want[window].view(np.uint32)).sum())
+        assert window.mean() > 0.5
+    assert mismatches == 0

@@ -11,6 +11,8 @@ from fractions import Fraction
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moeref.gemm import (
     BlockOperand,
@@ -221,3 +223,199 @@ def test_fast_element_decode_equals_element_values():
     for scheme in (fp8_block(), int8_per_channel(), mxfp4(), w4a8_cutlass()):
         q = quantize(RNG.standard_normal((8, 256)).astype(np.float32), scheme)
         np.testing.assert_array_equal(as_operand(q).values, q.element_values(np.float64))
+
+
+# ------------------------------------------------------------------ blocked path == per-segment definition, bit for bit
+#
+# block_gemm computes quantized x quantized GEMMs blocked over rows of B and steps of segments, from
+# the 8-bit codes, on several threads. The oracle below is the definition written out from the module
+# docstring, one segment at a time over all rows and columns (one BLAS call per segment, as the
+# reference computed it before), from QuantizedTensor.element_values / scale_values only:
+#     C = 0;  for each segment s (in order):  p = A_s @ B_s.T;  p *= sa[:, s];  p *= sb[:, s];  C += p
+# Exact partial dots make the two bit-identical; the tests compare the float64 bit patterns.
+
+
+def _segment_oracle(a, b) -> np.ndarray:
+    ea, eb = a.element_values(np.float64), b.element_values(np.float64)
+    m, k = ea.shape
+    n = eb.shape[0]
+
+    def full_scales(q, rows):  # the decode scale of every element, from the block grid
+        br, bk = (list(q.block_shape) + [rows, k])[:2] if len(q.block_shape) == 2 else (rows, k)
+        s = q.scale_values().reshape(-(-rows // br), -(-k // bk))
+        return np.repeat(np.repeat(s, br, axis=0)[:rows], bk, axis=1)[:, :k], bk
+
+    sa, bka = full_scales(a, m)
+    sb, bkb = full_scales(b, n)
+    g = np.gcd(min(bka, k), min(bkb, k))
+    out = np.zeros((m, n))
+    for s in range(0, k, g):
+        p = ea[:, s:s + g] @ eb[:, s:s + g].T
+        p *= sa[:, s][:, None]
+        p *= sb[:, s][None, :]
+        out += p
+    return out
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float64).view(np.uint64)
+
+
+@pytest.fixture
+def threads():
+    from moeref.gemm.exact import set_num_threads
+
+    yield set_num_threads
+    set_num_threads(None)
+
+
+def _q(shape, scheme, spread=True):
+    x = RNG.standard_normal(shape).astype(np.float32)
+    if spread:  # rows and columns of very different magnitudes: many block scales, wide exponents
+        x *= np.exp2(RNG.integers(-12, 12, size=(shape[0], 1))).astype(np.float32)
+        x *= np.exp2(RNG.integers(-6, 6, size=(1, shape[1]))).astype(np.float32)
+    return quantize(x, scheme)
+
+
+@pytest.mark.parametrize(
+    "a_scheme,b_scheme,m,n,k",
+    [
+        (fp8_group(128), fp8_block(), 4, 4096, 1024),  # DeepGEMM 1x128 x 128x128: many row blocks, threaded
+        (fp8_group(128), fp8_block(), 1, 300, 7168),  # one row, N not a multiple of any block
+        (fp8_group(128), fp8_block(), 33, 257, 1000),  # odd N, K = 7 * 128 + 104: a short last segment
+        (fp8_group(128, "ue8m0"), fp8_block(scale="ue8m0"), 6, 1100, 2048),
+        (fp8_group(128), mxfp4(), 5, 1300, 1024),  # DeepGEMM FP4 experts: segments of 32, packed codes
+        (fp8_group(64), mxfp4(), 3, 70, 200),  # K = 6 * 32 + 8
+        (mxfp8(), mxfp8(), 7, 600, 1900),  # 1x32 both sides, K odd multiple of 4
+        (fp8_per_token(), fp8_block(), 4, 1024, 1001),  # bk = K = 1001 vs 128: segments of gcd = 1
+        (fp8_per_tensor(), fp8_per_tensor(), 9, 2000, 640),  # one segment of the whole K
+        (int8_per_token(), int8_per_channel(), 4, 1500, 777),
+        (fp8_per_token(), w4a8_cutlass(), 3, 130, 384),  # INT4 with zero-point-free groups x FP8
+    ],
+)
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_blocked_gemm_is_bit_identical_to_per_segment_definition(a_scheme, b_scheme, m, n, k, num_threads,
+                                                                 threads):
+    threads(num_threads)
+    a, b = _q((m, k), a_scheme), _q((n, k), b_scheme)
+    got = block_gemm(a, b)
+    want = _segment_oracle(a, b)
+    assert got.dtype == np.float64 and got.shape == (m, n)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_blocked_gemm_signed_zeros_and_nan_codes(threads):
+    """Zero partial dots times a negative scale are -0.0 in every segment, and their sum is +0.0 (the
+    sum starts at +0.0, as in the definition); an E4M3 NaN code makes exactly its column's outputs NaN."""
+    threads(2)
+    scheme = fp8_block()
+    a = _q((3, 640), fp8_group(128), spread=False)
+    b = _q((1200, 640), scheme, spread=False)
+    codes = np.array(b.codes)
+    codes[:, :128] = 0x80  # -0.0 in the first segment of every row of B
+    codes[5, 300] = 0x7F  # E4M3 NaN
+    codes[7, :] = 0x80  # an all -0.0 row: every output of column 7 is +0.0
+    from moeref.quant import QuantizedTensor
+
+    scales = np.array(b.scales)
+    scales[0] *= -1  # rows 0..127 of B: negative block scales
+    b = QuantizedTensor(codes=codes, scales=scales, scheme=scheme, shape=b.shape)
+    got = block_gemm(a, b)
+    want = _segment_oracle(a, b)
+    assert np.isnan(got[:, 5]).all() and not np.isnan(np.delete(got, 5, axis=1)).any()
+    assert _bits(got[:, 7]).tolist() == [0, 0, 0]  # +0.0, not -0.0
+    np.testing.assert_array_equal(_bits(np.delete(got, 5, axis=1)), _bits(np.delete(want, 5, axis=1)))
+
+
+@given(
+    m=st.integers(1, 9),
+    n=st.integers(1, 700),
+    k=st.integers(1, 1100),
+    pair=st.sampled_from([
+        (fp8_group(128), fp8_block()),
+        (fp8_group(32), fp8_block((32, 32), "ue8m0")),
+        (fp8_group(128), mxfp4()),
+        (fp8_per_token(), fp8_block()),
+        (mxfp8(), mxfp8()),
+    ]),
+    num_threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**32 - 1),
+)
+@settings(max_examples=max(10, settings().max_examples // 4))  # each example is a few small GEMMs
+def test_blocked_gemm_bit_identity_property(m, n, k, pair, num_threads, seed):
+    from moeref.gemm.exact import set_num_threads
+
+    rng = np.random.default_rng(seed)
+    xa = (rng.standard_normal((m, k)) * np.exp2(rng.integers(-10, 10, size=(m, 1)))).astype(np.float32)
+    xb = (rng.standard_normal((n, k)) * np.exp2(rng.integers(-10, 10, size=(n, 1)))).astype(np.float32)
+    a, b = quantize(xa, pair[0]), quantize(xb, pair[1])
+    set_num_threads(num_threads)
+    try:
+        got = block_gemm(a, b)
+    finally:
+        set_num_threads(None)
+    np.testing.assert_array_equal(_bits(got), _bits(_segment_oracle(a, b)))
+
+
+def test_grouped_gemm_over_coded_experts_is_bit_identical(threads):
+    """The grouped engine over per-expert FP8 tensors (codes read block by block) equals the per-expert
+    definition, row by row; padding rows stay 0."""
+    threads(2)
+    w = [_q((1024, 1280), fp8_block()) for _ in range(3)]
+    a = _q((7, 1280), fp8_group(128))
+    row_expert = np.array([2, 0, -1, 2, 1, 0, 2])
+    got = grouped_gemm_contiguous(a, w, row_expert)
+    op = as_operand(a)
+    for e in range(3):
+        rows = np.flatnonzero(row_expert == e)
+        ea = op.take_rows(rows)
+        want = np.zeros((rows.size, 1024))
+        for s in range(0, 1280, 128):  # the definition, on the gathered rows
+            p = ea.values[:, s:s + 128].astype(np.float64) @ w[e].element_values()[:, s:s + 128].T
+            p *= ea.scales[:, s // 128][:, None]
+            p *= np.repeat(w[e].scale_values()[:, s // 128], 128)[None, :]
+            want += p
+        np.testing.assert_array_equal(_bits(got[rows]), _bits(want))
+    assert _bits(got[2]).tolist() == [0] * 1024
+
+
+def test_coded_operand_reads_like_its_values():
+    """An operand kept as 8-bit codes: values, blocks, rows and |.| all equal the decoded tensor's."""
+    q = _q((300, 520), fp8_block())
+    op = as_operand(q)
+    ev = q.element_values(np.float64)
+    assert op.shape == (300, 520) and op.quantized and op.block == (128, 128)
+    out = np.empty((20, 130))
+    np.testing.assert_array_equal(op.read_block(slice(270, 290), slice(390, 520), out), ev[270:290, 390:520])
+    rows = op.take_rows(np.array([299, -1, 0]))
+    np.testing.assert_array_equal(rows.values, np.stack([ev[299], np.zeros(520), ev[0]]))
+    np.testing.assert_array_equal(rows.scales[:, 0], [q.scale_values()[2, 0], 1.0, q.scale_values()[0, 0]])
+    ab = op.abs()
+    np.testing.assert_array_equal(ab.values, np.abs(ev))
+    np.testing.assert_array_equal(ab.dequantize(), np.abs(q.dequantize(np.float64)))
+    np.testing.assert_array_equal(op.values, ev)
+    import pickle
+
+    again = pickle.loads(pickle.dumps(op))
+    np.testing.assert_array_equal(again.values, ev)
+    np.testing.assert_array_equal(again.scales, op.scales)
+    with pytest.raises(AttributeError, match="immutable"):
+        op.scales = None
+    with pytest.raises(ValueError, match="codes must be uint8"):
+        BlockOperand(None, np.ones((1, 1)), (1, 4), True, codes=np.zeros((1, 4), np.int8), table=np.zeros(256))
+    with pytest.raises(ValueError, match="codes and table"):
+        BlockOperand(None, np.ones((1, 1)), (1, 4), True)
+
+
+def test_num_threads_setting():
+    from moeref.gemm.exact import get_num_threads, set_num_threads
+
+    set_num_threads(3)
+    try:
+        assert get_num_threads() == 3
+    finally:
+        set_num_threads(None)
+    assert get_num_threads() >= 1
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="num_threads"):
+            set_num_threads(bad)

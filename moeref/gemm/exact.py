@@ -123,6 +123,11 @@ class BlockOperand:
     def __setattr__(self, name, value):
         raise AttributeError(f"BlockOperand is immutable; cannot set {name!r}")
 
+    def __reduce__(self):  # pickle / copy through the constructor (attributes cannot be set)
+        if self._codes is not None:
+            return (_coded_operand, (self._codes, self._table, self.scales, self.block, self.quantized))
+        return (BlockOperand, (self._values, self.scales, self.block, self.quantized))
+
     def __repr__(self) -> str:
         kind = "codes" if self._codes is not None else "values"
         return (f"BlockOperand(shape={self.shape}, block={self.block}, quantized={self.quantized}, "
@@ -181,6 +186,10 @@ class BlockOperand:
         else:
             np.copyto(out, self._values[rows, cols], casting="unsafe")
         return out
+
+
+def _coded_operand(codes, table, scales, block, quantized) -> BlockOperand:
+    return BlockOperand(None, scales, block, quantized, codes=codes, table=table)
 
 
 def _decode_dtype(table: np.ndarray):
@@ -383,8 +392,8 @@ def _gemm_blocked(a: BlockOperand, b: BlockOperand, g: int, out: np.ndarray) -> 
     """The same sum for quantized operands (exact ``P_s``), blocked over rows of ``B`` and steps of
     whole segments: each step decodes ``B[rows, step]`` into a small float64 buffer (a table lookup
     of the codes), computes the step's ``P_s`` with one stacked ``matmul`` (``[c, M, g] @ [c, g, rows]``),
-    scales them in float64 (``p *= sa; p *= sb``) and adds them in segment order with
-    ``np.add.accumulate`` (sequential by definition) onto the running sum, which starts at +0.0.
+    scales them in float64 (``p *= sa; p *= sb``) and adds them in segment order onto the running sum,
+    which starts at +0.0.
     Row blocks are independent (each output column is written by one block), so spreading them over
     threads (:func:`set_num_threads`) cannot change a bit."""
     m, k = a.shape
@@ -410,18 +419,17 @@ def _gemm_blocked(a: BlockOperand, b: BlockOperand, g: int, out: np.ndarray) -> 
         nr = r1 - r0
         sb = np.ascontiguousarray(b.scales[np.arange(r0, r1) // b.block[0]][:, col_b].T)  # [S, nr]
         buf = np.empty(nr * width)
-        p = np.empty((per + 1, m, nr))  # p[0]: running sum; p[1:]: the step's scaled partial dots
-        p[0] = 0.0
+        p = np.empty((per, m, nr))  # the step's partial dots
+        acc = out[:, r0:r1]  # the running sum, from out's +0.0
         for (s0, s1, w), a_s in zip(steps, a_steps):
             c = s1 - s0
             bb = b.read_block(slice(r0, r1), slice(s0 * g, s0 * g + c * w), buf[:nr * c * w].reshape(nr, c * w))
-            part = p[1:c + 1]
+            part = p[:c]
             np.matmul(a_s, bb.reshape(nr, c, w).transpose(1, 2, 0), out=part)  # exact P_s
             part *= sa[s0:s1]
             part *= sb[s0:s1, None, :]
-            np.add.accumulate(p[:c + 1], axis=0, out=p[:c + 1])
-            p[0] = p[c]
-        out[:, r0:r1] = p[0]
+            for j in range(c):  # segment order
+                acc += part[j]
 
     threads = get_num_threads()
     if threads > 1 and len(blocks) > 1 and n * k >= _PARALLEL_MIN:
@@ -433,7 +441,7 @@ def _gemm_blocked(a: BlockOperand, b: BlockOperand, g: int, out: np.ndarray) -> 
 
 
 _NUM_THREADS: int | None = None
-_POOL: tuple[int, ThreadPoolExecutor] | None = None
+_POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (threads, pid, pool)
 _POOL_LOCK = threading.Lock()
 
 
@@ -461,10 +469,12 @@ def get_num_threads() -> int:
 
 
 def _pool(threads: int) -> ThreadPoolExecutor:
+    """The shared worker pool, rebuilt for another thread count or in a forked child (whose copy of
+    the parent's pool has no threads)."""
     global _POOL
     with _POOL_LOCK:
-        if _POOL is None or _POOL[0] != threads:
-            if _POOL is not None:
-                _POOL[1].shutdown(wait=False)
-            _POOL = (threads, ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moeref-gemm"))
-        return _POOL[1]
+        if _POOL is None or _POOL[:2] != (threads, os.getpid()):
+            if _POOL is not None and _POOL[1] == os.getpid():
+                _POOL[2].shutdown(wait=False)
+            _POOL = (threads, os.getpid(), ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moeref-gemm"))
+        return _POOL[2]
