@@ -288,6 +288,7 @@ def _q(shape, scheme, spread=True):
         (fp8_group(64), mxfp4(), 3, 70, 200),  # K = 6 * 32 + 8
         (mxfp8(), mxfp8(), 7, 600, 1900),  # 1x32 both sides, K odd multiple of 4
         (fp8_per_token(), fp8_block(), 4, 1024, 1001),  # bk = K = 1001 vs 128: segments of gcd = 1
+        (fp8_per_token(), fp8_block(), 300, 200, 1001),  # many rows and 1001 segments: fewer per step
         (fp8_per_tensor(), fp8_per_tensor(), 9, 2000, 640),  # one segment of the whole K
         (int8_per_token(), int8_per_channel(), 4, 1500, 777),
         (fp8_per_token(), w4a8_cutlass(), 3, 130, 384),  # INT4 with zero-point-free groups x FP8

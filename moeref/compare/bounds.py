@@ -323,7 +323,7 @@ def _rows_error_bound(a, a_radius, row_expert, weights, bias, profile: Profile) 
         if out is None:
             out = np.zeros((row_expert.size, r.shape[1]))
         out[idx] = r
-    return np.zeros((row_expert.size, w[0].values.shape[0])) if out is None else out
+    return np.zeros((row_expert.size, w[0].shape[0])) if out is None else out
 
 
 _LIPSCHITZ = {"silu": 1.1, "gelu": 1.13}  # max |silu'| = 1.09984, max |gelu'| = 1.12899 (erf and tanh forms)

@@ -2,7 +2,8 @@
 dispatch layout (:mod:`.grouped`). See docs/moe-pipeline.md."""
 from __future__ import annotations
 
-from .exact import BlockOperand, as_operand, block_gemm, partial_dots_exact, quantum_and_max
+from .exact import (BlockOperand, as_operand, block_gemm, get_num_threads, partial_dots_exact,
+                    quantum_and_max, set_num_threads)
 from .grouped import (
     ExpertOperands,
     expert_rows_gemm,
@@ -22,6 +23,8 @@ __all__ = [
     "grouped_gemm_contiguous",
     "grouped_gemm_masked",
     "grouped_gemm_standard",
+    "get_num_threads",
     "partial_dots_exact",
     "quantum_and_max",
+    "set_num_threads",
 ]
