@@ -4,13 +4,16 @@
   UE8M0 or packed UE8M0 scales, MN-major TMA-aligned scales; MXFP8; MXFP4; NVFP4 with scales in
   the 128x4 swizzle).
 * :mod:`fastpath.fused` — ``silu_and_mul`` / ``swigluoai`` + FP8 group quantization in one kernel.
+* :mod:`fastpath.dispatch` — ``moe_align_block_size``, permute / unpermute-and-reduce, the DeepGEMM
+  contiguous and masked layouts, the batched layout, finalize (same signatures as
+  :mod:`moeref.dispatch`).
 * :mod:`fastpath.registry` — which implementations each operation has and whether they run here
   (``get_implementation(op, name, **context)`` raises with the reason; no silent fallback).
 * :mod:`fastpath.testing` — device selection and poisoned output buffers for tests.
 
 Importing this package imports nothing heavy; the kernels need ``torch`` and ``triton`` (on a machine
 without a GPU, set ``TRITON_INTERPRET=1`` before importing triton to run them on CPU tensors).
-See docs/fastpaths.md.
+See docs/fastpaths.md and docs/fastpaths-dispatch.md.
 """
 from .registry import available, get_implementation, ImplementationUnavailable, operations
 
