@@ -27,6 +27,7 @@ import time
 import numpy as np
 import torch
 import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -238,6 +239,41 @@ def copy_bandwidth():
     return 2 * n / (ms * 1e-3) / 1e12
 
 
+@triton.jit
+def _traffic_kernel(src_ptr, dst_ptr, n, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+    """The memory traffic of a kernel and nothing else: QUANT reads 2 bytes (int16) and writes 1
+    byte per element (quantize bf16 -> FP8); otherwise reads 1 byte and writes 2 (dequantize)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(src_ptr + offs, mask=m, other=0)
+    if QUANT:
+        tl.store(dst_ptr + offs, (v >> 8).to(tl.uint8), mask=m)
+    else:
+        tl.store(dst_ptr + offs, v.to(tl.int16) << 8, mask=m)
+
+
+def traffic_ceiling(M, K):
+    """Bandwidth of the bare traffic patterns (same bytes, no arithmetic): what a memory-bound
+    quantize (read 2, write 1 byte per element) or dequantize (read 1, write 2) can reach here."""
+    n = M * K
+    out = {}
+    for name, quant in (("read2_write1 (quantize)", True), ("read1_write2 (dequantize)", False)):
+        src = torch.randint(-30000, 30000, (n,), dtype=torch.int16, device="cuda") if quant else \
+            torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+        dst = torch.empty(n, dtype=torch.uint8 if quant else torch.int16, device="cuda")
+        best = 0.0
+        for warps in (4, 8):
+            fn = lambda: _traffic_kernel[(triton.cdiv(n, 4096),)](src, dst, n, QUANT=quant,  # noqa: E731
+                                                                  BLOCK=4096, num_warps=warps)
+            fn()
+            ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+            best = max(best, 3 * n / (ms * 1e-3) / 1e12)
+        out[name] = best
+        del src, dst
+        torch.cuda.empty_cache()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
@@ -245,6 +281,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
     ap.add_argument("--only", default="", help="comma-separated substrings of kernel names")
     ap.add_argument("--tune", action="store_true", help="sweep tile configs at the large size")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also time the bare read2/write1 and read1/write2 traffic (no arithmetic)")
     ap.add_argument("--M", type=int, default=16384)
     ap.add_argument("--K", type=int, default=7168)
     args = ap.parse_args()
@@ -254,6 +292,9 @@ def main():
     date = datetime.date.today().isoformat()
     copy_tbs = copy_bandwidth()
     print(f"device {dev}  date {date}  copy bandwidth {copy_tbs:.3f} TB/s", flush=True)
+    ceiling = traffic_ceiling(args.M, args.K) if args.ceiling else {}
+    for k_, v_ in ceiling.items():
+        print(f"traffic ceiling {k_:28s} {v_:6.3f} TB/s ({100 * v_ / copy_tbs:5.1f}% of copy)", flush=True)
     ks = kernels()
     if args.only:
         keys = [k for k in ks if any(s in k for s in args.only.split(","))]
@@ -263,7 +304,7 @@ def main():
         return
     Ms = [1, 16, 128, 1024, 4096, args.M] if not args.quick else [16, 1024, args.M]
     results = {"device": dev, "date": date, "copy_TBps": copy_tbs, "M": args.M, "K": args.K,
-               "kernels": {}}
+               "traffic_ceiling_TBps": ceiling, "kernels": {}}
     for name, (make, run, nbytes, tfn) in ks.items():
         rec = {"sweep": []}
         for M in Ms:
@@ -378,7 +419,9 @@ def tune(args):
     }
     tiles = [dict(), dict(num_warps=2), dict(num_warps=4), dict(num_warps=8),
              dict(block_m=16, num_warps=4), dict(block_m=16, num_warps=8),
-             dict(block_m=32, num_warps=8), dict(block_m=4, groups_per_program=8, num_warps=4)]
+             dict(block_m=32, num_warps=8), dict(block_m=4, groups_per_program=8, num_warps=4),
+             dict(block_m=8, groups_per_program=8, num_warps=4), dict(block_m=8, groups_per_program=8, num_warps=8),
+             dict(block_m=32, num_warps=16)]
     rows = [dict(), dict(num_warps=4), dict(num_warps=16), dict(block_m=2, num_warps=16)]
     out = {}
     for name, (xs, fn, nbytes) in cands.items():

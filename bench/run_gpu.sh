@@ -32,7 +32,7 @@ if [ "${RUN_TESTS:-1}" = 1 ]; then
 fi
 if [ "${RUN_BENCH:-1}" = 1 ]; then
   # shellcheck disable=SC2086
-  python3 bench/bench_quant_gpu.py --out "$OUTDIR" --baselines ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/bench_quant.log"
+  python3 bench/bench_quant_gpu.py --out "$OUTDIR" --baselines --ceiling ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/bench_quant.log"
   python3 bench/bench_dispatch_gpu.py --out "$OUTDIR" 2>&1 | tee "$OUTDIR/bench_dispatch.log"
 fi
 exit $status
