@@ -25,6 +25,8 @@ def _cuda_available() -> bool:
 HAS_CUDA = _cuda_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+HYPOTHESIS_PROFILE = os.environ.get("MOEREF_HYPOTHESIS_PROFILE") or (
+    "ci" if os.environ.get("CI") else ("gpu" if HAS_CUDA else "dev"))
 
 collect_ignore_glob = ["docs/figures/*.py", "bench/*", "build/*", ".gpu/*", ".venv/*"]
 
@@ -45,19 +47,14 @@ try:
         "gpu", max_examples=200, derandomize=True, database=None,
         suppress_health_check=[HealthCheck.too_slow], **_common,
     )
-    _profile = os.environ.get("MOEREF_HYPOTHESIS_PROFILE") or (
-        "ci" if os.environ.get("CI") else ("gpu" if HAS_CUDA else "dev")
-    )
-    settings.load_profile(_profile)
+    settings.load_profile(HYPOTHESIS_PROFILE)
 except ImportError:  # pragma: no cover - hypothesis is part of the test extra
     pass
 
 
 def pytest_report_header(config):
-    prof = os.environ.get("MOEREF_HYPOTHESIS_PROFILE") or (
-        "ci" if os.environ.get("CI") else ("gpu" if HAS_CUDA else "dev"))
     mode = "CUDA" if HAS_CUDA else "CPU (Triton kernels under TRITON_INTERPRET=1)"
-    return [f"moeref: device {mode}; hypothesis profile {prof!r}"]
+    return [f"moeref: device {mode}; hypothesis profile {HYPOTHESIS_PROFILE!r}"]
 
 
 def pytest_collection_modifyitems(config, items):

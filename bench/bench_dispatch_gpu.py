@@ -76,47 +76,49 @@ def eager_align(ids, block_size: int, E: int):
     return out[:size], expert_ids, ends[-1:].int()
 
 
-def eager_contiguous(x, ids, E: int, alignment: int):
-    n = ids.numel()
-    k = ids.shape[1]
+def _eager_slots(ids, E: int):
+    """The shared head of the eager layouts: slots sorted by expert (padding/-1 last, stable),
+    per-expert counts and starts, and each sorted slot's expert clamped into range."""
     flat = ids.reshape(-1).long()
     key = torch.where(flat >= 0, flat, E)
     sorted_key, order = torch.sort(key, stable=True)
     counts = torch.bincount(key, minlength=E + 1)[:E]
-    padded = (counts + alignment - 1) // alignment * alignment
-    pstart = torch.cumsum(padded, 0) - padded
     cstart = torch.cumsum(counts, 0) - counts
-    size = (n + E * (alignment - 1) + alignment - 1) // alignment * alignment
     valid = sorted_key < E
     ks = sorted_key.clamp(max=E - 1)
-    pos = torch.where(valid, pstart[ks] + torch.arange(n, device=ids.device) - cstart[ks], size)
+    rank = torch.arange(ids.numel(), device=ids.device) - cstart[ks]  # place within the expert
+    return sorted_key, order, counts, valid, ks, rank
+
+
+def _eager_gather(x, src, k: int):
+    """Rows of ``x`` for slots ``src`` (token = slot // k); zero rows where ``src`` is -1."""
+    a = x.index_select(0, src.clamp(min=0) // k)
+    return torch.where((src >= 0)[:, None], a, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def eager_contiguous(x, ids, E: int, alignment: int):
+    n, k = ids.numel(), ids.shape[1]
+    sorted_key, order, counts, valid, ks, rank = _eager_slots(ids, E)
+    padded = (counts + alignment - 1) // alignment * alignment
+    pstart = torch.cumsum(padded, 0) - padded
+    size = (n + E * (alignment - 1) + alignment - 1) // alignment * alignment
+    pos = torch.where(valid, pstart[ks] + rank, size)
     src = torch.full((size + 1,), -1, dtype=torch.int64, device=ids.device)
     src.scatter_(0, pos, order)
     m_idx = torch.full((size + 1,), -1, dtype=torch.int32, device=ids.device)
     m_idx.scatter_(0, pos, sorted_key.int())
     src = src[:size]
-    a = x.index_select(0, src.clamp(min=0) // k)
-    a = torch.where((src >= 0)[:, None], a, torch.zeros((), dtype=x.dtype, device=x.device))
-    return a, m_idx[:size], src
+    return _eager_gather(x, src, k), m_idx[:size], src
 
 
 def eager_masked(x, ids, E: int, max_m: int):
-    n = ids.numel()
     k = ids.shape[1]
-    flat = ids.reshape(-1).long()
-    key = torch.where(flat >= 0, flat, E)
-    sorted_key, order = torch.sort(key, stable=True)
-    counts = torch.bincount(key, minlength=E + 1)[:E]
-    cstart = torch.cumsum(counts, 0) - counts
-    valid = sorted_key < E
-    ks = sorted_key.clamp(max=E - 1)
-    pos = torch.where(valid, ks * max_m + torch.arange(n, device=ids.device) - cstart[ks], E * max_m)
+    sorted_key, order, counts, valid, ks, rank = _eager_slots(ids, E)
+    pos = torch.where(valid, ks * max_m + rank, E * max_m)
     src = torch.full((E * max_m + 1,), -1, dtype=torch.int64, device=ids.device)
     src.scatter_(0, pos, order)
     src = src[:-1]
-    a = x.index_select(0, src.clamp(min=0) // k)
-    a = torch.where((src >= 0)[:, None], a, torch.zeros((), dtype=x.dtype, device=x.device))
-    return a.view(E, max_m, -1), counts.int(), src.view(E, max_m)
+    return _eager_gather(x, src, k).view(E, max_m, -1), counts.int(), src.view(E, max_m)
 
 
 def eager_unpermute(y, w, inv, offsets):

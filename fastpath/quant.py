@@ -207,16 +207,11 @@ def _block_scales(amax, ELEM_MAX: tl.constexpr, INV_M: tl.constexpr, EMAX: tl.co
             dec = tl.zeros(amax.shape, tl.float32) + static_dec
             enc = dec
             has_enc = False
-        elif FP32_RULE == 0:  # amax_over_max
-            dec = tl.math.div_rn(amax, tl.full(amax.shape, ELEM_MAX, tl.float32))
-            enc = dec
-            has_enc = False
-            if FP32_POW2:
-                pc = R.e8m0_from_f32(dec, R.E8M0_RCEIL)
-                pc = tl.where(dec != dec, 255, tl.minimum(pc, 254))
-                dec = R.e8m0_to_f32(pc)
-        elif FP32_RULE == 2:  # amax_times_recip_max: fl(a * fl(1/M)) (torch CUDA's a / 448.0)
-            dec = amax * INV_M
+        elif FP32_RULE == 0 or FP32_RULE == 2:
+            if FP32_RULE == 0:  # amax_over_max: fl(a / M)
+                dec = tl.math.div_rn(amax, tl.full(amax.shape, ELEM_MAX, tl.float32))
+            else:  # amax_times_recip_max: fl(a * fl(1/M)) (torch CUDA's a / 448.0)
+                dec = amax * INV_M
             enc = dec
             has_enc = False
             if FP32_POW2:
