@@ -118,10 +118,13 @@ def torch_mxfp4(x):
     return c[..., 0] | (c[..., 1] << 4), e.to(torch.uint8)
 
 
-def torch_nvfp4(x):
+def torch_nvfp4(x, s_enc=None):
+    """NVFP4 in eager torch; ``s_enc``: a static encode scale (vLLM's input_global_scale), else
+    the dynamic 2688 / amax (one more read of x)."""
     m, k = x.shape
     xf = x.float()
-    s_enc = 2688.0 / xf.abs().amax()
+    if s_enc is None:
+        s_enc = 2688.0 / xf.abs().amax()
     xv = xf.view(m, k // 16, 16)
     sf = (xv.abs().amax(dim=2) * (s_enc / 6.0)).clamp(max=448).to(torch.float8_e4m3fn)
     fac = 1.0 / (sf.float() / s_enc)
@@ -180,6 +183,16 @@ def kernels():
     s_mx8 = mxfp8()
     s_mx4 = mxfp4()
     s_nv = nvfp4()
+    s_nv_vllm = nvfp4(preset="vllm")  # encode_scale convention: vLLM's input_global_scale
+
+    def x_gscale_in(M, K):
+        """x and its static encode scale 2688 / amax, computed once outside the timing: a float
+        for the Triton path, the same value as a 0-d device tensor for the torch baseline (a
+        float would make torch.compile specialize on each value of the rotation)."""
+        x = torch.randn(M, K, device="cuda", dtype=bf)
+        g = 2688.0 / float(x.float().abs().amax())
+        return (x, g, torch.tensor(g, dtype=torch.float32, device="cuda"))
+
     return {
         "fp8_1x128_fp32 (default: x / s)": (x_in, lambda x: Q.quantize(x, s_g), bytes_q(1, 4, 128),
                                             lambda x: torch_group_fp8_div(x)),
@@ -199,6 +212,10 @@ def kernels():
                            bytes_q(0.5, 1, 32), torch_mxfp4),
         "nvfp4_swizzled": (x_in, lambda x: Q.quantize(x, s_nv, scale_layout="swizzled_128x4"),
                            bytes_q(0.5, 1, 16), torch_nvfp4),
+        "nvfp4_swizzled (static global scale)": (
+            x_gscale_in,
+            lambda x, g, gt: Q.quantize(x, s_nv_vllm, scale_layout="swizzled_128x4", global_scale=g),
+            bytes_q(0.5, 1, 16), lambda x, g, gt: torch_nvfp4(x, gt)),
         "silu_and_mul+fp8_1x128": (x2_in, lambda x: F.silu_and_mul_quant_fp8(x, s_g),
                                    lambda M, K: M * 2 * K * 2 + M * K + M * (K // 128) * 4,
                                    torch_silu_group_fp8),
@@ -422,7 +439,10 @@ def tune(args):
              dict(block_m=32, num_warps=8), dict(block_m=4, groups_per_program=8, num_warps=4),
              dict(block_m=8, groups_per_program=8, num_warps=4), dict(block_m=8, groups_per_program=8, num_warps=8),
              dict(block_m=32, num_warps=16)]
-    rows = [dict(), dict(num_warps=4), dict(num_warps=16), dict(block_m=2, num_warps=16)]
+    # per-token rows take fastpath.quant._row_loop_kernel: (rows, columns per chunk, warps)
+    rows = [dict(row_tile="off")] + [dict(row_tile=t) for t in [
+        (1, 2048, 4), (1, 1024, 4), (1, 2048, 8), (1, 4096, 4), (1, 4096, 8), (2, 2048, 4),
+        (2, 2048, 8), (1, 1024, 2), (1, 2048, 2)]]
     out = {}
     for name, (xs, fn, nbytes) in cands.items():
         if args.only and not any(s_ in name for s_ in args.only.split(",")):
@@ -430,19 +450,32 @@ def tune(args):
         configs = rows if name == "fp8_per_token" else tiles
         best = None
         for cfg in configs:
+            cfg = dict(cfg)
+            saved_tile, saved_min = Q._ROW_LOOP_TILE, Q._ROW_LOOP_MIN_K
+            if cfg.get("row_tile") == "off":  # one [1, next_pow2(K)] tile per row instead
+                cfg.pop("row_tile")
+                Q._ROW_LOOP_MIN_K = 1 << 40
+                cfg_name = "row loop off (single tile)"
+            elif "row_tile" in cfg:
+                Q._ROW_LOOP_TILE = cfg.pop("row_tile")
+                cfg_name = f"row_tile={Q._ROW_LOOP_TILE}"
+            else:
+                cfg_name = str(cfg)
             try:
                 fn(*xs[0], **cfg) if isinstance(xs[0], tuple) else fn(xs[0], **cfg)
                 torch.cuda.synchronize()
                 inputs = [t if isinstance(t, tuple) else (t,) for t in xs]
                 ms = bench_fn(lambda *t: fn(*t, **cfg), inputs, rep_ms=100)
             except Exception as e:
-                print(f"  {name} {cfg}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+                print(f"  {name} {cfg_name}: {type(e).__name__}: {str(e)[:80]}", flush=True)
                 continue
+            finally:
+                Q._ROW_LOOP_TILE, Q._ROW_LOOP_MIN_K = saved_tile, saved_min
             tb = nbytes / (ms * 1e-3) / 1e12
-            print(f"  {name:34s} {str(cfg):52s} {ms * 1e3:8.1f} us {tb:6.3f} TB/s", flush=True)
-            out.setdefault(name, []).append({"cfg": cfg, "us": ms * 1e3, "TBps": tb})
+            print(f"  {name:34s} {cfg_name:52s} {ms * 1e3:8.1f} us {tb:6.3f} TB/s", flush=True)
+            out.setdefault(name, []).append({"cfg": cfg_name, "us": ms * 1e3, "TBps": tb})
             if best is None or tb > best[1]:
-                best = (cfg, tb)
+                best = (cfg_name, tb)
         print(f"BEST {name}: {best}", flush=True)
     with open(os.path.join(args.out, "tune.json"), "w") as fh:
         json.dump(out, fh, indent=1)

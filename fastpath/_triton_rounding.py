@@ -160,21 +160,26 @@ def encode_e2m1_nonnan(x, ROUND: tl.constexpr, DROP_NEG_ZERO: tl.constexpr):
     upper neighbour's code is even (RNE: 0.75, 1.75, 3.5), never (ties toward zero), or always
     (ties away). Float comparisons are exact, so this equals :func:`encode_minifloat` bit for bit
     (the tests check every bf16 pattern) at half the instructions; |x| > 5 (Inf too) gives 7.
-    RNE (``ROUND == 0``, the OCP/NVFP4 default) instead rounds with one float add of a
-    binade-dependent magic constant (see the code), about 6 instructions instead of 14.
+    RNE (``ROUND == 0``, the OCP/NVFP4 default) instead rounds with one FMA adding a
+    binade-dependent magic constant (see the code), about 7 instructions instead of 14.
     """
     a = tl.abs(x)
     if ROUND == 0:
-        # RNE by one float add: E2M1's spacing is 2^(k-1) on the binade [2^k, 2^(k+1)), k = 0..2
-        # (k = 0 also covers [0, 1): the subnormal step 0.5). Adding C = 2^(22+k) rounds |x| to a
-        # multiple n of that spacing with the hardware's RNE (ulp(C) = 2^(k-1) while |x| + C stays
-        # below 2^(23+k)), and the code is n + 2k: both have the same parity, so ties go to the
-        # even CODE as RNE demands. n + 2k > 7 (|x| > 5, +Inf) saturates to 7. ``abs`` between the
-        # scaling product and the add keeps the two roundings apart (no FMA contraction).
-        kb = tl.minimum(tl.maximum((f32_bits(a) >> 23).to(tl.int32), 127), 129)  # 127 + k
-        cbits = (kb + 22) << 23
-        n = f32_bits(a + cbits.to(tl.float32, bitcast=True)).to(tl.int32) - cbits
-        c = tl.minimum(n + 2 * kb - 254, 7).to(tl.uint32)
+        # RNE by one rounding in hardware: E2M1's spacing is 2^(k-1) on the binade [2^k, 2^(k+1)),
+        # k = 0..2 (k = 0 also covers [0, 1): the subnormal step 0.5). With m = min(|x|, 6)
+        # (saturation, +Inf included; a NaN gives 6 or NaN, the caller's NaN policy decides) and
+        # p = 2^k, the exponent of max(m, 1) (one AND of its bits), fma(p, 2^22, m) adds
+        # C = 2^(22+k) to m exactly before its one rounding: ulp(C) = 2^(k-1) while m + C stays
+        # below 2^(23+k), so m is rounded to a multiple n of the spacing by the hardware's RNE,
+        # and the code is n + 2k (<= 7 since m <= 6): both have the same parity, so ties go to
+        # the even CODE as RNE demands. The product p * 2^22 is exact, so Triton's interpreter,
+        # whose fma rounds the product first, computes the same. About 7 instructions.
+        m = tl.minimum(a, 6.0)
+        p = f32_bits(tl.maximum(m, 1.0)) & 0x7F800000  # 2^k, k = 0..2 (m <= 6 < 8)
+        s = tl.fma(p.to(tl.float32, bitcast=True), 4194304.0, m)
+        # n = bits(s) - bits(2^(22+k)) = bits(s) - p - (22 << 23); 2k = (p >> 22) - 254 (p holds
+        # the exponent field alone)
+        c = (f32_bits(s) - p + (p >> 22) - ((22 << 23) + 254)).to(tl.uint32)
     elif ROUND == 1:
         c = (a > 0.25).to(tl.uint32) + (a > 0.75).to(tl.uint32) + (a > 1.25).to(tl.uint32) \
             + (a > 1.75).to(tl.uint32) + (a > 2.5).to(tl.uint32) + (a > 3.5).to(tl.uint32) \

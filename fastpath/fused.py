@@ -147,7 +147,7 @@ def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme
         GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=Q._SF_LAYOUT[scale_layout], AMAX_SRC=0,
         STATIC=False, TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=True, ACT=_ACT[act],
         ACT_ALPHA=float(alpha), ACT_LIMIT=float(limit), PAIR=pair, IN16=in16,
-        num_warps=Q._warps(gb, gpp, bm, num_warps), **ce)
+        **Q._launch_knobs(ce, gb, gpp, bm, num_warps))
     if scale_layout == "row_major":
         scales = scales.reshape(Q._grid_of(shape, scheme))
     elif len(shape) <= 2:

@@ -20,7 +20,7 @@ buffers come from ``torch.empty`` and the tests poison them first.
 Exactness: the arithmetic is the reference's, operation for operation, in float32:
 ``tl.math.div_rn`` for a division (Triton's ``/`` is an approximate ``div.full.f32`` on the
 GPU), or, for the data divided by a per-group scale, :func:`_div_exact` (reciprocal per group,
-two FMA corrections per element: ``RN(x / s)`` by Markstein's theorem in a proven window,
+one FMA correction per element, which gives the codes of ``RN(x / s)`` in a proven window,
 ``div_rn`` outside it), products and the block amax as in :mod:`moeref.quant.blockwise`, the
 amax a NaN-propagating max of ``|x|`` (the integer max of the bit patterns: non-negative floats
 order like their bits and NaN patterns sort above Inf; or ``max.NaN.f32`` where a NaN amax's
@@ -36,7 +36,10 @@ plain ``[BLOCK_M, GPP, GB]`` tiles. FP4 packs element pairs into bytes, and ``sw
 interleaved (gate, up) pairs: for contiguous 16-bit input both read int32 words, one pair per
 word (16-byte loads, no shuffles; ``PAIR=1``); other inputs (float32, strided, odd K) take a
 generic ``[.., GB/2, 2]`` tile split on its last axis (``PAIR=2``). Per-tensor and NVFP4 first
-reduce the tensor amax (partial-amax kernel, one-program reduction), then quantize.
+reduce the tensor amax (partial-amax kernel, one-program reduction), then quantize, unless the
+scale is static (``scale=``; NVFP4 ``global_scale=``): then x is read once. FP8 rows with one
+scale per row longer than a tile (per-token) take :func:`_row_loop_kernel` (two sweeps per row,
+the second from cache).
 Measured speeds and their limits: docs/fastpaths.md.
 
 Unsupported combinations (INT/FP6 elements, 2-D blocks, the ``signed_minmax`` and
@@ -56,6 +59,7 @@ import triton.language as tl
 
 from moeref.quant.scheme import Scheme
 
+from . import _packed_fp4 as PK
 from . import _triton_rounding as R
 
 __all__ = [
@@ -307,6 +311,9 @@ def _block_scales(amax, ELEM_MAX: tl.constexpr, INV_M: tl.constexpr, EMAX: tl.co
         if SCALE_KIND == 0:
             stored_f = tl.where(is_nf, float("nan"), stored_f)
         elif SCALE_KIND == 1:
+            # a finite amax can still get the NaN scale 0xFF (torchao EVEN rounding past
+            # FLT_MAX): the reference fills every block whose scale decodes to NaN
+            nan_block = is_nf | (stored_i == 255)
             stored_i = tl.where(is_nf, 255, stored_i)
         else:
             stored_i = tl.where(is_nf, 0x7F, stored_i)
@@ -413,35 +420,58 @@ def _tile_scales(amax, rows, gidx, pid_b, s_ptr, stride_sb, stride_sm, stride_sg
 @triton.jit
 def _fma(a, b, c, DIV: tl.constexpr):
     """``fl(a * b + c)`` with one rounding. DIV 1: the hardware ``fma.rn.f32``. DIV 2 (Triton's
-    interpreter, whose ``tl.fma`` rounds the product first): float64 ``a * b`` (exact: 48 bits)
-    plus ``c``, then rounded to float32; exact for the remainders of :func:`_div_exact` (they are
-    representable), and for its correction steps off by double rounding only if the float64 sum
-    lands exactly on a float32 midpoint (the GPU, the code that matters, has a true FMA)."""
+    interpreter, whose ``tl.fma`` rounds the product first): the float64 product ``a * b`` is exact
+    (48 bits); ``w = fl64(a*b + c)`` and its exact error (Knuth's TwoSum) give the float64
+    round-to-odd of the exact sum (w, or its neighbour toward the error when w is inexact and
+    even), and rounding that to float32 is the correctly rounded result (round-to-odd at 53 bits
+    followed by RN at 24 is RN: 53 >= 24 + 2; Boldo & Melquiond, IEEE TC 57(4), 2008). So the
+    interpreter computes what the hardware FMA computes, bit for bit."""
     if DIV == 1:
         r = tl.fma(a, b, c)
     else:
-        r = (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
+        p = a.to(tl.float64) * b.to(tl.float64)
+        cc = c.to(tl.float64)
+        w = p + cc
+        pv = w - cc
+        err = (p - pv) + (cc - (w - pv))
+        wb = w.to(tl.int64, bitcast=True)
+        toward = tl.where((err > 0) == (w > 0), 1, -1).to(tl.int64)
+        odd = tl.where((err != 0) & ((wb & 1) == 0) & (tl.abs(w) < float("inf")), wb + toward, wb)
+        r = odd.to(tl.float64, bitcast=True).to(tl.float32)
     return r
 
 
 @triton.jit
 def _div_exact(x, s, DIV: tl.constexpr, BOUNDED: tl.constexpr):
-    """``div_rn(x, s)`` (float32, correctly rounded) for a tile ``x`` and per-group divisors ``s``
-    (broadcastable, e.g. ``[BM, GPP, 1]``), without a division per element.
+    """FP8/FP4 codes of ``div_rn(x, s)`` for a tile ``x`` and per-group divisors ``s``
+    (broadcastable, e.g. ``[BM, GPP, 1]``), without a division per element: returns a float32
+    ``y`` whose code (any element format of :mod:`moeref.formats` with <= 3 mantissa bits, any
+    of the kernel's roundings and overflow policies) equals the code of the correctly rounded
+    quotient ``RN(x / s)``. (``y`` has equalled ``RN(x / s)`` itself in every test, near-midpoint
+    pairs included, but only the codes are proven.)
 
-    Per group: ``r = div_rn(1, s)`` (relative error < 2^-24) and ``ns = -s``. Per element:
-    ``q0 = fl(x*r)`` (within 1.5 ulp of x/s), ``q1 = fma(fma(q0, ns, x), r, q0)`` (faithful: its
-    error before rounding is under 1.5 * 2^-24 ulp), ``q2 = fma(fma(q1, ns, x), r, q1)``, which
-    is ``RN(x / s)`` by Markstein's theorem (IBM J. Res. Dev. 34(1), 1990; Muller et al.,
-    Handbook of Floating-Point Arithmetic, "Newton-Raphson-based division with an FMA": q
-    faithful and y within relative error 2^-p of 1/b give ``RN(q + RN(a - bq) y) = RN(a/b)``,
-    the remainder being exact) as long as nothing underflows or overflows. That is guaranteed in
-    the window ``|s|`` in [2^-32, 2^33) and ``|q0|`` in [2^-32, 2^32] (exponent sums >= -65, so
-    every remainder is an exact normal float32; every intermediate is far from overflow).
-    Outside it:
+    Per group: ``r = div_rn(1, s)`` (relative error <= 2^-24) and ``ns = -s``. Per element:
+    ``q0 = fl(x*r)`` (within 2 ulp of x/s) and one Markstein correction
+    ``q1 = fma(fma(q0, ns, x), r, q0)``: the remainder ``x - s q0`` is computed with one rounding,
+    so ``q0 + rem * r = x/s + (x/s - q0) * theta`` with ``|theta| <= 2^-23 + 2^-48``, and
+    ``q1 = RN(x/s + eta)``, ``|eta| < 2^-22 ulp(x/s)``. Hence ``q1 != RN(x/s)`` only if ``x/s``
+    lies within ``2^-22`` ulp of a float32 midpoint T (and is never ON one: a quotient of two
+    24-bit floats is never a float32 midpoint, whose odd significand has 25 bits); the two
+    candidates are then adjacent floats, and their codes differ only if one of them is a rounding
+    boundary B of the element format: a value with <= 5 significant bits (midpoints between
+    codes of <= 3-bit-mantissa formats, subnormal ones included, and the overflow threshold).
+    Writing s = S 2^a, T = N 2^b (N odd, 25 bits, adjacent to such a B: 32 patterns) and
+    x = X 2^c, the condition becomes ``X 2^k - S N = delta`` with integers ``0 < |delta| < 8``:
+    ``tests/test_exact_division.py`` enumerates every solution (S < 2^24, X < 2^24: 986 of them,
+    29 for 8- and 11-bit X) exactly in rational arithmetic and finds ``q1 == RN(x/s)`` for all,
+    so the codes always agree. (A second correction would make ``y`` itself correctly rounded:
+    one costs two FMAs per element, the kernel's largest arithmetic cost.)
+
+    Window (every intermediate normal, scale-invariant arithmetic): ``|s|`` in [2^-32, 2^33) and
+    ``|q0|`` in [2^-32, 2^32]. Outside it:
 
     * ``|q0| < 2^-32`` (0 and -0 included): ``|x/s| < 2^-31``, so RN(x/s) and q0 both encode to
-      a signed FP8 zero with the sign of x/s; q0 is kept (an FMA would lose the sign of -0).
+      a signed zero with the sign of x/s; q0 is kept (an FMA would lose the sign of -0).
     * ``|q0| > 2^32``, +-Inf, NaN: both far beyond the FP8 range (same overflow code) or NaN;
       q0 is kept.
     * a group with ``|s|`` outside the window (subnormal/tiny amax, static scales, Inf):
@@ -451,12 +481,11 @@ def _div_exact(x, s, DIV: tl.constexpr, BOUNDED: tl.constexpr):
     ``BOUNDED`` (NaN-block policy and a scale computed from the block's own amax, so a finite x
     of a finite block has ``|x| <= amax`` and ``|x/s| <= 2 * 448``; non-finite x only occur in
     NaN blocks, whose codes are replaced): ``|q0| > 2^32`` cannot occur, and for ``|q0| < 2^-32``
-    the FMA steps stay below 2^-30 in magnitude (each adds at most a few times |x r|), so only
-    their sign can be off (``-0`` becomes ``+0``): the sign of x is copied onto q2 instead of the
-    window select (one LOP3 instead of four instructions per element).
+    the FMA steps stay below 2^-30 in magnitude, so only their sign can be off (``-0`` becomes
+    ``+0``): the sign of ``q0`` (that of x) is copied onto q1 instead of the window select.
 
-    These two element cases give the same FP8 CODE, not the same float: the helper is for
-    quantization only. The property tests check the codes against the reference's division.
+    For quantization only (the codes, not the float, are the contract); the property tests check
+    the codes against the reference's division, and the float against RN(x/s).
     """
     sb = R.f32_bits(s) & 0x7FFFFFFF
     s_ok = (sb >= ((127 - 32) << 23)) & (sb < ((127 + 33) << 23))
@@ -464,13 +493,13 @@ def _div_exact(x, s, DIV: tl.constexpr, BOUNDED: tl.constexpr):
     ns = (R.f32_bits(s) ^ 0x80000000).to(tl.float32, bitcast=True)
     q0 = x * r
     q1 = _fma(_fma(q0, ns, x, DIV), r, q0, DIV)
-    q2 = _fma(_fma(q1, ns, x, DIV), r, q1, DIV)
-    if BOUNDED:  # s > 0 here (a scale of an amax); copy the sign of x
-        y = ((R.f32_bits(q2) & 0x7FFFFFFF) | (R.f32_bits(x) & 0x80000000)).to(tl.float32, bitcast=True)
+    if BOUNDED:  # s > 0 here (a scale of an amax): q0 = x * r has the sign of x, zeros included
+        # (taken from q0, a product: from x, the compiler re-derives it from the 16-bit input)
+        y = ((R.f32_bits(q1) & 0x7FFFFFFF) | (R.f32_bits(q0) & 0x80000000)).to(tl.float32, bitcast=True)
     else:
         aq = R.f32_bits(q0) & 0x7FFFFFFF
         win = (aq >= ((127 - 32) << 23)) & (aq <= ((127 + 32) << 23))
-        y = tl.where(win, q2, q0)
+        y = tl.where(win, q1, q0)
     if tl.max(tl.where(s_ok | (s != s), 0, 1)) > 0:
         y = tl.math.div_rn(x, s + tl.zeros(x.shape, tl.float32))
     return y
@@ -503,11 +532,11 @@ def _codes_of(y, nan_block, ELEM: tl.constexpr, SATURATE: tl.constexpr, ROUND: t
     block), a NaN ``y`` lies in a NaN block, so the per-element NaN select is skipped."""
     code = _encode_elem(y, ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8,
                         NONFINITE == 0 and SCALE_KIND == 1)
-    if NONFINITE == 0:
-        code = tl.where(nan_block, FILL_CODE, code)
     if TWO_LEVEL:
         if NV_ORDER == 0:  # TE cast_to_fp4x2: an exact zero product (-0.0 too) is code 0x0
             code = tl.where(y == 0.0, 0, code)
+    if NONFINITE == 0:
+        code = tl.where(nan_block, FILL_CODE, code)
     if DROP_NEG_ZERO:
         sign_mask: tl.constexpr = 0x8 if ELEM == 2 else 0x80
         code = tl.where(code == sign_mask, 0, code)
@@ -545,7 +574,7 @@ def _quant_kernel(
     HW_FP8: tl.constexpr, SF_LAYOUT: tl.constexpr, AMAX_SRC: tl.constexpr, STATIC: tl.constexpr,
     TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr, WRITE_SCALES: tl.constexpr,
     ACT: tl.constexpr, ACT_ALPHA: tl.constexpr, ACT_LIMIT: tl.constexpr,
-    PAIR: tl.constexpr, IN16: tl.constexpr, DIV: tl.constexpr,
+    PAIR: tl.constexpr, IN16: tl.constexpr, DIV: tl.constexpr, PACKED_BF16: tl.constexpr,
 ):
     """Quantize a [BLOCK_M, GPP groups of GS] tile of one matrix of x; see the module docstring.
 
@@ -557,6 +586,12 @@ def _quant_kernel(
     adjacent): 0 = plain [BLOCK_M, GPP, GB] tiles (FP8); 1 = 16-bit input read as int32 words,
     each word one pair (contiguous rows, even K: 16-byte loads, no shuffles); 2 = generic
     [BLOCK_M, GPP, GB/2, 2] tiles split on the last axis (any strides, any K; slower).
+
+    PACKED_BF16 (GPU only; see ``_constexprs_cached``): with PAIR 1 bfloat16 words and E8M0
+    factors, the FP4 branch takes the block amax and the E2M1 RNE codes straight from the words
+    with packed bf16x2 PTX (:mod:`fastpath._packed_fp4`, two elements per instruction), the
+    same codes as the integer path (tests/test_mxfp4_packed_encode.py emulates the PTX over
+    every pattern and factor; the GPU suite compares both paths).
     """
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -574,8 +609,11 @@ def _quant_kernel(
         m3 = rmask[:, None, None] & wm[None, :, :]
         words = tl.load(xb + rows.to(tl.int64)[:, None, None] * stride_xm + w[None, :, :] * stride_xk,
                         mask=m3, other=0)
-        xe, xo = _unpack_pair(words, IN16)
-        if AMAX_SRC == 0:
+        xe, xo = _unpack_pair(words, IN16)  # dead code (removed) on the packed path
+        PACKED: tl.constexpr = PACKED_BF16 and IN16 == 1 and SCALE_KIND == 1 and not TWO_LEVEL
+        if AMAX_SRC == 0 and PACKED:
+            amax = PK.amax_bf16x2(words, NONFINITE == 1)
+        elif AMAX_SRC == 0:
             amax = _amax_pair(xe, xo, NONFINITE)
         else:
             amax = _amax_loaded(amax_ptr, pid_b, M, rows, rmask, ROWS_PER_SCALE, GPP, BLOCK_M)
@@ -586,13 +624,33 @@ def _quant_kernel(
             ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, STATIC, TWO_LEVEL, NV_ORDER, WRITE_SCALES)
         f3 = factor[:, :, None]
         nb3 = nan_block[:, :, None]
-        ce = _codes_of(_scale_data(xe, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3, ELEM,
-                       SATURATE, ROUND, NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL,
-                       NV_ORDER, DROP_NEG_ZERO, SCALE_KIND)
-        co = _codes_of(_scale_data(xo, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3, ELEM,
-                       SATURATE, ROUND, NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL,
-                       NV_ORDER, DROP_NEG_ZERO, SCALE_KIND)
-        byte = (ce | (co << 4)).to(tl.uint8)
+        if PACKED:
+            # E2M1 RNE on the bf16 pairs (fastpath._packed_fp4; y = x * factor is exact in bf16,
+            # the factor being a power of two). NaN lanes get the policy's code through the
+            # helper's overwrite (ow: lanes to overwrite, ov: their codes in its lane form, code
+            # bits 0-2 and sign bit 9 of each 16-bit lane). A NaN y comes from a NaN x or a NaN
+            # factor (an Inf x never meets a 0 factor: those are all-zero blocks).
+            if NONFINITE == 0:  # NaN blocks (the only place a NaN y occurs): FILL_CODE
+                fill_lanes: tl.constexpr = ((FILL_CODE & 7) | ((FILL_CODE & 8) << 6)) * 0x10001
+                ow = tl.where(nb3, -1, 0)
+                ov = tl.where(nb3, fill_lanes, 0)
+            else:  # NaN elements -> NAN_CODE, as encode_e2m1
+                nan_lanes: tl.constexpr = ((NAN_CODE & 7) | ((NAN_CODE & 8) << 6)) * 0x10001
+                u = words.to(tl.uint32, bitcast=True) & 0x7FFF7FFF
+                fnan = f3 != f3
+                ow = tl.where(((u & 0xFFFF) > 0x7F80) | fnan, 0xFFFF, 0).to(tl.uint32) \
+                    | tl.where((u > 0x7F80FFFF) | fnan, 0xFFFF0000, 0).to(tl.uint32)
+                ov = (ow & nan_lanes).to(tl.int32, bitcast=True)
+                ow = ow.to(tl.int32, bitcast=True)
+            byte = PK.encode_e2m1x4_rne(words, PK.bf16x2_factor(factor)[:, :, None], ow, ov)
+        else:
+            ce = _codes_of(_scale_data(xe, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3,
+                           ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8, NONFINITE, FILL_CODE,
+                           TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO, SCALE_KIND)
+            co = _codes_of(_scale_data(xo, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3,
+                           ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8, NONFINITE, FILL_CODE,
+                           TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO, SCALE_KIND)
+            byte = (ce | (co << 4)).to(tl.uint8)
         tl.store(cb + rows.to(tl.int64)[:, None, None] * stride_cm + w[None, :, :], byte, mask=m3)
     elif PAIR == 2 and ELEM == 2:
         # ---- FP4, generic strides: [BM, GPP, GB/2, 2] tile split into the pair halves
@@ -657,23 +715,87 @@ def _quant_kernel(
             gdec_ptr, M, NG, M_PAD, NG_PAD, GPP, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
             SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO, E8_HI, E8_NF, AMAX_FLOOR,
             ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, STATIC, TWO_LEVEL, NV_ORDER, WRITE_SCALES)
-        if HW_FP8 and ELEM == 0 and not DROP_NEG_ZERO:
-            # E4M3 through the hardware cast straight to bytes, no per-element select: a NaN
-            # block's factor is NaN, so its data become NaN and the cast writes the NaN code
-            # (0x7F up to its sign, which IEEE leaves open: FILL_CODE modulo the sign)
-            if NONFINITE == 0:
-                f = tl.where(nan_block, float("nan"), factor)
-            else:
-                f = factor
-            y = _scale_data(x, f[:, :, None], APPLY, SCALE_KIND, DIV, NONFINITE, STATIC)
-            code8 = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-            tl.store(cb + rows.to(tl.int64)[:, None, None] * stride_cm + k3, code8, mask=m3)
+        code8 = _fp8_codes(x, factor, nan_block, ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8,
+                           NONFINITE, FILL_CODE, DROP_NEG_ZERO, SCALE_KIND, APPLY, DIV, STATIC)
+        tl.store(cb + rows.to(tl.int64)[:, None, None] * stride_cm + k3, code8, mask=m3)
+
+
+@triton.jit
+def _fp8_codes(x, factor, nan_block, ELEM: tl.constexpr, SATURATE: tl.constexpr,
+               ROUND: tl.constexpr, NAN_CODE: tl.constexpr, HW_FP8: tl.constexpr,
+               NONFINITE: tl.constexpr, FILL_CODE: tl.constexpr, DROP_NEG_ZERO: tl.constexpr,
+               SCALE_KIND: tl.constexpr, APPLY: tl.constexpr, DIV: tl.constexpr,
+               STATIC: tl.constexpr):
+    """uint8 FP8 codes of a [BM, GPP, G] tile ``x`` with per-group ``factor``/``nan_block``
+    [BM, GPP] (one-byte elements: E4M3/E5M2)."""
+    if HW_FP8 and ELEM == 0 and not DROP_NEG_ZERO:
+        # E4M3 through the hardware cast straight to bytes, no per-element select: a NaN
+        # block's factor is NaN, so its data become NaN and the cast writes the NaN code
+        # (0x7F up to its sign, which IEEE leaves open: FILL_CODE modulo the sign)
+        if NONFINITE == 0:
+            f = tl.where(nan_block, float("nan"), factor)
         else:
-            y = _scale_data(x, factor[:, :, None], APPLY, SCALE_KIND, DIV, NONFINITE, STATIC)
-            code = _codes_of(y, nan_block[:, :, None], ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8,
-                             NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO, SCALE_KIND)
-            tl.store(cb + rows.to(tl.int64)[:, None, None] * stride_cm + k3, code.to(tl.uint8),
-                     mask=m3)
+            f = factor
+        y = _scale_data(x, f[:, :, None], APPLY, SCALE_KIND, DIV, NONFINITE, STATIC)
+        code8 = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        y = _scale_data(x, factor[:, :, None], APPLY, SCALE_KIND, DIV, NONFINITE, STATIC)
+        code8 = _codes_of(y, nan_block[:, :, None], ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8,
+                          NONFINITE, FILL_CODE, False, 0, DROP_NEG_ZERO, SCALE_KIND).to(tl.uint8)
+    return code8
+
+
+@triton.jit
+def _row_loop_kernel(
+    x_ptr, stride_xb, stride_xm, stride_xk,
+    c_ptr, stride_cb, stride_cm,
+    s_ptr, stride_sb, stride_sm,
+    static_ptr, M, K, M_PAD,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
+    ELEM: tl.constexpr, ELEM_MAX: tl.constexpr, INV_M: tl.constexpr, EMAX: tl.constexpr,
+    MBITS: tl.constexpr, SCALE_KIND: tl.constexpr, FP32_RULE: tl.constexpr,
+    FP32_POW2: tl.constexpr, E8_RULE: tl.constexpr, E8_LO: tl.constexpr, E8_HI: tl.constexpr,
+    E8_NF: tl.constexpr, AMAX_FLOOR: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+    NONFINITE: tl.constexpr, APPLY: tl.constexpr, SATURATE: tl.constexpr, ROUND: tl.constexpr,
+    DROP_NEG_ZERO: tl.constexpr, NAN_CODE: tl.constexpr, FILL_CODE: tl.constexpr,
+    HW_FP8: tl.constexpr, STATIC: tl.constexpr, DIV: tl.constexpr,
+):
+    """FP8 with ONE scale per row (per-token, or a 1xG group as wide as the row) for long rows:
+    ``BLOCK_M`` rows per program, swept twice in ``BLOCK_K``-column chunks, first for the row
+    amax, then for the codes (the second sweep re-reads the rows, which the first has just
+    brought into L1/L2: HBM sees each byte once). Unlike one [BM, 1, next_pow2(K)] tile, no
+    lanes idle on padding (7168 columns in an 8192 tile waste 12.5%), and any K fits. Same
+    helpers, hence the same arithmetic and codes, as :func:`_quant_kernel`; scales row-major
+    (``stride_sm``: MN-major storage of one group is the same vector, padded to M_PAD)."""
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    rp = x_ptr + pid_b.to(tl.int64) * stride_xb + rows.to(tl.int64)[:, None, None] * stride_xm
+    cp = c_ptr + pid_b.to(tl.int64) * stride_cb + rows.to(tl.int64)[:, None, None] * stride_cm
+    kk = tl.arange(0, BLOCK_K)[None, None, :]
+    amax = tl.zeros((BLOCK_M, 1), tl.float32)
+    for i in range(K_ITERS):
+        k = i * BLOCK_K + kk
+        m = rmask[:, None, None] & (k < K)
+        x = tl.load(rp + k * stride_xk, mask=m, other=0.0).to(tl.float32)
+        if NONFINITE != 1:
+            amax = _max_nan(amax, _amax3(x, NONFINITE))
+        else:  # the integer max of the bits (NaN ignored)
+            amax = tl.maximum(R.f32_bits(amax), _amax3_bits(x, NONFINITE)).to(tl.float32, bitcast=True)
+    gidx = tl.arange(0, 1)
+    factor, nan_block = _tile_scales(
+        amax, rows, gidx, pid_b, s_ptr, stride_sb, stride_sm, 0, static_ptr, static_ptr,
+        static_ptr, M, 1, M_PAD, 1, 1, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
+        SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO, E8_HI, E8_NF, AMAX_FLOOR,
+        ZERO_BLOCK, NONFINITE, APPLY, 0, STATIC, False, 0, True)
+    for i in range(K_ITERS):
+        k = i * BLOCK_K + kk
+        m = rmask[:, None, None] & (k < K)
+        x = tl.load(rp + k * stride_xk, mask=m, other=0.0).to(tl.float32)
+        code8 = _fp8_codes(x, factor, nan_block, ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8,
+                           NONFINITE, FILL_CODE, DROP_NEG_ZERO, SCALE_KIND, APPLY, DIV, STATIC)
+        tl.store(cp + k, code8, mask=m)
 
 
 @triton.jit
@@ -934,8 +1056,10 @@ def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_majo
     if x is not None:
         K = int(x.shape[-1])
         gs = scheme.resolve_block(tuple(x.shape))[-1]
-        if kind == "rows" and gs > MAX_GROUP:
-            return False, f"group of {gs} elements exceeds the kernel limit {MAX_GROUP}"
+        if kind == "rows" and gs > MAX_GROUP and not _row_loop_applies(
+                -(-K // gs), gs, K, scheme.element == "e2m1", scale_layout):
+            return False, (f"group of {gs} elements exceeds the tile kernel's limit {MAX_GROUP} "
+                           "(only one FP8 scale per row, row_major/mn_major, has a looped kernel)")
         if scheme.element == "e2m1" and gs % 2 and gs < K:
             return False, "FP4 groups of odd size are not supported"
         if scheme.element == "e2m1" and kind == "per_tensor" and K % 2:
@@ -1009,6 +1133,13 @@ def _constexprs_cached(scheme: Scheme, hw_fp8: bool, interp: bool) -> dict:
         FILL_CODE=fill,
         HW_FP8=bool(hw_fp8 and el != "e2m1" and p.overflow == "saturate" and rounding == "rne"),
         DIV=2 if interp else 1,
+        # packed bf16x2 PTX encode for MXFP4 (fastpath._packed_fp4): GPU only (the interpreter
+        # runs no inline asm), E2M1 + E8M0 + RNE + signed zero kept, single-level; the kernel
+        # also requires bfloat16 words (PAIR 1, IN16 1) and no activation. hw_fp8=False keeps the
+        # integer path (the GPU tests compare the two).
+        PACKED_BF16=bool(hw_fp8 and not interp and el == "e2m1" and scheme.scale_format == "ue8m0"
+                         and rounding == "rne" and signed_zero != "drop"
+                         and scheme.family != "nvfp4"),
     )
 
 
@@ -1058,9 +1189,180 @@ def _warps(gb: int, gpp: int, bm: int, num_warps: int | None, fp8: bool = True) 
     return 8 if n <= 8192 else 16
 
 
+def _nvfp4_static_params(global_scale, scheme: Scheme, dev: torch.device | None = None):
+    """Host side of a static NVFP4 global scale (no allocation, no device work).
+
+    Returns ``("host", genc, gdec, glob, zero_tensor)`` for a real number:
+    ``genc``/``gdec`` the float32 S_enc / decode scale the kernel's NVFP4 block rule reads (the
+    preset's order uses one of them, as :func:`_nvfp4_global_kernel` produces them), ``glob`` the
+    reference's float64 decode factor, ``zero_tensor`` True when a static ``amax`` rounds to a
+    float32 0 (the reference then treats x as an all-zero tensor). Or ``("device", t)`` for a
+    one-element float32 tensor: validated as the number it holds when on the CPU, used as is on
+    x's device (validating it there would cost a host sync).
+
+    Validation is the reference's own: :func:`moeref.quant.nvfp4._static_value` (TypeError /
+    ValueError for a non-real, non-positive or non-finite number), then
+    :func:`moeref.quant.nvfp4._nvfp4_rule` on a one-block grid, which raises the reference's
+    ValueError (with its reason) for a derived encode/decode scale that is zero or non-finite in
+    float32, and yields ``glob``. The float32 factors are then ``_nvfp4_rule``'s global step in
+    NumPy float32 (bit-identical to it).
+    """
+    if scheme.family != "nvfp4":
+        raise ValueError(f"global_scale={global_scale!r} is the NVFP4 per-tensor factor; scheme "
+                         f"{scheme.name!r} is of family {scheme.family!r} (for a static FP8/MX "
+                         "scale pass scale=)")
+    if isinstance(global_scale, torch.Tensor):
+        t = global_scale
+        if t.dtype != torch.float32 or t.numel() != 1:
+            raise TypeError(f"global_scale tensor must hold one float32 value; got dtype {t.dtype}, "
+                            f"shape {tuple(t.shape)}")
+        if t.device.type == "cpu":
+            _nvfp4_static_params(float(t.reshape(-1)[0]), scheme)  # the reference's checks
+        elif dev is not None and t.device != torch.device(dev):
+            raise ValueError(f"global_scale is on {t.device}, x on {dev}: pass it on x's "
+                             "device (or on the CPU, or as a number)")
+        return ("device", t)
+    from moeref.quant.nvfp4 import _static_value
+
+    return ("host",) + _nvfp4_static_host(_static_value(global_scale), scheme)
+
+
+@functools.lru_cache(maxsize=64)
+def _nvfp4_static_host(v: float, scheme: Scheme) -> tuple[float, float, float, bool]:
+    """(genc, gdec, glob, zero_tensor) of a validated static value ``v`` (see
+    :func:`_nvfp4_static_params`); cached, a static scale being the same call after call
+    (exceptions are not cached: a refused value raises every time)."""
+    from moeref.formats import FORMATS
+    from moeref.quant.nvfp4 import _PRODUCT, _nvfp4_rule
+    from moeref.quant.scale_rules import FLT_MAX, RuleContext
+
+    p = scheme.preset
+    ctx = RuleContext(scheme=scheme, preset=p, element=FORMATS["e2m1"], work=np.dtype(np.float32),
+                      static_scale=v)
+    glob = _nvfp4_rule(np.zeros(1, np.float32), ctx).global_scale  # raises as the reference does
+    order, conv = p.option("nvfp4_order"), p.option("global_convention")
+    T = np.float32
+    zero = False
+    with np.errstate(over="ignore", divide="ignore", under="ignore", invalid="ignore"):
+        if conv == "amax":  # the static value is the tensor amax A
+            A = T(v)
+            zero = bool(A == 0)
+            s_enc, pts = T(_PRODUCT) / A, A / T(_PRODUCT)
+            if order == "te":
+                s_enc = min(s_enc, T(FLT_MAX))
+                s_enc = T(1) if s_enc == 0 else s_enc
+            if zero:  # _nvfp4_rule: any positive value, every data factor is 0
+                s_enc, pts = T(1), T(1)
+        elif order == "torchao":  # the decode scale pts itself
+            pts = T(v)
+            s_enc = T(1) / pts  # unused by torchao's order
+        else:  # S_enc itself
+            s_enc = T(v)
+            pts = T(1) / s_enc  # unused by TE / FlashInfer / vLLM
+    return float(s_enc), float(pts), float(glob), zero
+
+
+def global_scale_supports(scheme: Scheme | None = None, x=None, global_scale=None, **_) -> tuple[bool, str]:
+    """Whether :func:`quantize` accepts ``global_scale`` for ``scheme`` (NVFP4 only; a valid
+    number or one-element float32 tensor), and why not: the ``supports`` of the registry's
+    ``quantize``/``triton`` entry adds this to :func:`supports`."""
+    if global_scale is None or scheme is None:
+        return True, "ok"
+    try:
+        _nvfp4_static_params(global_scale, scheme, getattr(x, "device", None))
+    except (TypeError, ValueError) as e:
+        return False, str(e)
+    return True, "ok"
+
+
+def _nvfp4_static_factors(global_scale, scheme: Scheme, dev: torch.device):
+    """(genc, gdec, glob, zero_tensor) device tensors / flag for a static NVFP4 global scale
+    (:func:`_nvfp4_static_params`): float32 ``[1]`` S_enc and decode scale for the data kernel,
+    float64 ``[1]`` reference decode factor. A number costs three fills (``torch.full``: no copy,
+    no host sync; the host work is cached per value); a device tensor no host sync either
+    (``amax``: :func:`_nvfp4_global_kernel` on it; ``encode_scale`` / ``decode_scale``: the
+    tensor itself)."""
+    params = _nvfp4_static_params(global_scale, scheme, dev)
+    if params[0] == "host":
+        _, s_enc, pts, glob, zero = params
+        return (torch.full((1,), s_enc, dtype=torch.float32, device=dev),
+                torch.full((1,), pts, dtype=torch.float32, device=dev),
+                torch.full((1,), glob, dtype=torch.float64, device=dev), zero)
+    t = params[1].reshape(1).to(dev)
+    p = scheme.preset
+    order = _NVFP4_ORDER[p.option("nvfp4_order")]
+    if p.option("global_convention") == "amax":
+        genc = _alloc(1, dtype=torch.float32, device=dev)
+        gdec = _alloc(1, dtype=torch.float32, device=dev)
+        _nvfp4_global_kernel[(1,)](t, genc, gdec, 1, BLOCK=2, ORDER=order)
+        glob = _div_by_2688(t.double())
+    else:  # the order reads only its own quantity (TE/FlashInfer S_enc, torchao pts)
+        genc = gdec = t
+        glob = t.double() if order == 2 else 1.0 / t.double()
+    return genc, gdec, glob, False
+
+
+def _div_by_2688(a: torch.Tensor) -> torch.Tensor:
+    """``a / 2688`` correctly rounded (float64), as the reference's ``float(A) / 2688``. Not
+    ``a / 2688.0``: on CUDA, torch divides a tensor by a Python scalar as a product with the
+    scalar's reciprocal (ATen BinaryDivTrueKernel.cu), one rounding too many (seen on an H200,
+    2026-11-21: a float64 decode factor unequal to the reference's)."""
+    return a / torch.full_like(a, 2688.0)
+
+
+def _signed_zero_codes(x3: torch.Tensor, te: bool) -> torch.Tensor:
+    """Packed E2M1 codes of ``x * 0`` (the reference's all-zero data factor): 0x0, or 0x8 for a
+    negative x (sign bit set) except under TE's order (an exact zero product is 0x0)."""
+    B, M, K = x3.shape
+    s = torch.zeros((B, M, K + K % 2), dtype=torch.uint8, device=x3.device)
+    if not te:
+        s[..., :K] = torch.signbit(x3).to(torch.uint8) * 8
+    return s[..., 0::2] | (s[..., 1::2] << 4)
+
+
+def _launch_knobs(ce: dict, gb: int, gpp: int, bm: int, num_warps: int | None) -> dict:
+    """``num_warps`` and the constexprs of a :func:`_quant_kernel` launch. The packed-bf16 FP4
+    encode (``PACKED_BF16``) groups four int32 words per asm call; it is kept only where every
+    thread holds at least four words of the tile (tiles and thread counts are powers of two, so
+    then a multiple of four): with fewer, Triton pads the packed call and the bytes came out
+    wrong (H200, 2026-11-21, 2-element blocks on 64-word tiles)."""
+    nw = _warps(gb, gpp, bm, num_warps, ce["ELEM"] != 2)
+    if ce.get("PACKED_BF16") and bm * gpp * max(gb // 2, 1) < 4 * 32 * nw:
+        ce = dict(ce, PACKED_BF16=False)
+    return dict(ce, num_warps=nw)
+
+
+# Rows longer than this with one scale per row (per-token) take _row_loop_kernel; tile
+# (rows per program, columns per chunk, warps). H200 sweep (bench_quant_gpu.py --tune,
+# 2026-11-21, 16384 x 7168 bf16, per-token): one 8192-wide tile per row 3.46 TB/s; the loop at
+# (1, 4096, 4) 3.43, (1, 2048, 2) 3.44, (1, 2048, 4) 3.36, (4, 1024, 4) 2.83. So rows up to
+# 8192 keep the single tile and the loop serves the longer ones (any length: no tile limit).
+_ROW_LOOP_MIN_K = 8192
+_ROW_LOOP_TILE = (1, 4096, 4)
+
+
+def _row_loop_applies(ng: int, gs: int, K: int, packed: bool, scale_layout: str) -> bool:
+    """One FP8 scale per row over a row longer than one tile: :func:`_row_loop_kernel`."""
+    return (ng == 1 and gs >= K and K > _ROW_LOOP_MIN_K and not packed
+            and scale_layout in ("row_major", "mn_major"))
+
+
+def _launch_row_loop(x3, codes, scales, ssb, ssm, m_pad, static_t, static, ce, block_m, num_warps):
+    B, M, K = (int(d) for d in x3.shape)
+    bm, bk, nw = _ROW_LOOP_TILE
+    bm = block_m or bm
+    grid = (triton.cdiv(m_pad, bm), B)
+    names = _row_loop_kernel.arg_names
+    _row_loop_kernel[grid](
+        x3, x3.stride(0), x3.stride(1), x3.stride(2), codes, codes.stride(0), codes.stride(1),
+        scales, ssb, ssm, static_t, M, K, m_pad, BLOCK_M=bm, BLOCK_K=bk,
+        K_ITERS=triton.cdiv(K, bk), STATIC=static is not None, num_warps=num_warps or nw,
+        **{k_: v_ for k_, v_ in ce.items() if k_ in names})
+
+
 def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major", scale=None,
              hw_fp8: bool | None = None, block_m: int | None = None, groups_per_program: int | None = None,
-             num_warps: int | None = None) -> FastQuantized:
+             num_warps: int | None = None, global_scale=None) -> FastQuantized:
     """Quantize ``x`` (CUDA tensor, or CPU under TRITON_INTERPRET=1) with ``scheme``.
 
     Args:
@@ -1068,6 +1370,16 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         scheme: a :mod:`moeref.quant` scheme (FP8 per-tensor/per-token/1xG, MXFP8, MXFP4, NVFP4).
         scale_layout: where the scales go (:data:`SCALE_LAYOUTS`).
         scale: static per-tensor decode scale (overrides ``scheme.static_scale``).
+        global_scale: NVFP4 only (ValueError for other families): a static per-tensor quantity
+            in the scheme's convention, as :func:`moeref.quant.nvfp4.quantize_nvfp4` takes it
+            (``amax``; ``encode_scale`` S_enc = 2688 / amax, e.g. vLLM's ``a1_gscale`` for
+            ``scaled_fp4_quant(x, input_global_scale)``; ``decode_scale``). A real number is
+            validated like the reference (TypeError / ValueError, with the reason, where it
+            raises); a one-element float32 tensor holds the float32 quantity: on the CPU it is
+            validated the same way, on x's device it is used as is, with no host sync (it must be
+            positive and give a finite nonzero encode/decode scale; nothing checks it). The
+            data pass is then the only pass over x (None: dynamic, the tensor amax is reduced in
+            a first pass). Codes, scales and ``global_scale`` equal the reference's.
         hw_fp8: use the hardware FP8 cast on CUDA (default: yes on CUDA for saturating RNE presets).
         block_m, groups_per_program, num_warps: tile overrides (benchmarks).
 
@@ -1077,6 +1389,9 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
     ok, why = supports(scheme, x, scale_layout)
     if not ok:
         raise ValueError(f"fastpath.quant.quantize cannot run {getattr(scheme, 'name', scheme)!r}: {why}")
+    static_global = None
+    if global_scale is not None:  # validated before any allocation or launch
+        static_global = _nvfp4_static_factors(global_scale, scheme, x.device)
     shape = tuple(int(d) for d in x.shape)
     x3 = x.reshape((1, 1) + shape) if x.dim() == 1 else (x.unsqueeze(0) if x.dim() == 2 else x)
     B, M, K = (int(d) for d in x3.shape)
@@ -1131,7 +1446,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
             GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=0, AMAX_SRC=1, STATIC=static is not None,
             TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=False, ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0,
             PAIR=pair, IN16=in16,
-            num_warps=_warps(gb, gpp, bm, num_warps, ce["ELEM"] != 2), **ce)
+            **_launch_knobs(ce, gb, gpp, bm, num_warps))
         out_codes = codes.reshape(shape[:-1] + (cshape[-1],))
         return FastQuantized(out_codes, scales.reshape(_grid_of(shape, scheme)), "row_major", scheme, shape)
 
@@ -1143,7 +1458,12 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
     gb, gpp, bm = _tile(gs, block_m, groups_per_program, scale_layout, ng)
     two_level = scheme.family == "nvfp4"
     genc = gdec = dummy
-    if two_level:
+    zero_tensor = False
+    if two_level and static_global is not None:
+        # static global scale: no amax pass, the data pass below is the only read of x
+        order = _NVFP4_ORDER[p.option("nvfp4_order")]
+        genc, gdec, glob, zero_tensor = static_global
+    elif two_level:
         order = _NVFP4_ORDER[p.option("nvfp4_order")]
         BMa, BKa = 8, min(1024, _next_pow2(K))
         nprog = triton.cdiv(M, BMa)
@@ -1159,7 +1479,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         # the reference's float64 decode factor, from the float32 quantity of the convention
         conv = p.option("global_convention")
         if conv == "amax":
-            glob = amax.double() / 2688.0
+            glob = _div_by_2688(amax.double())
         elif order == 2:
             glob = gdec.double()
         else:
@@ -1167,15 +1487,20 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         glob = torch.where(amax == 0, torch.zeros_like(glob), glob)
     else:
         order = 0
-    grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp), B)
-    xk, pair, in16 = _pair_view(x3, packed)
-    _quant_kernel[grid](
-        xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
-        scales, ssb, ssm, ssg, dummy, static_t, genc, gdec, M, K, ng, m_pad, ng_pad, 1,
-        GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=_SF_LAYOUT[scale_layout], AMAX_SRC=0,
-        STATIC=static is not None, TWO_LEVEL=two_level, NV_ORDER=order, WRITE_SCALES=True,
-        ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0, PAIR=pair, IN16=in16,
-        num_warps=_warps(gb, gpp, bm, num_warps, ce["ELEM"] != 2), **ce)
+    if _row_loop_applies(ng, gs, K, packed, scale_layout) and groups_per_program is None:
+        _launch_row_loop(x3, codes, scales, ssb, ssm, m_pad, static_t, static, ce, block_m, num_warps)
+    else:
+        grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp), B)
+        xk, pair, in16 = _pair_view(x3, packed)
+        _quant_kernel[grid](
+            xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
+            scales, ssb, ssm, ssg, dummy, static_t, genc, gdec, M, K, ng, m_pad, ng_pad, 1,
+            GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=_SF_LAYOUT[scale_layout], AMAX_SRC=0,
+            STATIC=static is not None, TWO_LEVEL=two_level, NV_ORDER=order, WRITE_SCALES=True,
+            ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0, PAIR=pair, IN16=in16,
+            **_launch_knobs(ce, gb, gpp, bm, num_warps))
+    if zero_tensor:  # a static amax that is 0 in float32: the reference's data factor is 0
+        codes.copy_(_signed_zero_codes(x3, order == 0))
     lead = shape[:-2] if len(shape) >= 2 else ()
     out_codes = codes.reshape(shape[:-1] + (cshape[-1],))
     if scale_layout == "row_major":

@@ -178,6 +178,16 @@ def _triton_supports(module: str, attr: str = "supports"):
     return supports
 
 
+def _quantize_supports(global_scale=None, **context) -> tuple[bool, str]:
+    """fastpath.quant.supports, then (NVFP4 static global scale) whether ``global_scale`` is
+    accepted: :func:`fastpath.quant.global_scale_supports`."""
+    ok, reason = _triton_supports("fastpath.quant")(**context)
+    if not ok or global_scale is None:
+        return ok, reason
+    return _triton_supports("fastpath.quant", "global_scale_supports")(global_scale=global_scale,
+                                                                       **context)
+
+
 def _dequant_supports(q=None, **context) -> tuple[bool, str]:
     if q is None:
         return _triton_supports("fastpath.quant")()
@@ -195,8 +205,9 @@ def _ensure_loaded() -> None:
     _LOADED = True
     register("quantize", "reference", "moeref.quant:quantize", _reference_supports,
              "exact NumPy specification (moeref.quant.quantize)")
-    register("quantize", "triton", "fastpath.quant:quantize", _triton_supports("fastpath.quant"),
-             "Triton kernel: FP8 per-tensor/per-token/1xG, MXFP8, MXFP4, NVFP4; every scale layout")
+    register("quantize", "triton", "fastpath.quant:quantize", _quantize_supports,
+             "Triton kernel: FP8 per-tensor/per-token/1xG, MXFP8, MXFP4, NVFP4 (dynamic or static "
+             "global scale); every scale layout")
     register("quantize", "deep_gemm", "fastpath.quant:deep_gemm_quantize",
              _triton_supports("fastpath.quant", "deep_gemm_supports"),
              "DeepGEMM's torch quantizer (per_token_cast_to_fp8), deepgemm preset only")

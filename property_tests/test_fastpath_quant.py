@@ -590,3 +590,18 @@ def test_div_exact_is_the_correctly_rounded_quotient():
         mismatches += int((got[window].view(np.uint32) != want[window].view(np.uint32)).sum())
         assert window.mean() > 0.5
     assert mismatches == 0
+
+
+@pytest.mark.parametrize("factory", [lambda: mxfp4(preset="torchao_even"),
+                                     lambda: mxfp8(preset="torchao_even")])
+def test_even_rule_rounding_past_flt_max_is_a_nan_block(factory):
+    """torchao's EVEN rule rounds a block amax near FLT_MAX up past it: scale 0xFF (NaN) for a
+    block of finite data, whose codes the reference fills like any NaN-scaled block (found by
+    the packed-FP4 sweep on an H200, 2026-11-21: the kernel had encoded the data instead)."""
+    scheme = factory()
+    xn = np.ones((2, 64), np.float32)
+    xn[0, :32] = np.float32(3.3e38) * np.where(np.arange(32) % 2, -1, 1)  # rounds past FLT_MAX
+    xn[1, 32:] = np.float32(1.5e38)  # does not
+    xb = xn.astype(ml_dtypes.bfloat16)
+    got, ref = run_and_check(scheme, "row_major", xb, to_device(xb))
+    assert ref.scales[0, 0] == 0xFF and ref.scales[1, 1] != 0xFF

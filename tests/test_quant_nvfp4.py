@@ -318,6 +318,16 @@ def test_bad_static_global_scale(g):
         quantize(np.ones((1, 16), F32), nvfp4(), global_scale=g)
 
 
+@pytest.mark.parametrize("preset,convention,g", [
+    ("vllm", "encode_scale", 1e-39), ("te", "encode_scale", 2e-39),
+    ("torchao", "decode_scale", 1e-39)])
+def test_static_global_scale_whose_reciprocal_overflows(preset, convention, g):
+    """1/g is above FLT_MAX in float32: the data factor would be Inf/NaN, so it is refused."""
+    assert not np.isfinite(F32(1) / F32(g))
+    with pytest.raises(ValueError, match="reciprocal"):
+        quantize(np.ones((1, 16), F32), nvfp4(preset=preset, convention=convention), global_scale=g)
+
+
 def test_bad_arguments():
     with pytest.raises(TypeError, match="global_scale"):
         quantize(np.ones((1, 16), F32), nvfp4(), global_scale=True)

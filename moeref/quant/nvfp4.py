@@ -62,8 +62,9 @@ Policies (moeref's choices where the anchors are silent or differ, each pinned b
   0, and the stored decode factor is 0.0 (TE stores amax 0; its S_enc would be FLT_MAX in the
   reference, 1.0 in the kernel, with identical outputs; FlashInfer's ``2688/0`` and torchao's
   ``0/0`` would give NaN).
-* A static global scale (``quantize(x, scheme, global_scale=...)``) must be positive and finite;
-  block scales above 448 saturate to 448 (E4M3 ``satfinite``, vLLM's clamp) and the elements of
+* A static global scale (``quantize(x, scheme, global_scale=...)``) must be positive and finite,
+  and so must the float32 reciprocal the order takes of it (an encode scale below about 3e-39
+  would make the data factor Inf): otherwise ``ValueError``; block scales above 448 saturate to 448 (E4M3 ``satfinite``, vLLM's clamp) and the elements of
   such blocks saturate at +-6.
 * ``te`` writes code 0x0 for an exact zero product (``-0.0``), 0x8 for negative values that round
   to zero (TE ``cast_to_fp4x2``); ``flashinfer``/``torchao`` keep the sign of zero (PTX ``cvt``,
@@ -261,12 +262,19 @@ def _nvfp4_rule(amax: np.ndarray, ctx: RuleContext) -> ScaleResult:
             if not (pts > 0 and np.isfinite(pts)):
                 raise ValueError(f"{what} gives the decode scale {float(pts)!r} in {w.name}; "
                                  "torchao's order needs a positive finite one")
+            if not np.isfinite(T(1) / pts):
+                raise ValueError(f"{what} gives the decode scale {float(pts)!r}, whose reciprocal "
+                                 f"overflows {w.name} (the data factor would be Inf)")
             glob = float(pts) if glob is None else glob
         else:
             if not (s_enc > 0 and np.isfinite(s_enc)):
                 raise ValueError(f"{what} gives the encode scale {float(s_enc)!r} in {w.name} "
                                  f"(2688 / amax overflows float32?); the {order!r} order has no "
                                  "clamp for it (TE clamps to FLT_MAX)")
+            if not np.isfinite(T(1) / s_enc):
+                raise ValueError(f"{what} gives the encode scale {float(s_enc)!r}, whose reciprocal "
+                                 f"(the decode scale) overflows {w.name}: the data factor would "
+                                 "be Inf or NaN")
             glob = 1.0 / float(s_enc) if glob is None else glob
 
         if order == "te":
@@ -286,6 +294,12 @@ def _nvfp4_rule(amax: np.ndarray, ctx: RuleContext) -> ScaleResult:
             code = _ue4m3(np.clip(block_scale / pts, T(_E4M3_TINY), T(E4M3_MAX)))
             s = dec_table[code].astype(w)
             factor = (T(1) / pts) / s
+            if not np.isfinite(factor).all():
+                # fl(1/pts) / s overflows when the tensor amax is tiny (pts near FLT_MIN): torchao
+                # then multiplies zeros by Inf (NaN codes); refuse instead of encoding NaN
+                raise ValueError(f"torchao's NVFP4 order: the data factor fl(fl(1/pts) / s) "
+                                 f"overflows float32 (pts = {float(pts)!r}, the tensor amax "
+                                 f"{float(pts) * _PRODUCT!r} is too small for this order)")
     if zero_tensor:
         factor = np.zeros_like(factor)
     return ScaleResult(stored=code.astype(np.uint8), decode=dec_table[code],

@@ -1,0 +1,182 @@
+"""MXFP4 (E2M1, RNE) encode of bfloat16 PAIRS with packed bf16x2 PTX: two elements per instruction.
+
+Used by :func:`fastpath.quant._quant_kernel` (constexpr ``PACKED_BF16``) for bfloat16 input read as
+int32 words (two elements per word, even element in the low half), E8M0 scales and RNE rounding,
+on a GPU only: Triton's interpreter cannot run inline PTX, so there the integer path of
+:mod:`fastpath._triton_rounding` stays. Every instruction needs sm_90 (``mul/add .bf16x2``) or
+sm_86 (``min/max .xorsign.abs``); the targets are Hopper and later.
+
+Why it is exact. The data are multiplied by an E8M0 factor ``f = 2^-e`` (a power of two, or 0 /
+1 for zero blocks, NaN for NaN blocks), so ``y = x * f`` is EXACT in bfloat16 whenever it is a
+normal bfloat16 (8 significant bits times a power of two); when it is not, either ``|y| < 2^-126``
+(code 0 whatever the rounding, the sign taken from the product, whose sign is x's) or it
+overflows to +-Inf (saturates to +-6, as the exact product does). The whole E2M1 rounding then
+runs on the bf16 pair (:data:`ENCODE_E2M1X4_PTX`), lane by lane; per lane (``sg`` the sign):
+
+1. ``y = x * f``                  ``mul.rn.bf16x2`` (exact, see above; subnormals are kept: the
+                                  PTX half-precision ``mul`` has no ``.ftz``, SASS ``HMUL2``
+                                  without ``.FTZ`` supports denormals).
+2. ``m = sg * min(|y|, 6)``       ``min.xorsign.abs`` with +6: saturation (+-Inf too). A NaN lane
+                                  becomes +-6 (PTX ``min`` without ``.NaN`` returns the non-NaN
+                                  operand), so it stays finite and cannot disturb the other lane;
+                                  its code is replaced by the caller's NaN policy.
+3. ``t = sg * max(|m|, 1)``       ``max.xorsign.abs`` with +1: ``|t|`` in [1, 6] has the binade k
+                                  (0, 1, 2) of ``|m|`` (k = 0 also for ``|m| < 1``).
+4. ``b = sg * 2^k``               ``t & 0xFF80FF80``: sign and exponent of t.
+5. ``s = RN(b * 64 + m)``         ``fma.rn.bf16x2``: ``b * 64 = sg * 2^(6+k)`` exactly, and
+                                  ``ulp(2^(6+k)) = 2^(k-1)`` is E2M1's spacing on binade k (0.5
+                                  below 2, 1 on [2, 4), 2 on [4, 6]); m has the same sign, so
+                                  ``|s| = RNE(|m| + 2^(6+k))`` rounds ``|m|`` to a multiple n of
+                                  the spacing (``|m| + 2^(6+k) < 2^(7+k)``: the ulp is constant).
+6. ``r = s - b + (b >> 6) - 0x03FE03FE``  integer, per lane, with ``c = b + 0x0300`` the bits
+                                  of ``sg * 2^(6+k)``: ``s - c = n`` (sign and exponent cancel,
+                                  no borrow since ``|s| >= |c|``) and ``c >> 6 = (b >> 6) + 0xC``
+                                  puts ``2 (133 + k)`` in bits 1..8 and the sign in bit 9 of the
+                                  lane (b's low 7 bits are 0: nothing crosses lanes), so each
+                                  16-bit lane of r is ``(n + 2k) | sg << 9``: ``0x03FE =
+                                  0x0300 + 266 - 0xC``. ``n + 2k`` is the E2M1 code (0..7): it has
+                                  the parity of n, which is the parity of s's mantissa, so RNE
+                                  ties go to the even CODE.
+   Then ``r = (r & ~mask) | fill`` (one ``lop3``): the caller's overwrite of NaN lanes / NaN
+   blocks, in the same lane form (:func:`lanes_of_code`).
+7. bytes, four words per call (``pack=4``: one output register holds the four bytes):
+   ``prmt`` gathers the code bytes of words a, b as ``[a.lo, b.lo, a.hi, b.hi]`` and their sign
+   bytes (sign in bit 1) likewise; ``W + (S << 2)`` puts each sign in bit 3 of its nibble; adding
+   ``>> 12`` moves the high nibbles next to the low ones (``[byte a, byte b]`` in the low half;
+   no overlapping bits, so ``+`` is ``|``); a last ``prmt`` joins the two halves.
+
+Every intermediate lane stays below 2^16 and non-negative, so no carry or borrow crosses from
+the low lane into the high one, NaN lanes included. ``tests/test_mxfp4_packed_encode.py``
+emulates this exact PTX text instruction by instruction in NumPy (a small interpreter, bf16
+rounding done exactly) over all 65536 bf16 patterns in both lanes x every power-of-two factor
+bfloat16 holds (2^-133..2^127; E8M0 factors are 2^-127..2^127) and 0, against
+:func:`moeref.formats.encode` of the exact product; ``property_tests/test_fastpath_mxfp4_packed.py``
+runs the real instructions on a GPU over every pattern and factor code and compares with the
+integer path and the reference.
+
+The block amax (:func:`amax_bf16x2`) is a ``tl.reduce`` of ``max{.NaN}.xorsign.abs.bf16x2`` over
+the words (one instruction per two elements), then the larger lane of ``|r|``: with ``.NaN``
+(NaN-block and propagate policies) a NaN element makes the lane NaN, as the float32 max.NaN path
+does (its payload is not kept there either); without it (``ignore_nan``) a NaN only survives a
+combine with another NaN, so a lane is NaN exactly when all its elements are, and such a lane
+counts as 0, the integer path's value for an all-NaN block.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._triton_rounding import f32_bits
+
+__all__ = ["ENCODE_E2M1X4_PTX", "bf16x2_factor", "lanes_of_code", "encode_e2m1x4_rne",
+           "amax_bf16x2"]
+
+
+def _word_ptx(j: int) -> str:
+    """Steps 1-6 for word j: %e2m1_r<j> gets the lanes ``code | sign << 9``, then the overwrite.
+
+    Every local register is named ``%e2m1_*``: a scope that declared, say, ``%r1`` would shadow
+    the caller's ``%r1`` (Triton numbers its registers ``%r<N>``) whenever that register is
+    passed in as an operand, and the asm would read its own uninitialised local instead (seen
+    on an H200, 2026-11-21: the first bytes of every row came out wrong)."""
+    return f"""mul.rn.bf16x2 %e2m1_y, ${1 + j}, ${5 + j};
+min.xorsign.abs.bf16x2 %e2m1_m, %e2m1_y, %e2m1_k6;
+max.xorsign.abs.bf16x2 %e2m1_t, %e2m1_m, %e2m1_k1;
+and.b32 %e2m1_c, %e2m1_t, 0xFF80FF80;
+fma.rn.bf16x2 %e2m1_s, %e2m1_c, %e2m1_k64, %e2m1_m;
+sub.u32 %e2m1_r{j}, %e2m1_s, %e2m1_c;
+sub.u32 %e2m1_r{j}, %e2m1_r{j}, 0x03FE03FE;
+shr.u32 %e2m1_u, %e2m1_c, 6;
+add.u32 %e2m1_r{j}, %e2m1_r{j}, %e2m1_u;
+lop3.b32 %e2m1_r{j}, %e2m1_r{j}, ${9 + j}, ${13 + j}, 0xBA;
+"""
+
+
+def _bytes_ptx(a: int, b: int, out: str) -> str:
+    """Two bytes (words a, b) into the low half of ``out`` (step 7)."""
+    return f"""prmt.b32 {out}, %e2m1_r{a}, %e2m1_r{b}, 0x6240;
+prmt.b32 %e2m1_v, %e2m1_r{a}, %e2m1_r{b}, 0x7351;
+shl.b32 %e2m1_v, %e2m1_v, 2;
+add.u32 {out}, {out}, %e2m1_v;
+shr.u32 %e2m1_v, {out}, 12;
+add.u32 {out}, {out}, %e2m1_v;
+"""
+
+
+# Four elements per call (pack=4). $0: the four FP4 bytes (byte j from word j); $1-$4: words of
+# two bfloat16 (element 2i low); $5-$8: the factors as bf16 pairs; $9-$12: overwrite masks;
+# $13-$16: the lanes written where the mask is set (see :func:`encode_e2m1x4_rne`).
+ENCODE_E2M1X4_PTX = ("{\n.reg .b32 %e2m1_y, %e2m1_m, %e2m1_t, %e2m1_c, %e2m1_s, %e2m1_u, %e2m1_v,"
+                     " %e2m1_k6, %e2m1_k1, %e2m1_k64, %e2m1_r0, %e2m1_r1, %e2m1_r2, %e2m1_r3,"
+                     " %e2m1_b0, %e2m1_b1;\nmov.b32 %e2m1_k6, 0x40C040C0;\nmov.b32 %e2m1_k1, 0x3F803F80;\n"
+                     "mov.b32 %e2m1_k64, 0x42804280;\n"
+                     + "".join(_word_ptx(j) for j in range(4))
+                     + _bytes_ptx(0, 1, "%e2m1_b0") + _bytes_ptx(2, 3, "%e2m1_b1")
+                     + "prmt.b32 $0, %e2m1_b0, %e2m1_b1, 0x5410;\n}")
+
+_MAX_ABS_NAN_PTX = "max.NaN.xorsign.abs.bf16x2 $0, $1, $2;"
+_MAX_ABS_PTX = "max.xorsign.abs.bf16x2 $0, $1, $2;"
+# the same strings as constexpr globals (what a @triton.jit function may read)
+_ENCODE_C = tl.constexpr(ENCODE_E2M1X4_PTX)
+_ENCODE_CONSTRAINTS = tl.constexpr("=r," + ",".join(["r"] * 16))
+_MAX_ABS_NAN_C = tl.constexpr(_MAX_ABS_NAN_PTX)
+_MAX_ABS_C = tl.constexpr(_MAX_ABS_PTX)
+
+
+@triton.jit
+def bf16x2_factor(factor):
+    """int32 word holding the bfloat16 pattern of a float32 factor in both halves. Exact for the
+    factors of E8M0 scales: 2^k (k in [-127, 127]; 2^-127 is the bf16 subnormal 0x0040), 0, 1,
+    NaN (its low 16 float32 bits are zero)."""
+    b = f32_bits(factor) >> 16
+    return (b | (b << 16)).to(tl.int32, bitcast=True)
+
+
+def lanes_of_code(code: int) -> int:
+    """The two-lane word a mask overwrite writes for the E2M1 code ``code`` (0..15) in both
+    lanes: each 16-bit lane holds ``(code & 7) | (code >> 3) << 9`` (step 6's form)."""
+    lane = (code & 7) | (((code >> 3) & 1) << 9)
+    return lane | (lane << 16)
+
+
+@triton.jit
+def encode_e2m1x4_rne(words, f2, mask, fill):
+    """FP4 bytes (uint8: low nibble element 2i, high nibble 2i+1) of int32 words of two bfloat16
+    times the bf16-pair factor ``f2`` (:func:`bf16x2_factor`): E2M1, RNE, saturating, sign kept
+    (-0 -> 0x8). ``mask``/``fill`` (int32, broadcastable): where a bit of ``mask`` is set the
+    lanes take ``fill``'s bit instead, one ``lop3`` per word; a lane of ``0xFFFF`` with the fill
+    lane ``lanes_of_code(c) & 0xFFFF`` writes code c there (NaN elements, NaN blocks). NaN lanes
+    not overwritten get code 7 up to the sign. See the module docstring."""
+    return tl.inline_asm_elementwise(_ENCODE_C, _ENCODE_CONSTRAINTS,
+                                     [words, f2, mask, fill], dtype=tl.uint8, is_pure=True,
+                                     pack=4)
+
+
+@triton.jit
+def _max_abs_nan(a, b):
+    return tl.inline_asm_elementwise(_MAX_ABS_NAN_C, "=r,r,r", [a, b], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _max_abs(a, b):
+    return tl.inline_asm_elementwise(_MAX_ABS_C, "=r,r,r", [a, b], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def amax_bf16x2(words, IGNORE_NAN: tl.constexpr):
+    """Block amax (float32) over the last axis of int32 words of bfloat16 pairs, both lanes.
+    IGNORE_NAN False: NaN if any element is NaN (payload unspecified); True: NaN elements are
+    left out (an all-NaN block gives 0). Exact otherwise: the max of the |x| patterns, widened."""
+    if IGNORE_NAN:
+        r = tl.reduce(words, len(words.shape) - 1, _max_abs)
+    else:
+        r = tl.reduce(words, len(words.shape) - 1, _max_abs_nan)
+    r = r.to(tl.uint32, bitcast=True) & 0x7FFF7FFF
+    lo = r & 0xFFFF
+    hi = r >> 16
+    if IGNORE_NAN:
+        lo = tl.where(lo > 0x7F80, 0, lo)
+        hi = tl.where(hi > 0x7F80, 0, hi)
+    return (tl.maximum(lo, hi) << 16).to(tl.float32, bitcast=True)

@@ -1,0 +1,104 @@
+"""The looped one-scale-per-row kernel (``fastpath.quant._row_loop_kernel``, per-token FP8 rows
+longer than ``_ROW_LOOP_MIN_K``) equals the reference bit for bit.
+
+CI shapes are small, so the tests lower the threshold and the chunk width: every row then spans
+several chunks (partial last chunk included), which is the structure the large rows have. On the
+GPU the natural threshold is also exercised with real 7168-wide rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from moeref.quant import fp8_group, fp8_per_token, quantize as ref_quantize  # noqa: E402
+
+from fastpath import quant as Q  # noqa: E402
+from fastpath.testing import on_gpu  # noqa: E402
+
+from property_tests.test_fastpath_quant import device_input, make_input, run_and_check  # noqa: E402
+
+GPU = on_gpu()
+
+
+@pytest.fixture
+def small_row_loop(monkeypatch):
+    """Route every one-scale-per-row FP8 quantization with K > 8 to the loop kernel, in chunks of
+    16 columns (2 rows per program)."""
+    monkeypatch.setattr(Q, "_ROW_LOOP_MIN_K", 8)
+    monkeypatch.setattr(Q, "_ROW_LOOP_TILE", (2, 16, 1))
+
+
+def _launches(monkeypatch):
+    """Count launches of the loop kernel (to prove the test runs it)."""
+    calls = []
+    real = Q._launch_row_loop
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(Q, "_launch_row_loop", spy)
+    return calls
+
+
+SCHEMES = [
+    lambda: fp8_per_token(),
+    lambda: fp8_per_token(preset="vllm"),
+    lambda: fp8_per_token(preset="deepgemm"),
+    lambda: fp8_per_token(element="e5m2"),
+]
+
+
+# the fixtures only set module constants and install a counting spy: sharing them across the
+# generated examples is intended
+@settings(max_examples=30 if not GPU else 200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(i=st.integers(0, len(SCHEMES) - 1), M=st.integers(1, 9), K=st.integers(9, 70),
+       ndim=st.sampled_from((2, 3)), dtype=st.sampled_from(("float32", "bfloat16", "float16")),
+       specials=st.sampled_from(("none", "finite", "all")), strided=st.booleans(),
+       log_range=st.sampled_from((0.0, 4.0, 30.0)), seed=st.integers(0, 2**32 - 1),
+       layout=st.sampled_from(("row_major", "mn_major")))
+def test_row_loop_matches_reference(small_row_loop, monkeypatch, i, M, K, ndim, dtype, specials,
+                                    strided, log_range, seed, layout):
+    scheme = SCHEMES[i]()
+    if layout == "mn_major" and scheme.scale_format != "fp32":
+        layout = "row_major"
+    shape = (2, M, K) if ndim == 3 else (M, K)
+    xn = make_input(seed, shape, dtype, log_range, specials)
+    calls = _launches(monkeypatch)
+    run_and_check(scheme, layout, xn, device_input(xn, strided))
+    assert calls, "the loop kernel was not used"
+
+
+def test_row_loop_group_as_wide_as_the_row(small_row_loop, monkeypatch):
+    """A 1xG group at least as wide as the row is one scale per row too."""
+    xn = make_input(3, (5, 40), "bfloat16", 4.0, "all")
+    calls = _launches(monkeypatch)
+    run_and_check(fp8_group(64), "row_major", xn, device_input(xn, False))
+    assert calls
+
+
+def test_row_loop_static_scale(small_row_loop, monkeypatch):
+    xn = make_input(4, (6, 50), "float32", 4.0, "finite")
+    scheme = fp8_per_token(preset="vllm")
+    calls = _launches(monkeypatch)
+    for s in (0.01, 3.0):
+        ref = ref_quantize(xn, scheme, scale=s)
+        got = Q.quantize(device_input(xn, False), scheme, scale=s)
+        np.testing.assert_array_equal(got.codes.cpu().numpy(), ref.codes)
+        np.testing.assert_array_equal(got.scales_logical(), ref.scales)
+    assert calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K", [(257, 8193), (3, 40000), (64, 16384)])
+def test_gpu_row_loop_real_sizes(M, K):
+    """At the natural threshold and tile, on the GPU: rows longer than 8192 (40000: beyond the
+    tile kernel's 32768 limit), random magnitudes and specials."""
+    xn = make_input(M + K, (M, K), "bfloat16", 30.0, "all")
+    for scheme in (fp8_per_token(), fp8_per_token(preset="vllm")):
+        run_and_check(scheme, "row_major", xn, device_input(xn, False))
