@@ -438,7 +438,10 @@ def tune(args):
              dict(block_m=16, num_warps=4), dict(block_m=16, num_warps=8),
              dict(block_m=32, num_warps=8), dict(block_m=4, groups_per_program=8, num_warps=4),
              dict(block_m=8, groups_per_program=8, num_warps=4), dict(block_m=8, groups_per_program=8, num_warps=8),
-             dict(block_m=32, num_warps=16)]
+             dict(block_m=32, num_warps=16), dict(block_m=1, groups_per_program=32, num_warps=4),
+             dict(block_m=2, groups_per_program=16, num_warps=4),
+             dict(block_m=1, groups_per_program=64, num_warps=8),
+             dict(block_m=2, groups_per_program=32, num_warps=8)]
     # per-token rows take fastpath.quant._row_loop_kernel: (rows, columns per chunk, warps)
     rows = [dict(row_tile="off")] + [dict(row_tile=t) for t in [
         (1, 2048, 4), (1, 1024, 4), (1, 2048, 8), (1, 4096, 4), (1, 4096, 8), (2, 2048, 4),

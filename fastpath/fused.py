@@ -132,10 +132,12 @@ def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme
     scales = _alloc(sshape, dtype=sdt, device=dev)
     if act == "silu_and_mul" and gs == 128 and block_m is None and groups_per_program is None \
             and num_warps is None:
-        # two loads per element (gate, up): 8 rows x 4 groups on 8 warps measured best on an
-        # H200 (bench_quant_gpu.py --tune, 2026-11-21: 3.47 TB/s vs 3.41 for the FP8 default tile)
-        block_m, groups_per_program, num_warps = 8, 4, 8
-    gb, gpp, bm = Q._tile(gs, block_m, groups_per_program, scale_layout, ng)
+        # two loads per element (gate, up): 4 rows x 8 groups on 8 warps measured best on an
+        # H200 (bench_quant_gpu.py --tune, 2026-11-21: 3.83 TB/s, 90% of copy; 8 rows x 4 groups
+        # on 8 warps 3.68, 1 row x 32 groups on 4 warps 3.53) and within 1% of the best on an
+        # H100 (2.86 vs 2.88 TB/s)
+        num_warps = 8
+    gb, gpp, bm = Q._tile(gs, block_m, groups_per_program, scale_layout, ng, role="fused")
     dummy = _alloc(1, dtype=torch.float32, device=dev)
     grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp), B)
     xk, pair, in16 = Q._pair_view(x3, act == "swigluoai")

@@ -1145,19 +1145,33 @@ def _constexprs_cached(scheme: Scheme, hw_fp8: bool, interp: bool) -> dict:
 
 # dequantize tiles: elements per program and warps (H200 sweep, bench_quant_gpu.py --tune,
 # 2026-11-21: 4096-element tiles; with the 8-byte code loads 3.62 TB/s on 8 warps vs 3.58 on 4,
-# about the run-to-run spread)
+# about the run-to-run spread; 1x128 groups: see _tile)
 _DQ_ELEMS = 4096
 _DQ_WARPS = 8
 
 
-def _tile(gs: int, block_m: int | None, gpp: int | None, layout: str, ng: int, elems: int = 4096):
+def _tile(gs: int, block_m: int | None, gpp: int | None, layout: str, ng: int, elems: int = 4096,
+          role: str = "quant"):
     """(GB, GPP, BLOCK_M): pow2 group block, groups per program, rows per program (about
-    ``elems`` elements per program; the packed UE8M0 layout needs whole int32 words, 4 groups)."""
+    ``elems`` elements per program; the packed UE8M0 layout needs whole int32 words, 4 groups).
+
+    1x128 groups (``role``: "quant", "dequant" or "fused"), from sweeps on an H100 and an H200
+    (bench_quant_gpu.py --tune, 2026-11-21, 16384 x 7168): one row segment per program reads and
+    writes contiguous runs. Quantize 1 row x 32 groups (4 warps): `deepgemm` FP32 3.99 TB/s on
+    the H200 (94% of copy; 4 rows x 8 groups 3.79) and 2.84 on the H100 (2.75), `default` 3.53
+    (3.45), packed UE8M0 3.93 (3.86). Dequantize 1 row x 64 groups on 8 warps: 3.87 (3.60) and
+    2.84 (2.66). MN-major scales keep 4 rows x 8 groups (one row per program would scatter its
+    4-byte scale writes with stride M), and so do the fused kernels (swigluoai 3.44 vs 3.36)."""
     gb = max(2, _next_pow2(gs))
     if gpp is None:
         gpp = max(1, min(_next_pow2(ng), 512 // gb)) if gb < 512 else 1
         if gb == 128 and block_m is None and ng >= 8 and elems == 4096:
-            gpp, block_m = 8, 4  # 1x128 groups: 4 rows x 8 groups (H200 sweep: best or within 1%)
+            if role == "dequant" and layout == "row_major":
+                gpp, block_m = 64, 1
+            elif role == "quant" and layout in ("row_major", "packed_ue8m0"):
+                gpp, block_m = 32, 1
+            else:
+                gpp, block_m = 8, 4
     if layout == "packed_ue8m0":
         gpp = max(gpp, 4)
     if block_m is None:
@@ -1701,7 +1715,7 @@ def dequantize(q: FastQuantized, dtype: torch.dtype = torch.float32, *, block_m:
     if kind == "per_tensor":
         gs = 128
         ng = triton.cdiv(K, gs)
-        gb, gpp, bm = _tile(gs, block_m, groups_per_program, "row_major", ng, _DQ_ELEMS)
+        gb, gpp, bm = _tile(gs, block_m, groups_per_program, "row_major", ng, _DQ_ELEMS, "dequant")
         s = q.scales.reshape(B)
         grid = (triton.cdiv(M, bm), triton.cdiv(ng, gpp), B)
         _dequant_kernel[grid](codes, codes.stride(0), codes.stride(1), s, 1, 0, 0, s, out,
@@ -1719,7 +1733,7 @@ def dequantize(q: FastQuantized, dtype: torch.dtype = torch.float32, *, block_m:
     else:
         s = s.reshape((B,) + tuple(s.shape[-2:]) if q.scale_layout != "swizzled_128x4" else (B, -1))
         ssb = s.stride(0)
-    gb, gpp, bm = _tile(gs, block_m, groups_per_program, q.scale_layout, ng, _DQ_ELEMS)
+    gb, gpp, bm = _tile(gs, block_m, groups_per_program, q.scale_layout, ng, _DQ_ELEMS, "dequant")
     g = q.global_scale if q.global_scale is not None else s
     grid = (triton.cdiv(M, bm), triton.cdiv(ng, gpp), B)
     _dequant_kernel[grid](codes, codes.stride(0), codes.stride(1), s, ssb, ssm, ssg, g, out,
