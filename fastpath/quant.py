@@ -1244,35 +1244,12 @@ def _nvfp4_static_params(global_scale, scheme: Scheme, dev: torch.device | None 
 @functools.lru_cache(maxsize=64)
 def _nvfp4_static_host(v: float, scheme: Scheme) -> tuple[float, float, float, bool]:
     """(genc, gdec, glob, zero_tensor) of a validated static value ``v`` (see
-    :func:`_nvfp4_static_params`); cached, a static scale being the same call after call
-    (exceptions are not cached: a refused value raises every time)."""
-    from moeref.formats import FORMATS
-    from moeref.quant.nvfp4 import _PRODUCT, _nvfp4_rule
-    from moeref.quant.scale_rules import FLT_MAX, RuleContext
+    :func:`_nvfp4_static_params`): :func:`moeref.quant.nvfp4.global_factors`, the reference's own
+    per-tensor step (its float32 S_enc and decode scale, float64 ``glob``, and its ValueErrors);
+    cached, a static scale being the same call after call (a refused value raises every time)."""
+    from moeref.quant.nvfp4 import global_factors
 
-    p = scheme.preset
-    ctx = RuleContext(scheme=scheme, preset=p, element=FORMATS["e2m1"], work=np.dtype(np.float32),
-                      static_scale=v)
-    glob = _nvfp4_rule(np.zeros(1, np.float32), ctx).global_scale  # raises as the reference does
-    order, conv = p.option("nvfp4_order"), p.option("global_convention")
-    T = np.float32
-    zero = False
-    with np.errstate(over="ignore", divide="ignore", under="ignore", invalid="ignore"):
-        if conv == "amax":  # the static value is the tensor amax A
-            A = T(v)
-            zero = bool(A == 0)
-            s_enc, pts = T(_PRODUCT) / A, A / T(_PRODUCT)
-            if order == "te":
-                s_enc = min(s_enc, T(FLT_MAX))
-                s_enc = T(1) if s_enc == 0 else s_enc
-            if zero:  # _nvfp4_rule: any positive value, every data factor is 0
-                s_enc, pts = T(1), T(1)
-        elif order == "torchao":  # the decode scale pts itself
-            pts = T(v)
-            s_enc = T(1) / pts  # unused by torchao's order
-        else:  # S_enc itself
-            s_enc = T(v)
-            pts = T(1) / s_enc  # unused by TE / FlashInfer / vLLM
+    s_enc, pts, glob, zero = global_factors(scheme.preset, static=v)
     return float(s_enc), float(pts), float(glob), zero
 
 

@@ -101,6 +101,7 @@ __all__ = [
     "nvfp4_preset",
     "quantize_nvfp4",
     "global_scale_as",
+    "global_factors",
 ]
 
 E2M1_MAX = 6.0
@@ -223,20 +224,26 @@ def _ue4m3(v: np.ndarray) -> np.ndarray:
     return encode(v, "ue4m3", overflow="saturate", rounding="rne")
 
 
-def _nvfp4_rule(amax: np.ndarray, ctx: RuleContext) -> ScaleResult:
-    """Block amax grid -> UE4M3 codes, data factor and the global decode factor (module docstring)."""
-    p, w = ctx.preset, ctx.work
-    T = w.type
-    order = p.option("nvfp4_order")
-    conv = p.option("global_convention")
-    a = amax.astype(w, copy=False)
-    static = ctx.static_scale
-    tensor_amax = T(a.max()) if a.size else T(0)
-    dec_table = decode_table("ue4m3")
+def global_factors(preset: Preset, tensor_amax=None, static=None, work=np.float32):
+    """The per-tensor step of the NVFP4 rule: ``(s_enc, pts, glob, zero_tensor)``.
+
+    ``s_enc`` is the ``work``-precision encode scale the TE / FlashInfer / vLLM orders use and
+    ``pts`` torchao's decode scale (each order reads only its own; the other is its reciprocal),
+    ``glob`` the float64 decode factor :attr:`QuantizedTensor.global_scale` stores and
+    ``zero_tensor`` whether the tensor is treated as all zeros (amax 0: every data factor 0).
+    From the tensor amax (dynamic) or a validated ``static`` value in the preset's convention.
+    Raises ``ValueError`` with the reason when the scale the order needs is not a positive
+    finite number with a finite reciprocal. The fast path (:mod:`fastpath.quant`) calls this for
+    static scales, so both compute the same float32 factors.
+    """
+    T = np.dtype(work).type
+    order = preset.option("nvfp4_order")
+    conv = preset.option("global_convention")
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         glob = None
+        s_enc = pts = None
         if static is None or conv == "amax":
-            A = tensor_amax if static is None else T(static)
+            A = T(tensor_amax) if static is None else T(static)
             zero_tensor = bool(A == 0)
             if conv == "amax":
                 glob = float(A) / _PRODUCT
@@ -255,28 +262,43 @@ def _nvfp4_rule(amax: np.ndarray, ctx: RuleContext) -> ScaleResult:
             else:
                 s_enc = T(static)
             what = f"global_scale={static!r}"
+        name = np.dtype(work).name
         if zero_tensor:
             glob = 0.0
             pts, s_enc = T(1), T(1)  # any positive value: every block is zero
         elif order == "torchao":
             if not (pts > 0 and np.isfinite(pts)):
-                raise ValueError(f"{what} gives the decode scale {float(pts)!r} in {w.name}; "
+                raise ValueError(f"{what} gives the decode scale {float(pts)!r} in {name}; "
                                  "torchao's order needs a positive finite one")
             if not np.isfinite(T(1) / pts):
                 raise ValueError(f"{what} gives the decode scale {float(pts)!r}, whose reciprocal "
-                                 f"overflows {w.name} (the data factor would be Inf)")
+                                 f"overflows {name} (the data factor would be Inf)")
             glob = float(pts) if glob is None else glob
+            s_enc = T(1) / pts
         else:
             if not (s_enc > 0 and np.isfinite(s_enc)):
-                raise ValueError(f"{what} gives the encode scale {float(s_enc)!r} in {w.name} "
+                raise ValueError(f"{what} gives the encode scale {float(s_enc)!r} in {name} "
                                  f"(2688 / amax overflows float32?); the {order!r} order has no "
                                  "clamp for it (TE clamps to FLT_MAX)")
             if not np.isfinite(T(1) / s_enc):
                 raise ValueError(f"{what} gives the encode scale {float(s_enc)!r}, whose reciprocal "
-                                 f"(the decode scale) overflows {w.name}: the data factor would "
+                                 f"(the decode scale) overflows {name}: the data factor would "
                                  "be Inf or NaN")
             glob = 1.0 / float(s_enc) if glob is None else glob
+            pts = T(1) / s_enc
+    return s_enc, pts, glob, zero_tensor
 
+
+def _nvfp4_rule(amax: np.ndarray, ctx: RuleContext) -> ScaleResult:
+    """Block amax grid -> UE4M3 codes, data factor and the global decode factor (module docstring)."""
+    p, w = ctx.preset, ctx.work
+    T = w.type
+    order = p.option("nvfp4_order")
+    a = amax.astype(w, copy=False)
+    tensor_amax = T(a.max()) if a.size else T(0)
+    dec_table = decode_table("ue4m3")
+    s_enc, pts, glob, zero_tensor = global_factors(p, tensor_amax, ctx.static_scale, w)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         if order == "te":
             multiplier = s_enc * (T(1) / T(E2M1_MAX))
             sf = np.minimum(a * multiplier, T(FLT_MAX))
