@@ -3,6 +3,9 @@
 * :mod:`fastpath.quant` — quantize / dequantize kernels (FP8 per-tensor, per-token, 1xG with FP32,
   UE8M0 or packed UE8M0 scales, MN-major TMA-aligned scales; MXFP8; MXFP4; NVFP4 with scales in
   the 128x4 swizzle).
+  NVFP4 takes a static global scale (one pass); FP8 rows with one scale per row of any length.
+* :mod:`fastpath._packed_fp4` — MXFP4's E2M1 rounding on packed bf16x2 pairs (inline PTX, GPU
+  only; the interpreter keeps the integer rounding of :mod:`fastpath._triton_rounding`).
 * :mod:`fastpath.fused` — ``silu_and_mul`` / ``swigluoai`` + FP8 group quantization in one kernel.
 * :mod:`fastpath.dispatch` — ``moe_align_block_size``, permute / unpermute-and-reduce, the DeepGEMM
   contiguous and masked layouts, the batched layout, finalize (same signatures as
@@ -13,7 +16,8 @@
 
 Importing this package imports nothing heavy; the kernels need ``torch`` and ``triton`` (on a machine
 without a GPU, set ``TRITON_INTERPRET=1`` before importing triton to run them on CPU tensors).
-See docs/fastpaths.md and docs/fastpaths-dispatch.md.
+See docs/fastpaths.md and docs/fastpaths-dispatch.md; ``bench/sass_report.py`` counts the
+kernels' SASS instructions per element offline (no GPU needed).
 """
 from .registry import available, get_implementation, ImplementationUnavailable, operations
 
