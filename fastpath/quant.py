@@ -601,6 +601,7 @@ def _quant_kernel(
     rmask = rows < M
     xb = x_ptr + pid_b.to(tl.int64) * stride_xb
     cb = c_ptr + pid_b.to(tl.int64) * stride_cb
+    # 1. load the tile and take its block amax (per layout of the element pairs)
     if PAIR == 1 and ELEM == 2 and ACT == 0:
         # ---- FP4 from 16-bit words: word w of a row = elements (2w, 2w+1) = output byte w
         jw = tl.arange(0, GB // 2)
@@ -609,19 +610,59 @@ def _quant_kernel(
         m3 = rmask[:, None, None] & wm[None, :, :]
         words = tl.load(xb + rows.to(tl.int64)[:, None, None] * stride_xm + w[None, :, :] * stride_xk,
                         mask=m3, other=0)
-        xe, xo = _unpack_pair(words, IN16)  # dead code (removed) on the packed path
         PACKED: tl.constexpr = PACKED_BF16 and IN16 == 1 and SCALE_KIND == 1 and not TWO_LEVEL
-        if AMAX_SRC == 0 and PACKED:
-            amax = PK.amax_bf16x2(words, NONFINITE == 1)
-        elif AMAX_SRC == 0:
+        if not PACKED:
+            xe, xo = _unpack_pair(words, IN16)
+        if AMAX_SRC == 0:
+            if PACKED:
+                amax = PK.amax_bf16x2(words, NONFINITE == 1)
+            else:
+                amax = _amax_pair(xe, xo, NONFINITE)
+    elif PAIR == 2 and ELEM == 2:
+        # ---- FP4, generic strides: [BM, GPP, GB/2, 2] tile split into the pair halves
+        jj = tl.arange(0, GB // 2)
+        tt = tl.arange(0, 2)
+        kin = 2 * jj[:, None] + tt[None, :]  # [GB/2, 2]
+        k = gidx[:, None, None] * GS + kin[None, :, :]
+        kmask = (kin[None, :, :] < GS) & (k < K)
+        m4 = rmask[:, None, None, None] & kmask[None, :, :, :]
+        x = tl.load(xb + rows.to(tl.int64)[:, None, None, None] * stride_xm + k[None, :, :, :] * stride_xk,
+                    mask=m4, other=0.0).to(tl.float32)
+        xe, xo = tl.split(x)
+        if AMAX_SRC == 0:
             amax = _amax_pair(xe, xo, NONFINITE)
+    else:
+        # ---- FP8 codes, one per byte: a [BM, GPP, GB] tile
+        kin = tl.arange(0, GB)
+        k = gidx[:, None] * GS + kin[None, :]  # [GPP, GB]
+        kmask = (kin[None, :] < GS) & (k < K)
+        m3 = rmask[:, None, None] & kmask[None, :, :]
+        rp = xb + rows.to(tl.int64)[:, None, None] * stride_xm
+        k3 = k[None, :, :]
+        if ACT == 0:
+            x = tl.load(rp + k3 * stride_xk, mask=m3, other=0.0).to(tl.float32)
+        elif ACT == 1:
+            x = _activation(rp, k3, stride_xk, K, m3, ACT, ACT_ALPHA, ACT_LIMIT)
+        elif PAIR == 1:  # swigluoai from int32 words: word k = (gate_k, up_k)
+            words = tl.load(rp + k3 * stride_xk, mask=m3, other=0)
+            g, u = _unpack_pair(words, IN16)
+            x = _swiglu(g, u, ACT_ALPHA, ACT_LIMIT)
         else:
-            amax = _amax_loaded(amax_ptr, pid_b, M, rows, rmask, ROWS_PER_SCALE, GPP, BLOCK_M)
-        factor, nan_block = _tile_scales(
-            amax, rows, gidx, pid_b, s_ptr, stride_sb, stride_sm, stride_sg, static_ptr, genc_ptr,
-            gdec_ptr, M, NG, M_PAD, NG_PAD, GPP, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
-            SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO, E8_HI, E8_NF, AMAX_FLOOR,
-            ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, STATIC, TWO_LEVEL, NV_ORDER, WRITE_SCALES)
+            x = _activation(rp, k3, stride_xk, K, m3, ACT, ACT_ALPHA, ACT_LIMIT)
+        if AMAX_SRC == 0:
+            amax = _amax3(x, NONFINITE)
+    if AMAX_SRC != 0:
+        amax = _amax_loaded(amax_ptr, pid_b, M, rows, rmask, ROWS_PER_SCALE, GPP, BLOCK_M)
+
+    # 2. the scales (written in their layout) and the data factor
+    factor, nan_block = _tile_scales(
+        amax, rows, gidx, pid_b, s_ptr, stride_sb, stride_sm, stride_sg, static_ptr, genc_ptr,
+        gdec_ptr, M, NG, M_PAD, NG_PAD, GPP, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
+        SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO, E8_HI, E8_NF, AMAX_FLOOR,
+        ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, STATIC, TWO_LEVEL, NV_ORDER, WRITE_SCALES)
+
+    # 3. the codes, stored
+    if PAIR == 1 and ELEM == 2 and ACT == 0:
         f3 = factor[:, :, None]
         nb3 = nan_block[:, :, None]
         if PACKED:
@@ -644,43 +685,16 @@ def _quant_kernel(
                 ow = ow.to(tl.int32, bitcast=True)
             byte = PK.encode_e2m1x4_rne(words, PK.bf16x2_factor(factor)[:, :, None], ow, ov)
         else:
-            ce = _codes_of(_scale_data(xe, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3,
-                           ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8, NONFINITE, FILL_CODE,
-                           TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO, SCALE_KIND)
-            co = _codes_of(_scale_data(xo, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3,
-                           ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8, NONFINITE, FILL_CODE,
-                           TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO, SCALE_KIND)
+            ce, co = _fp4_pair_codes(xe, xo, f3, nb3, SATURATE, ROUND, NAN_CODE, NONFINITE,
+                                     FILL_CODE, TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO, SCALE_KIND,
+                                     APPLY, DIV, STATIC)
             byte = (ce | (co << 4)).to(tl.uint8)
         tl.store(cb + rows.to(tl.int64)[:, None, None] * stride_cm + w[None, :, :], byte, mask=m3)
     elif PAIR == 2 and ELEM == 2:
-        # ---- FP4, generic strides: [BM, GPP, GB/2, 2] tile split into the pair halves
-        jj = tl.arange(0, GB // 2)
-        tt = tl.arange(0, 2)
-        kin = 2 * jj[:, None] + tt[None, :]  # [GB/2, 2]
-        k = gidx[:, None, None] * GS + kin[None, :, :]
-        kmask = (kin[None, :, :] < GS) & (k < K)
-        m4 = rmask[:, None, None, None] & kmask[None, :, :, :]
-        x = tl.load(xb + rows.to(tl.int64)[:, None, None, None] * stride_xm + k[None, :, :, :] * stride_xk,
-                    mask=m4, other=0.0).to(tl.float32)
-        xe, xo = tl.split(x)
+        ce, co = _fp4_pair_codes(xe, xo, factor[:, :, None], nan_block[:, :, None], SATURATE,
+                                 ROUND, NAN_CODE, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER,
+                                 DROP_NEG_ZERO, SCALE_KIND, APPLY, DIV, STATIC)
         me, mo = tl.split(m4)
-        if AMAX_SRC == 0:
-            amax = _amax_pair(xe, xo, NONFINITE)
-        else:
-            amax = _amax_loaded(amax_ptr, pid_b, M, rows, rmask, ROWS_PER_SCALE, GPP, BLOCK_M)
-        factor, nan_block = _tile_scales(
-            amax, rows, gidx, pid_b, s_ptr, stride_sb, stride_sm, stride_sg, static_ptr, genc_ptr,
-            gdec_ptr, M, NG, M_PAD, NG_PAD, GPP, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
-            SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO, E8_HI, E8_NF, AMAX_FLOOR,
-            ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, STATIC, TWO_LEVEL, NV_ORDER, WRITE_SCALES)
-        f3 = factor[:, :, None]
-        nb3 = nan_block[:, :, None]
-        ce = _codes_of(_scale_data(xe, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3, ELEM,
-                       SATURATE, ROUND, NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL,
-                       NV_ORDER, DROP_NEG_ZERO, SCALE_KIND)
-        co = _codes_of(_scale_data(xo, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3, ELEM,
-                       SATURATE, ROUND, NAN_CODE, HW_FP8, NONFINITE, FILL_CODE, TWO_LEVEL,
-                       NV_ORDER, DROP_NEG_ZERO, SCALE_KIND)
         ce = tl.where(me, ce, 0)
         co = tl.where(mo, co, 0)  # the nibble padding an odd K is a +0 code
         byte = (ce | (co << 4)).to(tl.uint8)
@@ -689,35 +703,26 @@ def _quant_kernel(
         tl.store(cb + rows.to(tl.int64)[:, None, None] * stride_cm + kp[None, :, :], byte,
                  mask=rmask[:, None, None] & pm[None, :, :])
     else:
-        # ---- FP8 codes, one per byte: a [BM, GPP, GB] tile
-        kin = tl.arange(0, GB)
-        k = gidx[:, None] * GS + kin[None, :]  # [GPP, GB]
-        kmask = (kin[None, :] < GS) & (k < K)
-        m3 = rmask[:, None, None] & kmask[None, :, :]
-        rp = xb + rows.to(tl.int64)[:, None, None] * stride_xm
-        k3 = k[None, :, :]
-        if ACT == 0:
-            x = tl.load(rp + k3 * stride_xk, mask=m3, other=0.0).to(tl.float32)
-        elif ACT == 1:
-            x = _activation(rp, k3, stride_xk, K, m3, ACT, ACT_ALPHA, ACT_LIMIT)
-        elif PAIR == 1:  # swigluoai from int32 words: word k = (gate_k, up_k)
-            words = tl.load(rp + k3 * stride_xk, mask=m3, other=0)
-            g, u = _unpack_pair(words, IN16)
-            x = _swiglu(g, u, ACT_ALPHA, ACT_LIMIT)
-        else:
-            x = _activation(rp, k3, stride_xk, K, m3, ACT, ACT_ALPHA, ACT_LIMIT)
-        if AMAX_SRC == 0:
-            amax = _amax3(x, NONFINITE)
-        else:
-            amax = _amax_loaded(amax_ptr, pid_b, M, rows, rmask, ROWS_PER_SCALE, GPP, BLOCK_M)
-        factor, nan_block = _tile_scales(
-            amax, rows, gidx, pid_b, s_ptr, stride_sb, stride_sm, stride_sg, static_ptr, genc_ptr,
-            gdec_ptr, M, NG, M_PAD, NG_PAD, GPP, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
-            SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO, E8_HI, E8_NF, AMAX_FLOOR,
-            ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, STATIC, TWO_LEVEL, NV_ORDER, WRITE_SCALES)
         code8 = _fp8_codes(x, factor, nan_block, ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8,
                            NONFINITE, FILL_CODE, DROP_NEG_ZERO, SCALE_KIND, APPLY, DIV, STATIC)
         tl.store(cb + rows.to(tl.int64)[:, None, None] * stride_cm + k3, code8, mask=m3)
+
+
+@triton.jit
+def _fp4_pair_codes(xe, xo, f3, nb3, SATURATE: tl.constexpr, ROUND: tl.constexpr,
+                    NAN_CODE: tl.constexpr, NONFINITE: tl.constexpr, FILL_CODE: tl.constexpr,
+                    TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr, DROP_NEG_ZERO: tl.constexpr,
+                    SCALE_KIND: tl.constexpr, APPLY: tl.constexpr, DIV: tl.constexpr,
+                    STATIC: tl.constexpr):
+    """E2M1 codes (uint32, 4 bits) of the even and odd elements of a tile, scaled by the
+    per-group ``f3`` (with the block policies of ``nb3``), by the integer rounding."""
+    ce = _codes_of(_scale_data(xe, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3, 2,
+                   SATURATE, ROUND, NAN_CODE, False, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER,
+                   DROP_NEG_ZERO, SCALE_KIND)
+    co = _codes_of(_scale_data(xo, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3, 2,
+                   SATURATE, ROUND, NAN_CODE, False, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER,
+                   DROP_NEG_ZERO, SCALE_KIND)
+    return ce, co
 
 
 @triton.jit
