@@ -68,8 +68,8 @@ import triton.language as tl
 
 from ._triton_rounding import f32_bits
 
-__all__ = ["ENCODE_E2M1X4_PTX", "bf16x2_factor", "lanes_of_code", "encode_e2m1x4_rne",
-           "amax_bf16x2"]
+__all__ = ["ENCODE_E2M1X4_PTX", "bf16x2_factor", "lanes_of_code", "nan_overwrite",
+           "encode_e2m1x4_rne", "amax_bf16x2"]
 
 
 def _word_ptx(j: int) -> str:
@@ -137,6 +137,31 @@ def lanes_of_code(code: int) -> int:
     lanes: each 16-bit lane holds ``(code & 7) | (code >> 3) << 9`` (step 6's form)."""
     lane = (code & 7) | (((code >> 3) & 1) << 9)
     return lane | (lane << 16)
+
+
+@triton.jit
+def nan_overwrite(words, f3, nb3, NONFINITE: tl.constexpr, FILL_CODE: tl.constexpr,
+                  NAN_CODE: tl.constexpr):
+    """(mask, fill) for :func:`encode_e2m1x4_rne`: the policy's code for NaN lanes, in the lane
+    form of :func:`lanes_of_code` (code bits 0-2, sign bit 9 of each 16-bit lane). ``words``:
+    the int32 bf16 pairs; ``f3``/``nb3``: per-group factor and NaN-block flag, broadcastable.
+    Since ``y = x * f`` is exact in bf16, a NaN y comes from a NaN x or a NaN factor (an Inf x
+    never meets a 0 factor: those are all-zero blocks). NONFINITE 0 (NaN blocks, the only place a
+    NaN y then occurs): the whole block gets FILL_CODE; otherwise each NaN element gets
+    NAN_CODE, as :func:`fastpath._triton_rounding.encode_e2m1` does."""
+    if NONFINITE == 0:
+        fill_lanes: tl.constexpr = ((FILL_CODE & 7) | ((FILL_CODE & 8) << 6)) * 0x10001
+        ow = tl.where(nb3, -1, 0)
+        ov = tl.where(nb3, fill_lanes, 0)
+    else:
+        nan_lanes: tl.constexpr = ((NAN_CODE & 7) | ((NAN_CODE & 8) << 6)) * 0x10001
+        u = words.to(tl.uint32, bitcast=True) & 0x7FFF7FFF
+        fnan = f3 != f3
+        ow = tl.where(((u & 0xFFFF) > 0x7F80) | fnan, 0xFFFF, 0).to(tl.uint32) \
+            | tl.where((u > 0x7F80FFFF) | fnan, 0xFFFF0000, 0).to(tl.uint32)
+        ov = (ow & nan_lanes).to(tl.int32, bitcast=True)
+        ow = ow.to(tl.int32, bitcast=True)
+    return ow, ov
 
 
 @triton.jit

@@ -665,24 +665,8 @@ def _quant_kernel(
     if PAIR == 1 and ELEM == 2 and ACT == 0:
         f3 = factor[:, :, None]
         nb3 = nan_block[:, :, None]
-        if PACKED:
-            # E2M1 RNE on the bf16 pairs (fastpath._packed_fp4; y = x * factor is exact in bf16,
-            # the factor being a power of two). NaN lanes get the policy's code through the
-            # helper's overwrite (ow: lanes to overwrite, ov: their codes in its lane form, code
-            # bits 0-2 and sign bit 9 of each 16-bit lane). A NaN y comes from a NaN x or a NaN
-            # factor (an Inf x never meets a 0 factor: those are all-zero blocks).
-            if NONFINITE == 0:  # NaN blocks (the only place a NaN y occurs): FILL_CODE
-                fill_lanes: tl.constexpr = ((FILL_CODE & 7) | ((FILL_CODE & 8) << 6)) * 0x10001
-                ow = tl.where(nb3, -1, 0)
-                ov = tl.where(nb3, fill_lanes, 0)
-            else:  # NaN elements -> NAN_CODE, as encode_e2m1
-                nan_lanes: tl.constexpr = ((NAN_CODE & 7) | ((NAN_CODE & 8) << 6)) * 0x10001
-                u = words.to(tl.uint32, bitcast=True) & 0x7FFF7FFF
-                fnan = f3 != f3
-                ow = tl.where(((u & 0xFFFF) > 0x7F80) | fnan, 0xFFFF, 0).to(tl.uint32) \
-                    | tl.where((u > 0x7F80FFFF) | fnan, 0xFFFF0000, 0).to(tl.uint32)
-                ov = (ow & nan_lanes).to(tl.int32, bitcast=True)
-                ow = ow.to(tl.int32, bitcast=True)
+        if PACKED:  # E2M1 RNE on the bf16 pairs (fastpath._packed_fp4), NaN policy included
+            ow, ov = PK.nan_overwrite(words, f3, nb3, NONFINITE, FILL_CODE, NAN_CODE)
             byte = PK.encode_e2m1x4_rne(words, PK.bf16x2_factor(factor)[:, :, None], ow, ov)
         else:
             ce, co = _fp4_pair_codes(xe, xo, f3, nb3, SATURATE, ROUND, NAN_CODE, NONFINITE,
@@ -1285,17 +1269,55 @@ def _nvfp4_static_factors(global_scale, scheme: Scheme, dev: torch.device):
                 torch.full((1,), pts, dtype=torch.float32, device=dev),
                 torch.full((1,), glob, dtype=torch.float64, device=dev), zero)
     t = params[1].reshape(1).to(dev)
+    if scheme.preset.option("global_convention") == "amax":  # the tensor amax, as if reduced
+        return _nvfp4_device_globals(scheme, amax=t) + (False,)
+    # the order reads only its own quantity (TE/FlashInfer S_enc, torchao pts)
+    return _nvfp4_device_globals(scheme, quantity=t) + (False,)
+
+
+def _tensor_amax(x3: torch.Tensor, nonfinite: int, per_matrix: bool) -> torch.Tensor:
+    """float32 amax of ``|x3|`` on its device (``[B, M, K]``; the NaN policy ``nonfinite`` as
+    the kernels' constexpr): one per matrix (``[B]``, per-tensor FP8) or one for the whole
+    tensor (``[1]``, NVFP4). A partial-amax pass over row blocks, then a one-program reduction."""
+    B, M, K = (int(d) for d in x3.shape)
+    BMa, BKa = 8, min(1024, _next_pow2(K))
+    nprog = triton.cdiv(M, BMa)
+    part = _alloc(B * nprog, dtype=torch.int32, device=x3.device)
+    amax = _alloc(B if per_matrix else 1, dtype=torch.float32, device=x3.device)
+    _amax_partial_kernel[(nprog, B)](x3, x3.stride(0), x3.stride(1), x3.stride(2), part, M, K,
+                                     nprog, BLOCK_M=BMa, BLOCK_K=BKa, NONFINITE=nonfinite,
+                                     K_ITERS=triton.cdiv(K, BKa))
+    if per_matrix:
+        _amax_final_kernel[(B,)](part, amax, nprog, BLOCK=1024, ITERS=triton.cdiv(nprog, 1024))
+    else:
+        _amax_final_kernel[(1,)](part, amax, B * nprog, BLOCK=1024, ITERS=triton.cdiv(B * nprog, 1024))
+    return amax
+
+
+def _nvfp4_device_globals(scheme: Scheme, amax=None, quantity=None):
+    """(genc, gdec, glob) on the device: the float32 S_enc and decode scale the NVFP4 data pass
+    reads, and the reference's float64 decode factor. From a float32 ``[1]`` tensor ``amax``
+    (the reduced tensor amax, or a static amax tensor): both by :func:`_nvfp4_global_kernel`
+    (:func:`moeref.quant.nvfp4.global_factors` on the device); or from a static ``quantity``
+    tensor in the preset's own convention (encode scale; torchao: decode scale), read as it is."""
     p = scheme.preset
     order = _NVFP4_ORDER[p.option("nvfp4_order")]
-    if p.option("global_convention") == "amax":
-        genc = _alloc(1, dtype=torch.float32, device=dev)
-        gdec = _alloc(1, dtype=torch.float32, device=dev)
-        _nvfp4_global_kernel[(1,)](t, genc, gdec, 1, BLOCK=2, ORDER=order)
-        glob = _div_by_2688(t.double())
-    else:  # the order reads only its own quantity (TE/FlashInfer S_enc, torchao pts)
-        genc = gdec = t
-        glob = t.double() if order == 2 else 1.0 / t.double()
-    return genc, gdec, glob, False
+    if amax is not None:
+        genc = _alloc(1, dtype=torch.float32, device=amax.device)
+        gdec = _alloc(1, dtype=torch.float32, device=amax.device)
+        _nvfp4_global_kernel[(1,)](amax, genc, gdec, 1, BLOCK=2, ORDER=order)
+    else:
+        genc = gdec = quantity
+    # the reference's float64 decode factor, from the float32 quantity of the convention
+    if amax is not None and p.option("global_convention") == "amax":
+        glob = _div_by_2688(amax.double())
+    elif order == 2:
+        glob = gdec.double()
+    else:
+        glob = 1.0 / genc.double()
+    if amax is not None:
+        glob = torch.where(amax == 0, torch.zeros_like(glob), glob)
+    return genc, gdec, glob
 
 
 def _div_by_2688(a: torch.Tensor) -> torch.Tensor:
@@ -1414,15 +1436,10 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
     if kind == "per_tensor":
         # one scale per matrix: amax pass, scale kernel, then the data pass with AMAX_SRC=1
         need_amax = static is None or p.nonfinite == "nan_block"
-        amax = torch.zeros(B, dtype=torch.float32, device=dev)
         if need_amax:
-            BMa, BKa = 8, min(1024, _next_pow2(K))
-            nprog = triton.cdiv(M, BMa)
-            part = _alloc(B * nprog, dtype=torch.int32, device=dev)
-            _amax_partial_kernel[(nprog, B)](x3, x3.stride(0), x3.stride(1), x3.stride(2), part, M, K,
-                                             nprog, BLOCK_M=BMa, BLOCK_K=BKa, NONFINITE=ce["NONFINITE"],
-                                             K_ITERS=triton.cdiv(K, BKa))
-            _amax_final_kernel[(B,)](part, amax, nprog, BLOCK=1024, ITERS=triton.cdiv(nprog, 1024))
+            amax = _tensor_amax(x3, ce["NONFINITE"], per_matrix=True)
+        else:
+            amax = torch.zeros(B, dtype=torch.float32, device=dev)
         sdt = torch.float32 if scheme.scale_format == "fp32" else torch.uint8
         scales = _alloc((B, 1, 1), dtype=sdt, device=dev)
         keys = ("ELEM_MAX", "INV_M", "EMAX", "MBITS", "SCALE_KIND", "FP32_RULE", "FP32_POW2",
@@ -1461,26 +1478,8 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         genc, gdec, glob, zero_tensor = static_global
     elif two_level:
         order = _NVFP4_ORDER[p.option("nvfp4_order")]
-        BMa, BKa = 8, min(1024, _next_pow2(K))
-        nprog = triton.cdiv(M, BMa)
-        part = _alloc(B * nprog, dtype=torch.int32, device=dev)
-        amax = _alloc(1, dtype=torch.float32, device=dev)
-        _amax_partial_kernel[(nprog, B)](x3, x3.stride(0), x3.stride(1), x3.stride(2), part, M, K,
-                                         nprog, BLOCK_M=BMa, BLOCK_K=BKa, NONFINITE=ce["NONFINITE"],
-                                         K_ITERS=triton.cdiv(K, BKa))
-        _amax_final_kernel[(1,)](part, amax, B * nprog, BLOCK=1024, ITERS=triton.cdiv(B * nprog, 1024))
-        genc = _alloc(1, dtype=torch.float32, device=dev)
-        gdec = _alloc(1, dtype=torch.float32, device=dev)
-        _nvfp4_global_kernel[(1,)](amax, genc, gdec, 1, BLOCK=2, ORDER=order)
-        # the reference's float64 decode factor, from the float32 quantity of the convention
-        conv = p.option("global_convention")
-        if conv == "amax":
-            glob = _div_by_2688(amax.double())
-        elif order == 2:
-            glob = gdec.double()
-        else:
-            glob = 1.0 / genc.double()
-        glob = torch.where(amax == 0, torch.zeros_like(glob), glob)
+        amax = _tensor_amax(x3, ce["NONFINITE"], per_matrix=False)
+        genc, gdec, glob = _nvfp4_device_globals(scheme, amax=amax)
     else:
         order = 0
     if _row_loop_applies(ng, gs, K, packed, scale_layout) and groups_per_program is None:
