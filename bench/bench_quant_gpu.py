@@ -84,15 +84,21 @@ def torch_per_tensor_fp8(x):
     return (xf / sf).clamp(-448, 448).to(torch.float8_e4m3fn), sf
 
 
-def torch_mxfp8(x):
+def _mx_blocks(x, elem_max):
+    """32-element blocks of x (float32 [m, k/32, 32]), their power-of-two scales (ceil of
+    amax * (1/elem_max), DeepGEMM style) and the E8M0 bytes."""
     m, k = x.shape
     xv = x.view(m, k // 32, 32).float()
     amax = xv.abs().amax(dim=2)
-    bits = (amax * (1.0 / 448.0)).view(torch.int32)
+    bits = (amax * (1.0 / elem_max)).view(torch.int32)
     e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()
     scale = (e.clamp(1, 254) << 23).view(torch.float32)
-    q = (xv / scale.unsqueeze(2)).clamp(-448, 448).to(torch.float8_e4m3fn).view(m, k)
-    return q, e.to(torch.uint8)
+    return xv, scale, e.to(torch.uint8)
+
+
+def torch_mxfp8(x):
+    xv, scale, e = _mx_blocks(x, 448.0)
+    return (xv / scale.unsqueeze(2)).clamp(-448, 448).to(torch.float8_e4m3fn).view(x.shape), e
 
 
 _FP4_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
@@ -109,13 +115,9 @@ def _fp4_codes(y):
 
 def torch_mxfp4(x):
     m, k = x.shape
-    xv = x.view(m, k // 32, 32).float()
-    amax = xv.abs().amax(dim=2)
-    bits = (amax * (1.0 / 6.0)).view(torch.int32)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()
-    scale = (e.clamp(1, 254) << 23).view(torch.float32)
+    xv, scale, e = _mx_blocks(x, 6.0)
     c = _fp4_codes(xv / scale.unsqueeze(2)).view(m, k // 2, 2)
-    return c[..., 0] | (c[..., 1] << 4), e.to(torch.uint8)
+    return c[..., 0] | (c[..., 1] << 4), e
 
 
 def torch_nvfp4(x, s_enc=None):

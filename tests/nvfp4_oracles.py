@@ -165,6 +165,25 @@ def torchao_per_tensor_amax_to_scale(amax) -> np.float32:
     return F32(amax) / F32(E4M3_MAX * E2M1_MAX)
 
 
+def torchao_nvfp4_factors(x, per_tensor_scale=None, block_size=16):
+    """The blocks of :func:`torchao_nvfp4_quantize` (float32 ``[m, n/16, 16]``, zero-padded), its
+    UE4M3 scale codes and its float32 data factor per block (``recip``; Inf where torchao's
+    ``fl(1/pts) / s`` overflows)."""
+    xp = _pad(np.asarray(x).astype(F32), 1, block_size)
+    M, N = xp.shape
+    data = xp.reshape(M, N // block_size, block_size)
+    block_scale = np.abs(data).max(axis=-1) / E2M1_MAX
+    with np.errstate(over="ignore"):
+        if per_tensor_scale is None:
+            s_codes = e4m3_cast(np.clip(block_scale, E4M3_TINY, E4M3_MAX))
+            recip = F32(1.0) / e4m3_value(s_codes)
+        else:
+            pts = F32(per_tensor_scale)
+            s_codes = e4m3_cast(np.clip(block_scale / pts, E4M3_TINY, E4M3_MAX))
+            recip = (F32(1.0) / pts) / e4m3_value(s_codes)
+    return data, s_codes, recip
+
+
 def torchao_nvfp4_quantize(x, per_tensor_scale=None, block_size=16):
     """torchao ``nvfp4_quantize`` (HEAD 36027d8).
 
@@ -175,19 +194,8 @@ def torchao_nvfp4_quantize(x, per_tensor_scale=None, block_size=16):
     """
     x = np.asarray(x).astype(F32)
     m, n = x.shape
-    xp = _pad(x, 1, block_size)
-    M, N = xp.shape
-    data = xp.reshape(M, N // block_size, block_size)
-    max_abs = np.abs(data).max(axis=-1)
-    block_scale = max_abs / E2M1_MAX
-    if per_tensor_scale is None:
-        s_codes = e4m3_cast(np.clip(block_scale, E4M3_TINY, E4M3_MAX))
-        recip = F32(1.0) / e4m3_value(s_codes)
-    else:
-        pts = F32(per_tensor_scale)
-        scaled_block = block_scale / pts
-        s_codes = e4m3_cast(np.clip(scaled_block, E4M3_TINY, E4M3_MAX))
-        recip = (F32(1.0) / pts) / e4m3_value(s_codes)
+    data, s_codes, recip = torchao_nvfp4_factors(x, per_tensor_scale, block_size)
+    M, N = data.shape[0], data.shape[1] * block_size
     scaled = data * recip[..., None]
     scaled = np.clip(scaled, -E2M1_MAX, E2M1_MAX).reshape(M, N)
     codes = scaled.astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
