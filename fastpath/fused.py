@@ -145,7 +145,7 @@ def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme
         pair = 0  # the generic swigluoai path loads gate/up with stride 2 on plain tiles
     Q._quant_kernel[grid](
         xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
-        scales, scales.stride(0), ssm, ssg, dummy, dummy, dummy, dummy, M, N, ng, m_pad, ng_pad, 1,
+        scales, scales.stride(0), ssm, ssg, dummy, dummy, dummy, M, N, ng, m_pad, ng_pad, 1,
         GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=Q._SF_LAYOUT[scale_layout], AMAX_SRC=0,
         STATIC=False, TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=True, ACT=_ACT[act],
         ACT_ALPHA=float(alpha), ACT_LIMIT=float(limit), PAIR=pair, IN16=in16,

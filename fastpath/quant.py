@@ -190,15 +190,30 @@ def _encode_elem(y, ELEM: tl.constexpr, SATURATE: tl.constexpr, ROUND: tl.conste
 
 
 @triton.jit
+def _e4m3_code_hw(x):
+    """E4M3 code (int32) of float32 ``x`` by the hardware: ``cvt.rn.satfinite.e4m3x2.f32``, one
+    value per instruction (RNE; NaN -> 0x7F). Not ``x.to(tl.float8e4nv)``: Triton pairs the
+    values of a reduced (sliced-layout) tensor for the two-lane cvt, and on an H200
+    (2026-11-21) every other NVFP4 block scale of some tiles came out 0 that way."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 e4m3_t; cvt.rn.satfinite.e4m3x2.f32 e4m3_t, 0f00000000, $1; "
+        "cvt.u32.u16 $0, e4m3_t; }",
+        "=r,r", [x], dtype=tl.uint32, is_pure=True, pack=1).to(tl.int32) & 0xFF
+
+
+@triton.jit
 def _block_scales(amax, ELEM_MAX: tl.constexpr, INV_M: tl.constexpr, EMAX: tl.constexpr,
                   MBITS: tl.constexpr, SCALE_KIND: tl.constexpr, FP32_RULE: tl.constexpr,
                   FP32_POW2: tl.constexpr, E8_RULE: tl.constexpr, E8_LO: tl.constexpr,
                   E8_HI: tl.constexpr, E8_NF: tl.constexpr, AMAX_FLOOR: tl.constexpr,
                   ZERO_BLOCK: tl.constexpr, NONFINITE: tl.constexpr, APPLY: tl.constexpr,
-                  STATIC: tl.constexpr, static_dec, G_ENC, G_DEC, NV_ORDER: tl.constexpr):
+                  STATIC: tl.constexpr, static_dec, G_ENC, G_DEC, NV_ORDER: tl.constexpr,
+                  FTAB, HW_SCALE: tl.constexpr):
     """(stored, factor, nan_block) for a grid of block amaxes; stored is float32 (FP32 scales) or
     int32 codes (UE8M0/UE4M3). ``factor`` multiplies (APPLY 0/2) or divides (APPLY 1) the data.
-    Mirrors moeref.quant.scale_rules (compute_scales + finalize_scales) and moeref.quant.nvfp4."""
+    Mirrors moeref.quant.scale_rules (compute_scales + finalize_scales) and moeref.quant.nvfp4.
+    NVFP4 (SCALE_KIND 2): ``FTAB`` points at the 128 data factors of the UE4M3 codes
+    (:func:`_nvfp4_factors`); ``HW_SCALE`` takes the code from the hardware E4M3 cast."""
     abits = R.f32_bits(amax) & 0x7FFFFFFF
     if AMAX_FLOOR > 0.0:
         amax = tl.where(abits > 0x7F800000, amax, tl.maximum(amax, AMAX_FLOOR))
@@ -262,23 +277,14 @@ def _block_scales(amax, ELEM_MAX: tl.constexpr, INV_M: tl.constexpr, EMAX: tl.co
             sf = tl.where(G_DEC == 0.0, 0.0, sf)
             sf = tl.maximum(sf, 0.015625)
         sf = tl.minimum(sf, 448.0)
-        code = R.encode_ue4m3(sf).to(tl.int32)
-        sdec = R.decode_minifloat(code, 4, 3, 7, False, 1)
-        if NV_ORDER == 0:  # min(1 / fl(s * fl(1/S_enc)), FLT_MAX)
-            gd = tl.math.div_rn(one, tl.zeros(amax.shape, tl.float32) + G_ENC)
-            factor = tl.minimum(tl.math.div_rn(one, sdec * gd), 3.4028234663852886e38)
-        elif NV_ORDER == 1:  # rcp0(s * rcp0(S_enc)), rcp0(0) := 0
-            ge = tl.zeros(amax.shape, tl.float32) + G_ENC
-            gd = tl.where(ge == 0.0, 0.0, tl.math.div_rn(one, ge))
-            den = sdec * gd
-            factor = tl.where(den == 0.0, 0.0, tl.math.div_rn(one, den))
-        else:  # fl(fl(1/pts) / s); 0 for the zero tensor
-            gp = tl.zeros(amax.shape, tl.float32) + G_DEC
-            factor = tl.math.div_rn(tl.math.div_rn(one, gp), sdec)
-            factor = tl.where(gp == 0.0, 0.0, factor)
+        if HW_SCALE:
+            code = _e4m3_code_hw(sf)
+        else:
+            code = R.encode_ue4m3(sf).to(tl.int32)
+        # the data factor of the order (a function of the code and the tensor's factors only)
+        factor = tl.load(FTAB + code)
         stored_i = code
-        stored_f = sdec
-        dec = sdec
+        stored_f = sf  # unused (UE4M3 scales are stored as codes)
     # finalize_scales: zero blocks and non-finite blocks (NVFP4's rule has its own)
     if (not STATIC) and SCALE_KIND != 2:
         if ZERO_BLOCK == 1:
@@ -360,7 +366,7 @@ def _activation(rp, k, stride_xk, N, mask, ACT: tl.constexpr, ALPHA: tl.constexp
 
 @triton.jit
 def _tile_scales(amax, rows, gidx, pid_b, s_ptr, stride_sb, stride_sm, stride_sg, static_ptr,
-                 genc_ptr, gdec_ptr, M, NG, M_PAD, NG_PAD,
+                 nv_ptr, M, NG, M_PAD, NG_PAD,
                  GPP: tl.constexpr, BLOCK_M: tl.constexpr, ELEM_MAX: tl.constexpr,
                  INV_M: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
                  SCALE_KIND: tl.constexpr, FP32_RULE: tl.constexpr, FP32_POW2: tl.constexpr,
@@ -368,24 +374,25 @@ def _tile_scales(amax, rows, gidx, pid_b, s_ptr, stride_sb, stride_sm, stride_sg
                  E8_NF: tl.constexpr, AMAX_FLOOR: tl.constexpr, ZERO_BLOCK: tl.constexpr,
                  NONFINITE: tl.constexpr, APPLY: tl.constexpr, SF_LAYOUT: tl.constexpr,
                  STATIC: tl.constexpr, TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr,
-                 WRITE_SCALES: tl.constexpr):
+                 WRITE_SCALES: tl.constexpr, HW_SCALE: tl.constexpr):
     """Scales of a [BLOCK_M, GPP] grid of block amaxes: computes them (_block_scales), writes them
     in the requested layout (padding included: rows < M_PAD, groups < NG_PAD get 0), and returns
-    (factor, nan_block) for the data."""
+    (factor, nan_block) for the data. ``nv_ptr`` (NVFP4): the tensor's factors as
+    :func:`_nvfp4_factors` writes them."""
     if STATIC:
         static_dec = tl.load(static_ptr)
     else:
         static_dec = 0.0
     if TWO_LEVEL:  # one global factor for the whole tensor (moeref: the tensor amax)
-        g_enc = tl.load(genc_ptr)
-        g_dec = tl.load(gdec_ptr)
+        g_enc = tl.load(nv_ptr)
+        g_dec = tl.load(nv_ptr + 1)
     else:
         g_enc = 1.0
         g_dec = 1.0
     stored_f, stored_i, factor, nan_block = _block_scales(
         amax, ELEM_MAX, INV_M, EMAX, MBITS, SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO,
         E8_HI, E8_NF, AMAX_FLOOR, ZERO_BLOCK, NONFINITE, APPLY, STATIC, static_dec, g_enc, g_dec,
-        NV_ORDER)
+        NV_ORDER, nv_ptr + 2, HW_SCALE)
     if WRITE_SCALES:
         valid = (rows < M)[:, None] & (gidx < NG)[None, :]
         sb = s_ptr + pid_b.to(tl.int64) * stride_sb
@@ -489,19 +496,24 @@ def _div_exact(x, s, DIV: tl.constexpr, BOUNDED: tl.constexpr):
     """
     sb = R.f32_bits(s) & 0x7FFFFFFF
     s_ok = (sb >= ((127 - 32) << 23)) & (sb < ((127 + 33) << 23))
-    r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-    ns = (R.f32_bits(s) ^ 0x80000000).to(tl.float32, bitcast=True)
-    q0 = x * r
-    q1 = _fma(_fma(q0, ns, x, DIV), r, q0, DIV)
-    if BOUNDED:  # s > 0 here (a scale of an amax): q0 = x * r has the sign of x, zeros included
-        # (taken from q0, a product: from x, the compiler re-derives it from the 16-bit input)
-        y = ((R.f32_bits(q1) & 0x7FFFFFFF) | (R.f32_bits(q0) & 0x80000000)).to(tl.float32, bitcast=True)
-    else:
-        aq = R.f32_bits(q0) & 0x7FFFFFFF
-        win = (aq >= ((127 - 32) << 23)) & (aq <= ((127 + 32) << 23))
-        y = tl.where(win, q1, q0)
+    # one branch per program, decided before x is touched: x -> y in either branch, so x and y
+    # are never live together (the register count sets the kernel's occupancy)
     if tl.max(tl.where(s_ok | (s != s), 0, 1)) > 0:
         y = tl.math.div_rn(x, s + tl.zeros(x.shape, tl.float32))
+    else:
+        r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        ns = (R.f32_bits(s) ^ 0x80000000).to(tl.float32, bitcast=True)
+        q0 = x * r
+        q1 = _fma(_fma(q0, ns, x, DIV), r, q0, DIV)
+        if BOUNDED:  # s > 0 here (a scale of an amax): q0 = x * r has the sign of x, zeros
+            # included (taken from q0, a product: from x, the compiler re-derives it from the
+            # 16-bit input)
+            y = ((R.f32_bits(q1) & 0x7FFFFFFF) | (R.f32_bits(q0) & 0x80000000)).to(tl.float32,
+                                                                                  bitcast=True)
+        else:
+            aq = R.f32_bits(q0) & 0x7FFFFFFF
+            win = (aq >= ((127 - 32) << 23)) & (aq <= ((127 + 32) << 23))
+            y = tl.where(win, q1, q0)
     return y
 
 
@@ -562,7 +574,7 @@ def _quant_kernel(
     x_ptr, stride_xb, stride_xm, stride_xk,
     c_ptr, stride_cb, stride_cm,
     s_ptr, stride_sb, stride_sm, stride_sg,
-    amax_ptr, static_ptr, genc_ptr, gdec_ptr,
+    amax_ptr, static_ptr, nv_ptr,
     M, K, NG, M_PAD, NG_PAD, ROWS_PER_SCALE,
     GS: tl.constexpr, GB: tl.constexpr, GPP: tl.constexpr, BLOCK_M: tl.constexpr,
     ELEM: tl.constexpr, ELEM_MAX: tl.constexpr, INV_M: tl.constexpr, EMAX: tl.constexpr,
@@ -575,6 +587,7 @@ def _quant_kernel(
     TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr, WRITE_SCALES: tl.constexpr,
     ACT: tl.constexpr, ACT_ALPHA: tl.constexpr, ACT_LIMIT: tl.constexpr,
     PAIR: tl.constexpr, IN16: tl.constexpr, DIV: tl.constexpr, PACKED_BF16: tl.constexpr,
+    HW_SCALE: tl.constexpr,
 ):
     """Quantize a [BLOCK_M, GPP groups of GS] tile of one matrix of x; see the module docstring.
 
@@ -656,10 +669,11 @@ def _quant_kernel(
 
     # 2. the scales (written in their layout) and the data factor
     factor, nan_block = _tile_scales(
-        amax, rows, gidx, pid_b, s_ptr, stride_sb, stride_sm, stride_sg, static_ptr, genc_ptr,
-        gdec_ptr, M, NG, M_PAD, NG_PAD, GPP, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
+        amax, rows, gidx, pid_b, s_ptr, stride_sb, stride_sm, stride_sg, static_ptr, nv_ptr,
+        M, NG, M_PAD, NG_PAD, GPP, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
         SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO, E8_HI, E8_NF, AMAX_FLOOR,
-        ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, STATIC, TWO_LEVEL, NV_ORDER, WRITE_SCALES)
+        ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, STATIC, TWO_LEVEL, NV_ORDER, WRITE_SCALES,
+        HW_SCALE)
 
     # 3. the codes, stored
     if PAIR == 1 and ELEM == 2 and ACT == 0:
@@ -775,9 +789,9 @@ def _row_loop_kernel(
     gidx = tl.arange(0, 1)
     factor, nan_block = _tile_scales(
         amax, rows, gidx, pid_b, s_ptr, stride_sb, stride_sm, 0, static_ptr, static_ptr,
-        static_ptr, M, 1, M_PAD, 1, 1, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
+        M, 1, M_PAD, 1, 1, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
         SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO, E8_HI, E8_NF, AMAX_FLOOR,
-        ZERO_BLOCK, NONFINITE, APPLY, 0, STATIC, False, 0, True)
+        ZERO_BLOCK, NONFINITE, APPLY, 0, STATIC, False, 0, True, False)
     for i in range(K_ITERS):
         k = i * BLOCK_K + kk
         m = rmask[:, None, None] & (k < K)
@@ -838,26 +852,26 @@ def _amax_loaded(amax_ptr, pid_b, M, rows, rmask, ROWS_PER_SCALE, GPP: tl.conste
 
 
 @triton.jit
-def _amax_partial_kernel(x_ptr, stride_xb, stride_xm, stride_xk, p_ptr, M, K, NPROG_M,
-                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NONFINITE: tl.constexpr,
-                         K_ITERS: tl.constexpr):
-    """Per-program partial amax (float32 bits max) of one matrix of x: p[b, pid_m].
-    (Loop trip counts are constexpr: the interpreter under NumPy 2.4 cannot loop to a runtime
-    bound, ``int()`` of a 1-element array being an error there.)"""
+def _amax_partial_kernel(x_ptr, stride_xb, stride_xm, stride_xk, p_ptr, M, K, NPROG,
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NONFINITE: tl.constexpr):
+    """Partial amax (float32 bits max; NaN above Inf, so it propagates unless NONFINITE 1
+    ignores it) of one [BLOCK_M, BLOCK_K] tile of one matrix of x:
+    ``p[b * NPROG + pid_m * cdiv(K, BLOCK_K) + pid_k]``. One tile per program and no loop, like
+    the data pass: a looped accumulator held 64 registers per thread and the loads waited
+    (H200, 2026-11-21: 69% of copy)."""
     pid_m = tl.program_id(0)
-    pid_b = tl.program_id(1)
+    pid_k = tl.program_id(1)
+    pid_b = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    acc = tl.zeros((BLOCK_M, BLOCK_K), tl.uint32)
+    kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    m = (rows < M)[:, None] & (kk < K)[None, :]
     base = x_ptr + pid_b.to(tl.int64) * stride_xb + rows.to(tl.int64)[:, None] * stride_xm
-    for it in range(K_ITERS):
-        kk = it * BLOCK_K + tl.arange(0, BLOCK_K)
-        m = (rows < M)[:, None] & (kk < K)[None, :]
-        x = tl.load(base + kk[None, :] * stride_xk, mask=m, other=0.0).to(tl.float32)
-        a = R.f32_bits(x) & 0x7FFFFFFF
-        if NONFINITE == 1:
-            a = tl.where(a > 0x7F800000, 0, a)
-        acc = tl.maximum(acc, a)
-    tl.store(p_ptr + pid_b * NPROG_M + pid_m, tl.max(tl.max(acc, axis=1), axis=0))
+    x = tl.load(base + kk[None, :] * stride_xk, mask=m, other=0.0).to(tl.float32)
+    a = R.f32_bits(x) & 0x7FFFFFFF
+    if NONFINITE == 1:
+        a = tl.where(a > 0x7F800000, 0, a)
+    pid = pid_m * tl.num_programs(1) + pid_k
+    tl.store(p_ptr + pid_b * NPROG + pid, tl.max(tl.max(a, axis=1), axis=0))
 
 
 @triton.jit
@@ -873,7 +887,7 @@ def _amax_final_kernel(p_ptr, out_ptr, NPROG_M, BLOCK: tl.constexpr, ITERS: tl.c
 
 
 @triton.jit
-def _per_tensor_scale_kernel(amax_ptr, s_ptr, static_ptr, genc_ptr, gdec_ptr, B,
+def _per_tensor_scale_kernel(amax_ptr, s_ptr, static_ptr, B,
                              BLOCK: tl.constexpr,
                              ELEM_MAX: tl.constexpr, INV_M: tl.constexpr, EMAX: tl.constexpr,
                              MBITS: tl.constexpr, SCALE_KIND: tl.constexpr, FP32_RULE: tl.constexpr,
@@ -891,7 +905,8 @@ def _per_tensor_scale_kernel(amax_ptr, s_ptr, static_ptr, genc_ptr, gdec_ptr, B,
         static_dec = 0.0
     stored_f, stored_i, factor, nan_block = _block_scales(
         amax, ELEM_MAX, INV_M, EMAX, MBITS, SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO,
-        E8_HI, E8_NF, AMAX_FLOOR, ZERO_BLOCK, NONFINITE, APPLY, STATIC, static_dec, 1.0, 1.0, 0)
+        E8_HI, E8_NF, AMAX_FLOOR, ZERO_BLOCK, NONFINITE, APPLY, STATIC, static_dec, 1.0, 1.0, 0,
+        static_ptr, False)
     if SCALE_KIND == 0:
         tl.store(s_ptr + idx, stored_f, mask=m)
     else:
@@ -899,22 +914,66 @@ def _per_tensor_scale_kernel(amax_ptr, s_ptr, static_ptr, genc_ptr, gdec_ptr, B,
 
 
 @triton.jit
-def _nvfp4_global_kernel(amax_ptr, genc_ptr, gdec_ptr, B, BLOCK: tl.constexpr, ORDER: tl.constexpr):
-    """NVFP4 per-tensor float32 factors from the tensor amax A (moeref.quant.nvfp4._nvfp4_rule):
+def _nvfp4_factors(a_ptr, b_ptr, nv_ptr, glob_ptr, FROM_AMAX: tl.constexpr, ORDER: tl.constexpr,
+                   GLOB: tl.constexpr):
+    """The NVFP4 tensor factors the data pass reads, as one float32 buffer ``nv[130]``:
+    ``nv[0]`` = S_enc, ``nv[1]`` = the decode scale pts, ``nv[2 + c]`` = the data factor of a
+    block whose UE4M3 scale code is ``c`` (c < 127; ``nv[129]``, the NaN code's, is NaN).
+
+    FROM_AMAX: ``a_ptr`` holds the tensor amax A (moeref.quant.nvfp4._nvfp4_rule's global step):
     TE: S_enc = min(fl(2688 / A), FLT_MAX), 1 if that is 0 or A == 0; FlashInfer/vLLM:
-    S_enc = fl(2688 / A), 1 if A == 0 (no clamp); torchao: pts = fl(A / 2688) (decode)."""
-    idx = tl.arange(0, BLOCK)
-    m = idx < B
-    amax = tl.load(amax_ptr + idx, mask=m, other=1.0)
-    c = tl.full(amax.shape, 2688.0, tl.float32)
-    s_enc = tl.math.div_rn(c, amax)
+    S_enc = fl(2688 / A), 1 if A == 0 (no clamp); torchao: pts = fl(A / 2688). Otherwise S_enc
+    and pts are read from ``a_ptr`` and ``b_ptr`` (a static scale: an order reads only its own).
+
+    The data factor depends on the block only through its scale code ``s`` (decoded exactly), so
+    the division the reference does per block is done here once per code, in the order's float32
+    operations: TE ``min(1 / fl(s * fl(1/S_enc)), FLT_MAX)``; FlashInfer/vLLM
+    ``rcp0(fl(s * rcp0(S_enc)))`` with ``rcp0(0) := 0``; torchao ``fl(fl(1/pts) / s)`` (0 for
+    pts == 0, the zero tensor). All divisions are ``div_rn`` (correctly rounded).
+
+    ``glob_ptr`` gets the reference's float64 decode factor (``QuantizedTensor.global_scale``):
+    GLOB 0 ``fl64(A / 2688)`` (an amax convention), 1 ``pts`` (torchao), 2 ``fl64(1 / S_enc)``;
+    0 for a zero tensor amax. (float64 ``/`` is ``div.rn.f64``.)"""
+    if FROM_AMAX:
+        amax = tl.load(a_ptr)
+        s_enc = tl.math.div_rn(2688.0, amax)
+        if ORDER == 0:
+            s_enc = tl.minimum(s_enc, 3.4028234663852886e38)
+            s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)
+        g_enc = tl.where(amax == 0.0, 1.0, s_enc)
+        g_dec = tl.math.div_rn(amax, 2688.0)
+    else:
+        g_enc = tl.load(a_ptr)
+        g_dec = tl.load(b_ptr)
+    code = tl.arange(0, 128)
+    sdec = R.decode_minifloat(code, 4, 3, 7, False, 1)
+    one = tl.full(sdec.shape, 1.0, tl.float32)
+    ge = tl.zeros(sdec.shape, tl.float32) + g_enc
     if ORDER == 0:
-        s_enc = tl.minimum(s_enc, 3.4028234663852886e38)
-        s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)
-    s_enc = tl.where(amax == 0.0, 1.0, s_enc)
-    dec = tl.math.div_rn(amax, c)
-    tl.store(genc_ptr + idx, s_enc, mask=m)
-    tl.store(gdec_ptr + idx, dec, mask=m)
+        gd = tl.math.div_rn(one, ge)
+        factor = tl.minimum(tl.math.div_rn(one, sdec * gd), 3.4028234663852886e38)
+    elif ORDER == 1:
+        gd = tl.where(ge == 0.0, 0.0, tl.math.div_rn(one, ge))
+        den = sdec * gd
+        factor = tl.where(den == 0.0, 0.0, tl.math.div_rn(one, den))
+    else:
+        gp = tl.zeros(sdec.shape, tl.float32) + g_dec
+        factor = tl.math.div_rn(tl.math.div_rn(one, gp), sdec)
+        factor = tl.where(gp == 0.0, 0.0, factor)
+    factor = tl.where(code == 127, float("nan"), factor)
+    tl.store(nv_ptr + 2 + code, factor)
+    head = tl.arange(0, 2)
+    tl.store(nv_ptr + head, tl.where(head == 0, g_enc, g_dec))
+    one64 = tl.full((2,), 1.0, tl.float64)
+    if GLOB == 0:
+        glob = (tl.zeros((2,), tl.float32) + tl.load(a_ptr)).to(tl.float64) / (one64 * 2688.0)
+    elif GLOB == 1:
+        glob = (tl.zeros((2,), tl.float32) + g_dec).to(tl.float64)
+    else:
+        glob = one64 / (tl.zeros((2,), tl.float32) + g_enc).to(tl.float64)
+    if FROM_AMAX:
+        glob = tl.where(tl.load(a_ptr) == 0.0, 0.0, glob)
+    tl.store(glob_ptr + head, glob, mask=head == 0)
 
 
 # ============================================================================ host side
@@ -1129,6 +1188,9 @@ def _constexprs_cached(scheme: Scheme, hw_fp8: bool, interp: bool) -> dict:
         PACKED_BF16=bool(hw_fp8 and not interp and el == "e2m1" and scheme.scale_format == "ue8m0"
                          and rounding == "rne" and signed_zero != "drop"
                          and scheme.family != "nvfp4"),
+        # NVFP4's UE4M3 block scale by the hardware cast (cvt.rn.satfinite.e4m3x2.f32, exact
+        # RNE of a value in [0, 448]); the interpreter's FP8 cast is wrong, so not there
+        HW_SCALE=bool(hw_fp8 and not interp and scheme.scale_format == "ue4m3"),
     )
 
 
@@ -1197,7 +1259,7 @@ def _nvfp4_static_params(global_scale, scheme: Scheme, dev: torch.device | None 
 
     Returns ``("host", genc, gdec, glob, zero_tensor)`` for a real number:
     ``genc``/``gdec`` the float32 S_enc / decode scale the kernel's NVFP4 block rule reads (the
-    preset's order uses one of them, as :func:`_nvfp4_global_kernel` produces them), ``glob`` the
+    preset's order uses one of them, as :func:`_nvfp4_factors` produces them), ``glob`` the
     reference's float64 decode factor, ``zero_tensor`` True when a static ``amax`` rounds to a
     float32 0 (the reference then treats x as an all-zero tensor). Or ``("device", t)`` for a
     one-element float32 tensor: validated as the number it holds when on the CPU, used as is on
@@ -1256,17 +1318,16 @@ def global_scale_supports(scheme: Scheme | None = None, x=None, global_scale=Non
 
 
 def _nvfp4_static_factors(global_scale, scheme: Scheme, dev: torch.device):
-    """(genc, gdec, glob, zero_tensor) device tensors / flag for a static NVFP4 global scale
-    (:func:`_nvfp4_static_params`): float32 ``[1]`` S_enc and decode scale for the data kernel,
-    float64 ``[1]`` reference decode factor. A number costs three fills (``torch.full``: no copy,
-    no host sync; the host work is cached per value); a device tensor no host sync either
-    (``amax``: :func:`_nvfp4_global_kernel` on it; ``encode_scale`` / ``decode_scale``: the
-    tensor itself)."""
+    """(nv, glob, zero_tensor) for a static NVFP4 global scale (:func:`_nvfp4_static_params`):
+    ``nv`` the float32 factor buffer of :func:`_nvfp4_factors` for the data kernel, ``glob`` the
+    float64 ``[1]`` reference decode factor. A number costs one fill (``glob``, the caller's to
+    keep): ``nv`` is made once per value and device (:func:`_nvfp4_static_nv`), no host sync;
+    a device tensor no host sync either (``amax``: :func:`_nvfp4_factors` from it as a tensor
+    amax; ``encode_scale`` / ``decode_scale``: from the tensor itself)."""
     params = _nvfp4_static_params(global_scale, scheme, dev)
     if params[0] == "host":
         _, s_enc, pts, glob, zero = params
-        return (torch.full((1,), s_enc, dtype=torch.float32, device=dev),
-                torch.full((1,), pts, dtype=torch.float32, device=dev),
+        return (_nvfp4_static_nv(s_enc, pts, scheme, torch.device(dev)),
                 torch.full((1,), glob, dtype=torch.float64, device=dev), zero)
     t = params[1].reshape(1).to(dev)
     if scheme.preset.option("global_convention") == "amax":  # the tensor amax, as if reduced
@@ -1275,18 +1336,38 @@ def _nvfp4_static_factors(global_scale, scheme: Scheme, dev: torch.device):
     return _nvfp4_device_globals(scheme, quantity=t) + (False,)
 
 
+@functools.lru_cache(maxsize=64)
+def _nvfp4_static_nv(s_enc: float, pts: float, scheme: Scheme, dev: torch.device) -> torch.Tensor:
+    """:func:`_nvfp4_factors`'s buffer for host float32 factors, made once per (value, scheme,
+    device) and kept: read-only for the kernels, a static scale being the same call after call
+    (so later calls launch nothing for it)."""
+    src = torch.tensor([s_enc, pts], dtype=torch.float32).to(dev)
+    nv = torch.empty(130, dtype=torch.float32, device=dev)
+    unused = torch.empty(1, dtype=torch.float64, device=dev)
+    _nvfp4_factors[(1,)](src, src[1:], nv, unused, FROM_AMAX=False,
+                         ORDER=_NVFP4_ORDER[scheme.preset.option("nvfp4_order")], GLOB=1)
+    return nv
+
+
+# elements per program and warps of the partial-amax pass (per-tensor FP8, dynamic NVFP4)
+_AMAX_TILE = 8192
+_AMAX_WARPS = 8
+
+
 def _tensor_amax(x3: torch.Tensor, nonfinite: int, per_matrix: bool) -> torch.Tensor:
     """float32 amax of ``|x3|`` on its device (``[B, M, K]``; the NaN policy ``nonfinite`` as
     the kernels' constexpr): one per matrix (``[B]``, per-tensor FP8) or one for the whole
-    tensor (``[1]``, NVFP4). A partial-amax pass over row blocks, then a one-program reduction."""
+    tensor (``[1]``, NVFP4). A partial-amax pass over [BM, BK] tiles, then a one-program
+    reduction of the partials."""
     B, M, K = (int(d) for d in x3.shape)
-    BMa, BKa = 8, min(1024, _next_pow2(K))
-    nprog = triton.cdiv(M, BMa)
+    BKa = min(1024, _next_pow2(K))
+    BMa = min(_next_pow2(M), max(1, _AMAX_TILE // BKa))
+    grid = (triton.cdiv(M, BMa), triton.cdiv(K, BKa), B)
+    nprog = grid[0] * grid[1]
     part = _alloc(B * nprog, dtype=torch.int32, device=x3.device)
     amax = _alloc(B if per_matrix else 1, dtype=torch.float32, device=x3.device)
-    _amax_partial_kernel[(nprog, B)](x3, x3.stride(0), x3.stride(1), x3.stride(2), part, M, K,
-                                     nprog, BLOCK_M=BMa, BLOCK_K=BKa, NONFINITE=nonfinite,
-                                     K_ITERS=triton.cdiv(K, BKa))
+    _amax_partial_kernel[grid](x3, x3.stride(0), x3.stride(1), x3.stride(2), part, M, K, nprog,
+                               BLOCK_M=BMa, BLOCK_K=BKa, NONFINITE=nonfinite, num_warps=_AMAX_WARPS)
     if per_matrix:
         _amax_final_kernel[(B,)](part, amax, nprog, BLOCK=1024, ITERS=triton.cdiv(nprog, 1024))
     else:
@@ -1295,37 +1376,24 @@ def _tensor_amax(x3: torch.Tensor, nonfinite: int, per_matrix: bool) -> torch.Te
 
 
 def _nvfp4_device_globals(scheme: Scheme, amax=None, quantity=None):
-    """(genc, gdec, glob) on the device: the float32 S_enc and decode scale the NVFP4 data pass
-    reads, and the reference's float64 decode factor. From a float32 ``[1]`` tensor ``amax``
-    (the reduced tensor amax, or a static amax tensor): both by :func:`_nvfp4_global_kernel`
-    (:func:`moeref.quant.nvfp4.global_factors` on the device); or from a static ``quantity``
-    tensor in the preset's own convention (encode scale; torchao: decode scale), read as it is."""
+    """(nv, glob) on the device: the float32 factor buffer the NVFP4 data pass reads
+    (:func:`_nvfp4_factors`: S_enc, decode scale, the data factor of each UE4M3 code) and the
+    reference's float64 decode factor. From a float32 ``[1]`` tensor ``amax`` (the reduced
+    tensor amax, or a static amax tensor): :func:`moeref.quant.nvfp4.global_factors` on the
+    device; or from a static ``quantity`` tensor in the preset's own convention (encode scale;
+    torchao: decode scale), read as it is."""
     p = scheme.preset
     order = _NVFP4_ORDER[p.option("nvfp4_order")]
-    if amax is not None:
-        genc = _alloc(1, dtype=torch.float32, device=amax.device)
-        gdec = _alloc(1, dtype=torch.float32, device=amax.device)
-        _nvfp4_global_kernel[(1,)](amax, genc, gdec, 1, BLOCK=2, ORDER=order)
-    else:
-        genc = gdec = quantity
+    src = amax if amax is not None else quantity
+    nv = _alloc(130, dtype=torch.float32, device=src.device)
+    glob = _alloc(1, dtype=torch.float64, device=src.device)
     # the reference's float64 decode factor, from the float32 quantity of the convention
     if amax is not None and p.option("global_convention") == "amax":
-        glob = _div_by_2688(amax.double())
-    elif order == 2:
-        glob = gdec.double()
+        kind = 0
     else:
-        glob = 1.0 / genc.double()
-    if amax is not None:
-        glob = torch.where(amax == 0, torch.zeros_like(glob), glob)
-    return genc, gdec, glob
-
-
-def _div_by_2688(a: torch.Tensor) -> torch.Tensor:
-    """``a / 2688`` correctly rounded (float64), as the reference's ``float(A) / 2688``. Not
-    ``a / 2688.0``: on CUDA, torch divides a tensor by a Python scalar as a product with the
-    scalar's reciprocal (ATen BinaryDivTrueKernel.cu), one rounding too many (seen on an H200,
-    2026-11-21: a float64 decode factor unequal to the reference's)."""
-    return a / torch.full_like(a, 2688.0)
+        kind = 1 if order == 2 else 2
+    _nvfp4_factors[(1,)](src, src, nv, glob, FROM_AMAX=amax is not None, ORDER=order, GLOB=kind)
+    return nv, glob
 
 
 def _signed_zero_codes(x3: torch.Tensor, te: bool) -> torch.Tensor:
@@ -1347,7 +1415,15 @@ def _launch_knobs(ce: dict, gb: int, gpp: int, bm: int, num_warps: int | None) -
     nw = _warps(gb, gpp, bm, num_warps, ce["ELEM"] != 2)
     if ce.get("PACKED_BF16") and bm * gpp * max(gb // 2, 1) < 4 * 32 * nw:
         ce = dict(ce, PACKED_BF16=False)
-    return dict(ce, num_warps=nw)
+    knobs = dict(ce, num_warps=nw)
+    if _MAXNREG is not None and not _INTERPRETED:
+        knobs["maxnreg"] = _MAXNREG
+    return knobs
+
+
+# Register cap per thread (ptxas .maxnreg) for every _quant_kernel launch; None: the compiler's
+# choice. For register sweeps (bench_quant_gpu.py --tune --maxnreg), not a shipped setting.
+_MAXNREG: int | None = None
 
 
 # Rows longer than this with one scale per row (per-token) take _row_loop_kernel; tile
@@ -1444,7 +1520,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         scales = _alloc((B, 1, 1), dtype=sdt, device=dev)
         keys = ("ELEM_MAX", "INV_M", "EMAX", "MBITS", "SCALE_KIND", "FP32_RULE", "FP32_POW2",
                 "E8_RULE", "E8_LO", "E8_HI", "E8_NF", "AMAX_FLOOR", "ZERO_BLOCK", "NONFINITE", "APPLY")
-        _per_tensor_scale_kernel[(1,)](amax, scales, static_t, dummy, dummy, B,
+        _per_tensor_scale_kernel[(1,)](amax, scales, static_t, B,
                                        BLOCK=_next_pow2(max(B, 2)), STATIC=static is not None,
                                        **{k_: ce[k_] for k_ in keys})
         gs = min(K, 128) if not packed else max(2, min(_next_pow2(K), 128))
@@ -1455,7 +1531,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         xk, pair, in16 = _pair_view(x3, packed)
         _quant_kernel[grid](
             xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
-            dummy, 0, 0, 0, amax, static_t, dummy, dummy, M, K, ng, M, ng, M,
+            dummy, 0, 0, 0, amax, static_t, dummy, M, K, ng, M, ng, M,
             GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=0, AMAX_SRC=1, STATIC=static is not None,
             TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=False, ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0,
             PAIR=pair, IN16=in16,
@@ -1470,16 +1546,16 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
     ssb = scales.stride(0)
     gb, gpp, bm = _tile(gs, block_m, groups_per_program, scale_layout, ng)
     two_level = scheme.family == "nvfp4"
-    genc = gdec = dummy
+    nv = dummy
     zero_tensor = False
     if two_level and static_global is not None:
         # static global scale: no amax pass, the data pass below is the only read of x
         order = _NVFP4_ORDER[p.option("nvfp4_order")]
-        genc, gdec, glob, zero_tensor = static_global
+        nv, glob, zero_tensor = static_global
     elif two_level:
         order = _NVFP4_ORDER[p.option("nvfp4_order")]
         amax = _tensor_amax(x3, ce["NONFINITE"], per_matrix=False)
-        genc, gdec, glob = _nvfp4_device_globals(scheme, amax=amax)
+        nv, glob = _nvfp4_device_globals(scheme, amax=amax)
     else:
         order = 0
     if _row_loop_applies(ng, gs, K, packed, scale_layout) and groups_per_program is None:
@@ -1489,7 +1565,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         xk, pair, in16 = _pair_view(x3, packed)
         _quant_kernel[grid](
             xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
-            scales, ssb, ssm, ssg, dummy, static_t, genc, gdec, M, K, ng, m_pad, ng_pad, 1,
+            scales, ssb, ssm, ssg, dummy, static_t, nv, M, K, ng, m_pad, ng_pad, 1,
             GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=_SF_LAYOUT[scale_layout], AMAX_SRC=0,
             STATIC=static is not None, TWO_LEVEL=two_level, NV_ORDER=order, WRITE_SCALES=True,
             ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0, PAIR=pair, IN16=in16,
