@@ -302,6 +302,10 @@ def main():
     ap.add_argument("--tune", action="store_true", help="sweep tile configs at the large size")
     ap.add_argument("--ceiling", action="store_true",
                     help="also time the bare read2/write1 and read1/write2 traffic (no arithmetic)")
+    ap.add_argument("--maxnreg", default="",
+                    help="with --tune: comma-separated register caps to sweep (0: none) on each tile")
+    ap.add_argument("--tiles", default="", help="with --tune: ';'-separated tile dicts to sweep "
+                    "instead of the default list, e.g. \"{};{'num_warps': 8}\"")
     ap.add_argument("--M", type=int, default=16384)
     ap.add_argument("--K", type=int, default=7168)
     args = ap.parse_args()
@@ -430,6 +434,9 @@ def tune(args):
                            M * K * 2.5 + M * K // 32),
         "nvfp4_swizzled": (x, lambda t, **c: Q.quantize(t, nvfp4(), scale_layout="swizzled_128x4", **c),
                            M * K * 2.5 + M * K // 16),
+        "nvfp4_swizzled (static global scale)": (
+            x, lambda t, **c: Q.quantize(t, nvfp4(preset="vllm"), scale_layout="swizzled_128x4",
+                                         global_scale=1000.0, **c), M * K * 2.5 + M * K // 16),
         "silu_and_mul+fp8": (x2, lambda t, **c: F.silu_and_mul_quant_fp8(t, g, **c), M * K * 5 + M * K // 32),
         "swigluoai+fp8": (x2, lambda t, **c: F.swigluoai_quant_fp8(t, 1.702, 7.0, g, **c),
                           M * K * 5 + M * K // 32),
@@ -448,11 +455,16 @@ def tune(args):
     rows = [dict(row_tile="off")] + [dict(row_tile=t) for t in [
         (1, 2048, 4), (1, 1024, 4), (1, 2048, 8), (1, 4096, 4), (1, 4096, 8), (2, 2048, 4),
         (2, 2048, 8), (1, 1024, 2), (1, 2048, 2)]]
+    if args.tiles:
+        import ast
+        tiles = [ast.literal_eval(t) for t in args.tiles.split(";")]
+    caps = [int(c) or None for c in args.maxnreg.split(",")] if args.maxnreg else [None]
     out = {}
     for name, (xs, fn, nbytes) in cands.items():
         if args.only and not any(s_ in name for s_ in args.only.split(",")):
             continue
-        configs = rows if name == "fp8_per_token" else tiles
+        configs = rows if name == "fp8_per_token" and not args.tiles else tiles
+        configs = [dict(c, maxnreg=r) if r else dict(c) for c in configs for r in caps]
         best = None
         for cfg in configs:
             cfg = dict(cfg)
@@ -466,6 +478,7 @@ def tune(args):
                 cfg_name = f"row_tile={Q._ROW_LOOP_TILE}"
             else:
                 cfg_name = str(cfg)
+            Q._MAXNREG = cfg.pop("maxnreg", None)
             try:
                 fn(*xs[0], **cfg) if isinstance(xs[0], tuple) else fn(xs[0], **cfg)
                 torch.cuda.synchronize()
@@ -476,6 +489,7 @@ def tune(args):
                 continue
             finally:
                 Q._ROW_LOOP_TILE, Q._ROW_LOOP_MIN_K = saved_tile, saved_min
+                Q._MAXNREG = None
             tb = nbytes / (ms * 1e-3) / 1e12
             print(f"  {name:34s} {cfg_name:52s} {ms * 1e3:8.1f} us {tb:6.3f} TB/s", flush=True)
             out.setdefault(name, []).append({"cfg": cfg_name, "us": ms * 1e3, "TBps": tb})

@@ -55,6 +55,7 @@ def _signature(fn, args, kw):
     vals.update(kw)
     num_warps = vals.pop("num_warps", 4)
     num_stages = vals.pop("num_stages", 3)
+    maxnreg = vals.pop("maxnreg", None)
     sig, consts, attrs = {}, {}, {}
     for i, n in enumerate(names):
         v = vals[n]
@@ -79,13 +80,18 @@ def _signature(fn, args, kw):
             sig[n] = "fp32"
         else:
             raise TypeError(f"{n}: {type(v)}")
-    return sig, consts, attrs, num_warps, num_stages
+    return sig, consts, attrs, num_warps, num_stages, maxnreg
 
 
-def compile_sass(fn, args, kw):
-    sig, consts, attrs, nw, ns = _signature(fn, args, kw)
+def compile_sass(fn, args, kw, maxnreg=None):
+    """SASS text, registers, stack bytes, warps and shared memory of one recorded launch;
+    ``maxnreg`` overrides the launch's register cap (ptxas ``.maxnreg``)."""
+    sig, consts, attrs, nw, ns, cap = _signature(fn, args, kw)
+    opts = {"num_warps": nw, "num_stages": ns}
+    if maxnreg or cap:
+        opts["maxnreg"] = maxnreg or cap
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    ck = triton.compile(src, target=_TARGET, options={"num_warps": nw, "num_stages": ns})
+    ck = triton.compile(src, target=_TARGET, options=opts)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(ck.asm["cubin"])
@@ -165,6 +171,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*")
     ap.add_argument("--dump", action="store_true", help="write each kernel's SASS to bench_out/")
+    ap.add_argument("--maxnreg", type=int, default=None, help="cap registers per thread (ptxas .maxnreg)")
     a = ap.parse_args(argv)
     cs = cases()
     names = a.names or list(cs)
@@ -172,7 +179,7 @@ def main(argv=None):
           f"{'elem/thr':>8s} {'instr/elem':>10s}  top ops")
     for name in names:
         for fn, grid, args, kw in record(cs[name]):
-            sass, regs, spills, nw, _ = compile_sass(fn, args, kw)
+            sass, regs, spills, nw, _ = compile_sass(fn, args, kw, a.maxnreg)
             ops = count(sass)
             total = sum(ops.values())
             vals = dict(zip(fn.arg_names, args)); vals.update(kw)
