@@ -479,6 +479,9 @@ def tune(args):
             else:
                 cfg_name = str(cfg)
             Q._MAXNREG = cfg.pop("maxnreg", None)
+            saved_attrs = {k_: getattr(Q, k_) for k_ in cfg if k_.startswith("_")}
+            for k_ in saved_attrs:  # module knobs, e.g. {"_WORD_RUN": {1: 4, 2: 4}}
+                setattr(Q, k_, cfg.pop(k_))
             try:
                 fn(*xs[0], **cfg) if isinstance(xs[0], tuple) else fn(xs[0], **cfg)
                 torch.cuda.synchronize()
@@ -490,6 +493,8 @@ def tune(args):
             finally:
                 Q._ROW_LOOP_TILE, Q._ROW_LOOP_MIN_K = saved_tile, saved_min
                 Q._MAXNREG = None
+                for k_, v_ in saved_attrs.items():
+                    setattr(Q, k_, v_)
             tb = nbytes / (ms * 1e-3) / 1e12
             print(f"  {name:34s} {cfg_name:52s} {ms * 1e3:8.1f} us {tb:6.3f} TB/s", flush=True)
             out.setdefault(name, []).append({"cfg": cfg_name, "us": ms * 1e3, "TBps": tb})

@@ -587,7 +587,7 @@ def _quant_kernel(
     TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr, WRITE_SCALES: tl.constexpr,
     ACT: tl.constexpr, ACT_ALPHA: tl.constexpr, ACT_LIMIT: tl.constexpr,
     PAIR: tl.constexpr, IN16: tl.constexpr, DIV: tl.constexpr, PACKED_BF16: tl.constexpr,
-    HW_SCALE: tl.constexpr,
+    HW_SCALE: tl.constexpr, WORD_RUN: tl.constexpr,
 ):
     """Quantize a [BLOCK_M, GPP groups of GS] tile of one matrix of x; see the module docstring.
 
@@ -618,6 +618,12 @@ def _quant_kernel(
     if PAIR == 1 and ELEM == 2 and ACT == 0:
         # ---- FP4 from 16-bit words: word w of a row = elements (2w, 2w+1) = output byte w
         jw = tl.arange(0, GB // 2)
+        # (jw // RUN) * RUN + jw % RUN is jw, but Triton's contiguity analysis then sees runs of
+        # RUN words, which sets how many contiguous words each thread loads per group (RUN 4:
+        # 16 bytes, and a warp's load instruction covers contiguous memory; RUN GB/2: the whole
+        # group per thread, no shuffles for its amax but 2-4x the cache lines per instruction)
+        RUN: tl.constexpr = min(WORD_RUN, GB // 2) if WORD_RUN > 0 else GB // 2
+        jw = (jw // RUN) * RUN + jw % RUN
         w = gidx[:, None] * (GS // 2) + jw[None, :]  # [GPP, GB/2]
         wm = (jw[None, :] < GS // 2) & (w < K // 2)
         m3 = rmask[:, None, None] & wm[None, :, :]
@@ -1202,7 +1208,7 @@ _DQ_WARPS = 8
 
 
 def _tile(gs: int, block_m: int | None, gpp: int | None, layout: str, ng: int, elems: int = 4096,
-          role: str = "quant"):
+          role: str = "quant", divides: bool = False):
     """(GB, GPP, BLOCK_M): pow2 group block, groups per program, rows per program (about
     ``elems`` elements per program; the packed UE8M0 layout needs whole int32 words, 4 groups).
 
@@ -1212,7 +1218,12 @@ def _tile(gs: int, block_m: int | None, gpp: int | None, layout: str, ng: int, e
     the H200 (94% of copy; 4 rows x 8 groups 3.79) and 2.84 on the H100 (2.75), `default` 3.53
     (3.45), packed UE8M0 3.93 (3.86). Dequantize 1 row x 64 groups on 8 warps: 3.87 (3.60) and
     2.84 (2.66). MN-major scales keep 4 rows x 8 groups (one row per program would scatter its
-    4-byte scale writes with stride M), and so do the fused kernels (swigluoai 3.44 vs 3.36)."""
+    4-byte scale writes with stride M), and so do the fused kernels (swigluoai 3.44 vs 3.36).
+    ``divides`` (FP32 scales applied as ``x / s``, the exact division of :func:`_div_exact`):
+    1 row x 8 groups (on 2 warps, :func:`quantize`: 16 elements per thread, which keeps the
+    division's registers down, and no idle lanes where a 32-group program has 12.5% on 56-group
+    rows): `default` 1x128 3.64 -> 3.77 TB/s on the H200 (2026-11-21; `deepgemm`, which
+    multiplies, 3.98 -> 3.79 there, so it keeps 1 x 32)."""
     gb = max(2, _next_pow2(gs))
     if gpp is None:
         gpp = max(1, min(_next_pow2(ng), 512 // gb)) if gb < 512 else 1
@@ -1220,7 +1231,7 @@ def _tile(gs: int, block_m: int | None, gpp: int | None, layout: str, ng: int, e
             if role == "dequant" and layout == "row_major":
                 gpp, block_m = 64, 1
             elif role == "quant" and layout in ("row_major", "packed_ue8m0"):
-                gpp, block_m = 32, 1
+                gpp, block_m = (8, 1) if divides else (32, 1)
             else:
                 gpp, block_m = 8, 4
     if layout == "packed_ue8m0":
@@ -1415,7 +1426,7 @@ def _launch_knobs(ce: dict, gb: int, gpp: int, bm: int, num_warps: int | None) -
     nw = _warps(gb, gpp, bm, num_warps, ce["ELEM"] != 2)
     if ce.get("PACKED_BF16") and bm * gpp * max(gb // 2, 1) < 4 * 32 * nw:
         ce = dict(ce, PACKED_BF16=False)
-    knobs = dict(ce, num_warps=nw)
+    knobs = dict(ce, num_warps=nw, WORD_RUN=_WORD_RUN.get(ce["SCALE_KIND"], 0))
     if _MAXNREG is not None and not _INTERPRETED:
         knobs["maxnreg"] = _MAXNREG
     return knobs
@@ -1424,6 +1435,12 @@ def _launch_knobs(ce: dict, gb: int, gpp: int, bm: int, num_warps: int | None) -
 # Register cap per thread (ptxas .maxnreg) for every _quant_kernel launch; None: the compiler's
 # choice. For register sweeps (bench_quant_gpu.py --tune --maxnreg), not a shipped setting.
 _MAXNREG: int | None = None
+
+# FP4 from 16-bit words: contiguous words per thread and group (see _quant_kernel's WORD_RUN;
+# 0: the whole group), by scale kind (1 UE8M0: MXFP4, 2 UE4M3: NVFP4)
+# (H200, 2026-11-21, bench_quant_gpu.py --tune: MXFP4 3.55 TB/s with whole 16-word groups,
+# 3.63 with runs of 8, 2.30 with runs of 4; NVFP4's 8-word groups: runs of 4 1.93 vs 2.70)
+_WORD_RUN = {1: 8, 2: 0}
 
 
 # Rows longer than this with one scale per row (per-token) take _row_loop_kernel; tile
@@ -1544,7 +1561,11 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
     sshape, sdt, (m_pad, ng_pad, ssm, ssg) = scale_storage_shape((B, M, K), scheme, scale_layout)
     scales = _alloc(sshape, dtype=sdt, device=dev)
     ssb = scales.stride(0)
-    gb, gpp, bm = _tile(gs, block_m, groups_per_program, scale_layout, ng)
+    divides = ce["APPLY"] == 1 and ce["SCALE_KIND"] == 0
+    gb, gpp, bm = _tile(gs, block_m, groups_per_program, scale_layout, ng, divides=divides)
+    if divides and gs == 128 and (block_m, groups_per_program, num_warps) == (None, None, None) \
+            and (gpp, bm) == (8, 1):
+        num_warps = 2
     two_level = scheme.family == "nvfp4"
     nv = dummy
     zero_tensor = False
