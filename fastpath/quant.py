@@ -1444,11 +1444,12 @@ _WORD_RUN = {1: 8, 2: 0}
 
 
 # Rows longer than this with one scale per row (per-token) take _row_loop_kernel; tile
-# (rows per program, columns per chunk, warps). H200 sweep (bench_quant_gpu.py --tune,
-# 2026-11-21, 16384 x 7168 bf16, per-token): one 8192-wide tile per row 3.46 TB/s; the loop at
-# (1, 4096, 4) 3.43, (1, 2048, 2) 3.44, (1, 2048, 4) 3.36, (4, 1024, 4) 2.83. So rows up to
-# 8192 keep the single tile and the loop serves the longer ones (any length: no tile limit).
-_ROW_LOOP_MIN_K = 8192
+# (rows per program, columns per chunk, warps). H200 sweeps (bench_quant_gpu.py --tune,
+# 2026-11-21, 16384 x 7168 bf16, per-token): before the register cut of _div_exact, one
+# 8192-wide tile per row 3.46 TB/s against 3.43 for the loop at (1, 4096, 4); after it, the
+# single tile 3.46 and the loop 3.55 at (1, 4096, 4), 3.52 at (1, 2048, 2), 3.40 at
+# (1, 2048, 1), 2.4-2.8 with 1024-column chunks. So rows over 4096 columns loop.
+_ROW_LOOP_MIN_K = 4096
 _ROW_LOOP_TILE = (1, 4096, 4)
 
 

@@ -95,10 +95,11 @@ def test_row_loop_static_scale(small_row_loop, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,K", [(257, 8193), (3, 40000), (64, 16384)])
+@pytest.mark.parametrize("M,K", [(257, 4097), (300, 7168), (3, 40000), (64, 16384)])
 def test_gpu_row_loop_real_sizes(M, K):
-    """At the natural threshold and tile, on the GPU: rows longer than 8192 (40000: beyond the
-    tile kernel's 32768 limit), random magnitudes and specials."""
+    """At the natural threshold and tile, on the GPU: rows longer than 4096 (7168: DeepSeek's
+    hidden size; 40000: beyond the tile kernel's 32768 limit), random magnitudes and
+    specials."""
     xn = make_input(M + K, (M, K), "bfloat16", 30.0, "all")
     for scheme in (fp8_per_token(), fp8_per_token(preset="vllm")):
         run_and_check(scheme, "row_major", xn, device_input(xn, False))
