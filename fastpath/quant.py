@@ -1219,11 +1219,9 @@ def _tile(gs: int, block_m: int | None, gpp: int | None, layout: str, ng: int, e
     (3.45), packed UE8M0 3.93 (3.86). Dequantize 1 row x 64 groups on 8 warps: 3.87 (3.60) and
     2.84 (2.66). MN-major scales keep 4 rows x 8 groups (one row per program would scatter its
     4-byte scale writes with stride M), and so do the fused kernels (swigluoai 3.44 vs 3.36).
-    ``divides`` (FP32 scales applied as ``x / s``, the exact division of :func:`_div_exact`):
-    1 row x 8 groups (on 2 warps, :func:`quantize`: 16 elements per thread, which keeps the
-    division's registers down, and no idle lanes where a 32-group program has 12.5% on 56-group
-    rows): `default` 1x128 3.64 -> 3.77 TB/s on the H200 (2026-11-21; `deepgemm`, which
-    multiplies, 3.98 -> 3.79 there, so it keeps 1 x 32)."""
+    ``divides`` (FP32 scales applied as ``x / s``, the exact division of :func:`_div_exact`, on
+    a device of :data:`_NARROW_DIVISION_TILE`): 1 row x 8 groups (on 2 warps, see
+    :func:`quantize`)."""
     gb = max(2, _next_pow2(gs))
     if gpp is None:
         gpp = max(1, min(_next_pow2(ng), 512 // gb)) if gb < 512 else 1
@@ -1443,6 +1441,22 @@ _MAXNREG: int | None = None
 _WORD_RUN = {1: 8, 2: 0}
 
 
+# Devices on which the 1x128 quantize with exact division (FP32 scales, x / s) runs faster on
+# 1 row x 8 groups with 2 warps (16 elements per thread: the division's registers stay down, and
+# a 56-group row has no idle lanes, where a 32-group program idles 12.5% of them) than on the
+# general 1 row x 32 groups with 4 warps (bench_quant_gpu.py --tune, 2026-11-21, 16384 x 7168
+# bf16, `default` preset): NVIDIA H200 3.64 -> 3.77 TB/s; NVIDIA H100 80GB HBM3 the other way,
+# 2.84 -> 2.75 (memory-bound there either way). `deepgemm` (a product) keeps 1 x 32 everywhere
+# (H200: 3.98 on 1 x 32, 3.79 on 1 x 8).
+_NARROW_DIVISION_TILE = ("NVIDIA H200",)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_name(dev: torch.device) -> str:
+    """CUDA device name (``torch.cuda.get_device_name``), "" for other devices."""
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
+
+
 # Rows longer than this with one scale per row (per-token) take _row_loop_kernel; tile
 # (rows per program, columns per chunk, warps). H200 sweeps (bench_quant_gpu.py --tune,
 # 2026-11-21, 16384 x 7168 bf16, per-token): before the register cut of _div_exact, one
@@ -1562,7 +1576,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
     sshape, sdt, (m_pad, ng_pad, ssm, ssg) = scale_storage_shape((B, M, K), scheme, scale_layout)
     scales = _alloc(sshape, dtype=sdt, device=dev)
     ssb = scales.stride(0)
-    divides = ce["APPLY"] == 1 and ce["SCALE_KIND"] == 0
+    divides = ce["APPLY"] == 1 and ce["SCALE_KIND"] == 0 and _device_name(dev) in _NARROW_DIVISION_TILE
     gb, gpp, bm = _tile(gs, block_m, groups_per_program, scale_layout, ng, divides=divides)
     if divides and gs == 128 and (block_m, groups_per_program, num_warps) == (None, None, None) \
             and (gpp, bm) == (8, 1):
