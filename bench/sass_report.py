@@ -5,10 +5,17 @@ The memory-bound kernels here are issue-bound once their per-element instruction
 what the SMs can retire while HBM streams the bytes: on an H200 (132 SMs x 4 schedulers x ~1.98
 GHz = ~1.05e12 warp instructions/s) against ~1.4e12 elements/s at 4.25 TB/s for a 3-byte/element
 quantizer, that is about 24 thread instructions per element. The report prints SASS instructions
-per element (static count of the straight-line kernel / elements per thread).
+per element (static count of the straight-line kernel / elements per thread). Registers matter
+as much: below that budget these kernels are latency-bound, and the registers per thread set
+how many warps (bytes in flight) an SM holds (an Nsight Compute profile on an H200, 2026-11-21,
+bench/profile_gpu.py: 42-80% issue utilisation, global-load stalls first).
 
     python bench/sass_report.py                  # the benchmark's kernels at 16384 x 7168 bf16
     python bench/sass_report.py --dump NAME      # also write NAME's SASS to bench_out/NAME.sass
+    python bench/sass_report.py --maxnreg 64     # with a register cap (spills show as STACK)
+
+The kernels are launched on CPU tensors, so device-specific tiles (fastpath.quant's
+_NARROW_DIVISION_TILE) are not taken here.
 
 Uses the ptxas/cuobjdump bundled with Triton's wheel; no CUDA driver is needed.
 """
