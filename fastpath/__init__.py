@@ -17,7 +17,8 @@
 Importing this package imports nothing heavy; the kernels need ``torch`` and ``triton`` (on a machine
 without a GPU, set ``TRITON_INTERPRET=1`` before importing triton to run them on CPU tensors).
 See docs/fastpaths.md and docs/fastpaths-dispatch.md; ``bench/sass_report.py`` counts the
-kernels' SASS instructions per element offline (no GPU needed).
+kernels' SASS instructions and registers offline (no GPU needed), ``bench/profile_gpu.py`` runs
+one launch of each benchmark kernel for Nsight Compute.
 """
 from .registry import available, get_implementation, ImplementationUnavailable, operations
 

@@ -37,9 +37,12 @@ interleaved (gate, up) pairs: for contiguous 16-bit input both read int32 words,
 word (16-byte loads, no shuffles; ``PAIR=1``); other inputs (float32, strided, odd K) take a
 generic ``[.., GB/2, 2]`` tile split on its last axis (``PAIR=2``). Per-tensor and NVFP4 first
 reduce the tensor amax (partial-amax kernel, one-program reduction), then quantize, unless the
-scale is static (``scale=``; NVFP4 ``global_scale=``): then x is read once. FP8 rows with one
-scale per row longer than a tile (per-token) take :func:`_row_loop_kernel` (two sweeps per row,
-the second from cache).
+scale is static (``scale=``; NVFP4 ``global_scale=``): then x is read once. NVFP4's data
+factor is a function of the block's UE4M3 code alone: :func:`_nvfp4_factors` tabulates it per
+tensor (127 codes, the order's own float32 divisions) and the data pass loads it. FP8 rows with
+one scale per row longer than 4096 columns (per-token) take :func:`_row_loop_kernel` (two sweeps
+per row, the second from cache). Tiles and warps come from sweeps on an H200 and an H100; the
+one device-specific choice is :data:`_NARROW_DIVISION_TILE`.
 Measured speeds and their limits: docs/fastpaths.md.
 
 Unsupported combinations (INT/FP6 elements, 2-D blocks, the ``signed_minmax`` and
