@@ -426,6 +426,9 @@ def tune(args):
                                       M * K * 3 + M * K // 32),
         "fp8_1x128_ue8m0_packed": (x, lambda t, **c: Q.quantize(t, fp8_group(128, "ue8m0", "deepgemm"),
                                                                scale_layout="packed_ue8m0", **c), M * K * 3),
+        "fp8_1x128_fp32_mn_major (deepgemm)": (
+            x, lambda t, **c: Q.quantize(t, fp8_group(128, "fp32", "deepgemm"), scale_layout="mn_major", **c),
+            M * K * 3 + M * K // 32),
         "fp8_per_token": (x, lambda t, **c: Q.quantize(t, fp8_per_token(), **c), M * K * 3),
         "fp8_per_tensor": (x, lambda t, **c: Q.quantize(t, fp8_per_tensor(), **c), M * K * 3),
         "mxfp8_swizzled": (x, lambda t, **c: Q.quantize(t, mxfp8(), scale_layout="swizzled_128x4", **c),

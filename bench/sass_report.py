@@ -15,7 +15,7 @@ bench/profile_gpu.py: 42-80% issue utilisation, global-load stalls first).
     python bench/sass_report.py --maxnreg 64     # with a register cap (spills show as STACK)
 
 The kernels are launched on CPU tensors, so device-specific tiles (fastpath.quant's
-_NARROW_DIVISION_TILE) are not taken here.
+_DEVICE_TILES) are not taken here.
 
 Uses the ptxas/cuobjdump bundled with Triton's wheel; no CUDA driver is needed.
 """

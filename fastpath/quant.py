@@ -42,7 +42,7 @@ factor is a function of the block's UE4M3 code alone: :func:`_nvfp4_factors` tab
 tensor (127 codes, the order's own float32 divisions) and the data pass loads it. FP8 rows with
 one scale per row longer than 4096 columns (per-token) take :func:`_row_loop_kernel` (two sweeps
 per row, the second from cache). Tiles and warps come from sweeps on an H200 and an H100; the
-one device-specific choice is :data:`_NARROW_DIVISION_TILE`.
+device-specific choices are in :data:`_DEVICE_TILES`.
 Measured speeds and their limits: docs/fastpaths.md.
 
 Unsupported combinations (INT/FP6 elements, 2-D blocks, the ``signed_minmax`` and
@@ -1211,7 +1211,7 @@ _DQ_WARPS = 8
 
 
 def _tile(gs: int, block_m: int | None, gpp: int | None, layout: str, ng: int, elems: int = 4096,
-          role: str = "quant", divides: bool = False):
+          role: str = "quant"):
     """(GB, GPP, BLOCK_M): pow2 group block, groups per program, rows per program (about
     ``elems`` elements per program; the packed UE8M0 layout needs whole int32 words, 4 groups).
 
@@ -1222,9 +1222,7 @@ def _tile(gs: int, block_m: int | None, gpp: int | None, layout: str, ng: int, e
     (3.45), packed UE8M0 3.93 (3.86). Dequantize 1 row x 64 groups on 8 warps: 3.87 (3.60) and
     2.84 (2.66). MN-major scales keep 4 rows x 8 groups (one row per program would scatter its
     4-byte scale writes with stride M), and so do the fused kernels (swigluoai 3.44 vs 3.36).
-    ``divides`` (FP32 scales applied as ``x / s``, the exact division of :func:`_div_exact`, on
-    a device of :data:`_NARROW_DIVISION_TILE`): 1 row x 8 groups (on 2 warps, see
-    :func:`quantize`)."""
+    Devices measured to prefer other 1x128 quantize tiles: :data:`_DEVICE_TILES`."""
     gb = max(2, _next_pow2(gs))
     if gpp is None:
         gpp = max(1, min(_next_pow2(ng), 512 // gb)) if gb < 512 else 1
@@ -1232,7 +1230,7 @@ def _tile(gs: int, block_m: int | None, gpp: int | None, layout: str, ng: int, e
             if role == "dequant" and layout == "row_major":
                 gpp, block_m = 64, 1
             elif role == "quant" and layout in ("row_major", "packed_ue8m0"):
-                gpp, block_m = (8, 1) if divides else (32, 1)
+                gpp, block_m = 32, 1
             else:
                 gpp, block_m = 8, 4
     if layout == "packed_ue8m0":
@@ -1444,14 +1442,22 @@ _MAXNREG: int | None = None
 _WORD_RUN = {1: 8, 2: 0}
 
 
-# Devices on which the 1x128 quantize with exact division (FP32 scales, x / s) runs faster on
-# 1 row x 8 groups with 2 warps (16 elements per thread: the division's registers stay down, and
-# a 56-group row has no idle lanes, where a 32-group program idles 12.5% of them) than on the
-# general 1 row x 32 groups with 4 warps (bench_quant_gpu.py --tune, 2026-11-21, 16384 x 7168
-# bf16, `default` preset): NVIDIA H200 3.64 -> 3.77 TB/s; NVIDIA H100 80GB HBM3 the other way,
-# 2.84 -> 2.75 (memory-bound there either way). `deepgemm` (a product) keeps 1 x 32 everywhere
-# (H200: 3.98 on 1 x 32, 3.79 on 1 x 8).
-_NARROW_DIVISION_TILE = ("NVIDIA H200",)
+# 1x128 quantize tiles (groups per program, rows per program, warps) that a device was measured to
+# run faster than _tile's general choice (1 row x 32 groups, 4 warps; 4 x 8 for MN-major scales),
+# keyed by (scale layout, whether x is divided by FP32 scales): bench_quant_gpu.py --tune,
+# 2026-11-21, 16384 x 7168 bf16. Only FP32-scale kernels are listed (the UE8M0 ones were not
+# swept per device); everything else takes _tile's choice.
+# * H200, `default` (x / s, exact division): 1 row x 8 groups on 2 warps (16 elements per
+#   thread: the division's registers stay down, and a 56-group row has no idle lanes, where a
+#   32-group program idles 12.5% of them): 3.64 -> 3.77 TB/s. `deepgemm` (a product) there:
+#   3.98 on the general tile, 3.79 on that one.
+# * H100: the same narrow tile is slower for `default` (2.84 -> 2.75, memory-bound either
+#   way); `deepgemm` gains from 1 row x 64 groups on 8 warps: row-major 2.84 -> 2.92 TB/s,
+#   MN-major 2.77 -> 2.86 (MXFP8 found nothing better than its tile, 2.75).
+_DEVICE_TILES = {
+    "NVIDIA H200": {("row_major", True): (8, 1, 2)},
+    "NVIDIA H100 80GB HBM3": {("row_major", False): (64, 1, 8), ("mn_major", False): (64, 1, 8)},
+}
 
 
 @functools.lru_cache(maxsize=16)
@@ -1579,11 +1585,13 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
     sshape, sdt, (m_pad, ng_pad, ssm, ssg) = scale_storage_shape((B, M, K), scheme, scale_layout)
     scales = _alloc(sshape, dtype=sdt, device=dev)
     ssb = scales.stride(0)
-    divides = ce["APPLY"] == 1 and ce["SCALE_KIND"] == 0 and _device_name(dev) in _NARROW_DIVISION_TILE
-    gb, gpp, bm = _tile(gs, block_m, groups_per_program, scale_layout, ng, divides=divides)
-    if divides and gs == 128 and (block_m, groups_per_program, num_warps) == (None, None, None) \
-            and (gpp, bm) == (8, 1):
-        num_warps = 2
+    if gs == 128 and ng >= 8 and ce["SCALE_KIND"] == 0 \
+            and (block_m, groups_per_program, num_warps) == (None, None, None):
+        divides = ce["APPLY"] == 1
+        tile = _DEVICE_TILES.get(_device_name(dev), {}).get((scale_layout, divides))
+        if tile is not None:
+            groups_per_program, block_m, num_warps = tile
+    gb, gpp, bm = _tile(gs, block_m, groups_per_program, scale_layout, ng)
     two_level = scheme.family == "nvfp4"
     nv = dummy
     zero_tensor = False

@@ -1,10 +1,11 @@
 """The fast path's device- and sweep-chosen tile knobs change speed only: every variant gives the
 reference's codes and scales bit for bit.
 
-* ``_NARROW_DIVISION_TILE``: the 1 row x 8 groups, 2-warp tile the exact division takes on an
-  H200. The GPU suite exercises it only on a device named in the tuple, so here the running
-  device (``""`` for the CPU under ``TRITON_INTERPRET=1``) is added to it, with a spy proving the
-  narrow tile was launched.
+* ``_DEVICE_TILES``: the 1x128 quantize tiles a device was measured to prefer (the H200's
+  1 row x 8 groups on 2 warps for the exact division, the H100's 1 row x 64 groups on 8 warps
+  for `deepgemm`). The GPU suite exercises an entry only on its device, so here every entry is
+  given to the running device (``""`` for the CPU under ``TRITON_INTERPRET=1``), with a spy
+  proving the tile was launched.
 * ``_WORD_RUN``: how many contiguous 16-bit-pair words a thread loads per FP4 group (runs of 4,
   8, or the whole group), for MXFP4 (UE8M0) and NVFP4 (UE4M3).
 
@@ -47,33 +48,39 @@ def _spy_launches(monkeypatch):
     return seen
 
 
+TILES = {("row_major", True): (8, 1, 2), ("row_major", False): (64, 1, 8),
+         ("mn_major", False): (64, 1, 8)}
+
+
 @SETTINGS
 @given(M=st.integers(1, 6), groups=st.integers(1, 20), tail=st.integers(0, 127),
        dtype=st.sampled_from(("bfloat16", "float32")), specials=st.sampled_from(("none", "all")),
-       layout=st.sampled_from(("row_major", "mn_major")), seed=st.integers(0, 2**31))
-def test_narrow_division_tile_matches_reference(monkeypatch, M, groups, tail, dtype, specials,
-                                               layout, seed):
+       layout=st.sampled_from(("row_major", "mn_major")), preset=st.sampled_from(("default", "deepgemm")),
+       seed=st.integers(0, 2**31))
+def test_device_tiles_match_reference(monkeypatch, M, groups, tail, dtype, specials, layout,
+                                      preset, seed):
     name = Q._device_name(torch.device(device()))
-    monkeypatch.setattr(Q, "_NARROW_DIVISION_TILE", Q._NARROW_DIVISION_TILE + (name,))
+    monkeypatch.setattr(Q, "_DEVICE_TILES", {name: TILES})
     seen = _spy_launches(monkeypatch)
     K = groups * 128 + tail
     xn = make_input(seed, (M, K), dtype, 20.0, specials)
-    run_and_check(fp8_group(128), layout, xn, device_input(xn, False))
+    run_and_check(fp8_group(128, "fp32", preset), layout, xn, device_input(xn, False))
     ng = groups + (tail > 0)
-    # the narrow tile on rows of 8 groups or more; MN-major scales keep their row-block tile
-    if layout == "row_major" and ng >= 8:
-        assert seen == [(2, 1, 8)], seen
+    tile = TILES.get((layout, preset == "default"))  # `default` divides, `deepgemm` multiplies
+    assert len(seen) == 1, seen
+    if tile is not None and ng >= 8:  # the entries serve rows of 8 groups or more
+        gpp, bm, warps = tile
+        assert seen[0] == (warps, bm, gpp), seen
     else:
-        assert len(seen) == 1 and seen[0] != (2, 1, 8), seen
+        assert seen[0] not in [(w, b, g) for g, b, w in TILES.values()], seen
 
 
-def test_narrow_division_tile_is_for_division_only(monkeypatch):
-    """`deepgemm` multiplies by 1/s: it keeps the general tile on every device."""
-    name = Q._device_name(torch.device(device()))
-    monkeypatch.setattr(Q, "_NARROW_DIVISION_TILE", Q._NARROW_DIVISION_TILE + (name,))
+def test_device_tiles_leave_other_devices_alone(monkeypatch):
+    """A device without an entry takes _tile's general choice (1 row x 32 groups, 4 warps)."""
+    monkeypatch.setattr(Q, "_DEVICE_TILES", {"some other device": TILES})
     seen = _spy_launches(monkeypatch)
     xn = make_input(3, (2, 1024), "bfloat16", 4.0, "none")
-    run_and_check(fp8_group(128, "fp32", "deepgemm"), "row_major", xn, device_input(xn, False))
+    run_and_check(fp8_group(128), "row_major", xn, device_input(xn, False))
     assert seen == [(4, 1, 32)], seen
 
 
