@@ -154,28 +154,27 @@ def torch_dequant_group(codes, sf):
 
 # ----------------------------------------------------------------------------- kernels under test
 
-def kernels():
-    """name -> (make_inputs(M, K) -> tuple, run(*inputs), bytes(M, K), torch_fn or None)."""
+def kernels(device="cuda"):
+    """name -> (make_inputs(M, K) -> tuple, run(*inputs, **tile), bytes(M, K), torch_fn or None).
+
+    ``run`` passes tile overrides (``block_m``, ``groups_per_program``, ``num_warps``) through to
+    the fast path: the benchmark, the tile sweep (``--tune``) and ``bench/profile_gpu.py`` all
+    take their cases from here."""
     bf = torch.bfloat16
 
     def x_in(M, K):
-        return (torch.randn(M, K, device="cuda", dtype=bf),)
+        return (torch.randn(M, K, device=device, dtype=bf),)
 
     def x2_in(M, K):
-        return (torch.randn(M, 2 * K, device="cuda", dtype=bf),)
+        return (torch.randn(M, 2 * K, device=device, dtype=bf),)
 
     def bytes_q(elem_bytes, scale_bytes_per_group, g):
         return lambda M, K: M * K * 2 + M * K * elem_bytes + M * (-(-K // g)) * scale_bytes_per_group
 
     def dq_in(M, K):
-        x = torch.randn(M, K, device="cuda", dtype=bf)
+        x = torch.randn(M, K, device=device, dtype=bf)
         q = Q.quantize(x, fp8_group(128))
         return (q,)
-
-    def dq_torch_in(M, K):
-        x = torch.randn(M, K, device="cuda", dtype=bf)
-        q = Q.quantize(x, fp8_group(128))
-        return (q.codes, q.scales)
 
     s_g = fp8_group(128)
     s_dg = fp8_group(128, "ue8m0", "deepgemm")
@@ -191,40 +190,42 @@ def kernels():
         """x and its static encode scale 2688 / amax, computed once outside the timing: a float
         for the Triton path, the same value as a 0-d device tensor for the torch baseline (a
         float would make torch.compile specialize on each value of the rotation)."""
-        x = torch.randn(M, K, device="cuda", dtype=bf)
+        x = torch.randn(M, K, device=device, dtype=bf)
         g = 2688.0 / float(x.float().abs().amax())
-        return (x, g, torch.tensor(g, dtype=torch.float32, device="cuda"))
+        return (x, g, torch.tensor(g, dtype=torch.float32, device=device))
+
+    def quant(scheme, **fixed):
+        return lambda x, **c: Q.quantize(x, scheme, **fixed, **c)
 
     return {
-        "fp8_1x128_fp32 (default: x / s)": (x_in, lambda x: Q.quantize(x, s_g), bytes_q(1, 4, 128),
+        "fp8_1x128_fp32 (default: x / s)": (x_in, quant(s_g), bytes_q(1, 4, 128),
                                             lambda x: torch_group_fp8_div(x)),
-        "fp8_1x128_fp32 (deepgemm: x * (1/s))": (x_in, lambda x: Q.quantize(x, s_dg32), bytes_q(1, 4, 128),
+        "fp8_1x128_fp32 (deepgemm: x * (1/s))": (x_in, quant(s_dg32), bytes_q(1, 4, 128),
                                                  lambda x: torch_group_fp8(x)),
-        "fp8_1x128_ue8m0_packed (deepgemm)": (x_in, lambda x: Q.quantize(x, s_dg, scale_layout="packed_ue8m0"),
+        "fp8_1x128_ue8m0_packed (deepgemm)": (x_in, quant(s_dg, scale_layout="packed_ue8m0"),
                                               bytes_q(1, 1, 128), lambda x: torch_group_fp8(x, ue8m0=True)),
-        "fp8_1x128_fp32_mn_major (deepgemm)": (x_in, lambda x: Q.quantize(x, s_dg32, scale_layout="mn_major"),
+        "fp8_1x128_fp32_mn_major (deepgemm)": (x_in, quant(s_dg32, scale_layout="mn_major"),
                                                bytes_q(1, 4, 128), lambda x: torch_group_fp8(x)),
-        "fp8_per_token": (x_in, lambda x: Q.quantize(x, s_tok), lambda M, K: M * K * 3 + 4 * M,
-                          torch_per_token_fp8),
-        "fp8_per_tensor": (x_in, lambda x: Q.quantize(x, s_ten), lambda M, K: M * K * 3 + 4,
-                           torch_per_tensor_fp8),
-        "mxfp8_swizzled": (x_in, lambda x: Q.quantize(x, s_mx8, scale_layout="swizzled_128x4"),
-                           bytes_q(1, 1, 32), torch_mxfp8),
-        "mxfp4_swizzled": (x_in, lambda x: Q.quantize(x, s_mx4, scale_layout="swizzled_128x4"),
-                           bytes_q(0.5, 1, 32), torch_mxfp4),
-        "nvfp4_swizzled": (x_in, lambda x: Q.quantize(x, s_nv, scale_layout="swizzled_128x4"),
-                           bytes_q(0.5, 1, 16), torch_nvfp4),
+        "fp8_per_token": (x_in, quant(s_tok), lambda M, K: M * K * 3 + 4 * M, torch_per_token_fp8),
+        "fp8_per_tensor": (x_in, quant(s_ten), lambda M, K: M * K * 3 + 4, torch_per_tensor_fp8),
+        "mxfp8_swizzled": (x_in, quant(s_mx8, scale_layout="swizzled_128x4"), bytes_q(1, 1, 32),
+                           torch_mxfp8),
+        "mxfp4_swizzled": (x_in, quant(s_mx4, scale_layout="swizzled_128x4"), bytes_q(0.5, 1, 32),
+                           torch_mxfp4),
+        "nvfp4_swizzled": (x_in, quant(s_nv, scale_layout="swizzled_128x4"), bytes_q(0.5, 1, 16),
+                           torch_nvfp4),
         "nvfp4_swizzled (static global scale)": (
             x_gscale_in,
-            lambda x, g, gt: Q.quantize(x, s_nv_vllm, scale_layout="swizzled_128x4", global_scale=g),
+            lambda x, g, gt, **c: Q.quantize(x, s_nv_vllm, scale_layout="swizzled_128x4",
+                                             global_scale=g, **c),
             bytes_q(0.5, 1, 16), lambda x, g, gt: torch_nvfp4(x, gt)),
-        "silu_and_mul+fp8_1x128": (x2_in, lambda x: F.silu_and_mul_quant_fp8(x, s_g),
+        "silu_and_mul+fp8_1x128": (x2_in, lambda x, **c: F.silu_and_mul_quant_fp8(x, s_g, **c),
                                    lambda M, K: M * 2 * K * 2 + M * K + M * (K // 128) * 4,
                                    torch_silu_group_fp8),
-        "swigluoai+fp8_1x128": (x2_in, lambda x: F.swigluoai_quant_fp8(x, 1.702, 7.0, s_g),
+        "swigluoai+fp8_1x128": (x2_in, lambda x, **c: F.swigluoai_quant_fp8(x, 1.702, 7.0, s_g, **c),
                                 lambda M, K: M * 2 * K * 2 + M * K + M * (K // 128) * 4,
                                 torch_swigluoai_group_fp8),
-        "dequant_fp8_1x128_to_bf16": (dq_in, lambda q: Q.dequantize(q, torch.bfloat16),
+        "dequant_fp8_1x128_to_bf16": (dq_in, lambda q, **c: Q.dequantize(q, torch.bfloat16, **c),
                                       lambda M, K: M * K * 1 + M * (K // 128) * 4 + M * K * 2,
                                       None),
     }
@@ -323,7 +324,7 @@ def main():
         keys = [k for k in ks if any(s in k for s in args.only.split(","))]
         ks = {k: ks[k] for k in keys}
     if args.tune:
-        tune(args)
+        tune(args, ks)
         return
     Ms = [1, 16, 128, 1024, 4096, args.M] if not args.quick else [16, 1024, args.M]
     results = {"device": dev, "date": date, "copy_TBps": copy_tbs, "M": args.M, "K": args.K,
@@ -411,41 +412,11 @@ def main():
     plot(results, os.path.join(args.out, "fastpath_bandwidth.png"))
 
 
-def tune(args):
+def tune(args, ks):
     """Tile sweep at the large size: time every candidate (block_m, groups_per_program,
-    num_warps) of each kernel, print each and the best (the defaults in fastpath.quant come
-    from this sweep)."""
+    num_warps) of each kernel of ``ks`` (:func:`kernels`, as ``--only`` filtered it), print each
+    and the best (the defaults in fastpath.quant come from this sweep)."""
     M, K = args.M, args.K
-    x = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-    x2 = [torch.randn(M, 2 * K, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    qd = [(Q.quantize(t, fp8_group(128)),) for t in x]
-    g = fp8_group(128)
-    cands = {
-        "fp8_1x128_fp32 (default: x / s)": (x, lambda t, **c: Q.quantize(t, g, **c), M * K * 3 + M * K // 32),
-        "fp8_1x128_fp32 (deepgemm)": (x, lambda t, **c: Q.quantize(t, fp8_group(128, "fp32", "deepgemm"), **c),
-                                      M * K * 3 + M * K // 32),
-        "fp8_1x128_ue8m0_packed": (x, lambda t, **c: Q.quantize(t, fp8_group(128, "ue8m0", "deepgemm"),
-                                                               scale_layout="packed_ue8m0", **c), M * K * 3),
-        "fp8_1x128_fp32_mn_major (deepgemm)": (
-            x, lambda t, **c: Q.quantize(t, fp8_group(128, "fp32", "deepgemm"), scale_layout="mn_major", **c),
-            M * K * 3 + M * K // 32),
-        "fp8_per_token": (x, lambda t, **c: Q.quantize(t, fp8_per_token(), **c), M * K * 3),
-        "fp8_per_tensor": (x, lambda t, **c: Q.quantize(t, fp8_per_tensor(), **c), M * K * 3),
-        "mxfp8_swizzled": (x, lambda t, **c: Q.quantize(t, mxfp8(), scale_layout="swizzled_128x4", **c),
-                           M * K * 3 + M * K // 32),
-        "mxfp4_swizzled": (x, lambda t, **c: Q.quantize(t, mxfp4(), scale_layout="swizzled_128x4", **c),
-                           M * K * 2.5 + M * K // 32),
-        "nvfp4_swizzled": (x, lambda t, **c: Q.quantize(t, nvfp4(), scale_layout="swizzled_128x4", **c),
-                           M * K * 2.5 + M * K // 16),
-        "nvfp4_swizzled (static global scale)": (
-            x, lambda t, **c: Q.quantize(t, nvfp4(preset="vllm"), scale_layout="swizzled_128x4",
-                                         global_scale=1000.0, **c), M * K * 2.5 + M * K // 16),
-        "silu_and_mul+fp8": (x2, lambda t, **c: F.silu_and_mul_quant_fp8(t, g, **c), M * K * 5 + M * K // 32),
-        "swigluoai+fp8": (x2, lambda t, **c: F.swigluoai_quant_fp8(t, 1.702, 7.0, g, **c),
-                          M * K * 5 + M * K // 32),
-        "dequant_fp8_1x128_to_bf16": (qd, lambda q, **c: Q.dequantize(q, torch.bfloat16, **c),
-                                      M * K * 3 + M * K // 32),
-    }
     tiles = [dict(), dict(num_warps=2), dict(num_warps=4), dict(num_warps=8),
              dict(block_m=16, num_warps=4), dict(block_m=16, num_warps=8),
              dict(block_m=32, num_warps=8), dict(block_m=4, groups_per_program=8, num_warps=4),
@@ -463,9 +434,9 @@ def tune(args):
         tiles = [ast.literal_eval(t) for t in args.tiles.split(";")]
     caps = [int(c) or None for c in args.maxnreg.split(",")] if args.maxnreg else [None]
     out = {}
-    for name, (xs, fn, nbytes) in cands.items():
-        if args.only and not any(s_ in name for s_ in args.only.split(",")):
-            continue
+    for name, (make, fn, nbytes_of, _) in ks.items():
+        inputs = [make(M, K) for _ in range(4)]
+        nbytes = nbytes_of(M, K)
         configs = rows if name == "fp8_per_token" and not args.tiles else tiles
         configs = [dict(c, maxnreg=r) if r else dict(c) for c in configs for r in caps]
         best = None
@@ -486,9 +457,8 @@ def tune(args):
             for k_ in saved_attrs:  # module knobs, e.g. {"_WORD_RUN": {1: 4, 2: 4}}
                 setattr(Q, k_, cfg.pop(k_))
             try:
-                fn(*xs[0], **cfg) if isinstance(xs[0], tuple) else fn(xs[0], **cfg)
+                fn(*inputs[0], **cfg)
                 torch.cuda.synchronize()
-                inputs = [t if isinstance(t, tuple) else (t,) for t in xs]
                 ms = bench_fn(lambda *t: fn(*t, **cfg), inputs, rep_ms=100)
             except Exception as e:
                 print(f"  {name} {cfg_name}: {type(e).__name__}: {str(e)[:80]}", flush=True)
@@ -504,6 +474,8 @@ def tune(args):
             if best is None or tb > best[1]:
                 best = (cfg_name, tb)
         print(f"BEST {name}: {best}", flush=True)
+        del inputs
+        torch.cuda.empty_cache()
     with open(os.path.join(args.out, "tune.json"), "w") as fh:
         json.dump(out, fh, indent=1)
 

@@ -21,41 +21,31 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.bench_quant_gpu import kernels  # noqa: E402
 from fastpath import dispatch as D  # noqa: E402
-from fastpath import fused as F  # noqa: E402
-from fastpath import quant as Q  # noqa: E402
-from moeref.quant import fp8_group, fp8_per_token, mxfp4, mxfp8  # noqa: E402
-from moeref.quant.nvfp4 import nvfp4  # noqa: E402
 
 
-def cases(M=16384, K=7168, E=256, top_k=8):
-    """name -> zero-argument callable (inputs made once, on the GPU)."""
-    dev = "cuda"
-    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-    gu = torch.randn(M, 2 * K, device=dev, dtype=torch.bfloat16)
-    g_enc = 2688.0 / float(x.float().abs().amax())
-    g = torch.Generator(device=dev).manual_seed(0)
-    ids = torch.rand(M, E, generator=g, device=dev).argsort(dim=1)[:, :top_k].int().contiguous()
-    w = torch.rand(M, top_k, generator=g, device=dev)
+def cases(M=16384, K=7168, E=256, top_k=8, device="cuda"):
+    """name -> zero-argument callable (inputs made once): every quantization case of the
+    benchmark (:func:`bench.bench_quant_gpu.kernels`, its own names) and the dispatch kernels
+    (16384 tokens, top-8 of 256 experts, as bench/bench_dispatch_gpu.py times them)."""
+    out = {}
+    for name, (make, run, _, _) in kernels(device).items():
+        out[name] = (lambda run, inputs: lambda: run(*inputs))(run, make(M, K))
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+    g = torch.Generator(device=device).manual_seed(0)
+    ids = torch.rand(M, E, generator=g, device=device).argsort(dim=1)[:, :top_k].int().contiguous()
+    w = torch.rand(M, top_k, generator=g, device=device)
     w = w / w.sum(1, keepdim=True)
     perm = D.moe_permute(x, ids, E, validate=False)
-    return {
-        "fp8_1x128_default": lambda: Q.quantize(x, fp8_group(128)),
-        "fp8_1x128_deepgemm": lambda: Q.quantize(x, fp8_group(128, "fp32", "deepgemm")),
-        "fp8_per_token": lambda: Q.quantize(x, fp8_per_token()),
-        "mxfp8": lambda: Q.quantize(x, mxfp8(), scale_layout="swizzled_128x4"),
-        "mxfp4": lambda: Q.quantize(x, mxfp4(), scale_layout="swizzled_128x4"),
-        "nvfp4_static": lambda: Q.quantize(x, nvfp4(preset="vllm"), scale_layout="swizzled_128x4",
-                                           global_scale=g_enc),
-        "silu_fp8": lambda: F.silu_and_mul_quant_fp8(gu, fp8_group(128)),
-        "swigluoai_fp8": lambda: F.swigluoai_quant_fp8(gu, 1.702, 7.0, fp8_group(128)),
-        "dequant": (lambda q: lambda: Q.dequantize(q, torch.bfloat16))(Q.quantize(x, fp8_group(128))),
+    out.update({
         "permute": lambda: D.moe_permute(x, ids, E, validate=False),
         "contiguous": lambda: D.to_contiguous(x, ids, E, 128, m_sum="worst_case", validate=False),
         "masked": lambda: D.to_masked(x, ids, E, None, validate=False),
         "unpermute": lambda: D.moe_unpermute(perm.hidden, w, perm.inv_permuted_idx,
                                              perm.expert_first_token_offset, out_dtype=torch.bfloat16),
-    }
+    })
+    return out
 
 
 def main(argv=None):
