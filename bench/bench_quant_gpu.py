@@ -425,10 +425,11 @@ def tune(args, ks):
              dict(block_m=2, groups_per_program=16, num_warps=4),
              dict(block_m=1, groups_per_program=64, num_warps=8),
              dict(block_m=2, groups_per_program=32, num_warps=8)]
-    # per-token rows take fastpath.quant._row_loop_kernel: (rows, columns per chunk, warps)
-    rows = [dict(row_tile="off")] + [dict(row_tile=t) for t in [
-        (1, 2048, 4), (1, 1024, 4), (1, 2048, 8), (1, 4096, 4), (1, 4096, 8), (2, 2048, 4),
-        (2, 2048, 8), (1, 1024, 2), (1, 2048, 2)]]
+    # per-token rows over _ROW_LOOP_MIN_K columns take fastpath.quant._row_loop_kernel: its
+    # tile (rows, columns per chunk, warps), and one [1, next_pow2(K)] tile per row instead
+    rows = [dict()] + [dict(_ROW_LOOP_TILE=t) for t in [
+        (1, 2048, 4), (1, 1024, 4), (1, 2048, 8), (1, 4096, 8), (2, 2048, 4), (2, 2048, 8),
+        (1, 2048, 2)]] + [dict(_ROW_LOOP_MIN_K=1 << 40)]
     if args.tiles:
         import ast
         tiles = [ast.literal_eval(t) for t in args.tiles.split(";")]
@@ -442,16 +443,7 @@ def tune(args, ks):
         best = None
         for cfg in configs:
             cfg = dict(cfg)
-            saved_tile, saved_min = Q._ROW_LOOP_TILE, Q._ROW_LOOP_MIN_K
-            if cfg.get("row_tile") == "off":  # one [1, next_pow2(K)] tile per row instead
-                cfg.pop("row_tile")
-                Q._ROW_LOOP_MIN_K = 1 << 40
-                cfg_name = "row loop off (single tile)"
-            elif "row_tile" in cfg:
-                Q._ROW_LOOP_TILE = cfg.pop("row_tile")
-                cfg_name = f"row_tile={Q._ROW_LOOP_TILE}"
-            else:
-                cfg_name = str(cfg)
+            cfg_name = str(cfg)
             Q._MAXNREG = cfg.pop("maxnreg", None)
             saved_attrs = {k_: getattr(Q, k_) for k_ in cfg if k_.startswith("_")}
             for k_ in saved_attrs:  # module knobs, e.g. {"_WORD_RUN": {1: 4, 2: 4}}
@@ -464,7 +456,6 @@ def tune(args, ks):
                 print(f"  {name} {cfg_name}: {type(e).__name__}: {str(e)[:80]}", flush=True)
                 continue
             finally:
-                Q._ROW_LOOP_TILE, Q._ROW_LOOP_MIN_K = saved_tile, saved_min
                 Q._MAXNREG = None
                 for k_, v_ in saved_attrs.items():
                     setattr(Q, k_, v_)

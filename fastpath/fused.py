@@ -130,7 +130,13 @@ def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme
     ng = triton.cdiv(N, gs)
     sshape, sdt, (m_pad, ng_pad, ssm, ssg) = Q.scale_storage_shape((B, M, N), scheme, scale_layout)
     scales = _alloc(sshape, dtype=sdt, device=dev)
-    if act == "silu_and_mul" and gs == 128 and block_m is None and groups_per_program is None \
+    tile = None
+    if gs == 128 and ng >= 8 and ce["SCALE_KIND"] == 0 \
+            and (block_m, groups_per_program, num_warps) == (None, None, None):
+        tile = Q._device_tile("fused", dev, scale_layout, ce["APPLY"] == 1)
+    if tile is not None:  # a device's own tile (fastpath.quant._DEVICE_TILES)
+        groups_per_program, block_m, num_warps = tile
+    elif act == "silu_and_mul" and gs == 128 and block_m is None and groups_per_program is None \
             and num_warps is None:
         # two loads per element (gate, up): 4 rows x 8 groups on 8 warps measured best on an
         # H200 (bench_quant_gpu.py --tune, 2026-11-21: 3.83 TB/s, 90% of copy; 8 rows x 4 groups

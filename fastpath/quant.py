@@ -491,8 +491,14 @@ def _div_exact(x, s, DIV: tl.constexpr, BOUNDED: tl.constexpr):
     ``BOUNDED`` (NaN-block policy and a scale computed from the block's own amax, so a finite x
     of a finite block has ``|x| <= amax`` and ``|x/s| <= 2 * 448``; non-finite x only occur in
     NaN blocks, whose codes are replaced): ``|q0| > 2^32`` cannot occur, and for ``|q0| < 2^-32``
-    the FMA steps stay below 2^-30 in magnitude, so only their sign can be off (``-0`` becomes
-    ``+0``): the sign of ``q0`` (that of x) is copied onto q1 instead of the window select.
+    the FMA steps stay below 2^-30 in magnitude, so only their sign could be off, and it is not:
+    the remainder is formed negated, ``rem' = fma(q0, s, -x)``, and ``q1 = fma(rem', -r, q0)``:
+    the same values as ``fma(fma(q0, -s, x), r, q0)`` for every nonzero result (RN is
+    symmetric), but for a zero x, ``rem'`` is ``+0`` and ``q1 = -0 + q0`` keeps the sign of
+    ``q0 = x r`` (a zero of x's sign), where the plain form gives ``+0`` for ``x = -0``;
+    otherwise the exact value ``q0 + rem r`` lies within ``2^-22`` ulp of ``x/s`` (subnormal
+    steps included: each FMA rounds once), so q1 has x's sign, or is a zero of that sign.
+    No select is needed (one instruction per element fewer than copying the sign of ``q0``).
 
     For quantization only (the codes, not the float, are the contract); the property tests check
     the codes against the reference's division, and the float against RN(x/s).
@@ -505,15 +511,18 @@ def _div_exact(x, s, DIV: tl.constexpr, BOUNDED: tl.constexpr):
         y = tl.math.div_rn(x, s + tl.zeros(x.shape, tl.float32))
     else:
         r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-        ns = (R.f32_bits(s) ^ 0x80000000).to(tl.float32, bitcast=True)
         q0 = x * r
-        q1 = _fma(_fma(q0, ns, x, DIV), r, q0, DIV)
-        if BOUNDED:  # s > 0 here (a scale of an amax): q0 = x * r has the sign of x, zeros
-            # included (taken from q0, a product: from x, the compiler re-derives it from the
-            # 16-bit input)
-            y = ((R.f32_bits(q1) & 0x7FFFFFFF) | (R.f32_bits(q0) & 0x80000000)).to(tl.float32,
-                                                                                  bitcast=True)
+        if BOUNDED:  # s > 0 here (a scale of an amax). The negated remainder q0 s - x, then
+            # q1 = fma(rem', -r, q0): the same values as below (RN is symmetric), but a zero x
+            # keeps its sign (rem' is +0, so q1 = -0 + q0 or +0 + q0 with q0 = x * r, a zero of
+            # x's sign; the form below gives +0 for x = -0). The negation of x is a multiply
+            # by -1 (LLVM's fneg, an FFMA operand modifier: free); Triton's unary minus is
+            # 0 - x, which is no negation for +0 (harmless here, but one more instruction)
+            nr = r * -1.0
+            y = _fma(_fma(q0, s, x * -1.0, DIV), nr, q0, DIV)
         else:
+            ns = (R.f32_bits(s) ^ 0x80000000).to(tl.float32, bitcast=True)
+            q1 = _fma(_fma(q0, ns, x, DIV), r, q0, DIV)
             aq = R.f32_bits(q0) & 0x7FFFFFFF
             win = (aq >= ((127 - 32) << 23)) & (aq <= ((127 + 32) << 23))
             y = tl.where(win, q1, q0)
@@ -1442,22 +1451,30 @@ _MAXNREG: int | None = None
 _WORD_RUN = {1: 8, 2: 0}
 
 
-# 1x128 quantize tiles (groups per program, rows per program, warps) that a device was measured to
-# run faster than _tile's general choice (1 row x 32 groups, 4 warps; 4 x 8 for MN-major scales),
-# keyed by (scale layout, whether x is divided by FP32 scales): bench_quant_gpu.py --tune,
+# 1x128 tiles (groups per program, rows per program, warps) that a device was measured to run
+# faster than the general choice (quantize: _tile's 1 row x 32 groups on 4 warps, 4 x 8 for
+# MN-major scales; fused activation + quantize: 4 rows x 8 groups), keyed by (kernel: "quant" or
+# "fused", scale layout, whether x is divided by FP32 scales): bench_quant_gpu.py --tune,
 # 2026-11-21, 16384 x 7168 bf16. Only FP32-scale kernels are listed (the UE8M0 ones were not
-# swept per device); everything else takes _tile's choice.
+# swept per device); everything else takes the general choice.
 # * H200, `default` (x / s, exact division): 1 row x 8 groups on 2 warps (16 elements per
 #   thread: the division's registers stay down, and a 56-group row has no idle lanes, where a
-#   32-group program idles 12.5% of them): 3.64 -> 3.77 TB/s. `deepgemm` (a product) there:
-#   3.98 on the general tile, 3.79 on that one.
+#   32-group program idles 12.5% of them): quantize 3.64 -> 3.77 TB/s; `deepgemm` (a product)
+#   there: 3.98 on the general tile, 3.79 on that one. The fused kernels, after the division
+#   lost its sign select (fifth round): silu_and_mul 3.68 -> 3.97 TB/s, swigluoai 3.51 -> 3.70.
 # * H100: the same narrow tile is slower for `default` (2.84 -> 2.75, memory-bound either
 #   way); `deepgemm` gains from 1 row x 64 groups on 8 warps: row-major 2.84 -> 2.92 TB/s,
 #   MN-major 2.77 -> 2.86 (MXFP8 found nothing better than its tile, 2.75).
 _DEVICE_TILES = {
-    "NVIDIA H200": {("row_major", True): (8, 1, 2)},
-    "NVIDIA H100 80GB HBM3": {("row_major", False): (64, 1, 8), ("mn_major", False): (64, 1, 8)},
+    "NVIDIA H200": {("quant", "row_major", True): (8, 1, 2), ("fused", "row_major", True): (8, 1, 2)},
+    "NVIDIA H100 80GB HBM3": {("quant", "row_major", False): (64, 1, 8),
+                              ("quant", "mn_major", False): (64, 1, 8)},
 }
+
+
+def _device_tile(kernel: str, dev: torch.device, scale_layout: str, divides: bool):
+    """(groups per program, rows per program, warps) from :data:`_DEVICE_TILES`, or None."""
+    return _DEVICE_TILES.get(_device_name(dev), {}).get((kernel, scale_layout, divides))
 
 
 @functools.lru_cache(maxsize=16)
@@ -1587,8 +1604,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
     ssb = scales.stride(0)
     if gs == 128 and ng >= 8 and ce["SCALE_KIND"] == 0 \
             and (block_m, groups_per_program, num_warps) == (None, None, None):
-        divides = ce["APPLY"] == 1
-        tile = _DEVICE_TILES.get(_device_name(dev), {}).get((scale_layout, divides))
+        tile = _device_tile("quant", dev, scale_layout, ce["APPLY"] == 1)
         if tile is not None:
             groups_per_program, block_m, num_warps = tile
     gb, gpp, bm = _tile(gs, block_m, groups_per_program, scale_layout, ng)

@@ -1,9 +1,9 @@
 """The fast path's device- and sweep-chosen tile knobs change speed only: every variant gives the
 reference's codes and scales bit for bit.
 
-* ``_DEVICE_TILES``: the 1x128 quantize tiles a device was measured to prefer (the H200's
-  1 row x 8 groups on 2 warps for the exact division, the H100's 1 row x 64 groups on 8 warps
-  for `deepgemm`). The GPU suite exercises an entry only on its device, so here every entry is
+* ``_DEVICE_TILES``: the 1x128 quantize and fused activation + quantize tiles a device was
+  measured to prefer (the H200's 1 row x 8 groups on 2 warps for the exact division, the
+  H100's 1 row x 64 groups on 8 warps for `deepgemm`). The GPU suite exercises an entry only on its device, so here every entry is
   given to the running device (``""`` for the CPU under ``TRITON_INTERPRET=1``), with a spy
   proving the tile was launched.
 * ``_WORD_RUN``: how many contiguous 16-bit-pair words a thread loads per FP4 group (runs of 4,
@@ -21,13 +21,15 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from moeref.quant import fp8_group, mxfp4  # noqa: E402
+from moeref.quant import fp8_group, mxfp4, quantize as ref_quantize  # noqa: E402
 from moeref.quant.nvfp4 import nvfp4  # noqa: E402
 
+from fastpath import fused as F  # noqa: E402
 from fastpath import quant as Q  # noqa: E402
 from fastpath.testing import device, on_gpu  # noqa: E402
 
-from property_tests.test_fastpath_quant import device_input, make_input, run_and_check  # noqa: E402
+from property_tests.test_fastpath_quant import (  # noqa: E402
+    assert_same_codes, assert_same_scales, device_input, make_input, run_and_check)
 
 GPU = on_gpu()
 SETTINGS = settings(max_examples=12 if not GPU else 60, deadline=None,
@@ -48,8 +50,9 @@ def _spy_launches(monkeypatch):
     return seen
 
 
-TILES = {("row_major", True): (8, 1, 2), ("row_major", False): (64, 1, 8),
-         ("mn_major", False): (64, 1, 8)}
+TILES = {("quant", "row_major", True): (8, 1, 2), ("quant", "row_major", False): (64, 1, 8),
+         ("quant", "mn_major", False): (64, 1, 8), ("fused", "row_major", True): (8, 1, 2),
+         ("fused", "mn_major", False): (64, 1, 8)}
 
 
 @SETTINGS
@@ -66,7 +69,7 @@ def test_device_tiles_match_reference(monkeypatch, M, groups, tail, dtype, speci
     xn = make_input(seed, (M, K), dtype, 20.0, specials)
     run_and_check(fp8_group(128, "fp32", preset), layout, xn, device_input(xn, False))
     ng = groups + (tail > 0)
-    tile = TILES.get((layout, preset == "default"))  # `default` divides, `deepgemm` multiplies
+    tile = TILES.get(("quant", layout, preset == "default"))  # `default` divides, `deepgemm` multiplies
     assert len(seen) == 1, seen
     if tile is not None and ng >= 8:  # the entries serve rows of 8 groups or more
         gpp, bm, warps = tile
@@ -82,6 +85,40 @@ def test_device_tiles_leave_other_devices_alone(monkeypatch):
     xn = make_input(3, (2, 1024), "bfloat16", 4.0, "none")
     run_and_check(fp8_group(128), "row_major", xn, device_input(xn, False))
     assert seen == [(4, 1, 32)], seen
+
+
+@SETTINGS
+@given(op=st.sampled_from(("silu_and_mul", "swigluoai")), M=st.integers(1, 5),
+       groups=st.integers(1, 12), tail=st.integers(0, 127),
+       layout=st.sampled_from(("row_major", "mn_major")), preset=st.sampled_from(("default", "deepgemm")),
+       seed=st.integers(0, 2**31))
+def test_fused_device_tiles_match_reference(monkeypatch, op, M, groups, tail, layout, preset, seed):
+    """The fused kernels' device tiles: codes and scales equal the reference quantization of the
+    kernel's own float32 activation (test_fastpath_quant.py bounds that activation)."""
+    name = Q._device_name(torch.device(device()))
+    monkeypatch.setattr(Q, "_DEVICE_TILES", {name: TILES})
+    seen = _spy_launches(monkeypatch)
+    N = groups * 128 + tail
+    xn = make_input(seed, (M, 2 * N), "bfloat16", 2.0, "none")
+    x = device_input(xn, False)
+    scheme = fp8_group(128, "fp32", preset)
+    if op == "silu_and_mul":
+        got = F.silu_and_mul_quant_fp8(x, scheme, scale_layout=layout)
+        act = F.silu_and_mul(x).cpu().numpy()
+    else:
+        got = F.swigluoai_quant_fp8(x, 1.702, 7.0, scheme, scale_layout=layout)
+        act = F.swigluoai(x).cpu().numpy()
+    ref = ref_quantize(act, scheme)
+    what = f"{op}/{preset}/{layout}"
+    assert_same_codes(got.codes.cpu().numpy(), ref.codes, "e4m3fn", what)
+    assert_same_scales(got.scales_logical(), ref.scales, what)
+    tile = TILES.get(("fused", layout, preset == "default"))
+    assert len(seen) == 1, seen
+    if tile is not None and groups + (tail > 0) >= 8:
+        gpp, bm, warps = tile
+        assert seen[0] == (warps, bm, gpp), seen
+    else:
+        assert seen[0] not in [(w, b, g) for g, b, w in TILES.values()], seen
 
 
 @SETTINGS

@@ -7,6 +7,8 @@ The kernel divides each element by its group's float32 scale ``s`` as
     q1 = RN(q0 + RN(x - s q0) r)     (two FMAs)
 
 and encodes ``q1`` where the reference encodes the correctly rounded quotient ``RN(x / s)``.
+(With the NaN-block policy the kernel forms ``RN(q0 + RN(s q0 - x) (-r))`` instead: the same
+values, since RN is symmetric, but a zero x keeps its sign; ``_div_exact``'s docstring.)
 The argument (also in ``_div_exact``'s docstring), checked here in exact rational arithmetic:
 
 1. ``q1 = RN(x/s + eta)`` with ``|eta| < 2^-22 ulp(x/s)``, so ``q1 != RN(x/s)`` needs ``x/s``
