@@ -138,10 +138,11 @@ def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme
         groups_per_program, block_m, num_warps = tile
     elif act == "silu_and_mul" and gs == 128 and block_m is None and groups_per_program is None \
             and num_warps is None:
-        # two loads per element (gate, up): 4 rows x 8 groups on 8 warps measured best on an
-        # H200 (bench_quant_gpu.py --tune, 2026-11-21: 3.83 TB/s, 90% of copy; 8 rows x 4 groups
-        # on 8 warps 3.68, 1 row x 32 groups on 4 warps 3.53) and within 1% of the best on an
-        # H100 (2.86 vs 2.88 TB/s)
+        # the general tile (devices without their own): two loads per element (gate, up); 4 rows
+        # x 8 groups on 8 warps measured best on an H200 before the fifth round's register cut
+        # (bench_quant_gpu.py --tune, 2026-11-21: 3.83 TB/s, 90% of copy; 8 rows x 4 groups on 8
+        # warps 3.68, 1 row x 32 groups on 4 warps 3.53), within 1% of the best on an H100 (2.86
+        # vs 2.88 TB/s); the H200 now takes its own one-warp tile (_DEVICE_TILES)
         num_warps = 8
     gb, gpp, bm = Q._tile(gs, block_m, groups_per_program, scale_layout, ng, role="fused")
     dummy = _alloc(1, dtype=torch.float32, device=dev)

@@ -1461,12 +1461,13 @@ _WORD_RUN = {1: 8, 2: 0}
 #   thread: the division's registers stay down, and a 56-group row has no idle lanes, where a
 #   32-group program idles 12.5% of them): quantize 3.64 -> 3.77 TB/s; `deepgemm` (a product)
 #   there: 3.98 on the general tile, 3.79 on that one. The fused kernels, after the division
-#   lost its sign select (fifth round): silu_and_mul 3.68 -> 3.97 TB/s, swigluoai 3.51 -> 3.70.
+#   lost its sign select (fifth round), on 1 row x 8 groups with ONE warp (32 elements per
+#   thread): silu_and_mul 3.68 -> 4.00 TB/s, swigluoai 3.51 -> 3.90 (on 2 warps: 3.96, 3.71).
 # * H100: the same narrow tile is slower for `default` (2.84 -> 2.75, memory-bound either
 #   way); `deepgemm` gains from 1 row x 64 groups on 8 warps: row-major 2.84 -> 2.92 TB/s,
 #   MN-major 2.77 -> 2.86 (MXFP8 found nothing better than its tile, 2.75).
 _DEVICE_TILES = {
-    "NVIDIA H200": {("quant", "row_major", True): (8, 1, 2), ("fused", "row_major", True): (8, 1, 2)},
+    "NVIDIA H200": {("quant", "row_major", True): (8, 1, 2), ("fused", "row_major", True): (8, 1, 1)},
     "NVIDIA H100 80GB HBM3": {("quant", "row_major", False): (64, 1, 8),
                               ("quant", "mn_major", False): (64, 1, 8)},
 }

@@ -2,8 +2,8 @@
 reference's codes and scales bit for bit.
 
 * ``_DEVICE_TILES``: the 1x128 quantize and fused activation + quantize tiles a device was
-  measured to prefer (the H200's 1 row x 8 groups on 2 warps for the exact division, the
-  H100's 1 row x 64 groups on 8 warps for `deepgemm`). The GPU suite exercises an entry only on its device, so here every entry is
+  measured to prefer (the H200's 1 row x 8 groups on 2 warps, one warp for the fused kernels,
+  for the exact division; the H100's 1 row x 64 groups on 8 warps for `deepgemm`). The GPU suite exercises an entry only on its device, so here every entry is
   given to the running device (``""`` for the CPU under ``TRITON_INTERPRET=1``), with a spy
   proving the tile was launched.
 * ``_WORD_RUN``: how many contiguous 16-bit-pair words a thread loads per FP4 group (runs of 4,
@@ -51,7 +51,7 @@ def _spy_launches(monkeypatch):
 
 
 TILES = {("quant", "row_major", True): (8, 1, 2), ("quant", "row_major", False): (64, 1, 8),
-         ("quant", "mn_major", False): (64, 1, 8), ("fused", "row_major", True): (8, 1, 2),
+         ("quant", "mn_major", False): (64, 1, 8), ("fused", "row_major", True): (8, 1, 1),
          ("fused", "mn_major", False): (64, 1, 8)}
 
 
