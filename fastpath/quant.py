@@ -1455,8 +1455,9 @@ _WORD_RUN = {1: 8, 2: 0}
 # faster than the general choice (quantize: _tile's 1 row x 32 groups on 4 warps, 4 x 8 for
 # MN-major scales; fused activation + quantize: 4 rows x 8 groups), keyed by (kernel: "quant" or
 # "fused", scale layout, whether x is divided by FP32 scales): bench_quant_gpu.py --tune,
-# 2026-11-21, 16384 x 7168 bf16. Only FP32-scale kernels are listed (the UE8M0 ones were not
-# swept per device); everything else takes the general choice.
+# 2026-11-21, 16384 x 7168 bf16. Only FP32-scale kernels and the packed UE8M0 layout are
+# looked up (other UE8M0 kernels were not swept per device); everything else takes the
+# general choice.
 # * H200, `default` (x / s, exact division): 1 row x 8 groups on 2 warps (16 elements per
 #   thread: the division's registers stay down, and a 56-group row has no idle lanes, where a
 #   32-group program idles 12.5% of them): quantize 3.64 -> 3.77 TB/s; `deepgemm` (a product)
@@ -1465,11 +1466,15 @@ _WORD_RUN = {1: 8, 2: 0}
 #   thread): silu_and_mul 3.68 -> 4.00 TB/s, swigluoai 3.51 -> 3.90 (on 2 warps: 3.96, 3.71).
 # * H100: the same narrow tile is slower for `default` (2.84 -> 2.75, memory-bound either
 #   way); `deepgemm` gains from 1 row x 64 groups on 8 warps: row-major 2.84 -> 2.92 TB/s,
-#   MN-major 2.77 -> 2.86 (MXFP8 found nothing better than its tile, 2.75).
+#   MN-major 2.77 -> 2.86 (MXFP8 found nothing better than its tile, 2.75). Fifth round:
+#   `default` 2.86 -> 2.91 and packed UE8M0 2.84 -> 2.89 on 1 row x 64 groups, 4 warps
+#   (8 warps: the same; one warp: 2.73, 2.78). The packed layout is the one UE8M0 entry.
 _DEVICE_TILES = {
     "NVIDIA H200": {("quant", "row_major", True): (8, 1, 2), ("fused", "row_major", True): (8, 1, 1)},
     "NVIDIA H100 80GB HBM3": {("quant", "row_major", False): (64, 1, 8),
-                              ("quant", "mn_major", False): (64, 1, 8)},
+                              ("quant", "mn_major", False): (64, 1, 8),
+                              ("quant", "row_major", True): (64, 1, 4),
+                              ("quant", "packed_ue8m0", False): (64, 1, 4)},
 }
 
 
@@ -1603,9 +1608,9 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
     sshape, sdt, (m_pad, ng_pad, ssm, ssg) = scale_storage_shape((B, M, K), scheme, scale_layout)
     scales = _alloc(sshape, dtype=sdt, device=dev)
     ssb = scales.stride(0)
-    if gs == 128 and ng >= 8 and ce["SCALE_KIND"] == 0 \
+    if gs == 128 and ng >= 8 and (ce["SCALE_KIND"] == 0 or scale_layout == "packed_ue8m0") \
             and (block_m, groups_per_program, num_warps) == (None, None, None):
-        tile = _device_tile("quant", dev, scale_layout, ce["APPLY"] == 1)
+        tile = _device_tile("quant", dev, scale_layout, ce["APPLY"] == 1 and ce["SCALE_KIND"] == 0)
         if tile is not None:
             groups_per_program, block_m, num_warps = tile
     gb, gpp, bm = _tile(gs, block_m, groups_per_program, scale_layout, ng)

@@ -52,30 +52,55 @@ def _spy_launches(monkeypatch):
 
 TILES = {("quant", "row_major", True): (8, 1, 2), ("quant", "row_major", False): (64, 1, 8),
          ("quant", "mn_major", False): (64, 1, 8), ("fused", "row_major", True): (8, 1, 1),
+         ("quant", "packed_ue8m0", False): (64, 1, 4),
          ("fused", "mn_major", False): (64, 1, 8)}
+
+
+# the kinds of 1x128 quantization a device entry can serve: (scheme, layout or None for the drawn
+# one, the _DEVICE_TILES key's layout and divides flag, or None where no entry may apply)
+KINDS = {
+    "default": (lambda: fp8_group(128, "fp32", "default"), None, True),
+    "deepgemm": (lambda: fp8_group(128, "fp32", "deepgemm"), None, False),
+    "packed": (lambda: fp8_group(128, "ue8m0", "deepgemm"), "packed_ue8m0", False),
+    "ue8m0": (lambda: fp8_group(128, "ue8m0", "deepgemm"), "row_major", None),  # never looked up
+}
 
 
 @SETTINGS
 @given(M=st.integers(1, 6), groups=st.integers(1, 20), tail=st.integers(0, 127),
        dtype=st.sampled_from(("bfloat16", "float32")), specials=st.sampled_from(("none", "all")),
-       layout=st.sampled_from(("row_major", "mn_major")), preset=st.sampled_from(("default", "deepgemm")),
+       layout=st.sampled_from(("row_major", "mn_major")), kind=st.sampled_from(sorted(KINDS)),
        seed=st.integers(0, 2**31))
 def test_device_tiles_match_reference(monkeypatch, M, groups, tail, dtype, specials, layout,
-                                      preset, seed):
+                                      kind, seed):
     name = Q._device_name(torch.device(device()))
     monkeypatch.setattr(Q, "_DEVICE_TILES", {name: TILES})
     seen = _spy_launches(monkeypatch)
+    make, fixed_layout, divides = KINDS[kind]
+    layout = fixed_layout or layout
     K = groups * 128 + tail
     xn = make_input(seed, (M, K), dtype, 20.0, specials)
-    run_and_check(fp8_group(128, "fp32", preset), layout, xn, device_input(xn, False))
+    run_and_check(make(), layout, xn, device_input(xn, False))
     ng = groups + (tail > 0)
-    tile = TILES.get(("quant", layout, preset == "default"))  # `default` divides, `deepgemm` multiplies
+    tile = None if divides is None else TILES.get(("quant", layout, divides))
     assert len(seen) == 1, seen
     if tile is not None and ng >= 8:  # the entries serve rows of 8 groups or more
         gpp, bm, warps = tile
         assert seen[0] == (warps, bm, gpp), seen
     else:
         assert seen[0] not in [(w, b, g) for g, b, w in TILES.values()], seen
+
+
+def test_device_tiles_skip_unswept_ue8m0(monkeypatch):
+    """Row-major UE8M0 scales were not swept per device: the FP32 row-major entry does not
+    apply to them (the packed UE8M0 layout has its own entry)."""
+    name = Q._device_name(torch.device(device()))
+    monkeypatch.setattr(Q, "_DEVICE_TILES", {name: TILES})
+    seen = _spy_launches(monkeypatch)
+    xn = make_input(5, (3, 1024), "bfloat16", 4.0, "none")
+    run_and_check(fp8_group(128, "ue8m0", "deepgemm"), "row_major", xn, device_input(xn, False))
+    run_and_check(fp8_group(128, "ue8m0", "deepgemm"), "packed_ue8m0", xn, device_input(xn, False))
+    assert seen == [(4, 1, 32), (4, 1, 64)], seen
 
 
 def test_device_tiles_leave_other_devices_alone(monkeypatch):
