@@ -1464,13 +1464,16 @@ _WORD_RUN = {1: 8, 2: 0}
 #   there: 3.98 on the general tile, 3.79 on that one. The fused kernels, after the division
 #   lost its sign select (fifth round), on 1 row x 8 groups with ONE warp (32 elements per
 #   thread): silu_and_mul 3.68 -> 4.00 TB/s, swigluoai 3.51 -> 3.90 (on 2 warps: 3.96, 3.71).
+#   MN-major `deepgemm`: 8 rows x 8 groups on 8 warps, 3.83-3.85 -> 3.88-3.91 TB/s (four
+#   interleaved pairs of runs).
 # * H100: the same narrow tile is slower for `default` (2.84 -> 2.75, memory-bound either
 #   way); `deepgemm` gains from 1 row x 64 groups on 8 warps: row-major 2.84 -> 2.92 TB/s,
 #   MN-major 2.77 -> 2.86 (MXFP8 found nothing better than its tile, 2.75). Fifth round:
 #   `default` 2.86 -> 2.91 and packed UE8M0 2.84 -> 2.89 on 1 row x 64 groups, 4 warps
 #   (8 warps: the same; one warp: 2.73, 2.78). The packed layout is the one UE8M0 entry.
 _DEVICE_TILES = {
-    "NVIDIA H200": {("quant", "row_major", True): (8, 1, 2), ("fused", "row_major", True): (8, 1, 1)},
+    "NVIDIA H200": {("quant", "row_major", True): (8, 1, 2), ("fused", "row_major", True): (8, 1, 1),
+                    ("quant", "mn_major", False): (8, 8, 8)},
     "NVIDIA H100 80GB HBM3": {("quant", "row_major", False): (64, 1, 8),
                               ("quant", "mn_major", False): (64, 1, 8),
                               ("quant", "row_major", True): (64, 1, 4),

@@ -103,6 +103,31 @@ def test_device_tiles_skip_unswept_ue8m0(monkeypatch):
     assert seen == [(4, 1, 32), (4, 1, 64)], seen
 
 
+@pytest.mark.parametrize("dev_name,key", [(n, k) for n, tiles in Q._DEVICE_TILES.items() for k in tiles])
+def test_every_shipped_device_tile_matches_reference(monkeypatch, dev_name, key):
+    """Each shipped entry, given to the running device: 9 rows of 9 groups and a partial one
+    (so multi-row tiles have a partial last program), specials included."""
+    name = Q._device_name(torch.device(device()))
+    tile = Q._DEVICE_TILES[dev_name][key]
+    monkeypatch.setattr(Q, "_DEVICE_TILES", {name: {key: tile}})
+    seen = _spy_launches(monkeypatch)
+    kernel, layout, divides = key
+    preset = "default" if divides else "deepgemm"
+    scheme = fp8_group(128, "ue8m0" if layout == "packed_ue8m0" else "fp32", preset)
+    if kernel == "quant":
+        xn = make_input(7, (9, 9 * 128 + 40), "bfloat16", 20.0, "all")
+        run_and_check(scheme, layout, xn, device_input(xn, False))
+    else:
+        xn = make_input(8, (9, 2 * (9 * 128 + 40)), "bfloat16", 2.0, "none")
+        x = device_input(xn, False)
+        got = F.silu_and_mul_quant_fp8(x, scheme, scale_layout=layout)
+        ref = ref_quantize(F.silu_and_mul(x).cpu().numpy(), scheme)
+        assert_same_codes(got.codes.cpu().numpy(), ref.codes, "e4m3fn", str(key))
+        assert_same_scales(got.scales_logical(), ref.scales, str(key))
+    gpp, bm, warps = tile
+    assert seen == [(warps, bm, gpp)], seen
+
+
 def test_device_tiles_leave_other_devices_alone(monkeypatch):
     """A device without an entry takes _tile's general choice (1 row x 32 groups, 4 warps)."""
     monkeypatch.setattr(Q, "_DEVICE_TILES", {"some other device": TILES})
