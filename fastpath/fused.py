@@ -130,10 +130,7 @@ def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme
     ng = triton.cdiv(N, gs)
     sshape, sdt, (m_pad, ng_pad, ssm, ssg) = Q.scale_storage_shape((B, M, N), scheme, scale_layout)
     scales = _alloc(sshape, dtype=sdt, device=dev)
-    tile = None
-    if gs == 128 and ng >= 8 and ce["SCALE_KIND"] == 0 \
-            and (block_m, groups_per_program, num_warps) == (None, None, None):
-        tile = Q._device_tile("fused", dev, scale_layout, ce["APPLY"] == 1)
+    tile = Q._device_tile("fused", dev, scale_layout, ce, gs, ng, (block_m, groups_per_program, num_warps))
     if tile is not None:  # a device's own tile (fastpath.quant._DEVICE_TILES)
         groups_per_program, block_m, num_warps = tile
     elif act == "silu_and_mul" and gs == 128 and block_m is None and groups_per_program is None \

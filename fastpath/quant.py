@@ -1481,9 +1481,18 @@ _DEVICE_TILES = {
 }
 
 
-def _device_tile(kernel: str, dev: torch.device, scale_layout: str, divides: bool):
-    """(groups per program, rows per program, warps) from :data:`_DEVICE_TILES`, or None."""
-    return _DEVICE_TILES.get(_device_name(dev), {}).get((kernel, scale_layout, divides))
+def _device_tile(kernel: str, dev: torch.device, scale_layout: str, ce: dict, gs: int, ng: int,
+                 overrides: tuple) -> tuple[int, int, int] | None:
+    """(groups per program, rows per program, warps) from :data:`_DEVICE_TILES` for a launch of
+    ``kernel`` ("quant" or "fused") with constexprs ``ce``; None unless the groups are 1x128
+    over at least 8 groups, no tile override (block_m, groups_per_program, num_warps) is given,
+    and the scales are FP32 or in the packed UE8M0 layout."""
+    if overrides != (None, None, None) or gs != 128 or ng < 8:
+        return None
+    fp32 = ce["SCALE_KIND"] == 0
+    if not fp32 and scale_layout != "packed_ue8m0":
+        return None
+    return _DEVICE_TILES.get(_device_name(dev), {}).get((kernel, scale_layout, fp32 and ce["APPLY"] == 1))
 
 
 @functools.lru_cache(maxsize=16)
@@ -1611,11 +1620,9 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
     sshape, sdt, (m_pad, ng_pad, ssm, ssg) = scale_storage_shape((B, M, K), scheme, scale_layout)
     scales = _alloc(sshape, dtype=sdt, device=dev)
     ssb = scales.stride(0)
-    if gs == 128 and ng >= 8 and (ce["SCALE_KIND"] == 0 or scale_layout == "packed_ue8m0") \
-            and (block_m, groups_per_program, num_warps) == (None, None, None):
-        tile = _device_tile("quant", dev, scale_layout, ce["APPLY"] == 1 and ce["SCALE_KIND"] == 0)
-        if tile is not None:
-            groups_per_program, block_m, num_warps = tile
+    tile = _device_tile("quant", dev, scale_layout, ce, gs, ng, (block_m, groups_per_program, num_warps))
+    if tile is not None:
+        groups_per_program, block_m, num_warps = tile
     gb, gpp, bm = _tile(gs, block_m, groups_per_program, scale_layout, ng)
     two_level = scheme.family == "nvfp4"
     nv = dummy
