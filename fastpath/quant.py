@@ -1387,10 +1387,8 @@ def _tensor_amax(x3: torch.Tensor, nonfinite: int, per_matrix: bool) -> torch.Te
     amax = _alloc(B if per_matrix else 1, dtype=torch.float32, device=x3.device)
     _amax_partial_kernel[grid](x3, x3.stride(0), x3.stride(1), x3.stride(2), part, M, K, nprog,
                                BLOCK_M=BMa, BLOCK_K=BKa, NONFINITE=nonfinite, num_warps=_AMAX_WARPS)
-    if per_matrix:
-        _amax_final_kernel[(B,)](part, amax, nprog, BLOCK=1024, ITERS=triton.cdiv(nprog, 1024))
-    else:
-        _amax_final_kernel[(1,)](part, amax, B * nprog, BLOCK=1024, ITERS=triton.cdiv(B * nprog, 1024))
+    per_out = nprog if per_matrix else B * nprog  # partials per output amax
+    _amax_final_kernel[(amax.numel(),)](part, amax, per_out, BLOCK=1024, ITERS=triton.cdiv(per_out, 1024))
     return amax
 
 
@@ -1625,18 +1623,15 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         groups_per_program, block_m, num_warps = tile
     gb, gpp, bm = _tile(gs, block_m, groups_per_program, scale_layout, ng)
     two_level = scheme.family == "nvfp4"
+    order = _NVFP4_ORDER[p.option("nvfp4_order")] if two_level else 0
     nv = dummy
     zero_tensor = False
     if two_level and static_global is not None:
         # static global scale: no amax pass, the data pass below is the only read of x
-        order = _NVFP4_ORDER[p.option("nvfp4_order")]
         nv, glob, zero_tensor = static_global
     elif two_level:
-        order = _NVFP4_ORDER[p.option("nvfp4_order")]
         amax = _tensor_amax(x3, ce["NONFINITE"], per_matrix=False)
         nv, glob = _nvfp4_device_globals(scheme, amax=amax)
-    else:
-        order = 0
     if _row_loop_applies(ng, gs, K, packed, scale_layout) and groups_per_program is None:
         _launch_row_loop(x3, codes, scales, ssb, ssm, m_pad, static_t, static, ce, block_m, num_warps)
     else:
