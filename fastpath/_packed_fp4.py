@@ -69,7 +69,8 @@ import triton.language as tl
 from ._triton_rounding import f32_bits
 
 __all__ = ["ENCODE_E2M1X4_PTX", "bf16x2_factor", "lanes_of_code", "nan_overwrite",
-           "encode_e2m1x4_rne", "amax_bf16x2"]
+           "encode_e2m1x4_rne", "amax_bf16x2", "E2M1_LANE_F32_PTX", "E2M1_LANE_F32_ZERO_PTX",
+           "NAN_LANE", "e2m1_lane_f32", "bytes_of_lanes"]
 
 
 def _word_ptx(j: int) -> str:
@@ -205,3 +206,81 @@ def amax_bf16x2(words, IGNORE_NAN: tl.constexpr):
         lo = tl.where(lo > 0x7F80, 0, lo)
         hi = tl.where(hi > 0x7F80, 0, hi)
     return (tl.maximum(lo, hi) << 16).to(tl.float32, bitcast=True)
+
+
+# ------------------------------------------------------------------------ float32 values, one lane
+#
+# The same rounding for scaled float32 values (NVFP4, whose data factor is not a power of two,
+# and MXFP4 from float16/float32 input), one element per asm call, on a GPU only (the
+# interpreter keeps the integer path). Per element y (``sg`` its sign; float32 ops on .b32
+# registers):
+#
+# 1. ``m = sg * min(|y|, 6)``      ``min.NaN.xorsign.abs.f32`` with +6: saturation (+-Inf too);
+#                                  a NaN y gives a NaN m.
+# 2. ``t = sg * max(|m|, 1)``      ``max.xorsign.abs.f32`` with +1: |t| in [1, 6] has the binade k
+#                                  (0, 1, 2) of |m| (k = 0 also for |m| < 1).
+# 3. ``c = t & 0xFF800000``        sign and exponent of t: ``sg * 2^k``.
+# 4. ``s = RN(c * 2^22 + m)``      ``fma.rn.f32``: ``c * 2^22 = sg * 2^(22+k)`` exactly, whose ulp
+#                                  2^(k-1) is E2M1's spacing on binade k, and |m| + 2^(22+k) stays
+#                                  below 2^(23+k): the one rounding (RNE, symmetric) takes |m| to
+#                                  a multiple n of the spacing, ``bits(s) = bits(sg * 2^(22+k)) + n``.
+# 5. ``r = s - c + (c >> 22) - ((22 << 23) + 254)``  integer: ``bits(s) - c = (22 << 23) + n``
+#                                  (sign and exponent fields cancel), ``c >> 22 = sg << 9 |
+#                                  (127 + k) << 1``, so ``r = (n + 2k) | sg << 9``: the E2M1 code
+#                                  in bits 0-2 (n + 2k <= 7 since |m| <= 6; n and the code have the
+#                                  same parity, so RNE ties go to the even CODE), the sign in bit 9,
+#                                  bits 3-8 zero: :func:`lanes_of_code`'s lane form.
+# 6. ``r = min.u32(r, NAN_LANE)``  every non-NaN lane is at most ``7 | 1 << 9 = 519``; a NaN y
+#                                  makes s NaN, and for ANY NaN pattern of s and each c that step 2
+#                                  can leave (+-1, or +-Inf should the max return NaN) r is at least
+#                                  0x35000001 (see the tests), so NaN lanes become ``NAN_LANE``,
+#                                  0x400: code 0, sign 0, and bit 10, which :func:`bytes_of_lanes`
+#                                  drops. (ptxas fuses 5's last add with 6: ``VIADDMNMX``.)
+#
+# The ZERO variant first adds +0 (``add.rn.f32``): -0 + 0 = +0 under RN, so an exact zero of
+# either sign gets code 0 (TransformerEngine's cast_to_fp4x2), every other value is unchanged.
+# tests/test_mxfp4_packed_encode.py emulates the text over every bfloat16-derived float32
+# pattern and a million random ones against moeref.formats.encode.
+
+NAN_LANE = 0x400
+
+_E2M1_LANE_BODY = """min.NaN.xorsign.abs.f32 %e2m1f_m, %e2m1f_y, 0f40C00000;
+max.xorsign.abs.f32 %e2m1f_t, %e2m1f_m, 0f3F800000;
+and.b32 %e2m1f_c, %e2m1f_t, 0xFF800000;
+fma.rn.f32 %e2m1f_s, %e2m1f_c, 0f4A800000, %e2m1f_m;
+sub.u32 %e2m1f_s, %e2m1f_s, %e2m1f_c;
+shr.u32 %e2m1f_u, %e2m1f_c, 22;
+add.u32 %e2m1f_s, %e2m1f_s, %e2m1f_u;
+sub.u32 %e2m1f_s, %e2m1f_s, 0x0B0000FE;
+min.u32 $0, %e2m1f_s, 0x400;
+}"""
+_E2M1_LANE_REGS = "{\n.reg .b32 %e2m1f_y, %e2m1f_m, %e2m1f_t, %e2m1f_c, %e2m1f_s, %e2m1f_u;\n"
+# $0: the lane (uint32); $1: the float32 value's bits
+E2M1_LANE_F32_PTX = _E2M1_LANE_REGS + "mov.b32 %e2m1f_y, $1;\n" + _E2M1_LANE_BODY
+E2M1_LANE_F32_ZERO_PTX = _E2M1_LANE_REGS + "add.rn.f32 %e2m1f_y, $1, 0f00000000;\n" + _E2M1_LANE_BODY
+_LANE_C = tl.constexpr(E2M1_LANE_F32_PTX)
+_LANE_ZERO_C = tl.constexpr(E2M1_LANE_F32_ZERO_PTX)
+
+
+@triton.jit
+def e2m1_lane_f32(y, ZERO_PLUS: tl.constexpr):
+    """E2M1 RNE (saturating) of float32 ``y`` in lane form (uint32: code bits 0-2, sign bit 9;
+    NaN -> :data:`NAN_LANE`). ZERO_PLUS: +-0 -> code 0 (TE's order); otherwise -0 keeps its
+    sign (0x8). See the comment above."""
+    if ZERO_PLUS:
+        r = tl.inline_asm_elementwise(_LANE_ZERO_C, "=r,r", [y.to(tl.int32, bitcast=True)],
+                                      dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        r = tl.inline_asm_elementwise(_LANE_C, "=r,r", [y.to(tl.int32, bitcast=True)],
+                                      dtype=tl.uint32, is_pure=True, pack=1)
+    return r
+
+
+@triton.jit
+def bytes_of_lanes(le, lo):
+    """FP4 bytes (uint8: low nibble ``le``'s code, high nibble ``lo``'s) of two lane-form tensors.
+    ``v = le + (lo << 4)`` has the codes in bits 0-2 and 4-6, the signs in bits 9 and 13 (no
+    overlap, so ``+`` is ``|``), bits 3 and 7 zero; ``(v >> 6) & 0x88`` moves the signs to bits 3
+    and 7 (one LOP3 with the OR); bits 8 and up are dropped by the narrowing."""
+    v = le + (lo << 4)
+    return (v | ((v >> 6) & 0x88)).to(tl.uint8)

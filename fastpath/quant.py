@@ -599,7 +599,7 @@ def _quant_kernel(
     TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr, WRITE_SCALES: tl.constexpr,
     ACT: tl.constexpr, ACT_ALPHA: tl.constexpr, ACT_LIMIT: tl.constexpr,
     PAIR: tl.constexpr, IN16: tl.constexpr, DIV: tl.constexpr, PACKED_BF16: tl.constexpr,
-    HW_SCALE: tl.constexpr, WORD_RUN: tl.constexpr,
+    E2M1_PTX: tl.constexpr, HW_SCALE: tl.constexpr, WORD_RUN: tl.constexpr,
 ):
     """Quantize a [BLOCK_M, GPP groups of GS] tile of one matrix of x; see the module docstring.
 
@@ -617,6 +617,12 @@ def _quant_kernel(
     with packed bf16x2 PTX (:mod:`fastpath._packed_fp4`, two elements per instruction), the
     same codes as the integer path (tests/test_mxfp4_packed_encode.py emulates the PTX over
     every pattern and factor; the GPU suite compares both paths).
+
+    E2M1_PTX (GPU only): the other FP4 paths (NVFP4, float16/float32 input) encode each scaled
+    float32 value with :func:`fastpath._packed_fp4.e2m1_lane_f32` (``xorsign`` min/max, one FMA,
+    integer steps: about 7 instructions, the sign carried along) instead of the integer path,
+    and bfloat16 words take the block amax with ``amax_bf16x2``; same codes (emulated on the
+    CPU, compared with the integer path on the GPU).
     """
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -645,7 +651,7 @@ def _quant_kernel(
         if not PACKED:
             xe, xo = _unpack_pair(words, IN16)
         if AMAX_SRC == 0:
-            if PACKED:
+            if PACKED or (E2M1_PTX and IN16 == 1):
                 amax = PK.amax_bf16x2(words, NONFINITE == 1)
             else:
                 amax = _amax_pair(xe, xo, NONFINITE)
@@ -703,17 +709,17 @@ def _quant_kernel(
         else:
             ce, co = _fp4_pair_codes(xe, xo, f3, nb3, SATURATE, ROUND, NAN_CODE, NONFINITE,
                                      FILL_CODE, TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO, SCALE_KIND,
-                                     APPLY, DIV, STATIC)
-            byte = (ce | (co << 4)).to(tl.uint8)
+                                     APPLY, DIV, STATIC, E2M1_PTX)
+            byte = _fp4_bytes(ce, co, E2M1_PTX)
         tl.store(cb + rows.to(tl.int64)[:, None, None] * stride_cm + w[None, :, :], byte, mask=m3)
     elif PAIR == 2 and ELEM == 2:
         ce, co = _fp4_pair_codes(xe, xo, factor[:, :, None], nan_block[:, :, None], SATURATE,
                                  ROUND, NAN_CODE, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER,
-                                 DROP_NEG_ZERO, SCALE_KIND, APPLY, DIV, STATIC)
+                                 DROP_NEG_ZERO, SCALE_KIND, APPLY, DIV, STATIC, E2M1_PTX)
         me, mo = tl.split(m4)
         ce = tl.where(me, ce, 0)
         co = tl.where(mo, co, 0)  # the nibble padding an odd K is a +0 code
-        byte = (ce | (co << 4)).to(tl.uint8)
+        byte = _fp4_bytes(ce, co, E2M1_PTX)
         kp = gidx[:, None] * (GS // 2) + jj[None, :]
         pm = (jj[None, :] < (GS + 1) // 2) & (kp < (K + 1) // 2)
         tl.store(cb + rows.to(tl.int64)[:, None, None] * stride_cm + kp[None, :, :], byte,
@@ -729,16 +735,42 @@ def _fp4_pair_codes(xe, xo, f3, nb3, SATURATE: tl.constexpr, ROUND: tl.constexpr
                     NAN_CODE: tl.constexpr, NONFINITE: tl.constexpr, FILL_CODE: tl.constexpr,
                     TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr, DROP_NEG_ZERO: tl.constexpr,
                     SCALE_KIND: tl.constexpr, APPLY: tl.constexpr, DIV: tl.constexpr,
-                    STATIC: tl.constexpr):
-    """E2M1 codes (uint32, 4 bits) of the even and odd elements of a tile, scaled by the
-    per-group ``f3`` (with the block policies of ``nb3``), by the integer rounding."""
-    ce = _codes_of(_scale_data(xe, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3, 2,
-                   SATURATE, ROUND, NAN_CODE, False, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER,
-                   DROP_NEG_ZERO, SCALE_KIND)
-    co = _codes_of(_scale_data(xo, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC), nb3, 2,
-                   SATURATE, ROUND, NAN_CODE, False, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER,
-                   DROP_NEG_ZERO, SCALE_KIND)
+                    STATIC: tl.constexpr, E2M1_PTX: tl.constexpr):
+    """E2M1 codes (uint32) of the even and odd elements of a tile, scaled by the per-group
+    ``f3`` (with the block policies of ``nb3``), in the form :func:`_fp4_bytes` packs (a code
+    of 0 is +0 in both): E2M1_PTX (GPU only) the lane form of :func:`fastpath._packed_fp4.
+    e2m1_lane_f32`, otherwise 4-bit codes by the integer rounding."""
+    ye = _scale_data(xe, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC)
+    yo = _scale_data(xo, f3, APPLY, SCALE_KIND, DIV, NONFINITE, STATIC)
+    if E2M1_PTX:
+        # TE's order: an exact zero product (-0.0 too) is code 0x0 (see _codes_of)
+        ZP: tl.constexpr = TWO_LEVEL and NV_ORDER == 0
+        ce = PK.e2m1_lane_f32(ye, ZP)
+        co = PK.e2m1_lane_f32(yo, ZP)
+        if NONFINITE != 0 and NAN_CODE != 0:  # NaN elements left NAN_LANE (code 0)
+            NAN_L: tl.constexpr = (NAN_CODE & 7) | ((NAN_CODE & 8) << 6)
+            ce = tl.where(ce == PK.NAN_LANE, NAN_L, ce)
+            co = tl.where(co == PK.NAN_LANE, NAN_L, co)
+        if NONFINITE == 0:
+            FILL_L: tl.constexpr = (FILL_CODE & 7) | ((FILL_CODE & 8) << 6)
+            ce = tl.where(nb3, FILL_L, ce)
+            co = tl.where(nb3, FILL_L, co)
+    else:
+        ce = _codes_of(ye, nb3, 2, SATURATE, ROUND, NAN_CODE, False, NONFINITE, FILL_CODE,
+                       TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO, SCALE_KIND)
+        co = _codes_of(yo, nb3, 2, SATURATE, ROUND, NAN_CODE, False, NONFINITE, FILL_CODE,
+                       TWO_LEVEL, NV_ORDER, DROP_NEG_ZERO, SCALE_KIND)
     return ce, co
+
+
+@triton.jit
+def _fp4_bytes(ce, co, E2M1_PTX: tl.constexpr):
+    """uint8 FP4 bytes (even element in the low nibble) of :func:`_fp4_pair_codes`' output."""
+    if E2M1_PTX:
+        byte = PK.bytes_of_lanes(ce, co)
+    else:
+        byte = (ce | (co << 4)).to(tl.uint8)
+    return byte
 
 
 @triton.jit
@@ -1206,6 +1238,10 @@ def _constexprs_cached(scheme: Scheme, hw_fp8: bool, interp: bool) -> dict:
         PACKED_BF16=bool(hw_fp8 and not interp and el == "e2m1" and scheme.scale_format == "ue8m0"
                          and rounding == "rne" and signed_zero != "drop"
                          and scheme.family != "nvfp4"),
+        # the other E2M1 RNE paths (NVFP4, 16-bit float16 / float32 input) encode through
+        # fastpath._packed_fp4.e2m1_lane_f32 (GPU only, signed zeros kept or TE's +0 rule)
+        E2M1_PTX=bool(hw_fp8 and not interp and el == "e2m1" and rounding == "rne"
+                      and signed_zero != "drop"),
         # NVFP4's UE4M3 block scale by the hardware cast (cvt.rn.satfinite.e4m3x2.f32, exact
         # RNE of a value in [0, 448]); the interpreter's FP8 cast is wrong, so not there
         HW_SCALE=bool(hw_fp8 and not interp and scheme.scale_format == "ue4m3"),

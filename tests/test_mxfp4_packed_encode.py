@@ -126,15 +126,51 @@ def _bf16_fma(a, b, c):
 _INSN = re.compile(r"^([A-Za-z0-9.]+)\s+(.*);$")
 
 
-def run_ptx(text: str, inputs: dict, nan_sign: str = "own") -> np.ndarray:
+def _minmax_xorsign_f32(a, b, is_max, nan_op, nan_sign):
+    """``min/max{.NaN}.xorsign.abs.f32``: as the bf16x2 form, on one 32-bit lane."""
+    a, b = np.broadcast_arrays(np.asarray(a, U32), np.asarray(b, U32))
+    sx, sy = a >> U32(31), b >> U32(31)
+    mx, my = a & U32(0x7FFFFFFF), b & U32(0x7FFFFFFF)
+    nx, ny = mx > 0x7F800000, my > 0x7F800000
+    sg = (sx ^ sy) << U32(31)
+    r = np.where(is_max, np.maximum(mx, my), np.minimum(mx, my)) | sg
+    if nan_op:
+        return np.where(nx | ny, U32(0x7FFFFFFF), r).astype(U32)
+    other_x = b if nan_sign == "own" else (my | sg)
+    other_y = a if nan_sign == "own" else (mx | sg)
+    r = np.where(nx & ~ny, other_x, r)
+    r = np.where(ny & ~nx, other_y, r)
+    return np.where(nx & ny, U32(0x7FFFFFFF), r).astype(U32)
+
+
+def _f32_fma(a, b, c, nan_bits=0x7FFFFFFF):
+    """``fma.rn.f32`` where the product is exact in float64 (here a power of two times 2^22, or
+    a value times 1 for ``add``): the float64 sum of two float32 rounded to float32 is the
+    correctly rounded sum (double rounding through 53 >= 2 * 24 + 2 bits is innocuous; see the
+    module docstring). A NaN result is ``nan_bits`` (PTX gives the canonical 0x7FFFFFFF; the
+    tests also try other NaN patterns)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        a, b, c = (np.asarray(v, U32).view(np.float32).astype(np.float64) for v in (a, b, c))
+        prod = a * b
+        fin = np.isfinite(prod)
+        assert np.array_equal(prod[fin].astype(np.float32).astype(np.float64), prod[fin]), \
+            "fma product is not a float32 value: the emulator does not model that case"
+        r = (prod + c).astype(np.float32).view(U32)
+    return np.where(np.isnan(prod + c), np.asarray(nan_bits, U32), r).astype(U32)
+
+
+def run_ptx(text: str, inputs: dict, nan_sign: str = "own", nan_bits=0x7FFFFFFF) -> np.ndarray:
     """Execute the PTX block ``text`` on uint32 arrays; ``inputs`` maps "$1", "$2"... to arrays.
-    Returns "$0". Refuses any instruction it does not model."""
+    Returns "$0". Refuses any instruction it does not model. ``nan_bits``: the pattern of a NaN
+    float32 arithmetic result (scalar or per element)."""
     regs = {k: np.asarray(v).astype(U32) for k, v in inputs.items()}
 
     def val(tok):
         tok = tok.strip()
         if tok.startswith("%") or tok.startswith("$"):
             return regs[tok]
+        if tok.startswith("0f"):  # PTX float32 immediate: its bit pattern in hex
+            return U32(int(tok[2:], 16))
         return U32(int(tok, 0) & 0xFFFFFFFF)
 
     for line in text.strip().strip("{}").splitlines():
@@ -188,6 +224,14 @@ def run_ptx(text: str, inputs: dict, nan_sign: str = "own") -> np.ndarray:
             r = _bf16_fma(s[0], s[1], s[2])
         elif op.endswith(".xorsign.abs.bf16x2") and op.split(".")[0] in ("min", "max"):
             r = _minmax_xorsign(s[0], s[1], op.startswith("max"), ".NaN." in op, nan_sign)
+        elif op.endswith(".xorsign.abs.f32") and op.split(".")[0] in ("min", "max"):
+            r = _minmax_xorsign_f32(s[0], s[1], op.startswith("max"), ".NaN." in op, nan_sign)
+        elif op == "fma.rn.f32":
+            r = _f32_fma(s[0], s[1], s[2], nan_bits)
+        elif op == "add.rn.f32":
+            r = _f32_fma(s[0], U32(0x3F800000), s[1], nan_bits)
+        elif op == "min.u32":
+            r = np.minimum(s[0], s[1])
         else:
             raise AssertionError(f"PTX op {op!r} is not modelled by the emulator")
         regs[d] = np.asarray(r).astype(U32)
@@ -395,3 +439,110 @@ def test_packed_path_selection():
     assert not sel(mxfp4(preset="microxcaling"), True, False)  # ties away
     assert not sel(mxfp8(), True, False)
     assert not sel(nvfp4(), True, False)  # UE4M3 scales, two levels
+
+
+# ------------------------------------------------------------- the float32 lane encode (NVFP4)
+
+def lane_code(lane: np.ndarray) -> np.ndarray:
+    """The 4-bit code of a lane-form word (code bits 0-2, sign bit 9)."""
+    return (lane & U32(7)) | ((lane >> U32(9) & U32(1)) << U32(3))
+
+
+def _f32_probe_values() -> np.ndarray:
+    """float32 patterns: every bfloat16-derived one (both signs, all binades, NaN, Inf), a
+    million random ones, and every E2M1 midpoint and grid value with its neighbours within 4
+    ulps (the ties and the values one ulp off them)."""
+    rng = np.random.default_rng(11)
+    grid = np.array([0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8],
+                    np.float32).view(U32).astype(np.int64)
+    near = (grid[:, None] + np.arange(-4, 5)[None, :]).clip(0, 0x7FFFFFFF).astype(U32).reshape(-1)
+    near = np.concatenate([near, near | U32(0x80000000)])
+    rand = rng.integers(0, 1 << 32, 1_000_000, dtype=np.uint64).astype(U32)
+    small = (rng.integers(0, 1 << 23, 200_000) | (rng.integers(120, 131, 200_000) << 23)).astype(U32)
+    return np.concatenate([ALL << U32(16), near, rand, small, small | U32(0x80000000)])
+
+
+@pytest.mark.parametrize("zero", [False, True])
+@pytest.mark.parametrize("nan_sign", ["own", "xor"])
+def test_f32_lane_encode_matches_reference(zero, nan_sign):
+    """The float32 lane encode (E2M1_LANE_F32{,_ZERO}_PTX) equals moeref's encoder (RNE,
+    saturating) on every probe value: code bits 0-2, sign in bit 9, bits 3-8 zero; NaN ->
+    NAN_LANE; the ZERO variant writes code 0 for both zeros and is the same elsewhere."""
+    y = _f32_probe_values()
+    text = P.E2M1_LANE_F32_ZERO_PTX if zero else P.E2M1_LANE_F32_PTX
+    lane = run_ptx(text, {"$1": y}, nan_sign)
+    v = y.view(np.float32)
+    nan = np.isnan(v)
+    assert (lane[nan] == P.NAN_LANE).all()
+    good = lane[~nan]
+    assert (good & U32(0x1F8) == 0).all() and (good >> U32(10) == 0).all()
+    want = encode(v[~nan].astype(np.float64), "e2m1", rounding="rne", overflow="saturate").astype(U32)
+    if zero:
+        want = np.where(v[~nan] == 0, U32(0), want)
+    got = lane_code(good)
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, f"{bad.size} values differ, e.g. {v[~nan][bad[:5]]}: {got[bad[:5]]} vs {want[bad[:5]]}"
+
+
+def test_f32_lane_encode_any_nan_pattern_reaches_the_nan_lane():
+    """Step 6's claim: whatever NaN pattern the FMA leaves (every one of the 2^24 NaN
+    patterns) and whatever step 2 leaves (+-1, or +-Inf should the max return NaN), the
+    integer steps give at least 0x35000001, above every non-NaN lane (<= 519), so min.u32 maps
+    it to NAN_LANE."""
+    mant = np.arange(1, 1 << 23, dtype=U32)
+    nans = np.concatenate([U32(0x7F800000) | mant, U32(0xFF800000) | mant])
+    for c in (0x3F800000, 0xBF800000, 0x7F800000, 0xFF800000):
+        r = (nans.astype(np.int64) - c + (c >> 22) - 0x0B0000FE) & 0xFFFFFFFF
+        assert r.min() >= 0x35000001 > 519
+    # and end to end through the emulated text, with non-canonical NaN results of the FMA
+    y = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF], U32)
+    for nb in (0x7FFFFFFF, 0x7F800001, 0xFFC00000, 0xFFFFFFFF):
+        assert (run_ptx(P.E2M1_LANE_F32_PTX, {"$1": y}, nan_bits=nb) == P.NAN_LANE).all()
+
+
+def test_bytes_of_lanes_packs_every_lane_pair():
+    """bytes_of_lanes (Triton, run by the interpreter) over every pair of lane-form values (16
+    codes and NAN_LANE in each nibble): the codes' nibbles, NAN_LANE as code 0."""
+    triton = pytest.importorskip("triton")
+    torch = pytest.importorskip("torch")
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton helper under the interpreter (TRITON_INTERPRET=1, as CI)")
+    import triton.language as tl
+
+    @triton.jit
+    def k(le_ptr, lo_ptr, o_ptr, N, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        m = i < N
+        le = tl.load(le_ptr + i, mask=m, other=0).to(tl.uint32)
+        lo = tl.load(lo_ptr + i, mask=m, other=0).to(tl.uint32)
+        tl.store(o_ptr + i, P.bytes_of_lanes(le, lo), mask=m)
+
+    lanes = np.array([P.lanes_of_code(c) & 0xFFFF for c in range(16)] + [P.NAN_LANE], np.int64)
+    codes = np.array(list(range(16)) + [0], np.int64)
+    le, lo = np.meshgrid(np.arange(17), np.arange(17), indexing="ij")
+    le, lo = le.reshape(-1), lo.reshape(-1)
+    out = torch.zeros(le.size, dtype=torch.uint8)
+    k[(1,)](torch.tensor(lanes[le], dtype=torch.int32), torch.tensor(lanes[lo], dtype=torch.int32),
+            out, le.size, BLOCK=512)
+    assert out.numpy().tolist() == (codes[le] | (codes[lo] << 4)).tolist()
+
+
+def test_f32_lane_path_selection():
+    """E2M1_PTX is on for the E2M1 RNE presets that keep signed zeros (NVFP4 and MXFP4), on a
+    GPU with the hardware paths only (never in the interpreter, never with hw_fp8=False)."""
+    Q = pytest.importorskip("fastpath.quant")
+    from moeref.quant import mxfp4, mxfp8
+    from moeref.quant.nvfp4 import nvfp4
+
+    def sel(scheme, hw, interp):
+        return Q._constexprs_cached(scheme, hw, interp)["E2M1_PTX"]
+
+    for order in ("te", "flashinfer", "vllm", "torchao"):
+        assert sel(nvfp4(preset=order), True, False)
+        assert not sel(nvfp4(preset=order), True, True)
+        assert not sel(nvfp4(preset=order), False, False)
+    assert sel(mxfp4(), True, False)
+    assert not sel(mxfp4(preset="deepgemm"), True, False)  # ties toward zero, -0 dropped
+    assert not sel(mxfp4(preset="microxcaling"), True, False)  # ties away
+    assert not sel(mxfp8(), True, False)
