@@ -1468,11 +1468,17 @@ def _launch_knobs(ce: dict, gb: int, gpp: int, bm: int, num_warps: int | None) -
     nw = _warps(gb, gpp, bm, num_warps, ce["ELEM"] != 2)
     if ce.get("PACKED_BF16") and bm * gpp * max(gb // 2, 1) < 4 * 32 * nw:
         ce = dict(ce, PACKED_BF16=False)
+    if not _E2M1_PTX_ON and ce.get("E2M1_PTX"):
+        ce = dict(ce, E2M1_PTX=False)
     knobs = dict(ce, num_warps=nw, WORD_RUN=_WORD_RUN.get(ce["SCALE_KIND"], 0))
     if _MAXNREG is not None and not _INTERPRETED:
         knobs["maxnreg"] = _MAXNREG
     return knobs
 
+
+# False turns the float32 lane E2M1 encode (E2M1_PTX) off in every launch: an A/B knob for
+# bench_quant_gpu.py --tune ({'_E2M1_PTX_ON': False}), not a shipped setting.
+_E2M1_PTX_ON = True
 
 # Register cap per thread (ptxas .maxnreg) for every _quant_kernel launch; None: the compiler's
 # choice. For register sweeps (bench_quant_gpu.py --tune --maxnreg), not a shipped setting.
