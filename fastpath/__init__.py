@@ -4,8 +4,9 @@
   UE8M0 or packed UE8M0 scales, MN-major TMA-aligned scales; MXFP8; MXFP4; NVFP4 with scales in
   the 128x4 swizzle).
   NVFP4 takes a static global scale (one pass); FP8 rows with one scale per row of any length.
-* :mod:`fastpath._packed_fp4` — MXFP4's E2M1 rounding on packed bf16x2 pairs (inline PTX, GPU
-  only; the interpreter keeps the integer rounding of :mod:`fastpath._triton_rounding`).
+* :mod:`fastpath._packed_fp4` — E2M1 rounding in inline PTX (GPU only; the interpreter keeps the
+  integer rounding of :mod:`fastpath._triton_rounding`): MXFP4 on packed bf16x2 pairs, NVFP4 and
+  the other FP4 inputs one float32 lane at a time.
 * :mod:`fastpath.fused` — ``silu_and_mul`` / ``swigluoai`` + FP8 group quantization in one kernel.
 * :mod:`fastpath.dispatch` — ``moe_align_block_size``, permute / unpermute-and-reduce, the DeepGEMM
   contiguous and masked layouts, the batched layout, finalize (same signatures as

@@ -1,4 +1,6 @@
-"""MXFP4 (E2M1, RNE) encode of bfloat16 PAIRS with packed bf16x2 PTX: two elements per instruction.
+"""E2M1 (RNE) encoders in inline PTX: MXFP4 from bfloat16 PAIRS with packed bf16x2 instructions (two
+elements per instruction; this docstring), and one float32 lane at a time for NVFP4 and the other
+FP4 inputs (:func:`e2m1_lane_f32`, described beside it at the end of the module).
 
 Used by :func:`fastpath.quant._quant_kernel` (constexpr ``PACKED_BF16``) for bfloat16 input read as
 int32 words (two elements per word, even element in the low half), E8M0 scales and RNE rounding,
@@ -69,7 +71,7 @@ import triton.language as tl
 from ._triton_rounding import f32_bits
 
 __all__ = ["ENCODE_E2M1X4_PTX", "bf16x2_factor", "lanes_of_code", "nan_overwrite",
-           "encode_e2m1x4_rne", "amax_bf16x2", "E2M1_LANE_F32_PTX", "E2M1_LANE_F32_ZERO_PTX",
+           "encode_e2m1x4_rne", "amax_bf16x2", "lane_of_code", "E2M1_LANE_F32_PTX", "E2M1_LANE_F32_ZERO_PTX",
            "NAN_LANE", "e2m1_lane_f32", "bytes_of_lanes"]
 
 
@@ -133,11 +135,19 @@ def bf16x2_factor(factor):
     return (b | (b << 16)).to(tl.int32, bitcast=True)
 
 
-def lanes_of_code(code: int) -> int:
+@triton.constexpr_function
+def lane_of_code(code):
+    """The lane form of the E2M1 code ``code`` (0..15): ``(code & 7) | (code >> 3) << 9``, code
+    bits 0-2 and the sign in bit 9 (step 6's form, and :func:`e2m1_lane_f32`'s). A compile-time
+    function: kernels call it on constexpr codes, Python on ints."""
+    return (code & 7) | (((code >> 3) & 1) << 9)
+
+
+@triton.constexpr_function
+def lanes_of_code(code):
     """The two-lane word a mask overwrite writes for the E2M1 code ``code`` (0..15) in both
-    lanes: each 16-bit lane holds ``(code & 7) | (code >> 3) << 9`` (step 6's form)."""
-    lane = (code & 7) | (((code >> 3) & 1) << 9)
-    return lane | (lane << 16)
+    16-bit lanes (:func:`lane_of_code` in each)."""
+    return lane_of_code(code) * 0x10001
 
 
 @triton.jit
@@ -151,11 +161,11 @@ def nan_overwrite(words, f3, nb3, NONFINITE: tl.constexpr, FILL_CODE: tl.constex
     NaN y then occurs): the whole block gets FILL_CODE; otherwise each NaN element gets
     NAN_CODE, as :func:`fastpath._triton_rounding.encode_e2m1` does."""
     if NONFINITE == 0:
-        fill_lanes: tl.constexpr = ((FILL_CODE & 7) | ((FILL_CODE & 8) << 6)) * 0x10001
+        fill_lanes: tl.constexpr = lanes_of_code(FILL_CODE)
         ow = tl.where(nb3, -1, 0)
         ov = tl.where(nb3, fill_lanes, 0)
     else:
-        nan_lanes: tl.constexpr = ((NAN_CODE & 7) | ((NAN_CODE & 8) << 6)) * 0x10001
+        nan_lanes: tl.constexpr = lanes_of_code(NAN_CODE)
         u = words.to(tl.uint32, bitcast=True) & 0x7FFF7FFF
         fnan = f3 != f3
         ow = tl.where(((u & 0xFFFF) > 0x7F80) | fnan, 0xFFFF, 0).to(tl.uint32) \
@@ -229,7 +239,7 @@ def amax_bf16x2(words, IGNORE_NAN: tl.constexpr):
 #                                  (127 + k) << 1``, so ``r = (n + 2k) | sg << 9``: the E2M1 code
 #                                  in bits 0-2 (n + 2k <= 7 since |m| <= 6; n and the code have the
 #                                  same parity, so RNE ties go to the even CODE), the sign in bit 9,
-#                                  bits 3-8 zero: :func:`lanes_of_code`'s lane form.
+#                                  bits 3-8 zero: :func:`lane_of_code`'s lane form.
 # 6. ``r = min.u32(r, NAN_LANE)``  every non-NaN lane is at most ``7 | 1 << 9 = 519``; a NaN y
 #                                  makes s NaN, and for ANY NaN pattern of s and each c that step 2
 #                                  can leave (+-1, or +-Inf should the max return NaN) r is at least

@@ -748,11 +748,11 @@ def _fp4_pair_codes(xe, xo, f3, nb3, SATURATE: tl.constexpr, ROUND: tl.constexpr
         ce = PK.e2m1_lane_f32(ye, ZP)
         co = PK.e2m1_lane_f32(yo, ZP)
         if NONFINITE != 0 and NAN_CODE != 0:  # NaN elements left NAN_LANE (code 0)
-            NAN_L: tl.constexpr = (NAN_CODE & 7) | ((NAN_CODE & 8) << 6)
+            NAN_L: tl.constexpr = PK.lane_of_code(NAN_CODE)
             ce = tl.where(ce == PK.NAN_LANE, NAN_L, ce)
             co = tl.where(co == PK.NAN_LANE, NAN_L, co)
         if NONFINITE == 0:
-            FILL_L: tl.constexpr = (FILL_CODE & 7) | ((FILL_CODE & 8) << 6)
+            FILL_L: tl.constexpr = PK.lane_of_code(FILL_CODE)
             ce = tl.where(nb3, FILL_L, ce)
             co = tl.where(nb3, FILL_L, co)
     else:
