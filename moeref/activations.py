@@ -22,12 +22,13 @@ have no defaults.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Callable, NamedTuple
 
 import numpy as np
 
-from . import _interop
+from . import _interop, elementary
 from ._checks import as_float_array, check_choice
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "gelu_no_mul",
     "ActivationSpec",
     "ACTIVATIONS",
+    "activation_values",
     "apply_activation",
     "split_w13",
     "join_w13",
@@ -74,47 +76,75 @@ def _prepare(x, name: str = "x") -> tuple[np.ndarray, np.dtype]:
     return np.array(a, dtype=np.float64, copy=True), out_dtype
 
 
-def _sigmoid64(z: np.ndarray) -> np.ndarray:
-    """Numerically stable logistic on float64: only ``exp(-|z|)`` is ever evaluated (no overflow)."""
-    e = np.exp(-np.abs(z))
-    return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+def _sigmoid64(z):
+    """Stable logistic on float64 (NumPy or torch): only ``exp(-|z|)`` is evaluated (no overflow);
+    the portable ``exp`` of :mod:`moeref.elementary`, so both engines give the same bits."""
+    return elementary.sigmoid(z)
 
 
-def _erf64(z: np.ndarray) -> np.ndarray:
-    """Vectorised float64 erf (NumPy has none), relative error ~1e-15.
-
-    ``erf(z) = 2/sqrt(pi) * exp(-z^2) * sum_n 2^n z^(2n+1) / (1*3*...*(2n+1))`` (Abramowitz & Stegun
-    7.1.6): all terms positive, so no cancellation; for ``|z| >= 6`` erf is ``±1`` in float64
-    (``erfc(6) ~ 2e-17``). The loop is over series terms (at most ~200), vectorised over elements.
-    """
-    z = np.asarray(z, dtype=np.float64)
-    a = np.abs(z)
-    small = np.where(a < 6.0, a, 0.0)  # large arguments are finished separately
-    z2 = small * small
-    term = small.copy()
-    total = small.copy()
-    n = 0
-    while True:
-        term = term * (2.0 * z2) / (2 * n + 3)
-        total = total + term
-        n += 1
-        if n > 10 and np.all(term <= 1e-17 * total):
-            break
-    r = (2.0 / math.sqrt(math.pi)) * np.exp(-z2) * total
-    r = np.where(a < 6.0, r, 1.0)
-    r = np.where(np.isnan(z), np.nan, r)
-    return np.copysign(r, z)
-
-
-def _silu64(g: np.ndarray) -> np.ndarray:
+def _silu64(g):
     return g * _sigmoid64(g)
 
 
-def _gelu64(g: np.ndarray, approximate: str) -> np.ndarray:
+def _gelu64(g, approximate: str):
     check_choice(approximate, GELU_APPROXIMATIONS, "approximate")
     if approximate == "tanh":  # torch.nn.functional.gelu(approximate="tanh")
-        return 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
-    return 0.5 * g * (1.0 + _erf64(g / math.sqrt(2.0)))
+        return 0.5 * g * (1.0 + elementary.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
+    return 0.5 * g * (1.0 + elementary.erf(g / math.sqrt(2.0)))
+
+
+def _minimum(x, lim):
+    """``min(x, lim)`` elementwise (``lim`` a float or an array broadcastable to ``x``)."""
+    if elementary.is_torch(x):
+        import torch
+
+        return torch.minimum(x, torch.as_tensor(lim, dtype=x.dtype, device=x.device))
+    return np.minimum(x, lim)
+
+
+def _clip_sym(x, lim):
+    """``clip(x, -lim, lim)`` elementwise."""
+    if elementary.is_torch(x):
+        import torch
+
+        t = torch.as_tensor(lim, dtype=x.dtype, device=x.device)
+        return torch.maximum(torch.minimum(x, t), -t)
+    return np.clip(x, -lim, lim)
+
+
+def _gated_core(name: str, g, u, params: dict):
+    """The gated activations on float64 ``gate``/``up`` arrays (NumPy or torch), one definition for
+    both engines; ``params`` are the public functions' keyword arguments (defaults filled in there)."""
+    if name == "silu_and_mul":
+        return _silu64(g) * u
+    if name == "gelu_and_mul":
+        return _gelu64(g, params.get("approximate", "none")) * u
+    if name in ("swigluoai", "swiglu_bias"):
+        alpha = float(params.get("alpha", 1.702 if name == "swigluoai" else 1.0))
+        beta = 1.0 if name == "swigluoai" else float(params.get("beta", 0.0))
+        lim = _check_limit(params.get("limit", 7.0 if name == "swigluoai" else None))
+        if lim is not None:
+            g = _minimum(g, lim)
+            u = _clip_sym(u, lim)
+        if name == "swigluoai":
+            return (u + beta) * g * _sigmoid64(alpha * g)
+        return g * _sigmoid64(alpha * g) * (u + beta)
+    if name == "swiglustep":
+        lim = _check_limit(params.get("limit", 7.0))
+        return _minimum(_silu64(g), lim) * _clip_sym(u, lim)
+    raise ValueError(f"{name!r} is not a gated activation")
+
+
+def _plain_core(name: str, h, params: dict):
+    """The non-gated activations on a float64 array (NumPy or torch)."""
+    if name == "relu2_no_mul":
+        r = h.clamp(min=0.0) if elementary.is_torch(h) else np.maximum(h, 0.0)
+        return r * r
+    if name == "silu_no_mul":
+        return _silu64(h)
+    if name == "gelu_no_mul":
+        return _gelu64(h, params.get("approximate", "none"))
+    raise ValueError(f"{name!r} is not a non-gated activation")
 
 
 def sigmoid(x) -> np.ndarray:
@@ -180,7 +210,7 @@ def split_w13(w, layout: str, axis: int = -2) -> tuple[np.ndarray, np.ndarray]:
     [[2, 3], [0, 1]]
     """
     layout = _norm_layout(layout, W13_LAYOUTS, "layout")
-    a = np.asarray(_interop.to_numpy(w))
+    a = w if elementary.is_torch(w) and w.device.type != "cpu" else np.asarray(_interop.to_numpy(w))
     axis, n = _two_n(a, axis, "w")
     index = [slice(None)] * a.ndim
 
@@ -274,7 +304,7 @@ def silu_and_mul(x, layout: str = "gate_up") -> np.ndarray:
     [0.0, 2.193176...]
     """
     g, u, dt = _gate_up(x, layout)
-    return (_silu64(g) * u).astype(dt)
+    return _gated_core("silu_and_mul", g, u, {}).astype(dt)
 
 
 def mul_and_silu(x) -> np.ndarray:
@@ -288,7 +318,7 @@ def gelu_and_mul(x, approximate: str = "none", layout: str = "gate_up") -> np.nd
     Note: vLLM's ROCm ``forward_native`` silently swapped tanh for erf; here ``approximate`` is obeyed.
     """
     g, u, dt = _gate_up(x, layout)
-    return (_gelu64(g, approximate) * u).astype(dt)
+    return _gated_core("gelu_and_mul", g, u, {"approximate": approximate}).astype(dt)
 
 
 def swigluoai(x, alpha: float = 1.702, limit: float = 7.0, layout: str = "interleaved") -> np.ndarray:
@@ -302,10 +332,7 @@ def swigluoai(x, alpha: float = 1.702, limit: float = 7.0, layout: str = "interl
     [1.268694, 55.999625]
     """
     g, u, dt = _gate_up(x, layout)
-    lim = _check_limit(limit)
-    g = np.minimum(g, lim)
-    u = np.clip(u, -lim, lim)
-    return ((u + 1.0) * g * _sigmoid64(alpha * g)).astype(dt)
+    return _gated_core("swigluoai", g, u, {"alpha": alpha, "limit": limit}).astype(dt)
 
 
 def swiglu_bias(x, *, layout: str, alpha: float = 1.0, beta: float = 0.0, limit: float | None = None) -> np.ndarray:
@@ -322,11 +349,7 @@ def swiglu_bias(x, *, layout: str, alpha: float = 1.0, beta: float = 0.0, limit:
     True
     """
     g, u, dt = _gate_up(x, layout)
-    lim = _check_limit(limit)
-    if lim is not None:
-        g = np.minimum(g, lim)
-        u = np.clip(u, -lim, lim)
-    return (g * _sigmoid64(alpha * g) * (u + beta)).astype(dt)
+    return _gated_core("swiglu_bias", g, u, {"alpha": alpha, "beta": beta, "limit": limit}).astype(dt)
 
 
 def swiglustep(x, limit: float = 7.0, layout: str = "gate_up") -> np.ndarray:
@@ -337,8 +360,7 @@ def swiglustep(x, limit: float = 7.0, layout: str = "gate_up") -> np.ndarray:
     [-49.0]
     """
     g, u, dt = _gate_up(x, layout)
-    lim = _check_limit(limit)
-    return (np.minimum(_silu64(g), lim) * np.clip(u, -lim, lim)).astype(dt)
+    return _gated_core("swiglustep", g, u, {"limit": limit}).astype(dt)
 
 
 # ------------------------------------------------------------------ non-gated activations
@@ -347,7 +369,7 @@ def swiglustep(x, limit: float = 7.0, layout: str = "gate_up") -> np.ndarray:
 def relu2_no_mul(x) -> np.ndarray:
     """``relu(x)^2`` (non-gated; W1 is ``[E, N, K]``). Does NOT modify ``x`` (vLLM's does, in place)."""
     a, dt = _prepare(x)
-    return (np.maximum(a, 0.0) ** 2).astype(dt)
+    return _plain_core("relu2_no_mul", a, {}).astype(dt)
 
 
 def silu_no_mul(x) -> np.ndarray:
@@ -381,6 +403,27 @@ ACTIVATIONS: dict[str, ActivationSpec] = {
     "silu_no_mul": ActivationSpec(silu_no_mul, False),
     "gelu_no_mul": ActivationSpec(gelu_no_mul, False),
 }
+
+
+def activation_values(name: str, h, w13_layout: str, params: dict | None = None):
+    """The activation ``name`` of float64 GEMM1 outputs ``h [..., 2N]`` (gated) or ``[..., N]``, as
+    NumPy or torch (any device) float64, with the gate/up split of ``w13_layout`` unless ``params``
+    names a ``layout`` (``mul_and_silu`` is always ``"up_gate"``). The same definition as the public
+    functions above (:func:`apply_activation` on float64 input gives the same bits), written once for
+    both engines of the MoE reference (:mod:`moeref.moe.pipeline`, :mod:`moeref.moe.cuda`).
+
+    >>> activation_values("silu_and_mul", np.array([[0.0, 1.0, 5.0, 3.0]]), "gate_up").round(6).tolist()
+    [[0.0, 2.193176]]
+    """
+    check_choice(name, tuple(ACTIVATIONS), "activation")
+    spec = ACTIVATIONS[name]
+    params = dict(params or {})
+    inspect.signature(spec.function).bind(None, **params)  # TypeError for an unknown parameter
+    if not spec.gated:
+        return _plain_core(name, h, params)
+    layout = "up_gate" if name == "mul_and_silu" else params.pop("layout", w13_layout)
+    g, u = split_w13(h, _norm_layout(layout, ACTIVATION_LAYOUTS, "layout"), axis=-1)
+    return _gated_core("silu_and_mul" if name == "mul_and_silu" else name, g, u, params)
 
 
 def apply_activation(name: str, x, **params) -> np.ndarray:

@@ -44,7 +44,7 @@ from typing import Callable
 import numpy as np
 
 from .._checks import as_float_array, check_choice, check_ndim, check_positive_int
-from ..activations import ACTIVATIONS, apply_activation
+from ..activations import activation_values
 from ..dispatch import apply_router_weight_on_input as _weight_input
 from ..dispatch import to_batched, to_contiguous, to_masked, weight_and_reduce
 from ..dispatch.grouping import group_slots
@@ -223,13 +223,9 @@ class ExpertsOutput:
     valid: np.ndarray
 
 
-def _activation(name: str, h: np.ndarray, w13_layout: str, params: dict) -> np.ndarray:
-    check_choice(name, tuple(ACTIVATIONS), "activation")
-    spec = ACTIVATIONS[name]
-    params = dict(params or {})
-    if spec.gated and "layout" in inspect.signature(spec.function).parameters and "layout" not in params:
-        params["layout"] = w13_layout
-    return np.asarray(apply_activation(name, h, **params), dtype=np.float64)
+def _activation(name: str, h, w13_layout: str, params: dict):
+    """float64 activation of ``h`` (NumPy or torch): :func:`moeref.activations.activation_values`."""
+    return activation_values(name, h, w13_layout, params)
 
 
 def experts(prepared: Prepared, weights: MoEWeights, *, activation: str = "silu_and_mul",
