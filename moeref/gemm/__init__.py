@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .exact import (BlockOperand, as_operand, block_gemm, get_num_threads, partial_dots_exact,
                     quantum_and_max, set_num_threads)
+from .stacked import StackedExperts
 from .grouped import (
     ExpertOperands,
     expert_rows_gemm,
@@ -16,6 +17,7 @@ from .grouped import (
 __all__ = [
     "BlockOperand",
     "ExpertOperands",
+    "StackedExperts",
     "as_operand",
     "block_gemm",
     "expert_rows_gemm",

@@ -29,6 +29,7 @@ import numpy as np
 from .._checks import as_float_array, as_int_array, check_ndim
 from ..dispatch.grouping import group_slots
 from .exact import BlockOperand, as_operand, block_gemm
+from .stacked import StackedExperts
 
 __all__ = [
     "ExpertOperands",
@@ -47,7 +48,8 @@ class ExpertOperands:
     :func:`moeref.gemm.block_gemm` decodes them block by block, so a layer of 256 distinct DeepSeek-V3
     experts (11.3 GB of codes) never holds more than a few decoded blocks.
 
-    ``weights``: float array ``[E, N, K]`` or a sequence of ``E`` per-expert operands ``[N, K]``.
+    ``weights``: float array ``[E, N, K]``, a sequence of ``E`` per-expert operands ``[N, K]``, or a
+    :class:`moeref.gemm.StackedExperts` (host arrays).
     """
 
     def __init__(self, weights, name: str = "weights"):
@@ -55,7 +57,9 @@ class ExpertOperands:
             self._items, self.name, self._cache = weights._items, weights.name, weights._cache
             return
         self.name = name
-        if isinstance(weights, (list, tuple)):
+        if isinstance(weights, StackedExperts):  # indexing gives a BlockOperand of codes (cached by e)
+            self._items = weights
+        elif isinstance(weights, (list, tuple)):
             self._items = list(weights)
         else:
             w = as_float_array(weights, name)
@@ -69,7 +73,7 @@ class ExpertOperands:
     def __getitem__(self, e: int) -> BlockOperand:
         if not 0 <= e < len(self._items):
             raise ValueError(f"{self.name} has {len(self._items)} experts; expert {e} requested")
-        key = id(self._items[e])
+        key = e if isinstance(self._items, StackedExperts) else id(self._items[e])
         if key not in self._cache:
             self._cache[key] = as_operand(self._items[e], f"{self.name}[{e}]")
         return self._cache[key]

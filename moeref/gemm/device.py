@@ -1,0 +1,365 @@
+"""The exact block-GEMM engine on torch tensors (float64 on a CUDA GPU): :func:`moeref.gemm.block_gemm`'s
+result, bit for bit, at production shapes.
+
+The arithmetic is :mod:`moeref.gemm.exact`'s, step for step, so the result is the same float64 value:
+
+* each segment's partial dot ``P_s`` (``g = gcd`` of the operands' K blocks) is one batched float64
+  matrix product (cuBLAS ``DgemmStridedBatched``): for quantized operands every partial sum is exact
+  in float64 (module docstring of :mod:`moeref.gemm.exact`), so the order cuBLAS adds in cannot matter;
+* then, per output element, ``acc = +0.0; acc = acc + (P_s * sa) * sb`` over ``s`` in order, in one
+  Triton kernel compiled without FMA contraction (``enable_fp_fusion=False``), the exact sequence of
+  IEEE roundings the NumPy engine performs.
+
+For operands that are not quantized (bf16/fp16/fp32/float64 values) the partial dots are only
+float64-accurate and depend on the BLAS, so the two engines agree to ``gamma_K(2^-53)`` of
+``sum |a b|``, not bit for bit (as two BLAS libraries do).
+
+Weights are never decoded whole: each expert's ``[N, K]`` codes are decoded to float64 just before its
+product (``float8_e4m3fn`` / ``float8_e5m2`` through torch's exact cast, other formats through their
+decode table), and the ``[S, R, N]`` partial dots are formed in row chunks of at most
+:data:`PARTIALS_BYTES`. Row gathers (a slot's token row) move codes, not float64 values.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .exact import BlockOperand, as_operand
+from .stacked import StackedExperts
+
+__all__ = ["DeviceOperand", "device_operand", "device_block_gemm", "device_expert_rows_gemm",
+           "PARTIALS_BYTES"]
+
+PARTIALS_BYTES = 1 << 30
+"""Largest ``[S, R, N]`` float64 partial-dot tensor formed at once (rows are chunked to fit)."""
+
+_TORCH_FP8 = {"e4m3fn": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceOperand:
+    """A block-scaled ``[R, K]`` operand on a torch device: ``value = element * scales[r // br, k // bk]``.
+
+    Exactly one of ``values`` (float64 ``[R, K]``) and ``codes`` (uint8 ``[R, K]``, unpacked, read through
+    ``element``'s decode table) is set; ``scales`` float64 ``[ceil(R/br), ceil(K/bk)]``; ``quantized`` as
+    in :class:`moeref.gemm.BlockOperand`.
+    """
+
+    values: object
+    codes: object
+    element: str | None
+    scales: object
+    block: tuple
+    quantized: bool
+    magnitude: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        x = self.values if self.values is not None else self.codes
+        return int(x.shape[0]), int(x.shape[1])
+
+    @property
+    def device(self):
+        return self.scales.device
+
+    def decode(self):
+        """float64 element values ``[R, K]`` (not scaled)."""
+        if self.values is not None:
+            return self.values
+        return _decode(self.codes, self.element, self.magnitude)
+
+    def abs(self) -> "DeviceOperand":
+        if self.values is not None:
+            return replace(self, values=self.values.abs(), scales=self.scales.abs())
+        return replace(self, scales=self.scales.abs(), magnitude=True)
+
+    def take_rows(self, rows) -> "DeviceOperand":
+        """Rows ``rows`` (int64 tensor or array; -1: a zero row with scale 1) with one scale row each
+        (block ``(1, bk)``), as :meth:`BlockOperand.take_rows`."""
+        torch = _torch()
+        rows = torch.as_tensor(np.asarray(rows, dtype=np.int64) if not torch.is_tensor(rows) else rows,
+                               dtype=torch.int64, device=self.device).reshape(-1)
+        pad = rows < 0
+        safe = torch.where(pad, torch.zeros_like(rows), rows)
+        if self.shape[0] == 0:
+            safe = torch.zeros_like(rows)
+            pad = torch.ones_like(pad)
+        sc = self.scales.index_select(0, torch.div(safe, self.block[0], rounding_mode="floor")) \
+            if self.shape[0] else torch.ones((rows.numel(), self.scales.shape[1]), dtype=torch.float64,
+                                             device=self.device)
+        sc = torch.where(pad[:, None], torch.ones_like(sc), sc)
+        if self.values is not None:
+            src = self.values if self.shape[0] else torch.zeros((1, self.shape[1]), dtype=torch.float64,
+                                                                device=self.device)
+            vals = torch.where(pad[:, None], torch.zeros((), dtype=torch.float64, device=self.device),
+                               src.index_select(0, safe))
+            return DeviceOperand(vals, None, None, sc, (1, self.block[1]), self.quantized)
+        zero = _zero_code(self.element)
+        src = self.codes if self.shape[0] else torch.full((1, self.shape[1]), zero, dtype=torch.uint8,
+                                                          device=self.device)
+        codes = torch.where(pad[:, None], torch.full((), zero, dtype=torch.uint8, device=self.device),
+                            src.index_select(0, safe))
+        return DeviceOperand(None, codes, self.element, sc, (1, self.block[1]), self.quantized, self.magnitude)
+
+
+def _zero_code(element: str) -> int:
+    from ..formats import decode_table
+
+    t = decode_table(element)
+    return int(np.flatnonzero((t == 0) & ~np.signbit(t))[0])
+
+
+_TABLES: dict = {}
+
+
+def _table(element: str, magnitude: bool, device):
+    from ..formats import decode_table
+
+    key = (element, magnitude, str(device))
+    if key not in _TABLES:
+        t = decode_table(element)
+        _TABLES[key] = _torch().tensor(np.abs(t) if magnitude else t, dtype=_torch().float64, device=device)
+    return _TABLES[key]
+
+
+def _decode(codes, element: str, magnitude: bool = False):
+    """float64 values of uint8 ``codes`` (unpacked) in ``element``: torch's exact FP8 cast where it has
+    the format, else the decode table (the same values: checked by the tests)."""
+    torch = _torch()
+    name = _TORCH_FP8.get(element)
+    if name is not None and hasattr(torch, name) and codes.device.type == "cuda":
+        v = codes.view(getattr(torch, name)).to(torch.float64)
+        return v.abs() if magnitude else v
+    return _table(element, magnitude, codes.device)[codes.to(torch.int32)]
+
+
+def _unpack_nibbles(codes, k: int):
+    """uint8 ``[..., ceil(k/2)]`` two codes a byte (element 2i low) -> ``[..., k]``."""
+    torch = _torch()
+    lo = codes & 0xF
+    hi = codes >> 4
+    return torch.stack([lo, hi], dim=-1).reshape(*codes.shape[:-1], -1)[..., :k]
+
+
+def device_operand(x, device) -> DeviceOperand:
+    """A :class:`DeviceOperand` on ``device`` of ``x``: a :class:`DeviceOperand` (returned as is), a
+    :class:`BlockOperand`, a quantized tensor (:func:`moeref.gemm.as_operand` input), a fast-path
+    quantized tensor (:class:`fastpath.quant.FastQuantized`, row-major scales) or a float array/tensor
+    ``[R, K]`` (one block, scale 1, not quantized)."""
+    torch = _torch()
+    if isinstance(x, DeviceOperand):
+        return x
+    if hasattr(x, "scales_logical") and hasattr(x, "codes") and torch.is_tensor(getattr(x, "codes", None)):
+        return _from_fast(x, device)
+    if torch.is_tensor(x) and x.dtype.is_floating_point:
+        if x.dim() != 2:
+            raise ValueError(f"a float operand must be 2-D [R, K]; got shape {tuple(x.shape)}")
+        v = x.to(device=device, dtype=torch.float64)
+        return DeviceOperand(v, None, None, torch.ones((1, 1), dtype=torch.float64, device=device),
+                             (max(v.shape[0], 1), max(v.shape[1], 1)), False)
+    op = as_operand(x)
+    sc = torch.as_tensor(np.asarray(op.scales, dtype=np.float64), device=device)
+    if op._codes is not None and op._values is None:
+        found = _element_of_table(op._table)
+        if found is not None:
+            element, magnitude = found
+            return DeviceOperand(None, torch.as_tensor(np.array(op._codes, copy=True), device=device), element,
+                                 sc, op.block, op.quantized, magnitude)
+    v = torch.as_tensor(np.ascontiguousarray(np.asarray(op.values, dtype=np.float64)), device=device)
+    return DeviceOperand(v, None, None, sc, op.block, op.quantized)
+
+
+def _element_of_table(table) -> tuple[str, bool] | None:
+    """``(format, magnitude)`` whose decode table (``magnitude``: its absolute value) is ``table``."""
+    from ..formats import FORMATS, decode_table
+
+    for name in FORMATS:
+        t = decode_table(name)
+        if t.shape != table.shape:
+            continue
+        if np.array_equal(t, table, equal_nan=True):
+            return name, False
+        if np.array_equal(np.abs(t), table, equal_nan=True):
+            return name, True
+    return None
+
+
+def _from_fast(q, device) -> DeviceOperand:
+    """A fast-path quantized tensor (codes and scales already on the device): scales decoded in float64
+    exactly as :meth:`moeref.quant.QuantizedTensor.scale_values` (block scale, times the global factor)."""
+    torch = _torch()
+    if q.scale_layout != "row_major":
+        raise ValueError(f"the device engine reads row_major scales; got {q.scale_layout!r}")
+    scheme = q.scheme
+    shape = tuple(int(d) for d in q.shape)
+    if len(shape) != 2:
+        raise ValueError(f"a quantized operand must be 2-D; got shape {shape}")
+    grid = q.grid
+    s = q.scales.reshape(grid)
+    fmt = scheme.scale_format
+    if fmt == "fp32":
+        sv = s.to(torch.float64)
+    else:
+        sv = _table("e8m0" if fmt == "ue8m0" else "ue4m3", False, s.device)[s.to(torch.int32)]
+    if q.global_scale is not None:
+        sv = sv * q.global_scale.reshape(()).to(torch.float64)
+    codes = q.codes.reshape(shape[0], -1)
+    if scheme.packed:
+        codes = _unpack_nibbles(codes, shape[1])
+    blk = tuple(int(b) for b in scheme.resolve_block(shape))
+    return DeviceOperand(None, codes.to(device), scheme.element, sv.to(device), blk, True)
+
+
+# ------------------------------------------------------------------------------------ the product
+
+
+def _segment(bk_a: int, bk_b: int, k: int) -> int:
+    return max(1, math.gcd(min(bk_a, max(k, 1)), min(bk_b, max(k, 1))))
+
+
+def _expand_scales(scales, rows: int, block_rows: int, starts, block_cols: int):
+    """Scales per (row, segment): float64 ``[rows, S]`` from the block grid."""
+    torch = _torch()
+    r_idx = torch.div(torch.arange(rows, device=scales.device), block_rows, rounding_mode="floor")
+    c_idx = torch.div(starts, block_cols, rounding_mode="floor")
+    return scales.index_select(0, r_idx).index_select(1, c_idx)
+
+
+def _gemm_rows(av, sa, bv, sb, g: int, out, out_rows=None) -> None:
+    """``out[out_rows] = sum_s (P_s * sa[:, s]) * sb[:, s]`` in segment order, ``P_s = av_s @ bv_s^T``.
+
+    ``av`` float64 ``[R, K]``, ``sa`` ``[R, S]``, ``bv`` ``[N, K]``, ``sb`` ``[N, S]``."""
+    torch = _torch()
+    r, k = av.shape
+    n = bv.shape[0]
+    s = -(-k // g)
+    if s * g != k:  # a last, shorter segment: pad with zeros (exact zero products)
+        av = torch.nn.functional.pad(av, (0, s * g - k))
+        bv = torch.nn.functional.pad(bv, (0, s * g - k))
+    a3 = av.reshape(r, s, g).transpose(0, 1)      # [S, R, g] (strided view)
+    b3 = bv.reshape(n, s, g).permute(1, 2, 0)     # [S, g, N] (column-major matrices)
+    chunk = max(1, PARTIALS_BYTES // max(1, s * n * 8))
+    for r0 in range(0, r, chunk):
+        r1 = min(r0 + chunk, r)
+        p = torch.bmm(a3[:, r0:r1], b3)          # [S, rows, N], exact partial dots
+        rows = None if out_rows is None else out_rows[r0:r1]
+        _ordered_scaled_sum(p, sa[r0:r1], sb, out, rows, r0)
+
+
+def _ordered_scaled_sum(p, sa, sb, out, rows, r0: int) -> None:
+    from ._device_kernels import ordered_scaled_sum
+
+    ordered_scaled_sum(p, sa, sb, out, rows, r0)
+
+
+def device_block_gemm(a, b, *, device=None):
+    """``C = A @ B.T`` in float64 on a torch device: :func:`moeref.gemm.block_gemm`'s value (bit for bit
+    for quantized operands). ``a``, ``b``: :func:`device_operand` inputs; ``device`` defaults to ``a``'s
+    (or ``b``'s) device, else CUDA.
+
+    Returns: float64 torch tensor ``[M, N]``.
+    """
+    torch = _torch()
+    device = device or _device_of(a, b)
+    a = device_operand(a, device)
+    b = device_operand(b, device)
+    m, k = a.shape
+    n, kb = b.shape
+    if k != kb:
+        raise ValueError(f"a has K={k} columns but b has K={kb}")
+    out = torch.zeros((m, n), dtype=torch.float64, device=device)
+    if m == 0 or n == 0 or k == 0:
+        return out
+    _product(a.decode(), a.scales, a.block, b.decode(), b.scales, b.block, out)
+    return out
+
+
+def _product(av, a_scales, a_block, bv, b_scales, b_block, out, out_rows=None) -> None:
+    torch = _torch()
+    m, k = av.shape
+    n = bv.shape[0]
+    g = _segment(a_block[1], b_block[1], k)
+    starts = torch.arange(0, k, g, device=av.device)
+    sa = _expand_scales(a_scales, m, a_block[0], starts, a_block[1])
+    sb = _expand_scales(b_scales, n, b_block[0], starts, b_block[1])
+    _gemm_rows(av, sa, bv, sb, g, out, out_rows)
+
+
+def _device_of(*xs):
+    torch = _torch()
+    for x in xs:
+        for attr in ("device",):
+            d = getattr(x, attr, None)
+            if isinstance(d, torch.device):
+                return d
+    return torch.device("cuda")
+
+
+def _expert_values(w, e: int):
+    """float64 ``[N, K]`` element values of expert ``e`` and its scales (``w`` a device
+    :class:`StackedExperts`)."""
+    codes = w.codes[e]
+    if w.packed:
+        codes = _unpack_nibbles(codes, w.shape[1])
+    return _decode(codes, w.element, w.magnitude), w.scales[e]
+
+
+def device_expert_rows_gemm(a, row_expert, weights, bias=None, *, abs_values: bool = False):
+    """:func:`moeref.gemm.expert_rows_gemm` on a torch device: ``out[r] = a[r] @ W[row_expert[r]].T (+ bias)``,
+    0 on rows with ``row_expert == -1``; float64 ``[R, N]`` tensor, the NumPy engine's value.
+
+    Args:
+        a: ``[R, K]`` operand (:func:`device_operand` input; already on the device for speed).
+        row_expert: int ``[R]`` (NumPy or torch): the local expert of each row, -1 padding.
+        weights: :class:`StackedExperts` on the device (:meth:`StackedExperts.to`).
+        bias: optional float ``[E, N]`` (tensor or array), added in float64 after the product.
+        abs_values: ``|a| @ |W|.T + |bias|`` (error-bound sums).
+    """
+    torch = _torch()
+    if not isinstance(weights, StackedExperts):
+        raise TypeError(f"the device engine takes StackedExperts weights; got {type(weights).__name__} "
+                        "(StackedExperts.from_quantized(...).to(device))")
+    device = weights.codes.device
+    a = device_operand(a, device)
+    w = weights.abs() if abs_values else weights
+    if abs_values:
+        a = a.abs()
+    rows = np.asarray(row_expert.cpu() if torch.is_tensor(row_expert) else row_expert, dtype=np.int64).reshape(-1)
+    if rows.size != a.shape[0]:
+        raise ValueError(f"row_expert has {rows.size} entries but a has {a.shape[0]} rows")
+    bad = np.flatnonzero((rows < -1) | (rows >= len(w)))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"row_expert[{i}] = {int(rows[i])} is out of range [-1, {len(w)})")
+    if a.shape[1] != w.shape[1]:
+        raise ValueError(f"a has K={a.shape[1]} columns but the experts have K={w.shape[1]}")
+    n = w.shape[0]
+    out = torch.zeros((rows.size, n), dtype=torch.float64, device=device)
+    order = np.argsort(rows, kind="stable")
+    sorted_rows = rows[order]
+    first = int(np.searchsorted(sorted_rows, 0))
+    experts, starts, counts = np.unique(sorted_rows[first:], return_index=True, return_counts=True)
+    order_t = torch.as_tensor(order[first:], device=device)
+    for e, s0, c in zip(experts.tolist(), (starts + first).tolist(), counts.tolist()):
+        idx = order_t[s0 - first:s0 - first + c]
+        ae = a.take_rows(idx)
+        wv, ws = _expert_values(w, e)
+        _product(ae.decode(), ae.scales, ae.block, wv, ws, w.block, out, idx)
+    if bias is not None:
+        b = torch.as_tensor(bias if torch.is_tensor(bias) else np.asarray(bias, dtype=np.float64),
+                            device=device).to(torch.float64)
+        if tuple(b.shape) != (len(w), n):
+            raise ValueError(f"bias must have shape ({len(w)}, {n}); got {tuple(b.shape)}")
+        valid = np.flatnonzero(rows >= 0)
+        vt = torch.as_tensor(valid, device=device)
+        add = b.abs() if abs_values else b
+        out[vt] += add.index_select(0, torch.as_tensor(rows[valid], device=device))
+    return out
