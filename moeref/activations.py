@@ -210,7 +210,11 @@ def split_w13(w, layout: str, axis: int = -2) -> tuple[np.ndarray, np.ndarray]:
     [[2, 3], [0, 1]]
     """
     layout = _norm_layout(layout, W13_LAYOUTS, "layout")
-    a = w if elementary.is_torch(w) and w.device.type != "cpu" else np.asarray(_interop.to_numpy(w))
+    return _split_axis(np.asarray(_interop.to_numpy(w)), layout, axis)
+
+
+def _split_axis(a, layout: str, axis: int):
+    """:func:`split_w13` on an array of either kind (NumPy or torch: views of ``a``)."""
     axis, n = _two_n(a, axis, "w")
     index = [slice(None)] * a.ndim
 
@@ -422,7 +426,7 @@ def activation_values(name: str, h, w13_layout: str, params: dict | None = None)
     if not spec.gated:
         return _plain_core(name, h, params)
     layout = "up_gate" if name == "mul_and_silu" else params.pop("layout", w13_layout)
-    g, u = split_w13(h, _norm_layout(layout, ACTIVATION_LAYOUTS, "layout"), axis=-1)
+    g, u = _split_axis(h, _norm_layout(layout, ACTIVATION_LAYOUTS, "layout"), -1)
     return _gated_core("silu_and_mul" if name == "mul_and_silu" else name, g, u, params)
 
 

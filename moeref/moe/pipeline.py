@@ -100,6 +100,7 @@ def quantizer(scheme, **static) -> Callable:
         return quantize(x, scheme, **static)
 
     run.scheme = scheme
+    run.static = dict(static)  # the device engine passes these to fastpath.quant.quantize
     return run
 
 
@@ -113,6 +114,11 @@ def _run_quantizer(q, x: np.ndarray):
 
         qt = quantize(x, q)
     return as_operand(qt, "quantized"), qt
+
+
+def _is_device_tensor(x) -> bool:
+    return type(x).__module__.startswith("torch") and getattr(x, "device", None) is not None \
+        and x.device.type != "cpu"
 
 
 def round_to_dtype(x, dtype) -> np.ndarray:
@@ -187,7 +193,21 @@ def prepare(hidden, topk_weights, topk_ids, *, num_experts: int, layout: str = "
     if apply_router_weight_on_input:
         x = _weight_input(x, w)
     a_tok, a1 = _run_quantizer(quant.a1, np.asarray(x))
-    k = max(g.top_k, 1)
+    src, row_expert, disp = dispatch_rows(ids, g, num_experts=num_experts, layout=layout, expert_map=expert_map,
+                                          alignment=alignment, max_m=max_m)
+    rows = np.where(src >= 0, src // max(g.top_k, 1), -1)
+    return Prepared(layout, a_tok.take_rows(rows), row_expert, src, disp,
+                    np.asarray(w), ids, g.num_tokens, not apply_router_weight_on_input, a1)
+
+
+def dispatch_rows(topk_ids, groups, *, num_experts: int, layout: str, expert_map=None, alignment: int = 128,
+                  max_m: int | None = None):
+    """The rows of ``layout`` for a routing: ``(src, row_expert, dispatch)``, int64 ``[R]`` slot ``t*k+j``
+    and local expert per row (-1 padding) and the layout object (None for ``"standard"``). Index work
+    only (no data moves); shared by both engines of :func:`prepare` (NumPy and :mod:`moeref.moe.device`).
+    ``groups``: :func:`moeref.dispatch.grouping.group_slots` of ``topk_ids``."""
+    g = groups
+    ids = np.asarray(topk_ids)
     if layout == "standard":
         src = np.where(g.local_ids >= 0, np.arange(g.num_slots), -1)
         row_expert = g.local_ids.copy()
@@ -204,9 +224,7 @@ def prepare(hidden, topk_weights, topk_ids, *, num_experts: int, layout: str = "
             disp = to_batched(None, ids, num_experts, cap, 1, expert_map)
         src = disp.src.reshape(-1).astype(np.int64)
         row_expert = np.where(src >= 0, np.repeat(np.arange(disp.src.shape[0]), disp.src.shape[1]), -1)
-    rows = np.where(src >= 0, src // k, -1)
-    return Prepared(layout, a_tok.take_rows(rows), row_expert.astype(np.int64), src.astype(np.int64), disp,
-                    np.asarray(w), ids, g.num_tokens, not apply_router_weight_on_input, a1)
+    return src.astype(np.int64), np.asarray(row_expert).astype(np.int64), disp
 
 
 @dataclass(frozen=True, eq=False)
@@ -290,8 +308,24 @@ def run_moe(hidden, weights: MoEWeights, topk_weights, topk_ids, *, activation: 
             expert_map=None, num_experts: int | None = None, apply_router_weight_on_input: bool = False,
             chunk_size: int | None = None, shared_experts: SharedExperts | None = None, out_dtype=None,
             alignment: int = 128, max_m: int | None = None, gemm1_out_dtype=None, act_out_dtype=None,
-            gemm: Callable | None = None) -> MoERun:
-    """:func:`fused_moe` keeping the trace of every stage (for :mod:`moeref.compare`)."""
+            gemm: Callable | None = None, device=None) -> MoERun:
+    """:func:`fused_moe` keeping the trace of every stage (for :mod:`moeref.compare`).
+
+    ``device``: run on a torch device (``"cuda"``) with the device engine (:mod:`moeref.moe.device`: the
+    same result bit for bit, float64 on the GPU, for production shapes); the default runs on the
+    device of ``hidden`` when it is a CUDA tensor, else with NumPy on the host.
+    """
+    if device is not None or _is_device_tensor(hidden):
+        if gemm is not None:
+            raise ValueError("gemm= (a host GEMM engine) cannot run on a device; leave device unset")
+        from .device import run_moe_device
+
+        return run_moe_device(hidden, weights, topk_weights, topk_ids, device=device, activation=activation,
+                              activation_params=activation_params, quant=quant, layout=layout,
+                              expert_map=expert_map, num_experts=num_experts,
+                              apply_router_weight_on_input=apply_router_weight_on_input, chunk_size=chunk_size,
+                              shared_experts=shared_experts, out_dtype=out_dtype, alignment=alignment,
+                              max_m=max_m, gemm1_out_dtype=gemm1_out_dtype, act_out_dtype=act_out_dtype)
     x = as_float_array(hidden, "hidden")
     check_ndim(x, 2, "hidden")
     m = x.shape[0]
@@ -336,7 +370,7 @@ def fused_moe(hidden, weights: MoEWeights, topk_weights, topk_ids, *, activation
               expert_map=None, num_experts: int | None = None, apply_router_weight_on_input: bool = False,
               chunk_size: int | None = None, shared_experts: SharedExperts | None = None, out_dtype=None,
               alignment: int = 128, max_m: int | None = None, gemm1_out_dtype=None, act_out_dtype=None,
-              gemm: Callable | None = None) -> np.ndarray:
+              gemm: Callable | None = None, device=None):
     """The whole layer: ``prepare -> experts -> finalize`` per chunk of ``chunk_size`` tokens, plus
     shared experts, rounded once to ``out_dtype`` (None: float64).
 
@@ -344,7 +378,8 @@ def fused_moe(hidden, weights: MoEWeights, topk_weights, topk_ids, *, activation
     ``expert_map`` (EP: ``weights`` holds this rank's local experts; non-local slots contribute 0,
     so the sum over ranks is the full layer), biases (in ``weights``), shared experts (a plain MLP,
     weight 1). The output does not depend on ``chunk_size`` unless an activation scheme has a dynamic
-    per-tensor scale (computed per chunk, as in vLLM). Argument mapping to FlashInfer
+    per-tensor scale (computed per chunk, as in vLLM). ``device="cuda"`` (or CUDA tensors) runs the
+    device engine (:mod:`moeref.moe.device`; the result is then a tensor there). Argument mapping to FlashInfer
     ``cutlass_fused_moe`` and vLLM: :mod:`moeref.moe.mapping`.
 
     >>> from moeref.moe.weights import make_layer
@@ -359,4 +394,4 @@ def fused_moe(hidden, weights: MoEWeights, topk_weights, topk_ids, *, activation
                    num_experts=num_experts, apply_router_weight_on_input=apply_router_weight_on_input,
                    chunk_size=chunk_size, shared_experts=shared_experts, out_dtype=out_dtype,
                    alignment=alignment, max_m=max_m, gemm1_out_dtype=gemm1_out_dtype,
-                   act_out_dtype=act_out_dtype, gemm=gemm).out
+                   act_out_dtype=act_out_dtype, gemm=gemm, device=device).out

@@ -1,0 +1,384 @@
+"""The MoE reference on a torch device (float64 on a CUDA GPU): :func:`moeref.moe.run_moe`'s result, bit for
+bit, at production shapes.
+
+One semantics, two engines. :func:`moeref.moe.run_moe` with ``device="cuda"`` (or CUDA tensors as input)
+runs the same stages as the NumPy engine, each with the same float64 arithmetic:
+
+* routing metadata (slots, layout rows, ``src``): the NumPy engine's own index code
+  (:func:`moeref.moe.pipeline.dispatch_rows`) on the host, copied to the device;
+* router weight on input: the float64 product rounded once to float32;
+* quantizers (``a1``, ``a2``): :func:`fastpath.quant.quantize` where it supports the scheme and input
+  dtype (its codes and scales equal :func:`moeref.quant.quantize`'s bit for bit: the fast-path property
+  suites prove it), else the NumPy quantizer on a host copy; which one ran is recorded in
+  :attr:`DeviceRun.engines`, never chosen silently;
+* GEMMs: :func:`moeref.gemm.device.device_expert_rows_gemm` (exact partial dots, the same in-order
+  scaled sum);
+* activations: :func:`moeref.activations.activation_values` on torch float64, whose ``exp``/``erf``
+  are :mod:`moeref.elementary`'s portable ones (the same bits as on the CPU);
+* stores (``gemm1_out_dtype``, ``act_out_dtype``, ``out_dtype``): the NumPy engine's roundings
+  (float64 -> float32 -> bfloat16 for bfloat16, as ml_dtypes; one rounding for float16 and float32);
+* finalize: ``sum_j w[t, j] * row(t*k + j)`` in float64, slot order, from +0.0.
+
+Weights: :class:`moeref.moe.MoEWeights` whose ``w13``/``w2`` are per-expert quantized tensors (stacked and
+uploaded on first use: call :meth:`MoEWeights.to` once to keep them there), :class:`moeref.gemm.StackedExperts`
+(host or device), or float ``[E, N, K]`` arrays/tensors (kept in their dtype, decoded per expert).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from .._checks import check_choice, check_positive_int
+from ..dispatch.grouping import group_slots
+from ..gemm.device import DeviceOperand, device_expert_rows_gemm, device_operand
+from ..gemm.stacked import StackedExperts
+from .pipeline import LAYOUTS, NO_QUANT, MoEQuant, MoERun, _activation, dispatch_rows
+from .weights import MoEWeights, SharedExperts
+
+__all__ = ["DevicePrepared", "DeviceExpertsOutput", "device_weights", "run_moe_device", "round_on_device"]
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+# ------------------------------------------------------------------------------------------- weights
+
+
+def _stack(ws, device):
+    """A device form of one weight stack: StackedExperts (quantized) or a float tensor [E, N, K]."""
+    torch = _torch()
+    if isinstance(ws, StackedExperts):
+        return ws.to(device) if ws.device != str(device) else ws
+    if torch.is_tensor(ws):
+        return ws.to(device)
+    items = list(ws)
+    if items and all(hasattr(t, "scale_values") and hasattr(t, "codes") for t in items):
+        return StackedExperts.from_quantized(items).to(device)
+    from .._interop import to_numpy, to_torch
+
+    arrs = [to_numpy(t) if not torch.is_tensor(t) else t for t in items]
+    if all(torch.is_tensor(t) for t in arrs):
+        return torch.stack([t.to(device) for t in arrs])
+    return to_torch(np.stack([np.asarray(a) for a in arrs]), device=device)
+
+
+def device_weights(weights: MoEWeights, device) -> MoEWeights:
+    """``weights`` with ``w13``/``w2`` stacked on ``device`` (quantized: :class:`StackedExperts`; float:
+    ``[E, N, K]`` tensors in their dtype) and biases as float64 tensors there. Idempotent."""
+    torch = _torch()
+    dev = torch.device(device)
+
+    def bias(b):
+        if b is None:
+            return None
+        t = b if torch.is_tensor(b) else torch.as_tensor(np.asarray(b, dtype=np.float64))
+        return t.to(device=dev, dtype=torch.float64)
+
+    return replace(weights, w13=_stack(weights.w13, dev), w2=_stack(weights.w2, dev), b13=bias(weights.b13),
+                   b2=bias(weights.b2))
+
+
+def _weights_gemm(a: DeviceOperand, row_expert, w, bias):
+    """``device_expert_rows_gemm`` for quantized stacks; float stacks as one-block float experts."""
+    torch = _torch()
+    if isinstance(w, StackedExperts):
+        return device_expert_rows_gemm(a, row_expert, w, bias)
+    # float [E, N, K]: each expert one block of scale 1 (not quantized: float64-accurate partial dots)
+    from ..gemm.device import _product
+
+    rows = np.asarray(row_expert, dtype=np.int64)
+    n = int(w.shape[1])
+    out = torch.zeros((rows.size, n), dtype=torch.float64, device=w.device)
+    for e in np.unique(rows[rows >= 0]).tolist():
+        idx = torch.as_tensor(np.flatnonzero(rows == e), device=w.device)
+        ae = a.take_rows(idx)
+        we = w[e].to(torch.float64)
+        _product(ae.decode(), ae.scales, ae.block, we, torch.ones((1, 1), dtype=torch.float64, device=w.device),
+                 (n, int(w.shape[2])), out, idx)
+    if bias is not None:
+        valid = np.flatnonzero(rows >= 0)
+        vt = torch.as_tensor(valid, device=w.device)
+        out[vt] += bias.index_select(0, torch.as_tensor(rows[valid], device=w.device))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- stores
+
+
+def round_on_device(x, dtype):
+    """:func:`moeref.moe.round_to_dtype` on a float64 tensor: the same roundings. float32: one RNE;
+    bfloat16: float64 -> float32 -> bfloat16 (two RNE, as ml_dtypes' cast); float16: one RNE (through a
+    round-to-odd float32, which makes the second rounding exact: 24 bits against 11)."""
+    torch = _torch()
+    if dtype is None:
+        return x
+    from .pipeline import _dtype
+
+    dt = _dtype(dtype)
+    if dt == np.float64:
+        return x
+    if dt == np.float32:
+        return x.to(torch.float32).to(torch.float64)
+    if dt.name == "bfloat16":
+        return x.to(torch.float32).to(torch.bfloat16).to(torch.float64)
+    if dt == np.float16:
+        return _round_to_odd_f32(x).to(torch.float16).to(torch.float64)
+    raise ValueError(f"the device engine stores float64, float32, bfloat16 or float16; got {dt}")
+
+
+def _round_to_odd_f32(x):
+    """float64 -> float32 rounded to odd (truncate, then set the last bit when inexact)."""
+    torch = _torch()
+    f = x.to(torch.float32)
+    back = f.to(torch.float64)
+    inexact = (back != x) & ~x.isnan()
+    bits = f.view(torch.int32)
+    bits = torch.where(inexact & (back.abs() > x.abs()), bits - 1, bits)  # toward zero (sign-magnitude)
+    bits = torch.where(inexact, bits | 1, bits)
+    return bits.view(torch.float32)
+
+
+def _work_dtype(dtype):
+    """The torch dtype a kernel hands its quantizer after an ``act_out_dtype`` store."""
+    torch = _torch()
+    from .pipeline import _dtype
+
+    dt = _dtype(dtype)
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+            "float64": torch.float64}[dt.name]
+
+
+# ------------------------------------------------------------------------------------------- quantizers
+
+
+def _quantize(q, x, engines: list, label: str) -> tuple[DeviceOperand, object]:
+    """Run quantizer ``q`` on the device tensor ``x``: ``(operand, quantized tensor or None)``."""
+    torch = _torch()
+    if q is None:
+        return device_operand(x.to(torch.float64) if x.dim() == 2 else x.reshape(x.shape[0], -1), x.device), None
+    from ..quant import Scheme
+
+    if isinstance(q, Scheme):
+        scheme, static = q, {}
+    elif hasattr(q, "scheme") and hasattr(q, "static"):  # moeref.moe.quantizer(scheme, **static)
+        scheme, static = q.scheme, dict(q.static)
+    else:  # a user's own quantizer function: it takes host arrays
+        scheme, static = None, None
+    why = "a quantizer function of the user's (it takes host arrays)"
+    if scheme is not None:
+        why = _fast_quantize_unavailable(scheme, x, static)
+        if why is None:
+            from fastpath.quant import quantize as fast_quantize
+
+            qt = fast_quantize(x, scheme, **static)
+            engines.append(f"{label}: fastpath.quant ({scheme.name})")
+            return device_operand(qt, x.device), qt
+    from .._interop import to_numpy
+    from .pipeline import _run_quantizer
+
+    _, qt = _run_quantizer(q, to_numpy(x.cpu()))
+    engines.append(f"{label}: moeref.quant on the host ({why})")
+    return device_operand(qt, x.device), qt
+
+
+def _fast_quantize_unavailable(scheme, x, static: dict) -> str | None:
+    """None when :func:`fastpath.quant.quantize` runs ``scheme`` on ``x`` with ``static``, else why not."""
+    if not set(static) <= {"scale", "global_scale"}:
+        return f"static arguments {sorted(static)} have no fast path"
+    try:
+        from fastpath.registry import ImplementationUnavailable, get_implementation
+    except ImportError as e:  # triton missing
+        return f"fastpath cannot be imported ({e})"
+    ctx = dict(scheme=scheme, x=x)
+    if "global_scale" in static:
+        ctx["global_scale"] = static["global_scale"]
+    try:
+        get_implementation("quantize", "triton", **ctx)
+    except ImplementationUnavailable as e:
+        return str(e)
+    return None
+
+
+# ------------------------------------------------------------------------------------------- stages
+
+
+@dataclass(frozen=True, eq=False)
+class DevicePrepared:
+    """:class:`moeref.moe.Prepared` on a device: ``a`` a :class:`moeref.gemm.device.DeviceOperand`,
+    ``topk_weights`` a float64 tensor; index arrays on the host (NumPy)."""
+
+    layout: str
+    a: DeviceOperand
+    row_expert: np.ndarray
+    src: np.ndarray
+    dispatch: object
+    topk_weights: object
+    topk_ids: np.ndarray
+    num_tokens: int
+    apply_weights: bool
+    a1: object = None
+
+    @property
+    def top_k(self) -> int:
+        return int(self.topk_ids.shape[1])
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceExpertsOutput:
+    """:class:`moeref.moe.ExpertsOutput` on a device (float64 tensors; ``valid`` NumPy bool)."""
+
+    y: object
+    h: object
+    x: object
+    xq: DeviceOperand
+    a2: object
+    valid: np.ndarray
+
+
+def _prepare(x, w, ids, *, num_experts, layout, quant, expert_map, apply_router_weight_on_input, alignment,
+             max_m, engines) -> DevicePrepared:
+    torch = _torch()
+    g = group_slots(ids, num_experts, expert_map)
+    if x.shape[0] != g.num_tokens or tuple(w.shape) != tuple(ids.shape):
+        raise ValueError(f"hidden {tuple(x.shape)}, topk_weights {tuple(w.shape)} and topk_ids {ids.shape} must "
+                         "agree on tokens and k")
+    if apply_router_weight_on_input:
+        if ids.shape[1] != 1:
+            raise ValueError("apply_router_weight_on_input needs top_k == 1 (weight-on-input is exact only then); "
+                             f"got top_k={ids.shape[1]}")
+        x = (x.to(torch.float64) * w.to(torch.float64)).to(torch.float32)
+    a_tok, a1 = _quantize(quant.a1, x, engines, "a1")
+    src, row_expert, disp = dispatch_rows(ids, g, num_experts=num_experts, layout=layout, expert_map=expert_map,
+                                          alignment=alignment, max_m=max_m)
+    rows = np.where(src >= 0, src // max(g.top_k, 1), -1)
+    return DevicePrepared(layout, a_tok.take_rows(rows), row_expert, src, disp, w.to(torch.float64), ids,
+                          g.num_tokens, not apply_router_weight_on_input, a1)
+
+
+def _experts(p: DevicePrepared, weights: MoEWeights, *, activation, activation_params, quant, gemm1_out_dtype,
+             act_out_dtype, engines) -> DeviceExpertsOutput:
+    torch = _torch()
+    valid = p.row_expert >= 0
+    n_w = len(weights.w13)
+    if n_w < int(p.row_expert.max(initial=-1)) + 1:
+        raise ValueError(f"the routing uses local expert {int(p.row_expert.max())} but weights has {n_w}")
+    dev = p.a.device
+    r, k = p.a.shape
+    if not valid.any():
+        empty = torch.zeros((r, 0), dtype=torch.float64, device=dev)
+        return DeviceExpertsOutput(torch.zeros((r, k), dtype=torch.float64, device=dev), empty, empty,
+                                   device_operand(empty, dev), None, valid)
+    h = round_on_device(_weights_gemm(p.a, p.row_expert, weights.w13, weights.b13), gemm1_out_dtype)
+    x = _activation(activation, h, weights.w13_layout, activation_params)
+    vt = torch.as_tensor(valid, device=dev)
+    x = torch.where(vt[:, None], x, torch.zeros((), dtype=torch.float64, device=dev))
+    x = round_on_device(x, act_out_dtype)
+    vidx = np.flatnonzero(valid)
+    xv = x.index_select(0, torch.as_tensor(vidx, device=dev))
+    x_in = xv if act_out_dtype is None else xv.to(_work_dtype(act_out_dtype))
+    xq_valid, a2 = _quantize(quant.a2, x_in, engines, "a2")
+    pos = np.full(r, -1, dtype=np.int64)
+    pos[vidx] = np.arange(vidx.size)
+    xq = xq_valid.take_rows(pos)
+    y = _weights_gemm(xq, p.row_expert, weights.w2, weights.b2)
+    return DeviceExpertsOutput(y, h, x, xq, a2, valid)
+
+
+def _finalize(p: DevicePrepared, e: DeviceExpertsOutput):
+    """``out[t] = sum_j w[t, j] * row(t*k + j)`` in float64, slot order from +0.0 (float64 tensor)."""
+    torch = _torch()
+    dev = e.y.device
+    m, k = p.num_tokens, p.top_k
+    kdim = int(e.y.shape[1])
+    slot_rows = torch.zeros((m * k, kdim), dtype=torch.float64, device=dev)
+    valid = np.flatnonzero(p.src >= 0)
+    if valid.size:
+        slot_rows[torch.as_tensor(p.src[valid], device=dev)] = e.y.index_select(0, torch.as_tensor(valid, device=dev))
+    rows = slot_rows.reshape(m, k, kdim)
+    w = p.topk_weights if p.apply_weights else torch.ones_like(p.topk_weights)
+    out = torch.zeros((m, kdim), dtype=torch.float64, device=dev)
+    for j in range(k):
+        out += w[:, j:j + 1] * rows[:, j, :]
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceRun(MoERun):
+    """:class:`moeref.moe.MoERun` of the device engine: ``output``/``out`` are tensors on the device;
+    ``engines`` lists which quantizer ran where (``"a1: fastpath.quant (...)"``)."""
+
+    engines: list = field(default_factory=list)
+
+
+def run_moe_device(hidden, weights: MoEWeights, topk_weights, topk_ids, *, device=None,
+                   activation: str = "silu_and_mul", activation_params: dict | None = None,
+                   quant: MoEQuant = NO_QUANT, layout: str = "standard", expert_map=None,
+                   num_experts: int | None = None, apply_router_weight_on_input: bool = False,
+                   chunk_size: int | None = None, shared_experts: SharedExperts | None = None, out_dtype=None,
+                   alignment: int = 128, max_m: int | None = None, gemm1_out_dtype=None,
+                   act_out_dtype=None) -> DeviceRun:
+    """:func:`moeref.moe.run_moe` on ``device`` (default: ``hidden``'s device). Arguments as there;
+    ``hidden`` and ``topk_weights`` may be NumPy arrays or tensors on any device (moved), ``topk_ids``
+    is read on the host. Returns a :class:`DeviceRun` whose ``output`` (float64) and ``out`` (``out_dtype``)
+    are tensors on ``device``, equal bit for bit to the NumPy engine's for quantized weights and
+    activations (float operands: float64-accurate, see :mod:`moeref.gemm.device`)."""
+    torch = _torch()
+    from .._interop import to_torch
+
+    check_choice(layout, LAYOUTS, "layout")
+    dev = torch.device(device) if device is not None else (hidden.device if torch.is_tensor(hidden)
+                                                             else torch.device("cuda"))
+    x = hidden if torch.is_tensor(hidden) else to_torch(np.asarray(hidden))
+    x = x.to(dev)
+    if x.dim() != 2 or not x.dtype.is_floating_point:
+        raise ValueError(f"hidden must be a float [M, K] array; got {x.dtype} of shape {tuple(x.shape)}")
+    w = topk_weights if torch.is_tensor(topk_weights) else to_torch(np.asarray(topk_weights))
+    w = w.to(dev)
+    ids = np.asarray(topk_ids.cpu() if torch.is_tensor(topk_ids) else topk_ids)
+    if num_experts is None:
+        if expert_map is not None:
+            raise ValueError("num_experts (global) is required with an expert_map")
+        num_experts = weights.num_experts
+    dw = device_weights(weights, dev)
+    m = int(x.shape[0])
+    chunk = m if chunk_size is None else check_positive_int(chunk_size, "chunk_size")
+    engines: list = []
+    kw = dict(activation=activation, activation_params=activation_params, quant=quant,
+              gemm1_out_dtype=gemm1_out_dtype, act_out_dtype=act_out_dtype, engines=engines)
+    outs, chunks, shared_chunks, shared_parts = [], [], [], []
+    sw = None if shared_experts is None else device_weights(shared_experts.as_weights(), dev)
+    for start in range(0, max(m, 1), max(chunk, 1)):
+        sl = slice(start, min(start + chunk, m))
+        p = _prepare(x[sl], w[sl], ids[sl], num_experts=num_experts, layout=layout, quant=quant,
+                     expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input,
+                     alignment=alignment, max_m=max_m, engines=engines)
+        e = _experts(p, dw, **kw)
+        outs.append(_finalize(p, e))
+        chunks.append((p, e))
+        if sw is not None:
+            n = sl.stop - sl.start
+            sp = _prepare(x[sl], torch.ones((n, 1), dtype=torch.float32, device=dev), np.zeros((n, 1), np.int32),
+                          num_experts=1, layout="standard", quant=quant, expert_map=None,
+                          apply_router_weight_on_input=False, alignment=alignment, max_m=None, engines=engines)
+            se = _experts(sp, sw, **kw)
+            shared_parts.append(_finalize(sp, se))
+            shared_chunks.append((sp, se))
+    routed = torch.cat(outs, dim=0) if outs else torch.zeros((0, 0), dtype=torch.float64, device=dev)
+    shared = torch.cat(shared_parts, dim=0) if shared_parts else None
+    output = routed + shared if shared is not None else routed
+    out = output if out_dtype is None else _to_dtype(output, out_dtype)
+    config = dict(activation=activation, activation_params=activation_params or {}, quant=quant, layout=layout,
+                  out_dtype=out_dtype, num_experts=num_experts, w13_layout=weights.w13_layout,
+                  apply_router_weight_on_input=apply_router_weight_on_input, weights=dw,
+                  shared_experts=shared_experts)
+    return DeviceRun(output, out, chunks, shared, shared_chunks, config, engines)
+
+
+def _to_dtype(x, dtype):
+    """The output store: the float64 tensor rounded to ``dtype`` as the NumPy engine's ``astype``."""
+    torch = _torch()
+    return round_on_device(x, dtype).to(_work_dtype(dtype))
