@@ -347,12 +347,22 @@ def device_expert_rows_gemm(a, row_expert, weights, bias=None, *, abs_values: bo
     sorted_rows = rows[order]
     first = int(np.searchsorted(sorted_rows, 0))
     experts, starts, counts = np.unique(sorted_rows[first:], return_index=True, return_counts=True)
-    order_t = torch.as_tensor(order[first:], device=device)
-    for e, s0, c in zip(experts.tolist(), (starts + first).tolist(), counts.tolist()):
-        idx = order_t[s0 - first:s0 - first + c]
-        ae = a.take_rows(idx)
-        wv, ws = _expert_values(w, e)
-        _product(ae.decode(), ae.scales, ae.block, wv, ws, w.block, out, idx)
+    if experts.size:
+        # every valid row gathered, decoded and given its per-segment scales once (a few launches), then
+        # per expert: its weights decoded, one batched product, one in-order sum (views of the rest)
+        order_t = torch.as_tensor(order[first:], device=device)
+        a_all = a.take_rows(order_t)
+        av_all = a_all.decode()
+        k = a.shape[1]
+        g = _segment(a_all.block[1], w.block[1], k)
+        seg = torch.arange(0, k, g, device=device)
+        sa_all = a_all.scales.index_select(1, torch.div(seg, a_all.block[1], rounding_mode="floor"))
+        w_rows = torch.div(torch.arange(n, device=device), w.block[0], rounding_mode="floor")
+        w_cols = torch.div(seg, w.block[1], rounding_mode="floor")
+        for e, s0, c in zip(experts.tolist(), starts.tolist(), counts.tolist()):
+            wv, ws = _expert_values(w, e)
+            sb = ws.index_select(0, w_rows).index_select(1, w_cols)
+            _gemm_rows(av_all[s0:s0 + c], sa_all[s0:s0 + c], wv, sb, g, out, order_t[s0:s0 + c])
     if bias is not None:
         b = torch.as_tensor(bias if torch.is_tensor(bias) else np.asarray(bias, dtype=np.float64),
                             device=device).to(torch.float64)

@@ -56,7 +56,9 @@ def _stack(ws, device):
     if torch.is_tensor(ws):
         return ws.to(device)
     items = list(ws)
-    if items and all(hasattr(t, "scale_values") and hasattr(t, "codes") for t in items):
+    if not items:  # an EP rank without local experts: nothing to stack (no row reaches a GEMM)
+        return items
+    if all(hasattr(t, "scale_values") and hasattr(t, "codes") for t in items):
         return StackedExperts.from_quantized(items).to(device)
     from .._interop import to_numpy, to_torch
 
