@@ -64,6 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--out", default="bench_out/moe_device.json")
+    ap.add_argument("--fast", action="store_true", help="also time fastpath.moe (Triton and DeepGEMM)")
     args = ap.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = deepseek_v3_layer(args.experts, gen)
@@ -91,6 +92,7 @@ def main(argv=None) -> int:
             peak[m] = max(peak.get(m, 0.0), (torch.cuda.max_memory_allocated() - base) / 2**30)
             engines[m] = run.engines
             del run
+    fast_rows = bench_fast_layer(weights, cases, args.rounds) if args.fast else []
     rows = []
     for m in args.tokens:
         t = times[m]
@@ -105,14 +107,91 @@ def main(argv=None) -> int:
                 weights_gib=(weights.w13.codes.numel() + weights.w2.codes.numel()) / 2**30)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, fast=fast_rows), f, indent=1)
     print(f"{meta['gpu']}  {meta['date']}  torch {meta['torch']}  triton {meta['triton']}  "
           f"weights {meta['weights_gib']:.1f} GiB of FP8 codes")
     print(f"{'tokens':>7} {'median s':>9} {'min-max s':>15} {'spread':>7} {'TFLOP':>6} {'f64 TFLOPS':>10} {'peak GiB':>9}")
     for r in rows:
         print(f"{r['tokens']:>7} {r['median_s']:>9.3f} {r['min_s']:>7.3f}-{r['max_s']:<7.3f} {r['spread']:>7.1%} "
               f"{r['expert_tflop']:>6.2f} {r['float64_tflops']:>10.1f} {r['peak_extra_gib']:>9.1f}")
+    if fast_rows:
+        print(f"\nfastpath.moe (same layer), median of {args.rounds} interleaved rounds, ms:")
+        for r in fast_rows:
+            print("  " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
     return 0
+
+
+def _copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second) of a 2 GiB buffer."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    ev[0].record()
+    for _ in range(10):
+        y.copy_(x)
+    ev[1].record()
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (ev[0].elapsed_time(ev[1]) / 1e3)
+
+
+def bench_fast_layer(weights, cases, rounds: int) -> list[dict]:
+    """fastpath.moe.fused_moe through the Triton kernel and DeepGEMM, and DeepGEMM's two GEMMs alone, on the
+    layer and tokens of the reference benchmark; CUDA-event times, interleaved rounds, medians."""
+    from fastpath.grouped_gemm import grouped_gemm_contiguous, grouped_gemm_supports
+    from fastpath.moe import FastMoEWeights, fused_moe
+    from fastpath import dispatch
+
+    fw = FastMoEWeights(weights.w13.codes.view(torch.float8_e4m3fn), weights.w2.codes.view(torch.float8_e4m3fn),
+                        "gate_up", weights.w13.scales.float(), weights.w2.scales.float())
+    impls = [i for i in ("triton", "deep_gemm") if grouped_gemm_supports(i)[0]]
+    bw = _copy_bandwidth()
+    times: dict = {}
+    inputs = {}
+    for m, (x, tw, ids) in cases.items():
+        ids_t = torch.as_tensor(ids, device="cuda")
+        lay = dispatch.to_contiguous(None, ids_t, 256, 128)
+        ms = int(lay.m_indices.numel())
+        a = torch.randn((ms, 7168), device="cuda").to(torch.float8_e4m3fn)
+        sa = torch.rand((ms, 56), device="cuda") + 0.5
+        xm = torch.randn((ms, 2048), device="cuda").to(torch.float8_e4m3fn)
+        sx = torch.rand((ms, 16), device="cuda") + 0.5
+        inputs[m] = (x, tw, ids_t, lay, a, sa, xm, sx)
+        touched = len(np.unique(ids))
+        inputs[m] += (touched * (4096 * 7168 + 7168 * 2048),)
+
+    def timed(fn):
+        fn()
+        torch.cuda.synchronize()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        ev[0].record()
+        fn()
+        ev[1].record()
+        torch.cuda.synchronize()
+        return ev[0].elapsed_time(ev[1])
+
+    for _ in range(rounds):
+        for m, (x, tw, ids_t, lay, a, sa, xm, sx, wbytes) in inputs.items():
+            for impl in impls:
+                times.setdefault((m, f"layer_{impl}"), []).append(
+                    timed(lambda: fused_moe(x, fw, tw, ids_t, impl=impl)))
+                times.setdefault((m, f"gemms_{impl}"), []).append(timed(lambda: (
+                    grouped_gemm_contiguous(a, fw.w13, lay.m_indices, impl=impl, a_scales=sa, b_scales=fw.w13_scales),
+                    grouped_gemm_contiguous(xm, fw.w2, lay.m_indices, impl=impl, a_scales=sx, b_scales=fw.w2_scales))))
+    out = []
+    for m, (x, tw, ids_t, lay, a, sa, xm, sx, wbytes) in inputs.items():
+        row = dict(tokens=m, rows=int(lay.m_indices.numel()), copy_tb_s=bw / 1e12,
+                   roofline_ms=wbytes / bw * 2 * 1e3)  # weights read once: bytes / (copy rate / 2)
+        for impl in impls:
+            lt = statistics.median(times[(m, f"layer_{impl}")])
+            gt = statistics.median(times[(m, f"gemms_{impl}")])
+            flops = 2 * int(lay.m_indices.numel()) * (4096 * 7168 + 7168 * 2048)
+            row.update({f"layer_{impl}_ms": lt, f"gemms_{impl}_ms": gt, f"gemms_{impl}_tflops": flops / gt / 1e9,
+                        f"layer_{impl}_of_roofline": row["roofline_ms"] / lt, f"gemms_over_layer_{impl}": gt / lt})
+        out.append(row)
+    return out
 
 
 if __name__ == "__main__":
