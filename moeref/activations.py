@@ -89,8 +89,8 @@ def _silu64(g):
 def _gelu64(g, approximate: str):
     check_choice(approximate, GELU_APPROXIMATIONS, "approximate")
     if approximate == "tanh":  # torch.nn.functional.gelu(approximate="tanh")
-        return 0.5 * g * (1.0 + elementary.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
-    return 0.5 * g * (1.0 + elementary.erf(g / math.sqrt(2.0)))
+        return 0.5 * g * (1.0 + elementary.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * (g * g * g))))  # g*g*g, not pow: the same bits on every engine
+    return 0.5 * g * (1.0 + elementary.erf(elementary.divide(g, math.sqrt(2.0))))
 
 
 def _minimum(x, lim):

@@ -19,6 +19,10 @@ Stegun 7.1.6, summed per element until its own terms stop mattering: an element'
 depends on the other elements of the array).
 
 Every function takes a NumPy array or a torch tensor of float64 and returns the same kind.
+
+A trap the GPU tests caught: torch on CUDA divides a tensor by a Python scalar as a multiplication by
+the scalar's rounded reciprocal (not IEEE division), so :func:`divide` divides by a 0-d tensor on the
+device instead, which is true division on every engine.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import math
 
 import numpy as np
 
-__all__ = ["exp", "tanh", "erf", "sigmoid", "is_torch"]
+__all__ = ["exp", "tanh", "erf", "sigmoid", "divide", "is_torch"]
 
 _INV_LN2 = 1.4426950408889634
 _LN2_HI = 6.93147180369123816490e-01  # 0x3FE62E42FEE00000: 32 significant bits, so k * LN2_HI is exact
@@ -118,6 +122,19 @@ def _ns(x):
     return _Torch if is_torch(x) else _NumPy
 
 
+def divide(x, c: float):
+    """``x / c`` rounded once (IEEE division) for a float64 array ``x`` and a number ``c``, on every engine.
+
+    >>> divide(np.array([1.0]), 3.0).tolist() == [1.0 / 3.0]
+    True
+    """
+    if is_torch(x):
+        import torch
+
+        return x / torch.tensor(float(c), dtype=x.dtype, device=x.device)
+    return x / c
+
+
 def exp(x):
     """``e^x`` for float64 ``x`` (NumPy or torch), identical bits on every engine (module docstring).
 
@@ -195,7 +212,7 @@ def erf(z):
     n = 0
     while True:
         term = term * (2.0 * z2)
-        term = term / (2 * n + 3)
+        term = divide(term, 2 * n + 3)
         done = done | (term <= 1e-17 * total)
         total = xp.where(done, total, total + term)
         n += 1
