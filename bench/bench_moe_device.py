@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--out", default="bench_out/moe_device.json")
     ap.add_argument("--fast", action="store_true", help="also time fastpath.moe (Triton and DeepGEMM)")
+    ap.add_argument("--sweep", action="store_true", help="sweep the Triton FP8 grouped GEMM's tiles")
+    ap.add_argument("--bf16", action="store_true", help="bf16 grouped GEMM: Triton against torch._grouped_mm")
     args = ap.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = deepseek_v3_layer(args.experts, gen)
@@ -93,6 +95,8 @@ def main(argv=None) -> int:
             engines[m] = run.engines
             del run
     fast_rows = bench_fast_layer(weights, cases, args.rounds) if args.fast else []
+    sweep_rows = bench_tiles(weights, cases[max(cases)], args.rounds) if args.sweep else []
+    bf16_rows = bench_bf16(cases[max(cases)], args.experts, args.rounds) if args.bf16 else []
     rows = []
     for m in args.tokens:
         t = times[m]
@@ -107,13 +111,17 @@ def main(argv=None) -> int:
                 weights_gib=(weights.w13.codes.numel() + weights.w2.codes.numel()) / 2**30)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows, fast=fast_rows), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, fast=fast_rows, sweep=sweep_rows, bf16=bf16_rows), f, indent=1)
     print(f"{meta['gpu']}  {meta['date']}  torch {meta['torch']}  triton {meta['triton']}  "
           f"weights {meta['weights_gib']:.1f} GiB of FP8 codes")
     print(f"{'tokens':>7} {'median s':>9} {'min-max s':>15} {'spread':>7} {'TFLOP':>6} {'f64 TFLOPS':>10} {'peak GiB':>9}")
     for r in rows:
         print(f"{r['tokens']:>7} {r['median_s']:>9.3f} {r['min_s']:>7.3f}-{r['max_s']:<7.3f} {r['spread']:>7.1%} "
               f"{r['expert_tflop']:>6.2f} {r['float64_tflops']:>10.1f} {r['peak_extra_gib']:>9.1f}")
+    for r in sweep_rows:
+        print("  tiles " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+    for r in bf16_rows:
+        print("  bf16 " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
     if fast_rows:
         print(f"\nfastpath.moe (same layer), median of {args.rounds} interleaved rounds, ms:")
         for r in fast_rows:
@@ -135,6 +143,86 @@ def _copy_bandwidth() -> float:
     ev[1].record()
     torch.cuda.synchronize()
     return 2 * x.numel() * 10 / (ev[0].elapsed_time(ev[1]) / 1e3)
+
+
+def _event_ms(fn, reps: int = 3) -> float:
+    fn()
+    torch.cuda.synchronize()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    ev[0].record()
+    for _ in range(reps):
+        fn()
+    ev[1].record()
+    torch.cuda.synchronize()
+    return ev[0].elapsed_time(ev[1]) / reps
+
+
+def bench_tiles(weights, case, rounds: int) -> list[dict]:
+    """The Triton FP8 grouped GEMM (GEMM1 shape) under several tiles, against DeepGEMM, interleaved."""
+    from fastpath import dispatch
+    from fastpath.grouped_gemm import GemmTiles, grouped_gemm_contiguous, grouped_gemm_supports
+
+    x, tw, ids = case
+    lay = dispatch.to_contiguous(None, torch.as_tensor(ids, device="cuda"), 256, 128)
+    ms = int(lay.m_indices.numel())
+    a = torch.randn((ms, 7168), device="cuda").to(torch.float8_e4m3fn)
+    sa = torch.rand((ms, 56), device="cuda") + 0.5
+    b = weights.w13.codes.view(torch.float8_e4m3fn)
+    sb = weights.w13.scales.float()
+    configs = [GemmTiles(128, 128, 128, 8, 3), GemmTiles(128, 128, 128, 4, 3), GemmTiles(128, 128, 128, 8, 4),
+               GemmTiles(128, 256, 128, 8, 3), GemmTiles(64, 128, 128, 4, 4), GemmTiles(128, 64, 128, 4, 4),
+               GemmTiles(128, 256, 128, 8, 2)]
+    times: dict = {}
+    for _ in range(rounds):
+        for t in configs:
+            try:
+                times.setdefault(t, []).append(_event_ms(lambda: grouped_gemm_contiguous(
+                    a, b, lay.m_indices, impl="triton", a_scales=sa, b_scales=sb, tiles=t)))
+            except Exception as e:  # a tile that does not fit (shared memory): recorded, not fatal
+                times[t] = [float("nan")]
+                print("tile", t, "failed:", type(e).__name__, str(e)[:120])
+        if grouped_gemm_supports("deep_gemm")[0]:
+            times.setdefault("deep_gemm", []).append(_event_ms(lambda: grouped_gemm_contiguous(
+                a, b, lay.m_indices, impl="deep_gemm", a_scales=sa, b_scales=sb)))
+    flops = 2 * ms * 4096 * 7168
+    dg = statistics.median(times["deep_gemm"]) if "deep_gemm" in times else float("nan")
+    out = []
+    for t, v in times.items():
+        med = statistics.median(v)
+        out.append(dict(tiles=str(t), ms=med, tflops=flops / med / 1e9, of_deep_gemm=dg / med))
+    return out
+
+
+def bench_bf16(case, experts: int, rounds: int) -> list[dict]:
+    """bf16 grouped GEMM at the GEMM1 and GEMM2 shapes on the same routing: the Triton kernel (contiguous,
+    128-row segments) against torch._grouped_mm (CUTLASS; tight segments), TFLOPS on the real rows."""
+    from fastpath import dispatch
+    from fastpath.grouped_gemm import grouped_gemm_contiguous
+
+    x, tw, ids = case
+    ids_t = torch.as_tensor(ids, device="cuda")
+    lay = dispatch.to_contiguous(None, ids_t, experts, 128)
+    counts = torch.bincount(ids_t.reshape(-1).long(), minlength=experts)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    real = int(counts.sum())
+    out = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for name, n, k in (("gemm1", 4096, 7168), ("gemm2", 7168, 2048)):
+        b = (torch.randn((experts, n, k), device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+        a_pad = torch.randn((int(lay.m_indices.numel()), k), device="cuda", generator=gen).to(torch.bfloat16)
+        a_tight = torch.randn((real, k), device="cuda", generator=gen).to(torch.bfloat16)
+        bt = b.transpose(1, 2)
+        times: dict = {}
+        for _ in range(rounds):
+            times.setdefault("triton", []).append(_event_ms(lambda: grouped_gemm_contiguous(
+                a_pad, b, lay.m_indices, impl="triton")))
+            times.setdefault("torch_grouped_mm", []).append(_event_ms(lambda: torch._grouped_mm(a_tight, bt, offs=offs)))
+        flops = 2 * real * n * k
+        tri, ref = statistics.median(times["triton"]), statistics.median(times["torch_grouped_mm"])
+        out.append(dict(gemm=name, rows=real, triton_ms=tri, grouped_mm_ms=ref, triton_tflops=flops / tri / 1e9,
+                        grouped_mm_tflops=flops / ref / 1e9, ratio=ref / tri))
+        del b, bt
+    return out
 
 
 def bench_fast_layer(weights, cases, rounds: int) -> list[dict]:

@@ -26,11 +26,14 @@ selection, padding, scale indexing) against the exact reference.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["GROUPED_GEMM_IMPLEMENTATIONS", "grouped_gemm_contiguous", "grouped_gemm_supports", "PROFILE_OF"]
+__all__ = ["GROUPED_GEMM_IMPLEMENTATIONS", "GemmTiles", "grouped_gemm_contiguous", "grouped_gemm_supports",
+           "PROFILE_OF"]
 
 GROUPED_GEMM_IMPLEMENTATIONS = ("triton", "deep_gemm")
 PROFILE_OF = {("triton", "float"): "BF16_OUTPUT", ("triton", "fp8_block"): "HOPPER_FP8_DEEPGEMM_DATA",
@@ -38,6 +41,23 @@ PROFILE_OF = {("triton", "float"): "BF16_OUTPUT", ("triton", "fp8_block"): "HOPP
 """The :mod:`moeref.compare` profile each (implementation, operand kind) declares."""
 
 _FP8 = (torch.float8_e4m3fn,)
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """Launch configuration of the Triton kernel (``block_m`` must divide the layout's alignment; FP8
+    needs ``block_k == 128``, one scale block per step). Defaults: :data:`DEFAULT_TILES`; measured
+    alternatives and their times are in docs/performance.md."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+DEFAULT_TILES = {"fp8_block": GemmTiles(128, 128, 128, 8, 3), "float": GemmTiles(128, 128, 64, 8, 4)}
+_INTERPRETER_TILES = {"fp8_block": GemmTiles(16, 32, 128, 1, 1), "float": GemmTiles(16, 32, 32, 1, 1)}
 
 
 @triton.jit
@@ -120,7 +140,7 @@ def grouped_gemm_supports(impl: str, a=None, b=None, *, a_scales=None, b_scales=
 
 def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.Tensor, *, impl: str,
                             a_scales=None, b_scales=None, out_dtype=torch.bfloat16, alignment: int = 128,
-                            out=None) -> torch.Tensor:
+                            out=None, tiles: GemmTiles | None = None) -> torch.Tensor:
     """``d [M_sum, N] = a @ b[m_indices].T`` per row (padding rows unspecified).
 
     Args:
@@ -148,21 +168,21 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
                                                    disable_ue8m0_cast=True)
         return d
     fp8 = a.dtype in _FP8
-    block_m = min(alignment, 128) if alignment % 128 == 0 else (64 if alignment % 64 == 0 else alignment)
-    block_n, block_k = (128, 128) if fp8 else (128, 64)
-    if a.device.type == "cpu":  # the interpreter: small tiles keep it quick
-        block_m, block_n = min(block_m, 16), 32
-        block_k = 128 if fp8 else 32
+    kind = _kind(a)
+    t = tiles or (_INTERPRETER_TILES if a.device.type == "cpu" else DEFAULT_TILES)[kind]
+    if alignment % t.block_m:
+        t = replace(t, block_m=64 if alignment % 64 == 0 else 16)
+    if fp8 and t.block_k != 128:
+        raise ValueError(f"FP8 tiles need block_k = 128 (one scale block a step); got {t.block_k}")
     a = a.contiguous()
     b = b.contiguous()
     dummy = torch.empty(1, dtype=torch.float32, device=a.device)
     sa = a_scales.contiguous() if fp8 else dummy
     sb = b_scales.contiguous() if fp8 else dummy
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
     _grouped_gemm_kernel[grid](a, b, d, m_indices.to(torch.int32).contiguous(), sa, sb, m, n, k,
                                a.stride(0), b.stride(0), b.stride(1), d.stride(0),
                                sa.stride(0) if fp8 else 0, sb.stride(0) if fp8 else 0, sb.stride(1) if fp8 else 0,
-                               FP8=fp8, SCALE_BLOCK=128, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                               K_ITERS=triton.cdiv(k, block_k),
-                               num_warps=8 if a.device.type == "cuda" else 1, num_stages=3 if fp8 else 4)
+                               FP8=fp8, SCALE_BLOCK=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                               K_ITERS=triton.cdiv(k, t.block_k), num_warps=t.num_warps, num_stages=t.num_stages)
     return d

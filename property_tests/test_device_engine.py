@@ -109,6 +109,29 @@ def test_device_gemm_engine_equals_block_gemm_fp8_deepgemm_blocks():
         _check(ref, got, exact=True)
 
 
+@pytest.mark.parametrize("w_scheme", ["fp8_block16", "mxfp4"])
+def test_few_rows_kernel_equals_the_decode_path(monkeypatch, w_scheme):
+    """Both device paths (the few-rows kernel reading codes, and decode + batched product) give
+    block_gemm's bits: experts with 1..9 rows (one or two work items), K with a short last segment."""
+    from moeref.gemm import device as dev_mod
+    from moeref.quant import mxfp4
+
+    rng = np.random.default_rng(2)
+    m, n, k, e = 23, 20, 80, 3
+    a_s, w_s = (fp8_group(16), fp8_block((16, 16))) if w_scheme == "fp8_block16" else (fp8_group(32), mxfp4())
+    k = 80 if w_scheme == "fp8_block16" else 96
+    qa = quantize(rng.standard_normal((m, k)).astype(np.float32), a_s)
+    qw = [quantize(rng.standard_normal((n, k)).astype(np.float32), w_s) for _ in range(e)]
+    rows = np.repeat(np.arange(-1, e), [2, 1, 9, 11])
+    rng.shuffle(rows)
+    ref = expert_rows_gemm(qa, rows, qw)
+    stacked = StackedExperts.from_quantized(qw).to(DEV)
+    monkeypatch.setattr(dev_mod, "FEW_ROWS_ON_CPU", True)
+    for limit in (0, 32):  # 0: every expert through decode + product; 32: every expert through the kernel
+        monkeypatch.setattr(dev_mod, "FEW_ROWS_MAX", limit)
+        _check(ref, device_expert_rows_gemm(qa, rows, stacked), exact=True)
+
+
 def _special_values():
     rng = np.random.default_rng(3)
     grid = np.concatenate([

@@ -58,3 +58,77 @@ def ordered_scaled_sum(p: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out:
                                      p.stride(0), p.stride(1), sa.stride(0), sb.stride(0), out.stride(0),
                                      S=S, HAS_ROWS=rows is not None, BLOCK_R=block_r, BLOCK_N=block_n,
                                      enable_fp_fusion=False)
+
+
+@triton.jit
+def _exact_few_rows_kernel(a_ptr, sa_ptr, pos_ptr, codes_ptr, table_ptr, sb_ptr, out_ptr,
+                           item_expert_ptr, item_start_ptr, item_count_ptr, N, K,
+                           stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o,
+                           S: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+                           BLOCK_N: tl.constexpr, W_BN: tl.constexpr, W_BK: tl.constexpr, PACKED: tl.constexpr,
+                           E4M3_CAST: tl.constexpr):
+    """One work item = up to ROWS rows of one expert x BLOCK_N output columns, reading the expert's codes
+    directly: P_s = sum over the segment's products (float64, exact in any order), then
+    acc = acc + (P_s * sa) * sb in segment order (compiled without FMA contraction)."""
+    pid_n = tl.program_id(0)
+    item = tl.program_id(1)
+    e = tl.load(item_expert_ptr + item).to(tl.int64)
+    start = tl.load(item_start_ptr + item)
+    count = tl.load(item_count_ptr + item)
+    r = tl.arange(0, ROWS)
+    rm = r < count
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    kk = tl.arange(0, BK)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
+    for s in range(S):
+        p = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
+        for j in range(G // BK):
+            k = s * G + j * BK + kk
+            km = k < K
+            a = tl.load(a_ptr + (start + r)[:, None].to(tl.int64) * stride_a + k[None, :],
+                        mask=rm[:, None] & km[None, :], other=0.0)
+            wmask = nm[:, None] & km[None, :]
+            if PACKED:
+                byte = tl.load(codes_ptr + e * stride_ce + n[:, None].to(tl.int64) * stride_cn + (k // 2)[None, :],
+                               mask=wmask, other=0)
+                c = (byte >> ((k % 2) * 4)[None, :].to(tl.uint8)) & 0xF
+            else:
+                c = tl.load(codes_ptr + e * stride_ce + n[:, None].to(tl.int64) * stride_cn + k[None, :],
+                            mask=wmask, other=0)
+            if E4M3_CAST:
+                w = c.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(tl.float64)
+            else:
+                w = tl.load(table_ptr + c.to(tl.int32))
+            w = tl.where(wmask, w, 0.0)
+            p += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+        sa = tl.load(sa_ptr + (start + r).to(tl.int64) * stride_sa + s, mask=rm, other=1.0)
+        sb = tl.load(sb_ptr + e * stride_sbe + (n // W_BN) * stride_sbn + (s * G) // W_BK, mask=nm, other=1.0)
+        t = p * sa[:, None]
+        t = t * sb[None, :]
+        acc = acc + t
+    dst = tl.load(pos_ptr + start + r, mask=rm, other=0)
+    tl.store(out_ptr + dst[:, None].to(tl.int64) * stride_o + n[None, :], acc, mask=rm[:, None] & nm[None, :])
+
+
+def exact_few_rows(av: torch.Tensor, sa: torch.Tensor, pos: torch.Tensor, codes: torch.Tensor, table: torch.Tensor,
+                   scales: torch.Tensor, out: torch.Tensor, items: torch.Tensor, *, g: int, n: int, k: int,
+                   w_block: tuple, packed: bool, e4m3: bool, rows: int) -> None:
+    """The few-rows exact product of :mod:`moeref.gemm.device` (see the kernel's docstring).
+
+    ``av`` float64 ``[R, K]`` rows sorted by expert; ``sa`` float64 ``[R, S]``; ``pos`` int64 ``[R]`` output
+    row of each sorted row; ``codes`` uint8 ``[E, N, K or K/2]``; ``table`` float64 decode table;
+    ``scales`` float64 ``[E, gN, gK]``; ``items`` int32 ``[3, I]``: expert, first sorted row, row count
+    (<= ``rows``) of each work item."""
+    s = -(-k // g)
+    bk = 16 if g % 16 == 0 else (8 if g % 8 == 0 else 1)
+    block_n = 32 if out.device.type == "cuda" else 16
+    n_items = int(items.shape[1])
+    if n_items == 0:
+        return
+    grid = (triton.cdiv(n, block_n), n_items)
+    _exact_few_rows_kernel[grid](av, sa, pos, codes, table, scales, out, items[0], items[1], items[2], n, k,
+                                 av.stride(0), sa.stride(0), codes.stride(0), codes.stride(1), scales.stride(0),
+                                 scales.stride(1), out.stride(0), S=s, G=g, BK=bk, ROWS=rows, BLOCK_N=block_n,
+                                 W_BN=int(w_block[0]), W_BK=int(w_block[1]), PACKED=packed, E4M3_CAST=e4m3,
+                                 num_warps=4, enable_fp_fusion=False)

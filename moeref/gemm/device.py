@@ -312,6 +312,32 @@ def _expert_values(w, e: int):
     return _decode(codes, w.element, w.magnitude), w.scales[e]
 
 
+FEW_ROWS_MAX = 32
+"""Experts with at most this many rows take the few-rows kernel (codes read directly, 8 rows a work
+item); more rows take the decode + cuBLAS path. Both give the same bits (tested with both forced)."""
+_FEW_ROWS_ITEM = 8
+FEW_ROWS_ON_CPU = False
+
+
+def _few_rows(av_all, sa_all, order_t, w: StackedExperts, out, experts, starts, counts, g: int) -> None:
+    """The experts ``experts`` (rows ``starts[i]:starts[i]+counts[i]`` of the sorted operand) through
+    :func:`moeref.gemm._device_kernels.exact_few_rows`, in work items of :data:`_FEW_ROWS_ITEM` rows."""
+    torch = _torch()
+    from ._device_kernels import exact_few_rows
+
+    per = -(-counts // _FEW_ROWS_ITEM)
+    item_e = np.repeat(experts, per)
+    first = np.repeat(starts, per) + _FEW_ROWS_ITEM * (np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per))
+    item_c = np.minimum(np.repeat(starts + counts, per) - first, _FEW_ROWS_ITEM)
+    items = torch.as_tensor(np.stack([item_e, first, item_c]).astype(np.int32), device=out.device)
+    name = _TORCH_FP8.get(w.element)
+    e4m3 = w.element == "e4m3fn" and out.device.type == "cuda" and not w.magnitude
+    table = _table(w.element, w.magnitude, out.device)
+    exact_few_rows(av_all, sa_all.contiguous(), order_t, w.codes, table, w.scales, out, items, g=g, n=w.shape[0],
+                   k=w.shape[1], w_block=w.block, packed=w.packed, e4m3=e4m3 and name is not None,
+                   rows=_FEW_ROWS_ITEM)
+
+
 def device_expert_rows_gemm(a, row_expert, weights, bias=None, *, abs_values: bool = False):
     """:func:`moeref.gemm.expert_rows_gemm` on a torch device: ``out[r] = a[r] @ W[row_expert[r]].T (+ bias)``,
     0 on rows with ``row_expert == -1``; float64 ``[R, N]`` tensor, the NumPy engine's value.
@@ -359,7 +385,13 @@ def device_expert_rows_gemm(a, row_expert, weights, bias=None, *, abs_values: bo
         sa_all = a_all.scales.index_select(1, torch.div(seg, a_all.block[1], rounding_mode="floor"))
         w_rows = torch.div(torch.arange(n, device=device), w.block[0], rounding_mode="floor")
         w_cols = torch.div(seg, w.block[1], rounding_mode="floor")
-        for e, s0, c in zip(experts.tolist(), starts.tolist(), counts.tolist()):
+        # experts with a few rows read their codes in one kernel (no decode); on the CPU (the Triton
+        # interpreter, slow for it) only when FEW_ROWS_ON_CPU says so (its tests)
+        use_few = device.type == "cuda" or FEW_ROWS_ON_CPU
+        few = (counts <= FEW_ROWS_MAX) & use_few
+        if few.any():
+            _few_rows(av_all, sa_all, order_t, w, out, experts[few], starts[few], counts[few], g)
+        for e, s0, c in zip(experts[~few].tolist(), starts[~few].tolist(), counts[~few].tolist()):
             wv, ws = _expert_values(w, e)
             sb = ws.index_select(0, w_rows).index_select(1, w_cols)
             _gemm_rows(av_all[s0:s0 + c], sa_all[s0:s0 + c], wv, sb, g, out, order_t[s0:s0 + c])
