@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fast", action="store_true", help="also time fastpath.moe (Triton and DeepGEMM)")
     ap.add_argument("--sweep", action="store_true", help="sweep the Triton FP8 grouped GEMM's tiles")
     ap.add_argument("--bf16", action="store_true", help="bf16 grouped GEMM: Triton against torch._grouped_mm")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler table of one run per token count")
     args = ap.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = deepseek_v3_layer(args.experts, gen)
@@ -77,6 +78,16 @@ def main(argv=None) -> int:
         x = torch.randn((m, 7168), device="cuda", generator=gen).to(torch.bfloat16)
         tw, ids = routing(m, args.experts, 8, gen)
         cases[m] = (x, tw, ids)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for m, (x, tw, ids) in cases.items():
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run_moe(x, weights, tw, ids, device="cuda", **kw)
+                torch.cuda.synchronize()
+            print(f"--- profile, {m} tokens")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=60))
     times: dict[int, list[float]] = {m: [] for m in args.tokens}
     peak: dict[int, float] = {}
     engines: dict[int, list] = {}
@@ -169,9 +180,8 @@ def bench_tiles(weights, case, rounds: int) -> list[dict]:
     sa = torch.rand((ms, 56), device="cuda") + 0.5
     b = weights.w13.codes.view(torch.float8_e4m3fn)
     sb = weights.w13.scales.float()
-    configs = [GemmTiles(128, 128, 128, 8, 3), GemmTiles(128, 128, 128, 4, 3), GemmTiles(128, 128, 128, 8, 4),
-               GemmTiles(128, 256, 128, 8, 3), GemmTiles(64, 128, 128, 4, 4), GemmTiles(128, 64, 128, 4, 4),
-               GemmTiles(128, 256, 128, 8, 2)]
+    configs = [GemmTiles(64, 128, 128, 4, 4), GemmTiles(64, 128, 128, 4, 5), GemmTiles(64, 256, 128, 8, 3),
+               GemmTiles(64, 64, 128, 4, 5), GemmTiles(128, 128, 128, 8, 4), GemmTiles(64, 128, 128, 8, 4)]
     times: dict = {}
     for _ in range(rounds):
         for t in configs:
@@ -197,7 +207,7 @@ def bench_bf16(case, experts: int, rounds: int) -> list[dict]:
     """bf16 grouped GEMM at the GEMM1 and GEMM2 shapes on the same routing: the Triton kernel (contiguous,
     128-row segments) against torch._grouped_mm (CUTLASS; tight segments), TFLOPS on the real rows."""
     from fastpath import dispatch
-    from fastpath.grouped_gemm import grouped_gemm_contiguous
+    from fastpath.grouped_gemm import GemmTiles, grouped_gemm_contiguous
 
     x, tw, ids = case
     ids_t = torch.as_tensor(ids, device="cuda")
@@ -213,14 +223,24 @@ def bench_bf16(case, experts: int, rounds: int) -> list[dict]:
         a_tight = torch.randn((real, k), device="cuda", generator=gen).to(torch.bfloat16)
         bt = b.transpose(1, 2)
         times: dict = {}
+        tiles = {"triton": None, "triton 128x256x64 w8 s3": GemmTiles(128, 256, 64, 8, 3),
+                 "triton 128x128x64 w4 s4": GemmTiles(128, 128, 64, 4, 4),
+                 "triton 64x256x64 w4 s4": GemmTiles(64, 256, 64, 4, 4)}
         for _ in range(rounds):
-            times.setdefault("triton", []).append(_event_ms(lambda: grouped_gemm_contiguous(
-                a_pad, b, lay.m_indices, impl="triton")))
+            for label, t in tiles.items():
+                try:
+                    times.setdefault(label, []).append(_event_ms(lambda: grouped_gemm_contiguous(
+                        a_pad, b, lay.m_indices, impl="triton", tiles=t)))
+                except Exception as e:
+                    times[label] = [float("nan")]
+                    print("bf16 tile", label, "failed:", type(e).__name__, str(e)[:100])
             times.setdefault("torch_grouped_mm", []).append(_event_ms(lambda: torch._grouped_mm(a_tight, bt, offs=offs)))
         flops = 2 * real * n * k
-        tri, ref = statistics.median(times["triton"]), statistics.median(times["torch_grouped_mm"])
-        out.append(dict(gemm=name, rows=real, triton_ms=tri, grouped_mm_ms=ref, triton_tflops=flops / tri / 1e9,
-                        grouped_mm_tflops=flops / ref / 1e9, ratio=ref / tri))
+        ref = statistics.median(times["torch_grouped_mm"])
+        for label in tiles:
+            tri = statistics.median(times[label])
+            out.append(dict(gemm=name, tiles=label, rows=real, triton_ms=tri, grouped_mm_ms=ref,
+                            triton_tflops=flops / tri / 1e9, grouped_mm_tflops=flops / ref / 1e9, ratio=ref / tri))
         del b, bt
     return out
 

@@ -56,7 +56,7 @@ class GemmTiles:
     num_stages: int = 3
 
 
-DEFAULT_TILES = {"fp8_block": GemmTiles(128, 128, 128, 8, 3), "float": GemmTiles(128, 128, 64, 8, 4)}
+DEFAULT_TILES = {"fp8_block": GemmTiles(64, 128, 128, 4, 4), "float": GemmTiles(128, 128, 64, 8, 4)}
 _INTERPRETER_TILES = {"fp8_block": GemmTiles(16, 32, 128, 1, 1), "float": GemmTiles(16, 32, 32, 1, 1)}
 
 
@@ -64,9 +64,10 @@ _INTERPRETER_TILES = {"fp8_block": GemmTiles(16, 32, 128, 1, 1), "float": GemmTi
 def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, M, N, K,
                          stride_am, stride_be, stride_bn, stride_dm, stride_sam, stride_sbe, stride_sbn,
                          FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
+                         EVEN_K: tl.constexpr):
+    pid_n = tl.program_id(0)  # n fastest: neighbouring programs share the expert's rows (A stays in L2)
+    pid_m = tl.program_id(1)
     row0 = pid_m * BLOCK_M
     e = tl.load(m_idx_ptr + row0)
     if e < 0:  # a tile of padding rows: nothing to compute (output unspecified)
@@ -81,9 +82,13 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, M, N, K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for it in range(K_ITERS):
         k0 = it * BLOCK_K
-        kmask = (k0 + ks) < K
-        a = tl.load(a_base + (k0 + ks)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_base + (k0 + ks)[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+        if EVEN_K:
+            a = tl.load(a_base + (k0 + ks)[None, :], mask=rmask[:, None], other=0.0)
+            b = tl.load(b_base + (k0 + ks)[:, None], mask=cmask[None, :], other=0.0)
+        else:
+            kmask = (k0 + ks) < K
+            a = tl.load(a_base + (k0 + ks)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(b_base + (k0 + ks)[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
         if FP8:
             # promotion: a fresh product per 128-column block, scaled and added in FP32 (DeepGEMM)
             part = tl.dot(a, b)
@@ -179,10 +184,11 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
     dummy = torch.empty(1, dtype=torch.float32, device=a.device)
     sa = a_scales.contiguous() if fp8 else dummy
     sb = b_scales.contiguous() if fp8 else dummy
-    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
+    grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))
     _grouped_gemm_kernel[grid](a, b, d, m_indices.to(torch.int32).contiguous(), sa, sb, m, n, k,
                                a.stride(0), b.stride(0), b.stride(1), d.stride(0),
                                sa.stride(0) if fp8 else 0, sb.stride(0) if fp8 else 0, sb.stride(1) if fp8 else 0,
                                FP8=fp8, SCALE_BLOCK=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                               K_ITERS=triton.cdiv(k, t.block_k), num_warps=t.num_warps, num_stages=t.num_stages)
+                               K_ITERS=triton.cdiv(k, t.block_k), EVEN_K=k % t.block_k == 0,
+                               num_warps=t.num_warps, num_stages=t.num_stages)
     return d

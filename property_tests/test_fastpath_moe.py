@@ -118,7 +118,13 @@ def test_fastpath_moe_float32_layer_within_fp32_bound(r, seed):
 
 
 def _fp8_layer(rng, e, k, n):
+    """FP8 128x128 experts whose 128-column blocks differ in magnitude (x 2^-3..2^3, as real weight
+    channels do), so that a wrong scale block changes the output."""
     lw = make_layer(e, k, n, seed=int(rng.integers(2**16)))
+    def vary(w):
+        f = np.exp2(rng.integers(-3, 4, (1, -(-w.shape[1] // 128)))).repeat(128, axis=1)[:, : w.shape[1]]
+        return (w * f).astype(np.float32)
+    lw = MoEWeights([vary(w) for w in lw.w13], [vary(w) for w in lw.w2], lw.w13_layout)
     return quantize_weights(lw, fp8_block())
 
 
