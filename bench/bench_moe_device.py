@@ -68,6 +68,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="sweep the Triton FP8 grouped GEMM's tiles")
     ap.add_argument("--bf16", action="store_true", help="bf16 grouped GEMM: Triton against torch._grouped_mm")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of one run per token count")
+    ap.add_argument("--variants", action="store_true",
+                    help="time the device engine's few-rows kernel variants (tl.dot, tl.sum) and the decode path")
     args = ap.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = deepseek_v3_layer(args.experts, gen)
@@ -88,6 +90,7 @@ def main(argv=None) -> int:
             print(f"--- profile, {m} tokens")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=60))
+    variant_rows = bench_variants(weights, cases, kw, args.rounds) if args.variants else []
     times: dict[int, list[float]] = {m: [] for m in args.tokens}
     peak: dict[int, float] = {}
     engines: dict[int, list] = {}
@@ -122,13 +125,16 @@ def main(argv=None) -> int:
                 weights_gib=(weights.w13.codes.numel() + weights.w2.codes.numel()) / 2**30)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows, fast=fast_rows, sweep=sweep_rows, bf16=bf16_rows), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, fast=fast_rows, sweep=sweep_rows, bf16=bf16_rows,
+                   variants=variant_rows), f, indent=1)
     print(f"{meta['gpu']}  {meta['date']}  torch {meta['torch']}  triton {meta['triton']}  "
           f"weights {meta['weights_gib']:.1f} GiB of FP8 codes")
     print(f"{'tokens':>7} {'median s':>9} {'min-max s':>15} {'spread':>7} {'TFLOP':>6} {'f64 TFLOPS':>10} {'peak GiB':>9}")
     for r in rows:
         print(f"{r['tokens']:>7} {r['median_s']:>9.3f} {r['min_s']:>7.3f}-{r['max_s']:<7.3f} {r['spread']:>7.1%} "
               f"{r['expert_tflop']:>6.2f} {r['float64_tflops']:>10.1f} {r['peak_extra_gib']:>9.1f}")
+    for r in variant_rows:
+        print("  variant " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
     for r in sweep_rows:
         print("  tiles " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
     for r in bf16_rows:
@@ -154,6 +160,42 @@ def _copy_bandwidth() -> float:
     ev[1].record()
     torch.cuda.synchronize()
     return 2 * x.numel() * 10 / (ev[0].elapsed_time(ev[1]) / 1e3)
+
+
+def bench_variants(weights, cases, kw, rounds: int) -> list[dict]:
+    """The whole reference run under each device-engine path, interleaved: the few-rows kernel with
+    tl.dot or tl.sum, and every expert through decode + cuBLAS (FEW_ROWS_MAX = 0)."""
+    from moeref.gemm import device as dev
+
+    variants = {"few_rows_dot": dict(FEW_ROWS_DOT=True), "few_rows_sum": dict(FEW_ROWS_DOT=False),
+                "decode_cublas": dict(FEW_ROWS_MAX=0)}
+    saved = dict(FEW_ROWS_DOT=dev.FEW_ROWS_DOT, FEW_ROWS_MAX=dev.FEW_ROWS_MAX)
+    times: dict = {}
+    try:
+        for name, attrs in variants.items():  # warm-up (compiles)
+            for a, v in attrs.items():
+                setattr(dev, a, v)
+            x, tw, ids = cases[min(cases)]
+            run_moe(x, weights, tw, ids, device="cuda", **kw)
+            for a, v in saved.items():
+                setattr(dev, a, v)
+        for _ in range(rounds):
+            for m, (x, tw, ids) in cases.items():
+                for name, attrs in variants.items():
+                    for a, v in attrs.items():
+                        setattr(dev, a, v)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    run_moe(x, weights, tw, ids, device="cuda", **kw)
+                    torch.cuda.synchronize()
+                    times.setdefault((m, name), []).append(time.perf_counter() - t0)
+                    for a, v in saved.items():
+                        setattr(dev, a, v)
+    finally:
+        for a, v in saved.items():
+            setattr(dev, a, v)
+    return [dict(tokens=m, variant=name, median_s=statistics.median(v), min_s=min(v), max_s=max(v))
+            for (m, name), v in times.items()]
 
 
 def _event_ms(fn, reps: int = 3) -> float:

@@ -317,6 +317,9 @@ FEW_ROWS_MAX = 32
 item); more rows take the decode + cuBLAS path. Both give the same bits (tested with both forced)."""
 _FEW_ROWS_ITEM = 8
 FEW_ROWS_ON_CPU = False
+FEW_ROWS_DOT = True
+"""The few-rows kernel's partial dots through ``tl.dot`` in float64 (16-row work items), else elementwise
+products and ``tl.sum`` (8-row items). Exact either way; the bits are the same (tested both ways)."""
 
 
 def _few_rows(av_all, sa_all, order_t, w: StackedExperts, out, experts, starts, counts, g: int) -> None:
@@ -325,17 +328,18 @@ def _few_rows(av_all, sa_all, order_t, w: StackedExperts, out, experts, starts, 
     torch = _torch()
     from ._device_kernels import exact_few_rows
 
-    per = -(-counts // _FEW_ROWS_ITEM)
+    rows = 16 if FEW_ROWS_DOT else _FEW_ROWS_ITEM
+    per = -(-counts // rows)
     item_e = np.repeat(experts, per)
-    first = np.repeat(starts, per) + _FEW_ROWS_ITEM * (np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per))
-    item_c = np.minimum(np.repeat(starts + counts, per) - first, _FEW_ROWS_ITEM)
+    first = np.repeat(starts, per) + rows * (np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per))
+    item_c = np.minimum(np.repeat(starts + counts, per) - first, rows)
     items = torch.as_tensor(np.stack([item_e, first, item_c]).astype(np.int32), device=out.device)
     name = _TORCH_FP8.get(w.element)
     e4m3 = w.element == "e4m3fn" and out.device.type == "cuda" and not w.magnitude
     table = _table(w.element, w.magnitude, out.device)
     exact_few_rows(av_all, sa_all.contiguous(), order_t, w.codes, table, w.scales, out, items, g=g, n=w.shape[0],
                    k=w.shape[1], w_block=w.block, packed=w.packed, e4m3=e4m3 and name is not None,
-                   rows=_FEW_ROWS_ITEM)
+                   rows=rows, use_dot=FEW_ROWS_DOT)
 
 
 def device_expert_rows_gemm(a, row_expert, weights, bias=None, *, abs_values: bool = False):
