@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bf16", action="store_true", help="bf16 grouped GEMM: Triton against torch._grouped_mm")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of one run per token count")
     ap.add_argument("--variants", action="store_true",
-                    help="time the device engine's few-rows kernel variants (tl.dot, tl.sum) and the decode path")
+                    help="time the device engine's few-rows kernel against the decode + cuBLAS path")
     args = ap.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = deepseek_v3_layer(args.experts, gen)
@@ -163,13 +163,12 @@ def _copy_bandwidth() -> float:
 
 
 def bench_variants(weights, cases, kw, rounds: int) -> list[dict]:
-    """The whole reference run under each device-engine path, interleaved: the few-rows kernel with
-    tl.dot or tl.sum, and every expert through decode + cuBLAS (FEW_ROWS_MAX = 0)."""
+    """The whole reference run under each device-engine path, interleaved: the few-rows kernel for experts
+    of at most 32 rows, and every expert through decode + cuBLAS (FEW_ROWS_MAX = 0)."""
     from moeref.gemm import device as dev
 
-    variants = {"few_rows_dot": dict(FEW_ROWS_DOT=True), "few_rows_sum": dict(FEW_ROWS_DOT=False),
-                "decode_cublas": dict(FEW_ROWS_MAX=0)}
-    saved = dict(FEW_ROWS_DOT=dev.FEW_ROWS_DOT, FEW_ROWS_MAX=dev.FEW_ROWS_MAX)
+    variants = {"few_rows_kernel": dict(FEW_ROWS_MAX=32), "decode_cublas": dict(FEW_ROWS_MAX=0)}
+    saved = dict(FEW_ROWS_MAX=dev.FEW_ROWS_MAX)
     times: dict = {}
     try:
         for name, attrs in variants.items():  # warm-up (compiles)

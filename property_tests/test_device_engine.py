@@ -109,9 +109,8 @@ def test_device_gemm_engine_equals_block_gemm_fp8_deepgemm_blocks():
         _check(ref, got, exact=True)
 
 
-@pytest.mark.parametrize("use_dot", [True, False])
 @pytest.mark.parametrize("w_scheme", ["fp8_block16", "mxfp4"])
-def test_few_rows_kernel_equals_the_decode_path(monkeypatch, w_scheme, use_dot):
+def test_few_rows_kernel_equals_the_decode_path(monkeypatch, w_scheme):
     """Both device paths (the few-rows kernel reading codes, and decode + batched product) give
     block_gemm's bits: experts with 1..9 rows (one or two work items), K with a short last segment."""
     from moeref.gemm import device as dev_mod
@@ -128,7 +127,6 @@ def test_few_rows_kernel_equals_the_decode_path(monkeypatch, w_scheme, use_dot):
     ref = expert_rows_gemm(qa, rows, qw)
     stacked = StackedExperts.from_quantized(qw).to(DEV)
     monkeypatch.setattr(dev_mod, "FEW_ROWS_ON_CPU", True)
-    monkeypatch.setattr(dev_mod, "FEW_ROWS_DOT", use_dot)
     for limit in (0, 32):  # 0: every expert through decode + product; 32: every expert through the kernel
         monkeypatch.setattr(dev_mod, "FEW_ROWS_MAX", limit)
         _check(ref, device_expert_rows_gemm(qa, rows, stacked), exact=True)

@@ -66,7 +66,7 @@ def _exact_few_rows_kernel(a_ptr, sa_ptr, pos_ptr, codes_ptr, table_ptr, sb_ptr,
                            stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o,
                            S: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
                            BLOCK_N: tl.constexpr, W_BN: tl.constexpr, W_BK: tl.constexpr, PACKED: tl.constexpr,
-                           E4M3_CAST: tl.constexpr, USE_DOT: tl.constexpr):
+                           E4M3_CAST: tl.constexpr):
     """One work item = up to ROWS rows of one expert x BLOCK_N output columns, reading the expert's codes
     directly: P_s = sum over the segment's products (float64, exact in any order), then
     acc = acc + (P_s * sa) * sb in segment order (compiled without FMA contraction)."""
@@ -101,10 +101,9 @@ def _exact_few_rows_kernel(a_ptr, sa_ptr, pos_ptr, codes_ptr, table_ptr, sb_ptr,
             else:
                 w = tl.load(table_ptr + c.to(tl.int32))
             w = tl.where(wmask, w, 0.0)
-            if USE_DOT:  # float64 MMA: exact products, exact partial sums (any order)
-                p += tl.dot(a, tl.trans(w))
-            else:
-                p += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+            # float64 products and sums, exact in any order (Triton 3.6 cannot lower a float64 tl.dot on
+            # sm_90: ConvertTritonGPUToLLVM fails, H100, 2026-11-24)
+            p += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
         sa = tl.load(sa_ptr + (start + r).to(tl.int64) * stride_sa + s, mask=rm, other=1.0)
         sb = tl.load(sb_ptr + e * stride_sbe + (n // W_BN) * stride_sbn + (s * G) // W_BK, mask=nm, other=1.0)
         t = p * sa[:, None]
@@ -116,7 +115,7 @@ def _exact_few_rows_kernel(a_ptr, sa_ptr, pos_ptr, codes_ptr, table_ptr, sb_ptr,
 
 def exact_few_rows(av: torch.Tensor, sa: torch.Tensor, pos: torch.Tensor, codes: torch.Tensor, table: torch.Tensor,
                    scales: torch.Tensor, out: torch.Tensor, items: torch.Tensor, *, g: int, n: int, k: int,
-                   w_block: tuple, packed: bool, e4m3: bool, rows: int, use_dot: bool = False) -> None:
+                   w_block: tuple, packed: bool, e4m3: bool, rows: int) -> None:
     """The few-rows exact product of :mod:`moeref.gemm.device` (see the kernel's docstring).
 
     ``av`` float64 ``[R, K]`` rows sorted by expert; ``sa`` float64 ``[R, S]``; ``pos`` int64 ``[R]`` output
@@ -124,9 +123,8 @@ def exact_few_rows(av: torch.Tensor, sa: torch.Tensor, pos: torch.Tensor, codes:
     ``scales`` float64 ``[E, gN, gK]``; ``items`` int32 ``[3, I]``: expert, first sorted row, row count
     (<= ``rows``) of each work item."""
     s = -(-k // g)
-    use_dot = use_dot and g % 16 == 0  # tl.dot needs tiles of at least 16
-    bk = (32 if g % 32 == 0 else 16) if use_dot else (16 if g % 16 == 0 else (8 if g % 8 == 0 else 1))
-    block_n = (64 if use_dot else 32) if out.device.type == "cuda" else 16
+    bk = 16 if g % 16 == 0 else (8 if g % 8 == 0 else 1)
+    block_n = 32 if out.device.type == "cuda" else 16
     n_items = int(items.shape[1])
     if n_items == 0:
         return
@@ -135,4 +133,4 @@ def exact_few_rows(av: torch.Tensor, sa: torch.Tensor, pos: torch.Tensor, codes:
                                  av.stride(0), sa.stride(0), codes.stride(0), codes.stride(1), scales.stride(0),
                                  scales.stride(1), out.stride(0), S=s, G=g, BK=bk, ROWS=rows, BLOCK_N=block_n,
                                  W_BN=int(w_block[0]), W_BK=int(w_block[1]), PACKED=packed, E4M3_CAST=e4m3,
-                                 USE_DOT=use_dot, num_warps=4, enable_fp_fusion=False)
+                                 num_warps=4, enable_fp_fusion=False)

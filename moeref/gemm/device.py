@@ -317,9 +317,6 @@ FEW_ROWS_MAX = 32
 item); more rows take the decode + cuBLAS path. Both give the same bits (tested with both forced)."""
 _FEW_ROWS_ITEM = 8
 FEW_ROWS_ON_CPU = False
-FEW_ROWS_DOT = True
-"""The few-rows kernel's partial dots through ``tl.dot`` in float64 (16-row work items), else elementwise
-products and ``tl.sum`` (8-row items). Exact either way; the bits are the same (tested both ways)."""
 
 
 def _few_rows(av_all, sa_all, order_t, w: StackedExperts, out, experts, starts, counts, g: int) -> None:
@@ -328,7 +325,7 @@ def _few_rows(av_all, sa_all, order_t, w: StackedExperts, out, experts, starts, 
     torch = _torch()
     from ._device_kernels import exact_few_rows
 
-    rows = 16 if FEW_ROWS_DOT else _FEW_ROWS_ITEM
+    rows = _FEW_ROWS_ITEM
     per = -(-counts // rows)
     item_e = np.repeat(experts, per)
     first = np.repeat(starts, per) + rows * (np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per))
@@ -339,7 +336,7 @@ def _few_rows(av_all, sa_all, order_t, w: StackedExperts, out, experts, starts, 
     table = _table(w.element, w.magnitude, out.device)
     exact_few_rows(av_all, sa_all.contiguous(), order_t, w.codes, table, w.scales, out, items, g=g, n=w.shape[0],
                    k=w.shape[1], w_block=w.block, packed=w.packed, e4m3=e4m3 and name is not None,
-                   rows=rows, use_dot=FEW_ROWS_DOT)
+                   rows=rows)
 
 
 def device_expert_rows_gemm(a, row_expert, weights, bias=None, *, abs_values: bool = False):
