@@ -132,6 +132,34 @@ def test_few_rows_kernel_equals_the_decode_path(monkeypatch, w_scheme):
         _check(ref, device_expert_rows_gemm(qa, rows, stacked), exact=True)
 
 
+@pytest.mark.parametrize("schemes", ["fp8_16", "mxfp4", "nvfp4", "int8"])
+def test_int8_digit_kernel_equals_block_gemm(monkeypatch, schemes):
+    """The int8-digit kernel (exact products of integer-valued elements on the int8 tensor cores) gives
+    block_gemm's bits: E4M3 x E4M3 (3 x 3 digits), E4M3 x E2M1 packed (3 x 1), NVFP4 x NVFP4 (global
+    factors in the scales), INT8 x INT8 (2 x 2); 16-row and 64-row work items; magnitudes (abs)."""
+    from moeref.gemm import device as dev_mod
+    from moeref.quant import int8_per_channel, int8_per_token, mxfp4, nvfp4
+
+    pairs = {"fp8_16": (fp8_group(16), fp8_block((16, 16))), "mxfp4": (fp8_group(32), mxfp4()),
+             "nvfp4": (nvfp4(), nvfp4()), "int8": (int8_per_token(), int8_per_channel())}
+    a_s, w_s = pairs[schemes]
+    rng = np.random.default_rng(4)
+    m, n, k, e = 90, 24, 64, 3
+    qa = quantize((rng.standard_normal((m, k)) * np.exp2(rng.integers(-4, 4, (m, 1)))).astype(np.float32), a_s)
+    qw = [quantize(rng.standard_normal((n, k)).astype(np.float32), w_s) for _ in range(e)]
+    rows = np.repeat(np.arange(-1, e), [3, 5, 12, 70])  # 5 and 12 rows: 16-row items; 70: 64-row items
+    rng.shuffle(rows)
+    stacked = StackedExperts.from_quantized(qw).to(DEV)
+    monkeypatch.setattr(dev_mod, "DIGITS_ON_CPU", True)
+    calls = []
+    real = dev_mod._digit_rows
+    monkeypatch.setattr(dev_mod, "_digit_rows", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    for absolute in (False, True):
+        ref = expert_rows_gemm(qa, rows, qw, abs_values=absolute)
+        _check(ref, device_expert_rows_gemm(qa, rows, stacked, abs_values=absolute), exact=True)
+    assert len(calls) == 2  # the digit kernel ran (not the float64 paths)
+
+
 def _special_values():
     rng = np.random.default_rng(3)
     grid = np.concatenate([

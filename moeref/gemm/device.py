@@ -70,6 +70,8 @@ class DeviceOperand:
     def device(self):
         return self.scales.device
 
+    packed_codes = False  # DeviceOperand codes are unpacked (one code a byte)
+
     def decode(self):
         """float64 element values ``[R, K]`` (not scaled)."""
         if self.values is not None:
@@ -167,6 +169,11 @@ def device_operand(x, device) -> DeviceOperand:
                              (max(v.shape[0], 1), max(v.shape[1], 1)), False)
     op = as_operand(x)
     sc = torch.as_tensor(np.asarray(op.scales, dtype=np.float64), device=device)
+    scheme = getattr(x, "scheme", None)
+    if (scheme is not None and getattr(scheme, "packed", False) and getattr(x, "zero_points", None) is None
+            and len(getattr(x, "shape", ())) == 2):  # 4-bit codes: unpacked, read through the format's table
+        codes = np.ascontiguousarray(x.element_codes())
+        return DeviceOperand(None, torch.as_tensor(codes, device=device), scheme.element, sc, op.block, True)
     if op._codes is not None and op._values is None:
         found = _element_of_table(op._table)
         if found is not None:
@@ -319,6 +326,108 @@ _FEW_ROWS_ITEM = 8
 FEW_ROWS_ON_CPU = False
 
 
+DIGITS = True
+"""Use the int8-digit kernel where both operands qualify (:func:`_digits_path`); on the CPU only when
+``DIGITS_ON_CPU`` (its tests: the interpreter is slow for it)."""
+DIGITS_ON_CPU = False
+
+
+def _integer_table(element: str, magnitude: bool):
+    """``(I, q)``: int32 ``I[code] = value * 2^q`` for every finite code, when all are integers below 2^21 in
+    magnitude (NaN codes map to 0: see :func:`_has_nan_codes`), else None."""
+    from ..formats import decode_table
+    from .exact import quantum_and_max
+
+    t = decode_table(element)
+    t = np.abs(t) if magnitude else t
+    fin = np.isfinite(t)
+    if not np.all(fin | np.isnan(t)):
+        return None  # infinities have no integer value
+    quantum, top = quantum_and_max(t[fin])
+    if not math.isfinite(quantum):
+        quantum = 1.0
+    q = -int(round(math.log2(quantum)))
+    if 2.0 ** -q != quantum or top * 2.0**q >= 2**21:
+        return None
+    return np.where(fin, t * 2.0**q, 0).astype(np.int32), q
+
+
+def _digits_of(table: np.ndarray) -> int:
+    top = int(np.abs(table).max(initial=0))
+    return 1 if top < 128 else (2 if top < 16384 else 3)
+
+
+def _has_nan_codes(codes, element: str) -> bool:
+    """Whether ``codes`` hold a NaN code of ``element`` (cached on the tensor: weights are checked once)."""
+    from ..formats import decode_table
+
+    cached = getattr(codes, "_moeref_has_nan", None)
+    if cached is not None:
+        return cached
+    nan = np.flatnonzero(np.isnan(decode_table(element)))
+    torch = _torch()
+    found = bool(nan.size) and bool(torch.isin(codes, torch.as_tensor(nan, dtype=codes.dtype,
+                                                                       device=codes.device)).any().item())
+    try:
+        codes._moeref_has_nan = found
+    except AttributeError:
+        pass
+    return found
+
+
+def _digits_path(a: DeviceOperand, w: StackedExperts, g: int, device) -> bool:
+    """The int8-digit kernel applies: both operands are codes of integer-valued formats (E4M3, E2M1, INT8,
+    INT4, FP6 ...: :func:`_integer_table`), no NaN code present, segments a multiple of 16 columns."""
+    if not DIGITS or (device.type != "cuda" and not DIGITS_ON_CPU) or a.codes is None or a.packed_codes:
+        return False
+    if g % 16 or g >= 44000:
+        return False
+    if _integer_table(a.element, a.magnitude) is None or _integer_table(w.element, w.magnitude) is None:
+        return False
+    return not (_has_nan_codes(a.codes, a.element) or _has_nan_codes(w.codes, w.element))
+
+
+def _items(starts, counts, rows: int):
+    per = -(-counts // rows)
+    first = np.repeat(starts, per) + rows * (np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per))
+    return per, first, np.minimum(np.repeat(starts + counts, per) - first, rows)
+
+
+def _digit_rows(a_all: DeviceOperand, sa_all, order_t, w: StackedExperts, out, experts, starts, counts, g: int):
+    """Every expert through :func:`moeref.gemm._device_kernels.exact_digits`: 16-row work items for experts
+    with at most 16 rows, 64-row items for the others."""
+    torch = _torch()
+    from ._device_kernels import exact_digits
+
+    ta, qa = _integer_table(a_all.element, a_all.magnitude)
+    tw, qw = _integer_table(w.element, w.magnitude)
+    itab_a = torch.as_tensor(ta, device=out.device)
+    itab_w = torch.as_tensor(tw, device=out.device)
+    for rows, sel in ((16, counts <= 16), (64, counts > 16)):
+        if not sel.any():
+            continue
+        per, first, cnt = _items(starts[sel], counts[sel], rows)
+        items = torch.as_tensor(np.stack([np.repeat(experts[sel], per), first, cnt]).astype(np.int32),
+                                device=out.device)
+        exact_digits(a_all.codes, sa_all.contiguous(), order_t, w.codes, itab_a, itab_w, 2.0 ** -(qa + qw),
+                     (_digits_of(ta), _digits_of(tw)), w.scales, out, items, g=g, n=w.shape[0], k=w.shape[1],
+                     w_block=w.block, packed=w.packed, rows=rows)
+
+
+def _float64_rows(a_all, sa_all, order_t, w, out, experts, starts, counts, g, w_rows, w_cols, device) -> None:
+    """The float64 paths: experts with a few rows through the few-rows kernel (codes read directly; on the
+    CPU only when FEW_ROWS_ON_CPU: the interpreter is slow for it), the others decoded and multiplied by
+    cuBLAS, one expert at a time."""
+    few = (counts <= FEW_ROWS_MAX) & (device.type == "cuda" or FEW_ROWS_ON_CPU)
+    if few.any():
+        _few_rows(a_all.decode(), sa_all, order_t, w, out, experts[few], starts[few], counts[few], g)
+    av_all = a_all.decode() if (~few).any() else None
+    for e, s0, c in zip(experts[~few].tolist(), starts[~few].tolist(), counts[~few].tolist()):
+        wv, ws = _expert_values(w, e)
+        sb = ws.index_select(0, w_rows).index_select(1, w_cols)
+        _gemm_rows(av_all[s0:s0 + c], sa_all[s0:s0 + c], wv, sb, g, out, order_t[s0:s0 + c])
+
+
 def _few_rows(av_all, sa_all, order_t, w: StackedExperts, out, experts, starts, counts, g: int) -> None:
     """The experts ``experts`` (rows ``starts[i]:starts[i]+counts[i]`` of the sorted operand) through
     :func:`moeref.gemm._device_kernels.exact_few_rows`, in work items of :data:`_FEW_ROWS_ITEM` rows."""
@@ -326,11 +435,8 @@ def _few_rows(av_all, sa_all, order_t, w: StackedExperts, out, experts, starts, 
     from ._device_kernels import exact_few_rows
 
     rows = _FEW_ROWS_ITEM
-    per = -(-counts // rows)
-    item_e = np.repeat(experts, per)
-    first = np.repeat(starts, per) + rows * (np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per))
-    item_c = np.minimum(np.repeat(starts + counts, per) - first, rows)
-    items = torch.as_tensor(np.stack([item_e, first, item_c]).astype(np.int32), device=out.device)
+    per, first, item_c = _items(starts, counts, rows)
+    items = torch.as_tensor(np.stack([np.repeat(experts, per), first, item_c]).astype(np.int32), device=out.device)
     name = _TORCH_FP8.get(w.element)
     e4m3 = w.element == "e4m3fn" and out.device.type == "cuda" and not w.magnitude
     table = _table(w.element, w.magnitude, out.device)
@@ -379,23 +485,16 @@ def device_expert_rows_gemm(a, row_expert, weights, bias=None, *, abs_values: bo
         # per expert: its weights decoded, one batched product, one in-order sum (views of the rest)
         order_t = torch.as_tensor(order[first:], device=device)
         a_all = a.take_rows(order_t)
-        av_all = a_all.decode()
         k = a.shape[1]
         g = _segment(a_all.block[1], w.block[1], k)
         seg = torch.arange(0, k, g, device=device)
         sa_all = a_all.scales.index_select(1, torch.div(seg, a_all.block[1], rounding_mode="floor"))
         w_rows = torch.div(torch.arange(n, device=device), w.block[0], rounding_mode="floor")
         w_cols = torch.div(seg, w.block[1], rounding_mode="floor")
-        # experts with a few rows read their codes in one kernel (no decode); on the CPU (the Triton
-        # interpreter, slow for it) only when FEW_ROWS_ON_CPU says so (its tests)
-        use_few = device.type == "cuda" or FEW_ROWS_ON_CPU
-        few = (counts <= FEW_ROWS_MAX) & use_few
-        if few.any():
-            _few_rows(av_all, sa_all, order_t, w, out, experts[few], starts[few], counts[few], g)
-        for e, s0, c in zip(experts[~few].tolist(), starts[~few].tolist(), counts[~few].tolist()):
-            wv, ws = _expert_values(w, e)
-            sb = ws.index_select(0, w_rows).index_select(1, w_cols)
-            _gemm_rows(av_all[s0:s0 + c], sa_all[s0:s0 + c], wv, sb, g, out, order_t[s0:s0 + c])
+        if _digits_path(a_all, w, g, device):  # integer-valued formats: exact on the int8 tensor cores
+            _digit_rows(a_all, sa_all, order_t, w, out, experts, starts, counts, g)
+        else:
+            _float64_rows(a_all, sa_all, order_t, w, out, experts, starts, counts, g, w_rows, w_cols, device)
     if bias is not None:
         b = torch.as_tensor(bias if torch.is_tensor(bias) else np.asarray(bias, dtype=np.float64),
                             device=device).to(torch.float64)
