@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bf16", action="store_true", help="bf16 grouped GEMM: Triton against torch._grouped_mm")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of one run per token count")
     ap.add_argument("--variants", action="store_true",
-                    help="time the device engine's few-rows kernel against the decode + cuBLAS path")
+                    help="time the device engine's paths (int8 digits, float64 few-rows, decode + cuBLAS)")
     args = ap.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = deepseek_v3_layer(args.experts, gen)
@@ -163,12 +163,14 @@ def _copy_bandwidth() -> float:
 
 
 def bench_variants(weights, cases, kw, rounds: int) -> list[dict]:
-    """The whole reference run under each device-engine path, interleaved: the few-rows kernel for experts
-    of at most 32 rows, and every expert through decode + cuBLAS (FEW_ROWS_MAX = 0)."""
+    """The whole reference run under each device-engine path, interleaved: the int8-digit kernel (the
+    default for E4M3), the float64 few-rows kernel for experts of at most 32 rows with cuBLAS for the rest,
+    and every expert through decode + cuBLAS."""
     from moeref.gemm import device as dev
 
-    variants = {"few_rows_kernel": dict(FEW_ROWS_MAX=32), "decode_cublas": dict(FEW_ROWS_MAX=0)}
-    saved = dict(FEW_ROWS_MAX=dev.FEW_ROWS_MAX)
+    variants = {"int8_digits": dict(DIGITS=True), "float64_few_rows": dict(DIGITS=False, FEW_ROWS_MAX=32),
+                "float64_cublas": dict(DIGITS=False, FEW_ROWS_MAX=0)}
+    saved = dict(DIGITS=dev.DIGITS, FEW_ROWS_MAX=dev.FEW_ROWS_MAX)
     times: dict = {}
     try:
         for name, attrs in variants.items():  # warm-up (compiles)
