@@ -237,10 +237,10 @@ def exact_digits(a_codes: torch.Tensor, sa: torch.Tensor, pos: torch.Tensor, cod
     """The int8-digit exact product of :mod:`moeref.gemm.device` (the kernel's docstring).
 
     ``a_codes`` uint8 ``[R, K]`` rows sorted by expert; ``itab_a``/``itab_w`` int32 ``I(code)`` tables;
-    ``unit`` = ``2^-(qa+qw)``; ``digits`` = ``(DA, DW)``; ``g`` a multiple of 16; the rest as
+    ``unit`` = ``2^-(qa+qw)``; ``digits`` = ``(DA, DW)``; ``g`` a multiple of 32; the rest as
     :func:`exact_few_rows`."""
     s = -(-k // g)
-    bk = next(b for b in (128, 64, 32, 16) if g % b == 0)
+    bk = next(b for b in (128, 64, 32) if g % b == 0)
     block_n = 64 if out.device.type == "cuda" else 16
     n_items = int(items.shape[1])
     if n_items == 0:
