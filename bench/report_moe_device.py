@@ -1,0 +1,85 @@
+"""Write the GPU MoE tables of docs/moe-gpu.md from bench_moe_device.py's JSON (never edited by hand).
+
+    python bench/report_moe_device.py bench_out/moe_device.json [--docs docs/moe-gpu.md] [--check]
+
+Replaces the text between ``<!-- moe-device:begin -->`` and ``<!-- moe-device:end -->``; ``--check``
+exits 1 when the page differs from what the JSON gives (a test runs it on the committed JSON).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+BEGIN, END = "<!-- moe-device:begin -->", "<!-- moe-device:end -->"
+
+
+def tables(data: dict) -> str:
+    m = data["meta"]
+    out = [f"Measured on an {m['gpu']}, {m['date']}, torch {m['torch']}, triton {m['triton']}; DeepSeek-V3 layer "
+           f"(hidden 7168, intermediate 2048, {m['experts']} experts, top-8, FP8 1x128 x 128x128), "
+           f"{m['weights_gib']:.1f} GiB of FP8 weight codes; median of {m['rounds']} interleaved rounds (min-max).", "",
+           "**The exact reference on the GPU** (`run_moe(device=\"cuda\")`, the NumPy engine's result bit for bit):", "",
+           "| tokens | time, s | min-max | expert GEMM work | peak extra GPU memory |", "|---|---|---|---|---|"]
+    for r in data["rows"]:
+        out.append(f"| {r['tokens']} | {r['median_s']:.3f} | {r['min_s']:.3f}-{r['max_s']:.3f} | "
+                   f"{r['expert_tflop']:.2f} TFLOP | {r['peak_extra_gib']:.1f} GiB |")
+    if data.get("variants"):
+        out += ["", "Its paths, forced one at a time (same bits; interleaved rounds):", "",
+                "| tokens | path | time, s |", "|---|---|---|"]
+        for r in data["variants"]:
+            out.append(f"| {r['tokens']} | {r['variant']} | {r['median_s']:.3f} |")
+    if data.get("fast"):
+        out += ["", "**`fastpath.moe`** (whole layer, contiguous layout) and its two grouped GEMMs alone; the HBM "
+                "roofline reads the touched experts' weights once at the measured copy bandwidth:", "",
+                "| tokens | layout rows | implementation | layer, ms | GEMMs, ms | GEMM TFLOPS | roofline / layer | "
+                "GEMMs / layer |", "|---|---|---|---|---|---|---|---|"]
+        for r in data["fast"]:
+            for impl in ("deep_gemm", "triton"):
+                if f"layer_{impl}_ms" in r:
+                    out.append(f"| {r['tokens']} | {r['rows']} | {impl} | {r[f'layer_{impl}_ms']:.2f} | "
+                               f"{r[f'gemms_{impl}_ms']:.2f} | {r[f'gemms_{impl}_tflops']:.0f} | "
+                               f"{r[f'layer_{impl}_of_roofline']:.0%} | {r[f'gemms_over_layer_{impl}']:.0%} |")
+    if data.get("sweep"):
+        out += ["", "Triton FP8 grouped GEMM (GEMM1 shape, 4096 tokens) by tile, against DeepGEMM:", "",
+                "| tiles | ms | TFLOPS | x DeepGEMM |", "|---|---|---|---|"]
+        for r in data["sweep"]:
+            out.append(f"| {r['tiles']} | {r['ms']:.2f} | {r['tflops']:.0f} | {r['of_deep_gemm']:.2f} |")
+    if data.get("bf16"):
+        out += ["", "bf16 grouped GEMM: Triton (128-row aligned segments) against `torch._grouped_mm` (CUTLASS, "
+                "tight segments), TFLOPS on the real rows:", "",
+                "| GEMM | tiles | Triton TFLOPS | _grouped_mm TFLOPS | ratio |", "|---|---|---|---|---|"]
+        for r in data["bf16"]:
+            out.append(f"| {r['gemm']} | {r['tiles']} | {r['triton_tflops']:.0f} | {r['grouped_mm_tflops']:.0f} | "
+                       f"{r['ratio']:.2f} |")
+    return "\n".join(out)
+
+
+def render(page: str, data: dict) -> str:
+    a, b = page.index(BEGIN) + len(BEGIN), page.index(END)
+    return page[:a] + "\n" + tables(data) + "\n" + page[b:]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", nargs="+", help="bench_moe_device.py JSON files (later files add sections)")
+    ap.add_argument("--docs", default="docs/moe-gpu.md")
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args(argv)
+    data: dict = {}
+    for path in args.json:
+        with open(path) as f:
+            part = json.load(f)
+        data.update({k: v for k, v in part.items() if v})
+    with open(args.docs) as f:
+        page = f.read()
+    new = render(page, data)
+    if args.check:
+        return 0 if new == page else 1
+    with open(args.docs, "w") as f:
+        f.write(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
