@@ -26,9 +26,11 @@ from .dispatch import (
     ep_dispatch,
     reduce_local_slots,
 )
+from .layer import ep_fused_moe, local_weights
 from .group import EPCommError, EPGroup, EPPeerError, EPTimeoutError, ep_group
 from .placement import EPPlacement, ep_placement
 from .plan import DispatchLayout, SendPlan, dispatch_layout, send_plan
+from .validate import EPKernelOutput, EPValidation, RankCheck, validate_ep_kernel
 from .world import LocalWorld, RankError
 
 __all__ = [
@@ -38,19 +40,25 @@ __all__ = [
     "DispatchLayout",
     "EPCommError",
     "EPGroup",
+    "EPKernelOutput",
     "EPPeerError",
     "EPPlacement",
     "EPTimeoutError",
+    "EPValidation",
     "LocalWorld",
     "LowLatencyDispatch",
     "NormalDispatch",
+    "RankCheck",
     "RankError",
     "SendPlan",
     "dispatch_layout",
     "ep_combine",
     "ep_dispatch",
+    "ep_fused_moe",
     "ep_group",
     "ep_placement",
+    "local_weights",
     "reduce_local_slots",
     "send_plan",
+    "validate_ep_kernel",
 ]
