@@ -338,7 +338,7 @@ def reduce_local_slots(expert_out, dispatched: NormalDispatch) -> np.ndarray:
     n, k = dispatched.topk_idx.shape
     if y.ndim != 3 or y.shape[:2] != (n, k):
         raise ValueError(f"expert_out must have shape [N_recv={n}, k={k}, H]; got {y.shape}")
-    rows = np.where((dispatched.topk_idx >= 0)[..., None], y.astype(np.float64), 0.0).reshape(n * k, -1)
+    rows = np.where((dispatched.topk_idx >= 0)[..., None], y.astype(np.float64), 0.0).reshape(n * k, y.shape[-1])
     return reduce_slot_rows(rows, dispatched.topk_weights, out_dtype=np.float64)
 
 
