@@ -58,7 +58,7 @@ import numpy as np
 
 from .._checks import as_float_array, check_choice, check_ndim, check_positive_int
 from ..dispatch import reduce_slot_rows, to_contiguous, to_masked, weight_and_reduce
-from ..moe.pipeline import _dtype, round_to_dtype
+from ..moe.pipeline import _dtype
 from .group import EPGroup, all_gather_int64, all_to_all_bytes, pack_rows, unpack_rows
 from .placement import EPPlacement
 from .plan import SendPlan, send_plan
@@ -381,9 +381,8 @@ def ep_combine(expert_out, dispatched, group: EPGroup, *, order: str = "slot", c
                 raise ValueError(f"expert_out must have shape [E_local={want[0]}, W={want[1]}, H]; got {y.shape}")
         flat = y.reshape(-1, y.shape[-1])
         rows = flat if rank_order else flat[hd.return_index]
-        rows = round_to_dtype(rows, combine_dtype)
-        if combine_dtype is not None:
-            rows = rows.astype(_dtype(combine_dtype))
+        # one RNE rounding to the travel dtype (float32/bf16 inputs widen exactly first)
+        rows = rows.astype(np.float64 if combine_dtype is None else _dtype(combine_dtype))
         head[:] = (1, y.shape[-1], rows.dtype.itemsize, int(rank_order))
     except (ValueError, TypeError) as e:
         err = e
