@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moeref.distributed import LocalWorld, ep_combine, ep_dispatch, ep_fused_moe, ep_placement, reduce_local_slots
-from moeref.moe import LAYOUTS, MoEQuant, fused_moe, make_layer, make_tokens, quantize_weights
+from moeref.moe import LAYOUTS, MoEQuant, SharedExperts, fused_moe, make_layer, make_tokens, quantize_weights
 from moeref.quant import fp8_block, fp8_group, fp8_per_token, mxfp8, quantize
 from moeref.routing import EP_STRATEGIES, expert_map
 from moeref.strategies import routings
@@ -93,12 +93,11 @@ def dispatch_task(g, x, ids, w, sizes, num_logical, strategy, redundant, mode, a
                 layout_range=d.layout_range, phys=phys, slot=ep_combine(y, d, g))
 
 
-def layer_task(g, x, ids, w, sizes, layer, strategy, redundant, mode, layout, quant, qbd, combine_dtype):
+def layer_task(g, x, ids, w, sizes, layer, strategy, redundant, mode, layout, quant, qbd, extra):
     sl = _slices(sizes)[g.rank]
     pl = ep_placement(layer.num_experts, g.world_size, strategy, num_redundant=redundant)
     return ep_fused_moe(x[sl], layer, w[sl], ids[sl], pl, g, mode=mode, layout=layout, quant=quant,
-                        quantize_before_dispatch=qbd, combine_dtype=combine_dtype,
-                        max_tokens_per_rank=max(max(sizes), 1))
+                        quantize_before_dispatch=qbd, max_tokens_per_rank=max(max(sizes), 1), **extra)
 
 
 # ---- dispatch / combine ------------------------------------------------------------------------
@@ -200,8 +199,10 @@ QUANTS = {
 
 @FEW
 @given(case=ep_cases(), quant=st.sampled_from(list(QUANTS)), mode=st.sampled_from(["normal", "low_latency"]),
-       layout=st.sampled_from(LAYOUTS), qbd=st.booleans(), seed=st.integers(0, 2**16))
-def test_ep_fused_moe_is_bit_identical_to_single_process(world, case, quant, mode, layout, qbd, seed):
+       layout=st.sampled_from(LAYOUTS), qbd=st.booleans(), shared=st.booleans(), weight_on_input=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_ep_fused_moe_is_bit_identical_to_single_process(world, case, quant, mode, layout, qbd, shared,
+                                                        weight_on_input, seed):
     r = case["routing"]
     spec = QUANTS[quant]
     redundant = case["redundant"] if spec is not None else 0  # float GEMMs: see moeref.distributed.layer
@@ -211,9 +212,15 @@ def test_ep_fused_moe_is_bit_identical_to_single_process(world, case, quant, mod
         layer = quantize_weights(layer, spec[2])
         q = MoEQuant(spec[0], spec[1], quant)
     x = make_tokens(r.num_tokens, 128, seed=seed + 1)
-    want = fused_moe(x, layer, r.weights, r.ids, quant=q)
+    extra = {}
+    if shared:
+        sh = make_layer(1, 128, 16, seed=seed + 2)
+        extra["shared_experts"] = SharedExperts(sh.w13[0], sh.w2[0], sh.w13_layout)
+    if r.top_k == 1 and weight_on_input:
+        extra["apply_router_weight_on_input"] = True
+    want = fused_moe(x, layer, r.weights, r.ids, quant=q, **extra)
     outs = world.run(layer_task, x, r.ids, r.weights, case["sizes"], layer, case["strategy"], redundant, mode, layout,
-                     q, qbd and spec is not None, None, world_size=case["ranks"])
+                     q, qbd and spec is not None, extra, world_size=case["ranks"])
     got = np.concatenate(outs, axis=0)
     assert got.shape == want.shape
     np.testing.assert_array_equal(got, want)
