@@ -320,3 +320,28 @@ def test_validation_reports_a_candidate_that_raises(world):
     v = _run_validation(world, "raises")
     assert v.faulty_ranks == [3]
     assert v.ranks[3].faults == ("the candidate raised RuntimeError: kernel launch failed",)
+
+
+def local_weights_task(g, out_dtype):
+    ids, w = _routing(g.rank, T, E, seed=7)
+    x = make_tokens(T, H, seed=20 + g.rank)
+    pl = ep_placement(E, g.world_size, "round_robin")
+    full = ep_fused_moe(x, _layer(), w, ids, pl, g, out_dtype=out_dtype)
+    mine = _layer().select(pl.local_experts(g.rank))
+    local = ep_fused_moe(x, mine, w, ids, pl, g, out_dtype=out_dtype, weights_are_local=True)
+    return full, local, x, ids, w
+
+
+def test_local_weights_and_output_dtype(world):
+    import ml_dtypes
+
+    from moeref.moe import fused_moe
+
+    res = world.run(local_weights_task, "bfloat16", world_size=3)
+    x = np.concatenate([r[2] for r in res])
+    want = fused_moe(x, _layer(), np.concatenate([r[4] for r in res]), np.concatenate([r[3] for r in res]),
+                     out_dtype="bfloat16")
+    for part, (full, local, *_) in zip(np.split(want, 3), res):
+        assert full.dtype == np.dtype(ml_dtypes.bfloat16)
+        assert full.view(np.uint16).tolist() == part.view(np.uint16).tolist()
+        assert local.view(np.uint16).tolist() == part.view(np.uint16).tolist()
