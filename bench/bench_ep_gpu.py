@@ -156,7 +156,8 @@ def _table(records) -> str:
             f"{'combine ms':>10s} {'GB/s':>7s} {'plain ms':>9s} {'GB/s':>7s}")
     lines = [head]
     for r in records:
-        lines.append(f"{r['mode']:12s} {r['tokens_per_rank']:6d} {r['dispatch_s'] * 1e3:11.2f} {r['dispatch_GBps']:7.2f} "
+        lines.append(f"{r['mode']:12s} {r['tokens_per_rank']:6d} {r['dispatch_s'] * 1e3:11.2f} "
+                     f"{r['dispatch_GBps']:7.2f} "
                      f"{r['plain_dispatch_s'] * 1e3:9.2f} {r['plain_dispatch_GBps']:7.2f} {r['combine_s'] * 1e3:10.2f} "
                      f"{r['combine_GBps']:7.2f} {r['plain_combine_s'] * 1e3:9.2f} {r['plain_combine_GBps']:7.2f}")
     return "\n".join(lines)

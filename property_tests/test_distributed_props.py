@@ -130,7 +130,8 @@ def test_dispatch_and_combine_match_deepep_contract(world, case, mode, alignment
             assert got["src_rank"].tolist() == [a for a, _, _, _ in rows]
             assert got["src_token"].tolist() == [b for _, b, _, _ in rows]
             assert got["topk_idx"].tolist() == [c for _, _, c, _ in rows]
-            np.testing.assert_array_equal(got["topk_weights"], np.array([d for _, _, _, d in rows], np.float32).reshape(-1, k))
+            want_w = np.array([d for _, _, _, d in rows], np.float32).reshape(-1, k)
+            np.testing.assert_array_equal(got["topk_weights"], want_w)
             np.testing.assert_array_equal(got["x"], np.array([x[sl[a]][b] for a, b, _, _ in rows]).reshape(-1, 8))
             counts = np.zeros(n_local, np.int64)
             for _, _, lid, _ in rows:
@@ -159,7 +160,8 @@ def test_dispatch_and_combine_match_deepep_contract(world, case, mode, alignment
                     assert cnts[src] == len(block)
                     if block:
                         assert begins[src] == block[0]
-                np.testing.assert_array_equal(got["x"][e, :c], np.array([x[sl[a]][b] for a, b in entries]).reshape(-1, 8))
+                want_x = np.array([x[sl[a]][b] for a, b in entries]).reshape(-1, 8)
+                np.testing.assert_array_equal(got["x"][e, :c], want_x)
     # combine oracle: y(t, j) = x[t] * (1 + physical id); slot order, float64, from +0.0
     for src in range(ranks):
         xs, ws, ps = x[sl[src]].astype(np.float64), r.weights[sl[src]].astype(np.float64), phys[src]

@@ -268,8 +268,9 @@ def validate_task(g, fault, mode):
 
     ids, w = _routing(g.rank, T, E, seed=5)
     x = make_tokens(T, H, seed=10 + g.rank)
-    v = validate_ep_kernel(functools.partial(candidate, fault=fault, mode=mode), x, w, ids, ep_placement(E, g.world_size),
-                           g, weights=_layer(), profile=FP32_ACCUM, mode=mode, max_tokens_per_rank=T)
+    kernel = functools.partial(candidate, fault=fault, mode=mode)
+    v = validate_ep_kernel(kernel, x, w, ids, ep_placement(E, g.world_size), g, weights=_layer(), profile=FP32_ACCUM,
+                           mode=mode, max_tokens_per_rank=T)
     return v
 
 

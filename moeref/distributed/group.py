@@ -81,7 +81,9 @@ def _collective(g: EPGroup, what: str, fn):
     except RuntimeError as e:  # torch's DistBackendError is a RuntimeError
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         low = str(e).lower()
-        limit = "the process group's timeout" if g.timeout_s is None else f"the process group's timeout ({g.timeout_s:g} s)"
+        limit = "the process group's timeout"
+        if g.timeout_s is not None:
+            limit += f" ({g.timeout_s:g} s)"
         if "timed out" in low or "timeout" in low:
             raise EPTimeoutError(f"rank {g.rank} of {g.world_size}: {what} did not complete within {limit}: a peer "
                                  f"is dead, hung, or not calling the same collective (backend: {msg})") from e
