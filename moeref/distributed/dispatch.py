@@ -194,7 +194,7 @@ def _agree(g: EPGroup, local_fn, placement: EPPlacement, mode: str, bound: int):
     bad = np.flatnonzero(table[:, 0] == 0).tolist()
     if bad:
         raise ValueError(f"rank {g.rank}: ranks {bad} rejected their dispatch inputs (see their errors)")
-    for col, what in ((9, "mode"), (8, "max_recv_tokens / max_tokens_per_rank")):
+    for col, what in ((9, "mode"), (8, "max_recv_tokens"), (7, "max_tokens_per_rank")):
         if len(set(table[:, col].tolist())) > 1:
             raise ValueError(f"ranks disagree on {what}: {dict(enumerate(table[:, col].tolist()))}")
     if (table[:, 2] != r).any():
