@@ -84,7 +84,8 @@ def dispatch_task(g, x, ids, w, sizes, num_logical, strategy, redundant, mode, a
         by_slot = ep_combine(y, d, g)
         by_rank = ep_combine(reduce_local_slots(y, d), d, g, order="rank")
         bf16 = ep_combine(y, d, g, combine_dtype="bfloat16")
-        return dict(x=d.x, topk_idx=d.topk_idx, topk_weights=d.topk_weights, src_rank=d.src_rank,
+        c = d.contiguous(alignment)
+        return dict(x=d.x, topk_idx=d.topk_idx, m_indices=c.m_indices, contiguous_src=c.src, topk_weights=d.topk_weights, src_rank=d.src_rank,
                     src_token=d.src_token, counts=d.num_recv_tokens_per_expert, prefix=d.rank_prefix_matrix,
                     phys=phys, slot=by_slot, rank=by_rank, bf16=bf16)
     e_loc = d.recv_count.size
@@ -139,6 +140,11 @@ def test_dispatch_and_combine_match_deepep_contract(world, case, mode, alignment
                     if e >= 0:
                         counts[e] += 1
             assert got["counts"].tolist() == (-(-counts // alignment) * alignment).tolist()
+            # DeepGEMM contiguous layout of the received rows: every (row, slot) once, under its expert
+            m_idx, csrc = got["m_indices"], got["contiguous_src"]
+            flat_ids = np.array([c for _, _, c, _ in rows], np.int64).reshape(-1)
+            assert sorted(csrc[csrc >= 0].tolist()) == np.flatnonzero(flat_ids >= 0).tolist()
+            assert (flat_ids[csrc[csrc >= 0]] == m_idx[csrc >= 0]).all() and (m_idx[csrc < 0] == -1).all()
             per_src = [sum(1 for a, _, _, _ in rows if a == s) for s in range(ranks)]
             assert got["prefix"][:, dst].tolist() == np.cumsum(per_src).tolist()
         else:
