@@ -202,6 +202,7 @@ QUANTS = {
     "fp8 1x128 x 128x128": (fp8_group(128), fp8_group(128), fp8_block((128, 128))),
     "fp8 1x128 / per-token x 128x128": (fp8_group(128), fp8_per_token(), fp8_block((128, 128))),
     "mxfp8": (mxfp8(), mxfp8(), mxfp8()),
+    "fp8 1x128 deepep cast x 128x128": (fp8_group(128, preset="deepep"), fp8_per_token(), fp8_block((128, 128))),
 }
 
 

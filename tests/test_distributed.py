@@ -358,3 +358,30 @@ def test_ranks_must_agree_on_max_tokens_per_rank(world):
         world.run(disagreeing_bound_task, world_size=2)
     for r in (0, 1):
         assert info.value.failures[r][1] == "ranks disagree on max_tokens_per_rank: {0: 2, 1: 4}"
+
+
+def test_deepep_preset_is_deepeps_fp8_cast():
+    """The ``deepep`` preset against DeepEP's low-latency FP8 cast written out here in float32
+    (internode_ll.cu: fmaxf amax, floor 1e-4, scale = 448/amax, scale_inv = amax * fl(1/448),
+    x * scale cast satfinite RNE)."""
+    import ml_dtypes
+
+    from moeref.quant import fp8_group, quantize
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((6, 256)) * rng.choice([1e-3, 1.0, 300.0], (6, 1))).astype(ml_dtypes.bfloat16)
+    x[1, :128] = 0  # zero block: amax floored at 1e-4
+    x[2, 5] = np.nan  # fmaxf ignores NaN in the amax; the element itself stays NaN
+    x[3, 200] = 1e-6
+    q = quantize(x, fp8_group(128, preset="deepep"))
+    xf = x.astype(np.float32).reshape(6, 2, 128)
+    amax = np.maximum(np.fmax.reduce(np.abs(xf), axis=2), np.float32(1e-4))
+    scale = np.float32(448) / amax
+    scale_inv = amax * (np.float32(1) / np.float32(448))
+    codes = np.clip(xf * scale[..., None], -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    assert q.scales.view(np.uint32).tolist() == scale_inv.view(np.uint32).tolist()
+    assert q.codes.tolist() == codes.reshape(6, 256).tolist()
+    assert (q.codes[2, 5] & 0x7F) == 0x7F  # NaN
+    # fl(amax * fl(1/448)) is not fl(amax / 448) for every amax: the preset keeps DeepEP's product
+    a = np.float32(np.arange(1, 4000, dtype=np.float32) * np.float32(0.37))
+    assert ((a * (np.float32(1) / np.float32(448))) != (a / np.float32(448))).any()

@@ -32,8 +32,9 @@ Optional quantization before dispatch (``quant=``, e.g. ``moeref.quant.fp8_group
 FP8 cast of DeepEP's low-latency dispatch): the source runs :func:`moeref.quant.quantize` and sends
 codes and scales; they arrive bitwise unchanged (``xq``: a :class:`~moeref.quant.QuantizedTensor`
 of the received rows). Row-local schemes only (blocks ``(1, g)``), since a received row must
-dequantize on its own. moeref's default preset differs from DeepEP's cast in the scale rounding
-(DeepEP: ``scale = 448 / max(amax, 1e-4)``, ``scale_inv = amax / 448``); pass the scheme you need.
+dequantize on its own. DeepEP's own cast (``scale = 448 / max(amax, 1e-4)``, stored
+``scale_inv = amax * fl(1/448)``) is ``fp8_group(128, preset="deepep")``; moeref's default preset
+rounds the scale differently.
 
 Combine (:func:`ep_combine`), the expert outputs go back to the source rank:
 
