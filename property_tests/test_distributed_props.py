@@ -85,7 +85,14 @@ def dispatch_task(g, x, ids, w, sizes, num_logical, strategy, redundant, mode, a
         by_rank = ep_combine(reduce_local_slots(y, d), d, g, order="rank")
         bf16 = ep_combine(y, d, g, combine_dtype="bfloat16")
         c = d.contiguous(alignment)
-        return dict(x=d.x, topk_idx=d.topk_idx, m_indices=c.m_indices, contiguous_src=c.src, topk_weights=d.topk_weights, src_rank=d.src_rank,
+        # DeepEP num_worst_tokens: the same rows padded to a bound no rank can exceed (all tokens)
+        bound = sum(sizes)
+        dp = ep_dispatch(x[sl], phys, w[sl], pl, g, max_recv_tokens=bound, pad_to_max_recv=True)
+        y_pad = np.concatenate([y, np.full((bound - d.num_recv,) + y.shape[1:], np.nan)])  # padding is never read
+        padded = dict(x=dp.x, topk_idx=dp.topk_idx, topk_weights=dp.topk_weights, src_rank=dp.src_rank,
+                      src_token=dp.src_token, slot=ep_combine(y_pad, dp, g),
+                      rank=ep_combine(reduce_local_slots(np.nan_to_num(y_pad), dp), dp, g, order="rank"))
+        return dict(x=d.x, topk_idx=d.topk_idx, m_indices=c.m_indices, contiguous_src=c.src, padded=padded, topk_weights=d.topk_weights, src_rank=d.src_rank,
                     src_token=d.src_token, counts=d.num_recv_tokens_per_expert, prefix=d.rank_prefix_matrix,
                     phys=phys, slot=by_slot, rank=by_rank, bf16=bf16)
     e_loc = d.recv_count.size
@@ -140,6 +147,13 @@ def test_dispatch_and_combine_match_deepep_contract(world, case, mode, alignment
                     if e >= 0:
                         counts[e] += 1
             assert got["counts"].tolist() == (-(-counts // alignment) * alignment).tolist()
+            pad, n_real, bound = got["padded"], len(rows), sum(case["sizes"])
+            assert pad["x"].shape == (bound, 8) and pad["topk_idx"].shape == (bound, k)
+            np.testing.assert_array_equal(pad["x"][:n_real], got["x"])
+            assert (pad["x"][n_real:] == 0).all() and (pad["topk_idx"][n_real:] == -1).all()
+            assert (pad["topk_weights"][n_real:] == 0).all()
+            assert (pad["src_rank"][n_real:] == -1).all() and (pad["src_token"][n_real:] == -1).all()
+            assert pad["topk_idx"][:n_real].tolist() == got["topk_idx"].tolist()
             # DeepGEMM contiguous layout of the received rows: every (row, slot) once, under its expert
             m_idx, csrc = got["m_indices"], got["contiguous_src"]
             flat_ids = np.array([c for _, _, c, _ in rows], np.int64).reshape(-1)
@@ -191,6 +205,8 @@ def test_dispatch_and_combine_match_deepep_contract(world, case, mode, alignment
                     want_rank[t] += part
         np.testing.assert_array_equal(res[src]["slot"], want_slot)
         if mode == "normal":
+            np.testing.assert_array_equal(res[src]["padded"]["slot"], want_slot)
+            np.testing.assert_array_equal(res[src]["padded"]["rank"], want_rank)
             np.testing.assert_array_equal(res[src]["rank"], want_rank)
             np.testing.assert_array_equal(res[src]["bf16"], want_bf16)
 

@@ -385,3 +385,10 @@ def test_deepep_preset_is_deepeps_fp8_cast():
     # fl(amax * fl(1/448)) is not fl(amax / 448) for every amax: the preset keeps DeepEP's product
     a = np.float32(np.arange(1, 4000, dtype=np.float32) * np.float32(0.37))
     assert ((a * (np.float32(1) / np.float32(448))) != (a / np.float32(448))).any()
+
+
+def test_padding_needs_normal_mode_and_a_bound():
+    x, ids, w = make_tokens(2, 8), np.array([[0], [1]]), np.ones((2, 1), np.float32)
+    for kw in (dict(), dict(mode="low_latency", max_tokens_per_rank=2, max_recv_tokens=4)):
+        with pytest.raises(ValueError, match="pad_to_max_recv=True needs mode='normal' and max_recv_tokens"):
+            ep_dispatch(x, ids, w, ep_placement(2, 1), None, pad_to_max_recv=True, **kw)

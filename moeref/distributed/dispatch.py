@@ -18,7 +18,8 @@ Receive layouts:
   order). ``topk_idx [N_recv, k]``: local expert id where the slot's expert is here, ``-1`` otherwise;
   ``topk_weights``: ``0.0`` where ``-1``. ``num_recv_tokens_per_expert``: (row, slot) pairs per local
   expert, rounded up to ``expert_alignment`` (which changes only the counts, as in DeepEP).
-  ``rank_prefix_matrix[i, j]``: rows from ranks ``<= i`` to rank ``j``. Grouping rows by expert is the
+  ``rank_prefix_matrix[i, j]``: rows from ranks ``<= i`` to rank ``j``. ``max_recv_tokens`` with
+  ``pad_to_max_recv=True`` is DeepEP's ``num_worst_tokens`` (outputs padded to the bound). Grouping rows by expert is the
   caller's job: :meth:`NormalDispatch.contiguous` gives DeepGEMM's contiguous layout.
 * ``mode="low_latency"`` (DeepEP ``low_latency_dispatch``) -> :class:`LowLatencyDispatch`: one message
   per valid (token, slot), received into the **masked** layout ``x [E_local, R*M, H]``
@@ -213,7 +214,7 @@ def _agree(g: EPGroup, local_fn, placement: EPPlacement, mode: str, bound: int):
 
 def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: EPGroup, *, mode: str = "normal",
                 quant=None, max_tokens_per_rank: int | None = None, max_recv_tokens: int | None = None,
-                expert_alignment: int = 1):
+                pad_to_max_recv: bool = False, expert_alignment: int = 1):
     """Send this rank's tokens to the ranks owning their experts; return the receive buffers.
 
     Args:
@@ -229,6 +230,9 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
             buffers have ``R*M`` rows per expert), optional for ``"normal"`` (checked when given).
         max_recv_tokens: optional bound on the rows any rank receives in ``"normal"`` mode (DeepEP
             ``num_worst_tokens``); exceeding it raises ``ValueError`` on every rank, naming the rank.
+        pad_to_max_recv: size the normal-mode outputs to ``max_recv_tokens`` rows, as DeepEP does with
+            ``num_worst_tokens``: the real rows first, then padding rows with ``topk_idx = -1``,
+            weight 0, ``src_rank = src_token = -1`` and zero payload.
         expert_alignment: rounds ``num_recv_tokens_per_expert`` up (DeepEP), normal mode only.
 
     Every rank raises the same ``ValueError``/``TypeError`` for a bad input on any rank; a peer that
@@ -237,6 +241,8 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
     check_choice(mode, DISPATCH_MODES, "mode")
     expert_alignment = check_positive_int(expert_alignment, "expert_alignment")
     bound = -1 if max_recv_tokens is None else check_positive_int(max_recv_tokens, "max_recv_tokens", allow_zero=True)
+    if pad_to_max_recv and (mode != "normal" or bound < 0):
+        raise ValueError("pad_to_max_recv=True needs mode='normal' and max_recv_tokens (the padded size)")
 
     def local():
         x = as_float_array(hidden, "hidden")
@@ -289,8 +295,17 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
         valid = ids.reshape(-1) >= 0
         src_rank = np.repeat(np.arange(r, dtype=np.int64), rows[:, me])
         ret_counts = np.bincount(np.repeat(src_rank, k)[valid], minlength=r).astype(np.int64)
+        n_rows = got.shape[0]
+        if pad_to_max_recv:  # DeepEP num_worst_tokens: real rows first, then -1 / 0 padding
+            n_rows = bound
+            pad = bound - got.shape[0]
+            payload = [np.concatenate([p, np.zeros((pad,) + p.shape[1:], p.dtype)]) for p in payload]
+            ids = np.concatenate([ids, np.full((pad, k), -1, np.int64)])
+            wts = np.concatenate([wts, np.zeros((pad, k), np.float32)])
+            src_rank = np.concatenate([src_rank, np.full(pad, -1, np.int64)])
+            tok = np.concatenate([tok, np.full(pad, -1, np.int64)])
         handle = CombineHandle(mode, plan, w, np.flatnonzero(valid), ret_counts, rows[:, me].copy())
-        xr, xq = _received(payload, qt, quant, (got.shape[0], h))
+        xr, xq = _received(payload, qt, quant, (n_rows, h))
         return NormalDispatch(xr, xq, ids, wts, src_rank, tok, np.cumsum(rows, axis=0), counts, handle)
     m = prep["M"]
     src_tok = plan.slot_src // max(k, 1)
@@ -381,7 +396,7 @@ def ep_combine(expert_out, dispatched, group: EPGroup, *, order: str = "slot", c
             if y.ndim != 3 or y.shape[:2] != want:
                 raise ValueError(f"expert_out must have shape [E_local={want[0]}, W={want[1]}, H]; got {y.shape}")
         flat = y.reshape(-1, y.shape[-1])
-        rows = flat if rank_order else flat[hd.return_index]
+        rows = flat[:int(hd.rows_from.sum())] if rank_order else flat[hd.return_index]  # not the padding
         # one RNE rounding to the travel dtype (float32/bf16 inputs widen exactly first)
         rows = rows.astype(np.float64 if combine_dtype is None else _dtype(combine_dtype))
         head[:] = (1, y.shape[-1], rows.dtype.itemsize, int(rank_order))

@@ -115,9 +115,10 @@ def _rows(d, low_latency: bool):
         keys = list(zip(e.tolist(), d.src_rank[e, i].tolist(), d.src_info[e, i].tolist()))
         vals = d.x if d.xq is None else d.xq.dequantize(np.float64)
         return dict(zip(keys, (e * d.src_info.shape[1] + i).tolist())), vals.reshape(-1, vals.shape[-1]), None
-    keys = list(zip(d.src_rank.tolist(), d.src_token.tolist()))
+    real = np.flatnonzero(d.src_rank >= 0)  # not the pad_to_max_recv padding
+    keys = list(zip(d.src_rank[real].tolist(), d.src_token[real].tolist()))
     vals = d.x if d.xq is None else d.xq.dequantize(np.float64)
-    return dict(zip(keys, range(len(keys)))), vals, d.topk_idx
+    return dict(zip(keys, real.tolist())), vals, d.topk_idx
 
 
 def _check_recv(ref, cand: EPKernelOutput, low_latency: bool) -> list[str]:
@@ -149,8 +150,9 @@ def _check_recv(ref, cand: EPKernelOutput, low_latency: bool) -> list[str]:
         keys = list(zip(e.tolist(), src_rank[e, i].tolist(), src_tok[e, i].tolist()))
         flat = (e * src_rank.shape[1] + i).tolist()
     else:
-        keys = list(zip(src_rank.reshape(-1).tolist(), src_tok.reshape(-1).tolist()))
-        flat = list(range(len(keys)))
+        real = np.flatnonzero(src_rank.reshape(-1) >= 0)  # padding rows (DeepEP num_worst_tokens) are -1
+        keys = list(zip(src_rank.reshape(-1)[real].tolist(), src_tok.reshape(-1)[real].tolist()))
+        flat = real.tolist()
     ref_index, ref_vals, ref_ids = _rows(ref, low_latency)
     seen: dict = {}
     dups = []
