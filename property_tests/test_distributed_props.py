@@ -26,8 +26,8 @@ FEW = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, Healt
 
 @pytest.fixture(scope="module")
 def world():
-    with LocalWorld(WORLD, timeout_s=20.0) as w:
-        yield w
+    # one world per test process, shared with the other EP test module (start-up is the cost)
+    return LocalWorld.shared(WORLD, timeout_s=20.0)
 
 
 @st.composite

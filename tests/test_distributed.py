@@ -114,8 +114,8 @@ WORLD = 4
 
 @pytest.fixture(scope="module")
 def world():
-    with LocalWorld(WORLD, timeout_s=20.0) as w:
-        yield w
+    # one world per test process, shared with the other EP test module (start-up is the cost)
+    return LocalWorld.shared(WORLD, timeout_s=20.0)
 
 
 def _routing(rank: int, tokens: int, num_experts: int, top_k: int = 2, seed: int = 0):
@@ -392,3 +392,15 @@ def test_padding_needs_normal_mode_and_a_bound():
     for kw in (dict(), dict(mode="low_latency", max_tokens_per_rank=2, max_recv_tokens=4)):
         with pytest.raises(ValueError, match="pad_to_max_recv=True needs mode='normal' and max_recv_tokens"):
             ep_dispatch(x, ids, w, ep_placement(2, 1), None, pad_to_max_recv=True, **kw)
+
+
+def test_shared_world_is_reused_and_serves_smaller_world_sizes(world):
+    assert LocalWorld.shared(WORLD, timeout_s=20.0) is world
+    assert world.run(rank_and_size) == [(0, 4), (1, 4), (2, 4), (3, 4)]
+    assert world.run(rank_and_size, world_size=2) == [(0, 2), (1, 2)]
+    with pytest.raises(ValueError, match="world_size=5 is larger than this LocalWorld"):
+        world.run(rank_and_size, world_size=5)
+
+
+def rank_and_size(g):
+    return g.rank, g.world_size

@@ -17,6 +17,7 @@ timeout becomes :class:`RankError` too, and the world is then closed (it cannot 
 """
 from __future__ import annotations
 
+import atexit
 import os
 import tempfile
 import time
@@ -26,6 +27,15 @@ from dataclasses import dataclass
 from .._checks import check_choice, check_positive_int
 
 __all__ = ["LocalWorld", "RankError"]
+
+
+_SHARED: dict = {}
+
+
+def _close_shared() -> None:
+    for world in _SHARED.values():
+        world.close()
+    _SHARED.clear()
 
 
 class RankError(RuntimeError):
@@ -199,6 +209,19 @@ class LocalWorld:
             conn.close()
         if os.path.exists(self._init_file):
             os.unlink(self._init_file)
+
+    @classmethod
+    def shared(cls, world_size: int, *, backend: str = "gloo", timeout_s: float = 60.0) -> "LocalWorld":
+        """A process-wide world of these parameters, started on first use, reused by later calls (so
+        several test modules in one process pay the start-up once), restarted if it was closed, and
+        closed when the interpreter exits."""
+        key = (int(world_size), backend, float(timeout_s))
+        world = _SHARED.get(key)
+        if world is None or world._closed:
+            world = _SHARED[key] = cls(world_size, backend=backend, timeout_s=timeout_s)
+            if len(_SHARED) == 1:
+                atexit.register(_close_shared)
+        return world
 
     def __enter__(self) -> "LocalWorld":
         return self
