@@ -48,3 +48,24 @@ def test_nccl_ep_layer_is_bit_identical(ranks):
     assert [r[0] for r in res] == [f"cuda:{i}" for i in range(ranks)]
     assert sum(r[1] for r in res) == t * k  # every slot received once
     np.testing.assert_array_equal(np.concatenate([r[2] for r in res]), fused_moe(x, layer, w, ids, quant=quant))
+
+
+@pytest.mark.gpu
+def test_bench_ep_gpu_smoke(tmp_path):
+    """bench/bench_ep_gpu.py end to end on NCCL with the GPUs at hand (1 or 2), one small size."""
+    import importlib
+    import json
+    import sys
+
+    ranks = min(_gpus(), 2)
+    if ranks < 1:
+        pytest.skip("needs a CUDA GPU")
+    bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    if bench_dir not in sys.path:
+        sys.path.insert(0, bench_dir)  # the spawned ranks import bench_ep_gpu by name (they get sys.path)
+    bench = importlib.import_module("bench_ep_gpu")
+    out = tmp_path / "ep.json"
+    assert bench.main(["--local-world", str(ranks), "--tokens", "128", "--iters", "1", "--out", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert {r["mode"] for r in records} == {"normal", "normal_fp8", "low_latency"}
+    assert all(r["backend"] == "nccl" and r["dispatch_s"] > 0 and r["plain_dispatch_s"] > 0 for r in records)
