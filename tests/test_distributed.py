@@ -404,3 +404,12 @@ def test_shared_world_is_reused_and_serves_smaller_world_sizes(world):
 
 def rank_and_size(g):
     return g.rank, g.world_size
+
+
+def test_placement_constructor_validates():
+    with pytest.raises(ValueError, match=r"owner\[1\] = 2 is not a rank in \[0, 2\)"):
+        EPPlacement(np.array([0, 2]), np.array([0, 0]), 2, np.array([0, 1]))
+    with pytest.raises(ValueError, match=r"the local ids of rank 0 are \[0, 2\]; they must be 0..1 once each"):
+        EPPlacement(np.array([0, 0, 1]), np.array([0, 2, 0]), 2, np.array([0, 1, 2]))
+    with pytest.raises(TypeError, match="owner must have dtype"):
+        EPPlacement(np.array([0.0]), np.array([0]), 1, np.array([0]))

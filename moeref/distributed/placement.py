@@ -53,10 +53,21 @@ class EPPlacement:
     strategy: str = "custom"
 
     def __post_init__(self):
+        ep_size = check_positive_int(self.ep_size, "ep_size")
         for name in ("owner", "local_id", "physical_to_logical"):
-            a = np.array(getattr(self, name), dtype=np.int64)
+            a = np.array(as_int_array(getattr(self, name), name), dtype=np.int64)
+            check_ndim(a, 1, name)
+            if a.shape != np.shape(self.owner):
+                raise ValueError(f"{name} must have the shape of owner {np.shape(self.owner)}; got {a.shape}")
             a.setflags(write=False)
             object.__setattr__(self, name, a)
+        bad = np.flatnonzero((self.owner < 0) | (self.owner >= ep_size))
+        if bad.size:
+            raise ValueError(f"owner[{int(bad[0])}] = {int(self.owner[bad[0]])} is not a rank in [0, {ep_size})")
+        for r in range(ep_size):  # each rank's local ids are 0 .. n-1, once each
+            ids = np.sort(self.local_id[self.owner == r])
+            if not np.array_equal(ids, np.arange(ids.size)):
+                raise ValueError(f"the local ids of rank {r} are {ids.tolist()}; they must be 0..{ids.size - 1} once each")
 
     # ---- sizes ----------------------------------------------------------------------------------
     @property
