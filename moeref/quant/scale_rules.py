@@ -120,6 +120,10 @@ def fp32_scales(amax: np.ndarray, ctx: RuleContext) -> ScaleResult:
             dec = np.maximum(np.abs(ctx.bmax.astype(w) / qmax), np.abs(ctx.bmin.astype(w) / qmin))
             dec = dec.astype(np.float32)
             enc = None
+        elif p.fp32_rule == "deepep":
+            a32 = a.astype(np.float32)
+            dec = (a32 * np.float32(1.0 / np.float32(M))).astype(np.float32)
+            enc = (np.float32(M) / a32).astype(w)
         elif p.fp32_rule == "encode_decode_pair":
             dec = (a / M).astype(np.float32)
             enc = (M / a).astype(w)

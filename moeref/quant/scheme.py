@@ -49,7 +49,7 @@ __all__ = [
     "SCALE_FORMATS",
 ]
 
-FP32_RULES = ("amax_over_max", "amax_times_recip_max", "te", "encode_decode_pair", "signed_minmax")
+FP32_RULES = ("amax_over_max", "amax_times_recip_max", "te", "encode_decode_pair", "signed_minmax", "deepep")
 E8M0_RULES = ("floor", "ceil", "even", "rceil", "ceil_div")
 E8M0_NONFINITE = ("nan", "satfinite", "clamp")
 NONFINITE_POLICIES = ("nan_block", "ignore_nan", "propagate")
@@ -83,6 +83,8 @@ class Preset:
                                  ``s = fl(1 / e)`` (``scale_inv``). Data ``x * e``.
             ``"encode_decode_pair"``  vLLM dynamic INT8: ``e = fl(M / a)``, ``s = fl(a / M)``
                                  computed separately (not reciprocals of each other).
+            ``"deepep"``         DeepEP's FP8 cast (``internode_ll.cu``): encode ``e = fl(M / a)``,
+                                 decode ``s = fl(a * fl(1/M))`` (``kFP8AmaxInv``), in float32.
             ``"signed_minmax"``  vLLM ``quantize_weights`` for signed integers:
                                  ``s = max(|max/qmax|, |min/qmin|)`` (INT4: ``max/7``, ``-min/8``).
         element_max: ``M`` to use instead of the element format's max finite value (GPTQ and
@@ -278,6 +280,13 @@ for _p in (
         "s = amax / M, UE8M0 = 2^ceil(log2 s) (exact; GPU log2f may differ, notes TV11), "
         "q = clamp(x / s, -M, M).",
         e8m0_rule="ceil_div", amax_floor=1e-10, nonfinite="propagate", apply="div",
+    ),
+    Preset(
+        "deepep",
+        "DeepEP low-latency dispatch FP8 1x128 cast (csrc/kernels/internode_ll.cu, 567632d): amax by "
+        "fmaxf (NaN ignored) floored at 1e-4, scale = fl(448 / amax), stored scale_inv = "
+        "fl(amax * fl(1/448)), data x * scale cast satfinite RNE.",
+        fp32_rule="deepep", amax_floor=1e-4, apply="mul_encode", nonfinite="ignore_nan",
     ),
     Preset(
         "te_fp8",
