@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["GROUPED_GEMM_IMPLEMENTATIONS", "GemmTiles", "grouped_gemm_contiguous", "grouped_gemm_supports",
-           "PROFILE_OF"]
+__all__ = ["GROUPED_GEMM_IMPLEMENTATIONS", "GemmTiles", "grouped_gemm_contiguous", "grouped_gemm_masked",
+           "grouped_gemm_supports", "PROFILE_OF"]
 
 GROUPED_GEMM_IMPLEMENTATIONS = ("triton", "deep_gemm")
 PROFILE_OF = {("triton", "float"): "BF16_OUTPUT", ("triton", "fp8_block"): "HOPPER_FP8_DEEPGEMM_DATA",
@@ -61,11 +61,11 @@ _INTERPRETER_TILES = {"fp8_block": GemmTiles(16, 32, 128, 1, 1), "float": GemmTi
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, M, N, K,
+def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                          stride_am, stride_be, stride_bn, stride_dm, stride_sam, stride_sbe, stride_sbn,
                          FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
-                         EVEN_K: tl.constexpr):
+                         EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_n = tl.program_id(0)  # n fastest: neighbouring programs share the expert's rows (A stays in L2)
     pid_m = tl.program_id(1)
     row0 = pid_m * BLOCK_M
@@ -98,6 +98,8 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, M, N, K
             acc += part * sa[:, None] * sb[None, :]
         else:
             acc = tl.dot(a, b, acc)
+    if HAS_BIAS:  # FP32 epilogue: bias[e, n] added to the FP32 accumulator before the store
+        acc += tl.load(bias_ptr + e.to(tl.int64) * N + cols, mask=cmask, other=0.0)[None, :]
     tl.store(d_ptr + rows[:, None].to(tl.int64) * stride_dm + cols[None, :],
              acc.to(d_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
@@ -145,7 +147,7 @@ def grouped_gemm_supports(impl: str, a=None, b=None, *, a_scales=None, b_scales=
 
 def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.Tensor, *, impl: str,
                             a_scales=None, b_scales=None, out_dtype=torch.bfloat16, alignment: int = 128,
-                            out=None, tiles: GemmTiles | None = None) -> torch.Tensor:
+                            out=None, tiles: GemmTiles | None = None, bias=None) -> torch.Tensor:
     """``d [M_sum, N] = a @ b[m_indices].T`` per row (padding rows unspecified).
 
     Args:
@@ -153,6 +155,7 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
         b: ``[E, N, K]`` of the same kind, FP8 with ``b_scales`` FP32 ``[E, ceil(N/128), ceil(K/128)]``.
         m_indices: int32 ``[M_sum]``, -1 padding; each expert's rows start on a multiple of ``alignment``.
         impl: ``"triton"`` or ``"deep_gemm"``.
+        bias: optional float32 ``[E, N]``, added in FP32 before the output store (Triton only).
     """
     ok, why = grouped_gemm_supports(impl, a, b, a_scales=a_scales, b_scales=b_scales, alignment=alignment)
     if not ok:
@@ -166,6 +169,10 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
     d = out if out is not None else torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return d
+    if bias is not None and impl != "triton":
+        raise ValueError(f"bias has no {impl} epilogue (the Triton kernel adds it)")
+    if bias is not None and tuple(bias.shape) != (e, n):
+        raise ValueError(f"bias must have shape ({e}, {n}); got {tuple(bias.shape)}")
     if impl == "deep_gemm":
         import deep_gemm
 
@@ -185,10 +192,45 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
     sa = a_scales.contiguous() if fp8 else dummy
     sb = b_scales.contiguous() if fp8 else dummy
     grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))
-    _grouped_gemm_kernel[grid](a, b, d, m_indices.to(torch.int32).contiguous(), sa, sb, m, n, k,
+    bias_t = bias.to(torch.float32).contiguous() if bias is not None else dummy
+    _grouped_gemm_kernel[grid](a, b, d, m_indices.to(torch.int32).contiguous(), sa, sb, bias_t, m, n, k,
                                a.stride(0), b.stride(0), b.stride(1), d.stride(0),
                                sa.stride(0) if fp8 else 0, sb.stride(0) if fp8 else 0, sb.stride(1) if fp8 else 0,
                                FP8=fp8, SCALE_BLOCK=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                               K_ITERS=triton.cdiv(k, t.block_k), EVEN_K=k % t.block_k == 0,
+                               K_ITERS=triton.cdiv(k, t.block_k), EVEN_K=k % t.block_k == 0, HAS_BIAS=bias is not None,
                                num_warps=t.num_warps, num_stages=t.num_stages)
     return d
+
+
+def grouped_gemm_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *, impl: str, a_scales=None,
+                        b_scales=None, expected_m: int | None = None, out_dtype=torch.bfloat16,
+                        tiles: GemmTiles | None = None, bias=None) -> torch.Tensor:
+    """DeepGEMM's masked layout: ``d[e, i] = a[e, i] @ b[e].T`` for ``i < masked_m[e]`` (rows past it
+    unspecified). ``a [E, max_m, K]`` (FP8 with ``a_scales [E, max_m, K/128]``), ``b [E, N, K]``.
+    ``"deep_gemm"`` calls ``m_grouped_fp8_gemm_nt_masked``; ``"triton"`` runs the contiguous kernel on the
+    ``E * max_m`` rows with each row's expert (-1 past ``masked_m``; ``max_m`` a multiple of the tile)."""
+    e, max_m, k = (int(d) for d in a.shape)
+    n = int(b.shape[1])
+    if impl == "deep_gemm":
+        ok, why = grouped_gemm_supports(impl, a.reshape(-1, k), b, a_scales=a_scales, b_scales=b_scales)
+        if not ok:
+            raise ValueError(f"grouped GEMM {impl!r} cannot run: {why}")
+        if bias is not None:
+            raise ValueError("bias has no deep_gemm epilogue (the Triton kernel adds it)")
+        import deep_gemm
+
+        d = torch.empty((e, max_m, n), dtype=out_dtype, device=a.device)
+        exp_m = int(expected_m) if expected_m is not None else max(1, max_m)
+        try:
+            deep_gemm.m_grouped_fp8_gemm_nt_masked((a, a_scales), (b, b_scales), d, masked_m.to(torch.int32), exp_m,
+                                                   disable_ue8m0_cast=True)
+        except TypeError:  # builds whose masked entry point has no disable_ue8m0_cast (FP32 scales are kept)
+            deep_gemm.m_grouped_fp8_gemm_nt_masked((a, a_scales), (b, b_scales), d, masked_m.to(torch.int32), exp_m)
+        return d
+    pos = torch.arange(max_m, device=a.device)
+    m_idx = torch.where(pos[None, :] < masked_m.to(a.device)[:, None],
+                        torch.arange(e, device=a.device)[:, None], -1).reshape(-1).to(torch.int32)
+    sa = None if a_scales is None else a_scales.reshape(e * max_m, -1)
+    d = grouped_gemm_contiguous(a.reshape(e * max_m, k), b, m_idx, impl=impl, a_scales=sa, b_scales=b_scales,
+                                out_dtype=out_dtype, alignment=max_m, tiles=tiles, bias=bias)
+    return d.reshape(e, max_m, n)

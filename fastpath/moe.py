@@ -19,9 +19,12 @@ The arithmetic it declares, for :func:`moeref.compare.compare` against the refer
 (:func:`reference_config` gives the matching ``run_moe`` arguments): FP8 layers, profile
 ``HOPPER_FP8_DEEPGEMM_DATA`` with ``gemm1_out_dtype="bfloat16"``, ``act_out_dtype="float32"`` (the fused
 kernel quantizes its FP32 activation) and the same a1/a2 schemes; float layers ``BF16_OUTPUT`` with bf16
-GEMM and activation stores in the weights' dtype. Scope today: the contiguous layout (prefill and decode alike), activations
-``silu_and_mul`` and ``swigluoai``, no biases, no expert map or shared experts (each refused with the
-reason: nothing is silently approximated).
+GEMM and activation stores in the weights' dtype. Layouts ``"contiguous"`` (prefill) and ``"masked"`` (decode: DeepGEMM's
+``m_grouped_fp8_gemm_nt_masked``, or the Triton kernel over the ``E x max_m`` rows); ``expert_map`` (EP:
+the local experts' rows only; non-local slots contribute 0); token chunks (``chunk_size``); biases (added
+in FP32 in the Triton kernel's epilogue; DeepGEMM has none and refuses them); shared experts (one more
+expert, weight 1, added to the routed FP32 sum). Activations ``silu_and_mul`` and ``swigluoai``; router
+weight on the input is refused with the reason (nothing is silently approximated).
 """
 from __future__ import annotations
 
@@ -41,25 +44,37 @@ ACTIVATIONS = ("silu_and_mul", "swigluoai")
 
 @dataclass(frozen=True, eq=False)
 class FastMoEWeights:
-    """Expert weights as the GPU kernels take them: ``w13 [E, 2N, K]`` and ``w2 [E, K, N]``, either bf16/fp16
+    """Expert weights as the GPU kernels take them: ``w13 [E, 2N, K]`` and ``w2 [E, K, N]``, either bf16/fp16/fp32
     tensors or float8_e4m3fn with FP32 128x128 block scales ``w13_scales [E, 2N/128, K/128]``,
-    ``w2_scales [E, K/128, N/128]`` (DeepGEMM's and vLLM's ``w1``/``w1_scale``)."""
+    ``w2_scales [E, K/128, N/128]`` (DeepGEMM's and vLLM's ``w1``/``w1_scale``); optional float32 biases
+    ``b13 [E, 2N]``, ``b2 [E, K]``."""
 
     w13: torch.Tensor
     w2: torch.Tensor
     w13_layout: str
     w13_scales: torch.Tensor | None = None
     w2_scales: torch.Tensor | None = None
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
 
     @property
     def fp8(self) -> bool:
         return self.w13.dtype == torch.float8_e4m3fn
 
+    @property
+    def num_experts(self) -> int:
+        return int(self.w13.shape[0])
+
 
 def fast_weights(weights, device="cuda") -> FastMoEWeights:
-    """:class:`FastMoEWeights` from a :class:`moeref.moe.MoEWeights` whose stacks are FP8 128x128
-    :class:`moeref.gemm.StackedExperts` with float32-representable scales, or float ``[E, N, K]`` tensors."""
+    """:class:`FastMoEWeights` from a :class:`moeref.moe.MoEWeights` (or :class:`moeref.moe.SharedExperts`)
+    whose stacks are FP8 128x128 quantized experts with float32-representable scales, or float arrays."""
+    if hasattr(weights, "as_weights"):
+        weights = weights.as_weights()
+
     def one(ws):
+        if isinstance(ws, list) and ws and hasattr(ws[0], "codes"):
+            ws = StackedExperts.from_quantized(ws)
         if isinstance(ws, StackedExperts):
             if ws.element != "e4m3fn" or ws.block != (128, 128):
                 raise ValueError(f"the GPU layer takes E4M3 128x128 experts; got {ws.element} blocks {ws.block}")
@@ -72,13 +87,12 @@ def fast_weights(weights, device="cuda") -> FastMoEWeights:
             return ws.to(device), None
         return torch.stack([torch.as_tensor(np.asarray(w)) for w in ws]).to(device), None
 
-    w13, s13 = one(weights.w13 if not isinstance(weights.w13, list) or not hasattr(weights.w13[0], "codes")
-                   else StackedExperts.from_quantized(weights.w13))
-    w2, s2 = one(weights.w2 if not isinstance(weights.w2, list) or not hasattr(weights.w2[0], "codes")
-                 else StackedExperts.from_quantized(weights.w2))
-    if getattr(weights, "b13", None) is not None or getattr(weights, "b2", None) is not None:
-        raise ValueError("biases have no GPU layer yet: use moeref.moe.run_moe(device='cuda')")
-    return FastMoEWeights(w13, w2, weights.w13_layout, s13, s2)
+    def bias(b):
+        return None if b is None else torch.as_tensor(np.asarray(b, dtype=np.float32)).to(device)
+
+    w13, s13 = one(weights.w13)
+    w2, s2 = one(weights.w2)
+    return FastMoEWeights(w13, w2, weights.w13_layout, s13, s2, bias(weights.b13), bias(weights.b2))
 
 
 def reference_config(weights: FastMoEWeights) -> dict:
@@ -95,63 +109,109 @@ def reference_config(weights: FastMoEWeights) -> dict:
     return dict(gemm1_out_dtype=store, act_out_dtype=store, out_dtype="bfloat16", profile="BF16_OUTPUT")
 
 
+LAYOUTS = ("contiguous", "masked")
+
+
 def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
               impl: str = "triton", activation: str = "silu_and_mul", activation_params: dict | None = None,
-              alignment: int = 128, out_dtype=torch.bfloat16, expert_map=None, num_experts: int | None = None,
+              layout: str = "contiguous", alignment: int = 128, max_m: int | None = None, out_dtype=torch.bfloat16,
+              expert_map=None, num_experts: int | None = None, chunk_size: int | None = None,
+              shared_experts: FastMoEWeights | None = None,
               apply_router_weight_on_input: bool = False) -> torch.Tensor:
-    """The MoE layer on the GPU (module docstring). ``hidden`` bf16 ``[M, K]``, ``topk_weights`` float
-    ``[M, k]``, ``topk_ids`` int ``[M, k]`` (-1 padding); returns ``out_dtype [M, K]``."""
+    """The MoE layer on the GPU (module docstring). ``hidden`` ``[M, K]`` (bf16 for the FP8 layer; the weights'
+    dtype for float layers), ``topk_weights`` float ``[M, k]``, ``topk_ids`` int ``[M, k]`` (-1 padding; global
+    ids with ``expert_map``). Returns ``out_dtype [M, K]``."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} has no GPU layer; supported: {ACTIVATIONS}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} has no GPU layer; supported: {LAYOUTS}")
+    if apply_router_weight_on_input:
+        raise ValueError("apply_router_weight_on_input has no GPU layer yet: use moeref.moe.run_moe(device='cuda')")
+    params = dict(activation_params or {})
+    for w in (weights,) if shared_experts is None else (weights, shared_experts):
+        need = params.get("layout", "interleaved" if activation == "swigluoai" else "gate_up")
+        if w.w13_layout != need:
+            raise ValueError(f"the fused {activation} kernel reads w13 in the {need!r} layout; the weights are "
+                             f"{w.w13_layout!r} (convert them with moeref.activations.convert_w13)")
+    ok, why = grouped_gemm_supports(impl, alignment=alignment if layout == "contiguous" else None)
+    if not ok:
+        raise ValueError(why)
+    if impl == "deep_gemm" and (weights.b13 is not None or weights.b2 is not None):
+        raise ValueError("biases have no DeepGEMM epilogue: use impl='triton'")
+    num_experts = weights.num_experts if num_experts is None else int(num_experts)
+    m = int(hidden.shape[0])
+    chunk = m if chunk_size is None else int(chunk_size)
+    if chunk < 1:
+        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
+    kw = dict(impl=impl, activation=activation, act_kw={k: v for k, v in params.items() if k in ("alpha", "limit")},
+              layout=layout, alignment=alignment, max_m=max_m)
+    ids_all = topk_ids.to(hidden.device)
+    tw_all = topk_weights.to(hidden.device)
+    parts = []
+    for s0 in range(0, max(m, 1), chunk):
+        x = hidden[s0:s0 + chunk]
+        out = _routed(x, weights, tw_all[s0:s0 + chunk], ids_all[s0:s0 + chunk], num_experts, expert_map, **kw)
+        if shared_experts is not None:
+            n = int(x.shape[0])
+            ones = torch.ones((n, 1), dtype=torch.float32, device=x.device)
+            zeros = torch.zeros((n, 1), dtype=torch.int32, device=x.device)
+            out = out + _routed(x, shared_experts, ones, zeros, 1, None, **kw)
+        parts.append(out)
+    return torch.cat(parts, dim=0).to(out_dtype)
+
+
+def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, expert_map, *, impl, activation, act_kw,
+            layout, alignment, max_m) -> torch.Tensor:
+    """One chunk of the routed experts: float32 ``[m, K]`` (the weighted sum before the output store)."""
     from fastpath import dispatch
     from fastpath.fused import silu_and_mul_quant_fp8, swigluoai_quant_fp8
+    from fastpath.grouped_gemm import grouped_gemm_masked
     from fastpath.quant import quantize
     from moeref.quant import fp8_group
 
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation {activation!r} has no GPU layer; supported: {ACTIVATIONS}")
-    if expert_map is not None or apply_router_weight_on_input:
-        raise ValueError("expert_map / apply_router_weight_on_input have no GPU layer yet: use "
-                         "moeref.moe.run_moe(device='cuda')")
-    params = dict(activation_params or {})
-    layout_needed = "interleaved" if activation == "swigluoai" else "gate_up"
-    if weights.w13_layout != params.get("layout", layout_needed):
-        raise ValueError(f"the fused {activation} kernel reads w13 in the {layout_needed!r} layout; the weights are "
-                         f"{weights.w13_layout!r} (convert them with moeref.activations.convert_w13)")
-    e = int(weights.w13.shape[0])
-    num_experts = e if num_experts is None else num_experts
-    m, k = (int(d) for d in hidden.shape)
+    m, k = (int(d) for d in x.shape)
     top_k = int(topk_ids.shape[1])
-    ok, why = grouped_gemm_supports(impl, alignment=alignment)
-    if not ok:
-        raise ValueError(why)
-    ids = topk_ids.to(hidden.device)
-    lay = dispatch.to_contiguous(None, ids, num_experts, alignment)
-    src = lay.src
-    rows = torch.where(src >= 0, torch.div(src, top_k, rounding_mode="floor"), torch.zeros_like(src))
+    if layout == "contiguous":
+        lay = dispatch.to_contiguous(None, topk_ids, num_experts, alignment, expert_map)
+        src = lay.src
+    else:
+        lay = dispatch.to_masked(None, topk_ids, num_experts, max_m, expert_map)
+        cap = int(lay.src.shape[1])
+        pad = -(-cap // 128) * 128 - cap  # rows of each expert padded to the tile
+        src = torch.nn.functional.pad(lay.src, (0, pad), value=-1)
+    rows = torch.where(src >= 0, torch.div(src, top_k, rounding_mode="floor"), torch.zeros_like(src)).reshape(-1)
     scheme = fp8_group()
+    store = torch.bfloat16 if weights.fp8 else weights.w13.dtype
     if weights.fp8:
-        qa = quantize(hidden, scheme)
+        qa = quantize(x, scheme)
         a = qa.codes.reshape(m, k).view(torch.float8_e4m3fn).index_select(0, rows)
         sa = qa.scales.reshape(m, -1).index_select(0, rows)
     else:
-        a, sa = hidden.index_select(0, rows), None
-    store = torch.bfloat16 if weights.fp8 else weights.w13.dtype
-    h = grouped_gemm_contiguous(a, weights.w13, lay.m_indices, impl=impl, a_scales=sa, b_scales=weights.w13_scales,
-                                alignment=alignment, out_dtype=store)
-    act_kw = {key: v for key, v in params.items() if key in ("alpha", "limit")}
+        a, sa = x.to(store).index_select(0, rows), None
+
+    def gemm(a, b, sa, sb, bias):
+        if layout == "contiguous":
+            return grouped_gemm_contiguous(a, b, lay.m_indices, impl=impl, a_scales=sa, b_scales=sb,
+                                           alignment=alignment, out_dtype=store, bias=bias)
+        e, mm = (int(d) for d in src.shape)
+        return grouped_gemm_masked(a.reshape(e, mm, -1), b, lay.masked_m, impl=impl,
+                                   a_scales=None if sa is None else sa.reshape(e, mm, -1), b_scales=sb,
+                                   expected_m=lay.expected_m, out_dtype=store, bias=bias).reshape(e * mm, -1)
+
+    h = gemm(a, weights.w13, sa, weights.w13_scales, weights.b13)
     if weights.fp8:
-        fq = (silu_and_mul_quant_fp8(h, scheme) if activation == "silu_and_mul"
-              else swigluoai_quant_fp8(h, scheme=scheme, **act_kw))
+        fq = silu_and_mul_quant_fp8(h, scheme) if activation == "silu_and_mul" else \
+            swigluoai_quant_fp8(h, scheme=scheme, **act_kw)
         n = int(h.shape[1]) // 2
-        x = fq.codes.reshape(-1, n).view(torch.float8_e4m3fn)
-        sx = fq.scales.reshape(x.shape[0], -1)
+        xq = fq.codes.reshape(-1, n).view(torch.float8_e4m3fn)
+        sx = fq.scales.reshape(xq.shape[0], -1)
     else:
         from fastpath.fused import silu_and_mul, swigluoai
 
-        x = (silu_and_mul(h) if activation == "silu_and_mul" else swigluoai(h, **act_kw)).to(store)
+        xq = (silu_and_mul(h) if activation == "silu_and_mul" else swigluoai(h, **act_kw)).to(store)
         sx = None
-    y = grouped_gemm_contiguous(x, weights.w2, lay.m_indices, impl=impl, a_scales=sx, b_scales=weights.w2_scales,
-                                alignment=alignment, out_dtype=store)
-    return dispatch.weight_and_reduce(y, src, topk_weights.to(hidden.device), m, out_dtype=out_dtype)
+    y = gemm(xq, weights.w2, sx, weights.w2_scales, weights.b2)
+    return dispatch.weight_and_reduce(y, src.reshape(-1), topk_weights, m, out_dtype=torch.float32)
 
 
 def profile_of(impl: str, weights: FastMoEWeights) -> str:

@@ -95,19 +95,34 @@ def test_triton_grouped_gemm_catches_a_misrouted_row():
     assert np.any(np.abs(got - ref)[row] > bound[row])
 
 
-@_settings(4)
-@given(routings(max_tokens=12, max_experts=6, max_top_k=3), st.integers(0, 2**16))
-def test_fastpath_moe_float32_layer_within_fp32_bound(r, seed):
-    """The whole layer (contiguous layout, silu_and_mul) with float32 weights and stores, against the
-    reference under FP32_ACCUM with float32 stores."""
+@_settings(6)
+@given(routings(max_tokens=12, max_experts=6, max_top_k=3), st.integers(0, 2**16),
+       st.sampled_from(["contiguous", "masked"]), st.booleans(), st.booleans(), st.sampled_from([None, 5]),
+       st.sampled_from([1, 2]))
+def test_fastpath_moe_float32_layer_within_fp32_bound(r, seed, layout, bias, shared, chunk, ep_size):
+    """The whole layer (silu_and_mul) with float32 weights and stores, against the reference under FP32_ACCUM
+    with float32 stores: both layouts, biases, a shared expert, token chunks, an expert-parallel rank."""
     from fastpath.moe import fast_weights, fused_moe
+    from moeref.moe import SharedExperts
+    from moeref.routing import expert_map
 
-    lw = make_layer(r.num_experts, 32, 16, seed=seed)
+    lw = make_layer(r.num_experts, 32, 16, seed=seed, bias=bias)
     x = make_tokens(r.num_tokens, 32, seed=seed + 1)
-    fw = fast_weights(lw, DEV)
-    got = fused_moe(torch.as_tensor(x, device=DEV), fw, torch.as_tensor(r.weights, device=DEV),
-                    torch.as_tensor(r.ids, device=DEV), alignment=16, out_dtype=torch.float32)
-    run = run_moe(x, lw, r.weights, r.ids, gemm1_out_dtype="float32", act_out_dtype="float32", out_dtype="float32")
+    emap = None if ep_size == 1 else expert_map(r.num_experts, ep_size, seed % ep_size)
+    local = lw if emap is None else lw.select(np.flatnonzero(emap >= 0))
+    if local.num_experts == 0:
+        return
+    sx = None
+    if shared:
+        s = make_layer(1, 32, 8, seed=seed + 2)
+        sx = SharedExperts(s.w13[0], s.w2[0], s.w13_layout)
+    got = fused_moe(torch.as_tensor(x, device=DEV), fast_weights(local, DEV), torch.as_tensor(r.weights, device=DEV),
+                    torch.as_tensor(r.ids, device=DEV), alignment=16, out_dtype=torch.float32, layout=layout,
+                    expert_map=None if emap is None else torch.as_tensor(emap, device=DEV),
+                    num_experts=r.num_experts, chunk_size=chunk,
+                    shared_experts=None if sx is None else fast_weights(sx, DEV))
+    run = run_moe(x, local, r.weights, r.ids, gemm1_out_dtype="float32", act_out_dtype="float32", out_dtype="float32",
+                  expert_map=emap, num_experts=r.num_experts, chunk_size=chunk, shared_experts=sx)
     prof = PROFILES["FP32_ACCUM"]
     if on_gpu():  # fp32 tl.dot is TF32 on the GPU
         from dataclasses import replace
@@ -131,8 +146,8 @@ def _fp8_layer(rng, e, k, n):
 @pytest.mark.gpu
 @settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(routings(max_tokens=200, max_experts=8, max_top_k=4), st.sampled_from(["triton", "deep_gemm"]),
-       st.integers(0, 2**16))
-def test_fastpath_moe_fp8_layer_within_declared_profile(r, impl, seed):
+       st.integers(0, 2**16), st.sampled_from(["contiguous", "masked"]))
+def test_fastpath_moe_fp8_layer_within_declared_profile(r, impl, seed, layout):
     """FP8 1x128 x 128x128 layer (DeepGEMM recipe) at K = 512, N = 256: every example passes under the
     declared profile, with the Triton kernel and with DeepGEMM."""
     from fastpath.grouped_gemm import grouped_gemm_supports
@@ -145,7 +160,7 @@ def test_fastpath_moe_fp8_layer_within_declared_profile(r, impl, seed):
     x = make_tokens(r.num_tokens, 512, seed=seed)
     fw = fast_weights(weights, "cuda")
     got = fused_moe(torch.as_tensor(x, device="cuda").to(torch.bfloat16), fw, torch.as_tensor(r.weights, device="cuda"),
-                    torch.as_tensor(r.ids, device="cuda"), impl=impl)
+                    torch.as_tensor(r.ids, device="cuda"), impl=impl, layout=layout)
     cfg = reference_config(fw)
     prof = PROFILES[cfg.pop("profile")]
     assert prof.name == profile_of(impl, fw)
