@@ -26,6 +26,7 @@ __all__ = [
     "requantize",
     "QUANTIZERS",
     "register_quantizer",
+    "PRECISIONS",
 ]
 
 _SCALE_DTYPE = {"fp32": np.dtype(np.float32), "ue8m0": np.dtype(np.uint8), "ue4m3": np.dtype(np.uint8)}
@@ -231,73 +232,126 @@ def dequantize(q: QuantizedTensor, dtype=np.float32) -> np.ndarray:
 
 @dataclass(frozen=True)
 class RequantReport:
-    """How faithful a requantization was.
+    """How faithful a requantization was (every figure against the EXACT source values).
 
     Attributes:
         lossless: every element decodes to exactly the source value (NaN to NaN).
         max_abs_error: max |target - source| over finite elements (0.0 when lossless).
         error: per-element exact error ``target - source`` (float64, logical shape; 0 where
             both are NaN, NaN where only one is).
-        method: ``"rule"`` (the target scheme's scale rule on the exact source values) or
+        method: ``"rule"`` (the target scheme's scale rule on the source values),
             ``"exact_rescale"`` (each target block takes its source block's decode scale,
-            re-expressed in the target scale format, and the data are re-encoded with it).
+            re-expressed in the target scale format, and the data are re-encoded with it) or
+            ``"lossless_search"`` (:func:`moeref.quant.lossless.find_lossless` found scales that
+            make every element exact).
+        rel_l2: ``||error||_2 / ||source||_2`` over finite elements (0.0 for a zero source).
+        sqnr_db: ``10 log10(||source||^2 / ||error||^2)`` (``inf`` when lossless).
+        worst_block: index (on the target's block grid) of the block with the largest max
+            |error|, or None when lossless.
+        precision: ``"exact"`` or ``"float32"`` (see :func:`requantize`).
     """
 
     lossless: bool
     max_abs_error: float
     error: np.ndarray = field(repr=False)
     method: str
+    rel_l2: float = 0.0
+    sqnr_db: float = float("inf")
+    worst_block: tuple | None = None
+    precision: str = "exact"
 
 
-def _report(target: QuantizedTensor, x: np.ndarray, method: str) -> RequantReport:
+def _report(target: QuantizedTensor, x: np.ndarray, method: str, precision: str = "exact") -> RequantReport:
     y = target.dequantize(np.float64)
     with np.errstate(invalid="ignore"):
         err = y - x
-    both_nan = np.isnan(x) & np.isnan(y)
-    err = np.where(both_nan, 0.0, err)
-    same_inf = np.isinf(x) & (x == y)
-    err = np.where(same_inf, 0.0, err)
-    lossless = bool(np.all(err == 0))
+    if not (np.isfinite(x).all() and np.isfinite(y).all()):
+        both_nan = np.isnan(x) & np.isnan(y)
+        err = np.where(both_nan, 0.0, err)
+        same_inf = np.isinf(x) & (x == y)
+        err = np.where(same_inf, 0.0, err)
+    lossless = not np.any(err)
     fin = np.isfinite(err)
-    mx = float(np.max(np.abs(err[fin]))) if fin.any() else 0.0
+    allfin = bool(fin.all())
+    ef = err.ravel() if allfin else err[fin]
+    mx = float(np.max(np.abs(ef))) if ef.size else 0.0
+    rel = 0.0
+    sqnr = float("inf")
+    worst = None
+    if not lossless and ef.size:
+        xf = x.ravel() if allfin else np.where(fin, x, 0.0)[fin]
+        e2 = float(np.dot(ef, ef))
+        x2 = float(np.dot(xf, xf))
+        rel = float(np.sqrt(e2 / x2)) if x2 > 0 else float("inf")
+        sqnr = float(10 * np.log10(x2 / e2)) if e2 > 0 and x2 > 0 else float("inf")
+        block = target.block_shape
+        ab = block_view(np.where(fin, np.abs(err), 0.0), block)
+        k = len(block)
+        per_block = np.max(ab, axis=tuple(ab.ndim - 2 * k + 2 * i + 1 for i in range(k)))
+        worst = tuple(int(i) for i in np.unravel_index(int(np.argmax(per_block)), per_block.shape))
     err.setflags(write=False)
-    return RequantReport(lossless=lossless, max_abs_error=mx, error=err, method=method)
+    return RequantReport(lossless=bool(lossless), max_abs_error=mx, error=err, method=method,
+                         rel_l2=rel, sqnr_db=sqnr, worst_block=worst, precision=precision)
 
 
-def requantize(q: QuantizedTensor, target: Scheme, *, prefer_exact: bool = True):
+PRECISIONS = ("exact", "float32")
+
+
+def requantize(q: QuantizedTensor, target: Scheme, *, prefer_exact: bool = True,
+               precision: str = "exact"):
     """Convert ``q`` to ``target`` by requantizing the DATA: exact dequantization, then quantization.
 
     Rounding a scale without re-encoding the data shipped two silently wrong checkpoints
     (huggingface/transformers#47030, sgl-project/sglang PR #28307; notes §5); this never does
-    that. The target's rule runs on the exact source values (float32 input when every value is a
-    float32, so the anchors' float32 arithmetic applies; float64 otherwise). When that is lossy
-    and ``prefer_exact``, a second candidate keeps each source block's decode scale (target
-    blocks nested in source blocks, scale exactly representable in the target scale format,
-    with a power-of-two global factor for UE4M3) and re-encodes the data with it; it is used
-    only if it is exact (an all-zero block takes any scale). MXFP4 -> NVFP4 is lossless this way
-    whenever the exponents of the nonzero blocks span at most 17 binades (UE4M3 holds
-    2^-9 .. 2^8).
+    that. ``precision`` says what the target's rule runs on:
+
+    * ``"exact"`` (default): the exact source values, as float32 when every value is a float32
+      (so the anchors' float32 arithmetic applies), float64 otherwise.
+    * ``"float32"``: the source dequantized to float32 (one RNE rounding of the exact product),
+      which is what the producing libraries do before they requantize a checkpoint: vLLM
+      ``requant_weight_ue8m0`` (``weight.float() * scale``), DeepSeek ``fp8_cast_bf16.py``,
+      compressed-tensors ``FP8BlockDequantizer``. Identical to ``"exact"`` whenever the source
+      values are float32 (MX, UE8M0 and power-of-two scales; FP8 with FP32 scales usually not).
+
+    The report always measures against the exact source values. When the rule's result is lossy
+    and ``prefer_exact``, two further candidates are tried and used only if exact: the source
+    block scales re-expressed in the target (target blocks nested in source blocks; MXFP4 ->
+    NVFP4 is lossless this way whenever the exponents of the nonzero blocks span at most 17
+    binades, UE4M3 holds 2^-9 .. 2^8), then :func:`moeref.quant.lossless.find_lossless`, which
+    finds a lossless encoding whenever the target can hold the values (its docstring says how).
 
     Returns:
         ``(QuantizedTensor, RequantReport)``.
     """
+    from .._checks import check_choice
+    from .lossless import find_lossless
+
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"q must be a QuantizedTensor; got {type(q).__name__}")
     if not isinstance(target, Scheme):
         raise TypeError(f"target must be a Scheme; got {type(target).__name__}")
+    check_choice(precision, PRECISIONS, "requantize precision")
     x = q.dequantize(np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        x32 = x.astype(np.float32)
-        exact32 = np.array_equal(x32.astype(np.float64), x, equal_nan=True)
-    first = quantize(x32 if exact32 else x, target)
-    rep = _report(first, x, "rule")
+    if precision == "float32":
+        src = q.dequantize(np.float32)
+    else:
+        with np.errstate(invalid="ignore", over="ignore"):
+            x32 = x.astype(np.float32)
+            src = x32 if np.array_equal(x32.astype(np.float64), x, equal_nan=True) else x
+    first = quantize(src, target)
+    rep = _report(first, x, "rule", precision)
     if rep.lossless or not prefer_exact:
         return first, rep
     alt = _exact_rescale(q, x, target)
     if alt is not None:
-        rep2 = _report(alt, x, "exact_rescale")
+        rep2 = _report(alt, x, "exact_rescale", precision)
         if rep2.lossless:
             return alt, rep2
+    alt = find_lossless(x, target)
+    if alt is not None:
+        rep3 = _report(alt, x, "lossless_search", precision)
+        if rep3.lossless:
+            return alt, rep3
     return first, rep
 
 
