@@ -27,6 +27,7 @@ __all__ = [
     "QUANTIZERS",
     "register_quantizer",
     "PRECISIONS",
+    "quantize_and_report",
 ]
 
 _SCALE_DTYPE = {"fp32": np.dtype(np.float32), "ue8m0": np.dtype(np.uint8), "ue4m3": np.dtype(np.uint8)}
@@ -298,7 +299,7 @@ PRECISIONS = ("exact", "float32")
 
 
 def requantize(q: QuantizedTensor, target: Scheme, *, prefer_exact: bool = True,
-               precision: str = "exact"):
+               precision: str = "exact", quantizer: Callable | None = None):
     """Convert ``q`` to ``target`` by requantizing the DATA: exact dequantization, then quantization.
 
     Rounding a scale without re-encoding the data shipped two silently wrong checkpoints
@@ -320,11 +321,13 @@ def requantize(q: QuantizedTensor, target: Scheme, *, prefer_exact: bool = True,
     binades, UE4M3 holds 2^-9 .. 2^8), then :func:`moeref.quant.lossless.find_lossless`, which
     finds a lossless encoding whenever the target can hold the values (its docstring says how).
 
+    ``quantizer(values, target) -> QuantizedTensor`` replaces :func:`quantize` for the rule step
+    (the checkpoint converter passes the Triton fast path there, which is bit-identical).
+
     Returns:
         ``(QuantizedTensor, RequantReport)``.
     """
     from .._checks import check_choice
-    from .lossless import find_lossless
 
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"q must be a QuantizedTensor; got {type(q).__name__}")
@@ -338,11 +341,30 @@ def requantize(q: QuantizedTensor, target: Scheme, *, prefer_exact: bool = True,
         with np.errstate(invalid="ignore", over="ignore"):
             x32 = x.astype(np.float32)
             src = x32 if np.array_equal(x32.astype(np.float64), x, equal_nan=True) else x
-    first = quantize(src, target)
+    return _requantize_values(x, src, target, q, prefer_exact, precision, quantizer)
+
+
+def quantize_and_report(x, target: Scheme, *, prefer_exact: bool = True,
+                        quantizer: Callable | None = None):
+    """Quantize float values ``x`` (float16/bfloat16/float32/float64) with ``target`` and report
+    against ``x`` exactly, as :func:`requantize` does for a quantized source (same report, same
+    lossless search). Returns ``(QuantizedTensor, RequantReport)``."""
+    from .blockwise import as_input
+
+    xa = as_input(x)
+    src = xa if xa.dtype in (np.float32, np.float64) else xa.astype(np.float32)
+    return _requantize_values(xa.astype(np.float64), src, target, None, prefer_exact, "exact",
+                              quantizer)
+
+
+def _requantize_values(x, src, target, q, prefer_exact, precision, quantizer):
+    from .lossless import find_lossless
+
+    first = (quantizer or quantize)(src, target)
     rep = _report(first, x, "rule", precision)
     if rep.lossless or not prefer_exact:
         return first, rep
-    alt = _exact_rescale(q, x, target)
+    alt = _exact_rescale(q, x, target) if q is not None else None
     if alt is not None:
         rep2 = _report(alt, x, "exact_rescale", precision)
         if rep2.lossless:
