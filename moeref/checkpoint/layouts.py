@@ -178,6 +178,11 @@ class Layout:
             raise CheckpointError(f"module {m!r}: the {self.name} layout holds {want.description}; "
                                   f"got {s.description or s.name} with blocks {q.block_shape}")
 
+    def stored_input_scale(self, v: float | None) -> float | None:
+        """The static input scale a reader gets back after writing ``v`` (None: the layout has no
+        slot for it, and the converter warns that it was dropped)."""
+        return None
+
     def quantization_config(self, ignore: list, has_input_scales: bool = False):
         """``(config.json quantization_config or None, {extra file: json})``."""
         raise NotImplementedError
@@ -308,6 +313,14 @@ class _NVFP4(Layout):
         if data.input_scale is not None:
             out.append((m + ".input_scale", np.array(data.input_scale, np.float32)))
         return out
+
+    def stored_input_scale(self, v: float | None) -> float | None:
+        """The input decode scale a reader gets back after :meth:`write` stored ``v``
+        (ModelOpt: ``fl32(v)``; compressed-tensors stores the reciprocal: ``1 / fl32(1/v)``,
+        as its ModelOpt converter does)."""
+        if v is None:
+            return None
+        return 1.0 / float(np.float32(1.0 / v)) if self.ct else float(np.float32(v))
 
     def quantization_config(self, ignore, has_input_scales=False):
         if self.ct:

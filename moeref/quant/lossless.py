@@ -15,8 +15,8 @@ searches the scales that can work:
 * UE4M3 blocks times one global factor ``G`` (NVFP4): ``G = A / (v u)`` from the block holding the
   tensor maximum ``A``, with ``v`` in the element top binade and ``u`` in the UE4M3 top binade
   ``(224, 448]`` (doubling every block scale of a lossless encoding whose largest UE4M3 scale is
-  <= 224 keeps it lossless, so the largest can be taken there); ``G`` must be a float32 (every
-  checkpoint stores it as one). Each block then takes ``u_b = a_b / (v_b G)`` for the first element
+  <= 224 keeps it lossless, so the largest can be taken there); ``G`` must be storable as the
+  float32 of the preset's convention (:func:`global_storable`: checkpoints store it that way). Each block then takes ``u_b = a_b / (v_b G)`` for the first element
   value ``v_b`` (from the top) whose ``u_b`` is a UE4M3 value and whose elements are exact. The
   block step tries every ``v_b``, so small (subnormal) UE4M3 scales are found too; the global step
   assumes the largest block scale can reach the UE4M3 top binade, which fails only when an
@@ -35,7 +35,20 @@ from ..formats import decode_table, encode, pack_nibbles
 from .blockwise import block_amax, block_view, broadcast_to_blocks, expand_to_elements
 from .scheme import Scheme
 
-__all__ = ["find_lossless", "top_binade_values"]
+__all__ = ["find_lossless", "top_binade_values", "global_storable"]
+
+
+def global_storable(g: float, target: Scheme) -> bool:
+    """Whether the float32 the target's global-scale convention stores gives back the decode
+    factor ``g`` exactly (``decode_scale``: ``fl32(g) == g``; ``encode_scale``:
+    ``1 / fl32(1/g) == g``; ``amax``: ``fl32(2688 g) / 2688 == g``), so a checkpoint can hold it."""
+    conv = target.preset.option("global_convention", "decode_scale")
+    with np.errstate(over="ignore", divide="ignore"):
+        if conv == "encode_scale":
+            return 1.0 / float(np.float32(1.0 / g)) == g
+        if conv == "amax":
+            return float(np.float32(g * 2688.0)) / 2688.0 == g
+        return float(np.float32(g)) == g
 
 
 def top_binade_values(element) -> np.ndarray:
@@ -128,7 +141,7 @@ def _global_candidates(amax: np.ndarray, target: Scheme) -> list[float]:
     for v in top_binade_values(target.element_format):
         for u in ue:
             g = A / (float(v) * float(u))
-            if g > 0 and np.isfinite(g) and float(np.float32(g)) == g and g * float(v) * float(u) == A:
+            if g > 0 and np.isfinite(g) and global_storable(g, target) and g * float(v) * float(u) == A:
                 out.append(g)
     return list(dict.fromkeys(out))
 

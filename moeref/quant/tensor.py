@@ -422,6 +422,9 @@ def _exact_rescale(q: QuantizedTensor, x: np.ndarray, target: Scheme):
             top = float(cand.max())
             m, e = np.frexp(top)
             glob = float(np.ldexp(1.0, int(e) - 1 - 8)) if m == 0.5 else top / 448.0
+            from .lossless import global_storable
+            if not global_storable(glob, target):
+                return None
             base = cand / glob
         stored = encode(base, name, overflow="saturate", rounding="rne")
         if not np.array_equal(decode_table(name)[stored] * (glob or 1.0), cand):
