@@ -118,8 +118,18 @@ class ConversionReport:
         return text
 
     def table(self, limit: int | None = 50):
-        """A ``rich`` table of the modules (the first ``limit``; None = all)."""
+        """A ``rich`` table of the modules (the first ``limit``; None = all); for a dry run,
+        the plan (module, shard, shape, action, target layout)."""
         from rich.table import Table
+
+        if self.dry_run:
+            t = Table(title=f"{self.source_layout} -> {self.target_layout} (dry run: nothing "
+                            "written)")
+            for col in ("module", "shard", "shape", "action", "written as"):
+                t.add_column(col)
+            for m in self.modules if limit is None else self.modules[:limit]:
+                t.add_row(m.module, m.shard, "x".join(map(str, m.shape)), m.method, m.target)
+            return t
 
         t = Table(title=f"{self.source_layout} -> {self.target_layout}"
                         + (" (dry run)" if self.dry_run else ""))
