@@ -165,10 +165,11 @@ class ShardWriter:
         self._data = open(self.path + ".data", "wb")
 
     def add(self, name: str, array) -> None:
-        a = np.ascontiguousarray(np.asarray(array))
+        a = np.asarray(array)
+        a = a if a.flags.c_contiguous else a.copy(order="C")  # (ascontiguousarray makes 0-d 1-d)
         if any(e[0] == name for e in self._entries):
             raise CheckpointError(f"tensor {name!r} written twice to {self.path}")
-        raw = a.view(np.uint8).reshape(-1) if a.size else np.zeros(0, np.uint8)
+        raw = a.reshape(-1).view(np.uint8) if a.size else np.zeros(0, np.uint8)
         self._data.write(raw.tobytes())
         self._entries.append((name, dtype_name(a.dtype), list(a.shape), self._offset,
                               self._offset + raw.size))
