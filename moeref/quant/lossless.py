@@ -12,15 +12,14 @@ searches the scales that can work:
 * UE8M0: one candidate per block, ``2^k`` with the smallest ``k`` such that ``a <= M 2^k``.
 * FP32: ``s = a / v`` for each element value ``v`` of the top binade (E2M1: 4, 6; E4M3: 240 ... 448),
   kept only where ``s`` is a float32 and ``v s == a`` exactly.
-* UE4M3 blocks times one global factor ``G`` (NVFP4): ``G = A / (v u)`` from the block holding the
-  tensor maximum ``A``, with ``v`` in the element top binade and ``u`` in the UE4M3 top binade
-  ``(224, 448]`` (doubling every block scale of a lossless encoding whose largest UE4M3 scale is
-  <= 224 keeps it lossless, so the largest can be taken there); ``G`` must be storable as the
-  float32 of the preset's convention (:func:`global_storable`: checkpoints store it that way). Each block then takes ``u_b = a_b / (v_b G)`` for the first element
-  value ``v_b`` (from the top) whose ``u_b`` is a UE4M3 value and whose elements are exact. The
-  block step tries every ``v_b``, so small (subnormal) UE4M3 scales are found too; the global step
-  assumes the largest block scale can reach the UE4M3 top binade, which fails only when an
-  encoding needs block scales spanning the full UE4M3 range AND a subnormal one.
+* UE4M3 blocks times one global factor ``G`` (NVFP4): the block holding the tensor maximum ``A``
+  has ``A = v u G`` for its maximum's element value ``v`` and its UE4M3 scale ``u``, so ``G`` is one
+  of ``A / (v u)`` over every element value and every UE4M3 value; the candidates that make that
+  block exact are found in one vectorised check, and ``G`` must be storable as the float32 of the
+  preset's convention (:func:`global_storable`: checkpoints store it that way). With ``G`` fixed,
+  each block takes ``u_b = a_b / (v_b G)`` for the first element value ``v_b`` (from the top) whose
+  ``u_b`` is a UE4M3 value and whose elements are exact: every case is tried, so the search is
+  complete.
 
 Each candidate is checked on one slab of blocks first (index 0 of the leading axes and of the first
 blocked axis), so a lossy tensor is rejected after a few hundred elements; a candidate is accepted
@@ -131,18 +130,33 @@ def _per_block_candidates(amax, target: Scheme, glob: float | None = None):
     return out
 
 
-def _global_candidates(amax: np.ndarray, target: Scheme) -> list[float]:
+def _global_candidates(xb: np.ndarray, amax: np.ndarray, target: Scheme) -> list[float]:
+    """Global factors ``G = A / (v u)`` that make the block holding the tensor maximum ``A``
+    exact, for every element value ``v`` and every UE4M3 value ``u`` (one vectorised check of
+    that block), storable in the preset's convention; largest ``u`` first."""
     A = float(amax.max()) if amax.size else 0.0
     if A == 0:
         return [1.0]
+    el = target.element_format
+    k = xb.ndim - amax.ndim
+    top = np.unravel_index(int(np.argmax(amax)), amax.shape)
+    nl = amax.ndim - k
+    idx = top[:nl] + tuple(v for t in top[nl:] for v in (t, slice(None)))
+    xt = xb[idx].reshape(-1)
     ue = decode_table("ue4m3")
-    ue = np.unique(ue[np.isfinite(ue) & (ue > 224) & (ue <= 448)])[::-1]
-    out = []
-    for v in top_binade_values(target.element_format):
-        for u in ue:
-            g = A / (float(v) * float(u))
-            if g > 0 and np.isfinite(g) and global_storable(g, target) and g * float(v) * float(u) == A:
-                out.append(g)
+    ue = np.unique(ue[np.isfinite(ue) & (ue > 0)])[::-1]
+    vals = decode_table(el.name)
+    vals = np.unique(vals[np.isfinite(vals) & (vals > 0)])[::-1]
+    uu, vv = np.meshgrid(ue, vals, indexing="ij")
+    uu, vv = uu.ravel(), vv.ravel()
+    with np.errstate(over="ignore", under="ignore", divide="ignore", invalid="ignore"):
+        g = A / (vv * uu)
+        ok = (g > 0) & np.isfinite(g) & (g * vv * uu == A)
+        y = xt[None, :] / (uu * g)[:, None]
+        y = np.where(np.isfinite(y), y, 0.0)
+        codes = encode(y, el, overflow="saturate", rounding="rne")
+        ok &= np.all(decode_table(el.name)[codes] * (uu * g)[:, None] == xt[None, :], axis=1)
+    out = [float(x) for x in g[ok] if global_storable(float(x), target)]
     return list(dict.fromkeys(out))
 
 
@@ -171,7 +185,7 @@ def find_lossless(x: np.ndarray, target: Scheme):
     sl = _slab(amax, nlead)
     xs = xb[(0,) * nlead + (slice(0, 1),)] if x.ndim > 0 else xb
 
-    globs = _global_candidates(amax, target) if target.scale_format == "ue4m3" else [None]
+    globs = _global_candidates(xb, amax, target) if target.scale_format == "ue4m3" else [None]
     chosen = glob = None
     for g in globs:
         cands = _per_block_candidates(amax[sl], target, g)
