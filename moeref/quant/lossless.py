@@ -34,7 +34,7 @@ from ..formats import decode_table, encode, pack_nibbles
 from .blockwise import block_amax, block_view, broadcast_to_blocks, expand_to_elements
 from .scheme import Scheme
 
-__all__ = ["find_lossless", "top_binade_values", "global_storable"]
+__all__ = ["find_lossless", "top_binade_values", "global_storable", "sample_blocks_representable"]
 
 
 def global_storable(g: float, target: Scheme) -> bool:
@@ -160,6 +160,46 @@ def _global_candidates(xb: np.ndarray, amax: np.ndarray, target: Scheme) -> list
     return list(dict.fromkeys(out))
 
 
+def _searchable(x: np.ndarray, target: Scheme) -> bool:
+    if target.family not in ("blockwise", "nvfp4") or target.zero_point or target.channel_block:
+        return False
+    if target.static_scale is not None:
+        return False
+    return target.scale_format != "ue4m3" or bool(target.global_scale)
+
+
+def sample_blocks_representable(x: np.ndarray, target: Scheme) -> bool:
+    """A cheap necessary condition for any lossless encoding of ``x`` in ``target``: the first,
+    middle and last target blocks can each be held exactly with some scale of the block's
+    candidate set (FP32 / UE8M0: the complete sets above; UE4M3 x global: ``a / v`` for every
+    element value ``v``, the global left free). False means no lossless encoding exists;
+    True means nothing. A few blocks: microseconds, so lossy tensors skip the search."""
+    if not _searchable(x, target) or x.size == 0:
+        return False
+    block = target.resolve_block(x.shape)
+    k = len(block)
+    nlead = x.ndim - k
+    xb = block_view(x, block)
+    grid = xb.shape[:nlead] + xb.shape[nlead::2]
+    for flat in {0, (int(np.prod(grid)) - 1) // 2, int(np.prod(grid)) - 1}:
+        g = np.unravel_index(flat, grid)
+        idx = tuple(slice(i, i + 1) for i in g[:nlead]) + tuple(
+            s for i in g[nlead:] for s in (slice(i, i + 1), slice(None)))
+        xs = xb[idx]
+        if not np.all(np.isfinite(xs)):
+            continue  # NaN/Inf blocks: undecided here (the candidates handle them)
+        a = block_amax(xs, k)
+        if target.scale_format == "ue4m3":
+            vals = decode_table(target.element)
+            cands = [np.where(a == 0, 1.0, a / v)
+                     for v in np.unique(vals[np.isfinite(vals) & (vals > 0)])]
+        else:
+            cands = _per_block_candidates(a, target)
+        if not cands or _choose(xs, k, target.element_format, cands) is None:
+            return False
+    return True
+
+
 def find_lossless(x: np.ndarray, target: Scheme):
     """A lossless :class:`~moeref.quant.tensor.QuantizedTensor` of the exact values ``x``
     (float64, logical shape) in ``target``, or None when none exists (module docstring).
@@ -170,11 +210,9 @@ def find_lossless(x: np.ndarray, target: Scheme):
     """
     from .tensor import QuantizedTensor
 
-    if target.family not in ("blockwise", "nvfp4") or target.zero_point or target.channel_block:
+    if not _searchable(x, target) or not np.all(np.isfinite(x)):
         return None
-    if target.static_scale is not None or not np.all(np.isfinite(x)):
-        return None
-    if target.scale_format == "ue4m3" and not target.global_scale:
+    if not sample_blocks_representable(x, target):
         return None
     el = target.element_format
     block = target.resolve_block(x.shape)
