@@ -333,3 +333,20 @@ def test_unknown_layout_and_unsupported_target_shape(tmp_path):
 
 def test_layout_table_is_complete():
     assert set(LAYOUTS) == set(F.BUILDERS)
+
+
+@pytest.mark.interp
+def test_triton_engine_under_the_interpreter_writes_the_numpy_bytes(tmp_path):
+    """engine='triton' runs fastpath.quant (here under TRITON_INTERPRET=1) and writes exactly the
+    reference's bytes; the report names the engine. The GPU run is tests/test_checkpoint_gpu.py."""
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1 (conftest sets it on CPU machines)")
+    pytest.importorskip("triton")
+    src = str(tmp_path / "src")
+    F.nvfp4(src, np.random.default_rng(3), "modelopt", shapes=((16, 32),), shards=1)
+    a = convert_checkpoint(src, str(tmp_path / "np"), ConvertOptions(target="ct-nvfp4", engine="numpy"))
+    b = convert_checkpoint(src, str(tmp_path / "tr"), ConvertOptions(target="ct-nvfp4", engine="triton"))
+    assert [m.engine for m in b.modules] == ["triton"] and [m.engine for m in a.modules] == ["numpy"]
+    assert [s.sha256 for s in a.shards] == [s.sha256 for s in b.shards]
+    with pytest.raises(CheckpointError, match="cannot quantize"):  # 128x128 blocks: no kernel
+        convert_checkpoint(src, str(tmp_path / "x"), ConvertOptions(target="deepseek-fp8", engine="triton"))

@@ -193,38 +193,56 @@ def _cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def _triton_device() -> str | None:
+    """``"cuda"``, or ``"cpu"`` under ``TRITON_INTERPRET=1`` (the kernels on the interpreter: the
+    CPU test suite runs ``engine="triton"`` this way), or None."""
+    if _cuda():
+        return "cuda"
+    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
+
+
 def _triton_quantizer(x, scheme):
     import torch
 
     from fastpath.quant import quantize as fast_quantize
 
-    xt = torch.from_numpy(np.ascontiguousarray(x)).to("cuda")
+    xt = torch.from_numpy(np.ascontiguousarray(x)).to(_triton_device())
     return fast_quantize(xt, scheme).to_reference()
 
 
 def choose_engine(engine: str, scheme, shape) -> tuple:
-    """``(engine name, reason, quantizer or None)`` for one tensor; never silent."""
+    """``(engine name, reason, quantizer or None)`` for one tensor; never silent.
+
+    ``"auto"`` takes the Triton fast path only on a CUDA GPU; ``"triton"`` also runs the kernels
+    under ``TRITON_INTERPRET=1`` on the CPU, and raises when they cannot run."""
     if engine == "numpy":
         return "numpy", "asked for", None
-    if not _cuda():
+    device = _triton_device() if engine == "triton" else ("cuda" if _cuda() else None)
+    if device is None:
         if engine == "triton":
-            raise CheckpointError("engine 'triton' needs a CUDA GPU; none is available")
+            raise CheckpointError("engine 'triton' needs a CUDA GPU (or TRITON_INTERPRET=1); "
+                                  "none is available")
         return "numpy", "no CUDA GPU", None
-    import torch
+    try:
+        import torch
 
-    from fastpath.quant import supports
-
-    if len(shape) > 3:
-        ok, why = False, f"{len(shape)} axes (the kernels take 1 to 3)"
+        from fastpath.quant import supports
+    except ImportError as e:
+        if engine == "triton":
+            raise CheckpointError(f"engine 'triton' cannot be imported: {e}") from None
+        return "numpy", f"triton: {e}", None
+    if scheme is None or len(shape) > 3:
+        ok, why = False, "the kernels take 1 to 3 axes of a quantized target"
     else:  # a zero-stride probe: the right shape, one element of memory
         probe = torch.empty_strided(tuple(shape), (0,) * len(shape), dtype=torch.float32,
-                                    device="cuda")
+                                    device=device)
         ok, why = supports(scheme=scheme, x=probe)
     if not ok:
         if engine == "triton":
             raise CheckpointError(f"engine 'triton' cannot quantize {scheme.name}: {why}")
         return "numpy", f"triton: {why}", None
-    return "triton", "CUDA GPU, fastpath.quant supports the scheme", _triton_quantizer
+    where = "CUDA GPU" if device == "cuda" else "Triton interpreter (TRITON_INTERPRET=1)"
+    return "triton", f"{where}; fastpath.quant supports {scheme.name}", _triton_quantizer
 
 
 # ---- one shard -----------------------------------------------------------------------------
