@@ -290,6 +290,9 @@ class _NVFP4(Layout):
     def write(self, m, data):
         q = data.q
         self.check_scheme(q, m)
+        if q.shape[-1] % 16:
+            raise CheckpointError(f"module {m!r}: {self.name} needs K % 16 == 0 (ModelOpt asserts "
+                                  f"it; vLLM reads whole blocks); shape {q.shape}")
         g = float(q.global_scale)
         if self.ct:
             stored = global_scale_as(q, "encode_scale")
@@ -363,6 +366,9 @@ class _CTMXFP4(Layout):
 
     def write(self, m, data):
         self.check_scheme(data.q, m)
+        if data.q.shape[-1] % 32:
+            raise CheckpointError(f"module {m!r}: {self.name} needs K % 32 == 0; shape "
+                                  f"{data.q.shape}")
         return [(m + self.key, data.q.codes), (m + ".weight_scale", data.q.scales)]
 
     def quantization_config(self, ignore, has_input_scales=False):
