@@ -270,8 +270,9 @@ class RequantReport:
             make every element exact).
         rel_l2: ``||error||_2 / ||source||_2`` over finite elements (0.0 for a zero source).
         sqnr_db: ``10 log10(||source||^2 / ||error||^2)`` (``inf`` when lossless).
-        worst_block: index (on the target's block grid) of the block with the largest max
-            |error|, or None when lossless.
+        worst_block: index (on the target's block grid) of the block holding the first element
+            (C order) of largest |error|, i.e. a block with the largest max |error|; None when
+            lossless.
         precision: ``"exact"`` or ``"float32"`` (see :func:`requantize`).
     """
 
@@ -303,13 +304,15 @@ def _report(target: QuantizedTensor, x: np.ndarray, method: str, precision: str 
     lossless = not np.any(err)  # NaN counts as an error
     mx, rel, sqnr, worst = 0.0, 0.0, float("inf"), None
     if not lossless:
+        ef = err if allfin else np.where(np.isfinite(err), err, 0.0)
+        hi, lo = float(ef.max()), float(ef.min())
+        mx = max(hi, -lo)
+        flat = int(np.argmax(ef)) if hi >= -lo else int(np.argmin(ef))  # first largest |err|
+        pos = np.unravel_index(flat, ef.shape)
         block = target.block_shape
-        k = len(block)
-        eb = block_view(err if allfin else np.where(np.isfinite(err), err, 0.0), block)
-        axes = tuple(eb.ndim - 2 * k + 2 * i + 1 for i in range(k))
-        per_block = np.maximum(np.max(eb, axis=axes), -np.min(eb, axis=axes))
-        mx = float(per_block.max())
-        worst = tuple(int(i) for i in np.unravel_index(int(np.argmax(per_block)), per_block.shape))
+        nl = ef.ndim - len(block)
+        worst = tuple(int(p) for p in pos[:nl]) + tuple(
+            int(p) // b for p, b in zip(pos[nl:], block))
         rel = float(np.sqrt(e2 / x2)) if x2 > 0 else float("inf")
         sqnr = float(10 * np.log10(x2 / e2)) if e2 > 0 and x2 > 0 else float("inf")
     err.setflags(write=False)
