@@ -100,6 +100,48 @@ def bench_cpu(repeat=3, workers=1):
     return rows
 
 
+def bench_end_to_end(n_weights=4, target="ct-nvfp4", verify=False):
+    """``convert_checkpoint`` on a synthetic 2-shard DeepSeek-style checkpoint of ``n_weights``
+    such weights (reading, converting, report, writing, hashing): CPU seconds per weight."""
+    import shutil
+    import tempfile
+
+    from moeref.checkpoint import ConvertOptions, ShardWriter, convert_checkpoint
+
+    q = source_weight()
+    src_layout = get_layout("deepseek-fp8")
+    root = tempfile.mkdtemp(prefix="moeref-bench-")
+    try:
+        src = os.path.join(root, "src")
+        os.makedirs(src)
+        wm = {}
+        for s in range(2):
+            shard = f"model-{s + 1:05d}-of-00002.safetensors"
+            w = ShardWriter(os.path.join(src, shard))
+            for i in range(s, n_weights, 2):
+                for name, arr in src_layout.write(f"model.layers.{i}.mlp.experts.0.down_proj",
+                                                  ModuleData("m", {}, q=q)):
+                    w.add(name, arr)
+                    wm[name] = shard
+            w.close()
+        import json
+        json.dump({"weight_map": wm}, open(os.path.join(src, "model.safetensors.index.json"), "w"))
+        json.dump({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+                  open(os.path.join(src, "config.json"), "w"))
+        t0, w0 = time.process_time(), time.perf_counter()
+        rep = convert_checkpoint(src, os.path.join(root, "dst"),
+                                 ConvertOptions(target=target, verify=verify))
+        cpu, wall = time.process_time() - t0, time.perf_counter() - w0
+    finally:
+        shutil.rmtree(root)
+    per = cpu / n_weights
+    total = deepseek_v3_quantized_elements()
+    print(f"end to end, {n_weights} weights -> {target}{' --verify' if verify else ''}: "
+          f"{per:.3f} CPU s per weight (wall {wall / n_weights:.3f} s); DeepSeek-V3 on one core: "
+          f"{per * total / q.codes.size / 3600:.2f} h; modules {len(rep.modules)}")
+    return per
+
+
 def bench_gpu(repeat=20):
     """Triton fast path on CUDA: quantize time vs a device copy of the input, bit-identical check."""
     import torch
@@ -151,6 +193,8 @@ def main():
     ap.add_argument("--gpu", action="store_true", help="also run the CUDA fast path")
     args = ap.parse_args()
     bench_cpu(args.repeat, args.workers)
+    bench_end_to_end()
+    bench_end_to_end(verify=True)
     if args.gpu:
         bench_gpu()
 
