@@ -350,3 +350,13 @@ def test_triton_engine_under_the_interpreter_writes_the_numpy_bytes(tmp_path):
     assert [s.sha256 for s in a.shards] == [s.sha256 for s in b.shards]
     with pytest.raises(CheckpointError, match="cannot quantize"):  # 128x128 blocks: no kernel
         convert_checkpoint(src, str(tmp_path / "x"), ConvertOptions(target="deepseek-fp8", engine="triton"))
+
+
+def test_quantized_tensors_without_a_quantization_config_are_refused(tmp_path):
+    src, _ = _build(tmp_path, "deepseek-fp8")
+    cfg = os.path.join(src, "config.json")
+    json.dump({"architectures": ["TinyMoE"]}, open(cfg, "w"))  # the quantization_config is lost
+    with pytest.raises(CheckpointError, match=r"F8_E4M3.*no quantization_config.*--from"):
+        plan_conversion(src, ConvertOptions(target="ct-nvfp4"))
+    plan = plan_conversion(src, ConvertOptions(target="ct-nvfp4", source_layout="deepseek-fp8"))
+    assert plan.source_layout == "deepseek-fp8" and len(plan.modules) == 2

@@ -400,6 +400,10 @@ class _BF16(Layout):
                 continue
             dt, shape = ck.info(n)
             m = n[: -len(".weight")]
+            if dt in ("F8_E4M3", "F8_E5M2", "U8"):
+                raise CheckpointError(
+                    f"tensor {n!r} in {ck.file(ck.shard_of(n))} is {dt}, but config.json has no "
+                    "quantization_config saying how it is quantized; pass --from LAYOUT")
             if dt in _FLOAT and len(shape) >= 2 and not any(
                     fnmatch.fnmatchcase(m, p) for p in DEFAULT_UNQUANTIZED):
                 out[m] = {"weight": n}
