@@ -336,6 +336,7 @@ def test_layout_table_is_complete():
 
 
 @pytest.mark.interp
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on padding lanes
 def test_triton_engine_under_the_interpreter_writes_the_numpy_bytes(tmp_path):
     """engine='triton' runs fastpath.quant (here under TRITON_INTERPRET=1) and writes exactly the
     reference's bytes; the report names the engine. The GPU run is tests/test_checkpoint_gpu.py."""
@@ -360,3 +361,28 @@ def test_quantized_tensors_without_a_quantization_config_are_refused(tmp_path):
         plan_conversion(src, ConvertOptions(target="ct-nvfp4"))
     plan = plan_conversion(src, ConvertOptions(target="ct-nvfp4", source_layout="deepseek-fp8"))
     assert plan.source_layout == "deepseek-fp8" and len(plan.modules) == 2
+
+
+def test_cli_with_progress_bar_and_table(tmp_path, capsys):
+    src, _ = _build(tmp_path, "gptoss-mxfp4")
+    dst = str(tmp_path / "dst")
+    assert main(["convert", src, dst, "--to", "modelopt-nvfp4", "--verify"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps to the terminal width
+    assert "2 modules converted (2 lossless)" in out and "gptoss-mxfp4 -> modelopt-nvfp4" in out
+    rec = json.load(open(os.path.join(dst, "moeref-convert.json")))
+    assert rec["complete"] is True
+    assert {m["method"] for s in rec["report"]["shards"] for m in s["modules"]} == {"exact_rescale"}
+
+
+def test_resume_with_verify_checks_shards_written_without_it(tmp_path, monkeypatch):
+    src, _ = _build(tmp_path, "deepseek-fp8")
+    dst = str(tmp_path / "dst")
+    first = convert_checkpoint(src, dst, ConvertOptions(target="ct-mxfp4"))
+    assert not any(s.verified for s in first.shards)
+    converted = []
+    real = convert_mod._convert_module
+    monkeypatch.setattr(convert_mod, "_convert_module",
+                        lambda d, j, c: (converted.append(d.module), real(d, j, c))[1])
+    again = convert_checkpoint(src, dst, ConvertOptions(target="ct-mxfp4", verify=True, resume=True))
+    assert converted == [] and all(s.verified for s in again.shards)
+    assert [s.sha256 for s in again.shards] == [s.sha256 for s in first.shards]
