@@ -70,11 +70,12 @@ def _common(rng) -> dict:
             "model.layers.0.mlp.gate.weight": rng.standard_normal((4, 64)).astype(ml_dtypes.bfloat16)}
 
 
-def deepseek_fp8(path, rng, shapes=((256, 192), (200, 160)), shards=2, ue8m0=False):
+def deepseek_fp8(path, rng, shapes=((256, 192), (200, 160)), shards=2, ue8m0=False,
+                 names=None):
     """DeepSeek FP8: returns {module: exact float64 values}."""
     tensors, oracle = _common(rng), {}
     for i, (n, k) in enumerate(shapes):
-        m = f"model.layers.0.mlp.experts.{i}.down_proj"
+        m = names[i] if names else f"model.layers.0.mlp.experts.{i}.down_proj"
         gn, gk = -(-n // 128), -(-k // 128)
         s = np.exp2(rng.integers(-12, -4, (gn, gk))).astype(np.float32) if ue8m0 else \
             (rng.uniform(0.5, 2, (gn, gk)) * 2.0 ** -9).astype(np.float32)
@@ -108,13 +109,14 @@ def gptoss_mxfp4(path, rng, E=2, N=32, K=64, shards=2):
     return oracle
 
 
-def nvfp4(path, rng, kind="modelopt", shapes=((32, 64), (16, 96)), shards=2):
+def nvfp4(path, rng, kind="modelopt", shapes=((32, 64), (16, 96)), shards=2, names=None,
+          shared_global=None):
     tensors, oracle = _common(rng), {}
     for i, (n, k) in enumerate(shapes):
-        m = f"model.layers.0.mlp.experts.{i}.up_proj"
+        m = names[i] if names else f"model.layers.0.mlp.experts.{i}.up_proj"
         codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
         bs = rng.uniform(1, 448, (n, k // 16)).astype(ml_dtypes.float8_e4m3fn)
-        g = np.float32(rng.uniform(1e-4, 1e-3))
+        g = np.float32(shared_global if shared_global else rng.uniform(1e-4, 1e-3))
         inp = np.float32(rng.uniform(1e-3, 1e-2))
         full = np.repeat(bs.astype(np.float64), 16, -1)
         if kind == "modelopt":

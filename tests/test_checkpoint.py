@@ -25,6 +25,9 @@ from moeref.checkpoint import convert as convert_mod  # noqa: E402
 from moeref.cli import main  # noqa: E402
 
 
+GATE_UP = ["model.layers.0.mlp.experts.0.gate_proj", "model.layers.0.mlp.experts.0.up_proj"]
+
+
 def _build(tmp_path, layout, seed=0, name="src"):
     path = str(tmp_path / name)
     oracle = F.BUILDERS[layout](path, np.random.default_rng(seed))
@@ -258,11 +261,8 @@ def test_verify_catches_a_tampered_shard(tmp_path):
     raw = bytearray(open(path, "rb").read())
     raw[-40] ^= 0x11  # a code byte of the last tensor written (the MXFP4 blocks)
     open(path, "wb").write(bytes(raw))
-    plan = plan_conversion(src, ConvertOptions(target="gptoss-mxfp4"))
-    job = convert_mod._ShardJob(src, dst, "model.safetensors", ConvertOptions(target="gptoss-mxfp4"),
-                                plan.source_layout, tuple(plan.actions["model.safetensors"]),
-                                {n: plan.modules[n] for n, a, _ in plan.actions["model.safetensors"]
-                                 if a != "copy"})
+    opts = ConvertOptions(target="gptoss-mxfp4")
+    job = convert_mod._job(src, dst, "model.safetensors", opts, plan_conversion(src, opts))
     with pytest.raises(CheckpointError, match="verification"):
         convert_mod.verify_shard(src, dst, rep.shards[0], job)
 
@@ -349,6 +349,13 @@ def test_triton_engine_under_the_interpreter_writes_the_numpy_bytes(tmp_path):
     b = convert_checkpoint(src, str(tmp_path / "tr"), ConvertOptions(target="ct-nvfp4", engine="triton"))
     assert [m.engine for m in b.modules] == ["triton"] and [m.engine for m in a.modules] == ["numpy"]
     assert [s.sha256 for s in a.shards] == [s.sha256 for s in b.shards]
+    # a fused gate/up pair: the static shared global goes through the kernel's global_scale
+    src2 = str(tmp_path / "src2")
+    F.deepseek_fp8(src2, np.random.default_rng(4), shapes=((16, 32), (16, 32)), names=GATE_UP)
+    a = convert_checkpoint(src2, str(tmp_path / "np2"), ConvertOptions(target="modelopt-nvfp4", engine="numpy"))
+    b = convert_checkpoint(src2, str(tmp_path / "tr2"), ConvertOptions(target="modelopt-nvfp4", engine="triton"))
+    assert all("shared with" in m.note for m in b.modules)
+    assert [s.sha256 for s in a.shards] == [s.sha256 for s in b.shards]
     with pytest.raises(CheckpointError, match="cannot quantize"):  # 128x128 blocks: no kernel
         convert_checkpoint(src, str(tmp_path / "x"), ConvertOptions(target="deepseek-fp8", engine="triton"))
 
@@ -386,3 +393,47 @@ def test_resume_with_verify_checks_shards_written_without_it(tmp_path, monkeypat
     again = convert_checkpoint(src, dst, ConvertOptions(target="ct-mxfp4", verify=True, resume=True))
     assert converted == [] and all(s.verified for s in again.shards)
     assert [s.sha256 for s in again.shards] == [s.sha256 for s in first.shards]
+
+
+@pytest.mark.parametrize("target", ["modelopt-nvfp4", "ct-nvfp4"])
+def test_fused_gate_up_share_one_global_from_the_max_amax(tmp_path, target):
+    """ModelOpt preprocess_linear_fusion: gate/up of one expert get one weight_scale_2 =
+    max(amax) / 2688 (vLLM loads w1's for both; TensorRT-LLM asserts equality)."""
+    src = str(tmp_path / "src")
+    oracle = F.deepseek_fp8(src, np.random.default_rng(7), shapes=((128, 256), (128, 256)),
+                            names=GATE_UP)
+    amax = [float(np.max(np.abs(oracle[m].astype(np.float32)))) for m in GATE_UP]
+    assert amax[0] != amax[1]
+    dst = str(tmp_path / "dst")
+    rep = convert_checkpoint(src, dst, ConvertOptions(target=target, verify=True))
+    t = _read_all(dst)
+    if target == "modelopt-nvfp4":
+        g = [float(t[m + ".weight_scale_2"]) for m in GATE_UP]
+        want = float(np.float32(max(amax)) / np.float32(2688))  # torchao: fl32(A / 2688)
+    else:
+        g = [float(t[m + ".weight_global_scale"][0]) for m in GATE_UP]
+        want = float(np.float32(2688) / np.float32(max(amax)))  # vLLM: fl32(2688 / A)
+    assert g[0] == g[1] == want
+    assert all("shared with" in m.note for m in rep.modules)
+    alone = convert_checkpoint(src, str(tmp_path / "alone"),
+                               ConvertOptions(target=target, share_global=False))
+    ta = _read_all(str(tmp_path / "alone"))
+    key = ".weight_scale_2" if target == "modelopt-nvfp4" else ".weight_global_scale"
+    assert float(ta[GATE_UP[0] + key].reshape(-1)[0]) != float(ta[GATE_UP[1] + key].reshape(-1)[0])
+    top = GATE_UP[int(np.argmax(amax))]  # the member holding the max is quantized as alone
+    assert torch.equal(t[top + ".weight_scale"].view(torch.uint8),
+                       ta[top + ".weight_scale"].view(torch.uint8))
+
+
+def test_a_shared_source_global_is_kept_and_stays_lossless(tmp_path):
+    src = str(tmp_path / "src")
+    oracle = F.nvfp4(src, np.random.default_rng(8), "modelopt", shapes=((32, 64), (32, 64)),
+                     names=GATE_UP, shared_global=3e-4)
+    rep = convert_checkpoint(src, str(tmp_path / "mo"), ConvertOptions(target="modelopt-nvfp4",
+                                                                       verify=True))
+    assert rep.lossless and all("source's shared global" in m.note for m in rep.modules)
+    t = _read_all(str(tmp_path / "mo"))
+    assert float(t[GATE_UP[0] + ".weight_scale_2"]) == float(t[GATE_UP[1] + ".weight_scale_2"]) \
+        == float(np.float32(3e-4))
+    got = _decode("modelopt-nvfp4", str(tmp_path / "mo"))
+    assert all(np.array_equal(got[m], oracle[m]) for m in GATE_UP)

@@ -49,3 +49,17 @@ def test_one_deepseek_weight_bit_identical_and_at_half_copy_bandwidth():
     for name, (seconds, fraction, same) in results.items():
         assert same, name
         assert fraction >= 0.5, (name, seconds, fraction)
+
+
+def test_triton_engine_fused_gate_up_shares_the_global_and_matches_numpy(tmp_path):
+    names = ["model.layers.0.mlp.experts.0.gate_proj", "model.layers.0.mlp.experts.0.up_proj"]
+    src = str(tmp_path / "src")
+    F.deepseek_fp8(src, np.random.default_rng(6), shapes=((512, 1024), (512, 1024)), names=names)
+    for target in ("modelopt-nvfp4", "ct-nvfp4"):
+        a = convert_checkpoint(src, str(tmp_path / f"np-{target}"),
+                               ConvertOptions(target=target, engine="numpy"))
+        b = convert_checkpoint(src, str(tmp_path / f"tr-{target}"),
+                               ConvertOptions(target=target, engine="triton"))
+        assert {m.engine for m in b.modules} == {"triton"}
+        assert all("shared with" in m.note for m in b.modules)
+        assert [s.sha256 for s in a.shards] == [s.sha256 for s in b.shards]

@@ -37,6 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=int, default=1, help="processes converting shards")
     p.add_argument("--engine", choices=("auto", "numpy", "triton"), default="auto",
                    help="auto: the Triton fast path on a CUDA GPU where supported, else NumPy")
+    p.add_argument("--no-share-global", dest="share_global", action="store_false",
+                   help="NVFP4: do not give fused gate/up and q/k/v one global scale")
     p.add_argument("--verify", action="store_true", help="re-read the written shards and check "
                    "them against the source")
     p.add_argument("--overwrite", action="store_true", help="replace an existing destination")
@@ -54,7 +56,8 @@ def run(args) -> int:
     opts = ConvertOptions(target=args.to, source_layout=args.source_layout, preset=args.preset,
                           precision=args.precision, only=tuple(args.only), skip=tuple(args.skip),
                           workers=args.workers, verify=args.verify, overwrite=args.overwrite,
-                          resume=args.resume, dry_run=args.dry_run, engine=args.engine)
+                          resume=args.resume, dry_run=args.dry_run, engine=args.engine,
+                          share_global=args.share_global)
     console = None
     if not args.quiet:
         from rich.console import Console

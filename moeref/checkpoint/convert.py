@@ -66,6 +66,11 @@ class ConvertOptions:
         engine: ``"auto"`` (the Triton fast path where a CUDA GPU is present and the scheme is
             supported, else NumPy; the report says which, and why), ``"numpy"`` or ``"triton"``
             (an error when it cannot run).
+        share_global: NVFP4 targets: the converted members of a fused group (``gate_proj`` and
+            ``up_proj``, ``w1`` and ``w3``, ``q_proj``/``k_proj``/``v_proj`` of one parent) share
+            one global scale, as ModelOpt exports them (``preprocess_linear_fusion``: the max of
+            the members' amax) and as vLLM (w1's for w13) and TensorRT-LLM (asserts equality)
+            load them; a source whose members already share one keeps it.
     """
 
     target: str
@@ -80,6 +85,7 @@ class ConvertOptions:
     resume: bool = False
     dry_run: bool = False
     engine: str = "auto"
+    share_global: bool = True
 
     def __post_init__(self):
         get_layout(self.target)
@@ -112,6 +118,7 @@ class Plan:
     actions: dict
     ignore: list
     has_input_scales: bool
+    groups: dict = field(default_factory=dict)
 
     def rows(self):
         for shard in self.shards:
@@ -170,8 +177,23 @@ def plan_conversion(src: str, opts: ConvertOptions) -> Plan:
         ignore = []
     for shard in ck.shards:  # file order: a module at its first tensor's place
         actions[shard].sort(key=lambda r: position[r[0]])
+    groups = {}
+    if opts.share_global and tl.scheme(opts.preset) is not None and tl.scheme(opts.preset).global_scale:
+        converted = {n for shard in ck.shards for n, a, _ in actions[shard] if a == "convert"}
+        for m in converted:
+            for fused in _FUSED:
+                for suffix in fused:
+                    if m.endswith(suffix):
+                        base = m[: -len(suffix)]
+                        members = tuple(base + x for x in fused if base + x in converted)
+                        if len(members) > 1:
+                            groups[m] = members
     return Plan(src, sl.name, tl.name, list(ck.shards), modules, actions, sorted(set(ignore)),
-                has_input)
+                has_input, groups)
+
+
+_FUSED = ((".gate_proj", ".up_proj"), (".w1", ".w3"), (".q_proj", ".k_proj", ".v_proj"))
+"""Linears that read one input and that ModelOpt gives one global scale (its fused groups)."""
 
 
 def _module_shape(layout, m, roles, ck) -> tuple:
@@ -201,13 +223,13 @@ def _triton_device() -> str | None:
     return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
 
 
-def _triton_quantizer(x, scheme):
+def _triton_quantizer(x, scheme, **static):
     import torch
 
     from fastpath.quant import quantize as fast_quantize
 
     xt = torch.from_numpy(np.ascontiguousarray(x)).to(_triton_device())
-    return fast_quantize(xt, scheme).to_reference()
+    return fast_quantize(xt, scheme, **static).to_reference()
 
 
 def choose_engine(engine: str, scheme, shape) -> tuple:
@@ -256,6 +278,8 @@ class _ShardJob:
     source_layout: str
     actions: tuple
     modules: dict = field(default_factory=dict)
+    groups: dict = field(default_factory=dict)      # module -> members sharing a global scale
+    group_roles: dict = field(default_factory=dict)  # member -> its source tensors
 
 
 def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
@@ -265,10 +289,16 @@ def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
     engine, why, quantizer = choose_engine(job.opts.engine, scheme, data.shape)
     if quantizer is not None and data.q is not None and job.opts.precision == "exact":
         engine, why, quantizer = "numpy", "precision 'exact' may need float64 arithmetic", None
+    static = None
+    if data.module in job.groups:
+        static, how = _group_global(job.groups[data.module], job, ck, scheme)
+        if static is not None:
+            why += f"; global scale shared with {', '.join(job.groups[data.module])} ({how})"
     if data.q is not None:
-        q, rep = requantize(data.q, scheme, precision=job.opts.precision, quantizer=quantizer)
+        q, rep = requantize(data.q, scheme, precision=job.opts.precision, quantizer=quantizer,
+                            global_scale=static)
     else:
-        q, rep = quantize_and_report(data.values, scheme, quantizer=quantizer)
+        q, rep = quantize_and_report(data.values, scheme, quantizer=quantizer, global_scale=static)
     out = ModuleData(data.module, {}, q=q, input_scale=data.input_scale)
     kept = tl.stored_input_scale(data.input_scale)
     if data.input_scale is not None:
@@ -280,6 +310,45 @@ def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
                       rep.sqnr_db, None if rep.worst_block is None else list(rep.worst_block),
                       round(time.perf_counter() - t0, 4), note=why)
     return tl.write(data.module, out), mr
+
+
+def _group_global(members, job: _ShardJob, ck, scheme) -> tuple:
+    """``(static global scale in the preset's convention, how)`` shared by a fused group, or
+    ``(None, reason)`` for an all-zero group (each member then quantizes as zeros on its own).
+
+    A source whose members already share one NVFP4 global keeps it when the target's float32
+    can store it; otherwise the global comes from the max of the members' amax, in float32 (the
+    value the rule reads; rounded up if the exact maximum is not a float32), through the same
+    arithmetic as the dynamic rule (:func:`moeref.quant.nvfp4.global_factors`), so the member
+    holding the maximum is quantized exactly as it would be alone."""
+    from ..quant.lossless import global_storable
+    from ..quant.nvfp4 import global_factors
+
+    sl = LAYOUTS[job.source_layout]
+    conv = scheme.preset.option("global_convention")
+    datas = [sl.read(m, job.group_roles[m], ck) for m in members]
+    qs = [d.q for d in datas]
+    if all(q is not None and q.scheme.family == "nvfp4" for q in qs):
+        gs = {float(q.global_scale) for q in qs}
+        g = gs.pop() if len(gs) == 1 else 0.0
+        if g > 0 and global_storable(g, scheme):
+            return {"decode_scale": g, "encode_scale": float(np.float32(1.0 / g)),
+                    "amax": float(np.float32(g * 2688.0))}[conv], "the source's shared global"
+    amax = 0.0
+    for d in datas:
+        if d.q is not None:
+            v = d.q.dequantize(np.float32 if job.opts.precision == "float32" else np.float64)
+        else:
+            v = np.asarray(d.values, np.float32)
+        amax = max(amax, float(np.max(np.abs(v))) if v.size else 0.0)
+    if amax == 0:
+        return None, "all zero"
+    a32 = np.float32(amax)
+    if float(a32) < amax:
+        a32 = np.nextafter(a32, np.float32(np.inf))
+    s_enc, pts, _, _ = global_factors(scheme.preset, a32, None, np.float32)
+    return {"amax": float(a32), "encode_scale": float(s_enc), "decode_scale": float(pts)}[conv], \
+        "max of the members' amax"
 
 
 def _dequantize_module(data: ModuleData, job: _ShardJob) -> tuple:
@@ -383,6 +452,14 @@ def verify_shard(src: str, dst: str, rec: ShardRecord, job: _ShardJob) -> None:
 
 # ---- the whole checkpoint ------------------------------------------------------------------
 
+def _job(src: str, dst: str, shard: str, opts: ConvertOptions, plan: Plan) -> _ShardJob:
+    mods = {n: plan.modules[n] for n, a, _ in plan.actions[shard] if a != "copy"}
+    groups = {m: plan.groups[m] for m in mods if m in plan.groups}
+    roles = {x: plan.modules[x] for members in groups.values() for x in members}
+    return _ShardJob(src, dst, shard, opts, plan.source_layout, tuple(plan.actions[shard]), mods,
+                     groups, roles)
+
+
 def _prepare_destination(src: str, dst: str, opts: ConvertOptions, settings: dict) -> dict:
     """Check the destination; return the records of shards a resumed run may skip."""
     rs, rd = os.path.realpath(src), os.path.realpath(dst)
@@ -455,9 +532,7 @@ def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None) 
                 and _sha256(path) == r.sha256:
             records[shard] = r
             continue
-        mods = {n: plan.modules[n] for n, a, _ in plan.actions[shard] if a != "copy"}
-        jobs.append(_ShardJob(src, dst, shard, opts, plan.source_layout,
-                              tuple(plan.actions[shard]), mods))
+        jobs.append(_job(src, dst, shard, opts, plan))
     record_path = os.path.join(dst, RECORD_NAME)
 
     def save(complete=False):
@@ -468,9 +543,7 @@ def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None) 
 
     for shard, r in list(records.items()):  # resumed shards that still need --verify
         if opts.verify and not r.verified:
-            job = _ShardJob(src, dst, shard, opts, plan.source_layout, tuple(plan.actions[shard]),
-                            {n: plan.modules[n] for n, a, _ in plan.actions[shard] if a != "copy"})
-            verify_shard(src, dst, r, job)
+            verify_shard(src, dst, r, _job(src, dst, shard, opts, plan))
             r.verified = True
     total = sum(1 for *_, a, _s in plan.rows() if a != "copy")
     count = sum(len(r.modules) for r in records.values())

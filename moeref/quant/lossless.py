@@ -200,12 +200,12 @@ def sample_blocks_representable(x: np.ndarray, target: Scheme) -> bool:
     return True
 
 
-def find_lossless(x: np.ndarray, target: Scheme):
+def find_lossless(x: np.ndarray, target: Scheme, global_factor: float | None = None):
     """A lossless :class:`~moeref.quant.tensor.QuantizedTensor` of the exact values ``x``
     (float64, logical shape) in ``target``, or None when none exists (module docstring).
 
     Covers block-scaled schemes without zero points or channel scales: FP32, UE8M0, and UE4M3
-    with a global factor (NVFP4). The codes are RNE encodings of ``x / s``; ``x / s`` is an
+    with a global factor (NVFP4); ``global_factor`` fixes that factor (decode multiplier). The codes are RNE encodings of ``x / s``; ``x / s`` is an
     element value there, so any rounding mode gives the same codes.
     """
     from .tensor import QuantizedTensor
@@ -223,7 +223,12 @@ def find_lossless(x: np.ndarray, target: Scheme):
     sl = _slab(amax, nlead)
     xs = xb[(0,) * nlead + (slice(0, 1),)] if x.ndim > 0 else xb
 
-    globs = _global_candidates(xb, amax, target) if target.scale_format == "ue4m3" else [None]
+    if target.scale_format != "ue4m3":
+        globs = [None]
+    elif global_factor is not None:  # the caller fixed it (a group sharing one global)
+        globs = [float(global_factor)] if global_factor > 0 else []
+    else:
+        globs = _global_candidates(xb, amax, target)
     chosen = glob = None
     for g in globs:
         cands = _per_block_candidates(amax[sl], target, g)

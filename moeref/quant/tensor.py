@@ -324,7 +324,7 @@ PRECISIONS = ("exact", "float32")
 
 
 def requantize(q: QuantizedTensor, target: Scheme, *, prefer_exact: bool = True,
-               precision: str = "exact", quantizer: Callable | None = None):
+               precision: str = "exact", quantizer: Callable | None = None, global_scale=None):
     """Convert ``q`` to ``target`` by requantizing the DATA: exact dequantization, then quantization.
 
     Rounding a scale without re-encoding the data shipped two silently wrong checkpoints
@@ -349,6 +349,11 @@ def requantize(q: QuantizedTensor, target: Scheme, *, prefer_exact: bool = True,
     ``quantizer(values, target) -> QuantizedTensor`` replaces :func:`quantize` for the rule step
     (the checkpoint converter passes the Triton fast path there, which is bit-identical).
 
+    ``global_scale`` (NVFP4 targets): a static global scale in the target preset's convention
+    (:func:`moeref.quant.nvfp4.quantize_nvfp4`), given to the rule; the lossless candidates then
+    keep the global factor the rule used, so tensors that must share one (ModelOpt's fused
+    gate/up and q/k/v) still do.
+
     Returns:
         ``(QuantizedTensor, RequantReport)``.
     """
@@ -367,11 +372,11 @@ def requantize(q: QuantizedTensor, target: Scheme, *, prefer_exact: bool = True,
         with np.errstate(invalid="ignore", over="ignore"):
             x32 = x.astype(np.float32)
             src = x32 if np.array_equal(x32.astype(np.float64), x, equal_nan=True) else x
-    return _requantize_values(x, src, target, q, prefer_exact, precision, quantizer)
+    return _requantize_values(x, src, target, q, prefer_exact, precision, quantizer, global_scale)
 
 
 def quantize_and_report(x, target: Scheme, *, prefer_exact: bool = True,
-                        quantizer: Callable | None = None):
+                        quantizer: Callable | None = None, global_scale=None):
     """Quantize float values ``x`` (float16/bfloat16/float32/float64) with ``target`` and report
     against ``x`` exactly, as :func:`requantize` does for a quantized source (same report, same
     lossless search). Returns ``(QuantizedTensor, RequantReport)``."""
@@ -380,24 +385,30 @@ def quantize_and_report(x, target: Scheme, *, prefer_exact: bool = True,
     xa = as_input(x)
     src = xa if xa.dtype in (np.float32, np.float64) else xa.astype(np.float32)
     return _requantize_values(xa.astype(np.float64), src, target, None, prefer_exact, "exact",
-                              quantizer)
+                              quantizer, global_scale)
 
 
-def _requantize_values(x, src, target, q, prefer_exact, precision, quantizer):
+def _requantize_values(x, src, target, q, prefer_exact, precision, quantizer, global_scale=None):
     from .lossless import find_lossless, sample_blocks_representable
 
-    first = (quantizer or quantize)(src, target)
+    if global_scale is not None:
+        if target.family != "nvfp4":
+            raise ValueError(f"global_scale is for NVFP4 targets; got scheme {target.name!r}")
+        first = (quantizer or quantize)(src, target, global_scale=global_scale)
+    else:
+        first = (quantizer or quantize)(src, target)
+    fixed = first.global_scale if global_scale is not None else None
     rep = _report(first, x, "rule", precision)
     if rep.lossless or not prefer_exact:
         return first, rep
     if not sample_blocks_representable(x, target):
         return first, rep  # a few blocks already have no exact encoding: neither candidate can be
-    alt = _exact_rescale(q, x, target) if q is not None else None
+    alt = _exact_rescale(q, x, target, fixed) if q is not None else None
     if alt is not None:
         rep2 = _report(alt, x, "exact_rescale", precision)
         if rep2.lossless:
             return alt, rep2
-    alt = find_lossless(x, target)
+    alt = find_lossless(x, target, fixed)
     if alt is not None:
         rep3 = _report(alt, x, "lossless_search", precision)
         if rep3.lossless:
@@ -405,7 +416,7 @@ def _requantize_values(x, src, target, q, prefer_exact, precision, quantizer):
     return first, rep
 
 
-def _exact_rescale(q: QuantizedTensor, x: np.ndarray, target: Scheme):
+def _exact_rescale(q: QuantizedTensor, x: np.ndarray, target: Scheme, fixed_global=None):
     """Candidate for :func:`requantize` that reuses the source block scales (None if impossible)."""
     if target.family not in ("blockwise", "nvfp4") or target.zero_point or target.channel_block:
         return None
@@ -446,7 +457,12 @@ def _exact_rescale(q: QuantizedTensor, x: np.ndarray, target: Scheme):
     else:
         name = "e8m0" if fmt == "ue8m0" else "ue4m3"
         base = cand
-        if target.global_scale:
+        if target.global_scale and fixed_global is not None:
+            glob = float(fixed_global)
+            if glob <= 0:
+                return None
+            base = cand / glob
+        elif target.global_scale:
             top = float(cand.max())
             m, e = np.frexp(top)
             glob = float(np.ldexp(1.0, int(e) - 1 - 8)) if m == 0.5 else top / 448.0
