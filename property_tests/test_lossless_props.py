@@ -120,3 +120,20 @@ def test_not_representable_stays_lossy():
     for target in (fp8_group(16), mxfp8(), nvfp4()):
         _, rep = quantize_and_report(x, target)
         assert not rep.lossless and rep.max_abs_error > 0
+
+
+def test_static_global_is_kept_by_the_lossless_candidates():
+    """requantize(global_scale=...): the rule gets the static global, and a lossless candidate is
+    taken only with that same global factor (a fused group must keep sharing it)."""
+    import pytest
+
+    x = np.random.default_rng(2).standard_normal((4, 64)).astype(np.float32)
+    q = quantize(x, mxfp4())
+    g = 2.0 ** -6  # decode scale (torchao's convention): a power of two keeps MXFP4 exact
+    t, rep = requantize(q, nvfp4(preset="torchao"), global_scale=g)
+    assert t.global_scale == g and rep.lossless and rep.method == "exact_rescale"
+    t2, rep2 = requantize(q, nvfp4(preset="torchao"), global_scale=3.0e-3)  # not a power of two
+    assert t2.global_scale == float(np.float32(3.0e-3))
+    assert rep2.lossless == np.array_equal(t2.dequantize(np.float64), q.dequantize(np.float64))
+    with pytest.raises(ValueError, match="NVFP4"):
+        requantize(q, mxfp8(), global_scale=1.0)
