@@ -108,9 +108,9 @@ def bench_end_to_end(n_weights=4, target="ct-nvfp4", verify=False):
 
     from moeref.checkpoint import ConvertOptions, ShardWriter, convert_checkpoint
 
-    from moeref.checkpoint.convert import _cuda
+    from moeref.checkpoint.engines import cuda_available
 
-    _cuda()  # imports torch (about a second of CPU, once per process): not conversion time
+    cuda_available()  # imports torch (about a second of CPU, once per process): not conversion time
     q = source_weight()
     src_layout = get_layout("deepseek-fp8")
     root = tempfile.mkdtemp(prefix="moeref-bench-")

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..quant import quantize_and_report, requantize
+from .engines import ENGINES, choose_engine
 from .layouts import LAYOUTS, ModuleData, detect_layout, get_layout
 from .report import ConversionReport, ModuleReport, ShardRecord
 from .safetensors_io import (DTYPE_NAMES, INDEX_NAME, CheckpointError, SafetensorsCheckpoint,
@@ -44,7 +45,6 @@ __all__ = ["ConvertOptions", "Plan", "plan_conversion", "convert_checkpoint", "v
            "RECORD_NAME", "ENGINES"]
 
 RECORD_NAME = "moeref-convert.json"
-ENGINES = ("auto", "numpy", "triton")
 _CONFIG_FILES = ("config.json", "hf_quant_config.json")
 
 
@@ -203,68 +203,6 @@ def _module_shape(layout, m, roles, ck) -> tuple:
     if dt == "U8":  # packed FP4 along K
         return tuple(shape[:-1]) + (2 * shape[-1],)
     return tuple(shape)
-
-
-# ---- engines -------------------------------------------------------------------------------
-
-def _cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
-def _triton_device() -> str | None:
-    """``"cuda"``, or ``"cpu"`` under ``TRITON_INTERPRET=1`` (the kernels on the interpreter: the
-    CPU test suite runs ``engine="triton"`` this way), or None."""
-    if _cuda():
-        return "cuda"
-    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
-
-
-def _triton_quantizer(x, scheme, **static):
-    import torch
-
-    from fastpath.quant import quantize as fast_quantize
-
-    xt = torch.from_numpy(np.ascontiguousarray(x)).to(_triton_device())
-    return fast_quantize(xt, scheme, **static).to_reference()
-
-
-def choose_engine(engine: str, scheme, shape) -> tuple:
-    """``(engine name, reason, quantizer or None)`` for one tensor; never silent.
-
-    ``"auto"`` takes the Triton fast path only on a CUDA GPU; ``"triton"`` also runs the kernels
-    under ``TRITON_INTERPRET=1`` on the CPU, and raises when they cannot run."""
-    if engine == "numpy":
-        return "numpy", "asked for", None
-    device = _triton_device() if engine == "triton" else ("cuda" if _cuda() else None)
-    if device is None:
-        if engine == "triton":
-            raise CheckpointError("engine 'triton' needs a CUDA GPU (or TRITON_INTERPRET=1); "
-                                  "none is available")
-        return "numpy", "no CUDA GPU", None
-    try:
-        import torch
-
-        from fastpath.quant import supports
-    except ImportError as e:
-        if engine == "triton":
-            raise CheckpointError(f"engine 'triton' cannot be imported: {e}") from None
-        return "numpy", f"triton: {e}", None
-    if scheme is None or len(shape) > 3:
-        ok, why = False, "the kernels take 1 to 3 axes of a quantized target"
-    else:  # a zero-stride probe: the right shape, one element of memory
-        probe = torch.empty_strided(tuple(shape), (0,) * len(shape), dtype=torch.float32,
-                                    device=device)
-        ok, why = supports(scheme=scheme, x=probe)
-    if not ok:
-        if engine == "triton":
-            raise CheckpointError(f"engine 'triton' cannot quantize {scheme.name}: {why}")
-        return "numpy", f"triton: {why}", None
-    where = "CUDA GPU" if device == "cuda" else "Triton interpreter (TRITON_INTERPRET=1)"
-    return "triton", f"{where}; fastpath.quant supports {scheme.name}", _triton_quantizer
 
 
 # ---- one shard -----------------------------------------------------------------------------
@@ -551,7 +489,9 @@ def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None) 
     if opts.workers > 1 and len(jobs) > 1:
         import multiprocessing as mp
 
-        ctx = mp.get_context("spawn" if _cuda() else "fork")
+        from .engines import cuda_available
+
+        ctx = mp.get_context("spawn" if cuda_available() else "fork")
         with ProcessPoolExecutor(max_workers=opts.workers, mp_context=ctx) as ex:
             for rec in ex.map(_run_shard, jobs):
                 records[rec.shard] = rec
