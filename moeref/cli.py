@@ -70,6 +70,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the example data")
     p.set_defaults(func=_cmd_explain)
 
+    from .checkpoint.cli import add_parser as _add_convert  # moeref convert (docs/convert.md)
+    _add_convert(sub)
+
     p = sub.add_parser("demo", help="the main demonstration")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_demo)

@@ -308,4 +308,7 @@ def test_mxfp4_to_nvfp4_lossless_when_exponents_fit(x):
     if exps.size == 0 or int(exps.max()) - int(exps.min()) <= 17:
         assert rep.lossless, rep
     else:
-        assert rep.method == "rule"
+        # reusing the MXFP4 scales cannot work; the lossless search may still find scales
+        # (subnormal UE4M3 block scales, smaller E2M1 codes): lossless only if exact
+        assert rep.method in ("rule", "lossless_search")
+        assert rep.lossless == np.array_equal(t.dequantize(np.float64), q.dequantize(np.float64))

@@ -18,7 +18,7 @@ from .scheme import (
 )
 from .tensor import (
     QuantizedTensor, RequantReport, quantize, dequantize, requantize, QUANTIZERS,
-    register_quantizer,
+    register_quantizer, quantize_and_report,
 )
 from .fp8 import fp8_per_tensor, fp8_per_token, fp8_per_channel, fp8_group, fp8_block
 from .mx import mxfp8, mxfp6, mxfp4
@@ -42,7 +42,7 @@ SCHEMES = {
 __all__ = [
     "Preset", "Scheme", "PRESETS", "SCHEMES", "get_preset", "register_preset",
     "QuantizedTensor", "RequantReport", "quantize", "dequantize", "requantize", "QUANTIZERS",
-    "register_quantizer",
+    "register_quantizer", "quantize_and_report",
     "fp8_per_tensor", "fp8_per_token", "fp8_per_channel", "fp8_group", "fp8_block",
     "mxfp8", "mxfp6", "mxfp4", "int8_per_token", "int8_per_channel", "int4_group", "w4a8_cutlass",
 ]

@@ -8,6 +8,7 @@ the requested dtype (once, except bfloat16: see :meth:`QuantizedTensor.dequantiz
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable
 
 import numpy as np
@@ -26,6 +27,8 @@ __all__ = [
     "requantize",
     "QUANTIZERS",
     "register_quantizer",
+    "PRECISIONS",
+    "quantize_and_report",
 ]
 
 _SCALE_DTYPE = {"fp32": np.dtype(np.float32), "ue8m0": np.dtype(np.uint8), "ue4m3": np.dtype(np.uint8)}
@@ -37,6 +40,20 @@ def _frozen(a, dtype=None):
     a = np.array(a, dtype=dtype, copy=True, order="C")
     a.setflags(write=False)
     return a
+
+
+@lru_cache(maxsize=None)
+def _pair_table(element: str, dtype_name: str) -> np.ndarray:
+    """The (low, high) nibble values of every byte (even element low), one 2-element record
+    per byte (a 256-entry table of complex128 / float64 items viewed back as pairs: a 1-D
+    gather of records is 4x faster in NumPy than indexing a [256, 2] table)."""
+    t = decode_table(element).astype(dtype_name)
+    b = np.arange(256)
+    pairs = np.ascontiguousarray(np.stack([t[b & 0xF], t[b >> 4]], axis=1))
+    rec = {16: np.complex128, 8: np.uint64, 4: np.uint32, 2: np.uint16}[2 * pairs.itemsize]
+    out = pairs.view(rec).ravel()
+    out.setflags(write=False)
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,9 +128,17 @@ class QuantizedTensor:
         return unpack_nibbles(self.codes)[..., : self.shape[-1]]
 
     def element_values(self, dtype=np.float64) -> np.ndarray:
-        """Decoded element values, zero point subtracted, logical shape. Exact (float32 too)."""
-        table = decode_table(self.scheme.element).astype(dtype)
-        v = table[self.element_codes()]
+        """Decoded element values, zero point subtracted, logical shape. Exact (float32 too).
+
+        Packed 4-bit codes decode a byte at a time (a 256 x 2 table of value pairs: the same
+        values as unpacking, then one lookup per element, in half the gathers)."""
+        if self.scheme.packed:
+            pairs = _pair_table(self.scheme.element, np.dtype(dtype).name)
+            v = pairs[self.codes].view(dtype).reshape(self.shape[:-1] + (2 * self.codes.shape[-1],))
+            if v.shape[-1] != self.shape[-1]:
+                v = np.ascontiguousarray(v[..., : self.shape[-1]])
+        else:
+            v = decode_table(self.scheme.element).astype(dtype)[self.codes]
         if self.zero_points is not None:
             v = v - expand_to_elements(self.zero_points.astype(dtype), self.block_shape, self.shape)
         return v
@@ -153,9 +178,9 @@ class QuantizedTensor:
             with np.errstate(over="ignore", invalid="ignore"):
                 if np.array_equal(sv.astype(np.float32).astype(np.float64), sv, equal_nan=True):
                     work = np.float32
-        vb = block_view(self.element_values(work), block)
+        vb = block_view(self.element_values(work), block)  # a new array: scaled in place
         with np.errstate(invalid="ignore", over="ignore"):
-            out = vb * broadcast_to_blocks(sv.astype(work), len(block))
+            out = np.multiply(vb, broadcast_to_blocks(sv.astype(work), len(block)), out=vb)
         k = len(block)
         padded = self.shape[: len(self.shape) - k] + tuple(
             n * b for n, b in zip(sv.shape[len(sv.shape) - k:], block))
@@ -231,77 +256,167 @@ def dequantize(q: QuantizedTensor, dtype=np.float32) -> np.ndarray:
 
 @dataclass(frozen=True)
 class RequantReport:
-    """How faithful a requantization was.
+    """How faithful a requantization was (every figure against the EXACT source values).
 
     Attributes:
         lossless: every element decodes to exactly the source value (NaN to NaN).
         max_abs_error: max |target - source| over finite elements (0.0 when lossless).
         error: per-element exact error ``target - source`` (float64, logical shape; 0 where
             both are NaN, NaN where only one is).
-        method: ``"rule"`` (the target scheme's scale rule on the exact source values) or
+        method: ``"rule"`` (the target scheme's scale rule on the source values),
             ``"exact_rescale"`` (each target block takes its source block's decode scale,
-            re-expressed in the target scale format, and the data are re-encoded with it).
+            re-expressed in the target scale format, and the data are re-encoded with it) or
+            ``"lossless_search"`` (:func:`moeref.quant.lossless.find_lossless` found scales that
+            make every element exact).
+        rel_l2: ``||error||_2 / ||source||_2`` over finite elements (0.0 for a zero source).
+        sqnr_db: ``10 log10(||source||^2 / ||error||^2)`` (``inf`` when lossless).
+        worst_block: index (on the target's block grid) of the block holding the first element
+            (C order) of largest |error|, i.e. a block with the largest max |error|; None when
+            lossless.
+        precision: ``"exact"`` or ``"float32"`` (see :func:`requantize`).
     """
 
     lossless: bool
     max_abs_error: float
     error: np.ndarray = field(repr=False)
     method: str
+    rel_l2: float = 0.0
+    sqnr_db: float = float("inf")
+    worst_block: tuple | None = None
+    precision: str = "exact"
 
 
-def _report(target: QuantizedTensor, x: np.ndarray, method: str) -> RequantReport:
-    y = target.dequantize(np.float64)
-    with np.errstate(invalid="ignore"):
-        err = y - x
-    both_nan = np.isnan(x) & np.isnan(y)
-    err = np.where(both_nan, 0.0, err)
-    same_inf = np.isinf(x) & (x == y)
-    err = np.where(same_inf, 0.0, err)
-    lossless = bool(np.all(err == 0))
-    fin = np.isfinite(err)
-    mx = float(np.max(np.abs(err[fin]))) if fin.any() else 0.0
+def _report(target: QuantizedTensor, x: np.ndarray, method: str, precision: str = "exact") -> RequantReport:
+    err = target.dequantize(np.float64)  # y, then y - x in place
+    with np.errstate(invalid="ignore", over="ignore"):
+        np.subtract(err, x, out=err)
+        xf = x.reshape(-1)
+        x2 = float(np.dot(xf, xf))
+        e2 = float(np.dot(err.reshape(-1), err.reshape(-1)))
+    allfin = np.isfinite(x2) and np.isfinite(e2)  # a NaN/Inf anywhere makes a sum non-finite
+    if not allfin:
+        y = err + x
+        both_nan = np.isnan(x) & np.isnan(y)
+        err = np.where(both_nan | (np.isinf(x) & (x == y)), 0.0, err)
+        fin = np.isfinite(err)
+        ef, xf = err[fin], np.where(fin, x, 0.0)[fin]
+        e2, x2 = float(np.dot(ef, ef)), float(np.dot(xf, xf))
+    lossless = not np.any(err)  # NaN counts as an error
+    mx, rel, sqnr, worst = 0.0, 0.0, float("inf"), None
+    if not lossless:
+        ef = err if allfin else np.where(np.isfinite(err), err, 0.0)
+        hi, lo = float(ef.max()), float(ef.min())
+        mx = max(hi, -lo)
+        flat = int(np.argmax(ef)) if hi >= -lo else int(np.argmin(ef))  # first largest |err|
+        pos = np.unravel_index(flat, ef.shape)
+        block = target.block_shape
+        nl = ef.ndim - len(block)
+        worst = tuple(int(p) for p in pos[:nl]) + tuple(
+            int(p) // b for p, b in zip(pos[nl:], block))
+        rel = float(np.sqrt(e2 / x2)) if x2 > 0 else float("inf")
+        sqnr = float(10 * np.log10(x2 / e2)) if e2 > 0 and x2 > 0 else float("inf")
     err.setflags(write=False)
-    return RequantReport(lossless=lossless, max_abs_error=mx, error=err, method=method)
+    return RequantReport(lossless=bool(lossless), max_abs_error=mx, error=err, method=method,
+                         rel_l2=rel, sqnr_db=sqnr, worst_block=worst, precision=precision)
 
 
-def requantize(q: QuantizedTensor, target: Scheme, *, prefer_exact: bool = True):
+PRECISIONS = ("exact", "float32")
+
+
+def requantize(q: QuantizedTensor, target: Scheme, *, prefer_exact: bool = True,
+               precision: str = "exact", quantizer: Callable | None = None, global_scale=None):
     """Convert ``q`` to ``target`` by requantizing the DATA: exact dequantization, then quantization.
 
     Rounding a scale without re-encoding the data shipped two silently wrong checkpoints
     (huggingface/transformers#47030, sgl-project/sglang PR #28307; notes §5); this never does
-    that. The target's rule runs on the exact source values (float32 input when every value is a
-    float32, so the anchors' float32 arithmetic applies; float64 otherwise). When that is lossy
-    and ``prefer_exact``, a second candidate keeps each source block's decode scale (target
-    blocks nested in source blocks, scale exactly representable in the target scale format,
-    with a power-of-two global factor for UE4M3) and re-encodes the data with it; it is used
-    only if it is exact (an all-zero block takes any scale). MXFP4 -> NVFP4 is lossless this way
-    whenever the exponents of the nonzero blocks span at most 17 binades (UE4M3 holds
-    2^-9 .. 2^8).
+    that. ``precision`` says what the target's rule runs on:
+
+    * ``"exact"`` (default): the exact source values, as float32 when every value is a float32
+      (so the anchors' float32 arithmetic applies), float64 otherwise.
+    * ``"float32"``: the source dequantized to float32 (one RNE rounding of the exact product),
+      which is what the producing libraries do before they requantize a checkpoint: vLLM
+      ``requant_weight_ue8m0`` (``weight.float() * scale``), DeepSeek ``fp8_cast_bf16.py``,
+      compressed-tensors ``FP8BlockDequantizer``. Identical to ``"exact"`` whenever the source
+      values are float32 (MX, UE8M0 and power-of-two scales; FP8 with FP32 scales usually not).
+
+    The report always measures against the exact source values. When the rule's result is lossy
+    and ``prefer_exact``, two further candidates are tried and used only if exact: the source
+    block scales re-expressed in the target (target blocks nested in source blocks; MXFP4 ->
+    NVFP4 is lossless this way whenever the exponents of the nonzero blocks span at most 17
+    binades, UE4M3 holds 2^-9 .. 2^8), then :func:`moeref.quant.lossless.find_lossless`, which
+    finds a lossless encoding whenever the target can hold the values (its docstring says how).
+
+    ``quantizer(values, target) -> QuantizedTensor`` replaces :func:`quantize` for the rule step
+    (the checkpoint converter passes the Triton fast path there, which is bit-identical).
+
+    ``global_scale`` (NVFP4 targets): a static global scale in the target preset's convention
+    (:func:`moeref.quant.nvfp4.quantize_nvfp4`), given to the rule; the lossless candidates then
+    keep the global factor the rule used, so tensors that must share one (ModelOpt's fused
+    gate/up and q/k/v) still do.
 
     Returns:
         ``(QuantizedTensor, RequantReport)``.
     """
+    from .._checks import check_choice
+
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"q must be a QuantizedTensor; got {type(q).__name__}")
     if not isinstance(target, Scheme):
         raise TypeError(f"target must be a Scheme; got {type(target).__name__}")
+    check_choice(precision, PRECISIONS, "requantize precision")
     x = q.dequantize(np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        x32 = x.astype(np.float32)
-        exact32 = np.array_equal(x32.astype(np.float64), x, equal_nan=True)
-    first = quantize(x32 if exact32 else x, target)
-    rep = _report(first, x, "rule")
+    if precision == "float32":
+        with np.errstate(invalid="ignore", over="ignore"):
+            src = x.astype(np.float32)  # one RNE rounding of the exact value = dequantize(float32)
+    else:
+        with np.errstate(invalid="ignore", over="ignore"):
+            x32 = x.astype(np.float32)
+            src = x32 if np.array_equal(x32.astype(np.float64), x, equal_nan=True) else x
+    return _requantize_values(x, src, target, q, prefer_exact, precision, quantizer, global_scale)
+
+
+def quantize_and_report(x, target: Scheme, *, prefer_exact: bool = True,
+                        quantizer: Callable | None = None, global_scale=None):
+    """Quantize float values ``x`` (float16/bfloat16/float32/float64) with ``target`` and report
+    against ``x`` exactly, as :func:`requantize` does for a quantized source (same report, same
+    lossless search). Returns ``(QuantizedTensor, RequantReport)``."""
+    from .blockwise import as_input
+
+    xa = as_input(x)
+    src = xa if xa.dtype in (np.float32, np.float64) else xa.astype(np.float32)
+    return _requantize_values(xa.astype(np.float64), src, target, None, prefer_exact, "exact",
+                              quantizer, global_scale)
+
+
+def _requantize_values(x, src, target, q, prefer_exact, precision, quantizer, global_scale=None):
+    from .lossless import find_lossless, sample_blocks_representable
+
+    if global_scale is not None:
+        if target.family != "nvfp4":
+            raise ValueError(f"global_scale is for NVFP4 targets; got scheme {target.name!r}")
+        first = (quantizer or quantize)(src, target, global_scale=global_scale)
+    else:
+        first = (quantizer or quantize)(src, target)
+    fixed = first.global_scale if global_scale is not None else None
+    rep = _report(first, x, "rule", precision)
     if rep.lossless or not prefer_exact:
         return first, rep
-    alt = _exact_rescale(q, x, target)
+    if not sample_blocks_representable(x, target):
+        return first, rep  # a few blocks already have no exact encoding: neither candidate can be
+    alt = _exact_rescale(q, x, target, fixed) if q is not None else None
     if alt is not None:
-        rep2 = _report(alt, x, "exact_rescale")
+        rep2 = _report(alt, x, "exact_rescale", precision)
         if rep2.lossless:
             return alt, rep2
+    alt = find_lossless(x, target, fixed)
+    if alt is not None:
+        rep3 = _report(alt, x, "lossless_search", precision)
+        if rep3.lossless:
+            return alt, rep3
     return first, rep
 
 
-def _exact_rescale(q: QuantizedTensor, x: np.ndarray, target: Scheme):
+def _exact_rescale(q: QuantizedTensor, x: np.ndarray, target: Scheme, fixed_global=None):
     """Candidate for :func:`requantize` that reuses the source block scales (None if impossible)."""
     if target.family not in ("blockwise", "nvfp4") or target.zero_point or target.channel_block:
         return None
@@ -342,10 +457,18 @@ def _exact_rescale(q: QuantizedTensor, x: np.ndarray, target: Scheme):
     else:
         name = "e8m0" if fmt == "ue8m0" else "ue4m3"
         base = cand
-        if target.global_scale:
+        if target.global_scale and fixed_global is not None:
+            glob = float(fixed_global)
+            if glob <= 0:
+                return None
+            base = cand / glob
+        elif target.global_scale:
             top = float(cand.max())
             m, e = np.frexp(top)
             glob = float(np.ldexp(1.0, int(e) - 1 - 8)) if m == 0.5 else top / 448.0
+            from .lossless import global_storable
+            if not global_storable(glob, target):
+                return None
             base = cand / glob
         stored = encode(base, name, overflow="saturate", rounding="rne")
         if not np.array_equal(decode_table(name)[stored] * (glob or 1.0), cand):

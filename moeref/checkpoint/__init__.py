@@ -1,0 +1,22 @@
+"""Checkpoint conversion: real layouts read and written, streaming, verified (docs/convert.md).
+
+* :mod:`.safetensors_io` — sharded safetensors: lazy reader, streaming atomic shard writer.
+* :mod:`.layouts` — DeepSeek FP8 (FP32 and UE8M0 scales), gpt-oss MXFP4, ModelOpt NVFP4,
+  compressed-tensors NVFP4 / MXFP4 / FP8 block, BF16: module <-> tensors, configs.
+* :mod:`.convert` — plan, convert shard by shard (workers, resume, verify), index and configs.
+* :mod:`.engines` — NumPy reference or Triton fast path per module (never silently).
+* :mod:`.report` — per-module report (lossless, max |err|, rel L2, SQNR, worst block, engine).
+* :mod:`.cli` — ``moeref convert``.
+"""
+from __future__ import annotations
+
+from .convert import ConvertOptions, Plan, convert_checkpoint, plan_conversion, verify_shard
+from .layouts import LAYOUTS, Layout, ModuleData, detect_layout, get_layout
+from .report import ConversionReport, ModuleReport, ShardRecord
+from .safetensors_io import CheckpointError, SafetensorsCheckpoint, ShardWriter
+
+__all__ = [
+    "CheckpointError", "ConversionReport", "ConvertOptions", "LAYOUTS", "Layout", "ModuleData",
+    "ModuleReport", "Plan", "SafetensorsCheckpoint", "ShardRecord", "ShardWriter",
+    "convert_checkpoint", "detect_layout", "get_layout", "plan_conversion", "verify_shard",
+]

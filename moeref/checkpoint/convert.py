@@ -1,0 +1,542 @@
+"""Streaming checkpoint conversion: plan, convert shard by shard, verify, resume.
+
+:func:`convert_checkpoint` reads a source directory (one ``model.safetensors`` or shards with
+``model.safetensors.index.json``), finds the quantized modules of the source layout
+(:mod:`.layouts`), requantizes each selected module into the target layout with
+:func:`moeref.quant.requantize` (exact report, lossless search) and copies every other tensor
+bit for bit. Output shard ``i`` holds what input shard ``i`` held (a module's scale tensors go
+with its weight, wherever the source kept them); ``weight_map`` is rewritten.
+
+Memory: one module's source, target and float64 report arrays at a time (a small multiple of
+the largest tensor); shards are written by :class:`.safetensors_io.ShardWriter`, which streams.
+
+Safety: the destination must differ from the source and not contain it; an existing
+destination is refused unless ``overwrite`` (removed first) or ``resume``. Shards are written
+under a temporary name and renamed when complete; ``moeref-convert.json`` records each finished
+shard (size, SHA-256, verified) and says ``"complete": true`` only after the index and configs
+are written, last. ``resume`` skips shards whose file matches the record (and were verified, when
+``verify`` is asked for; an unverified one is verified, not rewritten).
+
+Modules that ``only``/``skip`` leave out of a quantized source are dequantized to BF16 (a
+checkpoint has one quantization format; vLLM and ModelOpt list such modules in the config's
+ignore list), and every unquantized ``*.weight`` with two or more axes is listed there.
+"""
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+import shutil
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..quant import quantize_and_report, requantize
+from .engines import ENGINES, choose_engine
+from .layouts import LAYOUTS, ModuleData, detect_layout, get_layout
+from .report import ConversionReport, ModuleReport, ShardRecord
+from .safetensors_io import (DTYPE_NAMES, INDEX_NAME, CheckpointError, SafetensorsCheckpoint,
+                             ShardWriter)
+
+__all__ = ["ConvertOptions", "Plan", "plan_conversion", "convert_checkpoint", "verify_shard",
+           "RECORD_NAME", "ENGINES"]
+
+RECORD_NAME = "moeref-convert.json"
+_CONFIG_FILES = ("config.json", "hf_quant_config.json")
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """What ``moeref convert`` was asked to do.
+
+    Attributes:
+        target: target layout name (:data:`.layouts.LAYOUTS`).
+        source_layout: source layout name, or None to detect it from ``config.json``.
+        preset: preset of the target scheme (None: the layout's default).
+        precision: ``"float32"`` (default; the source dequantized to float32 first, as the
+            producing libraries do) or ``"exact"`` (:func:`moeref.quant.requantize`).
+        only, skip: fnmatch patterns on module names: convert the modules matching any ``only``
+            pattern (all when empty) and no ``skip`` pattern.
+        workers: processes converting shards in parallel.
+        verify: re-read every written shard and check it against the source.
+        overwrite, resume, dry_run: see the module docstring.
+        engine: ``"auto"`` (the Triton fast path where a CUDA GPU is present and the scheme is
+            supported, else NumPy; the report says which, and why), ``"numpy"`` or ``"triton"``
+            (an error when it cannot run).
+        share_global: NVFP4 targets: the converted members of a fused group (``gate_proj`` and
+            ``up_proj``, ``w1`` and ``w3``, ``q_proj``/``k_proj``/``v_proj`` of one parent) share
+            one global scale, as ModelOpt exports them (``preprocess_linear_fusion``: the max of
+            the members' amax) and as vLLM (w1's for w13) and TensorRT-LLM (asserts equality)
+            load them; a source whose members already share one keeps it.
+    """
+
+    target: str
+    source_layout: str | None = None
+    preset: str | None = None
+    precision: str = "float32"
+    only: tuple = ()
+    skip: tuple = ()
+    workers: int = 1
+    verify: bool = False
+    overwrite: bool = False
+    resume: bool = False
+    dry_run: bool = False
+    engine: str = "auto"
+    share_global: bool = True
+
+    def __post_init__(self):
+        get_layout(self.target)
+        if self.source_layout is not None:
+            get_layout(self.source_layout)
+        if self.precision not in ("float32", "exact"):
+            raise ValueError(f"precision must be 'float32' or 'exact'; got {self.precision!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers must be a positive int; got {self.workers!r}")
+        if self.target == "bf16" and self.preset is not None:
+            raise ValueError("the bf16 target has no preset")
+        get_layout(self.target).scheme(self.preset)  # validates the preset
+
+
+@dataclass
+class Plan:
+    """What a conversion will do, per shard (``--dry-run`` prints it).
+
+    ``actions[shard]`` is a list of ``(tensor or module, action, shape)`` with action
+    ``"convert"`` (module requantized), ``"dequantize"`` (module written as BF16), ``"copy"``.
+    """
+
+    source: str
+    source_layout: str
+    target_layout: str
+    shards: list
+    modules: dict
+    actions: dict
+    ignore: list
+    has_input_scales: bool
+    groups: dict = field(default_factory=dict)
+
+    def rows(self):
+        for shard in self.shards:
+            for name, action, shape in self.actions[shard]:
+                yield shard, name, action, shape
+
+
+def _load_json(path):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _selected(module: str, opts: ConvertOptions) -> bool:
+    if opts.only and not any(fnmatch.fnmatchcase(module, p) for p in opts.only):
+        return False
+    return not any(fnmatch.fnmatchcase(module, p) for p in opts.skip)
+
+
+def plan_conversion(src: str, opts: ConvertOptions) -> Plan:
+    """Read headers and configs only; decide every tensor's fate (nothing is converted)."""
+    ck = SafetensorsCheckpoint.open(src)
+    config = _load_json(os.path.join(src, "config.json")) or {}
+    hfq = _load_json(os.path.join(src, "hf_quant_config.json"))
+    sl = get_layout(opts.source_layout) if opts.source_layout else detect_layout(config, hfq)
+    tl = get_layout(opts.target)
+    modules = sl.find_modules(ck)
+    if sl.name == "bf16":  # unselected float modules are plain copies
+        modules = {m: r for m, r in modules.items() if _selected(m, opts) and tl.name != "bf16"}
+    owner = {t: m for m, roles in modules.items() for t in roles.values()}
+    actions = {s: [] for s in ck.shards}
+    ignore, has_input = [], False
+    order = {n: i for i, n in enumerate(ck.names())}
+    position = {}
+    for m, roles in modules.items():
+        primary = next(iter(roles.values()))
+        position[m] = order[primary]
+        if _selected(m, opts) and tl.name != "bf16":
+            act = "convert"
+            has_input |= "input" in roles
+        else:
+            act = "dequantize"
+            ignore.append(m)
+        actions[ck.shard_of(primary)].append((m, act, _module_shape(sl, m, roles, ck)))
+    for shard in ck.shards:
+        for n in ck.names(shard):
+            if n in owner:
+                continue
+            dt, shape = ck.info(n)
+            position[n] = order[n]
+            actions[shard].append((n, "copy", shape))
+            if n.endswith(".weight") and len(shape) >= 2 and dt in ("F32", "F16", "BF16"):
+                ignore.append(n[: -len(".weight")])
+    if tl.name == "bf16":
+        ignore = []
+    for shard in ck.shards:  # file order: a module at its first tensor's place
+        actions[shard].sort(key=lambda r: position[r[0]])
+    groups = {}
+    if opts.share_global and tl.scheme(opts.preset) is not None and tl.scheme(opts.preset).global_scale:
+        converted = {n for shard in ck.shards for n, a, _ in actions[shard] if a == "convert"}
+        for m in converted:
+            for fused in _FUSED:
+                for suffix in fused:
+                    if m.endswith(suffix):
+                        base = m[: -len(suffix)]
+                        members = tuple(base + x for x in fused if base + x in converted)
+                        if len(members) > 1:
+                            groups[m] = members
+    return Plan(src, sl.name, tl.name, list(ck.shards), modules, actions, sorted(set(ignore)),
+                has_input, groups)
+
+
+_FUSED = ((".gate_proj", ".up_proj"), (".w1", ".w3"), (".q_proj", ".k_proj", ".v_proj"))
+"""Linears that read one input and that ModelOpt gives one global scale (its fused groups)."""
+
+
+def _module_shape(layout, m, roles, ck) -> tuple:
+    dt, shape = ck.info(next(iter(roles.values())))
+    if layout.name == "gptoss-mxfp4":
+        return tuple(shape[:-2]) + (shape[-2] * 32,)
+    if dt == "U8":  # packed FP4 along K
+        return tuple(shape[:-1]) + (2 * shape[-1],)
+    return tuple(shape)
+
+
+# ---- one shard -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _ShardJob:
+    src: str
+    dst: str
+    shard: str
+    opts: ConvertOptions
+    source_layout: str
+    actions: tuple
+    modules: dict = field(default_factory=dict)
+    groups: dict = field(default_factory=dict)      # module -> members sharing a global scale
+    group_roles: dict = field(default_factory=dict)  # member -> its source tensors
+
+
+def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
+    tl = LAYOUTS[job.opts.target]
+    t0 = time.perf_counter()
+    scheme = tl.scheme(job.opts.preset)
+    engine, why, quantizer = choose_engine(job.opts.engine, scheme, data.shape)
+    if quantizer is not None and data.q is not None and job.opts.precision == "exact":
+        engine, why, quantizer = "numpy", "precision 'exact' may need float64 arithmetic", None
+    static = None
+    if data.module in job.groups:
+        static, how = _group_global(job.groups[data.module], job, ck, scheme)
+        if static is not None:
+            why += f"; global scale shared with {', '.join(job.groups[data.module])} ({how})"
+    if data.q is not None:
+        q, rep = requantize(data.q, scheme, precision=job.opts.precision, quantizer=quantizer,
+                            global_scale=static)
+    else:
+        q, rep = quantize_and_report(data.values, scheme, quantizer=quantizer, global_scale=static)
+    out = ModuleData(data.module, {}, q=q, input_scale=data.input_scale)
+    kept = tl.stored_input_scale(data.input_scale)
+    if data.input_scale is not None:
+        why += ("; static input scale dropped (the target layout has no slot)" if kept is None
+                else "" if kept == data.input_scale else
+                f"; static input scale stored as {kept!r} (was {data.input_scale!r})")
+    mr = ModuleReport(data.module, job.shard, list(data.shape), job.source_layout, tl.name,
+                      engine, rep.method, rep.lossless, rep.max_abs_error, rep.rel_l2,
+                      rep.sqnr_db, None if rep.worst_block is None else list(rep.worst_block),
+                      round(time.perf_counter() - t0, 4), note=why)
+    return tl.write(data.module, out), mr
+
+
+def _group_global(members, job: _ShardJob, ck, scheme) -> tuple:
+    """``(static global scale in the preset's convention, how)`` shared by a fused group, or
+    ``(None, reason)`` for an all-zero group (each member then quantizes as zeros on its own).
+
+    A source whose members already share one NVFP4 global keeps it when the target's float32
+    can store it; otherwise the global comes from the max of the members' amax, in float32 (the
+    value the rule reads; rounded up if the exact maximum is not a float32), through the same
+    arithmetic as the dynamic rule (:func:`moeref.quant.nvfp4.global_factors`), so the member
+    holding the maximum is quantized exactly as it would be alone."""
+    from ..quant.lossless import global_storable
+    from ..quant.nvfp4 import global_factors
+
+    sl = LAYOUTS[job.source_layout]
+    conv = scheme.preset.option("global_convention")
+    datas = [sl.read(m, job.group_roles[m], ck) for m in members]
+    qs = [d.q for d in datas]
+    if all(q is not None and q.scheme.family == "nvfp4" for q in qs):
+        gs = {float(q.global_scale) for q in qs}
+        g = gs.pop() if len(gs) == 1 else 0.0
+        if g > 0 and global_storable(g, scheme):
+            return {"decode_scale": g, "encode_scale": float(np.float32(1.0 / g)),
+                    "amax": float(np.float32(g * 2688.0))}[conv], "the source's shared global"
+    amax = 0.0
+    for d in datas:
+        if d.q is not None:
+            v = d.q.dequantize(np.float32 if job.opts.precision == "float32" else np.float64)
+        else:
+            v = np.asarray(d.values, np.float32)
+        amax = max(amax, float(np.max(np.abs(v))) if v.size else 0.0)
+    if amax == 0:
+        return None, "all zero"
+    a32 = np.float32(amax)
+    if float(a32) < amax:
+        a32 = np.nextafter(a32, np.float32(np.inf))
+    s_enc, pts, _, _ = global_factors(scheme.preset, a32, None, np.float32)
+    return {"amax": float(a32), "encode_scale": float(s_enc), "decode_scale": float(pts)}[conv], \
+        "max of the members' amax"
+
+
+def _dequantize_module(data: ModuleData, job: _ShardJob) -> tuple:
+    t0 = time.perf_counter()
+    bf = LAYOUTS["bf16"]
+    tensors = bf.write(data.module, data)
+    x = data.q.dequantize(np.float64) if data.q is not None else np.asarray(data.values, np.float64)
+    err = tensors[0][1].astype(np.float64) - x
+    e2, x2 = float(np.dot(err.ravel(), err.ravel())), float(np.dot(x.ravel(), x.ravel()))
+    mr = ModuleReport(data.module, job.shard, list(data.shape), job.source_layout, "bf16",
+                      "dequantize" if data.q is not None else "copy", "bf16", e2 == 0,
+                      float(np.max(np.abs(err))) if err.size else 0.0,
+                      float(np.sqrt(e2 / x2)) if x2 > 0 and e2 > 0 else 0.0,
+                      float(10 * np.log10(x2 / e2)) if e2 > 0 and x2 > 0 else float("inf"), None,
+                      round(time.perf_counter() - t0, 4), note="not selected: written as BF16")
+    return tensors, mr
+
+
+def _run_shard(job: _ShardJob) -> ShardRecord:
+    """Convert one shard (runs in a worker process when ``workers > 1``)."""
+    ck = SafetensorsCheckpoint.open(job.src)
+    sl = LAYOUTS[job.source_layout]
+    path = os.path.join(job.dst, job.shard)
+    writer = ShardWriter(path, {"format": "pt", "converted_by": "moeref convert",
+                                "target_layout": job.opts.target})
+    reports, copied = [], 0
+    try:
+        for name, action, _ in job.actions:
+            if action == "copy":
+                writer.add(name, ck.read(name))
+                copied += 1
+                continue
+            data = sl.read(name, job.modules[name], ck)
+            if action == "convert":
+                tensors, mr = _convert_module(data, job, ck)
+            else:
+                tensors, mr = _dequantize_module(data, job)
+            for tname, arr in tensors:
+                writer.add(tname, arr)
+            reports.append(mr)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        ck.close()
+    rec = ShardRecord(job.shard, os.path.getsize(path), _sha256(path), False, copied, reports)
+    if job.opts.verify:
+        verify_shard(job.src, job.dst, rec, job)
+        rec.verified = True
+    return rec
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(16 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_shard(src: str, dst: str, rec: ShardRecord, job: _ShardJob) -> None:
+    """Re-read a written shard and check it against the source; ``CheckpointError`` lists what
+    differs. Copied tensors: same dtype, shape and bytes. Converted modules: read back through
+    the target layout, measured against the exact source values again; every figure must equal
+    the report's (the written file holds what was measured)."""
+    ck = SafetensorsCheckpoint.open(src)
+    out = SafetensorsCheckpoint(dst, {}, [rec.shard], False)
+    out.weight_map = {n: rec.shard for n in out.header(rec.shard)}
+    sl, tl = LAYOUTS[job.source_layout], LAYOUTS[job.opts.target]
+    by_module = {m.module: m for m in rec.modules}
+    problems = []
+    for name, action, _ in job.actions:
+        if action == "copy":
+            if name not in out.weight_map or out.info(name) != ck.info(name) or \
+                    out.read_bytes(name) != ck.read_bytes(name):
+                problems.append(f"copied tensor {name!r} differs from the source")
+            continue
+        src_data = sl.read(name, job.modules[name], ck)
+        x = src_data.q.dequantize(np.float64) if src_data.q is not None else \
+            np.asarray(src_data.values, np.float64)
+        layout = tl if action == "convert" else LAYOUTS["bf16"]
+        roles = layout.roles(name, out) if layout.name != "bf16" else {"weight": name + ".weight"}
+        got = layout.read(name, roles, out)
+        y = got.q.dequantize(np.float64) if got.q is not None else np.asarray(got.values, np.float64)
+        mr = by_module[name]
+        err = y - x
+        mx = float(np.max(np.abs(err))) if err.size else 0.0
+        if (not np.any(err)) != mr.lossless or mx != mr.max_abs_error:
+            problems.append(f"module {name!r}: the written tensors give max |err| {mx!r}, the "
+                            f"report says {mr.max_abs_error!r}")
+        want = tl.stored_input_scale(src_data.input_scale) if action == "convert" else None
+        if action == "convert" and got.input_scale != want:
+            problems.append(f"module {name!r}: input scale {got.input_scale!r}, expected {want!r} "
+                            f"(source {src_data.input_scale!r})")
+    ck.close()
+    if problems:
+        raise CheckpointError(f"verification of {os.path.join(dst, rec.shard)} failed:\n  "
+                              + "\n  ".join(problems))
+
+
+# ---- the whole checkpoint ------------------------------------------------------------------
+
+def _job(src: str, dst: str, shard: str, opts: ConvertOptions, plan: Plan) -> _ShardJob:
+    mods = {n: plan.modules[n] for n, a, _ in plan.actions[shard] if a != "copy"}
+    groups = {m: plan.groups[m] for m in mods if m in plan.groups}
+    roles = {x: plan.modules[x] for members in groups.values() for x in members}
+    return _ShardJob(src, dst, shard, opts, plan.source_layout, tuple(plan.actions[shard]), mods,
+                     groups, roles)
+
+
+def _prepare_destination(src: str, dst: str, opts: ConvertOptions, settings: dict) -> dict:
+    """Check the destination; return the records of shards a resumed run may skip."""
+    rs, rd = os.path.realpath(src), os.path.realpath(dst)
+    if rs == rd or rs.startswith(rd + os.sep) or rd.startswith(rs + os.sep):
+        raise CheckpointError(f"destination {dst} must be outside the source {src} (and not "
+                              "contain it): moeref never writes into the source")
+    if not os.path.exists(dst):
+        if not opts.dry_run:
+            os.makedirs(dst)
+        return {}
+    if opts.resume:
+        rec = _load_json(os.path.join(dst, RECORD_NAME))
+        if rec is None:
+            raise CheckpointError(f"{dst} exists but holds no {RECORD_NAME}: nothing to resume "
+                                  "(pass --overwrite to start again)")
+        if rec.get("settings") != settings:
+            raise CheckpointError(f"{dst} holds a conversion with other settings "
+                                  f"({rec.get('settings')}); pass --overwrite to start again")
+        return {s: ShardRecord.from_json(r) for s, r in rec.get("shards", {}).items()}
+    if opts.overwrite:
+        if not opts.dry_run:
+            shutil.rmtree(dst)
+            os.makedirs(dst)
+        return {}
+    raise CheckpointError(f"destination {dst} exists; pass --overwrite to replace it or --resume "
+                          "to finish an interrupted conversion")
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".partial"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None) -> ConversionReport:
+    """Convert the checkpoint in directory ``src`` into ``dst`` (module docstring).
+
+    ``progress(done_modules, total_modules, shard)`` is called after each shard. Returns the
+    :class:`.report.ConversionReport` (also written to ``dst/moeref-convert.json``); with
+    ``opts.dry_run`` nothing is written and the report's shards list the plan with no figures.
+    """
+    t0 = time.perf_counter()
+    plan = plan_conversion(src, opts)
+    settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts).items()
+                if k not in ("workers", "verify", "overwrite", "resume", "dry_run")}
+    settings["source_layout"] = plan.source_layout
+    done = _prepare_destination(src, dst, opts, settings)
+    report = ConversionReport(src, dst, plan.source_layout, plan.target_layout, opts.preset,
+                              opts.precision, dry_run=opts.dry_run)
+    if plan.has_input_scales is False and opts.target in ("modelopt-nvfp4", "ct-nvfp4") \
+            and any(a == "convert" for *_, a, _s in plan.rows()):
+        report.warnings.append("the source has no static input scales: the NVFP4 checkpoint has "
+                               "none (W4A4 runtimes need calibrated activation scales)")
+    if opts.dry_run:
+        for shard in plan.shards:
+            rows = [ModuleReport(n, shard, list(s), plan.source_layout,
+                                 plan.target_layout if a == "convert" else "bf16", "planned", a,
+                                 False, 0.0, 0.0, 0.0, None, 0.0)
+                    for n, a, s in plan.actions[shard] if a != "copy"]
+            copies = sum(a == "copy" for _, a, _ in plan.actions[shard])
+            report.shards.append(ShardRecord(shard, 0, "", False, copies, rows))
+        return report
+
+    jobs, records = [], {}
+    for shard in plan.shards:
+        r = done.get(shard)
+        path = os.path.join(dst, shard)
+        if r is not None and os.path.exists(path) and os.path.getsize(path) == r.nbytes \
+                and _sha256(path) == r.sha256:
+            records[shard] = r
+            continue
+        jobs.append(_job(src, dst, shard, opts, plan))
+    record_path = os.path.join(dst, RECORD_NAME)
+
+    def save(complete=False):
+        _write_json(record_path, {"settings": settings, "complete": complete,
+                                  "shards": {s: records[s].as_json() for s in plan.shards
+                                             if s in records},
+                                  **({"report": report.as_json()} if complete else {})})
+
+    for shard, r in list(records.items()):  # resumed shards that still need --verify
+        if opts.verify and not r.verified:
+            verify_shard(src, dst, r, _job(src, dst, shard, opts, plan))
+            r.verified = True
+    total = sum(1 for *_, a, _s in plan.rows() if a != "copy")
+    count = sum(len(r.modules) for r in records.values())
+    save()
+    if opts.workers > 1 and len(jobs) > 1:
+        import multiprocessing as mp
+
+        from .engines import cuda_available
+
+        ctx = mp.get_context("spawn" if cuda_available() else "fork")
+        with ProcessPoolExecutor(max_workers=opts.workers, mp_context=ctx) as ex:
+            for rec in ex.map(_run_shard, jobs):
+                records[rec.shard] = rec
+                save()
+                count += len(rec.modules)
+                if progress:
+                    progress(count, total, rec.shard)
+    else:
+        for job in jobs:
+            rec = _run_shard(job)
+            records[rec.shard] = rec
+            save()
+            count += len(rec.modules)
+            if progress:
+                progress(count, total, rec.shard)
+    report.shards = [records[s] for s in plan.shards]
+    _finish(src, dst, plan, report)
+    report.seconds = round(time.perf_counter() - t0, 3)
+    save(complete=True)
+    return report
+
+
+def _finish(src: str, dst: str, plan: Plan, report: ConversionReport) -> None:
+    """Index, configs and the other files of the source directory (written last)."""
+    tl = get_layout(plan.target_layout)
+    weight_map, total = {}, 0
+    for shard in plan.shards:
+        h = SafetensorsCheckpoint(dst, {}, [shard], False).header(shard)
+        for n, (dt, shape) in h.items():
+            weight_map[n] = shard
+            total += int(np.prod(shape, dtype=np.int64)) * DTYPE_NAMES[dt].itemsize
+    for name in os.listdir(src):
+        p = os.path.join(src, name)
+        if name.endswith(".safetensors") or name in (INDEX_NAME, *_CONFIG_FILES) or not os.path.isfile(p):
+            continue
+        shutil.copy2(p, os.path.join(dst, name))
+    config = _load_json(os.path.join(src, "config.json"))
+    qc, extra = tl.quantization_config(plan.ignore, plan.has_input_scales)
+    if config is not None:
+        config.pop("quantization_config", None)
+        if qc is not None:
+            config["quantization_config"] = qc
+        _write_json(os.path.join(dst, "config.json"), config)
+    for name, obj in extra.items():
+        _write_json(os.path.join(dst, name), obj)
+    if SafetensorsCheckpoint.open(src).indexed:
+        _write_json(os.path.join(dst, INDEX_NAME), {"metadata": {"total_size": total},
+                                                     "weight_map": weight_map})

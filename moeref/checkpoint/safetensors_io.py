@@ -1,0 +1,204 @@
+"""Sharded safetensors checkpoints: a lazy reader and a streaming, atomic shard writer.
+
+Reading goes through the ``safetensors`` library (``safe_open``, memory-mapped: a tensor is read
+when asked for). A checkpoint directory is either one ``model.safetensors`` or shards listed by
+``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes}, "weight_map": {tensor:
+shard}}``, huggingface_hub serialization). Shard names are taken from the index, never inferred
+from the file names (gpt-oss numbers its shards from 0 and its "of" is the last index).
+
+Writing streams: :class:`ShardWriter` appends each tensor's bytes to a side file as soon as it is
+converted, so memory holds one tensor at a time; :meth:`ShardWriter.close` writes the safetensors
+header (8-byte little-endian length, JSON, padded with spaces to 8 bytes; data offsets relative
+to the data section), copies the data after it into ``<name>.partial``, fsyncs, and renames it to
+``<name>``. A run that dies leaves only ``*.partial`` / ``*.data`` files, never a file with the
+final name that is incomplete. Everything written is read back by ``safetensors`` in the tests.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["CheckpointError", "SafetensorsCheckpoint", "ShardWriter", "INDEX_NAME", "SINGLE_NAME",
+           "DTYPE_NAMES", "dtype_name"]
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+DTYPE_NAMES = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+    "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "U16": np.dtype(np.uint16),
+    "U32": np.dtype(np.uint32), "U64": np.dtype(np.uint64), "BOOL": np.dtype(np.bool_),
+}
+_NAME_OF = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+class CheckpointError(ValueError):
+    """Bad checkpoint input; the message names the tensor and the file."""
+
+
+def dtype_name(dtype) -> str:
+    """safetensors dtype string of a NumPy / ml_dtypes dtype."""
+    d = np.dtype(dtype)
+    if d not in _NAME_OF:
+        raise TypeError(f"dtype {d} has no safetensors name; accepted: {', '.join(map(str, _NAME_OF))}")
+    return _NAME_OF[d]
+
+
+@dataclass
+class SafetensorsCheckpoint:
+    """A checkpoint directory: which shard holds which tensor, read lazily.
+
+    Attributes:
+        path: the directory.
+        weight_map: tensor name -> shard file name (from the index, or the single file's keys).
+        shards: shard file names in index order.
+        indexed: whether the directory has ``model.safetensors.index.json``.
+    """
+
+    path: str
+    weight_map: dict
+    shards: list
+    indexed: bool
+    _handles: dict = field(default_factory=dict, repr=False)
+    _headers: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def open(cls, path: str) -> "SafetensorsCheckpoint":
+        path = os.fspath(path)
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{path}: not a directory (a checkpoint is a directory holding "
+                                  f"{SINGLE_NAME} or {INDEX_NAME} and its shards)")
+        idx = os.path.join(path, INDEX_NAME)
+        if os.path.exists(idx):
+            with open(idx) as f:
+                try:
+                    wm = json.load(f)["weight_map"]
+                except (KeyError, json.JSONDecodeError) as e:
+                    raise CheckpointError(f"{idx}: not a safetensors index ({e})") from None
+            shards = list(dict.fromkeys(wm.values()))
+            for s in shards:
+                if not os.path.exists(os.path.join(path, s)):
+                    raise CheckpointError(f"{idx} lists shard {s!r}, which is missing from {path}")
+            return cls(path, dict(wm), shards, True)
+        single = os.path.join(path, SINGLE_NAME)
+        if os.path.exists(single):
+            ck = cls(path, {}, [SINGLE_NAME], False)
+            ck.weight_map = {n: SINGLE_NAME for n in ck.header(SINGLE_NAME)}
+            return ck
+        raise CheckpointError(f"{path}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+
+    def file(self, shard: str) -> str:
+        return os.path.join(self.path, shard)
+
+    def header(self, shard: str) -> dict:
+        """``{name: (dtype string, shape tuple)}`` of one shard (read from its header only)."""
+        if shard not in self._headers:
+            fn = self.file(shard)
+            try:
+                with open(fn, "rb") as f:
+                    n = int.from_bytes(f.read(8), "little")
+                    h = json.loads(f.read(n))
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{fn}: not a safetensors file ({e})") from None
+            h.pop("__metadata__", None)
+            self._headers[shard] = {k: (v["dtype"], tuple(v["shape"])) for k, v in h.items()}
+        return self._headers[shard]
+
+    def names(self, shard: str | None = None) -> list:
+        """Tensor names of one shard (file order) or of the whole checkpoint (index order)."""
+        return list(self.header(shard)) if shard is not None else list(self.weight_map)
+
+    def info(self, name: str) -> tuple:
+        """``(dtype string, shape)`` of a tensor, from its shard's header."""
+        shard = self.shard_of(name)
+        h = self.header(shard)
+        if name not in h:
+            raise CheckpointError(f"tensor {name!r}: the index maps it to {self.file(shard)}, "
+                                  "whose header does not hold it")
+        return h[name]
+
+    def shard_of(self, name: str) -> str:
+        if name not in self.weight_map:
+            raise CheckpointError(f"tensor {name!r} is not in the checkpoint {self.path}")
+        return self.weight_map[name]
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor as a NumPy array (bfloat16 / float8 as ml_dtypes dtypes)."""
+        from safetensors import safe_open
+
+        from .._interop import to_numpy
+
+        shard = self.shard_of(name)
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(self.file(shard), framework="pt")
+        return to_numpy(self._handles[shard].get_tensor(name))
+
+    def read_bytes(self, name: str) -> bytes:
+        """The raw little-endian payload of a tensor (for bit-exact copies and comparisons)."""
+        a = np.ascontiguousarray(self.read(name))
+        return a.view(np.uint8).tobytes() if a.size else b""
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+class ShardWriter:
+    """Write one safetensors shard tensor by tensor; atomic on :meth:`close`.
+
+    ``add(name, array)`` appends the bytes to ``<path>.data``; ``close()`` writes header + data to
+    ``<path>.partial``, fsyncs and renames it to ``<path>``; ``abort()`` removes both side files.
+    """
+
+    def __init__(self, path: str, metadata: dict | None = None):
+        self.path = os.fspath(path)
+        self.metadata = dict(metadata or {"format": "pt"})
+        self._entries: list = []
+        self._offset = 0
+        self._data = open(self.path + ".data", "wb")
+
+    def add(self, name: str, array) -> None:
+        a = np.asarray(array)
+        a = a if a.flags.c_contiguous else a.copy(order="C")  # (ascontiguousarray makes 0-d 1-d)
+        if any(e[0] == name for e in self._entries):
+            raise CheckpointError(f"tensor {name!r} written twice to {self.path}")
+        raw = a.reshape(-1).view(np.uint8) if a.size else np.zeros(0, np.uint8)
+        self._data.write(raw.tobytes())
+        self._entries.append((name, dtype_name(a.dtype), list(a.shape), self._offset,
+                              self._offset + raw.size))
+        self._offset += raw.size
+
+    @property
+    def nbytes(self) -> int:
+        return self._offset
+
+    def close(self) -> None:
+        self._data.close()
+        header = {"__metadata__": {str(k): str(v) for k, v in self.metadata.items()}}
+        for name, dt, shape, b, e in self._entries:
+            header[name] = {"dtype": dt, "shape": shape, "data_offsets": [b, e]}
+        hb = json.dumps(header, separators=(",", ":")).encode()
+        hb += b" " * (-len(hb) % 8)
+        tmp = self.path + ".partial"
+        with open(tmp, "wb") as out, open(self.path + ".data", "rb") as data:
+            out.write(len(hb).to_bytes(8, "little"))
+            out.write(hb)
+            shutil.copyfileobj(data, out, 16 << 20)
+            out.flush()
+            os.fsync(out.fileno())
+        os.remove(self.path + ".data")
+        os.replace(tmp, self.path)
+
+    def abort(self) -> None:
+        if not self._data.closed:
+            self._data.close()
+        for suffix in (".data", ".partial"):
+            if os.path.exists(self.path + suffix):
+                os.remove(self.path + suffix)
