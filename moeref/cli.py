@@ -1,7 +1,7 @@
 """The ``moeref`` command: ``formats``, ``explain`` and ``demo``.
 
 Everything printed here is built by library functions (``moeref.format_tables``,
-``moeref.explain``, ``moeref.moe.demo``); this module only parses arguments and prints.
+``moeref.explain``, ``moeref.demo``); this module only parses arguments and prints.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _cmd_explain(args) -> int:
 
 def _cmd_demo(args) -> int:
     from . import format_tables
-    from .moe.demo import run_demo
+    from .demo import run_demo
 
     console = _console()
     console.rule("[bold]1. Element formats")

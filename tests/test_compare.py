@@ -189,12 +189,12 @@ def test_hopper_bound_is_sound_but_loose():
 
 
 def test_data_dependent_hopper_bound_catches_what_the_worst_case_cannot():
-    """The demo layer (moeref.moe.demo, outputs ~1e-2): the worst-case Hopper bound lets every fault but the
+    """The demo layer (moeref.demo, outputs ~1e-2): the worst-case Hopper bound lets every fault but the
     NaN row through; the data-dependent one also catches the all-zero output, the dropped slot, gate/up
     swapped, the misrouted token (only on token 0) and the doubled router weights (each by 1.3x to 4x its
     bound, seeds 0-2), and is about 8x tighter. The intermediate may still flip everywhere, so the scale
     and re-quantization faults stay within what 14-bit accumulation permits."""
-    from moeref.moe.demo import demo_case
+    from moeref.demo import demo_case
 
     _, case = demo_case(seed=0, out_scale=2e-3)
     ref = reference(case)

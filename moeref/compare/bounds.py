@@ -498,11 +498,11 @@ def _chunk_bound(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, int]
         return np.zeros((p.num_tokens, e.y.shape[1])), 0
     dh = _rows_error_bound(p.a, None, rows, w13, weights.b13, profile)
     dh += profile.gemm_out_unit * (np.abs(e.h) + dh)
-    dx = activation_error(cfg["activation"], e.h, dh, weights.w13_layout, cfg["activation_params"])
-    mag_act = activation_magnitude(cfg["activation"], e.h, weights.w13_layout, cfg["activation_params"])
+    dx = activation_error(cfg.activation, e.h, dh, weights.w13_layout, cfg.activation_params)
+    mag_act = activation_magnitude(cfg.activation, e.h, weights.w13_layout, cfg.activation_params)
     dx += profile.act_unit * (np.abs(e.x) + mag_act + dx)
     dx[~valid] = 0.0
-    quant = cfg["quant"]
+    quant = cfg.quant
     flips = 0
     if e.a2 is None:
         unc = dx
@@ -524,7 +524,7 @@ def _chunk_bound(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, int]
 def layer_bound(run, profile: Profile) -> LayerBound:
     """Per-element bound ``[M, K]`` for a traced reference ``run`` (:func:`moeref.moe.run_moe`)."""
     cfg = run.config
-    weights = cfg["weights"]
+    weights = run.weights
     parts, flips = [], 0
     for p, e in run.chunks:
         b, f = _chunk_bound(p, e, weights, profile, cfg)
@@ -532,7 +532,7 @@ def layer_bound(run, profile: Profile) -> LayerBound:
         flips += f
     bound = np.concatenate(parts, axis=0) if parts else np.zeros_like(run.output)
     if run.shared is not None:
-        sw = cfg["shared_experts"].as_weights()
+        sw = cfg.shared_experts.as_weights()
         sparts = []
         for p, e in run.shared_chunks:
             b, f = _chunk_bound(p, e, sw, profile, cfg)

@@ -3,6 +3,7 @@ containers and test-layer builders (:mod:`.weights`), the FlashInfer/vLLM argume
 (:mod:`.mapping`) and the demo (:mod:`.demo`). See docs/moe-pipeline.md."""
 from __future__ import annotations
 
+from .config import LayerConfig, Quantizer
 from .pipeline import (
     LAYOUTS,
     NO_QUANT,
@@ -24,6 +25,8 @@ __all__ = [
     "LAYOUTS",
     "NO_QUANT",
     "ExpertsOutput",
+    "LayerConfig",
+    "Quantizer",
     "MoEQuant",
     "MoERun",
     "MoEWeights",

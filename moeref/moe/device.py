@@ -29,11 +29,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .._checks import check_choice, check_positive_int
 from ..dispatch.grouping import group_slots
 from ..gemm.device import DeviceOperand, device_expert_rows_gemm, device_operand
 from ..gemm.stacked import StackedExperts
-from .pipeline import LAYOUTS, NO_QUANT, MoEQuant, MoERun, _activation, dispatch_rows
+from .config import LayerConfig
+from .pipeline import MoERun, _activation, dispatch_rows
 from .weights import MoEWeights, SharedExperts
 
 __all__ = ["DevicePrepared", "DeviceExpertsOutput", "device_weights", "run_moe_device", "round_on_device"]
@@ -162,14 +162,10 @@ def _quantize(q, x, engines: list, label: str) -> tuple[DeviceOperand, object]:
     torch = _torch()
     if q is None:
         return device_operand(x.to(torch.float64) if x.dim() == 2 else x.reshape(x.shape[0], -1), x.device), None
-    from ..quant import Scheme
+    from .config import Quantizer
 
-    if isinstance(q, Scheme):
-        scheme, static = q, {}
-    elif hasattr(q, "scheme") and hasattr(q, "static"):  # moeref.moe.quantizer(scheme, **static)
-        scheme, static = q.scheme, dict(q.static)
-    else:  # a user's own quantizer function: it takes host arrays
-        scheme, static = None, None
+    q = Quantizer.of(q)
+    scheme, static = q.scheme, q.static
     why = "a quantizer function of the user's (it takes host arrays)"
     if scheme is not None:
         why = _fast_quantize_unavailable(scheme, x, static)
@@ -316,22 +312,17 @@ class DeviceRun(MoERun):
     engines: list = field(default_factory=list)
 
 
-def run_moe_device(hidden, weights: MoEWeights, topk_weights, topk_ids, *, device=None,
-                   activation: str = "silu_and_mul", activation_params: dict | None = None,
-                   quant: MoEQuant = NO_QUANT, layout: str = "standard", expert_map=None,
-                   num_experts: int | None = None, apply_router_weight_on_input: bool = False,
-                   chunk_size: int | None = None, shared_experts: SharedExperts | None = None, out_dtype=None,
-                   alignment: int = 128, max_m: int | None = None, gemm1_out_dtype=None,
-                   act_out_dtype=None) -> DeviceRun:
-    """:func:`moeref.moe.run_moe` on ``device`` (default: ``hidden``'s device). Arguments as there;
-    ``hidden`` and ``topk_weights`` may be NumPy arrays or tensors on any device (moved), ``topk_ids``
-    is read on the host. Returns a :class:`DeviceRun` whose ``output`` (float64) and ``out`` (``out_dtype``)
-    are tensors on ``device``, equal bit for bit to the NumPy engine's for quantized weights and
-    activations (float operands: float64-accurate, see :mod:`moeref.gemm.device`)."""
+def run_moe_device(hidden, weights: MoEWeights, topk_weights, topk_ids, config: LayerConfig, *,
+                   device=None) -> DeviceRun:
+    """:func:`moeref.moe.run_moe` on ``device`` (default: ``hidden``'s device) for the :class:`LayerConfig`
+    ``config``; ``hidden`` and ``topk_weights`` may be NumPy arrays or tensors on any device (moved),
+    ``topk_ids`` is read on the host. Returns a :class:`DeviceRun` whose ``output`` (float64) and ``out``
+    (``out_dtype``) are tensors on ``device``, equal bit for bit to the NumPy engine's for quantized weights
+    and activations (float operands: float64-accurate, see :mod:`moeref.gemm.device`)."""
     torch = _torch()
     from .._interop import to_torch
 
-    check_choice(layout, LAYOUTS, "layout")
+    cfg = config
     dev = torch.device(device) if device is not None else (hidden.device if torch.is_tensor(hidden)
                                                              else torch.device("cuda"))
     x = hidden if torch.is_tensor(hidden) else to_torch(np.asarray(hidden))
@@ -341,43 +332,36 @@ def run_moe_device(hidden, weights: MoEWeights, topk_weights, topk_ids, *, devic
     w = topk_weights if torch.is_tensor(topk_weights) else to_torch(np.asarray(topk_weights))
     w = w.to(dev)
     ids = np.asarray(topk_ids.cpu() if torch.is_tensor(topk_ids) else topk_ids)
-    if num_experts is None:
-        if expert_map is not None:
-            raise ValueError("num_experts (global) is required with an expert_map")
-        num_experts = weights.num_experts
+    num_experts = weights.num_experts if cfg.num_experts is None else cfg.num_experts
     dw = device_weights(weights, dev)
     m = int(x.shape[0])
-    chunk = m if chunk_size is None else check_positive_int(chunk_size, "chunk_size")
+    chunk = m if cfg.chunk_size is None else cfg.chunk_size
     engines: list = []
-    kw = dict(activation=activation, activation_params=activation_params, quant=quant,
-              gemm1_out_dtype=gemm1_out_dtype, act_out_dtype=act_out_dtype, engines=engines)
+    kw = dict(activation=cfg.activation, activation_params=cfg.activation_params, quant=cfg.quant,
+              gemm1_out_dtype=cfg.gemm1_out_dtype, act_out_dtype=cfg.act_out_dtype, engines=engines)
     outs, chunks, shared_chunks, shared_parts = [], [], [], []
-    sw = None if shared_experts is None else device_weights(shared_experts.as_weights(), dev)
+    sw = None if cfg.shared_experts is None else device_weights(cfg.shared_experts.as_weights(), dev)
     for start in range(0, max(m, 1), max(chunk, 1)):
         sl = slice(start, min(start + chunk, m))
-        p = _prepare(x[sl], w[sl], ids[sl], num_experts=num_experts, layout=layout, quant=quant,
-                     expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input,
-                     alignment=alignment, max_m=max_m, engines=engines)
+        p = _prepare(x[sl], w[sl], ids[sl], num_experts=num_experts, layout=cfg.layout, quant=cfg.quant,
+                     expert_map=cfg.expert_map, apply_router_weight_on_input=cfg.apply_router_weight_on_input,
+                     alignment=cfg.alignment, max_m=cfg.max_m, engines=engines)
         e = _experts(p, dw, **kw)
         outs.append(_finalize(p, e))
         chunks.append((p, e))
         if sw is not None:
             n = sl.stop - sl.start
             sp = _prepare(x[sl], torch.ones((n, 1), dtype=torch.float32, device=dev), np.zeros((n, 1), np.int32),
-                          num_experts=1, layout="standard", quant=quant, expert_map=None,
-                          apply_router_weight_on_input=False, alignment=alignment, max_m=None, engines=engines)
+                          num_experts=1, layout="standard", quant=cfg.quant, expert_map=None,
+                          apply_router_weight_on_input=False, alignment=cfg.alignment, max_m=None, engines=engines)
             se = _experts(sp, sw, **kw)
             shared_parts.append(_finalize(sp, se))
             shared_chunks.append((sp, se))
     routed = torch.cat(outs, dim=0) if outs else torch.zeros((0, 0), dtype=torch.float64, device=dev)
     shared = torch.cat(shared_parts, dim=0) if shared_parts else None
     output = routed + shared if shared is not None else routed
-    out = output if out_dtype is None else _to_dtype(output, out_dtype)
-    config = dict(activation=activation, activation_params=activation_params or {}, quant=quant, layout=layout,
-                  out_dtype=out_dtype, num_experts=num_experts, w13_layout=weights.w13_layout,
-                  apply_router_weight_on_input=apply_router_weight_on_input, weights=dw,
-                  shared_experts=shared_experts)
-    return DeviceRun(output, out, chunks, shared, shared_chunks, config, engines)
+    out = output if cfg.out_dtype is None else _to_dtype(output, cfg.out_dtype)
+    return DeviceRun(output, out, chunks, shared, shared_chunks, cfg, dw, engines)
 
 
 def _to_dtype(x, dtype):

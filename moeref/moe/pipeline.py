@@ -37,25 +37,27 @@ by default. Honest variants and planted faults (:mod:`moeref.compare.faults`) pl
 """
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from .._checks import as_float_array, check_choice, check_ndim, check_positive_int
+from .._checks import as_float_array, check_choice, check_ndim
 from ..activations import activation_values
 from ..dispatch import apply_router_weight_on_input as _weight_input
 from ..dispatch import to_batched, to_contiguous, to_masked, weight_and_reduce
 from ..dispatch.grouping import group_slots
 from ..gemm.exact import BlockOperand, as_operand
 from ..gemm.grouped import ExpertOperands, expert_rows_gemm
+from .config import LAYOUTS, NO_QUANT, LayerConfig, MoEQuant, Quantizer, quantizer
 from .weights import MoEWeights, SharedExperts
 
 __all__ = [
     "LAYOUTS",
+    "LayerConfig",
     "MoEQuant",
     "NO_QUANT",
+    "Quantizer",
     "quantizer",
     "Prepared",
     "ExpertsOutput",
@@ -68,51 +70,12 @@ __all__ = [
     "round_to_dtype",
 ]
 
-LAYOUTS = ("standard", "contiguous", "masked", "batched")
-
-
-@dataclass(frozen=True)
-class MoEQuant:
-    """How activations are quantized: ``a1`` (GEMM1 input) and ``a2`` (intermediate, GEMM2 input).
-
-    Each is None (no quantization: float64 values), a :class:`moeref.quant.Scheme` (run through
-    :func:`moeref.quant.quantize`) or a callable ``x -> QuantizedTensor`` (e.g. a static-scale or
-    NVFP4-global-scale quantizer with its scale bound). ``name`` labels reports.
-    """
-
-    a1: object = None
-    a2: object = None
-    name: str = "none"
-
-
-NO_QUANT = MoEQuant()
-
-
-def quantizer(scheme, **static) -> Callable:
-    """A quantizer ``x -> QuantizedTensor`` with static arguments bound, for :class:`MoEQuant`:
-    ``quantizer(fp8_per_tensor(), scale=s)`` (static FP8 a1/a2 scale, vLLM ``a1_scale``/``a2_scale``),
-    ``quantizer(nvfp4(preset="vllm"), global_scale=a1_gscale)`` (NVFP4 input/intermediate global scale in
-    the preset's convention; vLLM/FlashInfer pass the encode factor ``448 * 6 / amax``).
-    """
-    from ..quant import quantize
-
-    def run(x):
-        return quantize(x, scheme, **static)
-
-    run.scheme = scheme
-    run.static = dict(static)  # the device engine passes these to fastpath.quant.quantize
-    return run
-
-
 def _run_quantizer(q, x: np.ndarray):
+    """``(operand, quantized tensor or None)`` of ``x`` through ``q`` (None, or a :class:`Quantizer` input)."""
+    q = Quantizer.of(q)
     if q is None:
         return as_operand(x, "x"), None
-    if callable(q) and not hasattr(q, "element"):  # a bound quantizer (see quantizer())
-        qt = q(x)
-    else:
-        from ..quant import quantize
-
-        qt = quantize(x, q)
+    qt = q(x)
     return as_operand(qt, "quantized"), qt
 
 
@@ -292,95 +255,83 @@ def finalize(prepared: Prepared, out: ExpertsOutput, *, out_dtype=None) -> np.nd
 @dataclass(frozen=True, eq=False)
 class MoERun:
     """A traced reference run (:func:`run_moe`): ``output`` float64 ``[M, K]`` before output rounding,
-    ``out`` rounded to ``out_dtype``, per chunk the :class:`Prepared` and :class:`ExpertsOutput`,
-    ``shared`` (float64 ``[M, K]`` or None) and the arguments the bounds need."""
+    ``out`` rounded to ``config.out_dtype``, per chunk the :class:`Prepared` and :class:`ExpertsOutput`,
+    ``shared`` (float64 ``[M, K]`` or None), and what the bounds read: the :class:`LayerConfig` (with
+    ``num_experts`` filled in) and the weights."""
 
     output: np.ndarray
     out: np.ndarray
     chunks: list
     shared: object
     shared_chunks: list
-    config: dict = field(default_factory=dict)
+    config: LayerConfig
+    weights: MoEWeights
 
 
-def run_moe(hidden, weights: MoEWeights, topk_weights, topk_ids, *, activation: str = "silu_and_mul",
-            activation_params: dict | None = None, quant: MoEQuant = NO_QUANT, layout: str = "standard",
-            expert_map=None, num_experts: int | None = None, apply_router_weight_on_input: bool = False,
-            chunk_size: int | None = None, shared_experts: SharedExperts | None = None, out_dtype=None,
-            alignment: int = 128, max_m: int | None = None, gemm1_out_dtype=None, act_out_dtype=None,
-            gemm: Callable | None = None, device=None) -> MoERun:
+def run_moe(hidden, weights: MoEWeights, topk_weights, topk_ids, config: LayerConfig | None = None, *,
+            gemm: Callable | None = None, device=None, **options) -> MoERun:
     """:func:`fused_moe` keeping the trace of every stage (for :mod:`moeref.compare`).
 
-    ``device``: run on a torch device (``"cuda"``) with the device engine (:mod:`moeref.moe.device`: the
-    same result bit for bit, float64 on the GPU, for production shapes); the default runs on the
-    device of ``hidden`` when it is a CUDA tensor, else with NumPy on the host.
+    ``config``: a :class:`LayerConfig`; ``options``: its fields by name (``activation=``, ``quant=``,
+    ``layout=`` ...), replacing the config's. ``device``: run on a torch device (``"cuda"``) with the device
+    engine (:mod:`moeref.moe.device`: the same result bit for bit, float64 on the GPU, for production
+    shapes); the default runs on the device of ``hidden`` when it is a CUDA tensor, else with NumPy.
+    ``gemm``: the host GEMM engine, ``(a_operand, w_operand) -> float array`` (honest variants and planted
+    faults of :mod:`moeref.compare.faults` plug in here).
     """
+    cfg = LayerConfig.build(config, **options)
+    if cfg.num_experts is None:
+        cfg = LayerConfig.build(cfg, num_experts=weights.num_experts)
     if device is not None or _is_device_tensor(hidden):
         if gemm is not None:
             raise ValueError("gemm= (a host GEMM engine) cannot run on a device; leave device unset")
         from .device import run_moe_device
 
-        return run_moe_device(hidden, weights, topk_weights, topk_ids, device=device, activation=activation,
-                              activation_params=activation_params, quant=quant, layout=layout,
-                              expert_map=expert_map, num_experts=num_experts,
-                              apply_router_weight_on_input=apply_router_weight_on_input, chunk_size=chunk_size,
-                              shared_experts=shared_experts, out_dtype=out_dtype, alignment=alignment,
-                              max_m=max_m, gemm1_out_dtype=gemm1_out_dtype, act_out_dtype=act_out_dtype)
+        return run_moe_device(hidden, weights, topk_weights, topk_ids, cfg, device=device)
     x = as_float_array(hidden, "hidden")
     check_ndim(x, 2, "hidden")
     m = x.shape[0]
-    if num_experts is None:
-        if expert_map is not None:
-            raise ValueError("num_experts (global) is required with an expert_map")
-        num_experts = weights.num_experts
-    chunk = m if chunk_size is None else check_positive_int(chunk_size, "chunk_size")
+    chunk = m if cfg.chunk_size is None else cfg.chunk_size
     w = np.asarray(topk_weights)
     ids = np.asarray(topk_ids)
-    kw = dict(activation=activation, activation_params=activation_params, quant=quant,
-              gemm1_out_dtype=gemm1_out_dtype, act_out_dtype=act_out_dtype, gemm=gemm)
+    kw = dict(activation=cfg.activation, activation_params=cfg.activation_params, quant=cfg.quant,
+              gemm1_out_dtype=cfg.gemm1_out_dtype, act_out_dtype=cfg.act_out_dtype, gemm=gemm)
     outs, chunks, shared_chunks, shared_parts = [], [], [], []
     for start in range(0, max(m, 1), max(chunk, 1)):
         sl = slice(start, min(start + chunk, m))
-        p = prepare(x[sl], w[sl], ids[sl], num_experts=num_experts, layout=layout, quant=quant,
-                    expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input,
-                    alignment=alignment, max_m=max_m)
+        p = prepare(x[sl], w[sl], ids[sl], num_experts=cfg.num_experts, layout=cfg.layout, quant=cfg.quant,
+                    expert_map=cfg.expert_map, apply_router_weight_on_input=cfg.apply_router_weight_on_input,
+                    alignment=cfg.alignment, max_m=cfg.max_m)
         e = experts(p, weights, **kw)
         outs.append(finalize(p, e))
         chunks.append((p, e))
-        if shared_experts is not None:
+        if cfg.shared_experts is not None:
             n = sl.stop - sl.start
             sp = prepare(x[sl], np.ones((n, 1), np.float32), np.zeros((n, 1), np.int32), num_experts=1,
-                         quant=quant)
-            se = experts(sp, shared_experts.as_weights(), **kw)
+                         quant=cfg.quant)
+            se = experts(sp, cfg.shared_experts.as_weights(), **kw)
             shared_parts.append(finalize(sp, se))
             shared_chunks.append((sp, se))
     routed = np.concatenate(outs, axis=0) if outs else np.zeros((0, 0))
     shared = np.concatenate(shared_parts, axis=0) if shared_parts else None
     output = routed + shared if shared is not None else routed
-    out = output if out_dtype is None else output.astype(_dtype(out_dtype))
-    config = dict(activation=activation, activation_params=activation_params or {}, quant=quant, layout=layout,
-                  out_dtype=out_dtype, num_experts=num_experts, w13_layout=weights.w13_layout,
-                  apply_router_weight_on_input=apply_router_weight_on_input, weights=weights,
-                  shared_experts=shared_experts)
-    return MoERun(output, out, chunks, shared, shared_chunks, config)
+    out = output if cfg.out_dtype is None else output.astype(_dtype(cfg.out_dtype))
+    return MoERun(output, out, chunks, shared, shared_chunks, cfg, weights)
 
 
-def fused_moe(hidden, weights: MoEWeights, topk_weights, topk_ids, *, activation: str = "silu_and_mul",
-              activation_params: dict | None = None, quant: MoEQuant = NO_QUANT, layout: str = "standard",
-              expert_map=None, num_experts: int | None = None, apply_router_weight_on_input: bool = False,
-              chunk_size: int | None = None, shared_experts: SharedExperts | None = None, out_dtype=None,
-              alignment: int = 128, max_m: int | None = None, gemm1_out_dtype=None, act_out_dtype=None,
-              gemm: Callable | None = None, device=None):
-    """The whole layer: ``prepare -> experts -> finalize`` per chunk of ``chunk_size`` tokens, plus
-    shared experts, rounded once to ``out_dtype`` (None: float64).
+def fused_moe(hidden, weights: MoEWeights, topk_weights, topk_ids, config: LayerConfig | None = None, *,
+              gemm: Callable | None = None, device=None, **options):
+    """The whole layer: ``prepare -> experts -> finalize`` per chunk of ``config.chunk_size`` tokens, plus
+    shared experts, rounded once to ``config.out_dtype`` (None: float64). ``config`` / ``options``: a
+    :class:`LayerConfig` and field overrides, as :func:`run_moe`.
 
     Any routing (``topk_ids`` with -1 padding), any ``layout`` (the output does not depend on it),
     ``expert_map`` (EP: ``weights`` holds this rank's local experts; non-local slots contribute 0,
     so the sum over ranks is the full layer), biases (in ``weights``), shared experts (a plain MLP,
     weight 1). The output does not depend on ``chunk_size`` unless an activation scheme has a dynamic
     per-tensor scale (computed per chunk, as in vLLM). ``device="cuda"`` (or CUDA tensors) runs the
-    device engine (:mod:`moeref.moe.device`; the result is then a tensor there). Argument mapping to FlashInfer
-    ``cutlass_fused_moe`` and vLLM: :mod:`moeref.moe.mapping`.
+    device engine (:mod:`moeref.moe.device`; the result is then a tensor there). Argument mapping to
+    FlashInfer ``cutlass_fused_moe`` and vLLM: :mod:`moeref.moe.mapping`.
 
     >>> from moeref.moe.weights import make_layer
     >>> lw = make_layer(2, 4, 2, seed=0)
@@ -389,9 +340,4 @@ def fused_moe(hidden, weights: MoEWeights, topk_weights, topk_ids, *, activation
     >>> y.shape, y.dtype
     ((2, 4), dtype('float64'))
     """
-    return run_moe(hidden, weights, topk_weights, topk_ids, activation=activation,
-                   activation_params=activation_params, quant=quant, layout=layout, expert_map=expert_map,
-                   num_experts=num_experts, apply_router_weight_on_input=apply_router_weight_on_input,
-                   chunk_size=chunk_size, shared_experts=shared_experts, out_dtype=out_dtype,
-                   alignment=alignment, max_m=max_m, gemm1_out_dtype=gemm1_out_dtype,
-                   act_out_dtype=act_out_dtype, gemm=gemm, device=device).out
+    return run_moe(hidden, weights, topk_weights, topk_ids, config, gemm=gemm, device=device, **options).out

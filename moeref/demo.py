@@ -18,11 +18,11 @@ def demo_case(seed: int = 0, out_scale: float = 1.0):
     """A DeepSeek-like layer in miniature: 8 experts, top-2, hidden 256, intermediate 128, 16 tokens,
     FP8 1x128 activations x 128x128 weights (DeepGEMM), structured tokens. ``out_scale`` scales w2
     (``2e-3`` gives outputs ~1e-2, the size of vLLM's randn/10 tests)."""
-    from ..compare.faults import LayerCase
-    from ..quant import fp8_block, fp8_group
-    from ..routing import softmax_topk
-    from .pipeline import MoEQuant
-    from .weights import make_layer, make_tokens, quantize_weights
+    from .compare.faults import LayerCase
+    from .quant import fp8_block, fp8_group
+    from .routing import softmax_topk
+    from .moe import MoEQuant
+    from .moe import make_layer, make_tokens, quantize_weights
 
     lw = make_layer(8, 256, 128, seed=seed)
     if out_scale != 1.0:
@@ -39,8 +39,8 @@ def run_demo(console, seed: int = 0) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from ..compare import FP32_ACCUM, HOPPER_FP8_DEEPGEMM_DATA, compare, conventional_checks, metrics
-    from ..compare.faults import FAULTS, HONEST, reference
+    from .compare import FP32_ACCUM, HOPPER_FP8_DEEPGEMM_DATA, compare, conventional_checks, metrics
+    from .compare.faults import FAULTS, HONEST, reference
 
     bf16, fp8 = demo_case(seed)
     t0 = time.perf_counter()
