@@ -102,7 +102,7 @@ def pytest_runtest_makereport(item, call):
         return
     from .reproducer import save_reproducer
 
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", item.nodeid)[-150:]
+    stem = re.sub(r"[^A-Za-z0-9_-]+", "_", item.nodeid)[-150:]
     path = os.path.join(str(item.config.getoption("--moeref-repro-dir")), stem)
     try:
         st, js = save_reproducer(path, exc.case, exc.candidate, exc.report.profile, label=item.nodeid,

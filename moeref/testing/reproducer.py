@@ -69,6 +69,16 @@ def _scheme_from_json(d):
     return quantizer(scheme, **d["static"]) if d.get("static") else scheme
 
 
+def _stem(path) -> Path:
+    p = Path(path)
+    return p.with_suffix("") if p.suffix in (".json", ".safetensors") else p
+
+
+def _files(stem: Path) -> tuple[Path, Path]:
+    """``(<stem>.safetensors, <stem>.json)``; dots inside the stem are kept (not taken as a suffix)."""
+    return stem.parent / (stem.name + ".safetensors"), stem.parent / (stem.name + ".json")
+
+
 def _f64(x) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(_interop.to_numpy(x)).astype(np.float64))
 
@@ -82,8 +92,7 @@ def save_reproducer(path, case, candidate, profile, *, label: str = "", extra: d
     from ..gemm.exact import as_operand
     from ..moe import MoEQuant
 
-    stem = Path(path)
-    stem = stem.with_suffix("") if stem.suffix in (".json", ".safetensors") else stem
+    stem = _stem(path)
     stem.parent.mkdir(parents=True, exist_ok=True)
     w = case.weights
     tensors = {"hidden": _f64(case.hidden), "topk_weights": _f64(case.topk_weights),
@@ -113,7 +122,7 @@ def save_reproducer(path, case, candidate, profile, *, label: str = "", extra: d
     config = {"format": FORMAT, "profile": get_profile(profile).name, "label": label, "options": opts,
               "quant": {"a1": _scheme_to_json(quant.a1), "a2": _scheme_to_json(quant.a2), "name": quant.name},
               "w13_layout": w.w13_layout, "blocks": blocks, "extra": dict(extra or {})}
-    st, js = stem.with_suffix(".safetensors"), stem.with_suffix(".json")
+    st, js = _files(stem)
     save_file(tensors, str(st))
     js.write_text(json.dumps(config, indent=1, default=str))
     return st, js
@@ -127,9 +136,7 @@ def load_reproducer(path):
     from ..gemm.exact import BlockOperand
     from ..moe import MoEQuant, MoEWeights
 
-    stem = Path(path)
-    stem = stem.with_suffix("") if stem.suffix in (".json", ".safetensors") else stem
-    js, st = stem.with_suffix(".json"), stem.with_suffix(".safetensors")
+    st, js = _files(_stem(path))
     for p in (js, st):
         if not p.exists():
             raise ValueError(f"reproducer file {p} is missing (a reproducer is <stem>.json + <stem>.safetensors)")
