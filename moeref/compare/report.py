@@ -148,7 +148,8 @@ class Report:
         """Plain-text report."""
         m, k = self.error.shape if self.error.ndim == 2 else (self.error.size, 1)
         head = f"{'PASS' if self.passed else 'FAIL'} {self.label} [{self.profile.name}] {m}x{k}: "
-        head += f"{self.num_violations} element(s) beyond the bound in {int((self.token_violations > 0).sum())} token(s)"
+        head += (f"{self.num_violations} element(s) beyond the bound in {int((self.token_violations > 0).sum())} "
+                 f"{self.row_name}(s)")
         lines = [head]
         mt = self.metrics
         lines.append(
@@ -174,7 +175,7 @@ class Report:
         ok = self.passed
         title = Text(f"{'PASS' if ok else 'FAIL'} ", style="bold green" if ok else "bold red")
         title.append(f"{self.label} [{self.profile.name}]: {self.num_violations} element(s) beyond the bound, "
-                     f"{int((self.token_violations > 0).sum())} token(s)")
+                     f"{int((self.token_violations > 0).sum())} {self.row_name}(s)")
         mt = self.metrics
         conv = Table(title="conventional checks", show_header=True)
         conv.add_column("check")
