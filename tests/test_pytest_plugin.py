@@ -22,7 +22,10 @@ def test_my_kernel(moe_case, moe_check):
 
 
 @pytest.fixture
-def kernel_dir(pytester):
+def kernel_dir(pytester, monkeypatch):
+    # the inner runs load the plugin with -p; once moeref is installed its pytest11 entry point would load
+    # it a second time under another name, so entry-point autoloading is off inside
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     pytester.syspathinsert(Path(__file__).parent)
     return pytester
 

@@ -415,3 +415,72 @@ def test_cli_mutate(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["mutate", "mykernel:run", "--cases", "2", "--profile", "TORCH_EAGER_BF16", "--min-score", "1.0"]) == 0
     assert "mutation score" in capsys.readouterr().out
+
+
+def test_nvfp4_adapters_read_packed_weights_swizzled_scales_and_alphas():
+    """FlashInfer quant_scales and vLLM's NVFP4 quant_config give the layer whose weights are the
+    QuantizedTensors the packed bytes came from (alphas given in float64: 1 / (a_gscale * w_gscale))."""
+    from moeref.moe import MoEQuant, quantizer
+    from moeref.quant import nvfp4, quantize
+
+    lw = make_layer(3, 64, 32, seed=7)
+    qw13 = [quantize(w, nvfp4(preset="vllm")) for w in lw.w13]  # 1x16 blocks per row (vLLM scaled_fp4_quant)
+    qw2 = [quantize(w, nvfp4(preset="vllm")) for w in lw.w2]
+    x = make_tokens(5, 64, seed=8)
+    tw, ids = np.full((5, 2), 0.5, np.float32), np.array([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0]])
+    a1g, a2g = np.float32(448 * 6 / np.abs(x).max()), np.float32(64.0)
+
+    def stack(qs):
+        return (np.stack([q.codes for q in qs]),
+                np.stack([swizzle_128x4(q.scales.view(ml_dtypes.float8_e4m3fn), out="2d") for q in qs]),
+                np.array([q.global_scale for q in qs]))
+
+    c13, s13, g13 = stack(qw13)
+    c2, s2, g2 = stack(qw2)
+    alphas1, alphas2 = g13 / float(a1g), g2 / float(a2g)     # decode_w / a_gscale = 1 / (a_gscale * w_gscale)
+    want = run_moe(x, replace_weights(lw, qw13, qw2), tw, ids,
+                   quant=MoEQuant(quantizer(nvfp4(preset="vllm"), global_scale=a1g),
+                                  quantizer(nvfp4(preset="vllm"), global_scale=a2g))).output
+    w31 = [np.concatenate([c[32:], c[:32]]) for c in c13]    # FlashInfer fc1 = [w3 (up); w1 (gate)] rows
+    s31 = np.stack([swizzle_128x4(np.concatenate([q.scales[32:], q.scales[:32]]).view(ml_dtypes.float8_e4m3fn),
+                                  out="2d") for q in qw13])
+    kw = from_flashinfer_cutlass(x, ids, tw, np.stack(w31), c2, None, [a1g, s31, alphas1, a2g, s2, alphas2])
+    np.testing.assert_allclose(run_moe(**kw).output, want, rtol=1e-12, atol=1e-12)
+    qc = SimpleNamespace(quant_dtype="nvfp4", w1_scale=s13, w2_scale=s2, a1_gscale=a1g, a2_gscale=a2g,
+                         g1_alphas=alphas1, g2_alphas=alphas2)
+    kw = from_vllm_fused_experts(x, c13, c2, tw, ids, "silu", qc, weight_scale_layout="swizzled_128x4")
+    np.testing.assert_allclose(run_moe(**kw).output, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="6 entries"):
+        from_flashinfer_cutlass(x, ids, tw, np.stack(w31), c2, None, [a1g])
+
+
+def replace_weights(lw, w13, w2):
+    from dataclasses import replace
+
+    return replace(lw, w13=w13, w2=w2)
+
+
+@pytest.mark.parametrize("mode", ["per_channel", "per_tensor"])
+def test_vllm_fp8_per_channel_and_per_tensor_scales(mode):
+    lw = make_layer(2, 128, 64, seed=3)
+    w1 = np.stack(lw.w13).astype(ml_dtypes.float8_e4m3fn)
+    w2 = np.stack(lw.w2).astype(ml_dtypes.float8_e4m3fn)
+    if mode == "per_channel":
+        s1, s2 = np.full((2, 128, 1), 0.5, np.float32), np.full((2, 128, 1), 0.25, np.float32)
+        s1[1, 7, 0] = 2.0
+        qc = SimpleNamespace(quant_dtype="float8_e4m3fn", w1_scale=s1, w2_scale=s2, per_act_token_quant=True,
+                             per_out_ch_quant=True)
+    else:
+        s1, s2 = np.array([0.5, 2.0], np.float32), np.array([0.25, 0.125], np.float32)
+        qc = SimpleNamespace(quant_dtype=torch.float8_e4m3fn, w1_scale=s1, w2_scale=s2, a1_scale=np.float32(0.03125),
+                             a2_scale=np.float32(0.0625))
+    kw = from_vllm_fused_experts(make_tokens(3, 128), w1, w2, np.ones((3, 1), np.float32), np.array([[1]] * 3),
+                                 "silu", qc)
+    w = kw["weights"].w13[1].dequantize()
+    if mode == "per_channel":
+        assert w[7, 5] == float(w1[1, 7, 5]) * 2.0 and w[8, 5] == float(w1[1, 8, 5]) * 0.5
+        assert kw["quant"].a1.block == (1, None)
+    else:
+        assert np.array_equal(w, w1[1].astype(np.float64) * 2.0)
+        assert kw["quant"].a1.scheme.block == (None, None)
+    assert np.isfinite(run_moe(**kw).output).all()

@@ -306,6 +306,7 @@ def from_flashinfer_cutlass(input, token_selected_experts, token_final_scales, f
     ``fc1_expert_weights [E_local, 2N, K]`` is ``[w3 (up); w1 (gate)]``, so ``w13_layout="up_gate"``;
     ``token_selected_experts`` are global ids; ``ep_size``/``ep_rank`` place the local experts linearly
     (:func:`moeref.routing.expert_map`). ``swiglu_alpha/beta/limit`` select ``swiglu_bias``.
+    ``output_dtype`` (torch or NumPy dtype) is the output's; None keeps the float64 output.
 
     ``quant_scales`` None: unquantized. NVFP4 (``fc1_expert_weights`` packed ``uint8 [E, 2N, K/2]``):
     the six entries ``[a1_gscale, fc1 weight block scales, g1_alphas, a2_gscale, fc2 weight block scales,
@@ -347,7 +348,8 @@ def from_flashinfer_cutlass(input, token_selected_experts, token_final_scales, f
                          _arr(fc2_expert_biases, "fc2_expert_biases"))
     out = dict(hidden=_arr(input, "input"), weights=weights, topk_weights=_arr(token_final_scales, "token_final_scales"),
                topk_ids=_arr(token_selected_experts, "token_selected_experts"), activation=activation,
-               activation_params=params or None, quant=quant, out_dtype=_out_dtype(input if output_dtype is None else output_dtype))
+               activation_params=params or None, quant=quant,
+               out_dtype=None if output_dtype is None else _out_dtype(output_dtype))
     if int(ep_size) > 1:
         from ..routing import expert_map
 

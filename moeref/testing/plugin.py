@@ -1,5 +1,6 @@
 """moeref's pytest plugin (entry point ``pytest11``: loaded by every pytest run once moeref is installed;
-``-p moeref.testing.plugin`` loads it explicitly, ``-p no:moeref`` turns it off).
+``-p no:moeref`` turns it off; with ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``, ``-p moeref.testing.plugin``
+loads it explicitly).
 
 Fixtures:
 
