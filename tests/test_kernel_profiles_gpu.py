@@ -195,3 +195,27 @@ def test_grouped_mm_layer_within_CUTLASS_BF16_GROUPED_MM():
         return compare(layer(ki.torch("cuda")), ki.reference(), "CUTLASS_BF16_GROUPED_MM")
 
     _prove("torch._grouped_mm MoE layer / CUTLASS_BF16_GROUPED_MM", check, max_examples=15)
+
+
+def test_scaled_grouped_mm_within_CUBLAS_FP8():
+    """torch._scaled_grouped_mm (rowwise FP8, CUTLASS grouped; fast accumulation off)."""
+    from moeref.moe.mapping import from_torch_scaled_grouped_mm
+
+    def check(data):
+        rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+        e = data.draw(st.integers(1, 4))
+        counts = [16 * data.draw(st.integers(0, 6)) for _ in range(e)]
+        n, k = data.draw(st.sampled_from([(64, 256), (128, 1024)]))
+        kind = data.draw(st.sampled_from(DATA))
+        r = max(sum(counts), 16)
+        x, w = _data(rng, (r, k), kind), 0.02 * _data(rng, (e, n, k), "normal")
+        sa = (np.abs(x).max(axis=1) / 448).astype(np.float32)
+        sb = (np.abs(w).max(axis=2) / 448).astype(np.float32)
+        a = torch.from_numpy(x / sa[:, None]).cuda().to(FP8)
+        b = torch.from_numpy(w / sb[:, :, None]).cuda().to(FP8).transpose(1, 2)
+        tsa, tsb = torch.from_numpy(sa).cuda(), torch.from_numpy(sb).cuda()
+        offs = torch.tensor(np.cumsum(counts), dtype=torch.int32, device="cuda")
+        out = torch._scaled_grouped_mm(a, b, tsa, tsb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=False)
+        return grouped_gemm_report(from_torch_scaled_grouped_mm(a, b, tsa, tsb, offs, out=out), profile="CUBLAS_FP8")
+
+    _prove("torch._scaled_grouped_mm / CUBLAS_FP8", check)

@@ -484,3 +484,27 @@ def test_vllm_fp8_per_channel_and_per_tensor_scales(mode):
         assert np.array_equal(w, w1[1].astype(np.float64) * 2.0)
         assert kw["quant"].a1.scheme.block == (None, None)
     assert np.isfinite(run_moe(**kw).output).all()
+
+
+def test_torch_scaled_grouped_mm_adapter_rowwise_scales():
+    """torch._scaled_grouped_mm has no CPU kernel: a stand-in computes its contract (FP8 rows of expert e
+    times mat_b[e], rowwise scale_a [R] and scale_b [E, N], FP32 accumulation, bf16 out)."""
+    from moeref.moe.mapping import from_torch_scaled_grouped_mm
+
+    rng = np.random.default_rng(9)
+    a = torch.from_numpy(rng.standard_normal((10, 128)).astype(np.float32)).to(torch.float8_e4m3fn)
+    b = torch.from_numpy(rng.standard_normal((2, 32, 128)).astype(np.float32)).to(torch.float8_e4m3fn)
+    sa = torch.from_numpy((rng.integers(1, 4, 10) / 8).astype(np.float32))
+    sb = torch.from_numpy((rng.integers(1, 4, (2, 32)) / 4).astype(np.float32))
+    offs = torch.tensor([4, 9], dtype=torch.int32)
+    out = torch.zeros(10, 32)
+    for e, (s, t) in enumerate(((0, 4), (4, 9))):
+        out[s:t] = (a[s:t].float() @ b[e].float().T) * sa[s:t, None] * sb[e][None, :]
+    out = out.bfloat16()
+    call = from_torch_scaled_grouped_mm(a, b.transpose(1, 2), sa, sb, offs, out=out)
+    assert call.row_expert.tolist() == [0] * 4 + [1] * 5 + [-1]
+    assert_grouped_gemm_close(call, profile="CUBLAS_FP8")
+    out[6, 3] = -out[6, 3] + 1
+    with pytest.raises(MoEMismatch, match="row 6"):
+        assert_grouped_gemm_close(from_torch_scaled_grouped_mm(a, b.transpose(1, 2), sa, sb, offs, out=out),
+                                  profile="CUBLAS_FP8")
