@@ -45,7 +45,8 @@ def test_failure_writes_a_reproducer_that_replays(kernel_dir, capsys):
     assert outcomes.get("failed", 0) >= 1  # drawn cases with M % 8 != 0 and top-k > 1 lose a slot
     res.stdout.fnmatch_lines(["*moeref replay repro*json*", "*slot j=*-> expert*"])
     files = sorted((kernel_dir.path / "repro").glob("*.json"))
-    assert len(files) == outcomes["failed"] and len(list((kernel_dir.path / "repro").glob("*.safetensors"))) == len(files)
+    assert len(files) == outcomes["failed"]
+    assert len(list((kernel_dir.path / "repro").glob("*.safetensors"))) == len(files)
     assert main(["replay", str(files[0])]) == 1
     assert "FAIL" in capsys.readouterr().out
 

@@ -378,7 +378,8 @@ def test_cli_check_and_replay(tmp_path, capsys):
     save_file({k: v.contiguous() for k, v in t.items()}, str(tmp_path / "in.safetensors"))
     save_file({"out": eager_bf16_moe(**t)}, str(tmp_path / "good.safetensors"))
     save_file({"out": eager_bf16_moe(**t, bug="tail_slot")}, str(tmp_path / "bad.safetensors"))
-    assert main(["check", str(tmp_path / "in.safetensors"), str(tmp_path / "good.safetensors"), "--kernel", "torch"]) == 0
+    assert main(["check", str(tmp_path / "in.safetensors"), str(tmp_path / "good.safetensors"),
+                 "--kernel", "torch"]) == 0
     assert "profile TORCH_EAGER_BF16: suggested" in capsys.readouterr().out
     assert main(["check", str(tmp_path / "in.safetensors"), str(tmp_path / "bad.safetensors"),
                  "--profile", "TORCH_EAGER_BF16"]) == 1
@@ -508,3 +509,27 @@ def test_torch_scaled_grouped_mm_adapter_rowwise_scales():
     with pytest.raises(MoEMismatch, match="row 6"):
         assert_grouped_gemm_close(from_torch_scaled_grouped_mm(a, b.transpose(1, 2), sa, sb, offs, out=out),
                                   profile="CUBLAS_FP8")
+
+
+def test_grouped_gemm_standard_and_batched_layouts_through_arguments():
+    rng = np.random.default_rng(11)
+    x = torch.from_numpy(rng.standard_normal((5, 64)).astype(np.float32)).bfloat16()
+    w = torch.from_numpy(rng.standard_normal((3, 32, 64)).astype(np.float32)).bfloat16()
+    ids = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]], dtype=torch.int32)
+    cache = torch.stack([torch.stack([x[t] @ w[int(ids[t, j])].T for j in range(2)]) for t in range(5)])  # [M, k, N]
+    rep = assert_grouped_gemm_close(cache, x, w, "BF16_OUTPUT", layout="standard", topk_ids=ids)
+    assert rep.error.shape == (10, 32)
+    bad = cache.clone()
+    bad[3, 1] = x[3] @ w[2].T                                      # slot (3, 1) read expert 2, not 1
+    with pytest.raises(MoEMismatch, match="row 7: .*expert 1"):    # row t*k+j = 7
+        assert_grouped_gemm_close(bad, x, w, "BF16_OUTPUT", layout="standard", topk_ids=ids)
+    with pytest.raises(ValueError, match="topk_ids has 4 tokens but a has 5 rows"):
+        grouped_gemm_report(cache[:4], x, w, layout="standard", topk_ids=ids[:4])
+    a3 = torch.zeros(3, 4, 64, dtype=torch.bfloat16)               # batched: [E, T, K], rows past the count
+    a3[0, :2], a3[2, :3] = x[:2], x[2:]
+    counts = torch.tensor([2, 0, 3], dtype=torch.int32)
+    out = torch.einsum("etk,enk->etn", a3.float(), w.float()).bfloat16()
+    out[0, 3] = float("nan")                                       # unspecified padding row
+    assert_grouped_gemm_close(out, a3, w, "BF16_OUTPUT", layout="batched", masked_m=counts)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        grouped_gemm_report(out, a3, w, layout="ragged", masked_m=counts)

@@ -142,7 +142,8 @@ class Report:
             return f"experts {w['experts']}"
         if w["correlation"] is None:
             return f"expert {w['slot_expert']}"
-        return f"slot j={w['slot']} -> expert {w['slot_expert']} (error corr {w['correlation']:+.2f}); experts {w['experts']}"
+        return (f"slot j={w['slot']} -> expert {w['slot_expert']} (error corr {w['correlation']:+.2f}); "
+                f"experts {w['experts']}")
 
     def summary(self) -> str:
         """Plain-text report."""

@@ -162,7 +162,8 @@ def kernel_operand(data, scales=None, *, element: str | None = None, block=None,
     """
     vals, element_name = _elements(data, element, name)
     if vals.ndim != 2:
-        raise ValueError(f"{name} must be 2-D [R, K]; got shape {vals.shape} (use kernel_expert_operands for [E, R, K])")
+        raise ValueError(f"{name} must be 2-D [R, K]; got shape {vals.shape} "
+                         "(use kernel_expert_operands for [E, R, K])")
     rows, k = vals.shape
     dense = element_name in _DENSE
     if global_decode is not None and global_encode is not None:

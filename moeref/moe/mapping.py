@@ -172,7 +172,8 @@ def _vllm_layer(hidden_states, w1, w2, topk_weights, topk_ids, activation, qc: d
         w2l = kernel_expert_operands(w2, qc.get("w2_scale"), block=_resolve(wblock), name="w2")
         a1 = _fp8_activation_scheme(block, bool(qc.get("per_act_token_quant", False)), qc.get("a1_scale"))
         a2 = _fp8_activation_scheme(block, bool(qc.get("per_act_token_quant", False)), qc.get("a2_scale"))
-        quant = MoEQuant(a1, a2, f"fp8 {'block ' + str(block) if block else 'per-token' if qc.get('per_act_token_quant') else 'per-tensor'}")
+        kind = f"block {block}" if block else "per-token" if qc.get("per_act_token_quant") else "per-tensor"
+        quant = MoEQuant(a1, a2, f"fp8 {kind}")
     elif qd == "nvfp4":
         a1g, a2g = qc.get("a1_gscale"), qc.get("a2_gscale")
         g1 = np.asarray(_arr(qc.get("g1_alphas"), "g1_alphas"), np.float64).reshape(-1)
@@ -346,7 +347,8 @@ def from_flashinfer_cutlass(input, token_selected_experts, token_final_scales, f
                 params[key] = float(np.asarray(_arr(v, key), np.float64).reshape(-1)[0])
     weights = MoEWeights(w13, w2l, "up_gate", _arr(fc1_expert_biases, "fc1_expert_biases"),
                          _arr(fc2_expert_biases, "fc2_expert_biases"))
-    out = dict(hidden=_arr(input, "input"), weights=weights, topk_weights=_arr(token_final_scales, "token_final_scales"),
+    out = dict(hidden=_arr(input, "input"), weights=weights,
+               topk_weights=_arr(token_final_scales, "token_final_scales"),
                topk_ids=_arr(token_selected_experts, "token_selected_experts"), activation=activation,
                activation_params=params or None, quant=quant,
                out_dtype=None if output_dtype is None else _out_dtype(output_dtype))

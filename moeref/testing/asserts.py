@@ -113,8 +113,10 @@ def _rows_from_layout(layout, a_rows: int, num_experts: int, m_indices, masked_m
         if topk_ids is None:
             raise ValueError("layout='standard' needs topk_ids (int [M, k]); a holds the M token rows")
         g = group_slots(np.asarray(_interop.to_numpy(topk_ids)), num_experts)
-        rows = g.local_ids.astype(np.int64)
-    if rows.size != (a_rows if layout != "standard" else rows.size):
+        if g.num_tokens != a_rows:
+            raise ValueError(f"topk_ids has {g.num_tokens} tokens but a has {a_rows} rows (layout='standard')")
+        return g.local_ids.astype(np.int64)
+    if rows.size != a_rows:
         raise ValueError(f"the layout gives {rows.size} rows but a has {a_rows}")
     return rows
 

@@ -10,8 +10,6 @@ Zipf, empty experts, tied/negative/skewed logits), token counts that straddle mu
 """
 from __future__ import annotations
 
-import numpy as np
-
 __all__ = ["moe_cases", "draw_cases", "CASE_KINDS"]
 
 CASE_KINDS = ("uniform", "hot1", "all_to_one", "zipf", "empty_experts", "tied_logits", "negative_logits",

@@ -68,7 +68,8 @@ class KernelInputs:
 
     def __repr__(self) -> str:  # what Hypothesis and pytest print for a failing case
         return (f"KernelInputs(M={self.hidden.shape[0]}, K={self.hidden.shape[1]}, E={self.w13.shape[0]}, "
-                f"w13={tuple(self.w13.shape[1:])}, top_k={self.topk_ids.shape[1]}, dtype={self.dtype}, meta={self.meta})")
+                f"w13={tuple(self.w13.shape[1:])}, top_k={self.topk_ids.shape[1]}, dtype={self.dtype}, "
+                f"meta={self.meta})")
 
     @property
     def weights(self):

@@ -40,7 +40,8 @@ def _scheme_to_json(q):
         cells = dict(zip(names, getattr(q, "__closure__", None) or ()))
         if scheme is None or "static" not in cells:
             raise ValueError(f"cannot save quantizer {q!r}: give a Scheme or a moeref.moe.quantizer(...)")
-        static = {k: float(np.asarray(v, dtype=np.float64).reshape(-1)[0]) for k, v in cells["static"].cell_contents.items()}
+        static = {k: float(np.asarray(v, dtype=np.float64).reshape(-1)[0])
+                  for k, v in cells["static"].cell_contents.items()}
         q = scheme
     d = {f.name: getattr(q, f.name) for f in dataclasses.fields(q)}
     p = d.pop("preset")
