@@ -48,7 +48,12 @@ def moe_cases(*, max_tokens: int = 24, hidden=(64, 128, 256), intermediate=(32, 
 
 def draw_cases(n: int, strategy=None, *, seed: int = 0) -> list:
     """``n`` cases drawn deterministically (Hypothesis ``derandomize``; ``seed`` varies the draw) from
-    ``strategy`` (default :func:`moe_cases`), for parametrizing tests without ``@given``."""
+    ``strategy`` (default :func:`moe_cases`), for parametrizing tests without ``@given``.
+
+    Deterministic for a given set of imported modules: Hypothesis (>= 6.131) mixes constants found in the
+    project's imported modules into about 5% of its draws, so a process that imported other modules can
+    draw other cases (every pytest-xdist worker collects alike, so they agree). A failing case is kept by
+    its reproducer (:mod:`moeref.testing.reproducer`), not by redrawing it."""
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st
 

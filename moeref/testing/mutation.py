@@ -7,7 +7,9 @@ neighbouring block: :data:`moeref.compare.faults.FAULTY_INPUTS`), or its output 
 row 0 NaN: :data:`~moeref.compare.faults.FAULTY_OUTPUTS`), and the user's check judges the output against
 the ORIGINAL case. A check that raises ``AssertionError`` caught the mutant. The unmutated kernel must
 pass the check first (else the score means nothing: it is reported as ``baseline_failures``). Faults a
-case cannot express (no free expert for token 0, one scale per expert) are skipped for that case.
+case cannot express (no free expert for token 0, one scale per expert) are skipped for that case, and so
+are equivalent mutants, whose output is bit for bit the unmutated output (router weights of 1 squared,
+a dropped slot whose weight is 0): no check can tell them apart, so they are counted in ``equivalent``.
 Faults inside a kernel (skipped re-quantization, off-by-one offsets) cannot be planted from outside:
 they are what the checks exist to find.
 """
@@ -33,6 +35,7 @@ class MutationResult:
     tried: dict = field(default_factory=dict)
     errors: list = field(default_factory=list)
     baseline_failures: list = field(default_factory=list)
+    equivalent: int = 0
 
     @property
     def score(self) -> float:
@@ -41,7 +44,8 @@ class MutationResult:
         return sum(self.caught.values()) / t if t else float("nan")
 
     def summary(self) -> str:
-        lines = [f"mutation score {sum(self.caught.values())}/{sum(self.tried.values())} = {self.score:.0%}"]
+        lines = [f"mutation score {sum(self.caught.values())}/{sum(self.tried.values())} = {self.score:.0%}"
+                 + (f" ({self.equivalent} equivalent mutant(s) skipped)" if self.equivalent else "")]
         for name in self.tried:
             lines.append(f"  {self.caught[name]}/{self.tried[name]}  {name}")
         if self.baseline_failures:
@@ -106,10 +110,18 @@ def mutation_score(kernel, cases, check=None, *, profile="BF16_OUTPUT") -> Mutat
                     bad = _as_inputs(FAULTY_INPUTS[name](lc), ki.dtype).with_(meta=ki.meta)
                 except ValueError:  # the fault does not apply to this case
                     continue
-            res.tried[name] += 1
             try:
                 mutant = (np.asarray(_interop.to_numpy(kernel(bad))) if bad is not None
                           else FAULTY_OUTPUTS[name](out))
+            except Exception as exc:  # noqa: BLE001 - the wrapper failed on the mutant: reported
+                res.tried[name] += 1
+                res.errors.append((name, i, f"{type(exc).__name__}: {exc}"))
+                continue
+            if mutant.shape == out.shape and np.array_equal(mutant, out, equal_nan=True):
+                res.equivalent += 1
+                continue
+            res.tried[name] += 1
+            try:
                 check(ki, mutant)
             except AssertionError:
                 res.caught[name] += 1
