@@ -43,8 +43,9 @@ def as_kernel_sees(x, dtype) -> np.ndarray:
         return a
     if a.dtype.kind not in "fV" and a.dtype.name not in ("bfloat16",):
         raise TypeError(f"as_kernel_sees rounds floating tensors; got {a.dtype}")
-    # one rounding: float64 -> bf16 directly would round twice through float32 in ml_dtypes only when
-    # the float64 value is not a float32; inputs come as float32 or narrower, so this is one rounding
+    # float32 (or narrower) input: one rounding. float64 input goes through float32 first in ml_dtypes
+    # (two roundings, differing from one only at a bf16 midpoint); cast float64 data to float32 yourself
+    # first if your kernel's inputs are made that way
     return a.astype(dt)
 
 
