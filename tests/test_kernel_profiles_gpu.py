@@ -64,17 +64,24 @@ def _worst(rep) -> float:
 
 
 def _prove(name, draw_and_check, max_examples=25):
+    """Run ``draw_and_check`` (data -> report, or (report, FP32_ACCUM report) for GEMMs) on Hypothesis data;
+    every report must pass; print the worst ratio, and the worst under FP32_ACCUM for comparison."""
     worst: list[float] = []
+    fp32: list[float] = []
 
     @settings(max_examples=max_examples, deadline=None)
     @given(st.data())
     def run(data):
         rep = draw_and_check(data)
+        if isinstance(rep, tuple):
+            rep, other = rep
+            fp32.append(_worst(other))
         worst.append(_worst(rep))
         assert rep.passed, rep.summary()
 
     run()
-    print(f"\n[profile proof] {name}: worst |err|/bound = {max(worst):.3f} over {len(worst)} examples")
+    extra = f"; under FP32_ACCUM the worst ratio would be {max(fp32):.2f}" if fp32 else ""
+    print(f"\n[profile proof] {name}: worst |err|/bound = {max(worst):.3f} over {len(worst)} examples{extra}")
     assert max(worst) <= 1.0
 
 
@@ -96,7 +103,8 @@ def test_deepgemm_grouped_fp8_contiguous_within_DEEPGEMM_FP8():
         d = torch.empty(m_idx.size, n, dtype=torch.bfloat16, device="cuda")
         dg.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), d, mi, disable_ue8m0_cast=True)
         torch.cuda.synchronize()
-        return grouped_gemm_report(from_deepgemm_contiguous((a, sa), (b, sb), d, mi), profile="DEEPGEMM_FP8")
+        call = from_deepgemm_contiguous((a, sa), (b, sb), d, mi)
+        return grouped_gemm_report(call, profile="DEEPGEMM_FP8"), grouped_gemm_report(call, profile="FP32_ACCUM")
 
     _prove("DeepGEMM m_grouped_fp8_gemm_nt_contiguous / DEEPGEMM_FP8", check)
 
@@ -120,8 +128,8 @@ def test_deepgemm_grouped_fp8_masked_within_DEEPGEMM_FP8():
         except TypeError:  # builds without the keyword
             dg.m_grouped_fp8_gemm_nt_masked((a3, s3), (b, sb), d, mm, int(masked.max()))
         torch.cuda.synchronize()
-        return grouped_gemm_report(from_deepgemm_masked((a3, s3), (b, sb), d, mm, int(masked.max())),
-                                   profile="DEEPGEMM_FP8")
+        call = from_deepgemm_masked((a3, s3), (b, sb), d, mm, int(masked.max()))
+        return grouped_gemm_report(call, profile="DEEPGEMM_FP8"), grouped_gemm_report(call, profile="FP32_ACCUM")
 
     _prove("DeepGEMM m_grouped_fp8_gemm_nt_masked / DEEPGEMM_FP8", check)
 
@@ -140,7 +148,8 @@ def test_scaled_mm_within_its_profile(fast, profile):
         b = torch.from_numpy(w / sb.T).cuda().to(FP8)
         tsa, tsb = torch.from_numpy(sa).cuda(), torch.from_numpy(sb).cuda()
         out = torch._scaled_mm(a, b.t(), tsa, tsb, out_dtype=torch.bfloat16, use_fast_accum=fast)
-        return grouped_gemm_report(from_torch_scaled_mm(a, b.t(), tsa, tsb, out), profile=profile)
+        call = from_torch_scaled_mm(a, b.t(), tsa, tsb, out)
+        return grouped_gemm_report(call, profile=profile), grouped_gemm_report(call, profile="FP32_ACCUM")
 
     _prove(f"torch._scaled_mm use_fast_accum={fast} / {profile}", check)
 
@@ -157,7 +166,9 @@ def test_grouped_mm_bf16_within_CUTLASS_BF16_GROUPED_MM():
         b = torch.from_numpy(0.02 * _data(rng, (e, n, k), "normal")).cuda().bfloat16().transpose(1, 2)
         offs = torch.tensor(np.cumsum(counts), dtype=torch.int32, device="cuda")
         out = torch._grouped_mm(a, b, offs=offs)
-        return grouped_gemm_report(from_torch_grouped_mm(a, b, offs, out=out), profile="CUTLASS_BF16_GROUPED_MM")
+        call = from_torch_grouped_mm(a, b, offs, out=out)
+        return (grouped_gemm_report(call, profile="CUTLASS_BF16_GROUPED_MM"),
+                grouped_gemm_report(call, profile="FP32_ACCUM"))
 
     _prove("torch._grouped_mm bf16 / CUTLASS_BF16_GROUPED_MM", check)
 
@@ -219,6 +230,7 @@ def test_scaled_grouped_mm_within_CUBLAS_FP8():
         tsa, tsb = torch.from_numpy(sa).cuda(), torch.from_numpy(sb).cuda()
         offs = torch.tensor(np.cumsum(counts), dtype=torch.int32, device="cuda")
         out = torch._scaled_grouped_mm(a, b, tsa, tsb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=False)
-        return grouped_gemm_report(from_torch_scaled_grouped_mm(a, b, tsa, tsb, offs, out=out), profile="CUBLAS_FP8")
+        call = from_torch_scaled_grouped_mm(a, b, tsa, tsb, offs, out=out)
+        return grouped_gemm_report(call, profile="CUBLAS_FP8"), grouped_gemm_report(call, profile="FP32_ACCUM")
 
     _prove("torch._scaled_grouped_mm / CUBLAS_FP8", check)
