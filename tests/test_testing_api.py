@@ -551,3 +551,40 @@ def test_grouped_gemm_standard_and_batched_layouts_through_arguments():
     assert_grouped_gemm_close(out, a3, w, "BF16_OUTPUT", layout="batched", masked_m=counts)
     with pytest.raises(ValueError, match="layout must be one of"):
         grouped_gemm_report(out, a3, w, layout="ragged", masked_m=counts)
+
+
+def test_cli_check_fp8_block_weights_and_flashinfer_names(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from moeref.cli import main
+    from moeref.moe import MoEQuant
+    from moeref.quant import fp8_group
+
+    lw = make_layer(3, 256, 128, seed=2)
+    w1 = torch.from_numpy(np.stack(lw.w13)).to(torch.float8_e4m3fn)
+    w2 = torch.from_numpy(np.stack(lw.w2)).to(torch.float8_e4m3fn)
+    s1, s2 = torch.full((3, 2, 2), 1 / 64), torch.full((3, 2, 1), 1 / 32)
+    x = torch.from_numpy(make_tokens(4, 256)).bfloat16()
+    tw, ids = torch.full((4, 2), 0.5), torch.tensor([[0, 2]] * 4, dtype=torch.int32)
+    weights = replace_weights(lw, kernel_expert_operands(w1, s1, block=(128, 128)),
+                              kernel_expert_operands(w2, s2, block=(128, 128)))
+    q = fp8_group(128, preset="vllm")
+    out = run_moe(x, weights, tw.numpy(), ids.numpy(), quant=MoEQuant(q, q), out_dtype="bfloat16").out
+    save_file(dict(hidden_states=x, w1=w1, w2=w2, topk_weights=tw, topk_ids=ids, w1_scale=s1, w2_scale=s2),
+              str(tmp_path / "fp8.safetensors"))
+    save_file({"out": torch.from_numpy(out.astype(np.float32)).bfloat16()}, str(tmp_path / "out.safetensors"))
+    assert main(["check", str(tmp_path / "fp8.safetensors"), str(tmp_path / "out.safetensors"),
+                 "--block-shape", "128,128"]) == 0
+    assert "profile DEEPGEMM_FP8: suggested from the dtypes (weights float8_e4m3fn" in capsys.readouterr().out
+    ki = _layer()
+    t = ki.torch()
+    w31 = torch.cat([t["w1"][:, 64:], t["w1"][:, :64]], dim=1)
+    save_file(dict(input=t["hidden_states"], fc1_expert_weights=w31, fc2_expert_weights=t["w2"],
+                   token_final_scales=t["topk_weights"], token_selected_experts=t["topk_ids"]),
+              str(tmp_path / "fi.safetensors"))
+    save_file({"out": eager_bf16_moe(**t)}, str(tmp_path / "fi_out.safetensors"))
+    assert main(["check", str(tmp_path / "fi.safetensors"), str(tmp_path / "fi_out.safetensors"),
+                 "--profile", "TORCH_EAGER_BF16"]) == 0
+    save_file(dict(x=t["hidden_states"]), str(tmp_path / "bad.safetensors"))
+    assert main(["check", str(tmp_path / "bad.safetensors"), str(tmp_path / "fi_out.safetensors")]) == 2
+    assert "has no hidden tensor (looked for hidden_states" in capsys.readouterr().err
