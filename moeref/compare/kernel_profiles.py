@@ -34,7 +34,10 @@ Derivations (``u`` is a unit roundoff; ``2^-24`` round-to-nearest FP32, ``2^-23`
   accumulation, bf16 result, as above), ``F.silu(gate) * up`` rounds twice (the SiLU result to bf16,
   then the product to bf16): ``act_unit = (1 + 2^-8)^2 - 1 + 16 * 2^-24``; the weighted top-k sum
   ``(y * w).sum(1)`` with bf16 products and sums (``reduce_unit = 2^-8`` covers bf16 products and up
-  to ``k + 2`` bf16 roundings of the sum); bf16 output.
+  to ``k + 2`` bf16 roundings of the sum); bf16 output. cuBLAS may split K and reduce the partial sums
+  in bf16 when ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` is True (torch's
+  default); this profile declares FP32 accumulation, which that flag set to False guarantees
+  (``tests/test_kernel_profiles_gpu.py`` runs both settings).
 * :data:`VLLM_MOE_SUM_BF16`: vLLM's Triton ``fused_moe`` (FP32 accumulation, bf16 caches, the router
   weight multiplied in GEMM2's epilogue) followed by ``ops.moe_sum``, which for top-k 2-4 sums the
   ``k`` bf16 rows in ``scalar_t`` (each ``x += in[k]`` rounded to bf16; csrc/moe
