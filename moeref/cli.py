@@ -77,6 +77,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_demo)
 
+    from .testing.commands import add_subcommands  # replay, check, mutate (kernel validation)
+
+    add_subcommands(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -20,7 +20,7 @@ from ..moe.pipeline import MoEQuant, run_moe
 from ..moe.weights import MoEWeights
 
 __all__ = ["LayerCase", "reference", "candidate", "fp32_gemm", "hopper_fp8_gemm", "torch_bf16_gemm",
-           "HONEST", "FAULTS"]
+           "HONEST", "FAULTS", "FAULTY_INPUTS", "FAULTY_OUTPUTS"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -146,6 +146,10 @@ def _busiest(case: LayerCase) -> int:
 
 
 def _swap_gate_up(case: LayerCase) -> np.ndarray:
+    return candidate(_swap_gate_up_case(case))
+
+
+def _swap_gate_up_case(case: LayerCase) -> LayerCase:
     lw = case.weights
     other = "up_gate" if lw.w13_layout != "up_gate" else "gate_up"
 
@@ -155,10 +159,14 @@ def _swap_gate_up(case: LayerCase) -> np.ndarray:
         return BlockOperand(vals, np.ones((1, 1)), (vals.shape[0], vals.shape[1]), False)
 
     w13 = [swapped(w) for w in lw.w13]
-    return candidate(case.with_(weights=replace(lw, w13=w13)))
+    return case.with_(weights=replace(lw, w13=w13))
 
 
 def _neighbour_scale(case: LayerCase) -> np.ndarray:
+    return candidate(_neighbour_scale_case(case))
+
+
+def _neighbour_scale_case(case: LayerCase) -> LayerCase:
     lw = case.weights
     e0 = _busiest(case)
     op = as_operand(lw.w13[e0])
@@ -171,10 +179,14 @@ def _neighbour_scale(case: LayerCase) -> np.ndarray:
         raise ValueError("the weights have one scale per expert: no neighbouring block")
     w13 = list(lw.w13)
     w13[e0] = BlockOperand(op.values, sc, op.block, op.quantized)
-    return candidate(case.with_(weights=replace(lw, w13=w13)))
+    return case.with_(weights=replace(lw, w13=w13))
 
 
 def _wrong_expert(case: LayerCase) -> np.ndarray:
+    return candidate(_wrong_expert_case(case))
+
+
+def _wrong_expert_case(case: LayerCase) -> LayerCase:
     ids = np.array(case.topk_ids, copy=True)
     e = case.weights.num_experts
     row = ids[0]
@@ -182,18 +194,26 @@ def _wrong_expert(case: LayerCase) -> np.ndarray:
     if not free:
         raise ValueError(f"token 0 already uses all {e} experts: no wrong expert to route it to")
     ids[0, 0] = free[0]
-    return candidate(case.with_(topk_ids=ids))
+    return case.with_(topk_ids=ids)
 
 
 def _drop_slot(case: LayerCase) -> np.ndarray:
+    return candidate(_drop_slot_case(case))
+
+
+def _drop_slot_case(case: LayerCase) -> LayerCase:
     w = np.array(case.topk_weights, dtype=np.float32, copy=True)
     w[:, -1] = 0.0
-    return candidate(case.with_(topk_weights=w))
+    return case.with_(topk_weights=w)
 
 
 def _weights_twice(case: LayerCase) -> np.ndarray:
+    return candidate(_weights_twice_case(case))
+
+
+def _weights_twice_case(case: LayerCase) -> LayerCase:
     w = np.asarray(case.topk_weights, dtype=np.float32)
-    return candidate(case.with_(topk_weights=(w.astype(np.float64) ** 2).astype(np.float32)))
+    return case.with_(topk_weights=(w.astype(np.float64) ** 2).astype(np.float32))
 
 
 def _no_requant(case: LayerCase) -> np.ndarray:
@@ -202,7 +222,11 @@ def _no_requant(case: LayerCase) -> np.ndarray:
 
 
 def _unwritten_row(case: LayerCase) -> np.ndarray:
-    out = np.array(candidate(case), copy=True)
+    return _nan_row_0(candidate(case))
+
+
+def _nan_row_0(out) -> np.ndarray:
+    out = np.array(out, copy=True)
     out[0] = np.nan
     return out
 
@@ -221,3 +245,20 @@ FAULTS = {
     "intermediate not re-quantized": _no_requant,
     "output row 0 unwritten (NaN)": _unwritten_row,
 }
+
+FAULTY_INPUTS = {
+    "top-k slot dropped": _drop_slot_case,
+    "gate and up swapped": _swap_gate_up_case,
+    "token 0 routed to a wrong expert": _wrong_expert_case,
+    "router weights applied twice": _weights_twice_case,
+    "scale from the neighbouring block": _neighbour_scale_case,
+}
+"""The faults of :data:`FAULTS` that are a change of the layer's inputs, as ``case -> faulty case``: run
+any implementation (a user's kernel, :mod:`moeref.testing.mutation`) on the faulty case and check it
+against the original one."""
+
+FAULTY_OUTPUTS = {
+    "all-zero output": np.zeros_like,
+    "output row 0 unwritten (NaN)": _nan_row_0,
+}
+"""The faults of :data:`FAULTS` that corrupt the output, as ``output -> faulty output``."""

@@ -7,7 +7,8 @@ the reference is NaN there too). The conventional metrics are reported for orien
 * relative L2 ``||c - r|| / ||r||``;
 * DeepGEMM ``calc_diff = 1 - 2 sum(c r) / sum(c^2 + r^2)`` (``deep_gemm/testing/numeric.py``);
 * SQNR ``20 log10(||r|| / ||r - c||)`` dB (torchao ``compute_error``);
-* cosine similarity; max abs error;
+* cosine similarity (1.0 when both tensors are all zero, 0.0 when only one is: torch
+  ``cosine_similarity``'s convention, so an all-zero candidate shows no NaN); max abs error;
 * vLLM-style checks: ``atol=2e-2, rtol=0`` (``tests/kernels/moe/test_moe.py``) and
   ``atol=rtol=3e-2`` (modular-kernel harness), DeepGEMM ``calc_diff < 1e-3``.
 """
@@ -28,6 +29,8 @@ def metrics(candidate, reference) -> dict:
     >>> m = metrics(np.array([1.0, 2.0]), np.array([1.0, 2.0]))
     >>> m["rel_l2"], m["calc_diff"], m["cosine"], m["max_abs"]
     (0.0, 0.0, 1.0, 0.0)
+    >>> metrics(np.zeros(2), np.array([1.0, 2.0]))["cosine"]   # an all-zero candidate: no NaN
+    0.0
     """
     c = np.asarray(candidate, dtype=np.float64).ravel()
     r = np.asarray(reference, dtype=np.float64).ravel()
@@ -39,7 +42,8 @@ def metrics(candidate, reference) -> dict:
             "rel_l2": float(nd / nr) if nr else float(nd),
             "calc_diff": float(1.0 - 2.0 * np.sum(c * r) / denom) if denom else 0.0,
             "sqnr_db": float(20 * np.log10(nr / nd)) if nd else float("inf"),
-            "cosine": float(np.sum(c * r) / (nr * nc)) if nr and nc else float("nan"),
+            "cosine": (float(np.sum(c * r) / (nr * nc)) if nr and nc
+                       else (float("nan") if np.isnan(nr) or np.isnan(nc) else float(nr == nc))),
             "max_abs": float(np.max(np.abs(d))) if d.size else 0.0,
         }
 
@@ -68,7 +72,11 @@ class Report:
     ``error``/``bound``: float64 ``[M, K]``; ``violations``: bool ``[M, K]``; ``token_violations``:
     int ``[M]`` (violating elements per token); ``expert_violations``: ``{global expert: tokens with a
     violation routed to it}``; ``metrics``/``checks``: :func:`metrics`, :func:`conventional_checks`;
-    ``flips``: intermediate elements whose rounding the declared arithmetic may flip.
+    ``flips``: intermediate elements whose rounding the declared arithmetic may flip; ``suspects``:
+    ``{token: (slot j, global expert, correlation)}`` for violating tokens, the top-k slot whose weighted
+    contribution ``w[t, j] * y[t, j]`` best explains the token's error vector ``candidate[t] - reference[t]``
+    (largest ``|cos|``; a dropped slot gives -1, a slot routed to the wrong expert or computed wrong
+    correlates with its own contribution); a GEMM-level report names the row and its expert instead.
     """
 
     profile: Profile
@@ -82,6 +90,8 @@ class Report:
     flips: int = 0
     label: str = ""
     topk_ids: np.ndarray | None = field(default=None, repr=False)
+    suspects: dict = field(default_factory=dict, repr=False)
+    row_name: str = "token"
 
     @property
     def passed(self) -> bool:
@@ -119,16 +129,28 @@ class Report:
         for t in order.tolist():
             col = int(np.argmax(np.where(self.violations[t], ratio[t], -np.inf)))
             experts = [] if self.topk_ids is None else [int(e) for e in self.topk_ids[t] if e >= 0]
+            slot, expert, corr = self.suspects.get(t, (None, None, None))
             out.append({"token": t, "elements": int(self.token_violations[t]), "column": col,
                         "error": float(self.error[t, col]), "bound": float(self.bound[t, col]),
-                        "ratio": float(ratio[t, col]), "experts": experts})
+                        "ratio": float(ratio[t, col]), "experts": experts, "slot": slot,
+                        "slot_expert": expert, "correlation": corr})
         return out
+
+    @staticmethod
+    def _suspect(w: dict) -> str:
+        if w["slot"] is None:
+            return f"experts {w['experts']}"
+        if w["correlation"] is None:
+            return f"expert {w['slot_expert']}"
+        return (f"slot j={w['slot']} -> expert {w['slot_expert']} (error corr {w['correlation']:+.2f}); "
+                f"experts {w['experts']}")
 
     def summary(self) -> str:
         """Plain-text report."""
         m, k = self.error.shape if self.error.ndim == 2 else (self.error.size, 1)
         head = f"{'PASS' if self.passed else 'FAIL'} {self.label} [{self.profile.name}] {m}x{k}: "
-        head += f"{self.num_violations} element(s) beyond the bound in {int((self.token_violations > 0).sum())} token(s)"
+        head += (f"{self.num_violations} element(s) beyond the bound in {int((self.token_violations > 0).sum())} "
+                 f"{self.row_name}(s)")
         lines = [head]
         mt = self.metrics
         lines.append(
@@ -138,8 +160,8 @@ class Report:
         lines.append("  conventional: " + ", ".join(f"{n}: {'pass' if ok else 'FAIL'}" for n, ok in self.checks.items()))
         for w in self.worst_tokens():
             lines.append(
-                f"  token {w['token']}: {w['elements']} element(s), worst col {w['column']} "
-                f"|err|={w['error']:.3g} > bound {w['bound']:.3g} (x{w['ratio']:.3g}); experts {w['experts']}"
+                f"  {self.row_name} {w['token']}: {w['elements']} element(s), worst col {w['column']} "
+                f"|err|={w['error']:.3g} > bound {w['bound']:.3g} (x{w['ratio']:.3g}); {self._suspect(w)}"
             )
         if self.expert_violations:
             top = sorted(self.expert_violations.items(), key=lambda kv: -kv[1])[:8]
@@ -154,7 +176,7 @@ class Report:
         ok = self.passed
         title = Text(f"{'PASS' if ok else 'FAIL'} ", style="bold green" if ok else "bold red")
         title.append(f"{self.label} [{self.profile.name}]: {self.num_violations} element(s) beyond the bound, "
-                     f"{int((self.token_violations > 0).sum())} token(s)")
+                     f"{int((self.token_violations > 0).sum())} {self.row_name}(s)")
         mt = self.metrics
         conv = Table(title="conventional checks", show_header=True)
         conv.add_column("check")
@@ -166,21 +188,53 @@ class Report:
         parts = [title, conv]
         worst = self.worst_tokens()
         if worst:
-            t = Table(title="worst tokens", show_header=True)
-            for c in ("token", "elements", "col", "|err|", "bound", "x bound", "experts"):
+            t = Table(title=f"worst {self.row_name}s", show_header=True)
+            for c in (self.row_name, "elements", "col", "|err|", "bound", "x bound", "suspect"):
                 t.add_column(c)
             for w in worst:
                 t.add_row(str(w["token"]), str(w["elements"]), str(w["column"]), f"{w['error']:.3g}",
-                          f"{w['bound']:.3g}", Text(f"{w['ratio']:.3g}", style="red"), str(w["experts"]))
+                          f"{w['bound']:.3g}", Text(f"{w['ratio']:.3g}", style="red"), self._suspect(w))
             parts.append(t)
         return Group(*parts)
 
 
-def compare(candidate, reference, profile: Profile, *, label: str = "") -> Report:
-    """Check ``candidate`` (float ``[M, K]``, any dtype incl. bf16/torch) against a traced reference
-    run (:func:`moeref.moe.run_moe`), or the inputs of one (a :class:`moeref.compare.faults.LayerCase`,
-    run here), under the arithmetic ``profile`` declares."""
+def _slot_suspects(reference, diff: np.ndarray, tokens: np.ndarray) -> dict:
+    """``{token: (slot j, global expert, correlation)}``: per violating token, the slot whose weighted
+    contribution has the largest ``|cos|`` with the token's error vector ``diff[t]`` (see :class:`Report`)."""
+    out: dict = {}
+    start = 0
+    for p, e in reference.chunks:
+        n, k = p.num_tokens, p.top_k
+        sel = tokens[(tokens >= start) & (tokens < start + n)]
+        if sel.size and k and e.y.size:
+            contrib = np.zeros((n * k, e.y.shape[1]))
+            rows = np.flatnonzero(p.src >= 0)
+            contrib[p.src[rows]] = e.y[rows]
+            contrib = contrib.reshape(n, k, -1)
+            if p.apply_weights:
+                contrib = contrib * np.asarray(p.topk_weights, dtype=np.float64)[:, :, None]
+            c = contrib[sel - start]                                       # [T, k, K]
+            d = np.nan_to_num(diff[sel], nan=0.0, posinf=0.0, neginf=0.0)  # [T, K]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                corr = np.einsum("tjk,tk->tj", c, d) / (np.linalg.norm(c, axis=2) * np.linalg.norm(d, axis=1)[:, None])
+            corr = np.nan_to_num(corr, nan=0.0)
+            j = np.argmax(np.abs(corr), axis=1)
+            for t, jj, cc in zip(sel.tolist(), j.tolist(), corr[np.arange(sel.size), j].tolist()):
+                if cc != 0.0:  # a NaN/Inf or zero error vector names no slot
+                    out[t] = (int(jj), int(p.topk_ids[t - start, jj]), float(cc))
+        start += n
+    return out
+
+
+def compare(candidate, reference, profile, *, label: str = "") -> Report:
+    """Check ``candidate`` (float ``[M, K]``, any dtype incl. bf16/torch on any device) against a traced
+    reference run (:func:`moeref.moe.run_moe`), or the inputs of one (a
+    :class:`moeref.compare.faults.LayerCase`, run here), under the arithmetic ``profile`` declares (a
+    :class:`Profile` or its name in :data:`moeref.compare.PROFILES`, e.g. ``"FP32_ACCUM"``)."""
     from .. import _interop
+    from .kernel_profiles import get_profile
+
+    profile = get_profile(profile)
 
     if not hasattr(reference, "chunks"):
         from .faults import reference as run_reference
@@ -202,5 +256,6 @@ def compare(candidate, reference, profile: Profile, *, label: str = "") -> Repor
         sel = topk_ids[tok > 0]
         e, cnt = np.unique(sel[sel >= 0], return_counts=True)
         experts = {int(a): int(b) for a, b in zip(e, cnt)}
+    suspects = _slot_suspects(reference, c - r, np.flatnonzero(tok)) if tok.any() else {}
     return Report(profile, err, lb.bound, viol, tok, experts, metrics(c, r), conventional_checks(c, r),
-                  lb.flips, label, topk_ids)
+                  lb.flips, label, topk_ids, suspects)

@@ -1,0 +1,182 @@
+"""``moeref replay | check | mutate``: the kernel-validation subcommands of the ``moeref`` command
+(registered by :func:`add_subcommands`; this module parses arguments and prints, the work is done by
+:mod:`moeref.testing`).
+
+* ``moeref replay FILE``: re-run a reproducer (either file) and print the report; exit 1 if it fails.
+* ``moeref check INPUTS CANDIDATE``: the reference from saved inputs (a ``.safetensors`` of
+  ``hidden_states``/``hidden``, ``w1``/``w13``, ``w2``, ``topk_weights``, ``topk_ids`` in vLLM's names,
+  or FlashInfer's ``input``, ``fc1_expert_weights``, ``fc2_expert_weights``, ``token_final_scales``,
+  ``token_selected_experts``; FP8 weights with ``w1_scale``/``w2_scale`` and ``--block-shape``) against a
+  saved output (``.safetensors`` with one tensor or ``out``/``output``, or ``.npy``); the profile is
+  ``--profile`` or suggested from the dtypes (:func:`moeref.compare.suggest_profile`). Exit 1 if it fails.
+* ``moeref mutate MODULE:FUNCTION``: the mutation score of a kernel wrapper (``KernelInputs -> output``)
+  under ``--check MODULE:FUNCTION`` (default: the bound check with ``--profile``).
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["add_subcommands"]
+
+_KEYS = {
+    "hidden": ("hidden_states", "hidden", "input", "a1"),
+    "w13": ("w1", "w13", "fc1_expert_weights"),
+    "w2": ("w2", "fc2_expert_weights"),
+    "topk_weights": ("topk_weights", "token_final_scales"),
+    "topk_ids": ("topk_ids", "token_selected_experts"),
+}
+
+
+def _print(obj) -> None:
+    try:
+        from rich.console import Console
+
+        Console().print(obj)
+    except ImportError:  # pragma: no cover - rich is in the cli extra
+        print(obj.summary() if hasattr(obj, "summary") else obj)
+
+
+def _load_tensors(path: Path) -> dict:
+    """All tensors of a ``.safetensors`` file (bf16/fp8 through torch when installed) or one ``.npy``."""
+    from .. import _interop
+
+    if not path.exists():
+        raise ValueError(f"{path} does not exist")
+    if path.suffix == ".npy":
+        return {"out": np.load(path)}
+    if path.suffix != ".safetensors":
+        raise ValueError(f"{path}: expected a .safetensors or .npy file")
+    from safetensors import safe_open
+
+    try:
+        import torch  # noqa: F401
+
+        framework = "pt"
+    except ImportError:  # pragma: no cover
+        framework = "numpy"
+    with safe_open(str(path), framework=framework) as f:
+        return {k: np.asarray(_interop.to_numpy(f.get_tensor(k))) for k in f.keys()}
+
+
+def _pick(t: dict, what: str, path: Path):
+    for k in _KEYS[what]:
+        if k in t:
+            return k, t[k]
+    raise ValueError(f"{path} has no {what} tensor (looked for {', '.join(_KEYS[what])}; found {', '.join(t)})")
+
+
+def _cmd_replay(args) -> int:
+    from .reproducer import replay
+
+    report = replay(args.file, profile=args.profile)
+    _print(report)
+    return 0 if report.passed else 1
+
+
+def _cmd_check(args) -> int:
+    from types import SimpleNamespace
+
+    from ..compare import compare, get_profile, suggest_profile
+    from ..moe import run_moe
+    from ..moe.mapping import from_flashinfer_cutlass, from_vllm_fused_experts
+
+    inputs, cand_path = Path(args.inputs), Path(args.candidate)
+    t = _load_tensors(inputs)
+    c = _load_tensors(cand_path)
+    key = next((k for k in ("out", "output", "candidate") if k in c), None)
+    if key is None and len(c) != 1:
+        raise ValueError(f"{cand_path} holds {len(c)} tensors ({', '.join(c)}); name the output 'out'")
+    cand = c[key] if key is not None else next(iter(c.values()))
+    hk, hidden = _pick(t, "hidden", inputs)
+    wk, w13 = _pick(t, "w13", inputs)
+    _, w2 = _pick(t, "w2", inputs)
+    _, tw = _pick(t, "topk_weights", inputs)
+    _, ids = _pick(t, "topk_ids", inputs)
+    if wk == "fc1_expert_weights":
+        kw = from_flashinfer_cutlass(hidden, ids, tw, w13, w2, output_dtype=cand.dtype.name,
+                                     activation=args.activation)
+    else:
+        qc = None
+        if "w1_scale" in t:
+            block = None if args.block_shape is None else [int(b) for b in args.block_shape.split(",")]
+            qc = SimpleNamespace(quant_dtype="float8_e4m3fn", block_shape=block, w1_scale=t["w1_scale"],
+                                 w2_scale=t.get("w2_scale"), per_act_token_quant=args.per_token,
+                                 per_out_ch_quant=args.per_token, a1_scale=t.get("a1_scale"),
+                                 a2_scale=t.get("a2_scale"))
+        kw = from_vllm_fused_experts(hidden, w13, w2, tw, ids, args.activation.replace("_and_mul", ""), qc)
+        kw["out_dtype"] = {"bfloat16": "bfloat16", "float16": np.float16}.get(cand.dtype.name, np.float32)
+        if args.w13_layout != "gate_up":
+            from dataclasses import replace
+
+            kw["weights"] = replace(kw["weights"], w13_layout=args.w13_layout)
+    if args.profile:
+        profile = get_profile(args.profile)
+        why = "given"
+    else:
+        profile = suggest_profile(w13.dtype.name, cand.dtype.name, kernel=args.kernel)
+        why = f"suggested from the dtypes (weights {w13.dtype.name}, output {cand.dtype.name}); --profile to choose"
+    print(f"profile {profile.name}: {why}")
+    report = compare(cand, run_moe(**kw), profile, label=f"{cand_path.name} vs {inputs.name}")
+    _print(report)
+    return 0 if report.passed else 1
+
+
+def _import(spec: str):
+    if ":" not in spec:
+        raise ValueError(f"expected MODULE:FUNCTION (e.g. my_kernels:run_moe); got {spec!r}")
+    mod, fn = spec.split(":", 1)
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    obj = importlib.import_module(mod)
+    for part in fn.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{spec} is not callable")
+    return obj
+
+
+def _cmd_mutate(args) -> int:
+    from .cases import draw_cases
+    from .mutation import mutation_score
+
+    kernel = _import(args.kernel)
+    check = _import(args.check) if args.check else None
+    cases = draw_cases(args.cases, seed=args.seed)
+    res = mutation_score(kernel, cases, check, profile=args.profile or "BF16_OUTPUT")
+    print(res.summary())
+    if res.baseline_failures:
+        return 1
+    return 0 if args.min_score is None or res.score >= args.min_score else 1
+
+
+def add_subcommands(sub) -> None:
+    """Register ``replay``, ``check`` and ``mutate`` on the ``moeref`` command's subparsers."""
+    p = sub.add_parser("replay", help="re-run a saved failing case (reproducer) and print its report")
+    p.add_argument("file", help="<stem>.json or <stem>.safetensors written by the pytest plugin")
+    p.add_argument("--profile", help="check under this profile instead of the saved one")
+    p.set_defaults(func=_cmd_replay)
+
+    p = sub.add_parser("check", help="compare a saved kernel output with the reference of saved inputs")
+    p.add_argument("inputs", help=".safetensors of the layer's inputs (vLLM or FlashInfer argument names)")
+    p.add_argument("candidate", help=".safetensors (one tensor, or 'out') or .npy of the kernel's output")
+    p.add_argument("--profile", help="profile name (default: suggested from the dtypes)")
+    p.add_argument("--kernel", choices=("vllm", "torch", "cutlass", "deepgemm", "cublas"),
+                   help="kernel family, for the profile suggestion")
+    p.add_argument("--activation", default="silu_and_mul", help="moeref activation name (default silu_and_mul)")
+    p.add_argument("--w13-layout", default="gate_up", choices=("gate_up", "up_gate", "interleaved"))
+    p.add_argument("--block-shape", help="FP8 weight block 'bn,bk' (e.g. 128,128) when w1_scale is given")
+    p.add_argument("--per-token", action="store_true", help="FP8 per-token activations / per-channel weights")
+    p.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser("mutate", help="mutation score of your kernel wrapper under your check")
+    p.add_argument("kernel", help="MODULE:FUNCTION, a wrapper KernelInputs -> output [M, K]")
+    p.add_argument("--check", help="MODULE:FUNCTION, (KernelInputs, output) -> None, raising AssertionError")
+    p.add_argument("--profile", help="profile of the default check (default BF16_OUTPUT)")
+    p.add_argument("--cases", type=int, default=8, help="cases drawn from moeref.testing.moe_cases (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="offset of the deterministic draw")
+    p.add_argument("--min-score", type=float, help="exit 1 if the score is below this fraction")
+    p.set_defaults(func=_cmd_mutate)

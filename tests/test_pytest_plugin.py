@@ -1,0 +1,77 @@
+"""moeref's pytest plugin, run through pytester: the moe_case / moe_profile / moe_check fixtures, the
+options, and the reproducer written on failure (replayed by `moeref replay`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+KERNEL_TEST = """
+import pytest
+from kernels_for_tests import eager_bf16_moe
+
+BUG = {bug!r}
+
+@pytest.mark.moeref_profile("TORCH_EAGER_BF16")
+def test_my_kernel(moe_case, moe_check):
+    out = eager_bf16_moe(**moe_case.torch(), bug=BUG)
+    moe_check(out, moe_case)
+"""
+
+
+@pytest.fixture
+def kernel_dir(pytester, monkeypatch):
+    # the inner runs load the plugin with -p; once moeref is installed its pytest11 entry point would load
+    # it a second time under another name, so entry-point autoloading is off inside
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    pytester.syspathinsert(Path(__file__).parent)
+    return pytester
+
+
+def test_moe_case_draws_cases_and_an_honest_kernel_passes(kernel_dir):
+    kernel_dir.makepyfile(test_k=KERNEL_TEST.format(bug=None))
+    res = kernel_dir.runpytest("-p", "moeref.testing.plugin", "--moeref-cases", "4", "-q")
+    res.assert_outcomes(passed=4)
+
+
+def test_failure_writes_a_reproducer_that_replays(kernel_dir, capsys):
+    from moeref.cli import main
+
+    kernel_dir.makepyfile(test_k=KERNEL_TEST.format(bug="tail_slot"))
+    res = kernel_dir.runpytest("-p", "moeref.testing.plugin", "--moeref-cases", "6", "--moeref-repro-dir", "repro")
+    outcomes = res.parseoutcomes()
+    assert outcomes.get("failed", 0) >= 1  # drawn cases with M % 8 != 0 and top-k > 1 lose a slot
+    res.stdout.fnmatch_lines(["*moeref replay repro*json*", "*slot j=*-> expert*"])
+    files = sorted((kernel_dir.path / "repro").glob("*.json"))
+    assert len(files) == outcomes["failed"]
+    assert len(list((kernel_dir.path / "repro").glob("*.safetensors"))) == len(files)
+    assert main(["replay", str(files[0])]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_profile_option_marker_and_default(kernel_dir):
+    kernel_dir.makepyfile(test_p="""
+import pytest
+
+def test_default(moe_profile, request):
+    assert moe_profile.name == (request.config.getoption("--moeref-profile") or "BF16_OUTPUT").upper()
+
+@pytest.mark.moeref_profile("DEEPGEMM_FP8")
+def test_marker(moe_profile, request):
+    assert moe_profile.name == (request.config.getoption("--moeref-profile") or "DEEPGEMM_FP8").upper()
+""")
+    kernel_dir.runpytest("-p", "moeref.testing.plugin").assert_outcomes(passed=2)
+    kernel_dir.runpytest("-p", "moeref.testing.plugin", "--moeref-profile", "cublas_fp8").assert_outcomes(passed=2)
+    res = kernel_dir.runpytest("-p", "moeref.testing.plugin", "--moeref-profile", "NOPE")
+    assert res.ret != 0
+    assert "unknown profile 'NOPE'" in "\n".join(res.stdout.lines + res.stderr.lines)
+
+
+def test_thorough_mode_draws_more_cases(kernel_dir):
+    kernel_dir.makepyfile(test_t="def test_t(moe_case):\n    assert moe_case.hidden.shape[0] >= 1\n")
+    res = kernel_dir.runpytest("-p", "moeref.testing.plugin", "--collect-only", "-q")
+    res.stdout.fnmatch_lines(["8 tests collected*"])
+    res = kernel_dir.runpytest("-p", "moeref.testing.plugin", "--moeref-thorough", "--collect-only", "-q")
+    res.stdout.fnmatch_lines(["64 tests collected*"])
