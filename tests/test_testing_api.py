@@ -157,7 +157,7 @@ def test_kernel_inputs_are_what_the_kernel_sees():
     assert np.array_equal(t["hidden_states"].float().numpy(), torch.from_numpy(x).bfloat16().float().numpy())
     w13 = np.stack(make_layer(6, 128, 64, seed=0).w13)
     assert np.array_equal(ki.w13.astype(np.float32), w13.astype(ml_dtypes.bfloat16).astype(np.float32))
-    assert ki.reference().config["weights"].w13[0].dtype == ml_dtypes.bfloat16
+    assert ki.reference().weights.w13[0].dtype == ml_dtypes.bfloat16
     with pytest.raises(TypeError, match="topk_ids must be integer"):
         kernel_inputs(x, make_layer(6, 128, 64), ki.topk_weights, ki.topk_ids.astype(np.float32))
 
@@ -333,7 +333,7 @@ def test_vllm_fp8_block_adapter_reads_w1_scale():
     kw = from_vllm_fused_experts(x, w1, w2, np.full((4, 2), 0.5, np.float32), np.array([[0, 2]] * 4), "silu", qc)
     w = kw["weights"].w13[1]
     assert np.array_equal(w.dequantize(), w1[1].astype(np.float64) * np.repeat(np.repeat(s1[1], 128, 0), 128, 1))
-    assert kw["quant"].a1.block == (1, 128) and kw["quant"].a1.preset.name == "vllm"
+    assert kw["quant"].a1.scheme.block == (1, 128) and kw["quant"].a1.scheme.preset.name == "vllm"
     assert run_moe(**kw).out.shape == (4, 256)
 
 
@@ -498,7 +498,7 @@ def test_vllm_fp8_per_channel_and_per_tensor_scales(mode):
     w = kw["weights"].w13[1].dequantize()
     if mode == "per_channel":
         assert w[7, 5] == float(w1[1, 7, 5]) * 2.0 and w[8, 5] == float(w1[1, 8, 5]) * 0.5
-        assert kw["quant"].a1.block == (1, None)
+        assert kw["quant"].a1.scheme.block == (1, None)
     else:
         assert np.array_equal(w, w1[1].astype(np.float64) * 2.0)
         assert kw["quant"].a1.scheme.block == (None, None)

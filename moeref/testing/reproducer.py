@@ -27,22 +27,19 @@ _OPTION_KEYS = ("activation", "activation_params", "layout", "out_dtype", "num_e
 
 
 def _scheme_to_json(q):
-    """A quantizer as JSON: a Scheme as its fields; a bound quantizer (:func:`moeref.moe.quantizer`) as its
-    scheme and static arguments (read from the closure; nothing else can be saved)."""
+    """A quantizer as JSON: a Scheme as its fields; a :class:`moeref.moe.Quantizer` of a scheme as its scheme
+    and static arguments (a quantizer function cannot be saved)."""
+    from ..moe import Quantizer
     from ..quant import PRESETS, Scheme
 
     if q is None:
         return None
     static = {}
     if not isinstance(q, Scheme):
-        scheme = getattr(q, "scheme", None)
-        names = getattr(getattr(q, "__code__", None), "co_freevars", ())
-        cells = dict(zip(names, getattr(q, "__closure__", None) or ()))
-        if scheme is None or "static" not in cells:
+        if not isinstance(q, Quantizer) or q.scheme is None:
             raise ValueError(f"cannot save quantizer {q!r}: give a Scheme or a moeref.moe.quantizer(...)")
-        static = {k: float(np.asarray(v, dtype=np.float64).reshape(-1)[0])
-                  for k, v in cells["static"].cell_contents.items()}
-        q = scheme
+        static = {k: float(np.asarray(v, dtype=np.float64).reshape(-1)[0]) for k, v in q.static.items()}
+        q = q.scheme
     d = {f.name: getattr(q, f.name) for f in dataclasses.fields(q)}
     p = d.pop("preset")
     d["preset"] = p.name if PRESETS.get(p.name) == p else dataclasses.asdict(p)
