@@ -109,11 +109,12 @@ def ep_fused_moe(hidden, weights: MoEWeights, topk_weights, topk_ids, placement:
         ids = placement.to_physical(topk_ids)
     else:  # let ep_dispatch raise the same error on every rank
         mine, ids = None, topk_ids
-    if quantize_before_dispatch and (quant.a1 is None or not hasattr(quant.a1, "element")):
-        raise ValueError("quantize_before_dispatch=True needs quant.a1 to be a moeref.quant.Scheme")
+    if quantize_before_dispatch and (quant.a1 is None or quant.a1.scheme is None or quant.a1.static):
+        raise ValueError("quantize_before_dispatch=True needs quant.a1 to be a moeref.quant.Scheme (no static "
+                         "arguments: the dispatch quantizes each row on its own)")
     x_send = _weight_input(x, w) if apply_router_weight_on_input else x
     d = ep_dispatch(x_send, ids, w, placement, group, mode=mode,
-                    quant=quant.a1 if quantize_before_dispatch else None,
+                    quant=quant.a1.scheme if quantize_before_dispatch else None,
                     max_tokens_per_rank=max_tokens_per_rank, max_recv_tokens=max_recv_tokens)
     n_local = placement.num_local(me)
     h = x.shape[1]
