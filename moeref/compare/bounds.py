@@ -16,10 +16,10 @@ errors can move the kernel's value away from it. Stage by stage (derivation: doc
    Hopper FP8 aligned-adder model, from the products and partial sums).
 2. **Declared store** (GEMM outputs, activation output, layer output; :func:`store_interval`). A kernel
    that stores ``v~`` with ``|v~ - v| <= r`` rounded to nearest-even in ``dtype`` stores a value between
-   ``rnd(v - r)`` and ``rnd(v + r)`` (rounding is monotone). The new center is ``rnd(v)``, the new radius
-   the larger distance from it to those two ends: 0 where the interval holds no rounding boundary (the
-   stored value is known exactly), one ``dtype`` ulp where it straddles one. A profile without the
-   store's dtype bounds it as ``u (|v| + r)`` (any rounding to nearest, or none).
+   ``rnd(v - r)`` and ``rnd(v + r)`` (rounding is monotone); that interval becomes the new center
+   (its midpoint) and radius (its half-width): 0 where it holds no rounding boundary (the stored value
+   is known exactly), half a ``dtype`` ulp where it straddles one. A profile without the store's dtype
+   bounds it as ``u (|v| + r)`` (any rounding to nearest, or none).
 3. **Activation**: the Lipschitz bound of the gate function on ``[g - dg, g + dg]``
    (:func:`moeref.compare.stage_bounds.lipschitz_on`) and ``|f(g)| <= |g|`` give, for ``f(g) * up(u)``,
    ``dx <= L dg (|u| + |beta|) + (|g| + dg) du``; ``relu2``: ``dh (2|h| + dh)``. The kernel's own FP32
@@ -177,24 +177,24 @@ PROFILES = {p.name: p for p in (EXACT, FP32_ACCUM, BF16_OUTPUT, HOPPER_FP8_DEEPG
 def store_interval(value, radius, dtype: str | None, unit: float = 0.0):
     """One declared store, as an interval: ``(center, radius, may_flip)``.
 
-    ``value``: float64 array, the exact value the kernel approximates; ``radius``: float64 (same shape,
-    >= 0), the bound on the kernel's deviation from it before the store; ``dtype``: one of
+    ``value``: float64 array, the center of what the kernel holds before the store; ``radius``: float64
+    (same shape, >= 0), the bound on the kernel's deviation from it; ``dtype``: one of
     :data:`STORE_DTYPES` (the kernel rounds to nearest-even in it) or None (the store is bounded by
     ``unit (|value| + radius)`` instead and the center stays ``value``).
 
     Round to nearest is monotone, so the stored ``rnd(v~)`` for ``|v~ - value| <= radius`` lies in
-    ``[rnd(value - radius), rnd(value + radius)]``. The center becomes ``rnd(value)`` and the radius the
-    larger distance from it to those two ends: exactly 0 when both ends round alike (the stored value
-    is known), one ulp of ``dtype`` (or more for a wide interval) when they do not; ``may_flip`` marks
-    those elements. The rounding is the float64 -> ``dtype`` cast of :func:`moeref.moe.round_to_dtype`
-    (ml_dtypes rounds through float32 first: on an FP32 value, as a kernel holds it, that is the kernel's
-    rounding; on a float64 value it is still monotone, which is all the interval needs). The ends are
-    widened by ``2^-40`` relative for the float64 rounding of ``value -+ radius``.
+    ``[rnd(value - radius), rnd(value + radius)]``; the result is that interval as its midpoint and
+    half-width. Where both ends round alike the radius is exactly 0 (the stored value is known); where
+    they straddle a rounding boundary the interval is one ulp of ``dtype`` wide (more for a wide
+    input) and ``may_flip`` is set. The rounding is the float64 -> ``dtype`` cast of
+    :func:`moeref.moe.round_to_dtype` (ml_dtypes rounds through float32 first: on an FP32 value, as a
+    kernel holds it, that is the kernel's rounding; on a float64 value it is still monotone, which is all
+    the interval needs). The ends are widened by ``2^-40`` relative for the float64 ``value -+ radius``.
 
     >>> v = np.array([1.0 + 2**-8 + 2**-12, 1.0 + 2**-9])    # bf16 ulp at 1: 2^-7, tie at 1 + 2^-8
     >>> c, r, f = store_interval(v, np.array([2**-11, 2**-30]), "bfloat16")
-    >>> (c - 1).tolist(), r.tolist(), f.tolist()       # the first straddles the tie, the second is known
-    ([0.0078125, 0.0], [0.0078125, 0.0], [True, False])
+    >>> ((c - 1) * 2**8).tolist(), (r * 2**8).tolist(), f.tolist()  # the first straddles, the second is known
+    ([1.0, 0.0], [1.0, 0.0], [True, False])
     """
     from ..moe.pipeline import round_to_dtype
 
@@ -205,13 +205,15 @@ def store_interval(value, radius, dtype: str | None, unit: float = 0.0):
     if dtype not in STORE_DTYPES:
         raise ValueError(f"dtype must be None or one of {', '.join(STORE_DTYPES)}; got {dtype!r}")
     with np.errstate(over="ignore", invalid="ignore"):
-        center = round_to_dtype(value, dtype)
         wide = radius * (1.0 + 2.0**-40) + np.abs(value) * 2.0**-52
         lo = round_to_dtype(value - wide, dtype)
         hi = round_to_dtype(value + wide, dtype)
-        out = np.maximum(np.abs(lo - center), np.abs(hi - center))
-    out = np.where(np.isnan(out) & ~np.isnan(center), np.inf, out)
-    return center, out, lo != hi
+        center = 0.5 * lo + 0.5 * hi        # exact: both are representable, halving is exact
+        half = 0.5 * hi - 0.5 * lo
+    bad = ~np.isfinite(half) & np.isfinite(value)
+    center = np.where(bad, value, center)
+    half = np.where(bad, np.inf, half)
+    return center, half, lo != hi
 
 
 @dataclass(frozen=True, eq=False)

@@ -37,6 +37,7 @@ U_F64 = 2.0**-53
 TREE_LANES = (1, 2, 4, 8, 16, 32)
 """SIMD lane counts covered by :func:`contiguous_tree_gemm_bound` (interleaved accumulators)."""
 _BLOCK_ELEMS = 1 << 22  # elements of the [rows, N, K] product tensor held at once
+_CACHE_ELEMS = 1 << 15  # elements of one product tile of the contiguous-tree bound (256 KiB)
 
 
 def gamma(n, u: float) -> float:
@@ -186,19 +187,25 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     rng = np.zeros((m, n))
     wsum = np.zeros((m, n))
     csum = np.zeros((m, n))
-    rb = max(1, _BLOCK_ELEMS // max(1, n * kp))
-    for r0 in range(0, m, rb):  # row blocks cap the memory of the [rb, N, K] product tensor
+    at, wt = np.ascontiguousarray(ad.T), np.ascontiguousarray(wd.T)  # K-major: the walks run along axis 0
+    nb = max(1, min(n, _CACHE_ELEMS // kp))
+    rb = max(1, _CACHE_ELEMS // (kp * nb))
+    for r0 in range(0, m, rb):  # tiles of [K, rb, nb] products stay in cache through the passes below
         r1 = min(r0 + rb, m)
-        p = ad[r0:r1, None, :] * wd[None, :, :]                     # [rb, N, kp]
-        wsum[r0:r1] = np.abs(p).sum(axis=-1)
-        csum[r0:r1] = p.sum(axis=-1)
-        best = np.zeros((r1 - r0, n))
-        for lane in TREE_LANES:  # a loop over the six lane counts
-            walk = np.cumsum(p.reshape(r1 - r0, n, kp // lane, lane), axis=2)
-            top = np.maximum(walk.max(axis=2), 0.0)
-            bot = np.minimum(walk.min(axis=2), 0.0)
-            best = np.maximum(best, (top - bot).max(axis=-1))
-        rng[r0:r1] = best
+        for n0 in range(0, n, nb):
+            n1 = min(n0 + nb, n)
+            p = at[:, r0:r1, None] * wt[:, None, n0:n1]              # [kp, rb, nb]
+            wsum[r0:r1, n0:n1] = np.abs(p).sum(axis=0)
+            best = np.zeros((r1 - r0, n1 - n0))
+            walk = np.empty_like(p)
+            for lane in TREE_LANES[::-1]:  # a loop over the six lane counts, 32 lanes first
+                wl = walk.reshape(kp // lane, lane, r1 - r0, n1 - n0)
+                np.cumsum(p.reshape(wl.shape), axis=0, out=wl)
+                top = np.maximum(wl.max(axis=0), 0.0)
+                top -= np.minimum(wl.min(axis=0), 0.0)
+                best = np.maximum(best, top.max(axis=0))
+            csum[r0:r1, n0:n1] = walk[-1]
+            rng[r0:r1, n0:n1] = best
     slack = 2.0 * gamma(kp + 2, U_F64) * wsum
     r_hi = rng + slack + d
     w_hi = wsum * (1.0 + gamma(kp + 2, U_F64)) + d
