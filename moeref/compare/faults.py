@@ -203,6 +203,8 @@ def _weights_twice(case: LayerCase) -> np.ndarray:
 
 def _no_requant(case: LayerCase) -> np.ndarray:
     q = case.options.get("quant", MoEQuant())
+    if q.a2 is None:
+        raise ValueError("the layer does not re-quantize its intermediate")
     return candidate(case, quant=MoEQuant(q.a1, None, q.name + " (a2 skipped)"))
 
 
@@ -259,15 +261,16 @@ def tensor_core_gemm(bits: int = 24, mma_k: int = 16, promote: int | None = None
     PeerJ CS 2021): per ``mma_k``-column MMA the exact products and the incoming accumulator are aligned
     to the largest addend's exponent ``e`` and cut toward zero to the grid ``2^(e - bits + 1 + headroom)``,
     summed exactly and truncated to ``bits`` significant bits; every ``promote`` columns (None: never)
-    the accumulator is scaled and added to an FP32 sum. ``bits=24, headroom=0``: an FP32 accumulator
+    the accumulator is scaled and added to an FP32 sum (also at every scale block boundary along K).
+    ``bits=24, headroom=0``: an FP32 accumulator
     (honest for :data:`moeref.compare.BF16_OUTPUT` and ``FP32_ACCUM``); ``bits=14, headroom=1, mma_k=32,
-    promote=128``: the Hopper FP8 model. Scale blocks must cover whole promotion chunks."""
+    promote=128``: the Hopper FP8 model."""
 
     def gemm(a, w):
         a, w = as_operand(a), as_operand(w)
         m, k = a.values.shape
         n = w.values.shape[0]
-        step = k if promote is None else promote
+        step = min(k if promote is None else promote, a.block[1], w.block[1])  # one scale per chunk
         out = np.zeros((m, n), dtype=np.float32)
         ra, rw = np.arange(m) // a.block[0], np.arange(n) // w.block[0]
         for s in range(0, k, max(step, 1)):  # loops over promotion chunks and MMA steps (K / mma_k)
@@ -359,11 +362,14 @@ def bf16_candidate(case: LayerCase, gemm=None, finalize: dict | None = None, **o
     return finalize_in(run, b2=lw.b2, **(finalize or {}))
 
 
-def _unbiased(case: LayerCase, gemm):
+def _bf16_layer_only(case: LayerCase, gemm):
     """``gemm`` for a layer without biases: an engine that stores its own output (torch's bf16 matmul)
     would round before the bias add, a second rounding the profile does not declare."""
     if case.weights.b13 is not None or case.weights.b2 is not None:
         raise ValueError("the engine rounds its output before the bias add: use it on a layer without biases")
+    q = case.options.get("quant", MoEQuant())
+    if q.a1 is not None or q.a2 is not None or any(as_operand(w).quantized for w in case.weights.w13):
+        raise ValueError("the engine rounds scaled operands to bf16: use it on a bf16 layer")
     return gemm
 
 
@@ -371,7 +377,7 @@ HONEST_BF16 = {
     "fp32 chunks of 32": lambda case: bf16_candidate(case),
     "fp32 chunks of 128, reversed": lambda case: bf16_candidate(case, fp32_gemm(128, reverse=True)),
     "fp32 one chunk (BLAS)": lambda case: bf16_candidate(case, fp32_gemm(1 << 30)),
-    "torch bf16 matmul": lambda case: bf16_candidate(case, _unbiased(case, torch_bf16_gemm())),
+    "torch bf16 matmul": lambda case: bf16_candidate(case, _bf16_layer_only(case, torch_bf16_gemm())),
     "tensor-core FP32 adder, truncating": lambda case: bf16_candidate(case, tensor_core_gemm()),
     "top-k sum in reverse slot order": lambda case: bf16_candidate(case, fp32_gemm(64), dict(reverse=True)),
 }
@@ -434,6 +440,9 @@ def _tile_bug(case: LayerCase) -> np.ndarray:
     """Rows 16 and beyond of each expert's segment skip GEMM1's last 128 K columns (a tile-boundary bug)."""
     base = fp32_gemm(32)
     inter = _intermediate_size(case)
+    ids = np.asarray(case.topk_ids)
+    if np.bincount(ids[ids >= 0]).max(initial=0) <= 16:
+        raise ValueError("no expert has more than 16 rows: the tile bug does not show")
 
     def g1(a, w):
         a = as_operand(a)
@@ -481,6 +490,8 @@ def _tanh_gelu(case: LayerCase) -> np.ndarray:
 def _fp8_intermediate(case: LayerCase) -> np.ndarray:
     import ml_dtypes
 
+    if case.options.get("quant", MoEQuant()).a2 is not None:
+        raise ValueError("the layer re-quantizes its intermediate: an FP8 store is its declared arithmetic")
     return bf16_candidate(case, act_out_dtype=ml_dtypes.float8_e4m3fn)
 
 
