@@ -139,8 +139,10 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     contiguous ranges) and SIMD dot products with ``L`` interleaved accumulators reduced by halving
     (lane ``r`` + lane ``r + L/2`` is lane ``r`` of ``L/2``). A node adds ``m >= 2`` children with a local
     error at most ``lambda_m u max(|children|, |result|)``: ``lambda_2 = 1`` for an IEEE
-    round-to-nearest add or FMA; a tensor-core aligned adder that cuts every addend to a grid one bit
-    coarser than the largest's FP32 ulp and truncates the normalised sum has ``lambda_m = 2m + 2``.
+    round-to-nearest add or FMA; a tensor-core aligned adder that cuts every addend toward zero to the
+    FP32 ulp of the largest (grid ``2^(e + 1) u``, ``e = floor(log2 max)``: each addend loses less than
+    ``2 u max``) and truncates the normalised sum to 24 bits (less than ``2 u |result|``) has
+    ``lambda_m = 2m + 2`` (Fasi, Higham, Mikaitis and Pranesh, PeerJ CS 2021, for the model).
     ``profile.adder_factor`` is ``rho >= lambda_m / (m - 1)`` (1 for IEEE adds; 2.5 covers aligned
     adders of ``m >= 9`` addends: an 8-or-wider MMA plus its accumulator). Products of elements are
     exact when both operands hold bf16-representable elements (FP8, FP4, INT8, bf16), else rounded
