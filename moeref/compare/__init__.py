@@ -18,6 +18,7 @@ from .bounds import (
     gemm_error_bound,
     layer_bound,
     requant_uncertainty,
+    store_interval,
 )
 from .report import Report, compare, conventional_checks, metrics
 
@@ -39,4 +40,5 @@ __all__ = [
     "layer_bound",
     "metrics",
     "requant_uncertainty",
+    "store_interval",
 ]
