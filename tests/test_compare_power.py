@@ -250,3 +250,42 @@ def test_cuda_bf16_matmul_stays_in_the_replayed_store_interval(k, data):
     tw = torch.from_numpy(w).to("cuda", torch.bfloat16)
     got = (ta @ tw.T).float().cpu().numpy().astype(np.float64)
     assert np.all(np.abs(got - c) <= r), float(np.max(np.abs(got - c) - r))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fault", [None, "bf16 top-k sum"])
+def test_cuda_bf16_moe_layer_against_bf16_output(fault):
+    """A bf16 MoE layer on the GPU the way a CUTLASS/cuBLAS layer computes it (per-expert bf16 matmuls
+    with bf16 outputs, FP32 SiLU-and-mul stored in bf16, FP32 top-k sum, bf16 output) passes
+    BF16_OUTPUT; the same layer with its top-k sum accumulated in bf16 fails it."""
+    import torch
+
+    from moeref.activations import split_w13
+    from moeref.compare import compare
+
+    bf = ml_dtypes.bfloat16
+    lw = make_layer(4, 1024, 512, seed=4, dtype=bf)
+    x = make_tokens(64, 1024, seed=5, dtype=bf)
+    r = softmax_topk(np.random.default_rng(6).standard_normal((64, 4)), 2, renormalize=True)
+    case = LayerCase(x, lw, r.weights, r.ids, dict(out_dtype=bf))
+    dev = "cuda"
+    tx = torch.from_numpy(x.astype(np.float32)).to(dev, torch.bfloat16)
+    acc = torch.zeros((64, 1024), device=dev, dtype=torch.bfloat16 if fault else torch.float32)
+    for j in range(2):  # slot order
+        for e in range(4):
+            rows = np.flatnonzero(r.ids[:, j] == e)
+            if rows.size == 0:
+                continue
+            w13 = torch.from_numpy(np.asarray(lw.w13[e], np.float32)).to(dev, torch.bfloat16)
+            w2 = torch.from_numpy(np.asarray(lw.w2[e], np.float32)).to(dev, torch.bfloat16)
+            h = (tx[rows] @ w13.T).float().cpu().numpy()
+            g, u = split_w13(h, lw.w13_layout, axis=-1)
+            act = (g / (1.0 + np.exp(-g)) * u).astype(np.float32)
+            xa = torch.from_numpy(act).to(dev, torch.bfloat16)
+            y = (xa @ w2.T).float()
+            wj = torch.from_numpy(np.asarray(r.weights[rows, j], np.float32)).to(dev)[:, None]
+            idx = torch.from_numpy(rows).to(dev)
+            acc[idx] = (acc[idx].float() + wj * y).to(acc.dtype)
+    out = acc.to(torch.bfloat16).float().cpu().numpy()
+    rep = compare(out, reference(case), BF16_OUTPUT)
+    assert rep.passed == (fault is None), rep.summary()
