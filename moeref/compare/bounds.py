@@ -111,7 +111,7 @@ class Profile:
             ``promote_every`` and ``mma_k``).
         mma_k: K columns of one tensor-core MMA (one aligned multi-term addition); Hopper FP8 WGMMA: 32.
         adder_factor: ``contiguous_tree`` only: bound of one add's error in units of ``accum_unit``
-            times the largest operand, per column merged (1: IEEE round-to-nearest adds or FMAs; 2.5:
+            times the largest operand, per column merged (1: IEEE round-to-nearest adds or FMAs; 2.25:
             also truncating tensor-core adders of 9 or more addends).
         gemm_out_dtype, act_out_dtype, out_dtype: declared stores (one of :data:`STORE_DTYPES`,
             round to nearest-even) of each GEMM output (before the top-k weight), of the activation
@@ -130,7 +130,7 @@ class Profile:
     out_unit: float = U_FP32
     accum_model: str = "worst_case"
     mma_k: int = 32
-    adder_factor: float = 2.5
+    adder_factor: float = 2.25
     gemm_out_dtype: str | None = None
     act_out_dtype: str | None = None
     out_dtype: str | None = None

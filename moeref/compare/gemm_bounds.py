@@ -140,13 +140,15 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     (lane ``r`` + lane ``r + L/2`` is lane ``r`` of ``L/2``). A node adds ``m >= 2`` children with a local
     error at most ``lambda_m u max(|children|, |result|)``: ``lambda_2 = 1`` for an IEEE
     round-to-nearest add or FMA; a tensor-core aligned adder that cuts every addend toward zero to the
-    FP32 ulp of the largest (grid ``2^(e + 1) u``, ``e = floor(log2 max)``: each addend loses less than
-    ``2 u max``) and truncates the normalised sum to 24 bits (less than ``2 u |result|``) has
-    ``lambda_m = 2m + 2`` (Fasi, Higham, Mikaitis and Pranesh, PeerJ CS 2021, for the model).
-    ``profile.adder_factor`` is ``rho >= lambda_m / (m - 1)`` (1 for IEEE adds; 2.5 covers aligned
-    adders of ``m >= 9`` addends: an 8-or-wider MMA plus its accumulator). Products of elements are
-    exact when both operands hold bf16-representable elements (FP8, FP4, INT8, bf16), else rounded
-    once (``u``); each product meets its two scale factors once, in FP32 multiplications on a node
+    FP32 ulp of the largest (grid ``2^(e + 1) u``, ``e = floor(log2 max)``: each of the other ``m - 1``
+    addends loses less than ``2 u max``, the largest, an FP32 value of that binade, nothing) and
+    truncates the normalised sum to 24 bits (less than ``2 u |result|``) has ``lambda_m = 2m`` (Fasi,
+    Higham, Mikaitis and Pranesh, PeerJ CS 2021, for the model). ``profile.adder_factor`` is
+    ``rho >= lambda_m / (m - 1)`` (1 for IEEE adds; 2.25 covers aligned adders of ``m >= 9`` addends: an
+    8-or-wider MMA plus its accumulator). Products of elements are exact when both operands hold
+    bf16-representable elements (FP8, FP4, INT8, bf16); otherwise each is rounded once (``u``) or, in an
+    aligned adder, is a largest addend off the grid (less than ``2 u |p|``, once per product), so
+    ``u_prod = 2 u``; each product meets its two scale factors once, in FP32 multiplications on a node
     inside one scale block (per product, or per chunk as DeepGEMM does); the bias is added once.
 
     **Bound.** Let ``P^(L,r)_j`` be the exact prefix sums of lane ``r`` of ``L`` and ``R`` the largest
@@ -158,7 +160,7 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     binary tree; a node of ``m`` children stands for ``m - 1`` of them, so the adds contribute at most
     ``rho (K - 1) u (R + B)``. The scaled nodes are disjoint ranges: their exact values sum to at most
     ``W`` and the errors below them to at most ``B``, so the two scale roundings contribute
-    ``gamma(2, u_fp32) (W + B)``; inexact products ``u W``. Solving for ``B``::
+    ``gamma(2, u_fp32) (W + B)``; inexact products ``u_prod W``. Solving for ``B``::
 
         B <= (rho (K - 1) u R + (gamma(2, u_fp32) + u_prod) W) / (1 - rho (K - 1) u - gamma(2, u_fp32))
 
@@ -213,7 +215,7 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     w_hi = wsum * (1.0 + gamma(kp + 2, U_F64)) + d
     c_hi = np.abs(csum) + slack + d
     sigma = gamma(2, u_prom)
-    u_prod = 0.0 if _products_exact_in_fp32(a, w) else u
+    u_prod = 0.0 if _products_exact_in_fp32(a, w) else 2.0 * u
     t = rho * max(k - 1, 0) * u
     denom = 1.0 - t - sigma
     if denom <= 0:
