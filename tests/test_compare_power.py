@@ -289,3 +289,22 @@ def test_cuda_bf16_moe_layer_against_bf16_output(fault):
     out = acc.to(torch.bfloat16).float().cpu().numpy()
     rep = compare(out, reference(case), BF16_OUTPUT)
     assert rep.passed == (fault is None), rep.summary()
+
+
+def test_weighted_gemm2_store_profile():
+    """vLLM Triton's layer weights GEMM2's FP32 result before the bf16 store: honest for
+    replace(BF16_OUTPUT, gemm2_weighted_store=True); truncating that store is caught. (A bf16 top-k sum
+    is no fault there: with top-2 it adds two bf16 values once, the output's own rounding.)"""
+    from dataclasses import replace
+
+    from moeref.compare.faults import bf16_candidate
+
+    case = _bf16_case(4)
+    ref = reference(case)
+    vllm = replace(BF16_OUTPUT, name="VLLM_TRITON_BF16", gemm2_weighted_store=True)
+    bound = layer_bound(ref, vllm).bound
+    for gemm in (None, tensor_core_gemm()):
+        cand = bf16_candidate(case, gemm, dict(weight_before_store=True))
+        assert np.all(np.abs(np.asarray(cand, np.float64) - ref.output) <= bound)
+    bad = bf16_candidate(case, finalize=dict(weight_before_store=True, gemm_out_rounding="zero"))
+    assert not np.all(np.abs(np.asarray(bad, np.float64) - ref.output) <= bound)

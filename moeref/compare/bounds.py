@@ -29,7 +29,8 @@ errors can move the kernel's value away from it. Stage by stage (derivation: doc
    quantization of the center activation; an element whose interval holds no rounding boundary keeps
    its code (uncertainty: the scale range only), one that straddles gets the reachable neighbour.
 5. **GEMM2** on the quantized center with ``a_radius`` the re-quantization uncertainty (stage 1), then
-   its store (stage 2).
+   its store (stage 2); with ``gemm2_weighted_store`` the top-k weight is applied (one FP32 rounding)
+   before the store and finalize only sums.
 6. **Finalize**: center ``sum_j w_j y_j``; radius ``sum_j |w_j| dy_j + gamma(k + 2, u_red) sum_j |w_j|
    (|y_j| + dy_j)``; shared experts added the same way; the output store (stage 2).
 
@@ -117,6 +118,10 @@ class Profile:
             round to nearest-even) of each GEMM output (before the top-k weight), of the activation
             output and of the layer output; replayed flip-aware (:func:`store_interval`) instead of
             bounded by their unit. A kernel that declares a store must perform it.
+        gemm2_weighted_store: GEMM2's epilogue multiplies its FP32 result by the token's top-k weight
+            before the ``gemm_out_dtype`` store, and finalize only sums (vLLM Triton ``fused_moe``:
+            ``MUL_ROUTED_WEIGHT``, then ``moe_sum``); False: the unweighted GEMM2 output is stored
+            (CUTLASS / ``torch._grouped_mm`` layers, DeepGEMM).
     """
 
     name: str
@@ -134,6 +139,7 @@ class Profile:
     gemm_out_dtype: str | None = None
     act_out_dtype: str | None = None
     out_dtype: str | None = None
+    gemm2_weighted_store: bool = False
 
     def __post_init__(self):
         if self.accum_model not in ACCUM_MODELS:
@@ -157,9 +163,10 @@ EXACT = Profile("EXACT", "float64 reference against itself (only float64 roundin
 FP32_ACCUM = Profile("FP32_ACCUM", "FP32 accumulation over any tree of contiguous K ranges (any order, "
                      "chunking, split-K, SIMD lanes, tensor-core FP32 adders), FP32 intermediates and output",
                      accum_model="contiguous_tree")
-BF16_OUTPUT = Profile("BF16_OUTPUT", "FP32 accumulation as FP32_ACCUM; GEMM outputs, activation and output "
-                      "stored as bf16, round to nearest-even (torch bf16 matmul, CUTLASS grouped GEMM, vLLM "
-                      "Triton fused_moe)", accum_model="contiguous_tree", gemm_out_unit=U_BF16,
+BF16_OUTPUT = Profile("BF16_OUTPUT", "FP32 accumulation as FP32_ACCUM; GEMM outputs (before the top-k weight), "
+                      "activation and output stored as bf16, round to nearest-even (torch bf16 matmul, CUTLASS "
+                      "grouped GEMM layers; vLLM Triton fused_moe weights before its store: "
+                      "replace(BF16_OUTPUT, gemm2_weighted_store=True))", accum_model="contiguous_tree", gemm_out_unit=U_BF16,
                       gemm_out_dtype="bfloat16", act_out_dtype="bfloat16", out_unit=U_BF16, out_dtype="bfloat16")
 HOPPER_FP8_DEEPGEMM = Profile(
     "HOPPER_FP8_DEEPGEMM",
@@ -288,16 +295,20 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
     y_pre = expert_rows_gemm(xq, rows, w2, weights.b2)
     dy = expert_rows_gemm(unc, rows, w2, None, abs_values=True) + _rows_error_bound(xq, unc, rows, w2,
                                                                                      weights.b2, profile)
+    weigh = p.apply_weights
+    if profile.gemm2_weighted_store and weigh:  # the epilogue weights (one FP32 multiply), then stores
+        w_row = np.where(valid, np.asarray(p.topk_weights, np.float64).reshape(-1)[np.maximum(p.src, 0)], 0.0)
+        y_pre, dy = w_row[:, None] * y_pre, np.abs(w_row)[:, None] * dy
+        dy = dy + profile.reduce_unit * (np.abs(y_pre) + dy)
+        weigh = False
     y, dy, _ = store_interval(y_pre, dy, profile.gemm_out_dtype, profile.gemm_out_unit)
     y[~valid] = 0.0
     dy[~valid] = 0.0
     # stage 6: top-k weighted sum
     w_abs = np.abs(p.topk_weights)
-    center = weight_and_reduce(y, p.src, p.topk_weights, p.num_tokens, apply_weights=p.apply_weights,
-                               out_dtype=np.float64)
-    d_tok = weight_and_reduce(dy, p.src, w_abs, p.num_tokens, apply_weights=p.apply_weights, out_dtype=np.float64)
-    mag = weight_and_reduce(np.abs(y) + dy, p.src, w_abs, p.num_tokens, apply_weights=p.apply_weights,
-                            out_dtype=np.float64)
+    center = weight_and_reduce(y, p.src, p.topk_weights, p.num_tokens, apply_weights=weigh, out_dtype=np.float64)
+    d_tok = weight_and_reduce(dy, p.src, w_abs, p.num_tokens, apply_weights=weigh, out_dtype=np.float64)
+    mag = weight_and_reduce(np.abs(y) + dy, p.src, w_abs, p.num_tokens, apply_weights=weigh, out_dtype=np.float64)
     return center, d_tok + gamma(p.top_k + 2, profile.reduce_unit) * mag, flips
 
 

@@ -316,15 +316,17 @@ def _column_slice(op: BlockOperand, cols: slice) -> BlockOperand:
 
 
 def finalize_in(run, b2=None, gemm_out_dtype="bfloat16", gemm_out_rounding: str = "nearest",
-                acc_dtype="float32", reverse: bool = False, out_dtype="bfloat16") -> np.ndarray:
+                acc_dtype="float32", reverse: bool = False, out_dtype="bfloat16",
+                weight_before_store: bool = False) -> np.ndarray:
     """GEMM2's epilogue and the top-k weighted sum of a traced ``run`` recomputed as a kernel does.
 
     ``run`` must be traced with weights without ``b2`` and an FP32 GEMM engine: each GEMM2 row gets its
     expert's bias ``b2`` (float ``[E, K]`` or None) added in FP32 and is stored in ``gemm_out_dtype``
     (``gemm_out_rounding``: ``"nearest"``-even, or ``"zero"``, a fault); then ``acc = rnd(acc +
     rnd32(w_j y_j))`` over the slots (``reverse``: last slot first), ``rnd`` to ``acc_dtype``; the result
-    stored in ``out_dtype``. FP32 sums are honest for every profile; a bf16 one is a fault. No shared
-    experts."""
+    stored in ``out_dtype``. FP32 sums are honest for every profile; a bf16 one is a fault.
+    ``weight_before_store``: the epilogue multiplies by the top-k weight in FP32 before the store and the
+    sum adds the stored products (vLLM Triton ``MUL_ROUTED_WEIGHT`` + ``moe_sum``). No shared experts."""
     from ..moe.pipeline import round_to_dtype
 
     if run.shared is not None:
@@ -336,13 +338,16 @@ def finalize_in(run, b2=None, gemm_out_dtype="bfloat16", gemm_out_rounding: str 
         y = e.y.astype(np.float32)
         if b2 is not None:
             y[ok] = y[ok] + np.asarray(b2, dtype=np.float32)[p.row_expert[ok]]
+        w = np.asarray(p.topk_weights, dtype=np.float32).astype(np.float64) if p.apply_weights else np.ones((m, k))
+        if weight_before_store:
+            y[ok] = (y[ok].astype(np.float64) * w.reshape(-1)[p.src[ok]][:, None]).astype(np.float32)
+            w = np.ones((m, k))
         y = y.astype(np.float64)
         if gemm_out_dtype is not None:
             y = round_to_dtype(y, gemm_out_dtype) if gemm_out_rounding == "nearest" else _truncate_to(y, gemm_out_dtype)
         slot_y = np.zeros((m * k, y.shape[1]))
         slot_y[p.src[ok]] = y[ok]
         slot_y = slot_y.reshape(m, k, -1)
-        w = np.asarray(p.topk_weights, dtype=np.float32).astype(np.float64) if p.apply_weights else np.ones((m, k))
         acc = np.zeros((m, slot_y.shape[2]))
         for j in (range(k - 1, -1, -1) if reverse else range(k)):  # a loop over the k slots
             acc = round_to_dtype(acc + round_to_dtype(w[:, j, None] * slot_y[:, j], "float32"), acc_dtype)
