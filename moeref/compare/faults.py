@@ -309,8 +309,8 @@ def bf16_accumulator_gemm(chunk: int = 32, inner=None):
 
 
 def _column_slice(op: BlockOperand, cols: slice) -> BlockOperand:
-    """Columns ``cols`` of ``op`` (the slice must start on a scale block boundary or the block must
-    divide it) as a dequantized float operand: exact, the scales folded in elementwise."""
+    """Columns ``cols`` of ``op`` as a float operand: dequantized elementwise (element times its block
+    scale, in float64), so any column range works whatever the scale blocks."""
     vals = op.dequantize()[:, cols]
     return BlockOperand(vals, np.ones((1, 1)), (max(vals.shape[0], 1), max(vals.shape[1], 1)), False)
 
