@@ -171,3 +171,39 @@ def test_a_narrower_accumulator_violates_the_14_bit_bound():
     bound = gemm_error_bound(a, w, HOPPER_FP8_DEEPGEMM_DATA)
     assert np.abs(_aligned_adder_gemm()(bits=10)(a, w) - exact)[0, 0] > bound[0, 0]
     assert np.abs(_aligned_adder_gemm()(bits=14)(a, w) - exact)[0, 0] <= bound[0, 0]
+
+
+@settings(deadline=None)
+@given(st.integers(1, 80), st.integers(0, 2**32 - 1), st.sampled_from(["normal", "same sign", "cancel", "outlier",
+                                                                       "sparse"]))
+def test_contiguous_tree_bound_holds_for_random_fp32_trees(k, seed, data):
+    """Any binary tree of contiguous K ranges, summed in FP32 round-to-nearest (IEEE adds: adder_factor
+    1), stays within the contiguous-tree bound; the tree's split points are drawn at random."""
+    import ml_dtypes
+
+    from moeref.compare import Profile
+
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((3, k))
+    w = rng.standard_normal((4, k))
+    if data == "same sign":
+        a, w = np.abs(a), np.abs(w)
+    elif data == "cancel":
+        a, w = np.abs(a), np.abs(w) * np.where(np.arange(k) < k // 2, 1.0, -1.0)
+    elif data == "outlier":
+        a[:, rng.integers(0, k)] *= 1e4
+    else:
+        a[:, rng.random(k) < 0.5] = 0.0 if data == "sparse" else 1.0
+    a = a.astype(ml_dtypes.bfloat16).astype(np.float64)
+    w = w.astype(ml_dtypes.bfloat16).astype(np.float64)
+    p = (a[:, None, :] * w[None, :, :]).reshape(-1, k).astype(np.float32)  # exact: bf16 x bf16
+
+    def tree(lo, hi):
+        if hi - lo == 1:
+            return p[:, lo]
+        mid = int(rng.integers(lo + 1, hi))
+        return tree(lo, mid) + tree(mid, hi)  # float32 + float32: one IEEE rounding
+
+    got = tree(0, k).astype(np.float64).reshape(3, 4)
+    bound = gemm_error_bound(a, w, Profile("ieee", accum_model="contiguous_tree", adder_factor=1.0))
+    assert np.all(np.abs(got - a @ w.T) <= bound)

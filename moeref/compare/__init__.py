@@ -19,6 +19,7 @@ from .bounds import (
     gemm_error_bound,
     layer_bound,
     requant_uncertainty,
+    store_interval,
 )
 from .kernel_profiles import (
     CUBLAS_FP8,
@@ -58,4 +59,5 @@ __all__ = [
     "metrics",
     "requant_uncertainty",
     "suggest_profile",
+    "store_interval",
 ]

@@ -3,10 +3,14 @@
 A :class:`LayerCase` bundles one layer call (tokens, weights, routing, options). :func:`reference`
 runs the traced reference. :data:`HONEST` variants compute the same layer with other legal
 arithmetic (FP32 accumulation in other orders and K-chunkings, an emulated Hopper FP8 accumulator
-of 14 bits promoted every 128 columns, torch bf16 matmuls); :data:`FAULTS` are the bugs of
-moe-semantics.md §9: all-zero output, a dropped top-k slot, gate/up swapped, one token routed to a
-wrong expert, router weights applied twice, a scale from the neighbouring block, the intermediate
-not re-quantized, an output row left unwritten (NaN-poisoned buffer).
+of 14 bits promoted every 128 columns, torch bf16 matmuls); :data:`HONEST_BF16` and
+:data:`HONEST_HOPPER` the same for the bf16-store profiles. :data:`FAULTS` are gross bugs: all-zero
+output, a dropped top-k slot, gate/up swapped, one token routed to a wrong expert, router weights
+applied twice, a scale from the neighbouring block, the intermediate not re-quantized, an output row
+left unwritten (NaN-poisoned buffer). :data:`SUBTLE_FAULTS` are the bugs that move the output by
+about as much as the declared roundings do (bf16 accumulators, an FP8 intermediate, a bf16 top-k sum,
+a dropped last column, a bias added twice, truncating stores, one wrong scale block, a tile-boundary
+bug ...): the measure of an oracle's power (bench/bench_oracle_power.py).
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ from ..moe.pipeline import MoEQuant, run_moe
 from ..moe.weights import MoEWeights
 
 __all__ = ["LayerCase", "reference", "candidate", "fp32_gemm", "hopper_fp8_gemm", "torch_bf16_gemm",
-           "HONEST", "FAULTS", "FAULTY_INPUTS", "FAULTY_OUTPUTS"]
+           "tensor_core_gemm", "stored_gemm", "bf16_accumulator_gemm", "finalize_in", "bf16_candidate",
+           "HONEST", "HONEST_BF16", "HONEST_HOPPER", "FAULTS", "SUBTLE_FAULTS", "FAULTY_INPUTS", "FAULTY_OUTPUTS"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -218,6 +223,8 @@ def _weights_twice_case(case: LayerCase) -> LayerCase:
 
 def _no_requant(case: LayerCase) -> np.ndarray:
     q = case.options.get("quant", MoEQuant())
+    if q.a2 is None:
+        raise ValueError("the layer does not re-quantize its intermediate")
     return candidate(case, quant=MoEQuant(q.a1, None, q.name + " (a2 skipped)"))
 
 
@@ -262,3 +269,296 @@ FAULTY_OUTPUTS = {
     "output row 0 unwritten (NaN)": _nan_row_0,
 }
 """The faults of :data:`FAULTS` that corrupt the output, as ``output -> faulty output``."""
+
+# ---------------------------------------------------------------------------------- bf16-store variants
+
+
+def stored_gemm(gemm=None, dtype="bfloat16", rounding: str = "nearest"):
+    """``gemm`` (default: :func:`moeref.gemm.block_gemm`) with its output stored in ``dtype``: round to
+    nearest-even (``"nearest"``, what every kernel's epilogue does) or toward zero (``"zero"``, a fault)."""
+    from ..gemm.exact import block_gemm
+    from ..moe.pipeline import round_to_dtype
+
+    inner = block_gemm if gemm is None else gemm
+
+    def run(a, w):
+        c = np.asarray(inner(a, w), dtype=np.float64)
+        return round_to_dtype(c, dtype) if rounding == "nearest" else _truncate_to(c, dtype)
+
+    return run
+
+
+def _truncate_to(x: np.ndarray, dtype) -> np.ndarray:
+    """Round toward zero to bf16 (cut the low 16 bits of the FP32 pattern) or FP32."""
+    f = np.asarray(x, dtype=np.float32)
+    if str(dtype) in ("bfloat16", "bf16"):
+        return (f.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32).astype(np.float64)
+    return f.astype(np.float64)
+
+
+def tensor_core_gemm(bits: int = 24, mma_k: int = 16, promote: int | None = None, headroom: int = 0):
+    """An adversarial tensor-core GEMM (the aligned-adder model of Fasi, Higham, Mikaitis and Pranesh,
+    PeerJ CS 2021): per ``mma_k``-column MMA the exact products and the incoming accumulator are aligned
+    to the largest addend's exponent ``e`` and cut toward zero to the grid ``2^(e - bits + 1 + headroom)``,
+    summed exactly and truncated to ``bits`` significant bits; every ``promote`` columns (None: never)
+    the accumulator is scaled and added to an FP32 sum (also at every scale block boundary along K).
+    ``bits=24, headroom=0``: an FP32 accumulator
+    (honest for :data:`moeref.compare.BF16_OUTPUT` and ``FP32_ACCUM``); ``bits=14, headroom=1, mma_k=32,
+    promote=128``: the Hopper FP8 model."""
+
+    def gemm(a, w):
+        a, w = as_operand(a), as_operand(w)
+        m, k = a.values.shape
+        n = w.values.shape[0]
+        step = min(k if promote is None else promote, a.block[1], w.block[1])  # one scale per chunk
+        out = np.zeros((m, n), dtype=np.float32)
+        ra, rw = np.arange(m) // a.block[0], np.arange(n) // w.block[0]
+        for s in range(0, k, max(step, 1)):  # loops over promotion chunks and MMA steps (K / mma_k)
+            acc = np.zeros((m, n))
+            for j, t in enumerate(range(s, min(s + step, k), mma_k)):
+                e = min(t + mma_k, s + step, k)
+                prods = a.values[:, None, t:e].astype(np.float64) * w.values[None, :, t:e].astype(np.float64)
+                addends = np.concatenate([prods, acc[..., None]], axis=-1) if j else prods
+                big = np.abs(addends).max(axis=-1)
+                _, ex = np.frexp(np.where(big > 0, big, 1.0))
+                grid = np.ldexp(1.0, ex - bits + headroom)[..., None]
+                acc = _truncate((np.trunc(addends / grid) * grid).sum(axis=-1), bits)
+            sc = (a.scales[ra, s // a.block[1]][:, None] * w.scales[rw, s // w.block[1]][None, :]).astype(np.float32)
+            out = out + acc.astype(np.float32) * sc
+        return out
+
+    return gemm
+
+
+def bf16_accumulator_gemm(chunk: int = 32, inner=None):
+    """A fault: FP32 partial products of ``chunk`` columns added into a bf16 accumulator (rounded to
+    bf16 after every add). ``inner``: the FP32 engine of each chunk (:func:`fp32_gemm`)."""
+    from ..moe.pipeline import round_to_dtype
+
+    def gemm(a, w):
+        a, w = as_operand(a), as_operand(w)
+        k = a.values.shape[1]
+        acc = np.zeros((a.values.shape[0], w.values.shape[0]))
+        for s in range(0, k, chunk):  # a loop over K chunks
+            cols = slice(s, min(s + chunk, k))
+            part = _column_slice(a, cols), _column_slice(w, cols)
+            acc = round_to_dtype(acc + np.asarray((inner or fp32_gemm(chunk))(*part), np.float64), "bfloat16")
+        return acc
+
+    return gemm
+
+
+def _column_slice(op: BlockOperand, cols: slice) -> BlockOperand:
+    """Columns ``cols`` of ``op`` as a float operand: dequantized elementwise (element times its block
+    scale, in float64), so any column range works whatever the scale blocks."""
+    vals = op.dequantize()[:, cols]
+    return BlockOperand(vals, np.ones((1, 1)), (max(vals.shape[0], 1), max(vals.shape[1], 1)), False)
+
+
+def finalize_in(run, b2=None, gemm_out_dtype="bfloat16", gemm_out_rounding: str = "nearest",
+                acc_dtype="float32", reverse: bool = False, out_dtype="bfloat16",
+                weight_before_store: bool = False) -> np.ndarray:
+    """GEMM2's epilogue and the top-k weighted sum of a traced ``run`` recomputed as a kernel does.
+
+    ``run`` must be traced with weights without ``b2`` and an FP32 GEMM engine: each GEMM2 row gets its
+    expert's bias ``b2`` (float ``[E, K]`` or None) added in FP32 and is stored in ``gemm_out_dtype``
+    (``gemm_out_rounding``: ``"nearest"``-even, or ``"zero"``, a fault); then ``acc = rnd(acc +
+    rnd32(w_j y_j))`` over the slots (``reverse``: last slot first), ``rnd`` to ``acc_dtype``; the result
+    stored in ``out_dtype``. FP32 sums are honest for every profile; a bf16 one is a fault.
+    ``weight_before_store``: the epilogue multiplies by the top-k weight in FP32 before the store and the
+    sum adds the stored products (vLLM Triton ``MUL_ROUTED_WEIGHT`` + ``moe_sum``). No shared experts."""
+    from ..moe.pipeline import round_to_dtype
+
+    if run.shared is not None:
+        raise ValueError("finalize_in does not handle shared experts")
+    outs = []
+    for p, e in run.chunks:  # a loop over chunks
+        m, k = p.num_tokens, p.top_k
+        ok = p.src >= 0
+        y = e.y.astype(np.float32)
+        if b2 is not None:
+            y[ok] = y[ok] + np.asarray(b2, dtype=np.float32)[p.row_expert[ok]]
+        w = np.asarray(p.topk_weights, dtype=np.float32).astype(np.float64) if p.apply_weights else np.ones((m, k))
+        if weight_before_store:
+            y[ok] = (y[ok].astype(np.float64) * w.reshape(-1)[p.src[ok]][:, None]).astype(np.float32)
+            w = np.ones((m, k))
+        y = y.astype(np.float64)
+        if gemm_out_dtype is not None:
+            y = round_to_dtype(y, gemm_out_dtype) if gemm_out_rounding == "nearest" else _truncate_to(y, gemm_out_dtype)
+        slot_y = np.zeros((m * k, y.shape[1]))
+        slot_y[p.src[ok]] = y[ok]
+        slot_y = slot_y.reshape(m, k, -1)
+        acc = np.zeros((m, slot_y.shape[2]))
+        for j in (range(k - 1, -1, -1) if reverse else range(k)):  # a loop over the k slots
+            acc = round_to_dtype(acc + round_to_dtype(w[:, j, None] * slot_y[:, j], "float32"), acc_dtype)
+        outs.append(acc)
+    return round_to_dtype(np.concatenate(outs, axis=0), out_dtype)
+
+
+def bf16_candidate(case: LayerCase, gemm=None, finalize: dict | None = None, **overrides) -> np.ndarray:
+    """``case`` computed with the arithmetic :data:`moeref.compare.BF16_OUTPUT` declares: FP32 GEMMs
+    (``gemm``, default :func:`fp32_gemm` in chunks of 32), GEMM1's output (bias included) stored in
+    bf16, the activation stored in bf16, GEMM2's output plus ``b2`` stored in bf16, an FP32 top-k sum and
+    a bf16 output (:func:`finalize_in` with ``finalize`` keywords). ``overrides`` go to :func:`reference`."""
+    lw = case.weights
+    opts = dict(gemm=gemm or fp32_gemm(32), gemm1_out_dtype="bfloat16", act_out_dtype="bfloat16")
+    opts.update(overrides)
+    run = reference(case.with_(weights=replace(lw, b2=None)), **opts)
+    return finalize_in(run, b2=lw.b2, **(finalize or {}))
+
+
+def _bf16_layer_only(case: LayerCase, gemm):
+    """``gemm`` for a layer without biases: an engine that stores its own output (torch's bf16 matmul)
+    would round before the bias add, a second rounding the profile does not declare."""
+    if case.weights.b13 is not None or case.weights.b2 is not None:
+        raise ValueError("the engine rounds its output before the bias add: use it on a layer without biases")
+    q = case.options.get("quant", MoEQuant())
+    if q.a1 is not None or q.a2 is not None or any(as_operand(w).quantized for w in case.weights.w13):
+        raise ValueError("the engine rounds scaled operands to bf16: use it on a bf16 layer")
+    return gemm
+
+
+HONEST_BF16 = {
+    "fp32 chunks of 32": lambda case: bf16_candidate(case),
+    "fp32 chunks of 128, reversed": lambda case: bf16_candidate(case, fp32_gemm(128, reverse=True)),
+    "fp32 one chunk (BLAS)": lambda case: bf16_candidate(case, fp32_gemm(1 << 30)),
+    "torch bf16 matmul": lambda case: bf16_candidate(case, _bf16_layer_only(case, torch_bf16_gemm())),
+    "tensor-core FP32 adder, truncating": lambda case: bf16_candidate(case, tensor_core_gemm()),
+    "top-k sum in reverse slot order": lambda case: bf16_candidate(case, fp32_gemm(64), dict(reverse=True)),
+}
+"""Honest variants for :data:`moeref.compare.BF16_OUTPUT` (bf16 GEMM outputs, bf16 activation, FP32 top-k
+sum, bf16 output): FP32 GEMMs in other chunkings and orders, torch's CPU bf16 matmul, an adversarial
+truncating tensor-core FP32 adder, the top-k slots summed in reverse."""
+
+HONEST_HOPPER = {
+    "emulated 14-bit WGMMA": lambda case: bf16_candidate(case, hopper_fp8_gemm()),
+    "adversarial aligned adder (14 bits, headroom)": lambda case: bf16_candidate(
+        case, tensor_core_gemm(14, 32, 128, headroom=1)),
+}
+"""Honest variants for :data:`moeref.compare.HOPPER_FP8_DEEPGEMM_DATA` on an FP8 1x128 x 128x128 layer."""
+
+
+# ---------------------------------------------------------------------------------- subtle faults
+
+
+def _intermediate_size(case: LayerCase) -> int:
+    return int(as_operand(case.weights.w2[0]).shape[1])
+
+
+def _per_gemm(case: LayerCase, gemm1=None, gemm2=None):
+    """A GEMM engine that runs ``gemm1`` for GEMM1 and ``gemm2`` for GEMM2 (told apart by K: GEMM2
+    reduces over the intermediate size); the default is :func:`fp32_gemm` (32)."""
+    inter = _intermediate_size(case)
+    base = fp32_gemm(32)
+
+    def gemm(a, w):
+        second = as_operand(a).shape[1] == inter
+        return ((gemm2 if second else gemm1) or base)(a, w)
+
+    return gemm
+
+
+def _drop_last_column(which: int):
+    def fault(case: LayerCase) -> np.ndarray:
+        base = fp32_gemm(32)
+
+        def cut(a, w):
+            a = as_operand(a)
+            vals = a.dequantize().copy()
+            vals[:, -1] = 0.0
+            return base(BlockOperand(vals, np.ones((1, 1)), (max(vals.shape[0], 1), vals.shape[1]), False), w)
+
+        g = _per_gemm(case, gemm1=cut) if which == 1 else _per_gemm(case, gemm2=cut)
+        return bf16_candidate(case, g)
+
+    return fault
+
+
+def _bias_twice(case: LayerCase) -> np.ndarray:
+    lw = case.weights
+    if lw.b2 is None:
+        raise ValueError("the layer has no b2 bias")
+    return bf16_candidate(case.with_(weights=replace(lw, b2=np.asarray(lw.b2) * 2)))
+
+
+def _tile_bug(case: LayerCase) -> np.ndarray:
+    """Rows 16 and beyond of each expert's segment skip GEMM1's last 128 K columns (a tile-boundary bug)."""
+    base = fp32_gemm(32)
+    inter = _intermediate_size(case)
+    ids = np.asarray(case.topk_ids)
+    if np.bincount(ids[ids >= 0]).max(initial=0) <= 16:
+        raise ValueError("no expert has more than 16 rows: the tile bug does not show")
+
+    def g1(a, w):
+        a = as_operand(a)
+        full = np.asarray(base(a, w), dtype=np.float64)
+        if a.shape[0] <= 16 or a.shape[1] == inter:
+            return full
+        k = a.shape[1]
+        tail = np.asarray(base(_column_slice(a, slice(k - 128, k)), _column_slice(as_operand(w), slice(k - 128, k))),
+                          dtype=np.float64)
+        full[16:] -= tail[16:]
+        return full
+
+    return bf16_candidate(case, gemm=g1)
+
+
+def _one_scale_block(case: LayerCase) -> np.ndarray:
+    """One 128x128 block of GEMM1's weight scales of the busiest expert read from its K neighbour."""
+    lw = case.weights
+    e0 = _busiest(case)
+    op = as_operand(lw.w13[e0])
+    sc = op.scales.copy()
+    if sc.shape[1] < 2:
+        raise ValueError("the weights have one scale block along K: no neighbouring block")
+    sc[0, 0] = sc[0, 1]
+    w13 = list(lw.w13)
+    w13[e0] = BlockOperand(op.values, sc, op.block, op.quantized)
+    return bf16_candidate(case.with_(weights=replace(lw, w13=w13)))
+
+
+def _router_weights_bf16(case: LayerCase) -> np.ndarray:
+    from ..moe.pipeline import round_to_dtype
+
+    w = round_to_dtype(np.asarray(case.topk_weights, dtype=np.float64), "bfloat16").astype(np.float32)
+    return bf16_candidate(case.with_(topk_weights=w))
+
+
+def _tanh_gelu(case: LayerCase) -> np.ndarray:
+    if case.options.get("activation") != "gelu_and_mul":
+        raise ValueError("the layer's activation is not gelu_and_mul")
+    params = dict(case.options.get("activation_params") or {})
+    params["approximate"] = "tanh"
+    return bf16_candidate(case, activation_params=params)
+
+
+def _fp8_intermediate(case: LayerCase) -> np.ndarray:
+    import ml_dtypes
+
+    if case.options.get("quant", MoEQuant()).a2 is not None:
+        raise ValueError("the layer re-quantizes its intermediate: an FP8 store is its declared arithmetic")
+    return bf16_candidate(case, act_out_dtype=ml_dtypes.float8_e4m3fn)
+
+
+SUBTLE_FAULTS = {
+    "bf16 accumulator in both GEMMs": lambda case: bf16_candidate(case, gemm=bf16_accumulator_gemm(32)),
+    "bf16 accumulator in GEMM2": lambda case: bf16_candidate(case, _per_gemm(case, gemm2=bf16_accumulator_gemm(32))),
+    "intermediate stored as FP8 e4m3 instead of bf16": _fp8_intermediate,
+    "top-k weighted sum accumulated in bf16": lambda case: bf16_candidate(case, finalize=dict(acc_dtype="bfloat16")),
+    "GEMM2 ignores the last intermediate column": _drop_last_column(2),
+    "GEMM1 ignores the last K column": _drop_last_column(1),
+    "bias b2 applied twice": _bias_twice,
+    "GEMM2 output truncated to bf16 (round toward zero)": lambda case: bf16_candidate(
+        case, finalize=dict(gemm_out_rounding="zero")),
+    "GEMM1 accumulator truncated to bf16 before the bias": lambda case: bf16_candidate(
+        case, _per_gemm(case, gemm1=stored_gemm(fp32_gemm(32), rounding="zero"))),
+    "output truncated to bf16": lambda case: _truncate_to(bf16_candidate(case, finalize=dict(out_dtype=None)),
+                                                          "bfloat16"),
+    "router weights rounded to bf16": _router_weights_bf16,
+    "rows past 16 skip GEMM1's last K tile": _tile_bug,
+    "one GEMM1 weight-scale block from its K neighbour": _one_scale_block,
+    "tanh GELU instead of erf GELU": _tanh_gelu,
+}
+"""Subtle planted faults, each computed otherwise like :func:`bf16_candidate` (the arithmetic of
+:data:`moeref.compare.BF16_OUTPUT`); a fault raises ValueError where the layer cannot express it (no
+bias, unquantized weights, another activation)."""

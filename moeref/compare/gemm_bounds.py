@@ -1,0 +1,333 @@
+"""Per-element bounds on the arithmetic error of one GEMM ``C = A @ W.T (+ bias)``, one function per
+error model (:func:`gemm_error_bound` picks the one a :class:`moeref.compare.Profile` declares):
+
+* :func:`worst_case_gemm_bound` (``accum_model="worst_case"``): ``coef * (|A||W|^T + |bias|)``, any
+  summation order (Higham's ``gamma``);
+* :func:`contiguous_tree_gemm_bound` (``accum_model="contiguous_tree"``): FP32 accumulation over any
+  tree whose nodes sum contiguous K ranges (or SIMD lanes of them), bounded from the ranges the
+  exact partial sums actually reach, so a random-sign sum is not bounded as if every term had one sign;
+* :func:`aligned_adder_gemm_bound` (``accum_model="data_dependent"``): the Hopper FP8 tensor-core
+  model (aligned multi-term adder per 32-wide MMA, promotion to FP32 every 128 columns), computed
+  from the actual products and partial sums.
+
+Every function takes validated operands (:class:`moeref.gemm.exact.BlockOperand`), the profile, the
+optional operand radius ``a_radius`` float ``[M, K]`` and ``|bias|`` float ``[N]``, and returns float64
+``[M, N]``. The bounds are vectorised NumPy over rows, columns and K (row blocks only cap memory).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..gemm.exact import BlockOperand, as_operand, quantum_and_max
+
+__all__ = [
+    "gamma",
+    "gemm_coefficient",
+    "gemm_error_bound",
+    "worst_case_gemm_bound",
+    "contiguous_tree_gemm_bound",
+    "aligned_adder_gemm_bound",
+    "TREE_LANES",
+]
+
+U_FP32 = 2.0**-24
+U_F64 = 2.0**-53
+TREE_LANES = (1, 2, 4, 8, 16, 32)
+"""SIMD lane counts covered by :func:`contiguous_tree_gemm_bound` (interleaved accumulators)."""
+_BLOCK_ELEMS = 1 << 22  # elements of the [rows, N, K] product tensor held at once
+_CACHE_ELEMS = 1 << 15  # elements of one product tile of the contiguous-tree bound (256 KiB)
+
+
+def gamma(n, u: float) -> float:
+    """``n u / (1 - n u)`` (Higham's gamma_n); ``inf`` when ``n u >= 1``.
+
+    >>> gamma(128, 2.0**-24) < 128 * 2.0**-24 * 1.00001
+    True
+    """
+    nu = float(n) * u
+    return math.inf if nu >= 1 else nu / (1.0 - nu)
+
+
+def num_k_blocks(a: BlockOperand, w: BlockOperand) -> int:
+    """Scale blocks along K of the finer of the two operands' K blockings."""
+    k = a.values.shape[1]
+    bk = max(1, min(a.block[1], w.block[1], max(k, 1)))
+    return -(-k // bk)
+
+
+def gemm_coefficient(profile, k: int, num_k_blocks: int = 1) -> float:
+    """``coef`` of the worst-case model: ``|C~ - C| <= coef * (|A||B|^T + |bias|)`` (bounds module
+    docstring, stage 1)."""
+    c = k if profile.promote_every is None else min(profile.promote_every, k)
+    c = max(c, 1)
+    # c products + one aligned-adder term per 32-wide MMA + the final add: see the module docstring
+    g_acc = gamma(c + -(-c // 32) + 1, profile.accum_unit)
+    n_prom = -(-k // c) + num_k_blocks + 3
+    return g_acc + (1.0 + g_acc) * gamma(n_prom, profile.promote_unit)
+
+
+def gemm_error_bound(a, w, profile, *, a_radius=None, bias=None) -> np.ndarray:
+    """Bound on the arithmetic error of ``C = A @ W.T (+ bias)`` computed as ``profile`` declares,
+    float64 ``[M, N]``: validates the inputs and calls the function of ``profile.accum_model``.
+
+    ``a``: ``[M, K]`` and ``w``: ``[N, K]`` operands (:func:`moeref.gemm.exact.as_operand` input);
+    ``a_radius``: optional float ``[M, K]`` (>= 0): the kernel multiplies some ``A~`` with
+    ``|A~ - A| <= a_radius`` elementwise (the uncertain re-quantized intermediate of GEMM2); the bound
+    covers the arithmetic error of ``A~ @ W.T`` for every such ``A~`` (the operand difference itself,
+    ``a_radius @ |W|.T``, is not included); ``bias``: optional float ``[N]``.
+
+    >>> from moeref.compare.bounds import PROFILES
+    >>> hop = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
+    >>> a = np.array([[1.0, 1.0, 0.0]]); w = np.array([[1.0, -1.0, 0.0]])
+    >>> round(float(gemm_error_bound(a, w, hop)[0, 0]) / 2.0**-13, 4)  # 2 products, M = 1: 2 * 2 u_acc
+    4.001
+    """
+    a = as_operand(a, "a")
+    w = as_operand(w, "w")
+    m, k = a.values.shape
+    n = w.values.shape[0]
+    if w.values.shape[1] != k:
+        raise ValueError(f"a has K={k} columns but w has K={w.values.shape[1]}")
+    b_abs = np.zeros(n) if bias is None else np.abs(np.asarray(bias, dtype=np.float64)).reshape(-1)
+    if b_abs.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},); got {np.shape(bias)}")
+    radius = None
+    if a_radius is not None:
+        radius = np.asarray(a_radius, dtype=np.float64)
+        if radius.shape != (m, k):
+            raise ValueError(f"a_radius must have the shape of a, ({m}, {k}); got {radius.shape}")
+        if np.any(radius < 0):
+            raise ValueError("a_radius must be >= 0")
+    models = {"worst_case": worst_case_gemm_bound, "contiguous_tree": contiguous_tree_gemm_bound,
+              "data_dependent": aligned_adder_gemm_bound}
+    if profile.accum_model not in models:
+        raise ValueError(f"accum_model must be one of {sorted(models)}; got {profile.accum_model!r}")
+    return models[profile.accum_model](a, w, profile, radius, b_abs)
+
+
+def worst_case_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius, b_abs) -> np.ndarray:
+    """``coef * ((|A| + a_radius) |W|^T + |bias|)`` with ``coef`` of :func:`gemm_coefficient`: any
+    summation order, any chunking (one rounding per add, or 33 ``u_acc`` per 32-wide aligned MMA)."""
+    coef = gemm_coefficient(profile, a.values.shape[1], num_k_blocks(a, w))
+    a_abs = np.abs(a.dequantize()) + (0.0 if radius is None else radius)
+    return coef * (a_abs @ np.abs(w.dequantize()).T + b_abs[None, :])
+
+
+def _products_exact_in_fp32(a: BlockOperand, w: BlockOperand) -> bool:
+    """Element products fit an FP32 significand when both operands' elements are bf16 values (at most 8
+    significant bits: every FP8/FP4/MX/INT8/bf16 element) and finite."""
+    import ml_dtypes
+
+    def bf16_exact(v):
+        v = np.asarray(v, dtype=np.float64)
+        return bool(np.all(np.isfinite(v)) and np.array_equal(v.astype(ml_dtypes.bfloat16).astype(np.float64), v))
+
+    return bf16_exact(a.values) and bf16_exact(w.values)
+
+
+def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius, b_abs) -> np.ndarray:
+    """Data-dependent bound for FP32 accumulation in any order built from contiguous K ranges.
+
+    **Declared arithmetic.** Each output element ``C = sum_i p_i (+ b)``, ``p_i = a_i s_a(i) w_i s_w(i)``,
+    is computed by a tree over its K products in which every node's exact value is the sum of the
+    products of one *lane of a contiguous range*: ``{i in [lo, hi) : i = r mod L}`` for some
+    ``L`` in :data:`TREE_LANES` (``L = 1``: a contiguous range). That covers sequential FMA chains
+    forward or backward, any K chunking or split-K with the chunk sums added in any order of
+    contiguous ranges, pairwise trees, tensor-core MMAs (the accumulator and the MMA's products are
+    contiguous ranges) and SIMD dot products with ``L`` interleaved accumulators reduced by halving
+    (lane ``r`` + lane ``r + L/2`` is lane ``r`` of ``L/2``). A node adds ``m >= 2`` children with a local
+    error at most ``lambda_m u max(|children|, |result|)``: ``lambda_2 = 1`` for an IEEE
+    round-to-nearest add or FMA; a tensor-core aligned adder that cuts every addend toward zero to the
+    FP32 ulp of the largest (grid ``2^(e + 1) u``, ``e = floor(log2 max)``: each of the other ``m - 1``
+    addends loses less than ``2 u max``, the largest, an FP32 value of that binade, nothing) and
+    truncates the normalised sum to 24 bits (less than ``2 u |result|``) has ``lambda_m = 2m`` (Fasi,
+    Higham, Mikaitis and Pranesh, PeerJ CS 2021, for the model). ``profile.adder_factor`` is
+    ``rho >= lambda_m / (m - 1)`` (1 for IEEE adds; 2.25 covers aligned adders of ``m >= 9`` addends: an
+    8-or-wider MMA plus its accumulator). Products of elements are exact when both operands hold
+    bf16-representable elements (FP8, FP4, INT8, bf16); otherwise each is rounded once (``u``) or, in an
+    aligned adder, is a largest addend off the grid (less than ``2 u |p|``, once per product), so
+    ``u_prod = 2 u``; each product meets its two scale factors once, in FP32 multiplications on a node
+    inside one scale block (per product, or per chunk as DeepGEMM does); the bias is added once.
+
+    **Bound.** Let ``P^(L,r)_j`` be the exact prefix sums of lane ``r`` of ``L`` and ``R`` the largest
+    range ``max_j P - min_j P`` (with ``P_0 = 0``) over every lane of every ``L``: every node's exact
+    value ``|c(v)| <= R``. ``W = sum_i |p_i|``. Let ``e(v)`` be the local error of node ``v`` (in the
+    scaled domain: a node below its scale multiplication counts at its exact scale, a change of unit)
+    and ``B = sum_v |e(v)|``; the error of the root is at most ``B``, and every node's computed value is
+    within ``B`` of its exact value, so ``|child|, |result| <= R + B``. There are ``K - 1`` adds in a
+    binary tree; a node of ``m`` children stands for ``m - 1`` of them, so the adds contribute at most
+    ``rho (K - 1) u (R + B)``. The scaled nodes are disjoint ranges: their exact values sum to at most
+    ``W`` and the errors below them to at most ``B``, so the two scale roundings contribute
+    ``gamma(2, u_fp32) (W + B)``; inexact products ``u_prod W``. Solving for ``B``::
+
+        B <= (rho (K - 1) u R + (gamma(2, u_fp32) + u_prod) W) / (1 - rho (K - 1) u - gamma(2, u_fp32))
+
+    and the bias add contributes ``u_fp32 (|C| + B + |b|)``. For random signs ``R ~ 2.5 sqrt(K) |p|`` while
+    ``W ~ 0.8 K |p|``: the bound is ``O(K^1.5)`` instead of the worst case's ``O(K^2)``, and ``R <= W``
+    always, so it is never looser than the same count of roundings applied to ``W``.
+
+    With ``a_radius`` (``A~`` anywhere in the box) every range sum and ``W`` grow by at most
+    ``D = a_radius |W|^T``. The float64 evaluation (products, prefix sums) is covered by widening ``R``
+    and ``W`` by ``2 gamma(K + 2, 2^-53) W``; FP32 underflow by ``(K + 2) 2^-149``.
+
+    Cost: ``len(TREE_LANES)`` prefix sums of the ``[M, N, K]`` product tensor (in row blocks).
+    """
+    m, k = a.values.shape
+    n = w.values.shape[0]
+    if m == 0 or n == 0:
+        return np.zeros((m, n))
+    u = float(profile.accum_unit)
+    rho = float(profile.adder_factor)
+    u_prom = float(profile.promote_unit)
+    ad, wd = a.dequantize(), w.dequantize()
+    lanes = max(TREE_LANES)
+    kp = -(-max(k, 1) // lanes) * lanes
+    if kp != k:
+        ad = np.pad(ad, ((0, 0), (0, kp - k)))
+        wd = np.pad(wd, ((0, 0), (0, kp - k)))
+    d = np.zeros((m, n)) if radius is None else (radius @ np.abs(w.dequantize()).T) * (1.0 + gamma(k + 2, U_F64))
+    rng = np.zeros((m, n))
+    wsum = np.zeros((m, n))
+    csum = np.zeros((m, n))
+    at, wt = np.ascontiguousarray(ad.T), np.ascontiguousarray(wd.T)  # K-major: the walks run along axis 0
+    nb = max(1, min(n, _CACHE_ELEMS // kp))
+    rb = max(1, _CACHE_ELEMS // (kp * nb))
+    for r0 in range(0, m, rb):  # tiles of [K, rb, nb] products stay in cache through the passes below
+        r1 = min(r0 + rb, m)
+        for n0 in range(0, n, nb):
+            n1 = min(n0 + nb, n)
+            p = at[:, r0:r1, None] * wt[:, None, n0:n1]              # [kp, rb, nb]
+            wsum[r0:r1, n0:n1] = np.abs(p).sum(axis=0)
+            best = np.zeros((r1 - r0, n1 - n0))
+            walk = np.empty_like(p)
+            for lane in TREE_LANES[::-1]:  # a loop over the six lane counts, 32 lanes first
+                wl = walk.reshape(kp // lane, lane, r1 - r0, n1 - n0)
+                np.cumsum(p.reshape(wl.shape), axis=0, out=wl)
+                top = np.maximum(wl.max(axis=0), 0.0)
+                top -= np.minimum(wl.min(axis=0), 0.0)
+                best = np.maximum(best, top.max(axis=0))
+            csum[r0:r1, n0:n1] = walk[-1]
+            rng[r0:r1, n0:n1] = best
+    slack = 2.0 * gamma(kp + 2, U_F64) * wsum
+    r_hi = rng + slack + d
+    w_hi = wsum * (1.0 + gamma(kp + 2, U_F64)) + d
+    c_hi = np.abs(csum) + slack + d
+    sigma = gamma(2, u_prom)
+    u_prod = 0.0 if _products_exact_in_fp32(a, w) else 2.0 * u
+    t = rho * max(k - 1, 0) * u
+    denom = 1.0 - t - sigma
+    if denom <= 0:
+        return np.full((m, n), np.inf)
+    acc = (t * r_hi + (sigma + u_prod) * w_hi) / denom
+    out = acc + u_prom * (c_hi + acc + b_abs[None, :]) + (k + 2) * 2.0**-149
+    return out * (1.0 + 1e-9)
+
+
+def aligned_adder_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius, b_abs) -> np.ndarray:
+    """The Hopper FP8 hardware model, from the actual products (docs/error-bounds.md).
+
+    K is cut into promotion chunks of ``c = promote_every`` columns (``K`` when None), each into MMA
+    steps of ``mma_k`` columns. Each chunk starts a fresh accumulator (DeepGEMM issues the first WGMMA
+    of a promotion block with the accumulator cleared). One MMA step adds its products (exact:
+    FP8/FP4/bf16 products fit an FP32 significand) and the incoming accumulator (steps after the first)
+    in an aligned multi-term adder: every addend is aligned to the largest addend's exponent
+    ``e = floor(log2 max|addend|)`` and cut to a grid no finer than ``2^(e + 1) * u_acc``
+    (``u_acc = 2^-13``: 14 bits kept, plus one bit of headroom for a carry or a 13-bit alignment: twice
+    the grid of a 14-bit significand of the largest), any rounding direction; the sum is exact and then
+    normalised, losing less than ``2 u_acc`` of its magnitude (again one bit of headroom). Block scales
+    are constant over a chunk (DeepGEMM's 1x128 and 128x128 blocks); each chunk is multiplied by its
+    scales and added in FP32. Sources: DeepSeek-V3 technical report §3.3.2 (~14 bits, promotion every
+    128 columns); Fasi, Higham, Mikaitis, Pranesh, "Numerical behavior of NVIDIA tensor cores" (PeerJ CS
+    2021: alignment to the largest exponent, truncation). Per output element, chunk and step ``j``
+    (``P_j`` the products of the step, ``S_j`` the exact partial sum of the chunk through step ``j``,
+    ``E_j`` the error bound so far, ``n_j`` the nonzero products plus 1 for the accumulator when
+    ``j > 0``, ``p2(x) = 2^floor(log2 x)``):
+
+        M_j     = max(max |P_j|, |S_{j-1}| + E_{j-1})          (bound on the largest addend)
+        align_j = n_j * 2 u_acc * p2(M_j)                        (>= n_j * 2^(e + 1) * u_acc)
+        E_j     = E_{j-1} + align_j + 2 u_acc p2(|S_j| + E_{j-1} + align_j)
+
+    and the chunk's accumulator satisfies ``|acc| <= |S| + E``. This runs on the unscaled elements (exact
+    in float64 when ``c * max|a| * max|w| <= 2^53 q_a q_w``, :func:`moeref.gemm.exact.quantum_and_max`) and
+    is multiplied by the chunk's ``|scale_a scale_w|``. Otherwise (a scale block shorter than a chunk,
+    inexact partial sums, or ``a_radius`` given) it runs on the scaled products with ``p2`` replaced by the
+    identity: ``2^floor(log2 x_unscaled) * scale <= x``, whatever the scale, so the bound holds whether the
+    kernel scales before or after accumulating. The promotions, scale products and the bias add are FP32:
+    ``gamma(ceil(K/c) + S + 3, u_fp32) (sum_chunks scale (|S| + E) + |bias|)`` (as in
+    :func:`gemm_coefficient`). With ``a_radius``, ``max |P_j|`` uses ``(|A| + a_radius) |W|`` and ``|S_j|``
+    grows by the partial sums of ``a_radius |W|``. ``M_j`` is widened by ``2^-40`` before ``p2`` and the
+    result by ``1e-9`` relative, for the float64 rounding of the bound's own arithmetic.
+
+    Cost: the product tensor ``[M, N, K]`` in float64 (in row blocks of at most 2^22 elements) plus an
+    ``O(M N K / mma_k)`` recurrence: fine for test-sized layers, not for production shapes.
+    """
+    m, k = a.values.shape
+    n = w.values.shape[0]
+    s_blocks = num_k_blocks(a, w)
+    c = max(1, k if profile.promote_every is None else min(int(profile.promote_every), k))
+    n_prom = -(-k // c) + s_blocks + 3
+    g_prom = gamma(n_prom, profile.promote_unit)
+    if m == 0 or n == 0 or k == 0:
+        return np.broadcast_to(g_prom * b_abs, (m, n)).copy()
+    mma = int(profile.mma_k)
+    steps = -(-c // mma)
+    nch = -(-k // c)
+    # chunk-major column grid [nch, steps * mma]: column index or -1 (padding: zero products)
+    pos = np.arange(steps * mma)
+    cols = np.arange(nch)[:, None] * c + pos[None, :]
+    cols = np.where((pos[None, :] < c) & (cols < k), cols, -1)
+
+    def gathered(x):  # [R, K] -> [R, nch, steps, mma], zeros at padding
+        g = np.where(cols >= 0, x[:, np.maximum(cols, 0)], 0.0)
+        return g.reshape(x.shape[0], nch, steps, mma)
+
+    # exact domain: the unscaled element products and chunk sums are exact in float64 and every chunk
+    # lies in one scale block of each operand, so the adder's grid is known up to a power of two
+    blk = np.arange(nch) * c
+    last = np.minimum(blk + c, k) - 1
+    const_scales = all(np.array_equal(blk // op.block[1], last // op.block[1]) for op in (a, w))
+    exact = radius is None and const_scales and bool(np.all(np.isfinite(a.values)) and np.all(np.isfinite(w.values)))
+    if exact:
+        qa, ma = quantum_and_max(a.values)
+        qw, mw = quantum_and_max(w.values)
+        exact = ma == 0 or mw == 0 or c * ma * mw <= 2.0**53 * qa * qw
+    if exact:
+        ac, bd = gathered(a.values.astype(np.float64)), gathered(w.values.astype(np.float64))
+        sa = np.abs(a.scales[(np.arange(m) // a.block[0])[:, None], (blk // a.block[1])[None, :]])
+        sw = np.abs(w.scales[(np.arange(n) // w.block[0])[:, None], (blk // w.block[1])[None, :]])
+
+        def grid(x):  # 2^floor(log2 x) (0 for x = 0), x widened by 2^-40 for the float64 sums of E
+            _, ex = np.frexp(x * (1.0 + 2.0**-40))
+            return np.where(x > 0, np.ldexp(1.0, ex - 1), 0.0)
+    else:
+        ac, bd = gathered(a.dequantize()), gathered(w.dequantize())
+
+        def grid(x):  # scaled domain: 2^floor(log2 x_unscaled) * scale <= x
+            return x
+    ar = None if radius is None else gathered(radius)
+    bd_abs = np.abs(bd)
+    au = np.abs(ac) if ar is None else np.abs(ac) + ar
+    u2 = 2.0 * profile.accum_unit
+    out = np.empty((m, n))
+    rb = max(1, _BLOCK_ELEMS // max(1, n * nch * steps * mma))
+    for r0 in range(0, m, rb):  # row blocks bound the memory of the [rb, N, K] product tensor
+        r1 = min(r0 + rb, m)
+        p_abs = au[r0:r1, None] * bd_abs[None]                           # [rb, N, nch, steps, mma]
+        p_max = p_abs.max(axis=-1)
+        cnt = np.count_nonzero(p_abs, axis=-1).astype(np.float64)
+        s_part = np.abs(np.cumsum((ac[r0:r1, None] * bd[None]).sum(axis=-1), axis=-1))  # |S_j|
+        if ar is not None:
+            s_part = s_part + np.cumsum((ar[r0:r1, None] * bd_abs[None]).sum(axis=-1), axis=-1)
+        err = np.zeros(p_max.shape[:-1])                                 # [rb, N, nch]
+        prev = np.zeros_like(err)                                        # |S_{j-1}| + E_{j-1}
+        for j in range(steps):  # <= promote_every / mma_k steps (4 for DeepGEMM): the recurrence
+            align = (cnt[..., j] + (j > 0)) * u2 * grid(np.maximum(p_max[..., j], prev))
+            err = err + align + u2 * grid(s_part[..., j] + err + align)
+            prev = s_part[..., j] + err
+        if exact:
+            scale = sa[r0:r1, None, :] * sw[None, :, :]
+            err, prev = err * scale, prev * scale
+        out[r0:r1] = err.sum(axis=-1) + g_prom * (prev.sum(axis=-1) + b_abs[None, :])
+    return out * (1.0 + 1e-9)
