@@ -256,9 +256,10 @@ for _p in (
     ),
     Preset(
         "deepgemm",
-        "DeepGEMM deep_gemm/utils/math.py: amax.clamp(1e-4), sf = amax / M, ceil_to_ue8m0 "
-        "clamp [1, 254] (NaN/Inf -> 254), x * (1/sf), torch cast (2.13: saturating); FP4: "
-        "bucketize ties toward zero, no -0, NaN -> 0.",
+        "DeepGEMM deep_gemm/utils/math.py: amax.clamp(1e-4), sf = amax / M (FP32 scales: sf "
+        "itself; UE8M0 scales: ceil_to_ue8m0(sf) clamped to [1, 254], NaN/Inf -> 254), "
+        "x * (1/sf), torch cast (2.13: saturating); FP4: bucketize ties toward zero, no -0, "
+        "NaN -> 0.",
         e8m0_rule="ceil_div", e8m0_clamp=(1, 254), e8m0_nonfinite="clamp", amax_floor=1e-4,
         nonfinite="propagate", apply="mul_recip", fp4_rounding="ties_toward_zero",
         fp4_signed_zero="drop", nan_code=0,
