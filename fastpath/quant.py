@@ -1212,7 +1212,7 @@ def _constexprs_cached(scheme: Scheme, hw_fp8: bool, interp: bool) -> dict:
     M = _ELEM_MAX[el]
     rounding = p.rounding_for(el) if hasattr(p, "rounding_for") else p.rounding
     signed_zero = p.signed_zero_for(el) if hasattr(p, "signed_zero_for") else p.signed_zero
-    nan_code = p.nan_code if p.nan_code is not None else 0
+    nan_code = p.nan_code_for(el) if p.nan_code_for(el) is not None else 0
     if el == "e4m3fn":
         fill = 0x7F
     elif el == "e5m2":

@@ -126,9 +126,14 @@ class Preset:
             elements only (DeepGEMM casts FP8 with torch, RNE and signed zeros, but FP4 with its
             own ``bucketize``: ties toward zero, no -0). None = same as for other formats.
         nan_code: element code for NaN inputs in element formats without NaN (E2M1, FP6, INT);
-            None raises, as the codec does.
+            None raises, as the codec does. Per-format overrides go in the ``"nan_codes"``
+            option (:meth:`nan_code_for`).
         options: free-form extra knobs for families built on this engine (NVFP4 op order ...),
-            as a tuple of ``(name, value)`` pairs; read with :meth:`option`.
+            as a tuple of ``(name, value)`` pairs; read with :meth:`option`. ``"nan_codes"``:
+            ``((format name, code), ...)``, the code a NaN takes in that element format, before
+            ``nan_code`` (the torchao presets: E2M1 0x3, E2M3 0xC, E3M2 0xE, what torchao's
+            ``_f32_to_floatx_unpacked`` gives the quiet NaN ``0x7FC00001`` that ``x * NaN``
+            yields on CPU, so NaN-scale blocks hold the codes torchao writes).
     """
 
     name: str
@@ -186,6 +191,15 @@ class Preset:
             return self.fp4_rounding
         return self.rounding
 
+    def nan_code_for(self, element) -> int | None:
+        """NaN code for ``element`` (format name or ElementFormat) when it has no NaN: the
+        ``"nan_codes"`` option's entry for it, else :attr:`nan_code`."""
+        name = get_format(element).name
+        for fmt, code in self.option("nan_codes", ()):
+            if fmt == name:
+                return code
+        return self.nan_code
+
     def signed_zero_for(self, element) -> str:
         if self.fp4_signed_zero is not None and get_format(element).name == "e2m1":
             return self.fp4_signed_zero
@@ -219,6 +233,10 @@ def get_preset(preset) -> Preset:
     return PRESETS[preset]
 
 
+# torchao's E2M1/FP6 cast (custom_fp_utils._f32_to_floatx_unpacked) of the quiet NaN that
+# x * NaN gives on CPU: inside a NaN-scale block every element is that NaN.
+_TORCHAO_NAN_CODES = (("e2m1", 0x3), ("e2m3", 0xC), ("e3m2", 0xE))
+
 for _p in (
     Preset(
         "default",
@@ -230,23 +248,26 @@ for _p in (
     ),
     Preset(
         "ocp",
-        "OCP MX v1.0 §6.3 as torchao implements it (mx_tensor.py to_mx, FLOOR): "
-        "2^(floor(log2 amax) - emax), NaN/Inf block -> 0xFF + NaN data, x * 2^-k, RNE, saturate.",
+        "OCP MX v1.0 §6.3 as torchao's main branch implements it (mx_tensor.py to_mx, FLOOR; "
+        "not the 0.18.0 release, docs/mx-formats.md): 2^(floor(log2 amax) - emax), NaN/Inf "
+        "block -> 0xFF + NaN data (E2M1 0x3, FP6 0xC/0xE as torchao), x * 2^-k, RNE, saturate.",
         e8m0_rule="floor", apply="mul_recip", nonfinite="nan_block", e8m0_nonfinite="nan",
+        options=(("nan_codes", _TORCHAO_NAN_CODES),),
     ),
     Preset(
-        "torchao_ceil", "torchao to_mx ScaleCalculationMode.CEIL.",
-        e8m0_rule="ceil", apply="mul_recip",
+        "torchao_ceil", "torchao to_mx ScaleCalculationMode.CEIL (main branch, not 0.18.0).",
+        e8m0_rule="ceil", apply="mul_recip", options=(("nan_codes", _TORCHAO_NAN_CODES),),
     ),
     Preset(
-        "torchao_even", "torchao to_mx ScaleCalculationMode.EVEN.",
-        e8m0_rule="even", apply="mul_recip",
+        "torchao_even", "torchao to_mx ScaleCalculationMode.EVEN (main branch, not 0.18.0).",
+        e8m0_rule="even", apply="mul_recip", options=(("nan_codes", _TORCHAO_NAN_CODES),),
     ),
     Preset(
         "torchao_rceil",
-        "torchao to_mx ScaleCalculationMode.RCEIL (_to_mx_rceil / _f32_to_e8m0_rceil, cuBLAS): "
-        "ceil2(amax * fl(1/M)), non-satfinite (Inf/NaN -> 0xFF).",
+        "torchao to_mx ScaleCalculationMode.RCEIL (main branch, not 0.18.0; _to_mx_rceil / "
+        "_f32_to_e8m0_rceil, cuBLAS): ceil2(amax * fl(1/M)), non-satfinite (Inf/NaN -> 0xFF).",
         e8m0_rule="rceil", apply="mul_recip", e8m0_nonfinite="nan",
+        options=(("nan_codes", _TORCHAO_NAN_CODES),),
     ),
     Preset(
         "te_mxfp8",
