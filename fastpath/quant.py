@@ -29,7 +29,7 @@ payload is not kept), E8M0 scales from exponent bits, and element codes from
 ``cvt.rn.satfinite`` (``hw_fp8=True``, the default on CUDA for saturating RNE presets): the GPU
 suite checks that both give identical codes. NaN element codes are compared modulo their sign
 bit: IEEE leaves the sign of a NaN produced by arithmetic unspecified (x86 yields -NaN for
-0 * Inf, CUDA +NaN; formats-semantics notes §4.2).
+0 * Inf, CUDA +NaN).
 
 Tiles: a program quantizes ``BLOCK_M`` rows x ``GPP`` groups (about 4096 elements). FP8 uses
 plain ``[BLOCK_M, GPP, GB]`` tiles. FP4 packs element pairs into bytes, and ``swigluoai`` reads

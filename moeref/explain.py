@@ -11,7 +11,7 @@ The default example (``seed=0``) is hand-picked: 32 values in two rows of 16 for
 row of 32, holding ties of E2M1 rounding (2.5, -5, 0.25, 1.75, 3.5, 0.75, 1.25), a tiny negative
 value, and a second block whose amax 1.125 puts the NVFP4 scale exactly on a UE4M3 tie (84 lies
 half-way between 80 and 88), which TransformerEngine's and FlashInfer's operation orders round
-differently (notes §4.4). Any other seed draws random data with a few outliers.
+differently (radixark/miles PR #1054). Any other seed draws random data with a few outliers.
 
 Plain data (:func:`explain_steps`) is separate from the ``rich`` rendering (:func:`explain`) so
 that both can be tested; :func:`explain_text` renders to a string.

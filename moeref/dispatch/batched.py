@@ -1,5 +1,5 @@
 """vLLM's batched-experts layout (``FusedMoEActivationFormat.BatchedExperts``,
-``BatchedPrepareAndFinalize``; notes: moe-semantics.md section 2.6).
+``BatchedPrepareAndFinalize``).
 
 * ``a``: ``[E_local, max_tokens_per_dispatcher * num_dispatchers, K]``: a fixed capacity per expert
   (the masked layout with ``max_m`` fixed by the dispatcher configuration); rows past the count are

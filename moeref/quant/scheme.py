@@ -2,7 +2,7 @@
 (element format + block shape + scale format + preset), with a registry of named presets.
 
 A *scheme* says WHAT is stored: element format, which blocks share a scale, how scales are stored.
-A *preset* says HOW the numbers are computed, knob by knob (research notes §7): the anchors
+A *preset* says HOW the numbers are computed, knob by knob: the anchors
 (OCP MX v1.0, torchao, TransformerEngine, DeepGEMM, vLLM, microxcaling) agree on the storage and
 disagree on the arithmetic, so every disagreement is a named field here, and each anchor is one
 named preset (:data:`PRESETS`). docs/fp8-scaling.md and docs/mx-formats.md tabulate them.
@@ -62,7 +62,7 @@ SCALE_FORMATS = ("fp32", "ue8m0", "ue4m3")
 
 @dataclass(frozen=True)
 class Preset:
-    """Every arithmetic knob of a blockwise quantizer, named (notes §7).
+    """Every arithmetic knob of a blockwise quantizer, named.
 
     Attributes:
         name: registry key.
@@ -297,7 +297,7 @@ for _p in (
     Preset(
         "vllm",
         "vLLM per_token_group_quant_fp8 (fp8_utils.py, Triton path): amax = max(amax, 1e-10), "
-        "s = amax / M, UE8M0 = 2^ceil(log2 s) (exact; GPU log2f may differ, notes TV11), "
+        "s = amax / M, UE8M0 = 2^ceil(log2 s) (exact; GPU log2f may differ, sglang#29954), "
         "q = clamp(x / s, -M, M).",
         e8m0_rule="ceil_div", amax_floor=1e-10, nonfinite="propagate", apply="div",
     ),

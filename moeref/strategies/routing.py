@@ -3,7 +3,7 @@
 Everything shrinks toward the smallest case: one token, one expert, ``top_k = 1``, no padding, no
 EP, the first listed distribution. A failing property then reports e.g. "1 token, expert 0, k=1".
 
-Distributions (``ROUTING_KINDS``), each a known bug class (moe-semantics.md sections 0.9 and 9):
+Distributions (``ROUTING_KINDS``), each a known bug class (the issues and PRs cited per row):
 
 ==================  ===========================================================================
 ``uniform``         every token picks ``k`` distinct experts uniformly (vLLM's harness: randperm)
