@@ -63,6 +63,8 @@ import triton.language as tl
 from moeref.quant.scheme import Scheme
 
 from . import _packed_fp4 as PK
+from ._host import alloc as _alloc  # every buffer the kernels write (the tests' poisoning hook)
+from ._host import next_pow2 as _next_pow2
 from . import _triton_rounding as R
 
 __all__ = [
@@ -77,14 +79,6 @@ __all__ = [
 SCALE_LAYOUTS = ("row_major", "mn_major", "packed_ue8m0", "swizzled_128x4")
 MAX_GROUP = 32768
 
-
-def _alloc(*shape, **kw) -> torch.Tensor:
-    """Every buffer the kernels write comes from here (``torch.empty``); :mod:`fastpath.testing`
-    swaps it for a poisoning allocator so that an element a kernel fails to write is caught."""
-    return _ALLOCATOR(*shape, **kw)
-
-
-_ALLOCATOR = torch.empty
 
 _ELEM = {"e4m3fn": 0, "e5m2": 1, "e2m1": 2}
 _ELEM_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0, "e2m1": 6.0}
@@ -1165,10 +1159,6 @@ def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_majo
         if kind == "per_tensor" and scheme.static_scale is None and x.dim() < 1:
             return False, "per-tensor needs at least one axis"
     return True, "ok"
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def scale_storage_shape(shape, scheme: Scheme, scale_layout: str) -> tuple[tuple[int, ...], torch.dtype, tuple]:

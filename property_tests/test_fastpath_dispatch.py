@@ -7,8 +7,9 @@ integer views, so NaN payloads, -0.0 and fp8 codes must survive. Float reduction
 dot product, ``|out - ref| <= gamma_k * sum_j |w_j x_j|`` plus the output rounding, where ``ref`` is
 the reference's float64 sum.
 
-Every buffer the kernels write is poisoned before each run (``fastpath.dispatch._alloc`` is
-replaced by an allocator that fills NaN / 0x5A sentinels), so an element no kernel wrote is caught.
+Every buffer the kernels write is poisoned before each run (:func:`fastpath.testing.poisoned`, the
+one allocation hook of the fast paths, fills it with 0xA5 bytes), so an element no kernel wrote is
+caught.
 
 On CPU the kernels run under Triton's interpreter (conftest sets TRITON_INTERPRET=1): small shapes,
 few examples. On a GPU the same properties run with more examples and larger shapes, plus the
@@ -30,6 +31,7 @@ from moeref.routing import expert_map as make_expert_map  # noqa: E402
 from moeref.strategies import ep_shards, routings  # noqa: E402
 
 import fastpath.dispatch as fast  # noqa: E402
+from fastpath.testing import poisoned  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -49,18 +51,10 @@ SLOW = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCh
 # ----------------------------------------------------------------------------------------------
 # Poisoned allocation
 # ----------------------------------------------------------------------------------------------
-def _poisoned_empty(shape, dtype, device):
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if t.is_floating_point():
-        t.view(torch.uint8).fill_(0xFF)  # NaN in every float format with a NaN; 0xFF.. bit pattern
-    else:
-        t.view(torch.uint8).fill_(0x5A)  # 0x5A5A5A5A: no valid index, count or offset
-    return t
-
-
 @pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    monkeypatch.setattr(fast, "_alloc", _poisoned_empty)
+def poison():
+    with poisoned():   # 0xA5A5A5A5 as an index, count or offset is negative: never valid
+        yield
 
 
 def _np(t):
@@ -405,11 +399,12 @@ def test_errors_name_the_argument():
 
 def test_poison_is_detected():
     """Meta-test: the poisoned allocator makes an unwritten element fail the comparison."""
-    buf = _poisoned_empty(4, torch.int32, DEVICE)
+    buf = fast._alloc(4, torch.int32, DEVICE)         # the kernels' allocator, poisoned here
+    assert _np(buf).view(np.uint32).tolist() == [0xA5A5A5A5] * 4
     with pytest.raises(AssertionError, match="differ"):
         _assert_same("probe", np.zeros(4, dtype=np.int32), buf)
-    fbuf = _poisoned_empty(4, torch.bfloat16, DEVICE)
-    assert torch.isnan(fbuf.float()).all()
+    fbuf = fast._alloc(4, torch.bfloat16, DEVICE)
+    assert _np(fbuf).view(np.uint16).tolist() == [0xA5A5] * 4
 
 
 # ----------------------------------------------------------------------------------------------

@@ -404,6 +404,3 @@ def global_scale_as(q: QuantizedTensor, convention: str) -> np.float32:
         return np.float32(g * _PRODUCT)
     return np.float32(np.inf) if g == 0 else np.float32(1.0 / g)
 
-
-#: Scheme factories merged into the shared registry ``moeref.quant.SCHEMES``.
-SCHEMES = {"nvfp4": nvfp4, "nvfp4_weight": nvfp4_weight}
