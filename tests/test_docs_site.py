@@ -110,7 +110,7 @@ def test_site_builds_strict_with_every_page_and_the_api_reference(site):
     formats_api = (site / "api" / "formats" / "index.html").read_text()
     assert "<blockquote>" not in formats_api
     assert '<span class="gp">&gt;&gt;&gt; </span>' in formats_api      # a highlighted prompt
-    for fig in set(PAGES.values()) | {"failing_report.png", "swizzle_128x4.png"}:
+    for fig in set(PAGES.values()) | {"annotated_report.png", "swizzle_128x4.png"}:
         assert (site / "figures" / fig).stat().st_size > 10_000, fig
 
 

@@ -1,4 +1,4 @@
-"""Draw an annotated failing report of moeref.compare (docs/figures/failing_report.png).
+"""Draw an annotated failing report of moeref.compare (docs/figures/annotated_report.png).
 
 The demo's FP8 layer with outputs scaled to about 1e-2 (vLLM's test scale), token 0 sent to a wrong
 expert; the report is the real ``Report.summary()`` text of that comparison, and the notes in the
@@ -6,7 +6,7 @@ margin say how to read it: the bound check fails and names the token and its exp
 vLLM tolerances on the same output pass (DeepGEMM's ``calc_diff`` fails here only because the
 layer has 16 tokens; one wrong row among thousands stays under its threshold).
 
-Run from the repository root: ``python docs/figures/failing_report.py``.
+Run from the repository root: ``python docs/figures/annotated_report.py``.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from moeref.compare import FP32_ACCUM, compare  # noqa: E402
 from moeref.compare.faults import FAULTS, reference  # noqa: E402
 from moeref.moe.demo import demo_case  # noqa: E402
 
-OUT = os.path.join(os.path.dirname(__file__), "failing_report.png")
+OUT = os.path.join(os.path.dirname(__file__), "annotated_report.png")
 FAULT = "token 0 routed to a wrong expert"
 
 
