@@ -3,8 +3,8 @@
 A :class:`LayerCase` bundles one layer call (tokens, weights, routing, options). :func:`reference`
 runs the traced reference. :data:`HONEST` variants compute the same layer with other legal
 arithmetic (FP32 accumulation in other orders and K-chunkings, an emulated Hopper FP8 accumulator
-of 14 bits promoted every 128 columns, torch bf16 matmuls); :data:`FAULTS` are bug classes reported against
-MoE kernels (module :mod:`moeref.compare` and docs/error-bounds.md list them): all-zero output, a dropped top-k slot, gate/up swapped, one token routed to a
+of 14 bits promoted every 128 columns, torch bf16 matmuls); :data:`FAULTS` are the bugs of
+moe-semantics.md §9: all-zero output, a dropped top-k slot, gate/up swapped, one token routed to a
 wrong expert, router weights applied twice, a scale from the neighbouring block, the intermediate
 not re-quantized, an output row left unwritten (NaN-poisoned buffer).
 """

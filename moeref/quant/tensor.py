@@ -268,7 +268,7 @@ def requantize(q: QuantizedTensor, target: Scheme, *, prefer_exact: bool = True)
     """Convert ``q`` to ``target`` by requantizing the DATA: exact dequantization, then quantization.
 
     Rounding a scale without re-encoding the data shipped two silently wrong checkpoints
-    (huggingface/transformers#47030, sgl-project/sglang PR #28307); this never does
+    (huggingface/transformers#47030, sgl-project/sglang PR #28307; notes §5); this never does
     that. The target's rule runs on the exact source values (float32 input when every value is a
     float32, so the anchors' float32 arithmetic applies; float64 otherwise). When that is lossy
     and ``prefer_exact``, a second candidate keeps each source block's decode scale (target
