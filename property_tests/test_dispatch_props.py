@@ -26,7 +26,10 @@ from moeref.dispatch import (
     weight_and_reduce,
 )
 from moeref.routing import to_local_ids
-from moeref.strategies import alignments, ep_shards, routings
+from moeref.strategies import OPT_IN_KINDS, ROUTING_KINDS, alignments, ep_shards, routings
+
+# every distribution, the opt-in repeated-expert routings included (each slot is its own row)
+ALL_KINDS = ROUTING_KINDS + OPT_IN_KINDS
 
 K = 3  # hidden size: rows are moved, never mixed, so a small K loses nothing
 
@@ -76,7 +79,7 @@ def oracle_groups(case, emap=None):
     return groups
 
 
-routing_and_shard = routings(allow_zero_tokens=True).flatmap(
+routing_and_shard = routings(allow_zero_tokens=True, kinds=ALL_KINDS).flatmap(
     lambda c: st.tuples(st.just(c), st.one_of(st.none(), ep_shards(c.num_experts, max_ep_size=4)))
 )
 
@@ -226,7 +229,7 @@ def test_finalize_from_every_layout_equals_the_oracle(case_shard, alignment):
 
 
 @settings(max_examples=50)
-@given(routings(max_tokens=6), st.integers(1, 4), st.sampled_from(["linear", "round_robin"]))
+@given(routings(max_tokens=6, kinds=ALL_KINDS), st.integers(1, 4), st.sampled_from(["linear", "round_robin"]))
 def test_union_of_ep_shards_equals_the_unsharded_output(case, ep_size, strategy):
     """Sum over ranks of each rank's output = the full output (FlashInfer #3547: offset > 0 shard
     gave zeros), and the ranks' slots partition the present slots."""
@@ -248,7 +251,7 @@ def test_union_of_ep_shards_equals_the_unsharded_output(case, ep_size, strategy)
     assert sorted(seen) == np.flatnonzero(case.ids.reshape(-1) >= 0).tolist()
 
 
-@given(routings(allow_padding=False), st.data())
+@given(routings(allow_padding=False, kinds=ALL_KINDS), st.data())
 def test_padding_tokens_contribute_nothing(case, data):
     """Inserting padding tokens (ids -1, any weights, any hidden) changes no real token's output and
     their own output is exactly 0 (vLLM PR #46428, SGLang PR #25852)."""

@@ -28,7 +28,7 @@ pytest.importorskip("triton")
 import moeref.dispatch as ref  # noqa: E402
 from moeref import _interop  # noqa: E402
 from moeref.routing import expert_map as make_expert_map  # noqa: E402
-from moeref.strategies import ep_shards, routings  # noqa: E402
+from moeref.strategies import OPT_IN_KINDS, ROUTING_KINDS, ep_shards, routings  # noqa: E402
 
 import fastpath.dispatch as fast  # noqa: E402
 from fastpath.testing import poisoned  # noqa: E402
@@ -89,7 +89,7 @@ def _t(a, dtype=None):
 def cases(draw, max_tokens=MAX_TOKENS, allow_zero=True):
     """(RoutingCase, expert_map or None, ids dtype)."""
     r = draw(routings(max_tokens=max_tokens, max_experts=MAX_EXPERTS, max_top_k=MAX_TOPK,
-                      allow_zero_tokens=allow_zero))
+                      allow_zero_tokens=allow_zero, kinds=ROUTING_KINDS + OPT_IN_KINDS))
     emap = None
     if draw(st.booleans()):
         emap = draw(ep_shards(r.num_experts, max_ep_size=4)).expert_map

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from moeref.routing import (
@@ -226,8 +226,11 @@ def test_hot1_has_an_expert_in_every_token(case):
 # ``hypothesis.find`` shrinks from random starting points and is not guaranteed to reach the
 # globally smallest case: under a randomised profile (``dev``) the third search below returned a
 # larger case in two of four runs. Shrink quality is a property of the strategies' *order*, so it
-# is tested derandomised (the same search every run, whatever the profile or seed).
-_FIND = settings(derandomize=True, database=None, max_examples=200)
+# is tested derandomised, with the phases named (generate, then shrink): with the default phases
+# the first search returned a 'skewed_logits' case whenever moeref.quant had been imported first
+# (test-order dependent), with these it returns the smallest case in every order tried.
+_FIND = settings(derandomize=True, database=None, max_examples=200,
+                 phases=[Phase.generate, Phase.shrink])
 
 
 def test_strategies_shrink_to_the_smallest_case():

@@ -11,15 +11,22 @@ Distributions (``ROUTING_KINDS``), each a known bug class (the issues and PRs ci
 ``all_to_one``      every token picks the same ``k`` experts (maximal skew)
 ``zipf``            experts drawn with Zipf(1.2)-skewed probabilities, without replacement
 ``empty_experts``   ids drawn from a subset of the experts, so some experts get nothing
-``repeated_experts`` ids drawn with replacement: a token may pick one expert twice (vLLM's kernels
-                    and tests accept it; each slot is its own row, :mod:`moeref.routing.ids`);
-                    with ``k >= 2`` the first token always does
 ``tied_logits``     logits from a 3-value set: exact ties at the top-k boundary (tie policy)
 ``negative_logits`` every logit negative (FlashInfer #2822 / vLLM #37591)
 ``nonfinite``       logits with +-inf and NaN entries (declared NaN policy)
 ``skewed_logits``   logits + a linspace(8, -8) expert bias (FlashInfer fuzzer "imbalanced")
 ``negative_bias``   sigmoid scores + a per-expert correction bias that may be negative everywhere,
                     routed by ``biased_topk`` (FlashInfer #2168, SGLang PR #3705)
+==================  ===========================================================================
+
+Opt-in (``OPT_IN_KINDS``, not drawn unless named in ``kinds=``):
+
+==================  ===========================================================================
+``repeated_experts`` ids drawn with replacement: a token may pick one expert twice (vLLM's kernels
+                    and tests accept it; each slot is its own row, :mod:`moeref.routing.ids`);
+                    with ``k >= 2`` the first token always does. Opt-in because kernels built
+                    on a per-rank or per-(token, expert) deduplication (DeepEP-style dispatch)
+                    cannot take repeats; name it where the kernel under test accepts them.
 ==================  ===========================================================================
 
 Logit-based kinds route with :func:`moeref.routing.softmax_topk` (renormalize=True), except
@@ -42,6 +49,7 @@ __all__ = [
     "BLACKWELL_ALIGNMENTS",
     "ID_KINDS",
     "LOGIT_KINDS",
+    "OPT_IN_KINDS",
     "ROUTING_KINDS",
     "EPShard",
     "RoutingCase",
@@ -54,9 +62,11 @@ __all__ = [
     "token_counts",
 ]
 
-ID_KINDS = ("uniform", "hot1", "all_to_one", "zipf", "empty_experts", "repeated_experts")
+ID_KINDS = ("uniform", "hot1", "all_to_one", "zipf", "empty_experts")
 LOGIT_KINDS = ("tied_logits", "negative_logits", "nonfinite", "skewed_logits", "negative_bias")
 ROUTING_KINDS = ID_KINDS + LOGIT_KINDS
+#: kinds drawn only when named in ``routings(kinds=...)`` (module docstring)
+OPT_IN_KINDS = ("repeated_experts",)
 #: the kinds :func:`router_logits` draws ("grid": multiples of 1/8 in [-8, 8])
 ROUTER_LOGIT_KINDS = ("grid", "tied_logits", "negative_logits", "nonfinite", "skewed_logits")
 
@@ -210,8 +220,9 @@ def routings(*, kinds=ROUTING_KINDS, **kwargs) -> st.SearchStrategy["RoutingCase
     """A :class:`RoutingCase` (module docstring). Sizes may be fixed by passing ints or strategies
     for ``num_tokens`` / ``num_experts`` / ``top_k``; other keywords: ``max_tokens``,
     ``max_experts``, ``max_top_k``, ``allow_padding``, ``allow_zero_tokens``. ``kinds`` must name
-    distributions of :data:`ROUTING_KINDS`; an unknown one raises ``ValueError`` here."""
-    return _routings(kinds=_check_kinds(kinds, ROUTING_KINDS, "routings"), **kwargs)
+    distributions of :data:`ROUTING_KINDS` or :data:`OPT_IN_KINDS`; an unknown one raises
+    ``ValueError`` here."""
+    return _routings(kinds=_check_kinds(kinds, ROUTING_KINDS + OPT_IN_KINDS, "routings"), **kwargs)
 
 
 @st.composite
