@@ -31,6 +31,12 @@ from moeref.strategies import OPT_IN_KINDS, ROUTING_KINDS, alignments, ep_shards
 # every distribution, the opt-in repeated-expert routings included (each slot is its own row)
 ALL_KINDS = ROUTING_KINDS + OPT_IN_KINDS
 
+
+def batched_capacity(ids, num_experts, emap=None) -> int:
+    """Rows per expert of the batched layout: the tokens (vLLM's sizing), or more when a token
+    repeats an expert (each slot is a row; moeref.dispatch.batched)."""
+    return max(1, ids.shape[0], int(group_slots(ids, num_experts, emap).counts.max(initial=0)))
+
 K = 3  # hidden size: rows are moved, never mixed, so a small K loses nothing
 
 
@@ -195,7 +201,8 @@ def test_layout_structure_and_sentinels(case_shard, alignment):
     for e, n in enumerate(counts):
         assert sorted(m.src[e, :n].tolist()) == want[e]
         assert (m.src[e, n:] == -1).all() and (m.a[e, n:] == 0).all()
-    b = to_batched(h, case.ids, case.num_experts, max(1, case.num_tokens), expert_map=emap)
+    b = to_batched(h, case.ids, case.num_experts, batched_capacity(case.ids, case.num_experts, emap),
+                   expert_map=emap)
     np.testing.assert_array_equal(b.src[:, : m.max_m], m.src)
     assert (b.src[:, m.max_m:] == -1).all()
 
@@ -210,7 +217,8 @@ def test_finalize_from_every_layout_equals_the_oracle(case_shard, alignment):
     layouts = {
         "contiguous": to_contiguous(h, case.ids, case.num_experts, alignment, emap),
         "masked": to_masked(h, case.ids, case.num_experts, expert_map=emap),
-        "batched": to_batched(h, case.ids, case.num_experts, max(1, case.num_tokens), expert_map=emap),
+        "batched": to_batched(h, case.ids, case.num_experts,
+                              batched_capacity(case.ids, case.num_experts, emap), expert_map=emap),
     }
     for name, lay in layouts.items():
         y = expert_fn(lay.a.reshape(-1, K), lay.src.reshape(-1), case)

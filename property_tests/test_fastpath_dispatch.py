@@ -248,7 +248,8 @@ def test_row_layouts_equal_reference(data):
         _assert_same(f"masked.{name}", getattr(want, name), getattr(got, name))
     assert got.expected_m == want.expected_m
 
-    t = max(1, r.num_tokens) + data.draw(st.integers(0, 3))
+    # rows per expert: the tokens, or more when a token repeats an expert (each slot is a row)
+    t = max(1, r.num_tokens, int(ref.group_slots(ids, e, emap).counts.max(initial=0))) + data.draw(st.integers(0, 3))
     want = ref.to_batched(xn, ids, e, t, 1, emap)
     got = fast.to_batched(x, _t(ids), e, t, 1, emap)
     for name in ("a", "expert_num_tokens", "src"):
@@ -314,7 +315,7 @@ def test_weight_and_reduce_within_bound(case, layout, apply_weights, seed):
     elif layout == "masked":
         lay = ref.to_masked(None, ids, e, None, emap)
     else:
-        lay = ref.to_batched(None, ids, e, r.num_tokens + 1, 1, emap)
+        lay = ref.to_batched(None, ids, e, max(r.num_tokens, int(ref.group_slots(ids, e, emap).counts.max(initial=0))) + 1, 1, emap)
     src = lay.src
     rows = rng.standard_normal(src.shape + (17,)).astype(np.float32)
     rows[src < 0] = np.nan  # padding rows hold garbage: must be ignored
