@@ -159,7 +159,7 @@ def _all_layouts(case, shard, alignment, rows=None):
         rows[g.local_ids < 0] = 0.0
     s = SlotRows(rows, g.local_ids, case.num_tokens, case.top_k, g.num_local_experts)
     params = {"permuted": {}, "contiguous": {"alignment": alignment}, "masked": {},
-              "batched": {"max_tokens_per_dispatcher": max(1, case.num_tokens)}}
+              "batched": {"max_tokens_per_dispatcher": batched_capacity(case.ids, case.num_experts, emap)}}
     return s, {name: from_slot_rows(s, name, **params[name]) for name in LAYOUTS}, params
 
 
