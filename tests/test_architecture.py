@@ -100,6 +100,8 @@ def find_violations(entries, table) -> list[str]:
     bad = []
     for rel, module, targets, lazy in entries:
         src_unit = unit_of(module, table)
+        if src_unit is None:
+            continue  # reported by test_the_table_places_every_unit
         for target in targets:
             dst_unit = unit_of(target, table)
             if dst_unit is None or dst_unit == src_unit or (rel, dst_unit) in ALLOWED:
