@@ -28,7 +28,7 @@ if not HAS_CUDA:
 HYPOTHESIS_PROFILE = os.environ.get("MOEREF_HYPOTHESIS_PROFILE") or (
     "ci" if os.environ.get("CI") else ("gpu" if HAS_CUDA else "dev"))
 
-collect_ignore_glob = ["docs/figures/*.py", "bench/*", "build/*", ".gpu/*", ".venv/*"]
+collect_ignore_glob = ["docs/figures/*.py", "docs/_site/*", "bench/*", "build/*", ".gpu/*", ".venv/*"]
 
 try:
     from hypothesis import HealthCheck, settings

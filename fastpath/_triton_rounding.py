@@ -3,15 +3,14 @@
 Why integer arithmetic instead of ``x.to(tl.float8e4nv)``:
 
 * Hopper (sm_90) has no FP4 (E2M1) and no UE8M0 conversion instruction (``cvt.*.e2m1x2`` and
-  ``cvt.*.ue8m0x2`` are sm_100a+; formats-semantics notes §3.9), so those must be emulated anyway.
+  ``cvt.*.ue8m0x2`` are sm_100a+, PTX ISA ``cvt``), so those must be emulated anyway.
 * Triton's interpreter (``TRITON_INTERPRET=1``, the CPU CI) rounds fp32 -> fp8 casts wrongly: it
   drops the carry when rounding overflows the mantissa (31.28 -> 16), 2-5% of random values are off
-  by a factor of two, and NaN/Inf come out finite (performance-anchors notes, "Interpreter bugs";
-  triton-lang/triton#8322, PR #11897).
+  by a factor of two, and NaN/Inf come out finite (triton-lang/triton#8322, PR #11897).
 * One integer algorithm gives the same codes in the interpreter, on the GPU and in the NumPy
   reference (:func:`moeref.formats.encode`), bit for bit, with every rounding/overflow/NaN choice
   written down here instead of inherited from a cast whose semantics changed between versions
-  (torch <= 2.12 non-saturating, >= 2.13 saturating; notes §3.8).
+  (torch <= 2.12 non-saturating, >= 2.13 saturating).
 
 All helpers take float32 tensors (or their uint32 bit patterns) and return ``uint32`` tensors
 holding the code in the low bits; callers narrow to ``uint8`` when storing.

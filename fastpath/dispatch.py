@@ -66,6 +66,7 @@ import triton
 import triton.language as tl
 
 from moeref import _interop
+from moeref._checks import check_positive_int
 from moeref.dispatch.align import AlignResult, max_num_tokens_padded
 from moeref.dispatch.batched import Batched
 from moeref.dispatch.contiguous import Contiguous, contiguous_m_sum
@@ -74,6 +75,8 @@ from moeref.dispatch.masked import Masked
 from moeref.dispatch.permute import Permuted
 from moeref.routing.expert_map import check_expert_map
 from moeref.routing.ids import check_topk_ids
+
+from ._host import alloc, next_pow2
 
 __all__ = [
     "OPERATIONS",
@@ -347,10 +350,6 @@ def _invert_kernel(src_ptr, dst_ptr, R, BLOCK: tl.constexpr):
 # ----------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def _launch(kernel, grid, *args, **kwargs):
     if all(int(g) > 0 for g in grid):
         kernel[grid](*args, **kwargs)
@@ -372,14 +371,6 @@ def _check_int(x, name: str, ndim: int | None) -> torch.Tensor:
     if ndim is not None and x.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D; got shape {tuple(x.shape)}")
     return x
-
-
-def _check_positive(v, name: str, allow_zero: bool = False) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"{name} must be an int; got {type(v).__name__}")
-    if v < 0 or (v == 0 and not allow_zero):
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}; got {v}")
-    return int(v)
 
 
 def _check_hidden(hidden, num_tokens: int, device) -> torch.Tensor:
@@ -456,7 +447,7 @@ def _sort(topk_ids, num_experts: int, emap, n_local: int, *, local: bool, mode: 
     use_map = local and emap is not None
     G = n_local if use_map else num_experts
     NK = G + num_experts + 1 if use_map else G + 1
-    NKP = _next_pow2(NK)
+    NKP = next_pow2(NK)
     C = max(1, triton.cdiv(n, CHUNK))
     # One allocation for the int32 scratch (host overhead matters at small sizes).
     n_g = max(G, 1)
@@ -499,7 +490,7 @@ def _fill(s: _Sorted, positions: int, *, mode=_PADDED, cap=0, lst=None, list_pad
             MODE=mode, LOG_G=max(0, int(s.G).bit_length()), BLOCK_P=block_p,
             WRITE_LIST=lst is not None, WRITE_GRP=grp is not None, WRITE_BLK=blk is not None,
             HAS_LABEL=label is not None, ZERO_ROWS=rows is not None,
-            BLOCK_K=min(256, _next_pow2(max(K, 1))))
+            BLOCK_K=min(256, next_pow2(max(K, 1))))
 
 
 ROW_CONFIG: dict[str, tuple[int, int, int]] = {
@@ -521,15 +512,15 @@ def _interpreting() -> bool:
 def _row_config(kind: str, K: int, elem: int):
     """(BLOCK_T, BLOCK_K, num_warps) for the row kernels."""
     if _interpreting():
-        return 32, min(_next_pow2(max(K, 1)), 256), 4
+        return 32, min(next_pow2(max(K, 1)), 256), 4
     bt, row_bytes, nw = ROW_CONFIG[kind]
-    return bt, min(_next_pow2(max(K, 1)), max(16, row_bytes // elem)), nw
+    return bt, min(next_pow2(max(K, 1)), max(16, row_bytes // elem)), nw
 
 
 def _alloc(shape, dtype, device) -> torch.Tensor:
-    """Every buffer the kernels write (outputs and scratch) comes from here, uninitialized. The
-    tests replace it with one that poisons the buffer, so an element no kernel wrote shows up."""
-    return torch.empty(shape, dtype=dtype, device=device)
+    """Every buffer the kernels write (outputs and scratch): :func:`fastpath._host.alloc`, the one
+    allocator the tests poison (:func:`fastpath.testing.poisoned`)."""
+    return alloc(shape, dtype=dtype, device=device)
 
 
 def _scatter_rows(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor, top_k: int, nvalid=None):
@@ -555,8 +546,8 @@ def moe_align_block_size(topk_ids, block_size: int, num_experts: int, expert_map
     order within an expert is ascending ``t*k+j``, as in the reference (vLLM's CUDA kernel leaves it
     unspecified).
     """
-    block_size = _check_positive(block_size, "block_size")
-    num_experts = _check_positive(num_experts, "num_experts")
+    block_size = check_positive_int(block_size, "block_size")
+    num_experts = check_positive_int(num_experts, "num_experts")
     if ignore_invalid_experts and expert_map is None:
         raise ValueError("ignore_invalid_experts=True needs an expert_map")
     topk_ids = _prepare_ids(topk_ids, num_experts, validate)
@@ -579,12 +570,12 @@ def expert_first_token_offset(topk_ids, num_local_experts: int, expert_map=None,
                               validate: bool = True) -> torch.Tensor:
     """int64 ``[E_local+1]`` offsets of the permuted layout (no padding); contract:
     :func:`moeref.dispatch.expert_first_token_offset`."""
-    num_local_experts = _check_positive(num_local_experts, "num_local_experts", allow_zero=expert_map is not None)
+    num_local_experts = check_positive_int(num_local_experts, "num_local_experts", allow_zero=expert_map is not None)
     if expert_map is None:
         topk_ids = _prepare_ids(topk_ids, num_local_experts, validate)
         s = _sort(topk_ids, num_local_experts, None, num_local_experts, local=True)
     else:
-        n_global = int(expert_map.shape[0]) if num_experts is None else _check_positive(num_experts, "num_experts")
+        n_global = int(expert_map.shape[0]) if num_experts is None else check_positive_int(num_experts, "num_experts")
         topk_ids = _prepare_ids(topk_ids, n_global, validate)
         emap, n_local = _prepare_map(expert_map, n_global, topk_ids.device, validate)
         if n_local != num_local_experts:
@@ -596,7 +587,7 @@ def expert_first_token_offset(topk_ids, num_local_experts: int, expert_map=None,
 def expert_counts(topk_ids, num_experts: int, expert_map=None, *, validate: bool = True) -> torch.Tensor:
     """int32 ``[E_local]``: slots per local expert (padding and non-local slots not counted); the
     reference is ``moeref.dispatch.group_slots(...).counts``."""
-    num_experts = _check_positive(num_experts, "num_experts")
+    num_experts = check_positive_int(num_experts, "num_experts")
     topk_ids = _prepare_ids(topk_ids, num_experts, validate)
     emap, n_local = (None, num_experts) if expert_map is None else _prepare_map(expert_map, num_experts, topk_ids.device, validate)
     s = _sort(topk_ids, num_experts, emap, n_local, local=True)
@@ -612,7 +603,7 @@ def moe_permute(hidden, topk_ids, num_experts: int, expert_map=None, *, validate
     int64, ``permuted_idx`` and ``inv_permuted_idx`` int32, equal to the reference element for
     element (absent slots' rows too: non-local by global id, then padding, each in slot order).
     """
-    num_experts = _check_positive(num_experts, "num_experts")
+    num_experts = check_positive_int(num_experts, "num_experts")
     topk_ids = _prepare_ids(topk_ids, num_experts, validate)
     device = topk_ids.device
     m, k = topk_ids.shape
@@ -684,7 +675,7 @@ def weight_and_reduce(expert_rows, src, topk_weights, num_tokens: int, *, apply_
     contract: :func:`moeref.dispatch.weight_and_reduce`. ``validate`` checks on the host that each
     slot appears at most once (the reference's ``ValueError``); with ``validate=False`` a repeated
     slot keeps one of its rows."""
-    num_tokens = _check_positive(num_tokens, "num_tokens", allow_zero=True)
+    num_tokens = check_positive_int(num_tokens, "num_tokens", allow_zero=True)
     w = _check_float(topk_weights, "topk_weights", 2)
     if w.shape[0] != num_tokens:
         raise ValueError(f"topk_weights must have num_tokens={num_tokens} rows; got shape {tuple(w.shape)}")
@@ -716,8 +707,8 @@ def to_contiguous(hidden, topk_ids, num_experts: int, alignment: int, expert_map
     padding), ``psum`` int32. Any positive ``alignment`` (DeepGEMM SM100 uses 224). ``m_sum``:
     None/"tight" (one sync for the counts), "worst_case" (vLLM's buffer; no sync) or an int (one sync
     to check it is large enough)."""
-    num_experts = _check_positive(num_experts, "num_experts")
-    alignment = _check_positive(alignment, "alignment")
+    num_experts = check_positive_int(num_experts, "num_experts")
+    alignment = check_positive_int(alignment, "alignment")
     topk_ids = _prepare_ids(topk_ids, num_experts, validate)
     device = topk_ids.device
     m, k = topk_ids.shape
@@ -731,7 +722,7 @@ def to_contiguous(hidden, topk_ids, num_experts: int, alignment: int, expert_map
         if m_sum is None or m_sum == "tight":
             size = tight
         else:
-            size = _check_positive(m_sum, "m_sum", allow_zero=True)
+            size = check_positive_int(m_sum, "m_sum", allow_zero=True)
             if size < tight:
                 raise ValueError(f"m_sum={size} is smaller than the rows the routing needs ({tight})")
     m_indices = _alloc(size, torch.int32, device)
@@ -746,7 +737,7 @@ def to_contiguous(hidden, topk_ids, num_experts: int, alignment: int, expert_map
 
 
 def _to_capacity(hidden, topk_ids, num_experts, expert_map, validate, capacity_of):
-    num_experts = _check_positive(num_experts, "num_experts")
+    num_experts = check_positive_int(num_experts, "num_experts")
     topk_ids = _prepare_ids(topk_ids, num_experts, validate)
     device = topk_ids.device
     m, k = topk_ids.shape
@@ -779,7 +770,7 @@ def to_masked(hidden, topk_ids, num_experts: int, max_m=None, expert_map=None, *
     """DeepGEMM masked layout on the GPU; contract: :func:`moeref.dispatch.to_masked` (``a [E_local,
     max_m, K]`` zero past ``masked_m``; ``src`` int64 -1 fill). One sync for the counts."""
     if max_m is not None:
-        max_m = _check_positive(max_m, "max_m")
+        max_m = check_positive_int(max_m, "max_m")
     s, counts, cap, a, src, m, k = _to_capacity(
         hidden, topk_ids, num_experts, expert_map, validate,
         lambda c: max_m if max_m is not None else max(1, int(c.max()) if c.size else 0))
@@ -791,8 +782,8 @@ def to_masked(hidden, topk_ids, num_experts: int, max_m=None, expert_map=None, *
 def to_batched(hidden, topk_ids, num_experts: int, max_tokens_per_dispatcher: int, num_dispatchers: int = 1,
                expert_map=None, *, validate: bool = True) -> Batched:
     """vLLM BatchedExperts layout on the GPU; contract: :func:`moeref.dispatch.to_batched`."""
-    t = _check_positive(max_tokens_per_dispatcher, "max_tokens_per_dispatcher")
-    d = _check_positive(num_dispatchers, "num_dispatchers")
+    t = check_positive_int(max_tokens_per_dispatcher, "max_tokens_per_dispatcher")
+    d = check_positive_int(num_dispatchers, "num_dispatchers")
     _check_int(topk_ids, "topk_ids", 2)
     if topk_ids.shape[0] > t * d:
         raise ValueError(f"{topk_ids.shape[0]} tokens exceed max_tokens_per_dispatcher * num_dispatchers = {t * d}")

@@ -34,7 +34,8 @@ from moeref.quant import fp8_group
 from moeref.quant.scheme import Scheme
 
 from . import quant as Q
-from .quant import _alloc
+from ._host import alloc as _alloc
+from ._host import next_pow2
 
 __all__ = [
     "silu_and_mul_quant_fp8",
@@ -92,7 +93,7 @@ def _activation_torch(x: torch.Tensor, act: str, alpha: float, limit: float) -> 
     M, two_n = x2.shape
     N = two_n // 2
     out = _alloc((M, N), dtype=torch.float32, device=x.device)
-    BM, BN = 4, min(1024, max(2, Q._next_pow2(max(N, 1))))
+    BM, BN = 4, min(1024, max(2, next_pow2(max(N, 1))))
     _act_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
         x2, x2.stride(0), x2.stride(1), out, M, N, ACT=_ACT[act], ALPHA=float(alpha),
         LIMIT=float(limit), BLOCK_M=BM, BLOCK_N=BN)

@@ -29,7 +29,7 @@ payload is not kept), E8M0 scales from exponent bits, and element codes from
 ``cvt.rn.satfinite`` (``hw_fp8=True``, the default on CUDA for saturating RNE presets): the GPU
 suite checks that both give identical codes. NaN element codes are compared modulo their sign
 bit: IEEE leaves the sign of a NaN produced by arithmetic unspecified (x86 yields -NaN for
-0 * Inf, CUDA +NaN; formats-semantics notes §4.2).
+0 * Inf, CUDA +NaN).
 
 Tiles: a program quantizes ``BLOCK_M`` rows x ``GPP`` groups (about 4096 elements). FP8 uses
 plain ``[BLOCK_M, GPP, GB]`` tiles. FP4 packs element pairs into bytes, and ``swigluoai`` reads
@@ -63,6 +63,8 @@ import triton.language as tl
 from moeref.quant.scheme import Scheme
 
 from . import _packed_fp4 as PK
+from ._host import alloc as _alloc  # every buffer the kernels write (the tests' poisoning hook)
+from ._host import next_pow2 as _next_pow2
 from . import _triton_rounding as R
 
 __all__ = [
@@ -77,14 +79,6 @@ __all__ = [
 SCALE_LAYOUTS = ("row_major", "mn_major", "packed_ue8m0", "swizzled_128x4")
 MAX_GROUP = 32768
 
-
-def _alloc(*shape, **kw) -> torch.Tensor:
-    """Every buffer the kernels write comes from here (``torch.empty``); :mod:`fastpath.testing`
-    swaps it for a poisoning allocator so that an element a kernel fails to write is caught."""
-    return _ALLOCATOR(*shape, **kw)
-
-
-_ALLOCATOR = torch.empty
 
 _ELEM = {"e4m3fn": 0, "e5m2": 1, "e2m1": 2}
 _ELEM_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0, "e2m1": 6.0}
@@ -1167,10 +1161,6 @@ def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_majo
     return True, "ok"
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 def scale_storage_shape(shape, scheme: Scheme, scale_layout: str) -> tuple[tuple[int, ...], torch.dtype, tuple]:
     """(storage shape, dtype, (M_PAD, NG_PAD, stride_sm, stride_sg)) of the scale output."""
     from moeref.quant.blockwise import grid_shape
@@ -1212,7 +1202,7 @@ def _constexprs_cached(scheme: Scheme, hw_fp8: bool, interp: bool) -> dict:
     M = _ELEM_MAX[el]
     rounding = p.rounding_for(el) if hasattr(p, "rounding_for") else p.rounding
     signed_zero = p.signed_zero_for(el) if hasattr(p, "signed_zero_for") else p.signed_zero
-    nan_code = p.nan_code if p.nan_code is not None else 0
+    nan_code = p.nan_code_for(el) if p.nan_code_for(el) is not None else 0
     if el == "e4m3fn":
         fill = 0x7F
     elif el == "e5m2":

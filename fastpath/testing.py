@@ -3,9 +3,10 @@
 * :func:`device` — ``"cuda"`` when a CUDA GPU is present, else ``"cpu"`` with the kernels running
   under Triton's interpreter (``TRITON_INTERPRET=1`` must be set before ``triton`` is imported; the
   repository's ``conftest.py`` does it; :func:`device` refuses to guess when it is not set).
-* :func:`poisoned` — a context manager under which every buffer :mod:`fastpath.quant` and
-  :mod:`fastpath.fused` allocate for their outputs is filled with a poison byte pattern instead of
-  whatever ``torch.empty`` returned. An element the kernel fails to write then keeps the poison
+* :func:`poisoned` — a context manager under which every buffer the fast paths allocate for their
+  kernels to write (:func:`fastpath._host.alloc`: :mod:`fastpath.quant`, :mod:`fastpath.fused`,
+  :mod:`fastpath.dispatch`) is filled with a poison byte pattern instead of whatever
+  ``torch.empty`` returned. An element the kernel fails to write then keeps the poison
   (uint8 codes 0xA5, float32 scales -2.87e-16, int32 words 0xA5A5A5A5), which the comparison with
   the reference — and the explicit padding checks (padding must be 0) — catch.
 * :func:`to_device` — NumPy/ml_dtypes array -> torch tensor on :func:`device` (bf16 through a bit view).
@@ -55,14 +56,14 @@ def poison_(t, byte: int = POISON_BYTE):
 def poisoned(byte: int = POISON_BYTE):
     """Within the block, kernel output buffers are poisoned with ``byte`` before the launch."""
     import torch
-    from . import quant
+    from . import _host
 
     def alloc(*shape, **kw):
         return poison_(torch.empty(*shape, **kw), byte)
 
-    old = quant._ALLOCATOR
-    quant._ALLOCATOR = alloc
+    old = _host._ALLOCATOR
+    _host._ALLOCATOR = alloc
     try:
         yield byte
     finally:
-        quant._ALLOCATOR = old
+        _host._ALLOCATOR = old

@@ -2,7 +2,8 @@
 
 Every function takes NumPy (or torch CPU) floating input, computes in float64 and returns float64
 for float64 input, float32 otherwise. Inputs are never modified (vLLM's ``relu2_no_mul`` mutates its
-input in place; these do not). Definitions: moe-semantics notes §3.
+input in place; these do not). Definitions: vLLM
+``model_executor/layers/activation.py`` and the fused-MoE activation kernels, cited per function.
 
 Gated activations read ``x[..., 2N]`` (the output of the W13 GEMM) and return ``[..., N]``. Which
 element is the gate and which is the up projection depends on how W13 was laid out, so the gated

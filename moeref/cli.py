@@ -1,27 +1,81 @@
-"""The ``moeref`` command: ``formats``, ``explain`` and ``demo``.
+"""The ``moeref`` command: ``formats``, ``explain`` and ``demo`` (also ``python -m moeref``).
 
 Everything printed here is built by library functions (``moeref.format_tables``,
 ``moeref.explain``, ``moeref.demo``); this module only parses arguments and prints.
+
+* ``moeref`` alone prints the help; ``moeref --version`` the installed version.
+* ``--json`` on ``formats`` and ``explain`` prints the same numbers as plain JSON (the data
+  functions :func:`moeref.format_tables.parameter_rows`, :func:`~moeref.format_tables.value_rows`,
+  :func:`moeref.explain.explain_steps`), for scripts.
+* Output to a pipe or a file is not cut to 80 columns: each table is printed as wide as it needs.
+* Bad input (an unknown format, scheme or preset, a preset that does not fit the scheme) exits 2
+  with one line on stderr naming what was given and what is accepted.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version("moeref")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree, not installed
+        from . import __version__
+
+        return __version__
 
 
 def _console():
     try:
         from rich.console import Console
+        from rich.measure import Measurement
     except ImportError:  # pragma: no cover - rich is in the cli extra
         sys.exit("moeref's command line needs rich: pip install 'moeref[cli]'")
-    return Console()
+
+    class _FullWidthConsole(Console):
+        """A console that, when not writing to a terminal, prints each renderable at the width it
+        needs (at least 80 columns) instead of cutting it to 80."""
+
+        def print(self, *objects, **kwargs):  # noqa: A003 - rich's name
+            if self.is_terminal or not objects:
+                return super().print(*objects, **kwargs)
+            options = self.options.update_width(1 << 16)
+            need = max(Measurement.get(self, options, o).maximum for o in objects)
+            saved = self.width
+            self.width = max(saved, need)
+            try:
+                return super().print(*objects, **kwargs)
+            finally:
+                self.width = saved
+
+    return _FullWidthConsole()
+
+
+def _print_json(data) -> None:
+    json.dump(data, sys.stdout, indent=1)
+    sys.stdout.write("\n")
 
 
 def _cmd_formats(args) -> int:
     from . import format_tables
+    from .formats import get_format
 
+    if args.json:
+        if args.name:
+            f = get_format(args.name)
+            values = (format_tables.value_rows(f) if f.bits <= format_tables.MAX_LISTED_BITS
+                      else None)
+            _print_json({"parameters": format_tables.parameter_rows([f.name])[0],
+                         "values": values})
+        else:
+            _print_json({"formats": format_tables.parameter_rows()})
+        return 0
     console = _console()
     if args.name:
         console.print(format_tables.format_detail(args.name))
@@ -31,10 +85,29 @@ def _cmd_formats(args) -> int:
 
 
 def _cmd_explain(args) -> int:
-    from .explain import explain
+    from .explain import explain, explain_steps, scheme_presets
+    from .quant import SCHEMES
 
-    console = _console()
-    console.print(explain(args.scheme, presets=args.preset or None, seed=args.seed))
+    if args.list:
+        listing = {name: list(scheme_presets(name)) for name in SCHEMES}
+        if args.json:
+            _print_json({"schemes": listing})
+        else:
+            for name, presets in listing.items():
+                print(f"{name:18s} presets: {', '.join(presets) or '(none: the scheme fixes it)'}")
+        return 0
+    if args.scheme is None:
+        raise ValueError("give a scheme name (list them with `moeref explain --list`)")
+    if args.json:
+        steps = explain_steps(args.scheme, presets=args.preset or None, seed=args.seed,
+                              scale=args.scale)
+        for run in steps["runs"]:  # private keys (leading underscore) are not part of the output
+            run["elements"] = [{k: v for k, v in e.items() if not k.startswith("_")}
+                               for e in run["elements"]]
+        _print_json(steps)
+        return 0
+    _console().print(explain(args.scheme, presets=args.preset or None, seed=args.seed,
+                             scale=args.scale))
     return 0
 
 
@@ -53,34 +126,60 @@ def _cmd_demo(args) -> int:
     return run_demo(console, seed=args.seed)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``moeref`` (exposed so that the docs and tests can read it)."""
     parser = argparse.ArgumentParser(
         prog="moeref",
         description="Exact references for MoE numerics and quantization.",
+        epilog="`moeref COMMAND --help` describes each command.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"moeref {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("formats", help="element format parameters and value tables")
+    p = sub.add_parser("formats", help="element format parameters and value tables",
+                       description="Every element format's parameters, or one format's "
+                                   "parameters and (6 bits or fewer) every value.")
     p.add_argument("name", nargs="?", help="a format name (e4m3fn, e5m2, e2m1, e8m0, ...)")
+    p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     p.set_defaults(func=_cmd_formats)
 
-    p = sub.add_parser("explain", help="walk a small example through a scaling scheme")
-    p.add_argument("scheme", help="a scheme name (see `moeref explain --list`)")
-    p.add_argument("--preset", action="append", help="preset to use; give twice to compare two")
-    p.add_argument("--seed", type=int, default=0, help="seed of the example data")
+    p = sub.add_parser("explain", help="walk a small example through a scaling scheme",
+                       description="Walk a small example through a scaling scheme step by step; "
+                                   "give --preset twice to put two presets side by side.")
+    p.add_argument("scheme", nargs="?",
+                   help="a scheme name (`moeref explain --list` lists them with their presets)")
+    p.add_argument("--list", action="store_true",
+                   help="list the schemes and the presets that fit each")
+    p.add_argument("--preset", action="append",
+                   help="a preset that fits the scheme; give twice to compare two")
+    p.add_argument("--scale", choices=("fp32", "ue8m0"),
+                   help="scale format, for the FP8 schemes that take one (default fp32)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the example data (0: the hand-picked example)")
+    p.add_argument("--json", action="store_true", help="print the walk as JSON")
     p.set_defaults(func=_cmd_explain)
 
     from .checkpoint.cli import add_parser as _add_convert  # moeref convert (docs/convert.md)
     _add_convert(sub)
 
-    p = sub.add_parser("demo", help="the main demonstration")
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("demo", help="the main demonstration",
+                       description="Element formats, one value through encode and decode, and a "
+                                   "whole MoE layer with a broken kernel caught by the report.")
+    p.add_argument("--seed", type=int, default=0, help="seed of the layer's data")
     p.set_defaults(func=_cmd_demo)
 
     from .testing.commands import add_subcommands  # replay, check, mutate (kernel validation)
 
     add_subcommands(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
     try:
         return int(args.func(args) or 0)
     except (ValueError, TypeError) as exc:

@@ -11,7 +11,7 @@ The default example (``seed=0``) is hand-picked: 32 values in two rows of 16 for
 row of 32, holding ties of E2M1 rounding (2.5, -5, 0.25, 1.75, 3.5, 0.75, 1.25), a tiny negative
 value, and a second block whose amax 1.125 puts the NVFP4 scale exactly on a UE4M3 tie (84 lies
 half-way between 80 and 88), which TransformerEngine's and FlashInfer's operation orders round
-differently (notes §4.4). Any other seed draws random data with a few outliers.
+differently (radixark/miles PR #1054). Any other seed draws random data with a few outliers.
 
 Plain data (:func:`explain_steps`) is separate from the ``rich`` rendering (:func:`explain`) so
 that both can be tested; :func:`explain_text` renders to a string.
@@ -46,16 +46,72 @@ def _schemes():
     return SCHEMES
 
 
-def _make_scheme(name: str, preset):
+_FP8_COMMON = ("default", "deepgemm", "deepgemm_cuda", "vllm", "te_fp8")
+_MX_COMMON = ("default", "ocp", "torchao_floor", "torchao_ceil", "torchao_even", "torchao_rceil",
+              "microxcaling")
+
+#: The presets that fit each scheme: the anchors that implement that scheme (the tables in
+#: docs/fp8-scaling.md, docs/mx-formats.md, docs/int4-groups.md, docs/nvfp4.md). Any other preset
+#: would run its knobs on a storage it was not written for (``gptq``'s ``element_max=7.5`` on an
+#: FP8 walk, ``nvfp4_te`` over an INT4 walk), so :func:`explain_steps` refuses it. NVFP4 schemes
+#: take the registered ``nvfp4_*`` presets and the short orders (``moeref.quant.nvfp4``).
+SCHEME_PRESETS: dict[str, tuple[str, ...]] = {
+    "fp8_per_tensor": _FP8_COMMON,
+    "fp8_per_token": _FP8_COMMON,
+    "fp8_per_channel": _FP8_COMMON,
+    "fp8_group": _FP8_COMMON + ("te_fp8_block",),
+    "fp8_block": _FP8_COMMON + ("te_fp8_block",),
+    "mxfp8": _MX_COMMON + ("te_mxfp8", "deepgemm", "deepgemm_cuda"),
+    "mxfp6": _MX_COMMON,
+    "mxfp4": _MX_COMMON + ("deepgemm", "deepgemm_cuda"),
+    "int8_per_token": ("default", "vllm_int8"),
+    "int8_per_channel": ("default", "vllm_int8"),
+    "int4_group": ("default", "gptq", "vllm_int4"),
+    "w4a8_cutlass": (),
+}
+
+
+def scheme_presets(name: str) -> tuple[str, ...]:
+    """The preset names :func:`explain_steps` accepts for scheme ``name`` (first: the default).
+
+    >>> scheme_presets("int4_group")
+    ('default', 'gptq', 'vllm_int4')
+    >>> scheme_presets("nvfp4")[:4]
+    ('te', 'flashinfer', 'vllm', 'torchao')
+    """
     schemes = _schemes()
     if not isinstance(name, str) or name not in schemes:
         raise ValueError(f"unknown scheme {name!r}; accepted: {', '.join(schemes)}")
-    factory = schemes[name]
+    if name in SCHEME_PRESETS:
+        return SCHEME_PRESETS[name]
+    if name.startswith("nvfp4"):
+        from .quant import PRESETS
+        from .quant.nvfp4 import NVFP4_ORDERS
+
+        return tuple(NVFP4_ORDERS) + tuple(k for k in PRESETS if k.startswith("nvfp4_"))
+    return ()  # a scheme registered later without a table entry: its own default only
+
+
+def _make_scheme(name: str, preset, scale: str | None = None):
+    fits = scheme_presets(name)
+    factory = _schemes()[name]
+    params = inspect.signature(factory).parameters
+    kwargs = {}
+    if scale is not None:
+        if "scale" not in params:
+            raise ValueError(f"scheme {name!r} has a fixed scale format; drop --scale")
+        kwargs["scale"] = scale
     if preset is None:
-        return factory()
-    if "preset" not in inspect.signature(factory).parameters:
+        return factory(**kwargs)
+    if "preset" not in params or not fits:
         raise ValueError(f"scheme {name!r} has no presets to choose from; drop --preset")
-    return factory(preset=preset)
+    from .quant import get_preset
+
+    if isinstance(preset, str) and preset not in fits:
+        get_preset(preset)  # an unknown name is reported as such
+        raise ValueError(f"preset {preset!r} does not fit scheme {name!r}; presets that fit: "
+                         f"{', '.join(fits)}")
+    return factory(preset=preset, **kwargs)
 
 
 def _two_d(scheme) -> bool:
@@ -113,7 +169,8 @@ def _global_rows(q) -> list[tuple[str, str]] | None:
     return rows
 
 
-def explain_steps(scheme_name: str, presets=None, x=None, seed: int = 0) -> dict:
+def explain_steps(scheme_name: str, presets=None, x=None, seed: int = 0,
+                  scale: str | None = None) -> dict:
     """The walk as plain data.
 
     Args:
@@ -122,10 +179,18 @@ def explain_steps(scheme_name: str, presets=None, x=None, seed: int = 0) -> dict
             the short orders ``"te"``, ``"flashinfer"``, ``"vllm"``, ``"torchao"``).
         x: example data (at most 64 elements; 1-D input is one row); None = :func:`example_input`.
         seed: example seed (0 = the hand-picked example).
+        scale: the scale format for schemes that take one (``"fp32"`` or ``"ue8m0"`` for the FP8
+            schemes); None = the scheme's default.
+
+    Raises:
+        ValueError: an unknown scheme or preset, a preset that does not fit the scheme (the
+            message names those that do, :func:`scheme_presets`), ``scale`` on a scheme with a
+            fixed scale format.
 
     Returns:
         ``{"scheme": str, "shape": tuple, "runs": [run, ...]}``; each run has ``"preset"``,
-        ``"description"``, ``"global"`` (rows or None), ``"blocks"`` (one dict per block: index,
+        ``"description"``, ``"scheme description"``, ``"global"`` (rows or None; when present,
+        the element step divides by the decode multiplier ``scale * g``), ``"blocks"`` (one dict per block: index,
         amax, scale code, scale, decode multiplier) and ``"elements"`` (one dict per element:
         index, block, x, x / scale, code, value, dequantized, error, note).
     """
@@ -133,7 +198,7 @@ def explain_steps(scheme_name: str, presets=None, x=None, seed: int = 0) -> dict
     from .quant.blockwise import expand_to_elements
 
     preset_list = [None] if not presets else list(presets)
-    schemes = [_make_scheme(scheme_name, p) for p in preset_list]
+    schemes = [_make_scheme(scheme_name, p, scale) for p in preset_list]
     if x is None:
         xa = example_input(scheme_name, seed)
     else:
@@ -241,7 +306,7 @@ def _midpoints(el) -> set:
 
 # ---- rich rendering (the cli extra) ------------------------------------------------------------
 
-def explain(scheme_name: str, presets=None, x=None, seed: int = 0):
+def explain(scheme_name: str, presets=None, x=None, seed: int = 0, scale: str | None = None):
     """``rich`` renderable of :func:`explain_steps` (``moeref explain SCHEME [--preset A ...]``).
 
     With several presets the block and element tables put the presets side by side.
@@ -250,7 +315,7 @@ def explain(scheme_name: str, presets=None, x=None, seed: int = 0):
     from rich.table import Table
     from rich.text import Text
 
-    steps = explain_steps(scheme_name, presets=presets, x=x, seed=seed)
+    steps = explain_steps(scheme_name, presets=presets, x=x, seed=seed, scale=scale)
     runs = steps["runs"]
     parts = [Text(f"{steps['scheme']}: {runs[0]['scheme description']}  (input shape "
                   f"{steps['shape']})", style="bold")]
@@ -284,7 +349,10 @@ def explain(scheme_name: str, presets=None, x=None, seed: int = 0):
     # side by side, the element value column is dropped (the code and the dequantized value carry it)
     per = ("x / scale", "code", "dequantized", "error", "note") if multi else (
         "x / scale", "code", "value", "dequantized", "error", "note")
+    two_level = runs[0]["global"] is not None
     short = {"x / scale": "x/s", "dequantized": "deq", "error": "err"} if multi else {}
+    if two_level:  # the element step divides by the decode multiplier scale * g, not by scale
+        short["x / scale"] = "x/(s*g)" if multi else "x / (scale*g)"
     for r in runs:
         tag = tags[r["preset"]]
         for c in per:
@@ -297,18 +365,22 @@ def explain(scheme_name: str, presets=None, x=None, seed: int = 0):
         style = "bold" if "differs" in e["note"] else None
         t.add_row(*row, style=style)
     parts.append(t)
+    if two_level:
+        parts.append(Text("x / (scale*g): x divided by the decode multiplier, the block scale times "
+                          "the global decode factor g (Step 1)."))
     parts.append(Text("notes: tie = exactly half-way between two element values (rounded to even); "
                       "saturated = beyond the element max, clamped; -0 = negative zero code; "
                       "differs = the presets disagree on this code."))
     return Group(*parts)
 
 
-def explain_text(scheme_name: str, presets=None, x=None, seed: int = 0, width: int = 160) -> str:
+def explain_text(scheme_name: str, presets=None, x=None, seed: int = 0, width: int = 160,
+                 scale: str | None = None) -> str:
     """:func:`explain` rendered to plain text (no colour) at ``width`` columns."""
     import io
 
     from rich.console import Console
 
     console = Console(file=io.StringIO(), width=width, color_system=None, record=True)
-    console.print(explain(scheme_name, presets=presets, x=x, seed=seed))
+    console.print(explain(scheme_name, presets=presets, x=x, seed=seed, scale=scale))
     return console.export_text()

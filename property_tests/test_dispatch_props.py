@@ -26,7 +26,16 @@ from moeref.dispatch import (
     weight_and_reduce,
 )
 from moeref.routing import to_local_ids
-from moeref.strategies import alignments, ep_shards, routings
+from moeref.strategies import OPT_IN_KINDS, ROUTING_KINDS, alignments, ep_shards, routings
+
+# every distribution, the opt-in repeated-expert routings included (each slot is its own row)
+ALL_KINDS = ROUTING_KINDS + OPT_IN_KINDS
+
+
+def batched_capacity(ids, num_experts, emap=None) -> int:
+    """Rows per expert of the batched layout: the tokens (vLLM's sizing), or more when a token
+    repeats an expert (each slot is a row; moeref.dispatch.batched)."""
+    return max(1, ids.shape[0], int(group_slots(ids, num_experts, emap).counts.max(initial=0)))
 
 K = 3  # hidden size: rows are moved, never mixed, so a small K loses nothing
 
@@ -76,7 +85,7 @@ def oracle_groups(case, emap=None):
     return groups
 
 
-routing_and_shard = routings(allow_zero_tokens=True).flatmap(
+routing_and_shard = routings(allow_zero_tokens=True, kinds=ALL_KINDS).flatmap(
     lambda c: st.tuples(st.just(c), st.one_of(st.none(), ep_shards(c.num_experts, max_ep_size=4)))
 )
 
@@ -150,7 +159,7 @@ def _all_layouts(case, shard, alignment, rows=None):
         rows[g.local_ids < 0] = 0.0
     s = SlotRows(rows, g.local_ids, case.num_tokens, case.top_k, g.num_local_experts)
     params = {"permuted": {}, "contiguous": {"alignment": alignment}, "masked": {},
-              "batched": {"max_tokens_per_dispatcher": max(1, case.num_tokens)}}
+              "batched": {"max_tokens_per_dispatcher": batched_capacity(case.ids, case.num_experts, emap)}}
     return s, {name: from_slot_rows(s, name, **params[name]) for name in LAYOUTS}, params
 
 
@@ -192,7 +201,8 @@ def test_layout_structure_and_sentinels(case_shard, alignment):
     for e, n in enumerate(counts):
         assert sorted(m.src[e, :n].tolist()) == want[e]
         assert (m.src[e, n:] == -1).all() and (m.a[e, n:] == 0).all()
-    b = to_batched(h, case.ids, case.num_experts, max(1, case.num_tokens), expert_map=emap)
+    b = to_batched(h, case.ids, case.num_experts, batched_capacity(case.ids, case.num_experts, emap),
+                   expert_map=emap)
     np.testing.assert_array_equal(b.src[:, : m.max_m], m.src)
     assert (b.src[:, m.max_m:] == -1).all()
 
@@ -207,7 +217,8 @@ def test_finalize_from_every_layout_equals_the_oracle(case_shard, alignment):
     layouts = {
         "contiguous": to_contiguous(h, case.ids, case.num_experts, alignment, emap),
         "masked": to_masked(h, case.ids, case.num_experts, expert_map=emap),
-        "batched": to_batched(h, case.ids, case.num_experts, max(1, case.num_tokens), expert_map=emap),
+        "batched": to_batched(h, case.ids, case.num_experts,
+                              batched_capacity(case.ids, case.num_experts, emap), expert_map=emap),
     }
     for name, lay in layouts.items():
         y = expert_fn(lay.a.reshape(-1, K), lay.src.reshape(-1), case)
@@ -226,7 +237,7 @@ def test_finalize_from_every_layout_equals_the_oracle(case_shard, alignment):
 
 
 @settings(max_examples=50)
-@given(routings(max_tokens=6), st.integers(1, 4), st.sampled_from(["linear", "round_robin"]))
+@given(routings(max_tokens=6, kinds=ALL_KINDS), st.integers(1, 4), st.sampled_from(["linear", "round_robin"]))
 def test_union_of_ep_shards_equals_the_unsharded_output(case, ep_size, strategy):
     """Sum over ranks of each rank's output = the full output (FlashInfer #3547: offset > 0 shard
     gave zeros), and the ranks' slots partition the present slots."""
@@ -248,7 +259,7 @@ def test_union_of_ep_shards_equals_the_unsharded_output(case, ep_size, strategy)
     assert sorted(seen) == np.flatnonzero(case.ids.reshape(-1) >= 0).tolist()
 
 
-@given(routings(allow_padding=False), st.data())
+@given(routings(allow_padding=False, kinds=ALL_KINDS), st.data())
 def test_padding_tokens_contribute_nothing(case, data):
     """Inserting padding tokens (ids -1, any weights, any hidden) changes no real token's output and
     their own output is exactly 0 (vLLM PR #46428, SGLang PR #25852)."""

@@ -7,8 +7,9 @@ integer views, so NaN payloads, -0.0 and fp8 codes must survive. Float reduction
 dot product, ``|out - ref| <= gamma_k * sum_j |w_j x_j|`` plus the output rounding, where ``ref`` is
 the reference's float64 sum.
 
-Every buffer the kernels write is poisoned before each run (``fastpath.dispatch._alloc`` is
-replaced by an allocator that fills NaN / 0x5A sentinels), so an element no kernel wrote is caught.
+Every buffer the kernels write is poisoned before each run (:func:`fastpath.testing.poisoned`, the
+one allocation hook of the fast paths, fills it with 0xA5 bytes), so an element no kernel wrote is
+caught.
 
 On CPU the kernels run under Triton's interpreter (conftest sets TRITON_INTERPRET=1): small shapes,
 few examples. On a GPU the same properties run with more examples and larger shapes, plus the
@@ -27,9 +28,10 @@ pytest.importorskip("triton")
 import moeref.dispatch as ref  # noqa: E402
 from moeref import _interop  # noqa: E402
 from moeref.routing import expert_map as make_expert_map  # noqa: E402
-from moeref.strategies import ep_shards, routings  # noqa: E402
+from moeref.strategies import OPT_IN_KINDS, ROUTING_KINDS, ep_shards, routings  # noqa: E402
 
 import fastpath.dispatch as fast  # noqa: E402
+from fastpath.testing import poisoned  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -49,18 +51,10 @@ SLOW = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCh
 # ----------------------------------------------------------------------------------------------
 # Poisoned allocation
 # ----------------------------------------------------------------------------------------------
-def _poisoned_empty(shape, dtype, device):
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if t.is_floating_point():
-        t.view(torch.uint8).fill_(0xFF)  # NaN in every float format with a NaN; 0xFF.. bit pattern
-    else:
-        t.view(torch.uint8).fill_(0x5A)  # 0x5A5A5A5A: no valid index, count or offset
-    return t
-
-
 @pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    monkeypatch.setattr(fast, "_alloc", _poisoned_empty)
+def poison():
+    with poisoned():   # 0xA5A5A5A5 as an index, count or offset is negative: never valid
+        yield
 
 
 def _np(t):
@@ -95,7 +89,7 @@ def _t(a, dtype=None):
 def cases(draw, max_tokens=MAX_TOKENS, allow_zero=True):
     """(RoutingCase, expert_map or None, ids dtype)."""
     r = draw(routings(max_tokens=max_tokens, max_experts=MAX_EXPERTS, max_top_k=MAX_TOPK,
-                      allow_zero_tokens=allow_zero))
+                      allow_zero_tokens=allow_zero, kinds=ROUTING_KINDS + OPT_IN_KINDS))
     emap = None
     if draw(st.booleans()):
         emap = draw(ep_shards(r.num_experts, max_ep_size=4)).expert_map
@@ -254,7 +248,8 @@ def test_row_layouts_equal_reference(data):
         _assert_same(f"masked.{name}", getattr(want, name), getattr(got, name))
     assert got.expected_m == want.expected_m
 
-    t = max(1, r.num_tokens) + data.draw(st.integers(0, 3))
+    # rows per expert: the tokens, or more when a token repeats an expert (each slot is a row)
+    t = max(1, r.num_tokens, int(ref.group_slots(ids, e, emap).counts.max(initial=0))) + data.draw(st.integers(0, 3))
     want = ref.to_batched(xn, ids, e, t, 1, emap)
     got = fast.to_batched(x, _t(ids), e, t, 1, emap)
     for name in ("a", "expert_num_tokens", "src"):
@@ -320,7 +315,7 @@ def test_weight_and_reduce_within_bound(case, layout, apply_weights, seed):
     elif layout == "masked":
         lay = ref.to_masked(None, ids, e, None, emap)
     else:
-        lay = ref.to_batched(None, ids, e, r.num_tokens + 1, 1, emap)
+        lay = ref.to_batched(None, ids, e, max(r.num_tokens, int(ref.group_slots(ids, e, emap).counts.max(initial=0))) + 1, 1, emap)
     src = lay.src
     rows = rng.standard_normal(src.shape + (17,)).astype(np.float32)
     rows[src < 0] = np.nan  # padding rows hold garbage: must be ignored
@@ -388,8 +383,6 @@ def test_errors_name_the_argument():
         fast.moe_permute(None, ids.reshape(-1), 2)
     with pytest.raises(ValueError, match=r"topk_ids\[0, 1\] = 1 is out of range"):
         fast.moe_align_block_size(ids, 4, 1)
-    with pytest.raises(ValueError, match="more than once"):
-        fast.moe_permute(None, torch.tensor([[1, 1]], dtype=torch.int32, device=DEVICE), 2)
     with pytest.raises(ValueError, match="ignore_invalid_experts"):
         fast.moe_align_block_size(ids, 4, 2, ignore_invalid_experts=True)
     with pytest.raises(ValueError, match="block_size"):
@@ -407,11 +400,12 @@ def test_errors_name_the_argument():
 
 def test_poison_is_detected():
     """Meta-test: the poisoned allocator makes an unwritten element fail the comparison."""
-    buf = _poisoned_empty(4, torch.int32, DEVICE)
+    buf = fast._alloc(4, torch.int32, DEVICE)         # the kernels' allocator, poisoned here
+    assert _np(buf).view(np.uint32).tolist() == [0xA5A5A5A5] * 4
     with pytest.raises(AssertionError, match="differ"):
         _assert_same("probe", np.zeros(4, dtype=np.int32), buf)
-    fbuf = _poisoned_empty(4, torch.bfloat16, DEVICE)
-    assert torch.isnan(fbuf.float()).all()
+    fbuf = fast._alloc(4, torch.bfloat16, DEVICE)
+    assert _np(fbuf).view(np.uint16).tolist() == [0xA5A5] * 4
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,7 +22,10 @@ from moeref.quant import (
     w4a8_cutlass,
 )
 from moeref.quant.nvfp4 import nvfp4
-from moeref.strategies import routings
+from moeref.strategies import OPT_IN_KINDS, ROUTING_KINDS, routings
+
+# every distribution, the opt-in repeated-expert routings included (each slot is its own row)
+ALL_KINDS = ROUTING_KINDS + OPT_IN_KINDS
 
 # name -> (a1 / a2 scheme, weight scheme, K and N multiple, row-wise activation scales)
 SCHEMES = {
@@ -51,7 +54,7 @@ def layers(draw, rowwise_only: bool = False):
     n = mult * draw(st.integers(1, 2)) if mult > 1 else draw(st.sampled_from([1, 3, 8]))
     act = draw(st.sampled_from(ACTIVATIONS))
     layout = draw(st.sampled_from(["gate_up", "up_gate", "interleaved"]))
-    r = draw(routings(max_tokens=6, max_experts=5, max_top_k=3))
+    r = draw(routings(max_tokens=6, max_experts=5, max_top_k=3, kinds=ALL_KINDS))
     seed = draw(st.integers(0, 2**16))
     lw = make_layer(r.num_experts, k, n, seed=seed, gated=act != "relu2_no_mul", w13_layout=layout,
                     bias=draw(st.booleans()))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from hypothesis import given, settings
+import pytest
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from moeref.routing import (
@@ -222,16 +223,46 @@ def test_hot1_has_an_expert_in_every_token(case):
         assert set.intersection(*rows)
 
 
+# ``hypothesis.find`` shrinks from random starting points and is not guaranteed to reach the
+# globally smallest case: under a randomised profile (``dev``) the third search below returned a
+# larger case in two of four runs. Shrink quality is a property of the strategies' *order*, so it
+# is tested derandomised, with the phases named (generate, then shrink): with the default phases
+# the first search returned a 'skewed_logits' case whenever moeref.quant had been imported first
+# (test-order dependent), with these it returns the smallest case in every order tried.
+_FIND = settings(derandomize=True, database=None, max_examples=200,
+                 phases=[Phase.generate, Phase.shrink])
+
+
 def test_strategies_shrink_to_the_smallest_case():
-    c = find(routings(), lambda c: True)
+    c = find(routings(), lambda c: True, settings=_FIND)
     assert (c.num_tokens, c.num_experts, c.top_k, c.kind, c.ids.tolist()) == (1, 1, 1, "uniform", [[0]])
-    c = find(routings(), lambda c: c.num_padding > 0)
+    c = find(routings(), lambda c: c.num_padding > 0, settings=_FIND)
     assert (c.num_tokens, c.num_experts, c.top_k, c.ids.tolist()) == (1, 1, 1, [[-1]])
-    c = find(routings(), lambda c: c.top_k >= 2 and len({int(i) for i in c.ids.reshape(-1) if i >= 0}) >= 3)
+    c = find(routings(), lambda c: c.top_k >= 2 and len({int(i) for i in c.ids.reshape(-1) if i >= 0}) >= 3,
+             settings=_FIND)
     assert (c.num_tokens, c.num_experts, c.top_k) in ((2, 3, 2), (1, 3, 3))
-    assert find(token_counts(block=128, large=True), lambda n: True) == 1
-    assert find(token_counts(allow_zero=True), lambda n: True) == 0
-    assert find(alignments(), lambda a: True) == 32
+    assert find(token_counts(block=128, large=True), lambda n: True, settings=_FIND) == 1
+    assert find(token_counts(allow_zero=True), lambda n: True, settings=_FIND) == 0
+    assert find(alignments(), lambda a: True, settings=_FIND) == 32
+
+
+@given(routings(kinds=("repeated_experts",), allow_padding=False, top_k=2,
+                num_experts=st.integers(2, 4)))
+def test_repeated_experts_kind_repeats_an_expert(case):
+    assert case.ids[0, 0] == case.ids[0, 1]
+
+
+def test_unknown_kinds_raise():
+    from moeref.strategies import router_logits
+
+    with pytest.raises(ValueError, match="unknown kind.*'typo'.*accepted: grid, tied_logits"):
+        router_logits(2, 4, "typo")
+    with pytest.raises(ValueError, match="unknown kind.*'bogus'.*accepted: uniform"):
+        routings(kinds=("bogus",))
+    with pytest.raises(ValueError, match="at least one kind"):
+        routings(kinds=())
+    # a single name is one kind, not a sequence of letters
+    assert find(routings(kinds="hot1"), lambda c: True, settings=_FIND).kind == "hot1"
 
 
 @given(token_counts(max_tokens=4, block=128, large=True))

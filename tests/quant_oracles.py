@@ -200,8 +200,29 @@ def _lowp_cast(data: torch.Tensor, elem: str) -> np.ndarray:
     dt = {"e2m1": ml_dtypes.float4_e2m1fn, "e2m3": ml_dtypes.float6_e2m3fn,
           "e3m2": ml_dtypes.float6_e3m2fn}[elem]
     # ml_dtypes: RNE, overflow saturates to max for these NaN-less formats
+    d = data.numpy()
     with np.errstate(invalid="ignore"):
-        return data.numpy().astype(dt).view(np.uint8).copy()
+        codes = d.astype(dt).view(np.uint8).copy()
+    nan = np.isnan(d)
+    if nan.any():
+        codes[nan] = torchao_floatx_nan_code(d[nan], elem)
+    return codes
+
+
+def torchao_floatx_nan_code(nans: np.ndarray, elem: str) -> np.ndarray:
+    """What torchao's ``custom_fp_utils._f32_to_floatx_unpacked`` writes for float32 NaNs: a NaN
+    compares false with both thresholds, so it takes the "normal" branch, which adds the exponent
+    re-bias and the rounding magic to the bit pattern, shifts it down and keeps 8 bits, then ORs
+    the sign back (re-stated from that function; quiet +NaN 0x7FC00000 gives E2M1 0x3)."""
+    ebits, mbits = {"e2m1": (2, 1), "e2m3": (2, 3), "e3m2": (3, 2)}[elem]
+    bias = (1 << (ebits - 1)) - 1
+    bits = nans.astype(np.float32).view(np.uint32).astype(np.int64)
+    sign = bits & 0x80000000
+    mag = bits ^ sign
+    odd = (mag >> (23 - mbits)) & 1
+    add = ((bias - 127) << 23) + (1 << (23 - mbits - 1)) - 1
+    code = ((mag + add + odd) >> (23 - mbits)) & 0xFF
+    return (code | (sign >> (32 - 1 - ebits - mbits))).astype(np.uint8)
 
 
 def torchao_to_mx(x: torch.Tensor, elem: str, mode: str, block: int = 32):

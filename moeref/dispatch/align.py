@@ -1,7 +1,7 @@
 """vLLM ``moe_align_block_size`` and ``batched_moe_align_block_size`` (the fused_moe Triton layout).
 
 Contract (vLLM ``fused_moe/moe_align_block_size.py`` and ``csrc/moe/moe_align_sum_kernels.cu``, current
-code; golden ``tests/kernels/moe/test_moe_align_block_size.py``; notes: moe-semantics.md section 2.1):
+code; golden ``tests/kernels/moe/test_moe_align_block_size.py``):
 
 * ``sorted_token_ids``: int32 ``[max_num_tokens_padded]`` of flat slot indices ``t*k + j``, grouped by
   expert in ascending expert order, each expert's run padded to a multiple of ``block_size`` with the

@@ -1,5 +1,5 @@
 """vLLM's batched-experts layout (``FusedMoEActivationFormat.BatchedExperts``,
-``BatchedPrepareAndFinalize``; notes: moe-semantics.md section 2.6).
+``BatchedPrepareAndFinalize``).
 
 * ``a``: ``[E_local, max_tokens_per_dispatcher * num_dispatchers, K]``: a fixed capacity per expert
   (the masked layout with ``max_m`` fixed by the dispatcher configuration); rows past the count are
@@ -10,6 +10,12 @@
 The reference models one process: ``hidden`` holds the tokens of all ``num_dispatchers``
 dispatchers, concatenated in dispatcher order, so ``M <= max_tokens_per_dispatcher * num_dispatchers``.
 Within an expert, rows follow the slot order (dispatcher, then token).
+
+The capacity counts rows, one per slot. vLLM sizes it in tokens (``max_num_tokens`` per
+dispatcher), which bounds every expert's rows only while a token never picks an expert twice; a
+routing that repeats an expert within a token (accepted, :mod:`moeref.routing.ids`) needs a row
+per slot, and an expert whose slots exceed the capacity is refused with a ``ValueError`` naming
+it and its count (never truncated).
 """
 from __future__ import annotations
 

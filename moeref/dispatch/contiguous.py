@@ -1,7 +1,7 @@
 """DeepGEMM's M-grouped contiguous layout (``m_grouped_fp8_fp4_gemm_{nt,nn}_contiguous``).
 
 Layout (DeepGEMM ``tests/generators.py::generate_m_grouped_contiguous``, ``csrc/apis/gemm.hpp``;
-vLLM ``deep_gemm_utils.compute_aligned_M``; notes: moe-semantics.md section 2.4):
+vLLM ``deep_gemm_utils.compute_aligned_M``):
 
 * ``a``: ``[M_sum, K]``, the concatenation of per-expert segments, each padded to a multiple of
   ``alignment``; padding rows are **zero** (DeepGEMM's ``ensure_zero_padding`` / zero-filled BF16

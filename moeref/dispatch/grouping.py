@@ -84,8 +84,9 @@ class SlotGrouping:
 
 
 def group_slots(topk_ids, num_experts: int, expert_map=None) -> SlotGrouping:
-    """Validate ``topk_ids`` (int32/int64 ``[M, k]``, ids in ``[0, num_experts)`` or -1, distinct per
-    row) and ``expert_map`` (length ``num_experts``), and group the slots by local expert.
+    """Validate ``topk_ids`` (int32/int64 ``[M, k]``, ids in ``[0, num_experts)`` or -1; an expert
+    repeated within a row is two slots, two rows of its group, :mod:`moeref.routing.ids`) and
+    ``expert_map`` (length ``num_experts``), and group the slots by local expert.
 
     >>> g = group_slots(np.array([[2, 0], [0, 1]], dtype=np.int32), 3)
     >>> g.order.tolist(), g.counts.tolist()

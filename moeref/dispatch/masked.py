@@ -2,7 +2,7 @@
 which is also DeepEP's low-latency dispatch output.
 
 Layout (DeepGEMM ``csrc/apis/gemm.hpp``, ``tests/test_fp8_fp4.py``; DeepEP
-``deep_ep/buffers/legacy.py::low_latency_dispatch``; notes: moe-semantics.md sections 2.5 and 7):
+``deep_ep/buffers/legacy.py::low_latency_dispatch``):
 
 * ``a``: ``[E_local, max_m, K]``; expert ``e``'s rows are ``a[e, :masked_m[e]]``; rows past
   ``masked_m[e]`` are **zero** here (unspecified in kernels: compare ``d[e, :masked_m[e]]`` only).

@@ -1,7 +1,7 @@
 """vLLM ``moe_permute`` / ``moe_unpermute`` (the unpadded permuted layout, CUTLASS/TRT-LLM style).
 
 Contract (golden ``torch_permute``/``torch_unpermute`` of vLLM
-``tests/kernels/moe/test_moe_permute_unpermute.py@00606a9``; notes: moe-semantics.md section 2.3):
+``tests/kernels/moe/test_moe_permute_unpermute.py@00606a9``):
 
 * ``expert_first_token_offset``: int64 ``[E_local+1]``, exclusive prefix sum of per-local-expert slot
   counts, **no padding**. Rows ``[offset[e], offset[e+1])`` of the permuted tensor belong to local

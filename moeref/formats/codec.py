@@ -27,7 +27,7 @@ Rounding modes (``rounding=``):
                         array's dtype width: uint8 gives TransformerEngine's FP4 gradient recipe,
                         ``u = (rbits & 0xFF) / 256; floor((|x| + u*step) / step)``).
 
-Overflow (``overflow=``, required, because the field disagrees; notes §4.2):
+Overflow (``overflow=``, required, because the field disagrees; docs/formats.md tabulates who does what):
 
 ``"saturate"``  finite overflow and ±Inf go to ±max finite (PTX ``satfinite``, Triton, torch >= 2.13
                 for E4M3FN, OFP8 saturating mode). For E8M0 it also clamps underflow to 0x00.

@@ -15,7 +15,8 @@ Integers (INT8, INT4 signed two's complement; UINT8, UINT4 unsigned, used with a
 ``kind="int"``. Codes of every format are unsigned bit patterns held in ``uint8``.
 
 Constants are derived from the fields, and checked against ml_dtypes/torch decoders by the tests
-(the table in ../shared/notes/formats-semantics.md §1).
+(``tests/test_formats.py``; the values are those of the OCP 8-bit floating point
+specification (OFP8) and OCP MX v1.0 tables).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Used for MXFP8 / MXFP4 (E8M0 scales) and NVFP4 (E4M3 scales) on Blackwell; the same bytes are
 produced by torchao ``to_blocked``, FlashInfer ``get_sf_out_offset_128x4`` / ``swizzle_sf``, vLLM
-``nvfp4_utils.cuh`` and TransformerEngine (formats-semantics notes 3.2, 3.3, 3.5, 3.6, 4.5).
+``nvfp4_utils.cuh`` and TransformerEngine.
 
 A scale matrix ``[rows, cols]`` (rows = M or N, cols = K / block) is padded to
 ``[roundup(rows, 128), roundup(cols, 4)]`` and cut into 128x4 tiles of 512 bytes; tiles are stored

@@ -18,7 +18,7 @@ moeref represents this layout as two NumPy arrays sharing memory:
 
 The same storage is the layout TransformerEngine hands cuBLAS for 1x128 block scales: the scales
 transposed to ``[ceil(K/128), roundup(M, 4)]`` (TE ``tests/pytorch/references/
-blockwise_quantizer_reference.py``; formats-semantics notes 3.3, 4.5), see
+blockwise_quantizer_reference.py``), see
 :func:`to_cublas_1x128_scales`.
 """
 from __future__ import annotations
@@ -171,7 +171,7 @@ def to_cublas_1x128_scales(scales) -> np.ndarray:
     The scales are transposed and M is padded with zeros to a multiple of 4 (16 bytes of float32).
     This is exactly the storage of :func:`to_mn_major_tma_aligned` (TE and DeepGEMM agree),
     returned as a C-contiguous array. Source: TransformerEngine
-    ``blockwise_quantizer_reference.py`` (``(ceil(N/128), roundup(M, 4))``); notes 3.3 and 4.5.
+    ``blockwise_quantizer_reference.py`` (``(ceil(N/128), roundup(M, 4))``).
 
     >>> import numpy as np
     >>> to_cublas_1x128_scales(np.ones((3, 2), np.float32))

@@ -3,7 +3,7 @@
 SM100 DeepGEMM kernels (recipe ``(1, 1, 128)`` / ``(1, 128, 128)`` with ``use_ue8m0``) read scales as
 ``int32[..., mn, ceil(k_groups / 4)]``. Facts pinned here (deepseek-ai/DeepGEMM
 ``transpose_and_pack_fp32_into_ue8m0`` / ``pack_ue8m0_to_int``, vLLM
-``per_token_group_quant_fp8_packed_for_deepgemm``; formats-semantics notes 3.4, 3.6, 4.5):
+``per_token_group_quant_fp8_packed_for_deepgemm``):
 
 * byte ``j`` of word ``i`` (little-endian: bits ``8j .. 8j+7``) is the E8M0 code of K-group
   ``4i + j``; the code of a float32 power of two is its biased exponent ``bits >> 23``;

@@ -18,7 +18,7 @@ Sources: FlashInfer ``flashinfer/fused_moe/core.py::cutlass_fused_moe`` and
 ``tests/moe/test_trtllm_cutlass_fused_moe.py`` (``fb28d72``); vLLM
 ``vllm/model_executor/layers/fused_moe/modular_kernel.py`` (``FusedMoEPrepareAndFinalize.prepare``,
 ``FusedMoEPermuteExpertsUnpermute.apply``, ``finalize``) and ``config.py::FusedMoEQuantConfig``.
-Notes: moe-semantics.md sections 1.2, 2.2 and 2.7. Read :data:`MAPPING` as a table
+Read :data:`MAPPING` as a table
 (``docs/moe-pipeline.md`` prints it); :func:`from_flashinfer_cutlass` applies the unquantized part.
 
 Scale conventions. moeref's quantized tensors carry DECODE scales (value = element * scale). vLLM and

@@ -140,7 +140,8 @@ def prepare(hidden, topk_weights, topk_ids, *, num_experts: int, layout: str = "
             global expert ids, -1 padding. num_experts: global E.
         layout: ``"standard"`` (slot rows in ``t*k+j`` order), ``"contiguous"`` (DeepGEMM,
             ``alignment`` rows per group), ``"masked"`` (``max_m`` rows per expert; default: the largest
-            count), ``"batched"`` (vLLM, ``max_m`` tokens per expert; default M).
+            count), ``"batched"`` (vLLM, ``max_m`` rows per expert; default M, or the largest count
+            when a token repeats an expert: each slot is a row).
     """
     check_choice(layout, LAYOUTS, "layout")
     x = as_float_array(hidden, "hidden")
@@ -179,8 +180,9 @@ def dispatch_rows(topk_ids, groups, *, num_experts: int, layout: str, expert_map
         disp = to_contiguous(None, ids, num_experts, alignment, expert_map)
         src, row_expert = disp.src.astype(np.int64), disp.m_indices.astype(np.int64)
     else:
-        cap = int(max_m) if max_m is not None else (max(int(g.counts.max(initial=0)), 1) if layout == "masked"
-                                                    else max(g.num_tokens, 1))
+        largest = int(g.counts.max(initial=0))  # above M only when a token repeats an expert
+        cap = int(max_m) if max_m is not None else (max(largest, 1) if layout == "masked"
+                                                    else max(g.num_tokens, largest, 1))
         if layout == "masked":
             disp = to_masked(None, ids, num_experts, cap, expert_map)
         else:

@@ -23,6 +23,10 @@ from .tensor import (
 from .fp8 import fp8_per_tensor, fp8_per_token, fp8_per_channel, fp8_group, fp8_block
 from .mx import mxfp8, mxfp6, mxfp4
 from .intq import int8_per_token, int8_per_channel, int4_group, w4a8_cutlass
+from .nvfp4 import (
+    NVFP4_CONVENTIONS, NVFP4_ORDERS, global_factors, global_scale_as, nvfp4, nvfp4_preset,
+    nvfp4_weight, quantize_nvfp4,
+)
 
 SCHEMES = {
     "fp8_per_tensor": fp8_per_tensor,
@@ -37,6 +41,8 @@ SCHEMES = {
     "int8_per_channel": int8_per_channel,
     "int4_group": int4_group,
     "w4a8_cutlass": w4a8_cutlass,
+    "nvfp4": nvfp4,
+    "nvfp4_weight": nvfp4_weight,
 }
 
 __all__ = [
@@ -45,14 +51,6 @@ __all__ = [
     "register_quantizer", "quantize_and_report",
     "fp8_per_tensor", "fp8_per_token", "fp8_per_channel", "fp8_group", "fp8_block",
     "mxfp8", "mxfp6", "mxfp4", "int8_per_token", "int8_per_channel", "int4_group", "w4a8_cutlass",
+    "nvfp4", "nvfp4_weight", "NVFP4_ORDERS", "NVFP4_CONVENTIONS", "nvfp4_preset", "quantize_nvfp4",
+    "global_scale_as", "global_factors",
 ]
-
-import importlib.util as _ilu
-
-if _ilu.find_spec(__name__ + ".nvfp4") is not None:  # NVFP4: moeref/quant/nvfp4.py, on this engine
-    from . import nvfp4 as _nvfp4
-    from .nvfp4 import *  # noqa: F401,F403
-
-    __all__ += [_n for _n in getattr(_nvfp4, "__all__", ()) if _n not in __all__]
-    SCHEMES.update(getattr(_nvfp4, "SCHEMES", {}))
-del _ilu

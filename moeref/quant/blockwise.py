@@ -153,7 +153,7 @@ def encode_elements(scaled: np.ndarray, element: ElementFormat, preset, *,
     ``nan_free``: the caller guarantees ``scaled`` holds no NaN (NaN blocks already masked), so
     formats without NaN can use the codec's fast table path (any nan_code is then never used).
     """
-    nan_code = preset.nan_code if not element.has_nan else None
+    nan_code = preset.nan_code_for(element) if not element.has_nan else None
     if nan_code is None and nan_free and not element.has_nan:
         nan_code = 0
     overflow = preset.overflow if element.has_nan else "saturate"
@@ -209,7 +209,8 @@ def quantize_blockwise(x, scheme: Scheme, *, rule: Callable | None = None, stati
     nan_blocks = np.isnan(res.decode)
     if nan_blocks.any():
         # the block decodes to NaN whatever its codes: write NaN codes (no NaN: nan_code or 0)
-        fill = el.nan_code if el.has_nan else (p.nan_code if p.nan_code is not None else 0)
+        nc = p.nan_code_for(el)
+        fill = el.nan_code if el.has_nan else (nc if nc is not None else 0)
         scaled = np.where(broadcast_to_blocks(nan_blocks, k), w.type(0), scaled)
     if res.zero_point is not None:
         # GPTQ order: round(x / s) as a signed integer, then + zero point, then clamp to the codes

@@ -21,7 +21,8 @@
   quantized with the stored product ``e4m3(s_g / c) * c`` (so codes and scales agree). vLLM's
   loader today casts ``s_g`` to FP8 directly with channel scales of one
   (``channel_scales="ones"``); its test reference quantizes the data with the UNROUNDED group
-  scales and rounds the scales afterwards, which moeref refuses to do (notes §5).
+  scales and rounds the scales afterwards, which moeref refuses to do (the same pattern as
+  huggingface/transformers#47030 and sgl-project/sglang PR #28307).
 
 A K that is not a multiple of the group is zero-padded for the last group's scale, like every
 blockwise scheme here; ``cutlass_w4a8_mm`` itself needs whole groups, so pad K before packing.

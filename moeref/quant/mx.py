@@ -1,7 +1,7 @@
 """OCP MX v1.0 schemes: MXFP8, MXFP6, MXFP4 (32 elements share one UE8M0 scale).
 
-The scale is a power of two read from the block amax's exponent bits. Presets (notes §3-§4.1,
-docs/mx-formats.md):
+The scale is a power of two read from the block amax's exponent bits. Presets (docs/mx-formats.md
+tabulates them with their sources):
 
 * ``"ocp"`` = ``"torchao_floor"``: ``2^(floor(log2 amax) - emax_elem)`` (OCP §6.3, torchao
   FLOOR). Can saturate the block max (E4M3 amax in (448, 512) x 2^k; microxcaling#4).

@@ -1,6 +1,6 @@
 """NVFP4: E2M1 elements, 16 per UE4M3 block scale, times one FP32 per-tensor factor.
 
-Two-level scaling (notes §3.3, §4.4). With ``a`` the block amax, ``A`` the tensor amax,
+Two-level scaling (NVIDIA TransformerEngine ``docs/features/low_precision_training/nvfp4``). With ``a`` the block amax, ``A`` the tensor amax,
 ``M_e = 6`` (E2M1 max) and ``M_s = 448`` (E4M3 max)::
 
     global (per tensor, FP32)   S_enc = M_s * M_e / A = 2688 / A     (encode)  or  A / 2688 (decode)
@@ -14,7 +14,7 @@ rowwise and columnwise quantizations agree). Partial blocks are zero-padded (zer
 amax). E2M1 codes are packed two per byte, even element low.
 
 The anchors agree on this storage and disagree on the float32 operation order, which is visible
-at ties of the UE4M3 cast (notes §4.4; radixark/miles PR #1054 "FlashInfer is not bitwise exact
+at ties of the UE4M3 cast (radixark/miles PR #1054 "FlashInfer is not bitwise exact
 with TE"). Each order is a preset; in float32 (``fl`` = one rounding; ``s`` = the decoded UE4M3 scale):
 
 * ``te``: ``S_enc = min(fl(2688/A), FLT_MAX)`` (0 -> 1); ``s = e4m3(min(a * fl(S_enc * fl(1/6)),
@@ -404,6 +404,3 @@ def global_scale_as(q: QuantizedTensor, convention: str) -> np.float32:
         return np.float32(g * _PRODUCT)
     return np.float32(np.inf) if g == 0 else np.float32(1.0 / g)
 
-
-#: Scheme factories merged into the shared registry ``moeref.quant.SCHEMES``.
-SCHEMES = {"nvfp4": nvfp4, "nvfp4_weight": nvfp4_weight}

@@ -6,7 +6,8 @@ working dtype is float32 for float16/bfloat16/float32 input (every anchor comput
 float32) and float64 for float64 input (no anchor takes float64; that mode exists so that
 ``quantize(dequantize(q, float64))`` sees exact values). Powers of two (E8M0) are read from the
 exponent bits through the codec's ``floor``/``ceil`` modes (:func:`moeref.formats.encode`),
-never with ``log2`` (notes §4.1: ``2**ceil(log2(x))`` is not bit-exact, sglang#29954).
+never with ``log2`` (``2**ceil(log2(x))`` is not bit-exact: sgl-project/sglang#29954, fixed the
+same way in DeepGEMM commit 7f2a703).
 
 A rule is a function ``rule(amax, ctx) -> ScaleResult``; :func:`compute_scales` picks the rule
 from the scheme's scale format and preset, then applies the zero-block and non-finite policies

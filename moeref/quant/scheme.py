@@ -2,7 +2,7 @@
 (element format + block shape + scale format + preset), with a registry of named presets.
 
 A *scheme* says WHAT is stored: element format, which blocks share a scale, how scales are stored.
-A *preset* says HOW the numbers are computed, knob by knob (research notes §7): the anchors
+A *preset* says HOW the numbers are computed, knob by knob: the anchors
 (OCP MX v1.0, torchao, TransformerEngine, DeepGEMM, vLLM, microxcaling) agree on the storage and
 disagree on the arithmetic, so every disagreement is a named field here, and each anchor is one
 named preset (:data:`PRESETS`). docs/fp8-scaling.md and docs/mx-formats.md tabulate them.
@@ -62,7 +62,7 @@ SCALE_FORMATS = ("fp32", "ue8m0", "ue4m3")
 
 @dataclass(frozen=True)
 class Preset:
-    """Every arithmetic knob of a blockwise quantizer, named (notes §7).
+    """Every arithmetic knob of a blockwise quantizer, named.
 
     Attributes:
         name: registry key.
@@ -128,9 +128,14 @@ class Preset:
             elements only (DeepGEMM casts FP8 with torch, RNE and signed zeros, but FP4 with its
             own ``bucketize``: ties toward zero, no -0). None = same as for other formats.
         nan_code: element code for NaN inputs in element formats without NaN (E2M1, FP6, INT);
-            None raises, as the codec does.
+            None raises, as the codec does. Per-format overrides go in the ``"nan_codes"``
+            option (:meth:`nan_code_for`).
         options: free-form extra knobs for families built on this engine (NVFP4 op order ...),
-            as a tuple of ``(name, value)`` pairs; read with :meth:`option`.
+            as a tuple of ``(name, value)`` pairs; read with :meth:`option`. ``"nan_codes"``:
+            ``((format name, code), ...)``, the code a NaN takes in that element format, before
+            ``nan_code`` (the torchao presets: E2M1 0x3, E2M3 0xC, E3M2 0xE, what torchao's
+            ``_f32_to_floatx_unpacked`` gives the quiet NaN ``0x7FC00001`` that ``x * NaN``
+            yields on CPU, so NaN-scale blocks hold the codes torchao writes).
     """
 
     name: str
@@ -188,6 +193,15 @@ class Preset:
             return self.fp4_rounding
         return self.rounding
 
+    def nan_code_for(self, element) -> int | None:
+        """NaN code for ``element`` (format name or ElementFormat) when it has no NaN: the
+        ``"nan_codes"`` option's entry for it, else :attr:`nan_code`."""
+        name = get_format(element).name
+        for fmt, code in self.option("nan_codes", ()):
+            if fmt == name:
+                return code
+        return self.nan_code
+
     def signed_zero_for(self, element) -> str:
         if self.fp4_signed_zero is not None and get_format(element).name == "e2m1":
             return self.fp4_signed_zero
@@ -221,6 +235,10 @@ def get_preset(preset) -> Preset:
     return PRESETS[preset]
 
 
+# torchao's E2M1/FP6 cast (custom_fp_utils._f32_to_floatx_unpacked) of the quiet NaN that
+# x * NaN gives on CPU: inside a NaN-scale block every element is that NaN.
+_TORCHAO_NAN_CODES = (("e2m1", 0x3), ("e2m3", 0xC), ("e3m2", 0xE))
+
 for _p in (
     Preset(
         "default",
@@ -232,23 +250,26 @@ for _p in (
     ),
     Preset(
         "ocp",
-        "OCP MX v1.0 §6.3 as torchao implements it (mx_tensor.py to_mx, FLOOR): "
-        "2^(floor(log2 amax) - emax), NaN/Inf block -> 0xFF + NaN data, x * 2^-k, RNE, saturate.",
+        "OCP MX v1.0 §6.3 as torchao's main branch implements it (mx_tensor.py to_mx, FLOOR; "
+        "not the 0.18.0 release, docs/mx-formats.md): 2^(floor(log2 amax) - emax), NaN/Inf "
+        "block -> 0xFF + NaN data (E2M1 0x3, FP6 0xC/0xE as torchao), x * 2^-k, RNE, saturate.",
         e8m0_rule="floor", apply="mul_recip", nonfinite="nan_block", e8m0_nonfinite="nan",
+        options=(("nan_codes", _TORCHAO_NAN_CODES),),
     ),
     Preset(
-        "torchao_ceil", "torchao to_mx ScaleCalculationMode.CEIL.",
-        e8m0_rule="ceil", apply="mul_recip",
+        "torchao_ceil", "torchao to_mx ScaleCalculationMode.CEIL (main branch, not 0.18.0).",
+        e8m0_rule="ceil", apply="mul_recip", options=(("nan_codes", _TORCHAO_NAN_CODES),),
     ),
     Preset(
-        "torchao_even", "torchao to_mx ScaleCalculationMode.EVEN.",
-        e8m0_rule="even", apply="mul_recip",
+        "torchao_even", "torchao to_mx ScaleCalculationMode.EVEN (main branch, not 0.18.0).",
+        e8m0_rule="even", apply="mul_recip", options=(("nan_codes", _TORCHAO_NAN_CODES),),
     ),
     Preset(
         "torchao_rceil",
-        "torchao to_mx ScaleCalculationMode.RCEIL (_to_mx_rceil / _f32_to_e8m0_rceil, cuBLAS): "
-        "ceil2(amax * fl(1/M)), non-satfinite (Inf/NaN -> 0xFF).",
+        "torchao to_mx ScaleCalculationMode.RCEIL (main branch, not 0.18.0; _to_mx_rceil / "
+        "_f32_to_e8m0_rceil, cuBLAS): ceil2(amax * fl(1/M)), non-satfinite (Inf/NaN -> 0xFF).",
         e8m0_rule="rceil", apply="mul_recip", e8m0_nonfinite="nan",
+        options=(("nan_codes", _TORCHAO_NAN_CODES),),
     ),
     Preset(
         "te_mxfp8",
@@ -258,9 +279,10 @@ for _p in (
     ),
     Preset(
         "deepgemm",
-        "DeepGEMM deep_gemm/utils/math.py: amax.clamp(1e-4), sf = amax / M, ceil_to_ue8m0 "
-        "clamp [1, 254] (NaN/Inf -> 254), x * (1/sf), torch cast (2.13: saturating); FP4: "
-        "bucketize ties toward zero, no -0, NaN -> 0.",
+        "DeepGEMM deep_gemm/utils/math.py: amax.clamp(1e-4), sf = amax / M (FP32 scales: sf "
+        "itself; UE8M0 scales: ceil_to_ue8m0(sf) clamped to [1, 254], NaN/Inf -> 254), "
+        "x * (1/sf), torch cast (2.13: saturating); FP4: bucketize ties toward zero, no -0, "
+        "NaN -> 0.",
         e8m0_rule="ceil_div", e8m0_clamp=(1, 254), e8m0_nonfinite="clamp", amax_floor=1e-4,
         nonfinite="propagate", apply="mul_recip", fp4_rounding="ties_toward_zero",
         fp4_signed_zero="drop", nan_code=0,
@@ -277,7 +299,7 @@ for _p in (
     Preset(
         "vllm",
         "vLLM per_token_group_quant_fp8 (fp8_utils.py, Triton path): amax = max(amax, 1e-10), "
-        "s = amax / M, UE8M0 = 2^ceil(log2 s) (exact; GPU log2f may differ, notes TV11), "
+        "s = amax / M, UE8M0 = 2^ceil(log2 s) (exact; GPU log2f may differ, sglang#29954), "
         "q = clamp(x / s, -M, M).",
         e8m0_rule="ceil_div", amax_floor=1e-10, nonfinite="propagate", apply="div",
     ),

@@ -6,7 +6,8 @@
   ``grouped_topk``, ``llama4_top1`` and the by-name :func:`route`.
 * :mod:`.names`: what vLLM/FlashInfer/triton_kernels/SGLang method names mean in these terms.
 * :mod:`.expert_map`: EP placement (linear / round-robin, fused shared experts) as ``expert_map``.
-* :mod:`.ids`: the ``topk_ids`` contract (``-1`` = padding slot) and its validation.
+* :mod:`.ids`: the ``topk_ids`` contract (``-1`` = padding slot; an expert repeated within a token
+  is accepted, each slot its own row) and its validation.
 """
 from __future__ import annotations
 

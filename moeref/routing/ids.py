@@ -2,8 +2,17 @@
 
 Contract for ``topk_ids``: a 2-D ``int32`` or ``int64`` array ``[num_tokens, top_k]``; each entry is
 a global expert id in ``[0, num_experts)`` or ``-1`` for a padding slot (CUDA-graph / DP padding
-tokens carry ``-1`` in every slot: vLLM PR #46428, SGLang PR #25852). Within a row the non-negative
-ids are distinct (a token never picks one expert twice; every routing method guarantees this).
+tokens carry ``-1`` in every slot: vLLM PR #46428, SGLang PR #25852).
+
+An expert may appear more than once within a row. The routing methods never produce that (their
+ids are distinct by construction), but vLLM's fused-MoE kernels and their tests accept it
+(``moe_align_block_size`` and the permute kernels sort slots, not (token, expert) pairs), so a
+reference must say what such a kernel computes: **each slot is its own row**. Slot ``(t, j)``
+sends token ``t`` to expert ``topk_ids[t, j]`` once; a token that picks expert ``e`` twice is two
+rows of expert ``e``'s group, both computed, each weighted by its own ``topk_weights[t, j]`` and
+summed in finalize: the same as one slot with the summed weight, up to the rounding of the sum.
+Every layout in :mod:`moeref.dispatch` (standard, permuted, DeepGEMM contiguous and masked,
+batched, CUTLASS) is built from slots, so each represents repeats; none refuses them.
 """
 from __future__ import annotations
 
@@ -26,9 +35,13 @@ def check_topk_ids(
 ) -> np.ndarray:
     """Return ``topk_ids`` as a NumPy int array after checking the contract above.
 
-    Raises ``TypeError`` for a dtype other than int32/int64 and ``ValueError`` for a wrong rank, an
-    id outside ``[0, num_experts)`` (``-1`` allowed when ``allow_padding``) or an expert repeated
-    within a row; the message names the index and the value.
+    Raises ``TypeError`` for a dtype other than int32/int64 and ``ValueError`` for a wrong rank or
+    an id outside ``[0, num_experts)`` (``-1`` allowed when ``allow_padding``); the message names
+    the index and the value. An expert repeated within a row is accepted (module docstring: each
+    slot is its own row).
+
+    >>> check_topk_ids(np.array([[2, 2]], dtype=np.int32), 4).tolist()   # one token, expert 2 twice
+    [[2, 2]]
 
     >>> check_topk_ids(np.array([[0, 3], [-1, -1]], dtype=np.int32), 4).shape
     (2, 2)
@@ -48,15 +61,4 @@ def check_topk_ids(
         raise ValueError(
             f"{name}[{where[0]}, {where[1]}] = {int(ids[where])} is out of range: ids must be in {accepted}"
         )
-    if ids.shape[1] > 1 and ids.size:
-        s = np.sort(ids, axis=1)
-        dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
-        where = first_bad_index(dup)
-        if where is not None:
-            row, value = where[0], int(s[where[0], where[1] + 1])
-            cols = np.flatnonzero(ids[row] == value).tolist()
-            raise ValueError(
-                f"{name}[{row}] selects expert {value} more than once (columns {cols}); "
-                "ids within a row must be distinct"
-            )
     return ids

@@ -21,7 +21,7 @@ tie/NaN policy, so ids stay distinct and NaN experts are picked last.
 Sources: vLLM ``router/fused_topk_router.py`` (softmax/sigmoid ``fused_topk``), ``fused_topk_bias``,
 ``router/grouped_topk_router.py@055e47c`` (``grouped_topk``), ``tests/kernels/moe/test_routing.py``
 (``baseline_custom_llama4``), vLLM ``oai_moe_forward`` / triton_kernels ``routing_torch(sm_first=False)``
-/ FlashInfer ``routing_reference_renormalize`` (topk -> softmax). Notes: moe-semantics.md section 4.
+/ FlashInfer ``routing_reference_renormalize`` (topk -> softmax).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What each library's routing-method name means, in moeref's methods.
 
-The same name means different things across libraries (moe-semantics.md section 0.8, vLLM PR
+The same name means different things across libraries (vLLM PR
 #43223): vLLM "Renormalize" is softmax -> top-k -> renormalize, which FlashInfer calls
 "RenormalizeNaive"; FlashInfer/TRT-LLM "Renormalize" is top-k -> softmax (moeref ``topk_softmax``).
 In exact arithmetic these two give the same weights (the full softmax denominator cancels when the

@@ -7,7 +7,8 @@ Policy (moeref's; the libraries leave it unspecified, see below):
 * **Ties.** Equal scores are broken by expert id: the **lower id wins** and comes first. This is the
   rule of triton_kernels ``topk_torch`` (``argsort(-x, stable=True)``) and of vLLM PR #55514's
   deterministic grouped_topk fallback. ``torch.topk``, which the vLLM/SGLang/FlashInfer references
-  call, leaves ties unspecified (moe-semantics.md section 4).
+  call, leaves ties unspecified (PyTorch's ``torch.topk`` documentation: the order of equal
+  elements is not guaranteed).
 * **NaN.** A NaN score ranks **below every number, -inf included**; NaNs among themselves follow the
   tie rule (lower id first). So a NaN expert is chosen only when fewer than ``k`` experts have a
   number. (vLLM PR #32058 review: padding lanes with idx 0 must not win when scores are non-finite.)

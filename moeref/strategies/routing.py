@@ -3,7 +3,7 @@
 Everything shrinks toward the smallest case: one token, one expert, ``top_k = 1``, no padding, no
 EP, the first listed distribution. A failing property then reports e.g. "1 token, expert 0, k=1".
 
-Distributions (``ROUTING_KINDS``), each a known bug class (moe-semantics.md sections 0.9 and 9):
+Distributions (``ROUTING_KINDS``), each a known bug class (the issues and PRs cited per row):
 
 ==================  ===========================================================================
 ``uniform``         every token picks ``k`` distinct experts uniformly (vLLM's harness: randperm)
@@ -17,6 +17,16 @@ Distributions (``ROUTING_KINDS``), each a known bug class (moe-semantics.md sect
 ``skewed_logits``   logits + a linspace(8, -8) expert bias (FlashInfer fuzzer "imbalanced")
 ``negative_bias``   sigmoid scores + a per-expert correction bias that may be negative everywhere,
                     routed by ``biased_topk`` (FlashInfer #2168, SGLang PR #3705)
+==================  ===========================================================================
+
+Opt-in (``OPT_IN_KINDS``, not drawn unless named in ``kinds=``):
+
+==================  ===========================================================================
+``repeated_experts`` ids drawn with replacement: a token may pick one expert twice (vLLM's kernels
+                    and tests accept it; each slot is its own row, :mod:`moeref.routing.ids`);
+                    with ``k >= 2`` the first token always does. Opt-in because kernels built
+                    on a per-rank or per-(token, expert) deduplication (DeepEP-style dispatch)
+                    cannot take repeats; name it where the kernel under test accepts them.
 ==================  ===========================================================================
 
 Logit-based kinds route with :func:`moeref.routing.softmax_topk` (renormalize=True), except
@@ -39,6 +49,7 @@ __all__ = [
     "BLACKWELL_ALIGNMENTS",
     "ID_KINDS",
     "LOGIT_KINDS",
+    "OPT_IN_KINDS",
     "ROUTING_KINDS",
     "EPShard",
     "RoutingCase",
@@ -54,6 +65,25 @@ __all__ = [
 ID_KINDS = ("uniform", "hot1", "all_to_one", "zipf", "empty_experts")
 LOGIT_KINDS = ("tied_logits", "negative_logits", "nonfinite", "skewed_logits", "negative_bias")
 ROUTING_KINDS = ID_KINDS + LOGIT_KINDS
+#: kinds drawn only when named in ``routings(kinds=...)`` (module docstring)
+OPT_IN_KINDS = ("repeated_experts",)
+#: the kinds :func:`router_logits` draws ("grid": multiples of 1/8 in [-8, 8])
+ROUTER_LOGIT_KINDS = ("grid", "tied_logits", "negative_logits", "nonfinite", "skewed_logits")
+
+
+def _check_kinds(kinds, accepted, what):
+    """``kinds`` as a tuple after checking each is in ``accepted`` (a typo must not silently draw
+    another distribution)."""
+    if isinstance(kinds, str):
+        kinds = (kinds,)
+    kinds = tuple(kinds)
+    if not kinds:
+        raise ValueError(f"{what}: give at least one kind; accepted: {', '.join(accepted)}")
+    bad = [k for k in kinds if k not in accepted]
+    if bad:
+        raise ValueError(f"{what}: unknown kind(s) {', '.join(map(repr, bad))}; accepted: "
+                         f"{', '.join(accepted)}")
+    return kinds
 BLACKWELL_ALIGNMENTS = tuple(range(32, 225, 32))  # DeepGEMM SM100: 224 stepping down by 32
 BOUNDARY_TOKEN_COUNTS = (4095, 4096, 4097)  # FlashInfer fuzzer's autotune-cache boundary
 
@@ -151,10 +181,16 @@ def biases(num_experts: int, *, negative: bool = True) -> st.SearchStrategy[np.n
     return st.one_of(of(-64, 64), of(-64, -1))  # mixed signs, or negative for every expert
 
 
-@st.composite
-def router_logits(draw, num_tokens: int, num_experts: int, kind: str = "grid") -> np.ndarray:
+def router_logits(num_tokens: int, num_experts: int, kind: str = "grid") -> st.SearchStrategy[np.ndarray]:
     """float32 ``[M, E]`` logits of one kind: ``grid`` (multiples of 1/8 in [-8, 8]), ``tied_logits``,
-    ``negative_logits``, ``nonfinite``, ``skewed_logits``."""
+    ``negative_logits``, ``nonfinite``, ``skewed_logits``. An unknown ``kind`` raises ``ValueError``
+    here, when the strategy is built."""
+    (kind,) = _check_kinds(kind, ROUTER_LOGIT_KINDS, "router_logits")
+    return _router_logits(num_tokens, num_experts, kind)
+
+
+@st.composite
+def _router_logits(draw, num_tokens: int, num_experts: int, kind: str) -> np.ndarray:
     n = num_tokens * num_experts
     if kind == "tied_logits":
         vals = draw(st.lists(st.sampled_from([0.0, 1.0, 2.0]), min_size=n, max_size=n))
@@ -180,8 +216,17 @@ def _distinct_rows(draw, num_tokens, top_k, pool):
     return np.array(rows, dtype=np.int64).reshape(num_tokens, top_k)
 
 
+def routings(*, kinds=ROUTING_KINDS, **kwargs) -> st.SearchStrategy["RoutingCase"]:
+    """A :class:`RoutingCase` (module docstring). Sizes may be fixed by passing ints or strategies
+    for ``num_tokens`` / ``num_experts`` / ``top_k``; other keywords: ``max_tokens``,
+    ``max_experts``, ``max_top_k``, ``allow_padding``, ``allow_zero_tokens``. ``kinds`` must name
+    distributions of :data:`ROUTING_KINDS` or :data:`OPT_IN_KINDS`; an unknown one raises
+    ``ValueError`` here."""
+    return _routings(kinds=_check_kinds(kinds, ROUTING_KINDS + OPT_IN_KINDS, "routings"), **kwargs)
+
+
 @st.composite
-def routings(
+def _routings(
     draw,
     *,
     max_tokens: int = 8,
@@ -194,9 +239,6 @@ def routings(
     num_experts=None,
     top_k=None,
 ) -> RoutingCase:
-    """A :class:`RoutingCase` (module docstring). Sizes may be fixed by passing ints or strategies
-    for ``num_tokens`` / ``num_experts`` / ``top_k``."""
-
     def pick(value, default):
         if value is None:
             return draw(default)
@@ -239,6 +281,11 @@ def routings(
             p = 1.0 / np.arange(1, e + 1) ** 1.2
             gumbel = np.log(p)[None, :] - np.log(-np.log(rng.random((m, e))))  # Gumbel top-k sampling
             ids = np.argsort(-gumbel, axis=1, kind="stable")[:, :k]
+        elif kind == "repeated_experts":
+            grid_ids = draw(st.lists(st.integers(0, e - 1), min_size=m * k, max_size=m * k))
+            ids = np.array(grid_ids, dtype=np.int64).reshape(m, k)
+            if m and k >= 2:
+                ids[0, -1] = ids[0, 0]
         else:  # empty_experts
             size = draw(st.integers(k, e))
             pool = sorted(draw(st.lists(st.integers(0, e - 1), min_size=size, max_size=size, unique=True)))
