@@ -172,7 +172,7 @@ def test_skip_dequantizes_to_bf16_and_lists_it_in_ignore(tmp_path):
     assert np.array_equal(t[skipped + ".weight"].view(torch.int16).numpy(), want.view(np.int16))
     assert skipped in json.load(open(os.path.join(dst, "config.json")))["quantization_config"]["ignore"]
     only = convert_checkpoint(src, str(tmp_path / "only"), ConvertOptions(
-        target="ct-mxfp4", only=("*experts.1*",)))
+        target="ct-mxfp4", only=("*experts.1*",), engine="numpy"))
     assert {m.module: m.engine for m in only.modules}[skipped] == "numpy"
 
 
@@ -189,15 +189,16 @@ def test_dry_run_writes_nothing_and_lists_actions(tmp_path, capsys):
 
 def test_workers_give_the_same_bytes_and_json_report(tmp_path):
     src, _ = _build(tmp_path, "gptoss-mxfp4")
-    r1 = convert_checkpoint(src, str(tmp_path / "a"), ConvertOptions(target="ct-nvfp4"))
-    r2 = convert_checkpoint(src, str(tmp_path / "b"), ConvertOptions(target="ct-nvfp4", workers=2))
+    # the host engine pinned: "auto" takes Triton on a GPU machine (its bytes are tested in test_checkpoint_gpu)
+    r1 = convert_checkpoint(src, str(tmp_path / "a"), ConvertOptions(target="ct-nvfp4", engine="numpy"))
+    r2 = convert_checkpoint(src, str(tmp_path / "b"), ConvertOptions(target="ct-nvfp4", workers=2, engine="numpy"))
     assert [s.sha256 for s in r1.shards] == [s.sha256 for s in r2.shards]
     rec = json.load(open(tmp_path / "b" / "moeref-convert.json"))
     assert rec["complete"] is True
     mods = [m for s in rec["report"]["shards"] for m in s["modules"]]
     assert {m["module"] for m in mods} == {m.module for m in r1.modules}
     assert all(m["lossless"] and m["sqnr_db"] == "inf" and m["engine"] == "numpy" for m in mods)
-    assert "no CUDA GPU" in mods[0]["note"] or "triton" in mods[0]["engine"]
+    assert mods[0]["note"]  # the report says why this engine converted the tensor
 
 
 # ---- safety ----------------------------------------------------------------------------------

@@ -282,7 +282,13 @@ def test_torch_scaled_mm_adapter_on_the_real_cpu_function():
     b = torch.from_numpy(rng.standard_normal((16, 256)).astype(np.float32)).to(torch.float8_e4m3fn)
     sa = torch.from_numpy((rng.integers(1, 4, (8, 1)) / 8).astype(np.float32))
     sb = torch.from_numpy((rng.integers(1, 4, (1, 16)) / 4).astype(np.float32))
-    out = torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.bfloat16)
+    try:
+        out = torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.bfloat16)
+    except RuntimeError as e:  # torch 2.11's CPU backend (the GPU machine's) has per-tensor scales only
+        if "only supports per-tensor" not in str(e):
+            raise
+        pytest.skip(f"this torch's CPU _scaled_mm has no rowwise scales ({torch.__version__}); the GPU test "
+                    "tests/test_kernel_profiles_gpu.py runs the real kernel")
     assert_grouped_gemm_close(from_torch_scaled_mm(a, b.t(), sa, sb, out), profile="CUBLAS_FP8")
 
 

@@ -325,6 +325,11 @@ def run_moe_device(hidden, weights: MoEWeights, topk_weights, topk_ids, config: 
     cfg = config
     dev = torch.device(device) if device is not None else (hidden.device if torch.is_tensor(hidden)
                                                              else torch.device("cuda"))
+    import os
+
+    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the device engine on the CPU runs its Triton kernels under TRITON_INTERPRET=1 only (set it "
+                         "before importing triton); for the host engine leave device unset")
     x = hidden if torch.is_tensor(hidden) else to_torch(np.asarray(hidden))
     x = x.to(dev)
     if x.dim() != 2 or not x.dtype.is_floating_point:
