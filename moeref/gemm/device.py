@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .exact import BlockOperand, as_operand
+from .grouped import check_row_expert
 from .stacked import StackedExperts
 
 __all__ = ["DeviceOperand", "device_operand", "device_block_gemm", "device_expert_rows_gemm",
@@ -468,13 +469,7 @@ def device_expert_rows_gemm(a, row_expert, weights, bias=None, *, abs_values: bo
     w = weights.abs() if abs_values else weights
     if abs_values:
         a = a.abs()
-    rows = np.asarray(row_expert.cpu() if torch.is_tensor(row_expert) else row_expert, dtype=np.int64).reshape(-1)
-    if rows.size != a.shape[0]:
-        raise ValueError(f"row_expert has {rows.size} entries but a has {a.shape[0]} rows")
-    bad = np.flatnonzero((rows < -1) | (rows >= len(w)))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"row_expert[{i}] = {int(rows[i])} is out of range [-1, {len(w)})")
+    rows = check_row_expert(row_expert.cpu() if torch.is_tensor(row_expert) else row_expert, a.shape[0], len(w))
     if a.shape[1] != w.shape[1]:
         raise ValueError(f"a has K={a.shape[1]} columns but the experts have K={w.shape[1]}")
     n = w.shape[0]

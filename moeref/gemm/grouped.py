@@ -82,6 +82,20 @@ class ExpertOperands:
         return self._items[e]
 
 
+def check_row_expert(row_expert, num_rows: int, num_experts: int) -> np.ndarray:
+    """``row_expert`` (any integer array) as flat int64 after checking it names one expert in
+    ``[0, num_experts)`` or ``-1`` (a padding row) for each of the ``num_rows`` rows; ``ValueError``
+    naming the first bad entry otherwise. Shared by the host and the device engines."""
+    rows = np.asarray(row_expert).reshape(-1).astype(np.int64)
+    if rows.size != num_rows:
+        raise ValueError(f"row_expert has {rows.size} entries but a has {num_rows} rows")
+    bad = np.flatnonzero((rows < -1) | (rows >= num_experts))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"row_expert[{i}] = {int(rows[i])} is out of range [-1, {num_experts})")
+    return rows
+
+
 def _bias(bias, num_experts: int, n: int, name: str):
     if bias is None:
         return None
@@ -108,13 +122,7 @@ def expert_rows_gemm(a, row_expert, weights, bias=None, *, abs_values: bool = Fa
     gemm = block_gemm if gemm is None else gemm
     a = as_operand(a, "a")
     w = ExpertOperands(weights)
-    rows = as_int_array(row_expert, "row_expert").reshape(-1).astype(np.int64)
-    if rows.size != a.shape[0]:
-        raise ValueError(f"row_expert has {rows.size} entries but a has {a.shape[0]} rows")
-    bad = np.flatnonzero((rows < -1) | (rows >= len(w)))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"row_expert[{i}] = {int(rows[i])} is out of range [-1, {len(w)})")
+    rows = check_row_expert(as_int_array(row_expert, "row_expert"), a.shape[0], len(w))
     if abs_values:
         a = a.abs()
     n = None
