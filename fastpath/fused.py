@@ -119,8 +119,10 @@ def swigluoai(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torc
 
 def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme | None,
            scale_layout: str, hw_fp8: bool | None, block_m=None, groups_per_program=None,
-           num_warps=None) -> Q.FastQuantized:
+           num_warps=None, tuning: Q.QuantTuning | None = None) -> Q.FastQuantized:
     scheme = fp8_group(128) if scheme is None else scheme
+    if tuning is not None and not isinstance(tuning, Q.QuantTuning):
+        raise TypeError(f"tuning must be a fastpath.quant.QuantTuning or None; got {type(tuning).__name__}")
     ok, why = supports(scheme, x, scale_layout)
     if not ok:
         raise ValueError(f"fastpath.fused cannot run {scheme.name!r}: {why}")
@@ -143,11 +145,8 @@ def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme
         groups_per_program, block_m, num_warps = tile
     elif act == "silu_and_mul" and gs == 128 and block_m is None and groups_per_program is None \
             and num_warps is None:
-        # the general tile (devices without their own): two loads per element (gate, up); 4 rows
-        # x 8 groups on 8 warps measured best on an H200 before the fifth round's register cut
-        # (bench_quant_gpu.py --tune, 2026-11-21: 3.83 TB/s, 90% of copy; 8 rows x 4 groups on 8
-        # warps 3.68, 1 row x 32 groups on 4 warps 3.53), within 1% of the best on an H100 (2.86
-        # vs 2.88 TB/s); the H200 now takes its own one-warp tile (_DEVICE_TILES)
+        # the general tile (devices without their own): two loads per element (gate, up), 4 rows
+        # x 8 groups on 8 warps (docs/performance.md, "Tuning history of the quantization kernels")
         num_warps = 8
     gb, gpp, bm = QT._tile(gs, block_m, groups_per_program, scale_layout, ng, role="fused")
     dummy = _alloc(1, dtype=torch.float32, device=dev)
@@ -161,7 +160,7 @@ def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme
         GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=SF_LAYOUT[scale_layout], AMAX_SRC=0,
         STATIC=False, TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=True, ACT=_ACT[act],
         ACT_ALPHA=float(alpha), ACT_LIMIT=float(limit), PAIR=pair, IN16=in16,
-        **QL._launch_knobs(ce, gb, gpp, bm, num_warps))
+        **QL._launch_knobs(ce, gb, gpp, bm, num_warps, tuning or QT.DEFAULT_TUNING))
     if scale_layout == "row_major":
         scales = scales.reshape(grid_of(shape, scheme))
     elif len(shape) <= 2:
@@ -179,6 +178,8 @@ def silu_and_mul_quant_fp8(x: torch.Tensor, scheme: Scheme | None = None, *,
         scheme: an FP8 per-token or 1xG scheme (default ``fp8_group(128)``, moeref's default
             preset; ``fp8_group(128, "ue8m0", "deepgemm")`` for DeepGEMM's recipe).
         scale_layout: see :data:`fastpath.quant.SCALE_LAYOUTS`.
+        tile: ``block_m``, ``groups_per_program``, ``num_warps`` (tile overrides) and ``tuning``
+            (:class:`fastpath.quant.QuantTuning`), as :func:`fastpath.quant.quantize` takes them.
     """
     return _fused(x, "silu_and_mul", 0.0, 0.0, scheme, scale_layout, hw_fp8, **tile)
 

@@ -197,10 +197,10 @@ def cases(draw):
     return scheme, layout, shape, dtype, specials, strided, log_range, seed
 
 
-def run_and_check(scheme, layout, xn, x, hw_fp8=None):
+def run_and_check(scheme, layout, xn, x, hw_fp8=None, tuning=None):
     ref = ref_quantize(xn, scheme)
     with poisoned():
-        got = Q.quantize(x, scheme, scale_layout=layout, hw_fp8=hw_fp8)
+        got = Q.quantize(x, scheme, scale_layout=layout, hw_fp8=hw_fp8, tuning=tuning)
     what = f"{scheme.name}/{scheme.preset.name}/{layout} shape={xn.shape} dtype={xn.dtype}"
     codes = got.codes.cpu().numpy()
     assert_same_codes(codes, ref.codes, scheme.element, what)

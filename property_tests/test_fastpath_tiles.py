@@ -6,8 +6,9 @@ reference's codes and scales bit for bit.
   for the exact division; the H100's 1 row x 64 groups on 8 warps for `deepgemm`). The GPU suite exercises an entry only on its device, so here every entry is
   given to the running device (``""`` for the CPU under ``TRITON_INTERPRET=1``), with a spy
   proving the tile was launched.
-* ``_WORD_RUN``: how many contiguous 16-bit-pair words a thread loads per FP4 group (runs of 4,
-  8, or the whole group), for MXFP4 (UE8M0) and NVFP4 (UE4M3).
+* ``QuantTuning.word_run_mxfp4`` / ``word_run_nvfp4``: how many contiguous 16-bit-pair words a
+  thread loads per FP4 group (runs of 4, 8, or the whole group), for MXFP4 (UE8M0) and NVFP4
+  (UE4M3).
 
 Under ``TRITON_INTERPRET=1`` these check the index arithmetic and the host-side choice; the
 register layouts they select (and MXFP4's packed bf16x2 encode on them) exist only on the GPU,
@@ -26,7 +27,7 @@ from moeref.quant.nvfp4 import nvfp4  # noqa: E402
 
 from fastpath import fused as F  # noqa: E402
 from fastpath.quant import _launch as QL  # noqa: E402
-from fastpath.quant import _tiles as QT  # noqa: E402
+from fastpath.quant import QuantTuning, _tiles as QT  # noqa: E402
 from fastpath.testing import device, on_gpu  # noqa: E402
 
 from property_tests.test_fastpath_quant import (  # noqa: E402
@@ -42,8 +43,8 @@ def _spy_launches(monkeypatch):
     seen = []
     real = QL._launch_knobs
 
-    def spy(ce, gb, gpp, bm, num_warps):
-        knobs = real(ce, gb, gpp, bm, num_warps)
+    def spy(ce, gb, gpp, bm, num_warps, tuning):
+        knobs = real(ce, gb, gpp, bm, num_warps, tuning)
         seen.append((knobs["num_warps"], bm, gpp))
         return knobs
 
@@ -176,8 +177,8 @@ def test_fused_device_tiles_match_reference(monkeypatch, op, M, groups, tail, la
 @given(run=st.sampled_from((0, 4, 8)), which=st.sampled_from(("mxfp4", "nvfp4")),
        M=st.integers(1, 5), K=st.integers(1, 300).map(lambda k: 2 * k),
        specials=st.sampled_from(("none", "finite")), seed=st.integers(0, 2**31))
-def test_word_run_matches_reference(monkeypatch, run, which, M, K, specials, seed):
-    monkeypatch.setattr(QT, "_WORD_RUN", {1: run, 2: run})
+def test_word_run_matches_reference(run, which, M, K, specials, seed):
+    tuning = QuantTuning(word_run_mxfp4=run, word_run_nvfp4=run)
     scheme = mxfp4() if which == "mxfp4" else nvfp4(preset="vllm")
     xn = make_input(seed, (M, K), "bfloat16", 8.0, specials)
-    run_and_check(scheme, "swizzled_128x4", xn, device_input(xn, False))
+    run_and_check(scheme, "swizzled_128x4", xn, device_input(xn, False), tuning=tuning)

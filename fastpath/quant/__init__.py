@@ -48,8 +48,11 @@ factor is a function of the block's UE4M3 code alone: ``_nvfp4_factors`` tabulat
 tensor (127 codes, the order's own float32 divisions) and the data pass loads it. FP8 rows with
 one scale per row longer than 4096 columns (per-token) take ``_row_loop_kernel`` (two sweeps
 per row, the second from cache). Tiles and warps come from sweeps on an H200 and an H100; the
-device-specific choices are in ``_tiles._DEVICE_TILES``.
-Measured speeds and their limits: docs/fastpaths.md.
+device-specific choices are in ``_tiles._DEVICE_TILES``. The knobs that change speed and never
+results (register cap, E2M1 lane encode, FP4 word runs, the looped kernel's threshold and tile)
+are an explicit argument, ``tuning=`` (:class:`QuantTuning`), which the benchmark's ``--tune``
+sweeps. Measured speeds and their limits: docs/fastpaths.md; tuning history:
+docs/performance.md.
 
 Unsupported combinations (INT/FP6 elements, 2-D blocks, the ``signed_minmax`` and
 ``encode_decode_pair`` FP32 rules, groups wider than 32768) are refused by :func:`supports` with the
@@ -75,10 +78,12 @@ from . import _tiles as T
 from ._kernels import _dequant_kernel, _per_tensor_scale_kernel, _quant_kernel
 from ._launch import global_scale_supports  # noqa: F401 (public: the registry's supports)
 from ._layouts import SCALE_LAYOUTS, SF_LAYOUT, grid_of, scale_storage_shape
+from ._tiles import QuantTuning
 
 __all__ = [
     "SCALE_LAYOUTS",
     "FastQuantized",
+    "QuantTuning",
     "supports",
     "quantize",
     "dequantize",
@@ -157,7 +162,8 @@ def _kind(scheme: Scheme) -> str | None:
     return None
 
 
-def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_major", **_) -> tuple[bool, str]:
+def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_major",
+             tuning: QuantTuning | None = None, **_) -> tuple[bool, str]:
     """Whether :func:`quantize` can run ``scheme`` on ``x`` with ``scale_layout`` here, and why not.
 
     Checks the environment (a CUDA device, or TRITON_INTERPRET=1 for CPU tensors), the scheme
@@ -217,7 +223,8 @@ def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_majo
         K = int(x.shape[-1])
         gs = scheme.resolve_block(tuple(x.shape))[-1]
         if kind == "rows" and gs > MAX_GROUP and not T._row_loop_applies(
-                -(-K // gs), gs, K, scheme.element == "e2m1", scale_layout):
+                -(-K // gs), gs, K, scheme.element == "e2m1", scale_layout,
+                tuning or T.DEFAULT_TUNING):
             return False, (f"group of {gs} elements exceeds the tile kernel's limit {MAX_GROUP} "
                            "(only one FP8 scale per row, row_major/mn_major, has a looped kernel)")
         if scheme.element == "e2m1" and gs % 2 and gs < K:
@@ -231,7 +238,8 @@ def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_majo
 
 def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major", scale=None,
              hw_fp8: bool | None = None, block_m: int | None = None, groups_per_program: int | None = None,
-             num_warps: int | None = None, global_scale=None) -> FastQuantized:
+             num_warps: int | None = None, global_scale=None,
+             tuning: QuantTuning | None = None) -> FastQuantized:
     """Quantize ``x`` (CUDA tensor, or CPU under TRITON_INTERPRET=1) with ``scheme``.
 
     Args:
@@ -251,11 +259,15 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
             a first pass). Codes, scales and ``global_scale`` equal the reference's.
         hw_fp8: use the hardware FP8 cast on CUDA (default: yes on CUDA for saturating RNE presets).
         block_m, groups_per_program, num_warps: tile overrides (benchmarks).
+        tuning: the kernels' speed knobs (:class:`QuantTuning`; None: the shipped defaults).
 
     Returns:
         :class:`FastQuantized`; ``.to_reference()`` gives the :class:`moeref.quant.QuantizedTensor`.
     """
-    ok, why = supports(scheme, x, scale_layout)
+    if tuning is not None and not isinstance(tuning, QuantTuning):
+        raise TypeError(f"tuning must be a fastpath.quant.QuantTuning or None; got {type(tuning).__name__}")
+    tuning = tuning or T.DEFAULT_TUNING
+    ok, why = supports(scheme, x, scale_layout, tuning)
     if not ok:
         raise ValueError(f"fastpath.quant.quantize cannot run {getattr(scheme, 'name', scheme)!r}: {why}")
     static_global = None
@@ -310,7 +322,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
             GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=0, AMAX_SRC=1, STATIC=static is not None,
             TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=False, ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0,
             PAIR=pair, IN16=in16,
-            **L._launch_knobs(ce, gb, gpp, bm, num_warps))
+            **L._launch_knobs(ce, gb, gpp, bm, num_warps, tuning))
         out_codes = codes.reshape(shape[:-1] + (cshape[-1],))
         return FastQuantized(out_codes, scales.reshape(grid_of(shape, scheme)), "row_major", scheme, shape)
 
@@ -333,8 +345,9 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
     elif two_level:
         amax = L._tensor_amax(x3, ce["NONFINITE"], per_matrix=False)
         nv, glob = L._nvfp4_device_globals(scheme, amax=amax)
-    if T._row_loop_applies(ng, gs, K, packed, scale_layout) and groups_per_program is None:
-        L._launch_row_loop(x3, codes, scales, ssb, ssm, m_pad, static_t, static, ce, block_m, num_warps)
+    if T._row_loop_applies(ng, gs, K, packed, scale_layout, tuning) and groups_per_program is None:
+        L._launch_row_loop(x3, codes, scales, ssb, ssm, m_pad, static_t, static, ce, block_m,
+                           num_warps, tuning)
     else:
         grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp), B)
         xk, pair, in16 = L._pair_view(x3, packed)
@@ -344,7 +357,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
             GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=SF_LAYOUT[scale_layout], AMAX_SRC=0,
             STATIC=static is not None, TWO_LEVEL=two_level, NV_ORDER=order, WRITE_SCALES=True,
             ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0, PAIR=pair, IN16=in16,
-            **L._launch_knobs(ce, gb, gpp, bm, num_warps))
+            **L._launch_knobs(ce, gb, gpp, bm, num_warps, tuning))
     if zero_tensor:  # a static amax that is 0 in float32: the reference's data factor is 0
         codes.copy_(L._signed_zero_codes(x3, order == 0))
     lead = shape[:-2] if len(shape) >= 2 else ()

@@ -234,8 +234,7 @@ def _amax_partial_kernel(x_ptr, stride_xb, stride_xm, stride_xk, p_ptr, M, K, NP
     """Partial amax (float32 bits max; NaN above Inf, so it propagates unless NONFINITE 1
     ignores it) of one [BLOCK_M, BLOCK_K] tile of one matrix of x:
     ``p[b * NPROG + pid_m * cdiv(K, BLOCK_K) + pid_k]``. One tile per program and no loop, like
-    the data pass: a looped accumulator held 64 registers per thread and the loads waited
-    (H200, 2026-11-21: 69% of copy)."""
+    the data pass (a looped accumulator held 64 registers per thread and the loads waited)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_b = tl.program_id(2)
@@ -424,7 +423,7 @@ def _dequant_kernel(c_ptr, stride_cb, stride_cm, s_ptr, stride_sb, stride_sm, st
         if HW and GB >= 8:
             # a hint, true of k (runs of GB consecutive columns): 8 codes per vector load, the
             # layout of the 8-wide 16-bit stores, so no shared-memory layout conversion (and
-            # barrier) between the load and the store (H200: 3.52 -> 3.57 TB/s, 4 warps)
+            # barrier) between the load and the store
             kc = tl.max_contiguous(k, [1, 8])
         code = tl.load(cb + kc[None, :, :], mask=m3, other=0)
         if HW:

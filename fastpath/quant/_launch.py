@@ -175,8 +175,10 @@ def _signed_zero_codes(x3: torch.Tensor, te: bool) -> torch.Tensor:
     return s[..., 0::2] | (s[..., 1::2] << 4)
 
 
-def _launch_knobs(ce: dict, gb: int, gpp: int, bm: int, num_warps: int | None) -> dict:
-    """``num_warps`` and the constexprs of a :func:`~fastpath.quant._kernels._quant_kernel` launch. The packed-bf16 FP4
+def _launch_knobs(ce: dict, gb: int, gpp: int, bm: int, num_warps: int | None,
+                  tuning: T.QuantTuning = T.DEFAULT_TUNING) -> dict:
+    """``num_warps`` and the constexprs of a :func:`~fastpath.quant._kernels._quant_kernel`
+    launch, with ``tuning``'s word runs, lane encode switch and register cap. The packed-bf16 FP4
     encode (``PACKED_BF16``) groups four int32 words per asm call; it is kept only where every
     thread holds at least four words of the tile (tiles and thread counts are powers of two, so
     then a multiple of four): with fewer, Triton pads the packed call and the bytes came out
@@ -184,27 +186,20 @@ def _launch_knobs(ce: dict, gb: int, gpp: int, bm: int, num_warps: int | None) -
     nw = T._warps(gb, gpp, bm, num_warps, ce["ELEM"] != 2)
     if ce.get("PACKED_BF16") and bm * gpp * max(gb // 2, 1) < 4 * 32 * nw:
         ce = dict(ce, PACKED_BF16=False)
-    if not _E2M1_PTX_ON and ce.get("E2M1_PTX"):
+    if not tuning.e2m1_ptx and ce.get("E2M1_PTX"):
         ce = dict(ce, E2M1_PTX=False)
-    knobs = dict(ce, num_warps=nw, WORD_RUN=T._WORD_RUN.get(ce["SCALE_KIND"], 0))
-    if _MAXNREG is not None and not P._INTERPRETED:
-        knobs["maxnreg"] = _MAXNREG
+    knobs = dict(ce, num_warps=nw, WORD_RUN=tuning.word_run(ce["SCALE_KIND"]))
+    if tuning.maxnreg is not None and not P._INTERPRETED:
+        knobs["maxnreg"] = tuning.maxnreg
     return knobs
 
 
-# False turns the float32 lane E2M1 encode (E2M1_PTX) off in every launch: an A/B knob for
-# bench_quant_gpu.py --tune ({'_E2M1_PTX_ON': False}), not a shipped setting.
-_E2M1_PTX_ON = True
-
-
-# Register cap per thread (ptxas .maxnreg) for every _quant_kernel launch; None: the compiler's
-# choice. For register sweeps (bench_quant_gpu.py --tune --maxnreg), not a shipped setting.
-_MAXNREG: int | None = None
-
-
-def _launch_row_loop(x3, codes, scales, ssb, ssm, m_pad, static_t, static, ce, block_m, num_warps):
+def _launch_row_loop(x3, codes, scales, ssb, ssm, m_pad, static_t, static, ce, block_m, num_warps,
+                     tuning: T.QuantTuning = T.DEFAULT_TUNING):
+    """The looped one-scale-per-row kernel on its tile (``tuning.row_loop_tile``; ``block_m``
+    and ``num_warps`` override its rows and warps)."""
     B, M, K = (int(d) for d in x3.shape)
-    bm, bk, nw = T._ROW_LOOP_TILE
+    bm, bk, nw = tuning.row_loop_tile
     bm = block_m or bm
     grid = (triton.cdiv(m_pad, bm), B)
     names = _row_loop_kernel.arg_names
