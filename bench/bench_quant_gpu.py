@@ -18,6 +18,7 @@ Run: ``python bench/bench_quant_gpu.py --out OUTDIR [--baselines] [--quick]`` (b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -338,8 +339,9 @@ def main():
                     help="also time the bare read2/write1 and read1/write2 traffic (no arithmetic)")
     ap.add_argument("--maxnreg", default="",
                     help="with --tune: comma-separated register caps to sweep (0: none) on each tile")
-    ap.add_argument("--tiles", default="", help="with --tune: ';'-separated tile dicts to sweep "
-                    "instead of the default list, e.g. \"{};{'num_warps': 8}\"")
+    ap.add_argument("--tiles", default="", help="with --tune: ';'-separated dicts of tile overrides "
+                    "and QuantTuning fields to sweep instead of the default list, e.g. "
+                    "\"{};{'num_warps': 8};{'word_run_mxfp4': 4};{'e2m1_ptx': False}\"")
     ap.add_argument("--M", type=int, default=16384)
     ap.add_argument("--K", type=int, default=7168)
     args = ap.parse_args()
@@ -445,10 +447,24 @@ def main():
     plot(results, os.path.join(args.out, "fastpath_bandwidth.png"))
 
 
+def _with_tuning(cfg: dict) -> dict:
+    """A sweep entry as the kernels' keyword arguments: the tile overrides (``block_m``,
+    ``groups_per_program``, ``num_warps``) as they are, the fields of
+    :class:`fastpath.quant.QuantTuning` (``maxnreg``, ``e2m1_ptx``, ``word_run_mxfp4``,
+    ``word_run_nvfp4``, ``row_loop_min_k``, ``row_loop_tile``) folded into one ``tuning=``."""
+    names = {f.name for f in dataclasses.fields(Q.QuantTuning)}
+    knobs = {k: v for k, v in cfg.items() if k in names}
+    out = {k: v for k, v in cfg.items() if k not in names}
+    if knobs:
+        out["tuning"] = Q.QuantTuning(**knobs)
+    return out
+
+
 def tune(args, ks):
     """Tile sweep at the large size: time every candidate (block_m, groups_per_program,
-    num_warps) of each kernel of ``ks`` (:func:`kernels`, as ``--only`` filtered it), print each
-    and the best (the defaults in fastpath.quant come from this sweep)."""
+    num_warps, and QuantTuning knobs) of each kernel of ``ks`` (:func:`kernels`, as ``--only``
+    filtered it), print each and the best (the defaults in fastpath.quant._tiles come from this
+    sweep; docs/performance.md keeps the history)."""
     M, K = args.M, args.K
     tiles = [dict(), dict(num_warps=2), dict(num_warps=4), dict(num_warps=8),
              dict(block_m=16, num_warps=4), dict(block_m=16, num_warps=8),
@@ -458,11 +474,12 @@ def tune(args, ks):
              dict(block_m=2, groups_per_program=16, num_warps=4),
              dict(block_m=1, groups_per_program=64, num_warps=8),
              dict(block_m=2, groups_per_program=32, num_warps=8)]
-    # per-token rows over _ROW_LOOP_MIN_K columns take fastpath.quant._row_loop_kernel: its
-    # tile (rows, columns per chunk, warps), and one [1, next_pow2(K)] tile per row instead
-    rows = [dict()] + [dict(_ROW_LOOP_TILE=t) for t in [
+    # per-token rows over QuantTuning.row_loop_min_k columns take the looped kernel
+    # (fastpath.quant._kernels._row_loop_kernel): its tile (rows, columns per chunk, warps), and
+    # one [1, next_pow2(K)] tile per row instead
+    rows = [dict()] + [dict(row_loop_tile=t) for t in [
         (1, 2048, 4), (1, 1024, 4), (1, 2048, 8), (1, 4096, 8), (2, 2048, 4), (2, 2048, 8),
-        (1, 2048, 2)]] + [dict(_ROW_LOOP_MIN_K=1 << 40)]
+        (1, 2048, 2)]] + [dict(row_loop_min_k=1 << 40)]
     if args.tiles:
         import ast
         tiles = [ast.literal_eval(t) for t in args.tiles.split(";")]
@@ -475,23 +492,15 @@ def tune(args, ks):
         configs = [dict(c, maxnreg=r) if r else dict(c) for c in configs for r in caps]
         best = None
         for cfg in configs:
-            cfg = dict(cfg)
             cfg_name = str(cfg)
-            Q._MAXNREG = cfg.pop("maxnreg", None)
-            saved_attrs = {k_: getattr(Q, k_) for k_ in cfg if k_.startswith("_")}
-            for k_ in saved_attrs:  # module knobs, e.g. {"_WORD_RUN": {1: 4, 2: 4}}
-                setattr(Q, k_, cfg.pop(k_))
             try:
-                fn(*inputs[0], **cfg)
+                kw = _with_tuning(cfg)
+                fn(*inputs[0], **kw)
                 torch.cuda.synchronize()
-                ms = bench_fn(lambda *t: fn(*t, **cfg), inputs, rep_ms=100)
+                ms = bench_fn(lambda *t: fn(*t, **kw), inputs, rep_ms=100)
             except Exception as e:
                 print(f"  {name} {cfg_name}: {type(e).__name__}: {str(e)[:80]}", flush=True)
                 continue
-            finally:
-                Q._MAXNREG = None
-                for k_, v_ in saved_attrs.items():
-                    setattr(Q, k_, v_)
             tb = nbytes / (ms * 1e-3) / 1e12
             print(f"  {name:34s} {cfg_name:52s} {ms * 1e3:8.1f} us {tb:6.3f} TB/s", flush=True)
             out.setdefault(name, []).append({"cfg": cfg_name, "us": ms * 1e3, "TBps": tb})

@@ -13,8 +13,10 @@ bench/profile_gpu.py: 42-80% issue utilisation, global-load stalls first).
     python bench/sass_report.py                  # the benchmark's kernels at 16384 x 7168 bf16
     python bench/sass_report.py --dump NAME      # also write NAME's SASS to bench_out/NAME.sass
     python bench/sass_report.py --maxnreg 64     # with a register cap (spills show as STACK)
+    python bench/sass_report.py --tuning e2m1_ptx=False --tuning word_run_mxfp4=4
+                                                 # with QuantTuning knobs (fastpath.quant)
 
-The kernels are launched on CPU tensors, so device-specific tiles (fastpath.quant's
+The kernels are launched on CPU tensors, so device-specific tiles (fastpath.quant._tiles'
 _DEVICE_TILES) are not taken here.
 
 Uses the ptxas/cuobjdump bundled with Triton's wheel; no CUDA driver is needed.
@@ -121,13 +123,16 @@ def count(sass: str):
 
 
 def record(call):
-    """Run ``call()`` (which calls fastpath functions on CPU tensors) with launches recorded."""
-    import fastpath.dispatch as D
-    import fastpath.fused as F
-    import fastpath.quant as Q
+    """Run ``call()`` (which calls fastpath functions on CPU tensors) with launches recorded:
+    every Triton kernel bound to a name in a ``fastpath`` module is swapped for a recorder."""
+    import fastpath.dispatch  # noqa: F401 (the kernels' modules, loaded before the swap)
+    import fastpath.fused  # noqa: F401
+    import fastpath.quant  # noqa: F401
+    from fastpath.quant import _preset_map as P
+    mods = [m for n, m in sorted(sys.modules.items()) if n == "fastpath" or n.startswith("fastpath.")]
     log = []
     saved = {}
-    for mod in (Q, F, D):
+    for mod in mods:
         if hasattr(mod, "_INTERPRETED"):
             saved[(mod, "_INTERPRETED")] = mod._INTERPRETED
             mod._INTERPRETED = False
@@ -136,7 +141,7 @@ def record(call):
             if isinstance(obj, triton.runtime.jit.JITFunction):
                 saved[(mod, name)] = obj
                 setattr(mod, name, _Recorder(obj, log))
-    Q._constexprs_cached.cache_clear()
+    P.constexprs_cached.cache_clear()
     os.environ["TRITON_INTERPRET"] = "1"  # lets fastpath accept CPU tensors; nothing launches
     try:
         call()
@@ -144,12 +149,14 @@ def record(call):
         os.environ.pop("TRITON_INTERPRET", None)
         for (mod, name), obj in saved.items():
             setattr(mod, name, obj)
-        Q._constexprs_cached.cache_clear()
+        P.constexprs_cached.cache_clear()
     return log
 
 
-def cases(M=16384, K=7168):
-    """The benchmark's kernels (bench/bench_quant_gpu.py), launched on CPU tensors."""
+def cases(M=16384, K=7168, tuning=None):
+    """The benchmark's kernels (bench/bench_quant_gpu.py), launched on CPU tensors; ``tuning``:
+    a :class:`fastpath.quant.QuantTuning` for every quantize and fused launch (None: the
+    defaults)."""
     import fastpath.fused as F
     import fastpath.quant as Q
     from moeref.quant import fp8_group, fp8_per_tensor, fp8_per_token, mxfp4, mxfp8, nvfp4
@@ -157,22 +164,23 @@ def cases(M=16384, K=7168):
     gu = torch.empty(M, 2 * K, dtype=torch.bfloat16)
     s_g = fp8_group(128)
     s_dg32 = fp8_group(128, "fp32", "deepgemm")
+    t = {} if tuning is None else {"tuning": tuning}
     return {
-        "fp8_1x128_default": lambda: Q.quantize(x, s_g, hw_fp8=True),
-        "fp8_1x128_deepgemm": lambda: Q.quantize(x, s_dg32, hw_fp8=True),
-        "fp8_per_token": lambda: Q.quantize(x, fp8_per_token(), hw_fp8=True),
-        "fp8_per_tensor": lambda: Q.quantize(x, fp8_per_tensor(), hw_fp8=True),
-        "mxfp8": lambda: Q.quantize(x, mxfp8(), scale_layout="swizzled_128x4", hw_fp8=True),
-        "mxfp4": lambda: Q.quantize(x, mxfp4(), scale_layout="swizzled_128x4", hw_fp8=True),
-        "nvfp4": lambda: Q.quantize(x, nvfp4(), scale_layout="swizzled_128x4", hw_fp8=True),
+        "fp8_1x128_default": lambda: Q.quantize(x, s_g, hw_fp8=True, **t),
+        "fp8_1x128_deepgemm": lambda: Q.quantize(x, s_dg32, hw_fp8=True, **t),
+        "fp8_per_token": lambda: Q.quantize(x, fp8_per_token(), hw_fp8=True, **t),
+        "fp8_per_tensor": lambda: Q.quantize(x, fp8_per_tensor(), hw_fp8=True, **t),
+        "mxfp8": lambda: Q.quantize(x, mxfp8(), scale_layout="swizzled_128x4", hw_fp8=True, **t),
+        "mxfp4": lambda: Q.quantize(x, mxfp4(), scale_layout="swizzled_128x4", hw_fp8=True, **t),
+        "nvfp4": lambda: Q.quantize(x, nvfp4(), scale_layout="swizzled_128x4", hw_fp8=True, **t),
         "nvfp4_static": lambda: Q.quantize(x, nvfp4(preset="vllm"), scale_layout="swizzled_128x4",
-                                           global_scale=1.0, hw_fp8=True),
+                                           global_scale=1.0, hw_fp8=True, **t),
         # the FP4 paths the bf16 benchmark does not take: 16-bit words without the packed
         # encode (float16), and the generic split tile (float32)
-        "mxfp4_fp16": lambda: Q.quantize(x.half(), mxfp4(), scale_layout="swizzled_128x4", hw_fp8=True),
-        "mxfp4_fp32": lambda: Q.quantize(x.float(), mxfp4(), scale_layout="swizzled_128x4", hw_fp8=True),
-        "silu_fp8": lambda: F.silu_and_mul_quant_fp8(gu, s_g),
-        "swigluoai_fp8": lambda: F.swigluoai_quant_fp8(gu, 1.702, 7.0, s_g),
+        "mxfp4_fp16": lambda: Q.quantize(x.half(), mxfp4(), scale_layout="swizzled_128x4", hw_fp8=True, **t),
+        "mxfp4_fp32": lambda: Q.quantize(x.float(), mxfp4(), scale_layout="swizzled_128x4", hw_fp8=True, **t),
+        "silu_fp8": lambda: F.silu_and_mul_quant_fp8(gu, s_g, **t),
+        "swigluoai_fp8": lambda: F.swigluoai_quant_fp8(gu, 1.702, 7.0, s_g, **t),
     }
 
 
@@ -181,8 +189,16 @@ def main(argv=None):
     ap.add_argument("names", nargs="*")
     ap.add_argument("--dump", action="store_true", help="write each kernel's SASS to bench_out/")
     ap.add_argument("--maxnreg", type=int, default=None, help="cap registers per thread (ptxas .maxnreg)")
+    ap.add_argument("--tuning", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a fastpath.quant.QuantTuning field for the quantize launches (repeatable)")
     a = ap.parse_args(argv)
-    cs = cases()
+    tuning = None
+    if a.tuning:
+        import ast
+
+        from fastpath.quant import QuantTuning
+        tuning = QuantTuning(**{k: ast.literal_eval(v) for k, v in (f.split("=", 1) for f in a.tuning)})
+    cs = cases(tuning=tuning)
     names = a.names or list(cs)
     print(f"{'case':24s} {'kernel':24s} {'regs':>4s} {'stack':>5s} {'warps':>5s} {'instr':>6s} "
           f"{'elem/thr':>8s} {'instr/elem':>10s}  top ops")

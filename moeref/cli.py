@@ -6,7 +6,8 @@ Everything printed here is built by library functions (``moeref.format_tables``,
 * ``moeref`` alone prints the help; ``moeref --version`` the installed version.
 * ``--json`` on ``formats`` and ``explain`` prints the same numbers as plain JSON (the data
   functions :func:`moeref.format_tables.parameter_rows`, :func:`~moeref.format_tables.value_rows`,
-  :func:`moeref.explain.explain_steps`), for scripts.
+  :func:`moeref.explain.explain_steps`), for scripts; so does ``--json`` on the comparison
+  commands ``check``, ``replay`` and ``mutate`` (:mod:`moeref.testing.commands`).
 * Output to a pipe or a file is not cut to 80 columns: each table is printed as wide as it needs.
 * Bad input (an unknown format, scheme or preset, a preset that does not fit the scheme) exits 2
   with one line on stderr naming what was given and what is accepted.

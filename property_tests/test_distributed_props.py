@@ -2,7 +2,7 @@
 
 One :class:`moeref.distributed.LocalWorld` of 4 processes serves the whole module; each example runs
 on its first 1..4 ranks. Expected values come from oracles written here, one token and slot at a
-time, from the published contracts (DeepEP dispatch/combine, notes: ep-dispatch-combine.md) and from
+time, from the published contracts (DeepEP ``deep_ep/buffer.py`` dispatch/combine) and from
 the per-rank ``expert_map`` of :mod:`moeref.routing` (not from :class:`EPPlacement`), and, for the
 layer, from the single-process :func:`moeref.moe.fused_moe`.
 """

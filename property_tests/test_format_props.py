@@ -1,8 +1,8 @@
 """Hypothesis properties of moeref.formats.encode.
 
 * RNE encode equals ml_dtypes' cast bit for bit on float32, bfloat16, float16 and float64 input
-  (overflow "inf_nan" where ml_dtypes does not saturate, "saturate" for E2M1/FP6), and torch 2.13's
-  saturating E4M3FN / non-saturating E5M2 casts.
+  (overflow "inf_nan" where ml_dtypes does not saturate, "saturate" for E2M1/FP6); torch's casts
+  in test_format_props_torch.py (this suite needs no torch).
 * Every deterministic mode returns the neighbour its definition names (grid neighbours and tie
   rules written here from the published definitions), within the mode's error bound, monotone in x.
 * Stochastic rounding: one of the two neighbours, deterministic given rbits, unbiased over all 256
@@ -29,12 +29,6 @@ from moeref.formats import (
     unpack_int4_from_int32,
     unpack_nibbles,
 )
-
-torch = pytest.importorskip("torch")
-from moeref._interop import torch_e4m3_cast_saturates  # noqa: E402
-
-# torch >= 2.13 saturates E4M3FN casts (PR #178817); older torch (2.11 on the GPU machine) gives NaN
-TORCH_E4M3_OVERFLOW = "saturate" if torch_e4m3_cast_saturates() else "inf_nan"
 
 DTYPES = {"f32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16),
           "f16": np.dtype(np.float16), "f64": np.dtype(np.float64)}
@@ -146,15 +140,7 @@ def odd_to_f32(x: np.ndarray) -> np.ndarray:
     return np.where(inexact, bits | np.uint32(1), bits).astype(np.uint32).view(np.float32)
 
 
-def torch_cast(x: np.ndarray, torch_name: str) -> np.ndarray:
-    if x.dtype == np.dtype(ml_dtypes.bfloat16):
-        t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
-    else:
-        t = torch.from_numpy(np.ascontiguousarray(x))
-    return t.to(getattr(torch, torch_name)).view(torch.uint8).numpy()
-
-
-# ---- RNE against ml_dtypes and torch ------------------------------------------------------------
+# ---- RNE against ml_dtypes ------------------------------------------------------------------
 @pytest.mark.parametrize("name", ML_FLOATS)
 @given(data=st.data())
 def test_rne_matches_ml_dtypes(name, data):
@@ -169,21 +155,6 @@ def test_rne_matches_ml_dtypes(name, data):
     got = encode(x, name, overflow=ML_OVERFLOW[name])
     ref = ml_cast(odd_to_f32(x) if x.dtype == np.float64 else x, name)
     assert got.tolist() == ref.tolist()
-
-
-@pytest.mark.parametrize("name, torch_name, overflow", [
-    ("e4m3fn", "float8_e4m3fn", TORCH_E4M3_OVERFLOW),  # torch >= 2.13 saturates E4M3FN (PR #178817)
-    ("e5m2", "float8_e5m2", "inf_nan"),       # never saturates
-])
-@given(data=st.data())
-def test_rne_matches_torch(name, torch_name, overflow, data):
-    dtype = DTYPES[data.draw(st.sampled_from(list(DTYPES)), label="dtype")]
-    x = data.draw(targeted_arrays(name, dtype), label="x")
-    nan = np.isnan(f64(x))
-    got = encode(x, name, overflow=overflow)
-    ref = torch_cast(odd_to_f32(x) if x.dtype == np.float64 else x, torch_name)
-    assert got[~nan].tolist() == ref[~nan].tolist()
-    assert np.isnan(round_to_format(x[nan], name, overflow=overflow)).all()
 
 
 # ---- deterministic modes: the neighbour the definition names --------------------------------------

@@ -1,7 +1,7 @@
 """Small checkpoints in every real layout, built from the published formats (not by moeref's
 writers), with the exact values each quantized module decodes to (the oracle).
 
-Sources of the encodings (shared/notes/checkpoint-formats.md): DeepSeek-V3 README_WEIGHTS.md
+Sources of the encodings: DeepSeek-V3 README_WEIGHTS.md
 (F8_E4M3 weight, F32 multiplier per 128x128 block, ceil grid), openai/gpt-oss weights.py
 (low nibble = even element, E8M0 bias 127 via ldexp, blocks [.., N, K/32, 16]), ModelOpt
 nvfp4_tensor.py (weight_scale_2 = decode factor), compressed-tensors nvfp4 helpers

@@ -6,7 +6,7 @@ clamp to +-448 so its non-saturating overflow never triggers) and the FP4 casts 
 own interval tables (TransformerEngine / FlashInfer / vLLM) or ml_dtypes' RNE cast (torchao's
 ``f32_to_f4_unpacked`` is RNE and keeps the sign of zero, as ml_dtypes does).
 
-Sources (notes: /work/shared/notes/formats-semantics.md §3.2, §3.3, §3.5, §3.6, §4.4):
+Sources:
 
 * TransformerEngine ``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``
   (``NVFP4QuantizerRef._quantize_blockwise_reference`` and ``cast_to_fp4x2``).

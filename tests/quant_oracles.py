@@ -1,12 +1,14 @@
 """Independent re-statements of each anchor's published quantization algorithm (test oracles).
 
-Written from the research notes (formats-semantics.md §3-§4) and the anchors' source, in the
+Written from the anchors' published source (torchao ``mx_formats``, TransformerEngine, DeepGEMM
+``utils/math.py``, vLLM, microxcaling), in the
 anchors' own medium (torch ops where the anchor uses torch, float32 bit tricks where it uses bit
 tricks). Nothing here imports ``moeref.quant``; element casts use torch / ml_dtypes, not the
 moeref codec. Each function takes a 2-D float tensor (bf16 or fp32) and returns NumPy arrays:
 ``(codes uint8 [M, N] unpacked, scales)``, scales float32 or uint8 E8M0 bytes.
 
-torch 2.13 CPU ``.to(float8_e4m3fn)`` saturates finite overflow and Inf to +-448 (notes §3.8);
+torch 2.13 CPU ``.to(float8_e4m3fn)`` saturates finite overflow and Inf to +-448
+(pytorch/pytorch PR #178817; torch <= 2.12 gives NaN);
 tests that rely on it check the torch version.
 """
 from __future__ import annotations
@@ -324,7 +326,7 @@ def e8m0_value(b) -> float:
 
 
 def decode_e2m1(codes: np.ndarray) -> np.ndarray:
-    """E2M1 code -> value from the OCP table (notes §1)."""
+    """E2M1 code -> value from the OCP MX v1.0 table (0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 the sign)."""
     table = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
     c = np.asarray(codes).astype(np.int64)
     v = table[c & 7]

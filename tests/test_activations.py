@@ -341,7 +341,8 @@ def test_bias_converters():
 
 def test_w13_weight_layout_and_activation_layout_agree():
     """Converting W13 and running the GEMM gives the same activation output as the reference layout
-    (bug class moe-semantics §9 rows 18-19)."""
+    (the bug class of SGLang PR #32430, a [gate; up] vs [up; gate] W13
+    order, and vLLM PR #44893, interleaved vs concatenated SwiGLU weights)."""
     E, N, K, T = 2, 4, 6, 3
     w = RNG.standard_normal((E, 2 * N, K))  # "gate_up"
     x = RNG.standard_normal((T, K))

@@ -36,7 +36,7 @@ def _gelu(x):
 
 
 def _oracle(x, w13, w2, tw, ids, act, layout="gate_up", b13=None, b2=None, requant=None):
-    """vLLM torch_experts in float64, one token and slot at a time (moe-semantics §1.1)."""
+    """vLLM torch_experts in float64, one token and slot at a time (``tests/kernels/utils.py::torch_experts``)."""
     m, k = ids.shape
     out = np.zeros((m, w2[0].shape[0]))
     for t in range(m):

@@ -1,5 +1,5 @@
 """MX schemes (MXFP8/MXFP6/MXFP4): hand-derived golden blocks in the spirit of torchao's MXFP8
-semantic cases (notes §3.2), and bit-for-bit agreement with torchao ``to_mx`` (FLOOR, CEIL,
+semantic cases (torchao ``to_mx``, ``torchao/prototype/mx_formats/mx_tensor.py``), and bit-for-bit agreement with torchao ``to_mx`` (FLOOR, CEIL,
 EVEN, RCEIL), TransformerEngine MXFP8, DeepGEMM FP4 and microxcaling (tests/quant_oracles.py)."""
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ from kernels' own layouts, the report's slot diagnosis, reproducers, the CLI and
 from __future__ import annotations
 
 import inspect
+import json
 from types import SimpleNamespace
 
 import ml_dtypes
@@ -395,6 +396,43 @@ def test_cli_check_and_replay(tmp_path, capsys):
     assert main(["check", str(tmp_path / "in.safetensors"), str(tmp_path / "none.npy")]) == 2
 
 
+def test_cli_check_and_replay_json(tmp_path, capsys):
+    """``--json``: one strict-JSON object with the verdict, the profile and the worst rows; the
+    exit status as without it."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from moeref.cli import main
+
+    ki = _layer()
+    t = ki.torch()
+    save_file({k: v.contiguous() for k, v in t.items()}, str(tmp_path / "in.safetensors"))
+    save_file({"out": eager_bf16_moe(**t)}, str(tmp_path / "good.safetensors"))
+    bad = eager_bf16_moe(**t, bug="tail_slot")
+    save_file({"out": bad}, str(tmp_path / "bad.safetensors"))
+    capsys.readouterr()
+    assert main(["check", str(tmp_path / "in.safetensors"), str(tmp_path / "good.safetensors"),
+                 "--kernel", "torch", "--json"]) == 0
+    good = json.loads(capsys.readouterr().out)
+    assert good["passed"] is True and good["violations"] == 0 and good["worst"] == []
+    assert good["profile"] == "TORCH_EAGER_BF16" and good["profile_choice"].startswith("suggested")
+    assert good["shape"] == list(ki.hidden.shape) and set(good["metrics"]) >= {"rel_l2", "cosine"}
+    assert main(["check", str(tmp_path / "in.safetensors"), str(tmp_path / "bad.safetensors"),
+                 "--profile", "TORCH_EAGER_BF16", "--json"]) == 1
+    out = capsys.readouterr().out
+    failed = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
+    assert failed["passed"] is False and failed["violations"] > 0
+    assert failed["profile_choice"] == "given" and failed["rows_with_violations"] >= len(failed["worst"]) > 0
+    worst = failed["worst"][0]
+    assert worst["ratio"] == "inf" or worst["ratio"] > 1  # beyond its bound
+    assert worst["token"] in range(ki.hidden.shape[0]) and worst["slot"] is not None
+    save_reproducer(tmp_path / "r", ki.layer_case(), bad, "TORCH_EAGER_BF16")
+    assert main(["replay", str(tmp_path / "r.json"), "--json"]) == 1
+    replayed = json.loads(capsys.readouterr().out)
+    assert replayed["passed"] is False and replayed["violations"] == failed["violations"]
+
+
 def _torch_kernel(ki):
     return eager_bf16_moe(**ki.torch(), w13_layout=ki.w13_layout)
 
@@ -440,6 +478,10 @@ def test_cli_mutate(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["mutate", "mykernel:run", "--cases", "2", "--profile", "TORCH_EAGER_BF16", "--min-score", "1.0"]) == 0
     assert "mutation score" in capsys.readouterr().out
+    assert main(["mutate", "mykernel:run", "--cases", "2", "--profile", "TORCH_EAGER_BF16", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["score"] == 1.0 and res["caught"] == res["tried"] == sum(f["tried"] for f in res["faults"]) > 0
+    assert res["baseline_failures"] == [] and res["errors"] == []
 
 
 def test_nvfp4_adapters_read_packed_weights_swizzled_scales_and_alphas():

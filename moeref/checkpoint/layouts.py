@@ -5,7 +5,7 @@ them into a :class:`~moeref.quant.QuantizedTensor` (or a float array for unquant
 and writes one back. Module names are the layout-independent key: converting between layouts
 keeps them and changes only the suffixes (gpt-oss ``<module>_blocks`` becomes
 ``<module>.weight`` and so on, keeping the stacked ``[E, N, K]`` shape and the gate/up row
-interleave). Semantics and sources (shared/notes/checkpoint-formats.md; docs/convert.md):
+interleave). Semantics and sources (the last column; docs/convert.md):
 
 ==================  ======================================================  =====================
 layout              tensors of module ``m`` (decode: ``w = q x scale``)      source

@@ -136,6 +136,22 @@ class Report:
                         "slot_expert": expert, "correlation": corr})
         return out
 
+    def to_dict(self, worst: int = 5) -> dict:
+        """The report as JSON-ready data (``moeref check|replay --json``): the verdict, label,
+        profile, shape, counts, :func:`metrics`, the conventional checks, the ``worst`` rows of
+        :meth:`worst_tokens` and the violating rows per expert. Built from Python ints, floats,
+        strings and bools only; a non-finite float (a NaN error, an infinite ratio) is written as
+        the string ``"nan"``, ``"inf"`` or ``"-inf"``, so the output is strict JSON."""
+        m, k = self.error.shape if self.error.ndim == 2 else (self.error.size, 1)
+        return _jsonable({
+            "passed": self.passed, "label": self.label, "profile": self.profile.name,
+            "shape": [m, k], "row_name": self.row_name, "violations": self.num_violations,
+            "rows_with_violations": int((self.token_violations > 0).sum()),
+            "intermediate_flips_allowed": self.flips, "metrics": self.metrics,
+            "conventional_checks": self.checks, "worst": self.worst_tokens(worst),
+            "expert_violations": {str(e): c for e, c in self.expert_violations.items()},
+        })
+
     @staticmethod
     def _suspect(w: dict) -> str:
         if w["slot"] is None:
@@ -196,6 +212,23 @@ class Report:
                           f"{w['bound']:.3g}", Text(f"{w['ratio']:.3g}", style="red"), self._suspect(w))
             parts.append(t)
         return Group(*parts)
+
+
+def _jsonable(obj):
+    """``obj`` with NumPy scalars as Python numbers, tuples as lists, and non-finite floats as
+    the strings ``"nan"``, ``"inf"``, ``"-inf"`` (strict JSON has no such numbers)."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, np.ndarray)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (bool, np.bool_)):
+        return bool(obj)
+    if isinstance(obj, (int, np.integer)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        v = float(obj)
+        return v if np.isfinite(v) else ("nan" if np.isnan(v) else ("inf" if v > 0 else "-inf"))
+    return obj
 
 
 def _slot_suspects(reference, diff: np.ndarray, tokens: np.ndarray) -> dict:

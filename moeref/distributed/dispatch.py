@@ -1,6 +1,6 @@
 """EP dispatch and combine over a torch.distributed group, with DeepEP's two receive layouts.
 
-Protocol (the same on every rank, gloo or NCCL; notes: ep-dispatch-combine.md):
+Protocol (the same on every rank, gloo or NCCL):
 
 1. **Header** (``all_gather`` of a small int64 vector per rank): input validity, the placement's
    ``ep_size`` and fingerprint, ``T``/``k``/``H``, a payload fingerprint (dtype, quantization, mode)

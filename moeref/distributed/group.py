@@ -2,8 +2,9 @@
 
 Transport is torch.distributed, never a home-made one. The reference moves bytes only
 (``all_gather`` of a small int64 header, ``all_to_all_single`` of packed rows) and reduces locally in
-a fixed order, so results are bit-exact whatever the backend's reduction algorithms do
-(notes: ep-dispatch-combine.md section 5, "Determinism").
+a fixed order, so results are bit-exact whatever the backend's reduction algorithms do (the
+summation order inside an NCCL or gloo reduction is implementation-defined and may depend on the
+algorithm and topology).
 
 * **Backend -> device**: ``gloo`` runs on CPU tensors, ``nccl`` on ``cuda:<current device>``
   (call ``torch.cuda.set_device(local_rank)`` first, as torchrun scripts do). Nothing else changes.

@@ -1,6 +1,7 @@
 """What one source rank sends where: the NumPy half of EP dispatch (no process group needed).
 
-Two message granularities, DeepEP's two modes (notes: ep-dispatch-combine.md sections 1 and 2):
+Two message granularities, DeepEP's two modes (``deep_ep/buffer.py``: ``dispatch``, the normal
+mode, and ``low_latency_dispatch``):
 
 * **token rows** (DeepEP normal / high-throughput): a token goes to rank ``r`` **once** if any of its
   ``k`` experts lives on ``r``; the row carries the token's top-k ids as *local* ids on ``r`` and

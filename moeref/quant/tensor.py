@@ -328,7 +328,7 @@ def requantize(q: QuantizedTensor, target: Scheme, *, prefer_exact: bool = True,
     """Convert ``q`` to ``target`` by requantizing the DATA: exact dequantization, then quantization.
 
     Rounding a scale without re-encoding the data shipped two silently wrong checkpoints
-    (huggingface/transformers#47030, sgl-project/sglang PR #28307; notes §5); this never does
+    (huggingface/transformers#47030, sgl-project/sglang PR #28307); this never does
     that. ``precision`` says what the target's rule runs on:
 
     * ``"exact"`` (default): the exact source values, as float32 when every value is a float32

@@ -11,10 +11,15 @@
   ``--profile`` or suggested from the dtypes (:func:`moeref.compare.suggest_profile`). Exit 1 if it fails.
 * ``moeref mutate MODULE:FUNCTION``: the mutation score of a kernel wrapper (``KernelInputs -> output``)
   under ``--check MODULE:FUNCTION`` (default: the bound check with ``--profile``).
+
+``--json`` on each prints one JSON object instead of the tables, for scripts and CI: the report
+(:meth:`moeref.compare.Report.to_dict`; ``check`` adds the profile and why it was chosen) or the
+mutation result (:meth:`moeref.testing.mutation.MutationResult.to_dict`); the exit status is the same.
 """
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -38,6 +43,11 @@ def _print(obj) -> None:
         Console().print(obj)
     except ImportError:  # pragma: no cover - rich is in the cli extra
         print(obj.summary() if hasattr(obj, "summary") else obj)
+
+
+def _print_json(data) -> None:
+    json.dump(data, sys.stdout, indent=1, allow_nan=False)
+    sys.stdout.write("\n")
 
 
 def _load_tensors(path: Path) -> dict:
@@ -73,7 +83,10 @@ def _cmd_replay(args) -> int:
     from .reproducer import replay
 
     report = replay(args.file, profile=args.profile)
-    _print(report)
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        _print(report)
     return 0 if report.passed else 1
 
 
@@ -119,9 +132,12 @@ def _cmd_check(args) -> int:
     else:
         profile = suggest_profile(w13.dtype.name, cand.dtype.name, kernel=args.kernel)
         why = f"suggested from the dtypes (weights {w13.dtype.name}, output {cand.dtype.name}); --profile to choose"
-    print(f"profile {profile.name}: {why}")
     report = compare(cand, run_moe(**kw), profile, label=f"{cand_path.name} vs {inputs.name}")
-    _print(report)
+    if args.json:
+        _print_json(dict(report.to_dict(), profile_choice=why))
+    else:
+        print(f"profile {profile.name}: {why}")
+        _print(report)
     return 0 if report.passed else 1
 
 
@@ -147,7 +163,10 @@ def _cmd_mutate(args) -> int:
     check = _import(args.check) if args.check else None
     cases = draw_cases(args.cases, seed=args.seed)
     res = mutation_score(kernel, cases, check, profile=args.profile or "BF16_OUTPUT")
-    print(res.summary())
+    if args.json:
+        _print_json(res.to_dict())
+    else:
+        print(res.summary())
     if res.baseline_failures:
         return 1
     return 0 if args.min_score is None or res.score >= args.min_score else 1
@@ -158,6 +177,7 @@ def add_subcommands(sub) -> None:
     p = sub.add_parser("replay", help="re-run a saved failing case (reproducer) and print its report")
     p.add_argument("file", help="<stem>.json or <stem>.safetensors written by the pytest plugin")
     p.add_argument("--profile", help="check under this profile instead of the saved one")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_replay)
 
     p = sub.add_parser("check", help="compare a saved kernel output with the reference of saved inputs")
@@ -170,6 +190,7 @@ def add_subcommands(sub) -> None:
     p.add_argument("--w13-layout", default="gate_up", choices=("gate_up", "up_gate", "interleaved"))
     p.add_argument("--block-shape", help="FP8 weight block 'bn,bk' (e.g. 128,128) when w1_scale is given")
     p.add_argument("--per-token", action="store_true", help="FP8 per-token activations / per-channel weights")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("mutate", help="mutation score of your kernel wrapper under your check")
@@ -179,4 +200,5 @@ def add_subcommands(sub) -> None:
     p.add_argument("--cases", type=int, default=8, help="cases drawn from moeref.testing.moe_cases (default 8)")
     p.add_argument("--seed", type=int, default=0, help="offset of the deterministic draw")
     p.add_argument("--min-score", type=float, help="exit 1 if the score is below this fraction")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_cmd_mutate)

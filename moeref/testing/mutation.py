@@ -43,6 +43,18 @@ class MutationResult:
         t = sum(self.tried.values())
         return sum(self.caught.values()) / t if t else float("nan")
 
+    def to_dict(self) -> dict:
+        """The result as JSON-ready data (``moeref mutate --json``): caught and tried counts per
+        fault, the score (None when nothing was tried), equivalent mutants skipped, the cases the
+        unmutated kernel failed, and the errors as ``{"fault", "case", "message"}``."""
+        t = sum(self.tried.values())
+        return {"score": self.score if t else None, "caught": sum(self.caught.values()), "tried": t,
+                "equivalent": int(self.equivalent),
+                "faults": [{"fault": n, "caught": int(self.caught.get(n, 0)), "tried": int(v)}
+                           for n, v in self.tried.items()],
+                "baseline_failures": [int(i) for i in self.baseline_failures],
+                "errors": [{"fault": f, "case": int(i), "message": str(m)} for f, i, m in self.errors]}
+
     def summary(self) -> str:
         lines = [f"mutation score {sum(self.caught.values())}/{sum(self.tried.values())} = {self.score:.0%}"
                  + (f" ({self.equivalent} equivalent mutant(s) skipped)" if self.equivalent else "")]
