@@ -14,12 +14,14 @@ The projection multiplies the per-element time by the quantized elements of Deep
 61 layers, 3 dense + 58 MoE with 256 routed + 1 shared expert, MLA attention; config_671B.json),
 on one core and per ``--workers`` cores.
 
-GPU (``--gpu``, needs CUDA; the lead runs it): the Triton fast path on the same weight, timed
-with CUDA events against a device-to-device copy of the source bytes (the bandwidth ceiling), and
-checked bit for bit against the CPU path. The same check is the gpu-marked test
-``tests/test_checkpoint_gpu.py``.
+GPU (``--gpu``, needs CUDA): :func:`bench_gpu` times the fused FP8-block -> FP4 conversion of
+the same weight on the device (:mod:`fastpath.requant`), the unfused path it replaced, and a
+device copy of the same bytes (its docstring defines what is timed), checks every result bit for
+bit against the CPU reference and writes the figures to ``--json`` (docs/data/convert_gpu_*.json,
+from which ``bench/report_convert.py`` makes the table of docs/convert.md); then the whole
+command on a synthetic checkpoint with the GPU engine.
 
-Run: ``PYTHONPATH=. .venv/bin/python bench/bench_convert.py [--repeat 3] [--gpu]``.
+Run: ``PYTHONPATH=. .venv/bin/python bench/bench_convert.py [--repeat 3] [--gpu --json FILE]``.
 """
 from __future__ import annotations
 
@@ -145,61 +147,159 @@ def bench_end_to_end(n_weights=4, target="ct-nvfp4", verify=False):
     return per
 
 
-def bench_gpu(repeat=20):
-    """Triton fast path on CUDA: quantize time vs a device copy of the input, bit-identical check."""
+def _median(v):
+    v = sorted(v)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
+def bench_gpu(rounds=21, reps=20, n_src=8, json_path=None):
+    """The GPU conversion of one 7168 x 2048 DeepSeek-V3 FP8 weight, against a device copy.
+
+    What is timed (device time, CUDA events around a CUDA graph of ``reps`` back-to-back calls,
+    so host launch overhead is out; ``n_src`` different source weights in rotation, 117 MB of
+    codes, more than the H100's 50 MB L2, so every call reads its source from HBM):
+
+    * ``fused``: :func:`fastpath.requant.fp8_block_to_fp4`, FP8 codes + 128x128 FP32 scales on
+      the device to the target's codes + scales (+ NVFP4's global) on the device: for NVFP4
+      the amax pass, the factor kernel and the data pass; for MXFP4 the data pass.
+    * ``unfused``: the path the converter took before: the source decoded to float32 on the
+      device (``codes.float() * scales`` broadcast) and :func:`fastpath.quant.quantize`.
+    * ``copy``: ``dst.copy_(src)`` of ``(source bytes + target bytes) / 2`` bytes, so that it
+      reads plus writes exactly the bytes the conversion must move (source read once, target
+      written once); the fraction is copy time / conversion time.
+
+    Rounds interleave the variants (each round times every variant once, in turn): the median
+    and min-max over rounds. ``host`` columns: the same calls issued eagerly from Python (one
+    call after another, synchronized at the end): what one tensor costs including the launch
+    overhead, which the device-only figure excludes. Codes, scales and global of every target
+    are checked bit for bit against the CPU reference on the first source."""
+    import json
+    import time as _t
+
     import torch
 
+    from fastpath import requant
     from fastpath.quant import quantize as fast_quantize
 
-    q = source_weight()
-    x32 = q.dequantize(np.float32)
-    xt = torch.from_numpy(x32).cuda()
-    out = {}
-    for name in ("modelopt-nvfp4", "ct-nvfp4", "ct-mxfp4"):
+    dev = torch.device("cuda")
+    qs = [source_weight(seed) for seed in range(n_src)]
+    srcs = [requant.from_reference(q, dev) for q in qs]
+    M, K = qs[0].shape
+    x32 = qs[0].dequantize(np.float32)
+    targets = ("modelopt-nvfp4", "ct-nvfp4", "ct-mxfp4")
+    variants, nbytes, checks = {}, {}, {}
+
+    def decode_dev(c, s, b):
+        v = c.view(torch.float8_e4m3fn).float().view(M // b[0], b[0], K // b[1], b[1])
+        return (v * s[:, None, :, None]).view(M, K)
+
+    for name in targets:
         scheme = get_layout(name).scheme()
         ref = quantize(x32, scheme)
-        got = fast_quantize(xt, scheme).to_reference()
-        same = (np.array_equal(got.codes, ref.codes) and np.array_equal(got.scales, ref.scales)
-                and got.global_scale == ref.global_scale)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(3):
-            fast_quantize(xt, scheme)
+        got = requant.fp8_block_to_fp4(*srcs[0], scheme).to_reference()
+        x_dev = decode_dev(*srcs[0])
+        old = fast_quantize(x_dev, scheme).to_reference()
+        same = lambda g: bool(np.array_equal(g.codes, ref.codes)  # noqa: E731
+                              and np.array_equal(g.scales, ref.scales)
+                              and g.global_scale == ref.global_scale)
+        checks[name] = {"fused_bit_identical": same(got), "unfused_bit_identical": same(old)}
+        src_bytes = M * K + srcs[0][1].numel() * 4
+        dst_bytes = M * ((K + 1) // 2) + ref.scales.size + (4 if ref.global_scale is not None else 0)
+        nbytes[name] = (src_bytes, dst_bytes)
+        variants[f"fused {name}"] = (lambda i, sc=scheme: requant.fp8_block_to_fp4(*srcs[i % n_src], sc))
+        variants[f"unfused {name}"] = (lambda i, sc=scheme: fast_quantize(decode_dev(*srcs[i % n_src]), sc))
+    copy_n = {}
+    for name in targets:
+        n = sum(nbytes[name]) // 2
+        copy_n[name] = n
+    bufs = {n: ([torch.empty(n, dtype=torch.uint8, device=dev) for _ in range(n_src)],
+                [torch.empty(n, dtype=torch.uint8, device=dev) for _ in range(n_src)])
+            for n in set(copy_n.values())}
+    for n, (a, b) in bufs.items():
+        for t in a:
+            t.random_(0, 255)
+        variants[f"copy {n}"] = (lambda i, a=a, b=b: b[i % n_src].copy_(a[i % n_src]))
+
+    graphs = {}
+    for key, fn in variants.items():
+        for i in range(3):
+            fn(i)
         torch.cuda.synchronize()
-        start.record()
-        for _ in range(repeat):
-            fast_quantize(xt, scheme)
-        end.record()
-        torch.cuda.synchronize()
-        t_q = start.elapsed_time(end) / repeat / 1e3
-        dst = torch.empty_like(xt)
-        start.record()
-        for _ in range(repeat):
-            dst.copy_(xt)
-        end.record()
-        torch.cuda.synchronize()
-        t_c = start.elapsed_time(end) / repeat / 1e3
-        bytes_moved = xt.numel() * 4 + ref.nbytes  # read float32, write codes + scales
-        copy_bw = 2 * xt.numel() * 4 / t_c
-        frac = bytes_moved / t_q / copy_bw
-        total = deepseek_v3_quantized_elements()
-        out[name] = (t_q, frac, same)
-        print(f"{name:16s} quantize {t_q * 1e6:8.1f} us  {bytes_moved / t_q / 1e9:7.1f} GB/s = "
-              f"{100 * frac:5.1f}% of copy ({copy_bw / 1e9:.0f} GB/s)  bit-identical: {same}  "
-              f"V3 kernel time {t_q * total / xt.numel():.0f} s")
-    return out
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(reps):
+                fn(i)
+        graphs[key] = g
+    torch.cuda.synchronize()
+    dev_t = {k: [] for k in variants}
+    host_t = {k: [] for k in variants}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(rounds):
+        for key, g in graphs.items():
+            g.replay()  # warm
+            start.record()
+            g.replay()
+            end.record()
+            torch.cuda.synchronize()
+            dev_t[key].append(start.elapsed_time(end) / 1e3 / reps)
+            t0 = _t.perf_counter()
+            for i in range(reps):
+                variants[key](i)
+            torch.cuda.synchronize()
+            host_t[key].append((_t.perf_counter() - t0) / reps)
+    total = deepseek_v3_quantized_elements()
+    rows = []
+    print(f"{torch.cuda.get_device_name()}: {M} x {K} FP8 + 128x128 FP32 scales; device time per "
+          f"call, median (min-max) of {rounds} interleaved rounds, graphs of {reps} calls")
+    for name in targets:
+        cp = f"copy {copy_n[name]}"
+        for kind in ("fused", "unfused"):
+            key = f"{kind} {name}"
+            med, lo, hi = _median(dev_t[key]), min(dev_t[key]), max(dev_t[key])
+            cmed = _median(dev_t[cp])
+            frac = cmed / med
+            fr = [cmed / hi, cmed / lo]
+            moved = sum(nbytes[name])
+            row = {"target": name, "path": kind, "seconds_median": med, "seconds_min": lo,
+                   "seconds_max": hi, "copy_seconds_median": cmed,
+                   "copy_seconds_min": min(dev_t[cp]), "copy_seconds_max": max(dev_t[cp]),
+                   "bytes_source": nbytes[name][0], "bytes_target": nbytes[name][1],
+                   "copy_bytes": copy_n[name], "fraction_of_copy": frac,
+                   "fraction_of_copy_range": fr, "GBps": moved / med / 1e9,
+                   "copy_GBps": 2 * copy_n[name] / cmed / 1e9,
+                   "host_seconds_median": _median(host_t[key]),
+                   "v3_device_seconds": med * total / (M * K),
+                   "bit_identical": checks[name][f"{kind}_bit_identical"]}
+            rows.append(row)
+            print(f"{key:24s} {med * 1e6:8.1f} us ({lo * 1e6:.1f}-{hi * 1e6:.1f})  "
+                  f"{row['GBps']:7.0f} GB/s  {100 * frac:5.1f}% of copy ({row['copy_GBps']:.0f} GB/s, "
+                  f"{cmed * 1e6:.1f} us)  host-issued {row['host_seconds_median'] * 1e6:8.1f} us  "
+                  f"bit-identical {row['bit_identical']}  V3 {row['v3_device_seconds']:.1f} s")
+    result = {"gpu": torch.cuda.get_device_name(), "date": _t.strftime("%Y-%m-%d", _t.gmtime()),
+              "shape": [M, K], "source": "float8_e4m3fn + 128x128 float32 scales",
+              "rounds": rounds, "reps_per_graph": reps, "rotating_sources": n_src,
+              "torch": torch.__version__, "v3_quantized_elements": total, "rows": rows}
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workers", type=int, default=1, help="cores for the projection")
-    ap.add_argument("--gpu", action="store_true", help="also run the CUDA fast path")
+    ap.add_argument("--gpu", action="store_true", help="only the CUDA part (bench_gpu)")
+    ap.add_argument("--json", default=None, help="write the GPU figures to this JSON file")
     args = ap.parse_args()
+    if args.gpu:
+        bench_gpu(json_path=args.json)
+        bench_end_to_end(target="ct-nvfp4")
+        return
     bench_cpu(args.repeat, args.workers)
     bench_end_to_end()
     bench_end_to_end(verify=True)
-    if args.gpu:
-        bench_gpu()
 
 
 if __name__ == "__main__":

@@ -356,6 +356,7 @@ def test_triton_engine_under_the_interpreter_writes_the_numpy_bytes(tmp_path):
     a = convert_checkpoint(src2, str(tmp_path / "np2"), ConvertOptions(target="modelopt-nvfp4", engine="numpy"))
     b = convert_checkpoint(src2, str(tmp_path / "tr2"), ConvertOptions(target="modelopt-nvfp4", engine="triton"))
     assert all("shared with" in m.note for m in b.modules)
+    assert all("fused FP8-block decode" in m.note for m in b.modules)  # fastpath.requant
     assert [s.sha256 for s in a.shards] == [s.sha256 for s in b.shards]
     with pytest.raises(CheckpointError, match="cannot quantize"):  # 128x128 blocks: no kernel
         convert_checkpoint(src, str(tmp_path / "x"), ConvertOptions(target="deepseek-fp8", engine="triton"))
@@ -438,3 +439,50 @@ def test_a_shared_source_global_is_kept_and_stays_lossless(tmp_path):
         == float(np.float32(3e-4))
     got = _decode("modelopt-nvfp4", str(tmp_path / "mo"))
     assert all(np.array_equal(got[m], oracle[m]) for m in GATE_UP)
+
+
+# ---- --scale-layout swizzled ---------------------------------------------------------------
+
+@pytest.mark.parametrize("target", ["modelopt-nvfp4", "ct-nvfp4", "ct-mxfp4"])
+def test_swizzled_scale_layout_writes_the_layouts_swizzle_and_reads_back(tmp_path, target):
+    from moeref.layouts import swizzle_128x4, swizzled_shape_128x4
+
+    src, _ = _build(tmp_path, "deepseek-fp8")  # 256 x 192 and 200 x 160: padded rows and groups
+    lin, swz = str(tmp_path / "lin"), str(tmp_path / "swz")
+    convert_checkpoint(src, lin, ConvertOptions(target=target, engine="numpy"))
+    rep = convert_checkpoint(src, swz, ConvertOptions(target=target, engine="numpy",
+                                                      scale_layout="swizzled", verify=True))
+    assert all(s.verified for s in rep.shards)
+    a, b = _read_all(lin), _read_all(swz)
+    assert set(a) == set(b)
+    scales = [n for n in a if n.endswith(".weight_scale")]
+    assert len(scales) == 2 and any(b[n].shape != a[n].shape for n in scales)  # padded and not
+    for n in a:
+        if n not in scales:
+            assert torch.equal(a[n], b[n]), n
+            continue
+        x, y = a[n].view(torch.uint8).numpy(), b[n].view(torch.uint8).numpy()
+        if n in scales:
+            assert y.shape == swizzled_shape_128x4(*x.shape)
+            assert np.array_equal(y, swizzle_128x4(x, out="2d")) and not np.array_equal(
+                y[:x.shape[0], :x.shape[1]], x)
+    qc = json.load(open(os.path.join(swz, "config.json")))["quantization_config"]
+    assert qc["moeref_scale_layout"] == "swizzled_128x4"
+    assert "moeref_scale_layout" not in json.load(open(os.path.join(lin, "config.json")))["quantization_config"]
+    if target == "modelopt-nvfp4":
+        hf = json.load(open(os.path.join(swz, "hf_quant_config.json")))
+        assert hf["quantization"]["moeref_scale_layout"] == "swizzled_128x4"
+    # the swizzled checkpoint as a source: read through the unswizzle, the same values
+    back_l, back_s = str(tmp_path / "bl"), str(tmp_path / "bs")
+    convert_checkpoint(lin, back_l, ConvertOptions(target="bf16", engine="numpy"))
+    convert_checkpoint(swz, back_s, ConvertOptions(target="bf16", engine="numpy"))
+    ra, rb = _read_all(back_l), _read_all(back_s)
+    assert all(torch.equal(ra[n], rb[n]) for n in ra)
+
+
+def test_swizzled_scale_layout_is_refused_where_there_is_no_block_scale_to_swizzle():
+    for target in ("gptoss-mxfp4", "deepseek-fp8", "bf16"):
+        with pytest.raises(ValueError, match="scale_layout 'swizzled'"):
+            ConvertOptions(target=target, scale_layout="swizzled")
+    with pytest.raises(ValueError, match="scale_layout must be one of"):
+        ConvertOptions(target="ct-nvfp4", scale_layout="128x4")

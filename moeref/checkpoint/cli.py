@@ -39,6 +39,11 @@ def add_parser(sub) -> None:
                    help="auto: the Triton fast path on a CUDA GPU where supported, else NumPy")
     p.add_argument("--no-share-global", dest="share_global", action="store_false",
                    help="NVFP4: do not give fused gate/up and q/k/v one global scale")
+    p.add_argument("--scale-layout", choices=("linear", "swizzled"), default="linear",
+                   help="FP4 block scales on disk: linear (default; what ModelOpt, "
+                        "compressed-tensors and gpt-oss store and every runtime expects) or the "
+                        "128x4 swizzle of Blackwell MMAs (NVFP4 / ct-mxfp4 targets; marked in the "
+                        "config; no usual runtime reads it: docs/convert.md)")
     p.add_argument("--verify", action="store_true", help="re-read the written shards and check "
                    "them against the source")
     p.add_argument("--overwrite", action="store_true", help="replace an existing destination")
@@ -57,7 +62,7 @@ def run(args) -> int:
                           precision=args.precision, only=tuple(args.only), skip=tuple(args.skip),
                           workers=args.workers, verify=args.verify, overwrite=args.overwrite,
                           resume=args.resume, dry_run=args.dry_run, engine=args.engine,
-                          share_global=args.share_global)
+                          share_global=args.share_global, scale_layout=args.scale_layout)
     console = None
     if not args.quiet:
         from rich.console import Console

@@ -35,9 +35,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..quant import quantize_and_report, requantize
-from .engines import ENGINES, choose_engine
+from .engines import ENGINES, choose_engine, fused_source_quantizer
 from .layouts import LAYOUTS, ModuleData, detect_layout, get_layout
 from .report import ConversionReport, ModuleReport, ShardRecord
+from .scale_layout import (SCALE_LAYOUTS, SWIZZLE_TARGETS, mark_config, reading_view,
+                           scale_layout_of, swizzle_tensors)
 from .safetensors_io import (DTYPE_NAMES, INDEX_NAME, CheckpointError, SafetensorsCheckpoint,
                              ShardWriter)
 
@@ -71,6 +73,10 @@ class ConvertOptions:
             one global scale, as ModelOpt exports them (``preprocess_linear_fusion``: the max of
             the members' amax) and as vLLM (w1's for w13) and TensorRT-LLM (asserts equality)
             load them; a source whose members already share one keeps it.
+        scale_layout: ``"linear"`` (default: what every real layout stores) or ``"swizzled"``
+            (NVFP4 / compressed-tensors MXFP4 targets: ``weight_scale`` in the 128x4 swizzle,
+            marked in the config; :mod:`.scale_layout` says which consumers want it: none of
+            the usual runtimes).
     """
 
     target: str
@@ -86,6 +92,7 @@ class ConvertOptions:
     dry_run: bool = False
     engine: str = "auto"
     share_global: bool = True
+    scale_layout: str = "linear"
 
     def __post_init__(self):
         get_layout(self.target)
@@ -100,6 +107,12 @@ class ConvertOptions:
         if self.target == "bf16" and self.preset is not None:
             raise ValueError("the bf16 target has no preset")
         get_layout(self.target).scheme(self.preset)  # validates the preset
+        if self.scale_layout not in SCALE_LAYOUTS:
+            raise ValueError(f"scale_layout must be one of {', '.join(SCALE_LAYOUTS)}; got "
+                             f"{self.scale_layout!r}")
+        if self.scale_layout == "swizzled" and self.target not in SWIZZLE_TARGETS:
+            raise ValueError(f"scale_layout 'swizzled' is for the {', '.join(SWIZZLE_TARGETS)} "
+                             f"targets; {self.target!r} has no 1-byte 2-D block scale to swizzle")
 
 
 @dataclass
@@ -119,6 +132,7 @@ class Plan:
     ignore: list
     has_input_scales: bool
     groups: dict = field(default_factory=dict)
+    source_scale_layout: str = "linear"
 
     def rows(self):
         for shard in self.shards:
@@ -189,7 +203,7 @@ def plan_conversion(src: str, opts: ConvertOptions) -> Plan:
                         if len(members) > 1:
                             groups[m] = members
     return Plan(src, sl.name, tl.name, list(ck.shards), modules, actions, sorted(set(ignore)),
-                has_input, groups)
+                has_input, groups, scale_layout_of(config, hfq))
 
 
 _FUSED = ((".gate_proj", ".up_proj"), (".w1", ".w3"), (".q_proj", ".k_proj", ".v_proj"))
@@ -218,6 +232,12 @@ class _ShardJob:
     modules: dict = field(default_factory=dict)
     groups: dict = field(default_factory=dict)      # module -> members sharing a global scale
     group_roles: dict = field(default_factory=dict)  # member -> its source tensors
+    source_scale_layout: str = "linear"
+
+    def read_source(self, module: str, roles: dict, ck) -> ModuleData:
+        """One source module (its ``weight_scale`` unswizzled where the source is swizzled)."""
+        sl = LAYOUTS[self.source_layout]
+        return sl.read(module, roles, reading_view(ck, sl.name, roles, self.source_scale_layout))
 
 
 def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
@@ -227,6 +247,10 @@ def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
     engine, why, quantizer = choose_engine(job.opts.engine, scheme, data.shape)
     if quantizer is not None and data.q is not None and job.opts.precision == "exact":
         engine, why, quantizer = "numpy", "precision 'exact' may need float64 arithmetic", None
+    elif quantizer is not None and data.q is not None:
+        fused, how = fused_source_quantizer(data.q, scheme)
+        why += f"; {how}" if fused is not None else f"; source decoded on the host ({how})"
+        quantizer = fused or quantizer
     static = None
     if data.module in job.groups:
         static, how = _group_global(job.groups[data.module], job, ck, scheme)
@@ -247,7 +271,10 @@ def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
                       engine, rep.method, rep.lossless, rep.max_abs_error, rep.rel_l2,
                       rep.sqnr_db, None if rep.worst_block is None else list(rep.worst_block),
                       round(time.perf_counter() - t0, 4), note=why)
-    return tl.write(data.module, out), mr
+    tensors = tl.write(data.module, out)
+    if job.opts.scale_layout == "swizzled":
+        tensors = swizzle_tensors(tl.name, tensors)
+    return tensors, mr
 
 
 def _group_global(members, job: _ShardJob, ck, scheme) -> tuple:
@@ -262,9 +289,8 @@ def _group_global(members, job: _ShardJob, ck, scheme) -> tuple:
     from ..quant.lossless import global_storable
     from ..quant.nvfp4 import global_factors
 
-    sl = LAYOUTS[job.source_layout]
     conv = scheme.preset.option("global_convention")
-    datas = [sl.read(m, job.group_roles[m], ck) for m in members]
+    datas = [job.read_source(m, job.group_roles[m], ck) for m in members]
     qs = [d.q for d in datas]
     if all(q is not None and q.scheme.family == "nvfp4" for q in qs):
         gs = {float(q.global_scale) for q in qs}
@@ -308,7 +334,6 @@ def _dequantize_module(data: ModuleData, job: _ShardJob) -> tuple:
 def _run_shard(job: _ShardJob) -> ShardRecord:
     """Convert one shard (runs in a worker process when ``workers > 1``)."""
     ck = SafetensorsCheckpoint.open(job.src)
-    sl = LAYOUTS[job.source_layout]
     path = os.path.join(job.dst, job.shard)
     writer = ShardWriter(path, {"format": "pt", "converted_by": "moeref convert",
                                 "target_layout": job.opts.target})
@@ -319,7 +344,7 @@ def _run_shard(job: _ShardJob) -> ShardRecord:
                 writer.add(name, ck.read(name))
                 copied += 1
                 continue
-            data = sl.read(name, job.modules[name], ck)
+            data = job.read_source(name, job.modules[name], ck)
             if action == "convert":
                 tensors, mr = _convert_module(data, job, ck)
             else:
@@ -356,7 +381,7 @@ def verify_shard(src: str, dst: str, rec: ShardRecord, job: _ShardJob) -> None:
     ck = SafetensorsCheckpoint.open(src)
     out = SafetensorsCheckpoint(dst, {}, [rec.shard], False)
     out.weight_map = {n: rec.shard for n in out.header(rec.shard)}
-    sl, tl = LAYOUTS[job.source_layout], LAYOUTS[job.opts.target]
+    tl = LAYOUTS[job.opts.target]
     by_module = {m.module: m for m in rec.modules}
     problems = []
     for name, action, _ in job.actions:
@@ -365,12 +390,12 @@ def verify_shard(src: str, dst: str, rec: ShardRecord, job: _ShardJob) -> None:
                     out.read_bytes(name) != ck.read_bytes(name):
                 problems.append(f"copied tensor {name!r} differs from the source")
             continue
-        src_data = sl.read(name, job.modules[name], ck)
+        src_data = job.read_source(name, job.modules[name], ck)
         x = src_data.q.dequantize(np.float64) if src_data.q is not None else \
             np.asarray(src_data.values, np.float64)
         layout = tl if action == "convert" else LAYOUTS["bf16"]
         roles = layout.roles(name, out) if layout.name != "bf16" else {"weight": name + ".weight"}
-        got = layout.read(name, roles, out)
+        got = layout.read(name, roles, reading_view(out, layout.name, roles, job.opts.scale_layout))
         y = got.q.dequantize(np.float64) if got.q is not None else np.asarray(got.values, np.float64)
         mr = by_module[name]
         err = y - x
@@ -395,7 +420,7 @@ def _job(src: str, dst: str, shard: str, opts: ConvertOptions, plan: Plan) -> _S
     groups = {m: plan.groups[m] for m in mods if m in plan.groups}
     roles = {x: plan.modules[x] for members in groups.values() for x in members}
     return _ShardJob(src, dst, shard, opts, plan.source_layout, tuple(plan.actions[shard]), mods,
-                     groups, roles)
+                     groups, roles, plan.source_scale_layout)
 
 
 def _prepare_destination(src: str, dst: str, opts: ConvertOptions, settings: dict) -> dict:
@@ -508,13 +533,13 @@ def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None) 
             if progress:
                 progress(count, total, rec.shard)
     report.shards = [records[s] for s in plan.shards]
-    _finish(src, dst, plan, report)
+    _finish(src, dst, plan, report, opts.scale_layout)
     report.seconds = round(time.perf_counter() - t0, 3)
     save(complete=True)
     return report
 
 
-def _finish(src: str, dst: str, plan: Plan, report: ConversionReport) -> None:
+def _finish(src: str, dst: str, plan: Plan, report: ConversionReport, scale_layout: str) -> None:
     """Index, configs and the other files of the source directory (written last)."""
     tl = get_layout(plan.target_layout)
     weight_map, total = {}, 0
@@ -530,6 +555,8 @@ def _finish(src: str, dst: str, plan: Plan, report: ConversionReport) -> None:
         shutil.copy2(p, os.path.join(dst, name))
     config = _load_json(os.path.join(src, "config.json"))
     qc, extra = tl.quantization_config(plan.ignore, plan.has_input_scales)
+    if scale_layout == "swizzled":
+        mark_config(qc, extra)
     if config is not None:
         config.pop("quantization_config", None)
         if qc is not None:

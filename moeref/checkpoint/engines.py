@@ -13,7 +13,7 @@ import numpy as np
 
 from .safetensors_io import CheckpointError
 
-__all__ = ["ENGINES", "choose_engine", "cuda_available"]
+__all__ = ["ENGINES", "choose_engine", "cuda_available", "fused_source_quantizer"]
 
 ENGINES = ("auto", "numpy", "triton")
 
@@ -76,3 +76,30 @@ def choose_engine(engine: str, scheme, shape) -> tuple:
         return "numpy", f"triton: {why}", None
     where = "CUDA GPU" if device == "cuda" else "Triton interpreter (TRITON_INTERPRET=1)"
     return "triton", f"{where}; fastpath.quant supports {scheme.name}", _triton_quantizer
+
+
+def fused_source_quantizer(q, scheme, device: str | None = None) -> tuple:
+    """``(quantizer or None, reason)``: the fused FP8-block decode + FP4 quantize of
+    :mod:`fastpath.requant` for a source ``QuantizedTensor`` ``q`` (E4M3 with 2-D block
+    scales) into an FP4 ``scheme``, once the Triton engine is chosen. The quantizer reads the
+    source's codes and scales (1 byte per element to the device, not the 4 of the float32
+    values) and ignores the values :func:`moeref.quant.requantize` hands it, which are the
+    same numbers (``precision="float32"``: ``fl32(code * scale)``, what the kernel computes),
+    except to refuse non-finite NVFP4 input as the reference does (the kernel does not look)."""
+    device = device or _triton_device()
+    try:
+        from fastpath import requant
+    except ImportError as e:
+        return None, f"fastpath.requant cannot be imported: {e}"
+    ok, why = requant.supports(q.scheme, scheme, q.shape, q.block_shape, device=device)
+    if not ok:
+        return None, why
+
+    def quantizer(values, target, **static):
+        if target.family == "nvfp4" and values is not None and not np.all(np.isfinite(values)):
+            from ..quant import quantize  # the reference refuses non-finite NVFP4 input: its error
+            return quantize(values, target, **static)
+        codes, scales, block = requant.from_reference(q, device)
+        return requant.fp8_block_to_fp4(codes, scales, block, target, **static).to_reference()
+
+    return quantizer, "fused FP8-block decode + quantize (fastpath.requant)"

@@ -1,0 +1,68 @@
+"""Write the GPU conversion table of docs/convert.md from bench_convert.py's JSON (never edited by hand).
+
+    python bench/report_convert.py docs/data/convert_gpu_h100.json [--docs docs/convert.md] [--check]
+
+Replaces the text between ``<!-- convert-gpu:begin -->`` and ``<!-- convert-gpu:end -->``;
+``--check`` exits 1 when the page differs from what the JSON gives (a test runs it on the
+committed JSON).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+BEGIN, END = "<!-- convert-gpu:begin -->", "<!-- convert-gpu:end -->"
+
+
+def table(d: dict) -> str:
+    rows = d["rows"]
+    cp = rows[0]
+    out = [f"Measured on an {d['gpu']}, {d['date']}, torch {d['torch']}: one {d['shape'][0]} x "
+           f"{d['shape'][1]} weight ({d['source']}; {cp['bytes_source'] / 1e6:.1f} MB), device time "
+           f"per weight, median (min-max) of {d['rounds']} interleaved rounds, each a CUDA graph of "
+           f"{d['reps_per_graph']} conversions over {d['rotating_sources']} different source weights. "
+           f"Copy: `copy_` of (source + target bytes) / 2, "
+           f"{cp['copy_seconds_median'] * 1e6:.1f} us = {cp['copy_GBps']:.0f} GB/s read + written "
+           f"at this size. Host-issued: the same call from Python, launch overhead included. "
+           f"DeepSeek-V3: the device time scaled to its {d['v3_quantized_elements'] / 1e9:.0f} G "
+           f"quantized elements.", "",
+           "| target | path | device time | bytes moved / time | % of copy (min-max) | host-issued | "
+           "DeepSeek-V3, device | bit-identical to the CPU |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lo, hi = r["fraction_of_copy_range"]
+        out.append(
+            f"| {r['target']} | {r['path']} | {r['seconds_median'] * 1e6:.1f} us "
+            f"({r['seconds_min'] * 1e6:.1f}-{r['seconds_max'] * 1e6:.1f}) | {r['GBps']:.0f} GB/s | "
+            f"**{100 * r['fraction_of_copy']:.1f}%** ({100 * lo:.1f}-{100 * hi:.1f}) | "
+            f"{r['host_seconds_median'] * 1e6:.0f} us | {r['v3_device_seconds']:.1f} s | "
+            f"{'yes' if r['bit_identical'] else 'NO'} |")
+    return "\n".join(out)
+
+
+def render(page: str, data: dict) -> str:
+    a, b = page.index(BEGIN) + len(BEGIN), page.index(END)
+    return page[:a] + "\n" + table(data) + "\n" + page[b:]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", help="bench_convert.py --gpu --json output")
+    ap.add_argument("--docs", default="docs/convert.md")
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args(argv)
+    with open(args.json) as f:
+        data = json.load(f)
+    with open(args.docs) as f:
+        page = f.read()
+    new = render(page, data)
+    if args.check:
+        return 0 if new == page else 1
+    with open(args.docs, "w") as f:
+        f.write(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

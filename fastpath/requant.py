@@ -1,0 +1,292 @@
+"""Fused FP8-block decode + FP4 quantize on the GPU: one checkpoint weight, source bytes to target bytes.
+
+:func:`fp8_block_to_fp4` converts an FP8 E4M3 weight with 2-D block scales (DeepSeek-V3's
+``weight`` + ``weight_scale_inv`` 128x128 FP32 multipliers, their UE8M0 variant, the
+compressed-tensors FP8 block layout) into NVFP4 (1x16, UE4M3 scales, per-tensor global) or
+MXFP4 (1x32, UE8M0) codes and scales, bit-identical to the reference path
+``moeref.quant.quantize(q.dequantize(np.float32), target)`` (``requantize(..., precision="float32")``):
+
+* the source value is ``fl32(decode(code) * scale)``: the E4M3 decode is exact (integer fields,
+  :func:`fastpath._triton_rounding.decode_minifloat`), the product one float32 RNE rounding, as
+  NumPy's float32 dequantization (and vLLM's ``weight.float() * scale``) does. The kernels are
+  compiled with ``enable_fp_fusion=False``, so that product is never contracted into a later
+  add (an FMA would round once for both and change the values);
+* the target's rules are :mod:`fastpath.quant`'s own Triton helpers (block amax, the scale
+  rules of every preset, the scale layouts including the 128x4 swizzle, the E2M1 encode), so
+  this module adds only the source decode in front of them;
+* NVFP4's per-tensor global comes from a first pass over the FP8 codes (the amax of the decoded
+  values, NaN policy as the preset's) and :mod:`fastpath.quant`'s factor kernel, or from a
+  static ``global_scale`` (fused gate/up groups), as ``fastpath.quant.quantize`` takes it.
+
+Why a fused kernel: the unfused path decodes to float32 (4 bytes per element written and read
+again) before the quantizer reads it: 9 bytes moved per element against the 1.56 the conversion
+needs (1-byte code in; half a byte of FP4 and 1/16 byte of scale out), so it cannot exceed about
+17% of copy bandwidth even with every pass at the memory limit. Here the data pass reads the
+FP8 codes once and writes the target once; NVFP4's amax pass reads the codes a second time.
+
+Tiles: a program covers ``BLOCK_M`` rows by ``GPP`` target groups inside ONE source block, so
+the source scale is one scalar load per program; :func:`supports` refuses block shapes where no
+such tile exists (with the reason). Measured speed: docs/convert.md (bench/bench_convert.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from moeref.quant.scheme import Scheme
+
+from . import _triton_rounding as R
+from . import quant as FQ
+
+__all__ = ["supports", "fp8_block_to_fp4", "SCALE_LAYOUTS"]
+
+SCALE_LAYOUTS = ("row_major", "swizzled_128x4")
+_TILE_ELEMS = 4096   # elements per program of the data pass (fastpath.quant's FP4 tile size)
+_AMAX_ELEMS = 8192   # elements per program of the amax pass (fastpath.quant's _AMAX_TILE)
+
+
+@triton.jit
+def _e4m3_times(code, s):
+    """``fl32(e4m3(code) * s)`` for integer codes (exact decode; one float32 RNE product)."""
+    return R.decode_minifloat(code, 4, 3, 7, True, 1) * s
+
+
+@triton.jit
+def _block_scale(s_ptr, stride_sm, row0, col0, M, K, SBM: tl.constexpr, SBK: tl.constexpr):
+    """The source scale of the block holding element (row0, col0): one scalar load (0 outside
+    the tensor, where every code is masked to 0)."""
+    return tl.load(s_ptr + (row0 // SBM) * stride_sm + col0 // SBK,
+                   mask=(row0 < M) & (col0 < K), other=0.0)
+
+
+@triton.jit
+def _fp8_block_amax_kernel(c_ptr, stride_cm, s_ptr, stride_sm, p_ptr, M, K,
+                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SBM: tl.constexpr,
+                           SBK: tl.constexpr, NONFINITE: tl.constexpr):
+    """The tensor amax as float32 bits in the int32 ``p[0]`` (zeroed by the caller): each program
+    takes the amax of one [BLOCK_M, BLOCK_K] tile inside one source block and folds it in with
+    an integer atomic max (non-negative float32 bits order like the floats; NaN sorts above Inf,
+    so it propagates, unless NONFINITE is 1 ignores it, as :mod:`fastpath.quant`'s amax pass
+    does). One scale per tile and ``x -> fl32(x * s)`` monotone for ``s >= 0``, so the tile's
+    amax is the product of its largest code magnitude (E4M3 magnitudes order like their 7 bits;
+    0x7F, the NaN, sorts last) with the scale: the same value, and the same NaN, as the
+    maximum over the decoded elements (a negative scale has no meaning in these layouts)."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    m = (rows < M)[:, None] & (kk < K)[None, :]
+    c = tl.load(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + kk[None, :], mask=m, other=0)
+    mag = c.to(tl.uint32) & 0x7F
+    if NONFINITE == 1:
+        mag = tl.where(mag == 0x7F, 0, mag)
+    top = tl.max(tl.max(mag, axis=1), axis=0)
+    s = _block_scale(s_ptr, stride_sm, pid_m * BLOCK_M, pid_k * BLOCK_K, M, K, SBM, SBK)
+    a = R.f32_bits(_e4m3_times(top, s)) & 0x7FFFFFFF
+    if NONFINITE == 1:
+        a = tl.where(a > 0x7F800000, 0, a)
+    tl.atomic_max(p_ptr, a.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _fp8_block_to_fp4_kernel(
+    w_ptr, stride_wm, s_ptr, stride_sm, q_ptr, stride_qm,
+    o_ptr, stride_om, stride_og, dummy_ptr, nv_ptr,
+    M, K, NG, M_PAD, NG_PAD,
+    SBM: tl.constexpr, SBK: tl.constexpr,
+    GS: tl.constexpr, GB: tl.constexpr, GPP: tl.constexpr, BLOCK_M: tl.constexpr,
+    ELEM_MAX: tl.constexpr, INV_M: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
+    SCALE_KIND: tl.constexpr, FP32_RULE: tl.constexpr, FP32_POW2: tl.constexpr,
+    E8_RULE: tl.constexpr, E8_LO: tl.constexpr, E8_HI: tl.constexpr, E8_NF: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr, ZERO_BLOCK: tl.constexpr, NONFINITE: tl.constexpr,
+    APPLY: tl.constexpr, SATURATE: tl.constexpr, ROUND: tl.constexpr,
+    DROP_NEG_ZERO: tl.constexpr, NAN_CODE: tl.constexpr, FILL_CODE: tl.constexpr,
+    SF_LAYOUT: tl.constexpr, TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr,
+    DIV: tl.constexpr, E2M1_PTX: tl.constexpr, HW_SCALE: tl.constexpr,
+):
+    """One [BLOCK_M rows, GPP groups of GS] tile. The codes are read as 16-bit words, word w of
+    a row holding elements (2w, 2w+1) (little-endian: the even one low), which is output byte w
+    (the layout of :mod:`fastpath.quant`'s ``PAIR == 1`` path: contiguous loads and stores, no
+    shuffles); decode with the tile's one source scale, then :mod:`fastpath.quant`'s FP4 steps
+    (block amax, scales in their layout, E2M1 codes, packed bytes). Programs over the padding
+    (rows < M_PAD, groups < NG_PAD) write the zero scales of the swizzled layout's padding."""
+    pid_m = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    gidx = pid_g * GPP + tl.arange(0, GPP)
+    rmask = rows < M
+    jw = tl.arange(0, GB // 2)
+    w = gidx[:, None] * (GS // 2) + jw[None, :]  # [GPP, GB/2] word (= output byte) index
+    wm = (jw[None, :] < GS // 2) & (w < K // 2)
+    m3 = rmask[:, None, None] & wm[None, :, :]
+    off = rows.to(tl.int64)[:, None, None] * stride_wm + w[None, :, :]
+    words = tl.load(w_ptr + off, mask=m3, other=0).to(tl.uint32)
+    s = _block_scale(s_ptr, stride_sm, pid_m * BLOCK_M, pid_g * GPP * GS, M, K, SBM, SBK)
+    xe = _e4m3_times(words & 0xFF, s)
+    xo = _e4m3_times(words >> 8, s)
+    amax = FQ._amax_pair(xe, xo, NONFINITE)
+    factor, nan_block = FQ._tile_scales(
+        amax, rows, gidx, tl.program_id(2), o_ptr, 0, stride_om, stride_og, dummy_ptr, nv_ptr,
+        M, NG, M_PAD, NG_PAD, GPP, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
+        SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO, E8_HI, E8_NF, AMAX_FLOOR,
+        ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, False, TWO_LEVEL, NV_ORDER, True, HW_SCALE)
+    ce, co = FQ._fp4_pair_codes(xe, xo, factor[:, :, None], nan_block[:, :, None], SATURATE,
+                                ROUND, NAN_CODE, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER,
+                                DROP_NEG_ZERO, SCALE_KIND, APPLY, DIV, False, E2M1_PTX)
+    byte = FQ._fp4_bytes(ce, co, E2M1_PTX)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None, None] * stride_qm + w[None, :, :], byte, mask=m3)
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two dividing ``n``, at most ``cap``."""
+    return min(n & -n, cap)
+
+
+def _plan(shape, src_block, target: Scheme):
+    """(GS, GPP, BLOCK_M, BMa, BKa) or a str saying why no tile fits."""
+    sbm, sbk = (int(b) for b in src_block)
+    gs = int(target.resolve_block(tuple(shape))[-1])
+    if sbk % gs:
+        return f"source block width {sbk} is not a multiple of the target group {gs}"
+    gpp = _pow2_divisor(sbk // gs, max(1, 512 // gs))
+    bm = _pow2_divisor(sbm, max(1, _TILE_ELEMS // (gs * gpp)))
+    bka = _pow2_divisor(sbk, 1024)
+    bma = _pow2_divisor(sbm, max(1, _AMAX_ELEMS // bka))
+    return gs, gpp, bm, bma, bka
+
+
+def supports(src_scheme: Scheme | None = None, target: Scheme | None = None, shape=None,
+             src_block=None, scale_layout: str = "row_major", device=None) -> tuple[bool, str]:
+    """Whether :func:`fp8_block_to_fp4` converts this source into ``target`` here, and why not.
+
+    The source: E4M3 elements with 2-D block scales (FP32 or UE8M0 values), a 2-D tensor; the
+    target: what :func:`fastpath.quant.supports` accepts among the FP4 schemes (NVFP4 1x16,
+    MXFP4 1x32), with the target group dividing the source block width."""
+    if device is not None and torch.device(device).type == "cpu":
+        import os
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return False, "a CPU device needs TRITON_INTERPRET=1"
+    if src_scheme is not None:
+        if src_scheme.element != "e4m3fn" or src_scheme.family != "blockwise":
+            return False, f"source {src_scheme.name!r} is not an FP8 E4M3 block-scaled scheme"
+        if src_scheme.zero_point or src_scheme.channel_block:
+            return False, "source has zero points / channel scales"
+    if src_block is not None and (len(src_block) != 2 or any(b is None for b in src_block)):
+        return False, f"source block {src_block} is not a 2-D block"
+    if shape is not None and len(shape) != 2:
+        return False, f"the fused kernel takes 2-D weights; got shape {tuple(shape)}"
+    if shape is not None and shape[-1] % 2:
+        return False, f"the fused kernel reads element pairs: K must be even; got {shape[-1]}"
+    if scale_layout not in SCALE_LAYOUTS:
+        return False, f"scale_layout {scale_layout!r} is not one of {SCALE_LAYOUTS}"
+    if target is None:
+        return True, "ok"
+    if target.element != "e2m1":
+        return False, f"target {target.name!r} is not an FP4 (E2M1) scheme"
+    ok, why = FQ.supports(target, None, scale_layout)
+    if not ok:
+        return False, why
+    if FQ._kind(target) != "rows":
+        return False, f"target block {target.block} is not 1xG groups"
+    if shape is not None and src_block is not None:
+        plan = _plan(shape, src_block, target)
+        if isinstance(plan, str):
+            return False, plan
+    return True, "ok"
+
+
+def fp8_block_to_fp4(codes: torch.Tensor, scales: torch.Tensor, src_block, target: Scheme, *,
+                     scale_layout: str = "row_major", global_scale=None) -> FQ.FastQuantized:
+    """Convert an FP8 block-scaled weight into ``target`` (NVFP4 / MXFP4) on ``codes.device``.
+
+    Args:
+        codes: uint8 (or ``float8_e4m3fn``) ``[M, K]`` E4M3 codes, rows contiguous.
+        scales: float32 ``[ceil(M/bm), ceil(K/bk)]`` block scale VALUES (multipliers; UE8M0
+            sources as their float32 powers of two), on the same device.
+        src_block: ``(bm, bk)``.
+        target: an FP4 :class:`~moeref.quant.scheme.Scheme` (:func:`supports`).
+        scale_layout: ``"row_major"`` (the reference grid) or ``"swizzled_128x4"``.
+        global_scale: NVFP4 only: a static global in the preset's convention (number or
+            one-element float32 tensor), as :func:`fastpath.quant.quantize` takes it.
+
+    Returns:
+        :class:`fastpath.quant.FastQuantized` (``.to_reference()``: a ``QuantizedTensor``
+        equal, codes, scales and global, to ``quantize(dequantize(float32), target)``).
+    """
+    if codes.dtype == torch.float8_e4m3fn:
+        codes = codes.view(torch.uint8)
+    shape = tuple(int(d) for d in codes.shape)
+    ok, why = supports(None, target, shape, src_block, scale_layout, codes.device)
+    if not ok:
+        raise ValueError(f"fp8_block_to_fp4 cannot convert into {target.name!r}: {why}")
+    if codes.dtype != torch.uint8 or codes.stride(-1) != 1 or codes.stride(0) % 2 \
+            or codes.data_ptr() % 2:
+        raise ValueError(f"codes must be uint8 / float8_e4m3fn with contiguous rows, an even row "
+                         f"stride and 2-byte alignment; got {codes.dtype}, strides "
+                         f"{tuple(codes.stride())}")
+    M, K = shape
+    sbm, sbk = (int(b) for b in src_block)
+    grid_shape = (-(-M // sbm), -(-K // sbk))
+    if tuple(scales.shape) != grid_shape or scales.dtype != torch.float32 \
+            or scales.device != codes.device:
+        raise ValueError(f"scales must be float32 {grid_shape} on {codes.device}; got "
+                         f"{scales.dtype} {tuple(scales.shape)} on {scales.device}")
+    scales = scales.contiguous()
+    dev = codes.device
+    gs, gpp, bm, bma, bka = _plan(shape, src_block, target)
+    ce = FQ._constexprs(target, dev.type == "cuda")
+    ng = -(-K // gs)
+    sshape, sdt, (m_pad, ng_pad, ssm, ssg) = FQ.scale_storage_shape((1, M, K), target, scale_layout)
+    out_scales = FQ._alloc(sshape, dtype=sdt, device=dev)
+    out_codes = FQ._alloc((M, (K + 1) // 2), dtype=torch.uint8, device=dev)
+    dummy = FQ._alloc(1, dtype=torch.float32, device=dev)
+    two_level = target.family == "nvfp4"
+    order = FQ._NVFP4_ORDER[target.preset.option("nvfp4_order")] if two_level else 0
+    nv, glob = dummy, None
+    if two_level and global_scale is not None:
+        nv, glob, zero = FQ._nvfp4_static_factors(global_scale, target, dev)
+        if zero:
+            raise ValueError("a static NVFP4 amax that is 0 in float32 (an all-zero tensor) has "
+                             "no fused path: use fastpath.quant.quantize")
+    elif two_level:
+        grid_a = (triton.cdiv(M, bma), triton.cdiv(K, bka))
+        bits = torch.zeros(1, dtype=torch.int32, device=dev)
+        _fp8_block_amax_kernel[grid_a](codes, codes.stride(0), scales, scales.stride(0), bits,
+                                       M, K, BLOCK_M=bma, BLOCK_K=bka, SBM=sbm, SBK=sbk,
+                                       NONFINITE=ce["NONFINITE"], num_warps=8,
+                                       enable_fp_fusion=False)
+        nv, glob = FQ._nvfp4_device_globals(target, amax=bits.view(torch.float32))
+    elif global_scale is not None:
+        raise ValueError(f"global_scale is the NVFP4 per-tensor factor; {target.name!r} is "
+                         f"{target.family!r}")
+    knobs = FQ._launch_knobs(ce, max(2, gs), gpp, bm, None)
+    names = set(_fp8_block_to_fp4_kernel.arg_names)
+    grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp))
+    words = codes.view(torch.int16)  # element pairs (the even one in the low byte)
+    _fp8_block_to_fp4_kernel[grid](
+        words, words.stride(0), scales, scales.stride(0), out_codes, out_codes.stride(0),
+        out_scales, ssm, ssg, dummy, nv, M, K, ng, m_pad, ng_pad,
+        SBM=sbm, SBK=sbk, GS=gs, GB=max(2, gs), GPP=gpp, BLOCK_M=bm,
+        SF_LAYOUT=FQ._SF_LAYOUT[scale_layout], TWO_LEVEL=two_level, NV_ORDER=order,
+        num_warps=knobs["num_warps"], enable_fp_fusion=False,
+        **{k_: v_ for k_, v_ in knobs.items() if k_ in names})
+    if scale_layout == "row_major":
+        out_scales = out_scales.reshape(FQ._grid_of(shape, target))
+    else:
+        out_scales = out_scales[0]
+    return FQ.FastQuantized(out_codes, out_scales, scale_layout, target, shape,
+                            global_scale=glob if two_level else None)
+
+
+def from_reference(q, device) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """``(codes, scale values, block)`` of a reference FP8 block ``QuantizedTensor`` on ``device``
+    (the arguments :func:`fp8_block_to_fp4` takes; the float32 scale values are exact: FP32
+    scales as stored, UE8M0 ones as their powers of two)."""
+    codes = torch.from_numpy(np.array(q.codes, copy=True).view(np.uint8)).to(device)
+    sv = np.ascontiguousarray(q.scale_values(), dtype=np.float64)
+    s32 = sv.astype(np.float32)
+    if not np.array_equal(s32.astype(np.float64), sv, equal_nan=True):
+        raise ValueError("source scales are not float32 values")
+    return codes, torch.from_numpy(s32).to(device), tuple(q.block_shape)

@@ -1,0 +1,96 @@
+"""fastpath.requant: the fused FP8-block decode + FP4 quantize equals the reference path
+``quantize(q.dequantize(np.float32), target)`` bit for bit (codes, scales, global), in both scale
+layouts; on the CPU under TRITON_INTERPRET=1 (the conftest sets it without a GPU), on a GPU for real."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from fastpath import requant  # noqa: E402
+from moeref import layouts  # noqa: E402
+from moeref.checkpoint import get_layout  # noqa: E402
+from moeref.quant import fp8_block, quantize  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TARGETS = ("modelopt-nvfp4", "ct-nvfp4", "ct-mxfp4", "gptoss-mxfp4")
+
+
+def _source(shape, block, scale_fmt="fp32", seed=0):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal(shape) * 0.02).astype(np.float32)
+    w[0, :8] = 0.0
+    w[1, :5] = -0.0
+    w[2, 3] = 1e-9          # a subnormal E4M3 code after scaling
+    w[-1, -16:] *= 300.0    # a block with a large range
+    return quantize(w, fp8_block(block, scale_fmt, "deepgemm"))
+
+
+def _same(got, ref):
+    return (np.array_equal(got.codes, ref.codes) and np.array_equal(got.scales, ref.scales)
+            and got.global_scale == ref.global_scale)
+
+
+@pytest.mark.parametrize("shape,block,scale_fmt", [((256, 256), (128, 128), "fp32"),
+                                                   ((200, 160), (128, 128), "fp32"),
+                                                   ((96, 96), (32, 32), "ue8m0")])
+def test_fused_equals_reference(shape, block, scale_fmt):
+    q = _source(shape, block, scale_fmt)
+    x32 = q.dequantize(np.float32)
+    src = requant.from_reference(q, DEV)
+    for name in TARGETS:
+        scheme = get_layout(name).scheme()
+        ref = quantize(x32, scheme)
+        got = requant.fp8_block_to_fp4(*src, scheme).to_reference()
+        assert _same(got, ref), name
+
+
+def test_swizzled_scales_are_the_layouts_swizzle_of_the_reference():
+    q = _source((200, 160), (128, 128))
+    ref_scales = quantize(q.dequantize(np.float32), get_layout("ct-nvfp4").scheme()).scales
+    got = requant.fp8_block_to_fp4(*requant.from_reference(q, DEV), get_layout("ct-nvfp4").scheme(),
+                                   scale_layout="swizzled_128x4")
+    want = layouts.swizzle_128x4(np.ascontiguousarray(ref_scales).view(np.uint8))
+    assert np.array_equal(got.scales.cpu().numpy().view(np.uint8).ravel(), want.ravel())
+
+
+def test_static_global_equals_reference():
+    q = _source((128, 256), (128, 128))
+    x32 = q.dequantize(np.float32)
+    for name in ("modelopt-nvfp4", "ct-nvfp4"):
+        scheme = get_layout(name).scheme()
+        conv = scheme.preset.option("global_convention")
+        amax = float(np.max(np.abs(x32))) * 1.5
+        g = {"amax": amax, "encode_scale": float(np.float32(2688.0 / amax)),
+             "decode_scale": float(np.float32(amax / 2688.0))}[conv]
+        ref = quantize(x32, scheme, global_scale=g)
+        got = requant.fp8_block_to_fp4(*requant.from_reference(q, DEV), scheme, global_scale=g)
+        assert _same(got.to_reference(), ref), name
+
+
+def test_refusals_name_the_reason():
+    q = _source((128, 128), (128, 128))
+    ok, why = requant.supports(q.scheme, get_layout("ct-fp8-block").scheme(), q.shape, q.block_shape)
+    assert not ok and "FP4" in why
+    ok, why = requant.supports(q.scheme, get_layout("ct-mxfp4").scheme(), q.shape, (128, 48))
+    assert not ok and "multiple of the target group" in why
+    with pytest.raises(ValueError, match="scales must be float32"):
+        c, s, b = requant.from_reference(q, DEV)
+        requant.fp8_block_to_fp4(c, s.double(), b, get_layout("ct-mxfp4").scheme())
+
+
+def test_converter_glue_refuses_non_finite_nvfp4_input_as_the_reference_does():
+    from moeref.checkpoint.engines import fused_source_quantizer
+    from moeref.quant import QuantizedTensor
+
+    q = _source((128, 128), (128, 128))
+    codes = np.array(q.codes, copy=True)
+    codes[3, 4] = 0x7F  # the E4M3 NaN
+    q = QuantizedTensor(codes=codes, scales=q.scales, scheme=q.scheme, shape=q.shape)
+    scheme = get_layout("ct-nvfp4").scheme()
+    fq, why = fused_source_quantizer(q, scheme, DEV)
+    assert fq is not None, why
+    with pytest.raises(ValueError, match="finite"):
+        fq(q.dequantize(np.float32), scheme)
