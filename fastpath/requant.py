@@ -39,6 +39,12 @@ from moeref.quant.scheme import Scheme
 
 from . import _triton_rounding as R
 from . import quant as FQ
+from ._host import alloc
+from .quant import _jit_codes as JC
+from .quant import _jit_scales as JS
+from .quant import _launch as L
+from .quant import _layouts as LY
+from .quant import _preset_map as P
 
 __all__ = ["supports", "fp8_block_to_fp4", "SCALE_LAYOUTS"]
 
@@ -126,16 +132,16 @@ def _fp8_block_to_fp4_kernel(
     s = _block_scale(s_ptr, stride_sm, pid_m * BLOCK_M, pid_g * GPP * GS, M, K, SBM, SBK)
     xe = _e4m3_times(words & 0xFF, s)
     xo = _e4m3_times(words >> 8, s)
-    amax = FQ._amax_pair(xe, xo, NONFINITE)
-    factor, nan_block = FQ._tile_scales(
+    amax = JS._amax_pair(xe, xo, NONFINITE)
+    factor, nan_block = JS._tile_scales(
         amax, rows, gidx, tl.program_id(2), o_ptr, 0, stride_om, stride_og, dummy_ptr, nv_ptr,
         M, NG, M_PAD, NG_PAD, GPP, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
         SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO, E8_HI, E8_NF, AMAX_FLOOR,
         ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, False, TWO_LEVEL, NV_ORDER, True, HW_SCALE)
-    ce, co = FQ._fp4_pair_codes(xe, xo, factor[:, :, None], nan_block[:, :, None], SATURATE,
+    ce, co = JC._fp4_pair_codes(xe, xo, factor[:, :, None], nan_block[:, :, None], SATURATE,
                                 ROUND, NAN_CODE, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER,
                                 DROP_NEG_ZERO, SCALE_KIND, APPLY, DIV, False, E2M1_PTX)
-    byte = FQ._fp4_bytes(ce, co, E2M1_PTX)
+    byte = JC._fp4_bytes(ce, co, E2M1_PTX)
     tl.store(q_ptr + rows.to(tl.int64)[:, None, None] * stride_qm + w[None, :, :], byte, mask=m3)
 
 
@@ -236,17 +242,17 @@ def fp8_block_to_fp4(codes: torch.Tensor, scales: torch.Tensor, src_block, targe
     scales = scales.contiguous()
     dev = codes.device
     gs, gpp, bm, bma, bka = _plan(shape, src_block, target)
-    ce = FQ._constexprs(target, dev.type == "cuda")
+    ce = P.constexprs(target, dev.type == "cuda")
     ng = -(-K // gs)
-    sshape, sdt, (m_pad, ng_pad, ssm, ssg) = FQ.scale_storage_shape((1, M, K), target, scale_layout)
-    out_scales = FQ._alloc(sshape, dtype=sdt, device=dev)
-    out_codes = FQ._alloc((M, (K + 1) // 2), dtype=torch.uint8, device=dev)
-    dummy = FQ._alloc(1, dtype=torch.float32, device=dev)
+    sshape, sdt, (m_pad, ng_pad, ssm, ssg) = LY.scale_storage_shape((1, M, K), target, scale_layout)
+    out_scales = alloc(sshape, dtype=sdt, device=dev)
+    out_codes = alloc((M, (K + 1) // 2), dtype=torch.uint8, device=dev)
+    dummy = alloc(1, dtype=torch.float32, device=dev)
     two_level = target.family == "nvfp4"
-    order = FQ._NVFP4_ORDER[target.preset.option("nvfp4_order")] if two_level else 0
+    order = P.NVFP4_OP[target.preset.option("nvfp4_order")] if two_level else 0
     nv, glob = dummy, None
     if two_level and global_scale is not None:
-        nv, glob, zero = FQ._nvfp4_static_factors(global_scale, target, dev)
+        nv, glob, zero = L._nvfp4_static_factors(global_scale, target, dev)
         if zero:
             raise ValueError("a static NVFP4 amax that is 0 in float32 (an all-zero tensor) has "
                              "no fused path: use fastpath.quant.quantize")
@@ -257,11 +263,11 @@ def fp8_block_to_fp4(codes: torch.Tensor, scales: torch.Tensor, src_block, targe
                                        M, K, BLOCK_M=bma, BLOCK_K=bka, SBM=sbm, SBK=sbk,
                                        NONFINITE=ce["NONFINITE"], num_warps=8,
                                        enable_fp_fusion=False)
-        nv, glob = FQ._nvfp4_device_globals(target, amax=bits.view(torch.float32))
+        nv, glob = L._nvfp4_device_globals(target, amax=bits.view(torch.float32))
     elif global_scale is not None:
         raise ValueError(f"global_scale is the NVFP4 per-tensor factor; {target.name!r} is "
                          f"{target.family!r}")
-    knobs = FQ._launch_knobs(ce, max(2, gs), gpp, bm, None)
+    knobs = L._launch_knobs(ce, max(2, gs), gpp, bm, None)
     names = set(_fp8_block_to_fp4_kernel.arg_names)
     grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp))
     words = codes.view(torch.int16)  # element pairs (the even one in the low byte)
@@ -269,11 +275,11 @@ def fp8_block_to_fp4(codes: torch.Tensor, scales: torch.Tensor, src_block, targe
         words, words.stride(0), scales, scales.stride(0), out_codes, out_codes.stride(0),
         out_scales, ssm, ssg, dummy, nv, M, K, ng, m_pad, ng_pad,
         SBM=sbm, SBK=sbk, GS=gs, GB=max(2, gs), GPP=gpp, BLOCK_M=bm,
-        SF_LAYOUT=FQ._SF_LAYOUT[scale_layout], TWO_LEVEL=two_level, NV_ORDER=order,
+        SF_LAYOUT=LY.SF_LAYOUT[scale_layout], TWO_LEVEL=two_level, NV_ORDER=order,
         num_warps=knobs["num_warps"], enable_fp_fusion=False,
         **{k_: v_ for k_, v_ in knobs.items() if k_ in names})
     if scale_layout == "row_major":
-        out_scales = out_scales.reshape(FQ._grid_of(shape, target))
+        out_scales = out_scales.reshape(LY.grid_of(shape, target))
     else:
         out_scales = out_scales[0]
     return FQ.FastQuantized(out_codes, out_scales, scale_layout, target, shape,
