@@ -46,7 +46,7 @@ def _same(ref, got, what: str):
 SCHEMES = {"fp8 block": (fp8_group, fp8_block), "mxfp4": (mxfp4, mxfp4), "float": (None, None)}
 
 
-@settings(deadline=None, max_examples=200 if on_gpu() else 6, suppress_health_check=_HC)
+@settings(deadline=None, max_examples=60 if on_gpu() else 6, suppress_health_check=_HC)
 @given(st.sampled_from(sorted(SCHEMES)), st.sampled_from(MODELS), st.integers(1, 4), st.integers(1, 9),
        st.sampled_from([32, 64, 160]), st.booleans(), st.booleans(), st.integers(0, 2**16))
 def test_device_gemm_bound_equals_numpy(scheme, model, m, n, k, radius, bias, seed):
@@ -100,7 +100,7 @@ def test_device_layer_bound_equals_numpy_small_layer(model):
 
 
 @pytest.mark.gpu
-@settings(deadline=None, max_examples=60, suppress_health_check=_HC)
+@settings(deadline=None, max_examples=40, suppress_health_check=_HC)
 @given(st.data(), st.sampled_from(MODELS + ("BF16_OUTPUT", "VLLM_MOE_SUM_BF16")))
 def test_device_layer_bound_equals_numpy_over_layers(data, model):
     """The layer strategy of test_moe_props (quantized schemes: the device run is the host run bit for bit):

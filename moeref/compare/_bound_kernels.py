@@ -19,7 +19,7 @@ _BM, _BN = 32, 32
 
 
 @triton.jit
-def _ordered_dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K: tl.constexpr, NCH: tl.constexpr, C: tl.constexpr,
+def _ordered_dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K, NCH: tl.constexpr, C: tl.constexpr,
                         STEPS: tl.constexpr, STEP: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -51,7 +51,7 @@ def _grid(x, wide, min_normal):
 
 
 @triton.jit
-def _adder_kernel(a_ptr, w_ptr, r_ptr, sa_ptr, sw_ptr, b_ptr, c_ptr, out_ptr, M, N, K: tl.constexpr,
+def _adder_kernel(a_ptr, w_ptr, r_ptr, sa_ptr, sw_ptr, b_ptr, c_ptr, out_ptr, M, N, K,
                   NCH: tl.constexpr, C: tl.constexpr, STEPS: tl.constexpr,
                   MMA: tl.constexpr, EXACT: tl.constexpr, HAS_R: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr):
@@ -128,7 +128,7 @@ def _adder_kernel(a_ptr, w_ptr, r_ptr, sa_ptr, sw_ptr, b_ptr, c_ptr, out_ptr, M,
 
 
 @triton.jit
-def _tree_kernel(a_ptr, w_ptr, rng_ptr, ws_ptr, cs_ptr, M, N, K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr,
+def _tree_kernel(a_ptr, w_ptr, rng_ptr, ws_ptr, cs_ptr, M, N, K, KP: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -176,7 +176,7 @@ def ordered_dot_t(xt: torch.Tensor, wt: torch.Tensor, chunk: int, step: int) -> 
     if m == 0 or n == 0 or k == 0:
         return out
     c = max(1, min(chunk, k))
-    _ordered_dot_kernel[_grid2(m, n)](xt, wt, out, m, n, K=k, NCH=-(-k // c), C=c, STEPS=-(-c // step), STEP=step, BM=_BM, BN=_BN,
+    _ordered_dot_kernel[_grid2(m, n)](xt, wt, out, m, n, k, NCH=-(-k // c), C=c, STEPS=-(-c // step), STEP=step, BM=_BM, BN=_BN,
                                       enable_fp_fusion=False)
     return out
 
@@ -191,7 +191,7 @@ def adder_bound_t(at, wt, rt, sa, sw, b_abs, consts, *, chunk: int, mma: int, st
     nch = -(-k // chunk)
     dummy = consts
     _adder_kernel[_grid2(m, n)](at, wt, rt if rt is not None else dummy, sa if exact else dummy,
-                                sw if exact else dummy, b_abs, consts, out, m, n, K=k, NCH=nch, C=chunk, STEPS=steps,
+                                sw if exact else dummy, b_abs, consts, out, m, n, k, NCH=nch, C=chunk, STEPS=steps,
                                 MMA=mma, EXACT=exact, HAS_R=rt is not None, BM=_BM, BN=_BN, enable_fp_fusion=False)
     return out
 
@@ -204,5 +204,5 @@ def tree_walks_t(at, wt, kp: int):
     rng = torch.empty((m, n), dtype=torch.float64, device=at.device)
     ws = torch.empty_like(rng)
     cs = torch.empty_like(rng)
-    _tree_kernel[_grid2(m, n)](at, wt, rng, ws, cs, m, n, K=k, KP=kp, BM=_BM, BN=_BN, enable_fp_fusion=False)
+    _tree_kernel[_grid2(m, n)](at, wt, rng, ws, cs, m, n, k, KP=kp, BM=_BM, BN=_BN, enable_fp_fusion=False)
     return rng, ws, cs
