@@ -111,7 +111,7 @@ def main(argv=None) -> int:
             peak[m] = max(peak.get(m, 0.0), (torch.cuda.max_memory_allocated() - base) / 2**30)
             engines[m] = run.engines
             del run
-    compare_rows = bench_compare(weights, cases, kw, args.rounds) if args.compare else []
+    compare_rows = bench_compare(weights, cases, kw, args.rounds, args.profile) if args.compare else []
     fast_rows = bench_fast_layer(weights, cases, args.rounds) if args.fast else []
     sweep_rows = bench_tiles(weights, cases[max(cases)], args.rounds) if args.sweep else []
     bf16_rows = bench_bf16(cases[max(cases)], args.experts, args.rounds) if args.bf16 else []
@@ -294,7 +294,7 @@ def bench_bf16(case, experts: int, rounds: int) -> list[dict]:
     return out
 
 
-def bench_compare(weights, cases, kw, rounds: int) -> list[dict]:
+def bench_compare(weights, cases, kw, rounds: int, profile: bool = False) -> list[dict]:
     """``compare(fused_moe(...), run, "HOPPER_FP8_DEEPGEMM_DATA")`` with the bound on the GPU, beside the
     reference's own time (``run_moe(device="cuda")``), interleaved rounds, medians; peak extra GPU memory of
     the comparison; the bound's time alone (``layer_bound``)."""
@@ -329,6 +329,16 @@ def bench_compare(weights, cases, kw, rounds: int) -> list[dict]:
             cmp_t.append(t2 - t1)
             bnd_t.append(t3 - t2)
             del run
+        if profile:
+            from torch.profiler import ProfilerActivity, profile as prof_ctx
+
+            run = run_moe(x, weights, tw, ids, device="cuda", **kw)
+            with prof_ctx(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
+                layer_bound(run, prof)
+                torch.cuda.synchronize()
+            print(f"--- layer_bound profile, {m} tokens")
+            print(pr.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
+            print(pr.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=50))
         r, c = statistics.median(ref_t), statistics.median(cmp_t)
         out.append(dict(tokens=m, impl=impl, reference_s=r, compare_s=c, bound_s=statistics.median(bnd_t),
                         compare_over_reference=c / r, passed=rep.passed, violations=rep.num_violations,

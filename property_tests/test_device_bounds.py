@@ -129,17 +129,15 @@ def test_compare_on_the_gpu_deepseek_v3_shape():
     if not on_gpu():
         pytest.skip("GPU only: a DeepSeek-V3-shaped layer")
     from fastpath.moe import FastMoEWeights, fused_moe, reference_config
-    from moeref.gemm import StackedExperts
     from moeref.moe import MoEWeights
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     e, hid, inter, m = 32, 7168, 2048, 64
 
+    from test_fastpath_moe_production import _fp8_experts
+
     def experts(n, k):
-        codes = torch.randint(0, 256, (e, n, k), dtype=torch.uint8, device="cuda", generator=gen)
-        codes[(codes & 0x7F) == 0x7F] -= 1
-        s = 1e-4 * (1.0 + torch.rand((e, n // 128, k // 128), device="cuda", generator=gen, dtype=torch.float64))
-        return StackedExperts(codes, s.to(torch.float32).to(torch.float64), "e4m3fn", (128, 128), (n, k))
+        return _fp8_experts(gen, e, n, k)
 
     weights = MoEWeights(experts(2 * inter, hid), experts(hid, inter), "gate_up")
     fw = FastMoEWeights(weights.w13.codes.view(torch.float8_e4m3fn), weights.w2.codes.view(torch.float8_e4m3fn),

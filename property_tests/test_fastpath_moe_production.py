@@ -45,12 +45,17 @@ def _need_gpu():
 
 
 def _fp8_experts(gen, e, n, k):
+    """E4M3 experts whose codes quantize Gaussian values (16 sigma = one unit of the scale, well inside the
+    E4M3 range) with 128x128 FP32 scales varying by powers of two from block to block (as real weight channels
+    do), so that a wrong scale block or expert changes the output well beyond the bound. Generated one expert
+    at a time on the GPU."""
     from moeref.gemm import StackedExperts
 
-    codes = torch.randint(0, 256, (e, n, k), dtype=torch.uint8, device="cuda", generator=gen)
-    codes[(codes & 0x7F) == 0x7F] -= 1  # no NaN codes
-    s = 2e-4 * torch.exp2(torch.randint(-2, 3, (e, n // 128, k // 128), device="cuda", generator=gen).double())
-    return StackedExperts(codes, s.float().double(), "e4m3fn", (128, 128), (n, k))
+    codes = torch.empty((e, n, k), dtype=torch.uint8, device="cuda")
+    for i in range(e):
+        codes[i] = (torch.randn((n, k), device="cuda", generator=gen) * 16).to(torch.float8_e4m3fn).view(torch.uint8)
+    s = torch.exp2(torch.randint(-2, 3, (e, n // 128, k // 128), device="cuda", generator=gen).double())
+    return StackedExperts(codes, (s / (16 * k**0.5)).float().double(), "e4m3fn", (128, 128), (n, k))
 
 
 def layer(name: str):

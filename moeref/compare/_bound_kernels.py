@@ -19,12 +19,12 @@ _BM, _BN = 32, 32
 
 
 @triton.jit
-def _ordered_dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K, NCH: tl.constexpr, C: tl.constexpr,
+def _ordered_dot_kernel(x_ptr, w_ptr, out_ptr, it_ptr, M, N, K, NCH: tl.constexpr, C: tl.constexpr,
                         STEPS: tl.constexpr, STEP: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr):
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    g, rm, mm = _item(it_ptr, BM)
+    w_ptr += g.to(tl.int64) * K * N
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    mm = rm < M
     nm = rn < N
     tot = tl.zeros((BM, BN), dtype=tl.float64)
     for ch in range(0, NCH):
@@ -44,6 +44,17 @@ def _ordered_dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K, NCH: tl.constexpr, C: tl
 
 
 @triton.jit
+def _item(it_ptr, BM: tl.constexpr):
+    """Work item ``program_id(0)``: ``(expert g, first row, rows)``; the item's row indices and mask."""
+    i = tl.program_id(0)
+    g = tl.load(it_ptr + 3 * i)
+    r0 = tl.load(it_ptr + 3 * i + 1)
+    cnt = tl.load(it_ptr + 3 * i + 2)
+    r = tl.arange(0, BM)
+    return g, r0 + r, r < cnt
+
+
+@triton.jit
 def _grid(x, wide, min_normal):
     y = x * wide
     p2 = (y.to(tl.int64, bitcast=True) & 0x7FF0000000000000).to(tl.float64, bitcast=True)
@@ -51,13 +62,15 @@ def _grid(x, wide, min_normal):
 
 
 @triton.jit
-def _adder_kernel(a_ptr, w_ptr, r_ptr, sa_ptr, sw_ptr, b_ptr, c_ptr, out_ptr, M, N, K,
+def _adder_kernel(a_ptr, w_ptr, r_ptr, sa_ptr, sw_ptr, b_ptr, c_ptr, out_ptr, it_ptr, M, N, K,
                   NCH: tl.constexpr, C: tl.constexpr, STEPS: tl.constexpr,
                   MMA: tl.constexpr, EXACT: tl.constexpr, HAS_R: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr):
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    g, rm, mm = _item(it_ptr, BM)
+    w_ptr += g.to(tl.int64) * K * N
+    sw_ptr += g.to(tl.int64) * N * NCH
+    b_ptr += g.to(tl.int64) * N
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    mm = rm < M
     nm = rn < N
     u2 = tl.load(c_ptr + 0)
     g_prom = tl.load(c_ptr + 1)
@@ -128,23 +141,22 @@ def _adder_kernel(a_ptr, w_ptr, r_ptr, sa_ptr, sw_ptr, b_ptr, c_ptr, out_ptr, M,
 
 
 @triton.jit
-def _tree_kernel(a_ptr, w_ptr, rng_ptr, ws_ptr, cs_ptr, M, N, K, KP: tl.constexpr, BM: tl.constexpr,
+def _tree_kernel(a_ptr, w_ptr, rng_ptr, ws_ptr, cs_ptr, it_ptr, M, N, K, KP: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr):
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    g, rm, mm = _item(it_ptr, BM)
+    w_ptr += g.to(tl.int64) * K * N
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    mm = rm < M
     nm = rn < N
     best = tl.zeros((BM, BN), dtype=tl.float64)
     ws = tl.zeros((BM, BN), dtype=tl.float64)
     walk = tl.zeros((BM, BN), dtype=tl.float64)
     for li in tl.static_range(6):  # 32, 16, 8, 4, 2, 1 lanes
-        lanes: tl.constexpr = 32 >> li
-        for r in range(0, lanes):
+        for r in range(0, 32 >> li):
             walk = tl.zeros((BM, BN), dtype=tl.float64)
             mx = tl.zeros((BM, BN), dtype=tl.float64)
             mn = tl.zeros((BM, BN), dtype=tl.float64)
-            for t in range(0, KP // lanes):
-                col = t * lanes + r
+            for t in range(0, KP // (32 >> li)):
+                col = t * (32 >> li) + r
                 ok = col < K
                 av = tl.load(a_ptr + col * M + rm, mask=mm & ok, other=0.0)
                 wv = tl.load(w_ptr + col * N + rn, mask=nm & ok, other=0.0)
@@ -152,7 +164,7 @@ def _tree_kernel(a_ptr, w_ptr, rng_ptr, ws_ptr, cs_ptr, M, N, K, KP: tl.constexp
                 walk = walk + p
                 mx = tl.where(walk > mx, walk, mx)
                 mn = tl.where(walk < mn, walk, mn)
-                if lanes == 1:
+                if li == 5:  # one lane: the plain walk, and sum |p| in K order
                     ws = ws + tl.abs(p)
             top = mx - mn
             best = tl.where(top > best, top, best)
@@ -163,46 +175,72 @@ def _tree_kernel(a_ptr, w_ptr, rng_ptr, ws_ptr, cs_ptr, M, N, K, KP: tl.constexp
     tl.store(cs_ptr + off, walk, mask=msk)
 
 
-def _grid2(m: int, n: int):
-    return (triton.cdiv(m, _BM), triton.cdiv(n, _BN))
+def items(row_counts, device) -> tuple[torch.Tensor, int]:
+    """Work items ``[T, 3]`` int32 ``(expert g, first row, rows)`` over groups of ``row_counts[g]`` consecutive
+    rows (expert ``g``'s rows follow expert ``g - 1``'s), rows per item ``BM`` (a power of two no larger than
+    the largest group, at most 32); returns ``(items, BM)``."""
+    import numpy as np
+
+    counts = np.asarray(row_counts, dtype=np.int64)
+    bm = min(_BM, triton.next_power_of_2(int(max(counts.max(initial=1), 1))))
+    starts = np.cumsum(counts) - counts
+    per = -(-counts // bm)
+    g = np.repeat(np.arange(counts.size), per)
+    first = np.repeat(starts, per) + bm * (np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per))
+    cnt = np.minimum(np.repeat(starts + counts, per) - first, bm)
+    it = np.stack([g, first, cnt], axis=1).astype(np.int32)
+    return torch.as_tensor(it, device=device).contiguous(), bm
 
 
-def ordered_dot_t(xt: torch.Tensor, wt: torch.Tensor, chunk: int, step: int) -> torch.Tensor:
-    """``x @ w.T`` in :func:`~moeref.compare.gemm_bounds.ordered_dot`'s order; ``xt`` ``[K, M]``, ``wt``
-    ``[K, N]`` float64 contiguous. Returns ``[M, N]``."""
+def _launch(it, bm: int, n: int):
+    bn = min(256, max(_BN, 1024 // bm))
+    return (int(it.shape[0]), triton.cdiv(n, bn)), bn
+
+
+def ordered_dot_t(xt, wt, it, bm: int, chunk: int, step: int) -> torch.Tensor:
+    """``x @ w[g].T`` per item in :func:`~moeref.compare.gemm_bounds.ordered_dot`'s order; ``xt`` ``[K, M]``,
+    ``wt`` ``[G, K, N]`` float64 contiguous, ``it`` :func:`items`. Returns ``[M, N]``."""
     k, m = (int(d) for d in xt.shape)
-    n = int(wt.shape[1])
+    n = int(wt.shape[2])
     out = torch.zeros((m, n), dtype=torch.float64, device=xt.device)
-    if m == 0 or n == 0 or k == 0:
+    if m == 0 or n == 0 or k == 0 or it.shape[0] == 0:
         return out
     c = max(1, min(chunk, k))
-    _ordered_dot_kernel[_grid2(m, n)](xt, wt, out, m, n, k, NCH=-(-k // c), C=c, STEPS=-(-c // step), STEP=step, BM=_BM, BN=_BN,
-                                      enable_fp_fusion=False)
+    grid, bn = _launch(it, bm, n)
+    _ordered_dot_kernel[grid](xt, wt, out, it, m, n, k, NCH=-(-k // c), C=c, STEPS=-(-c // step), STEP=step, BM=bm,
+                              BN=bn, enable_fp_fusion=False)
     return out
 
 
-def adder_bound_t(at, wt, rt, sa, sw, b_abs, consts, *, chunk: int, mma: int, steps: int, exact: bool) -> torch.Tensor:
-    """The aligned-adder bound ``[M, N]`` (``at`` ``[K, M]``, ``wt`` ``[K, N]``, ``rt`` ``[K, M]`` or None,
-    ``sa`` ``[M, NCH]`` / ``sw`` ``[N, NCH]`` chunk scales when ``exact``, ``b_abs`` ``[N]``, ``consts``
-    float64 ``[u2, g_prom, 1 + 2^-40, 2^-1022, 1 + 1e-9, 1, 0]``)."""
+def adder_bound_t(at, wt, rt, sa, sw, b_abs, consts, it, bm: int, *, chunk: int, mma: int, steps: int,
+                  exact: bool) -> torch.Tensor:
+    """The aligned-adder bound ``[M, N]`` (``at`` ``[K, M]``, ``wt`` ``[G, K, N]``, ``rt`` ``[K, M]`` or None,
+    ``sa`` ``[M, NCH]`` / ``sw`` ``[G, N, NCH]`` chunk scales when ``exact``, ``b_abs`` ``[G, N]``, ``consts``
+    float64 ``[u2, g_prom, 1 + 2^-40, 2^-1022, 1 + 1e-9, 1, 0]``, ``it`` :func:`items`)."""
     k, m = (int(d) for d in at.shape)
-    n = int(wt.shape[1])
-    out = torch.empty((m, n), dtype=torch.float64, device=at.device)
+    n = int(wt.shape[2])
+    out = torch.zeros((m, n), dtype=torch.float64, device=at.device)
+    if it.shape[0] == 0 or n == 0:
+        return out
     nch = -(-k // chunk)
     dummy = consts
-    _adder_kernel[_grid2(m, n)](at, wt, rt if rt is not None else dummy, sa if exact else dummy,
-                                sw if exact else dummy, b_abs, consts, out, m, n, k, NCH=nch, C=chunk, STEPS=steps,
-                                MMA=mma, EXACT=exact, HAS_R=rt is not None, BM=_BM, BN=_BN, enable_fp_fusion=False)
+    grid, bn = _launch(it, bm, n)
+    _adder_kernel[grid](at, wt, rt if rt is not None else dummy, sa if exact else dummy, sw if exact else dummy,
+                        b_abs, consts, out, it, m, n, k, NCH=nch, C=chunk, STEPS=steps, MMA=mma, EXACT=exact,
+                        HAS_R=rt is not None, BM=bm, BN=bn, enable_fp_fusion=False)
     return out
 
 
-def tree_walks_t(at, wt, kp: int):
+def tree_walks_t(at, wt, it, bm: int, kp: int):
     """``(range, sum |p|, sum p)`` ``[M, N]`` of :func:`contiguous_tree_gemm_bound`'s lane walks over K
-    (padded to ``kp`` columns of zeros)."""
+    (padded to ``kp`` columns of zeros); ``wt`` ``[G, K, N]``."""
     k, m = (int(d) for d in at.shape)
-    n = int(wt.shape[1])
-    rng = torch.empty((m, n), dtype=torch.float64, device=at.device)
-    ws = torch.empty_like(rng)
-    cs = torch.empty_like(rng)
-    _tree_kernel[_grid2(m, n)](at, wt, rng, ws, cs, m, n, k, KP=kp, BM=_BM, BN=_BN, enable_fp_fusion=False)
+    n = int(wt.shape[2])
+    rng = torch.zeros((m, n), dtype=torch.float64, device=at.device)
+    ws = torch.zeros_like(rng)
+    cs = torch.zeros_like(rng)
+    if it.shape[0] == 0 or n == 0:
+        return rng, ws, cs
+    grid, bn = _launch(it, bm, n)
+    _tree_kernel[grid](at, wt, rng, ws, cs, it, m, n, k, KP=kp, BM=bm, BN=bn, enable_fp_fusion=False)
     return rng, ws, cs
