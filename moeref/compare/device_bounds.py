@@ -303,11 +303,32 @@ def _stacked_block(w, e: int) -> DeviceBlock:
     values = _decode(codes.t().contiguous(), w.element, w.magnitude).t()
     table = decode_table(w.element)
     table = np.abs(table) if w.magnitude else table
-    present = torch.bincount(codes.reshape(-1), minlength=table.size).cpu().numpy() > 0
-    vals = table[present[:table.size]]
+    vals = table[_codes_present(w)[e][:table.size]]
     finite = bool(np.all(np.isfinite(vals)))
     return DeviceBlock(values, w.scales[e], tuple(int(b) for b in w.block), finite,
                        quantum_and_max(vals) if finite else None)
+
+
+def _codes_present(w) -> np.ndarray:
+    """bool ``[E, 256]``: which codes each expert holds, one histogram per expert and one host copy for the
+    stack, cached on the codes tensor (weights are constant between calls; a new tensor is a new cache)."""
+    torch = _torch()
+    from ..gemm.device import _unpack_nibbles
+
+    cached = getattr(w.codes, "_moeref_codes_present", None)
+    if cached is not None:
+        return cached
+    hist = []
+    for e in range(int(w.codes.shape[0])):
+        c = w.codes[e]
+        c = _unpack_nibbles(c, w.shape[1]) if w.packed else c
+        hist.append(torch.bincount(c.reshape(-1), minlength=256)[:256])
+    present = (torch.stack(hist) > 0).cpu().numpy() if hist else np.zeros((0, 256), dtype=bool)
+    try:
+        w.codes._moeref_codes_present = present
+    except AttributeError:
+        pass
+    return present
 
 
 def _expert_groups(row_expert, weights):
