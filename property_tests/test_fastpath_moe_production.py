@@ -181,7 +181,7 @@ def _neighbour_scale(ids, fw):
     return ids, FastMoEWeights(fw.w13, fw.w2, fw.w13_layout, fw.w13_scales, fw.w2_scales.roll(1, dims=2))
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3_fp8", "qwen3_30b_a3b_fp8", "qwen3_30b_a3b_bf16"])
+@pytest.mark.parametrize("name", list(LAYERS))
 @pytest.mark.parametrize("fault", [_misroute, _drop, _neighbour_scale], ids=["misrouted", "dropped", "scale_block"])
 def test_planted_fault_fails(name, fault):
     """One token misrouted, one slot dropped, the neighbouring K scale block of GEMM2: ``compare`` must fail."""
