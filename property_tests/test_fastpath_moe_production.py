@@ -9,7 +9,8 @@ Routings are :func:`moeref.strategies.routings` (every kind: skewed, empty exper
 drawn at up to 16 tokens and tiled to the drawn token count (1 to 8192; a Hypothesis-drawn id list of 65536
 slots is beyond its buffer), optionally on an EP shard (``expert_map``, the rank's local experts only).
 Planted faults in the fast path's inputs (one token misrouted, one slot dropped, the neighbouring scale
-block) must fail. Router weight on the input has no fast layer: the test checks the refusal names the reason
+block) must fail, except for the DeepSeek-V3 FP8 layer, where the Hopper profile's bound at K = 7168 lets
+every bf16 store flip (the test says so when it skips). Router weight on the input has no fast layer: the test checks the refusal names the reason
 and the reference computes it. GPU only; the CPU keeps the interpreter coverage of test_fastpath_moe.py.
 """
 from __future__ import annotations
@@ -188,6 +189,10 @@ def test_planted_fault_fails(name, fault):
     _need_gpu()
     if fault is _neighbour_scale and LAYERS[name][4] != "fp8":
         pytest.skip("a scale-block fault needs block-scaled weights")
+    if LAYERS[name][4] == "fp8" and LAYERS[name][0] >= 7168:
+        pytest.skip("HOPPER_FP8_DEEPGEMM_DATA at K = 7168 lets every bf16 store flip (bound ~5x |output|, "
+                    "docs/error-bounds.md): a planted fault is inside the declared arithmetic's reach here; the FP8 "
+                    "faults are proven at K = 512 (test_fastpath_moe.py)")
     rng = np.random.default_rng(0)
     _, _, e, k, _, _ = LAYERS[name]
     ids = np.stack([rng.choice(e, k, replace=False) for _ in range(32)]).astype(np.int32)
