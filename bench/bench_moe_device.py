@@ -68,6 +68,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="sweep the Triton FP8 grouped GEMM's tiles")
     ap.add_argument("--bf16", action="store_true", help="bf16 grouped GEMM: Triton against torch._grouped_mm")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of one run per token count")
+    ap.add_argument("--compare", action="store_true",
+                    help="time compare() of fastpath.moe against the reference under HOPPER_FP8_DEEPGEMM_DATA (the bound "
+                         "on the GPU) beside the reference's own time")
     ap.add_argument("--variants", action="store_true",
                     help="time the device engine's paths (int8 digits, float64 few-rows, decode + cuBLAS)")
     args = ap.parse_args(argv)
@@ -108,6 +111,7 @@ def main(argv=None) -> int:
             peak[m] = max(peak.get(m, 0.0), (torch.cuda.max_memory_allocated() - base) / 2**30)
             engines[m] = run.engines
             del run
+    compare_rows = bench_compare(weights, cases, kw, args.rounds, args.profile) if args.compare else []
     fast_rows = bench_fast_layer(weights, cases, args.rounds) if args.fast else []
     sweep_rows = bench_tiles(weights, cases[max(cases)], args.rounds) if args.sweep else []
     bf16_rows = bench_bf16(cases[max(cases)], args.experts, args.rounds) if args.bf16 else []
@@ -125,7 +129,7 @@ def main(argv=None) -> int:
                 weights_gib=(weights.w13.codes.numel() + weights.w2.codes.numel()) / 2**30)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows, fast=fast_rows, sweep=sweep_rows, bf16=bf16_rows,
+        json.dump(dict(meta=meta, rows=rows, compare=compare_rows, fast=fast_rows, sweep=sweep_rows, bf16=bf16_rows,
                    variants=variant_rows), f, indent=1)
     print(f"{meta['gpu']}  {meta['date']}  torch {meta['torch']}  triton {meta['triton']}  "
           f"weights {meta['weights_gib']:.1f} GiB of FP8 codes")
@@ -139,6 +143,8 @@ def main(argv=None) -> int:
         print("  tiles " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
     for r in bf16_rows:
         print("  bf16 " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+    for r in compare_rows:
+        print("  compare " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
     if fast_rows:
         print(f"\nfastpath.moe (same layer), median of {args.rounds} interleaved rounds, ms:")
         for r in fast_rows:
@@ -285,6 +291,58 @@ def bench_bf16(case, experts: int, rounds: int) -> list[dict]:
             out.append(dict(gemm=name, tiles=label, rows=real, triton_ms=tri, grouped_mm_ms=ref,
                             triton_tflops=flops / tri / 1e9, grouped_mm_tflops=flops / ref / 1e9, ratio=ref / tri))
         del b, bt
+    return out
+
+
+def bench_compare(weights, cases, kw, rounds: int, profile: bool = False) -> list[dict]:
+    """``compare(fused_moe(...), run, "HOPPER_FP8_DEEPGEMM_DATA")`` with the bound on the GPU, beside the
+    reference's own time (``run_moe(device="cuda")``), interleaved rounds, medians; peak extra GPU memory of
+    the comparison; the bound's time alone (``layer_bound``)."""
+    from fastpath.grouped_gemm import grouped_gemm_supports
+    from fastpath.moe import FastMoEWeights, fused_moe
+    from moeref.compare import PROFILES, compare, layer_bound
+
+    prof = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
+    fw = FastMoEWeights(weights.w13.codes.view(torch.float8_e4m3fn), weights.w2.codes.view(torch.float8_e4m3fn),
+                        "gate_up", weights.w13.scales.float(), weights.w2.scales.float())
+    impl = "deep_gemm" if grouped_gemm_supports("deep_gemm")[0] else "triton"
+    out = []
+    for m, (x, tw, ids) in cases.items():
+        got = fused_moe(x, fw, tw, torch.as_tensor(ids, device="cuda"), impl=impl)
+        ref_t, cmp_t, bnd_t, peak, rep = [], [], [], 0.0, None
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run = run_moe(x, weights, tw, ids, device="cuda", **kw)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            rep = compare(got, run, prof)
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            peak = max(peak, (torch.cuda.max_memory_allocated() - base) / 2**30)
+            layer_bound(run, prof)
+            torch.cuda.synchronize()
+            t3 = time.perf_counter()
+            ref_t.append(t1 - t0)
+            cmp_t.append(t2 - t1)
+            bnd_t.append(t3 - t2)
+            del run
+        if profile:
+            from torch.profiler import ProfilerActivity, profile as prof_ctx
+
+            run = run_moe(x, weights, tw, ids, device="cuda", **kw)
+            with prof_ctx(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
+                layer_bound(run, prof)
+                torch.cuda.synchronize()
+            print(f"--- layer_bound profile, {m} tokens")
+            print(pr.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
+            print(pr.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=50))
+        r, c = statistics.median(ref_t), statistics.median(cmp_t)
+        out.append(dict(tokens=m, impl=impl, reference_s=r, compare_s=c, bound_s=statistics.median(bnd_t),
+                        compare_over_reference=c / r, passed=rep.passed, violations=rep.num_violations,
+                        flips=rep.flips, peak_compare_gib=peak))
     return out
 
 

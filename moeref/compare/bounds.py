@@ -53,6 +53,7 @@ from .gemm_bounds import (
     gamma,
     gemm_coefficient,
     gemm_error_bound,
+    ordered_dot,
     worst_case_gemm_bound,
 )
 from .stage_bounds import activation_error, activation_magnitude, lipschitz_on, requant_uncertainty
@@ -251,6 +252,17 @@ def _rows_error_bound(a, a_radius, row_expert, weights, bias, profile: Profile) 
     return out
 
 
+def _rows_radius_term(radius, row_expert, weights) -> np.ndarray:
+    """``radius[r] @ |W[e(r)]|^T`` (the operand's own uncertainty through GEMM2), float64 ``[R, N]``, in
+    :func:`moeref.compare.gemm_bounds.ordered_dot`'s order (so the device bound gets the same bits)."""
+    w = ExpertOperands(weights)
+    out = np.zeros((row_expert.size, w[0].shape[0] if len(w) else 0))
+    for e in np.unique(row_expert[row_expert >= 0]).tolist():  # a loop over experts
+        idx = np.flatnonzero(row_expert == e)
+        out[idx] = ordered_dot(radius[idx], np.abs(w[e].dequantize()))
+    return out
+
+
 def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, np.ndarray, int]:
     """Per-token ``(center, radius)`` of one chunk (stages 1-6 without the output store) and the count
     of intermediate elements whose rounding can flip. ``p``/``e``: the chunk's :class:`Prepared` and
@@ -293,8 +305,7 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
         xq = xq_valid.take_rows(pos)
     # stage 5: GEMM2 and its store
     y_pre = expert_rows_gemm(xq, rows, w2, weights.b2)
-    dy = expert_rows_gemm(unc, rows, w2, None, abs_values=True) + _rows_error_bound(xq, unc, rows, w2,
-                                                                                     weights.b2, profile)
+    dy = _rows_radius_term(unc, rows, w2) + _rows_error_bound(xq, unc, rows, w2, weights.b2, profile)
     weigh = p.apply_weights
     if profile.gemm2_weighted_store and weigh:  # the epilogue weights (one FP32 multiply), then stores
         w_row = np.where(valid, np.asarray(p.topk_weights, np.float64).reshape(-1)[np.maximum(p.src, 0)], 0.0)
@@ -312,10 +323,22 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
     return center, d_tok + gamma(p.top_k + 2, profile.reduce_unit) * mag, flips
 
 
+def _is_device_run(run) -> bool:
+    return type(run).__name__ == "DeviceRun"
+
+
 def layer_bound(run, profile: Profile) -> LayerBound:
     """Per-element bound ``[M, K]`` for a traced reference ``run`` (:func:`moeref.moe.run_moe`): the
     layer replayed with ``profile``'s declared stores (center) and its radius, stage by stage (module
-    docstring); ``bound = |center - run.output| + radius``."""
+    docstring); ``bound = |center - run.output| + radius``.
+
+    A run of the device engine (:func:`moeref.moe.run_moe` with ``device=``) is bounded on its device
+    (:func:`moeref.compare.device_layer.device_layer_bound`): the same bound, bit for bit, as torch
+    tensors."""
+    if _is_device_run(run):
+        from .device_layer import device_layer_bound
+
+        return device_layer_bound(run, profile)
     cfg = run.config
     weights = run.weights
     centers, radii, flips = [], [], 0

@@ -17,6 +17,7 @@ optional operand radius ``a_radius`` float ``[M, K]`` and ``|bias|`` float ``[N]
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -38,6 +39,54 @@ TREE_LANES = (1, 2, 4, 8, 16, 32)
 """SIMD lane counts covered by :func:`contiguous_tree_gemm_bound` (interleaved accumulators)."""
 _BLOCK_ELEMS = 1 << 22  # elements of the [rows, N, K] product tensor held at once
 _CACHE_ELEMS = 1 << 15  # elements of one product tile of the contiguous-tree bound (256 KiB)
+
+
+@dataclass(frozen=True)
+class AdderSetup:
+    """The shape-only parameters of :func:`aligned_adder_gemm_bound` (shared by both engines)."""
+
+    chunk: int
+    mma: int
+    steps: int
+    g_prom: float
+    const_scales: bool
+
+
+def adder_setup(k: int, a_block, w_block, profile) -> AdderSetup:
+    """Promotion chunk ``c``, MMA width, steps per chunk, the FP32 promotion coefficient and whether every
+    chunk lies in one scale block of each operand."""
+    bk = max(1, min(a_block[1], w_block[1], max(k, 1)))
+    s_blocks = -(-k // bk)
+    c = max(1, k if profile.promote_every is None else min(int(profile.promote_every), k))
+    n_prom = -(-k // c) + s_blocks + 3
+    mma = int(profile.mma_k)
+    blk = np.arange(-(-max(k, 1) // c)) * c
+    last = np.minimum(blk + c, k) - 1
+    const = all(np.array_equal(blk // b[1], last // b[1]) for b in (a_block, w_block))
+    return AdderSetup(c, mma, -(-c // mma), gamma(n_prom, profile.promote_unit), const)
+
+
+def adder_exact(qm_a, qm_w, chunk: int) -> bool:
+    """The unscaled element products and chunk sums are exact in float64 (``quantum_and_max`` of each
+    operand's element values): ``c max|a| max|w| <= 2^53 q_a q_w``."""
+    (qa, ma), (qw, mw) = qm_a, qm_w
+    return ma == 0 or mw == 0 or chunk * ma * mw <= 2.0**53 * qa * qw
+
+
+_MIN_NORMAL = 2.0**-1022
+
+
+def _grid_exact(x):
+    """``2^floor(log2 y)``, ``y = x (1 + 2^-40)`` (widened for the float64 sums of E), from the exponent
+    bits; ``y`` itself below the normal range (0 for 0): an upper bound, the same bits on every engine."""
+    y = x * (1.0 + 2.0**-40)
+    p2 = (y.view(np.int64) & np.int64(0x7FF0000000000000)).view(np.float64)
+    return np.where(y >= _MIN_NORMAL, p2, y)
+
+
+def _grid_scaled(x):
+    """Scaled domain: ``2^floor(log2 x_unscaled) * scale <= x``."""
+    return x
 
 
 def gamma(n, u: float) -> float:
@@ -112,7 +161,59 @@ def worst_case_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius, b_a
     summation order, any chunking (one rounding per add, or 33 ``u_acc`` per 32-wide aligned MMA)."""
     coef = gemm_coefficient(profile, a.values.shape[1], num_k_blocks(a, w))
     a_abs = np.abs(a.dequantize()) + (0.0 if radius is None else radius)
-    return coef * (a_abs @ np.abs(w.dequantize()).T + b_abs[None, :])
+    return coef * (ordered_dot(a_abs, np.abs(w.dequantize())) + b_abs[None, :])
+
+
+ORDER_CHUNK = 128
+ORDER_STEP = 32
+"""The summation order of :func:`ordered_dot` (chunks of 128 columns, steps of 32)."""
+
+
+def grouped_columns(k: int, chunk: int, step: int) -> np.ndarray:
+    """Column index of every (chunk, step, lane) position, ``[nch, steps, step]``, -1 on padding:
+    chunk ``i`` holds columns ``[i chunk, min((i + 1) chunk, k))``, cut into steps of ``step``."""
+    c = max(1, min(chunk, max(k, 1)))
+    steps = -(-c // step)
+    nch = -(-max(k, 1) // c)
+    pos = np.arange(steps * step)
+    cols = np.arange(nch)[:, None] * c + pos[None, :]
+    cols = np.where((pos[None, :] < c) & (cols < k), cols, -1)
+    return cols.reshape(nch, steps, step)
+
+
+def _gather_cols(x: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """``[R, K] -> [R, nch, steps, step]`` (zeros at padding)."""
+    return np.where(cols >= 0, x[:, np.maximum(cols, 0)], 0.0)
+
+
+def ordered_dot(x, w, chunk: int = ORDER_CHUNK, step: int = ORDER_STEP) -> np.ndarray:
+    """``x @ w.T`` (float64 ``[M, K]``, ``[N, K]``) summed in a declared order, so every engine gets the
+    same bits (the device bounds, :mod:`moeref.compare.device_bounds`): per chunk of ``chunk`` columns
+    and step of ``step`` columns, ``t = +0.0; t = t + x_k w_k`` in column order, the chunk's
+    ``S = S + t`` over its steps, then ``total = total + S`` over the chunks, every operation rounded."""
+    x = np.asarray(x, dtype=np.float64)
+    w = np.asarray(w, dtype=np.float64)
+    m, k = x.shape
+    n = w.shape[0]
+    out = np.zeros((m, n))
+    if m == 0 or n == 0 or k == 0:
+        return out
+    cols = grouped_columns(k, chunk, step)
+    xg, wg = _gather_cols(x, cols), _gather_cols(w, cols)
+    rb = max(1, _BLOCK_ELEMS // max(1, n * cols.size))
+    for r0 in range(0, m, rb):
+        r1 = min(r0 + rb, m)
+        t = np.zeros((r1 - r0, n) + cols.shape[:2])
+        for i in range(cols.shape[2]):  # column order within a step
+            t = t + xg[r0:r1, None, :, :, i] * wg[None, :, :, :, i]
+        s = np.zeros(t.shape[:3])
+        for j in range(cols.shape[1]):
+            s = s + t[..., j]
+        tot = np.zeros((r1 - r0, n))
+        for c in range(cols.shape[0]):
+            tot = tot + s[..., c]
+        out[r0:r1] = tot
+    return out
 
 
 def _products_exact_in_fp32(a: BlockOperand, w: BlockOperand) -> bool:
@@ -187,7 +288,7 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     if kp != k:
         ad = np.pad(ad, ((0, 0), (0, kp - k)))
         wd = np.pad(wd, ((0, 0), (0, kp - k)))
-    d = np.zeros((m, n)) if radius is None else (radius @ np.abs(w.dequantize()).T) * (1.0 + gamma(k + 2, U_F64))
+    d = np.zeros((m, n)) if radius is None else ordered_dot(radius, np.abs(w.dequantize())) * (1.0 + gamma(k + 2, U_F64))
     rng = np.zeros((m, n))
     wsum = np.zeros((m, n))
     csum = np.zeros((m, n))
@@ -199,9 +300,10 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
         for n0 in range(0, n, nb):
             n1 = min(n0 + nb, n)
             p = at[:, r0:r1, None] * wt[:, None, n0:n1]              # [kp, rb, nb]
-            wsum[r0:r1, n0:n1] = np.abs(p).sum(axis=0)
-            best = np.zeros((r1 - r0, n1 - n0))
             walk = np.empty_like(p)
+            np.cumsum(np.abs(p), axis=0, out=walk)                    # in K order (np.cumsum is sequential)
+            wsum[r0:r1, n0:n1] = walk[-1]
+            best = np.zeros((r1 - r0, n1 - n0))
             for lane in TREE_LANES[::-1]:  # a loop over the six lane counts, 32 lanes first
                 wl = walk.reshape(kp // lane, lane, r1 - r0, n1 - n0)
                 np.cumsum(p.reshape(wl.shape), axis=0, out=wl)
@@ -220,7 +322,7 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     denom = 1.0 - t - sigma
     if denom <= 0:
         return np.full((m, n), np.inf)
-    acc = (t * r_hi + (sigma + u_prod) * w_hi) / denom
+    acc = (t * r_hi + (sigma + u_prod) * w_hi) / np.float64(denom)
     out = acc + u_prom * (c_hi + acc + b_abs[None, :]) + (k + 2) * 2.0**-149
     return out * (1.0 + 1e-9)
 
@@ -265,69 +367,59 @@ def aligned_adder_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius, 
     """
     m, k = a.values.shape
     n = w.values.shape[0]
-    s_blocks = num_k_blocks(a, w)
-    c = max(1, k if profile.promote_every is None else min(int(profile.promote_every), k))
-    n_prom = -(-k // c) + s_blocks + 3
-    g_prom = gamma(n_prom, profile.promote_unit)
+    st = adder_setup(k, a.block, w.block, profile)
     if m == 0 or n == 0 or k == 0:
-        return np.broadcast_to(g_prom * b_abs, (m, n)).copy()
-    mma = int(profile.mma_k)
-    steps = -(-c // mma)
-    nch = -(-k // c)
-    # chunk-major column grid [nch, steps * mma]: column index or -1 (padding: zero products)
-    pos = np.arange(steps * mma)
-    cols = np.arange(nch)[:, None] * c + pos[None, :]
-    cols = np.where((pos[None, :] < c) & (cols < k), cols, -1)
-
-    def gathered(x):  # [R, K] -> [R, nch, steps, mma], zeros at padding
-        g = np.where(cols >= 0, x[:, np.maximum(cols, 0)], 0.0)
-        return g.reshape(x.shape[0], nch, steps, mma)
-
-    # exact domain: the unscaled element products and chunk sums are exact in float64 and every chunk
-    # lies in one scale block of each operand, so the adder's grid is known up to a power of two
-    blk = np.arange(nch) * c
-    last = np.minimum(blk + c, k) - 1
-    const_scales = all(np.array_equal(blk // op.block[1], last // op.block[1]) for op in (a, w))
-    exact = radius is None and const_scales and bool(np.all(np.isfinite(a.values)) and np.all(np.isfinite(w.values)))
+        return np.broadcast_to(st.g_prom * b_abs, (m, n)).copy()
+    exact = radius is None and st.const_scales and bool(np.all(np.isfinite(a.values)) and np.all(np.isfinite(w.values)))
     if exact:
-        qa, ma = quantum_and_max(a.values)
-        qw, mw = quantum_and_max(w.values)
-        exact = ma == 0 or mw == 0 or c * ma * mw <= 2.0**53 * qa * qw
-    if exact:
-        ac, bd = gathered(a.values.astype(np.float64)), gathered(w.values.astype(np.float64))
+        exact = adder_exact(quantum_and_max(a.values), quantum_and_max(w.values), st.chunk)
+    cols = grouped_columns(k, st.chunk, st.mma)
+    if exact:  # the unscaled element values, the chunk's scales applied after its recurrence
+        ac, bd = _gather_cols(a.values.astype(np.float64), cols), _gather_cols(w.values.astype(np.float64), cols)
+        blk = np.arange(cols.shape[0]) * st.chunk
         sa = np.abs(a.scales[(np.arange(m) // a.block[0])[:, None], (blk // a.block[1])[None, :]])
         sw = np.abs(w.scales[(np.arange(n) // w.block[0])[:, None], (blk // w.block[1])[None, :]])
-
-        def grid(x):  # 2^floor(log2 x) (0 for x = 0), x widened by 2^-40 for the float64 sums of E
-            _, ex = np.frexp(x * (1.0 + 2.0**-40))
-            return np.where(x > 0, np.ldexp(1.0, ex - 1), 0.0)
     else:
-        ac, bd = gathered(a.dequantize()), gathered(w.dequantize())
-
-        def grid(x):  # scaled domain: 2^floor(log2 x_unscaled) * scale <= x
-            return x
-    ar = None if radius is None else gathered(radius)
+        ac, bd = _gather_cols(a.dequantize(), cols), _gather_cols(w.dequantize(), cols)
+    ar = None if radius is None else _gather_cols(radius, cols)
     bd_abs = np.abs(bd)
     au = np.abs(ac) if ar is None else np.abs(ac) + ar
     u2 = 2.0 * profile.accum_unit
     out = np.empty((m, n))
-    rb = max(1, _BLOCK_ELEMS // max(1, n * nch * steps * mma))
+    rb = max(1, _BLOCK_ELEMS // max(1, n * cols.size))
     for r0 in range(0, m, rb):  # row blocks bound the memory of the [rb, N, K] product tensor
         r1 = min(r0 + rb, m)
-        p_abs = au[r0:r1, None] * bd_abs[None]                           # [rb, N, nch, steps, mma]
-        p_max = p_abs.max(axis=-1)
-        cnt = np.count_nonzero(p_abs, axis=-1).astype(np.float64)
-        s_part = np.abs(np.cumsum((ac[r0:r1, None] * bd[None]).sum(axis=-1), axis=-1))  # |S_j|
-        if ar is not None:
-            s_part = s_part + np.cumsum((ar[r0:r1, None] * bd_abs[None]).sum(axis=-1), axis=-1)
-        err = np.zeros(p_max.shape[:-1])                                 # [rb, N, nch]
-        prev = np.zeros_like(err)                                        # |S_{j-1}| + E_{j-1}
-        for j in range(steps):  # <= promote_every / mma_k steps (4 for DeepGEMM): the recurrence
-            align = (cnt[..., j] + (j > 0)) * u2 * grid(np.maximum(p_max[..., j], prev))
-            err = err + align + u2 * grid(s_part[..., j] + err + align)
-            prev = s_part[..., j] + err
+        shape = (r1 - r0, n) + cols.shape[:2]                              # [rb, N, nch, steps]
+        p_max, cnt, t_s = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+        t_d = None if ar is None else np.zeros(shape)
+        for i in range(st.mma):  # the step's columns in order (the device kernel's order)
+            pa = au[r0:r1, None, :, :, i] * bd_abs[None, :, :, :, i]
+            p_max = np.where(pa > p_max, pa, p_max)
+            cnt = cnt + (pa != 0)
+            t_s = t_s + ac[r0:r1, None, :, :, i] * bd[None, :, :, :, i]
+            if ar is not None:
+                t_d = t_d + ar[r0:r1, None, :, :, i] * bd_abs[None, :, :, :, i]
+        err = np.zeros(shape[:3])                                          # [rb, N, nch]
+        prev = np.zeros_like(err)                                          # |S_{j-1}| + E_{j-1}
+        s_sum = np.zeros_like(err)
+        d_sum = np.zeros_like(err)
+        for j in range(st.steps):  # <= promote_every / mma_k steps (4 for DeepGEMM): the recurrence
+            s_sum = s_sum + t_s[..., j]
+            s_part = np.abs(s_sum)
+            if ar is not None:
+                d_sum = d_sum + t_d[..., j]
+                s_part = s_part + d_sum
+            grid = _grid_exact if exact else _grid_scaled
+            align = ((cnt[..., j] + float(j > 0)) * u2) * grid(np.where(p_max[..., j] > prev, p_max[..., j], prev))
+            err = (err + align) + u2 * grid((s_part + err) + align)
+            prev = s_part + err
         if exact:
             scale = sa[r0:r1, None, :] * sw[None, :, :]
             err, prev = err * scale, prev * scale
-        out[r0:r1] = err.sum(axis=-1) + g_prom * (prev.sum(axis=-1) + b_abs[None, :])
+        tot_e = np.zeros(shape[:2])
+        tot_p = np.zeros(shape[:2])
+        for c in range(shape[2]):  # chunks in order
+            tot_e = tot_e + err[..., c]
+            tot_p = tot_p + prev[..., c]
+        out[r0:r1] = tot_e + st.g_prom * (tot_p + b_abs[None, :])
     return out * (1.0 + 1e-9)

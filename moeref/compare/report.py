@@ -239,13 +239,14 @@ def _slot_suspects(reference, diff: np.ndarray, tokens: np.ndarray) -> dict:
     for p, e in reference.chunks:
         n, k = p.num_tokens, p.top_k
         sel = tokens[(tokens >= start) & (tokens < start + n)]
-        if sel.size and k and e.y.size:
-            contrib = np.zeros((n * k, e.y.shape[1]))
+        if sel.size and k and int(np.prod(e.y.shape)):
+            y = _host(e.y)
+            contrib = np.zeros((n * k, y.shape[1]))
             rows = np.flatnonzero(p.src >= 0)
-            contrib[p.src[rows]] = e.y[rows]
+            contrib[p.src[rows]] = y[rows]
             contrib = contrib.reshape(n, k, -1)
             if p.apply_weights:
-                contrib = contrib * np.asarray(p.topk_weights, dtype=np.float64)[:, :, None]
+                contrib = contrib * np.asarray(_host(p.topk_weights), dtype=np.float64)[:, :, None]
             c = contrib[sel - start]                                       # [T, k, K]
             d = np.nan_to_num(diff[sel], nan=0.0, posinf=0.0, neginf=0.0)  # [T, K]
             with np.errstate(divide="ignore", invalid="ignore"):
@@ -257,6 +258,13 @@ def _slot_suspects(reference, diff: np.ndarray, tokens: np.ndarray) -> dict:
                     out[t] = (int(jj), int(p.topk_ids[t - start, jj]), float(cc))
         start += n
     return out
+
+
+def _host(x) -> np.ndarray:
+    """A NumPy array of ``x`` (a device tensor of a device-engine run is copied to the host)."""
+    from .. import _interop
+
+    return np.asarray(_interop.to_numpy(x.cpu() if hasattr(x, "cpu") else x))
 
 
 def compare(candidate, reference, profile, *, label: str = "") -> Report:
@@ -274,12 +282,12 @@ def compare(candidate, reference, profile, *, label: str = "") -> Report:
 
         reference = run_reference(reference)
     c = np.asarray(_interop.to_numpy(candidate)).astype(np.float64)
-    r = np.asarray(reference.output, dtype=np.float64)
+    r = np.asarray(_host(reference.output), dtype=np.float64)
     if c.shape != r.shape:
         raise ValueError(f"candidate has shape {c.shape} but the reference output has {r.shape}")
-    lb = layer_bound(reference, profile)
+    lb = layer_bound(reference, profile)  # on the run's device for a device-engine run
     err = np.abs(c - r)
-    ok = (err <= lb.bound) | (np.isnan(c) & np.isnan(r))
+    ok = (err <= _host(lb.bound)) | (np.isnan(c) & np.isnan(r))
     viol = ~ok
     tok = viol.sum(axis=1) if viol.ndim == 2 else viol.astype(np.int64)
     ids = [p.topk_ids for p, _ in reference.chunks]
@@ -290,5 +298,5 @@ def compare(candidate, reference, profile, *, label: str = "") -> Report:
         e, cnt = np.unique(sel[sel >= 0], return_counts=True)
         experts = {int(a): int(b) for a, b in zip(e, cnt)}
     suspects = _slot_suspects(reference, c - r, np.flatnonzero(tok)) if tok.any() else {}
-    return Report(profile, err, lb.bound, viol, tok, experts, metrics(c, r), conventional_checks(c, r),
+    return Report(profile, err, _host(lb.bound), viol, tok, experts, metrics(c, r), conventional_checks(c, r),
                   lb.flips, label, topk_ids, suspects)

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from ..activations import ACTIVATIONS, split_w13
+from ..activations import ACTIVATIONS
 
 __all__ = ["lipschitz_on", "activation_error", "activation_magnitude", "requant_uncertainty"]
 
@@ -19,31 +19,67 @@ _CRITICAL = {"silu": ((-2.3993572805154676, 0.09983933), (2.3993572805154676, 1.
              "gelu": ((-math.sqrt(2.0), 0.12890415), (math.sqrt(2.0), 1.12890415))}
 
 
-def _derivative(fam: str, x: np.ndarray) -> np.ndarray:
-    from ..activations import gelu, sigmoid
+def _is_torch(x) -> bool:
+    from ..elementary import is_torch
+
+    return is_torch(x)
+
+
+def _abs(x):
+    return x.abs() if _is_torch(x) else np.abs(x)
+
+
+def _where(c, a, b):
+    if _is_torch(c):
+        import torch
+
+        return torch.where(c, a, b)
+    return np.where(c, a, b)
+
+
+def _f64(x):
+    return x if _is_torch(x) else np.asarray(x, dtype=np.float64)
+
+
+def _derivative(fam: str, x):
+    """``f'`` of silu or erf-GELU from the portable elementary functions (:mod:`moeref.elementary`: the
+    same bits on NumPy and torch), NumPy or torch float64."""
+    from .. import elementary
+    from ..activations import _gelu64
 
     if fam == "silu":
-        s = sigmoid(x)
+        s = elementary.sigmoid(x)
         return s * (1.0 + x * (1.0 - s))
-    phi = np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+    phi = elementary.divide(elementary.exp(-0.5 * x * x), math.sqrt(2.0 * math.pi))
     with np.errstate(divide="ignore", invalid="ignore"):
-        cdf = np.where(x == 0, 0.5, gelu(x) / np.where(x == 0, 1.0, x))
+        cdf = _where(x == 0, 0.5, _gelu64(x, "none") / _where(x == 0, 1.0, x))
     return cdf + x * phi
 
 
-def lipschitz_on(fam: str, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """``sup |f'|`` over ``[lo, hi]`` for ``f = silu`` or erf-GELU (elementwise): the larger of the
-    endpoint values and of the critical values inside the interval, with a 1e-9 relative margin.
+def lipschitz_on(fam: str, lo, hi):
+    """``sup |f'|`` over ``[lo, hi]`` for ``f = silu`` or erf-GELU (elementwise, NumPy or torch float64): the
+    larger of the endpoint values and of the critical values inside the interval, with a 1e-9 relative
+    margin.
 
     >>> lipschitz_on("silu", np.array([-20.0, -1.0]), np.array([-19.0, 3.0])).round(4).tolist()
     [0.0, 1.0998]
     """
-    lo = np.asarray(lo, dtype=np.float64)
-    hi = np.asarray(hi, dtype=np.float64)
-    out = np.maximum(np.abs(_derivative(fam, lo)), np.abs(_derivative(fam, hi)))
+    lo, hi = _f64(lo), _f64(hi)
+    d_lo, d_hi = _abs(_derivative(fam, lo)), _abs(_derivative(fam, hi))
+    out = d_lo.maximum(d_hi) if _is_torch(d_lo) else np.maximum(d_lo, d_hi)
     for c, v in _CRITICAL[fam]:
-        out = np.where((lo <= c) & (c <= hi), np.maximum(out, v), out)
+        up = out.clamp(min=v) if _is_torch(out) else np.maximum(out, v)
+        out = _where((lo <= c) & (c <= hi), up, out)
     return out * (1.0 + 1e-9) + 1e-15
+
+
+def _split(h, layout: str):
+    """``(gate, up)`` of the last axis (NumPy or torch views)."""
+    from ..activations import W13_LAYOUTS, _norm_layout, _split_axis
+
+    return _split_axis(h, _norm_layout(layout, W13_LAYOUTS, "layout"), -1)
+
+
 _GATED = {  # name -> (gate family, layout override, |up offset| param)
     "silu_and_mul": ("silu", None, None),
     "mul_and_silu": ("silu", "up_gate", None),
@@ -61,13 +97,12 @@ def activation_error(name: str, h: np.ndarray, dh: np.ndarray, w13_layout: str, 
     3.25
     """
     params = dict(params or {})
-    h = np.asarray(h, dtype=np.float64)
-    dh = np.asarray(dh, dtype=np.float64)
+    h, dh = _f64(h), _f64(dh)
     if name in _GATED:
         fam, lay, beta = _GATED[name]
         lay = lay or params.get("layout", w13_layout)
-        g, u = split_w13(h, lay, axis=-1)
-        dg, du = split_w13(dh, lay, axis=-1)
+        g, u = _split(h, lay)
+        dg, du = _split(dh, lay)
         b = abs(float(params.get("beta", 0.0))) if beta == "beta" else (beta or 0.0)
         # d/dg [g sigmoid(alpha g)] = silu'(alpha g): the Lipschitz bound on [g - dg, g + dg] is that
         # of silu on alpha [g - dg, g + dg] (clamps only flatten it); tanh-GELU: the global constant
@@ -76,9 +111,9 @@ def activation_error(name: str, h: np.ndarray, dh: np.ndarray, w13_layout: str, 
         else:
             alpha = float(params.get("alpha", 1.702 if name == "swigluoai" else 1.0))
             lip = lipschitz_on(fam, alpha * (g - dg), alpha * (g + dg))
-        return lip * dg * (np.abs(u) + b) + (np.abs(g) + dg) * du
+        return lip * dg * (_abs(u) + b) + (_abs(g) + dg) * du
     if name == "relu2_no_mul":
-        return dh * (2.0 * np.abs(h) + dh)
+        return dh * (2.0 * _abs(h) + dh)
     if name == "silu_no_mul":
         return lipschitz_on("silu", h - dh, h + dh) * dh
     if name == "gelu_no_mul":
@@ -93,10 +128,10 @@ def activation_magnitude(name: str, h: np.ndarray, w13_layout: str, params: dict
     for gated activations, ``|h|`` (``h^2`` for relu2) otherwise. FP32 GELU loses relative accuracy
     where ``1 + erf`` cancels (large negative gates); its error stays below a few ulps of this."""
     params = dict(params or {})
-    h = np.abs(np.asarray(h, dtype=np.float64))
+    h = _abs(_f64(h))
     if name in _GATED:
         _, lay, beta = _GATED[name]
-        g, u = split_w13(h, lay or params.get("layout", w13_layout), axis=-1)
+        g, u = _split(h, lay or params.get("layout", w13_layout))
         b = abs(float(params.get("beta", 0.0))) if beta == "beta" else (beta or 0.0)
         return g * (u + b)
     return h * h if name == "relu2_no_mul" else h

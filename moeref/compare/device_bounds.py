@@ -1,0 +1,398 @@
+"""The GEMM error bounds of :mod:`moeref.compare.gemm_bounds` on torch float64 tensors (a CUDA GPU, or the
+CPU with the Triton kernels interpreted): the same bound, bit for bit.
+
+The NumPy functions are the specification; this module performs the same IEEE operations in the same
+order. Every reduction whose order matters is declared there and followed here: the operand-radius and
+worst-case sums are :func:`~moeref.compare.gemm_bounds.ordered_dot` (column order within 32-column
+steps, steps within 128-column chunks, then chunks); the aligned-adder recurrence sums a step's
+products in column order, steps and chunks in order; the contiguous-tree walks are sequential prefix
+sums per lane (maxima and minima are exact in any order). The per-element arithmetic runs in the Triton
+kernels of :mod:`moeref.compare._bound_kernels` (no FMA contraction, float64 constants read from a
+tensor); the element-wise rest is torch operations, with every division by a 0-d tensor (torch on CUDA
+divides by a Python float through its rounded reciprocal).
+
+Memory: one expert at a time. Its weights are decoded to float64 ``[K, N]`` (K-major, so each kernel's
+column loads are coalesced) just before its bound and dropped after; the rows of the expert likewise.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .gemm_bounds import (
+    ORDER_CHUNK,
+    ORDER_STEP,
+    TREE_LANES,
+    U_F64,
+    _MIN_NORMAL,
+    adder_exact,
+    adder_setup,
+    gamma,
+    gemm_coefficient,
+)
+
+__all__ = ["DeviceBlock", "device_gemm_error_bound", "device_rows_error_bound", "device_rows_radius_term",
+           "device_quantum_and_max"]
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceBlock:
+    """A block-scaled ``[R, K]`` operand as float64 tensors: element ``values``, ``scales`` on the block grid
+    ``block`` (:class:`moeref.gemm.BlockOperand` on a device)."""
+
+    values: object
+    scales: object
+    block: tuple
+    finite: bool | None = None
+    quantum_max: tuple | None = None
+
+    def dequantize(self):
+        """:meth:`moeref.gemm.BlockOperand.dequantize`: each element times its block scale (one multiply)."""
+        r, k = (int(d) for d in self.values.shape)
+        br, bk = self.block
+        s = self.scales.repeat_interleave(br, dim=0)[:r].repeat_interleave(bk, dim=1)[:, :k]
+        return self.values * s
+
+    @classmethod
+    def of(cls, op) -> "DeviceBlock":
+        """From a :class:`moeref.gemm.device.DeviceOperand`."""
+        return cls(op.decode(), op.scales, tuple(int(b) for b in op.block))
+
+
+def device_quantum_and_max(values) -> tuple[float, float]:
+    """:func:`moeref.gemm.exact.quantum_and_max` of a float64 tensor (the same two numbers)."""
+    torch = _torch()
+    v = values.abs().reshape(-1)
+    v = v[v != 0]
+    if v.numel() == 0:
+        return math.inf, 0.0
+    if not bool(torch.isfinite(v).all()):
+        raise ValueError("values must be finite to have a quantum")
+    m, e = torch.frexp(v)
+    mi = (m * 2.0**53).to(torch.int64)
+    low = mi & -mi
+    q = torch.ldexp(low.to(torch.float64), (e - 53).to(torch.float64))
+    return float(q.min()), float(v.max())
+
+
+def _row_stats(values):
+    """Per row of float64 ``values`` ``[R, K]``: all finite, bf16-representable, and
+    :func:`moeref.gemm.exact.quantum_and_max` (``(inf, 0)`` for a zero row) as NumPy arrays (one host copy)."""
+    torch = _torch()
+    v = values.abs()
+    fin = torch.isfinite(v).all(dim=1)
+    bf = fin & (values.to(torch.float32).to(torch.bfloat16).to(torch.float64) == values).all(dim=1)
+    vs = torch.where(torch.isfinite(v), v, torch.zeros((), dtype=torch.float64, device=v.device))
+    m, e = torch.frexp(vs)
+    mi = (m * 2.0**53).to(torch.int64)
+    q = torch.ldexp((mi & -mi).to(torch.float64), (e - 53).to(torch.float64))
+    q = torch.where(vs != 0, q, torch.full((), float("inf"), dtype=torch.float64, device=v.device))
+    qmin = q.min(dim=1).values if values.shape[1] else torch.full((values.shape[0],), float("inf"), device=v.device,
+                                                                    dtype=torch.float64)
+    vmax = vs.max(dim=1).values if values.shape[1] else torch.zeros(values.shape[0], device=v.device, dtype=torch.float64)
+    out = torch.stack([fin.double(), bf.double(), qmin, vmax]).cpu().numpy()
+    return out[0] > 0, out[1] > 0, out[2], out[3]
+
+
+def _consts(device, *vals):
+    torch = _torch()
+    return torch.tensor([float(x) for x in vals], dtype=torch.float64, device=device)
+
+
+def _kt(x):
+    """K-major contiguous copy ``[K, R]`` of ``[R, K]``."""
+    return x.t().contiguous()
+
+
+def _stack_kt(ws):
+    """``[G, K, N]`` K-major stack of ``[N, K]`` tensors."""
+    torch = _torch()
+    return torch.stack([w.t() for w in ws]).contiguous()
+
+
+WEIGHT_GROUP_BYTES = 1 << 32
+"""Largest float64 stack of decoded expert weights formed at once (experts are bounded in groups)."""
+
+
+def device_gemm_error_bound(a: DeviceBlock, w: DeviceBlock, profile, *, a_radius=None, b_abs=None):
+    """:func:`moeref.compare.gemm_error_bound` of ``a`` ``[M, K]`` against ``w`` ``[N, K]`` (float64
+    tensors on one device; ``a_radius`` ``[M, K]`` >= 0, ``b_abs`` ``[N]`` = ``|bias|``): float64 ``[M, N]``."""
+    torch = _torch()
+    m, k = (int(d) for d in a.values.shape)
+    n = int(w.values.shape[0])
+    if int(w.values.shape[1]) != k:
+        raise ValueError(f"a has K={k} columns but w has K={int(w.values.shape[1])}")
+    b = torch.zeros((1, n), dtype=torch.float64, device=a.values.device) if b_abs is None else b_abs.reshape(1, n)
+    return _group_bound(a, [m], [w], profile, a_radius, b)
+
+
+def _group_bound(a: DeviceBlock, counts, ws: list, profile, radius, b_abs):
+    """The bound of rows ``a`` (``counts[g]`` consecutive rows against expert ``ws[g]``), float64 ``[R, N]``."""
+    model = profile.accum_model
+    if model not in ("worst_case", "contiguous_tree", "data_dependent"):
+        raise ValueError(f"accum_model must be one of worst_case, contiguous_tree, data_dependent; got {model!r}")
+    from ._bound_kernels import items, ordered_dot_t
+
+    torch = _torch()
+    k = int(a.values.shape[1])
+    n = int(ws[0].values.shape[0])
+    dev = a.values.device
+    r = int(a.values.shape[0])
+    if r == 0 or n == 0:
+        return torch.zeros((r, n), dtype=torch.float64, device=dev)
+    it, bm = items(counts, dev)
+    if model == "worst_case":
+        bk = max(1, min(a.block[1], ws[0].block[1], max(k, 1)))
+        coef = gemm_coefficient(profile, k, -(-k // bk))
+        a_abs = a.dequantize().abs() + (0.0 if radius is None else radius)
+        dot = ordered_dot_t(_kt(a_abs), _stack_kt([w.dequantize().abs() for w in ws]), it, bm, ORDER_CHUNK, ORDER_STEP)
+        return coef * (dot + _rows_of(b_abs, counts))
+    if model == "contiguous_tree":
+        return _tree(a, counts, ws, profile, radius, b_abs, it, bm)
+    return _adder(a, counts, ws, profile, radius, b_abs)
+
+
+def _rows_of(per_expert, counts):
+    """``[G, N]`` -> ``[R, N]``: expert ``g``'s row repeated ``counts[g]`` times."""
+    torch = _torch()
+    return per_expert.repeat_interleave(torch.as_tensor(np.asarray(counts, dtype=np.int64), device=per_expert.device),
+                                        dim=0)
+
+
+def _tree(a: DeviceBlock, counts, ws, profile, radius, b_abs, it, bm):
+    """:func:`moeref.compare.gemm_bounds.contiguous_tree_gemm_bound`, operation for operation."""
+    torch = _torch()
+    from ._bound_kernels import ordered_dot_t, tree_walks_t
+
+    m, k = (int(d) for d in a.values.shape)
+    n = int(ws[0].values.shape[0])
+    dev = a.values.device
+    u = float(profile.accum_unit)
+    rho = float(profile.adder_factor)
+    u_prom = float(profile.promote_unit)
+    lanes = max(TREE_LANES)
+    kp = -(-max(k, 1) // lanes) * lanes
+    wd = _stack_kt([w.dequantize() for w in ws])
+    if radius is None:
+        d = torch.zeros((m, n), dtype=torch.float64, device=dev)
+    else:
+        d = ordered_dot_t(_kt(radius), wd.abs(), it, bm, ORDER_CHUNK, ORDER_STEP) * (1.0 + gamma(k + 2, U_F64))
+    rng, wsum, csum = tree_walks_t(_kt(a.dequantize()), wd, it, bm, kp)
+    slack = 2.0 * gamma(kp + 2, U_F64) * wsum
+    r_hi = rng + slack + d
+    w_hi = wsum * (1.0 + gamma(kp + 2, U_F64)) + d
+    c_hi = csum.abs() + slack + d
+    sigma = gamma(2, u_prom)
+    _, a_bf, _, _ = _row_stats(a.values)
+    w_bf = [bool(_row_stats(w.values)[1].all()) for w in ws]
+    starts = np.cumsum(counts) - np.asarray(counts)
+    exact_p = [bool(a_bf[s:s + c].all()) and wb for s, c, wb in zip(starts, counts, w_bf)]
+    u_rows = np.repeat(np.where(exact_p, 0.0, 2.0 * u), counts)
+    t = rho * max(k - 1, 0) * u
+    denom = 1.0 - t - sigma
+    if denom <= 0:
+        return torch.full((m, n), math.inf, dtype=torch.float64, device=dev)
+    coef = (sigma + torch.as_tensor(u_rows, dtype=torch.float64, device=dev))[:, None]
+    acc = (t * r_hi + coef * w_hi) / torch.tensor(denom, dtype=torch.float64, device=dev)
+    out = acc + u_prom * (c_hi + acc + _rows_of(b_abs, counts)) + (k + 2) * 2.0**-149
+    return out * (1.0 + 1e-9)
+
+
+def _adder(a: DeviceBlock, counts, ws, profile, radius, b_abs):
+    """:func:`moeref.compare.gemm_bounds.aligned_adder_gemm_bound`, operation for operation; experts in the
+    exact domain and the others in one launch each."""
+    torch = _torch()
+    from ._bound_kernels import adder_bound_t, items
+
+    m, k = (int(d) for d in a.values.shape)
+    n = int(ws[0].values.shape[0])
+    dev = a.values.device
+    st = adder_setup(k, a.block, ws[0].block, profile)
+    if k == 0:
+        return _rows_of(st.g_prom * b_abs, counts).clone()
+    starts = np.cumsum(counts) - np.asarray(counts)
+    exact = [False] * len(ws)
+    if radius is None and st.const_scales:
+        fin, _, q, mx = _row_stats(a.values)
+        for g, (s0, c) in enumerate(zip(starts, counts)):
+            if c and fin[s0:s0 + c].all() and _finite(ws[g]):
+                qm_a = (float(q[s0:s0 + c].min()), float(mx[s0:s0 + c].max()))
+                exact[g] = adder_exact(qm_a, _quantum_max(ws[g]), st.chunk)
+    consts = _consts(dev, 2.0 * profile.accum_unit, st.g_prom, 1.0 + 2.0**-40, _MIN_NORMAL, 1.0 + 1e-9, 1.0, 0.0)
+    out = torch.zeros((m, n), dtype=torch.float64, device=dev)
+    blk = torch.arange(-(-k // st.chunk), device=dev) * st.chunk
+    for dom in (True, False):
+        sel = [g for g in range(len(ws)) if exact[g] == dom and counts[g]]
+        if not sel:
+            continue
+        rows = torch.as_tensor(np.concatenate([np.arange(starts[g], starts[g] + counts[g]) for g in sel]), device=dev)
+        cnt = [counts[g] for g in sel]
+        it, bm = items(cnt, dev)
+        if dom:
+            av = a.values.index_select(0, rows)
+            sa = _chunk_scales(a.scales, rows, a.block, blk)
+            wt = _stack_kt([ws[g].values for g in sel])
+            sw = torch.stack([_chunk_scales(ws[g].scales, torch.arange(n, device=dev), ws[g].block, blk)
+                              for g in sel]).contiguous()
+        else:
+            av = a.dequantize().index_select(0, rows)
+            wt = _stack_kt([ws[g].dequantize() for g in sel])
+            sa = sw = None
+        rt = None if radius is None else _kt(radius.index_select(0, rows))
+        res = adder_bound_t(_kt(av), wt, rt, sa, sw, b_abs[torch.as_tensor(sel, device=dev)].contiguous(), consts,
+                            it, bm, chunk=st.chunk, mma=st.mma, steps=st.steps, exact=dom)
+        out[rows] = res
+    return out
+
+
+def _chunk_scales(scales, rows, block, blk):
+    """``|scales|`` of each row's block at each chunk's first column, ``[R, NCH]``."""
+    torch = _torch()
+    return scales.index_select(0, torch.div(rows, block[0], rounding_mode="floor")) \
+        .index_select(1, torch.div(blk, block[1], rounding_mode="floor")).abs().contiguous()
+
+
+def _finite(op: DeviceBlock) -> bool:
+    return op.finite if op.finite is not None else bool(_row_stats(op.values)[0].all())
+
+
+def _quantum_max(op: DeviceBlock) -> tuple[float, float]:
+    if op.quantum_max is not None:
+        return op.quantum_max
+    _, _, q, mx = _row_stats(op.values)
+    return (float(q.min(initial=math.inf)), float(mx.max(initial=0.0)))
+
+
+# ------------------------------------------------------------------------------ rows against experts
+
+
+def _expert_block(weights, e: int) -> DeviceBlock:
+    """Expert ``e`` of a device stack (:class:`moeref.gemm.StackedExperts`, or a float ``[E, N, K]`` tensor:
+    one block of scale 1) as a :class:`DeviceBlock` (decoded now, one expert)."""
+    torch = _torch()
+    from ..gemm.stacked import StackedExperts
+
+    if isinstance(weights, StackedExperts):
+        return _stacked_block(weights, e)
+    we = weights[e].to(torch.float64)
+    n, k = (int(d) for d in we.shape)
+    return DeviceBlock(we, torch.ones((1, 1), dtype=torch.float64, device=we.device), (max(n, 1), max(k, 1)))
+
+
+def _stacked_block(w, e: int) -> DeviceBlock:
+    """Expert ``e`` of a :class:`StackedExperts`: codes transposed first (one byte each), then decoded, so the
+    float64 values are K-major (the kernels' layout) without a float64 transpose; the finiteness and
+    :func:`moeref.gemm.exact.quantum_and_max` of its values from the codes present (a histogram of the codes,
+    read through the decode table: the same numbers as over the values)."""
+    torch = _torch()
+    from ..formats import decode_table
+    from ..gemm.device import _decode, _unpack_nibbles
+    from ..gemm.exact import quantum_and_max
+
+    codes = w.codes[e]
+    if w.packed:
+        codes = _unpack_nibbles(codes, w.shape[1])
+    values = _decode(codes.t().contiguous(), w.element, w.magnitude).t()
+    table = decode_table(w.element)
+    table = np.abs(table) if w.magnitude else table
+    vals = table[_codes_present(w)[e][:table.size]]
+    finite = bool(np.all(np.isfinite(vals)))
+    return DeviceBlock(values, w.scales[e], tuple(int(b) for b in w.block), finite,
+                       quantum_and_max(vals) if finite else None)
+
+
+def _codes_present(w) -> np.ndarray:
+    """bool ``[E, 256]``: which codes each expert holds, one histogram per expert and one host copy for the
+    stack, cached on the codes tensor (weights are constant between calls; a new tensor is a new cache)."""
+    torch = _torch()
+    from ..gemm.device import _unpack_nibbles
+
+    cached = getattr(w.codes, "_moeref_codes_present", None)
+    if cached is not None:
+        return cached
+    hist = []
+    for e in range(int(w.codes.shape[0])):
+        c = w.codes[e]
+        c = _unpack_nibbles(c, w.shape[1]) if w.packed else c
+        hist.append(torch.bincount(c.reshape(-1), minlength=256)[:256])
+    present = (torch.stack(hist) > 0).cpu().numpy() if hist else np.zeros((0, 256), dtype=bool)
+    try:
+        w.codes._moeref_codes_present = present
+    except AttributeError:
+        pass
+    return present
+
+
+def _expert_groups(row_expert, weights):
+    """``(experts, row index array, counts)`` per group of experts whose decoded weights fit
+    :data:`WEIGHT_GROUP_BYTES`; rows sorted by expert."""
+    rows = np.asarray(row_expert, dtype=np.int64)
+    experts = np.unique(rows[rows >= 0])
+    if experts.size == 0:
+        return
+    n, k = _shape(weights)
+    per = max(1, WEIGHT_GROUP_BYTES // max(1, 8 * n * k))
+    for i in range(0, experts.size, per):
+        es = experts[i:i + per]
+        idx = [np.flatnonzero(rows == e) for e in es.tolist()]
+        yield es.tolist(), np.concatenate(idx), [x.size for x in idx]
+
+
+def device_rows_error_bound(a, a_radius, row_expert, weights, bias, profile):
+    """:func:`moeref.compare.bounds._rows_error_bound` on a device: ``a`` a
+    :class:`moeref.gemm.device.DeviceOperand` ``[R, K]``, ``a_radius`` float64 ``[R, K]`` or None,
+    ``row_expert`` int ``[R]`` (NumPy), ``weights`` a device stack, ``bias`` float64 ``[E, N]`` or None.
+    Returns float64 ``[R, N]``, 0 on padding rows."""
+    torch = _torch()
+    dev = a.device
+    n = _n_out(weights)
+    out = torch.zeros((len(row_expert), n), dtype=torch.float64, device=dev)
+    for es, idx, counts in _expert_groups(row_expert, weights):
+        it = torch.as_tensor(idx, device=dev)
+        ag = DeviceBlock.of(a.take_rows(it))
+        ws = [_expert_block(weights, e) for e in es]
+        r = None if a_radius is None else a_radius.index_select(0, it)
+        b = (torch.zeros((len(es), n), dtype=torch.float64, device=dev) if bias is None
+             else bias.index_select(0, torch.as_tensor(es, device=dev)).abs())
+        out[it] = _group_bound(ag, counts, ws, profile, r, b)
+    return out
+
+
+def device_rows_radius_term(radius, row_expert, weights):
+    """:func:`moeref.compare.bounds._rows_radius_term` on a device: ``radius[r] @ |W[e(r)]|^T`` in
+    :func:`~moeref.compare.gemm_bounds.ordered_dot`'s order, float64 ``[R, N]``."""
+    torch = _torch()
+    from ._bound_kernels import items, ordered_dot_t
+
+    n = _n_out(weights)
+    out = torch.zeros((len(row_expert), n), dtype=torch.float64, device=radius.device)
+    for es, idx, counts in _expert_groups(row_expert, weights):
+        it_rows = torch.as_tensor(idx, device=radius.device)
+        it, bm = items(counts, radius.device)
+        wt = _stack_kt([_expert_block(weights, e).dequantize().abs() for e in es])
+        out[it_rows] = ordered_dot_t(_kt(radius.index_select(0, it_rows)), wt, it, bm, ORDER_CHUNK, ORDER_STEP)
+    return out
+
+
+def _shape(weights) -> tuple[int, int]:
+    from ..gemm.stacked import StackedExperts
+
+    if isinstance(weights, StackedExperts):
+        return tuple(int(d) for d in weights.shape)
+    return int(weights.shape[1]), int(weights.shape[2])
+
+
+def _n_out(weights) -> int:
+    from ..gemm.stacked import StackedExperts
+
+    if isinstance(weights, StackedExperts):
+        return int(weights.shape[0])
+    return int(weights.shape[1]) if len(weights) else 0

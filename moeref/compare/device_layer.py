@@ -1,0 +1,173 @@
+""":func:`moeref.compare.layer_bound` of a device-engine run (:func:`moeref.moe.run_moe` with ``device=``) on
+its device: the stages of :mod:`moeref.compare.bounds` on torch float64 tensors, the same bound bit for bit.
+
+Stage by stage, what runs where:
+
+* GEMM centers: the device engine's exact product (:mod:`moeref.gemm.device`, the NumPy engine's bits);
+* GEMM error bounds and the operand-radius term: :mod:`moeref.compare.device_bounds` (Triton kernels,
+  the declared summation orders of :mod:`moeref.compare.gemm_bounds`);
+* stores: :func:`moeref.moe.device.round_on_device` (the NumPy casts' roundings);
+* activation and its Lipschitz bound: the portable elementary functions (:mod:`moeref.elementary`);
+* the flip-aware re-quantization of the intermediate (:func:`requant_uncertainty`): on the host, on the
+  valid rows only (its quantizer and format rounding are the host's; the operand goes back to the device);
+* finalize: the slot-order loop of :func:`moeref.dispatch.weight_and_reduce`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .bounds import LayerBound, Profile, gamma
+from .device_bounds import device_rows_error_bound, device_rows_radius_term
+from .stage_bounds import activation_error, activation_magnitude, requant_uncertainty
+
+__all__ = ["device_layer_bound", "device_store_interval"]
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def device_store_interval(value, radius, dtype: str | None, unit: float = 0.0):
+    """:func:`moeref.compare.bounds.store_interval` on float64 tensors (the same operations)."""
+    torch = _torch()
+    from ..moe.device import round_on_device
+
+    if dtype is None:
+        return value, radius + unit * (value.abs() + radius), torch.zeros(value.shape, dtype=torch.bool,
+                                                                           device=value.device)
+    wide = radius * (1.0 + 2.0**-40) + value.abs() * 2.0**-52
+    lo = round_on_device(value - wide, dtype)
+    hi = round_on_device(value + wide, dtype)
+    center = 0.5 * lo + 0.5 * hi
+    half = 0.5 * hi - 0.5 * lo
+    bad = ~torch.isfinite(half) & torch.isfinite(value)
+    center = torch.where(bad, value, center)
+    half = torch.where(bad, torch.full_like(half, float("inf")), half)
+    return center, half, lo != hi
+
+
+def _weight_and_reduce(y, src: np.ndarray, w, num_tokens: int, apply_weights: bool):
+    """:func:`moeref.dispatch.weight_and_reduce` to float64: ``sum_j w[t, j] * row`` in slot order."""
+    torch = _torch()
+    k = int(w.shape[1])
+    kdim = int(y.shape[1])
+    slot_rows = torch.zeros((num_tokens * k, kdim), dtype=torch.float64, device=y.device)
+    valid = np.flatnonzero(src >= 0)
+    if valid.size:
+        slot_rows[torch.as_tensor(src[valid], device=y.device)] = y.index_select(0, torch.as_tensor(valid, device=y.device))
+    rows = slot_rows.reshape(num_tokens, k, kdim)
+    w = w.to(torch.float64) if apply_weights else torch.ones_like(w, dtype=torch.float64)
+    out = torch.zeros((num_tokens, kdim), dtype=torch.float64, device=y.device)
+    for j in range(k):
+        out += w[:, j:j + 1] * rows[:, j, :]
+    return out
+
+
+def _chunk_interval(p, e, weights, profile: Profile, cfg):
+    """:func:`moeref.compare.bounds._chunk_interval` of a device chunk (``p``/``e``: the device engine's
+    :class:`~moeref.moe.device.DevicePrepared` / ``DeviceExpertsOutput``; ``weights`` on the device)."""
+    torch = _torch()
+    from .._interop import to_numpy
+    from ..gemm.device import device_operand
+    from ..moe.device import _weights_gemm
+    from ..moe.pipeline import _activation, _run_quantizer
+
+    valid = e.valid
+    rows = p.row_expert
+    dev = p.a.device
+    k_out = _n_out(weights.w2)
+    if not valid.any():
+        z = torch.zeros((p.num_tokens, k_out), dtype=torch.float64, device=dev)
+        return z, z.clone(), 0
+    vt = torch.as_tensor(valid, device=dev)
+    act, params, lay = cfg.activation, cfg.activation_params, weights.w13_layout
+    # stage 1-2: GEMM1 and its store
+    h_pre = _weights_gemm(p.a, rows, weights.w13, weights.b13)
+    dh = device_rows_error_bound(p.a, None, rows, weights.w13, weights.b13, profile)
+    h, dh, flip_h = device_store_interval(h_pre, dh, profile.gemm_out_dtype, profile.gemm_out_unit)
+    # stage 3: activation, its FP32 evaluation and its store
+    x_pre = _activation(act, h, lay, params)
+    dx = activation_error(act, h, dh, lay, params)
+    dx = dx + profile.act_unit * (x_pre.abs() + activation_magnitude(act, h.abs() + dh, lay, params) + dx)
+    x, dx, flip_x = device_store_interval(x_pre, dx, profile.act_out_dtype)
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    x = torch.where(vt[:, None], x, zero)
+    dx = torch.where(vt[:, None], dx, zero)
+    flips = int(flip_h[vt].sum()) + int(flip_x[vt].sum())
+    # stage 4: re-quantization of the valid rows, on the host (module docstring)
+    if e.a2 is None:
+        xq, unc = device_operand(x, dev), dx
+    else:
+        vidx = np.flatnonzero(valid)
+        vi = torch.as_tensor(vidx, device=dev)
+        x_h = to_numpy(x.index_select(0, vi).cpu())
+        dx_h = to_numpy(dx.index_select(0, vi).cpu())
+        xq_valid, qt = _run_quantizer(cfg.quant.a2, x_h)
+        u_h, f = requant_uncertainty(x_h, dx_h, cfg.quant.a2, qt)
+        flips += f
+        unc = torch.zeros_like(dx)
+        unc[vi] = torch.as_tensor(u_h, device=dev)
+        pos = np.full(x.shape[0], -1, dtype=np.int64)
+        pos[vidx] = np.arange(vidx.size)
+        xq = device_operand(qt if qt is not None else xq_valid, dev).take_rows(pos)
+    # stage 5: GEMM2 and its store
+    y_pre = _weights_gemm(xq, rows, weights.w2, weights.b2)
+    dy = device_rows_radius_term(unc, rows, weights.w2) + device_rows_error_bound(xq, unc, rows, weights.w2,
+                                                                                   weights.b2, profile)
+    weigh = p.apply_weights
+    if profile.gemm2_weighted_store and weigh:  # the epilogue weights (one FP32 multiply), then stores
+        tw = p.topk_weights.to(torch.float64).reshape(-1)
+        w_row = torch.where(vt, tw.index_select(0, torch.as_tensor(np.maximum(p.src, 0), device=dev)), zero)
+        y_pre, dy = w_row[:, None] * y_pre, w_row.abs()[:, None] * dy
+        dy = dy + profile.reduce_unit * (y_pre.abs() + dy)
+        weigh = False
+    y, dy, _ = device_store_interval(y_pre, dy, profile.gemm_out_dtype, profile.gemm_out_unit)
+    y = torch.where(vt[:, None], y, zero)
+    dy = torch.where(vt[:, None], dy, zero)
+    # stage 6: top-k weighted sum
+    w_abs = p.topk_weights.abs()
+    center = _weight_and_reduce(y, p.src, p.topk_weights, p.num_tokens, weigh)
+    d_tok = _weight_and_reduce(dy, p.src, w_abs, p.num_tokens, weigh)
+    mag = _weight_and_reduce(y.abs() + dy, p.src, w_abs, p.num_tokens, weigh)
+    return center, d_tok + gamma(p.top_k + 2, profile.reduce_unit) * mag, flips
+
+
+def _n_out(w) -> int:
+    from .device_bounds import _n_out as n_out
+
+    return n_out(w)
+
+
+def device_layer_bound(run, profile: Profile) -> LayerBound:
+    """:func:`moeref.compare.layer_bound` of a device run: ``bound``, ``center`` and ``radius`` are float64
+    tensors on the run's device."""
+    torch = _torch()
+    from ..moe.device import device_weights
+
+    cfg = run.config
+    weights = run.weights
+    centers, radii, flips = [], [], 0
+    for p, e in run.chunks:
+        c, r, f = _chunk_interval(p, e, weights, profile, cfg)
+        centers.append(c)
+        radii.append(r)
+        flips += f
+    out = run.output
+    center = torch.cat(centers, dim=0) if centers else torch.zeros_like(out)
+    radius = torch.cat(radii, dim=0) if radii else torch.zeros_like(out)
+    if run.shared is not None:
+        sw = device_weights(cfg.shared_experts.as_weights(), out.device)
+        sc, sr = [], []
+        for p, e in run.shared_chunks:
+            c, r, f = _chunk_interval(p, e, sw, profile, cfg)
+            sc.append(c)
+            sr.append(r)
+            flips += f
+        center = center + torch.cat(sc, dim=0)
+        radius = radius + torch.cat(sr, dim=0)
+        radius = radius + profile.reduce_unit * 2 * (center.abs() + radius)
+    center, radius, _ = device_store_interval(center, radius, profile.out_dtype, profile.out_unit)
+    bound = (center - out.to(torch.float64)).abs() + radius
+    return LayerBound(bound, flips, center, radius)
