@@ -259,11 +259,14 @@ def _ue4m3_f32(c):
 
 
 @triton.jit
-def _w4_kernel(a_ptr, w_ptr, s_ptr, zp_ptr, gm_ptr, gd_ptr, d_ptr, m_idx_ptr, bias_ptr, M, N, K,
-               stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_dm,
+def _w4_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, zp_ptr, gm_ptr, gd_ptr, d_ptr, m_idx_ptr, bias_ptr, M, N, K,
+               stride_am, stride_sam, stride_we, stride_wn, stride_se, stride_sn, stride_dm,
                FMT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr, HAS_ZP: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
-               HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+               A_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               K_ITERS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_T: tl.constexpr,
+               PROMOTE: tl.constexpr):
+    # IEEE: float32 operands (DOT_T) and an IEEE FP32 dot (float32 activations; FP8 ones under the interpreter);
+    # PROMOTE: a scale along K outside the weight values (INT4 groups, FP8 activations): a fresh dot per tile
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     row0 = pid_m * BLOCK_M
@@ -285,7 +288,7 @@ def _w4_kernel(a_ptr, w_ptr, s_ptr, zp_ptr, gm_ptr, gd_ptr, d_ptr, m_idx_ptr, bi
     for it in range(K_ITERS):
         k0 = it * BLOCK_K
         kmask = (k0 + ks) < K
-        a = tl.load(a_base + (k0 + ks)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        a = tl.load(a_base + (k0 + ks)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(DOT_T)
         byte = tl.load(w_base + (k0 // 2 + kb)[None, :], mask=cmask[:, None] & ((k0 + 2 * kb) < K)[None, :],
                        other=0).to(tl.int32)
         lo = byte & 15
@@ -299,13 +302,7 @@ def _w4_kernel(a_ptr, w_ptr, s_ptr, zp_ptr, gm_ptr, gd_ptr, d_ptr, m_idx_ptr, bi
             else:
                 vlo = (lo - ((lo & 8) << 1)).to(tl.float32)
                 vhi = (hi - ((hi & 8) << 1)).to(tl.float32)
-            w = tl.reshape(tl.join(vlo, vhi), (BLOCK_N, BLOCK_K)).to(a_ptr.dtype.element_ty)
-            if IEEE:
-                part = tl.dot(a, tl.trans(w), input_precision="ieee")
-            else:
-                part = tl.dot(a, tl.trans(w))
-            s = tl.load(s_ptr + e64 * stride_se + cols.to(tl.int64) * stride_sn + k0 // GROUP, mask=cmask, other=0.0)
-            acc += part * s[None, :]
+            w = tl.reshape(tl.join(vlo, vhi), (BLOCK_N, BLOCK_K))
         else:
             w = tl.reshape(tl.join(_e2m1_f32(lo), _e2m1_f32(hi)), (BLOCK_N, BLOCK_K))
             gk = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
@@ -315,11 +312,23 @@ def _w4_kernel(a_ptr, w_ptr, s_ptr, zp_ptr, gm_ptr, gd_ptr, d_ptr, m_idx_ptr, bi
             else:  # UE4M3 (NVFP4); the global factor waits for the epilogue
                 f = _ue4m3_f32(sc)
             w = tl.reshape(tl.reshape(w, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * f[:, :, None], (BLOCK_N, BLOCK_K))
-            w = w.to(a_ptr.dtype.element_ty)
+        wt = tl.trans(w.to(DOT_T))
+        if PROMOTE:
             if IEEE:
-                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+                part = tl.dot(a, wt, input_precision="ieee")
             else:
-                acc = tl.dot(a, tl.trans(w), acc)
+                part = tl.dot(a, wt)
+            if FMT == 2:
+                part = part * tl.load(s_ptr + e64 * stride_se + cols.to(tl.int64) * stride_sn + k0 // GROUP,
+                                      mask=cmask, other=0.0)[None, :]
+            if A_FP8:  # 1x128 activation scales (FP32), BLOCK_K divides 128
+                part = part * tl.load(sa_ptr + rows.to(tl.int64) * stride_sam + k0 // 128, mask=rmask,
+                                      other=0.0)[:, None]
+            acc += part
+        elif IEEE:
+            acc = tl.dot(a, wt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, wt, acc)
     if FMT == 1:  # NVFP4 global decode factor g_mul / g_div, correctly rounded
         acc = tl.math.div_rn(acc * tl.load(gm_ptr + e), tl.load(gd_ptr + e))
     if HAS_BIAS:
@@ -328,7 +337,8 @@ def _w4_kernel(a_ptr, w_ptr, s_ptr, zp_ptr, gm_ptr, gd_ptr, d_ptr, m_idx_ptr, bi
              acc.to(d_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
-def w4_supports(impl: str = "triton", a=None, w: W4Experts | None = None, *, alignment=None, **_) -> tuple[bool, str]:
+def w4_supports(impl: str = "triton", a=None, w: W4Experts | None = None, *, a_scales=None, alignment=None,
+                **_) -> tuple[bool, str]:
     """Whether ``impl`` runs these operands here, and why not (no other implementation is tried)."""
     import os
 
@@ -337,9 +347,10 @@ def w4_supports(impl: str = "triton", a=None, w: W4Experts | None = None, *, ali
     if a is not None:
         if a.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             return False, "a is a CPU tensor and TRITON_INTERPRET=1 is not set"
-        if a.dtype not in (torch.bfloat16, torch.float32):
-            return False, (f"activations must be bfloat16 (W4A16) or float32; got {a.dtype} (FP8 activations "
-                           "have no 4-bit-weight kernel here)")
+        if a.dtype not in (torch.bfloat16, torch.float32, torch.float8_e4m3fn):
+            return False, f"activations must be bfloat16 (W4A16), float8_e4m3fn (W4A8, 1x128 FP32 scales) or float32; got {a.dtype}"
+        if a.dtype == torch.float8_e4m3fn and (a_scales is None or a_scales.dtype != torch.float32):
+            return False, "FP8 activations need a_scales FP32 [M, ceil(K/128)] (1x128 blocks)"
     if w is not None:
         if not isinstance(w, W4Experts):
             return False, f"weights must be fastpath.grouped_gemm_w4.W4Experts; got {type(w).__name__}"
@@ -371,17 +382,19 @@ def _tiles_for(w: W4Experts, a: torch.Tensor, tiles: GemmTiles | None, alignment
 
 
 def grouped_gemm_w4_contiguous(a: torch.Tensor, w: W4Experts, m_indices: torch.Tensor, *, impl: str = "triton",
-                               out_dtype=torch.bfloat16, alignment: int = 128, out=None,
+                               a_scales=None, out_dtype=torch.bfloat16, alignment: int = 128, out=None,
                                tiles: GemmTiles | None = None, bias=None) -> torch.Tensor:
     """``d [M_sum, N] = a @ W[m_indices].T`` per row, ``W`` decoded from ``w`` (padding rows unspecified).
 
     Args:
-        a: ``[M_sum, K]`` bfloat16 (or float32: IEEE FP32 dot).
+        a: ``[M_sum, K]`` bfloat16, float8_e4m3fn with ``a_scales`` FP32 ``[M_sum, ceil(K/128)]`` (W4A8: the
+            codes widened exactly to bf16, one dot per K tile, times the row's block scale in FP32), or
+            float32 (IEEE FP32 dot).
         w: :class:`W4Experts` ``[E, N, K]`` on ``a``'s device.
         m_indices: int ``[M_sum]``, -1 padding; each expert's rows start on a multiple of ``alignment``.
         bias: optional float ``[E, N]``, added in FP32 before the store.
     """
-    ok, why = w4_supports(impl, a, w, alignment=alignment)
+    ok, why = w4_supports(impl, a, w, a_scales=a_scales, alignment=alignment)
     if not ok:
         raise ValueError(f"grouped GEMM {impl!r} with 4-bit weights cannot run: {why}")
     m, k = (int(d) for d in a.shape)
@@ -396,6 +409,9 @@ def grouped_gemm_w4_contiguous(a: torch.Tensor, w: W4Experts, m_indices: torch.T
     if m == 0:
         return d
     t = _tiles_for(w, a, tiles, alignment)
+    fp8 = a.dtype == torch.float8_e4m3fn
+    if fp8 and 128 % t.block_k:
+        raise ValueError(f"FP8 activations need block_k dividing 128 (one activation scale a tile); got {t.block_k}")
     a = a.contiguous()
     dummy = torch.empty(1, dtype=torch.float32, device=a.device)
     sc = w.scales.contiguous()
@@ -404,17 +420,22 @@ def grouped_gemm_w4_contiguous(a: torch.Tensor, w: W4Experts, m_indices: torch.T
     gd = w.global_div if w.global_div is not None else dummy
     bias_t = bias.to(torch.float32).contiguous() if bias is not None else dummy
     grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))
-    _w4_kernel[grid](a, w.codes, sc, zp, gm, gd, d, m_indices.to(torch.int32).contiguous(), bias_t, m, n, k,
-                     a.stride(0), w.codes.stride(0), w.codes.stride(1), sc.stride(0), sc.stride(1), d.stride(0),
+    sa = a_scales.contiguous() if fp8 else dummy
+    ieee = a.dtype == torch.float32 or (fp8 and a.device.type == "cpu")
+    _w4_kernel[grid](a, sa, w.codes, sc, zp, gm, gd, d, m_indices.to(torch.int32).contiguous(), bias_t, m, n, k,
+                     a.stride(0), sa.stride(0) if fp8 else 0, w.codes.stride(0), w.codes.stride(1), sc.stride(0),
+                     sc.stride(1), d.stride(0),
                      FMT=_FMT[w.kind], GROUP=w.group, SCALE_ROWS=w.scale_rows, HAS_ZP=w.zero_points is not None,
-                     BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, K_ITERS=triton.cdiv(k, t.block_k),
-                     HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32,
+                     A_FP8=fp8, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                     K_ITERS=triton.cdiv(k, t.block_k), HAS_BIAS=bias is not None,
+                     IEEE=ieee, DOT_T=tl.float32 if ieee else tl.bfloat16, PROMOTE=w.kind == "int4" or fp8,
                      num_warps=t.num_warps, num_stages=t.num_stages)
     return d
 
 
 def grouped_gemm_w4_masked(a: torch.Tensor, w: W4Experts, masked_m: torch.Tensor, *, impl: str = "triton",
-                           out_dtype=torch.bfloat16, tiles: GemmTiles | None = None, bias=None) -> torch.Tensor:
+                           a_scales=None, out_dtype=torch.bfloat16, tiles: GemmTiles | None = None,
+                           bias=None) -> torch.Tensor:
     """DeepGEMM's masked layout: ``d[e, i] = a[e, i] @ W[e].T`` for ``i < masked_m[e]`` (rows past it
     unspecified); ``a [E, max_m, K]``, ``max_m`` a multiple of 16. The contiguous kernel over the
     ``E * max_m`` rows with each row's expert (-1 past ``masked_m``)."""
@@ -423,6 +444,7 @@ def grouped_gemm_w4_masked(a: torch.Tensor, w: W4Experts, masked_m: torch.Tensor
     pos = torch.arange(max_m, device=a.device)
     m_idx = torch.where(pos[None, :] < masked_m.to(a.device)[:, None],
                         torch.arange(e, device=a.device)[:, None], -1).reshape(-1).to(torch.int32)
-    d = grouped_gemm_w4_contiguous(a.reshape(e * max_m, k), w, m_idx, impl=impl, out_dtype=out_dtype,
+    sa = None if a_scales is None else a_scales.reshape(e * max_m, -1)
+    d = grouped_gemm_w4_contiguous(a.reshape(e * max_m, k), w, m_idx, impl=impl, a_scales=sa, out_dtype=out_dtype,
                                    alignment=max_m, tiles=tiles, bias=bias)
     return d.reshape(e, max_m, n)

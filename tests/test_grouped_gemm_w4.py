@@ -202,3 +202,33 @@ def test_fastpath_moe_w4_refuses_deep_gemm_with_the_reason():
         fused_moe(x, fw, torch.ones((2, 1), device=DEV), torch.zeros((2, 1), dtype=torch.int32, device=DEV),
                   impl="deep_gemm")
 
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "int4_sym_g32"])
+def test_w4a8_fp8_activations_within_fp32_bound(name):
+    """FP8 E4M3 activations with 1x128 FP32 scales (W4A8). Under the interpreter the codes are widened to
+    float32 (IEEE dot; on the GPU to bf16, also exact); a neighbouring activation scale block fails."""
+    from fastpath.grouped_gemm_w4 import W4Experts, grouped_gemm_w4_contiguous
+    from moeref.gemm.exact import as_operand
+    from moeref.quant import fp8_group
+
+    rng = np.random.default_rng(11)
+    a, w, m_idx = _case(rng, k=256)
+    a = (a * _block_factors(rng, 1, 256)[0]).astype(np.float32)
+    qa = quantize(a, fp8_group())
+    qs = [quantize(w[e], SCHEMES[name]) for e in range(w.shape[0])]
+    ref = ref_contiguous(qa, qs, m_idx)
+    op = as_operand(qa)
+    bound = np.zeros_like(ref)
+    for e in np.unique(m_idx[m_idx >= 0]):
+        rows = np.flatnonzero(m_idx == e)
+        bound[rows] = gemm_error_bound(op.take_rows(rows), qs[e], FP32_ACCUM)
+    bound += 2.0**-24 * np.abs(ref)
+    w4 = W4Experts.from_quantized(qs, DEV)
+    codes = torch.as_tensor(qa.codes, device=DEV).view(torch.float8_e4m3fn)
+    sa = torch.as_tensor(np.asarray(qa.scales, np.float32), device=DEV)
+    run = (lambda s: grouped_gemm_w4_contiguous(codes, w4, torch.as_tensor(m_idx, device=DEV), a_scales=s,
+                                                alignment=16, out_dtype=torch.float32).cpu().numpy())
+    valid = m_idx >= 0
+    assert np.all((np.abs(run(sa) - ref) <= bound)[valid])
+    assert np.any((np.abs(run(sa.roll(1, dims=1)) - ref) > bound)[valid])

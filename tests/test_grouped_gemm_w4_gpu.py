@@ -164,3 +164,21 @@ def test_gpt_oss_mxfp4_layer_within_declared_profile(tokens, layout):
     got_bad = fused_moe(x, bad, torch.as_tensor(tw, device="cuda"), torch.as_tensor(ids, device="cuda"),
                         activation="swigluoai", layout=layout)
     assert not compare(got_bad.float().cpu(), run_ref, prof).passed
+
+
+@pytest.mark.parametrize("kind", ["mxfp4", "int4"])
+def test_w4a8_fp8_activations_at_gpt_oss_shape(kind):
+    """FP8 E4M3 activations with 1x128 FP32 scales (W4A8) x 4-bit weights, GEMM1 shape, 256 tokens."""
+    from fastpath.grouped_gemm_w4 import grouped_gemm_w4_contiguous
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    lay = _layout(256, gen)
+    w = _random_w4(kind, 2 * INTER, HIDDEN, gen)
+    rows = int(lay.m_indices.numel())
+    a8 = torch.randn((rows, HIDDEN), device="cuda", generator=gen).mul(64).to(torch.float8_e4m3fn)
+    sa = torch.rand((rows, -(-HIDDEN // 128)), device="cuda", generator=gen) * 0.01 + 0.001
+    a64 = a8.to(torch.float64) * sa.double().repeat_interleave(128, dim=1)[:, :HIDDEN]
+    got = grouped_gemm_w4_contiguous(a8, w, lay.m_indices, a_scales=sa)
+    _check(w, a64, lay.m_indices, got)
+    _check(w, a64, lay.m_indices, grouped_gemm_w4_contiguous(a8, w, lay.m_indices, a_scales=sa.roll(1, dims=1)),
+           expect_pass=False)
