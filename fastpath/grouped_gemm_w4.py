@@ -35,6 +35,11 @@ activations, as the bf16 Triton kernel; its ``contiguous_tree`` model, :func:`mo
   accumulation), then ``acc += part * s[n]`` in FP32. Each scaled node is a contiguous K range inside one
   scale block: the same model.
 
+* FP8 E4M3 activations with 1x128 FP32 scales (W4A8, GEMM level; the MoE layer runs W4A16): the codes are
+  widened exactly to bf16, one ``tl.dot`` per K tile (``block_k`` divides 128) whose FP32 result is multiplied
+  by the row's activation scale (and, INT4, the group scale) and added in FP32: again a scaled node inside
+  one scale block, two FP32 roundings at most.
+
 Bias: FP32 ``[E, N]`` added to the accumulator before the store (as :mod:`fastpath.grouped_gemm`).
 Activations: bf16 (the W4A16 kernels), or float32 (then ``tl.dot`` runs in IEEE FP32, never TF32: the
 profile is ``FP32_ACCUM`` with the output stored in float32). fp16 activations are refused (MXFP4 values
