@@ -93,13 +93,17 @@ def main(argv=None) -> int:
                 rows_out.append(dict(gemm=gemm, tokens=m, rows=real, kernel=label, ms=med,
                                      tflops=flops / med / 1e9, of_bf16=base / med))
                 print(f"{gemm} tokens={m} {label:34s} {med:8.3f} ms {flops / med / 1e9:7.1f} TFLOPS x{base / med:.2f}")
+            _write(args, rows_out)  # after every case: a run cut short keeps what it measured
         del weights, b16
+    return 0
+
+
+def _write(args, rows) -> None:
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
                 date=datetime.date.today().isoformat(), rounds=args.rounds)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(w4_meta=meta, w4=rows_out), f, indent=1)
-    return 0
+        json.dump(dict(w4_meta=meta, w4=rows), f, indent=1)
 
 
 if __name__ == "__main__":
