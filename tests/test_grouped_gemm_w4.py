@@ -232,3 +232,14 @@ def test_w4a8_fp8_activations_within_fp32_bound(name):
     valid = m_idx >= 0
     assert np.all((np.abs(run(sa) - ref) <= bound)[valid])
     assert np.any((np.abs(run(sa.roll(1, dims=1)) - ref) > bound)[valid])
+
+
+def test_registry_lists_the_w4_grouped_gemms_and_says_why_not():
+    from fastpath.grouped_gemm_w4 import W4Experts, grouped_gemm_w4_contiguous
+    from fastpath.registry import ImplementationUnavailable, get_implementation
+
+    w4 = W4Experts.from_quantized([quantize(np.ones((8, 32), np.float32), mxfp4())], DEV)
+    a = torch.zeros((16, 32), dtype=torch.bfloat16, device=DEV)
+    assert get_implementation("grouped_gemm_w4_contiguous", "triton", a=a, w=w4) is grouped_gemm_w4_contiguous
+    with pytest.raises(ImplementationUnavailable, match="float16"):
+        get_implementation("grouped_gemm_w4_masked", "triton", a=a.half(), w=w4)
