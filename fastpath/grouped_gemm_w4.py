@@ -35,7 +35,8 @@ activations, as the bf16 Triton kernel; its ``contiguous_tree`` model, :func:`mo
   accumulation), then ``acc += part * s[n]`` in FP32. Each scaled node is a contiguous K range inside one
   scale block: the same model.
 
-* FP8 E4M3 activations with 1x128 FP32 scales (W4A8, GEMM level; the MoE layer runs W4A16): the codes are
+* FP8 E4M3 activations with 1x128 FP32 scales (W4A8; in the layer ``w4_activations="float8_e4m3fn"``, profile
+  ``BF16_OUTPUT_FP32_ACT`` since the activation is then quantized from FP32, not stored in bf16): the codes are
   widened exactly to bf16, one ``tl.dot`` per K tile (``block_k`` divides 128) whose FP32 result is multiplied
   by the row's activation scale (and, INT4, the group scale) and added in FP32: again a scaled node inside
   one scale block, two FP32 roundings at most.

@@ -243,3 +243,35 @@ def test_registry_lists_the_w4_grouped_gemms_and_says_why_not():
     assert get_implementation("grouped_gemm_w4_contiguous", "triton", a=a, w=w4) is grouped_gemm_w4_contiguous
     with pytest.raises(ImplementationUnavailable, match="float16"):
         get_implementation("grouped_gemm_w4_masked", "triton", a=a.half(), w=w4)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_fastpath_moe_w4a8_layer_within_fp32_bound(layout):
+    """The MXFP4 gpt-oss layer with FP8 1x128 activations (W4A8: a1 and a2 quantized by fastpath.quant and the
+    fused swigluoai + FP8 kernel) and float32 hidden states and stores under the interpreter, against
+    run_moe with the same quantizers (FP32_ACCUM with the activation not stored); a neighbouring weight
+    scale block in w2 fails. On the GPU the declared profile is BF16_OUTPUT_FP32_ACT (bf16 stores)."""
+    from fastpath.moe import FastMoEWeights, fast_weights, fused_moe, profile_of, reference_config
+
+    rng = np.random.default_rng(17)
+    weights = _w4_layer("mxfp4", rng, 4, 256, 128, "interleaved", bias=True)
+    m, top = 7, 2
+    x = make_tokens(m, 256, seed=5)
+    ids = np.stack([rng.choice(4, top, replace=False) for _ in range(m)]).astype(np.int32)
+    tw = rng.random((m, top)).astype(np.float32)
+    fw = fast_weights(weights, DEV, w4_activations="float8_e4m3fn")
+    cfg = reference_config(fw)
+    assert cfg.pop("profile") == profile_of("triton", fw) == "BF16_OUTPUT_FP32_ACT"
+    kw = dict(activation="swigluoai", layout=layout, alignment=16, out_dtype=torch.float32)
+    got = fused_moe(torch.as_tensor(x, device=DEV), fw, torch.as_tensor(tw, device=DEV),
+                    torch.as_tensor(ids, device=DEV), **kw)
+    run = run_moe(x, weights, tw, ids, activation="swigluoai", quant=cfg["quant"], gemm1_out_dtype="float32",
+                  act_out_dtype="float32", out_dtype="float32")
+    prof = replace(PROFILES["FP32_ACCUM"], act_unit=PROFILES["BF16_OUTPUT_FP32_ACT"].act_unit)
+    rep = compare(got.cpu(), run, prof)
+    assert rep.passed, rep
+    bad = FastMoEWeights(fw.w13, replace(fw.w2, scales=fw.w2.scales.roll(1, dims=2)), fw.w13_layout, b13=fw.b13,
+                         b2=fw.b2, w4_activations="float8_e4m3fn")
+    got_bad = fused_moe(torch.as_tensor(x, device=DEV), bad, torch.as_tensor(tw, device=DEV),
+                        torch.as_tensor(ids, device=DEV), **kw)
+    assert not compare(got_bad.cpu(), run, prof).passed

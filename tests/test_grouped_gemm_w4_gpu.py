@@ -120,11 +120,13 @@ def test_w4_grouped_gemm_masked_layout_at_gpt_oss_shape(kind):
     _check(w, a.reshape(E * 128, -1), m_idx, got)
 
 
-@pytest.mark.parametrize("tokens,layout", [(1, "masked"), (3, "contiguous")])
-def test_gpt_oss_mxfp4_layer_within_declared_profile(tokens, layout):
+@pytest.mark.parametrize("tokens,layout,acts", [(1, "masked", "bfloat16"), (3, "contiguous", "bfloat16"),
+                                                (2, "contiguous", "float8_e4m3fn")])
+def test_gpt_oss_mxfp4_layer_within_declared_profile(tokens, layout, acts):
     """The gpt-oss-120b MoE layer (MXFP4 from checkpoint-layout blocks, swigluoai on interleaved w13,
-    biases, 128 experts, top-4) through fastpath.moe against the exact reference under BF16_OUTPUT; the same
-    layer with GEMM2 reading the neighbouring scale block fails."""
+    biases, 128 experts, top-4) through fastpath.moe against the exact reference under its declared profile
+    (W4A16: BF16_OUTPUT; W4A8, FP8 1x128 activations: BF16_OUTPUT_FP32_ACT); the same layer with GEMM2
+    reading the neighbouring scale block fails."""
     from fastpath.grouped_gemm_w4 import W4Experts
     from fastpath.moe import FastMoEWeights, fused_moe, profile_of, reference_config
     from moeref.compare import PROFILES, compare
@@ -145,7 +147,7 @@ def test_gpt_oss_mxfp4_layer_within_declared_profile(tokens, layout):
     b13 = rng.standard_normal((E, 2 * INTER)).astype(np.float32)
     b2 = rng.standard_normal((E, HIDDEN)).astype(np.float32)
     fw = FastMoEWeights(w13, w2, "interleaved", b13=torch.as_tensor(b13, device="cuda"),
-                        b2=torch.as_tensor(b2, device="cuda"))
+                        b2=torch.as_tensor(b2, device="cuda"), w4_activations=acts)
     ref_w = MoEWeights(r13, r2, "interleaved", b13, b2)
     x = torch.randn((tokens, HIDDEN), device="cuda").to(torch.bfloat16)
     ids = np.stack([rng.choice(E, TOP, replace=False) for _ in range(tokens)]).astype(np.int32)
@@ -154,13 +156,13 @@ def test_gpt_oss_mxfp4_layer_within_declared_profile(tokens, layout):
                     activation="swigluoai", layout=layout)
     cfg = reference_config(fw)
     prof = PROFILES[cfg.pop("profile")]
-    assert prof.name == profile_of("triton", fw) == "BF16_OUTPUT"
+    assert prof.name == profile_of("triton", fw) == ("BF16_OUTPUT" if acts == "bfloat16" else "BF16_OUTPUT_FP32_ACT")
     from moeref.moe import run_moe
 
     run_ref = run_moe(x.float().cpu().numpy(), ref_w, tw, ids, activation="swigluoai", **cfg)
     rep = compare(got.float().cpu(), run_ref, prof)
     assert rep.passed, rep
-    bad = FastMoEWeights(w13, replace(w2, scales=w2.scales.roll(1, dims=2)), "interleaved", b13=fw.b13, b2=fw.b2)
+    bad = replace(fw, w2=replace(w2, scales=w2.scales.roll(1, dims=2)))
     got_bad = fused_moe(x, bad, torch.as_tensor(tw, device="cuda"), torch.as_tensor(ids, device="cuda"),
                         activation="swigluoai", layout=layout)
     assert not compare(got_bad.float().cpu(), run_ref, prof).passed
