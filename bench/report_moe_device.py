@@ -52,6 +52,16 @@ def tables(data: dict) -> str:
         for r in data["bf16"]:
             out.append(f"| {r['gemm']} | {r['tiles']} | {r['triton_tflops']:.0f} | {r['grouped_mm_tflops']:.0f} | "
                        f"{r['ratio']:.2f} |")
+    if data.get("w4"):
+        w = data["w4_meta"]
+        out += ["", f"**4-bit weights (W4A16)**: `fastpath.grouped_gemm_w4` against the bf16 Triton grouped GEMM at "
+                f"gpt-oss-120b shapes (K 2880, 128 experts, top-4, contiguous layout, bf16 activations), measured on "
+                f"an {w['gpu']}, {w['date']}, torch {w['torch']}, triton {w['triton']}; median of {w['rounds']} "
+                "interleaved rounds, TFLOPS on the real rows:", "",
+                "| GEMM | tokens | kernel | ms | TFLOPS | x bf16 |", "|---|---|---|---|---|---|"]
+        for r in data["w4"]:
+            out.append(f"| {r['gemm']} | {r['tokens']} | {r['kernel']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+                       f"{r['of_bf16']:.2f} |")
     return "\n".join(out)
 
 

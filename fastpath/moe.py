@@ -23,7 +23,11 @@ GEMM and activation stores in the weights' dtype. Layouts ``"contiguous"`` (pref
 ``m_grouped_fp8_gemm_nt_masked``, or the Triton kernel over the ``E x max_m`` rows); ``expert_map`` (EP:
 the local experts' rows only; non-local slots contribute 0); token chunks (``chunk_size``); biases (added
 in FP32 in the Triton kernel's epilogue; DeepGEMM has none and refuses them); shared experts (one more
-expert, weight 1, added to the routed FP32 sum). Activations ``silu_and_mul`` and ``swigluoai``; router
+expert, weight 1, added to the routed FP32 sum). 4-bit weights (:class:`fastpath.grouped_gemm_w4.W4Experts`:
+MXFP4 incl. gpt-oss checkpoints, NVFP4, INT4 groups) run W4A16: bf16 hidden states, GEMM outputs and activation
+stored bf16, profile ``BF16_OUTPUT`` (float32 hidden states, the CI path: float32 stores, ``FP32_ACCUM``);
+``impl="triton"`` only; with ``w4_activations="float8_e4m3fn"`` (W4A8) the a1/a2 FP8 1x128 quantization of
+the FP8 layer, profile ``BF16_OUTPUT_FP32_ACT``. Activations ``silu_and_mul`` and ``swigluoai``; router
 weight on the input is refused with the reason (nothing is silently approximated).
 """
 from __future__ import annotations
@@ -36,6 +40,8 @@ import torch
 from moeref.gemm import StackedExperts
 
 from .grouped_gemm import PROFILE_OF, grouped_gemm_contiguous, grouped_gemm_supports
+from .grouped_gemm_w4 import PROFILE_OF as W4_PROFILE_OF
+from .grouped_gemm_w4 import W4Experts, w4_supports
 
 __all__ = ["FastMoEWeights", "fused_moe", "reference_config", "fast_weights"]
 
@@ -46,8 +52,9 @@ ACTIVATIONS = ("silu_and_mul", "swigluoai")
 class FastMoEWeights:
     """Expert weights as the GPU kernels take them: ``w13 [E, 2N, K]`` and ``w2 [E, K, N]``, either bf16/fp16/fp32
     tensors or float8_e4m3fn with FP32 128x128 block scales ``w13_scales [E, 2N/128, K/128]``,
-    ``w2_scales [E, K/128, N/128]`` (DeepGEMM's and vLLM's ``w1``/``w1_scale``); optional float32 biases
-    ``b13 [E, 2N]``, ``b2 [E, K]``."""
+    ``w2_scales [E, K/128, N/128]`` (DeepGEMM's and vLLM's ``w1``/``w1_scale``), or both
+    :class:`fastpath.grouped_gemm_w4.W4Experts` (MXFP4, NVFP4, INT4 groups: the W4A16 layer); optional
+    float32 biases ``b13 [E, 2N]``, ``b2 [E, K]``."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -56,23 +63,48 @@ class FastMoEWeights:
     w2_scales: torch.Tensor | None = None
     b13: torch.Tensor | None = None
     b2: torch.Tensor | None = None
+    w4_activations: str = "bfloat16"
+    """4-bit layers: ``"bfloat16"`` (W4A16) or ``"float8_e4m3fn"`` (W4A8: a1 and a2 quantized FP8 1x128 with FP32
+    scales, as the FP8 layer does; the activation is quantized from FP32 in the fused kernel)."""
+
+    def __post_init__(self):
+        if isinstance(self.w13, W4Experts) != isinstance(self.w2, W4Experts):
+            raise ValueError("w13 and w2 must both be 4-bit W4Experts or both tensors (mixed layers have no kernel)")
+        if self.w4_activations not in ("bfloat16", "float8_e4m3fn"):
+            raise ValueError(f"w4_activations must be 'bfloat16' or 'float8_e4m3fn'; got {self.w4_activations!r}")
+
+    @property
+    def fp8_activations(self) -> bool:
+        """Activations quantized FP8 1x128 (FP8 layers, and 4-bit layers with ``w4_activations`` FP8)."""
+        return self.fp8 or (self.w4 and self.w4_activations == "float8_e4m3fn")
+
+    @property
+    def w4(self) -> bool:
+        """4-bit weights (:class:`fastpath.grouped_gemm_w4.W4Experts`), run with bf16 activations (W4A16)."""
+        return isinstance(self.w13, W4Experts)
 
     @property
     def fp8(self) -> bool:
-        return self.w13.dtype == torch.float8_e4m3fn
+        return not self.w4 and self.w13.dtype == torch.float8_e4m3fn
 
     @property
     def num_experts(self) -> int:
         return int(self.w13.shape[0])
 
 
-def fast_weights(weights, device="cuda") -> FastMoEWeights:
+def fast_weights(weights, device="cuda", *, w4_activations: str = "bfloat16") -> FastMoEWeights:
     """:class:`FastMoEWeights` from a :class:`moeref.moe.MoEWeights` (or :class:`moeref.moe.SharedExperts`)
-    whose stacks are FP8 128x128 quantized experts with float32-representable scales, or float arrays."""
+    whose stacks are FP8 128x128 quantized experts with float32-representable scales, 4-bit experts (MXFP4,
+    NVFP4, INT4 groups: :meth:`fastpath.grouped_gemm_w4.W4Experts.from_quantized`; ``w4_activations`` picks
+    W4A16 or W4A8), or float arrays."""
     if hasattr(weights, "as_weights"):
         weights = weights.as_weights()
 
     def one(ws):
+        if isinstance(ws, W4Experts):
+            return ws.to(device), None
+        if isinstance(ws, (list, tuple)) and ws and hasattr(ws[0], "scheme") and ws[0].scheme.element in _W4_ELEMENTS:
+            return W4Experts.from_quantized(ws, device), None
         if isinstance(ws, list) and ws and hasattr(ws[0], "codes"):
             ws = StackedExperts.from_quantized(ws)
         if isinstance(ws, StackedExperts):
@@ -92,19 +124,27 @@ def fast_weights(weights, device="cuda") -> FastMoEWeights:
 
     w13, s13 = one(weights.w13)
     w2, s2 = one(weights.w2)
-    return FastMoEWeights(w13, w2, weights.w13_layout, s13, s2, bias(weights.b13), bias(weights.b2))
+    return FastMoEWeights(w13, w2, weights.w13_layout, s13, s2, bias(weights.b13), bias(weights.b2),
+                          w4_activations=w4_activations)
+
+
+_W4_ELEMENTS = ("e2m1", "int4", "uint4")
 
 
 def reference_config(weights: FastMoEWeights) -> dict:
     """The :func:`moeref.moe.run_moe` keyword arguments whose declared stores match this layer, and the
-    :mod:`moeref.compare` profile name under ``"profile"``."""
+    :mod:`moeref.compare` profile name under ``"profile"`` (4-bit layers: for bf16 hidden states; float32
+    hidden states store in float32 under ``FP32_ACCUM``)."""
     from moeref.moe import MoEQuant
     from moeref.quant import fp8_group
 
-    if weights.fp8:
+    if weights.fp8_activations:
         q = MoEQuant(fp8_group(), fp8_group(), "fp8 1x128")
         return dict(quant=q, gemm1_out_dtype="bfloat16", act_out_dtype="float32", out_dtype="bfloat16",
-                    profile="HOPPER_FP8_DEEPGEMM_DATA")
+                    profile="HOPPER_FP8_DEEPGEMM_DATA" if weights.fp8 else "BF16_OUTPUT_FP32_ACT")
+    if weights.w4:  # W4A16: bf16 activations, GEMM outputs and activation stored bf16 (W4A8: above)
+        return dict(gemm1_out_dtype="bfloat16", act_out_dtype="bfloat16", out_dtype="bfloat16",
+                    profile=W4_PROFILE_OF[("triton", weights.w13.kind)])
     store = str(weights.w13.dtype).replace("torch.", "")  # float layers store h and x in the weights' dtype
     return dict(gemm1_out_dtype=store, act_out_dtype=store, out_dtype="bfloat16", profile="BF16_OUTPUT")
 
@@ -133,7 +173,8 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
         if w.w13_layout != need:
             raise ValueError(f"the fused {activation} kernel reads w13 in the {need!r} layout; the weights are "
                              f"{w.w13_layout!r} (convert them with moeref.activations.convert_w13)")
-    ok, why = grouped_gemm_supports(impl, alignment=alignment if layout == "contiguous" else None)
+    supports = w4_supports if weights.w4 else grouped_gemm_supports
+    ok, why = supports(impl, alignment=alignment if layout == "contiguous" else None)
     if not ok:
         raise ValueError(why)
     if impl == "deep_gemm" and (weights.b13 is not None or weights.b2 is not None):
@@ -181,8 +222,11 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         src = torch.nn.functional.pad(lay.src, (0, pad), value=-1)
     rows = torch.where(src >= 0, torch.div(src, top_k, rounding_mode="floor"), torch.zeros_like(src)).reshape(-1)
     scheme = fp8_group()
-    store = torch.bfloat16 if weights.fp8 else weights.w13.dtype
-    if weights.fp8:
+    if weights.w4:  # W4A16 (float32 hidden states: the CI path, IEEE FP32 dot and float32 stores)
+        store = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+    else:
+        store = torch.bfloat16 if weights.fp8 else weights.w13.dtype
+    if weights.fp8_activations:
         qa = quantize(x, scheme)
         a = qa.codes.reshape(m, k).view(torch.float8_e4m3fn).index_select(0, rows)
         sa = qa.scales.reshape(m, -1).index_select(0, rows)
@@ -190,6 +234,16 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         a, sa = x.to(store).index_select(0, rows), None
 
     def gemm(a, b, sa, sb, bias):
+        if isinstance(b, W4Experts):
+            from fastpath.grouped_gemm_w4 import grouped_gemm_w4_contiguous, grouped_gemm_w4_masked
+
+            if layout == "contiguous":
+                return grouped_gemm_w4_contiguous(a, b, lay.m_indices, impl=impl, a_scales=sa, alignment=alignment,
+                                                  out_dtype=store, bias=bias)
+            e, mm = (int(d) for d in src.shape)
+            return grouped_gemm_w4_masked(a.reshape(e, mm, -1), b, lay.masked_m, impl=impl,
+                                          a_scales=None if sa is None else sa.reshape(e, mm, -1), out_dtype=store,
+                                          bias=bias).reshape(e * mm, -1)
         if layout == "contiguous":
             return grouped_gemm_contiguous(a, b, lay.m_indices, impl=impl, a_scales=sa, b_scales=sb,
                                            alignment=alignment, out_dtype=store, bias=bias)
@@ -199,7 +253,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
                                    expected_m=lay.expected_m, out_dtype=store, bias=bias).reshape(e * mm, -1)
 
     h = gemm(a, weights.w13, sa, weights.w13_scales, weights.b13)
-    if weights.fp8:
+    if weights.fp8_activations:
         fq = silu_and_mul_quant_fp8(h, scheme) if activation == "silu_and_mul" else \
             swigluoai_quant_fp8(h, scheme=scheme, **act_kw)
         n = int(h.shape[1]) // 2
@@ -216,4 +270,6 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
 
 def profile_of(impl: str, weights: FastMoEWeights) -> str:
     """The declared :mod:`moeref.compare` profile of ``impl`` on these weights."""
+    if weights.w4:
+        return "BF16_OUTPUT_FP32_ACT" if weights.fp8_activations else W4_PROFILE_OF[(impl, weights.w13.kind)]
     return PROFILE_OF[(impl, "fp8_block" if weights.fp8 else "float")]

@@ -43,13 +43,22 @@ Derivations (``u`` is a unit roundoff; ``2^-24`` round-to-nearest FP32, ``2^-23`
   ``k`` bf16 rows in ``scalar_t`` (each ``x += in[k]`` rounded to bf16; csrc/moe
   ``moe_sum_kernel``): :data:`~moeref.compare.BF16_OUTPUT` with ``reduce_unit = 2^-8``.
 
+* :data:`BF16_OUTPUT_FP32_ACT`: FP8 E4M3 activations (1x128 FP32 scales, a1 and a2) through a GEMM that
+  widens the codes exactly to bf16 and multiplies exactly decoded weights (the 4-bit W4A8 path of
+  ``fastpath.grouped_gemm_w4``): exact products, FP32 accumulation with every scale (activation block,
+  INT4 group, NVFP4 global factor) applied in FP32 to partial sums inside one scale block (at most two
+  roundings a product: the contiguous-tree model of :data:`~moeref.compare.BF16_OUTPUT`), bf16 GEMM
+  outputs; the activation is evaluated in FP32 and quantized to FP8 in the same kernel, never stored in
+  bf16 (``act_out_dtype=None``, ``act_unit`` of :data:`~moeref.compare.HOPPER_FP8_DEEPGEMM`, whose fused
+  activation kernel it is); FP32 top-k sum, bf16 output.
+
 Every profile keeps :class:`~moeref.compare.bounds.Profile`'s fields; none needed a new one.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
-from .bounds import BF16_OUTPUT, HOPPER_FP8_DEEPGEMM_DATA, PROFILES, U_BF16, U_FP32, Profile
+from .bounds import BF16_OUTPUT, HOPPER_FP8_DEEPGEMM, HOPPER_FP8_DEEPGEMM_DATA, PROFILES, U_BF16, U_FP32, Profile
 
 __all__ = [
     "DEEPGEMM_FP8",
@@ -58,6 +67,7 @@ __all__ = [
     "CUTLASS_BF16_GROUPED_MM",
     "TORCH_EAGER_BF16",
     "VLLM_MOE_SUM_BF16",
+    "BF16_OUTPUT_FP32_ACT",
     "KERNEL_PROFILES",
     "get_profile",
     "suggest_profile",
@@ -92,8 +102,14 @@ VLLM_MOE_SUM_BF16 = replace(
     description="vLLM Triton fused_moe + ops.moe_sum: FP32 accumulation, bf16 caches, router weight in "
     "GEMM2's epilogue, top-k 2-4 rows summed in bf16, bf16 output")
 
+BF16_OUTPUT_FP32_ACT = replace(
+    BF16_OUTPUT, name="BF16_OUTPUT_FP32_ACT", act_out_dtype=None, act_unit=HOPPER_FP8_DEEPGEMM.act_unit,
+    description="FP8 1x128 activations widened exactly x exactly decoded weights (4-bit W4A8), FP32 accumulation "
+    "with scales on partial sums inside a scale block, bf16 GEMM outputs, the activation quantized from FP32 "
+    "(no bf16 store), FP32 top-k sum, bf16 output")
+
 KERNEL_PROFILES = {p.name: p for p in (DEEPGEMM_FP8, CUBLAS_FP8, CUBLAS_FP8_FAST_ACCUM, CUTLASS_BF16_GROUPED_MM,
-                                       TORCH_EAGER_BF16, VLLM_MOE_SUM_BF16)}
+                                       TORCH_EAGER_BF16, VLLM_MOE_SUM_BF16, BF16_OUTPUT_FP32_ACT)}
 PROFILES.update(KERNEL_PROFILES)  # one name table: moeref.compare.PROFILES
 
 

@@ -1,0 +1,110 @@
+"""Benchmark: the 4-bit-weight (W4A16) Triton grouped GEMMs against the bf16 Triton grouped GEMM, gpt-oss-120b shapes.
+
+gpt-oss-120b MoE (hidden 2880, intermediate 2880, 128 experts, top-4): GEMM1 ``N = 5760, K = 2880`` and GEMM2
+``N = 2880, K = 2880`` on the contiguous layout (128-row expert segments) of a random top-4 routing, bf16
+activations. Weights: random codes and scales made on the GPU (MXFP4 E8M0 / 32, NVFP4 UE4M3 / 16 + global, INT4
+groups of 128 with FP32 scales) and random bf16 weights for the baseline. Times each kernel with CUDA events
+(median of interleaved rounds; each sample the mean of 3 launches after one warm-up); TFLOPS count the real
+rows only (``2 * rows * N * K``). JSON to ``--out`` under the keys ``w4_meta`` and ``w4`` (merged into
+docs/moe-gpu.md by bench/report_moe_device.py).
+
+    python bench/bench_w4_gemm.py [--tokens 64 1024 8192] [--rounds 5] [--out bench_out/moe_device_w4.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from fastpath import dispatch  # noqa: E402
+from fastpath.grouped_gemm import GemmTiles, grouped_gemm_contiguous  # noqa: E402
+from fastpath.grouped_gemm_w4 import W4Experts, grouped_gemm_w4_contiguous  # noqa: E402
+
+E, K, TOP = 128, 2880, 4
+
+
+def random_w4(kind: str, n: int, gen) -> W4Experts:
+    codes = torch.randint(0, 256, (E, n, K // 2), dtype=torch.uint8, device="cuda", generator=gen)
+    if kind == "mxfp4":
+        return W4Experts("mxfp4", codes, torch.randint(118, 124, (E, n, K // 32), dtype=torch.uint8, device="cuda",
+                                                       generator=gen), 32, 1, K)
+    if kind == "nvfp4":
+        return W4Experts("nvfp4", codes, torch.randint(0x20, 0x60, (E, n, K // 16), dtype=torch.uint8, device="cuda",
+                                                       generator=gen), 16, 1, K,
+                         torch.ones(E, device="cuda"), torch.full((E,), 2688.0, device="cuda"))
+    return W4Experts("int4", codes, torch.rand((E, n, -(-K // 128)), device="cuda", generator=gen) * 0.01, 128, 1, K)
+
+
+def _event_ms(fn, reps: int = 3) -> float:
+    fn()
+    torch.cuda.synchronize()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    ev[0].record()
+    for _ in range(reps):
+        fn()
+    ev[1].record()
+    torch.cuda.synchronize()
+    return ev[0].elapsed_time(ev[1]) / reps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[64, 1024, 8192])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default="bench_out/moe_device_w4.json")
+    ap.add_argument("--tiles", nargs="*", default=["64,128,128,4,3", "128,128,128,8,3", "64,64,128,4,4"],
+                    help="W4 tiles to try: block_m,block_n,block_k,warps,stages")
+    args = ap.parse_args(argv)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tiles = [GemmTiles(*(int(v) for v in t.split(","))) for t in args.tiles]
+    rows_out = []
+    for gemm, n in (("gemm1", 5760), ("gemm2", 2880)):
+        weights = {kind: random_w4(kind, n, gen) for kind in ("mxfp4", "nvfp4", "int4")}
+        b16 = (torch.randn((E, n, K), device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+        for m in args.tokens:
+            ids = torch.rand((m, E), device="cuda", generator=gen).topk(TOP, dim=1).indices.to(torch.int32)
+            lay = dispatch.to_contiguous(None, ids, E, 128)
+            a = torch.randn((int(lay.m_indices.numel()), K), device="cuda", generator=gen).to(torch.bfloat16)
+            real = m * TOP
+            fns = {"bf16 triton": lambda: grouped_gemm_contiguous(a, b16, lay.m_indices, impl="triton")}
+            for kind, w in weights.items():
+                for t in tiles:
+                    fns[f"{kind} {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}"] = (
+                        lambda w=w, t=t: grouped_gemm_w4_contiguous(a, w, lay.m_indices, tiles=t))
+            times: dict = {}
+            for _ in range(args.rounds):
+                for label, fn in fns.items():
+                    try:
+                        times.setdefault(label, []).append(_event_ms(fn))
+                    except Exception as e:  # a tile that does not fit: recorded, not fatal
+                        times[label] = [float("nan")]
+                        print(label, "failed:", type(e).__name__, str(e)[:120])
+            base = statistics.median(times["bf16 triton"])
+            flops = 2 * real * n * K
+            for label, v in times.items():
+                med = statistics.median(v)
+                rows_out.append(dict(gemm=gemm, tokens=m, rows=real, kernel=label, ms=med,
+                                     tflops=flops / med / 1e9, of_bf16=base / med))
+                print(f"{gemm} tokens={m} {label:34s} {med:8.3f} ms {flops / med / 1e9:7.1f} TFLOPS x{base / med:.2f}")
+            _write(args, rows_out)  # after every case: a run cut short keeps what it measured
+        del weights, b16
+    return 0
+
+
+def _write(args, rows) -> None:
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
+                date=datetime.date.today().isoformat(), rounds=args.rounds)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(w4_meta=meta, w4=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
