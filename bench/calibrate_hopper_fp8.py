@@ -144,7 +144,7 @@ def _sync(dev) -> None:
         torch.cuda.synchronize()
 
 
-def run_gpu(out_dir: str) -> None:
+def run_gpu(out_dir: str, seed: int = 0) -> None:
     import os
 
     import torch
@@ -152,13 +152,13 @@ def run_gpu(out_dir: str) -> None:
 
     dev = torch.device(os.environ.get("CALIBRATE_DEVICE", "cuda"))
     meta = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__, "triton": triton.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "digests": {}}
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "digests": {}, "seed": seed}
 
     def f8(x):
         return torch.from_numpy(np.ascontiguousarray(x).view(np.uint8)).to(dev).view(torch.float8_e4m3fn)
 
     probes = {}
-    for name, (a, b, c) in probe_designs().items():
+    for name, (a, b, c) in probe_designs(seed).items():
         k = a.shape[1]
         d = torch.full((PROBE_TILES, 64, 64), float("nan"), dtype=torch.float32, device=dev)
         ct = torch.from_numpy(c).to(dev) if c is not None else d
@@ -178,7 +178,7 @@ def run_gpu(out_dir: str) -> None:
         import deep_gemm  # noqa: F401  (fails loudly when the build is missing)
 
     outs = {}
-    for name, a, sa, b, sb, m_idx in verify_sets():
+    for name, a, sa, b, sb, m_idx in verify_sets(seed + 1):
         meta["digests"][name] = _digest(a, sa, b, sb, m_idx)
         at, bt = f8(a), f8(b)
         sat, sbt = torch.from_numpy(sa).to(dev), torch.from_numpy(sb).to(dev)
@@ -231,13 +231,13 @@ def fit(probes, designs, models, sample: int = 4096):
     return rows, sample * len(prepared)
 
 
-def verify(out, model, promotions=("deepgemm", "a_then_b", "separate")):
+def verify(out, model, promotions=("deepgemm", "a_then_b", "separate"), seed: int = 1):
     import ml_dtypes
 
     from moeref.gemm.hopper_fp8 import _bf16, deepgemm_block_accumulators, promote
 
     res = {}
-    for name, a, sa, b, sb, m_idx in verify_sets():
+    for name, a, sa, b, sb, m_idx in verify_sets(seed):
         accs = {}
         for e in np.unique(m_idx[m_idx >= 0]):
             rows = np.nonzero(m_idx == e)[0]
@@ -261,17 +261,24 @@ def verify(out, model, promotions=("deepgemm", "a_then_b", "separate")):
     return res
 
 
-def run_fit(d: str, json_out: str | None, quick: bool) -> None:
+def run_fit(d: str, json_out: str | None, quick: bool, no_grid: bool = False) -> None:
     import os
 
     probes = dict(np.load(os.path.join(d, "probes.npz")))
     meta = json.load(open(os.path.join(d, "meta.json")))
-    designs = probe_designs()
+    seed = int(meta.get("seed", 0))
+    designs = probe_designs(seed)
     for name, (a, b, c) in designs.items():
         dg = _digest(a, b) if c is None else _digest(a, b, c)
         if dg != meta["digests"][name]:
             raise SystemExit(f"probe inputs {name} differ from the GPU's (digest {dg} != {meta['digests'][name]})")
-    rows, total = fit(probes, designs, candidate_models(), sample=1024)
+    if no_grid:  # confirm the calibrated model on fresh data
+        from moeref.gemm.hopper_fp8 import HOPPER_FP8_MMA
+
+        models = [HOPPER_FP8_MMA]
+    else:
+        models = list(candidate_models())
+    rows, total = fit(probes, designs, models, sample=1024)
     print(f"fit: {total} probe outputs per model; best 10:")
     for score, mdl, per in rows[:10]:
         print(f"  {score}/{total}  {mdl}  {per}")
@@ -285,22 +292,60 @@ def run_fit(d: str, json_out: str | None, quick: bool) -> None:
         pred = mma_accumulate(a64, b64, best, c=None if c is None else c.astype(np.float64))
         full[name] = {"outputs": int(pred.size), "mismatches": int(np.sum(pred != probes[name]))}
     print("best model on every probe output:", full)
-    result = {"gpu": meta["gpu"], "date": meta["date"], "probe_total": total,
+    result = {"gpu": meta["gpu"], "date": meta["date"], "seed": seed, "probe_total": total,
               "best": {"model": best.__dict__, "score": rows[0][0], "per_design": rows[0][2]},
               "best_on_all_probes": full, "probe_ptx": meta.get("probe_ptx"),
               "repeat_identical": meta.get("repeat_identical"),
               "runner_up": [{"model": m.__dict__, "score": s} for s, m, _ in rows[1:6]]}
     if not quick:
         out = dict(np.load(os.path.join(d, "verify.npz")))
-        for name, a, sa, b, sb, m_idx in verify_sets():
+        for name, a, sa, b, sb, m_idx in verify_sets(seed + 1):
             if _digest(a, sa, b, sb, m_idx) != meta["digests"][name]:
                 raise SystemExit(f"verification inputs {name} differ from the GPU's")
-        result["verify"] = verify(out, best)
+        result["verify"] = verify(out, best, seed=seed + 1)
         for k, v in result["verify"].items():
             print(f"  {k}: {v['mismatches']} / {v['elements']} mismatches")
     if json_out:
         with open(json_out, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def _model_text(m: dict) -> str:
+    return (f"group {m['group']}, align {m['align_bits']} bits ({m['align_rounding']}, {m['align_exponent']} "
+            f"exponents), normalise to {m['norm_bits']} bits ({m['norm_rounding']})")
+
+
+def markdown(results: list) -> str:
+    """The docs tables (docs/hopper-fp8-accumulation.md) from one or more ``--json`` results."""
+    out = []
+    for r in results:
+        probes = r["best_on_all_probes"]
+        n_p = sum(v["outputs"] for v in probes.values())
+        m_p = sum(v["mismatches"] for v in probes.values())
+        out += [f"**{r['gpu']}, {r['date']}, inputs from seed {r.get('seed', 0)}**", "",
+                f"Raw wgmma accumulators (12 probe designs, K = 32 and 128, with and without C): "
+                f"{m_p} mismatches in {n_p:,} with the model ({_model_text(r['best']['model'])}).", ""]
+        if r.get("runner_up"):
+            out += ["| candidate model (search on 1024 outputs per design) | exactly reproduced |", "|---|---|",
+                    f"| {_model_text(r['best']['model'])} | {r['best']['score']} / {r['probe_total']} |"]
+            out += [f"| {_model_text(x['model'])} | {x['score']} / {r['probe_total']} |" for x in r["runner_up"][:4]]
+            out.append("")
+        ver = r.get("verify", {})
+        sets = list(dict.fromkeys(k.split("/")[1] for k in ver))
+        out += ["| kernel, data set | outputs | mismatches, `deepgemm` promotion | `a_then_b` | `separate` |",
+                "|---|---|---|---|---|"]
+        for impl in ("deep_gemm", "triton"):
+            for name in sets:
+                cells = [ver.get(f"{impl}/{name}/{p}") for p in ("deepgemm", "a_then_b", "separate")]
+                if cells[0] is None:
+                    continue
+                out.append(f"| {impl}, {name} | {cells[0]['elements']:,} | " + " | ".join(str(c["mismatches"]) for c in cells) + " |")
+            tot = sum(ver[f"{impl}/{n}/deepgemm"]["elements"] for n in sets if f"{impl}/{n}/deepgemm" in ver)
+            if tot:
+                sums = [sum(ver[f"{impl}/{n}/{p}"]["mismatches"] for n in sets) for p in ("deepgemm", "a_then_b", "separate")]
+                out.append(f"| **{impl}, all** | **{tot:,}** | " + " | ".join(f"**{v}**" for v in sums) + " |")
+        out.append("")
+    return "\n".join(out)
 
 
 def main(argv=None) -> None:
@@ -309,11 +354,16 @@ def main(argv=None) -> None:
     p.add_argument("--fit", metavar="DIR", help="fit the model to DIR's probes and verify (CPU)")
     p.add_argument("--json", help="write the fit/verification result here")
     p.add_argument("--quick", action="store_true", help="fit only, no verification")
+    p.add_argument("--markdown", nargs="+", metavar="JSON", help="print the docs tables of --json results")
+    p.add_argument("--no-grid", action="store_true", help="--fit: no search, the calibrated HOPPER_FP8_MMA only")
+    p.add_argument("--seed", type=int, default=0, help="--gpu: probes from this seed, verification data from seed + 1")
     args = p.parse_args(argv)
-    if args.gpu:
-        run_gpu(args.gpu)
+    if args.markdown:
+        print(markdown([json.load(open(f)) for f in args.markdown]))
+    elif args.gpu:
+        run_gpu(args.gpu, args.seed)
     elif args.fit:
-        run_fit(args.fit, args.json, args.quick)
+        run_fit(args.fit, args.json, args.quick, args.no_grid)
     else:
         p.error("give --gpu OUT or --fit DIR")
 

@@ -43,7 +43,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["MmaModel", "HOPPER_FP8_MMA", "mma_accumulate", "operand_exponents", "round_significand", "fp32_fma",
-           "deepgemm_block_accumulators", "promote", "deepgemm_fp8_gemm", "deepgemm_grouped_contiguous"]
+           "deepgemm_block_accumulators", "promote", "deepgemm_fp8_gemm", "deepgemm_grouped_contiguous",
+           "deepgemm_engine"]
 
 _ROUNDINGS = ("trunc", "floor", "nearest")
 
@@ -311,3 +312,45 @@ def deepgemm_grouped_contiguous(a, sa, b, sb, m_indices, model: MmaModel = HOPPE
     if out_dtype != "bfloat16":
         raise ValueError(f"out_dtype must be 'bfloat16' or 'float32'; got {out_dtype!r}")
     return _bf16(out)
+
+
+def _check_deepgemm_operands(a, w):
+    from .exact import as_operand
+
+    a = as_operand(a, "a")
+    w = as_operand(w, "w")
+    m, k = a.shape
+    n = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"a has K={k} but w has K={w.shape[1]}")
+    if k % 128:
+        raise ValueError(f"DeepGEMM's FP8 GEMM needs K to be a multiple of 128; got K={k}")
+    if not (a.quantized and w.quantized):
+        raise ValueError("the DeepGEMM emulation needs quantized E4M3 operands (got a float operand)")
+    if a.block[1] != 128 or (a.block[0] != 1 and m > 1):
+        raise ValueError(f"a must have 1x128 scale blocks (DeepGEMM's activations); got blocks {a.block}")
+    if w.block != (min(128, n), 128) and not (w.block[0] == 128 and w.block[1] == 128):
+        raise ValueError(f"w must have 128x128 scale blocks (DeepGEMM's weights); got blocks {w.block}")
+    return a, w
+
+
+def deepgemm_engine(model: MmaModel = HOPPER_FP8_MMA, promotion: str = "deepgemm"):
+    """A GEMM engine ``(a, w) -> FP32 [M, N]`` (float64 array of FP32 values) for
+    :func:`moeref.gemm.expert_rows_gemm` and :func:`moeref.moe.run_moe` (``gemm=``): DeepGEMM's FP8 GEMM
+    on block operands (:class:`moeref.gemm.BlockOperand`: E4M3 elements, ``a`` with 1x128 scales, ``w``
+    with 128x128 scales; scales rounded to FP32 as the kernel reads them), predicted bit for bit before
+    the output store. ``promotion="a_then_b"``: our Triton kernel's promotion (:func:`promote`)."""
+    if promotion not in _PROMOTIONS:
+        raise ValueError(f"promotion must be one of {_PROMOTIONS}; got {promotion!r}")
+
+    def gemm(a, w):
+        a, w = _check_deepgemm_operands(a, w)
+        n = w.shape[0]
+        acc = deepgemm_block_accumulators(a.values, w.values, model)
+        sa = np.asarray(a.scales, dtype=np.float64)
+        if sa.shape[0] == 1 and a.shape[0] > 1:
+            sa = np.repeat(sa, a.shape[0], axis=0)
+        sb = np.repeat(np.asarray(w.scales, dtype=np.float64), w.block[0], axis=0)[:n]
+        return promote(acc, sa, sb, promotion)
+
+    return gemm
