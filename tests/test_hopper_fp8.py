@@ -149,3 +149,82 @@ def test_bad_input_is_rejected():
     with pytest.raises(ValueError, match="m_indices"):
         deepgemm_grouped_contiguous(np.ones((1, 128)), np.ones((1, 1)), np.ones((1, 128, 128)), np.ones((1, 1, 1)),
                                     np.array([3]))
+
+
+def _fp8_case(seed=0):
+    import ml_dtypes
+
+    from moeref.compare.faults import LayerCase
+    from moeref.moe import MoEQuant, make_layer, make_tokens, quantize_weights
+    from moeref.quant import fp8_block, fp8_group
+    from moeref.routing import softmax_topk
+
+    r = softmax_topk(np.random.default_rng(seed + 2).standard_normal((16, 4)), 2, renormalize=True)
+    lw = quantize_weights(make_layer(4, 256, 256, seed=seed), fp8_block())
+    opts = dict(out_dtype=ml_dtypes.bfloat16, quant=MoEQuant(fp8_group(128), fp8_group(128), "fp8 1x128 x 128x128"))
+    return LayerCase(make_tokens(16, 256, seed=seed + 1, dtype=ml_dtypes.bfloat16), lw, r.weights, r.ids, opts)
+
+
+def test_exact_profile_passes_the_emulated_kernel_and_catches_subtle_faults():
+    from moeref.compare import compare
+    from moeref.compare.bounds import DEEPGEMM_FP8_EXACT
+    from moeref.compare.faults import HONEST_DEEPGEMM, reference, subtle_faults
+    from moeref.gemm.hopper_fp8 import deepgemm_engine
+
+    case = _fp8_case()
+    ref = reference(case)
+    for name, make in HONEST_DEEPGEMM.items():
+        assert compare(make(case), ref, DEEPGEMM_FP8_EXACT).passed, name
+    faults = subtle_faults(deepgemm_engine())
+    for name in ("GEMM2 output truncated to bf16 (round toward zero)", "router weights rounded to bf16",
+                 "bf16 accumulator in both GEMMs"):
+        assert not compare(faults[name](case), ref, DEEPGEMM_FP8_EXACT).passed, name
+
+
+def test_grouped_gemm_report_compares_by_equality():
+    import ml_dtypes
+
+    from moeref.quant import fp8_block, fp8_group, quantize
+    from moeref.testing import grouped_gemm_report
+
+    rng = np.random.default_rng(0)
+    a = quantize(rng.standard_normal((128, 256)).astype(np.float32), fp8_group(128))
+    w = [quantize(rng.standard_normal((128, 256)).astype(np.float32), fp8_block())]
+    m_idx = np.zeros(128, dtype=np.int32)
+    out = deepgemm_grouped_contiguous(a.element_values(), a.scale_values(), np.asarray(w[0].element_values())[None],
+                                      np.asarray(w[0].scale_values())[None], m_idx)
+    rep = grouped_gemm_report(out, a, w, "DEEPGEMM_FP8_EXACT", m_indices=m_idx)
+    assert rep.passed
+    bad = out.copy()
+    bits = bad.view(np.uint16)
+    bits[3, 5] ^= 1  # one bf16 ulp in one element
+    rep = grouped_gemm_report(bad.astype(ml_dtypes.bfloat16), a, w, "DEEPGEMM_FP8_EXACT", m_indices=m_idx)
+    assert not rep.passed and int(rep.violations.sum()) == 1
+
+
+def _bench(name):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "bench", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_docs_tables_are_generated_from_the_committed_json():
+    """docs/hopper-fp8-accumulation.md's calibration and power tables are the scripts' --markdown output
+    of bench/results/hopper_fp8_calibration*.json and oracle_power_exact.json."""
+    import json
+    import os
+
+    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    doc = open(os.path.join(root, "docs", "hopper-fp8-accumulation.md")).read()
+    files = sorted(f for f in os.listdir(os.path.join(root, "bench", "results")) if f.startswith("hopper_fp8_calibration"))
+    cal = _bench("calibrate_hopper_fp8").markdown([json.load(open(os.path.join(root, "bench", "results", f)))
+                                                    for f in files])
+    assert cal.strip() in doc, "run bench/calibrate_hopper_fp8.py --markdown bench/results/hopper_fp8_calibration*.json"
+    power = _bench("bench_oracle_power").markdown(json.load(open(os.path.join(root, "bench", "results",
+                                                                              "oracle_power_exact.json"))))
+    assert power.strip() in doc, "run bench/bench_oracle_power.py --from-json bench/results/oracle_power_exact.json"
