@@ -134,10 +134,11 @@ def measure(args) -> dict:
                     exact_group = group.endswith("-deepgemm")
                     if exact_group != (prof in EXACT_PROFILES) and group != "gross":
                         continue
-                    if group.startswith("honest") and not exact_group and (group == "honest-hopper") != prof.startswith("HOPPER"):
+                    if (group.startswith("honest") and not exact_group
+                            and (group == "honest-hopper") != prof.startswith("HOPPER")):
                         continue
-                    rows.append(dict(kind=kind, seed=seed, profile=prof, bounds=which, group=group.split("-deepgemm")[0],
-                                     name=name,
+                    rows.append(dict(kind=kind, seed=seed, profile=prof, bounds=which,
+                                     group=group.split("-deepgemm")[0], name=name,
                                      bound_seconds=secs, **_ratio_stats(cand, ref.output, bound)))
                 rows.append(dict(kind=kind, seed=seed, profile=prof, bounds=which, group="bound", name="bound",
                                  bound_seconds=secs, median_bound_over_output=float(

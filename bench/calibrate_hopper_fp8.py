@@ -59,9 +59,11 @@ def probe_designs(seed: int = 0):
     for k in (32, 128):
         rows = t * 64
         out[f"uniform_k{k}"] = (_random_codes(rng, (rows, k)), _random_codes(rng, (rows, k)), None)
-        out[f"gauss_k{k}"] = (_e4m3(rng.standard_normal((rows, k)) * 64), _e4m3(rng.standard_normal((rows, k)) * 64), None)
+        out[f"gauss_k{k}"] = (_e4m3(rng.standard_normal((rows, k)) * 64), _e4m3(rng.standard_normal((rows, k)) * 64),
+                              None)
         a = rng.standard_normal((rows, k)) * 2.0 ** rng.integers(-6, 3, size=(rows, 1))
-        a[np.arange(rows), rng.integers(0, k, size=rows)] = rng.choice([-1, 1], size=rows) * rng.uniform(100, 448, size=rows)
+        big = rng.choice([-1, 1], size=rows) * rng.uniform(100, 448, size=rows)
+        a[np.arange(rows), rng.integers(0, k, size=rows)] = big
         out[f"outlier_k{k}"] = (_e4m3(a), _e4m3(rng.standard_normal((rows, k)) * 8), None)
         out[f"positive_k{k}"] = (_e4m3(np.abs(rng.standard_normal((rows, k))) * 32),
                                  _e4m3(np.abs(rng.standard_normal((rows, k))) * 32), None)
@@ -151,7 +153,8 @@ def run_gpu(out_dir: str, seed: int = 0) -> None:
     from fastpath.grouped_gemm import grouped_gemm_contiguous
 
     dev = torch.device(os.environ.get("CALIBRATE_DEVICE", "cuda"))
-    meta = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__, "triton": triton.__version__,
+    meta = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+            "triton": triton.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "digests": {}, "seed": seed}
 
     def f8(x):
@@ -339,10 +342,12 @@ def markdown(results: list) -> str:
                 cells = [ver.get(f"{impl}/{name}/{p}") for p in ("deepgemm", "a_then_b", "separate")]
                 if cells[0] is None:
                     continue
-                out.append(f"| {impl}, {name} | {cells[0]['elements']:,} | " + " | ".join(str(c["mismatches"]) for c in cells) + " |")
+                out.append(f"| {impl}, {name} | {cells[0]['elements']:,} | "
+                           + " | ".join(str(c["mismatches"]) for c in cells) + " |")
             tot = sum(ver[f"{impl}/{n}/deepgemm"]["elements"] for n in sets if f"{impl}/{n}/deepgemm" in ver)
             if tot:
-                sums = [sum(ver[f"{impl}/{n}/{p}"]["mismatches"] for n in sets) for p in ("deepgemm", "a_then_b", "separate")]
+                sums = [sum(ver[f"{impl}/{n}/{p}"]["mismatches"] for n in sets)
+                        for p in ("deepgemm", "a_then_b", "separate")]
                 out.append(f"| **{impl}, all** | **{tot:,}** | " + " | ".join(f"**{v}**" for v in sums) + " |")
         out.append("")
     return "\n".join(out)

@@ -221,7 +221,8 @@ def test_docs_tables_are_generated_from_the_committed_json():
 
     root = os.path.join(os.path.dirname(__file__), os.pardir)
     doc = open(os.path.join(root, "docs", "hopper-fp8-accumulation.md")).read()
-    files = sorted(f for f in os.listdir(os.path.join(root, "bench", "results")) if f.startswith("hopper_fp8_calibration"))
+    results = os.path.join(root, "bench", "results")
+    files = sorted(f for f in os.listdir(results) if f.startswith("hopper_fp8_calibration"))
     cal = _bench("calibrate_hopper_fp8").markdown([json.load(open(os.path.join(root, "bench", "results", f)))
                                                     for f in files])
     assert cal.strip() in doc, "run bench/calibrate_hopper_fp8.py --markdown bench/results/hopper_fp8_calibration*.json"

@@ -95,8 +95,8 @@ def test_wgmma_accumulator_is_emulated_bit_for_bit():
     seen = []
 
     @settings(max_examples=60, deadline=None)
-    @given(st.integers(0, 2**31), st.sampled_from([32, 64, 128]), st.sampled_from(["normal", "outliers", "positive", "codes"]),
-           st.booleans())
+    @given(st.integers(0, 2**31), st.sampled_from([32, 64, 128]),
+           st.sampled_from(["normal", "outliers", "positive", "codes"]), st.booleans())
     def run(seed, k, kind, use_c):
         rng = np.random.default_rng(seed)
         a, b = _values(rng, (64, k), kind), _values(rng, (64, k), kind)
