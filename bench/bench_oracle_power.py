@@ -36,7 +36,10 @@ import numpy as np
 
 KINDS = ("bf16+bias", "bf16-gelu", "fp8")
 PROFILES_OF = {"bf16+bias": ("BF16_OUTPUT",), "bf16-gelu": ("BF16_OUTPUT",),
-               "fp8": ("BF16_OUTPUT", "HOPPER_FP8_DEEPGEMM_DATA")}
+               "fp8": ("BF16_OUTPUT", "HOPPER_FP8_DEEPGEMM_DATA", "DEEPGEMM_FP8_EXACT")}
+EXACT_PROFILES = ("DEEPGEMM_FP8_EXACT",)
+"""Equality-level profiles of a known kernel: measured on the subtle faults planted into that kernel's
+emulated layer (``subtle_faults(deepgemm_engine())``) and on its honest variants (``HONEST_DEEPGEMM``)."""
 
 
 def make_case(kind: str, seed: int, hidden: int, inter: int, experts: int, tokens: int):
@@ -77,6 +80,8 @@ def bounds_for(args) -> dict:
     for kind, seed in _cases(args):
         ref = reference(make_case(kind, seed, args.hidden, args.inter, args.experts, args.tokens))
         for prof in PROFILES_OF[kind]:
+            if prof not in PROFILES or prof not in args.profiles:  # an older checkout, or not asked for
+                continue
             t0 = time.perf_counter()
             b = layer_bound(ref, PROFILES[prof]).bound
             out[(kind, seed, prof)] = (b, time.perf_counter() - t0)
@@ -95,6 +100,13 @@ def _ratio_stats(cand, output, bound) -> dict:
 def measure(args) -> dict:
     from moeref.compare.faults import FAULTS, HONEST_BF16, HONEST_HOPPER, SUBTLE_FAULTS, reference
 
+    try:  # checkouts before the DeepGEMM emulation have no exact profile
+        from moeref.compare.faults import HONEST_DEEPGEMM, subtle_faults
+        from moeref.gemm.hopper_fp8 import deepgemm_engine
+        exact_tables = (("subtle-deepgemm", subtle_faults(deepgemm_engine())), ("honest-deepgemm", HONEST_DEEPGEMM))
+    except ImportError:
+        exact_tables = ()
+
     bounds = {"current": bounds_for(args)}
     if args.baseline:
         bounds["baseline"] = _baseline_bounds(args)
@@ -103,8 +115,11 @@ def measure(args) -> dict:
         case = make_case(kind, seed, args.hidden, args.inter, args.experts, args.tokens)
         ref = reference(case)
         cands = {}
-        for group, table in (("subtle", SUBTLE_FAULTS), ("gross", FAULTS), ("honest-bf16", HONEST_BF16),
-                             ("honest-hopper", HONEST_HOPPER)):
+        tables = (("subtle", SUBTLE_FAULTS), ("gross", FAULTS), ("honest-bf16", HONEST_BF16),
+                  ("honest-hopper", HONEST_HOPPER))
+        if kind == "fp8" and any(p in PROFILES_OF[kind] for p in EXACT_PROFILES):
+            tables += exact_tables
+        for group, table in tables:
             for name, make in table.items():
                 try:
                     cands[(group, name)] = make(case)
@@ -112,11 +127,18 @@ def measure(args) -> dict:
                     continue
         for prof in PROFILES_OF[kind]:
             for which, table in bounds.items():
+                if (kind, seed, prof) not in table:
+                    continue
                 bound, secs = table[(kind, seed, prof)]
                 for (group, name), cand in cands.items():
-                    if group.startswith("honest") and (group == "honest-hopper") != prof.startswith("HOPPER"):
+                    exact_group = group.endswith("-deepgemm")
+                    if exact_group != (prof in EXACT_PROFILES) and group != "gross":
                         continue
-                    rows.append(dict(kind=kind, seed=seed, profile=prof, bounds=which, group=group, name=name,
+                    if (group.startswith("honest") and not exact_group
+                            and (group == "honest-hopper") != prof.startswith("HOPPER")):
+                        continue
+                    rows.append(dict(kind=kind, seed=seed, profile=prof, bounds=which,
+                                     group=group.split("-deepgemm")[0], name=name,
                                      bound_seconds=secs, **_ratio_stats(cand, ref.output, bound)))
                 rows.append(dict(kind=kind, seed=seed, profile=prof, bounds=which, group="bound", name="bound",
                                  bound_seconds=secs, median_bound_over_output=float(
@@ -137,7 +159,8 @@ def _baseline_bounds(args) -> dict:
 
 def _passthrough(args) -> list:
     out = ["--seeds", str(args.seeds), "--hidden", str(args.hidden), "--inter", str(args.inter),
-           "--experts", str(args.experts), "--tokens", str(args.tokens), "--kinds", *args.kinds]
+           "--experts", str(args.experts), "--tokens", str(args.tokens), "--kinds", *args.kinds,
+           "--profiles", *args.profiles]
     return out
 
 
@@ -191,6 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    ap.add_argument("--profiles", nargs="+", default=sorted({p for v in PROFILES_OF.values() for p in v}),
+                    help="profiles to measure (default: all)")
     ap.add_argument("--baseline", help="directory holding another checkout's moeref package")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "oracle_power.json"))

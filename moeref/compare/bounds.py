@@ -65,6 +65,7 @@ __all__ = [
     "BF16_OUTPUT",
     "HOPPER_FP8_DEEPGEMM",
     "HOPPER_FP8_DEEPGEMM_DATA",
+    "DEEPGEMM_FP8_EXACT",
     "PROFILES",
     "STORE_DTYPES",
     "gamma",
@@ -84,7 +85,7 @@ __all__ = [
 
 U_FP32 = 2.0**-24
 U_BF16 = 2.0**-8
-ACCUM_MODELS = ("worst_case", "contiguous_tree", "data_dependent")
+ACCUM_MODELS = ("worst_case", "contiguous_tree", "data_dependent", "emulated")
 STORE_DTYPES = ("bfloat16", "float16", "float32")
 """Dtypes a :class:`Profile` can declare for a replayed store (round to nearest-even)."""
 
@@ -110,7 +111,10 @@ class Profile:
             ``"contiguous_tree"`` (:func:`contiguous_tree_gemm_bound`: FP32 accumulation over any tree of
             contiguous K ranges or SIMD lanes, from the partial sums reached), ``"data_dependent"``
             (:func:`aligned_adder_gemm_bound`: the Hopper FP8 aligned-adder model; needs
-            ``promote_every`` and ``mma_k``).
+            ``promote_every`` and ``mma_k``), ``"emulated"`` (a known kernel predicted bit for bit: the
+            GEMMs are DeepGEMM's FP8 GEMM as :func:`moeref.gemm.hopper_fp8.deepgemm_engine` emulates it,
+            with ``promotion_order``; radius 0 where the operand is known, the data-dependent bound plus
+            the emulation's distance to the exact product where the re-quantized operand is uncertain).
         mma_k: K columns of one tensor-core MMA (one aligned multi-term addition); Hopper FP8 WGMMA: 32.
         adder_factor: ``contiguous_tree`` only: bound of one add's error in units of ``accum_unit``
             times the largest operand, per column merged (1: IEEE round-to-nearest adds or FMAs; 2.25:
@@ -123,6 +127,8 @@ class Profile:
             before the ``gemm_out_dtype`` store, and finalize only sums (vLLM Triton ``fused_moe``:
             ``MUL_ROUTED_WEIGHT``, then ``moe_sum``); False: the unweighted GEMM2 output is stored
             (CUTLASS / ``torch._grouped_mm`` layers, DeepGEMM).
+        promotion_order: ``"emulated"`` only: the FP32 promotion (:func:`moeref.gemm.hopper_fp8.promote`):
+            ``"deepgemm"`` (``fma(sa*sb, acc, final)``) or ``"a_then_b"`` (our Triton kernel).
     """
 
     name: str
@@ -141,6 +147,7 @@ class Profile:
     act_out_dtype: str | None = None
     out_dtype: str | None = None
     gemm2_weighted_store: bool = False
+    promotion_order: str = "deepgemm"
 
     def __post_init__(self):
         if self.accum_model not in ACCUM_MODELS:
@@ -179,7 +186,14 @@ HOPPER_FP8_DEEPGEMM_DATA = replace(
     HOPPER_FP8_DEEPGEMM, name="HOPPER_FP8_DEEPGEMM_DATA",
     description="HOPPER_FP8_DEEPGEMM with the data-dependent aligned-adder bound (per 32-wide MMA, from the "
     "actual products and partial sums)", accum_model="data_dependent")
-PROFILES = {p.name: p for p in (EXACT, FP32_ACCUM, BF16_OUTPUT, HOPPER_FP8_DEEPGEMM, HOPPER_FP8_DEEPGEMM_DATA)}
+DEEPGEMM_FP8_EXACT = replace(
+    HOPPER_FP8_DEEPGEMM, name="DEEPGEMM_FP8_EXACT",
+    description="DeepGEMM's FP8 grouped GEMM (1x128 x 128x128, FP32 scales) on Hopper, emulated bit for bit "
+    "(moeref.gemm.hopper_fp8, calibrated on an H100): bf16 GEMM outputs, activation evaluated in FP32 and "
+    "stored in bf16 (a fused activation-quantization kernel: replace(..., act_out_dtype=None)), bf16 output",
+    accum_model="emulated", act_unit=16 * U_FP32, act_out_dtype="bfloat16")
+PROFILES = {p.name: p for p in (EXACT, FP32_ACCUM, BF16_OUTPUT, HOPPER_FP8_DEEPGEMM, HOPPER_FP8_DEEPGEMM_DATA,
+                                DEEPGEMM_FP8_EXACT)}
 
 
 def store_interval(value, radius, dtype: str | None, unit: float = 0.0):
@@ -263,6 +277,96 @@ def _rows_radius_term(radius, row_expert, weights) -> np.ndarray:
     return out
 
 
+_MAX_ENUMERATED = 4
+"""Rows of GEMM2's operand with at most this many elements of uncertain code are emulated for every
+combination of their codes; rows with more fall back to the data-dependent bound."""
+
+
+def _emulated_gemm(a, a_radius, row_expert, weights, bias, profile: Profile, codes=None):
+    """``(center, radius)`` of a GEMM of a known kernel (``accum_model="emulated"``): the center is the
+    kernel's FP32 result on the center operand, predicted bit for bit
+    (:func:`moeref.gemm.hopper_fp8.deepgemm_engine`), plus the bias in FP32 (radius ``u_fp32 |center|``
+    for that add, 0 without a bias).
+
+    Where the operand is uncertain (GEMM2: ``a_radius > 0``, the re-quantized intermediate; ``codes`` from
+    :func:`requant_uncertainty` with ``detail=True``): the tensor cores see only the element codes, the
+    scales enter in the FP32 promotion. A row whose uncertain codes are at most :data:`_MAX_ENUMERATED`,
+    each one of two neighbours, is emulated for every combination of them (block accumulators exact);
+    the scale range adds ``sum_b |ds_b| |sb_b acc_b| + 2 gamma(S + 2, u_fp32) sum_b s_hi_b |sb_b acc_b|`` (the
+    scale difference, and both kernels' promotion roundings). Any other uncertain row gets the distance
+    from the center to the exact product, ``|W| a_radius`` and the data-dependent arithmetic bound."""
+    from ..gemm.hopper_fp8 import deepgemm_block_accumulators, deepgemm_engine, promote
+
+    eng = deepgemm_engine(promotion=profile.promotion_order)
+    center = expert_rows_gemm(a, row_expert, weights, None, gemm=eng)
+    radius = np.zeros_like(center)
+    rows_all = np.asarray(row_expert)
+    if a_radius is not None:
+        unsure = (np.asarray(a_radius).max(axis=1, initial=0.0) > 0) & (rows_all >= 0)
+        fallback = unsure.copy()
+        if codes is not None and unsure.any():
+            done = _enumerate_codes(a, codes, rows_all, unsure, weights, profile, center, radius,
+                                    deepgemm_block_accumulators, promote)
+            fallback &= ~done
+        rows_u = np.where(fallback, rows_all, -1)
+        if (rows_u >= 0).any():
+            exact = expert_rows_gemm(a, rows_u, weights, None)
+            data = replace(profile, accum_model="data_dependent")
+            far = (np.abs(center - exact) + _rows_radius_term(a_radius, rows_u, weights)
+                   + _rows_error_bound(a, a_radius, rows_u, weights, None, data))
+            radius = np.where(fallback[:, None], far, radius)
+    if bias is not None:
+        valid = rows_all >= 0
+        center[valid] += np.asarray(bias, dtype=np.float64)[rows_all[valid]]
+        radius = radius + profile.promote_unit * (np.abs(center) + radius)
+    return center, radius
+
+
+def _adjacent_e4m3(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``lo < hi`` are neighbouring E4M3 values (no value between them)."""
+    import ml_dtypes
+
+    mag = lambda v: (np.abs(v).astype(ml_dtypes.float8_e4m3fn).view(np.uint8) & 0x7F).astype(np.int64)  # noqa: E731
+    ml, mh = mag(lo), mag(hi)
+    return (((lo >= 0) & (mh - ml == 1)) | ((hi <= 0) & (ml - mh == 1)))
+
+
+def _enumerate_codes(a, codes, rows_all, unsure, weights, profile, center, radius, block_acc, promote) -> np.ndarray:
+    """Fills ``radius`` of the uncertain rows it can enumerate (see :func:`_emulated_gemm`); returns
+    their mask."""
+    a = as_operand(a, "a")
+    w = ExpertOperands(weights)
+    lo, hi = codes["code_lo"], codes["code_hi"]
+    var = lo != hi
+    nvar = var.sum(axis=1)
+    ok = unsure & (nvar <= _MAX_ENUMERATED) & np.all(~var | _adjacent_e4m3(lo, hi), axis=1)
+    base = a.values  # the center's element values (codes), unscaled
+    for e in np.unique(rows_all[ok]).tolist():  # a loop over experts
+        idx = np.flatnonzero(ok & (rows_all == e))
+        we = w[e]
+        k = a.shape[1]
+        nb = k // 128
+        sa = a.scales[idx] if a.scales.shape[0] == a.shape[0] else np.repeat(a.scales, idx.size, axis=0)
+        sb = np.repeat(np.asarray(we.scales, dtype=np.float64), we.block[0], axis=0)[: we.shape[0]]
+        ds = (codes["scale_hi"][idx] - codes["scale_lo"][idx]).reshape(idx.size, nb, -1).max(axis=2)
+        s_hi = codes["scale_hi"][idx].reshape(idx.size, nb, -1).max(axis=2)
+        pos = [np.flatnonzero(var[r]) for r in idx]
+        worst = np.zeros((idx.size, we.shape[0]))
+        for combo in range(1 << int(nvar[idx].max())):  # <= 2^4 emulations of these rows
+            vals = np.array(base[idx], dtype=np.float64)
+            for i, p_ in enumerate(pos):  # a loop over this expert's enumerated rows (a few uncertain codes each)
+                for j, col in enumerate(p_):
+                    vals[i, col] = hi[idx[i], col] if (combo >> j) & 1 else lo[idx[i], col]
+            acc = block_acc(vals, we.values)
+            y = promote(acc, sa, sb, profile.promotion_order)
+            mag = np.abs(acc) * np.abs(sb)[None, :, :]
+            scale_term = (np.einsum("rnb,rb->rn", mag, ds)
+                          + 2 * gamma(nb + 2, profile.promote_unit) * np.einsum("rnb,rb->rn", mag, s_hi))
+            worst = np.maximum(worst, np.abs(y - center[idx]) + scale_term)
+        radius[idx] = worst
+    return ok
+
+
 def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, np.ndarray, int]:
     """Per-token ``(center, radius)`` of one chunk (stages 1-6 without the output store) and the count
     of intermediate elements whose rounding can flip. ``p``/``e``: the chunk's :class:`Prepared` and
@@ -279,8 +383,11 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
         return np.zeros((p.num_tokens, k_out)), np.zeros((p.num_tokens, k_out)), 0
     act, params, lay = cfg.activation, cfg.activation_params, weights.w13_layout
     # stage 1-2: GEMM1 and its store
-    h_pre = expert_rows_gemm(p.a, rows, w13, weights.b13)
-    dh = _rows_error_bound(p.a, None, rows, w13, weights.b13, profile)
+    if profile.accum_model == "emulated":
+        h_pre, dh = _emulated_gemm(p.a, None, rows, w13, weights.b13, profile)
+    else:
+        h_pre = expert_rows_gemm(p.a, rows, w13, weights.b13)
+        dh = _rows_error_bound(p.a, None, rows, w13, weights.b13, profile)
     h, dh, flip_h = store_interval(h_pre, dh, profile.gemm_out_dtype, profile.gemm_out_unit)
     # stage 3: activation, its FP32 evaluation and its store
     x_pre = _activation(act, h, lay, params)
@@ -292,20 +399,30 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
     flips = int(np.count_nonzero(flip_h[valid]) + np.count_nonzero(flip_x[valid]))
     # stage 4: re-quantization of the valid rows (padding rows are zero rows of the operand)
     quant = cfg.quant
+    codes = None
     if e.a2 is None:
         xq, unc = as_operand(x, "x"), dx
     else:
         vidx = np.flatnonzero(valid)
         xq_valid, qt = _run_quantizer(quant.a2, x[vidx])
         unc = np.zeros_like(dx)
-        unc[vidx], f = requant_uncertainty(x[vidx], dx[vidx], quant.a2, qt)
+        if profile.accum_model == "emulated":
+            unc[vidx], f, det = requant_uncertainty(x[vidx], dx[vidx], quant.a2, qt, detail=True)
+            codes = {k: np.zeros_like(dx) for k in det}
+            for k_, v in det.items():
+                codes[k_][vidx] = v
+        else:
+            unc[vidx], f = requant_uncertainty(x[vidx], dx[vidx], quant.a2, qt)
         flips += f
         pos = np.full(x.shape[0], -1, dtype=np.int64)
         pos[vidx] = np.arange(vidx.size)
         xq = xq_valid.take_rows(pos)
     # stage 5: GEMM2 and its store
-    y_pre = expert_rows_gemm(xq, rows, w2, weights.b2)
-    dy = _rows_radius_term(unc, rows, w2) + _rows_error_bound(xq, unc, rows, w2, weights.b2, profile)
+    if profile.accum_model == "emulated":
+        y_pre, dy = _emulated_gemm(xq, unc, rows, w2, weights.b2, profile, codes)
+    else:
+        y_pre = expert_rows_gemm(xq, rows, w2, weights.b2)
+        dy = _rows_radius_term(unc, rows, w2) + _rows_error_bound(xq, unc, rows, w2, weights.b2, profile)
     weigh = p.apply_weights
     if profile.gemm2_weighted_store and weigh:  # the epilogue weights (one FP32 multiply), then stores
         w_row = np.where(valid, np.asarray(p.topk_weights, np.float64).reshape(-1)[np.maximum(p.src, 0)], 0.0)

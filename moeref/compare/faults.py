@@ -25,7 +25,8 @@ from ..moe.weights import MoEWeights
 
 __all__ = ["LayerCase", "reference", "candidate", "fp32_gemm", "hopper_fp8_gemm", "torch_bf16_gemm",
            "tensor_core_gemm", "stored_gemm", "bf16_accumulator_gemm", "finalize_in", "bf16_candidate",
-           "HONEST", "HONEST_BF16", "HONEST_HOPPER", "FAULTS", "SUBTLE_FAULTS", "FAULTY_INPUTS", "FAULTY_OUTPUTS"]
+           "HONEST", "HONEST_BF16", "HONEST_HOPPER", "HONEST_DEEPGEMM", "FAULTS", "SUBTLE_FAULTS",
+           "subtle_faults", "FAULTY_INPUTS", "FAULTY_OUTPUTS"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -438,6 +439,21 @@ HONEST_HOPPER = {
 """Honest variants for :data:`moeref.compare.HOPPER_FP8_DEEPGEMM_DATA` on an FP8 1x128 x 128x128 layer."""
 
 
+def _deepgemm_candidate(case: LayerCase, promotion: str = "deepgemm", **finalize) -> np.ndarray:
+    from ..gemm.hopper_fp8 import deepgemm_engine
+
+    return bf16_candidate(case, deepgemm_engine(promotion=promotion), finalize or None)
+
+
+HONEST_DEEPGEMM = {
+    "emulated DeepGEMM (bit-exact)": _deepgemm_candidate,
+    "emulated DeepGEMM, top-k sum in reverse": lambda case: _deepgemm_candidate(case, reverse=True),
+}
+"""Honest variants for :data:`moeref.compare.DEEPGEMM_FP8_EXACT`: the layer with DeepGEMM's GEMMs as
+:func:`moeref.gemm.hopper_fp8.deepgemm_engine` predicts them (bf16 GEMM outputs and activation, FP32
+top-k sum in either slot order, bf16 output)."""
+
+
 # ---------------------------------------------------------------------------------- subtle faults
 
 
@@ -445,11 +461,11 @@ def _intermediate_size(case: LayerCase) -> int:
     return int(as_operand(case.weights.w2[0]).shape[1])
 
 
-def _per_gemm(case: LayerCase, gemm1=None, gemm2=None):
+def _per_gemm(case: LayerCase, gemm1=None, gemm2=None, base=None):
     """A GEMM engine that runs ``gemm1`` for GEMM1 and ``gemm2`` for GEMM2 (told apart by K: GEMM2
-    reduces over the intermediate size); the default is :func:`fp32_gemm` (32)."""
+    reduces over the intermediate size); the default is ``base`` (None: :func:`fp32_gemm` (32))."""
     inter = _intermediate_size(case)
-    base = fp32_gemm(32)
+    base = base or fp32_gemm(32)
 
     def gemm(a, w):
         second = as_operand(a).shape[1] == inter
@@ -458,32 +474,44 @@ def _per_gemm(case: LayerCase, gemm1=None, gemm2=None):
     return gemm
 
 
-def _drop_last_column(which: int):
+def _drop_last_column(which: int, base=None):
     def fault(case: LayerCase) -> np.ndarray:
-        base = fp32_gemm(32)
+        inner = base or fp32_gemm(32)
 
         def cut(a, w):
             a = as_operand(a)
+            if base is not None:  # keep the block structure (an engine such as DeepGEMM's needs it)
+                vals = np.array(a.values, dtype=np.float64)
+                vals[:, -1] = 0.0
+                return inner(BlockOperand(vals, a.scales, a.block, a.quantized), w)
             vals = a.dequantize().copy()
             vals[:, -1] = 0.0
-            return base(BlockOperand(vals, np.ones((1, 1)), (max(vals.shape[0], 1), vals.shape[1]), False), w)
+            return inner(BlockOperand(vals, np.ones((1, 1)), (max(vals.shape[0], 1), vals.shape[1]), False), w)
 
-        g = _per_gemm(case, gemm1=cut) if which == 1 else _per_gemm(case, gemm2=cut)
+        g = _per_gemm(case, gemm1=cut, base=base) if which == 1 else _per_gemm(case, gemm2=cut, base=base)
         return bf16_candidate(case, g)
 
     return fault
 
 
-def _bias_twice(case: LayerCase) -> np.ndarray:
+def _bias_twice(case: LayerCase, base=None) -> np.ndarray:
     lw = case.weights
     if lw.b2 is None:
         raise ValueError("the layer has no b2 bias")
-    return bf16_candidate(case.with_(weights=replace(lw, b2=np.asarray(lw.b2) * 2)))
+    return bf16_candidate(case.with_(weights=replace(lw, b2=np.asarray(lw.b2) * 2)), base)
 
 
-def _tile_bug(case: LayerCase) -> np.ndarray:
+def _k_blocks(op: BlockOperand, s: int, e: int) -> BlockOperand:
+    """Columns ``[s, e)`` of ``op`` on its scale-block boundaries, the blocks kept."""
+    bk = op.block[1]
+    if s % bk or (e % bk and e != op.shape[1]):
+        raise ValueError(f"columns [{s}, {e}) do not lie on the scale blocks of {bk} columns")
+    return BlockOperand(op.values[:, s:e], op.scales[:, s // bk:-(-e // bk)], op.block, op.quantized)
+
+
+def _tile_bug(case: LayerCase, engine=None) -> np.ndarray:
     """Rows 16 and beyond of each expert's segment skip GEMM1's last 128 K columns (a tile-boundary bug)."""
-    base = fp32_gemm(32)
+    base = engine or fp32_gemm(32)
     inter = _intermediate_size(case)
     ids = np.asarray(case.topk_ids)
     if np.bincount(ids[ids >= 0]).max(initial=0) <= 16:
@@ -495,6 +523,10 @@ def _tile_bug(case: LayerCase) -> np.ndarray:
         if a.shape[0] <= 16 or a.shape[1] == inter:
             return full
         k = a.shape[1]
+        if engine is not None:  # the kernel itself on the first K - 128 columns
+            head = np.asarray(base(_k_blocks(a, 0, k - 128), _k_blocks(as_operand(w), 0, k - 128)), dtype=np.float64)
+            full[16:] = head[16:]
+            return full
         tail = np.asarray(base(_column_slice(a, slice(k - 128, k)), _column_slice(as_operand(w), slice(k - 128, k))),
                           dtype=np.float64)
         full[16:] -= tail[16:]
@@ -503,7 +535,7 @@ def _tile_bug(case: LayerCase) -> np.ndarray:
     return bf16_candidate(case, gemm=g1)
 
 
-def _one_scale_block(case: LayerCase) -> np.ndarray:
+def _one_scale_block(case: LayerCase, base=None) -> np.ndarray:
     """One 128x128 block of GEMM1's weight scales of the busiest expert read from its K neighbour."""
     lw = case.weights
     e0 = _busiest(case)
@@ -514,51 +546,88 @@ def _one_scale_block(case: LayerCase) -> np.ndarray:
     sc[0, 0] = sc[0, 1]
     w13 = list(lw.w13)
     w13[e0] = BlockOperand(op.values, sc, op.block, op.quantized)
-    return bf16_candidate(case.with_(weights=replace(lw, w13=w13)))
+    return bf16_candidate(case.with_(weights=replace(lw, w13=w13)), base)
 
 
-def _router_weights_bf16(case: LayerCase) -> np.ndarray:
+def _router_weights_bf16(case: LayerCase, base=None) -> np.ndarray:
     from ..moe.pipeline import round_to_dtype
 
     w = round_to_dtype(np.asarray(case.topk_weights, dtype=np.float64), "bfloat16").astype(np.float32)
-    return bf16_candidate(case.with_(topk_weights=w))
+    return bf16_candidate(case.with_(topk_weights=w), base)
 
 
-def _tanh_gelu(case: LayerCase) -> np.ndarray:
+def _tanh_gelu(case: LayerCase, base=None) -> np.ndarray:
     if case.options.get("activation") != "gelu_and_mul":
         raise ValueError("the layer's activation is not gelu_and_mul")
     params = dict(case.options.get("activation_params") or {})
     params["approximate"] = "tanh"
-    return bf16_candidate(case, activation_params=params)
+    return bf16_candidate(case, base, activation_params=params)
 
 
-def _fp8_intermediate(case: LayerCase) -> np.ndarray:
+def _fp8_intermediate(case: LayerCase, base=None) -> np.ndarray:
     import ml_dtypes
 
     if case.options.get("quant", MoEQuant()).a2 is not None:
         raise ValueError("the layer re-quantizes its intermediate: an FP8 store is its declared arithmetic")
-    return bf16_candidate(case, act_out_dtype=ml_dtypes.float8_e4m3fn)
+    return bf16_candidate(case, base, act_out_dtype=ml_dtypes.float8_e4m3fn)
 
 
-SUBTLE_FAULTS = {
-    "bf16 accumulator in both GEMMs": lambda case: bf16_candidate(case, gemm=bf16_accumulator_gemm(32)),
-    "bf16 accumulator in GEMM2": lambda case: bf16_candidate(case, _per_gemm(case, gemm2=bf16_accumulator_gemm(32))),
-    "intermediate stored as FP8 e4m3 instead of bf16": _fp8_intermediate,
-    "top-k weighted sum accumulated in bf16": lambda case: bf16_candidate(case, finalize=dict(acc_dtype="bfloat16")),
-    "GEMM2 ignores the last intermediate column": _drop_last_column(2),
-    "GEMM1 ignores the last K column": _drop_last_column(1),
-    "bias b2 applied twice": _bias_twice,
-    "GEMM2 output truncated to bf16 (round toward zero)": lambda case: bf16_candidate(
-        case, finalize=dict(gemm_out_rounding="zero")),
-    "GEMM1 accumulator truncated to bf16 before the bias": lambda case: bf16_candidate(
-        case, _per_gemm(case, gemm1=stored_gemm(fp32_gemm(32), rounding="zero"))),
-    "output truncated to bf16": lambda case: _truncate_to(bf16_candidate(case, finalize=dict(out_dtype=None)),
-                                                          "bfloat16"),
-    "router weights rounded to bf16": _router_weights_bf16,
-    "rows past 16 skip GEMM1's last K tile": _tile_bug,
-    "one GEMM1 weight-scale block from its K neighbour": _one_scale_block,
-    "tanh GELU instead of erf GELU": _tanh_gelu,
-}
+def _deepgemm_bf16_accumulator():
+    """A fault for a DeepGEMM base: the block accumulators (exact emulation) promoted into a bf16
+    accumulator (``final = bf16(final + fl32(fl32(sa sb) acc))`` per 128-column block)."""
+    from ..gemm.hopper_fp8 import _check_deepgemm_operands, deepgemm_block_accumulators
+    from ..moe.pipeline import round_to_dtype
+
+    def gemm(a, w):
+        a, w = _check_deepgemm_operands(a, w)
+        acc = deepgemm_block_accumulators(a.values, w.values)
+        sa = np.asarray(a.scales, dtype=np.float64)
+        sb = np.repeat(np.asarray(w.scales, dtype=np.float64), w.block[0], axis=0)[: w.shape[0]]
+        out = np.zeros(acc.shape[:2])
+        for j in range(acc.shape[2]):  # a loop over K blocks
+            s = (sa[:, None, j] * sb[None, :, j]).astype(np.float32).astype(np.float64)
+            out = round_to_dtype(out + (s * acc[..., j]).astype(np.float32), "bfloat16")
+        return out
+
+    return gemm
+
+
+def subtle_faults(base=None) -> dict:
+    """:data:`SUBTLE_FAULTS` planted into a layer whose GEMMs run on ``base`` (a GEMM engine; None:
+    :func:`fp32_gemm` (32), the arithmetic of :data:`moeref.compare.BF16_OUTPUT`). With
+    ``base=moeref.gemm.hopper_fp8.deepgemm_engine()`` the faults sit in the emulated DeepGEMM layer
+    (:data:`HONEST_DEEPGEMM`), so that an equality-level profile is measured on faults, not on the
+    difference between two arithmetics; the bf16-accumulator faults then accumulate DeepGEMM's
+    128-column blocks in bf16."""
+    if base is None:
+        acc_both, acc_2 = bf16_accumulator_gemm(32), bf16_accumulator_gemm(32)
+        trunc_inner = fp32_gemm(32)
+    else:
+        acc_both = acc_2 = _deepgemm_bf16_accumulator()
+        trunc_inner = base
+    return {
+        "bf16 accumulator in both GEMMs": lambda case: bf16_candidate(case, gemm=acc_both),
+        "bf16 accumulator in GEMM2": lambda case: bf16_candidate(case, _per_gemm(case, gemm2=acc_2, base=base)),
+        "intermediate stored as FP8 e4m3 instead of bf16": lambda case: _fp8_intermediate(case, base),
+        "top-k weighted sum accumulated in bf16": lambda case: bf16_candidate(case, base,
+                                                                                finalize=dict(acc_dtype="bfloat16")),
+        "GEMM2 ignores the last intermediate column": _drop_last_column(2, base),
+        "GEMM1 ignores the last K column": _drop_last_column(1, base),
+        "bias b2 applied twice": lambda case: _bias_twice(case, base),
+        "GEMM2 output truncated to bf16 (round toward zero)": lambda case: bf16_candidate(
+            case, base, finalize=dict(gemm_out_rounding="zero")),
+        "GEMM1 accumulator truncated to bf16 before the bias": lambda case: bf16_candidate(
+            case, _per_gemm(case, gemm1=stored_gemm(trunc_inner, rounding="zero"), base=base)),
+        "output truncated to bf16": lambda case: _truncate_to(bf16_candidate(case, base, finalize=dict(out_dtype=None)),
+                                                              "bfloat16"),
+        "router weights rounded to bf16": lambda case: _router_weights_bf16(case, base),
+        "rows past 16 skip GEMM1's last K tile": lambda case: _tile_bug(case, base),
+        "one GEMM1 weight-scale block from its K neighbour": lambda case: _one_scale_block(case, base),
+        "tanh GELU instead of erf GELU": lambda case: _tanh_gelu(case, base),
+    }
+
+
+SUBTLE_FAULTS = subtle_faults()
 """Subtle planted faults, each computed otherwise like :func:`bf16_candidate` (the arithmetic of
 :data:`moeref.compare.BF16_OUTPUT`); a fault raises ValueError where the layer cannot express it (no
 bias, unquantized weights, another activation)."""

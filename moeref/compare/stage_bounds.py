@@ -143,12 +143,15 @@ def _quantize_with(quantizer, x):
     return _run_quantizer(quantizer, x)[1]
 
 
-def requant_uncertainty(x: np.ndarray, dx: np.ndarray, quantizer, qt) -> tuple[np.ndarray, int]:
+def requant_uncertainty(x: np.ndarray, dx: np.ndarray, quantizer, qt, *, detail: bool = False):
     """Bound on ``|q~ - q|`` for the re-quantized intermediate (stage 3, flip-aware), and the number
     of elements whose rounding can flip.
 
     ``x``: float64 ``[R, N]`` the reference's activation output (valid rows), ``dx`` its bound,
-    ``quantizer``: the ``a2`` quantizer, ``qt``: the reference's quantized ``x``.
+    ``quantizer``: the ``a2`` quantizer, ``qt``: the reference's quantized ``x``. ``detail=True`` also
+    returns a dict of float64 ``[R, N]`` arrays: ``code_lo``/``code_hi`` (the lowest and highest element
+    value, before scaling, a kernel can store), ``scale_lo``/``scale_hi`` (its scale range) and
+    ``scale_ref`` (the reference's scale); used by an emulated GEMM that needs the codes themselves.
     """
     from ..formats import round_to_format
     from ..quant.blockwise import expand_to_elements
@@ -156,7 +159,8 @@ def requant_uncertainty(x: np.ndarray, dx: np.ndarray, quantizer, qt) -> tuple[n
     x = np.asarray(x, dtype=np.float64)
     dx = np.asarray(dx, dtype=np.float64)
     if x.size == 0:
-        return np.zeros_like(x), 0
+        z = np.zeros_like(x)
+        return (z, 0, dict(code_lo=z, code_hi=z, scale_lo=z, scale_hi=z, scale_ref=z)) if detail else (z, 0)
     scheme = qt.scheme
     fmt = scheme.element_format
     q_ref = qt.dequantize(np.float64)
@@ -189,4 +193,7 @@ def requant_uncertainty(x: np.ndarray, dx: np.ndarray, quantizer, qt) -> tuple[n
     corners = np.stack([s_lo * r_lo, s_lo * r_hi, s_hi * r_lo, s_hi * r_hi])
     unc = np.abs(corners - q_ref).max(axis=0)
     unc = np.where(np.isfinite(unc), unc, np.inf)
+    if detail:
+        return unc, int(np.count_nonzero(r_lo != r_hi)), dict(code_lo=r_lo, code_hi=r_hi, scale_lo=s_lo,
+                                                               scale_hi=s_hi, scale_ref=s_ref)
     return unc, int(np.count_nonzero(r_lo != r_hi))
