@@ -220,6 +220,8 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         cap = int(lay.src.shape[1])
         pad = -(-cap // 128) * 128 - cap  # rows of each expert padded to the tile
         src = torch.nn.functional.pad(lay.src, (0, pad), value=-1)
+    if src.numel() == 0:  # no slot of this chunk is routed to a local expert (a host-known shape: no sync)
+        return torch.zeros((m, k), dtype=torch.float32, device=x.device)
     rows = torch.where(src >= 0, torch.div(src, top_k, rounding_mode="floor"), torch.zeros_like(src)).reshape(-1)
     scheme = fp8_group()
     if weights.w4:  # W4A16 (float32 hidden states: the CI path, IEEE FP32 dot and float32 stores)

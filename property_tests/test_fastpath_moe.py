@@ -190,3 +190,22 @@ def test_fastpath_moe_fp8_planted_neighbour_scale_block_fails():
     prof = PROFILES[cfg.pop("profile")]
     run = run_moe(torch.as_tensor(x).to(torch.bfloat16).float().numpy(), weights, tw, ids, **cfg)
     assert not compare(got.float().cpu(), run, prof).passed
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_fastpath_moe_fp8_chunk_without_routed_slots_is_zero(layout):
+    """A chunk whose slots are all -1 (padding tokens, or every expert on another EP rank) has no rows to
+    multiply: the FP8 layer returns the reference's output (zeros) instead of failing on empty scales."""
+    from fastpath.moe import fast_weights, fused_moe, reference_config
+
+    weights = _fp8_layer(np.random.default_rng(0), 2, 128, 128)
+    x = make_tokens(3, 128, seed=1)
+    ids = np.full((3, 2), -1, dtype=np.int32)
+    tw = np.ones((3, 2), dtype=np.float32)
+    fw = fast_weights(weights, DEV)
+    got = fused_moe(torch.as_tensor(x, device=DEV).to(torch.bfloat16), fw, torch.as_tensor(tw, device=DEV),
+                    torch.as_tensor(ids, device=DEV), impl="triton", layout=layout)
+    cfg = reference_config(fw)
+    cfg.pop("profile")
+    want = run_moe(torch.as_tensor(x).to(torch.bfloat16).float().numpy(), weights, tw, ids, **cfg).output
+    np.testing.assert_array_equal(got.float().cpu().numpy(), want)
