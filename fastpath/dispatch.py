@@ -40,7 +40,8 @@ Contracts, sources and the meaning of every field: the reference modules
 * An ``expert_map`` given as a device tensor costs one sync to count its local experts; pass it as a
   NumPy array or list to avoid it (it is then uploaded).
 * ``to_contiguous`` with ``m_sum=None``/"tight", ``to_masked`` and ``to_batched`` need the expert
-  counts on the host (buffer sizes / capacity check): one sync each, as in the reference's API.
+  counts on the host (buffer sizes / capacity check): one sync each, as in the reference's API;
+  ``to_masked(..., expected_m=n)`` with ``max_m >= M`` needs none.
 * Float outputs of the reductions are float32 sums (the reference sums in float64): they agree
   within ``gamma_k * sum_j |w_j x_j|`` plus the output rounding (``property_tests`` prove it).
 * Small metadata results (``num_tokens_post_padded``, ``psum``, ``masked_m``,
@@ -736,7 +737,11 @@ def to_contiguous(hidden, topk_ids, num_experts: int, alignment: int, expert_map
     return Contiguous(a, m_indices, src, s.psum, alignment, m, k)
 
 
-def _to_capacity(hidden, topk_ids, num_experts, expert_map, validate, capacity_of):
+def _to_capacity(hidden, topk_ids, num_experts, expert_map, validate, capacity_of, *, bound=None):
+    """Rows per local expert in ``[G, cap]`` buffers. ``capacity_of(host counts) -> cap`` costs the one
+    host sync; ``bound``: a capacity the caller guarantees to hold every expert's rows (at least the
+    number of tokens: ids repeat in no row, so no expert gets more rows than there are tokens), then
+    no counts come to the host (no sync, no capacity check) and ``counts`` is None."""
     num_experts = check_positive_int(num_experts, "num_experts")
     topk_ids = _prepare_ids(topk_ids, num_experts, validate)
     device = topk_ids.device
@@ -745,12 +750,15 @@ def _to_capacity(hidden, topk_ids, num_experts, expert_map, validate, capacity_o
     x = None if hidden is None else _check_hidden(hidden, m, device)
     # Counts first (needed on the host for the capacity), then the starts g * cap.
     probe = _sort(topk_ids, num_experts, emap, n_local, local=True)
-    counts = _host_counts(probe)  # the one host sync
-    cap = capacity_of(counts)
-    over = np.flatnonzero(counts > cap)
-    if over.size:
-        e = int(over[0])
-        raise ValueError(f"local expert {e} has {int(counts[e])} rows, more than the capacity {cap}")
+    if bound is not None:
+        counts, cap = None, bound
+    else:
+        counts = _host_counts(probe)  # the one host sync
+        cap = capacity_of(counts)
+        over = np.flatnonzero(counts > cap)
+        if over.size:
+            e = int(over[0])
+            raise ValueError(f"local expert {e} has {int(counts[e])} rows, more than the capacity {cap}")
     s, G = probe, probe.G
     # Rewrite the group starts as g * cap (the counts, offsets and chunk prefixes stay).
     _group_starts_kernel[(1,)](s.totals, s.starts, s.ends, s.offsets, s.meta, s.meta, G, s.NK, 1, cap,
@@ -766,16 +774,39 @@ def _to_capacity(hidden, topk_ids, num_experts, expert_map, validate, capacity_o
     return s, counts, cap, a, src, m, k
 
 
-def to_masked(hidden, topk_ids, num_experts: int, max_m=None, expert_map=None, *, validate: bool = True) -> Masked:
+def to_masked(hidden, topk_ids, num_experts: int, max_m=None, expert_map=None, *, expected_m=None,
+              validate: bool = True) -> Masked:
     """DeepGEMM masked layout on the GPU; contract: :func:`moeref.dispatch.to_masked` (``a [E_local,
-    max_m, K]`` zero past ``masked_m``; ``src`` int64 -1 fill). One sync for the counts."""
+    max_m, K]`` zero past ``masked_m``; ``src`` int64 -1 fill).
+
+    ``expected_m=None`` (the reference's behaviour): one host sync for the counts, which size
+    ``max_m`` when it is None, check it otherwise, and give ``expected_m = max(1, ceil(present
+    slots / E_local))``.
+
+    ``expected_m`` given (a positive int; DeepGEMM's scheduling hint, any positive value gives the
+    same GEMM result): no host sync, so the call can be captured in a CUDA graph. The buffers
+    must then not depend on the data: ``max_m`` is required and must be at least the number of
+    tokens ``M`` (an expert gets at most one row per token since ids repeat in no row, so nothing
+    can overflow; DeepEP's low-latency buffers, ``num_max_dispatch_tokens_per_rank * num_ranks``,
+    satisfy it); otherwise ``ValueError``. ``expected_m`` is returned as given. ``validate=True``
+    and an ``expert_map`` given as a device tensor still cost their own syncs (module docstring):
+    pass ``validate=False`` and a host ``expert_map`` for a sync-free call."""
     if max_m is not None:
         max_m = check_positive_int(max_m, "max_m")
+    bound = None
+    if expected_m is not None:
+        expected_m = check_positive_int(expected_m, "expected_m")
+        num_tokens = _check_int(topk_ids, "topk_ids", 2).shape[0]
+        if max_m is None or max_m < num_tokens:
+            raise ValueError(f"to_masked with expected_m given (no host sync) needs max_m >= the number of "
+                             f"tokens {num_tokens} so that no expert can overflow; got max_m={max_m}")
+        bound = max_m
     s, counts, cap, a, src, m, k = _to_capacity(
         hidden, topk_ids, num_experts, expert_map, validate,
-        lambda c: max_m if max_m is not None else max(1, int(c.max()) if c.size else 0))
-    n_present = int(counts.sum())
-    expected_m = max(1, -(-n_present // s.G)) if s.G else 1
+        lambda c: max_m if max_m is not None else max(1, int(c.max()) if c.size else 0), bound=bound)
+    if expected_m is None:
+        n_present = int(counts.sum())
+        expected_m = max(1, -(-n_present // s.G)) if s.G else 1
     return Masked(a, s.totals[: s.G], int(expected_m), src, m, k)
 
 
