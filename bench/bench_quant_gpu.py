@@ -39,7 +39,7 @@ from moeref.quant import fp8_group, fp8_per_tensor, fp8_per_token, mxfp4, mxfp8 
 from moeref.quant.nvfp4 import nvfp4  # noqa: E402
 
 from bench.interleaved import FLAG_SPREAD, MIN_ROUNDS, CudaEventClock, time_interleaved  # noqa: E402
-from bench.report_quant import tables as report_tables  # noqa: E402
+from bench.report_quant import plot, tables as report_tables  # noqa: E402
 from fastpath import fused as F  # noqa: E402
 from fastpath import quant as Q  # noqa: E402
 
@@ -571,29 +571,6 @@ def tune(args, ks):
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "tune.json"), "w") as fh:
         json.dump(out, fh, indent=1)
-
-
-def plot(res, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
-    colors = plt.get_cmap("tab20").colors
-    markers = "os^vD<>pP*Xh"
-    for i, (name, r) in enumerate(res["kernels"].items()):
-        xs = [p["bytes"] / 1e6 for p in r["rows"]]
-        ys = [p["TBps"] for p in r["rows"]]
-        ax.plot(xs, ys, marker=markers[i % len(markers)], color=colors[(2 * i) % 20 + (i >= 10)],
-                label=name)
-    ax.axhline(res["meta"]["copy_TBps"], color="k", linestyle="--", label="device copy")
-    ax.set_xscale("log")
-    ax.set_xlabel("bytes moved per call (MB, read + write)")
-    ax.set_ylabel("achieved bandwidth (TB/s)")
-    ax.set_title(f"fastpath quantization kernels, {res['meta']['gpu']}, {res['meta']['date']}")
-    ax.legend(fontsize=7)
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

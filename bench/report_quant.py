@@ -1,6 +1,7 @@
 """Write the quantization tables of docs/fastpaths.md from bench_quant_gpu.py's JSON (never edited by hand).
 
     python bench/report_quant.py bench_out/bench_quant.json [more.json ...] [--docs docs/fastpaths.md] [--check]
+        [--plot docs/figures/fastpath_bandwidth.png]
 
 One section per JSON file (one GPU each), in the order given. Replaces the text between
 ``<!-- fastpath-quant:begin -->`` and ``<!-- fastpath-quant:end -->``; ``--check`` exits 1 when the page
@@ -71,6 +72,31 @@ def tables(data: dict) -> str:
     return "\n".join(out)
 
 
+def plot(res: dict, path: str) -> None:
+    """Bandwidth (median) vs bytes moved per call, one line per kernel, the device copy dashed: ``path`` (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.get_cmap("tab20").colors
+    markers = "os^vD<>pP*Xh"
+    for i, (name, r) in enumerate(res["kernels"].items()):
+        xs = [p["bytes"] / 1e6 for p in r["rows"]]
+        ys = [p["TBps"] for p in r["rows"]]
+        ax.plot(xs, ys, marker=markers[i % len(markers)], color=colors[(2 * i) % 20 + (i >= 10)],
+                label=name)
+    ax.axhline(res["meta"]["copy_TBps"], color="k", linestyle="--", label="device copy")
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes moved per call (MB, read + write)")
+    ax.set_ylabel("achieved bandwidth (TB/s)")
+    ax.set_title(f"fastpath quantization kernels, {res['meta']['gpu']}, {res['meta']['date']}")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def render(page: str, runs: list[dict]) -> str:
     """``page`` with the text between the markers replaced by the tables of each run."""
     if BEGIN not in page or END not in page:
@@ -84,6 +110,7 @@ def main(argv=None) -> int:
     ap.add_argument("json", nargs="+", help="bench_quant_gpu.py JSON files, one section each")
     ap.add_argument("--docs", default="docs/fastpaths.md")
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--plot", default="", help="also write the bandwidth plot of the first JSON to this PNG")
     args = ap.parse_args(argv)
     runs = []
     for path in args.json:
@@ -92,6 +119,8 @@ def main(argv=None) -> int:
     with open(args.docs) as f:
         page = f.read()
     new = render(page, runs)
+    if args.plot:
+        plot(runs[0], args.plot)
     if args.check:
         return 0 if new == page else 1
     with open(args.docs, "w") as f:

@@ -81,6 +81,15 @@ def test_report_renders_the_tables_between_the_markers(tmp_path):
     assert "| nvfp4 | — | 100.0 (99.0-101.0) | — |" in lines
 
 
+def test_report_writes_the_plot(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the `all` extra)")
+    js, page, png = tmp_path / "b.json", tmp_path / "p.md", tmp_path / "bw.png"
+    js.write_text(json.dumps(FAKE))
+    page.write_text(PAGE)
+    assert report.main([str(js), "--docs", str(page), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_report_refuses_a_page_without_markers(tmp_path):
     with pytest.raises(ValueError, match="markers"):
         report.render("no markers here", [FAKE])
