@@ -739,9 +739,10 @@ def to_contiguous(hidden, topk_ids, num_experts: int, alignment: int, expert_map
 
 def _to_capacity(hidden, topk_ids, num_experts, expert_map, validate, capacity_of, *, bound=None):
     """Rows per local expert in ``[G, cap]`` buffers. ``capacity_of(host counts) -> cap`` costs the one
-    host sync; ``bound``: a capacity the caller guarantees to hold every expert's rows (at least the
-    number of tokens: ids repeat in no row, so no expert gets more rows than there are tokens), then
-    no counts come to the host (no sync, no capacity check) and ``counts`` is None."""
+    host sync; ``bound``: the capacity without a host sync (``counts`` is None). Below the number
+    of slots ``M * k`` (a token may repeat an expert, :mod:`moeref.routing.ids`) it is checked on
+    the device with ``torch._assert_async`` (a CUDA device-side assert, a ``RuntimeError`` on the
+    CPU) before any row is placed."""
     num_experts = check_positive_int(num_experts, "num_experts")
     topk_ids = _prepare_ids(topk_ids, num_experts, validate)
     device = topk_ids.device
@@ -752,6 +753,9 @@ def _to_capacity(hidden, topk_ids, num_experts, expert_map, validate, capacity_o
     probe = _sort(topk_ids, num_experts, emap, n_local, local=True)
     if bound is not None:
         counts, cap = None, bound
+        if cap < m * k:  # a token repeating an expert can overflow: checked on the device, no sync
+            torch._assert_async((probe.totals[: probe.G] <= cap).all(),
+                                f"to_masked: a local expert has more rows than max_m={cap}")
     else:
         counts = _host_counts(probe)  # the one host sync
         cap = capacity_of(counts)
@@ -786,11 +790,13 @@ def to_masked(hidden, topk_ids, num_experts: int, max_m=None, expert_map=None, *
     ``expected_m`` given (a positive int; DeepGEMM's scheduling hint, any positive value gives the
     same GEMM result): no host sync, so the call can be captured in a CUDA graph. The buffers
     must then not depend on the data: ``max_m`` is required and must be at least the number of
-    tokens ``M`` (an expert gets at most one row per token since ids repeat in no row, so nothing
-    can overflow; DeepEP's low-latency buffers, ``num_max_dispatch_tokens_per_rank * num_ranks``,
-    satisfy it); otherwise ``ValueError``. ``expected_m`` is returned as given. ``validate=True``
-    and an ``expert_map`` given as a device tensor still cost their own syncs (module docstring):
-    pass ``validate=False`` and a host ``expert_map`` for a sync-free call."""
+    tokens ``M`` (DeepEP's low-latency buffers, ``num_max_dispatch_tokens_per_rank * num_ranks``,
+    satisfy it); otherwise ``ValueError``. A routing without repeated experts in a row then never
+    overflows; one that repeats an expert can, and below ``M * k`` rows the capacity is checked on
+    the device instead of the host: a CUDA device-side assert (fatal to the CUDA context, as any
+    device assert) or, on the CPU, a ``RuntimeError``; never a truncation. ``expected_m`` is
+    returned as given. ``validate=True`` and an ``expert_map`` given as a device tensor still cost
+    their own syncs (module docstring): pass ``validate=False`` and a host ``expert_map``."""
     if max_m is not None:
         max_m = check_positive_int(max_m, "max_m")
     bound = None
@@ -799,7 +805,7 @@ def to_masked(hidden, topk_ids, num_experts: int, max_m=None, expert_map=None, *
         num_tokens = _check_int(topk_ids, "topk_ids", 2).shape[0]
         if max_m is None or max_m < num_tokens:
             raise ValueError(f"to_masked with expected_m given (no host sync) needs max_m >= the number of "
-                             f"tokens {num_tokens} so that no expert can overflow; got max_m={max_m}")
+                             f"tokens {num_tokens} (no buffer size from the data); got max_m={max_m}")
         bound = max_m
     s, counts, cap, a, src, m, k = _to_capacity(
         hidden, topk_ids, num_experts, expert_map, validate,

@@ -1,6 +1,7 @@
 """fastpath.dispatch.to_masked with ``expected_m`` given: no host sync (the counts never come to the
 host), the same layout as the NumPy reference, and clear errors where the buffers would depend on the
-data. On CPU the kernels run under Triton's interpreter (conftest sets TRITON_INTERPRET=1)."""
+data, or a device-side check where a token repeating an expert could overflow. On CPU the kernels
+run under Triton's interpreter (conftest sets TRITON_INTERPRET=1)."""
 from __future__ import annotations
 
 import numpy as np
@@ -54,6 +55,45 @@ def test_default_path_unchanged():
     want = ref.to_masked(None, ids, 6)
     assert got.expected_m == want.expected_m == 7  # ceil(13 * 3 / 6): hand count
     np.testing.assert_array_equal(got.src.cpu().numpy(), want.src)
+
+
+def test_repeated_expert_overflow_is_caught_without_a_host_sync(monkeypatch):
+    """A token repeating an expert (accepted by the topk_ids contract) can put more rows on one expert
+    than there are tokens: 3 tokens, expert 1 picked twice by tokens 0 and 2 -> 5 rows > max_m = 3.
+    On the CPU the device-side check raises RuntimeError; with max_m = 5 (enough) each slot is a row."""
+    ids = np.array([[1, 1], [1, 0], [1, 1]], dtype=np.int32)
+    monkeypatch.setattr(fast, "_host_counts", _no_host_counts)
+    if DEVICE == "cpu":
+        with pytest.raises(RuntimeError, match="more rows than max_m=3"):
+            fast.to_masked(None, torch.from_numpy(ids).to(DEVICE), 2, 3, expected_m=1, validate=False)
+    else:  # a device-side assert ends the CUDA context: triggered in a child process
+        _assert_overflow_kills_a_child_process()
+    got = fast.to_masked(None, torch.from_numpy(ids).to(DEVICE), 2, 5, expected_m=1, validate=False)
+    # each slot t*k+j its own row, in slot order (moeref.routing.ids): hand-derived
+    assert got.masked_m.cpu().tolist() == [1, 5]
+    assert got.src.cpu().tolist() == [[3, -1, -1, -1, -1], [0, 1, 2, 4, 5]]
+
+
+_CHILD = """
+import sys, torch
+sys.path.insert(0, {root!r})
+import fastpath.dispatch as fast
+ids = torch.tensor([[1, 1], [1, 0], [1, 1]], dtype=torch.int32, device="cuda")
+fast.to_masked(None, ids, 2, 3, expected_m=1, validate=False)
+torch.cuda.synchronize()
+print("NO ASSERT")
+"""
+
+
+def _assert_overflow_kills_a_child_process():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _CHILD.format(root=root)], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "NO ASSERT" not in r.stdout, (r.stdout, r.stderr[-2000:])
+    assert "device-side assert" in r.stderr or "Assertion" in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("kw, err, match", [
