@@ -1,0 +1,125 @@
+"""Write docs/fastpaths-latency.md's tables from bench_latency_gpu.py's JSON (never edited by hand).
+
+    python bench/report_latency.py docs/data/latency_before.json docs/data/latency_after.json \
+        [--docs docs/fastpaths-latency.md] [--check]
+
+One section per JSON file (one run each: a GPU, a code state), in the order given. Replaces the text
+between ``<!-- fastpath-latency:begin -->`` and ``<!-- fastpath-latency:end -->``; ``--check`` exits 1
+when the page differs from what the JSON gives. Schema: :func:`bench.bench_latency_gpu.measure_case`'s
+rows under ``rows`` and :func:`bench.bench_latency_gpu.run_meta`'s ``meta``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+BEGIN, END = "<!-- fastpath-latency:begin -->", "<!-- fastpath-latency:end -->"
+FLAG = "⚠"
+
+
+def _us(rec: dict, case: str) -> str:
+    c = rec.get("cases", {}).get(case)
+    if c is None:
+        return "—"
+    return f"{c['median_us']:.1f}" + (f" {FLAG}" if c["flagged"] else "")
+
+
+def _overhead(rec: dict) -> str:
+    o = rec.get("overhead_us")
+    if o is None:
+        return "—"
+    s = f"{o['median']:.1f}"
+    return f"**{s}**" if rec.get("met") else s
+
+
+def _graph(rec: dict) -> str:
+    if "graph_error" in rec:
+        return "capture failed"
+    return "bit-equal" if rec.get("graph_equal") else "DIFFERS"
+
+
+def tables(data: dict) -> str:
+    m = data["meta"]
+    rows = [r for r in data["rows"] if "error" not in r]
+    Ms = sorted({r["M"] for r in rows})
+    names = list(dict.fromkeys(r["case"] for r in rows))
+    by = {(r["case"], r["M"]): r for r in rows}
+    label = f" ({m['label']})" if m.get("label") else ""
+    out = [f"**{m['gpu']}**, {m['date']}{label}: driver {m['driver']}, CUDA {m['cuda']}, torch {m['torch']}, "
+           f"triton {m['triton']}, Python {m.get('python', '?')}. Every row's cases timed in {m['rounds']} interleaved "
+           f"rounds (CUDA events around back-to-back calls, about {m['round_ms']:g} ms per case and round); "
+           f"medians in us, {FLAG}: spread (max - min) / median over {m['flag_spread']:.0%}. Overhead = eager - "
+           f"graph replay per round, median; bold where the target is met (<= {m['target_us']:g} us, or <= "
+           f"{m['floor_factor']:g} x the floor where the floor is above {m['target_us']:g} us).", ""]
+    M0 = Ms[0]
+    out += [f"At M = {M0}:", "",
+            "| fast path | launches | eager | graph replay | overhead | floor | floor, cached launcher | "
+            "torch eager | torch.compile (reduce-overhead) | replay vs eager |",
+            "|---" * 10 + "|"]
+    for n in names:
+        r = by.get((n, M0))
+        if r is None:
+            continue
+        comp = _us(r, "torch.compile") if "torch.compile" in r.get("cases", {}) else \
+            ("—" if "compile_error" not in r else "not timed" if "skipped" in r["compile_error"] else "failed")
+        out.append(f"| {n} | {r['launches']} | {_us(r, 'eager')} | {_us(r, 'graph')} | {_overhead(r)} | "
+                   f"{_us(r, 'floor')} | {_us(r, 'floor (cached launcher)')} | {_us(r, 'torch eager')} | {comp} | "
+                   f"{_graph(r)} |")
+    out += ["", "Overhead (eager - graph replay) / floor, us, by M:", "",
+            "| fast path | " + " | ".join(f"M = {M}" for M in Ms) + " |", "|---" * (1 + len(Ms)) + "|"]
+    for n in names:
+        cells = []
+        for M in Ms:
+            r = by.get((n, M))
+            cells.append("—" if r is None else f"{_overhead(r)} / {_us(r, 'floor')}")
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    met = [r for r in rows if "met" in r]
+    n_met = sum(1 for r in met if r["met"])
+    out += ["", f"Target met in {n_met} of {len(met)} (fast path, M) rows."]
+    errs = [r for r in data["rows"] if "error" in r or "graph_error" in r or r.get("graph_equal") is False]
+    if errs:
+        out += ["", "Rows with errors: " + "; ".join(
+            f"{r['case']} M={r['M']}: {r.get('error') or r.get('graph_error') or 'replay differs from eager'}"
+            for r in errs)]
+    if data.get("skipped"):
+        out += ["", f"Not timed (time budget): {len(data['skipped'])} rows."]
+    return "\n".join(out)
+
+
+def render(paths: list[str]) -> str:
+    parts = []
+    for p in paths:
+        with open(p) as fh:
+            parts.append(tables(json.load(fh)))
+    return "\n\n".join(parts)
+
+
+def replace_between(text: str, body: str) -> str:
+    i, j = text.find(BEGIN), text.find(END)
+    if i < 0 or j < i:
+        raise ValueError(f"markers {BEGIN} ... {END} not found")
+    return text[: i + len(BEGIN)] + "\n" + body + "\n" + text[j:]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("json", nargs="+")
+    ap.add_argument("--docs", default="docs/fastpaths-latency.md")
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args(argv)
+    with open(args.docs) as fh:
+        old = fh.read()
+    new = replace_between(old, render(args.json))
+    if args.check:
+        if new != old:
+            print(f"{args.docs} differs from what {args.json} give: run bench/report_latency.py", file=sys.stderr)
+            return 1
+        return 0
+    with open(args.docs, "w") as fh:
+        fh.write(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
