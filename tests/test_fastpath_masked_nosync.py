@@ -131,3 +131,22 @@ def test_gpu_to_masked_with_expected_m_is_captured_in_a_cuda_graph():
     np.testing.assert_array_equal(out.masked_m.cpu().numpy(), want.masked_m)
     np.testing.assert_array_equal(out.src.cpu().numpy(), want.src)
     np.testing.assert_array_equal(out.a.cpu().numpy(), want.a)
+
+
+def test_to_batched_without_validation_needs_no_host_sync(monkeypatch):
+    """validate=False: the counts never come to the host; the layout is the reference's (distinct
+    experts per row: no overflow possible), and a token repeating an expert past the capacity is
+    caught on the device (CPU: RuntimeError) instead of the host's ValueError."""
+    ids, x = _routing(5)
+    m = ids.shape[0]
+    monkeypatch.setattr(fast, "_host_counts", _no_host_counts)
+    got = fast.to_batched(torch.from_numpy(x).to(DEVICE), torch.from_numpy(ids).to(DEVICE), 6, m, 1, validate=False)
+    want = ref.to_batched(x, ids, 6, m, 1)
+    for name in ("a", "expert_num_tokens", "src"):
+        np.testing.assert_array_equal(getattr(got, name).cpu().numpy(), getattr(want, name))
+    rep = np.array([[1, 1], [1, 0], [1, 1]], dtype=np.int32)  # expert 1: 5 rows > capacity 3
+    if DEVICE == "cpu":
+        with pytest.raises(RuntimeError, match="to_batched: a local expert has more rows than"):
+            fast.to_batched(None, torch.from_numpy(rep), 2, 3, 1, validate=False)
+    got = fast.to_batched(None, torch.from_numpy(rep).to(DEVICE), 2, 5, 1, validate=False)
+    assert got.expert_num_tokens.cpu().tolist() == [1, 5]  # hand count
