@@ -81,7 +81,7 @@ from moeref.dispatch.permute import Permuted
 from moeref.routing.expert_map import check_expert_map
 from moeref.routing.ids import check_topk_ids
 
-from ._host import alloc, cdiv, next_pow2
+from ._host import alloc, cdiv, launch, next_pow2
 
 __all__ = [
     "OPERATIONS",
@@ -162,14 +162,16 @@ def _write_starts(cnt, g, gm, starts_ptr, ends_ptr, offsets_ptr, meta_ptr, psum_
     """From the key totals ``cnt[NKP]``: starts[NK] (row of each group's first slot), ends[G] (end
     of each present group's padded region), offsets[G+1] int64 (unpadded exclusive prefix sum of the
     present groups), meta[0] = rows used by present groups (num_tokens_post_padded), meta[1] =
-    present slots."""
+    present slots, meta[2] = 1 if every present group fits its capacity (MODE 1; always 1 else)."""
     present = g < G
     cnt_present = tl.where(present, cnt, 0)
     n_present = tl.sum(cnt_present, axis=0)
+    fits = 1
     if MODE == 1:
         start = g * CAP
         end = start + CAP
         used = G * CAP
+        fits = (tl.max(cnt_present, axis=0) <= CAP).to(tl.int32)
     else:
         size = tl.where(present, (cnt + PAD - 1) // PAD * PAD, cnt)
         incl = tl.cumsum(size, axis=0)
@@ -183,6 +185,7 @@ def _write_starts(cnt, g, gm, starts_ptr, ends_ptr, offsets_ptr, meta_ptr, psum_
     tl.store(offsets_ptr + G, n_present.to(tl.int64))
     tl.store(meta_ptr, used)
     tl.store(meta_ptr + 1, n_present)
+    tl.store(meta_ptr + 2, fits)
     if WRITE_PSUM:
         tl.store(psum_ptr + g, start + cnt, mask=present)
 
@@ -394,8 +397,9 @@ def _invert_kernel(src_ptr, dst_ptr, R, BLOCK: tl.constexpr):
 # Host side
 # ----------------------------------------------------------------------------------------------
 def _launch(kernel, grid, *args, **kwargs):
-    if all(int(g) > 0 for g in grid):
-        kernel[grid](*args, **kwargs)
+    """:func:`fastpath._host.launch` (cached launch), skipped for an empty grid."""
+    if min(grid) > 0:
+        launch(kernel, grid, *args, **kwargs)
 
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -448,7 +452,7 @@ class _Sorted:
     starts: torch.Tensor  # int32 [NKP]
     ends: torch.Tensor  # int32 [max(G,1)]
     offsets: torch.Tensor  # int64 [G+1]
-    meta: torch.Tensor  # int32 [2]: rows used, present slots
+    meta: torch.Tensor  # int32 [3]: rows used, present slots, every group fits (capacity mode)
     psum: torch.Tensor | None
 
     @property
@@ -494,7 +498,7 @@ def _sort(topk_ids, num_experts: int, emap, n_local: int, *, local: bool, mode: 
     C = max(1, cdiv(n, CHUNK))
     # One allocation for the int32 scratch (host overhead matters at small sizes).
     n_g = max(G, 1)
-    sizes = [C * NK, NKP, NKP, n_g, 2, n_g if want_psum else 0]
+    sizes = [C * NK, NKP, NKP, n_g, 3, n_g if want_psum else 0]
     ws = _alloc(sum(sizes), torch.int32, device)
     base, totals, starts, ends, meta, psum = torch.split(ws, sizes)
     base = base.view(C, NK)
@@ -502,14 +506,14 @@ def _sort(topk_ids, num_experts: int, emap, n_local: int, *, local: bool, mode: 
     if emap is None:
         emap = meta  # never read (USE_MAP is off)
     if C <= SMALL_SORT_CHUNKS:
-        _small_sort_kernel[(1,)](ids, emap, base, totals, starts, ends, offsets, meta, psum if want_psum else meta,
+        _launch(_small_sort_kernel, (1,), ids, emap, base, totals, starts, ends, offsets, meta, psum if want_psum else meta,
                                  n, num_experts, G, NK, C, pad, cap, USE_MAP=use_map, S=CHUNK, NKP=NKP,
                                  MODE=mode, WRITE_PSUM=want_psum)
     else:
-        _hist_kernel[(C,)](ids, emap, base, n, num_experts, G, NK, USE_MAP=use_map, S=CHUNK, NKP=NKP)
+        _launch(_hist_kernel, (C,), ids, emap, base, n, num_experts, G, NK, USE_MAP=use_map, S=CHUNK, NKP=NKP)
         block_g = 32
-        _chunk_scan_kernel[(cdiv(NK, block_g),)](base, totals, C, NK, BLOCK_C=32, BLOCK_G=block_g)
-        _group_starts_kernel[(1,)](totals, starts, ends, offsets, meta, psum if want_psum else meta,
+        _launch(_chunk_scan_kernel, (cdiv(NK, block_g),), base, totals, C, NK, BLOCK_C=32, BLOCK_G=block_g)
+        _launch(_group_starts_kernel, (1,), totals, starts, ends, offsets, meta, psum if want_psum else meta,
                                    G, NK, pad, cap, MODE=mode, WRITE_PSUM=want_psum, NKP=NKP)
     return _Sorted(ids, emap, use_map, m, k, num_experts, G, NK, C, base, totals, starts, ends,
                    offsets, meta, psum[:G] if want_psum else None)
@@ -801,8 +805,8 @@ def _to_capacity(hidden, topk_ids, num_experts, expert_map, validate, capacity_o
         probe = _sort(topk_ids, num_experts, emap, n_local, local=True, mode=_CAPACITY, cap=bound)
         counts, cap = None, bound
         if cap < m * k:  # a token repeating an expert can overflow: checked on the device, no sync
-            torch._assert_async((probe.totals[: probe.G] <= cap).all(),
-                                f"{what}: a local expert has more rows than {bound_name}={cap}")
+            # meta[2]: 1 if every local expert fits (written by the sort head in capacity mode)
+            torch._assert_async(probe.meta[2:], f"{what}: a local expert has more rows than {bound_name}={cap}")
     else:  # counts first (needed on the host for the capacity), then the starts g * cap
         probe = _sort(topk_ids, num_experts, emap, n_local, local=True)
         counts = _host_counts(probe)  # the one host sync
@@ -812,7 +816,7 @@ def _to_capacity(hidden, topk_ids, num_experts, expert_map, validate, capacity_o
             e = int(over[0])
             raise ValueError(f"local expert {e} has {int(counts[e])} rows, more than the capacity {cap}")
         # Rewrite the group starts as g * cap (the counts, offsets and chunk prefixes stay).
-        _group_starts_kernel[(1,)](probe.totals, probe.starts, probe.ends, probe.offsets, probe.meta, probe.meta,
+        _launch(_group_starts_kernel, (1,), probe.totals, probe.starts, probe.ends, probe.offsets, probe.meta, probe.meta,
                                    probe.G, probe.NK, 1, cap, MODE=_CAPACITY, WRITE_PSUM=False,
                                    NKP=probe.totals.numel())
     s, G = probe, probe.G
