@@ -42,6 +42,8 @@ from bench.interleaved import FLAG_SPREAD, MIN_ROUNDS, CudaEventClock, time_inte
 from bench.report_quant import plot, tables as report_tables  # noqa: E402
 from fastpath import fused as F  # noqa: E402
 from fastpath import quant as Q  # noqa: E402
+from fastpath.quant import _launch as QL  # noqa: E402
+from fastpath.quant import _tiles as QT  # noqa: E402
 
 L2_BYTES = 64 << 20
 
@@ -527,7 +529,7 @@ def tune(args, ks):
              dict(block_m=2, groups_per_program=16, num_warps=4),
              dict(block_m=1, groups_per_program=64, num_warps=8),
              dict(block_m=2, groups_per_program=32, num_warps=8)]
-    # per-token rows over _ROW_LOOP_MIN_K columns take fastpath.quant._row_loop_kernel: its
+    # per-token rows over _ROW_LOOP_MIN_K columns take fastpath.quant._kernels._row_loop_kernel: its
     # tile (rows, columns per chunk, warps), and one [1, next_pow2(K)] tile per row instead
     rows = [dict()] + [dict(_ROW_LOOP_TILE=t) for t in [
         (1, 2048, 4), (1, 1024, 4), (1, 2048, 8), (1, 4096, 8), (2, 2048, 4), (2, 2048, 8),
@@ -546,10 +548,10 @@ def tune(args, ks):
         for cfg in configs:
             cfg = dict(cfg)
             cfg_name = str(cfg)
-            Q._MAXNREG = cfg.pop("maxnreg", None)
-            saved_attrs = {k_: getattr(Q, k_) for k_ in cfg if k_.startswith("_")}
+            QL._MAXNREG = cfg.pop("maxnreg", None)
+            saved_attrs = {k_: getattr(QT, k_) for k_ in cfg if k_.startswith("_")}
             for k_ in saved_attrs:  # module knobs, e.g. {"_WORD_RUN": {1: 4, 2: 4}}
-                setattr(Q, k_, cfg.pop(k_))
+                setattr(QT, k_, cfg.pop(k_))
             try:
                 fn(*inputs[0], **cfg)
                 torch.cuda.synchronize()
@@ -558,9 +560,9 @@ def tune(args, ks):
                 print(f"  {name} {cfg_name}: {type(e).__name__}: {str(e)[:80]}", flush=True)
                 continue
             finally:
-                Q._MAXNREG = None
+                QL._MAXNREG = None
                 for k_, v_ in saved_attrs.items():
-                    setattr(Q, k_, v_)
+                    setattr(QT, k_, v_)
             tb = nbytes / (ms * 1e-3) / 1e12
             print(f"  {name:34s} {cfg_name:52s} {ms * 1e3:8.1f} us {tb:6.3f} TB/s", flush=True)
             out.setdefault(name, []).append({"cfg": cfg_name, "us": ms * 1e3, "TBps": tb})

@@ -14,7 +14,7 @@ bench/profile_gpu.py: 42-80% issue utilisation, global-load stalls first).
     python bench/sass_report.py --dump NAME      # also write NAME's SASS to bench_out/NAME.sass
     python bench/sass_report.py --maxnreg 64     # with a register cap (spills show as STACK)
 
-The kernels are launched on CPU tensors, so device-specific tiles (fastpath.quant's
+The kernels are launched on CPU tensors, so device-specific tiles (fastpath.quant._tiles'
 _DEVICE_TILES) are not taken here.
 
 Uses the ptxas/cuobjdump bundled with Triton's wheel; no CUDA driver is needed.
@@ -121,13 +121,16 @@ def count(sass: str):
 
 
 def record(call):
-    """Run ``call()`` (which calls fastpath functions on CPU tensors) with launches recorded."""
-    import fastpath.dispatch as D
-    import fastpath.fused as F
-    import fastpath.quant as Q
+    """Run ``call()`` (which calls fastpath functions on CPU tensors) with launches recorded:
+    every Triton kernel bound to a name in a ``fastpath`` module is swapped for a recorder."""
+    import fastpath.dispatch  # noqa: F401 (the kernels' modules, loaded before the swap)
+    import fastpath.fused  # noqa: F401
+    import fastpath.quant  # noqa: F401
+    from fastpath.quant import _preset_map as P
+    mods = [m for n, m in sorted(sys.modules.items()) if n == "fastpath" or n.startswith("fastpath.")]
     log = []
     saved = {}
-    for mod in (Q, F, D):
+    for mod in mods:
         if hasattr(mod, "_INTERPRETED"):
             saved[(mod, "_INTERPRETED")] = mod._INTERPRETED
             mod._INTERPRETED = False
@@ -136,7 +139,7 @@ def record(call):
             if isinstance(obj, triton.runtime.jit.JITFunction):
                 saved[(mod, name)] = obj
                 setattr(mod, name, _Recorder(obj, log))
-    Q._constexprs_cached.cache_clear()
+    P.constexprs_cached.cache_clear()
     os.environ["TRITON_INTERPRET"] = "1"  # lets fastpath accept CPU tensors; nothing launches
     try:
         call()
@@ -144,7 +147,7 @@ def record(call):
         os.environ.pop("TRITON_INTERPRET", None)
         for (mod, name), obj in saved.items():
             setattr(mod, name, obj)
-        Q._constexprs_cached.cache_clear()
+        P.constexprs_cached.cache_clear()
     return log
 
 

@@ -7,8 +7,8 @@ cast) fed and computed several ways; prints TB/s and % of the copy bandwidth mea
   (``cp.async.bulk.tensor`` into shared memory) with ``num_stages`` buffers in flight, checked
   bit for bit against ``plain``;
 * ``per-token``: one whole row per program (``[1, 64 slices of 128]``, one amax), TMA or plain;
-* the division: Triton's ``/`` (approximate ``div.full.f32``), ``fastpath.quant._div_exact``
-  (``EXACT=1``), its in-window FMA steps alone (2), ``div.rn.f32`` per element (3).
+* the division: Triton's ``/`` (approximate ``div.full.f32``), ``fastpath.quant._jit_codes.
+  _div_exact`` (``EXACT=1``), its in-window FMA steps alone (2), ``div.rn.f32`` per element (3).
 
 NVIDIA H200, 2026-11-21, 16384 x 7168 bf16 (docs/fastpaths.md, fifth round): TMA pipelining
 61-93% of copy against 90% for the plain tiles (no gain); the whole-row per-token tile 96.7%
@@ -30,6 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import bench_quant_gpu as B  # noqa: E402
 import fastpath.quant as Q  # noqa: E402
+import fastpath.quant._jit_codes as QC  # noqa: E402
 from moeref.quant import fp8_group, fp8_per_token  # noqa: E402
 
 
@@ -42,8 +43,8 @@ def _tile_codes(x, c_ptr, s_ptr, rows, gidx, M, NG, K, PER_ROW: tl.constexpr,
     else:
         amax = tl.max(tl.abs(x), axis=2)
     s = tl.where(amax > 0, amax / 448.0, 1.0)
-    if EXACT == 1:  # the fast path's correctly rounded division (fastpath.quant._div_exact)
-        y = Q._div_exact(x, s[:, :, None], 1, True)
+    if EXACT == 1:  # the fast path's correctly rounded division (_jit_codes._div_exact)
+        y = QC._div_exact(x, s[:, :, None], 1, True)
     elif EXACT == 2:  # its in-window arithmetic alone (no out-of-window branch)
         r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)[:, :, None]
         ns = -s[:, :, None]

@@ -2,10 +2,10 @@
 elements per instruction; this docstring), and one float32 lane at a time for NVFP4 and the other
 FP4 inputs (:func:`e2m1_lane_f32`, described beside it at the end of the module).
 
-Used by :func:`fastpath.quant._quant_kernel` (constexpr ``PACKED_BF16``) for bfloat16 input read as
-int32 words (two elements per word, even element in the low half), E8M0 scales and RNE rounding,
-on a GPU only: Triton's interpreter cannot run inline PTX, so there the integer path of
-:mod:`fastpath._triton_rounding` stays. Every instruction needs sm_90 (``mul/add .bf16x2``) or
+Used by :func:`fastpath.quant._kernels._quant_kernel` (constexpr ``PACKED_BF16``) for bfloat16
+input read as int32 words (two elements per word, even element in the low half), E8M0 scales
+and RNE rounding, on a GPU only: Triton's interpreter cannot run inline PTX, so there the
+integer path of :mod:`fastpath._triton_rounding` stays. Every instruction needs sm_90 (``mul/add .bf16x2``) or
 sm_86 (``min/max .xorsign.abs``); the targets are Hopper and later.
 
 Why it is exact. The data are multiplied by an E8M0 factor ``f = 2^-e`` (a power of two, or 0 /

@@ -4,9 +4,10 @@ The MoE expert's first GEMM produces ``h[..., 2N]``; the second GEMM wants FP8 c
 ``act(h)[..., N]`` with per-token-group scales (DeepGEMM / vLLM 1x128). Fusing saves writing the
 activation and reading it back: per row, 4N bytes of bf16 input are read and N code bytes plus
 the scales written, instead of an extra 2N-byte write and 2N-byte read of the bf16 activation.
-The kernel is :func:`fastpath.quant._quant_kernel` with ``ACT`` set: the tile loader
-computes the activation in float32 (:func:`fastpath.quant._activation`) and everything after is
-the group quantizer, so every preset/layout of :func:`fastpath.quant.quantize` is available.
+The kernel is :func:`fastpath.quant._kernels._quant_kernel` with ``ACT`` set: the tile loader
+computes the activation in float32 (:func:`fastpath.quant._jit_codes._activation`) and
+everything after is the group quantizer, so every preset/layout of
+:func:`fastpath.quant.quantize` is available.
 
 What is proven, and how (tests: ``property_tests/test_fastpath_quant.py``):
 
@@ -34,6 +35,12 @@ from moeref.quant import fp8_group
 from moeref.quant.scheme import Scheme
 
 from . import quant as Q
+from .quant import _launch as QL
+from .quant import _preset_map as QP
+from .quant import _tiles as QT
+from .quant._jit_codes import _activation
+from .quant._kernels import _quant_kernel
+from .quant._layouts import SF_LAYOUT, grid_of
 from ._host import alloc as _alloc
 from ._host import next_pow2
 
@@ -77,7 +84,7 @@ def _act_kernel(x_ptr, stride_xm, stride_xk, o_ptr, M, N, ACT: tl.constexpr, ALP
     cols4 = cols[None, None, :, :] + tl.zeros((BLOCK_M, 1, BLOCK_N // 2, 2), tl.int32)
     m = (rows < M)[:, None, None, None] & (cols4 < N)
     xb = x_ptr + rows.to(tl.int64)[:, None, None, None] * stride_xm
-    out = Q._activation(xb, cols4, stride_xk, N, m, ACT, ALPHA, LIMIT)
+    out = _activation(xb, cols4, stride_xk, N, m, ACT, ALPHA, LIMIT)
     tl.store(o_ptr + rows.to(tl.int64)[:, None, None, None] * N + cols4, out, mask=m)
 
 
@@ -125,14 +132,14 @@ def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme
     dev = x.device
     if hw_fp8 is None:
         hw_fp8 = dev.type == "cuda"
-    ce = Q._constexprs(scheme, hw_fp8)
+    ce = QP.constexprs(scheme, hw_fp8)
     codes = _alloc((B, M, N), dtype=torch.uint8, device=dev)
     gs = scheme.resolve_block(shape)[-1]
     ng = triton.cdiv(N, gs)
     sshape, sdt, (m_pad, ng_pad, ssm, ssg) = Q.scale_storage_shape((B, M, N), scheme, scale_layout)
     scales = _alloc(sshape, dtype=sdt, device=dev)
-    tile = Q._device_tile("fused", dev, scale_layout, ce, gs, ng, (block_m, groups_per_program, num_warps))
-    if tile is not None:  # a device's own tile (fastpath.quant._DEVICE_TILES)
+    tile = QT._device_tile("fused", dev, scale_layout, ce, gs, ng, (block_m, groups_per_program, num_warps))
+    if tile is not None:  # a device's own tile (fastpath.quant._tiles._DEVICE_TILES)
         groups_per_program, block_m, num_warps = tile
     elif act == "silu_and_mul" and gs == 128 and block_m is None and groups_per_program is None \
             and num_warps is None:
@@ -142,21 +149,21 @@ def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme
         # warps 3.68, 1 row x 32 groups on 4 warps 3.53), within 1% of the best on an H100 (2.86
         # vs 2.88 TB/s); the H200 now takes its own one-warp tile (_DEVICE_TILES)
         num_warps = 8
-    gb, gpp, bm = Q._tile(gs, block_m, groups_per_program, scale_layout, ng, role="fused")
+    gb, gpp, bm = QT._tile(gs, block_m, groups_per_program, scale_layout, ng, role="fused")
     dummy = _alloc(1, dtype=torch.float32, device=dev)
     grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp), B)
-    xk, pair, in16 = Q._pair_view(x3, act == "swigluoai")
+    xk, pair, in16 = QL._pair_view(x3, act == "swigluoai")
     if pair == 2:
         pair = 0  # the generic swigluoai path loads gate/up with stride 2 on plain tiles
-    Q._quant_kernel[grid](
+    _quant_kernel[grid](
         xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
         scales, scales.stride(0), ssm, ssg, dummy, dummy, dummy, M, N, ng, m_pad, ng_pad, 1,
-        GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=Q._SF_LAYOUT[scale_layout], AMAX_SRC=0,
+        GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=SF_LAYOUT[scale_layout], AMAX_SRC=0,
         STATIC=False, TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=True, ACT=_ACT[act],
         ACT_ALPHA=float(alpha), ACT_LIMIT=float(limit), PAIR=pair, IN16=in16,
-        **Q._launch_knobs(ce, gb, gpp, bm, num_warps))
+        **QL._launch_knobs(ce, gb, gpp, bm, num_warps))
     if scale_layout == "row_major":
-        scales = scales.reshape(Q._grid_of(shape, scheme))
+        scales = scales.reshape(grid_of(shape, scheme))
     elif len(shape) <= 2:
         scales = scales[0]
     return Q.FastQuantized(codes.reshape(shape), scales, scale_layout, scheme, shape)

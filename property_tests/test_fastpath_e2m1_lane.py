@@ -28,6 +28,7 @@ from moeref.quant.nvfp4 import nvfp4  # noqa: E402
 from fastpath import _packed_fp4 as PK  # noqa: E402
 from fastpath import _triton_rounding as R  # noqa: E402
 from fastpath import quant as Q  # noqa: E402
+from fastpath.quant import _preset_map as QP  # noqa: E402
 from fastpath.testing import poisoned  # noqa: E402
 
 pytestmark = [pytest.mark.gpu]
@@ -66,7 +67,7 @@ def test_gpu_lane_path_quantize_equals_integer_path(scheme, dtype):
     """Codes and scales through E2M1_PTX equal the integer path's (hw_fp8=False) on a sweep of
     magnitudes (every block of 16/32 elements drawn at its own scale, zeros and -0.0 mixed in;
     MXFP4 also NaN and +-Inf)."""
-    assert Q._constexprs(scheme, True)["E2M1_PTX"] and not Q._constexprs(scheme, False)["E2M1_PTX"]
+    assert QP.constexprs(scheme, True)["E2M1_PTX"] and not QP.constexprs(scheme, False)["E2M1_PTX"]
     g = torch.Generator(device="cuda").manual_seed(5)
     M, K = 512, 1024
     x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.float32)

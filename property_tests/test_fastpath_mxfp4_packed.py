@@ -38,6 +38,7 @@ from moeref.quant import mxfp4, quantize as ref_quantize  # noqa: E402
 from fastpath import _packed_fp4 as PK  # noqa: E402
 from fastpath import _triton_rounding as R  # noqa: E402
 from fastpath import quant as Q  # noqa: E402
+from fastpath.quant import _preset_map as QP  # noqa: E402
 from fastpath.testing import poisoned, to_device  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
@@ -55,7 +56,7 @@ def _packed_presets():
         if not (ok or env_only):
             continue
         try:
-            if Q._constexprs_cached(s, True, False)["PACKED_BF16"]:
+            if QP.constexprs_cached(s, True, False)["PACKED_BF16"]:
                 names.append(name)
         except KeyError:  # a preset knob the kernel does not have (supports() refuses it)
             continue
@@ -178,8 +179,8 @@ def _sweep_input():
                          + [("default", "swizzled_128x4"), ("te_mxfp8", "swizzled_128x4")])
 def test_gpu_packed_quantize_equals_integer_path_and_reference(preset, layout):
     scheme = mxfp4(preset=preset)
-    assert Q._constexprs(scheme, True)["PACKED_BF16"], "the packed path must be selected here"
-    assert not Q._constexprs(scheme, False)["PACKED_BF16"]
+    assert QP.constexprs(scheme, True)["PACKED_BF16"], "the packed path must be selected here"
+    assert not QP.constexprs(scheme, False)["PACKED_BF16"]
     xn = _sweep_input()
     x = to_device(xn)
     with poisoned():

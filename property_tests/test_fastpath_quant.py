@@ -12,7 +12,8 @@ few examples. What is compared, and why it is a proof rather than a smoke test:
 * inputs include NaN, +-Inf, -0.0, all-zero rows, subnormal-scale rows, huge values and
   non-contiguous strides, and bf16 / fp16 / fp32 dtypes;
 * the only normalisation is the sign bit of NaN codes: IEEE leaves the sign of a NaN made by
-  arithmetic unspecified (x86 makes -NaN from 0 * Inf, CUDA +NaN), formats-semantics notes §4.2;
+  arithmetic unspecified (x86 makes -NaN from 0 * Inf, CUDA +NaN; torchao's
+  ``assert_mxfp8_semantics`` treats 0x7F and 0xFF alike);
 * the integer rounding helpers are checked exhaustively (every bf16 bit pattern) against
   :func:`moeref.formats.encode`, and the E8M0 rules against oracles written here from DeepGEMM's
   ``ceil_to_ue8m0`` and torchao's ``_f32_to_e8m0_rceil``;
@@ -41,6 +42,7 @@ from moeref.quant.nvfp4 import nvfp4  # noqa: E402
 from fastpath import _triton_rounding as R  # noqa: E402
 from fastpath import fused as F  # noqa: E402
 from fastpath import quant as Q  # noqa: E402
+from fastpath.quant import _jit_codes as QC  # noqa: E402
 from fastpath import registry  # noqa: E402
 from fastpath.testing import device, on_gpu, poisoned, to_device  # noqa: E402
 
@@ -275,7 +277,7 @@ def _ceil_to_ue8m0_oracle(v: np.ndarray) -> np.ndarray:
 
 
 def _rceil_oracle(v: np.ndarray, satfinite: bool) -> np.ndarray:
-    """torchao _f32_to_e8m0_rceil / TE float_to_e8m0 (formats-semantics notes §4.1)."""
+    """torchao _f32_to_e8m0_rceil / TE float_to_e8m0 (``cvt.rp[.satfinite].ue8m0x2.f32``)."""
     b = np.abs(v).astype(np.float32).view(np.uint32).astype(np.int64)
     e = (b >> 23) & 0xFF
     m = b & 0x7FFFFF
@@ -550,12 +552,12 @@ def test_gpu_deep_gemm_agrees():
 
 
 # ----------------------------------------------------------------------------------------------
-# The FMA-corrected division the "div" presets use (fastpath.quant._div_exact)
+# The FMA-corrected division the "div" presets use (fastpath.quant._jit_codes._div_exact)
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _div_exact_kernel(x_ptr, s_ptr, o_ptr, N: tl.constexpr, DIV: tl.constexpr):
     i = tl.arange(0, N)
-    tl.store(o_ptr + i, Q._div_exact(tl.load(x_ptr + i), tl.load(s_ptr + i), DIV, False))
+    tl.store(o_ptr + i, QC._div_exact(tl.load(x_ptr + i), tl.load(s_ptr + i), DIV, False))
 
 
 def test_div_exact_is_the_correctly_rounded_quotient():

@@ -1,5 +1,5 @@
-"""The looped one-scale-per-row kernel (``fastpath.quant._row_loop_kernel``, per-token FP8 rows
-longer than ``_ROW_LOOP_MIN_K``) equals the reference bit for bit.
+"""The looped one-scale-per-row kernel (``fastpath.quant._kernels._row_loop_kernel``,
+per-token FP8 rows longer than ``_ROW_LOOP_MIN_K``) equals the reference bit for bit.
 
 CI shapes are small, so the tests lower the threshold and the chunk width: every row then spans
 several chunks (partial last chunk included), which is the structure the large rows have. On the
@@ -17,6 +17,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 from moeref.quant import fp8_group, fp8_per_token, quantize as ref_quantize  # noqa: E402
 
 from fastpath import quant as Q  # noqa: E402
+from fastpath.quant import _launch as QL  # noqa: E402
+from fastpath.quant import _tiles as QT  # noqa: E402
 from fastpath.testing import on_gpu  # noqa: E402
 
 from property_tests.test_fastpath_quant import device_input, make_input, run_and_check  # noqa: E402
@@ -28,20 +30,20 @@ GPU = on_gpu()
 def small_row_loop(monkeypatch):
     """Route every one-scale-per-row FP8 quantization with K > 8 to the loop kernel, in chunks of
     16 columns (2 rows per program)."""
-    monkeypatch.setattr(Q, "_ROW_LOOP_MIN_K", 8)
-    monkeypatch.setattr(Q, "_ROW_LOOP_TILE", (2, 16, 1))
+    monkeypatch.setattr(QT, "_ROW_LOOP_MIN_K", 8)
+    monkeypatch.setattr(QT, "_ROW_LOOP_TILE", (2, 16, 1))
 
 
 def _launches(monkeypatch):
     """Count launches of the loop kernel (to prove the test runs it)."""
     calls = []
-    real = Q._launch_row_loop
+    real = QL._launch_row_loop
 
     def spy(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(Q, "_launch_row_loop", spy)
+    monkeypatch.setattr(QL, "_launch_row_loop", spy)
     return calls
 
 

@@ -25,7 +25,8 @@ from moeref.quant import fp8_group, mxfp4, quantize as ref_quantize  # noqa: E40
 from moeref.quant.nvfp4 import nvfp4  # noqa: E402
 
 from fastpath import fused as F  # noqa: E402
-from fastpath import quant as Q  # noqa: E402
+from fastpath.quant import _launch as QL  # noqa: E402
+from fastpath.quant import _tiles as QT  # noqa: E402
 from fastpath.testing import device, on_gpu  # noqa: E402
 
 from property_tests.test_fastpath_quant import (  # noqa: E402
@@ -39,14 +40,14 @@ SETTINGS = settings(max_examples=12 if not GPU else 60, deadline=None,
 def _spy_launches(monkeypatch):
     """Record (num_warps, BLOCK_M, GPP) of every _quant_kernel launch."""
     seen = []
-    real = Q._launch_knobs
+    real = QL._launch_knobs
 
     def spy(ce, gb, gpp, bm, num_warps):
         knobs = real(ce, gb, gpp, bm, num_warps)
         seen.append((knobs["num_warps"], bm, gpp))
         return knobs
 
-    monkeypatch.setattr(Q, "_launch_knobs", spy)
+    monkeypatch.setattr(QL, "_launch_knobs", spy)
     return seen
 
 
@@ -73,8 +74,8 @@ KINDS = {
        seed=st.integers(0, 2**31))
 def test_device_tiles_match_reference(monkeypatch, M, groups, tail, dtype, specials, layout,
                                       kind, seed):
-    name = Q._device_name(torch.device(device()))
-    monkeypatch.setattr(Q, "_DEVICE_TILES", {name: TILES})
+    name = QT._device_name(torch.device(device()))
+    monkeypatch.setattr(QT, "_DEVICE_TILES", {name: TILES})
     seen = _spy_launches(monkeypatch)
     make, fixed_layout, divides = KINDS[kind]
     layout = fixed_layout or layout
@@ -94,8 +95,8 @@ def test_device_tiles_match_reference(monkeypatch, M, groups, tail, dtype, speci
 def test_device_tiles_skip_unswept_ue8m0(monkeypatch):
     """Row-major UE8M0 scales were not swept per device: the FP32 row-major entry does not
     apply to them (the packed UE8M0 layout has its own entry)."""
-    name = Q._device_name(torch.device(device()))
-    monkeypatch.setattr(Q, "_DEVICE_TILES", {name: TILES})
+    name = QT._device_name(torch.device(device()))
+    monkeypatch.setattr(QT, "_DEVICE_TILES", {name: TILES})
     seen = _spy_launches(monkeypatch)
     xn = make_input(5, (3, 1024), "bfloat16", 4.0, "none")
     run_and_check(fp8_group(128, "ue8m0", "deepgemm"), "row_major", xn, device_input(xn, False))
@@ -103,13 +104,13 @@ def test_device_tiles_skip_unswept_ue8m0(monkeypatch):
     assert seen == [(4, 1, 32), (4, 1, 64)], seen
 
 
-@pytest.mark.parametrize("dev_name,key", [(n, k) for n, tiles in Q._DEVICE_TILES.items() for k in tiles])
+@pytest.mark.parametrize("dev_name,key", [(n, k) for n, tiles in QT._DEVICE_TILES.items() for k in tiles])
 def test_every_shipped_device_tile_matches_reference(monkeypatch, dev_name, key):
     """Each shipped entry, given to the running device: 9 rows of 9 groups and a partial one
     (so multi-row tiles have a partial last program), specials included."""
-    name = Q._device_name(torch.device(device()))
-    tile = Q._DEVICE_TILES[dev_name][key]
-    monkeypatch.setattr(Q, "_DEVICE_TILES", {name: {key: tile}})
+    name = QT._device_name(torch.device(device()))
+    tile = QT._DEVICE_TILES[dev_name][key]
+    monkeypatch.setattr(QT, "_DEVICE_TILES", {name: {key: tile}})
     seen = _spy_launches(monkeypatch)
     kernel, layout, divides = key
     preset = "default" if divides else "deepgemm"
@@ -130,7 +131,7 @@ def test_every_shipped_device_tile_matches_reference(monkeypatch, dev_name, key)
 
 def test_device_tiles_leave_other_devices_alone(monkeypatch):
     """A device without an entry takes _tile's general choice (1 row x 32 groups, 4 warps)."""
-    monkeypatch.setattr(Q, "_DEVICE_TILES", {"some other device": TILES})
+    monkeypatch.setattr(QT, "_DEVICE_TILES", {"some other device": TILES})
     seen = _spy_launches(monkeypatch)
     xn = make_input(3, (2, 1024), "bfloat16", 4.0, "none")
     run_and_check(fp8_group(128), "row_major", xn, device_input(xn, False))
@@ -145,8 +146,8 @@ def test_device_tiles_leave_other_devices_alone(monkeypatch):
 def test_fused_device_tiles_match_reference(monkeypatch, op, M, groups, tail, layout, preset, seed):
     """The fused kernels' device tiles: codes and scales equal the reference quantization of the
     kernel's own float32 activation (test_fastpath_quant.py bounds that activation)."""
-    name = Q._device_name(torch.device(device()))
-    monkeypatch.setattr(Q, "_DEVICE_TILES", {name: TILES})
+    name = QT._device_name(torch.device(device()))
+    monkeypatch.setattr(QT, "_DEVICE_TILES", {name: TILES})
     seen = _spy_launches(monkeypatch)
     N = groups * 128 + tail
     xn = make_input(seed, (M, 2 * N), "bfloat16", 2.0, "none")
@@ -176,7 +177,7 @@ def test_fused_device_tiles_match_reference(monkeypatch, op, M, groups, tail, la
        M=st.integers(1, 5), K=st.integers(1, 300).map(lambda k: 2 * k),
        specials=st.sampled_from(("none", "finite")), seed=st.integers(0, 2**31))
 def test_word_run_matches_reference(monkeypatch, run, which, M, K, specials, seed):
-    monkeypatch.setattr(Q, "_WORD_RUN", {1: run, 2: run})
+    monkeypatch.setattr(QT, "_WORD_RUN", {1: run, 2: run})
     scheme = mxfp4() if which == "mxfp4" else nvfp4(preset="vllm")
     xn = make_input(seed, (M, K), "bfloat16", 8.0, specials)
     run_and_check(scheme, "swizzled_128x4", xn, device_input(xn, False))

@@ -1,4 +1,5 @@
-"""The one-step FMA division of :func:`fastpath.quant._div_exact` gives the codes of ``RN(x / s)``.
+"""The one-step FMA division of :func:`fastpath.quant._jit_codes._div_exact` gives the codes of
+``RN(x / s)``.
 
 The kernel divides each element by its group's float32 scale ``s`` as
 

@@ -424,12 +424,12 @@ def test_amax_combine_emulated(ignore_nan):
 def test_packed_path_selection():
     """PACKED_BF16 is on only for E2M1 + E8M0 + RNE + signed zeros kept, single level, with the
     hardware paths on and outside Triton's interpreter (which cannot run inline PTX)."""
-    Q = pytest.importorskip("fastpath.quant")
+    QP = pytest.importorskip("fastpath.quant._preset_map")
     from moeref.quant import mxfp4, mxfp8
     from moeref.quant.nvfp4 import nvfp4
 
     def sel(scheme, hw, interp):
-        return Q._constexprs_cached(scheme, hw, interp)["PACKED_BF16"]
+        return QP.constexprs_cached(scheme, hw, interp)["PACKED_BF16"]
 
     assert sel(mxfp4(), True, False) and sel(mxfp4(preset="ocp"), True, False)
     assert sel(mxfp4(preset="te_mxfp8"), True, False)  # ignore_nan: per-lane NaN codes
@@ -532,12 +532,12 @@ def test_bytes_of_lanes_packs_every_lane_pair():
 def test_f32_lane_path_selection():
     """E2M1_PTX is on for the E2M1 RNE presets that keep signed zeros (NVFP4 and MXFP4), on a
     GPU with the hardware paths only (never in the interpreter, never with hw_fp8=False)."""
-    Q = pytest.importorskip("fastpath.quant")
+    QP = pytest.importorskip("fastpath.quant._preset_map")
     from moeref.quant import mxfp4, mxfp8
     from moeref.quant.nvfp4 import nvfp4
 
     def sel(scheme, hw, interp):
-        return Q._constexprs_cached(scheme, hw, interp)["E2M1_PTX"]
+        return QP.constexprs_cached(scheme, hw, interp)["E2M1_PTX"]
 
     for order in ("te", "flashinfer", "vllm", "torchao"):
         assert sel(nvfp4(preset=order), True, False)

@@ -1,0 +1,468 @@
+"""Triton quantizers and dequantizers for the blockwise schemes of :mod:`moeref.quant`.
+
+One kernel serves FP8 per-tensor / per-token / 1xG groups, MXFP8, MXFP4 and NVFP4: every knob of
+the scheme's :class:`~moeref.quant.scheme.Preset` (scale rule, amax floor, zero-block and
+non-finite policy, how the scale is applied, element rounding, overflow, signed zero, NaN code)
+becomes a ``tl.constexpr``, so each preset compiles to its own straight-line code. The scale
+output is written directly in the layout the consuming GEMM reads (:data:`SCALE_LAYOUTS`:
+``row_major``, ``mn_major``, ``packed_ue8m0``, ``swizzled_128x4``; every padding element is
+written, so output buffers come from ``torch.empty`` and the tests poison them first).
+
+The package, split the way triton_kernels separates host API, kernels and layout details:
+
+==========================  ==========================================================================
+this module                 the host API: :func:`supports`, :func:`quantize`, :func:`dequantize`,
+                            :class:`FastQuantized`, DeepGEMM's quantizer as a baseline
+``_kernels``                the ``@triton.jit`` kernels; their device functions in ``_jit_scales``
+                            (amax, block scales, scale layouts) and ``_jit_codes`` (data scaling,
+                            element codes, activations)
+``_preset_map``             Preset -> the kernels' compile-time constants, derived from the scheme
+                            definitions of :mod:`moeref.quant.scheme`
+``_tiles``                  tiles: the general choice and the per-device tables
+``_layouts``                the scale layouts: names, addressing, storage shapes
+``_launch``                 host-side launch helpers (amax pass, NVFP4 factors, launch knobs)
+==========================  ==========================================================================
+
+Exactness: the arithmetic is the reference's, operation for operation, in float32:
+``tl.math.div_rn`` for a division (Triton's ``/`` is an approximate ``div.full.f32`` on the
+GPU), or, for the data divided by a per-group scale, ``_div_exact`` (reciprocal per group,
+one FMA correction per element, which gives the codes of ``RN(x / s)`` in a proven window,
+``div_rn`` outside it), products and the block amax as in :mod:`moeref.quant.blockwise`, the
+amax a NaN-propagating max of ``|x|`` (the integer max of the bit patterns: non-negative floats
+order like their bits and NaN patterns sort above Inf; or ``max.NaN.f32`` where a NaN amax's
+payload is not kept), E8M0 scales from exponent bits, and element codes from
+:mod:`fastpath._triton_rounding`. On a GPU the FP8 element cast may instead use the hardware
+``cvt.rn.satfinite`` (``hw_fp8=True``, the default on CUDA for saturating RNE presets): the GPU
+suite checks that both give identical codes. NaN element codes are compared modulo their sign
+bit: IEEE leaves the sign of a NaN produced by arithmetic unspecified (x86 yields -NaN for
+0 * Inf, CUDA +NaN).
+
+Tiles: a program quantizes ``BLOCK_M`` rows x ``GPP`` groups (about 4096 elements). FP8 uses
+plain ``[BLOCK_M, GPP, GB]`` tiles. FP4 packs element pairs into bytes, and ``swigluoai`` reads
+interleaved (gate, up) pairs: for contiguous 16-bit input both read int32 words, one pair per
+word (16-byte loads, no shuffles; ``PAIR=1``); other inputs (float32, strided, odd K) take a
+generic ``[.., GB/2, 2]`` tile split on its last axis (``PAIR=2``). Per-tensor and NVFP4 first
+reduce the tensor amax (partial-amax kernel, one-program reduction), then quantize, unless the
+scale is static (``scale=``; NVFP4 ``global_scale=``): then x is read once. NVFP4's data
+factor is a function of the block's UE4M3 code alone: ``_nvfp4_factors`` tabulates it per
+tensor (127 codes, the order's own float32 divisions) and the data pass loads it. FP8 rows with
+one scale per row longer than 4096 columns (per-token) take ``_row_loop_kernel`` (two sweeps
+per row, the second from cache). Tiles and warps come from sweeps on an H200 and an H100; the
+device-specific choices are in ``_tiles._DEVICE_TILES``.
+Measured speeds and their limits: docs/fastpaths.md.
+
+Unsupported combinations (INT/FP6 elements, 2-D blocks, the ``signed_minmax`` and
+``encode_decode_pair`` FP32 rules, groups wider than 32768) are refused by :func:`supports` with the
+reason; :func:`quantize` raises ``ValueError`` with it. Nothing falls back silently.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+
+from moeref.formats import get_format
+from moeref.quant import scheme as S
+from moeref.quant.scheme import Scheme
+
+from .._host import alloc as _alloc  # every buffer the kernels write (the tests' poisoning hook)
+from .._host import next_pow2 as _next_pow2
+from . import _launch as L
+from . import _preset_map as P
+from . import _tiles as T
+from ._kernels import _dequant_kernel, _per_tensor_scale_kernel, _quant_kernel
+from ._launch import global_scale_supports  # noqa: F401 (public: the registry's supports)
+from ._layouts import SCALE_LAYOUTS, SF_LAYOUT, grid_of, scale_storage_shape
+
+__all__ = [
+    "SCALE_LAYOUTS",
+    "FastQuantized",
+    "supports",
+    "quantize",
+    "dequantize",
+    "scale_storage_shape",
+]
+
+MAX_GROUP = 32768
+
+
+@dataclass(frozen=True)
+class FastQuantized:
+    """Output of :func:`quantize`: device tensors plus what is needed to read them.
+
+    Attributes:
+        codes: uint8 ``[..., M, K]`` (FP8) or ``[..., M, ceil(K/2)]`` (FP4, even element low).
+        scales: the scale storage in ``scale_layout`` (see the module docstring); for per-tensor
+            schemes ``[..., 1, 1]`` float32/uint8.
+        scale_layout: one of :data:`SCALE_LAYOUTS`.
+        scheme: the :class:`~moeref.quant.scheme.Scheme`.
+        shape: logical shape of x.
+        global_scale: float64 tensor ``[1]``: the NVFP4 decode factor exactly as the reference's
+            ``QuantizedTensor.global_scale`` (``A/2688``, ``1/S_enc`` or torchao's ``pts``,
+            computed in float64 from the float32 quantity of the preset's convention), or None.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    scale_layout: str
+    scheme: Scheme
+    shape: tuple
+    global_scale: torch.Tensor | None = None
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """Logical scale grid shape (the reference's ``QuantizedTensor.scales.shape``)."""
+        from moeref.quant.blockwise import grid_shape
+        return grid_shape(self.shape, self.scheme.resolve_block(self.shape))
+
+    def scales_logical(self) -> np.ndarray:
+        """The scales as the reference's grid (NumPy), read back through moeref.layouts inverses."""
+        from moeref import layouts
+        from moeref._interop import to_numpy
+
+        g = self.grid
+        s = to_numpy(self.scales.cpu())
+        if self.scale_layout == "row_major":
+            return np.ascontiguousarray(s).reshape(g)
+        mn, ng = g[-2], g[-1]
+        if self.scale_layout == "mn_major":
+            return layouts.from_mn_major_tma_aligned(s, mn=mn).reshape(g)
+        if self.scale_layout == "packed_ue8m0":
+            v = np.swapaxes(s, -1, -2)[..., :mn, :]
+            return layouts.unpack_ue8m0(v, ng, as_codes=True).reshape(g)
+        return layouts.unswizzle_128x4(s, mn, ng).reshape(g)
+
+    def to_reference(self):
+        """A :class:`moeref.quant.QuantizedTensor` with these codes and scales (host copies)."""
+        from moeref.quant import QuantizedTensor
+
+        gs = None
+        if self.global_scale is not None:
+            gs = float(self.global_scale.reshape(-1)[0].item())
+        return QuantizedTensor(codes=self.codes.cpu().numpy(), scales=self.scales_logical(),
+                               scheme=self.scheme, shape=self.shape, global_scale=gs)
+
+
+def _kind(scheme: Scheme) -> str | None:
+    """"per_tensor", "rows" (per-token / 1xG groups) or None for unsupported blocks."""
+    b = scheme.block
+    if len(b) == 2 and b[0] is None and b[1] is None:
+        return "per_tensor"
+    if len(b) == 2 and b[0] == 1:
+        return "rows"
+    if len(b) == 1:
+        return "rows"
+    return None
+
+
+def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_major", **_) -> tuple[bool, str]:
+    """Whether :func:`quantize` can run ``scheme`` on ``x`` with ``scale_layout`` here, and why not.
+
+    Checks the environment (a CUDA device, or TRITON_INTERPRET=1 for CPU tensors), the scheme
+    (element, block shape, preset knobs) and the layout (packed UE8M0 needs UE8M0 scales; the
+    swizzle needs 1-byte scales).
+    """
+    import os
+
+    if x is not None and isinstance(x, torch.Tensor):
+        if x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            return False, "x is a CPU tensor and TRITON_INTERPRET=1 is not set (no GPU to run on)"
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False, f"x dtype {x.dtype} not supported (float32, bfloat16, float16)"
+        if x.dim() < 1 or x.dim() > 3:
+            return False, f"x must have 1 to 3 dims; got {x.dim()}"
+    elif not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return False, "no CUDA device and TRITON_INTERPRET is not 1"
+    if scheme is None:
+        return True, "ok"
+    if not isinstance(scheme, Scheme):
+        return False, f"scheme must be a moeref Scheme; got {type(scheme).__name__}"
+    if scale_layout not in SCALE_LAYOUTS:
+        return False, f"scale_layout {scale_layout!r} is not one of {SCALE_LAYOUTS}"
+    if scheme.element not in P.ELEMENTS:
+        return False, (f"element {scheme.element!r} has no Triton kernel "
+                       f"(supported: {', '.join(P.ELEMENTS)})")
+    if scheme.family not in ("blockwise", "nvfp4"):
+        return False, f"family {scheme.family!r} has no Triton kernel"
+    if scheme.zero_point or scheme.channel_block:
+        return False, "zero points / channel scales have no Triton kernel"
+    kind = _kind(scheme)
+    if kind is None:
+        return False, f"block {scheme.block} has no Triton kernel (per-tensor, per-token and 1xG only)"
+    p = scheme.preset
+    if scheme.scale_format == "fp32" and p.fp32_rule not in P.FP32_RULES_RUN:
+        return False, f"fp32_rule {p.fp32_rule!r} has no Triton kernel"
+    if p.zero_block not in P.ZERO_BLOCKS_RUN:
+        return False, f"zero_block {p.zero_block!r} has no Triton kernel"
+    if p.element_max is not None and p.element_max != get_format(scheme.element).max_finite:
+        return False, "element_max override has no Triton kernel"
+    if scheme.family == "nvfp4":
+        if scheme.scale_format != "ue4m3" or scheme.block[-1] != 16 or kind != "rows":
+            return False, "NVFP4 kernel covers the 1x16 UE4M3 recipe only"
+        if p.option("nvfp4_order") not in P.NVFP4_OP:
+            return False, f"NVFP4 order {p.option('nvfp4_order')!r} has no Triton kernel"
+    elif scheme.scale_format == "ue4m3":
+        return False, "UE4M3 scales belong to the nvfp4 family"
+    if scheme.element == "e2m1" and p.overflow != "saturate":
+        pass  # E2M1 always saturates (the codec refuses inf_nan for it)
+    if kind == "per_tensor" and scale_layout != "row_major":
+        return False, "per-tensor scales have only the row_major layout"
+    if scale_layout == "packed_ue8m0" and scheme.scale_format != "ue8m0":
+        return False, "packed_ue8m0 needs UE8M0 scales"
+    if scale_layout == "swizzled_128x4" and scheme.scale_format == "fp32":
+        return False, "the 128x4 swizzle holds 1-byte scales (UE8M0/UE4M3), not FP32"
+    if x is not None:
+        K = int(x.shape[-1])
+        gs = scheme.resolve_block(tuple(x.shape))[-1]
+        if kind == "rows" and gs > MAX_GROUP and not T._row_loop_applies(
+                -(-K // gs), gs, K, scheme.element == "e2m1", scale_layout):
+            return False, (f"group of {gs} elements exceeds the tile kernel's limit {MAX_GROUP} "
+                           "(only one FP8 scale per row, row_major/mn_major, has a looped kernel)")
+        if scheme.element == "e2m1" and gs % 2 and gs < K:
+            return False, "FP4 groups of odd size are not supported"
+        if scheme.element == "e2m1" and kind == "per_tensor" and K % 2:
+            return False, "per-tensor FP4 with odd K is not supported"
+        if kind == "per_tensor" and scheme.static_scale is None and x.dim() < 1:
+            return False, "per-tensor needs at least one axis"
+    return True, "ok"
+
+
+def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major", scale=None,
+             hw_fp8: bool | None = None, block_m: int | None = None, groups_per_program: int | None = None,
+             num_warps: int | None = None, global_scale=None) -> FastQuantized:
+    """Quantize ``x`` (CUDA tensor, or CPU under TRITON_INTERPRET=1) with ``scheme``.
+
+    Args:
+        x: float32/bfloat16/float16 ``[K]``, ``[M, K]`` or ``[B, M, K]``, any strides.
+        scheme: a :mod:`moeref.quant` scheme (FP8 per-tensor/per-token/1xG, MXFP8, MXFP4, NVFP4).
+        scale_layout: where the scales go (:data:`SCALE_LAYOUTS`).
+        scale: static per-tensor decode scale (overrides ``scheme.static_scale``).
+        global_scale: NVFP4 only (ValueError for other families): a static per-tensor quantity
+            in the scheme's convention, as :func:`moeref.quant.nvfp4.quantize_nvfp4` takes it
+            (``amax``; ``encode_scale`` S_enc = 2688 / amax, e.g. vLLM's ``a1_gscale`` for
+            ``scaled_fp4_quant(x, input_global_scale)``; ``decode_scale``). A real number is
+            validated like the reference (TypeError / ValueError, with the reason, where it
+            raises); a one-element float32 tensor holds the float32 quantity: on the CPU it is
+            validated the same way, on x's device it is used as is, with no host sync (it must be
+            positive and give a finite nonzero encode/decode scale; nothing checks it). The
+            data pass is then the only pass over x (None: dynamic, the tensor amax is reduced in
+            a first pass). Codes, scales and ``global_scale`` equal the reference's.
+        hw_fp8: use the hardware FP8 cast on CUDA (default: yes on CUDA for saturating RNE presets).
+        block_m, groups_per_program, num_warps: tile overrides (benchmarks).
+
+    Returns:
+        :class:`FastQuantized`; ``.to_reference()`` gives the :class:`moeref.quant.QuantizedTensor`.
+    """
+    ok, why = supports(scheme, x, scale_layout)
+    if not ok:
+        raise ValueError(f"fastpath.quant.quantize cannot run {getattr(scheme, 'name', scheme)!r}: {why}")
+    static_global = None
+    if global_scale is not None:  # validated before any allocation or launch
+        static_global = L._nvfp4_static_factors(global_scale, scheme, x.device)
+    shape = tuple(int(d) for d in x.shape)
+    x3 = x.reshape((1, 1) + shape) if x.dim() == 1 else (x.unsqueeze(0) if x.dim() == 2 else x)
+    B, M, K = (int(d) for d in x3.shape)
+    dev = x.device
+    if hw_fp8 is None:
+        hw_fp8 = dev.type == "cuda"
+    ce = P.constexprs(scheme, bool(hw_fp8))
+    kind = _kind(scheme)
+    p = scheme.preset
+    static = scheme.static_scale if scale is None else scale
+    if static is not None:
+        from moeref.quant.scheme import _check_static_scale
+        static = _check_static_scale(static, scheme.scale_format, "scale")
+    packed = scheme.element == "e2m1"
+    cshape = (B, M, (K + 1) // 2 if packed else K)
+    codes = _alloc(cshape, dtype=torch.uint8, device=dev)
+    dummy = _alloc(1, dtype=torch.float32, device=dev)
+    static_t = dummy
+    if static is not None:
+        sv = float(np.float32(static)) if scheme.scale_format == "fp32" else \
+            float(int(np.frexp(static)[1]) - 1 + 127)
+        static_t = torch.full((1,), sv, dtype=torch.float32, device=dev)
+
+    if kind == "per_tensor":
+        # one scale per matrix: amax pass, scale kernel, then the data pass with AMAX_SRC=1
+        need_amax = static is None or p.nonfinite == "nan_block"
+        if need_amax:
+            amax = L._tensor_amax(x3, ce["NONFINITE"], per_matrix=True)
+        else:
+            amax = torch.zeros(B, dtype=torch.float32, device=dev)
+        sdt = torch.float32 if scheme.scale_format == "fp32" else torch.uint8
+        scales = _alloc((B, 1, 1), dtype=sdt, device=dev)
+        keys = ("ELEM_MAX", "INV_M", "EMAX", "MBITS", "SCALE_KIND", "FP32_RULE", "FP32_POW2",
+                "E8_RULE", "E8_LO", "E8_HI", "E8_NF", "AMAX_FLOOR", "ZERO_BLOCK", "NONFINITE", "APPLY")
+        _per_tensor_scale_kernel[(1,)](amax, scales, static_t, B,
+                                       BLOCK=_next_pow2(max(B, 2)), STATIC=static is not None,
+                                       **{k_: ce[k_] for k_ in keys})
+        gs = min(K, 128) if not packed else max(2, min(_next_pow2(K), 128))
+        gs = _next_pow2(gs)
+        ng = triton.cdiv(K, gs)
+        gb, gpp, bm = T._tile(gs, block_m, groups_per_program, "row_major", ng)
+        grid = (triton.cdiv(M, bm), triton.cdiv(ng, gpp), B)
+        xk, pair, in16 = L._pair_view(x3, packed)
+        _quant_kernel[grid](
+            xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
+            dummy, 0, 0, 0, amax, static_t, dummy, M, K, ng, M, ng, M,
+            GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=0, AMAX_SRC=1, STATIC=static is not None,
+            TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=False, ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0,
+            PAIR=pair, IN16=in16,
+            **L._launch_knobs(ce, gb, gpp, bm, num_warps))
+        out_codes = codes.reshape(shape[:-1] + (cshape[-1],))
+        return FastQuantized(out_codes, scales.reshape(grid_of(shape, scheme)), "row_major", scheme, shape)
+
+    gs = scheme.resolve_block(shape)[-1]
+    ng = triton.cdiv(K, gs)
+    sshape, sdt, (m_pad, ng_pad, ssm, ssg) = scale_storage_shape((B, M, K), scheme, scale_layout)
+    scales = _alloc(sshape, dtype=sdt, device=dev)
+    ssb = scales.stride(0)
+    tile = T._device_tile("quant", dev, scale_layout, ce, gs, ng, (block_m, groups_per_program, num_warps))
+    if tile is not None:
+        groups_per_program, block_m, num_warps = tile
+    gb, gpp, bm = T._tile(gs, block_m, groups_per_program, scale_layout, ng)
+    two_level = scheme.family == "nvfp4"
+    order = P.NVFP4_OP[p.option("nvfp4_order")] if two_level else 0
+    nv = dummy
+    zero_tensor = False
+    if two_level and static_global is not None:
+        # static global scale: no amax pass, the data pass below is the only read of x
+        nv, glob, zero_tensor = static_global
+    elif two_level:
+        amax = L._tensor_amax(x3, ce["NONFINITE"], per_matrix=False)
+        nv, glob = L._nvfp4_device_globals(scheme, amax=amax)
+    if T._row_loop_applies(ng, gs, K, packed, scale_layout) and groups_per_program is None:
+        L._launch_row_loop(x3, codes, scales, ssb, ssm, m_pad, static_t, static, ce, block_m, num_warps)
+    else:
+        grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp), B)
+        xk, pair, in16 = L._pair_view(x3, packed)
+        _quant_kernel[grid](
+            xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
+            scales, ssb, ssm, ssg, dummy, static_t, nv, M, K, ng, m_pad, ng_pad, 1,
+            GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=SF_LAYOUT[scale_layout], AMAX_SRC=0,
+            STATIC=static is not None, TWO_LEVEL=two_level, NV_ORDER=order, WRITE_SCALES=True,
+            ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0, PAIR=pair, IN16=in16,
+            **L._launch_knobs(ce, gb, gpp, bm, num_warps))
+    if zero_tensor:  # a static amax that is 0 in float32: the reference's data factor is 0
+        codes.copy_(L._signed_zero_codes(x3, order == 0))
+    lead = shape[:-2] if len(shape) >= 2 else ()
+    out_codes = codes.reshape(shape[:-1] + (cshape[-1],))
+    if scale_layout == "row_major":
+        scales = scales.reshape(grid_of(shape, scheme))
+    elif len(shape) == 2:
+        scales = scales[0]
+    elif len(shape) == 1:
+        scales = scales[0]
+    return FastQuantized(out_codes, scales, scale_layout, scheme, shape,
+                         global_scale=glob if two_level else None)
+
+
+_OUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def dequantize(q: FastQuantized, dtype: torch.dtype = torch.float32, *, block_m: int | None = None,
+               groups_per_program: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """``decode(codes) * scale`` (x global factor), rounded ONCE to ``dtype`` (float32, bfloat16,
+    float16), like :meth:`moeref.quant.QuantizedTensor.dequantize`: the product is formed exactly
+    as a float32 pair (hi, lo) and rounded with integer RNE. Exact wherever the float32 partial
+    products stay normal (|value| >= 2^-100 or so; a subnormal product may round twice).
+    ``block_m``, ``groups_per_program``, ``num_warps``: tile overrides (benchmarks)."""
+    if dtype not in _OUT:
+        raise ValueError(f"dtype must be float32, bfloat16 or float16; got {dtype}")
+    scheme = q.scheme
+    shape = q.shape
+    x3shape = (1, 1) + shape if len(shape) == 1 else ((1,) + shape if len(shape) == 2 else shape)
+    B, M, K = x3shape
+    codes = q.codes.reshape(B, M, -1)
+    out = _alloc((B, M, K), dtype=dtype, device=codes.device)
+    kind = _kind(scheme)
+    packed = scheme.element == "e2m1"
+    ce = dict(ELEM=P.position(scheme.element, P.ELEMENTS),
+              SCALE_KIND=P.position(scheme.scale_format, S.SCALE_FORMATS),
+              HW=codes.device.type == "cuda")
+    if kind == "per_tensor":
+        gs = 128
+        ng = triton.cdiv(K, gs)
+        gb, gpp, bm = T._tile(gs, block_m, groups_per_program, "row_major", ng, T._DQ_ELEMS, "dequant")
+        s = q.scales.reshape(B)
+        grid = (triton.cdiv(M, bm), triton.cdiv(ng, gpp), B)
+        _dequant_kernel[grid](codes, codes.stride(0), codes.stride(1), s, 1, 0, 0, s, out,
+                              out.stride(0), out.stride(1), M, K, ng, M, GS=gs, GB=gb, GPP=gpp,
+                              BLOCK_M=bm, SF_LAYOUT=0, PER_TENSOR=True, TWO_LEVEL=False,
+                              OUT=_OUT[dtype], num_warps=num_warps or T._DQ_WARPS, **ce)
+        return out.reshape(shape)
+    gs = scheme.resolve_block(shape)[-1]
+    ng = triton.cdiv(K, gs)
+    _, _, (m_pad, ng_pad, ssm, ssg) = scale_storage_shape((B, M, K), scheme, q.scale_layout)
+    s = q.scales
+    if q.scale_layout == "row_major":
+        s = s.reshape(B, M, ng)
+        ssb = s.stride(0)
+    else:
+        s = s.reshape((B,) + tuple(s.shape[-2:]) if q.scale_layout != "swizzled_128x4" else (B, -1))
+        ssb = s.stride(0)
+    gb, gpp, bm = T._tile(gs, block_m, groups_per_program, q.scale_layout, ng, T._DQ_ELEMS, "dequant")
+    g = q.global_scale if q.global_scale is not None else s
+    grid = (triton.cdiv(M, bm), triton.cdiv(ng, gpp), B)
+    _dequant_kernel[grid](codes, codes.stride(0), codes.stride(1), s, ssb, ssm, ssg, g, out,
+                          out.stride(0), out.stride(1), M, K, ng_pad, 1, GS=gs, GB=gb, GPP=gpp,
+                          BLOCK_M=bm, SF_LAYOUT=SF_LAYOUT[q.scale_layout], PER_TENSOR=False,
+                          TWO_LEVEL=q.global_scale is not None, OUT=_OUT[dtype],
+                          num_warps=num_warps or T._DQ_WARPS, **ce)
+    return out.reshape(shape)
+
+
+# ============================================================================ DeepGEMM adapter
+
+
+def deep_gemm_supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_major", **_) -> tuple[bool, str]:
+    """Whether DeepGEMM's own quantizer (``deep_gemm.utils.per_token_cast_to_fp8``) can produce
+    ``scheme``: DeepGEMM installed, a CUDA tensor, FP8 E4M3 1xG with the ``deepgemm`` preset."""
+    try:
+        import deep_gemm  # noqa: F401
+    except Exception as e:  # ImportError, or a broken build
+        return False, f"deep_gemm is not importable ({type(e).__name__}: {e})"
+    if x is not None and (not isinstance(x, torch.Tensor) or x.device.type != "cuda" or x.dim() != 2):
+        return False, "deep_gemm's quantizer takes a 2-D CUDA tensor"
+    if scheme is None:
+        return True, "ok"
+    if scheme.element != "e4m3fn" or scheme.family != "blockwise" or len(scheme.block) != 2 \
+            or scheme.block[0] != 1 or scheme.block[1] is None:
+        return False, "deep_gemm's per_token_cast_to_fp8 produces E4M3 1xG groups only"
+    if scheme.preset.name != "deepgemm":
+        return False, f"deep_gemm computes the 'deepgemm' preset, not {scheme.preset.name!r}"
+    if scale_layout not in ("row_major", "mn_major", "packed_ue8m0"):
+        return False, f"scale_layout {scale_layout!r} is not produced by deep_gemm"
+    if scale_layout == "packed_ue8m0" and scheme.scale_format != "ue8m0":
+        return False, "packed_ue8m0 needs UE8M0 scales"
+    return True, "ok"
+
+
+def deep_gemm_quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major") -> FastQuantized:
+    """DeepGEMM's torch quantizer (``per_token_cast_to_fp8``, then ``get_mn_major_tma_aligned_tensor``
+    or ``get_mn_major_tma_aligned_packed_ue8m0_tensor``) wrapped as a :class:`FastQuantized`.
+
+    Used to cross-check the Triton kernels on the GPU and as a speed baseline. The storage of
+    mn_major / packed layouts is DeepGEMM's (its MN padding is not written: ``torch.empty_strided``)."""
+    ok, why = deep_gemm_supports(scheme, x, scale_layout)
+    if not ok:
+        raise ValueError(f"deep_gemm quantize cannot run: {why}")
+    import deep_gemm
+
+    gs = scheme.block[1]
+    ue8m0 = scheme.scale_format == "ue8m0"
+    q, sf = deep_gemm.utils.per_token_cast_to_fp8(x, use_ue8m0=ue8m0, gran_k=gs)
+    codes = q.view(torch.uint8)
+    if scale_layout == "row_major":
+        scales = sf if not ue8m0 else ((sf.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    elif scale_layout == "mn_major":
+        if ue8m0:
+            raise ValueError("deep_gemm's MN-major FP32 layout holds FP32 scales; use packed_ue8m0")
+        v = deep_gemm.utils.get_mn_major_tma_aligned_tensor(sf)
+        scales = torch.as_strided(v, (v.shape[1], v.stride(1)), (v.stride(1), 1))
+    else:
+        v = deep_gemm.utils.get_mn_major_tma_aligned_packed_ue8m0_tensor(sf)
+        scales = torch.as_strided(v, (v.shape[1], v.stride(1)), (v.stride(1), 1))
+    return FastQuantized(codes, scales, scale_layout, scheme, tuple(x.shape))
