@@ -42,7 +42,7 @@ from .quant._jit_codes import _activation
 from .quant._kernels import _quant_kernel
 from .quant._layouts import SF_LAYOUT, grid_of
 from ._host import alloc as _alloc
-from ._host import next_pow2
+from ._host import cdiv, launch, next_pow2
 
 __all__ = [
     "silu_and_mul_quant_fp8",
@@ -101,7 +101,7 @@ def _activation_torch(x: torch.Tensor, act: str, alpha: float, limit: float) -> 
     N = two_n // 2
     out = _alloc((M, N), dtype=torch.float32, device=x.device)
     BM, BN = 4, min(1024, max(2, next_pow2(max(N, 1))))
-    _act_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+    launch(_act_kernel, (cdiv(M, BM), cdiv(N, BN)),
         x2, x2.stride(0), x2.stride(1), out, M, N, ACT=_ACT[act], ALPHA=float(alpha),
         LIMIT=float(limit), BLOCK_M=BM, BLOCK_N=BN)
     return out.reshape(shape[:-1] + (N,))
@@ -135,7 +135,7 @@ def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme
     ce = QP.constexprs(scheme, hw_fp8)
     codes = _alloc((B, M, N), dtype=torch.uint8, device=dev)
     gs = scheme.resolve_block(shape)[-1]
-    ng = triton.cdiv(N, gs)
+    ng = cdiv(N, gs)
     sshape, sdt, (m_pad, ng_pad, ssm, ssg) = Q.scale_storage_shape((B, M, N), scheme, scale_layout)
     scales = _alloc(sshape, dtype=sdt, device=dev)
     tile = QT._device_tile("fused", dev, scale_layout, ce, gs, ng, (block_m, groups_per_program, num_warps))
@@ -151,11 +151,11 @@ def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme
         num_warps = 8
     gb, gpp, bm = QT._tile(gs, block_m, groups_per_program, scale_layout, ng, role="fused")
     dummy = _alloc(1, dtype=torch.float32, device=dev)
-    grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp), B)
+    grid = (cdiv(m_pad, bm), cdiv(ng_pad, gpp), B)
     xk, pair, in16 = QL._pair_view(x3, act == "swigluoai")
     if pair == 2:
         pair = 0  # the generic swigluoai path loads gate/up with stride 2 on plain tiles
-    _quant_kernel[grid](
+    launch(_quant_kernel, grid,
         xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
         scales, scales.stride(0), ssm, ssg, dummy, dummy, dummy, M, N, ng, m_pad, ng_pad, 1,
         GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=SF_LAYOUT[scale_layout], AMAX_SRC=0,

@@ -61,13 +61,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import triton
 
 from moeref.formats import get_format
 from moeref.quant import scheme as S
 from moeref.quant.scheme import Scheme
 
 from .._host import alloc as _alloc  # every buffer the kernels write (the tests' poisoning hook)
+from .._host import cdiv, launch
 from .._host import next_pow2 as _next_pow2
 from . import _launch as L
 from . import _preset_map as P
@@ -295,16 +295,16 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         scales = _alloc((B, 1, 1), dtype=sdt, device=dev)
         keys = ("ELEM_MAX", "INV_M", "EMAX", "MBITS", "SCALE_KIND", "FP32_RULE", "FP32_POW2",
                 "E8_RULE", "E8_LO", "E8_HI", "E8_NF", "AMAX_FLOOR", "ZERO_BLOCK", "NONFINITE", "APPLY")
-        _per_tensor_scale_kernel[(1,)](amax, scales, static_t, B,
+        launch(_per_tensor_scale_kernel, (1,), amax, scales, static_t, B,
                                        BLOCK=_next_pow2(max(B, 2)), STATIC=static is not None,
                                        **{k_: ce[k_] for k_ in keys})
         gs = min(K, 128) if not packed else max(2, min(_next_pow2(K), 128))
         gs = _next_pow2(gs)
-        ng = triton.cdiv(K, gs)
+        ng = cdiv(K, gs)
         gb, gpp, bm = T._tile(gs, block_m, groups_per_program, "row_major", ng)
-        grid = (triton.cdiv(M, bm), triton.cdiv(ng, gpp), B)
+        grid = (cdiv(M, bm), cdiv(ng, gpp), B)
         xk, pair, in16 = L._pair_view(x3, packed)
-        _quant_kernel[grid](
+        launch(_quant_kernel, grid,
             xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
             dummy, 0, 0, 0, amax, static_t, dummy, M, K, ng, M, ng, M,
             GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=0, AMAX_SRC=1, STATIC=static is not None,
@@ -315,7 +315,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         return FastQuantized(out_codes, scales.reshape(grid_of(shape, scheme)), "row_major", scheme, shape)
 
     gs = scheme.resolve_block(shape)[-1]
-    ng = triton.cdiv(K, gs)
+    ng = cdiv(K, gs)
     sshape, sdt, (m_pad, ng_pad, ssm, ssg) = scale_storage_shape((B, M, K), scheme, scale_layout)
     scales = _alloc(sshape, dtype=sdt, device=dev)
     ssb = scales.stride(0)
@@ -336,9 +336,9 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
     if T._row_loop_applies(ng, gs, K, packed, scale_layout) and groups_per_program is None:
         L._launch_row_loop(x3, codes, scales, ssb, ssm, m_pad, static_t, static, ce, block_m, num_warps)
     else:
-        grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp), B)
+        grid = (cdiv(m_pad, bm), cdiv(ng_pad, gpp), B)
         xk, pair, in16 = L._pair_view(x3, packed)
-        _quant_kernel[grid](
+        launch(_quant_kernel, grid,
             xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
             scales, ssb, ssm, ssg, dummy, static_t, nv, M, K, ng, m_pad, ng_pad, 1,
             GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=SF_LAYOUT[scale_layout], AMAX_SRC=0,
@@ -384,17 +384,17 @@ def dequantize(q: FastQuantized, dtype: torch.dtype = torch.float32, *, block_m:
               HW=codes.device.type == "cuda")
     if kind == "per_tensor":
         gs = 128
-        ng = triton.cdiv(K, gs)
+        ng = cdiv(K, gs)
         gb, gpp, bm = T._tile(gs, block_m, groups_per_program, "row_major", ng, T._DQ_ELEMS, "dequant")
         s = q.scales.reshape(B)
-        grid = (triton.cdiv(M, bm), triton.cdiv(ng, gpp), B)
-        _dequant_kernel[grid](codes, codes.stride(0), codes.stride(1), s, 1, 0, 0, s, out,
+        grid = (cdiv(M, bm), cdiv(ng, gpp), B)
+        launch(_dequant_kernel, grid, codes, codes.stride(0), codes.stride(1), s, 1, 0, 0, s, out,
                               out.stride(0), out.stride(1), M, K, ng, M, GS=gs, GB=gb, GPP=gpp,
                               BLOCK_M=bm, SF_LAYOUT=0, PER_TENSOR=True, TWO_LEVEL=False,
                               OUT=_OUT[dtype], num_warps=num_warps or T._DQ_WARPS, **ce)
         return out.reshape(shape)
     gs = scheme.resolve_block(shape)[-1]
-    ng = triton.cdiv(K, gs)
+    ng = cdiv(K, gs)
     _, _, (m_pad, ng_pad, ssm, ssg) = scale_storage_shape((B, M, K), scheme, q.scale_layout)
     s = q.scales
     if q.scale_layout == "row_major":
@@ -405,8 +405,8 @@ def dequantize(q: FastQuantized, dtype: torch.dtype = torch.float32, *, block_m:
         ssb = s.stride(0)
     gb, gpp, bm = T._tile(gs, block_m, groups_per_program, q.scale_layout, ng, T._DQ_ELEMS, "dequant")
     g = q.global_scale if q.global_scale is not None else s
-    grid = (triton.cdiv(M, bm), triton.cdiv(ng, gpp), B)
-    _dequant_kernel[grid](codes, codes.stride(0), codes.stride(1), s, ssb, ssm, ssg, g, out,
+    grid = (cdiv(M, bm), cdiv(ng, gpp), B)
+    launch(_dequant_kernel, grid, codes, codes.stride(0), codes.stride(1), s, ssb, ssm, ssg, g, out,
                           out.stride(0), out.stride(1), M, K, ng_pad, 1, GS=gs, GB=gb, GPP=gpp,
                           BLOCK_M=bm, SF_LAYOUT=SF_LAYOUT[q.scale_layout], PER_TENSOR=False,
                           TWO_LEVEL=q.global_scale is not None, OUT=_OUT[dtype],
