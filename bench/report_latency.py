@@ -1,7 +1,8 @@
 """Write docs/fastpaths-latency.md's tables from bench_latency_gpu.py's JSON (never edited by hand).
 
-    python bench/report_latency.py docs/data/latency_before.json docs/data/latency_after.json \
-        [--docs docs/fastpaths-latency.md] [--check]
+    python bench/report_latency.py [RUN.json ...] [--docs docs/fastpaths-latency.md] [--check]
+
+(no JSON given: the page's own runs, :data:`DEFAULT_JSON`).
 
 One section per JSON file (one run each: a GPU, a code state), in the order given. Replaces the text
 between ``<!-- fastpath-latency:begin -->`` and ``<!-- fastpath-latency:end -->``; ``--check`` exits 1
@@ -12,9 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 BEGIN, END = "<!-- fastpath-latency:begin -->", "<!-- fastpath-latency:end -->"
+_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data")
+# the page's runs, newest first (H100, 2026-11-24): all changes; before the cached launcher; dispatch before
+DEFAULT_JSON = [os.path.join(_DATA, n) for n in ("latency_h100_57ca631.json", "latency_h100_f1903a6.json")]
 FLAG = "⚠"
 
 
@@ -77,11 +82,14 @@ def tables(data: dict) -> str:
     met = [r for r in rows if "met" in r]
     n_met = sum(1 for r in met if r["met"])
     out += ["", f"Target met in {n_met} of {len(met)} (fast path, M) rows."]
-    errs = [r for r in data["rows"] if "error" in r or "graph_error" in r or r.get("graph_equal") is False]
+    errs: dict = {}  # (case, message) -> [M, ...]
+    for r in data["rows"]:
+        msg = r.get("error") or r.get("graph_error") or \
+            ("the replay differs from the eager call" if r.get("graph_equal") is False else None)
+        if msg:
+            errs.setdefault((r["case"], msg.split(". ")[0]), []).append(str(r["M"]))
     if errs:
-        out += ["", "Rows with errors: " + "; ".join(
-            f"{r['case']} M={r['M']}: {r.get('error') or r.get('graph_error') or 'replay differs from eager'}"
-            for r in errs)]
+        out += ["", "Errors: " + "; ".join(f"{c} (M = {', '.join(ms)}): {msg}" for (c, msg), ms in errs.items())]
     if data.get("skipped"):
         out += ["", f"Not timed (time budget): {len(data['skipped'])} rows."]
     return "\n".join(out)
@@ -104,7 +112,7 @@ def replace_between(text: str, body: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("json", nargs="+")
+    ap.add_argument("json", nargs="*", default=DEFAULT_JSON)
     ap.add_argument("--docs", default="docs/fastpaths-latency.md")
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args(argv)
