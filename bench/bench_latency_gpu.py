@@ -6,6 +6,9 @@ For each case of :mod:`bench.latency_cases` (every quantization kernel of ``fast
 events around a calibrated number of back-to-back calls, median / min-max / spread, flagged over 10%):
 
 * ``eager``: the fast path's call as a decode step issues it (``validate=False``; no host sync);
+* ``eager, before``: the same call with the host path as it was before issue 20's changes, timed in
+  the same rounds (launches through ``kernel[grid]``, dispatch's three-kernel sort head:
+  :func:`bench.latency_cases.before_variant`); its outputs are checked equal to ``eager``'s;
 * ``graph``: the same call captured once in a CUDA graph, replayed (the device work, plus one replay's
   launch). Before timing, the replay's outputs are compared with the eager call's bit for bit;
 * ``floor``: for each Triton launch the call makes, an empty Triton kernel launched on the same grid
@@ -36,8 +39,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.interleaved import FLAG_SPREAD, MIN_ROUNDS, CudaEventClock, time_interleaved  # noqa: E402
-from bench.latency_cases import (all_cases, bits_equal, capture, direct_launcher, empty_launcher,  # noqa: E402
-                                 record_launches, tensors)
+from bench.latency_cases import (all_cases, before_variant, bits_equal, capture, direct_launcher,  # noqa: E402
+                                 empty_launcher, record_launches, tensors)
 
 TARGET_US = 15.0
 FLOOR_FACTOR = 1.5
@@ -81,7 +84,9 @@ def measure_case(case, M: int, args, compile_state: dict) -> dict:
     rec["launches"] = len(launches)
     rec["kernels"] = [l_.kernel for l_ in launches]
     rec["args_per_launch"] = [len(l_.values) for l_ in launches]
-    cases = {"eager": fn}
+    cases = {"eager": fn, "eager, before": before_variant(case, state)}
+    got_before = tensors(cases["eager, before"]())
+    rec["before_equal"] = len(got_before) == len(want) and all(bits_equal(a, b) for a, b in zip(want, got_before))
     try:
         g, out = capture(fn)
         g.replay()
@@ -133,6 +138,10 @@ def measure_case(case, M: int, args, compile_state: dict) -> dict:
         rec["overhead_us"] = {"median": statistics.median(per), "min": min(per), "max": max(per), "per_round": per}
         fl = rec["cases"]["floor"]["median_us"]
         rec["met"] = overhead_met(rec["overhead_us"]["median"], fl)
+        per_b = [(e - g_) * 1e6 for e, g_ in zip(res.cases["eager, before"].seconds, res.cases["graph"].seconds)]
+        rec["overhead_before_us"] = {"median": statistics.median(per_b), "min": min(per_b), "max": max(per_b)}
+        sp = [b / e for b, e in zip(res.cases["eager, before"].seconds, res.cases["eager"].seconds)]
+        rec["speedup_vs_before"] = statistics.median(sp)
     return rec
 
 
@@ -178,7 +187,8 @@ def main(argv=None):
             def us(n):
                 return f"{c[n]['median_us']:8.1f}" if n in c else "       -"
             oh = rec.get("overhead_us", {}).get("median")
-            print(f"M={M:4d} {case.name[:46]:46s} L={rec.get('launches', '-')!s:>2} eager {us('eager')} graph "
+            print(f"M={M:4d} {case.name[:40]:40s} L={rec.get('launches', '-')!s:>2} eager {us('eager')} "
+                  f"before {us('eager, before')} graph "
                   f"{us('graph')} overhead {oh if oh is None else round(oh, 1)!s:>6} floor {us('floor')} "
                   f"cached {us('floor (cached launcher)')} torch {us('torch eager')} compile {us('torch.compile')}"
                   f"{'' if rec.get('graph_equal', True) else '  GRAPH != EAGER'}"

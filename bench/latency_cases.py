@@ -15,6 +15,7 @@ call captured in a CUDA graph), :func:`record_launches` (the Triton launches one
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -158,9 +159,44 @@ class Launch:
 
 def record_launches(fn: Callable[[], Any]) -> tuple[Any, list[Launch]]:
     """Call ``fn`` once with Triton's ``JITFunction.run`` wrapped: (its result, every launch it made:
-    grid, the values of the kernel's non-constexpr and constexpr parameters, the launch options)."""
+    grid, the values of the kernel's non-constexpr and constexpr parameters, the launch options).
+    The fast paths' cached launcher is off meanwhile (its hits bypass ``JITFunction.run``)."""
     from triton.runtime.jit import JITFunction
 
+    with uncached():
+        return _record(fn, JITFunction)
+
+
+@contextlib.contextmanager
+def uncached():
+    """Every fast-path launch through ``kernel[grid]`` (``fastpath._host.LAUNCH_CACHE_ON = False``)."""
+    from fastpath import _host
+
+    old = _host.LAUNCH_CACHE_ON
+    _host.LAUNCH_CACHE_ON = False
+    try:
+        yield
+    finally:
+        _host.LAUNCH_CACHE_ON = old
+
+
+def before_variant(case: "Case", state) -> Callable[[], Any]:
+    """The call as the fast paths made it before issue 20's host changes, for an A/B in the same
+    rounds: launches through ``kernel[grid]``, and for dispatch the three-kernel sort head."""
+    import fastpath.dispatch as D
+
+    def call():
+        old = D.SMALL_SORT_CHUNKS
+        D.SMALL_SORT_CHUNKS = 0
+        try:
+            with uncached():
+                return case.fast(state)
+        finally:
+            D.SMALL_SORT_CHUNKS = old
+    return call
+
+
+def _record(fn, JITFunction):
     launches: list[Launch] = []
     orig = JITFunction.run
 

@@ -59,26 +59,35 @@ def tables(data: dict) -> str:
            f"{m['floor_factor']:g} x the floor where the floor is above {m['target_us']:g} us).", ""]
     M0 = Ms[0]
     out += [f"At M = {M0}:", "",
-            "| fast path | launches | eager | graph replay | overhead | floor | floor, cached launcher | "
+            "| fast path | launches | eager | eager, before | graph replay | overhead | floor | floor, cached launcher | "
             "torch eager | torch.compile (reduce-overhead) | replay vs eager |",
-            "|---" * 10 + "|"]
+            "|---" * 11 + "|"]
     for n in names:
         r = by.get((n, M0))
         if r is None:
             continue
         comp = _us(r, "torch.compile") if "torch.compile" in r.get("cases", {}) else \
             ("—" if "compile_error" not in r else "not timed" if "skipped" in r["compile_error"] else "failed")
-        out.append(f"| {n} | {r['launches']} | {_us(r, 'eager')} | {_us(r, 'graph')} | {_overhead(r)} | "
+        out.append(f"| {n} | {r['launches']} | {_us(r, 'eager')} | {_us(r, 'eager, before')} | {_us(r, 'graph')} | "
+                   f"{_overhead(r)} | "
                    f"{_us(r, 'floor')} | {_us(r, 'floor (cached launcher)')} | {_us(r, 'torch eager')} | {comp} | "
                    f"{_graph(r)} |")
-    out += ["", "Overhead (eager - graph replay) / floor, us, by M:", "",
+    before = any("eager, before" in r.get("cases", {}) for r in rows)
+    out += ["", "Overhead (eager - graph replay)" + (" / the same before" if before else "") + " / floor, us, by M:", "",
             "| fast path | " + " | ".join(f"M = {M}" for M in Ms) + " |", "|---" * (1 + len(Ms)) + "|"]
     for n in names:
         cells = []
         for M in Ms:
             r = by.get((n, M))
-            cells.append("—" if r is None else f"{_overhead(r)} / {_us(r, 'floor')}")
+            ob = r.get("overhead_before_us") if r is not None else None
+            mid = (f" / {ob['median']:.1f}" if ob else " / —") if before else ""
+            cells.append("—" if r is None else f"{_overhead(r)}{mid} / {_us(r, 'floor')}")
         out.append(f"| {n} | " + " | ".join(cells) + " |")
+    if before:
+        sp = sorted(r["speedup_vs_before"] for r in rows if "speedup_vs_before" in r)
+        if sp:
+            out += ["", f"Eager time before / now, per round, median over rows: {sp[len(sp) // 2]:.2f}x "
+                    f"(range {sp[0]:.2f}-{sp[-1]:.2f}x over {len(sp)} rows)."]
     met = [r for r in rows if "met" in r]
     n_met = sum(1 for r in met if r["met"])
     out += ["", f"Target met in {n_met} of {len(met)} (fast path, M) rows."]

@@ -47,12 +47,26 @@ FAKE = {"meta": META, "rows": [
 def test_rendered_cells():
     text = report.tables(FAKE)
     assert "**FakeGPU 9000**, 2026-11-24 21:00 UTC (abc123): driver 999.1" in text
-    assert "| k1 | 1 | 15.0 | 3.0 | **12.0** | 9.0 | 4.0 | 40.0 ⚠ | 20.0 | bit-equal |" in text
-    assert "| k2 | 3 | 60.0 | 10.0 | 50.0 | 30.0 | 12.0 | — | not timed | bit-equal |" in text
+    assert "| k1 | 1 | 15.0 | — | 3.0 | **12.0** | 9.0 | 4.0 | 40.0 ⚠ | 20.0 | bit-equal |" in text
+    assert "| k2 | 3 | 60.0 | — | 10.0 | 50.0 | 30.0 | 12.0 | — | not timed | bit-equal |" in text
     assert "| k1 | **12.0** / 9.0 | — |" in text
     assert "| k2 | 50.0 / 30.0 | — / 31.0 |" in text
     assert "Target met in 1 of 2 (fast path, M) rows." in text
     assert "Errors: k2 (M = 64): RuntimeError: sync" in text
+
+
+def test_before_column_and_speedup():
+    import copy
+
+    data = copy.deepcopy(FAKE)
+    r = data["rows"][0]
+    r["cases"]["eager, before"] = _c(45.0)
+    r["overhead_before_us"] = {"median": 42.0, "min": 41.0, "max": 43.0}
+    r["speedup_vs_before"] = 3.0
+    text = report.tables(data)
+    assert "| k1 | 1 | 15.0 | 45.0 | 3.0 | **12.0** |" in text
+    assert "| k1 | **12.0** / 42.0 / 9.0 | — |" in text
+    assert "Eager time before / now, per round, median over rows: 3.00x (range 3.00-3.00x over 1 rows)." in text
 
 
 def test_docs_page_is_what_the_committed_json_gives():
