@@ -69,6 +69,17 @@ def test_before_column_and_speedup():
     assert "Eager time before / now, per round, median over rows: 3.00x (range 3.00-3.00x over 1 rows)." in text
 
 
+def test_a_run_without_recorded_launches_has_no_floor_and_no_verdict():
+    import copy
+
+    data = copy.deepcopy(FAKE)
+    for r in data["rows"]:
+        r["launches"] = 0
+    text = report.tables(data)
+    assert "| k1 | 0 | 15.0 | — | 3.0 | 12.0 | not recorded | not recorded |" in text  # 12 not bold
+    assert "Target not judged: this run recorded no floor." in text
+
+
 def test_docs_page_is_what_the_committed_json_gives():
     assert all(os.path.exists(p) for p in report.DEFAULT_JSON)
     assert report.main(report.DEFAULT_JSON + ["--docs", os.path.join(ROOT, "docs", "fastpaths-latency.md"),
