@@ -142,6 +142,11 @@ def torch_nvfp4(x, s_enc=None):
     return c[..., 0] | (c[..., 1] << 4), sf
 
 
+def torch_silu_and_mul(x):
+    n = x.shape[1] // 2
+    return torch.nn.functional.silu(x[:, :n].float()) * x[:, n:].float()
+
+
 def torch_silu_group_fp8(x):
     n = x.shape[1] // 2
     a = torch.nn.functional.silu(x[:, :n].float()) * x[:, n:].float()
@@ -202,6 +207,16 @@ def kernels(device="cuda"):
         g = 2688.0 / float(x.float().abs().amax())
         return (x, g, torch.tensor(g, dtype=torch.float32, device=device))
 
+    def seq_bytes(elem_bytes):
+        return lambda M, K: M * 2 * K * 2 + 2 * M * K * 4 + int(M * K * elem_bytes)
+
+    def handoff(scheme, **kw):
+        """activation with its amax, then the quantizer's one read of it"""
+        def run(x, **c):
+            a, amax = F.silu_and_mul(x, amax_for=scheme)
+            return Q.quantize(a, scheme, amax=amax, **kw)
+        return run
+
     def quant(scheme, **fixed):
         return lambda x, **c: Q.quantize(x, scheme, **fixed, **c)
 
@@ -236,6 +251,21 @@ def kernels(device="cuda"):
         "dequant_fp8_1x128_to_bf16": (dq_in, lambda q, **c: Q.dequantize(q, torch.bfloat16, **c),
                                       lambda M, K: M * K * 1 + M * (K // 128) * 4 + M * K * 2,
                                       None),
+        # issue 20's two-pass kernels, as the two-kernel sequence activation -> quantize: the amax
+        # pass over the float32 activation (today), or the amax from the activation kernel (one read).
+        # Bytes: the sequence's least traffic (bf16 input read, float32 activation written and read
+        # once, codes written), the same for both rows so their % of copy compare.
+        "silu_and_mul -> fp8_per_tensor (amax pass)": (
+            x2_in, lambda x, **c: Q.quantize(F.silu_and_mul(x), s_ten), seq_bytes(1),
+            lambda x: torch_per_tensor_fp8(torch_silu_and_mul(x))),
+        "silu_and_mul -> fp8_per_tensor (amax from the activation)": (
+            x2_in, handoff(s_ten), seq_bytes(1),
+            lambda x: torch_per_tensor_fp8(torch_silu_and_mul(x))),
+        "silu_and_mul -> nvfp4 (amax pass)": (
+            x2_in, lambda x, **c: Q.quantize(F.silu_and_mul(x), s_nv, scale_layout="swizzled_128x4"),
+            seq_bytes(0.5), None),
+        "silu_and_mul -> nvfp4 (amax from the activation)": (
+            x2_in, handoff(s_nv, scale_layout="swizzled_128x4"), seq_bytes(0.5), None),
     }
 
 

@@ -229,9 +229,27 @@ def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_majo
     return True, "ok"
 
 
+def _check_amax(amax, scheme: Scheme, x3: torch.Tensor, static_global: bool) -> torch.Tensor:
+    """:func:`quantize`'s ``amax=``: where a tensor amax pass would run (per-tensor FP8 without a
+    static scale, dynamic NVFP4), a float32 tensor of one amax per matrix (per-tensor) or one
+    (NVFP4) on x's device; anything else is a ValueError / TypeError naming what is wrong."""
+    kind = _kind(scheme)
+    static = scheme.static_scale is not None
+    if not ((kind == "per_tensor" and not static) or (scheme.family == "nvfp4" and not static_global)):
+        raise ValueError("amax= is for per-tensor FP8 without a static scale and NVFP4 without a "
+                         f"global_scale (the schemes with a tensor amax pass); got {scheme.name!r}")
+    if not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32:
+        raise TypeError(f"amax must be a float32 torch tensor; got {getattr(amax, 'dtype', type(amax).__name__)}")
+    want = int(x3.shape[0]) if kind == "per_tensor" else 1
+    if amax.numel() != want or amax.device != x3.device:
+        raise ValueError(f"amax must hold {want} value(s) on {x3.device}; got shape {tuple(amax.shape)} "
+                         f"on {amax.device}")
+    return amax.reshape(want)
+
+
 def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major", scale=None,
              hw_fp8: bool | None = None, block_m: int | None = None, groups_per_program: int | None = None,
-             num_warps: int | None = None, global_scale=None) -> FastQuantized:
+             num_warps: int | None = None, global_scale=None, amax=None) -> FastQuantized:
     """Quantize ``x`` (CUDA tensor, or CPU under TRITON_INTERPRET=1) with ``scheme``.
 
     Args:
@@ -249,6 +267,12 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
             positive and give a finite nonzero encode/decode scale; nothing checks it). The
             data pass is then the only pass over x (None: dynamic, the tensor amax is reduced in
             a first pass). Codes, scales and ``global_scale`` equal the reference's.
+        amax: per-tensor FP8 and dynamic NVFP4 only (ValueError otherwise): the tensor amax of
+            ``x`` as the amax pass would reduce it (float32 ``|x|`` max under the scheme's NaN
+            policy; per-tensor: one per matrix, shape ``[B]``; NVFP4: ``[1]``), already on x's
+            device, e.g. from the kernel that produced ``x``
+            (:func:`fastpath.fused.silu_and_mul` with ``amax_for=scheme``): then x is read once
+            (no amax pass). Used as given, no host sync; nothing checks it against x.
         hw_fp8: use the hardware FP8 cast on CUDA (default: yes on CUDA for saturating RNE presets).
         block_m, groups_per_program, num_warps: tile overrides (benchmarks).
 
@@ -263,6 +287,8 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         static_global = L._nvfp4_static_factors(global_scale, scheme, x.device)
     shape = tuple(int(d) for d in x.shape)
     x3 = x.reshape((1, 1) + shape) if x.dim() == 1 else (x.unsqueeze(0) if x.dim() == 2 else x)
+    if amax is not None:
+        amax = _check_amax(amax, scheme, x3, static_global is not None)
     B, M, K = (int(d) for d in x3.shape)
     dev = x.device
     if hw_fp8 is None:
@@ -288,7 +314,8 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         # one scale per matrix: amax pass, scale kernel, then the data pass with AMAX_SRC=1
         need_amax = static is None or p.nonfinite == "nan_block"
         if need_amax:
-            amax = L._tensor_amax(x3, ce["NONFINITE"], per_matrix=True)
+            if amax is None:
+                amax = L._tensor_amax(x3, ce["NONFINITE"], per_matrix=True)
         else:
             amax = torch.zeros(B, dtype=torch.float32, device=dev)
         sdt = torch.float32 if scheme.scale_format == "fp32" else torch.uint8
@@ -331,7 +358,8 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         # static global scale: no amax pass, the data pass below is the only read of x
         nv, glob, zero_tensor = static_global
     elif two_level:
-        amax = L._tensor_amax(x3, ce["NONFINITE"], per_matrix=False)
+        if amax is None:
+            amax = L._tensor_amax(x3, ce["NONFINITE"], per_matrix=False)
         nv, glob = L._nvfp4_device_globals(scheme, amax=amax)
     if T._row_loop_applies(ng, gs, K, packed, scale_layout) and groups_per_program is None:
         L._launch_row_loop(x3, codes, scales, ssb, ssm, m_pad, static_t, static, ce, block_m, num_warps)
