@@ -1,17 +1,21 @@
 """Benchmark the Triton quantization fast paths on a GPU: achieved bandwidth vs the device copy.
 
-For each kernel, at large sizes (default 16384 x 7168 bf16 input):
+For each kernel and each size M of the sweep (large: default 16384 x 7168 bf16 input), the fast
+path is timed in the same interleaved rounds as its baselines (:mod:`bench.interleaved`: >= 7
+rounds, ``--rounds``, CUDA events, calls per round calibrated to ``--round-ms``, inputs rotated
+across enough buffers that the L2 cache (50-60 MB) cannot hold them, clocks spun up first):
 
-* achieved bandwidth = (bytes the operation must read + bytes it must write) / median time,
-  timed with ``triton.testing.do_bench`` (CUDA events, median), inputs rotated across enough
-  buffers that the L2 cache (50-60 MB) cannot hold them;
-* next to the device-to-device copy bandwidth measured in the same run (a 2 GiB ``copy_``,
-  bytes read + written);
-* speedup over a torch-eager implementation of the same operation, and over ``torch.compile`` of
-  that implementation (``--baselines``), plus DeepGEMM's own quantizer when installed.
+* ``copy``: a device-to-device copy moving the same bytes (read + write) as the operation must
+  (bytes it must read + bytes it must write); % of copy is the median of the per-round ratios;
+* at the large size with ``--baselines``: a torch-eager implementation of the same operation,
+  ``torch.compile`` of it, and DeepGEMM's own quantizer where installed, each as the median of
+  its per-round ratios (baseline time / fast-path time).
 
-Small sizes are reported as latency (microseconds). Writes ``bench_quant.json``, ``bench_quant.md``
-and ``fastpath_bandwidth.png`` (bandwidth vs bytes moved, one line per kernel) to ``--out``.
+Every case reports median, min, max and spread; a case whose spread exceeds 10% is flagged in
+the JSON, the console and the tables. The JSON carries the GPU, driver, CUDA, torch and triton
+versions and the date; ``bench/report_quant.py`` turns it into docs/fastpaths.md's tables.
+Writes ``bench_quant.json``, ``bench_quant.md`` (the same tables) and ``fastpath_bandwidth.png``
+(bandwidth vs bytes moved, one line per kernel) to ``--out``.
 
 Run: ``python bench/bench_quant_gpu.py --out OUTDIR [--baselines] [--quick]`` (bench/run_gpu.sh).
 """
@@ -35,6 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moeref.quant import fp8_group, fp8_per_tensor, fp8_per_token, mxfp4, mxfp8  # noqa: E402
 from moeref.quant.nvfp4 import nvfp4  # noqa: E402
 
+from bench.interleaved import FLAG_SPREAD, MIN_ROUNDS, CudaEventClock, time_interleaved  # noqa: E402
+from bench.report_quant import plot, tables as report_tables  # noqa: E402
 from fastpath import fused as F  # noqa: E402
 from fastpath import quant as Q  # noqa: E402
 
@@ -135,6 +141,11 @@ def torch_nvfp4(x, s_enc=None):
     return c[..., 0] | (c[..., 1] << 4), sf
 
 
+def torch_silu_and_mul(x):
+    n = x.shape[1] // 2
+    return torch.nn.functional.silu(x[:, :n].float()) * x[:, n:].float()
+
+
 def torch_silu_group_fp8(x):
     n = x.shape[1] // 2
     a = torch.nn.functional.silu(x[:, :n].float()) * x[:, n:].float()
@@ -195,6 +206,16 @@ def kernels(device="cuda"):
         g = 2688.0 / float(x.float().abs().amax())
         return (x, g, torch.tensor(g, dtype=torch.float32, device=device))
 
+    def seq_bytes(elem_bytes):
+        return lambda M, K: M * 2 * K * 2 + 2 * M * K * 4 + int(M * K * elem_bytes)
+
+    def handoff(scheme, **kw):
+        """activation with its amax, then the quantizer's one read of it"""
+        def run(x, **c):
+            a, amax = F.silu_and_mul(x, amax_for=scheme)
+            return Q.quantize(a, scheme, amax=amax, **kw)
+        return run
+
     def quant(scheme, **fixed):
         return lambda x, **c: Q.quantize(x, scheme, **fixed, **c)
 
@@ -229,6 +250,21 @@ def kernels(device="cuda"):
         "dequant_fp8_1x128_to_bf16": (dq_in, lambda q, **c: Q.dequantize(q, torch.bfloat16, **c),
                                       lambda M, K: M * K * 1 + M * (K // 128) * 4 + M * K * 2,
                                       None),
+        # issue 20's two-pass kernels, as the two-kernel sequence activation -> quantize: the amax
+        # pass over the float32 activation (today), or the amax from the activation kernel (one read).
+        # Bytes: the sequence's least traffic (bf16 input read, float32 activation written and read
+        # once, codes written), the same for both rows so their % of copy compare.
+        "silu_and_mul -> fp8_per_tensor (amax pass)": (
+            x2_in, lambda x, **c: Q.quantize(F.silu_and_mul(x), s_ten), seq_bytes(1),
+            lambda x: torch_per_tensor_fp8(torch_silu_and_mul(x))),
+        "silu_and_mul -> fp8_per_tensor (amax from the activation)": (
+            x2_in, handoff(s_ten), seq_bytes(1),
+            lambda x: torch_per_tensor_fp8(torch_silu_and_mul(x))),
+        "silu_and_mul -> nvfp4 (amax pass)": (
+            x2_in, lambda x, **c: Q.quantize(F.silu_and_mul(x), s_nv, scale_layout="swizzled_128x4"),
+            seq_bytes(0.5), None),
+        "silu_and_mul -> nvfp4 (amax from the activation)": (
+            x2_in, handoff(s_nv, scale_layout="swizzled_128x4"), seq_bytes(0.5), None),
     }
 
 
@@ -328,6 +364,91 @@ def traffic_ceiling(M, K):
     return out
 
 
+def _rotating(fn, inputs_list):
+    """A zero-argument call of ``fn`` on the next input set of the rotation (L2 never holds it)."""
+    state = {"i": 0}
+
+    def call():
+        args = inputs_list[state["i"] % len(inputs_list)]
+        state["i"] += 1
+        return fn(*args)
+    return call
+
+
+def copy_case(nbytes: int):
+    """A device copy moving ``nbytes`` (read + write: ``nbytes / 2`` each way), rotated like the
+    kernel inputs: the same traffic as the row, timed in the same rounds."""
+    half = max(1, nbytes // 2)
+    pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda"), torch.empty(half, dtype=torch.uint8, device="cuda"))
+             for _ in range(max(1, min(32, int(np.ceil(4 * L2_BYTES / max(nbytes, 1))))))]
+    return _rotating(lambda src, dst: dst.copy_(src), pairs)
+
+
+def _calibrated_calls(cases, clock, target_s):
+    """Calls per round so that each case's round lasts about ``target_s`` (1 to 1000)."""
+    out = {}
+    for n, fn in cases.items():
+        t = max(clock.measure(fn, 3), 1e-7)
+        out[n] = int(min(1000, max(1, round(target_s / t))))
+    return out
+
+
+def time_row(cases: dict, baselines: list, rounds: int, target_round_s: float):
+    """The row's cases (``fastpath`` and its baselines) timed in interleaved rounds
+    (:func:`bench.interleaved.time_interleaved`), after one warm-up call each and the clocks spun up."""
+    clock = CudaEventClock()
+    for fn in cases.values():
+        fn()
+    torch.cuda.synchronize()
+    calls = _calibrated_calls(cases, clock, target_round_s)
+    spin_clocks()
+    return time_interleaved(cases, baselines=baselines, rounds=rounds, calls_per_round=calls, clock=clock, warmup=0)
+
+
+def row_record(res, M: int, nbytes: int) -> dict:
+    """JSON row of one (kernel, M): every case's median/min/max/spread/flag in us, the median of the
+    per-round ratios to each baseline (``baseline time / fastpath time``) and their per-round values;
+    TB/s from the median time; % of copy from the per-round copy ratio (equal bytes)."""
+    cases = {n: {"median_us": c.median_s * 1e6, "min_us": c.min_s * 1e6, "max_us": c.max_s * 1e6,
+                 "spread": c.spread, "flagged": c.flagged, "calls_per_round": res.calls_per_round[n]}
+             for n, c in res.cases.items()}
+    ratios = res.ratios["fastpath"]
+    med = res.cases["fastpath"].median_s
+    return {"M": M, "bytes": nbytes, "rounds": res.rounds, "clock": res.clock, "cases": cases,
+            "ratio_median": {b: r.median for b, r in ratios.items()},
+            "ratio_per_round": {b: list(r.per_round) for b, r in ratios.items()},
+            "TBps": nbytes / med / 1e12, "pct_copy": 100 * ratios["copy"].median,
+            "flagged": sorted(n for n, c in res.cases.items() if c.flagged)}
+
+
+def run_meta(args) -> dict:
+    """GPU, driver, CUDA, torch, triton, date and the timing settings of this run."""
+    try:
+        import subprocess
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+    except Exception as e:  # reported, not hidden
+        driver = f"unknown ({type(e).__name__})"
+    return {"gpu": torch.cuda.get_device_name(), "driver": driver, "cuda": torch.version.cuda,
+            "torch": torch.__version__, "triton": triton.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "M": args.M, "K": args.K, "rounds": args.rounds, "round_ms": args.round_ms,
+            "flag_spread": FLAG_SPREAD}
+
+
+def deep_gemm_baselines() -> dict:
+    """Row name -> DeepGEMM's own quantizer of the same operation (``deep_gemm.utils.per_token_cast_to_fp8``,
+    1x128 FP32 or UE8M0-rounded scales), when deep_gemm is importable; else {}."""
+    try:
+        import deep_gemm
+    except Exception:
+        return {}
+    f = deep_gemm.utils.per_token_cast_to_fp8
+    return {"fp8_1x128_fp32 (deepgemm: x * (1/s))": lambda x: f(x, use_ue8m0=False),
+            "fp8_1x128_fp32_mn_major (deepgemm)": lambda x: f(x, use_ue8m0=False),
+            "fp8_1x128_ue8m0_packed (deepgemm)": lambda x: f(x, use_ue8m0=True)}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
@@ -344,13 +465,16 @@ def main():
                     "\"{};{'num_warps': 8};{'word_run_mxfp4': 4};{'e2m1_ptx': False}\"")
     ap.add_argument("--M", type=int, default=16384)
     ap.add_argument("--K", type=int, default=7168)
+    ap.add_argument("--rounds", type=int, default=9, help=f"interleaved rounds per row (>= {MIN_ROUNDS})")
+    ap.add_argument("--round-ms", type=float, default=10.0, help="time per case and round (calls calibrated)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
-    dev = torch.cuda.get_device_name()
-    date = datetime.date.today().isoformat()
+    meta = run_meta(args)
     copy_tbs = copy_bandwidth()
-    print(f"device {dev}  date {date}  copy bandwidth {copy_tbs:.3f} TB/s", flush=True)
+    meta["copy_TBps"] = copy_tbs
+    print(f"device {meta['gpu']}  driver {meta['driver']}  torch {meta['torch']}  triton {meta['triton']}  "
+          f"date {meta['date']}  copy bandwidth {copy_tbs:.3f} TB/s", flush=True)
     ceiling = traffic_ceiling(args.M, args.K) if args.ceiling else {}
     for k_, v_ in ceiling.items():
         print(f"traffic ceiling {k_:28s} {v_:6.3f} TB/s ({100 * v_ / copy_tbs:5.1f}% of copy)", flush=True)
@@ -362,23 +486,35 @@ def main():
         tune(args, ks)
         return
     Ms = [1, 16, 128, 1024, 4096, args.M] if not args.quick else [16, 1024, args.M]
-    results = {"device": dev, "date": date, "copy_TBps": copy_tbs, "M": args.M, "K": args.K,
-               "traffic_ceiling_TBps": ceiling, "kernels": {}}
+    results = {"meta": meta, "traffic_ceiling_TBps": ceiling, "kernels": {}}
+    dg = deep_gemm_baselines() if args.baselines else {}
     for name, (make, run, nbytes, tfn) in ks.items():
-        rec = {"sweep": []}
+        rec = {"rows": []}
         for M in Ms:
             b = nbytes(M, args.K)
             inputs = make_rotation(make, M, args.K, b)
-            run(*inputs[0])  # compile
-            torch.cuda.synchronize()
-            ms = bench_fn(run, inputs)
-            rec["sweep"].append({"M": M, "bytes": b, "us": ms * 1e3, "TBps": b / (ms * 1e-3) / 1e12})
-            del inputs
-        big = rec["sweep"][-1]
-        rec["large_TBps"] = big["TBps"]
-        rec["large_us"] = big["us"]
-        rec["pct_copy"] = 100 * big["TBps"] / copy_tbs
-        rec["small_us"] = rec["sweep"][0]["us"]
+            cases = {"fastpath": _rotating(run, inputs), "copy": copy_case(b)}
+            if M == args.M and args.baselines and tfn is not None:
+                try:
+                    tfn(*inputs[0])
+                    cases["torch eager"] = _rotating(tfn, inputs)
+                except Exception as e:  # reported, not hidden
+                    rec["eager_error"] = f"{type(e).__name__}: {e}"[:200]
+                try:
+                    cfn = torch.compile(tfn, dynamic=False)
+                    t0 = time.time()
+                    cfn(*inputs[0])
+                    torch.cuda.synchronize()
+                    rec["compile_s"] = time.time() - t0
+                    cases["torch.compile"] = _rotating(cfn, inputs)
+                except Exception as e:  # reported, not hidden
+                    rec["compile_error"] = f"{type(e).__name__}: {e}"[:200]
+                if name in dg:
+                    cases["DeepGEMM"] = _rotating(lambda x, *_, f=dg[name]: f(x), inputs)
+            res = time_row(cases, [c for c in cases if c != "fastpath"], args.rounds, args.round_ms * 1e-3)
+            rec["rows"].append(row_record(res, M, b))
+            del inputs, cases
+            torch.cuda.empty_cache()
         # kernel-only latency at the smallest size: one call captured in a CUDA graph, replayed
         try:
             small = make(Ms[0], args.K)
@@ -388,62 +524,25 @@ def main():
                                                                       return_mode="median") * 1e3
         except Exception as e:
             rec["small_graph_error"] = f"{type(e).__name__}: {e}"[:200]
-        if args.baselines and tfn is not None:
-            inputs = make_rotation(make, args.M, args.K, big["bytes"])
-            try:
-                tfn(*inputs[0])
-                torch.cuda.synchronize()
-                rec["eager_us"] = bench_fn(tfn, inputs, rep_ms=100) * 1e3
-            except Exception as e:  # report, do not hide
-                rec["eager_error"] = f"{type(e).__name__}: {e}"[:200]
-            try:
-                cfn = torch.compile(tfn, dynamic=False)
-                t0 = time.time()
-                cfn(*inputs[0])
-                torch.cuda.synchronize()
-                rec["compile_s"] = time.time() - t0
-                rec["compiled_us"] = bench_fn(cfn, inputs, rep_ms=100) * 1e3
-            except Exception as e:
-                rec["compile_error"] = f"{type(e).__name__}: {e}"[:200]
-            for k2 in ("eager", "compiled"):
-                if f"{k2}_us" in rec:
-                    rec[f"speedup_vs_{k2}"] = rec[f"{k2}_us"] / big["us"]
-                    rec[f"{k2}_TBps"] = big["bytes"] / (rec[f"{k2}_us"] * 1e-6) / 1e12
-            del inputs
-            torch.cuda.empty_cache()
         results["kernels"][name] = rec
         with open(os.path.join(args.out, "bench_quant.json"), "w") as fh:  # partial results too
             json.dump(results, fh, indent=1)
-        msg = (f"{name:38s} {big['TBps']:6.3f} TB/s ({rec['pct_copy']:5.1f}% of copy) "
-               f"{big['us']:9.1f} us @M={args.M}  small(M={Ms[0]}) {rec['small_us']:7.1f} us")
-        if "speedup_vs_eager" in rec:
-            msg += f"  x{rec['speedup_vs_eager']:.1f} eager"
-        if "speedup_vs_compiled" in rec:
-            msg += f"  x{rec['speedup_vs_compiled']:.2f} compiled"
+        big, small_row = rec["rows"][-1], rec["rows"][0]
+        fp = big["cases"]["fastpath"]
+        msg = (f"{name:38s} {big['TBps']:6.3f} TB/s ({big['pct_copy']:5.1f}% of copy) {fp['median_us']:9.1f} us "
+               f"[{fp['min_us']:.1f}-{fp['max_us']:.1f}] @M={args.M}  M={Ms[0]}: "
+               f"{small_row['cases']['fastpath']['median_us']:7.1f} us")
+        for base, r in big["ratio_median"].items():
+            if base != "copy":
+                msg += f"  x{r:.2f} {base}"
+        if big["flagged"]:
+            msg += f"  FLAGGED (spread > {FLAG_SPREAD:.0%}): {', '.join(big['flagged'])}"
         print(msg, flush=True)
-    if args.baselines:
-        try:
-            import deep_gemm
-            x = [torch.randn(args.M, args.K, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-            f = lambda t: deep_gemm.utils.per_token_cast_to_fp8(t, use_ue8m0=True)  # noqa: E731
-            f(x[0])
-            us = bench_fn(f, [(t,) for t in x], rep_ms=100) * 1e3
-            b = args.M * args.K * 3 + args.M * (args.K // 128) * 4
-            rec = {"eager_us": us, "eager_TBps": b / (us * 1e-6) / 1e12}
-            cf = torch.compile(f, dynamic=False)
-            cf(x[0])
-            us2 = bench_fn(cf, [(t,) for t in x], rep_ms=100) * 1e3
-            rec.update(compiled_us=us2, compiled_TBps=b / (us2 * 1e-6) / 1e12)
-            results["deep_gemm_per_token_cast_to_fp8"] = rec
-            print(f"deep_gemm per_token_cast_to_fp8 (ue8m0): eager {rec['eager_TBps']:.3f} TB/s, "
-                  f"compiled {rec['compiled_TBps']:.3f} TB/s", flush=True)
-        except Exception as e:
-            results["deep_gemm_per_token_cast_to_fp8"] = {"error": f"{type(e).__name__}: {e}"[:200]}
-            print("deep_gemm baseline unavailable:", e, flush=True)
 
     with open(os.path.join(args.out, "bench_quant.json"), "w") as fh:
         json.dump(results, fh, indent=1)
-    write_markdown(results, os.path.join(args.out, "bench_quant.md"))
+    with open(os.path.join(args.out, "bench_quant.md"), "w") as fh:
+        fh.write(report_tables(results) + "\n")
     plot(results, os.path.join(args.out, "fastpath_bandwidth.png"))
 
 
@@ -511,49 +610,6 @@ def tune(args, ks):
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "tune.json"), "w") as fh:
         json.dump(out, fh, indent=1)
-
-
-def write_markdown(res, path):
-    lines = [f"GPU: {res['device']}, date {res['date']}, input {res['M']} x {res['K']} bf16; "
-             f"device copy bandwidth {res['copy_TBps']:.2f} TB/s (read + write).", "",
-             "| kernel | TB/s | % of copy | time (us) | M=1 call (us) | M=1 graph replay (us) | torch eager (us) | "
-             "x eager | torch.compile (us) | x compiled |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, r in res["kernels"].items():
-        lines.append(
-            f"| {name} | {r['large_TBps']:.2f} | {r['pct_copy']:.0f}% | {r['large_us']:.1f} | "
-            f"{r['small_us']:.1f} | {r.get('small_graph_us', float('nan')):.1f} | "
-            f"{r.get('eager_us', float('nan')):.1f} | "
-            f"{r.get('speedup_vs_eager', float('nan')):.1f} | {r.get('compiled_us', float('nan')):.1f} | "
-            f"{r.get('speedup_vs_compiled', float('nan')):.2f} |")
-    dg = res.get("deep_gemm_per_token_cast_to_fp8")
-    if dg and "eager_TBps" in dg:
-        lines += ["", f"DeepGEMM `per_token_cast_to_fp8` (ue8m0, same data): eager {dg['eager_TBps']:.2f} TB/s, "
-                  f"torch.compile {dg['compiled_TBps']:.2f} TB/s."]
-    with open(path, "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-
-
-def plot(res, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
-    colors = plt.get_cmap("tab20").colors
-    markers = "os^vD<>pP*Xh"
-    for i, (name, r) in enumerate(res["kernels"].items()):
-        xs = [p["bytes"] / 1e6 for p in r["sweep"]]
-        ys = [p["TBps"] for p in r["sweep"]]
-        ax.plot(xs, ys, marker=markers[i % len(markers)], color=colors[(2 * i) % 20 + (i >= 10)],
-                label=name)
-    ax.axhline(res["copy_TBps"], color="k", linestyle="--", label="device copy")
-    ax.set_xscale("log")
-    ax.set_xlabel("bytes moved per call (MB, read + write)")
-    ax.set_ylabel("achieved bandwidth (TB/s)")
-    ax.set_title(f"fastpath quantization kernels, {res['device']}, {res['date']}")
-    ax.legend(fontsize=7)
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

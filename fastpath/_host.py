@@ -4,13 +4,17 @@
   uninitialized (``torch.empty``). It is the one hook the tests use to poison those buffers:
   :func:`fastpath.testing.poisoned` swaps :data:`_ALLOCATOR` for an allocator that fills each buffer
   with a poison byte, so an element no kernel wrote is caught by the comparison with the reference.
-* :func:`next_pow2`: launch-size arithmetic.
+* :func:`launch`: ``kernel[grid](...)`` through a per-launch-key cache of compiled kernels (the
+  host cost of a decode-sized call; see the comment above it).
+* :func:`next_pow2`, :func:`cdiv`: launch-size arithmetic in plain Python (``triton.cdiv`` is a
+  constexpr function: called from host code it unwraps its arguments first, about a microsecond
+  per call, and a decode-sized call makes several; issue 20).
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["alloc", "next_pow2"]
+__all__ = ["alloc", "cdiv", "launch", "next_pow2"]
 
 _ALLOCATOR = torch.empty
 
@@ -27,3 +31,99 @@ def next_pow2(n: int) -> int:
     [1, 2, 4, 128, 256]
     """
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints, ``b > 0`` (``triton.cdiv``'s value without its host cost).
+
+    >>> [cdiv(n, 4) for n in (0, 1, 4, 5)]
+    [0, 1, 1, 2]
+    """
+    return -(-a // b)
+
+
+# ------------------------------------------------------------------------------------ launches
+# ``kernel[grid](*args, **kw)`` costs tens of microseconds of host time per launch in Triton 3.6
+# (binding and specializing every argument, hashing the cache key, knob and hook look-ups, launch
+# metadata): at decode sizes that is most of a fast path's time (issue 20, docs/fastpaths-latency.md).
+# :func:`launch` keeps, per kernel, the compiled kernel of each *launch key* and launches it through
+# its ``CompiledKernel.run`` directly. The key is at least as fine as Triton's own specialization:
+# every constexpr and launch option by value; a tensor by dtype and 16-byte alignment of its
+# address; an int by (== 1, divisible by 16, fits int32, fits int64); other arguments by type. Two
+# calls with the same key are given the same compiled kernel by Triton, so the cached launch runs
+# what ``kernel[grid]`` would. The first call of each key goes through ``kernel[grid]`` (compiling
+# if needed). Under the interpreter, with launch hooks installed (profilers), pre-run hooks, or an
+# argument of a type the key does not know, every call goes through ``kernel[grid]``.
+
+_LAUNCH_CACHE: dict = {}
+_CONSTEXPR_POS: dict = {}
+LAUNCH_CACHE_ON = True  # False: every launch through kernel[grid] (A/B timing, debugging)
+
+
+def _arg_key(a):
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    t = type(a)
+    if t is int:
+        return (int, a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31), -(1 << 63) <= a < (1 << 63))
+    if t is float or t is bool or a is None:
+        return t
+    raise TypeError(t)
+
+
+def _kernel_info(kernel):
+    """(positions of constexpr parameters, names of runtime parameters) of a ``@triton.jit`` kernel."""
+    info = _CONSTEXPR_POS.get(kernel)
+    if info is None:
+        info = _CONSTEXPR_POS[kernel] = (
+            frozenset(i for i, p in enumerate(kernel.params) if p.is_constexpr),
+            frozenset(p.name for p in kernel.params if not p.is_constexpr))
+    return info
+
+
+def _launch_key(kernel, args, kwargs):
+    pos, runtime_names = _kernel_info(kernel)
+    if not runtime_names.isdisjoint(kwargs):
+        raise TypeError("a runtime argument given by name")  # keyed by value it would pin tensors
+    return (kernel, torch.cuda.current_device(),
+            tuple(("c", a) if i in pos else _arg_key(a) for i, a in enumerate(args)),
+            tuple(kwargs.items()))
+
+
+def _hooks_installed() -> bool:
+    from triton import knobs
+
+    r = knobs.runtime
+    return bool(getattr(r.launch_enter_hook, "calls", r.launch_enter_hook)) or \
+        bool(getattr(r.launch_exit_hook, "calls", r.launch_exit_hook))
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, through the per-key cache of compiled kernels (above)."""
+    if not LAUNCH_CACHE_ON or not hasattr(kernel, "device_caches") or getattr(kernel, "pre_run_hooks", None) \
+            or callable(grid):
+        kernel[grid](*args, **kwargs)  # the interpreter's kernels have no device caches
+        return
+    try:
+        key = _launch_key(kernel, args, kwargs)
+        hit = _LAUNCH_CACHE.get(key)
+    except TypeError:  # an argument the key does not know, a runtime one by name, an unhashable constexpr
+        kernel[grid](*args, **kwargs)
+        return
+    if hit is None or _hooks_installed():
+        compiled = kernel[grid](*args, **kwargs)
+        if hasattr(compiled, "result"):
+            compiled = compiled.result()
+        if compiled is not None and not _hooks_installed():
+            names = [p.name for p in kernel.params]
+            rest = tuple((n, kwargs[n] if n in kwargs else p.default)
+                         for n, p in zip(names[len(args):], kernel.params[len(args):]))
+            _LAUNCH_CACHE[key] = (compiled, tuple(v for _, v in rest))
+        return
+    compiled, tail = hit
+    from triton.runtime import driver
+
+    g = tuple(grid) + (1, 1)
+    stream = driver.active.get_current_stream(key[1])
+    compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
+                 *args, *tail)

@@ -16,6 +16,8 @@ implement the reference's one stable sort (``moeref.dispatch.grouping``: slots `
 3. ``_group_starts_kernel``: one program turns the totals into each group's first row in the
    layout (unpadded offsets, block- or alignment-padded starts, or ``g * capacity``) and writes the
    layout's metadata (``expert_first_token_offset``, ``num_tokens_post_padded``, ``psum``).
+   Up to ``SMALL_SORT_CHUNKS`` chunks (decode sizes), ``_small_sort_kernel`` does steps 1-3 in one
+   program, chunk after chunk: the same outputs, one launch instead of three.
 4. ``_rank_kernel``: one program per chunk gives each slot its rank among the equal-key slots of
    the chunk (a ``CHUNK x CHUNK`` comparison), adds the chunk's prefix and the group's start, and
    writes the slot -> row map (``inv_permuted_idx``) and the row -> slot lists (``sorted_token_ids``,
@@ -39,8 +41,11 @@ Contracts, sources and the meaning of every field: the reference modules
   ``validate=False`` are undefined behaviour (as in vLLM's kernels).
 * An ``expert_map`` given as a device tensor costs one sync to count its local experts; pass it as a
   NumPy array or list to avoid it (it is then uploaded).
-* ``to_contiguous`` with ``m_sum=None``/"tight", ``to_masked`` and ``to_batched`` need the expert
-  counts on the host (buffer sizes / capacity check): one sync each, as in the reference's API.
+* ``to_contiguous`` with ``m_sum=None``/"tight" or an int, ``to_masked`` and ``to_batched`` (with
+  ``validate=True``) need the expert counts on the host (buffer sizes / capacity check): one sync
+  each, as in the reference's API. Sync-free, capturable in a CUDA graph: ``m_sum="worst_case"``,
+  ``to_masked(..., expected_m=n)`` with ``max_m >= M``, ``to_batched(..., validate=False)``
+  (an overflow, possible only where a token repeats an expert, is then a device-side check).
 * Float outputs of the reductions are float32 sums (the reference sums in float64): they agree
   within ``gamma_k * sum_j |w_j x_j|`` plus the output rounding (``property_tests`` prove it).
 * Small metadata results (``num_tokens_post_padded``, ``psum``, ``masked_m``,
@@ -76,7 +81,7 @@ from moeref.dispatch.permute import Permuted
 from moeref.routing.expert_map import check_expert_map
 from moeref.routing.ids import check_topk_ids
 
-from ._host import alloc, next_pow2
+from ._host import alloc, cdiv, launch, next_pow2
 
 __all__ = [
     "OPERATIONS",
@@ -95,6 +100,10 @@ __all__ = [
 
 CHUNK = 128
 """Slots per program of the counting sort (the rank step compares ``CHUNK x CHUNK`` keys)."""
+
+SMALL_SORT_CHUNKS = 4
+"""Up to this many chunks (``M * k <= 512`` slots: decode sizes), steps 1-3 run as one program
+(``_small_sort_kernel``): two launches fewer, whose host cost dominates a decode-sized call (issue 20)."""
 
 # Layout modes of _group_starts_kernel / _fill_kernel.
 _PADDED = 0  # group g starts at the sum of round_up(count, PAD) of the groups before it
@@ -148,22 +157,21 @@ def _chunk_scan_kernel(hist_ptr, totals_ptr, C, NK, BLOCK_C: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _group_starts_kernel(totals_ptr, starts_ptr, ends_ptr, offsets_ptr, meta_ptr, psum_ptr,
-                         G, NK, PAD, CAP,
-                         MODE: tl.constexpr, WRITE_PSUM: tl.constexpr, NKP: tl.constexpr):
-    """starts[NK] (row of each group's first slot), ends[G] (end of each present group's padded
-    region), offsets[G+1] int64 (unpadded exclusive prefix sum of the present groups), meta[0] =
-    rows used by present groups (num_tokens_post_padded), meta[1] = present slots."""
-    g = tl.arange(0, NKP)
-    gm = g < NK
+def _write_starts(cnt, g, gm, starts_ptr, ends_ptr, offsets_ptr, meta_ptr, psum_ptr, G, PAD, CAP,
+                  MODE: tl.constexpr, WRITE_PSUM: tl.constexpr):
+    """From the key totals ``cnt[NKP]``: starts[NK] (row of each group's first slot), ends[G] (end
+    of each present group's padded region), offsets[G+1] int64 (unpadded exclusive prefix sum of the
+    present groups), meta[0] = rows used by present groups (num_tokens_post_padded), meta[1] =
+    present slots, meta[2] = 1 if every present group fits its capacity (MODE 1; always 1 else)."""
     present = g < G
-    cnt = tl.load(totals_ptr + g, mask=gm, other=0)
     cnt_present = tl.where(present, cnt, 0)
     n_present = tl.sum(cnt_present, axis=0)
+    fits = 1
     if MODE == 1:
         start = g * CAP
         end = start + CAP
         used = G * CAP
+        fits = (tl.max(cnt_present, axis=0) <= CAP).to(tl.int32)
     else:
         size = tl.where(present, (cnt + PAD - 1) // PAD * PAD, cnt)
         incl = tl.cumsum(size, axis=0)
@@ -177,8 +185,46 @@ def _group_starts_kernel(totals_ptr, starts_ptr, ends_ptr, offsets_ptr, meta_ptr
     tl.store(offsets_ptr + G, n_present.to(tl.int64))
     tl.store(meta_ptr, used)
     tl.store(meta_ptr + 1, n_present)
+    tl.store(meta_ptr + 2, fits)
     if WRITE_PSUM:
         tl.store(psum_ptr + g, start + cnt, mask=present)
+
+
+@triton.jit
+def _group_starts_kernel(totals_ptr, starts_ptr, ends_ptr, offsets_ptr, meta_ptr, psum_ptr,
+                         G, NK, PAD, CAP,
+                         MODE: tl.constexpr, WRITE_PSUM: tl.constexpr, NKP: tl.constexpr):
+    """Step 3 (one program): :func:`_write_starts` from the totals."""
+    g = tl.arange(0, NKP)
+    gm = g < NK
+    cnt = tl.load(totals_ptr + g, mask=gm, other=0)
+    _write_starts(cnt, g, gm, starts_ptr, ends_ptr, offsets_ptr, meta_ptr, psum_ptr, G, PAD, CAP,
+                  MODE, WRITE_PSUM)
+
+
+@triton.jit
+def _small_sort_kernel(ids_ptr, emap_ptr, hist_ptr, totals_ptr, starts_ptr, ends_ptr, offsets_ptr,
+                       meta_ptr, psum_ptr, N, E, G, NK, C, PAD, CAP,
+                       USE_MAP: tl.constexpr, S: tl.constexpr, NKP: tl.constexpr, MODE: tl.constexpr,
+                       WRITE_PSUM: tl.constexpr):
+    """Steps 1-3 in one program, for few chunks (decode sizes: one launch instead of three): each
+    chunk's histogram in turn, the running sum before it stored as its prefix (what
+    ``_chunk_scan_kernel`` writes), then :func:`_write_starts` from the totals."""
+    g = tl.arange(0, NKP)
+    gm = g < NK
+    carry = tl.zeros([NKP], dtype=tl.int32)
+    c = 0
+    while c < C:  # a while loop: the interpreter's `range` over a runtime bound fails on NumPy 2.4
+        offs = c * S + tl.arange(0, S)
+        mask = offs < N
+        key = _slot_keys(ids_ptr, emap_ptr, offs, mask, E, G, USE_MAP)
+        h = tl.histogram(key, NKP, mask=mask)
+        tl.store(hist_ptr + c * NK + g, carry, mask=gm)
+        carry += h
+        c += 1
+    tl.store(totals_ptr + g, carry, mask=gm)
+    _write_starts(carry, g, gm, starts_ptr, ends_ptr, offsets_ptr, meta_ptr, psum_ptr, G, PAD, CAP,
+                  MODE, WRITE_PSUM)
 
 
 @triton.jit
@@ -351,8 +397,9 @@ def _invert_kernel(src_ptr, dst_ptr, R, BLOCK: tl.constexpr):
 # Host side
 # ----------------------------------------------------------------------------------------------
 def _launch(kernel, grid, *args, **kwargs):
-    if all(int(g) > 0 for g in grid):
-        kernel[grid](*args, **kwargs)
+    """:func:`fastpath._host.launch` (cached launch), skipped for an empty grid."""
+    if min(grid) > 0:
+        launch(kernel, grid, *args, **kwargs)
 
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -405,7 +452,7 @@ class _Sorted:
     starts: torch.Tensor  # int32 [NKP]
     ends: torch.Tensor  # int32 [max(G,1)]
     offsets: torch.Tensor  # int64 [G+1]
-    meta: torch.Tensor  # int32 [2]: rows used, present slots
+    meta: torch.Tensor  # int32 [3]: rows used, present slots, every group fits (capacity mode)
     psum: torch.Tensor | None
 
     @property
@@ -448,28 +495,33 @@ def _sort(topk_ids, num_experts: int, emap, n_local: int, *, local: bool, mode: 
     G = n_local if use_map else num_experts
     NK = G + num_experts + 1 if use_map else G + 1
     NKP = next_pow2(NK)
-    C = max(1, triton.cdiv(n, CHUNK))
+    C = max(1, cdiv(n, CHUNK))
     # One allocation for the int32 scratch (host overhead matters at small sizes).
     n_g = max(G, 1)
-    sizes = [C * NK, NKP, NKP, n_g, 2, n_g if want_psum else 0]
+    sizes = [C * NK, NKP, NKP, n_g, 3, n_g if want_psum else 0]
     ws = _alloc(sum(sizes), torch.int32, device)
     base, totals, starts, ends, meta, psum = torch.split(ws, sizes)
     base = base.view(C, NK)
     offsets = _alloc(G + 1, torch.int64, device)
     if emap is None:
         emap = meta  # never read (USE_MAP is off)
-    _hist_kernel[(C,)](ids, emap, base, n, num_experts, G, NK, USE_MAP=use_map, S=CHUNK, NKP=NKP)
-    block_g = 32
-    _chunk_scan_kernel[(triton.cdiv(NK, block_g),)](base, totals, C, NK, BLOCK_C=32, BLOCK_G=block_g)
-    _group_starts_kernel[(1,)](totals, starts, ends, offsets, meta, psum if want_psum else meta,
-                               G, NK, pad, cap, MODE=mode, WRITE_PSUM=want_psum, NKP=NKP)
+    if C <= SMALL_SORT_CHUNKS:
+        _launch(_small_sort_kernel, (1,), ids, emap, base, totals, starts, ends, offsets, meta, psum if want_psum else meta,
+                                 n, num_experts, G, NK, C, pad, cap, USE_MAP=use_map, S=CHUNK, NKP=NKP,
+                                 MODE=mode, WRITE_PSUM=want_psum)
+    else:
+        _launch(_hist_kernel, (C,), ids, emap, base, n, num_experts, G, NK, USE_MAP=use_map, S=CHUNK, NKP=NKP)
+        block_g = 32
+        _launch(_chunk_scan_kernel, (cdiv(NK, block_g),), base, totals, C, NK, BLOCK_C=32, BLOCK_G=block_g)
+        _launch(_group_starts_kernel, (1,), totals, starts, ends, offsets, meta, psum if want_psum else meta,
+                                   G, NK, pad, cap, MODE=mode, WRITE_PSUM=want_psum, NKP=NKP)
     return _Sorted(ids, emap, use_map, m, k, num_experts, G, NK, C, base, totals, starts, ends,
                    offsets, meta, psum[:G] if want_psum else None)
 
 
 def _rank(s: _Sorted, *, dst=None, dst_mode=0, lst=None, list_mode=0, grp=None, sentinel=0):
     dummy = s.meta
-    _launch(_rank_kernel, (triton.cdiv(s.N, CHUNK),), s.ids, s.emap, s.base, s.starts,
+    _launch(_rank_kernel, (cdiv(s.N, CHUNK),), s.ids, s.emap, s.base, s.starts,
             dst if dst is not None else dummy, lst if lst is not None else dummy,
             grp if grp is not None else dummy, s.N, s.E, s.G, s.NK, sentinel,
             USE_MAP=s.use_map, S=CHUNK, DST_MODE=dst_mode, LIST_MODE=list_mode, WRITE_GRP=grp is not None)
@@ -482,7 +534,7 @@ def _fill(s: _Sorted, positions: int, *, mode=_PADDED, cap=0, lst=None, list_pad
     block_p = 128
     dummy = s.meta
     K = rows.shape[-1] if rows is not None else 0
-    _launch(_fill_kernel, (triton.cdiv(span, block_p),), s.starts, s.ends, s.totals, s.meta,
+    _launch(_fill_kernel, (cdiv(span, block_p),), s.starts, s.ends, s.totals, s.meta,
             label if label is not None else dummy,
             lst if lst is not None else dummy, grp if grp is not None else dummy,
             blk if blk is not None else dummy, rows if rows is not None else dummy,
@@ -527,7 +579,7 @@ def _scatter_rows(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor, top_k: 
     m, K = x.shape
     xb, ob = _bits(x), _bits(out)
     bt, bk, nw = _row_config("scatter", K, x.element_size())
-    _launch(_scatter_rows_kernel, (triton.cdiv(m, bt), triton.cdiv(K, bk)), xb, dst, ob,
+    _launch(_scatter_rows_kernel, (cdiv(m, bt), cdiv(K, bk)), xb, dst, ob,
             nvalid if nvalid is not None else dst, m, K, xb.stride(0), xb.stride(1), K,
             TOPK=top_k, BLOCK_T=bt, BLOCK_K=bk, ZERO_ABSENT=nvalid is not None, num_warps=nw)
 
@@ -559,7 +611,7 @@ def moe_align_block_size(topk_ids, block_size: int, num_experts: int, expert_map
               n_local if ignore_invalid_experts else num_experts, local=ignore_invalid_experts,
               pad=block_size)
     sorted_ids = _alloc(size, torch.int32, device)
-    expert_ids = _alloc(triton.cdiv(size, block_size), torch.int32, device)
+    expert_ids = _alloc(cdiv(size, block_size), torch.int32, device)
     _rank(s, lst=sorted_ids, list_mode=1)
     label = emap if (emap is not None and not ignore_invalid_experts) else None
     _fill(s, size, lst=sorted_ids, list_pad=n, blk=expert_ids, block_size=block_size, label=label)
@@ -632,7 +684,7 @@ def _reduce(rows: torch.Tensor, dst: torch.Tensor, topk_weights: torch.Tensor, *
     out = _alloc((m, K), out_dtype, rows.device)
     bt, bk, nw = _row_config("reduce", K, max(rows.element_size(), 2))
     out_bf16 = out_dtype == torch.bfloat16
-    _launch(_reduce_kernel, (triton.cdiv(m, bt), triton.cdiv(K, bk)), rows, topk_weights, dst,
+    _launch(_reduce_kernel, (cdiv(m, bt), cdiv(K, bk)), rows, topk_weights, dst,
             nvalid_ptr if nvalid_ptr is not None else dst, out.view(torch.int16) if out_bf16 else out, m, K, nvalid,
             rows.stride(0), rows.stride(1), topk_weights.stride(0), topk_weights.stride(1), K,
             TOPK=k, BLOCK_T=bt, BLOCK_K=bk, APPLY_W=apply_weights, NV_FROM_PTR=nvalid_ptr is not None,
@@ -691,7 +743,7 @@ def weight_and_reduce(expert_rows, src, topk_weights, num_tokens: int, *, apply_
                                np.zeros(tuple(w.shape), dtype=np.float32), num_tokens)
     dst = torch.full((n_slots,), -1, dtype=torch.int32, device=y.device)
     R = s.numel()
-    _launch(_invert_kernel, (triton.cdiv(R, 1024),), s, dst, R, BLOCK=1024)
+    _launch(_invert_kernel, (cdiv(R, 1024),), s, dst, R, BLOCK=1024)
     return _reduce(y, dst, w, nvalid=R, apply_weights=apply_weights, out_dtype=out_dtype)
 
 
@@ -736,25 +788,38 @@ def to_contiguous(hidden, topk_ids, num_experts: int, alignment: int, expert_map
     return Contiguous(a, m_indices, src, s.psum, alignment, m, k)
 
 
-def _to_capacity(hidden, topk_ids, num_experts, expert_map, validate, capacity_of):
+def _to_capacity(hidden, topk_ids, num_experts, expert_map, validate, capacity_of, *, bound=None,
+                 what="to_masked", bound_name="max_m"):
+    """Rows per local expert in ``[G, cap]`` buffers. ``capacity_of(host counts) -> cap`` costs the one
+    host sync; ``bound``: the capacity without a host sync (``counts`` is None). Below the number
+    of slots ``M * k`` (a token may repeat an expert, :mod:`moeref.routing.ids`) it is checked on
+    the device with ``torch._assert_async`` (a CUDA device-side assert, a ``RuntimeError`` on the
+    CPU) before any row is placed."""
     num_experts = check_positive_int(num_experts, "num_experts")
     topk_ids = _prepare_ids(topk_ids, num_experts, validate)
     device = topk_ids.device
     m, k = topk_ids.shape
     emap, n_local = (None, num_experts) if expert_map is None else _prepare_map(expert_map, num_experts, device, validate)
     x = None if hidden is None else _check_hidden(hidden, m, device)
-    # Counts first (needed on the host for the capacity), then the starts g * cap.
-    probe = _sort(topk_ids, num_experts, emap, n_local, local=True)
-    counts = _host_counts(probe)  # the one host sync
-    cap = capacity_of(counts)
-    over = np.flatnonzero(counts > cap)
-    if over.size:
-        e = int(over[0])
-        raise ValueError(f"local expert {e} has {int(counts[e])} rows, more than the capacity {cap}")
+    if bound is not None:  # the capacity is known: the starts g * cap straight away
+        probe = _sort(topk_ids, num_experts, emap, n_local, local=True, mode=_CAPACITY, cap=bound)
+        counts, cap = None, bound
+        if cap < m * k:  # a token repeating an expert can overflow: checked on the device, no sync
+            # meta[2]: 1 if every local expert fits (written by the sort head in capacity mode)
+            torch._assert_async(probe.meta[2:], f"{what}: a local expert has more rows than {bound_name}={cap}")
+    else:  # counts first (needed on the host for the capacity), then the starts g * cap
+        probe = _sort(topk_ids, num_experts, emap, n_local, local=True)
+        counts = _host_counts(probe)  # the one host sync
+        cap = capacity_of(counts)
+        over = np.flatnonzero(counts > cap)
+        if over.size:
+            e = int(over[0])
+            raise ValueError(f"local expert {e} has {int(counts[e])} rows, more than the capacity {cap}")
+        # Rewrite the group starts as g * cap (the counts, offsets and chunk prefixes stay).
+        _launch(_group_starts_kernel, (1,), probe.totals, probe.starts, probe.ends, probe.offsets, probe.meta, probe.meta,
+                                   probe.G, probe.NK, 1, cap, MODE=_CAPACITY, WRITE_PSUM=False,
+                                   NKP=probe.totals.numel())
     s, G = probe, probe.G
-    # Rewrite the group starts as g * cap (the counts, offsets and chunk prefixes stay).
-    _group_starts_kernel[(1,)](s.totals, s.starts, s.ends, s.offsets, s.meta, s.meta, G, s.NK, 1, cap,
-                               MODE=_CAPACITY, WRITE_PSUM=False, NKP=s.totals.numel())
     src = _alloc((G, cap), torch.int64, device)
     dst = _alloc(m * k, torch.int32, device)
     _rank(s, dst=dst, dst_mode=1, lst=src, list_mode=1)
@@ -766,28 +831,62 @@ def _to_capacity(hidden, topk_ids, num_experts, expert_map, validate, capacity_o
     return s, counts, cap, a, src, m, k
 
 
-def to_masked(hidden, topk_ids, num_experts: int, max_m=None, expert_map=None, *, validate: bool = True) -> Masked:
+def to_masked(hidden, topk_ids, num_experts: int, max_m=None, expert_map=None, *, expected_m=None,
+              validate: bool = True) -> Masked:
     """DeepGEMM masked layout on the GPU; contract: :func:`moeref.dispatch.to_masked` (``a [E_local,
-    max_m, K]`` zero past ``masked_m``; ``src`` int64 -1 fill). One sync for the counts."""
+    max_m, K]`` zero past ``masked_m``; ``src`` int64 -1 fill).
+
+    ``expected_m=None`` (the reference's behaviour): one host sync for the counts, which size
+    ``max_m`` when it is None, check it otherwise, and give ``expected_m = max(1, ceil(present
+    slots / E_local))``.
+
+    ``expected_m`` given (a positive int; DeepGEMM's scheduling hint, any positive value gives the
+    same GEMM result): no host sync, so the call can be captured in a CUDA graph. The buffers
+    must then not depend on the data: ``max_m`` is required and must be at least the number of
+    tokens ``M`` (DeepEP's low-latency buffers, ``num_max_dispatch_tokens_per_rank * num_ranks``,
+    satisfy it); otherwise ``ValueError``. A routing without repeated experts in a row then never
+    overflows; one that repeats an expert can, and below ``M * k`` rows the capacity is checked on
+    the device instead of the host: a CUDA device-side assert (fatal to the CUDA context, as any
+    device assert) or, on the CPU, a ``RuntimeError``; never a truncation. ``expected_m`` is
+    returned as given. ``validate=True`` and an ``expert_map`` given as a device tensor still cost
+    their own syncs (module docstring): pass ``validate=False`` and a host ``expert_map``."""
     if max_m is not None:
         max_m = check_positive_int(max_m, "max_m")
+    bound = None
+    if expected_m is not None:
+        expected_m = check_positive_int(expected_m, "expected_m")
+        num_tokens = _check_int(topk_ids, "topk_ids", 2).shape[0]
+        if max_m is None or max_m < num_tokens:
+            raise ValueError(f"to_masked with expected_m given (no host sync) needs max_m >= the number of "
+                             f"tokens {num_tokens} (no buffer size from the data); got max_m={max_m}")
+        bound = max_m
     s, counts, cap, a, src, m, k = _to_capacity(
         hidden, topk_ids, num_experts, expert_map, validate,
-        lambda c: max_m if max_m is not None else max(1, int(c.max()) if c.size else 0))
-    n_present = int(counts.sum())
-    expected_m = max(1, -(-n_present // s.G)) if s.G else 1
+        lambda c: max_m if max_m is not None else max(1, int(c.max()) if c.size else 0), bound=bound)
+    if expected_m is None:
+        n_present = int(counts.sum())
+        expected_m = max(1, -(-n_present // s.G)) if s.G else 1
     return Masked(a, s.totals[: s.G], int(expected_m), src, m, k)
 
 
 def to_batched(hidden, topk_ids, num_experts: int, max_tokens_per_dispatcher: int, num_dispatchers: int = 1,
                expert_map=None, *, validate: bool = True) -> Batched:
-    """vLLM BatchedExperts layout on the GPU; contract: :func:`moeref.dispatch.to_batched`."""
+    """vLLM BatchedExperts layout on the GPU; contract: :func:`moeref.dispatch.to_batched`.
+
+    The capacity ``max_tokens_per_dispatcher * num_dispatchers`` does not depend on the data. With
+    ``validate=True`` the counts come to the host (one sync) and an expert over the capacity is the
+    reference's ``ValueError``. With ``validate=False`` nothing comes to the host (the call can be
+    captured in a CUDA graph): only a token repeating an expert can overflow (the tokens are at most
+    the capacity), and where the capacity is below ``M * k`` that is checked on the device, as in
+    :func:`to_masked` with ``expected_m`` (a device-side assert on CUDA, ``RuntimeError`` on the CPU)."""
     t = check_positive_int(max_tokens_per_dispatcher, "max_tokens_per_dispatcher")
     d = check_positive_int(num_dispatchers, "num_dispatchers")
     _check_int(topk_ids, "topk_ids", 2)
     if topk_ids.shape[0] > t * d:
         raise ValueError(f"{topk_ids.shape[0]} tokens exceed max_tokens_per_dispatcher * num_dispatchers = {t * d}")
-    s, counts, cap, a, src, m, k = _to_capacity(hidden, topk_ids, num_experts, expert_map, validate, lambda c: t * d)
+    s, counts, cap, a, src, m, k = _to_capacity(hidden, topk_ids, num_experts, expert_map, validate, lambda c: t * d,
+                                                bound=None if validate else t * d, what="to_batched",
+                                                bound_name="max_tokens_per_dispatcher * num_dispatchers")
     return Batched(a, s.totals[: s.G], src, m, k, t, d)
 
 

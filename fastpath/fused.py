@@ -42,7 +42,7 @@ from .quant._jit_codes import _activation
 from .quant._kernels import _quant_kernel
 from .quant._layouts import SF_LAYOUT, grid_of
 from ._host import alloc as _alloc
-from ._host import next_pow2
+from ._host import cdiv, launch, next_pow2
 
 __all__ = [
     "silu_and_mul_quant_fp8",
@@ -74,9 +74,13 @@ def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_majo
 
 
 @triton.jit
-def _act_kernel(x_ptr, stride_xm, stride_xk, o_ptr, M, N, ACT: tl.constexpr, ALPHA: tl.constexpr,
-                LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The float32 activation alone (the same device function the fused kernel uses)."""
+def _act_kernel(x_ptr, stride_xm, stride_xk, o_ptr, amax_ptr, M, N, ACT: tl.constexpr, ALPHA: tl.constexpr,
+                LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AMAX: tl.constexpr,
+                NONFINITE: tl.constexpr):
+    """The float32 activation alone (the same device function the fused kernel uses). ``AMAX``:
+    also the tensor amax of the stored activation, as the quantizer's amax pass reduces it
+    (``|out|`` bit patterns, NaN above Inf unless ``NONFINITE`` 1 drops it): each program's max
+    joins ``amax_ptr`` (int32, zeroed first) by an atomic max, exact in any order."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     j = tl.arange(0, BLOCK_N // 2)
     t = tl.arange(0, 2)
@@ -86,6 +90,11 @@ def _act_kernel(x_ptr, stride_xm, stride_xk, o_ptr, M, N, ACT: tl.constexpr, ALP
     xb = x_ptr + rows.to(tl.int64)[:, None, None, None] * stride_xm
     out = _activation(xb, cols4, stride_xk, N, m, ACT, ALPHA, LIMIT)
     tl.store(o_ptr + rows.to(tl.int64)[:, None, None, None] * N + cols4, out, mask=m)
+    if AMAX:
+        a = tl.where(m, out.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+        if NONFINITE == 1:
+            a = tl.where(a > 0x7F800000, 0, a)
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.max(tl.max(a, axis=3), axis=2), axis=1), axis=0))
 
 
 def _flat2(x: torch.Tensor) -> torch.Tensor:
@@ -94,27 +103,46 @@ def _flat2(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x
 
 
-def _activation_torch(x: torch.Tensor, act: str, alpha: float, limit: float) -> torch.Tensor:
+def _activation_torch(x: torch.Tensor, act: str, alpha: float, limit: float, amax_for: Scheme | None = None):
     shape = tuple(x.shape)
     x2 = _flat2(x)
     M, two_n = x2.shape
     N = two_n // 2
     out = _alloc((M, N), dtype=torch.float32, device=x.device)
+    nonfinite = 0
+    if amax_for is not None:
+        if not isinstance(amax_for, Scheme) or not (Q._kind(amax_for) == "per_tensor" or amax_for.family == "nvfp4"):
+            raise ValueError("amax_for must be a per-tensor FP8 or an NVFP4 scheme (the schemes with a tensor "
+                             f"amax pass); got {getattr(amax_for, 'name', amax_for)!r}")
+        if Q._kind(amax_for) == "per_tensor" and x.dim() == 3 and x.shape[0] > 1:
+            raise ValueError("amax_for a per-tensor scheme gives one amax for the whole activation: a 3-D x "
+                             f"with {x.shape[0]} matrices needs one per matrix (quantize's own amax pass)")
+        nonfinite = QP.constexprs(amax_for, False)["NONFINITE"]
+        amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
     BM, BN = 4, min(1024, max(2, next_pow2(max(N, 1))))
-    _act_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
-        x2, x2.stride(0), x2.stride(1), out, M, N, ACT=_ACT[act], ALPHA=float(alpha),
-        LIMIT=float(limit), BLOCK_M=BM, BLOCK_N=BN)
-    return out.reshape(shape[:-1] + (N,))
+    launch(_act_kernel, (cdiv(M, BM), cdiv(N, BN)),
+           x2, x2.stride(0), x2.stride(1), out, out if amax_for is None else amax_bits, M, N, ACT=_ACT[act],
+           ALPHA=float(alpha), LIMIT=float(limit), BLOCK_M=BM, BLOCK_N=BN, AMAX=amax_for is not None,
+           NONFINITE=nonfinite)
+    out = out.reshape(shape[:-1] + (N,))
+    return out if amax_for is None else (out, amax_bits.view(torch.float32))
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """float32 ``silu(x[..., :N]) * x[..., N:]`` computed by the fused kernel's activation code."""
-    return _activation_torch(x, "silu_and_mul", 0.0, 0.0)
+def silu_and_mul(x: torch.Tensor, *, amax_for: Scheme | None = None):
+    """float32 ``silu(x[..., :N]) * x[..., N:]`` computed by the fused kernel's activation code.
+
+    ``amax_for``: a per-tensor FP8 or NVFP4 scheme: returns ``(activation, amax)``, ``amax`` float32
+    ``[1]`` the tensor amax :func:`fastpath.quant.quantize` would reduce from the activation under
+    that scheme's NaN policy, produced by the same kernel (atomic max): pass it as
+    ``quantize(activation, scheme, amax=amax)`` and the quantizer reads the activation once
+    instead of twice (issue 20's two-pass kernels)."""
+    return _activation_torch(x, "silu_and_mul", 0.0, 0.0, amax_for)
 
 
-def swigluoai(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
-    """float32 gpt-oss SwiGLU of interleaved ``x[..., 2N]`` by the fused kernel's activation code."""
-    return _activation_torch(x, "swigluoai", alpha, limit)
+def swigluoai(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0, *, amax_for: Scheme | None = None):
+    """float32 gpt-oss SwiGLU of interleaved ``x[..., 2N]`` by the fused kernel's activation code;
+    ``amax_for`` as in :func:`silu_and_mul`."""
+    return _activation_torch(x, "swigluoai", alpha, limit, amax_for)
 
 
 def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme | None,
@@ -137,7 +165,7 @@ def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme
     ce = QP.constexprs(scheme, hw_fp8)
     codes = _alloc((B, M, N), dtype=torch.uint8, device=dev)
     gs = scheme.resolve_block(shape)[-1]
-    ng = triton.cdiv(N, gs)
+    ng = cdiv(N, gs)
     sshape, sdt, (m_pad, ng_pad, ssm, ssg) = Q.scale_storage_shape((B, M, N), scheme, scale_layout)
     scales = _alloc(sshape, dtype=sdt, device=dev)
     tile = QT._device_tile("fused", dev, scale_layout, ce, gs, ng, (block_m, groups_per_program, num_warps))
@@ -150,11 +178,11 @@ def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme
         num_warps = 8
     gb, gpp, bm = QT._tile(gs, block_m, groups_per_program, scale_layout, ng, role="fused")
     dummy = _alloc(1, dtype=torch.float32, device=dev)
-    grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp), B)
+    grid = (cdiv(m_pad, bm), cdiv(ng_pad, gpp), B)
     xk, pair, in16 = QL._pair_view(x3, act == "swigluoai")
     if pair == 2:
         pair = 0  # the generic swigluoai path loads gate/up with stride 2 on plain tiles
-    _quant_kernel[grid](
+    launch(_quant_kernel, grid,
         xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
         scales, scales.stride(0), ssm, ssg, dummy, dummy, dummy, M, N, ng, m_pad, ng_pad, 1,
         GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=SF_LAYOUT[scale_layout], AMAX_SRC=0,

@@ -64,13 +64,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import triton
 
 from moeref.formats import get_format
 from moeref.quant import scheme as S
 from moeref.quant.scheme import Scheme
 
 from .._host import alloc as _alloc  # every buffer the kernels write (the tests' poisoning hook)
+from .._host import cdiv, launch
 from .._host import next_pow2 as _next_pow2
 from . import _launch as L
 from . import _preset_map as P
@@ -236,9 +236,27 @@ def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_majo
     return True, "ok"
 
 
+def _check_amax(amax, scheme: Scheme, x3: torch.Tensor, static_global: bool) -> torch.Tensor:
+    """:func:`quantize`'s ``amax=``: where a tensor amax pass would run (per-tensor FP8 without a
+    static scale, dynamic NVFP4), a float32 tensor of one amax per matrix (per-tensor) or one
+    (NVFP4) on x's device; anything else is a ValueError / TypeError naming what is wrong."""
+    kind = _kind(scheme)
+    static = scheme.static_scale is not None
+    if not ((kind == "per_tensor" and not static) or (scheme.family == "nvfp4" and not static_global)):
+        raise ValueError("amax= is for per-tensor FP8 without a static scale and NVFP4 without a "
+                         f"global_scale (the schemes with a tensor amax pass); got {scheme.name!r}")
+    if not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32:
+        raise TypeError(f"amax must be a float32 torch tensor; got {getattr(amax, 'dtype', type(amax).__name__)}")
+    want = int(x3.shape[0]) if kind == "per_tensor" else 1
+    if amax.numel() != want or amax.device != x3.device:
+        raise ValueError(f"amax must hold {want} value(s) on {x3.device}; got shape {tuple(amax.shape)} "
+                         f"on {amax.device}")
+    return amax.reshape(want)
+
+
 def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major", scale=None,
              hw_fp8: bool | None = None, block_m: int | None = None, groups_per_program: int | None = None,
-             num_warps: int | None = None, global_scale=None,
+             num_warps: int | None = None, global_scale=None, amax=None,
              tuning: QuantTuning | None = None) -> FastQuantized:
     """Quantize ``x`` (CUDA tensor, or CPU under TRITON_INTERPRET=1) with ``scheme``.
 
@@ -257,6 +275,12 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
             positive and give a finite nonzero encode/decode scale; nothing checks it). The
             data pass is then the only pass over x (None: dynamic, the tensor amax is reduced in
             a first pass). Codes, scales and ``global_scale`` equal the reference's.
+        amax: per-tensor FP8 and dynamic NVFP4 only (ValueError otherwise): the tensor amax of
+            ``x`` as the amax pass would reduce it (float32 ``|x|`` max under the scheme's NaN
+            policy; per-tensor: one per matrix, shape ``[B]``; NVFP4: ``[1]``), already on x's
+            device, e.g. from the kernel that produced ``x``
+            (:func:`fastpath.fused.silu_and_mul` with ``amax_for=scheme``): then x is read once
+            (no amax pass). Used as given, no host sync; nothing checks it against x.
         hw_fp8: use the hardware FP8 cast on CUDA (default: yes on CUDA for saturating RNE presets).
         block_m, groups_per_program, num_warps: tile overrides (benchmarks).
         tuning: the kernels' speed knobs (:class:`QuantTuning`; None: the shipped defaults).
@@ -275,6 +299,8 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         static_global = L._nvfp4_static_factors(global_scale, scheme, x.device)
     shape = tuple(int(d) for d in x.shape)
     x3 = x.reshape((1, 1) + shape) if x.dim() == 1 else (x.unsqueeze(0) if x.dim() == 2 else x)
+    if amax is not None:
+        amax = _check_amax(amax, scheme, x3, static_global is not None)
     B, M, K = (int(d) for d in x3.shape)
     dev = x.device
     if hw_fp8 is None:
@@ -300,23 +326,24 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         # one scale per matrix: amax pass, scale kernel, then the data pass with AMAX_SRC=1
         need_amax = static is None or p.nonfinite == "nan_block"
         if need_amax:
-            amax = L._tensor_amax(x3, ce["NONFINITE"], per_matrix=True)
+            if amax is None:
+                amax = L._tensor_amax(x3, ce["NONFINITE"], per_matrix=True)
         else:
             amax = torch.zeros(B, dtype=torch.float32, device=dev)
         sdt = torch.float32 if scheme.scale_format == "fp32" else torch.uint8
         scales = _alloc((B, 1, 1), dtype=sdt, device=dev)
         keys = ("ELEM_MAX", "INV_M", "EMAX", "MBITS", "SCALE_KIND", "FP32_RULE", "FP32_POW2",
                 "E8_RULE", "E8_LO", "E8_HI", "E8_NF", "AMAX_FLOOR", "ZERO_BLOCK", "NONFINITE", "APPLY")
-        _per_tensor_scale_kernel[(1,)](amax, scales, static_t, B,
+        launch(_per_tensor_scale_kernel, (1,), amax, scales, static_t, B,
                                        BLOCK=_next_pow2(max(B, 2)), STATIC=static is not None,
                                        **{k_: ce[k_] for k_ in keys})
         gs = min(K, 128) if not packed else max(2, min(_next_pow2(K), 128))
         gs = _next_pow2(gs)
-        ng = triton.cdiv(K, gs)
+        ng = cdiv(K, gs)
         gb, gpp, bm = T._tile(gs, block_m, groups_per_program, "row_major", ng)
-        grid = (triton.cdiv(M, bm), triton.cdiv(ng, gpp), B)
+        grid = (cdiv(M, bm), cdiv(ng, gpp), B)
         xk, pair, in16 = L._pair_view(x3, packed)
-        _quant_kernel[grid](
+        launch(_quant_kernel, grid,
             xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
             dummy, 0, 0, 0, amax, static_t, dummy, M, K, ng, M, ng, M,
             GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=0, AMAX_SRC=1, STATIC=static is not None,
@@ -327,7 +354,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         return FastQuantized(out_codes, scales.reshape(grid_of(shape, scheme)), "row_major", scheme, shape)
 
     gs = scheme.resolve_block(shape)[-1]
-    ng = triton.cdiv(K, gs)
+    ng = cdiv(K, gs)
     sshape, sdt, (m_pad, ng_pad, ssm, ssg) = scale_storage_shape((B, M, K), scheme, scale_layout)
     scales = _alloc(sshape, dtype=sdt, device=dev)
     ssb = scales.stride(0)
@@ -343,15 +370,16 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         # static global scale: no amax pass, the data pass below is the only read of x
         nv, glob, zero_tensor = static_global
     elif two_level:
-        amax = L._tensor_amax(x3, ce["NONFINITE"], per_matrix=False)
+        if amax is None:
+            amax = L._tensor_amax(x3, ce["NONFINITE"], per_matrix=False)
         nv, glob = L._nvfp4_device_globals(scheme, amax=amax)
     if T._row_loop_applies(ng, gs, K, packed, scale_layout, tuning) and groups_per_program is None:
         L._launch_row_loop(x3, codes, scales, ssb, ssm, m_pad, static_t, static, ce, block_m,
                            num_warps, tuning)
     else:
-        grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp), B)
+        grid = (cdiv(m_pad, bm), cdiv(ng_pad, gpp), B)
         xk, pair, in16 = L._pair_view(x3, packed)
-        _quant_kernel[grid](
+        launch(_quant_kernel, grid,
             xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
             scales, ssb, ssm, ssg, dummy, static_t, nv, M, K, ng, m_pad, ng_pad, 1,
             GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=SF_LAYOUT[scale_layout], AMAX_SRC=0,
@@ -397,17 +425,17 @@ def dequantize(q: FastQuantized, dtype: torch.dtype = torch.float32, *, block_m:
               HW=codes.device.type == "cuda")
     if kind == "per_tensor":
         gs = 128
-        ng = triton.cdiv(K, gs)
+        ng = cdiv(K, gs)
         gb, gpp, bm = T._tile(gs, block_m, groups_per_program, "row_major", ng, T._DQ_ELEMS, "dequant")
         s = q.scales.reshape(B)
-        grid = (triton.cdiv(M, bm), triton.cdiv(ng, gpp), B)
-        _dequant_kernel[grid](codes, codes.stride(0), codes.stride(1), s, 1, 0, 0, s, out,
+        grid = (cdiv(M, bm), cdiv(ng, gpp), B)
+        launch(_dequant_kernel, grid, codes, codes.stride(0), codes.stride(1), s, 1, 0, 0, s, out,
                               out.stride(0), out.stride(1), M, K, ng, M, GS=gs, GB=gb, GPP=gpp,
                               BLOCK_M=bm, SF_LAYOUT=0, PER_TENSOR=True, TWO_LEVEL=False,
                               OUT=_OUT[dtype], num_warps=num_warps or T._DQ_WARPS, **ce)
         return out.reshape(shape)
     gs = scheme.resolve_block(shape)[-1]
-    ng = triton.cdiv(K, gs)
+    ng = cdiv(K, gs)
     _, _, (m_pad, ng_pad, ssm, ssg) = scale_storage_shape((B, M, K), scheme, q.scale_layout)
     s = q.scales
     if q.scale_layout == "row_major":
@@ -418,8 +446,8 @@ def dequantize(q: FastQuantized, dtype: torch.dtype = torch.float32, *, block_m:
         ssb = s.stride(0)
     gb, gpp, bm = T._tile(gs, block_m, groups_per_program, q.scale_layout, ng, T._DQ_ELEMS, "dequant")
     g = q.global_scale if q.global_scale is not None else s
-    grid = (triton.cdiv(M, bm), triton.cdiv(ng, gpp), B)
-    _dequant_kernel[grid](codes, codes.stride(0), codes.stride(1), s, ssb, ssm, ssg, g, out,
+    grid = (cdiv(M, bm), cdiv(ng, gpp), B)
+    launch(_dequant_kernel, grid, codes, codes.stride(0), codes.stride(1), s, ssb, ssm, ssg, g, out,
                           out.stride(0), out.stride(1), M, K, ng_pad, 1, GS=gs, GB=gb, GPP=gpp,
                           BLOCK_M=bm, SF_LAYOUT=SF_LAYOUT[q.scale_layout], PER_TENSOR=False,
                           TWO_LEVEL=q.global_scale is not None, OUT=_OUT[dtype],

@@ -7,11 +7,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from moeref.quant.scheme import Scheme
 
 from .._host import alloc as _alloc  # every buffer the kernels write (the tests' poisoning hook)
+from .._host import cdiv, launch
 from .._host import next_pow2 as _next_pow2
 from . import _preset_map as P
 from . import _tiles as T
@@ -120,7 +120,7 @@ def _nvfp4_static_nv(s_enc: float, pts: float, scheme: Scheme, dev: torch.device
     src = torch.tensor([s_enc, pts], dtype=torch.float32).to(dev)
     nv = torch.empty(130, dtype=torch.float32, device=dev)
     unused = torch.empty(1, dtype=torch.float64, device=dev)
-    _nvfp4_factors[(1,)](src, src[1:], nv, unused, FROM_AMAX=False,
+    launch(_nvfp4_factors, (1,), src, src[1:], nv, unused, FROM_AMAX=False,
                          ORDER=P.NVFP4_OP[scheme.preset.option("nvfp4_order")], GLOB=1)
     return nv
 
@@ -133,14 +133,14 @@ def _tensor_amax(x3: torch.Tensor, nonfinite: int, per_matrix: bool) -> torch.Te
     B, M, K = (int(d) for d in x3.shape)
     BKa = min(1024, _next_pow2(K))
     BMa = min(_next_pow2(M), max(1, T._AMAX_TILE // BKa))
-    grid = (triton.cdiv(M, BMa), triton.cdiv(K, BKa), B)
+    grid = (cdiv(M, BMa), cdiv(K, BKa), B)
     nprog = grid[0] * grid[1]
     part = _alloc(B * nprog, dtype=torch.int32, device=x3.device)
     amax = _alloc(B if per_matrix else 1, dtype=torch.float32, device=x3.device)
-    _amax_partial_kernel[grid](x3, x3.stride(0), x3.stride(1), x3.stride(2), part, M, K, nprog,
+    launch(_amax_partial_kernel, grid, x3, x3.stride(0), x3.stride(1), x3.stride(2), part, M, K, nprog,
                                BLOCK_M=BMa, BLOCK_K=BKa, NONFINITE=nonfinite, num_warps=T._AMAX_WARPS)
     per_out = nprog if per_matrix else B * nprog  # partials per output amax
-    _amax_final_kernel[(amax.numel(),)](part, amax, per_out, BLOCK=1024, ITERS=triton.cdiv(per_out, 1024))
+    launch(_amax_final_kernel, (amax.numel(),), part, amax, per_out, BLOCK=1024, ITERS=cdiv(per_out, 1024))
     return amax
 
 
@@ -161,7 +161,7 @@ def _nvfp4_device_globals(scheme: Scheme, amax=None, quantity=None):
         kind = 0
     else:
         kind = 1 if order == 2 else 2
-    _nvfp4_factors[(1,)](src, src, nv, glob, FROM_AMAX=amax is not None, ORDER=order, GLOB=kind)
+    launch(_nvfp4_factors, (1,), src, src, nv, glob, FROM_AMAX=amax is not None, ORDER=order, GLOB=kind)
     return nv, glob
 
 
@@ -201,10 +201,10 @@ def _launch_row_loop(x3, codes, scales, ssb, ssm, m_pad, static_t, static, ce, b
     B, M, K = (int(d) for d in x3.shape)
     bm, bk, nw = tuning.row_loop_tile
     bm = block_m or bm
-    grid = (triton.cdiv(m_pad, bm), B)
+    grid = (cdiv(m_pad, bm), B)
     names = _row_loop_kernel.arg_names
-    _row_loop_kernel[grid](
+    launch(_row_loop_kernel, grid,
         x3, x3.stride(0), x3.stride(1), x3.stride(2), codes, codes.stride(0), codes.stride(1),
         scales, ssb, ssm, static_t, M, K, m_pad, BLOCK_M=bm, BLOCK_K=bk,
-        K_ITERS=triton.cdiv(K, bk), STATIC=static is not None, num_warps=num_warps or nw,
+        K_ITERS=cdiv(K, bk), STATIC=static is not None, num_warps=num_warps or nw,
         **{k_: v_ for k_, v_ in ce.items() if k_ in names})

@@ -1,0 +1,132 @@
+"""Write the quantization tables of docs/fastpaths.md from bench_quant_gpu.py's JSON (never edited by hand).
+
+    python bench/report_quant.py bench_out/bench_quant.json [more.json ...] [--docs docs/fastpaths.md] [--check]
+        [--plot docs/figures/fastpath_bandwidth.png]
+
+One section per JSON file (one GPU each), in the order given. Replaces the text between
+``<!-- fastpath-quant:begin -->`` and ``<!-- fastpath-quant:end -->``; ``--check`` exits 1 when the page
+differs from what the JSON gives. The JSON's schema is :func:`bench.bench_quant_gpu.row_record`'s rows
+under ``kernels[name]["rows"]`` and :func:`bench.bench_quant_gpu.run_meta`'s ``meta``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+BEGIN, END = "<!-- fastpath-quant:begin -->", "<!-- fastpath-quant:end -->"
+FLAG = "⚠"
+# The project's targets, stated on the medians (issue 20): bold where met.
+TARGET_PCT_COPY = 90.0
+TARGET_X_COMPILE = 1.0
+BASELINES = ("torch eager", "torch.compile", "DeepGEMM")
+
+
+def _span(case: dict) -> str:
+    """``median (min-max)`` in us, with the flag when the spread is over the threshold."""
+    s = f"{case['median_us']:.1f} ({case['min_us']:.1f}-{case['max_us']:.1f})"
+    return s + (f" {FLAG}" if case["flagged"] else "")
+
+
+def _bold(text: str, met: bool) -> str:
+    return f"**{text}**" if met else text
+
+
+def tables(data: dict) -> str:
+    """Markdown for one run: the large-size table (bandwidth, % of copy, time, ratios to each baseline)
+    and the latency table over every M of the sweep."""
+    m = data["meta"]
+    out = [f"**{m['gpu']}**, {m['date']} (driver {m['driver']}, CUDA {m['cuda']}, torch {m['torch']}, "
+           f"triton {m['triton']}); input {m['M']} x {m['K']} bfloat16; device copy {m['copy_TBps']:.2f} TB/s. "
+           f"Every row is timed in {m['rounds']} interleaved rounds with its baselines (the same bytes copied, "
+           f"torch eager, torch.compile, DeepGEMM where present): times are medians (min-max), ratios the "
+           f"median of the per-round ratios (baseline time / fast-path time); {FLAG} marks a case whose spread "
+           f"(max - min) / median exceeds {m['flag_spread']:.0%}. Targets, on the medians: >= "
+           f"{TARGET_PCT_COPY:.0f}% of copy and >= {TARGET_X_COMPILE:.1f}x torch.compile (bold where met).", "",
+           "| kernel | TB/s | % of copy | time, us | spread | " + " | ".join(f"x {b}" for b in BASELINES) + " |",
+           "|---" * (5 + len(BASELINES)) + "|"]
+    for name, rec in data["kernels"].items():
+        big = rec["rows"][-1]
+        fp = big["cases"]["fastpath"]
+        cells = [name, f"{big['TBps']:.2f}", _bold(f"{big['pct_copy']:.1f}%", big["pct_copy"] >= TARGET_PCT_COPY)
+                 + (f" {FLAG}" if big["cases"]["copy"]["flagged"] else ""),
+                 _span(fp), f"{fp['spread']:.1%}"]
+        for b in BASELINES:
+            if b not in big["ratio_median"]:
+                cells.append("—")
+                continue
+            r = big["ratio_median"][b]
+            met = r >= TARGET_X_COMPILE if b == "torch.compile" else False
+            cells.append(_bold(f"{r:.2f}", met) + (f" {FLAG}" if big["cases"][b]["flagged"] else ""))
+        out.append("| " + " | ".join(cells) + " |")
+    sizes = sorted({row["M"] for rec in data["kernels"].values() for row in rec["rows"]})
+    out += ["", "Latency per call (us, median (min-max) of the interleaved rounds; one eager call each, host "
+            "overhead included) and, at the smallest M, one call replayed from a CUDA graph (the GPU-side time):", "",
+            "| kernel | " + " | ".join(f"M={s}" for s in sizes) + f" | M={sizes[0]} graph replay |",
+            "|---" * (len(sizes) + 2) + "|"]
+    for name, rec in data["kernels"].items():
+        by_m = {row["M"]: row for row in rec["rows"]}
+        cells = [name] + [_span(by_m[s]["cases"]["fastpath"]) if s in by_m else "—" for s in sizes]
+        cells.append(f"{rec['small_graph_us']:.1f}" if "small_graph_us" in rec else "—")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def plot(res: dict, path: str) -> None:
+    """Bandwidth (median) vs bytes moved per call, one line per kernel, the device copy dashed: ``path`` (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.get_cmap("tab20").colors
+    markers = "os^vD<>pP*Xh"
+    for i, (name, r) in enumerate(res["kernels"].items()):
+        xs = [p["bytes"] / 1e6 for p in r["rows"]]
+        ys = [p["TBps"] for p in r["rows"]]
+        ax.plot(xs, ys, marker=markers[i % len(markers)], color=colors[(2 * i) % 20 + (i >= 10)],
+                label=name)
+    ax.axhline(res["meta"]["copy_TBps"], color="k", linestyle="--", label="device copy")
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes moved per call (MB, read + write)")
+    ax.set_ylabel("achieved bandwidth (TB/s)")
+    ax.set_title(f"fastpath quantization kernels, {res['meta']['gpu']}, {res['meta']['date']}")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def render(page: str, runs: list[dict]) -> str:
+    """``page`` with the text between the markers replaced by the tables of each run."""
+    if BEGIN not in page or END not in page:
+        raise ValueError(f"the page has no {BEGIN} ... {END} markers")
+    a, b = page.index(BEGIN) + len(BEGIN), page.index(END)
+    return page[:a] + "\n" + "\n\n".join(tables(d) for d in runs) + "\n" + page[b:]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", nargs="+", help="bench_quant_gpu.py JSON files, one section each")
+    ap.add_argument("--docs", default="docs/fastpaths.md")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--plot", default="", help="also write the bandwidth plot of the first JSON to this PNG")
+    args = ap.parse_args(argv)
+    runs = []
+    for path in args.json:
+        with open(path) as f:
+            runs.append(json.load(f))
+    with open(args.docs) as f:
+        page = f.read()
+    new = render(page, runs)
+    if args.plot:
+        plot(runs[0], args.plot)
+    if args.check:
+        return 0 if new == page else 1
+    with open(args.docs, "w") as f:
+        f.write(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
