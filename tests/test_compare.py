@@ -317,3 +317,19 @@ def test_report_renders_summary_and_rich(fp8_case):
     assert compare(ref.out, case, FP32_ACCUM).passed  # inputs instead of a traced run
     with pytest.raises(ValueError, match="shape"):
         compare(ref.out[:2], ref, FP32_ACCUM)
+
+
+def test_layer_bound_takes_a_profile_or_its_name():
+    """``layer_bound`` resolves a profile name as ``compare`` does (case-insensitive); an unknown name is a
+    ValueError naming the known ones, anything else a TypeError."""
+    from moeref.demo import demo_case
+
+    _, case = demo_case(seed=0, out_scale=2e-3)
+    ref = reference(case)
+    by_name = layer_bound(ref, "hopper_fp8_deepgemm_data")
+    by_obj = layer_bound(ref, HOPPER_FP8_DEEPGEMM_DATA)
+    np.testing.assert_array_equal(by_name.bound, by_obj.bound)
+    with pytest.raises(ValueError, match="unknown profile"):
+        layer_bound(ref, "no_such_profile")
+    with pytest.raises(TypeError, match="profile must be"):
+        layer_bound(ref, 3)

@@ -444,14 +444,17 @@ def _is_device_run(run) -> bool:
     return type(run).__name__ == "DeviceRun"
 
 
-def layer_bound(run, profile: Profile) -> LayerBound:
+def layer_bound(run, profile: Profile | str) -> LayerBound:
     """Per-element bound ``[M, K]`` for a traced reference ``run`` (:func:`moeref.moe.run_moe`): the
     layer replayed with ``profile``'s declared stores (center) and its radius, stage by stage (module
     docstring); ``bound = |center - run.output| + radius``.
 
     A run of the device engine (:func:`moeref.moe.run_moe` with ``device=``) is bounded on its device
     (:func:`moeref.compare.device_layer.device_layer_bound`): the same bound, bit for bit, as torch
-    tensors."""
+    tensors. ``profile``: a :class:`Profile` or its name in :data:`PROFILES`."""
+    from .kernel_profiles import get_profile  # it imports this module
+
+    profile = get_profile(profile)
     if _is_device_run(run):
         from .device_layer import device_layer_bound
 
