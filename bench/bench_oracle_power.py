@@ -9,9 +9,9 @@ Cases (``--seeds`` of each kind, hidden ``--hidden``, intermediate ``--inter``, 
 * ``fp8``: FP8 E4M3 weights with 128x128 scales, FP8 1x128 activations and intermediate (DeepGEMM).
 
 Per case and profile the bound (:func:`moeref.compare.bounds.layer_bound`) is computed once; every
-honest variant (:data:`moeref.compare.faults.HONEST_BF16`, ``HONEST_HOPPER``) must pass it, and its
+honest variant (:data:`moeref.compare.subtle_faults.HONEST_BF16`, ``HONEST_HOPPER``) must pass it, and its
 ``|err| / bound`` is summarised by the median over elements (then the median over variants and cases)
-and the maximum; every planted fault (:data:`~moeref.compare.faults.SUBTLE_FAULTS` and the gross
+and the maximum; every planted fault (:data:`~moeref.compare.subtle_faults.SUBTLE_FAULTS` and the gross
 :data:`~moeref.compare.faults.FAULTS`) counts as caught when one element exceeds the bound. A fault the
 layer cannot express (no bias, no scale blocks, another activation) is not counted.
 
@@ -98,10 +98,11 @@ def _ratio_stats(cand, output, bound) -> dict:
 
 
 def measure(args) -> dict:
-    from moeref.compare.faults import FAULTS, HONEST_BF16, HONEST_HOPPER, SUBTLE_FAULTS, reference
+    from moeref.compare.faults import FAULTS, reference
+    from moeref.compare.subtle_faults import HONEST_BF16, HONEST_HOPPER, SUBTLE_FAULTS
 
     try:  # checkouts before the DeepGEMM emulation have no exact profile
-        from moeref.compare.faults import HONEST_DEEPGEMM, subtle_faults
+        from moeref.compare.subtle_faults import HONEST_DEEPGEMM, subtle_faults
         from moeref.gemm.hopper_fp8 import deepgemm_engine
         exact_tables = (("subtle-deepgemm", subtle_faults(deepgemm_engine())), ("honest-deepgemm", HONEST_DEEPGEMM))
     except ImportError:

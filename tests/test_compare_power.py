@@ -9,14 +9,8 @@ import pytest
 
 from moeref.compare import BF16_OUTPUT, FP32_ACCUM, Profile, gamma, gemm_error_bound
 from moeref.compare.bounds import HOPPER_FP8_DEEPGEMM_DATA, layer_bound, store_interval
-from moeref.compare.faults import (
-    HONEST_BF16,
-    HONEST_HOPPER,
-    SUBTLE_FAULTS,
-    LayerCase,
-    reference,
-    tensor_core_gemm,
-)
+from moeref.compare.faults import LayerCase, reference
+from moeref.compare.subtle_faults import HONEST_BF16, HONEST_HOPPER, SUBTLE_FAULTS, tensor_core_gemm
 from moeref.moe import MoEQuant, make_layer, make_tokens, quantize_weights
 from moeref.quant import fp8_block, fp8_group
 from moeref.routing import softmax_topk
@@ -297,7 +291,7 @@ def test_weighted_gemm2_store_profile():
     is no fault there: with top-2 it adds two bf16 values once, the output's own rounding.)"""
     from dataclasses import replace
 
-    from moeref.compare.faults import bf16_candidate
+    from moeref.compare.subtle_faults import bf16_candidate
 
     case = _bf16_case(4)
     ref = reference(case)

@@ -168,7 +168,8 @@ def _fp8_case(seed=0):
 def test_exact_profile_passes_the_emulated_kernel_and_catches_subtle_faults():
     from moeref.compare import compare
     from moeref.compare.bounds import DEEPGEMM_FP8_EXACT
-    from moeref.compare.faults import HONEST_DEEPGEMM, reference, subtle_faults
+    from moeref.compare.faults import reference
+    from moeref.compare.subtle_faults import HONEST_DEEPGEMM, subtle_faults
     from moeref.gemm.hopper_fp8 import deepgemm_engine
 
     case = _fp8_case()

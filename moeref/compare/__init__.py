@@ -1,6 +1,6 @@
 """Error-bounded comparison: sound per-element bounds from a declared arithmetic (:mod:`.bounds`),
 reports with per-token/per-expert violations and conventional metrics (:mod:`.report`), and the
-honest variants / planted faults that prove the bounds sound and sensitive (:mod:`.faults`), and the
+honest variants / planted faults that prove the bounds sound and sensitive (:mod:`.faults`, :mod:`.subtle_faults`), and the
 profiles of real kernels (:mod:`.kernel_profiles`).
 See docs/error-bounds.md."""
 from __future__ import annotations
