@@ -67,7 +67,7 @@ def _weight_and_reduce(y, src: np.ndarray, w, num_tokens: int, apply_weights: bo
 
 def _chunk_interval(p, e, weights, profile: Profile, cfg):
     """:func:`moeref.compare.bounds._chunk_interval` of a device chunk (``p``/``e``: the device engine's
-    :class:`~moeref.moe.device.DevicePrepared` / ``DeviceExpertsOutput``; ``weights`` on the device)."""
+    :class:`~moeref.moe.Prepared` / :class:`~moeref.moe.ExpertsOutput` holding device tensors; ``weights`` on the device)."""
     torch = _torch()
     from .._interop import to_numpy
     from ..gemm.device import device_operand

@@ -33,10 +33,10 @@ from ..dispatch.grouping import group_slots
 from ..gemm.device import DeviceOperand, device_expert_rows_gemm, device_operand
 from ..gemm.stacked import StackedExperts
 from .config import LayerConfig
-from .pipeline import MoERun, _activation, dispatch_rows
+from .pipeline import ExpertsOutput, MoERun, Prepared, _activation, dispatch_rows
 from .weights import MoEWeights, SharedExperts
 
-__all__ = ["DevicePrepared", "DeviceExpertsOutput", "device_weights", "run_moe_device", "round_on_device"]
+__all__ = ["device_weights", "run_moe_device", "round_on_device"]
 
 
 def _torch():
@@ -204,41 +204,8 @@ def _fast_quantize_unavailable(scheme, x, static: dict) -> str | None:
 # ------------------------------------------------------------------------------------------- stages
 
 
-@dataclass(frozen=True, eq=False)
-class DevicePrepared:
-    """:class:`moeref.moe.Prepared` on a device: ``a`` a :class:`moeref.gemm.device.DeviceOperand`,
-    ``topk_weights`` a float64 tensor; index arrays on the host (NumPy)."""
-
-    layout: str
-    a: DeviceOperand
-    row_expert: np.ndarray
-    src: np.ndarray
-    dispatch: object
-    topk_weights: object
-    topk_ids: np.ndarray
-    num_tokens: int
-    apply_weights: bool
-    a1: object = None
-
-    @property
-    def top_k(self) -> int:
-        return int(self.topk_ids.shape[1])
-
-
-@dataclass(frozen=True, eq=False)
-class DeviceExpertsOutput:
-    """:class:`moeref.moe.ExpertsOutput` on a device (float64 tensors; ``valid`` NumPy bool)."""
-
-    y: object
-    h: object
-    x: object
-    xq: DeviceOperand
-    a2: object
-    valid: np.ndarray
-
-
 def _prepare(x, w, ids, *, num_experts, layout, quant, expert_map, apply_router_weight_on_input, alignment,
-             max_m, engines) -> DevicePrepared:
+             max_m, engines) -> Prepared:
     torch = _torch()
     g = group_slots(ids, num_experts, expert_map)
     if x.shape[0] != g.num_tokens or tuple(w.shape) != tuple(ids.shape):
@@ -253,12 +220,12 @@ def _prepare(x, w, ids, *, num_experts, layout, quant, expert_map, apply_router_
     src, row_expert, disp = dispatch_rows(ids, g, num_experts=num_experts, layout=layout, expert_map=expert_map,
                                           alignment=alignment, max_m=max_m)
     rows = np.where(src >= 0, src // max(g.top_k, 1), -1)
-    return DevicePrepared(layout, a_tok.take_rows(rows), row_expert, src, disp, w.to(torch.float64), ids,
+    return Prepared(layout, a_tok.take_rows(rows), row_expert, src, disp, w.to(torch.float64), ids,
                           g.num_tokens, not apply_router_weight_on_input, a1)
 
 
-def _experts(p: DevicePrepared, weights: MoEWeights, *, activation, activation_params, quant, gemm1_out_dtype,
-             act_out_dtype, engines) -> DeviceExpertsOutput:
+def _experts(p: Prepared, weights: MoEWeights, *, activation, activation_params, quant, gemm1_out_dtype,
+             act_out_dtype, engines) -> ExpertsOutput:
     torch = _torch()
     valid = p.row_expert >= 0
     n_w = len(weights.w13)
@@ -268,7 +235,7 @@ def _experts(p: DevicePrepared, weights: MoEWeights, *, activation, activation_p
     r, k = p.a.shape
     if not valid.any():
         empty = torch.zeros((r, 0), dtype=torch.float64, device=dev)
-        return DeviceExpertsOutput(torch.zeros((r, k), dtype=torch.float64, device=dev), empty, empty,
+        return ExpertsOutput(torch.zeros((r, k), dtype=torch.float64, device=dev), empty, empty,
                                    device_operand(empty, dev), None, valid)
     h = round_on_device(_weights_gemm(p.a, p.row_expert, weights.w13, weights.b13), gemm1_out_dtype)
     x = _activation(activation, h, weights.w13_layout, activation_params)
@@ -283,10 +250,10 @@ def _experts(p: DevicePrepared, weights: MoEWeights, *, activation, activation_p
     pos[vidx] = np.arange(vidx.size)
     xq = xq_valid.take_rows(pos)
     y = _weights_gemm(xq, p.row_expert, weights.w2, weights.b2)
-    return DeviceExpertsOutput(y, h, x, xq, a2, valid)
+    return ExpertsOutput(y, h, x, xq, a2, valid)
 
 
-def _finalize(p: DevicePrepared, e: DeviceExpertsOutput):
+def _finalize(p: Prepared, e: ExpertsOutput):
     """``out[t] = sum_j w[t, j] * row(t*k + j)`` in float64, slot order from +0.0 (float64 tensor)."""
     torch = _torch()
     dev = e.y.device

@@ -112,6 +112,10 @@ class Prepared:
     ``t*k+j`` per row, -1 padding; ``dispatch``: the layout object of :mod:`moeref.dispatch` (None for
     ``"standard"``); ``topk_weights`` float ``[M, k]``; ``apply_weights``: False when the weight was
     applied on the input; ``a1``: the quantized token tensor (or None).
+
+    The device engine (``run_moe(device=...)``, :mod:`moeref.moe.device`) fills the same fields on its
+    device: ``a`` a :class:`moeref.gemm.device.DeviceOperand`, ``topk_weights`` a float64 tensor; the
+    index arrays stay on the host (NumPy).
     """
 
     layout: str
@@ -196,7 +200,8 @@ def dispatch_rows(topk_ids, groups, *, num_experts: int, layout: str, expert_map
 class ExpertsOutput:
     """Output of :func:`experts`: ``y`` float64 ``[R, K]`` (padding rows 0) and the trace the error
     bounds read: ``h`` (GEMM1 output ``[R, 2N]``), ``x`` (activation output before re-quantization,
-    ``[R, N]``), ``xq`` (the GEMM2 input operand) and ``a2`` (the quantized intermediate or None)."""
+    ``[R, N]``), ``xq`` (the GEMM2 input operand) and ``a2`` (the quantized intermediate or None).
+    On the device engine: float64 tensors and a ``DeviceOperand``; ``valid`` stays a NumPy bool array."""
 
     y: np.ndarray
     h: np.ndarray
