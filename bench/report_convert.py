@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.docs_page import update_page  # noqa: E402
 
 BEGIN, END = "<!-- convert-gpu:begin -->", "<!-- convert-gpu:end -->"
 
@@ -41,10 +45,6 @@ def table(d: dict) -> str:
     return "\n".join(out)
 
 
-def render(page: str, data: dict) -> str:
-    a, b = page.index(BEGIN) + len(BEGIN), page.index(END)
-    return page[:a] + "\n" + table(data) + "\n" + page[b:]
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -54,14 +54,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     with open(args.json) as f:
         data = json.load(f)
-    with open(args.docs) as f:
-        page = f.read()
-    new = render(page, data)
-    if args.check:
-        return 0 if new == page else 1
-    with open(args.docs, "w") as f:
-        f.write(new)
-    return 0
+    return update_page(args.docs, BEGIN, END, table(data), check=args.check,
+                       remedy=f"run bench/report_convert.py {args.json}")
 
 
 if __name__ == "__main__":

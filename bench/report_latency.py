@@ -16,6 +16,9 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.docs_page import update_page  # noqa: E402
+
 BEGIN, END = "<!-- fastpath-latency:begin -->", "<!-- fastpath-latency:end -->"
 _DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data")
 # the page's runs, newest first (H100, 2026-11-24): with the cached launcher (c72001c; no floor recorded),
@@ -124,30 +127,14 @@ def render(paths: list[str]) -> str:
     return "\n\n".join(parts)
 
 
-def replace_between(text: str, body: str) -> str:
-    i, j = text.find(BEGIN), text.find(END)
-    if i < 0 or j < i:
-        raise ValueError(f"markers {BEGIN} ... {END} not found")
-    return text[: i + len(BEGIN)] + "\n" + body + "\n" + text[j:]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("json", nargs="*", default=DEFAULT_JSON)
     ap.add_argument("--docs", default="docs/fastpaths-latency.md")
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args(argv)
-    with open(args.docs) as fh:
-        old = fh.read()
-    new = replace_between(old, render(args.json))
-    if args.check:
-        if new != old:
-            print(f"{args.docs} differs from what {args.json} give: run bench/report_latency.py", file=sys.stderr)
-            return 1
-        return 0
-    with open(args.docs, "w") as fh:
-        fh.write(new)
-    return 0
+    return update_page(args.docs, BEGIN, END, render(args.json), check=args.check,
+                       remedy="run bench/report_latency.py " + " ".join(args.json))
 
 
 if __name__ == "__main__":

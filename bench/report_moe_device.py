@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.docs_page import update_page  # noqa: E402
 
 BEGIN, END = "<!-- moe-device:begin -->", "<!-- moe-device:end -->"
 
@@ -65,10 +69,6 @@ def tables(data: dict) -> str:
     return "\n".join(out)
 
 
-def render(page: str, data: dict) -> str:
-    a, b = page.index(BEGIN) + len(BEGIN), page.index(END)
-    return page[:a] + "\n" + tables(data) + "\n" + page[b:]
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -81,14 +81,8 @@ def main(argv=None) -> int:
         with open(path) as f:
             part = json.load(f)
         data.update({k: v for k, v in part.items() if v})
-    with open(args.docs) as f:
-        page = f.read()
-    new = render(page, data)
-    if args.check:
-        return 0 if new == page else 1
-    with open(args.docs, "w") as f:
-        f.write(new)
-    return 0
+    return update_page(args.docs, BEGIN, END, tables(data), check=args.check,
+                       remedy="run bench/report_moe_device.py " + " ".join(args.json))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.docs_page import update_page  # noqa: E402
 
 BEGIN, END = "<!-- fastpath-quant:begin -->", "<!-- fastpath-quant:end -->"
 FLAG = "⚠"
@@ -97,12 +101,9 @@ def plot(res: dict, path: str) -> None:
     plt.close(fig)
 
 
-def render(page: str, runs: list[dict]) -> str:
-    """``page`` with the text between the markers replaced by the tables of each run."""
-    if BEGIN not in page or END not in page:
-        raise ValueError(f"the page has no {BEGIN} ... {END} markers")
-    a, b = page.index(BEGIN) + len(BEGIN), page.index(END)
-    return page[:a] + "\n" + "\n\n".join(tables(d) for d in runs) + "\n" + page[b:]
+def render(runs: list[dict]) -> str:
+    """The generated part of the page: the tables of each run, in order."""
+    return "\n\n".join(tables(d) for d in runs)
 
 
 def main(argv=None) -> int:
@@ -116,16 +117,10 @@ def main(argv=None) -> int:
     for path in args.json:
         with open(path) as f:
             runs.append(json.load(f))
-    with open(args.docs) as f:
-        page = f.read()
-    new = render(page, runs)
     if args.plot:
         plot(runs[0], args.plot)
-    if args.check:
-        return 0 if new == page else 1
-    with open(args.docs, "w") as f:
-        f.write(new)
-    return 0
+    return update_page(args.docs, BEGIN, END, render(runs), check=args.check,
+                       remedy="run bench/report_quant.py " + " ".join(args.json))
 
 
 if __name__ == "__main__":

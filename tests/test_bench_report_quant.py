@@ -91,8 +91,12 @@ def test_report_writes_the_plot(tmp_path):
 
 
 def test_report_refuses_a_page_without_markers(tmp_path):
+    js, page = tmp_path / "bench_quant.json", tmp_path / "page.md"
+    js.write_text(json.dumps(FAKE))
+    page.write_text("no markers here")
     with pytest.raises(ValueError, match="markers"):
-        report.render("no markers here", [FAKE])
+        report.main([str(js), "--docs", str(page)])
+    assert page.read_text() == "no markers here"  # nothing written
 
 
 def test_docs_page_has_the_markers():

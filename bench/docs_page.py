@@ -1,0 +1,32 @@
+"""The generated part of a docs page: the text between a ``begin`` and an ``end`` marker, rewritten by a
+report script from a benchmark's JSON (never edited by hand), or checked against it (``--check``; the
+docs tests run every report that way on the committed JSON)."""
+from __future__ import annotations
+
+import sys
+
+
+def replace_between(page: str, begin: str, end: str, body: str) -> str:
+    """``page`` with the text between ``begin`` and ``end`` replaced by ``body`` (on lines of its own);
+    ``ValueError`` when the markers are missing or out of order."""
+    i, j = page.find(begin), page.find(end)
+    if i < 0 or j < i:
+        raise ValueError(f"the page has no {begin} ... {end} markers")
+    return page[: i + len(begin)] + "\n" + body + "\n" + page[j:]
+
+
+def update_page(path: str, begin: str, end: str, body: str, *, check: bool, remedy: str = "") -> int:
+    """Write ``body`` between the markers of the page at ``path`` and return 0; with ``check``, write
+    nothing and return 1 (saying so on stderr, with ``remedy``) when the page differs from that."""
+    with open(path) as f:
+        old = f.read()
+    new = replace_between(old, begin, end, body)
+    if check:
+        if new != old:
+            print(f"{path} differs from what the benchmark JSON gives" + (f": {remedy}" if remedy else ""),
+                  file=sys.stderr)
+            return 1
+        return 0
+    with open(path, "w") as f:
+        f.write(new)
+    return 0
