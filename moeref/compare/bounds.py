@@ -459,28 +459,39 @@ def layer_bound(run, profile: Profile | str) -> LayerBound:
         from .device_layer import device_layer_bound
 
         return device_layer_bound(run, profile)
+    with np.errstate(invalid="ignore"):
+        return assemble_layer_bound(run, profile, _chunk_interval, np.asarray(run.output, dtype=np.float64),
+                                    shared_weights=lambda w: w, store=store_interval,
+                                    cat=lambda xs: np.concatenate(xs, axis=0), zeros_like=np.zeros_like)
+
+
+def assemble_layer_bound(run, profile: Profile, chunk_interval, output, *, shared_weights, store, cat,
+                         zeros_like) -> LayerBound:
+    """The layer's bound from its chunks, as both engines assemble it (the same operations in the same
+    order, so the device bound has the NumPy bound's bits): each chunk's ``chunk_interval(p, e, weights,
+    profile, config)``, the shared experts' added (one more FP32 add per element, with the routed sum's
+    rounding), the output store, ``bound = |center - output| + radius``. ``output``: the run's output in
+    float64; ``shared_weights`` puts the shared experts where the engine computes; ``store`` is the
+    engine's :func:`store_interval`; ``cat``/``zeros_like`` its row concatenation and zeros."""
     cfg = run.config
-    weights = run.weights
     centers, radii, flips = [], [], 0
     for p, e in run.chunks:
-        c, r, f = _chunk_interval(p, e, weights, profile, cfg)
+        c, r, f = chunk_interval(p, e, run.weights, profile, cfg)
         centers.append(c)
         radii.append(r)
         flips += f
-    center = np.concatenate(centers, axis=0) if centers else np.zeros_like(run.output)
-    radius = np.concatenate(radii, axis=0) if radii else np.zeros_like(run.output)
+    center = cat(centers) if centers else zeros_like(run.output)
+    radius = cat(radii) if radii else zeros_like(run.output)
     if run.shared is not None:
-        sw = cfg.shared_experts.as_weights()
+        sw = shared_weights(cfg.shared_experts.as_weights())
         sc, sr = [], []
         for p, e in run.shared_chunks:
-            c, r, f = _chunk_interval(p, e, sw, profile, cfg)
+            c, r, f = chunk_interval(p, e, sw, profile, cfg)
             sc.append(c)
             sr.append(r)
             flips += f
-        center = center + np.concatenate(sc, axis=0)
-        radius = radius + np.concatenate(sr, axis=0)
-        radius = radius + profile.reduce_unit * 2 * (np.abs(center) + radius)
-    center, radius, _ = store_interval(center, radius, profile.out_dtype, profile.out_unit)
-    with np.errstate(invalid="ignore"):
-        bound = np.abs(center - np.asarray(run.output, dtype=np.float64)) + radius
-    return LayerBound(bound, flips, center, radius)
+        center = center + cat(sc)
+        radius = radius + cat(sr)
+        radius = radius + profile.reduce_unit * 2 * (abs(center) + radius)
+    center, radius, _ = store(center, radius, profile.out_dtype, profile.out_unit)
+    return LayerBound(abs(center - output) + radius, flips, center, radius)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .bounds import LayerBound, Profile, gamma
+from .bounds import LayerBound, Profile, assemble_layer_bound, gamma
 from .device_bounds import device_rows_error_bound, device_rows_radius_term
 from .stage_bounds import activation_error, activation_magnitude, requant_uncertainty
 
@@ -146,28 +146,7 @@ def device_layer_bound(run, profile: Profile) -> LayerBound:
     torch = _torch()
     from ..moe.device import device_weights
 
-    cfg = run.config
-    weights = run.weights
-    centers, radii, flips = [], [], 0
-    for p, e in run.chunks:
-        c, r, f = _chunk_interval(p, e, weights, profile, cfg)
-        centers.append(c)
-        radii.append(r)
-        flips += f
     out = run.output
-    center = torch.cat(centers, dim=0) if centers else torch.zeros_like(out)
-    radius = torch.cat(radii, dim=0) if radii else torch.zeros_like(out)
-    if run.shared is not None:
-        sw = device_weights(cfg.shared_experts.as_weights(), out.device)
-        sc, sr = [], []
-        for p, e in run.shared_chunks:
-            c, r, f = _chunk_interval(p, e, sw, profile, cfg)
-            sc.append(c)
-            sr.append(r)
-            flips += f
-        center = center + torch.cat(sc, dim=0)
-        radius = radius + torch.cat(sr, dim=0)
-        radius = radius + profile.reduce_unit * 2 * (center.abs() + radius)
-    center, radius, _ = device_store_interval(center, radius, profile.out_dtype, profile.out_unit)
-    bound = (center - out.to(torch.float64)).abs() + radius
-    return LayerBound(bound, flips, center, radius)
+    return assemble_layer_bound(run, profile, _chunk_interval, out.to(torch.float64),
+                                shared_weights=lambda w: device_weights(w, out.device), store=device_store_interval,
+                                cat=lambda xs: torch.cat(xs, dim=0), zeros_like=torch.zeros_like)
