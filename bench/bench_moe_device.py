@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from bench.interleaved import CudaEventClock  # noqa: E402
 from moeref.gemm import StackedExperts  # noqa: E402
 from moeref.moe import MoEQuant, MoEWeights, run_moe  # noqa: E402
 from moeref.quant import fp8_group  # noqa: E402
@@ -206,15 +207,11 @@ def bench_variants(weights, cases, kw, rounds: int) -> list[dict]:
 
 
 def _event_ms(fn, reps: int = 3) -> float:
+    """Milliseconds per call of ``reps`` back-to-back calls (:class:`bench.interleaved.CudaEventClock`), after
+    one warm-up call."""
     fn()
     torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    ev[0].record()
-    for _ in range(reps):
-        fn()
-    ev[1].record()
-    torch.cuda.synchronize()
-    return ev[0].elapsed_time(ev[1]) / reps
+    return CudaEventClock().measure(fn, reps) * 1e3
 
 
 def bench_tiles(weights, case, rounds: int) -> list[dict]:

@@ -4,11 +4,13 @@ gpt-oss-120b MoE (hidden 2880, intermediate 2880, 128 experts, top-4): GEMM1 ``N
 ``N = 2880, K = 2880`` on the contiguous layout (128-row expert segments) of a random top-4 routing, bf16
 activations. Weights: random codes and scales made on the GPU (MXFP4 E8M0 / 32, NVFP4 UE4M3 / 16 + global, INT4
 groups of 128 with FP32 scales) and random bf16 weights for the baseline. Times each kernel with CUDA events
-(median of interleaved rounds; each sample the mean of 3 launches after one warm-up); TFLOPS count the real
-rows only (``2 * rows * N * K``). JSON to ``--out`` under the keys ``w4_meta`` and ``w4`` (merged into
+in interleaved rounds (:func:`bench.interleaved.time_interleaved`: each sample the mean of 3 launches, one
+warm-up call each; the median, min-max and spread flag per kernel, the ratio to the bf16 kernel per round and its
+median); TFLOPS count the real rows only (``2 * rows * N * K``). A tile that does not fit (its warm-up call
+fails) is printed and left out. JSON to ``--out`` under the keys ``w4_meta`` and ``w4`` (merged into
 docs/moe-gpu.md by bench/report_moe_device.py).
 
-    python bench/bench_w4_gemm.py [--tokens 64 1024 8192] [--rounds 5] [--out bench_out/moe_device_w4.json]
+    python bench/bench_w4_gemm.py [--tokens 64 1024 8192] [--rounds 7] [--out bench_out/moe_device_w4.json]
 """
 from __future__ import annotations
 
@@ -16,13 +18,13 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from bench.interleaved import MIN_ROUNDS, CudaEventClock, time_interleaved  # noqa: E402
 from fastpath import dispatch  # noqa: E402
 from fastpath.grouped_gemm import GemmTiles, grouped_gemm_contiguous  # noqa: E402
 from fastpath.grouped_gemm_w4 import W4Experts, grouped_gemm_w4_contiguous  # noqa: E402
@@ -42,22 +44,24 @@ def random_w4(kind: str, n: int, gen) -> W4Experts:
     return W4Experts("int4", codes, torch.rand((E, n, -(-K // 128)), device="cuda", generator=gen) * 0.01, 128, 1, K)
 
 
-def _event_ms(fn, reps: int = 3) -> float:
-    fn()
+def _runnable(fns: dict) -> dict:
+    """The cases whose warm-up call runs (compiling them); a tile that does not fit (shared memory) is printed
+    and left out, not fatal."""
+    ok = {}
+    for label, fn in fns.items():
+        try:
+            fn()
+            ok[label] = fn
+        except Exception as e:
+            print(label, "failed:", type(e).__name__, str(e)[:120])
     torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    ev[0].record()
-    for _ in range(reps):
-        fn()
-    ev[1].record()
-    torch.cuda.synchronize()
-    return ev[0].elapsed_time(ev[1]) / reps
+    return ok
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 1024, 8192])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=MIN_ROUNDS, help=f"interleaved rounds (>= {MIN_ROUNDS})")
     ap.add_argument("--out", default="bench_out/moe_device_w4.json")
     ap.add_argument("--tiles", nargs="*", default=["64,128,128,4,3", "128,128,128,8,3", "64,64,128,4,4"],
                     help="W4 tiles to try: block_m,block_n,block_k,warps,stages")
@@ -78,21 +82,16 @@ def main(argv=None) -> int:
                 for t in tiles:
                     fns[f"{kind} {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}"] = (
                         lambda w=w, t=t: grouped_gemm_w4_contiguous(a, w, lay.m_indices, tiles=t))
-            times: dict = {}
-            for _ in range(args.rounds):
-                for label, fn in fns.items():
-                    try:
-                        times.setdefault(label, []).append(_event_ms(fn))
-                    except Exception as e:  # a tile that does not fit: recorded, not fatal
-                        times[label] = [float("nan")]
-                        print(label, "failed:", type(e).__name__, str(e)[:120])
-            base = statistics.median(times["bf16 triton"])
+            res = time_interleaved(_runnable(fns), baselines=["bf16 triton"], rounds=args.rounds, calls_per_round=3,
+                                   warmup=0, clock=CudaEventClock())
             flops = 2 * real * n * K
-            for label, v in times.items():
-                med = statistics.median(v)
-                rows_out.append(dict(gemm=gemm, tokens=m, rows=real, kernel=label, ms=med,
-                                     tflops=flops / med / 1e9, of_bf16=base / med))
-                print(f"{gemm} tokens={m} {label:34s} {med:8.3f} ms {flops / med / 1e9:7.1f} TFLOPS x{base / med:.2f}")
+            for label, t in res.cases.items():
+                ms = t.median_s * 1e3
+                ratio = res.ratios[label]["bf16 triton"].median if label in res.ratios else 1.0
+                rows_out.append(dict(gemm=gemm, tokens=m, rows=real, kernel=label, ms=ms, min_ms=t.min_s * 1e3,
+                                     max_ms=t.max_s * 1e3, flagged=t.flagged, tflops=flops / t.median_s / 1e12,
+                                     of_bf16=ratio))
+                print(f"{gemm} tokens={m} {label:34s} {ms:8.3f} ms {flops / t.median_s / 1e12:7.1f} TFLOPS x{ratio:.2f}")
             _write(args, rows_out)  # after every case: a run cut short keeps what it measured
         del weights, b16
     return 0

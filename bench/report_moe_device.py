@@ -60,12 +60,14 @@ def tables(data: dict) -> str:
         w = data["w4_meta"]
         out += ["", f"**4-bit weights (W4A16)**: `fastpath.grouped_gemm_w4` against the bf16 Triton grouped GEMM at "
                 f"gpt-oss-120b shapes (K 2880, 128 experts, top-4, contiguous layout, bf16 activations), measured on "
-                f"an {w['gpu']}, {w['date']}, torch {w['torch']}, triton {w['triton']}; median of {w['rounds']} "
-                "interleaved rounds, TFLOPS on the real rows:", "",
+                f"an {w['gpu']}, {w['date']}, torch {w['torch']}, triton {w['triton']}; median (min-max) of {w['rounds']} "
+                "interleaved rounds, ⚠ where the spread exceeds 10%; TFLOPS on the real rows; x bf16: the median of "
+                "the per-round ratios:", "",
                 "| GEMM | tokens | kernel | ms | TFLOPS | x bf16 |", "|---|---|---|---|---|---|"]
         for r in data["w4"]:
-            out.append(f"| {r['gemm']} | {r['tokens']} | {r['kernel']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
-                       f"{r['of_bf16']:.2f} |")
+            flag = " ⚠" if r["flagged"] else ""
+            out.append(f"| {r['gemm']} | {r['tokens']} | {r['kernel']} | {r['ms']:.3f} ({r['min_ms']:.3f}-"
+                       f"{r['max_ms']:.3f}){flag} | {r['tflops']:.0f} | {r['of_bf16']:.2f} |")
     return "\n".join(out)
 
 
