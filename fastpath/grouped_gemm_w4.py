@@ -60,6 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeref.gemm.stacked import experts_to_stack
+
 from .grouped_gemm import GemmTiles
 
 __all__ = ["W4_KINDS", "W4Experts", "PROFILE_OF", "w4_supports", "grouped_gemm_w4_contiguous",
@@ -152,16 +154,8 @@ class W4Experts:
         (:func:`moeref.quant.mxfp4`, :func:`moeref.quant.nvfp4` / ``nvfp4_weight``,
         :func:`moeref.quant.int4_group`; :func:`moeref.moe.quantize_weights` makes them).
         ``ValueError`` for anything else, and for MXFP4 scales whose weights leave bf16's normal range."""
-        tensors = list(tensors)
-        if not tensors:
-            raise ValueError("from_quantized needs at least one expert")
+        tensors = experts_to_stack(tensors)
         first = tensors[0]
-        for i, t in enumerate(tensors):
-            if not hasattr(t, "codes") or not hasattr(t, "scheme"):
-                raise TypeError(f"expert {i} is a {type(t).__name__}, not a QuantizedTensor")
-            if t.scheme != first.scheme or tuple(t.shape) != tuple(first.shape) or len(t.shape) != 2:
-                raise ValueError(f"expert {i} has scheme {t.scheme.name} and shape {t.shape}; stacking needs one "
-                                 f"2-D shape and scheme ({first.scheme.name}, {first.shape})")
         kind, group, rows = _kind_of(first)
         n, k = (int(d) for d in first.shape)
         if k % 2:

@@ -275,3 +275,24 @@ def test_fastpath_moe_w4a8_layer_within_fp32_bound(layout):
     got_bad = fused_moe(torch.as_tensor(x, device=DEV), bad, torch.as_tensor(tw, device=DEV),
                         torch.as_tensor(ids, device=DEV), **kw)
     assert not compare(got_bad.cpu(), run, prof).passed
+
+
+def test_expert_stacks_refuse_what_cannot_be_stacked():
+    """Both expert stacks (the reference's StackedExperts and the fast path's W4Experts) refuse an empty
+    list, a non-QuantizedTensor and experts of different schemes or shapes, naming the expert."""
+    from fastpath.grouped_gemm_w4 import W4Experts
+    from moeref.gemm import StackedExperts
+
+    rng = np.random.default_rng(0)
+    a = quantize(rng.standard_normal((8, 64)).astype(np.float32), mxfp4())
+    other_shape = quantize(rng.standard_normal((8, 32)).astype(np.float32), mxfp4())
+    other_scheme = quantize(rng.standard_normal((8, 64)).astype(np.float32), int4_group())
+    for stack in (StackedExperts.from_quantized, lambda ts: W4Experts.from_quantized(ts, DEV)):
+        with pytest.raises(ValueError, match="at least one expert"):
+            stack([])
+        with pytest.raises(TypeError, match="expert 1 is a ndarray"):
+            stack([a, np.zeros((8, 64))])
+        with pytest.raises(ValueError, match="expert 1 has scheme"):
+            stack([a, other_shape])
+        with pytest.raises(ValueError, match="expert 1 has scheme"):
+            stack([a, other_scheme])

@@ -18,11 +18,29 @@ import numpy as np
 
 from .exact import BlockOperand
 
-__all__ = ["StackedExperts"]
+__all__ = ["StackedExperts", "experts_to_stack"]
 
 
 def _is_torch(x) -> bool:
     return type(x).__module__.startswith("torch")
+
+
+def experts_to_stack(tensors) -> list:
+    """``tensors`` as a list after checking they can be stacked: at least one, each a
+    :class:`moeref.quant.QuantizedTensor`, all of one scheme and one 2-D shape; ``TypeError`` /
+    ``ValueError`` naming the first expert that is not. Shared by every expert stack (this one and the
+    fast paths' :class:`fastpath.grouped_gemm_w4.W4Experts`)."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("from_quantized needs at least one expert")
+    first = tensors[0]
+    for i, t in enumerate(tensors):
+        if not hasattr(t, "scale_values") or not hasattr(t, "codes"):
+            raise TypeError(f"expert {i} is a {type(t).__name__}, not a QuantizedTensor")
+        if t.scheme != first.scheme or tuple(t.shape) != tuple(first.shape) or len(t.shape) != 2:
+            raise ValueError(f"expert {i} has scheme {t.scheme.name} and shape {t.shape}; stacking needs "
+                             f"one 2-D shape and scheme ({first.scheme.name}, {first.shape})")
+    return tensors
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,16 +150,9 @@ class StackedExperts:
     def from_quantized(cls, tensors: Sequence) -> "StackedExperts":
         """Stack per-expert :class:`moeref.quant.QuantizedTensor` s of one scheme and shape (2-D, no zero
         points), e.g. :func:`moeref.moe.quantize_weights`' output."""
-        tensors = list(tensors)
-        if not tensors:
-            raise ValueError("from_quantized needs at least one expert")
+        tensors = experts_to_stack(tensors)
         first = tensors[0]
         for i, t in enumerate(tensors):
-            if not hasattr(t, "scale_values") or not hasattr(t, "codes"):
-                raise TypeError(f"expert {i} is a {type(t).__name__}, not a QuantizedTensor")
-            if t.scheme != first.scheme or tuple(t.shape) != tuple(first.shape) or len(t.shape) != 2:
-                raise ValueError(f"expert {i} has scheme {t.scheme.name} and shape {t.shape}; stacking needs "
-                                 f"one 2-D shape and scheme ({first.scheme.name}, {first.shape})")
             if getattr(t, "zero_points", None) is not None:
                 raise ValueError(f"expert {i} has zero points: asymmetric INT weights cannot be stacked")
         n, k = first.shape
