@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.interleaved import FLAG_SPREAD, MIN_ROUNDS, CudaEventClock, time_interleaved  # noqa: E402
+from bench.interleaved import FLAG_SPREAD, MIN_ROUNDS, CudaEventClock, machine_meta, time_interleaved  # noqa: E402
 from bench.latency_cases import (all_cases, before_variant, bits_equal, capture, direct_launcher,  # noqa: E402
                                  empty_launcher, record_launches, tensors)
 
@@ -47,19 +47,7 @@ FLOOR_FACTOR = 1.5
 
 
 def run_meta(args) -> dict:
-    import datetime
-    import subprocess
-
-    import triton
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
-    except Exception as e:  # reported, not hidden
-        driver = f"unknown ({type(e).__name__})"
-    return {"gpu": torch.cuda.get_device_name(), "driver": driver, "cuda": torch.version.cuda,
-            "torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0],
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "rounds": args.rounds, "round_ms": args.round_ms, "flag_spread": FLAG_SPREAD,
+    return {**machine_meta(), "rounds": args.rounds, "round_ms": args.round_ms, "flag_spread": FLAG_SPREAD,
             "target_us": TARGET_US, "floor_factor": FLOOR_FACTOR, "label": args.label}
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import sys
@@ -39,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moeref.quant import fp8_group, fp8_per_tensor, fp8_per_token, mxfp4, mxfp8  # noqa: E402
 from moeref.quant.nvfp4 import nvfp4  # noqa: E402
 
-from bench.interleaved import FLAG_SPREAD, MIN_ROUNDS, CudaEventClock, time_interleaved  # noqa: E402
+from bench.interleaved import FLAG_SPREAD, MIN_ROUNDS, CudaEventClock, machine_meta, time_interleaved  # noqa: E402
 from bench.report_quant import plot, tables as report_tables  # noqa: E402
 from fastpath import fused as F  # noqa: E402
 from fastpath import quant as Q  # noqa: E402
@@ -422,17 +421,8 @@ def row_record(res, M: int, nbytes: int) -> dict:
 
 
 def run_meta(args) -> dict:
-    """GPU, driver, CUDA, torch, triton, date and the timing settings of this run."""
-    try:
-        import subprocess
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
-    except Exception as e:  # reported, not hidden
-        driver = f"unknown ({type(e).__name__})"
-    return {"gpu": torch.cuda.get_device_name(), "driver": driver, "cuda": torch.version.cuda,
-            "torch": torch.__version__, "triton": triton.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "M": args.M, "K": args.K, "rounds": args.rounds, "round_ms": args.round_ms,
+    """GPU, driver, CUDA, torch, triton, Python, date and the timing settings of this run."""
+    return {**machine_meta(), "M": args.M, "K": args.K, "rounds": args.rounds, "round_ms": args.round_ms,
             "flag_spread": FLAG_SPREAD}
 
 

@@ -15,7 +15,6 @@ docs/moe-gpu.md by bench/report_moe_device.py).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.interleaved import MIN_ROUNDS, CudaEventClock, time_interleaved  # noqa: E402
+from bench.interleaved import MIN_ROUNDS, CudaEventClock, machine_meta, time_interleaved  # noqa: E402
 from fastpath import dispatch  # noqa: E402
 from fastpath.grouped_gemm import GemmTiles, grouped_gemm_contiguous  # noqa: E402
 from fastpath.grouped_gemm_w4 import W4Experts, grouped_gemm_w4_contiguous  # noqa: E402
@@ -98,8 +97,7 @@ def main(argv=None) -> int:
 
 
 def _write(args, rows) -> None:
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
-                date=datetime.date.today().isoformat(), rounds=args.rounds)
+    meta = dict(machine_meta(), rounds=args.rounds)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(w4_meta=meta, w4=rows), f, indent=1)

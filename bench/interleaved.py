@@ -94,6 +94,26 @@ def default_clock() -> Clock:
     return WallClock()
 
 
+def machine_meta() -> dict:
+    """What a GPU figure is named with: the GPU, its driver (or why it could not be read), CUDA, torch, triton,
+    Python and the UTC date and time of the run."""
+    import datetime
+    import subprocess
+    import sys
+
+    import torch
+    import triton
+
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+    except Exception as e:  # reported, not hidden
+        driver = f"unknown ({type(e).__name__})"
+    return {"gpu": torch.cuda.get_device_name(), "driver": driver, "cuda": torch.version.cuda,
+            "torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0],
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
 @dataclass(frozen=True)
 class CaseTiming:
     """One case's seconds per call in each round (in round order) and their statistics."""
