@@ -132,9 +132,9 @@ def test_fastpath_moe_float32_layer_within_fp32_bound(r, seed, layout, bias, sha
     assert rep.passed, rep
 
 
-def _fp8_layer(rng, e, k, n):
+def fp8_block_layer(rng, e, k, n):
     """FP8 128x128 experts whose 128-column blocks differ in magnitude (x 2^-3..2^3, as real weight
-    channels do), so that a wrong scale block changes the output."""
+    channels do), so that a wrong scale block changes the output (also tests/test_hopper_fp8_gpu.py's layers)."""
     lw = make_layer(e, k, n, seed=int(rng.integers(2**16)))
     def vary(w):
         f = np.exp2(rng.integers(-3, 4, (1, -(-w.shape[1] // 128)))).repeat(128, axis=1)[:, : w.shape[1]]
@@ -156,7 +156,7 @@ def test_fastpath_moe_fp8_layer_within_declared_profile(r, impl, seed, layout):
     if not grouped_gemm_supports(impl)[0]:
         pytest.skip(grouped_gemm_supports(impl)[1])
     rng = np.random.default_rng(seed)
-    weights = _fp8_layer(rng, r.num_experts, 512, 256)
+    weights = fp8_block_layer(rng, r.num_experts, 512, 256)
     x = make_tokens(r.num_tokens, 512, seed=seed)
     fw = fast_weights(weights, "cuda")
     got = fused_moe(torch.as_tensor(x, device="cuda").to(torch.bfloat16), fw, torch.as_tensor(r.weights, device="cuda"),
@@ -176,7 +176,7 @@ def test_fastpath_moe_fp8_planted_neighbour_scale_block_fails():
     from fastpath.moe import FastMoEWeights, fused_moe, reference_config
 
     rng = np.random.default_rng(3)
-    weights = _fp8_layer(rng, 4, 512, 256)
+    weights = fp8_block_layer(rng, 4, 512, 256)
     from fastpath.moe import fast_weights
 
     fw = fast_weights(weights, "cuda")
@@ -198,7 +198,7 @@ def test_fastpath_moe_fp8_chunk_without_routed_slots_is_zero(layout):
     multiply: the FP8 layer returns the reference's output (zeros) instead of failing on empty scales."""
     from fastpath.moe import fast_weights, fused_moe, reference_config
 
-    weights = _fp8_layer(np.random.default_rng(0), 2, 128, 128)
+    weights = fp8_block_layer(np.random.default_rng(0), 2, 128, 128)
     x = make_tokens(3, 128, seed=1)
     ids = np.full((3, 2), -1, dtype=np.int32)
     tw = np.ones((3, 2), dtype=np.float32)

@@ -23,6 +23,7 @@ pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from property_tests.test_fastpath_moe import fp8_block_layer  # noqa: E402 (the same layers as the fast-path suite)
 from moeref.gemm.hopper_fp8 import deepgemm_grouped_contiguous, mma_accumulate  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -176,21 +177,6 @@ def test_triton_fp8_grouped_gemm_equals_the_emulator():
     _check_grouped("triton", "a_then_b", None, 25)
 
 
-def _fp8_layer(rng, e, k, n):
-    """FP8 128x128 experts whose 128-column blocks differ in magnitude (x 2^-3..2^3)."""
-    from moeref.moe import MoEWeights, make_layer, quantize_weights
-    from moeref.quant import fp8_block
-
-    lw = make_layer(e, k, n, seed=int(rng.integers(2**16)))
-
-    def vary(w):
-        f = np.exp2(rng.integers(-3, 4, (1, -(-w.shape[1] // 128)))).repeat(128, axis=1)[:, : w.shape[1]]
-        return (w * f).astype(np.float32)
-
-    lw = MoEWeights([vary(w) for w in lw.w13], [vary(w) for w in lw.w2], lw.w13_layout)
-    return quantize_weights(lw, fp8_block())
-
-
 def _exact_layer_profile(cfg):
     """DEEPGEMM_FP8_EXACT with the stores fastpath.moe declares (its reference_config)."""
     from dataclasses import replace
@@ -229,7 +215,7 @@ def test_real_deepgemm_layer_passes_the_exact_profile():
            st.sampled_from(["contiguous", "masked"]))
     def run(r, seed, layout):
         rng = np.random.default_rng(seed)
-        weights = _fp8_layer(rng, r.num_experts, 512, 256)
+        weights = fp8_block_layer(rng, r.num_experts, 512, 256)
         x = make_tokens(r.num_tokens, 512, seed=seed)
         got, ref, cfg = _run_layer(weights, x, r.weights, r.ids, layout=layout)
         rep = compare(got, ref, _exact_layer_profile(cfg))
@@ -252,7 +238,7 @@ def test_exact_profile_catches_one_weight_code_off_by_one_on_real_deepgemm():
     from moeref.moe import make_tokens
 
     rng = np.random.default_rng(5)
-    weights = _fp8_layer(rng, 4, 512, 256)
+    weights = fp8_block_layer(rng, 4, 512, 256)
     x = make_tokens(64, 512, seed=6)
     ids = np.stack([rng.choice(4, 2, replace=False) for _ in range(64)]).astype(np.int32)
     tw = rng.random((64, 2)).astype(np.float32)
