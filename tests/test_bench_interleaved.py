@@ -3,18 +3,11 @@ checked with a deterministic fake clock (each case advances fake time by a scrip
 Expected values are worked out by hand from the scripted durations."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import sys
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
-_spec = importlib.util.spec_from_file_location("bench_interleaved", os.path.join(ROOT, "bench", "interleaved.py"))
-interleaved = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = interleaved  # dataclasses look their module up
-_spec.loader.exec_module(interleaved)
+from bench import interleaved  # the repository root is on sys.path (conftest.py)
 
 
 class FakeTime:

@@ -3,22 +3,12 @@ a small hand-written JSON is rendered and checked cell by cell (the target's bol
 and the committed page is what the committed JSON gives (the tables are never edited by hand)."""
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
-def _load(name: str, file: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", file))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-report = _load("bench_report_latency", "report_latency.py")
+from bench import report_latency as report  # noqa: E402 (the repository root is on sys.path: conftest.py)
 
 
 def _c(med, flagged=False):

@@ -3,25 +3,15 @@ small hand-written JSON, the rendered rows are checked cell by cell; and the row
 (bench_quant_gpu.row_record, fed by fake-clock timings) are what the report reads."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
-def _load(name: str, file: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", file))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-report = _load("bench_report_quant", "report_quant.py")
+from bench import report_quant as report  # noqa: E402 (the repository root is on sys.path: conftest.py)
 
 
 def _case(med, lo, hi, flagged=False):
@@ -110,7 +100,7 @@ def test_benchmark_rows_are_what_the_report_reads():
     """bench_quant_gpu.row_record on fake-clock timings (fast path 2 s, copy 1 s per call, every round)
     gives rows the report renders: 50% of copy, ratio 0.5, 1e8 bytes / 2 s."""
     bq = pytest.importorskip("bench.bench_quant_gpu", reason="bench_quant_gpu needs torch + triton")
-    interleaved = sys.modules["bench.interleaved"]
+    from bench import interleaved
     clock_t = [0.0]
 
     def advance(dt):

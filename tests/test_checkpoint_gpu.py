@@ -7,8 +7,6 @@
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import numpy as np
 import pytest
@@ -37,11 +35,9 @@ def test_triton_engine_writes_the_numpy_bytes(tmp_path, source, target):
 
 
 def _bench():
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "bench_convert.py")
-    spec = importlib.util.spec_from_file_location("bench_convert", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from bench import bench_convert
+
+    return bench_convert
 
 
 def test_one_deepseek_weight_bit_identical_on_the_gpu():

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import glob
-import importlib.util
 import os
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 def test_convert_docs_table_is_generated_from_the_benchmark_json():
-    spec = importlib.util.spec_from_file_location("report", os.path.join(ROOT, "bench", "report_convert.py"))
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    from bench import report_convert as report
     files = sorted(glob.glob(os.path.join(ROOT, "docs", "data", "convert_gpu_*.json")))
     assert len(files) == 1, files
     assert report.main([files[0], "--docs", os.path.join(ROOT, "docs", "convert.md"), "--check"]) == 0, (

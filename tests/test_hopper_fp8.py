@@ -204,14 +204,9 @@ def test_grouped_gemm_report_compares_by_equality():
 
 
 def _bench(name):
-    import importlib.util
-    import os
+    import importlib
 
-    path = os.path.join(os.path.dirname(__file__), os.pardir, "bench", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"bench.{name}")
 
 
 def test_docs_tables_are_generated_from_the_committed_json():

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import glob
-import importlib.util
 import os
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 def test_docs_tables_are_generated_from_the_benchmark_json():
-    spec = importlib.util.spec_from_file_location("report", os.path.join(ROOT, "bench", "report_moe_device.py"))
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    from bench import report_moe_device as report
     files = sorted(glob.glob(os.path.join(ROOT, "docs", "data", "moe_device_*.json")))
     assert files, "no benchmark JSON committed"
     assert report.main(files + ["--docs", os.path.join(ROOT, "docs", "moe-gpu.md"), "--check"]) == 0, (
