@@ -10,7 +10,11 @@ Times the whole ``run_moe(device="cuda")`` (routing metadata, both quantizations
 activation, finalize) after one warm-up, as interleaved rounds over the token counts; reports the median
 and min-max per row and the peak GPU memory. JSON to ``--out`` (default bench_out/moe_device.json).
 
-    python bench/bench_moe_device.py [--tokens 128 4096] [--rounds 5] [--experts 256]
+    python bench/bench_moe_device.py [--tokens 128 4096] [--rounds 7] [--experts 256]
+
+``--fast`` / ``--fast-only`` (without the reference) also time ``fastpath.moe`` (:func:`bench_fast_layer`:
+eager, capturable, masked and CUDA-graph cases, the GEMMs alone, ``torch.compile`` of the layer in torch ops,
+an older module with ``--before``), JSON keys ``layer`` and ``layer_meta``.
 """
 from __future__ import annotations
 

@@ -5,11 +5,13 @@ Stages (each an existing fast path or :mod:`fastpath.grouped_gemm`):
 
 1. input quantization (``quant.a1``: FP8 1x128 FP32 scales, :func:`fastpath.quant.quantize`) of the token
    rows, then the DeepGEMM contiguous layout (:func:`fastpath.dispatch.to_contiguous`: counting sort,
-   ``alignment``-row expert segments, ``m_indices`` with -1 padding, ``src`` slot per row); the rows
-   (codes and scales) are gathered by ``src``;
+   ``alignment``-row expert segments, ``m_indices`` with -1 padding, ``src`` slot per row); the token rows
+   (codes and scales) are scattered to their slots' rows, padding rows are left unwritten (DeepGEMM's
+   contract leaves their outputs unspecified; rows are independent in both GEMMs);
 2. GEMM1 ``h = a @ W13[e].T`` (``impl``: ``"triton"`` or ``"deep_gemm"``), stored bf16;
 3. activation in FP32 and, for FP8 layers, the 1x128 re-quantization in the same kernel
-   (:func:`fastpath.fused.silu_and_mul_quant_fp8`, :func:`fastpath.fused.swigluoai_quant_fp8`); float
+   (:func:`fastpath.fused.silu_and_mul_quant_fp8`, :func:`fastpath.fused.swigluoai_quant_fp8`, tiles of
+   padding rows skipped through ``skip_rows=src``); float
    layers keep the activation in bf16 (:func:`fastpath.fused.silu_and_mul` / ``swigluoai``);
 4. GEMM2 ``y = xq @ W2[e].T``, stored bf16;
 5. ``out[t] = sum_j w[t, j] y[slot t*k+j]`` (:func:`fastpath.dispatch.weight_and_reduce`, FP32 sum in
