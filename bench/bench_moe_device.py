@@ -10,7 +10,11 @@ Times the whole ``run_moe(device="cuda")`` (routing metadata, both quantizations
 activation, finalize) after one warm-up, as interleaved rounds over the token counts; reports the median
 and min-max per row and the peak GPU memory. JSON to ``--out`` (default bench_out/moe_device.json).
 
-    python bench/bench_moe_device.py [--tokens 128 4096] [--rounds 5] [--experts 256]
+    python bench/bench_moe_device.py [--tokens 128 4096] [--rounds 7] [--experts 256]
+
+``--fast`` / ``--fast-only`` (without the reference) also time ``fastpath.moe`` (:func:`bench_fast_layer`:
+eager, capturable, masked and CUDA-graph cases, the GEMMs alone, ``torch.compile`` of the layer in torch ops,
+an older module with ``--before``), JSON keys ``layer`` and ``layer_meta``.
 """
 from __future__ import annotations
 
@@ -62,10 +66,15 @@ def routing(m: int, experts: int, top_k: int, gen: torch.Generator):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--out", default="bench_out/moe_device.json")
-    ap.add_argument("--fast", action="store_true", help="also time fastpath.moe (Triton and DeepGEMM)")
+    ap.add_argument("--fast", action="store_true", help="also time fastpath.moe (Triton and DeepGEMM; bench_fast_layer)")
+    ap.add_argument("--fast-only", action="store_true", help="time fastpath.moe only (not the exact reference)")
+    ap.add_argument("--calls", type=int, default=3, help="back-to-back calls per case and round (fastpath.moe)")
+    ap.add_argument("--before", default=None,
+                    help="module of an older fastpath.moe (e.g. fastpath._moe_before) timed beside it (A/B)")
+    ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile baseline")
     ap.add_argument("--sweep", action="store_true", help="sweep the Triton FP8 grouped GEMM's tiles")
     ap.add_argument("--bf16", action="store_true", help="bf16 grouped GEMM: Triton against torch._grouped_mm")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of one run per token count")
@@ -98,9 +107,11 @@ def main(argv=None) -> int:
     times: dict[int, list[float]] = {m: [] for m in args.tokens}
     peak: dict[int, float] = {}
     engines: dict[int, list] = {}
-    for m, (x, tw, ids) in cases.items():  # warm-up (Triton compiles, cuBLAS handles)
+    if args.fast_only:
+        args.fast = True
+    for m, (x, tw, ids) in cases.items() if not args.fast_only else ():  # warm-up (Triton compiles, cuBLAS)
         run_moe(x, weights, tw, ids, device="cuda", **kw)
-    for _ in range(args.rounds):
+    for _ in range(args.rounds if not args.fast_only else 0):
         for m, (x, tw, ids) in cases.items():
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -113,11 +124,17 @@ def main(argv=None) -> int:
             engines[m] = run.engines
             del run
     compare_rows = bench_compare(weights, cases, kw, args.rounds, args.profile) if args.compare else []
-    fast_rows = bench_fast_layer(weights, cases, args.rounds) if args.fast else []
+    def partial(rows_so_far):
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out + ".partial", "w") as f:
+            json.dump(dict(layer=rows_so_far), f, indent=1)
+
+    fast_rows, fast_meta = bench_fast_layer(weights, cases, args.rounds, args.calls, args.before,
+                                            not args.no_compile, partial) if args.fast else ([], {})
     sweep_rows = bench_tiles(weights, cases[max(cases)], args.rounds) if args.sweep else []
     bf16_rows = bench_bf16(cases[max(cases)], args.experts, args.rounds) if args.bf16 else []
     rows = []
-    for m in args.tokens:
+    for m in args.tokens if not args.fast_only else ():
         t = times[m]
         flops = 2 * m * 8 * (2 * 2048 * 7168 + 7168 * 2048)
         rows.append(dict(tokens=m, median_s=statistics.median(t), min_s=min(t), max_s=max(t),
@@ -130,8 +147,8 @@ def main(argv=None) -> int:
                 weights_gib=(weights.w13.codes.numel() + weights.w2.codes.numel()) / 2**30)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows, compare=compare_rows, fast=fast_rows, sweep=sweep_rows, bf16=bf16_rows,
-                   variants=variant_rows), f, indent=1)
+        json.dump(dict(meta={} if args.fast_only else meta, rows=rows, compare=compare_rows, layer=fast_rows,
+                       layer_meta=fast_meta, sweep=sweep_rows, bf16=bf16_rows, variants=variant_rows), f, indent=1)
     print(f"{meta['gpu']}  {meta['date']}  torch {meta['torch']}  triton {meta['triton']}  "
           f"weights {meta['weights_gib']:.1f} GiB of FP8 codes")
     print(f"{'tokens':>7} {'median s':>9} {'min-max s':>15} {'spread':>7} {'TFLOP':>6} {'f64 TFLOPS':>10} {'peak GiB':>9}")
@@ -147,9 +164,14 @@ def main(argv=None) -> int:
     for r in compare_rows:
         print("  compare " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
     if fast_rows:
-        print(f"\nfastpath.moe (same layer), median of {args.rounds} interleaved rounds, ms:")
+        print(f"\nfastpath.moe (same layer), {fast_meta['gpu']} {fast_meta['date']}, median of {args.rounds} interleaved "
+              f"rounds x {args.calls} calls, ms (of roofline):")
         for r in fast_rows:
-            print("  " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+            print(f"  {r['tokens']} tokens, roofline {r['roofline_ms']:.3f} ms; notes {r['notes']}")
+            for n, c in r["cases"].items():
+                rat = "  ".join(f"{b}/{n}={v:.2f}" for b, v in r["ratios"].get(n, {}).items())
+                print(f"    {n:28s} {c['median_ms']:8.3f} ({c['min_ms']:.3f}-{c['max_ms']:.3f}){' !' if c['flagged'] else ''}"
+                      f"  {c['of_roofline']:.0%}  {rat}")
     return 0
 
 
@@ -343,62 +365,194 @@ def bench_compare(weights, cases, kw, rounds: int, profile: bool = False) -> lis
     return out
 
 
-def bench_fast_layer(weights, cases, rounds: int) -> list[dict]:
-    """fastpath.moe.fused_moe through the Triton kernel and DeepGEMM, and DeepGEMM's two GEMMs alone, on the
-    layer and tokens of the reference benchmark; CUDA-event times, interleaved rounds, medians."""
+DECODE_MAX = 256
+"""Token counts up to this are decode rows: also timed on the masked layout and as CUDA-graph replays."""
+
+
+def _capture(fn, pool):
+    """A CUDA graph of ``fn()`` (after two warm-up calls on a side stream) and the output it writes."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = fn()
+    return g, out
+
+
+def _fake_quant_1x128(t: torch.Tensor) -> torch.Tensor:
+    """bf16 values of the FP8 E4M3 1x128 quantization of ``t`` (FP32 scale amax/448 per 128 values)."""
+    shape = t.shape
+    g = t.float().reshape(-1, shape[-1] // 128, 128)
+    scale = g.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 448.0
+    q = (g / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(torch.bfloat16).reshape(shape)
+
+
+def torch_moe_layer(x, topk_weights, topk_ids, w13t, w2t):
+    """The DeepSeek-V3 layer in torch ops, for ``torch.compile``: the slots sorted by expert (stable
+    ``argsort``, group ends by ``searchsorted``), FP8 1x128 activations (quantized and dequantized to bf16),
+    ``torch._grouped_mm`` on bf16 weights dequantized from the FP8 128x128 blocks once at load (torch has no
+    block-scaled grouped GEMM), SiLU-and-mul in FP32, the weighted sum in FP32. No -1 slots (the benchmark's
+    routing has none)."""
+    m, k = topk_ids.shape
+    e = w13t.shape[0]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    ends = torch.searchsorted(flat[order], torch.arange(e, device=x.device, dtype=flat.dtype), right=True)
+    offs = ends.to(torch.int32)
+    a = _fake_quant_1x128(x).index_select(0, order // k)
+    h = torch._grouped_mm(a, w13t, offs=offs)
+    gate, up = h.float().chunk(2, dim=-1)
+    xq = _fake_quant_1x128(torch.nn.functional.silu(gate) * up)
+    y = torch._grouped_mm(xq, w2t, offs=offs)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=x.device)
+    ys = y.index_select(0, inv).float().reshape(m, k, -1)
+    return (ys * topk_weights[..., None]).sum(dim=1).to(torch.bfloat16)
+
+
+def _dequant_bf16(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """bf16 ``[E, N, K]`` from FP8 codes and 128x128 block scales, one expert at a time."""
+    e, n, k = codes.shape
+    out = torch.empty((e, n, k), dtype=torch.bfloat16, device=codes.device)
+    for i in range(e):
+        s = scales[i].float().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+        out[i] = (codes[i].view(torch.float8_e4m3fn).float() * s).to(torch.bfloat16)
+    return out
+
+
+def bench_fast_layer(weights, cases, rounds: int, calls: int = 3, before: str | None = None,
+                     compiled: bool = True, partial=None) -> tuple[list[dict], dict]:
+    """fastpath.moe.fused_moe (Triton and DeepGEMM GEMMs) on the layer and tokens of the reference benchmark,
+    through :func:`bench.interleaved.time_interleaved` (CUDA events, ``calls`` back-to-back calls per case and
+    round, the order rotating each round). Cases per token count:
+
+    * ``layer_{impl}``: the default call (ids checked on the host, tight contiguous layout: two host syncs);
+    * ``layer_{impl}_capturable``: ``capturable=True`` (no host sync; worst-case contiguous buffer), eager;
+    * decode (``<= DECODE_MAX`` tokens): ``layer_{impl}_masked`` (masked layout, capturable, eager) and
+      ``graph_{impl}_{layout}``: the capturable call captured in a CUDA graph and replayed (the host's launch
+      cost removed; this machine's host adds 50-400 us per launch);
+    * ``gemms_{impl}``: the two grouped GEMMs alone on the tight contiguous layout (the baseline of the
+      prefill criterion; per-round ratios ``gemms / layer``);
+    * ``before_{impl}``: the layer of module ``before`` (an older ``fastpath.moe``), for an A/B in one run;
+    * ``torch_compile``: :func:`torch_moe_layer` under ``torch.compile`` (bf16 weights, twice the bytes).
+
+    The HBM roofline: the touched experts' weight codes read once at the measured copy bandwidth (bytes
+    read + written per second of a 2 GiB device copy). Returns (rows, meta)."""
+    import importlib
+
+    from bench.interleaved import CudaEventClock, machine_meta, time_interleaved
+    from fastpath import dispatch
     from fastpath.grouped_gemm import grouped_gemm_contiguous, grouped_gemm_supports
     from fastpath.moe import FastMoEWeights, fused_moe
-    from fastpath import dispatch
 
     fw = FastMoEWeights(weights.w13.codes.view(torch.float8_e4m3fn), weights.w2.codes.view(torch.float8_e4m3fn),
                         "gate_up", weights.w13.scales.float(), weights.w2.scales.float())
+    experts = int(fw.w13.shape[0])
     impls = [i for i in ("triton", "deep_gemm") if grouped_gemm_supports(i)[0]]
+    old = importlib.import_module(before).fused_moe if before else None
     bw = _copy_bandwidth()
-    times: dict = {}
-    inputs = {}
+    torch_fn, w13t, w2t, notes = None, None, None, {}
+    if compiled:
+        try:
+            w13t = _dequant_bf16(fw.w13, fw.w13_scales).transpose(1, 2)
+            w2t = _dequant_bf16(fw.w2, fw.w2_scales).transpose(1, 2)
+            torch_fn = torch.compile(torch_moe_layer, dynamic=False)
+        except Exception as e:  # reported in the JSON, not hidden
+            notes["torch_compile"] = f"{type(e).__name__}: {str(e)[:300]}"
+            torch_fn = None
+    pool = torch.cuda.graph_pool_handle()
+    rows = []
     for m, (x, tw, ids) in cases.items():
-        ids_t = torch.as_tensor(ids, device="cuda")
-        lay = dispatch.to_contiguous(None, ids_t, 256, 128)
-        ms = int(lay.m_indices.numel())
-        a = torch.randn((ms, 7168), device="cuda").to(torch.float8_e4m3fn)
-        sa = torch.rand((ms, 56), device="cuda") + 0.5
-        xm = torch.randn((ms, 2048), device="cuda").to(torch.float8_e4m3fn)
-        sx = torch.rand((ms, 16), device="cuda") + 0.5
-        inputs[m] = (x, tw, ids_t, lay, a, sa, xm, sx)
-        touched = len(np.unique(ids))
-        inputs[m] += (touched * (4096 * 7168 + 7168 * 2048),)
+        try:
+            rows.append(_layer_row(m, x, tw, ids, fw, impls, old, torch_fn, w13t, w2t, pool, bw, rounds, calls))
+        except Exception as e:  # one token count failing (memory, a capture) is recorded; the others still run
+            import traceback
 
-    def timed(fn):
-        fn()
-        torch.cuda.synchronize()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        ev[0].record()
-        fn()
-        ev[1].record()
-        torch.cuda.synchronize()
-        return ev[0].elapsed_time(ev[1])
+            traceback.print_exc()
+            rows.append(dict(tokens=m, error=f"{type(e).__name__}: {str(e)[:500]}"))
+        torch.cuda.empty_cache()
+        if partial is not None:
+            partial(rows)
+    meta = dict(machine_meta(), rounds=rounds, calls_per_round=calls, experts=int(fw.w13.shape[0]), before=before,
+                notes=notes, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+    return rows, meta
 
-    for _ in range(rounds):
-        for m, (x, tw, ids_t, lay, a, sa, xm, sx, wbytes) in inputs.items():
-            for impl in impls:
-                times.setdefault((m, f"layer_{impl}"), []).append(
-                    timed(lambda: fused_moe(x, fw, tw, ids_t, impl=impl)))
-                times.setdefault((m, f"gemms_{impl}"), []).append(timed(lambda: (
-                    grouped_gemm_contiguous(a, fw.w13, lay.m_indices, impl=impl, a_scales=sa, b_scales=fw.w13_scales),
-                    grouped_gemm_contiguous(xm, fw.w2, lay.m_indices, impl=impl, a_scales=sx, b_scales=fw.w2_scales))))
-    out = []
-    for m, (x, tw, ids_t, lay, a, sa, xm, sx, wbytes) in inputs.items():
-        # the HBM roofline of the issue: the touched experts' weight bytes read once, at the copy bandwidth
-        # (bytes read + written per second)
-        row = dict(tokens=m, rows=int(lay.m_indices.numel()), copy_tb_s=bw / 1e12, roofline_ms=wbytes / bw * 1e3)
+
+def _layer_row(m, x, tw, ids, fw, impls, old, torch_fn, w13t, w2t, pool, bw, rounds, calls) -> dict:
+    from bench.interleaved import CudaEventClock, time_interleaved
+    from fastpath import dispatch
+    from fastpath.grouped_gemm import grouped_gemm_contiguous
+    from fastpath.moe import fused_moe
+
+    experts = int(fw.w13.shape[0])
+    ids_t = torch.as_tensor(ids, device="cuda")
+    lay = dispatch.to_contiguous(None, ids_t, experts, 128)
+    ms = int(lay.m_indices.numel())
+    a = torch.randn((ms, 7168), device="cuda").to(torch.float8_e4m3fn)
+    sa = torch.rand((ms, 56), device="cuda") + 0.5
+    xm = torch.randn((ms, 2048), device="cuda").to(torch.float8_e4m3fn)
+    sx = torch.rand((ms, 16), device="cuda") + 0.5
+    touched = len(np.unique(ids))
+    wbytes = touched * (4096 * 7168 + 7168 * 2048)
+    fns: dict = {}
+    row_notes: dict = {}
+    for impl in impls:
+        fns[f"layer_{impl}"] = lambda impl=impl: fused_moe(x, fw, tw, ids_t, impl=impl)
+        fns[f"layer_{impl}_capturable"] = lambda impl=impl: fused_moe(x, fw, tw, ids_t, impl=impl, capturable=True)
+        if m <= DECODE_MAX:
+            fns[f"layer_{impl}_masked"] = lambda impl=impl: fused_moe(x, fw, tw, ids_t, impl=impl, layout="masked",
+                                                                      capturable=True)
+        fns[f"gemms_{impl}"] = lambda impl=impl: (
+            grouped_gemm_contiguous(a, fw.w13, lay.m_indices, impl=impl, a_scales=sa, b_scales=fw.w13_scales),
+            grouped_gemm_contiguous(xm, fw.w2, lay.m_indices, impl=impl, a_scales=sx, b_scales=fw.w2_scales))
+        if old is not None:
+            fns[f"before_{impl}"] = lambda impl=impl: old(x, fw, tw, ids_t, impl=impl)
+    want = fused_moe(x, fw, tw, ids_t, impl=impls[-1])
+    if m <= DECODE_MAX:
         for impl in impls:
-            lt = statistics.median(times[(m, f"layer_{impl}")])
-            gt = statistics.median(times[(m, f"gemms_{impl}")])
-            flops = 2 * int(lay.m_indices.numel()) * (4096 * 7168 + 7168 * 2048)
-            row.update({f"layer_{impl}_ms": lt, f"gemms_{impl}_ms": gt, f"gemms_{impl}_tflops": flops / gt / 1e9,
-                        f"layer_{impl}_of_roofline": row["roofline_ms"] / lt, f"gemms_over_layer_{impl}": gt / lt})
-        out.append(row)
-    return out
+            for layout in ("contiguous", "masked"):
+                fn = (lambda impl=impl, layout=layout:
+                      fused_moe(x, fw, tw, ids_t, impl=impl, layout=layout, capturable=True))
+                try:
+                    g, out = _capture(fn, pool)
+                    g.replay()
+                    torch.cuda.synchronize()
+                    ref = fused_moe(x, fw, tw, ids_t, impl=impl, layout=layout)
+                    row_notes[f"graph_{impl}_{layout}_equals_eager"] = bool(torch.equal(out, ref))
+                    fns[f"graph_{impl}_{layout}"] = g.replay
+                except Exception as e:
+                    row_notes[f"graph_{impl}_{layout}"] = f"{type(e).__name__}: {str(e)[:300]}"
+    for impl in impls:  # the layouts and the capturable path give the same bits as the default call
+        ref = fused_moe(x, fw, tw, ids_t, impl=impl)
+        row_notes[f"{impl}_capturable_equals_default"] = bool(torch.equal(
+            fused_moe(x, fw, tw, ids_t, impl=impl, capturable=True), ref))
+        if old is not None:
+            row_notes[f"{impl}_equals_before"] = bool(torch.equal(old(x, fw, tw, ids_t, impl=impl), ref))
+    if torch_fn is not None:
+        try:
+            got = torch_fn(x, tw, ids_t, w13t, w2t)
+            row_notes["torch_compile_rel_err"] = float((got.float() - want.float()).norm() / want.float().norm())
+            fns["torch_compile"] = lambda: torch_fn(x, tw, ids_t, w13t, w2t)
+        except Exception as e:
+            row_notes["torch_compile"] = f"{type(e).__name__}: {str(e)[:300]}"
+    baselines = [f"gemms_{i}" for i in impls]
+    res = time_interleaved(fns, baselines=baselines, rounds=rounds, calls_per_round=calls,
+                           clock=CudaEventClock())
+    row = dict(tokens=m, touched_experts=touched, rows_tight=ms, copy_tb_s=bw / 1e12,
+               roofline_ms=wbytes / bw * 1e3, notes=row_notes, cases={}, ratios={})
+    for name, c in res.cases.items():
+        row["cases"][name] = dict(median_ms=c.median_s * 1e3, min_ms=c.min_s * 1e3, max_ms=c.max_s * 1e3,
+                                  spread=c.spread, flagged=c.flagged,
+                                  of_roofline=wbytes / bw / c.median_s)
+    for name, per in res.ratios.items():
+        row["ratios"][name] = {b: r.median for b, r in per.items()}
+    print(f"  {m} tokens: " + "  ".join(f"{n}={c['median_ms']:.3f}" for n, c in row["cases"].items()), flush=True)
+    return row
 
 
 if __name__ == "__main__":

@@ -33,7 +33,9 @@ def tables(data: dict) -> str:
                 "| tokens | path | time, s |", "|---|---|---|"]
         for r in data["variants"]:
             out.append(f"| {r['tokens']} | {r['variant']} | {r['median_s']:.3f} |")
-    if data.get("fast"):
+    if data.get("layer"):
+        out += layer_tables(data["layer"], data.get("layer_meta") or {})
+    elif data.get("fast"):
         out += ["", "**`fastpath.moe`** (whole layer, contiguous layout) and its two grouped GEMMs alone; the HBM "
                 "roofline reads the touched experts' weights once at the measured copy bandwidth:", "",
                 "| tokens | layout rows | implementation | layer, ms | GEMMs, ms | GEMM TFLOPS | roofline / layer | "
@@ -70,6 +72,58 @@ def tables(data: dict) -> str:
                        f"{r['max_ms']:.3f}){flag} | {r['tflops']:.0f} | {r['of_bf16']:.2f} |")
     return "\n".join(out)
 
+
+CASE_TEXT = {
+    "layer": "default call (ids checked, tight layout: 2 host syncs), eager",
+    "layer_capturable": "`capturable=True` (no host sync), eager",
+    "layer_masked": "masked layout, `capturable=True`, eager",
+    "graph_contiguous": "CUDA-graph replay, contiguous",
+    "graph_masked": "CUDA-graph replay, masked",
+    "gemms": "its two grouped GEMMs alone (tight layout)",
+    "before": "before this change (`fastpath.moe` of the A/B), eager",
+}
+
+
+def _case_label(name: str) -> tuple[str, str]:
+    """(implementation, what) of a case name such as ``graph_deep_gemm_masked``."""
+    if name == "torch_compile":
+        return "torch", "`torch.compile` of the layer in torch ops (bf16 weights)"
+    for impl in ("deep_gemm", "triton"):
+        if impl in name:
+            key = name.replace(f"_{impl}", "")
+            return impl, CASE_TEXT.get(key, key)
+    return "", name
+
+
+def layer_tables(rows: list, meta: dict) -> list:
+    out = ["", f"**`fastpath.moe`, the whole layer**, measured on an {meta.get('gpu')}, {meta.get('date')}, driver "
+           f"{meta.get('driver')}, CUDA {meta.get('cuda')}, torch {meta.get('torch')}, triton {meta.get('triton')}: median "
+           f"(min-max) of {meta.get('rounds')} interleaved rounds (`bench.interleaved`) of {meta.get('calls_per_round')} "
+           "back-to-back calls timed with CUDA events, ⚠ where the spread exceeds 10%. Roofline: the touched experts' "
+           "FP8 weight codes read once at the measured copy bandwidth; x roofline = roofline / time. GEMMs / layer: "
+           "the median of the per-round ratios of the two grouped GEMMs alone (same implementation) to the case.", "",
+           "| tokens | roofline, ms | implementation | case | ms | x roofline | GEMMs / layer |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['tokens']} | | | failed: {r['error'][:120]} | | | |")
+            continue
+        for name in sorted(r["cases"], key=lambda n: (_case_label(n)[0], n)):
+            c = r["cases"][name]
+            impl, what = _case_label(name)
+            ratio = r["ratios"].get(name, {}).get(f"gemms_{impl}")
+            flag = " ⚠" if c["flagged"] else ""
+            out.append(f"| {r['tokens']} | {r['roofline_ms']:.2f} | {impl} | {what} | {c['median_ms']:.3f} "
+                       f"({c['min_ms']:.3f}-{c['max_ms']:.3f}){flag} | {c['of_roofline']:.0%} | "
+                       f"{'' if ratio is None or name.startswith('gemms') else f'{ratio:.2f}'} |")
+    notes = {r["tokens"]: r.get("notes", {}) for r in rows if r.get("notes")}
+    if notes:
+        out += ["", "Checks made in the same run (bit equality with `torch.equal`; the torch.compile layer's relative "
+                "L2 difference from the fast path):", ""]
+        for m, n in notes.items():
+            out.append(f"- {m} tokens: " + ", ".join(f"{k} = {v:.2e}" if isinstance(v, float) else f"{k} = {v}"
+                                                     for k, v in n.items()))
+    return out
 
 
 def main(argv=None) -> int:

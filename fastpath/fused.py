@@ -147,7 +147,7 @@ def swigluoai(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0, *, amax
 
 def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme | None,
            scale_layout: str, hw_fp8: bool | None, block_m=None, groups_per_program=None,
-           num_warps=None, tuning: Q.QuantTuning | None = None) -> Q.FastQuantized:
+           num_warps=None, tuning: Q.QuantTuning | None = None, skip_rows=None) -> Q.FastQuantized:
     scheme = fp8_group(128) if scheme is None else scheme
     if tuning is not None and not isinstance(tuning, Q.QuantTuning):
         raise TypeError(f"tuning must be a fastpath.quant.QuantTuning or None; got {type(tuning).__name__}")
@@ -179,14 +179,25 @@ def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme
     gb, gpp, bm = QT._tile(gs, block_m, groups_per_program, scale_layout, ng, role="fused")
     dummy = _alloc(1, dtype=torch.float32, device=dev)
     grid = (cdiv(m_pad, bm), cdiv(ng_pad, gpp), B)
+    if skip_rows is not None:
+        if scale_layout != "row_major":
+            raise ValueError(f"skip_rows needs row-major scales (a skipped tile writes no scale); got {scale_layout!r}")
+        if not torch.is_tensor(skip_rows) or skip_rows.dtype not in (torch.int32, torch.int64):
+            raise TypeError("skip_rows must be an int32/int64 tensor (one label per row of x, < 0: skipped)")
+        if tuple(skip_rows.shape) != tuple(x3.shape[:2]) and skip_rows.numel() != B * M:
+            raise ValueError(f"skip_rows must have one label per row of x ({B * M}); got shape {tuple(skip_rows.shape)}")
+        if skip_rows.device != dev:
+            raise ValueError(f"skip_rows is on {skip_rows.device} but x is on {dev}")
+        skip_rows = skip_rows.reshape(-1).contiguous()
     xk, pair, in16 = QL._pair_view(x3, act == "swigluoai")
     if pair == 2:
         pair = 0  # the generic swigluoai path loads gate/up with stride 2 on plain tiles
     launch(_quant_kernel, grid,
         xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
-        scales, scales.stride(0), ssm, ssg, dummy, dummy, dummy, M, N, ng, m_pad, ng_pad, 1,
+        scales, scales.stride(0), ssm, ssg, dummy, dummy, dummy, dummy if skip_rows is None else skip_rows,
+        M, N, ng, m_pad, ng_pad, 1,
         GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=SF_LAYOUT[scale_layout], AMAX_SRC=0,
-        STATIC=False, TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=True, ACT=_ACT[act],
+        STATIC=False, TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=True, ROW_SKIP=skip_rows is not None, ACT=_ACT[act],
         ACT_ALPHA=float(alpha), ACT_LIMIT=float(limit), PAIR=pair, IN16=in16,
         **QL._launch_knobs(ce, gb, gpp, bm, num_warps, tuning or QT.DEFAULT_TUNING))
     if scale_layout == "row_major":
@@ -207,7 +218,10 @@ def silu_and_mul_quant_fp8(x: torch.Tensor, scheme: Scheme | None = None, *,
             preset; ``fp8_group(128, "ue8m0", "deepgemm")`` for DeepGEMM's recipe).
         scale_layout: see :data:`fastpath.quant.SCALE_LAYOUTS`.
         tile: ``block_m``, ``groups_per_program``, ``num_warps`` (tile overrides) and ``tuning``
-            (:class:`fastpath.quant.QuantTuning`), as :func:`fastpath.quant.quantize` takes them.
+            (:class:`fastpath.quant.QuantTuning`), as :func:`fastpath.quant.quantize` takes them;
+            ``skip_rows``: int tensor, one label per row of ``x``: a tile of rows whose labels are all < 0
+            (a MoE layout's padding rows, ``src`` of :func:`fastpath.dispatch.to_contiguous`) is not
+            computed, its codes and scales are left unspecified (row-major scales only).
     """
     return _fused(x, "silu_and_mul", 0.0, 0.0, scheme, scale_layout, hw_fp8, **tile)
 

@@ -5,11 +5,13 @@ Stages (each an existing fast path or :mod:`fastpath.grouped_gemm`):
 
 1. input quantization (``quant.a1``: FP8 1x128 FP32 scales, :func:`fastpath.quant.quantize`) of the token
    rows, then the DeepGEMM contiguous layout (:func:`fastpath.dispatch.to_contiguous`: counting sort,
-   ``alignment``-row expert segments, ``m_indices`` with -1 padding, ``src`` slot per row); the rows
-   (codes and scales) are gathered by ``src``;
+   ``alignment``-row expert segments, ``m_indices`` with -1 padding, ``src`` slot per row); the token rows
+   (codes and scales) are scattered to their slots' rows, padding rows are left unwritten (DeepGEMM's
+   contract leaves their outputs unspecified; rows are independent in both GEMMs);
 2. GEMM1 ``h = a @ W13[e].T`` (``impl``: ``"triton"`` or ``"deep_gemm"``), stored bf16;
 3. activation in FP32 and, for FP8 layers, the 1x128 re-quantization in the same kernel
-   (:func:`fastpath.fused.silu_and_mul_quant_fp8`, :func:`fastpath.fused.swigluoai_quant_fp8`); float
+   (:func:`fastpath.fused.silu_and_mul_quant_fp8`, :func:`fastpath.fused.swigluoai_quant_fp8`, tiles of
+   padding rows skipped through ``skip_rows=src``); float
    layers keep the activation in bf16 (:func:`fastpath.fused.silu_and_mul` / ``swigluoai``);
 4. GEMM2 ``y = xq @ W2[e].T``, stored bf16;
 5. ``out[t] = sum_j w[t, j] y[slot t*k+j]`` (:func:`fastpath.dispatch.weight_and_reduce`, FP32 sum in
@@ -157,10 +159,20 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
               layout: str = "contiguous", alignment: int = 128, max_m: int | None = None, out_dtype=torch.bfloat16,
               expert_map=None, num_experts: int | None = None, chunk_size: int | None = None,
               shared_experts: FastMoEWeights | None = None,
-              apply_router_weight_on_input: bool = False) -> torch.Tensor:
+              apply_router_weight_on_input: bool = False, capturable: bool = False) -> torch.Tensor:
     """The MoE layer on the GPU (module docstring). ``hidden`` ``[M, K]`` (bf16 for the FP8 layer; the weights'
     dtype for float layers), ``topk_weights`` float ``[M, k]``, ``topk_ids`` int ``[M, k]`` (-1 padding; global
-    ids with ``expert_map``). Returns ``out_dtype [M, K]``."""
+    ids with ``expert_map``). Returns ``out_dtype [M, K]``.
+
+    ``capturable=False`` (default): ``topk_ids`` (and a device ``expert_map``) are checked once on the host
+    as the reference checks them (one sync; ``ValueError``), and the layout buffers are sized from the
+    expert counts (one sync per chunk: contiguous ``m_sum="tight"``, masked ``max_m`` = the largest count
+    unless given). ``capturable=True``: no host synchronisation at all, so the call can be captured in a
+    CUDA graph (vLLM's and SGLang's decode): the ids are not checked (invalid ids are undefined behaviour,
+    as in vLLM's kernels), the contiguous buffer has vLLM's worst-case size ``round_up(M*k + E*(alignment-1),
+    alignment)`` rows (the extra tiles are padding, skipped by both GEMMs), the masked layout a capacity of
+    ``max_m`` (default: the chunk's tokens) with ``expected_m = ceil(M*k / E)``; an ``expert_map`` is
+    refused (the dispatch uploads it per call). The result is the same bits either way."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} has no GPU layer; supported: {ACTIVATIONS}")
     if layout not in LAYOUTS:
@@ -180,12 +192,22 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
     if impl == "deep_gemm" and (weights.b13 is not None or weights.b2 is not None):
         raise ValueError("biases have no DeepGEMM epilogue: use impl='triton'")
     num_experts = weights.num_experts if num_experts is None else int(num_experts)
+    if capturable and expert_map is not None:
+        raise ValueError("capturable=True takes no expert_map yet (the dispatch uploads or counts the map on the "
+                         "host per call): use capturable=False")
+    if not capturable:  # the reference's checks, once for all chunks (the dispatch below does not repeat them)
+        from moeref._interop import to_numpy
+        from moeref.routing.ids import check_topk_ids
+
+        check_topk_ids(to_numpy(topk_ids), num_experts)
+        if torch.is_tensor(expert_map):
+            expert_map = to_numpy(expert_map)  # a host map: the dispatch validates it, with no device count
     m = int(hidden.shape[0])
     chunk = m if chunk_size is None else int(chunk_size)
     if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
     kw = dict(impl=impl, activation=activation, act_kw={k: v for k, v in params.items() if k in ("alpha", "limit")},
-              layout=layout, alignment=alignment, max_m=max_m)
+              layout=layout, alignment=alignment, max_m=max_m, capturable=capturable)
     ids_all = topk_ids.to(hidden.device)
     tw_all = topk_weights.to(hidden.device)
     parts = []
@@ -202,9 +224,18 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
 
 
 def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, expert_map, *, impl, activation, act_kw,
-            layout, alignment, max_m) -> torch.Tensor:
-    """One chunk of the routed experts: float32 ``[m, K]`` (the weighted sum before the output store)."""
+            layout, alignment, max_m, capturable) -> torch.Tensor:
+    """One chunk of the routed experts: float32 ``[m, K]`` (the weighted sum before the output store).
+
+    Only the routed rows of the layout are written and read outside the GEMMs: the token rows (FP8 codes and
+    scales, or float rows) are scattered to their slots' rows (:func:`fastpath.dispatch._scatter_rows`, each
+    token read once, padding rows never written, as DeepGEMM leaves them unspecified), and the reduce reads
+    each slot's row through the slot -> row map built once from ``src`` (the kernel of
+    :func:`fastpath.dispatch.weight_and_reduce`, whose host check that each slot appears once is skipped:
+    the layout holds each slot once by construction)."""
     from fastpath import dispatch
+    from fastpath._dispatch_kernels import _invert_kernel
+    from fastpath._host import alloc, cdiv, launch
     from fastpath.fused import silu_and_mul_quant_fp8, swigluoai_quant_fp8
     from fastpath.grouped_gemm import grouped_gemm_masked
     from fastpath.quant import quantize
@@ -213,16 +244,32 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
     m, k = (int(d) for d in x.shape)
     top_k = int(topk_ids.shape[1])
     if layout == "contiguous":
-        lay = dispatch.to_contiguous(None, topk_ids, num_experts, alignment, expert_map)
+        lay = dispatch.to_contiguous(None, topk_ids, num_experts, alignment, expert_map,
+                                     m_sum="worst_case" if capturable else None, validate=False)
         src = lay.src
     else:
-        lay = dispatch.to_masked(None, topk_ids, num_experts, max_m, expert_map)
+        if capturable:
+            cap = max(m, 1) if max_m is None else int(max_m)
+            lay = dispatch.to_masked(None, topk_ids, num_experts, cap, expert_map,
+                                     expected_m=max(1, -(-m * top_k // num_experts)), validate=False)
+        else:
+            lay = dispatch.to_masked(None, topk_ids, num_experts, max_m, expert_map, validate=False)
         cap = int(lay.src.shape[1])
         pad = -(-cap // 128) * 128 - cap  # rows of each expert padded to the tile
         src = torch.nn.functional.pad(lay.src, (0, pad), value=-1)
     if src.numel() == 0:  # no slot of this chunk is routed to a local expert (a host-known shape: no sync)
         return torch.zeros((m, k), dtype=torch.float32, device=x.device)
-    rows = torch.where(src >= 0, torch.div(src, top_k, rounding_mode="floor"), torch.zeros_like(src)).reshape(-1)
+    src_flat = src.reshape(-1)
+    n_rows = int(src_flat.numel())
+    dst = torch.full((m * top_k,), -1, dtype=torch.int32, device=x.device)  # slot -> row (-1: not local)
+    launch(_invert_kernel, (cdiv(n_rows, 1024),), src_flat, dst, n_rows, BLOCK=1024)
+
+    def to_rows(t):  # token rows [m, c] -> layout rows [n_rows, c] (bit copies; padding rows unwritten)
+        out = alloc((n_rows, int(t.shape[1])), dtype=t.dtype, device=t.device)
+        if m:
+            dispatch._scatter_rows(t, dst, out, top_k)
+        return out
+
     scheme = fp8_group()
     if weights.w4:  # W4A16 (float32 hidden states: the CI path, IEEE FP32 dot and float32 stores)
         store = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
@@ -230,10 +277,10 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         store = torch.bfloat16 if weights.fp8 else weights.w13.dtype
     if weights.fp8_activations:
         qa = quantize(x, scheme)
-        a = qa.codes.reshape(m, k).view(torch.float8_e4m3fn).index_select(0, rows)
-        sa = qa.scales.reshape(m, -1).index_select(0, rows)
+        a = to_rows(qa.codes.reshape(m, k)).view(torch.float8_e4m3fn)
+        sa = to_rows(qa.scales.reshape(m, -1))
     else:
-        a, sa = x.to(store).index_select(0, rows), None
+        a, sa = to_rows(x.to(store).contiguous()), None
 
     def gemm(a, b, sa, sb, bias):
         if isinstance(b, W4Experts):
@@ -256,8 +303,8 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
 
     h = gemm(a, weights.w13, sa, weights.w13_scales, weights.b13)
     if weights.fp8_activations:
-        fq = silu_and_mul_quant_fp8(h, scheme) if activation == "silu_and_mul" else \
-            swigluoai_quant_fp8(h, scheme=scheme, **act_kw)
+        fq = silu_and_mul_quant_fp8(h, scheme, skip_rows=src_flat) if activation == "silu_and_mul" else \
+            swigluoai_quant_fp8(h, scheme=scheme, skip_rows=src_flat, **act_kw)
         n = int(h.shape[1]) // 2
         xq = fq.codes.reshape(-1, n).view(torch.float8_e4m3fn)
         sx = fq.scales.reshape(xq.shape[0], -1)
@@ -267,7 +314,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         xq = (silu_and_mul(h) if activation == "silu_and_mul" else swigluoai(h, **act_kw)).to(store)
         sx = None
     y = gemm(xq, weights.w2, sx, weights.w2_scales, weights.b2)
-    return dispatch.weight_and_reduce(y, src.reshape(-1), topk_weights, m, out_dtype=torch.float32)
+    return dispatch._reduce(y.reshape(n_rows, -1), dst, topk_weights, nvalid=n_rows, out_dtype=torch.float32)
 
 
 def profile_of(impl: str, weights: FastMoEWeights) -> str:

@@ -345,9 +345,9 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         xk, pair, in16 = L._pair_view(x3, packed)
         launch(_quant_kernel, grid,
             xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
-            dummy, 0, 0, 0, amax, static_t, dummy, M, K, ng, M, ng, M,
+            dummy, 0, 0, 0, amax, static_t, dummy, dummy, M, K, ng, M, ng, M,
             GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=0, AMAX_SRC=1, STATIC=static is not None,
-            TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=False, ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0,
+            TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=False, ROW_SKIP=False, ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0,
             PAIR=pair, IN16=in16,
             **L._launch_knobs(ce, gb, gpp, bm, num_warps, tuning))
         out_codes = codes.reshape(shape[:-1] + (cshape[-1],))
@@ -381,9 +381,9 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
         xk, pair, in16 = L._pair_view(x3, packed)
         launch(_quant_kernel, grid,
             xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
-            scales, ssb, ssm, ssg, dummy, static_t, nv, M, K, ng, m_pad, ng_pad, 1,
+            scales, ssb, ssm, ssg, dummy, static_t, nv, dummy, M, K, ng, m_pad, ng_pad, 1,
             GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=SF_LAYOUT[scale_layout], AMAX_SRC=0,
-            STATIC=static is not None, TWO_LEVEL=two_level, NV_ORDER=order, WRITE_SCALES=True,
+            STATIC=static is not None, TWO_LEVEL=two_level, NV_ORDER=order, WRITE_SCALES=True, ROW_SKIP=False,
             ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0, PAIR=pair, IN16=in16,
             **L._launch_knobs(ce, gb, gpp, bm, num_warps, tuning))
     if zero_tensor:  # a static amax that is 0 in float32: the reference's data factor is 0

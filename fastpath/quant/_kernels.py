@@ -31,7 +31,7 @@ def _quant_kernel(
     x_ptr, stride_xb, stride_xm, stride_xk,
     c_ptr, stride_cb, stride_cm,
     s_ptr, stride_sb, stride_sm, stride_sg,
-    amax_ptr, static_ptr, nv_ptr,
+    amax_ptr, static_ptr, nv_ptr, skip_ptr,
     M, K, NG, M_PAD, NG_PAD, ROWS_PER_SCALE,
     GS: tl.constexpr, GB: tl.constexpr, GPP: tl.constexpr, BLOCK_M: tl.constexpr,
     ELEM: tl.constexpr, ELEM_MAX: tl.constexpr, INV_M: tl.constexpr, EMAX: tl.constexpr,
@@ -41,7 +41,7 @@ def _quant_kernel(
     NONFINITE: tl.constexpr, APPLY: tl.constexpr, SATURATE: tl.constexpr, ROUND: tl.constexpr,
     DROP_NEG_ZERO: tl.constexpr, NAN_CODE: tl.constexpr, FILL_CODE: tl.constexpr,
     HW_FP8: tl.constexpr, SF_LAYOUT: tl.constexpr, AMAX_SRC: tl.constexpr, STATIC: tl.constexpr,
-    TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr, WRITE_SCALES: tl.constexpr,
+    TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr, WRITE_SCALES: tl.constexpr, ROW_SKIP: tl.constexpr,
     ACT: tl.constexpr, ACT_ALPHA: tl.constexpr, ACT_LIMIT: tl.constexpr,
     PAIR: tl.constexpr, IN16: tl.constexpr, DIV: tl.constexpr, PACKED_BF16: tl.constexpr,
     E2M1_PTX: tl.constexpr, HW_SCALE: tl.constexpr, WORD_RUN: tl.constexpr,
@@ -63,6 +63,9 @@ def _quant_kernel(
     same codes as the integer path (tests/test_mxfp4_packed_encode.py emulates the PTX over
     every pattern and factor; the GPU suite compares both paths).
 
+    ROW_SKIP: ``skip_ptr`` holds one int label per row of x (``[B, M]``); a program whose rows all have a
+    label < 0 (layout padding: :mod:`fastpath.moe`) returns at once, writing no code and no scale.
+
     E2M1_PTX (GPU only): the other FP4 paths (NVFP4, float16/float32 input) encode each scaled
     float32 value with :func:`fastpath._packed_fp4.e2m1_lane_f32` (``xorsign`` min/max, one FMA,
     integer steps: about 7 instructions, the sign carried along) instead of the integer path,
@@ -75,6 +78,10 @@ def _quant_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     gidx = pid_g * GPP + tl.arange(0, GPP)
     rmask = rows < M
+    if ROW_SKIP:
+        label = tl.load(skip_ptr + pid_b.to(tl.int64) * M + rows, mask=rmask, other=-1)
+        if tl.max(label, axis=0) < 0:
+            return
     xb = x_ptr + pid_b.to(tl.int64) * stride_xb
     cb = c_ptr + pid_b.to(tl.int64) * stride_cb
     # 1. load the tile and take its block amax (per layout of the element pairs)
