@@ -49,7 +49,16 @@ Contracts, sources and the meaning of every field: the reference modules
 * Float outputs of the reductions are float32 sums (the reference sums in float64): they agree
   within ``gamma_k * sum_j |w_j x_j|`` plus the output rounding (``property_tests`` prove it).
 * Small metadata results (``num_tokens_post_padded``, ``psum``, ``masked_m``,
-  ``expert_num_tokens``, :func:`expert_counts`) are views into one int32 scratch buffer per call.
+  ``expert_num_tokens``, :func:`expert_counts`) and the int32/int64 index outputs are views into one
+  int32 workspace per call (16-byte-aligned sections, cut by one ``split``), which also holds the
+  sort's scratch: one allocation instead of up to six (issue 20: each torch op costs microseconds).
+* Host cost at decode sizes (issue 20): a call whose launches do not depend on the data (every
+  sync-free path, ``expert_map=None``, CUDA tensors) keeps a *launch plan* per key (shapes,
+  strides, dtypes, 16-byte alignment of the inputs, the scalar arguments, the device): the first
+  call checks its arguments, computes the layout and launches through ``kernel[grid]``; later calls
+  with the same key skip the checks the key already answers (``validate=True`` still checks the
+  data) and replay the launches through ``CompiledKernel.run`` with computed addresses
+  (:mod:`fastpath._launch_plan`). Results are the same bytes (``tests/test_fastpath_launch_plan*.py``).
 * :func:`expert_counts` (int32 slots per local expert) has no reference function of that name: the
   reference is ``moeref.dispatch.group_slots(...).counts``.
 
