@@ -127,3 +127,22 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     stream = driver.active.get_current_stream(key[1])
     compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
                  *args, *tail)
+
+
+def launch_for_replay(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)`` (it launches now), returning ``(compiled kernel, values of the
+    parameters after args)``: what replays the same launch through ``CompiledKernel.run`` (a per-shape
+    launch plan, :mod:`fastpath._launch_plan`); None where no replay is possible: the cache off, the
+    interpreter, launch or pre-run hooks installed, a callable grid."""
+    if not LAUNCH_CACHE_ON or not hasattr(kernel, "device_caches") or getattr(kernel, "pre_run_hooks", None) \
+            or callable(grid) or _hooks_installed():
+        kernel[grid](*args, **kwargs)
+        return None
+    compiled = kernel[grid](*args, **kwargs)
+    if hasattr(compiled, "result"):
+        compiled = compiled.result()
+    if compiled is None:
+        return None
+    names = [p.name for p in kernel.params]
+    return compiled, tuple(kwargs[n] if n in kwargs else p.default
+                           for n, p in zip(names[len(args):], kernel.params[len(args):]))

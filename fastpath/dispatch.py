@@ -49,7 +49,16 @@ Contracts, sources and the meaning of every field: the reference modules
 * Float outputs of the reductions are float32 sums (the reference sums in float64): they agree
   within ``gamma_k * sum_j |w_j x_j|`` plus the output rounding (``property_tests`` prove it).
 * Small metadata results (``num_tokens_post_padded``, ``psum``, ``masked_m``,
-  ``expert_num_tokens``, :func:`expert_counts`) are views into one int32 scratch buffer per call.
+  ``expert_num_tokens``, :func:`expert_counts`) and the int32/int64 index outputs are views into one
+  int32 workspace per call (16-byte-aligned sections, cut by one ``split``), which also holds the
+  sort's scratch: one allocation instead of up to six (issue 20: each torch op costs microseconds).
+* Host cost at decode sizes (issue 20): a call whose launches do not depend on the data (every
+  sync-free path, ``expert_map=None``, CUDA tensors) keeps a *launch plan* per key (shapes,
+  strides, dtypes, 16-byte alignment of the inputs, the scalar arguments, the device): the first
+  call checks its arguments, computes the layout and launches through ``kernel[grid]``; later calls
+  with the same key skip the checks the key already answers (``validate=True`` still checks the
+  data) and replay the launches through ``CompiledKernel.run`` with computed addresses
+  (:mod:`fastpath._launch_plan`). Results are the same bytes (``tests/test_fastpath_launch_plan*.py``).
 * :func:`expert_counts` (int32 slots per local expert) has no reference function of that name: the
   reference is ``moeref.dispatch.group_slots(...).counts``.
 
@@ -90,7 +99,9 @@ from ._dispatch_kernels import (
     _scatter_rows_kernel,
     _small_sort_kernel,
 )
+from . import _launch_plan as _plan
 from ._host import alloc, cdiv, launch, next_pow2
+from ._launch_plan import Layout
 
 __all__ = [
     "OPERATIONS",
@@ -123,9 +134,36 @@ _CAPACITY = 1  # group g starts at g * CAP
 # Host side
 # ----------------------------------------------------------------------------------------------
 def _launch(kernel, grid, *args, **kwargs):
-    """:func:`fastpath._host.launch` (cached launch), skipped for an empty grid."""
+    """:func:`fastpath._host.launch` (cached launch), skipped for an empty grid; while a launch plan
+    is being recorded (:mod:`fastpath._launch_plan`), through its recorder."""
     if min(grid) > 0:
-        launch(kernel, grid, *args, **kwargs)
+        rec = _plan.recording()
+        if rec is None:
+            launch(kernel, grid, *args, **kwargs)
+        else:
+            rec.launch(kernel, grid, args, kwargs)
+
+
+def _tkey(t):
+    """A tensor's part of a plan key: all its launches depend on (shape, strides, dtype, device,
+    16-byte alignment of its address)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+
+
+def _cuda(*ts) -> bool:
+    """Every tensor given (None skipped) a CUDA tensor: launch plans apply (not to CPU tensors, which
+    run under the interpreter)."""
+    return all(t is None or (isinstance(t, torch.Tensor) and t.is_cuda) for t in ts)
+
+
+def _cuda_key(*parts):
+    """A plan key (:mod:`fastpath._launch_plan`): ``parts`` plus the module's knobs and the current
+    CUDA device (the last element)."""
+    return parts + (SMALL_SORT_CHUNKS, ROW_CONFIG["scatter"], ROW_CONFIG["reduce"], torch.cuda.current_device())
+
+
+def _ints(*xs) -> bool:
+    return all(type(x) is int for x in xs)
 
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -160,9 +198,37 @@ def _check_hidden(hidden, num_tokens: int, device) -> torch.Tensor:
     return hidden
 
 
+@dataclass(frozen=True)
+class _SortShape:
+    """Sizes of the counting sort (steps 1-3) for ``n`` slots: ``G`` groups (local experts), ``NK``
+    keys, ``C`` chunks; its int32 scratch sections (:meth:`spec`) live in the call's one workspace."""
+
+    n: int
+    E: int
+    G: int
+    NK: int
+    NKP: int
+    C: int
+    use_map: bool
+    want_psum: bool
+
+    @classmethod
+    def of(cls, n: int, num_experts: int, n_local: int, use_map: bool, want_psum: bool = False) -> "_SortShape":
+        G = n_local if use_map else num_experts
+        NK = G + num_experts + 1 if use_map else G + 1
+        return cls(n, num_experts, G, NK, next_pow2(NK), max(1, cdiv(n, CHUNK)), use_map, want_psum)
+
+    def spec(self, *first) -> list:
+        """Workspace sections ``(name, int32 count)``: those named in ``first``, then the others."""
+        n_g = max(self.G, 1)
+        secs = {"totals": self.NKP, "meta": 3, "offsets": 2 * (self.G + 1), "psum": n_g if self.want_psum else 0,
+                "base": self.C * self.NK, "starts": self.NKP, "ends": n_g}
+        return [(f, secs[f]) for f in first] + [(f, c) for f, c in secs.items() if f not in first]
+
+
 @dataclass
 class _Sorted:
-    """Device state of the counting sort (see the module docstring)."""
+    """Device state of the counting sort (see the module docstring): views of the workspace."""
 
     ids: torch.Tensor  # flat int32/int64 [N]
     emap: torch.Tensor  # int32 [E] (dummy when unused)
@@ -173,7 +239,7 @@ class _Sorted:
     G: int
     NK: int
     C: int
-    base: torch.Tensor  # int32 [C, NK], chunk prefix per key
+    base: torch.Tensor  # int32 [C * NK], chunk prefix per key
     totals: torch.Tensor  # int32 [NKP]
     starts: torch.Tensor  # int32 [NKP]
     ends: torch.Tensor  # int32 [max(G,1)]
@@ -207,42 +273,42 @@ def _prepare_ids(topk_ids, num_experts: int, validate: bool) -> torch.Tensor:
     return topk_ids
 
 
-def _sort(topk_ids, num_experts: int, emap, n_local: int, *, local: bool, mode: int = _PADDED,
-          pad: int = 1, cap: int = 0, want_psum: bool = False) -> _Sorted:
-    """Steps 1-3 of the counting sort. ``local``: key by local expert (through ``emap`` if given),
-    else by global id (align without ``ignore_invalid_experts``)."""
-    device = topk_ids.device
+def _sorted(topk_ids, emap, ss: _SortShape, ws: torch.Tensor, lay: Layout) -> _Sorted:
+    """The sort's views of the workspace ``ws`` (sections of ``lay``); no launch."""
     m, k = topk_ids.shape
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
-    n = ids.numel()
-    use_map = local and emap is not None
-    G = n_local if use_map else num_experts
-    NK = G + num_experts + 1 if use_map else G + 1
-    NKP = next_pow2(NK)
-    C = max(1, cdiv(n, CHUNK))
-    # One allocation for the int32 scratch (host overhead matters at small sizes).
-    n_g = max(G, 1)
-    sizes = [C * NK, NKP, NKP, n_g, 3, n_g if want_psum else 0]
-    ws = _alloc(sum(sizes), torch.int32, device)
-    base, totals, starts, ends, meta, psum = torch.split(ws, sizes)
-    base = base.view(C, NK)
-    offsets = _alloc(G + 1, torch.int64, device)
-    if emap is None:
-        emap = meta  # never read (USE_MAP is off)
-    if C <= SMALL_SORT_CHUNKS:
-        _launch(_small_sort_kernel, (1,), ids, emap, base, totals, starts, ends, offsets, meta, psum if want_psum else meta,
-                                 n, num_experts, G, NK, C, pad, cap, USE_MAP=use_map, S=CHUNK, NKP=NKP,
-                                 MODE=mode, WRITE_PSUM=want_psum)
+    meta = lay.view(ws, "meta")
+    return _Sorted(ids, meta if emap is None else emap, ss.use_map, m, k, ss.E, ss.G, ss.NK, ss.C,
+                   lay.view(ws, "base"), lay.view(ws, "totals"), lay.view(ws, "starts"), lay.view(ws, "ends"),
+                   lay.view(ws, "offsets", torch.int64), meta, lay.view(ws, "psum")[: ss.G] if ss.want_psum else None)
+
+
+def _sort(topk_ids, emap, ss: _SortShape, ws: torch.Tensor, lay: Layout, *, mode: int = _PADDED, pad: int = 1,
+          cap: int = 0) -> _Sorted:
+    """Steps 1-3 of the counting sort into the workspace (keys by local expert through ``emap`` where
+    ``ss.use_map``, else by global id)."""
+    s = _sorted(topk_ids, emap, ss, ws, lay)
+    psum = s.psum if ss.want_psum else s.meta
+    if s.C <= SMALL_SORT_CHUNKS:
+        _launch(_small_sort_kernel, (1,), s.ids, s.emap, s.base, s.totals, s.starts, s.ends, s.offsets, s.meta, psum,
+                ss.n, ss.E, ss.G, ss.NK, ss.C, pad, cap, USE_MAP=ss.use_map, S=CHUNK, NKP=ss.NKP,
+                MODE=mode, WRITE_PSUM=ss.want_psum)
     else:
-        _launch(_hist_kernel, (C,), ids, emap, base, n, num_experts, G, NK, USE_MAP=use_map, S=CHUNK, NKP=NKP)
+        _launch(_hist_kernel, (s.C,), s.ids, s.emap, s.base, ss.n, ss.E, ss.G, ss.NK, USE_MAP=ss.use_map, S=CHUNK,
+                NKP=ss.NKP)
         block_g = 32
-        _launch(_chunk_scan_kernel, (cdiv(NK, block_g),), base, totals, C, NK, BLOCK_C=32, BLOCK_G=block_g)
-        _launch(_group_starts_kernel, (1,), totals, starts, ends, offsets, meta, psum if want_psum else meta,
-                                   G, NK, pad, cap, MODE=mode, WRITE_PSUM=want_psum, NKP=NKP)
-    return _Sorted(ids, emap, use_map, m, k, num_experts, G, NK, C, base, totals, starts, ends,
-                   offsets, meta, psum[:G] if want_psum else None)
+        _launch(_chunk_scan_kernel, (cdiv(ss.NK, block_g),), s.base, s.totals, s.C, ss.NK, BLOCK_C=32, BLOCK_G=block_g)
+        _launch(_group_starts_kernel, (1,), s.totals, s.starts, s.ends, s.offsets, s.meta, psum,
+                ss.G, ss.NK, pad, cap, MODE=mode, WRITE_PSUM=ss.want_psum, NKP=ss.NKP)
+    return s
+
+
+def _sort_ws(topk_ids, emap, ss: _SortShape, device, **kw) -> _Sorted:
+    """:func:`_sort` into a workspace of its own (the paths that size their outputs from the counts)."""
+    lay = Layout(ss.spec())
+    return _sort(topk_ids, emap, ss, _alloc(lay.total, torch.int32, device), lay, **kw)
 
 
 def _rank(s: _Sorted, *, dst=None, dst_mode=0, lst=None, list_mode=0, grp=None, sentinel=0):
@@ -301,6 +367,11 @@ def _alloc(shape, dtype, device) -> torch.Tensor:
     return alloc(shape, dtype=dtype, device=device)
 
 
+def _full(shape, value, dtype, device) -> torch.Tensor:
+    """A buffer filled with ``value`` on the host side (``torch.full``; the tests swap it)."""
+    return torch.full(shape if isinstance(shape, tuple) else (shape,), value, dtype=dtype, device=device)
+
+
 def _scatter_rows(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor, top_k: int, nvalid=None):
     m, K = x.shape
     xb, ob = _bits(x), _bits(out)
@@ -324,52 +395,93 @@ def moe_align_block_size(topk_ids, block_size: int, num_experts: int, expert_map
     order within an expert is ascending ``t*k+j``, as in the reference (vLLM's CUDA kernel leaves it
     unspecified).
     """
-    block_size = check_positive_int(block_size, "block_size")
-    num_experts = check_positive_int(num_experts, "num_experts")
-    if ignore_invalid_experts and expert_map is None:
-        raise ValueError("ignore_invalid_experts=True needs an expert_map")
-    topk_ids = _prepare_ids(topk_ids, num_experts, validate)
-    device = topk_ids.device
-    emap, n_local = (None, 0) if expert_map is None else _prepare_map(expert_map, num_experts, device, validate)
-    n = topk_ids.numel()
-    size = max_num_tokens_padded(n, num_experts, block_size, pad_sorted_ids)
-    s = _sort(topk_ids, num_experts, emap if ignore_invalid_experts else None,
-              n_local if ignore_invalid_experts else num_experts, local=ignore_invalid_experts,
-              pad=block_size)
-    sorted_ids = _alloc(size, torch.int32, device)
-    expert_ids = _alloc(cdiv(size, block_size), torch.int32, device)
-    _rank(s, lst=sorted_ids, list_mode=1)
-    label = emap if (emap is not None and not ignore_invalid_experts) else None
-    _fill(s, size, lst=sorted_ids, list_pad=n, blk=expert_ids, block_size=block_size, label=label)
-    return AlignResult(sorted_ids, expert_ids, s.meta[:1], n, block_size)
+    key = None
+    if expert_map is None and _ints(block_size, num_experts) and _cuda(topk_ids):
+        key = _cuda_key("align", _tkey(topk_ids), block_size, num_experts, bool(pad_sorted_ids),
+                        bool(ignore_invalid_experts))
+    plan = _plan.lookup(key)
+    emap = label = ss = None
+    if plan is None:
+        block_size = check_positive_int(block_size, "block_size")
+        num_experts = check_positive_int(num_experts, "num_experts")
+        if ignore_invalid_experts and expert_map is None:
+            raise ValueError("ignore_invalid_experts=True needs an expert_map")
+        topk_ids = _prepare_ids(topk_ids, num_experts, validate)
+        emap, n_local = (None, 0) if expert_map is None else _prepare_map(expert_map, num_experts, topk_ids.device, validate)
+        n = topk_ids.numel()
+        size = max_num_tokens_padded(n, num_experts, block_size, pad_sorted_ids)
+        nblk = cdiv(size, block_size)
+        ss = _SortShape.of(n, num_experts, n_local if ignore_invalid_experts else num_experts, ignore_invalid_experts)
+        lay = Layout([("sorted", size), ("blk", nblk), *ss.spec("meta")],
+                     outs=[("sorted", 0, size), ("blk", 0, nblk), ("meta", 0, 1)])
+        label = emap if (emap is not None and not ignore_invalid_experts) else None
+        layout = (lay, size)
+    else:
+        if validate:
+            _prepare_ids(topk_ids, num_experts, validate)
+        lay, size = layout = plan.layout
+        n = topk_ids.numel()
+    ws = _alloc(lay.total, torch.int32, topk_ids.device)
+    sorted_ids, expert_ids, post = lay.outputs(ws)
+
+    def launches():
+        s = _sort(topk_ids, emap if ignore_invalid_experts else None, ss, ws, lay, pad=block_size)
+        _rank(s, lst=sorted_ids, list_mode=1)
+        _fill(s, size, lst=sorted_ids, list_pad=n, blk=expert_ids, block_size=block_size, label=label)
+    _plan.execute(key, plan, (topk_ids, ws), key and key[-1], launches, layout)
+    return AlignResult(sorted_ids, expert_ids, post, n, block_size)
+
+
+def _sort_only(kind, topk_ids, num_experts, emap_in, n_global, validate, first, outs_of):
+    """Shared by :func:`expert_counts` and :func:`expert_first_token_offset`: the sort alone, its
+    outputs cut from the workspace (``outs_of(ss)``)."""
+    key = None
+    if emap_in is None and _ints(num_experts) and _cuda(topk_ids):
+        key = _cuda_key(kind, _tkey(topk_ids), num_experts)
+    plan = _plan.lookup(key)
+    emap = ss = None
+    if plan is None:
+        topk_ids = _prepare_ids(topk_ids, n_global, validate)
+        emap, n_local = (None, n_global) if emap_in is None else _prepare_map(emap_in, n_global, topk_ids.device, validate)
+        ss = _SortShape.of(topk_ids.numel(), n_global, n_local, emap is not None)
+        lay = Layout(ss.spec(first), outs=[(first, 0, outs_of(ss))])
+    else:
+        if validate:
+            _prepare_ids(topk_ids, n_global, validate)
+        lay = plan.layout
+    ws = _alloc(lay.total, torch.int32, topk_ids.device)
+    (out,) = lay.outputs(ws)
+    _plan.execute(key, plan, (topk_ids, ws), key and key[-1], lambda: _sort(topk_ids, emap, ss, ws, lay), lay)
+    return out, (ss.G if ss is not None else None)
 
 
 def expert_first_token_offset(topk_ids, num_local_experts: int, expert_map=None, *, num_experts=None,
                               validate: bool = True) -> torch.Tensor:
     """int64 ``[E_local+1]`` offsets of the permuted layout (no padding); contract:
     :func:`moeref.dispatch.expert_first_token_offset`."""
-    num_local_experts = check_positive_int(num_local_experts, "num_local_experts", allow_zero=expert_map is not None)
     if expert_map is None:
-        topk_ids = _prepare_ids(topk_ids, num_local_experts, validate)
-        s = _sort(topk_ids, num_local_experts, None, num_local_experts, local=True)
+        if not _ints(num_local_experts):
+            num_local_experts = check_positive_int(num_local_experts, "num_local_experts")
+        elif num_local_experts <= 0:
+            check_positive_int(num_local_experts, "num_local_experts")
+        n_global = num_local_experts
     else:
+        num_local_experts = check_positive_int(num_local_experts, "num_local_experts", allow_zero=True)
         n_global = int(expert_map.shape[0]) if num_experts is None else check_positive_int(num_experts, "num_experts")
-        topk_ids = _prepare_ids(topk_ids, n_global, validate)
-        emap, n_local = _prepare_map(expert_map, n_global, topk_ids.device, validate)
-        if n_local != num_local_experts:
-            raise ValueError(f"num_local_experts={num_local_experts} but expert_map has {n_local} local experts")
-        s = _sort(topk_ids, n_global, emap, n_local, local=True)
-    return s.offsets
+    out, G = _sort_only("offsets", topk_ids, n_global, expert_map, n_global, validate, "offsets",
+                        lambda ss: 2 * (ss.G + 1))
+    if G is not None and G != num_local_experts:
+        raise ValueError(f"num_local_experts={num_local_experts} but expert_map has {G} local experts")
+    return out.view(torch.int64)
 
 
 def expert_counts(topk_ids, num_experts: int, expert_map=None, *, validate: bool = True) -> torch.Tensor:
     """int32 ``[E_local]``: slots per local expert (padding and non-local slots not counted); the
     reference is ``moeref.dispatch.group_slots(...).counts``."""
-    num_experts = check_positive_int(num_experts, "num_experts")
-    topk_ids = _prepare_ids(topk_ids, num_experts, validate)
-    emap, n_local = (None, num_experts) if expert_map is None else _prepare_map(expert_map, num_experts, topk_ids.device, validate)
-    s = _sort(topk_ids, num_experts, emap, n_local, local=True)
-    return s.totals[: s.G]
+    if not _ints(num_experts) or num_experts <= 0:
+        num_experts = check_positive_int(num_experts, "num_experts")
+    return _sort_only("counts", topk_ids, num_experts, expert_map, num_experts, validate, "totals",
+                      lambda ss: ss.G)[0]
 
 
 def moe_permute(hidden, topk_ids, num_experts: int, expert_map=None, *, validate: bool = True) -> Permuted:
@@ -381,41 +493,62 @@ def moe_permute(hidden, topk_ids, num_experts: int, expert_map=None, *, validate
     int64, ``permuted_idx`` and ``inv_permuted_idx`` int32, equal to the reference element for
     element (absent slots' rows too: non-local by global id, then padding, each in slot order).
     """
-    num_experts = check_positive_int(num_experts, "num_experts")
-    topk_ids = _prepare_ids(topk_ids, num_experts, validate)
-    device = topk_ids.device
-    m, k = topk_ids.shape
-    emap, n_local = (None, num_experts) if expert_map is None else _prepare_map(expert_map, num_experts, device, validate)
-    x = None if hidden is None else _check_hidden(hidden, m, device)
-    s = _sort(topk_ids, num_experts, emap, n_local, local=True)
+    key = None
+    if expert_map is None and _ints(num_experts) and _cuda(topk_ids, hidden):
+        key = _cuda_key("permute", _tkey(topk_ids), _tkey(hidden), num_experts)
+    plan = _plan.lookup(key)
+    emap = ss = None
+    m, k = topk_ids.shape if plan is not None else _check_int(topk_ids, "topk_ids", 2).shape
     n = m * k
-    perm = _alloc(n, torch.int32, device)
-    inv = _alloc(n, torch.int32, device)
-    _rank(s, dst=inv, dst_mode=2, lst=perm, list_mode=2, sentinel=n)
-    out = None
-    if x is not None:
-        out = _alloc((n, x.shape[1]), x.dtype, device)
-        _scatter_rows(x, inv, out, k, nvalid=s.offsets[s.G:])
-    return Permuted(out, s.offsets, perm, inv, m, k)
+    if plan is None:
+        num_experts = check_positive_int(num_experts, "num_experts")
+        topk_ids = _prepare_ids(topk_ids, num_experts, validate)
+        emap, n_local = (None, num_experts) if expert_map is None else _prepare_map(expert_map, num_experts, topk_ids.device, validate)
+        if hidden is not None:
+            _check_hidden(hidden, m, topk_ids.device)
+        ss = _SortShape.of(n, num_experts, n_local, emap is not None)
+        lay = Layout([("perm", n), ("inv", n), *ss.spec("offsets")],
+                     outs=[("perm", 0, n), ("inv", 0, n), ("offsets", 0, 2 * (ss.G + 1))])
+        layout = (lay, ss.G)
+    else:
+        if validate:
+            _prepare_ids(topk_ids, num_experts, validate)
+        lay, _ = layout = plan.layout
+    device = topk_ids.device
+    ws = _alloc(lay.total, torch.int32, device)
+    perm, inv, offsets = lay.outputs(ws)
+    offsets = offsets.view(torch.int64)
+    out = None if hidden is None else _alloc((n, hidden.shape[1]), hidden.dtype, device)
+
+    def launches():
+        s = _sort(topk_ids, emap, ss, ws, lay)
+        _rank(s, dst=inv, dst_mode=2, lst=perm, list_mode=2, sentinel=n)
+        if out is not None:
+            _scatter_rows(hidden, inv, out, k, nvalid=s.offsets[s.G:])
+    bases = (topk_ids, ws) if out is None else (topk_ids, ws, hidden, out)
+    _plan.execute(key, plan, bases, key and key[-1], launches, layout)
+    return Permuted(out, offsets, perm, inv, m, k)
 
 
-def _reduce(rows: torch.Tensor, dst: torch.Tensor, topk_weights: torch.Tensor, *, nvalid_ptr=None,
-            nvalid: int = 0, apply_weights: bool = True, out_dtype=torch.float32) -> torch.Tensor:
-    if not isinstance(out_dtype, torch.dtype):
-        out_dtype = _interop.torch_dtype_for(out_dtype)
-    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        raise TypeError(f"out_dtype must be float32, bfloat16, float16 or float64; got {out_dtype}")
+def _reduce(rows: torch.Tensor, dst: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, *,
+            nvalid_ptr=None, nvalid: int = 0, apply_weights: bool = True) -> None:
     m, k = topk_weights.shape
     K = rows.shape[1]
-    out = _alloc((m, K), out_dtype, rows.device)
     bt, bk, nw = _row_config("reduce", K, max(rows.element_size(), 2))
-    out_bf16 = out_dtype == torch.bfloat16
+    out_bf16 = out.dtype == torch.bfloat16
     _launch(_reduce_kernel, (cdiv(m, bt), cdiv(K, bk)), rows, topk_weights, dst,
             nvalid_ptr if nvalid_ptr is not None else dst, out.view(torch.int16) if out_bf16 else out, m, K, nvalid,
             rows.stride(0), rows.stride(1), topk_weights.stride(0), topk_weights.stride(1), K,
             TOPK=k, BLOCK_T=bt, BLOCK_K=bk, APPLY_W=apply_weights, NV_FROM_PTR=nvalid_ptr is not None,
             OUT_BF16=out_bf16, num_warps=nw)
-    return out
+
+
+def _out_dtype(out_dtype) -> torch.dtype:
+    if not isinstance(out_dtype, torch.dtype):
+        out_dtype = _interop.torch_dtype_for(out_dtype)
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise TypeError(f"out_dtype must be float32, bfloat16, float16 or float64; got {out_dtype}")
+    return out_dtype
 
 
 def _check_float(x, name: str, ndim: int | None) -> torch.Tensor:
@@ -435,16 +568,30 @@ def moe_unpermute(permuted_out, topk_weights, inv_permuted_idx, expert_first_tok
     so the result is within ``gamma_k * sum_j |w_j y_j|`` plus one rounding to ``out_dtype``.
     Slots whose destination is ``>= offset[-1]`` contribute exactly 0, NaN rows included; the
     offset is read on the device (no sync)."""
-    y = _check_float(permuted_out, "permuted_out", 2)
-    w = _check_float(topk_weights, "topk_weights", 2)
-    inv = _check_int(inv_permuted_idx, "inv_permuted_idx", 1)
-    off = _check_int(expert_first_token_offset, "expert_first_token_offset", 1)
-    m, k = w.shape
-    if inv.numel() != m * k:
-        raise ValueError(f"inv_permuted_idx must have M*k = {m * k} entries; got {inv.numel()}")
+    y, w, inv, off = permuted_out, topk_weights, inv_permuted_idx, expert_first_token_offset
+    key = None
+    if isinstance(out_dtype, torch.dtype) and y is not None and _cuda(y, w, inv, off):
+        key = _cuda_key("unpermute", _tkey(y), _tkey(w), _tkey(inv), _tkey(off), out_dtype)
+    plan = _plan.lookup(key)
+    if plan is None:
+        _check_float(y, "permuted_out", 2)
+        _check_float(w, "topk_weights", 2)
+        _check_int(inv, "inv_permuted_idx", 1)
+        _check_int(off, "expert_first_token_offset", 1)
+        m, k = w.shape
+        if inv.numel() != m * k:
+            raise ValueError(f"inv_permuted_idx must have M*k = {m * k} entries; got {inv.numel()}")
+        dtype = _out_dtype(out_dtype)
+    else:
+        dtype = plan.layout
     if inv.dtype != torch.int32:
         inv = inv.to(torch.int32)
-    return _reduce(y, inv.contiguous(), w, nvalid_ptr=off[off.numel() - 1:], out_dtype=out_dtype)
+    if not inv.is_contiguous():
+        inv = inv.contiguous()
+    out = _alloc((w.shape[0], y.shape[1]), dtype, y.device)
+    _plan.execute(key, plan, (y, w, inv, off, out), key and key[-1],
+                  lambda: _reduce(y, inv, w, out, nvalid_ptr=off[off.numel() - 1:]), dtype)
+    return out
 
 
 def weight_and_reduce(expert_rows, src, topk_weights, num_tokens: int, *, apply_weights: bool = True,
@@ -453,28 +600,58 @@ def weight_and_reduce(expert_rows, src, topk_weights, num_tokens: int, *, apply_
     contract: :func:`moeref.dispatch.weight_and_reduce`. ``validate`` checks on the host that each
     slot appears at most once (the reference's ``ValueError``); with ``validate=False`` a repeated
     slot keeps one of its rows."""
-    num_tokens = check_positive_int(num_tokens, "num_tokens", allow_zero=True)
-    w = _check_float(topk_weights, "topk_weights", 2)
-    if w.shape[0] != num_tokens:
-        raise ValueError(f"topk_weights must have num_tokens={num_tokens} rows; got shape {tuple(w.shape)}")
-    y = _check_float(expert_rows, "expert_rows", None)
-    s = _check_int(src, "src", None)
-    if y.ndim < 1 or tuple(s.shape) != tuple(y.shape[:-1]):
-        raise ValueError(f"src must have the leading shape of expert_rows {tuple(y.shape[:-1])}; got {tuple(s.shape)}")
-    y = y.reshape(-1, y.shape[-1])
-    s = s.reshape(-1).contiguous()
-    n_slots = num_tokens * w.shape[1]
+    key = None
+    if _ints(num_tokens) and isinstance(out_dtype, torch.dtype) and expert_rows is not None and src is not None \
+            and _cuda(expert_rows, src, topk_weights):
+        key = _cuda_key("reduce", _tkey(expert_rows), _tkey(src), _tkey(topk_weights), num_tokens, bool(apply_weights),
+                        out_dtype)
+    plan = _plan.lookup(key)
+    w = topk_weights
+    if plan is None:
+        num_tokens = check_positive_int(num_tokens, "num_tokens", allow_zero=True)
+        _check_float(w, "topk_weights", 2)
+        if w.shape[0] != num_tokens:
+            raise ValueError(f"topk_weights must have num_tokens={num_tokens} rows; got shape {tuple(w.shape)}")
+        _check_float(expert_rows, "expert_rows", None)
+        _check_int(src, "src", None)
+        if expert_rows.ndim < 1 or tuple(src.shape) != tuple(expert_rows.shape[:-1]):
+            raise ValueError(f"src must have the leading shape of expert_rows {tuple(expert_rows.shape[:-1])}; "
+                             f"got {tuple(src.shape)}")
+        dtype = _out_dtype(out_dtype)
+    else:
+        dtype = plan.layout
+    y = expert_rows if expert_rows.ndim == 2 else expert_rows.reshape(-1, expert_rows.shape[-1])
+    s = src if src.ndim == 1 else src.reshape(-1)
+    if not s.is_contiguous():
+        s = s.contiguous()
     if validate:  # the reference's own checks (range, each slot at most once), on one-column rows
         _ref_weight_and_reduce(np.zeros((s.numel(), 1)), _interop.to_numpy(s),
                                np.zeros(tuple(w.shape), dtype=np.float32), num_tokens)
-    dst = torch.full((n_slots,), -1, dtype=torch.int32, device=y.device)
+    dst = _full(num_tokens * w.shape[1], -1, torch.int32, y.device)
+    out = _alloc((num_tokens, y.shape[1]), dtype, y.device)
     R = s.numel()
-    _launch(_invert_kernel, (cdiv(R, 1024),), s, dst, R, BLOCK=1024)
-    return _reduce(y, dst, w, nvalid=R, apply_weights=apply_weights, out_dtype=out_dtype)
+
+    def launches():
+        _launch(_invert_kernel, (cdiv(R, 1024),), s, dst, R, BLOCK=1024)
+        _reduce(y, dst, w, out, nvalid=R, apply_weights=apply_weights)
+    _plan.execute(key, plan, (y, s, w, dst, out), key and key[-1], launches, dtype)
+    return out
 
 
 def _host_counts(s: _Sorted) -> np.ndarray:
     return s.totals[: s.G].cpu().numpy().astype(np.int64)
+
+
+def _place(s: _Sorted, x, a, dst, src, *, grp=None, mode=_PADDED, cap=0) -> None:
+    """Rank every slot into its row (``dst``: slot -> row, ``src``: row -> slot, ``grp``: row ->
+    group), fill the padding positions, copy the token rows into ``a`` (rows of a 2-D ``[P, K]``
+    view): steps 4-6 for the contiguous and capacity layouts."""
+    P = src.numel()
+    _rank(s, dst=dst, dst_mode=1, lst=src, list_mode=1, grp=grp)
+    rows = None if a is None else _bits(a).view(P, x.shape[1])
+    _fill(s, P, mode=mode, cap=cap, lst=src, list_pad=-1, grp=grp, rows=rows)
+    if a is not None:
+        _scatter_rows(x, dst, a.view(P, x.shape[1]), s.top_k)
 
 
 def to_contiguous(hidden, topk_ids, num_experts: int, alignment: int, expert_map=None, *, m_sum=None,
@@ -485,76 +662,136 @@ def to_contiguous(hidden, topk_ids, num_experts: int, alignment: int, expert_map
     padding), ``psum`` int32. Any positive ``alignment`` (DeepGEMM SM100 uses 224). ``m_sum``:
     None/"tight" (one sync for the counts), "worst_case" (vLLM's buffer; no sync) or an int (one sync
     to check it is large enough)."""
-    num_experts = check_positive_int(num_experts, "num_experts")
-    alignment = check_positive_int(alignment, "alignment")
-    topk_ids = _prepare_ids(topk_ids, num_experts, validate)
+    worst = isinstance(m_sum, str) and m_sum == "worst_case"
+    key = None
+    if worst and expert_map is None and _ints(num_experts, alignment) and _cuda(topk_ids, hidden):
+        key = _cuda_key("contiguous", _tkey(topk_ids), _tkey(hidden), num_experts, alignment)
+    plan = _plan.lookup(key)
+    emap = ss = None
+    if plan is None:
+        num_experts = check_positive_int(num_experts, "num_experts")
+        alignment = check_positive_int(alignment, "alignment")
+        topk_ids = _prepare_ids(topk_ids, num_experts, validate)
+        emap, n_local = (None, num_experts) if expert_map is None else _prepare_map(expert_map, num_experts, topk_ids.device, validate)
+        m, k = topk_ids.shape
+        if hidden is not None:
+            _check_hidden(hidden, m, topk_ids.device)
+        ss = _SortShape.of(m * k, num_experts, n_local, emap is not None, want_psum=True)
+        if not worst:
+            return _to_contiguous_sized(hidden, topk_ids, emap, ss, alignment, m_sum)
+        size = contiguous_m_sum(np.zeros(ss.G), alignment, "worst_case", num_slots=m * k)
+        lay = Layout([("m_indices", size), ("src", 2 * size), ("psum", max(ss.G, 1)), ("dst", m * k),
+                      *ss.spec("psum")[1:]],
+                     outs=[("m_indices", 0, size), ("src", 0, 2 * size), ("psum", 0, ss.G)])
+        layout = (lay, size)
+    else:
+        if validate:
+            _prepare_ids(topk_ids, num_experts, validate)
+        lay, size = layout = plan.layout
+    m, k = topk_ids.shape
+    device = topk_ids.device
+    ws = _alloc(lay.total, torch.int32, device)
+    m_indices, src, psum = lay.outputs(ws)
+    src = src.view(torch.int64)
+    a = None if hidden is None else _alloc((size, hidden.shape[1]), hidden.dtype, device)
+
+    def launches():
+        s = _sort(topk_ids, emap, ss, ws, lay, pad=alignment)
+        _place(s, hidden, a, lay.view(ws, "dst"), src, grp=m_indices)
+    bases = (topk_ids, ws) if a is None else (topk_ids, ws, hidden, a)
+    _plan.execute(key, plan, bases, key and key[-1], launches, layout)
+    return Contiguous(a, m_indices, src, psum, alignment, m, k)
+
+
+def _to_contiguous_sized(hidden, topk_ids, emap, ss, alignment, m_sum) -> Contiguous:
+    """:func:`to_contiguous` with ``m_sum`` None/"tight" or an int: the counts come to the host (one
+    sync) to size or check the buffers."""
     device = topk_ids.device
     m, k = topk_ids.shape
-    emap, n_local = (None, num_experts) if expert_map is None else _prepare_map(expert_map, num_experts, device, validate)
-    x = None if hidden is None else _check_hidden(hidden, m, device)
-    s = _sort(topk_ids, num_experts, emap, n_local, local=True, pad=alignment, want_psum=True)
-    if m_sum == "worst_case":
-        size = contiguous_m_sum(np.zeros(s.G), alignment, "worst_case", num_slots=m * k)
+    s = _sort_ws(topk_ids, emap, ss, device, pad=alignment)
+    tight = contiguous_m_sum(_host_counts(s), alignment)
+    if m_sum is None or m_sum == "tight":
+        size = tight
     else:
-        tight = contiguous_m_sum(_host_counts(s), alignment)
-        if m_sum is None or m_sum == "tight":
-            size = tight
-        else:
-            size = check_positive_int(m_sum, "m_sum", allow_zero=True)
-            if size < tight:
-                raise ValueError(f"m_sum={size} is smaller than the rows the routing needs ({tight})")
+        size = check_positive_int(m_sum, "m_sum", allow_zero=True)
+        if size < tight:
+            raise ValueError(f"m_sum={size} is smaller than the rows the routing needs ({tight})")
     m_indices = _alloc(size, torch.int32, device)
     src = _alloc(size, torch.int64, device)
-    dst = _alloc(m * k, torch.int32, device)
-    _rank(s, dst=dst, dst_mode=1, lst=src, list_mode=1, grp=m_indices)
-    a = None if x is None else _alloc((size, x.shape[1]), x.dtype, device)
-    _fill(s, size, lst=src, list_pad=-1, grp=m_indices, rows=None if a is None else _bits(a))
-    if a is not None:
-        _scatter_rows(x, dst, a, k)
+    a = None if hidden is None else _alloc((size, hidden.shape[1]), hidden.dtype, device)
+    _place(s, hidden, a, _alloc(m * k, torch.int32, device), src, grp=m_indices)
     return Contiguous(a, m_indices, src, s.psum, alignment, m, k)
 
 
-def _to_capacity(hidden, topk_ids, num_experts, expert_map, validate, capacity_of, *, bound=None,
+def _to_capacity(kind, hidden, topk_ids, num_experts, expert_map, validate, capacity_of, *, bound=None,
                  what="to_masked", bound_name="max_m"):
-    """Rows per local expert in ``[G, cap]`` buffers. ``capacity_of(host counts) -> cap`` costs the one
-    host sync; ``bound``: the capacity without a host sync (``counts`` is None). Below the number
-    of slots ``M * k`` (a token may repeat an expert, :mod:`moeref.routing.ids`) it is checked on
-    the device with ``torch._assert_async`` (a CUDA device-side assert, a ``RuntimeError`` on the
-    CPU) before any row is placed."""
-    num_experts = check_positive_int(num_experts, "num_experts")
-    topk_ids = _prepare_ids(topk_ids, num_experts, validate)
+    """Rows per local expert in ``[G, cap]`` buffers: (masked_m / expert_num_tokens view, cap, a,
+    src, M, k, host counts or None). ``capacity_of(host counts) -> cap`` costs the one host sync;
+    ``bound``: the capacity without a host sync (counts None). Below the number of slots ``M * k``
+    (a token may repeat an expert, :mod:`moeref.routing.ids`) it is checked on the device with
+    ``torch._assert_async`` (a CUDA device-side assert, a ``RuntimeError`` on the CPU) after the sort
+    and before any row is placed."""
+    key = None
+    if bound is not None and expert_map is None and _ints(num_experts, bound) and _cuda(topk_ids, hidden):
+        key = _cuda_key(kind, _tkey(topk_ids), _tkey(hidden), num_experts, bound)
+    plan, plan1 = _plan.lookup(key and (key, 0)), _plan.lookup(key and (key, 1))  # sort, then placement
+    emap = ss = None
+    if plan is None or plan1 is None:
+        plan = plan1 = None
+        num_experts = check_positive_int(num_experts, "num_experts")
+        topk_ids = _prepare_ids(topk_ids, num_experts, validate)
+        emap, n_local = (None, num_experts) if expert_map is None else _prepare_map(expert_map, num_experts, topk_ids.device, validate)
+        m, k = topk_ids.shape
+        if hidden is not None:
+            _check_hidden(hidden, m, topk_ids.device)
+        ss = _SortShape.of(m * k, num_experts, n_local, emap is not None)
+        if bound is None:
+            return _to_capacity_counted(hidden, topk_ids, emap, ss, capacity_of)
+        lay = Layout([("totals", ss.NKP), ("meta", 3), ("dst", m * k), *ss.spec("totals", "meta")[2:]],
+                     outs=[("totals", 0, ss.G), ("meta", 2, 1)])
+        layout = (lay, ss.G)
+    else:
+        if validate:
+            _prepare_ids(topk_ids, num_experts, validate)
+        lay, _ = layout = plan.layout
+    G, cap = layout[1], bound
+    m, k = topk_ids.shape
+    device = topk_ids.device
+    ws = _alloc(lay.total, torch.int32, device)
+    counts, fits = lay.outputs(ws)
+    src = _alloc((G, cap), torch.int64, device)
+    a = None if hidden is None else _alloc((G, cap, hidden.shape[1]), hidden.dtype, device)
+    bases = (topk_ids, ws, src) if a is None else (topk_ids, ws, src, hidden, a)
+    dev = key and key[-1]
+    _plan.execute(key and (key, 0), plan, bases, dev,
+                  lambda: _sort(topk_ids, emap, ss, ws, lay, mode=_CAPACITY, cap=cap), layout)
+    if cap < m * k:  # a token repeating an expert can overflow: checked on the device, no sync
+        # meta[2]: 1 if every local expert fits (written by the sort head in capacity mode)
+        torch._assert_async(fits, f"{what}: a local expert has more rows than {bound_name}={cap}")
+    _plan.execute(key and (key, 1), plan1, bases, dev,
+                  lambda: _place(_sorted(topk_ids, emap, ss, ws, lay), hidden, a, lay.view(ws, "dst"), src,
+                                 mode=_CAPACITY, cap=cap))
+    return counts, cap, a, src, m, k, None
+
+
+def _to_capacity_counted(hidden, topk_ids, emap, ss, capacity_of):
+    """:func:`_to_capacity` without a bound: the counts come to the host (one sync) for the capacity."""
     device = topk_ids.device
     m, k = topk_ids.shape
-    emap, n_local = (None, num_experts) if expert_map is None else _prepare_map(expert_map, num_experts, device, validate)
-    x = None if hidden is None else _check_hidden(hidden, m, device)
-    if bound is not None:  # the capacity is known: the starts g * cap straight away
-        probe = _sort(topk_ids, num_experts, emap, n_local, local=True, mode=_CAPACITY, cap=bound)
-        counts, cap = None, bound
-        if cap < m * k:  # a token repeating an expert can overflow: checked on the device, no sync
-            # meta[2]: 1 if every local expert fits (written by the sort head in capacity mode)
-            torch._assert_async(probe.meta[2:], f"{what}: a local expert has more rows than {bound_name}={cap}")
-    else:  # counts first (needed on the host for the capacity), then the starts g * cap
-        probe = _sort(topk_ids, num_experts, emap, n_local, local=True)
-        counts = _host_counts(probe)  # the one host sync
-        cap = capacity_of(counts)
-        over = np.flatnonzero(counts > cap)
-        if over.size:
-            e = int(over[0])
-            raise ValueError(f"local expert {e} has {int(counts[e])} rows, more than the capacity {cap}")
-        # Rewrite the group starts as g * cap (the counts, offsets and chunk prefixes stay).
-        _launch(_group_starts_kernel, (1,), probe.totals, probe.starts, probe.ends, probe.offsets, probe.meta, probe.meta,
-                                   probe.G, probe.NK, 1, cap, MODE=_CAPACITY, WRITE_PSUM=False,
-                                   NKP=probe.totals.numel())
-    s, G = probe, probe.G
-    src = _alloc((G, cap), torch.int64, device)
-    dst = _alloc(m * k, torch.int32, device)
-    _rank(s, dst=dst, dst_mode=1, lst=src, list_mode=1)
-    a = None if x is None else _alloc((G, cap, x.shape[1]), x.dtype, device)
-    _fill(s, G * cap, mode=_CAPACITY, cap=cap, lst=src, list_pad=-1,
-          rows=None if a is None else _bits(a).view(G * cap, x.shape[1]))
-    if a is not None:
-        _scatter_rows(x, dst, a.view(G * cap, x.shape[1]), k)
-    return s, counts, cap, a, src, m, k
+    s = _sort_ws(topk_ids, emap, ss, device)
+    counts = _host_counts(s)  # the one host sync
+    cap = capacity_of(counts)
+    over = np.flatnonzero(counts > cap)
+    if over.size:
+        e = int(over[0])
+        raise ValueError(f"local expert {e} has {int(counts[e])} rows, more than the capacity {cap}")
+    # Rewrite the group starts as g * cap (the counts, offsets and chunk prefixes stay).
+    _launch(_group_starts_kernel, (1,), s.totals, s.starts, s.ends, s.offsets, s.meta, s.meta,
+            s.G, s.NK, 1, cap, MODE=_CAPACITY, WRITE_PSUM=False, NKP=s.totals.numel())
+    src = _alloc((s.G, cap), torch.int64, device)
+    a = None if hidden is None else _alloc((s.G, cap, hidden.shape[1]), hidden.dtype, device)
+    _place(s, hidden, a, _alloc(m * k, torch.int32, device), src, mode=_CAPACITY, cap=cap)
+    return s.totals[: s.G], cap, a, src, m, k, counts
 
 
 def to_masked(hidden, topk_ids, num_experts: int, max_m=None, expert_map=None, *, expected_m=None,
@@ -586,13 +823,13 @@ def to_masked(hidden, topk_ids, num_experts: int, max_m=None, expert_map=None, *
             raise ValueError(f"to_masked with expected_m given (no host sync) needs max_m >= the number of "
                              f"tokens {num_tokens} (no buffer size from the data); got max_m={max_m}")
         bound = max_m
-    s, counts, cap, a, src, m, k = _to_capacity(
-        hidden, topk_ids, num_experts, expert_map, validate,
+    masked_m, cap, a, src, m, k, counts = _to_capacity(
+        "masked", hidden, topk_ids, num_experts, expert_map, validate,
         lambda c: max_m if max_m is not None else max(1, int(c.max()) if c.size else 0), bound=bound)
     if expected_m is None:
         n_present = int(counts.sum())
-        expected_m = max(1, -(-n_present // s.G)) if s.G else 1
-    return Masked(a, s.totals[: s.G], int(expected_m), src, m, k)
+        expected_m = max(1, -(-n_present // counts.size)) if counts.size else 1
+    return Masked(a, masked_m, int(expected_m), src, m, k)
 
 
 def to_batched(hidden, topk_ids, num_experts: int, max_tokens_per_dispatcher: int, num_dispatchers: int = 1,
@@ -610,12 +847,10 @@ def to_batched(hidden, topk_ids, num_experts: int, max_tokens_per_dispatcher: in
     _check_int(topk_ids, "topk_ids", 2)
     if topk_ids.shape[0] > t * d:
         raise ValueError(f"{topk_ids.shape[0]} tokens exceed max_tokens_per_dispatcher * num_dispatchers = {t * d}")
-    s, counts, cap, a, src, m, k = _to_capacity(hidden, topk_ids, num_experts, expert_map, validate, lambda c: t * d,
-                                                bound=None if validate else t * d, what="to_batched",
+    counts, cap, a, src, m, k, _ = _to_capacity("batched", hidden, topk_ids, num_experts, expert_map, validate,
+                                                lambda c: t * d, bound=None if validate else t * d, what="to_batched",
                                                 bound_name="max_tokens_per_dispatcher * num_dispatchers")
-    return Batched(a, s.totals[: s.G], src, m, k, t, d)
-
-
+    return Batched(a, counts, src, m, k, t, d)
 # ----------------------------------------------------------------------------------------------
 # Registry (fastpath.registry): ``supports`` is what the registry's triton entries call
 # ----------------------------------------------------------------------------------------------
