@@ -314,7 +314,9 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         xq = (silu_and_mul(h) if activation == "silu_and_mul" else swigluoai(h, **act_kw)).to(store)
         sx = None
     y = gemm(xq, weights.w2, sx, weights.w2_scales, weights.b2)
-    return dispatch._reduce(y.reshape(n_rows, -1), dst, topk_weights, nvalid=n_rows, out_dtype=torch.float32)
+    out = alloc((int(topk_weights.shape[0]), int(y.shape[-1])), dtype=torch.float32, device=y.device)
+    dispatch._reduce(y.reshape(n_rows, -1), dst, topk_weights, out, nvalid=n_rows)
+    return out
 
 
 def profile_of(impl: str, weights: FastMoEWeights) -> str:
