@@ -15,8 +15,13 @@ MXFP4 (1x32, UE8M0) codes and scales, bit-identical to the reference path
   rules of every preset, the scale layouts including the 128x4 swizzle, the E2M1 encode), so
   this module adds only the source decode in front of them;
 * NVFP4's per-tensor global comes from a first pass over the FP8 codes (the amax of the decoded
-  values, NaN policy as the preset's) and :mod:`fastpath.quant`'s factor kernel, or from a
-  static ``global_scale`` (fused gate/up groups), as ``fastpath.quant.quantize`` takes it.
+  values, NaN policy as the preset's) whose last program runs :mod:`fastpath.quant`'s factor
+  kernel body, or from a static ``global_scale`` (fused gate/up groups), as
+  ``fastpath.quant.quantize`` takes it;
+* on a GPU the data pass decodes the codes two at a time with the hardware convert
+  (``cvt.rn.f16x2.e4m3x2``, exact), which halves its instruction count (the kernel was
+  issue-bound at about 32 SASS instructions per element, 16-17 after); the interpreter keeps
+  the integer decode.
 
 Why a fused kernel: the unfused path decodes to float32 (4 bytes per element written and read
 again) before the quantizer reads it: 9 bytes moved per element against the 1.56 the conversion
@@ -26,7 +31,8 @@ FP8 codes once and writes the target once; NVFP4's amax pass reads the codes a s
 
 Tiles: a program covers ``BLOCK_M`` rows by ``GPP`` target groups inside ONE source block, so
 the source scale is one scalar load per program; :func:`supports` refuses block shapes where no
-such tile exists (with the reason). Measured speed: docs/convert.md (bench/bench_convert.py).
+such tile exists (with the reason); :class:`RequantTuning` overrides the tiles (what
+``bench/bench_convert.py --sweep`` measures). Measured speed: docs/convert.md.
 """
 from __future__ import annotations
 
@@ -52,8 +58,13 @@ from .quant import _preset_map as P
 __all__ = ["supports", "fp8_block_to_fp4", "RequantTuning", "SCALE_LAYOUTS"]
 
 SCALE_LAYOUTS = ("row_major", "swizzled_128x4")
-_TILE_ELEMS = 4096   # elements per program of the data pass (fastpath.quant's FP4 tile size)
-_AMAX_ELEMS = 8192   # elements per program of the amax pass (fastpath.quant's _AMAX_TILE)
+# Default tiles, from `bench/bench_convert.py --sweep` on an H100 (2026-11-24, docs/convert.md):
+# the data pass takes 64 target groups per program on one warp per 1024 elements (32 elements
+# per thread: NVFP4 8 rows x 8 groups on 1 warp, MXFP4 16 x 4 on 2; 4096-element tiles on 2
+# warps ran 1.6x slower for MXFP4); the amax pass one 128 x 128 tile (16384 codes) per program.
+_TILE_GROUPS = 64
+_ELEMS_PER_WARP = 1024
+_AMAX_ELEMS = 16384
 
 
 @triton.jit
@@ -240,13 +251,18 @@ def _plan(shape, src_block, target: Scheme, tuning: RequantTuning = DEFAULT_TUNI
     if sbk % gs:
         return f"source block width {sbk} is not a multiple of the target group {gs}"
     gpp = tuning.groups_per_program or _pow2_divisor(sbk // gs, max(1, 512 // gs))
-    bm = tuning.block_m or _pow2_divisor(sbm, max(1, _TILE_ELEMS // (gs * gpp)))
+    bm = tuning.block_m or _pow2_divisor(sbm, max(1, _TILE_GROUPS // gpp))
     bka = tuning.amax_block_k or _pow2_divisor(sbk, 1024)
     bma = tuning.amax_block_m or _pow2_divisor(sbm, max(1, _AMAX_ELEMS // bka))
     if sbm % bm or sbk % (gs * gpp) or sbm % bma or sbk % bka:
         return (f"tile {tuning} does not lie inside one {sbm} x {sbk} source block "
                 f"(data {bm} x {gs * gpp}, amax {bma} x {bka})")
     return gs, gpp, bm, bma, bka
+
+
+def _data_warps(gs: int, gpp: int, bm: int) -> int:
+    """Default warps of the data pass: one per :data:`_ELEMS_PER_WARP` elements of the tile."""
+    return max(1, gs * gpp * bm // _ELEMS_PER_WARP)
 
 
 def supports(src_scheme: Scheme | None = None, target: Scheme | None = None, shape=None,
@@ -361,7 +377,7 @@ def fp8_block_to_fp4(codes: torch.Tensor, scales: torch.Tensor, src_block, targe
     elif global_scale is not None:
         raise ValueError(f"global_scale is the NVFP4 per-tensor factor; {target.name!r} is "
                          f"{target.family!r}")
-    knobs = L._launch_knobs(ce, max(2, gs), gpp, bm, tuning.num_warps)
+    knobs = L._launch_knobs(ce, max(2, gs), gpp, bm, tuning.num_warps or _data_warps(gs, gpp, bm))
     names = set(_fp8_block_to_fp4_kernel.arg_names)
     grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp))
     words = codes.view(torch.int16)  # element pairs (the even one in the low byte)
