@@ -162,7 +162,8 @@ def bench_gpu(rounds=21, reps=20, n_src=8, json_path=None):
 
     * ``fused``: :func:`fastpath.requant.fp8_block_to_fp4`, FP8 codes + 128x128 FP32 scales on
       the device to the target's codes + scales (+ NVFP4's global) on the device: for NVFP4
-      the amax pass, the factor kernel and the data pass; for MXFP4 the data pass.
+      the zeroing, the amax pass (which computes the factors) and the data pass; for MXFP4 the
+      data pass.
     * ``unfused``: the path the converter took before: the source decoded to float32 on the
       device (``codes.float() * scales`` broadcast) and :func:`fastpath.quant.quantize`.
     * ``copy``: ``dst.copy_(src)`` of ``(source bytes + target bytes) / 2`` bytes, so that it
@@ -288,11 +289,9 @@ def bench_gpu(rounds=21, reps=20, n_src=8, json_path=None):
 
 # The sweep's tiles: (rows, groups per program, warps) of the data pass per target group size,
 # (rows, columns, warps) of the NVFP4 amax pass; the first of each is the default plan.
-SWEEP_DATA = {16: [(32, 8, 2), (32, 8, 4), (16, 8, 1), (16, 8, 2), (64, 8, 4), (64, 8, 8),
-                   (128, 8, 8), (8, 8, 1), (32, 4, 2)],
-              32: [(32, 4, 2), (32, 4, 4), (16, 4, 1), (16, 4, 2), (64, 4, 4), (64, 4, 8),
-                   (128, 4, 8), (8, 4, 1), (32, 2, 2)]}
-SWEEP_AMAX = [(64, 128, 8), (128, 128, 8), (128, 128, 4), (32, 128, 4), (128, 128, 16)]
+SWEEP_DATA = {16: [(8, 8, 1), (4, 8, 1), (8, 4, 1), (16, 8, 1), (16, 8, 2), (32, 8, 2)],
+              32: [(16, 4, 2), (16, 4, 1), (8, 4, 1), (32, 4, 2), (32, 4, 4)]}
+SWEEP_AMAX = [(128, 128, 8), (64, 128, 8), (128, 128, 4), (64, 128, 4)]
 
 
 def bench_gpu_sweep(json_path=None, rounds=9, reps=20, n_src=8):
