@@ -162,7 +162,8 @@ def bench_gpu(rounds=21, reps=20, n_src=8, json_path=None):
 
     * ``fused``: :func:`fastpath.requant.fp8_block_to_fp4`, FP8 codes + 128x128 FP32 scales on
       the device to the target's codes + scales (+ NVFP4's global) on the device: for NVFP4
-      the amax pass, the factor kernel and the data pass; for MXFP4 the data pass.
+      the zeroing, the amax pass (which computes the factors) and the data pass; for MXFP4 the
+      data pass.
     * ``unfused``: the path the converter took before: the source decoded to float32 on the
       device (``codes.float() * scales`` broadcast) and :func:`fastpath.quant.quantize`.
     * ``copy``: ``dst.copy_(src)`` of ``(source bytes + target bytes) / 2`` bytes, so that it
@@ -286,13 +287,111 @@ def bench_gpu(rounds=21, reps=20, n_src=8, json_path=None):
     return result
 
 
+# The sweep's tiles: (rows, groups per program, warps) of the data pass per target group size,
+# (rows, columns, warps) of the NVFP4 amax pass; the first of each is the default plan.
+SWEEP_DATA = {16: [(8, 8, 1), (4, 8, 1), (8, 4, 1), (16, 8, 1), (16, 8, 2), (32, 8, 2)],
+              32: [(16, 4, 2), (16, 4, 1), (8, 4, 1), (32, 4, 2), (32, 4, 4)]}
+SWEEP_AMAX = [(128, 128, 8), (64, 128, 8), (128, 128, 4), (64, 128, 4)]
+
+
+def bench_gpu_sweep(json_path=None, rounds=9, reps=20, n_src=8):
+    """Tile sweep of :func:`fastpath.requant.fp8_block_to_fp4` on the benchmark weight: every
+    :data:`SWEEP_DATA` data tile (default amax tile) and every :data:`SWEEP_AMAX` amax tile
+    (default data tile) per target, and the integer E4M3 decode against the hardware one
+    (``requant._hw_decode``) at the default tiles; each checked bit for bit against the CPU
+    reference, timed as :func:`bench_gpu` times (graphs of ``reps`` calls over ``n_src``
+    rotating weights), in interleaved rounds (bench.interleaved) with the copy of the same bytes.
+    """
+    import json
+
+    import torch
+
+    from bench.interleaved import machine_meta, time_interleaved
+    from fastpath import requant
+
+    dev = torch.device("cuda")
+    qs = [source_weight(seed) for seed in range(n_src)]
+    srcs = [requant.from_reference(q, dev) for q in qs]
+    M, K = qs[0].shape
+    x32 = qs[0].dequantize(np.float32)
+    out = {"meta": machine_meta(), "shape": [M, K], "reps": reps, "rounds": rounds, "targets": {}}
+    hw = requant._hw_decode
+    for name in ("ct-nvfp4", "modelopt-nvfp4", "ct-mxfp4"):
+        scheme = get_layout(name).scheme()
+        ref = quantize(x32, scheme)
+        gs = int(scheme.resolve_block((M, K))[-1])
+        tunings = {f"data {t}": requant.RequantTuning(*t) for t in SWEEP_DATA[gs]}
+        if scheme.family == "nvfp4":
+            tunings.update({f"amax {t}": requant.RequantTuning(amax_block_m=t[0], amax_block_k=t[1],
+                                                               amax_warps=t[2]) for t in SWEEP_AMAX[1:]})
+        tunings["int-decode"] = requant.DEFAULT_TUNING
+        cases, checks = {}, {}
+        for key, tun in tunings.items():
+            requant._hw_decode = (lambda d: False) if key == "int-decode" else hw
+            try:
+                got = requant.fp8_block_to_fp4(*srcs[0], scheme, tuning=tun).to_reference()
+                checks[key] = bool(np.array_equal(got.codes, ref.codes)
+                                   and np.array_equal(got.scales, ref.scales)
+                                   and got.global_scale == ref.global_scale)
+                for i in range(3):
+                    requant.fp8_block_to_fp4(*srcs[i], scheme, tuning=tun)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for i in range(reps):
+                        requant.fp8_block_to_fp4(*srcs[i % n_src], scheme, tuning=tun)
+                cases[key] = g.replay
+            except Exception as e:  # a tile the compiler refuses: reported, not timed
+                checks[key] = f"{type(e).__name__}: {e}"[:300]
+            finally:
+                requant._hw_decode = hw
+        src_b = M * K + srcs[0][1].numel() * 4
+        dst_b = M * ((K + 1) // 2) + ref.scales.size + (4 if ref.global_scale is not None else 0)
+        n = (src_b + dst_b) // 2
+        a = [torch.empty(n, dtype=torch.uint8, device=dev).random_(0, 255) for _ in range(n_src)]
+        b = [torch.empty(n, dtype=torch.uint8, device=dev) for _ in range(n_src)]
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(reps):
+                b[i % n_src].copy_(a[i % n_src])
+        cases["copy"] = g.replay
+        res = time_interleaved(cases, baselines=["copy"], rounds=rounds, warmup=2)
+        rows = {}
+        cp = res.cases["copy"]
+        for key in tunings:
+            if key not in res.cases:
+                rows[key] = {"error": checks[key]}
+                continue
+            c = res.cases[key]
+            rows[key] = {"us_median": c.median_s / reps * 1e6, "us_min": c.min_s / reps * 1e6,
+                         "us_max": c.max_s / reps * 1e6,
+                         "fraction_of_copy": res.ratios[key]["copy"].median,
+                         "bit_identical": checks[key]}
+        out["targets"][name] = {"copy_us_median": cp.median_s / reps * 1e6, "rows": rows}
+        print(f"{name}: copy {cp.median_s / reps * 1e6:.1f} us")
+        for key, r in sorted(rows.items(), key=lambda kv: kv[1].get("us_median", 1e9)):
+            if "error" in r:
+                print(f"  {key:28s} ERROR {r['error'][:100]}")
+            else:
+                print(f"  {key:28s} {r['us_median']:6.1f} us ({r['us_min']:.1f}-{r['us_max']:.1f}) "
+                      f"{100 * r['fraction_of_copy']:5.1f}% of copy  bit-identical {r['bit_identical']}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workers", type=int, default=1, help="cores for the projection")
     ap.add_argument("--gpu", action="store_true", help="only the CUDA part (bench_gpu)")
     ap.add_argument("--json", default=None, help="write the GPU figures to this JSON file")
+    ap.add_argument("--sweep", action="store_true", help="only the GPU tile sweep (bench_gpu_sweep)")
     args = ap.parse_args()
+    if args.sweep:
+        bench_gpu_sweep(json_path=args.json)
+        return
     if args.gpu:
         bench_gpu(json_path=args.json)
         bench_end_to_end(target="ct-nvfp4")

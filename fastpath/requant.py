@@ -15,8 +15,13 @@ MXFP4 (1x32, UE8M0) codes and scales, bit-identical to the reference path
   rules of every preset, the scale layouts including the 128x4 swizzle, the E2M1 encode), so
   this module adds only the source decode in front of them;
 * NVFP4's per-tensor global comes from a first pass over the FP8 codes (the amax of the decoded
-  values, NaN policy as the preset's) and :mod:`fastpath.quant`'s factor kernel, or from a
-  static ``global_scale`` (fused gate/up groups), as ``fastpath.quant.quantize`` takes it.
+  values, NaN policy as the preset's) whose last program runs :mod:`fastpath.quant`'s factor
+  kernel body, or from a static ``global_scale`` (fused gate/up groups), as
+  ``fastpath.quant.quantize`` takes it;
+* on a GPU the data pass decodes the codes two at a time with the hardware convert
+  (``cvt.rn.f16x2.e4m3x2``, exact), which halves its instruction count (the kernel was
+  issue-bound at about 32 SASS instructions per element, 16-17 after); the interpreter keeps
+  the integer decode.
 
 Why a fused kernel: the unfused path decodes to float32 (4 bytes per element written and read
 again) before the quantizer reads it: 9 bytes moved per element against the 1.56 the conversion
@@ -26,9 +31,12 @@ FP8 codes once and writes the target once; NVFP4's amax pass reads the codes a s
 
 Tiles: a program covers ``BLOCK_M`` rows by ``GPP`` target groups inside ONE source block, so
 the source scale is one scalar load per program; :func:`supports` refuses block shapes where no
-such tile exists (with the reason). Measured speed: docs/convert.md (bench/bench_convert.py).
+such tile exists (with the reason); :class:`RequantTuning` overrides the tiles (what
+``bench/bench_convert.py --sweep`` measures). Measured speed: docs/convert.md.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -42,21 +50,56 @@ from . import quant as FQ
 from ._host import alloc
 from .quant import _jit_codes as JC
 from .quant import _jit_scales as JS
+from .quant import _kernels as KN
 from .quant import _launch as L
 from .quant import _layouts as LY
 from .quant import _preset_map as P
 
-__all__ = ["supports", "fp8_block_to_fp4", "SCALE_LAYOUTS"]
+__all__ = ["supports", "fp8_block_to_fp4", "RequantTuning", "SCALE_LAYOUTS"]
 
 SCALE_LAYOUTS = ("row_major", "swizzled_128x4")
-_TILE_ELEMS = 4096   # elements per program of the data pass (fastpath.quant's FP4 tile size)
-_AMAX_ELEMS = 8192   # elements per program of the amax pass (fastpath.quant's _AMAX_TILE)
+# Default tiles, from `bench/bench_convert.py --sweep` on an H100 (2026-11-24, docs/convert.md):
+# the data pass takes 64 target groups per program on one warp per 1024 elements (32 elements
+# per thread: NVFP4 8 rows x 8 groups on 1 warp, MXFP4 16 x 4 on 2; 4096-element tiles on 2
+# warps ran 1.6x slower for MXFP4); the amax pass one 128 x 128 tile (16384 codes) per program.
+_TILE_GROUPS = 64
+_ELEMS_PER_WARP = 1024
+_AMAX_ELEMS = 16384
 
 
 @triton.jit
 def _e4m3_times(code, s):
     """``fl32(e4m3(code) * s)`` for integer codes (exact decode; one float32 RNE product)."""
     return R.decode_minifloat(code, 4, 3, 7, True, 1) * s
+
+
+# The hardware decode of an E4M3 pair (GPU only; Triton's interpreter runs no inline asm):
+# ``cvt.rn.f16x2.e4m3x2`` widens the 16-bit word's two codes into float16 (the low byte into the
+# low half), exact (every E4M3 value, subnormals included, is a float16; the NaN codes become a
+# float16 NaN), and ``cvt.f32.f16`` widens each half exactly. Equal to decode_minifloat's value
+# for every code up to the NaN payload, which nothing downstream reads (the amax and E2M1 steps
+# treat every NaN pattern alike, as they do for bfloat16 input).
+_E4M3X2_PTX = tl.constexpr("""{
+.reg .b16 %e4p_w, %e4p_lo, %e4p_hi;
+.reg .b32 %e4p_h;
+cvt.u16.u32 %e4p_w, $2;
+cvt.rn.f16x2.e4m3x2 %e4p_h, %e4p_w;
+mov.b32 {%e4p_lo, %e4p_hi}, %e4p_h;
+cvt.f32.f16 $0, %e4p_lo;
+cvt.f32.f16 $1, %e4p_hi;
+}""")
+
+
+@triton.jit
+def _e4m3_pair_times(words, s, HW_DECODE: tl.constexpr):
+    """``(fl32(e4m3(lo byte) * s), fl32(e4m3(hi byte) * s))`` of uint32 ``words`` holding a code
+    pair in their low 16 bits: through :data:`_E4M3X2_PTX` (HW_DECODE) or the integer fields."""
+    if HW_DECODE:
+        xe, xo = tl.inline_asm_elementwise(_E4M3X2_PTX, "=r,=r,r", [words],
+                                           dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        return xe * s, xo * s
+    else:
+        return _e4m3_times(words & 0xFF, s), _e4m3_times(words >> 8, s)
 
 
 @triton.jit
@@ -68,17 +111,26 @@ def _block_scale(s_ptr, stride_sm, row0, col0, M, K, SBM: tl.constexpr, SBK: tl.
 
 
 @triton.jit
-def _fp8_block_amax_kernel(c_ptr, stride_cm, s_ptr, stride_sm, p_ptr, M, K,
+def _fp8_block_amax_kernel(c_ptr, stride_cm, s_ptr, stride_sm, p_ptr, nv_ptr, glob_ptr, M, K,
                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SBM: tl.constexpr,
-                           SBK: tl.constexpr, NONFINITE: tl.constexpr):
-    """The tensor amax as float32 bits in the int32 ``p[0]`` (zeroed by the caller): each program
-    takes the amax of one [BLOCK_M, BLOCK_K] tile inside one source block and folds it in with
-    an integer atomic max (non-negative float32 bits order like the floats; NaN sorts above Inf,
-    so it propagates, unless NONFINITE is 1 ignores it, as :mod:`fastpath.quant`'s amax pass
-    does). One scale per tile and ``x -> fl32(x * s)`` monotone for ``s >= 0``, so the tile's
-    amax is the product of its largest code magnitude (E4M3 magnitudes order like their 7 bits;
-    0x7F, the NaN, sorts last) with the scale: the same value, and the same NaN, as the
-    maximum over the decoded elements (a negative scale has no meaning in these layouts)."""
+                           SBK: tl.constexpr, NONFINITE: tl.constexpr, ORDER: tl.constexpr,
+                           GLOB: tl.constexpr):
+    """The tensor amax and, in the program that finishes last, NVFP4's tensor factors.
+
+    ``p`` (int32[2], zeroed by the caller): ``p[0]`` the amax as float32 bits, ``p[1]`` a count
+    of finished programs. Each program takes the amax of one [BLOCK_M, BLOCK_K] tile inside one
+    source block and folds it in with an integer atomic max (non-negative float32 bits order like
+    the floats; NaN sorts above Inf, so it propagates, unless NONFINITE is 1 ignores it, as
+    :mod:`fastpath.quant`'s amax pass does). One scale per tile and ``x -> |fl32(x * s)|``
+    monotone in ``|x|`` (RNE is symmetric), so the tile's amax is the product of its largest code
+    magnitude (E4M3 magnitudes order like their 7 bits; 0x7F, the NaN, sorts last) with the
+    scale: the same value, and the same NaN, as the maximum over the decoded elements (an
+    infinite scale, whose zeros decode to NaN, has no meaning in these layouts).
+
+    Then each program counts itself in ``p[1]`` (acquire-release, after its max); the one that
+    counts last has seen every program's max and runs :func:`fastpath.quant._kernels.
+    _nvfp4_factors` on ``p[0]`` (``nv`` and ``glob`` as that kernel writes them): one launch
+    instead of two, the factors computed once per tensor as before."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -93,7 +145,12 @@ def _fp8_block_amax_kernel(c_ptr, stride_cm, s_ptr, stride_sm, p_ptr, M, K,
     a = R.f32_bits(_e4m3_times(top, s)) & 0x7FFFFFFF
     if NONFINITE == 1:
         a = tl.where(a > 0x7F800000, 0, a)
-    tl.atomic_max(p_ptr, a.to(tl.int32, bitcast=True))
+    tl.atomic_max(p_ptr, a.to(tl.int32, bitcast=True), sem="release")
+    done = tl.atomic_add(p_ptr + 1, 1, sem="acq_rel")
+    if done == tl.num_programs(0) * tl.num_programs(1) - 1:
+        tl.debug_barrier()  # the whole program reads after the counting thread's acquire
+        KN._nvfp4_factors(p_ptr.to(tl.pointer_type(tl.float32), bitcast=True), p_ptr, nv_ptr,
+                          glob_ptr, True, ORDER, GLOB)
 
 
 @triton.jit
@@ -110,7 +167,7 @@ def _fp8_block_to_fp4_kernel(
     APPLY: tl.constexpr, SATURATE: tl.constexpr, ROUND: tl.constexpr,
     DROP_NEG_ZERO: tl.constexpr, NAN_CODE: tl.constexpr, FILL_CODE: tl.constexpr,
     SF_LAYOUT: tl.constexpr, TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr,
-    DIV: tl.constexpr, E2M1_PTX: tl.constexpr, HW_SCALE: tl.constexpr,
+    DIV: tl.constexpr, E2M1_PTX: tl.constexpr, HW_SCALE: tl.constexpr, HW_DECODE: tl.constexpr,
 ):
     """One [BLOCK_M rows, GPP groups of GS] tile. The codes are read as 16-bit words, word w of
     a row holding elements (2w, 2w+1) (little-endian: the even one low), which is output byte w
@@ -130,8 +187,7 @@ def _fp8_block_to_fp4_kernel(
     off = rows.to(tl.int64)[:, None, None] * stride_wm + w[None, :, :]
     words = tl.load(w_ptr + off, mask=m3, other=0).to(tl.uint32)
     s = _block_scale(s_ptr, stride_sm, pid_m * BLOCK_M, pid_g * GPP * GS, M, K, SBM, SBK)
-    xe = _e4m3_times(words & 0xFF, s)
-    xo = _e4m3_times(words >> 8, s)
+    xe, xo = _e4m3_pair_times(words, s, HW_DECODE)
     amax = JS._amax_pair(xe, xo, NONFINITE)
     factor, nan_block = JS._tile_scales(
         amax, rows, gidx, tl.program_id(2), o_ptr, 0, stride_om, stride_og, dummy_ptr, nv_ptr,
@@ -145,22 +201,68 @@ def _fp8_block_to_fp4_kernel(
     tl.store(q_ptr + rows.to(tl.int64)[:, None, None] * stride_qm + w[None, :, :], byte, mask=m3)
 
 
+def _hw_decode(dev: torch.device) -> bool:
+    """Whether the data pass decodes E4M3 pairs with the hardware convert (a CUDA device, not
+    Triton's interpreter)."""
+    return dev.type == "cuda" and not P._INTERPRETED
+
+
 def _pow2_divisor(n: int, cap: int) -> int:
     """The largest power of two dividing ``n``, at most ``cap``."""
     return min(n & -n, cap)
 
 
-def _plan(shape, src_block, target: Scheme):
+@dataclass(frozen=True)
+class RequantTuning:
+    """Tiles of :func:`fp8_block_to_fp4` (speed only: no tile changes a code, a scale or the
+    global; the tests run several against the reference). ``None``: the default plan
+    (:func:`_plan`); every value a power of two; a data tile must lie inside one source block.
+
+    Attributes:
+        block_m: rows per program of the data pass.
+        groups_per_program: target groups (1 x 16 NVFP4, 1 x 32 MXFP4) per program.
+        num_warps: warps per program of the data pass.
+        amax_block_m, amax_block_k: the NVFP4 amax pass's tile.
+        amax_warps: warps per program of the amax pass.
+    """
+
+    block_m: int | None = None
+    groups_per_program: int | None = None
+    num_warps: int | None = None
+    amax_block_m: int | None = None
+    amax_block_k: int | None = None
+    amax_warps: int = 8
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v > 0
+                                      and v & (v - 1) == 0):
+                raise ValueError(f"RequantTuning.{f.name} must be None or a power of two; got {v!r}")
+
+
+DEFAULT_TUNING = RequantTuning()
+
+
+def _plan(shape, src_block, target: Scheme, tuning: RequantTuning = DEFAULT_TUNING):
     """(GS, GPP, BLOCK_M, BMa, BKa) or a str saying why no tile fits."""
     sbm, sbk = (int(b) for b in src_block)
     gs = int(target.resolve_block(tuple(shape))[-1])
     if sbk % gs:
         return f"source block width {sbk} is not a multiple of the target group {gs}"
-    gpp = _pow2_divisor(sbk // gs, max(1, 512 // gs))
-    bm = _pow2_divisor(sbm, max(1, _TILE_ELEMS // (gs * gpp)))
-    bka = _pow2_divisor(sbk, 1024)
-    bma = _pow2_divisor(sbm, max(1, _AMAX_ELEMS // bka))
+    gpp = tuning.groups_per_program or _pow2_divisor(sbk // gs, max(1, 512 // gs))
+    bm = tuning.block_m or _pow2_divisor(sbm, max(1, _TILE_GROUPS // gpp))
+    bka = tuning.amax_block_k or _pow2_divisor(sbk, 1024)
+    bma = tuning.amax_block_m or _pow2_divisor(sbm, max(1, _AMAX_ELEMS // bka))
+    if sbm % bm or sbk % (gs * gpp) or sbm % bma or sbk % bka:
+        return (f"tile {tuning} does not lie inside one {sbm} x {sbk} source block "
+                f"(data {bm} x {gs * gpp}, amax {bma} x {bka})")
     return gs, gpp, bm, bma, bka
+
+
+def _data_warps(gs: int, gpp: int, bm: int) -> int:
+    """Default warps of the data pass: one per :data:`_ELEMS_PER_WARP` elements of the tile."""
+    return max(1, gs * gpp * bm // _ELEMS_PER_WARP)
 
 
 def supports(src_scheme: Scheme | None = None, target: Scheme | None = None, shape=None,
@@ -204,7 +306,8 @@ def supports(src_scheme: Scheme | None = None, target: Scheme | None = None, sha
 
 
 def fp8_block_to_fp4(codes: torch.Tensor, scales: torch.Tensor, src_block, target: Scheme, *,
-                     scale_layout: str = "row_major", global_scale=None) -> FQ.FastQuantized:
+                     scale_layout: str = "row_major", global_scale=None,
+                     tuning: RequantTuning | None = None) -> FQ.FastQuantized:
     """Convert an FP8 block-scaled weight into ``target`` (NVFP4 / MXFP4) on ``codes.device``.
 
     Args:
@@ -216,6 +319,7 @@ def fp8_block_to_fp4(codes: torch.Tensor, scales: torch.Tensor, src_block, targe
         scale_layout: ``"row_major"`` (the reference grid) or ``"swizzled_128x4"``.
         global_scale: NVFP4 only: a static global in the preset's convention (number or
             one-element float32 tensor), as :func:`fastpath.quant.quantize` takes it.
+        tuning: :class:`RequantTuning` tiles (None: the defaults).
 
     Returns:
         :class:`fastpath.quant.FastQuantized` (``.to_reference()``: a ``QuantizedTensor``
@@ -241,7 +345,11 @@ def fp8_block_to_fp4(codes: torch.Tensor, scales: torch.Tensor, src_block, targe
                          f"{scales.dtype} {tuple(scales.shape)} on {scales.device}")
     scales = scales.contiguous()
     dev = codes.device
-    gs, gpp, bm, bma, bka = _plan(shape, src_block, target)
+    tuning = DEFAULT_TUNING if tuning is None else tuning
+    plan = _plan(shape, src_block, target, tuning)
+    if isinstance(plan, str):
+        raise ValueError(f"fp8_block_to_fp4: {plan}")
+    gs, gpp, bm, bma, bka = plan
     ce = P.constexprs(target, dev.type == "cuda")
     ng = -(-K // gs)
     sshape, sdt, (m_pad, ng_pad, ssm, ssg) = LY.scale_storage_shape((1, M, K), target, scale_layout)
@@ -258,16 +366,18 @@ def fp8_block_to_fp4(codes: torch.Tensor, scales: torch.Tensor, src_block, targe
                              "no fused path: use fastpath.quant.quantize")
     elif two_level:
         grid_a = (triton.cdiv(M, bma), triton.cdiv(K, bka))
-        bits = torch.zeros(1, dtype=torch.int32, device=dev)
+        bits = torch.zeros(2, dtype=torch.int32, device=dev)
+        nv = alloc(130, dtype=torch.float32, device=dev)
+        glob = alloc(1, dtype=torch.float64, device=dev)
         _fp8_block_amax_kernel[grid_a](codes, codes.stride(0), scales, scales.stride(0), bits,
-                                       M, K, BLOCK_M=bma, BLOCK_K=bka, SBM=sbm, SBK=sbk,
-                                       NONFINITE=ce["NONFINITE"], num_warps=8,
-                                       enable_fp_fusion=False)
-        nv, glob = L._nvfp4_device_globals(target, amax=bits.view(torch.float32))
+                                       nv, glob, M, K, BLOCK_M=bma, BLOCK_K=bka, SBM=sbm, SBK=sbk,
+                                       NONFINITE=ce["NONFINITE"], ORDER=order,
+                                       GLOB=L._nvfp4_glob_kind(target, True),
+                                       num_warps=tuning.amax_warps, enable_fp_fusion=False)
     elif global_scale is not None:
         raise ValueError(f"global_scale is the NVFP4 per-tensor factor; {target.name!r} is "
                          f"{target.family!r}")
-    knobs = L._launch_knobs(ce, max(2, gs), gpp, bm, None)
+    knobs = L._launch_knobs(ce, max(2, gs), gpp, bm, tuning.num_warps or _data_warps(gs, gpp, bm))
     names = set(_fp8_block_to_fp4_kernel.arg_names)
     grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp))
     words = codes.view(torch.int16)  # element pairs (the even one in the low byte)
@@ -276,7 +386,7 @@ def fp8_block_to_fp4(codes: torch.Tensor, scales: torch.Tensor, src_block, targe
         out_scales, ssm, ssg, dummy, nv, M, K, ng, m_pad, ng_pad,
         SBM=sbm, SBK=sbk, GS=gs, GB=max(2, gs), GPP=gpp, BLOCK_M=bm,
         SF_LAYOUT=LY.SF_LAYOUT[scale_layout], TWO_LEVEL=two_level, NV_ORDER=order,
-        num_warps=knobs["num_warps"], enable_fp_fusion=False,
+        HW_DECODE=_hw_decode(dev), num_warps=knobs["num_warps"], enable_fp_fusion=False,
         **{k_: v_ for k_, v_ in knobs.items() if k_ in names})
     if scale_layout == "row_major":
         out_scales = out_scales.reshape(LY.grid_of(shape, target))

@@ -94,3 +94,54 @@ def test_converter_glue_refuses_non_finite_nvfp4_input_as_the_reference_does():
     assert fq is not None, why
     with pytest.raises(ValueError, match="finite"):
         fq(q.dequantize(np.float32), scheme)
+
+
+def _all_codes_source(shape, block, nan, seed=1):
+    """Every E4M3 code (random bytes; the NaN codes 0x7F / 0xFF only when ``nan``) under random
+    positive FP32 block scales: subnormals, -0 and 448 pass through the data pass's decode."""
+    from moeref.quant import QuantizedTensor
+
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    codes[0, :256] = np.arange(256, dtype=np.uint8)[: min(256, shape[1])]
+    if not nan:
+        codes[(codes & 0x7F) == 0x7F] = 0x7E
+    grid = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+    scales = (rng.uniform(0.5, 2.0, size=grid) * 2.0 ** rng.integers(-12, 4, size=grid)).astype(np.float32)
+    q0 = quantize(np.zeros(shape, np.float32), fp8_block(block, "fp32", "deepgemm"))
+    return QuantizedTensor(codes=codes.view(q0.codes.dtype), scales=scales, scheme=q0.scheme, shape=shape)
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_every_e4m3_code_decodes_as_the_reference(name):
+    scheme = get_layout(name).scheme()
+    q = _all_codes_source((128, 256), (128, 128), nan=scheme.family != "nvfp4")
+    ref = quantize(q.dequantize(np.float32), scheme)
+    got = requant.fp8_block_to_fp4(*requant.from_reference(q, DEV), scheme).to_reference()
+    assert np.array_equal(got.codes, ref.codes), name
+    assert np.array_equal(np.asarray(got.scales).view(np.uint8), np.asarray(ref.scales).view(np.uint8)), name
+    assert got.global_scale == ref.global_scale, name
+
+
+@pytest.mark.parametrize("tile", [requant.RequantTuning(8, 2, 1, 16, 64, 2),
+                                  requant.RequantTuning(128, 4, 8, 128, 128, 4),
+                                  requant.RequantTuning(16, 1, 2, 128, 32, 1)])
+@pytest.mark.parametrize("layout", ["row_major", "swizzled_128x4"])
+def test_tiles_change_no_bit(tile, layout):
+    q = _source((200, 256), (128, 128))
+    for name in ("ct-nvfp4", "ct-mxfp4"):
+        scheme = get_layout(name).scheme()
+        want = requant.fp8_block_to_fp4(*requant.from_reference(q, DEV), scheme, scale_layout=layout)
+        got = requant.fp8_block_to_fp4(*requant.from_reference(q, DEV), scheme, scale_layout=layout,
+                                       tuning=tile)
+        assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales), (name, tile)
+        assert got.to_reference().global_scale == want.to_reference().global_scale
+
+
+def test_tuning_refuses_bad_tiles():
+    with pytest.raises(ValueError, match="power of two"):
+        requant.RequantTuning(block_m=24)
+    q = _source((128, 128), (64, 64))
+    with pytest.raises(ValueError, match="inside one 64 x 64 source block"):
+        requant.fp8_block_to_fp4(*requant.from_reference(q, DEV), get_layout("ct-mxfp4").scheme(),
+                                 tuning=requant.RequantTuning(block_m=128))

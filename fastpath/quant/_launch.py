@@ -151,18 +151,21 @@ def _nvfp4_device_globals(scheme: Scheme, amax=None, quantity=None):
     tensor amax, or a static amax tensor): :func:`moeref.quant.nvfp4.global_factors` on the
     device; or from a static ``quantity`` tensor in the preset's own convention (encode scale;
     torchao: decode scale), read as it is."""
-    p = scheme.preset
-    order = P.NVFP4_OP[p.option("nvfp4_order")]
+    order = P.NVFP4_OP[scheme.preset.option("nvfp4_order")]
     src = amax if amax is not None else quantity
     nv = _alloc(130, dtype=torch.float32, device=src.device)
     glob = _alloc(1, dtype=torch.float64, device=src.device)
-    # the reference's float64 decode factor, from the float32 quantity of the convention
-    if amax is not None and p.option("global_convention") == "amax":
-        kind = 0
-    else:
-        kind = 1 if order == 2 else 2
-    launch(_nvfp4_factors, (1,), src, src, nv, glob, FROM_AMAX=amax is not None, ORDER=order, GLOB=kind)
+    launch(_nvfp4_factors, (1,), src, src, nv, glob, FROM_AMAX=amax is not None, ORDER=order,
+           GLOB=_nvfp4_glob_kind(scheme, amax is not None))
     return nv, glob
+
+
+def _nvfp4_glob_kind(scheme: Scheme, from_amax: bool) -> int:
+    """:func:`_nvfp4_factors`' ``GLOB``: how the reference's float64 decode factor comes from the
+    float32 quantity of the preset's convention (0 the tensor amax, 1 torchao's pts, 2 1/S_enc)."""
+    if from_amax and scheme.preset.option("global_convention") == "amax":
+        return 0
+    return 1 if P.NVFP4_OP[scheme.preset.option("nvfp4_order")] == 2 else 2
 
 
 def _signed_zero_codes(x3: torch.Tensor, te: bool) -> torch.Tensor:
