@@ -146,3 +146,67 @@ def launch_for_replay(kernel, grid, *args, **kwargs):
     names = [p.name for p in kernel.params]
     return compiled, tuple(kwargs[n] if n in kwargs else p.default
                            for n, p in zip(names[len(args):], kernel.params[len(args):]))
+
+
+# ------------------------------------------------------------------------------- planned launches
+# A fast path's per-call *plan* (issue 20) fixes a launch's grid, constexprs, options and every
+# non-tensor argument for one (shape, dtype, strides, layout, device, options) key; only some tensor
+# arguments change from call to call. :class:`PlannedLaunch` is such a launch: its first call goes
+# through ``kernel[grid]`` (compiling if needed) and keeps the compiled kernel; later calls launch it
+# through ``CompiledKernel.run`` after O(1) checks (launch cache on, no launch hooks, same current
+# device, the per-call tensors' 16-byte alignment unchanged), with no argument binding or key hashing.
+# That runs what ``kernel[grid]`` would: every argument Triton specializes on is fixed by the plan
+# except the per-call tensors, whose dtypes the plan's key fixes and whose alignment is checked.
+# :func:`launch` above is unchanged (its API is kept for the dispatch fast paths).
+
+SLOT = object()  # placeholder of a per-call tensor argument in a PlannedLaunch's arguments
+_RUNTIME = []  # [triton.knobs.runtime, triton.runtime.driver], imported on first use
+
+
+def _runtime():
+    if not _RUNTIME:
+        from triton import knobs
+        from triton.runtime import driver
+
+        _RUNTIME.extend((knobs.runtime, driver))
+    return _RUNTIME
+
+
+class PlannedLaunch:
+    """``kernel[grid](*args, **kwargs)`` with the arguments that are :data:`SLOT` given per call:
+    ``p(t0, t1, ...)`` fills the slots in order (see the comment above)."""
+
+    __slots__ = ("kernel", "grid", "args", "kwargs", "slots", "_hit")
+
+    def __init__(self, kernel, grid, *args, **kwargs):
+        self.kernel = kernel
+        self.grid = tuple(grid)
+        self.args = list(args)
+        self.kwargs = kwargs
+        self.slots = tuple(i for i, a in enumerate(args) if a is SLOT)
+        self._hit = None  # (compiled, device, alignments of the slot tensors, tail, grid3)
+
+    def __call__(self, *tensors) -> None:
+        a = self.args.copy()
+        for i, t in zip(self.slots, tensors):
+            a[i] = t
+        hit = self._hit
+        if hit is not None and LAUNCH_CACHE_ON:
+            compiled, dev, align, tail, g = hit
+            r, driver = _RUNTIME
+            if dev == torch.cuda.current_device() and align == tuple(t.data_ptr() % 16 == 0 for t in tensors) \
+                    and not (getattr(r.launch_enter_hook, "calls", r.launch_enter_hook)
+                             or getattr(r.launch_exit_hook, "calls", r.launch_exit_hook)):
+                compiled.run(g[0], g[1], g[2], driver.active.get_current_stream(dev), compiled.function,
+                             compiled.packed_metadata, None, None, None, *a, *tail)
+                return
+        self._first(a, tensors)
+
+    def _first(self, a, tensors) -> None:
+        got = launch_for_replay(self.kernel, self.grid, *a, **self.kwargs)  # launches now, whatever it returns
+        if got is None:  # no replay possible (the interpreter, hooks, the cache off): kernel[grid] each time
+            return
+        _runtime()
+        compiled, tail = got
+        self._hit = (compiled, torch.cuda.current_device(), tuple(t.data_ptr() % 16 == 0 for t in tensors),
+                     tail, self.grid + (1,) * (3 - len(self.grid)))

@@ -36,13 +36,14 @@ from moeref.quant.scheme import Scheme
 
 from . import quant as Q
 from .quant import _launch as QL
+from .quant import _plan as QPL
 from .quant import _preset_map as QP
 from .quant import _tiles as QT
 from .quant._jit_codes import _activation
 from .quant._kernels import _quant_kernel
 from .quant._layouts import SF_LAYOUT, grid_of
 from ._host import alloc as _alloc
-from ._host import cdiv, launch, next_pow2
+from ._host import SLOT, PlannedLaunch, cdiv, launch, next_pow2
 
 __all__ = [
     "silu_and_mul_quant_fp8",
@@ -148,63 +149,101 @@ def swigluoai(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0, *, amax
 def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme | None,
            scale_layout: str, hw_fp8: bool | None, block_m=None, groups_per_program=None,
            num_warps=None, tuning: Q.QuantTuning | None = None, skip_rows=None) -> Q.FastQuantized:
-    scheme = fp8_group(128) if scheme is None else scheme
-    if tuning is not None and not isinstance(tuning, Q.QuantTuning):
-        raise TypeError(f"tuning must be a fastpath.quant.QuantTuning or None; got {type(tuning).__name__}")
-    ok, why = supports(scheme, x, scale_layout)
-    if not ok:
-        raise ValueError(f"fastpath.fused cannot run {scheme.name!r}: {why}")
-    shape_in = tuple(int(d) for d in x.shape)
-    N = shape_in[-1] // 2
-    shape = shape_in[:-1] + (N,)
-    x3 = x.reshape((1, 1) + shape_in) if x.dim() == 1 else (x.unsqueeze(0) if x.dim() == 2 else x)
-    B, M = int(x3.shape[0]), int(x3.shape[1])
-    dev = x.device
-    if hw_fp8 is None:
-        hw_fp8 = dev.type == "cuda"
-    ce = QP.constexprs(scheme, hw_fp8)
-    codes = _alloc((B, M, N), dtype=torch.uint8, device=dev)
-    gs = scheme.resolve_block(shape)[-1]
-    ng = cdiv(N, gs)
-    sshape, sdt, (m_pad, ng_pad, ssm, ssg) = Q.scale_storage_shape((B, M, N), scheme, scale_layout)
-    scales = _alloc(sshape, dtype=sdt, device=dev)
-    tile = QT._device_tile("fused", dev, scale_layout, ce, gs, ng, (block_m, groups_per_program, num_warps))
-    if tile is not None:  # a device's own tile (fastpath.quant._tiles._DEVICE_TILES)
-        groups_per_program, block_m, num_warps = tile
-    elif act == "silu_and_mul" and gs == 128 and block_m is None and groups_per_program is None \
-            and num_warps is None:
-        # the general tile (devices without their own): two loads per element (gate, up), 4 rows
-        # x 8 groups on 8 warps (docs/performance.md, "Tuning history of the quantization kernels")
-        num_warps = 8
-    gb, gpp, bm = QT._tile(gs, block_m, groups_per_program, scale_layout, ng, role="fused")
-    dummy = _alloc(1, dtype=torch.float32, device=dev)
-    grid = (cdiv(m_pad, bm), cdiv(ng_pad, gpp), B)
-    if skip_rows is not None:
-        if scale_layout != "row_major":
-            raise ValueError(f"skip_rows needs row-major scales (a skipped tile writes no scale); got {scale_layout!r}")
-        if not torch.is_tensor(skip_rows) or skip_rows.dtype not in (torch.int32, torch.int64):
-            raise TypeError("skip_rows must be an int32/int64 tensor (one label per row of x, < 0: skipped)")
-        if tuple(skip_rows.shape) != tuple(x3.shape[:2]) and skip_rows.numel() != B * M:
-            raise ValueError(f"skip_rows must have one label per row of x ({B * M}); got shape {tuple(skip_rows.shape)}")
-        if skip_rows.device != dev:
-            raise ValueError(f"skip_rows is on {skip_rows.device} but x is on {dev}")
-        skip_rows = skip_rows.reshape(-1).contiguous()
-    xk, pair, in16 = QL._pair_view(x3, act == "swigluoai")
-    if pair == 2:
-        pair = 0  # the generic swigluoai path loads gate/up with stride 2 on plain tiles
-    launch(_quant_kernel, grid,
-        xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
-        scales, scales.stride(0), ssm, ssg, dummy, dummy, dummy, dummy if skip_rows is None else skip_rows,
-        M, N, ng, m_pad, ng_pad, 1,
-        GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=SF_LAYOUT[scale_layout], AMAX_SRC=0,
-        STATIC=False, TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=True, ROW_SKIP=skip_rows is not None, ACT=_ACT[act],
-        ACT_ALPHA=float(alpha), ACT_LIMIT=float(limit), PAIR=pair, IN16=in16,
-        **QL._launch_knobs(ce, gb, gpp, bm, num_warps, tuning or QT.DEFAULT_TUNING))
-    if scale_layout == "row_major":
-        scales = scales.reshape(grid_of(shape, scheme))
-    elif len(shape) <= 2:
-        scales = scales[0]
-    return Q.FastQuantized(codes.reshape(shape), scales, scale_layout, scheme, shape)
+    try:  # the plan's key (fastpath.quant._plan): ids of the scheme and tuning, which the plan keeps
+        skip_key = None if skip_rows is None else (skip_rows.dtype, skip_rows.shape, skip_rows.device)
+        key = ("fused", act, alpha, limit, id(scheme), scale_layout, hw_fp8, block_m, groups_per_program,
+               num_warps, id(tuning), x.dtype, x.shape, x.stride(), x.data_ptr() & 15, x.device, skip_key)
+        plan = QPL._PLANS.get(key)
+        if plan is not None:
+            return plan(x, skip_rows)
+        if not (QPL.plain(alpha) and QPL.plain(limit)):
+            key = None
+    except (AttributeError, TypeError):  # not a tensor, unhashable options: validated below
+        key = None
+    plan = _FusedPlan(x, act, alpha, limit, scheme, scale_layout, hw_fp8, block_m, groups_per_program,
+                      num_warps, tuning, skip_rows)
+    plan.kept = (scheme, tuning)  # the key holds their ids
+    return QPL.keep(key, plan, x.device)(x, skip_rows)
+
+
+class _FusedPlan:
+    """Everything :func:`_fused` computes from its key (fastpath.quant._plan); ``plan(x)`` runs
+    one call: two allocations and one planned launch. ``skip_rows`` (a MoE layout's row labels) is
+    checked here against x's shape, which the key fixes with its own dtype, shape and device."""
+
+    def __init__(self, x, act, alpha, limit, scheme, scale_layout, hw_fp8, block_m, groups_per_program,
+                 num_warps, tuning, skip_rows=None):
+        scheme = fp8_group(128) if scheme is None else scheme
+        if tuning is not None and not isinstance(tuning, Q.QuantTuning):
+            raise TypeError(f"tuning must be a fastpath.quant.QuantTuning or None; got {type(tuning).__name__}")
+        ok, why = supports(scheme, x, scale_layout)
+        if not ok:
+            raise ValueError(f"fastpath.fused cannot run {scheme.name!r}: {why}")
+        shape_in = tuple(int(d) for d in x.shape)
+        N = shape_in[-1] // 2
+        shape = shape_in[:-1] + (N,)
+        x3 = x.reshape((1, 1) + shape_in) if x.dim() == 1 else (x.unsqueeze(0) if x.dim() == 2 else x)
+        B, M = int(x3.shape[0]), int(x3.shape[1])
+        self.dev = dev = x.device
+        self.scheme, self.shape, self.scale_layout = scheme, shape, scale_layout
+        if hw_fp8 is None:
+            hw_fp8 = dev.type == "cuda"
+        ce = QP.constexprs(scheme, hw_fp8)
+        cs = QPL._strides((B, M, N))
+        gs = scheme.resolve_block(shape)[-1]
+        ng = cdiv(N, gs)
+        sshape, self.sdt, (m_pad, ng_pad, ssm, ssg) = Q.scale_storage_shape((B, M, N), scheme, scale_layout)
+        ssb = QPL._strides(sshape)[0]
+        if scale_layout == "row_major":
+            self.scales_shape = grid_of(shape, scheme)
+        elif len(shape) <= 2:
+            self.scales_shape = tuple(sshape[1:])
+        else:
+            self.scales_shape = tuple(sshape)
+        tile = QT._device_tile("fused", dev, scale_layout, ce, gs, ng, (block_m, groups_per_program, num_warps))
+        if tile is not None:  # a device's own tile (fastpath.quant._tiles._DEVICE_TILES)
+            groups_per_program, block_m, num_warps = tile
+        elif act == "silu_and_mul" and gs == 128 and block_m is None and groups_per_program is None \
+                and num_warps is None:
+            # the general tile (devices without their own): two loads per element (gate, up), 4 rows
+            # x 8 groups on 8 warps (docs/performance.md, "Tuning history of the quantization kernels")
+            num_warps = 8
+        gb, gpp, bm = QT._tile(gs, block_m, groups_per_program, scale_layout, ng, role="fused")
+        dummy = _alloc(1, dtype=torch.float32, device=dev)  # never read or written by the kernel
+        grid = (cdiv(m_pad, bm), cdiv(ng_pad, gpp), B)
+        self.row_skip = skip_rows is not None
+        if self.row_skip:
+            if scale_layout != "row_major":
+                raise ValueError(f"skip_rows needs row-major scales (a skipped tile writes no scale); got {scale_layout!r}")
+            if not torch.is_tensor(skip_rows) or skip_rows.dtype not in (torch.int32, torch.int64):
+                raise TypeError("skip_rows must be an int32/int64 tensor (one label per row of x, < 0: skipped)")
+            if tuple(skip_rows.shape) != tuple(x3.shape[:2]) and skip_rows.numel() != B * M:
+                raise ValueError(f"skip_rows must have one label per row of x ({B * M}); got shape "
+                                 f"{tuple(skip_rows.shape)}")
+            if skip_rows.device != dev:
+                raise ValueError(f"skip_rows is on {skip_rows.device} but x is on {dev}")
+        xk, pair, in16 = QL._pair_view(x3, act == "swigluoai")
+        self.pair_words = pair == 1
+        if pair == 2:
+            pair = 0  # the generic swigluoai path loads gate/up with stride 2 on plain tiles
+        self.launch = PlannedLaunch(
+            _quant_kernel, grid,
+            SLOT, xk.stride(0), xk.stride(1), xk.stride(2), SLOT, cs[0], cs[1],
+            SLOT, ssb, ssm, ssg, dummy, dummy, dummy, SLOT if self.row_skip else dummy, M, N, ng, m_pad, ng_pad, 1,
+            GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=SF_LAYOUT[scale_layout], AMAX_SRC=0,
+            STATIC=False, TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=True, ROW_SKIP=self.row_skip, ACT=_ACT[act],
+            ACT_ALPHA=float(alpha), ACT_LIMIT=float(limit), PAIR=pair, IN16=in16,
+            **QL._launch_knobs(ce, gb, gpp, bm, num_warps, tuning or QT.DEFAULT_TUNING))
+
+    def __call__(self, x: torch.Tensor, skip_rows=None) -> Q.FastQuantized:
+        codes = _alloc(self.shape, dtype=torch.uint8, device=self.dev)
+        scales = _alloc(self.scales_shape, dtype=self.sdt, device=self.dev)
+        xk = x.view(torch.int32) if self.pair_words else x
+        if self.row_skip:
+            self.launch(xk, codes, scales, skip_rows.reshape(-1).contiguous())
+        else:
+            self.launch(xk, codes, scales)
+        return Q.FastQuantized(codes, scales, self.scale_layout, self.scheme, self.shape)
 
 
 def silu_and_mul_quant_fp8(x: torch.Tensor, scheme: Scheme | None = None, *,

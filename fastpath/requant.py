@@ -150,7 +150,7 @@ def _fp8_block_amax_kernel(c_ptr, stride_cm, s_ptr, stride_sm, p_ptr, nv_ptr, gl
     if done == tl.num_programs(0) * tl.num_programs(1) - 1:
         tl.debug_barrier()  # the whole program reads after the counting thread's acquire
         KN._nvfp4_factors(p_ptr.to(tl.pointer_type(tl.float32), bitcast=True), p_ptr, nv_ptr,
-                          glob_ptr, True, ORDER, GLOB)
+                          glob_ptr, 0, True, ORDER, GLOB, 0)
 
 
 @triton.jit

@@ -36,6 +36,7 @@ from moeref.quant.nvfp4 import (  # noqa: E402
 
 from fastpath import quant as Q  # noqa: E402
 from fastpath.quant import _launch as QL  # noqa: E402
+from fastpath.quant import _plan as QPL  # noqa: E402
 from fastpath import registry  # noqa: E402
 from fastpath.testing import device, on_gpu, poisoned, to_device  # noqa: E402
 from property_tests.test_fastpath_quant import (  # noqa: E402
@@ -276,6 +277,7 @@ def test_static_path_runs_no_amax_kernel(monkeypatch):
     dyn = Q.quantize(x, scheme)
     monkeypatch.setattr(QL, "_amax_partial_kernel", Forbidden())
     monkeypatch.setattr(QL, "_amax_final_kernel", Forbidden())
+    monkeypatch.setattr(QPL, "_PLANS", {})  # plans made before keep the real kernels
     for order, conv in COMBOS:
         s = nvfp4(preset=order, convention=conv)
         g = in_convention(float(np.abs(xn).max()), conv)

@@ -32,15 +32,16 @@ SMALL = Q.QuantTuning(row_loop_min_k=8, row_loop_tile=(2, 16, 1))
 
 
 def _launches(monkeypatch):
-    """Count launches of the loop kernel (to prove the test runs it)."""
+    """Count plans that launch the loop kernel (to prove the test runs it; each test's schemes
+    are new objects, so each call makes its plan)."""
     calls = []
-    real = QL._launch_row_loop
+    real = QL._row_loop_launch
 
     def spy(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(QL, "_launch_row_loop", spy)
+    monkeypatch.setattr(QL, "_row_loop_launch", spy)
     return calls
 
 

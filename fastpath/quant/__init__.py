@@ -21,6 +21,9 @@ this module                 the host API: :func:`supports`, :func:`quantize`, :f
 ``_tiles``                  tiles: the general choice and the per-device tables
 ``_layouts``                the scale layouts: names, addressing, storage shapes
 ``_launch``                 host-side launch helpers (amax pass, NVFP4 factors, launch knobs)
+``_plan``                   per-call plans: what a call computes from its shape, dtype, strides, layout
+                            and options, made once per key and reused (the host cost at decode
+                            sizes, issue 20; schemes are keyed by identity: make a scheme once)
 ==========================  ==========================================================================
 
 Exactness: the arithmetic is the reference's, operation for operation, in float32:
@@ -66,18 +69,13 @@ import numpy as np
 import torch
 
 from moeref.formats import get_format
-from moeref.quant import scheme as S
 from moeref.quant.scheme import Scheme
 
-from .._host import alloc as _alloc  # every buffer the kernels write (the tests' poisoning hook)
-from .._host import cdiv, launch
-from .._host import next_pow2 as _next_pow2
-from . import _launch as L
+from . import _plan
 from . import _preset_map as P
 from . import _tiles as T
-from ._kernels import _dequant_kernel, _per_tensor_scale_kernel, _quant_kernel
 from ._launch import global_scale_supports  # noqa: F401 (public: the registry's supports)
-from ._layouts import SCALE_LAYOUTS, SF_LAYOUT, grid_of, scale_storage_shape
+from ._layouts import SCALE_LAYOUTS, scale_storage_shape
 from ._tiles import QuantTuning
 
 __all__ = [
@@ -91,6 +89,9 @@ __all__ = [
 ]
 
 MAX_GROUP = 32768
+_TENSOR = object()  # key of a tensor global_scale (checked per call)
+_NO_KEY = object()  # an option no plan is kept for
+_kind = _plan._kind
 
 
 @dataclass(frozen=True)
@@ -150,16 +151,7 @@ class FastQuantized:
                                scheme=self.scheme, shape=self.shape, global_scale=gs)
 
 
-def _kind(scheme: Scheme) -> str | None:
-    """"per_tensor", "rows" (per-token / 1xG groups) or None for unsupported blocks."""
-    b = scheme.block
-    if len(b) == 2 and b[0] is None and b[1] is None:
-        return "per_tensor"
-    if len(b) == 2 and b[0] == 1:
-        return "rows"
-    if len(b) == 1:
-        return "rows"
-    return None
+_plan.FastQuantized = FastQuantized
 
 
 def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_major",
@@ -236,24 +228,6 @@ def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_majo
     return True, "ok"
 
 
-def _check_amax(amax, scheme: Scheme, x3: torch.Tensor, static_global: bool) -> torch.Tensor:
-    """:func:`quantize`'s ``amax=``: where a tensor amax pass would run (per-tensor FP8 without a
-    static scale, dynamic NVFP4), a float32 tensor of one amax per matrix (per-tensor) or one
-    (NVFP4) on x's device; anything else is a ValueError / TypeError naming what is wrong."""
-    kind = _kind(scheme)
-    static = scheme.static_scale is not None
-    if not ((kind == "per_tensor" and not static) or (scheme.family == "nvfp4" and not static_global)):
-        raise ValueError("amax= is for per-tensor FP8 without a static scale and NVFP4 without a "
-                         f"global_scale (the schemes with a tensor amax pass); got {scheme.name!r}")
-    if not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32:
-        raise TypeError(f"amax must be a float32 torch tensor; got {getattr(amax, 'dtype', type(amax).__name__)}")
-    want = int(x3.shape[0]) if kind == "per_tensor" else 1
-    if amax.numel() != want or amax.device != x3.device:
-        raise ValueError(f"amax must hold {want} value(s) on {x3.device}; got shape {tuple(amax.shape)} "
-                         f"on {amax.device}")
-    return amax.reshape(want)
-
-
 def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major", scale=None,
              hw_fp8: bool | None = None, block_m: int | None = None, groups_per_program: int | None = None,
              num_warps: int | None = None, global_scale=None, amax=None,
@@ -288,116 +262,27 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, scale_layout: str = "row_major"
     Returns:
         :class:`FastQuantized`; ``.to_reference()`` gives the :class:`moeref.quant.QuantizedTensor`.
     """
+    try:  # the plan's key (fastpath.quant._plan): ids of the scheme and tuning, which the plan keeps
+        gkey = global_scale if _plan.plain(global_scale) else \
+            (_TENSOR if isinstance(global_scale, torch.Tensor) else _NO_KEY)
+        key = (id(scheme), scale_layout, scale, hw_fp8, block_m, groups_per_program, num_warps, gkey,
+               id(tuning), x.dtype, x.shape, x.stride(), x.data_ptr() & 15, x.device)
+        plan = _plan._PLANS.get(key)
+        if plan is not None:
+            return plan(x, amax, global_scale)
+        if gkey is _NO_KEY or not _plan.plain(scale):
+            key = None
+    except (AttributeError, TypeError):  # not a tensor, unhashable options: validated below
+        key = None
     if tuning is not None and not isinstance(tuning, QuantTuning):
         raise TypeError(f"tuning must be a fastpath.quant.QuantTuning or None; got {type(tuning).__name__}")
-    tuning = tuning or T.DEFAULT_TUNING
-    ok, why = supports(scheme, x, scale_layout, tuning)
+    ok, why = supports(scheme, x, scale_layout, tuning or T.DEFAULT_TUNING)
     if not ok:
         raise ValueError(f"fastpath.quant.quantize cannot run {getattr(scheme, 'name', scheme)!r}: {why}")
-    static_global = None
-    if global_scale is not None:  # validated before any allocation or launch
-        static_global = L._nvfp4_static_factors(global_scale, scheme, x.device)
-    shape = tuple(int(d) for d in x.shape)
-    x3 = x.reshape((1, 1) + shape) if x.dim() == 1 else (x.unsqueeze(0) if x.dim() == 2 else x)
-    if amax is not None:
-        amax = _check_amax(amax, scheme, x3, static_global is not None)
-    B, M, K = (int(d) for d in x3.shape)
-    dev = x.device
-    if hw_fp8 is None:
-        hw_fp8 = dev.type == "cuda"
-    ce = P.constexprs(scheme, bool(hw_fp8))
-    kind = _kind(scheme)
-    p = scheme.preset
-    static = scheme.static_scale if scale is None else scale
-    if static is not None:
-        from moeref.quant.scheme import _check_static_scale
-        static = _check_static_scale(static, scheme.scale_format, "scale")
-    packed = scheme.element == "e2m1"
-    cshape = (B, M, (K + 1) // 2 if packed else K)
-    codes = _alloc(cshape, dtype=torch.uint8, device=dev)
-    dummy = _alloc(1, dtype=torch.float32, device=dev)
-    static_t = dummy
-    if static is not None:
-        sv = float(np.float32(static)) if scheme.scale_format == "fp32" else \
-            float(int(np.frexp(static)[1]) - 1 + 127)
-        static_t = torch.full((1,), sv, dtype=torch.float32, device=dev)
-
-    if kind == "per_tensor":
-        # one scale per matrix: amax pass, scale kernel, then the data pass with AMAX_SRC=1
-        need_amax = static is None or p.nonfinite == "nan_block"
-        if need_amax:
-            if amax is None:
-                amax = L._tensor_amax(x3, ce["NONFINITE"], per_matrix=True)
-        else:
-            amax = torch.zeros(B, dtype=torch.float32, device=dev)
-        sdt = torch.float32 if scheme.scale_format == "fp32" else torch.uint8
-        scales = _alloc((B, 1, 1), dtype=sdt, device=dev)
-        keys = ("ELEM_MAX", "INV_M", "EMAX", "MBITS", "SCALE_KIND", "FP32_RULE", "FP32_POW2",
-                "E8_RULE", "E8_LO", "E8_HI", "E8_NF", "AMAX_FLOOR", "ZERO_BLOCK", "NONFINITE", "APPLY")
-        launch(_per_tensor_scale_kernel, (1,), amax, scales, static_t, B,
-                                       BLOCK=_next_pow2(max(B, 2)), STATIC=static is not None,
-                                       **{k_: ce[k_] for k_ in keys})
-        gs = min(K, 128) if not packed else max(2, min(_next_pow2(K), 128))
-        gs = _next_pow2(gs)
-        ng = cdiv(K, gs)
-        gb, gpp, bm = T._tile(gs, block_m, groups_per_program, "row_major", ng)
-        grid = (cdiv(M, bm), cdiv(ng, gpp), B)
-        xk, pair, in16 = L._pair_view(x3, packed)
-        launch(_quant_kernel, grid,
-            xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
-            dummy, 0, 0, 0, amax, static_t, dummy, dummy, M, K, ng, M, ng, M,
-            GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=0, AMAX_SRC=1, STATIC=static is not None,
-            TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=False, ROW_SKIP=False, ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0,
-            PAIR=pair, IN16=in16,
-            **L._launch_knobs(ce, gb, gpp, bm, num_warps, tuning))
-        out_codes = codes.reshape(shape[:-1] + (cshape[-1],))
-        return FastQuantized(out_codes, scales.reshape(grid_of(shape, scheme)), "row_major", scheme, shape)
-
-    gs = scheme.resolve_block(shape)[-1]
-    ng = cdiv(K, gs)
-    sshape, sdt, (m_pad, ng_pad, ssm, ssg) = scale_storage_shape((B, M, K), scheme, scale_layout)
-    scales = _alloc(sshape, dtype=sdt, device=dev)
-    ssb = scales.stride(0)
-    tile = T._device_tile("quant", dev, scale_layout, ce, gs, ng, (block_m, groups_per_program, num_warps))
-    if tile is not None:
-        groups_per_program, block_m, num_warps = tile
-    gb, gpp, bm = T._tile(gs, block_m, groups_per_program, scale_layout, ng)
-    two_level = scheme.family == "nvfp4"
-    order = P.NVFP4_OP[p.option("nvfp4_order")] if two_level else 0
-    nv = dummy
-    zero_tensor = False
-    if two_level and static_global is not None:
-        # static global scale: no amax pass, the data pass below is the only read of x
-        nv, glob, zero_tensor = static_global
-    elif two_level:
-        if amax is None:
-            amax = L._tensor_amax(x3, ce["NONFINITE"], per_matrix=False)
-        nv, glob = L._nvfp4_device_globals(scheme, amax=amax)
-    if T._row_loop_applies(ng, gs, K, packed, scale_layout, tuning) and groups_per_program is None:
-        L._launch_row_loop(x3, codes, scales, ssb, ssm, m_pad, static_t, static, ce, block_m,
-                           num_warps, tuning)
-    else:
-        grid = (cdiv(m_pad, bm), cdiv(ng_pad, gpp), B)
-        xk, pair, in16 = L._pair_view(x3, packed)
-        launch(_quant_kernel, grid,
-            xk, xk.stride(0), xk.stride(1), xk.stride(2), codes, codes.stride(0), codes.stride(1),
-            scales, ssb, ssm, ssg, dummy, static_t, nv, dummy, M, K, ng, m_pad, ng_pad, 1,
-            GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=SF_LAYOUT[scale_layout], AMAX_SRC=0,
-            STATIC=static is not None, TWO_LEVEL=two_level, NV_ORDER=order, WRITE_SCALES=True, ROW_SKIP=False,
-            ACT=0, ACT_ALPHA=0.0, ACT_LIMIT=0.0, PAIR=pair, IN16=in16,
-            **L._launch_knobs(ce, gb, gpp, bm, num_warps, tuning))
-    if zero_tensor:  # a static amax that is 0 in float32: the reference's data factor is 0
-        codes.copy_(L._signed_zero_codes(x3, order == 0))
-    lead = shape[:-2] if len(shape) >= 2 else ()
-    out_codes = codes.reshape(shape[:-1] + (cshape[-1],))
-    if scale_layout == "row_major":
-        scales = scales.reshape(grid_of(shape, scheme))
-    elif len(shape) == 2:
-        scales = scales[0]
-    elif len(shape) == 1:
-        scales = scales[0]
-    return FastQuantized(out_codes, scales, scale_layout, scheme, shape,
-                         global_scale=glob if two_level else None)
+    plan = _plan.QuantPlan(x, scheme, scale_layout, scale, hw_fp8, block_m, groups_per_program, num_warps,
+                           global_scale, tuning or T.DEFAULT_TUNING)
+    plan.tuning = tuning  # kept: the key holds its id
+    return _plan.keep(key, plan, x.device)(x, amax, global_scale)
 
 
 _OUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -412,47 +297,16 @@ def dequantize(q: FastQuantized, dtype: torch.dtype = torch.float32, *, block_m:
     ``block_m``, ``groups_per_program``, ``num_warps``: tile overrides (benchmarks)."""
     if dtype not in _OUT:
         raise ValueError(f"dtype must be float32, bfloat16 or float16; got {dtype}")
-    scheme = q.scheme
-    shape = q.shape
-    x3shape = (1, 1) + shape if len(shape) == 1 else ((1,) + shape if len(shape) == 2 else shape)
-    B, M, K = x3shape
-    codes = q.codes.reshape(B, M, -1)
-    out = _alloc((B, M, K), dtype=dtype, device=codes.device)
-    kind = _kind(scheme)
-    packed = scheme.element == "e2m1"
-    ce = dict(ELEM=P.position(scheme.element, P.ELEMENTS),
-              SCALE_KIND=P.position(scheme.scale_format, S.SCALE_FORMATS),
-              HW=codes.device.type == "cuda")
-    if kind == "per_tensor":
-        gs = 128
-        ng = cdiv(K, gs)
-        gb, gpp, bm = T._tile(gs, block_m, groups_per_program, "row_major", ng, T._DQ_ELEMS, "dequant")
-        s = q.scales.reshape(B)
-        grid = (cdiv(M, bm), cdiv(ng, gpp), B)
-        launch(_dequant_kernel, grid, codes, codes.stride(0), codes.stride(1), s, 1, 0, 0, s, out,
-                              out.stride(0), out.stride(1), M, K, ng, M, GS=gs, GB=gb, GPP=gpp,
-                              BLOCK_M=bm, SF_LAYOUT=0, PER_TENSOR=True, TWO_LEVEL=False,
-                              OUT=_OUT[dtype], num_warps=num_warps or T._DQ_WARPS, **ce)
-        return out.reshape(shape)
-    gs = scheme.resolve_block(shape)[-1]
-    ng = cdiv(K, gs)
-    _, _, (m_pad, ng_pad, ssm, ssg) = scale_storage_shape((B, M, K), scheme, q.scale_layout)
-    s = q.scales
-    if q.scale_layout == "row_major":
-        s = s.reshape(B, M, ng)
-        ssb = s.stride(0)
-    else:
-        s = s.reshape((B,) + tuple(s.shape[-2:]) if q.scale_layout != "swizzled_128x4" else (B, -1))
-        ssb = s.stride(0)
-    gb, gpp, bm = T._tile(gs, block_m, groups_per_program, q.scale_layout, ng, T._DQ_ELEMS, "dequant")
-    g = q.global_scale if q.global_scale is not None else s
-    grid = (cdiv(M, bm), cdiv(ng, gpp), B)
-    launch(_dequant_kernel, grid, codes, codes.stride(0), codes.stride(1), s, ssb, ssm, ssg, g, out,
-                          out.stride(0), out.stride(1), M, K, ng_pad, 1, GS=gs, GB=gb, GPP=gpp,
-                          BLOCK_M=bm, SF_LAYOUT=SF_LAYOUT[q.scale_layout], PER_TENSOR=False,
-                          TWO_LEVEL=q.global_scale is not None, OUT=_OUT[dtype],
-                          num_warps=num_warps or T._DQ_WARPS, **ce)
-    return out.reshape(shape)
+    c, s = q.codes, q.scales
+    key = ("dequantize", id(q.scheme), q.shape, q.scale_layout, q.global_scale is None, dtype, block_m,
+           groups_per_program, num_warps, c.dtype, c.shape, c.stride(), c.data_ptr() & 15, c.device,
+           s.dtype, s.shape, s.stride(), s.data_ptr() & 15)
+    plan = _plan._PLANS.get(key)
+    if plan is None:
+        plan = _plan.DequantPlan(q, dtype, block_m, groups_per_program, num_warps)
+        plan.scheme = q.scheme  # kept: the key holds its id
+        _plan.keep(key, plan, c.device)
+    return plan(q)
 
 
 # ============================================================================ DeepGEMM adapter

@@ -258,30 +258,48 @@ def _amax_partial_kernel(x_ptr, stride_xb, stride_xm, stride_xk, p_ptr, M, K, NP
 
 
 @triton.jit
-def _amax_final_kernel(p_ptr, out_ptr, NPROG_M, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """out[b] = max of the partial amax bit patterns of matrix b, as float32."""
-    pid_b = tl.program_id(0)
+def _partials_max(p_ptr, NPROG_M, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """The max of ``NPROG_M`` partial amax bit patterns at ``p_ptr``, as float32."""
     acc = tl.zeros((BLOCK,), tl.uint32)
     for it in range(ITERS):
         idx = it * BLOCK + tl.arange(0, BLOCK)
-        v = tl.load(p_ptr + pid_b * NPROG_M + idx, mask=idx < NPROG_M, other=0)
+        v = tl.load(p_ptr + idx, mask=idx < NPROG_M, other=0)
         acc = tl.maximum(acc, v)
-    tl.store(out_ptr + pid_b, tl.max(acc, axis=0).to(tl.float32, bitcast=True))
+    return tl.max(acc, axis=0).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _per_tensor_scale_kernel(amax_ptr, s_ptr, static_ptr, B,
-                             BLOCK: tl.constexpr,
+def _amax_final_kernel(p_ptr, out_ptr, NPROG_M, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """out[b] = max of the partial amax bit patterns of matrix b, as float32."""
+    pid_b = tl.program_id(0)
+    tl.store(out_ptr + pid_b, _partials_max(p_ptr + pid_b * NPROG_M, NPROG_M, BLOCK, ITERS))
+
+
+@triton.jit
+def _per_tensor_scale_kernel(amax_ptr, s_ptr, static_ptr, B, p_ptr, NPROG_M,
+                             BLOCK: tl.constexpr, P_ITERS: tl.constexpr,
                              ELEM_MAX: tl.constexpr, INV_M: tl.constexpr, EMAX: tl.constexpr,
                              MBITS: tl.constexpr, SCALE_KIND: tl.constexpr, FP32_RULE: tl.constexpr,
                              FP32_POW2: tl.constexpr, E8_RULE: tl.constexpr, E8_LO: tl.constexpr,
                              E8_HI: tl.constexpr, E8_NF: tl.constexpr, AMAX_FLOOR: tl.constexpr,
                              ZERO_BLOCK: tl.constexpr, NONFINITE: tl.constexpr, APPLY: tl.constexpr,
                              STATIC: tl.constexpr):
-    """The stored per-tensor scale of each matrix (the same _block_scales as the data pass)."""
+    """The stored per-tensor scale of each matrix (the same _block_scales as the data pass).
+
+    P_ITERS 0: ``amax_ptr`` holds the B amaxes. P_ITERS > 0: the amax pass's last step first
+    (:func:`_amax_final_kernel`'s reduction, one launch fewer): matrix b's amax is the max of the
+    ``NPROG_M`` partials at ``p_ptr + b * NPROG_M``, stored to ``amax_ptr[b]`` for the data pass."""
     idx = tl.arange(0, BLOCK)
     m = idx < B
-    amax = tl.load(amax_ptr + idx, mask=m, other=0.0)
+    if P_ITERS > 0:
+        amax = tl.zeros((BLOCK,), tl.float32)
+        for b in range(BLOCK):  # BLOCK >= B matrices (a constexpr bound: no runtime-length loop)
+            n_b = tl.where(b < B, NPROG_M, 0)
+            a_b = _partials_max(p_ptr + b * NPROG_M, n_b, 1024, P_ITERS)
+            tl.store(amax_ptr + b, a_b, mask=b < B)
+            amax = tl.where(idx == b, a_b, amax)
+    else:
+        amax = tl.load(amax_ptr + idx, mask=m, other=0.0)
     if STATIC:
         static_dec = tl.load(static_ptr)
     else:
@@ -297,8 +315,8 @@ def _per_tensor_scale_kernel(amax_ptr, s_ptr, static_ptr, B,
 
 
 @triton.jit
-def _nvfp4_factors(a_ptr, b_ptr, nv_ptr, glob_ptr, FROM_AMAX: tl.constexpr, ORDER: tl.constexpr,
-                   GLOB: tl.constexpr):
+def _nvfp4_factors(a_ptr, b_ptr, nv_ptr, glob_ptr, NPROG_M, FROM_AMAX: tl.constexpr, ORDER: tl.constexpr,
+                   GLOB: tl.constexpr, P_ITERS: tl.constexpr):
     """The NVFP4 tensor factors the data pass reads, as one float32 buffer ``nv[130]``:
     ``nv[0]`` = S_enc, ``nv[1]`` = the decode scale pts, ``nv[2 + c]`` = the data factor of a
     block whose UE4M3 scale code is ``c`` (c < 127; ``nv[129]``, the NaN code's, is NaN).
@@ -316,9 +334,16 @@ def _nvfp4_factors(a_ptr, b_ptr, nv_ptr, glob_ptr, FROM_AMAX: tl.constexpr, ORDE
 
     ``glob_ptr`` gets the reference's float64 decode factor (``QuantizedTensor.global_scale``):
     GLOB 0 ``fl64(A / 2688)`` (an amax convention), 1 ``pts`` (torchao), 2 ``fl64(1 / S_enc)``;
-    0 for a zero tensor amax. (float64 ``/`` is ``div.rn.f64``.)"""
+    0 for a zero tensor amax. (float64 ``/`` is ``div.rn.f64``.)
+
+    P_ITERS > 0 (with FROM_AMAX): ``a_ptr`` holds the amax pass's ``NPROG_M`` partials, reduced
+    here (:func:`_amax_final_kernel`'s step, one launch fewer)."""
+    if P_ITERS > 0:
+        a_val = _partials_max(a_ptr, NPROG_M, 1024, P_ITERS)
+    else:
+        a_val = tl.load(a_ptr)
     if FROM_AMAX:
-        amax = tl.load(a_ptr)
+        amax = a_val
         s_enc = tl.math.div_rn(2688.0, amax)
         if ORDER == 0:
             s_enc = tl.minimum(s_enc, 3.4028234663852886e38)
@@ -349,13 +374,13 @@ def _nvfp4_factors(a_ptr, b_ptr, nv_ptr, glob_ptr, FROM_AMAX: tl.constexpr, ORDE
     tl.store(nv_ptr + head, tl.where(head == 0, g_enc, g_dec))
     one64 = tl.full((2,), 1.0, tl.float64)
     if GLOB == 0:
-        glob = (tl.zeros((2,), tl.float32) + tl.load(a_ptr)).to(tl.float64) / (one64 * 2688.0)
+        glob = (tl.zeros((2,), tl.float32) + a_val).to(tl.float64) / (one64 * 2688.0)
     elif GLOB == 1:
         glob = (tl.zeros((2,), tl.float32) + g_dec).to(tl.float64)
     else:
         glob = one64 / (tl.zeros((2,), tl.float32) + g_enc).to(tl.float64)
     if FROM_AMAX:
-        glob = tl.where(tl.load(a_ptr) == 0.0, 0.0, glob)
+        glob = tl.where(a_val == 0.0, 0.0, glob)
     tl.store(glob_ptr + head, glob, mask=head == 0)
 
 

@@ -1,6 +1,7 @@
 """Host-side launch helpers of :mod:`fastpath.quant`: how the input is viewed, the tensor amax
 pass, NVFP4's tensor factors (dynamic and static global scales), the constexprs and register
-cap of a :func:`~fastpath.quant._kernels._quant_kernel` launch, and the looped per-token launch.
+cap of a :func:`~fastpath.quant._kernels._quant_kernel` launch, and the looped per-token launch;
+the launches are :class:`fastpath._host.PlannedLaunch` objects a per-call plan keeps (issue 20).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from moeref.quant.scheme import Scheme
 
 from .._host import alloc as _alloc  # every buffer the kernels write (the tests' poisoning hook)
-from .._host import cdiv, launch
+from .._host import SLOT, PlannedLaunch, cdiv, launch
 from .._host import next_pow2 as _next_pow2
 from . import _preset_map as P
 from . import _tiles as T
@@ -120,8 +121,8 @@ def _nvfp4_static_nv(s_enc: float, pts: float, scheme: Scheme, dev: torch.device
     src = torch.tensor([s_enc, pts], dtype=torch.float32).to(dev)
     nv = torch.empty(130, dtype=torch.float32, device=dev)
     unused = torch.empty(1, dtype=torch.float64, device=dev)
-    launch(_nvfp4_factors, (1,), src, src[1:], nv, unused, FROM_AMAX=False,
-                         ORDER=P.NVFP4_OP[scheme.preset.option("nvfp4_order")], GLOB=1)
+    launch(_nvfp4_factors, (1,), src, src[1:], nv, unused, 0, FROM_AMAX=False,
+           ORDER=P.NVFP4_OP[scheme.preset.option("nvfp4_order")], GLOB=1, P_ITERS=0)
     return nv
 
 
@@ -129,19 +130,45 @@ def _tensor_amax(x3: torch.Tensor, nonfinite: int, per_matrix: bool) -> torch.Te
     """float32 amax of ``|x3|`` on its device (``[B, M, K]``; the NaN policy ``nonfinite`` as
     the kernels' constexpr): one per matrix (``[B]``, per-tensor FP8) or one for the whole
     tensor (``[1]``, NVFP4). A partial-amax pass over [BM, BK] tiles, then a one-program
-    reduction of the partials."""
-    B, M, K = (int(d) for d in x3.shape)
-    BKa = min(1024, _next_pow2(K))
-    BMa = min(_next_pow2(M), max(1, T._AMAX_TILE // BKa))
-    grid = (cdiv(M, BMa), cdiv(K, BKa), B)
-    nprog = grid[0] * grid[1]
-    part = _alloc(B * nprog, dtype=torch.int32, device=x3.device)
-    amax = _alloc(B if per_matrix else 1, dtype=torch.float32, device=x3.device)
-    launch(_amax_partial_kernel, grid, x3, x3.stride(0), x3.stride(1), x3.stride(2), part, M, K, nprog,
-                               BLOCK_M=BMa, BLOCK_K=BKa, NONFINITE=nonfinite, num_warps=T._AMAX_WARPS)
-    per_out = nprog if per_matrix else B * nprog  # partials per output amax
-    launch(_amax_final_kernel, (amax.numel(),), part, amax, per_out, BLOCK=1024, ITERS=cdiv(per_out, 1024))
-    return amax
+    reduction of the partials (:class:`AmaxPlan`)."""
+    return AmaxPlan(tuple(int(d) for d in x3.shape), x3.stride(), nonfinite, per_matrix, x3.device)(x3)
+
+
+class AmaxPlan:
+    """The two launches of :func:`_tensor_amax` for one (shape, strides, NaN policy, device):
+    ``plan(x)`` allocates the partials and the amax and launches both passes; ``x`` any tensor
+    at the address of the ``[B, M, K]`` view with ``strides`` (the caller's x itself)."""
+
+    __slots__ = ("nprog_total", "nprog", "n_out", "dev", "partial", "final")
+
+    def __init__(self, shape3, strides, nonfinite: int, per_matrix: bool, dev):
+        B, M, K = shape3
+        BKa = min(1024, _next_pow2(K))
+        BMa = min(_next_pow2(M), max(1, T._AMAX_TILE // BKa))
+        grid = (cdiv(M, BMa), cdiv(K, BKa), B)
+        self.nprog = nprog = grid[0] * grid[1]  # partials per matrix
+        self.nprog_total = B * nprog
+        self.n_out = B if per_matrix else 1
+        self.dev = dev
+        self.partial = PlannedLaunch(_amax_partial_kernel, grid, SLOT, strides[0], strides[1], strides[2], SLOT,
+                                     M, K, nprog, BLOCK_M=BMa, BLOCK_K=BKa, NONFINITE=nonfinite,
+                                     num_warps=T._AMAX_WARPS)
+        per_out = nprog if per_matrix else B * nprog  # partials per output amax
+        self.final = PlannedLaunch(_amax_final_kernel, (self.n_out,), SLOT, SLOT, per_out, BLOCK=1024,
+                                   ITERS=cdiv(per_out, 1024))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        part = self.partials(x)
+        amax = _alloc(self.n_out, dtype=torch.float32, device=self.dev)
+        self.final(part, amax)
+        return amax
+
+    def partials(self, x: torch.Tensor) -> torch.Tensor:
+        """The first pass alone: int32 ``[B * nprog]`` partial amax bit patterns (matrix b's at
+        ``b * nprog``), for a consumer kernel that reduces them itself."""
+        part = _alloc(self.nprog_total, dtype=torch.int32, device=self.dev)
+        self.partial(x, part)
+        return part
 
 
 def _nvfp4_device_globals(scheme: Scheme, amax=None, quantity=None):
@@ -151,13 +178,22 @@ def _nvfp4_device_globals(scheme: Scheme, amax=None, quantity=None):
     tensor amax, or a static amax tensor): :func:`moeref.quant.nvfp4.global_factors` on the
     device; or from a static ``quantity`` tensor in the preset's own convention (encode scale;
     torchao: decode scale), read as it is."""
-    order = P.NVFP4_OP[scheme.preset.option("nvfp4_order")]
     src = amax if amax is not None else quantity
     nv = _alloc(130, dtype=torch.float32, device=src.device)
     glob = _alloc(1, dtype=torch.float64, device=src.device)
-    launch(_nvfp4_factors, (1,), src, src, nv, glob, FROM_AMAX=amax is not None, ORDER=order,
-           GLOB=_nvfp4_glob_kind(scheme, amax is not None))
+    _factors_launch(scheme, amax is not None)(src, src, nv, glob)
     return nv, glob
+
+
+@functools.lru_cache(maxsize=64)
+def _factors_launch(scheme: Scheme, from_amax: bool, n_partials: int = 0) -> PlannedLaunch:
+    """The :func:`_nvfp4_factors` launch of :func:`_nvfp4_device_globals` (slots: the two
+    sources, nv, glob): the reference's float64 decode factor from the float32 quantity of the
+    preset's convention. ``n_partials`` > 0: the sources are the amax pass's ``n_partials``
+    partials (:meth:`AmaxPlan.partials`), reduced by the factors kernel itself."""
+    order = P.NVFP4_OP[scheme.preset.option("nvfp4_order")]
+    return PlannedLaunch(_nvfp4_factors, (1,), SLOT, SLOT, SLOT, SLOT, n_partials, FROM_AMAX=from_amax, ORDER=order,
+                         GLOB=_nvfp4_glob_kind(scheme, from_amax), P_ITERS=cdiv(n_partials, 1024))
 
 
 def _nvfp4_glob_kind(scheme: Scheme, from_amax: bool) -> int:
@@ -197,17 +233,18 @@ def _launch_knobs(ce: dict, gb: int, gpp: int, bm: int, num_warps: int | None,
     return knobs
 
 
-def _launch_row_loop(x3, codes, scales, ssb, ssm, m_pad, static_t, static, ce, block_m, num_warps,
-                     tuning: T.QuantTuning = T.DEFAULT_TUNING):
-    """The looped one-scale-per-row kernel on its tile (``tuning.row_loop_tile``; ``block_m``
-    and ``num_warps`` override its rows and warps)."""
-    B, M, K = (int(d) for d in x3.shape)
+def _row_loop_launch(shape3, x_strides, c_strides, ssb, ssm, m_pad, static_t, static, ce, block_m,
+                     num_warps, tuning: T.QuantTuning = T.DEFAULT_TUNING) -> PlannedLaunch:
+    """The looped one-scale-per-row kernel's launch on its tile (``tuning.row_loop_tile``;
+    ``block_m`` and ``num_warps`` override its rows and warps); slots: x, codes, scales."""
+    B, M, K = shape3
     bm, bk, nw = tuning.row_loop_tile
     bm = block_m or bm
     grid = (cdiv(m_pad, bm), B)
     names = _row_loop_kernel.arg_names
-    launch(_row_loop_kernel, grid,
-        x3, x3.stride(0), x3.stride(1), x3.stride(2), codes, codes.stride(0), codes.stride(1),
-        scales, ssb, ssm, static_t, M, K, m_pad, BLOCK_M=bm, BLOCK_K=bk,
+    return PlannedLaunch(
+        _row_loop_kernel, grid,
+        SLOT, x_strides[0], x_strides[1], x_strides[2], SLOT, c_strides[0], c_strides[1],
+        SLOT, ssb, ssm, static_t, M, K, m_pad, BLOCK_M=bm, BLOCK_K=bk,
         K_ITERS=cdiv(K, bk), STATIC=static is not None, num_warps=num_warps or nw,
         **{k_: v_ for k_, v_ in ce.items() if k_ in names})
