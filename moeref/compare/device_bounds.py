@@ -123,11 +123,30 @@ def _weights_kt(ws, sel=None, *, scaled: bool = True, magnitude: bool = False):
     one by one (:meth:`DeviceBlock.dequantize`). The same numbers either way: one multiply per element, and
     ``|v * s| = |v| * |s|``."""
     torch = _torch()
+    if isinstance(ws, _Experts) and scaled and not magnitude and (sel is None or list(sel) == list(range(len(ws)))):
+        if ws.full is None:
+            ws.full = _weights_kt(list(ws))
+        return ws.full
     items = [ws[g] for g in (range(len(ws)) if sel is None else sel)]
     if items and all(isinstance(w, _StackedExpert) and w.stack is items[0].stack for w in items):
         return _decode_kt(items[0].stack, [w.e for w in items], scaled, magnitude)
     out = torch.stack([(w.dequantize() if scaled else w.values).t() for w in items]).contiguous()
     return out.abs() if magnitude else out
+
+
+class _Experts(list):
+    """The experts of one group (:func:`_expert_groups`) with their dequantized ``[G, K, N]`` stack, decoded at
+    most once (``full``) for the GEMM2 radius term and error bound, which both read it."""
+
+    full = None
+
+
+def _abs_stack(ws):
+    """``(stack, abs_w)`` for a kernel that reads ``|W|``: the group's decoded stack read through ``|.|`` when
+    it exists (:class:`_Experts`), else a magnitude stack."""
+    if isinstance(ws, _Experts) and ws.full is not None:
+        return ws.full, True
+    return _weights_kt(ws, magnitude=True), False
 
 
 def _decode_kt(w, experts: list, scaled: bool, magnitude: bool):
@@ -192,7 +211,8 @@ def _group_bound(a: DeviceBlock, counts, ws: list, profile, radius, b_abs):
         bk = max(1, min(a.block[1], ws[0].block[1], max(k, 1)))
         coef = gemm_coefficient(profile, k, -(-k // bk))
         a_abs = a.dequantize().abs() + (0.0 if radius is None else radius)
-        dot = ordered_dot_t(_kt(a_abs), _weights_kt(ws, magnitude=True), it, bm, ORDER_CHUNK, ORDER_STEP)
+        wa, abs_w = _abs_stack(ws)
+        dot = ordered_dot_t(_kt(a_abs), wa, it, bm, ORDER_CHUNK, ORDER_STEP, abs_w=abs_w)
         return coef * (dot + _rows_of(b_abs, counts))
     if model == "contiguous_tree":
         return _tree(a, counts, ws, profile, radius, b_abs, it, bm)
@@ -223,7 +243,7 @@ def _tree(a: DeviceBlock, counts, ws, profile, radius, b_abs, it, bm):
     if radius is None:
         d = torch.zeros((m, n), dtype=torch.float64, device=dev)
     else:
-        d = ordered_dot_t(_kt(radius), wd.abs(), it, bm, ORDER_CHUNK, ORDER_STEP) * (1.0 + gamma(k + 2, U_F64))
+        d = ordered_dot_t(_kt(radius), wd, it, bm, ORDER_CHUNK, ORDER_STEP, abs_w=True) * (1.0 + gamma(k + 2, U_F64))
     rng, wsum, csum = tree_walks_t(_kt(a.dequantize()), wd, it, bm, kp)
     slack = 2.0 * gamma(kp + 2, U_F64) * wsum
     r_hi = rng + slack + d
@@ -403,24 +423,32 @@ def _expert_groups(row_expert, weights):
         yield es.tolist(), np.concatenate(idx), [x.size for x in idx]
 
 
-def device_rows_error_bound(a, a_radius, row_expert, weights, bias, profile):
+def device_rows_error_bound(a, a_radius, row_expert, weights, bias, profile, *, radius_term: bool = False):
     """:func:`moeref.compare.bounds._rows_error_bound` on a device: ``a`` a
     :class:`moeref.gemm.device.DeviceOperand` ``[R, K]``, ``a_radius`` float64 ``[R, K]`` or None,
     ``row_expert`` int ``[R]`` (NumPy), ``weights`` a device stack, ``bias`` float64 ``[E, N]`` or None.
-    Returns float64 ``[R, N]``, 0 on padding rows."""
+    Returns float64 ``[R, N]``, 0 on padding rows. ``radius_term=True`` (with ``a_radius``) returns
+    ``(device_rows_radius_term(a_radius, ...), bound)``, each group's weights decoded once for both."""
     torch = _torch()
+    from ._bound_kernels import items, ordered_dot_t
+
     dev = a.device
     n = _n_out(weights)
     out = torch.zeros((len(row_expert), n), dtype=torch.float64, device=dev)
+    rad = torch.zeros_like(out) if radius_term else None
     for es, idx, counts in _expert_groups(row_expert, weights):
         it = torch.as_tensor(idx, device=dev)
         ag = DeviceBlock.of(a.take_rows(it))
-        ws = [_expert_block(weights, e) for e in es]
+        ws = _Experts(_expert_block(weights, e) for e in es)
         r = None if a_radius is None else a_radius.index_select(0, it)
+        if radius_term:
+            items_, bm = items(counts, dev)
+            rad[it] = ordered_dot_t(_kt(r), _weights_kt(ws), items_, bm, ORDER_CHUNK, ORDER_STEP, abs_w=True)
         b = (torch.zeros((len(es), n), dtype=torch.float64, device=dev) if bias is None
              else bias.index_select(0, torch.as_tensor(es, device=dev)).abs())
         out[it] = _group_bound(ag, counts, ws, profile, r, b)
-    return out
+        del ws
+    return (rad, out) if radius_term else out
 
 
 def device_rows_radius_term(radius, row_expert, weights):

@@ -22,7 +22,7 @@ from dataclasses import replace
 import numpy as np
 
 from .bounds import LayerBound, Profile, assemble_layer_bound, gamma
-from .device_bounds import device_rows_error_bound, device_rows_radius_term
+from .device_bounds import device_rows_error_bound
 from .device_requant import device_requant, device_requant_unavailable
 from .stage_bounds import activation_error, activation_magnitude, requant_uncertainty
 
@@ -127,8 +127,8 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg):
         xq = xq_valid.take_rows(pos)
     # stage 5: GEMM2 and its store
     y_pre = _weights_gemm(xq, rows, weights.w2, weights.b2)
-    dy = device_rows_radius_term(unc, rows, weights.w2) + device_rows_error_bound(xq, unc, rows, weights.w2,
-                                                                                   weights.b2, profile)
+    rad, bnd = device_rows_error_bound(xq, unc, rows, weights.w2, weights.b2, profile, radius_term=True)
+    dy = rad + bnd
     weigh = p.apply_weights
     if profile.gemm2_weighted_store and weigh:  # the epilogue weights (one FP32 multiply), then stores
         tw = p.topk_weights.to(torch.float64).reshape(-1)

@@ -16,7 +16,9 @@ Per operation, against the NumPy stage:
   and its decode values through :meth:`moeref.quant.QuantizedTensor.scale_values`: the same code, so the
   same scales; a grid with a NaN decode (a non-finite block) goes to the host path;
 * element rounding: :func:`round_float_rne` (round to nearest even on the format's quantum, saturating):
-  ``moeref.formats.round_to_format(..., overflow="saturate", rounding="rne")`` for finite input;
+  ``moeref.formats.round_to_format(..., overflow="saturate", rounding="rne")`` for finite input (the quantum
+  built from its exponent bits: ``torch.ldexp`` goes through ``pow``, which CUDA does not promise exact; an
+  H100 run of the first version, with ``ldexp``, gave uncertainties that differed from the host's);
 * everything else (the interval ends, the divisions, the corners): the same IEEE operations on tensors
   (tensor-by-tensor divisions are correctly rounded on CUDA).
 
@@ -75,8 +77,9 @@ def round_float_rne(v, el):
     clamped to ``+-max_finite``. The sign of a zero result is ``v``'s, as the codec writes it."""
     torch = _torch()
     _, e = torch.frexp(v.abs())
-    e = torch.clamp(e.to(torch.int64) - 1, min=el.emin) - el.man_bits
-    q = torch.ldexp(torch.ones((), dtype=torch.float64, device=v.device), e.to(torch.float64))
+    k = torch.clamp(e.to(torch.int64) - 1, min=el.emin) - el.man_bits
+    # 2^k from its exponent field (exact; torch.ldexp goes through pow, whose CUDA result need not be exact)
+    q = ((k + 1023) << 52).view(torch.float64)
     r = torch.round(v / q) * q
     m = float(el.max_finite)
     return torch.clamp(r, -m, m)
@@ -155,11 +158,10 @@ def device_requant(x, dx, quantizer):
     codes = vals.to(torch.float32).to(getattr(torch, _TORCH_FP8[el.name])).view(torch.uint8)
     if scheme.preset.signed_zero_for(el) == "drop" and el.has_negative_zero:
         codes = torch.where(codes == el.sign_mask, torch.zeros((), dtype=torch.uint8, device=x.device), codes)
-        vals = vals + 0.0
     operand = DeviceOperand(None, codes, el.name, s_ref_g, block, True)
-    # requant_uncertainty, operation for operation
+    # requant_uncertainty, operation for operation (q_ref: the codes decoded, times their scales)
     s_ref = _expand(s_ref_g, block, shape)
-    q_ref = vals * s_ref
+    q_ref = operand.decode() * s_ref
     s_hi = torch.maximum(_expand(s_up_g, block, shape), s_ref) * (1 + 2.0**-21)
     s_lo = torch.minimum(_expand(s_dn_g, block, shape), s_ref) * (1 - 2.0**-21)
     s_lo_safe = torch.where(s_lo > 0, s_lo, s_hi)
