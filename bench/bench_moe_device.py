@@ -348,10 +348,11 @@ def bench_compare(weights, cases, kw, rounds: int, profile: bool = False) -> lis
             cmp_t.append(t2 - t1)
             bnd_t.append(t3 - t2)
             del run
+        run = run_moe(x, weights, tw, ids, device="cuda", **kw)
+        syncs = _count_syncs(lambda: layer_bound(run, prof))
         if profile:
             from torch.profiler import ProfilerActivity, profile as prof_ctx
 
-            run = run_moe(x, weights, tw, ids, device="cuda", **kw)
             with prof_ctx(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
                 layer_bound(run, prof)
                 torch.cuda.synchronize()
@@ -361,8 +362,24 @@ def bench_compare(weights, cases, kw, rounds: int, profile: bool = False) -> lis
         r, c = statistics.median(ref_t), statistics.median(cmp_t)
         out.append(dict(tokens=m, impl=impl, reference_s=r, compare_s=c, bound_s=statistics.median(bnd_t),
                         compare_over_reference=c / r, passed=rep.passed, violations=rep.num_violations,
-                        flips=rep.flips, peak_compare_gib=peak))
+                        flips=rep.flips, peak_compare_gib=peak, bound_host_syncs=syncs))
     return out
+
+
+def _count_syncs(fn) -> int:
+    """Host synchronizations of the CUDA stream during ``fn()`` (torch's sync debug mode warns once per sync)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 DECODE_MAX = 256

@@ -28,6 +28,18 @@ def tables(data: dict) -> str:
     for r in data["rows"]:
         out.append(f"| {r['tokens']} | {r['median_s']:.3f} | {r['min_s']:.3f}-{r['max_s']:.3f} | "
                    f"{r['expert_tflop']:.2f} TFLOP | {r['peak_extra_gib']:.1f} GiB |")
+    if data.get("compare"):
+        out += ["", "**`compare`** of `fastpath.moe` against that reference under `HOPPER_FP8_DEEPGEMM_DATA`, the bound "
+                "on the GPU (`moeref.compare.device_layer`), beside the reference's own time in the same rounds "
+                "(medians); peak extra GPU memory of the comparison; host synchronizations of one bound "
+                "(torch's sync debug mode):", "",
+                "| tokens | fast path | reference, s | compare, s | bound, s | compare / reference | passed | "
+                "host syncs | peak extra GPU memory |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in data["compare"]:
+            syncs = r.get("bound_host_syncs", "not counted")
+            out.append(f"| {r['tokens']} | {r['impl']} | {r['reference_s']:.3f} | {r['compare_s']:.3f} | "
+                       f"{r['bound_s']:.3f} | {r['compare_over_reference']:.1f}x | {r['passed']} | {syncs} | "
+                       f"{r['peak_compare_gib']:.1f} GiB |")
     if data.get("variants"):
         out += ["", "Its paths, forced one at a time (same bits; interleaved rounds):", "",
                 "| tokens | path | time, s |", "|---|---|---|"]

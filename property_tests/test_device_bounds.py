@@ -84,11 +84,13 @@ def _small_layer(e=3, k=64, n=32, tokens=5, seed=0):
     return w, x, tw, ids
 
 
-@pytest.mark.parametrize("model", ["HOPPER_FP8_DEEPGEMM_DATA", "BF16_OUTPUT"])
-def test_device_layer_bound_equals_numpy_small_layer(model):
-    """A small FP8 layer (biases, a padded slot, bf16 GEMM1 store): ``layer_bound`` of the device run is the
-    host run's, bit for bit (bound, center, radius, flips)."""
-    w, x, tw, ids = _small_layer()
+@pytest.mark.parametrize("model, k, n", [("HOPPER_FP8_DEEPGEMM_DATA", 64, 32), ("BF16_OUTPUT", 64, 32),
+                                         ("HOPPER_FP8_DEEPGEMM", 64, 32), ("HOPPER_FP8_DEEPGEMM_DATA", 200, 72)])
+def test_device_layer_bound_equals_numpy_small_layer(model, k, n):
+    """A small FP8 layer (biases, a padded slot, bf16 GEMM1 store; K = 200: partial 128-blocks): ``layer_bound``
+    of the device run is the host run's, bit for bit (bound, center, radius, flips), under the three
+    accumulation models (data-dependent, contiguous tree, worst case)."""
+    w, x, tw, ids = _small_layer(k=k, n=n)
     kw = dict(quant=MoEQuant(fp8_group(), fp8_group(), "fp8"), gemm1_out_dtype="bfloat16", act_out_dtype="float32",
               out_dtype="bfloat16")
     host = run_moe(x, w, tw, ids, **kw)

@@ -16,11 +16,14 @@ import triton.language as tl
 __all__ = ["ordered_dot_t", "adder_bound_t", "tree_walks_t"]
 
 _BM, _BN = 32, 32
+ITEM_COST_ROWS = 6
+"""A work item's weight read in rows of arithmetic: 8 bytes per float64 weight at ~3 TB/s against ~7 float64
+operations per product at ~17 T/s (H100), ~6 rows (:func:`items`)."""
 
 
 @triton.jit
 def _ordered_dot_kernel(x_ptr, w_ptr, out_ptr, it_ptr, M, N, K, NCH: tl.constexpr, C: tl.constexpr,
-                        STEPS: tl.constexpr, STEP: tl.constexpr,
+                        STEPS: tl.constexpr, STEP: tl.constexpr, ABS_W: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr):
     g, rm, mm = _item(it_ptr, BM)
     w_ptr += g.to(tl.int64) * K * N
@@ -37,6 +40,8 @@ def _ordered_dot_kernel(x_ptr, w_ptr, out_ptr, it_ptr, M, N, K, NCH: tl.constexp
                 ok = (pos < C) & (col < K)
                 xv = tl.load(x_ptr + col * M + rm, mask=mm & ok, other=0.0)
                 wv = tl.load(w_ptr + col * N + rn, mask=nm & ok, other=0.0)
+                if ABS_W:
+                    wv = tl.abs(wv)
                 t = t + xv[:, None] * wv[None, :]
             s = s + t
         tot = tot + s
@@ -177,12 +182,18 @@ def _tree_kernel(a_ptr, w_ptr, rng_ptr, ws_ptr, cs_ptr, it_ptr, M, N, K, KP: tl.
 
 def items(row_counts, device) -> tuple[torch.Tensor, int]:
     """Work items ``[T, 3]`` int32 ``(expert g, first row, rows)`` over groups of ``row_counts[g]`` consecutive
-    rows (expert ``g``'s rows follow expert ``g - 1``'s), rows per item ``BM`` (a power of two no larger than
-    the largest group, at most 32); returns ``(items, BM)``."""
+    rows (expert ``g``'s rows follow expert ``g - 1``'s), rows per item ``BM``; returns ``(items, BM)``.
+
+    ``BM`` (a power of two, at most 32) minimizes the padded rows computed (``sum ceil(c / BM) * BM``) plus
+    :data:`ITEM_COST_ROWS` per item (each item reads its expert's float64 weights once): with few rows per
+    expert (decode-sized batches) a tile of the largest group's size would mostly compute padding. The bound
+    of each element does not depend on the tile (its columns are summed in the same order in any tile)."""
     import numpy as np
 
     counts = np.asarray(row_counts, dtype=np.int64)
-    bm = min(_BM, triton.next_power_of_2(int(max(counts.max(initial=1), 1))))
+    top = min(_BM, triton.next_power_of_2(int(max(counts.max(initial=1), 1))))
+    cands = [1 << i for i in range(top.bit_length()) if (1 << i) <= top]
+    bm = min(cands, key=lambda b: (int((-(-counts // b) * b).sum() + ITEM_COST_ROWS * (-(-counts // b)).sum()), -b))
     starts = np.cumsum(counts) - counts
     per = -(-counts // bm)
     g = np.repeat(np.arange(counts.size), per)
@@ -197,9 +208,10 @@ def _launch(it, bm: int, n: int):
     return (int(it.shape[0]), triton.cdiv(n, bn)), bn
 
 
-def ordered_dot_t(xt, wt, it, bm: int, chunk: int, step: int) -> torch.Tensor:
+def ordered_dot_t(xt, wt, it, bm: int, chunk: int, step: int, *, abs_w: bool = False) -> torch.Tensor:
     """``x @ w[g].T`` per item in :func:`~moeref.compare.gemm_bounds.ordered_dot`'s order; ``xt`` ``[K, M]``,
-    ``wt`` ``[G, K, N]`` float64 contiguous, ``it`` :func:`items`. Returns ``[M, N]``."""
+    ``wt`` ``[G, K, N]`` float64 contiguous (``|wt|`` read if ``abs_w``), ``it`` :func:`items`. Returns
+    ``[M, N]``."""
     k, m = (int(d) for d in xt.shape)
     n = int(wt.shape[2])
     out = torch.zeros((m, n), dtype=torch.float64, device=xt.device)
@@ -207,7 +219,7 @@ def ordered_dot_t(xt, wt, it, bm: int, chunk: int, step: int) -> torch.Tensor:
         return out
     c = max(1, min(chunk, k))
     grid, bn = _launch(it, bm, n)
-    _ordered_dot_kernel[grid](xt, wt, out, it, m, n, k, NCH=-(-k // c), C=c, STEPS=-(-c // step), STEP=step, BM=bm,
+    _ordered_dot_kernel[grid](xt, wt, out, it, m, n, k, NCH=-(-k // c), C=c, STEPS=-(-c // step), STEP=step, ABS_W=abs_w, BM=bm,
                               BN=bn, enable_fp_fusion=False)
     return out
 

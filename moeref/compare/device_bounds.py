@@ -54,9 +54,13 @@ class DeviceBlock:
     finite: bool | None = None
     quantum_max: tuple | None = None
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.values.shape[0]), int(self.values.shape[1])
+
     def dequantize(self):
         """:meth:`moeref.gemm.BlockOperand.dequantize`: each element times its block scale (one multiply)."""
-        r, k = (int(d) for d in self.values.shape)
+        r, k = self.shape
         br, bk = self.block
         s = self.scales.repeat_interleave(br, dim=0)[:r].repeat_interleave(bk, dim=1)[:, :k]
         return self.values * s
@@ -112,10 +116,64 @@ def _kt(x):
     return x.t().contiguous()
 
 
-def _stack_kt(ws):
-    """``[G, K, N]`` K-major stack of ``[N, K]`` tensors."""
+def _weights_kt(ws, sel=None, *, scaled: bool = True, magnitude: bool = False):
+    """``[G, K, N]`` float64 K-major stack of experts ``ws[g]`` (``g`` in ``sel``, default all): their values
+    times their block scales (``scaled``; else the element values), ``|.|`` if ``magnitude``. Experts of one
+    :class:`~moeref.gemm.StackedExperts` are decoded together from their codes (:func:`_decode_kt`); others
+    one by one (:meth:`DeviceBlock.dequantize`). The same numbers either way: one multiply per element, and
+    ``|v * s| = |v| * |s|``."""
     torch = _torch()
-    return torch.stack([w.t() for w in ws]).contiguous()
+    if isinstance(ws, _Experts) and scaled and not magnitude and (sel is None or list(sel) == list(range(len(ws)))):
+        if ws.full is None:
+            ws.full = _weights_kt(list(ws))
+        return ws.full
+    items = [ws[g] for g in (range(len(ws)) if sel is None else sel)]
+    if items and all(isinstance(w, _StackedExpert) and w.stack is items[0].stack for w in items):
+        return _decode_kt(items[0].stack, [w.e for w in items], scaled, magnitude)
+    out = torch.stack([(w.dequantize() if scaled else w.values).t() for w in items]).contiguous()
+    return out.abs() if magnitude else out
+
+
+class _Experts(list):
+    """The experts of one group (:func:`_expert_groups`) with their dequantized ``[G, K, N]`` stack, decoded at
+    most once (``full``) for the GEMM2 radius term and error bound, which both read it."""
+
+    full = None
+
+
+def _abs_stack(ws):
+    """``(stack, abs_w)`` for a kernel that reads ``|W|``: the group's decoded stack read through ``|.|`` when
+    it exists (:class:`_Experts`), else a magnitude stack."""
+    if isinstance(ws, _Experts) and ws.full is not None:
+        return ws.full, True
+    return _weights_kt(ws, magnitude=True), False
+
+
+def _decode_kt(w, experts: list, scaled: bool, magnitude: bool):
+    """Experts ``experts`` of the :class:`StackedExperts` ``w`` as float64 ``[G, K, N]``: the codes gathered and
+    transposed (one byte each), decoded in one pass, then multiplied in place by their block scales broadcast
+    over the blocks (no element-sized scale tensor)."""
+    torch = _torch()
+    from ..gemm.device import _decode, _unpack_nibbles
+
+    n, k = (int(d) for d in w.shape)
+    codes = w.codes.index_select(0, torch.as_tensor(experts, dtype=torch.int64, device=w.codes.device))
+    if w.packed:
+        codes = _unpack_nibbles(codes, k)
+    v = _decode(codes.transpose(1, 2).contiguous(), w.element, w.magnitude)
+    if magnitude:
+        v = v.abs_()
+    if not scaled:
+        return v
+    st = w.scales.index_select(0, torch.as_tensor(experts, dtype=torch.int64, device=w.scales.device)).transpose(1, 2)
+    st = st.abs() if magnitude else st
+    br, bk = (int(b) for b in w.block)
+    g = len(experts)
+    if k % bk == 0 and n % br == 0:
+        v.view(g, k // bk, bk, n // br, br).mul_(st[:, :, None, :, None])
+    else:
+        v.mul_(st.repeat_interleave(bk, dim=1)[:, :k].repeat_interleave(br, dim=2)[:, :, :n])
+    return v
 
 
 WEIGHT_GROUP_BYTES = 1 << 32
@@ -143,7 +201,7 @@ def _group_bound(a: DeviceBlock, counts, ws: list, profile, radius, b_abs):
 
     torch = _torch()
     k = int(a.values.shape[1])
-    n = int(ws[0].values.shape[0])
+    n = int(ws[0].shape[0])
     dev = a.values.device
     r = int(a.values.shape[0])
     if r == 0 or n == 0:
@@ -153,7 +211,8 @@ def _group_bound(a: DeviceBlock, counts, ws: list, profile, radius, b_abs):
         bk = max(1, min(a.block[1], ws[0].block[1], max(k, 1)))
         coef = gemm_coefficient(profile, k, -(-k // bk))
         a_abs = a.dequantize().abs() + (0.0 if radius is None else radius)
-        dot = ordered_dot_t(_kt(a_abs), _stack_kt([w.dequantize().abs() for w in ws]), it, bm, ORDER_CHUNK, ORDER_STEP)
+        wa, abs_w = _abs_stack(ws)
+        dot = ordered_dot_t(_kt(a_abs), wa, it, bm, ORDER_CHUNK, ORDER_STEP, abs_w=abs_w)
         return coef * (dot + _rows_of(b_abs, counts))
     if model == "contiguous_tree":
         return _tree(a, counts, ws, profile, radius, b_abs, it, bm)
@@ -173,18 +232,18 @@ def _tree(a: DeviceBlock, counts, ws, profile, radius, b_abs, it, bm):
     from ._bound_kernels import ordered_dot_t, tree_walks_t
 
     m, k = (int(d) for d in a.values.shape)
-    n = int(ws[0].values.shape[0])
+    n = int(ws[0].shape[0])
     dev = a.values.device
     u = float(profile.accum_unit)
     rho = float(profile.adder_factor)
     u_prom = float(profile.promote_unit)
     lanes = max(TREE_LANES)
     kp = -(-max(k, 1) // lanes) * lanes
-    wd = _stack_kt([w.dequantize() for w in ws])
+    wd = _weights_kt(ws)
     if radius is None:
         d = torch.zeros((m, n), dtype=torch.float64, device=dev)
     else:
-        d = ordered_dot_t(_kt(radius), wd.abs(), it, bm, ORDER_CHUNK, ORDER_STEP) * (1.0 + gamma(k + 2, U_F64))
+        d = ordered_dot_t(_kt(radius), wd, it, bm, ORDER_CHUNK, ORDER_STEP, abs_w=True) * (1.0 + gamma(k + 2, U_F64))
     rng, wsum, csum = tree_walks_t(_kt(a.dequantize()), wd, it, bm, kp)
     slack = 2.0 * gamma(kp + 2, U_F64) * wsum
     r_hi = rng + slack + d
@@ -192,7 +251,7 @@ def _tree(a: DeviceBlock, counts, ws, profile, radius, b_abs, it, bm):
     c_hi = csum.abs() + slack + d
     sigma = gamma(2, u_prom)
     _, a_bf, _, _ = _row_stats(a.values)
-    w_bf = [bool(_row_stats(w.values)[1].all()) for w in ws]
+    w_bf = [w.bf16 if isinstance(w, _StackedExpert) else bool(_row_stats(w.values)[1].all()) for w in ws]
     starts = np.cumsum(counts) - np.asarray(counts)
     exact_p = [bool(a_bf[s:s + c].all()) and wb for s, c, wb in zip(starts, counts, w_bf)]
     u_rows = np.repeat(np.where(exact_p, 0.0, 2.0 * u), counts)
@@ -213,7 +272,7 @@ def _adder(a: DeviceBlock, counts, ws, profile, radius, b_abs):
     from ._bound_kernels import adder_bound_t, items
 
     m, k = (int(d) for d in a.values.shape)
-    n = int(ws[0].values.shape[0])
+    n = int(ws[0].shape[0])
     dev = a.values.device
     st = adder_setup(k, a.block, ws[0].block, profile)
     if k == 0:
@@ -239,12 +298,12 @@ def _adder(a: DeviceBlock, counts, ws, profile, radius, b_abs):
         if dom:
             av = a.values.index_select(0, rows)
             sa = _chunk_scales(a.scales, rows, a.block, blk)
-            wt = _stack_kt([ws[g].values for g in sel])
+            wt = _weights_kt(ws, sel, scaled=False)
             sw = torch.stack([_chunk_scales(ws[g].scales, torch.arange(n, device=dev), ws[g].block, blk)
                               for g in sel]).contiguous()
         else:
             av = a.dequantize().index_select(0, rows)
-            wt = _stack_kt([ws[g].dequantize() for g in sel])
+            wt = _weights_kt(ws, sel)
             sa = sw = None
         rt = None if radius is None else _kt(radius.index_select(0, rows))
         res = adder_bound_t(_kt(av), wt, rt, sa, sw, b_abs[torch.as_tensor(sel, device=dev)].contiguous(), consts,
@@ -287,26 +346,44 @@ def _expert_block(weights, e: int) -> DeviceBlock:
     return DeviceBlock(we, torch.ones((1, 1), dtype=torch.float64, device=we.device), (max(n, 1), max(k, 1)))
 
 
-def _stacked_block(w, e: int) -> DeviceBlock:
-    """Expert ``e`` of a :class:`StackedExperts`: codes transposed first (one byte each), then decoded, so the
-    float64 values are K-major (the kernels' layout) without a float64 transpose; the finiteness and
-    :func:`moeref.gemm.exact.quantum_and_max` of its values from the codes present (a histogram of the codes,
-    read through the decode table: the same numbers as over the values)."""
-    torch = _torch()
-    from ..formats import decode_table
-    from ..gemm.device import _decode, _unpack_nibbles
-    from ..gemm.exact import quantum_and_max
+def _stacked_block(w, e: int) -> "_StackedExpert":
+    return _StackedExpert(w, e)
 
-    codes = w.codes[e]
-    if w.packed:
-        codes = _unpack_nibbles(codes, w.shape[1])
-    values = _decode(codes.t().contiguous(), w.element, w.magnitude).t()
-    table = decode_table(w.element)
-    table = np.abs(table) if w.magnitude else table
-    vals = table[_codes_present(w)[e][:table.size]]
-    finite = bool(np.all(np.isfinite(vals)))
-    return DeviceBlock(values, w.scales[e], tuple(int(b) for b in w.block), finite,
-                       quantum_and_max(vals) if finite else None)
+
+class _StackedExpert:
+    """Expert ``e`` of a :class:`StackedExperts` as a :class:`DeviceBlock` whose values are decoded only when
+    read (stacks of experts are decoded together by :func:`_weights_kt`). ``finite``, ``quantum_max``
+    (:func:`moeref.gemm.exact.quantum_and_max`) and ``bf16`` (every value bf16-representable) come from the
+    codes present (a histogram of the codes read through the decode table: the same numbers as over the
+    values)."""
+
+    def __init__(self, w, e: int):
+        import ml_dtypes
+
+        from ..formats import decode_table
+        from ..gemm.exact import quantum_and_max
+
+        self.stack, self.e = w, int(e)
+        self.scales = w.scales[e]
+        self.block = tuple(int(b) for b in w.block)
+        table = decode_table(w.element)
+        table = np.abs(table) if w.magnitude else table
+        vals = table[_codes_present(w)[e][:table.size]]
+        self.finite = bool(np.all(np.isfinite(vals)))
+        self.quantum_max = quantum_and_max(vals) if self.finite else None
+        self.bf16 = bool(self.finite and np.all(vals.astype(np.float32).astype(ml_dtypes.bfloat16)
+                                                .astype(np.float64) == vals))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(int(d) for d in self.stack.shape)
+
+    @property
+    def values(self):
+        """float64 element values ``[N, K]`` (a view of a K-major tensor: codes transposed, then decoded)."""
+        return _decode_kt(self.stack, [self.e], scaled=False, magnitude=False)[0].t()
+
+    dequantize = DeviceBlock.dequantize
 
 
 def _codes_present(w) -> np.ndarray:
@@ -346,24 +423,32 @@ def _expert_groups(row_expert, weights):
         yield es.tolist(), np.concatenate(idx), [x.size for x in idx]
 
 
-def device_rows_error_bound(a, a_radius, row_expert, weights, bias, profile):
+def device_rows_error_bound(a, a_radius, row_expert, weights, bias, profile, *, radius_term: bool = False):
     """:func:`moeref.compare.bounds._rows_error_bound` on a device: ``a`` a
     :class:`moeref.gemm.device.DeviceOperand` ``[R, K]``, ``a_radius`` float64 ``[R, K]`` or None,
     ``row_expert`` int ``[R]`` (NumPy), ``weights`` a device stack, ``bias`` float64 ``[E, N]`` or None.
-    Returns float64 ``[R, N]``, 0 on padding rows."""
+    Returns float64 ``[R, N]``, 0 on padding rows. ``radius_term=True`` (with ``a_radius``) returns
+    ``(device_rows_radius_term(a_radius, ...), bound)``, each group's weights decoded once for both."""
     torch = _torch()
+    from ._bound_kernels import items, ordered_dot_t
+
     dev = a.device
     n = _n_out(weights)
     out = torch.zeros((len(row_expert), n), dtype=torch.float64, device=dev)
+    rad = torch.zeros_like(out) if radius_term else None
     for es, idx, counts in _expert_groups(row_expert, weights):
         it = torch.as_tensor(idx, device=dev)
         ag = DeviceBlock.of(a.take_rows(it))
-        ws = [_expert_block(weights, e) for e in es]
+        ws = _Experts(_expert_block(weights, e) for e in es)
         r = None if a_radius is None else a_radius.index_select(0, it)
+        if radius_term:
+            items_, bm = items(counts, dev)
+            rad[it] = ordered_dot_t(_kt(r), _weights_kt(ws), items_, bm, ORDER_CHUNK, ORDER_STEP, abs_w=True)
         b = (torch.zeros((len(es), n), dtype=torch.float64, device=dev) if bias is None
              else bias.index_select(0, torch.as_tensor(es, device=dev)).abs())
         out[it] = _group_bound(ag, counts, ws, profile, r, b)
-    return out
+        del ws
+    return (rad, out) if radius_term else out
 
 
 def device_rows_radius_term(radius, row_expert, weights):
@@ -377,7 +462,7 @@ def device_rows_radius_term(radius, row_expert, weights):
     for es, idx, counts in _expert_groups(row_expert, weights):
         it_rows = torch.as_tensor(idx, device=radius.device)
         it, bm = items(counts, radius.device)
-        wt = _stack_kt([_expert_block(weights, e).dequantize().abs() for e in es])
+        wt = _weights_kt([_expert_block(weights, e) for e in es], magnitude=True)
         out[it_rows] = ordered_dot_t(_kt(radius.index_select(0, it_rows)), wt, it, bm, ORDER_CHUNK, ORDER_STEP)
     return out
 

@@ -8,16 +8,22 @@ Stage by stage, what runs where:
   the declared summation orders of :mod:`moeref.compare.gemm_bounds`);
 * stores: :func:`moeref.moe.device.round_on_device` (the NumPy casts' roundings);
 * activation and its Lipschitz bound: the portable elementary functions (:mod:`moeref.elementary`);
-* the flip-aware re-quantization of the intermediate (:func:`requant_uncertainty`): on the host, on the
-  valid rows only (its quantizer and format rounding are the host's; the operand goes back to the device);
+* the flip-aware re-quantization of the intermediate (:func:`requant_uncertainty`), valid rows only: on the
+  device (:mod:`moeref.compare.device_requant`: FP8 blockwise schemes; only the block amax grids go to the
+  host, through the quantizer's own scale step), else on the host (its quantizer and format rounding; the
+  operand goes back to the device);
+* flip counts: 0-d device tensors, read once per layer bound;
 * finalize: the slot-order loop of :func:`moeref.dispatch.weight_and_reduce`.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from .bounds import LayerBound, Profile, assemble_layer_bound, gamma
-from .device_bounds import device_rows_error_bound, device_rows_radius_term
+from .device_bounds import device_rows_error_bound
+from .device_requant import device_requant, device_requant_unavailable
 from .stage_bounds import activation_error, activation_magnitude, requant_uncertainty
 
 __all__ = ["device_layer_bound", "device_store_interval"]
@@ -95,27 +101,34 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg):
     zero = torch.zeros((), dtype=torch.float64, device=dev)
     x = torch.where(vt[:, None], x, zero)
     dx = torch.where(vt[:, None], dx, zero)
-    flips = int(flip_h[vt].sum()) + int(flip_x[vt].sum())
-    # stage 4: re-quantization of the valid rows, on the host (module docstring)
+    flips = (flip_h & vt[:, None]).sum() + (flip_x & vt[:, None]).sum()  # 0-d tensors: no host sync
+    # stage 4: re-quantization of the valid rows (module docstring)
     if e.a2 is None:
         xq, unc = device_operand(x, dev), dx
     else:
         vidx = np.flatnonzero(valid)
         vi = torch.as_tensor(vidx, device=dev)
-        x_h = to_numpy(x.index_select(0, vi).cpu())
-        dx_h = to_numpy(dx.index_select(0, vi).cpu())
-        xq_valid, qt = _run_quantizer(cfg.quant.a2, x_h)
-        u_h, f = requant_uncertainty(x_h, dx_h, cfg.quant.a2, qt)
-        flips += f
-        unc = torch.zeros_like(dx)
-        unc[vi] = torch.as_tensor(u_h, device=dev)
         pos = np.full(x.shape[0], -1, dtype=np.int64)
         pos[vidx] = np.arange(vidx.size)
-        xq = device_operand(qt if qt is not None else xq_valid, dev).take_rows(pos)
+        got = None
+        if device_requant_unavailable(cfg.quant.a2) is None:
+            got = device_requant(x.index_select(0, vi), dx.index_select(0, vi), cfg.quant.a2)
+        if got is not None:
+            xq_valid, u_v, f = got
+        else:
+            x_h = to_numpy(x.index_select(0, vi).cpu())
+            dx_h = to_numpy(dx.index_select(0, vi).cpu())
+            xq_h, qt = _run_quantizer(cfg.quant.a2, x_h)
+            u_h, f = requant_uncertainty(x_h, dx_h, cfg.quant.a2, qt)
+            xq_valid, u_v = device_operand(qt if qt is not None else xq_h, dev), torch.as_tensor(u_h, device=dev)
+        flips = flips + f
+        unc = torch.zeros_like(dx)
+        unc[vi] = u_v
+        xq = xq_valid.take_rows(pos)
     # stage 5: GEMM2 and its store
     y_pre = _weights_gemm(xq, rows, weights.w2, weights.b2)
-    dy = device_rows_radius_term(unc, rows, weights.w2) + device_rows_error_bound(xq, unc, rows, weights.w2,
-                                                                                   weights.b2, profile)
+    rad, bnd = device_rows_error_bound(xq, unc, rows, weights.w2, weights.b2, profile, radius_term=True)
+    dy = rad + bnd
     weigh = p.apply_weights
     if profile.gemm2_weighted_store and weigh:  # the epilogue weights (one FP32 multiply), then stores
         tw = p.topk_weights.to(torch.float64).reshape(-1)
@@ -147,6 +160,7 @@ def device_layer_bound(run, profile: Profile) -> LayerBound:
     from ..moe.device import device_weights
 
     out = run.output
-    return assemble_layer_bound(run, profile, _chunk_interval, out.to(torch.float64),
-                                shared_weights=lambda w: device_weights(w, out.device), store=device_store_interval,
-                                cat=lambda xs: torch.cat(xs, dim=0), zeros_like=torch.zeros_like)
+    lb = assemble_layer_bound(run, profile, _chunk_interval, out.to(torch.float64),
+                              shared_weights=lambda w: device_weights(w, out.device), store=device_store_interval,
+                              cat=lambda xs: torch.cat(xs, dim=0), zeros_like=torch.zeros_like)
+    return replace(lb, flips=int(lb.flips))  # the one host read of the flip count

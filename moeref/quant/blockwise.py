@@ -39,6 +39,7 @@ __all__ = [
     "as_input",
     "block_view",
     "block_amax",
+    "scales_from_amax",
     "block_reduce",
     "broadcast_to_blocks",
     "grid_shape",
@@ -161,6 +162,25 @@ def encode_elements(scaled: np.ndarray, element: ElementFormat, preset, *,
                   nan_code=nan_code)
 
 
+def scales_from_amax(amax: np.ndarray, scheme: Scheme, work, *, rule: Callable | None = None, static_scale=None,
+                     bmin=None, bmax=None) -> tuple[ScaleResult, RuleContext]:
+    """The scale step of :func:`quantize_blockwise` from the block amax grid (the preset's amax floor and
+    zero-block rule, then ``rule`` or :func:`~moeref.quant.scale_rules.compute_scales` in the working
+    dtype ``work``): ``(ScaleResult, RuleContext)``. Used alone by engines that reduce the amax elsewhere
+    (the device bound's re-quantization, :mod:`moeref.compare.device_requant`)."""
+    p = scheme.preset
+    w = np.dtype(work)
+    with np.errstate(invalid="ignore"):
+        amax = np.asarray(amax).astype(w)
+        if p.amax_floor > 0:
+            amax = np.maximum(amax, w.type(p.amax_floor))
+        if p.zero_block == "unit_amax":
+            amax = np.where(amax == 0, w.type(1), amax)
+    ctx = RuleContext(scheme=scheme, preset=p, element=scheme.element_format, work=w, bmin=bmin, bmax=bmax,
+                      static_scale=static_scale)
+    return (rule or compute_scales)(amax, ctx), ctx
+
+
 def quantize_blockwise(x, scheme: Scheme, *, rule: Callable | None = None, static_scale=None,
                        need_minmax: bool = False, finalize: Callable | None = None):
     """Quantize ``x`` with one scale per block of ``scheme.block`` (see the module docstring).
@@ -191,16 +211,10 @@ def quantize_blockwise(x, scheme: Scheme, *, rule: Callable | None = None, stati
     xb = block_view(xw, block)
 
     with np.errstate(invalid="ignore"):
-        amax = block_amax(block_view(xa, block), k, p.nonfinite == "ignore_nan").astype(w)
-        if p.amax_floor > 0:
-            amax = np.maximum(amax, w.type(p.amax_floor))
-        if p.zero_block == "unit_amax":
-            amax = np.where(amax == 0, w.type(1), amax)
+        amax = block_amax(block_view(xa, block), k, p.nonfinite == "ignore_nan")
         bmin = block_reduce(xb, k, "min") if need_minmax else None
         bmax = block_reduce(xb, k, "max") if need_minmax else None
-    ctx = RuleContext(scheme=scheme, preset=p, element=el, work=w, bmin=bmin, bmax=bmax,
-                      static_scale=static_scale)
-    res: ScaleResult = (rule or compute_scales)(amax, ctx)
+    res, ctx = scales_from_amax(amax, scheme, w, rule=rule, static_scale=static_scale, bmin=bmin, bmax=bmax)
 
     # the factor is in the working dtype, except in the rare float64 fallback of finalize_scales
     fb = broadcast_to_blocks(res.factor if res.factor.dtype == np.float64 else res.factor.astype(w), k)
