@@ -377,7 +377,7 @@ def _rotating(fn, inputs_list):
 def copy_case(nbytes: int):
     """A device copy moving ``nbytes`` (read + write: ``nbytes / 2`` each way), rotated like the
     kernel inputs: the same traffic as the row, timed in the same rounds."""
-    half = max(1, nbytes // 2)
+    half = max(1, int(nbytes) // 2)  # FP4 rows count half bytes per element: nbytes may be a float
     pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda"), torch.empty(half, dtype=torch.uint8, device="cuda"))
              for _ in range(max(1, min(32, int(np.ceil(4 * L2_BYTES / max(nbytes, 1))))))]
     return _rotating(lambda src, dst: dst.copy_(src), pairs)
