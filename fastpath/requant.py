@@ -117,9 +117,8 @@ def _fp8_block_amax_kernel(c_ptr, stride_cm, s_ptr, stride_sm, p_ptr, nv_ptr, gl
                            GLOB: tl.constexpr):
     """The tensor amax and, in the program that finishes last, NVFP4's tensor factors.
 
-    ``p`` (int32[2], zero on entry: :func:`_amax_counter`): ``p[0]`` the amax as float32 bits,
-    ``p[1]`` a count of finished programs; the last program sets both back to zero once it has
-    read them, so the next call on the same stream needs no memset. Each program takes the amax of one [BLOCK_M, BLOCK_K] tile inside one
+    ``p`` (int32[2], zeroed by the caller): ``p[0]`` the amax as float32 bits, ``p[1]`` a count
+    of finished programs. Each program takes the amax of one [BLOCK_M, BLOCK_K] tile inside one
     source block and folds it in with an integer atomic max (non-negative float32 bits order like
     the floats; NaN sorts above Inf, so it propagates, unless NONFINITE is 1 ignores it, as
     :mod:`fastpath.quant`'s amax pass does). One scale per tile and ``x -> |fl32(x * s)|``
@@ -152,9 +151,6 @@ def _fp8_block_amax_kernel(c_ptr, stride_cm, s_ptr, stride_sm, p_ptr, nv_ptr, gl
         tl.debug_barrier()  # the whole program reads after the counting thread's acquire
         KN._nvfp4_factors(p_ptr.to(tl.pointer_type(tl.float32), bitcast=True), p_ptr, nv_ptr,
                           glob_ptr, 0, True, ORDER, GLOB, 0)
-        tl.debug_barrier()  # every thread's read of p precedes the reset (bar.sync orders global accesses)
-        tl.store(p_ptr, 0)
-        tl.store(p_ptr + 1, 0)
 
 
 @triton.jit
@@ -203,25 +199,6 @@ def _fp8_block_to_fp4_kernel(
                                 DROP_NEG_ZERO, SCALE_KIND, APPLY, DIV, False, E2M1_PTX)
     byte = JC._fp4_bytes(ce, co, E2M1_PTX)
     tl.store(q_ptr + rows.to(tl.int64)[:, None, None] * stride_qm + w[None, :, :], byte, mask=m3)
-
-
-_COUNTERS: dict = {}  # (device index, stream handle) -> int32[2], left zeroed by the amax kernel
-
-
-def _amax_counter(dev: torch.device) -> torch.Tensor:
-    """The amax kernel's ``(amax bits, finished programs)`` pair, zero on entry. The kernel's last
-    program sets it back to zero, so one pair per (device, stream) serves every call on that stream
-    (stream order separates them) without a memset launch; two streams use two pairs. While a CUDA
-    graph is being captured the pair is a fresh zeroed tensor (its memset captured with the graph):
-    a replay never shares a pair with eager calls or other graphs. Not CUDA (the interpreter): a
-    fresh zeroed tensor per call."""
-    if dev.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return torch.zeros(2, dtype=torch.int32, device=dev)
-    key = (dev.index, torch.cuda.current_stream(dev).cuda_stream)
-    pair = _COUNTERS.get(key)
-    if pair is None:
-        pair = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=dev)
-    return pair
 
 
 def _hw_decode(dev: torch.device) -> bool:
@@ -389,7 +366,7 @@ def fp8_block_to_fp4(codes: torch.Tensor, scales: torch.Tensor, src_block, targe
                              "no fused path: use fastpath.quant.quantize")
     elif two_level:
         grid_a = (triton.cdiv(M, bma), triton.cdiv(K, bka))
-        bits = _amax_counter(dev)
+        bits = torch.zeros(2, dtype=torch.int32, device=dev)
         nv = alloc(130, dtype=torch.float32, device=dev)
         glob = alloc(1, dtype=torch.float64, device=dev)
         _fp8_block_amax_kernel[grid_a](codes, codes.stride(0), scales, scales.stride(0), bits,
