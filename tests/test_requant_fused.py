@@ -145,3 +145,24 @@ def test_tuning_refuses_bad_tiles():
     with pytest.raises(ValueError, match="inside one 64 x 64 source block"):
         requant.fp8_block_to_fp4(*requant.from_reference(q, DEV), get_layout("ct-mxfp4").scheme(),
                                  tuning=requant.RequantTuning(block_m=128))
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="CUDA graphs need a CUDA GPU")
+def test_nvfp4_conversion_replays_from_a_cuda_graph_bit_equal():
+    scheme = get_layout("ct-nvfp4").scheme()
+    q = _source((256, 256), (128, 128), seed=4)
+    codes, scales, block = requant.from_reference(q, DEV)
+    eager = requant.fp8_block_to_fp4(codes, scales, block, scheme)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        requant.fp8_block_to_fp4(codes, scales, block, scheme)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = requant.fp8_block_to_fp4(codes, scales, block, scheme)
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.codes, eager.codes) and torch.equal(out.scales, eager.scales)
+        assert torch.equal(out.global_scale, eager.global_scale)
