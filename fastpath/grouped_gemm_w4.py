@@ -282,7 +282,7 @@ def _w4_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, zp_ptr, gm_ptr, gd_ptr, d_ptr, m_idx
                stride_am, stride_sam, stride_we, stride_wn, stride_se, stride_sn, stride_dm,
                FMT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr, HAS_ZP: tl.constexpr,
                A_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               K_ITERS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_T: tl.constexpr,
+               K_ITERS: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_T: tl.constexpr,
                PROMOTE: tl.constexpr, SWAP_AB: tl.constexpr):
     # IEEE: float32 operands (DOT_T) and an IEEE FP32 dot (float32 activations; FP8 ones under the interpreter);
     # PROMOTE: a scale along K outside the weight values (INT4 groups, FP8 activations): a fresh dot per tile;
@@ -320,12 +320,16 @@ def _w4_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, zp_ptr, gm_ptr, gd_ptr, d_ptr, m_idx
     kgroups = (K + GROUP - 1) // GROUP
     for it in range(K_ITERS):
         k0 = it * BLOCK_K
-        kmask = (k0 + ks) < K
+        kmask = ((k0 + ks) < K) | EVEN_K  # EVEN_K (BLOCK_K divides K): no K masks, the loads vectorise
         if SWAP_AB:
             a = tl.load(a_base + k0, mask=kmask[:, None] & rmask[None, :], other=0.0).to(DOT_T)
         else:
             a = tl.load(a_base + k0, mask=rmask[:, None] & kmask[None, :], other=0.0).to(DOT_T)
-        byte = tl.load(w_base + k0 // 2, mask=cmask3 & ((k0 + 2 * (g3 * (SG // 2) + b3)) < K), other=0).to(tl.int32)
+        if EVEN_K:
+            byte = tl.load(w_base + k0 // 2, mask=cmask3, other=0).to(tl.int32)
+        else:
+            byte = tl.load(w_base + k0 // 2, mask=cmask3 & ((k0 + 2 * (g3 * (SG // 2) + b3)) < K),
+                           other=0).to(tl.int32)
         lo = byte & 15
         hi = byte >> 4
         if FMT == 2:  # INT4: exact small integers; the group scale multiplies the tile's partial sum
@@ -491,7 +495,7 @@ def grouped_gemm_w4_contiguous(a: torch.Tensor, w: W4Experts, m_indices: torch.T
                      sc.stride(1), d.stride(0),
                      FMT=_FMT[w.kind], GROUP=w.group, SCALE_ROWS=w.scale_rows, HAS_ZP=w.zero_points is not None,
                      A_FP8=fp8, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                     K_ITERS=triton.cdiv(k, t.block_k), HAS_BIAS=bias is not None,
+                     K_ITERS=triton.cdiv(k, t.block_k), EVEN_K=k % t.block_k == 0, HAS_BIAS=bias is not None,
                      IEEE=ieee, DOT_T=tl.float32 if ieee else tl.bfloat16, PROMOTE=w.kind == "int4" or fp8,
                      SWAP_AB=t.swap_ab,
                      num_warps=t.num_warps, num_stages=t.num_stages)

@@ -89,13 +89,15 @@ def _run(a, w4, m_idx, bias, tiles=None):
                                       bias=torch.as_tensor(bias, device=DEV)).cpu().numpy().astype(np.float64)
 
 
-@pytest.mark.parametrize("seed,name,swap_ab", [(i, n, True) for i, n in enumerate(SCHEMES)] +
-                         [(9, "mxfp4", False), (10, "nvfp4_16x16", False), (11, "int4_asym_g32", False)])
-def test_w4_grouped_gemm_within_fp32_bound_and_planted_faults_fail(seed, name, swap_ab):
-    """Both tile orientations (``swap_ab``: the tile computed as ``W @ a^T``, the default; or ``a @ W^T``)."""
+@pytest.mark.parametrize("seed,name,swap_ab,block_k", [(i, n, True, 32) for i, n in enumerate(SCHEMES)] +
+                         [(9, "mxfp4", False, 32), (10, "nvfp4_16x16", False, 32), (11, "int4_asym_g32", False, 32),
+                          (12, "mxfp4", True, 64), (13, "nvfp4_te", False, 64)])
+def test_w4_grouped_gemm_within_fp32_bound_and_planted_faults_fail(seed, name, swap_ab, block_k):
+    """Both tile orientations (``swap_ab``: the tile computed as ``W @ a^T``, the default; or ``a @ W^T``), and
+    a K tile that does not divide K = 96 (the masked K tail; 32 divides it: the unmasked loads)."""
     from fastpath.grouped_gemm_w4 import W4Experts, W4Tiles
 
-    tiles = W4Tiles(16, 32, 32, 1, 1, swap_ab=swap_ab)
+    tiles = W4Tiles(16, 32, block_k, 1, 1, swap_ab=swap_ab)
 
     rng = np.random.default_rng(seed)
     a, w, m_idx = _case(rng)
