@@ -69,7 +69,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 1024, 8192])
     ap.add_argument("--rounds", type=int, default=MIN_ROUNDS, help=f"interleaved rounds (>= {MIN_ROUNDS})")
     ap.add_argument("--out", default="bench_out/moe_device_w4.json")
-    ap.add_argument("--tiles", nargs="*", default=["16,128,128,4,4,1", "128,128,128,8,3,1", "64,128,128,4,3,0"],
+    ap.add_argument("--tiles", nargs="*", default=["16,128,64,4,4,1", "32,128,64,4,4,1", "128,128,64,8,3,1", "128,128,64,8,3,0",
+                                               "64,128,64,4,3,1"],
                     help="W4 tiles to try: block_m,block_n,block_k,warps,stages,swap_ab (1: W @ a^T, 0: a @ W^T)")
     args = ap.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)

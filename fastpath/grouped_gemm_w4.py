@@ -17,7 +17,8 @@ are :class:`W4Experts`: packed codes ``uint8 [E, N, K/2]`` (element ``2i`` in th
 What the kernel computes, and the profile it declares (``PROFILE_OF``: ``BF16_OUTPUT`` for bf16
 activations, as the bf16 Triton kernel; its ``contiguous_tree`` model, :func:`moeref.compare.gemm_error_bound`):
 
-* MXFP4: ``e2m1 * 2^(s-127)`` is computed in FP32 and cast to the activations' dtype; both steps are exact
+* MXFP4: ``e2m1 * 2^(s-127)`` is built as FP32 bits (:func:`_e2m1_scaled_f32`: integer operations, no
+  rounding, no subnormal) and cast to the activations' dtype; both steps are exact
   (two significant bits times a power of two) whenever the value is a normal bf16, which
   :meth:`W4Experts.from_quantized` checks (codes 2..252 for every block with a nonzero element; all-zero
   blocks get code 127, the same zeros). So the tensor core multiplies the exact weight values: products
@@ -40,6 +41,13 @@ activations, as the bf16 Triton kernel; its ``contiguous_tree`` model, :func:`mo
   widened exactly to bf16, one ``tl.dot`` per K tile (``block_k`` divides 128) whose FP32 result is multiplied
   by the row's activation scale (and, INT4, the group scale) and added in FP32: again a scaled node inside
   one scale block, two FP32 roundings at most.
+
+Tiles (:class:`W4Tiles`, :data:`DEFAULT_W4_TILES`): ``swap_ab`` computes each tile as ``W @ a^T`` (the decoded
+weights become the register operand of Hopper's WGMMA, the rows its narrow side, 16 at decode); the products,
+the K order and the chain of MMAs over K are those of ``a @ W^T``: on an H100 (2026-11-24) both orientations and
+the former kernel gave bit-identical outputs at gpt-oss shapes. A ``block_k`` dividing K drops the K masks, so the
+codes and scales load asynchronously (cp.async) and the decode stays in registers
+(``bench/w4_sass_census.py`` shows the compiled loop).
 
 Bias: FP32 ``[E, N]`` added to the accumulator before the store (as :mod:`fastpath.grouped_gemm`).
 Activations: bf16 (the W4A16 kernels), or float32 (then ``tl.dot`` runs in IEEE FP32, never TF32: the
@@ -84,7 +92,7 @@ class W4Tiles(GemmTiles):
     swap_ab: bool = True
 
 
-DEFAULT_W4_TILES = {"decode": W4Tiles(16, 128, 128, 4, 4), "prefill": W4Tiles(128, 128, 128, 8, 3)}
+DEFAULT_W4_TILES = {"decode": W4Tiles(16, 128, 64, 4, 4), "prefill": W4Tiles(128, 128, 64, 8, 3)}
 """Tiles when none are given: ``"decode"`` when the rows are at most one aligned segment per expert on
 average (``M_sum <= E * alignment``: few rows per expert, a narrow row tile skips the padding), else
 ``"prefill"`` (a tall row tile decodes each weight tile for more rows). Measured in docs/moe-gpu.md."""
@@ -278,6 +286,12 @@ def _ue4m3_f32(c):
 
 
 @triton.jit
+def _per_byte(x, BLOCK_N: tl.constexpr, KG: tl.constexpr, GROUP: tl.constexpr):
+    """``[BLOCK_N, KG]`` per-group values repeated over the group's ``GROUP / 2`` bytes: ``[BLOCK_N, KG * GROUP / 2]``."""
+    return tl.reshape(tl.broadcast_to(x[:, :, None], (BLOCK_N, KG, GROUP // 2)), (BLOCK_N, KG * (GROUP // 2)))
+
+
+@triton.jit
 def _w4_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, zp_ptr, gm_ptr, gd_ptr, d_ptr, m_idx_ptr, bias_ptr, M, N, K,
                stride_am, stride_sam, stride_we, stride_wn, stride_se, stride_sn, stride_dm,
                FMT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr, HAS_ZP: tl.constexpr,
@@ -301,63 +315,56 @@ def _w4_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, zp_ptr, gm_ptr, gd_ptr, d_ptr, m_idx
     rmask = rows < M
     cmask = cols < N
     ks = tl.arange(0, BLOCK_K)
-    # the weight tile as bytes [BLOCK_N, KG, SG / 2]: KG scale groups of SG elements (E2M1: SG = GROUP, so
-    # the scales [BLOCK_N, KG, 1] broadcast without a reshape; INT4: the whole tile, one group)
-    SG: tl.constexpr = GROUP if FMT != 2 else BLOCK_K
-    KG: tl.constexpr = BLOCK_K // SG
-    g3 = tl.arange(0, KG)[None, :, None]
-    b3 = tl.arange(0, SG // 2)[None, None, :]
-    cols3 = cols[:, None, None]
-    cmask3 = cols3 < N
-    w_base = w_ptr + e64 * stride_we + cols3.to(tl.int64) * stride_wn + (g3 * (SG // 2) + b3)
-    s_base = s_ptr + e64 * stride_se + (cols3 // SCALE_ROWS).to(tl.int64) * stride_sn + g3
+    kb = tl.arange(0, BLOCK_K // 2)
+    a_base = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
+    w_base = w_ptr + e64 * stride_we + cols[:, None].to(tl.int64) * stride_wn + kb[None, :]
+    # E2M1 scales: a [BLOCK_N, BLOCK_K / GROUP] tile (contiguous: it loads asynchronously like the codes), its
+    # per-group factor broadcast to the bytes [BLOCK_N, BLOCK_K / 2] (GROUP / 2 bytes a group)
+    KG: tl.constexpr = BLOCK_K // GROUP if FMT != 2 else 1
+    s_base = (s_ptr + e64 * stride_se + (cols // SCALE_ROWS)[:, None].to(tl.int64) * stride_sn
+              + tl.arange(0, KG)[None, :])
     if SWAP_AB:
-        a_base = a_ptr + rows[None, :].to(tl.int64) * stride_am + ks[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
-        a_base = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     kgroups = (K + GROUP - 1) // GROUP
     for it in range(K_ITERS):
         k0 = it * BLOCK_K
-        kmask = ((k0 + ks) < K) | EVEN_K  # EVEN_K (BLOCK_K divides K): no K masks, the loads vectorise
-        if SWAP_AB:
-            a = tl.load(a_base + k0, mask=kmask[:, None] & rmask[None, :], other=0.0).to(DOT_T)
+        if EVEN_K:  # BLOCK_K divides K: no K masks, so the loads vectorise and pipeline (cp.async)
+            a = tl.load(a_base + k0, mask=rmask[:, None], other=0.0).to(DOT_T)
+            byte = tl.load(w_base + k0 // 2, mask=cmask[:, None], other=0).to(tl.int32)
         else:
-            a = tl.load(a_base + k0, mask=rmask[:, None] & kmask[None, :], other=0.0).to(DOT_T)
-        if EVEN_K:
-            byte = tl.load(w_base + k0 // 2, mask=cmask3, other=0).to(tl.int32)
-        else:
-            byte = tl.load(w_base + k0 // 2, mask=cmask3 & ((k0 + 2 * (g3 * (SG // 2) + b3)) < K),
-                           other=0).to(tl.int32)
+            a = tl.load(a_base + k0, mask=rmask[:, None] & ((k0 + ks) < K)[None, :], other=0.0).to(DOT_T)
+            byte = tl.load(w_base + k0 // 2, mask=cmask[:, None] & ((k0 + 2 * kb) < K)[None, :], other=0).to(tl.int32)
         lo = byte & 15
         hi = byte >> 4
         if FMT == 2:  # INT4: exact small integers; the group scale multiplies the tile's partial sum
             if HAS_ZP:
-                zp = tl.load(zp_ptr + e64 * stride_se + cols3.to(tl.int64) * stride_sn + k0 // GROUP,
-                             mask=cmask3, other=0).to(tl.int32)
+                zp = tl.load(zp_ptr + e64 * stride_se + cols.to(tl.int64) * stride_sn + k0 // GROUP,
+                             mask=cmask, other=0).to(tl.int32)[:, None]
                 vlo = (lo - zp).to(tl.float32)
                 vhi = (hi - zp).to(tl.float32)
             else:
                 vlo = (lo - ((lo & 8) << 1)).to(tl.float32)
                 vhi = (hi - ((hi & 8) << 1)).to(tl.float32)
         else:
-            sc = tl.load(s_base + k0 // GROUP, mask=cmask3 & ((k0 // GROUP + g3) < kgroups), other=127).to(tl.int32)
+            sc = tl.load(s_base + k0 // GROUP, mask=cmask[:, None] & ((k0 // GROUP + tl.arange(0, KG)) < kgroups)[None, :],
+                         other=127).to(tl.int32)
             if FMT == 0:  # E8M0: e2m1 * 2^(s - 127) in the bits, s in 2..252 where a code is nonzero (host check)
-                sexp = (sc - 1) << 23
+                sexp = _per_byte((sc - 1) << 23, BLOCK_N, KG, GROUP)
                 vlo = _e2m1_scaled_f32(lo, sexp)
                 vhi = _e2m1_scaled_f32(hi, sexp)
             else:  # UE4M3 (NVFP4): e2m1 * ue4m3, exact in FP32 (6 significant bits); the global factor waits
-                f = _ue4m3_f32(sc)
+                f = _per_byte(_ue4m3_f32(sc), BLOCK_N, KG, GROUP)
                 vlo = _e2m1_scaled_f32(lo, 126 << 23) * f
                 vhi = _e2m1_scaled_f32(hi, 126 << 23) * f
         w = tl.reshape(tl.interleave(vlo.to(DOT_T), vhi.to(DOT_T)), (BLOCK_N, BLOCK_K))
         if PROMOTE:
             if SWAP_AB:
                 if IEEE:
-                    part = tl.dot(w, a, input_precision="ieee")
+                    part = tl.dot(w, tl.trans(a), input_precision="ieee")
                 else:
-                    part = tl.dot(w, a)
+                    part = tl.dot(w, tl.trans(a))
             else:
                 if IEEE:
                     part = tl.dot(a, tl.trans(w), input_precision="ieee")
@@ -379,9 +386,9 @@ def _w4_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, zp_ptr, gm_ptr, gd_ptr, d_ptr, m_idx
             acc += part
         elif SWAP_AB:
             if IEEE:
-                acc = tl.dot(w, a, acc, input_precision="ieee")
+                acc = tl.dot(w, tl.trans(a), acc, input_precision="ieee")
             else:
-                acc = tl.dot(w, a, acc)
+                acc = tl.dot(w, tl.trans(a), acc)
         else:
             if IEEE:
                 acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
