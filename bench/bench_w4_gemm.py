@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench.interleaved import MIN_ROUNDS, CudaEventClock, machine_meta, time_interleaved  # noqa: E402
 from fastpath import dispatch  # noqa: E402
-from fastpath.grouped_gemm import GemmTiles, grouped_gemm_contiguous  # noqa: E402
-from fastpath.grouped_gemm_w4 import W4Experts, grouped_gemm_w4_contiguous  # noqa: E402
+from fastpath.grouped_gemm import grouped_gemm_contiguous  # noqa: E402
+from fastpath.grouped_gemm_w4 import W4Experts, W4Tiles, grouped_gemm_w4_contiguous  # noqa: E402
 
 E, K, TOP = 128, 2880, 4
 
@@ -41,6 +41,13 @@ def random_w4(kind: str, n: int, gen) -> W4Experts:
                                                        generator=gen), 16, 1, K,
                          torch.ones(E, device="cuda"), torch.full((E,), 2688.0, device="cuda"))
     return W4Experts("int4", codes, torch.rand((E, n, -(-K // 128)), device="cuda", generator=gen) * 0.01, 128, 1, K)
+
+
+def _parse_tiles(text: str) -> W4Tiles:
+    v = [int(x) for x in text.split(",")]
+    if len(v) not in (5, 6):
+        raise SystemExit(f"--tiles wants block_m,block_n,block_k,warps,stages[,swap_ab]; got {text!r}")
+    return W4Tiles(*v[:5], swap_ab=bool(v[5]) if len(v) == 6 else True)
 
 
 def _runnable(fns: dict) -> dict:
@@ -62,11 +69,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 1024, 8192])
     ap.add_argument("--rounds", type=int, default=MIN_ROUNDS, help=f"interleaved rounds (>= {MIN_ROUNDS})")
     ap.add_argument("--out", default="bench_out/moe_device_w4.json")
-    ap.add_argument("--tiles", nargs="*", default=["64,128,128,4,3", "128,128,128,8,3", "64,64,128,4,4"],
-                    help="W4 tiles to try: block_m,block_n,block_k,warps,stages")
+    ap.add_argument("--tiles", nargs="*", default=["16,128,64,4,4,1", "32,128,64,4,4,1", "128,128,64,8,3,1", "128,128,64,8,3,0",
+                                               "64,128,64,4,3,1"],
+                    help="W4 tiles to try: block_m,block_n,block_k,warps,stages,swap_ab (1: W @ a^T, 0: a @ W^T)")
     args = ap.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    tiles = [GemmTiles(*(int(v) for v in t.split(","))) for t in args.tiles]
+    tiles = [_parse_tiles(t) for t in args.tiles]
     rows_out = []
     for gemm, n in (("gemm1", 5760), ("gemm2", 2880)):
         weights = {kind: random_w4(kind, n, gen) for kind in ("mxfp4", "nvfp4", "int4")}
@@ -79,7 +87,8 @@ def main(argv=None) -> int:
             fns = {"bf16 triton": lambda: grouped_gemm_contiguous(a, b16, lay.m_indices, impl="triton")}
             for kind, w in weights.items():
                 for t in tiles:
-                    fns[f"{kind} {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}"] = (
+                    fns[f"{kind} {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}"
+                        f"{' swap' if t.swap_ab else ''}"] = (
                         lambda w=w, t=t: grouped_gemm_w4_contiguous(a, w, lay.m_indices, tiles=t))
             res = time_interleaved(_runnable(fns), baselines=["bf16 triton"], rounds=args.rounds, calls_per_round=3,
                                    warmup=0, clock=CudaEventClock())

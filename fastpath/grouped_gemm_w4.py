@@ -17,7 +17,8 @@ are :class:`W4Experts`: packed codes ``uint8 [E, N, K/2]`` (element ``2i`` in th
 What the kernel computes, and the profile it declares (``PROFILE_OF``: ``BF16_OUTPUT`` for bf16
 activations, as the bf16 Triton kernel; its ``contiguous_tree`` model, :func:`moeref.compare.gemm_error_bound`):
 
-* MXFP4: ``e2m1 * 2^(s-127)`` is computed in FP32 and cast to the activations' dtype; both steps are exact
+* MXFP4: ``e2m1 * 2^(s-127)`` is built as FP32 bits (:func:`_e2m1_scaled_f32`: integer operations, no
+  rounding, no subnormal) and cast to the activations' dtype; both steps are exact
   (two significant bits times a power of two) whenever the value is a normal bf16, which
   :meth:`W4Experts.from_quantized` checks (codes 2..252 for every block with a nonzero element; all-zero
   blocks get code 127, the same zeros). So the tensor core multiplies the exact weight values: products
@@ -40,6 +41,13 @@ activations, as the bf16 Triton kernel; its ``contiguous_tree`` model, :func:`mo
   widened exactly to bf16, one ``tl.dot`` per K tile (``block_k`` divides 128) whose FP32 result is multiplied
   by the row's activation scale (and, INT4, the group scale) and added in FP32: again a scaled node inside
   one scale block, two FP32 roundings at most.
+
+Tiles (:class:`W4Tiles`, :data:`DEFAULT_W4_TILES`): ``swap_ab`` computes each tile as ``W @ a^T`` (the decoded
+weights become the register operand of Hopper's WGMMA, the rows its narrow side, 16 at decode); the products,
+the K order and the chain of MMAs over K are those of ``a @ W^T``: on an H100 (2026-11-24) both orientations and
+the former kernel gave bit-identical outputs at gpt-oss shapes. A ``block_k`` dividing K drops the K masks, so the
+codes and scales load asynchronously (cp.async) and the decode stays in registers
+(``bench/w4_sass_census.py`` shows the compiled loop).
 
 Bias: FP32 ``[E, N]`` added to the accumulator before the store (as :mod:`fastpath.grouped_gemm`).
 Activations: bf16 (the W4A16 kernels), or float32 (then ``tl.dot`` runs in IEEE FP32, never TF32: the
@@ -64,7 +72,7 @@ from moeref.gemm.stacked import experts_to_stack
 
 from .grouped_gemm import GemmTiles
 
-__all__ = ["W4_KINDS", "W4Experts", "PROFILE_OF", "w4_supports", "grouped_gemm_w4_contiguous",
+__all__ = ["W4_KINDS", "W4Experts", "W4Tiles", "PROFILE_OF", "w4_supports", "grouped_gemm_w4_contiguous",
            "grouped_gemm_w4_masked", "DEFAULT_W4_TILES"]
 
 W4_KINDS = ("mxfp4", "nvfp4", "int4")
@@ -74,8 +82,21 @@ PROFILE_OF = {("triton", "mxfp4"): "BF16_OUTPUT", ("triton", "nvfp4"): "BF16_OUT
 """The :mod:`moeref.compare` profile each (implementation, weight kind) declares for bf16 activations
 (float32 activations: ``FP32_ACCUM`` with float32 stores)."""
 
-DEFAULT_W4_TILES = GemmTiles(64, 128, 128, 4, 3)
-_INTERPRETER_TILES = GemmTiles(16, 32, 32, 1, 1)
+
+
+@dataclass(frozen=True)
+class W4Tiles(GemmTiles):
+    """:class:`fastpath.grouped_gemm.GemmTiles` plus ``swap_ab``: compute each tile transposed
+    (``W @ a^T``: the decoded weights are the MMA's register operand, the rows its narrow side)."""
+
+    swap_ab: bool = True
+
+
+DEFAULT_W4_TILES = {"decode": W4Tiles(16, 128, 64, 4, 4), "prefill": W4Tiles(128, 128, 64, 8, 3)}
+"""Tiles when none are given: ``"decode"`` when the rows are at most one aligned segment per expert on
+average (``M_sum <= E * alignment``: few rows per expert, a narrow row tile skips the padding), else
+``"prefill"`` (a tall row tile decodes each weight tile for more rows). Measured in docs/moe-gpu.md."""
+_INTERPRETER_TILES = W4Tiles(16, 32, 32, 1, 1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -242,11 +263,17 @@ def _global_pair(g: float) -> tuple[float, float]:
 
 
 @triton.jit
-def _e2m1_f32(c):
-    """float32 value of E2M1 codes ``c`` (int32 0..15): 0, .5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
-    m = (c & 7).to(tl.float32)
-    v = tl.where(m < 4.0, m * 0.5, tl.where(m < 6.0, m - 2.0, 2.0 * m - 8.0))
-    return tl.where((c & 8) != 0, -v, v)
+def _e2m1_scaled_f32(c, sexp):
+    """float32 value of E2M1 codes ``c`` (int32 0..15) times ``2^(s - 127)``, given ``sexp = (s - 1) << 23``
+    (int32, E8M0 code ``s`` in 2..252; ``s = 127``: the plain E2M1 value), built bit by bit: no float
+    arithmetic, so no rounding, no flush to zero. Magnitude code ``m = c & 7`` (exponent ``m >> 1``,
+    mantissa bit ``m & 1``): for ``m >= 2`` the value ``(1 + (m & 1)/2) 2^((m >> 1) - 1) 2^(s - 127)`` has the
+    FP32 exponent field ``(m >> 1) + s - 1`` (2..254) and the top mantissa bit ``m & 1``, i.e. the bits
+    ``(m << 22) + ((s - 1) << 23)``; ``m = 1`` (0.5, E2M1's subnormal) is ``2^(s - 128)``: exponent field
+    ``s - 1`` >= 1, mantissa 0, i.e. ``(s - 1) << 23``; ``m = 0`` is zero; bit 3 is the sign (bit 31)."""
+    m = c & 7
+    mag = tl.where(m >= 2, (m << 22) + sexp, tl.where(m == 1, sexp, 0))
+    return (mag | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -259,14 +286,23 @@ def _ue4m3_f32(c):
 
 
 @triton.jit
+def _per_byte(x, BLOCK_N: tl.constexpr, KG: tl.constexpr, GROUP: tl.constexpr):
+    """``[BLOCK_N, KG]`` per-group values repeated over the group's ``GROUP / 2`` bytes: ``[BLOCK_N, KG * GROUP / 2]``."""
+    return tl.reshape(tl.broadcast_to(x[:, :, None], (BLOCK_N, KG, GROUP // 2)), (BLOCK_N, KG * (GROUP // 2)))
+
+
+@triton.jit
 def _w4_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, zp_ptr, gm_ptr, gd_ptr, d_ptr, m_idx_ptr, bias_ptr, M, N, K,
                stride_am, stride_sam, stride_we, stride_wn, stride_se, stride_sn, stride_dm,
                FMT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr, HAS_ZP: tl.constexpr,
                A_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               K_ITERS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_T: tl.constexpr,
-               PROMOTE: tl.constexpr):
+               K_ITERS: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_T: tl.constexpr,
+               PROMOTE: tl.constexpr, SWAP_AB: tl.constexpr):
     # IEEE: float32 operands (DOT_T) and an IEEE FP32 dot (float32 activations; FP8 ones under the interpreter);
-    # PROMOTE: a scale along K outside the weight values (INT4 groups, FP8 activations): a fresh dot per tile
+    # PROMOTE: a scale along K outside the weight values (INT4 groups, FP8 activations): a fresh dot per tile;
+    # SWAP_AB: the tile is computed transposed, acc [BLOCK_N, BLOCK_M] = W [BLOCK_N, BLOCK_K] @ a^T: the
+    # decoded weights are the dot's first operand (Hopper's WGMMA reads it from registers) and BLOCK_M
+    # (the rows, few at decode) is the MMA's narrow N side. The same products and K order either way.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     row0 = pid_m * BLOCK_M
@@ -280,61 +316,96 @@ def _w4_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, zp_ptr, gm_ptr, gd_ptr, d_ptr, m_idx
     cmask = cols < N
     ks = tl.arange(0, BLOCK_K)
     kb = tl.arange(0, BLOCK_K // 2)
-    a_base = a_ptr + rows[:, None].to(tl.int64) * stride_am
-    w_base = w_ptr + e64 * stride_we + cols[:, None].to(tl.int64) * stride_wn
-    s_base = s_ptr + e64 * stride_se + (cols // SCALE_ROWS)[:, None].to(tl.int64) * stride_sn
+    a_base = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
+    w_base = w_ptr + e64 * stride_we + cols[:, None].to(tl.int64) * stride_wn + kb[None, :]
+    # E2M1 scales: a [BLOCK_N, BLOCK_K / GROUP] tile (contiguous: it loads asynchronously like the codes), its
+    # per-group factor broadcast to the bytes [BLOCK_N, BLOCK_K / 2] (GROUP / 2 bytes a group)
+    KG: tl.constexpr = BLOCK_K // GROUP if FMT != 2 else 1
+    s_base = (s_ptr + e64 * stride_se + (cols // SCALE_ROWS)[:, None].to(tl.int64) * stride_sn
+              + tl.arange(0, KG)[None, :])
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     kgroups = (K + GROUP - 1) // GROUP
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for it in range(K_ITERS):
         k0 = it * BLOCK_K
-        kmask = (k0 + ks) < K
-        a = tl.load(a_base + (k0 + ks)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(DOT_T)
-        byte = tl.load(w_base + (k0 // 2 + kb)[None, :], mask=cmask[:, None] & ((k0 + 2 * kb) < K)[None, :],
-                       other=0).to(tl.int32)
+        if EVEN_K:  # BLOCK_K divides K: no K masks, so the loads vectorise and pipeline (cp.async)
+            a = tl.load(a_base + k0, mask=rmask[:, None], other=0.0).to(DOT_T)
+            byte = tl.load(w_base + k0 // 2, mask=cmask[:, None], other=0).to(tl.int32)
+        else:
+            a = tl.load(a_base + k0, mask=rmask[:, None] & ((k0 + ks) < K)[None, :], other=0.0).to(DOT_T)
+            byte = tl.load(w_base + k0 // 2, mask=cmask[:, None] & ((k0 + 2 * kb) < K)[None, :], other=0).to(tl.int32)
         lo = byte & 15
         hi = byte >> 4
         if FMT == 2:  # INT4: exact small integers; the group scale multiplies the tile's partial sum
             if HAS_ZP:
                 zp = tl.load(zp_ptr + e64 * stride_se + cols.to(tl.int64) * stride_sn + k0 // GROUP,
-                             mask=cmask, other=0).to(tl.int32)
-                vlo = (lo - zp[:, None]).to(tl.float32)
-                vhi = (hi - zp[:, None]).to(tl.float32)
+                             mask=cmask, other=0).to(tl.int32)[:, None]
+                vlo = (lo - zp).to(tl.float32)
+                vhi = (hi - zp).to(tl.float32)
             else:
                 vlo = (lo - ((lo & 8) << 1)).to(tl.float32)
                 vhi = (hi - ((hi & 8) << 1)).to(tl.float32)
-            w = tl.reshape(tl.join(vlo, vhi), (BLOCK_N, BLOCK_K))
         else:
-            w = tl.reshape(tl.join(_e2m1_f32(lo), _e2m1_f32(hi)), (BLOCK_N, BLOCK_K))
-            gk = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            sc = tl.load(s_base + gk[None, :], mask=cmask[:, None] & (gk < kgroups)[None, :], other=0).to(tl.int32)
-            if FMT == 0:  # E8M0: 2^(s - 127), s in 1..254 here (checked on the host)
-                f = (sc << 23).to(tl.float32, bitcast=True)
-            else:  # UE4M3 (NVFP4); the global factor waits for the epilogue
-                f = _ue4m3_f32(sc)
-            w = tl.reshape(tl.reshape(w, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * f[:, :, None], (BLOCK_N, BLOCK_K))
-        wt = tl.trans(w.to(DOT_T))
+            sc = tl.load(s_base + k0 // GROUP, mask=cmask[:, None] & ((k0 // GROUP + tl.arange(0, KG)) < kgroups)[None, :],
+                         other=127).to(tl.int32)
+            if FMT == 0:  # E8M0: e2m1 * 2^(s - 127) in the bits, s in 2..252 where a code is nonzero (host check)
+                sexp = _per_byte((sc - 1) << 23, BLOCK_N, KG, GROUP)
+                vlo = _e2m1_scaled_f32(lo, sexp)
+                vhi = _e2m1_scaled_f32(hi, sexp)
+            else:  # UE4M3 (NVFP4): e2m1 * ue4m3, exact in FP32 (6 significant bits); the global factor waits
+                f = _per_byte(_ue4m3_f32(sc), BLOCK_N, KG, GROUP)
+                vlo = _e2m1_scaled_f32(lo, 126 << 23) * f
+                vhi = _e2m1_scaled_f32(hi, 126 << 23) * f
+        w = tl.reshape(tl.interleave(vlo.to(DOT_T), vhi.to(DOT_T)), (BLOCK_N, BLOCK_K))
         if PROMOTE:
-            if IEEE:
-                part = tl.dot(a, wt, input_precision="ieee")
+            if SWAP_AB:
+                if IEEE:
+                    part = tl.dot(w, tl.trans(a), input_precision="ieee")
+                else:
+                    part = tl.dot(w, tl.trans(a))
             else:
-                part = tl.dot(a, wt)
+                if IEEE:
+                    part = tl.dot(a, tl.trans(w), input_precision="ieee")
+                else:
+                    part = tl.dot(a, tl.trans(w))
             if FMT == 2:
-                part = part * tl.load(s_ptr + e64 * stride_se + cols.to(tl.int64) * stride_sn + k0 // GROUP,
-                                      mask=cmask, other=0.0)[None, :]
+                s_n = tl.load(s_ptr + e64 * stride_se + cols.to(tl.int64) * stride_sn + k0 // GROUP, mask=cmask,
+                              other=0.0)
+                if SWAP_AB:
+                    part = part * s_n[:, None]
+                else:
+                    part = part * s_n[None, :]
             if A_FP8:  # 1x128 activation scales (FP32), BLOCK_K divides 128
-                part = part * tl.load(sa_ptr + rows.to(tl.int64) * stride_sam + k0 // 128, mask=rmask,
-                                      other=0.0)[:, None]
+                s_r = tl.load(sa_ptr + rows.to(tl.int64) * stride_sam + k0 // 128, mask=rmask, other=0.0)
+                if SWAP_AB:
+                    part = part * s_r[None, :]
+                else:
+                    part = part * s_r[:, None]
             acc += part
-        elif IEEE:
-            acc = tl.dot(a, wt, acc, input_precision="ieee")
+        elif SWAP_AB:
+            if IEEE:
+                acc = tl.dot(w, tl.trans(a), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(a), acc)
         else:
-            acc = tl.dot(a, wt, acc)
+            if IEEE:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
     if FMT == 1:  # NVFP4 global decode factor g_mul / g_div, correctly rounded
         acc = tl.math.div_rn(acc * tl.load(gm_ptr + e), tl.load(gd_ptr + e))
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + e64 * N + cols, mask=cmask, other=0.0)[None, :]
-    tl.store(d_ptr + rows[:, None].to(tl.int64) * stride_dm + cols[None, :],
-             acc.to(d_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    if SWAP_AB:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + e64 * N + cols, mask=cmask, other=0.0)[:, None]
+        tl.store(d_ptr + rows[None, :].to(tl.int64) * stride_dm + cols[:, None],
+                 acc.to(d_ptr.dtype.element_ty), mask=cmask[:, None] & rmask[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + e64 * N + cols, mask=cmask, other=0.0)[None, :]
+        tl.store(d_ptr + rows[:, None].to(tl.int64) * stride_dm + cols[None, :],
+                 acc.to(d_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
 def w4_supports(impl: str = "triton", a=None, w: W4Experts | None = None, *, a_scales=None, alignment=None,
@@ -365,8 +436,12 @@ def w4_supports(impl: str = "triton", a=None, w: W4Experts | None = None, *, a_s
     return True, "ok"
 
 
-def _tiles_for(w: W4Experts, a: torch.Tensor, tiles: GemmTiles | None, alignment: int) -> GemmTiles:
-    t = tiles or (_INTERPRETER_TILES if a.device.type == "cpu" else DEFAULT_W4_TILES)
+def _tiles_for(w: W4Experts, a: torch.Tensor, tiles: GemmTiles | None, alignment: int) -> W4Tiles:
+    if tiles is None:
+        decode = int(a.shape[0]) <= w.num_experts * alignment
+        tiles = _INTERPRETER_TILES if a.device.type == "cpu" else DEFAULT_W4_TILES["decode" if decode else "prefill"]
+    t = tiles if isinstance(tiles, W4Tiles) else W4Tiles(tiles.block_m, tiles.block_n, tiles.block_k,
+                                                          tiles.num_warps, tiles.num_stages)
     if alignment % t.block_m:
         t = replace(t, block_m=64 if alignment % 64 == 0 else 16)
     bk = t.block_k
@@ -427,8 +502,9 @@ def grouped_gemm_w4_contiguous(a: torch.Tensor, w: W4Experts, m_indices: torch.T
                      sc.stride(1), d.stride(0),
                      FMT=_FMT[w.kind], GROUP=w.group, SCALE_ROWS=w.scale_rows, HAS_ZP=w.zero_points is not None,
                      A_FP8=fp8, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                     K_ITERS=triton.cdiv(k, t.block_k), HAS_BIAS=bias is not None,
+                     K_ITERS=triton.cdiv(k, t.block_k), EVEN_K=k % t.block_k == 0, HAS_BIAS=bias is not None,
                      IEEE=ieee, DOT_T=tl.float32 if ieee else tl.bfloat16, PROMOTE=w.kind == "int4" or fp8,
+                     SWAP_AB=t.swap_ab,
                      num_warps=t.num_warps, num_stages=t.num_stages)
     return d
 

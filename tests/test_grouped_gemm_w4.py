@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
+from fastpath.grouped_gemm_w4 import _e2m1_scaled_f32  # noqa: E402
 from fastpath.testing import device  # noqa: E402
 from moeref.compare import FP32_ACCUM, PROFILES, compare, gemm_error_bound  # noqa: E402
 from moeref.gemm import grouped_gemm_contiguous as ref_contiguous  # noqa: E402
@@ -28,6 +30,16 @@ from moeref.quant import int4_group, mxfp4, quantize  # noqa: E402
 from moeref.quant.nvfp4 import nvfp4, nvfp4_weight  # noqa: E402
 
 DEV = device()
+
+
+@triton.jit
+def _e2m1_probe(c_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.load(c_ptr + i, mask=i < n, other=0)
+    s = tl.load(s_ptr + i, mask=i < n, other=127)
+    tl.store(out_ptr + i, _e2m1_scaled_f32(c, (s - 1) << 23), mask=i < n)
+
+
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # OCP MX v1.0 table 3, codes 0..7; bit 3 is the sign
 
 SCHEMES = {
@@ -69,17 +81,23 @@ def _bound(a, qs, m_idx, bias, ref):
     return out + 2.0**-24 * np.abs(ref)  # the float32 output store
 
 
-def _run(a, w4, m_idx, bias):
+def _run(a, w4, m_idx, bias, tiles=None):
     from fastpath.grouped_gemm_w4 import grouped_gemm_w4_contiguous
 
     return grouped_gemm_w4_contiguous(torch.as_tensor(a, device=DEV), w4, torch.as_tensor(m_idx, device=DEV),
-                                      alignment=16, out_dtype=torch.float32,
+                                      alignment=16, out_dtype=torch.float32, tiles=tiles,
                                       bias=torch.as_tensor(bias, device=DEV)).cpu().numpy().astype(np.float64)
 
 
-@pytest.mark.parametrize("seed,name", list(enumerate(SCHEMES)))
-def test_w4_grouped_gemm_within_fp32_bound_and_planted_faults_fail(seed, name):
-    from fastpath.grouped_gemm_w4 import W4Experts
+@pytest.mark.parametrize("seed,name,swap_ab,block_k", [(i, n, True, 32) for i, n in enumerate(SCHEMES)] +
+                         [(9, "mxfp4", False, 32), (10, "nvfp4_16x16", False, 32), (11, "int4_asym_g32", False, 32),
+                          (12, "mxfp4", True, 64), (13, "nvfp4_te", False, 64)])
+def test_w4_grouped_gemm_within_fp32_bound_and_planted_faults_fail(seed, name, swap_ab, block_k):
+    """Both tile orientations (``swap_ab``: the tile computed as ``W @ a^T``, the default; or ``a @ W^T``), and
+    a K tile that does not divide K = 96 (the masked K tail; 32 divides it: the unmasked loads)."""
+    from fastpath.grouped_gemm_w4 import W4Experts, W4Tiles
+
+    tiles = W4Tiles(16, 32, block_k, 1, 1, swap_ab=swap_ab)
 
     rng = np.random.default_rng(seed)
     a, w, m_idx = _case(rng)
@@ -89,13 +107,31 @@ def test_w4_grouped_gemm_within_fp32_bound_and_planted_faults_fail(seed, name):
     ref = ref_contiguous(a, qs, m_idx, bias=bias)
     bound = _bound(a, qs, m_idx, bias, ref)
     valid = m_idx >= 0
-    err = np.abs(_run(a, w4, m_idx, bias) - ref)
+    err = np.abs(_run(a, w4, m_idx, bias, tiles) - ref)
     assert np.all(err[valid] <= bound[valid]), float(np.max((err - bound)[valid]))
     # planted faults: the neighbouring K scale block, and the two nibbles of every byte swapped
     bad_scale = replace(w4, scales=w4.scales.roll(1, dims=2))
-    assert np.any((np.abs(_run(a, bad_scale, m_idx, bias) - ref) > bound)[valid])
+    assert np.any((np.abs(_run(a, bad_scale, m_idx, bias, tiles) - ref) > bound)[valid])
     swapped = replace(w4, codes=((w4.codes >> 4) | (w4.codes << 4)).to(torch.uint8))
-    assert np.any((np.abs(_run(a, swapped, m_idx, bias) - ref) > bound)[valid])
+    assert np.any((np.abs(_run(a, swapped, m_idx, bias, tiles) - ref) > bound)[valid])
+
+
+def test_e2m1_bit_decode_is_exact_for_every_code_and_every_legal_scale():
+    """The kernel's bit-built decode ``_e2m1_scaled_f32`` (no float arithmetic) against the OCP MX v1.0
+    table times ``2^(s - 127)`` (E8M0 codes 2..252, the range W4Experts accepts, and s = 127: the plain E2M1
+    value), all 16 codes, exact and with the sign of zero; also against moeref.formats' E2M1 decode."""
+    from moeref.formats import decode
+
+    scales = np.arange(2, 253, dtype=np.int32)
+    c, s = (x.reshape(-1) for x in np.meshgrid(np.arange(16, dtype=np.int32), scales, indexing="ij"))
+    out = torch.empty(c.size, dtype=torch.float32, device=DEV)
+    _e2m1_probe[(triton.cdiv(c.size, 1024),)](torch.as_tensor(c, device=DEV), torch.as_tensor(s, device=DEV), out, c.size,
+                                             BLOCK=1024)
+    got = out.cpu().numpy().astype(np.float64)
+    want = np.array(E2M1)[c & 7] * np.where(c & 8, -1.0, 1.0) * np.exp2(s.astype(np.float64) - 127)
+    assert np.array_equal(got, want) and np.array_equal(np.signbit(got), c >= 8)
+    formats = np.asarray(decode(np.arange(16, dtype=np.uint8), "e2m1"), np.float64)
+    assert np.array_equal(got[s == 127], formats[c[s == 127]])
 
 
 def test_mxfp4_decode_is_exact_for_every_code_and_scale():
