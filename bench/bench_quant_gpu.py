@@ -38,13 +38,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moeref.quant import fp8_group, fp8_per_tensor, fp8_per_token, mxfp4, mxfp8  # noqa: E402
 from moeref.quant.nvfp4 import nvfp4  # noqa: E402
 
-from bench.interleaved import FLAG_SPREAD, MIN_ROUNDS, CudaEventClock, machine_meta, time_interleaved  # noqa: E402
+from bench.interleaved import (  # noqa: E402  (row_record and the rest: shared with the dispatch benchmark)
+    FLAG_SPREAD, L2_BYTES, MIN_ROUNDS, rotating, copy_case, machine_meta, row_record, spin_clocks, time_row)
 from bench.report_quant import plot, tables as report_tables  # noqa: E402
 from fastpath import fused as F  # noqa: E402
 from fastpath import quant as Q  # noqa: E402
-
-L2_BYTES = 64 << 20
-
 
 # ----------------------------------------------------------------------------- torch baselines
 # Same operation, written the way one writes it in PyTorch (DeepGEMM's per_token_cast_to_fp8 style).
@@ -267,24 +265,6 @@ def kernels(device="cuda"):
     }
 
 
-_SPIN = {}
-
-
-def spin_clocks(ms: float = 300.0):
-    """Keep the GPU busy for ``ms`` (a 256 MiB copy in a loop) so that its clocks are up before a
-    timing: after a pause (a compilation, host work), an H100 was seen measuring 40% low for
-    over a second (2026-11-21: MXFP4 1.65 TB/s right after an idle spell, 2.7 once warm)."""
-    if "buf" not in _SPIN:
-        _SPIN["buf"] = (torch.empty(1 << 28, dtype=torch.uint8, device="cuda"),
-                        torch.empty(1 << 28, dtype=torch.uint8, device="cuda"))
-    a, b = _SPIN["buf"]
-    t0 = time.perf_counter()
-    while (time.perf_counter() - t0) * 1e3 < ms:
-        for _ in range(8):
-            b.copy_(a)
-        torch.cuda.synchronize()
-
-
 def bench_fn(fn, inputs_list, warmup_ms=25, rep_ms=200):
     """Median ms of fn over rotating inputs (each call uses the next input set), clocks spun
     up first (:func:`spin_clocks`)."""
@@ -363,63 +343,6 @@ def traffic_ceiling(M, K):
     return out
 
 
-def _rotating(fn, inputs_list):
-    """A zero-argument call of ``fn`` on the next input set of the rotation (L2 never holds it)."""
-    state = {"i": 0}
-
-    def call():
-        args = inputs_list[state["i"] % len(inputs_list)]
-        state["i"] += 1
-        return fn(*args)
-    return call
-
-
-def copy_case(nbytes: int):
-    """A device copy moving ``nbytes`` (read + write: ``nbytes / 2`` each way), rotated like the
-    kernel inputs: the same traffic as the row, timed in the same rounds."""
-    half = max(1, int(nbytes) // 2)  # FP4 rows count half bytes per element: nbytes may be a float
-    pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda"), torch.empty(half, dtype=torch.uint8, device="cuda"))
-             for _ in range(max(1, min(32, int(np.ceil(4 * L2_BYTES / max(nbytes, 1))))))]
-    return _rotating(lambda src, dst: dst.copy_(src), pairs)
-
-
-def _calibrated_calls(cases, clock, target_s):
-    """Calls per round so that each case's round lasts about ``target_s`` (1 to 1000)."""
-    out = {}
-    for n, fn in cases.items():
-        t = max(clock.measure(fn, 3), 1e-7)
-        out[n] = int(min(1000, max(1, round(target_s / t))))
-    return out
-
-
-def time_row(cases: dict, baselines: list, rounds: int, target_round_s: float):
-    """The row's cases (``fastpath`` and its baselines) timed in interleaved rounds
-    (:func:`bench.interleaved.time_interleaved`), after one warm-up call each and the clocks spun up."""
-    clock = CudaEventClock()
-    for fn in cases.values():
-        fn()
-    torch.cuda.synchronize()
-    calls = _calibrated_calls(cases, clock, target_round_s)
-    spin_clocks()
-    return time_interleaved(cases, baselines=baselines, rounds=rounds, calls_per_round=calls, clock=clock, warmup=0)
-
-
-def row_record(res, M: int, nbytes: int) -> dict:
-    """JSON row of one (kernel, M): every case's median/min/max/spread/flag in us, the median of the
-    per-round ratios to each baseline (``baseline time / fastpath time``) and their per-round values;
-    TB/s from the median time; % of copy from the per-round copy ratio (equal bytes)."""
-    cases = {n: {"median_us": c.median_s * 1e6, "min_us": c.min_s * 1e6, "max_us": c.max_s * 1e6,
-                 "spread": c.spread, "flagged": c.flagged, "calls_per_round": res.calls_per_round[n]}
-             for n, c in res.cases.items()}
-    ratios = res.ratios["fastpath"]
-    med = res.cases["fastpath"].median_s
-    return {"M": M, "bytes": nbytes, "rounds": res.rounds, "clock": res.clock, "cases": cases,
-            "ratio_median": {b: r.median for b, r in ratios.items()},
-            "ratio_per_round": {b: list(r.per_round) for b, r in ratios.items()},
-            "TBps": nbytes / med / 1e12, "pct_copy": 100 * ratios["copy"].median,
-            "flagged": sorted(n for n, c in res.cases.items() if c.flagged)}
-
-
 def run_meta(args) -> dict:
     """GPU, driver, CUDA, torch, triton, Python, date and the timing settings of this run."""
     return {**machine_meta(), "M": args.M, "K": args.K, "rounds": args.rounds, "round_ms": args.round_ms,
@@ -483,11 +406,11 @@ def main():
         for M in Ms:
             b = nbytes(M, args.K)
             inputs = make_rotation(make, M, args.K, b)
-            cases = {"fastpath": _rotating(run, inputs), "copy": copy_case(b)}
+            cases = {"fastpath": rotating(run, inputs), "copy": copy_case(b)}
             if M == args.M and args.baselines and tfn is not None:
                 try:
                     tfn(*inputs[0])
-                    cases["torch eager"] = _rotating(tfn, inputs)
+                    cases["torch eager"] = rotating(tfn, inputs)
                 except Exception as e:  # reported, not hidden
                     rec["eager_error"] = f"{type(e).__name__}: {e}"[:200]
                 try:
@@ -496,11 +419,11 @@ def main():
                     cfn(*inputs[0])
                     torch.cuda.synchronize()
                     rec["compile_s"] = time.time() - t0
-                    cases["torch.compile"] = _rotating(cfn, inputs)
+                    cases["torch.compile"] = rotating(cfn, inputs)
                 except Exception as e:  # reported, not hidden
                     rec["compile_error"] = f"{type(e).__name__}: {e}"[:200]
                 if name in dg:
-                    cases["DeepGEMM"] = _rotating(lambda x, *_, f=dg[name]: f(x), inputs)
+                    cases["DeepGEMM"] = rotating(lambda x, *_, f=dg[name]: f(x), inputs)
             res = time_row(cases, [c for c in cases if c != "fastpath"], args.rounds, args.round_ms * 1e-3)
             rec["rows"].append(row_record(res, M, b))
             del inputs, cases

@@ -24,6 +24,10 @@ Results are dataclasses; :meth:`InterleavedResult.to_json` gives plain dicts for
     from bench.interleaved import time_interleaved
     res = time_interleaved({"kernel": run, "copy": copy, "eager": eager}, baselines=["copy", "eager"])
     res.cases["kernel"].median_s, res.ratios["kernel"]["copy"].median, res.cases["kernel"].flagged
+
+The GPU benchmarks' rows (bench_quant_gpu, bench_dispatch_gpu) share one way of timing a row: inputs
+rotated (:func:`rotating`), the same bytes copied as the ``copy`` baseline (:func:`copy_case`), calls
+per round calibrated and clocks spun up (:func:`time_row`), one JSON row (:func:`row_record`).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 MIN_ROUNDS = 7
 FLAG_SPREAD = 0.10
+L2_BYTES = 64 << 20  # above the L2 of an H100 (50 MB) or H200 (60 MB): rotations cover 4x this
 
 
 class Clock(Protocol):
@@ -203,3 +208,87 @@ def time_interleaved(cases: Mapping[str, Callable[[], object]], *, baselines: Se
             per = tuple(tb / tc if tc > 0 else float("inf") for tb, tc in zip(seconds[b], seconds[n]))
             ratios[n][b] = BaselineRatio(b, per, statistics.median(per))
     return InterleavedResult(rounds, clock.name, calls, flag_spread, timings, ratios)
+
+
+# ----------------------------------------------------------------------------- GPU rows (torch imported lazily)
+
+_SPIN: dict = {}
+
+
+def spin_clocks(ms: float = 300.0):
+    """Keep the GPU busy for ``ms`` (a 256 MiB copy in a loop) so that its clocks are up before a
+    timing: after a pause (a compilation, host work), an H100 was seen measuring 40% low for
+    over a second (2026-11-21: MXFP4 1.65 TB/s right after an idle spell, 2.7 once warm)."""
+    import torch
+
+    if "buf" not in _SPIN:
+        _SPIN["buf"] = (torch.empty(1 << 28, dtype=torch.uint8, device="cuda"),
+                        torch.empty(1 << 28, dtype=torch.uint8, device="cuda"))
+    a, b = _SPIN["buf"]
+    t0 = time.perf_counter()
+    while (time.perf_counter() - t0) * 1e3 < ms:
+        for _ in range(8):
+            b.copy_(a)
+        torch.cuda.synchronize()
+
+
+def rotating(fn, inputs_list):
+    """A zero-argument call of ``fn`` on the next input set of the rotation (L2 never holds it)."""
+    state = {"i": 0}
+
+    def call():
+        args = inputs_list[state["i"] % len(inputs_list)]
+        state["i"] += 1
+        return fn(*args)
+    return call
+
+
+def copy_case(nbytes: int):
+    """A device copy moving ``nbytes`` (read + write: ``nbytes / 2`` each way), rotated like the
+    kernel inputs: the same traffic as the row, timed in the same rounds."""
+    import torch
+
+    half = max(1, int(nbytes) // 2)  # FP4 rows count half bytes per element: nbytes may be a float
+    n_pairs = max(1, min(32, -(-4 * L2_BYTES // max(int(nbytes), 1))))
+    pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda"), torch.empty(half, dtype=torch.uint8, device="cuda"))
+             for _ in range(n_pairs)]
+    return rotating(lambda src, dst: dst.copy_(src), pairs)
+
+
+def _calibrated_calls(cases, clock, target_s):
+    """Calls per round so that each case's round lasts about ``target_s`` (1 to 1000)."""
+    out = {}
+    for n, fn in cases.items():
+        t = max(clock.measure(fn, 3), 1e-7)
+        out[n] = int(min(1000, max(1, round(target_s / t))))
+    return out
+
+
+def time_row(cases: dict, baselines: list, rounds: int, target_round_s: float) -> InterleavedResult:
+    """The row's cases (``fastpath`` and its baselines) timed in interleaved rounds
+    (:func:`time_interleaved`, CUDA events), after one warm-up call each and the clocks spun up."""
+    import torch
+
+    clock = CudaEventClock()
+    for fn in cases.values():
+        fn()
+    torch.cuda.synchronize()
+    calls = _calibrated_calls(cases, clock, target_round_s)
+    spin_clocks()
+    return time_interleaved(cases, baselines=baselines, rounds=rounds, calls_per_round=calls, clock=clock, warmup=0)
+
+
+def row_record(res: InterleavedResult, M: int, nbytes: int) -> dict:
+    """JSON row of one (kernel, M): every case's median/min/max/spread/flag in us, the median of the
+    per-round ratios to each baseline (``baseline time / fastpath time``) and their per-round values;
+    TB/s from the median time; % of copy from the per-round copy ratio (equal bytes)."""
+    cases = {n: {"median_us": c.median_s * 1e6, "min_us": c.min_s * 1e6, "max_us": c.max_s * 1e6,
+                 "spread": c.spread, "flagged": c.flagged, "calls_per_round": res.calls_per_round[n]}
+             for n, c in res.cases.items()}
+    ratios = res.ratios["fastpath"]
+    med = res.cases["fastpath"].median_s
+    return {"M": M, "bytes": nbytes, "rounds": res.rounds, "clock": res.clock, "cases": cases,
+            "ratio_median": {b: r.median for b, r in ratios.items()},
+            "ratio_per_round": {b: list(r.per_round) for b, r in ratios.items()},
+            "TBps": nbytes / med / 1e12, "pct_copy": 100 * ratios["copy"].median,
+            "flagged": sorted(n for n, c in res.cases.items() if c.flagged)}
