@@ -1,19 +1,34 @@
 """Benchmark of the token-dispatch fast paths (fastpath/dispatch.py) on a CUDA GPU.
 
-For each operation and size: median time (``triton.testing.do_bench``, CUDA events, inputs rotated
-among several sets so repeated calls do not hit a warm L2), achieved bandwidth (logical bytes read +
-written / median time) next to the device copy bandwidth measured in the same run (a large
-device-to-device ``copy_``, bytes read + written), and the speed-up over a torch-eager
-implementation of the same operation and over ``torch.compile`` of it. Before timing, every fast
-path is checked against the eager implementation (indices equal, rows equal).
+Shape: E = 256 experts, top-8, hidden 7168 bf16, ``block_size`` 64 (align), ``alignment`` 128
+(contiguous, worst-case ``M_sum``: no sync). For each operation and number of tokens (a row), the
+fast call is timed in the same interleaved rounds as its baselines (:func:`bench.interleaved.time_row`:
+>= 7 rounds, ``--rounds``; CUDA events; calls per round calibrated to ``--round-ms``; inputs rotated
+among several sets so repeated calls do not hit a warm L2; clocks spun up first):
+
+* ``copy``: a device-to-device copy of the same logical bytes (each input read once, each output
+  written once, metadata included); % of copy is the median of the per-round ratios;
+* ``torch eager``: a sync-free torch implementation of the same operation (below);
+* ``torch.compile``: of it (``dynamic=False``; at ``--compile-sizes``, within ``--compile-budget-s``
+  of compilation: rows past the budget say so in the JSON);
+* ``CUDA graph``: the same fast call replayed from a CUDA graph, one graph per input set (the
+  GPU-side time without the Python launch); not for ``to_masked``, which syncs once;
+* ``dense 1:k`` (permute only): the row kernel with identity destinations, the permute's traffic
+  mix (read each row once, write it k times) with sequential writes.
+
+Each case reports median, min, max and spread; a case whose spread exceeds 10% is flagged. Before
+timing, every fast path is checked against the eager implementation (indices equal, rows equal).
+The JSON (``bench_dispatch.json``: :func:`bench.interleaved.machine_meta`, the settings, the device
+copy and fill bandwidth, one :func:`bench.interleaved.row_record` per row) is written after every
+row; ``bench/report_dispatch.py`` turns it into docs/fastpaths-dispatch.md's table.
 
 Usage (on the GPU machine, from the repository root)::
 
-    PYTHONPATH=$PWD python3 bench/bench_dispatch_gpu.py [--sweep] [--out DIR] [--no-compile]
+    PYTHONPATH=$PWD python3 bench/bench_dispatch_gpu.py [--sweep] [--out DIR] [--no-compile] [--sizes 16384,4096,512,1]
 
 ``--sweep`` first times a few (BLOCK_T, row bytes, num_warps) configurations of the row kernels at
-the largest size and prints the fastest (to be copied into ``fastpath.dispatch.ROW_CONFIG``); the
-tables are then timed with the shipped ``ROW_CONFIG``.
+16384 tokens, all in the same interleaved rounds, and prints the fastest (to be copied into
+``fastpath.dispatch.ROW_CONFIG``); the rows are then timed with the shipped ``ROW_CONFIG``.
 """
 from __future__ import annotations
 
@@ -24,10 +39,12 @@ import sys
 import time
 
 import torch
-import triton
-import triton.testing
 
-import fastpath.dispatch as F
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fastpath.dispatch as F  # noqa: E402
+from bench.interleaved import (  # noqa: E402
+    FLAG_SPREAD, MIN_ROUNDS, copy_case, machine_meta, rotating, row_record, time_row)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,62 +157,85 @@ def routing(M: int, E: int, k: int, device, seed: int, pad_frac: float = 0.0):
     return ids.contiguous(), w / w.sum(1, keepdim=True)
 
 
-def bench(fn_of_set, n_sets: int) -> float:
-    """Median ms of fn_of_set(i) with i rotating over n_sets input sets."""
-    state = {"i": 0}
-
-    def run():
-        fn_of_set(state["i"] % n_sets)
-        state["i"] += 1
-
-    return triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
+def _sets(fn, n_sets: int):
+    """The rotation of ``fn(i)`` over the input sets ``i < n_sets`` (a zero-argument call)."""
+    return rotating(fn, [(i,) for i in range(n_sets)])
 
 
-def copy_bandwidth(device) -> float:
-    n = 1 << 30  # 1 GiB
-    a = torch.empty(n, dtype=torch.uint8, device=device).random_()
-    b = torch.empty_like(a)
-    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
-    del a, b
-    return 2 * n / (ms * 1e-3) / 1e9
-
-
-def fill_bandwidth(device) -> float:
+def device_ceilings(rounds: int, round_ms: float) -> dict:
+    """A 1 GiB device copy (bytes read + written) and a 1 GiB ``fill_`` (written), in the same
+    interleaved rounds: TB/s from the medians, and both cases' statistics."""
     n = 1 << 30
-    b = torch.empty(n, dtype=torch.uint8, device=device)
-    ms = triton.testing.do_bench(lambda: b.fill_(7), warmup=25, rep=200, return_mode="median")
-    del b
-    return n / (ms * 1e-3) / 1e9
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    res = time_row({"fastpath": lambda: b.fill_(7), "copy": lambda: b.copy_(a)}, ["copy"], rounds, round_ms * 1e-3)
+    rec = row_record(res, 0, n)
+    del a, b
+    torch.cuda.empty_cache()
+    return {"copy_TBps": 2 * n / (rec["cases"]["copy"]["median_us"] * 1e-6) / 1e12,
+            "fill_TBps": n / (rec["cases"]["fastpath"]["median_us"] * 1e-6) / 1e12,
+            "cases": {"copy 1 GiB": rec["cases"]["copy"], "fill_ 1 GiB": rec["cases"]["fastpath"]}}
 
 
-def sweep(device, M=16384, E=256, k=8, K=7168):
-    sets = [routing(M, E, k, device, s) for s in range(2)]
-    xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16) for _ in range(2)]
-    perms = [F.moe_permute(xs[i], sets[i][0], E, validate=False) for i in range(2)]
+def sweep(device, rounds: int, round_ms: float, M=16384, E=256, k=8, K=7168):
+    """Every (BLOCK_T, row bytes, num_warps) candidate of the scatter and reduce row kernels at ``M``
+    tokens, the candidates of a kind in the same interleaved rounds (the shipped one as the baseline):
+    a list of {kind, cfg, median/min/max us, flagged, ratio to the shipped one}."""
+    n_sets = 2
+    sets = [routing(M, E, k, device, s) for s in range(n_sets)]
+    xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16) for _ in range(n_sets)]
+    perms = [F.moe_permute(xs[i], sets[i][0], E, validate=False) for i in range(n_sets)]
     cfgs = {  # (BLOCK_T, row bytes per program, num_warps)
         "scatter": [(1, 2048, 4), (1, 4096, 4), (1, 8192, 8), (1, 16384, 8), (1, 16384, 16), (2, 8192, 8),
                     (4, 2048, 8)],
         "reduce": [(1, 2048, 4), (1, 8192, 8), (1, 16384, 8), (2, 4096, 8)],
     }
-    best = {}
+    calls = {
+        "scatter": lambda i: F.moe_permute(xs[i], sets[i][0], E, validate=False),
+        "reduce": lambda i: F.moe_unpermute(perms[i].hidden, sets[i][1], perms[i].inv_permuted_idx,
+                                            perms[i].expert_first_token_offset, out_dtype=torch.bfloat16),
+    }
     rows = []
     for kind in ("scatter", "reduce"):
         shipped = F.ROW_CONFIG[kind]
-        for cfg in cfgs[kind]:
-            F.ROW_CONFIG[kind] = cfg
-            if kind == "scatter":
-                ms = bench(lambda i: F.moe_permute(xs[i], sets[i][0], E, validate=False), 2)
-            else:
-                ms = bench(lambda i: F.moe_unpermute(perms[i].hidden, sets[i][1], perms[i].inv_permuted_idx,
-                                                     perms[i].expert_first_token_offset, out_dtype=torch.bfloat16), 2)
-            rows.append((kind, cfg, ms))
-            print(f"sweep {kind:8s} BLOCK_T={cfg[0]} row_bytes={cfg[1]} warps={cfg[2]}: {ms * 1e3:8.1f} us", flush=True)
-            if kind not in best or ms < best[kind][1]:
-                best[kind] = (cfg, ms)
-        F.ROW_CONFIG[kind] = shipped  # the tables below time the shipped configuration
-    print("fastest in this sweep:", {k: v[0] for k, v in best.items()}, "; timing the shipped ROW_CONFIG",
-          dict(F.ROW_CONFIG), flush=True)
-    return rows, best
+
+        def with_cfg(cfg, kind=kind):
+            def call(i):
+                F.ROW_CONFIG[kind] = cfg
+                return calls[kind](i)
+            return _sets(call, n_sets)
+        cfg_of = {"fastpath": shipped, **{str(c): c for c in cfgs[kind] if c != shipped}}
+        cases = {name: with_cfg(c) for name, c in cfg_of.items()}  # the shipped one ("fastpath"): the baseline
+        try:
+            res = time_row(cases, ["fastpath"], rounds, round_ms * 1e-3)
+        finally:
+            F.ROW_CONFIG[kind] = shipped  # the rows below time the shipped configuration
+        for name, c in res.cases.items():
+            cfg = list(cfg_of[name])
+            ratio = 1.0 if name == "fastpath" else res.ratios[name]["fastpath"].median  # shipped time / this one's
+            rows.append(dict(kind=kind, cfg=cfg, shipped=name == "fastpath", median_us=c.median_s * 1e6,
+                             min_us=c.min_s * 1e6, max_us=c.max_s * 1e6, flagged=c.flagged, x_shipped=ratio))
+            print(f"sweep {kind:8s} {str(cfg):16s} {c.median_s * 1e6:9.1f} us [{c.min_s * 1e6:.1f}-{c.max_s * 1e6:.1f}]"
+                  + (" (shipped)" if name == "fastpath" else f"  x{ratio:.3f} shipped")
+                  + (" FLAGGED" if c.flagged else ""), flush=True)
+    del sets, xs, perms
+    torch.cuda.empty_cache()
+    return rows
+
+
+def graph_case(fast, n_sets: int):
+    """The fast call of each input set captured in its own CUDA graph (after an eager call); a
+    zero-argument call replaying the next graph of the rotation."""
+    graphs = []
+    for i in range(n_sets):
+        fast(i)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fast(i)
+        graphs.append((g,))
+    torch.cuda.synchronize()
+    return rotating(lambda g: g.replay(), graphs)
 
 
 def smoke(device):
@@ -220,160 +260,136 @@ def smoke(device):
     print("smoke ok", flush=True)
 
 
+def check(M, E, k, bs, align, sets, xs, perms, max_m):
+    """Every fast path against the eager implementation on the first input set (before timing)."""
+    ep = eager_permute(xs[0], sets[0][0], E)
+    assert torch.equal(ep[0], perms[0].hidden) and torch.equal(ep[1], perms[0].expert_first_token_offset)
+    assert torch.equal(ep[2], perms[0].permuted_idx) and torch.equal(ep[3], perms[0].inv_permuted_idx)
+    fa = F.moe_align_block_size(sets[0][0], bs, E, validate=False)
+    ea = eager_align(sets[0][0], bs, E)
+    assert torch.equal(ea[0], fa.sorted_token_ids) and torch.equal(ea[1], fa.expert_ids)
+    assert torch.equal(ea[2], fa.num_tokens_post_padded)
+    fc = F.to_contiguous(xs[0], sets[0][0], E, align, m_sum="worst_case", validate=False)
+    ec = eager_contiguous(xs[0], sets[0][0], E, align)
+    assert torch.equal(ec[0], fc.a) and torch.equal(ec[1], fc.m_indices) and torch.equal(ec[2], fc.src)
+    fu = F.moe_unpermute(perms[0].hidden, sets[0][1], perms[0].inv_permuted_idx, perms[0].expert_first_token_offset)
+    eu = eager_unpermute(perms[0].hidden, sets[0][1], perms[0].inv_permuted_idx, perms[0].expert_first_token_offset)
+    assert torch.allclose(fu, eu, rtol=1e-5, atol=1e-5)
+    fm = F.to_masked(xs[0], sets[0][0], E, max_m, validate=False)
+    em = eager_masked(xs[0], sets[0][0], E, max_m)
+    assert torch.equal(em[0], fm.a) and torch.equal(em[1], fm.masked_m) and torch.equal(em[2], fm.src)
+    return fc.m_indices.numel()
+
+
+def operations(M, E, k, K, bs, align, sets, xs, perms, max_m, m_sum):
+    """name -> (fast(i), eager function, its arguments of set i, compile key, logical bytes)."""
+    n, rowb = M * k, K * 2
+    return {
+        "moe_align_block_size": (
+            lambda i: F.moe_align_block_size(sets[i][0], bs, E, validate=False),
+            eager_align, lambda i: (sets[i][0], bs, E), n * 4 + (n + E * (bs - 1)) * 4),
+        "moe_permute (bf16 rows)": (
+            lambda i: F.moe_permute(xs[i], sets[i][0], E, validate=False),
+            eager_permute, lambda i: (xs[i], sets[i][0], E), M * rowb + n * rowb + n * 4 * 3),
+        "to_contiguous (align 128)": (
+            lambda i: F.to_contiguous(xs[i], sets[i][0], E, align, m_sum="worst_case", validate=False),
+            eager_contiguous, lambda i: (xs[i], sets[i][0], E, align), M * rowb + m_sum * rowb + n * 4 + m_sum * 12),
+        "to_masked (max_m given; 1 sync)": (
+            lambda i: F.to_masked(xs[i], sets[i][0], E, max_m, validate=False),
+            eager_masked, lambda i: (xs[i], sets[i][0], E, max_m), M * rowb + E * max_m * rowb + n * 4 + E * max_m * 8),
+        "moe_unpermute (bf16 in, bf16 out)": (
+            lambda i: F.moe_unpermute(perms[i].hidden, sets[i][1], perms[i].inv_permuted_idx,
+                                      perms[i].expert_first_token_offset, out_dtype=torch.bfloat16),
+            lambda *a: eager_unpermute(*a).to(torch.bfloat16),
+            lambda i: (perms[i].hidden, sets[i][1], perms[i].inv_permuted_idx, perms[i].expert_first_token_offset),
+            n * rowb + M * rowb + n * 8),
+    }
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--sizes", default="16384,4096,512,64,1")
-    ap.add_argument("--compile-sizes", default="16384,512,1")
+    ap.add_argument("--sizes", default="16384,4096,512,1")
+    ap.add_argument("--compile-sizes", default="16384,4096,512,1")
+    ap.add_argument("--compile-budget-s", type=float, default=90.0,
+                    help="stop compiling new torch.compile baselines after this many seconds of compilation")
+    ap.add_argument("--rounds", type=int, default=9, help=f"interleaved rounds per row (>= {MIN_ROUNDS})")
+    ap.add_argument("--round-ms", type=float, default=5.0, help="time per case and round (calls calibrated)")
     args = ap.parse_args(argv)
     device = torch.device("cuda")
     torch.manual_seed(0)
     if args.smoke:
         smoke(device)
         return 0
-    gpu = torch.cuda.get_device_name()
-    copy_bw = copy_bandwidth(device)
-    fill_bw = fill_bandwidth(device)
-    print(f"# {gpu}; torch {torch.__version__}; triton {triton.__version__}; copy bandwidth {copy_bw:.0f} GB/s "
-          f"(read + write); write-only (fill_) {fill_bw:.0f} GB/s", flush=True)
-    sweep_rows, best = sweep(device) if args.sweep else ([], {})
-
     E, k, K, bs, align = 256, 8, 7168, 64, 128
-    results = []
-    comp = {}
-    if not args.no_compile:
-        comp = {
-            "permute": torch.compile(eager_permute, dynamic=False),
-            "align": torch.compile(eager_align, dynamic=False),
-            "contiguous": torch.compile(eager_contiguous, dynamic=False),
-            "masked": torch.compile(eager_masked, dynamic=False),
-            "unpermute": torch.compile(eager_unpermute, dynamic=False),
-        }
+    meta = {**machine_meta(), "E": E, "k": k, "K": K, "block_size": bs, "alignment": align,
+            "rounds": args.rounds, "round_ms": args.round_ms, "flag_spread": FLAG_SPREAD,
+            "row_config": {kk: list(v) for kk, v in F.ROW_CONFIG.items()}}
+    meta.update(device_ceilings(args.rounds, args.round_ms))
+    print(f"# {meta['gpu']}; driver {meta['driver']}; torch {meta['torch']}; triton {meta['triton']}; {meta['date']}; "
+          f"copy {meta['copy_TBps']:.3f} TB/s (read + write); fill_ {meta['fill_TBps']:.3f} TB/s", flush=True)
+    out = {"meta": meta, "sweep": sweep(device, args.rounds, args.round_ms) if args.sweep else [], "rows": []}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench_dispatch.json")
+    compile_s = 0.0
     for M in [int(s) for s in args.sizes.split(",")]:
         n_sets = 2 if M >= 4096 else 8
         sets = [routing(M, E, k, device, 100 + s) for s in range(n_sets)]
         xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16) for _ in range(n_sets)]
         perms = [F.moe_permute(xs[i], sets[i][0], E, validate=False) for i in range(n_sets)]
-        n = M * k
-        # checks against eager before timing
-        ep = eager_permute(xs[0], sets[0][0], E)
-        assert torch.equal(ep[0], perms[0].hidden) and torch.equal(ep[1], perms[0].expert_first_token_offset)
-        assert torch.equal(ep[2], perms[0].permuted_idx) and torch.equal(ep[3], perms[0].inv_permuted_idx)
-        fa = F.moe_align_block_size(sets[0][0], bs, E, validate=False)
-        ea = eager_align(sets[0][0], bs, E)
-        assert torch.equal(ea[0], fa.sorted_token_ids) and torch.equal(ea[1], fa.expert_ids)
-        assert torch.equal(ea[2], fa.num_tokens_post_padded)
-        fc = F.to_contiguous(xs[0], sets[0][0], E, align, m_sum="worst_case", validate=False)
-        ec = eager_contiguous(xs[0], sets[0][0], E, align)
-        assert torch.equal(ec[0], fc.a) and torch.equal(ec[1], fc.m_indices) and torch.equal(ec[2], fc.src)
-        fu = F.moe_unpermute(perms[0].hidden, sets[0][1], perms[0].inv_permuted_idx, perms[0].expert_first_token_offset)
-        eu = eager_unpermute(perms[0].hidden, sets[0][1], perms[0].inv_permuted_idx, perms[0].expert_first_token_offset)
-        assert torch.allclose(fu, eu, rtol=1e-5, atol=1e-5)
-        m_sum = fc.m_indices.numel()
         max_m = int(torch.stack([torch.bincount(st[0].reshape(-1).long(), minlength=E) for st in sets]).max())
-        fm = F.to_masked(xs[0], sets[0][0], E, max_m, validate=False)
-        em = eager_masked(xs[0], sets[0][0], E, max_m)
-        assert torch.equal(em[0], fm.a) and torch.equal(em[1], fm.masked_m) and torch.equal(em[2], fm.src)
-        rowb = K * 2
-        ops = {
-            # name: (fast, eager, bytes moved)
-            "moe_align_block_size": (
-                lambda i: F.moe_align_block_size(sets[i][0], bs, E, validate=False),
-                lambda i, f=eager_align: f(sets[i][0], bs, E),
-                "align", n * 4 + (n + E * (bs - 1)) * 4),
-            "moe_permute (bf16 rows)": (
-                lambda i: F.moe_permute(xs[i], sets[i][0], E, validate=False),
-                lambda i, f=eager_permute: f(xs[i], sets[i][0], E),
-                "permute", M * rowb + n * rowb + n * 4 * 3),
-            "to_contiguous (align 128)": (
-                lambda i: F.to_contiguous(xs[i], sets[i][0], E, align, m_sum="worst_case", validate=False),
-                lambda i, f=eager_contiguous: f(xs[i], sets[i][0], E, align),
-                "contiguous", M * rowb + m_sum * rowb + n * 4 + m_sum * 12),
-            "to_masked (max_m given; 1 sync)": (
-                lambda i: F.to_masked(xs[i], sets[i][0], E, max_m, validate=False),
-                lambda i, f=eager_masked: f(xs[i], sets[i][0], E, max_m),
-                "masked", M * rowb + E * max_m * rowb + n * 4 + E * max_m * 8),
-            "moe_unpermute (bf16 in, bf16 out)": (
-                lambda i: F.moe_unpermute(perms[i].hidden, sets[i][1], perms[i].inv_permuted_idx,
-                                          perms[i].expert_first_token_offset, out_dtype=torch.bfloat16),
-                lambda i, f=eager_unpermute: f(perms[i].hidden, sets[i][1], perms[i].inv_permuted_idx,
-                                               perms[i].expert_first_token_offset).to(torch.bfloat16),
-                "unpermute", n * rowb + M * rowb + n * 8),
-        }
-        # The permute's traffic mix (read each row once, write it k times) done by torch as a dense
-        # broadcast copy: the ceiling for a gather/scatter with that read:write ratio on this device.
-        # Also the row kernel alone with identity destinations (dense, sequential writes).
-        bcast_out = torch.empty((M, k, K), dtype=torch.bfloat16, device=device)
-        t_bcast = bench(lambda i: bcast_out.copy_(xs[i].unsqueeze(1).expand(M, k, K)), n_sets)
-        bcast_bw = (M * rowb + n * rowb) / (t_bcast * 1e-3) / 1e9
-        ident = torch.arange(n, dtype=torch.int32, device=device)
-        flat_out = bcast_out.view(n, K)
-        t_dense = bench(lambda i: F._scatter_rows(xs[i], ident, flat_out, k), n_sets)
-        dense_bw = (M * rowb + n * rowb) / (t_dense * 1e-3) / 1e9
-        print(f"{'broadcast copy (torch, 1 read : k writes)':36s} M={M:6d} {t_bcast * 1e3:9.1f} us  {bcast_bw:7.0f} GB/s; "
-              f"same with the row kernel, identity destinations: {t_dense * 1e3:9.1f} us  {dense_bw:7.0f} GB/s", flush=True)
-        del bcast_out, flat_out
-        for name, (fast, eager, ckey, nbytes) in ops.items():
-            t_fast = bench(fast, n_sets)
-            t_eager = bench(eager, n_sets)
-            t_comp = None
-            if ckey in comp and str(M) in args.compile_sizes.split(","):
+        m_sum = check(M, E, k, bs, align, sets, xs, perms, max_m)
+        ops = operations(M, E, k, K, bs, align, sets, xs, perms, max_m, m_sum)
+        for name, (fast, eager, eargs, nbytes) in ops.items():
+            rec_extra = {}
+            cases = {"fastpath": _sets(fast, n_sets), "copy": copy_case(nbytes),
+                     "torch eager": _sets(lambda i, f=eager, a=eargs: f(*a(i)), n_sets)}
+            if not args.no_compile and str(M) in args.compile_sizes.split(","):
+                if compile_s > args.compile_budget_s:
+                    rec_extra["compile_error"] = f"skipped: compile budget ({args.compile_budget_s:.0f} s) spent"
+                else:
+                    t0 = time.time()
+                    try:
+                        cf = torch.compile(eager, dynamic=False)
+                        cf(*eargs(0))
+                        torch.cuda.synchronize()
+                        cases["torch.compile"] = _sets(lambda i, f=cf, a=eargs: f(*a(i)), n_sets)
+                    except Exception as e:  # reported, not hidden
+                        rec_extra["compile_error"] = f"{type(e).__name__}: {e}"[:200]
+                    rec_extra["compile_s"] = time.time() - t0
+                    compile_s += rec_extra["compile_s"]
+            if not name.startswith("to_masked"):  # to_masked syncs once (capacity, expected_m): not capturable
                 try:
-                    f = comp[ckey]
-                    if ckey == "permute":
-                        g = lambda i: f(xs[i], sets[i][0], E)  # noqa: E731
-                    elif ckey == "align":
-                        g = lambda i: f(sets[i][0], bs, E)  # noqa: E731
-                    elif ckey == "contiguous":
-                        g = lambda i: f(xs[i], sets[i][0], E, align)  # noqa: E731
-                    elif ckey == "masked":
-                        g = lambda i: f(xs[i], sets[i][0], E, max_m)  # noqa: E731
-                    else:
-                        g = lambda i: f(perms[i].hidden, sets[i][1], perms[i].inv_permuted_idx,  # noqa: E731
-                                        perms[i].expert_first_token_offset).to(torch.bfloat16)
-                    g(0)
-                    t_comp = bench(g, n_sets)
-                except Exception as e:  # report, do not hide
-                    print(f"torch.compile failed for {name}: {type(e).__name__}: {e}", flush=True)
-            t_graph = None
-            if M <= 4096 and ckey != "masked":  # launch-free latency (to_masked syncs: not capturable): the same call replayed from a CUDA graph
-                try:
-                    t_graph = triton.testing.do_bench_cudagraph(lambda: fast(0), rep=100, return_mode="median")
-                except Exception as e:
-                    print(f"graph capture failed for {name}: {type(e).__name__}: {e}", flush=True)
-            bw = nbytes / (t_fast * 1e-3) / 1e9
-            r = dict(op=name, M=M, E=E, k=k, K=K, fast_us=t_fast * 1e3, eager_us=t_eager * 1e3,
-                     bcast_gbps=bcast_bw, dense_row_kernel_gbps=dense_bw,
-                     compile_us=None if t_comp is None else t_comp * 1e3, bytes=nbytes, gbps=bw,
-                     graph_us=None if t_graph is None else t_graph * 1e3,
-                     pct_copy=100 * bw / copy_bw, pct_bcast=100 * bw / bcast_bw, pct_dense=100 * bw / dense_bw,
-                     x_eager=t_eager / t_fast,
-                     x_compile=None if t_comp is None else t_comp / t_fast)
-            results.append(r)
-            print(f"{name:36s} M={M:6d} fast {r['fast_us']:9.1f} us  {bw:7.0f} GB/s ({r['pct_copy']:5.1f}% copy)  "
-                  f"eager {r['eager_us']:9.1f} us (x{r['x_eager']:.2f})  compile "
-                  + ("-" if t_comp is None else f"{r['compile_us']:9.1f} us (x{r['x_compile']:.2f})")
-                  + ("" if t_graph is None else f"  graph {t_graph * 1e3:.1f} us"), flush=True)
-        del sets, xs, perms
+                    cases["CUDA graph"] = graph_case(fast, n_sets)
+                except Exception as e:  # reported, not hidden
+                    rec_extra["graph_error"] = f"{type(e).__name__}: {e}"[:200]
+            dense = None
+            if name.startswith("moe_permute"):
+                dense = torch.empty((M * k, K), dtype=torch.bfloat16, device=device)
+                ident = torch.arange(M * k, dtype=torch.int32, device=device)
+                cases["dense 1:k"] = _sets(lambda i: F._scatter_rows(xs[i], ident, dense, k), n_sets)
+            res = time_row(cases, [c for c in cases if c != "fastpath"], args.rounds, args.round_ms * 1e-3)
+            rec = {"op": name, **row_record(res, M, nbytes), **rec_extra}
+            out["rows"].append(rec)
+            with open(path, "w") as fh:  # partial results too
+                json.dump(out, fh, indent=1)
+            fp = rec["cases"]["fastpath"]
+            msg = (f"{name:36s} M={M:6d} {fp['median_us']:9.1f} us [{fp['min_us']:.1f}-{fp['max_us']:.1f}] "
+                   f"{rec['TBps']:6.3f} TB/s ({rec['pct_copy']:5.1f}% copy)")
+            for b, r in rec["ratio_median"].items():
+                if b != "copy":
+                    msg += f"  x{r:.2f} {b}"
+            if rec["flagged"]:
+                msg += f"  FLAGGED (spread > {FLAG_SPREAD:.0%}): {', '.join(rec['flagged'])}"
+            print(msg + "".join(f"  [{kk}: {v}]" for kk, v in rec_extra.items() if kk.endswith("error")), flush=True)
+            del cases, dense, res
+        del sets, xs, perms, ops
         torch.cuda.empty_cache()
-    meta = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, copy_gbps=copy_bw,
-                date=time.strftime("%Y-%m-%d"), row_config=dict(F.ROW_CONFIG), write_only_gbps=fill_bw,
-                sweep=[dict(kind=a, cfg=list(b), us=c * 1e3) for a, b, c in sweep_rows])
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_dispatch.json"), "w") as fh:
-        json.dump(dict(meta=meta, results=results), fh, indent=1)
-    # final table (markdown)
-    print(f"\n| op | M | fast us | GB/s | % copy ({copy_bw:.0f} GB/s) | % dense 1:k | eager us | x eager | compile us | x compile | fast us (graph) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        cu = "-" if r["compile_us"] is None else f"{r['compile_us']:.1f}"
-        xc = "-" if r["x_compile"] is None else f"{r['x_compile']:.2f}"
-        print(f"| {r['op']} | {r['M']} | {r['fast_us']:.1f} | {r['gbps']:.0f} | {r['pct_copy']:.1f} | {r['pct_dense']:.1f} | "
-              f"{r['eager_us']:.1f} | {r['x_eager']:.2f} | {cu} | {xc} | "
-              + ("-" if r["graph_us"] is None else f"{r['graph_us']:.1f}") + " |")
+    with open(path, "w") as fh:
+        json.dump(out, fh, indent=1)
     return 0
 
 
