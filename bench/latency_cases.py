@@ -183,7 +183,7 @@ def uncached():
 def before_variant(case: "Case", state) -> Callable[[], Any]:
     """The call as the fast paths made it before issue 20's host changes, for an A/B in the same
     rounds: launches through ``kernel[grid]``, and for dispatch the three-kernel sort head."""
-    import fastpath.dispatch as D
+    import fastpath._dispatch_sort as D  # where the sort head is chosen
 
     def call():
         old = D.SMALL_SORT_CHUNKS

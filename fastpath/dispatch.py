@@ -71,9 +71,6 @@ all-to-one, EP maps, -1 padding; outputs poisoned before each run). Speed: ``ben
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -85,22 +82,40 @@ from moeref.dispatch.contiguous import Contiguous, contiguous_m_sum
 from moeref.dispatch.finalize import weight_and_reduce as _ref_weight_and_reduce
 from moeref.dispatch.masked import Masked
 from moeref.dispatch.permute import Permuted
-from moeref.routing.expert_map import check_expert_map
-from moeref.routing.ids import check_topk_ids
 
-from ._dispatch_kernels import (
-    _chunk_scan_kernel,
-    _fill_kernel,
-    _group_starts_kernel,
-    _hist_kernel,
-    _invert_kernel,
-    _rank_kernel,
-    _reduce_kernel,
-    _scatter_rows_kernel,
-    _small_sort_kernel,
+from ._dispatch_kernels import _group_starts_kernel, _invert_kernel, _reduce_kernel
+from ._dispatch_sort import (  # noqa: F401 (CHUNK, SMALL_SORT_CHUNKS, ROW_CONFIG: public names of this module)
+    _CAPACITY,
+    _INT_VIEW,
+    _PADDED,
+    CHUNK,
+    ROW_CONFIG,
+    SMALL_SORT_CHUNKS,
+    _alloc,
+    _bits,
+    _check_hidden,
+    _check_int,
+    _cuda,
+    _cuda_key,
+    _fill,
+    _full,
+    _interpreting,
+    _ints,
+    _launch,
+    _prepare_ids,
+    _prepare_map,
+    _rank,
+    _row_config,
+    _scatter_rows,
+    _sort,
+    _sort_ws,
+    _sorted,
+    _SortShape,
+    _Sorted,
+    _tkey,
 )
 from . import _launch_plan as _plan
-from ._host import alloc, cdiv, launch, next_pow2
+from ._host import cdiv
 from ._launch_plan import Layout
 
 __all__ = [
@@ -117,269 +132,6 @@ __all__ = [
     "to_masked",
     "weight_and_reduce",
 ]
-
-CHUNK = 128
-"""Slots per program of the counting sort (the rank step compares ``CHUNK x CHUNK`` keys)."""
-
-SMALL_SORT_CHUNKS = 4
-"""Up to this many chunks (``M * k <= 512`` slots: decode sizes), steps 1-3 run as one program
-(``_small_sort_kernel``): two launches fewer, whose host cost dominates a decode-sized call (issue 20)."""
-
-# Layout modes of _group_starts_kernel / _fill_kernel.
-_PADDED = 0  # group g starts at the sum of round_up(count, PAD) of the groups before it
-_CAPACITY = 1  # group g starts at g * CAP
-
-
-# ----------------------------------------------------------------------------------------------
-# Host side
-# ----------------------------------------------------------------------------------------------
-def _launch(kernel, grid, *args, **kwargs):
-    """:func:`fastpath._host.launch` (cached launch), skipped for an empty grid; while a launch plan
-    is being recorded (:mod:`fastpath._launch_plan`), through its recorder."""
-    if min(grid) > 0:
-        rec = _plan.recording()
-        if rec is None:
-            launch(kernel, grid, *args, **kwargs)
-        else:
-            rec.launch(kernel, grid, args, kwargs)
-
-
-def _tkey(t):
-    """A tensor's part of a plan key: all its launches depend on (shape, strides, dtype, device,
-    16-byte alignment of its address)."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
-
-
-def _cuda(*ts) -> bool:
-    """Every tensor given (None skipped) a CUDA tensor: launch plans apply (not to CPU tensors, which
-    run under the interpreter)."""
-    return all(t is None or (isinstance(t, torch.Tensor) and t.is_cuda) for t in ts)
-
-
-def _cuda_key(*parts):
-    """A plan key (:mod:`fastpath._launch_plan`): ``parts`` plus the module's knobs and the current
-    CUDA device (the last element)."""
-    return parts + (SMALL_SORT_CHUNKS, ROW_CONFIG["scatter"], ROW_CONFIG["reduce"], torch.cuda.current_device())
-
-
-def _ints(*xs) -> bool:
-    return all(type(x) is int for x in xs)
-
-
-_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """Same-size integer view (copies rows bit for bit: NaN payloads, fp8 codes, scales)."""
-    return t.view(_INT_VIEW[t.element_size()])
-
-
-def _check_int(x, name: str, ndim: int | None) -> torch.Tensor:
-    if not torch.is_tensor(x):
-        raise TypeError(f"{name} must be a torch tensor; got {type(x).__name__}")
-    if x.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must have dtype int32 or int64; got {x.dtype}")
-    if ndim is not None and x.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D; got shape {tuple(x.shape)}")
-    return x
-
-
-def _check_hidden(hidden, num_tokens: int, device) -> torch.Tensor:
-    if not torch.is_tensor(hidden):
-        raise TypeError(f"hidden must be a torch tensor or None; got {type(hidden).__name__}")
-    if hidden.ndim != 2:
-        raise ValueError(f"hidden must be 2-D [M, K]; got shape {tuple(hidden.shape)}")
-    if hidden.shape[0] != num_tokens:
-        raise ValueError(f"hidden must have {num_tokens} rows (one per token); got shape {tuple(hidden.shape)}")
-    if hidden.device != device:
-        raise ValueError(f"hidden is on {hidden.device} but topk_ids is on {device}")
-    if hidden.element_size() not in _INT_VIEW or hidden.is_complex():
-        raise TypeError(f"hidden must be a real numeric tensor; got {hidden.dtype}")
-    return hidden
-
-
-@dataclass(frozen=True)
-class _SortShape:
-    """Sizes of the counting sort (steps 1-3) for ``n`` slots: ``G`` groups (local experts), ``NK``
-    keys, ``C`` chunks; its int32 scratch sections (:meth:`spec`) live in the call's one workspace."""
-
-    n: int
-    E: int
-    G: int
-    NK: int
-    NKP: int
-    C: int
-    use_map: bool
-    want_psum: bool
-
-    @classmethod
-    def of(cls, n: int, num_experts: int, n_local: int, use_map: bool, want_psum: bool = False) -> "_SortShape":
-        G = n_local if use_map else num_experts
-        NK = G + num_experts + 1 if use_map else G + 1
-        return cls(n, num_experts, G, NK, next_pow2(NK), max(1, cdiv(n, CHUNK)), use_map, want_psum)
-
-    def spec(self, *first) -> list:
-        """Workspace sections ``(name, int32 count)``: those named in ``first``, then the others."""
-        n_g = max(self.G, 1)
-        secs = {"totals": self.NKP, "meta": 3, "offsets": 2 * (self.G + 1), "psum": n_g if self.want_psum else 0,
-                "base": self.C * self.NK, "starts": self.NKP, "ends": n_g}
-        return [(f, secs[f]) for f in first] + [(f, c) for f, c in secs.items() if f not in first]
-
-
-@dataclass
-class _Sorted:
-    """Device state of the counting sort (see the module docstring): views of the workspace."""
-
-    ids: torch.Tensor  # flat int32/int64 [N]
-    emap: torch.Tensor  # int32 [E] (dummy when unused)
-    use_map: bool
-    num_tokens: int
-    top_k: int
-    E: int
-    G: int
-    NK: int
-    C: int
-    base: torch.Tensor  # int32 [C * NK], chunk prefix per key
-    totals: torch.Tensor  # int32 [NKP]
-    starts: torch.Tensor  # int32 [NKP]
-    ends: torch.Tensor  # int32 [max(G,1)]
-    offsets: torch.Tensor  # int64 [G+1]
-    meta: torch.Tensor  # int32 [3]: rows used, present slots, every group fits (capacity mode)
-    psum: torch.Tensor | None
-
-    @property
-    def N(self) -> int:
-        return self.num_tokens * self.top_k
-
-
-def _prepare_map(expert_map, num_experts: int, device, validate: bool):
-    """(int32 device map, number of local experts)."""
-    if torch.is_tensor(expert_map):
-        if validate:
-            _, n_local = check_expert_map(_interop.to_numpy(expert_map), num_experts)
-        else:
-            if expert_map.ndim != 1 or expert_map.shape[0] != num_experts:
-                raise ValueError(f"expert_map must have length num_experts={num_experts}; got shape {tuple(expert_map.shape)}")
-            n_local = int((expert_map >= 0).sum().item())
-        return expert_map.to(device=device, dtype=torch.int32).contiguous(), n_local
-    emap, n_local = check_expert_map(np.asarray(expert_map), num_experts)
-    return torch.from_numpy(np.ascontiguousarray(emap, dtype=np.int32)).to(device), n_local
-
-
-def _prepare_ids(topk_ids, num_experts: int, validate: bool) -> torch.Tensor:
-    _check_int(topk_ids, "topk_ids", 2)
-    if validate:
-        check_topk_ids(_interop.to_numpy(topk_ids), num_experts)
-    return topk_ids
-
-
-def _sorted(topk_ids, emap, ss: _SortShape, ws: torch.Tensor, lay: Layout) -> _Sorted:
-    """The sort's views of the workspace ``ws`` (sections of ``lay``); no launch."""
-    m, k = topk_ids.shape
-    ids = topk_ids.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
-    meta = lay.view(ws, "meta")
-    return _Sorted(ids, meta if emap is None else emap, ss.use_map, m, k, ss.E, ss.G, ss.NK, ss.C,
-                   lay.view(ws, "base"), lay.view(ws, "totals"), lay.view(ws, "starts"), lay.view(ws, "ends"),
-                   lay.view(ws, "offsets", torch.int64), meta, lay.view(ws, "psum")[: ss.G] if ss.want_psum else None)
-
-
-def _sort(topk_ids, emap, ss: _SortShape, ws: torch.Tensor, lay: Layout, *, mode: int = _PADDED, pad: int = 1,
-          cap: int = 0) -> _Sorted:
-    """Steps 1-3 of the counting sort into the workspace (keys by local expert through ``emap`` where
-    ``ss.use_map``, else by global id)."""
-    s = _sorted(topk_ids, emap, ss, ws, lay)
-    psum = s.psum if ss.want_psum else s.meta
-    if s.C <= SMALL_SORT_CHUNKS:
-        _launch(_small_sort_kernel, (1,), s.ids, s.emap, s.base, s.totals, s.starts, s.ends, s.offsets, s.meta, psum,
-                ss.n, ss.E, ss.G, ss.NK, ss.C, pad, cap, USE_MAP=ss.use_map, S=CHUNK, NKP=ss.NKP,
-                MODE=mode, WRITE_PSUM=ss.want_psum)
-    else:
-        _launch(_hist_kernel, (s.C,), s.ids, s.emap, s.base, ss.n, ss.E, ss.G, ss.NK, USE_MAP=ss.use_map, S=CHUNK,
-                NKP=ss.NKP)
-        block_g = 32
-        _launch(_chunk_scan_kernel, (cdiv(ss.NK, block_g),), s.base, s.totals, s.C, ss.NK, BLOCK_C=32, BLOCK_G=block_g)
-        _launch(_group_starts_kernel, (1,), s.totals, s.starts, s.ends, s.offsets, s.meta, psum,
-                ss.G, ss.NK, pad, cap, MODE=mode, WRITE_PSUM=ss.want_psum, NKP=ss.NKP)
-    return s
-
-
-def _sort_ws(topk_ids, emap, ss: _SortShape, device, **kw) -> _Sorted:
-    """:func:`_sort` into a workspace of its own (the paths that size their outputs from the counts)."""
-    lay = Layout(ss.spec())
-    return _sort(topk_ids, emap, ss, _alloc(lay.total, torch.int32, device), lay, **kw)
-
-
-def _rank(s: _Sorted, *, dst=None, dst_mode=0, lst=None, list_mode=0, grp=None, sentinel=0):
-    dummy = s.meta
-    _launch(_rank_kernel, (cdiv(s.N, CHUNK),), s.ids, s.emap, s.base, s.starts,
-            dst if dst is not None else dummy, lst if lst is not None else dummy,
-            grp if grp is not None else dummy, s.N, s.E, s.G, s.NK, sentinel,
-            USE_MAP=s.use_map, S=CHUNK, DST_MODE=dst_mode, LIST_MODE=list_mode, WRITE_GRP=grp is not None)
-
-
-def _fill(s: _Sorted, positions: int, *, mode=_PADDED, cap=0, lst=None, list_pad=0, grp=None,
-          blk=None, block_size=1, label=None, rows=None):
-    nblk = blk.numel() if blk is not None else 0
-    span = max(positions, nblk)
-    block_p = 128
-    dummy = s.meta
-    K = rows.shape[-1] if rows is not None else 0
-    _launch(_fill_kernel, (cdiv(span, block_p),), s.starts, s.ends, s.totals, s.meta,
-            label if label is not None else dummy,
-            lst if lst is not None else dummy, grp if grp is not None else dummy,
-            blk if blk is not None else dummy, rows if rows is not None else dummy,
-            positions, nblk, s.G, cap, block_size, list_pad, K, K,
-            MODE=mode, LOG_G=max(0, int(s.G).bit_length()), BLOCK_P=block_p,
-            WRITE_LIST=lst is not None, WRITE_GRP=grp is not None, WRITE_BLK=blk is not None,
-            HAS_LABEL=label is not None, ZERO_ROWS=rows is not None,
-            BLOCK_K=min(256, next_pow2(max(K, 1))))
-
-
-ROW_CONFIG: dict[str, tuple[int, int, int]] = {
-    # kernel -> (BLOCK_T tokens, bytes of a row per program, num_warps) on the GPU, from the sweep
-    # of bench/bench_dispatch_gpu.py --sweep on an H200 (2026-11-21): every configuration from
-    # 2 KB to 16 KB per program and 4 to 16 warps was within 2% at 16384 x 7168 bf16, and
-    # evict-first loads with streaming (.cs) stores were 2% slower, so they are not used. Under the
-    # interpreter a program costs ~ms whatever its size: BLOCK_T 32, whole rows up to 256 elements.
-    "scatter": (1, 8192, 8),
-    "reduce": (1, 8192, 8),
-}
-
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _row_config(kind: str, K: int, elem: int):
-    """(BLOCK_T, BLOCK_K, num_warps) for the row kernels."""
-    if _interpreting():
-        return 32, min(next_pow2(max(K, 1)), 256), 4
-    bt, row_bytes, nw = ROW_CONFIG[kind]
-    return bt, min(next_pow2(max(K, 1)), max(16, row_bytes // elem)), nw
-
-
-def _alloc(shape, dtype, device) -> torch.Tensor:
-    """Every buffer the kernels write (outputs and scratch): :func:`fastpath._host.alloc`, the one
-    allocator the tests poison (:func:`fastpath.testing.poisoned`)."""
-    return alloc(shape, dtype=dtype, device=device)
-
-
-def _full(shape, value, dtype, device) -> torch.Tensor:
-    """A buffer filled with ``value`` on the host side (``torch.full``; the tests swap it)."""
-    return torch.full(shape if isinstance(shape, tuple) else (shape,), value, dtype=dtype, device=device)
-
-
-def _scatter_rows(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor, top_k: int, nvalid=None):
-    m, K = x.shape
-    xb, ob = _bits(x), _bits(out)
-    bt, bk, nw = _row_config("scatter", K, x.element_size())
-    _launch(_scatter_rows_kernel, (cdiv(m, bt), cdiv(K, bk)), xb, dst, ob,
-            nvalid if nvalid is not None else dst, m, K, xb.stride(0), xb.stride(1), K,
-            TOPK=top_k, BLOCK_T=bt, BLOCK_K=bk, ZERO_ABSENT=nvalid is not None, num_warps=nw)
-
 
 # ----------------------------------------------------------------------------------------------
 # Public API (same signatures as moeref.dispatch, plus validate=)

@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import fastpath._host as H  # noqa: E402
+import fastpath._dispatch_sort as S  # noqa: E402
 import fastpath._launch_plan as P  # noqa: E402
 import fastpath.dispatch as F  # noqa: E402
 from bench.latency_cases import dispatch_cases  # noqa: E402
@@ -88,12 +89,14 @@ def fake_replay(monkeypatch):
                 return 0
 
     monkeypatch.setattr(H, "launch_for_replay", launch_for_replay)
-    monkeypatch.setattr(F, "launch", ordinary)
-    monkeypatch.setattr(F, "_cuda", lambda *ts: all(t is None or isinstance(t, torch.Tensor) for t in ts))
+    monkeypatch.setattr(S, "launch", ordinary)  # the launches of fastpath.dispatch go through S._launch
+    for mod in (F, S):  # the public functions (F) and the sort's host side (S) both read these
+        monkeypatch.setattr(mod, "_cuda", lambda *ts: all(t is None or isinstance(t, torch.Tensor) for t in ts))
+        monkeypatch.setattr(mod, "_full", lambda shape, value, dtype, device:
+                            alloc(shape, dtype=dtype, device=device).fill_(value))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(H, "_hooks_installed", lambda: False)
     monkeypatch.setattr(H, "_ALLOCATOR", alloc)
-    monkeypatch.setattr(F, "_full", lambda shape, value, dtype, device: alloc(shape, dtype=dtype, device=device).fill_(value))
     monkeypatch.setattr(P, "_DRIVER", [_Driver])
     monkeypatch.setattr(P, "_PLANS", {})
     return log, pool

@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 
 import moeref.dispatch as ref  # noqa: E402
 
+import fastpath._dispatch_sort as sort_host  # noqa: E402  (the sort's host side, where the head is chosen)
 import fastpath.dispatch as fast  # noqa: E402
 from fastpath.testing import poisoned  # noqa: E402
 
@@ -46,15 +47,15 @@ def test_small_and_three_kernel_sort_heads_agree_with_the_reference(monkeypatch,
     calls = []
 
     class Counted:  # the one-program head, counted (so the test knows which head ran)
-        def __getitem__(self, grid, kernel=fast._small_sort_kernel):
+        def __getitem__(self, grid, kernel=sort_host._small_sort_kernel):
             calls.append(grid)
             return kernel[grid]
 
-    monkeypatch.setattr(fast, "_small_sort_kernel", Counted())
+    monkeypatch.setattr(sort_host, "_small_sort_kernel", Counted())
     with poisoned():
         small = _outputs(ids, x, e, emap)
         n_small = len(calls)
-        monkeypatch.setattr(fast, "SMALL_SORT_CHUNKS", 0)
+        monkeypatch.setattr(sort_host, "SMALL_SORT_CHUNKS", 0)
         big = _outputs(ids, x, e, emap)
     assert n_small == (4 if chunks <= 4 else 0) and len(calls) == n_small  # 4 calls: one per sort
     for name in small:
