@@ -182,6 +182,17 @@ def _prepare_ids(topk_ids, num_experts: int, validate: bool) -> torch.Tensor:
     return topk_ids
 
 
+def _prepare_routing(topk_ids, num_experts: int, expert_map, hidden, validate: bool):
+    """The argument checks the layouts share: ``(ids, device expert map or None, local experts)``
+    (every expert local without a map), ``hidden`` checked against the ids' tokens and device."""
+    topk_ids = _prepare_ids(topk_ids, num_experts, validate)
+    emap, n_local = (None, num_experts) if expert_map is None else \
+        _prepare_map(expert_map, num_experts, topk_ids.device, validate)
+    if hidden is not None:
+        _check_hidden(hidden, int(topk_ids.shape[0]), topk_ids.device)
+    return topk_ids, emap, n_local
+
+
 def _sorted(topk_ids, emap, ss: _SortShape, ws: torch.Tensor, lay: Layout) -> _Sorted:
     """The sort's views of the workspace ``ws`` (sections of ``lay``); no launch."""
     m, k = topk_ids.shape

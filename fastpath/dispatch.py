@@ -93,7 +93,6 @@ from ._dispatch_sort import (  # noqa: F401 (CHUNK, SMALL_SORT_CHUNKS, ROW_CONFI
     SMALL_SORT_CHUNKS,
     _alloc,
     _bits,
-    _check_hidden,
     _check_int,
     _cuda,
     _cuda_key,
@@ -104,6 +103,7 @@ from ._dispatch_sort import (  # noqa: F401 (CHUNK, SMALL_SORT_CHUNKS, ROW_CONFI
     _launch,
     _prepare_ids,
     _prepare_map,
+    _prepare_routing,
     _rank,
     _row_config,
     _scatter_rows,
@@ -254,10 +254,7 @@ def moe_permute(hidden, topk_ids, num_experts: int, expert_map=None, *, validate
     n = m * k
     if plan is None:
         num_experts = check_positive_int(num_experts, "num_experts")
-        topk_ids = _prepare_ids(topk_ids, num_experts, validate)
-        emap, n_local = (None, num_experts) if expert_map is None else _prepare_map(expert_map, num_experts, topk_ids.device, validate)
-        if hidden is not None:
-            _check_hidden(hidden, m, topk_ids.device)
+        topk_ids, emap, n_local = _prepare_routing(topk_ids, num_experts, expert_map, hidden, validate)
         ss = _SortShape.of(n, num_experts, n_local, emap is not None)
         lay = Layout([("perm", n), ("inv", n), *ss.spec("offsets")],
                      outs=[("perm", 0, n), ("inv", 0, n), ("offsets", 0, 2 * (ss.G + 1))])
@@ -423,11 +420,8 @@ def to_contiguous(hidden, topk_ids, num_experts: int, alignment: int, expert_map
     if plan is None:
         num_experts = check_positive_int(num_experts, "num_experts")
         alignment = check_positive_int(alignment, "alignment")
-        topk_ids = _prepare_ids(topk_ids, num_experts, validate)
-        emap, n_local = (None, num_experts) if expert_map is None else _prepare_map(expert_map, num_experts, topk_ids.device, validate)
+        topk_ids, emap, n_local = _prepare_routing(topk_ids, num_experts, expert_map, hidden, validate)
         m, k = topk_ids.shape
-        if hidden is not None:
-            _check_hidden(hidden, m, topk_ids.device)
         ss = _SortShape.of(m * k, num_experts, n_local, emap is not None, want_psum=True)
         if not worst:
             return _to_contiguous_sized(hidden, topk_ids, emap, ss, alignment, m_sum)
@@ -491,11 +485,8 @@ def _to_capacity(kind, hidden, topk_ids, num_experts, expert_map, validate, capa
     if plan is None or plan1 is None:
         plan = plan1 = None
         num_experts = check_positive_int(num_experts, "num_experts")
-        topk_ids = _prepare_ids(topk_ids, num_experts, validate)
-        emap, n_local = (None, num_experts) if expert_map is None else _prepare_map(expert_map, num_experts, topk_ids.device, validate)
+        topk_ids, emap, n_local = _prepare_routing(topk_ids, num_experts, expert_map, hidden, validate)
         m, k = topk_ids.shape
-        if hidden is not None:
-            _check_hidden(hidden, m, topk_ids.device)
         ss = _SortShape.of(m * k, num_experts, n_local, emap is not None)
         if bound is None:
             return _to_capacity_counted(hidden, topk_ids, emap, ss, capacity_of)
