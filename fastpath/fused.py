@@ -41,7 +41,7 @@ from .quant import _preset_map as QP
 from .quant import _tiles as QT
 from .quant._jit_codes import _activation
 from .quant._kernels import _quant_kernel
-from .quant._layouts import SF_LAYOUT, grid_of
+from .quant._layouts import SF_LAYOUT, returned_scales_shape
 from ._host import alloc as _alloc
 from ._host import SLOT, PlannedLaunch, cdiv, launch, next_pow2
 
@@ -194,12 +194,7 @@ class _FusedPlan:
         ng = cdiv(N, gs)
         sshape, self.sdt, (m_pad, ng_pad, ssm, ssg) = Q.scale_storage_shape((B, M, N), scheme, scale_layout)
         ssb = QPL._strides(sshape)[0]
-        if scale_layout == "row_major":
-            self.scales_shape = grid_of(shape, scheme)
-        elif len(shape) <= 2:
-            self.scales_shape = tuple(sshape[1:])
-        else:
-            self.scales_shape = tuple(sshape)
+        self.scales_shape = returned_scales_shape(shape, scheme, scale_layout, sshape)
         tile = QT._device_tile("fused", dev, scale_layout, ce, gs, ng, (block_m, groups_per_program, num_warps))
         if tile is not None:  # a device's own tile (fastpath.quant._tiles._DEVICE_TILES)
             groups_per_program, block_m, num_warps = tile

@@ -388,10 +388,7 @@ def fp8_block_to_fp4(codes: torch.Tensor, scales: torch.Tensor, src_block, targe
         SF_LAYOUT=LY.SF_LAYOUT[scale_layout], TWO_LEVEL=two_level, NV_ORDER=order,
         HW_DECODE=_hw_decode(dev), num_warps=knobs["num_warps"], enable_fp_fusion=False,
         **{k_: v_ for k_, v_ in knobs.items() if k_ in names})
-    if scale_layout == "row_major":
-        out_scales = out_scales.reshape(LY.grid_of(shape, target))
-    else:
-        out_scales = out_scales[0]
+    out_scales = out_scales.reshape(LY.returned_scales_shape(shape, target, scale_layout, sshape))
     return FQ.FastQuantized(out_codes, out_scales, scale_layout, target, shape,
                             global_scale=glob if two_level else None)
 

@@ -29,6 +29,15 @@ def grid_of(shape, scheme: Scheme) -> tuple[int, ...]:
     return grid_shape(tuple(shape), scheme.resolve_block(tuple(shape)))
 
 
+def returned_scales_shape(shape, scheme: Scheme, scale_layout: str, storage_shape) -> tuple[int, ...]:
+    """The shape of the scales a quantizer returns for an input of ``shape``, whose storage
+    :func:`scale_storage_shape` gave for the batched ``(B, M, K)`` view: the reference's grid when
+    row-major, else the storage, without its batch axis for a 1-D or 2-D input."""
+    if scale_layout == "row_major":
+        return grid_of(shape, scheme)
+    return tuple(storage_shape[1:]) if len(shape) <= 2 else tuple(storage_shape)
+
+
 def scale_storage_shape(shape, scheme: Scheme, scale_layout: str) -> tuple[tuple[int, ...], torch.dtype, tuple]:
     """(storage shape, dtype, (M_PAD, NG_PAD, stride_sm, stride_sg)) of the scale output."""
     g = grid_shape(tuple(shape), scheme.resolve_block(tuple(shape)))

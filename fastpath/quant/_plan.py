@@ -29,7 +29,7 @@ from . import _launch as L
 from . import _preset_map as P
 from . import _tiles as T
 from ._kernels import _dequant_kernel, _per_tensor_scale_kernel, _quant_kernel
-from ._layouts import SF_LAYOUT, grid_of, scale_storage_shape
+from ._layouts import SF_LAYOUT, grid_of, returned_scales_shape, scale_storage_shape
 
 PLAN_CACHE_MAX = 512  # plans kept; the cache is emptied when full (schemes made per call would grow it)
 _PLANS: dict = {}
@@ -173,12 +173,7 @@ class QuantPlan:
         ng = cdiv(K, gs)
         sshape, self.sdt, (m_pad, ng_pad, ssm, ssg) = scale_storage_shape((B, M, K), scheme, scale_layout)
         ssb = _strides(sshape)[0]
-        if scale_layout == "row_major":
-            self.scales_shape = grid_of(shape, scheme)
-        elif len(shape) <= 2:
-            self.scales_shape = tuple(sshape[1:])
-        else:
-            self.scales_shape = tuple(sshape)
+        self.scales_shape = returned_scales_shape(shape, scheme, scale_layout, sshape)
         tile = T._device_tile("quant", dev, scale_layout, ce, gs, ng, (block_m, groups_per_program, num_warps))
         if tile is not None:
             groups_per_program, block_m, num_warps = tile
