@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fastpath.dispatch as F  # noqa: E402
 from bench.interleaved import (  # noqa: E402
-    FLAG_SPREAD, MIN_ROUNDS, copy_case, machine_meta, rotating, row_record, time_row)
+    FLAG_SPREAD, MIN_ROUNDS, copy_case, machine_meta, rotating, row_ratios_text, row_record, time_row)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -378,12 +378,7 @@ def main(argv=None):
                 json.dump(out, fh, indent=1)
             fp = rec["cases"]["fastpath"]
             msg = (f"{name:36s} M={M:6d} {fp['median_us']:9.1f} us [{fp['min_us']:.1f}-{fp['max_us']:.1f}] "
-                   f"{rec['TBps']:6.3f} TB/s ({rec['pct_copy']:5.1f}% copy)")
-            for b, r in rec["ratio_median"].items():
-                if b != "copy":
-                    msg += f"  x{r:.2f} {b}"
-            if rec["flagged"]:
-                msg += f"  FLAGGED (spread > {FLAG_SPREAD:.0%}): {', '.join(rec['flagged'])}"
+                   f"{rec['TBps']:6.3f} TB/s ({rec['pct_copy']:5.1f}% copy)") + row_ratios_text(rec)
             print(msg + "".join(f"  [{kk}: {v}]" for kk, v in rec_extra.items() if kk.endswith("error")), flush=True)
             del cases, dense, res
         del sets, xs, perms, ops

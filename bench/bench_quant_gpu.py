@@ -39,7 +39,8 @@ from moeref.quant import fp8_group, fp8_per_tensor, fp8_per_token, mxfp4, mxfp8 
 from moeref.quant.nvfp4 import nvfp4  # noqa: E402
 
 from bench.interleaved import (  # noqa: E402  (row_record and the rest: shared with the dispatch benchmark)
-    FLAG_SPREAD, L2_BYTES, MIN_ROUNDS, rotating, copy_case, machine_meta, row_record, spin_clocks, time_row)
+    FLAG_SPREAD, L2_BYTES, MIN_ROUNDS, rotating, copy_case, machine_meta, row_ratios_text, row_record, spin_clocks,
+    time_row)
 from bench.report_quant import plot, tables as report_tables  # noqa: E402
 from fastpath import fused as F  # noqa: E402
 from fastpath import quant as Q  # noqa: E402
@@ -445,12 +446,7 @@ def main():
         msg = (f"{name:38s} {big['TBps']:6.3f} TB/s ({big['pct_copy']:5.1f}% of copy) {fp['median_us']:9.1f} us "
                f"[{fp['min_us']:.1f}-{fp['max_us']:.1f}] @M={args.M}  M={Ms[0]}: "
                f"{small_row['cases']['fastpath']['median_us']:7.1f} us")
-        for base, r in big["ratio_median"].items():
-            if base != "copy":
-                msg += f"  x{r:.2f} {base}"
-        if big["flagged"]:
-            msg += f"  FLAGGED (spread > {FLAG_SPREAD:.0%}): {', '.join(big['flagged'])}"
-        print(msg, flush=True)
+        print(msg + row_ratios_text(big), flush=True)
 
     with open(os.path.join(args.out, "bench_quant.json"), "w") as fh:
         json.dump(results, fh, indent=1)

@@ -292,3 +292,12 @@ def row_record(res: InterleavedResult, M: int, nbytes: int) -> dict:
             "ratio_per_round": {b: list(r.per_round) for b, r in ratios.items()},
             "TBps": nbytes / med / 1e12, "pct_copy": 100 * ratios["copy"].median,
             "flagged": sorted(n for n, c in res.cases.items() if c.flagged)}
+
+
+def row_ratios_text(rec: dict) -> str:
+    """The printed tail of a :func:`row_record` row: the median ratio to each baseline but the copy, and
+    the flagged cases (spread over :data:`FLAG_SPREAD`)."""
+    text = "".join(f"  x{r:.2f} {b}" for b, r in rec["ratio_median"].items() if b != "copy")
+    if rec["flagged"]:
+        text += f"  FLAGGED (spread > {FLAG_SPREAD:.0%}): {', '.join(rec['flagged'])}"
+    return text
