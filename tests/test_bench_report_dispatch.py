@@ -10,6 +10,7 @@ import pytest
 
 from bench import interleaved  # noqa: E402 (the repository root is on sys.path: conftest.py)
 from bench import report_dispatch as report  # noqa: E402
+from report_pages import rendered  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -50,17 +51,8 @@ FAKE = {"meta": META, "sweep": [], "rows": [
          compile_error="skipped: compile budget (90 s) spent", graph_error="RuntimeError: capture"),
 ]}
 
-PAGE = "# title\n\nhand text\n\n<!-- fastpath-dispatch:begin -->\nold table\n<!-- fastpath-dispatch:end -->\n\nafter\n"
-
-
 def _rendered(tmp_path, data=FAKE):
-    js, page = tmp_path / "dispatch.json", tmp_path / "page.md"
-    js.write_text(json.dumps(data))
-    page.write_text(PAGE)
-    assert report.main([str(js), "--docs", str(page), "--check"]) == 1  # differs before
-    assert report.main([str(js), "--docs", str(page)]) == 0
-    assert report.main([str(js), "--docs", str(page), "--check"]) == 0  # and is stable
-    return page.read_text()
+    return rendered(report.main, tmp_path, data, "fastpath-dispatch")
 
 
 def test_report_renders_the_table_between_the_markers(tmp_path):

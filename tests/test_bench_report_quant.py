@@ -12,6 +12,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 from bench import report_quant as report  # noqa: E402 (the repository root is on sys.path: conftest.py)
+from report_pages import page_with_markers, rendered  # noqa: E402
 
 
 def _case(med, lo, hi, flagged=False):
@@ -40,17 +41,8 @@ FAKE = {"meta": META, "traffic_ceiling_TBps": {}, "kernels": {
          "ratio_median": {"copy": 0.5, "torch.compile": 0.9, "DeepGEMM": 3.0},
          "ratio_per_round": {}, "TBps": 1.0, "pct_copy": 50.0, "flagged": ["copy", "DeepGEMM"]}]}}}
 
-PAGE = "# title\n\nhand text\n\n<!-- fastpath-quant:begin -->\nold table\n<!-- fastpath-quant:end -->\n\nafter\n"
-
-
 def _rendered(tmp_path):
-    js, page = tmp_path / "bench_quant.json", tmp_path / "page.md"
-    js.write_text(json.dumps(FAKE))
-    page.write_text(PAGE)
-    assert report.main([str(js), "--docs", str(page), "--check"]) == 1  # differs before
-    assert report.main([str(js), "--docs", str(page)]) == 0
-    assert report.main([str(js), "--docs", str(page), "--check"]) == 0  # and is stable
-    return page.read_text()
+    return rendered(report.main, tmp_path, FAKE, "fastpath-quant")
 
 
 def test_report_renders_the_tables_between_the_markers(tmp_path):
@@ -75,7 +67,7 @@ def test_report_writes_the_plot(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the `all` extra)")
     js, page, png = tmp_path / "b.json", tmp_path / "p.md", tmp_path / "bw.png"
     js.write_text(json.dumps(FAKE))
-    page.write_text(PAGE)
+    page.write_text(page_with_markers("fastpath-quant"))
     assert report.main([str(js), "--docs", str(page), "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -1,0 +1,31 @@
+"""The measured tables of the docs pages are what the bench/report_*.py scripts make of the committed
+benchmark JSON (docs/data/): never edited by hand. One case per page."""
+from __future__ import annotations
+
+import glob
+import importlib
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+PAGES = [  # (report script in bench/, JSON under docs/data/, page under docs/, JSON files it takes: None any)
+    ("report_quant", "quant_*.json", "fastpaths.md", None),  # bench/bench_quant_gpu.py
+    ("report_dispatch", "dispatch_*.json", "fastpaths-dispatch.md", None),  # bench/bench_dispatch_gpu.py
+    ("report_moe_device", "moe_device_*.json", "moe-gpu.md", None),  # bench/bench_moe_device.py
+    ("report_convert", "convert_gpu_*.json", "convert.md", 1),  # bench/bench_convert.py --gpu
+]
+
+
+@pytest.mark.parametrize("script,pattern,page,count", PAGES, ids=[p[2] for p in PAGES])
+def test_page_tables_are_generated_from_the_benchmark_json(script, pattern, page, count):
+    report = importlib.import_module(f"bench.{script}")
+    files = sorted(glob.glob(os.path.join(ROOT, "docs", "data", pattern)))
+    assert files, f"no docs/data/{pattern}"
+    if count is not None:
+        assert len(files) == count, files
+    if hasattr(report, "default_json"):  # what the script reads when given no JSON
+        assert [os.path.realpath(f) for f in files] == [os.path.realpath(f) for f in report.default_json()]
+    assert report.main([*files, "--docs", os.path.join(ROOT, "docs", page), "--check"]) == 0, (
+        f"docs/{page} differs from the benchmark JSON: run bench/{script}.py " + " ".join(files))
