@@ -90,10 +90,20 @@ def _launch_key(kernel, args, kwargs):
             tuple(kwargs.items()))
 
 
-def _hooks_installed() -> bool:
-    from triton import knobs
+_RUNTIME = []  # [triton.knobs.runtime, triton.runtime.driver], imported on first use
 
-    r = knobs.runtime
+
+def _runtime():
+    if not _RUNTIME:
+        from triton import knobs
+        from triton.runtime import driver
+
+        _RUNTIME.extend((knobs.runtime, driver))
+    return _RUNTIME
+
+
+def _hooks_installed() -> bool:
+    r = _runtime()[0]
     return bool(getattr(r.launch_enter_hook, "calls", r.launch_enter_hook)) or \
         bool(getattr(r.launch_exit_hook, "calls", r.launch_exit_hook))
 
@@ -111,20 +121,13 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
         return
     if hit is None or _hooks_installed():
-        compiled = kernel[grid](*args, **kwargs)
-        if hasattr(compiled, "result"):
-            compiled = compiled.result()
-        if compiled is not None and not _hooks_installed():
-            names = [p.name for p in kernel.params]
-            rest = tuple((n, kwargs[n] if n in kwargs else p.default)
-                         for n, p in zip(names[len(args):], kernel.params[len(args):]))
-            _LAUNCH_CACHE[key] = (compiled, tuple(v for _, v in rest))
+        got = launch_for_replay(kernel, grid, *args, **kwargs)  # launches now
+        if got is not None:
+            _LAUNCH_CACHE[key] = got
         return
     compiled, tail = hit
-    from triton.runtime import driver
-
     g = tuple(grid) + (1, 1)
-    stream = driver.active.get_current_stream(key[1])
+    stream = _runtime()[1].active.get_current_stream(key[1])
     compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
                  *args, *tail)
 
@@ -160,16 +163,6 @@ def launch_for_replay(kernel, grid, *args, **kwargs):
 # :func:`launch` above is unchanged (its API is kept for the dispatch fast paths).
 
 SLOT = object()  # placeholder of a per-call tensor argument in a PlannedLaunch's arguments
-_RUNTIME = []  # [triton.knobs.runtime, triton.runtime.driver], imported on first use
-
-
-def _runtime():
-    if not _RUNTIME:
-        from triton import knobs
-        from triton.runtime import driver
-
-        _RUNTIME.extend((knobs.runtime, driver))
-    return _RUNTIME
 
 
 class PlannedLaunch:
@@ -193,11 +186,9 @@ class PlannedLaunch:
         hit = self._hit
         if hit is not None and LAUNCH_CACHE_ON:
             compiled, dev, align, tail, g = hit
-            r, driver = _RUNTIME
             if dev == torch.cuda.current_device() and align == tuple(t.data_ptr() % 16 == 0 for t in tensors) \
-                    and not (getattr(r.launch_enter_hook, "calls", r.launch_enter_hook)
-                             or getattr(r.launch_exit_hook, "calls", r.launch_exit_hook)):
-                compiled.run(g[0], g[1], g[2], driver.active.get_current_stream(dev), compiled.function,
+                    and not _hooks_installed():
+                compiled.run(g[0], g[1], g[2], _runtime()[1].active.get_current_stream(dev), compiled.function,
                              compiled.packed_metadata, None, None, None, *a, *tail)
                 return
         self._first(a, tensors)
@@ -206,7 +197,6 @@ class PlannedLaunch:
         got = launch_for_replay(self.kernel, self.grid, *a, **self.kwargs)  # launches now, whatever it returns
         if got is None:  # no replay possible (the interpreter, hooks, the cache off): kernel[grid] each time
             return
-        _runtime()
         compiled, tail = got
         self._hit = (compiled, torch.cuda.current_device(), tuple(t.data_ptr() % 16 == 0 for t in tensors),
                      tail, self.grid + (1,) * (3 - len(self.grid)))

@@ -36,15 +36,6 @@ _TLS = threading.local()
 
 
 _A = 4  # int32 elements per 16 bytes
-_DRIVER = []
-
-
-def _driver():
-    if not _DRIVER:
-        from triton.runtime import driver
-
-        _DRIVER.append(driver)
-    return _DRIVER[0]
 
 
 class Layout:
@@ -93,7 +84,7 @@ class Plan:
 
     def replay(self, bases, device: int) -> None:
         ptrs = [b.data_ptr() for b in bases]
-        stream = _driver().active.get_current_stream(device)
+        stream = _host._runtime()[1].active.get_current_stream(device)
         for compiled, g0, g1, g2, template, slots in self.steps:
             a = list(template)
             for pos, bi, off in slots:

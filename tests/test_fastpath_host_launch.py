@@ -50,6 +50,54 @@ def test_without_device_caches_every_call_goes_through_kernel_getitem():
     assert calls == [((3,), (1, 2), {"BLOCK": 4})] * 2
 
 
+def test_first_launch_of_a_key_is_kept_and_a_hit_runs_the_compiled_kernel(monkeypatch):
+    """The cached path without a GPU: a fake jit kernel (device caches, parameters) whose ``kernel[grid]``
+    returns a fake compiled kernel. The first call of a key launches through ``kernel[grid]`` and keeps
+    the compiled kernel with the values of the parameters after the positional ones (given by name or
+    defaulted); the second calls its ``run`` with the grid, the stream and those values; with a launch
+    hook installed nothing is kept."""
+    from types import SimpleNamespace as NS
+
+    runs, getitems = [], []
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *a):
+            runs.append(a)
+
+    class Kernel:
+        device_caches = {}
+        params = [NS(name="x", is_constexpr=False, default=None), NS(name="n", is_constexpr=False, default=None),
+                  NS(name="BLOCK", is_constexpr=True, default=None), NS(name="NEG", is_constexpr=True, default=False)]
+
+        def __getitem__(self, grid):
+            def call(*a, **kw):
+                getitems.append((grid, a, kw))
+                return Compiled()
+            return call
+
+    class Stream:
+        @staticmethod
+        def get_current_stream(device):
+            return "stream"
+
+    hooks = NS(launch_enter_hook=None, launch_exit_hook=None)
+    monkeypatch.setattr(H, "_RUNTIME", [hooks, NS(active=Stream)])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(H, "_LAUNCH_CACHE", {})
+    kernel, x = Kernel(), torch.zeros(4)
+    H.launch(kernel, (3,), x, 4, BLOCK=8)  # a miss: kernel[grid], the compiled kernel kept
+    assert getitems == [((3,), (x, 4), {"BLOCK": 8})] and runs == []
+    H.launch(kernel, (3,), x, 4, BLOCK=8)  # a hit: run(grid, stream, ..., args, BLOCK, NEG default)
+    assert len(getitems) == 1 and runs == [(3, 1, 1, "stream", "fn", "meta", None, None, None, x, 4, 8, False)]
+    hooks.launch_enter_hook = lambda *a: None  # a profiler: every launch through kernel[grid], none kept
+    H._LAUNCH_CACHE.clear()
+    H.launch(kernel, (3,), x, 4, BLOCK=8)
+    H.launch(kernel, (3,), x, 4, BLOCK=8)
+    assert len(getitems) == 3 and len(runs) == 1 and not H._LAUNCH_CACHE
+
+
 @pytest.mark.gpu
 def test_cached_launch_equals_kernel_getitem():
     base = torch.randn(4096 + 8, device="cuda")

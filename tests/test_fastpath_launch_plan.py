@@ -97,7 +97,7 @@ def fake_replay(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(H, "_hooks_installed", lambda: False)
     monkeypatch.setattr(H, "_ALLOCATOR", alloc)
-    monkeypatch.setattr(P, "_DRIVER", [_Driver])
+    monkeypatch.setattr(H, "_RUNTIME", [H._runtime()[0], _Driver])
     monkeypatch.setattr(P, "_PLANS", {})
     return log, pool
 
