@@ -243,6 +243,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
 
     m, k = (int(d) for d in x.shape)
     top_k = int(topk_ids.shape[1])
+    expected_m = max(1, -(-m * top_k // num_experts))  # rows per expert on average (host ints: no sync)
     if layout == "contiguous":
         lay = dispatch.to_contiguous(None, topk_ids, num_experts, alignment, expert_map,
                                      m_sum="worst_case" if capturable else None, validate=False)
@@ -251,7 +252,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         if capturable:
             cap = max(m, 1) if max_m is None else int(max_m)
             lay = dispatch.to_masked(None, topk_ids, num_experts, cap, expert_map,
-                                     expected_m=max(1, -(-m * top_k // num_experts)), validate=False)
+                                     expected_m=expected_m, validate=False)
         else:
             lay = dispatch.to_masked(None, topk_ids, num_experts, max_m, expert_map, validate=False)
         cap = int(lay.src.shape[1])
@@ -288,11 +289,11 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
 
             if layout == "contiguous":
                 return grouped_gemm_w4_contiguous(a, b, lay.m_indices, impl=impl, a_scales=sa, alignment=alignment,
-                                                  out_dtype=store, bias=bias)
+                                                  out_dtype=store, bias=bias, expected_m=expected_m)
             e, mm = (int(d) for d in src.shape)
             return grouped_gemm_w4_masked(a.reshape(e, mm, -1), b, lay.masked_m, impl=impl,
                                           a_scales=None if sa is None else sa.reshape(e, mm, -1), out_dtype=store,
-                                          bias=bias).reshape(e * mm, -1)
+                                          bias=bias, expected_m=expected_m).reshape(e * mm, -1)
         if layout == "contiguous":
             return grouped_gemm_contiguous(a, b, lay.m_indices, impl=impl, a_scales=sa, b_scales=sb,
                                            alignment=alignment, out_dtype=store, bias=bias)

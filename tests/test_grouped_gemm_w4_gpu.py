@@ -84,18 +84,21 @@ def _check(w, a, m_idx, got, *, expect_pass=True) -> None:
 
 
 @pytest.mark.parametrize("kind", ["mxfp4", "nvfp4", "int4"])
-@pytest.mark.parametrize("tokens", [1, 64, 2048])
+@pytest.mark.parametrize("tokens", [1, 64, 1024, 2048, 4096])
 def test_w4_grouped_gemm_at_gpt_oss_shapes_within_the_bf16_bound(kind, tokens):
     """GEMM1 (N = 5760) and GEMM2 (N = 2880), K = 2880, 128 experts, top-4: bf16 activations, every
-    valid row within the bound; the planted faults fail."""
+    valid row within the bound; the planted faults fail. The layer's rows per expert, ceil(tokens * 4 / 128),
+    is passed as ``expected_m``, so every tile of the default rule runs: 16-row swap (1, 64 tokens), 32 (1024),
+    64 (2048), 128 x 128 (4096; transposed for INT4)."""
     from fastpath.grouped_gemm_w4 import grouped_gemm_w4_contiguous
 
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     lay = _layout(tokens, gen)
+    em = -(-tokens * TOP // E)
     for n in (2 * INTER, HIDDEN):
         w = _random_w4(kind, n, HIDDEN, gen)
         a = torch.randn((int(lay.m_indices.numel()), HIDDEN), device="cuda", generator=gen).to(torch.bfloat16)
-        got = grouped_gemm_w4_contiguous(a, w, lay.m_indices)
+        got = grouped_gemm_w4_contiguous(a, w, lay.m_indices, expected_m=em)
         _check(w, a, lay.m_indices, got)
         if tokens == 64:
             _check(w, a, lay.m_indices, grouped_gemm_w4_contiguous(a, replace(w, scales=w.scales.roll(1, dims=2)),
