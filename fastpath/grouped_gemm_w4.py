@@ -495,7 +495,8 @@ def _tiles_for(w: W4Experts, a: torch.Tensor, tiles: GemmTiles | None, alignment
 
 def grouped_gemm_w4_contiguous(a: torch.Tensor, w: W4Experts, m_indices: torch.Tensor, *, impl: str = "triton",
                                a_scales=None, out_dtype=torch.bfloat16, alignment: int = 128, out=None,
-                               tiles: GemmTiles | None = None, bias=None, expected_m: int | None = None) -> torch.Tensor:
+                               tiles: GemmTiles | None = None, bias=None,
+                               expected_m: int | None = None) -> torch.Tensor:
     """``d [M_sum, N] = a @ W[m_indices].T`` per row, ``W`` decoded from ``w`` (padding rows unspecified).
 
     Args:

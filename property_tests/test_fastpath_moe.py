@@ -133,8 +133,8 @@ def test_fastpath_moe_float32_layer_within_fp32_bound(r, seed, layout, bias, sha
 
 
 @_settings(6)
-@given(routings(max_tokens=12, max_experts=6, top_k=1), st.integers(0, 2**16), st.sampled_from(["contiguous", "masked"]),
-       st.booleans(), st.sampled_from([None, 5]))
+@given(routings(max_tokens=12, max_experts=6, top_k=1), st.integers(0, 2**16),
+       st.sampled_from(["contiguous", "masked"]), st.booleans(), st.sampled_from([None, 5]))
 def test_fastpath_moe_float32_layer_router_weight_on_input(r, seed, layout, capturable, chunk):
     """Top-1 with the router weight on the input (each row times its weight, rounded once to float32, then the
     reduce only sums): the float32 layer against the reference run with the option under FP32_ACCUM, both

@@ -124,7 +124,8 @@ def _check(name, ids, tw, *, impl="triton", layout="contiguous", ep=None, seed=0
     if fault is not None:
         f_ids, f_w = fault(ids.copy(), fast_w)
     got = fused_moe(x, f_w, torch.as_tensor(tw, device="cuda"), torch.as_tensor(f_ids, device="cuda"), impl=impl,
-                    layout=layout, num_experts=e, expert_map=None if emap is None else torch.as_tensor(emap, device="cuda"),
+                    layout=layout, num_experts=e,
+                    expert_map=None if emap is None else torch.as_tensor(emap, device="cuda"),
                     apply_router_weight_on_input=on_input, capturable=capturable)
     return compare(got, run, prof, label=name)
 

@@ -64,10 +64,10 @@ def test_top_k_above_one_is_refused():
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
 @pytest.mark.parametrize("capturable", [False, True])
 def test_float32_layer_with_router_weight_on_input(layout, capturable):
-    """Float32 layer (float32 stores; IEEE FP32 dot under the interpreter, TF32 on the GPU), top-1 with -1 padding, token chunks and a shared
-    expert (which takes the unweighted rows): within FP32_ACCUM of the reference run with the option; the same
-    output is far outside the bound of the reference with the weights on the output (the default), so the
-    check sees where the weight is applied."""
+    """Float32 layer (float32 stores; IEEE FP32 dot under the interpreter, TF32 on the GPU), top-1 with -1
+    padding, token chunks and a shared expert (which takes the unweighted rows): within FP32_ACCUM of the
+    reference run with the option; the same output is far outside the bound of the reference with the weights
+    on the output (the default), so the check sees where the weight is applied."""
     from fastpath.moe import fast_weights, fused_moe, reference_config
 
     rng = np.random.default_rng(5)
