@@ -124,7 +124,8 @@ def test_mxfp4_layer_with_router_weight_on_input(acts):
 
 def test_bf16_layer_declares_the_weighted_input_store():
     """A bf16 layer hands the weighted float32 rows to its GEMM in bf16: reference_config declares that store
-    as the a1 quantizer, and the reference's GEMM1 operand is then bf16(float32(x * w)) (ml_dtypes, here)."""
+    as the a1 quantizer, and the reference's GEMM1 operand is then bf16(float32(x * w)) (ml_dtypes, here), in
+    both engines of the reference."""
     import ml_dtypes
 
     from fastpath.moe import FastMoEWeights, reference_config
@@ -144,3 +145,8 @@ def test_bf16_layer_declares_the_weighted_input_store():
     rows = np.flatnonzero(p.src >= 0)
     np.testing.assert_array_equal(p.a.values[rows], want[p.src[rows]].astype(np.float64))
     assert not np.array_equal(want.astype(np.float32), (x.astype(np.float64) * tw).astype(np.float32))
+    dev = run_moe(torch.as_tensor(x, device=DEV), lw, torch.as_tensor(tw, device=DEV), torch.as_tensor(ids, device=DEV),
+                  device=DEV, **cfg)  # the device engine runs the store on the host: the same output, within
+    # the float64 accuracy of float operands (docs/moe-gpu.md: cuBLAS and NumPy may round float64 dots differently)
+    scale = float(np.max(np.abs(run.output)))
+    assert scale > 0 and np.max(np.abs(dev.output.cpu().numpy() - run.output)) <= 1e-12 * scale
