@@ -121,6 +121,7 @@ from ._launch_plan import Layout
 __all__ = [
     "OPERATIONS",
     "ROW_CONFIG",
+    "apply_router_weight_on_input",
     "expert_counts",
     "expert_first_token_offset",
     "moe_align_block_size",
@@ -385,6 +386,24 @@ def weight_and_reduce(expert_rows, src, topk_weights, num_tokens: int, *, apply_
         _reduce(y, dst, w, out, nvalid=R, apply_weights=apply_weights)
     _plan.execute(key, plan, (y, s, w, dst, out), key and key[-1], launches, dtype)
     return out
+
+
+def apply_router_weight_on_input(hidden: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Each token row times its router weight (``top_k`` must be 1), rounded once to float32 ``[M, K]``:
+    contract :func:`moeref.dispatch.apply_router_weight_on_input` (the exact product rounded to float32;
+    finalize then sums with ``apply_weights=False``). Both operands float32 or narrower: one IEEE float32
+    multiply, which is that rounding, since the product of two float32 values is exact in float64 (48 of its
+    53 bits); either one float64: the product in float64, then the rounding. Elementwise torch ops, no host
+    sync."""
+    x = _check_float(hidden, "hidden", 2)
+    w = _check_float(topk_weights, "topk_weights", 2)
+    if w.shape[1] != 1:
+        raise ValueError("apply_router_weight_on_input needs top_k == 1 (weight-on-input is exact only then); "
+                         f"got top_k={w.shape[1]}")
+    if w.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_weights has {w.shape[0]} rows but hidden has {x.shape[0]}")
+    t = torch.float64 if torch.float64 in (x.dtype, w.dtype) else torch.float32
+    return (x.to(t) * w.to(device=x.device, dtype=t)).to(torch.float32)
 
 
 def _host_counts(s: _Sorted) -> np.ndarray:

@@ -42,7 +42,7 @@ activations, as the bf16 Triton kernel; its ``contiguous_tree`` model, :func:`mo
   by the row's activation scale (and, INT4, the group scale) and added in FP32: again a scaled node inside
   one scale block, two FP32 roundings at most.
 
-Tiles (:class:`W4Tiles`, :data:`DEFAULT_W4_TILES`): ``swap_ab`` computes each tile as ``W @ a^T`` (the decoded
+Tiles (:class:`W4Tiles`, :class:`W4TileRule`): ``swap_ab`` computes each tile as ``W @ a^T`` (the decoded
 weights become the register operand of Hopper's WGMMA, the rows its narrow side, 16 at decode); the products,
 the K order and the chain of MMAs over K are those of ``a @ W^T``: on an H100 (2026-11-24) both orientations and
 the former kernel gave bit-identical outputs at gpt-oss shapes. A ``block_k`` dividing K drops the K masks, so the
@@ -72,8 +72,8 @@ from moeref.gemm.stacked import experts_to_stack
 
 from .grouped_gemm import GemmTiles
 
-__all__ = ["W4_KINDS", "W4Experts", "W4Tiles", "PROFILE_OF", "w4_supports", "grouped_gemm_w4_contiguous",
-           "grouped_gemm_w4_masked", "DEFAULT_W4_TILES"]
+__all__ = ["W4_KINDS", "W4Experts", "W4Tiles", "W4TileRule", "PROFILE_OF", "w4_supports",
+           "grouped_gemm_w4_contiguous", "grouped_gemm_w4_masked", "DEFAULT_W4_TILE_RULE", "rows_per_expert"]
 
 W4_KINDS = ("mxfp4", "nvfp4", "int4")
 _FMT = {"mxfp4": 0, "nvfp4": 1, "int4": 2}
@@ -92,10 +92,36 @@ class W4Tiles(GemmTiles):
     swap_ab: bool = True
 
 
-DEFAULT_W4_TILES = {"decode": W4Tiles(16, 128, 64, 4, 4), "prefill": W4Tiles(128, 128, 64, 8, 3)}
-"""Tiles when none are given: ``"decode"`` when the rows are at most one aligned segment per expert on
-average (``M_sum <= E * alignment``: few rows per expert, a narrow row tile skips the padding), else
-``"prefill"`` (a tall row tile decodes each weight tile for more rows). Measured in docs/moe-gpu.md."""
+@dataclass(frozen=True)
+class W4TileRule:
+    """The tile when none is given, from ``r``, the average number of real rows per expert (``expected_m``):
+    the first of ``swap_tiles`` (computed transposed, ascending ``block_m``) whose ``block_m >= r``, else
+    ``large``, computed transposed for the weight kinds in ``large_swap_kinds``. The defaults are the fastest
+    measured tiles of docs/data/moe_device_h100_w4.json (H100, 2026-11-24; docs/moe-gpu.md gives the reading)."""
+
+    swap_tiles: tuple = (W4Tiles(16, 128, 64, 4, 4), W4Tiles(32, 128, 64, 4, 4), W4Tiles(64, 128, 64, 4, 3))
+    large: W4Tiles = W4Tiles(128, 128, 64, 8, 3, swap_ab=False)
+    large_swap_kinds: tuple = ("int4",)
+
+    def __post_init__(self):
+        ms = [t.block_m for t in self.swap_tiles]
+        if not self.swap_tiles or ms != sorted(set(ms)) or not all(t.swap_ab for t in self.swap_tiles):
+            raise ValueError(f"swap_tiles must be swap_ab tiles of strictly increasing block_m; got {self.swap_tiles}")
+        if not set(self.large_swap_kinds) <= set(W4_KINDS):
+            raise ValueError(f"large_swap_kinds must be among {W4_KINDS}; got {self.large_swap_kinds}")
+
+    def tiles(self, rows_per_expert: float, kind: str) -> W4Tiles:
+        """The tile for ``rows_per_expert`` rows per expert on average of ``kind`` weights (a host number)."""
+        if kind not in W4_KINDS:
+            raise ValueError(f"kind must be one of {W4_KINDS}; got {kind!r}")
+        for t in self.swap_tiles:
+            if rows_per_expert <= t.block_m:
+                return t
+        return replace(self.large, swap_ab=kind in self.large_swap_kinds)
+
+
+DEFAULT_W4_TILE_RULE = W4TileRule()
+"""The rule :func:`grouped_gemm_w4_contiguous` applies when no tiles are given."""
 _INTERPRETER_TILES = W4Tiles(16, 32, 32, 1, 1)
 
 
@@ -436,10 +462,21 @@ def w4_supports(impl: str = "triton", a=None, w: W4Experts | None = None, *, a_s
     return True, "ok"
 
 
-def _tiles_for(w: W4Experts, a: torch.Tensor, tiles: GemmTiles | None, alignment: int) -> W4Tiles:
+def rows_per_expert(m_sum: int, num_experts: int, alignment: int, expected_m: int | None = None) -> float:
+    """The ``r`` of :class:`W4TileRule` for a contiguous layout of ``m_sum`` rows: ``expected_m`` when given
+    (the caller's host count, e.g. ``ceil(M * top_k / E)``), else the least average the layout allows (each
+    expert with rows pads fewer than ``alignment`` of them: ``(m_sum - E * (alignment - 1)) / E``, at least 1;
+    the worst-case buffer of a capturable layer gives ``M * top_k / E`` this way). Shapes only: no host sync."""
+    if expected_m is not None:
+        return float(expected_m)
+    return max(1.0, (m_sum - num_experts * (alignment - 1)) / max(num_experts, 1))
+
+
+def _tiles_for(w: W4Experts, a: torch.Tensor, tiles: GemmTiles | None, alignment: int,
+               expected_m: int | None = None) -> W4Tiles:
     if tiles is None:
-        decode = int(a.shape[0]) <= w.num_experts * alignment
-        tiles = _INTERPRETER_TILES if a.device.type == "cpu" else DEFAULT_W4_TILES["decode" if decode else "prefill"]
+        r = rows_per_expert(int(a.shape[0]), w.num_experts, alignment, expected_m)
+        tiles = _INTERPRETER_TILES if a.device.type == "cpu" else DEFAULT_W4_TILE_RULE.tiles(r, w.kind)
     t = tiles if isinstance(tiles, W4Tiles) else W4Tiles(tiles.block_m, tiles.block_n, tiles.block_k,
                                                           tiles.num_warps, tiles.num_stages)
     if alignment % t.block_m:
@@ -458,7 +495,8 @@ def _tiles_for(w: W4Experts, a: torch.Tensor, tiles: GemmTiles | None, alignment
 
 def grouped_gemm_w4_contiguous(a: torch.Tensor, w: W4Experts, m_indices: torch.Tensor, *, impl: str = "triton",
                                a_scales=None, out_dtype=torch.bfloat16, alignment: int = 128, out=None,
-                               tiles: GemmTiles | None = None, bias=None) -> torch.Tensor:
+                               tiles: GemmTiles | None = None, bias=None,
+                               expected_m: int | None = None) -> torch.Tensor:
     """``d [M_sum, N] = a @ W[m_indices].T`` per row, ``W`` decoded from ``w`` (padding rows unspecified).
 
     Args:
@@ -468,6 +506,8 @@ def grouped_gemm_w4_contiguous(a: torch.Tensor, w: W4Experts, m_indices: torch.T
         w: :class:`W4Experts` ``[E, N, K]`` on ``a``'s device.
         m_indices: int ``[M_sum]``, -1 padding; each expert's rows start on a multiple of ``alignment``.
         bias: optional float ``[E, N]``, added in FP32 before the store.
+        tiles: the launch tiles; None: :data:`DEFAULT_W4_TILE_RULE` of :func:`rows_per_expert` (``expected_m``:
+            the average real rows per expert, a host int, as DeepGEMM's masked ``expected_m``).
     """
     ok, why = w4_supports(impl, a, w, a_scales=a_scales, alignment=alignment)
     if not ok:
@@ -483,7 +523,7 @@ def grouped_gemm_w4_contiguous(a: torch.Tensor, w: W4Experts, m_indices: torch.T
     d = out if out is not None else torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return d
-    t = _tiles_for(w, a, tiles, alignment)
+    t = _tiles_for(w, a, tiles, alignment, expected_m)
     fp8 = a.dtype == torch.float8_e4m3fn
     if fp8 and 128 % t.block_k:
         raise ValueError(f"FP8 activations need block_k dividing 128 (one activation scale a tile); got {t.block_k}")
@@ -511,7 +551,7 @@ def grouped_gemm_w4_contiguous(a: torch.Tensor, w: W4Experts, m_indices: torch.T
 
 def grouped_gemm_w4_masked(a: torch.Tensor, w: W4Experts, masked_m: torch.Tensor, *, impl: str = "triton",
                            a_scales=None, out_dtype=torch.bfloat16, tiles: GemmTiles | None = None,
-                           bias=None) -> torch.Tensor:
+                           bias=None, expected_m: int | None = None) -> torch.Tensor:
     """DeepGEMM's masked layout: ``d[e, i] = a[e, i] @ W[e].T`` for ``i < masked_m[e]`` (rows past it
     unspecified); ``a [E, max_m, K]``, ``max_m`` a multiple of 16. The contiguous kernel over the
     ``E * max_m`` rows with each row's expert (-1 past ``masked_m``)."""
@@ -522,5 +562,5 @@ def grouped_gemm_w4_masked(a: torch.Tensor, w: W4Experts, masked_m: torch.Tensor
                         torch.arange(e, device=a.device)[:, None], -1).reshape(-1).to(torch.int32)
     sa = None if a_scales is None else a_scales.reshape(e * max_m, -1)
     d = grouped_gemm_w4_contiguous(a.reshape(e * max_m, k), w, m_idx, impl=impl, a_scales=sa, out_dtype=out_dtype,
-                                   alignment=max_m, tiles=tiles, bias=bias)
+                                   alignment=max_m, tiles=tiles, bias=bias, expected_m=expected_m)
     return d.reshape(e, max_m, n)

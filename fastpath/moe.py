@@ -29,8 +29,16 @@ expert, weight 1, added to the routed FP32 sum). 4-bit weights (:class:`fastpath
 MXFP4 incl. gpt-oss checkpoints, NVFP4, INT4 groups) run W4A16: bf16 hidden states, GEMM outputs and activation
 stored bf16, profile ``BF16_OUTPUT`` (float32 hidden states, the CI path: float32 stores, ``FP32_ACCUM``);
 ``impl="triton"`` only; with ``w4_activations="float8_e4m3fn"`` (W4A8) the a1/a2 FP8 1x128 quantization of
-the FP8 layer, profile ``BF16_OUTPUT_FP32_ACT``. Activations ``silu_and_mul`` and ``swigluoai``; router
-weight on the input is refused with the reason (nothing is silently approximated).
+the FP8 layer, profile ``BF16_OUTPUT_FP32_ACT``. Activations ``silu_and_mul`` and ``swigluoai``.
+
+Router weight on the input (``apply_router_weight_on_input=True``, top-1 only, as the reference and vLLM, whose
+kernels serve it for ``top_k == 1`` only, Llama 4): the reference's semantics (:func:`moeref.moe.fused_moe`,
+vLLM ``torch_experts``): each token row is multiplied by its weight and rounded once to float32
+(:func:`fastpath.dispatch.apply_router_weight_on_input`) before the a1 quantization, and the reduce sums
+the rows with unit weights (the reduce kernel's ``apply_weights=False``); shared experts take the unweighted
+rows. FP8 activations quantize that float32 row; float and W4A16 layers hand it to the GEMM in their operand
+dtype (bf16/fp16: one more rounding, which :func:`reference_config` declares as the a1 store, as vLLM's
+``torch_experts`` keeps ``a * w`` in the activation dtype; float32: none).
 """
 from __future__ import annotations
 
@@ -45,7 +53,7 @@ from .grouped_gemm import PROFILE_OF, grouped_gemm_contiguous, grouped_gemm_supp
 from .grouped_gemm_w4 import PROFILE_OF as W4_PROFILE_OF
 from .grouped_gemm_w4 import W4Experts, w4_supports
 
-__all__ = ["FastMoEWeights", "fused_moe", "reference_config", "fast_weights"]
+__all__ = ["FastMoEWeights", "fused_moe", "reference_config", "fast_weights", "stored_as"]
 
 ACTIVATIONS = ("silu_and_mul", "swigluoai")
 
@@ -133,22 +141,40 @@ def fast_weights(weights, device="cuda", *, w4_activations: str = "bfloat16") ->
 _W4_ELEMENTS = ("e2m1", "int4", "uint4")
 
 
-def reference_config(weights: FastMoEWeights) -> dict:
+def reference_config(weights: FastMoEWeights, *, apply_router_weight_on_input: bool = False) -> dict:
     """The :func:`moeref.moe.run_moe` keyword arguments whose declared stores match this layer, and the
     :mod:`moeref.compare` profile name under ``"profile"`` (4-bit layers: for bf16 hidden states; float32
-    hidden states store in float32 under ``FP32_ACCUM``)."""
+    hidden states store in float32 under ``FP32_ACCUM``). ``apply_router_weight_on_input``: the layer run
+    with it; for bf16/fp16 GEMM operands the weighted float32 rows are declared stored in that dtype (an a1
+    quantizer that rounds them, :func:`stored_as`; module docstring)."""
     from moeref.moe import MoEQuant
     from moeref.quant import fp8_group
 
+    on_input = dict(apply_router_weight_on_input=True) if apply_router_weight_on_input else {}
     if weights.fp8_activations:
         q = MoEQuant(fp8_group(), fp8_group(), "fp8 1x128")
         return dict(quant=q, gemm1_out_dtype="bfloat16", act_out_dtype="float32", out_dtype="bfloat16",
-                    profile="HOPPER_FP8_DEEPGEMM_DATA" if weights.fp8 else "BF16_OUTPUT_FP32_ACT")
-    if weights.w4:  # W4A16: bf16 activations, GEMM outputs and activation stored bf16 (W4A8: above)
-        return dict(gemm1_out_dtype="bfloat16", act_out_dtype="bfloat16", out_dtype="bfloat16",
-                    profile=W4_PROFILE_OF[("triton", weights.w13.kind)])
-    store = str(weights.w13.dtype).replace("torch.", "")  # float layers store h and x in the weights' dtype
-    return dict(gemm1_out_dtype=store, act_out_dtype=store, out_dtype="bfloat16", profile="BF16_OUTPUT")
+                    profile="HOPPER_FP8_DEEPGEMM_DATA" if weights.fp8 else "BF16_OUTPUT_FP32_ACT", **on_input)
+    # W4A16: bf16 activations, GEMM outputs and activation stored bf16 (W4A8: above); float layers store the
+    # GEMM operand, h and x in the weights' dtype
+    store = "bfloat16" if weights.w4 else str(weights.w13.dtype).replace("torch.", "")
+    if on_input and store != "float32":
+        on_input["quant"] = MoEQuant(stored_as(store), None, f"weighted input stored {store}")
+    profile = W4_PROFILE_OF[("triton", weights.w13.kind)] if weights.w4 else "BF16_OUTPUT"
+    return dict(gemm1_out_dtype=store, act_out_dtype=store, out_dtype="bfloat16", profile=profile, **on_input)
+
+
+def stored_as(dtype: str):
+    """An a1 quantizer function of the reference (:class:`moeref.moe.Quantizer`) that rounds its float rows
+    to ``dtype`` (RNE, :func:`moeref.moe.round_to_dtype`): the store of the router-weighted input in a bf16/fp16
+    GEMM operand."""
+    from moeref.moe import round_to_dtype
+
+    def store(x):
+        return round_to_dtype(x, dtype)
+
+    store.__name__ = f"stored_{dtype}"
+    return store
 
 
 LAYOUTS = ("contiguous", "masked")
@@ -177,8 +203,9 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
         raise ValueError(f"activation {activation!r} has no GPU layer; supported: {ACTIVATIONS}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} has no GPU layer; supported: {LAYOUTS}")
-    if apply_router_weight_on_input:
-        raise ValueError("apply_router_weight_on_input has no GPU layer yet: use moeref.moe.run_moe(device='cuda')")
+    if apply_router_weight_on_input and int(topk_ids.shape[1]) != 1:
+        raise ValueError("apply_router_weight_on_input needs top_k == 1 (weight-on-input is exact only then); "
+                         f"got top_k={int(topk_ids.shape[1])}")
     params = dict(activation_params or {})
     for w in (weights,) if shared_experts is None else (weights, shared_experts):
         need = params.get("layout", "interleaved" if activation == "swigluoai" else "gate_up")
@@ -213,7 +240,8 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
     parts = []
     for s0 in range(0, max(m, 1), chunk):
         x = hidden[s0:s0 + chunk]
-        out = _routed(x, weights, tw_all[s0:s0 + chunk], ids_all[s0:s0 + chunk], num_experts, expert_map, **kw)
+        out = _routed(x, weights, tw_all[s0:s0 + chunk], ids_all[s0:s0 + chunk], num_experts, expert_map,
+                      weight_on_input=apply_router_weight_on_input, **kw)
         if shared_experts is not None:
             n = int(x.shape[0])
             ones = torch.ones((n, 1), dtype=torch.float32, device=x.device)
@@ -224,7 +252,7 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
 
 
 def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, expert_map, *, impl, activation, act_kw,
-            layout, alignment, max_m, capturable) -> torch.Tensor:
+            layout, alignment, max_m, capturable, weight_on_input: bool = False) -> torch.Tensor:
     """One chunk of the routed experts: float32 ``[m, K]`` (the weighted sum before the output store).
 
     Only the routed rows of the layout are written and read outside the GEMMs: the token rows (FP8 codes and
@@ -243,6 +271,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
 
     m, k = (int(d) for d in x.shape)
     top_k = int(topk_ids.shape[1])
+    expected_m = max(1, -(-m * top_k // num_experts))  # rows per expert on average (host ints: no sync)
     if layout == "contiguous":
         lay = dispatch.to_contiguous(None, topk_ids, num_experts, alignment, expert_map,
                                      m_sum="worst_case" if capturable else None, validate=False)
@@ -251,7 +280,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         if capturable:
             cap = max(m, 1) if max_m is None else int(max_m)
             lay = dispatch.to_masked(None, topk_ids, num_experts, cap, expert_map,
-                                     expected_m=max(1, -(-m * top_k // num_experts)), validate=False)
+                                     expected_m=expected_m, validate=False)
         else:
             lay = dispatch.to_masked(None, topk_ids, num_experts, max_m, expert_map, validate=False)
         cap = int(lay.src.shape[1])
@@ -275,6 +304,8 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         store = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
     else:
         store = torch.bfloat16 if weights.fp8 else weights.w13.dtype
+    if weight_on_input:  # top-1 (checked): the float32 rows x * w; the reduce then sums (module docstring)
+        x = dispatch.apply_router_weight_on_input(x, topk_weights)
     if weights.fp8_activations:
         qa = quantize(x, scheme)
         a = to_rows(qa.codes.reshape(m, k)).view(torch.float8_e4m3fn)
@@ -288,11 +319,11 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
 
             if layout == "contiguous":
                 return grouped_gemm_w4_contiguous(a, b, lay.m_indices, impl=impl, a_scales=sa, alignment=alignment,
-                                                  out_dtype=store, bias=bias)
+                                                  out_dtype=store, bias=bias, expected_m=expected_m)
             e, mm = (int(d) for d in src.shape)
             return grouped_gemm_w4_masked(a.reshape(e, mm, -1), b, lay.masked_m, impl=impl,
                                           a_scales=None if sa is None else sa.reshape(e, mm, -1), out_dtype=store,
-                                          bias=bias).reshape(e * mm, -1)
+                                          bias=bias, expected_m=expected_m).reshape(e * mm, -1)
         if layout == "contiguous":
             return grouped_gemm_contiguous(a, b, lay.m_indices, impl=impl, a_scales=sa, b_scales=sb,
                                            alignment=alignment, out_dtype=store, bias=bias)
@@ -315,7 +346,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         sx = None
     y = gemm(xq, weights.w2, sx, weights.w2_scales, weights.b2)
     out = alloc((int(topk_weights.shape[0]), int(y.shape[-1])), dtype=torch.float32, device=y.device)
-    dispatch._reduce(y.reshape(n_rows, -1), dst, topk_weights, out, nvalid=n_rows)
+    dispatch._reduce(y.reshape(n_rows, -1), dst, topk_weights, out, nvalid=n_rows, apply_weights=not weight_on_input)
     return out
 
 

@@ -6,7 +6,7 @@ within the FP32 accumulation bound of :func:`moeref.compare.gemm_error_bound`; a
 assigned to the wrong expert) exceeds it. The whole float32 layer likewise. GPU: the FP8 (DeepGEMM recipe)
 and bf16 layers through the Triton kernel and DeepGEMM, against the NumPy reference with
 :func:`moeref.compare.compare` under the declared profile, over Hypothesis routings (skewed, empty
-experts, all-to-one, -1 padding).
+experts, all-to-one, -1 padding, top-1 with the router weight on the input).
 """
 from __future__ import annotations
 
@@ -132,6 +132,31 @@ def test_fastpath_moe_float32_layer_within_fp32_bound(r, seed, layout, bias, sha
     assert rep.passed, rep
 
 
+@_settings(6)
+@given(routings(max_tokens=12, max_experts=6, top_k=1), st.integers(0, 2**16),
+       st.sampled_from(["contiguous", "masked"]), st.booleans(), st.sampled_from([None, 5]))
+def test_fastpath_moe_float32_layer_router_weight_on_input(r, seed, layout, capturable, chunk):
+    """Top-1 with the router weight on the input (each row times its weight, rounded once to float32, then the
+    reduce only sums): the float32 layer against the reference run with the option under FP32_ACCUM, both
+    layouts, capturable or not, token chunks."""
+    from fastpath.moe import fast_weights, fused_moe
+
+    lw = make_layer(r.num_experts, 32, 16, seed=seed)
+    x = make_tokens(r.num_tokens, 32, seed=seed + 1)
+    got = fused_moe(torch.as_tensor(x, device=DEV), fast_weights(lw, DEV), torch.as_tensor(r.weights, device=DEV),
+                    torch.as_tensor(r.ids, device=DEV), alignment=16, out_dtype=torch.float32, layout=layout,
+                    chunk_size=chunk, capturable=capturable, apply_router_weight_on_input=True)
+    run = run_moe(x, lw, r.weights, r.ids, gemm1_out_dtype="float32", act_out_dtype="float32", out_dtype="float32",
+                  chunk_size=chunk, apply_router_weight_on_input=True)
+    prof = PROFILES["FP32_ACCUM"]
+    if on_gpu():  # fp32 tl.dot is TF32 on the GPU
+        from dataclasses import replace
+
+        prof = replace(prof, accum_unit=2.0**-10)
+    rep = compare(got.cpu(), run, prof)
+    assert rep.passed, rep
+
+
 def fp8_block_layer(rng, e, k, n):
     """FP8 128x128 experts whose 128-column blocks differ in magnitude (x 2^-3..2^3, as real weight
     channels do), so that a wrong scale block changes the output (also tests/test_hopper_fp8_gpu.py's layers)."""
@@ -168,6 +193,46 @@ def test_fastpath_moe_fp8_layer_within_declared_profile(r, impl, seed, layout):
     run = run_moe(x_seen, weights, r.weights, r.ids, **cfg)
     rep = compare(got.float().cpu(), run, prof)
     assert rep.passed, rep
+
+
+@pytest.mark.gpu
+@settings(deadline=None, max_examples=30, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(routings(max_tokens=200, max_experts=8, top_k=1), st.sampled_from(["triton", "deep_gemm", "bf16"]),
+       st.integers(0, 2**16), st.sampled_from(["contiguous", "masked"]), st.booleans())
+def test_fastpath_moe_router_weight_on_input_within_declared_profile(r, impl, seed, layout, capturable):
+    """Top-1, router weight on the input: the FP8 layer through the Triton kernel and DeepGEMM (the weighted
+    float32 rows quantized FP8 1x128) and the bf16 layer (the weighted rows stored bf16, declared by
+    reference_config), K = 512, N = 256, both layouts, capturable or not: every example passes under the
+    declared profile; the same output fails against the reference with the weights on the output."""
+    from fastpath.grouped_gemm import grouped_gemm_supports
+    from fastpath.moe import FastMoEWeights, fast_weights, fused_moe, reference_config
+
+    rng = np.random.default_rng(seed)
+    if impl == "bf16":
+        import ml_dtypes
+
+        lw = make_layer(r.num_experts, 512, 256, seed=seed)
+        bf = (lambda ws: [w.astype(ml_dtypes.bfloat16).astype(np.float32) for w in ws])
+        weights = MoEWeights(bf(lw.w13), bf(lw.w2), lw.w13_layout)
+        fw = FastMoEWeights(torch.as_tensor(np.stack(weights.w13), device="cuda").bfloat16(),
+                            torch.as_tensor(np.stack(weights.w2), device="cuda").bfloat16(), lw.w13_layout)
+        impl = "triton"
+    else:
+        if not grouped_gemm_supports(impl)[0]:
+            pytest.skip(grouped_gemm_supports(impl)[1])
+        weights = fp8_block_layer(rng, r.num_experts, 512, 256)
+        fw = fast_weights(weights, "cuda")
+    x = torch.as_tensor(make_tokens(r.num_tokens, 512, seed=seed), device="cuda").to(torch.bfloat16)
+    got = fused_moe(x, fw, torch.as_tensor(r.weights, device="cuda"), torch.as_tensor(r.ids, device="cuda"), impl=impl,
+                    layout=layout, capturable=capturable, apply_router_weight_on_input=True)
+    cfg = reference_config(fw, apply_router_weight_on_input=True)
+    prof = PROFILES[cfg.pop("profile")]
+    x_seen = x.float().cpu().numpy()
+    rep = compare(got.float().cpu(), run_moe(x_seen, weights, r.weights, r.ids, **cfg), prof)
+    assert rep.passed, rep
+    if np.any((r.ids[:, 0] >= 0) & (r.weights[:, 0] < 0.5)):  # a weight far from 1 moves the output
+        cfg.pop("apply_router_weight_on_input")
+        assert not compare(got.float().cpu(), run_moe(x_seen, weights, r.weights, r.ids, **cfg), prof).passed
 
 
 @pytest.mark.gpu

@@ -10,8 +10,9 @@ drawn at up to 16 tokens and tiled to the drawn token count (1 to 8192; a Hypoth
 slots is beyond its buffer), optionally on an EP shard (``expert_map``, the rank's local experts only).
 Planted faults in the fast path's inputs (one token misrouted, one slot dropped, the neighbouring scale
 block) must fail, except for the DeepSeek-V3 FP8 layer, where the Hopper profile's bound at K = 7168 lets
-every bf16 store flip (the test says so when it skips). Router weight on the input has no fast layer: the test checks the refusal names the reason
-and the reference computes it. GPU only; the CPU keeps the interpreter coverage of test_fastpath_moe.py.
+every bf16 store flip (the test says so when it skips). Router weight on the input (top-1 routings of each layer's
+experts, drawn the same way): every example passes too. GPU only; the CPU keeps the interpreter coverage of
+test_fastpath_moe.py and tests/test_fastpath_moe_weight_on_input.py.
 """
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ def _tile(r, m: int):
     return (np.tile(r.ids, (reps, 1))[:m].astype(np.int32), np.tile(r.weights, (reps, 1))[:m].astype(np.float32))
 
 
-def _check(name, ids, tw, *, impl="triton", layout="contiguous", ep=None, seed=0, fault=None):
+def _check(name, ids, tw, *, impl="triton", layout="contiguous", ep=None, seed=0, fault=None, on_input=False,
+           capturable=False):
     """Run the fast layer and the GPU reference on one routing; returns the report."""
     from fastpath.moe import fused_moe, reference_config
 
@@ -115,14 +117,16 @@ def _check(name, ids, tw, *, impl="triton", layout="contiguous", ep=None, seed=0
         ref_w, fast_w = _select(ref_w, fast_w, local)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn((ids.shape[0], hid), device="cuda", generator=gen).bfloat16()
-    cfg = reference_config(fast_w)
+    cfg = reference_config(fast_w, apply_router_weight_on_input=on_input)
     prof = cfg.pop("profile")
     run = run_moe(x, ref_w, tw, ids, device="cuda", num_experts=e, expert_map=emap, **cfg)
     f_ids, f_w = ids, fast_w
     if fault is not None:
         f_ids, f_w = fault(ids.copy(), fast_w)
     got = fused_moe(x, f_w, torch.as_tensor(tw, device="cuda"), torch.as_tensor(f_ids, device="cuda"), impl=impl,
-                    layout=layout, num_experts=e, expert_map=None if emap is None else torch.as_tensor(emap, device="cuda"))
+                    layout=layout, num_experts=e,
+                    expert_map=None if emap is None else torch.as_tensor(emap, device="cuda"),
+                    apply_router_weight_on_input=on_input, capturable=capturable)
     return compare(got, run, prof, label=name)
 
 
@@ -134,8 +138,9 @@ def _impls(name):
 
 
 @st.composite
-def cases(draw, name):
+def cases(draw, name, top_k=None):
     _, _, e, k, _, top = LAYERS[name]
+    k = k if top_k is None else top_k
     r = draw(routings(num_experts=e, top_k=k, max_tokens=16), label="routing")
     m = draw(st.sampled_from([t for t in TOKENS if t <= top]), label="tokens")
     ids, tw = _tile(r, m)
@@ -205,21 +210,21 @@ def test_planted_fault_fails(name, fault):
     assert not rep.passed, f"the planted fault passed: largest error/bound {ratio:.3g}"
 
 
-def test_router_weight_on_input_is_refused_with_the_reason():
-    """Top-1 with the router weight on the input: the fast layer refuses (naming the reference that computes
-    it); the GPU reference runs it."""
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_router_weight_on_input_within_declared_profile(name):
+    """Top-1 routings with the router weight on the input (Llama 4's layer; the weighted rows rounded to float32,
+    then a1, and the reduce sums), at the layer's shapes and token counts: every drawn example passes; the
+    expert-parallel draws run the default path (a capturable call takes no expert_map), the others capturable."""
     _need_gpu()
-    from fastpath.moe import fused_moe
 
-    ref_w, fast_w = layer("qwen3_30b_a3b_bf16")
-    x = torch.randn((4, 2048), device="cuda").bfloat16()
-    ids = np.array([[3], [5], [3], [-1]], dtype=np.int32)
-    tw = np.array([[0.5], [2.0], [1.0], [0.0]], dtype=np.float32)
-    with pytest.raises(ValueError, match="apply_router_weight_on_input"):
-        fused_moe(x, fast_w, torch.as_tensor(tw, device="cuda"), torch.as_tensor(ids, device="cuda"),
-                  apply_router_weight_on_input=True)
-    run = run_moe(x, ref_w, tw, ids, device="cuda", apply_router_weight_on_input=True)
-    assert run.output.shape == (4, 2048) and bool(torch.isfinite(run.output).all())
+    @_SETTINGS
+    @given(st.data())
+    def prop(data):
+        ids, tw, ep, impl, layout = data.draw(cases(name, top_k=1))
+        rep = _check(name, ids, tw, impl=impl, layout=layout, ep=ep, on_input=True, capturable=ep is None)
+        assert rep.passed, rep.summary()
+
+    prop()
 
 
 def test_gpt_oss_mxfp4_layer():

@@ -8,7 +8,9 @@ decodes to bf16 on the GPU) and runs an IEEE FP32 dot; the result is checked aga
 NVFP4 epilogue and the INT4 per-group scaling make) plus the float32 output store. Planted faults (the
 neighbouring scale block, swapped nibbles) must exceed it. The whole layer (``fastpath.moe``) likewise
 against :func:`moeref.moe.run_moe` with float32 stores. The E2M1 and E8M0 values of the decode oracle are
-written here from OCP MX v1.0 (table 3 and section 5.4), not read from moeref.
+written here from OCP MX v1.0 (table 3 and section 5.4), not read from moeref. The default tile rule
+(:class:`fastpath.grouped_gemm_w4.W4TileRule`) against the measurements it was derived from
+(docs/data/moe_device_h100_w4.json), and how the layer feeds it.
 """
 from __future__ import annotations
 
@@ -332,3 +334,80 @@ def test_expert_stacks_refuse_what_cannot_be_stacked():
             stack([a, other_shape])
         with pytest.raises(ValueError, match="expert 1 has scheme"):
             stack([a, other_scheme])
+
+
+# --------------------------------------------------------------------------- the tile rule (DEFAULT_W4_TILE_RULE)
+
+def _measured_gemm_times():
+    """``{(gemm, kind, rows per expert): {W4Tiles: ms}}`` from docs/data/moe_device_h100_w4.json (H100,
+    2026-11-24, gpt-oss-120b: 128 experts; kernel labels "kind BMxBNxBK wW sS [swap]")."""
+    import json
+    import pathlib
+
+    from fastpath.grouped_gemm_w4 import W4Tiles
+
+    data = json.loads((pathlib.Path(__file__).parents[1] / "docs/data/moe_device_h100_w4.json").read_text())
+    out = {}
+    for row in data["w4"]:
+        parts = row["kernel"].split()
+        if parts[0] == "bf16":
+            continue
+        bm, bn, bk = (int(v) for v in parts[1].split("x"))
+        t = W4Tiles(bm, bn, bk, int(parts[2][1:]), int(parts[3][1:]), swap_ab=parts[-1] == "swap")
+        out.setdefault((row["gemm"], parts[0], row["rows"] / 128), {})[t] = row["ms"]
+    return out
+
+
+def test_w4_tile_rule_is_within_6_percent_of_the_fastest_measured_tile():
+    """At every measured point (both GEMMs, MXFP4/NVFP4/INT4, 2, 32 and 256 rows per expert) the rule's tile is
+    one of those measured and at most 6% slower than the fastest there (the former switch, the 16-row swap tile
+    up to E x alignment rows, took 2.898 ms for MXFP4 GEMM1 at 32 rows per expert against 1.796)."""
+    from fastpath.grouped_gemm_w4 import DEFAULT_W4_TILE_RULE
+
+    measured = _measured_gemm_times()
+    assert {r for _, _, r in measured} == {2.0, 32.0, 256.0} and len(measured) == 18
+    for (gemm, kind, r), times in measured.items():
+        t = DEFAULT_W4_TILE_RULE.tiles(r, kind)
+        assert t in times and times[t] <= 1.06 * min(times.values()), (gemm, kind, r, t, times)
+    assert [DEFAULT_W4_TILE_RULE.tiles(r, "mxfp4").block_m for r in (1, 16, 17, 32, 33, 64, 65)] == \
+        [16, 16, 32, 32, 64, 64, 128]
+
+
+def test_w4_tile_rule_reads_rows_per_expert_from_shapes_only():
+    """The average rows per expert: ``expected_m`` when given, else the least the contiguous layout allows
+    (a capturable layer's worst-case buffer gives M*k/E); the kernel is handed the rule's tile (meta tensors:
+    shapes only, no data); a rule out of order or an unknown kind is refused."""
+    from fastpath.grouped_gemm_w4 import DEFAULT_W4_TILE_RULE, W4TileRule, W4Tiles, _tiles_for, rows_per_expert
+
+    assert rows_per_expert(16384, 128, 128, expected_m=32) == 32.0
+    assert rows_per_expert(16384, 128, 128) == 1.0  # every expert one aligned segment: as few as 1 row each
+    m, k, e, al = 1024, 4, 128, 128
+    worst = -(-(m * k + e * (al - 1)) // al) * al
+    assert 32 <= rows_per_expert(worst, e, al) < 33
+    w = type("W", (), {"num_experts": 128, "kind": "nvfp4", "group": 16})()
+    a = torch.empty((16384, 2880), device="meta")
+    assert _tiles_for(w, a, None, 128, expected_m=32) == W4Tiles(32, 128, 64, 4, 4)
+    assert _tiles_for(w, a, None, 128, expected_m=256) == W4Tiles(128, 128, 64, 8, 3, swap_ab=False)
+    assert DEFAULT_W4_TILE_RULE.tiles(256, "int4") == W4Tiles(128, 128, 64, 8, 3, swap_ab=True)
+    assert _tiles_for(w, a, None, 32, expected_m=256).block_m == 16  # the row tile divides the alignment
+    with pytest.raises(ValueError, match="increasing block_m"):
+        W4TileRule(swap_tiles=(W4Tiles(32, 128, 64, 4, 4), W4Tiles(16, 128, 64, 4, 4)))
+    with pytest.raises(ValueError, match="kind"):
+        DEFAULT_W4_TILE_RULE.tiles(4, "fp8")
+
+
+def test_layer_hands_the_w4_gemms_its_rows_per_expert(monkeypatch):
+    """fastpath.moe passes ceil(M*k/E) (host ints) to both 4-bit GEMMs, in both layouts."""
+    import fastpath.grouped_gemm_w4 as g
+    from fastpath.moe import fast_weights, fused_moe
+
+    seen = []
+    real = g._tiles_for
+    monkeypatch.setattr(g, "_tiles_for", lambda w, a, t, al, em=None: seen.append(em) or real(w, a, t, al, em))
+    rng = np.random.default_rng(1)
+    fw = fast_weights(_w4_layer("mxfp4", rng, 4, 64, 32, "gate_up", False), DEV)
+    ids = np.stack([rng.choice(4, 2, replace=False) for _ in range(9)]).astype(np.int32)
+    for layout in ("contiguous", "masked"):
+        fused_moe(torch.as_tensor(make_tokens(9, 64, seed=2), device=DEV), fw, torch.ones((9, 2), device=DEV),
+                  torch.as_tensor(ids, device=DEV), alignment=16, out_dtype=torch.float32, layout=layout)
+    assert seen == [5, 5, 5, 5]  # ceil(9 * 2 / 4)

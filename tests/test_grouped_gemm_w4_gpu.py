@@ -84,18 +84,21 @@ def _check(w, a, m_idx, got, *, expect_pass=True) -> None:
 
 
 @pytest.mark.parametrize("kind", ["mxfp4", "nvfp4", "int4"])
-@pytest.mark.parametrize("tokens", [1, 64, 2048])
+@pytest.mark.parametrize("tokens", [1, 64, 1024, 2048, 4096])
 def test_w4_grouped_gemm_at_gpt_oss_shapes_within_the_bf16_bound(kind, tokens):
     """GEMM1 (N = 5760) and GEMM2 (N = 2880), K = 2880, 128 experts, top-4: bf16 activations, every
-    valid row within the bound; the planted faults fail."""
+    valid row within the bound; the planted faults fail. The layer's rows per expert, ceil(tokens * 4 / 128),
+    is passed as ``expected_m``, so every tile of the default rule runs: 16-row swap (1, 64 tokens), 32 (1024),
+    64 (2048), 128 x 128 (4096; transposed for INT4)."""
     from fastpath.grouped_gemm_w4 import grouped_gemm_w4_contiguous
 
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     lay = _layout(tokens, gen)
+    em = -(-tokens * TOP // E)
     for n in (2 * INTER, HIDDEN):
         w = _random_w4(kind, n, HIDDEN, gen)
         a = torch.randn((int(lay.m_indices.numel()), HIDDEN), device="cuda", generator=gen).to(torch.bfloat16)
-        got = grouped_gemm_w4_contiguous(a, w, lay.m_indices)
+        got = grouped_gemm_w4_contiguous(a, w, lay.m_indices, expected_m=em)
         _check(w, a, lay.m_indices, got)
         if tokens == 64:
             _check(w, a, lay.m_indices, grouped_gemm_w4_contiguous(a, replace(w, scales=w.scales.roll(1, dims=2)),
@@ -120,13 +123,17 @@ def test_w4_grouped_gemm_masked_layout_at_gpt_oss_shape(kind):
     _check(w, a.reshape(E * 128, -1), m_idx, got)
 
 
-@pytest.mark.parametrize("tokens,layout,acts", [(1, "masked", "bfloat16"), (3, "contiguous", "bfloat16"),
-                                                (2, "contiguous", "float8_e4m3fn")])
-def test_gpt_oss_mxfp4_layer_within_declared_profile(tokens, layout, acts):
+@pytest.mark.parametrize("tokens,layout,acts,on_input", [(1, "masked", "bfloat16", False),
+                                                         (3, "contiguous", "bfloat16", False),
+                                                         (2, "contiguous", "float8_e4m3fn", False),
+                                                         (5, "contiguous", "bfloat16", True),
+                                                         (4, "masked", "float8_e4m3fn", True)])
+def test_gpt_oss_mxfp4_layer_within_declared_profile(tokens, layout, acts, on_input):
     """The gpt-oss-120b MoE layer (MXFP4 from checkpoint-layout blocks, swigluoai on interleaved w13,
     biases, 128 experts, top-4) through fastpath.moe against the exact reference under its declared profile
     (W4A16: BF16_OUTPUT; W4A8, FP8 1x128 activations: BF16_OUTPUT_FP32_ACT); the same layer with GEMM2
-    reading the neighbouring scale block fails."""
+    reading the neighbouring scale block fails. ``on_input``: top-1 (each token's first expert) with the router
+    weight on the input (W4A16: the weighted rows stored bf16, as reference_config declares)."""
     from fastpath.grouped_gemm_w4 import W4Experts
     from fastpath.moe import FastMoEWeights, fused_moe, profile_of, reference_config
     from moeref.compare import PROFILES, compare
@@ -152,9 +159,11 @@ def test_gpt_oss_mxfp4_layer_within_declared_profile(tokens, layout, acts):
     x = torch.randn((tokens, HIDDEN), device="cuda").to(torch.bfloat16)
     ids = np.stack([rng.choice(E, TOP, replace=False) for _ in range(tokens)]).astype(np.int32)
     tw = rng.random((tokens, TOP)).astype(np.float32)
+    if on_input:
+        ids, tw = ids[:, :1].copy(), tw[:, :1].copy()
     got = fused_moe(x, fw, torch.as_tensor(tw, device="cuda"), torch.as_tensor(ids, device="cuda"),
-                    activation="swigluoai", layout=layout)
-    cfg = reference_config(fw)
+                    activation="swigluoai", layout=layout, apply_router_weight_on_input=on_input)
+    cfg = reference_config(fw, apply_router_weight_on_input=on_input)
     prof = PROFILES[cfg.pop("profile")]
     assert prof.name == profile_of("triton", fw) == ("BF16_OUTPUT" if acts == "bfloat16" else "BF16_OUTPUT_FP32_ACT")
     from moeref.moe import run_moe
@@ -164,7 +173,7 @@ def test_gpt_oss_mxfp4_layer_within_declared_profile(tokens, layout, acts):
     assert rep.passed, rep
     bad = replace(fw, w2=replace(w2, scales=w2.scales.roll(1, dims=2)))
     got_bad = fused_moe(x, bad, torch.as_tensor(tw, device="cuda"), torch.as_tensor(ids, device="cuda"),
-                        activation="swigluoai", layout=layout)
+                        activation="swigluoai", layout=layout, apply_router_weight_on_input=on_input)
     assert not compare(got_bad.float().cpu(), run_ref, prof).passed
 
 
