@@ -453,8 +453,9 @@ def bench_fast_layer(weights, cases, rounds: int, calls: int = 3, before: str | 
     * decode (``<= DECODE_MAX`` tokens): ``layer_{impl}_masked`` (masked layout, capturable, eager) and
       ``graph_{impl}_{layout}``: the capturable call captured in a CUDA graph and replayed (the host's launch
       cost removed; this machine's host adds 50-400 us per launch);
-    * ``gemms_{impl}``: the two grouped GEMMs alone on the tight contiguous layout (the baseline of the
-      prefill criterion; per-round ratios ``gemms / layer``);
+    * ``gemms_{impl}``: the two grouped GEMMs alone on the tight contiguous layout, called as the layer calls
+      them (DeepGEMM through its psum layout, ``psum=``; the baseline of the prefill criterion; per-round
+      ratios ``gemms / layer``);
     * ``before_{impl}``: the layer of module ``before`` (an older ``fastpath.moe``), for an A/B in one run;
     * ``torch_compile``: :func:`torch_moe_layer` under ``torch.compile`` (bf16 weights, twice the bytes).
 
@@ -524,9 +525,11 @@ def _layer_row(m, x, tw, ids, fw, impls, old, torch_fn, w13t, w2t, pool, bw, rou
         if m <= DECODE_MAX:
             fns[f"layer_{impl}_masked"] = lambda impl=impl: fused_moe(x, fw, tw, ids_t, impl=impl, layout="masked",
                                                                       capturable=True)
-        fns[f"gemms_{impl}"] = lambda impl=impl: (
-            grouped_gemm_contiguous(a, fw.w13, lay.m_indices, impl=impl, a_scales=sa, b_scales=fw.w13_scales),
-            grouped_gemm_contiguous(xm, fw.w2, lay.m_indices, impl=impl, a_scales=sx, b_scales=fw.w2_scales))
+        fns[f"gemms_{impl}"] = lambda impl=impl: (  # called as the layer calls them (DeepGEMM: psum layout)
+            grouped_gemm_contiguous(a, fw.w13, lay.m_indices, impl=impl, a_scales=sa, b_scales=fw.w13_scales,
+                                    psum=lay.psum),
+            grouped_gemm_contiguous(xm, fw.w2, lay.m_indices, impl=impl, a_scales=sx, b_scales=fw.w2_scales,
+                                    psum=lay.psum))
         if old is not None:
             fns[f"before_{impl}"] = lambda impl=impl: old(x, fw, tw, ids_t, impl=impl)
     want = fused_moe(x, fw, tw, ids_t, impl=impls[-1])

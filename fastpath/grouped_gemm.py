@@ -147,7 +147,7 @@ def grouped_gemm_supports(impl: str, a=None, b=None, *, a_scales=None, b_scales=
 
 def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.Tensor, *, impl: str,
                             a_scales=None, b_scales=None, out_dtype=torch.bfloat16, alignment: int = 128,
-                            out=None, tiles: GemmTiles | None = None, bias=None) -> torch.Tensor:
+                            out=None, tiles: GemmTiles | None = None, bias=None, psum=None) -> torch.Tensor:
     """``d [M_sum, N] = a @ b[m_indices].T`` per row (padding rows unspecified).
 
     Args:
@@ -156,6 +156,17 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
         m_indices: int32 ``[M_sum]``, -1 padding; each expert's rows start on a multiple of ``alignment``.
         impl: ``"triton"`` or ``"deep_gemm"``.
         bias: optional float32 ``[E, N]``, added in FP32 before the output store (Triton only).
+        psum: optional int32 ``[E]``, the same layout as cumulative actual end rows (``psum`` of
+            :func:`fastpath.dispatch.to_contiguous`: expert ``e`` holds rows ``align(psum[e-1]) ..
+            psum[e]``). DeepGEMM then runs its psum layout, whose scheduler visits only the row blocks
+            that hold an expert's rows (when ``alignment`` is DeepGEMM's ``BLOCK_M``, to which that layout
+            aligns each expert's start; otherwise ``m_indices`` is used). With ``m_indices`` its SM90
+            scheduler visits every ``BLOCK_M`` block of ``a`` and, in a block of padding rows, still loads
+            A, its scales and expert 0's B tiles before skipping the math: a worst-case buffer
+            (``capturable=True`` in :func:`fastpath.moe.fused_moe`, ``M*k + E*(alignment-1)`` rows) pays
+            that for every padding block. Same kernel arithmetic per row, so the real rows' outputs are the
+            same bits either way. The Triton kernel returns at once on a tile of padding rows and does not
+            read ``psum``.
     """
     ok, why = grouped_gemm_supports(impl, a, b, a_scales=a_scales, b_scales=b_scales, alignment=alignment)
     if not ok:
@@ -176,6 +187,13 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
     if impl == "deep_gemm":
         import deep_gemm
 
+        if psum is not None and alignment == deep_gemm.get_mk_alignment_for_contiguous_layout():
+            if psum.dtype != torch.int32 or tuple(psum.shape) != (e,) or psum.device != a.device:
+                raise ValueError(f"psum must be int32 [{e}] on {a.device} (one end row per expert of b); got "
+                                 f"{psum.dtype} {tuple(psum.shape)} on {psum.device}")
+            deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, a_scales), (b, b_scales), d, psum.contiguous(),
+                                                       disable_ue8m0_cast=True, use_psum_layout=True)
+            return d
         deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, a_scales), (b, b_scales), d, m_indices.to(torch.int32),
                                                    disable_ue8m0_cast=True)
         return d

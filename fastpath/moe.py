@@ -237,23 +237,35 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
               layout=layout, alignment=alignment, max_m=max_m, capturable=capturable)
     ids_all = topk_ids.to(hidden.device)
     tw_all = topk_weights.to(hidden.device)
+    # without shared experts, each chunk's weighted sum is stored by the reduce kernel straight into its rows
+    # of the output (float32, or bf16 rounded to nearest even in the kernel as .to(bfloat16) rounds): no
+    # float32 copy of the output, no cat, no conversion pass (at 16384 tokens x 7168 these were 0.5 ms)
+    result = None
+    if shared_experts is None and out_dtype in (torch.float32, torch.bfloat16):
+        from fastpath._host import alloc
+
+        result = alloc((m, int(hidden.shape[1])), dtype=out_dtype, device=hidden.device)
     parts = []
     for s0 in range(0, max(m, 1), chunk):
         x = hidden[s0:s0 + chunk]
         out = _routed(x, weights, tw_all[s0:s0 + chunk], ids_all[s0:s0 + chunk], num_experts, expert_map,
-                      weight_on_input=apply_router_weight_on_input, **kw)
+                      weight_on_input=apply_router_weight_on_input,
+                      into=None if result is None else result[s0:s0 + chunk], **kw)
         if shared_experts is not None:
             n = int(x.shape[0])
             ones = torch.ones((n, 1), dtype=torch.float32, device=x.device)
             zeros = torch.zeros((n, 1), dtype=torch.int32, device=x.device)
             out = out + _routed(x, shared_experts, ones, zeros, 1, None, **kw)
         parts.append(out)
+    if result is not None:
+        return result
     return torch.cat(parts, dim=0).to(out_dtype)
 
 
 def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, expert_map, *, impl, activation, act_kw,
-            layout, alignment, max_m, capturable, weight_on_input: bool = False) -> torch.Tensor:
-    """One chunk of the routed experts: float32 ``[m, K]`` (the weighted sum before the output store).
+            layout, alignment, max_m, capturable, weight_on_input: bool = False, into=None) -> torch.Tensor:
+    """One chunk of the routed experts: float32 ``[m, K]`` (the weighted sum before the output store), or
+    ``into`` (float32 or bfloat16 ``[m, K]``) with the sum stored in its dtype.
 
     Only the routed rows of the layout are written and read outside the GEMMs: the token rows (FP8 codes and
     scales, or float rows) are scattered to their slots' rows (:func:`fastpath.dispatch._scatter_rows`, each
@@ -287,7 +299,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         pad = -(-cap // 128) * 128 - cap  # rows of each expert padded to the tile
         src = torch.nn.functional.pad(lay.src, (0, pad), value=-1)
     if src.numel() == 0:  # no slot of this chunk is routed to a local expert (a host-known shape: no sync)
-        return torch.zeros((m, k), dtype=torch.float32, device=x.device)
+        return torch.zeros((m, k), dtype=torch.float32, device=x.device) if into is None else into.zero_()
     src_flat = src.reshape(-1)
     n_rows = int(src_flat.numel())
     dst = torch.full((m * top_k,), -1, dtype=torch.int32, device=x.device)  # slot -> row (-1: not local)
@@ -326,7 +338,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
                                           bias=bias, expected_m=expected_m).reshape(e * mm, -1)
         if layout == "contiguous":
             return grouped_gemm_contiguous(a, b, lay.m_indices, impl=impl, a_scales=sa, b_scales=sb,
-                                           alignment=alignment, out_dtype=store, bias=bias)
+                                           alignment=alignment, out_dtype=store, bias=bias, psum=lay.psum)
         e, mm = (int(d) for d in src.shape)
         return grouped_gemm_masked(a.reshape(e, mm, -1), b, lay.masked_m, impl=impl,
                                    a_scales=None if sa is None else sa.reshape(e, mm, -1), b_scales=sb,
@@ -345,7 +357,10 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         xq = (silu_and_mul(h) if activation == "silu_and_mul" else swigluoai(h, **act_kw)).to(store)
         sx = None
     y = gemm(xq, weights.w2, sx, weights.w2_scales, weights.b2)
-    out = alloc((int(topk_weights.shape[0]), int(y.shape[-1])), dtype=torch.float32, device=y.device)
+    shape = (int(topk_weights.shape[0]), int(y.shape[-1]))
+    if into is not None and tuple(into.shape) != shape:
+        raise ValueError(f"the layer's output rows have shape {tuple(into.shape)}; the reduce gives {shape}")
+    out = alloc(shape, dtype=torch.float32, device=y.device) if into is None else into
     dispatch._reduce(y.reshape(n_rows, -1), dst, topk_weights, out, nvalid=n_rows, apply_weights=not weight_on_input)
     return out
 
