@@ -423,13 +423,15 @@ def _place(s: _Sorted, x, a, dst, src, *, grp=None, mode=_PADDED, cap=0) -> None
 
 
 def to_contiguous(hidden, topk_ids, num_experts: int, alignment: int, expert_map=None, *, m_sum=None,
-                  validate: bool = True) -> Contiguous:
+                  validate: bool = True, slot_rows: bool = False):
     """DeepGEMM contiguous layout on the GPU; contract: :func:`moeref.dispatch.to_contiguous`.
 
     ``a [M_sum, K]`` (padding rows zero), ``m_indices`` int32 (-1 padding), ``src`` int64 (-1
     padding), ``psum`` int32. Any positive ``alignment`` (DeepGEMM SM100 uses 224). ``m_sum``:
     None/"tight" (one sync for the counts), "worst_case" (vLLM's buffer; no sync) or an int (one sync
-    to check it is large enough)."""
+    to check it is large enough). ``slot_rows=True`` returns ``(layout, dst)`` with ``dst`` int32
+    ``[M * k]``, each slot's row (-1: padding or non-local slot), the inverse of ``src`` that the
+    placement computes anyway (:mod:`fastpath.moe` reduces through it)."""
     worst = isinstance(m_sum, str) and m_sum == "worst_case"
     key = None
     if worst and expert_map is None and _ints(num_experts, alignment) and _cuda(topk_ids, hidden):
@@ -443,7 +445,8 @@ def to_contiguous(hidden, topk_ids, num_experts: int, alignment: int, expert_map
         m, k = topk_ids.shape
         ss = _SortShape.of(m * k, num_experts, n_local, emap is not None, want_psum=True)
         if not worst:
-            return _to_contiguous_sized(hidden, topk_ids, emap, ss, alignment, m_sum)
+            out, dst = _to_contiguous_sized(hidden, topk_ids, emap, ss, alignment, m_sum)
+            return (out, dst) if slot_rows else out
         size = contiguous_m_sum(np.zeros(ss.G), alignment, "worst_case", num_slots=m * k)
         lay = Layout([("m_indices", size), ("src", 2 * size), ("psum", max(ss.G, 1)), ("dst", m * k),
                       *ss.spec("psum")[1:]],
@@ -465,12 +468,13 @@ def to_contiguous(hidden, topk_ids, num_experts: int, alignment: int, expert_map
         _place(s, hidden, a, lay.view(ws, "dst"), src, grp=m_indices)
     bases = (topk_ids, ws) if a is None else (topk_ids, ws, hidden, a)
     _plan.execute(key, plan, bases, key and key[-1], launches, layout)
-    return Contiguous(a, m_indices, src, psum, alignment, m, k)
+    out = Contiguous(a, m_indices, src, psum, alignment, m, k)
+    return (out, lay.view(ws, "dst")) if slot_rows else out
 
 
-def _to_contiguous_sized(hidden, topk_ids, emap, ss, alignment, m_sum) -> Contiguous:
+def _to_contiguous_sized(hidden, topk_ids, emap, ss, alignment, m_sum):
     """:func:`to_contiguous` with ``m_sum`` None/"tight" or an int: the counts come to the host (one
-    sync) to size or check the buffers."""
+    sync) to size or check the buffers. Returns (layout, slot -> row map)."""
     device = topk_ids.device
     m, k = topk_ids.shape
     s = _sort_ws(topk_ids, emap, ss, device, pad=alignment)
@@ -484,14 +488,15 @@ def _to_contiguous_sized(hidden, topk_ids, emap, ss, alignment, m_sum) -> Contig
     m_indices = _alloc(size, torch.int32, device)
     src = _alloc(size, torch.int64, device)
     a = None if hidden is None else _alloc((size, hidden.shape[1]), hidden.dtype, device)
-    _place(s, hidden, a, _alloc(m * k, torch.int32, device), src, grp=m_indices)
-    return Contiguous(a, m_indices, src, s.psum, alignment, m, k)
+    dst = _alloc(m * k, torch.int32, device)
+    _place(s, hidden, a, dst, src, grp=m_indices)
+    return Contiguous(a, m_indices, src, s.psum, alignment, m, k), dst
 
 
 def _to_capacity(kind, hidden, topk_ids, num_experts, expert_map, validate, capacity_of, *, bound=None,
                  what="to_masked", bound_name="max_m"):
     """Rows per local expert in ``[G, cap]`` buffers: (masked_m / expert_num_tokens view, cap, a,
-    src, M, k, host counts or None). ``capacity_of(host counts) -> cap`` costs the one host sync;
+    src, M, k, host counts or None, slot -> row map). ``capacity_of(host counts) -> cap`` costs the one host sync;
     ``bound``: the capacity without a host sync (counts None). Below the number of slots ``M * k``
     (a token may repeat an expert, :mod:`moeref.routing.ids`) it is checked on the device with
     ``torch._assert_async`` (a CUDA device-side assert, a ``RuntimeError`` on the CPU) after the sort
@@ -533,7 +538,7 @@ def _to_capacity(kind, hidden, topk_ids, num_experts, expert_map, validate, capa
     _plan.execute(key and (key, 1), plan1, bases, dev,
                   lambda: _place(_sorted(topk_ids, emap, ss, ws, lay), hidden, a, lay.view(ws, "dst"), src,
                                  mode=_CAPACITY, cap=cap))
-    return counts, cap, a, src, m, k, None
+    return counts, cap, a, src, m, k, None, lay.view(ws, "dst")
 
 
 def _to_capacity_counted(hidden, topk_ids, emap, ss, capacity_of):
@@ -552,12 +557,13 @@ def _to_capacity_counted(hidden, topk_ids, emap, ss, capacity_of):
             s.G, s.NK, 1, cap, MODE=_CAPACITY, WRITE_PSUM=False, NKP=s.totals.numel())
     src = _alloc((s.G, cap), torch.int64, device)
     a = None if hidden is None else _alloc((s.G, cap, hidden.shape[1]), hidden.dtype, device)
-    _place(s, hidden, a, _alloc(m * k, torch.int32, device), src, mode=_CAPACITY, cap=cap)
-    return s.totals[: s.G], cap, a, src, m, k, counts
+    dst = _alloc(m * k, torch.int32, device)
+    _place(s, hidden, a, dst, src, mode=_CAPACITY, cap=cap)
+    return s.totals[: s.G], cap, a, src, m, k, counts, dst
 
 
 def to_masked(hidden, topk_ids, num_experts: int, max_m=None, expert_map=None, *, expected_m=None,
-              validate: bool = True) -> Masked:
+              validate: bool = True, slot_rows: bool = False):
     """DeepGEMM masked layout on the GPU; contract: :func:`moeref.dispatch.to_masked` (``a [E_local,
     max_m, K]`` zero past ``masked_m``; ``src`` int64 -1 fill).
 
@@ -574,7 +580,9 @@ def to_masked(hidden, topk_ids, num_experts: int, max_m=None, expert_map=None, *
     the device instead of the host: a CUDA device-side assert (fatal to the CUDA context, as any
     device assert) or, on the CPU, a ``RuntimeError``; never a truncation. ``expected_m`` is
     returned as given. ``validate=True`` and an ``expert_map`` given as a device tensor still cost
-    their own syncs (module docstring): pass ``validate=False`` and a host ``expert_map``."""
+    their own syncs (module docstring): pass ``validate=False`` and a host ``expert_map``.
+    ``slot_rows=True`` returns ``(layout, dst)``: int32 ``[M * k]``, each slot's row of the
+    ``[E_local * max_m]`` rows (-1: padding or non-local slot), as :func:`to_contiguous`."""
     if max_m is not None:
         max_m = check_positive_int(max_m, "max_m")
     bound = None
@@ -585,13 +593,14 @@ def to_masked(hidden, topk_ids, num_experts: int, max_m=None, expert_map=None, *
             raise ValueError(f"to_masked with expected_m given (no host sync) needs max_m >= the number of "
                              f"tokens {num_tokens} (no buffer size from the data); got max_m={max_m}")
         bound = max_m
-    masked_m, cap, a, src, m, k, counts = _to_capacity(
+    masked_m, cap, a, src, m, k, counts, dst = _to_capacity(
         "masked", hidden, topk_ids, num_experts, expert_map, validate,
         lambda c: max_m if max_m is not None else max(1, int(c.max()) if c.size else 0), bound=bound)
     if expected_m is None:
         n_present = int(counts.sum())
         expected_m = max(1, -(-n_present // counts.size)) if counts.size else 1
-    return Masked(a, masked_m, int(expected_m), src, m, k)
+    out = Masked(a, masked_m, int(expected_m), src, m, k)
+    return (out, dst) if slot_rows else out
 
 
 def to_batched(hidden, topk_ids, num_experts: int, max_tokens_per_dispatcher: int, num_dispatchers: int = 1,
@@ -609,7 +618,7 @@ def to_batched(hidden, topk_ids, num_experts: int, max_tokens_per_dispatcher: in
     _check_int(topk_ids, "topk_ids", 2)
     if topk_ids.shape[0] > t * d:
         raise ValueError(f"{topk_ids.shape[0]} tokens exceed max_tokens_per_dispatcher * num_dispatchers = {t * d}")
-    counts, cap, a, src, m, k, _ = _to_capacity("batched", hidden, topk_ids, num_experts, expert_map, validate,
+    counts, cap, a, src, m, k, _, _ = _to_capacity("batched", hidden, topk_ids, num_experts, expert_map, validate,
                                                 lambda c: t * d, bound=None if validate else t * d, what="to_batched",
                                                 bound_name="max_tokens_per_dispatcher * num_dispatchers")
     return Batched(a, counts, src, m, k, t, d)

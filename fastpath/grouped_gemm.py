@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["GROUPED_GEMM_IMPLEMENTATIONS", "GemmTiles", "grouped_gemm_contiguous", "grouped_gemm_masked",
-           "grouped_gemm_supports", "PROFILE_OF"]
+__all__ = ["GROUPED_GEMM_IMPLEMENTATIONS", "GemmTiles", "default_tiles", "grouped_gemm_contiguous",
+           "grouped_gemm_masked", "grouped_gemm_supports", "PROFILE_OF"]
 
 GROUPED_GEMM_IMPLEMENTATIONS = ("triton", "deep_gemm")
 PROFILE_OF = {("triton", "float"): "BF16_OUTPUT", ("triton", "fp8_block"): "HOPPER_FP8_DEEPGEMM_DATA",
@@ -54,54 +54,123 @@ class GemmTiles:
     block_k: int = 128
     num_warps: int = 8
     num_stages: int = 3
+    swap_ab: bool = False
+    """Compute each tile transposed (``B @ a^T``: the weights are the MMA's wide M side, the rows its
+    narrow N side, 16 at decode); the same products and K order as ``a @ B^T``."""
 
 
-DEFAULT_TILES = {"fp8_block": GemmTiles(64, 128, 128, 4, 4), "float": GemmTiles(128, 256, 64, 8, 3)}
-_INTERPRETER_TILES = {"fp8_block": GemmTiles(16, 32, 128, 1, 1), "float": GemmTiles(16, 32, 32, 1, 1)}
+DEFAULT_TILES = {"fp8_block": GemmTiles(64, 128, 128, 4, 4), "float": GemmTiles(128, 256, 64, 8, 3),
+                 "fp8_block_decode": GemmTiles(16, 128, 128, 4, 3, swap_ab=True)}
+"""Tiles when none are given; ``"fp8_block_decode"`` for FP8 operands with few rows per expert
+(:func:`default_tiles`). Measured in docs/moe-gpu.md."""
+_INTERPRETER_TILES = {"fp8_block": GemmTiles(16, 32, 128, 1, 1), "float": GemmTiles(16, 32, 32, 1, 1),
+                      "fp8_block_decode": GemmTiles(16, 32, 128, 1, 1, swap_ab=True)}
+DECODE_ROWS_PER_EXPERT = 16
+"""FP8 operands with at most this many rows per expert on average take the decode tiles."""
+
+
+def default_tiles(kind: str, rows_per_expert: float, device_type: str = "cuda") -> GemmTiles:
+    """The Triton kernel's tiles for operand ``kind`` (``"fp8_block"`` or ``"float"``) when the experts
+    have ``rows_per_expert`` rows on average: FP8 with at most :data:`DECODE_ROWS_PER_EXPERT` takes the
+    decode tiles (a 16-row swapped tile: the weights stream through the wide side of the MMA)."""
+    table = _INTERPRETER_TILES if device_type == "cpu" else DEFAULT_TILES
+    if kind == "fp8_block" and rows_per_expert <= DECODE_ROWS_PER_EXPERT:
+        return table["fp8_block_decode"]
+    return table[kind]
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
+def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_ptr, src_ptr, M, N, K,
                          stride_am, stride_be, stride_bn, stride_dm, stride_sam, stride_sbe, stride_sbn,
+                         NG, CAP, TOPK,
                          FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
-                         EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+                         EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr,
+                         MASKED: tl.constexpr, NG_POW2: tl.constexpr, GATHER: tl.constexpr):
+    # MASKED: m_idx_ptr is masked_m [NG] of the masked layout (rows e * CAP + i) and
+    # program row p * ceil(CAP / BLOCK_M) + t computes tile t of the p-th expert with rows (in expert order), so
+    # the grid needs only as many experts as can have rows; otherwise m_idx_ptr is the row -> expert map.
+    # SWAP_AB: the tile is computed transposed, acc [BLOCK_N, BLOCK_M] = B [BLOCK_N, BLOCK_K] @ a^T (the
+    # weights are the MMA's wide side, the few rows its narrow N side); same products, same K order.
+    # GATHER: a (and its scales) are token rows; layout row r reads token src[r] // TOPK (src < 0: padding,
+    # read as zeros), the scatter of the token rows into the layout done by the loads.
     pid_n = tl.program_id(0)  # n fastest: neighbouring programs share the expert's rows (A stays in L2)
     pid_m = tl.program_id(1)
-    row0 = pid_m * BLOCK_M
-    e = tl.load(m_idx_ptr + row0)
-    if e < 0:  # a tile of padding rows: nothing to compute (output unspecified)
-        return
-    rows = row0 + tl.arange(0, BLOCK_M)
+    if MASKED:
+        tpe = (CAP + BLOCK_M - 1) // BLOCK_M
+        p = pid_m // tpe
+        t = pid_m - p * tpe
+        g = tl.arange(0, NG_POW2)
+        cnt = tl.load(m_idx_ptr + g, mask=g < NG, other=0)
+        hit = (cnt > 0) & (tl.cumsum((cnt > 0).to(tl.int32), 0) == p + 1)
+        e = tl.sum(tl.where(hit, g, 0))
+        if t * BLOCK_M >= tl.sum(tl.where(hit, cnt, 0)):  # past the expert's rows, or no p-th expert
+            return
+        local = t * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = e * CAP + local
+        rmask = local < CAP  # the tile stays inside its expert's rows (any CAP)
+    else:
+        row0 = pid_m * BLOCK_M
+        e = tl.load(m_idx_ptr + row0)
+        if e < 0:  # a tile of padding rows: nothing to compute (output unspecified)
+            return
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < M
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < M
     cmask = cols < N
     ks = tl.arange(0, BLOCK_K)
-    a_base = a_ptr + rows[:, None].to(tl.int64) * stride_am
-    b_base = b_ptr + e.to(tl.int64) * stride_be + cols[None, :].to(tl.int64) * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATHER:
+        slot = tl.load(src_ptr + rows, mask=rmask, other=-1)
+        amask = rmask & (slot >= 0)
+        arow = tl.where(amask, slot // TOPK, 0).to(tl.int64)
+    else:
+        amask = rmask
+        arow = rows.to(tl.int64)
+    a_base = a_ptr + arow[:, None] * stride_am
+    if SWAP_AB:
+        b_base = b_ptr + e.to(tl.int64) * stride_be + cols[:, None].to(tl.int64) * stride_bn
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        b_base = b_ptr + e.to(tl.int64) * stride_be + cols[None, :].to(tl.int64) * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for it in range(K_ITERS):
         k0 = it * BLOCK_K
         if EVEN_K:
-            a = tl.load(a_base + (k0 + ks)[None, :], mask=rmask[:, None], other=0.0)
-            b = tl.load(b_base + (k0 + ks)[:, None], mask=cmask[None, :], other=0.0)
+            a = tl.load(a_base + (k0 + ks)[None, :], mask=amask[:, None], other=0.0)
+            if SWAP_AB:
+                b = tl.load(b_base + (k0 + ks)[None, :], mask=cmask[:, None], other=0.0)
+            else:
+                b = tl.load(b_base + (k0 + ks)[:, None], mask=cmask[None, :], other=0.0)
         else:
             kmask = (k0 + ks) < K
-            a = tl.load(a_base + (k0 + ks)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(b_base + (k0 + ks)[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+            a = tl.load(a_base + (k0 + ks)[None, :], mask=amask[:, None] & kmask[None, :], other=0.0)
+            if SWAP_AB:
+                b = tl.load(b_base + (k0 + ks)[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+            else:
+                b = tl.load(b_base + (k0 + ks)[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
         if FP8:
             # promotion: a fresh product per 128-column block, scaled and added in FP32 (DeepGEMM)
-            part = tl.dot(a, b)
-            sa = tl.load(sa_ptr + rows * stride_sam + k0 // SCALE_BLOCK, mask=rmask, other=0.0)
+            sa = tl.load(sa_ptr + arow * stride_sam + k0 // SCALE_BLOCK, mask=amask, other=0.0)
             sb = tl.load(sb_ptr + e.to(tl.int64) * stride_sbe + (cols // SCALE_BLOCK) * stride_sbn
                          + k0 // SCALE_BLOCK, mask=cmask, other=0.0)
-            acc += part * sa[:, None] * sb[None, :]
+            if SWAP_AB:  # the same FP32 operations in the same order: (part * sa) * sb, then the sum
+                acc += tl.dot(b, tl.trans(a)) * sa[None, :] * sb[:, None]
+            else:
+                acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+        elif SWAP_AB:
+            acc = tl.dot(b, tl.trans(a), acc)
         else:
             acc = tl.dot(a, b, acc)
-    if HAS_BIAS:  # FP32 epilogue: bias[e, n] added to the FP32 accumulator before the store
-        acc += tl.load(bias_ptr + e.to(tl.int64) * N + cols, mask=cmask, other=0.0)[None, :]
-    tl.store(d_ptr + rows[:, None].to(tl.int64) * stride_dm + cols[None, :],
-             acc.to(d_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    if SWAP_AB:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + e.to(tl.int64) * N + cols, mask=cmask, other=0.0)[:, None]
+        tl.store(d_ptr + rows[None, :].to(tl.int64) * stride_dm + cols[:, None],
+                 acc.to(d_ptr.dtype.element_ty), mask=cmask[:, None] & rmask[None, :])
+    else:
+        if HAS_BIAS:  # FP32 epilogue: bias[e, n] added to the FP32 accumulator before the store
+            acc += tl.load(bias_ptr + e.to(tl.int64) * N + cols, mask=cmask, other=0.0)[None, :]
+        tl.store(d_ptr + rows[:, None].to(tl.int64) * stride_dm + cols[None, :],
+                 acc.to(d_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
 def _kind(a: torch.Tensor) -> str:
@@ -147,7 +216,8 @@ def grouped_gemm_supports(impl: str, a=None, b=None, *, a_scales=None, b_scales=
 
 def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.Tensor, *, impl: str,
                             a_scales=None, b_scales=None, out_dtype=torch.bfloat16, alignment: int = 128,
-                            out=None, tiles: GemmTiles | None = None, bias=None, psum=None) -> torch.Tensor:
+                            out=None, tiles: GemmTiles | None = None, bias=None, psum=None, a_src=None,
+                            top_k: int = 1) -> torch.Tensor:
     """``d [M_sum, N] = a @ b[m_indices].T`` per row (padding rows unspecified).
 
     Args:
@@ -167,14 +237,26 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
             that for every padding block. Same kernel arithmetic per row, so the real rows' outputs are the
             same bits either way. The Triton kernel returns at once on a tile of padding rows and does not
             read ``psum``.
+        a_src, top_k: (Triton only) ``a`` (and ``a_scales``) hold *token* rows ``[T, K]`` and ``a_src`` int
+            ``[M_sum]`` is the layout's slot of each row (-1: padding; :func:`fastpath.dispatch.to_contiguous`'s
+            ``src``): row ``r`` reads token ``a_src[r] // top_k``, so the token rows need no scatter into the
+            layout (the same operands reach the same products: the same bits).
     """
     ok, why = grouped_gemm_supports(impl, a, b, a_scales=a_scales, b_scales=b_scales, alignment=alignment)
     if not ok:
         raise ValueError(f"grouped GEMM {impl!r} cannot run: {why}")
-    m, k = (int(d) for d in a.shape)
+    k = int(a.shape[1])
+    m = int(a.shape[0]) if a_src is None else int(m_indices.numel())
     e, n, kb = (int(d) for d in b.shape)
     if kb != k:
         raise ValueError(f"a has K={k} but b has K={kb}")
+    if a_src is not None:
+        if impl != "triton":
+            raise ValueError(f"a_src (token rows read through the layout) is a Triton-kernel option; {impl!r} "
+                             "takes the layout's rows")
+        if int(a_src.numel()) != m or a_src.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"a_src must be int32/int64 with one slot per layout row ({m}); got "
+                             f"{a_src.dtype} {tuple(a_src.shape)}")
     if m_indices.numel() != m:
         raise ValueError(f"m_indices has {m_indices.numel()} entries but a has {m} rows")
     d = out if out is not None else torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -197,11 +279,26 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
         deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, a_scales), (b, b_scales), d, m_indices.to(torch.int32),
                                                    disable_ue8m0_cast=True)
         return d
-    fp8 = a.dtype in _FP8
-    kind = _kind(a)
-    t = tiles or (_INTERPRETER_TILES if a.device.type == "cpu" else DEFAULT_TILES)[kind]
+    t = tiles or _tiles_of(a, 0 if m <= e * alignment else m / e)  # at most one segment an expert: decode
     if alignment % t.block_m:
         t = replace(t, block_m=64 if alignment % 64 == 0 else 16)
+    _launch_triton(a, b, d, m_indices.to(torch.int32).contiguous(), a_scales, b_scales, bias, t,
+                   grid_m=triton.cdiv(m, t.block_m), a_src=a_src, top_k=top_k)
+    return d
+
+
+def _tiles_of(a: torch.Tensor, rows_per_expert: float) -> GemmTiles:
+    return default_tiles(_kind(a), rows_per_expert, a.device.type)
+
+
+def _launch_triton(a, b, d, m_idx, a_scales, b_scales, bias, t: GemmTiles, *, grid_m: int, masked_cap: int = 0,
+                   a_src=None, top_k: int = 1):
+    """One launch of :func:`_grouped_gemm_kernel`: ``m_idx`` the row -> expert map, or (``masked_cap > 0``)
+    the masked layout's ``masked_m`` with ``masked_cap`` rows per expert; ``a_src`` (``[d rows]``): ``a`` holds
+    token rows, layout row ``r`` reads token ``a_src[r] // top_k``."""
+    m, k = int(d.shape[0]), int(a.shape[1])
+    e, n = (int(x) for x in b.shape[:2])
+    fp8 = a.dtype in _FP8
     if fp8 and t.block_k != 128:
         raise ValueError(f"FP8 tiles need block_k = 128 (one scale block a step); got {t.block_k}")
     a = a.contiguous()
@@ -209,25 +306,41 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
     dummy = torch.empty(1, dtype=torch.float32, device=a.device)
     sa = a_scales.contiguous() if fp8 else dummy
     sb = b_scales.contiguous() if fp8 else dummy
-    grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))
+    grid = (triton.cdiv(n, t.block_n), grid_m)
     bias_t = bias.to(torch.float32).contiguous() if bias is not None else dummy
-    _grouped_gemm_kernel[grid](a, b, d, m_indices.to(torch.int32).contiguous(), sa, sb, bias_t, m, n, k,
+    ng = int(m_idx.numel()) if masked_cap else 0
+    src = a_src.reshape(-1).contiguous() if a_src is not None else m_idx
+    _grouped_gemm_kernel[grid](a, b, d, m_idx, sa, sb, bias_t, src, m, n, k,
                                a.stride(0), b.stride(0), b.stride(1), d.stride(0),
                                sa.stride(0) if fp8 else 0, sb.stride(0) if fp8 else 0, sb.stride(1) if fp8 else 0,
+                               ng, masked_cap, int(top_k),
                                FP8=fp8, SCALE_BLOCK=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                                K_ITERS=triton.cdiv(k, t.block_k), EVEN_K=k % t.block_k == 0, HAS_BIAS=bias is not None,
+                               SWAP_AB=t.swap_ab, MASKED=masked_cap > 0, NG_POW2=triton.next_power_of_2(max(ng, 1)),
+                               GATHER=a_src is not None,
                                num_warps=t.num_warps, num_stages=t.num_stages)
-    return d
 
 
 def grouped_gemm_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *, impl: str, a_scales=None,
                         b_scales=None, expected_m: int | None = None, out_dtype=torch.bfloat16,
-                        tiles: GemmTiles | None = None, bias=None) -> torch.Tensor:
+                        tiles: GemmTiles | None = None, bias=None, max_groups: int | None = None, a_src=None,
+                        top_k: int = 1) -> torch.Tensor:
     """DeepGEMM's masked layout: ``d[e, i] = a[e, i] @ b[e].T`` for ``i < masked_m[e]`` (rows past it
     unspecified). ``a [E, max_m, K]`` (FP8 with ``a_scales [E, max_m, K/128]``), ``b [E, N, K]``.
-    ``"deep_gemm"`` calls ``m_grouped_fp8_gemm_nt_masked``; ``"triton"`` runs the contiguous kernel on the
-    ``E * max_m`` rows with each row's expert (-1 past ``masked_m``; ``max_m`` a multiple of the tile)."""
-    e, max_m, k = (int(d) for d in a.shape)
+    ``"deep_gemm"`` calls ``m_grouped_fp8_gemm_nt_masked``; ``"triton"`` runs the kernel in its masked mode:
+    program row ``p * ceil(max_m / block_m) + t`` finds the ``p``-th expert with ``masked_m > 0`` (a prefix
+    count over ``masked_m`` in the kernel) and computes its row tile ``t`` (tiles past ``masked_m`` exit), so
+    ``max_groups`` (an upper bound on the experts with rows, e.g. ``min(E, tokens * top_k)``; default ``E``)
+    sizes the grid without a host sync. Rows are computed exactly as in the contiguous layout. Tiles default
+    to :func:`default_tiles` with ``expected_m`` (else ``max_m``) rows per expert. ``a_src`` ``[E, max_m]``
+    (Triton): ``a`` holds token rows ``[T, K]`` read through the layout (:func:`grouped_gemm_contiguous`)."""
+    if a_src is not None:
+        if impl != "triton" or a_src.dim() != 2:
+            raise ValueError("a_src (token rows read through the layout, [E, max_m]) is a Triton-kernel option")
+        e, max_m = (int(d) for d in a_src.shape)
+        k = int(a.shape[1])
+    else:
+        e, max_m, k = (int(d) for d in a.shape)
     n = int(b.shape[1])
     if impl == "deep_gemm":
         ok, why = grouped_gemm_supports(impl, a.reshape(-1, k), b, a_scales=a_scales, b_scales=b_scales)
@@ -245,10 +358,23 @@ def grouped_gemm_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         except TypeError:  # builds whose masked entry point has no disable_ue8m0_cast (FP32 scales are kept)
             deep_gemm.m_grouped_fp8_gemm_nt_masked((a, a_scales), (b, b_scales), d, masked_m.to(torch.int32), exp_m)
         return d
-    pos = torch.arange(max_m, device=a.device)
-    m_idx = torch.where(pos[None, :] < masked_m.to(a.device)[:, None],
-                        torch.arange(e, device=a.device)[:, None], -1).reshape(-1).to(torch.int32)
-    sa = None if a_scales is None else a_scales.reshape(e * max_m, -1)
-    d = grouped_gemm_contiguous(a.reshape(e * max_m, k), b, m_idx, impl=impl, a_scales=sa, b_scales=b_scales,
-                                out_dtype=out_dtype, alignment=max_m, tiles=tiles, bias=bias)
-    return d.reshape(e, max_m, n)
+    if bias is not None and tuple(bias.shape) != (int(b.shape[0]), n):
+        raise ValueError(f"bias must have shape ({int(b.shape[0])}, {n}); got {tuple(bias.shape)}")
+    ok, why = grouped_gemm_supports(impl, a.reshape(-1, k), b, a_scales=a_scales, b_scales=b_scales)
+    if not ok:
+        raise ValueError(f"grouped GEMM {impl!r} cannot run: {why}")
+    if a_src is not None and a_src.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"a_src must be int32/int64; got {a_src.dtype}")
+    if int(masked_m.numel()) != e or int(b.shape[0]) != e or int(b.shape[2]) != k:
+        raise ValueError(f"a {tuple(a.shape)}, b {tuple(b.shape)} and masked_m ({masked_m.numel()}) disagree on E/K")
+    groups = e if max_groups is None else max(0, min(e, int(max_groups)))
+    d = torch.empty((e, max_m, n), dtype=out_dtype, device=a.device)
+    if groups == 0 or max_m == 0:
+        return d
+    t = tiles or _tiles_of(a, max_m if expected_m is None else expected_m)
+    rows = -1 if a_src is not None else e * max_m
+    sa = None if a_scales is None else a_scales.reshape(rows, a_scales.shape[-1])
+    _launch_triton(a.reshape(rows, k), b, d.view(e * max_m, n), masked_m.to(torch.int32).contiguous(), sa,
+                   b_scales, bias, t, grid_m=groups * triton.cdiv(max_m, t.block_m), masked_cap=max_m,
+                   a_src=a_src, top_k=top_k)
+    return d

@@ -86,7 +86,7 @@ PROFILE_OF = {("triton", "mxfp4"): "BF16_OUTPUT", ("triton", "nvfp4"): "BF16_OUT
 
 @dataclass(frozen=True)
 class W4Tiles(GemmTiles):
-    """:class:`fastpath.grouped_gemm.GemmTiles` plus ``swap_ab``: compute each tile transposed
+    """:class:`fastpath.grouped_gemm.GemmTiles` with ``swap_ab`` on by default: compute each tile transposed
     (``W @ a^T``: the decoded weights are the MMA's register operand, the rows its narrow side)."""
 
     swap_ab: bool = True

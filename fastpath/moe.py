@@ -6,8 +6,9 @@ Stages (each an existing fast path or :mod:`fastpath.grouped_gemm`):
 1. input quantization (``quant.a1``: FP8 1x128 FP32 scales, :func:`fastpath.quant.quantize`) of the token
    rows, then the DeepGEMM contiguous layout (:func:`fastpath.dispatch.to_contiguous`: counting sort,
    ``alignment``-row expert segments, ``m_indices`` with -1 padding, ``src`` slot per row); the token rows
-   (codes and scales) are scattered to their slots' rows, padding rows are left unwritten (DeepGEMM's
-   contract leaves their outputs unspecified; rows are independent in both GEMMs);
+   (codes and scales) are scattered to their slots' rows for DeepGEMM, padding rows are left unwritten
+   (DeepGEMM's contract leaves their outputs unspecified; rows are independent in both GEMMs), while the
+   Triton kernel reads them through ``src`` (no scatter);
 2. GEMM1 ``h = a @ W13[e].T`` (``impl``: ``"triton"`` or ``"deep_gemm"``), stored bf16;
 3. activation in FP32 and, for FP8 layers, the 1x128 re-quantization in the same kernel
    (:func:`fastpath.fused.silu_and_mul_quant_fp8`, :func:`fastpath.fused.swigluoai_quant_fp8`, tiles of
@@ -262,48 +263,94 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
     return torch.cat(parts, dim=0).to(out_dtype)
 
 
+
+_SIDE: dict = {}
+"""One side stream per device for the graph branch of :func:`_routed` (created on first capture)."""
+
+
+def _used_rows_bound(slots: int, num_experts: int, alignment: int) -> int:
+    """Most rows the contiguous layout of ``slots`` slots over ``num_experts`` experts can use: each
+    present expert's segment is its count rounded up to ``alignment``, at most ``alignment - 1`` rows
+    of padding for each of at most ``min(num_experts, slots)`` present experts; past it every row is
+    padding (vLLM's worst-case buffer counts the padding of all experts)."""
+    return -(-(slots + min(num_experts, slots) * (alignment - 1)) // alignment) * alignment
+
+
 def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, expert_map, *, impl, activation, act_kw,
             layout, alignment, max_m, capturable, weight_on_input: bool = False, into=None) -> torch.Tensor:
     """One chunk of the routed experts: float32 ``[m, K]`` (the weighted sum before the output store), or
-    ``into`` (float32 or bfloat16 ``[m, K]``) with the sum stored in its dtype.
+    ``into`` (float32 or bfloat16 ``[m, K]``) with the sum stored in its dtype by the reduce kernel.
 
-    Only the routed rows of the layout are written and read outside the GEMMs: the token rows (FP8 codes and
-    scales, or float rows) are scattered to their slots' rows (:func:`fastpath.dispatch._scatter_rows`, each
-    token read once, padding rows never written, as DeepGEMM leaves them unspecified), and the reduce reads
-    each slot's row through the slot -> row map built once from ``src`` (the kernel of
-    :func:`fastpath.dispatch.weight_and_reduce`, whose host check that each slot appears once is skipped:
-    the layout holds each slot once by construction)."""
+    Only the routed rows of the layout are written and read outside the GEMMs: the Triton GEMM1 reads the token
+    rows (FP8 codes and scales, or float rows) through the layout's ``src`` (``a_src``), and for DeepGEMM and
+    the 4-bit kernels they are scattered to their slots' rows (:func:`fastpath.dispatch._scatter_rows`, each
+    token read once, padding rows never written, as DeepGEMM leaves them unspecified); the reduce reads
+    each slot's row through the slot -> row map that the dispatch's placement computed (``slot_rows=True``;
+    inverted from ``src`` instead where the masked rows are padded here), with the kernel of
+    :func:`fastpath.dispatch.weight_and_reduce` (whose host check that each slot appears once is skipped:
+    the layout holds each slot once by construction).
+
+    Decode sizes: the capturable contiguous layout is cut to the rows any routing of its slots can use
+    (:func:`_used_rows_bound`; vLLM's worst-case buffer is sized for every expert's padding, which the
+    GEMMs' and the activation's grids would otherwise cover), and the masked capacity is rounded to the
+    row tile of the GEMM that reads it (16 rows for the Triton kernel, whose masked grid covers at most
+    ``min(E, m * top_k)`` experts; 128 for DeepGEMM)."""
     from fastpath import dispatch
     from fastpath._dispatch_kernels import _invert_kernel
     from fastpath._host import alloc, cdiv, launch
     from fastpath.fused import silu_and_mul_quant_fp8, swigluoai_quant_fp8
-    from fastpath.grouped_gemm import grouped_gemm_masked
+    from fastpath.grouped_gemm import default_tiles, grouped_gemm_masked
     from fastpath.quant import quantize
     from moeref.quant import fp8_group
 
     m, k = (int(d) for d in x.shape)
     top_k = int(topk_ids.shape[1])
     expected_m = max(1, -(-m * top_k // num_experts))  # rows per expert on average (host ints: no sync)
+    if weight_on_input:  # top-1 (checked): the float32 rows x * w; the reduce then sums (module docstring)
+        x = dispatch.apply_router_weight_on_input(x, topk_weights)
+    scheme = fp8_group()
+    gather = impl == "triton" and not weights.w4  # GEMM1 reads the token rows through src: no scatter
+    side = None
+    if weights.fp8_activations and gather and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        # in a CUDA graph the a1 quantization (independent of the routing) is a parallel branch beside the
+        # dispatch's sort / rank / fill, joined before GEMM1: the same kernels and bits, one step shorter
+        main = torch.cuda.current_stream(x.device)
+        side = _SIDE.setdefault(x.device, torch.cuda.Stream(x.device))
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            qa = quantize(x, scheme)
+    m_idx = None
     if layout == "contiguous":
-        lay = dispatch.to_contiguous(None, topk_ids, num_experts, alignment, expert_map,
-                                     m_sum="worst_case" if capturable else None, validate=False)
-        src = lay.src
+        lay, dst = dispatch.to_contiguous(None, topk_ids, num_experts, alignment, expert_map,
+                                          m_sum="worst_case" if capturable else None, validate=False, slot_rows=True)
+        src, m_idx = lay.src, lay.m_indices
+        if capturable:  # rows past the most any routing of m * top_k slots uses are padding: never computed
+            used = _used_rows_bound(m * top_k, num_experts, alignment)
+            src, m_idx = src[:used], m_idx[:used]
     else:
-        if capturable:
-            cap = max(m, 1) if max_m is None else int(max_m)
-            lay = dispatch.to_masked(None, topk_ids, num_experts, cap, expert_map,
-                                     expected_m=expected_m, validate=False)
+        tile = 16 if gather else 128  # rows of each expert padded to the GEMM's row tile (Triton FP8/float: 16)
+        if capturable:  # default capacity: the tokens, rounded up to the tile (no padding copy below)
+            cap = -(-max(m, 1) // tile) * tile if max_m is None else int(max_m)
+            lay, dst = dispatch.to_masked(None, topk_ids, num_experts, cap, expert_map,
+                                          expected_m=expected_m, validate=False,
+                                          slot_rows=True)
         else:
-            lay = dispatch.to_masked(None, topk_ids, num_experts, max_m, expert_map, validate=False)
+            lay, dst = dispatch.to_masked(None, topk_ids, num_experts, max_m, expert_map, validate=False,
+                                          slot_rows=True)
         cap = int(lay.src.shape[1])
-        pad = -(-cap // 128) * 128 - cap  # rows of each expert padded to the tile
-        src = torch.nn.functional.pad(lay.src, (0, pad), value=-1)
+        pad = -(-cap // tile) * tile - cap
+        src = lay.src
+        if pad:  # the rows move (e * padded capacity + i): the slot -> row map is rebuilt from src below
+            src, dst = torch.nn.functional.pad(lay.src, (0, pad), value=-1), None
+    if side is not None:  # join the quantization branch (after the dispatch's launches, which it overlaps)
+        main.wait_stream(side)
     if src.numel() == 0:  # no slot of this chunk is routed to a local expert (a host-known shape: no sync)
         return torch.zeros((m, k), dtype=torch.float32, device=x.device) if into is None else into.zero_()
     src_flat = src.reshape(-1)
     n_rows = int(src_flat.numel())
-    dst = torch.full((m * top_k,), -1, dtype=torch.int32, device=x.device)  # slot -> row (-1: not local)
-    launch(_invert_kernel, (cdiv(n_rows, 1024),), src_flat, dst, n_rows, BLOCK=1024)
+    if dst is None:
+        dst = torch.full((m * top_k,), -1, dtype=torch.int32, device=x.device)  # slot -> row (-1: not local)
+        launch(_invert_kernel, (cdiv(n_rows, 1024),), src_flat, dst, n_rows, BLOCK=1024)
 
     def to_rows(t):  # token rows [m, c] -> layout rows [n_rows, c] (bit copies; padding rows unwritten)
         out = alloc((n_rows, int(t.shape[1])), dtype=t.dtype, device=t.device)
@@ -311,40 +358,46 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
             dispatch._scatter_rows(t, dst, out, top_k)
         return out
 
-    scheme = fp8_group()
     if weights.w4:  # W4A16 (float32 hidden states: the CI path, IEEE FP32 dot and float32 stores)
         store = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
     else:
         store = torch.bfloat16 if weights.fp8 else weights.w13.dtype
-    if weight_on_input:  # top-1 (checked): the float32 rows x * w; the reduce then sums (module docstring)
-        x = dispatch.apply_router_weight_on_input(x, topk_weights)
     if weights.fp8_activations:
-        qa = quantize(x, scheme)
-        a = to_rows(qa.codes.reshape(m, k)).view(torch.float8_e4m3fn)
-        sa = to_rows(qa.scales.reshape(m, -1))
+        if side is None:
+            qa = quantize(x, scheme)
+        codes, scales = qa.codes.reshape(m, k), qa.scales.reshape(m, -1)
+        a, sa = (codes, scales) if gather else (to_rows(codes), to_rows(scales))
+        a = a.view(torch.float8_e4m3fn)
     else:
-        a, sa = to_rows(x.to(store).contiguous()), None
+        xs = x.to(store).contiguous()
+        a, sa = (xs if gather else to_rows(xs)), None
 
-    def gemm(a, b, sa, sb, bias):
+    def gemm(a, b, sa, sb, bias, a_src=None):
         if isinstance(b, W4Experts):
             from fastpath.grouped_gemm_w4 import grouped_gemm_w4_contiguous, grouped_gemm_w4_masked
 
             if layout == "contiguous":
-                return grouped_gemm_w4_contiguous(a, b, lay.m_indices, impl=impl, a_scales=sa, alignment=alignment,
+                return grouped_gemm_w4_contiguous(a, b, m_idx, impl=impl, a_scales=sa, alignment=alignment,
                                                   out_dtype=store, bias=bias, expected_m=expected_m)
             e, mm = (int(d) for d in src.shape)
             return grouped_gemm_w4_masked(a.reshape(e, mm, -1), b, lay.masked_m, impl=impl,
                                           a_scales=None if sa is None else sa.reshape(e, mm, -1), out_dtype=store,
                                           bias=bias, expected_m=expected_m).reshape(e * mm, -1)
         if layout == "contiguous":
-            return grouped_gemm_contiguous(a, b, lay.m_indices, impl=impl, a_scales=sa, b_scales=sb,
-                                           alignment=alignment, out_dtype=store, bias=bias, psum=lay.psum)
+            return grouped_gemm_contiguous(a, b, m_idx, impl=impl, a_scales=sa, b_scales=sb,
+                                           alignment=alignment, out_dtype=store, bias=bias, tiles=tiles,
+                                           psum=lay.psum, a_src=a_src, top_k=top_k)
         e, mm = (int(d) for d in src.shape)
-        return grouped_gemm_masked(a.reshape(e, mm, -1), b, lay.masked_m, impl=impl,
-                                   a_scales=None if sa is None else sa.reshape(e, mm, -1), b_scales=sb,
-                                   expected_m=lay.expected_m, out_dtype=store, bias=bias).reshape(e * mm, -1)
+        if a_src is None:
+            a, sa = a.reshape(e, mm, -1), None if sa is None else sa.reshape(e, mm, -1)
+        return grouped_gemm_masked(a, b, lay.masked_m, impl=impl, a_scales=sa, b_scales=sb,
+                                   expected_m=lay.expected_m, out_dtype=store, bias=bias, tiles=tiles,
+                                   max_groups=min(e, m * top_k), a_src=a_src, top_k=top_k).reshape(e * mm, -1)
 
-    h = gemm(a, weights.w13, sa, weights.w13_scales, weights.b13)
+    tiles = None  # the Triton kernel's tiles, by rows per expert (the same for both GEMMs and every path)
+    if impl == "triton" and not weights.w4:
+        tiles = default_tiles("fp8_block" if weights.fp8 else "float", m * top_k / max(num_experts, 1), x.device.type)
+    h = gemm(a, weights.w13, sa, weights.w13_scales, weights.b13, a_src=src if gather else None)
     if weights.fp8_activations:
         fq = silu_and_mul_quant_fp8(h, scheme, skip_rows=src_flat) if activation == "silu_and_mul" else \
             swigluoai_quant_fp8(h, scheme=scheme, skip_rows=src_flat, **act_kw)
