@@ -66,8 +66,8 @@ def test_top_k_above_one_is_refused():
 def test_float32_layer_with_router_weight_on_input(layout, capturable):
     """Float32 layer (float32 stores; IEEE FP32 dot under the interpreter, TF32 on the GPU), top-1 with -1
     padding, token chunks and a shared expert (which takes the unweighted rows): within FP32_ACCUM of the
-    reference run with the option; the same output is far outside the bound of the reference with the weights
-    on the output (the default), so the check sees where the weight is applied."""
+    reference run with the option; with IEEE FP32 dots (the CPU) the same output is outside the bound of the
+    reference with the weights on the output (the default), so the check sees where the weight is applied."""
     from fastpath.moe import fast_weights, fused_moe, reference_config
 
     rng = np.random.default_rng(5)
@@ -90,7 +90,12 @@ def test_float32_layer_with_router_weight_on_input(layout, capturable):
         prof = replace(prof, accum_unit=2.0**-10)
     rep = compare(got.cpu(), run_moe(x, lw, tw, ids, apply_router_weight_on_input=True, **kw), prof)
     assert rep.passed, rep
-    assert not compare(got.cpu(), run_moe(x, lw, tw, ids, **kw), prof).passed
+    if not on_gpu():
+        # IEEE FP32 dots: the bound is tight enough to tell where the weight is applied. Under TF32 (the GPU)
+        # it is wider than the on-input / on-output difference of these values (H100, 2026-11-25: this
+        # check passed the wrong reference there); the placement is proven on the GPU by
+        # property_tests/test_fastpath_moe.py::test_fastpath_moe_router_weight_on_input_within_declared_profile
+        assert not compare(got.cpu(), run_moe(x, lw, tw, ids, **kw), prof).passed
 
 
 @pytest.mark.parametrize("acts", ["bfloat16", "float8_e4m3fn"])
