@@ -163,7 +163,7 @@ def bench_gpu(rounds=21, reps=20, n_src=8, json_path=None):
     * ``fused``: :func:`fastpath.requant.fp8_block_to_fp4`, FP8 codes + 128x128 FP32 scales on
       the device to the target's codes + scales (+ NVFP4's global) on the device: for NVFP4
       the zeroing, the amax pass (which computes the factors) and the data pass; for MXFP4 the
-      data pass.
+      data pass (the default method; ``persistent``: the sweep).
     * ``unfused``: the path the converter took before: the source decoded to float32 on the
       device (``codes.float() * scales`` broadcast) and :func:`fastpath.quant.quantize`.
     * ``copy``: ``dst.copy_(src)`` of ``(source bytes + target bytes) / 2`` bytes, so that it
@@ -171,8 +171,10 @@ def bench_gpu(rounds=21, reps=20, n_src=8, json_path=None):
       written once); the fraction is copy time / conversion time.
 
     Rounds interleave the variants (each round times every variant once, in turn): the median
-    and min-max over rounds. ``host`` columns: the same calls issued eagerly from Python (one
-    call after another, synchronized at the end): what one tensor costs including the launch
+    and min-max over rounds; the fraction of copy is the median (min-max) of the per-round
+    ratios (the copy and the conversion timed in the same round, seconds apart). ``host``
+    columns: the same calls issued eagerly from Python (one call after another, synchronized
+    at the end): what one tensor costs including the launch
     overhead, which the device-only figure excludes. Codes, scales and global of every target
     are checked bit for bit against the CPU reference on the first source."""
     import json
@@ -259,15 +261,17 @@ def bench_gpu(rounds=21, reps=20, n_src=8, json_path=None):
             key = f"{kind} {name}"
             med, lo, hi = _median(dev_t[key]), min(dev_t[key]), max(dev_t[key])
             cmed = _median(dev_t[cp])
-            frac = cmed / med
-            fr = [cmed / hi, cmed / lo]
+            per_round = [c / t for c, t in zip(dev_t[cp], dev_t[key])]  # same round, seconds apart
+            frac = _median(per_round)
+            fr = [min(per_round), max(per_round)]
             moved = sum(nbytes[name])
             row = {"target": name, "path": kind, "seconds_median": med, "seconds_min": lo,
                    "seconds_max": hi, "copy_seconds_median": cmed,
                    "copy_seconds_min": min(dev_t[cp]), "copy_seconds_max": max(dev_t[cp]),
                    "bytes_source": nbytes[name][0], "bytes_target": nbytes[name][1],
                    "copy_bytes": copy_n[name], "fraction_of_copy": frac,
-                   "fraction_of_copy_range": fr, "GBps": moved / med / 1e9,
+                   "fraction_of_copy_range": fr, "fraction_of_copy_per_round": per_round,
+                   "spread": (hi - lo) / med, "GBps": moved / med / 1e9,
                    "copy_GBps": 2 * copy_n[name] / cmed / 1e9,
                    "host_seconds_median": _median(host_t[key]),
                    "v3_device_seconds": med * total / (M * K),
@@ -288,16 +292,25 @@ def bench_gpu(rounds=21, reps=20, n_src=8, json_path=None):
 
 
 # The sweep's tiles: (rows, groups per program, warps) of the data pass per target group size,
-# (rows, columns, warps) of the NVFP4 amax pass; the first of each is the default plan.
+# (rows, columns, warps) of the NVFP4 amax pass; the first of each is the default plan. The
+# persistent launch (RequantTuning(method="persistent")): its amax tile (rows, columns), slot
+# counters, barrier poll interval and programs per SM.
 SWEEP_DATA = {16: [(8, 8, 1), (4, 8, 1), (8, 4, 1), (16, 8, 1), (16, 8, 2), (32, 8, 2)],
               32: [(16, 4, 2), (16, 4, 1), (8, 4, 1), (32, 4, 2), (32, 4, 4)]}
 SWEEP_AMAX = [(128, 128, 8), (64, 128, 8), (128, 128, 4), (64, 128, 4)]
+SWEEP_PERSISTENT_AMAX = [(16, 128), (64, 128)]
+SWEEP_SLOTS = [16, 256]
+SWEEP_SLEEP_NS = [0, 400]
+SWEEP_PROGRAMS_PER_SM = [8, 16, 24]
 
 
 def bench_gpu_sweep(json_path=None, rounds=9, reps=20, n_src=8):
     """Tile sweep of :func:`fastpath.requant.fp8_block_to_fp4` on the benchmark weight: every
     :data:`SWEEP_DATA` data tile (default amax tile) and every :data:`SWEEP_AMAX` amax tile
-    (default data tile) per target, and the integer E4M3 decode against the hardware one
+    (default data tile) per target; the persistent launch at its defaults and at
+    :data:`SWEEP_PROGRAMS_PER_SM` programs per SM, for NVFP4 also with each
+    :data:`SWEEP_PERSISTENT_AMAX` amax tile, :data:`SWEEP_SLOTS` counters and
+    :data:`SWEEP_SLEEP_NS` poll interval; and the integer E4M3 decode against the hardware one
     (``requant._hw_decode``) at the default tiles; each checked bit for bit against the CPU
     reference, timed as :func:`bench_gpu` times (graphs of ``reps`` calls over ``n_src``
     rotating weights), in interleaved rounds (bench.interleaved) with the copy of the same bytes.
@@ -320,10 +333,21 @@ def bench_gpu_sweep(json_path=None, rounds=9, reps=20, n_src=8):
         scheme = get_layout(name).scheme()
         ref = quantize(x32, scheme)
         gs = int(scheme.resolve_block((M, K))[-1])
-        tunings = {f"data {t}": requant.RequantTuning(*t) for t in SWEEP_DATA[gs]}
+        R = requant.RequantTuning
+        tunings = {f"data {t}": R(*t) for t in SWEEP_DATA[gs]}
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        P_ = "persistent"
+        tunings[P_] = R(method=P_)
         if scheme.family == "nvfp4":
-            tunings.update({f"amax {t}": requant.RequantTuning(amax_block_m=t[0], amax_block_k=t[1],
-                                                               amax_warps=t[2]) for t in SWEEP_AMAX[1:]})
+            tunings.update({f"amax {t}": R(amax_block_m=t[0], amax_block_k=t[1], amax_warps=t[2])
+                            for t in SWEEP_AMAX[1:]})
+            tunings.update({f"{P_} amax {t}": R(method=P_, amax_block_m=t[0], amax_block_k=t[1])
+                            for t in SWEEP_PERSISTENT_AMAX})
+            tunings.update({f"{P_} slots {n}": R(method=P_, slots=n) for n in SWEEP_SLOTS})
+            tunings.update({f"{P_} poll sleep {n} ns": R(method=P_, poll_sleep_ns=n)
+                            for n in SWEEP_SLEEP_NS})
+        tunings.update({f"{P_} {p}/SM": R(method=P_, programs=p * sms)
+                        for p in SWEEP_PROGRAMS_PER_SM})
         tunings["int-decode"] = requant.DEFAULT_TUNING
         cases, checks = {}, {}
         for key, tun in tunings.items():
@@ -375,6 +399,11 @@ def bench_gpu_sweep(json_path=None, rounds=9, reps=20, n_src=8):
             else:
                 print(f"  {key:28s} {r['us_median']:6.1f} us ({r['us_min']:.1f}-{r['us_max']:.1f}) "
                       f"{100 * r['fraction_of_copy']:5.1f}% of copy  bit-identical {r['bit_identical']}")
+    from fastpath import _requant_persistent as RP
+
+    out["resident"] = RP.RESIDENT_LOG
+    for r in RP.RESIDENT_LOG:
+        print("resident:", r)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(out, f, indent=1)

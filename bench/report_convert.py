@@ -22,13 +22,16 @@ BEGIN, END = "<!-- convert-gpu:begin -->", "<!-- convert-gpu:end -->"
 def table(d: dict) -> str:
     rows = d["rows"]
     cp = rows[0]
+    per_round = ("% of copy: copy time / conversion time in the same round, median (min-max) over "
+                 "rounds. " if "fraction_of_copy_per_round" in cp else "")
     out = [f"Measured on an {d['gpu']}, {d['date']}, torch {d['torch']}: one {d['shape'][0]} x "
            f"{d['shape'][1]} weight ({d['source']}; {cp['bytes_source'] / 1e6:.1f} MB), device time "
            f"per weight, median (min-max) of {d['rounds']} interleaved rounds, each a CUDA graph of "
            f"{d['reps_per_graph']} conversions over {d['rotating_sources']} different source weights. "
            f"Copy: `copy_` of (source + target bytes) / 2, "
            f"{cp['copy_seconds_median'] * 1e6:.1f} us = {cp['copy_GBps']:.0f} GB/s read + written "
-           f"at this size. Host-issued: the same call from Python, launch overhead included. "
+           f"at this size. {per_round}Host-issued: the same call from Python, launch overhead "
+           f"included. "
            f"DeepSeek-V3: the device time scaled to its {d['v3_quantized_elements'] / 1e9:.0f} G "
            f"quantized elements.", "",
            "| target | path | device time | bytes moved / time | % of copy (min-max) | host-issued | "

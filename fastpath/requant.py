@@ -17,7 +17,9 @@ MXFP4 (1x32, UE8M0) codes and scales, bit-identical to the reference path
 * NVFP4's per-tensor global comes from a first pass over the FP8 codes (the amax of the decoded
   values, NaN policy as the preset's) whose last program runs :mod:`fastpath.quant`'s factor
   kernel body, or from a static ``global_scale`` (fused gate/up groups), as
-  ``fastpath.quant.quantize`` takes it;
+  ``fastpath.quant.quantize`` takes it. ``RequantTuning(method="persistent")`` runs the amax
+  and data phases in one persistent launch with a grid-wide barrier instead
+  (:mod:`fastpath._requant_persistent`; not the default, see there);
 * on a GPU the data pass decodes the codes two at a time with the hardware convert
   (``cvt.rn.f16x2.e4m3x2``, exact), which halves its instruction count (the kernel was
   issue-bound at about 32 SASS instructions per element, 16-17 after); the interpreter keeps
@@ -36,7 +38,7 @@ such tile exists (with the reason); :class:`RequantTuning` overrides the tiles (
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -65,6 +67,7 @@ SCALE_LAYOUTS = ("row_major", "swizzled_128x4")
 _TILE_GROUPS = 64
 _ELEMS_PER_WARP = 1024
 _AMAX_ELEMS = 16384
+_PERSISTENT_AMAX_ELEMS = 4096  # the persistent kernel's amax tile: 32 x 128 on its one warp
 
 
 @triton.jit
@@ -154,6 +157,50 @@ def _fp8_block_amax_kernel(c_ptr, stride_cm, s_ptr, stride_sm, p_ptr, nv_ptr, gl
 
 
 @triton.jit
+def _data_tile(w_ptr, stride_wm, s_ptr, stride_sm, q_ptr, stride_qm,
+               o_ptr, stride_om, stride_og, dummy_ptr, nv_ptr, M, K, NG, M_PAD, NG_PAD, pid_m, pid_g,
+               SBM: tl.constexpr, SBK: tl.constexpr,
+               GS: tl.constexpr, GB: tl.constexpr, GPP: tl.constexpr, BLOCK_M: tl.constexpr,
+               ELEM_MAX: tl.constexpr, INV_M: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
+               SCALE_KIND: tl.constexpr, FP32_RULE: tl.constexpr, FP32_POW2: tl.constexpr,
+               E8_RULE: tl.constexpr, E8_LO: tl.constexpr, E8_HI: tl.constexpr, E8_NF: tl.constexpr,
+               AMAX_FLOOR: tl.constexpr, ZERO_BLOCK: tl.constexpr, NONFINITE: tl.constexpr,
+               APPLY: tl.constexpr, SATURATE: tl.constexpr, ROUND: tl.constexpr,
+               DROP_NEG_ZERO: tl.constexpr, NAN_CODE: tl.constexpr, FILL_CODE: tl.constexpr,
+               SF_LAYOUT: tl.constexpr, TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr,
+               DIV: tl.constexpr, E2M1_PTX: tl.constexpr, HW_SCALE: tl.constexpr,
+               HW_DECODE: tl.constexpr):
+    """One [BLOCK_M rows, GPP groups of GS] tile. The codes are read as 16-bit words, word w of
+    a row holding elements (2w, 2w+1) (little-endian: the even one low), which is output byte w
+    (the layout of :mod:`fastpath.quant`'s ``PAIR == 1`` path: contiguous loads and stores, no
+    shuffles); decode with the tile's one source scale, then :mod:`fastpath.quant`'s FP4 steps
+    (block amax, scales in their layout, E2M1 codes, packed bytes). Tiles over the padding
+    (rows < M_PAD, groups < NG_PAD) write the zero scales of the swizzled layout's padding."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    gidx = pid_g * GPP + tl.arange(0, GPP)
+    rmask = rows < M
+    jw = tl.arange(0, GB // 2)
+    w = gidx[:, None] * (GS // 2) + jw[None, :]  # [GPP, GB/2] word (= output byte) index
+    wm = (jw[None, :] < GS // 2) & (w < K // 2)
+    m3 = rmask[:, None, None] & wm[None, :, :]
+    off = rows.to(tl.int64)[:, None, None] * stride_wm + w[None, :, :]
+    words = tl.load(w_ptr + off, mask=m3, other=0).to(tl.uint32)
+    s = _block_scale(s_ptr, stride_sm, pid_m * BLOCK_M, pid_g * GPP * GS, M, K, SBM, SBK)
+    xe, xo = _e4m3_pair_times(words, s, HW_DECODE)
+    amax = JS._amax_pair(xe, xo, NONFINITE)
+    factor, nan_block = JS._tile_scales(
+        amax, rows, gidx, pid_m * 0, o_ptr, 0, stride_om, stride_og, dummy_ptr, nv_ptr,
+        M, NG, M_PAD, NG_PAD, GPP, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
+        SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO, E8_HI, E8_NF, AMAX_FLOOR,
+        ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, False, TWO_LEVEL, NV_ORDER, True, HW_SCALE)
+    ce, co = JC._fp4_pair_codes(xe, xo, factor[:, :, None], nan_block[:, :, None], SATURATE,
+                                ROUND, NAN_CODE, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER,
+                                DROP_NEG_ZERO, SCALE_KIND, APPLY, DIV, False, E2M1_PTX)
+    byte = JC._fp4_bytes(ce, co, E2M1_PTX)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None, None] * stride_qm + w[None, :, :], byte, mask=m3)
+
+
+@triton.jit
 def _fp8_block_to_fp4_kernel(
     w_ptr, stride_wm, s_ptr, stride_sm, q_ptr, stride_qm,
     o_ptr, stride_om, stride_og, dummy_ptr, nv_ptr,
@@ -169,36 +216,14 @@ def _fp8_block_to_fp4_kernel(
     SF_LAYOUT: tl.constexpr, TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr,
     DIV: tl.constexpr, E2M1_PTX: tl.constexpr, HW_SCALE: tl.constexpr, HW_DECODE: tl.constexpr,
 ):
-    """One [BLOCK_M rows, GPP groups of GS] tile. The codes are read as 16-bit words, word w of
-    a row holding elements (2w, 2w+1) (little-endian: the even one low), which is output byte w
-    (the layout of :mod:`fastpath.quant`'s ``PAIR == 1`` path: contiguous loads and stores, no
-    shuffles); decode with the tile's one source scale, then :mod:`fastpath.quant`'s FP4 steps
-    (block amax, scales in their layout, E2M1 codes, packed bytes). Programs over the padding
-    (rows < M_PAD, groups < NG_PAD) write the zero scales of the swizzled layout's padding."""
-    pid_m = tl.program_id(0)
-    pid_g = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    gidx = pid_g * GPP + tl.arange(0, GPP)
-    rmask = rows < M
-    jw = tl.arange(0, GB // 2)
-    w = gidx[:, None] * (GS // 2) + jw[None, :]  # [GPP, GB/2] word (= output byte) index
-    wm = (jw[None, :] < GS // 2) & (w < K // 2)
-    m3 = rmask[:, None, None] & wm[None, :, :]
-    off = rows.to(tl.int64)[:, None, None] * stride_wm + w[None, :, :]
-    words = tl.load(w_ptr + off, mask=m3, other=0).to(tl.uint32)
-    s = _block_scale(s_ptr, stride_sm, pid_m * BLOCK_M, pid_g * GPP * GS, M, K, SBM, SBK)
-    xe, xo = _e4m3_pair_times(words, s, HW_DECODE)
-    amax = JS._amax_pair(xe, xo, NONFINITE)
-    factor, nan_block = JS._tile_scales(
-        amax, rows, gidx, tl.program_id(2), o_ptr, 0, stride_om, stride_og, dummy_ptr, nv_ptr,
-        M, NG, M_PAD, NG_PAD, GPP, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
-        SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO, E8_HI, E8_NF, AMAX_FLOOR,
-        ZERO_BLOCK, NONFINITE, APPLY, SF_LAYOUT, False, TWO_LEVEL, NV_ORDER, True, HW_SCALE)
-    ce, co = JC._fp4_pair_codes(xe, xo, factor[:, :, None], nan_block[:, :, None], SATURATE,
-                                ROUND, NAN_CODE, NONFINITE, FILL_CODE, TWO_LEVEL, NV_ORDER,
-                                DROP_NEG_ZERO, SCALE_KIND, APPLY, DIV, False, E2M1_PTX)
-    byte = JC._fp4_bytes(ce, co, E2M1_PTX)
-    tl.store(q_ptr + rows.to(tl.int64)[:, None, None] * stride_qm + w[None, :, :], byte, mask=m3)
+    """One data tile per program (:func:`_data_tile`), program ids (row tile, group tile)."""
+    _data_tile(w_ptr, stride_wm, s_ptr, stride_sm, q_ptr, stride_qm, o_ptr, stride_om, stride_og,
+               dummy_ptr, nv_ptr, M, K, NG, M_PAD, NG_PAD, tl.program_id(0), tl.program_id(1),
+               SBM, SBK, GS, GB, GPP, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
+               SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO, E8_HI, E8_NF,
+               AMAX_FLOOR, ZERO_BLOCK, NONFINITE, APPLY, SATURATE, ROUND,
+               DROP_NEG_ZERO, NAN_CODE, FILL_CODE, SF_LAYOUT, TWO_LEVEL, NV_ORDER,
+               DIV, E2M1_PTX, HW_SCALE, HW_DECODE)
 
 
 def _hw_decode(dev: torch.device) -> bool:
@@ -212,18 +237,37 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return min(n & -n, cap)
 
 
+METHODS = ("two_kernel", "persistent")
+
+
+def _is_int(v, lo: int = 1) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
 @dataclass(frozen=True)
 class RequantTuning:
-    """Tiles of :func:`fp8_block_to_fp4` (speed only: no tile changes a code, a scale or the
-    global; the tests run several against the reference). ``None``: the default plan
-    (:func:`_plan`); every value a power of two; a data tile must lie inside one source block.
+    """Tiles and launch method of :func:`fp8_block_to_fp4` (speed only: none changes a code, a
+    scale or the global; the tests run several against the reference). ``None``: the default
+    plan (:func:`_plan`); tile values powers of two; a tile must lie inside one source block.
 
     Attributes:
-        block_m: rows per program of the data pass.
-        groups_per_program: target groups (1 x 16 NVFP4, 1 x 32 MXFP4) per program.
-        num_warps: warps per program of the data pass.
-        amax_block_m, amax_block_k: the NVFP4 amax pass's tile.
-        amax_warps: warps per program of the amax pass.
+        block_m: rows per data tile.
+        groups_per_program: target groups (1 x 16 NVFP4, 1 x 32 MXFP4) per data tile.
+        num_warps: warps per program of the data pass (and of the persistent kernel).
+        amax_block_m, amax_block_k: the NVFP4 amax tile (default 128 x 128 for the amax kernel,
+            32 x 128 for the persistent kernel's amax phase).
+        amax_warps: warps per program of the amax kernel.
+        method: ``"two_kernel"`` (the default): NVFP4's amax kernel, then the data kernel, one
+            tile per program; ``"persistent"``: :mod:`fastpath._requant_persistent`, one
+            cooperative launch of co-resident programs with a grid-wide barrier between the
+            amax and the data phase (under Triton's interpreter its two phases as two
+            launches); not the default: its first version measured slower (docs/convert.md).
+        programs: programs of a persistent launch (each takes tiles ``pid, pid + programs,
+            ...``); None: the fewest with the trips per program of the co-resident count (SMs
+            x the compiled kernel's occupancy); more than that count is refused. Under the
+            interpreter, None: one program per tile.
+        slots: counters (and barrier flags) the persistent amax phase spreads its programs over.
+        poll_sleep_ns: ``nanosleep`` between two polls of the persistent barrier's flag (0: none).
     """
 
     block_m: int | None = None
@@ -232,13 +276,25 @@ class RequantTuning:
     amax_block_m: int | None = None
     amax_block_k: int | None = None
     amax_warps: int = 8
+    method: str = "two_kernel"
+    programs: int | None = None
+    slots: int = 64
+    poll_sleep_ns: int = 100
 
     def __post_init__(self):
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v > 0
-                                      and v & (v - 1) == 0):
-                raise ValueError(f"RequantTuning.{f.name} must be None or a power of two; got {v!r}")
+        for f in ("block_m", "groups_per_program", "num_warps", "amax_block_m", "amax_block_k",
+                  "amax_warps", "slots"):
+            v = getattr(self, f)
+            if v is not None and not (_is_int(v) and v & (v - 1) == 0):
+                raise ValueError(f"RequantTuning.{f} must be None or a power of two; got {v!r}")
+        if self.method not in METHODS:
+            raise ValueError(f"RequantTuning.method must be one of {METHODS}; got {self.method!r}")
+        if self.programs is not None and not _is_int(self.programs):
+            raise ValueError(f"RequantTuning.programs must be None or a positive int; got "
+                             f"{self.programs!r}")
+        if not (_is_int(self.poll_sleep_ns, 0) and self.poll_sleep_ns < 1 << 20):
+            raise ValueError(f"RequantTuning.poll_sleep_ns must be an int in [0, 2**20); got "
+                             f"{self.poll_sleep_ns!r}")
 
 
 DEFAULT_TUNING = RequantTuning()
@@ -252,8 +308,12 @@ def _plan(shape, src_block, target: Scheme, tuning: RequantTuning = DEFAULT_TUNI
         return f"source block width {sbk} is not a multiple of the target group {gs}"
     gpp = tuning.groups_per_program or _pow2_divisor(sbk // gs, max(1, 512 // gs))
     bm = tuning.block_m or _pow2_divisor(sbm, max(1, _TILE_GROUPS // gpp))
-    bka = tuning.amax_block_k or _pow2_divisor(sbk, 1024)
-    bma = tuning.amax_block_m or _pow2_divisor(sbm, max(1, _AMAX_ELEMS // bka))
+    if tuning.method == "persistent":
+        bka = tuning.amax_block_k or _pow2_divisor(sbk, gs * gpp)
+        bma = tuning.amax_block_m or _pow2_divisor(sbm, max(1, _PERSISTENT_AMAX_ELEMS // bka))
+    else:
+        bka = tuning.amax_block_k or _pow2_divisor(sbk, 1024)
+        bma = tuning.amax_block_m or _pow2_divisor(sbm, max(1, _AMAX_ELEMS // bka))
     if sbm % bm or sbk % (gs * gpp) or sbm % bma or sbk % bka:
         return (f"tile {tuning} does not lie inside one {sbm} x {sbk} source block "
                 f"(data {bm} x {gs * gpp}, amax {bma} x {bka})")
@@ -358,36 +418,54 @@ def fp8_block_to_fp4(codes: torch.Tensor, scales: torch.Tensor, src_block, targe
     dummy = alloc(1, dtype=torch.float32, device=dev)
     two_level = target.family == "nvfp4"
     order = P.NVFP4_OP[target.preset.option("nvfp4_order")] if two_level else 0
-    nv, glob = dummy, None
+    persistent = tuning.method == "persistent"
+    nv, glob, bits, amax_phase = dummy, None, dummy, False
     if two_level and global_scale is not None:
         nv, glob, zero = L._nvfp4_static_factors(global_scale, target, dev)
         if zero:
             raise ValueError("a static NVFP4 amax that is 0 in float32 (an all-zero tensor) has "
                              "no fused path: use fastpath.quant.quantize")
     elif two_level:
-        grid_a = (triton.cdiv(M, bma), triton.cdiv(K, bka))
-        bits = torch.zeros(2, dtype=torch.int32, device=dev)
+        amax_phase = True
+        # the amax kernel: amax bits, count; the persistent kernel: counters and barrier flags,
+        # one per 128-byte line (fastpath._requant_persistent)
+        bits = torch.zeros(32 * (1 + 2 * tuning.slots) if persistent else 2, dtype=torch.int32,
+                           device=dev)
         nv = alloc(130, dtype=torch.float32, device=dev)
         glob = alloc(1, dtype=torch.float64, device=dev)
-        _fp8_block_amax_kernel[grid_a](codes, codes.stride(0), scales, scales.stride(0), bits,
-                                       nv, glob, M, K, BLOCK_M=bma, BLOCK_K=bka, SBM=sbm, SBK=sbk,
-                                       NONFINITE=ce["NONFINITE"], ORDER=order,
-                                       GLOB=L._nvfp4_glob_kind(target, True),
-                                       num_warps=tuning.amax_warps, enable_fp_fusion=False)
+        if not persistent:
+            grid_a = (triton.cdiv(M, bma), triton.cdiv(K, bka))
+            _fp8_block_amax_kernel[grid_a](codes, codes.stride(0), scales, scales.stride(0), bits,
+                                           nv, glob, M, K, BLOCK_M=bma, BLOCK_K=bka, SBM=sbm,
+                                           SBK=sbk, NONFINITE=ce["NONFINITE"], ORDER=order,
+                                           GLOB=L._nvfp4_glob_kind(target, True),
+                                           num_warps=tuning.amax_warps, enable_fp_fusion=False)
     elif global_scale is not None:
         raise ValueError(f"global_scale is the NVFP4 per-tensor factor; {target.name!r} is "
                          f"{target.family!r}")
     knobs = L._launch_knobs(ce, max(2, gs), gpp, bm, tuning.num_warps or _data_warps(gs, gpp, bm))
     names = set(_fp8_block_to_fp4_kernel.arg_names)
-    grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp))
     words = codes.view(torch.int16)  # element pairs (the even one in the low byte)
-    _fp8_block_to_fp4_kernel[grid](
-        words, words.stride(0), scales, scales.stride(0), out_codes, out_codes.stride(0),
-        out_scales, ssm, ssg, dummy, nv, M, K, ng, m_pad, ng_pad,
-        SBM=sbm, SBK=sbk, GS=gs, GB=max(2, gs), GPP=gpp, BLOCK_M=bm,
-        SF_LAYOUT=LY.SF_LAYOUT[scale_layout], TWO_LEVEL=two_level, NV_ORDER=order,
-        HW_DECODE=_hw_decode(dev), num_warps=knobs["num_warps"], enable_fp_fusion=False,
-        **{k_: v_ for k_, v_ in knobs.items() if k_ in names})
+    kw = dict(SBM=sbm, SBK=sbk, GS=gs, GB=max(2, gs), GPP=gpp, BLOCK_M=bm,
+              SF_LAYOUT=LY.SF_LAYOUT[scale_layout], TWO_LEVEL=two_level, NV_ORDER=order,
+              HW_DECODE=_hw_decode(dev), num_warps=knobs["num_warps"], enable_fp_fusion=False,
+              **{k_: v_ for k_, v_ in knobs.items() if k_ in names})
+    if persistent:
+        from . import _requant_persistent as RP
+
+        args = (codes, codes.stride(0), words, words.stride(0), scales, scales.stride(0),
+                out_codes, out_codes.stride(0), out_scales, ssm, ssg, dummy, bits, bits, nv,
+                glob if amax_phase else dummy, M, K, ng, m_pad, ng_pad)
+        kw.update(BMA=bma, BKA=bka, GLOB=L._nvfp4_glob_kind(target, True) if two_level else 0,
+                  NSLOT=tuning.slots, NFLAG=tuning.slots, LINE=RP.LINE,
+                  SLEEP_NS=tuning.poll_sleep_ns)
+        RP.launch(args, kw, -(-M // bma) * -(-K // bka), -(-m_pad // bm) * -(-ng_pad // gpp),
+                  amax_phase, tuning, dev)
+    else:
+        grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp))
+        _fp8_block_to_fp4_kernel[grid](
+            words, words.stride(0), scales, scales.stride(0), out_codes, out_codes.stride(0),
+            out_scales, ssm, ssg, dummy, nv, M, K, ng, m_pad, ng_pad, **kw)
     out_scales = out_scales.reshape(LY.returned_scales_shape(shape, target, scale_layout, sshape))
     return FQ.FastQuantized(out_codes, out_scales, scale_layout, target, shape,
                             global_scale=glob if two_level else None)

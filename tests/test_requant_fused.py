@@ -125,7 +125,9 @@ def test_every_e4m3_code_decodes_as_the_reference(name):
 
 @pytest.mark.parametrize("tile", [requant.RequantTuning(8, 2, 1, 16, 64, 2),
                                   requant.RequantTuning(128, 4, 8, 128, 128, 4),
-                                  requant.RequantTuning(16, 1, 2, 128, 32, 1)])
+                                  requant.RequantTuning(16, 1, 2, 128, 32, 1),
+                                  requant.RequantTuning(8, 2, 1, 16, 64, method="persistent",
+                                                        programs=3)])
 @pytest.mark.parametrize("layout", ["row_major", "swizzled_128x4"])
 def test_tiles_change_no_bit(tile, layout):
     q = _source((200, 256), (128, 128))
@@ -166,3 +168,82 @@ def test_nvfp4_conversion_replays_from_a_cuda_graph_bit_equal():
         torch.cuda.synchronize()
         assert torch.equal(out.codes, eager.codes) and torch.equal(out.scales, eager.scales)
         assert torch.equal(out.global_scale, eager.global_scale)
+
+
+@pytest.mark.parametrize("name", ("modelopt-nvfp4", "ct-nvfp4"))
+def test_persistent_phases_equal_the_reference_at_any_grid(name):
+    """The persistent kernel (fastpath._requant_persistent): under the interpreter its amax and
+    data phases as two launches, on a GPU one launch with the grid barrier; one tile per program
+    and a few programs looping over many tiles, slot counters shared unevenly."""
+    q = _source((200, 256), (128, 128), seed=7)
+    scheme = get_layout(name).scheme()
+    ref = quantize(q.dequantize(np.float32), scheme)
+    src = requant.from_reference(q, DEV)
+    for programs, slots in ((None, 64), (1, 64), (3, 64), (1000, 64), (5, 2)):
+        got = requant.fp8_block_to_fp4(*src, scheme, tuning=requant.RequantTuning(
+            method="persistent", programs=programs, amax_block_m=16, slots=slots)).to_reference()
+        assert _same(got, ref), (programs, slots)
+
+
+def test_tuning_refuses_bad_method_and_programs():
+    with pytest.raises(ValueError, match="method must be one of"):
+        requant.RequantTuning(method="barrier")
+    with pytest.raises(ValueError, match="positive int"):
+        requant.RequantTuning(programs=0)
+    with pytest.raises(ValueError, match="power of two"):
+        requant.RequantTuning(slots=48)
+    with pytest.raises(ValueError, match="poll_sleep_ns"):
+        requant.RequantTuning(poll_sleep_ns=-1)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the grid barrier runs only on a CUDA GPU")
+@pytest.mark.parametrize("name", ("modelopt-nvfp4", "ct-nvfp4", "ct-mxfp4"))
+def test_persistent_launch_equals_the_reference_repeatedly(name):
+    """One cooperative launch (amax phase, grid barrier, data phase) at the co-resident grid and
+    at small grids, called again and again on fresh sources: each result bit-identical to the
+    reference (a barrier that opened early, or a counter not reset, changes the global or the
+    scales of some call)."""
+    scheme = get_layout(name).scheme()
+    for seed in range(4):
+        q = _source((1024, 2048), (128, 128), seed=10 + seed)
+        ref = quantize(q.dequantize(np.float32), scheme)
+        src = requant.from_reference(q, DEV)
+        for programs, slots, sleep in ((None, 64, 100), (1, 64, 100), (7, 2, 0), (300, 16, 0)):
+            for _ in range(3):
+                got = requant.fp8_block_to_fp4(*src, scheme, tuning=requant.RequantTuning(
+                    method="persistent", programs=programs, slots=slots,
+                    poll_sleep_ns=sleep)).to_reference()
+                assert _same(got, ref), (seed, programs, slots)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="co-residency is a CUDA GPU's")
+def test_persistent_grid_larger_than_resident_is_refused():
+    q = _source((128, 128), (128, 128))
+    with pytest.raises(ValueError, match="resident at once"):
+        requant.fp8_block_to_fp4(*requant.from_reference(q, DEV), get_layout("ct-nvfp4").scheme(),
+                                 tuning=requant.RequantTuning(method="persistent", programs=10**6))
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("method", ("persistent", "two_kernel"))
+def test_nvfp4_graph_replay_on_new_source_values(method):
+    """A captured conversion replayed after the source buffers change: the result is the new
+    source's (the amax words, count and barrier flag are zeroed inside the graph every replay)."""
+    scheme = get_layout("modelopt-nvfp4").scheme()
+    tun = requant.RequantTuning(method=method)
+    qs = [_source((512, 1024), (128, 128), seed=20 + i) for i in range(3)]  # three amaxes
+    assert len({float(np.max(np.abs(q.dequantize(np.float32)))) for q in qs}) == 3
+    srcs = [requant.from_reference(q, DEV) for q in qs]
+    codes, scales, block = (srcs[0][0].clone(), srcs[0][1].clone(), srcs[0][2])
+    requant.fp8_block_to_fp4(codes, scales, block, scheme, tuning=tun)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = requant.fp8_block_to_fp4(codes, scales, block, scheme, tuning=tun)
+    for q, (c, s, _) in zip(qs * 2, srcs * 2):
+        codes.copy_(c)
+        scales.copy_(s)
+        g.replay()
+        torch.cuda.synchronize()
+        ref = quantize(q.dequantize(np.float32), scheme)
+        assert _same(out.to_reference(), ref)
