@@ -45,9 +45,10 @@ def tables(data: dict) -> str:
                 "| tokens | path | time, s |", "|---|---|---|"]
         for r in data["variants"]:
             out.append(f"| {r['tokens']} | {r['variant']} | {r['median_s']:.3f} |")
-    if data.get("layer"):
-        out += layer_tables(data["layer"], data.get("layer_meta") or {})
-    elif data.get("fast"):
+    layers = data.get("layers") or ([(data["layer"], data.get("layer_meta") or {})] if data.get("layer") else [])
+    for rows, meta in layers:  # one table per run (each file's own GPU, date and cases)
+        out += layer_tables(rows, meta)
+    if not layers and data.get("fast"):
         out += ["", "**`fastpath.moe`** (whole layer, contiguous layout) and its two grouped GEMMs alone; the HBM "
                 "roofline reads the touched experts' weights once at the measured copy bandwidth:", "",
                 "| tokens | layout rows | implementation | layer, ms | GEMMs, ms | GEMM TFLOPS | roofline / layer | "
@@ -140,15 +141,18 @@ def layer_tables(rows: list, meta: dict) -> list:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", nargs="+", help="bench_moe_device.py JSON files (later files add sections)")
+    ap.add_argument("json", nargs="+", help="bench_moe_device.py JSON files (later files add sections; each file's "
+                    "whole-layer run gets its own table, in the order given)")
     ap.add_argument("--docs", default="docs/moe-gpu.md")
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args(argv)
-    data: dict = {}
+    data: dict = {"layers": []}
     for path in args.json:
         with open(path) as f:
             part = json.load(f)
-        data.update({k: v for k, v in part.items() if v})
+        if part.get("layer"):  # each run of the whole layer keeps its own table
+            data["layers"].append((part["layer"], part.get("layer_meta") or {}))
+        data.update({k: v for k, v in part.items() if v and k not in ("layer", "layer_meta")})
     return update_page(args.docs, BEGIN, END, tables(data), check=args.check,
                        remedy="run bench/report_moe_device.py " + " ".join(args.json))
 
