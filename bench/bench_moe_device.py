@@ -84,6 +84,11 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", action="store_true",
                     help="time the device engine's paths (int8 digits, float64 few-rows, decode + cuBLAS)")
     args = ap.parse_args(argv)
+    from bench.interleaved import MIN_ROUNDS
+
+    if (args.fast or args.fast_only) and args.rounds < MIN_ROUNDS:  # before minutes of setup, not after
+        ap.error(f"--rounds {args.rounds}: the layer's interleaved timings (--fast, --fast-only) take at least "
+                 f"{MIN_ROUNDS} rounds (bench.interleaved.MIN_ROUNDS)")
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = deepseek_v3_layer(args.experts, gen)
     quant = MoEQuant(fp8_group(), fp8_group(), "fp8 1x128 (DeepGEMM)")
@@ -167,6 +172,9 @@ def main(argv=None) -> int:
         print(f"\nfastpath.moe (same layer), {fast_meta['gpu']} {fast_meta['date']}, median of {args.rounds} interleaved "
               f"rounds x {args.calls} calls, ms (of roofline):")
         for r in fast_rows:
+            if "error" in r:
+                print(f"  {r['tokens']} tokens: failed: {r['error']}")
+                continue
             print(f"  {r['tokens']} tokens, roofline {r['roofline_ms']:.3f} ms; notes {r['notes']}")
             for n, c in r["cases"].items():
                 rat = "  ".join(f"{b}/{n}={v:.2f}" for b, v in r["ratios"].get(n, {}).items())

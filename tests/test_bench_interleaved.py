@@ -109,3 +109,12 @@ def test_bad_arguments(kw, match):
         interleaved.time_interleaved({"k": lambda: None}, clock=interleaved.WallClock(lambda: 0.0), **kw)
     with pytest.raises(ValueError, match="cases is empty"):
         interleaved.time_interleaved({})
+
+
+def test_layer_benchmark_refuses_too_few_rounds_before_setup(capsys):
+    """bench_moe_device's layer timings run on time_interleaved: --rounds below MIN_ROUNDS is an argument
+    error at parse time (no GPU needed), not a crash after minutes of setup."""
+    bench = pytest.importorskip("bench.bench_moe_device")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--fast-only", "--rounds", str(interleaved.MIN_ROUNDS - 1)])
+    assert e.value.code == 2 and f"at least {interleaved.MIN_ROUNDS} rounds" in capsys.readouterr().err
