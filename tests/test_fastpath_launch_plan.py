@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import fastpath._host as H  # noqa: E402
+import fastpath._dispatch_finalize as D  # noqa: E402
 import fastpath._dispatch_sort as S  # noqa: E402
 import fastpath._launch_plan as P  # noqa: E402
 import fastpath.dispatch as F  # noqa: E402
@@ -90,8 +91,9 @@ def fake_replay(monkeypatch):
 
     monkeypatch.setattr(H, "launch_for_replay", launch_for_replay)
     monkeypatch.setattr(S, "launch", ordinary)  # the launches of fastpath.dispatch go through S._launch
-    for mod in (F, S):  # the public functions (F) and the sort's host side (S) both read these
+    for mod in (F, S, D):  # the public functions (F, D: finalize) and the sort's host side (S) read these
         monkeypatch.setattr(mod, "_cuda", lambda *ts: all(t is None or isinstance(t, torch.Tensor) for t in ts))
+    for mod in (S, D):
         monkeypatch.setattr(mod, "_full", lambda shape, value, dtype, device:
                             alloc(shape, dtype=dtype, device=device).fill_(value))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
