@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench.interleaved import CudaEventClock  # noqa: E402
+from bench.latency_cases import capture  # noqa: E402
 from moeref.gemm import StackedExperts  # noqa: E402
 from moeref.moe import MoEQuant, MoEWeights, run_moe  # noqa: E402
 from moeref.quant import fp8_group  # noqa: E402
@@ -394,20 +395,6 @@ DECODE_MAX = 256
 """Token counts up to this are decode rows: also timed on the masked layout and as CUDA-graph replays."""
 
 
-def _capture(fn, pool):
-    """A CUDA graph of ``fn()`` (after two warm-up calls on a side stream) and the output it writes."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool):
-        out = fn()
-    return g, out
-
-
 def _fake_quant_1x128(t: torch.Tensor) -> torch.Tensor:
     """bf16 values of the FP8 E4M3 1x128 quantization of ``t`` (FP32 scale amax/448 per 128 values)."""
     shape = t.shape
@@ -547,7 +534,7 @@ def _layer_row(m, x, tw, ids, fw, impls, old, torch_fn, w13t, w2t, pool, bw, rou
                 fn = (lambda impl=impl, layout=layout:
                       fused_moe(x, fw, tw, ids_t, impl=impl, layout=layout, capturable=True))
                 try:
-                    g, out = _capture(fn, pool)
+                    g, out = capture(fn, pool=pool)
                     g.replay()
                     torch.cuda.synchronize()
                     ref = fused_moe(x, fw, tw, ids_t, impl=impl, layout=layout)

@@ -132,9 +132,10 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-def capture(fn: Callable[[], Any]):
-    """(graph, result): ``fn`` warmed up on a side stream, then one call captured in a CUDA graph;
-    ``graph.replay()`` rewrites ``result``'s tensors."""
+def capture(fn: Callable[[], Any], *, calls: int = 1, pool=None):
+    """(graph, result): ``fn`` warmed up on a side stream, then ``calls`` back-to-back calls captured in
+    one CUDA graph (in the memory ``pool`` if given); ``result`` is the last call's, whose tensors
+    ``graph.replay()`` rewrites."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -143,8 +144,9 @@ def capture(fn: Callable[[], Any]):
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
+    with torch.cuda.graph(g, pool=pool):
+        for _ in range(calls):
+            out = fn()
     return g, out
 
 

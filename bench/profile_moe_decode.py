@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench.bench_moe_device import _copy_bandwidth, deepseek_v3_layer, routing  # noqa: E402
+from bench.latency_cases import capture  # noqa: E402
 from fastpath.grouped_gemm import GemmTiles  # noqa: E402
 
 SWEEP = [GemmTiles(64, 128, 128, 4, 4), GemmTiles(64, 128, 128, 4, 4, swap_ab=True),
@@ -36,19 +37,6 @@ SWEEP = [GemmTiles(64, 128, 128, 4, 4), GemmTiles(64, 128, 128, 4, 4, swap_ab=Tr
          GemmTiles(16, 64, 128, 4, 6, swap_ab=True), GemmTiles(16, 64, 128, 4, 8, swap_ab=True),
          GemmTiles(16, 256, 128, 8, 3, swap_ab=True), GemmTiles(16, 256, 128, 8, 4, swap_ab=True),
          GemmTiles(16, 128, 128, 8, 4, swap_ab=True), GemmTiles(32, 128, 128, 4, 4, swap_ab=True)]
-
-
-def _graph(fn, calls: int):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = [fn() for _ in range(calls)]
-    return g, out[-1]
 
 
 def _replay_ms(g, calls: int, reps: int = 15) -> list[float]:
@@ -100,7 +88,7 @@ def profile_layer(fw, cases, bw, replays, before, impls):
                     fn = (lambda f=f, impl=impl, layout=layout:
                           f(x, fw, tw, ids_t, impl=impl, layout=layout, capturable=True))
                     try:
-                        g, res = _graph(fn, 1)
+                        g, res = capture(fn)
                         g.replay()
                         torch.cuda.synchronize()
                         eager = fused_moe(x, fw, tw, ids_t, impl=impl)
@@ -155,7 +143,7 @@ def sweep(fw, cases, bw, calls, impls):
                         max_groups=min(256, m * 8)))
             for name, fn in fns.items():
                 try:
-                    g, res = _graph(fn, calls)
+                    g, res = capture(fn, calls=calls)
                     t_ms = _replay_ms(g, calls, reps=9)
                     same = None
                     if name.startswith("GemmTiles"):
