@@ -257,7 +257,8 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
             ones = torch.ones((n, 1), dtype=torch.float32, device=x.device)
             zeros = torch.zeros((n, 1), dtype=torch.int32, device=x.device)
             out = out + _routed(x, shared_experts, ones, zeros, 1, None, **kw)
-        parts.append(out)
+        if result is None:
+            parts.append(out)
     if result is not None:
         return result
     return torch.cat(parts, dim=0).to(out_dtype)
@@ -272,8 +273,11 @@ def _used_rows_bound(slots: int, num_experts: int, alignment: int) -> int:
     """Most rows the contiguous layout of ``slots`` slots over ``num_experts`` experts can use: each
     present expert's segment is its count rounded up to ``alignment``, at most ``alignment - 1`` rows
     of padding for each of at most ``min(num_experts, slots)`` present experts; past it every row is
-    padding (vLLM's worst-case buffer counts the padding of all experts)."""
-    return -(-(slots + min(num_experts, slots) * (alignment - 1)) // alignment) * alignment
+    padding (vLLM's worst-case buffer counts the padding of all experts): vLLM's worst-case rule of
+    :func:`moeref.dispatch.contiguous.contiguous_m_sum` over the experts that can be present."""
+    from moeref.dispatch.contiguous import contiguous_m_sum
+
+    return contiguous_m_sum(np.zeros(min(num_experts, slots)), alignment, "worst_case", num_slots=slots)
 
 
 def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, expert_map, *, impl, activation, act_kw,
@@ -396,7 +400,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
 
     tiles = None  # the Triton kernel's tiles, by rows per expert (the same for both GEMMs and every path)
     if impl == "triton" and not weights.w4:
-        tiles = default_tiles("fp8_block" if weights.fp8 else "float", m * top_k / max(num_experts, 1), x.device.type)
+        tiles = default_tiles("fp8_block" if weights.fp8 else "float", expected_m, x.device.type)
     h = gemm(a, weights.w13, sa, weights.w13_scales, weights.b13, a_src=src if gather else None)
     if weights.fp8_activations:
         fq = silu_and_mul_quant_fp8(h, scheme, skip_rows=src_flat) if activation == "silu_and_mul" else \
