@@ -360,11 +360,19 @@ def _enumerate_codes(a, codes, rows_all, unsure, weights, profile, center, radiu
             acc = block_acc(vals, we.values)
             y = promote(acc, sa, sb, profile.promotion_order)
             mag = np.abs(acc) * np.abs(sb)[None, :, :]
-            scale_term = (np.einsum("rnb,rb->rn", mag, ds)
-                          + 2 * gamma(nb + 2, profile.promote_unit) * np.einsum("rnb,rb->rn", mag, s_hi))
+            scale_term = (_block_sum(mag, ds) + 2 * gamma(nb + 2, profile.promote_unit) * _block_sum(mag, s_hi))
             worst = np.maximum(worst, np.abs(y - center[idx]) + scale_term)
         radius[idx] = worst
     return ok
+
+
+def _block_sum(mag: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``sum_b mag[r, n, b] * w[r, b]`` in block order from 0 (the order the device emulator sums in,
+    :mod:`moeref.compare.device_emulated`: the same bits)."""
+    out = np.zeros(mag.shape[:2])
+    for b in range(mag.shape[2]):  # a loop over K blocks
+        out = out + mag[:, :, b] * w[:, None, b]
+    return out
 
 
 def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, np.ndarray, int]:

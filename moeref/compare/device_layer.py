@@ -3,7 +3,9 @@ its device: the stages of :mod:`moeref.compare.bounds` on torch float64 tensors,
 
 Stage by stage, what runs where:
 
-* GEMM centers: the device engine's exact product (:mod:`moeref.gemm.device`, the NumPy engine's bits);
+* GEMM centers: the device engine's exact product (:mod:`moeref.gemm.device`, the NumPy engine's bits); under
+  an emulated profile (``accum_model="emulated"``) both GEMMs' centers and radii come from
+  :mod:`moeref.compare.device_emulated` (the kernel predicted bit for bit);
 * GEMM error bounds and the operand-radius term: :mod:`moeref.compare.device_bounds` (Triton kernels,
   the declared summation orders of :mod:`moeref.compare.gemm_bounds`);
 * stores: :func:`moeref.moe.device.round_on_device` (the NumPy casts' roundings);
@@ -90,8 +92,14 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg):
     vt = torch.as_tensor(valid, device=dev)
     act, params, lay = cfg.activation, cfg.activation_params, weights.w13_layout
     # stage 1-2: GEMM1 and its store
-    h_pre = _weights_gemm(p.a, rows, weights.w13, weights.b13)
-    dh = device_rows_error_bound(p.a, None, rows, weights.w13, weights.b13, profile)
+    emulated = profile.accum_model == "emulated"  # a known kernel: moeref.compare.device_emulated
+    if emulated:
+        from .device_emulated import device_emulated_gemm
+
+        h_pre, dh = device_emulated_gemm(p.a, None, rows, weights.w13, weights.b13, profile)
+    else:
+        h_pre = _weights_gemm(p.a, rows, weights.w13, weights.b13)
+        dh = device_rows_error_bound(p.a, None, rows, weights.w13, weights.b13, profile)
     h, dh, flip_h = device_store_interval(h_pre, dh, profile.gemm_out_dtype, profile.gemm_out_unit)
     # stage 3: activation, its FP32 evaluation and its store
     x_pre = _activation(act, h, lay, params)
@@ -103,6 +111,7 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg):
     dx = torch.where(vt[:, None], dx, zero)
     flips = (flip_h & vt[:, None]).sum() + (flip_x & vt[:, None]).sum()  # 0-d tensors: no host sync
     # stage 4: re-quantization of the valid rows (module docstring)
+    codes = det = None
     if e.a2 is None:
         xq, unc = device_operand(x, dev), dx
     else:
@@ -112,23 +121,29 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg):
         pos[vidx] = np.arange(vidx.size)
         got = None
         if device_requant_unavailable(cfg.quant.a2) is None:
-            got = device_requant(x.index_select(0, vi), dx.index_select(0, vi), cfg.quant.a2)
+            got = device_requant(x.index_select(0, vi), dx.index_select(0, vi), cfg.quant.a2, detail=emulated)
         if got is not None:
-            xq_valid, u_v, f = got
+            xq_valid, u_v, f, *det = got
         else:
             x_h = to_numpy(x.index_select(0, vi).cpu())
             dx_h = to_numpy(dx.index_select(0, vi).cpu())
             xq_h, qt = _run_quantizer(cfg.quant.a2, x_h)
-            u_h, f = requant_uncertainty(x_h, dx_h, cfg.quant.a2, qt)
+            u_h, f, *det = requant_uncertainty(x_h, dx_h, cfg.quant.a2, qt, detail=emulated)
+            det = [{k_: torch.as_tensor(v, device=dev) for k_, v in d.items()} for d in det]
             xq_valid, u_v = device_operand(qt if qt is not None else xq_h, dev), torch.as_tensor(u_h, device=dev)
         flips = flips + f
         unc = torch.zeros_like(dx)
         unc[vi] = u_v
+        if det:  # the emulated GEMM2 reads the codes a kernel can store (zero rows: padding)
+            codes = {k_: torch.zeros_like(dx).index_copy_(0, vi, v) for k_, v in det[0].items()}
         xq = xq_valid.take_rows(pos)
     # stage 5: GEMM2 and its store
-    y_pre = _weights_gemm(xq, rows, weights.w2, weights.b2)
-    rad, bnd = device_rows_error_bound(xq, unc, rows, weights.w2, weights.b2, profile, radius_term=True)
-    dy = rad + bnd
+    if emulated:
+        y_pre, dy = device_emulated_gemm(xq, unc, rows, weights.w2, weights.b2, profile, codes)
+    else:
+        y_pre = _weights_gemm(xq, rows, weights.w2, weights.b2)
+        rad, bnd = device_rows_error_bound(xq, unc, rows, weights.w2, weights.b2, profile, radius_term=True)
+        dy = rad + bnd
     weigh = p.apply_weights
     if profile.gemm2_weighted_store and weigh:  # the epilogue weights (one FP32 multiply), then stores
         tw = p.topk_weights.to(torch.float64).reshape(-1)

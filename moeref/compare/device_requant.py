@@ -131,13 +131,14 @@ class _ScalesOnly:
         self.scheme, self.scales, self.global_scale, self.channel_scales = scheme, scales, None, None
 
 
-def device_requant(x, dx, quantizer):
+def device_requant(x, dx, quantizer, *, detail: bool = False):
     """The ``a2`` re-quantization of the valid rows' center ``x`` (float64 ``[V, N]`` on a device) and its
     uncertainty for ``|x~ - x| <= dx``: ``(operand, unc, flips)`` with ``operand`` a
     :class:`moeref.gemm.device.DeviceOperand` (the quantizer's codes and scales of ``x``), ``unc`` float64
     ``[V, N]`` (:func:`moeref.compare.stage_bounds.requant_uncertainty`), ``flips`` a 0-d int64 tensor; or
-    None where the host must run the stage (a NaN block scale). Call only when
-    :func:`device_requant_unavailable` is None."""
+    None where the host must run the stage (a NaN block scale). ``detail=True`` appends the dict of
+    ``requant_uncertainty(..., detail=True)`` (float64 ``[V, N]`` tensors: ``code_lo``, ``code_hi``,
+    ``scale_lo``, ``scale_hi``, ``scale_ref``). Call only when :func:`device_requant_unavailable` is None."""
     torch = _torch()
     from ..gemm.device import DeviceOperand
 
@@ -176,4 +177,7 @@ def device_requant(x, dx, quantizer):
     unc = torch.stack([s_lo * r_lo, s_lo * r_hi, s_hi * r_lo, s_hi * r_hi])
     unc = (unc - q_ref).abs().amax(dim=0)
     unc = torch.where(torch.isfinite(unc), unc, torch.full((), float("inf"), dtype=torch.float64, device=x.device))
+    if detail:
+        return operand, unc, torch.count_nonzero(r_lo != r_hi), dict(code_lo=r_lo, code_hi=r_hi, scale_lo=s_lo,
+                                                                      scale_hi=s_hi, scale_ref=s_ref)
     return operand, unc, torch.count_nonzero(r_lo != r_hi)

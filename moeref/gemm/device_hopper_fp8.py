@@ -1,0 +1,174 @@
+"""DeepGEMM's FP8 GEMM on Hopper, predicted bit for bit, on torch tensors (a CUDA GPU, or the CPU with the
+Triton kernel interpreted): :func:`moeref.gemm.hopper_fp8.deepgemm_engine` at production shapes.
+
+The NumPy emulator (:func:`~moeref.gemm.hopper_fp8.deepgemm_block_accumulators` then
+:func:`~moeref.gemm.hopper_fp8.promote`) is the specification; the Triton kernel
+(:mod:`moeref.gemm._hopper_fp8_kernel`) performs the same exact steps per output element: per 128-column K
+block, four 32-column MMA steps from a cleared accumulator (addends aligned to the largest operand-exponent
+sum, cut toward zero to ``2^(e - 13)``, summed exactly, the sum cut to 14 significant bits), then the FP32
+promotion (``"deepgemm"``: ``fma(fl(sa*sb), acc, final)``; ``"a_then_b"``: ``fma(fl(acc*sa), sb, final)``,
+our Triton FP8 grouped GEMM), in K-block order from 0. The result is the FP32 value before the kernel's bf16
+store (float64 tensor), as the NumPy engine returns it.
+
+Memory: the expert weights are read as their uint8 codes through the E4M3 decode table (never decoded to
+float64); the operand rows are gathered once, sorted by expert, as float64 values ``[R, K]``. One launch
+covers every expert (work items of up to 16 rows of one expert).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .hopper_fp8 import HOPPER_FP8_MMA, MmaModel, _PROMOTIONS
+
+__all__ = ["device_deepgemm_rows", "check_emulated_operands"]
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _check_model(model: MmaModel) -> None:
+    if (model.group != model.inst_k or model.align_rounding != "trunc" or model.norm_rounding != "trunc"
+            or model.align_exponent != "operands"):
+        raise ValueError(f"the device emulator runs the calibrated family of models (one group per MMA of inst_k "
+                         f"columns, truncating alignment and normalisation, operand exponents); got {model}")
+    if model.align_bits > 20:
+        raise ValueError(f"the device emulator sums aligned addends as int64 below 2^(align_bits + 9); "
+                         f"align_bits must be <= 20, got {model.align_bits}")
+
+
+def check_emulated_operands(a, weights) -> None:
+    """The contract of :func:`moeref.gemm.hopper_fp8.deepgemm_engine`, for a device operand ``a``
+    (:class:`moeref.gemm.device.DeviceOperand`) and a device :class:`moeref.gemm.StackedExperts`: E4M3
+    elements, ``a`` with 1x128 scale blocks, the weights with 128x128 blocks, K a multiple of 128, no NaN
+    code in the weights. ``ValueError``/``TypeError`` naming what is wrong."""
+    from .device import _has_nan_codes
+    from .stacked import StackedExperts
+
+    if not isinstance(weights, StackedExperts):
+        raise TypeError(f"the emulated DeepGEMM GEMM takes StackedExperts FP8 weights; got {type(weights).__name__}")
+    n, k = weights.shape
+    if weights.element != "e4m3fn" or weights.magnitude:
+        raise ValueError(f"the emulated DeepGEMM GEMM needs E4M3 (e4m3fn) weights; got {weights.element!r}")
+    if tuple(weights.block) not in ((128, 128), (min(128, n), 128)):
+        raise ValueError(f"w must have 128x128 scale blocks (DeepGEMM's weights); got blocks {weights.block}")
+    if k % 128:
+        raise ValueError(f"DeepGEMM's FP8 GEMM needs K to be a multiple of 128; got K={k}")
+    if not a.quantized or (a.codes is not None and a.element != "e4m3fn"):
+        raise ValueError("the emulated DeepGEMM GEMM needs quantized E4M3 operands "
+                         f"(got element {a.element!r}, quantized={a.quantized})")
+    if a.block[1] != 128 or (a.block[0] != 1 and a.shape[0] > 1):
+        raise ValueError(f"a must have 1x128 scale blocks (DeepGEMM's activations); got blocks {a.block}")
+    if a.shape[1] != k:
+        raise ValueError(f"a has K={a.shape[1]} but the experts have K={k}")
+    if _has_nan_codes(weights.codes, "e4m3fn"):
+        raise ValueError("w holds NaN codes; E4M3 operands must be finite")
+
+
+def _check_values(v) -> None:
+    torch = _torch()
+    if not bool(torch.isfinite(v).all()):
+        raise ValueError("a holds NaN or inf; E4M3 operands must be finite")
+    if not bool((v.to(torch.float32).to(torch.float8_e4m3fn).to(torch.float64) == v).all()):
+        raise ValueError("a holds values that are not E4M3 (float8_e4m3fn) values")
+
+
+def _fp32(x):
+    torch = _torch()
+    return x.to(torch.float32).to(torch.float64)
+
+
+def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm", model: MmaModel = HOPPER_FP8_MMA,
+                         values=None, scale_term=None):
+    """``out[r] = a[r] @ W[row_expert[r]].T`` as DeepGEMM's FP8 GEMM computes it before its output store:
+    :func:`moeref.gemm.expert_rows_gemm` with ``gemm=deepgemm_engine(model, promotion)``, bit for bit, on the
+    weights' device. 0 on rows with ``row_expert == -1``.
+
+    Args:
+        a: ``[R, K]`` E4M3 operand with 1x128 scales (:func:`moeref.gemm.device.device_operand` input).
+        row_expert: int ``[R]`` (NumPy or torch), -1 padding.
+        weights: a :class:`moeref.gemm.StackedExperts` of E4M3 codes with 128x128 scales on the device.
+        promotion: ``"deepgemm"`` or ``"a_then_b"`` (:func:`moeref.gemm.hopper_fp8.promote`).
+        values: optional float64 ``[R, K]`` E4M3 values used instead of ``a``'s elements (``a``'s scales
+            kept): the enumeration of uncertain codes (:mod:`moeref.compare.device_emulated`).
+        scale_term: optional ``(ds, s_hi, coef)``: float64 ``[R, K/128]`` tensors and a float; then also
+            returns ``st[r, n] = sum_b m_b ds[r, b] + coef * sum_b m_b s_hi[r, b]``, ``m_b = |acc_b| |sb_b|``
+            (block accumulator ``acc_b``, weight scale ``sb_b`` as given, not rounded to FP32), sums in block
+            order from 0 (:func:`moeref.compare.bounds._emulated_gemm`'s scale term).
+
+    Returns: float64 ``[R, N]`` tensor of FP32 values (and ``st`` with ``scale_term``).
+    """
+    torch = _torch()
+    import triton
+
+    from ..formats import decode_table
+    from ._hopper_fp8_kernel import hopper_fp8_kernel
+    from .device import _items, device_operand
+    from .grouped import check_row_expert
+
+    if promotion not in ("deepgemm", "a_then_b"):
+        raise ValueError(f"promotion must be 'deepgemm' or 'a_then_b' on the device (of {_PROMOTIONS}); "
+                         f"got {promotion!r}")
+    _check_model(model)
+    dev = weights.codes.device if hasattr(weights, "codes") else None
+    a = device_operand(a, dev)
+    check_emulated_operands(a, weights)
+    rows = check_row_expert(row_expert.cpu().numpy() if torch.is_tensor(row_expert) else row_expert, a.shape[0],
+                            len(weights))
+    n, k = weights.shape
+    nb = k // 128
+    r_all = rows.size
+    out = torch.zeros((r_all, n), dtype=torch.float64, device=dev)
+    st_out = torch.zeros_like(out) if scale_term is not None else None
+    order = np.argsort(rows, kind="stable")
+    first = int(np.searchsorted(rows[order], 0))
+    order = order[first:]
+    if order.size == 0 or n == 0:
+        return (out, st_out) if scale_term is not None else out
+    experts, starts, counts = np.unique(rows[order], return_index=True, return_counts=True)
+    order_t = torch.as_tensor(order, device=dev)
+    av = (a.decode() if values is None else values.to(device=dev, dtype=torch.float64)).index_select(0, order_t)
+    if values is not None:
+        if tuple(values.shape) != a.shape:
+            raise ValueError(f"values must have a's shape {a.shape}; got {tuple(values.shape)}")
+        _check_values(av)
+    elif a.values is not None:
+        _check_values(av)
+    sa = a.scales if a.scales.shape[0] == a.shape[0] else a.scales.expand(a.shape[0], -1)
+    sa = _fp32(sa.index_select(0, order_t)).contiguous()
+    sb_raw = weights.scales.to(torch.float64).contiguous()
+    sb = _fp32(sb_raw)
+    table = torch.as_tensor(np.array(decode_table("e4m3fn")), dtype=torch.float64, device=dev)
+    table = torch.where(torch.isfinite(table), table, torch.zeros((), dtype=torch.float64, device=dev))
+    codes = weights.codes
+    if codes.stride(2) != 1:
+        codes = codes.contiguous()
+    big = int(counts.max()) > 4
+    rows_per, block_n, warps = (16, 32, 8) if big else (4, 64, 4)
+    per, first_row, cnt = _items(starts, counts, rows_per)
+    items = torch.as_tensor(np.stack([np.repeat(experts, per), first_row, cnt], axis=1).astype(np.int32), device=dev)
+    res = torch.empty((order.size, n), dtype=torch.float64, device=dev)
+    if scale_term is not None:
+        ds, s_hi, coef = scale_term
+        ds = ds.to(torch.float64).index_select(0, order_t).contiguous()
+        s_hi = s_hi.to(torch.float64).index_select(0, order_t).contiguous()
+        if tuple(ds.shape) != (order.size, nb) or tuple(s_hi.shape) != (order.size, nb):
+            raise ValueError(f"scale_term's ds and s_hi must be [R, {nb}]")
+        st = torch.empty_like(res)
+        coef_t = torch.tensor([float(coef)], dtype=torch.float64, device=dev)
+    else:
+        ds = s_hi = st = coef_t = res  # dummy pointers (SCALE_TERM is False)
+    grid = (int(items.shape[0]), triton.cdiv(n, block_n))
+    hopper_fp8_kernel[grid](av.contiguous(), sa, codes, table, sb, sb_raw, items, res, ds, s_hi, st, coef_t, n,
+                            k, nb, codes.stride(0), codes.stride(1), sb.stride(0), sb.stride(1), n,
+                            nb, NB=nb, W_BN=int(weights.block[0]), ROWS=rows_per, BLOCK_N=block_n,
+                            PROMO=0 if promotion == "deepgemm" else 1, SCALE_TERM=scale_term is not None,
+                            ALIGN=int(model.align_bits), NORM=int(model.norm_bits), STEPS=128 // model.inst_k,
+                            INST=int(model.inst_k), num_warps=warps, enable_fp_fusion=False)
+    out[order_t] = res
+    if scale_term is None:
+        return out
+    st_out[order_t] = st
+    return out, st_out
