@@ -33,12 +33,16 @@ import triton
 import triton.language as tl
 
 __all__ = ["GROUPED_GEMM_IMPLEMENTATIONS", "GemmTiles", "default_tiles", "grouped_gemm_contiguous",
-           "grouped_gemm_masked", "grouped_gemm_supports", "PROFILE_OF"]
+           "grouped_gemm_masked", "grouped_gemm_supports", "PROFILE_OF", "EXACT_PROFILE_OF"]
 
 GROUPED_GEMM_IMPLEMENTATIONS = ("triton", "deep_gemm")
 PROFILE_OF = {("triton", "float"): "BF16_OUTPUT", ("triton", "fp8_block"): "HOPPER_FP8_DEEPGEMM_DATA",
               ("deep_gemm", "fp8_block"): "HOPPER_FP8_DEEPGEMM_DATA"}
 """The :mod:`moeref.compare` profile each (implementation, operand kind) declares."""
+EXACT_PROFILE_OF = {("triton", "fp8_block"): "TRITON_FP8_BLOCK_EXACT", ("deep_gemm", "fp8_block"): "DEEPGEMM_FP8_EXACT"}
+"""The equality-level profile of each implementation whose arithmetic :mod:`moeref.gemm.hopper_fp8` emulates bit for
+bit (``accum_model="emulated"``; Hopper only: the emulator models sm_90's FP8 WGMMA), beside the declared one: an
+honest kernel passes both, and a fault the declared bound cannot see (one misrouted token at K = 7168) fails it."""
 
 _FP8 = (torch.float8_e4m3fn,)
 

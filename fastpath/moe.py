@@ -50,11 +50,11 @@ import torch
 
 from moeref.gemm import StackedExperts
 
-from .grouped_gemm import PROFILE_OF, grouped_gemm_contiguous, grouped_gemm_supports
+from .grouped_gemm import EXACT_PROFILE_OF, PROFILE_OF, grouped_gemm_contiguous, grouped_gemm_supports
 from .grouped_gemm_w4 import PROFILE_OF as W4_PROFILE_OF
 from .grouped_gemm_w4 import W4Experts, w4_supports
 
-__all__ = ["FastMoEWeights", "fused_moe", "reference_config", "fast_weights", "stored_as"]
+__all__ = ["FastMoEWeights", "fused_moe", "reference_config", "fast_weights", "stored_as", "exact_profile"]
 
 ACTIVATIONS = ("silu_and_mul", "swigluoai")
 
@@ -427,3 +427,20 @@ def profile_of(impl: str, weights: FastMoEWeights) -> str:
     if weights.w4:
         return "BF16_OUTPUT_FP32_ACT" if weights.fp8_activations else W4_PROFILE_OF[(impl, weights.w13.kind)]
     return PROFILE_OF[(impl, "fp8_block" if weights.fp8 else "float")]
+
+
+def exact_profile(impl: str, weights: FastMoEWeights, *, apply_router_weight_on_input: bool = False):
+    """The equality-level :class:`moeref.compare.Profile` of the FP8 layer through ``impl``
+    (:data:`fastpath.grouped_gemm.EXACT_PROFILE_OF`: both GEMMs predicted bit for bit on Hopper) with the stores
+    :func:`reference_config` declares (GEMM outputs, activation, output). ``ValueError`` for layers without one
+    (bf16 and 4-bit weights: their GEMMs are not emulated)."""
+    from dataclasses import replace
+
+    from moeref.compare.kernel_profiles import get_profile
+
+    if not weights.fp8 or weights.w4 or (impl, "fp8_block") not in EXACT_PROFILE_OF:
+        raise ValueError(f"no emulated profile for impl {impl!r} on these weights (FP8 block weights through "
+                         f"{sorted(i for i, _ in EXACT_PROFILE_OF)} only)")
+    cfg = reference_config(weights, apply_router_weight_on_input=apply_router_weight_on_input)
+    return replace(get_profile(EXACT_PROFILE_OF[(impl, "fp8_block")]), gemm_out_dtype=cfg["gemm1_out_dtype"],
+                   act_out_dtype=cfg["act_out_dtype"], out_dtype=cfg["out_dtype"])

@@ -9,8 +9,10 @@ Routings are :func:`moeref.strategies.routings` (every kind: skewed, empty exper
 drawn at up to 16 tokens and tiled to the drawn token count (1 to 8192; a Hypothesis-drawn id list of 65536
 slots is beyond its buffer), optionally on an EP shard (``expert_map``, the rank's local experts only).
 Planted faults in the fast path's inputs (one token misrouted, one slot dropped, the neighbouring scale
-block) must fail, except for the DeepSeek-V3 FP8 layer, where the Hopper profile's bound at K = 7168 lets
-every bf16 store flip (the test says so when it skips). Router weight on the input (top-1 routings of each layer's
+block) must fail: the bf16 layers under their declared profile, the FP8 layers under the implementation's exact
+profile (both GEMMs emulated bit for bit on the GPU, :func:`fastpath.moe.exact_profile`), which the honest layer
+passes beside its declared one (whose bound at K = 2048/7168 lets the bf16 stores flip, so it cannot see them).
+Router weight on the input (top-1 routings of each layer's
 experts, drawn the same way): every example passes too. GPU only; the CPU keeps the interpreter coverage of
 test_fastpath_moe.py and tests/test_fastpath_moe_weight_on_input.py.
 """
@@ -102,9 +104,11 @@ def _tile(r, m: int):
 
 
 def _check(name, ids, tw, *, impl="triton", layout="contiguous", ep=None, seed=0, fault=None, on_input=False,
-           capturable=False):
-    """Run the fast layer and the GPU reference on one routing; returns the report."""
-    from fastpath.moe import fused_moe, reference_config
+           capturable=False, exact=False):
+    """Run the fast layer and the GPU reference on one routing; returns the report (``exact=True``: also the
+    report under the implementation's exact profile, :func:`fastpath.moe.exact_profile`, and the seconds that
+    ``compare`` took)."""
+    from fastpath.moe import exact_profile, fused_moe, reference_config
 
     hid, _, e, _, _, _ = LAYERS[name]
     ref_w, fast_w = layer(name)
@@ -127,7 +131,16 @@ def _check(name, ids, tw, *, impl="triton", layout="contiguous", ep=None, seed=0
                     layout=layout, num_experts=e,
                     expert_map=None if emap is None else torch.as_tensor(emap, device="cuda"),
                     apply_router_weight_on_input=on_input, capturable=capturable)
-    return compare(got, run, prof, label=name)
+    rep = compare(got, run, prof, label=name)
+    if not exact:
+        return rep
+    import time
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    rep_exact = compare(got, run, exact_profile(impl, fast_w, apply_router_weight_on_input=on_input), label=name)
+    torch.cuda.synchronize()
+    return rep, rep_exact, time.perf_counter() - t0
 
 
 def _impls(name):
@@ -187,27 +200,52 @@ def _neighbour_scale(ids, fw):
     return ids, FastMoEWeights(fw.w13, fw.w2, fw.w13_layout, fw.w13_scales, fw.w2_scales.roll(1, dims=2))
 
 
+_HONEST: dict = {}
+
+
+def _hopper() -> bool:
+    return torch.cuda.get_device_capability()[0] == 9
+
+
 @pytest.mark.parametrize("name", list(LAYERS))
 @pytest.mark.parametrize("fault", [_misroute, _drop, _neighbour_scale], ids=["misrouted", "dropped", "scale_block"])
 def test_planted_fault_fails(name, fault):
-    """One token misrouted, one slot dropped, the neighbouring K scale block of GEMM2: ``compare`` must fail."""
+    """One token misrouted, one slot dropped, the neighbouring K scale block of GEMM2: ``compare`` must fail.
+
+    bf16 layers: under the declared profile. FP8 layers (every implementation): the honest layer passes both its
+    declared profile (``HOPPER_FP8_DEEPGEMM_DATA``) and its exact one (:func:`fastpath.moe.exact_profile`:
+    ``DEEPGEMM_FP8_EXACT`` for DeepGEMM, ``TRITON_FP8_BLOCK_EXACT`` for the Triton GEMM: both GEMMs predicted bit
+    for bit, the bound computed on the GPU), and the fault fails the exact one. The declared profile cannot
+    catch these faults here: at K = 2048/7168 its bound lets the bf16 stores flip (~5x |output|,
+    docs/error-bounds.md; Qwen3 FP8 on an H100, 2026-11-24: the three faults at 0.17-0.72 of it)."""
     _need_gpu()
-    if fault is _neighbour_scale and LAYERS[name][4] != "fp8":
+    fp8 = LAYERS[name][4] == "fp8"
+    if fault is _neighbour_scale and not fp8:
         pytest.skip("a scale-block fault needs block-scaled weights")
-    if LAYERS[name][4] == "fp8":
-        pytest.skip("HOPPER_FP8_DEEPGEMM_DATA at production K (2048, 7168) lets the bf16 stores flip (bound ~5x "
-                    "|output|, docs/error-bounds.md): a planted fault is inside the declared arithmetic's reach (Qwen3 "
-                    "FP8 on an H100, 2026-11-24: the three faults at 0.17-0.72 of the bound); the FP8 faults are "
-                    "proven at K = 512 (test_fastpath_moe.py), and by equality under DEEPGEMM_FP8_EXACT "
-                    "(tests/test_hopper_fp8_gpu.py)")
+    if fp8 and not _hopper():
+        pytest.skip(f"the exact FP8 profiles emulate Hopper's FP8 WGMMA (sm_90); this GPU is "
+                    f"{torch.cuda.get_device_name()}")
     rng = np.random.default_rng(0)
     _, _, e, k, _, _ = LAYERS[name]
     ids = np.stack([rng.choice(e, k, replace=False) for _ in range(32)]).astype(np.int32)
     tw = (rng.random((32, k)) + 0.5).astype(np.float32)
-    assert _check(name, ids, tw).passed  # the honest layer passes on the same routing
-    rep = _check(name, ids, tw, fault=fault)
-    ratio = float(np.max(rep.error / np.maximum(rep.bound, 1e-300)))
-    assert not rep.passed, f"the planted fault passed: largest error/bound {ratio:.3g}"
+    if not fp8:
+        assert _check(name, ids, tw).passed  # the honest layer passes on the same routing
+        rep = _check(name, ids, tw, fault=fault)
+        ratio = float(np.max(rep.error / np.maximum(rep.bound, 1e-300)))
+        assert not rep.passed, f"the planted fault passed: largest error/bound {ratio:.3g}"
+        return
+    for impl in _impls(name):
+        if (name, impl) not in _HONEST:  # the honest layer, once per layer and implementation
+            _HONEST[(name, impl)] = _check(name, ids, tw, impl=impl, exact=True)
+        declared, exact, secs = _HONEST[(name, impl)]
+        assert declared.passed, declared.summary()
+        assert exact.passed, exact.summary()
+        _, rep, secs_f = _check(name, ids, tw, impl=impl, fault=fault, exact=True)
+        ratio = float(np.max(rep.error / np.maximum(rep.bound, 1e-300)))
+        print(f"\n[{name} {impl} {fault.__name__}] exact compare {secs:.2f} s (honest), {secs_f:.2f} s (fault); "
+              f"fault error/bound {ratio:.3g}")
+        assert not rep.passed, f"{impl}: the planted fault passed the exact profile: largest error/bound {ratio:.3g}"
 
 
 @pytest.mark.parametrize("name", list(LAYERS))

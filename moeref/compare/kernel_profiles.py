@@ -52,13 +52,28 @@ Derivations (``u`` is a unit roundoff; ``2^-24`` round-to-nearest FP32, ``2^-23`
   bf16 (``act_out_dtype=None``, ``act_unit`` of :data:`~moeref.compare.HOPPER_FP8_DEEPGEMM`, whose fused
   activation kernel it is); FP32 top-k sum, bf16 output.
 
+* :data:`TRITON_FP8_BLOCK_EXACT`: our Triton FP8 block grouped GEMM (``fastpath.grouped_gemm``, ``impl="triton"``)
+  predicted bit for bit (``accum_model="emulated"``): the WGMMA accumulation of
+  :data:`~moeref.compare.DEEPGEMM_FP8_EXACT`, the promotion ``acc += (part * sa) * sb`` contracted to
+  ``fma(fl(part*sa), sb, acc)`` (``promotion_order="a_then_b"``; docs/hopper-fp8-accumulation.md; the kernel's
+  output equals the emulator's on an H100, tests/test_hopper_fp8_gpu.py).
+
 Every profile keeps :class:`~moeref.compare.bounds.Profile`'s fields; none needed a new one.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
-from .bounds import BF16_OUTPUT, HOPPER_FP8_DEEPGEMM, HOPPER_FP8_DEEPGEMM_DATA, PROFILES, U_BF16, U_FP32, Profile
+from .bounds import (
+    BF16_OUTPUT,
+    DEEPGEMM_FP8_EXACT,
+    HOPPER_FP8_DEEPGEMM,
+    HOPPER_FP8_DEEPGEMM_DATA,
+    PROFILES,
+    U_BF16,
+    U_FP32,
+    Profile,
+)
 
 __all__ = [
     "DEEPGEMM_FP8",
@@ -68,6 +83,7 @@ __all__ = [
     "TORCH_EAGER_BF16",
     "VLLM_MOE_SUM_BF16",
     "BF16_OUTPUT_FP32_ACT",
+    "TRITON_FP8_BLOCK_EXACT",
     "KERNEL_PROFILES",
     "get_profile",
     "suggest_profile",
@@ -108,8 +124,15 @@ BF16_OUTPUT_FP32_ACT = replace(
     "with scales on partial sums inside a scale block, bf16 GEMM outputs, the activation quantized from FP32 "
     "(no bf16 store), FP32 top-k sum, bf16 output")
 
+TRITON_FP8_BLOCK_EXACT = replace(
+    DEEPGEMM_FP8_EXACT, name="TRITON_FP8_BLOCK_EXACT", promotion_order="a_then_b",
+    description="fastpath.grouped_gemm's Triton FP8 block GEMM (1x128 x 128x128, FP32 scales) on Hopper, emulated "
+    "bit for bit: DeepGEMM's WGMMA accumulation per 128 K, promoted as fma(fl(acc*sa), sb, final); stores as "
+    "DEEPGEMM_FP8_EXACT")
+
 KERNEL_PROFILES = {p.name: p for p in (DEEPGEMM_FP8, CUBLAS_FP8, CUBLAS_FP8_FAST_ACCUM, CUTLASS_BF16_GROUPED_MM,
-                                       TORCH_EAGER_BF16, VLLM_MOE_SUM_BF16, BF16_OUTPUT_FP32_ACT)}
+                                       TORCH_EAGER_BF16, VLLM_MOE_SUM_BF16, BF16_OUTPUT_FP32_ACT,
+                                       TRITON_FP8_BLOCK_EXACT)}
 PROFILES.update(KERNEL_PROFILES)  # one name table: moeref.compare.PROFILES
 
 
