@@ -59,11 +59,11 @@ def _fma32(a, b, c):
 
 
 @triton.jit
-def hopper_fp8_kernel(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr,
-                      st_ptr, coef_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o,
-                      stride_ds, NB: tl.constexpr, W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                      PROMO: tl.constexpr, SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr,
-                      STEPS: tl.constexpr, INST: tl.constexpr):
+def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr, coef_ptr,
+             N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o, stride_ds, NB,
+             W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr,
+             SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr, STEPS: tl.constexpr,
+             INST: tl.constexpr):
     """One work item (``item_ptr``: expert, first row, row count) = up to ROWS rows of the gathered operand
     ``a`` (float64 E4M3 values) against BLOCK_N columns of that expert's codes (read through the float64
     decode table ``table_ptr``). Per 128-column K block: STEPS chained MMAs of INST columns from a cleared
@@ -125,3 +125,28 @@ def hopper_fp8_kernel(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item
     if SCALE_TERM:
         coef = tl.load(coef_ptr)
         tl.store(st_ptr + offs, t1 + coef * t2, mask=mask)
+
+
+@triton.jit
+def hopper_fp8_kernel(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr,
+                      st_ptr, coef_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o,
+                      stride_ds, NB, W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PROMO: tl.constexpr, SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr,
+                      STEPS: tl.constexpr, INST: tl.constexpr):
+    """The compiled kernel: the number of K blocks ``NB`` is a runtime argument (one compilation for every K)."""
+    _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr,
+             coef_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o, stride_ds, NB,
+             W_BN, ROWS, BLOCK_N, PROMO, SCALE_TERM, ALIGN, NORM, STEPS, INST)
+
+
+@triton.jit
+def hopper_fp8_kernel_interpreted(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr,
+                                  shi_ptr, st_ptr, coef_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe,
+                                  stride_sbn, stride_o, stride_ds, NB: tl.constexpr, W_BN: tl.constexpr,
+                                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr,
+                                  SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr,
+                                  STEPS: tl.constexpr, INST: tl.constexpr):
+    """The same under ``TRITON_INTERPRET=1``, whose loops need a constexpr bound."""
+    _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr,
+             coef_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o, stride_ds, NB,
+             W_BN, ROWS, BLOCK_N, PROMO, SCALE_TERM, ALIGN, NORM, STEPS, INST)

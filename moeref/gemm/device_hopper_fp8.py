@@ -104,7 +104,7 @@ def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm",
     import triton
 
     from ..formats import decode_table
-    from ._hopper_fp8_kernel import hopper_fp8_kernel
+    from ._hopper_fp8_kernel import hopper_fp8_kernel, hopper_fp8_kernel_interpreted
     from .device import _items, device_operand
     from .grouped import check_row_expert
 
@@ -145,8 +145,8 @@ def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm",
     codes = weights.codes
     if codes.stride(2) != 1:
         codes = codes.contiguous()
-    big = int(counts.max()) > 4
-    rows_per, block_n, warps = (16, 32, 8) if big else (4, 64, 4)
+    big = float(counts.mean()) > 8  # 16-row items where experts have many rows, else 4 (decode: ~1 row each)
+    rows_per, block_n, warps = (16, 16, 8) if big else (4, 64, 8)
     per, first_row, cnt = _items(starts, counts, rows_per)
     items = torch.as_tensor(np.stack([np.repeat(experts, per), first_row, cnt], axis=1).astype(np.int32), device=dev)
     res = torch.empty((order.size, n), dtype=torch.float64, device=dev)
@@ -161,12 +161,12 @@ def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm",
     else:
         ds = s_hi = st = coef_t = res  # dummy pointers (SCALE_TERM is False)
     grid = (int(items.shape[0]), triton.cdiv(n, block_n))
-    hopper_fp8_kernel[grid](av.contiguous(), sa, codes, table, sb, sb_raw, items, res, ds, s_hi, st, coef_t, n,
-                            k, nb, codes.stride(0), codes.stride(1), sb.stride(0), sb.stride(1), n,
-                            nb, NB=nb, W_BN=int(weights.block[0]), ROWS=rows_per, BLOCK_N=block_n,
-                            PROMO=0 if promotion == "deepgemm" else 1, SCALE_TERM=scale_term is not None,
-                            ALIGN=int(model.align_bits), NORM=int(model.norm_bits), STEPS=128 // model.inst_k,
-                            INST=int(model.inst_k), num_warps=warps, enable_fp_fusion=False)
+    kernel = hopper_fp8_kernel if dev.type == "cuda" else hopper_fp8_kernel_interpreted
+    kernel[grid](av.contiguous(), sa, codes, table, sb, sb_raw, items, res, ds, s_hi, st, coef_t, n, k, nb,
+                 codes.stride(0), codes.stride(1), sb.stride(0), sb.stride(1), n, nb, NB=nb,
+                 W_BN=int(weights.block[0]), ROWS=rows_per, BLOCK_N=block_n, PROMO=0 if promotion == "deepgemm" else 1,
+                 SCALE_TERM=scale_term is not None, ALIGN=int(model.align_bits), NORM=int(model.norm_bits),
+                 STEPS=128 // model.inst_k, INST=int(model.inst_k), num_warps=warps, enable_fp_fusion=False)
     out[order_t] = res
     if scale_term is None:
         return out
