@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import time
 
 for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -162,8 +163,9 @@ def bench_gpu(rounds=21, reps=20, n_src=8, json_path=None):
 
     * ``fused``: :func:`fastpath.requant.fp8_block_to_fp4`, FP8 codes + 128x128 FP32 scales on
       the device to the target's codes + scales (+ NVFP4's global) on the device: for NVFP4
-      the zeroing, the amax pass (which computes the factors) and the data pass; for MXFP4 the
-      data pass (the default method; ``persistent``: the sweep).
+      the zeroing, the amax pass (which computes the factors) and the data pass, the last two
+      launched with Programmatic Dependent Launch where the GPU has it (the default); for MXFP4
+      the data pass (the default method; ``persistent``: the sweep).
     * ``unfused``: the path the converter took before: the source decoded to float32 on the
       device (``codes.float() * scales`` broadcast) and :func:`fastpath.quant.quantize`.
     * ``copy``: ``dst.copy_(src)`` of ``(source bytes + target bytes) / 2`` bytes, so that it
@@ -291,27 +293,32 @@ def bench_gpu(rounds=21, reps=20, n_src=8, json_path=None):
     return result
 
 
-# The sweep's tiles: (rows, groups per program, warps) of the data pass per target group size,
-# (rows, columns, warps) of the NVFP4 amax pass; the first of each is the default plan. The
+# The sweep's tiles: (rows, groups per program, warps) of the data pass per target group size
+# (the first is the default plan), (rows, columns, warps) of the NVFP4 amax pass (rows beyond a
+# 128-row source block stack source blocks). The
 # persistent launch (RequantTuning(method="persistent")): its amax tile (rows, columns), slot
 # counters, barrier poll interval and programs per SM.
 SWEEP_DATA = {16: [(8, 8, 1), (4, 8, 1), (8, 4, 1), (16, 8, 1), (16, 8, 2), (32, 8, 2)],
               32: [(16, 4, 2), (16, 4, 1), (8, 4, 1), (32, 4, 2), (32, 4, 4)]}
-SWEEP_AMAX = [(128, 128, 8), (64, 128, 8), (128, 128, 4), (64, 128, 4)]
+SWEEP_AMAX = [(128, 128, 8), (256, 128, 8), (512, 128, 16), (1024, 128, 32), (64, 128, 4)]
 SWEEP_PERSISTENT_AMAX = [(16, 128), (64, 128)]
 SWEEP_SLOTS = [16, 256]
 SWEEP_SLEEP_NS = [0, 400]
 SWEEP_PROGRAMS_PER_SM = [8, 16, 24]
 
 
-def bench_gpu_sweep(json_path=None, rounds=9, reps=20, n_src=8):
+def bench_gpu_sweep(json_path=None, rounds=9, reps=20, n_src=8, match=None):
     """Tile sweep of :func:`fastpath.requant.fp8_block_to_fp4` on the benchmark weight: every
     :data:`SWEEP_DATA` data tile (default amax tile) and every :data:`SWEEP_AMAX` amax tile
     (default data tile) per target; the persistent launch at its defaults and at
     :data:`SWEEP_PROGRAMS_PER_SM` programs per SM, for NVFP4 also with each
     :data:`SWEEP_PERSISTENT_AMAX` amax tile, :data:`SWEEP_SLOTS` counters and
     :data:`SWEEP_SLEEP_NS` poll interval; and the integer E4M3 decode against the hardware one
-    (``requant._hw_decode``) at the default tiles; each checked bit for bit against the CPU
+    (``requant._hw_decode``) at the default tiles; for NVFP4 the default without Programmatic
+    Dependent Launch (``no-pdl``: the amax kernel, then the data kernel; with the 128 x 128 amax
+    tile on 8 warps, the default before PDL) and with PDL for the data kernel only (``pdl, amax
+    kernel in turn``: ``requant._PDL_AMAX`` off); ``match``: a regular
+    expression, only the tunings whose name it finds are timed; each checked bit for bit against the CPU
     reference, timed as :func:`bench_gpu` times (graphs of ``reps`` calls over ``n_src``
     rotating weights), in interleaved rounds (bench.interleaved) with the copy of the same bytes.
     """
@@ -340,18 +347,25 @@ def bench_gpu_sweep(json_path=None, rounds=9, reps=20, n_src=8):
         tunings[P_] = R(method=P_)
         if scheme.family == "nvfp4":
             tunings.update({f"amax {t}": R(amax_block_m=t[0], amax_block_k=t[1], amax_warps=t[2])
-                            for t in SWEEP_AMAX[1:]})
+                            for t in SWEEP_AMAX})
             tunings.update({f"{P_} amax {t}": R(method=P_, amax_block_m=t[0], amax_block_k=t[1])
                             for t in SWEEP_PERSISTENT_AMAX})
             tunings.update({f"{P_} slots {n}": R(method=P_, slots=n) for n in SWEEP_SLOTS})
             tunings.update({f"{P_} poll sleep {n} ns": R(method=P_, poll_sleep_ns=n)
                             for n in SWEEP_SLEEP_NS})
+            tunings["no-pdl"] = R(pdl=False)
+            tunings["no-pdl amax (128, 128, 8)"] = R(pdl=False, amax_block_m=128, amax_warps=8)
+            tunings["pdl, amax kernel in turn"] = requant.DEFAULT_TUNING
         tunings.update({f"{P_} {p}/SM": R(method=P_, programs=p * sms)
                         for p in SWEEP_PROGRAMS_PER_SM})
         tunings["int-decode"] = requant.DEFAULT_TUNING
+        if match:
+            tunings = {k: v for k, v in tunings.items() if re.search(match, k)}
         cases, checks = {}, {}
+        pdl_amax = requant._PDL_AMAX
         for key, tun in tunings.items():
             requant._hw_decode = (lambda d: False) if key == "int-decode" else hw
+            requant._PDL_AMAX = pdl_amax and key != "pdl, amax kernel in turn"
             try:
                 got = requant.fp8_block_to_fp4(*srcs[0], scheme, tuning=tun).to_reference()
                 checks[key] = bool(np.array_equal(got.codes, ref.codes)
@@ -369,6 +383,7 @@ def bench_gpu_sweep(json_path=None, rounds=9, reps=20, n_src=8):
                 checks[key] = f"{type(e).__name__}: {e}"[:300]
             finally:
                 requant._hw_decode = hw
+                requant._PDL_AMAX = pdl_amax
         src_b = M * K + srcs[0][1].numel() * 4
         dst_b = M * ((K + 1) // 2) + ref.scales.size + (4 if ref.global_scale is not None else 0)
         n = (src_b + dst_b) // 2
@@ -417,9 +432,11 @@ def main():
     ap.add_argument("--gpu", action="store_true", help="only the CUDA part (bench_gpu)")
     ap.add_argument("--json", default=None, help="write the GPU figures to this JSON file")
     ap.add_argument("--sweep", action="store_true", help="only the GPU tile sweep (bench_gpu_sweep)")
+    ap.add_argument("--match", default=None,
+                    help="with --sweep: time only the tunings whose name this regex finds")
     args = ap.parse_args()
     if args.sweep:
-        bench_gpu_sweep(json_path=args.json)
+        bench_gpu_sweep(json_path=args.json, match=args.match)
         return
     if args.gpu:
         bench_gpu(json_path=args.json)

@@ -17,8 +17,13 @@ MXFP4 (1x32, UE8M0) codes and scales, bit-identical to the reference path
 * NVFP4's per-tensor global comes from a first pass over the FP8 codes (the amax of the decoded
   values, NaN policy as the preset's) whose last program runs :mod:`fastpath.quant`'s factor
   kernel body, or from a static ``global_scale`` (fused gate/up groups), as
-  ``fastpath.quant.quantize`` takes it. ``RequantTuning(method="persistent")`` runs the amax
-  and data phases in one persistent launch with a grid-wide barrier instead
+  ``fastpath.quant.quantize`` takes it. On a GPU of compute capability >= 9.0 the amax and
+  data kernels are launched with Programmatic Dependent Launch (:class:`RequantTuning`
+  ``pdl``): each starts while the kernel before it runs and waits for it
+  (``griddepcontrol.wait``) only where it needs that kernel's results, so the launch gaps
+  between the zeroing, the amax and the data kernel are hidden and the data kernel's programs
+  load their tiles while the amax kernel runs. ``RequantTuning(method="persistent")`` runs the
+  amax and data phases in one persistent launch with a grid-wide barrier instead
   (:mod:`fastpath._requant_persistent`; not the default, see there);
 * on a GPU the data pass decodes the codes two at a time with the hardware convert
   (``cvt.rn.f16x2.e4m3x2``, exact), which halves its instruction count (the kernel was
@@ -60,13 +65,15 @@ from .quant import _preset_map as P
 __all__ = ["supports", "fp8_block_to_fp4", "RequantTuning", "SCALE_LAYOUTS"]
 
 SCALE_LAYOUTS = ("row_major", "swizzled_128x4")
-# Default tiles, from `bench/bench_convert.py --sweep` on an H100 (2026-11-24, docs/convert.md):
-# the data pass takes 64 target groups per program on one warp per 1024 elements (32 elements
-# per thread: NVFP4 8 rows x 8 groups on 1 warp, MXFP4 16 x 4 on 2; 4096-element tiles on 2
-# warps ran 1.6x slower for MXFP4); the amax pass one 128 x 128 tile (16384 codes) per program.
+# Default tiles, from `bench/bench_convert.py --sweep` on an H100 (docs/convert.md): the data
+# pass takes 64 target groups per program on one warp per 1024 elements (32 elements per
+# thread: NVFP4 8 rows x 8 groups on 1 warp, MXFP4 16 x 4 on 2); the amax pass a tile of up to
+# _AMAX_ELEMS codes inside one source block, _AMAX_STACK of them stacked along rows where one
+# fills a source block (DeepSeek-V3's 128 x 128: 256 x 128 per program, on 8 warps).
 _TILE_GROUPS = 64
 _ELEMS_PER_WARP = 1024
 _AMAX_ELEMS = 16384
+_AMAX_STACK = 2
 _PERSISTENT_AMAX_ELEMS = 4096  # the persistent kernel's amax tile: 32 x 128 on its one warp
 
 
@@ -117,12 +124,16 @@ def _block_scale(s_ptr, stride_sm, row0, col0, M, K, SBM: tl.constexpr, SBK: tl.
 def _fp8_block_amax_kernel(c_ptr, stride_cm, s_ptr, stride_sm, p_ptr, nv_ptr, glob_ptr, M, K,
                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SBM: tl.constexpr,
                            SBK: tl.constexpr, NONFINITE: tl.constexpr, ORDER: tl.constexpr,
-                           GLOB: tl.constexpr):
+                           GLOB: tl.constexpr, PDL_TRIGGER: tl.constexpr,
+                           PDL_WAIT: tl.constexpr):
     """The tensor amax and, in the program that finishes last, NVFP4's tensor factors.
 
     ``p`` (int32[2], zeroed by the caller): ``p[0]`` the amax as float32 bits, ``p[1]`` a count
     of finished programs. Each program takes the amax of one [BLOCK_M, BLOCK_K] tile inside one
-    source block and folds it in with an integer atomic max (non-negative float32 bits order like
+    source block, or of BLOCK_M // SBM source blocks stacked along rows (the maximum of each
+    block's amax, computed as below, NaN policy applied to each before the maximum: fewer
+    programs, so fewer atomics on the two words, which serialize at one L2 address)
+    and folds it in with an integer atomic max (non-negative float32 bits order like
     the floats; NaN sorts above Inf, so it propagates, unless NONFINITE is 1 ignores it, as
     :mod:`fastpath.quant`'s amax pass does). One scale per tile and ``x -> |fl32(x * s)|``
     monotone in ``|x|`` (RNE is symmetric), so the tile's amax is the product of its largest code
@@ -133,7 +144,14 @@ def _fp8_block_amax_kernel(c_ptr, stride_cm, s_ptr, stride_sm, p_ptr, nv_ptr, gl
     Then each program counts itself in ``p[1]`` (acquire-release, after its max); the one that
     counts last has seen every program's max and runs :func:`fastpath.quant._kernels.
     _nvfp4_factors` on ``p[0]`` (``nv`` and ``glob`` as that kernel writes them): one launch
-    instead of two, the factors computed once per tensor as before."""
+    instead of two, the factors computed once per tensor as before.
+
+    PDL_TRIGGER: let the dependent data kernel launch at once (``griddepcontrol.
+    launch_dependents``; it waits for this whole grid itself, so where the trigger sits is a
+    matter of speed only). PDL_WAIT (this kernel launched dependent on the zeroing kernel):
+    ``griddepcontrol.wait`` before the first atomic on ``p``."""
+    if PDL_TRIGGER:  # the data kernel may launch now (it waits for this grid's end itself)
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -143,11 +161,23 @@ def _fp8_block_amax_kernel(c_ptr, stride_cm, s_ptr, stride_sm, p_ptr, nv_ptr, gl
     mag = c.to(tl.uint32) & 0x7F
     if NONFINITE == 1:
         mag = tl.where(mag == 0x7F, 0, mag)
-    top = tl.max(tl.max(mag, axis=1), axis=0)
-    s = _block_scale(s_ptr, stride_sm, pid_m * BLOCK_M, pid_k * BLOCK_K, M, K, SBM, SBK)
-    a = R.f32_bits(_e4m3_times(top, s)) & 0x7FFFFFFF
-    if NONFINITE == 1:
-        a = tl.where(a > 0x7F800000, 0, a)
+    if BLOCK_M <= SBM:  # inside one source block: one scale
+        top = tl.max(tl.max(mag, axis=1), axis=0)
+        s = _block_scale(s_ptr, stride_sm, pid_m * BLOCK_M, pid_k * BLOCK_K, M, K, SBM, SBK)
+        a = R.f32_bits(_e4m3_times(top, s)) & 0x7FFFFFFF
+        if NONFINITE == 1:
+            a = tl.where(a > 0x7F800000, 0, a)
+    else:  # BLOCK_M // SBM source blocks stacked along rows: the largest code and scale of each
+        top = tl.max(tl.reshape(tl.max(mag, axis=1), (BLOCK_M // SBM, SBM)), axis=1)
+        r0 = pid_m * BLOCK_M + tl.arange(0, BLOCK_M // SBM) * SBM
+        s = tl.load(s_ptr + (r0 // SBM) * stride_sm + (pid_k * BLOCK_K) // SBK,
+                    mask=(r0 < M) & (pid_k * BLOCK_K < K), other=0.0)
+        a = R.f32_bits(_e4m3_times(top, s)) & 0x7FFFFFFF
+        if NONFINITE == 1:
+            a = tl.where(a > 0x7F800000, 0, a)
+        a = tl.max(a, axis=0)
+    if PDL_WAIT:
+        tl.extra.cuda.gdc_wait()
     tl.atomic_max(p_ptr, a.to(tl.int32, bitcast=True), sem="release")
     done = tl.atomic_add(p_ptr + 1, 1, sem="acq_rel")
     if done == tl.num_programs(0) * tl.num_programs(1) - 1:
@@ -169,7 +199,7 @@ def _data_tile(w_ptr, stride_wm, s_ptr, stride_sm, q_ptr, stride_qm,
                DROP_NEG_ZERO: tl.constexpr, NAN_CODE: tl.constexpr, FILL_CODE: tl.constexpr,
                SF_LAYOUT: tl.constexpr, TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr,
                DIV: tl.constexpr, E2M1_PTX: tl.constexpr, HW_SCALE: tl.constexpr,
-               HW_DECODE: tl.constexpr):
+               HW_DECODE: tl.constexpr, GDC_WAIT: tl.constexpr = False):
     """One [BLOCK_M rows, GPP groups of GS] tile. The codes are read as 16-bit words, word w of
     a row holding elements (2w, 2w+1) (little-endian: the even one low), which is output byte w
     (the layout of :mod:`fastpath.quant`'s ``PAIR == 1`` path: contiguous loads and stores, no
@@ -188,6 +218,8 @@ def _data_tile(w_ptr, stride_wm, s_ptr, stride_sm, q_ptr, stride_qm,
     s = _block_scale(s_ptr, stride_sm, pid_m * BLOCK_M, pid_g * GPP * GS, M, K, SBM, SBK)
     xe, xo = _e4m3_pair_times(words, s, HW_DECODE)
     amax = JS._amax_pair(xe, xo, NONFINITE)
+    if GDC_WAIT:  # launched dependent on the amax kernel: its factors (nv) are complete after this
+        tl.extra.cuda.gdc_wait()
     factor, nan_block = JS._tile_scales(
         amax, rows, gidx, pid_m * 0, o_ptr, 0, stride_om, stride_og, dummy_ptr, nv_ptr,
         M, NG, M_PAD, NG_PAD, GPP, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
@@ -215,6 +247,7 @@ def _fp8_block_to_fp4_kernel(
     DROP_NEG_ZERO: tl.constexpr, NAN_CODE: tl.constexpr, FILL_CODE: tl.constexpr,
     SF_LAYOUT: tl.constexpr, TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr,
     DIV: tl.constexpr, E2M1_PTX: tl.constexpr, HW_SCALE: tl.constexpr, HW_DECODE: tl.constexpr,
+    GDC_WAIT: tl.constexpr,
 ):
     """One data tile per program (:func:`_data_tile`), program ids (row tile, group tile)."""
     _data_tile(w_ptr, stride_wm, s_ptr, stride_sm, q_ptr, stride_qm, o_ptr, stride_om, stride_og,
@@ -223,13 +256,28 @@ def _fp8_block_to_fp4_kernel(
                SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO, E8_HI, E8_NF,
                AMAX_FLOOR, ZERO_BLOCK, NONFINITE, APPLY, SATURATE, ROUND,
                DROP_NEG_ZERO, NAN_CODE, FILL_CODE, SF_LAYOUT, TWO_LEVEL, NV_ORDER,
-               DIV, E2M1_PTX, HW_SCALE, HW_DECODE)
+               DIV, E2M1_PTX, HW_SCALE, HW_DECODE, GDC_WAIT)
 
 
 def _hw_decode(dev: torch.device) -> bool:
     """Whether the data pass decodes E4M3 pairs with the hardware convert (a CUDA device, not
     Triton's interpreter)."""
     return dev.type == "cuda" and not P._INTERPRETED
+
+
+def _pdl_available(dev: torch.device) -> bool:
+    """Whether Programmatic Dependent Launch runs here: a CUDA device of compute capability 9.0
+    or newer (``griddepcontrol`` is sm_90's), not Triton's interpreter (which runs no inline
+    asm)."""
+    return (dev.type == "cuda" and not P._INTERPRETED
+            and torch.cuda.get_device_capability(dev)[0] >= 9)
+
+
+# With PDL, the amax kernel too is launched dependent on the kernel before it, the zeroing of its
+# words (``torch.zeros``, launched normally: it starts only when all earlier work on the stream
+# is complete, so the codes and scales the amax kernel reads before its wait are final); it
+# waits before its first atomic. The bench's sweep turns it off ("pdl, amax kernel in turn").
+_PDL_AMAX = True
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -254,9 +302,10 @@ class RequantTuning:
         block_m: rows per data tile.
         groups_per_program: target groups (1 x 16 NVFP4, 1 x 32 MXFP4) per data tile.
         num_warps: warps per program of the data pass (and of the persistent kernel).
-        amax_block_m, amax_block_k: the NVFP4 amax tile (default 128 x 128 for the amax kernel,
-            32 x 128 for the persistent kernel's amax phase).
-        amax_warps: warps per program of the amax kernel.
+        amax_block_m, amax_block_k: the NVFP4 amax tile (default for 128 x 128 source blocks:
+            256 x 128 for the amax kernel, 32 x 128 for the persistent kernel's amax phase). The
+            amax kernel's rows may also be a multiple of the source block's (blocks stacked).
+        amax_warps: warps per program of the amax kernel (None: one per 4096 codes, at least 8).
         method: ``"two_kernel"`` (the default): NVFP4's amax kernel, then the data kernel, one
             tile per program; ``"persistent"``: :mod:`fastpath._requant_persistent`, one
             cooperative launch of co-resident programs with a grid-wide barrier between the
@@ -268,6 +317,18 @@ class RequantTuning:
             interpreter, None: one program per tile.
         slots: counters (and barrier flags) the persistent amax phase spreads its programs over.
         poll_sleep_ns: ``nanosleep`` between two polls of the persistent barrier's flag (0: none).
+        pdl: the ``two_kernel`` method's NVFP4 amax pass (MXFP4 and a static global have no
+            amax pass, so one kernel and nothing to overlap): the data kernel launched with
+            Programmatic Dependent Launch (``launch_pdl``) after an amax kernel that lets it
+            launch at once (``griddepcontrol.launch_dependents``), so that its programs load
+            and decode their tile while the amax kernel runs and wait (``griddepcontrol.wait``:
+            the amax grid complete, its writes visible) only before reading the global
+            factors; the amax kernel likewise after the zeroing (:data:`_PDL_AMAX`). Both read
+            only the conversion's inputs before their wait, which were final before the
+            zeroing (``torch.zeros``, launched normally) started; every write follows the
+            wait. None: where :func:`_pdl_available` (a CUDA GPU of compute capability >= 9.0,
+            not the interpreter); True: required (refused where not available, and with
+            ``method="persistent"``); False: the kernels one after the other.
     """
 
     block_m: int | None = None
@@ -275,11 +336,12 @@ class RequantTuning:
     num_warps: int | None = None
     amax_block_m: int | None = None
     amax_block_k: int | None = None
-    amax_warps: int = 8
+    amax_warps: int | None = None
     method: str = "two_kernel"
     programs: int | None = None
     slots: int = 64
     poll_sleep_ns: int = 100
+    pdl: bool | None = None
 
     def __post_init__(self):
         for f in ("block_m", "groups_per_program", "num_warps", "amax_block_m", "amax_block_k",
@@ -292,6 +354,11 @@ class RequantTuning:
         if self.programs is not None and not _is_int(self.programs):
             raise ValueError(f"RequantTuning.programs must be None or a positive int; got "
                              f"{self.programs!r}")
+        if not (self.pdl is None or isinstance(self.pdl, bool)):
+            raise ValueError(f"RequantTuning.pdl must be None, True or False; got {self.pdl!r}")
+        if self.pdl and self.method == "persistent":
+            raise ValueError("RequantTuning.pdl is the two_kernel method's; the persistent "
+                             "method is one launch")
         if not (_is_int(self.poll_sleep_ns, 0) and self.poll_sleep_ns < 1 << 20):
             raise ValueError(f"RequantTuning.poll_sleep_ns must be an int in [0, 2**20); got "
                              f"{self.poll_sleep_ns!r}")
@@ -313,10 +380,13 @@ def _plan(shape, src_block, target: Scheme, tuning: RequantTuning = DEFAULT_TUNI
         bma = tuning.amax_block_m or _pow2_divisor(sbm, max(1, _PERSISTENT_AMAX_ELEMS // bka))
     else:
         bka = tuning.amax_block_k or _pow2_divisor(sbk, 1024)
-        bma = tuning.amax_block_m or _pow2_divisor(sbm, max(1, _AMAX_ELEMS // bka))
-    if sbm % bm or sbk % (gs * gpp) or sbm % bma or sbk % bka:
+        bma = _pow2_divisor(sbm, max(1, _AMAX_ELEMS // bka))
+        bma = tuning.amax_block_m or (bma * _AMAX_STACK if bma == sbm else bma)
+    stacked = tuning.method == "two_kernel" and bma > sbm and bma % sbm == 0  # amax kernel only
+    if sbm % bm or sbk % (gs * gpp) or (sbm % bma and not stacked) or sbk % bka:
         return (f"tile {tuning} does not lie inside one {sbm} x {sbk} source block "
-                f"(data {bm} x {gs * gpp}, amax {bma} x {bka})")
+                f"(data {bm} x {gs * gpp}, amax {bma} x {bka}; the two_kernel amax tile may "
+                f"also stack whole source blocks along rows)")
     return gs, gpp, bm, bma, bka
 
 
@@ -419,7 +489,10 @@ def fp8_block_to_fp4(codes: torch.Tensor, scales: torch.Tensor, src_block, targe
     two_level = target.family == "nvfp4"
     order = P.NVFP4_OP[target.preset.option("nvfp4_order")] if two_level else 0
     persistent = tuning.method == "persistent"
-    nv, glob, bits, amax_phase = dummy, None, dummy, False
+    if tuning.pdl and not _pdl_available(dev):
+        raise ValueError(f"RequantTuning(pdl=True) needs a CUDA GPU of compute capability >= 9.0 "
+                         f"outside Triton's interpreter; here: {dev}")
+    nv, glob, bits, amax_phase, pdl = dummy, None, dummy, False, False
     if two_level and global_scale is not None:
         nv, glob, zero = L._nvfp4_static_factors(global_scale, target, dev)
         if zero:
@@ -434,12 +507,17 @@ def fp8_block_to_fp4(codes: torch.Tensor, scales: torch.Tensor, src_block, targe
         nv = alloc(130, dtype=torch.float32, device=dev)
         glob = alloc(1, dtype=torch.float64, device=dev)
         if not persistent:
+            pdl = _pdl_available(dev) if tuning.pdl is None else tuning.pdl
             grid_a = (triton.cdiv(M, bma), triton.cdiv(K, bka))
+            xa = {"launch_pdl": True} if pdl and _PDL_AMAX else {}
             _fp8_block_amax_kernel[grid_a](codes, codes.stride(0), scales, scales.stride(0), bits,
                                            nv, glob, M, K, BLOCK_M=bma, BLOCK_K=bka, SBM=sbm,
                                            SBK=sbk, NONFINITE=ce["NONFINITE"], ORDER=order,
                                            GLOB=L._nvfp4_glob_kind(target, True),
-                                           num_warps=tuning.amax_warps, enable_fp_fusion=False)
+                                           PDL_TRIGGER=pdl, PDL_WAIT=pdl and _PDL_AMAX,
+                                           num_warps=tuning.amax_warps or max(8, bma * bka // 4096),
+                                           enable_fp_fusion=False,
+                                           **xa)
     elif global_scale is not None:
         raise ValueError(f"global_scale is the NVFP4 per-tensor factor; {target.name!r} is "
                          f"{target.family!r}")
@@ -463,9 +541,11 @@ def fp8_block_to_fp4(codes: torch.Tensor, scales: torch.Tensor, src_block, targe
                   amax_phase, tuning, dev)
     else:
         grid = (triton.cdiv(m_pad, bm), triton.cdiv(ng_pad, gpp))
+        if pdl:
+            kw["launch_pdl"] = True
         _fp8_block_to_fp4_kernel[grid](
             words, words.stride(0), scales, scales.stride(0), out_codes, out_codes.stride(0),
-            out_scales, ssm, ssg, dummy, nv, M, K, ng, m_pad, ng_pad, **kw)
+            out_scales, ssm, ssg, dummy, nv, M, K, ng, m_pad, ng_pad, GDC_WAIT=pdl, **kw)
     out_scales = out_scales.reshape(LY.returned_scales_shape(shape, target, scale_layout, sshape))
     return FQ.FastQuantized(out_codes, out_scales, scale_layout, target, shape,
                             global_scale=glob if two_level else None)

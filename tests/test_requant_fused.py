@@ -140,6 +140,33 @@ def test_tiles_change_no_bit(tile, layout):
         assert got.to_reference().global_scale == want.to_reference().global_scale
 
 
+@pytest.mark.parametrize("shape,block,scale_fmt,amax_rows", [((200, 256), (128, 128), "fp32", 256),
+                                                             ((200, 256), (128, 128), "fp32", 512),
+                                                             ((96, 96), (32, 32), "ue8m0", 64),
+                                                             ((96, 96), (32, 32), "ue8m0", 128)])
+def test_amax_tiles_stacking_source_blocks_equal_the_reference(shape, block, scale_fmt, amax_rows):
+    """An amax tile of several source blocks stacked along rows (one scale each; rows past M
+    masked): the global, and so every scale and code, is the reference's; a NaN code in one of
+    the stacked blocks gives the same result as the one-block tile (NaN propagates, or is
+    ignored, by the preset's policy, whatever the other blocks hold)."""
+    q = _source(shape, block, scale_fmt, seed=3)
+    x32 = q.dequantize(np.float32)
+    tun = requant.RequantTuning(amax_block_m=amax_rows)
+    one = requant.RequantTuning(amax_block_m=block[0])
+    for name in ("modelopt-nvfp4", "ct-nvfp4"):
+        scheme = get_layout(name).scheme()
+        src = requant.from_reference(q, DEV)
+        got = requant.fp8_block_to_fp4(*src, scheme, tuning=tun).to_reference()
+        assert _same(got, quantize(x32, scheme)), name
+        codes = src[0].clone()
+        codes[1, -1] = 0x7F  # a NaN in the first source block row, in the column of the large block
+        a = requant.fp8_block_to_fp4(codes, src[1], src[2], scheme, tuning=tun)
+        b = requant.fp8_block_to_fp4(codes, src[1], src[2], scheme, tuning=one)
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales), name
+        assert np.array_equal(a.global_scale.cpu().numpy(), b.global_scale.cpu().numpy(),
+                              equal_nan=True), name
+
+
 def test_tuning_refuses_bad_tiles():
     with pytest.raises(ValueError, match="power of two"):
         requant.RequantTuning(block_m=24)
@@ -194,6 +221,47 @@ def test_tuning_refuses_bad_method_and_programs():
         requant.RequantTuning(slots=48)
     with pytest.raises(ValueError, match="poll_sleep_ns"):
         requant.RequantTuning(poll_sleep_ns=-1)
+    with pytest.raises(ValueError, match="pdl must be"):
+        requant.RequantTuning(pdl=1)
+    with pytest.raises(ValueError, match="persistent method is one launch"):
+        requant.RequantTuning(method="persistent", pdl=True)
+
+
+def test_pdl_is_refused_where_it_cannot_run(monkeypatch):
+    """``pdl=True`` where Programmatic Dependent Launch is not available (the interpreter, a CPU
+    device: ``_pdl_available`` is False there; forced False on a GPU) is an error, not a silent
+    sequential launch; the default (None) takes the sequential launch there."""
+    assert not requant._pdl_available(torch.device("cpu"))
+    q = _source((128, 128), (128, 128))
+    src = requant.from_reference(q, DEV)
+    scheme = get_layout("ct-nvfp4").scheme()
+    monkeypatch.setattr(requant, "_pdl_available", lambda dev: False)
+    with pytest.raises(ValueError, match="compute capability >= 9.0"):
+        requant.fp8_block_to_fp4(*src, scheme, tuning=requant.RequantTuning(pdl=True))
+    got = requant.fp8_block_to_fp4(*src, scheme).to_reference()
+    assert _same(got, quantize(q.dequantize(np.float32), scheme))
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="Programmatic Dependent Launch needs a CUDA GPU")
+@pytest.mark.parametrize("name", ("modelopt-nvfp4", "ct-nvfp4"))
+def test_pdl_launch_equals_the_reference_back_to_back(name):
+    """The data kernel launched dependent on the amax kernel (PDL) and the two launched in turn:
+    eight conversions of different sources issued back to back without a synchronization (so
+    each one's kernels overlap the launches around them), each bit-identical to the reference:
+    a data program that read the global factors before the amax grid finished would change the
+    scales of some call."""
+    if not requant._pdl_available(torch.device(DEV)):
+        pytest.skip("this GPU has no Programmatic Dependent Launch (compute capability < 9.0)")
+    scheme = get_layout(name).scheme()
+    qs = [_source((1024, 2048), (128, 128), seed=40 + i) for i in range(4)]
+    refs = [quantize(q.dequantize(np.float32), scheme) for q in qs]
+    srcs = [requant.from_reference(q, DEV) for q in qs]
+    for pdl in (True, False):
+        tun = requant.RequantTuning(pdl=pdl)
+        outs = [requant.fp8_block_to_fp4(*srcs[i % 4], scheme, tuning=tun) for i in range(8)]
+        torch.cuda.synchronize()
+        for i, o in enumerate(outs):
+            assert _same(o.to_reference(), refs[i % 4]), (pdl, i)
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the grid barrier runs only on a CUDA GPU")
@@ -225,12 +293,12 @@ def test_persistent_grid_larger_than_resident_is_refused():
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="CUDA graphs need a CUDA GPU")
-@pytest.mark.parametrize("method", ("persistent", "two_kernel"))
-def test_nvfp4_graph_replay_on_new_source_values(method):
+@pytest.mark.parametrize("tuning", (dict(method="persistent"), dict(pdl=False), dict()))
+def test_nvfp4_graph_replay_on_new_source_values(tuning):
     """A captured conversion replayed after the source buffers change: the result is the new
     source's (the amax words, count and barrier flag are zeroed inside the graph every replay)."""
     scheme = get_layout("modelopt-nvfp4").scheme()
-    tun = requant.RequantTuning(method=method)
+    tun = requant.RequantTuning(**tuning)  # dict(): the default, PDL on a GPU that has it
     qs = [_source((512, 1024), (128, 128), seed=20 + i) for i in range(3)]  # three amaxes
     assert len({float(np.max(np.abs(q.dequantize(np.float32)))) for q in qs}) == 3
     srcs = [requant.from_reference(q, DEV) for q in qs]
