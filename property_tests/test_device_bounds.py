@@ -68,6 +68,33 @@ def test_device_gemm_bound_equals_numpy(scheme, model, m, n, k, radius, bias, se
     _same(ref, got, f"{scheme} {model}")
 
 
+@settings(deadline=None, max_examples=60 if on_gpu() else 8, suppress_health_check=_HC)
+@given(st.sampled_from(["fp8 block", "mxfp4", "integers"]), st.integers(1, 5), st.integers(1, 9),
+       st.sampled_from([32, 64, 160, 200]), st.booleans(), st.integers(0, 2**16))
+def test_device_adder_exact_domain_equals_numpy(scheme, m, n, k, bias, seed):
+    """The aligned-adder bound's exact domain (element values, chunk scales after; no radius), both of its
+    kernel's arithmetics: products exact in float32 (FP8 and FP4 elements: float32 maximum and count) and
+    integers of 16 and 12 bits (exact in float64 only: float64 maximum and count); zeros among the
+    activations (the nonzero count); K not a multiple of the chunk."""
+    rng = np.random.default_rng(seed)
+    if scheme == "integers":
+        a = rng.integers(-65535, 65536, (m, k)).astype(np.float32)
+        w = rng.integers(-4095, 4096, (n, k)).astype(np.float32)
+    else:
+        a = rng.standard_normal((m, k)).astype(np.float32) * np.exp2(rng.integers(-6, 6, (m, 1)))
+        w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+    a[rng.random((m, k)) < 0.2] = 0
+    if scheme != "integers":
+        sa, sw = SCHEMES[scheme]
+        a, w = quantize(a, sa()), quantize(w, sw())
+    b = rng.standard_normal(n) if bias else None
+    prof = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
+    ref = gemm_error_bound(a, w, prof, bias=b)
+    got = device_gemm_error_bound(_block(a), _block(w), prof,
+                                  b_abs=None if b is None else torch.as_tensor(np.abs(b), device=DEV))
+    _same(ref, got, f"{scheme} exact domain")
+
+
 def test_device_quantum_and_max_equals_numpy():
     v = np.array([448.0, -0.001953125, 0.0, 3.5, -2.0**-20, 1e-300])
     assert device_quantum_and_max(torch.as_tensor(v, device=DEV)) == quantum_and_max(v)
