@@ -129,6 +129,30 @@ def test_device_layer_bound_equals_numpy_small_layer(model, k, n):
     assert hb.flips == db.flips
 
 
+@pytest.mark.parametrize("shift", [0.0, 1.0])
+def test_compare_of_a_device_run_equals_the_host_compare(shift):
+    """``compare`` of a device run (checks and metrics on the device) reports what the host compare of the host
+    run reports: the same error, bound, violations, per-token and per-expert counts, suspects and checks, the
+    metrics to rounding (torch's summation order). ``shift`` 1.0 plants violations on two tokens."""
+    w, x, tw, ids = _small_layer()
+    kw = dict(quant=MoEQuant(fp8_group(), fp8_group(), "fp8"), gemm1_out_dtype="bfloat16", act_out_dtype="float32",
+              out_dtype="bfloat16")
+    host = run_moe(x, w, tw, ids, **kw)
+    dev = run_moe(x, w, tw, ids, device=DEV, **kw)
+    cand = np.asarray(host.output, dtype=np.float32).copy()
+    cand[[1, 3], :4] += shift
+    prof = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
+    hr, dr = compare(cand, host, prof), compare(torch.as_tensor(cand, device=DEV), dev, prof)
+    assert dr.passed == (shift == 0.0) and dr.passed == hr.passed
+    for f in ("error", "bound", "violations", "token_violations"):
+        assert isinstance(getattr(dr, f), np.ndarray), f
+        assert np.array_equal(getattr(hr, f), getattr(dr, f)), f
+    assert hr.expert_violations == dr.expert_violations and hr.checks == dr.checks and hr.flips == dr.flips
+    assert hr.suspects.keys() == dr.suspects.keys()
+    for key, v in hr.metrics.items():
+        assert dr.metrics[key] == pytest.approx(v, rel=1e-12, abs=1e-12), key  # calc_diff = 1 - x: absolute
+
+
 @pytest.mark.gpu
 @settings(deadline=None, max_examples=40, suppress_health_check=_HC)
 @given(layers(), st.sampled_from(MODELS + ("BF16_OUTPUT", "VLLM_MOE_SUM_BF16")), st.data())
