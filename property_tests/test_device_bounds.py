@@ -68,6 +68,33 @@ def test_device_gemm_bound_equals_numpy(scheme, model, m, n, k, radius, bias, se
     _same(ref, got, f"{scheme} {model}")
 
 
+@settings(deadline=None, max_examples=60 if on_gpu() else 8, suppress_health_check=_HC)
+@given(st.sampled_from(["fp8 block", "mxfp4", "integers"]), st.integers(1, 5), st.integers(1, 9),
+       st.sampled_from([32, 64, 160, 200]), st.booleans(), st.integers(0, 2**16))
+def test_device_adder_exact_domain_equals_numpy(scheme, m, n, k, bias, seed):
+    """The aligned-adder bound's exact domain (element values, chunk scales after; no radius), both of its
+    kernel's arithmetics: products exact in float32 (FP8 and FP4 elements: float32 maximum and count) and
+    integers of 16 and 12 bits (exact in float64 only: float64 maximum and count); zeros among the
+    activations (the nonzero count); K not a multiple of the chunk."""
+    rng = np.random.default_rng(seed)
+    if scheme == "integers":
+        a = rng.integers(-65535, 65536, (m, k)).astype(np.float32)
+        w = rng.integers(-4095, 4096, (n, k)).astype(np.float32)
+    else:
+        a = rng.standard_normal((m, k)).astype(np.float32) * np.exp2(rng.integers(-6, 6, (m, 1)))
+        w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+    a[rng.random((m, k)) < 0.2] = 0
+    if scheme != "integers":
+        sa, sw = SCHEMES[scheme]
+        a, w = quantize(a, sa()), quantize(w, sw())
+    b = rng.standard_normal(n) if bias else None
+    prof = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
+    ref = gemm_error_bound(a, w, prof, bias=b)
+    got = device_gemm_error_bound(_block(a), _block(w), prof,
+                                  b_abs=None if b is None else torch.as_tensor(np.abs(b), device=DEV))
+    _same(ref, got, f"{scheme} exact domain")
+
+
 def test_device_quantum_and_max_equals_numpy():
     v = np.array([448.0, -0.001953125, 0.0, 3.5, -2.0**-20, 1e-300])
     assert device_quantum_and_max(torch.as_tensor(v, device=DEV)) == quantum_and_max(v)
@@ -100,6 +127,30 @@ def test_device_layer_bound_equals_numpy_small_layer(model, k, n):
     _same(hb.bound, db.bound, f"{model} bound")
     _same(hb.radius, db.radius, f"{model} radius")
     assert hb.flips == db.flips
+
+
+@pytest.mark.parametrize("shift", [0.0, 1.0])
+def test_compare_of_a_device_run_equals_the_host_compare(shift):
+    """``compare`` of a device run (checks and metrics on the device) reports what the host compare of the host
+    run reports: the same error, bound, violations, per-token and per-expert counts, suspects and checks, the
+    metrics to rounding (torch's summation order). ``shift`` 1.0 plants violations on two tokens."""
+    w, x, tw, ids = _small_layer()
+    kw = dict(quant=MoEQuant(fp8_group(), fp8_group(), "fp8"), gemm1_out_dtype="bfloat16", act_out_dtype="float32",
+              out_dtype="bfloat16")
+    host = run_moe(x, w, tw, ids, **kw)
+    dev = run_moe(x, w, tw, ids, device=DEV, **kw)
+    cand = np.asarray(host.output, dtype=np.float32).copy()
+    cand[[1, 3], :4] += shift
+    prof = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
+    hr, dr = compare(cand, host, prof), compare(torch.as_tensor(cand, device=DEV), dev, prof)
+    assert dr.passed == (shift == 0.0) and dr.passed == hr.passed
+    for f in ("error", "bound", "violations", "token_violations"):
+        assert isinstance(getattr(dr, f), np.ndarray), f
+        assert np.array_equal(getattr(hr, f), getattr(dr, f)), f
+    assert hr.expert_violations == dr.expert_violations and hr.checks == dr.checks and hr.flips == dr.flips
+    assert hr.suspects.keys() == dr.suspects.keys()
+    for key, v in hr.metrics.items():
+        assert dr.metrics[key] == pytest.approx(v, rel=1e-12, abs=1e-12), key  # calc_diff = 1 - x: absolute
 
 
 @pytest.mark.gpu
