@@ -189,8 +189,10 @@ def device_gemm_error_bound(a: DeviceBlock, w: DeviceBlock, profile, *, a_radius
     return _group_bound(a, [m], [w], profile, a_radius, b)
 
 
-def _group_bound(a: DeviceBlock, counts, ws: list, profile, radius, b_abs):
-    """The bound of rows ``a`` (``counts[g]`` consecutive rows against expert ``ws[g]``), float64 ``[R, N]``."""
+def _group_bound(a: DeviceBlock, counts, ws: list, profile, radius, b_abs, *, rterm: bool = False):
+    """The bound of rows ``a`` (``counts[g]`` consecutive rows against expert ``ws[g]``), float64 ``[R, N]``;
+    ``rterm``: ``(bound, radius term or None)``, the term from the aligned-adder kernel when it can give it
+    (:func:`_adder`)."""
     model = profile.accum_model
     if model not in ("worst_case", "contiguous_tree", "data_dependent"):
         raise ValueError(f"accum_model must be one of worst_case, contiguous_tree, data_dependent; got {model!r}")
@@ -202,7 +204,10 @@ def _group_bound(a: DeviceBlock, counts, ws: list, profile, radius, b_abs):
     dev = a.values.device
     r = int(a.values.shape[0])
     if r == 0 or n == 0:
-        return torch.zeros((r, n), dtype=torch.float64, device=dev)
+        z = torch.zeros((r, n), dtype=torch.float64, device=dev)
+        return (z, None) if rterm else z
+    if model == "data_dependent":
+        return _adder(a, counts, ws, profile, radius, b_abs, rterm=rterm)
     it, bm = items(counts, dev)
     if model == "worst_case":
         bk = max(1, min(a.block[1], ws[0].block[1], max(k, 1)))
@@ -210,10 +215,10 @@ def _group_bound(a: DeviceBlock, counts, ws: list, profile, radius, b_abs):
         a_abs = a.dequantize().abs() + (0.0 if radius is None else radius)
         wa, abs_w = _abs_stack(ws)
         dot = ordered_dot_t(_kt(a_abs), wa, it, bm, ORDER_CHUNK, ORDER_STEP, abs_w=abs_w)
-        return coef * (dot + _rows_of(b_abs, counts))
-    if model == "contiguous_tree":
-        return _tree(a, counts, ws, profile, radius, b_abs, it, bm)
-    return _adder(a, counts, ws, profile, radius, b_abs)
+        out = coef * (dot + _rows_of(b_abs, counts))
+    else:
+        out = _tree(a, counts, ws, profile, radius, b_abs, it, bm)
+    return (out, None) if rterm else out
 
 
 def _rows_of(per_expert, counts):
@@ -262,12 +267,15 @@ def _tree(a: DeviceBlock, counts, ws, profile, radius, b_abs, it, bm):
     return out * (1.0 + 1e-9)
 
 
-def _adder(a: DeviceBlock, counts, ws, profile, radius, b_abs):
+def _adder(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bool = False):
     """:func:`moeref.compare.gemm_bounds.aligned_adder_gemm_bound`, operation for operation; experts in the
     exact domain (:mod:`moeref.compare._adder_kernels`: their codes read directly, float32 maxima and counts
-    where :func:`_products_f32` proves them exact) and the others in one launch each."""
+    where :func:`_products_f32` proves them exact) and the others in one launch each (with a radius:
+    :func:`~moeref.compare._adder_kernels.adder_radius_bound_t`). ``rterm`` (with a radius): ``(bound, radius
+    term)``, the term (:func:`device_rows_radius_term`'s numbers) from the bound's own kernel when the
+    promotion chunk and the MMA step are :func:`~moeref.compare.gemm_bounds.ordered_dot`'s, else None."""
     torch = _torch()
-    from ._adder_kernels import adder_exact_bound_t
+    from ._adder_kernels import adder_exact_bound_t, adder_radius_bound_t
     from ._bound_kernels import adder_bound_t, items
 
     m, k = (int(d) for d in a.values.shape)
@@ -275,7 +283,11 @@ def _adder(a: DeviceBlock, counts, ws, profile, radius, b_abs):
     dev = a.values.device
     st = adder_setup(k, a.block, ws[0].block, profile)
     if k == 0:
-        return _rows_of(st.g_prom * b_abs, counts).clone()
+        out = _rows_of(st.g_prom * b_abs, counts).clone()
+        return (out, None) if rterm else out
+    fuse = (rterm and radius is not None and st.mma == ORDER_STEP and st.chunk == max(1, min(ORDER_CHUNK, k))
+            and st.chunk % st.mma == 0)
+    term = torch.zeros((m, n), dtype=torch.float64, device=dev) if fuse else None
     starts = np.cumsum(counts) - np.asarray(counts)
     exact = [False] * len(ws)
     if radius is None and st.const_scales:
@@ -303,12 +315,19 @@ def _adder(a: DeviceBlock, counts, ws, profile, radius, b_abs):
             wt, table = _exact_weights(ws, sel)
             out[rows] = adder_exact_bound_t(_kt(av), wt, table, sa, sw, b_sel, consts, it, bm, n=n, chunk=st.chunk,
                                             mma=st.mma, steps=st.steps, f32=_products_f32(av, [ws[g] for g in sel]))
+        elif radius is not None and st.chunk % st.mma == 0:
+            res, tr = adder_radius_bound_t(a.dequantize().index_select(0, rows), _weights_kt(ws, sel),
+                                           radius.index_select(0, rows), b_sel, consts, it, bm, chunk=st.chunk,
+                                           mma=st.mma, steps=st.steps, rterm=fuse)
+            out[rows] = res
+            if fuse:
+                term[rows] = tr
         else:
             av = a.dequantize().index_select(0, rows)
             rt = None if radius is None else _kt(radius.index_select(0, rows))
             out[rows] = adder_bound_t(_kt(av), _weights_kt(ws, sel), rt, None, None, b_sel, consts, it, bm,
                                       chunk=st.chunk, mma=st.mma, steps=st.steps, exact=False)
-    return out
+    return (out, term) if rterm else out
 
 
 def _exact_weights(ws, sel):
@@ -513,12 +532,16 @@ def device_rows_error_bound(a, a_radius, row_expert, weights, bias, profile, *, 
         ag = DeviceBlock.of(a.take_rows(it))
         ws = _Experts(_expert_block(weights, e) for e in es)
         r = None if a_radius is None else a_radius.index_select(0, it)
-        if radius_term:
-            items_, bm = items(counts, dev)
-            rad[it] = ordered_dot_t(_kt(r), _weights_kt(ws), items_, bm, ORDER_CHUNK, ORDER_STEP, abs_w=True)
         b = (torch.zeros((len(es), n), dtype=torch.float64, device=dev) if bias is None
              else bias.index_select(0, torch.as_tensor(es, device=dev)).abs())
-        out[it] = _group_bound(ag, counts, ws, profile, r, b)
+        if radius_term:
+            out[it], term = _group_bound(ag, counts, ws, profile, r, b, rterm=True)
+            if term is None:
+                items_, bm = items(counts, dev)
+                term = ordered_dot_t(_kt(r), _weights_kt(ws), items_, bm, ORDER_CHUNK, ORDER_STEP, abs_w=True)
+            rad[it] = term
+        else:
+            out[it] = _group_bound(ag, counts, ws, profile, r, b)
         del ws
     return (rad, out) if radius_term else out
 
