@@ -29,10 +29,12 @@ def tables(data: dict) -> str:
         out.append(f"| {r['tokens']} | {r['median_s']:.3f} | {r['min_s']:.3f}-{r['max_s']:.3f} | "
                    f"{r['expert_tflop']:.2f} TFLOP | {r['peak_extra_gib']:.1f} GiB |")
     if data.get("compare"):
+        cm = data.get("compare_meta") or m
         out += ["", "**`compare`** of `fastpath.moe` against that reference under `HOPPER_FP8_DEEPGEMM_DATA`, the bound "
                 "on the GPU (`moeref.compare.device_layer`), beside the reference's own time in the same rounds "
                 "(medians); peak extra GPU memory of the comparison; host synchronizations of one bound "
-                "(torch's sync debug mode):", "",
+                f"(torch's sync debug mode); measured on an {cm['gpu']}, {cm['date']}, {cm['rounds']} interleaved "
+                "rounds:", "",
                 "| tokens | fast path | reference, s | compare, s | bound, s | compare / reference | passed | "
                 "host syncs | peak extra GPU memory |", "|---|---|---|---|---|---|---|---|---|"]
         for r in data["compare"]:
@@ -152,6 +154,8 @@ def main(argv=None) -> int:
             part = json.load(f)
         if part.get("layer"):  # each run of the whole layer keeps its own table
             data["layers"].append((part["layer"], part.get("layer_meta") or {}))
+        if part.get("compare"):  # the compare table names its own run
+            data["compare_meta"] = part["meta"]
         data.update({k: v for k, v in part.items() if v and k not in ("layer", "layer_meta")})
     return update_page(args.docs, BEGIN, END, tables(data), check=args.check,
                        remedy="run bench/report_moe_device.py " + " ".join(args.json))
