@@ -50,8 +50,7 @@ import time
 import numpy as np
 
 import moeref.compare.gemm_bounds as gb
-from moeref.compare.gemm_bounds import _gather_cols, _grid_exact, _grid_scaled, adder_exact, adder_setup, grouped_columns
-from moeref.gemm.exact import quantum_and_max
+from moeref.compare.gemm_bounds import _grid_exact, _grid_scaled, adder_operands, adder_rows, adder_step_sums
 
 VARIANTS = ("rank1", "expsum", "expsum_minn", "min_both")
 CURRENT = gb.aligned_adder_gemm_bound
@@ -85,85 +84,35 @@ def _max_exponent_sum(ac, bd, r0, r1) -> np.ndarray:
 
 def variant_adder_bound(a, w, profile, radius, b_abs, variant: str = "rank1") -> np.ndarray:
     """:func:`moeref.compare.gemm_bounds.aligned_adder_gemm_bound` with the per-step summaries of ``variant``
-    (module docstring; ``per_product``: the current ones). The same setup, the same step sums in the same
-    order, the same recurrence; only ``max|P_j|`` and ``n_j`` change."""
+    (module docstring; ``per_product``: the current ones): its operands, step sums and recurrence
+    (:func:`~moeref.compare.gemm_bounds.adder_operands`, ``adder_step_sums``, ``adder_rows``); only the grid of
+    ``max|P_j|`` and ``n_j`` change."""
     m, k = a.values.shape
     n = w.values.shape[0]
-    st = adder_setup(k, a.block, w.block, profile)
     if m == 0 or n == 0 or k == 0:
-        return np.broadcast_to(st.g_prom * b_abs, (m, n)).copy()
-    exact = radius is None and st.const_scales and bool(np.all(np.isfinite(a.values)) and np.all(np.isfinite(w.values)))
-    if exact:
-        exact = adder_exact(quantum_and_max(a.values), quantum_and_max(w.values), st.chunk)
-    cols = grouped_columns(k, st.chunk, st.mma)
-    if exact:
-        ac, bd = _gather_cols(a.values.astype(np.float64), cols), _gather_cols(w.values.astype(np.float64), cols)
-        blk = np.arange(cols.shape[0]) * st.chunk
-        sa = np.abs(a.scales[(np.arange(m) // a.block[0])[:, None], (blk // a.block[1])[None, :]])
-        sw = np.abs(w.scales[(np.arange(n) // w.block[0])[:, None], (blk // w.block[1])[None, :]])
-    else:
-        ac, bd = _gather_cols(a.dequantize(), cols), _gather_cols(w.dequantize(), cols)
-    ar = None if radius is None else _gather_cols(radius, cols)
-    bd_abs = np.abs(bd)
-    au = np.abs(ac) if ar is None else np.abs(ac) + ar
-    u2 = 2.0 * profile.accum_unit
-    a_max, w_max = au.max(axis=-1), bd_abs.max(axis=-1)                  # [M|N, nch, steps]: rank-1 summaries
-    a_nz, w_nz = (au != 0).sum(axis=-1), (bd_abs != 0).sum(axis=-1)
-    use_exp = variant in ("expsum", "expsum_minn", "min_both") and exact
+        return gb.aligned_adder_gemm_bound(a, w, profile, radius, b_abs)
+    op = adder_operands(a, w, profile, radius)
+    grid = _grid_exact if op.exact else _grid_scaled
+    a_max, w_max = op.au.max(axis=-1), op.bd_abs.max(axis=-1)               # [M|N, nch, steps]: rank-1 summaries
+    a_nz, w_nz = (op.au != 0).sum(axis=-1), (op.bd_abs != 0).sum(axis=-1)
+    use_exp = variant in ("expsum", "expsum_minn", "min_both") and op.exact
     out = np.empty((m, n))
-    rb = max(1, gb._BLOCK_ELEMS // max(1, n * cols.size))
-    for r0 in range(0, m, rb):
-        r1 = min(r0 + rb, m)
-        shape = (r1 - r0, n) + cols.shape[:2]
-        p_max, cnt, t_s = np.zeros(shape), np.zeros(shape), np.zeros(shape)
-        t_d = None if ar is None else np.zeros(shape)
-        for i in range(st.mma):  # the step sums exactly as the current bound forms them
-            if variant == "per_product":
-                pa = au[r0:r1, None, :, :, i] * bd_abs[None, :, :, :, i]
-                p_max = np.where(pa > p_max, pa, p_max)
-                cnt = cnt + (pa != 0)
-            t_s = t_s + ac[r0:r1, None, :, :, i] * bd[None, :, :, :, i]
-            if ar is not None:
-                t_d = t_d + ar[r0:r1, None, :, :, i] * bd_abs[None, :, :, :, i]
-        if variant != "per_product":
+    for r0, r1 in op.row_blocks():
+        per_product = variant == "per_product"
+        t_s, t_d, p_max, cnt = adder_step_sums(op, r0, r1, per_product=per_product)
+        if not per_product:
             p_max = a_max[r0:r1, None] * w_max[None]
             if variant == "expsum":  # exact count: a matmul of nonzero indicators
-                cnt = np.einsum("rcsi,ncsi->rncs", (au[r0:r1] != 0).astype(np.float64), (bd_abs != 0).astype(np.float64))
+                cnt = np.einsum("rcsi,ncsi->rncs", (op.au[r0:r1] != 0).astype(np.float64),
+                                (op.bd_abs != 0).astype(np.float64))
             else:
                 cnt = np.minimum(a_nz[r0:r1, None], w_nz[None]).astype(np.float64)
-        pw2 = None
-        if use_exp:
-            mj = _max_exponent_sum(ac, bd, r0, r1)
+        top = grid(p_max)
+        if use_exp:  # p2(max|P_j|) <= 2^(m_j + 1)
+            mj = _max_exponent_sum(op.ac, op.bd, r0, r1)
             pw2 = np.where(mj > -(1 << 19), np.ldexp(1.0, np.maximum(mj, -1000) + 1), 0.0)
-            if variant == "min_both":
-                pw2 = np.minimum(pw2, _grid_exact(p_max))
-        err = np.zeros(shape[:3])
-        prev = np.zeros_like(err)
-        s_sum = np.zeros_like(err)
-        d_sum = np.zeros_like(err)
-        for j in range(st.steps):  # the current recurrence
-            s_sum = s_sum + t_s[..., j]
-            s_part = np.abs(s_sum)
-            if ar is not None:
-                d_sum = d_sum + t_d[..., j]
-                s_part = s_part + d_sum
-            grid = _grid_exact if exact else _grid_scaled
-            if pw2 is not None:  # p2(max(x, y)) = max(p2(x), p2(y)); p2(max|P_j|) <= 2^(m_j + 1)
-                top = np.maximum(pw2[..., j], grid(prev))
-            else:
-                top = grid(np.where(p_max[..., j] > prev, p_max[..., j], prev))
-            align = ((cnt[..., j] + float(j > 0)) * u2) * top
-            err = (err + align) + u2 * grid((s_part + err) + align)
-            prev = s_part + err
-        if exact:
-            scale = sa[r0:r1, None, :] * sw[None, :, :]
-            err, prev = err * scale, prev * scale
-        tot_e = np.zeros(shape[:2])
-        tot_p = np.zeros(shape[:2])
-        for c in range(shape[2]):
-            tot_e = tot_e + err[..., c]
-            tot_p = tot_p + prev[..., c]
-        out[r0:r1] = tot_e + st.g_prom * (tot_p + b_abs[None, :])
+            top = np.minimum(pw2, top) if variant == "min_both" else pw2
+        out[r0:r1] = adder_rows(op, r0, t_s, t_d, top, cnt, b_abs)
     return out * (1.0 + 1e-9)
 
 

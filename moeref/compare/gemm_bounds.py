@@ -367,13 +367,54 @@ def aligned_adder_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius, 
     """
     m, k = a.values.shape
     n = w.values.shape[0]
-    st = adder_setup(k, a.block, w.block, profile)
     if m == 0 or n == 0 or k == 0:
-        return np.broadcast_to(st.g_prom * b_abs, (m, n)).copy()
+        return np.broadcast_to(adder_setup(k, a.block, w.block, profile).g_prom * b_abs, (m, n)).copy()
+    op = adder_operands(a, w, profile, radius)
+    grid = _grid_exact if op.exact else _grid_scaled
+    out = np.empty((m, n))
+    for r0, r1 in op.row_blocks():  # row blocks bound the memory of the [rb, N, K] product tensor
+        t_s, t_d, p_max, cnt = adder_step_sums(op, r0, r1)
+        out[r0:r1] = adder_rows(op, r0, t_s, t_d, grid(p_max), cnt, b_abs)
+    return out * (1.0 + 1e-9)
+
+
+@dataclass(frozen=True)
+class AdderOperands:
+    """The operands of :func:`aligned_adder_gemm_bound` as its recurrence reads them: ``ac`` ``[M, nch, steps,
+    mma]`` and ``bd`` ``[N, nch, steps, mma]`` (element values in the exact domain, whose chunk scales ``sa``
+    ``[M, nch]`` / ``sw`` ``[N, nch]`` apply after the recurrence; scaled values otherwise), ``ar`` the radius
+    (or None), ``au = |ac| + ar`` and ``bd_abs = |bd|``."""
+
+    st: AdderSetup
+    exact: bool
+    ac: np.ndarray
+    bd: np.ndarray
+    sa: np.ndarray | None
+    sw: np.ndarray | None
+    ar: np.ndarray | None
+    au: np.ndarray
+    bd_abs: np.ndarray
+    u2: float
+
+    def row_blocks(self):
+        """``(r0, r1)`` blocks of rows whose ``[rb, N, K]`` product tensor has at most 2^22 elements."""
+        m, n = self.ac.shape[0], self.bd.shape[0]
+        rb = max(1, _BLOCK_ELEMS // max(1, n * int(np.prod(self.ac.shape[1:]))))
+        return [(r0, min(r0 + rb, m)) for r0 in range(0, m, rb)]
+
+
+def adder_operands(a: BlockOperand, w: BlockOperand, profile, radius) -> AdderOperands:
+    """The operands of the aligned-adder recurrence (:class:`AdderOperands`): the exact domain when every partial
+    sum of a chunk is exact in float64 (:func:`adder_exact`), finite operands, no radius and scales constant over
+    a chunk."""
+    m, k = a.values.shape
+    n = w.values.shape[0]
+    st = adder_setup(k, a.block, w.block, profile)
     exact = radius is None and st.const_scales and bool(np.all(np.isfinite(a.values)) and np.all(np.isfinite(w.values)))
     if exact:
         exact = adder_exact(quantum_and_max(a.values), quantum_and_max(w.values), st.chunk)
     cols = grouped_columns(k, st.chunk, st.mma)
+    sa = sw = None
     if exact:  # the unscaled element values, the chunk's scales applied after its recurrence
         ac, bd = _gather_cols(a.values.astype(np.float64), cols), _gather_cols(w.values.astype(np.float64), cols)
         blk = np.arange(cols.shape[0]) * st.chunk
@@ -382,44 +423,58 @@ def aligned_adder_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius, 
     else:
         ac, bd = _gather_cols(a.dequantize(), cols), _gather_cols(w.dequantize(), cols)
     ar = None if radius is None else _gather_cols(radius, cols)
-    bd_abs = np.abs(bd)
     au = np.abs(ac) if ar is None else np.abs(ac) + ar
-    u2 = 2.0 * profile.accum_unit
-    out = np.empty((m, n))
-    rb = max(1, _BLOCK_ELEMS // max(1, n * cols.size))
-    for r0 in range(0, m, rb):  # row blocks bound the memory of the [rb, N, K] product tensor
-        r1 = min(r0 + rb, m)
-        shape = (r1 - r0, n) + cols.shape[:2]                              # [rb, N, nch, steps]
-        p_max, cnt, t_s = np.zeros(shape), np.zeros(shape), np.zeros(shape)
-        t_d = None if ar is None else np.zeros(shape)
-        for i in range(st.mma):  # the step's columns in order (the device kernel's order)
-            pa = au[r0:r1, None, :, :, i] * bd_abs[None, :, :, :, i]
+    return AdderOperands(st, bool(exact), ac, bd, sa, sw, ar, au, np.abs(bd), 2.0 * profile.accum_unit)
+
+
+def adder_step_sums(op: AdderOperands, r0: int, r1: int, per_product: bool = True):
+    """Rows ``r0:r1``: the steps' exact sums ``t_s`` (and ``t_d`` of ``radius |W|``, None without a radius), each
+    ``[rb, N, nch, steps]`` in column order (the device kernel's order), and with ``per_product`` the steps'
+    largest product ``p_max`` and nonzero count ``cnt`` (else None)."""
+    shape = (r1 - r0, op.bd.shape[0]) + op.ac.shape[1:3]                   # [rb, N, nch, steps]
+    t_s = np.zeros(shape)
+    p_max, cnt = (np.zeros(shape), np.zeros(shape)) if per_product else (None, None)
+    t_d = None if op.ar is None else np.zeros(shape)
+    for i in range(op.st.mma):  # the step's columns in order
+        if per_product:
+            pa = op.au[r0:r1, None, :, :, i] * op.bd_abs[None, :, :, :, i]
             p_max = np.where(pa > p_max, pa, p_max)
             cnt = cnt + (pa != 0)
-            t_s = t_s + ac[r0:r1, None, :, :, i] * bd[None, :, :, :, i]
-            if ar is not None:
-                t_d = t_d + ar[r0:r1, None, :, :, i] * bd_abs[None, :, :, :, i]
-        err = np.zeros(shape[:3])                                          # [rb, N, nch]
-        prev = np.zeros_like(err)                                          # |S_{j-1}| + E_{j-1}
-        s_sum = np.zeros_like(err)
-        d_sum = np.zeros_like(err)
-        for j in range(st.steps):  # <= promote_every / mma_k steps (4 for DeepGEMM): the recurrence
-            s_sum = s_sum + t_s[..., j]
-            s_part = np.abs(s_sum)
-            if ar is not None:
-                d_sum = d_sum + t_d[..., j]
-                s_part = s_part + d_sum
-            grid = _grid_exact if exact else _grid_scaled
-            align = ((cnt[..., j] + float(j > 0)) * u2) * grid(np.where(p_max[..., j] > prev, p_max[..., j], prev))
-            err = (err + align) + u2 * grid((s_part + err) + align)
-            prev = s_part + err
-        if exact:
-            scale = sa[r0:r1, None, :] * sw[None, :, :]
-            err, prev = err * scale, prev * scale
-        tot_e = np.zeros(shape[:2])
-        tot_p = np.zeros(shape[:2])
-        for c in range(shape[2]):  # chunks in order
-            tot_e = tot_e + err[..., c]
-            tot_p = tot_p + prev[..., c]
-        out[r0:r1] = tot_e + st.g_prom * (tot_p + b_abs[None, :])
-    return out * (1.0 + 1e-9)
+        t_s = t_s + op.ac[r0:r1, None, :, :, i] * op.bd[None, :, :, :, i]
+        if op.ar is not None:
+            t_d = t_d + op.ar[r0:r1, None, :, :, i] * op.bd_abs[None, :, :, :, i]
+    return t_s, t_d, p_max, cnt
+
+
+def adder_rows(op: AdderOperands, r0: int, t_s, t_d, top, cnt, b_abs) -> np.ndarray:
+    """The recurrence over the steps of every chunk, the chunk scales, the sum over chunks in order and the
+    promotion term, for rows ``r0:`` (``t_s``/``t_d``/``cnt`` of :func:`adder_step_sums`; ``top`` ``[rb, N, nch,
+    steps]``: the grid of each step's largest product, ``p2(max |P_j|)`` in the exact domain): ``[rb, N]``,
+    before the final ``1 + 1e-9``. A step's largest addend enters as ``where(top > g, top, g)`` with ``g`` the
+    grid of ``|S_{j-1}| + E_{j-1}``: the grid of their maximum, since the grid is nondecreasing (a NaN product
+    leaves ``g``, as ``where(p > prev, p, prev)`` does)."""
+    grid = _grid_exact if op.exact else _grid_scaled
+    err = np.zeros(t_s.shape[:3])                                           # [rb, N, nch]
+    prev = np.zeros_like(err)                                               # |S_{j-1}| + E_{j-1}
+    s_sum = np.zeros_like(err)
+    d_sum = np.zeros_like(err)
+    for j in range(op.st.steps):  # <= promote_every / mma_k steps (4 for DeepGEMM): the recurrence
+        s_sum = s_sum + t_s[..., j]
+        s_part = np.abs(s_sum)
+        if t_d is not None:
+            d_sum = d_sum + t_d[..., j]
+            s_part = s_part + d_sum
+        g = grid(prev)
+        align = ((cnt[..., j] + float(j > 0)) * op.u2) * np.where(top[..., j] > g, top[..., j], g)
+        err = (err + align) + op.u2 * grid((s_part + err) + align)
+        prev = s_part + err
+    if op.exact:
+        r1 = r0 + t_s.shape[0]
+        scale = op.sa[r0:r1, None, :] * op.sw[None, :, :]
+        err, prev = err * scale, prev * scale
+    tot_e = np.zeros(t_s.shape[:2])
+    tot_p = np.zeros(t_s.shape[:2])
+    for c in range(t_s.shape[2]):  # chunks in order
+        tot_e = tot_e + err[..., c]
+        tot_p = tot_p + prev[..., c]
+    return tot_e + op.st.g_prom * (tot_p + b_abs[None, :])
