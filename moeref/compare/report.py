@@ -55,22 +55,25 @@ def _metric_values(nr, nc, nd, denom, cr, max_abs) -> dict:
         }
 
 
+_TOLERANCES = (("vLLM atol=2e-2 rtol=0", 2e-2, 0.0), ("vLLM modular atol=rtol=3e-2", 3e-2, 3e-2))
+"""The ``|c - r| <= atol + rtol |r|`` checks of :func:`conventional_checks`: ``(name, atol, rtol)``."""
+
+
+def _checks(close, calc_diff: float) -> dict:
+    """:func:`conventional_checks`' dict from the :data:`_TOLERANCES` results ``close`` and ``calc_diff``."""
+    out = {name: bool(ok) for (name, _, _), ok in zip(_TOLERANCES, close)}
+    out["DeepGEMM calc_diff<1e-3"] = bool(calc_diff < 1e-3)
+    return out
+
+
 def conventional_checks(candidate, reference, *, calc_diff: float | None = None) -> dict:
     """The tolerance checks MoE suites use, as ``name -> passed`` (NaN fails, as torch's). ``calc_diff``:
     :func:`metrics`' value when the caller has it (else computed here)."""
     c = np.asarray(candidate, dtype=np.float64)
     r = np.asarray(reference, dtype=np.float64)
     d = np.abs(c - r)
-
-    def close(atol, rtol):
-        return bool(np.all(d <= atol + rtol * np.abs(r)))
-
     cd = metrics(c, r)["calc_diff"] if calc_diff is None else calc_diff
-    return {
-        "vLLM atol=2e-2 rtol=0": close(2e-2, 0.0),
-        "vLLM modular atol=rtol=3e-2": close(3e-2, 3e-2),
-        "DeepGEMM calc_diff<1e-3": bool(cd < 1e-3),
-    }
+    return _checks([np.all(d <= atol + rtol * np.abs(r)) for _, atol, rtol in _TOLERANCES], cd)
 
 
 @dataclass(frozen=True, eq=False)
@@ -343,12 +346,11 @@ def _compare_on_device(candidate, reference, profile, label: str) -> Report:
     denom = torch.sum(c * c + r * r)
     cr = torch.sum(c * r)
     ar = r.abs()
-    close = [torch.all(err <= atol + rtol * ar) for atol, rtol in ((2e-2, 0.0), (3e-2, 3e-2))]
+    close = [torch.all(err <= atol + rtol * ar) for _, atol, rtol in _TOLERANCES]
     mx = err.max() if err.numel() else torch.zeros((), dtype=torch.float64, device=r.device)
     host = torch.stack([nr, nc, nd, denom, cr, mx, *(x.to(torch.float64) for x in close)]).cpu().numpy()
-    nr, nc, nd, denom, cr, mx, ok1, ok2 = (float(x) for x in host)
+    nr, nc, nd, denom, cr, mx = (float(x) for x in host[:6])
     m = _metric_values(nr, nc, nd, denom, cr, mx)
-    checks = {"vLLM atol=2e-2 rtol=0": bool(ok1), "vLLM modular atol=rtol=3e-2": bool(ok2),
-              "DeepGEMM calc_diff<1e-3": bool(m["calc_diff"] < 1e-3)}
+    checks = _checks([bool(x) for x in host[6:]], m["calc_diff"])
     return _report(profile, reference, err.cpu().numpy(), lb.bound.cpu().numpy(), viol.cpu().numpy(), m, checks,
                    lb.flips, label, lambda: d.cpu().numpy())
