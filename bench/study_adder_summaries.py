@@ -22,7 +22,10 @@ Every variant only replaces ``max|P_j|`` (or ``p2`` of it) and ``n_j`` by upper 
 recurrence is monotone in both (``p2``, ``max``, ``+``, ``*`` by positive numbers, and their float64 roundings),
 so each variant is >= the current bound elementwise, hence sound under the same hardware model. The study
 checks that on every GEMM it evaluates (``min variant/current >= 1``), and checks that its own copy of the
-recurrence with the current per-product summaries (``per_product``) reproduces the current bound bit for bit.
+recurrence with the ``min_both`` summaries reproduces the library's bound bit for bit (adopted 2026-11-25: since then
+:func:`~moeref.compare.gemm_bounds.aligned_adder_gemm_bound` is ``min_both``, and the study's "current" is its own
+copy of the per-product definition it started from; docs/data/adder_summaries_study.json was written before the
+change, when the check compared the per-product copy with the library).
 
 Two measurements:
 
@@ -53,7 +56,8 @@ import moeref.compare.gemm_bounds as gb
 from moeref.compare.gemm_bounds import _grid_exact, _grid_scaled, adder_operands, adder_rows, adder_step_sums
 
 VARIANTS = ("rank1", "expsum", "expsum_minn", "min_both")
-CURRENT = gb.aligned_adder_gemm_bound
+LIBRARY = gb.aligned_adder_gemm_bound
+"""moeref's bound: since 2026-11-25 the ``min_both`` summaries (the study's recommendation, adopted)."""
 LAMBDA = 6
 """Power of the exponent matmul: a step has at most 32 = 2^5 nonzero products, so the sum of
 ``2^(LAMBDA (e_a + e_w))`` lies in ``[2^(LAMBDA m), 2^(LAMBDA m + 5)]`` (the top when all 32 share the largest
@@ -82,15 +86,27 @@ def _max_exponent_sum(ac, bd, r0, r1) -> np.ndarray:
     return m
 
 
+def _per_product(op, r0, r1):
+    """The summaries of the definition the study started from: each step's largest product (ignoring NaN) and its
+    nonzero products, per product ``[rb, N, nch, steps]``."""
+    shape = (r1 - r0, op.bd.shape[0]) + op.ac.shape[1:3]
+    p_max, cnt = np.zeros(shape), np.zeros(shape)
+    for i in range(op.st.mma):
+        pa = op.au[r0:r1, None, :, :, i] * op.bd_abs[None, :, :, :, i]
+        p_max = np.where(pa > p_max, pa, p_max)
+        cnt = cnt + (pa != 0)
+    return p_max, cnt
+
+
 def variant_adder_bound(a, w, profile, radius, b_abs, variant: str = "rank1") -> np.ndarray:
     """:func:`moeref.compare.gemm_bounds.aligned_adder_gemm_bound` with the per-step summaries of ``variant``
-    (module docstring; ``per_product``: the current ones): its operands, step sums and recurrence
+    (module docstring; ``per_product``: the definition before the change): its operands, step sums and recurrence
     (:func:`~moeref.compare.gemm_bounds.adder_operands`, ``adder_step_sums``, ``adder_rows``); only the grid of
     ``max|P_j|`` and ``n_j`` change."""
     m, k = a.values.shape
     n = w.values.shape[0]
     if m == 0 or n == 0 or k == 0:
-        return gb.aligned_adder_gemm_bound(a, w, profile, radius, b_abs)
+        return LIBRARY(a, w, profile, radius, b_abs)
     op = adder_operands(a, w, profile, radius)
     grid = _grid_exact if op.exact else _grid_scaled
     a_max, w_max = op.au.max(axis=-1), op.bd_abs.max(axis=-1)               # [M|N, nch, steps]: rank-1 summaries
@@ -98,9 +114,10 @@ def variant_adder_bound(a, w, profile, radius, b_abs, variant: str = "rank1") ->
     use_exp = variant in ("expsum", "expsum_minn", "min_both") and op.exact
     out = np.empty((m, n))
     for r0, r1 in op.row_blocks():
-        per_product = variant == "per_product"
-        t_s, t_d, p_max, cnt = adder_step_sums(op, r0, r1, per_product=per_product)
-        if not per_product:
+        t_s, t_d = adder_step_sums(op, r0, r1)
+        if variant == "per_product":
+            p_max, cnt = _per_product(op, r0, r1)
+        else:
             p_max = a_max[r0:r1, None] * w_max[None]
             if variant == "expsum":  # exact count: a matmul of nonzero indicators
                 cnt = np.einsum("rcsi,ncsi->rncs", (op.au[r0:r1] != 0).astype(np.float64),
@@ -114,6 +131,11 @@ def variant_adder_bound(a, w, profile, radius, b_abs, variant: str = "rank1") ->
             top = np.minimum(pw2, top) if variant == "min_both" else pw2
         out[r0:r1] = adder_rows(op, r0, t_s, t_d, top, cnt, b_abs)
     return out * (1.0 + 1e-9)
+
+
+def CURRENT(a, w, profile, radius, b_abs):
+    """The bound before the change: the per-product summaries (the study's baseline, "current" in its tables)."""
+    return variant_adder_bound(a, w, profile, radius, b_abs, "per_product")
 
 
 def _ratio(v, c) -> dict:
@@ -153,9 +175,9 @@ def gemm_study(args) -> list:
             row = dict(k=k, rows=args.rows, cols=args.cols, outliers=outliers, current_seconds=time.perf_counter() - t0)
             out = np.abs(block_gemm(qa, qw))
             row["current_bound_over_out"] = float(np.median(cur / np.maximum(out, 1e-300)))
-            if k <= args.copy_check_k:
-                copy = variant_adder_bound(a, w, prof, None, b0, "per_product")
-                row["per_product_identical"] = bool(np.array_equal(copy, cur))
+            if k <= args.copy_check_k:  # the study's min_both (exponents from the matmul) is the library's bound
+                lib = LIBRARY(a, w, prof, None, b0)
+                row["min_both_is_library"] = bool(np.array_equal(variant_adder_bound(a, w, prof, None, b0, "min_both"), lib))
             for v in VARIANTS:
                 b = variant_adder_bound(a, w, prof, None, b0, v)
                 row[v] = dict(ratio=_ratio(b, cur), bound_over_out=float(np.median(b / np.maximum(out, 1e-300))))
@@ -207,7 +229,7 @@ def layer_study(args) -> dict:
                         layer_ratio.setdefault(v, []).append(_ratio(bnd, base))
                 state["variant"] = None
         finally:
-            gb.aligned_adder_gemm_bound = CURRENT
+            gb.aligned_adder_gemm_bound = LIBRARY
         return out
 
     bop.bounds_for = bounds_for
@@ -272,7 +294,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", type=int, nargs="+", default=[512, 2048, 7168])
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--cols", type=int, default=256)
-    ap.add_argument("--copy-check-k", type=int, default=2048, help="check the per_product copy up to this K")
+    ap.add_argument("--copy-check-k", type=int, default=2048, help="check min_both against the library up to this K")
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--inter", type=int, default=512)

@@ -344,11 +344,18 @@ def aligned_adder_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius, 
     128 columns); Fasi, Higham, Mikaitis, Pranesh, "Numerical behavior of NVIDIA tensor cores" (PeerJ CS
     2021: alignment to the largest exponent, truncation). Per output element, chunk and step ``j``
     (``P_j`` the products of the step, ``S_j`` the exact partial sum of the chunk through step ``j``,
-    ``E_j`` the error bound so far, ``n_j`` the nonzero products plus 1 for the accumulator when
-    ``j > 0``, ``p2(x) = 2^floor(log2 x)``):
+    ``E_j`` the error bound so far, ``p2(x) = 2^floor(log2 x)``), with per-step summaries of the operands in
+    place of the step's largest product and its nonzero count (:func:`adder_summaries`: the step's row and
+    column maxima and nonzero counts, and in the exact domain the largest exponent sum of its nonzero
+    products; docs/error-bounds.md "Cheaper summaries of a step"):
 
-        M_j     = max(max |P_j|, |S_{j-1}| + E_{j-1})          (bound on the largest addend)
-        align_j = n_j * 2 u_acc * p2(M_j)                        (>= n_j * 2^(e + 1) * u_acc)
+        T_j     >= p2(max |P_j|): min(2^(m_j + 1), p2(max_step |a| * max_step |w|)) in the exact domain,
+                  m_j the largest floor(log2|a|) + floor(log2|w|) over the step's nonzero products
+                  (|a w| < 2^(m_j + 2)); max_step |a| * max_step |w| in the scaled form
+        n_j     = min(nonzero a, nonzero w of the step) (>= its nonzero products), plus 1 for the
+                  accumulator when j > 0
+        M_j     = max(T_j, p2(|S_{j-1}| + E_{j-1}))                (the largest addend's grid, at most)
+        align_j = n_j * 2 u_acc * M_j                                (>= n_j * 2^(e + 1) * u_acc)
         E_j     = E_{j-1} + align_j + 2 u_acc p2(|S_j| + E_{j-1} + align_j)
 
     and the chunk's accumulator satisfies ``|acc| <= |S| + E``. This runs on the unscaled elements (exact
@@ -362,19 +369,24 @@ def aligned_adder_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius, 
     grows by the partial sums of ``a_radius |W|``. ``M_j`` is widened by ``2^-40`` before ``p2`` and the
     result by ``1e-9`` relative, for the float64 rounding of the bound's own arithmetic.
 
-    Cost: the product tensor ``[M, N, K]`` in float64 (in row blocks of at most 2^22 elements) plus an
-    ``O(M N K / mma_k)`` recurrence: fine for test-sized layers, not for production shapes.
+    Every term is monotone in ``T_j`` and ``n_j``, so these summaries give a bound >= the one from the step's
+    largest product and nonzero count themselves (the definition until 2026-11-25, about 11 % tighter on the
+    layer bound: bench/study_adder_summaries.py); they leave one exact step sum as the only per-product work,
+    which a GPU does on its tensor cores (:mod:`moeref.compare.device_bounds`).
+
+    Cost: the products in float64 (in row blocks of at most 2^22) and an ``O(M N K / mma_k)`` recurrence: fine
+    for test-sized layers; production shapes run on the GPU.
     """
     m, k = a.values.shape
     n = w.values.shape[0]
     if m == 0 or n == 0 or k == 0:
         return np.broadcast_to(adder_setup(k, a.block, w.block, profile).g_prom * b_abs, (m, n)).copy()
     op = adder_operands(a, w, profile, radius)
-    grid = _grid_exact if op.exact else _grid_scaled
     out = np.empty((m, n))
     for r0, r1 in op.row_blocks():  # row blocks bound the memory of the [rb, N, K] product tensor
-        t_s, t_d, p_max, cnt = adder_step_sums(op, r0, r1)
-        out[r0:r1] = adder_rows(op, r0, t_s, t_d, grid(p_max), cnt, b_abs)
+        t_s, t_d = adder_step_sums(op, r0, r1)
+        top, cnt = adder_summaries(op, r0, r1)
+        out[r0:r1] = adder_rows(op, r0, t_s, t_d, top, cnt, b_abs)
     return out * (1.0 + 1e-9)
 
 
@@ -383,7 +395,8 @@ class AdderOperands:
     """The operands of :func:`aligned_adder_gemm_bound` as its recurrence reads them: ``ac`` ``[M, nch, steps,
     mma]`` and ``bd`` ``[N, nch, steps, mma]`` (element values in the exact domain, whose chunk scales ``sa``
     ``[M, nch]`` / ``sw`` ``[N, nch]`` apply after the recurrence; scaled values otherwise), ``ar`` the radius
-    (or None), ``au = |ac| + ar`` and ``bd_abs = |bd|``."""
+    (or None), ``au = |ac| + ar`` and ``bd_abs = |bd|``; ``a_steps`` / ``w_steps`` :func:`step_maxima` of ``au`` /
+    ``bd_abs``, and in the exact domain ``exponents`` :func:`step_exponents` of ``ac`` and ``bd``."""
 
     st: AdderSetup
     exact: bool
@@ -395,6 +408,9 @@ class AdderOperands:
     au: np.ndarray
     bd_abs: np.ndarray
     u2: float
+    a_steps: tuple
+    w_steps: tuple
+    exponents: tuple | None
 
     def row_blocks(self):
         """``(r0, r1)`` blocks of rows whose ``[rb, N, K]`` product tensor has at most 2^22 elements."""
@@ -424,35 +440,75 @@ def adder_operands(a: BlockOperand, w: BlockOperand, profile, radius) -> AdderOp
         ac, bd = _gather_cols(a.dequantize(), cols), _gather_cols(w.dequantize(), cols)
     ar = None if radius is None else _gather_cols(radius, cols)
     au = np.abs(ac) if ar is None else np.abs(ac) + ar
-    return AdderOperands(st, bool(exact), ac, bd, sa, sw, ar, au, np.abs(bd), 2.0 * profile.accum_unit)
+    bd_abs = np.abs(bd)
+    exps = (step_exponents(ac), step_exponents(bd)) if exact else None
+    return AdderOperands(st, bool(exact), ac, bd, sa, sw, ar, au, bd_abs, 2.0 * profile.accum_unit,
+                         step_maxima(au), step_maxima(bd_abs), exps)
 
 
-def adder_step_sums(op: AdderOperands, r0: int, r1: int, per_product: bool = True):
+def adder_step_sums(op: AdderOperands, r0: int, r1: int):
     """Rows ``r0:r1``: the steps' exact sums ``t_s`` (and ``t_d`` of ``radius |W|``, None without a radius), each
-    ``[rb, N, nch, steps]`` in column order (the device kernel's order), and with ``per_product`` the steps'
-    largest product ``p_max`` and nonzero count ``cnt`` (else None)."""
+    ``[rb, N, nch, steps]``, every step summed in column order (the device kernels' order)."""
     shape = (r1 - r0, op.bd.shape[0]) + op.ac.shape[1:3]                   # [rb, N, nch, steps]
     t_s = np.zeros(shape)
-    p_max, cnt = (np.zeros(shape), np.zeros(shape)) if per_product else (None, None)
     t_d = None if op.ar is None else np.zeros(shape)
     for i in range(op.st.mma):  # the step's columns in order
-        if per_product:
-            pa = op.au[r0:r1, None, :, :, i] * op.bd_abs[None, :, :, :, i]
-            p_max = np.where(pa > p_max, pa, p_max)
-            cnt = cnt + (pa != 0)
         t_s = t_s + op.ac[r0:r1, None, :, :, i] * op.bd[None, :, :, :, i]
         if op.ar is not None:
             t_d = t_d + op.ar[r0:r1, None, :, :, i] * op.bd_abs[None, :, :, :, i]
-    return t_s, t_d, p_max, cnt
+    return t_s, t_d
+
+
+NO_EXPONENT = -(1 << 20)
+"""The exponent :func:`step_exponents` gives a zero element: any sum with it stays below ``NO_EXPONENT // 2``."""
+
+
+def step_maxima(x: np.ndarray):
+    """``(largest, nonzero)`` of each step of ``x`` ``[R, nch, steps, mma]`` (nonnegative; NaN allowed): the largest
+    element ignoring NaN (from +0, ``where(v > acc, v, acc)``) and the count of elements ``!= 0`` (NaN counts),
+    float64 ``[R, nch, steps]``."""
+    big = np.zeros(x.shape[:-1])
+    cnt = np.zeros(x.shape[:-1])
+    for i in range(x.shape[-1]):
+        v = x[..., i]
+        big = np.where(v > big, v, big)
+        cnt = cnt + (v != 0)
+    return big, cnt
+
+
+def step_exponents(x: np.ndarray) -> np.ndarray:
+    """``floor(log2|x|)`` of finite elements as int64, :data:`NO_EXPONENT` for zeros."""
+    return np.where(x != 0, np.frexp(x)[1].astype(np.int64) - 1, NO_EXPONENT)
+
+
+def adder_summaries(op: AdderOperands, r0: int, r1: int):
+    """Rows ``r0:r1``: ``(T, n)`` ``[rb, N, nch, steps]`` of :func:`aligned_adder_gemm_bound` (its docstring).
+    ``T``: the grid of the product of the step's row and column maxima (0 where either is 0: no nonzero product,
+    also against an infinite or NaN maximum on the other side), in the exact domain the smaller of that and
+    ``2^(m_j + 1)`` (0 without a nonzero product); ``n``: the smaller of the step's nonzero counts of
+    ``|a| (+ radius)`` and ``|w|``."""
+    grid = _grid_exact if op.exact else _grid_scaled
+    a_max, a_nz = op.a_steps
+    w_max, w_nz = op.w_steps
+    am, wm = a_max[r0:r1, None], w_max[None]
+    with np.errstate(invalid="ignore"):  # inf * 0, replaced by 0
+        top = grid(np.where((am == 0) | (wm == 0), 0.0, am * wm))
+    if op.exact:
+        ea, ew = op.exponents
+        m = np.full(top.shape, NO_EXPONENT, dtype=np.int64)
+        for i in range(op.st.mma):
+            m = np.maximum(m, ea[r0:r1, None, :, :, i] + ew[None, :, :, :, i])
+        p2m = np.where(m > NO_EXPONENT // 2, np.ldexp(1.0, np.maximum(m, -1021) + 1), 0.0)
+        top = np.where(p2m < top, p2m, top)
+    return top, np.minimum(a_nz[r0:r1, None], w_nz[None])
 
 
 def adder_rows(op: AdderOperands, r0: int, t_s, t_d, top, cnt, b_abs) -> np.ndarray:
     """The recurrence over the steps of every chunk, the chunk scales, the sum over chunks in order and the
-    promotion term, for rows ``r0:`` (``t_s``/``t_d``/``cnt`` of :func:`adder_step_sums`; ``top`` ``[rb, N, nch,
-    steps]``: the grid of each step's largest product, ``p2(max |P_j|)`` in the exact domain): ``[rb, N]``,
+    promotion term, for rows ``r0:`` (``t_s``/``t_d`` of :func:`adder_step_sums`, ``top``/``cnt`` of
+    :func:`adder_summaries`, each ``[rb, N, nch, steps]``): ``[rb, N]``,
     before the final ``1 + 1e-9``. A step's largest addend enters as ``where(top > g, top, g)`` with ``g`` the
-    grid of ``|S_{j-1}| + E_{j-1}``: the grid of their maximum, since the grid is nondecreasing (a NaN product
-    leaves ``g``, as ``where(p > prev, p, prev)`` does)."""
+    grid of ``|S_{j-1}| + E_{j-1}``: the grid of their maximum, since the grid is nondecreasing."""
     grid = _grid_exact if op.exact else _grid_scaled
     err = np.zeros(t_s.shape[:3])                                           # [rb, N, nch]
     prev = np.zeros_like(err)                                               # |S_{j-1}| + E_{j-1}
