@@ -247,6 +247,50 @@ def test_gemm_error_bound_hand_values():
         gemm_error_bound(np.ones((1, 2)), np.ones((1, 2)), HOPPER_FP8_DEEPGEMM_DATA, a_radius=np.ones((1, 3)))
 
 
+def test_adder_step_summaries_hand_values():
+    """The step summaries of the data-dependent bound (gemm_bounds.adder_summaries) by hand: T = min(2^(m + 1),
+    p2(max|a| max|w|)), n = min(nonzero a, nonzero w)."""
+    u2 = 2 * 2.0**-13
+    g5 = gamma(5, 2.0**-24)
+    hop = HOPPER_FP8_DEEPGEMM_DATA
+    # products 3 * 0.5 = 1.5 twice: the exponent sums are 1 + (-1) = 0, so T = 2^1 = 2 < p2(3 * 3) = 8
+    # (the largest product's own grid would be 1); sum 3, two addends
+    e0 = 2 * u2 * 2 + u2 * 2
+    got = gemm_error_bound(np.array([[3.0, 0.5]]), np.array([[0.5, 3.0]]), hop)
+    assert got[0, 0] == pytest.approx(e0 + g5 * (3 + e0), rel=1e-8)
+    # nonzero elements that never meet: no nonzero product, T = 0 and the sum 0: the bound is 0
+    got = gemm_error_bound(np.array([[1.0, 0.0]]), np.array([[0.0, 1.0]]), hop)
+    assert got[0, 0] == 0.0
+    # the count is min(nonzero a, nonzero w) = 2 though one product is zero: 2 * u2 * p2(2 * 2) + u2 * p2(4)
+    e0 = 2 * u2 * 4 + u2 * 4
+    got = gemm_error_bound(np.array([[2.0, 2.0, 0.0]]), np.array([[2.0, 0.0, 2.0]]), hop)
+    assert got[0, 0] == pytest.approx(e0 + g5 * (4 + e0), rel=1e-8)
+
+
+def test_adder_step_summaries_bound_the_products():
+    """T >= p2(largest product) and n >= nonzero products, step by step, against the products themselves (E4M3
+    element values with zeros and subnormals; the exact domain and, with a radius, the scaled form)."""
+    from moeref.compare.gemm_bounds import adder_operands, adder_summaries
+
+    rng = np.random.default_rng(7)
+    codes = rng.integers(0, 256, size=(2, 24, 96), dtype=np.uint8)
+    vals = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    vals[~np.isfinite(vals)] = 0.0
+    vals[:, :, ::5] = 0.0
+    a, w = vals[0], vals[1]
+    hop = HOPPER_FP8_DEEPGEMM_DATA
+    for radius in (None, np.abs(a) * 2.0**-4):
+        op = adder_operands(as_operand(a, "a"), as_operand(w, "w"), hop, radius)
+        assert op.exact == (radius is None)
+        top, cnt = adder_summaries(op, 0, a.shape[0])
+        p = op.au[:, None] * op.bd_abs[None]                                  # [M, N, nch, steps, mma]
+        big = p.max(axis=-1)
+        p2 = np.where(big > 0, 2.0 ** np.floor(np.log2(np.where(big > 0, big, 1.0))), 0.0)
+        assert np.all(top >= (p2 if op.exact else big))
+        assert np.all(cnt >= (p != 0).sum(axis=-1))
+        assert np.any(top < 2 * (p2 if op.exact else big))  # not vacuous: often within a binade
+
+
 # ------------------------------------------------------------------ components
 
 
