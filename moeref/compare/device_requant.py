@@ -22,8 +22,9 @@ Per operation, against the NumPy stage:
 * everything else (the interval ends, the divisions, the corners): the same IEEE operations on tensors
   (tensor-by-tensor divisions are correctly rounded on CUDA).
 
-Host traffic: the three amax grids go to the host and the scale grids come back (``[R, N / 128]`` for
-1x128 groups), no element-sized copy.
+Host traffic: the three amax grids go to the host (one copy, the stage's one host wait) and the scale grids
+come back as queued page-locked copies (:func:`moeref._interop.to_device`; ``[R, N / 128]`` for 1x128
+groups), no element-sized copy.
 """
 from __future__ import annotations
 
@@ -107,6 +108,7 @@ def _host_scales(amaxes, scheme):
     """Per amax grid (device tensors): ``(decode scale grid float64, factor grid float64, op)`` on the
     device through the host scale step; None if a decode scale is NaN."""
     torch = _torch()
+    from .._interop import to_device
     from ..quant.blockwise import scales_from_amax
     from ..quant.tensor import QuantizedTensor
 
@@ -119,8 +121,8 @@ def _host_scales(amaxes, scheme):
             return None
         sv = QuantizedTensor.scale_values(_ScalesOnly(scheme, res.stored))
         out.append((sv, np.asarray(res.factor, dtype=np.float64), res.op))
-    sv = torch.as_tensor(np.stack([o[0] for o in out]), device=dev)
-    fac = torch.as_tensor(np.stack([o[1] for o in out]), device=dev)
+    sv = to_device(np.stack([o[0] for o in out]), dev)  # queued copies: no second host wait
+    fac = to_device(np.stack([o[1] for o in out]), dev)
     return [(sv[i], fac[i], out[i][2]) for i in range(len(out))]
 
 
