@@ -327,7 +327,7 @@ def _compare_on_device(candidate, reference, profile, label: str) -> Report:
     """:func:`compare` of a device-engine run on its device: the bound (:func:`layer_bound` there), the element
     checks, :func:`metrics` and :func:`conventional_checks` in float64 torch operations on the device (the
     same formulas; the sums in torch's order, not NumPy's: metrics are for orientation); the Report's
-    arrays are host copies of the device results (one copy each)."""
+    arrays are host copies of the device results (one copy each, into one page-locked buffer: :func:`_to_host`)."""
     import torch
 
     from .. import _interop
@@ -352,5 +352,25 @@ def _compare_on_device(candidate, reference, profile, label: str) -> Report:
     nr, nc, nd, denom, cr, mx = (float(x) for x in host[:6])
     m = _metric_values(nr, nc, nd, denom, cr, mx)
     checks = _checks([bool(x) for x in host[6:]], m["calc_diff"])
-    return _report(profile, reference, err.cpu().numpy(), lb.bound.cpu().numpy(), viol.cpu().numpy(), m, checks,
-                   lb.flips, label, lambda: d.cpu().numpy())
+    err_h, bound_h, viol_h = _to_host(err, lb.bound, viol)
+    return _report(profile, reference, err_h, bound_h, viol_h, m, checks, lb.flips, label, lambda: d.cpu().numpy())
+
+
+def _to_host(*tensors) -> list:
+    """NumPy copies of device ``tensors`` (float64 or bool): on a CUDA device through one page-locked buffer that
+    the copies fill queued on the stream (no pageable staging), one wait at the end; the arrays are views of
+    that buffer (it lives as long as they do). Elsewhere ``Tensor.numpy()`` of ``.cpu()``."""
+    import torch
+
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.cpu().numpy() for t in tensors]
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    starts = np.concatenate([[0], np.cumsum([-(-n // 8) * 8 for n in sizes])]).tolist()  # 8-byte aligned
+    buf = torch.empty(int(starts[-1]), dtype=torch.uint8, pin_memory=True)
+    out = []
+    for t, s0, n in zip(tensors, starts, sizes):
+        view = buf[s0:s0 + n].view(t.dtype).view(t.shape)
+        view.copy_(t, non_blocking=True)
+        out.append(view)
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return [v.numpy() for v in out]
