@@ -169,15 +169,22 @@ def device_requant(x, dx, quantizer, *, detail: bool = False):
     s_lo = torch.minimum(_expand(s_dn_g, block, shape), s_ref) * (1 - 2.0**-21)
     s_lo_safe = torch.where(s_lo > 0, s_lo, s_hi)
     a, b = x - dx, x + dx
-    ends = torch.stack([a / s_lo_safe, a / s_hi, b / s_lo_safe, b / s_hi])
-    ends = torch.where(torch.isfinite(ends), ends, torch.zeros((), dtype=torch.float64, device=x.device))
-    t_lo, t_hi = ends.amin(dim=0), ends.amax(dim=0)
-    del ends
+    # the four corners' min and max, pairwise (no [4, V, N] stack): min/max select exactly, so the values are
+    # the reductions' (a zero's sign may differ, and is lost in t -+ widen and in abs below)
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    t_lo = t_hi = None
+    for num, den in ((a, s_lo_safe), (a, s_hi), (b, s_lo_safe), (b, s_hi)):
+        end = num / den
+        end = torch.where(torch.isfinite(end), end, zero)
+        t_lo = end if t_lo is None else torch.minimum(t_lo, end)
+        t_hi = end if t_hi is None else torch.maximum(t_hi, end)
     widen = 2.0**-20 * torch.maximum(t_lo.abs(), t_hi.abs()) + 1e-300
     r_lo = round_float_rne(t_lo - widen, el)
     r_hi = round_float_rne(t_hi + widen, el)
-    unc = torch.stack([s_lo * r_lo, s_lo * r_hi, s_hi * r_lo, s_hi * r_hi])
-    unc = (unc - q_ref).abs().amax(dim=0)
+    unc = None
+    for s_, r_ in ((s_lo, r_lo), (s_lo, r_hi), (s_hi, r_lo), (s_hi, r_hi)):  # NaN propagates, as amax's
+        d = (s_ * r_ - q_ref).abs()
+        unc = d if unc is None else torch.maximum(unc, d)
     unc = torch.where(torch.isfinite(unc), unc, torch.full((), float("inf"), dtype=torch.float64, device=x.device))
     if detail:
         return operand, unc, torch.count_nonzero(r_lo != r_hi), dict(code_lo=r_lo, code_hi=r_hi, scale_lo=s_lo,

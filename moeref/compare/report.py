@@ -308,10 +308,12 @@ def compare(candidate, reference, profile, *, label: str = "") -> Report:
                    lb.flips, label, lambda: c - r)
 
 
-def _report(profile, reference, err, bound, viol, m, checks, flips, label, diff) -> Report:
+def _report(profile, reference, err, bound, viol, m, checks, flips, label, diff, tok=None) -> Report:
     """The :class:`Report` of the element checks (NumPy arrays); ``diff()``: ``candidate - reference`` on the
-    host, asked for only when a token violates (the suspects)."""
-    tok = viol.sum(axis=1) if viol.ndim == 2 else viol.astype(np.int64)
+    host, asked for only when a token violates (the suspects); ``tok``: the violations per token when the caller
+    counted them (on the device), else counted here."""
+    if tok is None:
+        tok = viol.sum(axis=1) if viol.ndim == 2 else viol.astype(np.int64)
     ids = [p.topk_ids for p, _ in reference.chunks]
     topk_ids = np.concatenate(ids, axis=0) if ids else None
     experts: dict = {}
@@ -352,12 +354,14 @@ def _compare_on_device(candidate, reference, profile, label: str) -> Report:
     nr, nc, nd, denom, cr, mx = (float(x) for x in host[:6])
     m = _metric_values(nr, nc, nd, denom, cr, mx)
     checks = _checks([bool(x) for x in host[6:]], m["calc_diff"])
-    err_h, bound_h, viol_h = _to_host(err, lb.bound, viol)
-    return _report(profile, reference, err_h, bound_h, viol_h, m, checks, lb.flips, label, lambda: d.cpu().numpy())
+    tok = viol.sum(dim=1) if viol.dim() == 2 else viol.to(torch.int64)  # int64, as NumPy's sum of bools
+    err_h, bound_h, viol_h, tok_h = _to_host(err, lb.bound, viol, tok)
+    return _report(profile, reference, err_h, bound_h, viol_h, m, checks, lb.flips, label, lambda: d.cpu().numpy(),
+                   tok_h)
 
 
 def _to_host(*tensors) -> list:
-    """NumPy copies of device ``tensors`` (float64 or bool): on a CUDA device through one page-locked buffer that
+    """NumPy copies of device ``tensors``: on a CUDA device through one page-locked buffer that
     the copies fill queued on the stream (no pageable staging), one wait at the end; the arrays are views of
     that buffer (it lives as long as they do). Elsewhere ``Tensor.numpy()`` of ``.cpu()``."""
     import torch
