@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import ml_dtypes
 
-__all__ = ["is_torch_tensor", "to_numpy", "to_torch", "torch_dtype_for"]
+__all__ = ["is_torch_tensor", "to_numpy", "to_torch", "to_device", "torch_dtype_for"]
 
 _BITVIEW = {  # torch dtype name -> (integer view dtype name, ml_dtypes/numpy dtype)
     "bfloat16": ("int16", ml_dtypes.bfloat16),
@@ -64,6 +64,26 @@ def to_torch(a: np.ndarray, device=None):
     else:
         t = torch.from_numpy(a)
     return t if device is None else t.to(device)
+
+
+def to_device(a, device, dtype=None):
+    """A copy of the host array ``a`` (NumPy, or a CPU tensor) on ``device`` that does not wait for the device.
+
+    A copy from pageable host memory makes the CPU wait for the stream (``cudaMemcpy`` semantics: torch's
+    sync debug mode reports it); this one stages ``a`` in page-locked memory and copies with
+    ``non_blocking=True``, so the copy is queued on the current stream in order with the kernels around it
+    (later kernels read the copied values; the staging buffer is held until the copy ends, by torch's
+    caching host allocator). The values are ``a``'s (``dtype``: a torch dtype to convert to first, on the
+    host). On a CPU device: ``torch.as_tensor``."""
+    import torch
+
+    t = a if torch.is_tensor(a) else torch.from_numpy(np.ascontiguousarray(a))
+    if dtype is not None:
+        t = t.to(dtype)
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
 
 
 def torch_e4m3_cast_saturates() -> bool:

@@ -129,6 +129,32 @@ def test_device_layer_bound_equals_numpy_small_layer(model, k, n):
     assert hb.flips == db.flips
 
 
+@pytest.mark.parametrize("stores, model, recomputed", [
+    (dict(), "EXACT", 0),  # the bound's intermediate is the run's: both products read from the run
+    (dict(gemm1_out_dtype="bfloat16", act_out_dtype="float32"), "HOPPER_FP8_DEEPGEMM_DATA", 1),  # flips: GEMM2 again
+    (dict(gemm1_out_dtype="bfloat16", act_out_dtype="float32"), "HOPPER_FP8_DEEPGEMM", 1),
+])
+def test_device_layer_bound_reads_the_runs_exact_products(monkeypatch, stores, model, recomputed):
+    """The device bound takes GEMM1's exact output from the run (``ExpertsOutput.h_pre``) and GEMM2's when its
+    re-quantized intermediate is the run's GEMM2 operand bit for bit; otherwise it computes GEMM2 again. Counted
+    through the device engine's GEMM entry point; the bound stays the NumPy bound (which recomputes both)."""
+    import moeref.moe.device as engine
+
+    w, x, tw, ids = _small_layer()
+    kw = dict(quant=MoEQuant(fp8_group(), fp8_group(), "fp8"), out_dtype="bfloat16", **stores)
+    host = run_moe(x, w, tw, ids, **kw)
+    dev = run_moe(x, w, tw, ids, device=DEV, **kw)
+    assert all(e.h_pre is not None and e.h_pre.shape == e.h.shape for _, e in dev.chunks)
+    calls = []
+    real = engine._weights_gemm
+    monkeypatch.setattr(engine, "_weights_gemm", lambda *a: calls.append(a[0].shape) or real(*a))
+    hb, db = layer_bound(host, PROFILES[model]), layer_bound(dev, PROFILES[model])
+    assert len(calls) == recomputed, calls
+    _same(hb.bound, db.bound, f"{model} bound")
+    _same(hb.radius, db.radius, f"{model} radius")
+    assert hb.flips == db.flips and (hb.flips > 0) == (recomputed > 0)
+
+
 @pytest.mark.parametrize("shift", [0.0, 1.0])
 def test_compare_of_a_device_run_equals_the_host_compare(shift):
     """``compare`` of a device run (checks and metrics on the device) reports what the host compare of the host

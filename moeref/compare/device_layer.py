@@ -3,7 +3,11 @@ its device: the stages of :mod:`moeref.compare.bounds` on torch float64 tensors,
 
 Stage by stage, what runs where:
 
-* GEMM centers: the device engine's exact product (:mod:`moeref.gemm.device`, the NumPy engine's bits); under
+* GEMM centers: the device engine's exact product (:mod:`moeref.gemm.device`, the NumPy engine's bits), read
+  from the run where it holds it: GEMM1's from :attr:`ExpertsOutput.h_pre <moeref.moe.ExpertsOutput>` (the same
+  product of the same operand, before the run's store), GEMM2's from the run's ``y`` when the bound's
+  re-quantized intermediate is the run's GEMM2 operand bit for bit (:func:`_same_operand`; it is not when a
+  store may flip, the midpoint center then differing from the run's value), else computed here; under
   an emulated profile (``accum_model="emulated"``) both GEMMs' centers and radii come from
   :mod:`moeref.compare.device_emulated` (the kernel predicted bit for bit);
 * GEMM error bounds and the operand-radius term: :mod:`moeref.compare.device_bounds` (Triton kernels,
@@ -14,7 +18,8 @@ Stage by stage, what runs where:
   device (:mod:`moeref.compare.device_requant`: FP8 blockwise schemes; only the block amax grids go to the
   host, through the quantizer's own scale step), else on the host (its quantizer and format rounding; the
   operand goes back to the device);
-* flip counts: 0-d device tensors, read once per layer bound;
+* flip counts: 0-d device tensors, read once per layer bound; the routing's index arrays go to the device
+  through page-locked copies queued on the stream (:func:`moeref._interop.to_device`), not host waits;
 * finalize: the slot-order loop of :func:`moeref.dispatch.weight_and_reduce`.
 """
 from __future__ import annotations
@@ -56,15 +61,16 @@ def device_store_interval(value, radius, dtype: str | None, unit: float = 0.0):
     return center, half, lo != hi
 
 
-def _weight_and_reduce(y, src: np.ndarray, w, num_tokens: int, apply_weights: bool):
-    """:func:`moeref.dispatch.weight_and_reduce` to float64: ``sum_j w[t, j] * row`` in slot order."""
+def _weight_and_reduce(y, slots, w, num_tokens: int, apply_weights: bool):
+    """:func:`moeref.dispatch.weight_and_reduce` to float64: ``sum_j w[t, j] * row`` in slot order.
+    ``slots``: ``(slot, row)`` int64 device tensors, the slot ``src[row]`` of each valid row ``row``."""
     torch = _torch()
     k = int(w.shape[1])
     kdim = int(y.shape[1])
     slot_rows = torch.zeros((num_tokens * k, kdim), dtype=torch.float64, device=y.device)
-    valid = np.flatnonzero(src >= 0)
-    if valid.size:
-        slot_rows[torch.as_tensor(src[valid], device=y.device)] = y.index_select(0, torch.as_tensor(valid, device=y.device))
+    slot, row = slots
+    if slot.numel():
+        slot_rows.index_copy_(0, slot, y.index_select(0, row))
     rows = slot_rows.reshape(num_tokens, k, kdim)
     w = w.to(torch.float64) if apply_weights else torch.ones_like(w, dtype=torch.float64)
     out = torch.zeros((num_tokens, kdim), dtype=torch.float64, device=y.device)
@@ -77,7 +83,7 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg):
     """:func:`moeref.compare.bounds._chunk_interval` of a device chunk (``p``/``e``: the device engine's
     :class:`~moeref.moe.Prepared` / :class:`~moeref.moe.ExpertsOutput` holding device tensors; ``weights`` on the device)."""
     torch = _torch()
-    from .._interop import to_numpy
+    from .._interop import to_device, to_numpy
     from ..gemm.device import device_operand
     from ..moe.device import _weights_gemm
     from ..moe.pipeline import _activation, _run_quantizer
@@ -89,7 +95,9 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg):
     if not valid.any():
         z = torch.zeros((p.num_tokens, k_out), dtype=torch.float64, device=dev)
         return z, z.clone(), 0
-    vt = torch.as_tensor(valid, device=dev)
+    # the index arrays go to the device once, queued without a host wait (moeref._interop.to_device)
+    vidx = np.flatnonzero(valid)
+    vt, vi = to_device(valid, dev), to_device(vidx, dev)
     act, params, lay = cfg.activation, cfg.activation_params, weights.w13_layout
     # stage 1-2: GEMM1 and its store
     emulated = profile.accum_model == "emulated"  # a known kernel: moeref.compare.device_emulated
@@ -97,8 +105,8 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg):
         from .device_emulated import device_emulated_gemm
 
         h_pre, dh = device_emulated_gemm(p.a, None, rows, weights.w13, weights.b13, profile)
-    else:
-        h_pre = _weights_gemm(p.a, rows, weights.w13, weights.b13)
+    else:  # the run's own exact product (the device engine keeps it), else computed here
+        h_pre = e.h_pre if e.h_pre is not None else _weights_gemm(p.a, rows, weights.w13, weights.b13)
         dh = device_rows_error_bound(p.a, None, rows, weights.w13, weights.b13, profile)
     h, dh, flip_h = device_store_interval(h_pre, dh, profile.gemm_out_dtype, profile.gemm_out_unit)
     # stage 3: activation, its FP32 evaluation and its store
@@ -115,8 +123,6 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg):
     if e.a2 is None:
         xq, unc = device_operand(x, dev), dx
     else:
-        vidx = np.flatnonzero(valid)
-        vi = torch.as_tensor(vidx, device=dev)
         pos = np.full(x.shape[0], -1, dtype=np.int64)
         pos[vidx] = np.arange(vidx.size)
         got = None
@@ -132,22 +138,21 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg):
             det = [{k_: torch.as_tensor(v, device=dev) for k_, v in d.items()} for d in det]
             xq_valid, u_v = device_operand(qt if qt is not None else xq_h, dev), torch.as_tensor(u_h, device=dev)
         flips = flips + f
-        unc = torch.zeros_like(dx)
-        unc[vi] = u_v
+        unc = torch.zeros_like(dx).index_copy_(0, vi, u_v)
         if det:  # the emulated GEMM2 reads the codes a kernel can store (zero rows: padding)
             codes = {k_: torch.zeros_like(dx).index_copy_(0, vi, v) for k_, v in det[0].items()}
-        xq = xq_valid.take_rows(pos)
+        xq = xq_valid.take_rows(to_device(pos, dev))
     # stage 5: GEMM2 and its store
     if emulated:
         y_pre, dy = device_emulated_gemm(xq, unc, rows, weights.w2, weights.b2, profile, codes)
-    else:
-        y_pre = _weights_gemm(xq, rows, weights.w2, weights.b2)
+    else:  # the run's exact product when its operand is this one (_same_operand), else computed here
+        y_pre = e.y if _same_operand(xq, e.xq) else _weights_gemm(xq, rows, weights.w2, weights.b2)
         rad, bnd = device_rows_error_bound(xq, unc, rows, weights.w2, weights.b2, profile, radius_term=True)
         dy = rad + bnd
     weigh = p.apply_weights
     if profile.gemm2_weighted_store and weigh:  # the epilogue weights (one FP32 multiply), then stores
         tw = p.topk_weights.to(torch.float64).reshape(-1)
-        w_row = torch.where(vt, tw.index_select(0, torch.as_tensor(np.maximum(p.src, 0), device=dev)), zero)
+        w_row = torch.where(vt, tw.index_select(0, to_device(np.maximum(p.src, 0), dev)), zero)
         y_pre, dy = w_row[:, None] * y_pre, w_row.abs()[:, None] * dy
         dy = dy + profile.reduce_unit * (y_pre.abs() + dy)
         weigh = False
@@ -156,10 +161,41 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg):
     dy = torch.where(vt[:, None], dy, zero)
     # stage 6: top-k weighted sum
     w_abs = p.topk_weights.abs()
-    center = _weight_and_reduce(y, p.src, p.topk_weights, p.num_tokens, weigh)
-    d_tok = _weight_and_reduce(dy, p.src, w_abs, p.num_tokens, weigh)
-    mag = _weight_and_reduce(y.abs() + dy, p.src, w_abs, p.num_tokens, weigh)
+    live = np.flatnonzero(p.src >= 0)
+    slots = (to_device(p.src[live], dev), to_device(live, dev))
+    center = _weight_and_reduce(y, slots, p.topk_weights, p.num_tokens, weigh)
+    d_tok = _weight_and_reduce(dy, slots, w_abs, p.num_tokens, weigh)
+    mag = _weight_and_reduce(y.abs() + dy, slots, w_abs, p.num_tokens, weigh)
     return center, d_tok + gamma(p.top_k + 2, profile.reduce_unit) * mag, flips
+
+
+def _same_operand(a, b) -> bool:
+    """Whether the :class:`~moeref.gemm.device.DeviceOperand` ``a`` (the bound's GEMM2 input) is ``b`` (the
+    run's): the same representation (codes of one format, or float64 values), block (clipped to the shape: a
+    1x128 group of a 32-column operand is its 1x32 block), flags and scale grid, and
+    bit-identical codes/values and scales. Then the run's exact GEMM2 output is this operand's product (the same
+    function of the same inputs: :func:`moeref.moe.device._weights_gemm` with the run's routing and weights), so
+    the bound reads it instead of recomputing. One host read (a 0-d boolean); False whenever any part differs,
+    including NaN payloads (compared as bits)."""
+    torch = _torch()
+
+    def block(op):  # a block at least the operand's extent is the whole extent: scales[0] for every index
+        return tuple(min(int(bl), d) for bl, d in zip(op.block, op.shape))
+
+    if not (type(a) is type(b) and (a.values is None) == (b.values is None) and a.element == b.element
+            and a.shape == b.shape and block(a) == block(b) and a.quantized == b.quantized
+            and a.magnitude == b.magnitude):
+        return False
+    ta, tb = (a.codes, b.codes) if a.values is None else (a.values, b.values)
+    if (ta.shape != tb.shape or ta.dtype != tb.dtype or ta.device != tb.device or a.scales.shape != b.scales.shape
+            or a.scales.dtype != b.scales.dtype or a.scales.device != b.scales.device):
+        return False
+
+    def bits(t):
+        return t.view(torch.int64) if t.dtype == torch.float64 else t
+
+    same = (bits(ta) == bits(tb)).all() & (bits(a.scales) == bits(b.scales)).all()
+    return bool(same.item())
 
 
 def _n_out(w) -> int:

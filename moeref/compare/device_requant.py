@@ -22,8 +22,9 @@ Per operation, against the NumPy stage:
 * everything else (the interval ends, the divisions, the corners): the same IEEE operations on tensors
   (tensor-by-tensor divisions are correctly rounded on CUDA).
 
-Host traffic: the three amax grids go to the host and the scale grids come back (``[R, N / 128]`` for
-1x128 groups), no element-sized copy.
+Host traffic: the three amax grids go to the host (one copy, the stage's one host wait) and the scale grids
+come back as queued page-locked copies (:func:`moeref._interop.to_device`; ``[R, N / 128]`` for 1x128
+groups), no element-sized copy.
 """
 from __future__ import annotations
 
@@ -107,6 +108,7 @@ def _host_scales(amaxes, scheme):
     """Per amax grid (device tensors): ``(decode scale grid float64, factor grid float64, op)`` on the
     device through the host scale step; None if a decode scale is NaN."""
     torch = _torch()
+    from .._interop import to_device
     from ..quant.blockwise import scales_from_amax
     from ..quant.tensor import QuantizedTensor
 
@@ -119,8 +121,8 @@ def _host_scales(amaxes, scheme):
             return None
         sv = QuantizedTensor.scale_values(_ScalesOnly(scheme, res.stored))
         out.append((sv, np.asarray(res.factor, dtype=np.float64), res.op))
-    sv = torch.as_tensor(np.stack([o[0] for o in out]), device=dev)
-    fac = torch.as_tensor(np.stack([o[1] for o in out]), device=dev)
+    sv = to_device(np.stack([o[0] for o in out]), dev)  # queued copies: no second host wait
+    fac = to_device(np.stack([o[1] for o in out]), dev)
     return [(sv[i], fac[i], out[i][2]) for i in range(len(out))]
 
 
@@ -167,15 +169,22 @@ def device_requant(x, dx, quantizer, *, detail: bool = False):
     s_lo = torch.minimum(_expand(s_dn_g, block, shape), s_ref) * (1 - 2.0**-21)
     s_lo_safe = torch.where(s_lo > 0, s_lo, s_hi)
     a, b = x - dx, x + dx
-    ends = torch.stack([a / s_lo_safe, a / s_hi, b / s_lo_safe, b / s_hi])
-    ends = torch.where(torch.isfinite(ends), ends, torch.zeros((), dtype=torch.float64, device=x.device))
-    t_lo, t_hi = ends.amin(dim=0), ends.amax(dim=0)
-    del ends
+    # the four corners' min and max, pairwise (no [4, V, N] stack): min/max select exactly, so the values are
+    # the reductions' (a zero's sign may differ, and is lost in t -+ widen and in abs below)
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    t_lo = t_hi = None
+    for num, den in ((a, s_lo_safe), (a, s_hi), (b, s_lo_safe), (b, s_hi)):
+        end = num / den
+        end = torch.where(torch.isfinite(end), end, zero)
+        t_lo = end if t_lo is None else torch.minimum(t_lo, end)
+        t_hi = end if t_hi is None else torch.maximum(t_hi, end)
     widen = 2.0**-20 * torch.maximum(t_lo.abs(), t_hi.abs()) + 1e-300
     r_lo = round_float_rne(t_lo - widen, el)
     r_hi = round_float_rne(t_hi + widen, el)
-    unc = torch.stack([s_lo * r_lo, s_lo * r_hi, s_hi * r_lo, s_hi * r_hi])
-    unc = (unc - q_ref).abs().amax(dim=0)
+    unc = None
+    for s_, r_ in ((s_lo, r_lo), (s_lo, r_hi), (s_hi, r_lo), (s_hi, r_hi)):  # NaN propagates, as amax's
+        d = (s_ * r_ - q_ref).abs()
+        unc = d if unc is None else torch.maximum(unc, d)
     unc = torch.where(torch.isfinite(unc), unc, torch.full((), float("inf"), dtype=torch.float64, device=x.device))
     if detail:
         return operand, unc, torch.count_nonzero(r_lo != r_hi), dict(code_lo=r_lo, code_hi=r_hi, scale_lo=s_lo,

@@ -308,10 +308,12 @@ def compare(candidate, reference, profile, *, label: str = "") -> Report:
                    lb.flips, label, lambda: c - r)
 
 
-def _report(profile, reference, err, bound, viol, m, checks, flips, label, diff) -> Report:
+def _report(profile, reference, err, bound, viol, m, checks, flips, label, diff, tok=None) -> Report:
     """The :class:`Report` of the element checks (NumPy arrays); ``diff()``: ``candidate - reference`` on the
-    host, asked for only when a token violates (the suspects)."""
-    tok = viol.sum(axis=1) if viol.ndim == 2 else viol.astype(np.int64)
+    host, asked for only when a token violates (the suspects); ``tok``: the violations per token when the caller
+    counted them (on the device), else counted here."""
+    if tok is None:
+        tok = viol.sum(axis=1) if viol.ndim == 2 else viol.astype(np.int64)
     ids = [p.topk_ids for p, _ in reference.chunks]
     topk_ids = np.concatenate(ids, axis=0) if ids else None
     experts: dict = {}
@@ -327,7 +329,7 @@ def _compare_on_device(candidate, reference, profile, label: str) -> Report:
     """:func:`compare` of a device-engine run on its device: the bound (:func:`layer_bound` there), the element
     checks, :func:`metrics` and :func:`conventional_checks` in float64 torch operations on the device (the
     same formulas; the sums in torch's order, not NumPy's: metrics are for orientation); the Report's
-    arrays are host copies of the device results (one copy each)."""
+    arrays are host copies of the device results (one copy each, into one page-locked buffer: :func:`_to_host`)."""
     import torch
 
     from .. import _interop
@@ -352,5 +354,27 @@ def _compare_on_device(candidate, reference, profile, label: str) -> Report:
     nr, nc, nd, denom, cr, mx = (float(x) for x in host[:6])
     m = _metric_values(nr, nc, nd, denom, cr, mx)
     checks = _checks([bool(x) for x in host[6:]], m["calc_diff"])
-    return _report(profile, reference, err.cpu().numpy(), lb.bound.cpu().numpy(), viol.cpu().numpy(), m, checks,
-                   lb.flips, label, lambda: d.cpu().numpy())
+    tok = viol.sum(dim=1) if viol.dim() == 2 else viol.to(torch.int64)  # int64, as NumPy's sum of bools
+    err_h, bound_h, viol_h, tok_h = _to_host(err, lb.bound, viol, tok)
+    return _report(profile, reference, err_h, bound_h, viol_h, m, checks, lb.flips, label, lambda: d.cpu().numpy(),
+                   tok_h)
+
+
+def _to_host(*tensors) -> list:
+    """NumPy copies of device ``tensors``: on a CUDA device through one page-locked buffer that
+    the copies fill queued on the stream (no pageable staging), one wait at the end; the arrays are views of
+    that buffer (it lives as long as they do). Elsewhere ``Tensor.numpy()`` of ``.cpu()``."""
+    import torch
+
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.cpu().numpy() for t in tensors]
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    starts = np.concatenate([[0], np.cumsum([-(-n // 8) * 8 for n in sizes])]).tolist()  # 8-byte aligned
+    buf = torch.empty(int(starts[-1]), dtype=torch.uint8, pin_memory=True)
+    out = []
+    for t, s0, n in zip(tensors, starts, sizes):
+        view = buf[s0:s0 + n].view(t.dtype).view(t.shape)
+        view.copy_(t, non_blocking=True)
+        out.append(view)
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return [v.numpy() for v in out]

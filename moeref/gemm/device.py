@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .._interop import to_device
 from .exact import BlockOperand, as_operand
 from .grouped import check_row_expert
 from .stacked import StackedExperts
@@ -356,6 +357,14 @@ def _integer_table(element: str, magnitude: bool):
     return np.where(fin, t * 2.0**q, 0).astype(np.int32), q
 
 
+def _integer_table_on(element: str, magnitude: bool, device):
+    """:func:`_integer_table`'s int32 table on ``device``, made once per (format, device)."""
+    key = ("int", element, magnitude, str(device))
+    if key not in _TABLES:
+        _TABLES[key] = _torch().as_tensor(_integer_table(element, magnitude)[0], device=device)
+    return _TABLES[key]
+
+
 def _digits_of(table: np.ndarray) -> int:
     top = int(np.abs(table).max(initial=0))
     return 1 if top < 128 else (2 if top < 16384 else 3)
@@ -400,19 +409,17 @@ def _items(starts, counts, rows: int):
 def _digit_rows(a_all: DeviceOperand, sa_all, order_t, w: StackedExperts, out, experts, starts, counts, g: int):
     """The experts through :func:`moeref.gemm._device_kernels.exact_digits`: 16-row work items for experts
     with at most 16 rows, 64-row items for the others."""
-    torch = _torch()
     from ._device_kernels import exact_digits
 
     ta, qa = _integer_table(a_all.element, a_all.magnitude)
     tw, qw = _integer_table(w.element, w.magnitude)
-    itab_a = torch.as_tensor(ta, device=out.device)
-    itab_w = torch.as_tensor(tw, device=out.device)
+    itab_a = _integer_table_on(a_all.element, a_all.magnitude, out.device)
+    itab_w = _integer_table_on(w.element, w.magnitude, out.device)
     for rows, sel in ((16, counts <= 16), (64, counts > 16)):
         if not sel.any():
             continue
         per, first, cnt = _items(starts[sel], counts[sel], rows)
-        items = torch.as_tensor(np.stack([np.repeat(experts[sel], per), first, cnt]).astype(np.int32),
-                                device=out.device)
+        items = to_device(np.stack([np.repeat(experts[sel], per), first, cnt]).astype(np.int32), out.device)
         exact_digits(a_all.codes, sa_all.contiguous(), order_t, w.codes, itab_a, itab_w, 2.0 ** -(qa + qw),
                      (_digits_of(ta), _digits_of(tw)), w.scales, out, items, g=g, n=w.shape[0], k=w.shape[1],
                      w_block=w.block, packed=w.packed, rows=rows)
@@ -435,12 +442,11 @@ def _float64_rows(a_all, sa_all, order_t, w, out, experts, starts, counts, g, w_
 def _few_rows(av_all, sa_all, order_t, w: StackedExperts, out, experts, starts, counts, g: int) -> None:
     """The experts ``experts`` (rows ``starts[i]:starts[i]+counts[i]`` of the sorted operand) through
     :func:`moeref.gemm._device_kernels.exact_few_rows`, in work items of :data:`_FEW_ROWS_ITEM` rows."""
-    torch = _torch()
     from ._device_kernels import exact_few_rows
 
     rows = _FEW_ROWS_ITEM
     per, first, item_c = _items(starts, counts, rows)
-    items = torch.as_tensor(np.stack([np.repeat(experts, per), first, item_c]).astype(np.int32), device=out.device)
+    items = to_device(np.stack([np.repeat(experts, per), first, item_c]).astype(np.int32), out.device)
     name = _TORCH_FP8.get(w.element)
     e4m3 = w.element == "e4m3fn" and out.device.type == "cuda" and not w.magnitude
     table = _table(w.element, w.magnitude, out.device)
@@ -481,7 +487,7 @@ def device_expert_rows_gemm(a, row_expert, weights, bias=None, *, abs_values: bo
     if experts.size:
         # every valid row gathered, decoded and given its per-segment scales once (a few launches), then
         # per expert: its weights decoded, one batched product, one in-order sum (views of the rest)
-        order_t = torch.as_tensor(order[first:], device=device)
+        order_t = to_device(order[first:], device)  # a queued copy: no host wait
         a_all = a.take_rows(order_t)
         k = a.shape[1]
         g = _segment(a_all.block[1], w.block[1], k)

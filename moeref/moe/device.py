@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .._interop import to_device
 from ..dispatch.grouping import group_slots
 from ..gemm.device import DeviceOperand, device_expert_rows_gemm, device_operand
 from ..gemm.stacked import StackedExperts
@@ -220,8 +221,8 @@ def _prepare(x, w, ids, *, num_experts, layout, quant, expert_map, apply_router_
     src, row_expert, disp = dispatch_rows(ids, g, num_experts=num_experts, layout=layout, expert_map=expert_map,
                                           alignment=alignment, max_m=max_m)
     rows = np.where(src >= 0, src // max(g.top_k, 1), -1)
-    return Prepared(layout, a_tok.take_rows(rows), row_expert, src, disp, w.to(torch.float64), ids,
-                          g.num_tokens, not apply_router_weight_on_input, a1)
+    return Prepared(layout, a_tok.take_rows(to_device(rows, a_tok.device)), row_expert, src, disp,
+                    w.to(torch.float64), ids, g.num_tokens, not apply_router_weight_on_input, a1)
 
 
 def _experts(p: Prepared, weights: MoEWeights, *, activation, activation_params, quant, gemm1_out_dtype,
@@ -237,20 +238,21 @@ def _experts(p: Prepared, weights: MoEWeights, *, activation, activation_params,
         empty = torch.zeros((r, 0), dtype=torch.float64, device=dev)
         return ExpertsOutput(torch.zeros((r, k), dtype=torch.float64, device=dev), empty, empty,
                                    device_operand(empty, dev), None, valid)
-    h = round_on_device(_weights_gemm(p.a, p.row_expert, weights.w13, weights.b13), gemm1_out_dtype)
+    h_pre = _weights_gemm(p.a, p.row_expert, weights.w13, weights.b13)  # kept: the layer bound reads it
+    h = round_on_device(h_pre, gemm1_out_dtype)
     x = _activation(activation, h, weights.w13_layout, activation_params)
-    vt = torch.as_tensor(valid, device=dev)
+    vt = to_device(valid, dev)
     x = torch.where(vt[:, None], x, torch.zeros((), dtype=torch.float64, device=dev))
     x = round_on_device(x, act_out_dtype)
     vidx = np.flatnonzero(valid)
-    xv = x.index_select(0, torch.as_tensor(vidx, device=dev))
+    xv = x.index_select(0, to_device(vidx, dev))
     x_in = xv if act_out_dtype is None else xv.to(_work_dtype(act_out_dtype))
     xq_valid, a2 = _quantize(quant.a2, x_in, engines, "a2")
     pos = np.full(r, -1, dtype=np.int64)
     pos[vidx] = np.arange(vidx.size)
-    xq = xq_valid.take_rows(pos)
+    xq = xq_valid.take_rows(to_device(pos, dev))
     y = _weights_gemm(xq, p.row_expert, weights.w2, weights.b2)
-    return ExpertsOutput(y, h, x, xq, a2, valid)
+    return ExpertsOutput(y, h, x, xq, a2, valid, h_pre)
 
 
 def _finalize(p: Prepared, e: ExpertsOutput):
@@ -262,7 +264,7 @@ def _finalize(p: Prepared, e: ExpertsOutput):
     slot_rows = torch.zeros((m * k, kdim), dtype=torch.float64, device=dev)
     valid = np.flatnonzero(p.src >= 0)
     if valid.size:
-        slot_rows[torch.as_tensor(p.src[valid], device=dev)] = e.y.index_select(0, torch.as_tensor(valid, device=dev))
+        slot_rows[to_device(p.src[valid], dev)] = e.y.index_select(0, to_device(valid, dev))
     rows = slot_rows.reshape(m, k, kdim)
     w = p.topk_weights if p.apply_weights else torch.ones_like(p.topk_weights)
     out = torch.zeros((m, kdim), dtype=torch.float64, device=dev)

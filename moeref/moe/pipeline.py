@@ -201,7 +201,12 @@ class ExpertsOutput:
     """Output of :func:`experts`: ``y`` float64 ``[R, K]`` (padding rows 0) and the trace the error
     bounds read: ``h`` (GEMM1 output ``[R, 2N]``), ``x`` (activation output before re-quantization,
     ``[R, N]``), ``xq`` (the GEMM2 input operand) and ``a2`` (the quantized intermediate or None).
-    On the device engine: float64 tensors and a ``DeviceOperand``; ``valid`` stays a NumPy bool array."""
+    On the device engine: float64 tensors and a ``DeviceOperand``; ``valid`` stays a NumPy bool array.
+
+    ``h_pre``: the exact GEMM1 output before the ``gemm1_out_dtype`` store (float64 ``[R, 2N]``), kept by the
+    device engine for its layer bound (:mod:`moeref.compare.device_layer` reads it instead of recomputing the
+    product; ``h`` itself when there is no store, so no extra memory then); None from the NumPy engine (its
+    bound recomputes the GEMM)."""
 
     y: np.ndarray
     h: np.ndarray
@@ -209,6 +214,7 @@ class ExpertsOutput:
     xq: BlockOperand
     a2: object
     valid: np.ndarray
+    h_pre: object = None
 
 
 def _activation(name: str, h, w13_layout: str, params: dict):
