@@ -95,6 +95,50 @@ def test_device_adder_exact_domain_equals_numpy(scheme, m, n, k, bias, seed):
     _same(ref, got, f"{scheme} exact domain")
 
 
+@pytest.mark.parametrize("element, block, k, special", [("e4m3fn", (128, 128), 200, False),
+                                                        ("e4m3fn", (16, 64), 160, True),
+                                                        ("e2m1", (1, 32), 96, True)])
+def test_device_gemm2_bound_from_codes_equals_numpy(element, block, k, special):
+    """GEMM2's bound (data-dependent profile, an operand radius; the radius term from the same kernel) against
+    experts given as codes (:class:`moeref.gemm.StackedExperts`: the scaled form reads the codes through the
+    decode table and multiplies by the block scale in the kernel, no float64 copy) is the NumPy bound, bit for
+    bit: 8-bit codes with 128x128 blocks (K = 200: a partial chunk), blocks narrower than the chunk, packed
+    4-bit codes; ``special``: NaN codes, a zero scale, an infinite scale, zero radii, zero rows."""
+    from moeref.compare.bounds import _rows_error_bound, _rows_radius_term
+    from moeref.compare.device_bounds import device_rows_error_bound
+    from moeref.gemm import StackedExperts
+    from moeref.gemm.device import device_operand
+
+    rng = np.random.default_rng(k)
+    e, n, r = 3, 40, 9
+    kc = (k + 1) // 2 if element == "e2m1" else k
+    codes = rng.integers(0, 256, (e, n, kc), dtype=np.uint8)
+    if element == "e4m3fn" and not special:
+        codes[(codes & 0x7F) == 0x7F] -= 1  # no NaN codes
+    grid = (e, -(-n // block[0]), -(-k // block[1]))
+    scales = np.exp2(rng.integers(-12, -4, grid)).astype(np.float64) * (1 + rng.random(grid))
+    if special:
+        scales[0, 0, 0] = 0.0
+        scales[1, -1, -1] = np.inf
+    host = StackedExperts(codes, scales, element, block, (n, k))
+    dev = StackedExperts(torch.as_tensor(codes, device=DEV), torch.as_tensor(scales, device=DEV), element, block, (n, k))
+    a = rng.standard_normal((r, k)).astype(np.float32)
+    a[2] = 0
+    aq = quantize(a, fp8_group())
+    rad = np.abs(np.asarray(aq.dequantize(), dtype=np.float64)) * 2.0**-9
+    if special:
+        rad[:, : k // 3] = 0
+    row_expert = np.array([0, 2, 1, -1, 0, 2, 2, 1, 0])
+    bias = rng.standard_normal((e, n))
+    prof = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
+    ref_b = _rows_error_bound(aq, rad, row_expert, host, bias, prof)
+    ref_r = _rows_radius_term(rad, row_expert, host)
+    got_r, got_b = device_rows_error_bound(device_operand(aq, DEV), torch.as_tensor(rad, device=DEV), row_expert, dev,
+                                           torch.as_tensor(bias, device=DEV), prof, radius_term=True)
+    _same(ref_b, got_b, f"{element} bound")
+    _same(ref_r, got_r, f"{element} radius term")
+
+
 def test_device_quantum_and_max_equals_numpy():
     v = np.array([448.0, -0.001953125, 0.0, 3.5, -2.0**-20, 1e-300])
     assert device_quantum_and_max(torch.as_tensor(v, device=DEV)) == quantum_and_max(v)

@@ -11,8 +11,11 @@ kernels of :mod:`moeref.compare._bound_kernels` (no FMA contraction, float64 con
 tensor); the element-wise rest is torch operations, with every division by a 0-d tensor (torch on CUDA
 divides by a Python float through its rounded reciprocal).
 
-Memory: one expert at a time. Its weights are decoded to float64 ``[K, N]`` (K-major, so each kernel's
-column loads are coalesced) just before its bound and dropped after; the rows of the expert likewise.
+Memory: experts in groups (:data:`WEIGHT_GROUP_BYTES`). The aligned-adder bound reads the uint8 codes of
+:class:`~moeref.gemm.StackedExperts` (K-major) through the decode table, times the block scale in the kernel
+(the exact domain and the scaled form alike), so it forms no float64 copy of the weights; the other models
+decode a group's weights to float64 ``[G, K, N]`` (K-major, so each kernel's column loads are coalesced) just
+before its bound and drop them after.
 """
 from __future__ import annotations
 
@@ -270,12 +273,12 @@ def _tree(a: DeviceBlock, counts, ws, profile, radius, b_abs, it, bm):
 def _adder(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bool = False):
     """:func:`moeref.compare.gemm_bounds.aligned_adder_gemm_bound`, operation for operation; experts in the
     exact domain (:mod:`moeref.compare._adder_kernels`: their codes read directly, float32 maxima and counts
-    where :func:`_products_f32` proves them exact) and the others in one launch each (with a radius:
-    :func:`~moeref.compare._adder_kernels.adder_radius_bound_t`). ``rterm`` (with a radius): ``(bound, radius
-    term)``, the term (:func:`device_rows_radius_term`'s numbers) from the bound's own kernel when the
+    where :func:`_products_f32` proves them exact) and the others, the scaled form, in one launch
+    (:func:`~moeref.compare._bound_kernels.adder_bound_t`, from the weights' codes where they have them:
+    :func:`_scaled_weights`). ``rterm`` (with a radius): ``(bound, radius term)``, the term (:func:`device_rows_radius_term`'s numbers) from the bound's own kernel when the
     promotion chunk and the MMA step are :func:`~moeref.compare.gemm_bounds.ordered_dot`'s, else None."""
     torch = _torch()
-    from ._adder_kernels import adder_exact_bound_t, adder_radius_bound_t
+    from ._adder_kernels import adder_exact_bound_t
     from ._bound_kernels import adder_bound_t, items
 
     m, k = (int(d) for d in a.values.shape)
@@ -285,8 +288,7 @@ def _adder(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bool = 
     if k == 0:
         out = _rows_of(st.g_prom * b_abs, counts).clone()
         return (out, None) if rterm else out
-    fuse = (rterm and radius is not None and st.mma == ORDER_STEP and st.chunk == max(1, min(ORDER_CHUNK, k))
-            and st.chunk % st.mma == 0)
+    fuse = rterm and radius is not None and st.mma == ORDER_STEP and st.chunk == max(1, min(ORDER_CHUNK, k))
     term = torch.zeros((m, n), dtype=torch.float64, device=dev) if fuse else None
     starts = np.cumsum(counts) - np.asarray(counts)
     exact = [False] * len(ws)
@@ -315,19 +317,34 @@ def _adder(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bool = 
             wt, table = _exact_weights(ws, sel)
             out[rows] = adder_exact_bound_t(_kt(av), wt, table, sa, sw, b_sel, consts, it, bm, n=n, chunk=st.chunk,
                                             mma=st.mma, steps=st.steps, f32=_products_f32(av, [ws[g] for g in sel]))
-        elif radius is not None and st.chunk % st.mma == 0:
-            res, tr = adder_radius_bound_t(a.dequantize().index_select(0, rows), _weights_kt(ws, sel),
-                                           radius.index_select(0, rows), b_sel, consts, it, bm, chunk=st.chunk,
-                                           mma=st.mma, steps=st.steps, rterm=fuse)
+        else:  # the scaled form: one launch, the weights' codes read directly where they have them
+            res, tr = adder_bound_t(a.dequantize().index_select(0, rows),
+                                    None if radius is None else radius.index_select(0, rows), _scaled_weights(ws, sel),
+                                    b_sel, consts, it, bm, chunk=st.chunk, mma=st.mma, rterm=fuse)
             out[rows] = res
             if fuse:
                 term[rows] = tr
-        else:
-            av = a.dequantize().index_select(0, rows)
-            rt = None if radius is None else _kt(radius.index_select(0, rows))
-            out[rows] = adder_bound_t(_kt(av), _weights_kt(ws, sel), rt, None, None, b_sel, consts, it, bm,
-                                      chunk=st.chunk, mma=st.mma, steps=st.steps, exact=False)
     return (out, term) if rterm else out
+
+
+def _scaled_weights(ws, sel):
+    """The scaled form's weights of experts ``sel``: :class:`~moeref.compare._bound_kernels.CodedWeights` when they
+    are experts of one :class:`StackedExperts` (their codes, the decode table and the block scales: no float64
+    copy), else float64 ``[G, K, N]`` (:func:`_weights_kt`)."""
+    torch = _torch()
+    items = [ws[g] for g in sel]
+    if not (items and all(isinstance(w, _StackedExpert) and w.stack is items[0].stack for w in items)):
+        return _weights_kt(ws, sel)
+    from ..gemm.device import _table
+    from ._bound_kernels import CodedWeights
+
+    w = items[0].stack
+    experts = [x.e for x in items]
+    n = int(w.shape[0])
+    br, bk = (int(b) for b in w.block)
+    st = w.scales.index_select(0, torch.as_tensor(experts, dtype=torch.int64, device=w.scales.device)).transpose(1, 2)
+    st = st.repeat_interleave(br, dim=2)[:, :, :n].to(torch.float64).contiguous()      # [G, ceil(K / bk), N]
+    return CodedWeights(_codes_kt(w, experts), _table(w.element, w.magnitude, w.codes.device), st, bk)
 
 
 def _exact_weights(ws, sel):
