@@ -269,13 +269,13 @@ def _tree(a: DeviceBlock, counts, ws, profile, radius, b_abs, it, bm):
 
 def _adder(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bool = False):
     """:func:`moeref.compare.gemm_bounds.aligned_adder_gemm_bound`, operation for operation; experts in the
-    exact domain (:mod:`moeref.compare._adder_kernels`: their codes read directly, float32 maxima and counts
-    where :func:`_products_f32` proves them exact) and the others in one launch each (with a radius:
-    :func:`~moeref.compare._adder_kernels.adder_radius_bound_t`). ``rterm`` (with a radius): ``(bound, radius
+    exact domain on the tensor cores (:mod:`moeref.compare._adder_digits`: their codes read directly) and the
+    others in one launch each (with a radius: :func:`~moeref.compare._adder_kernels.adder_radius_bound_t`). ``rterm`` (with a radius): ``(bound, radius
     term)``, the term (:func:`device_rows_radius_term`'s numbers) from the bound's own kernel when the
     promotion chunk and the MMA step are :func:`~moeref.compare.gemm_bounds.ordered_dot`'s, else None."""
     torch = _torch()
-    from ._adder_kernels import adder_exact_bound_t, adder_radius_bound_t
+    from ._adder_digits import adder_digits_bound_t
+    from ._adder_kernels import adder_radius_bound_t
     from ._bound_kernels import adder_bound_t, items
 
     m, k = (int(d) for d in a.values.shape)
@@ -313,8 +313,8 @@ def _adder(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bool = 
             sw = torch.stack([_chunk_scales(ws[g].scales, torch.arange(n, device=dev), ws[g].block, blk)
                               for g in sel]).contiguous()
             wt, table = _exact_weights(ws, sel)
-            out[rows] = adder_exact_bound_t(_kt(av), wt, table, sa, sw, b_sel, consts, it, bm, n=n, chunk=st.chunk,
-                                            mma=st.mma, steps=st.steps, f32=_products_f32(av, [ws[g] for g in sel]))
+            out[rows] = adder_digits_bound_t(av, wt, table, sa, sw, b_sel, consts, cnt, n=n, chunk=st.chunk,
+                                             mma=st.mma, steps=st.steps)
         elif radius is not None and st.chunk % st.mma == 0:
             res, tr = adder_radius_bound_t(a.dequantize().index_select(0, rows), _weights_kt(ws, sel),
                                            radius.index_select(0, rows), b_sel, consts, it, bm, chunk=st.chunk,
