@@ -37,9 +37,10 @@ from moeref.compare import PROFILES  # noqa: E402
 from moeref.compare.gemm_bounds import adder_setup  # noqa: E402
 
 TILE_VARIANTS = {
-    "bn32": {"bn": 32, "warps": {16: 4, 32: 4, 64: 8}},
-    "bm32": {"bm": (16, 32), "warps": {16: 4, 32: 4}},
-    "w4": {"warps": {16: 4, 32: 4, 64: 4}},
+    "s1": {"stages": 1},
+    "bm32 s1": {"bm": (16, 32), "stages": 1},
+    "bn32 s1": {"bn": 32, "warps": {16: 4, 32: 4, 64: 8}, "stages": 1},
+    "bm32 w4": {"bm": (16, 32), "warps": {16: 4, 32: 4}},
 }
 """Tile variants timed besides :data:`moeref.compare._adder_digits.TILES` (overrides of it)."""
 
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 row.setdefault("first_call_s", {})[name] = time.perf_counter() - t0
             except Exception as e:  # reported in the JSON, not hidden
-                row["errors"][name] = f"{type(e).__name__}: {e}"[:500]
+                row["errors"][name] = f"{type(e).__name__}: {e}"[-3000:]
                 del cases[name]
         if args.check and "digits" in cases:
             first = digits_case(gs[:1], prof, n)()[0]

@@ -64,7 +64,7 @@ def _same(ref, got, what):
         f"(max relative {np.nanmax(np.abs(ref - got) / np.maximum(np.abs(ref), 1e-300), initial=0):.3g})")
 
 
-@settings(deadline=None, max_examples=200 if on_gpu() else 6, suppress_health_check=_HC)
+@settings(deadline=None, max_examples=120 if on_gpu() else 6, suppress_health_check=_HC)
 @given(st.sampled_from(["e4m3fn", "e2m1", "int8"]), st.lists(st.integers(0, 70 if on_gpu() else 5), min_size=1,
                                                               max_size=4),
        st.integers(1, 80 if on_gpu() else 9), st.sampled_from([160, 200] if on_gpu() else [32, 160, 256, 200]),
@@ -104,7 +104,7 @@ WIDE = {
 }
 
 
-@settings(deadline=None, max_examples=100 if on_gpu() else 6, suppress_health_check=_HC)
+@settings(deadline=None, max_examples=60 if on_gpu() else 6, suppress_health_check=_HC)
 @given(st.sampled_from(sorted(WIDE)), st.integers(1, 40 if on_gpu() else 4), st.integers(1, 40 if on_gpu() else 9),
        st.sampled_from([200] if on_gpu() else [32, 128, 200]), st.floats(0, 0.5), st.integers(0, 2**16))
 def test_values_bound_equals_numpy(case, m, n, k, zeros, seed):

@@ -65,10 +65,10 @@ EXP_LIMIT = 21
 (float32 products in ``[2^-126, 2^120]``, sums of 32 below ``2^128``)."""
 DIGIT_LIMIT = 1 << 21
 """Three signed base-128 digits hold integers below ``2^21`` in magnitude."""
-TILES = {"bm": (16, 32, 64), "bn": 64, "warps": {16: 4, 32: 4, 64: 8}, "item_cost_rows": 16}
+TILES = {"bm": (16, 32, 64), "bn": 64, "warps": {16: 4, 32: 8, 64: 8}, "stages": None, "item_cost_rows": 16}
 """GPU tiles: the rows per work item are chosen among ``bm`` (``tl.dot`` needs >= 16) to minimise the padded rows
 plus ``item_cost_rows`` per item (an item decodes its expert's weight tiles once: ~16 rows of epilogue work);
-``bn`` output columns; warps per rows."""
+``bn`` output columns; warps per rows; ``stages``: Triton's ``num_stages`` (None: its default)."""
 
 
 @triton.jit
@@ -180,7 +180,7 @@ def _adder_digits_kernel(a_ptr, ax_ptr, amax_ptr, anz_ptr, w_ptr, wtab_ptr, wx_p
                 else:
                     es = tl.dot(xa, xw, out_dtype=tl.float32)
                 # floor(E / 6) = (E + 126) // 6 - 21 with E + 126 = (biased exponent) - 1 >= 0 for s >= 2^-126
-                mj = ((es.to(tl.int32, bitcast=True) >> 23) - 1) // 6 - EXP_LIMIT + EOFF
+                mj = ((es.to(tl.int32, bitcast=True) >> 23) - 1) // 6 - 21 + EOFF  # 21: EXP_LIMIT
                 has = es > 0.0
             else:
                 xa = tl.load(ax_ptr + aoff, mask=amask, other=NOEXP)
@@ -366,6 +366,7 @@ def adder_digits_bound_t(av, w, table, sa, sw, b_abs, consts, counts, *, n: int,
                                0 if offs is None else offs[0] + offs[1], NCH=nch, C=chunk, STEPS=steps, MMA=mma,
                                MP=mp, DA=da or 1, DW=dw or 1, DIGITS=digits, CODES=codes, EXPDOT=offs is not None,
                                IEEE=not on_gpu, NOEXP=NO_EXPONENT, BM=bm, BN=bn,
-                               num_warps=cfg["warps"][bm] if (on_gpu and fast) else 4, enable_fp_fusion=False)
+                               num_warps=cfg["warps"][bm] if (on_gpu and fast) else 4, enable_fp_fusion=False,
+                               **({"num_stages": cfg["stages"]} if cfg["stages"] and on_gpu and fast else {}))
     return out
 
