@@ -7,8 +7,9 @@ top-8 routing) under HOPPER_FP8_DEEPGEMM_DATA. The rows are cut into the groups 
 weight codes K-major, chunk scales) are made before timing, as ``_adder`` makes them. Cases, timed in interleaved
 rounds (bench/interleaved.py, CUDA events), one case = every group once:
 
-* ``digits`` (and ``digits <tiles>`` variants): :func:`moeref.compare._adder_digits.adder_digits_bound_t`, the
-  step sums on the int8 tensor cores, the per-launch operand preparation included;
+* ``digits`` (and ``digits <variant>``, :data:`TILE_VARIANTS`):
+  :func:`moeref.compare._adder_digits.adder_digits_bound_t`, the step sums on the int8 tensor cores, the
+  per-launch operand preparation included;
 * ``old``: the kernel it replaced, ``adder_exact_bound_t`` of moeref/compare/_adder_kernels.py (per-product
   float32 maxima and counts, float64 FMA step sums; a different bound: the per-product summaries), when present
   in the tree (``--old``; removed after the measurement);
@@ -37,10 +38,10 @@ from moeref.compare import PROFILES  # noqa: E402
 from moeref.compare.gemm_bounds import adder_setup  # noqa: E402
 
 TILE_VARIANTS = {
-    "s1": {"stages": 1},
-    "bm32 s1": {"bm": (16, 32), "stages": 1},
-    "bn32 s1": {"bn": 32, "warps": {16: 4, 32: 4, 64: 8}, "stages": 1},
-    "bm32 w4": {"bm": (16, 32), "warps": {16: 4, 32: 4}},
+    "bm64": {"bm": (16, 32, 64)},
+    "s3": {"stages": 3},
+    "bn32 w4": {"bn": 32, "warps": {16: 4, 32: 4}, "stages": None},
+    "bm64 w4 s-": {"bm": (16, 32, 64), "warps": {16: 4, 32: 8, 64: 8}, "stages": None},
 }
 """Tile variants timed besides :data:`moeref.compare._adder_digits.TILES` (overrides of it)."""
 
@@ -78,8 +79,8 @@ def groups(a, row_e, w13, prof):
         blk = torch.arange(-(-k // st.chunk), device="cuda") * st.chunk
         sa = _chunk_scales(ag.scales, torch.arange(len(idx), device="cuda"), ag.block, blk)
         sw = torch.stack([_chunk_scales(x.scales, torch.arange(n, device="cuda"), x.block, blk) for x in ws])
-        wt, table = _exact_weights(ws, list(range(len(es))))
-        out.append(dict(av=ag.values, wt=wt, table=table, sa=sa, sw=sw.contiguous(),
+        wt, table, present = _exact_weights(ws, list(range(len(es))))
+        out.append(dict(av=ag.values, wt=wt, table=table, present=present, sa=sa, sw=sw.contiguous(),
                         b=torch.zeros((len(es), n), dtype=torch.float64, device="cuda"), counts=counts, st=st))
     return out
 
@@ -98,7 +99,8 @@ def digits_case(gs, prof, n, tiles=None):
 
     def run():
         return [adder_digits_bound_t(g["av"], g["wt"], g["table"], g["sa"], g["sw"], g["b"], c, g["counts"], n=n,
-                                     chunk=g["st"].chunk, mma=g["st"].mma, steps=g["st"].steps, tiles=tiles)
+                                     chunk=g["st"].chunk, mma=g["st"].mma, steps=g["st"].steps, present=g["present"],
+                                     tiles=tiles)
                 for g in gs]
     return run
 
@@ -197,9 +199,9 @@ def main(argv=None) -> int:
             print("check:", row["check"])
         del gs, cases, a
         torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:  # after every token count: a later one may run out of time
+            json.dump(result, f, indent=1)
     return 0
 
 

@@ -65,10 +65,13 @@ EXP_LIMIT = 21
 (float32 products in ``[2^-126, 2^120]``, sums of 32 below ``2^128``)."""
 DIGIT_LIMIT = 1 << 21
 """Three signed base-128 digits hold integers below ``2^21`` in magnitude."""
-TILES = {"bm": (16, 32, 64), "bn": 64, "warps": {16: 4, 32: 8, 64: 8}, "stages": None, "item_cost_rows": 16}
+TILES = {"bm": (16, 32), "bn": 64, "warps": {16: 8, 32: 8, 64: 8}, "stages": 1, "item_cost_rows": 16}
 """GPU tiles: the rows per work item are chosen among ``bm`` (``tl.dot`` needs >= 16) to minimise the padded rows
 plus ``item_cost_rows`` per item (an item decodes its expert's weight tiles once: ~16 rows of epilogue work);
-``bn`` output columns; warps per rows; ``stages``: Triton's ``num_stages`` (None: its default)."""
+``bn`` output columns; warps per rows; ``stages``: Triton's ``num_stages`` (None: its default). Chosen from the
+compiler's resource report for sm_90 (Triton 3.6, ptxas of its wheel, 2026-11-25): 16x64 and 32x64 tiles with 8
+warps and one stage compile without spills (0 bytes of stack at 244 and 252 registers); every 64-row tile spills
+(128 to 5568 bytes), so does 32x64 with 4 warps (504 to 744). Not yet timed on a GPU (bench/bench_adder_exact.py)."""
 
 
 @triton.jit
@@ -232,9 +235,11 @@ def _exponents(v):
 
 
 def _span(e) -> tuple[int, int] | None:
-    """``(lo, hi)`` of the exponents of the nonzero elements (:func:`_exponents`), None for none."""
-    nz = e[e != NO_EXPONENT]
-    return None if nz.numel() == 0 else (int(nz.min()), int(nz.max()))
+    """``(lo, hi)`` of the exponents of the nonzero elements (:func:`_exponents`), None for none (one host copy)."""
+    nz = e != NO_EXPONENT
+    big = torch.full((), 1 << 20, dtype=e.dtype, device=e.device)
+    lo, hi = torch.stack([torch.where(nz, e, big).min(), torch.where(nz, e, -big).max()]).tolist()
+    return None if lo > hi else (int(lo), int(hi))
 
 
 def _exponent_offsets(sa, sw, mp: int):
@@ -291,14 +296,15 @@ def _work_items(counts, device, bms):
 
 
 def adder_digits_bound_t(av, w, table, sa, sw, b_abs, consts, counts, *, n: int, chunk: int, mma: int,
-                         steps: int, tiles: dict | None = None) -> torch.Tensor:
+                         steps: int, present=None, tiles: dict | None = None) -> torch.Tensor:
     """The aligned-adder bound ``[M, N]`` in the exact domain without a radius (module docstring): ``av`` float64
     ``[M, K]`` element values, ``counts[g]`` consecutive rows against expert ``g`` of ``w`` ``[G, K, N]`` (uint8
     codes read through ``table``, the float64 decode table ``[256]``; or float64 element values with ``table``
     None), ``sa`` ``[M, NCH]`` / ``sw`` ``[G, N, NCH]`` chunk scales, ``b_abs`` ``[G, N]``, ``consts`` float64
     ``[u2, g_prom, 1 + 2^-40, 2^-1022, 1 + 1e-9, 1, 0]``. Every value must be finite and the launch in the exact
-    domain (:func:`~moeref.compare.gemm_bounds.adder_exact`: the caller's check). ``tiles``: :data:`TILES`
-    overrides (``bm``, ``bn``, ``warps``) for benchmarks."""
+    domain (:func:`~moeref.compare.gemm_bounds.adder_exact`: the caller's check). ``present``: bool ``[table
+    size]``, the codes ``w`` holds (at least; e.g. cached per expert), else counted here (one pass over the codes).
+    ``tiles``: :data:`TILES` overrides (``bm``, ``bn``, ``warps``, ``stages``) for benchmarks."""
     from .device_bounds import device_quantum_and_max
 
     m, k = (int(d) for d in av.shape)
@@ -323,7 +329,9 @@ def adder_digits_bound_t(av, w, table, sa, sw, b_abs, consts, counts, *, n: int,
     # the weights' integers, exponents and the launch's integer scales
     if codes:
         size = int(table.numel())
-        present = torch.bincount(w.reshape(-1), minlength=size)[:size].cpu().numpy() > 0
+        if present is None:
+            present = torch.bincount(w.reshape(-1), minlength=size)[:size].cpu().numpy() > 0
+        present = np.asarray(present, dtype=bool)[:size]
         tv = table.cpu().numpy()
         vals = np.where(present, tv, 0.0)
         qw, dw = _integer_scale(*quantum_and_max(vals))

@@ -270,9 +270,10 @@ def _tree(a: DeviceBlock, counts, ws, profile, radius, b_abs, it, bm):
 def _adder(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bool = False):
     """:func:`moeref.compare.gemm_bounds.aligned_adder_gemm_bound`, operation for operation; experts in the
     exact domain on the tensor cores (:mod:`moeref.compare._adder_digits`: their codes read directly) and the
-    others in one launch each (with a radius: :func:`~moeref.compare._adder_kernels.adder_radius_bound_t`). ``rterm`` (with a radius): ``(bound, radius
-    term)``, the term (:func:`device_rows_radius_term`'s numbers) from the bound's own kernel when the
-    promotion chunk and the MMA step are :func:`~moeref.compare.gemm_bounds.ordered_dot`'s, else None."""
+    others in one launch each (with a radius: :func:`~moeref.compare._adder_kernels.adder_radius_bound_t`).
+    ``rterm`` (with a radius): ``(bound, radius term)``, the term (:func:`device_rows_radius_term`'s numbers)
+    from the bound's own kernel when the promotion chunk and the MMA step are
+    :func:`~moeref.compare.gemm_bounds.ordered_dot`'s, else None."""
     torch = _torch()
     from ._adder_digits import adder_digits_bound_t
     from ._adder_kernels import adder_radius_bound_t
@@ -312,9 +313,9 @@ def _adder(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bool = 
             sa = _chunk_scales(a.scales, rows, a.block, blk)
             sw = torch.stack([_chunk_scales(ws[g].scales, torch.arange(n, device=dev), ws[g].block, blk)
                               for g in sel]).contiguous()
-            wt, table = _exact_weights(ws, sel)
+            wt, table, present = _exact_weights(ws, sel)
             out[rows] = adder_digits_bound_t(av, wt, table, sa, sw, b_sel, consts, cnt, n=n, chunk=st.chunk,
-                                             mma=st.mma, steps=st.steps)
+                                             mma=st.mma, steps=st.steps, present=present)
         elif radius is not None and st.chunk % st.mma == 0:
             res, tr = adder_radius_bound_t(a.dequantize().index_select(0, rows), _weights_kt(ws, sel),
                                            radius.index_select(0, rows), b_sel, consts, it, bm, chunk=st.chunk,
@@ -331,62 +332,18 @@ def _adder(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bool = 
 
 
 def _exact_weights(ws, sel):
-    """The exact domain's weights of experts ``sel``: ``(uint8 codes [G, K, N], float64 decode table)`` when they
-    are experts of one :class:`StackedExperts` (no float64 copy: the codes gathered and transposed, one byte
-    each), else ``(float64 element values [G, K, N], None)``."""
+    """The exact domain's weights of experts ``sel``: ``(uint8 codes [G, K, N], float64 decode table, bool [256]
+    codes present)`` when they are experts of one :class:`StackedExperts` (no float64 copy: the codes gathered
+    and transposed, one byte each; the codes present from :func:`_codes_present`'s cache), else ``(float64
+    element values [G, K, N], None, None)``."""
     items = [ws[g] for g in sel]
     if items and all(isinstance(w, _StackedExpert) and w.stack is items[0].stack for w in items):
         from ..gemm.device import _table
 
         w = items[0].stack
-        return _codes_kt(w, [x.e for x in items]), _table(w.element, w.magnitude, w.codes.device)
-    return _weights_kt(ws, sel, scaled=False), None
-
-
-F32_BITS = 24
-"""Significand bits of float32: a product of two values of ``p`` and ``q`` significant bits has at most
-``p + q`` (the product of two odd integers of ``p`` and ``q`` bits)."""
-
-
-def _products_f32(av, wops) -> bool:
-    """Every product of an element of ``av`` (float64 tensor) and one of the operands ``wops`` is exact in
-    float32, and so are both factors: nonzero magnitudes in the normal float32 range (``[2^-126, 2^127)``, the
-    products too) and at most 24 significant bits together (:data:`F32_BITS`). A sufficient condition, from
-    each operand's quantum, largest magnitude and largest significand (:func:`_sig_bits`)."""
-    lo, hi = 2.0**-126, 2.0**127
-    qw = min((_quantum_max(w)[0] for w in wops), default=math.inf)
-    mw = max((_quantum_max(w)[1] for w in wops), default=0.0)
-    bw = max((_weight_bits(w) for w in wops), default=0)
-    qa, ma = device_quantum_and_max(av)
-    if (ma and (qa < lo or ma >= hi)) or (mw and (qw < lo or mw >= hi)):
-        return False
-    if ma == 0 or mw == 0:
-        return True
-    return qa * qw >= lo and ma * mw < hi and bw < F32_BITS and _sig_bits(av) + bw <= F32_BITS
-
-
-def _sig_bits(v) -> int:
-    """Largest number of significant bits of the finite values of a float64 tensor (0 for none nonzero):
-    ``m * 2^53`` is an integer for the mantissa ``m`` in ``[0.5, 1)`` of ``frexp``; its lowest set bit gives the
-    bits below the last significant one. In row slices of at most 2^24 elements."""
-    torch = _torch()
-    flat = v.reshape(-1)
-    best = torch.zeros((), dtype=torch.int64, device=v.device)
-    for i in range(0, flat.numel(), 1 << 24):
-        x = flat[i:i + (1 << 24)]
-        x = x[(x != 0) & torch.isfinite(x)]
-        if x.numel():
-            m, _ = torch.frexp(x.abs())
-            mi = (m * 2.0**53).to(torch.int64)
-            _, e = torch.frexp((mi & -mi).to(torch.float64))  # lowest set bit 2^(e - 1)
-            best = torch.maximum(best, (54 - e.to(torch.int64)).max())
-    return int(best)
-
-
-def _weight_bits(op) -> int:
-    if isinstance(op, _StackedExpert):
-        return op.sig_bits
-    return _sig_bits(op.values)
+        present = _codes_present(w)[[x.e for x in items]].any(axis=0)
+        return _codes_kt(w, [x.e for x in items]), _table(w.element, w.magnitude, w.codes.device), present
+    return _weights_kt(ws, sel, scaled=False), None, None
 
 
 def _codes_kt(w, experts: list):
@@ -461,9 +418,6 @@ class _StackedExpert:
         self.quantum_max = quantum_and_max(vals) if self.finite else None
         self.bf16 = bool(self.finite and np.all(vals.astype(np.float32).astype(ml_dtypes.bfloat16)
                                                 .astype(np.float64) == vals))
-        nz = np.abs(vals[(vals != 0) & np.isfinite(vals)])
-        mi = (np.frexp(nz)[0] * 2.0**53).astype(np.int64)
-        self.sig_bits = int((54 - np.frexp((mi & -mi).astype(np.float64))[1]).max(initial=0))
 
     @property
     def shape(self) -> tuple[int, int]:
