@@ -127,3 +127,22 @@ def test_values_bound_equals_numpy(case, m, n, k, zeros, seed):
                            v.shape)
 
     _same(ref, device_gemm_error_bound(block(a), block(w), BASE), case)
+
+
+def test_exponent_offsets_keep_every_power_and_sum_in_float32_range():
+    """For every pair of exponent ranges whose spans add to at most 41 (and a few positions of each), the offsets
+    put every offset exponent in [-21, 21] (a normal bf16 power 2^(6x)) and every pair sum in [-21, 20] (a normal
+    float32 product whose sum of 32 stays below 2^128); wider spans and steps wider than 32 columns take the
+    direct maximum (None)."""
+    from moeref.compare._adder_digits import _exponent_offsets
+
+    for span_a in range(0, 42):
+        for span_w in range(0, 42 - span_a):
+            for lo_a, lo_w in ((-9, -9), (0, -300), (500, -1074), (-1074, 1000)):
+                sa, sw = (lo_a, lo_a + span_a), (lo_w, lo_w + span_w)
+                oa, ow = _exponent_offsets(sa, sw, 32)
+                xa, xw = (sa[0] - oa, sa[1] - oa), (sw[0] - ow, sw[1] - ow)
+                assert -21 <= xa[0] and xa[1] <= 21 and -21 <= xw[0] and xw[1] <= 21, (sa, sw, xa, xw)
+                assert xa[0] + xw[0] >= -21 and xa[1] + xw[1] <= 20, (sa, sw, xa, xw)
+    assert _exponent_offsets((0, 30), (0, 12), 32) is None
+    assert _exponent_offsets((0, 3), (0, 3), 64) is None
