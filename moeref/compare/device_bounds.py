@@ -270,13 +270,21 @@ def _tree(a: DeviceBlock, counts, ws, profile, radius, b_abs, it, bm):
     return out * (1.0 + 1e-9)
 
 
+EXACT_DIGITS = True
+"""The exact domain's kernel: the int8-digit tensor-core one (:mod:`moeref.compare._adder_digits`), else one FMA per
+product (:mod:`moeref.compare._adder_kernels`); the same bits (``property_tests/test_device_bounds.py`` runs both)."""
+
+
 def _adder(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bool = False):
     """:func:`moeref.compare.gemm_bounds.aligned_adder_gemm_bound`, operation for operation; experts in the
-    exact domain (:mod:`moeref.compare._adder_kernels`: their codes read directly) and the others, the scaled form, in one launch
-    (:func:`~moeref.compare._bound_kernels.adder_bound_t`, from the weights' codes where they have them:
-    :func:`_scaled_weights`). ``rterm`` (with a radius): ``(bound, radius term)``, the term (:func:`device_rows_radius_term`'s numbers) from the bound's own kernel when the
-    promotion chunk and the MMA step are :func:`~moeref.compare.gemm_bounds.ordered_dot`'s, else None."""
+    exact domain (:data:`EXACT_DIGITS`: on the int8 tensor cores, :mod:`moeref.compare._adder_digits`, else one
+    FMA per product, :mod:`moeref.compare._adder_kernels`; their codes read directly either way) and the others,
+    the scaled form, in one launch (:func:`~moeref.compare._bound_kernels.adder_bound_t`, from the weights' codes
+    where they have them: :func:`_scaled_weights`). ``rterm`` (with a radius): ``(bound, radius term)``, the term
+    (:func:`device_rows_radius_term`'s numbers) from the bound's own kernel when the promotion chunk and the MMA
+    step are :func:`~moeref.compare.gemm_bounds.ordered_dot`'s, else None."""
     torch = _torch()
+    from ._adder_digits import adder_digits_bound_t
     from ._adder_kernels import adder_exact_bound_t
     from ._bound_kernels import adder_bound_t, items
 
@@ -313,9 +321,13 @@ def _adder(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bool = 
             sa = _chunk_scales(a.scales, rows, a.block, blk)
             sw = torch.stack([_chunk_scales(ws[g].scales, torch.arange(n, device=dev), ws[g].block, blk)
                               for g in sel]).contiguous()
-            wt, table = _exact_weights(ws, sel)
-            out[rows] = adder_exact_bound_t(_kt(av), wt, table, sa, sw, b_sel, consts, it, bm, n=n, chunk=st.chunk,
-                                            mma=st.mma, steps=st.steps)
+            wt, table, present = _exact_weights(ws, sel)
+            if EXACT_DIGITS:
+                out[rows] = adder_digits_bound_t(av, wt, table, sa, sw, b_sel, consts, cnt, n=n, chunk=st.chunk,
+                                                 mma=st.mma, steps=st.steps, present=present)
+            else:
+                out[rows] = adder_exact_bound_t(_kt(av), wt, table, sa, sw, b_sel, consts, it, bm, n=n,
+                                                chunk=st.chunk, mma=st.mma, steps=st.steps)
         else:  # the scaled form: one launch, the weights' codes read directly where they have them
             res, tr = adder_bound_t(a.dequantize().index_select(0, rows),
                                     None if radius is None else radius.index_select(0, rows), _scaled_weights(ws, sel),
@@ -347,16 +359,18 @@ def _scaled_weights(ws, sel):
 
 
 def _exact_weights(ws, sel):
-    """The exact domain's weights of experts ``sel``: ``(uint8 codes [G, K, N], float64 decode table)`` when they
-    are experts of one :class:`StackedExperts` (no float64 copy: the codes gathered and transposed, one byte
-    each), else ``(float64 element values [G, K, N], None)``."""
+    """The exact domain's weights of experts ``sel``: ``(uint8 codes [G, K, N], float64 decode table, bool [256]
+    codes present)`` when they are experts of one :class:`StackedExperts` (no float64 copy: the codes gathered
+    and transposed, one byte each; the codes present from :func:`_codes_present`'s cache), else ``(float64
+    element values [G, K, N], None, None)``."""
     items = [ws[g] for g in sel]
     if items and all(isinstance(w, _StackedExpert) and w.stack is items[0].stack for w in items):
         from ..gemm.device import _table
 
         w = items[0].stack
-        return _codes_kt(w, [x.e for x in items]), _table(w.element, w.magnitude, w.codes.device)
-    return _weights_kt(ws, sel, scaled=False), None
+        present = _codes_present(w)[[x.e for x in items]].any(axis=0)
+        return _codes_kt(w, [x.e for x in items]), _table(w.element, w.magnitude, w.codes.device), present
+    return _weights_kt(ws, sel, scaled=False), None, None
 
 
 def _codes_kt(w, experts: list):

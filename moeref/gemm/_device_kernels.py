@@ -141,7 +141,12 @@ def _digits(code, itab_ptr, mask):
     """The element's exact integer value ``I = value * 2^q`` (a signed int32 table lookup) as three signed
     base-128 digits, each an int8 (0 where ``mask`` is False): ``I = d0 + 128 d1 + 16384 d2``."""
     iv = tl.load(itab_ptr + code.to(tl.int32))
-    iv = tl.where(mask, iv, 0)
+    return _split_digits(tl.where(mask, iv, 0))
+
+
+@triton.jit
+def _split_digits(iv):
+    """int32 ``I`` (``|I| < 2^21``) as three signed base-128 int8 digits: ``I = d0 + 128 d1 + 16384 d2``."""
     mag = tl.abs(iv)
     neg = iv < 0
     d0 = mag & 127
