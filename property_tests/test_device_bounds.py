@@ -72,10 +72,10 @@ def test_device_gemm_bound_equals_numpy(scheme, model, m, n, k, radius, bias, se
 @given(st.sampled_from(["fp8 block", "mxfp4", "integers"]), st.integers(1, 5), st.integers(1, 9),
        st.sampled_from([32, 64, 160, 200]), st.booleans(), st.integers(0, 2**16))
 def test_device_adder_exact_domain_equals_numpy(scheme, m, n, k, bias, seed):
-    """The aligned-adder bound's exact domain (element values, chunk scales after; no radius) through both of its
-    kernels (``device_bounds.EXACT_DIGITS``: int8 digits on the tensor cores, or one FMA per product): FP8 and FP4
-    elements and integers of 16 and 12 bits (three and two digits); zeros among the activations (the nonzero
-    counts); K not a multiple of the chunk."""
+    """The aligned-adder bound's exact domain (element values, chunk scales after; no radius) through each of its
+    kernels (``device_bounds.ADDER_KERNEL``: float64 tensor cores, int8 digits on the tensor cores, or one FMA per
+    product): FP8 and FP4 elements and integers of 16 and 12 bits (three and two digits); zeros among the
+    activations (the nonzero counts); K not a multiple of the chunk."""
     import moeref.compare.device_bounds as db
 
     rng = np.random.default_rng(seed)
@@ -92,14 +92,14 @@ def test_device_adder_exact_domain_equals_numpy(scheme, m, n, k, bias, seed):
     b = rng.standard_normal(n) if bias else None
     prof = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
     ref = gemm_error_bound(a, w, prof, bias=b)
-    for digits in (True, False):
-        saved, db.EXACT_DIGITS = db.EXACT_DIGITS, digits
+    for kernel in ("mma", "digits", "fma"):
+        saved, db.ADDER_KERNEL = db.ADDER_KERNEL, kernel
         try:
             got = device_gemm_error_bound(_block(a), _block(w), prof,
                                           b_abs=None if b is None else torch.as_tensor(np.abs(b), device=DEV))
         finally:
-            db.EXACT_DIGITS = saved
-        _same(ref, got, f"{scheme} exact domain, {'digits' if digits else 'fma'} kernel")
+            db.ADDER_KERNEL = saved
+        _same(ref, got, f"{scheme} exact domain, {kernel} kernel")
 
 
 @pytest.mark.parametrize("element, block, k, special", [("e4m3fn", (128, 128), 200, False),

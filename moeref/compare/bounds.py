@@ -53,9 +53,9 @@ from .gemm_bounds import (
     gamma,
     gemm_coefficient,
     gemm_error_bound,
-    ordered_dot,
     worst_case_gemm_bound,
 )
+from .operand_radius import radius_dot
 from .stage_bounds import activation_error, activation_magnitude, lipschitz_on, requant_uncertainty
 
 __all__ = [
@@ -267,13 +267,14 @@ def _rows_error_bound(a, a_radius, row_expert, weights, bias, profile: Profile) 
 
 
 def _rows_radius_term(radius, row_expert, weights) -> np.ndarray:
-    """``radius[r] @ |W[e(r)]|^T`` (the operand's own uncertainty through GEMM2), float64 ``[R, N]``, in
-    :func:`moeref.compare.gemm_bounds.ordered_dot`'s order (so the device bound gets the same bits)."""
+    """``radius[r] @ |W[e(r)]|^T`` (the operand's own uncertainty through GEMM2), float64 ``[R, N]``:
+    :func:`moeref.compare.operand_radius.radius_dot` (exact chunk sums on the radius's grid, else
+    :func:`moeref.compare.gemm_bounds.ordered_dot`'s order), so the device bound gets the same bits."""
     w = ExpertOperands(weights)
     out = np.zeros((row_expert.size, w[0].shape[0] if len(w) else 0))
     for e in np.unique(row_expert[row_expert >= 0]).tolist():  # a loop over experts
         idx = np.flatnonzero(row_expert == e)
-        out[idx] = ordered_dot(radius[idx], np.abs(w[e].dequantize()))
+        out[idx] = radius_dot(radius[idx], w[e])
     return out
 
 

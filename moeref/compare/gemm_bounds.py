@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..gemm.exact import BlockOperand, as_operand, quantum_and_max
+from .operand_radius import RADIUS_CHUNK, chunk_scales_constant, exact_radius
 
 __all__ = [
     "gamma",
@@ -358,16 +359,28 @@ def aligned_adder_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius, 
         align_j = n_j * 2 u_acc * M_j                                (>= n_j * 2^(e + 1) * u_acc)
         E_j     = E_{j-1} + align_j + 2 u_acc p2(|S_j| + E_{j-1} + align_j)
 
-    and the chunk's accumulator satisfies ``|acc| <= |S| + E``. This runs on the unscaled elements (exact
-    in float64 when ``c * max|a| * max|w| <= 2^53 q_a q_w``, :func:`moeref.gemm.exact.quantum_and_max`) and
-    is multiplied by the chunk's ``|scale_a scale_w|``. Otherwise (a scale block shorter than a chunk,
-    inexact partial sums, or ``a_radius`` given) it runs on the scaled products with ``p2`` replaced by the
-    identity: ``2^floor(log2 x_unscaled) * scale <= x``, whatever the scale, so the bound holds whether the
-    kernel scales before or after accumulating. The promotions, scale products and the bias add are FP32:
+    and the chunk's accumulator satisfies ``|acc| <= |S| + E``. Three forms (:func:`adder_form`):
+
+    * **exact** (no radius; the element values finite, every partial sum of a chunk of them exact in float64,
+      ``c * max|a| * max|w| <= 2^53 q_a q_w`` with :func:`moeref.gemm.exact.quantum_and_max`, and the scales
+      constant over each chunk): the recurrence runs on the unscaled elements and is multiplied by the chunk's
+      ``|scale_a scale_w|``;
+    * **scaled** (otherwise: a scale block shorter than a chunk, inexact partial sums, non-finite values): it
+      runs on the scaled products with ``p2`` replaced by the identity (``2^floor(log2 x_unscaled) * scale <=
+      x``, whatever the scale, so the bound holds whether the kernel scales before or after accumulating), the
+      step sums in column order;
+    * **steps** (an ``a_radius`` under the exact form's conditions, finite scales, the radius rounded up onto the
+      grid of :mod:`moeref.compare.operand_radius`, every chunk inside one of its 128-column chunks): the scaled
+      form's recurrence, with ``|S_j| = |s_j sa sw|`` and the radius's partial sum ``d_j |sw|``, where ``s_j`` and
+      ``d_j`` are the exact partial sums of the element values ``a w`` and of ``r^ |w|`` (one rounding each
+      instead of one per column: the same bits in any summation order, so on the tensor cores too).
+
+    The promotions, scale products and the bias add are FP32:
     ``gamma(ceil(K/c) + S + 3, u_fp32) (sum_chunks scale (|S| + E) + |bias|)`` (as in
     :func:`gemm_coefficient`). With ``a_radius``, ``max |P_j|`` uses ``(|A| + a_radius) |W|`` and ``|S_j|``
     grows by the partial sums of ``a_radius |W|``. ``M_j`` is widened by ``2^-40`` before ``p2`` and the
-    result by ``1e-9`` relative, for the float64 rounding of the bound's own arithmetic.
+    result by ``1e-9`` relative, for the float64 rounding of the bound's own arithmetic (in the steps form
+    ``|S_j|`` and the radius's sums are within two roundings of their exact values: inside that margin).
 
     Every term is monotone in ``T_j`` and ``n_j``, so these summaries give a bound >= the one from the step's
     largest product and nonzero count themselves (the definition until 2026-11-25, about 11 % tighter on the
@@ -392,14 +405,18 @@ def aligned_adder_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius, 
 
 @dataclass(frozen=True)
 class AdderOperands:
-    """The operands of :func:`aligned_adder_gemm_bound` as its recurrence reads them: ``ac`` ``[M, nch, steps,
-    mma]`` and ``bd`` ``[N, nch, steps, mma]`` (element values in the exact domain, whose chunk scales ``sa``
-    ``[M, nch]`` / ``sw`` ``[N, nch]`` apply after the recurrence; scaled values otherwise), ``ar`` the radius
-    (or None), ``au = |ac| + ar`` and ``bd_abs = |bd|``; ``a_steps`` / ``w_steps`` :func:`step_maxima` of ``au`` /
-    ``bd_abs``, and in the exact domain ``exponents`` :func:`step_exponents` of ``ac`` and ``bd``."""
+    """The operands of :func:`aligned_adder_gemm_bound` as its recurrence reads them, in one of three forms
+    (``form``; the function's docstring): ``"exact"`` (element values; chunk scales ``sa`` ``[M, nch]`` / ``sw``
+    ``[N, nch]`` applied after the recurrence), ``"steps"`` (element values for the exact step sums, the chunk
+    scales applied to the partial sums; the radius rounded up onto its grid) or ``"scaled"`` (scaled values).
+    ``ac`` ``[M, nch, steps, mma]`` / ``bd`` ``[N, nch, steps, mma]`` the operands of the step sums, ``ar`` the
+    radius (or None) in the same layout, ``au = |a| + ar`` and ``bd_abs = |w|`` (scaled, except in the exact form)
+    for the step summaries, ``bu_abs`` the ``|w|`` of the radius's step sums (``|bd|``); ``a_steps`` / ``w_steps``
+    :func:`step_maxima` of ``au`` / ``bd_abs``, and in the exact form ``exponents`` :func:`step_exponents` of
+    ``ac`` and ``bd``."""
 
     st: AdderSetup
-    exact: bool
+    form: str
     ac: np.ndarray
     bd: np.ndarray
     sa: np.ndarray | None
@@ -407,10 +424,16 @@ class AdderOperands:
     ar: np.ndarray | None
     au: np.ndarray
     bd_abs: np.ndarray
+    bu_abs: np.ndarray
     u2: float
     a_steps: tuple
     w_steps: tuple
     exponents: tuple | None
+
+    @property
+    def exact(self) -> bool:
+        """The exact form: element values, a power-of-two grid, the chunk scales after."""
+        return self.form == "exact"
 
     def row_blocks(self):
         """``(r0, r1)`` blocks of rows whose ``[rb, N, K]`` product tensor has at most 2^22 elements."""
@@ -419,43 +442,62 @@ class AdderOperands:
         return [(r0, min(r0 + rb, m)) for r0 in range(0, m, rb)]
 
 
+def adder_form(a: BlockOperand, w: BlockOperand, st: AdderSetup, radius):
+    """``(form, r^)`` of :func:`aligned_adder_gemm_bound` (its docstring): ``"exact"`` when the operands' element
+    values are finite, every partial sum of a chunk of them is exact in float64 (:func:`adder_exact`), the scales
+    are constant over each chunk and there is no radius; ``"steps"`` under the same conditions with a radius that
+    :func:`moeref.compare.operand_radius.exact_radius` rounds onto its grid (returned as ``r^``), finite scales and
+    every chunk inside one :data:`~moeref.compare.operand_radius.RADIUS_CHUNK`; ``"scaled"`` otherwise."""
+    k = a.values.shape[1]
+    if not (st.const_scales and np.all(np.isfinite(a.values)) and np.all(np.isfinite(w.values))):
+        return "scaled", None
+    if not adder_exact(quantum_and_max(a.values), quantum_and_max(w.values), st.chunk):
+        return "scaled", None
+    if radius is None:
+        return "exact", None
+    if not (np.all(np.isfinite(a.scales)) and chunk_scales_constant(k, RADIUS_CHUNK, st.chunk)):
+        return "scaled", None
+    r_hat = exact_radius(radius, w)
+    return ("scaled", None) if r_hat is None else ("steps", r_hat)
+
+
 def adder_operands(a: BlockOperand, w: BlockOperand, profile, radius) -> AdderOperands:
-    """The operands of the aligned-adder recurrence (:class:`AdderOperands`): the exact domain when every partial
-    sum of a chunk is exact in float64 (:func:`adder_exact`), finite operands, no radius and scales constant over
-    a chunk."""
+    """The operands of the aligned-adder recurrence (:class:`AdderOperands`) in the form of :func:`adder_form`."""
     m, k = a.values.shape
     n = w.values.shape[0]
     st = adder_setup(k, a.block, w.block, profile)
-    exact = radius is None and st.const_scales and bool(np.all(np.isfinite(a.values)) and np.all(np.isfinite(w.values)))
-    if exact:
-        exact = adder_exact(quantum_and_max(a.values), quantum_and_max(w.values), st.chunk)
+    form, r_hat = adder_form(a, w, st, radius)
     cols = grouped_columns(k, st.chunk, st.mma)
     sa = sw = None
-    if exact:  # the unscaled element values, the chunk's scales applied after its recurrence
+    if form == "scaled":
+        ac, bd = _gather_cols(a.dequantize(), cols), _gather_cols(w.dequantize(), cols)
+    else:  # the element values; the chunk scales apply after the recurrence (exact) or to its partial sums (steps)
         ac, bd = _gather_cols(a.values.astype(np.float64), cols), _gather_cols(w.values.astype(np.float64), cols)
         blk = np.arange(cols.shape[0]) * st.chunk
         sa = np.abs(a.scales[(np.arange(m) // a.block[0])[:, None], (blk // a.block[1])[None, :]])
         sw = np.abs(w.scales[(np.arange(n) // w.block[0])[:, None], (blk // w.block[1])[None, :]])
+    ar = None if radius is None else _gather_cols(r_hat if form == "steps" else radius, cols)
+    if form == "steps":  # the step summaries of the scaled operands, as the scaled form takes them
+        a_abs, bd_abs = np.abs(_gather_cols(a.dequantize(), cols)), np.abs(_gather_cols(w.dequantize(), cols))
     else:
-        ac, bd = _gather_cols(a.dequantize(), cols), _gather_cols(w.dequantize(), cols)
-    ar = None if radius is None else _gather_cols(radius, cols)
-    au = np.abs(ac) if ar is None else np.abs(ac) + ar
-    bd_abs = np.abs(bd)
-    exps = (step_exponents(ac), step_exponents(bd)) if exact else None
-    return AdderOperands(st, bool(exact), ac, bd, sa, sw, ar, au, bd_abs, 2.0 * profile.accum_unit,
+        a_abs, bd_abs = np.abs(ac), np.abs(bd)
+    au = a_abs if ar is None else a_abs + ar
+    exps = (step_exponents(ac), step_exponents(bd)) if form == "exact" else None
+    return AdderOperands(st, form, ac, bd, sa, sw, ar, au, bd_abs, np.abs(bd), 2.0 * profile.accum_unit,
                          step_maxima(au), step_maxima(bd_abs), exps)
 
 
 def adder_step_sums(op: AdderOperands, r0: int, r1: int):
-    """Rows ``r0:r1``: the steps' exact sums ``t_s`` (and ``t_d`` of ``radius |W|``, None without a radius), each
-    ``[rb, N, nch, steps]``, every step summed in column order (the device kernels' order)."""
+    """Rows ``r0:r1``: the steps' sums ``t_s`` of ``a w`` (and ``t_d`` of ``radius |w|``, None without a radius), each
+    ``[rb, N, nch, steps]``, every step summed in column order: exact in the exact and steps forms (any order gives
+    these bits), the declared order of the device kernel in the scaled form."""
     shape = (r1 - r0, op.bd.shape[0]) + op.ac.shape[1:3]                   # [rb, N, nch, steps]
     t_s = np.zeros(shape)
     t_d = None if op.ar is None else np.zeros(shape)
     for i in range(op.st.mma):  # the step's columns in order
         t_s = t_s + op.ac[r0:r1, None, :, :, i] * op.bd[None, :, :, :, i]
         if op.ar is not None:
-            t_d = t_d + op.ar[r0:r1, None, :, :, i] * op.bd_abs[None, :, :, :, i]
+            t_d = t_d + op.ar[r0:r1, None, :, :, i] * op.bu_abs[None, :, :, :, i]
     return t_s, t_d
 
 
@@ -503,23 +545,35 @@ def adder_summaries(op: AdderOperands, r0: int, r1: int):
     return top, np.minimum(a_nz[r0:r1, None], w_nz[None])
 
 
-def adder_rows(op: AdderOperands, r0: int, t_s, t_d, top, cnt, b_abs) -> np.ndarray:
+def adder_rows(op: AdderOperands, r0: int, t_s, t_d, top, cnt, b_abs, *, radius_term: bool = False):
     """The recurrence over the steps of every chunk, the chunk scales, the sum over chunks in order and the
     promotion term, for rows ``r0:`` (``t_s``/``t_d`` of :func:`adder_step_sums`, ``top``/``cnt`` of
-    :func:`adder_summaries`, each ``[rb, N, nch, steps]``): ``[rb, N]``,
-    before the final ``1 + 1e-9``. A step's largest addend enters as ``where(top > g, top, g)`` with ``g`` the
-    grid of ``|S_{j-1}| + E_{j-1}``: the grid of their maximum, since the grid is nondecreasing."""
+    :func:`adder_summaries`, each ``[rb, N, nch, steps]``): ``[rb, N]``, before the final ``1 + 1e-9``. A step's
+    largest addend enters as ``where(top > g, top, g)`` with ``g`` the grid of ``|S_{j-1}| + E_{j-1}``: the grid of
+    their maximum, since the grid is nondecreasing. In the steps form ``|S_j|`` is ``|s sa sw|`` and the radius's
+    partial sum ``d sw`` (``s``, ``d`` the exact partial sums of the element values, one rounding each);
+    ``radius_term`` (steps form) also returns the sum over chunks of each chunk's ``d sw``, in order
+    (:func:`moeref.compare.operand_radius.radius_dot`'s numbers when the chunk is its chunk)."""
     grid = _grid_exact if op.exact else _grid_scaled
+    steps = op.form == "steps"
+    if steps:
+        r1 = r0 + t_s.shape[0]
+        sc = op.sa[r0:r1, None, :] * op.sw[None, :, :]                     # [rb, N, nch]
+        swc = op.sw[None, :, :]
     err = np.zeros(t_s.shape[:3])                                           # [rb, N, nch]
     prev = np.zeros_like(err)                                               # |S_{j-1}| + E_{j-1}
     s_sum = np.zeros_like(err)
     d_sum = np.zeros_like(err)
     for j in range(op.st.steps):  # <= promote_every / mma_k steps (4 for DeepGEMM): the recurrence
         s_sum = s_sum + t_s[..., j]
-        s_part = np.abs(s_sum)
-        if t_d is not None:
+        if steps:
             d_sum = d_sum + t_d[..., j]
-            s_part = s_part + d_sum
+            s_part = np.abs(s_sum * sc) + d_sum * swc
+        else:
+            s_part = np.abs(s_sum)
+            if t_d is not None:
+                d_sum = d_sum + t_d[..., j]
+                s_part = s_part + d_sum
         g = grid(prev)
         align = ((cnt[..., j] + float(j > 0)) * op.u2) * np.where(top[..., j] > g, top[..., j], g)
         err = (err + align) + op.u2 * grid((s_part + err) + align)
@@ -530,7 +584,11 @@ def adder_rows(op: AdderOperands, r0: int, t_s, t_d, top, cnt, b_abs) -> np.ndar
         err, prev = err * scale, prev * scale
     tot_e = np.zeros(t_s.shape[:2])
     tot_p = np.zeros(t_s.shape[:2])
+    tot_r = np.zeros(t_s.shape[:2])
     for c in range(t_s.shape[2]):  # chunks in order
         tot_e = tot_e + err[..., c]
         tot_p = tot_p + prev[..., c]
-    return tot_e + op.st.g_prom * (tot_p + b_abs[None, :])
+        if radius_term:
+            tot_r = tot_r + d_sum[..., c] * swc[..., c]
+    out = tot_e + op.st.g_prom * (tot_p + b_abs[None, :])
+    return (out, tot_r) if radius_term else out

@@ -1,0 +1,276 @@
+"""Benchmark: ``compare`` of a device-engine reference run at the DeepSeek-V3 layer against the reference's own time,
+with the aligned-adder bound's float64 tensor-core kernel (moeref.compare._adder_mma); its bits checked against the
+NumPy bound on production rows first.
+
+The layer of ``bench/bench_moe_device.py`` (hidden 7168, intermediate 2048, 256 experts, top-8, FP8 1x128 x 128x128,
+bf16 GEMM1 store, float32 activation, bf16 output; random FP8 weights made on the GPU), a random top-8 routing. Per
+token count, in this order (each part prints and is written to the JSON as soon as it is done, so a run cut short
+keeps what it measured):
+
+1. ``check``: rows of one expert through GEMM1's bound (the exact form, no radius) and GEMM2's (the steps form, a
+   radius ``2^-9 |value|``, and its radius term) on the GPU against the NumPy bound (``gemm_error_bound``,
+   ``radius_dot``) on the same operands, bit for bit;
+2. ``timing``: ``run_moe(device="cuda")`` and ``compare`` under ``HOPPER_FP8_DEEPGEMM_DATA`` (the candidate is the
+   reference's own bf16 output: compare's work does not depend on its values), interleaved rounds
+   (``bench.interleaved``, CUDA events), the per-round ratio compare / reference, peak GPU memory;
+3. ``--sweep``: GEMM1's and GEMM2's bound alone under tile variants of :data:`moeref.compare._adder_mma.TILES`.
+
+    python bench/bench_compare_device.py [--tokens 128 4096] [--rounds 7] [--check-rows 2] [--sweep] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench.interleaved import CudaEventClock, time_interleaved  # noqa: E402
+
+SWEEP = {"16x64 w8": (16, 64, 8), "16x32 w4": (16, 32, 4), "16x32 w8": (16, 32, 8), "32x16 w8": (32, 16, 8)}
+"""Tile variants ``(BM, BN, warps)`` of the sweep (compiled for sm_90 without spills or with the fewest)."""
+
+
+def _operand(codes, scales):
+    from moeref.gemm.device import DeviceOperand
+
+    return DeviceOperand(None, codes, "e4m3fn", scales, (1, 128), True)
+
+
+DEV = "cuda"
+
+
+def _random_rows(m: int, k: int, gen):
+    codes = torch.randint(0, 256, (m, k), dtype=torch.uint8, device=DEV, generator=gen)
+    codes[(codes & 0x7F) == 0x7F] -= 1
+    scales = torch.exp2(torch.randint(-8, -4, (m, -(-k // 128)), device=DEV, generator=gen).double())
+    return codes, scales
+
+
+def small_layer(experts: int, gen):
+    """A layer of the DeepSeek-V3 kind at hidden 256, intermediate 128 (``--small``: a smoke test, CPU included)."""
+    from moeref.gemm import StackedExperts
+    from moeref.moe import MoEWeights
+
+    def stack(n, k):
+        codes = torch.randint(0, 256, (experts, n, k), dtype=torch.uint8, device=DEV, generator=gen)
+        codes[(codes & 0x7F) == 0x7F] -= 1
+        grid = (experts, -(-n // 128), -(-k // 128))
+        sc = 1e-4 * (1.0 + torch.rand(grid, device=DEV, generator=gen, dtype=torch.float64))
+        return StackedExperts(codes, sc.to(torch.float32).to(torch.float64), "e4m3fn", (128, 128), (n, k))
+
+    return MoEWeights(stack(256, 256), stack(256, 128), "gate_up")
+
+
+def _sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def _routing(m: int, experts: int, gen):
+    ids = torch.rand((m, experts), device=DEV, generator=gen).topk(8, dim=1).indices.to(torch.int32)
+    w = torch.rand((m, 8), device=DEV, generator=gen)
+    return (w / w.sum(dim=1, keepdim=True)).to(torch.float32), ids.cpu().numpy()
+
+
+def check_rows(weights, rows: int, gen) -> dict:
+    """GEMM1 (no radius) and GEMM2 (radius ``2^-9 |value|``, with the radius term) of ``rows`` random E4M3 rows
+    against expert 3 on the GPU and in NumPy."""
+    from moeref.compare import PROFILES
+    from moeref.compare.bounds import _rows_error_bound, _rows_radius_term
+    from moeref.compare.device_bounds import device_rows_error_bound
+    from moeref.formats import decode_table
+    from moeref.gemm.exact import BlockOperand
+
+    prof = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
+    out = {}
+    for name, w in (("gemm1", weights.w13), ("gemm2", weights.w2)):
+        k = int(w.shape[1])
+        codes, scales = _random_rows(rows, k, gen)
+        row_e = np.full(rows, 3, dtype=np.int64)
+        a_host = BlockOperand(None, scales.cpu().numpy(), (1, 128), True, codes=codes.cpu().numpy(),
+                              table=decode_table("e4m3fn"))
+        rad = None
+        if name == "gemm2":
+            rad = np.abs(np.asarray(a_host.dequantize(), dtype=np.float64)) * 2.0**-9
+        w_host = _host_stack(w, 3)
+        t0 = time.perf_counter()
+        ref = _rows_error_bound(a_host, rad, row_e, w_host, None, prof)
+        ref_r = None if rad is None else _rows_radius_term(rad, row_e, w_host)
+        numpy_s = time.perf_counter() - t0
+        rad_d = None if rad is None else torch.as_tensor(rad, device=DEV)
+        if rad is None:
+            got, got_r = device_rows_error_bound(_operand(codes, scales), None, row_e, w, None, prof), None
+        else:
+            got_r, got = device_rows_error_bound(_operand(codes, scales), rad_d, row_e, w, None, prof, radius_term=True)
+        row = dict(rows=rows, k=k, identical=bool(np.array_equal(ref, got.cpu().numpy())),
+                   differing=int(np.count_nonzero(ref != got.cpu().numpy())), numpy_s=numpy_s)
+        if ref_r is not None:
+            row["radius_term_identical"] = bool(np.array_equal(ref_r, got_r.cpu().numpy()))
+        out[name] = row
+    return out
+
+
+def _host_stack(w, e: int):
+    """Expert ``e`` of a device :class:`StackedExperts` as a host stack of one expert at index ``e`` (the other
+    experts' codes zero: only ``e`` is read)."""
+    from moeref.gemm import StackedExperts
+
+    codes = np.zeros((e + 1,) + tuple(w.codes.shape[1:]), dtype=np.uint8)
+    codes[e] = w.codes[e].cpu().numpy()
+    scales = np.ones((e + 1,) + tuple(w.scales.shape[1:]))
+    scales[e] = w.scales[e].cpu().numpy()
+    return StackedExperts(codes, scales, w.element, w.block, tuple(int(d) for d in w.shape), w.magnitude)
+
+
+def sweep(weights, tokens: int, gen) -> dict:
+    """GEMM1's and GEMM2's bound alone (all experts' rows of a random top-8 routing) under each tile variant."""
+    import moeref.compare._adder_mma as mma
+    from moeref.compare import PROFILES
+    from moeref.compare.device_bounds import device_rows_error_bound
+
+    prof = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
+    ids = torch.rand((tokens, int(weights.w13.codes.shape[0])), device=DEV, generator=gen).topk(8, dim=1).indices
+    row_e = np.sort(ids.reshape(-1).cpu().numpy()).astype(np.int64)
+    res = {}
+    saved = dict(mma.TILES)
+    try:
+        for gname, w in (("gemm1", weights.w13), ("gemm2", weights.w2)):
+            k = int(w.shape[1])
+            codes, scales = _random_rows(row_e.size, k, gen)
+            a = _operand(codes, scales)
+            rad = (a.decode() * a.scales.repeat_interleave(128, dim=1)).abs() * 2.0**-9 if gname == "gemm2" else None
+            base = None
+            for vname, tile in SWEEP.items():
+                mma.TILES.clear()
+                mma.TILES[tile[0]] = tile
+                fn = lambda: device_rows_error_bound(a, rad, row_e, w, None, prof, radius_term=rad is not None)  # noqa: E731
+                t0 = time.perf_counter()
+                got = fn()
+                _sync()
+                first = time.perf_counter() - t0
+                got = got[1] if isinstance(got, tuple) else got
+                base = got if base is None else base
+                t0 = time.perf_counter()
+                fn()
+                _sync()
+                res[f"{gname} {vname}"] = dict(first_s=first, s=time.perf_counter() - t0,
+                                               same_bits=bool(torch.equal(base, got)))
+                print(f"  sweep {tokens} {gname} {vname}: {res[f'{gname} {vname}']}", flush=True)
+    finally:
+        mma.TILES.clear()
+        mma.TILES.update(saved)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--check-rows", type=int, default=2)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--max-seconds", type=float, default=4.0,
+                    help="a compare slower than this is timed once, without rounds or sweep (a lease's budget)")
+    ap.add_argument("--small", action="store_true", help="a small layer on --device (a smoke test of this script)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default="bench_out/compare_device.json")
+    args = ap.parse_args(argv)
+    global DEV
+    DEV = args.device
+    from bench.bench_moe_device import deepseek_v3_layer
+    from moeref.compare import PROFILES, compare
+    from moeref.moe import MoEQuant, run_moe
+    from moeref.quant import fp8_group
+    import triton
+
+    prof = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    weights = small_layer(8, gen) if args.small else deepseek_v3_layer(256, gen)
+    n_exp = int(weights.w13.codes.shape[0])
+    hidden = int(weights.w13.shape[1])
+    kw = dict(quant=MoEQuant(fp8_group(), fp8_group(), "fp8 1x128 (DeepGEMM)"), gemm1_out_dtype="bfloat16",
+              act_out_dtype="float32", out_dtype="bfloat16")
+    meta = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__, triton=triton.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), experts=n_exp,
+                rounds=args.rounds, profile=prof.name)
+    print(meta, flush=True)
+    result = dict(meta=meta, rows=[])
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    for m in args.tokens:
+        row = dict(tokens=m)
+        result["rows"].append(row)
+        try:
+            if args.check_rows and m == args.tokens[0]:  # the same kernels at every token count: checked once
+                row["check"] = check_rows(weights, args.check_rows, gen)
+                print(f"--- {m} tokens: check {row['check']}", flush=True)
+                save()
+            x = torch.randn((m, hidden), device=DEV, generator=gen).to(torch.bfloat16)
+            tw, ids = _routing(m, n_exp, gen)
+            _sync()
+            t0 = time.perf_counter()
+            run = run_moe(x, weights, tw, ids, device=DEV, **kw)
+            rep = compare(run.out, run, prof)
+            _sync()
+            row["first_call_s"] = time.perf_counter() - t0
+            row.update(passed=bool(rep.passed), violations=int(rep.violations.sum()), flips=int(rep.flips))
+            print(f"    first reference + compare {row['first_call_s']:.2f} s, passed {rep.passed}", flush=True)
+            t0 = time.perf_counter()
+            compare(run.out, run, prof)
+            _sync()
+            row["second_compare_s"] = time.perf_counter() - t0
+            print(f"    second compare {row['second_compare_s']:.3f} s", flush=True)
+            if row["second_compare_s"] > args.max_seconds:
+                row["skipped"] = f"compare took {row['second_compare_s']:.1f} s > --max-seconds: no rounds"
+                args.sweep = False
+                save()
+                continue
+            cuda = DEV == "cuda"
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated() if cuda else 0
+            res = time_interleaved({"reference": lambda: run_moe(x, weights, tw, ids, device=DEV, **kw),
+                                    "compare": lambda: compare(run.out, run, prof)},
+                                   baselines=["reference"], rounds=args.rounds, warmup=0,
+                                   clock=CudaEventClock() if cuda else None)
+            row["timing"] = res.to_json()
+            row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else 0.0
+            ratio = res.ratios["compare"]["reference"].median
+            row["compare_over_reference"] = 1.0 / ratio
+            c, r = res.cases["compare"], res.cases["reference"]
+            print(f"    reference {r.median_s:.3f} s ({r.min_s:.3f}-{r.max_s:.3f}), compare {c.median_s:.3f} s "
+                  f"({c.min_s:.3f}-{c.max_s:.3f}): compare / reference {1.0 / ratio:.2f}x (median of per-round "
+                  f"ratios); peak extra {row['peak_extra_gib']:.1f} GiB", flush=True)
+            save()
+            del run, rep
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001 - a failed row is reported, the others still run
+            row["error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+            save()
+    if args.sweep:
+        for m in args.tokens[-1:]:
+            try:
+                result["sweep"] = sweep(weights, m, gen)
+            except Exception as e:  # noqa: BLE001
+                result["sweep_error"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            save()
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

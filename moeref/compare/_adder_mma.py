@@ -1,0 +1,272 @@
+"""The aligned-adder bound's exact and steps forms on the float64 tensor cores: the NumPy bound
+(:func:`moeref.compare.gemm_bounds.aligned_adder_gemm_bound`) bit for bit.
+
+In both forms every partial sum of a chunk of element products is exact in float64 (the forms' condition,
+:func:`~moeref.compare.gemm_bounds.adder_form`), and so is every partial sum of ``r^ |w|`` on the radius's grid
+(:mod:`moeref.compare.operand_radius`). Any exact computation of them gives NumPy's value, so each MMA step's sum
+is one float64 ``tl.dot`` of a ``[BM, MP]`` row tile and an ``[MP, BN]`` weight tile (Hopper: ``mma.sync`` f64;
+the products are exact and every partial sum representable, so the tensor core's roundings change nothing), ``MP``
+the step width padded with zero columns to a power of two of at least 16. Per step:
+
+* **exact form**: the step sum; ``m_j`` (the largest ``floor(log2|a|) + floor(log2|w|)`` over the step's nonzero
+  products) from a second float64 dot of exponent powers, ``s = sum 2^(L x_a) 2^(L x_w)`` over the nonzero pairs,
+  ``x = e - o`` with per-expert offsets ``o`` (the largest exponent of the expert's rows, of its weights: ``x <=
+  0``; the exact form keeps ``x_a + x_w >= -55``, so every power and product is a normal float64), ``L =
+  floor(log2 MP) + 1``: at most ``MP < 2^L`` nonzero terms give ``2^(L M) <= s < 2^(L M + L)`` under any monotone
+  rounding, so ``M = floor(floor(log2 s) / L)`` and ``s = 0`` exactly when the step has no nonzero product;
+* **steps form**: the step sum and the radius's step sum ``sum r^ |w|``, two dots;
+* the step's row summaries (largest and nonzero count of ``|a|`` in the exact form, of the scaled ``|a| + r^`` in
+  the steps form) read from ``[steps, rows]`` arrays made once per launch with torch, the column ones from the
+  weight tile the kernel has just decoded (times the chunk's weight scale in the steps form: the scaled values'
+  summaries, as NumPy takes them); then ``T_j``, ``n_j`` and the recurrence of
+  :func:`~moeref.compare.gemm_bounds.adder_rows`, operation for operation.
+
+The weights are read as their uint8 codes (two a byte when packed) from the stack itself, through the decode table,
+or as float64 element values. Compiled with ``enable_fp_fusion=False``. Runs under ``TRITON_INTERPRET=1`` (CI),
+where ``tl.dot`` of float64 tiles is NumPy's float64 matrix product (exact on these operands too).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ._bound_kernels import _grid, _item
+
+__all__ = ["adder_mma_bound_t", "MmaWeights", "TILES", "step_summaries"]
+
+TILES = {16: (16, 64, 8)}
+"""``BM -> (BM, BN, warps)`` of the kernel; the rows per work item are chosen among these keys
+(:func:`~moeref.compare._bound_kernels.items` with :data:`ITEM_COST_ROWS`). 16 x 64 with 8 warps: compiled for
+sm_90 (Triton 3.6, its ptxas, 2026-11-28) the exact form takes no stack and the steps form 16 bytes, where 32- and
+64-row tiles spill 0.2-9 KB (bench/bench_compare_device.py ``--sweep`` times the others)."""
+ITEM_COST_ROWS = 8
+"""A work item's fixed cost in rows of the epilogue: it decodes its expert's weight tiles once."""
+_POW_LIMIT = 100
+"""Exponent offsets are clamped at ``-_POW_LIMIT`` (never reached while the weights hold a nonzero: the exact form
+keeps ``x_a + x_w >= -55``); the power's exponent then stays in the normal range for ``L <= 9``."""
+
+
+@dataclass(frozen=True)
+class MmaWeights:
+    """Experts' weights as the kernel reads them: ``data`` uint8 codes of a :class:`moeref.gemm.StackedExperts`
+    (``[E, N, K]``, or ``[E, N, ceil(K / 2)]`` two codes a byte when ``packed``) with the float64 decode ``table``,
+    or float64 element values ``[G, N, K]`` (``table`` None); ``experts`` int32 ``[G]``: the index in ``data`` of
+    each group's expert."""
+
+    data: object
+    table: object
+    experts: object
+    packed: bool = False
+
+
+@triton.jit
+def _exponent(v):
+    """``floor(log2|v|)`` of nonzero float64 ``v`` as int64, subnormals included (from the bits)."""
+    bits = v.to(tl.int64, bitcast=True)
+    biased = (bits >> 52) & 0x7FF
+    mant = (bits & 0xFFFFFFFFFFFFF).to(tl.float64)  # exact: below 2^52
+    sub = ((mant.to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1023 - 1074
+    return tl.where(biased == 0, sub, biased - 1023)
+
+
+@triton.jit
+def _power(v, o, LAM: tl.constexpr):
+    """``2^(L x)``, ``x = max(floor(log2|v|) - o, -_POW_LIMIT)``, for nonzero ``v``; 0 for zeros."""
+    x = tl.maximum(_exponent(v) - o, -100)
+    return tl.where(v != 0.0, ((x * LAM + 1023) << 52).to(tl.float64, bitcast=True), 0.0)
+
+
+@triton.jit
+def _opaque(code, GPU: tl.constexpr):
+    """``code`` unchanged; on the GPU through an impure move, which ends Triton's search for the bitwidth the dot's
+    operand was loaded with there: past it lie the uint8 code loads, which would give the float64 operand a
+    ``kWidth`` of 4, and Triton 3.6 cannot lower float64 MMAs with ``kWidth > 1`` ("Currently fp64 don't support
+    largeK MMA"). The interpreter has no inline assembly and needs none."""
+    if GPU:
+        code = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [code], dtype=tl.int32, is_pure=False, pack=1)
+    return code
+
+
+@triton.jit
+def _top_exact(s, oa, ow, amax, wmax, zero, wide, min_normal, LAM: tl.constexpr):
+    """``T_j`` of the exact form: ``min(2^(m_j + 1), p2(max|a| max|w|))`` with ``m_j`` from the power sum ``s``."""
+    sb = s.to(tl.int64, bitcast=True) >> 52
+    m = (sb - 1023 + 100 * LAM) // LAM - 100 + oa + ow
+    e = tl.minimum(tl.maximum(m, -1021) + 1, 1024)
+    p2m = tl.where(s > 0.0, ((e + 1023) << 52).to(tl.float64, bitcast=True), 0.0)
+    r1 = tl.where((amax[:, None] == 0.0) | (wmax[None, :] == 0.0), zero, amax[:, None] * wmax[None, :])
+    r1 = _grid(r1, wide, min_normal)
+    return tl.where(p2m < r1, p2m, r1)
+
+
+@triton.jit
+def _adder_mma_kernel(a_ptr, r_ptr, smax_ptr, snz_ptr, w_ptr, tab_ptr, eix_ptr, sa_ptr, sw_ptr, off_ptr, b_ptr,
+                      c_ptr, out_ptr, rt_ptr, it_ptr, R, N, K, W_G, W_N,
+                      NS: tl.constexpr, NCH: tl.constexpr, C: tl.constexpr, STEPS: tl.constexpr, MMA: tl.constexpr, MP: tl.constexpr,
+                      LAM: tl.constexpr, STEPS_FORM: tl.constexpr, RTERM: tl.constexpr, CODES: tl.constexpr,
+                      PACKED: tl.constexpr, GPU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Module docstring. ``a`` float64 ``[R, K]`` element values, ``r`` the rounded radius (steps form); ``smax`` /
+    ``snz`` float64 ``[NS, R]`` row step summaries; ``w`` codes (``CODES``) or float64 values, expert ``eix[g]`` at
+    ``w + eix[g] W_G``, row ``n`` at ``+ n W_N``; ``sa`` ``[R, NCH]`` / ``sw`` ``[G, N, NCH]`` chunk scales; ``off``
+    int32 ``[G, 2]`` exponent offsets (exact form); ``b`` ``[G, N]``; ``c`` float64 ``[u2, g_prom, 1 + 2^-40,
+    2^-1022, 1 + 1e-9, 1, 0]``."""
+    g, rm, mm = _item(it_ptr, BM)
+    g64 = g.to(tl.int64)
+    w_ptr += tl.load(eix_ptr + g).to(tl.int64) * W_G
+    sw_ptr += g64 * N * NCH
+    b_ptr += g64 * N
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = rn < N
+    kk = tl.arange(0, MP)
+    u2 = tl.load(c_ptr + 0)
+    g_prom = tl.load(c_ptr + 1)
+    wide = tl.load(c_ptr + 2)
+    min_normal = tl.load(c_ptr + 3)
+    final = tl.load(c_ptr + 4)
+    one = tl.load(c_ptr + 5)
+    zero = tl.load(c_ptr + 6)
+    if not STEPS_FORM:
+        oa = tl.load(off_ptr + 2 * g).to(tl.int64)
+        ow = tl.load(off_ptr + 2 * g + 1).to(tl.int64)
+    arow = rm.to(tl.int64) * K
+    wrow = rn.to(tl.int64) * W_N
+    su = tl.zeros((BM, BN), dtype=tl.float64)    # the chunk's exact partial sum (element values)
+    err = tl.zeros((BM, BN), dtype=tl.float64)   # E_j
+    tot_e = tl.zeros((BM, BN), dtype=tl.float64)
+    tot_p = tl.zeros((BM, BN), dtype=tl.float64)
+    if STEPS_FORM:
+        du = tl.zeros((BM, BN), dtype=tl.float64)  # the radius's exact partial sum
+        if RTERM:
+            tot_r = tl.zeros((BM, BN), dtype=tl.float64)
+    for s in range(0, NS):
+        ch = s // STEPS
+        j = s - ch * STEPS
+        if j == 0:  # a chunk starts a fresh accumulator
+            su = tl.zeros((BM, BN), dtype=tl.float64)
+            err = tl.zeros((BM, BN), dtype=tl.float64)
+            if STEPS_FORM:
+                du = tl.zeros((BM, BN), dtype=tl.float64)
+        sa = tl.load(sa_ptr + rm * NCH + ch, mask=mm, other=0.0)
+        swc = tl.load(sw_ptr + rn * NCH + ch, mask=nm, other=0.0)
+        # |S_{j-1}| + E_{j-1} as the previous step left it (recomputed: one tile fewer to carry)
+        if STEPS_FORM:
+            sc = sa[:, None] * swc[None, :]
+            prev = (tl.abs(su * sc) + du * swc[None, :]) + err
+        else:
+            prev = tl.abs(su) + err
+        pos = j * MMA + kk
+        col = ch * C + pos
+        kv = (kk < MMA) & (pos < C) & (col < K)
+        am = mm[:, None] & kv[None, :]
+        wm = kv[:, None] & nm[None, :]
+        a = tl.load(a_ptr + arow[:, None] + col[None, :], mask=am, other=0.0)
+        if CODES:
+            if PACKED:
+                byte = tl.load(w_ptr + wrow[None, :] + (col // 2)[:, None], mask=wm, other=0).to(tl.int32)
+                code = (byte >> ((col % 2) * 4)[:, None]) & 15
+            else:
+                code = tl.load(w_ptr + wrow[None, :] + col[:, None], mask=wm, other=0).to(tl.int32)
+            w = tl.where(wm, tl.load(tab_ptr + _opaque(code, GPU)), zero)
+        else:
+            w = tl.load(w_ptr + wrow[None, :] + col[:, None], mask=wm, other=0.0)
+        su = su + tl.dot(a, w)
+        wa = tl.abs(w)
+        amax = tl.load(smax_ptr + s * R + rm, mask=mm, other=0.0)
+        anz = tl.load(snz_ptr + s * R + rm, mask=mm, other=0.0)
+        jf = tl.where(j > 0, one, zero)
+        if STEPS_FORM:
+            r = tl.load(r_ptr + arow[:, None] + col[None, :], mask=am, other=0.0)
+            du = du + tl.dot(r, wa)
+            ws = wa * swc[None, :]  # the scaled |w|: the summaries NumPy takes
+            wmax = tl.max(ws, axis=0)
+            wnz = tl.sum((ws != 0.0).to(tl.float64), axis=0)
+            top = tl.where((amax[:, None] == 0.0) | (wmax[None, :] == 0.0), zero, amax[:, None] * wmax[None, :])
+            s_part = tl.abs(su * sc) + du * swc[None, :]
+            align = ((tl.minimum(anz[:, None], wnz[None, :]) + jf) * u2) * tl.where(top > prev, top, prev)
+            err = (err + align) + u2 * ((s_part + err) + align)
+        else:
+            wmax = tl.max(wa, axis=0)
+            wnz = tl.sum((wa != 0.0).to(tl.float64), axis=0)
+            pw = tl.dot(_power(a, oa, LAM), _power(w, ow, LAM))
+            top = _top_exact(pw, oa, ow, amax, wmax, zero, wide, min_normal, LAM)
+            s_part = tl.abs(su)
+            g0 = _grid(prev, wide, min_normal)
+            align = ((tl.minimum(anz[:, None], wnz[None, :]) + jf) * u2) * tl.where(top > g0, top, g0)
+            err = (err + align) + u2 * _grid((s_part + err) + align, wide, min_normal)
+        if j == STEPS - 1:  # the chunk's end: its terms join the sums over chunks, in order
+            if STEPS_FORM:
+                tot_e = tot_e + err
+                tot_p = tot_p + (s_part + err)
+                if RTERM:
+                    tot_r = tot_r + du * swc[None, :]
+            else:
+                sc = sa[:, None] * swc[None, :]
+                tot_e = tot_e + err * sc
+                tot_p = tot_p + (s_part + err) * sc
+    b = tl.load(b_ptr + rn, mask=nm, other=0.0)
+    out = (tot_e + g_prom * (tot_p + b[None, :])) * final
+    off = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    msk = mm[:, None] & nm[None, :]
+    tl.store(out_ptr + off, out, mask=msk)
+    if RTERM:
+        tl.store(rt_ptr + off, tot_r, mask=msk)
+
+
+def step_summaries(x_abs: torch.Tensor, k: int, chunk: int, mma: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(largest, nonzero count)`` of each MMA step of ``x_abs`` (float64 ``[R, K]``, >= 0, finite) in
+    :func:`~moeref.compare.gemm_bounds.grouped_columns` order: float64 ``[NS, R]`` each
+    (:func:`~moeref.compare.gemm_bounds.step_maxima`'s numbers)."""
+    from .gemm_bounds import grouped_columns
+
+    r = int(x_abs.shape[0])
+    cols = grouped_columns(k, chunk, mma)
+    ns = cols.shape[0] * cols.shape[1]
+    if k % chunk == 0 and chunk % mma == 0:  # no padding: the steps are consecutive columns
+        v = x_abs.reshape(r, ns, mma)
+    else:
+        pos = torch.as_tensor(cols.reshape(-1), device=x_abs.device)
+        v = torch.where(pos >= 0, x_abs[:, pos.clamp(min=0)], 0.0).reshape(r, ns, mma)
+    return v.amax(dim=2).t().contiguous(), (v != 0).sum(dim=2).to(torch.float64).t().contiguous()
+
+
+def adder_mma_bound_t(av, r_hat, summaries, w: MmaWeights, sa, sw, b_abs, offsets, consts, it, bm: int, *, n: int,
+                      chunk: int, mma: int, rterm: bool = False):
+    """The aligned-adder bound ``[R, N]`` of the exact form (``r_hat`` None) or the steps form (``r_hat`` the rounded
+    radius ``[R, K]``): ``av`` float64 ``[R, K]`` element values; ``summaries`` :func:`step_summaries` of ``|a|``
+    (exact form) or of the scaled ``|a| + r^`` (steps form); ``sa`` ``[R, NCH]`` / ``sw`` ``[G, N, NCH]`` chunk
+    scales (``|.|``), ``b_abs`` ``[G, N]``; ``offsets`` int32 ``[G, 2]`` (the largest exponent of each group's rows and
+    of its weights; exact form); ``consts`` and ``it`` (rows per item ``bm``, a key of :data:`TILES`) as
+    :func:`~moeref.compare._bound_kernels.adder_bound_t`'s. With ``rterm`` (steps form) also the radius term, the sum
+    over chunks of ``(sum r^ |w|) |sw|`` (:func:`moeref.compare.operand_radius.radius_dot`'s numbers when ``chunk``
+    is its chunk). Returns ``(bound, term or None)``."""
+    r, k = (int(d) for d in av.shape)
+    dev = av.device
+    out = torch.zeros((r, n), dtype=torch.float64, device=dev)
+    term = torch.zeros_like(out) if rterm else None
+    if it.shape[0] == 0 or n == 0 or r == 0:
+        return out, term
+    steps_form = r_hat is not None
+    if rterm and not steps_form:
+        raise ValueError("rterm needs the steps form (a rounded radius)")
+    c = max(1, min(chunk, k))
+    nch, steps = -(-k // c), -(-c // mma)
+    mp = max(16, triton.next_power_of_2(mma))
+    lam = int(math.floor(math.log2(mp))) + 1
+    codes = w.table is not None
+    data = w.data
+    w_g, w_n = int(data.stride(0)), int(data.stride(1))
+    bm_, bn, warps = TILES[bm]
+    grid = (int(it.shape[0]), triton.cdiv(n, bn))
+    dummy = consts
+    _adder_mma_kernel[grid](av, r_hat if steps_form else dummy, summaries[0], summaries[1], data,
+                            w.table if codes else dummy, w.experts, sa, sw, offsets, b_abs, consts, out,
+                            term if rterm else out, it, r, n, k, w_g, w_n, NS=nch * steps, NCH=nch, C=c, STEPS=steps,
+                            MMA=mma, MP=mp, LAM=lam, STEPS_FORM=steps_form, RTERM=rterm, CODES=codes,
+                            PACKED=bool(w.packed), GPU=dev.type == "cuda", BM=bm_, BN=bn, num_warps=warps,
+                            num_stages=1, enable_fp_fusion=False)
+    return out, term
