@@ -64,9 +64,9 @@ def gemm1_inputs(tokens: int, experts: int, gen, w13):
 
 
 def groups(a, row_e, w13, prof):
-    """Per group of experts (``_expert_groups``), the exact branch's inputs as ``_adder`` makes them."""
-    from moeref.compare.device_bounds import (DeviceBlock, _chunk_scales, _expert_block, _expert_groups,
-                                              _exact_weights, _Experts, _kt)
+    """Per group of experts (``_expert_groups``), the exact branch's inputs as ``device_adder`` makes them."""
+    from moeref.compare.device_adder import _exact_weights
+    from moeref.compare.device_bounds import DeviceBlock, _chunk_scales, _expert_block, _expert_groups, _Experts
 
     out = []
     n, k = (int(d) for d in w13.shape)

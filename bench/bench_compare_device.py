@@ -13,13 +13,14 @@ keeps what it measured):
 2. ``timing``: ``run_moe(device="cuda")`` and ``compare`` under ``HOPPER_FP8_DEEPGEMM_DATA`` (the candidate is the
    reference's own bf16 output: compare's work does not depend on its values), interleaved rounds
    (``bench.interleaved``, CUDA events), the per-round ratio compare / reference, peak GPU memory;
-3. ``--sweep``: GEMM1's and GEMM2's bound alone under tile variants of :data:`moeref.compare._adder_mma.TILES`.
+3. ``--sweep``: GEMM1's and GEMM2's bound alone under tile variants of :data:`moeref.compare._adder_mma.TILE`.
 
     python bench/bench_compare_device.py [--tokens 128 4096] [--rounds 7] [--check-rows 2] [--sweep] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -34,8 +35,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench.interleaved import CudaEventClock, time_interleaved  # noqa: E402
 
-SWEEP = {"16x64 w8": (16, 64, 8), "16x32 w4": (16, 32, 4), "16x32 w8": (16, 32, 8), "32x16 w8": (32, 16, 8)}
-"""Tile variants ``(BM, BN, warps)`` of the sweep (compiled for sm_90 without spills or with the fewest)."""
+SWEEP = {"bn64 w8": (64, 8), "bn32 w4": (32, 4), "bn64 w4": (64, 4), "bn32 w8": (32, 8)}
+"""Tile variants ``(BN, warps)`` of :data:`moeref.compare._adder_mma.TILE` timed by ``--sweep`` (8 rows of an item in
+a 16-row MMA tile: the tile's docstring says why)."""
 
 
 def _operand(codes, scales):
@@ -140,7 +142,7 @@ def sweep(weights, tokens: int, gen) -> dict:
     ids = torch.rand((tokens, int(weights.w13.codes.shape[0])), device=DEV, generator=gen).topk(8, dim=1).indices
     row_e = np.sort(ids.reshape(-1).cpu().numpy()).astype(np.int64)
     res = {}
-    saved = dict(mma.TILES)
+    saved = mma.TILE
     try:
         for gname, w in (("gemm1", weights.w13), ("gemm2", weights.w2)):
             k = int(w.shape[1])
@@ -148,9 +150,8 @@ def sweep(weights, tokens: int, gen) -> dict:
             a = _operand(codes, scales)
             rad = (a.decode() * a.scales.repeat_interleave(128, dim=1)).abs() * 2.0**-9 if gname == "gemm2" else None
             base = None
-            for vname, tile in SWEEP.items():
-                mma.TILES.clear()
-                mma.TILES[tile[0]] = tile
+            for vname, (bn, warps) in SWEEP.items():
+                mma.TILE = dataclasses.replace(saved, bn=bn, warps=warps)
                 fn = lambda: device_rows_error_bound(a, rad, row_e, w, None, prof, radius_term=rad is not None)  # noqa: E731
                 t0 = time.perf_counter()
                 got = fn()
@@ -165,8 +166,7 @@ def sweep(weights, tokens: int, gen) -> dict:
                                                same_bits=bool(torch.equal(base, got)))
                 print(f"  sweep {tokens} {gname} {vname}: {res[f'{gname} {vname}']}", flush=True)
     finally:
-        mma.TILES.clear()
-        mma.TILES.update(saved)
+        mma.TILE = saved
     return res
 
 
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
                   f"({c.min_s:.3f}-{c.max_s:.3f}): compare / reference {1.0 / ratio:.2f}x (median of per-round "
                   f"ratios); peak extra {row['peak_extra_gib']:.1f} GiB", flush=True)
             save()
-            del run, rep
+            run = rep = None
             if DEV == "cuda":
                 torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001 - a failed row is reported, the others still run

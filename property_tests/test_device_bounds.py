@@ -73,10 +73,10 @@ def test_device_gemm_bound_equals_numpy(scheme, model, m, n, k, radius, bias, se
        st.sampled_from([32, 64, 160, 200]), st.booleans(), st.integers(0, 2**16))
 def test_device_adder_exact_domain_equals_numpy(scheme, m, n, k, bias, seed):
     """The aligned-adder bound's exact domain (element values, chunk scales after; no radius) through each of its
-    kernels (``device_bounds.ADDER_KERNEL``: float64 tensor cores, int8 digits on the tensor cores, or one FMA per
+    kernels (``device_adder.ADDER_KERNEL``: float64 tensor cores, int8 digits on the tensor cores, or one FMA per
     product): FP8 and FP4 elements and integers of 16 and 12 bits (three and two digits); zeros among the
     activations (the nonzero counts); K not a multiple of the chunk."""
-    import moeref.compare.device_bounds as db
+    import moeref.compare.device_adder as db
 
     rng = np.random.default_rng(seed)
     if scheme == "integers":
@@ -144,6 +144,39 @@ def test_device_gemm2_bound_from_codes_equals_numpy(element, block, k, special):
                                            torch.as_tensor(bias, device=DEV), prof, radius_term=True)
     _same(ref_b, got_b, f"{element} bound")
     _same(ref_r, got_r, f"{element} radius term")
+
+
+@pytest.mark.parametrize("radius", [False, True])
+def test_device_adder_many_rows_equals_numpy(radius):
+    """Experts with more rows than one work item (40 and 19 rows of two experts, E4M3 codes, 1x128 x 128x128): every
+    row of the device bound is NumPy's, in the exact form (no radius) and the steps form (a radius, with its radius
+    term). On an H100 this case showed Triton 3.6's float64 MMA giving wrong rows 8-15 of each 16-row tile, which
+    :data:`moeref.compare._adder_mma.TILE` therefore leaves empty (2026-11-28)."""
+    from moeref.compare.bounds import _rows_error_bound, _rows_radius_term
+    from moeref.compare.device_bounds import device_rows_error_bound
+    from moeref.gemm import StackedExperts
+    from moeref.gemm.device import device_operand
+
+    rng = np.random.default_rng(7)
+    e, n, k = 3, 40, 256
+    codes = rng.integers(0, 256, (e, n, k), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] -= 1
+    scales = np.exp2(rng.integers(-12, -4, (e, 1, 2))).astype(np.float64) * (1 + rng.random((e, 1, 2)))
+    host = StackedExperts(codes, scales, "e4m3fn", (128, 128), (n, k))
+    dev = StackedExperts(torch.as_tensor(codes, device=DEV), torch.as_tensor(scales, device=DEV), "e4m3fn", (128, 128),
+                         (n, k))
+    row_expert = np.array([2] * 40 + [0] * 19)
+    aq = quantize(rng.standard_normal((row_expert.size, k)).astype(np.float32), fp8_group())
+    rad = np.abs(np.asarray(aq.dequantize(), dtype=np.float64)) * 2.0**-9 if radius else None
+    prof = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
+    ref = _rows_error_bound(aq, rad, row_expert, host, None, prof)
+    if radius:
+        got_r, got = device_rows_error_bound(device_operand(aq, DEV), torch.as_tensor(rad, device=DEV), row_expert,
+                                             dev, None, prof, radius_term=True)
+        _same(_rows_radius_term(rad, row_expert, host), got_r, "radius term, many rows")
+    else:
+        got = device_rows_error_bound(device_operand(aq, DEV), None, row_expert, dev, None, prof)
+    _same(ref, got, f"{'steps' if radius else 'exact'} form, many rows")
 
 
 def test_device_quantum_and_max_equals_numpy():

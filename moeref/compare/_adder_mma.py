@@ -30,22 +30,32 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from ._bound_kernels import _grid, _item
 
-__all__ = ["adder_mma_bound_t", "MmaWeights", "TILES", "step_summaries"]
+__all__ = ["adder_mma_bound_t", "MmaWeights", "MmaTile", "TILE", "step_summaries"]
 
-TILES = {16: (16, 64, 8)}
-"""``BM -> (BM, BN, warps)`` of the kernel; the rows per work item are chosen among these keys
-(:func:`~moeref.compare._bound_kernels.items` with :data:`ITEM_COST_ROWS`). 16 x 64 with 8 warps: compiled for
-sm_90 (Triton 3.6, its ptxas, 2026-11-28) the exact form takes no stack and the steps form 16 bytes, where 32- and
-64-row tiles spill 0.2-9 KB (bench/bench_compare_device.py ``--sweep`` times the others)."""
-ITEM_COST_ROWS = 8
-"""A work item's fixed cost in rows of the epilogue: it decodes its expert's weight tiles once."""
+@dataclass(frozen=True)
+class MmaTile:
+    """The kernel's tile: ``rows`` rows of a work item in an ``mma_rows``-row MMA tile (the others masked to zero),
+    ``bn`` output columns, ``warps``."""
+
+    rows: int
+    mma_rows: int
+    bn: int
+    warps: int
+
+
+TILE = MmaTile(rows=8, mma_rows=16, bn=64, warps=8)
+"""Eight rows of a work item in the lower half of a 16-row MMA tile. On an H100 (2026-11-28, Triton 3.6, torch
+2.11) the float64 ``mma.sync.m16n8k16`` that Triton emits gave wrong sums in rows 8-15 of every 16-row block
+(at any tile; bench/bench_compare_device.py and the notes of docs/moe-gpu.md) while rows 0-7 equalled the NumPy
+bound bit for bit (production GEMM1/GEMM2 rows, a 200-row layer of 8 experts, the special-value tests), with rows
+8-15 holding data or zeros; so the upper half carries no row. 16 x 64 with 8 warps: compiled for sm_90 (its
+ptxas) the exact form takes no stack and the steps form 16 bytes, where 32- and 64-row tiles spill 0.2-9 KB."""
 _POW_LIMIT = 100
 """Exponent offsets are clamped at ``-_POW_LIMIT`` (never reached while the weights hold a nonzero: the exact form
 keeps ``x_a + x_w >= -55``); the power's exponent then stays in the normal range for ``L <= 9``."""
@@ -234,13 +244,13 @@ def step_summaries(x_abs: torch.Tensor, k: int, chunk: int, mma: int) -> tuple[t
     return v.amax(dim=2).t().contiguous(), (v != 0).sum(dim=2).to(torch.float64).t().contiguous()
 
 
-def adder_mma_bound_t(av, r_hat, summaries, w: MmaWeights, sa, sw, b_abs, offsets, consts, it, bm: int, *, n: int,
-                      chunk: int, mma: int, rterm: bool = False):
+def adder_mma_bound_t(av, r_hat, summaries, w: MmaWeights, sa, sw, b_abs, offsets, consts, it, *, n: int,
+                      chunk: int, mma: int, rterm: bool = False, tile: MmaTile = TILE):
     """The aligned-adder bound ``[R, N]`` of the exact form (``r_hat`` None) or the steps form (``r_hat`` the rounded
     radius ``[R, K]``): ``av`` float64 ``[R, K]`` element values; ``summaries`` :func:`step_summaries` of ``|a|``
     (exact form) or of the scaled ``|a| + r^`` (steps form); ``sa`` ``[R, NCH]`` / ``sw`` ``[G, N, NCH]`` chunk
     scales (``|.|``), ``b_abs`` ``[G, N]``; ``offsets`` int32 ``[G, 2]`` (the largest exponent of each group's rows and
-    of its weights; exact form); ``consts`` and ``it`` (rows per item ``bm``, a key of :data:`TILES`) as
+    of its weights; exact form); ``consts`` and ``it`` (at most ``tile.rows`` rows an item, :data:`TILE`) as
     :func:`~moeref.compare._bound_kernels.adder_bound_t`'s. With ``rterm`` (steps form) also the radius term, the sum
     over chunks of ``(sum r^ |w|) |sw|`` (:func:`moeref.compare.operand_radius.radius_dot`'s numbers when ``chunk``
     is its chunk). Returns ``(bound, term or None)``."""
@@ -260,13 +270,12 @@ def adder_mma_bound_t(av, r_hat, summaries, w: MmaWeights, sa, sw, b_abs, offset
     codes = w.table is not None
     data = w.data
     w_g, w_n = int(data.stride(0)), int(data.stride(1))
-    bm_, bn, warps = TILES[bm]
-    grid = (int(it.shape[0]), triton.cdiv(n, bn))
+    grid = (int(it.shape[0]), triton.cdiv(n, tile.bn))
     dummy = consts
     _adder_mma_kernel[grid](av, r_hat if steps_form else dummy, summaries[0], summaries[1], data,
                             w.table if codes else dummy, w.experts, sa, sw, offsets, b_abs, consts, out,
                             term if rterm else out, it, r, n, k, w_g, w_n, NS=nch * steps, NCH=nch, C=c, STEPS=steps,
                             MMA=mma, MP=mp, LAM=lam, STEPS_FORM=steps_form, RTERM=rterm, CODES=codes,
-                            PACKED=bool(w.packed), GPU=dev.type == "cuda", BM=bm_, BN=bn, num_warps=warps,
+                            PACKED=bool(w.packed), GPU=dev.type == "cuda", BM=tile.mma_rows, BN=tile.bn, num_warps=tile.warps,
                             num_stages=1, enable_fp_fusion=False)
     return out, term
