@@ -179,6 +179,37 @@ def test_device_adder_many_rows_equals_numpy(radius):
     _same(ref, got, f"{'steps' if radius else 'exact'} form, many rows")
 
 
+def test_device_radius_term_per_expert_equals_numpy():
+    """GEMM2's radius term when the bound is in the scaled form (float rows against E4M3 experts) and one expert's
+    rows hold an infinite radius: that expert keeps the ordered sum, the other takes the exact chunk sums on the
+    radius's grid (:func:`moeref.compare.operand_radius.radius_dot`), as NumPy decides per expert."""
+    from moeref.compare.bounds import _rows_error_bound, _rows_radius_term
+    from moeref.compare.device_bounds import device_rows_error_bound
+    from moeref.gemm import StackedExperts
+    from moeref.gemm.device import device_operand
+
+    rng = np.random.default_rng(11)
+    e, n, k = 2, 24, 256
+    codes = rng.integers(0, 256, (e, n, k), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] -= 1
+    scales = np.exp2(rng.integers(-12, -4, (e, 1, 2))).astype(np.float64)
+    host = StackedExperts(codes, scales, "e4m3fn", (128, 128), (n, k))
+    dev = StackedExperts(torch.as_tensor(codes, device=DEV), torch.as_tensor(scales, device=DEV), "e4m3fn", (128, 128),
+                         (n, k))
+    row_expert = np.array([0, 1, 0, 1, 1])
+    a = rng.standard_normal((5, k))
+    rad = np.abs(a) * 2.0**-9
+    rad[1, 7] = np.inf  # a row of expert 1
+    prof = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
+    ref_r = _rows_radius_term(rad, row_expert, host)
+    ref_b = _rows_error_bound(a, rad, row_expert, host, None, prof)
+    got_r, got_b = device_rows_error_bound(device_operand(torch.as_tensor(a, device=DEV), DEV),
+                                           torch.as_tensor(rad, device=DEV), row_expert, dev, None, prof,
+                                           radius_term=True)
+    _same(ref_r, got_r, "radius term per expert")
+    _same(ref_b, got_b, "scaled-form bound")
+
+
 def test_device_quantum_and_max_equals_numpy():
     v = np.array([448.0, -0.001953125, 0.0, 3.5, -2.0**-20, 1e-300])
     assert device_quantum_and_max(torch.as_tensor(v, device=DEV)) == quantum_and_max(v)

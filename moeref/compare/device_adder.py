@@ -47,11 +47,12 @@ bits (``property_tests/test_device_bounds.py`` runs each)."""
 
 @dataclass(frozen=True)
 class _Forms:
-    """Per expert group: its form (:func:`moeref.compare.gemm_bounds.adder_form`), the radius grid's bits (steps
-    form) and the exponent offsets of its rows and weights (exact form)."""
+    """Per expert group: its form (:func:`moeref.compare.gemm_bounds.adder_form`), the radius grid's bits where
+    :func:`moeref.compare.operand_radius.exact_radius` rounds the group's radius (None elsewhere; any form) and the
+    exponent offsets of its rows and weights (exact form)."""
 
     form: list
-    bits: list
+    grid: list
     offsets: list
 
 
@@ -64,21 +65,24 @@ def _adder_forms(a: DeviceBlock, counts, ws, st, radius) -> _Forms:
     torch = _torch()
     k = int(a.values.shape[1])
     g_n = len(ws)
-    forms, bits, offs = ["scaled"] * g_n, [None] * g_n, [(0, 0)] * g_n
-    if not st.const_scales:
-        return _Forms(forms, bits, offs)
+    forms, grid, offs = ["scaled"] * g_n, [None] * g_n, [(0, 0)] * g_n
     starts = np.cumsum(counts) - np.asarray(counts)
-    fin, _, q, mx = _row_stats(a.values)
-    rad_ok = chunks_ok = None
-    if radius is not None:
+    if radius is not None:  # per group: the radius finite (the grid's condition), and the rows' scales too
         dev = a.values.device
         rows_of = torch.as_tensor(np.repeat(np.arange(g_n), counts), device=dev)
         sa_fin = torch.isfinite(a.scales).all(dim=1).index_select(
             0, torch.div(torch.arange(int(a.values.shape[0]), device=dev), a.block[0], rounding_mode="floor"))
-        ok = torch.isfinite(radius).all(dim=1) & sa_fin
-        bad = torch.zeros(g_n, dtype=torch.int64, device=dev).index_add_(0, rows_of, (~ok).to(torch.int64))
-        rad_ok = (bad == 0).cpu().numpy()
-        chunks_ok = chunk_scales_constant(k, RADIUS_CHUNK, st.chunk)
+        r_fin = torch.isfinite(radius).all(dim=1)
+
+        def per_group(ok):
+            return torch.zeros(g_n, dtype=torch.int64, device=dev).index_add_(0, rows_of, (~ok).to(torch.int64)) == 0
+
+        fin_r, fin_sa = torch.stack([per_group(r_fin), per_group(sa_fin)]).cpu().numpy()
+        grid = [_weight_grid_bits(w, k) if fin_r[g] else None for g, w in enumerate(ws)]
+    if not st.const_scales:
+        return _Forms(forms, grid, offs)
+    fin, _, q, mx = _row_stats(a.values)
+    chunks_ok = chunk_scales_constant(k, RADIUS_CHUNK, st.chunk)
     for g, (s0, c) in enumerate(zip(starts, counts)):
         if not (c and fin[s0:s0 + c].all() and _finite(ws[g])):
             continue
@@ -89,11 +93,9 @@ def _adder_forms(a: DeviceBlock, counts, ws, st, radius) -> _Forms:
         if radius is None:
             forms[g] = "exact"
             offs[g] = (_top_exponent(qm_a[1]), _top_exponent(qm_w[1]))
-            continue
-        b = _weight_grid_bits(ws[g], k)
-        if rad_ok[g] and chunks_ok and b is not None:
-            forms[g], bits[g] = "steps", b
-    return _Forms(forms, bits, offs)
+        elif grid[g] is not None and fin_sa[g] and chunks_ok:
+            forms[g] = "steps"
+    return _Forms(forms, grid, offs)
 
 
 def _top_exponent(m: float) -> int:
@@ -155,7 +157,7 @@ def adder_bound(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bo
         b_sel = b_abs[torch.as_tensor(sel, device=dev)].contiguous()
         if form == "scaled":
             fuse = (want_term and st.mma == ORDER_STEP and st.chunk == max(1, min(ORDER_CHUNK, k))
-                    and not any(_radius_grid_applies(ws[g], radius) for g in sel))
+                    and all(forms.grid[g] is None for g in sel))
             it, bm = items(cnt, dev)
             res, tr = adder_bound_t(a.dequantize().index_select(0, rows),
                                     None if radius is None else radius.index_select(0, rows), _scaled_weights(ws, sel),
@@ -209,7 +211,7 @@ def _adder_elements(a, rows, cnt, wsel, forms, sel, radius, st, blk, b_sel, cons
                                    mma=st.mma, steps=st.steps), None
     r_hat = None
     if form == "steps":
-        bits_rows = torch.as_tensor(np.repeat([forms.bits[g] for g in sel], cnt), device=dev)
+        bits_rows = torch.as_tensor(np.repeat([forms.grid[g] for g in sel], cnt), device=dev)
         r_hat = rounded_radius(radius.index_select(0, rows), bits_rows).contiguous()
         summ = step_summaries(a.dequantize().index_select(0, rows).abs() + r_hat, k, st.chunk, st.mma)
     else:
@@ -220,6 +222,13 @@ def _adder_elements(a, rows, cnt, wsel, forms, sel, radius, st, blk, b_sel, cons
                              chunk=st.chunk, mma=st.mma, rterm=fuse)
 
 
+def _one_stack(wsel):
+    """The :class:`StackedExperts` all of ``wsel`` are experts of, else None."""
+    if wsel and all(isinstance(w, _StackedExpert) and w.stack is wsel[0].stack for w in wsel):
+        return wsel[0].stack
+    return None
+
+
 def _mma_weights(wsel):
     """:class:`~moeref.compare._adder_mma.MmaWeights` of the experts ``wsel``: the codes of their stack itself and
     their indices in it when they are experts of one :class:`StackedExperts` (no copy), else their float64 element
@@ -228,8 +237,8 @@ def _mma_weights(wsel):
     from ..gemm.device import _table
     from ._adder_mma import MmaWeights
 
-    if all(isinstance(w, _StackedExpert) and w.stack is wsel[0].stack for w in wsel):
-        st = wsel[0].stack
+    st = _one_stack(wsel)
+    if st is not None:
         idx = torch.as_tensor([w.e for w in wsel], dtype=torch.int32, device=st.codes.device)
         return MmaWeights(st.codes, _table(st.element, st.magnitude, st.codes.device), idx, bool(st.packed))
     vals = torch.stack([w.values for w in wsel]).contiguous()
@@ -283,12 +292,12 @@ def _scaled_weights(ws, sel):
     copy), else float64 ``[G, K, N]`` (:func:`_weights_kt`)."""
     torch = _torch()
     items = [ws[g] for g in sel]
-    if not (items and all(isinstance(w, _StackedExpert) and w.stack is items[0].stack for w in items)):
+    w = _one_stack(items)
+    if w is None:
         return _weights_kt(ws, sel)
     from ..gemm.device import _table
     from ._bound_kernels import CodedWeights
 
-    w = items[0].stack
     experts = [x.e for x in items]
     n = int(w.shape[0])
     br, bk = (int(b) for b in w.block)
@@ -303,10 +312,10 @@ def _exact_weights(ws, sel):
     and transposed, one byte each; the codes present from :func:`_codes_present`'s cache), else ``(float64
     element values [G, K, N], None, None)``."""
     items = [ws[g] for g in sel]
-    if items and all(isinstance(w, _StackedExpert) and w.stack is items[0].stack for w in items):
+    w = _one_stack(items)
+    if w is not None:
         from ..gemm.device import _table
 
-        w = items[0].stack
         present = _codes_present(w)[[x.e for x in items]].any(axis=0)
         return _codes_kt(w, [x.e for x in items]), _table(w.element, w.magnitude, w.codes.device), present
     return _weights_kt(ws, sel, scaled=False), None, None
