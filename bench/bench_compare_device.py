@@ -76,12 +76,6 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _routing(m: int, experts: int, gen):
-    ids = torch.rand((m, experts), device=DEV, generator=gen).topk(8, dim=1).indices.to(torch.int32)
-    w = torch.rand((m, 8), device=DEV, generator=gen)
-    return (w / w.sum(dim=1, keepdim=True)).to(torch.float32), ids.cpu().numpy()
-
-
 def check_rows(weights, rows: int, gen) -> dict:
     """GEMM1 (no radius) and GEMM2 (radius ``2^-9 |value|``, with the radius term) of ``rows`` random E4M3 rows
     against expert 3 on the GPU and in NumPy."""
@@ -184,7 +178,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     global DEV
     DEV = args.device
-    from bench.bench_moe_device import deepseek_v3_layer
+    from bench.bench_moe_device import deepseek_v3_layer, routing
     from moeref.compare import PROFILES, compare
     from moeref.moe import MoEQuant, run_moe
     from moeref.quant import fp8_group
@@ -217,7 +211,7 @@ def main(argv=None) -> int:
                 print(f"--- {m} tokens: check {row['check']}", flush=True)
                 save()
             x = torch.randn((m, hidden), device=DEV, generator=gen).to(torch.bfloat16)
-            tw, ids = _routing(m, n_exp, gen)
+            tw, ids = routing(m, n_exp, 8, gen, DEV)
             _sync()
             t0 = time.perf_counter()
             run = run_moe(x, weights, tw, ids, device=DEV, **kw)

@@ -57,9 +57,9 @@ def deepseek_v3_layer(experts: int, gen: torch.Generator) -> MoEWeights:
     return MoEWeights(w13, w2, "gate_up")
 
 
-def routing(m: int, experts: int, top_k: int, gen: torch.Generator):
-    ids = torch.rand((m, experts), device="cuda", generator=gen).topk(top_k, dim=1).indices.to(torch.int32)
-    w = torch.rand((m, top_k), device="cuda", generator=gen)
+def routing(m: int, experts: int, top_k: int, gen: torch.Generator, device: str = "cuda"):
+    ids = torch.rand((m, experts), device=device, generator=gen).topk(top_k, dim=1).indices.to(torch.int32)
+    w = torch.rand((m, top_k), device=device, generator=gen)
     w = (w / w.sum(dim=1, keepdim=True)).to(torch.float32)
     return w, ids.cpu().numpy()
 

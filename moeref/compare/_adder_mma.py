@@ -38,6 +38,7 @@ from ._bound_kernels import _grid, _item
 
 __all__ = ["adder_mma_bound_t", "MmaWeights", "MmaTile", "TILE", "step_summaries"]
 
+
 @dataclass(frozen=True)
 class MmaTile:
     """The kernel's tile: ``rows`` rows of a work item in an ``mma_rows``-row MMA tile (the others masked to zero),
@@ -56,9 +57,6 @@ TILE = MmaTile(rows=8, mma_rows=16, bn=64, warps=8)
 bound bit for bit (production GEMM1/GEMM2 rows, a 200-row layer of 8 experts, the special-value tests), with rows
 8-15 holding data or zeros; so the upper half carries no row. 16 x 64 with 8 warps: compiled for sm_90 (its
 ptxas) the exact form takes no stack and the steps form 16 bytes, where 32- and 64-row tiles spill 0.2-9 KB."""
-_POW_LIMIT = 100
-"""Exponent offsets are clamped at ``-_POW_LIMIT`` (never reached while the weights hold a nonzero: the exact form
-keeps ``x_a + x_w >= -55``); the power's exponent then stays in the normal range for ``L <= 9``."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +84,9 @@ def _exponent(v):
 
 @triton.jit
 def _power(v, o, LAM: tl.constexpr):
-    """``2^(L x)``, ``x = max(floor(log2|v|) - o, -_POW_LIMIT)``, for nonzero ``v``; 0 for zeros."""
+    """``2^(L x)``, ``x = max(floor(log2|v|) - o, -100)``, for nonzero ``v``; 0 for zeros. The clamp is never reached
+    while the weights hold a nonzero (the exact form keeps ``x_a + x_w >= -55``) and keeps the power's exponent in
+    the normal range for ``L <= 9``."""
     x = tl.maximum(_exponent(v) - o, -100)
     return tl.where(v != 0.0, ((x * LAM + 1023) << 52).to(tl.float64, bitcast=True), 0.0)
 
@@ -106,7 +106,7 @@ def _opaque(code, GPU: tl.constexpr):
 def _top_exact(s, oa, ow, amax, wmax, zero, wide, min_normal, LAM: tl.constexpr):
     """``T_j`` of the exact form: ``min(2^(m_j + 1), p2(max|a| max|w|))`` with ``m_j`` from the power sum ``s``."""
     sb = s.to(tl.int64, bitcast=True) >> 52
-    m = (sb - 1023 + 100 * LAM) // LAM - 100 + oa + ow
+    m = (sb - 1023 + 100 * LAM) // LAM - 100 + oa + ow  # floor(log2 s / L): a nonnegative numerator, then back
     e = tl.minimum(tl.maximum(m, -1021) + 1, 1024)
     p2m = tl.where(s > 0.0, ((e + 1023) << 52).to(tl.float64, bitcast=True), 0.0)
     r1 = tl.where((amax[:, None] == 0.0) | (wmax[None, :] == 0.0), zero, amax[:, None] * wmax[None, :])

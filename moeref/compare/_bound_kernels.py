@@ -196,12 +196,12 @@ def _tree_kernel(a_ptr, w_ptr, rng_ptr, ws_ptr, cs_ptr, it_ptr, M, N, K, KP: tl.
     tl.store(cs_ptr + off, walk, mask=msk)
 
 
-def items(row_counts, device, sizes=None, cost_rows: int = ITEM_COST_ROWS) -> tuple[torch.Tensor, int]:
+def items(row_counts, device, sizes=None) -> tuple[torch.Tensor, int]:
     """Work items ``[T, 3]`` int32 ``(expert g, first row, rows)`` over groups of ``row_counts[g]`` consecutive
     rows (expert ``g``'s rows follow expert ``g - 1``'s), rows per item ``BM``; returns ``(items, BM)``.
 
     ``BM`` (one of ``sizes``; default the powers of two up to 32 and the largest group's size) minimizes the
-    padded rows computed (``sum ceil(c / BM) * BM``) plus ``cost_rows`` per item (each item reads its expert's
+    padded rows computed (``sum ceil(c / BM) * BM``) plus :data:`ITEM_COST_ROWS` per item (each item reads its expert's
     weights once): with few rows per expert (decode-sized batches) a tile of the largest group's size would
     mostly compute padding. The bound of each element does not depend on the tile (its columns are summed in
     the same order in any tile)."""
@@ -211,7 +211,7 @@ def items(row_counts, device, sizes=None, cost_rows: int = ITEM_COST_ROWS) -> tu
     if sizes is None:
         top = min(_BM, triton.next_power_of_2(int(max(counts.max(initial=1), 1))))
         sizes = [1 << i for i in range(top.bit_length()) if (1 << i) <= top]
-    bm = min(sizes, key=lambda b: (int((-(-counts // b) * b).sum() + cost_rows * (-(-counts // b)).sum()), -b))
+    bm = min(sizes, key=lambda b: (int((-(-counts // b) * b).sum() + ITEM_COST_ROWS * (-(-counts // b)).sum()), -b))
     starts = np.cumsum(counts) - counts
     per = -(-counts // bm)
     g = np.repeat(np.arange(counts.size), per)

@@ -251,7 +251,7 @@ def _weight_grid_bits(w, k: int):
     the grid does not apply; from the expert's statistics (no host sync for stacked experts)."""
     from .operand_radius import RADIUS_CHUNK, chunk_scales_constant, radius_grid_bits
 
-    if not (_finite(w) and _finite_scales(w) and chunk_scales_constant(k, min(w.block[1], max(k, 1)), RADIUS_CHUNK)):
+    if not (_finite(w) and _finite_scales(w) and chunk_scales_constant(k, w.block[1], RADIUS_CHUNK)):
         return None
     return radius_grid_bits(_quantum_max(w))
 

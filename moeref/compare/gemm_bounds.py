@@ -61,9 +61,7 @@ def adder_setup(k: int, a_block, w_block, profile) -> AdderSetup:
     c = max(1, k if profile.promote_every is None else min(int(profile.promote_every), k))
     n_prom = -(-k // c) + s_blocks + 3
     mma = int(profile.mma_k)
-    blk = np.arange(-(-max(k, 1) // c)) * c
-    last = np.minimum(blk + c, k) - 1
-    const = all(np.array_equal(blk // b[1], last // b[1]) for b in (a_block, w_block))
+    const = all(chunk_scales_constant(k, b[1], c) for b in (a_block, w_block))
     return AdderSetup(c, mma, -(-c // mma), gamma(n_prom, profile.promote_unit), const)
 
 

@@ -107,7 +107,7 @@ def chunk_scales_constant(k: int, block_k: int, chunk: int) -> bool:
     """Every chunk of ``chunk`` columns of a ``K = k`` operand lies in one scale block of ``block_k`` columns."""
     blk = np.arange(-(-max(k, 1) // chunk)) * chunk
     last = np.minimum(blk + chunk, k) - 1
-    return bool(np.array_equal(blk // block_k, np.maximum(last, 0) // block_k))
+    return bool(np.array_equal(blk // block_k, last // block_k))
 
 
 def exact_radius(radius, w):
@@ -121,7 +121,7 @@ def exact_radius(radius, w):
     k = radius.shape[1]
     if not (np.all(np.isfinite(radius)) and np.all(np.isfinite(w.scales)) and np.all(np.isfinite(w.values))):
         return None
-    if not chunk_scales_constant(k, min(w.block[1], max(k, 1)), RADIUS_CHUNK):
+    if not chunk_scales_constant(k, w.block[1], RADIUS_CHUNK):
         return None
     bits = radius_grid_bits(quantum_and_max(w.values))
     return None if bits is None else rounded_radius(radius, bits)
