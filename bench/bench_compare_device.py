@@ -16,6 +16,7 @@ keeps what it measured):
 3. ``--sweep``: GEMM1's and GEMM2's bound alone under tile variants of :data:`moeref.compare._adder_mma.TILE`.
 
     python bench/bench_compare_device.py [--tokens 128 4096] [--rounds 7] [--check-rows 2] [--sweep] [--out FILE]
+    python bench/bench_compare_device.py --sweep-only [--variants "16x64 w4" ...]   # the tile sweep at each --tokens
 """
 from __future__ import annotations
 
@@ -35,9 +36,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench.interleaved import CudaEventClock, time_interleaved  # noqa: E402
 
-SWEEP = {"bn64 w8": (64, 8), "bn32 w4": (32, 4), "bn64 w4": (64, 4), "bn32 w8": (32, 8)}
-"""Tile variants ``(BN, warps)`` of :data:`moeref.compare._adder_mma.TILE` timed by ``--sweep`` (8 rows of an item in
-a 16-row MMA tile: the tile's docstring says why)."""
+SWEEP = {"16x64 w4": (16, 64, 4), "16x128 w4": (16, 128, 4), "16x64 w8": (16, 64, 8), "16x128 w8": (16, 128, 8),
+         "32x64 w4": (32, 64, 4), "16x32 w2": (16, 32, 2)}
+"""Tile variants ``(rows, BN, warps)`` of :data:`moeref.compare._adder_mma.TILE` timed by ``--sweep``."""
 
 
 def _operand(codes, scales):
@@ -126,7 +127,7 @@ def _host_stack(w, e: int):
     return StackedExperts(codes, scales, w.element, w.block, tuple(int(d) for d in w.shape), w.magnitude)
 
 
-def sweep(weights, tokens: int, gen) -> dict:
+def sweep(weights, tokens: int, gen, variants=None) -> dict:
     """GEMM1's and GEMM2's bound alone (all experts' rows of a random top-8 routing) under each tile variant."""
     import moeref.compare._adder_mma as mma
     from moeref.compare import PROFILES
@@ -136,7 +137,7 @@ def sweep(weights, tokens: int, gen) -> dict:
     ids = torch.rand((tokens, int(weights.w13.codes.shape[0])), device=DEV, generator=gen).topk(8, dim=1).indices
     row_e = np.sort(ids.reshape(-1).cpu().numpy()).astype(np.int64)
     res = {}
-    saved = mma.TILE
+    saved, saved_rows = mma.TILE, mma.EXACT_ROWS
     try:
         for gname, w in (("gemm1", weights.w13), ("gemm2", weights.w2)):
             k = int(w.shape[1])
@@ -144,8 +145,11 @@ def sweep(weights, tokens: int, gen) -> dict:
             a = _operand(codes, scales)
             rad = (a.decode() * a.scales.repeat_interleave(128, dim=1)).abs() * 2.0**-9 if gname == "gemm2" else None
             base = None
-            for vname, (bn, warps) in SWEEP.items():
-                mma.TILE = dataclasses.replace(saved, bn=bn, warps=warps)
+            for vname, (rows, bn, warps) in SWEEP.items():
+                if variants and vname not in variants:
+                    continue
+                mma.TILE = dataclasses.replace(saved, rows=rows, bn=bn, warps=warps)
+                mma.EXACT_ROWS = (rows,)
                 fn = lambda: device_rows_error_bound(a, rad, row_e, w, None, prof, radius_term=rad is not None)  # noqa: E731
                 t0 = time.perf_counter()
                 got = fn()
@@ -160,7 +164,7 @@ def sweep(weights, tokens: int, gen) -> dict:
                                                same_bits=bool(torch.equal(base, got)))
                 print(f"  sweep {tokens} {gname} {vname}: {res[f'{gname} {vname}']}", flush=True)
     finally:
-        mma.TILE = saved
+        mma.TILE, mma.EXACT_ROWS = saved, saved_rows
     return res
 
 
@@ -170,6 +174,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--check-rows", type=int, default=2)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--variants", nargs="+", default=None, help="names of SWEEP to time (default: all)")
+    ap.add_argument("--sweep-only", action="store_true",
+                    help="only the tile sweep, at every --tokens (no check, no timed rounds)")
     ap.add_argument("--max-seconds", type=float, default=4.0,
                     help="a compare slower than this is timed once, without rounds or sweep (a lease's budget)")
     ap.add_argument("--small", action="store_true", help="a small layer on --device (a smoke test of this script)")
@@ -202,7 +209,7 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
-    for m in args.tokens:
+    for m in ([] if args.sweep_only else args.tokens):
         row = dict(tokens=m)
         result["rows"].append(row)
         try:
@@ -254,10 +261,10 @@ def main(argv=None) -> int:
             row["error"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
             save()
-    if args.sweep:
-        for m in args.tokens[-1:]:
+    if args.sweep or args.sweep_only:
+        for m in (args.tokens if args.sweep_only else args.tokens[-1:]):
             try:
-                result["sweep"] = sweep(weights, m, gen)
+                result["sweep" if m == args.tokens[-1] else f"sweep_{m}"] = sweep(weights, m, gen, args.variants)
             except Exception as e:  # noqa: BLE001
                 result["sweep_error"] = f"{type(e).__name__}: {e}"
                 traceback.print_exc()

@@ -72,11 +72,13 @@ def test_device_gemm_bound_equals_numpy(scheme, model, m, n, k, radius, bias, se
 @given(st.sampled_from(["fp8 block", "mxfp4", "integers"]), st.integers(1, 5), st.integers(1, 9),
        st.sampled_from([32, 64, 160, 200]), st.booleans(), st.integers(0, 2**16))
 def test_device_adder_exact_domain_equals_numpy(scheme, m, n, k, bias, seed):
-    """The aligned-adder bound's exact domain (element values, chunk scales after; no radius) through each of its
-    kernels (``device_adder.ADDER_KERNEL``: float64 tensor cores, int8 digits on the tensor cores, or one FMA per
-    product): FP8 and FP4 elements and integers of 16 and 12 bits (three and two digits); zeros among the
-    activations (the nonzero counts); K not a multiple of the chunk."""
-    import moeref.compare.device_adder as db
+    """The aligned-adder bound's exact domain (element values, chunk scales after; no radius) on the float64 tensor
+    cores (:mod:`moeref.compare._adder_mma`) at several tiles (rows an item, columns, warps: the bits do not depend on
+    the tile): FP8 and FP4 elements and integers of 16 and 12 bits; zeros among the activations (the nonzero counts);
+    K not a multiple of the chunk."""
+    import dataclasses
+
+    import moeref.compare._adder_mma as mma
 
     rng = np.random.default_rng(seed)
     if scheme == "integers":
@@ -92,14 +94,15 @@ def test_device_adder_exact_domain_equals_numpy(scheme, m, n, k, bias, seed):
     b = rng.standard_normal(n) if bias else None
     prof = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
     ref = gemm_error_bound(a, w, prof, bias=b)
-    for kernel in ("mma", "digits", "fma"):
-        saved, db.ADDER_KERNEL = db.ADDER_KERNEL, kernel
+    for tile in (mma.TILE, dataclasses.replace(mma.TILE, rows=32), mma.MmaTile(rows=16, bn=32, warps=8)):
+        saved = mma.TILE, mma.EXACT_ROWS
+        mma.TILE, mma.EXACT_ROWS = tile, (tile.rows,)
         try:
             got = device_gemm_error_bound(_block(a), _block(w), prof,
                                           b_abs=None if b is None else torch.as_tensor(np.abs(b), device=DEV))
         finally:
-            db.ADDER_KERNEL = saved
-        _same(ref, got, f"{scheme} exact domain, {kernel} kernel")
+            mma.TILE, mma.EXACT_ROWS = saved
+        _same(ref, got, f"{scheme} exact domain, tile {tile}")
 
 
 @pytest.mark.parametrize("element, block, k, special", [("e4m3fn", (128, 128), 200, False),
@@ -150,8 +153,8 @@ def test_device_gemm2_bound_from_codes_equals_numpy(element, block, k, special):
 def test_device_adder_many_rows_equals_numpy(radius):
     """Experts with more rows than one work item (40 and 19 rows of two experts, E4M3 codes, 1x128 x 128x128): every
     row of the device bound is NumPy's, in the exact form (no radius) and the steps form (a radius, with its radius
-    term). On an H100 this case showed Triton 3.6's float64 MMA giving wrong rows 8-15 of each 16-row tile, which
-    :data:`moeref.compare._adder_mma.TILE` therefore leaves empty (2026-11-28)."""
+    term). On an H100 this case showed rows 8-15 of each 16-row tile wrong while the kernel zeroed its accumulators
+    inside a flat loop over the steps (2026-11-28; bench/repro_f64_dot_loop_reset.py); it now runs nested loops."""
     from moeref.compare.bounds import _rows_error_bound, _rows_radius_term
     from moeref.compare.device_bounds import device_rows_error_bound
     from moeref.gemm import StackedExperts

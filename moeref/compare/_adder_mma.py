@@ -4,7 +4,8 @@
 In both forms every partial sum of a chunk of element products is exact in float64 (the forms' condition,
 :func:`~moeref.compare.gemm_bounds.adder_form`), and so is every partial sum of ``r^ |w|`` on the radius's grid
 (:mod:`moeref.compare.operand_radius`). Any exact computation of them gives NumPy's value, so each MMA step's sum
-is one float64 ``tl.dot`` of a ``[BM, MP]`` row tile and an ``[MP, BN]`` weight tile (Hopper: ``mma.sync`` f64;
+is one float64 ``tl.dot`` of a ``[BM, MP]`` row tile and the transpose of a ``[BN, MP]`` weight tile (Hopper:
+``mma.sync`` f64;
 the products are exact and every partial sum representable, so the tensor core's roundings change nothing), ``MP``
 the step width padded with zero columns to a power of two of at least 16. Per step:
 
@@ -17,12 +18,16 @@ the step width padded with zero columns to a power of two of at least 16. Per st
 * **steps form**: the step sum and the radius's step sum ``sum r^ |w|``, two dots;
 * the step's row summaries (largest and nonzero count of ``|a|`` in the exact form, of the scaled ``|a| + r^`` in
   the steps form) read from ``[steps, rows]`` arrays made once per launch with torch, the column ones from the
-  weight tile the kernel has just decoded (times the chunk's weight scale in the steps form: the scaled values'
-  summaries, as NumPy takes them); then ``T_j``, ``n_j`` and the recurrence of
-  :func:`~moeref.compare.gemm_bounds.adder_rows`, operation for operation.
+  weight tile the kernel has just decoded (a weight row's step lies in one thread's registers, so they reduce
+  without shuffles; times the chunk's weight scale in the steps form: the scaled values' summaries, as NumPy takes
+  them); then ``T_j``, ``n_j`` and the recurrence of :func:`~moeref.compare.gemm_bounds.adder_rows`, operation for
+  operation.
 
-The weights are read as their uint8 codes (two a byte when packed) from the stack itself, through the decode table,
-or as float64 element values. Compiled with ``enable_fp_fusion=False``. Runs under ``TRITON_INTERPRET=1`` (CI),
+Chunks run in an outer loop and their steps in an inner one: a flat loop over the steps that zeroed the accumulators
+where a chunk starts gave wrong sums in rows 8-15 of each 16-row MMA tile on Hopper with Triton 3.6
+(``bench/repro_f64_dot_loop_reset.py``). The weights are read as their uint8 codes (two a byte when packed) from the
+stack itself, through the decode table (and, in the exact form, their exponent powers through
+:func:`power_tables`), or as float64 element values. Compiled with ``enable_fp_fusion=False``. Runs under ``TRITON_INTERPRET=1`` (CI),
 where ``tl.dot`` of float64 tiles is NumPy's float64 matrix product (exact on these operands too).
 """
 from __future__ import annotations
@@ -36,27 +41,29 @@ import triton.language as tl
 
 from ._bound_kernels import _grid, _item
 
-__all__ = ["adder_mma_bound_t", "MmaWeights", "MmaTile", "TILE", "step_summaries"]
+__all__ = ["adder_mma_bound_t", "MmaWeights", "MmaTile", "TILE", "EXACT_ROWS", "power_tables", "step_summaries"]
 
 
 @dataclass(frozen=True)
 class MmaTile:
-    """The kernel's tile: ``rows`` rows of a work item in an ``mma_rows``-row MMA tile (the others masked to zero),
-    ``bn`` output columns, ``warps``."""
+    """The kernel's tile: ``rows`` rows of a work item (a multiple of 16, the float64 MMA's height), ``bn`` output
+    columns, ``warps``."""
 
     rows: int
-    mma_rows: int
     bn: int
     warps: int
 
 
-TILE = MmaTile(rows=8, mma_rows=16, bn=64, warps=8)
-"""Eight rows of a work item in the lower half of a 16-row MMA tile. On an H100 (2026-11-28, Triton 3.6, torch
-2.11) the float64 ``mma.sync.m16n8k16`` that Triton emits gave wrong sums in rows 8-15 of every 16-row block
-(at any tile; bench/bench_compare_device.py and the notes of docs/moe-gpu.md) while rows 0-7 equalled the NumPy
-bound bit for bit (production GEMM1/GEMM2 rows, a 200-row layer of 8 experts, the special-value tests), with rows
-8-15 holding data or zeros; so the upper half carries no row. 16 x 64 with 8 warps: compiled for sm_90 (its
-ptxas) the exact form takes no stack and the steps form 16 bytes, where 32- and 64-row tiles spill 0.2-9 KB."""
+TILE = MmaTile(rows=16, bn=64, warps=4)
+"""16 rows x 64 columns, 4 warps: the fastest of the variants timed on the GPU for both forms at 128 and 4096
+DeepSeek-V3 tokens (``bench/bench_compare_device.py --sweep``, docs/moe-gpu.md), though ptxas spills a few hundred
+bytes at it (8 warps spill less and ran 1.2-1.9x slower: docs/data/adder_mma_sweep_h200_2026-11-28.json). Read
+at each call (a benchmark may set it)."""
+
+EXACT_ROWS = (16, 32)
+"""Rows an item may hold in the exact form, chosen per launch by :func:`~moeref.compare._bound_kernels.items`'s cost
+model (many rows an expert: 32, which ran 1.2x faster at 4096 tokens; few: 16). The steps form keeps
+:data:`TILE`'s rows (32 spills more there and ran slower)."""
 
 
 @dataclass(frozen=True)
@@ -73,22 +80,26 @@ class MmaWeights:
 
 
 @triton.jit
+def _biased(v):
+    """The biased exponent field of float64 ``v`` as int32."""
+    return (v.to(tl.int64, bitcast=True) >> 52).to(tl.int32) & 0x7FF
+
+
+@triton.jit
 def _exponent(v):
-    """``floor(log2|v|)`` of nonzero float64 ``v`` as int64, subnormals included (from the bits)."""
-    bits = v.to(tl.int64, bitcast=True)
-    biased = (bits >> 52) & 0x7FF
-    mant = (bits & 0xFFFFFFFFFFFFF).to(tl.float64)  # exact: below 2^52
-    sub = ((mant.to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1023 - 1074
-    return tl.where(biased == 0, sub, biased - 1023)
+    """``floor(log2|v|)`` of nonzero float64 ``v`` as int32, subnormals included (from the bits; a subnormal times
+    ``2^64``, exact, is normal)."""
+    b = _biased(v)
+    return tl.where(b == 0, _biased(v * 18446744073709551616.0) - 1087, b - 1023)
 
 
 @triton.jit
 def _power(v, o, LAM: tl.constexpr):
     """``2^(L x)``, ``x = max(floor(log2|v|) - o, -100)``, for nonzero ``v``; 0 for zeros. The clamp is never reached
     while the weights hold a nonzero (the exact form keeps ``x_a + x_w >= -55``) and keeps the power's exponent in
-    the normal range for ``L <= 9``."""
+    the normal range for ``L <= 9``. Integer work in int32 (exponents and ``L x`` are far inside it)."""
     x = tl.maximum(_exponent(v) - o, -100)
-    return tl.where(v != 0.0, ((x * LAM + 1023) << 52).to(tl.float64, bitcast=True), 0.0)
+    return tl.where(v != 0.0, ((x * LAM + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True), 0.0)
 
 
 @triton.jit
@@ -105,23 +116,25 @@ def _opaque(code, GPU: tl.constexpr):
 @triton.jit
 def _top_exact(s, oa, ow, amax, wmax, zero, wide, min_normal, LAM: tl.constexpr):
     """``T_j`` of the exact form: ``min(2^(m_j + 1), p2(max|a| max|w|))`` with ``m_j`` from the power sum ``s``."""
-    sb = s.to(tl.int64, bitcast=True) >> 52
+    sb = _biased(s)  # s >= 0
     m = (sb - 1023 + 100 * LAM) // LAM - 100 + oa + ow  # floor(log2 s / L): a nonnegative numerator, then back
     e = tl.minimum(tl.maximum(m, -1021) + 1, 1024)
-    p2m = tl.where(s > 0.0, ((e + 1023) << 52).to(tl.float64, bitcast=True), 0.0)
+    p2m = tl.where(s > 0.0, ((e + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True), 0.0)
     r1 = tl.where((amax[:, None] == 0.0) | (wmax[None, :] == 0.0), zero, amax[:, None] * wmax[None, :])
     r1 = _grid(r1, wide, min_normal)
     return tl.where(p2m < r1, p2m, r1)
 
 
 @triton.jit
-def _adder_mma_kernel(a_ptr, r_ptr, smax_ptr, snz_ptr, w_ptr, tab_ptr, eix_ptr, sa_ptr, sw_ptr, off_ptr, b_ptr,
+def _adder_mma_kernel(a_ptr, r_ptr, smax_ptr, snz_ptr, w_ptr, tab_ptr, ptab_ptr, eix_ptr, sa_ptr, sw_ptr, off_ptr, b_ptr,
                       c_ptr, out_ptr, rt_ptr, it_ptr, R, N, K, W_G, W_N,
-                      NS: tl.constexpr, NCH: tl.constexpr, C: tl.constexpr, STEPS: tl.constexpr, MMA: tl.constexpr, MP: tl.constexpr,
+                      NCH: tl.constexpr, C: tl.constexpr, STEPS: tl.constexpr, MMA: tl.constexpr, MP: tl.constexpr,
                       LAM: tl.constexpr, STEPS_FORM: tl.constexpr, RTERM: tl.constexpr, CODES: tl.constexpr,
-                      PACKED: tl.constexpr, GPU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                      PACKED: tl.constexpr, TABN: tl.constexpr, EVEN_K: tl.constexpr, GPU: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr):
     """Module docstring. ``a`` float64 ``[R, K]`` element values, ``r`` the rounded radius (steps form); ``smax`` /
-    ``snz`` float64 ``[NS, R]`` row step summaries; ``w`` codes (``CODES``) or float64 values, expert ``eix[g]`` at
+    ``snz`` float64 ``[NS, R]`` row step summaries; ``w`` codes (``CODES``; ``ptab`` float64 ``[G, TABN]`` their
+    powers, exact form) or float64 values, expert ``eix[g]`` at
     ``w + eix[g] W_G``, row ``n`` at ``+ n W_N``; ``sa`` ``[R, NCH]`` / ``sw`` ``[G, N, NCH]`` chunk scales; ``off``
     int32 ``[G, 2]`` exponent offsets (exact form); ``b`` ``[G, N]``; ``c`` float64 ``[u2, g_prom, 1 + 2^-40,
     2^-1022, 1 + 1e-9, 1, 0]``."""
@@ -141,83 +154,86 @@ def _adder_mma_kernel(a_ptr, r_ptr, smax_ptr, snz_ptr, w_ptr, tab_ptr, eix_ptr, 
     one = tl.load(c_ptr + 5)
     zero = tl.load(c_ptr + 6)
     if not STEPS_FORM:
-        oa = tl.load(off_ptr + 2 * g).to(tl.int64)
-        ow = tl.load(off_ptr + 2 * g + 1).to(tl.int64)
+        oa = tl.load(off_ptr + 2 * g)  # int32
+        ow = tl.load(off_ptr + 2 * g + 1)
     arow = rm.to(tl.int64) * K
     wrow = rn.to(tl.int64) * W_N
-    su = tl.zeros((BM, BN), dtype=tl.float64)    # the chunk's exact partial sum (element values)
-    err = tl.zeros((BM, BN), dtype=tl.float64)   # E_j
     tot_e = tl.zeros((BM, BN), dtype=tl.float64)
     tot_p = tl.zeros((BM, BN), dtype=tl.float64)
-    if STEPS_FORM:
-        du = tl.zeros((BM, BN), dtype=tl.float64)  # the radius's exact partial sum
-        if RTERM:
-            tot_r = tl.zeros((BM, BN), dtype=tl.float64)
-    for s in range(0, NS):
-        ch = s // STEPS
-        j = s - ch * STEPS
-        if j == 0:  # a chunk starts a fresh accumulator
-            su = tl.zeros((BM, BN), dtype=tl.float64)
-            err = tl.zeros((BM, BN), dtype=tl.float64)
-            if STEPS_FORM:
-                du = tl.zeros((BM, BN), dtype=tl.float64)
+    if RTERM:
+        tot_r = tl.zeros((BM, BN), dtype=tl.float64)
+    # Chunks in an outer loop, each starting its accumulators fresh, steps in an inner one (not one flat loop that
+    # zeroes them where a chunk starts: wrong rows 8-15 on Hopper, bench/repro_f64_dot_loop_reset.py).
+    for ch in range(0, NCH):
+        su = tl.zeros((BM, BN), dtype=tl.float64)    # the chunk's exact partial sum (element values)
+        err = tl.zeros((BM, BN), dtype=tl.float64)   # E_j
+        du = tl.zeros((BM, BN), dtype=tl.float64)    # the radius's exact partial sum (steps form)
         sa = tl.load(sa_ptr + rm * NCH + ch, mask=mm, other=0.0)
         swc = tl.load(sw_ptr + rn * NCH + ch, mask=nm, other=0.0)
-        # |S_{j-1}| + E_{j-1} as the previous step left it (recomputed: one tile fewer to carry)
-        if STEPS_FORM:
-            sc = sa[:, None] * swc[None, :]
-            prev = (tl.abs(su * sc) + du * swc[None, :]) + err
-        else:
-            prev = tl.abs(su) + err
-        pos = j * MMA + kk
-        col = ch * C + pos
-        kv = (kk < MMA) & (pos < C) & (col < K)
-        am = mm[:, None] & kv[None, :]
-        wm = kv[:, None] & nm[None, :]
-        a = tl.load(a_ptr + arow[:, None] + col[None, :], mask=am, other=0.0)
-        if CODES:
-            if PACKED:
-                byte = tl.load(w_ptr + wrow[None, :] + (col // 2)[:, None], mask=wm, other=0).to(tl.int32)
-                code = (byte >> ((col % 2) * 4)[:, None]) & 15
-            else:
-                code = tl.load(w_ptr + wrow[None, :] + col[:, None], mask=wm, other=0).to(tl.int32)
-            w = tl.where(wm, tl.load(tab_ptr + _opaque(code, GPU)), zero)
-        else:
-            w = tl.load(w_ptr + wrow[None, :] + col[:, None], mask=wm, other=0.0)
-        su = su + tl.dot(a, w)
-        wa = tl.abs(w)
-        amax = tl.load(smax_ptr + s * R + rm, mask=mm, other=0.0)
-        anz = tl.load(snz_ptr + s * R + rm, mask=mm, other=0.0)
-        jf = tl.where(j > 0, one, zero)
-        if STEPS_FORM:
-            r = tl.load(r_ptr + arow[:, None] + col[None, :], mask=am, other=0.0)
-            du = du + tl.dot(r, wa)
-            ws = wa * swc[None, :]  # the scaled |w|: the summaries NumPy takes
-            wmax = tl.max(ws, axis=0)
-            wnz = tl.sum((ws != 0.0).to(tl.float64), axis=0)
-            top = tl.where((amax[:, None] == 0.0) | (wmax[None, :] == 0.0), zero, amax[:, None] * wmax[None, :])
-            s_part = tl.abs(su * sc) + du * swc[None, :]
-            align = ((tl.minimum(anz[:, None], wnz[None, :]) + jf) * u2) * tl.where(top > prev, top, prev)
-            err = (err + align) + u2 * ((s_part + err) + align)
-        else:
-            wmax = tl.max(wa, axis=0)
-            wnz = tl.sum((wa != 0.0).to(tl.float64), axis=0)
-            pw = tl.dot(_power(a, oa, LAM), _power(w, ow, LAM))
-            top = _top_exact(pw, oa, ow, amax, wmax, zero, wide, min_normal, LAM)
-            s_part = tl.abs(su)
-            g0 = _grid(prev, wide, min_normal)
-            align = ((tl.minimum(anz[:, None], wnz[None, :]) + jf) * u2) * tl.where(top > g0, top, g0)
-            err = (err + align) + u2 * _grid((s_part + err) + align, wide, min_normal)
-        if j == STEPS - 1:  # the chunk's end: its terms join the sums over chunks, in order
+        sc = sa[:, None] * swc[None, :]
+        for j in range(0, STEPS):
+            s = ch * STEPS + j
+            # |S_{j-1}| + E_{j-1} as the previous step left it (recomputed: one tile fewer to carry)
             if STEPS_FORM:
-                tot_e = tot_e + err
-                tot_p = tot_p + (s_part + err)
-                if RTERM:
-                    tot_r = tot_r + du * swc[None, :]
+                prev = (tl.abs(su * sc) + du * swc[None, :]) + err
             else:
-                sc = sa[:, None] * swc[None, :]
-                tot_e = tot_e + err * sc
-                tot_p = tot_p + (s_part + err) * sc
+                prev = tl.abs(su) + err
+            pos = j * MMA + kk
+            col = ch * C + pos
+            if EVEN_K:  # every step full: no column mask beyond the tile's
+                kv = kk < MP
+            else:
+                kv = (kk < MMA) & (pos < C) & (col < K)
+            am = mm[:, None] & kv[None, :]
+            wm = nm[:, None] & kv[None, :]  # the weight tile is [BN, MP]: a row's step in one thread's registers
+            a = tl.load(a_ptr + arow[:, None] + col[None, :], mask=am, other=0.0)
+            if CODES:
+                if PACKED:
+                    byte = tl.load(w_ptr + wrow[:, None] + (col // 2)[None, :], mask=wm, other=0).to(tl.int32)
+                    code = (byte >> ((col % 2) * 4)[None, :]) & 15
+                else:
+                    code = tl.load(w_ptr + wrow[:, None] + col[None, :], mask=wm, other=0).to(tl.int32)
+                code = _opaque(code, GPU)
+                w = tl.where(wm, tl.load(tab_ptr + code), zero)
+                if not STEPS_FORM:  # the weights' exponent powers from the group's power table
+                    pw_w = tl.where(wm, tl.load(ptab_ptr + g64 * TABN + code), zero)
+            else:
+                w = tl.load(w_ptr + wrow[:, None] + col[None, :], mask=wm, other=0.0)
+            su = su + tl.dot(a, tl.trans(w))
+            wa = tl.abs(w)
+            amax = tl.load(smax_ptr + s * R + rm, mask=mm, other=0.0)
+            anz = tl.load(snz_ptr + s * R + rm, mask=mm, other=0.0)
+            jf = tl.where(j > 0, one, zero)
+            if STEPS_FORM:
+                r = tl.load(r_ptr + arow[:, None] + col[None, :], mask=am, other=0.0)
+                du = du + tl.dot(r, tl.trans(wa))
+                ws = wa * swc[:, None]  # the scaled |w|: the summaries NumPy takes
+                wmax = tl.max(ws, axis=1)
+                wnz = tl.sum((ws != 0.0).to(tl.float64), axis=1)
+                top = tl.where((amax[:, None] == 0.0) | (wmax[None, :] == 0.0), zero, amax[:, None] * wmax[None, :])
+                s_part = tl.abs(su * sc) + du * swc[None, :]
+                align = ((tl.minimum(anz[:, None], wnz[None, :]) + jf) * u2) * tl.where(top > prev, top, prev)
+                err = (err + align) + u2 * ((s_part + err) + align)
+            else:
+                wmax = tl.max(wa, axis=1)
+                wnz = tl.sum((wa != 0.0).to(tl.float64), axis=1)
+                if not CODES:
+                    pw_w = _power(w, ow, LAM)
+                pw = tl.dot(_power(a, oa, LAM), tl.trans(pw_w))
+                top = _top_exact(pw, oa, ow, amax, wmax, zero, wide, min_normal, LAM)
+                s_part = tl.abs(su)
+                g0 = _grid(prev, wide, min_normal)
+                align = ((tl.minimum(anz[:, None], wnz[None, :]) + jf) * u2) * tl.where(top > g0, top, g0)
+                err = (err + align) + u2 * _grid((s_part + err) + align, wide, min_normal)
+        # the chunk's end: its terms join the sums over chunks, in order (|S| as its last step computed it)
+        if STEPS_FORM:
+            tot_e = tot_e + err
+            tot_p = tot_p + ((tl.abs(su * sc) + du * swc[None, :]) + err)
+            if RTERM:
+                tot_r = tot_r + du * swc[None, :]
+        else:
+            tot_e = tot_e + err * sc
+            tot_p = tot_p + (tl.abs(su) + err) * sc
     b = tl.load(b_ptr + rn, mask=nm, other=0.0)
     out = (tot_e + g_prom * (tot_p + b[None, :])) * final
     off = rm.to(tl.int64)[:, None] * N + rn[None, :]
@@ -225,6 +241,18 @@ def _adder_mma_kernel(a_ptr, r_ptr, smax_ptr, snz_ptr, w_ptr, tab_ptr, eix_ptr, 
     tl.store(out_ptr + off, out, mask=msk)
     if RTERM:
         tl.store(rt_ptr + off, tot_r, mask=msk)
+
+
+def power_tables(table, w_offsets, lam: int):
+    """The exact form's weight powers by code: float64 ``[G, T]``, entry ``[g, c]`` the kernel's ``_power`` of
+    ``table[c]`` with group ``g``'s weight offset ``w_offsets[g]``: ``2^(L max(floor(log2|v|) - o, -100))``, 0 for
+    ``v = 0`` and for codes whose value is not finite (the exact form holds only finite weights). Bit for bit the
+    powers the kernel would compute from the decoded values (``tests/test_adder_mma.py``), read with one gather."""
+    v = table.to(torch.float64)
+    e = torch.frexp(v).exponent.to(torch.int64) - 1  # floor(log2|v|), subnormals included
+    x = torch.clamp(e[None, :] - w_offsets.to(torch.int64)[:, None], min=-100)
+    p = ((x * lam + 1023) << 52).view(torch.float64)
+    return torch.where((v != 0) & torch.isfinite(v), p, torch.zeros_like(p)).contiguous()
 
 
 def step_summaries(x_abs: torch.Tensor, k: int, chunk: int, mma: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,15 +273,16 @@ def step_summaries(x_abs: torch.Tensor, k: int, chunk: int, mma: int) -> tuple[t
 
 
 def adder_mma_bound_t(av, r_hat, summaries, w: MmaWeights, sa, sw, b_abs, offsets, consts, it, *, n: int,
-                      chunk: int, mma: int, rterm: bool = False, tile: MmaTile = TILE):
+                      chunk: int, mma: int, rterm: bool = False, tile: MmaTile | None = None):
     """The aligned-adder bound ``[R, N]`` of the exact form (``r_hat`` None) or the steps form (``r_hat`` the rounded
     radius ``[R, K]``): ``av`` float64 ``[R, K]`` element values; ``summaries`` :func:`step_summaries` of ``|a|``
     (exact form) or of the scaled ``|a| + r^`` (steps form); ``sa`` ``[R, NCH]`` / ``sw`` ``[G, N, NCH]`` chunk
     scales (``|.|``), ``b_abs`` ``[G, N]``; ``offsets`` int32 ``[G, 2]`` (the largest exponent of each group's rows and
-    of its weights; exact form); ``consts`` and ``it`` (at most ``tile.rows`` rows an item, :data:`TILE`) as
+    of its weights; exact form); ``consts`` and ``it`` (at most ``tile.rows`` rows an item; :data:`TILE` by default) as
     :func:`~moeref.compare._bound_kernels.adder_bound_t`'s. With ``rterm`` (steps form) also the radius term, the sum
     over chunks of ``(sum r^ |w|) |sw|`` (:func:`moeref.compare.operand_radius.radius_dot`'s numbers when ``chunk``
     is its chunk). Returns ``(bound, term or None)``."""
+    tile = TILE if tile is None else tile
     r, k = (int(d) for d in av.shape)
     dev = av.device
     out = torch.zeros((r, n), dtype=torch.float64, device=dev)
@@ -272,10 +301,12 @@ def adder_mma_bound_t(av, r_hat, summaries, w: MmaWeights, sa, sw, b_abs, offset
     w_g, w_n = int(data.stride(0)), int(data.stride(1))
     grid = (int(it.shape[0]), triton.cdiv(n, tile.bn))
     dummy = consts
+    ptab = power_tables(w.table, offsets[:, 1], lam) if codes and not steps_form else dummy
     _adder_mma_kernel[grid](av, r_hat if steps_form else dummy, summaries[0], summaries[1], data,
-                            w.table if codes else dummy, w.experts, sa, sw, offsets, b_abs, consts, out,
-                            term if rterm else out, it, r, n, k, w_g, w_n, NS=nch * steps, NCH=nch, C=c, STEPS=steps,
-                            MMA=mma, MP=mp, LAM=lam, STEPS_FORM=steps_form, RTERM=rterm, CODES=codes,
-                            PACKED=bool(w.packed), GPU=dev.type == "cuda", BM=tile.mma_rows, BN=tile.bn, num_warps=tile.warps,
-                            num_stages=1, enable_fp_fusion=False)
+                            w.table if codes else dummy, ptab, w.experts, sa, sw, offsets, b_abs, consts, out,
+                            term if rterm else out, it, r, n, k, w_g, w_n, NCH=nch, C=c, STEPS=steps, MMA=mma, MP=mp,
+                            LAM=lam, STEPS_FORM=steps_form, RTERM=rterm, CODES=codes, PACKED=bool(w.packed),
+                            TABN=int(w.table.numel()) if codes else 1, EVEN_K=k % c == 0 and c % mma == 0 and mma == mp,
+                            GPU=dev.type == "cuda", BM=tile.rows,
+                            BN=tile.bn, num_warps=tile.warps, num_stages=1, enable_fp_fusion=False)
     return out, term

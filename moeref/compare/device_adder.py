@@ -15,7 +15,7 @@ models).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -23,7 +23,6 @@ from .device_bounds import (
     DeviceBlock,
     _chunk_scales,
     _codes_kt,
-    _codes_present,
     _consts,
     _finite,
     _kt,
@@ -36,14 +35,7 @@ from .device_bounds import (
 )
 from .gemm_bounds import ORDER_CHUNK, ORDER_STEP, _MIN_NORMAL, adder_exact, adder_setup
 
-__all__ = ["ADDER_KERNEL", "adder_bound", "radius_dots"]
-
-ADDER_KERNEL = "mma"
-"""The exact and steps forms' kernel: ``"mma"`` (the float64 tensor cores, :mod:`moeref.compare._adder_mma`: both
-forms); ``"fma"`` (one FMA per product, :mod:`moeref.compare._adder_kernels`) or ``"digits"`` (int8 digits,
-:mod:`moeref.compare._adder_digits`): the exact form only, the steps form then on the tensor cores too. The same
-bits (``property_tests/test_device_bounds.py`` runs each)."""
-
+__all__ = ["adder_bound", "radius_dots"]
 
 @dataclass(frozen=True)
 class _Forms:
@@ -123,7 +115,7 @@ def _finite_scales(op) -> bool:
 def adder_bound(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bool = False):
     """:func:`moeref.compare.gemm_bounds.aligned_adder_gemm_bound`, operation for operation, each expert group in
     its form (:func:`_adder_forms`): the exact and steps forms on the float64 tensor cores
-    (:mod:`moeref.compare._adder_mma`; :data:`ADDER_KERNEL`), the scaled form in the column-order kernel
+    (:mod:`moeref.compare._adder_mma`), the scaled form in the column-order kernel
     (:func:`~moeref.compare._bound_kernels.adder_bound_t`, from the weights' codes where they have them:
     :func:`_scaled_weights`). ``rterm`` (with a radius): ``(bound, radius term)``, the term
     (:func:`moeref.compare.operand_radius.radius_dot`'s numbers) from the bound's own kernel where it can give it
@@ -186,9 +178,9 @@ def adder_bound(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bo
 def _adder_elements(a, rows, cnt, wsel, forms, sel, radius, st, blk, b_sel, consts, form: str, fuse: bool):
     """The exact or steps form of the groups ``sel`` (rows ``rows``, ``cnt`` a group): the element values, their
     step summaries, the rounded radius (steps form), the chunk scales and the weights as
-    :func:`~moeref.compare._adder_mma.adder_mma_bound_t` reads them; the exact form through :data:`ADDER_KERNEL`."""
+    :func:`~moeref.compare._adder_mma.adder_mma_bound_t` reads them."""
     torch = _torch()
-    from ._adder_mma import TILE, adder_mma_bound_t, step_summaries
+    from ._adder_mma import EXACT_ROWS, TILE, adder_mma_bound_t, step_summaries
     from ._bound_kernels import items
     from .operand_radius import rounded_radius
 
@@ -197,18 +189,7 @@ def _adder_elements(a, rows, cnt, wsel, forms, sel, radius, st, blk, b_sel, cons
     k = int(a.values.shape[1])
     av = a.values.index_select(0, rows).contiguous()
     sa = _chunk_scales(a.scales, rows, a.block, blk)
-    sw = torch.stack([_chunk_scales(w.scales, torch.arange(n, device=dev), w.block, blk) for w in wsel]).contiguous()
-    if form == "exact" and ADDER_KERNEL != "mma":
-        from ._adder_digits import adder_digits_bound_t
-        from ._adder_kernels import adder_exact_bound_t
-
-        wt, table, present = _exact_weights(wsel, list(range(len(wsel))))
-        if ADDER_KERNEL == "digits":
-            return adder_digits_bound_t(av, wt, table, sa, sw, b_sel, consts, cnt, n=n, chunk=st.chunk, mma=st.mma,
-                                        steps=st.steps, present=present), None
-        it, bm = items(cnt, dev)
-        return adder_exact_bound_t(_kt(av), wt, table, sa, sw, b_sel, consts, it, bm, n=n, chunk=st.chunk,
-                                   mma=st.mma, steps=st.steps), None
+    sw = _experts_chunk_scales(wsel, n, blk)
     r_hat = None
     if form == "steps":
         bits_rows = torch.as_tensor(np.repeat([forms.grid[g] for g in sel], cnt), device=dev)
@@ -217,9 +198,25 @@ def _adder_elements(a, rows, cnt, wsel, forms, sel, radius, st, blk, b_sel, cons
     else:
         summ = step_summaries(av.abs(), k, st.chunk, st.mma)
     offsets = torch.as_tensor([forms.offsets[g] for g in sel], dtype=torch.int32, device=dev).reshape(-1, 2)
-    it, _ = items(cnt, dev, sizes=[TILE.rows])
+    it, bm = items(cnt, dev, sizes=list(EXACT_ROWS) if form == "exact" else [TILE.rows])
     return adder_mma_bound_t(av, r_hat, summ, _mma_weights(wsel), sa, sw, b_sel, offsets, consts, it, n=n,
-                             chunk=st.chunk, mma=st.mma, rterm=fuse)
+                             chunk=st.chunk, mma=st.mma, rterm=fuse, tile=replace(TILE, rows=bm))
+
+
+def _experts_chunk_scales(wsel, n: int, blk):
+    """``|scales|`` of experts ``wsel`` at each output row and each chunk's first column, float64 ``[G, N, NCH]``
+    (:func:`~moeref.compare.device_bounds._chunk_scales` of each expert, stacked): one gather from the stack's scales
+    when they are experts of one :class:`StackedExperts`."""
+    torch = _torch()
+    dev = blk.device
+    st = _one_stack(wsel)
+    if st is None:
+        return torch.stack([_chunk_scales(w.scales, torch.arange(n, device=dev), w.block, blk) for w in wsel]).contiguous()
+    br, bk = (int(b) for b in st.block)
+    idx = torch.as_tensor([w.e for w in wsel], dtype=torch.int64, device=st.scales.device)
+    rows = torch.div(torch.arange(n, device=dev), br, rounding_mode="floor")
+    return st.scales.index_select(0, idx).index_select(1, rows).index_select(
+        2, torch.div(blk, bk, rounding_mode="floor")).abs().contiguous()
 
 
 def _one_stack(wsel):
@@ -304,21 +301,6 @@ def _scaled_weights(ws, sel):
     st = w.scales.index_select(0, torch.as_tensor(experts, dtype=torch.int64, device=w.scales.device)).transpose(1, 2)
     st = st.repeat_interleave(br, dim=2)[:, :, :n].to(torch.float64).contiguous()      # [G, ceil(K / bk), N]
     return CodedWeights(_codes_kt(w, experts), _table(w.element, w.magnitude, w.codes.device), st, bk)
-
-
-def _exact_weights(ws, sel):
-    """The exact domain's weights of experts ``sel``: ``(uint8 codes [G, K, N], float64 decode table, bool [256]
-    codes present)`` when they are experts of one :class:`StackedExperts` (no float64 copy: the codes gathered
-    and transposed, one byte each; the codes present from :func:`_codes_present`'s cache), else ``(float64
-    element values [G, K, N], None, None)``."""
-    items = [ws[g] for g in sel]
-    w = _one_stack(items)
-    if w is not None:
-        from ..gemm.device import _table
-
-        present = _codes_present(w)[[x.e for x in items]].any(axis=0)
-        return _codes_kt(w, [x.e for x in items]), _table(w.element, w.magnitude, w.codes.device), present
-    return _weights_kt(ws, sel, scaled=False), None, None
 
 
 def radius_dots(radius, counts, ws):

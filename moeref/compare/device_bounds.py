@@ -326,21 +326,13 @@ class _StackedExpert:
     values)."""
 
     def __init__(self, w, e: int):
-        import ml_dtypes
-
-        from ..formats import decode_table
-        from ..gemm.exact import quantum_and_max
-
         self.stack, self.e = w, int(e)
         self.scales = w.scales[e]
         self.block = tuple(int(b) for b in w.block)
-        table = decode_table(w.element)
-        table = np.abs(table) if w.magnitude else table
-        vals = table[_codes_present(w)[e][:table.size]]
-        self.finite = bool(np.all(np.isfinite(vals)))
-        self.quantum_max = quantum_and_max(vals) if self.finite else None
-        self.bf16 = bool(self.finite and np.all(vals.astype(np.float32).astype(ml_dtypes.bfloat16)
-                                                .astype(np.float64) == vals))
+        finite, qm, bf16 = _stack_expert_stats(w)
+        self.finite = bool(finite[e])
+        self.quantum_max = (float(qm[e, 0]), float(qm[e, 1])) if self.finite else None
+        self.bf16 = bool(bf16[e])
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -374,6 +366,40 @@ def _codes_present(w) -> np.ndarray:
     except AttributeError:
         pass
     return present
+
+
+def _stack_expert_stats(w):
+    """Per expert of a :class:`StackedExperts`: ``(finite bool [E], quantum and max float64 [E, 2], bf16 bool [E])``
+    over the values of the codes it holds (:func:`_codes_present`): all finite; ``(q, m)`` of
+    :func:`moeref.gemm.exact.quantum_and_max` (the smallest per-value quantum and the largest magnitude over the
+    nonzero codes present: the same numbers as over the values; ``(inf, 0)`` for an all-zero expert); every value
+    bf16-representable. Computed for all experts at once and cached on the codes tensor beside the histogram."""
+    import ml_dtypes
+
+    from ..formats import decode_table
+    from ..gemm.exact import quantum_and_max
+
+    cached = getattr(w.codes, "_moeref_expert_stats", None)
+    if cached is not None:
+        return cached
+    table = decode_table(w.element)
+    table = np.abs(table) if w.magnitude else table
+    present = _codes_present(w)[:, :table.size]
+    fin_code = np.isfinite(table)
+    finite = ~(present & ~fin_code[None, :]).any(axis=1)
+    mag = np.where(fin_code, np.abs(table), 0.0)
+    quantum = np.array([quantum_and_max([v])[0] if (f and v != 0) else math.inf for v, f in zip(table, fin_code)])
+    qm = np.stack([np.where(present, quantum[None, :], math.inf).min(axis=1, initial=math.inf),
+                   np.where(present, mag[None, :], 0.0).max(axis=1, initial=0.0)], axis=1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        bf_code = fin_code & (table.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64) == table)
+    bf16 = finite & ~(present & ~bf_code[None, :]).any(axis=1)
+    stats = (finite, qm, bf16)
+    try:
+        w.codes._moeref_expert_stats = stats
+    except AttributeError:
+        pass
+    return stats
 
 
 def _expert_groups(row_expert, weights, profile=None):
