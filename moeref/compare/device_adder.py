@@ -37,6 +37,7 @@ from .gemm_bounds import ORDER_CHUNK, ORDER_STEP, _MIN_NORMAL, adder_exact, adde
 
 __all__ = ["adder_bound", "radius_dots"]
 
+
 @dataclass(frozen=True)
 class _Forms:
     """Per expert group: its form (:func:`moeref.compare.gemm_bounds.adder_form`), the radius grid's bits where
@@ -204,9 +205,9 @@ def _adder_elements(a, rows, cnt, wsel, forms, sel, radius, st, blk, b_sel, cons
 
 
 def _experts_chunk_scales(wsel, n: int, blk):
-    """``|scales|`` of experts ``wsel`` at each output row and each chunk's first column, float64 ``[G, N, NCH]``
-    (:func:`~moeref.compare.device_bounds._chunk_scales` of each expert, stacked): one gather from the stack's scales
-    when they are experts of one :class:`StackedExperts`."""
+    """``|scales|`` of experts ``wsel`` at each output row and each chunk's first column, ``[G, N, NCH]`` in the
+    scales' dtype (:func:`~moeref.compare.device_bounds._chunk_scales` of each expert, stacked): one gather from the
+    stack's scales when they are experts of one :class:`StackedExperts`."""
     torch = _torch()
     dev = blk.device
     st = _one_stack(wsel)
