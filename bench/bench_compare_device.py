@@ -134,8 +134,10 @@ def sweep(weights, tokens: int, gen, variants=None) -> dict:
     from moeref.compare.device_bounds import device_rows_error_bound
 
     prof = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
-    ids = torch.rand((tokens, int(weights.w13.codes.shape[0])), device=DEV, generator=gen).topk(8, dim=1).indices
-    row_e = np.sort(ids.reshape(-1).cpu().numpy()).astype(np.int64)
+    from bench.bench_moe_device import routing
+
+    _, ids = routing(tokens, int(weights.w13.codes.shape[0]), 8, gen, DEV)
+    row_e = np.sort(ids.reshape(-1)).astype(np.int64)
     res = {}
     saved, saved_rows = mma.TILE, mma.EXACT_ROWS
     try:

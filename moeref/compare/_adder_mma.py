@@ -5,9 +5,8 @@ In both forms every partial sum of a chunk of element products is exact in float
 :func:`~moeref.compare.gemm_bounds.adder_form`), and so is every partial sum of ``r^ |w|`` on the radius's grid
 (:mod:`moeref.compare.operand_radius`). Any exact computation of them gives NumPy's value, so each MMA step's sum
 is one float64 ``tl.dot`` of a ``[BM, MP]`` row tile and the transpose of a ``[BN, MP]`` weight tile (Hopper:
-``mma.sync`` f64;
-the products are exact and every partial sum representable, so the tensor core's roundings change nothing), ``MP``
-the step width padded with zero columns to a power of two of at least 16. Per step:
+``mma.sync`` f64; the products are exact and every partial sum representable, so the tensor core's roundings change
+nothing), ``MP`` the step width padded with zero columns to a power of two of at least 16. Per step:
 
 * **exact form**: the step sum; ``m_j`` (the largest ``floor(log2|a|) + floor(log2|w|)`` over the step's nonzero
   products) from a second float64 dot of exponent powers, ``s = sum 2^(L x_a) 2^(L x_w)`` over the nonzero pairs,
@@ -27,8 +26,9 @@ Chunks run in an outer loop and their steps in an inner one: a flat loop over th
 where a chunk starts gave wrong sums in rows 8-15 of each 16-row MMA tile on Hopper with Triton 3.6
 (``bench/repro_f64_dot_loop_reset.py``). The weights are read as their uint8 codes (two a byte when packed) from the
 stack itself, through the decode table (and, in the exact form, their exponent powers through
-:func:`power_tables`), or as float64 element values. Compiled with ``enable_fp_fusion=False``. Runs under ``TRITON_INTERPRET=1`` (CI),
-where ``tl.dot`` of float64 tiles is NumPy's float64 matrix product (exact on these operands too).
+:func:`power_tables`), or as float64 element values. Compiled with ``enable_fp_fusion=False``. Runs under
+``TRITON_INTERPRET=1`` (CI), where ``tl.dot`` of float64 tiles is NumPy's float64 matrix product (exact on these
+operands too).
 """
 from __future__ import annotations
 
@@ -134,8 +134,7 @@ def _adder_mma_kernel(a_ptr, r_ptr, smax_ptr, snz_ptr, w_ptr, tab_ptr, ptab_ptr,
                       BN: tl.constexpr):
     """Module docstring. ``a`` float64 ``[R, K]`` element values, ``r`` the rounded radius (steps form); ``smax`` /
     ``snz`` float64 ``[NS, R]`` row step summaries; ``w`` codes (``CODES``; ``ptab`` float64 ``[G, TABN]`` their
-    powers, exact form) or float64 values, expert ``eix[g]`` at
-    ``w + eix[g] W_G``, row ``n`` at ``+ n W_N``; ``sa`` ``[R, NCH]`` / ``sw`` ``[G, N, NCH]`` chunk scales; ``off``
+    powers, exact form) or float64 values, expert ``eix[g]`` at ``w + eix[g] W_G``, row ``n`` at ``+ n W_N``; ``sa`` ``[R, NCH]`` / ``sw`` ``[G, N, NCH]`` chunk scales; ``off``
     int32 ``[G, 2]`` exponent offsets (exact form); ``b`` ``[G, N]``; ``c`` float64 ``[u2, g_prom, 1 + 2^-40,
     2^-1022, 1 + 1e-9, 1, 0]``."""
     g, rm, mm = _item(it_ptr, BM)

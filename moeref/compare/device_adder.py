@@ -102,14 +102,11 @@ def _finite_scales(op) -> bool:
     torch = _torch()
     if not isinstance(op, _StackedExpert):
         return bool(torch.isfinite(op.scales).all())
+    from ..gemm.device import _cached_on
+
     sc = op.stack.scales
-    flags = getattr(sc, "_moeref_scales_finite", None)
-    if flags is None:
-        flags = torch.isfinite(sc).reshape(sc.shape[0], -1).all(dim=1).cpu().numpy()
-        try:
-            sc._moeref_scales_finite = flags
-        except AttributeError:
-            pass
+    flags = _cached_on(sc, "_moeref_scales_finite",
+                       lambda: torch.isfinite(sc).reshape(sc.shape[0], -1).all(dim=1).cpu().numpy())
     return bool(flags[op.e])
 
 

@@ -350,22 +350,17 @@ def _codes_present(w) -> np.ndarray:
     """bool ``[E, 256]``: which codes each expert holds, one histogram per expert and one host copy for the
     stack, cached on the codes tensor (weights are constant between calls; a new tensor is a new cache)."""
     torch = _torch()
-    from ..gemm.device import _unpack_nibbles
+    from ..gemm.device import _cached_on, _unpack_nibbles
 
-    cached = getattr(w.codes, "_moeref_codes_present", None)
-    if cached is not None:
-        return cached
-    hist = []
-    for e in range(int(w.codes.shape[0])):
-        c = w.codes[e]
-        c = _unpack_nibbles(c, w.shape[1]) if w.packed else c
-        hist.append(torch.bincount(c.reshape(-1), minlength=256)[:256])
-    present = (torch.stack(hist) > 0).cpu().numpy() if hist else np.zeros((0, 256), dtype=bool)
-    try:
-        w.codes._moeref_codes_present = present
-    except AttributeError:
-        pass
-    return present
+    def compute():
+        hist = []
+        for e in range(int(w.codes.shape[0])):
+            c = w.codes[e]
+            c = _unpack_nibbles(c, w.shape[1]) if w.packed else c
+            hist.append(torch.bincount(c.reshape(-1), minlength=256)[:256])
+        return (torch.stack(hist) > 0).cpu().numpy() if hist else np.zeros((0, 256), dtype=bool)
+
+    return _cached_on(w.codes, "_moeref_codes_present", compute)
 
 
 def _stack_expert_stats(w):
@@ -377,29 +372,24 @@ def _stack_expert_stats(w):
     import ml_dtypes
 
     from ..formats import decode_table
+    from ..gemm.device import _cached_on
     from ..gemm.exact import quantum_and_max
 
-    cached = getattr(w.codes, "_moeref_expert_stats", None)
-    if cached is not None:
-        return cached
-    table = decode_table(w.element)
-    table = np.abs(table) if w.magnitude else table
-    present = _codes_present(w)[:, :table.size]
-    fin_code = np.isfinite(table)
-    finite = ~(present & ~fin_code[None, :]).any(axis=1)
-    mag = np.where(fin_code, np.abs(table), 0.0)
-    quantum = np.array([quantum_and_max([v])[0] if (f and v != 0) else math.inf for v, f in zip(table, fin_code)])
-    qm = np.stack([np.where(present, quantum[None, :], math.inf).min(axis=1, initial=math.inf),
-                   np.where(present, mag[None, :], 0.0).max(axis=1, initial=0.0)], axis=1)
-    with np.errstate(invalid="ignore", over="ignore"):
-        bf_code = fin_code & (table.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64) == table)
-    bf16 = finite & ~(present & ~bf_code[None, :]).any(axis=1)
-    stats = (finite, qm, bf16)
-    try:
-        w.codes._moeref_expert_stats = stats
-    except AttributeError:
-        pass
-    return stats
+    def compute():
+        table = decode_table(w.element)
+        table = np.abs(table) if w.magnitude else table
+        present = _codes_present(w)[:, :table.size]
+        fin_code = np.isfinite(table)
+        finite = ~(present & ~fin_code[None, :]).any(axis=1)
+        mag = np.where(fin_code, np.abs(table), 0.0)
+        quantum = np.array([quantum_and_max([v])[0] if (f and v != 0) else math.inf for v, f in zip(table, fin_code)])
+        qm = np.stack([np.where(present, quantum[None, :], math.inf).min(axis=1, initial=math.inf),
+                       np.where(present, mag[None, :], 0.0).max(axis=1, initial=0.0)], axis=1)
+        with np.errstate(invalid="ignore", over="ignore"):
+            bf_code = fin_code & (table.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64) == table)
+        return finite, qm, finite & ~(present & ~bf_code[None, :]).any(axis=1)
+
+    return _cached_on(w.codes, "_moeref_expert_stats", compute)
 
 
 def _expert_groups(row_expert, weights, profile=None):

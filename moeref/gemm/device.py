@@ -370,22 +370,31 @@ def _digits_of(table: np.ndarray) -> int:
     return 1 if top < 128 else (2 if top < 16384 else 3)
 
 
+def _cached_on(t, name: str, compute):
+    """``compute()``, cached as attribute ``name`` of tensor ``t``: weights are constant between calls, so their
+    statistics are computed once; a new tensor is a new cache, and a tensor that takes no attribute is computed each
+    time."""
+    val = getattr(t, name, None)
+    if val is None:
+        val = compute()
+        try:
+            setattr(t, name, val)
+        except AttributeError:
+            pass
+    return val
+
+
 def _has_nan_codes(codes, element: str) -> bool:
     """Whether ``codes`` hold a NaN code of ``element`` (cached on the tensor: weights are checked once)."""
     from ..formats import decode_table
 
-    cached = getattr(codes, "_moeref_has_nan", None)
-    if cached is not None:
-        return cached
-    nan = np.flatnonzero(np.isnan(decode_table(element)))
-    torch = _torch()
-    found = bool(nan.size) and bool(torch.isin(codes, torch.as_tensor(nan, dtype=codes.dtype,
-                                                                       device=codes.device)).any().item())
-    try:
-        codes._moeref_has_nan = found
-    except AttributeError:
-        pass
-    return found
+    def compute():
+        nan = np.flatnonzero(np.isnan(decode_table(element)))
+        torch = _torch()
+        return bool(nan.size) and bool(torch.isin(codes, torch.as_tensor(nan, dtype=codes.dtype,
+                                                                          device=codes.device)).any().item())
+
+    return _cached_on(codes, "_moeref_has_nan", compute)
 
 
 def _digits_path(a: DeviceOperand, w: StackedExperts, g: int, device) -> bool:
