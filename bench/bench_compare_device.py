@@ -37,8 +37,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.interleaved import CudaEventClock, time_interleaved  # noqa: E402
 
 SWEEP = {"16x64 w4": (16, 64, 4), "16x128 w4": (16, 128, 4), "16x64 w8": (16, 64, 8), "16x128 w8": (16, 128, 8),
-         "32x64 w4": (32, 64, 4), "16x32 w2": (16, 32, 2)}
-"""Tile variants ``(rows, BN, warps)`` of :data:`moeref.compare._adder_mma.TILE` timed by ``--sweep``."""
+         "32x64 w4": (32, 64, 4), "16x32 w2": (16, 32, 2), "16x64 w4 r168": (16, 64, 4, 168),
+         "16x64 w4 r128": (16, 64, 4, 128), "32x64 w4 r168": (32, 64, 4, 168)}
+"""Tile variants ``(rows, BN, warps[, maxnreg])`` of :data:`moeref.compare._adder_mma.TILE` timed by ``--sweep``."""
 
 
 def _operand(codes, scales):
@@ -147,10 +148,10 @@ def sweep(weights, tokens: int, gen, variants=None) -> dict:
             a = _operand(codes, scales)
             rad = (a.decode() * a.scales.repeat_interleave(128, dim=1)).abs() * 2.0**-9 if gname == "gemm2" else None
             base = None
-            for vname, (rows, bn, warps) in SWEEP.items():
+            for vname, (rows, bn, warps, *reg) in SWEEP.items():
                 if variants and vname not in variants:
                     continue
-                mma.TILE = dataclasses.replace(saved, rows=rows, bn=bn, warps=warps)
+                mma.TILE = dataclasses.replace(saved, rows=rows, bn=bn, warps=warps, maxnreg=reg[0] if reg else None)
                 mma.EXACT_ROWS = (rows,)
                 fn = lambda: device_rows_error_bound(a, rad, row_e, w, None, prof, radius_term=rad is not None)  # noqa: E731
                 t0 = time.perf_counter()
@@ -183,6 +184,7 @@ def main(argv=None) -> int:
                     help="a compare slower than this is timed once, without rounds or sweep (a lease's budget)")
     ap.add_argument("--small", action="store_true", help="a small layer on --device (a smoke test of this script)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tree", default="", help="what the measured tree is (the docs table's tree column)")
     ap.add_argument("--out", default="bench_out/compare_device.json")
     args = ap.parse_args(argv)
     global DEV
@@ -203,6 +205,8 @@ def main(argv=None) -> int:
     meta = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), experts=n_exp,
                 rounds=args.rounds, profile=prof.name)
+    if args.tree:
+        meta["tree"] = args.tree
     print(meta, flush=True)
     result = dict(meta=meta, rows=[])
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -51,7 +51,7 @@ def _args(argv):
 STAGES = {  # module -> functions timed as stages of layer_bound (those that exist in the profiled tree)
     "moeref.compare.device_layer": ["device_rows_error_bound", "device_store_interval", "device_requant",
                                     "activation_error", "activation_magnitude", "_weight_and_reduce",
-                                    "_same_operand"],
+                                    "weighted_slot_sums_t", "gated_silu_stage_t", "_same_operand"],
     "moeref.compare.device_emulated": [],
     "moeref.moe.device": ["_weights_gemm"],
     "moeref.moe.pipeline": ["_activation"],

@@ -10,6 +10,8 @@ bound on the GPU.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -149,12 +151,18 @@ def test_device_gemm2_bound_from_codes_equals_numpy(element, block, k, special):
     _same(ref_r, got_r, f"{element} radius term")
 
 
-@pytest.mark.parametrize("radius", [False, True])
-def test_device_adder_many_rows_equals_numpy(radius):
+@pytest.mark.parametrize("radius, normal", [(False, True), (False, False), (True, True)])
+def test_device_adder_many_rows_equals_numpy(radius, normal, monkeypatch):
     """Experts with more rows than one work item (40 and 19 rows of two experts, E4M3 codes, 1x128 x 128x128): every
     row of the device bound is NumPy's, in the exact form (no radius) and the steps form (a radius, with its radius
     term). On an H100 this case showed rows 8-15 of each 16-row tile wrong while the kernel zeroed its accumulators
-    inside a flat loop over the steps (2026-11-28; bench/repro_f64_dot_loop_reset.py); it now runs nested loops."""
+    inside a flat loop over the steps (2026-11-28; bench/repro_f64_dot_loop_reset.py); it now runs nested loops.
+    ``normal=False``: the exact form without its normal-range shortcut (the grid's subnormal branch kept; the
+    threshold raised so no group qualifies), the same numbers."""
+    import moeref.compare._adder_mma as mma
+
+    if not normal:
+        monkeypatch.setattr(mma, "NORMAL_QUANTUM", math.inf)
     from moeref.compare.bounds import _rows_error_bound, _rows_radius_term
     from moeref.compare.device_bounds import device_rows_error_bound
     from moeref.gemm import StackedExperts
@@ -180,6 +188,41 @@ def test_device_adder_many_rows_equals_numpy(radius):
     else:
         got = device_rows_error_bound(device_operand(aq, DEV), None, row_expert, dev, None, prof)
     _same(ref, got, f"{'steps' if radius else 'exact'} form, many rows")
+
+
+@pytest.mark.parametrize("radius", [False, True])
+def test_device_bound_kernel_product_equals_the_engines(radius):
+    """``device_rows_error_bound(center=True)``: the product the aligned-adder kernel forms from its exact chunk sums
+    (exact form without a radius, steps form with one) is the NumPy engine's ``a W^T`` bit for bit, with weight scales
+    of both signs, a padding row and experts with one to many rows; with a bias the layer adds it
+    (:func:`moeref.gemm.device.add_expert_bias`) as the engine does."""
+    from moeref.compare.device_bounds import device_rows_error_bound
+    from moeref.gemm import StackedExperts, expert_rows_gemm
+    from moeref.gemm.device import add_expert_bias, device_operand
+
+    rng = np.random.default_rng(23)
+    e, n, k = 3, 72, 384
+    codes = rng.integers(0, 256, (e, n, k), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] -= 1
+    scales = np.exp2(rng.integers(-12, -4, (e, 1, 3))) * (1 + rng.random((e, 1, 3)))
+    scales *= np.where(rng.random((e, 1, 3)) < 0.5, -1.0, 1.0)
+    host = StackedExperts(codes, scales, "e4m3fn", (128, 128), (n, k))
+    dev = StackedExperts(torch.as_tensor(codes, device=DEV), torch.as_tensor(scales, device=DEV), "e4m3fn", (128, 128),
+                         (n, k))
+    row_expert = np.array([2] * 21 + [-1] + [0] + [1] * 3)
+    aq = quantize(rng.standard_normal((row_expert.size, k)).astype(np.float32), fp8_group())
+    rad = torch.as_tensor(np.abs(np.asarray(aq.dequantize(), dtype=np.float64)) * 2.0**-9, device=DEV) if radius else None
+    prof = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
+    got = device_rows_error_bound(device_operand(aq, DEV), rad, row_expert, dev, None, prof, radius_term=radius,
+                                  center=True)
+    assert got[-1] is not None, "the kernel gives the product in the exact and steps forms"
+    _same(expert_rows_gemm(aq, row_expert, host), got[-1], "product")
+    bias = rng.standard_normal((e, n))
+    with_bias = add_expert_bias(got[-1].clone(), row_expert, torch.as_tensor(bias, device=DEV), e)
+    _same(expert_rows_gemm(aq, row_expert, host, bias), with_bias, "product + bias")
+    plain = device_rows_error_bound(device_operand(aq, DEV), rad, row_expert, dev, None, prof, radius_term=radius)
+    for x, y in zip(got[:-1], plain if radius else (plain,)):
+        assert torch.equal(x.view(torch.int64), y.view(torch.int64)), "center=True leaves the bound's bits alone"
 
 
 def test_device_radius_term_per_expert_equals_numpy():
@@ -247,15 +290,17 @@ def test_device_layer_bound_equals_numpy_small_layer(model, k, n):
     assert hb.flips == db.flips
 
 
-@pytest.mark.parametrize("stores, model, recomputed", [
-    (dict(), "EXACT", 0),  # the bound's intermediate is the run's: both products read from the run
-    (dict(gemm1_out_dtype="bfloat16", act_out_dtype="float32"), "HOPPER_FP8_DEEPGEMM_DATA", 1),  # flips: GEMM2 again
-    (dict(gemm1_out_dtype="bfloat16", act_out_dtype="float32"), "HOPPER_FP8_DEEPGEMM", 1),
+@pytest.mark.parametrize("stores, model, recomputed, flips", [
+    (dict(), "EXACT", 0, False),  # the bound's intermediate is the run's: both products read from the run
+    # flips: GEMM2's product again, from the aligned-adder kernel (it forms the exact chunk sums for its bound)
+    (dict(gemm1_out_dtype="bfloat16", act_out_dtype="float32"), "HOPPER_FP8_DEEPGEMM_DATA", 0, True),
+    (dict(gemm1_out_dtype="bfloat16", act_out_dtype="float32"), "HOPPER_FP8_DEEPGEMM", 1, True),  # or computed here
 ])
-def test_device_layer_bound_reads_the_runs_exact_products(monkeypatch, stores, model, recomputed):
+def test_device_layer_bound_reads_the_runs_exact_products(monkeypatch, stores, model, recomputed, flips):
     """The device bound takes GEMM1's exact output from the run (``ExpertsOutput.h_pre``) and GEMM2's when its
-    re-quantized intermediate is the run's GEMM2 operand bit for bit; otherwise it computes GEMM2 again. Counted
-    through the device engine's GEMM entry point; the bound stays the NumPy bound (which recomputes both)."""
+    re-quantized intermediate is the run's GEMM2 operand bit for bit; otherwise GEMM2's product comes from the
+    data-dependent bound's own kernel where it forms it, else the device engine computes it again. Counted through
+    the engine's GEMM entry point; the bound stays the NumPy bound (which recomputes both)."""
     import moeref.moe.device as engine
 
     w, x, tw, ids = _small_layer()
@@ -270,7 +315,7 @@ def test_device_layer_bound_reads_the_runs_exact_products(monkeypatch, stores, m
     assert len(calls) == recomputed, calls
     _same(hb.bound, db.bound, f"{model} bound")
     _same(hb.radius, db.radius, f"{model} radius")
-    assert hb.flips == db.flips and (hb.flips > 0) == (recomputed > 0)
+    assert hb.flips == db.flips and (hb.flips > 0) == flips
 
 
 @pytest.mark.parametrize("shift", [0.0, 1.0])

@@ -1,5 +1,5 @@
 """The measured tables of the docs pages are what the bench/report_*.py scripts make of the committed
-benchmark JSON (docs/data/): never edited by hand. One case per page."""
+benchmark JSON (docs/data/): never edited by hand. One case per report."""
 from __future__ import annotations
 
 import glob
@@ -14,11 +14,12 @@ PAGES = [  # (report script in bench/, JSON under docs/data/, page under docs/, 
     ("report_quant", "quant_*.json", "fastpaths.md", None),  # bench/bench_quant_gpu.py
     ("report_dispatch", "dispatch_*.json", "fastpaths-dispatch.md", None),  # bench/bench_dispatch_gpu.py
     ("report_moe_device", "moe_device_*.json", "moe-gpu.md", None),  # bench/bench_moe_device.py
+    ("report_compare_device", "compare_device_*.json", "moe-gpu.md", None),  # bench/bench_compare_device.py
     ("report_convert", "convert_gpu_*.json", "convert.md", 1),  # bench/bench_convert.py --gpu
 ]
 
 
-@pytest.mark.parametrize("script,pattern,page,count", PAGES, ids=[p[2] for p in PAGES])
+@pytest.mark.parametrize("script,pattern,page,count", PAGES, ids=[p[0] for p in PAGES])
 def test_page_tables_are_generated_from_the_benchmark_json(script, pattern, page, count):
     report = importlib.import_module(f"bench.{script}")
     files = sorted(glob.glob(os.path.join(ROOT, "docs", "data", pattern)))

@@ -41,17 +41,19 @@ import triton.language as tl
 
 from ._bound_kernels import _grid, _item
 
-__all__ = ["adder_mma_bound_t", "MmaWeights", "MmaTile", "TILE", "EXACT_ROWS", "power_tables", "step_summaries"]
+__all__ = ["adder_mma_bound_t", "MmaWeights", "MmaTile", "TILE", "EXACT_ROWS", "NORMAL_QUANTUM", "power_tables",
+           "step_summaries"]
 
 
 @dataclass(frozen=True)
 class MmaTile:
     """The kernel's tile: ``rows`` rows of a work item (a multiple of 16, the float64 MMA's height), ``bn`` output
-    columns, ``warps``."""
+    columns, ``warps``; ``maxnreg`` caps the registers a thread (None: the compiler's choice, 255 here)."""
 
     rows: int
     bn: int
     warps: int
+    maxnreg: int | None = None
 
 
 TILE = MmaTile(rows=16, bn=64, warps=4)
@@ -64,6 +66,15 @@ EXACT_ROWS = (16, 32)
 """Rows an item may hold in the exact form, chosen per launch by :func:`~moeref.compare._bound_kernels.items`'s cost
 model (many rows an expert: 32, which ran 1.2x faster at 4096 tokens; few: 16). The steps form keeps
 :data:`TILE`'s rows (32 spills more there and ran slower)."""
+
+
+NORMAL_QUANTUM = 2.0**-960
+"""The exact form's grid skips its subnormal branch (``normal`` of :func:`adder_mma_bound_t`) when every group's
+``q_a q_w u2`` is at least this (``q`` the quanta of :func:`moeref.gemm.exact.quantum_and_max`, ``u2`` twice the
+accumulator's unit). Then every nonzero number the grid takes is at least ``q_a q_w u2 / 2 >= 2^-961``: ``|S|`` is a
+multiple of ``q_a q_w``; ``T_j >= q_a q_w`` (``2^(m_j + 1)`` and ``p2(max|a| max|w|)``, quanta being powers of two);
+a nonzero ``E`` holds an addend ``cnt u2 max(T, g) >= u2 q_a q_w / 2`` or ``u2 g(.) >= u2 q_a q_w / 2`` and never
+decreases within a chunk. Far inside the normal range, where the grid's value is its exponent bits (0 for 0)."""
 
 
 @dataclass(frozen=True)
@@ -114,29 +125,78 @@ def _opaque(code, GPU: tl.constexpr):
 
 
 @triton.jit
-def _top_exact(s, oa, ow, amax, wmax, zero, wide, min_normal, LAM: tl.constexpr):
+def _grid_of(x, wide, min_normal, NORMAL: tl.constexpr):
+    """:func:`~moeref.compare._bound_kernels._grid` of ``x >= 0``; with ``NORMAL`` (every nonzero ``x`` is at least
+    ``2^-1001``: :func:`adder_mma_bound_t`) the exponent bits alone, which are its value there and 0 for 0."""
+    if NORMAL:
+        return ((x * wide).to(tl.int64, bitcast=True) & 0x7FF0000000000000).to(tl.float64, bitcast=True)
+    else:
+        return _grid(x, wide, min_normal)
+
+
+@triton.jit
+def _min(x, y):
+    """``min(x, y)`` of finite ``x``, ``y``: one compare and select (no NaN handling needed)."""
+    return tl.where(x < y, x, y)
+
+
+@triton.jit
+def _hi(bits):
+    """The high 32 bits of int64 ``bits`` (a float64's sign, exponent and top of the fraction) as int32."""
+    return (bits >> 32).to(tl.int32)
+
+
+@triton.jit
+def _from_hi(hi):
+    """The float64 whose high word is int32 ``hi`` and whose low word is 0."""
+    return (hi.to(tl.int64) << 32).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _top_exact_hi(s, oa, ow, amax, wmax, wide, LAM: tl.constexpr):
+    """The high word of :func:`_top_exact`'s ``T_j`` where every number the grid takes is normal (``NORMAL``): both
+    candidates are powers of two or 0 with zero low words, so their minimum is that of the high words. ``s > 0``
+    is ``s``'s exponent field being nonzero (``s`` is 0 or at least ``2^(-55 L)``, normal)."""
+    sb = _biased(s)
+    if LAM == 8:
+        m = ((sb - 1023) >> 3) + oa + ow
+    else:
+        m = (sb - 1023 + 100 * LAM) // LAM - 100 + oa + ow
+    e = tl.minimum(tl.maximum(m, -1021) + 1, 1024)
+    p2m = tl.where(sb > 0, (e + 1023) << 20, 0)
+    r1 = _hi(((amax[:, None] * wmax[None, :]) * wide).to(tl.int64, bitcast=True)) & 0x7FF00000
+    return tl.minimum(p2m, r1)
+
+
+@triton.jit
+def _top_exact(s, oa, ow, amax, wmax, wide, min_normal, LAM: tl.constexpr, NORMAL: tl.constexpr):
     """``T_j`` of the exact form: ``min(2^(m_j + 1), p2(max|a| max|w|))`` with ``m_j`` from the power sum ``s``."""
     sb = _biased(s)  # s >= 0
-    m = (sb - 1023 + 100 * LAM) // LAM - 100 + oa + ow  # floor(log2 s / L): a nonnegative numerator, then back
+    if LAM == 8:  # floor(log2 s / L) as an arithmetic shift (it floors negative numerators too)
+        m = ((sb - 1023) >> 3) + oa + ow
+    else:  # a nonnegative numerator, then back
+        m = (sb - 1023 + 100 * LAM) // LAM - 100 + oa + ow
     e = tl.minimum(tl.maximum(m, -1021) + 1, 1024)
     p2m = tl.where(s > 0.0, ((e + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True), 0.0)
-    r1 = tl.where((amax[:, None] == 0.0) | (wmax[None, :] == 0.0), zero, amax[:, None] * wmax[None, :])
-    r1 = _grid(r1, wide, min_normal)
+    r1 = _grid_of(amax[:, None] * wmax[None, :], wide, min_normal, NORMAL)
     return tl.where(p2m < r1, p2m, r1)
 
 
 @triton.jit
 def _adder_mma_kernel(a_ptr, r_ptr, smax_ptr, snz_ptr, w_ptr, tab_ptr, ptab_ptr, eix_ptr, sa_ptr, sw_ptr, off_ptr, b_ptr,
-                      c_ptr, out_ptr, rt_ptr, it_ptr, R, N, K, W_G, W_N,
+                      c_ptr, out_ptr, rt_ptr, ctr_ptr, it_ptr, R, N, K, W_G, W_N,
                       NCH: tl.constexpr, C: tl.constexpr, STEPS: tl.constexpr, MMA: tl.constexpr, MP: tl.constexpr,
-                      LAM: tl.constexpr, STEPS_FORM: tl.constexpr, RTERM: tl.constexpr, CODES: tl.constexpr,
-                      PACKED: tl.constexpr, TABN: tl.constexpr, EVEN_K: tl.constexpr, GPU: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr):
+                      LAM: tl.constexpr, STEPS_FORM: tl.constexpr, RTERM: tl.constexpr, CENTER: tl.constexpr,
+                      CODES: tl.constexpr, PACKED: tl.constexpr, TABN: tl.constexpr, EVEN_K: tl.constexpr,
+                      EVEN_W: tl.constexpr, NORMAL: tl.constexpr, GPU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """Module docstring. ``a`` float64 ``[R, K]`` element values, ``r`` the rounded radius (steps form); ``smax`` /
     ``snz`` float64 ``[NS, R]`` row step summaries; ``w`` codes (``CODES``; ``ptab`` float64 ``[G, TABN]`` their
-    powers, exact form) or float64 values, expert ``eix[g]`` at ``w + eix[g] W_G``, row ``n`` at ``+ n W_N``; ``sa`` ``[R, NCH]`` / ``sw`` ``[G, N, NCH]`` chunk scales; ``off``
+    powers, exact form) or float64 values, expert ``eix[g]`` at ``w + eix[g] W_G``, row ``n`` at ``+ n W_N``;
+    ``sa`` ``[R, NCH]`` / ``sw`` ``[G, N, NCH]`` signed chunk scales (the bound takes their magnitudes); ``off``
     int32 ``[G, 2]`` exponent offsets (exact form); ``b`` ``[G, N]``; ``c`` float64 ``[u2, g_prom, 1 + 2^-40,
-    2^-1022, 1 + 1e-9, 1, 0]``."""
+    2^-1022, 1 + 1e-9, 1, 0]``. Outputs: ``out`` the bound, ``rt`` the radius term (``RTERM``), ``ctr`` the product
+    (``CENTER``: the sum over chunks in order of ``(S sa) sw``, :func:`moeref.gemm.device.device_expert_rows_gemm`'s
+    numbers without the bias)."""
     g, rm, mm = _item(it_ptr, BM)
     g64 = g.to(tl.int64)
     w_ptr += tl.load(eix_ptr + g).to(tl.int64) * W_G
@@ -161,14 +221,18 @@ def _adder_mma_kernel(a_ptr, r_ptr, smax_ptr, snz_ptr, w_ptr, tab_ptr, ptab_ptr,
     tot_p = tl.zeros((BM, BN), dtype=tl.float64)
     if RTERM:
         tot_r = tl.zeros((BM, BN), dtype=tl.float64)
+    if CENTER:
+        tot_c = tl.zeros((BM, BN), dtype=tl.float64)
     # Chunks in an outer loop, each starting its accumulators fresh, steps in an inner one (not one flat loop that
     # zeroes them where a chunk starts: wrong rows 8-15 on Hopper, bench/repro_f64_dot_loop_reset.py).
     for ch in range(0, NCH):
         su = tl.zeros((BM, BN), dtype=tl.float64)    # the chunk's exact partial sum (element values)
         err = tl.zeros((BM, BN), dtype=tl.float64)   # E_j
         du = tl.zeros((BM, BN), dtype=tl.float64)    # the radius's exact partial sum (steps form)
-        sa = tl.load(sa_ptr + rm * NCH + ch, mask=mm, other=0.0)
-        swc = tl.load(sw_ptr + rn * NCH + ch, mask=nm, other=0.0)
+        sa_s = tl.load(sa_ptr + rm * NCH + ch, mask=mm, other=0.0)
+        swc_s = tl.load(sw_ptr + rn * NCH + ch, mask=nm, other=0.0)
+        sa = tl.abs(sa_s)
+        swc = tl.abs(swc_s)
         sc = sa[:, None] * swc[None, :]
         for j in range(0, STEPS):
             s = ch * STEPS + j
@@ -187,31 +251,45 @@ def _adder_mma_kernel(a_ptr, r_ptr, smax_ptr, snz_ptr, w_ptr, tab_ptr, ptab_ptr,
             wm = nm[:, None] & kv[None, :]  # the weight tile is [BN, MP]: a row's step in one thread's registers
             a = tl.load(a_ptr + arow[:, None] + col[None, :], mask=am, other=0.0)
             if CODES:
-                if PACKED:
-                    byte = tl.load(w_ptr + wrow[:, None] + (col // 2)[None, :], mask=wm, other=0).to(tl.int32)
-                    code = (byte >> ((col % 2) * 4)[None, :]) & 15
+                if EVEN_W:  # every weight of the tile is in the stack: no mask
+                    if PACKED:
+                        byte = tl.load(w_ptr + wrow[:, None] + (col // 2)[None, :]).to(tl.int32)
+                        code = (byte >> ((col % 2) * 4)[None, :]) & 15
+                    else:
+                        code = tl.load(w_ptr + wrow[:, None] + col[None, :]).to(tl.int32)
+                    code = _opaque(code, GPU)
+                    w = tl.load(tab_ptr + code)
+                    if not STEPS_FORM:  # the weights' exponent powers from the group's power table
+                        pw_w = tl.load(ptab_ptr + g64 * TABN + code)
                 else:
-                    code = tl.load(w_ptr + wrow[:, None] + col[None, :], mask=wm, other=0).to(tl.int32)
-                code = _opaque(code, GPU)
-                w = tl.where(wm, tl.load(tab_ptr + code), zero)
-                if not STEPS_FORM:  # the weights' exponent powers from the group's power table
-                    pw_w = tl.where(wm, tl.load(ptab_ptr + g64 * TABN + code), zero)
+                    if PACKED:
+                        byte = tl.load(w_ptr + wrow[:, None] + (col // 2)[None, :], mask=wm, other=0).to(tl.int32)
+                        code = (byte >> ((col % 2) * 4)[None, :]) & 15
+                    else:
+                        code = tl.load(w_ptr + wrow[:, None] + col[None, :], mask=wm, other=0).to(tl.int32)
+                    code = _opaque(code, GPU)
+                    w = tl.where(wm, tl.load(tab_ptr + code), zero)
+                    if not STEPS_FORM:
+                        pw_w = tl.where(wm, tl.load(ptab_ptr + g64 * TABN + code), zero)
+            elif EVEN_W:
+                w = tl.load(w_ptr + wrow[:, None] + col[None, :])
             else:
                 w = tl.load(w_ptr + wrow[:, None] + col[None, :], mask=wm, other=0.0)
-            su = su + tl.dot(a, tl.trans(w))
+            su = tl.dot(a, tl.trans(w), acc=su, out_dtype=tl.float64)
             wa = tl.abs(w)
             amax = tl.load(smax_ptr + s * R + rm, mask=mm, other=0.0)
             anz = tl.load(snz_ptr + s * R + rm, mask=mm, other=0.0)
             jf = tl.where(j > 0, one, zero)
             if STEPS_FORM:
                 r = tl.load(r_ptr + arow[:, None] + col[None, :], mask=am, other=0.0)
-                du = du + tl.dot(r, tl.trans(wa))
+                du = tl.dot(r, tl.trans(wa), acc=du, out_dtype=tl.float64)
                 ws = wa * swc[:, None]  # the scaled |w|: the summaries NumPy takes
                 wmax = tl.max(ws, axis=1)
                 wnz = tl.sum((ws != 0.0).to(tl.float64), axis=1)
-                top = tl.where((amax[:, None] == 0.0) | (wmax[None, :] == 0.0), zero, amax[:, None] * wmax[None, :])
+                top = amax[:, None] * wmax[None, :]
                 s_part = tl.abs(su * sc) + du * swc[None, :]
-                align = ((tl.minimum(anz[:, None], wnz[None, :]) + jf) * u2) * tl.where(top > prev, top, prev)
+                cnt = _min(((anz + jf) * u2)[:, None], ((wnz + jf) * u2)[None, :])  # (min(anz, wnz) + jf) u2
+                align = cnt * tl.where(top > prev, top, prev)
                 err = (err + align) + u2 * ((s_part + err) + align)
             else:
                 wmax = tl.max(wa, axis=1)
@@ -219,11 +297,17 @@ def _adder_mma_kernel(a_ptr, r_ptr, smax_ptr, snz_ptr, w_ptr, tab_ptr, ptab_ptr,
                 if not CODES:
                     pw_w = _power(w, ow, LAM)
                 pw = tl.dot(_power(a, oa, LAM), tl.trans(pw_w))
-                top = _top_exact(pw, oa, ow, amax, wmax, zero, wide, min_normal, LAM)
                 s_part = tl.abs(su)
-                g0 = _grid(prev, wide, min_normal)
-                align = ((tl.minimum(anz[:, None], wnz[None, :]) + jf) * u2) * tl.where(top > g0, top, g0)
-                err = (err + align) + u2 * _grid((s_part + err) + align, wide, min_normal)
+                cnt = _min(((anz + jf) * u2)[:, None], ((wnz + jf) * u2)[None, :])  # (min(anz, wnz) + jf) u2
+                if NORMAL:  # T_j and g(.) are powers of two or 0 (zero low words): max(T_j, g) on the high words
+                    top = _top_exact_hi(pw, oa, ow, amax, wmax, wide, LAM)
+                    g0 = _hi((prev * wide).to(tl.int64, bitcast=True)) & 0x7FF00000
+                    align = cnt * _from_hi(tl.maximum(top, g0))
+                else:
+                    top = _top_exact(pw, oa, ow, amax, wmax, wide, min_normal, LAM, NORMAL)
+                    g0 = _grid_of(prev, wide, min_normal, NORMAL)
+                    align = cnt * tl.where(top > g0, top, g0)
+                err = (err + align) + u2 * _grid_of((s_part + err) + align, wide, min_normal, NORMAL)
         # the chunk's end: its terms join the sums over chunks, in order (|S| as its last step computed it)
         if STEPS_FORM:
             tot_e = tot_e + err
@@ -233,6 +317,8 @@ def _adder_mma_kernel(a_ptr, r_ptr, smax_ptr, snz_ptr, w_ptr, tab_ptr, ptab_ptr,
         else:
             tot_e = tot_e + err * sc
             tot_p = tot_p + (tl.abs(su) + err) * sc
+        if CENTER:  # the exact chunk sum, scaled and added as the device engine's ordered sum does
+            tot_c = tot_c + (su * sa_s[:, None]) * swc_s[None, :]
     b = tl.load(b_ptr + rn, mask=nm, other=0.0)
     out = (tot_e + g_prom * (tot_p + b[None, :])) * final
     off = rm.to(tl.int64)[:, None] * N + rn[None, :]
@@ -240,6 +326,8 @@ def _adder_mma_kernel(a_ptr, r_ptr, smax_ptr, snz_ptr, w_ptr, tab_ptr, ptab_ptr,
     tl.store(out_ptr + off, out, mask=msk)
     if RTERM:
         tl.store(rt_ptr + off, tot_r, mask=msk)
+    if CENTER:
+        tl.store(ctr_ptr + off, tot_c, mask=msk)
 
 
 def power_tables(table, w_offsets, lam: int):
@@ -272,29 +360,35 @@ def step_summaries(x_abs: torch.Tensor, k: int, chunk: int, mma: int) -> tuple[t
 
 
 def adder_mma_bound_t(av, r_hat, summaries, w: MmaWeights, sa, sw, b_abs, offsets, consts, it, *, n: int,
-                      chunk: int, mma: int, rterm: bool = False, tile: MmaTile | None = None):
+                      chunk: int, mma: int, rterm: bool = False, center: bool = False, tile: MmaTile | None = None,
+                      normal: bool = False):
     """The aligned-adder bound ``[R, N]`` of the exact form (``r_hat`` None) or the steps form (``r_hat`` the rounded
     radius ``[R, K]``): ``av`` float64 ``[R, K]`` element values; ``summaries`` :func:`step_summaries` of ``|a|``
     (exact form) or of the scaled ``|a| + r^`` (steps form); ``sa`` ``[R, NCH]`` / ``sw`` ``[G, N, NCH]`` chunk
-    scales (``|.|``), ``b_abs`` ``[G, N]``; ``offsets`` int32 ``[G, 2]`` (the largest exponent of each group's rows and
+    scales (signed: the bound takes their magnitudes), ``b_abs`` ``[G, N]``; ``offsets`` int32 ``[G, 2]`` (the largest exponent of each group's rows and
     of its weights; exact form); ``consts`` and ``it`` (at most ``tile.rows`` rows an item; :data:`TILE` by default) as
     :func:`~moeref.compare._bound_kernels.adder_bound_t`'s. With ``rterm`` (steps form) also the radius term, the sum
     over chunks of ``(sum r^ |w|) |sw|`` (:func:`moeref.compare.operand_radius.radius_dot`'s numbers when ``chunk``
-    is its chunk). Returns ``(bound, term or None)``."""
+    is its chunk). With ``center`` also the product ``a W^T`` as :func:`moeref.gemm.device.device_expert_rows_gemm`
+    computes it (without bias) when ``chunk`` is its segment: the exact chunk sums the bound forms anyway, times the
+    signed scales, added in chunk order. ``normal`` (exact form): every group's ``q_a q_w u2`` is at least
+    :data:`NORMAL_QUANTUM`, so the grid needs no subnormal branch (the caller checks it: a wrong flag gives wrong
+    bits). Returns ``(bound, term or None, product or None)``."""
     tile = TILE if tile is None else tile
     r, k = (int(d) for d in av.shape)
     dev = av.device
     out = torch.zeros((r, n), dtype=torch.float64, device=dev)
     term = torch.zeros_like(out) if rterm else None
+    ctr = torch.zeros_like(out) if center else None
     if it.shape[0] == 0 or n == 0 or r == 0:
-        return out, term
+        return out, term, ctr
     steps_form = r_hat is not None
     if rterm and not steps_form:
         raise ValueError("rterm needs the steps form (a rounded radius)")
     c = max(1, min(chunk, k))
     nch, steps = -(-k // c), -(-c // mma)
     mp = max(16, triton.next_power_of_2(mma))
-    lam = int(math.floor(math.log2(mp))) + 1
+    lam = max(8, int(math.floor(math.log2(mp))) + 1)
     codes = w.table is not None
     data = w.data
     w_g, w_n = int(data.stride(0)), int(data.stride(1))
@@ -303,9 +397,12 @@ def adder_mma_bound_t(av, r_hat, summaries, w: MmaWeights, sa, sw, b_abs, offset
     ptab = power_tables(w.table, offsets[:, 1], lam) if codes and not steps_form else dummy
     _adder_mma_kernel[grid](av, r_hat if steps_form else dummy, summaries[0], summaries[1], data,
                             w.table if codes else dummy, ptab, w.experts, sa, sw, offsets, b_abs, consts, out,
-                            term if rterm else out, it, r, n, k, w_g, w_n, NCH=nch, C=c, STEPS=steps, MMA=mma, MP=mp,
-                            LAM=lam, STEPS_FORM=steps_form, RTERM=rterm, CODES=codes, PACKED=bool(w.packed),
+                            term if rterm else out, ctr if center else out, it, r, n, k, w_g, w_n, NCH=nch, C=c,
+                            STEPS=steps, MMA=mma, MP=mp, LAM=lam, STEPS_FORM=steps_form, RTERM=rterm, CENTER=center,
+                            CODES=codes, PACKED=bool(w.packed),
                             TABN=int(w.table.numel()) if codes else 1, EVEN_K=k % c == 0 and c % mma == 0 and mma == mp,
-                            GPU=dev.type == "cuda", BM=tile.rows,
-                            BN=tile.bn, num_warps=tile.warps, num_stages=1, enable_fp_fusion=False)
-    return out, term
+                            EVEN_W=k % c == 0 and c % mma == 0 and mma == mp and n % tile.bn == 0,
+                            NORMAL=normal, GPU=dev.type == "cuda", BM=tile.rows,
+                            BN=tile.bn, num_warps=tile.warps, num_stages=1, enable_fp_fusion=False,
+                            **({} if tile.maxnreg is None else {"maxnreg": tile.maxnreg}))
+    return out, term, ctr

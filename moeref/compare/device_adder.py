@@ -21,6 +21,7 @@ import numpy as np
 
 from .device_bounds import (
     DeviceBlock,
+    _with_parts,
     _chunk_scales,
     _codes_kt,
     _consts,
@@ -42,11 +43,12 @@ __all__ = ["adder_bound", "radius_dots"]
 class _Forms:
     """Per expert group: its form (:func:`moeref.compare.gemm_bounds.adder_form`), the radius grid's bits where
     :func:`moeref.compare.operand_radius.exact_radius` rounds the group's radius (None elsewhere; any form) and the
-    exponent offsets of its rows and weights (exact form)."""
+    exponent offsets of its rows and weights and the quantum of their products ``q_a q_w`` (exact form)."""
 
     form: list
     grid: list
     offsets: list
+    quanta: list
 
 
 def _adder_forms(a: DeviceBlock, counts, ws, st, radius) -> _Forms:
@@ -58,7 +60,7 @@ def _adder_forms(a: DeviceBlock, counts, ws, st, radius) -> _Forms:
     torch = _torch()
     k = int(a.values.shape[1])
     g_n = len(ws)
-    forms, grid, offs = ["scaled"] * g_n, [None] * g_n, [(0, 0)] * g_n
+    forms, grid, offs, quanta = ["scaled"] * g_n, [None] * g_n, [(0, 0)] * g_n, [0.0] * g_n
     starts = np.cumsum(counts) - np.asarray(counts)
     if radius is not None:  # per group: the radius finite (the grid's condition), and the rows' scales too
         dev = a.values.device
@@ -73,7 +75,7 @@ def _adder_forms(a: DeviceBlock, counts, ws, st, radius) -> _Forms:
         fin_r, fin_sa = torch.stack([per_group(r_fin), per_group(sa_fin)]).cpu().numpy()
         grid = [_weight_grid_bits(w, k) if fin_r[g] else None for g, w in enumerate(ws)]
     if not st.const_scales:
-        return _Forms(forms, grid, offs)
+        return _Forms(forms, grid, offs, quanta)
     fin, _, q, mx = _row_stats(a.values)
     chunks_ok = chunk_scales_constant(k, RADIUS_CHUNK, st.chunk)
     for g, (s0, c) in enumerate(zip(starts, counts)):
@@ -86,9 +88,10 @@ def _adder_forms(a: DeviceBlock, counts, ws, st, radius) -> _Forms:
         if radius is None:
             forms[g] = "exact"
             offs[g] = (_top_exponent(qm_a[1]), _top_exponent(qm_w[1]))
+            quanta[g] = qm_a[0] * qm_w[0]
         elif grid[g] is not None and fin_sa[g] and chunks_ok:
             forms[g] = "steps"
-    return _Forms(forms, grid, offs)
+    return _Forms(forms, grid, offs, quanta)
 
 
 def _top_exponent(m: float) -> int:
@@ -110,7 +113,7 @@ def _finite_scales(op) -> bool:
     return bool(flags[op.e])
 
 
-def adder_bound(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bool = False):
+def adder_bound(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bool = False, center: bool = False):
     """:func:`moeref.compare.gemm_bounds.aligned_adder_gemm_bound`, operation for operation, each expert group in
     its form (:func:`_adder_forms`): the exact and steps forms on the float64 tensor cores
     (:mod:`moeref.compare._adder_mma`), the scaled form in the column-order kernel
@@ -118,8 +121,13 @@ def adder_bound(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bo
     :func:`_scaled_weights`). ``rterm`` (with a radius): ``(bound, radius term)``, the term
     (:func:`moeref.compare.operand_radius.radius_dot`'s numbers) from the bound's own kernel where it can give it
     (steps form with the radius's chunk as the promotion chunk; scaled form without the radius grid, with
-    :func:`~moeref.compare.gemm_bounds.ordered_dot`'s chunk and step), else :func:`_radius_dot` per expert."""
+    :func:`~moeref.compare.gemm_bounds.ordered_dot`'s chunk and step), else :func:`_radius_dot` per expert.
+    ``center`` appends the product ``a W^T`` without bias (:func:`moeref.gemm.device.device_expert_rows_gemm`'s
+    numbers) when the float64 tensor-core kernel gives it for every row (every group in the exact or steps form, the
+    promotion chunk the product's segment), else None."""
     torch = _torch()
+    from ._adder_mma import NORMAL_QUANTUM
+    from ..gemm.device import _segment
     from ._bound_kernels import adder_bound_t, items
     from .operand_radius import RADIUS_CHUNK
 
@@ -129,7 +137,7 @@ def adder_bound(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bo
     st = adder_setup(k, a.block, ws[0].block, profile)
     if k == 0:
         out = _rows_of(st.g_prom * b_abs, counts).clone()
-        return (out, None) if rterm else out
+        return _with_parts(out, None, torch.zeros_like(out), rterm, center)
     want_term = rterm and radius is not None
     term = torch.zeros((m, n), dtype=torch.float64, device=dev) if want_term else None
     forms = _adder_forms(a, counts, ws, st, radius)
@@ -138,6 +146,9 @@ def adder_bound(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bo
     out = torch.zeros((m, n), dtype=torch.float64, device=dev)
     blk = torch.arange(-(-k // st.chunk), device=dev) * st.chunk
     termless = []  # groups whose radius term is computed apart (_radius_dot)
+    # the product from the kernel: its chunks must be the product's segments
+    ctr = torch.zeros((m, n), dtype=torch.float64, device=dev) if center else None
+    center_here = center and max(1, min(st.chunk, k)) == _segment(a.block[1], ws[0].block[1], k)
     for form in ("exact", "steps", "scaled"):
         sel = [g for g in range(len(ws)) if forms.form[g] == form and counts[g]]
         if not sel:
@@ -157,26 +168,35 @@ def adder_bound(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bo
                 term[rows] = tr
             elif want_term:
                 termless += sel
+            center_here = False
             continue
         fuse = want_term and form == "steps" and st.chunk == min(RADIUS_CHUNK, k)
         if want_term and not fuse:
             termless += sel
-        res, tr = _adder_elements(a, rows, cnt, [ws[g] for g in sel], forms, sel, radius, st, blk, b_sel, consts,
-                                  form, fuse)
+        normal = form == "exact" and all(forms.quanta[g] * 2.0 * profile.accum_unit >= NORMAL_QUANTUM for g in sel)
+        res, tr, cc = _adder_elements(a, rows, cnt, [ws[g] for g in sel], forms, sel, radius, st, blk, b_sel,
+                                      consts, form, fuse, normal, center_here)
+        if int(rows.numel()) == m:  # one form holds every row, in order: the kernel's outputs are the results
+            out, term, ctr = res, (tr if fuse else term), (cc if center_here else ctr)
+            continue
         out[rows] = res
         if fuse:
             term[rows] = tr
+        if center_here:
+            ctr[rows] = cc
     if termless:
         for g in termless:
             r = torch.arange(starts[g], starts[g] + counts[g], device=dev)
             term[r] = _radius_dot(radius.index_select(0, r), ws[g])
-    return (out, term) if rterm else out
+    return _with_parts(out, term, ctr if center_here else None, rterm, center)
 
 
-def _adder_elements(a, rows, cnt, wsel, forms, sel, radius, st, blk, b_sel, consts, form: str, fuse: bool):
+def _adder_elements(a, rows, cnt, wsel, forms, sel, radius, st, blk, b_sel, consts, form: str, fuse: bool,
+                    normal: bool, center: bool):
     """The exact or steps form of the groups ``sel`` (rows ``rows``, ``cnt`` a group): the element values, their
-    step summaries, the rounded radius (steps form), the chunk scales and the weights as
-    :func:`~moeref.compare._adder_mma.adder_mma_bound_t` reads them."""
+    step summaries, the rounded radius (steps form), the signed chunk scales and the weights as
+    :func:`~moeref.compare._adder_mma.adder_mma_bound_t` reads them; ``fuse`` (its ``rterm``), ``normal`` and
+    ``center`` as it takes them. Returns its ``(bound, term, product)``."""
     torch = _torch()
     from ._adder_mma import EXACT_ROWS, TILE, adder_mma_bound_t, step_summaries
     from ._bound_kernels import items
@@ -185,36 +205,44 @@ def _adder_elements(a, rows, cnt, wsel, forms, sel, radius, st, blk, b_sel, cons
     dev = a.values.device
     n = int(wsel[0].shape[0])
     k = int(a.values.shape[1])
-    av = a.values.index_select(0, rows).contiguous()
-    sa = _chunk_scales(a.scales, rows, a.block, blk)
-    sw = _experts_chunk_scales(wsel, n, blk)
+    whole = int(rows.numel()) == int(a.values.shape[0])  # every row, in order (groups ascending): no gathers
+
+    def take(x):
+        return (x if whole else x.index_select(0, rows)).contiguous()
+
+    av = take(a.values)
+    sa = _chunk_scales(a.scales, rows, a.block, blk, magnitude=False)
+    sw = _experts_chunk_scales(wsel, n, blk, magnitude=False)
     r_hat = None
     if form == "steps":
         bits_rows = torch.as_tensor(np.repeat([forms.grid[g] for g in sel], cnt), device=dev)
-        r_hat = rounded_radius(radius.index_select(0, rows), bits_rows).contiguous()
-        summ = step_summaries(a.dequantize().index_select(0, rows).abs() + r_hat, k, st.chunk, st.mma)
+        r_hat = rounded_radius(take(radius), bits_rows).contiguous()
+        summ = step_summaries(take(a.dequantize()).abs() + r_hat, k, st.chunk, st.mma)
     else:
         summ = step_summaries(av.abs(), k, st.chunk, st.mma)
     offsets = torch.as_tensor([forms.offsets[g] for g in sel], dtype=torch.int32, device=dev).reshape(-1, 2)
     it, bm = items(cnt, dev, sizes=list(EXACT_ROWS) if form == "exact" else [TILE.rows])
     return adder_mma_bound_t(av, r_hat, summ, _mma_weights(wsel), sa, sw, b_sel, offsets, consts, it, n=n,
-                             chunk=st.chunk, mma=st.mma, rterm=fuse, tile=replace(TILE, rows=bm))
+                             chunk=st.chunk, mma=st.mma, rterm=fuse, center=center, tile=replace(TILE, rows=bm),
+                             normal=normal)
 
 
-def _experts_chunk_scales(wsel, n: int, blk):
-    """``|scales|`` of experts ``wsel`` at each output row and each chunk's first column, ``[G, N, NCH]`` in the
-    scales' dtype (:func:`~moeref.compare.device_bounds._chunk_scales` of each expert, stacked): one gather from the
-    stack's scales when they are experts of one :class:`StackedExperts`."""
+def _experts_chunk_scales(wsel, n: int, blk, *, magnitude: bool = True):
+    """``|scales|`` (the scales themselves without ``magnitude``) of experts ``wsel`` at each output row and each
+    chunk's first column, ``[G, N, NCH]`` in the scales' dtype (:func:`~moeref.compare.device_bounds._chunk_scales`
+    of each expert, stacked): one gather from the stack's scales when they are experts of one
+    :class:`StackedExperts`."""
     torch = _torch()
     dev = blk.device
     st = _one_stack(wsel)
     if st is None:
-        return torch.stack([_chunk_scales(w.scales, torch.arange(n, device=dev), w.block, blk) for w in wsel]).contiguous()
+        return torch.stack([_chunk_scales(w.scales, torch.arange(n, device=dev), w.block, blk, magnitude=magnitude)
+                            for w in wsel]).contiguous()
     br, bk = (int(b) for b in st.block)
     idx = torch.as_tensor([w.e for w in wsel], dtype=torch.int64, device=st.scales.device)
     rows = torch.div(torch.arange(n, device=dev), br, rounding_mode="floor")
-    return st.scales.index_select(0, idx).index_select(1, rows).index_select(
-        2, torch.div(blk, bk, rounding_mode="floor")).abs().contiguous()
+    s = st.scales.index_select(0, idx).index_select(1, rows).index_select(2, torch.div(blk, bk, rounding_mode="floor"))
+    return (s.abs() if magnitude else s).contiguous()
 
 
 def _one_stack(wsel):

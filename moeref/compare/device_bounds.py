@@ -89,20 +89,11 @@ def device_quantum_and_max(values) -> tuple[float, float]:
 
 def _row_stats(values):
     """Per row of float64 ``values`` ``[R, K]``: all finite, bf16-representable, and
-    :func:`moeref.gemm.exact.quantum_and_max` (``(inf, 0)`` for a zero row) as NumPy arrays (one host copy)."""
-    torch = _torch()
-    v = values.abs()
-    fin = torch.isfinite(v).all(dim=1)
-    bf = fin & (values.to(torch.float32).to(torch.bfloat16).to(torch.float64) == values).all(dim=1)
-    vs = torch.where(torch.isfinite(v), v, torch.zeros((), dtype=torch.float64, device=v.device))
-    m, e = torch.frexp(vs)
-    mi = (m * 2.0**53).to(torch.int64)
-    q = torch.ldexp((mi & -mi).to(torch.float64), (e - 53).to(torch.float64))
-    q = torch.where(vs != 0, q, torch.full((), float("inf"), dtype=torch.float64, device=v.device))
-    qmin = q.min(dim=1).values if values.shape[1] else torch.full((values.shape[0],), float("inf"), device=v.device,
-                                                                    dtype=torch.float64)
-    vmax = vs.max(dim=1).values if values.shape[1] else torch.zeros(values.shape[0], device=v.device, dtype=torch.float64)
-    out = torch.stack([fin.double(), bf.double(), qmin, vmax]).cpu().numpy()
+    :func:`moeref.gemm.exact.quantum_and_max` (``(inf, 0)`` for a zero row) as NumPy arrays: one pass of
+    :func:`moeref.compare._stats_kernels.row_stats_t`, one host copy."""
+    from ._stats_kernels import row_stats_t
+
+    out = row_stats_t(values).cpu().numpy()
     return out[0] > 0, out[1] > 0, out[2], out[3]
 
 
@@ -189,10 +180,12 @@ def device_gemm_error_bound(a: DeviceBlock, w: DeviceBlock, profile, *, a_radius
     return _group_bound(a, [m], [w], profile, a_radius, b)
 
 
-def _group_bound(a: DeviceBlock, counts, ws: list, profile, radius, b_abs, *, rterm: bool = False):
+def _group_bound(a: DeviceBlock, counts, ws: list, profile, radius, b_abs, *, rterm: bool = False,
+                 center: bool = False):
     """The bound of rows ``a`` (``counts[g]`` consecutive rows against expert ``ws[g]``), float64 ``[R, N]``;
     ``rterm``: ``(bound, radius term or None)``, the term from the aligned-adder kernel when it can give it
-    (:func:`moeref.compare.device_adder.adder_bound`)."""
+    (:func:`moeref.compare.device_adder.adder_bound`); ``center`` appends the product ``a W^T`` (without bias) when
+    that kernel gives it too, else None."""
     model = profile.accum_model
     if model not in ("worst_case", "contiguous_tree", "data_dependent"):
         raise ValueError(f"accum_model must be one of worst_case, contiguous_tree, data_dependent; got {model!r}")
@@ -205,11 +198,11 @@ def _group_bound(a: DeviceBlock, counts, ws: list, profile, radius, b_abs, *, rt
     r = int(a.values.shape[0])
     if r == 0 or n == 0:
         z = torch.zeros((r, n), dtype=torch.float64, device=dev)
-        return (z, None) if rterm else z
+        return _with_parts(z, None, z.clone(), rterm, center)
     if model == "data_dependent":
         from .device_adder import adder_bound
 
-        return adder_bound(a, counts, ws, profile, radius, b_abs, rterm=rterm)
+        return adder_bound(a, counts, ws, profile, radius, b_abs, rterm=rterm, center=center)
     it, bm = items(counts, dev)
     if model == "worst_case":
         bk = max(1, min(a.block[1], ws[0].block[1], max(k, 1)))
@@ -220,7 +213,14 @@ def _group_bound(a: DeviceBlock, counts, ws: list, profile, radius, b_abs, *, rt
         out = coef * (dot + _rows_of(b_abs, counts))
     else:
         out = _tree(a, counts, ws, profile, radius, b_abs, it, bm)
-    return (out, None) if rterm else out
+    return _with_parts(out, None, None, rterm, center)
+
+
+def _with_parts(bound, term, product, rterm: bool, center: bool):
+    """``bound``, or the tuple of it with the radius ``term`` (``rterm``) and the ``product`` (``center``) after it:
+    what the bound functions return for those flags."""
+    extra = ((term,) if rterm else ()) + ((product,) if center else ())
+    return (bound,) + extra if extra else bound
 
 
 def _rows_of(per_expert, counts):
@@ -280,11 +280,13 @@ def _codes_kt(w, experts: list):
     return codes.transpose(1, 2).contiguous()
 
 
-def _chunk_scales(scales, rows, block, blk):
-    """``|scales|`` of each row's block at each chunk's first column, ``[R, NCH]``."""
+def _chunk_scales(scales, rows, block, blk, *, magnitude: bool = True):
+    """``|scales|`` (the scales themselves without ``magnitude``) of each row's block at each chunk's first column,
+    ``[R, NCH]``."""
     torch = _torch()
-    return scales.index_select(0, torch.div(rows, block[0], rounding_mode="floor")) \
-        .index_select(1, torch.div(blk, block[1], rounding_mode="floor")).abs().contiguous()
+    s = scales.index_select(0, torch.div(rows, block[0], rounding_mode="floor")) \
+        .index_select(1, torch.div(blk, block[1], rounding_mode="floor"))
+    return (s.abs() if magnitude else s).contiguous()
 
 
 def _finite(op: DeviceBlock) -> bool:
@@ -411,35 +413,57 @@ def _expert_groups(row_expert, weights, profile=None):
         yield es.tolist(), np.concatenate(idx), [x.size for x in idx]
 
 
-def device_rows_error_bound(a, a_radius, row_expert, weights, bias, profile, *, radius_term: bool = False):
+def device_rows_error_bound(a, a_radius, row_expert, weights, bias, profile, *, radius_term: bool = False,
+                            center: bool = False):
     """:func:`moeref.compare.bounds._rows_error_bound` on a device: ``a`` a
     :class:`moeref.gemm.device.DeviceOperand` ``[R, K]``, ``a_radius`` float64 ``[R, K]`` or None,
     ``row_expert`` int ``[R]`` (NumPy), ``weights`` a device stack, ``bias`` float64 ``[E, N]`` or None.
     Returns float64 ``[R, N]``, 0 on padding rows. ``radius_term=True`` (with ``a_radius``) returns
-    ``(device_rows_radius_term(a_radius, ...), bound)``, the term from the bound's own kernel where it gives it."""
+    ``(device_rows_radius_term(a_radius, ...), bound)``, the term from the bound's own kernel where it gives it.
+    ``center=True`` appends the product ``a W^T`` without the bias, :func:`moeref.gemm.device.device_expert_rows_gemm`
+    bit for bit (0 on padding rows), when the aligned-adder kernel forms it for every row along the bound
+    (:func:`moeref.compare.device_adder.adder_bound`), else None: the caller computes it."""
     torch = _torch()
     dev = a.device
     n = _n_out(weights)
     out = torch.zeros((len(row_expert), n), dtype=torch.float64, device=dev)
     rad = torch.zeros_like(out) if radius_term else None
+    prod = torch.zeros_like(out) if center else None
+    rows_all = len(row_expert)
     for es, idx, counts in _expert_groups(row_expert, weights, profile):
+        # every row, already in expert order, one row a scale row: the operand itself (no gathers, no scatters)
+        whole = int(a.block[0]) == 1 and idx.size == rows_all and bool((idx == np.arange(rows_all)).all())
         it = torch.as_tensor(idx, device=dev)
-        ag = DeviceBlock.of(a.take_rows(it))
+        ag = DeviceBlock.of(a if whole else a.take_rows(it))
         ws = _Experts(_expert_block(weights, e) for e in es)
-        r = None if a_radius is None else a_radius.index_select(0, it)
+        r = a_radius if a_radius is None or whole else a_radius.index_select(0, it)
         b = (torch.zeros((len(es), n), dtype=torch.float64, device=dev) if bias is None
              else bias.index_select(0, torch.as_tensor(es, device=dev)).abs())
+        got = _group_bound(ag, counts, ws, profile, r, b, rterm=radius_term, center=prod is not None)
+        got = got if radius_term or prod is not None else (got,)
+        term = None
         if radius_term:
-            out[it], term = _group_bound(ag, counts, ws, profile, r, b, rterm=True)
+            term = got[1]
             if term is None:
                 from .device_adder import radius_dots
 
                 term = radius_dots(r, counts, ws)
-            rad[it] = term
+        part = None if prod is None else got[-1]
+        if prod is not None and part is None:  # not from the kernel for these rows: the caller computes the product
+            prod = None
+        if whole:
+            out, rad, prod = got[0], term, part
         else:
-            out[it] = _group_bound(ag, counts, ws, profile, r, b)
+            out[it] = got[0]
+            if radius_term:
+                rad[it] = term
+            if prod is not None:
+                prod[it] = part
         del ws
-    return (rad, out) if radius_term else out
+    head = (rad, out) if radius_term else (out,)
+    if center:
+        return head + (prod,)
+    return head if radius_term else out
 
 
 def device_rows_radius_term(radius, row_expert, weights):

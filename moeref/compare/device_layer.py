@@ -7,20 +7,24 @@ Stage by stage, what runs where:
   from the run where it holds it: GEMM1's from :attr:`ExpertsOutput.h_pre <moeref.moe.ExpertsOutput>` (the same
   product of the same operand, before the run's store), GEMM2's from the run's ``y`` when the bound's
   re-quantized intermediate is the run's GEMM2 operand bit for bit (:func:`_same_operand`; it is not when a
-  store may flip, the midpoint center then differing from the run's value), else computed here; under
+  store may flip, the midpoint center then differing from the run's value), else from the bound's own
+  aligned-adder kernel, which forms the exact chunk sums anyway (``device_rows_error_bound(center=True)``:
+  scaled and added in chunk order as the engine does, the same bits), else computed here; under
   an emulated profile (``accum_model="emulated"``) both GEMMs' centers and radii come from
   :mod:`moeref.compare.device_emulated` (the kernel predicted bit for bit);
 * GEMM error bounds and the operand-radius term: :mod:`moeref.compare.device_bounds` (Triton kernels,
   the declared summation orders of :mod:`moeref.compare.gemm_bounds`);
 * stores: :func:`moeref.moe.device.round_on_device` (the NumPy casts' roundings);
-* activation and its Lipschitz bound: the portable elementary functions (:mod:`moeref.elementary`);
+* activation and its Lipschitz bound: the portable elementary functions (:mod:`moeref.elementary`), for the
+  SiLU-gated activations in one pass of :mod:`moeref.compare._activation_kernels` (the same operations);
 * the flip-aware re-quantization of the intermediate (:func:`requant_uncertainty`), valid rows only: on the
   device (:mod:`moeref.compare.device_requant`: FP8 blockwise schemes; only the block amax grids go to the
   host, through the quantizer's own scale step), else on the host (its quantizer and format rounding; the
   operand goes back to the device);
 * flip counts: 0-d device tensors, read once per layer bound; the routing's index arrays go to the device
   through page-locked copies queued on the stream (:func:`moeref._interop.to_device`), not host waits;
-* finalize: the slot-order loop of :func:`moeref.dispatch.weight_and_reduce`.
+* finalize: the slot-order loop of :func:`moeref.dispatch.weight_and_reduce`, for the center, the radius and the
+  magnitude in one pass (:mod:`moeref.compare._reduce_kernels`).
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from ._activation_kernels import gated_silu_stage_t
+from ._reduce_kernels import weighted_slot_sums_t
 from .bounds import LayerBound, Profile, assemble_layer_bound, gamma
 from .device_bounds import device_rows_error_bound
 from .device_requant import device_requant, device_requant_unavailable
@@ -43,7 +49,17 @@ def _torch():
 
 
 def device_store_interval(value, radius, dtype: str | None, unit: float = 0.0):
-    """:func:`moeref.compare.bounds.store_interval` on float64 tensors (the same operations)."""
+    """:func:`moeref.compare.bounds.store_interval` on float64 tensors (the same operations): ``(center, half,
+    flipped)``, in one Triton pass (:func:`moeref.compare._store_kernels.store_interval_t`, which runs
+    :func:`store_interval_torch` where it does not apply)."""
+    from ._store_kernels import store_interval_t
+
+    return store_interval_t(value, radius, dtype, unit)
+
+
+def store_interval_torch(value, radius, dtype: str | None, unit: float = 0.0):
+    """:func:`device_store_interval` as torch operations, one per NumPy operation of
+    :func:`moeref.compare.bounds.store_interval`: the definition the one-pass kernel follows bit for bit."""
     torch = _torch()
     from ..moe.device import round_on_device
 
@@ -61,30 +77,13 @@ def device_store_interval(value, radius, dtype: str | None, unit: float = 0.0):
     return center, half, lo != hi
 
 
-def _weight_and_reduce(y, slots, w, num_tokens: int, apply_weights: bool):
-    """:func:`moeref.dispatch.weight_and_reduce` to float64: ``sum_j w[t, j] * row`` in slot order.
-    ``slots``: ``(slot, row)`` int64 device tensors, the slot ``src[row]`` of each valid row ``row``."""
-    torch = _torch()
-    k = int(w.shape[1])
-    kdim = int(y.shape[1])
-    slot_rows = torch.zeros((num_tokens * k, kdim), dtype=torch.float64, device=y.device)
-    slot, row = slots
-    if slot.numel():
-        slot_rows.index_copy_(0, slot, y.index_select(0, row))
-    rows = slot_rows.reshape(num_tokens, k, kdim)
-    w = w.to(torch.float64) if apply_weights else torch.ones_like(w, dtype=torch.float64)
-    out = torch.zeros((num_tokens, kdim), dtype=torch.float64, device=y.device)
-    for j in range(k):
-        out += w[:, j:j + 1] * rows[:, j, :]
-    return out
-
-
 def _chunk_interval(p, e, weights, profile: Profile, cfg):
     """:func:`moeref.compare.bounds._chunk_interval` of a device chunk (``p``/``e``: the device engine's
     :class:`~moeref.moe.Prepared` / :class:`~moeref.moe.ExpertsOutput` holding device tensors; ``weights`` on the device)."""
     torch = _torch()
     from .._interop import to_device, to_numpy
-    from ..gemm.device import device_operand
+    from ..gemm import StackedExperts
+    from ..gemm.device import add_expert_bias, device_operand
     from ..moe.device import _weights_gemm
     from ..moe.pipeline import _activation, _run_quantizer
 
@@ -110,9 +109,13 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg):
         dh = device_rows_error_bound(p.a, None, rows, weights.w13, weights.b13, profile)
     h, dh, flip_h = device_store_interval(h_pre, dh, profile.gemm_out_dtype, profile.gemm_out_unit)
     # stage 3: activation, its FP32 evaluation and its store
-    x_pre = _activation(act, h, lay, params)
-    dx = activation_error(act, h, dh, lay, params)
-    dx = dx + profile.act_unit * (x_pre.abs() + activation_magnitude(act, h.abs() + dh, lay, params) + dx)
+    fused = gated_silu_stage_t(h, dh, act, lay, params, profile.act_unit)  # one pass; None: not a SiLU gate
+    if fused is not None:
+        x_pre, dx = fused
+    else:
+        x_pre = _activation(act, h, lay, params)
+        dx = activation_error(act, h, dh, lay, params)
+        dx = dx + profile.act_unit * (x_pre.abs() + activation_magnitude(act, h.abs() + dh, lay, params) + dx)
     x, dx, flip_x = device_store_interval(x_pre, dx, profile.act_out_dtype)
     zero = torch.zeros((), dtype=torch.float64, device=dev)
     x = torch.where(vt[:, None], x, zero)
@@ -145,9 +148,18 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg):
     # stage 5: GEMM2 and its store
     if emulated:
         y_pre, dy = device_emulated_gemm(xq, unc, rows, weights.w2, weights.b2, profile, codes)
-    else:  # the run's exact product when its operand is this one (_same_operand), else computed here
-        y_pre = e.y if _same_operand(xq, e.xq) else _weights_gemm(xq, rows, weights.w2, weights.b2)
-        rad, bnd = device_rows_error_bound(xq, unc, rows, weights.w2, weights.b2, profile, radius_term=True)
+    else:  # the run's exact product when its operand is this one (_same_operand), else the bound kernel's, else here
+        same = _same_operand(xq, e.xq)
+        want = not same and isinstance(weights.w2, StackedExperts)
+        rad, bnd, *prod = device_rows_error_bound(xq, unc, rows, weights.w2, weights.b2, profile, radius_term=True,
+                                                  center=want)
+        prod = prod[0] if want else None
+        if same:
+            y_pre = e.y
+        elif prod is not None:  # the bound kernel's exact chunk sums, scaled and added as the engine does
+            y_pre = prod if weights.b2 is None else add_expert_bias(prod, rows, weights.b2, len(weights.w2))
+        else:
+            y_pre = _weights_gemm(xq, rows, weights.w2, weights.b2)
         dy = rad + bnd
     weigh = p.apply_weights
     if profile.gemm2_weighted_store and weigh:  # the epilogue weights (one FP32 multiply), then stores
@@ -159,13 +171,11 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg):
     y, dy, _ = device_store_interval(y_pre, dy, profile.gemm_out_dtype, profile.gemm_out_unit)
     y = torch.where(vt[:, None], y, zero)
     dy = torch.where(vt[:, None], dy, zero)
-    # stage 6: top-k weighted sum
-    w_abs = p.topk_weights.abs()
+    # stage 6: top-k weighted sums (the center, the radius and the magnitude in one pass)
     live = np.flatnonzero(p.src >= 0)
-    slots = (to_device(p.src[live], dev), to_device(live, dev))
-    center = _weight_and_reduce(y, slots, p.topk_weights, p.num_tokens, weigh)
-    d_tok = _weight_and_reduce(dy, slots, w_abs, p.num_tokens, weigh)
-    mag = _weight_and_reduce(y.abs() + dy, slots, w_abs, p.num_tokens, weigh)
+    slot_row = np.full(p.num_tokens * p.top_k, -1, dtype=np.int64)
+    slot_row[p.src[live]] = live
+    center, d_tok, mag = weighted_slot_sums_t(y, dy, to_device(slot_row, dev), p.topk_weights, weigh)
     return center, d_tok + gamma(p.top_k + 2, profile.reduce_unit) * mag, flips
 
 

@@ -7,10 +7,16 @@ element that torch stores as an FP8 dtype (E4M3FN, E5M2: its codes are read back
 values), round-to-nearest-even elements and saturating overflow (:func:`device_requant_unavailable` says
 why not, and the layer bound then runs the stage on the host, as it always did).
 
-Per operation, against the NumPy stage:
+Two implementations, the same bits (``tests/test_requant_kernels.py``): by default two Triton passes over
+``[V, N]`` (:mod:`moeref.compare._requant_kernels`: one for the three amax grids, one after the host scale step
+for the codes, ``unc`` and the flip count, each block's scales read from their grids, no expanded ``[V, N]``
+scale tensor); and the torch lines of :func:`_device_requant` (about 40 elementwise passes), for
+``detail=True`` and for input the kernels do not take (not float64 ``[V, N]`` on CUDA, or on the CPU without
+``TRITON_INTERPRET=1``). Per operation, against the NumPy stage:
 
-* block amax: ``torch.amax`` of ``|x|`` over each block (zero-padded partial blocks), exact and
-  NaN-propagating as :func:`moeref.quant.blockwise.block_amax` on float64 input;
+* block amax: ``torch.amax`` of ``|x|`` (and of ``|x| + dx``, ``max(|x| - dx, 0)``) over each block (zero-padded
+  partial blocks), exact and NaN-propagating as :func:`moeref.quant.blockwise.block_amax` on float64 input
+  (kernel: ``where(v > m, v, m)`` over the block's non-NaN values, NaN where the block has one);
 * scales: the amax grid (one number per block) is copied to the host and goes through the quantizer's own
   scale step, :func:`moeref.quant.blockwise.scales_from_amax` in float64 (the working dtype of float64 input),
   and its decode values through :meth:`moeref.quant.QuantizedTensor.scale_values`: the same code, so the
@@ -18,15 +24,21 @@ Per operation, against the NumPy stage:
 * element rounding: :func:`round_float_rne` (round to nearest even on the format's quantum, saturating):
   ``moeref.formats.round_to_format(..., overflow="saturate", rounding="rne")`` for finite input (the quantum
   built from its exponent bits: ``torch.ldexp`` goes through ``pow``, which CUDA does not promise exact; an
-  H100 run of the first version, with ``ldexp``, gave uncertainties that differed from the host's);
+  H100 run of the first version, with ``ldexp``, gave uncertainties that differed from the host's; kernel: the
+  same quantum, ``|v| * 2^-k`` (exact), half to even by ``+ 1.5 * 2^52 - 1.5 * 2^52``, ``v``'s sign bit);
+* codes: torch's exact ``float32 -> float8`` cast of the rounded values (kernel: the FP8 encoding of the value
+  by integer bit work; both drop ``-0`` where the preset does);
 * everything else (the interval ends, the divisions, the corners): the same IEEE operations on tensors
-  (tensor-by-tensor divisions are correctly rounded on CUDA).
+  (tensor-by-tensor divisions are correctly rounded on CUDA; the kernel's float64 ``/`` is ``div.rn.f64``, it is
+  compiled without FMA contraction and reads its float64 constants from a tensor).
 
 Host traffic: the three amax grids go to the host (one copy, the stage's one host wait) and the scale grids
 come back as queued page-locked copies (:func:`moeref._interop.to_device`; ``[R, N / 128]`` for 1x128
 groups), no element-sized copy.
 """
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -114,13 +126,18 @@ def _host_scales(amaxes, scheme):
 
     dev = amaxes[0].device
     host = torch.stack(amaxes).cpu().numpy()  # one copy for the three grids
-    out = []
-    for a in host:
+
+    def scale_step(a):
         res, _ = scales_from_amax(a, scheme, np.float64, static_scale=scheme.static_scale)
         if res.global_scale is not None or res.zero_point is not None or np.isnan(res.decode).any():
             return None
-        sv = QuantizedTensor.scale_values(_ScalesOnly(scheme, res.stored))
-        out.append((sv, np.asarray(res.factor, dtype=np.float64), res.op))
+        return QuantizedTensor.scale_values(_ScalesOnly(scheme, res.stored)), np.asarray(res.factor, np.float64), res.op
+
+    # the grids in parallel threads: NumPy's array loops release the GIL (3x less host time at 4096 tokens)
+    with ThreadPoolExecutor(len(host)) as pool:
+        out = list(pool.map(scale_step, host))
+    if any(o is None for o in out):
+        return None
     sv = to_device(np.stack([o[0] for o in out]), dev)  # queued copies: no second host wait
     fac = to_device(np.stack([o[1] for o in out]), dev)
     return [(sv[i], fac[i], out[i][2]) for i in range(len(out))]
@@ -141,13 +158,41 @@ def device_requant(x, dx, quantizer, *, detail: bool = False):
     None where the host must run the stage (a NaN block scale). ``detail=True`` appends the dict of
     ``requant_uncertainty(..., detail=True)`` (float64 ``[V, N]`` tensors: ``code_lo``, ``code_hi``,
     ``scale_lo``, ``scale_hi``, ``scale_ref``). Call only when :func:`device_requant_unavailable` is None."""
+    return _device_requant(x, dx, quantizer, detail=detail)
+
+
+def _kernels_usable(x, dx) -> bool:
+    try:
+        from ._requant_kernels import usable
+    except ImportError:  # no triton
+        return False
+    return usable(x, dx)
+
+
+def _device_requant(x, dx, quantizer, *, detail: bool = False, kernels: bool | None = None):
+    """:func:`device_requant` by the Triton kernels (``kernels=True``; not with ``detail``) or the torch lines
+    (``False``); ``None``: the kernels where they run (:func:`_kernels_usable`) and ``detail`` is off."""
     torch = _torch()
     from ..gemm.device import DeviceOperand
 
+    if kernels is None:
+        kernels = not detail and _kernels_usable(x, dx)
+    if kernels and (detail or not _kernels_usable(x, dx)):
+        raise ValueError("the requant kernels take float64 [V, N] on CUDA (CPU: TRITON_INTERPRET=1), no detail")
     _, scheme = _scheme(quantizer)
     el = scheme.element_format
     shape = tuple(int(d) for d in x.shape)
     block = tuple(int(b) for b in scheme.resolve_block(shape))
+    drop = scheme.preset.signed_zero_for(el) == "drop" and el.has_negative_zero
+    if kernels:
+        from ._requant_kernels import amax_grids_t, requant_t
+
+        grids = _host_scales(amax_grids_t(x, dx, block), scheme)
+        if grids is None:
+            return None
+        (s_ref_g, fac, op), (s_up_g, _, _), (s_dn_g, _, _) = grids
+        codes, unc, flips = requant_t(x, dx, fac, s_ref_g, s_up_g, s_dn_g, block, op, el, drop)
+        return DeviceOperand(None, codes, el.name, s_ref_g, block, True), unc, flips
     mag = x.abs()
     lo_mag = torch.clamp(mag - dx, min=0.0)
     grids = _host_scales([_amax_grid(mag, block), _amax_grid(mag + dx, block), _amax_grid(lo_mag, block)], scheme)
@@ -159,7 +204,7 @@ def device_requant(x, dx, quantizer, *, detail: bool = False):
     scaled = x * f if op == "mul" else x / f
     vals = round_float_rne(scaled, el)
     codes = vals.to(torch.float32).to(getattr(torch, _TORCH_FP8[el.name])).view(torch.uint8)
-    if scheme.preset.signed_zero_for(el) == "drop" and el.has_negative_zero:
+    if drop:
         codes = torch.where(codes == el.sign_mask, torch.zeros((), dtype=torch.uint8, device=x.device), codes)
     operand = DeviceOperand(None, codes, el.name, s_ref_g, block, True)
     # requant_uncertainty, operation for operation (q_ref: the codes decoded, times their scales)

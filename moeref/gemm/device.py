@@ -513,12 +513,24 @@ def device_expert_rows_gemm(a, row_expert, weights, bias=None, *, abs_values: bo
             _float64_rows(a_all, sa_all, order_t, w, out, experts[~digits], starts[~digits], counts[~digits], g,
                           w_rows, w_cols, device)
     if bias is not None:
-        b = torch.as_tensor(bias if torch.is_tensor(bias) else np.asarray(bias, dtype=np.float64),
-                            device=device).to(torch.float64)
-        if tuple(b.shape) != (len(w), n):
-            raise ValueError(f"bias must have shape ({len(w)}, {n}); got {tuple(b.shape)}")
-        valid = np.flatnonzero(rows >= 0)
-        vt = torch.as_tensor(valid, device=device)
-        add = b.abs() if abs_values else b
-        out[vt] += add.index_select(0, torch.as_tensor(rows[valid], device=device))
+        add_expert_bias(out, rows, bias, len(w), magnitude=abs_values)
+    return out
+
+
+def add_expert_bias(out, rows, bias, num_experts: int, *, magnitude: bool = False):
+    """``out[r] += bias[rows[r]]`` (``|bias|`` with ``magnitude``) in float64 on every row with ``rows[r] >= 0``, in
+    place: :func:`device_expert_rows_gemm`'s bias step. ``out`` float64 ``[R, N]`` on a device, ``rows`` int NumPy
+    ``[R]``, ``bias`` float ``[num_experts, N]`` (tensor or array). Returns ``out``."""
+    torch = _torch()
+    device = out.device
+    n = int(out.shape[1])
+    b = torch.as_tensor(bias if torch.is_tensor(bias) else np.asarray(bias, dtype=np.float64),
+                        device=device).to(torch.float64)
+    if tuple(b.shape) != (num_experts, n):
+        raise ValueError(f"bias must have shape ({num_experts}, {n}); got {tuple(b.shape)}")
+    rows = np.asarray(rows, dtype=np.int64)
+    valid = np.flatnonzero(rows >= 0)
+    vt = torch.as_tensor(valid, device=device)
+    add = b.abs() if magnitude else b
+    out[vt] += add.index_select(0, torch.as_tensor(rows[valid], device=device))
     return out

@@ -1,0 +1,62 @@
+"""Write the `compare` timing table of docs/moe-gpu.md from bench_compare_device.py's JSON (never edited by hand).
+
+    python bench/report_compare_device.py docs/data/compare_device_*.json [--docs docs/moe-gpu.md] [--check]
+
+One row per run and token count, oldest run first: the reference's and `compare`'s medians over the interleaved
+rounds (min-max), the median of the per-round ratios, peak extra GPU memory, whether the reference's own output
+passed. Replaces the text between ``<!-- compare-device:begin -->`` and ``<!-- compare-device:end -->``;
+``--check`` exits 1 when the page differs from what the JSON gives (a test runs it on the committed JSON).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.docs_page import update_page  # noqa: E402
+
+BEGIN, END = "<!-- compare-device:begin -->", "<!-- compare-device:end -->"
+
+
+def _case(row: dict, name: str) -> dict:
+    return row["timing"]["cases"][name]
+
+
+def table(runs: list) -> str:
+    """The markdown table of ``runs`` (the JSON documents, any order)."""
+    runs = sorted(runs, key=lambda d: d["meta"]["date"])
+    out = ["`compare` of a device-engine reference run under `HOPPER_FP8_DEEPGEMM_DATA` against the reference's own "
+           "time (`bench/bench_compare_device.py`: DeepSeek-V3 layer, 256 experts, top-8, FP8 1x128 x 128x128, random "
+           "routing; the candidate is the reference's own bf16 output), median of the interleaved rounds (min-max), "
+           "the ratio the median of the per-round ratios; target 3x:", "",
+           "| measured | GPU | tree | tokens | reference, s | compare, s | compare / reference | peak extra GPU memory "
+           "| passed |", "|---|---|---|---|---|---|---|---|---|"]
+    for d in runs:
+        m = d["meta"]
+        tree = m.get("tree", "")
+        for r in d["rows"]:
+            ref, cmp_ = _case(r, "reference"), _case(r, "compare")
+            out.append(f"| {m['date']} | {m['gpu']} | {tree} | {r['tokens']} | {ref['median_s']:.3f} | "
+                       f"{cmp_['median_s']:.3f} ({cmp_['min_s']:.3f}-{cmp_['max_s']:.3f}) | **{r['compare_over_reference']:.2f}x** | "
+                       f"{r['peak_extra_gib']:.1f} GiB | {r['passed']} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", nargs="+")
+    ap.add_argument("--docs", default=os.path.join(os.path.dirname(__file__), "..", "docs", "moe-gpu.md"))
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args(argv)
+    runs = []
+    for path in args.json:
+        with open(path) as f:
+            runs.append(json.load(f))
+    return update_page(args.docs, BEGIN, END, table(runs), check=args.check,
+                       remedy="run bench/report_compare_device.py " + " ".join(args.json))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
