@@ -12,7 +12,8 @@ nothing), ``MP`` the step width padded with zero columns to a power of two of at
   products) from a second float64 dot of exponent powers, ``s = sum 2^(L x_a) 2^(L x_w)`` over the nonzero pairs,
   ``x = e - o`` with per-expert offsets ``o`` (the largest exponent of the expert's rows, of its weights: ``x <=
   0``; the exact form keeps ``x_a + x_w >= -55``, so every power and product is a normal float64), ``L =
-  floor(log2 MP) + 1``: at most ``MP < 2^L`` nonzero terms give ``2^(L M) <= s < 2^(L M + L)`` under any monotone
+  max(8, floor(log2 MP) + 1)`` (8 up to 128-column steps, so the division below is a shift; ``L <= 9`` keeps the
+  powers normal): at most ``MP < 2^L`` nonzero terms give ``2^(L M) <= s < 2^(L M + L)`` under any monotone
   rounding, so ``M = floor(floor(log2 s) / L)`` and ``s = 0`` exactly when the step has no nonzero product;
 * **steps form**: the step sum and the radius's step sum ``sum r^ |w|``, two dots;
 * the step's row summaries (largest and nonzero count of ``|a|`` in the exact form, of the scaled ``|a| + r^`` in
@@ -153,32 +154,33 @@ def _from_hi(hi):
 
 
 @triton.jit
+def _top_exponent(sb, oa, ow, LAM: tl.constexpr):
+    """``m_j + 1`` from the power sum's biased exponent field ``sb`` (``s > 0``): ``floor(floor(log2 s) / L)`` plus
+    the offsets, clamped to ``[-1020, 1024]`` (the exponent of ``2^(m_j + 1)``; 1024: infinity)."""
+    if LAM == 8:  # an arithmetic shift floors negative numerators too
+        m = ((sb - 1023) >> 3) + oa + ow
+    else:  # a nonnegative numerator, then back
+        m = (sb - 1023 + 100 * LAM) // LAM - 100 + oa + ow
+    return tl.minimum(tl.maximum(m, -1021) + 1, 1024)
+
+
+@triton.jit
 def _top_exact_hi(s, oa, ow, amax, wmax, wide, LAM: tl.constexpr):
     """The high word of :func:`_top_exact`'s ``T_j`` where every number the grid takes is normal (``NORMAL``): both
     candidates are powers of two or 0 with zero low words, so their minimum is that of the high words. ``s > 0``
     is ``s``'s exponent field being nonzero (``s`` is 0 or at least ``2^(-55 L)``, normal)."""
     sb = _biased(s)
-    if LAM == 8:
-        m = ((sb - 1023) >> 3) + oa + ow
-    else:
-        m = (sb - 1023 + 100 * LAM) // LAM - 100 + oa + ow
-    e = tl.minimum(tl.maximum(m, -1021) + 1, 1024)
-    p2m = tl.where(sb > 0, (e + 1023) << 20, 0)
+    p2m = tl.where(sb > 0, (_top_exponent(sb, oa, ow, LAM) + 1023) << 20, 0)
     r1 = _hi(((amax[:, None] * wmax[None, :]) * wide).to(tl.int64, bitcast=True)) & 0x7FF00000
     return tl.minimum(p2m, r1)
 
 
 @triton.jit
-def _top_exact(s, oa, ow, amax, wmax, wide, min_normal, LAM: tl.constexpr, NORMAL: tl.constexpr):
+def _top_exact(s, oa, ow, amax, wmax, wide, min_normal, LAM: tl.constexpr):
     """``T_j`` of the exact form: ``min(2^(m_j + 1), p2(max|a| max|w|))`` with ``m_j`` from the power sum ``s``."""
-    sb = _biased(s)  # s >= 0
-    if LAM == 8:  # floor(log2 s / L) as an arithmetic shift (it floors negative numerators too)
-        m = ((sb - 1023) >> 3) + oa + ow
-    else:  # a nonnegative numerator, then back
-        m = (sb - 1023 + 100 * LAM) // LAM - 100 + oa + ow
-    e = tl.minimum(tl.maximum(m, -1021) + 1, 1024)
+    e = _top_exponent(_biased(s), oa, ow, LAM)  # s >= 0
     p2m = tl.where(s > 0.0, ((e + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True), 0.0)
-    r1 = _grid_of(amax[:, None] * wmax[None, :], wide, min_normal, NORMAL)
+    r1 = _grid(amax[:, None] * wmax[None, :], wide, min_normal)
     return tl.where(p2m < r1, p2m, r1)
 
 
@@ -304,7 +306,7 @@ def _adder_mma_kernel(a_ptr, r_ptr, smax_ptr, snz_ptr, w_ptr, tab_ptr, ptab_ptr,
                     g0 = _hi((prev * wide).to(tl.int64, bitcast=True)) & 0x7FF00000
                     align = cnt * _from_hi(tl.maximum(top, g0))
                 else:
-                    top = _top_exact(pw, oa, ow, amax, wmax, wide, min_normal, LAM, NORMAL)
+                    top = _top_exact(pw, oa, ow, amax, wmax, wide, min_normal, LAM)
                     g0 = _grid_of(prev, wide, min_normal, NORMAL)
                     align = cnt * tl.where(top > g0, top, g0)
                 err = (err + align) + u2 * _grid_of((s_part + err) + align, wide, min_normal, NORMAL)
