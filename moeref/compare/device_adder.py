@@ -21,18 +21,20 @@ import numpy as np
 
 from .device_bounds import (
     DeviceBlock,
-    _with_parts,
     _chunk_scales,
     _codes_kt,
     _consts,
     _finite,
     _kt,
+    _or_zeros,
+    _put_rows,
     _quantum_max,
     _row_stats,
     _rows_of,
     _StackedExpert,
     _torch,
     _weights_kt,
+    _with_parts,
 )
 from .gemm_bounds import ORDER_CHUNK, ORDER_STEP, _MIN_NORMAL, adder_exact, adder_setup
 
@@ -139,15 +141,13 @@ def adder_bound(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bo
         out = _rows_of(st.g_prom * b_abs, counts).clone()
         return _with_parts(out, None, torch.zeros_like(out), rterm, center)
     want_term = rterm and radius is not None
-    term = torch.zeros((m, n), dtype=torch.float64, device=dev) if want_term else None
+    out = term = ctr = None  # made where a form holds only some rows (_put_rows)
     forms = _adder_forms(a, counts, ws, st, radius)
     starts = np.cumsum(counts) - np.asarray(counts)
     consts = _consts(dev, 2.0 * profile.accum_unit, st.g_prom, 1.0 + 2.0**-40, _MIN_NORMAL, 1.0 + 1e-9, 1.0, 0.0)
-    out = torch.zeros((m, n), dtype=torch.float64, device=dev)
     blk = torch.arange(-(-k // st.chunk), device=dev) * st.chunk
     termless = []  # groups whose radius term is computed apart (_radius_dot)
     # the product from the kernel: its chunks must be the product's segments
-    ctr = torch.zeros((m, n), dtype=torch.float64, device=dev) if center else None
     center_here = center and max(1, min(st.chunk, k)) == _segment(a.block[1], ws[0].block[1], k)
     for form in ("exact", "steps", "scaled"):
         sel = [g for g in range(len(ws)) if forms.form[g] == form and counts[g]]
@@ -156,6 +156,7 @@ def adder_bound(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bo
         rows = torch.as_tensor(np.concatenate([np.arange(starts[g], starts[g] + counts[g]) for g in sel]), device=dev)
         cnt = [counts[g] for g in sel]
         b_sel = b_abs[torch.as_tensor(sel, device=dev)].contiguous()
+        whole = int(rows.numel()) == m  # one form holds every row, in order: the kernel's outputs are the results
         if form == "scaled":
             fuse = (want_term and st.mma == ORDER_STEP and st.chunk == max(1, min(ORDER_CHUNK, k))
                     and all(forms.grid[g] is None for g in sel))
@@ -163,9 +164,9 @@ def adder_bound(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bo
             res, tr = adder_bound_t(a.dequantize().index_select(0, rows),
                                     None if radius is None else radius.index_select(0, rows), _scaled_weights(ws, sel),
                                     b_sel, consts, it, bm, chunk=st.chunk, mma=st.mma, rterm=fuse)
-            out[rows] = res
+            out = _put_rows(out, rows, res, m, whole=whole)
             if fuse:
-                term[rows] = tr
+                term = _put_rows(term, rows, tr, m, whole=whole)
             elif want_term:
                 termless += sel
             center_here = False
@@ -176,19 +177,16 @@ def adder_bound(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bo
         normal = form == "exact" and all(forms.quanta[g] * 2.0 * profile.accum_unit >= NORMAL_QUANTUM for g in sel)
         res, tr, cc = _adder_elements(a, rows, cnt, [ws[g] for g in sel], forms, sel, radius, st, blk, b_sel,
                                       consts, form, fuse, normal, center_here)
-        if int(rows.numel()) == m:  # one form holds every row, in order: the kernel's outputs are the results
-            out, term, ctr = res, (tr if fuse else term), (cc if center_here else ctr)
-            continue
-        out[rows] = res
+        out = _put_rows(out, rows, res, m, whole=whole)
         if fuse:
-            term[rows] = tr
+            term = _put_rows(term, rows, tr, m, whole=whole)
         if center_here:
-            ctr[rows] = cc
-    if termless:
-        for g in termless:
-            r = torch.arange(starts[g], starts[g] + counts[g], device=dev)
-            term[r] = _radius_dot(radius.index_select(0, r), ws[g])
-    return _with_parts(out, term, ctr if center_here else None, rterm, center)
+            ctr = _put_rows(ctr, rows, cc, m, whole=whole)
+    for g in termless:
+        r = torch.arange(starts[g], starts[g] + counts[g], device=dev)
+        term = _put_rows(term, r, _radius_dot(radius.index_select(0, r), ws[g]), m)
+    return _with_parts(_or_zeros(out, m, n, dev), _or_zeros(term, m, n, dev) if want_term else None,
+                       _or_zeros(ctr, m, n, dev) if center_here else None, rterm, center)
 
 
 def _adder_elements(a, rows, cnt, wsel, forms, sel, radius, st, blk, b_sel, consts, form: str, fuse: bool,

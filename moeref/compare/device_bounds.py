@@ -216,6 +216,25 @@ def _group_bound(a: DeviceBlock, counts, ws: list, profile, radius, b_abs, *, rt
     return _with_parts(out, None, None, rterm, center)
 
 
+def _put_rows(dst, rows, part, total: int, *, whole: bool = False):
+    """``dst`` with ``part`` (float64 ``[len(rows), N]``) at rows ``rows``: ``part`` itself where it holds every row in
+    order and nothing is written yet (``whole``), else scattered into ``dst``, made here as zeros ``[total, N]`` on
+    first use (``dst`` None). Results are made only where some rows are scattered (no float64 ``[R, N]`` of zeros
+    that a whole result would replace)."""
+    if whole and dst is None:
+        return part
+    if dst is None:
+        dst = _torch().zeros((total, int(part.shape[1])), dtype=part.dtype, device=part.device)
+    dst[rows] = part
+    return dst
+
+
+def _or_zeros(x, total: int, n: int, device):
+    """``x``, or float64 zeros ``[total, n]`` where no row was put (None)."""
+    torch = _torch()
+    return torch.zeros((total, n), dtype=torch.float64, device=device) if x is None else x
+
+
 def _with_parts(bound, term, product, rterm: bool, center: bool):
     """``bound``, or the tuple of it with the radius ``term`` (``rterm``) and the ``product`` (``center``) after it:
     what the bound functions return for those flags."""
@@ -426,10 +445,9 @@ def device_rows_error_bound(a, a_radius, row_expert, weights, bias, profile, *, 
     torch = _torch()
     dev = a.device
     n = _n_out(weights)
-    out = torch.zeros((len(row_expert), n), dtype=torch.float64, device=dev)
-    rad = torch.zeros_like(out) if radius_term else None
-    prod = torch.zeros_like(out) if center else None
     rows_all = len(row_expert)
+    out = rad = prod = None  # made where a group's rows are scattered (_put_rows)
+    with_prod = center  # the kernel gives the product for every group so far
     for es, idx, counts in _expert_groups(row_expert, weights, profile):
         # every row, already in expert order, one row a scale row: the operand itself (no gathers, no scatters)
         whole = int(a.block[0]) == 1 and idx.size == rows_all and bool((idx == np.arange(rows_all)).all())
@@ -439,31 +457,25 @@ def device_rows_error_bound(a, a_radius, row_expert, weights, bias, profile, *, 
         r = a_radius if a_radius is None or whole else a_radius.index_select(0, it)
         b = (torch.zeros((len(es), n), dtype=torch.float64, device=dev) if bias is None
              else bias.index_select(0, torch.as_tensor(es, device=dev)).abs())
-        got = _group_bound(ag, counts, ws, profile, r, b, rterm=radius_term, center=prod is not None)
-        got = got if radius_term or prod is not None else (got,)
-        term = None
+        got = _group_bound(ag, counts, ws, profile, r, b, rterm=radius_term, center=with_prod)
+        got = got if radius_term or with_prod else (got,)
+        out = _put_rows(out, it, got[0], rows_all, whole=whole)
         if radius_term:
             term = got[1]
             if term is None:
                 from .device_adder import radius_dots
 
                 term = radius_dots(r, counts, ws)
-        part = None if prod is None else got[-1]
-        if prod is not None and part is None:  # not from the kernel for these rows: the caller computes the product
-            prod = None
-        if whole:
-            out, rad, prod = got[0], term, part
-        else:
-            out[it] = got[0]
-            if radius_term:
-                rad[it] = term
-            if prod is not None:
-                prod[it] = part
+            rad = _put_rows(rad, it, term, rows_all, whole=whole)
+        if with_prod and got[-1] is None:  # not from the kernel for these rows: the caller computes the product
+            with_prod, prod = False, None
+        elif with_prod:
+            prod = _put_rows(prod, it, got[-1], rows_all, whole=whole)
         del ws
-    head = (rad, out) if radius_term else (out,)
-    if center:
-        return head + (prod,)
-    return head if radius_term else out
+    out = _or_zeros(out, rows_all, n, dev)
+    res = ((_or_zeros(rad, rows_all, n, dev), out) if radius_term else (out,)) + \
+        ((_or_zeros(prod, rows_all, n, dev) if with_prod else None,) if center else ())
+    return res if len(res) > 1 else out
 
 
 def device_rows_radius_term(radius, row_expert, weights):

@@ -14,7 +14,8 @@ Stage by stage, what runs where:
   :mod:`moeref.compare.device_emulated` (the kernel predicted bit for bit);
 * GEMM error bounds and the operand-radius term: :mod:`moeref.compare.device_bounds` (Triton kernels,
   the declared summation orders of :mod:`moeref.compare.gemm_bounds`);
-* stores: :func:`moeref.moe.device.round_on_device` (the NumPy casts' roundings);
+* stores: :func:`moeref.moe.device.round_on_device` (the NumPy casts' roundings), the interval in one pass of
+  :mod:`moeref.compare._store_kernels` (the operations of :func:`store_interval_torch`);
 * activation and its Lipschitz bound: the portable elementary functions (:mod:`moeref.elementary`), for the
   SiLU-gated activations in one pass of :mod:`moeref.compare._activation_kernels` (the same operations);
 * the flip-aware re-quantization of the intermediate (:func:`requant_uncertainty`), valid rows only: on the

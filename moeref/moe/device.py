@@ -91,7 +91,7 @@ def _weights_gemm(a: DeviceOperand, row_expert, w, bias):
     if isinstance(w, StackedExperts):
         return device_expert_rows_gemm(a, row_expert, w, bias)
     # float [E, N, K]: each expert one block of scale 1 (not quantized: float64-accurate partial dots)
-    from ..gemm.device import _product
+    from ..gemm.device import _product, add_expert_bias
 
     rows = np.asarray(row_expert, dtype=np.int64)
     n = int(w.shape[1])
@@ -103,9 +103,7 @@ def _weights_gemm(a: DeviceOperand, row_expert, w, bias):
         _product(ae.decode(), ae.scales, ae.block, we, torch.ones((1, 1), dtype=torch.float64, device=w.device),
                  (n, int(w.shape[2])), out, idx)
     if bias is not None:
-        valid = np.flatnonzero(rows >= 0)
-        vt = torch.as_tensor(valid, device=w.device)
-        out[vt] += bias.index_select(0, torch.as_tensor(rows[valid], device=w.device))
+        add_expert_bias(out, rows, bias, int(w.shape[0]))
     return out
 
 
