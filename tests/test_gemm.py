@@ -128,6 +128,29 @@ def test_bf16_operands_are_float64_accurate():
     assert np.all(np.abs(got - want) <= 77 * 2.0**-53 * _abs_sum(a.astype(np.float64), b.astype(np.float64)))
 
 
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32])
+def test_float_operands_sum_in_k_order_whatever_the_rows_of_the_call(dtype):
+    """A float pair's K-sum is the sequential float64 sum of the products in k order from +0.0 (written
+    here as a scalar loop), so a row gives the same bits alone, in a batch and among other rows: the
+    distributed layer's shared experts and redundant replicas rely on it (BLAS rounds a one-row call
+    differently from a two-row one)."""
+    a = (RNG.standard_normal((5, 67)) * np.exp2(RNG.integers(-20, 20, (5, 67)))).astype(dtype)
+    b = (RNG.standard_normal((4, 67)) * np.exp2(RNG.integers(-20, 20, (4, 67)))).astype(dtype)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    want = np.zeros((5, 4))
+    for i in range(5):
+        for j in range(4):
+            acc = 0.0
+            for k in range(67):
+                acc = acc + float(a64[i, k]) * float(b64[j, k])
+            want[i, j] = acc
+    got = block_gemm(a, b)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    for i in range(5):
+        np.testing.assert_array_equal(_bits(block_gemm(a[i:i + 1], b)), _bits(want[i:i + 1]))
+    np.testing.assert_array_equal(_bits(block_gemm(a[::-1], b)), _bits(want[::-1]))
+
+
 def test_quantum_and_partial_dot_exactness_bound():
     """E4M3: quantum 2^-9, max 448: 36 + log2(g) bits, exact up to g = 2^17 and not beyond."""
     assert quantum_and_max(np.array([448.0, 2.0**-9, -3.0])) == (2.0**-9, 448.0)

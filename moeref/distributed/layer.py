@@ -16,12 +16,10 @@ same function (:func:`moeref.dispatch.weight_and_reduce`) in the same order. Wha
 * **Exact GEMMs** (quantized weights and quantized ``a1``/``a2``: :func:`moeref.gemm.block_gemm`'s
   partial dots are exact and its segment sum has a fixed order): a row's result does not depend on
   the other rows of the call, so any placement qualifies, redundant replicas included.
-* **Float operands** (unquantized weights or activations): the K-sum is float64-accurate, computed by
-  BLAS, whose rounding may depend on how many rows share the call. Each expert then sees the same
-  rows in the same order as in the single-process run for every placement **without redundant
-  experts** (receive order is source rank, then token), so the output is still bit-identical. With
-  redundant replicas a logical expert's rows are split over its replicas: the output may differ by a
-  few float64 ulps (measured: 4.4e-16 on outputs of magnitude ~1), far below any kernel's error.
+* **Float operands** (unquantized weights or activations): the K-sum is float64-accurate and has a
+  fixed order per output element (:func:`moeref.gemm.block_gemm`), so a row's result does not depend
+  on the other rows of the call either: any placement qualifies, redundant replicas included, and the
+  shared experts (run on each source rank's own tokens) give the single-process bits.
 * Activation quantizers that are row-local (per token, 1xG groups, MX blocks) or static. A dynamic
   per-*tensor* scale is computed over the rows a rank holds, so, like vLLM's chunks, it depends on
   the split (the single-process reference differs the same way under ``chunk_size``).

@@ -37,13 +37,16 @@ Where the result is exact and where it is float64-accurate:
   ``1e-16`` of the absolute-value sum (far below any low-precision kernel's error).
 * **float64-accurate** also for bf16/fp16/fp32 operands (one block, scale 1): products of two bf16
   are exact in float64 (16-bit significands) and of fp32 too (48 bits), but the sum over K is not:
-  ``|C - C_exact| <= gamma_{K}(2^-53) * sum_k |a_k b_k|``.
+  ``|C - C_exact| <= gamma_{K}(2^-53) * sum_k |a_k b_k|``. The sum's order is fixed (in ``k`` order,
+  per output element), so the result is still a function of the row and the column alone.
 
 How it is computed (two paths, the same float64 result bit for bit):
 
-* **Per-segment loop** (any operand not quantized, where the partial dots are float64-accurate and
-  so depend on the BLAS call): one BLAS call ``[M, g] @ [g, N]`` per segment over all rows and
-  columns, then ``p *= sa; p *= sb; out += p`` in segment order.
+* **Per-segment loop** (any operand not quantized, where the partial dots are float64-accurate):
+  ``P_s`` is the sequential float64 sum of the segment's products in ``k`` order from +0.0 (no BLAS,
+  whose rounding depends on how many rows share a call), then ``p *= sa; p *= sb; out += p`` in
+  segment order. Each output element's arithmetic is fixed by its own row and column, so a row gives
+  the same bits alone, in any batch, in any chunk and on any expert-parallel rank.
 * **Blocked** (both operands quantized: every ``P_s`` is exact, so how BLAS sums it cannot matter):
   the same ``p *= sa; p *= sb`` and the same in-order sum from +0.0 per output element, computed
   over blocks of ``B``'s rows and steps of a few segments so that the decoded float64 block of
@@ -365,18 +368,29 @@ def block_gemm(a, b, *, name_a: str = "a", name_b: str = "b") -> np.ndarray:
 
 
 def _gemm_segments(a: BlockOperand, b: BlockOperand, g: int, out: np.ndarray) -> None:
-    """The definition, one segment at a time over all of ``A`` and ``B``: one BLAS call per segment."""
+    """The definition for a pair with a float operand, one segment at a time over all of ``A`` and
+    ``B``: ``P_s`` is the sequential float64 sum, in ``k`` order from +0.0, of the products
+    ``a[m, k] * b[n, k]`` (each product exact for operands of 26 significand bits or fewer: bf16,
+    fp16, fp32 and every low-precision format). The order is fixed per output element, so a row's
+    result does not depend on the other rows of the call (a BLAS call's rounding does: one row goes
+    through a matrix-vector kernel, two rows through a matrix-matrix one); products and sums are
+    separate roundings (no fused multiply-add)."""
     m, k = a.shape
     n = b.shape[0]
     bra, bka = a.block
     brb, bkb = b.block
     row_a = np.arange(m) // bra
     row_b = np.arange(n) // brb
-    bt = b.values.T  # [K, N] view: BLAS reads it transposed
+    av = np.asarray(a.values, dtype=np.float64)
+    bt = np.ascontiguousarray(np.asarray(b.values, dtype=np.float64).T)  # [K, N]: one row per k
+    p = np.empty((m, n))
+    prod = np.empty((m, n))
     for start in range(0, k, g):
         stop = min(start + g, k)
-        # float64 products and sums (values may be stored as exact float32)
-        p = a.values[:, start:stop].astype(np.float64, copy=False) @ bt[start:stop].astype(np.float64, copy=False)
+        p.fill(0.0)
+        for kk in range(start, stop):  # the K-sum in k order (module docstring)
+            np.multiply(av[:, kk, None], bt[kk][None, :], out=prod)
+            p += prod
         sa = a.scales[row_a, start // bka]
         sb = b.scales[row_b, start // bkb]
         p *= sa[:, None]
