@@ -144,7 +144,7 @@ def bad_input_task(g, case):
         ids[:, 0], ids[:, 1] = 0, 4 + np.arange(tokens)  # every token to expert 0 (rank 0): it receives 4 * 3 rows
     if case == "ids" and g.rank == 3:
         ids[1, 1] = 99
-    x = make_tokens(tokens, hidden, seed=g.rank)
+    x = make_tokens(tokens + (case == "rows" and g.rank == 2), hidden, seed=g.rank)
     ep_dispatch(x, ids, w, ep_placement(n_exp, ep_size, strategy), g, **kw)
     return "no error"
 
@@ -159,6 +159,8 @@ def bad_input_task(g, case):
     ("recv_bound", r"rank 0 would receive 12 tokens \(from ranks \[3, 3, 3, 3\]\), more than the declared bound "
                    r"max_recv_tokens=6", None),
     ("ids", r"ranks \[3\] rejected their dispatch inputs", (3, r"rank 3: topk_ids\[1, 1\] = 99")),
+    ("rows", r"ranks \[2\] rejected their dispatch inputs", (2, r"rank 2: hidden has 4 rows \(shape \(4, 8\)\) but "
+                                                                 r"topk_weights has 3")),
 ])
 def test_bad_input_raises_the_same_clear_error_on_every_rank(world, case, everyone, own):
     t0 = time.monotonic()
