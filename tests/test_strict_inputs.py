@@ -10,7 +10,7 @@ import torch
 
 from moeref.dispatch import apply_router_weight_on_input, moe_permute, to_batched, to_contiguous, to_masked
 from moeref.moe import fused_moe, make_layer, make_tokens, prepare, run_moe
-from moeref.testing import kernel_inputs
+from moeref.testing import MoEMismatch, kernel_inputs
 
 E, K, N = 4, 64, 32
 ROWS = r"hidden has 11 rows \(shape \(11, 64\)\) but topk_weights has 12 \(shape \(12, 2\)\)"
@@ -103,3 +103,64 @@ def test_kernel_inputs_rejects_row_top_k_and_size_mismatches(layer):
         kernel_inputs(make_tokens(12, K), layer, w, ids[:, 0])
     ki = kernel_inputs(make_tokens(12, K), (w13[:, :N], w2), w, ids)  # non-gated: w13 [E, N, K]
     assert ki.w13.shape == (E, N, K) and ki.hidden.dtype == np.dtype(ml_dtypes.bfloat16)
+
+
+# ------------------------------------------------------------------ the candidate's dtype and the argument order
+
+
+def _bf16_case(layer):
+    w, ids = _routing(13)
+    ki = kernel_inputs(make_tokens(13, K), layer, w, ids)
+    return ki, ki.reference().out  # the exact layer rounded once to bf16: inside every bf16 profile
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_a_candidate_not_stored_in_the_declared_bf16_passes_no_bf16_profile(layer, dtype):
+    from moeref.testing import assert_moe_close
+
+    ki, out = _bf16_case(layer)
+    assert assert_moe_close(out, ki, "BF16_OUTPUT").passed
+    assert assert_moe_close(torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16), ki, "BF16_OUTPUT").passed
+    wide = out.astype(np.float32).astype(dtype)  # the same values, stored wider: no bf16 kernel returns this
+    name = np.dtype(dtype).name
+    for cand in (wide, torch.from_numpy(wide)):
+        with pytest.raises(TypeError, match=rf"the candidate is {name} but profile BF16_OUTPUT declares a bfloat16 "
+                                            r"output store \(Profile.out_dtype='bfloat16'\).*EXACT, FP32_ACCUM"):
+            assert_moe_close(cand, ki, "BF16_OUTPUT")
+    with pytest.raises(MoEMismatch):  # no store declared: any dtype is checked (and this one exceeds FP32 rounding)
+        assert_moe_close(wide, ki, "FP32_ACCUM")
+
+
+def test_a_grouped_gemm_candidate_must_have_the_declared_gemm_store(layer):
+    from moeref.testing import assert_grouped_gemm_close
+
+    w = np.stack([np.eye(2), 2 * np.eye(2)]).astype(np.float32)
+    a = np.array([[1.0, 3.0], [2.0, 5.0]], np.float32)
+    out = np.array([[1.0, 3.0], [4.0, 10.0]])
+    kw = dict(layout="contiguous", m_indices=np.array([0, 1]))
+    assert assert_grouped_gemm_close(out.astype(ml_dtypes.bfloat16), a, w, "BF16_OUTPUT", **kw).passed
+    with pytest.raises(TypeError, match=r"the candidate is float32 but profile BF16_OUTPUT declares a bfloat16 output "
+                                        r"store \(Profile.gemm_out_dtype='bfloat16'\)"):
+        assert_grouped_gemm_close(out.astype(np.float32), a, w, "BF16_OUTPUT", **kw)
+    assert assert_grouped_gemm_close(out.astype(np.float32), a, w, "FP32_ACCUM", **kw).passed
+
+
+def test_arguments_in_the_wrong_order_say_what_was_expected(layer):
+    from moeref.compare import compare
+    from moeref.testing import assert_moe_close
+
+    ki, out = _bf16_case(layer)
+    t = torch.from_numpy(out.astype(np.float32)).to(torch.bfloat16)
+    with pytest.raises(TypeError, match=r"assert_moe_close\(candidate, reference_run, profile\): candidate must be the "
+                                        r"kernel's output, a NumPy array or a torch tensor; got KernelInputs \(the "
+                                        r"arguments swapped\? the kernel's output comes first\)"):
+        assert_moe_close(ki, t, "BF16_OUTPUT")
+    with pytest.raises(TypeError, match=r"the reference must be a KernelInputs .* got ndarray \(an output array"):
+        assert_moe_close(t, out, "BF16_OUTPUT")
+    with pytest.raises(TypeError, match=r"compare\(candidate, reference, profile\): candidate must be .* got LayerCase"):
+        compare(ki.layer_case(), t, "BF16_OUTPUT")
+    with pytest.raises(TypeError, match=r"grouped_gemm_report: candidate must be the kernel's output, .* got KernelInputs"):
+        from moeref.testing import assert_grouped_gemm_close
+
+        assert_grouped_gemm_close(ki, np.zeros((2, 2), np.float32), [np.eye(2)], "FP32_ACCUM", layout="contiguous",
+                                  m_indices=np.zeros(2, np.int32))

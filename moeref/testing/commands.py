@@ -96,6 +96,7 @@ def _cmd_check(args) -> int:
     from ..compare import compare, get_profile, suggest_profile
     from ..moe import run_moe
     from ..moe.mapping import from_flashinfer_cutlass, from_vllm_fused_experts
+    from .asserts import check_candidate_dtype
 
     inputs, cand_path = Path(args.inputs), Path(args.candidate)
     t = _load_tensors(inputs)
@@ -132,6 +133,7 @@ def _cmd_check(args) -> int:
     else:
         profile = suggest_profile(w13.dtype.name, cand.dtype.name, kernel=args.kernel)
         why = f"suggested from the dtypes (weights {w13.dtype.name}, output {cand.dtype.name}); --profile to choose"
+    check_candidate_dtype(cand, profile)
     report = compare(cand, run_moe(**kw), profile, label=f"{cand_path.name} vs {inputs.name}")
     if args.json:
         _print_json(dict(report.to_dict(), profile_choice=why))
@@ -162,7 +164,13 @@ def _cmd_mutate(args) -> int:
     kernel = _import(args.kernel)
     check = _import(args.check) if args.check else None
     cases = draw_cases(args.cases, seed=args.seed)
-    res = mutation_score(kernel, cases, check, profile=args.profile or "BF16_OUTPUT")
+    try:
+        res = mutation_score(kernel, cases, check, profile=args.profile or "BF16_OUTPUT")
+    except Exception as exc:  # noqa: BLE001 - re-raised unless it came from the user's own code
+        status = _user_code_failed(exc, args)
+        if status is None:
+            raise
+        return status
     if args.json:
         _print_json(res.to_dict())
     else:
@@ -170,6 +178,25 @@ def _cmd_mutate(args) -> int:
     if res.baseline_failures:
         return 1
     return 0 if args.min_score is None or res.score >= args.min_score else 1
+
+
+def _user_code_failed(exc, args) -> int | None:
+    """When ``exc`` came from the user's kernel wrapper or ``--check`` on an unmutated case
+    (:func:`moeref.testing.mutation_score` sets ``moeref_origin``): print its traceback and say whose it is;
+    status 2. None for any other error (the default check's errors are moeref's: one line, from ``main``)."""
+    import traceback
+
+    what, case = getattr(exc, "moeref_origin", (None, None))
+    if what is None or (what == "check" and not args.check):
+        return None
+    traceback.print_exception(type(exc), exc, exc.__traceback__)
+    if what == "kernel":
+        role, spec, rule = "kernel wrapper", args.kernel, "it must return the output [M, K] of the case it is given"
+    else:
+        role, spec, rule = "check", args.check, "it must return None or raise AssertionError (a mismatch)"
+    print(f"moeref mutate: the error above was raised by your {role} {spec} on case {case} (unmutated inputs), "
+          f"not by moeref: {rule}", file=sys.stderr)
+    return 2
 
 
 def add_subcommands(sub) -> None:
