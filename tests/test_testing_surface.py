@@ -62,3 +62,74 @@ def test_a_closed_pipe_ends_a_command_quietly():
         status, err = _run_into_closed_pipe(*args)
         assert "Traceback" not in err and "BrokenPipeError" not in err, (args, err)
         assert status == 1 and err == "", (args, status, err)
+
+
+# ------------------------------------------------------------------ moeref mutate and the user's own code
+
+USER_MODULE = '''
+from kernels_for_tests import eager_bf16_moe
+from moeref.testing import assert_moe_close
+
+SEEN = []
+
+
+def kernel(ki):
+    return eager_bf16_moe(**ki.torch())
+
+
+def kernel_fp32(ki):
+    return eager_bf16_moe(**ki.torch()).float()
+
+
+def check_types(ki, out):
+    SEEN.append((type(out).__name__, out.dtype, out.device.type))
+    assert_moe_close(out, ki, "TORCH_EAGER_BF16")
+
+
+def check_broken(ki, out):
+    raise RuntimeError("boom in the user's check")
+'''
+
+
+def _user_module(tmp_path, monkeypatch, name):
+    (tmp_path / f"{name}.py").write_text(USER_MODULE)
+    monkeypatch.chdir(tmp_path)  # moeref mutate imports MODULE:FUNCTION from the working directory
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    return importlib.import_module(name)
+
+
+def test_mutation_score_hands_the_check_the_kernels_tensor(tmp_path, monkeypatch):
+    import torch
+
+    from moeref.testing import draw_cases, mutation_score
+
+    mod = _user_module(tmp_path, monkeypatch, "user_kernel_types")
+    res = mutation_score(mod.kernel, draw_cases(1, max_tokens=24), mod.check_types)
+    assert not res.baseline_failures and not res.errors and sum(res.tried.values()) >= 2
+    # the unmutated output, each input mutant and each corrupted output: a bf16 CPU tensor, as the kernel returns
+    assert len(mod.SEEN) == 1 + sum(res.tried.values())
+    assert set(mod.SEEN) == {("Tensor", torch.bfloat16, "cpu")}
+
+
+def test_moeref_mutate_names_the_users_check_and_prints_its_traceback(tmp_path, monkeypatch, capsys):
+    from moeref.cli import main
+
+    _user_module(tmp_path, monkeypatch, "user_kernel_broken")
+    status = main(["mutate", "user_kernel_broken:kernel", "--check", "user_kernel_broken:check_broken", "--cases", "1",
+                   "--max-tokens", "24"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "Traceback (most recent call last)" in err and "RuntimeError: boom in the user's check" in err
+    assert "raised by your check user_kernel_broken:check_broken on case 0" in err
+
+
+def test_moeref_mutate_default_check_rejects_a_wider_output_in_one_line(tmp_path, monkeypatch, capsys):
+    from moeref.cli import main
+
+    _user_module(tmp_path, monkeypatch, "user_kernel_fp32")
+    status = main(["mutate", "user_kernel_fp32:kernel_fp32", "--cases", "1", "--max-tokens", "24"])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert err.startswith("moeref mutate: the candidate is float32 but profile BF16_OUTPUT declares a bfloat16")

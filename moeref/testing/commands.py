@@ -163,7 +163,7 @@ def _cmd_mutate(args) -> int:
 
     kernel = _import(args.kernel)
     check = _import(args.check) if args.check else None
-    cases = draw_cases(args.cases, seed=args.seed)
+    cases = draw_cases(args.cases, seed=args.seed, max_tokens=args.max_tokens)
     try:
         res = mutation_score(kernel, cases, check, profile=args.profile or "BF16_OUTPUT")
     except Exception as exc:  # noqa: BLE001 - re-raised unless it came from the user's own code
@@ -201,6 +201,8 @@ def _user_code_failed(exc, args) -> int | None:
 
 def add_subcommands(sub) -> None:
     """Register ``replay``, ``check`` and ``mutate`` on the ``moeref`` command's subparsers."""
+    from .cases import DEFAULT_MAX_TOKENS
+
     p = sub.add_parser("replay", help="re-run a saved failing case (reproducer) and print its report")
     p.add_argument("file", help="<stem>.json or <stem>.safetensors written by the pytest plugin")
     p.add_argument("--profile", help="check under this profile instead of the saved one")
@@ -224,8 +226,10 @@ def add_subcommands(sub) -> None:
     p.add_argument("kernel", help="MODULE:FUNCTION, a wrapper KernelInputs -> output [M, K]")
     p.add_argument("--check", help="MODULE:FUNCTION, (KernelInputs, output) -> None, raising AssertionError")
     p.add_argument("--profile", help="profile of the default check (default BF16_OUTPUT)")
-    p.add_argument("--cases", type=int, default=8, help="cases drawn from moeref.testing.moe_cases (default 8)")
+    p.add_argument("--cases", type=int, default=8, help="cases from moeref.testing.draw_cases (default 8)")
     p.add_argument("--seed", type=int, default=0, help="offset of the deterministic draw")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"largest token count of the drawn cases (default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--min-score", type=float, help="exit 1 if the score is below this fraction")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_cmd_mutate)
