@@ -227,7 +227,7 @@ def add_subcommands(sub) -> None:
     p.add_argument("--check", help="MODULE:FUNCTION, (KernelInputs, output) -> None, raising AssertionError")
     p.add_argument("--profile", help="profile of the default check (default BF16_OUTPUT)")
     p.add_argument("--cases", type=int, default=8, help="cases from moeref.testing.draw_cases (default 8)")
-    p.add_argument("--seed", type=int, default=0, help="offset of the deterministic draw")
+    p.add_argument("--seed", type=int, default=0, help="seed of the drawn cases (each seed gives another set)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help=f"largest token count of the drawn cases (default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--min-score", type=float, help="exit 1 if the score is below this fraction")
