@@ -78,3 +78,10 @@ def test_moe_cases_draws_consistent_layer_calls(ki):
     assert np.all((ki.topk_ids >= -1) & (ki.topk_ids < e))
     pad = np.all(ki.topk_ids == -1, axis=1)
     assert np.all(ki.topk_weights[pad] == 0) and not np.any(ki.topk_ids[~pad] == -1)
+
+
+def test_repeated_experts_are_drawn_only_when_named():
+    cases = draw_cases(4, kinds=("repeated_experts",), max_experts=3, max_top_k=2)
+    two = [c for c in cases if c.topk_ids.shape[1] == 2]
+    assert two and all(c.topk_ids[0, 0] == c.topk_ids[0, 1] for c in two)  # token 0 picks one expert twice
+    assert all(len(set(row)) == len(row) for c in draw_cases(24) for row in c.topk_ids.tolist())
