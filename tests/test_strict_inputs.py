@@ -157,9 +157,11 @@ def test_arguments_in_the_wrong_order_say_what_was_expected(layer):
         assert_moe_close(ki, t, "BF16_OUTPUT")
     with pytest.raises(TypeError, match=r"the reference must be a KernelInputs .* got ndarray \(an output array"):
         assert_moe_close(t, out, "BF16_OUTPUT")
-    with pytest.raises(TypeError, match=r"compare\(candidate, reference, profile\): candidate must be .* got LayerCase"):
+    with pytest.raises(TypeError,
+                       match=r"compare\(candidate, reference, profile\): candidate must be .* got LayerCase"):
         compare(ki.layer_case(), t, "BF16_OUTPUT")
-    with pytest.raises(TypeError, match=r"grouped_gemm_report: candidate must be the kernel's output, .* got KernelInputs"):
+    with pytest.raises(TypeError,
+                       match=r"grouped_gemm_report: candidate must be the kernel's output, .* got KernelInputs"):
         from moeref.testing import assert_grouped_gemm_close
 
         assert_grouped_gemm_close(ki, np.zeros((2, 2), np.float32), [np.eye(2)], "FP32_ACCUM", layout="contiguous",

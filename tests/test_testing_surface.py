@@ -68,7 +68,8 @@ def test_a_closed_pipe_ends_a_command_quietly(tmp_path):
     ki = kernel_inputs(make_tokens(5, 64), make_layer(4, 64, 32, seed=0), np.full((5, 2), 0.5, np.float32), ids)
     save_file(ki.torch(), str(tmp_path / "inputs.safetensors"))
     save_file({"out": ki.torch()["hidden_states"] * 0}, str(tmp_path / "out.safetensors"))  # a failing output
-    check = ("check", str(tmp_path / "inputs.safetensors"), str(tmp_path / "out.safetensors"), "--profile", "BF16_OUTPUT")
+    check = ("check", str(tmp_path / "inputs.safetensors"), str(tmp_path / "out.safetensors"),
+             "--profile", "BF16_OUTPUT")
     for args in (("formats", "--json"), ("formats",), ("explain", "mxfp8", "--json"), check + ("--json",), check):
         status, err = _run_into_closed_pipe(*args)
         assert "Traceback" not in err and "BrokenPipeError" not in err, (args, err)

@@ -188,9 +188,9 @@ class Report:
             f"cosine={mt['cosine']:.6f} max_abs={mt['max_abs']:.3g}"
         )
         if self.flips:
-            lines.append(f"  intermediate flips allowed: {self.flips} (GEMM output, activation or re-quantized elements "
-                         "so close to a rounding boundary that the declared arithmetic may round them either way; "
-                         "the bound covers both)")
+            lines.append(f"  intermediate flips allowed: {self.flips} (GEMM output, activation or re-quantized "
+                         "elements so close to a rounding boundary that the declared arithmetic may round them "
+                         "either way; the bound covers both)")
         lines.append("  conventional: " + ", ".join(f"{n}: {'pass' if ok else 'FAIL'}" for n, ok in self.checks.items()))
         for w in self.worst_tokens():
             lines.append(

@@ -176,11 +176,12 @@ def draw_cases(n: int, strategy=None, *, seed: int = 0, max_tokens: int = DEFAUL
     """``n`` layer calls, deterministic for a given ``seed``, spread over the sizes a kernel must get right.
 
     By default (no ``strategy``): token counts spread over ``[1, max_tokens]`` on a log scale leaning to the
-    large end (:func:`_token_counts`: distinct, off multiples of 16), each paired with an expert count of ``2, 3, 4, 6, 8, 12, 16...`` up to
-    ``max_experts`` (1 only when ``max_experts`` is 1), a top-k of ``1..min(max_top_k, E)``, a routing kind of
-    ``kinds``, a K of ``hidden`` and an N of ``intermediate``, each cycled in a shuffled order so every value
-    appears as often as ``n`` allows; the cases come in ascending token count. Raise ``max_tokens`` (e.g.
-    4096) where the kernel and the reference are fast: the tiles a bug lives in need rows.
+    large end (:func:`_token_counts`: distinct, off multiples of 16), each paired with an expert count of
+    ``2, 3, 4, 6, 8, 12, 16...`` up to ``max_experts`` (1 only when ``max_experts`` is 1), a top-k of
+    ``1..min(max_top_k, E)``, a routing kind of ``kinds``, a K of ``hidden`` and an N of ``intermediate``,
+    each cycled in a shuffled order so every value appears as often as ``n`` allows; the cases come in
+    ascending token count. Raise ``max_tokens`` (e.g. 4096) where the kernel and the reference are fast:
+    the tiles a bug lives in need rows.
 
     With a Hypothesis ``strategy`` (e.g. :func:`moe_cases` with other choices): ``n`` distinct examples drawn
     with ``derandomize`` (``seed`` skips the first ``seed``); Hypothesis (>= 6.131) mixes constants found in
