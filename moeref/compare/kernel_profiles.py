@@ -83,6 +83,8 @@ __all__ = [
     "TORCH_EAGER_BF16",
     "VLLM_MOE_SUM_BF16",
     "BF16_OUTPUT_FP32_ACT",
+    "BF16_OUTPUT_BIAS_AFTER_STORE",
+    "BF16_OUTPUT_BIAS_INIT",
     "TRITON_FP8_BLOCK_EXACT",
     "KERNEL_PROFILES",
     "get_profile",
@@ -124,6 +126,15 @@ BF16_OUTPUT_FP32_ACT = replace(
     "with scales on partial sums inside a scale block, bf16 GEMM outputs, the activation quantized from FP32 "
     "(no bf16 store), FP32 top-k sum, bf16 output")
 
+BF16_OUTPUT_BIAS_AFTER_STORE = replace(
+    BF16_OUTPUT, name="BF16_OUTPUT_BIAS_AFTER_STORE", bias_add="after_store",
+    description="BF16_OUTPUT with each GEMM output stored in bf16 before its bias: the bias added to the stored "
+    "value in FP32 and the sum stored in bf16 again (torch x @ w.T + b on bf16 tensors; gpt-oss's torch reference)")
+BF16_OUTPUT_BIAS_INIT = replace(
+    BF16_OUTPUT, name="BF16_OUTPUT_BIAS_INIT", bias_add="accumulator_init",
+    description="BF16_OUTPUT with the bias as the FP32 accumulator's initial value (acc = b; acc += a w), the sum "
+    "stored in bf16")
+
 TRITON_FP8_BLOCK_EXACT = replace(
     DEEPGEMM_FP8_EXACT, name="TRITON_FP8_BLOCK_EXACT", promotion_order="a_then_b",
     description="fastpath.grouped_gemm's Triton FP8 block GEMM (1x128 x 128x128, FP32 scales) on Hopper, emulated "
@@ -132,7 +143,7 @@ TRITON_FP8_BLOCK_EXACT = replace(
 
 KERNEL_PROFILES = {p.name: p for p in (DEEPGEMM_FP8, CUBLAS_FP8, CUBLAS_FP8_FAST_ACCUM, CUTLASS_BF16_GROUPED_MM,
                                        TORCH_EAGER_BF16, VLLM_MOE_SUM_BF16, BF16_OUTPUT_FP32_ACT,
-                                       TRITON_FP8_BLOCK_EXACT)}
+                                       BF16_OUTPUT_BIAS_AFTER_STORE, BF16_OUTPUT_BIAS_INIT, TRITON_FP8_BLOCK_EXACT)}
 PROFILES.update(KERNEL_PROFILES)  # one name table: moeref.compare.PROFILES
 
 
