@@ -205,3 +205,15 @@ def test_grouped_bias_is_validated():
         assert_grouped_gemm_close(out, a, w, "BF16_OUTPUT", m_indices=rows, bias=np.zeros((3, 48), np.int32))
     with pytest.raises(ValueError, match="predicts a bias-free GEMM bit for bit"):
         assert_grouped_gemm_close(out, a, w, "DEEPGEMM_FP8_EXACT", m_indices=rows, bias=b)
+
+
+def test_device_engine_refuses_a_bias_placement_it_does_not_bound():
+    """The device engine bounds the epilogue bias only: a biased layer under another placement raises,
+    naming the profile and the way out, instead of a bound of another arithmetic."""
+    pytest.importorskip("triton")
+    lw = make_layer(2, 64, 32, seed=1, bias=True)
+    r = softmax_topk(np.random.default_rng(0).standard_normal((5, 2)), 1)
+    run = run_moe(make_tokens(5, 64), lw, r.weights, r.ids, device="cpu")
+    with pytest.raises(ValueError, match="device engine bounds bias_add='epilogue' only; profile BF16_OUTPUT_BIAS_INIT"):
+        layer_bound(run, "BF16_OUTPUT_BIAS_INIT")
+    assert layer_bound(run, "BF16_OUTPUT").bound.shape == (5, 64)
