@@ -99,7 +99,7 @@ _CELL = {
 # ---------------------------------------------------------------------------------- every default, one rule
 
 
-def test_every_entry_point_defaults_through_suggest_profile(monkeypatch, tmp_path):
+def test_every_entry_point_defaults_through_suggest_profile(monkeypatch):
     """`moeref check` without --profile, `moeref mutate` / mutation_score without a profile, and the
     pytest plugin's moe_profile all give suggest_profile's choice: the table's row for a bf16 kernel."""
     from moeref.testing import draw_cases, mutation_score

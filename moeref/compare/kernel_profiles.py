@@ -73,7 +73,7 @@ Derivations (``u`` is a unit roundoff; ``2^-24`` round-to-nearest FP32, ``2^-23`
   ``fma(fl(part*sa), sb, acc)`` (``promotion_order="a_then_b"``; docs/hopper-fp8-accumulation.md; the kernel's
   output equals the emulator's on an H100, tests/test_hopper_fp8_gpu.py).
 
-Every profile keeps :class:`~moeref.compare.bounds.Profile`'s fields; none needed a new one.
+Every profile is a :class:`~moeref.compare.bounds.Profile`; the two bias placements are its ``bias_add`` field.
 """
 from __future__ import annotations
 
