@@ -19,7 +19,9 @@ errors can move the kernel's value away from it. Stage by stage (derivation: doc
    ``rnd(v - r)`` and ``rnd(v + r)`` (rounding is monotone); that interval becomes the new center
    (its midpoint) and radius (its half-width): 0 where it holds no rounding boundary (the stored value
    is known exactly), half a ``dtype`` ulp where it straddles one. A profile without the store's dtype
-   bounds it as ``u (|v| + r)`` (any rounding to nearest, or none).
+   bounds it as ``u (|v| + r)`` (any rounding to nearest, or none). A GEMM's bias is in the GEMM's
+   interval (``bias_add="epilogue"`` or ``"accumulator_init"``), or added to the stored interval in FP32
+   and stored again (``"after_store"``, :func:`_add_bias_after_store`).
 3. **Activation**: the Lipschitz bound of the gate function on ``[g - dg, g + dg]``
    (:func:`moeref.compare.stage_bounds.lipschitz_on`) and ``|f(g)| <= |g|`` give, for ``f(g) * up(u)``,
    ``dx <= L dg (|u| + |beta|) + (|g| + dg) du``; ``relu2``: ``dh (2|h| + dh)``. The kernel's own FP32
