@@ -7,8 +7,8 @@ worst ratio over all examples is printed (run with ``-s``): how much room the bo
 
 Kernels: DeepGEMM ``m_grouped_fp8_gemm_nt_contiguous`` / ``_masked`` (skipped with the reason when
 ``deep_gemm`` is not importable), ``torch._scaled_mm`` with and without fast accumulation,
-``torch._grouped_mm`` (bf16, CUTLASS), a torch eager bf16 MoE layer, and a layer built from
-``torch._grouped_mm`` with bf16 caches.
+``torch._grouped_mm`` (bf16, CUTLASS), a torch eager bf16 MoE layer, a layer built from
+``torch._grouped_mm`` with bf16 caches, and torch's bf16 ``a @ w.T + b`` (the bias after the store).
 """
 from __future__ import annotations
 
@@ -154,7 +154,10 @@ def test_scaled_mm_within_its_profile(fast, profile):
     _prove(f"torch._scaled_mm use_fast_accum={fast} / {profile}", check)
 
 
-def test_grouped_mm_bf16_within_CUTLASS_BF16_GROUPED_MM():
+@pytest.mark.parametrize("profile", ["BF16_OUTPUT", "CUTLASS_BF16_GROUPED_MM"])
+def test_grouped_mm_bf16_within_BF16_OUTPUT(profile):
+    """The decision table's row for torch._grouped_mm (BF16_OUTPUT) and the looser alias kept by name."""
+
     def check(data):
         rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
         e = data.draw(st.integers(1, 6))
@@ -167,10 +170,42 @@ def test_grouped_mm_bf16_within_CUTLASS_BF16_GROUPED_MM():
         offs = torch.tensor(np.cumsum(counts), dtype=torch.int32, device="cuda")
         out = torch._grouped_mm(a, b, offs=offs)
         call = from_torch_grouped_mm(a, b, offs, out=out)
-        return (grouped_gemm_report(call, profile="CUTLASS_BF16_GROUPED_MM"),
-                grouped_gemm_report(call, profile="FP32_ACCUM"))
+        return grouped_gemm_report(call, profile=profile), grouped_gemm_report(call, profile="FP32_ACCUM")
 
-    _prove("torch._grouped_mm bf16 / CUTLASS_BF16_GROUPED_MM", check)
+    _prove(f"torch._grouped_mm bf16 / {profile}", check)
+
+
+@pytest.mark.parametrize("reduced_precision_reduction", [False, True])
+def test_bf16_matmul_plus_bias_within_BF16_OUTPUT_BIAS_AFTER_STORE(reduced_precision_reduction):
+    """torch ``a @ w.T + b`` on bf16 CUDA tensors per expert (cuBLAS; the bias added to the stored bf16
+    product, the sum stored in bf16). False: the declared FP32 accumulation; True (torch's default): cuBLAS
+    may reduce split-K partial sums in bf16, measured here as in the eager-layer test."""
+
+    def check(data):
+        rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+        e = data.draw(st.integers(1, 4))
+        counts = [data.draw(st.integers(1, 96)) for _ in range(e)]
+        n, k = data.draw(st.sampled_from([(64, 256), (128, 1024), (256, 2048)]))
+        kind = data.draw(st.sampled_from(DATA))
+        rows = np.repeat(np.arange(e), counts)
+        a = torch.from_numpy(_data(rng, (rows.size, k), kind)).cuda().bfloat16()
+        w = torch.from_numpy(0.02 * _data(rng, (e, n, k), "normal")).cuda().bfloat16()
+        b = torch.from_numpy(_data(rng, (e, n), "normal")).cuda().bfloat16()
+        out = torch.empty(rows.size, n, dtype=torch.bfloat16, device="cuda")
+        for x in range(e):  # a loop over experts: the kernel under test
+            r = torch.from_numpy(np.flatnonzero(rows == x)).cuda()
+            out[r] = a[r] @ w[x].T + b[x]
+        return (grouped_gemm_report(out, a, w, "BF16_OUTPUT_BIAS_AFTER_STORE", m_indices=rows, bias=b),
+                grouped_gemm_report(out, a, w, "FP32_ACCUM", m_indices=rows, bias=b))
+
+    flags = torch.backends.cuda.matmul
+    saved = flags.allow_bf16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = reduced_precision_reduction
+    try:
+        _prove(f"torch bf16 a @ w.T + b (CUDA, reduced-precision reduction {reduced_precision_reduction}) "
+               "/ BF16_OUTPUT_BIAS_AFTER_STORE", check)
+    finally:
+        flags.allow_bf16_reduced_precision_reduction = saved
 
 
 @pytest.mark.parametrize("reduced_precision_reduction", [False, True])
@@ -194,8 +229,9 @@ def test_torch_eager_bf16_layer_within_TORCH_EAGER_BF16(reduced_precision_reduct
         flags.allow_bf16_reduced_precision_reduction = saved
 
 
-def test_grouped_mm_layer_within_CUTLASS_BF16_GROUPED_MM():
-    """A layer from torch._grouped_mm: rows permuted by expert, bf16 GEMM1, SiLU(gate) * up in fp32 stored
+@pytest.mark.parametrize("profile", ["BF16_OUTPUT", "CUTLASS_BF16_GROUPED_MM"])
+def test_grouped_mm_layer_within_BF16_OUTPUT(profile):
+    """A layer from torch._grouped_mm (the decision table's BF16_OUTPUT row, and the alias): rows permuted by expert, bf16 GEMM1, SiLU(gate) * up in fp32 stored
     bf16, bf16 GEMM2, routed weights and the top-k sum in fp32, bf16 output."""
 
     def layer(t):
@@ -216,9 +252,9 @@ def test_grouped_mm_layer_within_CUTLASS_BF16_GROUPED_MM():
 
     def check(data):
         ki = data.draw(moe_cases(max_tokens=64, hidden=(256, 1024), intermediate=(128, 512)))
-        return compare(layer(ki.torch("cuda")), ki.reference(), "CUTLASS_BF16_GROUPED_MM")
+        return compare(layer(ki.torch("cuda")), ki.reference(), profile)
 
-    _prove("torch._grouped_mm MoE layer / CUTLASS_BF16_GROUPED_MM", check, max_examples=15)
+    _prove(f"torch._grouped_mm MoE layer / {profile}", check, max_examples=15)
 
 
 def test_scaled_grouped_mm_within_CUBLAS_FP8():

@@ -70,8 +70,9 @@ def test_kernel_profiles_are_registered_and_derived_from_their_arithmetic():
 
 @pytest.mark.parametrize("dtypes, kernel, want", [
     (("float8_e4m3fn", "bfloat16"), None, "DEEPGEMM_FP8"),
-    (("torch.float8_e4m3fn", "torch.bfloat16"), "cublas", "CUBLAS_FP8"),
-    (("bfloat16", "bfloat16"), None, "CUTLASS_BF16_GROUPED_MM"),
+    (("torch.float8_e4m3fn", "torch.bfloat16"), "cublas", "DEEPGEMM_FP8"),  # the same arithmetic
+    (("bfloat16", "bfloat16"), None, "BF16_OUTPUT"),
+    (("bfloat16", "bfloat16"), "cutlass", "BF16_OUTPUT"),
     (("bfloat16", "bfloat16"), "vllm", "VLLM_MOE_SUM_BF16"),
     (("bfloat16", "bfloat16"), "torch", "TORCH_EAGER_BF16"),
     (("uint8", "bfloat16"), None, "BF16_OUTPUT"),

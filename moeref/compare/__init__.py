@@ -23,6 +23,10 @@ from .bounds import (
     store_interval,
 )
 from .kernel_profiles import (
+    BF16_OUTPUT_BIAS_AFTER_STORE,
+    BF16_OUTPUT_BIAS_INIT,
+    DECISION_TABLE,
+    Arithmetic,
     CUBLAS_FP8,
     CUBLAS_FP8_FAST_ACCUM,
     CUTLASS_BF16_GROUPED_MM,
@@ -30,12 +34,17 @@ from .kernel_profiles import (
     TORCH_EAGER_BF16,
     VLLM_MOE_SUM_BF16,
     get_profile,
+    profile_for,
     suggest_profile,
 )
 from .report import Report, compare, conventional_checks, metrics
 
 __all__ = [
+    "Arithmetic",
     "BF16_OUTPUT",
+    "BF16_OUTPUT_BIAS_AFTER_STORE",
+    "BF16_OUTPUT_BIAS_INIT",
+    "DECISION_TABLE",
     "CUBLAS_FP8",
     "CUBLAS_FP8_FAST_ACCUM",
     "CUTLASS_BF16_GROUPED_MM",
@@ -59,6 +68,7 @@ __all__ = [
     "get_profile",
     "layer_bound",
     "metrics",
+    "profile_for",
     "requant_uncertainty",
     "suggest_profile",
     "store_interval",

@@ -19,7 +19,9 @@ errors can move the kernel's value away from it. Stage by stage (derivation: doc
    ``rnd(v - r)`` and ``rnd(v + r)`` (rounding is monotone); that interval becomes the new center
    (its midpoint) and radius (its half-width): 0 where it holds no rounding boundary (the stored value
    is known exactly), half a ``dtype`` ulp where it straddles one. A profile without the store's dtype
-   bounds it as ``u (|v| + r)`` (any rounding to nearest, or none).
+   bounds it as ``u (|v| + r)`` (any rounding to nearest, or none). A GEMM's bias is in the GEMM's
+   interval (``bias_add="epilogue"`` or ``"accumulator_init"``), or added to the stored interval in FP32
+   and stored again (``"after_store"``, :func:`_add_bias_after_store`).
 3. **Activation**: the Lipschitz bound of the gate function on ``[g - dg, g + dg]``
    (:func:`moeref.compare.stage_bounds.lipschitz_on`) and ``|f(g)| <= |g|`` give, for ``f(g) * up(u)``,
    ``dx <= L dg (|u| + |beta|) + (|g| + dg) du``; ``relu2``: ``dh (2|h| + dh)``. The kernel's own FP32
@@ -68,6 +70,7 @@ __all__ = [
     "DEEPGEMM_FP8_EXACT",
     "PROFILES",
     "STORE_DTYPES",
+    "BIAS_ADDS",
     "gamma",
     "gemm_coefficient",
     "gemm_error_bound",
@@ -88,6 +91,8 @@ U_BF16 = 2.0**-8
 ACCUM_MODELS = ("worst_case", "contiguous_tree", "data_dependent", "emulated")
 STORE_DTYPES = ("bfloat16", "float16", "float32")
 """Dtypes a :class:`Profile` can declare for a replayed store (round to nearest-even)."""
+BIAS_ADDS = ("epilogue", "after_store", "accumulator_init")
+"""Where a :class:`Profile` declares the GEMM bias is added (:attr:`Profile.bias_add`)."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,17 @@ class Profile:
             (CUTLASS / ``torch._grouped_mm`` layers, DeepGEMM).
         promotion_order: ``"emulated"`` only: the FP32 promotion (:func:`moeref.gemm.hopper_fp8.promote`):
             ``"deepgemm"`` (``fma(sa*sb, acc, final)``) or ``"a_then_b"`` (our Triton kernel).
+        bias_add: where a GEMM's bias (``b13``, ``b2``) enters (:data:`BIAS_ADDS`; no effect on a layer
+            without biases). ``"epilogue"``: added in FP32 to the accumulated result before the GEMM
+            output store (CUTLASS / Triton epilogues); ``"after_store"``: the GEMM output is stored in
+            ``gemm_out_dtype`` first, the bias added to the stored value in FP32 and the sum stored in
+            ``gemm_out_dtype`` again (torch ``x @ w.T + b`` on bf16 tensors: the matmul returns bf16, the
+            add computes in FP32 and returns bf16; gpt-oss's torch reference, ``einsum(...) + mlp1_bias``);
+            ``"accumulator_init"``: the accumulator starts at the bias and the products are added to it
+            (``acc = b; acc += a_k w_k``; with ``promote_every``, the FP32 accumulator the promoted chunks
+            add into), so every add of the accumulation sees it
+            (:func:`moeref.compare.gemm_bounds.contiguous_tree_gemm_bound`; the worst-case and
+            aligned-adder bounds hold for the bias in any position of the FP32 sum).
     """
 
     name: str
@@ -148,6 +164,7 @@ class Profile:
     out_dtype: str | None = None
     gemm2_weighted_store: bool = False
     promotion_order: str = "deepgemm"
+    bias_add: str = "epilogue"
 
     def __post_init__(self):
         if self.accum_model not in ACCUM_MODELS:
@@ -163,6 +180,15 @@ class Profile:
             v = getattr(self, f)
             if v is not None and v not in STORE_DTYPES:
                 raise ValueError(f"{f} must be None or one of {', '.join(STORE_DTYPES)}; got {v!r}")
+        if self.bias_add not in BIAS_ADDS:
+            raise ValueError(f"bias_add must be one of {', '.join(map(repr, BIAS_ADDS))}; got {self.bias_add!r}")
+        if self.bias_add != "epilogue" and self.accum_model == "emulated":
+            raise ValueError(f"bias_add={self.bias_add!r} with accum_model='emulated': the emulated kernels add "
+                             "the bias in their epilogue (bias_add='epilogue')")
+        if self.bias_add == "after_store" and (self.gemm_out_dtype is None or self.gemm2_weighted_store):
+            raise ValueError("bias_add='after_store' needs a declared GEMM output store (gemm_out_dtype; got "
+                             f"{self.gemm_out_dtype!r}) and no weighted GEMM2 store (gemm2_weighted_store="
+                             f"{self.gemm2_weighted_store})")
 
 
 EXACT = Profile("EXACT", "float64 reference against itself (only float64 roundings)",
@@ -264,6 +290,17 @@ def _rows_error_bound(a, a_radius, row_expert, weights, bias, profile: Profile) 
                                     a_radius=None if a_radius is None else a_radius[idx],
                                     bias=None if b is None else b[e])
     return out
+
+
+def _add_bias_after_store(stored, radius, row_expert, bias, profile: Profile):
+    """``bias_add="after_store"``: the stored GEMM output (interval ``stored`` +- ``radius``, float64
+    ``[R, N]``) plus its row's expert bias (``bias`` ``[E, N]``), added in FP32: center ``stored + b``,
+    radius ``radius + promote_unit (|stored + b| + radius)`` (one FP32 rounding of the sum); padding rows
+    (``row_expert`` -1) stay 0. The caller stores the result again."""
+    center = np.array(stored, dtype=np.float64)
+    valid = np.asarray(row_expert) >= 0
+    center[valid] += np.asarray(bias, dtype=np.float64)[np.asarray(row_expert)[valid]]
+    return center, radius + profile.promote_unit * (np.abs(center) + radius)
 
 
 def _rows_radius_term(radius, row_expert, weights) -> np.ndarray:
@@ -391,13 +428,21 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
     if not valid.any():
         return np.zeros((p.num_tokens, k_out)), np.zeros((p.num_tokens, k_out)), 0
     act, params, lay = cfg.activation, cfg.activation_params, weights.w13_layout
-    # stage 1-2: GEMM1 and its store
+    flip_0 = None
+    # stage 1-2: GEMM1 and its store (bias_add="after_store": stored, the bias added, stored again)
     if profile.accum_model == "emulated":
         h_pre, dh = _emulated_gemm(p.a, None, rows, w13, weights.b13, profile)
+    elif profile.bias_add == "after_store" and weights.b13 is not None:
+        h0, dh0, flip_0 = store_interval(expert_rows_gemm(p.a, rows, w13, None),
+                                         _rows_error_bound(p.a, None, rows, w13, None, profile),
+                                         profile.gemm_out_dtype, profile.gemm_out_unit)
+        h_pre, dh = _add_bias_after_store(h0, dh0, rows, weights.b13, profile)
     else:
         h_pre = expert_rows_gemm(p.a, rows, w13, weights.b13)
         dh = _rows_error_bound(p.a, None, rows, w13, weights.b13, profile)
     h, dh, flip_h = store_interval(h_pre, dh, profile.gemm_out_dtype, profile.gemm_out_unit)
+    if flip_0 is not None:
+        flip_h = flip_h | flip_0
     # stage 3: activation, its FP32 evaluation and its store
     x_pre = _activation(act, h, lay, params)
     dx = activation_error(act, h, dh, lay, params)
@@ -429,6 +474,11 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
     # stage 5: GEMM2 and its store
     if profile.accum_model == "emulated":
         y_pre, dy = _emulated_gemm(xq, unc, rows, w2, weights.b2, profile, codes)
+    elif profile.bias_add == "after_store" and weights.b2 is not None:
+        y0, dy0, _ = store_interval(expert_rows_gemm(xq, rows, w2, None),
+                                    _rows_radius_term(unc, rows, w2) + _rows_error_bound(xq, unc, rows, w2, None, profile),
+                                    profile.gemm_out_dtype, profile.gemm_out_unit)
+        y_pre, dy = _add_bias_after_store(y0, dy0, rows, weights.b2, profile)
     else:
         y_pre = expert_rows_gemm(xq, rows, w2, weights.b2)
         dy = _rows_radius_term(unc, rows, w2) + _rows_error_bound(xq, unc, rows, w2, weights.b2, profile)
@@ -466,6 +516,11 @@ def layer_bound(run, profile: Profile | str) -> LayerBound:
     profile = get_profile(profile)
     if _is_device_run(run):
         from .device_layer import device_layer_bound
+
+        if profile.bias_add != "epilogue" and (run.weights.b13 is not None or run.weights.b2 is not None):
+            raise ValueError(f"the device engine bounds bias_add='epilogue' only; profile {profile.name} declares "
+                             f"bias_add={profile.bias_add!r}: run the reference on the host (run_moe without "
+                             "device=) for this profile")
 
         return device_layer_bound(run, profile)
     with np.errstate(invalid="ignore"):

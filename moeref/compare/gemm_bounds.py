@@ -264,7 +264,11 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
 
         B <= (rho (K - 1) u R + (gamma(2, u_fp32) + u_prod) W) / (1 - rho (K - 1) u - gamma(2, u_fp32))
 
-    and the bias add contributes ``u_fp32 (|C| + B + |b|)``. For random signs ``R ~ 2.5 sqrt(K) |p|`` while
+    and the bias add contributes ``u_fp32 (|C| + B + |b|)``. A bias that is the accumulator's initial value
+    (``profile.bias_add == "accumulator_init"``) is instead a leaf before column 0: ``K`` adds, and a node
+    that holds it has an exact value ``b + P^(L,r)_j`` (a prefix of one lane), so ``R`` grows by ``|b|``:
+    ``B <= (rho K u (R + |b|) + (gamma(2, u_fp32) + u_prod) W) / (1 - rho K u - gamma(2, u_fp32))`` and no
+    separate bias add. For random signs ``R ~ 2.5 sqrt(K) |p|`` while
     ``W ~ 0.8 K |p|``: the bound is ``O(K^1.5)`` instead of the worst case's ``O(K^2)``, and ``R <= W``
     always, so it is never looser than the same count of roundings applied to ``W``.
 
@@ -317,12 +321,17 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     c_hi = np.abs(csum) + slack + d
     sigma = gamma(2, u_prom)
     u_prod = 0.0 if _products_exact_in_fp32(a, w) else 2.0 * u
-    t = rho * max(k - 1, 0) * u
+    init = getattr(profile, "bias_add", "epilogue") == "accumulator_init" and bool(b_abs.any())
+    t = rho * max(k - 1 + int(init), 0) * u
     denom = 1.0 - t - sigma
     if denom <= 0:
         return np.full((m, n), np.inf)
-    acc = (t * r_hi + (sigma + u_prod) * w_hi) / np.float64(denom)
-    out = acc + u_prom * (c_hi + acc + b_abs[None, :]) + (k + 2) * 2.0**-149
+    if init:  # the bias is the tree's first leaf: one more add, every node holding it within |b| + R
+        acc = (t * (r_hi + b_abs[None, :]) + (sigma + u_prod) * w_hi) / np.float64(denom)
+        out = acc + (k + 2) * 2.0**-149
+    else:
+        acc = (t * r_hi + (sigma + u_prod) * w_hi) / np.float64(denom)
+        out = acc + u_prom * (c_hi + acc + b_abs[None, :]) + (k + 2) * 2.0**-149
     return out * (1.0 + 1e-9)
 
 

@@ -9,9 +9,11 @@ bound of a declared arithmetic (a :class:`~moeref.compare.Profile` or its name).
   or as a :class:`moeref.moe.mapping.GroupedGemmCall` from an adapter.
 
 GEMM bound: per expert, :func:`moeref.compare.bounds.gemm_error_bound` under the profile (the
-accumulation), plus the rounding of the stored output ``u_out (|C| + bound)``, with ``u_out`` the larger
-of the profile's ``gemm_out_unit`` and the unit roundoff of the candidate's dtype (bf16 ``2^-8``, fp16
-``2^-11``, fp32 ``2^-24``; a float64 candidate adds only the profile's). Padding rows (``row_expert``
+accumulation, with the bias where the profile's ``bias_add`` puts it), plus the rounding of the stored
+output ``u_out (|C| + bound)``, with ``u_out`` the larger of the profile's ``gemm_out_unit`` and the unit
+roundoff of the candidate's dtype (bf16 ``2^-8``, fp16 ``2^-11``, fp32 ``2^-24``; a float64 candidate adds
+only the profile's). ``bias_add="after_store"``: the product without the bias is stored (``u_out``), the
+bias added in FP32 (``promote_unit``) and the sum stored again (``u_out``). Padding rows (``row_expert``
 -1) are unspecified in every kernel and never compared.
 """
 from __future__ import annotations
@@ -156,16 +158,32 @@ def _dtype_name(x) -> str:
     return np.asarray(x).dtype.name
 
 
+def _expert_bias(bias, num_experts: int, n: int):
+    """``bias`` (NumPy or torch, any device) as float64 ``[E, N]``, or None."""
+    if bias is None:
+        return None
+    b = np.asarray(_interop.to_numpy(bias))
+    if b.dtype.kind not in "fV" and b.dtype.name != "bfloat16":
+        raise TypeError(f"bias must be a float tensor [E, N]; got dtype {b.dtype}")
+    b = b.astype(np.float64)
+    if b.shape != (num_experts, n):
+        raise ValueError(f"bias must be per expert, shape [E, N] = ({num_experts}, {n}); got {b.shape}")
+    return b
+
+
 def grouped_gemm_report(candidate=None, a=None, weights=None, profile="FP32_ACCUM", *, layout: str = "contiguous",
-                        m_indices=None, masked_m=None, offs=None, topk_ids=None, label: str = "") -> Report:
-    """The :class:`~moeref.compare.Report` of a grouped GEMM ``out[r] = a[r] @ W[e(r)].T``.
+                        m_indices=None, masked_m=None, offs=None, topk_ids=None, bias=None,
+                        label: str = "") -> Report:
+    """The :class:`~moeref.compare.Report` of a grouped GEMM ``out[r] = a[r] @ W[e(r)].T (+ bias[e(r)])``.
 
     ``candidate``: the kernel's output (``[R, N]``; masked/batched ``[E, max_m, N]``; standard ``[M, k, N]``),
     or a :class:`moeref.moe.mapping.GroupedGemmCall` (then ``a``, ``weights`` and the layout come from it).
     ``a``: ``[R, K]`` (masked/batched ``[E, max_m, K]``; standard: the ``[M, K]`` tokens) as a tensor, an
     ``(elements, scales)`` pair, a quantized tensor or an operand. ``weights``: ``[E, N, K]`` tensor or pair
-    or a list of per-expert operands. Rows are reported as ``row`` with their expert. The candidate's dtype must
-    be the GEMM output store ``profile`` declares (``gemm_out_dtype``; :func:`check_candidate_dtype`)."""
+    or a list of per-expert operands. ``bias``: optional per-expert float ``[E, N]`` (NumPy or torch), added
+    where ``profile.bias_add`` says (module docstring). Rows are reported as ``row`` with their expert. The
+    candidate's dtype must be the GEMM output store ``profile`` declares (``gemm_out_dtype``;
+    :func:`check_candidate_dtype`)."""
     from ..compare.bounds import _rows_error_bound
     from ..gemm.exact import BlockOperand
     from ..gemm.grouped import expert_rows_gemm
@@ -201,7 +219,11 @@ def grouped_gemm_report(candidate=None, a=None, weights=None, profile="FP32_ACCU
         cand = cand.reshape(rows.size, -1)
     check_candidate_dtype(cand_dtype, profile, store="gemm_out_dtype")
     c = cand.astype(np.float64).reshape(rows.size, -1)
-    ref = expert_rows_gemm(op, rows, ws)
+    b = _expert_bias(bias, len(ws), ws[0].shape[0] if len(ws) else 0)
+    if b is not None and profile.accum_model == "emulated":
+        raise ValueError(f"profile {profile.name} predicts a bias-free GEMM bit for bit; a bias needs a bound "
+                         "profile (accum_model 'worst_case', 'contiguous_tree' or 'data_dependent')")
+    ref = expert_rows_gemm(op, rows, ws, b)
     if ref.shape != c.shape:
         raise ValueError(f"candidate has {c.shape[1]} columns per row but the reference has {ref.shape[1]}")
     valid = rows >= 0
@@ -215,8 +237,13 @@ def grouped_gemm_report(candidate=None, a=None, weights=None, profile="FP32_ACCU
         bound = np.where(valid[:, None], np.abs(pred - ref), 0.0)  # the error the kernel must make, exactly
         ok = (c == pred) | ~valid[:, None]
     else:
-        bound = _rows_error_bound(op, None, rows, ws, None, profile)
         u_out = max(profile.gemm_out_unit, _UNIT.get(cand_dtype, 0.0))
+        if b is not None and profile.bias_add == "after_store":  # stored, the bias added in FP32, stored again
+            bound = _rows_error_bound(op, None, rows, ws, None, profile)
+            bound = bound + u_out * (np.abs(expert_rows_gemm(op, rows, ws)) + bound)
+            bound = bound + profile.promote_unit * (np.abs(ref) + bound)
+        else:
+            bound = _rows_error_bound(op, None, rows, ws, b, profile)
         bound = bound + u_out * (np.abs(ref) + bound)
         ok = (err <= bound) | (np.isnan(c) & np.isnan(ref)) | ~valid[:, None]
     viol = ~ok

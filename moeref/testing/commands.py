@@ -10,7 +10,8 @@
   saved output (``.safetensors`` with one tensor or ``out``/``output``, or ``.npy``); the profile is
   ``--profile`` or suggested from the dtypes (:func:`moeref.compare.suggest_profile`). Exit 1 if it fails.
 * ``moeref mutate MODULE:FUNCTION``: the mutation score of a kernel wrapper (``KernelInputs -> output``)
-  under ``--check MODULE:FUNCTION`` (default: the bound check with ``--profile``).
+  under ``--check MODULE:FUNCTION`` (default: the bound check with ``--profile``, else the profile
+  :func:`moeref.compare.suggest_profile` gives for the cases' dtype).
 
 ``--json`` on each prints one JSON object instead of the tables, for scripts and CI: the report
 (:meth:`moeref.compare.Report.to_dict`; ``check`` adds the profile and why it was chosen) or the
@@ -165,7 +166,7 @@ def _cmd_mutate(args) -> int:
     check = _import(args.check) if args.check else None
     cases = draw_cases(args.cases, seed=args.seed, max_tokens=args.max_tokens)
     try:
-        res = mutation_score(kernel, cases, check, profile=args.profile or "BF16_OUTPUT")
+        res = mutation_score(kernel, cases, check, profile=args.profile)
     except Exception as exc:  # noqa: BLE001 - re-raised unless it came from the user's own code
         status = _user_code_failed(exc, args)
         if status is None:
@@ -225,7 +226,8 @@ def add_subcommands(sub) -> None:
     p = sub.add_parser("mutate", help="mutation score of your kernel wrapper under your check")
     p.add_argument("kernel", help="MODULE:FUNCTION, a wrapper KernelInputs -> output [M, K]")
     p.add_argument("--check", help="MODULE:FUNCTION, (KernelInputs, output) -> None, raising AssertionError")
-    p.add_argument("--profile", help="profile of the default check (default BF16_OUTPUT)")
+    p.add_argument("--profile", help="profile of the default check (default: suggested from the cases' dtype, "
+                   "BF16_OUTPUT for the drawn bf16 cases)")
     p.add_argument("--cases", type=int, default=8, help="cases from moeref.testing.draw_cases (default 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the drawn cases (each seed gives another set)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,

@@ -67,12 +67,14 @@ class MutationResult:
         return "\n".join(lines)
 
 
-def default_check(profile):
-    """The check ``(case, output) -> None`` that :func:`moeref.testing.assert_moe_close` makes with ``profile``."""
+def default_check(profile=None):
+    """The check ``(case, output) -> None`` that :func:`moeref.testing.assert_moe_close` makes with ``profile``
+    (None: the package's default for the case's dtype, :func:`moeref.compare.suggest_profile`)."""
+    from ..compare.kernel_profiles import suggest_profile
     from .asserts import assert_moe_close
 
     def check(case, out):
-        assert_moe_close(out, case, profile)
+        assert_moe_close(out, case, suggest_profile(case.dtype) if profile is None else profile)
 
     return check
 
@@ -90,14 +92,15 @@ def _as_inputs(case, dtype: str):
                         np.asarray(case.topk_ids).astype(np.int32), w.w13_layout, dtype)
 
 
-def mutation_score(kernel, cases, check=None, *, profile="BF16_OUTPUT") -> MutationResult:
+def mutation_score(kernel, cases, check=None, *, profile=None) -> MutationResult:
     """Run every planted fault through ``kernel`` on every case and count what ``check`` catches.
 
     ``kernel``: ``KernelInputs -> output [M, K]`` (NumPy or torch); it must honour ``w13_layout``
     (``gate_up`` for every drawn case) and read the inputs only (:meth:`KernelInputs.torch` gives the
     tensors). ``cases``: :class:`~moeref.testing.KernelInputs` (e.g. :func:`moeref.testing.draw_cases`).
     ``check``: ``(case: KernelInputs, output) -> None``, raising ``AssertionError`` on a mismatch; default
-    :func:`default_check` with ``profile``. The check is given the output as the kernel returned it (a torch
+    :func:`default_check` with ``profile`` (None: :func:`moeref.compare.suggest_profile` of each case's dtype,
+    ``BF16_OUTPUT`` for bf16 cases). The check is given the output as the kernel returned it (a torch
     kernel's check gets a torch tensor of the kernel's dtype and device, as in the user's own tests); a
     corrupted output (:data:`~moeref.compare.faults.FAULTY_OUTPUTS`) is handed over in that same type.
 

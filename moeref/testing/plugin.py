@@ -10,7 +10,8 @@ Fixtures:
   token counts up to 256, ``--moeref-max-tokens N`` to set (:func:`moeref.testing.draw_cases`).
   For Hypothesis shrinking use ``@given(moe_cases())`` instead.
 * ``moe_profile``: the :class:`~moeref.compare.Profile` to check with: ``--moeref-profile NAME``, else the
-  test's ``@pytest.mark.moeref_profile("NAME")``, else ``BF16_OUTPUT``.
+  test's ``@pytest.mark.moeref_profile("NAME")``, else the package's default for the case's dtype
+  (:func:`moeref.compare.suggest_profile`, the decision table's row: ``BF16_OUTPUT`` for the bf16 cases).
 * ``moe_check``: ``moe_check(output, case, profile=None)``: :func:`moeref.testing.assert_moe_close`
   with ``moe_profile`` by default.
 
@@ -77,13 +78,18 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture
 def moe_profile(request):
-    """The profile to check with (option > marker > BF16_OUTPUT)."""
-    from ..compare.kernel_profiles import get_profile
+    """The profile to check with (option > marker > :func:`moeref.compare.suggest_profile` of the
+    ``moe_case`` dtype, bf16 when the test draws no case)."""
+    from ..compare.kernel_profiles import get_profile, suggest_profile
 
     name = request.config.getoption("--moeref-profile")
     if name is None:
         mark = request.node.get_closest_marker("moeref_profile")
-        name = mark.args[0] if mark is not None and mark.args else "BF16_OUTPUT"
+        if mark is not None and mark.args:
+            name = mark.args[0]
+        else:
+            case = request.getfixturevalue("moe_case") if "moe_case" in request.fixturenames else None
+            return suggest_profile(getattr(case, "dtype", "bfloat16"))
     try:
         return get_profile(name)
     except ValueError as exc:
