@@ -309,11 +309,16 @@ def _midpoints(el) -> set:
 def explain(scheme_name: str, presets=None, x=None, seed: int = 0, scale: str | None = None):
     """``rich`` renderable of :func:`explain_steps` (``moeref explain SCHEME [--preset A ...]``).
 
-    With several presets the block and element tables put the presets side by side.
+    With several presets the block and element tables put the presets side by side. Where that
+    is wider than the console (an 80-column terminal), the same numbers come in layouts made for
+    the width (:class:`moeref._console.Fit`): the blocks one row per block and preset, the
+    elements one table per preset, with short headers explained under the tables.
     """
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
+
+    from ._console import Fit, compact_table
 
     steps = explain_steps(scheme_name, presets=presets, x=x, seed=seed, scale=scale)
     runs = steps["runs"]
@@ -321,6 +326,7 @@ def explain(scheme_name: str, presets=None, x=None, seed: int = 0, scale: str | 
                   f"{steps['shape']})", style="bold")]
     multi = len(runs) > 1
     tags = {r["preset"]: (f" ({chr(65 + i)})" if multi else "") for i, r in enumerate(runs)}
+    letters = {r["preset"]: chr(65 + i) for i, r in enumerate(runs)}
     for r in runs:
         parts.append(Text(f"preset{tags[r['preset']]} {r['preset']}: {r['description']}"))
     if runs[0]["global"] is not None:
@@ -331,19 +337,29 @@ def explain(scheme_name: str, presets=None, x=None, seed: int = 0, scale: str | 
         for i, (label, _) in enumerate(runs[0]["global"]):
             t.add_row(label, *[r["global"][i][1] for r in runs])
         parts.append(t)
-    t = Table(title="Step 2. Block amax -> scale code -> decode multiplier", title_justify="left")
+    block_title = "Step 2. Block amax -> scale code -> decode multiplier"
+    block_cols = ("scale code", "scale", "decode multiplier")
+    t = Table(title=block_title, title_justify="left")
     t.add_column("block")
     t.add_column("amax", justify="right")
     for r in runs:
         tag = tags[r["preset"]]
-        for c in ("scale code", "scale", "decode multiplier"):
+        for c in block_cols:
             t.add_column(c + tag, justify="right")
     for i, b in enumerate(runs[0]["blocks"]):
-        t.add_row(b["block"], b["amax"],
-                  *[r["blocks"][i][c] for r in runs for c in ("scale code", "scale", "decode multiplier")])
+        t.add_row(b["block"], b["amax"], *[r["blocks"][i][c] for r in runs for c in block_cols])
+    if multi:  # narrow: one row per block and preset
+        n = compact_table("block", ("amax", "right"), "preset",
+                          *[(c, "right") for c in block_cols], title=block_title)
+        for i, b in enumerate(runs[0]["blocks"]):
+            for j, r in enumerate(runs):
+                n.add_row(b["block"] if j == 0 else "", b["amax"] if j == 0 else "",
+                          letters[r["preset"]], *[r["blocks"][i][c] for c in block_cols],
+                          end_section=j == len(runs) - 1)
+        t = Fit(t, n)
     parts.append(t)
-    t = Table(title="Step 3. Elements: x / scale -> code -> value -> dequantized, error",
-              title_justify="left")
+    element_title = "Step 3. Elements: x / scale -> code -> value -> dequantized, error"
+    t = Table(title=element_title, title_justify="left")
     for c in ("index", "block", "x"):
         t.add_column(c, justify="right" if c == "x" else "left")
     # side by side, the element value column is dropped (the code and the dequantized value carry it)
@@ -364,13 +380,28 @@ def explain(scheme_name: str, presets=None, x=None, seed: int = 0, scale: str | 
             row += [ee[c] for c in per]
         style = "bold" if "differs" in e["note"] else None
         t.add_row(*row, style=style)
-    parts.append(t)
+    # narrow: one table per preset, no block column (a rule between blocks), short headers
+    tiny = {"x / scale": "x/(s*g)" if two_level else "x/s", "dequantized": "deq", "error": "err"}
+    narrow = []
+    for r in runs:
+        n = compact_table("index", ("x", "right"),
+                          *[(tiny.get(c, c), "left" if c == "note" else "right") for c in per],
+                          title=(f"Step 3{tags[r['preset']]} {r['preset']}. Elements "
+                                 "(a blank line between blocks)"))
+        els = r["elements"]
+        for i, ee in enumerate(els):
+            last = i + 1 == len(els) or els[i + 1]["block"] != ee["block"]
+            n.add_row(ee["index"], ee["x"], *[ee[c] for c in per],
+                      style="bold" if "differs" in ee["note"] else None, end_section=last)
+        narrow.append(n)
+    parts.append(Fit(t, Group(*narrow)))
     if two_level:
-        parts.append(Text("x / (scale*g): x divided by the decode multiplier, the block scale times "
-                          "the global decode factor g (Step 1)."))
-    parts.append(Text("notes: tie = exactly half-way between two element values (rounded to even); "
-                      "saturated = beyond the element max, clamped; -0 = negative zero code; "
-                      "differs = the presets disagree on this code."))
+        parts.append(Text("x / (scale*g), x/(s*g): x divided by the decode multiplier, the block "
+                          "scale times the global decode factor g (Step 1)."))
+    parts.append(Text("x/s: x / scale; deq: dequantized; err: error (narrow layouts). notes: tie = "
+                      "exactly half-way between two element values (rounded to even); saturated = "
+                      "beyond the element max, clamped; -0 = negative zero code; differs = the "
+                      "presets disagree on this code."))
     return Group(*parts)
 
 
