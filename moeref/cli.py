@@ -179,11 +179,21 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    try:
-        return int(args.func(args) or 0)
-    except (ValueError, TypeError) as exc:
-        print(f"moeref {args.command}: {exc}", file=sys.stderr)
-        return 2
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        try:
+            return int(args.func(args) or 0)
+        except (ValueError, TypeError) as exc:
+            print(f"moeref {args.command}: {exc}", file=sys.stderr)
+            return 2
+        finally:  # a deprecated name given on the command line is said once, on stderr
+            for w in caught:
+                if issubclass(w.category, DeprecationWarning) and "moeref" in w.filename:
+                    print(f"moeref {args.command}: warning: {w.message}", file=sys.stderr)
+                else:
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -16,7 +16,7 @@ differently (radixark/miles PR #1054). Any other seed draws random data with a f
 Plain data (:func:`explain_steps`) is separate from the ``rich`` rendering (:func:`explain`) so
 that both can be tested; :func:`explain_text` renders to a string.
 
->>> steps = explain_steps("nvfp4", presets=["te", "flashinfer"])
+>>> steps = explain_steps("nvfp4", presets=["nvfp4_te", "nvfp4_flashinfer"])
 >>> [r["blocks"][1]["scale code"] for r in steps["runs"]]
 ['0x6b', '0x6a']
 >>> [r["blocks"][1]["scale"] for r in steps["runs"]]
@@ -54,7 +54,7 @@ _MX_COMMON = ("default", "ocp", "torchao_floor", "torchao_ceil", "torchao_even",
 #: docs/fp8-scaling.md, docs/mx-formats.md, docs/int4-groups.md, docs/nvfp4.md). Any other preset
 #: would run its knobs on a storage it was not written for (``gptq``'s ``element_max=7.5`` on an
 #: FP8 walk, ``nvfp4_te`` over an INT4 walk), so :func:`explain_steps` refuses it. NVFP4 schemes
-#: take the registered ``nvfp4_*`` presets and the short orders (``moeref.quant.nvfp4``).
+#: take ``default`` and the ``nvfp4_*`` presets (:data:`moeref.quant.NVFP4_PRESETS`).
 SCHEME_PRESETS: dict[str, tuple[str, ...]] = {
     "fp8_per_tensor": _FP8_COMMON,
     "fp8_per_token": _FP8_COMMON,
@@ -77,7 +77,7 @@ def scheme_presets(name: str) -> tuple[str, ...]:
     >>> scheme_presets("int4_group")
     ('default', 'gptq', 'vllm_int4')
     >>> scheme_presets("nvfp4")[:4]
-    ('te', 'flashinfer', 'vllm', 'torchao')
+    ('default', 'nvfp4_te', 'nvfp4_te_encode_scale', 'nvfp4_flashinfer')
     """
     schemes = _schemes()
     if not isinstance(name, str) or name not in schemes:
@@ -85,10 +85,9 @@ def scheme_presets(name: str) -> tuple[str, ...]:
     if name in SCHEME_PRESETS:
         return SCHEME_PRESETS[name]
     if name.startswith("nvfp4"):
-        from .quant import PRESETS
-        from .quant.nvfp4 import NVFP4_ORDERS
+        from .quant import NVFP4_PRESETS
 
-        return tuple(NVFP4_ORDERS) + tuple(k for k in PRESETS if k.startswith("nvfp4_"))
+        return NVFP4_PRESETS
     return ()  # a scheme registered later without a table entry: its own default only
 
 
@@ -105,12 +104,14 @@ def _make_scheme(name: str, preset, scale: str | None = None):
         return factory(**kwargs)
     if "preset" not in params or not fits:
         raise ValueError(f"scheme {name!r} has no presets to choose from; drop --preset")
-    from .quant import get_preset
+    from .quant import NVFP4_ORDERS, PRESETS
 
-    if isinstance(preset, str) and preset not in fits:
-        get_preset(preset)  # an unknown name is reported as such
-        raise ValueError(f"preset {preset!r} does not fit scheme {name!r}; presets that fit: "
-                         f"{', '.join(fits)}")
+    if isinstance(preset, str) and preset not in fits and not (
+            preset in NVFP4_ORDERS and name.startswith("nvfp4")):  # deprecated NVFP4 aliases
+        known = preset in PRESETS or preset in NVFP4_ORDERS
+        raise ValueError(f"{'preset' if known else 'unknown preset'} {preset!r} "
+                         f"{'does not fit' if known else 'for'} scheme {name!r}; presets that "
+                         f"fit: {', '.join(fits)}")
     return factory(preset=preset, **kwargs)
 
 
@@ -175,8 +176,8 @@ def explain_steps(scheme_name: str, presets=None, x=None, seed: int = 0,
 
     Args:
         scheme_name: a key of :data:`moeref.quant.SCHEMES` (``"nvfp4"``, ``"mxfp4"``, ...).
-        presets: None (the scheme's default preset) or a list of preset names (NVFP4 also takes
-            the short orders ``"te"``, ``"flashinfer"``, ``"vllm"``, ``"torchao"``).
+        presets: None (the scheme's default preset) or a list of preset names
+            (:func:`scheme_presets`).
         x: example data (at most 64 elements; 1-D input is one row); None = :func:`example_input`.
         seed: example seed (0 = the hand-picked example).
         scale: the scale format for schemes that take one (``"fp32"`` or ``"ue8m0"`` for the FP8
