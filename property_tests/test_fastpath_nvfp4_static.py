@@ -223,7 +223,7 @@ ERROR_CASES = [
 
 @pytest.mark.parametrize("spec,value,exc", ERROR_CASES)
 def test_errors_match_reference(spec, value, exc):
-    scheme = nvfp4(preset=spec[0], convention=spec[1])
+    scheme = nvfp4(preset=f"nvfp4_{spec[0]}", convention=spec[1])
     xn = np.ones((2, 16), np.float32)
     with pytest.raises(exc) as want:
         quantize_nvfp4(xn, scheme, global_scale=value)

@@ -154,6 +154,17 @@ def test_demo_tables_and_reports_at_80_columns(demo):
         _fits(_at(report))
 
 
+def test_demo_on_an_80_column_terminal_shows_a_spinner_and_cuts_nothing():
+    from moeref.demo import run_demo
+
+    out = io.StringIO()
+    con = Console(file=out, width=80, force_terminal=True, color_system=None)
+    assert run_demo(con, seed=0) == 0
+    text = out.getvalue()
+    assert "planted faults" in text and CUT not in text
+    assert "checking" in text  # the status line shown while the layer runs
+
+
 def test_demo_command_at_80_columns_reads_without_colour():
     r = _run("demo", columns=80)
     assert r.returncode == 0, r.stderr
