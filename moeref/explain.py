@@ -381,7 +381,7 @@ def explain(scheme_name: str, presets=None, x=None, seed: int = 0, scale: str | 
             row += [ee[c] for c in per]
         style = "bold" if "differs" in e["note"] else None
         t.add_row(*row, style=style)
-    # narrow: one table per preset, no block column (a rule between blocks), short headers
+    # narrow: one table per preset, no block column (a blank line between blocks), short headers
     tiny = {"x / scale": "x/(s*g)" if two_level else "x/s", "dequantized": "deq", "error": "err"}
     narrow = []
     for r in runs:
@@ -399,7 +399,7 @@ def explain(scheme_name: str, presets=None, x=None, seed: int = 0, scale: str | 
     if two_level:
         parts.append(Text("x / (scale*g), x/(s*g): x divided by the decode multiplier, the block "
                           "scale times the global decode factor g (Step 1)."))
-    parts.append(Text("x/s: x / scale; deq: dequantized; err: error (narrow layouts). notes: tie = "
+    parts.append(Text("short headers: x/s = x / scale, deq = dequantized, err = error. notes: tie = "
                       "exactly half-way between two element values (rounded to even); saturated = "
                       "beyond the element max, clamped; -0 = negative zero code; differs = the "
                       "presets disagree on this code."))
