@@ -64,3 +64,42 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def drop_stale_submodules() -> list[str]:
+    """Unbind, from every package still imported, the submodules no longer in ``sys.modules``.
+
+    pytester (tests/test_pytest_plugin.py) snapshots ``sys.modules`` and restores it when its test
+    ends, so every module first imported during that test is dropped, but a package imported before
+    (``rich`` alone, imported by ``pytest.importorskip("rich")`` at collection) keeps its
+    attributes pointing at the dropped submodules. A later ``import rich.console`` then runs afresh
+    while its ``from . import themes`` picks up the stale ``rich.themes`` attribute: two copies of
+    rich's classes in one worker, and the theme's ``Style`` objects fail rich's ``isinstance``
+    checks (``AttributeError: 'Style' object has no attribute 'strip'``). Unbinding the stale
+    attributes makes the next import load every dropped submodule afresh and consistently.
+    """
+    import sys
+    import types
+
+    dropped = []
+    for name, mod in list(sys.modules.items()):
+        if not isinstance(mod, types.ModuleType) or not hasattr(mod, "__path__"):
+            continue
+        for attr, val in list(vars(mod).items()):
+            if (issubclass(type(val), types.ModuleType)  # type(): no attribute hooks run
+                    and val.__name__ == f"{name}.{attr}" and val.__name__ not in sys.modules):
+                delattr(mod, attr)
+                dropped.append(val.__name__)
+    return dropped
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test that used pytester has been torn down (its ``sys.modules`` restored), drop the
+    stale submodule attributes it leaves (:func:`drop_stale_submodules`), so that the tests after
+    it do not depend on whether a pytester test ran first in the same process."""
+    try:
+        return (yield)
+    finally:
+        if "pytester" in getattr(item, "fixturenames", ()):
+            drop_stale_submodules()

@@ -194,7 +194,7 @@ def kernels(device="cuda"):
     s_mx8 = mxfp8()
     s_mx4 = mxfp4()
     s_nv = nvfp4()
-    s_nv_vllm = nvfp4(preset="vllm")  # encode_scale convention: vLLM's input_global_scale
+    s_nv_vllm = nvfp4(preset="nvfp4_vllm")  # encode_scale convention: vLLM's input_global_scale
 
     def x_gscale_in(M, K):
         """x and its static encode scale 2688 / amax, computed once outside the timing: a float

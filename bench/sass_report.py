@@ -173,7 +173,7 @@ def cases(M=16384, K=7168, tuning=None):
         "mxfp8": lambda: Q.quantize(x, mxfp8(), scale_layout="swizzled_128x4", hw_fp8=True, **t),
         "mxfp4": lambda: Q.quantize(x, mxfp4(), scale_layout="swizzled_128x4", hw_fp8=True, **t),
         "nvfp4": lambda: Q.quantize(x, nvfp4(), scale_layout="swizzled_128x4", hw_fp8=True, **t),
-        "nvfp4_static": lambda: Q.quantize(x, nvfp4(preset="vllm"), scale_layout="swizzled_128x4",
+        "nvfp4_static": lambda: Q.quantize(x, nvfp4(preset="nvfp4_vllm"), scale_layout="swizzled_128x4",
                                            global_scale=1.0, hw_fp8=True, **t),
         # the FP4 paths the bf16 benchmark does not take: 16-bit words without the packed
         # encode (float16), and the generic split tile (float32)

@@ -1,14 +1,20 @@
-"""The ``moeref`` command: ``formats``, ``explain`` and ``demo`` (also ``python -m moeref``).
+"""The ``moeref`` command (also ``python -m moeref``): ``formats``, ``explain``, ``demo``,
+``convert`` (checkpoint conversion, :mod:`moeref.checkpoint.cli`) and the kernel-validation commands
+``check``, ``replay``, ``mutate`` (:mod:`moeref.testing.commands`).
 
 Everything printed here is built by library functions (``moeref.format_tables``,
 ``moeref.explain``, ``moeref.demo``); this module only parses arguments and prints.
 
 * ``moeref`` alone prints the help; ``moeref --version`` the installed version.
-* ``--json`` on ``formats`` and ``explain`` prints the same numbers as plain JSON (the data
-  functions :func:`moeref.format_tables.parameter_rows`, :func:`~moeref.format_tables.value_rows`,
-  :func:`moeref.explain.explain_steps`), for scripts; so does ``--json`` on the comparison
-  commands ``check``, ``replay`` and ``mutate`` (:mod:`moeref.testing.commands`).
-* Output to a pipe or a file is not cut to 80 columns: each table is printed as wide as it needs.
+* ``--json`` on every command prints the same numbers as plain JSON instead of tables, for
+  scripts: the data functions :func:`moeref.format_tables.parameter_rows`,
+  :func:`~moeref.format_tables.value_rows`, :func:`moeref.explain.explain_steps`,
+  :func:`moeref.demo.demo_data`, the conversion report and the comparison reports.
+* Every command prints through one console (:func:`moeref._console.console`). On a terminal,
+  tables wider than the terminal switch to layouts made for its width (80 columns: stacked or
+  narrower tables, wrapped long names), and verdicts are words, not only colours. Output to a pipe
+  or a file is not cut to 80 columns: each table is printed as wide as it needs (``COLUMNS`` set in
+  the environment fixes the width).
 * Bad input (an unknown format, scheme or preset, a preset that does not fit the scheme) exits 2
   with one line on stderr naming what was given and what is accepted.
 * A reader that stops early (``moeref check --json | head``) ends any command quietly (status 1, no
@@ -19,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from ._console import seed_argument
 
 __all__ = ["main", "build_parser"]
 
@@ -35,29 +43,9 @@ def _version() -> str:
 
 
 def _console():
-    try:
-        from rich.console import Console
-        from rich.measure import Measurement
-    except ImportError:  # pragma: no cover - rich is in the cli extra
-        sys.exit("moeref's command line needs rich: pip install 'moeref[cli]'")
+    from ._console import console
 
-    class _FullWidthConsole(Console):
-        """A console that, when not writing to a terminal, prints each renderable at the width it
-        needs (at least 80 columns) instead of cutting it to 80."""
-
-        def print(self, *objects, **kwargs):  # noqa: A003 - rich's name
-            if self.is_terminal or not objects:
-                return super().print(*objects, **kwargs)
-            options = self.options.update_width(1 << 16)
-            need = max(Measurement.get(self, options, o).maximum for o in objects)
-            saved = self.width
-            self.width = max(saved, need)
-            try:
-                return super().print(*objects, **kwargs)
-            finally:
-                self.width = saved
-
-    return _FullWidthConsole()
+    return console()
 
 
 def _print_json(data) -> None:
@@ -116,8 +104,16 @@ def _cmd_explain(args) -> int:
 
 def _cmd_demo(args) -> int:
     from . import format_tables
-    from .demo import run_demo
+    from .demo import demo_data, demo_json, run_demo
 
+    if args.json:
+        data = demo_json(demo_data(seed=args.seed))
+        _print_json({"formats": format_tables.parameter_rows(),
+                     "e2m1 values": format_tables.value_rows("e2m1"),
+                     "walks": {f"{x!r} -> {f}": format_tables.walk_value_steps(x, f)
+                               for x, f in ((0.3, "e4m3fn"), (1.75, "e2m1"))},
+                     **data})
+        return 0 if data["passed"] else 1
     console = _console()
     console.rule("[bold]1. Element formats")
     console.print(format_tables.formats_overview())
@@ -157,8 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a preset that fits the scheme; give twice to compare two")
     p.add_argument("--scale", choices=("fp32", "ue8m0"),
                    help="scale format, for the FP8 schemes that take one (default fp32)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the example data (0: the hand-picked example)")
+    p.add_argument("--seed", type=seed_argument, default=0,
+                   help="seed of the example data, >= 0 (0: the hand-picked example)")
     p.add_argument("--json", action="store_true", help="print the walk as JSON")
     p.set_defaults(func=_cmd_explain)
 
@@ -168,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the main demonstration",
                        description="Element formats, one value through encode and decode, and a "
                                    "whole MoE layer with a broken kernel caught by the report.")
-    p.add_argument("--seed", type=int, default=0, help="seed of the layer's data")
+    p.add_argument("--seed", type=seed_argument, default=0, help="seed of the layer's data (>= 0)")
+    p.add_argument("--json", action="store_true",
+                   help="print the formats, the walks, the reports and the fault verdicts as JSON")
     p.set_defaults(func=_cmd_demo)
 
     from .testing.commands import add_subcommands  # replay, check, mutate (kernel validation)
@@ -192,11 +190,21 @@ def _run(argv) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    try:
-        return int(args.func(args) or 0)
-    except (ValueError, TypeError) as exc:
-        print(f"moeref {args.command}: {exc}", file=sys.stderr)
-        return 2
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        try:
+            return int(args.func(args) or 0)
+        except (ValueError, TypeError) as exc:
+            print(f"moeref {args.command}: {exc}", file=sys.stderr)
+            return 2
+        finally:  # a deprecated name given on the command line is said once, on stderr
+            for w in caught:
+                if issubclass(w.category, DeprecationWarning) and "moeref" in w.filename:
+                    print(f"moeref {args.command}: warning: {w.message}", file=sys.stderr)
+                else:
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 def _stdout_closed() -> int:

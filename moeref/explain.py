@@ -16,7 +16,7 @@ differently (radixark/miles PR #1054). Any other seed draws random data with a f
 Plain data (:func:`explain_steps`) is separate from the ``rich`` rendering (:func:`explain`) so
 that both can be tested; :func:`explain_text` renders to a string.
 
->>> steps = explain_steps("nvfp4", presets=["te", "flashinfer"])
+>>> steps = explain_steps("nvfp4", presets=["nvfp4_te", "nvfp4_flashinfer"])
 >>> [r["blocks"][1]["scale code"] for r in steps["runs"]]
 ['0x6b', '0x6a']
 >>> [r["blocks"][1]["scale"] for r in steps["runs"]]
@@ -54,7 +54,7 @@ _MX_COMMON = ("default", "ocp", "torchao_floor", "torchao_ceil", "torchao_even",
 #: docs/fp8-scaling.md, docs/mx-formats.md, docs/int4-groups.md, docs/nvfp4.md). Any other preset
 #: would run its knobs on a storage it was not written for (``gptq``'s ``element_max=7.5`` on an
 #: FP8 walk, ``nvfp4_te`` over an INT4 walk), so :func:`explain_steps` refuses it. NVFP4 schemes
-#: take the registered ``nvfp4_*`` presets and the short orders (``moeref.quant.nvfp4``).
+#: take ``default`` and the ``nvfp4_*`` presets (:data:`moeref.quant.NVFP4_PRESETS`).
 SCHEME_PRESETS: dict[str, tuple[str, ...]] = {
     "fp8_per_tensor": _FP8_COMMON,
     "fp8_per_token": _FP8_COMMON,
@@ -77,7 +77,7 @@ def scheme_presets(name: str) -> tuple[str, ...]:
     >>> scheme_presets("int4_group")
     ('default', 'gptq', 'vllm_int4')
     >>> scheme_presets("nvfp4")[:4]
-    ('te', 'flashinfer', 'vllm', 'torchao')
+    ('default', 'nvfp4_te', 'nvfp4_te_encode_scale', 'nvfp4_flashinfer')
     """
     schemes = _schemes()
     if not isinstance(name, str) or name not in schemes:
@@ -85,10 +85,9 @@ def scheme_presets(name: str) -> tuple[str, ...]:
     if name in SCHEME_PRESETS:
         return SCHEME_PRESETS[name]
     if name.startswith("nvfp4"):
-        from .quant import PRESETS
-        from .quant.nvfp4 import NVFP4_ORDERS
+        from .quant import NVFP4_PRESETS
 
-        return tuple(NVFP4_ORDERS) + tuple(k for k in PRESETS if k.startswith("nvfp4_"))
+        return NVFP4_PRESETS
     return ()  # a scheme registered later without a table entry: its own default only
 
 
@@ -105,12 +104,14 @@ def _make_scheme(name: str, preset, scale: str | None = None):
         return factory(**kwargs)
     if "preset" not in params or not fits:
         raise ValueError(f"scheme {name!r} has no presets to choose from; drop --preset")
-    from .quant import get_preset
+    from .quant import NVFP4_ORDERS, PRESETS
 
-    if isinstance(preset, str) and preset not in fits:
-        get_preset(preset)  # an unknown name is reported as such
-        raise ValueError(f"preset {preset!r} does not fit scheme {name!r}; presets that fit: "
-                         f"{', '.join(fits)}")
+    if isinstance(preset, str) and preset not in fits and not (
+            preset in NVFP4_ORDERS and name.startswith("nvfp4")):  # deprecated NVFP4 aliases
+        known = preset in PRESETS or preset in NVFP4_ORDERS
+        raise ValueError(f"{'preset' if known else 'unknown preset'} {preset!r} "
+                         f"{'does not fit' if known else 'for'} scheme {name!r}; presets that "
+                         f"fit: {', '.join(fits)}")
     return factory(preset=preset, **kwargs)
 
 
@@ -175,8 +176,8 @@ def explain_steps(scheme_name: str, presets=None, x=None, seed: int = 0,
 
     Args:
         scheme_name: a key of :data:`moeref.quant.SCHEMES` (``"nvfp4"``, ``"mxfp4"``, ...).
-        presets: None (the scheme's default preset) or a list of preset names (NVFP4 also takes
-            the short orders ``"te"``, ``"flashinfer"``, ``"vllm"``, ``"torchao"``).
+        presets: None (the scheme's default preset) or a list of preset names
+            (:func:`scheme_presets`).
         x: example data (at most 64 elements; 1-D input is one row); None = :func:`example_input`.
         seed: example seed (0 = the hand-picked example).
         scale: the scale format for schemes that take one (``"fp32"`` or ``"ue8m0"`` for the FP8
@@ -309,11 +310,16 @@ def _midpoints(el) -> set:
 def explain(scheme_name: str, presets=None, x=None, seed: int = 0, scale: str | None = None):
     """``rich`` renderable of :func:`explain_steps` (``moeref explain SCHEME [--preset A ...]``).
 
-    With several presets the block and element tables put the presets side by side.
+    With several presets the block and element tables put the presets side by side. Where that
+    is wider than the console (an 80-column terminal), the same numbers come in layouts made for
+    the width (:class:`moeref._console.Fit`): the blocks one row per block and preset, the
+    elements one table per preset, with short headers explained under the tables.
     """
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
+
+    from ._console import Fit, compact_table
 
     steps = explain_steps(scheme_name, presets=presets, x=x, seed=seed, scale=scale)
     runs = steps["runs"]
@@ -321,6 +327,7 @@ def explain(scheme_name: str, presets=None, x=None, seed: int = 0, scale: str | 
                   f"{steps['shape']})", style="bold")]
     multi = len(runs) > 1
     tags = {r["preset"]: (f" ({chr(65 + i)})" if multi else "") for i, r in enumerate(runs)}
+    letters = {r["preset"]: chr(65 + i) for i, r in enumerate(runs)}
     for r in runs:
         parts.append(Text(f"preset{tags[r['preset']]} {r['preset']}: {r['description']}"))
     if runs[0]["global"] is not None:
@@ -331,19 +338,29 @@ def explain(scheme_name: str, presets=None, x=None, seed: int = 0, scale: str | 
         for i, (label, _) in enumerate(runs[0]["global"]):
             t.add_row(label, *[r["global"][i][1] for r in runs])
         parts.append(t)
-    t = Table(title="Step 2. Block amax -> scale code -> decode multiplier", title_justify="left")
+    block_title = "Step 2. Block amax -> scale code -> decode multiplier"
+    block_cols = ("scale code", "scale", "decode multiplier")
+    t = Table(title=block_title, title_justify="left")
     t.add_column("block")
     t.add_column("amax", justify="right")
     for r in runs:
         tag = tags[r["preset"]]
-        for c in ("scale code", "scale", "decode multiplier"):
+        for c in block_cols:
             t.add_column(c + tag, justify="right")
     for i, b in enumerate(runs[0]["blocks"]):
-        t.add_row(b["block"], b["amax"],
-                  *[r["blocks"][i][c] for r in runs for c in ("scale code", "scale", "decode multiplier")])
+        t.add_row(b["block"], b["amax"], *[r["blocks"][i][c] for r in runs for c in block_cols])
+    if multi:  # narrow: one row per block and preset
+        n = compact_table("block", ("amax", "right"), "preset",
+                          *[(c, "right") for c in block_cols], title=block_title)
+        for i, b in enumerate(runs[0]["blocks"]):
+            for j, r in enumerate(runs):
+                n.add_row(b["block"] if j == 0 else "", b["amax"] if j == 0 else "",
+                          letters[r["preset"]], *[r["blocks"][i][c] for c in block_cols],
+                          end_section=j == len(runs) - 1)
+        t = Fit(t, n)
     parts.append(t)
-    t = Table(title="Step 3. Elements: x / scale -> code -> value -> dequantized, error",
-              title_justify="left")
+    element_title = "Step 3. Elements: x / scale -> code -> value -> dequantized, error"
+    t = Table(title=element_title, title_justify="left")
     for c in ("index", "block", "x"):
         t.add_column(c, justify="right" if c == "x" else "left")
     # side by side, the element value column is dropped (the code and the dequantized value carry it)
@@ -364,13 +381,28 @@ def explain(scheme_name: str, presets=None, x=None, seed: int = 0, scale: str | 
             row += [ee[c] for c in per]
         style = "bold" if "differs" in e["note"] else None
         t.add_row(*row, style=style)
-    parts.append(t)
+    # narrow: one table per preset, no block column (a blank line between blocks), short headers
+    tiny = {"x / scale": "x/(s*g)" if two_level else "x/s", "dequantized": "deq", "error": "err"}
+    narrow = []
+    for r in runs:
+        n = compact_table("index", ("x", "right"),
+                          *[(tiny.get(c, c), "left" if c == "note" else "right") for c in per],
+                          title=(f"Step 3{tags[r['preset']]} {r['preset']}. Elements "
+                                 "(a blank line between blocks)"))
+        els = r["elements"]
+        for i, ee in enumerate(els):
+            last = i + 1 == len(els) or els[i + 1]["block"] != ee["block"]
+            n.add_row(ee["index"], ee["x"], *[ee[c] for c in per],
+                      style="bold" if "differs" in ee["note"] else None, end_section=last)
+        narrow.append(n)
+    parts.append(Fit(t, Group(*narrow)))
     if two_level:
-        parts.append(Text("x / (scale*g): x divided by the decode multiplier, the block scale times "
-                          "the global decode factor g (Step 1)."))
-    parts.append(Text("notes: tie = exactly half-way between two element values (rounded to even); "
-                      "saturated = beyond the element max, clamped; -0 = negative zero code; "
-                      "differs = the presets disagree on this code."))
+        parts.append(Text("x / (scale*g), x/(s*g): x divided by the decode multiplier, the block "
+                          "scale times the global decode factor g (Step 1)."))
+    parts.append(Text("short headers: x/s = x / scale, deq = dequantized, err = error. notes: tie = "
+                      "exactly half-way between two element values (rounded to even); saturated = "
+                      "beyond the element max, clamped; -0 = negative zero code; differs = the "
+                      "presets disagree on this code."))
     return Group(*parts)
 
 

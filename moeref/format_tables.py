@@ -215,11 +215,21 @@ def _table(title: str, columns: list[str], rows: list[list[str]]):
 
 
 def formats_overview(names=None):
-    """rich Table of every format's parameters (``moeref formats``)."""
+    """rich renderable of every format's parameters (``moeref formats``): one table, or where that
+    is wider than the console (80 columns), the numbers and the specials in two tables."""
+    from rich.console import Group
+
+    from ._console import Fit
+
     rows = parameter_rows(names)
+    title = "Element formats (layout = sign/exponent/mantissa bits)"
     cols = ["name", "layout", "bits", "bias", "max", "min normal", "min subnormal", "specials"]
-    return _table("Element formats (layout = sign/exponent/mantissa bits)", cols,
-                  [[r[c] for c in cols] for r in rows])
+    wide = _table(title, cols, [[r[c] for c in cols] for r in rows])
+    nums = cols[:-1]
+    narrow = Group(_table(title, nums, [[r[c] for c in nums] for r in rows]),
+                   _table("Special values (S = sign bit)", ["name", "specials"],
+                          [[r["name"], r["specials"]] for r in rows]))
+    return Fit(wide, narrow)
 
 
 def format_detail(fmt):

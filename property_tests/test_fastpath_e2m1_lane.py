@@ -59,8 +59,8 @@ def test_gpu_lane_encode_every_float32_pattern(zero):
 
 
 @pytest.mark.parametrize("scheme,dtype", [
-    (nvfp4(preset="te"), torch.bfloat16), (nvfp4(preset="vllm"), torch.bfloat16),
-    (nvfp4(preset="torchao"), torch.float16), (nvfp4(preset="flashinfer"), torch.float32),
+    (nvfp4(preset="nvfp4_te"), torch.bfloat16), (nvfp4(preset="nvfp4_vllm"), torch.bfloat16),
+    (nvfp4(preset="nvfp4_torchao"), torch.float16), (nvfp4(preset="nvfp4_flashinfer"), torch.float32),
     (mxfp4(), torch.float16), (mxfp4(), torch.float32), (mxfp4(preset="te_mxfp8"), torch.float32),
 ])
 def test_gpu_lane_path_quantize_equals_integer_path(scheme, dtype):

@@ -60,7 +60,7 @@ def _combos():
     for o in NVFP4_ORDERS:
         for c in NVFP4_CONVENTIONS:
             try:
-                nvfp4(preset=o, convention=c)
+                nvfp4(preset=f"nvfp4_{o}", convention=c)
             except ValueError:
                 continue
             out.append((o, c))
@@ -135,7 +135,7 @@ def static_cases(draw):
 @given(static_cases())
 def test_static_global_scale_matches_reference(case):
     order, conv, layout, shape, dtype, specials, strided, log_range, u, form, seed = case
-    scheme = nvfp4(preset=order, convention=conv)
+    scheme = nvfp4(preset=f"nvfp4_{order}", convention=conv)
     xn = make_input(seed, shape, dtype, log_range, specials)
     amax = float(np.abs(xn.astype(np.float64)).max())
     # a static amax stays a finite float32 (the 3e38 specials times 2^u would not)
@@ -149,7 +149,7 @@ def test_below_and_above_the_amax(order, conv):
     """A static amax below the tensor amax saturates blocks (UE4M3 code 0x7E = 448 and E2M1 +-6,
     codes 0x7/0xF, for elements that would not reach 6 dynamically); above it, no block reaches
     448. Both equal the reference."""
-    scheme = nvfp4(preset=order, convention=conv)
+    scheme = nvfp4(preset=f"nvfp4_{order}", convention=conv)
     rng = np.random.default_rng(7)
     xn = (rng.standard_normal((5, 64)) * np.exp2(rng.uniform(-3, 3, (5, 1)))).astype(np.float32)
     amax = float(np.abs(xn).max())
@@ -164,7 +164,7 @@ def test_below_and_above_the_amax(order, conv):
 
 
 def test_to_reference_and_dequantize():
-    scheme = nvfp4(preset="vllm")
+    scheme = nvfp4(preset="nvfp4_vllm")
     rng = np.random.default_rng(3)
     xn = rng.standard_normal((3, 48)).astype(np.float32)
     g = 2688.0 / (0.5 * float(np.abs(xn).max()))
@@ -185,7 +185,7 @@ def test_float32_extremes_of_a_static_amax(order, g):
     FLT_MAX, FlashInfer raises, torchao's A/2688 is 0 and raises); 1e39 and 1e300 are Inf in
     float32 (TE: S_enc 0 -> 1 and global Inf; the others raise). Fast path == reference, value
     or exception."""
-    scheme = nvfp4(preset=order, convention="amax")
+    scheme = nvfp4(preset=f"nvfp4_{order}", convention="amax")
     rng = np.random.default_rng(11)
     xn = rng.standard_normal((3, 40)).astype(np.float32)
     xn[0, :7] = -0.0
@@ -223,7 +223,7 @@ ERROR_CASES = [
 
 @pytest.mark.parametrize("spec,value,exc", ERROR_CASES)
 def test_errors_match_reference(spec, value, exc):
-    scheme = nvfp4(preset=spec[0], convention=spec[1])
+    scheme = nvfp4(preset=f"nvfp4_{spec[0]}", convention=spec[1])
     xn = np.ones((2, 16), np.float32)
     with pytest.raises(exc) as want:
         quantize_nvfp4(xn, scheme, global_scale=value)
@@ -255,7 +255,7 @@ def test_tensor_forms_equal_the_number():
     xn = rng.standard_normal((4, 33)).astype(np.float32)
     x = to_device(xn)
     for order, conv in COMBOS:
-        scheme = nvfp4(preset=order, convention=conv)
+        scheme = nvfp4(preset=f"nvfp4_{order}", convention=conv)
         g = float(np.float32(in_convention(0.7 * float(np.abs(xn).max()), conv)))
         want = Q.quantize(x, scheme, global_scale=g)
         for t in (torch.tensor(g, dtype=torch.float32), torch.tensor([g], dtype=torch.float32)):
@@ -273,13 +273,13 @@ def test_static_path_runs_no_amax_kernel(monkeypatch):
 
     xn = np.random.default_rng(1).standard_normal((3, 32)).astype(np.float32)
     x = to_device(xn)
-    scheme = nvfp4(preset="vllm")
+    scheme = nvfp4(preset="nvfp4_vllm")
     dyn = Q.quantize(x, scheme)
     monkeypatch.setattr(QL, "_amax_partial_kernel", Forbidden())
     monkeypatch.setattr(QL, "_amax_final_kernel", Forbidden())
     monkeypatch.setattr(QPL, "_PLANS", {})  # plans made before keep the real kernels
     for order, conv in COMBOS:
-        s = nvfp4(preset=order, convention=conv)
+        s = nvfp4(preset=f"nvfp4_{order}", convention=conv)
         g = in_convention(float(np.abs(xn).max()), conv)
         for form in (g, torch.tensor([g], dtype=torch.float32)):
             Q.quantize(x, s, global_scale=form)
@@ -293,7 +293,7 @@ def test_static_path_runs_no_amax_kernel(monkeypatch):
 def test_dynamic_path_unchanged():
     rng = np.random.default_rng(9)
     for order, conv in COMBOS:
-        scheme = nvfp4(preset=order, convention=conv)
+        scheme = nvfp4(preset=f"nvfp4_{order}", convention=conv)
         xn = (rng.standard_normal((3, 40)) * 5).astype(np.float32)
         ref = quantize_nvfp4(xn, scheme)
         with poisoned():
@@ -311,7 +311,7 @@ def test_registry_passes_global_scale():
         registry.get_implementation("quantize", "triton", scheme=fp8_group(16), x=x, global_scale=3.0)
     with pytest.raises(registry.ImplementationUnavailable, match="positive finite"):
         registry.get_implementation("quantize", "triton", scheme=nvfp4(), x=x, global_scale=-3.0)
-    vllm = nvfp4(preset="vllm")
+    vllm = nvfp4(preset="nvfp4_vllm")
     ref = registry.get_implementation("quantize", "reference", scheme=vllm, global_scale=3.0)
     assert ref(np.ones((2, 16), np.float32), vllm, global_scale=3.0).global_scale == 1.0 / 3.0
 
@@ -338,7 +338,7 @@ def test_block_scale_ties_follow_the_static_scale(order, conv):
     """Block amaxes placed so that the UE4M3 cast sees an exact tie (midpoint of two codes) under
     the unit static scale: RNE picks the even code, and the next float32 static scale above
     breaks every tie upward. The fast path follows the reference to the last ulp of S_enc."""
-    scheme = nvfp4(preset=order, convention=conv)
+    scheme = nvfp4(preset=f"nvfp4_{order}", convention=conv)
     mids = _ue4m3_midpoints()
     a = mids * (1.0 if order == "te" else 6.0)  # the block amax that lands on each midpoint
     rng = np.random.default_rng(2)

@@ -170,10 +170,10 @@ SCHEMES = [
     (lambda: mxfp4(), ("row_major", "swizzled_128x4"), "all"),
     (lambda: mxfp4(preset="deepgemm"), ("row_major", "packed_ue8m0"), "all"),
     (lambda: mxfp4(preset="microxcaling"), ("row_major",), "all"),
-    (lambda: nvfp4(preset="te"), ("row_major", "swizzled_128x4"), "finite"),
-    (lambda: nvfp4(preset="flashinfer"), ("swizzled_128x4",), "finite"),
-    (lambda: nvfp4(preset="vllm"), ("swizzled_128x4",), "finite"),
-    (lambda: nvfp4(preset="torchao"), ("row_major", "swizzled_128x4"), "finite"),
+    (lambda: nvfp4(preset="nvfp4_te"), ("row_major", "swizzled_128x4"), "finite"),
+    (lambda: nvfp4(preset="nvfp4_flashinfer"), ("swizzled_128x4",), "finite"),
+    (lambda: nvfp4(preset="nvfp4_vllm"), ("swizzled_128x4",), "finite"),
+    (lambda: nvfp4(preset="nvfp4_torchao"), ("row_major", "swizzled_128x4"), "finite"),
 ]
 
 
@@ -394,8 +394,8 @@ DQ_SCHEMES = [
     (lambda: fp8_group(128), "row_major"), (lambda: fp8_group(128, "ue8m0", "deepgemm"), "packed_ue8m0"),
     (lambda: fp8_per_tensor(), "row_major"), (lambda: fp8_per_token(preset="vllm"), "row_major"),
     (lambda: fp8_group(32, element="e5m2"), "mn_major"), (lambda: mxfp8(), "swizzled_128x4"),
-    (lambda: mxfp4(), "row_major"), (lambda: nvfp4(preset="te"), "swizzled_128x4"),
-    (lambda: nvfp4(preset="torchao"), "row_major"),
+    (lambda: mxfp4(), "row_major"), (lambda: nvfp4(preset="nvfp4_te"), "swizzled_128x4"),
+    (lambda: nvfp4(preset="nvfp4_torchao"), "row_major"),
 ]
 
 

@@ -179,6 +179,6 @@ def test_fused_device_tiles_match_reference(monkeypatch, op, M, groups, tail, la
        specials=st.sampled_from(("none", "finite")), seed=st.integers(0, 2**31))
 def test_word_run_matches_reference(run, which, M, K, specials, seed):
     tuning = QuantTuning(word_run_mxfp4=run, word_run_nvfp4=run)
-    scheme = mxfp4() if which == "mxfp4" else nvfp4(preset="vllm")
+    scheme = mxfp4() if which == "mxfp4" else nvfp4(preset="nvfp4_vllm")
     xn = make_input(seed, (M, K), "bfloat16", 8.0, specials)
     run_and_check(scheme, "swizzled_128x4", xn, device_input(xn, False), tuning=tuning)

@@ -24,8 +24,8 @@ TARGETS = {
     "mxfp4": lambda: mxfp4(),
     "mxfp8": lambda: mxfp8(),
     "nvfp4_te": lambda: nvfp4(),
-    "nvfp4_vllm": lambda: nvfp4(preset="vllm"),
-    "nvfp4_torchao": lambda: nvfp4(preset="torchao"),
+    "nvfp4_vllm": lambda: nvfp4(preset="nvfp4_vllm"),
+    "nvfp4_torchao": lambda: nvfp4(preset="nvfp4_torchao"),
 }
 
 
@@ -35,9 +35,9 @@ SIBLINGS = {  # the same storage under another preset: a different scale rule
     "fp8_1x16_fp32": lambda: fp8_group(16, preset="te_fp8"),
     "mxfp4": lambda: mxfp4(preset="ocp"),
     "mxfp8": lambda: mxfp8(preset="ocp"),
-    "nvfp4_te": lambda: nvfp4(preset="vllm"),
-    "nvfp4_vllm": lambda: nvfp4(preset="torchao"),
-    "nvfp4_torchao": lambda: nvfp4(preset="te"),
+    "nvfp4_te": lambda: nvfp4(preset="nvfp4_vllm"),
+    "nvfp4_vllm": lambda: nvfp4(preset="nvfp4_torchao"),
+    "nvfp4_torchao": lambda: nvfp4(preset="nvfp4_te"),
 }
 
 
@@ -130,9 +130,9 @@ def test_static_global_is_kept_by_the_lossless_candidates():
     x = np.random.default_rng(2).standard_normal((4, 64)).astype(np.float32)
     q = quantize(x, mxfp4())
     g = 2.0 ** -6  # decode scale (torchao's convention): a power of two keeps MXFP4 exact
-    t, rep = requantize(q, nvfp4(preset="torchao"), global_scale=g)
+    t, rep = requantize(q, nvfp4(preset="nvfp4_torchao"), global_scale=g)
     assert t.global_scale == g and rep.lossless and rep.method == "exact_rescale"
-    t2, rep2 = requantize(q, nvfp4(preset="torchao"), global_scale=3.0e-3)  # not a power of two
+    t2, rep2 = requantize(q, nvfp4(preset="nvfp4_torchao"), global_scale=3.0e-3)  # not a power of two
     assert t2.global_scale == float(np.float32(3.0e-3))
     assert rep2.lossless == np.array_equal(t2.dequantize(np.float64), q.dequantize(np.float64))
     with pytest.raises(ValueError, match="NVFP4"):

@@ -89,7 +89,7 @@ statics = st.one_of(st.none(), st.sampled_from([0.25, 0.5, 1.0, 3.0, 1000.0]))
 @given(x=nvfp4_inputs(), static=statics)
 def test_te_1x16_matches_reference(x, static):
     A = None if static is None else F32(max(np.abs(x).max(), 1e-30) * static)
-    q = quantize(x, nvfp4(preset="te"), **({} if A is None else {"global_scale": A}))
+    q = quantize(x, nvfp4(preset="nvfp4_te"), **({} if A is None else {"global_scale": A}))
     codes, scales, amax = orc.te_nvfp4_ref(x, (1, 16), A)
     assert np.array_equal(q.element_codes(), codes)
     assert np.array_equal(q.scales, scales)
@@ -99,7 +99,7 @@ def test_te_1x16_matches_reference(x, static):
 @settings(max_examples=max(10, settings.default.max_examples // 3))
 @given(x=nvfp4_inputs(weight=True))
 def test_te_16x16_matches_reference(x):
-    q = quantize(x, nvfp4("weight", preset="te"))
+    q = quantize(x, nvfp4("weight", preset="nvfp4_te"))
     codes, scales, _ = orc.te_nvfp4_ref(x, (16, 16))
     assert np.array_equal(q.element_codes(), codes)
     assert np.array_equal(np.repeat(q.scales, 16, axis=0)[: x.shape[0]], scales)
@@ -112,9 +112,9 @@ def test_flashinfer_vllm_match_reference(x, static, preset):
     gs = orc.flashinfer_global_scale(x) if static is None else F32(2688) / F32(A * static)
     if not np.isfinite(gs):  # 2688 / A overflows: the anchor has no clamp; moeref refuses
         with pytest.raises(ValueError, match="overflows"):
-            quantize(x, nvfp4(preset=preset), **({} if static is None else {"global_scale": gs}))
+            quantize(x, nvfp4(preset=f"nvfp4_{preset}"), **({} if static is None else {"global_scale": gs}))
         return
-    q = quantize(x, nvfp4(preset=preset), **({} if static is None else {"global_scale": gs}))
+    q = quantize(x, nvfp4(preset=f"nvfp4_{preset}"), **({} if static is None else {"global_scale": gs}))
     values, scales = orc.flashinfer_ref_fp4_quant(x, gs)
     assert np.array_equal(q.element_values(np.float32), values)
     assert np.array_equal(orc.e4m3_value(q.scales), scales)
@@ -131,9 +131,9 @@ def test_torchao_matches_reference(x, static):
     overflow = not np.isfinite(orc.torchao_nvfp4_factors(x, pts)[2]).all()
     if overflow:  # torchao multiplies by Inf here (NaN codes); the reference refuses
         with pytest.raises(ValueError, match="overflows"):
-            quantize(x, nvfp4(preset="torchao"), **kw)
+            quantize(x, nvfp4(preset="nvfp4_torchao"), **kw)
         return
-    q = quantize(x, nvfp4(preset="torchao"), **kw)
+    q = quantize(x, nvfp4(preset="nvfp4_torchao"), **kw)
     codes, scales = orc.torchao_nvfp4_quantize(x, pts)
     assert np.array_equal(q.element_codes(), codes)
     assert np.array_equal(q.scales, scales)
@@ -159,11 +159,11 @@ def test_grid_tensors_quantize_to_themselves(data, preset, g, kind):
     s = np.repeat(np.repeat(orc.e4m3_value(scodes).astype(np.float64), h, 0), 16, 1)
     x = (vals * s * 2.0 ** g).astype(F32)
     assert np.array_equal(x.astype(np.float64), vals * s * 2.0 ** g)  # exact in float32
-    q = quantize(x, nvfp4(kind, preset=preset))
+    q = quantize(x, nvfp4(kind, preset=f"nvfp4_{preset}"))
     assert np.array_equal(q.scales, scodes)
     assert np.array_equal(orc.E2M1_VALUES[q.element_codes()], orc.E2M1_VALUES[codes])
     assert np.array_equal(q.dequantize(), x)
-    q2 = quantize(q.dequantize(), nvfp4(kind, preset=preset))
+    q2 = quantize(q.dequantize(), nvfp4(kind, preset=f"nvfp4_{preset}"))
     assert np.array_equal(q2.codes, q.codes) and np.array_equal(q2.scales, q.scales)
 
 
@@ -176,7 +176,7 @@ def _half_gap(v):
 @given(x=nvfp4_inputs(), preset=st.sampled_from(["te", "flashinfer", "torchao"]))
 def test_dequantization_error_bound(x, preset):
     assume(np.abs(x).max() > 1e-30)
-    q = quantize(x, nvfp4(preset=preset))
+    q = quantize(x, nvfp4(preset=f"nvfp4_{preset}"))
     d = expand_to_elements(q.scale_values(), q.block_shape, q.shape)
     s = expand_to_elements(orc.e4m3_value(q.scales).astype(np.float64), q.block_shape, q.shape)
     err = np.abs(q.dequantize(np.float64) - x.astype(np.float64))
@@ -190,7 +190,7 @@ def test_dequantization_error_bound(x, preset):
 
 @given(x=nvfp4_inputs(), preset=st.sampled_from(["te", "flashinfer", "torchao"]))
 def test_sign_symmetry(x, preset):
-    q, qn = quantize(x, nvfp4(preset=preset)), quantize(-x, nvfp4(preset=preset))
+    q, qn = quantize(x, nvfp4(preset=f"nvfp4_{preset}")), quantize(-x, nvfp4(preset=f"nvfp4_{preset}"))
     assert np.array_equal(q.scales, qn.scales)
     assert np.array_equal(qn.element_values(), -q.element_values())
 

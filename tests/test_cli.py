@@ -110,7 +110,7 @@ def test_formats_json(capsys):
 
 
 def test_explain_json(capsys):
-    assert main(["explain", "nvfp4", "--preset", "te", "--preset", "flashinfer", "--json"]) == 0
+    assert main(["explain", "nvfp4", "--preset", "nvfp4_te", "--preset", "nvfp4_flashinfer", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["scheme"] == "nvfp4" and data["shape"] == [1, 32]
     # the UE4M3 tie of the hand-picked example: 84 rounds to 88 (TE) or 80 (FlashInfer)
@@ -128,5 +128,5 @@ def test_piped_output_is_not_cut_to_80_columns():
     # the e5m2 specials text is longer than an 80-column table leaves room for
     assert "Inf = S.11..1.00, NaN = S.11..1.xx (xx != 0), -0" in r.stdout
     assert max(len(line) for line in r.stdout.splitlines()) > 80
-    r = _run("explain", "nvfp4", "--preset", "te", "--preset", "flashinfer")
+    r = _run("explain", "nvfp4", "--preset", "nvfp4_te", "--preset", "nvfp4_flashinfer")
     assert r.returncode == 0 and "…" not in r.stdout and "differs" in r.stdout

@@ -14,7 +14,7 @@ pytest.importorskip("rich")
 
 def test_nvfp4_walk_matches_the_oracles():
     x = example_input("nvfp4")
-    steps = explain_steps("nvfp4", presets=["te", "flashinfer"])
+    steps = explain_steps("nvfp4", presets=["nvfp4_te", "nvfp4_flashinfer"])
     te, fi = steps["runs"]
     assert (te["preset"], fi["preset"]) == ("nvfp4_te", "nvfp4_flashinfer")
     codes, scales, amax = orc.te_nvfp4_ref(x)
@@ -36,7 +36,7 @@ def test_nvfp4_walk_matches_the_oracles():
 
 def test_notes_flag_ties_saturation_negative_zero_and_differences():
     x = example_input("nvfp4")
-    te, fi = explain_steps("nvfp4", presets=["te", "flashinfer"])["runs"]
+    te, fi = explain_steps("nvfp4", presets=["nvfp4_te", "nvfp4_flashinfer"])["runs"]
     assert x[0, 1] == 2.5 and "tie" in te["elements"][1]["note"]          # 2.5 -> 2 (even)
     assert x[0, 8] == np.float32(-0.1) and te["elements"][8]["note"] == "-0"
     # FlashInfer's scale 80: 1.125 * 448 / 80 = 6.3 > 6
@@ -47,7 +47,7 @@ def test_notes_flag_ties_saturation_negative_zero_and_differences():
 
 
 def test_text_rendering_side_by_side():
-    text = explain_text("nvfp4", presets=["te", "flashinfer"])
+    text = explain_text("nvfp4", presets=["nvfp4_te", "nvfp4_flashinfer"])
     for part in ("Step 1. Global", "Step 2. Block amax", "Step 3. Elements", "0x6b", "0x6a",
                  "(A) nvfp4_te", "(B) nvfp4_flashinfer", "differs"):
         assert part in text
@@ -90,6 +90,6 @@ def test_bad_input():
 def test_cli_explain(capsys):
     from moeref.cli import main
 
-    assert main(["explain", "nvfp4", "--preset", "te", "--preset", "flashinfer"]) == 0
+    assert main(["explain", "nvfp4", "--preset", "nvfp4_te", "--preset", "nvfp4_flashinfer"]) == 0
     out = capsys.readouterr().out
     assert "0x6b" in out and "0x6a" in out

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.interp
 
 SCHEMES = {"fp8 per-tensor (default: nan_block)": fp8_per_tensor(),
            "fp8 per-tensor (vllm: propagate)": fp8_per_tensor(preset="vllm"),
-           "nvfp4 (default)": nvfp4(), "nvfp4 (vllm)": nvfp4(preset="vllm")}
+           "nvfp4 (default)": nvfp4(), "nvfp4 (vllm)": nvfp4(preset="nvfp4_vllm")}
 
 
 def _x(seed, m=6, n=64, specials=False):

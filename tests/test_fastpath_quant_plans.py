@@ -48,7 +48,7 @@ CASES = {
     "per_tensor": (fp8_per_tensor(), {}),
     "mxfp4 swizzled": (mxfp4(), dict(scale_layout="swizzled_128x4")),
     "nvfp4 swizzled": (nvfp4(), dict(scale_layout="swizzled_128x4")),
-    "nvfp4 static": (nvfp4(preset="vllm"), dict(scale_layout="swizzled_128x4", global_scale=300.0)),
+    "nvfp4 static": (nvfp4(preset="nvfp4_vllm"), dict(scale_layout="swizzled_128x4", global_scale=300.0)),
 }
 
 

@@ -229,11 +229,11 @@ def test_nvfp4_with_static_global_scales_cutlass_path():
     from moeref.quant.nvfp4 import nvfp4
 
     lw = make_layer(3, 64, 32, seed=30)
-    qw = quantize_weights(lw, nvfp4("weight", preset="vllm"))
+    qw = quantize_weights(lw, nvfp4("weight", preset="nvfp4_vllm"))
     x = make_tokens(4, 64, seed=31)
     tw, ids = _routing(4, 3, 2, seed=32)
     a1_gscale, a2_gscale = 448.0 * 6 / 4.0, 448.0 * 6 / 8.0
-    s = nvfp4("activation", preset="vllm")
+    s = nvfp4("activation", preset="nvfp4_vllm")
     q = MoEQuant(quantizer(s, global_scale=a1_gscale), quantizer(s, global_scale=a2_gscale), "nvfp4")
     got = fused_moe(x, qw, tw, ids, quant=q)
     a1 = quantize(x, s, global_scale=a1_gscale)

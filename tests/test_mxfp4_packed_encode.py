@@ -540,9 +540,9 @@ def test_f32_lane_path_selection():
         return QP.constexprs_cached(scheme, hw, interp)["E2M1_PTX"]
 
     for order in ("te", "flashinfer", "vllm", "torchao"):
-        assert sel(nvfp4(preset=order), True, False)
-        assert not sel(nvfp4(preset=order), True, True)
-        assert not sel(nvfp4(preset=order), False, False)
+        assert sel(nvfp4(preset=f"nvfp4_{order}"), True, False)
+        assert not sel(nvfp4(preset=f"nvfp4_{order}"), True, True)
+        assert not sel(nvfp4(preset=f"nvfp4_{order}"), False, False)
     assert sel(mxfp4(), True, False)
     assert not sel(mxfp4(preset="deepgemm"), True, False)  # ties toward zero, -0 dropped
     assert not sel(mxfp4(preset="microxcaling"), True, False)  # ties away

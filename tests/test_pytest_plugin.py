@@ -75,3 +75,37 @@ def test_thorough_mode_draws_more_cases(kernel_dir):
     res.stdout.fnmatch_lines(["8 tests collected*"])
     res = kernel_dir.runpytest("-p", "moeref.testing.plugin", "--moeref-thorough", "--collect-only", "-q")
     res.stdout.fnmatch_lines(["64 tests collected*"])
+
+
+LEAK_TEST = """
+import pytest
+
+from moeref.cli import build_parser, main
+
+pytest.importorskip("rich")  # as tests/test_explain.py: only the package is imported at collection
+pytest_plugins = ["pytester"]
+build_parser()  # the command's modules (numpy, moeref) are imported before pytester's snapshot
+
+
+def test_first_render_inside_a_pytester_test(pytester):
+    assert main(["formats", "e2m1"]) == 0  # rich's console, table and themes imported here
+
+
+def test_render_after_it():
+    assert main(["formats", "e2m1"]) == 0
+"""
+
+
+def test_a_pytester_test_does_not_break_rendering_in_the_tests_after_it(pytester, monkeypatch):
+    """pytester restores ``sys.modules`` after its test; without the repository's conftest.py
+    (``drop_stale_submodules``) the next render in the same process meets two copies of rich's
+    classes and fails (the GPU suite's ``'Style' object has no attribute 'strip'``)."""
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("PYTHONPATH", str(root))
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    pytester.makepyfile(test_leak=LEAK_TEST)
+    bare = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
+    bare.assert_outcomes(passed=1, failed=1)  # the mechanism is real: the second render fails
+    assert "'Style' object has no attribute 'strip'" in bare.stdout.str()
+    pytester.makeconftest((root / "conftest.py").read_text())
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q").assert_outcomes(passed=2)

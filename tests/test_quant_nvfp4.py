@@ -12,7 +12,7 @@ import pytest
 
 import nvfp4_oracles as orc
 from moeref.quant import QuantizedTensor, dequantize, mxfp4, quantize, requantize
-from moeref.quant.nvfp4 import global_scale_as, nvfp4, nvfp4_preset, quantize_nvfp4
+from moeref.quant.nvfp4 import global_scale_as, nvfp4, nvfp4_preset, nvfp4_weight, quantize_nvfp4
 
 F32 = np.float32
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
@@ -28,13 +28,13 @@ def test_exact_grid_block_round_trips():
     # A = 6 -> S_enc = 2688/6 = 448; block amax 6 -> scale e4m3(448) = 0x7E; data factor 1.
     x = np.array([[0.5, -1.0, 3.0, 6.0] * 4], F32)
     for preset in ("te", "flashinfer", "torchao"):
-        q = quantize(x, nvfp4(preset=preset))
+        q = quantize(x, nvfp4(preset=f"nvfp4_{preset}"))
         assert q.scales.tolist() == [[0x7E]]
         assert q.global_scale == pytest.approx(6 / 2688, rel=1e-7)
         assert q.element_codes()[0, :4].tolist() == [0x1, 0x8 | 0x2, 0x5, 0x7]
         np.testing.assert_allclose(q.dequantize(np.float64), x, rtol=1e-7)
     # te and flashinfer: g = 6/2688 exactly as float64 of 1/448 -> dequant exact
-    assert np.array_equal(quantize(x, nvfp4(preset="te")).dequantize(), x)
+    assert np.array_equal(quantize(x, nvfp4(preset="nvfp4_te")).dequantize(), x)
 
 
 def test_ue4m3_tie_te_versus_flashinfer():
@@ -47,9 +47,9 @@ def test_ue4m3_tie_te_versus_flashinfer():
     assert te_product > 84 and fi_product == 84
     x = np.zeros((1, 32), F32)
     x[0, 0], x[0, 16] = 6.0, 1.125
-    te = quantize(x, nvfp4(preset="te"))
-    fi = quantize(x, nvfp4(preset="flashinfer"))
-    ao = quantize(x, nvfp4(preset="torchao"))
+    te = quantize(x, nvfp4(preset="nvfp4_te"))
+    fi = quantize(x, nvfp4(preset="nvfp4_flashinfer"))
+    ao = quantize(x, nvfp4(preset="nvfp4_torchao"))
     assert _scale_value(te.scales[0, 1]) == 88.0 and int(te.scales[0, 1]) == 0x6B
     assert _scale_value(fi.scales[0, 1]) == 80.0 and int(fi.scales[0, 1]) == 0x6A
     # torchao: (1.125 / 6) / fl(6/2688) = 0.1875 / 0.00223214... = 83.99999 -> 80
@@ -66,7 +66,7 @@ def test_e2m1_ties_to_even_te_and_flashinfer(x, code):
     assert F32(1) / (F32(448) * (F32(1) / F32(448))) == 1
     row = np.array([[6.0, x] + [0.0] * 14], F32)
     for preset in ("te", "flashinfer"):
-        assert quantize(row, nvfp4(preset=preset)).element_codes()[0, 1] == code
+        assert quantize(row, nvfp4(preset=f"nvfp4_{preset}")).element_codes()[0, 1] == code
 
 
 def test_torchao_factor_below_one_breaks_ties_downward():
@@ -76,36 +76,36 @@ def test_torchao_factor_below_one_breaks_ties_downward():
     factor = (F32(1) / pts) / F32(448)
     assert factor < 1 and F32(1.75) * factor < 1.75
     row = np.array([[6.0, 1.75, 3.5] + [0.0] * 13], F32)
-    assert quantize(row, nvfp4(preset="torchao")).element_codes()[0, 1:3].tolist() == [3, 5]
-    assert quantize(row, nvfp4(preset="te")).element_codes()[0, 1:3].tolist() == [4, 6]
+    assert quantize(row, nvfp4(preset="nvfp4_torchao")).element_codes()[0, 1:3].tolist() == [3, 5]
+    assert quantize(row, nvfp4(preset="nvfp4_te")).element_codes()[0, 1:3].tolist() == [4, 6]
 
 
 def test_negative_zero_code_per_anchor():
     row = np.array([[6.0, -0.0, -0.1, 0.0] + [1.0] * 12], F32)
     # TE cast_to_fp4x2: -0.0 -> 0x0, (-0.25, 0) -> 0x8
-    assert quantize(row, nvfp4(preset="te")).element_codes()[0, 1:4].tolist() == [0x0, 0x8, 0x0]
+    assert quantize(row, nvfp4(preset="nvfp4_te")).element_codes()[0, 1:4].tolist() == [0x0, 0x8, 0x0]
     # PTX cvt / torchao f32_to_f4_unpacked keep the sign of zero
     for preset in ("flashinfer", "torchao"):
-        assert quantize(row, nvfp4(preset=preset)).element_codes()[0, 1:4].tolist() == [0x8, 0x8, 0x0]
+        assert quantize(row, nvfp4(preset=f"nvfp4_{preset}")).element_codes()[0, 1:4].tolist() == [0x8, 0x8, 0x0]
     # a negative product that underflows to -0.0 in float32 is also 0x0 in TE: A = 3e38 gives
     # a data factor of about 6/3e38 = 2e-38, and -1e-45 * 2e-38 rounds to -0.0
     x = np.zeros((1, 16), F32)
     x[0, 0], x[0, 1] = 3e38, -1e-45
     assert F32(-1e-45) * (F32(6) / F32(3e38)) == 0
-    assert quantize(x, nvfp4(preset="te")).element_codes()[0, 1] == 0x0
+    assert quantize(x, nvfp4(preset="nvfp4_te")).element_codes()[0, 1] == 0x0
     assert orc.te_nvfp4_ref(x)[0][0, 1] == 0x0
-    assert quantize(x, nvfp4(preset="flashinfer")).element_codes()[0, 1] == 0x8
+    assert quantize(x, nvfp4(preset="nvfp4_flashinfer")).element_codes()[0, 1] == 0x8
 
 
 def test_zero_blocks_and_zero_tensor():
     x = np.zeros((2, 32), F32)
     x[0, :16] = 3.0
-    assert quantize(x, nvfp4(preset="te")).scales[:, 1].tolist() == [0x00, 0x00]
-    assert quantize(x, nvfp4(preset="vllm")).scales[:, 1].tolist() == [0x00, 0x00]
-    assert quantize(x, nvfp4(preset="torchao")).scales[:, 1].tolist() == [0x08, 0x08]  # 2^-6 clamp
+    assert quantize(x, nvfp4(preset="nvfp4_te")).scales[:, 1].tolist() == [0x00, 0x00]
+    assert quantize(x, nvfp4(preset="nvfp4_vllm")).scales[:, 1].tolist() == [0x00, 0x00]
+    assert quantize(x, nvfp4(preset="nvfp4_torchao")).scales[:, 1].tolist() == [0x08, 0x08]  # 2^-6 clamp
     z = np.zeros((3, 20), F32)
     for preset in ("te", "flashinfer", "torchao"):
-        q = quantize(z, nvfp4(preset=preset))
+        q = quantize(z, nvfp4(preset=f"nvfp4_{preset}"))
         assert q.global_scale == 0.0
         assert not q.element_codes().any()
         assert np.array_equal(q.dequantize(), z)
@@ -118,7 +118,7 @@ def test_te_zero_scale_block_saturates_codes_and_decodes_to_zero():
     x = np.zeros((1, 32), F32)
     x[0, 0] = 1e4
     x[0, 16:18] = [1e-4, -5e-5]
-    q = quantize(x, nvfp4(preset="te"))
+    q = quantize(x, nvfp4(preset="nvfp4_te"))
     assert int(q.scales[0, 1]) == 0
     assert q.element_codes()[0, 16:18].tolist() == [0x7, 0xF]
     assert q.dequantize()[0, 16:18].tolist() == [0.0, -0.0]
@@ -138,7 +138,7 @@ def _data(shape, seed=0):
 @pytest.mark.parametrize("tile", [(1, 16), (16, 16)])
 def test_te_matches_reference(shape, tile):
     x = _data(shape)
-    q = quantize(x, nvfp4("activation" if tile == (1, 16) else "weight", preset="te"))
+    q = quantize(x, nvfp4("activation" if tile == (1, 16) else "weight", preset="nvfp4_te"))
     codes, scales, amax = orc.te_nvfp4_ref(x, tile)
     assert np.array_equal(q.element_codes(), codes)
     assert np.array_equal(np.repeat(q.scales, tile[0], axis=0)[: shape[0]], scales)
@@ -150,7 +150,7 @@ def test_te_matches_reference(shape, tile):
 def test_flashinfer_vllm_match_reference(preset, shape):
     x = _data(shape, 1)
     gs = orc.flashinfer_global_scale(x)
-    q = quantize(x, nvfp4(preset=preset))
+    q = quantize(x, nvfp4(preset=f"nvfp4_{preset}"))
     values, scales = orc.flashinfer_ref_fp4_quant(x, gs)
     assert np.array_equal(q.element_values(np.float32), values)
     assert np.array_equal(orc.e4m3_value(q.scales), scales)
@@ -161,7 +161,7 @@ def test_flashinfer_vllm_match_reference(preset, shape):
 def test_torchao_matches_reference(shape):
     x = _data(shape, 2)
     pts = orc.torchao_per_tensor_amax_to_scale(np.abs(x).max())
-    q = quantize(x, nvfp4(preset="torchao"))
+    q = quantize(x, nvfp4(preset="nvfp4_torchao"))
     codes, scales = orc.torchao_nvfp4_quantize(x, pts)
     assert np.array_equal(q.element_codes(), codes) and np.array_equal(q.scales, scales)
     assert global_scale_as(q, "decode_scale") == pts
@@ -170,7 +170,7 @@ def test_torchao_matches_reference(shape):
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
 def test_low_precision_input_matches_reference(dtype):
     x = _data((5, 48), 3).astype(dtype)
-    q = quantize(x, nvfp4(preset="te"))
+    q = quantize(x, nvfp4(preset="nvfp4_te"))
     codes, scales, _ = orc.te_nvfp4_ref(x)
     assert np.array_equal(q.element_codes(), codes) and np.array_equal(q.scales, scales)
 
@@ -188,7 +188,7 @@ def test_torch_input():
 def test_static_encode_scale_vllm_a1_gscale():
     x = _data((4, 64), 5)
     gs = F32(2688) / F32(np.abs(x).max() * 0.25)   # calibrated on a smaller amax: scales saturate
-    q = quantize(x, nvfp4(preset="vllm"), global_scale=gs)
+    q = quantize(x, nvfp4(preset="nvfp4_vllm"), global_scale=gs)
     values, scales = orc.flashinfer_ref_fp4_quant(x, gs)
     assert np.array_equal(q.element_values(np.float32), values)
     assert np.array_equal(orc.e4m3_value(q.scales), scales)
@@ -199,29 +199,29 @@ def test_static_encode_scale_vllm_a1_gscale():
 def test_static_amax_te_and_decode_scale_torchao():
     x = _data((4, 64), 6)
     amax = F32(np.abs(x).max() * 3)
-    q = quantize(x, nvfp4(preset="te"), global_scale=amax)
+    q = quantize(x, nvfp4(preset="nvfp4_te"), global_scale=amax)
     codes, scales, _ = orc.te_nvfp4_ref(x, global_amax=amax)
     assert np.array_equal(q.element_codes(), codes) and np.array_equal(q.scales, scales)
     pts = orc.torchao_per_tensor_amax_to_scale(amax)
-    q = quantize(x, nvfp4(preset="torchao"), global_scale=pts)
+    q = quantize(x, nvfp4(preset="nvfp4_torchao"), global_scale=pts)
     codes, scales = orc.torchao_nvfp4_quantize(x, pts)
     assert np.array_equal(q.element_codes(), codes) and np.array_equal(q.scales, scales)
 
 
 def test_conventions_give_same_codes_and_read_back():
     x = _data((6, 40), 7)
-    a = quantize(x, nvfp4(preset="te", convention="amax"))
-    e = quantize(x, nvfp4(preset="te", convention="encode_scale"))
+    a = quantize(x, nvfp4(preset="nvfp4_te", convention="amax"))
+    e = quantize(x, nvfp4(preset="nvfp4_te", convention="encode_scale"))
     assert np.array_equal(a.codes, e.codes) and np.array_equal(a.scales, e.scales)
     assert global_scale_as(a, "amax") == F32(np.abs(x).max())
     # the encode scale TE uses, min(2688/A, FLT_MAX)
     assert global_scale_as(e, "encode_scale") == F32(2688) / F32(np.abs(x).max())
     # static encode scale for te: the same result as the dynamic amax path
-    s = quantize(x, nvfp4(preset="te", convention="encode_scale"),
+    s = quantize(x, nvfp4(preset="nvfp4_te", convention="encode_scale"),
                  global_scale=global_scale_as(e, "encode_scale"))
     assert np.array_equal(s.codes, a.codes) and np.array_equal(s.scales, a.scales)
-    fi_amax = quantize(x, nvfp4(preset="flashinfer", convention="amax"))
-    fi = quantize(x, nvfp4(preset="flashinfer"))
+    fi_amax = quantize(x, nvfp4(preset="nvfp4_flashinfer", convention="amax"))
+    fi = quantize(x, nvfp4(preset="nvfp4_flashinfer"))
     A = F32(np.abs(x).max())
     assert np.array_equal(fi_amax.codes, fi.codes) and np.array_equal(fi_amax.scales, fi.scales)
     # the stored decode factor: A / 2688 for the amax convention, 1 / fl32(2688 / A) for the
@@ -231,11 +231,31 @@ def test_conventions_give_same_codes_and_read_back():
 
 
 def test_presets_registered_and_resolved():
-    assert nvfp4_preset("te").name == "nvfp4_te"
-    assert nvfp4_preset("vllm", "amax").name == "nvfp4_vllm_amax"
+    assert nvfp4_preset("nvfp4_te").name == "nvfp4_te"
+    assert nvfp4_preset("nvfp4_vllm", "amax").name == "nvfp4_vllm_amax"
     assert nvfp4_preset("nvfp4_torchao_amax").option("global_convention") == "amax"
-    s = nvfp4("weight", preset="torchao")
+    s = nvfp4("weight", preset="nvfp4_torchao")
     assert (s.block, s.family, s.scale_format, s.global_scale) == ((16, 16), "nvfp4", "ue4m3", True)
+
+
+def test_one_preset_naming_with_a_default_and_deprecated_order_names():
+    """``default`` is TransformerEngine's order with the amax convention (the docs say so); the
+    bare order names still give the same preset, with a DeprecationWarning naming the new one."""
+    import warnings
+
+    from moeref.quant import NVFP4_PRESETS, PRESETS
+
+    assert nvfp4_preset("default") is PRESETS["nvfp4_te"]
+    assert nvfp4().preset is PRESETS["nvfp4_te"] and nvfp4_weight().preset is PRESETS["nvfp4_te"]
+    assert nvfp4_preset("default").option("global_convention") == "amax"
+    assert set(NVFP4_PRESETS) == {"default"} | {k for k in PRESETS if k.startswith("nvfp4_")}
+    for order in ("te", "flashinfer", "vllm", "torchao"):
+        with pytest.warns(DeprecationWarning, match=f"'{order}' is deprecated; use 'nvfp4_{order}'"):
+            assert nvfp4(preset=order).preset is PRESETS[f"nvfp4_{order}"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in NVFP4_PRESETS:  # the names of the one scheme never warn
+            nvfp4(preset=name)
 
 
 # ---- layout -----------------------------------------------------------------------------------
@@ -270,7 +290,7 @@ def test_weight_tiles_share_one_scale_and_transpose_agrees():
 @pytest.mark.parametrize("preset", ["te", "flashinfer", "torchao"])
 def test_error_bound(preset):
     x = _data((16, 64), 10)
-    q = quantize(x, nvfp4(preset=preset))
+    q = quantize(x, nvfp4(preset=f"nvfp4_{preset}"))
     from moeref.quant.blockwise import expand_to_elements
     d = expand_to_elements(q.scale_values(), q.block_shape, q.shape)
     s = expand_to_elements(orc.e4m3_value(q.scales).astype(np.float64), q.block_shape, q.shape)
@@ -288,7 +308,7 @@ def test_mxfp4_to_nvfp4_lossless_when_exponents_fit():
     x = (rng.standard_normal((4, 64)) * np.exp2(rng.integers(-6, 8, size=(4, 1)))).astype(F32)
     src = quantize(x, mxfp4())
     for preset in ("te", "vllm", "torchao"):
-        dst, rep = requantize(src, nvfp4(preset=preset))
+        dst, rep = requantize(src, nvfp4(preset=f"nvfp4_{preset}"))
         assert rep.lossless and rep.max_abs_error == 0.0
         assert np.array_equal(dst.dequantize(np.float64), src.dequantize(np.float64))
         assert np.array_equal(dst.element_codes(), src.element_codes())  # same E2M1 codes
@@ -325,7 +345,7 @@ def test_static_global_scale_whose_reciprocal_overflows(preset, convention, g):
     """1/g is above FLT_MAX in float32: the data factor would be Inf/NaN, so it is refused."""
     assert not np.isfinite(F32(1) / F32(g))
     with pytest.raises(ValueError, match="reciprocal"):
-        quantize(np.ones((1, 16), F32), nvfp4(preset=preset, convention=convention), global_scale=g)
+        quantize(np.ones((1, 16), F32), nvfp4(preset=f"nvfp4_{preset}", convention=convention), global_scale=g)
 
 
 def test_bad_arguments():
@@ -338,9 +358,9 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="convention"):
         nvfp4(convention="scale")
     with pytest.raises(ValueError, match="float32 rounding"):
-        nvfp4(preset="torchao", convention="encode_scale")
+        nvfp4(preset="nvfp4_torchao", convention="encode_scale")
     with pytest.raises(ValueError, match="float32 rounding"):
-        nvfp4(preset="te", convention="decode_scale")
+        nvfp4(preset="nvfp4_te", convention="decode_scale")
     with pytest.raises(ValueError, match="not an NVFP4 preset"):
         nvfp4(preset="ocp")
     with pytest.raises(ValueError, match="unknown preset"):
@@ -354,7 +374,7 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="NVFP4 QuantizedTensor"):
         global_scale_as(quantize(np.ones((1, 32), F32), mxfp4()), "amax")
     with pytest.raises(ValueError, match="overflows float32"):
-        quantize(np.full((1, 16), 1e-38, F32), nvfp4(preset="vllm"))
+        quantize(np.full((1, 16), 1e-38, F32), nvfp4(preset="nvfp4_vllm"))
 
 
 def test_quantized_tensor_contract():
@@ -368,8 +388,8 @@ def test_quantized_tensor_contract():
 def test_float64_input_is_computed_in_float64():
     # no anchor takes float64; moeref runs the same formulas in float64 (blockwise working dtype)
     x = _data((3, 40), 14).astype(np.float64) * (1 + 2.0 ** -40)   # not float32-representable
-    q = quantize(x, nvfp4(preset="te"))
-    q32 = quantize(x.astype(F32), nvfp4(preset="te"))
+    q = quantize(x, nvfp4(preset="nvfp4_te"))
+    q32 = quantize(x.astype(F32), nvfp4(preset="nvfp4_te"))
     assert q.global_scale == np.abs(x).max() / 2688                 # the float64 amax
     assert q32.global_scale != q.global_scale
     d = np.repeat(q.scale_values(), 16, axis=-1)[:, :40]

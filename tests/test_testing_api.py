@@ -492,8 +492,8 @@ def test_nvfp4_adapters_read_packed_weights_swizzled_scales_and_alphas():
     from moeref.quant import nvfp4, quantize
 
     lw = make_layer(3, 64, 32, seed=7)
-    qw13 = [quantize(w, nvfp4(preset="vllm")) for w in lw.w13]  # 1x16 blocks per row (vLLM scaled_fp4_quant)
-    qw2 = [quantize(w, nvfp4(preset="vllm")) for w in lw.w2]
+    qw13 = [quantize(w, nvfp4(preset="nvfp4_vllm")) for w in lw.w13]  # 1x16 blocks per row (vLLM scaled_fp4_quant)
+    qw2 = [quantize(w, nvfp4(preset="nvfp4_vllm")) for w in lw.w2]
     x = make_tokens(5, 64, seed=8)
     tw, ids = np.full((5, 2), 0.5, np.float32), np.array([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0]])
     a1g, a2g = np.float32(448 * 6 / np.abs(x).max()), np.float32(64.0)
@@ -507,8 +507,8 @@ def test_nvfp4_adapters_read_packed_weights_swizzled_scales_and_alphas():
     c2, s2, g2 = stack(qw2)
     alphas1, alphas2 = g13 / float(a1g), g2 / float(a2g)     # decode_w / a_gscale = 1 / (a_gscale * w_gscale)
     want = run_moe(x, replace_weights(lw, qw13, qw2), tw, ids,
-                   quant=MoEQuant(quantizer(nvfp4(preset="vllm"), global_scale=a1g),
-                                  quantizer(nvfp4(preset="vllm"), global_scale=a2g))).output
+                   quant=MoEQuant(quantizer(nvfp4(preset="nvfp4_vllm"), global_scale=a1g),
+                                  quantizer(nvfp4(preset="nvfp4_vllm"), global_scale=a2g))).output
     w31 = [np.concatenate([c[32:], c[:32]]) for c in c13]    # FlashInfer fc1 = [w3 (up); w1 (gate)] rows
     s31 = np.stack([swizzle_128x4(np.concatenate([q.scales[32:], q.scales[:32]]).view(ml_dtypes.float8_e4m3fn),
                                   out="2d") for q in qw13])

@@ -19,12 +19,13 @@ def add_parser(sub) -> None:
         "convert", help="convert a safetensors checkpoint between quantized layouts",
         description="Convert a checkpoint directory (model.safetensors or sharded with "
                     "model.safetensors.index.json) tensor by tensor into another layout, with a "
-                    "per-module error report. Layouts: " + "; ".join(
+                    "per-module error report. LAYOUT is one of: " + "; ".join(
                         f"{k}: {v.description}" for k, v in LAYOUTS.items()))
     p.add_argument("src", help="source checkpoint directory (never written)")
     p.add_argument("dst", help="destination directory (must not exist, unless --overwrite/--resume)")
-    p.add_argument("--to", required=True, choices=list(LAYOUTS), help="target layout")
-    p.add_argument("--from", dest="source_layout", choices=list(LAYOUTS),
+    p.add_argument("--to", required=True, choices=list(LAYOUTS), metavar="LAYOUT",
+                   help="target layout (the list above)")
+    p.add_argument("--from", dest="source_layout", choices=list(LAYOUTS), metavar="LAYOUT",
                    help="source layout (default: detected from config.json)")
     p.add_argument("--preset", help="preset of the target scheme (default: the layout's)")
     p.add_argument("--precision", choices=("float32", "exact"), default="float32",
@@ -51,6 +52,8 @@ def add_parser(sub) -> None:
                    "skipping shards already written")
     p.add_argument("--dry-run", action="store_true", help="list what would change; write nothing")
     p.add_argument("--report", metavar="FILE.json", help="also write the JSON report here")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of the "
+                   "table (what --report writes)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
     p.set_defaults(func=run)
 
@@ -64,11 +67,12 @@ def run(args) -> int:
                           resume=args.resume, dry_run=args.dry_run, engine=args.engine,
                           share_global=args.share_global, scale_layout=args.scale_layout)
     console = None
-    if not args.quiet:
-        from rich.console import Console
+    if not (args.quiet or args.json):
+        from .._console import console as make_console
 
-        console = Console()
-    if console is None or args.dry_run:
+        console = make_console()
+    if console is None or args.dry_run or not console.is_terminal:
+        # a progress bar only on a terminal: in a pipe it would only leave a blank line
         report = convert_checkpoint(args.src, args.dst, opts)
     else:
         from rich.progress import Progress
@@ -82,6 +86,8 @@ def run(args) -> int:
             report = convert_checkpoint(args.src, args.dst, opts, progress=progress)
     if args.report:
         report.to_json(args.report)
+    if args.json:
+        sys.stdout.write(report.to_json() + "\n")
     if console is not None:
         console.print(report.table())
         for w in report.warnings:

@@ -430,9 +430,9 @@ LAYOUTS = {L.name: L for L in (
                  "(UE8M0) block scales, scale_fmt ue8m0", "deepgemm"),
     _GptOss("gptoss-mxfp4", "_scales", "gpt-oss MXFP4 *_blocks / *_scales (stacked experts)", "ocp"),
     _NVFP4("modelopt-nvfp4", ".weight_scale_2", "NVIDIA ModelOpt NVFP4 (weight_scale_2 = "
-           "amax/2688, hf_quant_config.json)", "torchao"),
+           "amax/2688, hf_quant_config.json)", "nvfp4_torchao"),
     _NVFP4("ct-nvfp4", ".weight_global_scale", "compressed-tensors nvfp4-pack-quantized "
-           "(weight_global_scale = 2688/amax)", "vllm"),
+           "(weight_global_scale = 2688/amax)", "nvfp4_vllm"),
     _CTMXFP4("ct-mxfp4", ".weight_packed", "compressed-tensors mxfp4-pack-quantized", "ocp"),
     _CTFP8Block("ct-fp8-block", ".weight_scale", "compressed-tensors float-quantized FP8 128x128 "
                 "block", "deepgemm"),

@@ -118,29 +118,44 @@ class ConversionReport:
         return text
 
     def table(self, limit: int | None = 50):
-        """A ``rich`` table of the modules (the first ``limit``; None = all); for a dry run,
-        the plan (module, shard, shape, action, target layout)."""
+        """A ``rich`` renderable of the modules (the first ``limit``; None = all); for a dry run,
+        the plan (module, shard, shape, action, target layout). Where the table is wider than the
+        console (an 80-column terminal), a compact one with the module names wrapped
+        (:class:`moeref._console.Fit`)."""
         from rich.table import Table
 
-        if self.dry_run:
-            t = Table(title=f"{self.source_layout} -> {self.target_layout} (dry run: nothing "
-                            "written)")
-            for col in ("module", "shard", "shape", "action", "written as"):
-                t.add_column(col)
-            for m in self.modules if limit is None else self.modules[:limit]:
-                t.add_row(m.module, m.shard, "x".join(map(str, m.shape)), m.method, m.target)
-            return t
+        from .._console import Fit, compact_table
 
-        t = Table(title=f"{self.source_layout} -> {self.target_layout}"
-                        + (" (dry run)" if self.dry_run else ""))
-        for col in ("module", "shape", "engine", "method", "lossless", "max |err|", "rel L2",
-                    "SQNR dB", "worst block"):
-            t.add_column(col, justify="right" if col not in ("module", "engine", "method") else "left")
         rows = self.modules if limit is None else self.modules[:limit]
-        for m in rows:
-            t.add_row(m.module, "x".join(map(str, m.shape)), m.engine, m.method,
+        more = (f"{len(self.modules) - limit} more modules in the JSON report"
+                if limit is not None and len(self.modules) > limit else None)
+        if self.dry_run:
+            title = f"{self.source_layout} -> {self.target_layout} (dry run: nothing written)"
+            cols = ("module", "shard", "shape", "action", "written as")
+            cells = [(m.module, m.shard, "x".join(map(str, m.shape)), m.method, m.target)
+                     for m in rows]
+            right = ()
+        else:
+            title = f"{self.source_layout} -> {self.target_layout}"
+            cols = ("module", "shape", "engine", "method", "lossless", "max |err|", "rel L2",
+                    "SQNR dB", "worst block")
+            cells = [(m.module, "x".join(map(str, m.shape)), m.engine, m.method,
                       "yes" if m.lossless else "no", f"{m.max_abs_error:.3g}", f"{m.rel_l2:.3g}",
                       f"{m.sqnr_db:.1f}", "-" if m.worst_block is None else str(tuple(m.worst_block)))
-        if limit is not None and len(self.modules) > limit:
-            t.caption = f"{len(self.modules) - limit} more modules in the JSON report"
-        return t
+                     for m in rows]
+            right = ("shape", "lossless", "max |err|", "rel L2", "SQNR dB", "worst block")
+        wide = Table(title=title)
+        narrow = compact_table(title=title)
+        for col in cols:
+            justify = "right" if col in right else "left"
+            wide.add_column(col, justify=justify)
+            if col == "module":  # long names wrap (fold) rather than being cut
+                narrow.add_column(col, overflow="fold", ratio=1)
+            else:  # two-word headers over two lines; the values never wrap
+                narrow.add_column(col.replace(" ", "\n", 1) if " " in col else col,
+                                  justify=justify, no_wrap=True)
+        for c in cells:
+            wide.add_row(*c)
+            narrow.add_row(*c)
+        wide.caption = narrow.caption = more
+        return Fit(wide, narrow)

@@ -67,7 +67,7 @@ class Quantizer:
 
 def quantizer(scheme, **static) -> Quantizer:
     """:class:`Quantizer` of ``scheme`` with static arguments bound: ``quantizer(fp8_per_tensor(), scale=s)``
-    (static FP8 a1/a2 scale, vLLM ``a1_scale``/``a2_scale``), ``quantizer(nvfp4(preset="vllm"),
+    (static FP8 a1/a2 scale, vLLM ``a1_scale``/``a2_scale``), ``quantizer(nvfp4(preset="nvfp4_vllm"),
     global_scale=a1_gscale)`` (NVFP4 input/intermediate global scale in the preset's convention;
     vLLM/FlashInfer pass the encode factor ``448 * 6 / amax``)."""
     return Quantizer(scheme, static)

@@ -150,7 +150,7 @@ def _nvfp4_quantizer(gscale, name: str):
     if gscale is None:
         raise ValueError(f"NVFP4 needs {name} (the activation's global ENCODE factor, 448 * 6 / amax)")
     g = np.asarray(_arr(gscale, name), dtype=np.float32).reshape(-1)
-    return quantizer(nvfp4(preset="vllm"), global_scale=g[0])
+    return quantizer(nvfp4(preset="nvfp4_vllm"), global_scale=g[0])
 
 
 def _vllm_layer(hidden_states, w1, w2, topk_weights, topk_ids, activation, qc: dict, apply_router_weight_on_input,

@@ -24,7 +24,7 @@ from .fp8 import fp8_per_tensor, fp8_per_token, fp8_per_channel, fp8_group, fp8_
 from .mx import mxfp8, mxfp6, mxfp4
 from .intq import int8_per_token, int8_per_channel, int4_group, w4a8_cutlass
 from .nvfp4 import (
-    NVFP4_CONVENTIONS, NVFP4_ORDERS, global_factors, global_scale_as, nvfp4, nvfp4_preset,
+    NVFP4_CONVENTIONS, NVFP4_ORDERS, NVFP4_PRESETS, global_factors, global_scale_as, nvfp4, nvfp4_preset,
     nvfp4_weight, quantize_nvfp4,
 )
 
@@ -51,6 +51,6 @@ __all__ = [
     "register_quantizer", "quantize_and_report",
     "fp8_per_tensor", "fp8_per_token", "fp8_per_channel", "fp8_group", "fp8_block",
     "mxfp8", "mxfp6", "mxfp4", "int8_per_token", "int8_per_channel", "int4_group", "w4a8_cutlass",
-    "nvfp4", "nvfp4_weight", "NVFP4_ORDERS", "NVFP4_CONVENTIONS", "nvfp4_preset", "quantize_nvfp4",
+    "nvfp4", "nvfp4_weight", "NVFP4_ORDERS", "NVFP4_CONVENTIONS", "NVFP4_PRESETS", "nvfp4_preset", "quantize_nvfp4",
     "global_scale_as", "global_factors",
 ]

@@ -27,6 +27,15 @@ with TE"). Each order is a preset; in float32 (``fl`` = one rounding; ``s`` = th
 
 Every order then clamps the scaled data to +-6 and rounds to nearest even (E2M1).
 
+Preset names (:data:`NVFP4_PRESETS`): ``nvfp4_<order>`` computes in the order's native global
+quantity, ``nvfp4_<order>_<convention>`` takes the other convention that order accepts (below):
+``nvfp4_te``, ``nvfp4_te_encode_scale``, ``nvfp4_flashinfer``, ``nvfp4_flashinfer_amax``,
+``nvfp4_vllm``, ``nvfp4_vllm_amax``, ``nvfp4_torchao``, ``nvfp4_torchao_amax``. ``"default"`` is
+``nvfp4_te``: TransformerEngine's order with the global scale held as the amax (TE's NVFP4 recipe
+is the one NVIDIA documents, and the one the other libraries are compared against here). The bare
+order names ``"te"``, ``"flashinfer"``, ``"vllm"``, ``"torchao"`` are deprecated aliases of
+``nvfp4_<order>``: they give the same preset and warn (``DeprecationWarning``).
+
 Sources: TransformerEngine ``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``
 (``_quantize_blockwise_reference``; kernel ``common/cast/nvfp4/core_nvfp4.cuh``), FlashInfer
 ``tests/test_helpers/utils_fp4.py::ref_fp4_quant`` (kernel with ``DISABLE_FP4_QUANT_FAST_MATH``
@@ -76,7 +85,7 @@ Policies (moeref's choices where the anchors are silent or differ, each pinned b
 >>> from moeref.quant.nvfp4 import nvfp4
 >>> from moeref.quant import quantize
 >>> x = np.array([[0.5, -1.0, 3.0, 6.0] * 4], np.float32)
->>> q = quantize(x, nvfp4(preset="te"))
+>>> q = quantize(x, nvfp4())                       # preset "default" = "nvfp4_te"
 >>> int(q.scales[0, 0]), q.global_scale          # 448 = 0x7E; A / 2688 = 6 / 2688
 (126, 0.002232142857142857)
 >>> q.dequantize()[0, :4].tolist()
@@ -98,6 +107,7 @@ __all__ = [
     "nvfp4_weight",
     "NVFP4_ORDERS",
     "NVFP4_CONVENTIONS",
+    "NVFP4_PRESETS",
     "nvfp4_preset",
     "quantize_nvfp4",
     "global_scale_as",
@@ -142,24 +152,37 @@ for _order in NVFP4_ORDERS:
         ))
 del _order, _conv
 
+#: The NVFP4 preset names (module docstring): ``"default"`` (= ``nvfp4_te``), then one per
+#: operation order and global-scale convention.
+NVFP4_PRESETS = ("default",) + tuple(_preset_name(o, c) for o in NVFP4_ORDERS for c in _ALLOWED[o])
 
-def nvfp4_preset(preset="te", convention: str | None = None) -> Preset:
+
+def nvfp4_preset(preset="default", convention: str | None = None) -> Preset:
     """The registered NVFP4 preset for an operation order and a global-scale convention.
 
-    ``preset``: an order (``"te"``, ``"flashinfer"``, ``"vllm"``, ``"torchao"``), a registered
-    NVFP4 preset name (``"nvfp4_te"``...) or a :class:`Preset` carrying the ``nvfp4_order`` option.
-    ``convention``: None (the order's native one), ``"amax"``, ``"encode_scale"`` or
-    ``"decode_scale"``.
+    ``preset``: ``"default"`` (``nvfp4_te``: TransformerEngine), a name of
+    :data:`NVFP4_PRESETS` (``"nvfp4_vllm"``...) or a :class:`Preset` carrying the ``nvfp4_order``
+    option; the bare orders ``"te"``, ``"flashinfer"``, ``"vllm"``, ``"torchao"`` are deprecated
+    aliases of ``"nvfp4_<order>"`` (same preset, with a ``DeprecationWarning``).
+    ``convention``: None (the preset's), ``"amax"``, ``"encode_scale"`` or ``"decode_scale"``.
+
+    >>> nvfp4_preset().name, nvfp4_preset("nvfp4_vllm", "amax").name
+    ('nvfp4_te', 'nvfp4_vllm_amax')
     """
     if isinstance(preset, str) and preset in NVFP4_ORDERS:
+        import warnings
+
+        warnings.warn(f"the NVFP4 preset name {preset!r} is deprecated; use 'nvfp4_{preset}' "
+                      "(the same preset)", DeprecationWarning, stacklevel=3)
         order = preset
+    elif isinstance(preset, str) and preset == "default":
+        order = "te"
     else:
         p = get_preset(preset)
         order = p.option("nvfp4_order")
         if order is None:
             raise ValueError(f"preset {p.name!r} is not an NVFP4 preset; accepted: "
-                             f"{', '.join(NVFP4_ORDERS)} or one of "
-                             f"{', '.join(k for k in PRESETS if k.startswith('nvfp4_'))}")
+                             f"{', '.join(NVFP4_PRESETS)}")
         if convention is None:
             convention = p.option("global_convention")
     if convention is None:
@@ -173,17 +196,18 @@ def nvfp4_preset(preset="te", convention: str | None = None) -> Preset:
     return PRESETS[_preset_name(order, convention)]
 
 
-def nvfp4(kind: str = "activation", convention: str | None = None, preset="te") -> Scheme:
+def nvfp4(kind: str = "activation", convention: str | None = None, preset="default") -> Scheme:
     """NVFP4 scheme: E2M1 elements, UE4M3 scales, FP32 global scale.
 
     Args:
         kind: ``"activation"`` (1x16 blocks along the last axis) or ``"weight"`` (TE's 16x16
             tiles of the last two axes, one scale per tile).
         convention: global-scale convention (module docstring); None = the preset's native one.
-        preset: operation order ``"te"`` (default), ``"flashinfer"``, ``"vllm"``, ``"torchao"``,
-            or a registered NVFP4 preset name.
+        preset: ``"default"`` (``"nvfp4_te"``, TransformerEngine) or a name of
+            :data:`NVFP4_PRESETS` (``"nvfp4_flashinfer"``, ``"nvfp4_vllm"``, ``"nvfp4_torchao"``,
+            ...); the bare orders ``"te"``... are deprecated aliases (:func:`nvfp4_preset`).
 
-    >>> s = nvfp4("weight", preset="vllm")
+    >>> s = nvfp4("weight", preset="nvfp4_vllm")
     >>> s.block, s.scale_format, s.preset.name
     ((16, 16), 'ue4m3', 'nvfp4_vllm')
     """
@@ -197,7 +221,7 @@ def nvfp4(kind: str = "activation", convention: str | None = None, preset="te") 
                   family="nvfp4", global_scale=True, description=desc)
 
 
-def nvfp4_weight(convention: str | None = None, preset="te") -> Scheme:
+def nvfp4_weight(convention: str | None = None, preset="default") -> Scheme:
     """``nvfp4("weight", ...)``: TransformerEngine's 2-D recipe, one UE4M3 scale per 16x16 tile."""
     return nvfp4("weight", convention, preset)
 
@@ -390,7 +414,7 @@ def global_scale_as(q: QuantizedTensor, convention: str) -> np.float32:
     than the float32 it came from, so the round trip cannot move by a float32 ulp).
 
     >>> from moeref.quant import quantize
-    >>> q = quantize(np.full((1, 16), 3.0, np.float32), nvfp4(preset="vllm"))
+    >>> q = quantize(np.full((1, 16), 3.0, np.float32), nvfp4(preset="nvfp4_vllm"))
     >>> float(global_scale_as(q, "encode_scale")), float(global_scale_as(q, "amax"))
     (896.0, 3.0)
     """

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .._console import seed_argument
+
 __all__ = ["add_subcommands"]
 
 _KEYS = {
@@ -39,11 +41,13 @@ _KEYS = {
 
 def _print(obj) -> None:
     try:
-        from rich.console import Console
-
-        Console().print(obj)
+        import rich  # noqa: F401 - the cli extra
     except ImportError:  # pragma: no cover - rich is in the cli extra
         print(obj.summary() if hasattr(obj, "summary") else obj)
+        return
+    from .._console import console
+
+    console().print(obj)
 
 
 def _print_json(data) -> None:
@@ -217,7 +221,11 @@ def add_subcommands(sub) -> None:
     p.add_argument("--kernel", choices=("vllm", "torch", "cutlass", "deepgemm", "cublas"),
                    help="kernel family, for the profile suggestion")
     p.add_argument("--activation", default="silu_and_mul", help="moeref activation name (default silu_and_mul)")
-    p.add_argument("--w13-layout", default="gate_up", choices=("gate_up", "up_gate", "interleaved"))
+    p.add_argument("--w13-layout", default="gate_up", choices=("gate_up", "up_gate", "interleaved"),
+                   help="row order of w1/w13 in vLLM-named inputs: gate rows then up rows "
+                        "(gate_up, vLLM; the default), up then gate (up_gate), or alternating "
+                        "(interleaved, gpt-oss checkpoints); FlashInfer's fc1_expert_weights is "
+                        "always up then gate")
     p.add_argument("--block-shape", help="FP8 weight block 'bn,bk' (e.g. 128,128) when w1_scale is given")
     p.add_argument("--per-token", action="store_true", help="FP8 per-token activations / per-channel weights")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -229,7 +237,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--profile", help="profile of the default check (default: suggested from the cases' dtype, "
                    "BF16_OUTPUT for the drawn bf16 cases)")
     p.add_argument("--cases", type=int, default=8, help="cases from moeref.testing.draw_cases (default 8)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the drawn cases (each seed gives another set)")
+    p.add_argument("--seed", type=seed_argument, default=0,
+                   help="seed of the drawn cases (>= 0; each seed gives another set)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help=f"largest token count of the drawn cases (default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--min-score", type=float, help="exit 1 if the score is below this fraction")
