@@ -5,7 +5,7 @@ One semantics, two engines. :func:`moeref.moe.run_moe` with ``device="cuda"`` (o
 runs the same stages as the NumPy engine, each with the same float64 arithmetic:
 
 * routing metadata (slots, layout rows, ``src``): the NumPy engine's own index code
-  (:func:`moeref.moe.pipeline.dispatch_rows`) on the host, copied to the device;
+  (:func:`moeref.moe.stages.dispatch_rows`) on the host, copied to the device;
 * router weight on input: the float64 product rounded once to float32;
 * quantizers (``a1``, ``a2``): :func:`fastpath.quant.quantize` where it supports the scheme and input
   dtype (its codes and scales equal :func:`moeref.quant.quantize`'s bit for bit: the fast-path property
@@ -34,7 +34,7 @@ from ..dispatch.grouping import group_slots
 from ..gemm.device import DeviceOperand, device_expert_rows_gemm, device_operand
 from ..gemm.stacked import StackedExperts
 from .config import LayerConfig
-from .pipeline import ExpertsOutput, MoERun, Prepared, _activation, dispatch_rows
+from .stages import ExpertsOutput, MoERun, Prepared, _activation, _dtype, _run_quantizer, dispatch_rows
 from .weights import MoEWeights, SharedExperts
 
 __all__ = ["device_weights", "run_moe_device", "round_on_device"]
@@ -117,8 +117,6 @@ def round_on_device(x, dtype):
     torch = _torch()
     if dtype is None:
         return x
-    from .pipeline import _dtype
-
     dt = _dtype(dtype)
     if dt == np.float64:
         return x
@@ -146,8 +144,6 @@ def _round_to_odd_f32(x):
 def _work_dtype(dtype):
     """The torch dtype a kernel hands its quantizer after an ``act_out_dtype`` store."""
     torch = _torch()
-    from .pipeline import _dtype
-
     dt = _dtype(dtype)
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
             "float64": torch.float64}[dt.name]
@@ -175,7 +171,6 @@ def _quantize(q, x, engines: list, label: str) -> tuple[DeviceOperand, object]:
             engines.append(f"{label}: fastpath.quant ({scheme.name})")
             return device_operand(qt, x.device), qt
     from .._interop import to_numpy
-    from .pipeline import _run_quantizer
 
     _, qt = _run_quantizer(q, to_numpy(x.cpu()))
     engines.append(f"{label}: moeref.quant on the host ({why})")
