@@ -48,6 +48,8 @@ __all__ = [
     "grid_shape",
     "quantize_blockwise",
     "encode_elements",
+    "element_cast",
+    "nan_block_code",
 ]
 
 
@@ -77,12 +79,24 @@ def encode_elements(scaled: np.ndarray, element: ElementFormat, preset, *,
     ``nan_free``: the caller guarantees ``scaled`` holds no NaN (NaN blocks already masked), so
     formats without NaN can use the codec's fast table path (any nan_code is then never used).
     """
+    return encode(scaled, element, **element_cast(element, preset, nan_free=nan_free))
+
+
+def element_cast(element: ElementFormat, preset, *, nan_free: bool = False) -> dict:
+    """The :func:`moeref.formats.encode` arguments (``overflow``, ``rounding``, ``nan_code``) of the
+    element cast under ``preset`` (:func:`encode_elements`; the device quantizer reads the same)."""
     nan_code = preset.nan_code_for(element) if not element.has_nan else None
     if nan_code is None and nan_free and not element.has_nan:
         nan_code = 0
     overflow = preset.overflow if element.has_nan else "saturate"
-    return encode(scaled, element, overflow=overflow, rounding=preset.rounding_for(element),
-                  nan_code=nan_code)
+    return dict(overflow=overflow, rounding=preset.rounding_for(element), nan_code=nan_code)
+
+
+def nan_block_code(element: ElementFormat, preset) -> int:
+    """The element code every element of a NaN-scale block gets: the format's NaN, else the preset's
+    NaN code for the format, else 0 (the block decodes to NaN whatever its codes)."""
+    nc = preset.nan_code_for(element)
+    return element.nan_code if element.has_nan else (nc if nc is not None else 0)
 
 
 def scales_from_amax(amax: np.ndarray, scheme: Scheme, work, *, rule: Callable | None = None, static_scale=None,
@@ -144,8 +158,7 @@ def quantize_blockwise(x, scheme: Scheme, *, rule: Callable | None = None, stati
     nan_blocks = np.isnan(res.decode)
     if nan_blocks.any():
         # the block decodes to NaN whatever its codes: write NaN codes (no NaN: nan_code or 0)
-        nc = p.nan_code_for(el)
-        fill = el.nan_code if el.has_nan else (nc if nc is not None else 0)
+        fill = nan_block_code(el, p)
         scaled = np.where(broadcast_to_blocks(nan_blocks, k), w.type(0), scaled)
     if res.zero_point is not None:
         # GPTQ order: round(x / s) as a signed integer, then + zero point, then clamp to the codes
