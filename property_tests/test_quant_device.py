@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 from moeref._interop import to_torch  # noqa: E402
-from moeref.quant import (PRESETS, Preset, fp8_block, fp8_group, fp8_per_tensor, fp8_per_token, int4_group,  # noqa: E402
-                          int8_per_token, mxfp4, mxfp6, mxfp8, nvfp4, quantize)
+from moeref.quant import (PRESETS, Preset, fp8_block, fp8_group, fp8_per_tensor, fp8_per_token,  # noqa: E402
+                          int4_group, int8_per_token, mxfp4, mxfp6, mxfp8, nvfp4, quantize)
 from moeref.quant.device import DeviceQuantized, device_quantize, device_quantize_unavailable  # noqa: E402
 from moeref.quant.scheme import Scheme  # noqa: E402
 

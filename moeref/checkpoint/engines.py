@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from .safetensors_io import CheckpointError
 
-__all__ = ["ENGINES", "ENTRY_POINT_GROUP", "choose_engine", "cuda_available", "engine_name", "find_engine",
-           "fused_source_quantizer", "installed_engines", "source_quantizer"]
+__all__ = ["ENGINES", "ENTRY_POINT_GROUP", "check_engine", "choose_engine", "cuda_available", "engine_name",
+           "find_engine", "fused_source_quantizer", "installed_engines", "source_quantizer"]
 
 ENGINES = ("auto", "numpy", "triton")
 """Engine names ``moeref convert --engine`` accepts (``"triton"`` once its package is installed)."""
