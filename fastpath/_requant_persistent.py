@@ -27,9 +27,10 @@ import triton
 import triton.language as tl
 
 from . import _triton_rounding as R
-from . import requant as RQ
 from ._host import _arg_key, alloc
+from ._requant_tiles import _block_scale, _data_tile, _e4m3_times
 from .quant import _kernels as KN
+from .quant import _preset_map as P
 
 
 @triton.jit
@@ -61,8 +62,8 @@ def _amax_tiles(c_ptr, stride_cm, s_ptr, stride_sm, M, K, NPROG,
         if NONFINITE == 1:
             mag = tl.where(mag == 0x7F, 0, mag)
         top = tl.max(tl.max(mag, axis=1), axis=0)
-        s = RQ._block_scale(s_ptr, stride_sm, pm * BLOCK_M, pk * BLOCK_K, M, K, SBM, SBK)
-        a = R.f32_bits(RQ._e4m3_times(top, s)) & 0x7FFFFFFF
+        s = _block_scale(s_ptr, stride_sm, pm * BLOCK_M, pk * BLOCK_K, M, K, SBM, SBK)
+        a = R.f32_bits(_e4m3_times(top, s)) & 0x7FFFFFFF
         if NONFINITE == 1:
             a = tl.where(a > 0x7F800000, 0, a)
         acc = tl.maximum(acc, a.to(tl.int32, bitcast=True))
@@ -172,7 +173,7 @@ def _persistent_kernel(
         nt = nm * tl.cdiv(NG_PAD, GPP)
         t = pid * go
         while t < nt:
-            RQ._data_tile(w_ptr, stride_wm, s_ptr, stride_sm, q_ptr, stride_qm, o_ptr, stride_om,
+            _data_tile(w_ptr, stride_wm, s_ptr, stride_sm, q_ptr, stride_qm, o_ptr, stride_om,
                        stride_og, dummy_ptr, nv_ptr, M, K, NG, M_PAD, NG_PAD, t % nm, t // nm,
                        SBM, SBK, GS, GB, GPP, BLOCK_M, ELEM_MAX, INV_M, EMAX, MBITS,
                        SCALE_KIND, FP32_RULE, FP32_POW2, E8_RULE, E8_LO, E8_HI, E8_NF,
@@ -223,7 +224,7 @@ def launch(args, kw, tiles_a, tiles_d, amax_phase, tuning, dev) -> None:
     launch (``PHASE`` 0 with NVFP4's amax phase, cooperative; else ``PHASE`` 2 alone), under
     the interpreter ``PHASE`` 1 then 2 (with an amax phase) as two launches."""
     args = list(args)
-    if dev.type != "cuda" or RQ.P._INTERPRETED:
+    if dev.type != "cuda" or P._INTERPRETED:
         if amax_phase:
             n = tuning.programs or tiles_a
             args[PART] = alloc(n, dtype=torch.int32, device=dev)

@@ -3,8 +3,7 @@ bit: over the layer strategy of test_moe_props (every scheme, activation, w13 la
 biases, layouts, chunking, shared experts, EP maps), its GEMM engine alone, and its elementary
 functions and stores.
 
-On a CUDA machine these run on the GPU (cuBLAS float64, the fast-path quantizers compiled for the
-card); elsewhere on torch CPU tensors with Triton under ``TRITON_INTERPRET=1`` (few examples: the
+On a CUDA machine these run on the GPU (cuBLAS float64, the device quantizers of :mod:`moeref.quant.device`); elsewhere on torch CPU tensors with Triton under ``TRITON_INTERPRET=1`` (few examples: the
 interpreter is slow), which proves the logic. The oracle is the NumPy engine, run on the same data.
 Float (bf16/fp32) layers are float64-accurate, not bit-identical (their partial dots depend on the
 BLAS): those cases check ``1e-12`` of the output's magnitude, as test_moe_props does across layouts.
@@ -30,6 +29,7 @@ from moeref.moe import LAYOUTS, SharedExperts, run_moe  # noqa: E402
 from moeref.moe.device import round_on_device  # noqa: E402
 from moeref.moe.pipeline import round_to_dtype  # noqa: E402
 from moeref.quant import fp8_block, fp8_group, quantize  # noqa: E402
+from moeref.quant.device import device_quantize_unavailable  # noqa: E402
 from moeref.routing import expert_map  # noqa: E402
 from test_moe_props import layers  # noqa: E402
 
@@ -71,6 +71,9 @@ def test_device_layer_equals_numpy_layer(case, layout, alignment, store, out_dty
     want = np.asarray(ref.out).astype(np.float64)
     _check(want, got.out.to(torch.float64), exact)
     assert all(e.split(":")[0] in ("a1", "a2") for e in got.engines)
+    if case["a_scheme"] is not None and device_quantize_unavailable(case["a_scheme"], torch.ones(4, 64)) is None:
+        # a scheme the device quantizer takes never falls back to the host (moeref.quant.device ran it)
+        assert got.engines and all("moeref.quant.device" in e for e in got.engines), got.engines
 
 
 @_settings()
@@ -233,4 +236,4 @@ def test_deepseek_v3_shaped_layer_on_the_gpu_equals_numpy():
     ref = run_moe(x, weights, tw, ids, **kw)
     got = run_moe(x, weights, tw, ids, device="cuda", **kw)
     _check(ref.output, got.output, exact=True)
-    assert got.engines and all("fastpath.quant" in s for s in got.engines)
+    assert got.engines and all("moeref.quant.device" in s for s in got.engines)

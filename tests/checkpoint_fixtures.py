@@ -185,3 +185,16 @@ BUILDERS = {
     "ct-fp8-block": ct_fp8_block,
     "bf16": bf16,
 }
+
+
+def triton_engine():
+    """``engine=`` for the Triton conversion engine: its name where the ``moeref.checkpoint_engines`` entry
+    point is installed (what ``moeref convert --engine triton`` finds), else the engine object itself (an
+    editable install made before the entry point was declared; ``pip install -e .`` adds it)."""
+    from moeref.checkpoint.engines import installed_engines
+
+    if "triton" in installed_engines():
+        return "triton"
+    from fastpath.checkpoint_engine import ENGINE
+
+    return ENGINE

@@ -347,19 +347,65 @@ def test_triton_engine_under_the_interpreter_writes_the_numpy_bytes(tmp_path):
     src = str(tmp_path / "src")
     F.nvfp4(src, np.random.default_rng(3), "modelopt", shapes=((16, 32),), shards=1)
     a = convert_checkpoint(src, str(tmp_path / "np"), ConvertOptions(target="ct-nvfp4", engine="numpy"))
-    b = convert_checkpoint(src, str(tmp_path / "tr"), ConvertOptions(target="ct-nvfp4", engine="triton"))
+    b = convert_checkpoint(src, str(tmp_path / "tr"),
+                           ConvertOptions(target="ct-nvfp4", engine=F.triton_engine()))
     assert [m.engine for m in b.modules] == ["triton"] and [m.engine for m in a.modules] == ["numpy"]
     assert [s.sha256 for s in a.shards] == [s.sha256 for s in b.shards]
     # a fused gate/up pair: the static shared global goes through the kernel's global_scale
     src2 = str(tmp_path / "src2")
     F.deepseek_fp8(src2, np.random.default_rng(4), shapes=((16, 32), (16, 32)), names=GATE_UP)
     a = convert_checkpoint(src2, str(tmp_path / "np2"), ConvertOptions(target="modelopt-nvfp4", engine="numpy"))
-    b = convert_checkpoint(src2, str(tmp_path / "tr2"), ConvertOptions(target="modelopt-nvfp4", engine="triton"))
+    b = convert_checkpoint(src2, str(tmp_path / "tr2"),
+                           ConvertOptions(target="modelopt-nvfp4", engine=F.triton_engine()))
     assert all("shared with" in m.note for m in b.modules)
     assert all("fused FP8-block decode" in m.note for m in b.modules)  # fastpath.requant
     assert [s.sha256 for s in a.shards] == [s.sha256 for s in b.shards]
     with pytest.raises(CheckpointError, match="cannot quantize"):  # 128x128 blocks: no kernel
-        convert_checkpoint(src, str(tmp_path / "x"), ConvertOptions(target="deepseek-fp8", engine="triton"))
+        convert_checkpoint(src, str(tmp_path / "x"),
+                           ConvertOptions(target="deepseek-fp8", engine=F.triton_engine()))
+
+
+def test_fast_engines_are_plug_ins_found_by_name(tmp_path, monkeypatch):
+    """moeref finds the Triton engine through the entry point pyproject.toml declares (group
+    moeref.checkpoint_engines), never by importing fastpath; without one, "auto" is the reference
+    (saying why) and a name asked for is an error naming the group."""
+    tomllib = pytest.importorskip("tomllib")
+    from importlib.metadata import EntryPoint
+
+    from moeref.checkpoint import engines as E
+
+    meta = tomllib.load(open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb"))
+    declared = meta["project"]["entry-points"][E.ENTRY_POINT_GROUP]
+    assert declared == {"triton": "fastpath.checkpoint_engine:ENGINE"}
+    ep = EntryPoint(name="triton", value=declared["triton"], group=E.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(E, "installed_engines", lambda: {"triton": ep})
+    engine, why, quantizer = E.choose_engine("numpy", None, (16, 32))
+    assert (engine, quantizer) == ("numpy", None)
+    fast, _ = E.find_engine("triton")
+    assert fast is ep.load() and fast.name == "triton" and callable(fast.choose)
+    monkeypatch.setattr(E, "installed_engines", dict)
+    engine, why, quantizer = E.choose_engine("auto", get_layout("ct-nvfp4").scheme(), (16, 32))
+    assert engine == "numpy" and quantizer is None and E.ENTRY_POINT_GROUP in why
+    with pytest.raises(CheckpointError, match="no engine 'triton' is installed"):
+        E.choose_engine("triton", get_layout("ct-nvfp4").scheme(), (16, 32))
+    with pytest.raises(ValueError, match="engine must be"):
+        ConvertOptions(target="ct-nvfp4", engine="cutlass")
+    with pytest.raises(ValueError, match="engine must be"):
+        ConvertOptions(target="ct-nvfp4", engine=object())
+
+
+def test_the_installed_triton_engine_is_fastpaths():
+    """Where moeref's installed metadata has the entry point (an install from this pyproject.toml),
+    ``--engine triton`` resolves to fastpath's engine object."""
+    from moeref.checkpoint.engines import find_engine, installed_engines
+
+    if "triton" not in installed_engines():
+        pytest.skip("the installed moeref metadata predates the moeref.checkpoint_engines entry point "
+                    "(pip install -e . adds it)")
+    pytest.importorskip("triton")
+    from fastpath.checkpoint_engine import ENGINE
+
+    assert find_engine("triton")[0] is ENGINE
 
 
 def test_quantized_tensors_without_a_quantization_config_are_refused(tmp_path):

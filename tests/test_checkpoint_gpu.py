@@ -28,7 +28,7 @@ def test_triton_engine_writes_the_numpy_bytes(tmp_path, source, target):
     src = str(tmp_path / "src")
     F.BUILDERS[source](src, np.random.default_rng(5))
     a = convert_checkpoint(src, str(tmp_path / "np"), ConvertOptions(target=target, engine="numpy"))
-    b = convert_checkpoint(src, str(tmp_path / "tr"), ConvertOptions(target=target, engine="triton",
+    b = convert_checkpoint(src, str(tmp_path / "tr"), ConvertOptions(target=target, engine=F.triton_engine(),
                                                                       verify=True))
     assert {m.engine for m in b.modules} == {"triton"}
     assert [s.sha256 for s in a.shards] == [s.sha256 for s in b.shards]
@@ -59,7 +59,7 @@ def test_triton_engine_fused_gate_up_shares_the_global_and_matches_numpy(tmp_pat
         a = convert_checkpoint(src, str(tmp_path / f"np-{target}"),
                                ConvertOptions(target=target, engine="numpy"))
         b = convert_checkpoint(src, str(tmp_path / f"tr-{target}"),
-                               ConvertOptions(target=target, engine="triton"))
+                               ConvertOptions(target=target, engine=F.triton_engine()))
         assert {m.engine for m in b.modules} == {"triton"}
         assert all("shared with" in m.note for m in b.modules)
         assert [s.sha256 for s in a.shards] == [s.sha256 for s in b.shards]

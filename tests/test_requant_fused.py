@@ -82,7 +82,7 @@ def test_refusals_name_the_reason():
 
 
 def test_converter_glue_refuses_non_finite_nvfp4_input_as_the_reference_does():
-    from moeref.checkpoint.engines import fused_source_quantizer
+    from fastpath.checkpoint_engine import fused_source_quantizer
     from moeref.quant import QuantizedTensor
 
     q = _source((128, 128), (128, 128))

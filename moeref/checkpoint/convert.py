@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..quant import quantize_and_report, requantize
-from .engines import ENGINES, choose_engine, fused_source_quantizer
+from .engines import ENGINES, check_engine, choose_engine, engine_name, source_quantizer
 from .layouts import LAYOUTS, ModuleData, detect_layout, get_layout
 from .report import ConversionReport, ModuleReport, ShardRecord
 from .scale_layout import (SCALE_LAYOUTS, SWIZZLE_TARGETS, mark_config, reading_view,
@@ -65,9 +65,11 @@ class ConvertOptions:
         workers: processes converting shards in parallel.
         verify: re-read every written shard and check it against the source.
         overwrite, resume, dry_run: see the module docstring.
-        engine: ``"auto"`` (the Triton fast path where a CUDA GPU is present and the scheme is
-            supported, else NumPy; the report says which, and why), ``"numpy"`` or ``"triton"``
-            (an error when it cannot run).
+        engine: ``"auto"`` (the Triton fast path where it is installed, a CUDA GPU is present and the
+            scheme is supported, else NumPy; the report says which, and why), ``"numpy"``, ``"triton"``
+            (an error when it cannot run), or a fast engine object (:mod:`.engines`: found by name
+            through the ``moeref.checkpoint_engines`` entry points, or passed here). The engine computes
+            codes only: the report and ``verify`` are the NumPy reference's.
         share_global: NVFP4 targets: the converted members of a fused group (``gate_proj`` and
             ``up_proj``, ``w1`` and ``w3``, ``q_proj``/``k_proj``/``v_proj`` of one parent) share
             one global scale, as ModelOpt exports them (``preprocess_linear_fusion``: the max of
@@ -90,7 +92,7 @@ class ConvertOptions:
     overwrite: bool = False
     resume: bool = False
     dry_run: bool = False
-    engine: str = "auto"
+    engine: object = "auto"
     share_global: bool = True
     scale_layout: str = "linear"
 
@@ -100,8 +102,7 @@ class ConvertOptions:
             get_layout(self.source_layout)
         if self.precision not in ("float32", "exact"):
             raise ValueError(f"precision must be 'float32' or 'exact'; got {self.precision!r}")
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
+        check_engine(self.engine)
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers must be a positive int; got {self.workers!r}")
         if self.target == "bf16" and self.preset is not None:
@@ -248,7 +249,8 @@ def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
     if quantizer is not None and data.q is not None and job.opts.precision == "exact":
         engine, why, quantizer = "numpy", "precision 'exact' may need float64 arithmetic", None
     elif quantizer is not None and data.q is not None:
-        fused, how = fused_source_quantizer(data.q, scheme)
+        chosen = engine if isinstance(job.opts.engine, str) else job.opts.engine  # a name, or the object passed
+        fused, how = source_quantizer(chosen, data.q, scheme)
         why += f"; {how}" if fused is not None else f"; source decoded on the host ({how})"
         quantizer = fused or quantizer
     static = None
@@ -469,6 +471,7 @@ def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None) 
     plan = plan_conversion(src, opts)
     settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts).items()
                 if k not in ("workers", "verify", "overwrite", "resume", "dry_run")}
+    settings["engine"] = engine_name(opts.engine)
     settings["source_layout"] = plan.source_layout
     done = _prepare_destination(src, dst, opts, settings)
     report = ConversionReport(src, dst, plan.source_layout, plan.target_layout, opts.preset,

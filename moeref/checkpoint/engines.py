@@ -1,21 +1,37 @@
-"""Which engine quantizes a module: the NumPy reference or the Triton fast path, never silently.
+"""Which engine quantizes a module: the NumPy reference or a fast engine, never silently.
 
-``"auto"`` takes :mod:`fastpath.quant` only on a CUDA GPU and only where
-``fastpath.quant.supports`` accepts the scheme and shape (``fastpath/registry.py`` lists what is
-supported); ``"triton"`` also runs the kernels under ``TRITON_INTERPRET=1`` on the CPU and raises
-when they cannot run; ``"numpy"`` is the reference. The reason goes into the report.
+moeref holds the reference only. A fast engine is a plug-in: a package offers it under a name in the entry
+point group :data:`ENTRY_POINT_GROUP` (``moeref.checkpoint_engines``; this repository's ``pyproject.toml``
+declares ``triton = "fastpath.checkpoint_engine:ENGINE"``, the Triton fast path), or the caller passes the
+engine object itself (``ConvertOptions(engine=ENGINE)``). Whatever computes the codes, the report is the
+NumPy reference's: :func:`moeref.quant.requantize` measures the engine's result against the exact source
+values, and ``--verify`` re-reads the written files with NumPy, so no figure of the report (and no check of
+it) runs the engine's code.
+
+``engine`` (:attr:`ConvertOptions.engine <moeref.checkpoint.ConvertOptions>`): ``"numpy"`` is the reference;
+``"triton"`` (or the name of another installed engine, or an engine object) asks for that engine and raises
+:class:`~moeref.checkpoint.CheckpointError` when it cannot run; ``"auto"`` takes the ``"triton"`` engine where
+it is installed and says it runs (on a CUDA GPU), else the reference. The reason goes into the report.
+
+An engine has a ``name`` and two methods:
+
+* ``choose(scheme, shape, *, auto) -> (ok, reason, quantizer or None)``: whether it quantizes a tensor of
+  ``shape`` into ``scheme`` here (``auto``: not asked for by name), and the quantizer
+  ``quantizer(values, target, **static) -> QuantizedTensor`` (host arrays in, a host tensor out);
+* ``source_quantizer(q, scheme, device=None) -> (quantizer or None, reason)``: optionally, a quantizer that
+  reads a quantized source ``q`` directly (the same values :func:`moeref.quant.requantize` hands it).
 """
 from __future__ import annotations
 
-import os
-
-import numpy as np
-
 from .safetensors_io import CheckpointError
 
-__all__ = ["ENGINES", "choose_engine", "cuda_available", "fused_source_quantizer"]
+__all__ = ["ENGINES", "ENTRY_POINT_GROUP", "check_engine", "choose_engine", "cuda_available", "engine_name",
+           "find_engine", "fused_source_quantizer", "installed_engines", "source_quantizer"]
 
 ENGINES = ("auto", "numpy", "triton")
+"""Engine names ``moeref convert --engine`` accepts (``"triton"`` once its package is installed)."""
+
+ENTRY_POINT_GROUP = "moeref.checkpoint_engines"
 
 
 def cuda_available() -> bool:
@@ -26,80 +42,90 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _triton_device() -> str | None:
-    """``"cuda"``, or ``"cpu"`` under ``TRITON_INTERPRET=1`` (the kernels on the interpreter: the
-    CPU test suite runs ``engine="triton"`` this way), or None."""
-    if cuda_available():
-        return "cuda"
-    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
+def installed_engines() -> dict:
+    """``{name: entry point}`` of the fast engines installed in :data:`ENTRY_POINT_GROUP` (nothing loaded)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def _triton_quantizer(x, scheme, **static):
-    import torch
+def find_engine(name: str):
+    """``(engine or None, reason)``: the installed engine ``name``, loaded, or why there is none."""
+    ep = installed_engines().get(name)
+    if ep is None:
+        return None, (f"no engine {name!r} is installed (entry point group {ENTRY_POINT_GROUP!r}: install the "
+                      "package that provides it; in this repository, reinstall moeref with `pip install -e .`)")
+    try:
+        return ep.load(), "ok"
+    except ImportError as e:
+        return None, f"cannot be imported: {e}"
 
-    from fastpath.quant import quantize as fast_quantize
 
-    xt = torch.from_numpy(np.ascontiguousarray(x)).to(_triton_device())
-    return fast_quantize(xt, scheme, **static).to_reference()
+def _is_engine(engine) -> bool:
+    return callable(getattr(engine, "choose", None)) and isinstance(getattr(engine, "name", None), str)
 
 
-def choose_engine(engine: str, scheme, shape) -> tuple:
+def engine_name(engine) -> str:
+    """The name the report gives ``engine`` (a name, or an engine object's ``name``)."""
+    return engine if isinstance(engine, str) else engine.name
+
+
+def check_engine(engine) -> None:
+    """``ValueError`` unless ``engine`` is one of :data:`ENGINES` or an engine object."""
+    if isinstance(engine, str):
+        if engine not in ENGINES and engine not in installed_engines():
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, an installed engine's name or an "
+                             f"engine object; got {engine!r}")
+    elif not _is_engine(engine):
+        raise ValueError(f"engine must be a name or an object with a name and a choose() method; got {engine!r}")
+
+
+def choose_engine(engine, scheme, shape) -> tuple:
     """``(engine name, reason, quantizer or None)`` for one tensor; never silent.
 
-    ``"auto"`` takes the Triton fast path only on a CUDA GPU; ``"triton"`` also runs the kernels
-    under ``TRITON_INTERPRET=1`` on the CPU, and raises when they cannot run."""
-    if engine == "numpy":
+    ``"auto"`` takes the ``"triton"`` engine where it is installed and runs (a CUDA GPU); an engine asked for
+    by name or passed as an object raises :class:`CheckpointError` when it cannot run."""
+    if isinstance(engine, str) and engine == "numpy":
         return "numpy", "asked for", None
-    device = _triton_device() if engine == "triton" else ("cuda" if cuda_available() else None)
-    if device is None:
-        if engine == "triton":
-            raise CheckpointError("engine 'triton' needs a CUDA GPU (or TRITON_INTERPRET=1); "
-                                  "none is available")
-        return "numpy", "no CUDA GPU", None
-    try:
-        import torch
-
-        from fastpath.quant import supports
-    except ImportError as e:
-        if engine == "triton":
-            raise CheckpointError(f"engine 'triton' cannot be imported: {e}") from None
-        return "numpy", f"triton: {e}", None
-    if scheme is None or len(shape) > 3:
-        ok, why = False, "the kernels take 1 to 3 axes of a quantized target"
-    else:  # a zero-stride probe: the right shape, one element of memory
-        probe = torch.empty_strided(tuple(shape), (0,) * len(shape), dtype=torch.float32,
-                                    device=device)
-        ok, why = supports(scheme=scheme, x=probe)
+    auto = isinstance(engine, str) and engine == "auto"
+    if isinstance(engine, str):
+        name = "triton" if auto else engine
+        fast, why = find_engine(name)
+        if fast is None:
+            if auto:
+                return "numpy", f"{name}: {why}", None
+            raise CheckpointError(f"engine {name!r} {why}" if why.startswith("cannot") else why)
+    else:
+        fast = engine
+    ok, why, quantizer = fast.choose(scheme, shape, auto=auto)
     if not ok:
-        if engine == "triton":
-            raise CheckpointError(f"engine 'triton' cannot quantize {scheme.name}: {why}")
-        return "numpy", f"triton: {why}", None
-    where = "CUDA GPU" if device == "cuda" else "Triton interpreter (TRITON_INTERPRET=1)"
-    return "triton", f"{where}; fastpath.quant supports {scheme.name}", _triton_quantizer
+        if auto:
+            return "numpy", f"{fast.name}: {why}", None
+        raise CheckpointError(f"engine {fast.name!r} {why}")
+    return fast.name, why, quantizer
+
+
+def source_quantizer(engine, q, scheme) -> tuple:
+    """``(quantizer or None, reason)`` of the engine that :func:`choose_engine` chose (its name or object)
+    for a quantized source ``q``: the engine's ``source_quantizer`` where it has one."""
+    fast = engine
+    if isinstance(engine, str):
+        fast, why = find_engine(engine)
+        if fast is None:
+            return None, why
+    if not callable(getattr(fast, "source_quantizer", None)):
+        return None, f"engine {fast.name!r} reads decoded values only"
+    return fast.source_quantizer(q, scheme)
 
 
 def fused_source_quantizer(q, scheme, device: str | None = None) -> tuple:
-    """``(quantizer or None, reason)``: the fused FP8-block decode + FP4 quantize of
-    :mod:`fastpath.requant` for a source ``QuantizedTensor`` ``q`` (E4M3 with 2-D block
-    scales) into an FP4 ``scheme``, once the Triton engine is chosen. The quantizer reads the
-    source's codes and scales (1 byte per element to the device, not the 4 of the float32
-    values) and ignores the values :func:`moeref.quant.requantize` hands it, which are the
-    same numbers (``precision="float32"``: ``fl32(code * scale)``, what the kernel computes),
-    except to refuse non-finite NVFP4 input as the reference does (the kernel does not look)."""
-    device = device or _triton_device()
-    try:
-        from fastpath import requant
-    except ImportError as e:
-        return None, f"fastpath.requant cannot be imported: {e}"
-    ok, why = requant.supports(q.scheme, scheme, q.shape, q.block_shape, device=device)
-    if not ok:
+    """Deprecated: :func:`fastpath.checkpoint_engine.fused_source_quantizer`, through the installed
+    ``"triton"`` engine (moeref does not import the fast path)."""
+    import warnings
+
+    warnings.warn("moeref.checkpoint.engines.fused_source_quantizer moved to "
+                  "fastpath.checkpoint_engine.fused_source_quantizer", DeprecationWarning, stacklevel=2)
+    fast, why = find_engine("triton")
+    if fast is None:
         return None, why
-
-    def quantizer(values, target, **static):
-        if target.family == "nvfp4" and values is not None and not np.all(np.isfinite(values)):
-            from ..quant import quantize  # the reference refuses non-finite NVFP4 input: its error
-            return quantize(values, target, **static)
-        codes, scales, block = requant.from_reference(q, device)
-        return requant.fp8_block_to_fp4(codes, scales, block, target, **static).to_reference()
-
-    return quantizer, "fused FP8-block decode + quantize (fastpath.requant)"
+    return fast.source_quantizer(q, scheme, device)

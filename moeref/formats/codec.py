@@ -76,6 +76,7 @@ __all__ = [
     "decode_table",
     "round_to_format",
     "representable_values",
+    "code_table_f32",
 ]
 
 ROUNDING_MODES = ("rne", "rtz", "ties_toward_zero", "ties_away", "ceil", "floor", "stochastic")
@@ -215,6 +216,29 @@ def _table32(fmt_name: str, rounding: str, overflow: str, nan_code):
     with np.errstate(invalid="ignore"):  # NaN patterns widen to NaN, as intended
         reps = bits.astype(np.uint32).view(np.float32).astype(np.float64)
     return shift, _CodeTable(_encode_float64(reps, f, rounding, overflow, nan_code, None))
+
+
+def code_table_f32(fmt, *, overflow: str, rounding: str = "rne", nan_code=None) -> tuple[int, np.ndarray]:
+    """The table :func:`encode` reads float32 input through: ``(shift, codes)``.
+
+    The code of a float32 value with bits ``u`` (as uint32) is ``codes[(u >> shift) << 1 | sticky]``,
+    ``sticky = (u & (2**shift - 1)) != 0`` (:func:`_table32` says why those bits decide every
+    deterministic rounding); ``codes`` is int16, and a negative entry marks a value the format cannot
+    encode under these arguments (``encode`` raises there: a NaN without ``nan_code``, an overflow under
+    ``"error"``, a negative value in an unsigned format). Read-only; one table per argument set, built
+    once by the generic float64 path. A device engine that looks codes up in it gets :func:`encode`'s
+    codes by construction (:mod:`moeref.quant.device`). ``rounding``: any deterministic mode (not
+    ``"stochastic"``).
+    """
+    f = get_format(fmt)
+    check_choice(rounding, tuple(m for m in ROUNDING_MODES if m != "stochastic"), "rounding mode")
+    check_choice(overflow, OVERFLOW_MODES, "overflow mode")
+    if overflow == "inf_nan" and not f.has_nan:
+        raise ValueError(f"overflow='inf_nan' is impossible for {f.name}: it has no Inf or NaN")
+    shift, table = _table32(f.name, rounding, overflow, None if nan_code is None else int(nan_code))
+    codes = table.codes
+    codes.setflags(write=False)
+    return shift, codes
 
 
 class _CodeTable:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .._interop import to_device
+from ..quant.device import DeviceQuantized
 from .exact import BlockOperand, as_operand
 from .grouped import check_row_expert
 from .stacked import StackedExperts
@@ -155,12 +156,20 @@ def _unpack_nibbles(codes, k: int):
 
 def device_operand(x, device) -> DeviceOperand:
     """A :class:`DeviceOperand` on ``device`` of ``x``: a :class:`DeviceOperand` (returned as is), a
-    :class:`BlockOperand`, a quantized tensor (:func:`moeref.gemm.as_operand` input), a fast-path
-    quantized tensor (:class:`fastpath.quant.FastQuantized`, row-major scales) or a float array/tensor
-    ``[R, K]`` (one block, scale 1, not quantized)."""
+    :class:`BlockOperand`, a quantized tensor (:func:`moeref.gemm.as_operand` input), a device-quantized
+    tensor (:class:`moeref.quant.device.DeviceQuantized`), a fast-path quantized tensor (an object with
+    ``codes`` tensor, ``scales``, ``scales_logical``, ``scale_layout == "row_major"``, ``grid``, ``scheme``,
+    ``shape`` and ``global_scale``, as :mod:`fastpath.quant` returns) or a float array/tensor ``[R, K]``
+    (one block, scale 1, not quantized)."""
     torch = _torch()
     if isinstance(x, DeviceOperand):
         return x
+    if isinstance(x, DeviceQuantized):
+        if len(x.shape) != 2:
+            raise ValueError(f"a quantized operand must be 2-D; got shape {x.shape}")
+        blk = tuple(int(b) for b in x.block_shape)
+        return DeviceOperand(None, x.element_codes().to(device), x.scheme.element, x.scale_values.to(device), blk,
+                             True)
     if hasattr(x, "scales_logical") and hasattr(x, "codes") and torch.is_tensor(getattr(x, "codes", None)):
         return _from_fast(x, device)
     if torch.is_tensor(x) and x.dtype.is_floating_point:

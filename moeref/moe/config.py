@@ -24,7 +24,7 @@ class Quantizer:
     Either a :class:`moeref.quant.Scheme` with static arguments of :func:`moeref.quant.quantize`
     (``scale=``: a static FP8 scale, vLLM ``a1_scale``/``a2_scale``; ``global_scale=``: an NVFP4 global scale
     in the preset's convention), or a ``function`` of the user's (it receives host arrays). The device
-    engine runs the first kind through :func:`fastpath.quant.quantize` where that supports it.
+    engine runs the first kind through :func:`moeref.quant.device.device_quantize` where that runs it.
     """
 
     scheme: object = None

@@ -5,11 +5,13 @@ One semantics, two engines. :func:`moeref.moe.run_moe` with ``device="cuda"`` (o
 runs the same stages as the NumPy engine, each with the same float64 arithmetic:
 
 * routing metadata (slots, layout rows, ``src``): the NumPy engine's own index code
-  (:func:`moeref.moe.pipeline.dispatch_rows`) on the host, copied to the device;
+  (:func:`moeref.moe.stages.dispatch_rows`) on the host, copied to the device;
 * router weight on input: the float64 product rounded once to float32;
-* quantizers (``a1``, ``a2``): :func:`fastpath.quant.quantize` where it supports the scheme and input
-  dtype (its codes and scales equal :func:`moeref.quant.quantize`'s bit for bit: the fast-path property
-  suites prove it), else the NumPy quantizer on a host copy; which one ran is recorded in
+* quantizers (``a1``, ``a2``): :func:`moeref.quant.device.device_quantize` where it runs the scheme and
+  input dtype (the NumPy quantizer's own scale step on the block amax grid, torch elementwise scaling and
+  the codec's code table: :func:`moeref.quant.quantize`'s codes and scales bit for bit, and no kernel
+  shared with :mod:`fastpath`, so a fast path checked against this engine is checked against an
+  independent computation), else the NumPy quantizer on a host copy; which one ran is recorded in
   :attr:`DeviceRun.engines`, never chosen silently;
 * GEMMs: :func:`moeref.gemm.device.device_expert_rows_gemm` (exact partial dots, the same in-order
   scaled sum);
@@ -34,8 +36,9 @@ from .._interop import to_device
 from ..dispatch.grouping import group_slots
 from ..gemm.device import DeviceOperand, device_expert_rows_gemm, device_operand
 from ..gemm.stacked import StackedExperts
+from ..quant.device import device_quantize, device_quantize_unavailable, round_to_odd_f32
 from .config import LayerConfig
-from .pipeline import ExpertsOutput, MoERun, Prepared, _activation, dispatch_rows
+from .stages import ExpertsOutput, MoERun, Prepared, _activation, _dtype, _run_quantizer, dispatch_rows
 from .weights import MoEWeights, SharedExperts
 
 __all__ = ["device_weights", "run_moe_device", "round_on_device"]
@@ -118,8 +121,6 @@ def round_on_device(x, dtype):
     torch = _torch()
     if dtype is None:
         return x
-    from .pipeline import _dtype
-
     dt = _dtype(dtype)
     if dt == np.float64:
         return x
@@ -128,27 +129,16 @@ def round_on_device(x, dtype):
     if dt.name == "bfloat16":
         return x.to(torch.float32).to(torch.bfloat16).to(torch.float64)
     if dt == np.float16:
-        return _round_to_odd_f32(x).to(torch.float16).to(torch.float64)
+        return round_to_odd_f32(x).to(torch.float16).to(torch.float64)
     raise ValueError(f"the device engine stores float64, float32, bfloat16 or float16; got {dt}")
 
 
-def _round_to_odd_f32(x):
-    """float64 -> float32 rounded to odd (truncate, then set the last bit when inexact)."""
-    torch = _torch()
-    f = x.to(torch.float32)
-    back = f.to(torch.float64)
-    inexact = (back != x) & ~x.isnan()
-    bits = f.view(torch.int32)
-    bits = torch.where(inexact & (back.abs() > x.abs()), bits - 1, bits)  # toward zero (sign-magnitude)
-    bits = torch.where(inexact, bits | 1, bits)
-    return bits.view(torch.float32)
+_round_to_odd_f32 = round_to_odd_f32  # its former name here (moeref.compare._store_kernels cites it)
 
 
 def _work_dtype(dtype):
     """The torch dtype a kernel hands its quantizer after an ``act_out_dtype`` store."""
     torch = _torch()
-    from .pipeline import _dtype
-
     dt = _dtype(dtype)
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
             "float64": torch.float64}[dt.name]
@@ -168,37 +158,16 @@ def _quantize(q, x, engines: list, label: str) -> tuple[DeviceOperand, object]:
     scheme, static = q.scheme, q.static
     why = "a quantizer function of the user's (it takes host arrays)"
     if scheme is not None:
-        why = _fast_quantize_unavailable(scheme, x, static)
+        why = device_quantize_unavailable(scheme, x, static)
         if why is None:
-            from fastpath.quant import quantize as fast_quantize
-
-            qt = fast_quantize(x, scheme, **static)
-            engines.append(f"{label}: fastpath.quant ({scheme.name})")
+            qt = device_quantize(x, scheme, **static)
+            engines.append(f"{label}: moeref.quant.device ({scheme.name})")
             return device_operand(qt, x.device), qt
     from .._interop import to_numpy
-    from .pipeline import _run_quantizer
 
     _, qt = _run_quantizer(q, to_numpy(x.cpu()))
     engines.append(f"{label}: moeref.quant on the host ({why})")
     return device_operand(qt, x.device), qt
-
-
-def _fast_quantize_unavailable(scheme, x, static: dict) -> str | None:
-    """None when :func:`fastpath.quant.quantize` runs ``scheme`` on ``x`` with ``static``, else why not."""
-    if not set(static) <= {"scale", "global_scale"}:
-        return f"static arguments {sorted(static)} have no fast path"
-    try:
-        from fastpath.registry import ImplementationUnavailable, get_implementation
-    except ImportError as e:  # triton missing
-        return f"fastpath cannot be imported ({e})"
-    ctx = dict(scheme=scheme, x=x)
-    if "global_scale" in static:
-        ctx["global_scale"] = static["global_scale"]
-    try:
-        get_implementation("quantize", "triton", **ctx)
-    except ImplementationUnavailable as e:
-        return str(e)
-    return None
 
 
 # ------------------------------------------------------------------------------------------- stages
@@ -273,7 +242,7 @@ def _finalize(p: Prepared, e: ExpertsOutput):
 @dataclass(frozen=True, eq=False)
 class DeviceRun(MoERun):
     """:class:`moeref.moe.MoERun` of the device engine: ``output``/``out`` are tensors on the device;
-    ``engines`` lists which quantizer ran where (``"a1: fastpath.quant (...)"``)."""
+    ``engines`` lists which quantizer ran where (``"a1: moeref.quant.device (...)"``)."""
 
     engines: list = field(default_factory=list)
 

@@ -31,6 +31,9 @@ import ml_dtypes
 from .._checks import as_float_array
 from ..formats import encode, pack_nibbles
 from ..formats.spec import ElementFormat
+from .blocks import (block_amax, block_reduce, block_view, broadcast_to_blocks, expand_to_elements,
+                     grid_shape)
+from .quantized import QuantizedTensor
 from .scale_rules import RuleContext, ScaleResult, compute_scales
 from .scheme import Scheme
 
@@ -45,6 +48,8 @@ __all__ = [
     "grid_shape",
     "quantize_blockwise",
     "encode_elements",
+    "element_cast",
+    "nan_block_code",
 ]
 
 
@@ -67,86 +72,6 @@ def as_input(x, name: str = "x") -> np.ndarray:
     return a
 
 
-def grid_shape(shape, block) -> tuple[int, ...]:
-    """Shape of the scale grid: leading axes, then ``ceil(dim / b)`` per blocked axis."""
-    k = len(block)
-    lead = tuple(shape[: len(shape) - k])
-    return lead + tuple(-(-int(d) // b) for d, b in zip(shape[len(shape) - k:], block))
-
-
-def block_view(x: np.ndarray, block, pad_value=0) -> np.ndarray:
-    """``x`` zero-padded on its last ``len(block)`` axes and viewed as ``[..., n0, b0, n1, b1]``.
-
-    A view (no copy) when every blocked extent is already a multiple of its block.
-    """
-    k = len(block)
-    lead = x.shape[: x.ndim - k]
-    tail = x.shape[x.ndim - k:]
-    padded = tuple(-(-d // b) * b for d, b in zip(tail, block))
-    if padded != tail:
-        xp = np.full(lead + padded, pad_value, dtype=x.dtype)
-        xp[(...,) + tuple(slice(0, d) for d in tail)] = x
-        x = xp
-    new = lead + tuple(v for d, b in zip(padded, block) for v in (d // b, b))
-    return x.reshape(new)
-
-
-def _block_axes(ndim_lead: int, k: int) -> tuple[int, ...]:
-    return tuple(ndim_lead + 2 * i + 1 for i in range(k))
-
-
-_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def block_amax(xb: np.ndarray, k: int, ignore_nan: bool = False) -> np.ndarray:
-    """``max |x|`` over the ``b`` axes of a block view, exactly, from the IEEE bit patterns.
-
-    With the sign bit cleared, the unsigned order of float bit patterns is the order of
-    magnitudes, and NaN patterns sort above Inf: the max of the masked bits is the amax, or a
-    NaN when the block holds one (``np.max``/``torch.amax`` propagation). ``ignore_nan`` drops
-    NaN patterns first (TE's ``fmaxf`` from 0). Works on the input dtype (bfloat16 amax is
-    exact in bfloat16, as torchao takes it) and is several times faster than ``abs`` + ``max``.
-    """
-    axes = tuple(xb.ndim - 2 * k + 2 * i + 1 for i in range(k))
-    u = _UINT[xb.dtype.itemsize]
-    nbits = 8 * xb.dtype.itemsize
-    bits = xb.view(u) & u((1 << (nbits - 1)) - 1)
-    if ignore_nan:
-        inf_bits = np.array(np.inf, xb.dtype).view(u)
-        bits = np.where(bits > inf_bits, u(0), bits)
-    return np.max(bits, axis=axes).view(xb.dtype)
-
-
-def block_reduce(xb: np.ndarray, k: int, how: str) -> np.ndarray:
-    """Reduce the ``b`` axes of a block view: signed ``"max"``/``"min"`` (NaN propagates), or
-    ``"amax"`` / ``"amax_ignore_nan"`` (:func:`block_amax`)."""
-    axes = tuple(xb.ndim - 2 * k + 2 * i + 1 for i in range(k))
-    if how in ("amax", "amax_ignore_nan"):
-        return block_amax(xb, k, ignore_nan=how == "amax_ignore_nan")
-    if how == "max":
-        return np.max(xb, axis=axes)
-    if how == "min":
-        return np.min(xb, axis=axes)
-    raise ValueError(f"unknown reduction {how!r}; accepted: 'amax', 'amax_ignore_nan', 'max', 'min'")
-
-
-def broadcast_to_blocks(grid: np.ndarray, k: int) -> np.ndarray:
-    """Insert a size-1 axis after each blocked grid axis so ``grid`` broadcasts over a block view."""
-    nl = grid.ndim - k
-    shape = grid.shape[:nl] + tuple(v for n in grid.shape[nl:] for v in (n, 1))
-    return grid.reshape(shape)
-
-
-def expand_to_elements(grid: np.ndarray, block, shape) -> np.ndarray:
-    """Per-element copy of a block-grid array for a tensor of ``shape`` (cropped to ``shape``)."""
-    k = len(block)
-    out = grid
-    nl = grid.ndim - k
-    for i, b in enumerate(block):
-        out = np.repeat(out, b, axis=nl + i)
-    return out[(...,) + tuple(slice(0, d) for d in shape[len(shape) - k:])]
-
-
 def encode_elements(scaled: np.ndarray, element: ElementFormat, preset, *,
                     nan_free: bool = False) -> np.ndarray:
     """Element cast of already-scaled data under the preset's rounding/overflow/NaN code.
@@ -154,12 +79,24 @@ def encode_elements(scaled: np.ndarray, element: ElementFormat, preset, *,
     ``nan_free``: the caller guarantees ``scaled`` holds no NaN (NaN blocks already masked), so
     formats without NaN can use the codec's fast table path (any nan_code is then never used).
     """
+    return encode(scaled, element, **element_cast(element, preset, nan_free=nan_free))
+
+
+def element_cast(element: ElementFormat, preset, *, nan_free: bool = False) -> dict:
+    """The :func:`moeref.formats.encode` arguments (``overflow``, ``rounding``, ``nan_code``) of the
+    element cast under ``preset`` (:func:`encode_elements`; the device quantizer reads the same)."""
     nan_code = preset.nan_code_for(element) if not element.has_nan else None
     if nan_code is None and nan_free and not element.has_nan:
         nan_code = 0
     overflow = preset.overflow if element.has_nan else "saturate"
-    return encode(scaled, element, overflow=overflow, rounding=preset.rounding_for(element),
-                  nan_code=nan_code)
+    return dict(overflow=overflow, rounding=preset.rounding_for(element), nan_code=nan_code)
+
+
+def nan_block_code(element: ElementFormat, preset) -> int:
+    """The element code every element of a NaN-scale block gets: the format's NaN, else the preset's
+    NaN code for the format, else 0 (the block decodes to NaN whatever its codes)."""
+    nc = preset.nan_code_for(element)
+    return element.nan_code if element.has_nan else (nc if nc is not None else 0)
 
 
 def scales_from_amax(amax: np.ndarray, scheme: Scheme, work, *, rule: Callable | None = None, static_scale=None,
@@ -198,8 +135,6 @@ def quantize_blockwise(x, scheme: Scheme, *, rule: Callable | None = None, stati
     Returns:
         :class:`~moeref.quant.tensor.QuantizedTensor`.
     """
-    from .tensor import QuantizedTensor
-
     xa = as_input(x)
     w = working_dtype(xa)
     shape = xa.shape
@@ -223,8 +158,7 @@ def quantize_blockwise(x, scheme: Scheme, *, rule: Callable | None = None, stati
     nan_blocks = np.isnan(res.decode)
     if nan_blocks.any():
         # the block decodes to NaN whatever its codes: write NaN codes (no NaN: nan_code or 0)
-        nc = p.nan_code_for(el)
-        fill = el.nan_code if el.has_nan else (nc if nc is not None else 0)
+        fill = nan_block_code(el, p)
         scaled = np.where(broadcast_to_blocks(nan_blocks, k), w.type(0), scaled)
     if res.zero_point is not None:
         # GPTQ order: round(x / s) as a signed integer, then + zero point, then clamp to the codes

@@ -31,7 +31,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..formats import decode_table, encode, pack_nibbles
-from .blockwise import block_amax, block_view, broadcast_to_blocks, expand_to_elements
+from .blocks import block_amax, block_view, broadcast_to_blocks, expand_to_elements
+from .quantized import QuantizedTensor
 from .scheme import Scheme
 
 __all__ = ["find_lossless", "top_binade_values", "global_storable", "sample_blocks_representable"]
@@ -208,8 +209,6 @@ def find_lossless(x: np.ndarray, target: Scheme, global_factor: float | None = N
     with a global factor (NVFP4); ``global_factor`` fixes that factor (decode multiplier). The codes are RNE encodings of ``x / s``; ``x / s`` is an
     element value there, so any rounding mode gives the same codes.
     """
-    from .tensor import QuantizedTensor
-
     if not _searchable(x, target) or not np.all(np.isfinite(x)):
         return None
     if not sample_blocks_representable(x, target):

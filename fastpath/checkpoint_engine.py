@@ -1,0 +1,112 @@
+"""The Triton engine of ``moeref convert`` (``--engine triton``, and ``--engine auto`` on a CUDA GPU).
+
+moeref does not import this module: it finds :data:`ENGINE` through the entry point group
+``moeref.checkpoint_engines`` that ``pyproject.toml`` declares (``triton =
+"fastpath.checkpoint_engine:ENGINE"``), or a caller passes it (``ConvertOptions(engine=ENGINE)``). The
+engine only computes codes and scales; the conversion report and ``--verify`` measure them against the exact
+source values with the NumPy reference (:func:`moeref.quant.requantize`, :func:`moeref.checkpoint.
+verify_shard`), so no figure of the report comes from this code.
+
+* :meth:`TritonEngine.choose`: :func:`fastpath.quant.quantize` where ``fastpath.quant.supports`` accepts
+  the scheme and shape (``fastpath/registry.py`` lists what is supported); on a CUDA GPU, or under
+  ``TRITON_INTERPRET=1`` on the CPU when asked for by name (the CPU test suite runs ``engine="triton"``
+  this way). ``"auto"`` takes it only on a CUDA GPU.
+* :meth:`TritonEngine.source_quantizer`: the fused FP8-block decode + FP4 quantize of
+  :mod:`fastpath.requant` for an FP8 block-scaled source (:func:`fused_source_quantizer`).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+__all__ = ["TritonEngine", "ENGINE", "fused_source_quantizer"]
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _triton_device() -> str | None:
+    """``"cuda"``, or ``"cpu"`` under ``TRITON_INTERPRET=1`` (the kernels on the interpreter), or None."""
+    if _cuda_available():
+        return "cuda"
+    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
+
+
+def _quantizer(x, scheme, **static):
+    """``fastpath.quant.quantize`` of the host array ``x`` on the engine's device, as a host QuantizedTensor."""
+    import torch
+
+    from .quant import quantize
+
+    xt = torch.from_numpy(np.ascontiguousarray(x)).to(_triton_device())
+    return quantize(xt, scheme, **static).to_reference()
+
+
+class TritonEngine:
+    """The Triton fast path as a conversion engine (the protocol of :mod:`moeref.checkpoint.engines`)."""
+
+    name = "triton"
+
+    def choose(self, scheme, shape, *, auto: bool) -> tuple:
+        """``(ok, reason, quantizer or None)`` for one tensor of ``shape`` going to ``scheme``; ``auto``: the
+        engine was not asked for by name (then only a CUDA GPU counts)."""
+        device = ("cuda" if _cuda_available() else None) if auto else _triton_device()
+        if device is None:
+            return False, ("no CUDA GPU" if auto else
+                           "needs a CUDA GPU (or TRITON_INTERPRET=1); none is available"), None
+        try:
+            import torch
+
+            from .quant import supports
+        except ImportError as e:
+            return False, f"cannot be imported: {e}", None
+        if scheme is None or len(shape) > 3:
+            ok, why = False, "the kernels take 1 to 3 axes of a quantized target"
+        else:  # a zero-stride probe: the right shape, one element of memory
+            probe = torch.empty_strided(tuple(shape), (0,) * len(shape), dtype=torch.float32, device=device)
+            ok, why = supports(scheme=scheme, x=probe)
+        if not ok:
+            return False, f"cannot quantize {scheme.name if scheme is not None else scheme}: {why}", None
+        where = "CUDA GPU" if device == "cuda" else "Triton interpreter (TRITON_INTERPRET=1)"
+        return True, f"{where}; fastpath.quant supports {scheme.name}", _quantizer
+
+    def source_quantizer(self, q, scheme, device: str | None = None) -> tuple:
+        """:func:`fused_source_quantizer` (on this engine's device unless ``device`` is given)."""
+        return fused_source_quantizer(q, scheme, device)
+
+
+ENGINE = TritonEngine()
+"""The engine the entry point ``moeref.checkpoint_engines: triton`` names."""
+
+
+def fused_source_quantizer(q, scheme, device: str | None = None) -> tuple:
+    """``(quantizer or None, reason)``: the fused FP8-block decode + FP4 quantize of
+    :mod:`fastpath.requant` for a source ``QuantizedTensor`` ``q`` (E4M3 with 2-D block
+    scales) into an FP4 ``scheme``, once the Triton engine is chosen. The quantizer reads the
+    source's codes and scales (1 byte per element to the device, not the 4 of the float32
+    values) and ignores the values :func:`moeref.quant.requantize` hands it, which are the
+    same numbers (``precision="float32"``: ``fl32(code * scale)``, what the kernel computes),
+    except to refuse non-finite NVFP4 input as the reference does (the kernel does not look)."""
+    device = device or _triton_device()
+    try:
+        from . import requant
+    except ImportError as e:
+        return None, f"fastpath.requant cannot be imported: {e}"
+    ok, why = requant.supports(q.scheme, scheme, q.shape, q.block_shape, device=device)
+    if not ok:
+        return None, why
+
+    def quantizer(values, target, **static):
+        if target.family == "nvfp4" and values is not None and not np.all(np.isfinite(values)):
+            from moeref.quant import quantize  # the reference refuses non-finite NVFP4 input: its error
+            return quantize(values, target, **static)
+        codes, scales, block = requant.from_reference(q, device)
+        return requant.fp8_block_to_fp4(codes, scales, block, target, **static).to_reference()
+
+    return quantizer, "fused FP8-block decode + quantize (fastpath.requant)"
