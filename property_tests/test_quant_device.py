@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 from moeref._interop import to_torch  # noqa: E402
 from moeref.quant import (PRESETS, Preset, fp8_block, fp8_group, fp8_per_tensor, fp8_per_token,  # noqa: E402
                           int4_group, int8_per_token, mxfp4, mxfp6, mxfp8, nvfp4, quantize)
+from moeref.quant.nvfp4 import NVFP4_PRESETS
 from moeref.quant.device import DeviceQuantized, device_quantize, device_quantize_unavailable  # noqa: E402
 from moeref.quant.scheme import Scheme  # noqa: E402
 
@@ -49,8 +50,8 @@ def _schemes():
             int8_per_token(), int8_per_token(preset="vllm_int8"), int4_group(32), int4_group(32, preset="gptq"),
             fp8_group(32).replace(preset=PRESETS["default"].with_(name="inf_nan", overflow="inf_nan")),
             Scheme("pair_fp8", "e4m3fn", (1, 32), "fp32", _PAIR_FP8)]
-    for order in ("te", "flashinfer", "vllm", "torchao"):
-        out += [nvfp4(preset=order), nvfp4("weight", preset=order)]
+    for p in NVFP4_PRESETS:
+        out += [nvfp4(preset=p), nvfp4("weight", preset=p)]
     return out
 
 
@@ -133,8 +134,8 @@ def test_static_scales_and_errors_are_the_references():
     x = rng.standard_normal((8, 64)).astype(np.float32)
     _check_equal(x, fp8_per_tensor(), scale=0.01)
     _check_equal(x * 1e3, fp8_per_tensor(), scale=0.5)  # saturating elements
-    for order, g in (("te", 3.0), ("flashinfer", 900.0), ("torchao", 0.002)):
-        _check_equal(x, nvfp4(preset=order), global_scale=g)
+    for preset, g in (("nvfp4_te", 3.0), ("nvfp4_flashinfer", 900.0), ("nvfp4_torchao", 0.002)):
+        _check_equal(x, nvfp4(preset=preset), global_scale=g)
     with pytest.raises(ValueError, match="positive finite"):
         device_quantize(to_torch(x, DEV), fp8_per_tensor(), scale=-1.0)
     xn = x.copy()
