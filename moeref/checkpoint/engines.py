@@ -7,10 +7,9 @@ when they cannot run; ``"numpy"`` is the reference. The reason goes into the rep
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
+from .._interop import triton_interpreted
 from .safetensors_io import CheckpointError
 
 __all__ = ["ENGINES", "choose_engine", "cuda_available", "fused_source_quantizer"]
@@ -31,7 +30,7 @@ def _triton_device() -> str | None:
     CPU test suite runs ``engine="triton"`` this way), or None."""
     if cuda_available():
         return "cuda"
-    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
+    return "cpu" if triton_interpreted() else None
 
 
 def _triton_quantizer(x, scheme, **static):
