@@ -272,6 +272,18 @@ def _small_layer(e=3, k=64, n=32, tokens=5, seed=0):
     return w, x, tw, ids
 
 
+def test_host_definition_rejects_a_device_run():
+    """``moeref.compare.bounds.layer_bound`` is the bound's NumPy definition: given a device-engine run it raises
+    TypeError naming :func:`moeref.compare.layer_bound`, which bounds that run on its device."""
+    from moeref.compare import bounds
+
+    w, x, tw, ids = _small_layer()
+    dev = run_moe(x, w, tw, ids, device=DEV, quant=MoEQuant(fp8_group(), fp8_group(), "fp8"))
+    with pytest.raises(TypeError, match=r"moeref\.compare\.layer_bound"):
+        bounds.layer_bound(dev, "BF16_OUTPUT")
+    assert torch.is_tensor(layer_bound(dev, "BF16_OUTPUT").bound)
+
+
 @pytest.mark.parametrize("model, k, n", [("HOPPER_FP8_DEEPGEMM_DATA", 64, 32), ("BF16_OUTPUT", 64, 32),
                                          ("HOPPER_FP8_DEEPGEMM", 64, 32), ("HOPPER_FP8_DEEPGEMM_DATA", 200, 72)])
 def test_device_layer_bound_equals_numpy_small_layer(model, k, n):
