@@ -1,4 +1,4 @@
-"""compare._activation_kernels: the fused stage-3 kernel equals, bit for bit, the three torch lines of
+"""compare.device._activation_kernels: the fused stage-3 kernel equals, bit for bit, the three torch lines of
 :func:`moeref.compare.device.layer._chunk_interval` (activation, its error bound, the ``act_unit`` term) on
 CPU tensors under TRITON_INTERPRET=1 (the conftest sets it without a GPU), on a GPU for real. NaN results
 must be NaN at the same places (their payload bits are not compared); every other result is compared as
