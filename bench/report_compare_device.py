@@ -2,9 +2,9 @@
 
     python bench/report_compare_device.py docs/data/compare_device_*.json [--docs docs/moe-gpu.md] [--check]
 
-One row per run and token count, oldest run first: the reference's and `compare`'s medians over the interleaved
-rounds (min-max), the median of the per-round ratios, peak extra GPU memory, whether the reference's own output
-passed. Replaces the text between ``<!-- compare-device:begin -->`` and ``<!-- compare-device:end -->``;
+One table per run (its GPU and date above it), oldest run first, one row per token count: the reference's and
+`compare`'s medians over the interleaved rounds (min-max), the median of the per-round ratios, peak extra GPU
+memory, whether the reference's own output passed. Superseded runs are kept in docs/data/history/. Replaces the text between ``<!-- compare-device:begin -->`` and ``<!-- compare-device:end -->``;
 ``--check`` exits 1 when the page differs from what the JSON gives (a test runs it on the committed JSON).
 """
 from __future__ import annotations
@@ -25,22 +25,23 @@ def _case(row: dict, name: str) -> dict:
 
 
 def table(runs: list) -> str:
-    """The markdown table of ``runs`` (the JSON documents, any order)."""
+    """The markdown tables of ``runs`` (the JSON documents, any order): one per run, oldest first, each under a
+    line naming its GPU and date."""
     runs = sorted(runs, key=lambda d: d["meta"]["date"])
-    out = ["`compare` of a device-engine reference run under `HOPPER_FP8_DEEPGEMM_DATA` against the reference's own "
-           "time (`bench/bench_compare_device.py`: DeepSeek-V3 layer, 256 experts, top-8, FP8 1x128 x 128x128, random "
-           "routing; the candidate is the reference's own bf16 output), median of the interleaved rounds (min-max), "
-           "the ratio the median of the per-round ratios; target 3x:", "",
-           "| measured | GPU | tree | tokens | reference, s | compare, s | compare / reference | peak extra GPU memory "
-           "| passed |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["`compare` of a device-engine reference run under `HOPPER_FP8_DEEPGEMM_DATA`, beside the reference's own "
+           "time (`python -m bench compare`: DeepSeek-V3 layer, 256 experts, top-8, FP8 1x128 x 128x128, random "
+           "routing; the candidate is the reference's own bf16 output). Median of the interleaved rounds (min-max); "
+           "the ratio is the median of the per-round ratios."]
     for d in runs:
         m = d["meta"]
-        tree = m.get("tree", "")
+        out += ["", f"Measured on an {m['gpu']}, {m['date']}:", "",
+                "| tokens | reference, s | compare, s | compare / reference | peak extra GPU memory | passed |",
+                "|---|---|---|---|---|---|"]
         for r in d["rows"]:
             ref, cmp_ = _case(r, "reference"), _case(r, "compare")
-            out.append(f"| {m['date']} | {m['gpu']} | {tree} | {r['tokens']} | {ref['median_s']:.3f} | "
-                       f"{cmp_['median_s']:.3f} ({cmp_['min_s']:.3f}-{cmp_['max_s']:.3f}) | **{r['compare_over_reference']:.2f}x** | "
-                       f"{r['peak_extra_gib']:.1f} GiB | {r['passed']} |")
+            out.append(f"| {r['tokens']} | {ref['median_s']:.3f} | {cmp_['median_s']:.3f} ({cmp_['min_s']:.3f}-"
+                       f"{cmp_['max_s']:.3f}) | **{r['compare_over_reference']:.2f}x** | {r['peak_extra_gib']:.1f} GiB | "
+                       f"{r['passed']} |")
     return "\n".join(out)
 
 

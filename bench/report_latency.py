@@ -21,9 +21,8 @@ from bench.docs_page import update_page  # noqa: E402
 
 BEGIN, END = "<!-- fastpath-latency:begin -->", "<!-- fastpath-latency:end -->"
 _DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data")
-# the page's runs, newest first (H100, 2026-11-24): with the cached launcher (c72001c; no floor recorded),
-# with the small sort head only (57ca631), dispatch before any change (f1903a6)
-DEFAULT_JSON = [os.path.join(_DATA, f"latency_h100_{n}.json") for n in ("3df973c", "c72001c", "57ca631", "f1903a6")]
+# the page's run (H100, 2026-11-24, launch plans); superseded runs are in docs/data/history/
+DEFAULT_JSON = [os.path.join(_DATA, f"latency_h100_{n}.json") for n in ("3df973c",)]
 FLAG = "⚠"
 
 

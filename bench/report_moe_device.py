@@ -10,12 +10,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.docs_page import update_page  # noqa: E402
 
 BEGIN, END = "<!-- moe-device:begin -->", "<!-- moe-device:end -->"
+
+
+def _tiles_text(tiles: str) -> str:
+    """``GemmTiles(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4)`` as ``64x128x128 w4 s4``."""
+    m = re.fullmatch(r"GemmTiles\(block_m=(\d+), block_n=(\d+), block_k=(\d+), num_warps=(\d+), num_stages=(\d+)\)",
+                     tiles)
+    return f"{m[1]}x{m[2]}x{m[3]} w{m[4]} s{m[5]}" if m else tiles
 
 
 def tables(data: dict) -> str:
@@ -63,9 +71,9 @@ def tables(data: dict) -> str:
                                f"{r[f'layer_{impl}_of_roofline']:.0%} | {r[f'gemms_over_layer_{impl}']:.0%} |")
     if data.get("sweep"):
         out += ["", "Triton FP8 grouped GEMM (GEMM1 shape, 4096 tokens) by tile, against DeepGEMM:", "",
-                "| tiles | ms | TFLOPS | x DeepGEMM |", "|---|---|---|---|"]
+                "| tiles (MxNxK, warps, stages) | ms | TFLOPS | x DeepGEMM |", "|---|---|---|---|"]
         for r in data["sweep"]:
-            out.append(f"| {r['tiles']} | {r['ms']:.2f} | {r['tflops']:.0f} | {r['of_deep_gemm']:.2f} |")
+            out.append(f"| {_tiles_text(r['tiles'])} | {r['ms']:.2f} | {r['tflops']:.0f} | {r['of_deep_gemm']:.2f} |")
     if data.get("bf16"):
         out += ["", "bf16 grouped GEMM: Triton (128-row aligned segments) against `torch._grouped_mm` (CUTLASS, "
                 "tight segments), TFLOPS on the real rows:", "",
@@ -89,14 +97,15 @@ def tables(data: dict) -> str:
 
 
 CASE_TEXT = {
-    "layer": "default call (ids checked, tight layout: 2 host syncs), eager",
-    "layer_capturable": "`capturable=True` (no host sync), eager",
-    "layer_masked": "masked layout, `capturable=True`, eager",
-    "graph_contiguous": "CUDA-graph replay, contiguous",
-    "graph_masked": "CUDA-graph replay, masked",
-    "gemms": "its two grouped GEMMs alone (tight layout)",
-    "before": "before this change (`fastpath.moe` of the A/B), eager",
+    "layer": "eager, default call (2 host syncs)",
+    "layer_capturable": "eager, `capturable=True`",
+    "layer_masked": "eager, masked, `capturable=True`",
+    "graph_contiguous": "CUDA graph, contiguous",
+    "graph_masked": "CUDA graph, masked",
+    "gemms": "the two grouped GEMMs alone",
+    "before": "an older `fastpath.moe` (`--before`), eager",
 }
+IMPL_TEXT = {"deep_gemm": "DeepGEMM", "triton": "Triton", "torch": "torch"}
 
 
 def _case_label(name: str) -> tuple[str, str]:
@@ -114,23 +123,29 @@ def layer_tables(rows: list, meta: dict) -> list:
     out = ["", f"**`fastpath.moe`, the whole layer**, measured on an {meta.get('gpu')}, {meta.get('date')}, driver "
            f"{meta.get('driver')}, CUDA {meta.get('cuda')}, torch {meta.get('torch')}, triton {meta.get('triton')}: median "
            f"(min-max) of {meta.get('rounds')} interleaved rounds (`bench.interleaved`) of {meta.get('calls_per_round')} "
-           "back-to-back calls timed with CUDA events, ⚠ where the spread exceeds 10%. Roofline: the touched experts' "
-           "FP8 weight codes read once at the measured copy bandwidth; x roofline = roofline / time. GEMMs / layer: "
-           "the median of the per-round ratios of the two grouped GEMMs alone (same implementation) to the case.", "",
-           "| tokens | roofline, ms | implementation | case | ms | x roofline | GEMMs / layer |",
-           "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            out.append(f"| {r['tokens']} | | | failed: {r['error'][:120]} | | | |")
-            continue
-        for name in sorted(r["cases"], key=lambda n: (_case_label(n)[0], n)):
-            c = r["cases"][name]
-            impl, what = _case_label(name)
-            ratio = r["ratios"].get(name, {}).get(f"gemms_{impl}")
-            flag = " ⚠" if c["flagged"] else ""
-            out.append(f"| {r['tokens']} | {r['roofline_ms']:.2f} | {impl} | {what} | {c['median_ms']:.3f} "
-                       f"({c['min_ms']:.3f}-{c['max_ms']:.3f}){flag} | {c['of_roofline']:.0%} | "
-                       f"{'' if ratio is None or name.startswith('gemms') else f'{ratio:.2f}'} |")
+           "back-to-back calls timed with CUDA events, ⚠ where the spread exceeds 10%. Roofline (in brackets after the "
+           "token count): the touched experts' FP8 weight codes read once at the measured copy bandwidth; of roofline "
+           "= roofline / time. GEMMs / layer: the median of the per-round ratios of the two grouped GEMMs alone (same "
+           "implementation) to the case. The default call checks `topk_ids` on the host and sizes the layout from the "
+           "counts (two host syncs); `capturable=True` has no host sync."]
+    impls = sorted({_case_label(n)[0] for r in rows if "cases" in r for n in r["cases"]})
+    for impl_name in impls:
+        out += ["", f"{IMPL_TEXT.get(impl_name, impl_name)}:", "",
+                "| tokens (roofline) | case | ms | of roofline | GEMMs / layer |", "|---|---|---|---|---|"]
+        for r in rows:
+            if "error" in r:
+                out.append(f"| {r['tokens']} | failed: {r['error'][:120]} | | | |")
+                continue
+            for name in sorted(r["cases"]):
+                impl, what = _case_label(name)
+                if impl != impl_name:
+                    continue
+                c = r["cases"][name]
+                ratio = r["ratios"].get(name, {}).get(f"gemms_{impl}")
+                flag = " ⚠" if c["flagged"] else ""
+                out.append(f"| {r['tokens']} ({r['roofline_ms']:.2f} ms) | {what} | {c['median_ms']:.3f} "
+                           f"({c['min_ms']:.3f}-{c['max_ms']:.3f}){flag} | {c['of_roofline']:.0%} | "
+                           f"{'' if ratio is None or name.startswith('gemms') else f'{ratio:.2f}'} |")
     notes = {r["tokens"]: r.get("notes", {}) for r in rows if r.get("notes")}
     if notes:
         out += ["", "Checks made in the same run (bit equality with `torch.equal`; the torch.compile layer's relative "

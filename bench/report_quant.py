@@ -81,7 +81,7 @@ def plot(res: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(8, 5.5))
     colors = plt.get_cmap("tab20").colors
     markers = "os^vD<>pP*Xh"
     for i, (name, r) in enumerate(res["kernels"].items()):
@@ -91,13 +91,14 @@ def plot(res: dict, path: str) -> None:
                 label=name)
     ax.axhline(res["meta"]["copy_TBps"], color="k", linestyle="--", label="device copy")
     ax.set_xscale("log")
-    ax.set_xlabel("bytes moved per call (MB, read + write)")
-    ax.set_ylabel("achieved bandwidth (TB/s)")
-    ax.set_title(f"fastpath quantization kernels, {res['meta']['gpu']}, {res['meta']['date']}")
-    ax.legend(fontsize=7)
+    ax.set_xlabel("bytes moved per call (MB, read + write)", fontsize=12)
+    ax.set_ylabel("achieved bandwidth (TB/s)", fontsize=12)
+    ax.tick_params(labelsize=11)
+    ax.set_title(f"quantization kernels, {res['meta']['gpu']},\n{res['meta']['date']}", fontsize=12)
+    # the legend below the axes, in type as large as the page's text at the docs' content width
+    ax.legend(fontsize=10.5, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
 
 

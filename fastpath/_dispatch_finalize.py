@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from moeref import _interop
-from moeref._checks import check_positive_int
+from moeref._checks import check_positive_int, check_token_rows
 from moeref.dispatch.finalize import weight_and_reduce as _ref_weight_and_reduce
 
 from . import _launch_plan as _plan
@@ -139,7 +139,6 @@ def apply_router_weight_on_input(hidden: torch.Tensor, topk_weights: torch.Tenso
     if w.shape[1] != 1:
         raise ValueError("apply_router_weight_on_input needs top_k == 1 (weight-on-input is exact only then); "
                          f"got top_k={w.shape[1]}")
-    if w.shape[0] != x.shape[0]:
-        raise ValueError(f"topk_weights has {w.shape[0]} rows but hidden has {x.shape[0]}")
+    check_token_rows(x, w, None)
     t = torch.float64 if torch.float64 in (x.dtype, w.dtype) else torch.float32
     return (x.to(t) * w.to(device=x.device, dtype=t)).to(torch.float32)

@@ -47,7 +47,7 @@ weights become the register operand of Hopper's WGMMA, the rows its narrow side,
 the K order and the chain of MMAs over K are those of ``a @ W^T``: on an H100 (2026-11-24) both orientations and
 the former kernel gave bit-identical outputs at gpt-oss shapes. A ``block_k`` dividing K drops the K masks, so the
 codes and scales load asynchronously (cp.async) and the decode stays in registers
-(``bench/w4_sass_census.py`` shows the compiled loop).
+(``bench/studies/w4_sass_census.py`` shows the compiled loop).
 
 Bias: FP32 ``[E, N]`` added to the accumulator before the store (as :mod:`fastpath.grouped_gemm`).
 Activations: bf16 (the W4A16 kernels), or float32 (then ``tl.dot`` runs in IEEE FP32, never TF32: the

@@ -13,7 +13,9 @@ __all__ = [
     "check_choice",
     "check_positive_int",
     "check_ndim",
+    "check_token_rows",
     "first_bad_index",
+    "shape_of",
 ]
 
 _FLOAT_KINDS = "f"
@@ -105,6 +107,47 @@ def check_ndim(x: np.ndarray, ndims, name: str) -> None:
     if x.ndim not in ndims:
         want = " or ".join(str(n) for n in ndims)
         raise ValueError(f"{name} must have {want} dimension(s); got shape {x.shape}")
+
+
+def shape_of(x) -> tuple | None:
+    """``x``'s shape as a tuple of ints (NumPy, torch on any device, nested lists), or None for None."""
+    if x is None:
+        return None
+    shape = getattr(x, "shape", None)
+    return tuple(int(d) for d in (np.shape(x) if shape is None else shape))
+
+
+def check_token_rows(hidden, topk_weights, topk_ids, *, names=("hidden", "topk_weights", "topk_ids")) -> tuple:
+    """Raise ``ValueError`` unless one layer call's per-token arrays agree; return ``(M, top_k)``.
+
+    ``hidden [M, K]``, ``topk_weights [M, k]`` and ``topk_ids [M, k]`` (arrays, tensors on any device, or
+    shapes as tuples; ``None`` for one not given): one row per token in each, so a routing row without a
+    token (or a token without a routing row) is an error, never ignored; the same ``k`` in both routing
+    arrays. ``names``: how the message calls the three.
+
+    >>> check_token_rows((11, 64), (12, 2), (12, 2))
+    Traceback (most recent call last):
+    ...
+    ValueError: hidden has 11 rows (shape (11, 64)) but topk_weights has 12 (shape (12, 2)): hidden, topk_weights and topk_ids need one row per token
+    """
+    shapes = [s if isinstance(s, tuple) or s is None else shape_of(s) for s in (hidden, topk_weights, topk_ids)]
+    for s, name, want in zip(shapes, names, ("[M, K]", "[M, top_k]", "[M, top_k]")):
+        if s is not None and len(s) != 2:
+            raise ValueError(f"{name} must be 2-D {want}; got shape {s}")
+    given = [(s, n) for s, n in zip(shapes, names) if s is not None]
+    if not given:
+        raise ValueError(f"give at least one of {', '.join(names)}")
+    (s0, n0), rows = given[0], given[0][0][0]
+    for s, n in given[1:]:
+        if s[0] != rows:
+            raise ValueError(f"{n0} has {rows} rows (shape {s0}) but {n} has {s[0]} (shape {s}): "
+                             f"{', '.join(names[:-1])} and {names[-1]} need one row per token")
+    w, ids = shapes[1], shapes[2]
+    if w is not None and ids is not None and w[1] != ids[1]:
+        raise ValueError(f"{names[1]} has top_k={w[1]} (shape {w}) but {names[2]} has top_k={ids[1]} "
+                         f"(shape {ids}): both must be [M, top_k] with the same top_k")
+    top_k = ids[1] if ids is not None else (w[1] if w is not None else None)
+    return rows, top_k
 
 
 def first_bad_index(mask: np.ndarray):

@@ -11,6 +11,8 @@ Everything printed here is built by library functions (``moeref.format_tables``,
 * Output to a pipe or a file is not cut to 80 columns: each table is printed as wide as it needs.
 * Bad input (an unknown format, scheme or preset, a preset that does not fit the scheme) exits 2
   with one line on stderr naming what was given and what is accepted.
+* A reader that stops early (``moeref check --json | head``) ends any command quietly (status 1, no
+  traceback).
 """
 from __future__ import annotations
 
@@ -176,6 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    try:
+        status = _run(argv)
+        sys.stdout.flush()  # here, not at exit: a closed pipe raises while it can still be handled
+        return status
+    except BrokenPipeError:
+        return _stdout_closed()
+
+
+def _run(argv) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -186,6 +197,21 @@ def main(argv=None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"moeref {args.command}: {exc}", file=sys.stderr)
         return 2
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (``moeref check --json | head``): exit quietly, with no traceback and
+    no second error when Python flushes stdout at exit (stdout is pointed at the null device: the Python
+    docs' recipe, signal module, "Note on SIGPIPE"). Returns 1, as that recipe and rich (which handles a
+    closed pipe in its own prints the same way) do."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (stdout replaced in-process)
+        pass
+    return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

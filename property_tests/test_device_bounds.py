@@ -156,7 +156,7 @@ def test_device_adder_many_rows_equals_numpy(radius, normal, monkeypatch):
     """Experts with more rows than one work item (40 and 19 rows of two experts, E4M3 codes, 1x128 x 128x128): every
     row of the device bound is NumPy's, in the exact form (no radius) and the steps form (a radius, with its radius
     term). On an H100 this case showed rows 8-15 of each 16-row tile wrong while the kernel zeroed its accumulators
-    inside a flat loop over the steps (2026-11-28; bench/repro_f64_dot_loop_reset.py); it now runs nested loops.
+    inside a flat loop over the steps (2026-11-28; bench/studies/repro_f64_dot_loop_reset.py); it now runs nested loops.
     ``normal=False``: the exact form without its normal-range shortcut (the grid's subnormal branch kept; the
     threshold raised so no group qualifies), the same numbers."""
     import moeref.compare.device._adder_mma as mma

@@ -71,25 +71,20 @@ def _run(case, **kw):
                      quant=case["quant"], num_experts=r.num_experts, **kw)
 
 
-def _tol(case):
-    return 0.0 if case["a_scheme"] is not None else 1e-12
-
-
 @SLOW
 @given(layers(), st.integers(1, 5))
 def test_every_layout_gives_the_same_output(case, alignment):
     base = _run(case)
     for layout in LAYOUTS[1:]:
         got = _run(case, layout=layout, alignment=alignment)
-        np.testing.assert_allclose(got, base, rtol=0, atol=_tol(case) * (1 + np.nanmax(np.abs(base), initial=0)))
+        np.testing.assert_array_equal(got, base)  # every row's arithmetic is its own (moeref.gemm.block_gemm)
 
 
 @SLOW
 @given(layers(rowwise_only=True), st.integers(1, 4))
 def test_chunking_invariance(case, chunk):
     base = _run(case)
-    np.testing.assert_allclose(_run(case, chunk_size=chunk), base, rtol=0,
-                               atol=_tol(case) * (1 + np.nanmax(np.abs(base), initial=0)))
+    np.testing.assert_array_equal(_run(case, chunk_size=chunk), base)
 
 
 @SLOW
@@ -101,7 +96,7 @@ def test_token_order_invariance(case, rnd):
     base = _run(case)
     got = fused_moe(case["hidden"][perm], case["weights"], r.weights[perm], r.ids[perm],
                     activation=case["activation"], quant=case["quant"], num_experts=r.num_experts)
-    np.testing.assert_allclose(got, base[perm], rtol=0, atol=_tol(case) * (1 + np.nanmax(np.abs(base), initial=0)))
+    np.testing.assert_array_equal(got, base[perm])
 
 
 @SLOW

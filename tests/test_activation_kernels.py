@@ -36,7 +36,7 @@ IDS = [f"{a}-{lay}-{sorted((p or {}).items())}" for a, lay, p in CASES]
 
 
 def _reference(h, dh, act, lay, params, unit):
-    """The three lines of device_layer._chunk_interval, stage 3."""
+    """The three lines of device.layer._chunk_interval, stage 3."""
     x_pre = _activation(act, h, lay, params)
     dx = activation_error(act, h, dh, lay, params)
     dx = dx + unit * (x_pre.abs() + activation_magnitude(act, h.abs() + dh, lay, params) + dx)

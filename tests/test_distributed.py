@@ -139,12 +139,18 @@ def bad_input_task(g, case):
         tokens = 5 if g.rank == 1 else 4
     elif case == "recv_bound":
         kw = dict(max_recv_tokens=6)
+    elif case == "rows_layer":
+        hidden = H
     ids, w = _routing(g.rank, tokens, n_exp)
     if case == "recv_bound":
         ids[:, 0], ids[:, 1] = 0, 4 + np.arange(tokens)  # every token to expert 0 (rank 0): it receives 4 * 3 rows
     if case == "ids" and g.rank == 3:
         ids[1, 1] = 99
-    x = make_tokens(tokens, hidden, seed=g.rank)
+    x = make_tokens(tokens + (case in ("rows", "rows_layer") and g.rank == 2), hidden, seed=g.rank)
+    if case == "rows_layer":  # the layer weighs the tokens first (top-1): the row check still reaches every rank
+        ep_fused_moe(x, _layer(), w[:, :1], ids[:, :1], ep_placement(n_exp, ep_size, strategy), g,
+                     apply_router_weight_on_input=True)
+        return "no error"
     ep_dispatch(x, ids, w, ep_placement(n_exp, ep_size, strategy), g, **kw)
     return "no error"
 
@@ -159,6 +165,10 @@ def bad_input_task(g, case):
     ("recv_bound", r"rank 0 would receive 12 tokens \(from ranks \[3, 3, 3, 3\]\), more than the declared bound "
                    r"max_recv_tokens=6", None),
     ("ids", r"ranks \[3\] rejected their dispatch inputs", (3, r"rank 3: topk_ids\[1, 1\] = 99")),
+    ("rows", r"ranks \[2\] rejected their dispatch inputs", (2, r"rank 2: hidden has 4 rows \(shape \(4, 8\)\) but "
+                                                                 r"topk_weights has 3")),
+    ("rows_layer", r"ranks \[2\] rejected their dispatch inputs", (2, r"rank 2: hidden has 4 rows \(shape \(4, 16\)\) "
+                                                                       r"but topk_weights has 3")),
 ])
 def test_bad_input_raises_the_same_clear_error_on_every_rank(world, case, everyone, own):
     t0 = time.monotonic()

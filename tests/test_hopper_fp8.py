@@ -219,9 +219,10 @@ def test_docs_tables_are_generated_from_the_committed_json():
     doc = open(os.path.join(root, "docs", "hopper-fp8-accumulation.md")).read()
     results = os.path.join(root, "bench", "results")
     files = sorted(f for f in os.listdir(results) if f.startswith("hopper_fp8_calibration"))
-    cal = _bench("calibrate_hopper_fp8").markdown([json.load(open(os.path.join(root, "bench", "results", f)))
-                                                    for f in files])
-    assert cal.strip() in doc, "run bench/calibrate_hopper_fp8.py --markdown bench/results/hopper_fp8_calibration*.json"
+    cal = _bench("studies.calibrate_hopper_fp8").markdown(
+        [json.load(open(os.path.join(root, "bench", "results", f))) for f in files])
+    assert cal.strip() in doc, ("run bench/studies/calibrate_hopper_fp8.py --markdown "
+                                "bench/results/hopper_fp8_calibration*.json")
     power = _bench("bench_oracle_power").markdown(json.load(open(os.path.join(root, "bench", "results",
                                                                               "oracle_power_exact.json"))))
     assert power.strip() in doc, "run bench/bench_oracle_power.py --from-json bench/results/oracle_power_exact.json"

@@ -157,8 +157,8 @@ def test_chunking_padding_and_ep_sharding():
     tw[4] = 0.0
     full = fused_moe(x, lw, tw, ids)
     np.testing.assert_array_equal(full[4], 0.0)
-    # float operands: float64-accurate (BLAS blocks by row count); quantized ones are bitwise invariant
-    np.testing.assert_allclose(fused_moe(x, lw, tw, ids, chunk_size=2), full, rtol=0, atol=1e-13)
+    # float operands too: each output's K-sum has a fixed order (moeref.gemm.block_gemm), whatever the chunk
+    np.testing.assert_array_equal(fused_moe(x, lw, tw, ids, chunk_size=2), full)
     parts = []
     for rank in range(4):
         emap = make_expert_map(8, 4, rank, "round_robin")

@@ -33,7 +33,7 @@ PAD = "#eeeeee"
 
 def _row(ax, y, label, src, experts, gaps=()):
     """One layout as a row of cells: ``src`` slots (-1 padding), ``experts`` colour index."""
-    ax.text(-0.6, y + 0.5, label, ha="right", va="center", fontsize=9)
+    ax.text(-0.6, y + 0.5, label, ha="right", va="center", fontsize=12.2)
     x = 0.0
     for i, (s, e) in enumerate(zip(src, experts)):
         if i in gaps:
@@ -42,13 +42,13 @@ def _row(ax, y, label, src, experts, gaps=()):
         ax.add_patch(Rectangle((x, y), 0.95, 0.9, facecolor=PAD if pad else COLOURS[e],
                                edgecolor="#888888", hatch="///" if pad else None, linewidth=0.6))
         ax.text(x + 0.47, y + 0.45, "pad" if pad else f"s{s}", ha="center", va="center",
-                fontsize=7, color="#666666" if pad else "white")
+                fontsize=8, color="#666666" if pad else "white")
         x += 1.0
     return x
 
 
 def main() -> None:
-    fig, ax = plt.subplots(figsize=(9.5, 4.4))
+    fig, ax = plt.subplots(figsize=(9.5, 5.0))
     rows = []
     flat = IDS.reshape(-1)
     rows.append(("standard [M*k]", np.where(flat >= 0, np.arange(flat.size), -1), flat, ()))
@@ -73,10 +73,10 @@ def main() -> None:
     ax.set_ylim(-0.4, len(rows) * 1.5)
     ax.axis("off")
     ax.set_title("6 tokens, top-2, 4 experts (token 2 padding, expert 3 empty): one cell per row",
-                 fontsize=10)
+                 fontsize=13.5)
     ax.legend(handles=[Patch(facecolor=COLOURS[e], label=f"expert {e}") for e in range(E)]
               + [Patch(facecolor=PAD, hatch="///", edgecolor="#888888", label="padding row")],
-              loc="lower center", bbox_to_anchor=(0.5, -0.12), ncol=5, fontsize=8, frameon=False)
+              loc="lower center", bbox_to_anchor=(0.5, -0.12), ncol=5, fontsize=10.8, frameon=False)
     fig.tight_layout()
     fig.savefig(OUT, dpi=110)
     print(OUT)

@@ -30,30 +30,35 @@ STAGES = [
 
 
 def main() -> None:
-    fig, ax = plt.subplots(figsize=(11.0, 3.9))
+    # One stage per row (box on the left, the bound it passes on to its right), so the text can be as
+    # large as the page's body text at the docs' content width.
     n = len(STAGES)
-    w, h, gap = 1.6, 0.9, 0.45
+    w, h, pitch = 2.5, 0.95, 1.45
+    top = n * pitch + 0.3
+    fig, ax = plt.subplots(figsize=(8.0, 10.2))
     for i, (title, bound) in enumerate(STAGES):
-        x = i * (w + gap)
+        y = top - (i + 1) * pitch
         shade = 0.93 - 0.09 * i
-        ax.add_patch(FancyBboxPatch((x, 2.0), w, h, boxstyle="round,pad=0.03",
+        ax.add_patch(FancyBboxPatch((0.0, y), w, h, boxstyle="round,pad=0.03",
                                     facecolor=(shade, shade, 1.0), edgecolor="#334"))
-        ax.text(x + w / 2, 2.0 + h / 2, title, ha="center", va="center", fontsize=9, weight="bold")
-        ax.text(x + w / 2, 1.78, bound, ha="center", va="top", fontsize=7.6, family="monospace")
+        ax.text(w / 2, y + h / 2, title, ha="center", va="center", fontsize=13, weight="bold")
+        ax.text(w + 0.35, y + h / 2, bound, ha="left", va="center", fontsize=11.5, family="monospace")
         if i < n - 1:
-            ax.add_patch(FancyArrowPatch((x + w + 0.02, 2.0 + h / 2), (x + w + gap - 0.02, 2.0 + h / 2),
-                                         arrowstyle="-|>", mutation_scale=12, color="#334"))
-    total = n * (w + gap) - gap
-    ax.add_patch(FancyArrowPatch((0.1, 0.55), (total - 0.1, 0.55), arrowstyle="-|>",
-                                 mutation_scale=16, color="#b03030", linewidth=2))
-    ax.text(total / 2, 0.3, "the bound grows stage by stage; at the end, for every output element: "
-            "|candidate - reference| <= bound  (else the report names the violating tokens and their experts)",
-            ha="center", va="center", fontsize=8.5, color="#b03030")
-    ax.text(total / 2, 3.25, "coef = γ(n, u_acc) + (1 + γ(n, u_acc)) γ(⌈K/c⌉ + S + 3, u_fp32):  "
-            "c-column chunks at unit u_acc, S scale blocks, FP32 promotion (Higham, Lemma 3.1)",
-            ha="center", va="center", fontsize=8.2)
-    ax.set_xlim(-0.1, total + 0.1)
-    ax.set_ylim(0.0, 3.45)
+            ax.add_patch(FancyArrowPatch((w / 2, y - 0.03), (w / 2, y - (pitch - h) + 0.03),
+                                         arrowstyle="-|>", mutation_scale=14, color="#334"))
+    x_red = 7.0
+    ax.add_patch(FancyArrowPatch((x_red, top - pitch + h), (x_red, top - n * pitch), arrowstyle="-|>",
+                                 mutation_scale=18, color="#b03030", linewidth=2.5))
+    ax.text(x_red + 0.25, top - (n + 1) * pitch / 2 + h / 2, "the bound grows stage by stage", rotation=-90,
+            ha="center", va="center", fontsize=12, color="#b03030")
+    ax.text(3.7, top - n * pitch - 0.55, "at the end, for every output element:\n"
+            "|candidate - reference| <= bound\n(else the report names the violating tokens and their experts)",
+            ha="center", va="center", fontsize=12, color="#b03030")
+    ax.text(3.7, top + 0.15, "coef = γ(n, u_acc) + (1 + γ(n, u_acc)) γ(⌈K/c⌉ + S + 3, u_fp32)\n"
+            "c-column chunks at unit u_acc, S scale blocks,\nFP32 promotion (Higham, Lemma 3.1)",
+            ha="center", va="center", fontsize=11.5)
+    ax.set_xlim(-0.1, 7.6)
+    ax.set_ylim(top - n * pitch - 1.1, top + 0.65)
     ax.axis("off")
     fig.tight_layout()
     fig.savefig(OUT, dpi=110)

@@ -37,37 +37,37 @@ def main() -> None:
     mem[offsets.ravel()] = colour.reshape(-1, 3)
     mem = mem.reshape(32, 16, 3)
 
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(7.0, 4.6), gridspec_kw={"width_ratios": [1, 2.3]})
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(7.0, 5.0), gridspec_kw={"width_ratios": [1, 2.3]})
     ax0.imshow(colour, aspect="auto", interpolation="nearest", extent=(-0.5, 3.5, 127.5, -0.5))
-    ax0.set_title("logical tile\nscales[r, c], 128 x 4", fontsize=9)
-    ax0.set_xlabel("c (scale column)", fontsize=8)
-    ax0.set_ylabel("r (row)", fontsize=8)
+    ax0.set_title("logical tile\nscales[r, c], 128 x 4", fontsize=12.2)
+    ax0.set_xlabel("c (scale column)", fontsize=10.8)
+    ax0.set_ylabel("r (row)", fontsize=10.8)
     ax0.set_xticks(range(4))
     ax0.set_yticks([0, 32, 64, 96, 127])
-    ax0.tick_params(labelsize=7)
+    ax0.tick_params(labelsize=9.5)
     for q in range(1, 4):
         ax0.axhline(32 * q - 0.5, color="k", lw=0.8)
     for q in range(4):
-        ax0.text(1.5, 32 * q + 15.5, f"q={q}", ha="center", va="center", fontsize=8, color="white")
+        ax0.text(1.5, 32 * q + 15.5, f"q={q}", ha="center", va="center", fontsize=10.8, color="white")
 
     ax1.imshow(mem, aspect="auto", interpolation="nearest", extent=(-0.5, 15.5, 31.5, -0.5))
-    ax1.set_title("memory: 512 bytes, 16 per line\noffset = (r%32)*16 + (r//32)*4 + c", fontsize=9)
-    ax1.set_xlabel("byte within line  (q*4 + c)", fontsize=8)
-    ax1.set_ylabel("line = r % 32", fontsize=8)
+    ax1.set_title("memory: 512 bytes, 16 per line\noffset = (r%32)*16 + (r//32)*4 + c", fontsize=12.2)
+    ax1.set_xlabel("byte within line  (q*4 + c)", fontsize=10.8)
+    ax1.set_ylabel("line = r % 32", fontsize=10.8)
     ax1.set_xticks(range(16))
     ax1.set_yticks([0, 8, 16, 24, 31])
-    ax1.tick_params(labelsize=7)
+    ax1.tick_params(labelsize=9.5)
     for q in range(1, 4):
         ax1.axvline(4 * q - 0.5, color="k", lw=0.8)
     for b in range(1, 16):
         ax1.axvline(b - 0.5, color="w", lw=0.3)
     for line in (0, 31):
         for q in range(4):
-            ax1.text(4 * q + 1.5, line, f"r={line + 32 * q}", ha="center", va="center", fontsize=7)
-    fig.suptitle("128x4 scale swizzle (cuBLAS / CUTLASS / FlashInfer / torchao / TE); "
-                 "tiles: (r//128)*ceil(C/4)*512 + (c//4)*512", fontsize=8)
+            ax1.text(4 * q + 1.5, line, f"r={line + 32 * q}", ha="center", va="center", fontsize=9.5)
+    fig.suptitle("128x4 scale swizzle (cuBLAS / CUTLASS / FlashInfer / torchao / TE)\n"
+                 "tiles: (r//128)*ceil(C/4)*512 + (c//4)*512", fontsize=10.8)
     fig.tight_layout()
-    fig.savefig(OUT, dpi=80)
+    fig.savefig(OUT, dpi=100)
     print(OUT, os.path.getsize(OUT), "bytes")
 
 

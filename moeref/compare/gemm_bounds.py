@@ -331,7 +331,7 @@ def aligned_adder_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius, 
 
     Every term is monotone in ``T_j`` and ``n_j``, so these summaries give a bound >= the one from the step's
     largest product and nonzero count themselves (the definition until 2026-11-25, about 11 % tighter on the
-    layer bound: bench/study_adder_summaries.py); they leave one exact step sum as the only per-product work,
+    layer bound: bench/studies/study_adder_summaries.py); they leave one exact step sum as the only per-product work,
     which a GPU does on its tensor cores (:mod:`moeref.compare.device.bounds`).
 
     Cost: the products in float64 (in row blocks of at most 2^22) and an ``O(M N K / mma_k)`` recurrence: fine

@@ -99,7 +99,10 @@ class Report:
     ``error``/``bound``: float64 ``[M, K]``; ``violations``: bool ``[M, K]``; ``token_violations``:
     int ``[M]`` (violating elements per token); ``expert_violations``: ``{global expert: tokens with a
     violation routed to it}``; ``metrics``/``checks``: :func:`metrics`, :func:`conventional_checks`;
-    ``flips``: intermediate elements whose rounding the declared arithmetic may flip; ``suspects``:
+    ``flips``: intermediate elements (the declared GEMM-output and activation stores, the re-quantized
+    intermediate) whose exact value lies within the accumulation error of a rounding boundary, so that an
+    honest kernel may round them either way; the bound is computed with both roundings (a "flip") allowed,
+    and the count is reported so a large one explains a loose bound; ``suspects``:
     ``{token: (slot j, global expert, correlation)}`` for violating tokens, the top-k slot whose weighted
     contribution ``w[t, j] * y[t, j]`` best explains the token's error vector ``candidate[t] - reference[t]``
     (largest ``|cos|``; a dropped slot gives -1, a slot routed to the wrong expert or computed wrong
@@ -198,8 +201,12 @@ class Report:
         mt = self.metrics
         lines.append(
             f"  rel_l2={mt['rel_l2']:.3g} calc_diff={mt['calc_diff']:.3g} sqnr={mt['sqnr_db']:.1f}dB "
-            f"cosine={mt['cosine']:.6f} max_abs={mt['max_abs']:.3g} (intermediate flips allowed: {self.flips})"
+            f"cosine={mt['cosine']:.6f} max_abs={mt['max_abs']:.3g}"
         )
+        if self.flips:
+            lines.append(f"  intermediate flips allowed: {self.flips} (GEMM output, activation or re-quantized "
+                         "elements so close to a rounding boundary that the declared arithmetic may round them "
+                         "either way; the bound covers both)")
         lines.append("  conventional: " + ", ".join(f"{n}: {'pass' if ok else 'FAIL'}" for n, ok in self.checks.items()))
         for w in self.worst_tokens():
             lines.append(
@@ -301,6 +308,7 @@ def compare(candidate, reference, profile, *, label: str = "") -> Report:
     :class:`Profile` or its name in :data:`moeref.compare.PROFILES`, e.g. ``"FP32_ACCUM"``)."""
     from .. import _interop
 
+    check_compare_args(candidate, reference)
     profile = get_profile(profile)
 
     if not hasattr(reference, "chunks"):
@@ -321,6 +329,27 @@ def compare(candidate, reference, profile, *, label: str = "") -> Report:
     m = metrics(c, r)
     return _report(profile, reference, err, lb.bound, ~ok, m, conventional_checks(c, r, calc_diff=m["calc_diff"]),
                    lb.flips, label, lambda: c - r)
+
+
+def check_compare_args(candidate, reference, *, call: str = "compare(candidate, reference, profile)",
+                       accepted: str = "a traced run (moeref.moe.run_moe) or a moeref.compare.faults.LayerCase"):
+    """``TypeError`` unless ``candidate`` is an output (a NumPy array or a torch tensor, on any device) and
+    ``reference`` one of ``accepted`` (a run has ``chunks``), naming the call and saying when the two look
+    swapped, instead of an ``AttributeError`` from deep inside the reference."""
+    from .. import _interop
+    from .faults import LayerCase
+
+    def is_output(x):
+        return isinstance(x, np.ndarray) or _interop.is_torch_tensor(x)
+
+    if not is_output(candidate):
+        swapped = " (the arguments swapped? the kernel's output comes first)" if is_output(reference) else ""
+        raise TypeError(f"{call}: candidate must be the kernel's output, a NumPy array or a torch tensor; got "
+                        f"{type(candidate).__name__}{swapped}")
+    if not (hasattr(reference, "chunks") or isinstance(reference, LayerCase)):
+        array = " (an output array: give the run or the layer's inputs it is computed from)" if is_output(reference) \
+            else ""
+        raise TypeError(f"{call}: the reference must be {accepted}; got {type(reference).__name__}{array}")
 
 
 def _report(profile, reference, err, bound, viol, m, checks, flips, label, diff, tok=None) -> Report:

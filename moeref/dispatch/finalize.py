@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import as_float_array, as_int_array, check_ndim, check_positive_int, first_bad_index
+from .._checks import as_float_array, as_int_array, check_ndim, check_positive_int, check_token_rows, first_bad_index
 
 __all__ = ["apply_router_weight_on_input", "finalize_noop", "reduce_slot_rows", "weight_and_reduce"]
 
@@ -119,6 +119,5 @@ def apply_router_weight_on_input(hidden, topk_weights) -> np.ndarray:
         raise ValueError(
             f"apply_router_weight_on_input needs top_k == 1 (weight-on-input is exact only then); got top_k={w.shape[1]}"
         )
-    if w.shape[0] != x.shape[0]:
-        raise ValueError(f"topk_weights has {w.shape[0]} rows but hidden has {x.shape[0]}")
+    check_token_rows(x, w, None)
     return (x.astype(np.float64) * w.astype(np.float64)).astype(np.float32)

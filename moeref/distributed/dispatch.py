@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._checks import as_float_array, check_choice, check_ndim, check_positive_int
+from .._checks import as_float_array, check_choice, check_ndim, check_positive_int, check_token_rows
 from ..dispatch import reduce_slot_rows, to_contiguous, to_masked, weight_and_reduce
 from ..moe.pipeline import _dtype
 from .group import EPGroup, all_gather_int64, all_to_all_bytes, pack_rows, unpack_rows
@@ -250,9 +250,8 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
         name = str(x.dtype)
         if name not in _FLOAT_DTYPES:
             raise TypeError(f"hidden must be one of {', '.join(_FLOAT_DTYPES)}; got {name}")
+        check_token_rows(x, topk_weights, topk_ids)
         plan = send_plan(topk_ids, topk_weights, placement)
-        if plan.num_tokens != x.shape[0]:
-            raise ValueError(f"hidden has {x.shape[0]} tokens but topk_ids has {plan.num_tokens}")
         m = -1
         if max_tokens_per_rank is not None:
             m = check_positive_int(max_tokens_per_rank, "max_tokens_per_rank")

@@ -110,7 +110,9 @@ def ep_fused_moe(hidden, weights: MoEWeights, topk_weights, topk_ids, placement:
     if quantize_before_dispatch and (quant.a1 is None or quant.a1.scheme is None or quant.a1.static):
         raise ValueError("quantize_before_dispatch=True needs quant.a1 to be a moeref.quant.Scheme (no static "
                          "arguments: the dispatch quantizes each row on its own)")
-    x_send = _weight_input(x, w) if apply_router_weight_on_input else x
+    # a row mismatch is left to ep_dispatch, which raises it on every rank (weighting would raise on this one only)
+    weigh = apply_router_weight_on_input and w.ndim == 2 and w.shape[0] == x.shape[0]
+    x_send = _weight_input(x, w) if weigh else x
     d = ep_dispatch(x_send, ids, w, placement, group, mode=mode,
                     quant=quant.a1.scheme if quantize_before_dispatch else None,
                     max_tokens_per_rank=max_tokens_per_rank, max_recv_tokens=max_recv_tokens)

@@ -2,7 +2,7 @@
 
 A Hopper FP8 ``wgmma`` (``QGMMA`` in SASS) computes ``D = A·B + C`` with E4M3 ``A``, ``B`` and an FP32
 ``C``/``D`` accumulator, but it does not add in IEEE FP32. The model here, parameterised by
-:class:`MmaModel` (calibrated against an H100/H200 by ``bench/calibrate_hopper_fp8.py``; the
+:class:`MmaModel` (calibrated against an H100/H200 by ``bench/studies/calibrate_hopper_fp8.py``; the
 measured parameters and their evidence are in docs/hopper-fp8-accumulation.md), is the multi-term
 fused adder of Fasi, Higham, Mikaitis and Pranesh (*Numerical behavior of NVIDIA tensor cores*,
 PeerJ CS 2021) and of Khattak and Mikaitis (*Accurate models of NVIDIA tensor cores*, arXiv

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .._checks import check_token_rows
 from .._interop import to_device
 from ..dispatch.grouping import group_slots
 from ..gemm.device import DeviceOperand, device_expert_rows_gemm, device_operand
@@ -206,10 +207,8 @@ def _fast_quantize_unavailable(scheme, x, static: dict) -> str | None:
 def _prepare(x, w, ids, *, num_experts, layout, quant, expert_map, apply_router_weight_on_input, alignment,
              max_m, engines) -> Prepared:
     torch = _torch()
+    check_token_rows(x, w, ids)
     g = group_slots(ids, num_experts, expert_map)
-    if x.shape[0] != g.num_tokens or tuple(w.shape) != tuple(ids.shape):
-        raise ValueError(f"hidden {tuple(x.shape)}, topk_weights {tuple(w.shape)} and topk_ids {ids.shape} must "
-                         "agree on tokens and k")
     if apply_router_weight_on_input:
         if ids.shape[1] != 1:
             raise ValueError("apply_router_weight_on_input needs top_k == 1 (weight-on-input is exact only then); "
@@ -304,6 +303,7 @@ def run_moe_device(hidden, weights: MoEWeights, topk_weights, topk_ids, config: 
     w = topk_weights if torch.is_tensor(topk_weights) else to_torch(np.asarray(topk_weights))
     w = w.to(dev)
     ids = np.asarray(topk_ids.cpu() if torch.is_tensor(topk_ids) else topk_ids)
+    check_token_rows(x, w, ids)  # before chunking: a row past M would be ignored
     num_experts = weights.num_experts if cfg.num_experts is None else cfg.num_experts
     dw = device_weights(weights, dev)
     m = int(x.shape[0])

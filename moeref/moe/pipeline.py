@@ -42,7 +42,7 @@ from typing import Callable
 
 import numpy as np
 
-from .._checks import as_float_array, check_choice, check_ndim
+from .._checks import as_float_array, check_choice, check_ndim, check_token_rows
 from ..activations import activation_values
 from ..dispatch import apply_router_weight_on_input as _weight_input
 from ..dispatch import to_batched, to_contiguous, to_masked, weight_and_reduce
@@ -141,7 +141,8 @@ def prepare(hidden, topk_weights, topk_ids, *, num_experts: int, layout: str = "
 
     Args:
         hidden: float ``[M, K]`` tokens. topk_weights: float ``[M, k]``. topk_ids: int ``[M, k]``
-            global expert ids, -1 padding. num_experts: global E.
+            global expert ids, -1 padding (one row per token in all three: ``ValueError`` otherwise,
+            :func:`moeref._checks.check_token_rows`). num_experts: global E.
         layout: ``"standard"`` (slot rows in ``t*k+j`` order), ``"contiguous"`` (DeepGEMM,
             ``alignment`` rows per group), ``"masked"`` (``max_m`` rows per expert; default: the largest
             count), ``"batched"`` (vLLM, ``max_m`` rows per expert; default M, or the largest count
@@ -152,12 +153,9 @@ def prepare(hidden, topk_weights, topk_ids, *, num_experts: int, layout: str = "
     check_ndim(x, 2, "hidden")
     w = as_float_array(topk_weights, "topk_weights")
     check_ndim(w, 2, "topk_weights")
+    check_token_rows(x, w, topk_ids)
     g = group_slots(topk_ids, num_experts, expert_map)
     ids = np.asarray(topk_ids)
-    if x.shape[0] != g.num_tokens or w.shape != ids.shape:
-        raise ValueError(
-            f"hidden {x.shape}, topk_weights {w.shape} and topk_ids {ids.shape} must agree on tokens and k"
-        )
     if apply_router_weight_on_input:
         x = _weight_input(x, w)
     a_tok, a1 = _run_quantizer(quant.a1, np.asarray(x))
@@ -303,6 +301,7 @@ def run_moe(hidden, weights: MoEWeights, topk_weights, topk_ids, config: LayerCo
         return run_moe_device(hidden, weights, topk_weights, topk_ids, cfg, device=device)
     x = as_float_array(hidden, "hidden")
     check_ndim(x, 2, "hidden")
+    check_token_rows(x, topk_weights, topk_ids)  # before chunking: a row past M would be ignored
     m = x.shape[0]
     chunk = m if cfg.chunk_size is None else cfg.chunk_size
     w = np.asarray(topk_weights)

@@ -40,6 +40,10 @@ __all__ = [
 ]
 
 
+def __dir__():  # dir() lists the lazy exports too (PEP 562)
+    return sorted(set(globals()) | set(__all__))
+
+
 def __getattr__(name):  # the Hypothesis-backed helpers load on first use (hypothesis is the test extra)
     if name in ("moe_cases", "draw_cases"):
         from . import cases

@@ -20,9 +20,10 @@ import numpy as np
 
 from .. import _interop
 from ..compare.kernel_profiles import get_profile
-from ..compare.report import Report, compare, conventional_checks, metrics
+from ..compare.report import Report, check_compare_args, compare, conventional_checks, metrics
 
-__all__ = ["MoEMismatch", "assert_moe_close", "assert_grouped_gemm_close", "grouped_gemm_report", "GEMM_LAYOUTS"]
+__all__ = ["MoEMismatch", "assert_moe_close", "assert_grouped_gemm_close", "grouped_gemm_report", "GEMM_LAYOUTS",
+           "check_candidate_dtype"]
 
 GEMM_LAYOUTS = ("contiguous", "masked", "batched", "standard", "offsets")
 
@@ -47,18 +48,46 @@ def assert_moe_close(candidate, reference_run, profile, *, label: str = "") -> R
     ``profile`` (a :class:`~moeref.compare.Profile` or its name, e.g. ``"BF16_OUTPUT"``) around the
     traced reference ``reference_run`` (:func:`moeref.moe.run_moe`, or a
     :class:`moeref.compare.faults.LayerCase`, or a :class:`moeref.testing.KernelInputs`, whose reference is
-    run here). Returns the report when it passes."""
+    run here). Returns the report when it passes.
+
+    ``TypeError`` before any work when the arguments are of the wrong kind (the output comes first) or the
+    candidate's dtype is not the output store ``profile`` declares (:func:`check_candidate_dtype`)."""
     from .inputs import KernelInputs
 
     case = None
     if isinstance(reference_run, KernelInputs):
         reference_run = reference_run.layer_case()
+    check_compare_args(candidate, reference_run, call="assert_moe_close(candidate, reference_run, profile)",
+                       accepted="a KernelInputs (moeref.testing.kernel_inputs), a LayerCase or a traced run "
+                                "(moeref.moe.run_moe)")
+    profile = get_profile(profile)
+    check_candidate_dtype(candidate, profile)
     if not hasattr(reference_run, "chunks"):
         case = reference_run
     report = compare(candidate, reference_run, profile, label=label)
     if not report.passed:
         raise MoEMismatch(report, case, np.array(_interop.to_numpy(candidate), copy=True) if case is not None else None)
     return report
+
+
+def check_candidate_dtype(candidate, profile, *, store: str = "out_dtype") -> None:
+    """``TypeError`` unless ``candidate`` (an array or tensor, or a dtype name) has the dtype of the output
+    store ``profile`` declares: :attr:`~moeref.compare.Profile.out_dtype` for a layer, ``store="gemm_out_dtype"``
+    for a grouped GEMM. A profile that declares no store (``None``: ``FP32_ACCUM``, ``EXACT``) takes any dtype.
+    The bound of a declared bf16 store allows the bf16 rounding of every element (flips included), so an fp16,
+    fp32 or float64 output would pass it while no bf16 store could produce it: the kernel's output is checked
+    as it stores it, under the profile of that store."""
+    from ..compare import PROFILES
+
+    declared = getattr(profile, store)
+    if declared is None:
+        return
+    got = candidate if isinstance(candidate, str) else _dtype_name(candidate)
+    if got != declared:
+        fits = [n for n, p in PROFILES.items() if getattr(p, store) in (None, got)]
+        raise TypeError(f"the candidate is {got} but profile {profile.name} declares a {declared} output store "
+                        f"(Profile.{store}={declared!r}): pass the kernel's output as the kernel stores it, or check "
+                        f"with a profile that declares a {got} store or none ({', '.join(fits)})")
 
 
 def _operand(x, name: str):
@@ -135,7 +164,8 @@ def grouped_gemm_report(candidate=None, a=None, weights=None, profile="FP32_ACCU
     or a :class:`moeref.moe.mapping.GroupedGemmCall` (then ``a``, ``weights`` and the layout come from it).
     ``a``: ``[R, K]`` (masked/batched ``[E, max_m, K]``; standard: the ``[M, K]`` tokens) as a tensor, an
     ``(elements, scales)`` pair, a quantized tensor or an operand. ``weights``: ``[E, N, K]`` tensor or pair
-    or a list of per-expert operands. Rows are reported as ``row`` with their expert."""
+    or a list of per-expert operands. Rows are reported as ``row`` with their expert. The candidate's dtype must
+    be the GEMM output store ``profile`` declares (``gemm_out_dtype``; :func:`check_candidate_dtype`)."""
     from ..compare.bounds import _rows_error_bound
     from ..gemm.exact import BlockOperand
     from ..gemm.grouped import expert_rows_gemm
@@ -151,6 +181,9 @@ def grouped_gemm_report(candidate=None, a=None, weights=None, profile="FP32_ACCU
     else:
         if candidate is None or a is None or weights is None:
             raise ValueError("give candidate, a and weights (or a GroupedGemmCall as candidate)")
+        if not (isinstance(candidate, np.ndarray) or _interop.is_torch_tensor(candidate)):
+            raise TypeError(f"grouped_gemm_report: candidate must be the kernel's output, a NumPy array or a torch "
+                            f"tensor (or a GroupedGemmCall); got {type(candidate).__name__}")
         cand_dtype = _dtype_name(candidate)
         cand = np.asarray(_interop.to_numpy(candidate))
         if isinstance(a, (tuple, list)) and len(a) == 2 and hasattr(a[0], "shape") and len(a[0].shape) == 3:
@@ -166,6 +199,7 @@ def grouped_gemm_report(candidate=None, a=None, weights=None, profile="FP32_ACCU
             k = rows.size // max(op.shape[0], 1)
             op = op.take_rows(np.arange(rows.size) // max(k, 1))
         cand = cand.reshape(rows.size, -1)
+    check_candidate_dtype(cand_dtype, profile, store="gemm_out_dtype")
     c = cand.astype(np.float64).reshape(rows.size, -1)
     ref = expert_rows_gemm(op, rows, ws)
     if ref.shape != c.shape:

@@ -96,6 +96,7 @@ def _cmd_check(args) -> int:
     from ..compare import compare, get_profile, suggest_profile
     from ..moe import run_moe
     from ..moe.mapping import from_flashinfer_cutlass, from_vllm_fused_experts
+    from .asserts import check_candidate_dtype
 
     inputs, cand_path = Path(args.inputs), Path(args.candidate)
     t = _load_tensors(inputs)
@@ -132,6 +133,7 @@ def _cmd_check(args) -> int:
     else:
         profile = suggest_profile(w13.dtype.name, cand.dtype.name, kernel=args.kernel)
         why = f"suggested from the dtypes (weights {w13.dtype.name}, output {cand.dtype.name}); --profile to choose"
+    check_candidate_dtype(cand, profile)
     report = compare(cand, run_moe(**kw), profile, label=f"{cand_path.name} vs {inputs.name}")
     if args.json:
         _print_json(dict(report.to_dict(), profile_choice=why))
@@ -161,8 +163,14 @@ def _cmd_mutate(args) -> int:
 
     kernel = _import(args.kernel)
     check = _import(args.check) if args.check else None
-    cases = draw_cases(args.cases, seed=args.seed)
-    res = mutation_score(kernel, cases, check, profile=args.profile or "BF16_OUTPUT")
+    cases = draw_cases(args.cases, seed=args.seed, max_tokens=args.max_tokens)
+    try:
+        res = mutation_score(kernel, cases, check, profile=args.profile or "BF16_OUTPUT")
+    except Exception as exc:  # noqa: BLE001 - re-raised unless it came from the user's own code
+        status = _user_code_failed(exc, args)
+        if status is None:
+            raise
+        return status
     if args.json:
         _print_json(res.to_dict())
     else:
@@ -172,8 +180,29 @@ def _cmd_mutate(args) -> int:
     return 0 if args.min_score is None or res.score >= args.min_score else 1
 
 
+def _user_code_failed(exc, args) -> int | None:
+    """When ``exc`` came from the user's kernel wrapper or ``--check`` on an unmutated case
+    (:func:`moeref.testing.mutation_score` sets ``moeref_origin``): print its traceback and say whose it is;
+    status 2. None for any other error (the default check's errors are moeref's: one line, from ``main``)."""
+    import traceback
+
+    what, case = getattr(exc, "moeref_origin", (None, None))
+    if what is None or (what == "check" and not args.check):
+        return None
+    traceback.print_exception(type(exc), exc, exc.__traceback__)
+    if what == "kernel":
+        role, spec, rule = "kernel wrapper", args.kernel, "it must return the output [M, K] of the case it is given"
+    else:
+        role, spec, rule = "check", args.check, "it must return None or raise AssertionError (a mismatch)"
+    print(f"moeref mutate: the error above was raised by your {role} {spec} on case {case} (unmutated inputs), "
+          f"not by moeref: {rule}", file=sys.stderr)
+    return 2
+
+
 def add_subcommands(sub) -> None:
     """Register ``replay``, ``check`` and ``mutate`` on the ``moeref`` command's subparsers."""
+    from .cases import DEFAULT_MAX_TOKENS
+
     p = sub.add_parser("replay", help="re-run a saved failing case (reproducer) and print its report")
     p.add_argument("file", help="<stem>.json or <stem>.safetensors written by the pytest plugin")
     p.add_argument("--profile", help="check under this profile instead of the saved one")
@@ -197,8 +226,10 @@ def add_subcommands(sub) -> None:
     p.add_argument("kernel", help="MODULE:FUNCTION, a wrapper KernelInputs -> output [M, K]")
     p.add_argument("--check", help="MODULE:FUNCTION, (KernelInputs, output) -> None, raising AssertionError")
     p.add_argument("--profile", help="profile of the default check (default BF16_OUTPUT)")
-    p.add_argument("--cases", type=int, default=8, help="cases drawn from moeref.testing.moe_cases (default 8)")
-    p.add_argument("--seed", type=int, default=0, help="offset of the deterministic draw")
+    p.add_argument("--cases", type=int, default=8, help="cases from moeref.testing.draw_cases (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the drawn cases (each seed gives another set)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"largest token count of the drawn cases (default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--min-score", type=float, help="exit 1 if the score is below this fraction")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_cmd_mutate)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .. import _interop
+from .._checks import check_token_rows, shape_of
+from ..routing.ids import check_topk_ids
 
 __all__ = ["KernelInputs", "as_kernel_sees", "kernel_inputs"]
 
@@ -106,13 +108,21 @@ class KernelInputs:
         return replace(self, **changes)
 
 
-def kernel_inputs(hidden, weights, topk_weights, topk_ids, *, dtype="bfloat16", router_dtype="float32") -> KernelInputs:
+def kernel_inputs(hidden, weights, topk_weights, topk_ids, *, dtype="bfloat16", router_dtype="float32",
+                  num_experts: int | None = None) -> KernelInputs:
     """Round a layer's float inputs to the kernel's dtypes once: ``hidden`` and every expert weight to
     ``dtype``, ``topk_weights`` to ``router_dtype`` (vLLM and FlashInfer pass float32 router weights).
 
     ``weights``: a :class:`moeref.moe.MoEWeights` of float arrays (quantized weights are given to the
     reference as the kernel's own tensors instead: :func:`moeref.gemm.from_kernel.kernel_expert_operands`),
     or a pair ``(w13 [E, 2N, K], w2 [E, K, N])`` in vLLM's ``gate_up`` order.
+
+    Checked here, before any rounding (``ValueError`` naming what was given and what is accepted):
+    ``hidden [M, K]``, ``topk_weights`` and ``topk_ids`` ``[M, top_k]`` with one row per token and the same
+    top_k (:func:`moeref._checks.check_token_rows`); ``w13 [E, 2N or N, K]`` and ``w2 [E, K, N]`` with the
+    same E and ``hidden``'s K; every id in ``[0, num_experts)`` or -1 (padding; the message names the index
+    and the value, :func:`moeref.routing.check_topk_ids`). ``num_experts``: the global expert count the ids
+    index, default E (larger only for an EP shard whose reference runs with ``expert_map=``).
 
     >>> from moeref.moe import make_layer, make_tokens
     >>> lw = make_layer(4, 64, 32, seed=0)
@@ -139,7 +149,28 @@ def kernel_inputs(hidden, weights, topk_weights, topk_ids, *, dtype="bfloat16", 
     ids = np.asarray(_interop.to_numpy(topk_ids))
     if ids.dtype.kind not in "iu":
         raise TypeError(f"topk_ids must be integer; got {ids.dtype}")
+    _check_layer_shapes(hidden, w13, w2, topk_weights, ids)
+    check_topk_ids(ids.astype(np.int64), w13.shape[0] if num_experts is None else num_experts)
     name = str(_np_dtype(dtype))
     return KernelInputs(as_kernel_sees(hidden, dtype), as_kernel_sees(w13, dtype), as_kernel_sees(w2, dtype),
                         as_kernel_sees(topk_weights, router_dtype), ids.astype(np.int32), layout,
                         "bfloat16" if name == "bfloat16" else name)
+
+
+def _check_layer_shapes(hidden, w13, w2, topk_weights, topk_ids) -> None:
+    """``ValueError`` unless one layer call's shapes agree (:func:`kernel_inputs`' docstring)."""
+    check_token_rows(hidden, topk_weights, topk_ids)
+    h = shape_of(hidden)
+    for w, name, want in ((w13, "w13", "[E, 2N, K]"), (w2, "w2", "[E, K, N]")):
+        if w.ndim != 3:
+            raise ValueError(f"{name} must be 3-D {want}; got shape {w.shape}")
+    if w13.shape[0] != w2.shape[0]:
+        raise ValueError(f"w13 has {w13.shape[0]} experts (shape {w13.shape}) but w2 has {w2.shape[0]} "
+                         f"(shape {w2.shape}): both must be [E, ...] with the same E")
+    if not h[1] == w13.shape[2] == w2.shape[1]:
+        raise ValueError(f"hidden has hidden size K={h[1]} (shape {h}) but w13 {w13.shape} and w2 {w2.shape} "
+                         f"need K = w13.shape[2] = w2.shape[1] (w13 [E, 2N, K], w2 [E, K, N])")
+    n = w2.shape[2]
+    if w13.shape[1] not in (n, 2 * n):
+        raise ValueError(f"w13 has {w13.shape[1]} rows per expert (shape {w13.shape}) but w2 {w2.shape} has "
+                         f"N={n}: w13 must have 2N={2 * n} rows (gated activation) or N={n} (non-gated)")

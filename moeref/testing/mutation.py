@@ -97,7 +97,13 @@ def mutation_score(kernel, cases, check=None, *, profile="BF16_OUTPUT") -> Mutat
     (``gate_up`` for every drawn case) and read the inputs only (:meth:`KernelInputs.torch` gives the
     tensors). ``cases``: :class:`~moeref.testing.KernelInputs` (e.g. :func:`moeref.testing.draw_cases`).
     ``check``: ``(case: KernelInputs, output) -> None``, raising ``AssertionError`` on a mismatch; default
-    :func:`default_check` with ``profile``.
+    :func:`default_check` with ``profile``. The check is given the output as the kernel returned it (a torch
+    kernel's check gets a torch tensor of the kernel's dtype and device, as in the user's own tests); a
+    corrupted output (:data:`~moeref.compare.faults.FAULTY_OUTPUTS`) is handed over in that same type.
+
+    An exception other than ``AssertionError`` from the wrapper or the check on an unmutated case propagates
+    (the score would mean nothing) with ``moeref_origin`` set on it: ``(what, case index)``, ``what`` being
+    ``"kernel"`` or ``"check"`` (``moeref mutate`` prints the traceback and names your function).
     """
     from ..compare.faults import FAULTY_INPUTS, FAULTY_OUTPUTS
 
@@ -108,9 +114,10 @@ def mutation_score(kernel, cases, check=None, *, profile="BF16_OUTPUT") -> Mutat
         res.caught[name] = 0
         res.tried[name] = 0
     for i, ki in enumerate(cases):
-        out = np.asarray(_interop.to_numpy(kernel(ki)))
+        out = _blame(kernel, "kernel", i, ki)
+        out_np = _host(out)
         try:
-            check(ki, out)
+            _blame(check, "check", i, ki, out)
         except AssertionError:
             res.baseline_failures.append(i)
             continue
@@ -123,13 +130,13 @@ def mutation_score(kernel, cases, check=None, *, profile="BF16_OUTPUT") -> Mutat
                 except ValueError:  # the fault does not apply to this case
                     continue
             try:
-                mutant = (np.asarray(_interop.to_numpy(kernel(bad))) if bad is not None
-                          else FAULTY_OUTPUTS[name](out))
+                mutant = kernel(bad) if bad is not None else _like(FAULTY_OUTPUTS[name](out_np), out)
+                mutant_np = _host(mutant)
             except Exception as exc:  # noqa: BLE001 - the wrapper failed on the mutant: reported
                 res.tried[name] += 1
-                res.errors.append((name, i, f"{type(exc).__name__}: {exc}"))
+                res.errors.append((name, i, f"the kernel wrapper raised {type(exc).__name__}: {exc}"))
                 continue
-            if mutant.shape == out.shape and np.array_equal(mutant, out, equal_nan=True):
+            if mutant_np.shape == out_np.shape and np.array_equal(mutant_np, out_np, equal_nan=True):
                 res.equivalent += 1
                 continue
             res.tried[name] += 1
@@ -138,5 +145,29 @@ def mutation_score(kernel, cases, check=None, *, profile="BF16_OUTPUT") -> Mutat
             except AssertionError:
                 res.caught[name] += 1
             except Exception as exc:  # noqa: BLE001 - reported, never swallowed silently
-                res.errors.append((name, i, f"{type(exc).__name__}: {exc}"))
+                res.errors.append((name, i, f"the check raised {type(exc).__name__}: {exc}"))
     return res
+
+
+def _host(out) -> np.ndarray:
+    """The kernel's output as a NumPy array (ml_dtypes for bf16), for comparing mutants with it."""
+    return np.asarray(_interop.to_numpy(out))
+
+
+def _like(values: np.ndarray, out):
+    """``values`` in the type of the kernel's output ``out``: a torch tensor of its dtype on its device when the
+    kernel returned one, else the NumPy array."""
+    if _interop.is_torch_tensor(out):
+        return _interop.to_torch(values, out.device).to(out.dtype)
+    return values
+
+
+def _blame(fn, what: str, case: int, *args):
+    """``fn(*args)``; an exception other than ``AssertionError`` leaves with ``moeref_origin = (what, case)``."""
+    try:
+        return fn(*args)
+    except AssertionError:
+        raise
+    except Exception as exc:
+        exc.moeref_origin = (what, case)
+        raise

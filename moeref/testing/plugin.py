@@ -6,7 +6,8 @@ Fixtures:
 
 * ``moe_case``: parametrizes the test over layer calls drawn deterministically from
   :func:`moeref.testing.moe_cases` (a :class:`~moeref.testing.KernelInputs`, already in bf16): 8 cases,
-  64 with ``--moeref-thorough`` (or ``MOEREF_HYPOTHESIS_PROFILE=thorough``), ``--moeref-cases N`` to set.
+  64 with ``--moeref-thorough`` (or ``MOEREF_HYPOTHESIS_PROFILE=thorough``), ``--moeref-cases N`` to set;
+  token counts up to 256, ``--moeref-max-tokens N`` to set (:func:`moeref.testing.draw_cases`).
   For Hypothesis shrinking use ``@given(moe_cases())`` instead.
 * ``moe_profile``: the :class:`~moeref.compare.Profile` to check with: ``--moeref-profile NAME``, else the
   test's ``@pytest.mark.moeref_profile("NAME")``, else ``BF16_OUTPUT``.
@@ -36,6 +37,9 @@ def pytest_addoption(parser):
     group.addoption("--moeref-thorough", action="store_true", default=False,
                     help=f"draw {THOROUGH_CASES} moe_case cases instead of {DEFAULT_CASES}")
     group.addoption("--moeref-cases", type=int, default=None, help="number of moe_case cases")
+    group.addoption("--moeref-max-tokens", type=int, default=None,
+                    help="largest token count of the moe_case cases (default 256; thousands where the kernel "
+                         "and the reference are fast)")
     group.addoption("--moeref-repro-dir", default="moeref-repro", help="where failing cases are saved")
 
 
@@ -53,12 +57,19 @@ def _num_cases(config) -> int:
     return THOROUGH_CASES if thorough else DEFAULT_CASES
 
 
+def _max_tokens(config) -> dict:
+    n = config.getoption("--moeref-max-tokens")
+    if n is not None and n < 1:
+        raise pytest.UsageError(f"--moeref-max-tokens must be >= 1; got {n}")
+    return {} if n is None else {"max_tokens": n}
+
+
 def pytest_generate_tests(metafunc):
     if "moe_case" not in metafunc.fixturenames:
         return
     from .cases import draw_cases
 
-    cases = draw_cases(_num_cases(metafunc.config))
+    cases = draw_cases(_num_cases(metafunc.config), **_max_tokens(metafunc.config))
     ids = [f"case{i}-M{c.hidden.shape[0]}-E{c.w13.shape[0]}-k{c.topk_ids.shape[1]}-{c.meta.get('routing', '')}"
            for i, c in enumerate(cases)]
     metafunc.parametrize("moe_case", cases, ids=ids)

@@ -25,7 +25,7 @@ nothing), ``MP`` the step width padded with zero columns to a power of two of at
 
 Chunks run in an outer loop and their steps in an inner one: a flat loop over the steps that zeroed the accumulators
 where a chunk starts gave wrong sums in rows 8-15 of each 16-row MMA tile on Hopper with Triton 3.6
-(``bench/repro_f64_dot_loop_reset.py``). The weights are read as their uint8 codes (two a byte when packed) from the
+(``bench/studies/repro_f64_dot_loop_reset.py``). The weights are read as their uint8 codes (two a byte when packed) from the
 stack itself, through the decode table (and, in the exact form, their exponent powers through
 :func:`power_tables`), or as float64 element values. Compiled with ``enable_fp_fusion=False``. Runs under
 ``TRITON_INTERPRET=1`` (CI), where ``tl.dot`` of float64 tiles is NumPy's float64 matrix product (exact on these
@@ -227,7 +227,7 @@ def _adder_mma_kernel(a_ptr, r_ptr, smax_ptr, snz_ptr, w_ptr, tab_ptr, ptab_ptr,
     if CENTER:
         tot_c = tl.zeros((BM, BN), dtype=tl.float64)
     # Chunks in an outer loop, each starting its accumulators fresh, steps in an inner one (not one flat loop that
-    # zeroes them where a chunk starts: wrong rows 8-15 on Hopper, bench/repro_f64_dot_loop_reset.py).
+    # zeroes them where a chunk starts: wrong rows 8-15 on Hopper, bench/studies/repro_f64_dot_loop_reset.py).
     for ch in range(0, NCH):
         su = tl.zeros((BM, BN), dtype=tl.float64)    # the chunk's exact partial sum (element values)
         err = tl.zeros((BM, BN), dtype=tl.float64)   # E_j

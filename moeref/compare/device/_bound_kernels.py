@@ -262,7 +262,7 @@ ADDER_UNROLL = 2
 ADDER_WARPS = 4
 ADDER_TILE = 1024
 """Outputs of one program of the aligned-adder kernel (``BM * BN``, ``BN`` at most 256). With ``ADDER_WARPS``
-and ``ADDER_UNROLL`` the fastest of five settings timed on an H100 (bench/bench_adder_radius.py, 2026-11-25
+and ``ADDER_UNROLL`` the fastest of five settings timed on an H100 (bench/studies/bench_adder_radius.py, 2026-11-25
 04:33 UTC, 7 interleaved rounds: 0.966 s at 4096 tokens against 1.03-1.32 s for (2, 8, 2048), (1, 8, 2048),
 (4, 8, 2048) and (2, 8, 1024); at 128 tokens all but (4, 8, 2048) within the rounds' spread), every setting the
 same bits."""

@@ -10,7 +10,7 @@ median and min-max, the peak GPU memory of one call of each, the ratio of the tw
 of 2026-11-25 is looser: per-step summaries) and a spot check: the new bound of two experts' rows on 256
 output columns equals the NumPy bound (:func:`moeref.compare.bounds._rows_error_bound`) bit for bit.
 
-    python bench/bench_adder_radius.py --old ../moeref/compare --out $OUT/adder_radius.json
+    python bench/studies/bench_adder_radius.py --old ../moeref/compare --out $OUT/adder_radius.json
 
 ``--old DIR``: a ``moeref/compare`` directory whose ``device_bounds.py``, ``_bound_kernels.py`` and
 ``_adder_kernels.py`` are loaded as a separate package (its other imports resolved against this tree).
@@ -30,7 +30,7 @@ import tempfile
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from bench.bench_moe_device import random_fp8_experts, routing  # noqa: E402
 from bench.interleaved import CudaEventClock, machine_meta, time_interleaved  # noqa: E402

@@ -15,11 +15,12 @@ NVIDIA H200, 2026-11-21, 16384 x 7168 bf16 (docs/fastpaths.md, fifth round): TMA
 with the approximate division and 82% with the exact one, which located the per-token
 kernel's limit in the division's per-element work.
 
-    python bench/tma_probe.py [--quick] [--no-tma]
+    python bench/studies/tma_probe.py [--quick] [--no-tma]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench/
 import bench_quant_gpu as B  # noqa: E402
 import fastpath.quant as Q  # noqa: E402
 import fastpath.quant._jit_codes as QC  # noqa: E402

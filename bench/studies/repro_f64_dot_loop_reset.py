@@ -7,7 +7,7 @@ restarted with ``if j == 0``); it now has the nested form. Operands are small in
 exact and any order gives the same bits: a difference from torch's float64 product is a wrong result, not a
 rounding. Prints and writes (``--out``) the wrong rows of each variant. GPU only.
 
-    python bench/repro_f64_dot_loop_reset.py [--out bench_out/repro_f64_dot_loop_reset.json]
+    python bench/studies/repro_f64_dot_loop_reset.py [--out bench_out/repro_f64_dot_loop_reset.json]
 """
 from __future__ import annotations
 

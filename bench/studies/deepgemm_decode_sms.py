@@ -3,7 +3,7 @@ use (``deep_gemm.set_num_sms``: its heuristics enumerate block sizes and 2-CTA c
 count rules the clusters out), contiguous (``m_indices``) and masked layouts, each a CUDA graph of 10 calls,
 median of 9 replays, against the HBM roofline of the touched experts' weights.
 
-    python bench/deepgemm_decode_sms.py      # writes $OUT/dg_sms.json (or ./dg_sms.json)
+    python bench/studies/deepgemm_decode_sms.py      # writes $OUT/dg_sms.json (or ./dg_sms.json)
 
 What it showed (H100, 2026-11-25) is in docs/moe-gpu.md ("Not yet here").
 """
@@ -15,11 +15,11 @@ import sys
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import deep_gemm
 from bench.bench_moe_device import _copy_bandwidth, deepseek_v3_layer, routing
 from bench.latency_cases import capture
-from bench.profile_moe_decode import _replay_ms
+from bench.studies.profile_moe_decode import _replay_ms
 from fastpath import dispatch
 from fastpath.grouped_gemm import grouped_gemm_contiguous, grouped_gemm_masked
 from fastpath.moe import FastMoEWeights

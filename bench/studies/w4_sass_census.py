@@ -4,7 +4,7 @@ aligned tensors specialises them) and count the SASS instructions of the loop th
 with the global/shared memory operations by width and the HGMMA form (``R`` operand: the decoded weights are the
 register operand). A proxy to compare kernel variants before spending device time on them; it measures nothing.
 
-    python bench/w4_sass_census.py --kind mxfp4 --tiles 64,64,128,4,4,0 [--k 2880] [--sass out.sass]
+    python bench/studies/w4_sass_census.py --kind mxfp4 --tiles 64,64,128,4,4,0 [--k 2880] [--sass out.sass]
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

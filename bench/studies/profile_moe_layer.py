@@ -17,8 +17,8 @@ Per token count:
 JSON to ``--out``; the kernel tables are printed. ``--quick``: the layer and the GEMMs alone only, with
 ``--before MODULE`` an older ``fastpath.moe`` beside (timelines, timings, bit equality).
 
-    python bench/profile_moe_layer.py --tokens 4096 16384 --out bench_out/profile_moe_layer.json
-    python bench/profile_moe_layer.py --quick --before fastpath._moe_before
+    python bench/studies/profile_moe_layer.py --tokens 4096 16384 --out bench_out/profile_moe_layer.json
+    python bench/studies/profile_moe_layer.py --quick --before fastpath._moe_before
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from collections import defaultdict
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from bench.bench_moe_device import deepseek_v3_layer, routing  # noqa: E402
 from bench.interleaved import CudaEventClock, time_interleaved  # noqa: E402

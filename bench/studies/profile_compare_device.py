@@ -17,7 +17,7 @@ and ``compare``'s work does not depend on the candidate's values unless an eleme
 whatever ``moeref`` is first on ``sys.path`` (this checkout's parent by default; ``--root`` another), so the
 same script profiles two trees. JSON to ``--out``.
 
-    python bench/profile_compare_device.py [--tokens 128 4096] [--rounds 3] [--out bench_out/profile_compare.json]
+    python bench/studies/profile_compare_device.py [--tokens 128 4096] [--rounds 3] [--out bench_out/profile_compare.json]
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _args(argv):
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--root", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
+    ap.add_argument("--root", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."),
                     help="the checkout whose moeref is profiled (default: this script's)")
     ap.add_argument("--label", default="", help="a name for this tree in the JSON (e.g. baseline / changed)")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per profile")

@@ -11,7 +11,7 @@ its two grouped GEMMs at decode sizes.
   ``expected_m``), timed as a graph of ``--calls`` back-to-back calls; every Triton tile's output is checked
   bit for bit against the default tile's on the routed rows.
 
-JSON to ``--out``. ``python bench/profile_moe_decode.py --profile --sweep --tokens 1 8 --out prof.json``
+JSON to ``--out``. ``python bench/studies/profile_moe_decode.py --profile --sweep --tokens 1 8 --out prof.json``
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import sys
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from bench.bench_moe_device import _copy_bandwidth, deepseek_v3_layer, routing  # noqa: E402
 from bench.latency_cases import capture  # noqa: E402

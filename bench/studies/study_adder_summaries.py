@@ -38,7 +38,7 @@ Two measurements:
    ``moeref.compare.gemm_bounds.aligned_adder_gemm_bound`` (pseudo profile names ``...+variant``, so the bench's
    own ``measure`` builds the candidates once and scores every variant on them).
 
-Run: ``PYTHONPATH=. .venv/bin/python bench/study_adder_summaries.py [--seeds 2] [--rows 256]``; writes
+Run: ``PYTHONPATH=. .venv/bin/python bench/studies/study_adder_summaries.py [--seeds 2] [--rows 256]``; writes
 ``docs/data/adder_summaries_study.json``; ``--from-json FILE`` prints the docs tables.
 """
 from __future__ import annotations
@@ -192,7 +192,7 @@ PROFILE = "HOPPER_FP8_DEEPGEMM_DATA"
 
 
 def layer_study(args) -> dict:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench/
     import bench_oracle_power as bop
 
     from moeref.compare.bounds import PROFILES, layer_bound
@@ -301,7 +301,7 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--skip", choices=("gemm", "layer"), action="append", default=[])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "data",
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs", "data",
                                                   "adder_summaries_study.json"))
     ap.add_argument("--from-json")
     args = ap.parse_args(argv)
