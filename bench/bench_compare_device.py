@@ -1,5 +1,5 @@
 """Benchmark: ``compare`` of a device-engine reference run at the DeepSeek-V3 layer against the reference's own time,
-with the aligned-adder bound's float64 tensor-core kernel (moeref.compare._adder_mma); its bits checked against the
+with the aligned-adder bound's float64 tensor-core kernel (moeref.compare.device._adder_mma); its bits checked against the
 NumPy bound on production rows first.
 
 The layer of ``bench/bench_moe_device.py`` (hidden 7168, intermediate 2048, 256 experts, top-8, FP8 1x128 x 128x128,
@@ -13,7 +13,7 @@ keeps what it measured):
 2. ``timing``: ``run_moe(device="cuda")`` and ``compare`` under ``HOPPER_FP8_DEEPGEMM_DATA`` (the candidate is the
    reference's own bf16 output: compare's work does not depend on its values), interleaved rounds
    (``bench.interleaved``, CUDA events), the per-round ratio compare / reference, peak GPU memory;
-3. ``--sweep``: GEMM1's and GEMM2's bound alone under tile variants of :data:`moeref.compare._adder_mma.TILE`.
+3. ``--sweep``: GEMM1's and GEMM2's bound alone under tile variants of :data:`moeref.compare.device._adder_mma.TILE`.
 
     python bench/bench_compare_device.py [--tokens 128 4096] [--rounds 7] [--check-rows 2] [--sweep] [--out FILE]
     python bench/bench_compare_device.py --sweep-only [--variants "16x64 w4" ...]   # the tile sweep at each --tokens
@@ -39,7 +39,7 @@ from bench.interleaved import CudaEventClock, time_interleaved  # noqa: E402
 SWEEP = {"16x64 w4": (16, 64, 4), "16x128 w4": (16, 128, 4), "16x64 w8": (16, 64, 8), "16x128 w8": (16, 128, 8),
          "32x64 w4": (32, 64, 4), "16x32 w2": (16, 32, 2), "16x64 w4 r168": (16, 64, 4, 168),
          "16x64 w4 r128": (16, 64, 4, 128), "32x64 w4 r168": (32, 64, 4, 168)}
-"""Tile variants ``(rows, BN, warps[, maxnreg])`` of :data:`moeref.compare._adder_mma.TILE` timed by ``--sweep``."""
+"""Tile variants ``(rows, BN, warps[, maxnreg])`` of :data:`moeref.compare.device._adder_mma.TILE` timed by ``--sweep``."""
 
 
 def _operand(codes, scales):
@@ -83,7 +83,7 @@ def check_rows(weights, rows: int, gen) -> dict:
     against expert 3 on the GPU and in NumPy."""
     from moeref.compare import PROFILES
     from moeref.compare.bounds import _rows_error_bound, _rows_radius_term
-    from moeref.compare.device_bounds import device_rows_error_bound
+    from moeref.compare.device.bounds import device_rows_error_bound
     from moeref.formats import decode_table
     from moeref.gemm.exact import BlockOperand
 
@@ -130,9 +130,9 @@ def _host_stack(w, e: int):
 
 def sweep(weights, tokens: int, gen, variants=None) -> dict:
     """GEMM1's and GEMM2's bound alone (all experts' rows of a random top-8 routing) under each tile variant."""
-    import moeref.compare._adder_mma as mma
+    import moeref.compare.device._adder_mma as mma
     from moeref.compare import PROFILES
-    from moeref.compare.device_bounds import device_rows_error_bound
+    from moeref.compare.device.bounds import device_rows_error_bound
 
     prof = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
     from bench.bench_moe_device import routing

@@ -39,7 +39,7 @@ def tables(data: dict) -> str:
     if data.get("compare"):
         cm = data.get("compare_meta") or m
         out += ["", "**`compare`** of `fastpath.moe` against that reference under `HOPPER_FP8_DEEPGEMM_DATA`, the bound "
-                "on the GPU (`moeref.compare.device_layer`), beside the reference's own time in the same rounds "
+                "on the GPU (`moeref.compare.device.layer`), beside the reference's own time in the same rounds "
                 "(medians); peak extra GPU memory of the comparison; host synchronizations of one bound "
                 f"(torch's sync debug mode); measured on an {cm['gpu']}, {cm['date']}, {cm['rounds']} interleaved "
                 "rounds:", "",

@@ -4,7 +4,6 @@ numbers them) and the row-kernel tiles. :mod:`fastpath.dispatch` builds its publ
 nothing here is public API (``ROW_CONFIG``, ``CHUNK`` and ``SMALL_SORT_CHUNKS`` are re-exported there)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -270,7 +269,7 @@ ROW_CONFIG: dict[str, tuple[int, int, int]] = {
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _interop.triton_interpreted()
 
 
 def _row_config(kind: str, K: int, elem: int):

@@ -16,9 +16,9 @@ verify_shard`), so no figure of the report comes from this code.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
+
+from moeref._interop import triton_interpreted
 
 __all__ = ["TritonEngine", "ENGINE", "fused_source_quantizer"]
 
@@ -35,7 +35,7 @@ def _triton_device() -> str | None:
     """``"cuda"``, or ``"cpu"`` under ``TRITON_INTERPRET=1`` (the kernels on the interpreter), or None."""
     if _cuda_available():
         return "cuda"
-    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
+    return "cpu" if triton_interpreted() else None
 
 
 def _quantizer(x, scheme, **static):

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeref._interop import triton_interpreted
+
 __all__ = ["GROUPED_GEMM_IMPLEMENTATIONS", "GemmTiles", "default_tiles", "grouped_gemm_contiguous",
            "grouped_gemm_masked", "grouped_gemm_supports", "PROFILE_OF", "EXACT_PROFILE_OF"]
 
@@ -186,9 +188,7 @@ def grouped_gemm_supports(impl: str, a=None, b=None, *, a_scales=None, b_scales=
     """Whether implementation ``impl`` runs these operands here, and why not."""
     if impl not in GROUPED_GEMM_IMPLEMENTATIONS:
         return False, f"unknown grouped GEMM implementation {impl!r}; known: {GROUPED_GEMM_IMPLEMENTATIONS}"
-    import os
-
-    if a is not None and a.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if a is not None and a.device.type == "cpu" and not triton_interpreted():
         return False, "a is a CPU tensor and TRITON_INTERPRET=1 is not set"
     if a is not None and b is not None:
         fp8 = a.dtype in _FP8

@@ -68,6 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeref._interop import triton_interpreted
 from moeref.gemm.stacked import experts_to_stack
 
 from .grouped_gemm import GemmTiles
@@ -437,12 +438,10 @@ def _w4_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, zp_ptr, gm_ptr, gd_ptr, d_ptr, m_idx
 def w4_supports(impl: str = "triton", a=None, w: W4Experts | None = None, *, a_scales=None, alignment=None,
                 **_) -> tuple[bool, str]:
     """Whether ``impl`` runs these operands here, and why not (no other implementation is tried)."""
-    import os
-
     if impl != "triton":
         return False, f"4-bit weights have only the 'triton' grouped GEMM here; got {impl!r}"
     if a is not None:
-        if a.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        if a.device.type == "cpu" and not triton_interpreted():
             return False, "a is a CPU tensor and TRITON_INTERPRET=1 is not set"
         if a.dtype not in (torch.bfloat16, torch.float32, torch.float8_e4m3fn):
             return False, f"activations must be bfloat16 (W4A16), float8_e4m3fn (W4A8, 1x128 FP32 scales) or float32; got {a.dtype}"

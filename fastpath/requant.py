@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeref._interop import triton_interpreted
 from moeref.quant.scheme import Scheme
 
 from . import _triton_rounding as R
@@ -313,8 +314,7 @@ def supports(src_scheme: Scheme | None = None, target: Scheme | None = None, sha
     target: what :func:`fastpath.quant.supports` accepts among the FP4 schemes (NVFP4 1x16,
     MXFP4 1x32), with the target group dividing the source block width."""
     if device is not None and torch.device(device).type == "cpu":
-        import os
-        if os.environ.get("TRITON_INTERPRET") != "1":
+        if not triton_interpreted():
             return False, "a CPU device needs TRITON_INTERPRET=1"
     if src_scheme is not None:
         if src_scheme.element != "e4m3fn" or src_scheme.family != "blockwise":

@@ -14,9 +14,10 @@
 from __future__ import annotations
 
 import contextlib
-import os
 
 import numpy as np
+
+from moeref._interop import triton_interpreted
 
 __all__ = ["POISON_BYTE", "device", "on_gpu", "to_device", "poisoned", "poison_"]
 
@@ -32,7 +33,7 @@ def device() -> str:
     """``"cuda"`` if a GPU is present; ``"cpu"`` when ``TRITON_INTERPRET=1`` runs kernels on CPU."""
     if on_gpu():
         return "cuda"
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_interpreted():
         raise RuntimeError("no CUDA GPU and TRITON_INTERPRET is not 1: set TRITON_INTERPRET=1 before "
                            "importing triton to run the Triton kernels on CPU tensors")
     return "cpu"

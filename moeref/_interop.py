@@ -6,10 +6,12 @@ them); ``to_torch`` goes back. Everything else passes through unchanged.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import ml_dtypes
 
-__all__ = ["is_torch_tensor", "to_numpy", "to_torch", "to_device", "torch_dtype_for"]
+__all__ = ["is_torch_tensor", "to_numpy", "to_torch", "to_device", "torch_dtype_for", "triton_interpreted"]
 
 _BITVIEW = {  # torch dtype name -> (integer view dtype name, ml_dtypes/numpy dtype)
     "bfloat16": ("int16", ml_dtypes.bfloat16),
@@ -97,3 +99,10 @@ def torch_e4m3_cast_saturates() -> bool:
 
     code = torch.tensor([1000.0]).to(torch.float8_e4m3fn).view(torch.uint8).item()
     return code == 0x7E
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run in Triton's interpreter on CPU tensors: ``TRITON_INTERPRET=1`` in the environment
+    (read on each call; Triton itself reads it when it is imported, so set it before). The one check moeref and
+    fastpath make before launching a kernel on a CPU tensor."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

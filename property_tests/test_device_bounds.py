@@ -1,5 +1,5 @@
-"""The error bounds on torch float64 tensors (:mod:`moeref.compare.device_bounds`,
-:mod:`moeref.compare.device_layer`) give the NumPy bounds bit for bit.
+"""The error bounds on torch float64 tensors (:mod:`moeref.compare.device.bounds`,
+:mod:`moeref.compare.device.layer`) give the NumPy bounds bit for bit.
 
 The oracle is the NumPy bound (:func:`moeref.compare.gemm_error_bound`, :func:`moeref.compare.layer_bound`
 of a host run) on the same data. CPU (CI): torch CPU tensors with the Triton kernels under
@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 
 from fastpath.testing import device, on_gpu  # noqa: E402
 from moeref.compare import PROFILES, compare, gemm_error_bound, layer_bound  # noqa: E402
-from moeref.compare.device_bounds import DeviceBlock, device_gemm_error_bound, device_quantum_and_max  # noqa: E402
+from moeref.compare.device.bounds import DeviceBlock, device_gemm_error_bound, device_quantum_and_max  # noqa: E402
 from moeref.gemm.exact import as_operand, quantum_and_max  # noqa: E402
 from moeref.moe import MoEQuant, make_layer, make_tokens, quantize_weights, run_moe  # noqa: E402
 from moeref.quant import fp8_block, fp8_group, mxfp4, quantize  # noqa: E402
@@ -75,12 +75,12 @@ def test_device_gemm_bound_equals_numpy(scheme, model, m, n, k, radius, bias, se
        st.sampled_from([32, 64, 160, 200]), st.booleans(), st.integers(0, 2**16))
 def test_device_adder_exact_domain_equals_numpy(scheme, m, n, k, bias, seed):
     """The aligned-adder bound's exact domain (element values, chunk scales after; no radius) on the float64 tensor
-    cores (:mod:`moeref.compare._adder_mma`) at several tiles (rows an item, columns, warps: the bits do not depend on
+    cores (:mod:`moeref.compare.device._adder_mma`) at several tiles (rows an item, columns, warps: the bits do not depend on
     the tile): FP8 and FP4 elements and integers of 16 and 12 bits; zeros among the activations (the nonzero counts);
     K not a multiple of the chunk."""
     import dataclasses
 
-    import moeref.compare._adder_mma as mma
+    import moeref.compare.device._adder_mma as mma
 
     rng = np.random.default_rng(seed)
     if scheme == "integers":
@@ -117,7 +117,7 @@ def test_device_gemm2_bound_from_codes_equals_numpy(element, block, k, special):
     bit: 8-bit codes with 128x128 blocks (K = 200: a partial chunk), blocks narrower than the chunk, packed
     4-bit codes; ``special``: NaN codes, a zero scale, an infinite scale, zero radii, zero rows."""
     from moeref.compare.bounds import _rows_error_bound, _rows_radius_term
-    from moeref.compare.device_bounds import device_rows_error_bound
+    from moeref.compare.device.bounds import device_rows_error_bound
     from moeref.gemm import StackedExperts
     from moeref.gemm.device import device_operand
 
@@ -159,12 +159,12 @@ def test_device_adder_many_rows_equals_numpy(radius, normal, monkeypatch):
     inside a flat loop over the steps (2026-11-28; bench/studies/repro_f64_dot_loop_reset.py); it now runs nested loops.
     ``normal=False``: the exact form without its normal-range shortcut (the grid's subnormal branch kept; the
     threshold raised so no group qualifies), the same numbers."""
-    import moeref.compare._adder_mma as mma
+    import moeref.compare.device._adder_mma as mma
 
     if not normal:
         monkeypatch.setattr(mma, "NORMAL_QUANTUM", math.inf)
     from moeref.compare.bounds import _rows_error_bound, _rows_radius_term
-    from moeref.compare.device_bounds import device_rows_error_bound
+    from moeref.compare.device.bounds import device_rows_error_bound
     from moeref.gemm import StackedExperts
     from moeref.gemm.device import device_operand
 
@@ -196,7 +196,7 @@ def test_device_bound_kernel_product_equals_the_engines(radius):
     (exact form without a radius, steps form with one) is the NumPy engine's ``a W^T`` bit for bit, with weight scales
     of both signs, a padding row and experts with one to many rows; with a bias the layer adds it
     (:func:`moeref.gemm.device.add_expert_bias`) as the engine does."""
-    from moeref.compare.device_bounds import device_rows_error_bound
+    from moeref.compare.device.bounds import device_rows_error_bound
     from moeref.gemm import StackedExperts, expert_rows_gemm
     from moeref.gemm.device import add_expert_bias, device_operand
 
@@ -230,7 +230,7 @@ def test_device_radius_term_per_expert_equals_numpy():
     rows hold an infinite radius: that expert keeps the ordered sum, the other takes the exact chunk sums on the
     radius's grid (:func:`moeref.compare.operand_radius.radius_dot`), as NumPy decides per expert."""
     from moeref.compare.bounds import _rows_error_bound, _rows_radius_term
-    from moeref.compare.device_bounds import device_rows_error_bound
+    from moeref.compare.device.bounds import device_rows_error_bound
     from moeref.gemm import StackedExperts
     from moeref.gemm.device import device_operand
 
@@ -270,6 +270,18 @@ def _small_layer(e=3, k=64, n=32, tokens=5, seed=0):
     ids[0, 1] = -1  # a padded slot
     tw = rng.random((tokens, 2)).astype(np.float32)
     return w, x, tw, ids
+
+
+def test_host_definition_rejects_a_device_run():
+    """``moeref.compare.bounds.layer_bound`` is the bound's NumPy definition: given a device-engine run it raises
+    TypeError naming :func:`moeref.compare.layer_bound`, which bounds that run on its device."""
+    from moeref.compare import bounds
+
+    w, x, tw, ids = _small_layer()
+    dev = run_moe(x, w, tw, ids, device=DEV, quant=MoEQuant(fp8_group(), fp8_group(), "fp8"))
+    with pytest.raises(TypeError, match=r"moeref\.compare\.layer_bound"):
+        bounds.layer_bound(dev, "BF16_OUTPUT")
+    assert torch.is_tensor(layer_bound(dev, "BF16_OUTPUT").bound)
 
 
 @pytest.mark.parametrize("model, k, n", [("HOPPER_FP8_DEEPGEMM_DATA", 64, 32), ("BF16_OUTPUT", 64, 32),

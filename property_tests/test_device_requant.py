@@ -1,4 +1,4 @@
-"""The device bound's re-quantization stage (:mod:`moeref.compare.device_requant`) against the NumPy stage:
+"""The device bound's re-quantization stage (:mod:`moeref.compare.device.requant`) against the NumPy stage:
 the quantizer's codes and scales (:func:`moeref.quant.quantize` of the float64 center) and
 :func:`moeref.compare.stage_bounds.requant_uncertainty`, bit for bit; and :func:`round_float_rne` against
 the codec's ``round_to_format``. The oracle is the host code path (the specification); CPU tensors here, CUDA
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 from fastpath.testing import device  # noqa: E402
-from moeref.compare.device_requant import device_requant, device_requant_unavailable, round_float_rne  # noqa: E402
+from moeref.compare.device.requant import device_requant, device_requant_unavailable, round_float_rne  # noqa: E402
 from moeref.compare.stage_bounds import requant_uncertainty  # noqa: E402
 from moeref.formats import FORMATS, round_to_format  # noqa: E402
 from moeref.quant import fp8_block, fp8_group, fp8_per_token, mxfp4, nvfp4, quantize  # noqa: E402

@@ -310,8 +310,8 @@ def test_grouped_gemm_alone_within_declared_profile(shape, layout):
     _need_gpu()
     from fastpath.grouped_gemm import grouped_gemm_contiguous, grouped_gemm_masked
     from moeref.compare import PROFILES
-    from moeref.compare.device_bounds import device_rows_error_bound
-    from moeref.compare.device_layer import device_store_interval
+    from moeref.compare.device.bounds import device_rows_error_bound
+    from moeref.compare.device.layer import device_store_interval
     from moeref.gemm.device import DeviceOperand, device_expert_rows_gemm
 
     n, k = GEMM_SHAPES[shape]

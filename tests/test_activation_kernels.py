@@ -1,5 +1,5 @@
-"""compare._activation_kernels: the fused stage-3 kernel equals, bit for bit, the three torch lines of
-:func:`moeref.compare.device_layer._chunk_interval` (activation, its error bound, the ``act_unit`` term) on
+"""compare.device._activation_kernels: the fused stage-3 kernel equals, bit for bit, the three torch lines of
+:func:`moeref.compare.device.layer._chunk_interval` (activation, its error bound, the ``act_unit`` term) on
 CPU tensors under TRITON_INTERPRET=1 (the conftest sets it without a GPU), on a GPU for real. NaN results
 must be NaN at the same places (their payload bits are not compared); every other result is compared as
 int64 bits."""
@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from moeref import elementary  # noqa: E402
-from moeref.compare._activation_kernels import gated_silu_stage_t  # noqa: E402
+from moeref.compare.device._activation_kernels import gated_silu_stage_t  # noqa: E402
 from moeref.compare.stage_bounds import _CRITICAL, activation_error, activation_magnitude  # noqa: E402
 from moeref.moe.pipeline import _activation  # noqa: E402
 
@@ -36,7 +36,7 @@ IDS = [f"{a}-{lay}-{sorted((p or {}).items())}" for a, lay, p in CASES]
 
 
 def _reference(h, dh, act, lay, params, unit):
-    """The three lines of device_layer._chunk_interval, stage 3."""
+    """The three lines of device.layer._chunk_interval, stage 3."""
     x_pre = _activation(act, h, lay, params)
     dx = activation_error(act, h, dh, lay, params)
     dx = dx + unit * (x_pre.abs() + activation_magnitude(act, h.abs() + dh, lay, params) + dx)

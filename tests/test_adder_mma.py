@@ -1,5 +1,5 @@
-"""The float64 tensor-core bound's tables (:mod:`moeref.compare._adder_mma`) and the per-stack expert statistics the
-device bound reads (:func:`moeref.compare.device_bounds._stack_expert_stats`), against independent computations:
+"""The float64 tensor-core bound's tables (:mod:`moeref.compare.device._adder_mma`) and the per-stack expert statistics the
+device bound reads (:func:`moeref.compare.device.operands._stack_expert_stats`), against independent computations:
 the kernel's own ``_power`` applied to the decoded values (Triton; the interpreter on the CPU), and
 :func:`moeref.gemm.exact.quantum_and_max` and NumPy over each expert's values."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeref.compare._adder_mma import _power, power_tables
+from moeref.compare.device._adder_mma import _power, power_tables
 from moeref.formats import decode_table
 from moeref.gemm import StackedExperts
 from moeref.gemm.exact import quantum_and_max
@@ -54,7 +54,7 @@ def test_stack_expert_stats_equal_per_expert_values():
     """Finiteness, ``(quantum, max)`` and bf16-representability per expert from the codes-present histogram equal
     those computed over each expert's decoded values: experts holding NaN codes, only zeros, only subnormals, and
     random codes."""
-    from moeref.compare.device_bounds import _stack_expert_stats
+    from moeref.compare.device.operands import _stack_expert_stats
 
     rng = np.random.default_rng(3)
     e, n, k = 5, 8, 64

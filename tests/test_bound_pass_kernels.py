@@ -1,6 +1,6 @@
 """The device bound's one-pass kernels against independent oracles, bit for bit (CPU: the Triton interpreter):
-per-row statistics (:mod:`moeref.compare._stats_kernels`) against :func:`moeref.gemm.exact.quantum_and_max` and
-ml_dtypes' bfloat16 cast, and the top-k weighted sums (:mod:`moeref.compare._reduce_kernels`) against the reference's
+per-row statistics (:mod:`moeref.compare.device._stats_kernels`) against :func:`moeref.gemm.exact.quantum_and_max` and
+ml_dtypes' bfloat16 cast, and the top-k weighted sums (:mod:`moeref.compare.device._reduce_kernels`) against the reference's
 slot-order loop written out in NumPy."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from moeref.compare._reduce_kernels import weighted_slot_sums_t
-from moeref.compare._stats_kernels import row_stats_t
+from moeref.compare.device._reduce_kernels import weighted_slot_sums_t
+from moeref.compare.device._stats_kernels import row_stats_t
 from moeref.gemm.exact import quantum_and_max
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,5 +1,5 @@
 """``layer_bound`` of a device-engine run under the emulated profiles (``DEEPGEMM_FP8_EXACT`` and its
-``promotion_order="a_then_b"`` variant) is the host's bound bit for bit (:mod:`moeref.compare.device_emulated`).
+``promotion_order="a_then_b"`` variant) is the host's bound bit for bit (:mod:`moeref.compare.device.emulated`).
 
 The oracle is :func:`moeref.compare.layer_bound` of the NumPy run on the same data. Small FP8 layers (1x128
 activations, 128x128 weights, biases, a padded slot, bf16 GEMM1 store, FP32 activation store as
@@ -47,11 +47,11 @@ class _Paths:
     """Counts the device path's calls: enumerated combinations (``values=``) and data-dependent fallbacks."""
 
     def __init__(self, monkeypatch):
-        import moeref.compare.device_bounds as db
+        import moeref.compare.device.emulated as de
         import moeref.gemm.device_hopper_fp8 as dh
 
         self.enumerated = self.fallback = 0
-        rows, bound = dh.device_deepgemm_rows, db.device_rows_error_bound
+        rows, bound = dh.device_deepgemm_rows, de.device_rows_error_bound
 
         def rows_(*a, **k):
             self.enumerated += k.get("values") is not None
@@ -62,7 +62,7 @@ class _Paths:
             return bound(*a, **k)
 
         monkeypatch.setattr(dh, "device_deepgemm_rows", rows_)
-        monkeypatch.setattr(db, "device_rows_error_bound", bound_)
+        monkeypatch.setattr(de, "device_rows_error_bound", bound_)
 
 
 def _same_bound(w, x, tw, ids, promotion):

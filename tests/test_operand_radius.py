@@ -109,7 +109,7 @@ def test_radius_dot_rounds_once_a_chunk():
 def test_radius_dot_keeps_the_ordered_sum_off_the_grid():
     """Weights whose blocks change inside a chunk (MXFP4's 32-column blocks), or a non-finite radius: no grid, the
     ordered sum."""
-    from moeref.compare.gemm_bounds import ordered_dot
+    from moeref.compare.summation_order import ordered_dot
 
     rng = np.random.default_rng(3)
     w = as_operand(quantize(rng.standard_normal((4, 128)).astype(np.float32), mxfp4()))

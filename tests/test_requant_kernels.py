@@ -1,4 +1,4 @@
-"""moeref.compare._requant_kernels: the Triton path of :func:`moeref.compare.device_requant.device_requant` equals
+"""moeref.compare.device._requant_kernels: the Triton path of :func:`moeref.compare.device.requant.device_requant` equals
 its torch lines (``_device_requant(..., kernels=False)``) bit for bit: the operand's codes, scales and block, the
 uncertainty's float64 bits and the flip count; the amax grids (NaN included) and the rounding / FP8 encoding
 helpers alone. On CPU tensors under TRITON_INTERPRET=1 (the conftest sets it without a GPU), on a GPU for real."""
@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from moeref.compare import _requant_kernels as K  # noqa: E402
-from moeref.compare import device_requant as D  # noqa: E402
+from moeref.compare.device import _requant_kernels as K  # noqa: E402
+from moeref.compare.device import requant as D  # noqa: E402
 from moeref.formats import FORMATS, decode_table  # noqa: E402
 from moeref.quant import fp8_block, fp8_group, fp8_per_token  # noqa: E402
 from moeref.quant.scheme import get_preset  # noqa: E402

@@ -1,5 +1,5 @@
-""":func:`moeref.compare._store_kernels.store_interval_t` (one Triton pass) is
-:func:`moeref.compare.device_layer.store_interval_torch` bit for bit: ``center`` and ``half`` compared as
+""":func:`moeref.compare.device._store_kernels.store_interval_t` (one Triton pass) is
+:func:`moeref.compare.device.layer.store_interval_torch` bit for bit: ``center`` and ``half`` compared as
 int64 bits (NaN payloads and signs included on the CPU; on a GPU NaN against NaN), ``flipped`` element for
 element, for every dtype the torch function accepts (and its aliases), the same errors for the others. Data: seeded random values of every
 magnitude, random bit patterns (hypothesis), and a grid of hand-picked values x radii: +-0, float64
@@ -19,8 +19,8 @@ from hypothesis import strategies as st  # noqa: E402
 from hypothesis.extra import numpy as hnp  # noqa: E402
 
 from fastpath.testing import device  # noqa: E402
-from moeref.compare._store_kernels import store_interval_t  # noqa: E402
-from moeref.compare.device_layer import store_interval_torch  # noqa: E402
+from moeref.compare.device._store_kernels import store_interval_t  # noqa: E402
+from moeref.compare.device.layer import store_interval_torch  # noqa: E402
 
 DEV = device()
 # NumPy's overflow / invalid-operation warnings from the interpreter's arithmetic: expected here (inf, NaN data)
@@ -197,7 +197,7 @@ def test_aliases(alias):
 def test_cast_nan_path_on_non_nan_data(dtype, monkeypatch):
     """With no probed NaN image (``NAN_IMG`` off: the roundings' own NaN path), the kernel still equals torch
     on data whose endpoints are never NaN (finite values and radii, overflow included)."""
-    import moeref.compare._store_kernels as sk
+    import moeref.compare.device._store_kernels as sk
 
     assert sk._nan_image(DEV, 1) is None  # float64 keeps every NaN: no single image
     monkeypatch.setattr(sk, "_nan_image", lambda device, mode: None)

@@ -35,8 +35,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from bench.bench_moe_device import random_fp8_experts, routing  # noqa: E402
 from bench.interleaved import CudaEventClock, machine_meta, time_interleaved  # noqa: E402
 from moeref.compare import PROFILES  # noqa: E402
-from moeref.compare import _bound_kernels as BK  # noqa: E402
-from moeref.compare.device_bounds import device_rows_error_bound  # noqa: E402
+from moeref.compare.device import _bound_kernels as BK  # noqa: E402
+from moeref.compare.device.bounds import device_rows_error_bound  # noqa: E402
 from moeref.gemm.device import DeviceOperand  # noqa: E402
 
 DEVICE = "cuda"

@@ -8,7 +8,7 @@ top-8 routing. Per token count:
   and ``compare`` under ``HOPPER_FP8_DEEPGEMM_DATA``, and compare minus the bound (the report's extras);
 * host synchronizations of the CUDA stream in ``layer_bound`` and in ``compare`` (torch's sync debug mode), with
   the moeref source lines that asked for them (``--sync-sites``);
-* per-stage wall seconds of ``layer_bound`` (each stage function of :mod:`moeref.compare.device_layer` timed
+* per-stage wall seconds of ``layer_bound`` (each stage function of :mod:`moeref.compare.device.layer` timed
   between two ``torch.cuda.synchronize()``: a separate pass, since the waits change the overlap);
 * the top CUDA kernels of ``layer_bound`` and of ``compare`` (torch.profiler, one call each), CUDA total and wall.
 
@@ -49,10 +49,10 @@ def _args(argv):
 
 
 STAGES = {  # module -> functions timed as stages of layer_bound (those that exist in the profiled tree)
-    "moeref.compare.device_layer": ["device_rows_error_bound", "device_store_interval", "device_requant",
+    "moeref.compare.device.layer": ["device_rows_error_bound", "device_store_interval", "device_requant",
                                     "activation_error", "activation_magnitude", "_weight_and_reduce",
                                     "weighted_slot_sums_t", "gated_silu_stage_t", "_same_operand"],
-    "moeref.compare.device_emulated": [],
+    "moeref.compare.device.emulated": [],
     "moeref.moe.device": ["_weights_gemm"],
     "moeref.moe.pipeline": ["_activation"],
 }
@@ -81,7 +81,10 @@ def _stage_timers(torch, seconds: dict):
         return timed
 
     for mod_name, names in STAGES.items():
-        mod = importlib.import_module(mod_name)
+        try:
+            mod = importlib.import_module(mod_name)
+        except ModuleNotFoundError:  # a tree from before the device engine moved to moeref.compare.device
+            mod = importlib.import_module(mod_name.replace("moeref.compare.device.", "moeref.compare.device_"))
         for n in names:
             if hasattr(mod, n):
                 saved.append((mod, n, getattr(mod, n)))

@@ -2,7 +2,7 @@
 sums in rows 8-15 of a 16-row tile on an H100 / H200 with Triton 3.6, where the same loop written as two nested loops
 (the accumulator made fresh in the outer one) and plain float64 dots are exact.
 
-The bound kernel :mod:`moeref.compare._adder_mma` had the flat form until 2026-11-28 (its chunks' accumulators
+The bound kernel :mod:`moeref.compare.device._adder_mma` had the flat form until 2026-11-28 (its chunks' accumulators
 restarted with ``if j == 0``); it now has the nested form. Operands are small integers and halves, so every sum is
 exact and any order gives the same bits: a difference from torch's float64 product is a wrong result, not a
 rounding. Prints and writes (``--out``) the wrong rows of each variant. GPU only.
@@ -23,7 +23,7 @@ import triton.language as tl
 @triton.jit
 def _load_w(w_ptr, code_ptr, tab_ptr, col, rn, BN: tl.constexpr, CODES: tl.constexpr):
     """The ``[MP, BN]`` float64 operand: loaded, or decoded from uint8 codes through a table (the codes through an
-    impure move, as moeref.compare._adder_mma does: a float64 MMA fed by 8-bit loads does not compile otherwise)."""
+    impure move, as moeref.compare.device._adder_mma does: a float64 MMA fed by 8-bit loads does not compile otherwise)."""
     if CODES:
         code = tl.load(code_ptr + col[:, None] * BN + rn[None, :]).to(tl.int32)
         code = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [code], dtype=tl.int32, is_pure=False, pack=1)

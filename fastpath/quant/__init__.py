@@ -68,6 +68,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from moeref._interop import triton_interpreted
 from moeref.formats import get_format
 from moeref.quant.scheme import Scheme
 
@@ -162,16 +163,14 @@ def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_majo
     (element, block shape, preset knobs) and the layout (packed UE8M0 needs UE8M0 scales; the
     swizzle needs 1-byte scales).
     """
-    import os
-
     if x is not None and isinstance(x, torch.Tensor):
-        if x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        if x.device.type == "cpu" and not triton_interpreted():
             return False, "x is a CPU tensor and TRITON_INTERPRET=1 is not set (no GPU to run on)"
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return False, f"x dtype {x.dtype} not supported (float32, bfloat16, float16)"
         if x.dim() < 1 or x.dim() > 3:
             return False, f"x must have 1 to 3 dims; got {x.dim()}"
-    elif not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    elif not torch.cuda.is_available() and not triton_interpreted():
         return False, "no CUDA device and TRITON_INTERPRET is not 1"
     if scheme is None:
         return True, "ok"

@@ -14,10 +14,10 @@ here restates an enumeration; what is written down is what the kernels can run
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 
+from moeref._interop import triton_interpreted
 from moeref.formats import get_format
 from moeref.quant import scheme as S
 from moeref.quant.nvfp4 import NVFP4_ORDERS
@@ -37,7 +37,7 @@ NVFP4_OPS = ("te", "flashinfer", "torchao")
 NVFP4_OP = {o: NVFP4_OPS.index("flashinfer" if o == "vllm" else o) for o in NVFP4_ORDERS}
 
 # Triton decides at decoration (import) time whether the kernels run in its interpreter
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRETED = triton_interpreted()
 
 
 def position(choice: str, choices: tuple) -> int:

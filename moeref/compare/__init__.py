@@ -1,9 +1,16 @@
 """Error-bounded comparison: sound per-element bounds from a declared arithmetic (:mod:`.bounds`),
 reports with per-token/per-expert violations and conventional metrics (:mod:`.report`), and the
 honest variants / planted faults that prove the bounds sound and sensitive (:mod:`.faults`, :mod:`.subtle_faults`), and the
-profiles of real kernels (:mod:`.kernel_profiles`).
+profiles of real kernels (:mod:`.kernel_profiles`). The same bounds on a device, bit for bit, are the device
+engine's (:mod:`moeref.compare.device`, torch and Triton: imported for a device-engine run only).
 See docs/error-bounds.md."""
 from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
 
 from .bounds import (
     BF16_OUTPUT,
@@ -18,7 +25,6 @@ from .bounds import (
     gamma,
     gemm_coefficient,
     gemm_error_bound,
-    layer_bound,
     requant_uncertainty,
     store_interval,
 )
@@ -37,7 +43,7 @@ from .kernel_profiles import (
     profile_for,
     suggest_profile,
 )
-from .report import Report, compare, conventional_checks, metrics
+from .report import Report, compare, conventional_checks, layer_bound, metrics
 
 __all__ = [
     "Arithmetic",
@@ -73,3 +79,28 @@ __all__ = [
     "suggest_profile",
     "store_interval",
 ]
+
+_MOVED = {f"{__name__}.{old}": f"{__name__}.device.{new}" for old, new in (
+    ("device_layer", "layer"), ("device_bounds", "bounds"), ("device_adder", "adder"), ("device_emulated", "emulated"),
+    ("device_requant", "requant"))}
+"""Old paths of the device engine's modules (moved to :mod:`moeref.compare.device`) -> their modules."""
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports an old path of :data:`_MOVED` as the moved module itself, with a DeprecationWarning."""
+
+    def find_spec(self, name, path=None, target=None):
+        return importlib.util.spec_from_loader(name, self) if name in _MOVED else None
+
+    def create_module(self, spec):
+        warnings.warn(f"{spec.name} is deprecated: the device engine moved to moeref.compare.device; import "
+                      f"{_MOVED[spec.name]}", DeprecationWarning, stacklevel=2)
+        return importlib.import_module(_MOVED[spec.name])
+
+    def exec_module(self, module):
+        pass
+
+
+if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
+    sys.meta_path.append(_MovedModules())
+

@@ -71,6 +71,7 @@ __all__ = [
     "PROFILES",
     "STORE_DTYPES",
     "BIAS_ADDS",
+    "get_profile",
     "gamma",
     "gemm_coefficient",
     "gemm_error_bound",
@@ -222,6 +223,24 @@ PROFILES = {p.name: p for p in (EXACT, FP32_ACCUM, BF16_OUTPUT, HOPPER_FP8_DEEPG
                                 DEEPGEMM_FP8_EXACT)}
 
 
+def get_profile(profile) -> Profile:
+    """``profile`` itself when it is a :class:`Profile`, else the profile of that name in
+    :data:`moeref.compare.PROFILES` (case-insensitive): the profiles defined here and the kernel profiles
+    :mod:`moeref.compare.kernel_profiles` registers (importing any part of :mod:`moeref.compare` imports it).
+
+    >>> get_profile("fp32_accum").name
+    'FP32_ACCUM'
+    """
+    if isinstance(profile, Profile):
+        return profile
+    if not isinstance(profile, str):
+        raise TypeError(f"profile must be a Profile or a profile name; got {type(profile).__name__}")
+    key = profile.strip().upper()
+    if key not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; known: {', '.join(PROFILES)}")
+    return PROFILES[key]
+
+
 def store_interval(value, radius, dtype: str | None, unit: float = 0.0):
     """One declared store, as an interval: ``(center, radius, may_flip)``.
 
@@ -306,7 +325,7 @@ def _add_bias_after_store(stored, radius, row_expert, bias, profile: Profile):
 def _rows_radius_term(radius, row_expert, weights) -> np.ndarray:
     """``radius[r] @ |W[e(r)]|^T`` (the operand's own uncertainty through GEMM2), float64 ``[R, N]``:
     :func:`moeref.compare.operand_radius.radius_dot` (exact chunk sums on the radius's grid, else
-    :func:`moeref.compare.gemm_bounds.ordered_dot`'s order), so the device bound gets the same bits."""
+    :func:`moeref.compare.summation_order.ordered_dot`'s order), so the device bound gets the same bits."""
     w = ExpertOperands(weights)
     out = np.zeros((row_expert.size, w[0].shape[0] if len(w) else 0))
     for e in np.unique(row_expert[row_expert >= 0]).tolist():  # a loop over experts
@@ -406,7 +425,7 @@ def _enumerate_codes(a, codes, rows_all, unsure, weights, profile, center, radiu
 
 def _block_sum(mag: np.ndarray, w: np.ndarray) -> np.ndarray:
     """``sum_b mag[r, n, b] * w[r, b]`` in block order from 0 (the order the device emulator sums in,
-    :mod:`moeref.compare.device_emulated`: the same bits)."""
+    :mod:`moeref.compare.device.emulated`: the same bits)."""
     out = np.zeros(mag.shape[:2])
     for b in range(mag.shape[2]):  # a loop over K blocks
         out = out + mag[:, :, b] * w[:, None, b]
@@ -504,25 +523,20 @@ def _is_device_run(run) -> bool:
 
 
 def layer_bound(run, profile: Profile | str) -> LayerBound:
-    """Per-element bound ``[M, K]`` for a traced reference ``run`` (:func:`moeref.moe.run_moe`): the
-    layer replayed with ``profile``'s declared stores (center) and its radius, stage by stage (module
-    docstring); ``bound = |center - run.output| + radius``.
+    """Per-element bound ``[M, K]`` for a traced reference ``run`` of the NumPy engine
+    (:func:`moeref.moe.run_moe`): the layer replayed with ``profile``'s declared stores (center) and its
+    radius, stage by stage (module docstring); ``bound = |center - run.output| + radius``. ``profile``: a
+    :class:`Profile` or its name in :data:`PROFILES`.
 
-    A run of the device engine (:func:`moeref.moe.run_moe` with ``device=``) is bounded on its device
-    (:func:`moeref.compare.device_layer.device_layer_bound`): the same bound, bit for bit, as torch
-    tensors. ``profile``: a :class:`Profile` or its name in :data:`PROFILES`."""
-    from .kernel_profiles import get_profile  # it imports this module
-
+    This is the bound's definition. :func:`moeref.compare.layer_bound` takes a run of either engine and
+    bounds a device-engine run (:func:`moeref.moe.run_moe` with ``device=``) on its device
+    (:func:`moeref.compare.device.layer.device_layer_bound`: the same bound, bit for bit, as torch tensors);
+    given such a run, this function raises TypeError."""
     profile = get_profile(profile)
     if _is_device_run(run):
-        from .device_layer import device_layer_bound
-
-        if profile.bias_add != "epilogue" and (run.weights.b13 is not None or run.weights.b2 is not None):
-            raise ValueError(f"the device engine bounds bias_add='epilogue' only; profile {profile.name} declares "
-                             f"bias_add={profile.bias_add!r}: run the reference on the host (run_moe without "
-                             "device=) for this profile")
-
-        return device_layer_bound(run, profile)
+        raise TypeError("moeref.compare.bounds.layer_bound bounds a run of the NumPy engine; got a DeviceRun "
+                        "(run_moe with device=): bound it with moeref.compare.layer_bound, which runs the device "
+                        "engine (moeref.compare.device.layer)")
     with np.errstate(invalid="ignore"):
         return assemble_layer_bound(run, profile, _chunk_interval, np.asarray(run.output, dtype=np.float64),
                                     shared_weights=lambda w: w, store=store_interval,

@@ -23,6 +23,8 @@ import numpy as np
 
 from ..gemm.exact import BlockOperand, as_operand, quantum_and_max
 from .operand_radius import RADIUS_CHUNK, chunk_scales_constant, exact_radius
+from .summation_order import ORDER_CHUNK, ORDER_STEP  # noqa: F401  (their home is summation_order)
+from .summation_order import _BLOCK_ELEMS, _gather_cols, grouped_columns, ordered_dot
 
 __all__ = [
     "gamma",
@@ -38,7 +40,6 @@ U_FP32 = 2.0**-24
 U_F64 = 2.0**-53
 TREE_LANES = (1, 2, 4, 8, 16, 32)
 """SIMD lane counts covered by :func:`contiguous_tree_gemm_bound` (interleaved accumulators)."""
-_BLOCK_ELEMS = 1 << 22  # elements of the [rows, N, K] product tensor held at once
 _CACHE_ELEMS = 1 << 15  # elements of one product tile of the contiguous-tree bound (256 KiB)
 
 
@@ -161,58 +162,6 @@ def worst_case_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius, b_a
     coef = gemm_coefficient(profile, a.values.shape[1], num_k_blocks(a, w))
     a_abs = np.abs(a.dequantize()) + (0.0 if radius is None else radius)
     return coef * (ordered_dot(a_abs, np.abs(w.dequantize())) + b_abs[None, :])
-
-
-ORDER_CHUNK = 128
-ORDER_STEP = 32
-"""The summation order of :func:`ordered_dot` (chunks of 128 columns, steps of 32)."""
-
-
-def grouped_columns(k: int, chunk: int, step: int) -> np.ndarray:
-    """Column index of every (chunk, step, lane) position, ``[nch, steps, step]``, -1 on padding:
-    chunk ``i`` holds columns ``[i chunk, min((i + 1) chunk, k))``, cut into steps of ``step``."""
-    c = max(1, min(chunk, max(k, 1)))
-    steps = -(-c // step)
-    nch = -(-max(k, 1) // c)
-    pos = np.arange(steps * step)
-    cols = np.arange(nch)[:, None] * c + pos[None, :]
-    cols = np.where((pos[None, :] < c) & (cols < k), cols, -1)
-    return cols.reshape(nch, steps, step)
-
-
-def _gather_cols(x: np.ndarray, cols: np.ndarray) -> np.ndarray:
-    """``[R, K] -> [R, nch, steps, step]`` (zeros at padding)."""
-    return np.where(cols >= 0, x[:, np.maximum(cols, 0)], 0.0)
-
-
-def ordered_dot(x, w, chunk: int = ORDER_CHUNK, step: int = ORDER_STEP) -> np.ndarray:
-    """``x @ w.T`` (float64 ``[M, K]``, ``[N, K]``) summed in a declared order, so every engine gets the
-    same bits (the device bounds, :mod:`moeref.compare.device_bounds`): per chunk of ``chunk`` columns
-    and step of ``step`` columns, ``t = +0.0; t = t + x_k w_k`` in column order, the chunk's
-    ``S = S + t`` over its steps, then ``total = total + S`` over the chunks, every operation rounded."""
-    x = np.asarray(x, dtype=np.float64)
-    w = np.asarray(w, dtype=np.float64)
-    m, k = x.shape
-    n = w.shape[0]
-    out = np.zeros((m, n))
-    if m == 0 or n == 0 or k == 0:
-        return out
-    cols = grouped_columns(k, chunk, step)
-    xg, wg = _gather_cols(x, cols), _gather_cols(w, cols)
-    rb = max(1, _BLOCK_ELEMS // max(1, n * cols.size))
-    for r0 in range(0, m, rb):
-        r1 = min(r0 + rb, m)
-        t = np.zeros((r1 - r0, n) + cols.shape[:2])
-        for i in range(cols.shape[2]):  # column order within a step
-            t = t + xg[r0:r1, None, :, :, i] * wg[None, :, :, :, i]
-        s = np.zeros(t.shape[:3])
-        for j in range(cols.shape[1]):
-            s = s + t[..., j]
-        tot = np.zeros((r1 - r0, n))
-        for c in range(cols.shape[0]):
-            tot = tot + s[..., c]
-        out[r0:r1] = tot
-    return out
 
 
 def _products_exact_in_fp32(a: BlockOperand, w: BlockOperand) -> bool:
@@ -392,7 +341,7 @@ def aligned_adder_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius, 
     Every term is monotone in ``T_j`` and ``n_j``, so these summaries give a bound >= the one from the step's
     largest product and nonzero count themselves (the definition until 2026-11-25, about 11 % tighter on the
     layer bound: bench/studies/study_adder_summaries.py); they leave one exact step sum as the only per-product work,
-    which a GPU does on its tensor cores (:mod:`moeref.compare.device_bounds`).
+    which a GPU does on its tensor cores (:mod:`moeref.compare.device.bounds`).
 
     Cost: the products in float64 (in row blocks of at most 2^22) and an ``O(M N K / mma_k)`` recurrence: fine
     for test-sized layers; production shapes run on the GPU.

@@ -88,6 +88,7 @@ from .bounds import (
     U_BF16,
     U_FP32,
     Profile,
+    get_profile,
 )
 
 __all__ = [
@@ -164,23 +165,6 @@ KERNEL_PROFILES = {p.name: p for p in (DEEPGEMM_FP8, CUBLAS_FP8, CUBLAS_FP8_FAST
                                        TORCH_EAGER_BF16, VLLM_MOE_SUM_BF16, BF16_OUTPUT_FP32_ACT,
                                        BF16_OUTPUT_BIAS_AFTER_STORE, BF16_OUTPUT_BIAS_INIT, TRITON_FP8_BLOCK_EXACT)}
 PROFILES.update(KERNEL_PROFILES)  # one name table: moeref.compare.PROFILES
-
-
-def get_profile(profile) -> Profile:
-    """``profile`` itself when it is a :class:`Profile`, else the profile of that name in
-    :data:`moeref.compare.PROFILES` (case-insensitive).
-
-    >>> get_profile("fp32_accum").name
-    'FP32_ACCUM'
-    """
-    if isinstance(profile, Profile):
-        return profile
-    if not isinstance(profile, str):
-        raise TypeError(f"profile must be a Profile or a profile name; got {type(profile).__name__}")
-    key = profile.strip().upper()
-    if key not in PROFILES:
-        raise ValueError(f"unknown profile {profile!r}; known: {', '.join(PROFILES)}")
-    return PROFILES[key]
 
 
 _BF16 = ("bfloat16", "bf16", "float16", "fp16", "half")

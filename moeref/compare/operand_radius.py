@@ -7,7 +7,7 @@ bound, the partial sums that ``A~`` can add to the exact ones (:func:`moeref.com
 aligned_adder_gemm_bound`). Summed as they come, those are float64 sums whose bits depend on the order, so an
 engine could only reproduce them one column at a time. Rounded *up* onto a grid first, every partial sum over
 a :data:`RADIUS_CHUNK` of columns is exact, so any order gives the same bits: NumPy's BLAS, cuBLAS or the float64
-tensor cores (:mod:`moeref.compare.device_bounds`). Rounding up keeps the bound sound (it is monotone in the
+tensor cores (:mod:`moeref.compare.device.bounds`). Rounding up keeps the bound sound (it is monotone in the
 radius) and costs at most ``2^-L`` of the row's largest radius in that chunk, ``L >= MIN_GRID_BITS``.
 
 The grid (:func:`rounded_radius`): per row and chunk of :data:`RADIUS_CHUNK` columns, with ``R`` the chunk's
@@ -17,13 +17,15 @@ largest radius and ``e = floor(log2 R)``, ``q = 2^max(e - L, -1074)`` and ``r^ =
 chunk's sum is below ``128 2^(L + 1) (m_w / q_w) q q_w``: exact in float64 when ``L = 45 -
 ceil(log2(m_w / q_w))`` (:func:`radius_grid_bits`; 27 for E4M3 weights, 41 for E2M1). Weights with a wider
 ratio (``L < MIN_GRID_BITS``: E5M2, bf16 values), non-finite ones, block scales that change inside a chunk or a
-non-finite radius keep the ordered sums (:func:`moeref.compare.gemm_bounds.ordered_dot`).
+non-finite radius keep the ordered sums (:func:`moeref.compare.summation_order.ordered_dot`).
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
+
+from .summation_order import ordered_dot
 
 __all__ = ["RADIUS_CHUNK", "MIN_GRID_BITS", "radius_grid_bits", "rounded_radius", "exact_radius", "radius_dot",
            "chunk_scales_constant"]
@@ -138,9 +140,7 @@ def radius_dot(radius, w) -> np.ndarray:
     """``radius @ |W|^T`` (the operand's own uncertainty through the GEMM), float64 ``[M, N]``: with the grid
     (:func:`exact_radius`), per chunk of :data:`RADIUS_CHUNK` columns the exact sum ``sum r^ |w|`` over the
     element values, times the chunk's ``|scale_w|`` (one rounding), chunks added in order; otherwise
-    :func:`moeref.compare.gemm_bounds.ordered_dot` of the radius and ``|W|`` (the dequantized weights)."""
-    from .gemm_bounds import ordered_dot
-
+    :func:`moeref.compare.summation_order.ordered_dot` of the radius and ``|W|`` (the dequantized weights)."""
     radius = np.asarray(radius, dtype=np.float64)
     m, k = radius.shape
     n = w.values.shape[0]

@@ -18,9 +18,29 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .bounds import Profile, layer_bound
+from . import bounds
+from .bounds import LayerBound, Profile, _is_device_run, get_profile
 
-__all__ = ["Report", "compare", "conventional_checks", "metrics"]
+__all__ = ["Report", "compare", "conventional_checks", "layer_bound", "metrics"]
+
+
+def layer_bound(run, profile: Profile | str) -> LayerBound:
+    """Per-element bound ``[M, K]`` for a traced reference ``run`` (:func:`moeref.moe.run_moe`) of either
+    engine: a NumPy-engine run by the bound's definition (:func:`moeref.compare.bounds.layer_bound`), a
+    device-engine run (``run_moe`` with ``device=``) on its device
+    (:func:`moeref.compare.device.layer.device_layer_bound`: the same bound, bit for bit, as torch tensors;
+    that engine needs torch and Triton and is imported for such a run only). ``profile``: a
+    :class:`Profile` or its name in :data:`moeref.compare.PROFILES`."""
+    profile = get_profile(profile)
+    if _is_device_run(run):
+        from .device.layer import device_layer_bound  # torch and triton: imported for a device run only
+
+        if profile.bias_add != "epilogue" and (run.weights.b13 is not None or run.weights.b2 is not None):
+            raise ValueError(f"the device engine bounds bias_add='epilogue' only; profile {profile.name} declares "
+                             f"bias_add={profile.bias_add!r}: run the reference on the host (run_moe without "
+                             "device=) for this profile")
+        return device_layer_bound(run, profile)
+    return bounds.layer_bound(run, profile)
 
 
 def metrics(candidate, reference) -> dict:
@@ -291,7 +311,6 @@ def compare(candidate, reference, profile, *, label: str = "") -> Report:
     :class:`moeref.compare.faults.LayerCase`, run here), under the arithmetic ``profile`` declares (a
     :class:`Profile` or its name in :data:`moeref.compare.PROFILES`, e.g. ``"FP32_ACCUM"``)."""
     from .. import _interop
-    from .kernel_profiles import get_profile
 
     check_compare_args(candidate, reference)
     profile = get_profile(profile)

@@ -92,7 +92,7 @@ def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm",
         weights: a :class:`moeref.gemm.StackedExperts` of E4M3 codes with 128x128 scales on the device.
         promotion: ``"deepgemm"`` or ``"a_then_b"`` (:func:`moeref.gemm.hopper_fp8.promote`).
         values: optional float64 ``[R, K]`` E4M3 values used instead of ``a``'s elements (``a``'s scales
-            kept): the enumeration of uncertain codes (:mod:`moeref.compare.device_emulated`).
+            kept): the enumeration of uncertain codes (:mod:`moeref.compare.device.emulated`).
         scale_term: optional ``(ds, s_hi, coef)``: float64 ``[R, K/128]`` tensors and a float; then also
             returns ``st[r, n] = sum_b m_b ds[r, b] + coef * sum_b m_b s_hi[r, b]``, ``m_b = |acc_b| |sb_b|``
             (block accumulator ``acc_b``, weight scale ``sb_b`` as given, not rounded to FP32), sums in block

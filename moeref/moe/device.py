@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .._checks import check_token_rows
-from .._interop import to_device
+from .._interop import to_device, triton_interpreted
 from ..dispatch.grouping import group_slots
 from ..gemm.device import DeviceOperand, device_expert_rows_gemm, device_operand
 from ..gemm.stacked import StackedExperts
@@ -260,9 +260,7 @@ def run_moe_device(hidden, weights: MoEWeights, topk_weights, topk_ids, config: 
     cfg = config
     dev = torch.device(device) if device is not None else (hidden.device if torch.is_tensor(hidden)
                                                              else torch.device("cuda"))
-    import os
-
-    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if dev.type == "cpu" and not triton_interpreted():
         raise ValueError("the device engine on the CPU runs its Triton kernels under TRITON_INTERPRET=1 only (set it "
                          "before importing triton); for the host engine leave device unset")
     x = hidden if torch.is_tensor(hidden) else to_torch(np.asarray(hidden))

@@ -113,7 +113,7 @@ class ExpertsOutput:
     On the device engine: float64 tensors and a ``DeviceOperand``; ``valid`` stays a NumPy bool array.
 
     ``h_pre``: the exact GEMM1 output before the ``gemm1_out_dtype`` store (float64 ``[R, 2N]``), kept by the
-    device engine for its layer bound (:mod:`moeref.compare.device_layer` reads it instead of recomputing the
+    device engine for its layer bound (:mod:`moeref.compare.device.layer` reads it instead of recomputing the
     product; ``h`` itself when there is no store, so no extra memory then); None from the NumPy engine (its
     bound recomputes the GEMM)."""
 

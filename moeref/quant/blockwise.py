@@ -104,7 +104,7 @@ def scales_from_amax(amax: np.ndarray, scheme: Scheme, work, *, rule: Callable |
     """The scale step of :func:`quantize_blockwise` from the block amax grid (the preset's amax floor and
     zero-block rule, then ``rule`` or :func:`~moeref.quant.scale_rules.compute_scales` in the working
     dtype ``work``): ``(ScaleResult, RuleContext)``. Used alone by engines that reduce the amax elsewhere
-    (the device bound's re-quantization, :mod:`moeref.compare.device_requant`)."""
+    (the device bound's re-quantization, :mod:`moeref.compare.device.requant`)."""
     p = scheme.preset
     w = np.dtype(work)
     with np.errstate(invalid="ignore"):

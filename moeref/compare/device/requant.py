@@ -1,4 +1,4 @@
-"""Stage 4 of the device bound (:mod:`moeref.compare.device_layer`) on the device: the ``a2`` re-quantization
+"""Stage 4 of the device bound (:mod:`moeref.compare.device.layer`) on the device: the ``a2`` re-quantization
 of the bound's intermediate center and :func:`moeref.compare.stage_bounds.requant_uncertainty`, on float64
 torch tensors, with the NumPy stage's bits.
 
@@ -8,7 +8,7 @@ values), round-to-nearest-even elements and saturating overflow (:func:`device_r
 why not, and the layer bound then runs the stage on the host, as it always did).
 
 Two implementations, the same bits (``tests/test_requant_kernels.py``): by default two Triton passes over
-``[V, N]`` (:mod:`moeref.compare._requant_kernels`: one for the three amax grids, one after the host scale step
+``[V, N]`` (:mod:`moeref.compare.device._requant_kernels`: one for the three amax grids, one after the host scale step
 for the codes, ``unc`` and the flip count, each block's scales read from their grids, no expanded ``[V, N]``
 scale tensor); and the torch lines of :func:`_device_requant` (about 40 elementwise passes), for
 ``detail=True`` and for input the kernels do not take (not float64 ``[V, N]`` on CUDA, or on the CPU without
@@ -54,7 +54,7 @@ def _torch():
 
 
 def _scheme(quantizer):
-    from ..moe.config import Quantizer
+    from ...moe.config import Quantizer
 
     q = Quantizer.of(quantizer)
     return q, (None if q is None else q.scheme)
@@ -120,9 +120,9 @@ def _host_scales(amaxes, scheme):
     """Per amax grid (device tensors): ``(decode scale grid float64, factor grid float64, op)`` on the
     device through the host scale step; None if a decode scale is NaN."""
     torch = _torch()
-    from .._interop import to_device
-    from ..quant.blockwise import scales_from_amax
-    from ..quant.tensor import QuantizedTensor
+    from ..._interop import to_device
+    from ...quant.blockwise import scales_from_amax
+    from ...quant.tensor import QuantizedTensor
 
     dev = amaxes[0].device
     host = torch.stack(amaxes).cpu().numpy()  # one copy for the three grids
@@ -173,7 +173,7 @@ def _device_requant(x, dx, quantizer, *, detail: bool = False, kernels: bool | N
     """:func:`device_requant` by the Triton kernels (``kernels=True``; not with ``detail``) or the torch lines
     (``False``); ``None``: the kernels where they run (:func:`_kernels_usable`) and ``detail`` is off."""
     torch = _torch()
-    from ..gemm.device import DeviceOperand
+    from ...gemm.device import DeviceOperand
 
     if kernels is None:
         kernels = not detail and _kernels_usable(x, dx)

@@ -1,5 +1,5 @@
-"""Triton kernels of the device error bounds (:mod:`moeref.compare.device_bounds`): the per-element
-arithmetic of :func:`moeref.compare.gemm_bounds.ordered_dot`, :func:`aligned_adder_gemm_bound` and the
+"""Triton kernels of the device error bounds (:mod:`moeref.compare.device.bounds`): the per-element
+arithmetic of :func:`moeref.compare.summation_order.ordered_dot`, :func:`aligned_adder_gemm_bound` and the
 range walks of :func:`contiguous_tree_gemm_bound`, operation for operation.
 
 Compiled with ``enable_fp_fusion=False`` (no multiply-add contraction). Every float64 constant is read
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from ..summation_order import grouped_columns
 
 __all__ = ["ordered_dot_t", "adder_bound_t", "tree_walks_t", "CodedWeights"]
 
@@ -89,7 +91,7 @@ def _adder_kernel(a_ptr, rs_ptr, w_ptr, tab_ptr, sc_ptr, b_ptr, c_ptr, out_ptr, 
     ``rs``; the recurrence runs once per step. ``a``: records ``(value, radius)`` ``[P, MP, 2]`` in grouped
     column order; ``w``: float64 ``[G, K, N]``, or with ``CODES`` uint8 codes ``[G, K, N]`` read through the
     decode table ``tab`` and multiplied by the block scale ``sc`` ``[G, ceil(K / BK), N]`` (the decoded value:
-    one multiply, as :func:`moeref.compare.device_bounds._decode_kt`). The sums over chunks accumulate in
+    one multiply, as :func:`moeref.compare.device.operands._decode_kt`). The sums over chunks accumulate in
     ``out`` / ``tp`` / ``rt`` (zeros), not in registers."""
     g, rm, mm = _item(it_ptr, BM)
     w_ptr += g.to(tl.int64) * K * N
@@ -227,7 +229,7 @@ def _launch(it, bm: int, n: int):
 
 
 def ordered_dot_t(xt, wt, it, bm: int, chunk: int, step: int, *, abs_w: bool = False) -> torch.Tensor:
-    """``x @ w[g].T`` per item in :func:`~moeref.compare.gemm_bounds.ordered_dot`'s order; ``xt`` ``[K, M]``,
+    """``x @ w[g].T`` per item in :func:`~moeref.compare.summation_order.ordered_dot`'s order; ``xt`` ``[K, M]``,
     ``wt`` ``[G, K, N]`` float64 contiguous (``|wt|`` read if ``abs_w``), ``it`` :func:`items`. Returns
     ``[M, N]``."""
     k, m = (int(d) for d in xt.shape)
@@ -247,7 +249,7 @@ class CodedWeights:
     """Experts' weights ``[G, K, N]`` as :func:`adder_bound_t` reads them without a float64 copy: uint8 ``codes``
     (K-major), the float64 decode ``table`` ``[256]``, and ``scales`` float64 ``[G, ceil(K / bk), N]``: each scale
     block's multiplier repeated over its ``N`` columns. The weight is ``table[code] * scale``: one multiply, the
-    value :func:`moeref.compare.device_bounds._decode_kt` gives."""
+    value :func:`moeref.compare.device.operands._decode_kt` gives."""
 
     codes: object
     table: object
@@ -286,13 +288,11 @@ def adder_bound_t(av, radius, w, b_abs, consts, it, bm: int, *, chunk: int, mma:
     (``chunk`` and ``mma`` must then be its chunk and step: the caller's check). Returns ``(bound, term or
     None)``.
 
-    The rows go to the kernel in :func:`~moeref.compare.gemm_bounds.grouped_columns` order as 16-byte records
+    The rows go to the kernel in :func:`~moeref.compare.summation_order.grouped_columns` order as 16-byte records
     ``(value, radius)`` ``[P, M + BM, 2]`` (zeros at padding and past the last item's rows, so their loads need no
     mask) with their step summaries ``(largest |a| + r ignoring NaN, nonzero count)`` ``[P / mma, M + BM, 2]``
     (:func:`~moeref.compare.gemm_bounds.step_maxima`'s numbers); the weights' step summaries are taken in the
     kernel from the values it loads."""
-    from .gemm_bounds import grouped_columns
-
     m, k = (int(d) for d in av.shape)
     coded = isinstance(w, CodedWeights)
     wt = w.codes if coded else w

@@ -1,4 +1,4 @@
-"""Triton kernel of stage 3 of :func:`moeref.compare.device_layer._chunk_interval` for the SiLU-gated
+"""Triton kernel of stage 3 of :func:`moeref.compare.device.layer._chunk_interval` for the SiLU-gated
 activations: in one pass over ``h, dh [R, 2I]`` float64 it gives, bit for bit, what these torch lines give::
 
     x_pre = activation_values(act, h, lay, params)
@@ -22,7 +22,6 @@ Runs under ``TRITON_INTERPRET=1`` on CPU tensors.
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 
@@ -30,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import elementary
-from ..activations import ACTIVATIONS, W13_LAYOUTS
-from .stage_bounds import _CRITICAL
+from ... import elementary
+from ...activations import ACTIVATIONS, W13_LAYOUTS
+from ..stage_bounds import _CRITICAL
+from ._constants import float64_constants
 
 __all__ = ["gated_silu_stage_t", "SUPPORTED"]
 
@@ -52,18 +52,14 @@ _C_TAYLOR = tl.constexpr(23)  # 1/n! for n = 0..13
 
 
 def _consts(device: torch.device, act_unit: float, alpha: float, beta: float, b_abs: float, lim: float):
-    """The float64 constant table on ``device`` (cached by the parameters' exact bits: ``-0.0`` is not ``0.0``)."""
-    return _consts_hex(device, tuple(float(v).hex() for v in (act_unit, alpha, beta, b_abs, lim)))
-
-
-@functools.lru_cache(maxsize=64)
-def _consts_hex(device: torch.device, params: tuple):
+    """The float64 constant table on ``device`` (:func:`moeref.compare.device._constants.float64_constants`,
+    cached by the values' exact bits: ``-0.0`` is not ``0.0``)."""
     crit = [x for cv in _CRITICAL["silu"] for x in cv]
     vals = [elementary._INV_LN2, elementary._LN2_HI, elementary._LN2_LO, elementary._EXP_MIN - 1.0,
             elementary._EXP_MAX + 1.0, elementary._EXP_MAX, elementary._EXP_MIN, math.inf, math.nan, 0.0, 1.0,
-            1.5 * 2.0**52, *crit, 1.0 + 1e-9, 1e-15, *(float.fromhex(v) for v in params), *elementary._TAYLOR]
+            1.5 * 2.0**52, *crit, 1.0 + 1e-9, 1e-15, act_unit, alpha, beta, b_abs, lim, *elementary._TAYLOR]
     assert len(crit) == 4 and len(vals) == _C_TAYLOR.value + 14
-    return torch.tensor(vals, dtype=torch.float64, device=device)
+    return float64_constants(device, *vals)
 
 
 @triton.jit

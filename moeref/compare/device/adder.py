@@ -2,14 +2,14 @@
 and GEMM2's operand-radius term (:func:`moeref.compare.operand_radius.radius_dot`) on torch float64 tensors: the
 NumPy numbers bit for bit, each expert group in its form (:func:`moeref.compare.gemm_bounds.adder_form`):
 
-* exact and steps forms: every step sum exact, so on the float64 tensor cores (:mod:`moeref.compare._adder_mma`),
+* exact and steps forms: every step sum exact, so on the float64 tensor cores (:mod:`moeref.compare.device._adder_mma`),
   the weights read as their codes from the stack itself, all experts of a layer in one launch;
-* scaled form: the column-order kernel (:func:`moeref.compare._bound_kernels.adder_bound_t`), codes read through
+* scaled form: the column-order kernel (:func:`moeref.compare.device._bound_kernels.adder_bound_t`), codes read through
   the decode table where the weights have them;
 * the radius term from the bound's own kernel where it can give it, else per expert: exact chunk sums on the
-  radius's grid as float64 matrix products, or :func:`~moeref.compare._bound_kernels.ordered_dot_t`.
+  radius's grid as float64 matrix products, or :func:`~moeref.compare.device._bound_kernels.ordered_dot_t`.
 
-Called by :mod:`moeref.compare.device_bounds` (which holds the operands, the expert statistics and the other
+Called by :mod:`moeref.compare.device.bounds` (which holds the operands, the expert statistics and the other
 models).
 """
 from __future__ import annotations
@@ -19,11 +19,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .device_bounds import (
+from ..gemm_bounds import _MIN_NORMAL, adder_exact, adder_setup
+from ..summation_order import ORDER_CHUNK, ORDER_STEP
+from ._constants import float64_constants
+from .operands import (
     DeviceBlock,
     _chunk_scales,
     _codes_kt,
-    _consts,
     _finite,
     _kt,
     _or_zeros,
@@ -36,7 +38,6 @@ from .device_bounds import (
     _weights_kt,
     _with_parts,
 )
-from .gemm_bounds import ORDER_CHUNK, ORDER_STEP, _MIN_NORMAL, adder_exact, adder_setup
 
 __all__ = ["adder_bound", "radius_dots"]
 
@@ -57,7 +58,7 @@ def _adder_forms(a: DeviceBlock, counts, ws, st, radius) -> _Forms:
     """:func:`moeref.compare.gemm_bounds.adder_form` of each group (rows ``counts[g]`` of ``a`` against ``ws[g]``),
     from the same statistics: the rows' finiteness, quantum and largest value (:func:`_row_stats`), the experts'
     (:func:`_quantum_max`, from the codes present for stacked experts), finite scales and radius."""
-    from .operand_radius import RADIUS_CHUNK, chunk_scales_constant
+    from ..operand_radius import RADIUS_CHUNK, chunk_scales_constant
 
     torch = _torch()
     k = int(a.values.shape[1])
@@ -107,7 +108,7 @@ def _finite_scales(op) -> bool:
     torch = _torch()
     if not isinstance(op, _StackedExpert):
         return bool(torch.isfinite(op.scales).all())
-    from ..gemm.device import _cached_on
+    from ...gemm.device import _cached_on
 
     sc = op.stack.scales
     flags = _cached_on(sc, "_moeref_scales_finite",
@@ -118,20 +119,20 @@ def _finite_scales(op) -> bool:
 def adder_bound(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bool = False, center: bool = False):
     """:func:`moeref.compare.gemm_bounds.aligned_adder_gemm_bound`, operation for operation, each expert group in
     its form (:func:`_adder_forms`): the exact and steps forms on the float64 tensor cores
-    (:mod:`moeref.compare._adder_mma`), the scaled form in the column-order kernel
-    (:func:`~moeref.compare._bound_kernels.adder_bound_t`, from the weights' codes where they have them:
+    (:mod:`moeref.compare.device._adder_mma`), the scaled form in the column-order kernel
+    (:func:`~moeref.compare.device._bound_kernels.adder_bound_t`, from the weights' codes where they have them:
     :func:`_scaled_weights`). ``rterm`` (with a radius): ``(bound, radius term)``, the term
     (:func:`moeref.compare.operand_radius.radius_dot`'s numbers) from the bound's own kernel where it can give it
     (steps form with the radius's chunk as the promotion chunk; scaled form without the radius grid, with
-    :func:`~moeref.compare.gemm_bounds.ordered_dot`'s chunk and step), else :func:`_radius_dot` per expert.
+    :func:`~moeref.compare.summation_order.ordered_dot`'s chunk and step), else :func:`_radius_dot` per expert.
     ``center`` appends the product ``a W^T`` without bias (:func:`moeref.gemm.device.device_expert_rows_gemm`'s
     numbers) when the float64 tensor-core kernel gives it for every row (every group in the exact or steps form, the
     promotion chunk the product's segment), else None."""
     torch = _torch()
     from ._adder_mma import NORMAL_QUANTUM
-    from ..gemm.device import _segment
+    from ...gemm.device import _segment
     from ._bound_kernels import adder_bound_t, items
-    from .operand_radius import RADIUS_CHUNK
+    from ..operand_radius import RADIUS_CHUNK
 
     m, k = (int(d) for d in a.values.shape)
     n = int(ws[0].shape[0])
@@ -144,7 +145,7 @@ def adder_bound(a: DeviceBlock, counts, ws, profile, radius, b_abs, *, rterm: bo
     out = term = ctr = None  # made where a form holds only some rows (_put_rows)
     forms = _adder_forms(a, counts, ws, st, radius)
     starts = np.cumsum(counts) - np.asarray(counts)
-    consts = _consts(dev, 2.0 * profile.accum_unit, st.g_prom, 1.0 + 2.0**-40, _MIN_NORMAL, 1.0 + 1e-9, 1.0, 0.0)
+    consts = float64_constants(dev, 2.0 * profile.accum_unit, st.g_prom, 1.0 + 2.0**-40, _MIN_NORMAL, 1.0 + 1e-9, 1.0, 0.0)
     blk = torch.arange(-(-k // st.chunk), device=dev) * st.chunk
     termless = []  # groups whose radius term is computed apart (_radius_dot)
     # the product from the kernel: its chunks must be the product's segments
@@ -193,12 +194,12 @@ def _adder_elements(a, rows, cnt, wsel, forms, sel, radius, st, blk, b_sel, cons
                     normal: bool, center: bool):
     """The exact or steps form of the groups ``sel`` (rows ``rows``, ``cnt`` a group): the element values, their
     step summaries, the rounded radius (steps form), the signed chunk scales and the weights as
-    :func:`~moeref.compare._adder_mma.adder_mma_bound_t` reads them; ``fuse`` (its ``rterm``), ``normal`` and
+    :func:`~moeref.compare.device._adder_mma.adder_mma_bound_t` reads them; ``fuse`` (its ``rterm``), ``normal`` and
     ``center`` as it takes them. Returns its ``(bound, term, product)``."""
     torch = _torch()
     from ._adder_mma import EXACT_ROWS, TILE, adder_mma_bound_t, step_summaries
     from ._bound_kernels import items
-    from .operand_radius import rounded_radius
+    from ..operand_radius import rounded_radius
 
     dev = a.values.device
     n = int(wsel[0].shape[0])
@@ -227,7 +228,7 @@ def _adder_elements(a, rows, cnt, wsel, forms, sel, radius, st, blk, b_sel, cons
 
 def _experts_chunk_scales(wsel, n: int, blk, *, magnitude: bool = True):
     """``|scales|`` (the scales themselves without ``magnitude``) of experts ``wsel`` at each output row and each
-    chunk's first column, ``[G, N, NCH]`` in the scales' dtype (:func:`~moeref.compare.device_bounds._chunk_scales`
+    chunk's first column, ``[G, N, NCH]`` in the scales' dtype (:func:`~moeref.compare.device.operands._chunk_scales`
     of each expert, stacked): one gather from the stack's scales when they are experts of one
     :class:`StackedExperts`."""
     torch = _torch()
@@ -251,11 +252,11 @@ def _one_stack(wsel):
 
 
 def _mma_weights(wsel):
-    """:class:`~moeref.compare._adder_mma.MmaWeights` of the experts ``wsel``: the codes of their stack itself and
+    """:class:`~moeref.compare.device._adder_mma.MmaWeights` of the experts ``wsel``: the codes of their stack itself and
     their indices in it when they are experts of one :class:`StackedExperts` (no copy), else their float64 element
     values stacked ``[G, N, K]``."""
     torch = _torch()
-    from ..gemm.device import _table
+    from ...gemm.device import _table
     from ._adder_mma import MmaWeights
 
     st = _one_stack(wsel)
@@ -270,7 +271,7 @@ def _weight_grid_bits(w, k: int):
     """The radius grid's bits for expert ``w`` (:func:`moeref.compare.operand_radius.exact_radius`'s conditions on the
     weights: finite elements and scales, scales constant over each 128-column chunk, a wide enough grid), None where
     the grid does not apply; from the expert's statistics (no host sync for stacked experts)."""
-    from .operand_radius import RADIUS_CHUNK, chunk_scales_constant, radius_grid_bits
+    from ..operand_radius import RADIUS_CHUNK, chunk_scales_constant, radius_grid_bits
 
     if not (_finite(w) and _finite_scales(w) and chunk_scales_constant(k, w.block[1], RADIUS_CHUNK)):
         return None
@@ -285,10 +286,10 @@ def _radius_grid_applies(w, radius) -> bool:
 def _radius_dot(radius, w):
     """:func:`moeref.compare.operand_radius.radius_dot` of rows ``radius`` ``[R, K]`` against one expert ``w`` on the
     device: with the grid, each chunk's exact sum as a float64 matrix product (exact in any order), times the chunk's
-    ``|scale_w|``, chunks added in order; else :func:`~moeref.compare._bound_kernels.ordered_dot_t`."""
+    ``|scale_w|``, chunks added in order; else :func:`~moeref.compare.device._bound_kernels.ordered_dot_t`."""
     torch = _torch()
     from ._bound_kernels import items, ordered_dot_t
-    from .operand_radius import RADIUS_CHUNK, rounded_radius
+    from ..operand_radius import RADIUS_CHUNK, rounded_radius
 
     r, k = (int(d) for d in radius.shape)
     n = int(w.shape[0])
@@ -308,7 +309,7 @@ def _radius_dot(radius, w):
 
 
 def _scaled_weights(ws, sel):
-    """The scaled form's weights of experts ``sel``: :class:`~moeref.compare._bound_kernels.CodedWeights` when they
+    """The scaled form's weights of experts ``sel``: :class:`~moeref.compare.device._bound_kernels.CodedWeights` when they
     are experts of one :class:`StackedExperts` (their codes, the decode table and the block scales: no float64
     copy), else float64 ``[G, K, N]`` (:func:`_weights_kt`)."""
     torch = _torch()
@@ -316,7 +317,7 @@ def _scaled_weights(ws, sel):
     w = _one_stack(items)
     if w is None:
         return _weights_kt(ws, sel)
-    from ..gemm.device import _table
+    from ...gemm.device import _table
     from ._bound_kernels import CodedWeights
 
     experts = [x.e for x in items]

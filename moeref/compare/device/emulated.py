@@ -12,7 +12,7 @@ tensors, the same ``(center, radius)`` bit for bit.
   combination of the expert's largest count on all its rows; the surplus combinations of a row with fewer
   uncertain codes repeat one of its own, so taking only a row's own ``2^n`` combinations gives the same
   maximum. Any other uncertain row: the distance from the center to the exact product, ``|W| a_radius`` and
-  the data-dependent bound (:mod:`moeref.compare.device_bounds`, the host's bits);
+  the data-dependent bound (:mod:`moeref.compare.device.bounds`, the host's bits);
 * the bias: added in float64 after the product, radius ``u_fp32 (|center| + radius)``.
 
 Work: one emulator launch for the centers, one for the rows without an uncertain code, and one per
@@ -24,8 +24,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from . import bounds as _host
-from .bounds import gamma
+from .. import bounds as _host
+from ..bounds import gamma
+from .bounds import device_rows_error_bound
 
 __all__ = ["device_emulated_gemm"]
 
@@ -41,12 +42,11 @@ def device_emulated_gemm(a, a_radius, row_expert, weights, bias, profile, codes=
     :class:`moeref.gemm.device.DeviceOperand` ``[R, K]`` (E4M3, 1x128 scales), ``a_radius`` float64 ``[R, K]``
     or None, ``row_expert`` int ``[R]`` (NumPy), ``weights`` a device :class:`moeref.gemm.StackedExperts` (E4M3,
     128x128 scales), ``bias`` float64 ``[E, N]`` or None, ``codes`` the dict of
-    :func:`moeref.compare.device_requant.device_requant` with ``detail=True`` (float64 ``[R, K]`` tensors).
+    :func:`moeref.compare.device.requant.device_requant` with ``detail=True`` (float64 ``[R, K]`` tensors).
     Returns ``(center, radius)``, float64 ``[R, N]`` tensors."""
     torch = _torch()
-    from ..gemm.device import device_expert_rows_gemm
-    from ..gemm.device_hopper_fp8 import device_deepgemm_rows
-    from .device_bounds import device_rows_error_bound
+    from ...gemm.device import device_expert_rows_gemm
+    from ...gemm.device_hopper_fp8 import device_deepgemm_rows
 
     rows = np.asarray(row_expert, dtype=np.int64)
     promotion = profile.promotion_order
@@ -90,7 +90,7 @@ def _adjacent_e4m3(lo, hi):
 def _enumerate_codes(a, codes, rows, unsure, weights, profile, center, radius) -> np.ndarray:
     """Fills ``radius`` (in place) on the rows it can enumerate (module docstring); returns their mask."""
     torch = _torch()
-    from ..gemm.device_hopper_fp8 import device_deepgemm_rows
+    from ...gemm.device_hopper_fp8 import device_deepgemm_rows
 
     dev = center.device
     lo, hi = codes["code_lo"], codes["code_hi"]

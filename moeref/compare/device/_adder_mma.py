@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..summation_order import grouped_columns
 from ._bound_kernels import _grid, _item
 
 __all__ = ["adder_mma_bound_t", "MmaWeights", "MmaTile", "TILE", "EXACT_ROWS", "NORMAL_QUANTUM", "power_tables",
@@ -64,7 +65,7 @@ bytes at it (8 warps spill less and ran 1.2-1.9x slower: docs/data/adder_mma_swe
 at each call (a benchmark may set it)."""
 
 EXACT_ROWS = (16, 32)
-"""Rows an item may hold in the exact form, chosen per launch by :func:`~moeref.compare._bound_kernels.items`'s cost
+"""Rows an item may hold in the exact form, chosen per launch by :func:`~moeref.compare.device._bound_kernels.items`'s cost
 model (many rows an expert: 32, which ran 1.2x faster at 4096 tokens; few: 16). The steps form keeps
 :data:`TILE`'s rows (32 spills more there and ran slower)."""
 
@@ -127,7 +128,7 @@ def _opaque(code, GPU: tl.constexpr):
 
 @triton.jit
 def _grid_of(x, wide, min_normal, NORMAL: tl.constexpr):
-    """:func:`~moeref.compare._bound_kernels._grid` of ``x >= 0``; with ``NORMAL`` (every nonzero ``x`` is at least
+    """:func:`~moeref.compare.device._bound_kernels._grid` of ``x >= 0``; with ``NORMAL`` (every nonzero ``x`` is at least
     ``2^-1001``: :func:`adder_mma_bound_t`) the exponent bits alone, which are its value there and 0 for 0."""
     if NORMAL:
         return ((x * wide).to(tl.int64, bitcast=True) & 0x7FF0000000000000).to(tl.float64, bitcast=True)
@@ -346,10 +347,8 @@ def power_tables(table, w_offsets, lam: int):
 
 def step_summaries(x_abs: torch.Tensor, k: int, chunk: int, mma: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(largest, nonzero count)`` of each MMA step of ``x_abs`` (float64 ``[R, K]``, >= 0, finite) in
-    :func:`~moeref.compare.gemm_bounds.grouped_columns` order: float64 ``[NS, R]`` each
+    :func:`~moeref.compare.summation_order.grouped_columns` order: float64 ``[NS, R]`` each
     (:func:`~moeref.compare.gemm_bounds.step_maxima`'s numbers)."""
-    from .gemm_bounds import grouped_columns
-
     r = int(x_abs.shape[0])
     cols = grouped_columns(k, chunk, mma)
     ns = cols.shape[0] * cols.shape[1]
@@ -369,7 +368,7 @@ def adder_mma_bound_t(av, r_hat, summaries, w: MmaWeights, sa, sw, b_abs, offset
     (exact form) or of the scaled ``|a| + r^`` (steps form); ``sa`` ``[R, NCH]`` / ``sw`` ``[G, N, NCH]`` chunk
     scales (signed: the bound takes their magnitudes), ``b_abs`` ``[G, N]``; ``offsets`` int32 ``[G, 2]`` (the largest exponent of each group's rows and
     of its weights; exact form); ``consts`` and ``it`` (at most ``tile.rows`` rows an item; :data:`TILE` by default) as
-    :func:`~moeref.compare._bound_kernels.adder_bound_t`'s. With ``rterm`` (steps form) also the radius term, the sum
+    :func:`~moeref.compare.device._bound_kernels.adder_bound_t`'s. With ``rterm`` (steps form) also the radius term, the sum
     over chunks of ``(sum r^ |w|) |sw|`` (:func:`moeref.compare.operand_radius.radius_dot`'s numbers when ``chunk``
     is its chunk). With ``center`` also the product ``a W^T`` as :func:`moeref.gemm.device.device_expert_rows_gemm`
     computes it (without bias) when ``chunk`` is its segment: the exact chunk sums the bound forms anyway, times the

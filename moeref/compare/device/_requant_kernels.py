@@ -1,4 +1,4 @@
-"""Triton kernels of :func:`moeref.compare.device_requant.device_requant`: its torch lines, bit for bit, in two
+"""Triton kernels of :func:`moeref.compare.device.requant.device_requant`: its torch lines, bit for bit, in two
 passes over ``x, dx`` float64 ``[V, N]``.
 
 * :func:`amax_grids_t` mirrors the three ``_amax_grid`` calls (``|x|``, ``|x| + dx``, ``clamp(|x| - dx, min=0)``;
@@ -19,17 +19,17 @@ passes over ``x, dx`` float64 ``[V, N]``.
 
 Compiled with ``enable_fp_fusion=False`` (no FMA contraction); every float64 constant (``1 +- 2^-21``, ``2^-20``,
 ``1e-300``, ``1.5 * 2^52``, ``max_finite``, ``2^(man_bits - emin)``, Inf, NaN) is read from a float64 tensor
-(:func:`_consts`): Triton types a Python float as float32. Runs on CUDA tensors, and on CPU tensors under
+(:func:`_consts`, :func:`moeref.compare.device._constants.float64_constants`): Triton types a Python float as float32. Runs on CUDA tensors, and on CPU tensors under
 ``TRITON_INTERPRET=1`` (CI).
 """
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from ..._interop import triton_interpreted
+from ._constants import float64_constants
 
 __all__ = ["usable", "amax_grids_t", "requant_t"]
 
@@ -37,10 +37,9 @@ _C_HI, _C_LO, _C_W20, _C_TINY, _C_MAGIC, _C_MAXF, _C_SUB, _C_INF, _C_NAN = (tl.c
 _TILE = 1024  # elements of one program's tile
 
 
-@functools.lru_cache(maxsize=16)
 def _consts(device: torch.device, max_finite: float, sub: float):
-    vals = [1 + 2.0**-21, 1 - 2.0**-21, 2.0**-20, 1e-300, 1.5 * 2.0**52, max_finite, sub, float("inf"), float("nan")]
-    return torch.tensor(vals, dtype=torch.float64, device=device)
+    return float64_constants(device, 1 + 2.0**-21, 1 - 2.0**-21, 2.0**-20, 1e-300, 1.5 * 2.0**52, max_finite, sub,
+                             float("inf"), float("nan"))
 
 
 def usable(x, dx) -> bool:
@@ -52,7 +51,7 @@ def usable(x, dx) -> bool:
         return False
     if x.device != dx.device or x.numel() == 0:
         return False
-    return x.device.type == "cuda" or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return x.device.type == "cuda" or (x.device.type == "cpu" and triton_interpreted())
 
 
 @triton.jit

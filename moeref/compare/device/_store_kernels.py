@@ -1,5 +1,5 @@
-"""One Triton pass for :func:`moeref.compare.device_layer.device_store_interval`: the bits of its torch definition
-(:func:`~moeref.compare.device_layer.store_interval_torch`).
+"""One Triton pass for :func:`moeref.compare.device.layer.device_store_interval`: the bits of its torch definition
+(:func:`store_interval_torch`, below).
 
 Per element, from ``value`` ``v`` and ``radius`` ``r`` (float64), as the torch function:
 
@@ -47,14 +47,16 @@ layout (16-byte vector accesses, no layout conversion through shared memory).
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["store_interval_t"]
+from ..._interop import triton_interpreted
+from ._constants import float64_constants
+
+__all__ = ["store_interval_t", "store_interval_torch"]
 
 _BLOCK, _WARPS = 1024, 16
 _NAMES = {1: "float64", 2: "float32", 3: "bfloat16", 4: "float16"}
@@ -122,12 +124,31 @@ def _store_kernel(v_ptr, r_ptr, c_ptr, center_ptr, half_ptr, flip_ptr, n, MODE: 
         tl.store(flip_ptr + offs, lo != hi, mask=m)
 
 
+def store_interval_torch(value, radius, dtype: str | None, unit: float = 0.0):
+    """:func:`moeref.compare.device.layer.device_store_interval` as torch operations, one per NumPy operation of
+    :func:`moeref.compare.bounds.store_interval`: the definition the one-pass kernel follows bit for bit."""
+    from ...moe.device import round_on_device
+
+    if dtype is None:
+        return value, radius + unit * (value.abs() + radius), torch.zeros(value.shape, dtype=torch.bool,
+                                                                           device=value.device)
+    wide = radius * (1.0 + 2.0**-40) + value.abs() * 2.0**-52
+    lo = round_on_device(value - wide, dtype)
+    hi = round_on_device(value + wide, dtype)
+    center = 0.5 * lo + 0.5 * hi
+    half = 0.5 * hi - 0.5 * lo
+    bad = ~torch.isfinite(half) & torch.isfinite(value)
+    center = torch.where(bad, value, center)
+    half = torch.where(bad, torch.full_like(half, float("inf")), half)
+    return center, half, lo != hi
+
+
 def _mode(dtype) -> int:
     """0 for ``None``; else the rounding of :func:`moeref.moe.device.round_on_device`: the same checks,
     the same error for a dtype it does not store."""
     if dtype is None:
         return 0
-    from ..moe.pipeline import _dtype
+    from ...moe.pipeline import _dtype
 
     dt = _dtype(dtype)
     if dt == np.float64:
@@ -147,7 +168,7 @@ def _nan_image(device: str, mode: int) -> int | None:
     them all one NaN; else None (a synchronizing probe, once per device and dtype)."""
     if mode == 0:
         return None
-    from ..moe.device import round_on_device
+    from ...moe.device import round_on_device
 
     bits = torch.tensor(np.array(_PROBE_NANS, np.uint64).view(np.int64), device=device)
     out = set(round_on_device(bits.view(torch.float64), _NAMES[mode]).view(torch.int64).tolist())
@@ -156,14 +177,15 @@ def _nan_image(device: str, mode: int) -> int | None:
 
 @functools.lru_cache(maxsize=64)
 def _consts(device: str, unit: float, mode: int):
+    """The kernel's float64 constants (the last: the probed NaN image's bits, 0 without one) and whether there is
+    an image."""
     img = _nan_image(device, mode)
-    vals = np.array([unit, 1.0 + 2.0**-40, 2.0**-52, 0.5, np.inf, 0.0], np.float64).view(np.int64)
-    vals[5] = 0 if img is None else img
-    return torch.tensor(vals, device=device).view(torch.float64), img is not None
+    nan_img = 0.0 if img is None else float(np.array([img], np.int64).view(np.float64)[0])  # its bits kept
+    return float64_constants(device, unit, 1.0 + 2.0**-40, 2.0**-52, 0.5, np.inf, nan_img), img is not None
 
 
 def store_interval_t(value, radius, dtype, unit: float = 0.0):
-    """:func:`moeref.compare.device_layer.store_interval_torch` in one Triton pass: ``(center, half,
+    """:func:`store_interval_torch` in one Triton pass: ``(center, half,
     flipped)``, the same bits. ``value``, ``radius``: float64 tensors of one shape on one device (made
     contiguous). Anything else (another dtype or shape, CPU tensors without ``TRITON_INTERPRET=1``) runs
     the torch function itself."""
@@ -171,9 +193,7 @@ def store_interval_t(value, radius, dtype, unit: float = 0.0):
     if (not isinstance(value, torch.Tensor) or not isinstance(radius, torch.Tensor)
             or value.dtype != torch.float64 or radius.dtype != torch.float64 or value.shape != radius.shape
             or value.device != radius.device
-            or (value.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1")):
-        from .device_layer import store_interval_torch
-
+            or (value.device.type == "cpu" and not triton_interpreted())):
         return store_interval_torch(value, radius, dtype, unit)
     v, r = value.contiguous(), radius.contiguous()
     flipped = torch.empty(v.shape, dtype=torch.bool, device=v.device)

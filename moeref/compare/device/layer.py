@@ -11,21 +11,21 @@ Stage by stage, what runs where:
   aligned-adder kernel, which forms the exact chunk sums anyway (``device_rows_error_bound(center=True)``:
   scaled and added in chunk order as the engine does, the same bits), else computed here; under
   an emulated profile (``accum_model="emulated"``) both GEMMs' centers and radii come from
-  :mod:`moeref.compare.device_emulated` (the kernel predicted bit for bit);
-* GEMM error bounds and the operand-radius term: :mod:`moeref.compare.device_bounds` (Triton kernels,
+  :mod:`moeref.compare.device.emulated` (the kernel predicted bit for bit);
+* GEMM error bounds and the operand-radius term: :mod:`moeref.compare.device.bounds` (Triton kernels,
   the declared summation orders of :mod:`moeref.compare.gemm_bounds`);
 * stores: :func:`moeref.moe.device.round_on_device` (the NumPy casts' roundings), the interval in one pass of
-  :mod:`moeref.compare._store_kernels` (the operations of :func:`store_interval_torch`);
+  :mod:`moeref.compare.device._store_kernels` (the operations of its torch definition, :func:`~moeref.compare.device._store_kernels.store_interval_torch`);
 * activation and its Lipschitz bound: the portable elementary functions (:mod:`moeref.elementary`), for the
-  SiLU-gated activations in one pass of :mod:`moeref.compare._activation_kernels` (the same operations);
+  SiLU-gated activations in one pass of :mod:`moeref.compare.device._activation_kernels` (the same operations);
 * the flip-aware re-quantization of the intermediate (:func:`requant_uncertainty`), valid rows only: on the
-  device (:mod:`moeref.compare.device_requant`: FP8 blockwise schemes; only the block amax grids go to the
+  device (:mod:`moeref.compare.device.requant`: FP8 blockwise schemes; only the block amax grids go to the
   host, through the quantizer's own scale step), else on the host (its quantizer and format rounding; the
   operand goes back to the device);
 * flip counts: 0-d device tensors, read once per layer bound; the routing's index arrays go to the device
   through page-locked copies queued on the stream (:func:`moeref._interop.to_device`), not host waits;
 * finalize: the slot-order loop of :func:`moeref.dispatch.weight_and_reduce`, for the center, the radius and the
-  magnitude in one pass (:mod:`moeref.compare._reduce_kernels`).
+  magnitude in one pass (:mod:`moeref.compare.device._reduce_kernels`).
 """
 from __future__ import annotations
 
@@ -33,14 +33,16 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..bounds import LayerBound, Profile, assemble_layer_bound, gamma
+from ..stage_bounds import activation_error, activation_magnitude, requant_uncertainty
 from ._activation_kernels import gated_silu_stage_t
 from ._reduce_kernels import weighted_slot_sums_t
-from .bounds import LayerBound, Profile, assemble_layer_bound, gamma
-from .device_bounds import device_rows_error_bound
-from .device_requant import device_requant, device_requant_unavailable
-from .stage_bounds import activation_error, activation_magnitude, requant_uncertainty
+from ._store_kernels import store_interval_t, store_interval_torch
+from .bounds import _n_out, device_rows_error_bound
+from .emulated import device_emulated_gemm
+from .requant import device_requant, device_requant_unavailable
 
-__all__ = ["device_layer_bound", "device_store_interval"]
+__all__ = ["device_layer_bound", "device_store_interval", "store_interval_torch"]
 
 
 def _torch():
@@ -51,42 +53,20 @@ def _torch():
 
 def device_store_interval(value, radius, dtype: str | None, unit: float = 0.0):
     """:func:`moeref.compare.bounds.store_interval` on float64 tensors (the same operations): ``(center, half,
-    flipped)``, in one Triton pass (:func:`moeref.compare._store_kernels.store_interval_t`, which runs
-    :func:`store_interval_torch` where it does not apply)."""
-    from ._store_kernels import store_interval_t
-
+    flipped)``, in one Triton pass (:func:`moeref.compare.device._store_kernels.store_interval_t`, which runs
+    its torch definition :func:`~moeref.compare.device._store_kernels.store_interval_torch` where it does not apply)."""
     return store_interval_t(value, radius, dtype, unit)
-
-
-def store_interval_torch(value, radius, dtype: str | None, unit: float = 0.0):
-    """:func:`device_store_interval` as torch operations, one per NumPy operation of
-    :func:`moeref.compare.bounds.store_interval`: the definition the one-pass kernel follows bit for bit."""
-    torch = _torch()
-    from ..moe.device import round_on_device
-
-    if dtype is None:
-        return value, radius + unit * (value.abs() + radius), torch.zeros(value.shape, dtype=torch.bool,
-                                                                           device=value.device)
-    wide = radius * (1.0 + 2.0**-40) + value.abs() * 2.0**-52
-    lo = round_on_device(value - wide, dtype)
-    hi = round_on_device(value + wide, dtype)
-    center = 0.5 * lo + 0.5 * hi
-    half = 0.5 * hi - 0.5 * lo
-    bad = ~torch.isfinite(half) & torch.isfinite(value)
-    center = torch.where(bad, value, center)
-    half = torch.where(bad, torch.full_like(half, float("inf")), half)
-    return center, half, lo != hi
 
 
 def _chunk_interval(p, e, weights, profile: Profile, cfg):
     """:func:`moeref.compare.bounds._chunk_interval` of a device chunk (``p``/``e``: the device engine's
     :class:`~moeref.moe.Prepared` / :class:`~moeref.moe.ExpertsOutput` holding device tensors; ``weights`` on the device)."""
     torch = _torch()
-    from .._interop import to_device, to_numpy
-    from ..gemm import StackedExperts
-    from ..gemm.device import add_expert_bias, device_operand
-    from ..moe.device import _weights_gemm
-    from ..moe.pipeline import _activation, _run_quantizer
+    from ..._interop import to_device, to_numpy
+    from ...gemm import StackedExperts
+    from ...gemm.device import add_expert_bias, device_operand
+    from ...moe.device import _weights_gemm
+    from ...moe.pipeline import _activation, _run_quantizer
 
     valid = e.valid
     rows = p.row_expert
@@ -100,10 +80,8 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg):
     vt, vi = to_device(valid, dev), to_device(vidx, dev)
     act, params, lay = cfg.activation, cfg.activation_params, weights.w13_layout
     # stage 1-2: GEMM1 and its store
-    emulated = profile.accum_model == "emulated"  # a known kernel: moeref.compare.device_emulated
+    emulated = profile.accum_model == "emulated"  # a known kernel: moeref.compare.device.emulated
     if emulated:
-        from .device_emulated import device_emulated_gemm
-
         h_pre, dh = device_emulated_gemm(p.a, None, rows, weights.w13, weights.b13, profile)
     else:  # the run's own exact product (the device engine keeps it), else computed here
         h_pre = e.h_pre if e.h_pre is not None else _weights_gemm(p.a, rows, weights.w13, weights.b13)
@@ -209,17 +187,11 @@ def _same_operand(a, b) -> bool:
     return bool(same.item())
 
 
-def _n_out(w) -> int:
-    from .device_bounds import _n_out as n_out
-
-    return n_out(w)
-
-
 def device_layer_bound(run, profile: Profile) -> LayerBound:
     """:func:`moeref.compare.layer_bound` of a device run: ``bound``, ``center`` and ``radius`` are float64
     tensors on the run's device."""
     torch = _torch()
-    from ..moe.device import device_weights
+    from ...moe.device import device_weights
 
     out = run.output
     lb = assemble_layer_bound(run, profile, _chunk_interval, out.to(torch.float64),

@@ -1,5 +1,5 @@
 """Per-row statistics of a float64 operand in one pass (Triton): what the device bounds ask of an operand's rows
-before choosing a form (:func:`moeref.compare.device_bounds._row_stats`).
+before choosing a form (:func:`moeref.compare.device.operands._row_stats`).
 
 Per row of ``values`` ``[R, K]``, all from the bits, so exact on every engine (the interpreter in CI, the GPU):
 

@@ -1,5 +1,5 @@
 """The device bound's top-k weighted sums in one pass (Triton): the center, the propagated radius and the magnitude
-of :func:`moeref.compare.device_layer._chunk_interval`'s stage 6, each :func:`moeref.dispatch.weight_and_reduce`'s
+of :func:`moeref.compare.device.layer._chunk_interval`'s stage 6, each :func:`moeref.dispatch.weight_and_reduce`'s
 slot-order loop to float64, bit for bit.
 
 Per token ``t`` and output column, for ``j = 0 .. k-1`` in order, from ``+0.0``::

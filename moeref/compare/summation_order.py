@@ -1,0 +1,68 @@
+"""The declared summation order of a float64 dot product, so every engine gets the same bits: :func:`ordered_dot`
+(``x @ w.T`` in chunks of :data:`ORDER_CHUNK` columns cut into steps of :data:`ORDER_STEP`) and the column
+grouping it and the aligned-adder bound read (:func:`grouped_columns`).
+
+A float64 sum's bits depend on its order; the bounds that sum in float64 (the worst-case and contiguous-tree
+models of :mod:`moeref.compare.gemm_bounds`, the operand radius of :mod:`moeref.compare.operand_radius` where its
+grid does not apply) declare this order, and the device engine (:mod:`moeref.compare.device.bounds`, the kernels
+of :mod:`moeref.compare.device._bound_kernels` and :mod:`moeref.compare.device._adder_mma`) follows it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["ORDER_CHUNK", "ORDER_STEP", "grouped_columns", "ordered_dot"]
+
+_BLOCK_ELEMS = 1 << 22  # elements of the [rows, N, K] product tensor held at once
+
+
+ORDER_CHUNK = 128
+ORDER_STEP = 32
+"""The summation order of :func:`ordered_dot` (chunks of 128 columns, steps of 32)."""
+
+
+def grouped_columns(k: int, chunk: int, step: int) -> np.ndarray:
+    """Column index of every (chunk, step, lane) position, ``[nch, steps, step]``, -1 on padding:
+    chunk ``i`` holds columns ``[i chunk, min((i + 1) chunk, k))``, cut into steps of ``step``."""
+    c = max(1, min(chunk, max(k, 1)))
+    steps = -(-c // step)
+    nch = -(-max(k, 1) // c)
+    pos = np.arange(steps * step)
+    cols = np.arange(nch)[:, None] * c + pos[None, :]
+    cols = np.where((pos[None, :] < c) & (cols < k), cols, -1)
+    return cols.reshape(nch, steps, step)
+
+
+def _gather_cols(x: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """``[R, K] -> [R, nch, steps, step]`` (zeros at padding)."""
+    return np.where(cols >= 0, x[:, np.maximum(cols, 0)], 0.0)
+
+
+def ordered_dot(x, w, chunk: int = ORDER_CHUNK, step: int = ORDER_STEP) -> np.ndarray:
+    """``x @ w.T`` (float64 ``[M, K]``, ``[N, K]``) summed in a declared order, so every engine gets the
+    same bits (the device bounds, :mod:`moeref.compare.device.bounds`): per chunk of ``chunk`` columns
+    and step of ``step`` columns, ``t = +0.0; t = t + x_k w_k`` in column order, the chunk's
+    ``S = S + t`` over its steps, then ``total = total + S`` over the chunks, every operation rounded."""
+    x = np.asarray(x, dtype=np.float64)
+    w = np.asarray(w, dtype=np.float64)
+    m, k = x.shape
+    n = w.shape[0]
+    out = np.zeros((m, n))
+    if m == 0 or n == 0 or k == 0:
+        return out
+    cols = grouped_columns(k, chunk, step)
+    xg, wg = _gather_cols(x, cols), _gather_cols(w, cols)
+    rb = max(1, _BLOCK_ELEMS // max(1, n * cols.size))
+    for r0 in range(0, m, rb):
+        r1 = min(r0 + rb, m)
+        t = np.zeros((r1 - r0, n) + cols.shape[:2])
+        for i in range(cols.shape[2]):  # column order within a step
+            t = t + xg[r0:r1, None, :, :, i] * wg[None, :, :, :, i]
+        s = np.zeros(t.shape[:3])
+        for j in range(cols.shape[1]):
+            s = s + t[..., j]
+        tot = np.zeros((r1 - r0, n))
+        for c in range(cols.shape[0]):
+            tot = tot + s[..., c]
+        out[r0:r1] = tot
+    return out
