@@ -78,6 +78,7 @@ __all__ = [
 
 DISPATCH_MODES = ("normal", "low_latency")
 COMBINE_ORDERS = ("slot", "rank")
+ENGINES = ("host", "device")
 _HEAD = 10  # ok, placement fp, ep_size, T, k, H, payload fp, M, bound, mode
 
 
@@ -94,6 +95,7 @@ class CombineHandle:
     return_index: np.ndarray
     return_counts: np.ndarray
     rows_from: np.ndarray
+    engine: str = "host"
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,6 +115,7 @@ class NormalDispatch:
     rank_prefix_matrix: np.ndarray
     num_recv_tokens_per_expert: np.ndarray
     handle: CombineHandle
+    engines: tuple = ()
 
     @property
     def num_recv(self) -> int:
@@ -143,6 +146,7 @@ class LowLatencyDispatch:
     src_rank: np.ndarray
     layout_range: np.ndarray
     handle: CombineHandle
+    engines: tuple = ()
 
     @property
     def num_local_experts(self) -> int:
@@ -165,6 +169,8 @@ def _check_quant(quant, x: np.ndarray):
     if any(b != 1 for b in quant.block[:-1]):
         raise ValueError(f"dispatch quantization must be row-local (blocks (1, g)); {quant.name!r} has block "
                          f"{quant.block}")
+    if x is None:  # the scheme's checks only (the device engine quantizes with the fast path)
+        return None
     qt = quantize(x, quant)
     if qt.global_scale is not None or qt.channel_scales is not None or qt.zero_points is not None:
         raise ValueError(f"dispatch quantization must carry only per-block scales; {quant.name!r} has a global "
@@ -214,7 +220,7 @@ def _agree(g: EPGroup, local_fn, placement: EPPlacement, mode: str, bound: int):
 
 def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: EPGroup, *, mode: str = "normal",
                 quant=None, max_tokens_per_rank: int | None = None, max_recv_tokens: int | None = None,
-                pad_to_max_recv: bool = False, expert_alignment: int = 1):
+                pad_to_max_recv: bool = False, expert_alignment: int = 1, engine: str = "host"):
     """Send this rank's tokens to the ranks owning their experts; return the receive buffers.
 
     Args:
@@ -234,23 +240,36 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
             ``num_worst_tokens``: the real rows first, then padding rows with ``topk_idx = -1``,
             weight 0, ``src_rank = src_token = -1`` and zero payload.
         expert_alignment: rounds ``num_recv_tokens_per_expert`` up (DeepEP), normal mode only.
+        engine: ``"host"`` (NumPy arrays in and out) or ``"device"`` (torch tensors on ``group.device``, the
+            same results bit for bit: :mod:`moeref.distributed.device`); :func:`ep_combine` follows the
+            dispatch's engine.
 
     Every rank raises the same ``ValueError``/``TypeError`` for a bad input on any rank; a peer that
     never joins raises :class:`~moeref.distributed.EPTimeoutError` after the group's timeout.
     """
     check_choice(mode, DISPATCH_MODES, "mode")
+    check_choice(engine, ENGINES, "engine")
     expert_alignment = check_positive_int(expert_alignment, "expert_alignment")
     bound = -1 if max_recv_tokens is None else check_positive_int(max_recv_tokens, "max_recv_tokens", allow_zero=True)
     if pad_to_max_recv and (mode != "normal" or bound < 0):
         raise ValueError("pad_to_max_recv=True needs mode='normal' and max_recv_tokens (the padded size)")
 
     def local():
-        x = as_float_array(hidden, "hidden")
+        if engine == "device":
+            from .device import device_send_plan, float_name, quantize_rows, to_group_device
+
+            x = to_group_device(hidden, group.device, "hidden", kind="float")
+            name = float_name(x)
+        else:
+            x = as_float_array(hidden, "hidden")
+            name = str(x.dtype)
         check_ndim(x, 2, "hidden")
-        name = str(x.dtype)
         if name not in _FLOAT_DTYPES:
             raise TypeError(f"hidden must be one of {', '.join(_FLOAT_DTYPES)}; got {name}")
-        plan = send_plan(topk_ids, topk_weights, placement)
+        if engine == "device":
+            plan = device_send_plan(topk_ids, topk_weights, placement, group.device)
+        else:
+            plan = send_plan(topk_ids, topk_weights, placement)
         if plan.num_tokens != x.shape[0]:
             raise ValueError(f"hidden has {x.shape[0]} tokens but topk_ids has {plan.num_tokens}")
         m = -1
@@ -260,10 +279,14 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
                 raise ValueError(f"{x.shape[0]} tokens on this rank, more than max_tokens_per_rank={m}")
         elif mode == "low_latency":
             raise ValueError("mode='low_latency' needs max_tokens_per_rank (the masked buffers have R*M rows)")
-        qt = None if quant is None else _check_quant(quant, x)
+        if engine == "device":
+            qt = None if quant is None else quantize_rows(x, quant, _check_quant)
+            w = to_group_device(topk_weights, group.device, "topk_weights", kind="float")
+        else:
+            qt = None if quant is None else _check_quant(quant, x)
+            w = np.asarray(as_float_array(topk_weights, "topk_weights"))
         payload = _digest(name, None if quant is None else (quant.name, quant.block, quant.scale_format))
-        return dict(T=x.shape[0], k=plan.top_k, H=x.shape[1], payload=payload, M=m, x=x, qt=qt, plan=plan,
-                    w=np.asarray(as_float_array(topk_weights, "topk_weights")))
+        return dict(T=x.shape[0], k=plan.top_k, H=x.shape[1], payload=payload, M=m, x=x, qt=qt, plan=plan, w=w)
 
     prep, table = _agree(group, local, placement, mode, bound)
     r, me = group.world_size, group.rank
@@ -277,6 +300,9 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
             d = int(over[0])
             raise ValueError(f"rank {d} would receive {int(recv[d])} tokens (from ranks {rows[:, d].tolist()}), "
                              f"more than the declared bound max_recv_tokens={bound}")
+    if engine == "device":
+        return _dispatch_device(group, placement, prep, rows, slots, mode, quant, bound if pad_to_max_recv else None,
+                                expert_alignment)
     x, qt, k, h = prep["x"], prep["qt"], prep["k"], prep["H"]
     if qt is None:
         specs = [(x.dtype, (h,))]
@@ -338,6 +364,61 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
     return LowLatencyDispatch(xr, xq, recv_count.astype(np.int32), src_info, src_rank, layout_range, handle)
 
 
+def _dispatch_device(group: EPGroup, placement: EPPlacement, prep: dict, rows: np.ndarray, slots: np.ndarray,
+                     mode: str, quant, pad_to: int | None, expert_alignment: int):
+    """The receive side of :func:`ep_dispatch` with ``engine="device"`` (:mod:`moeref.distributed.device`)."""
+    import torch
+
+    from . import device as dv
+    from .group import all_to_all_rows
+
+    r, me, dev = group.world_size, group.rank, group.device
+    x, qt, k, h, w = prep["x"], prep["qt"], prep["k"], prep["H"], prep["w"]
+    plan = prep["plan"]
+    engines = ()
+    if qt is None:
+        specs = [(x.dtype, (h,))]
+        token_fields = lambda idx: [x[idx]]  # noqa: E731
+    else:
+        codes, scales, qengine = qt
+        engines = (f"quantize: {qengine}",)
+        specs = [(torch.uint8, tuple(codes.shape[1:])), (scales.dtype, tuple(scales.shape[1:]))]
+        token_fields = lambda idx: [codes[idx], scales[idx]]  # noqa: E731
+    n_local = placement.num_local(me)
+    what = "the dispatch all_to_all_single"
+    if mode == "normal":
+        n_send = int(plan.row_token.shape[0])
+        send = dv.pack(n_send, *token_fields(plan.row_token), plan.row_token, plan.row_local_ids, plan.row_weights)
+        got = all_to_all_rows(group, send, rows[me], rows[:, me], what)
+        fields = dv.unpack(got, specs + [(torch.int64, ()), (torch.int64, (k,)), (torch.float32, (k,))])
+        payload, ids, wts, src_rank, tok, counts, ret_index = dv.receive_normal(
+            fields, r, me, rows, n_local, k, expert_alignment, pad_to, dev)
+        handle = CombineHandle(mode, plan, w, ret_index, slots[:, me].copy(), rows[:, me].copy(), "device")
+        n_rows = int(ids.shape[0])
+        xr, xq = _received_device(payload, qt, quant, (n_rows, h))
+        prefix = torch.as_tensor(np.cumsum(rows, axis=0)).to(dev)
+        return NormalDispatch(xr, xq, ids, wts, src_rank, tok, prefix, counts, handle, engines)
+    m = prep["M"]
+    src_tok = torch.div(plan.slot_src, max(k, 1), rounding_mode="floor")
+    send = dv.pack(int(src_tok.shape[0]), *token_fields(src_tok), src_tok, plan.slot_local)
+    got = all_to_all_rows(group, send, slots[me], slots[:, me], what)
+    *payload, tok, loc = dv.unpack(got, specs + [(torch.int64, ()), (torch.int64, ())])
+    cap = r * m
+    masked, recv_count, src_info, src_rank, layout_range, ret_index = dv.receive_low_latency(
+        payload, tok, loc, r, me, slots, n_local, cap, dev)
+    handle = CombineHandle(mode, plan, w, ret_index, slots[:, me].copy(), slots[:, me].copy(), "device")
+    xr, xq = _received_device(masked, qt, quant, (n_local, cap, h))
+    return LowLatencyDispatch(xr, xq, recv_count, src_info, src_rank, layout_range, handle, engines)
+
+
+def _received_device(payload, qt, quant, shape):
+    if qt is None:
+        return payload[0], None
+    from .device import DeviceQuantized
+
+    return None, DeviceQuantized(payload[0], payload[1], quant, shape)
+
+
 def _received(payload, qt, quant, shape):
     if qt is None:
         return payload[0], None
@@ -372,10 +453,14 @@ def ep_combine(expert_out, dispatched, group: EPGroup, *, order: str = "slot", c
 
     ``apply_weights=False``: the router weight was applied on the input (top-1), only sum.
     ``combine_dtype``: round the returned rows to this dtype before they travel (None: float64).
-    Result: float64, or ``out_dtype`` rounded once (module docstring for the summation orders).
+    Result: float64, or ``out_dtype`` rounded once (module docstring for the summation orders); with a
+    dispatch of ``engine="device"``, a torch tensor on ``group.device`` (``expert_out`` a tensor there,
+    or a host array, which is copied there), bit for bit the host engine's result.
     """
     check_choice(order, COMBINE_ORDERS, "order")
     hd: CombineHandle = dispatched.handle
+    if hd.engine == "device":
+        return _combine_device(expert_out, dispatched, group, order, combine_dtype, apply_weights, out_dtype)
     plan = hd.plan
     rank_order = order == "rank"
     err, rows = None, None
@@ -429,3 +514,64 @@ def ep_combine(expert_out, dispatched, group: EPGroup, *, order: str = "slot", c
     if out_dtype is None:
         return out
     return out.astype(_dtype(out_dtype))
+
+
+def _combine_device(expert_out, dispatched, group: EPGroup, order: str, combine_dtype, apply_weights: bool,
+                    out_dtype):
+    """:func:`ep_combine` of a dispatch made with ``engine="device"`` (:mod:`moeref.distributed.device`)."""
+    import torch
+
+    from . import device as dv
+    from .group import all_to_all_rows
+
+    hd: CombineHandle = dispatched.handle
+    plan = hd.plan
+    rank_order = order == "rank"
+    err, rows = None, None
+    head = np.zeros(4, dtype=np.int64)
+    try:
+        if rank_order and hd.mode != "normal":
+            raise ValueError("order='rank' is the normal-mode combine; low-latency combines in slot order")
+        y = dv.to_group_device(expert_out, group.device, "expert_out", kind="float")
+        if dv.float_name(y) not in _FLOAT_DTYPES:
+            raise TypeError(f"expert_out must be one of {', '.join(_FLOAT_DTYPES)}; got {dv.float_name(y)}")
+        shape = tuple(y.shape)
+        if hd.mode == "normal" and not rank_order:
+            want = (dispatched.num_recv, plan.top_k)
+            if y.dim() != 3 or shape[:2] != want:
+                raise ValueError(f"expert_out must have shape [N_recv={want[0]}, k={want[1]}, H]; got {shape}")
+        elif hd.mode == "normal":
+            if y.dim() != 2 or shape[0] != dispatched.num_recv:
+                raise ValueError(f"expert_out must have shape [N_recv={dispatched.num_recv}, H]; got {shape}")
+        else:
+            want = tuple(dispatched.src_info.shape)
+            if y.dim() != 3 or shape[:2] != want:
+                raise ValueError(f"expert_out must have shape [E_local={want[0]}, W={want[1]}, H]; got {shape}")
+        flat = y.reshape(-1, shape[-1])
+        rows = flat[:int(hd.rows_from.sum())] if rank_order else flat[hd.return_index]  # not the padding
+        rows = dv.travel_cast(rows, combine_dtype)
+        head[:] = (1, shape[-1], rows.element_size(), int(rank_order))
+    except (ValueError, TypeError) as e:
+        err = e
+    table = all_gather_int64(group, head, "the combine header all_gather")
+    if err is not None:
+        raise type(err)(f"rank {group.rank}: {err}") from err
+    if (table[:, 0] == 0).any():
+        raise ValueError(f"rank {group.rank}: ranks {np.flatnonzero(table[:, 0] == 0).tolist()} rejected their "
+                         "combine inputs (see their errors)")
+    for col, what in ((1, "hidden size"), (2, "combine dtype"), (3, "combine order")):
+        if len(set(table[:, col].tolist())) > 1:
+            raise ValueError(f"ranks disagree on the {what}: {dict(enumerate(table[:, col].tolist()))}")
+    h = int(head[1])
+    send_counts = hd.rows_from if rank_order else hd.return_counts
+    recv_counts = plan.rows_to if rank_order else plan.slots_to
+    travel = rows.dtype
+    got = all_to_all_rows(group, dv.as_bytes(rows, int(rows.shape[0])), send_counts, recv_counts,
+                          "the combine all_to_all_single")
+    back = dv.unpack(got, [(travel, (h,))])[0]
+    t = plan.num_tokens
+    if rank_order:
+        out = dv.reduce_ranks(back, plan.row_token, plan.rows_to, t)
+    else:
+        out = dv.reduce_slots(back, plan.slot_src, hd.topk_weights, t, plan.top_k, apply_weights)
+    return dv.store(out, out_dtype)
