@@ -326,7 +326,7 @@ def reduce_slots(back, slot_src, topk_weights, num_tokens: int, top_k: int, appl
     w = topk_weights.to(torch.float64)
     out = torch.zeros((num_tokens, h), dtype=torch.float64, device=device)
     for j in range(top_k):  # the fixed order ((0 + w0 r0) + w1 r1) + ...; a product, then a sum
-        row = slot_rows[:, j, :].to(torch.float64)
+        row = slot_rows[:, j, :]  # travel dtype: torch widens it exactly to float64 inside each operation
         out += (w[:, j:j + 1] * row) if apply_weights else row
     return out
 
