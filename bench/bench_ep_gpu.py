@@ -189,6 +189,7 @@ def _meta(g_backend: str, world_size: int, rounds: int) -> dict:
     return dict(hidden=HIDDEN, num_experts=NUM_EXPERTS, top_k=TOP_K, backend=g_backend, world_size=world_size,
                 gpu=gpu, nccl=nccl, torch=torch.__version__, host=platform.node(), tree=tree or "unknown",
                 rounds=rounds, nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
+                load_average=os.getloadavg()[0],  # the 1-minute load at the end (a shared CPU machine's noise)
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
 
 

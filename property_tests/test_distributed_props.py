@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import ep_worlds
-from moeref.distributed import ep_combine, ep_dispatch, ep_fused_moe, ep_placement, reduce_local_slots
+from moeref.distributed import ep_combine, ep_dispatch, ep_fused_moe, ep_placement, local_weights, reduce_local_slots
 from moeref.moe import LAYOUTS, MoEQuant, SharedExperts, fused_moe, make_layer, make_tokens, quantize_weights
 from moeref.quant import fp8_block, fp8_group, fp8_per_token, mxfp8, quantize
 from moeref.routing import EP_STRATEGIES, expert_map
@@ -314,3 +314,85 @@ def test_float_layer_with_shared_expert_on_one_row_per_rank(world, mode, redunda
     outs = world.run(layer_task, x, ids, w, [1, 1], layer, "linear", redundant, mode, "standard", MoEQuant(), False,
                      extra, world_size=2)
     np.testing.assert_array_equal(np.concatenate(outs, axis=0), want)
+
+
+# ---- EP shards of the fast layer (fastpath.moe) ----------------------------------------------------
+
+def fast_shard_task(g, x, ids, w, sizes, layer, out_dtype_name):
+    """This rank's share of an expert-parallel fast layer: the device-engine low-latency dispatch sends one
+    message per (token, slot) to the expert's rank; there ``fastpath.moe.fused_moe`` (the rank's experts, its
+    ``expert_map``) computes each message as a top-1 token of weight 1 in float32, i.e. the slot's expert
+    output as the layer stores it; the rows travel back by the combine's transport (the rows of
+    ``handle.return_index``, ``all_to_all_single``) and the source reduces its slots with the fast layer's own
+    kernel (``fastpath.dispatch.weight_and_reduce``: FP32, slot order)."""
+    import torch
+
+    from fastpath.dispatch import weight_and_reduce
+    from fastpath.moe import fast_weights, fused_moe
+    from moeref import _interop
+    from moeref.distributed.group import all_to_all_rows
+
+    sl = _slices(sizes)[g.rank]
+    dev = g.device
+    pl = ep_placement(layer.num_experts, g.world_size)
+    t, k, h = sl.stop - sl.start, ids.shape[1], x.shape[1]
+    d = ep_dispatch(torch.from_numpy(x[sl]).to(dev), torch.from_numpy(ids[sl]).to(dev), torch.from_numpy(w[sl]).to(dev),
+                    pl, g, mode="low_latency", max_tokens_per_rank=max(max(sizes), 1), engine="device")
+    e_loc, cap = d.src_info.shape
+    y = torch.zeros((e_loc * cap, h), dtype=torch.float32, device=dev)
+    if e_loc and bool((d.src_info >= 0).any()):
+        glob = torch.from_numpy(pl.local_experts(g.rank)).to(dev)
+        msg_ids = torch.where(d.src_info >= 0, glob[:, None], -1).reshape(-1, 1)
+        emap = torch.from_numpy(pl.expert_map(g.rank)).to(dev)
+        y = fused_moe(d.x.reshape(-1, h), fast_weights(local_weights(layer, pl, g.rank), dev),
+                      torch.ones((e_loc * cap, 1), dtype=torch.float32, device=dev), msg_ids, alignment=16,
+                      out_dtype=torch.float32, expert_map=emap, num_experts=layer.num_experts)
+    hd = d.handle
+    back = all_to_all_rows(g, y[hd.return_index].contiguous(), hd.return_counts, hd.plan.slots_to, "fast combine")
+    out = weight_and_reduce(back, hd.plan.slot_src, torch.from_numpy(w[sl]).to(dev), t,
+                            out_dtype=getattr(torch, out_dtype_name))
+    return _interop.to_numpy(out.cpu()).copy()
+
+
+@settings(max_examples=min(settings.default.max_examples, 25 if ep_worlds.gpus() else 4), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data(), seed=st.integers(0, 2**16), out_dtype=st.sampled_from(["float32", "bfloat16"]))
+def test_ep_shards_of_the_fast_layer_are_the_single_gpu_fast_layer(ep_world, data, seed, out_dtype):
+    """EP shards of ``fastpath.moe`` (:func:`fast_shard_task`), combined, equal the fast layer run on one device
+    over all tokens bit for bit (every per-row step of the fast layer is independent of the other rows, and the
+    reduce is the same kernel in the same slot order), and pass its declared profile against the
+    single-process reference (float32 layer: ``FP32_ACCUM``, TF32 products on a GPU). CPU: the kernels under
+    TRITON_INTERPRET at tiny shapes (few examples: the interpreter is slow); GPU: NCCL ranks, one GPU each."""
+    pytest.importorskip("triton")
+    import torch
+
+    from dataclasses import replace
+
+    from fastpath.moe import fast_weights
+    from fastpath.moe import fused_moe as fast_fused_moe
+    from fastpath.testing import device, on_gpu
+    from moeref.compare import PROFILES, compare
+    from moeref.moe import run_moe
+
+    world, max_world = ep_world
+    case = data.draw(ep_cases(max_world, max_redundant=0))
+    r = case["routing"]
+    assume(r.num_tokens > 0)  # fastpath.moe.fused_moe refuses 0 tokens (chunk_size None -> 0)
+    layer = make_layer(r.num_experts, 32, 16, seed=seed)
+    x = make_tokens(r.num_tokens, 32, seed=seed + 1)
+    ids, w = case["ids"].astype(np.int64), np.ascontiguousarray(r.weights, dtype=np.float32)
+    outs = world.run(fast_shard_task, x, ids, w, case["sizes"], layer, out_dtype, world_size=case["ranks"])
+    got = np.concatenate(outs, axis=0)
+    dev = device()
+    one = fast_fused_moe(torch.from_numpy(x).to(dev), fast_weights(layer, dev), torch.from_numpy(w).to(dev),
+                         torch.from_numpy(ids).to(dev), alignment=16, out_dtype=getattr(torch, out_dtype))
+    want = one.cpu()
+    want = want.view(torch.int16).numpy() if out_dtype == "bfloat16" else want.numpy()
+    got_bits = got.view(np.int16) if out_dtype == "bfloat16" else got
+    np.testing.assert_array_equal(got_bits, want)
+    run = run_moe(x, layer, w, ids, gemm1_out_dtype="float32", act_out_dtype="float32", out_dtype=out_dtype)
+    prof = PROFILES["FP32_ACCUM"] if out_dtype == "float32" else PROFILES["BF16_OUTPUT"]
+    if on_gpu():  # fp32 tl.dot is TF32 on the GPU
+        prof = replace(prof, accum_unit=2.0**-10)
+    rep = compare(got.astype(np.float32) if out_dtype == "float32" else got, run, prof)
+    assert rep.passed, rep

@@ -75,6 +75,25 @@ class DeviceQuantized:
         return self.to_host().dequantize(dtype)
 
 
+def zeros(shape, dtype, device):
+    """``torch.zeros``; on the CPU through NumPy's ``zeros`` (``calloc``: the system zeroes a page when it is
+    first touched, so a large masked buffer costs the rows written, as in the NumPy engine)."""
+    torch = _torch()
+    n = int(np.prod(shape, dtype=np.int64))
+    if torch.device(device).type != "cpu" or n == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(n * size, dtype=np.uint8)).view(dtype).reshape(tuple(shape))
+
+
+def scatter_rows(buf, index, rows):
+    """``buf.view(-1, row)[index] = rows`` (``index`` distinct) with ``index_copy_``."""
+    if index.numel():
+        width = int(np.prod(tuple(buf.shape[buf.dim() - rows.dim() + 1:]), dtype=np.int64))
+        buf.view(-1, width).index_copy_(0, index, rows.reshape(int(index.numel()), width))
+    return buf
+
+
 def float_name(x) -> str:
     """The NumPy-style dtype name of a float tensor (``"bfloat16"``, ``"float32"``, ...)."""
     return str(x.dtype).replace("torch.", "")
@@ -277,12 +296,8 @@ def receive_low_latency(payload, tok, loc, r: int, me: int, slots_matrix: np.nda
     per = torch.bincount(loc * r + msg_rank, minlength=n_local * r).reshape(n_local, r)
     layout_range = ((torch.cumsum(per, 1) - per) << 32) | per
     ret_index = loc * cap + pos  # message q lives at flat entry ret_index[q]
-    masked = []
-    for part in payload:
-        buf = torch.zeros((n_local, cap) + tuple(part.shape[1:]), dtype=part.dtype, device=device)
-        if q:
-            buf[loc, pos] = part
-        masked.append(buf)
+    masked = [scatter_rows(zeros((n_local, cap) + tuple(part.shape[1:]), part.dtype, device), ret_index, part)
+              for part in payload]
     return masked, counts.to(torch.int32), src_info, src_rank, layout_range, ret_index
 
 
@@ -319,9 +334,7 @@ def reduce_slots(back, slot_src, topk_weights, num_tokens: int, top_k: int, appl
     torch = _torch()
     h = int(back.shape[1])
     device = back.device
-    slot_rows = torch.zeros((num_tokens * top_k, h), dtype=back.dtype, device=device)
-    if slot_src.numel():
-        slot_rows[slot_src] = back
+    slot_rows = scatter_rows(zeros((num_tokens * top_k, h), back.dtype, device), slot_src, back)
     slot_rows = slot_rows.reshape(num_tokens, top_k, h)
     w = topk_weights.to(torch.float64)
     out = torch.zeros((num_tokens, h), dtype=torch.float64, device=device)
