@@ -125,7 +125,7 @@ def _routing(rank: int, tokens: int, num_experts: int, top_k: int = 2, seed: int
     return ids.reshape(tokens, top_k), w.reshape(tokens, top_k)
 
 
-def bad_input_task(g, case):
+def bad_input_task(g, case, engine="host"):
     n_exp, tokens, hidden, ep_size, strategy = 8, 3, 8, g.world_size, "linear"
     kw = {}
     if case == "world_size":
@@ -145,7 +145,7 @@ def bad_input_task(g, case):
     if case == "ids" and g.rank == 3:
         ids[1, 1] = 99
     x = make_tokens(tokens, hidden, seed=g.rank)
-    ep_dispatch(x, ids, w, ep_placement(n_exp, ep_size, strategy), g, **kw)
+    ep_dispatch(x, ids, w, ep_placement(n_exp, ep_size, strategy), g, engine=engine, **kw)
     return "no error"
 
 
@@ -160,10 +160,11 @@ def bad_input_task(g, case):
                    r"max_recv_tokens=6", None),
     ("ids", r"ranks \[3\] rejected their dispatch inputs", (3, r"rank 3: topk_ids\[1, 1\] = 99")),
 ])
-def test_bad_input_raises_the_same_clear_error_on_every_rank(world, case, everyone, own):
+@pytest.mark.parametrize("engine", ["host", "device"])
+def test_bad_input_raises_the_same_clear_error_on_every_rank(world, case, everyone, own, engine):
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
-        world.run(bad_input_task, case)
+        world.run(bad_input_task, case, engine)
     assert time.monotonic() - t0 < 10.0  # an error, not a timeout
     fails = info.value.failures
     assert sorted(fails) == list(range(WORLD))  # every rank raised, none is left waiting
@@ -413,3 +414,53 @@ def test_placement_constructor_validates():
         EPPlacement(np.array([0, 0, 1]), np.array([0, 2, 0]), 2, np.array([0, 1, 2]))
     with pytest.raises(TypeError, match="owner must have dtype"):
         EPPlacement(np.array([0.0]), np.array([0]), 1, np.array([0]))
+
+
+def transport_task(g, p2p: bool):
+    """A dispatch and a combine of both engines, with the point-to-point transport forced or not."""
+    from moeref.distributed import ep_combine, group as group_module
+
+    ids, w = _routing(g.rank, 4, 8, seed=9)
+    x = make_tokens(4, 8, seed=20 + g.rank)
+    pl = ep_placement(8, g.world_size)
+    saved = dict(group_module._P2P_FALLBACK)
+    group_module._P2P_FALLBACK[g.backend] = p2p
+    try:
+        out = {}
+        for engine in ("host", "device"):
+            d = ep_dispatch(x, ids, w, pl, g, mode="low_latency", max_tokens_per_rank=4, engine=engine)
+            y = np.asarray(d.x if engine == "host" else d.x.numpy(), np.float64) * 3.0
+            got = ep_combine(y, d, g)
+            out[engine] = (np.asarray(d.src_info), np.asarray(d.x), np.asarray(got))
+        return out
+    finally:
+        group_module._P2P_FALLBACK.clear()
+        group_module._P2P_FALLBACK.update(saved)
+
+
+def test_point_to_point_fallback_moves_the_same_rows(world):
+    """A backend without ``all_to_all_single`` gets batch_isend_irecv per peer: the same blocks at the same offsets,
+    so both engines' results are the same with either transport (and the combine returns 3 x the tokens' sums)."""
+    a2a = world.run(transport_task, False)
+    p2p = world.run(transport_task, True)
+    for rank in range(WORLD):
+        for engine in ("host", "device"):
+            for u, v in zip(a2a[rank][engine], p2p[rank][engine]):
+                np.testing.assert_array_equal(u, v)
+        ids, w = _routing(rank, 4, 8, seed=9)
+        want = make_tokens(4, 8, seed=20 + rank).astype(np.float64) * 3.0 * w.astype(np.float64).sum(axis=1)[:, None]
+        np.testing.assert_allclose(p2p[rank]["device"][2], want, rtol=1e-12)
+
+
+def test_moeref_and_the_ep_device_engine_import_without_torch():
+    """``import moeref.distributed`` (and its device engine module) never imports torch: the engine imports it on use."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"  # an import of torch now raises ImportError
+            "import moeref, moeref.distributed, moeref.distributed.device\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton') and sys.modules[m]))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
