@@ -121,10 +121,11 @@ def bench_rank(g, tokens_list, modes, engines, rounds, ll_max_tokens, seed):
                           quant=fp8_group(128) if mode == "normal_fp8" else None, engine=engine)
                 state = {"d": ep_dispatch(x_in, ids_in, w_in, pl, g, **kw)}
                 d = state["d"]
-                if kw["mode"] == "normal":  # the experts' outputs: bf16 [N_recv, k, H], drawn once
-                    gen = torch.Generator().manual_seed(seed + 7 * g.rank)
-                    y = torch.randn((d.num_recv, TOP_K, HIDDEN), generator=gen).to(torch.bfloat16)
-                    y = y.to(dev) if dev else _interop.to_numpy(y)
+                if kw["mode"] == "normal":  # the experts' outputs: bf16 [N_recv, k, H], drawn once where they live
+                    where = dev or "cpu"
+                    gen = torch.Generator(device=where).manual_seed(seed + 7 * g.rank)
+                    y = torch.randn((d.num_recv, TOP_K, HIDDEN), generator=gen, device=where, dtype=torch.bfloat16)
+                    y = y if dev else _interop.to_numpy(y)
                 else:  # identity experts: the received masked buffer
                     y = d.x
                 h = d.handle
@@ -178,7 +179,8 @@ def _meta(g_backend: str, world_size: int, rounds: int) -> dict:
 
     if torch.cuda.is_available() and g_backend == "nccl":
         gpu = torch.cuda.get_device_name()
-        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        v = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     else:
         gpu, nccl = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)", None
     try:
