@@ -14,7 +14,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import ep_worlds
@@ -176,6 +176,7 @@ def test_device_engine_is_bit_identical_to_host_engine(world, data, mode, quant,
                     on_input, world_size=case["ranks"])
     for rank, per in enumerate(res):
         host, dev = per["host"], per["device"]
+        event(f"{mode}, {'quantized' if quant else 'bf16/float'}: dispatch {host[0]}")
         assert host[0] == dev[0], f"rank {rank}: host {host} vs device {dev}"
         if host[0] == "error":
             assert host[1] == dev[1]

@@ -74,6 +74,32 @@ def test_bench_ep_gpu_smoke(tmp_path):
     assert all(c["median_s"] > 0 for r in doc["rows"] for c in r["cases"].values())
 
 
+def test_bench_ep_gloo_smoke(tmp_path):
+    """bench/bench_ep_gpu.py end to end on gloo (2 CPU processes, 4 tokens a rank), and its docs table."""
+    import importlib
+    import json
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bench_dir = os.path.join(root, "bench")
+    if bench_dir not in sys.path:
+        sys.path.insert(0, bench_dir)  # the spawned ranks import bench_ep_gpu by name (they get sys.path)
+    bench = importlib.import_module("bench_ep_gpu")
+    out = tmp_path / "ep.json"
+    assert bench.main(["--backend", "gloo", "--local-world", "2", "--tokens", "4", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["backend"] == "gloo" and doc["meta"]["world_size"] == 2
+    assert [(r["mode"], r["engine"]) for r in doc["rows"]] == [("normal", "device"), ("normal_fp8", "device"),
+                                                              ("low_latency", "device")]
+    for r in doc["rows"]:
+        assert r["rounds"] >= 7 and set(r["cases"]) == {"dispatch", "combine", "plain_dispatch", "plain_combine"}
+        assert all(len(c["seconds"]) == r["rounds"] and c["min_s"] <= c["median_s"] <= c["max_s"]
+                   for c in r["cases"].values())
+    report = importlib.import_module("bench.report_ep")
+    lines = report.table([doc]).splitlines()
+    assert len([ln for ln in lines if ln.startswith("| 20")]) == 3  # one row per mode
+
+
 # ---- per-rank validation of a user's EP kernel, with a fault planted on one rank -----------------
 
 VE, VH, VN, VT = 8, 16, 8, 5
