@@ -185,20 +185,24 @@ def device_send_plan(topk_ids, topk_weights, placement, device) -> DevicePlan:
 
 def quantize_rows(x, quant, check_quant):
     """Quantize ``x [T, H]`` (device tensor) before dispatch -> ``(codes, scales, engine)`` on x's device.
-    ``check_quant(scheme, host array)``: the NumPy engine's checks and quantizer (module docstring)."""
+    ``check_quant(scheme, x, quantizer=None)``: the NumPy engine's checks around a quantizer (default: the NumPy
+    one; module docstring)."""
     torch = _torch()
     from .. import _interop
 
-    if x.is_cuda:
+    from ..quant import Scheme
+
+    if x.is_cuda and isinstance(quant, Scheme):  # (anything else: the NumPy engine's TypeError below)
         from ..moe.device import _fast_quantize_unavailable
 
         why = _fast_quantize_unavailable(quant, x, {})
         if why is None:
             from fastpath.quant import quantize as fast_quantize
 
-            check_quant(quant, None)  # the scheme's checks only
-            fq = fast_quantize(x, quant)
-            return fq.codes, fq.scales, f"fastpath.quant ({quant.name})"
+            fq = check_quant(quant, x, lambda v: fast_quantize(v, quant))
+            if tuple(fq.codes.shape) == tuple(x.shape) and fq.codes.dtype == torch.uint8:
+                return fq.codes, fq.scales, f"fastpath.quant ({quant.name})"
+            why = "its codes are packed (the host engine sends one byte an element)"
         engine = f"moeref.quant on a host copy ({why})"
     else:
         engine = "moeref.quant"

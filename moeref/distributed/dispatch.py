@@ -161,7 +161,9 @@ def _digest(*parts) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def _check_quant(quant, x: np.ndarray):
+def _check_quant(quant, x: np.ndarray, quantizer=None):
+    """The scheme's checks, then ``quantizer(x)`` (default :func:`moeref.quant.quantize`; the device engine
+    passes the fast path's) and the check of what it carries."""
     from ..quant import Scheme, quantize
 
     if not isinstance(quant, Scheme):
@@ -169,10 +171,8 @@ def _check_quant(quant, x: np.ndarray):
     if any(b != 1 for b in quant.block[:-1]):
         raise ValueError(f"dispatch quantization must be row-local (blocks (1, g)); {quant.name!r} has block "
                          f"{quant.block}")
-    if x is None:  # the scheme's checks only (the device engine quantizes with the fast path)
-        return None
-    qt = quantize(x, quant)
-    if qt.global_scale is not None or qt.channel_scales is not None or qt.zero_points is not None:
+    qt = quantize(x, quant) if quantizer is None else quantizer(x)
+    if any(getattr(qt, name, None) is not None for name in ("global_scale", "channel_scales", "zero_points")):
         raise ValueError(f"dispatch quantization must carry only per-block scales; {quant.name!r} has a global "
                          "scale, channel scales or zero points")
     return qt
