@@ -263,26 +263,27 @@ def candidate(hidden, topk_weights, topk_ids, group, *, fault: str = "none", mod
     return EPKernelOutput(out, x, sr, si, None, d.recv_count)
 
 
-def validate_task(g, fault, mode):
+def validate_task(g, fault, mode, engine="host"):
     import functools
 
     ids, w = _routing(g.rank, T, E, seed=5)
     x = make_tokens(T, H, seed=10 + g.rank)
     kernel = functools.partial(candidate, fault=fault, mode=mode)
     v = validate_ep_kernel(kernel, x, w, ids, ep_placement(E, g.world_size), g, weights=_layer(), profile=FP32_ACCUM,
-                           mode=mode, max_tokens_per_rank=T)
+                           mode=mode, max_tokens_per_rank=T, engine=engine)
     return v
 
 
-def _run_validation(world, fault, mode="normal"):
-    results = world.run(validate_task, fault, mode)
+def _run_validation(world, fault, mode="normal", engine="host"):
+    results = world.run(validate_task, fault, mode, engine)
     assert all(r.summary() == results[0].summary() for r in results)  # the same report on every rank
     return results[0]
 
 
-def test_validation_passes_an_honest_kernel_in_both_modes(world):
+@pytest.mark.parametrize("engine", ["host", "device"])
+def test_validation_passes_an_honest_kernel_in_both_modes(world, engine):
     for mode in ("normal", "low_latency"):
-        v = _run_validation(world, "none", mode)
+        v = _run_validation(world, "none", mode, engine)
         assert v.passed, v.summary()
         assert all(r.violations == 0 for r in v.ranks)
 
@@ -304,8 +305,9 @@ def test_validation_names_the_ranks_of_a_token_sent_to_the_wrong_rank(world):
     assert "rank 0: output:" in text  # and the source's output is wrong
 
 
-def test_validation_reports_a_count_off_by_one_on_its_rank_only(world):
-    v = _run_validation(world, "count")
+@pytest.mark.parametrize("engine", ["host", "device"])
+def test_validation_reports_a_count_off_by_one_on_its_rank_only(world, engine):
+    v = _run_validation(world, "count", engine=engine)
     assert v.faulty_ranks == [1]
     assert "per-expert receive counts differ: local expert 0:" in v.ranks[1].faults[0]
 

@@ -156,7 +156,7 @@ def fault_kernel(hidden, topk_weights, topk_ids, group, *, mode: str, faulty: in
     return EPKernelOutput(out, x, d.src_rank, d.src_info, None, d.recv_count)
 
 
-def validate_fault_task(g, mode, faulty):
+def validate_fault_task(g, mode, faulty, engine):
     import functools
 
     import torch
@@ -167,7 +167,7 @@ def validate_fault_task(g, mode, faulty):
     x, ids, w = _validation_inputs(g.rank, g.world_size)
     kernel = functools.partial(fault_kernel, mode=mode, faulty=faulty)
     v = validate_ep_kernel(kernel, x, w, ids, ep_placement(VE, g.world_size), g, weights=make_layer(VE, VH, VN, seed=3),
-                           profile=FP32_ACCUM, mode=mode, max_tokens_per_rank=VT)
+                           profile=FP32_ACCUM, mode=mode, max_tokens_per_rank=VT, engine=engine)
     # where the planted row came from, read from the reference dispatch (the test's own record of the fault)
     d = ep_dispatch(x, ids, w, ep_placement(VE, g.world_size), g, mode=mode, max_tokens_per_rank=VT)
     if mode == "normal":
@@ -178,15 +178,17 @@ def validate_fault_task(g, mode, faulty):
     return v.summary(), v.faulty_ranks, key, str(torch.zeros(1, device=g.device).device)
 
 
+@pytest.mark.parametrize("engine", ["host", "device"])
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 @pytest.mark.parametrize("backend, ranks", [("gloo", 2), ("gloo", 4), pytest.param("nccl", 2, marks=pytest.mark.gpu),
                                             pytest.param("nccl", 4, marks=pytest.mark.gpu)])
-def test_validation_names_the_rank_of_a_planted_fault(backend, ranks, mode):
+def test_validation_names_the_rank_of_a_planted_fault(backend, ranks, mode, engine):
     """validate_ep_kernel on real ranks (gloo CPU processes; NCCL, one GPU each): a kernel whose receive buffers
     live on the device, with one bit flipped in one received row of the last rank, fails on that rank only,
-    and every rank's report names the rank, the row's source token and rank."""
+    and every rank's report names the rank, the row's source token and rank; the reference dispatch of the
+    validation on the host or on the device (``engine``)."""
     faulty = ranks - 1
-    res = _world(backend, ranks).run(validate_fault_task, mode, faulty, world_size=ranks)
+    res = _world(backend, ranks).run(validate_fault_task, mode, faulty, engine, world_size=ranks)
     summaries = {r[0] for r in res}
     assert len(summaries) == 1, summaries  # the same report on every rank
     text, faulty_ranks, _, device = res[0][0], res[0][1], res[0][2], res[0][3]
