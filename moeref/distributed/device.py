@@ -30,8 +30,8 @@ handle keeps the split sizes (``return_counts``, ``rows_from`` and the plan's ``
 ``slots_to``) as host int64 arrays, since ``all_to_all_single`` takes them as host lists. A NaN keeps
 its position, not necessarily its payload bits (CUDA writes one canonical NaN).
 
-Cost: two host synchronizations per dispatch (the plan's counts, the header) and one per combine (the
-header); the rest is queued on the device. Memory: the low-latency buffers are ``E_local x R*M x H``
+Cost: a few host synchronizations per dispatch (the plan's counts with the ids' range check, the header,
+the sizes of the index selections) and one per combine (the header); the rest is queued on the device. Memory: the low-latency buffers are ``E_local x R*M x H``
 (zeroed), the slot-order combine holds ``T*k x H`` rows of the travel dtype and ``T x H`` float64.
 """
 from __future__ import annotations

@@ -50,6 +50,10 @@ Combine (:func:`ep_combine`), the expert outputs go back to the source rank:
 
 ``combine_dtype`` (e.g. ``"bfloat16"``, DeepEP's bf16 combine) rounds the returned rows before they
 travel; the source still accumulates in float64 and rounds once (kernels accumulate in fp32).
+
+Two engines, one result: ``engine="host"`` (NumPy arrays) and ``engine="device"`` (torch tensors on the
+group's device, :mod:`moeref.distributed.device`), bit for bit the same; :func:`ep_combine` follows the
+engine of its dispatch. Both send the same packed bytes.
 """
 from __future__ import annotations
 
