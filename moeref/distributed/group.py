@@ -1,7 +1,8 @@
 """The process group an EP reference runs on, and the only collectives it uses.
 
 Transport is torch.distributed, never a home-made one. The reference moves bytes only
-(``all_gather`` of a small int64 header, ``all_to_all_single`` of packed rows) and reduces locally in
+(``all_gather`` of a small int64 header, ``all_to_all_single`` of packed rows, or where a backend lacks it
+one ``batch_isend_irecv`` per peer: :func:`all_to_all_rows`) and reduces locally in
 a fixed order, so results are bit-exact whatever the backend's reduction algorithms do (the
 summation order inside an NCCL or gloo reduction is implementation-defined and may depend on the
 algorithm and topology).
@@ -114,8 +115,8 @@ def all_to_all_bytes(g: EPGroup, rows: np.ndarray, send_counts, recv_counts, wha
     return out.cpu().numpy().reshape(-1, b) if b else np.zeros((int(sum(int(c) for c in recv_counts)), 0), np.uint8)
 
 
-# Transport used when the backend has no ``all_to_all_single`` (None: not yet known; set on the first
-# "does not support" answer, or by tests to exercise the fallback).
+# backend name -> True once it answered "does not support" to ``all_to_all_single`` (then every later call
+# takes the point-to-point transport); tests set it to exercise that transport.
 _P2P_FALLBACK: dict = {}
 
 
