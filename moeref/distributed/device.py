@@ -108,7 +108,7 @@ def to_group_device(x, device, name: str, *, kind: str):
 
     if not torch.is_tensor(x):
         a = as_float_array(x, name) if kind == "float" else as_int_array(x, name)
-        x = _interop.to_torch(np.ascontiguousarray(a))
+        x = _interop.to_torch(np.array(a, order="C"))  # a writable copy (torch refuses read-only memory)
     if kind == "float" and not x.is_floating_point():
         raise TypeError(f"{name} must be floating point (float16/float32/float64/bfloat16); got {x.dtype}")
     if kind == "int" and x.dtype not in (torch.int32, torch.int64):
@@ -142,9 +142,9 @@ def _placement_tables(placement, device):
 
 
 def device_send_plan(topk_ids, topk_weights, placement, device) -> DevicePlan:
-    """:func:`~moeref.distributed.send_plan` on ``device`` (the same orders and values). One host
-    synchronization: the counts and the range check of the ids; a bad id raises the NumPy engine's
-    ``ValueError`` (index and value)."""
+    """:func:`~moeref.distributed.send_plan` on ``device`` (the same orders and values). Host
+    synchronizations: the counts with the range check of the ids (a bad id raises the NumPy engine's
+    ``ValueError``, index and value), and the sizes of the two index selections."""
     torch = _torch()
     from ..routing.ids import check_topk_ids
 
@@ -169,7 +169,7 @@ def device_send_plan(topk_ids, topk_weights, placement, device) -> DevicePlan:
     hit.scatter_(1, torch.where(dest >= 0, dest, r), True)
     flat_dest = dest.reshape(-1)
     counts = torch.cat([hit[:, :r].sum(0), torch.bincount(flat_dest[flat_dest >= 0], minlength=r),
-                        bad.any().reshape(1).to(torch.int64)]).cpu().numpy()  # the one host sync
+                        bad.any().reshape(1).to(torch.int64)]).cpu().numpy()
     if counts[-1]:
         check_topk_ids(ids.cpu().numpy(), p)  # raises the NumPy engine's message
     row_dest, row_token = torch.nonzero(hit[:, :r].t().contiguous(), as_tuple=True)  # by rank, then token

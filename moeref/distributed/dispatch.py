@@ -463,32 +463,42 @@ def ep_combine(expert_out, dispatched, group: EPGroup, *, order: str = "slot", c
     """
     check_choice(order, COMBINE_ORDERS, "order")
     hd: CombineHandle = dispatched.handle
-    if hd.engine == "device":
-        return _combine_device(expert_out, dispatched, group, order, combine_dtype, apply_weights, out_dtype)
     plan = hd.plan
     rank_order = order == "rank"
+    on_device = hd.engine == "device"
+    if on_device:
+        from . import device as dv
     err, rows = None, None
     head = np.zeros(4, dtype=np.int64)
     try:
         if rank_order and hd.mode != "normal":
             raise ValueError("order='rank' is the normal-mode combine; low-latency combines in slot order")
-        y = as_float_array(expert_out, "expert_out")
+        if on_device:
+            y = dv.to_group_device(expert_out, group.device, "expert_out", kind="float")
+            if dv.float_name(y) not in _FLOAT_DTYPES:
+                raise TypeError(f"expert_out must be one of {', '.join(_FLOAT_DTYPES)}; got {dv.float_name(y)}")
+        else:
+            y = as_float_array(expert_out, "expert_out")
+        shape = tuple(y.shape)
         if hd.mode == "normal" and not rank_order:
             want = (dispatched.num_recv, plan.top_k)
-            if y.ndim != 3 or y.shape[:2] != want:
-                raise ValueError(f"expert_out must have shape [N_recv={want[0]}, k={want[1]}, H]; got {y.shape}")
+            if len(shape) != 3 or shape[:2] != want:
+                raise ValueError(f"expert_out must have shape [N_recv={want[0]}, k={want[1]}, H]; got {shape}")
         elif hd.mode == "normal":
-            if y.ndim != 2 or y.shape[0] != dispatched.num_recv:
-                raise ValueError(f"expert_out must have shape [N_recv={dispatched.num_recv}, H]; got {y.shape}")
+            if len(shape) != 2 or shape[0] != dispatched.num_recv:
+                raise ValueError(f"expert_out must have shape [N_recv={dispatched.num_recv}, H]; got {shape}")
         else:
-            want = dispatched.src_info.shape
-            if y.ndim != 3 or y.shape[:2] != want:
-                raise ValueError(f"expert_out must have shape [E_local={want[0]}, W={want[1]}, H]; got {y.shape}")
-        flat = y.reshape(-1, y.shape[-1])
+            want = tuple(dispatched.src_info.shape)
+            if len(shape) != 3 or shape[:2] != want:
+                raise ValueError(f"expert_out must have shape [E_local={want[0]}, W={want[1]}, H]; got {shape}")
+        flat = y.reshape(-1, shape[-1])
         rows = flat[:int(hd.rows_from.sum())] if rank_order else flat[hd.return_index]  # not the padding
         # one RNE rounding to the travel dtype (float32/bf16 inputs widen exactly first)
-        rows = rows.astype(np.float64 if combine_dtype is None else _dtype(combine_dtype))
-        head[:] = (1, y.shape[-1], rows.dtype.itemsize, int(rank_order))
+        if on_device:
+            rows = dv.travel_cast(rows, combine_dtype)
+        else:
+            rows = rows.astype(np.float64 if combine_dtype is None else _dtype(combine_dtype))
+        head[:] = (1, shape[-1], rows.element_size() if on_device else rows.dtype.itemsize, int(rank_order))
     except (ValueError, TypeError) as e:
         err = e
     table = all_gather_int64(group, head, "the combine header all_gather")
@@ -503,7 +513,18 @@ def ep_combine(expert_out, dispatched, group: EPGroup, *, order: str = "slot", c
     h = int(head[1])
     send_counts = hd.rows_from if rank_order else hd.return_counts
     recv_counts = plan.rows_to if rank_order else plan.slots_to
-    got = all_to_all_bytes(group, pack_rows(rows), send_counts, recv_counts, "the combine all_to_all_single")
+    what = "the combine all_to_all_single"
+    if on_device:
+        from .group import all_to_all_rows
+
+        got = all_to_all_rows(group, dv.as_bytes(rows, int(rows.shape[0])), send_counts, recv_counts, what)
+        back = dv.unpack(got, [(rows.dtype, (h,))])[0]
+        if rank_order:
+            out = dv.reduce_ranks(back, plan.row_token, plan.rows_to, plan.num_tokens)
+        else:
+            out = dv.reduce_slots(back, plan.slot_src, hd.topk_weights, plan.num_tokens, plan.top_k, apply_weights)
+        return dv.store(out, out_dtype)
+    got = all_to_all_bytes(group, pack_rows(rows), send_counts, recv_counts, what)
     back = unpack_rows(got, [(rows.dtype, (h,))])[0].astype(np.float64)
     t = plan.num_tokens
     if rank_order:
@@ -518,64 +539,3 @@ def ep_combine(expert_out, dispatched, group: EPGroup, *, order: str = "slot", c
     if out_dtype is None:
         return out
     return out.astype(_dtype(out_dtype))
-
-
-def _combine_device(expert_out, dispatched, group: EPGroup, order: str, combine_dtype, apply_weights: bool,
-                    out_dtype):
-    """:func:`ep_combine` of a dispatch made with ``engine="device"`` (:mod:`moeref.distributed.device`)."""
-    import torch
-
-    from . import device as dv
-    from .group import all_to_all_rows
-
-    hd: CombineHandle = dispatched.handle
-    plan = hd.plan
-    rank_order = order == "rank"
-    err, rows = None, None
-    head = np.zeros(4, dtype=np.int64)
-    try:
-        if rank_order and hd.mode != "normal":
-            raise ValueError("order='rank' is the normal-mode combine; low-latency combines in slot order")
-        y = dv.to_group_device(expert_out, group.device, "expert_out", kind="float")
-        if dv.float_name(y) not in _FLOAT_DTYPES:
-            raise TypeError(f"expert_out must be one of {', '.join(_FLOAT_DTYPES)}; got {dv.float_name(y)}")
-        shape = tuple(y.shape)
-        if hd.mode == "normal" and not rank_order:
-            want = (dispatched.num_recv, plan.top_k)
-            if y.dim() != 3 or shape[:2] != want:
-                raise ValueError(f"expert_out must have shape [N_recv={want[0]}, k={want[1]}, H]; got {shape}")
-        elif hd.mode == "normal":
-            if y.dim() != 2 or shape[0] != dispatched.num_recv:
-                raise ValueError(f"expert_out must have shape [N_recv={dispatched.num_recv}, H]; got {shape}")
-        else:
-            want = tuple(dispatched.src_info.shape)
-            if y.dim() != 3 or shape[:2] != want:
-                raise ValueError(f"expert_out must have shape [E_local={want[0]}, W={want[1]}, H]; got {shape}")
-        flat = y.reshape(-1, shape[-1])
-        rows = flat[:int(hd.rows_from.sum())] if rank_order else flat[hd.return_index]  # not the padding
-        rows = dv.travel_cast(rows, combine_dtype)
-        head[:] = (1, shape[-1], rows.element_size(), int(rank_order))
-    except (ValueError, TypeError) as e:
-        err = e
-    table = all_gather_int64(group, head, "the combine header all_gather")
-    if err is not None:
-        raise type(err)(f"rank {group.rank}: {err}") from err
-    if (table[:, 0] == 0).any():
-        raise ValueError(f"rank {group.rank}: ranks {np.flatnonzero(table[:, 0] == 0).tolist()} rejected their "
-                         "combine inputs (see their errors)")
-    for col, what in ((1, "hidden size"), (2, "combine dtype"), (3, "combine order")):
-        if len(set(table[:, col].tolist())) > 1:
-            raise ValueError(f"ranks disagree on the {what}: {dict(enumerate(table[:, col].tolist()))}")
-    h = int(head[1])
-    send_counts = hd.rows_from if rank_order else hd.return_counts
-    recv_counts = plan.rows_to if rank_order else plan.slots_to
-    travel = rows.dtype
-    got = all_to_all_rows(group, dv.as_bytes(rows, int(rows.shape[0])), send_counts, recv_counts,
-                          "the combine all_to_all_single")
-    back = dv.unpack(got, [(travel, (h,))])[0]
-    t = plan.num_tokens
-    if rank_order:
-        out = dv.reduce_ranks(back, plan.row_token, plan.rows_to, t)
-    else:
-        out = dv.reduce_slots(back, plan.slot_src, hd.topk_weights, t, plan.top_k, apply_weights)
-    return dv.store(out, out_dtype)
