@@ -1,7 +1,9 @@
-"""Hypothesis properties of expert parallelism over a real torch.distributed group (gloo, CPU).
+"""Hypothesis properties of expert parallelism over a real torch.distributed group, on every backend world
+of :mod:`ep_worlds`: gloo with 4 CPU processes (CI), NCCL with 2 and 4 GPUs (skipped, saying why, on a
+machine with fewer GPUs).
 
-One :class:`moeref.distributed.LocalWorld` of 4 processes serves the whole module; each example runs
-on its first 1..4 ranks. Expected values come from oracles written here, one token and slot at a
+One :class:`moeref.distributed.LocalWorld` per backend world serves the whole module; each example runs
+on its first 1..R ranks. Expected values come from oracles written here, one token and slot at a
 time, from the published contracts (DeepEP ``deep_ep/buffer.py`` dispatch/combine) and from
 the per-rank ``expert_map`` of :mod:`moeref.routing` (not from :class:`EPPlacement`), and, for the
 layer, from the single-process :func:`moeref.moe.fused_moe`.
@@ -10,36 +12,48 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from moeref.distributed import LocalWorld, ep_combine, ep_dispatch, ep_fused_moe, ep_placement, reduce_local_slots
+import ep_worlds
+from moeref.distributed import ep_combine, ep_dispatch, ep_fused_moe, ep_placement, local_weights, reduce_local_slots
 from moeref.moe import LAYOUTS, MoEQuant, SharedExperts, fused_moe, make_layer, make_tokens, quantize_weights
 from moeref.quant import fp8_block, fp8_group, fp8_per_token, mxfp8, quantize
 from moeref.routing import EP_STRATEGIES, expert_map
 from moeref.strategies import routings
 
-WORLD = 4
 # examples are cheap here (~15 ms a round trip); only the fixture's scope needs the health check off
 FEW = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(scope="module")
-def world():
-    # one world per test process, shared with the other EP test module (start-up is the cost)
-    return LocalWorld.shared(WORLD, timeout_s=20.0)
+@pytest.fixture(scope="module", params=ep_worlds.selected())
+def ep_world(request):
+    # gloo: one world per test process, shared with the other EP test modules (start-up is the cost)
+    yield from ep_worlds.world_fixture(request)
+
+
+@pytest.fixture
+def world(ep_world):
+    return ep_world[0]
 
 
 @st.composite
-def ep_cases(draw, *, max_redundant: int = 3):
+def ep_cases(draw, max_world: int, *, max_redundant: int = 3):
     """A routing of all ranks' tokens, split into consecutive per-rank slices, and a placement."""
-    ranks = draw(st.integers(1, WORLD))
+    ranks = draw(st.integers(1, max_world))
     strategy = draw(st.sampled_from(EP_STRATEGIES))
     redundant = draw(st.integers(0, max_redundant))
     r = draw(routings(max_tokens=10, max_experts=7, max_top_k=3, allow_zero_tokens=True))
     cuts = sorted(draw(st.lists(st.integers(0, r.num_tokens), min_size=ranks - 1, max_size=ranks - 1)))
     sizes = np.diff([0, *cuts, r.num_tokens]).tolist()
-    return dict(ranks=ranks, strategy=strategy, redundant=redundant, routing=r, sizes=sizes)
+    ids = r.ids
+    if draw(st.booleans()):  # all tokens to one rank: a row's j-th valid slot -> that rank's j-th logical expert
+        hot = draw(st.integers(0, ranks - 1))
+        mine = np.flatnonzero(expert_map(r.num_experts, ranks, hot, strategy) >= 0)
+        if mine.size >= r.top_k:  # ids stay distinct per row (replicas of redundant experts may live elsewhere)
+            nth = np.cumsum(ids >= 0, axis=1) - 1
+            ids = np.where(ids >= 0, mine[np.maximum(nth, 0)], -1).astype(r.ids.dtype)
+    return dict(ranks=ranks, strategy=strategy, redundant=redundant, routing=r, sizes=sizes, ids=ids)
 
 
 def _slices(sizes):
@@ -111,16 +125,18 @@ def layer_task(g, x, ids, w, sizes, layer, strategy, redundant, mode, layout, qu
 # ---- dispatch / combine ------------------------------------------------------------------------
 
 @FEW
-@given(case=ep_cases(), mode=st.sampled_from(["normal", "low_latency"]), alignment=st.sampled_from([1, 4]))
-def test_dispatch_and_combine_match_deepep_contract(world, case, mode, alignment):
+@given(data=st.data(), mode=st.sampled_from(["normal", "low_latency"]), alignment=st.sampled_from([1, 4]))
+def test_dispatch_and_combine_match_deepep_contract(ep_world, data, mode, alignment):
+    world, max_world = ep_world
+    case = data.draw(ep_cases(max_world))
     r, ranks = case["routing"], case["ranks"]
     n, k = r.num_experts, r.top_k
     x = make_tokens(r.num_tokens, 8, seed=r.num_tokens)
-    res = world.run(dispatch_task, x, r.ids, r.weights, case["sizes"], n, case["strategy"], case["redundant"], mode,
+    res = world.run(dispatch_task, x, case["ids"], r.weights, case["sizes"], n, case["strategy"], case["redundant"], mode,
                     alignment, world_size=ranks)
     sl = _slices(case["sizes"])
     owner, local = _owners(n + case["redundant"], ranks, case["strategy"])
-    phys = [_physical(r.ids[s], n, case["redundant"]) for s in sl]
+    phys = [_physical(case["ids"][s], n, case["redundant"]) for s in sl]
     for src in range(ranks):
         np.testing.assert_array_equal(res[src]["phys"], phys[src])
     for dst in range(ranks):
@@ -223,11 +239,13 @@ QUANTS = {
 
 
 @FEW
-@given(case=ep_cases(), quant=st.sampled_from(list(QUANTS)), mode=st.sampled_from(["normal", "low_latency"]),
+@given(data=st.data(), quant=st.sampled_from(list(QUANTS)), mode=st.sampled_from(["normal", "low_latency"]),
        layout=st.sampled_from(LAYOUTS), qbd=st.booleans(), shared=st.booleans(), weight_on_input=st.booleans(),
        seed=st.integers(0, 2**16))
-def test_ep_fused_moe_is_bit_identical_to_single_process(world, case, quant, mode, layout, qbd, shared,
+def test_ep_fused_moe_is_bit_identical_to_single_process(ep_world, data, quant, mode, layout, qbd, shared,
                                                         weight_on_input, seed):
+    world, max_world = ep_world
+    case = data.draw(ep_cases(max_world))
     r = case["routing"]
     spec = QUANTS[quant]
     redundant = case["redundant"]
@@ -243,8 +261,8 @@ def test_ep_fused_moe_is_bit_identical_to_single_process(world, case, quant, mod
         extra["shared_experts"] = SharedExperts(sh.w13[0], sh.w2[0], sh.w13_layout)
     if r.top_k == 1 and weight_on_input:
         extra["apply_router_weight_on_input"] = True
-    want = fused_moe(x, layer, r.weights, r.ids, quant=q, **extra)
-    outs = world.run(layer_task, x, r.ids, r.weights, case["sizes"], layer, case["strategy"], redundant, mode, layout,
+    want = fused_moe(x, layer, r.weights, case["ids"], quant=q, **extra)
+    outs = world.run(layer_task, x, case["ids"], r.weights, case["sizes"], layer, case["strategy"], redundant, mode, layout,
                      q, qbd and spec is not None, extra, world_size=case["ranks"])
     got = np.concatenate(outs, axis=0)
     assert got.shape == want.shape
@@ -253,13 +271,15 @@ def test_ep_fused_moe_is_bit_identical_to_single_process(world, case, quant, mod
 
 @settings(max_examples=min(settings.default.max_examples, 10), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(case=ep_cases(max_redundant=0), seed=st.integers(0, 2**16))
-def test_fp8_dispatch_codes_arrive_bitwise(world, case, seed):
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_fp8_dispatch_codes_arrive_bitwise(ep_world, data, seed):
     """Quantized dispatch moves codes and scales unchanged: the receiver's dequantized rows equal the
     sender's quantize() of its tokens, row for row."""
+    world, max_world = ep_world
+    case = data.draw(ep_cases(max_world, max_redundant=0))
     r = case["routing"]
     x = make_tokens(r.num_tokens, 256, seed=seed)
-    res = world.run(fp8_dispatch_task, x, r.ids, r.weights, case["sizes"], r.num_experts, case["strategy"],
+    res = world.run(fp8_dispatch_task, x, case["ids"], r.weights, case["sizes"], r.num_experts, case["strategy"],
                     world_size=case["ranks"])
     sl = _slices(case["sizes"])
     deq = [quantize(x[s], fp8_group(128)).dequantize(np.float64) for s in sl]
@@ -294,3 +314,85 @@ def test_float_layer_with_shared_expert_on_one_row_per_rank(world, mode, redunda
     outs = world.run(layer_task, x, ids, w, [1, 1], layer, "linear", redundant, mode, "standard", MoEQuant(), False,
                      extra, world_size=2)
     np.testing.assert_array_equal(np.concatenate(outs, axis=0), want)
+
+
+# ---- EP shards of the fast layer (fastpath.moe) ----------------------------------------------------
+
+def fast_shard_task(g, x, ids, w, sizes, layer, out_dtype_name):
+    """This rank's share of an expert-parallel fast layer: the device-engine low-latency dispatch sends one
+    message per (token, slot) to the expert's rank; there ``fastpath.moe.fused_moe`` (the rank's experts, its
+    ``expert_map``) computes each message as a top-1 token of weight 1 in float32, i.e. the slot's expert
+    output as the layer stores it; the rows travel back by the combine's transport (the rows of
+    ``handle.return_index``, ``all_to_all_single``) and the source reduces its slots with the fast layer's own
+    kernel (``fastpath.dispatch.weight_and_reduce``: FP32, slot order)."""
+    import torch
+
+    from fastpath.dispatch import weight_and_reduce
+    from fastpath.moe import fast_weights, fused_moe
+    from moeref import _interop
+    from moeref.distributed.group import all_to_all_rows
+
+    sl = _slices(sizes)[g.rank]
+    dev = g.device
+    pl = ep_placement(layer.num_experts, g.world_size)
+    t, k, h = sl.stop - sl.start, ids.shape[1], x.shape[1]
+    d = ep_dispatch(torch.from_numpy(x[sl]).to(dev), torch.from_numpy(ids[sl]).to(dev), torch.from_numpy(w[sl]).to(dev),
+                    pl, g, mode="low_latency", max_tokens_per_rank=max(max(sizes), 1), engine="device")
+    e_loc, cap = d.src_info.shape
+    y = torch.zeros((e_loc * cap, h), dtype=torch.float32, device=dev)
+    if e_loc and bool((d.src_info >= 0).any()):
+        glob = torch.from_numpy(pl.local_experts(g.rank)).to(dev)
+        msg_ids = torch.where(d.src_info >= 0, glob[:, None], -1).reshape(-1, 1)
+        emap = torch.from_numpy(pl.expert_map(g.rank)).to(dev)
+        y = fused_moe(d.x.reshape(-1, h), fast_weights(local_weights(layer, pl, g.rank), dev),
+                      torch.ones((e_loc * cap, 1), dtype=torch.float32, device=dev), msg_ids, alignment=16,
+                      out_dtype=torch.float32, expert_map=emap, num_experts=layer.num_experts)
+    hd = d.handle
+    back = all_to_all_rows(g, y[hd.return_index].contiguous(), hd.return_counts, hd.plan.slots_to, "fast combine")
+    out = weight_and_reduce(back, hd.plan.slot_src, torch.from_numpy(w[sl]).to(dev), t,
+                            out_dtype=getattr(torch, out_dtype_name))
+    return _interop.to_numpy(out.cpu()).copy()
+
+
+@settings(max_examples=min(settings.default.max_examples, 25 if ep_worlds.gpus() else 4), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data(), seed=st.integers(0, 2**16), out_dtype=st.sampled_from(["float32", "bfloat16"]))
+def test_ep_shards_of_the_fast_layer_are_the_single_gpu_fast_layer(ep_world, data, seed, out_dtype):
+    """EP shards of ``fastpath.moe`` (:func:`fast_shard_task`), combined, equal the fast layer run on one device
+    over all tokens bit for bit (every per-row step of the fast layer is independent of the other rows, and the
+    reduce is the same kernel in the same slot order), and pass its declared profile against the
+    single-process reference (float32 layer: ``FP32_ACCUM``, TF32 products on a GPU). CPU: the kernels under
+    TRITON_INTERPRET at tiny shapes (few examples: the interpreter is slow); GPU: NCCL ranks, one GPU each."""
+    pytest.importorskip("triton")
+    import torch
+
+    from dataclasses import replace
+
+    from fastpath.moe import fast_weights
+    from fastpath.moe import fused_moe as fast_fused_moe
+    from fastpath.testing import device, on_gpu
+    from moeref.compare import PROFILES, compare
+    from moeref.moe import run_moe
+
+    world, max_world = ep_world
+    case = data.draw(ep_cases(max_world, max_redundant=0))
+    r = case["routing"]
+    assume(r.num_tokens > 0)  # fastpath.moe.fused_moe refuses 0 tokens (chunk_size None -> 0)
+    layer = make_layer(r.num_experts, 32, 16, seed=seed)
+    x = make_tokens(r.num_tokens, 32, seed=seed + 1)
+    ids, w = case["ids"].astype(np.int64), np.ascontiguousarray(r.weights, dtype=np.float32)
+    outs = world.run(fast_shard_task, x, ids, w, case["sizes"], layer, out_dtype, world_size=case["ranks"])
+    got = np.concatenate(outs, axis=0)
+    dev = device()
+    one = fast_fused_moe(torch.from_numpy(x).to(dev), fast_weights(layer, dev), torch.from_numpy(w).to(dev),
+                         torch.from_numpy(ids).to(dev), alignment=16, out_dtype=getattr(torch, out_dtype))
+    want = one.cpu()
+    want = want.view(torch.int16).numpy() if out_dtype == "bfloat16" else want.numpy()
+    got_bits = got.view(np.int16) if out_dtype == "bfloat16" else got
+    np.testing.assert_array_equal(got_bits, want)
+    run = run_moe(x, layer, w, ids, gemm1_out_dtype="float32", act_out_dtype="float32", out_dtype=out_dtype)
+    prof = PROFILES["FP32_ACCUM"] if out_dtype == "float32" else PROFILES["BF16_OUTPUT"]
+    if on_gpu():  # fp32 tl.dot is TF32 on the GPU
+        prof = replace(prof, accum_unit=2.0**-10)
+    rep = compare(got.astype(np.float32) if out_dtype == "float32" else got, run, prof)
+    assert rep.passed, rep

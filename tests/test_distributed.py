@@ -125,7 +125,7 @@ def _routing(rank: int, tokens: int, num_experts: int, top_k: int = 2, seed: int
     return ids.reshape(tokens, top_k), w.reshape(tokens, top_k)
 
 
-def bad_input_task(g, case):
+def bad_input_task(g, case, engine="host"):
     n_exp, tokens, hidden, ep_size, strategy = 8, 3, 8, g.world_size, "linear"
     kw = {}
     if case == "world_size":
@@ -151,7 +151,7 @@ def bad_input_task(g, case):
         ep_fused_moe(x, _layer(), w[:, :1], ids[:, :1], ep_placement(n_exp, ep_size, strategy), g,
                      apply_router_weight_on_input=True)
         return "no error"
-    ep_dispatch(x, ids, w, ep_placement(n_exp, ep_size, strategy), g, **kw)
+    ep_dispatch(x, ids, w, ep_placement(n_exp, ep_size, strategy), g, engine=engine, **kw)
     return "no error"
 
 
@@ -170,10 +170,11 @@ def bad_input_task(g, case):
     ("rows_layer", r"ranks \[2\] rejected their dispatch inputs", (2, r"rank 2: hidden has 4 rows \(shape \(4, 16\)\) "
                                                                        r"but topk_weights has 3")),
 ])
-def test_bad_input_raises_the_same_clear_error_on_every_rank(world, case, everyone, own):
+@pytest.mark.parametrize("engine", ["host", "device"])
+def test_bad_input_raises_the_same_clear_error_on_every_rank(world, case, everyone, own, engine):
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
-        world.run(bad_input_task, case)
+        world.run(bad_input_task, case, engine)
     assert time.monotonic() - t0 < 10.0  # an error, not a timeout
     fails = info.value.failures
     assert sorted(fails) == list(range(WORLD))  # every rank raised, none is left waiting
@@ -272,26 +273,27 @@ def candidate(hidden, topk_weights, topk_ids, group, *, fault: str = "none", mod
     return EPKernelOutput(out, x, sr, si, None, d.recv_count)
 
 
-def validate_task(g, fault, mode):
+def validate_task(g, fault, mode, engine="host"):
     import functools
 
     ids, w = _routing(g.rank, T, E, seed=5)
     x = make_tokens(T, H, seed=10 + g.rank)
     kernel = functools.partial(candidate, fault=fault, mode=mode)
     v = validate_ep_kernel(kernel, x, w, ids, ep_placement(E, g.world_size), g, weights=_layer(), profile=FP32_ACCUM,
-                           mode=mode, max_tokens_per_rank=T)
+                           mode=mode, max_tokens_per_rank=T, engine=engine)
     return v
 
 
-def _run_validation(world, fault, mode="normal"):
-    results = world.run(validate_task, fault, mode)
+def _run_validation(world, fault, mode="normal", engine="host"):
+    results = world.run(validate_task, fault, mode, engine)
     assert all(r.summary() == results[0].summary() for r in results)  # the same report on every rank
     return results[0]
 
 
-def test_validation_passes_an_honest_kernel_in_both_modes(world):
+@pytest.mark.parametrize("engine", ["host", "device"])
+def test_validation_passes_an_honest_kernel_in_both_modes(world, engine):
     for mode in ("normal", "low_latency"):
-        v = _run_validation(world, "none", mode)
+        v = _run_validation(world, "none", mode, engine)
         assert v.passed, v.summary()
         assert all(r.violations == 0 for r in v.ranks)
 
@@ -313,8 +315,9 @@ def test_validation_names_the_ranks_of_a_token_sent_to_the_wrong_rank(world):
     assert "rank 0: output:" in text  # and the source's output is wrong
 
 
-def test_validation_reports_a_count_off_by_one_on_its_rank_only(world):
-    v = _run_validation(world, "count")
+@pytest.mark.parametrize("engine", ["host", "device"])
+def test_validation_reports_a_count_off_by_one_on_its_rank_only(world, engine):
+    v = _run_validation(world, "count", engine=engine)
     assert v.faulty_ranks == [1]
     assert "per-expert receive counts differ: local expert 0:" in v.ranks[1].faults[0]
 
@@ -423,3 +426,53 @@ def test_placement_constructor_validates():
         EPPlacement(np.array([0, 0, 1]), np.array([0, 2, 0]), 2, np.array([0, 1, 2]))
     with pytest.raises(TypeError, match="owner must have dtype"):
         EPPlacement(np.array([0.0]), np.array([0]), 1, np.array([0]))
+
+
+def transport_task(g, p2p: bool):
+    """A dispatch and a combine of both engines, with the point-to-point transport forced or not."""
+    from moeref.distributed import ep_combine, group as group_module
+
+    ids, w = _routing(g.rank, 4, 8, seed=9)
+    x = make_tokens(4, 8, seed=20 + g.rank)
+    pl = ep_placement(8, g.world_size)
+    saved = dict(group_module._P2P_FALLBACK)
+    group_module._P2P_FALLBACK[g.backend] = p2p
+    try:
+        out = {}
+        for engine in ("host", "device"):
+            d = ep_dispatch(x, ids, w, pl, g, mode="low_latency", max_tokens_per_rank=4, engine=engine)
+            y = np.asarray(d.x if engine == "host" else d.x.numpy(), np.float64) * 3.0
+            got = ep_combine(y, d, g)
+            out[engine] = (np.asarray(d.src_info), np.asarray(d.x), np.asarray(got))
+        return out
+    finally:
+        group_module._P2P_FALLBACK.clear()
+        group_module._P2P_FALLBACK.update(saved)
+
+
+def test_point_to_point_fallback_moves_the_same_rows(world):
+    """A backend without ``all_to_all_single`` gets batch_isend_irecv per peer: the same blocks at the same offsets,
+    so both engines' results are the same with either transport (and the combine returns 3 x the tokens' sums)."""
+    a2a = world.run(transport_task, False)
+    p2p = world.run(transport_task, True)
+    for rank in range(WORLD):
+        for engine in ("host", "device"):
+            for u, v in zip(a2a[rank][engine], p2p[rank][engine]):
+                np.testing.assert_array_equal(u, v)
+        ids, w = _routing(rank, 4, 8, seed=9)
+        want = make_tokens(4, 8, seed=20 + rank).astype(np.float64) * 3.0 * w.astype(np.float64).sum(axis=1)[:, None]
+        np.testing.assert_allclose(p2p[rank]["device"][2], want, rtol=1e-12)
+
+
+def test_moeref_and_the_ep_device_engine_import_without_torch():
+    """``import moeref.distributed`` (and its device engine module) never imports torch: the engine imports it on use."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"  # an import of torch now raises ImportError
+            "import moeref, moeref.distributed, moeref.distributed.device\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton') and sys.modules[m]))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"

@@ -16,10 +16,12 @@ PAGES = [  # (report script in bench/, JSON under docs/data/, page under docs/, 
     ("report_moe_device", "moe_device_*.json", "moe-gpu.md", None),  # bench/bench_moe_device.py
     ("report_compare_device", "compare_device_*.json", "moe-gpu.md", None),  # bench/bench_compare_device.py
     ("report_convert", "convert_gpu_*.json", "convert.md", 1),  # bench/bench_convert.py --gpu
+    ("report_ep", "ep_*.json", "expert-parallel.md", None),  # bench/bench_ep_gpu.py
+    ("report_ep", "ep_*.json", "performance.md", None),  # bench/bench_ep_gpu.py
 ]
 
 
-@pytest.mark.parametrize("script,pattern,page,count", PAGES, ids=[p[0] for p in PAGES])
+@pytest.mark.parametrize("script,pattern,page,count", PAGES, ids=[f"{p[0]}-{p[2]}" for p in PAGES])
 def test_page_tables_are_generated_from_the_benchmark_json(script, pattern, page, count):
     report = importlib.import_module(f"bench.{script}")
     files = sorted(glob.glob(os.path.join(ROOT, "docs", "data", pattern)))

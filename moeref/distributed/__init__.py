@@ -6,7 +6,8 @@ single-process one, and validation of a user's distributed kernel. See docs/expe
   redundant replicas).
 * :mod:`.plan`: what a source rank sends where (NumPy; DeepEP ``get_dispatch_layout``).
 * :mod:`.group`: :class:`EPGroup`, the collectives used, their errors and timeouts.
-* :mod:`.dispatch`: :func:`ep_dispatch` / :func:`ep_combine`.
+* :mod:`.dispatch`: :func:`ep_dispatch` / :func:`ep_combine` (``engine="host"``: NumPy).
+* :mod:`.device`: the same on each rank's device (``engine="device"``: torch tensors, the same bits).
 * :mod:`.layer`: :func:`ep_fused_moe`.
 * :mod:`.validate`: :func:`validate_ep_kernel`.
 * :mod:`.world`: :class:`LocalWorld`, local worker processes for tests without torchrun.

@@ -50,6 +50,10 @@ Combine (:func:`ep_combine`), the expert outputs go back to the source rank:
 
 ``combine_dtype`` (e.g. ``"bfloat16"``, DeepEP's bf16 combine) rounds the returned rows before they
 travel; the source still accumulates in float64 and rounds once (kernels accumulate in fp32).
+
+Two engines, one result: ``engine="host"`` (NumPy arrays) and ``engine="device"`` (torch tensors on the
+group's device, :mod:`moeref.distributed.device`), bit for bit the same; :func:`ep_combine` follows the
+engine of its dispatch. Both send the same packed bytes.
 """
 from __future__ import annotations
 
@@ -78,6 +82,7 @@ __all__ = [
 
 DISPATCH_MODES = ("normal", "low_latency")
 COMBINE_ORDERS = ("slot", "rank")
+ENGINES = ("host", "device")
 _HEAD = 10  # ok, placement fp, ep_size, T, k, H, payload fp, M, bound, mode
 
 
@@ -94,6 +99,7 @@ class CombineHandle:
     return_index: np.ndarray
     return_counts: np.ndarray
     rows_from: np.ndarray
+    engine: str = "host"
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,6 +119,7 @@ class NormalDispatch:
     rank_prefix_matrix: np.ndarray
     num_recv_tokens_per_expert: np.ndarray
     handle: CombineHandle
+    engines: tuple = ()
 
     @property
     def num_recv(self) -> int:
@@ -143,6 +150,7 @@ class LowLatencyDispatch:
     src_rank: np.ndarray
     layout_range: np.ndarray
     handle: CombineHandle
+    engines: tuple = ()
 
     @property
     def num_local_experts(self) -> int:
@@ -157,7 +165,9 @@ def _digest(*parts) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def _check_quant(quant, x: np.ndarray):
+def _check_quant(quant, x: np.ndarray, quantizer=None):
+    """The scheme's checks, then ``quantizer(x)`` (default :func:`moeref.quant.quantize`; the device engine
+    passes the fast path's) and the check of what it carries."""
     from ..quant import Scheme, quantize
 
     if not isinstance(quant, Scheme):
@@ -165,8 +175,8 @@ def _check_quant(quant, x: np.ndarray):
     if any(b != 1 for b in quant.block[:-1]):
         raise ValueError(f"dispatch quantization must be row-local (blocks (1, g)); {quant.name!r} has block "
                          f"{quant.block}")
-    qt = quantize(x, quant)
-    if qt.global_scale is not None or qt.channel_scales is not None or qt.zero_points is not None:
+    qt = quantize(x, quant) if quantizer is None else quantizer(x)
+    if any(getattr(qt, name, None) is not None for name in ("global_scale", "channel_scales", "zero_points")):
         raise ValueError(f"dispatch quantization must carry only per-block scales; {quant.name!r} has a global "
                          "scale, channel scales or zero points")
     return qt
@@ -214,7 +224,7 @@ def _agree(g: EPGroup, local_fn, placement: EPPlacement, mode: str, bound: int):
 
 def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: EPGroup, *, mode: str = "normal",
                 quant=None, max_tokens_per_rank: int | None = None, max_recv_tokens: int | None = None,
-                pad_to_max_recv: bool = False, expert_alignment: int = 1):
+                pad_to_max_recv: bool = False, expert_alignment: int = 1, engine: str = "host"):
     """Send this rank's tokens to the ranks owning their experts; return the receive buffers.
 
     Args:
@@ -234,24 +244,37 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
             ``num_worst_tokens``: the real rows first, then padding rows with ``topk_idx = -1``,
             weight 0, ``src_rank = src_token = -1`` and zero payload.
         expert_alignment: rounds ``num_recv_tokens_per_expert`` up (DeepEP), normal mode only.
+        engine: ``"host"`` (NumPy arrays in and out) or ``"device"`` (torch tensors on ``group.device``, the
+            same results bit for bit: :mod:`moeref.distributed.device`); :func:`ep_combine` follows the
+            dispatch's engine.
 
     Every rank raises the same ``ValueError``/``TypeError`` for a bad input on any rank; a peer that
     never joins raises :class:`~moeref.distributed.EPTimeoutError` after the group's timeout.
     """
     check_choice(mode, DISPATCH_MODES, "mode")
+    check_choice(engine, ENGINES, "engine")
     expert_alignment = check_positive_int(expert_alignment, "expert_alignment")
     bound = -1 if max_recv_tokens is None else check_positive_int(max_recv_tokens, "max_recv_tokens", allow_zero=True)
     if pad_to_max_recv and (mode != "normal" or bound < 0):
         raise ValueError("pad_to_max_recv=True needs mode='normal' and max_recv_tokens (the padded size)")
 
     def local():
-        x = as_float_array(hidden, "hidden")
+        if engine == "device":
+            from .device import device_send_plan, float_name, quantize_rows, to_group_device
+
+            x = to_group_device(hidden, group.device, "hidden", kind="float")
+            name = float_name(x)
+        else:
+            x = as_float_array(hidden, "hidden")
+            name = str(x.dtype)
         check_ndim(x, 2, "hidden")
-        name = str(x.dtype)
         if name not in _FLOAT_DTYPES:
             raise TypeError(f"hidden must be one of {', '.join(_FLOAT_DTYPES)}; got {name}")
         check_token_rows(x, topk_weights, topk_ids)
-        plan = send_plan(topk_ids, topk_weights, placement)
+        if engine == "device":
+            plan = device_send_plan(topk_ids, topk_weights, placement, group.device)
+        else:
+            plan = send_plan(topk_ids, topk_weights, placement)
         m = -1
         if max_tokens_per_rank is not None:
             m = check_positive_int(max_tokens_per_rank, "max_tokens_per_rank")
@@ -259,10 +282,14 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
                 raise ValueError(f"{x.shape[0]} tokens on this rank, more than max_tokens_per_rank={m}")
         elif mode == "low_latency":
             raise ValueError("mode='low_latency' needs max_tokens_per_rank (the masked buffers have R*M rows)")
-        qt = None if quant is None else _check_quant(quant, x)
+        if engine == "device":
+            qt = None if quant is None else quantize_rows(x, quant, _check_quant)
+            w = to_group_device(topk_weights, group.device, "topk_weights", kind="float")
+        else:
+            qt = None if quant is None else _check_quant(quant, x)
+            w = np.asarray(as_float_array(topk_weights, "topk_weights"))
         payload = _digest(name, None if quant is None else (quant.name, quant.block, quant.scale_format))
-        return dict(T=x.shape[0], k=plan.top_k, H=x.shape[1], payload=payload, M=m, x=x, qt=qt, plan=plan,
-                    w=np.asarray(as_float_array(topk_weights, "topk_weights")))
+        return dict(T=x.shape[0], k=plan.top_k, H=x.shape[1], payload=payload, M=m, x=x, qt=qt, plan=plan, w=w)
 
     prep, table = _agree(group, local, placement, mode, bound)
     r, me = group.world_size, group.rank
@@ -276,6 +303,9 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
             d = int(over[0])
             raise ValueError(f"rank {d} would receive {int(recv[d])} tokens (from ranks {rows[:, d].tolist()}), "
                              f"more than the declared bound max_recv_tokens={bound}")
+    if engine == "device":
+        return _dispatch_device(group, placement, prep, rows, slots, mode, quant, bound if pad_to_max_recv else None,
+                                expert_alignment)
     x, qt, k, h = prep["x"], prep["qt"], prep["k"], prep["H"]
     if qt is None:
         specs = [(x.dtype, (h,))]
@@ -337,6 +367,61 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
     return LowLatencyDispatch(xr, xq, recv_count.astype(np.int32), src_info, src_rank, layout_range, handle)
 
 
+def _dispatch_device(group: EPGroup, placement: EPPlacement, prep: dict, rows: np.ndarray, slots: np.ndarray,
+                     mode: str, quant, pad_to: int | None, expert_alignment: int):
+    """The receive side of :func:`ep_dispatch` with ``engine="device"`` (:mod:`moeref.distributed.device`)."""
+    import torch
+
+    from . import device as dv
+    from .group import all_to_all_rows
+
+    r, me, dev = group.world_size, group.rank, group.device
+    x, qt, k, h, w = prep["x"], prep["qt"], prep["k"], prep["H"], prep["w"]
+    plan = prep["plan"]
+    engines = ()
+    if qt is None:
+        specs = [(x.dtype, (h,))]
+        token_fields = lambda idx: [x[idx]]  # noqa: E731
+    else:
+        codes, scales, qengine = qt
+        engines = (f"quantize: {qengine}",)
+        specs = [(torch.uint8, tuple(codes.shape[1:])), (scales.dtype, tuple(scales.shape[1:]))]
+        token_fields = lambda idx: [codes[idx], scales[idx]]  # noqa: E731
+    n_local = placement.num_local(me)
+    what = "the dispatch all_to_all_single"
+    if mode == "normal":
+        n_send = int(plan.row_token.shape[0])
+        send = dv.pack(n_send, *token_fields(plan.row_token), plan.row_token, plan.row_local_ids, plan.row_weights)
+        got = all_to_all_rows(group, send, rows[me], rows[:, me], what)
+        fields = dv.unpack(got, specs + [(torch.int64, ()), (torch.int64, (k,)), (torch.float32, (k,))])
+        payload, ids, wts, src_rank, tok, counts, ret_index = dv.receive_normal(
+            fields, r, me, rows, n_local, k, expert_alignment, pad_to, dev)
+        handle = CombineHandle(mode, plan, w, ret_index, slots[:, me].copy(), rows[:, me].copy(), "device")
+        n_rows = int(ids.shape[0])
+        xr, xq = _received_device(payload, qt, quant, (n_rows, h))
+        prefix = torch.as_tensor(np.cumsum(rows, axis=0)).to(dev)
+        return NormalDispatch(xr, xq, ids, wts, src_rank, tok, prefix, counts, handle, engines)
+    m = prep["M"]
+    src_tok = torch.div(plan.slot_src, max(k, 1), rounding_mode="floor")
+    send = dv.pack(int(src_tok.shape[0]), *token_fields(src_tok), src_tok, plan.slot_local)
+    got = all_to_all_rows(group, send, slots[me], slots[:, me], what)
+    *payload, tok, loc = dv.unpack(got, specs + [(torch.int64, ()), (torch.int64, ())])
+    cap = r * m
+    masked, recv_count, src_info, src_rank, layout_range, ret_index = dv.receive_low_latency(
+        payload, tok, loc, r, me, slots, n_local, cap, dev)
+    handle = CombineHandle(mode, plan, w, ret_index, slots[:, me].copy(), slots[:, me].copy(), "device")
+    xr, xq = _received_device(masked, qt, quant, (n_local, cap, h))
+    return LowLatencyDispatch(xr, xq, recv_count, src_info, src_rank, layout_range, handle, engines)
+
+
+def _received_device(payload, qt, quant, shape):
+    if qt is None:
+        return payload[0], None
+    from .device import DeviceQuantized
+
+    return None, DeviceQuantized(payload[0], payload[1], quant, shape)
+
+
 def _received(payload, qt, quant, shape):
     if qt is None:
         return payload[0], None
@@ -371,34 +456,48 @@ def ep_combine(expert_out, dispatched, group: EPGroup, *, order: str = "slot", c
 
     ``apply_weights=False``: the router weight was applied on the input (top-1), only sum.
     ``combine_dtype``: round the returned rows to this dtype before they travel (None: float64).
-    Result: float64, or ``out_dtype`` rounded once (module docstring for the summation orders).
+    Result: float64, or ``out_dtype`` rounded once (module docstring for the summation orders); with a
+    dispatch of ``engine="device"``, a torch tensor on ``group.device`` (``expert_out`` a tensor there,
+    or a host array, which is copied there), bit for bit the host engine's result.
     """
     check_choice(order, COMBINE_ORDERS, "order")
     hd: CombineHandle = dispatched.handle
     plan = hd.plan
     rank_order = order == "rank"
+    on_device = hd.engine == "device"
+    if on_device:
+        from . import device as dv
     err, rows = None, None
     head = np.zeros(4, dtype=np.int64)
     try:
         if rank_order and hd.mode != "normal":
             raise ValueError("order='rank' is the normal-mode combine; low-latency combines in slot order")
-        y = as_float_array(expert_out, "expert_out")
+        if on_device:
+            y = dv.to_group_device(expert_out, group.device, "expert_out", kind="float")
+            if dv.float_name(y) not in _FLOAT_DTYPES:
+                raise TypeError(f"expert_out must be one of {', '.join(_FLOAT_DTYPES)}; got {dv.float_name(y)}")
+        else:
+            y = as_float_array(expert_out, "expert_out")
+        shape = tuple(y.shape)
         if hd.mode == "normal" and not rank_order:
             want = (dispatched.num_recv, plan.top_k)
-            if y.ndim != 3 or y.shape[:2] != want:
-                raise ValueError(f"expert_out must have shape [N_recv={want[0]}, k={want[1]}, H]; got {y.shape}")
+            if len(shape) != 3 or shape[:2] != want:
+                raise ValueError(f"expert_out must have shape [N_recv={want[0]}, k={want[1]}, H]; got {shape}")
         elif hd.mode == "normal":
-            if y.ndim != 2 or y.shape[0] != dispatched.num_recv:
-                raise ValueError(f"expert_out must have shape [N_recv={dispatched.num_recv}, H]; got {y.shape}")
+            if len(shape) != 2 or shape[0] != dispatched.num_recv:
+                raise ValueError(f"expert_out must have shape [N_recv={dispatched.num_recv}, H]; got {shape}")
         else:
-            want = dispatched.src_info.shape
-            if y.ndim != 3 or y.shape[:2] != want:
-                raise ValueError(f"expert_out must have shape [E_local={want[0]}, W={want[1]}, H]; got {y.shape}")
-        flat = y.reshape(-1, y.shape[-1])
+            want = tuple(dispatched.src_info.shape)
+            if len(shape) != 3 or shape[:2] != want:
+                raise ValueError(f"expert_out must have shape [E_local={want[0]}, W={want[1]}, H]; got {shape}")
+        flat = y.reshape(-1, shape[-1])
         rows = flat[:int(hd.rows_from.sum())] if rank_order else flat[hd.return_index]  # not the padding
         # one RNE rounding to the travel dtype (float32/bf16 inputs widen exactly first)
-        rows = rows.astype(np.float64 if combine_dtype is None else _dtype(combine_dtype))
-        head[:] = (1, y.shape[-1], rows.dtype.itemsize, int(rank_order))
+        if on_device:
+            rows = dv.travel_cast(rows, combine_dtype)
+        else:
+            rows = rows.astype(np.float64 if combine_dtype is None else _dtype(combine_dtype))
+        head[:] = (1, shape[-1], rows.element_size() if on_device else rows.dtype.itemsize, int(rank_order))
     except (ValueError, TypeError) as e:
         err = e
     table = all_gather_int64(group, head, "the combine header all_gather")
@@ -413,7 +512,18 @@ def ep_combine(expert_out, dispatched, group: EPGroup, *, order: str = "slot", c
     h = int(head[1])
     send_counts = hd.rows_from if rank_order else hd.return_counts
     recv_counts = plan.rows_to if rank_order else plan.slots_to
-    got = all_to_all_bytes(group, pack_rows(rows), send_counts, recv_counts, "the combine all_to_all_single")
+    what = "the combine all_to_all_single"
+    if on_device:
+        from .group import all_to_all_rows
+
+        got = all_to_all_rows(group, dv.as_bytes(rows, int(rows.shape[0])), send_counts, recv_counts, what)
+        back = dv.unpack(got, [(rows.dtype, (h,))])[0]
+        if rank_order:
+            out = dv.reduce_ranks(back, plan.row_token, plan.rows_to, plan.num_tokens)
+        else:
+            out = dv.reduce_slots(back, plan.slot_src, hd.topk_weights, plan.num_tokens, plan.top_k, apply_weights)
+        return dv.store(out, out_dtype)
+    got = all_to_all_bytes(group, pack_rows(rows), send_counts, recv_counts, what)
     back = unpack_rows(got, [(rows.dtype, (h,))])[0].astype(np.float64)
     t = plan.num_tokens
     if rank_order:

@@ -1,7 +1,8 @@
 """The process group an EP reference runs on, and the only collectives it uses.
 
 Transport is torch.distributed, never a home-made one. The reference moves bytes only
-(``all_gather`` of a small int64 header, ``all_to_all_single`` of packed rows) and reduces locally in
+(``all_gather`` of a small int64 header, ``all_to_all_single`` of packed rows, or where a backend lacks it
+one ``batch_isend_irecv`` per peer: :func:`all_to_all_rows`) and reduces locally in
 a fixed order, so results are bit-exact whatever the backend's reduction algorithms do (the
 summation order inside an NCCL or gloo reduction is implementation-defined and may depend on the
 algorithm and topology).
@@ -107,15 +108,71 @@ def all_to_all_bytes(g: EPGroup, rows: np.ndarray, send_counts, recv_counts, wha
     """``all_to_all_single`` of packed rows: uint8 ``[S, B]`` split by ``send_counts [R]`` -> uint8
     ``[sum(recv_counts), B]``, blocks in ascending source rank (torch's contract)."""
     import torch
-    import torch.distributed as dist
 
     b = int(rows.shape[1])
-    send = [int(c) * b for c in send_counts]
-    recv = [int(c) * b for c in recv_counts]
     inp = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.uint8).reshape(-1)).to(g.device)
-    out = torch.empty(sum(recv), dtype=torch.uint8, device=g.device)
-    _collective(g, what, lambda: dist.all_to_all_single(out, inp, recv, send, group=g.group))
-    return out.cpu().numpy().reshape(-1, b) if b else np.zeros((sum(recv_counts), 0), np.uint8)
+    out = all_to_all_rows(g, inp, [int(c) * b for c in send_counts], [int(c) * b for c in recv_counts], what)
+    return out.cpu().numpy().reshape(-1, b) if b else np.zeros((int(sum(int(c) for c in recv_counts)), 0), np.uint8)
+
+
+# backend name -> True once it answered "does not support" to ``all_to_all_single`` (then every later call
+# takes the point-to-point transport); tests set it to exercise that transport.
+_P2P_FALLBACK: dict = {}
+
+
+def all_to_all_rows(g: EPGroup, rows, send_counts, recv_counts, what: str):
+    """``all_to_all_single`` of a device tensor of rows ``[S, ...]`` (any dtype, contiguous), split along
+    dim 0 by ``send_counts [R]`` (host ints) -> ``[sum(recv_counts), ...]`` on ``g.device``, blocks in
+    ascending source rank.
+
+    Backends without ``alltoall_base`` (PyTorch's table marks gloo's all-to-all unsupported, while
+    ``ProcessGroupGloo.cpp`` implements it: builds differ) answer "does not support"; the transport then
+    falls back, for this backend and for the rest of the process, to its documented equivalent: one
+    ``batch_isend_irecv`` of a send and a receive per peer (the own block is copied locally), which
+    moves the same blocks to the same offsets."""
+    import torch
+    import torch.distributed as dist
+
+    send = [int(c) for c in send_counts]
+    recv = [int(c) for c in recv_counts]
+    tail = tuple(rows.shape[1:])
+    out = torch.empty((sum(recv),) + tail, dtype=rows.dtype, device=rows.device)
+    if not _P2P_FALLBACK.get(g.backend, False):
+        try:
+            _collective(g, what, lambda: dist.all_to_all_single(out, rows, recv, send, group=g.group))
+            return out
+        except EPCommError as e:
+            if "does not support" not in str(e):
+                raise
+            _P2P_FALLBACK[g.backend] = True
+    return _all_to_all_p2p(g, rows, out, send, recv, what)
+
+
+def _all_to_all_p2p(g: EPGroup, rows, out, send, recv, what: str):
+    """The ``all_to_all_single`` contract with point-to-point operations (:func:`all_to_all_rows`)."""
+    import torch.distributed as dist
+
+    s_at = np.concatenate([[0], np.cumsum(send)]).astype(int)
+    r_at = np.concatenate([[0], np.cumsum(recv)]).astype(int)
+    me = g.rank
+    out[r_at[me]:r_at[me + 1]] = rows[s_at[me]:s_at[me + 1]]
+    ops = []
+    for peer in range(g.world_size):
+        if peer == me:
+            continue
+        peer_global = peer if g.group is None else dist.get_global_rank(g.group, peer)
+        if send[peer]:
+            ops.append(dist.P2POp(dist.isend, rows[s_at[peer]:s_at[peer + 1]].contiguous(), peer_global, g.group))
+        if recv[peer]:
+            ops.append(dist.P2POp(dist.irecv, out[r_at[peer]:r_at[peer + 1]], peer_global, g.group))
+
+    def run():
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    _collective(g, what + " (point-to-point fallback)", run)
+    return out
 
 
 def pack_rows(*fields: np.ndarray) -> np.ndarray:

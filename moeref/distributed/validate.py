@@ -199,9 +199,23 @@ def _check_recv(ref, cand: EPKernelOutput, low_latency: bool) -> list[str]:
     return faults
 
 
+def _on_host(d):
+    """A dispatch result with every tensor field as a NumPy array (device-engine results; host ones unchanged)."""
+    from dataclasses import fields, replace
+
+    changes = {}
+    for f in fields(d):
+        v = getattr(d, f.name)
+        if _interop.is_torch_tensor(v):
+            changes[f.name] = np.asarray(_interop.to_numpy(v))
+        elif hasattr(v, "to_host"):
+            changes[f.name] = v.to_host()
+    return replace(d, **changes) if changes else d
+
+
 def validate_ep_kernel(candidate, hidden, topk_weights, topk_ids, placement: EPPlacement, group: EPGroup, *,
                        weights, profile: Profile, mode: str = "normal", dispatch_quant=None,
-                       max_tokens_per_rank: int | None = None, **layer_kwargs) -> EPValidation:
+                       max_tokens_per_rank: int | None = None, engine: str = "host", **layer_kwargs) -> EPValidation:
     """Run ``candidate(hidden, topk_weights, topk_ids, group) -> EPKernelOutput`` on every rank and check
     it (module docstring). Call on every rank of ``group`` with that rank's tokens.
 
@@ -210,13 +224,15 @@ def validate_ep_kernel(candidate, hidden, topk_weights, topk_ids, placement: EPP
     ``out_dtype``, ``shared_experts``, ...); ``topk_ids`` are logical ids; ``mode``,
     ``dispatch_quant`` (the row-local scheme the candidate quantizes with before dispatch, or None),
     ``max_tokens_per_rank``: the dispatch being checked (:func:`~moeref.distributed.ep_dispatch`).
+    ``engine``: where the reference dispatch runs (``"device"``: on the group's device, the same bits, fast at
+    production sizes; its buffers are then read back to the host for the checks).
     A candidate that raises is a fault of its rank. Returns the same :class:`EPValidation` on every rank.
     """
     import torch.distributed as dist
 
     ids = placement.to_physical(topk_ids)
-    ref = ep_dispatch(hidden, ids, topk_weights, placement, group, mode=mode, quant=dispatch_quant,
-                      max_tokens_per_rank=max_tokens_per_rank)
+    ref = _on_host(ep_dispatch(hidden, ids, topk_weights, placement, group, mode=mode, quant=dispatch_quant,
+                               max_tokens_per_rank=max_tokens_per_rank, engine=engine))
     faults: list[str] = []
     violations, metrics = None, {}
     try:

@@ -1,0 +1,360 @@
+"""The EP dispatch and combine reference on the process group's device: ``engine="device"``.
+
+:func:`~moeref.distributed.ep_dispatch` / :func:`~moeref.distributed.ep_combine` with ``engine="device"``
+run the same protocol as the NumPy engine (header ``all_gather``, one ``all_to_all_single`` of packed
+rows, the same packed byte format, so ranks may even mix engines) with every per-token step a torch
+tensor operation on ``group.device`` (``cuda:<i>`` on NCCL, the CPU on gloo). The results are the NumPy
+engine's, bit for bit (``property_tests/test_distributed_props.py`` checks every field of both modes,
+quantized or not, and every combine), because every step is one of:
+
+* **integer work** (destinations, the send order, counts, prefix sums, the masked layout's positions):
+  exact in any engine; the orders are the NumPy engine's (rows by destination then token; slots by
+  destination then flat slot, a stable sort; low-latency rows of an expert in arrival order);
+* **moving bytes** (gathers, the all-to-all, scatters into zeroed buffers): values arrive unchanged;
+* **the declared casts**: router weights to float32 (one RNE), the combine's travel dtype and the
+  ``out_dtype`` store (:func:`moeref.moe.round_on_device`, the NumPy engine's roundings: bfloat16 through
+  float32 as ml_dtypes casts, float16 with one rounding), FP8 quantization before dispatch (below);
+* **the combine sums**: ``order="slot"``: ``out = 0; out += w[:, j] * row(t, j)`` for ``j = 0..k-1`` in
+  float64 (a product rounded, then a sum rounded: no fused multiply-add), as
+  :func:`moeref.dispatch.reduce_slot_rows`; ``order="rank"``: the ranks' rows added in ascending rank
+  order in float64.
+
+Quantization before dispatch (``quant=``): on a CUDA device :func:`moeref.quant.device.device_quantize`
+where it runs the scheme (its codes and scales equal :func:`moeref.quant.quantize`'s bit for bit:
+``property_tests/test_quant_device.py``; the reference never runs the fast paths it judges), otherwise :func:`moeref.quant.quantize` on a host copy (on the CPU device,
+always: the host is the device); which one ran is in the result's ``engines``.
+
+Results: the same :class:`~moeref.distributed.NormalDispatch` / :class:`~moeref.distributed.LowLatencyDispatch`
+with every array a torch tensor on ``group.device`` (``xq``: a :class:`DeviceQuantized`); the combine
+handle keeps the split sizes (``return_counts``, ``rows_from`` and the plan's ``rows_to`` /
+``slots_to``) as host int64 arrays, since ``all_to_all_single`` takes them as host lists. A NaN keeps
+its position, not necessarily its payload bits (CUDA writes one canonical NaN).
+
+Cost: a few host synchronizations per dispatch (the plan's counts with the ids' range check, the header,
+the sizes of the index selections) and one per combine (the header); the rest is queued on the device. Memory: the low-latency buffers are ``E_local x R*M x H``
+(zeroed), the slot-order combine holds ``T*k x H`` rows of the travel dtype and ``T x H`` float64.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["DeviceQuantized"]
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+_TORCH_FLOAT_NAMES = {"float64", "float32", "float16", "bfloat16"}
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceQuantized:
+    """Quantized rows on the device: ``codes`` uint8 and ``scales`` (the scheme's scale dtype as a torch
+    tensor) with the host :class:`~moeref.quant.QuantizedTensor`'s shapes; ``shape`` the logical shape.
+    :meth:`to_host` gives the :class:`~moeref.quant.QuantizedTensor` (bitwise the same codes and scales)."""
+
+    codes: object
+    scales: object
+    scheme: object
+    shape: tuple
+
+    def to_host(self):
+        from .. import _interop
+        from ..quant import QuantizedTensor
+
+        return QuantizedTensor(_interop.to_numpy(self.codes), _interop.to_numpy(self.scales), self.scheme,
+                               tuple(self.shape))
+
+    def dequantize(self, dtype=np.float64):
+        """:meth:`QuantizedTensor.dequantize` of :meth:`to_host` (a host array)."""
+        return self.to_host().dequantize(dtype)
+
+
+def zeros(shape, dtype, device):
+    """``torch.zeros``; on the CPU through NumPy's ``zeros`` (``calloc``: the system zeroes a page when it is
+    first touched, so a large masked buffer costs the rows written, as in the NumPy engine)."""
+    torch = _torch()
+    n = int(np.prod(shape, dtype=np.int64))
+    if torch.device(device).type != "cpu" or n == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(n * size, dtype=np.uint8)).view(dtype).reshape(tuple(shape))
+
+
+def scatter_rows(buf, index, rows):
+    """``buf.view(-1, row)[index] = rows`` (``index`` distinct) with ``index_copy_``."""
+    if index.numel():
+        width = int(np.prod(tuple(buf.shape[buf.dim() - rows.dim() + 1:]), dtype=np.int64))
+        buf.view(-1, width).index_copy_(0, index, rows.reshape(int(index.numel()), width))
+    return buf
+
+
+def float_name(x) -> str:
+    """The NumPy-style dtype name of a float tensor (``"bfloat16"``, ``"float32"``, ...)."""
+    return str(x.dtype).replace("torch.", "")
+
+
+def to_group_device(x, device, name: str, *, kind: str):
+    """``x`` (a torch tensor or a host array) as a tensor on ``device``; ``kind`` ``"float"`` or ``"int"``.
+    TypeError names the dtype given and those accepted (the NumPy engine's messages)."""
+    torch = _torch()
+    from .. import _interop
+    from .._checks import as_float_array, as_int_array
+
+    if not torch.is_tensor(x):
+        a = as_float_array(x, name) if kind == "float" else as_int_array(x, name)
+        x = _interop.to_torch(np.array(a, order="C"))  # a writable copy (torch refuses read-only memory)
+    if kind == "float" and not x.is_floating_point():
+        raise TypeError(f"{name} must be floating point (float16/float32/float64/bfloat16); got {x.dtype}")
+    if kind == "int" and x.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64; got {x.dtype}")
+    return x.to(device)
+
+
+@dataclass(frozen=True, eq=False)
+class DevicePlan:
+    """:class:`~moeref.distributed.SendPlan` on the device: the same fields (torch int64 / float32 tensors),
+    except ``rows_to`` / ``slots_to``: host int64 ``[R]`` (split sizes)."""
+
+    num_tokens: int
+    top_k: int
+    dest: object
+    row_token: object
+    row_dest: object
+    rows_to: np.ndarray
+    row_local_ids: object
+    row_weights: object
+    slot_src: object
+    slot_dest: object
+    slot_local: object
+    slots_to: np.ndarray
+
+
+def _placement_tables(placement, device):
+    torch = _torch()
+    return (torch.tensor(placement.owner, dtype=torch.int64, device=device),
+            torch.tensor(placement.local_id, dtype=torch.int64, device=device))
+
+
+def device_send_plan(topk_ids, topk_weights, placement, device) -> DevicePlan:
+    """:func:`~moeref.distributed.send_plan` on ``device`` (the same orders and values). Host
+    synchronizations: the counts with the range check of the ids (a bad id raises the NumPy engine's
+    ``ValueError``, index and value), and the sizes of the two index selections."""
+    torch = _torch()
+    from ..routing.ids import check_topk_ids
+
+    ids = to_group_device(topk_ids, device, "topk_ids", kind="int")
+    if ids.dim() != 2:
+        check_topk_ids(ids.cpu().numpy(), placement.num_physical)  # the NumPy engine's message
+    w = to_group_device(topk_weights, device, "topk_weights", kind="float")
+    if w.dim() != 2:
+        raise ValueError(f"topk_weights must be a 2-D array; got shape {tuple(w.shape)}")
+    if tuple(w.shape) != tuple(ids.shape):
+        raise ValueError(f"topk_weights has shape {tuple(w.shape)} but topk_ids has {tuple(ids.shape)}")
+    ids = ids.to(torch.int64)
+    t, k = ids.shape
+    r, p = placement.ep_size, placement.num_physical
+    owner, local_id = _placement_tables(placement, device)
+    bad = (ids < -1) | (ids >= p)
+    valid = ids >= 0
+    safe = ids.clamp(0, p - 1)  # an id out of range never indexes (it raises below)
+    dest = torch.where(valid, owner[safe], -1)
+    local = torch.where(valid, local_id[safe], -1)
+    hit = torch.zeros((t, r + 1), dtype=torch.bool, device=device)  # column r collects padding slots
+    hit.scatter_(1, torch.where(dest >= 0, dest, r), True)
+    flat_dest = dest.reshape(-1)
+    counts = torch.cat([hit[:, :r].sum(0), torch.bincount(flat_dest[flat_dest >= 0], minlength=r),
+                        bad.any().reshape(1).to(torch.int64)]).cpu().numpy()
+    if counts[-1]:
+        check_topk_ids(ids.cpu().numpy(), p)  # raises the NumPy engine's message
+    row_dest, row_token = torch.nonzero(hit[:, :r].t().contiguous(), as_tuple=True)  # by rank, then token
+    here = dest[row_token] == row_dest[:, None]
+    row_local = torch.where(here, local[row_token], -1)
+    row_w = torch.where(here, w[row_token].to(torch.float32), 0.0).to(torch.float32)
+    slot_valid = torch.nonzero(flat_dest >= 0, as_tuple=True)[0]
+    order = torch.sort(flat_dest[slot_valid], stable=True).indices
+    slot_src = slot_valid[order]
+    return DevicePlan(t, k, dest, row_token, row_dest, counts[:r].astype(np.int64), row_local, row_w, slot_src,
+                      flat_dest[slot_src], local.reshape(-1)[slot_src], counts[r:2 * r].astype(np.int64))
+
+
+def quantize_rows(x, quant, check_quant):
+    """Quantize ``x [T, H]`` (device tensor) before dispatch -> ``(codes, scales, engine)`` on x's device.
+    ``check_quant(scheme, x, quantizer=None)``: the NumPy engine's checks around a quantizer (default: the NumPy
+    one; module docstring)."""
+    torch = _torch()
+    from .. import _interop
+
+    from ..quant import Scheme
+
+    if x.is_cuda and isinstance(quant, Scheme):  # (anything else: the NumPy engine's TypeError below)
+        from ..quant.device import device_quantize, device_quantize_unavailable
+
+        why = device_quantize_unavailable(quant, x, {})
+        if why is None:
+            dq = check_quant(quant, x, lambda v: device_quantize(v, quant))
+            if tuple(dq.codes.shape) == tuple(x.shape) and dq.codes.dtype == torch.uint8:
+                return dq.codes, dq.scales, f"moeref.quant.device ({quant.name})"
+            why = "its codes are packed (the host engine sends one byte an element)"
+        engine = f"moeref.quant on a host copy ({why})"
+    else:
+        engine = "moeref.quant"
+    qt = check_quant(quant, _interop.to_numpy(x))
+    return (_interop.to_torch(qt.codes).to(x.device), _interop.to_torch(qt.scales).to(x.device), engine)
+
+
+def as_bytes(t, rows: int):
+    """A contiguous tensor ``[rows, ...]`` as uint8 ``[rows, nbytes]`` (a view where possible)."""
+    torch = _torch()
+    width = int(np.prod(tuple(t.shape[1:]), dtype=np.int64))
+    if t.numel() == 0:  # no rows (or no columns): nothing to view
+        return torch.zeros((rows, width * t.element_size()), dtype=torch.uint8, device=t.device)
+    return t.contiguous().reshape(rows, width).view(torch.uint8)
+
+
+def pack(rows: int, *fields):
+    """:func:`moeref.distributed.group.pack_rows` on the device (the same byte layout)."""
+    torch = _torch()
+    parts = [as_bytes(f, rows) for f in fields]
+    return torch.cat(parts, dim=1) if parts else torch.zeros((rows, 0), dtype=torch.uint8)
+
+
+def unpack(rows, specs):
+    """Inverse of :func:`pack`: ``specs`` is a list of ``(torch dtype, tail shape)``."""
+    torch = _torch()
+    n = int(rows.shape[0])
+    out, at = [], 0
+    for dtype, tail in specs:
+        size = torch.empty((), dtype=dtype).element_size()
+        width = int(np.prod(tail, dtype=np.int64)) * size
+        if n and width:  # a fresh row-major copy (a one-row slice keeps its parent's strides)
+            chunk = torch.empty((n, width), dtype=torch.uint8, device=rows.device)
+            chunk.copy_(rows[:, at:at + width])
+            out.append(chunk.view(dtype).reshape((n,) + tuple(tail)))
+        else:
+            out.append(torch.empty((n,) + tuple(tail), dtype=dtype, device=rows.device))
+        at += width
+    if at != rows.shape[1]:
+        raise ValueError(f"packed rows have {rows.shape[1]} bytes but the fields take {at}")
+    return out
+
+
+def receive_normal(got_fields, r: int, me: int, rows_matrix: np.ndarray, n_local: int, k: int,
+                   expert_alignment: int, pad_to: int | None, device):
+    """The normal-mode receive buffers from the unpacked fields ``(payload..., token, ids, weights)``:
+    ``(payload list, ids, weights, src_rank, token, counts, return_index)`` (the returned slots per source
+    are the header's count matrix: no device work)."""
+    torch = _torch()
+    *payload, tok, ids, wts = got_fields
+    counts = torch.bincount(ids[ids >= 0], minlength=n_local) if n_local else \
+        torch.zeros(0, dtype=torch.int64, device=device)
+    counts = torch.div(counts + (expert_alignment - 1), expert_alignment, rounding_mode="floor") * expert_alignment
+    src_rank = torch.repeat_interleave(torch.arange(r, dtype=torch.int64, device=device),
+                                       torch.as_tensor(rows_matrix[:, me], dtype=torch.int64).to(device),
+                                       output_size=int(tok.shape[0]))
+    ret_index = torch.nonzero(ids.reshape(-1) >= 0, as_tuple=True)[0]
+    if pad_to is not None:  # DeepEP num_worst_tokens: real rows first, then -1 / 0 padding
+        pad = pad_to - int(tok.shape[0])
+        payload = [torch.cat([p, torch.zeros((pad,) + tuple(p.shape[1:]), dtype=p.dtype, device=device)])
+                   for p in payload]
+        ids = torch.cat([ids, torch.full((pad, k), -1, dtype=torch.int64, device=device)])
+        wts = torch.cat([wts, torch.zeros((pad, k), dtype=torch.float32, device=device)])
+        src_rank = torch.cat([src_rank, torch.full((pad,), -1, dtype=torch.int64, device=device)])
+        tok = torch.cat([tok, torch.full((pad,), -1, dtype=torch.int64, device=device)])
+    return payload, ids, wts, src_rank, tok, counts, ret_index
+
+
+def receive_low_latency(payload, tok, loc, r: int, me: int, slots_matrix: np.ndarray, n_local: int, cap: int,
+                        device):
+    """The masked receive buffers from the messages (``payload`` list, source ``tok``, local expert ``loc``):
+    ``(masked payload list, recv_count int32, src_info int32, src_rank int32, layout_range, return_index)``.
+    Rows of an expert in arrival order (source rank, then the sender's slot order), as
+    :func:`moeref.dispatch.to_masked` of the messages."""
+    torch = _torch()
+    q = int(tok.shape[0])
+    n_from = slots_matrix[:, me]
+    msg_rank = torch.repeat_interleave(torch.arange(r, dtype=torch.int64, device=device),
+                                       torch.as_tensor(n_from, dtype=torch.int64).to(device), output_size=q)
+    counts = torch.bincount(loc, minlength=n_local) if n_local else torch.zeros(0, dtype=torch.int64, device=device)
+    if q and bool((counts > cap).any()):  # an expert repeated within a row: the masked layout's error
+        e = int(torch.nonzero(counts > cap)[0, 0])
+        raise ValueError(f"local expert {e} has {int(counts[e])} rows, more than the capacity {cap}")
+    order = torch.sort(loc, stable=True).indices
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.empty(q, dtype=torch.int64, device=device)
+    pos[order] = torch.arange(q, dtype=torch.int64, device=device) - starts[loc[order]]
+    src = torch.full((n_local, cap), -1, dtype=torch.int64, device=device)
+    src_info = torch.full((n_local, cap), -1, dtype=torch.int32, device=device)
+    src_rank = torch.full((n_local, cap), -1, dtype=torch.int32, device=device)
+    if q:
+        src[loc, pos] = torch.arange(q, dtype=torch.int64, device=device)
+        src_info[loc, pos] = tok.to(torch.int32)
+        src_rank[loc, pos] = msg_rank.to(torch.int32)
+    per = torch.bincount(loc * r + msg_rank, minlength=n_local * r).reshape(n_local, r)
+    layout_range = ((torch.cumsum(per, 1) - per) << 32) | per
+    ret_index = loc * cap + pos  # message q lives at flat entry ret_index[q]
+    masked = [scatter_rows(zeros((n_local, cap) + tuple(part.shape[1:]), part.dtype, device), ret_index, part)
+              for part in payload]
+    return masked, counts.to(torch.int32), src_info, src_rank, layout_range, ret_index
+
+
+def travel_cast(rows, combine_dtype):
+    """The combine's one rounding of the returned rows to the travel dtype (None: float64), as the NumPy
+    engine's ``astype`` (from float32/bfloat16/float16 one RNE, from float64 :func:`moeref.moe.round_on_device`)."""
+    torch = _torch()
+    from ..moe.device import _work_dtype, round_on_device
+
+    if combine_dtype is None:
+        return rows.to(torch.float64)
+    target = _work_dtype(combine_dtype)
+    if rows.dtype == target:
+        return rows
+    if rows.dtype == torch.float64:
+        return round_on_device(rows, combine_dtype).to(target)
+    return rows.to(target)  # values of a float32/bf16/f16 tensor: one RNE to a narrower or equal format
+
+
+def store(out64, out_dtype):
+    """The ``out_dtype`` store of a float64 result (None: float64), as ``astype`` on the host."""
+    torch = _torch()
+    from ..moe.device import _work_dtype, round_on_device
+
+    if out_dtype is None:
+        return out64
+    return round_on_device(out64, out_dtype).to(_work_dtype(out_dtype))
+
+
+def reduce_slots(back, slot_src, topk_weights, num_tokens: int, top_k: int, apply_weights: bool):
+    """``order="slot"``: :func:`moeref.dispatch.weight_and_reduce` of the returned rows ``back`` (travel
+    dtype) at slots ``slot_src`` -> float64 ``[T, H]``: ``out = 0; out += w[:, j] * row(t, j)``, ``j``
+    ascending, absent slots zero."""
+    torch = _torch()
+    h = int(back.shape[1])
+    device = back.device
+    slot_rows = scatter_rows(zeros((num_tokens * top_k, h), back.dtype, device), slot_src, back)
+    slot_rows = slot_rows.reshape(num_tokens, top_k, h)
+    w = topk_weights.to(torch.float64)
+    out = torch.zeros((num_tokens, h), dtype=torch.float64, device=device)
+    for j in range(top_k):  # the fixed order ((0 + w0 r0) + w1 r1) + ...; a product, then a sum
+        row = slot_rows[:, j, :]  # travel dtype: torch widens it exactly to float64 inside each operation
+        out += (w[:, j:j + 1] * row) if apply_weights else row
+    return out
+
+
+def reduce_ranks(back, row_token, rows_to: np.ndarray, num_tokens: int):
+    """``order="rank"``: the ranks' rows added in ascending rank order, float64 ``[T, H]``."""
+    torch = _torch()
+    out = torch.zeros((num_tokens, int(back.shape[1])), dtype=torch.float64, device=back.device)
+    ends = np.cumsum(rows_to)
+    back = back.to(torch.float64)
+    for r in range(len(rows_to)):  # a rank's rows hold distinct tokens: one add per element
+        a, b = int(ends[r] - rows_to[r]), int(ends[r])
+        if b > a:
+            idx = row_token[a:b]
+            out[idx] = out[idx] + back[a:b]
+    return out

@@ -1,0 +1,211 @@
+"""The EP dispatch/combine reference on the device (``engine="device"``) equals the NumPy engine bit for
+bit, on every backend world of :mod:`ep_worlds` (gloo on CPU tensors; NCCL on GPUs).
+
+Each example runs both engines on the same rank inputs in the same process group and compares every
+field of the receive buffers (payload, FP8 codes and scales, ids, weights, sources, counts, prefix
+matrix, masked layout) and every combine (slot and rank order, travel and output dtypes, weights on
+input) by their bits; a NaN must be a NaN in the same place (CUDA writes one canonical NaN, so its
+payload bits are not compared). Errors must be the same on both engines. Routings: every kind of
+:func:`moeref.strategies.routings` (skew, a hot expert, all tokens to the same experts, padding, NaN
+weights, repeated experts), empty ranks, and all tokens sent to one rank.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import ep_worlds
+from moeref import _interop
+from moeref.distributed import ep_combine, ep_dispatch, ep_placement, reduce_local_slots
+from moeref.quant import fp8_group, mxfp8
+from moeref.routing import EP_STRATEGIES
+from moeref.strategies import OPT_IN_KINDS, ROUTING_KINDS, routings
+
+FEW = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+H = 128
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float64": np.float64}
+QUANTS = {None: None, "fp8 1x128": fp8_group(128), "mxfp8": mxfp8(), "fp8 1x128 deepep": fp8_group(128, preset="deepep")}
+
+
+@pytest.fixture(scope="module", params=ep_worlds.selected())
+def world(request):
+    yield from ep_worlds.world_fixture(request)
+
+
+def _slices(sizes):
+    ends = np.cumsum(sizes)
+    return [slice(int(e - s), int(e)) for s, e in zip(sizes, ends)]
+
+
+@st.composite
+def values(draw, shape, dtype, *, specials: bool):
+    """Floats of ``shape``: a seeded normal draw, with NaN / inf / -0.0 planted at drawn places."""
+    seed = draw(st.integers(0, 2**16))
+    a = np.random.default_rng(seed).standard_normal(shape) * 4.0
+    if specials and a.size:
+        for v in draw(st.lists(st.sampled_from([np.nan, np.inf, -np.inf, -0.0, 0.0]), max_size=3)):
+            a.reshape(-1)[draw(st.integers(0, a.size - 1))] = v
+    return a.astype(DTYPES[dtype])
+
+
+@st.composite
+def cases(draw, max_world: int):
+    ranks = draw(st.integers(1, max_world))
+    strategy = draw(st.sampled_from(EP_STRATEGIES))
+    redundant = draw(st.integers(0, 2))
+    r = draw(routings(max_tokens=10, max_experts=7, max_top_k=3, allow_zero_tokens=True,
+                      kinds=ROUTING_KINDS + OPT_IN_KINDS))
+    ids = r.ids.astype(np.int64)
+    pl = ep_placement(r.num_experts, ranks, strategy, num_redundant=redundant)
+    phys = pl.to_physical(ids) if ids.size else ids
+    if draw(st.booleans()):  # all tokens to one rank: every slot's expert replaced by one of that rank's
+        hot = draw(st.integers(0, ranks - 1))
+        mine = pl.local_experts(hot)
+        if mine.size:
+            phys = np.where(phys >= 0, mine[np.maximum(phys, 0) % mine.size], -1)
+    cuts = sorted(draw(st.lists(st.integers(0, r.num_tokens), min_size=ranks - 1, max_size=ranks - 1)))
+    sizes = np.diff([0, *cuts, r.num_tokens]).tolist()
+    dtype = draw(st.sampled_from(list(DTYPES)))
+    x = draw(values((r.num_tokens, H), dtype, specials=True))
+    return dict(ranks=ranks, num_logical=r.num_experts, strategy=strategy, redundant=redundant, ids=phys,
+                weights=r.weights, sizes=sizes, x=x)
+
+
+def _host(v):
+    """A result field as NumPy (tensors through moeref._interop)."""
+    if v is None:
+        return None
+    if _interop.is_torch_tensor(v):
+        return np.asarray(_interop.to_numpy(v))
+    return np.asarray(v)
+
+
+def _run(fn):
+    try:
+        return ("ok", fn())
+    except (ValueError, TypeError) as e:
+        return ("error", f"{type(e).__name__}: {e}")
+
+
+def engines_task(g, case, mode, quant, alignment, pad, y_dtype, y_seed, combine_dtype, out_dtype, on_input):
+    """Both engines on this rank's slice; every field and combine as NumPy."""
+    sl = _slices(case["sizes"])[g.rank]
+    pl = ep_placement(case["num_logical"], g.world_size, case["strategy"], num_redundant=case["redundant"])
+    x, ids, w = case["x"][sl], case["ids"][sl], case["weights"][sl]
+    m = max(max(case["sizes"]), 1)
+    bound = sum(case["sizes"]) if pad else None
+    out = {}
+    for engine in ("host", "device"):
+        if engine == "device":  # the device engine's inputs live on the group's device
+            import torch
+
+            x_in = _interop.to_torch(np.ascontiguousarray(x)).to(g.device)
+            ids_in, w_in = torch.from_numpy(ids).to(g.device), torch.from_numpy(np.ascontiguousarray(w)).to(g.device)
+        else:
+            x_in, ids_in, w_in = x, ids, w
+        got = _run(lambda: ep_dispatch(x_in, ids_in, w_in, pl, g, mode=mode, quant=QUANTS[quant],
+                                       max_tokens_per_rank=m, expert_alignment=alignment,
+                                       max_recv_tokens=bound, pad_to_max_recv=pad, engine=engine))
+        if got[0] == "error":
+            out[engine] = got
+            continue
+        d = got[1]
+        fields = {name: _host(getattr(d, name)) for name in
+                  (("topk_idx", "topk_weights", "src_rank", "src_token", "rank_prefix_matrix",
+                    "num_recv_tokens_per_expert") if mode == "normal" else
+                   ("recv_count", "src_info", "src_rank", "layout_range"))}
+        fields["x"] = _host(d.x)
+        if d.xq is not None:
+            fields["codes"], fields["scales"] = _host(d.xq.codes), _host(d.xq.scales)
+        fields["return_index"] = _host(d.handle.return_index)
+        fields["return_counts"] = np.asarray(d.handle.return_counts)
+        fields["rows_from"] = np.asarray(d.handle.rows_from)
+        # the expert outputs: drawn values of the received layout (the same on both engines)
+        rng = np.random.default_rng(y_seed)
+        lead = (d.num_recv, d.topk_idx.shape[1]) if mode == "normal" else tuple(d.src_info.shape)
+        y = (rng.standard_normal(lead + (H,)) * 3).astype(DTYPES[y_dtype])
+        kw = dict(combine_dtype=combine_dtype, out_dtype=out_dtype, apply_weights=not on_input)
+        fields["slot"] = _run(lambda: _host(ep_combine(y, d, g, **kw)))
+        if mode == "normal":
+            y_rank = reduce_local_slots(y, d if engine == "host" else _as_host_rows(d))
+            fields["rank"] = _run(lambda: _host(ep_combine(y_rank, d, g, order="rank", **kw)))
+        out[engine] = ("ok", fields)
+    return out
+
+
+def _as_host_rows(d):
+    """What :func:`reduce_local_slots` reads of a device dispatch (its local ids and weights), on the host."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(topk_idx=_host(d.topk_idx), topk_weights=_host(d.topk_weights))
+
+
+def assert_same_bits(a, b, what):
+    """Equal dtype, shape and bits; NaN in the same places (payload not compared)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} (host) vs {b.dtype} (device)"
+    assert a.shape == b.shape, f"{what}: shape {a.shape} (host) vs {b.shape} (device)"
+    if a.dtype.kind in "iub":
+        assert np.array_equal(a, b), f"{what}: host {a.tolist()} vs device {b.tolist()}"
+        return
+    na, nb = np.isnan(a.astype(np.float64)), np.isnan(b.astype(np.float64))
+    assert np.array_equal(na, nb), f"{what}: NaN at {np.argwhere(na != nb)[:4].tolist()} in one engine only"
+    ua = a.view(f"u{a.dtype.itemsize}")
+    ub = b.view(f"u{b.dtype.itemsize}")
+    bad = np.argwhere((ua != ub) & ~na)
+    assert bad.size == 0, f"{what}: bits differ at {bad[:4].tolist()}: host {a[tuple(bad[0])]!r} vs device " \
+                          f"{b[tuple(bad[0])]!r}"
+
+
+@FEW
+@given(data=st.data(), mode=st.sampled_from(["normal", "low_latency"]), quant=st.sampled_from(list(QUANTS)),
+       alignment=st.sampled_from([1, 4]), pad=st.booleans(), y_dtype=st.sampled_from(list(DTYPES)),
+       y_seed=st.integers(0, 2**16), combine_dtype=st.sampled_from([None, "bfloat16", "float16", "float32"]),
+       out_dtype=st.sampled_from([None, "bfloat16", "float32"]), on_input=st.booleans())
+def test_device_engine_is_bit_identical_to_host_engine(world, data, mode, quant, alignment, pad, y_dtype, y_seed,
+                                                       combine_dtype, out_dtype, on_input):
+    world, max_ranks = world
+    case = data.draw(cases(max_ranks))
+    pad = pad and mode == "normal"
+    if quant is not None and case["x"].dtype == np.float64:
+        case["x"] = case["x"].astype(np.float32)  # the quantizers take float32/bf16/f16
+    res = world.run(engines_task, case, mode, quant, alignment, pad, y_dtype, y_seed, combine_dtype, out_dtype,
+                    on_input, world_size=case["ranks"])
+    for rank, per in enumerate(res):
+        host, dev = per["host"], per["device"]
+        event(f"{mode}, {'quantized' if quant else 'bf16/float'}: dispatch {host[0]}")
+        assert host[0] == dev[0], f"rank {rank}: host {host} vs device {dev}"
+        if host[0] == "error":
+            assert host[1] == dev[1]
+            continue
+        hf, df = host[1], dev[1]
+        assert sorted(hf) == sorted(df)
+        for name in hf:
+            hv, dv = hf[name], df[name]
+            if isinstance(hv, tuple):  # a combine: ("ok", array) or ("error", message)
+                assert hv[0] == dv[0], f"rank {rank} {name}: host {hv} vs device {dv}"
+                if hv[0] == "error":
+                    assert hv[1] == dv[1]
+                else:
+                    assert_same_bits(hv[1], dv[1], f"rank {rank} {name}")
+            elif hv is None or dv is None:
+                assert hv is None and dv is None, f"rank {rank} {name}: one engine gave None"
+            else:
+                assert_same_bits(hv, dv, f"rank {rank} {name}")
+
+
+def test_assert_same_bits_sees_one_bit_and_a_moved_nan():
+    """The comparison is not vacuous: one ulp, a NaN moved, a dtype change all fail."""
+    a = np.array([1.0, np.nan, 2.0], np.float32)
+    assert_same_bits(a, a.copy(), "same")
+    b = a.copy()
+    b[0] = np.nextafter(np.float32(1.0), np.float32(2.0))
+    with pytest.raises(AssertionError, match="bits differ"):
+        assert_same_bits(a, b, "ulp")
+    with pytest.raises(AssertionError, match="NaN"):
+        assert_same_bits(a, np.array([np.nan, 1.0, 2.0], np.float32), "nan")
+    with pytest.raises(AssertionError, match="dtype"):
+        assert_same_bits(a, a.astype(np.float64), "dtype")
