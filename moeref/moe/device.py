@@ -260,6 +260,7 @@ def run_moe_device(hidden, weights: MoEWeights, topk_weights, topk_ids, config: 
     cfg = config
     dev = torch.device(device) if device is not None else (hidden.device if torch.is_tensor(hidden)
                                                              else torch.device("cuda"))
+    check_token_rows(hidden, topk_weights, topk_ids)  # inputs first; before chunking: a row past M would be ignored
     if dev.type == "cpu" and not triton_interpreted():
         raise ValueError("the device engine on the CPU runs its Triton kernels under TRITON_INTERPRET=1 only (set it "
                          "before importing triton); for the host engine leave device unset")
@@ -270,7 +271,6 @@ def run_moe_device(hidden, weights: MoEWeights, topk_weights, topk_ids, config: 
     w = topk_weights if torch.is_tensor(topk_weights) else to_torch(np.asarray(topk_weights))
     w = w.to(dev)
     ids = np.asarray(topk_ids.cpu() if torch.is_tensor(topk_ids) else topk_ids)
-    check_token_rows(x, w, ids)  # before chunking: a row past M would be ignored
     num_experts = weights.num_experts if cfg.num_experts is None else cfg.num_experts
     dw = device_weights(weights, dev)
     m = int(x.shape[0])
