@@ -117,3 +117,6 @@ def test_old_device_paths_warn_and_are_the_moved_modules(old, new):
     assert mod is moved
     assert any(issubclass(w.category, DeprecationWarning) and f"moeref.compare.device.{new}" in str(w.message)
                for w in caught), [str(w.message) for w in caught]
+    # the moved module keeps its own spec (the alias's would make its relative imports warn
+    # "__package__ != __spec__.parent" everywhere after)
+    assert mod.__spec__.name == f"moeref.compare.device.{new}" and mod.__spec__.parent == mod.__package__

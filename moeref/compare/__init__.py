@@ -89,16 +89,22 @@ _MOVED = {f"{__name__}.{old}": f"{__name__}.device.{new}" for old, new in (
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports an old path of :data:`_MOVED` as the moved module itself, with a DeprecationWarning."""
 
+    _own: dict = {}  # the moved modules' own spec and loader, put back once the alias is imported
+
     def find_spec(self, name, path=None, target=None):
         return importlib.util.spec_from_loader(name, self) if name in _MOVED else None
 
     def create_module(self, spec):
         warnings.warn(f"{spec.name} is deprecated: the device engine moved to moeref.compare.device; import "
                       f"{_MOVED[spec.name]}", DeprecationWarning, stacklevel=2)
-        return importlib.import_module(_MOVED[spec.name])
+        module = importlib.import_module(_MOVED[spec.name])
+        self._own[module.__name__] = (module.__spec__, module.__loader__)
+        return module
 
     def exec_module(self, module):
-        pass
+        # the import system has just set the alias's spec on the moved module: give it back its own, so that
+        # its relative imports keep a consistent __package__ / __spec__.parent
+        module.__spec__, module.__loader__ = self._own[module.__name__]
 
 
 if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
