@@ -1,0 +1,27 @@
+"""Exact regimes: inputs on which every conforming kernel must give the reference's bits.
+
+A check by equality is sound for *any* implementation (any accumulation order, tensor core, split-K,
+tile shape) on inputs where the declared arithmetic leaves no freedom: every product and every
+partial sum any allowed order can form is exactly representable in every accumulator the arithmetic
+allows, and every declared store rounds an exact value. Guide: docs/exact-regimes.md.
+
+* :mod:`.arithmetic`: :class:`Arithmetic`, the declared arithmetic (accumulator, promotion, stores).
+* :mod:`.checker`: :func:`in_exact_regime` ``(inputs, arithmetic) -> (ok, reasons)`` for GEMMs.
+* :mod:`.operands`: :func:`exact_operand`, exact-regime operands for every scaling scheme.
+* :mod:`.layer`: :func:`exact_layer`, whole fused-MoE layers and inputs checked by equality, and
+  :func:`layer_in_exact_regime`.
+* :mod:`.equality`: :func:`equality_report`, the differing elements with token, expert and slot.
+
+Hypothesis strategies: :mod:`moeref.regimes.strategies` (needs the ``test`` extra).
+"""
+from __future__ import annotations
+
+from .arithmetic import ACCUMULATORS, ARITHMETICS, Arithmetic, get_arithmetic
+from .checker import RegimeCheck, in_exact_regime, lsb_exponents, significant_bits
+from .operands import EXACT_SCHEMES, FLOAT_DTYPES, element_choices, exact_operand
+
+__all__ = [
+    "ACCUMULATORS", "ARITHMETICS", "Arithmetic", "get_arithmetic",
+    "RegimeCheck", "in_exact_regime", "lsb_exponents", "significant_bits",
+    "EXACT_SCHEMES", "FLOAT_DTYPES", "element_choices", "exact_operand",
+]
