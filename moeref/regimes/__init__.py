@@ -25,3 +25,8 @@ __all__ = [
     "RegimeCheck", "in_exact_regime", "lsb_exponents", "significant_bits",
     "EXACT_SCHEMES", "FLOAT_DTYPES", "element_choices", "exact_operand",
 ]
+from .layer import (LAYER_ACTIVATIONS, LAYER_SCHEMES, ExactLayer, exact_layer, exact_topk_weights,  # noqa: E402
+                    layer_in_exact_regime)
+
+__all__ += ["LAYER_ACTIVATIONS", "LAYER_SCHEMES", "ExactLayer", "exact_layer", "exact_topk_weights",
+            "layer_in_exact_regime"]
