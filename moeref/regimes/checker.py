@@ -140,7 +140,7 @@ def _check_pair(a: BlockOperand, w: BlockOperand, ar: Arithmetic, label: str) ->
                            f"is not exact (use powers of two, UE8M0 or UE4M3 scales)")
     # the low-precision MMA accumulator, per interval of K
     interval = ar.interval
-    if ar.accumulator != "fp32":
+    if ar.accumulator != "fp32" and not (interval is None and fp32_bits == ar.mma_bits):
         length = k if interval is None else min(int(interval), k)
         bits = ar.mma_bits
         worst = (-np.inf, None)

@@ -18,6 +18,13 @@ The construction (element values; every scale a power of two), per expert:
   ``7 (1 - 6.7e-6)``, inexact in every precision, and the declared bf16 store of the activation rounds
   ``(u + 1) * 7 (1 - 6.7e-6)`` to ``(u + 1) * 7`` from float32 as from float64 (6.7e-6 is far from
   bf16's half ulp 2^-9 and far above float32's error): one deterministic rounding.
+* **GELU probes.** With ``gelu_and_mul`` and every token at scale 1, one gate row in eight is a probe in
+  GELU's transition zone: ``g = 0.875`` (column 0 times ``2^-9``), ``u = 119`` (column 0 times 1/4, column 1
+  times 7/8). ``gelu(0.875) * 119`` lies more than 8 float32 ulps from every bf16 rounding boundary, so
+  the declared bf16 activation store gives the same bits from any faithful float32 or float64 erf;
+  tanh-GELU's value rounds to the neighbouring bf16 value, and the two land on different E4M3 codes
+  of the intermediate too: erf-vs-tanh GELU is visible by equality (found by a search over gate
+  weights of E4M3 values and integer ``u < 128``; this pair is the only one for FP8 intermediates).
 * **Up rows** read a few random columns with weights ``+-2^s`` (``s`` the 128x128 block's scale
   exponent, 0 or 1), at most ``up_budget / token_max`` of them, so ``|u| <= 31 * 2^k``: ``u`` is an integer
   of at most 5 bits times ``2^k``, and ``x = g * u`` has at most 8 significant bits: exact in float32 and
@@ -68,6 +75,7 @@ _GATES = np.array([56.0, 112.0, 224.0])  # on-gate values (times 2^k); 3 signifi
 _OFF_GATE = -896.0
 _ANCHOR_GATE, _ANCHOR_UP = 112.0, 64.0  # x = 7168 = 448 * 16
 _X_MAX = 224.0 * 31.0  # largest |x| of a non-anchor column (times 4^k)
+_PROBE_GATE = 0.875  # GELU probes: gelu(0.875) * 119 rounds robustly, and differently with tanh-GELU
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,7 +157,7 @@ def _quantized(real: np.ndarray, scheme, exps: np.ndarray) -> QuantizedTensor:
 
 
 def _expert(rng, k: int, n: int, *, scheme, group1: int, group2: int, token_max: int, up_budget: int,
-            bias_max: int, activation: str, off_fraction: float):
+            bias_max: int, activation: str, off_fraction: float, probes: bool = False):
     """One expert's real-valued ``gate [n, k]``, ``up [n, k]``, ``w2 [k, n]``, their block-scale exponents,
     and the up bias ``[n]``."""
     w_scheme = scheme
@@ -159,7 +167,6 @@ def _expert(rng, k: int, n: int, *, scheme, group1: int, group2: int, token_max:
     nb_rows, nb_cols = -(-n // br), -(-k // bk)
     s_gate = rng.integers(0, 2, size=(nb_rows, nb_cols))
     s_up = rng.integers(0, 2, size=(nb_rows, nb_cols))
-    row_gate = np.repeat(s_gate[:, 0], br)[:n]
     gate = np.zeros((n, k))
     on = rng.random(n) >= off_fraction
     beta = _GATES[rng.integers(0, _GATES.size, size=n)] / 448.0
@@ -182,6 +189,14 @@ def _expert(rng, k: int, n: int, *, scheme, group1: int, group2: int, token_max:
     up[anchors2, 1] = _ANCHOR_UP / 8.0
     b_up = rng.integers(-bias_max, bias_max + 1, size=n).astype(np.float64) if bias_max else np.zeros(n)
     b_up[anchors2] = 0.0
+    if probes:  # GELU's transition zone: g = 1.75, u = 57 (module docstring)
+        p = np.setdiff1d(np.flatnonzero(rng.random(n) < 0.125), anchors2)
+        gate[p, :] = 0.0
+        gate[p, 0] = _PROBE_GATE / 448.0
+        up[p, :] = 0.0
+        up[p, 0], up[p, 1] = 0.25, 0.875  # 448/4 + 8 * 7/8 = 119
+        s_gate[:, 0] = 0  # the probe weight 2^-9 is E4M3's smallest value: its block scale must be 1
+        b_up[p] = 0.0
     # w2 [k, n]: one nonzero per row
     br2 = 128 if w_scheme is None or w_scheme.block[0] == 128 else 1
     bk2 = 128 if w_scheme is None or w_scheme.block[1] == 128 else n
@@ -196,7 +211,7 @@ def _expert(rng, k: int, n: int, *, scheme, group1: int, group2: int, token_max:
 def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                 scheme: str = "fp8_1x128", activation: str = "silu_and_mul", seed=0, topk_ids=None,
                 topk_weights=None, w13_layout: str | None = None, bias: bool = False, shared_experts: bool = False,
-                token_max: int = 2, token_exponents=(0, 1), off_fraction: float = 0.125, **options) -> ExactLayer:
+                token_max: int = 2, token_exponents=None, off_fraction: float = 0.125, **options) -> ExactLayer:
     """A fused-MoE layer and its inputs in the exact regime (module docstring).
 
     Args:
@@ -210,7 +225,8 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
         w13_layout: default ``"interleaved"`` for SwiGLU-OAI with per-row weight scales (``bf16``,
             ``fp8_per_token``: a 128x128 scale block would mix gate and up rows), else ``"gate_up"``.
         bias: small-integer up biases, zero gate and ``b2`` biases. shared_experts: one shared expert.
-        token_max, token_exponents: token element magnitudes and per-token scale exponents.
+        token_max, token_exponents: token element magnitudes and per-token scale exponents (default
+            ``(0, 1)``; ``(0,)`` for GELU, whose probe rows need every token at scale 1).
         options: further :class:`moeref.moe.LayerConfig` fields (``chunk_size``, ``layout``,
             ``expert_map`` with ``num_experts``...).
 
@@ -235,6 +251,9 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
     group2 = 128 if scheme.startswith("fp8_1x128") else n
     interleave = activation == "swigluoai" and scheme in ("bf16", "fp8_per_token")
     layout = w13_layout or ("interleaved" if interleave else "gate_up")
+    if token_exponents is None:
+        token_exponents = (0,) if activation == "gelu_and_mul" else (0, 1)
+    probes = activation == "gelu_and_mul" and tuple(set(token_exponents)) == (0,)
     kmax = int(max(token_exponents))
     bias_max = 3 if bias else 0
     up_budget = (31 - bias_max) // (1 << max(kmax - int(min(token_exponents)), 0)) if bias else 31
@@ -252,7 +271,8 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
         for _ in range(count):
             gate, up, w2r, (sg, su, s2), b_up = _expert(
                 rng, k, n, scheme=w_scheme, group1=group1, group2=group2, token_max=token_max,
-                up_budget=up_budget, bias_max=bias_max, activation=activation, off_fraction=off_fraction)
+                up_budget=up_budget, bias_max=bias_max, activation=activation, off_fraction=off_fraction,
+                probes=probes)
             if w_scheme is None:
                 w13.append(join_w13(gate, up, layout, axis=-2).astype(_BF16))
                 w2.append(w2r.astype(_BF16))
@@ -285,7 +305,7 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
     tw = np.where(ids >= 0, tw, np.float32(0.0)).astype(np.float32)
     quant = MoEQuant() if a1_scheme is None else MoEQuant(a1_scheme, a1_scheme, name=scheme)
     stores = dict(out_dtype="bfloat16")
-    if scheme == "bf16" or activation == "swigluoai":
+    if scheme == "bf16" or activation == "swigluoai" or probes:
         stores.update(gemm1_out_dtype="bfloat16", act_out_dtype="bfloat16")
     cfg = LayerConfig.build(activation=activation, quant=quant, shared_experts=shared, **stores, **options)
     return ExactLayer(x, weights, tw, ids, cfg, scheme, kt)
