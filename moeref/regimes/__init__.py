@@ -30,3 +30,6 @@ from .layer import (LAYER_ACTIVATIONS, LAYER_SCHEMES, ExactLayer, exact_layer, e
 
 __all__ += ["LAYER_ACTIVATIONS", "LAYER_SCHEMES", "ExactLayer", "exact_layer", "exact_topk_weights",
             "layer_in_exact_regime"]
+from .equality import EqualityReport, ExactMismatch, gemm_equality_report, moe_equality_report  # noqa: E402
+
+__all__ += ["EqualityReport", "ExactMismatch", "gemm_equality_report", "moe_equality_report"]

@@ -41,23 +41,45 @@ class MoEMismatch(AssertionError):
         super().__init__(report.summary())
 
 
-def assert_moe_close(candidate, reference_run, profile, *, label: str = "") -> Report:
+def assert_moe_close(candidate, reference_run, profile=None, *, label: str = "", regime: str | None = None) -> Report:
     """Raise :class:`MoEMismatch` (an ``AssertionError`` carrying the report) unless every element of
     ``candidate`` (``[M, K]``, NumPy or torch on any device, any float dtype) lies within the bound of
     ``profile`` (a :class:`~moeref.compare.Profile` or its name, e.g. ``"BF16_OUTPUT"``) around the
     traced reference ``reference_run`` (:func:`moeref.moe.run_moe`, or a
     :class:`moeref.compare.faults.LayerCase`, or a :class:`moeref.testing.KernelInputs`, whose reference is
-    run here). Returns the report when it passes."""
+    run here). Returns the report when it passes.
+
+    ``regime="exact"``: no bound, equality (:func:`moeref.regimes.equality.moe_equality_report`: the
+    reference rounded once to the candidate's dtype; the report names the differing elements' token,
+    experts and slots). Sound for any kernel on exact-regime inputs (a :class:`moeref.regimes.ExactLayer`
+    may be passed as ``reference_run``); ``profile`` is then not used. Returns the equality report."""
     from .inputs import KernelInputs
 
     case = None
     if isinstance(reference_run, KernelInputs):
         reference_run = reference_run.layer_case()
+    if regime is not None:
+        return _assert_exact(candidate, reference_run, regime, label)
+    if profile is None:
+        raise TypeError("assert_moe_close needs a profile (or regime='exact')")
     if not hasattr(reference_run, "chunks"):
         case = reference_run
     report = compare(candidate, reference_run, profile, label=label)
     if not report.passed:
         raise MoEMismatch(report, case, np.array(_interop.to_numpy(candidate), copy=True) if case is not None else None)
+    return report
+
+
+def _assert_exact(candidate, reference, regime, label: str):
+    """``regime="exact"``: equality with the report of :mod:`moeref.regimes.equality`."""
+    from ..regimes.equality import moe_equality_report
+
+    if regime != "exact":
+        raise ValueError(f"regime must be 'exact' or None; got {regime!r}")
+    report = moe_equality_report(candidate, reference, label=label)
+    if not report.passed:
+        raise MoEMismatch(report, None if hasattr(reference, "chunks") else reference,
+                          np.array(_interop.to_numpy(candidate), copy=True))
     return report
 
 
@@ -128,7 +150,8 @@ def _dtype_name(x) -> str:
 
 
 def grouped_gemm_report(candidate=None, a=None, weights=None, profile="FP32_ACCUM", *, layout: str = "contiguous",
-                        m_indices=None, masked_m=None, offs=None, topk_ids=None, label: str = "") -> Report:
+                        m_indices=None, masked_m=None, offs=None, topk_ids=None, label: str = "",
+                        regime: str | None = None) -> Report:
     """The :class:`~moeref.compare.Report` of a grouped GEMM ``out[r] = a[r] @ W[e(r)].T``.
 
     ``candidate``: the kernel's output (``[R, N]``; masked/batched ``[E, max_m, N]``; standard ``[M, k, N]``),
@@ -170,6 +193,13 @@ def grouped_gemm_report(candidate=None, a=None, weights=None, profile="FP32_ACCU
     ref = expert_rows_gemm(op, rows, ws)
     if ref.shape != c.shape:
         raise ValueError(f"candidate has {c.shape[1]} columns per row but the reference has {ref.shape[1]}")
+    if regime is not None:  # equality (moeref.regimes.equality); the report names row, expert, token and slot
+        from ..regimes.equality import gemm_equality_report
+
+        if regime != "exact":
+            raise ValueError(f"regime must be 'exact' or None; got {regime!r}")
+        top_k = None if topk_ids is None or layout != "standard" else int(np.asarray(_interop.to_numpy(topk_ids)).shape[1])
+        return gemm_equality_report(c, ref, rows, cand_dtype, top_k=top_k, label=label or f"grouped GEMM ({layout})")
     valid = rows >= 0
     err = np.where(valid[:, None], np.abs(c - ref), 0.0)
     if profile.accum_model == "emulated":  # a known kernel: its output predicted bit for bit, compared by equality
@@ -199,7 +229,8 @@ def grouped_gemm_report(candidate=None, a=None, weights=None, profile="FP32_ACCU
 
 def assert_grouped_gemm_close(candidate=None, a=None, weights=None, profile="FP32_ACCUM", **kw) -> Report:
     """Raise :class:`MoEMismatch` unless the grouped GEMM ``candidate`` lies within ``profile``'s bound
-    (:func:`grouped_gemm_report`, same arguments). Returns the report when it passes.
+    (:func:`grouped_gemm_report`, same arguments; ``regime="exact"``: equal to the exact product rounded
+    once to the candidate's dtype, for inputs in an exact regime). Returns the report when it passes.
 
     >>> w = np.stack([np.eye(2), 2 * np.eye(2)]).astype(np.float32)
     >>> a = np.array([[1.0, 3.0], [2.0, 5.0]], np.float32)
