@@ -145,7 +145,9 @@ def _quantized(real: np.ndarray, scheme, exps: np.ndarray) -> QuantizedTensor:
     block = scheme.resolve_block(real.shape)
     s = np.repeat(np.repeat(exps, block[0], axis=0)[: real.shape[0]], block[1], axis=1)[:, : real.shape[1]]
     elem = np.ldexp(real, -s)
-    codes = np.asarray(encode(elem, scheme.element, overflow="error"), dtype=np.uint8)
+    nz = elem != 0  # the weights are sparse: encode the nonzeros (E4M3's code 0 is +0)
+    codes = np.zeros(real.shape, np.uint8)
+    codes[nz] = np.asarray(encode(elem[nz], scheme.element, overflow="error"), dtype=np.uint8)
     if scheme.scale_format == "fp32":
         scales = np.ldexp(np.float32(1.0), exps).astype(np.float32)
     else:
@@ -211,7 +213,8 @@ def _expert(rng, k: int, n: int, *, scheme, group1: int, group2: int, token_max:
 def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                 scheme: str = "fp8_1x128", activation: str = "silu_and_mul", seed=0, topk_ids=None,
                 topk_weights=None, w13_layout: str | None = None, bias: bool = False, shared_experts: bool = False,
-                token_max: int = 2, token_exponents=None, off_fraction: float = 0.125, **options) -> ExactLayer:
+                token_max: int = 2, token_exponents=None, off_fraction: float = 0.125, expert_pool: int | None = None,
+                **options) -> ExactLayer:
     """A fused-MoE layer and its inputs in the exact regime (module docstring).
 
     Args:
@@ -227,6 +230,8 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
         bias: small-integer up biases, zero gate and ``b2`` biases. shared_experts: one shared expert.
         token_max, token_exponents: token element magnitudes and per-token scale exponents (default
             ``(0, 1)``; ``(0,)`` for GELU, whose probe rows need every token at scale 1).
+        expert_pool: build only this many distinct experts and give expert ``e`` the weights of
+            ``e % expert_pool`` (neighbouring experts still differ; production shapes in seconds).
         options: further :class:`moeref.moe.LayerConfig` fields (``chunk_size``, ``layout``,
             ``expert_map`` with ``num_experts``...).
 
@@ -285,7 +290,13 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
             b2.append(np.zeros(k))
         return w13, w2, np.asarray(b13, np.float32), np.asarray(b2, np.float32)
 
-    w13, w2, b13, b2 = build(e)
+    if expert_pool is None:
+        w13, w2, b13, b2 = build(e)
+    else:  # experts drawn from a pool of distinct ones (expert e is pool[e % P]): production shapes in seconds
+        pool = build(min(check_positive_int(expert_pool, "expert_pool"), e))
+        p = len(pool[0])
+        w13, w2 = [pool[0][i % p] for i in range(e)], [pool[1][i % p] for i in range(e)]
+        b13, b2 = pool[2][np.arange(e) % p], pool[3][np.arange(e) % p]
     weights = MoEWeights(w13, w2, layout, b13 if bias else None, b2 if bias else None)
     shared = None
     if shared_experts:
@@ -293,6 +304,8 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
         shared = SharedExperts(sw13[0], sw2[0], layout)
     # routing
     if topk_ids is None:
+        if top > e:
+            raise ValueError(f"top_k={top} > num_experts={e} (give topk_ids to route with repeats)")
         ids = np.argsort(rng.random((m, e)), axis=1)[:, :top].astype(np.int32) if m else np.zeros((0, top), np.int32)
     else:
         ids = np.asarray(topk_ids).astype(np.int32)
