@@ -10,7 +10,10 @@ allows, and every declared store rounds an exact value. Guide: docs/exact-regime
 * :mod:`.operands`: :func:`exact_operand`, exact-regime operands for every scaling scheme.
 * :mod:`.layer`: :func:`exact_layer`, whole fused-MoE layers and inputs checked by equality, and
   :func:`layer_in_exact_regime`.
-* :mod:`.equality`: :func:`equality_report`, the differing elements with token, expert and slot.
+* :mod:`.equality`: :func:`moe_equality_report` / :func:`gemm_equality_report`, the differing elements
+  with token, expert and slot (``regime="exact"`` of :mod:`moeref.testing`).
+* :mod:`.rounding`: :func:`rounding_gemm`, single-rounding regimes (exact FP32 sums a bf16 store must
+  round) that separate RNE from RZ stores, FP32 from bf16 accumulation, one store from two.
 
 Hypothesis strategies: :mod:`moeref.regimes.strategies` (needs the ``test`` extra).
 """
@@ -33,3 +36,6 @@ __all__ += ["LAYER_ACTIVATIONS", "LAYER_SCHEMES", "ExactLayer", "exact_layer", "
 from .equality import EqualityReport, ExactMismatch, gemm_equality_report, moe_equality_report  # noqa: E402
 
 __all__ += ["EqualityReport", "ExactMismatch", "gemm_equality_report", "moe_equality_report"]
+from .rounding import round_half_away_bf16, round_toward_zero_bf16, rounding_gemm  # noqa: E402
+
+__all__ += ["round_half_away_bf16", "round_toward_zero_bf16", "rounding_gemm"]
