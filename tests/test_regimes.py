@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moeref.gemm import block_gemm, expert_rows_gemm
+from moeref.gemm import as_operand, block_gemm, expert_rows_gemm
 from moeref.gemm.hopper_fp8 import HOPPER_FP8_MMA, deepgemm_engine, mma_accumulate
 from moeref.regimes import (ARITHMETICS, EXACT_SCHEMES, Arithmetic, exact_operand, in_exact_regime,
                             lsb_exponents, significant_bits)
@@ -67,7 +67,7 @@ def test_operands_are_small_values_times_powers_of_two(name):
     sv = q.scale_values()
     assert np.all(significant_bits(sv) == 1)  # every decode factor a power of two
     # the real values are exactly element * scale (independent: ml_dtypes' decode through dequantize)
-    assert np.array_equal(q.dequantize(np.float64), operand_real_values(__import__("moeref").gemm.as_operand(q)))
+    assert np.array_equal(q.dequantize(np.float64), operand_real_values(as_operand(q)))
 
 
 def _fp32_orders(av: np.ndarray, wv: np.ndarray, seed: int) -> list[np.ndarray]:
@@ -89,8 +89,6 @@ def _fp32_orders(av: np.ndarray, wv: np.ndarray, seed: int) -> list[np.ndarray]:
 @given(exact_grouped_gemms(arithmetics=("fp32",)), st.integers(0, 2**16))
 def test_fp32_any_order_gives_the_exact_product(case, seed):
     ref = expert_rows_gemm(case.a, case.row_expert, case.weights)
-    from moeref.gemm import as_operand
-
     av = operand_real_values(as_operand(case.a))
     for e in np.unique(case.row_expert[case.row_expert >= 0]):
         rows = case.row_expert == e
@@ -149,8 +147,6 @@ def test_every_pair_and_arithmetic_is_named():
 def test_block_gemm_matches_float64_real_values_on_an_exact_pair():
     a = exact_operand((3, 256), "nvfp4", seed=1, max_abs=6, global_exponent=-2)
     w = exact_operand((5, 256), "nvfp4_weight", seed=2, max_abs=6, global_exponent=1)
-    from moeref.gemm import as_operand
-
     av, wv = operand_real_values(as_operand(a)), operand_real_values(as_operand(w))
     assert in_exact_regime((a, w), "fp32").ok
     assert np.array_equal(block_gemm(a, w), av @ wv.T)
