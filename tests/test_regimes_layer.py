@@ -31,13 +31,19 @@ def _dequant(w) -> "torch.Tensor":
     if isinstance(w, np.ndarray):
         return torch.from_numpy(w.astype(np.float32))
     r, c = w.shape
-    codes = torch.from_numpy(np.array(w.codes, copy=True)).view(torch.float8_e4m3fn).float()
+    if w.scheme.element == "e2m1":  # OCP MX E2M1: sign bit 3, magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6; even element low
+        mag = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+        packed = torch.from_numpy(np.array(w.codes, copy=True)).long()
+        nib = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(r, -1)[:, :c]
+        codes = mag[nib & 7] * torch.where(nib >= 8, -1.0, 1.0)
+    else:
+        codes = torch.from_numpy(np.array(w.codes, copy=True)).view(torch.float8_e4m3fn).float()
     if w.scheme.scale_format == "ue8m0":
         s = torch.from_numpy(np.ldexp(1.0, w.scales.astype(np.int64) - 127).astype(np.float32))
     else:
         s = torch.from_numpy(w.scales.astype(np.float32))
     br = 1 if s.shape[0] == r else 128
-    bc = c if s.shape[1] == 1 else 128
+    bc = c if s.shape[1] == 1 else -(-c // s.shape[1])
     return codes * s.repeat_interleave(br, 0)[:r].repeat_interleave(bc, 1)[:, :c]
 
 
@@ -61,7 +67,7 @@ def torch_layer(lay, *, fault: str | None = None, act_store: bool = False, gemm1
     """The layer in float32 torch eager. ``fault`` plants one bug (in local expert ``fault_expert``)."""
     cfg = lay.config
     m, k = lay.hidden.shape
-    fp8 = lay.scheme != "bf16"
+    fp8 = lay.scheme.startswith("fp8")
     ue8m0 = lay.scheme.endswith("ue8m0")
     g1 = 128 if lay.scheme.startswith("fp8_1x128") else k
     x = torch.from_numpy(lay.hidden)
@@ -162,7 +168,7 @@ def _busiest(lay) -> int:
     return int(np.bincount(ids).argmax())
 
 
-@pytest.mark.parametrize("scheme", ["fp8_1x128", "fp8_1x128_ue8m0", "bf16"])
+@pytest.mark.parametrize("scheme", ["fp8_1x128", "fp8_1x128_ue8m0", "bf16", "mxfp4_w4a16"])
 @pytest.mark.parametrize("fault", ["skipped_last_k_block", "halved_w2_scale_block", "swapped_topk_weights",
                                    "gate_up_swapped", "renormalized_weights"])
 def test_planted_faults_are_caught(scheme, fault):
@@ -197,8 +203,9 @@ def test_expert_map_off_by_one_is_caught():
     assert _differences(lay, torch_layer(lay, fault="expert_map_off_by_one")) > 0
 
 
-def test_swiglu_oai_layer_equal_and_gate_up_swap_caught():
-    lay = exact_layer(16, 256, 256, 8, 4, scheme="bf16", activation="swigluoai", seed=2, bias=True)
+@pytest.mark.parametrize("scheme", ["bf16", "mxfp4_w4a16"])
+def test_swiglu_oai_layer_equal_and_gate_up_swap_caught(scheme):
+    lay = exact_layer(16, 256, 256, 8, 4, scheme=scheme, activation="swigluoai", seed=2, bias=True)
     assert lay.weights.w13_layout == "interleaved" and lay.config.act_out_dtype == "bfloat16"
     assert layer_in_exact_regime(lay, "fp32").ok
     assert _differences(lay, torch_layer(lay)) == 0

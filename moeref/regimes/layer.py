@@ -18,7 +18,8 @@ The construction (element values; every scale a power of two), per expert:
   ``7 (1 - 6.7e-6)``, inexact in every precision, and the declared bf16 store of the activation rounds
   ``(u + 1) * 7 (1 - 6.7e-6)`` to ``(u + 1) * 7`` from float32 as from float64 (6.7e-6 is far from
   bf16's half ulp 2^-9 and far above float32's error): one deterministic rounding.
-* **GELU probes.** With ``gelu_and_mul`` and every token at scale 1, one gate row in eight is a probe in
+* **GELU probes.** With ``gelu_and_mul``, every token at scale 1 and FP8 or bf16 weights (MXFP4's 32-element
+  blocks cannot hold the probe's up weights 1/4 and 7/8 under one scale), one gate row in eight is a probe in
   GELU's transition zone: ``g = 0.875`` (column 0 times ``2^-9``), ``u = 119`` (column 0 times 1/4, column 1
   times 7/8). ``gelu(0.875) * 119`` lies more than 8 float32 ulps from every bf16 rounding boundary, so
   the declared bf16 activation store gives the same bits from any faithful float32 or float64 erf;
@@ -57,17 +58,19 @@ from ..formats import encode
 from ..gemm.grouped import ExpertOperands, expert_rows_gemm
 from ..moe import LayerConfig, MoEQuant, MoEWeights, SharedExperts, run_moe
 from ..moe.pipeline import round_to_dtype
-from ..quant import QuantizedTensor, fp8_block, fp8_group, fp8_per_channel, fp8_per_token
+from ..formats import pack_nibbles
+from ..quant import QuantizedTensor, fp8_block, fp8_group, fp8_per_channel, fp8_per_token, mxfp4
 from .arithmetic import Arithmetic, get_arithmetic
 from .checker import RegimeCheck, in_exact_regime, lsb_exponents
 
 __all__ = ["LAYER_SCHEMES", "LAYER_ACTIVATIONS", "ExactLayer", "exact_layer", "layer_in_exact_regime",
            "exact_topk_weights"]
 
-LAYER_SCHEMES = ("bf16", "fp8_1x128", "fp8_1x128_ue8m0", "fp8_per_token")
+LAYER_SCHEMES = ("bf16", "fp8_1x128", "fp8_1x128_ue8m0", "fp8_per_token", "mxfp4_w4a16")
 """``bf16``: bf16 tokens and weights, no quantization; ``fp8_1x128`` / ``fp8_1x128_ue8m0``: DeepSeek-V3
 (1x128 FP8 activations, 128x128 FP8 weights, FP32 or UE8M0 scales); ``fp8_per_token``: per-token FP8
-activations and per-channel FP8 weights."""
+activations and per-channel FP8 weights; ``mxfp4_w4a16``: gpt-oss (MXFP4 weights, E2M1 with UE8M0 1x32
+scales; bf16 activations)."""
 LAYER_ACTIVATIONS = ("silu_and_mul", "gelu_and_mul", "swigluoai")
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -129,6 +132,8 @@ def _schemes(scheme: str):
     """(a1 scheme, w13/w2 scheme) or (None, None) for bf16."""
     if scheme == "bf16":
         return None, None
+    if scheme == "mxfp4_w4a16":
+        return None, mxfp4()
     if scheme == "fp8_per_token":
         return fp8_per_token(), fp8_per_channel()
     sf = "ue8m0" if scheme.endswith("ue8m0") else "fp32"
@@ -143,6 +148,10 @@ def _quantized(real: np.ndarray, scheme, exps: np.ndarray) -> QuantizedTensor:
     """A weight ``[R, C]`` of real values on the block grid ``exps`` (scale ``2^exps``) as a QuantizedTensor:
     codes ``real / 2^s`` must be E4M3 values (checked: ``overflow="error"`` and an exact round trip)."""
     block = scheme.resolve_block(real.shape)
+    if scheme.element == "e2m1":  # MXFP4: every block's nonzeros share one magnitude; it becomes the code 4
+        r, c = real.shape
+        mx = np.abs(real).reshape(r, c // block[1], block[1]).max(axis=-1)
+        exps = np.where(mx > 0, np.frexp(np.where(mx > 0, mx, 1.0))[1] - 1 - 2, 0)
     s = np.repeat(np.repeat(exps, block[0], axis=0)[: real.shape[0]], block[1], axis=1)[:, : real.shape[1]]
     elem = np.ldexp(real, -s)
     nz = elem != 0  # the weights are sparse: encode the nonzeros (E4M3's code 0 is +0)
@@ -152,6 +161,8 @@ def _quantized(real: np.ndarray, scheme, exps: np.ndarray) -> QuantizedTensor:
         scales = np.ldexp(np.float32(1.0), exps).astype(np.float32)
     else:
         scales = (exps + 127).astype(np.uint8)
+    if scheme.packed:
+        codes = pack_nibbles(codes)
     q = QuantizedTensor(codes, scales, scheme, real.shape)
     if not np.array_equal(q.element_values(), elem):
         raise AssertionError("an exact-layer weight is not representable (a bug in the construction)")
@@ -163,8 +174,7 @@ def _expert(rng, k: int, n: int, *, scheme, group1: int, group2: int, token_max:
     """One expert's real-valued ``gate [n, k]``, ``up [n, k]``, ``w2 [k, n]``, their block-scale exponents,
     and the up bias ``[n]``."""
     w_scheme = scheme
-    br = 128 if w_scheme is None or w_scheme.block[0] == 128 else 1
-    bk = 128 if w_scheme is None or w_scheme.block[1] == 128 else k
+    br, bk = (128, 128) if w_scheme is None else w_scheme.resolve_block((n, k))
     # 128x128 (or per-channel) block scale exponents of w13 (gate and up halves share a grid each)
     nb_rows, nb_cols = -(-n // br), -(-k // bk)
     s_gate = rng.integers(0, 2, size=(nb_rows, nb_cols))
@@ -200,8 +210,7 @@ def _expert(rng, k: int, n: int, *, scheme, group1: int, group2: int, token_max:
         s_gate[:, 0] = 0  # the probe weight 2^-9 is E4M3's smallest value: its block scale must be 1
         b_up[p] = 0.0
     # w2 [k, n]: one nonzero per row
-    br2 = 128 if w_scheme is None or w_scheme.block[0] == 128 else 1
-    bk2 = 128 if w_scheme is None or w_scheme.block[1] == 128 else n
+    br2, bk2 = (128, 128) if w_scheme is None else w_scheme.resolve_block((k, n))
     s2 = rng.integers(-1, 2, size=(-(-k // br2), -(-n // bk2)))
     w2 = np.zeros((k, n))
     col2 = rng.integers(0, n, size=k)
@@ -248,17 +257,19 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
     check_choice(activation, LAYER_ACTIVATIONS, "activation")
     if scheme.startswith("fp8_1x128") and (k % 128 or n % 128):
         raise ValueError(f"scheme {scheme!r} needs hidden and intermediate multiples of 128; got {k}, {n}")
+    if scheme == "mxfp4_w4a16" and (k % 32 or n % 32):
+        raise ValueError(f"scheme {scheme!r} needs hidden and intermediate multiples of 32; got {k}, {n}")
     if k < 2:
         raise ValueError(f"hidden must be at least 2 (two constant token columns); got {k}")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     a1_scheme, w_scheme = _schemes(scheme)
     group1 = 128 if scheme.startswith("fp8_1x128") else k
     group2 = 128 if scheme.startswith("fp8_1x128") else n
-    interleave = activation == "swigluoai" and scheme in ("bf16", "fp8_per_token")
+    interleave = activation == "swigluoai" and scheme in ("bf16", "fp8_per_token", "mxfp4_w4a16")
     layout = w13_layout or ("interleaved" if interleave else "gate_up")
     if token_exponents is None:
         token_exponents = (0,) if activation == "gelu_and_mul" else (0, 1)
-    probes = activation == "gelu_and_mul" and tuple(set(token_exponents)) == (0,)
+    probes = activation == "gelu_and_mul" and tuple(set(token_exponents)) == (0,) and scheme != "mxfp4_w4a16"
     kmax = int(max(token_exponents))
     bias_max = 3 if bias else 0
     up_budget = (31 - bias_max) // (1 << max(kmax - int(min(token_exponents)), 0)) if bias else 31
@@ -318,7 +329,7 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
     tw = np.where(ids >= 0, tw, np.float32(0.0)).astype(np.float32)
     quant = MoEQuant() if a1_scheme is None else MoEQuant(a1_scheme, a1_scheme, name=scheme)
     stores = dict(out_dtype="bfloat16")
-    if scheme == "bf16" or activation == "swigluoai" or probes:
+    if scheme in ("bf16", "mxfp4_w4a16") or activation == "swigluoai" or probes:
         stores.update(gemm1_out_dtype="bfloat16", act_out_dtype="bfloat16")
     cfg = LayerConfig.build(activation=activation, quant=quant, shared_experts=shared, **stores, **options)
     return ExactLayer(x, weights, tw, ids, cfg, scheme, kt)
@@ -331,7 +342,7 @@ def _join_quantized(qg: QuantizedTensor, qu: QuantizedTensor, layout: str, schem
         raise ValueError("an interleaved w13 needs per-row weight scales (scheme 'fp8_per_token' or 'bf16')")
     codes = join_w13(qg.codes, qu.codes, layout, axis=-2)
     scales = join_w13(qg.scales, qu.scales, layout, axis=-2)
-    return QuantizedTensor(codes, scales, scheme, (codes.shape[0], codes.shape[1]))
+    return QuantizedTensor(codes, scales, scheme, (codes.shape[0], qg.shape[1]))
 
 
 # ------------------------------------------------------------------------------------------ checker
