@@ -8,7 +8,8 @@ Models (``--models``):
 * ``qwen3_30b_a3b``: bf16, hidden 2048, intermediate 768, 128 experts, top-8, SiLU;
 * ``qwen3_30b_a3b_gelu``: the same layer with GELU (erf vs tanh GELU probes).
 
-(gpt-oss MXFP4 W4A16 has no exact-layer construction yet: reported as unsupported.)
+* ``gpt_oss_120b_mxfp4``: MXFP4 W4A16 (bf16 activations), hidden 2880, intermediate 2880, 128 experts, top-4,
+  SwiGLU-OAI with biases.
 
 Implementations, each in its own try/except (the error is recorded, the run goes on):
 
@@ -54,7 +55,8 @@ MODELS = {
                           activation="silu_and_mul"),
     "qwen3_30b_a3b_gelu": dict(hidden=2048, intermediate=768, experts=128, top_k=8, scheme="bf16",
                                activation="gelu_and_mul"),
-    "gpt_oss_120b_mxfp4": None,  # no exact-layer construction for MXFP4 W4A16 yet
+    "gpt_oss_120b_mxfp4": dict(hidden=2880, intermediate=2880, experts=128, top_k=4, scheme="mxfp4_w4a16",
+                               activation="swigluoai", bias=True),
 }
 TINY = dict(hidden=256, intermediate=256, experts=8, top_k=2)
 FAULTS = ("skipped_last_k_block", "halved_w2_scale_block", "swapped_topk_weights", "gate_up_swapped",
@@ -92,7 +94,7 @@ def make_case(model: str, tokens: int, *, tiny: bool = False, seed: int = 0, exp
         tw[0, :2] = [1.0, 0.25]
     return exact_layer(tokens, spec["hidden"], spec["intermediate"], e, k, scheme=spec["scheme"],
                        activation=spec["activation"], seed=rng, topk_ids=ids, topk_weights=tw,
-                       expert_pool=min(expert_pool, e))
+                       expert_pool=min(expert_pool, e), bias=spec.get("bias", False))
 
 
 # ------------------------------------------------------------------ the torch pipeline
@@ -108,6 +110,8 @@ def _stack_weights(ws, torch, dev):
     cache = {}
     for w in ws:
         key = id(w)
+        if key not in cache and w.scheme.element != "e4m3fn":  # MXFP4: E2M1 x 2^e, exact in bf16
+            cache[key] = torch.from_numpy(w.dequantize(np.float32)).to(dev).to(torch.bfloat16)
         if key not in cache:
             r, c = w.shape
             codes = torch.from_numpy(np.array(w.codes, copy=True)).view(torch.float8_e4m3fn).to(dev).float()
@@ -138,7 +142,7 @@ class TorchLayer:
 
         self.torch, self.lay, self.dev = torch, lay, dev
         cfg = lay.config
-        self.fp8 = lay.scheme != "bf16"
+        self.fp8 = lay.scheme.startswith("fp8")
         self.ue8m0 = lay.scheme.endswith("ue8m0")
         self.w13 = _stack_weights(list(lay.weights.w13), torch, dev)
         self.w2 = _stack_weights(list(lay.weights.w2), torch, dev)
@@ -284,7 +288,7 @@ def fastpath_runs(lay, dev):
     from fastpath.moe import fast_weights, fused_moe
 
     weights = lay.weights
-    if lay.scheme == "bf16":
+    if lay.scheme == "bf16":  # fastpath takes float experts as stacked tensors (MXFP4 and FP8: quantized tensors)
         from dataclasses import replace
 
         weights = replace(weights, w13=_stack_weights(list(weights.w13), torch, dev),
@@ -300,7 +304,7 @@ def fastpath_runs(lay, dev):
     try:
         import deep_gemm  # noqa: F401
 
-        if lay.scheme != "bf16":
+        if lay.scheme.startswith("fp8"):
             impls.append("deep_gemm")
     except Exception:  # noqa: BLE001 - DeepGEMM is optional
         pass
@@ -376,7 +380,7 @@ def run_model(model: str, args, log) -> dict:
     record(impl, "torch eager bf16, top-k sum reversed", lambda: tl.run("bf16", variant="reverse_topk"))
     record(impl, "torch eager bf16, chunks of 32 tokens", lambda: tl.run("bf16", variant="chunks_of_32"))
     record(impl, "torch._grouped_mm (CUTLASS)", lambda: tl.run("grouped_mm"))
-    if lay.scheme != "bf16":
+    if lay.scheme.startswith("fp8"):
         record(impl, "torch._scaled_mm rowwise (cuBLAS)", lambda: tl.run("scaled_mm"))
         record(impl, "torch._scaled_mm rowwise, fast accumulation", lambda: tl.run("scaled_mm_fast"))
     if args.device != "cpu":
