@@ -25,6 +25,11 @@ def test_assert_moe_close_exact_passes_and_names_the_token():
     assert d["experts"] == lay.topk_ids[3].tolist() and d["slots"] == [6, 7]
     assert set(r.by_expert) == set(lay.topk_ids[3].tolist())
     assert "token 3" in str(exc.value)
+    with pytest.raises(MoEMismatch) as exc2:  # given the layer, the failure keeps its case (for reproducers)
+        assert_moe_close(bad, lay, regime="exact")
+    from moeref.compare.faults import LayerCase
+
+    assert isinstance(exc2.value.case, LayerCase) and exc2.value.candidate.shape == bad.shape
 
 
 def test_assert_moe_close_exact_sees_one_bf16_ulp():

@@ -103,12 +103,13 @@ def reference_run_of(reference):
 
 def _expected(run, dtype_name: str) -> np.ndarray:
     """The reference's output rounded once to the candidate's dtype, as float64."""
-    out_dtype = run.config.out_dtype
-    if out_dtype is not None and np.dtype(run.out.dtype).name == dtype_name:
-        return np.asarray(run.out, dtype=np.float64)
+    out = np.asarray(_interop.to_numpy(run.out))  # a device run's tensors come to the host
+    if run.config.out_dtype is not None and out.dtype.name == dtype_name:
+        return out.astype(np.float64)
+    output = np.asarray(_interop.to_numpy(run.output), dtype=np.float64)
     if dtype_name in ("bfloat16", "float16", "float32"):
-        return round_to_dtype(run.output, dtype_name)
-    return np.asarray(run.output, dtype=np.float64)
+        return round_to_dtype(output, dtype_name)
+    return output
 
 
 def moe_equality_report(candidate, reference, *, label: str = "") -> EqualityReport:

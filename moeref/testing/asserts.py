@@ -78,8 +78,8 @@ def _assert_exact(candidate, reference, regime, label: str):
         raise ValueError(f"regime must be 'exact' or None; got {regime!r}")
     report = moe_equality_report(candidate, reference, label=label)
     if not report.passed:
-        raise MoEMismatch(report, None if hasattr(reference, "chunks") else reference,
-                          np.array(_interop.to_numpy(candidate), copy=True))
+        case = None if hasattr(reference, "chunks") else getattr(reference, "case", reference)  # ExactLayer.case
+        raise MoEMismatch(report, case, np.array(_interop.to_numpy(candidate), copy=True))
     return report
 
 
