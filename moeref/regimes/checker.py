@@ -187,8 +187,8 @@ def in_exact_regime(inputs, arithmetic="fp32") -> RegimeCheck:
     """
     ar = get_arithmetic(arithmetic)
     if not isinstance(inputs, (tuple, list)) or len(inputs) not in (2, 3):
-        raise TypeError("inputs must be (a, w) or (a, weights, row_expert); "
-                        f"got {type(inputs).__name__}" + (f" of length {len(inputs)}" if isinstance(inputs, (tuple, list)) else ""))
+        size = f" of length {len(inputs)}" if isinstance(inputs, (tuple, list)) else ""
+        raise TypeError(f"inputs must be (a, w) or (a, weights, row_expert); got {type(inputs).__name__}{size}")
     if len(inputs) == 2:
         return RegimeCheck(*_result(_check_pair(as_operand(inputs[0], "a"), as_operand(inputs[1], "w"), ar, "gemm")))
     a, weights, rows = inputs

@@ -198,7 +198,7 @@ def grouped_gemm_report(candidate=None, a=None, weights=None, profile="FP32_ACCU
 
         if regime != "exact":
             raise ValueError(f"regime must be 'exact' or None; got {regime!r}")
-        top_k = None if topk_ids is None or layout != "standard" else int(np.asarray(_interop.to_numpy(topk_ids)).shape[1])
+        top_k = None if topk_ids is None or layout != "standard" else int(np.shape(_interop.to_numpy(topk_ids))[1])
         return gemm_equality_report(c, ref, rows, cand_dtype, top_k=top_k, label=label or f"grouped GEMM ({layout})")
     valid = rows >= 0
     err = np.where(valid[:, None], np.abs(c - ref), 0.0)
