@@ -201,10 +201,14 @@ def in_exact_regime(inputs, arithmetic="fp32") -> RegimeCheck:
     if rows.size and int(rows.max(initial=-1)) >= len(weights):
         raise ValueError(f"row_expert names expert {int(rows.max())} but weights has {len(weights)}")
     reasons = []
-    for e in np.unique(rows[rows >= 0]):
-        idx = np.flatnonzero(rows == e)
-        reasons += _check_pair(op.take_rows(idx), as_operand(weights[int(e)], f"weights[{int(e)}]"), ar,
-                               f"expert {int(e)}")
+    # experts that share one weight object (a pool of distinct experts) are checked in one pass
+    groups: dict = {}
+    for e in np.unique(rows[rows >= 0]).tolist():
+        groups.setdefault(id(weights[e]), []).append(e)
+    for es in groups.values():
+        idx = np.flatnonzero(np.isin(rows, es))
+        label = f"expert {es[0]}" if len(es) == 1 else f"experts {es}"
+        reasons += _check_pair(op.take_rows(idx), as_operand(weights[es[0]], f"weights[{es[0]}]"), ar, label)
     return RegimeCheck(*_result(reasons))
 
 
