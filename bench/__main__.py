@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     # drivers
     "gpu": ("run_gpu.sh", "the whole test suite on the GPU, then the quantization and dispatch benchmarks", "GPU"),
     "latency-gpu": ("run_latency_gpu.sh", "the decode-latency benchmark, then the CUDA-graph capture tests", "GPU"),
+    "ep-gpu": ("run_ep_gpu.sh", "the EP suites on NCCL with N ranks, then the EP benchmark and its tables", "GPU"),
     # benchmarks
     "formats": ("bench_formats.py", "encode throughput of moeref.formats.encode next to ml_dtypes", "CPU"),
     "quant-cpu": ("bench_quant_reference.py", "reference quantizers (NumPy, one core), elements/s", "CPU"),
@@ -40,6 +41,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "latency": ("bench_latency_gpu.py", "decode-sized latency of every fast path, eager and CUDA graph", "GPU"),
     "convert": ("bench_convert.py", "checkpoint conversion speed, one expert and the whole model", "CPU/GPU"),
     "ep": ("bench_ep_gpu.py", "expert-parallel dispatch + combine over NCCL", "GPU"),
+    "exact-regimes": ("bench_exact_regimes.py", "kernels on exact-regime inputs: differing outputs, planted faults",
+                      "GPU"),
     "oracle-power": ("bench_oracle_power.py", "planted faults each compare profile catches, and its tightness",
                      "CPU"),
     # report scripts: a benchmark's JSON -> the generated table of a docs page (--check compares)
@@ -49,6 +52,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "report-layer": ("report_moe_device.py", "docs/moe-gpu.md layer tables from layer JSON", "any"),
     "report-compare": ("report_compare_device.py", "docs/moe-gpu.md compare table from compare JSON", "any"),
     "report-convert": ("report_convert.py", "docs/convert.md GPU table from convert JSON", "any"),
+    "report-ep": ("report_ep.py", "docs/expert-parallel.md and docs/performance.md EP tables from EP JSON", "any"),
     # tools
     "sass-identity": ("sass_identity.py", "SHA-256 of every quantization kernel's SASS (refactors: same code?)",
                       "CPU"),

@@ -44,7 +44,7 @@ class MoEMismatch(AssertionError):
         super().__init__(report.summary())
 
 
-def assert_moe_close(candidate, reference_run, profile, *, label: str = "") -> Report:
+def assert_moe_close(candidate, reference_run, profile=None, *, label: str = "", regime: str | None = None) -> Report:
     """Raise :class:`MoEMismatch` (an ``AssertionError`` carrying the report) unless every element of
     ``candidate`` (``[M, K]``, NumPy or torch on any device, any float dtype) lies within the bound of
     ``profile`` (a :class:`~moeref.compare.Profile` or its name, e.g. ``"BF16_OUTPUT"``) around the
@@ -53,12 +53,21 @@ def assert_moe_close(candidate, reference_run, profile, *, label: str = "") -> R
     run here). Returns the report when it passes.
 
     ``TypeError`` before any work when the arguments are of the wrong kind (the output comes first) or the
-    candidate's dtype is not the output store ``profile`` declares (:func:`check_candidate_dtype`)."""
+    candidate's dtype is not the output store ``profile`` declares (:func:`check_candidate_dtype`).
+
+    ``regime="exact"``: no bound, equality (:func:`moeref.regimes.equality.moe_equality_report`: the
+    reference rounded once to the candidate's dtype; the report names the differing elements' token,
+    experts and slots). Sound for any kernel on exact-regime inputs (a :class:`moeref.regimes.ExactLayer`
+    may be passed as ``reference_run``); ``profile`` is then not used. Returns the equality report."""
     from .inputs import KernelInputs
 
     case = None
     if isinstance(reference_run, KernelInputs):
         reference_run = reference_run.layer_case()
+    if regime is not None:
+        return _assert_exact(candidate, reference_run, regime, label)
+    if profile is None:
+        raise TypeError("assert_moe_close needs a profile (or regime='exact')")
     check_compare_args(candidate, reference_run, call="assert_moe_close(candidate, reference_run, profile)",
                        accepted="a KernelInputs (moeref.testing.kernel_inputs), a LayerCase or a traced run "
                                 "(moeref.moe.run_moe)")
@@ -90,6 +99,19 @@ def check_candidate_dtype(candidate, profile, *, store: str = "out_dtype") -> No
         raise TypeError(f"the candidate is {got} but profile {profile.name} declares a {declared} output store "
                         f"(Profile.{store}={declared!r}): pass the kernel's output as the kernel stores it, or check "
                         f"with a profile that declares a {got} store or none ({', '.join(fits)})")
+
+
+def _assert_exact(candidate, reference, regime, label: str):
+    """``regime="exact"``: equality with the report of :mod:`moeref.regimes.equality`."""
+    from ..regimes.equality import moe_equality_report
+
+    if regime != "exact":
+        raise ValueError(f"regime must be 'exact' or None; got {regime!r}")
+    report = moe_equality_report(candidate, reference, label=label)
+    if not report.passed:
+        case = None if hasattr(reference, "chunks") else getattr(reference, "case", reference)  # ExactLayer.case
+        raise MoEMismatch(report, case, np.array(_interop.to_numpy(candidate), copy=True))
+    return report
 
 
 def _operand(x, name: str):
@@ -172,8 +194,8 @@ def _expert_bias(bias, num_experts: int, n: int):
 
 
 def grouped_gemm_report(candidate=None, a=None, weights=None, profile="FP32_ACCUM", *, layout: str = "contiguous",
-                        m_indices=None, masked_m=None, offs=None, topk_ids=None, bias=None,
-                        label: str = "") -> Report:
+                        m_indices=None, masked_m=None, offs=None, topk_ids=None, bias=None, label: str = "",
+                        regime: str | None = None) -> Report:
     """The :class:`~moeref.compare.Report` of a grouped GEMM ``out[r] = a[r] @ W[e(r)].T (+ bias[e(r)])``.
 
     ``candidate``: the kernel's output (``[R, N]``; masked/batched ``[E, max_m, N]``; standard ``[M, k, N]``),
@@ -226,6 +248,13 @@ def grouped_gemm_report(candidate=None, a=None, weights=None, profile="FP32_ACCU
     ref = expert_rows_gemm(op, rows, ws, b)
     if ref.shape != c.shape:
         raise ValueError(f"candidate has {c.shape[1]} columns per row but the reference has {ref.shape[1]}")
+    if regime is not None:  # equality (moeref.regimes.equality); the report names row, expert, token and slot
+        from ..regimes.equality import gemm_equality_report
+
+        if regime != "exact":
+            raise ValueError(f"regime must be 'exact' or None; got {regime!r}")
+        top_k = None if topk_ids is None or layout != "standard" else int(np.shape(_interop.to_numpy(topk_ids))[1])
+        return gemm_equality_report(c, ref, rows, cand_dtype, top_k=top_k, label=label or f"grouped GEMM ({layout})")
     valid = rows >= 0
     err = np.where(valid[:, None], np.abs(c - ref), 0.0)
     if profile.accum_model == "emulated":  # a known kernel: its output predicted bit for bit, compared by equality
@@ -260,7 +289,8 @@ def grouped_gemm_report(candidate=None, a=None, weights=None, profile="FP32_ACCU
 
 def assert_grouped_gemm_close(candidate=None, a=None, weights=None, profile="FP32_ACCUM", **kw) -> Report:
     """Raise :class:`MoEMismatch` unless the grouped GEMM ``candidate`` lies within ``profile``'s bound
-    (:func:`grouped_gemm_report`, same arguments). Returns the report when it passes.
+    (:func:`grouped_gemm_report`, same arguments; ``regime="exact"``: equal to the exact product rounded
+    once to the candidate's dtype, for inputs in an exact regime). Returns the report when it passes.
 
     >>> w = np.stack([np.eye(2), 2 * np.eye(2)]).astype(np.float32)
     >>> a = np.array([[1.0, 3.0], [2.0, 5.0]], np.float32)

@@ -1,0 +1,436 @@
+"""GPU proof of the exact regimes: at production shapes, on exact-regime layers (:func:`moeref.regimes.exact_layer`),
+every implementation must give the reference's bf16 bits, and planted faults must change them.
+
+Models (``--models``):
+
+* ``deepseek_v3``: FP8 1x128 activations x 128x128 weights, FP32 scales, hidden 7168, intermediate 2048, 256 experts,
+  top-8, SiLU; ``deepseek_v3_ue8m0``: the same with UE8M0 scales;
+* ``qwen3_30b_a3b``: bf16, hidden 2048, intermediate 768, 128 experts, top-8, SiLU;
+* ``qwen3_30b_a3b_gelu``: the same layer with GELU (erf vs tanh GELU probes).
+
+* ``gpt_oss_120b_mxfp4``: MXFP4 W4A16 (bf16 activations), hidden 2880, intermediate 2880, 128 experts, top-4,
+  SwiGLU-OAI with biases.
+
+Implementations, each in its own try/except (the error is recorded, the run goes on):
+
+* ``fastpath.moe`` (Triton; DeepGEMM when ``deep_gemm`` imports), contiguous and masked, and capturable;
+* ``torch eager bf16``: the layer written here in torch (cuBLAS bf16 GEMMs, FP32 accumulation, bf16 stores,
+  FP8 re-quantization in float32 with torch's float8 cast), and honest variants of it (split-K GEMM1 in two
+  halves summed in FP32, the top-k sum in reverse slot order, tokens in chunks of 32);
+* ``torch._grouped_mm`` (CUTLASS) bf16 GEMMs in the same pipeline;
+* ``torch._scaled_mm`` per expert (cuBLAS rowwise FP8, fast accumulation off and on; FP8 models only).
+
+The reference is ``moeref.moe.run_moe(device="cuda")`` (the device engine, bit-identical to the host reference).
+Each result: the number of bf16 outputs that differ from the reference (0 expected). Planted faults on the torch
+eager pipeline (skipped last K block, halved w2 scale block, swapped top-k weights of one token, gate/up swapped in
+one expert, renormalised router weights, one token routed to a neighbouring expert, last-bit noise on 0.5% of the
+outputs, tanh GELU for the GELU model): the number of differing outputs and whether equality caught it.
+
+    python bench/bench_exact_regimes.py [--models deepseek_v3 qwen3_30b_a3b] [--tokens 128] [--out FILE]
+    python bench/bench_exact_regimes.py --tiny --device cpu     # the CPU-runnable parts at tiny shapes (CI)
+
+Writes JSON to ``--out`` (default ``$OUT/exact_regimes.json``, else ``bench/results/exact_regimes.json``).
+Budget: about a minute per model on one H200 (weights from a pool of 8 distinct experts).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+MODELS = {
+    "deepseek_v3": dict(hidden=7168, intermediate=2048, experts=256, top_k=8, scheme="fp8_1x128",
+                        activation="silu_and_mul"),
+    "deepseek_v3_ue8m0": dict(hidden=7168, intermediate=2048, experts=256, top_k=8, scheme="fp8_1x128_ue8m0",
+                              activation="silu_and_mul"),
+    "qwen3_30b_a3b": dict(hidden=2048, intermediate=768, experts=128, top_k=8, scheme="bf16",
+                          activation="silu_and_mul"),
+    "qwen3_30b_a3b_gelu": dict(hidden=2048, intermediate=768, experts=128, top_k=8, scheme="bf16",
+                               activation="gelu_and_mul"),
+    "gpt_oss_120b_mxfp4": dict(hidden=2880, intermediate=2880, experts=128, top_k=4, scheme="mxfp4_w4a16",
+                               activation="swigluoai", bias=True),
+}
+TINY = dict(hidden=256, intermediate=256, experts=8, top_k=2)
+FAULTS = ("skipped_last_k_block", "halved_w2_scale_block", "swapped_topk_weights", "gate_up_swapped",
+          "renormalized_weights", "neighbour_expert", "last_bit_noise", "tanh_gelu")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=["deepseek_v3", "qwen3_30b_a3b", "qwen3_30b_a3b_gelu",
+                                                   "gpt_oss_120b_mxfp4"], choices=sorted(MODELS))
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--expert-pool", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (hidden 256, 8 experts): CPU-runnable")
+    p.add_argument("--out", default=None)
+    return p.parse_args(argv)
+
+
+def make_case(model: str, tokens: int, *, tiny: bool = False, seed: int = 0, expert_pool: int = 8):
+    """The exact layer of ``model`` (``tiny``: hidden 256, intermediate 256, 8 experts, top-2) with a skewed
+    (Zipf) routing and token 0's first two weights made different."""
+    from moeref.regimes import exact_layer, exact_topk_weights
+
+    spec = dict(MODELS[model])
+    if tiny:
+        spec.update(TINY)
+    rng = np.random.default_rng(seed)
+    e, k = spec["experts"], spec["top_k"]
+    p = 1.0 / np.arange(1, e + 1) ** 1.2
+    gumbel = np.log(p)[None, :] - np.log(-np.log(rng.random((tokens, e))))
+    ids = np.argsort(-gumbel, axis=1, kind="stable")[:, :k].astype(np.int32)
+    tw = exact_topk_weights((tokens, k), seed=rng)
+    if tokens and k > 1:
+        tw[0, :2] = [1.0, 0.25]
+    return exact_layer(tokens, spec["hidden"], spec["intermediate"], e, k, scheme=spec["scheme"],
+                       activation=spec["activation"], seed=rng, topk_ids=ids, topk_weights=tw,
+                       expert_pool=min(expert_pool, e), bias=spec.get("bias", False))
+
+
+# ------------------------------------------------------------------ the torch pipeline
+
+
+def _stack_weights(ws, torch, dev):
+    """bf16 [E, R, C] on ``dev`` from per-expert bf16 arrays or FP8 QuantizedTensors (exact: small integers times
+    powers of two)."""
+    if isinstance(ws[0], np.ndarray):
+        return torch.stack([torch.from_numpy(np.ascontiguousarray(w).view(np.int16))
+                            .view(torch.bfloat16) for w in ws]).to(dev)
+    out = []
+    cache = {}
+    for w in ws:
+        key = id(w)
+        if key not in cache and w.scheme.element != "e4m3fn":  # MXFP4: E2M1 x 2^e, exact in bf16
+            cache[key] = torch.from_numpy(w.dequantize(np.float32)).to(dev).to(torch.bfloat16)
+        if key not in cache:
+            r, c = w.shape
+            codes = torch.from_numpy(np.array(w.codes, copy=True)).view(torch.float8_e4m3fn).to(dev).float()
+            s = torch.from_numpy(np.asarray(w.scale_values(), np.float32).copy()).to(dev)
+            br = 1 if s.shape[0] == r else 128
+            bc = c if s.shape[1] == 1 else 128
+            cache[key] = (codes * s.repeat_interleave(br, 0)[:r].repeat_interleave(bc, 1)[:, :c]).to(torch.bfloat16)
+        out.append(cache[key])
+    return torch.stack(out)
+
+
+def _fp8_groups(torch, x, group: int, ue8m0: bool):
+    """Dynamic FP8 per ``group`` columns in float32: (dequantized values, E4M3 codes, scales [M, C/group])."""
+    m, k = x.shape
+    xg = x.reshape(m, k // group, group)
+    s = xg.abs().amax(-1, keepdim=True).clamp(min=1e-4) / 448.0
+    if ue8m0:
+        s = torch.exp2(torch.ceil(torch.log2(s)))
+    codes = (xg / s).to(torch.float8_e4m3fn)
+    return (codes.float() * s).reshape(m, k), codes.reshape(m, k), s.reshape(m, -1)
+
+
+class TorchLayer:
+    """The layer in torch on one device; ``run(gemm=..., fault=..., variant=...)``."""
+
+    def __init__(self, lay, dev):
+        import torch
+
+        self.torch, self.lay, self.dev = torch, lay, dev
+        cfg = lay.config
+        self.fp8 = lay.scheme.startswith("fp8")
+        self.ue8m0 = lay.scheme.endswith("ue8m0")
+        self.w13 = _stack_weights(list(lay.weights.w13), torch, dev)
+        self.w2 = _stack_weights(list(lay.weights.w2), torch, dev)
+        self.shared = None
+        if cfg.shared_experts is not None:
+            self.shared = (_stack_weights([cfg.shared_experts.w13], torch, dev),
+                           _stack_weights([cfg.shared_experts.w2], torch, dev))
+        self.x = torch.from_numpy(lay.hidden).to(dev)
+        self.ids = torch.from_numpy(lay.topk_ids.astype(np.int64)).to(dev)
+        self.w = torch.from_numpy(lay.topk_weights.astype(np.float32)).to(dev)
+        counts = np.bincount(lay.topk_ids[lay.topk_ids >= 0], minlength=len(lay.weights.w13))
+        self.busiest = int(counts.argmax())
+
+    def _gemm(self, a, w, rows_expert, kind, faulty_rows=None, k_cut=None):
+        """``a [R, C]`` float32 (exact bf16 or FP8 values) times ``w[e] [N, C]`` per row's expert, bf16 output."""
+        torch = self.torch
+        out = torch.empty(a.shape[0], w.shape[1], dtype=torch.bfloat16, device=a.device)
+        experts = torch.unique(rows_expert).tolist()
+        if kind == "grouped_mm":
+            order = torch.argsort(rows_expert, stable=True)
+            counts = torch.bincount(rows_expert, minlength=w.shape[0])
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            res = torch._grouped_mm(a[order].to(torch.bfloat16), w.transpose(-2, -1), offs=offs)
+            out[order] = res.to(torch.bfloat16)
+            return out
+        for e in experts:
+            sel = torch.nonzero(rows_expert == e).flatten()
+            ae, we = a[sel], w[e]
+            if k_cut is not None and e == faulty_rows:
+                ae, we = ae[:, :k_cut], we[:, :k_cut]
+            if kind == "bf16":
+                out[sel] = ae.to(torch.bfloat16) @ we.T
+            elif kind == "split_k":
+                half = ae.shape[1] // 2
+                p1 = ae[:, :half].to(torch.bfloat16).float() @ we[:, :half].float().T
+                p2 = ae[:, half:].to(torch.bfloat16).float() @ we[:, half:].float().T
+                out[sel] = (p2 + p1).to(torch.bfloat16)
+            elif kind.startswith("scaled_mm"):
+                # rowwise FP8: per-row scale 2^ceil(log2(amax / 448)) (exact: every row's amax is 448 * 2^j)
+                amax = ae.abs().amax(1, keepdim=True).clamp(min=1e-30)
+                sa = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+                a8 = (ae / sa).to(torch.float8_e4m3fn)
+                w8 = we.float().to(torch.float8_e4m3fn)
+                m = a8.shape[0]
+                pad = (-m) % 16
+                if pad:
+                    a8 = torch.cat([a8, torch.zeros(pad, a8.shape[1], dtype=a8.dtype, device=a8.device)])
+                    sa = torch.cat([sa, torch.ones(pad, 1, device=sa.device)])
+                r = torch._scaled_mm(a8, w8.T, scale_a=sa.float(), scale_b=torch.ones(1, w8.shape[0], device=a8.device),
+                                     out_dtype=torch.bfloat16, use_fast_accum=kind.endswith("fast"))
+                out[sel] = r[:m]
+            else:
+                raise ValueError(kind)
+        return out
+
+    def run(self, gemm: str = "bf16", fault: str | None = None, variant: str | None = None):
+        torch = self.torch
+        lay, cfg = self.lay, self.lay.config
+        m, k = self.x.shape
+        ids, w = self.ids.clone(), self.w.clone()
+        if fault == "renormalized_weights":
+            w = w / w.sum(1, keepdim=True).clamp(min=1e-30)
+        if fault == "swapped_topk_weights":
+            w[0, [0, 1]] = w[0, [1, 0]].clone()
+        if fault == "neighbour_expert":
+            ids[0, 0] = (ids[0, 0] + 1) % self.w13.shape[0]
+        g1 = 128 if lay.scheme.startswith("fp8_1x128") else k
+        a = _fp8_groups(torch, self.x, g1, self.ue8m0)[0] if self.fp8 else self.x.to(torch.bfloat16).float()
+        chunks = [(0, m)] if variant != "chunks_of_32" else [(s, min(s + 32, m)) for s in range(0, m, 32)]
+        out = torch.zeros(m, k, device=self.dev)
+        for s0, s1 in chunks:
+            tok, slot = torch.nonzero(ids[s0:s1] >= 0, as_tuple=True)
+            tok = tok + s0
+            ex = ids[tok, slot]
+            y = self._mlp(a[tok], ex, self.w13, self.w2, gemm, fault, variant, lay.weights)
+            contrib = w[tok, slot][:, None] * y.float()
+            if variant == "reverse_topk":
+                for j in range(ids.shape[1] - 1, -1, -1):
+                    sel = slot == j
+                    out.index_add_(0, tok[sel], contrib[sel])
+            else:
+                out.index_add_(0, tok, contrib)
+        if self.shared is not None:
+            zero = torch.zeros(m, dtype=torch.int64, device=self.dev)
+            out = out + self._mlp(a, zero, self.shared[0], self.shared[1], gemm, None, variant,
+                                  cfg.shared_experts.as_weights()).float()
+        res = out.to(torch.bfloat16)
+        if fault == "last_bit_noise":
+            flat = res.view(torch.int16).reshape(-1)
+            gen = torch.Generator(device="cpu").manual_seed(1)
+            idx = torch.randperm(flat.numel(), generator=gen)[: max(1, flat.numel() // 200)].to(self.dev)
+            flat[idx] ^= 1
+        return res
+
+    def _mlp(self, a, ex, w13, w2, gemm, fault, variant, weights):
+        torch = self.torch
+        lay, cfg = self.lay, self.lay.config
+        n = w2.shape[2]
+        kind1 = "split_k" if variant == "split_k" else gemm
+        k_cut = a.shape[1] - 128 if fault == "skipped_last_k_block" else None
+        h = self._gemm(a, w13, ex, kind1, self.busiest, k_cut).float()
+        if weights.b13 is not None:
+            h = h + torch.from_numpy(np.asarray(weights.b13, np.float32)).to(self.dev)[ex]
+        h = h.to(torch.bfloat16).float()
+        layout = weights.w13_layout
+        if layout == "interleaved":
+            gate, up = h[:, 0::2], h[:, 1::2]
+        elif layout == "up_gate":
+            up, gate = h[:, :n], h[:, n:]
+        else:
+            gate, up = h[:, :n], h[:, n:]
+        if fault == "gate_up_swapped":
+            sel = (ex == self.busiest)[:, None]
+            gate, up = torch.where(sel, up, gate), torch.where(sel, gate, up)
+        if cfg.activation == "silu_and_mul":
+            x = torch.nn.functional.silu(gate) * up
+        elif cfg.activation == "gelu_and_mul":
+            x = torch.nn.functional.gelu(gate, approximate="tanh" if fault == "tanh_gelu" else "none") * up
+        else:
+            gc = gate.clamp(max=7.0)
+            x = (up.clamp(-7.0, 7.0) + 1) * gc * torch.sigmoid(1.702 * gc)
+        if cfg.act_out_dtype is not None or not self.fp8:
+            x = x.to(torch.bfloat16).float()
+        if self.fp8:
+            x = _fp8_groups(torch, x, 128 if lay.scheme.startswith("fp8_1x128") else n, self.ue8m0)[0]
+        w2u = w2
+        if fault == "halved_w2_scale_block":
+            w2u = w2.clone()
+            w2u[self.busiest, :128, :128] *= 0.5
+        y = self._gemm(x, w2u, ex, gemm).float()
+        if weights.b2 is not None:
+            y = y + torch.from_numpy(np.asarray(weights.b2, np.float32)).to(self.dev)[ex]
+        return y.to(torch.bfloat16)
+
+
+# ------------------------------------------------------------------ fastpath.moe
+
+
+def fastpath_runs(lay, dev):
+    """``{name: callable -> bf16 tensor}`` for fastpath.moe's implementations that can run here."""
+    import torch
+
+    from fastpath.moe import fast_weights, fused_moe
+
+    weights = lay.weights
+    if lay.scheme == "bf16":  # fastpath takes float experts as stacked tensors (MXFP4 and FP8: quantized tensors)
+        from dataclasses import replace
+
+        weights = replace(weights, w13=_stack_weights(list(weights.w13), torch, dev),
+                          w2=_stack_weights(list(weights.w2), torch, dev))
+    fw = fast_weights(weights, dev)
+    shared = None
+    if lay.config.shared_experts is not None:
+        shared = fast_weights(lay.config.shared_experts, dev)
+    hidden = torch.from_numpy(lay.hidden).to(dev).to(torch.bfloat16)
+    tw = torch.from_numpy(lay.topk_weights).to(dev)
+    ids = torch.from_numpy(lay.topk_ids).to(dev)
+    impls = ["triton"]
+    try:
+        import deep_gemm  # noqa: F401
+
+        if lay.scheme.startswith("fp8"):
+            impls.append("deep_gemm")
+    except Exception:  # noqa: BLE001 - DeepGEMM is optional
+        pass
+    runs = {}
+    for impl in impls:
+        for layout in ("contiguous", "masked"):
+            for capturable in (False, True):
+                name = f"fastpath.moe {impl} {layout}" + (" capturable" if capturable else "")
+                runs[name] = (lambda impl=impl, layout=layout, capturable=capturable: fused_moe(
+                    hidden, fw, tw, ids, impl=impl, activation=lay.config.activation, layout=layout,
+                    shared_experts=shared, capturable=capturable))
+    return runs
+
+
+# ------------------------------------------------------------------ driver
+
+
+def _count(ref: np.ndarray, got) -> int:
+    g = np.asarray(got.float().cpu().numpy() if hasattr(got, "cpu") else got, dtype=np.float32)
+    return int(np.count_nonzero(~((ref == g) | (np.isnan(ref) & np.isnan(g)))))
+
+
+def run_model(model: str, args, log) -> dict:
+    if MODELS[model] is None:
+        return {"model": model, "supported": False,
+                "why": "moeref.regimes.exact_layer has no MXFP4 W4A16 construction yet"}
+    import torch
+
+    from moeref.regimes import layer_in_exact_regime
+
+    res = {"model": model, "supported": True, "tokens": args.tokens, "implementations": {}, "faults": {},
+           "bf16_reduced_precision_reduction": bool(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)}
+    t0 = time.time()
+    lay = make_case(model, args.tokens, tiny=args.tiny, seed=args.seed, expert_pool=args.expert_pool)
+    res["case_seconds"] = round(time.time() - t0, 2)
+    res["shape"] = dict(hidden=int(lay.hidden.shape[1]), intermediate=int(np.asarray(lay.weights.w2[0].shape)[1]),
+                        experts=len(lay.weights.w13), top_k=int(lay.topk_ids.shape[1]), scheme=lay.scheme,
+                        activation=lay.config.activation)
+    if args.tiny:
+        ok, why = layer_in_exact_regime(lay, "hopper_fp8")
+        res["in_regime"] = {"ok": bool(ok), "reasons": why[:3]}
+    t0 = time.time()
+    device = args.device if args.device != "cpu" else None
+    if device is None:
+        ref_run = lay.reference()
+    else:
+        from moeref.moe import run_moe
+
+        ref_run = run_moe(lay.hidden, lay.weights, lay.topk_weights, lay.topk_ids, lay.config, device=device)
+    out = ref_run.out
+    ref = np.asarray(out.float().cpu().numpy() if hasattr(out, "cpu") else np.asarray(out, np.float32), np.float32)
+    res["reference_seconds"] = round(time.time() - t0, 2)
+    log(f"{model}: case {res['case_seconds']} s, reference {res['reference_seconds']} s")
+    dev = torch.device(args.device)
+
+    def record(table, name, fn):
+        t = time.time()
+        try:
+            got = fn()
+            table[name] = {"differing": _count(ref, got), "of": int(ref.size), "seconds": round(time.time() - t, 3)}
+        except Exception as exc:  # noqa: BLE001 - every implementation is optional here
+            table[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+        log(f"  {name}: {table[name]}")
+
+    try:
+        tl = TorchLayer(lay, dev)
+    except Exception as exc:  # noqa: BLE001
+        res["torch_layer_error"] = traceback.format_exc()[-800:]
+        return res
+    impl = res["implementations"]
+    record(impl, "torch eager bf16", lambda: tl.run("bf16"))
+    record(impl, "torch eager bf16, split-K GEMM1", lambda: tl.run("bf16", variant="split_k"))
+    record(impl, "torch eager bf16, top-k sum reversed", lambda: tl.run("bf16", variant="reverse_topk"))
+    record(impl, "torch eager bf16, chunks of 32 tokens", lambda: tl.run("bf16", variant="chunks_of_32"))
+    record(impl, "torch._grouped_mm (CUTLASS)", lambda: tl.run("grouped_mm"))
+    if lay.scheme.startswith("fp8"):
+        record(impl, "torch._scaled_mm rowwise (cuBLAS)", lambda: tl.run("scaled_mm"))
+        record(impl, "torch._scaled_mm rowwise, fast accumulation", lambda: tl.run("scaled_mm_fast"))
+    if args.device != "cpu":
+        try:
+            for name, fn in fastpath_runs(lay, dev).items():
+                record(impl, name, fn)
+        except Exception as exc:  # noqa: BLE001
+            impl["fastpath.moe"] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+    for fault in FAULTS:
+        if fault == "tanh_gelu" and lay.config.activation != "gelu_and_mul":
+            continue
+        record(res["faults"], fault, lambda fault=fault: tl.run("bf16", fault=fault))
+        f = res["faults"][fault]
+        if "differing" in f:
+            f["caught"] = f["differing"] > 0
+    return res
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    out_path = args.out or os.path.join(os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results")),
+                                        "exact_regimes.json")
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "argv": sys.argv[1:] if argv is None else list(argv), "models": []}
+    try:
+        import torch
+
+        result["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            result["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001
+        pass
+
+    def log(msg):
+        print(msg, flush=True)
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    for model in args.models:
+        try:
+            result["models"].append(run_model(model, args, log))
+        except Exception:  # noqa: BLE001
+            result["models"].append({"model": model, "error": traceback.format_exc()[-1500:]})
+        save()
+    log(f"wrote {out_path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Exact regimes: inputs on which every conforming kernel must give the reference's bits.
+
+A check by equality is sound for *any* implementation (any accumulation order, tensor core, split-K,
+tile shape) on inputs where the declared arithmetic leaves no freedom: every product and every
+partial sum any allowed order can form is exactly representable in every accumulator the arithmetic
+allows, and every declared store rounds an exact value. Guide: docs/exact-regimes.md.
+
+* :mod:`.arithmetic`: :class:`Arithmetic`, the declared arithmetic (accumulator, promotion, stores).
+* :mod:`.checker`: :func:`in_exact_regime` ``(inputs, arithmetic) -> (ok, reasons)`` for GEMMs.
+* :mod:`.operands`: :func:`exact_operand`, exact-regime operands for every scaling scheme.
+* :mod:`.layer`: :func:`exact_layer`, whole fused-MoE layers and inputs checked by equality, and
+  :func:`layer_in_exact_regime`.
+* :mod:`.equality`: :func:`moe_equality_report` / :func:`gemm_equality_report`, the differing elements
+  with token, expert and slot (``regime="exact"`` of :mod:`moeref.testing`).
+* :mod:`.rounding`: :func:`rounding_gemm`, single-rounding regimes (exact FP32 sums a bf16 store must
+  round) that separate RNE from RZ stores, FP32 from bf16 accumulation, one store from two.
+
+Hypothesis strategies: :mod:`moeref.regimes.strategies` (needs the ``test`` extra).
+"""
+from __future__ import annotations
+
+from .arithmetic import ACCUMULATORS, ARITHMETICS, Arithmetic, get_arithmetic
+from .checker import RegimeCheck, in_exact_regime, lsb_exponents, significant_bits
+from .operands import EXACT_SCHEMES, FLOAT_DTYPES, element_choices, exact_operand
+
+__all__ = [
+    "ACCUMULATORS", "ARITHMETICS", "Arithmetic", "get_arithmetic",
+    "RegimeCheck", "in_exact_regime", "lsb_exponents", "significant_bits",
+    "EXACT_SCHEMES", "FLOAT_DTYPES", "element_choices", "exact_operand",
+]
+from .layer import (LAYER_ACTIVATIONS, LAYER_SCHEMES, ExactLayer, exact_layer, exact_topk_weights,  # noqa: E402
+                    layer_in_exact_regime)
+
+__all__ += ["LAYER_ACTIVATIONS", "LAYER_SCHEMES", "ExactLayer", "exact_layer", "exact_topk_weights",
+            "layer_in_exact_regime"]
+from .equality import EqualityReport, ExactMismatch, gemm_equality_report, moe_equality_report  # noqa: E402
+
+__all__ += ["EqualityReport", "ExactMismatch", "gemm_equality_report", "moe_equality_report"]
+from .rounding import round_half_away_bf16, round_toward_zero_bf16, rounding_gemm  # noqa: E402
+
+__all__ += ["round_half_away_bf16", "round_toward_zero_bf16", "rounding_gemm"]

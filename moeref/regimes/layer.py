@@ -1,0 +1,481 @@
+"""Whole fused-MoE layers on which every conforming kernel must give the reference's bits.
+
+:func:`exact_layer` builds the weights, the tokens and the routing of a layer (any number of tokens,
+production shapes allowed) whose every stage is exact or one deterministic rounding of an exact value,
+in float32 as in float64; :func:`layer_in_exact_regime` checks a layer from its values.
+
+The construction (element values; every scale a power of two), per expert:
+
+* **Tokens.** Small integers ``|t| <= token_max`` times ``2^k`` per token (``k`` in ``token_exponents``),
+  with two constant columns: the first column of every 128-column group is ``448 * 2^k`` (the E4M3
+  maximum: a dynamic 1x128 or per-token FP8 scale is then exactly ``2^k``, with any FP8 scale rule,
+  ``amax / 448``, ``448 / amax`` or UE8M0's ``ceil``), column 1 is ``8 * 2^k``.
+* **Gate rows** read column 0 only: ``g = 448 * 2^k * beta`` with ``beta`` in ``{1/8, 1/4, 1/2}``, so
+  ``g`` in ``{56, 112, 224} * 2^k``: the logistic of ``g >= 40`` is exactly 1.0 in float32 and float64
+  (``exp(-40) < 2^-57``), so SiLU(g) = GELU(g) = g exactly, for every faithful ``exp``/``erf``/``tanh``. One
+  gate row in eight is *off*: ``g = -896 * 2^k``, whose logistic is exactly 0 (``exp(-896)`` underflows
+  float64), so the output is a zero. SwiGLU-OAI clamps the gate at 7: ``7 * sigmoid(1.702 * 7)`` is
+  ``7 (1 - 6.7e-6)``, inexact in every precision, and the declared bf16 store of the activation rounds
+  ``(u + 1) * 7 (1 - 6.7e-6)`` to ``(u + 1) * 7`` from float32 as from float64 (6.7e-6 is far from
+  bf16's half ulp 2^-9 and far above float32's error): one deterministic rounding.
+* **GELU probes.** With ``gelu_and_mul``, every token at scale 1 and FP8 or bf16 weights (MXFP4's 32-element
+  blocks cannot hold the probe's up weights 1/4 and 7/8 under one scale), one gate row in eight is a probe in
+  GELU's transition zone: ``g = 0.875`` (column 0 times ``2^-9``), ``u = 119`` (column 0 times 1/4, column 1
+  times 7/8). ``gelu(0.875) * 119`` lies more than 8 float32 ulps from every bf16 rounding boundary, so
+  the declared bf16 activation store gives the same bits from any faithful float32 or float64 erf;
+  tanh-GELU's value rounds to the neighbouring bf16 value, and the two land on different E4M3 codes
+  of the intermediate too: erf-vs-tanh GELU is visible by equality (found by a search over gate
+  weights of E4M3 values and integer ``u < 128``; this pair is the only one for FP8 intermediates).
+* **Up rows** read a few random columns with weights ``+-2^s`` (``s`` the 128x128 block's scale
+  exponent, 0 or 1), at most ``up_budget / token_max`` of them, so ``|u| <= 31 * 2^k``: ``u`` is an integer
+  of at most 5 bits times ``2^k``, and ``x = g * u`` has at most 8 significant bits: exact in float32 and
+  in bf16, so a kernel that stores the activation in bf16 and one that does not see the same value.
+* **The intermediate's re-quantization.** The first intermediate column of every 128-column group
+  (column 0 for per-token schemes) is an *anchor*: gate ``112 * 2^k``, up ``64 * 2^k`` (column 1 times 8),
+  ``x = 7168 * 4^k = 448 * 16 * 4^k``, at least every other ``|x| <= 224 * 31 * 4^k``. So every group's amax
+  is ``448 * 2^j`` exactly and its scale ``2^j``; the codes ``x / 2^j`` are one RNE rounding of an exact
+  value to E4M3.
+* **w2** has one nonzero per row (``+-1, 2, 4`` times a power-of-two block scale): GEMM2's partial sums
+  hold one term (exact in every accumulator, the 14-bit FP8 one included) and its output has at most
+  6 significant bits, exact in bf16, so storing it before the top-k sum (vLLM, DeepGEMM) changes nothing.
+* **Top-k weights** are powers of two ``2^-e`` (``e`` in 0..3), so the weighted top-k sum (and the shared
+  experts') is exact in FP32 in any order; the bf16 output store is then one rounding of an exact value.
+
+Biases (``bias=True``): up biases are small integers (the up budget shrinks to keep ``|u| <= 31 * 2^k``),
+gate biases and ``b2`` are zero (given, so the bias paths run). Shared experts are one more expert built
+the same way. What the construction cannot make exact is said in docs/exact-regimes.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import ml_dtypes
+import numpy as np
+
+from .._checks import check_choice, check_positive_int
+from ..activations import activation_values, join_w13, join_w13_bias, split_w13
+from ..formats import encode
+from ..gemm.grouped import ExpertOperands, expert_rows_gemm
+from ..moe import LayerConfig, MoEQuant, MoEWeights, SharedExperts, run_moe
+from ..moe.pipeline import round_to_dtype
+from ..formats import pack_nibbles
+from ..quant import QuantizedTensor, fp8_block, fp8_group, fp8_per_channel, fp8_per_token, mxfp4
+from .arithmetic import Arithmetic, get_arithmetic
+from .checker import RegimeCheck, in_exact_regime, lsb_exponents
+
+__all__ = ["LAYER_SCHEMES", "LAYER_ACTIVATIONS", "ExactLayer", "exact_layer", "layer_in_exact_regime",
+           "exact_topk_weights"]
+
+LAYER_SCHEMES = ("bf16", "fp8_1x128", "fp8_1x128_ue8m0", "fp8_per_token", "mxfp4_w4a16")
+"""``bf16``: bf16 tokens and weights, no quantization; ``fp8_1x128`` / ``fp8_1x128_ue8m0``: DeepSeek-V3
+(1x128 FP8 activations, 128x128 FP8 weights, FP32 or UE8M0 scales); ``fp8_per_token``: per-token FP8
+activations and per-channel FP8 weights; ``mxfp4_w4a16``: gpt-oss (MXFP4 weights, E2M1 with UE8M0 1x32
+scales; bf16 activations)."""
+LAYER_ACTIVATIONS = ("silu_and_mul", "gelu_and_mul", "swigluoai")
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_GATES = np.array([56.0, 112.0, 224.0])  # on-gate values (times 2^k); 3 significant bits each
+_OFF_GATE = -896.0
+_ANCHOR_GATE, _ANCHOR_UP = 112.0, 64.0  # x = 7168 = 448 * 16
+_X_MAX = 224.0 * 31.0  # largest |x| of a non-anchor column (times 4^k)
+_PROBE_GATE = 0.875  # GELU probes: gelu(0.875) * 119 rounds robustly, and differently with tanh-GELU
+
+
+@dataclass(frozen=True, eq=False)
+class ExactLayer:
+    """A layer and its inputs in an exact regime (:func:`exact_layer`).
+
+    ``hidden`` float32 ``[M, K]``; ``weights`` :class:`moeref.moe.MoEWeights`; ``topk_weights`` float32 and
+    ``topk_ids`` int32 ``[M, k]``; ``config`` the :class:`moeref.moe.LayerConfig` with the declared stores
+    (bf16 output; bf16 GEMM1 and activation stores for bf16 layers and SwiGLU-OAI). ``token_exponents``:
+    int ``[M]``, each token's scale ``2^k``. Run it with :meth:`reference` or pass :attr:`case` to
+    :func:`moeref.testing.assert_moe_close`.
+    """
+
+    hidden: np.ndarray
+    weights: MoEWeights
+    topk_weights: np.ndarray
+    topk_ids: np.ndarray
+    config: LayerConfig
+    scheme: str
+    token_exponents: np.ndarray = field(repr=False, default=None)
+
+    @property
+    def options(self) -> dict:
+        """The config's fields as keyword arguments of :func:`moeref.moe.run_moe`."""
+        return {f.name: getattr(self.config, f.name) for f in fields(LayerConfig)}
+
+    @property
+    def case(self):
+        """A :class:`moeref.compare.faults.LayerCase` of this layer (for the planted faults and reports)."""
+        from ..compare.faults import LayerCase
+
+        return LayerCase(self.hidden, self.weights, self.topk_weights, self.topk_ids, self.options)
+
+    def reference(self, **overrides):
+        """The traced reference run (:func:`moeref.moe.run_moe`), ``overrides`` replacing config fields."""
+        return run_moe(self.hidden, self.weights, self.topk_weights, self.topk_ids,
+                       LayerConfig.build(self.config, **overrides))
+
+
+def exact_topk_weights(shape, *, seed=0, max_exponent: int = 3) -> np.ndarray:
+    """float32 top-k weights ``2^-e``, ``e`` uniform in ``0..max_exponent`` (exact products and sums).
+
+    >>> sorted(set(exact_topk_weights((4, 8), seed=0).ravel().tolist())) <= [0.125, 0.25, 0.5, 1.0]
+    True
+    """
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    return np.ldexp(np.float32(1.0), -rng.integers(0, max_exponent + 1, size=shape)).astype(np.float32)
+
+
+def _schemes(scheme: str):
+    """(a1 scheme, w13/w2 scheme) or (None, None) for bf16."""
+    if scheme == "bf16":
+        return None, None
+    if scheme == "mxfp4_w4a16":
+        return None, mxfp4()
+    if scheme == "fp8_per_token":
+        return fp8_per_token(), fp8_per_channel()
+    sf = "ue8m0" if scheme.endswith("ue8m0") else "fp32"
+    return fp8_group(128, sf), fp8_block((128, 128), sf)
+
+
+def _anchor_columns(k: int, group: int) -> np.ndarray:
+    return np.arange(0, k, group)
+
+
+def _quantized(real: np.ndarray, scheme, exps: np.ndarray) -> QuantizedTensor:
+    """A weight ``[R, C]`` of real values on the block grid ``exps`` (scale ``2^exps``) as a QuantizedTensor:
+    codes ``real / 2^s`` must be E4M3 values (checked: ``overflow="error"`` and an exact round trip)."""
+    block = scheme.resolve_block(real.shape)
+    if scheme.element == "e2m1":  # MXFP4: every block's nonzeros share one magnitude; it becomes the code 4
+        r, c = real.shape
+        mx = np.abs(real).reshape(r, c // block[1], block[1]).max(axis=-1)
+        exps = np.where(mx > 0, np.frexp(np.where(mx > 0, mx, 1.0))[1] - 1 - 2, 0)
+    s = np.repeat(np.repeat(exps, block[0], axis=0)[: real.shape[0]], block[1], axis=1)[:, : real.shape[1]]
+    elem = np.ldexp(real, -s)
+    nz = elem != 0  # the weights are sparse: encode the nonzeros (E4M3's code 0 is +0)
+    codes = np.zeros(real.shape, np.uint8)
+    codes[nz] = np.asarray(encode(elem[nz], scheme.element, overflow="error"), dtype=np.uint8)
+    if scheme.scale_format == "fp32":
+        scales = np.ldexp(np.float32(1.0), exps).astype(np.float32)
+    else:
+        scales = (exps + 127).astype(np.uint8)
+    if scheme.packed:
+        codes = pack_nibbles(codes)
+    q = QuantizedTensor(codes, scales, scheme, real.shape)
+    if not np.array_equal(q.element_values(), elem):
+        raise AssertionError("an exact-layer weight is not representable (a bug in the construction)")
+    return q
+
+
+def _expert(rng, k: int, n: int, *, scheme, group1: int, group2: int, token_max: int, up_budget: int,
+            bias_max: int, activation: str, off_fraction: float, probes: bool = False):
+    """One expert's real-valued ``gate [n, k]``, ``up [n, k]``, ``w2 [k, n]``, their block-scale exponents,
+    and the up bias ``[n]``."""
+    w_scheme = scheme
+    br, bk = (128, 128) if w_scheme is None else w_scheme.resolve_block((n, k))
+    # 128x128 (or per-channel) block scale exponents of w13 (gate and up halves share a grid each)
+    nb_rows, nb_cols = -(-n // br), -(-k // bk)
+    s_gate = rng.integers(0, 2, size=(nb_rows, nb_cols))
+    s_up = rng.integers(0, 2, size=(nb_rows, nb_cols))
+    gate = np.zeros((n, k))
+    on = rng.random(n) >= off_fraction
+    beta = _GATES[rng.integers(0, _GATES.size, size=n)] / 448.0
+    gate[:, 0] = np.where(on, beta, _OFF_GATE / 448.0)
+    anchors2 = _anchor_columns(n, group2)
+    gate[anchors2, 0] = _ANCHOR_GATE / 448.0
+    # up rows: random columns outside the anchor columns, +-2^s, within the budget
+    free = np.setdiff1d(np.arange(k), np.concatenate([_anchor_columns(k, group1), [1]]))
+    up = np.zeros((n, k))
+    nnz = max(1, up_budget // token_max)
+    if free.size:
+        cols = free[rng.integers(0, free.size, size=(n, nnz))]
+        mags = np.ldexp(1.0, s_up[np.arange(n)[:, None] // br, cols // bk])
+        keep = np.cumsum(mags * token_max, axis=1) <= up_budget
+        signs = rng.choice(np.array([-1.0, 1.0]), size=(n, nnz))
+        rows = np.repeat(np.arange(n), nnz)
+        vals = (signs * mags * keep).reshape(-1)
+        up[rows, cols.reshape(-1)] = vals  # a repeated column keeps one of its draws: still in the budget
+    up[anchors2, :] = 0.0
+    up[anchors2, 1] = _ANCHOR_UP / 8.0
+    b_up = rng.integers(-bias_max, bias_max + 1, size=n).astype(np.float64) if bias_max else np.zeros(n)
+    b_up[anchors2] = 0.0
+    if probes:  # GELU's transition zone: g = 1.75, u = 57 (module docstring)
+        p = np.setdiff1d(np.flatnonzero(rng.random(n) < 0.125), anchors2)
+        gate[p, :] = 0.0
+        gate[p, 0] = _PROBE_GATE / 448.0
+        up[p, :] = 0.0
+        up[p, 0], up[p, 1] = 0.25, 0.875  # 448/4 + 8 * 7/8 = 119
+        s_gate[:, 0] = 0  # the probe weight 2^-9 is E4M3's smallest value: its block scale must be 1
+        b_up[p] = 0.0
+    # w2 [k, n]: one nonzero per row
+    br2, bk2 = (128, 128) if w_scheme is None else w_scheme.resolve_block((k, n))
+    s2 = rng.integers(-1, 2, size=(-(-k // br2), -(-n // bk2)))
+    w2 = np.zeros((k, n))
+    col2 = rng.integers(0, n, size=k)
+    w2[np.arange(k), col2] = rng.choice(np.array([-4.0, -2.0, -1.0, 1.0, 2.0, 4.0]), size=k) * np.ldexp(
+        1.0, s2[np.arange(k) // br2, col2 // bk2])
+    return gate, up, w2, (s_gate, s_up, s2), b_up
+
+
+def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
+                scheme: str = "fp8_1x128", activation: str = "silu_and_mul", seed=0, topk_ids=None,
+                topk_weights=None, w13_layout: str | None = None, bias: bool = False, shared_experts: bool = False,
+                token_max: int = 2, token_exponents=None, off_fraction: float = 0.125, expert_pool: int | None = None,
+                **options) -> ExactLayer:
+    """A fused-MoE layer and its inputs in the exact regime (module docstring).
+
+    Args:
+        num_tokens, hidden, intermediate, num_experts, top_k: the shapes (``hidden`` and ``intermediate``
+            multiples of 128 for the 1x128 schemes).
+        scheme: one of :data:`LAYER_SCHEMES`. activation: one of :data:`LAYER_ACTIVATIONS`.
+        seed: an int or a ``numpy.random.Generator``.
+        topk_ids: int ``[M, k]`` (-1 padding) to use instead of a uniform routing (e.g. a
+            :class:`moeref.strategies.RoutingCase`'s ids); topk_weights: exact weights to use (default
+            :func:`exact_topk_weights`; padding slots get 0).
+        w13_layout: default ``"interleaved"`` for SwiGLU-OAI with per-row weight scales (``bf16``,
+            ``fp8_per_token``: a 128x128 scale block would mix gate and up rows), else ``"gate_up"``.
+        bias: small-integer up biases, zero gate and ``b2`` biases. shared_experts: one shared expert.
+        token_max, token_exponents: token element magnitudes and per-token scale exponents (default
+            ``(0, 1)``; ``(0,)`` for GELU, whose probe rows need every token at scale 1).
+        expert_pool: build only this many distinct experts and give expert ``e`` the weights of
+            ``e % expert_pool`` (neighbouring experts still differ; production shapes in seconds).
+        options: further :class:`moeref.moe.LayerConfig` fields (``chunk_size``, ``layout``,
+            ``expert_map`` with ``num_experts``...).
+
+    >>> lay = exact_layer(4, 256, 256, 4, 2, seed=0)
+    >>> lay.hidden.shape, lay.config.out_dtype, layer_in_exact_regime(lay, "hopper_fp8").ok
+    ((4, 256), 'bfloat16', True)
+    """
+    m = check_positive_int(num_tokens, "num_tokens", allow_zero=True)
+    k = check_positive_int(hidden, "hidden")
+    n = check_positive_int(intermediate, "intermediate")
+    e = check_positive_int(num_experts, "num_experts")
+    top = check_positive_int(top_k, "top_k")
+    check_choice(scheme, LAYER_SCHEMES, "scheme")
+    check_choice(activation, LAYER_ACTIVATIONS, "activation")
+    if scheme.startswith("fp8_1x128") and (k % 128 or n % 128):
+        raise ValueError(f"scheme {scheme!r} needs hidden and intermediate multiples of 128; got {k}, {n}")
+    if scheme == "mxfp4_w4a16" and (k % 32 or n % 32):
+        raise ValueError(f"scheme {scheme!r} needs hidden and intermediate multiples of 32; got {k}, {n}")
+    if k < 2:
+        raise ValueError(f"hidden must be at least 2 (two constant token columns); got {k}")
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    a1_scheme, w_scheme = _schemes(scheme)
+    group1 = 128 if scheme.startswith("fp8_1x128") else k
+    group2 = 128 if scheme.startswith("fp8_1x128") else n
+    interleave = activation == "swigluoai" and scheme in ("bf16", "fp8_per_token", "mxfp4_w4a16")
+    layout = w13_layout or ("interleaved" if interleave else "gate_up")
+    if token_exponents is None:
+        token_exponents = (0,) if activation == "gelu_and_mul" else (0, 1)
+    probes = activation == "gelu_and_mul" and tuple(set(token_exponents)) == (0,) and scheme != "mxfp4_w4a16"
+    kmax = int(max(token_exponents))
+    bias_max = 3 if bias else 0
+    up_budget = (31 - bias_max) // (1 << max(kmax - int(min(token_exponents)), 0)) if bias else 31
+    if activation == "swigluoai":
+        up_budget = min(up_budget, 6)  # |u| <= 7 stays inside the clamp: (u + 1) * 7 has <= 6 bits
+    # tokens
+    kt = rng.integers(int(min(token_exponents)), kmax + 1, size=m)
+    t = rng.integers(-token_max, token_max + 1, size=(m, k)).astype(np.float64)
+    t[:, _anchor_columns(k, group1)] = 448.0
+    t[:, 1] = 8.0
+    x = np.ldexp(t, kt[:, None]).astype(np.float32)
+    # experts
+    def build(count):
+        w13, w2, b13, b2 = [], [], [], []
+        for _ in range(count):
+            gate, up, w2r, (sg, su, s2), b_up = _expert(
+                rng, k, n, scheme=w_scheme, group1=group1, group2=group2, token_max=token_max,
+                up_budget=up_budget, bias_max=bias_max, activation=activation, off_fraction=off_fraction,
+                probes=probes)
+            if w_scheme is None:
+                w13.append(join_w13(gate, up, layout, axis=-2).astype(_BF16))
+                w2.append(w2r.astype(_BF16))
+            else:
+                qg = _quantized(gate, w_scheme, sg)
+                qu = _quantized(up, w_scheme, su)
+                w13.append(_join_quantized(qg, qu, layout, w_scheme))
+                w2.append(_quantized(w2r, w_scheme, s2))
+            b13.append(join_w13_bias(np.zeros(n), b_up, layout))
+            b2.append(np.zeros(k))
+        return w13, w2, np.asarray(b13, np.float32), np.asarray(b2, np.float32)
+
+    if expert_pool is None:
+        w13, w2, b13, b2 = build(e)
+    else:  # experts drawn from a pool of distinct ones (expert e is pool[e % P]): production shapes in seconds
+        pool = build(min(check_positive_int(expert_pool, "expert_pool"), e))
+        p = len(pool[0])
+        w13, w2 = [pool[0][i % p] for i in range(e)], [pool[1][i % p] for i in range(e)]
+        b13, b2 = pool[2][np.arange(e) % p], pool[3][np.arange(e) % p]
+    weights = MoEWeights(w13, w2, layout, b13 if bias else None, b2 if bias else None)
+    shared = None
+    if shared_experts:
+        sw13, sw2, _, _ = build(1)
+        shared = SharedExperts(sw13[0], sw2[0], layout)
+    # routing
+    if topk_ids is None:
+        if top > e:
+            raise ValueError(f"top_k={top} > num_experts={e} (give topk_ids to route with repeats)")
+        ids = np.argsort(rng.random((m, e)), axis=1)[:, :top].astype(np.int32) if m else np.zeros((0, top), np.int32)
+    else:
+        ids = np.asarray(topk_ids).astype(np.int32)
+        if ids.shape != (m, top):
+            raise ValueError(f"topk_ids must be [{m}, {top}]; got {ids.shape}")
+    if topk_weights is None:
+        tw = exact_topk_weights((m, top), seed=rng)
+    else:
+        tw = np.asarray(topk_weights, dtype=np.float32)
+    tw = np.where(ids >= 0, tw, np.float32(0.0)).astype(np.float32)
+    quant = MoEQuant() if a1_scheme is None else MoEQuant(a1_scheme, a1_scheme, name=scheme)
+    stores = dict(out_dtype="bfloat16")
+    if scheme in ("bf16", "mxfp4_w4a16") or activation == "swigluoai" or probes:
+        stores.update(gemm1_out_dtype="bfloat16", act_out_dtype="bfloat16")
+    cfg = LayerConfig.build(activation=activation, quant=quant, shared_experts=shared, **stores, **options)
+    return ExactLayer(x, weights, tw, ids, cfg, scheme, kt)
+
+
+def _join_quantized(qg: QuantizedTensor, qu: QuantizedTensor, layout: str, scheme) -> QuantizedTensor:
+    """Gate and up halves (each ``[n, k]``, scale grids ``[n/128, k/128]`` or per row) joined as ``w13``.
+    ``"interleaved"`` needs per-row scales (a 128-row block would mix gate and up rows)."""
+    if layout == "interleaved" and scheme.block[0] != 1:
+        raise ValueError("an interleaved w13 needs per-row weight scales (scheme 'fp8_per_token' or 'bf16')")
+    codes = join_w13(qg.codes, qu.codes, layout, axis=-2)
+    scales = join_w13(qg.scales, qu.scales, layout, axis=-2)
+    return QuantizedTensor(codes, scales, scheme, (codes.shape[0], qg.shape[1]))
+
+
+# ------------------------------------------------------------------------------------------ checker
+
+
+def _robust_round(v: np.ndarray, exact: np.ndarray, delta: float, fn) -> tuple[np.ndarray, bool]:
+    """``fn(v)`` and whether every value rounds the same at ``v (1 -+ delta)`` (exact values unperturbed)."""
+    r = fn(v)
+    lo = fn(np.where(exact, v, v * (1 - delta)))
+    hi = fn(np.where(exact, v, v * (1 + delta)))
+    same = np.array_equal(r, lo, equal_nan=True) and np.array_equal(r, hi, equal_nan=True)
+    return r, same
+
+
+def _saturated(name: str, h: np.ndarray, layout: str, params: dict) -> np.ndarray:
+    """Where the activation's transcendental part is exactly 1 or 0 in every faithful float32/float64
+    evaluation (gate >= 40 for SiLU/GELU; gate <= -750, or gate exactly 0, for all three)."""
+    g, _ = split_w13(h, layout, axis=-1) if name != "mul_and_silu" else split_w13(h, "up_gate", axis=-1)
+    hi = g >= 40.0 if name in ("silu_and_mul", "gelu_and_mul") else np.zeros(g.shape, bool)
+    return hi | (g <= -750.0) | (g == 0.0)
+
+
+def layer_in_exact_regime(layer: ExactLayer, arithmetic="fp32") -> RegimeCheck:
+    """Whether ``layer`` (an :class:`ExactLayer`) is in the exact regime of ``arithmetic``, and why not.
+
+    Stage by stage, from the values of the reference's own trace: GEMM1 and GEMM2 with
+    :func:`moeref.regimes.in_exact_regime` per expert; the GEMM1 bias addition exact in FP32; the
+    activation and the ``a2`` re-quantization identical on every path a conforming kernel may take
+    (with or without each of ``arithmetic.optional_stores`` not declared by the config; the float64 value
+    and any float32 evaluation within ``activation_ulps`` where the activation is not saturated); the
+    GEMM2 output exact in bf16 when its store is optional; the top-k weighted sum and the shared experts
+    exact in FP32 in any order. Then every stage's result, and the output's single rounding, are the
+    same for every such kernel.
+    """
+    ar = get_arithmetic(arithmetic)
+    cfg = layer.config
+    run = layer.reference()
+    reasons: list = []
+    delta = ar.activation_ulps * 2.0**-24
+    parts = [(run.chunks, layer.weights, "routed")]
+    if run.shared_chunks:
+        parts.append((run.shared_chunks, cfg.shared_experts.as_weights(), "shared"))
+    for chunks, weights, what in parts:
+        w13 = ExpertOperands(weights.w13, "w13")
+        for ci, (p, eo) in enumerate(chunks):
+            tag = f"{what} chunk {ci}"
+            ws13 = list(weights.w13)  # the raw objects: experts sharing one are checked in one pass
+            ok, why = in_exact_regime((p.a, ws13, p.row_expert), ar)
+            reasons += [f"GEMM1 ({tag}) {r}" for r in why]
+            valid = p.row_expert >= 0
+            if not valid.any():
+                continue
+            c = expert_rows_gemm(p.a, p.row_expert, w13)
+            h = c if weights.b13 is None else c + np.asarray(weights.b13, np.float64)[np.maximum(p.row_expert, 0)]
+            if weights.b13 is not None:
+                h32 = c.astype(np.float32) + np.asarray(weights.b13, np.float32)[np.maximum(p.row_expert, 0)]
+                if not np.array_equal(h32.astype(np.float64)[valid], h[valid]):
+                    reasons.append(f"GEMM1 bias ({tag}): the FP32 sum of product and bias is not exact")
+            reasons += _activation_paths(layer, ar, h[valid], delta, tag)
+            ws2 = list(weights.w2)
+            ok, why = in_exact_regime((eo.xq, ws2, p.row_expert), ar)
+            reasons += [f"GEMM2 ({tag}) {r}" for r in why]
+            if "gemm2" in ar.optional_stores:
+                y = eo.y[valid]
+                if not np.array_equal(round_to_dtype(y, "bfloat16"), y):
+                    bad = int(np.argmax(round_to_dtype(y, "bfloat16") != y))
+                    reasons.append(f"GEMM2 output ({tag}): {y.reshape(-1)[bad]!r} is not exact in bf16, "
+                                   "so a kernel that stores it before the top-k sum differs")
+    reasons += _finalize_check(layer, run)
+    return RegimeCheck(not reasons, reasons)
+
+
+def _activation_paths(layer: ExactLayer, ar: Arithmetic, h: np.ndarray, delta: float, tag: str) -> list:
+    """The activation and a2 re-quantization on every allowed path must give the same bits."""
+    cfg = layer.config
+    name, layout, params = cfg.activation, layer.weights.w13_layout, cfg.activation_params
+    g1 = [cfg.gemm1_out_dtype] if cfg.gemm1_out_dtype is not None else (
+        [None, "bfloat16"] if "gemm1" in ar.optional_stores else [None])
+    act = [cfg.act_out_dtype] if cfg.act_out_dtype is not None else (
+        [None, "bfloat16"] if "act" in ar.optional_stores else [None])
+    if cfg.quant.a2 is None and cfg.act_out_dtype is None:
+        return [f"activation ({tag}): no a2 quantizer and no declared act_out_dtype: the reference feeds "
+                "GEMM2 float64 activations a kernel cannot hold"]
+    results = {}
+    for g_store in g1:
+        hh = round_to_dtype(h, g_store)
+        x = activation_values(name, hh, layout, params)
+        exact = _saturated(name, hh, layout, params) & (x.astype(np.float32).astype(np.float64) == x)
+        for a_store in act:
+            def through(v, a_store=a_store):
+                v = round_to_dtype(v, a_store) if a_store is not None else v.astype(np.float32).astype(np.float64)
+                if cfg.quant.a2 is None:
+                    return v
+                src = v.astype(_BF16) if a_store is not None else v.astype(np.float32)
+                q = cfg.quant.a2(src)
+                return np.concatenate([q.element_values().reshape(-1), q.scale_values().reshape(-1)])
+
+            r, same = _robust_round(x, exact, delta, through)
+            if not same:
+                return [f"activation ({tag}): a float32 evaluation within {ar.activation_ulps} ulps of the "
+                        f"activation can round differently (GEMM1 store {g_store}, activation store {a_store})"]
+            results[(g_store, a_store)] = r
+    vals = list(results.values())
+    if any(not np.array_equal(vals[0], v, equal_nan=True) for v in vals[1:]):
+        return [f"activation ({tag}): the stores {list(results)} give different re-quantized intermediates"]
+    return []
+
+
+def _finalize_check(layer: ExactLayer, run) -> list:
+    """The top-k weighted sum (and shared experts) must be exact in FP32 in any order."""
+    m = layer.hidden.shape[0]
+    if m == 0 or not run.chunks:
+        return []
+    terms = []
+    start = 0
+    for p, eo in run.chunks:
+        mt = p.num_tokens
+        kk = p.top_k
+        slot_y = np.zeros((mt * kk, eo.y.shape[1]))
+        ok = p.src >= 0
+        slot_y[p.src[ok]] = eo.y[ok]
+        w = np.asarray(p.topk_weights, np.float64).reshape(-1, 1) if p.apply_weights else 1.0
+        terms.append((slot_y * w).reshape(mt, kk, -1))
+        start += mt
+    t = np.concatenate(terms, axis=0)
+    if run.shared is not None:
+        t = np.concatenate([t, run.shared[:, None, :]], axis=1)
+    lsb = lsb_exponents(t).min(axis=1)
+    s = np.maximum(np.maximum(t, 0).sum(axis=1), np.maximum(-t, 0).sum(axis=1))
+    with np.errstate(divide="ignore"):
+        excess = np.where(s > 0, np.log2(np.where(s > 0, s, 1.0)) - lsb - 24, -np.inf)
+    if np.any(excess > 0):
+        tok, col = np.unravel_index(int(np.argmax(excess)), excess.shape)
+        return [f"finalize: the top-k sum of token {tok}, column {col} spans {excess[tok, col] + 24:.2f} bits "
+                "(FP32 keeps 24)"]
+    return []

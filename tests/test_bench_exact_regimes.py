@@ -1,0 +1,45 @@
+"""The CPU-runnable parts of bench/bench_exact_regimes.py (the GPU proof of the exact regimes): argument parsing,
+case generation, and a tiny run whose honest implementations give the reference's bits and whose planted faults
+are caught."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from bench import bench_exact_regimes as bench  # noqa: E402  (the repository root is on sys.path: conftest.py)
+
+
+def test_arguments():
+    a = bench.parse_args(["--models", "deepseek_v3", "--tokens", "16", "--tiny", "--device", "cpu"])
+    assert a.models == ["deepseek_v3"] and a.tokens == 16 and a.tiny and a.device == "cpu"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--models", "llama"])
+
+
+def test_tiny_case_is_in_the_regime():
+    from moeref.regimes import layer_in_exact_regime
+
+    lay = bench.make_case("deepseek_v3", 12, tiny=True, seed=3)
+    assert lay.hidden.shape == (12, bench.TINY["hidden"])
+    assert lay.topk_weights[0, 0] != lay.topk_weights[0, 1]  # the swapped-weights fault is a change
+    assert layer_in_exact_regime(lay, "hopper_fp8").ok
+
+
+def test_tiny_run_honest_equal_faults_caught(tmp_path):
+    out = tmp_path / "r.json"
+    bench.main(["--tiny", "--device", "cpu", "--tokens", "24", "--models", "deepseek_v3", "gpt_oss_120b_mxfp4",
+                "--out", str(out)])
+    res = json.loads(out.read_text())
+    for model in res["models"]:
+        assert model["supported"] and model["in_regime"]["ok"], model
+        honest = [v for v in model["implementations"].values() if "differing" in v]
+        assert honest and all(v["differing"] == 0 for v in honest), model["implementations"]
+        assert model["implementations"]["torch eager bf16"]["differing"] == 0
+        faults = model["faults"]
+        assert set(faults) == set(bench.FAULTS) - {"tanh_gelu"}
+        assert all(f.get("caught") for f in faults.values()), faults
+        assert np.isfinite(model["reference_seconds"])
