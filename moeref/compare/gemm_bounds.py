@@ -39,7 +39,7 @@ U_F64 = 2.0**-53
 TREE_LANES = (1, 2, 4, 8, 16, 32)
 """SIMD lane counts covered by :func:`contiguous_tree_gemm_bound` (interleaved accumulators)."""
 _BLOCK_ELEMS = 1 << 22  # elements of the [rows, N, K] product tensor held at once
-_CACHE_ELEMS = 1 << 15  # elements of one product tile of the contiguous-tree bound (256 KiB)
+_WALK_OUTPUTS = 2048  # outputs of one [K, outputs] product tile of the contiguous-tree bound (row adds of 16 KiB)
 
 
 @dataclass(frozen=True)
@@ -292,25 +292,60 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     wsum = np.zeros((m, n))
     csum = np.zeros((m, n))
     at, wt = np.ascontiguousarray(ad.T), np.ascontiguousarray(wd.T)  # K-major: the walks run along axis 0
-    nb = max(1, min(n, _CACHE_ELEMS // kp))
-    rb = max(1, _CACHE_ELEMS // (kp * nb))
-    for r0 in range(0, m, rb):  # tiles of [K, rb, nb] products stay in cache through the passes below
+    nb = max(1, min(n, _WALK_OUTPUTS))
+    rb = max(1, _WALK_OUTPUTS // nb)
+    # A lane's range (max - min of its prefix sums, 0 included) is the sum of one contiguous run of its products,
+    # at most the larger of its positive and negative parts, (sum |p| + |sum p|) / 2; computed, within `grow` (the
+    # float64 roundings of the walks and of these sums, < 16 (kp + 2) 2^-53 relative). A lane count whose every
+    # lane stays below the range already reached cannot raise it: skipped for that output (finite tiles only).
+    grow = 1.0 + 64.0 * (kp + 2) * U_F64
+
+    def walk(q, lane):  # prefix sums of each lane of q [kp, X] in K order: w[i] = w[i - 1] + q[i], from q[0]
+        ql = q.reshape(kp // lane, -1)
+        wl = np.empty_like(ql)
+        wl[0] = ql[0]
+        for i in range(1, ql.shape[0]):  # sequential in K (the bits of np.cumsum along K)
+            np.add(wl[i - 1], ql[i], out=wl[i])
+        return wl
+
+    def lane_range(q, lane):  # max over the lanes of max(max P, 0) - min(min P, 0), [X]
+        wl = walk(q, lane)
+        top = np.maximum(wl.max(axis=0), 0.0)
+        top -= np.minimum(wl.min(axis=0), 0.0)
+        return top.reshape(lane, -1).max(axis=0), wl
+
+    for r0 in range(0, m, rb):  # tiles of [K, rb * nb] products
         r1 = min(r0 + rb, m)
         for n0 in range(0, n, nb):
             n1 = min(n0 + nb, n)
-            p = at[:, r0:r1, None] * wt[:, None, n0:n1]              # [kp, rb, nb]
-            walk = np.empty_like(p)
-            np.cumsum(np.abs(p), axis=0, out=walk)                    # in K order (np.cumsum is sequential)
-            wsum[r0:r1, n0:n1] = walk[-1]
-            best = np.zeros((r1 - r0, n1 - n0))
-            for lane in TREE_LANES[::-1]:  # a loop over the six lane counts, 32 lanes first
-                wl = walk.reshape(kp // lane, lane, r1 - r0, n1 - n0)
-                np.cumsum(p.reshape(wl.shape), axis=0, out=wl)
-                top = np.maximum(wl.max(axis=0), 0.0)
-                top -= np.minimum(wl.min(axis=0), 0.0)
-                best = np.maximum(best, top.max(axis=0))
-            csum[r0:r1, n0:n1] = walk[-1]
-            rng[r0:r1, n0:n1] = best
+            x = (r1 - r0) * (n1 - n0)
+            p = (at[:, r0:r1, None] * wt[:, None, n0:n1]).reshape(kp, x)
+            pa = np.abs(p)
+            wsum[r0:r1, n0:n1] = walk(pa, 1)[-1].reshape(r1 - r0, n1 - n0)
+            best, w1 = lane_range(p, 1)
+            best = np.maximum(np.zeros(x), best)
+            csum[r0:r1, n0:n1] = w1[-1].reshape(r1 - r0, n1 - n0)
+            finite = bool(np.isfinite(wsum[r0:r1, n0:n1]).all())
+            if finite:
+                caps = {}
+                sa = np.add.reduce(pa.reshape(kp // lanes, lanes, x), axis=0)   # [32, X] lane sums of |p| and p
+                sp = np.add.reduce(p.reshape(kp // lanes, lanes, x), axis=0)
+                while sa.shape[0] > 1:
+                    caps[sa.shape[0]] = (0.5 * (sa + np.abs(sp))).max(axis=0) * grow + 2.0**-1070
+                    h = sa.shape[0] // 2
+                    sa, sp = sa[:h] + sa[h:], sp[:h] + sp[h:]                   # lane r of L: r and r + L of 2L
+            for lane in TREE_LANES[1:]:  # the other lane counts; the maximum does not depend on their order
+                if not finite:
+                    best = np.maximum(best, lane_range(p, lane)[0])
+                    continue
+                need = np.flatnonzero(caps[lane] > best)
+                if need.size == 0:
+                    continue
+                if 2 * need.size > x:
+                    best = np.maximum(best, lane_range(p, lane)[0])
+                else:  # the few outputs the lane count can still raise
+                    best[need] = np.maximum(best[need], lane_range(np.ascontiguousarray(p[:, need]), lane)[0])
+            rng[r0:r1, n0:n1] = best.reshape(r1 - r0, n1 - n0)
     slack = 2.0 * gamma(kp + 2, U_F64) * wsum
     r_hi = rng + slack + d
     w_hi = wsum * (1.0 + gamma(kp + 2, U_F64)) + d
