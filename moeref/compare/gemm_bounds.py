@@ -39,7 +39,7 @@ U_F64 = 2.0**-53
 TREE_LANES = (1, 2, 4, 8, 16, 32)
 """SIMD lane counts covered by :func:`contiguous_tree_gemm_bound` (interleaved accumulators)."""
 _BLOCK_ELEMS = 1 << 22  # elements of the [rows, N, K] product tensor held at once
-_WALK_OUTPUTS = 2048  # outputs of one [K, outputs] product tile of the contiguous-tree bound (row adds of 16 KiB)
+_WALK_OUTPUTS = 1024  # outputs of one [K, outputs] product tile of the contiguous-tree bound (fastest measured)
 
 
 @dataclass(frozen=True)
@@ -272,7 +272,9 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     ``D = a_radius |W|^T``. The float64 evaluation (products, prefix sums) is covered by widening ``R``
     and ``W`` by ``2 gamma(K + 2, 2^-53) W``; FP32 underflow by ``(K + 2) 2^-149``.
 
-    Cost: ``len(TREE_LANES)`` prefix sums of the ``[M, N, K]`` product tensor (in row blocks).
+    Cost: the prefix sums of the ``[M, N, K]`` product tensor over ``L = 1`` and ``sum |p|`` (in-order row adds
+    over tiles of :data:`_WALK_OUTPUTS` outputs), and those of ``L >= 2`` only for the outputs whose lanes' sums
+    leave room for a larger range (the same bits as every lane count walked for every output).
     """
     m, k = a.values.shape
     n = w.values.shape[0]
@@ -295,9 +297,11 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     nb = max(1, min(n, _WALK_OUTPUTS))
     rb = max(1, _WALK_OUTPUTS // nb)
     # A lane's range (max - min of its prefix sums, 0 included) is the sum of one contiguous run of its products,
-    # at most the larger of its positive and negative parts, (sum |p| + |sum p|) / 2; computed, within `grow` (the
-    # float64 roundings of the walks and of these sums, < 16 (kp + 2) 2^-53 relative). A lane count whose every
-    # lane stays below the range already reached cannot raise it: skipped for that output (finite tiles only).
+    # at most the larger of its positive and negative parts, C = (sum |p| + |sum p|) / 2. Computed, the range is at
+    # most C (1 + 4 gamma_kp)(1 + u) and the cap below at least C (1 - 2 gamma_kp)(1 - u)^2 grow (u = 2^-53, any
+    # summation order of the lane sums; 2^-1070 for the halving and the product underflowing): a lane count whose
+    # every lane's cap is at most the range already reached cannot raise it and is skipped for that output. Finite
+    # tiles only (a NaN cap is never skipped).
     grow = 1.0 + 64.0 * (kp + 2) * U_F64
 
     def walk(q, lane):  # prefix sums of each lane of q [kp, X] in K order: w[i] = w[i - 1] + q[i], from q[0]
@@ -321,7 +325,10 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
             x = (r1 - r0) * (n1 - n0)
             p = (at[:, r0:r1, None] * wt[:, None, n0:n1]).reshape(kp, x)
             pa = np.abs(p)
-            wsum[r0:r1, n0:n1] = walk(pa, 1)[-1].reshape(r1 - r0, n1 - n0)
+            acc = pa[0].copy()
+            for i in range(1, kp):  # sum |p| in K order (the last of its walk)
+                np.add(acc, pa[i], out=acc)
+            wsum[r0:r1, n0:n1] = acc.reshape(r1 - r0, n1 - n0)
             best, w1 = lane_range(p, 1)
             best = np.maximum(np.zeros(x), best)
             csum[r0:r1, n0:n1] = w1[-1].reshape(r1 - r0, n1 - n0)
@@ -334,17 +341,17 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
                     caps[sa.shape[0]] = (0.5 * (sa + np.abs(sp))).max(axis=0) * grow + 2.0**-1070
                     h = sa.shape[0] // 2
                     sa, sp = sa[:h] + sa[h:], sp[:h] + sp[h:]                   # lane r of L: r and r + L of 2L
-            for lane in TREE_LANES[1:]:  # the other lane counts; the maximum does not depend on their order
+            for lane in TREE_LANES[1:]:  # the other lane counts; their maximum does not depend on the order (NaN propagates either way)
                 if not finite:
                     best = np.maximum(best, lane_range(p, lane)[0])
                     continue
-                need = np.flatnonzero(caps[lane] > best)
+                need = np.flatnonzero(~(caps[lane] <= best))
                 if need.size == 0:
                     continue
                 if 2 * need.size > x:
                     best = np.maximum(best, lane_range(p, lane)[0])
                 else:  # the few outputs the lane count can still raise
-                    best[need] = np.maximum(best[need], lane_range(np.ascontiguousarray(p[:, need]), lane)[0])
+                    best[need] = np.maximum(best[need], lane_range(np.take(p, need, axis=1), lane)[0])
             rng[r0:r1, n0:n1] = best.reshape(r1 - r0, n1 - n0)
     slack = 2.0 * gamma(kp + 2, U_F64) * wsum
     r_hi = rng + slack + d
