@@ -6,9 +6,9 @@ Oracle: that implementation, kept here verbatim as the slow definition (:func:`_
 under test walks the lanes with in-order row adds and skips, per output, the lane counts whose every lane's
 ``(sum |p| + |sum p|) / 2`` cannot raise the range already reached; the draws below cover both branches (random signs,
 where the wide lane counts are skipped, and one-signed or structured products, where none is), several tiles
-(``_WALK_OUTPUTS`` made small), K not a multiple of the 32 lanes, a radius, a bias, zero rows and columns, inf and NaN
-elements (non-finite tiles take every lane count), block-scaled FP8 operands and float operands whose products are or
-are not exact in FP32. Equal means the same float64 bits (NaN compared as NaN)."""
+(``_WALK_OUTPUTS`` made small; K walked in chunks of 32, 64 or 96 rows, the last one partial), K not a multiple of
+the 32 lanes, a radius, a bias, zero rows and columns, inf and NaN elements (non-finite tiles take every lane
+count), block-scaled FP8 operands and float operands whose products are or are not exact in FP32. Equal means the same float64 bits (NaN compared as NaN)."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -104,10 +104,11 @@ def _values(rng, shape, kind):
 @given(m=st.integers(1, 9), n=st.integers(1, 40), k=st.integers(1, 140),
        kind_a=st.sampled_from(["bf16", "f64", "positive", "drift", "int"]),
        kind_w=st.sampled_from(["bf16", "f64", "positive", "drift", "int"]),
-       tile=st.sampled_from([1, 5, 16, 2048]), with_radius=st.booleans(), with_bias=st.booleans(),
+       tile=st.sampled_from([1, 5, 16, 2048]), rows=st.sampled_from([32, 64, 96]), with_radius=st.booleans(),
+       with_bias=st.booleans(),
        zeros=st.booleans(), special=st.sampled_from([None, np.inf, -np.inf, np.nan]),
        profile=st.sampled_from([BF16_OUTPUT, FP32_ACCUM, IEEE]), seed=st.integers(0, 2**31 - 1))
-def test_float_operands_same_bits_as_the_definition(m, n, k, kind_a, kind_w, tile, with_radius,
+def test_float_operands_same_bits_as_the_definition(m, n, k, kind_a, kind_w, tile, rows, with_radius,
                                                     with_bias, zeros, special, profile, seed):
     rng = np.random.default_rng(seed)
     a = _values(rng, (m, k), kind_a)
@@ -125,6 +126,7 @@ def test_float_operands_same_bits_as_the_definition(m, n, k, kind_a, kind_w, til
         want = _tree_oracle(A, W, profile, radius, b_abs)
     with pytest.MonkeyPatch.context() as mp, np.errstate(invalid="ignore", over="ignore"):
         mp.setattr(gb, "_WALK_OUTPUTS", tile)
+        mp.setattr(gb, "_WALK_ROWS", rows)
         got = gb.contiguous_tree_gemm_bound(A, W, profile, radius, b_abs)
     _same_bits(got, want)
 

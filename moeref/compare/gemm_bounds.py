@@ -39,7 +39,8 @@ U_F64 = 2.0**-53
 TREE_LANES = (1, 2, 4, 8, 16, 32)
 """SIMD lane counts covered by :func:`contiguous_tree_gemm_bound` (interleaved accumulators)."""
 _BLOCK_ELEMS = 1 << 22  # elements of the [rows, N, K] product tensor held at once
-_WALK_OUTPUTS = 1024  # outputs of one [K, outputs] product tile of the contiguous-tree bound (fastest measured)
+_WALK_OUTPUTS = 2048  # outputs of one [K, outputs] product tile of the contiguous-tree bound (measured)
+_WALK_ROWS = 64  # K rows of a tile walked at a time (a multiple of 32)
 
 
 @dataclass(frozen=True)
@@ -304,54 +305,72 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     # tiles only (a NaN cap is never skipped).
     grow = 1.0 + 64.0 * (kp + 2) * U_F64
 
-    def walk(q, lane):  # prefix sums of each lane of q [kp, X] in K order: w[i] = w[i - 1] + q[i], from q[0]
-        ql = q.reshape(kp // lane, -1)
-        wl = np.empty_like(ql)
-        wl[0] = ql[0]
-        for i in range(1, ql.shape[0]):  # sequential in K (the bits of np.cumsum along K)
-            np.add(wl[i - 1], ql[i], out=wl[i])
-        return wl
+    rows = min(kp, _WALK_ROWS)  # K rows walked at a time (a multiple of every lane count), cached between passes
 
-    def lane_range(q, lane):  # max over the lanes of max(max P, 0) - min(min P, 0), [X]
-        wl = walk(q, lane)
-        top = np.maximum(wl.max(axis=0), 0.0)
-        top -= np.minimum(wl.min(axis=0), 0.0)
-        return top.reshape(lane, -1).max(axis=0), wl
+    def lane_range(q, lane, ends=None):
+        """Max over the lanes of ``max(max P, 0) - min(min P, 0)`` ``[X]`` of each lane's prefix sums ``P`` in K order
+        (``w[i] = w[i - 1] + q[i]`` from ``q[0]``: the bits of ``np.cumsum`` along K), ``q`` ``[kp, X]``, K in chunks
+        of ``rows`` rows; ``ends`` (``L = 1``) receives the last prefix sum."""
+        wb = np.empty((rows // lane, lane * q.shape[1]))
+        prev, hi, lo = None, None, None
+        for k0 in range(0, kp, rows):
+            ql = q[k0:k0 + rows].reshape(-1, wb.shape[1])
+            wc = wb[:ql.shape[0]]
+            i0 = 0
+            if prev is None:
+                wc[0] = ql[0]
+                prev, i0 = wc[0], 1
+            for i in range(i0, ql.shape[0]):  # sequential in K
+                np.add(prev, ql[i], out=wc[i])
+                prev = wc[i]
+            h, l_ = wc.max(axis=0), wc.min(axis=0)
+            hi = h if hi is None else np.maximum(hi, h, out=hi)  # exact: the order of the maxima does not matter
+            lo = l_ if lo is None else np.minimum(lo, l_, out=lo)
+        if ends is not None:
+            ends[...] = prev
+        top = np.maximum(hi, 0.0)
+        top -= np.minimum(lo, 0.0)
+        return top.reshape(lane, -1).max(axis=0)
 
     for r0 in range(0, m, rb):  # tiles of [K, rb * nb] products
         r1 = min(r0 + rb, m)
         for n0 in range(0, n, nb):
             n1 = min(n0 + nb, n)
             x = (r1 - r0) * (n1 - n0)
-            p = (at[:, r0:r1, None] * wt[:, None, n0:n1]).reshape(kp, x)
-            pa = np.abs(p)
-            acc = pa[0].copy()
-            for i in range(1, kp):  # sum |p| in K order (the last of its walk)
-                np.add(acc, pa[i], out=acc)
+            p = np.empty((kp, x))
+            pa = np.empty((rows, x))
+            acc = np.empty(x)
+            sums = np.zeros((2, lanes, x))
+            for k0 in range(0, kp, rows):  # the products, sum |p| in K order and the lane sums, chunk by chunk
+                pc = p[k0:k0 + rows]
+                np.multiply(at[k0:k0 + rows, r0:r1, None], wt[k0:k0 + rows, None, n0:n1],
+                            out=pc.reshape(pc.shape[0], r1 - r0, n1 - n0))
+                pac = np.abs(pc, out=pa[:pc.shape[0]])
+                if k0 == 0:
+                    acc[...] = pac[0]
+                for i in range(1 if k0 == 0 else 0, pc.shape[0]):
+                    np.add(acc, pac[i], out=acc)
+                sums[0] += np.add.reduce(pc.reshape(-1, lanes, x), axis=0)
+                sums[1] += np.add.reduce(pac.reshape(-1, lanes, x), axis=0)
             wsum[r0:r1, n0:n1] = acc.reshape(r1 - r0, n1 - n0)
-            best, w1 = lane_range(p, 1)
-            best = np.maximum(np.zeros(x), best)
-            csum[r0:r1, n0:n1] = w1[-1].reshape(r1 - r0, n1 - n0)
-            finite = bool(np.isfinite(wsum[r0:r1, n0:n1]).all())
-            if finite:
-                caps = {}
-                sa = np.add.reduce(pa.reshape(kp // lanes, lanes, x), axis=0)   # [32, X] lane sums of |p| and p
-                sp = np.add.reduce(p.reshape(kp // lanes, lanes, x), axis=0)
-                while sa.shape[0] > 1:
-                    caps[sa.shape[0]] = (0.5 * (sa + np.abs(sp))).max(axis=0) * grow + 2.0**-1070
-                    h = sa.shape[0] // 2
-                    sa, sp = sa[:h] + sa[h:], sp[:h] + sp[h:]                   # lane r of L: r and r + L of 2L
-            for lane in TREE_LANES[1:]:  # the other lane counts; their maximum does not depend on the order (NaN propagates either way)
-                if not finite:
-                    best = np.maximum(best, lane_range(p, lane)[0])
-                    continue
-                need = np.flatnonzero(~(caps[lane] <= best))
+            ends = np.empty(x)
+            best = np.maximum(np.zeros(x), lane_range(p, 1, ends))
+            csum[r0:r1, n0:n1] = ends.reshape(r1 - r0, n1 - n0)
+            finite = bool(np.isfinite(acc).all())
+            caps = {}
+            sp, sa = sums
+            while finite and sa.shape[0] > 1:
+                caps[sa.shape[0]] = (0.5 * (sa + np.abs(sp))).max(axis=0) * grow + 2.0**-1070
+                h = sa.shape[0] // 2
+                sa, sp = sa[:h] + sa[h:], sp[:h] + sp[h:]                   # lane r of L: r and r + L of 2L
+            for lane in TREE_LANES[1:]:  # the other lane counts; their maximum does not depend on the order
+                need = np.flatnonzero(~(caps[lane] <= best)) if finite else np.arange(x)
                 if need.size == 0:
                     continue
                 if 2 * need.size > x:
-                    best = np.maximum(best, lane_range(p, lane)[0])
+                    best = np.maximum(best, lane_range(p, lane))
                 else:  # the few outputs the lane count can still raise
-                    best[need] = np.maximum(best[need], lane_range(np.take(p, need, axis=1), lane)[0])
+                    best[need] = np.maximum(best[need], lane_range(np.take(p, need, axis=1), lane))
             rng[r0:r1, n0:n1] = best.reshape(r1 - r0, n1 - n0)
     slack = 2.0 * gamma(kp + 2, U_F64) * wsum
     r_hi = rng + slack + d
