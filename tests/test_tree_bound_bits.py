@@ -163,3 +163,23 @@ def test_empty_shapes():
         A, W = as_operand(np.ones((m, k))), as_operand(np.ones((n, k)))
         _same_bits(gb.contiguous_tree_gemm_bound(A, W, BF16_OUTPUT, None, np.zeros(n)),
                    _tree_oracle(A, W, BF16_OUTPUT, None, np.zeros(n)))
+
+
+def test_layer_bound_same_bits_with_the_definition():
+    """``layer_bound`` under ``BF16_OUTPUT`` (both GEMMs, GEMM2 with its re-quantization radius) is unchanged bit for
+    bit when the definition's implementation computes every contiguous-tree bound."""
+    from moeref.compare import layer_bound
+    from moeref.moe import make_layer, make_tokens, run_moe
+    from moeref.routing import softmax_topk
+
+    layer = make_layer(8, 64, 96, seed=0)
+    x = make_tokens(24, 64, seed=1)
+    r = softmax_topk(np.random.default_rng(2).standard_normal((24, 8)).astype(np.float32), 2)
+    run = run_moe(x, layer, r.weights, r.ids)
+    got = layer_bound(run, "BF16_OUTPUT")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gb, "contiguous_tree_gemm_bound", _tree_oracle)
+        want = layer_bound(run, "BF16_OUTPUT")
+    _same_bits(got.bound, want.bound)
+    _same_bits(got.radius, want.radius)
+    assert got.flips == want.flips
