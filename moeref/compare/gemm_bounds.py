@@ -40,7 +40,8 @@ U_FP32 = 2.0**-24
 U_F64 = 2.0**-53
 TREE_LANES = (1, 2, 4, 8, 16, 32)
 """SIMD lane counts covered by :func:`contiguous_tree_gemm_bound` (interleaved accumulators)."""
-_CACHE_ELEMS = 1 << 15  # elements of one product tile of the contiguous-tree bound (256 KiB)
+_WALK_OUTPUTS = 2048  # outputs of one [K, outputs] product tile of the contiguous-tree bound (measured)
+_WALK_ROWS = 64  # K rows of a tile walked at a time (a multiple of 32)
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,9 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     ``D = a_radius |W|^T``. The float64 evaluation (products, prefix sums) is covered by widening ``R``
     and ``W`` by ``2 gamma(K + 2, 2^-53) W``; FP32 underflow by ``(K + 2) 2^-149``.
 
-    Cost: ``len(TREE_LANES)`` prefix sums of the ``[M, N, K]`` product tensor (in row blocks).
+    Cost: the prefix sums of the ``[M, N, K]`` product tensor over ``L = 1`` and ``sum |p|`` (in-order row adds
+    over tiles of :data:`_WALK_OUTPUTS` outputs), and those of ``L >= 2`` only for the outputs whose lanes' sums
+    leave room for a larger range (the same bits as every lane count walked for every output).
     """
     m, k = a.values.shape
     n = w.values.shape[0]
@@ -237,33 +240,95 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     ad, wd = a.dequantize(), w.dequantize()
     lanes = max(TREE_LANES)
     kp = -(-max(k, 1) // lanes) * lanes
-    if kp != k:
-        ad = np.pad(ad, ((0, 0), (0, kp - k)))
-        wd = np.pad(wd, ((0, 0), (0, kp - k)))
     d = np.zeros((m, n)) if radius is None else ordered_dot(radius, np.abs(w.dequantize())) * (1.0 + gamma(k + 2, U_F64))
     rng = np.zeros((m, n))
     wsum = np.zeros((m, n))
     csum = np.zeros((m, n))
-    at, wt = np.ascontiguousarray(ad.T), np.ascontiguousarray(wd.T)  # K-major: the walks run along axis 0
-    nb = max(1, min(n, _CACHE_ELEMS // kp))
-    rb = max(1, _CACHE_ELEMS // (kp * nb))
-    for r0 in range(0, m, rb):  # tiles of [K, rb, nb] products stay in cache through the passes below
+
+    def k_major(v):  # [R, k] -> [kp, R], zero columns k..kp: the walks run along axis 0 (16 rows at a time: 8x faster)
+        out = np.zeros((kp, v.shape[0]))
+        for i in range(0, v.shape[0], 16):
+            out[:k, i:i + 16] = v[i:i + 16].T
+        return out
+
+    at, wt = k_major(ad), k_major(wd)
+    nb = max(1, min(n, _WALK_OUTPUTS))
+    rb = max(1, _WALK_OUTPUTS // nb)
+    # A lane's range (max - min of its prefix sums, 0 included) is the sum of one contiguous run of its products,
+    # at most the larger of its positive and negative parts, C = (sum |p| + |sum p|) / 2. Computed, the range is at
+    # most C (1 + 4 gamma_kp)(1 + u) and the cap below at least C (1 - 2 gamma_kp)(1 - u)^2 grow (u = 2^-53, any
+    # summation order of the lane sums; 2^-1070 for the halving and the product underflowing): a lane count whose
+    # every lane's cap is at most the range already reached cannot raise it and is skipped for that output. Finite
+    # tiles only (a NaN cap is never skipped).
+    grow = 1.0 + 64.0 * (kp + 2) * U_F64
+
+    rows = min(kp, _WALK_ROWS)  # K rows walked at a time (a multiple of every lane count), cached between passes
+
+    def lane_range(q, lane, ends=None):
+        """Max over the lanes of ``max(max P, 0) - min(min P, 0)`` ``[X]`` of each lane's prefix sums ``P`` in K order
+        (``w[i] = w[i - 1] + q[i]`` from ``q[0]``: the bits of ``np.cumsum`` along K), ``q`` ``[kp, X]``, K in chunks
+        of ``rows`` rows; ``ends`` (``L = 1``) receives the last prefix sum."""
+        wb = np.empty((rows // lane, lane * q.shape[1]))
+        prev, hi, lo = None, None, None
+        for k0 in range(0, kp, rows):
+            ql = q[k0:k0 + rows].reshape(-1, wb.shape[1])
+            wc = wb[:ql.shape[0]]
+            i0 = 0
+            if prev is None:
+                wc[0] = ql[0]
+                prev, i0 = wc[0], 1
+            for i in range(i0, ql.shape[0]):  # sequential in K
+                np.add(prev, ql[i], out=wc[i])
+                prev = wc[i]
+            h, l_ = wc.max(axis=0), wc.min(axis=0)
+            hi = h if hi is None else np.maximum(hi, h, out=hi)  # exact: the order of the maxima does not matter
+            lo = l_ if lo is None else np.minimum(lo, l_, out=lo)
+        if ends is not None:
+            ends[...] = prev
+        top = np.maximum(hi, 0.0)
+        top -= np.minimum(lo, 0.0)
+        return top.reshape(lane, -1).max(axis=0)
+
+    for r0 in range(0, m, rb):  # tiles of [K, rb * nb] products
         r1 = min(r0 + rb, m)
         for n0 in range(0, n, nb):
             n1 = min(n0 + nb, n)
-            p = at[:, r0:r1, None] * wt[:, None, n0:n1]              # [kp, rb, nb]
-            walk = np.empty_like(p)
-            np.cumsum(np.abs(p), axis=0, out=walk)                    # in K order (np.cumsum is sequential)
-            wsum[r0:r1, n0:n1] = walk[-1]
-            best = np.zeros((r1 - r0, n1 - n0))
-            for lane in TREE_LANES[::-1]:  # a loop over the six lane counts, 32 lanes first
-                wl = walk.reshape(kp // lane, lane, r1 - r0, n1 - n0)
-                np.cumsum(p.reshape(wl.shape), axis=0, out=wl)
-                top = np.maximum(wl.max(axis=0), 0.0)
-                top -= np.minimum(wl.min(axis=0), 0.0)
-                best = np.maximum(best, top.max(axis=0))
-            csum[r0:r1, n0:n1] = walk[-1]
-            rng[r0:r1, n0:n1] = best
+            x = (r1 - r0) * (n1 - n0)
+            p = np.empty((kp, x))
+            pa = np.empty((rows, x))
+            acc = np.empty(x)
+            sums = np.zeros((2, lanes, x))
+            for k0 in range(0, kp, rows):  # the products, sum |p| in K order and the lane sums, chunk by chunk
+                pc = p[k0:k0 + rows]
+                np.multiply(at[k0:k0 + rows, r0:r1, None], wt[k0:k0 + rows, None, n0:n1],
+                            out=pc.reshape(pc.shape[0], r1 - r0, n1 - n0))
+                pac = np.abs(pc, out=pa[:pc.shape[0]])
+                if k0 == 0:
+                    acc[...] = pac[0]
+                for i in range(1 if k0 == 0 else 0, pc.shape[0]):
+                    np.add(acc, pac[i], out=acc)
+                sums[0] += np.add.reduce(pc.reshape(-1, lanes, x), axis=0)
+                sums[1] += np.add.reduce(pac.reshape(-1, lanes, x), axis=0)
+            wsum[r0:r1, n0:n1] = acc.reshape(r1 - r0, n1 - n0)
+            ends = np.empty(x)
+            best = np.maximum(np.zeros(x), lane_range(p, 1, ends))
+            csum[r0:r1, n0:n1] = ends.reshape(r1 - r0, n1 - n0)
+            finite = bool(np.isfinite(acc).all())
+            caps = {}
+            sp, sa = sums
+            while finite and sa.shape[0] > 1:
+                caps[sa.shape[0]] = (0.5 * (sa + np.abs(sp))).max(axis=0) * grow + 2.0**-1070
+                h = sa.shape[0] // 2
+                sa, sp = sa[:h] + sa[h:], sp[:h] + sp[h:]                   # lane r of L: r and r + L of 2L
+            for lane in TREE_LANES[1:]:  # the other lane counts; their maximum does not depend on the order
+                need = np.flatnonzero(~(caps[lane] <= best)) if finite else np.arange(x)
+                if need.size == 0:
+                    continue
+                if 2 * need.size > x:
+                    best = np.maximum(best, lane_range(p, lane))
+                else:  # the few outputs the lane count can still raise
+                    best[need] = np.maximum(best[need], lane_range(np.take(p, need, axis=1), lane))
+            rng[r0:r1, n0:n1] = best.reshape(r1 - r0, n1 - n0)
     slack = 2.0 * gamma(kp + 2, U_F64) * wsum
     r_hi = rng + slack + d
     w_hi = wsum * (1.0 + gamma(kp + 2, U_F64)) + d
