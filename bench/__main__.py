@@ -53,6 +53,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "report-compare": ("report_compare_device.py", "docs/moe-gpu.md compare table from compare JSON", "any"),
     "report-convert": ("report_convert.py", "docs/convert.md GPU table from convert JSON", "any"),
     "report-ep": ("report_ep.py", "docs/expert-parallel.md and docs/performance.md EP tables from EP JSON", "any"),
+    "report-exact-regimes": ("report_exact_regimes.py", "docs/exact-regimes.md tables from exact-regimes JSON",
+                             "any"),
     # tools
     "sass-identity": ("sass_identity.py", "SHA-256 of every quantization kernel's SASS (refactors: same code?)",
                       "CPU"),

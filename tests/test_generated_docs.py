@@ -18,6 +18,7 @@ PAGES = [  # (report script in bench/, JSON under docs/data/, page under docs/, 
     ("report_convert", "convert_gpu_*.json", "convert.md", 1),  # bench/bench_convert.py --gpu
     ("report_ep", "ep_*.json", "expert-parallel.md", None),  # bench/bench_ep_gpu.py
     ("report_ep", "ep_*.json", "performance.md", None),  # bench/bench_ep_gpu.py
+    ("report_exact_regimes", "exact_regimes_*.json", "exact-regimes.md", None),  # bench/bench_exact_regimes.py
 ]
 
 

@@ -1,0 +1,160 @@
+"""Write the measured tables of docs/exact-regimes.md from bench_exact_regimes.py's JSON (never edited by hand).
+
+    python bench/report_exact_regimes.py [docs/data/exact_regimes_*.json] [--docs docs/exact-regimes.md] [--check]
+
+One section per run, oldest first, under a caption naming its GPU, date and torch version: (1) per model (shape,
+scheme, activation) and implementation, the outputs that differ from the reference out of all outputs (0 in bold:
+the reference's bits everywhere) and the seconds of the one call; an implementation that raised shows its error;
+(2) per model and planted fault, the outputs that differ and whether equality caught it. Replaces the text between
+``<!-- exact-regimes:begin -->`` and ``<!-- exact-regimes:end -->``; ``--check`` exits 1 when the page differs
+from what the JSON gives (a test runs it on the committed JSON).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.docs_page import update_page  # noqa: E402
+
+BEGIN, END = "<!-- exact-regimes:begin -->", "<!-- exact-regimes:end -->"
+
+# bench_exact_regimes.py's planted faults (FAULTS), as the table names them
+FAULT_NAMES = {
+    "skipped_last_k_block": "last K block of GEMM1 skipped (busiest expert)",
+    "halved_w2_scale_block": "one 128x128 block of w2 halved (busiest expert)",
+    "swapped_topk_weights": "top-k weights of slots 0 and 1 swapped (token 0)",
+    "gate_up_swapped": "gate and up swapped (busiest expert)",
+    "renormalized_weights": "router weights renormalised",
+    "neighbour_expert": "token 0, slot 0 routed to the neighbouring expert",
+    "last_bit_noise": "last bit flipped in 0.5% of the outputs",
+    "tanh_gelu": "tanh GELU for erf GELU",
+}
+
+
+def _cell(text: str) -> str:
+    """``text`` safe inside a markdown table cell (one line, no column separators)."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _date(iso: str) -> str:
+    """``2026-11-28T18:46:35+00:00`` -> ``2026-11-28 18:46 UTC`` (other strings unchanged)."""
+    if len(iso) >= 16 and iso[10] == "T" and iso.endswith("+00:00"):
+        return f"{iso[:10]} {iso[11:16]} UTC"
+    return iso
+
+
+def _command(argv: list) -> str:
+    """The benchmark's command line without its ``--out`` (a path on the measuring machine)."""
+    args, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--out":
+            skip = True
+        elif not a.startswith("--out="):
+            args.append(a)
+    return " ".join(["python bench/bench_exact_regimes.py", *args])
+
+
+def _shape(s: dict) -> str:
+    return f"hidden {s['hidden']}, intermediate {s['intermediate']}, {s['experts']} experts, top-{s['top_k']}"
+
+
+def _differing(r: dict) -> str:
+    if "error" in r:
+        return f"not run: {_cell(r['error'])}"
+    text = f"{r['differing']:,} of {r['of']:,}"
+    return f"**{text}**" if r["differing"] == 0 else text
+
+
+def _fault(r: dict) -> tuple[str, str]:
+    if "error" in r:
+        return f"not run: {_cell(r['error'])}", "—"
+    return f"{r['differing']:,} of {r['of']:,}", "yes" if r.get("caught") else "**no**"
+
+
+def _not_run(m: dict) -> str | None:
+    """Why a model has no rows (the benchmark recorded an error or an unsupported model), else None."""
+    if "error" in m:
+        return _cell(m["error"].strip().splitlines()[-1])
+    if not m.get("supported", True):
+        return _cell(m.get("why", "not supported"))
+    if "torch_layer_error" in m:
+        return "the torch layer failed: " + _cell(m["torch_layer_error"].strip().splitlines()[-1])
+    return None
+
+
+def table(runs: list) -> str:
+    """The markdown tables of ``runs`` (bench_exact_regimes.py JSON documents, any order), oldest run first."""
+    runs = sorted(runs, key=lambda d: d["date"])
+    out = ["Each implementation runs the same exact-regime layer (`moeref.regimes.exact_layer`; skewed random "
+           "routing, expert weights from a pool of distinct experts, `--expert-pool`) and its bf16 outputs are "
+           "compared by equality with the reference: moeref's exact layer on the GPU "
+           "(`run_moe(device=\"cuda\")`, bit-identical to the host reference), in which every declared store "
+           "rounds an exact value once. In a regime every conforming kernel must give **0** differing outputs. "
+           "Seconds: the one call, compilation and autotuning included (not a speed figure). The planted faults "
+           "are made in the torch eager layer."]
+    for d in runs:
+        gpu = d.get("gpu", "no GPU")
+        reduced = {m.get("bf16_reduced_precision_reduction") for m in d["models"]} - {None}
+        note = ""
+        if reduced == {True}:
+            note = " (cuBLAS bf16 reduced-precision reduction allowed, torch's default)"
+        elif reduced == {False}:
+            note = " (cuBLAS bf16 reduced-precision reduction off)"
+        out += ["", f"Measured on an {gpu}, {_date(d['date'])}, torch {d.get('torch', '?')}{note}: "
+                f"`{_command(d.get('argv', []))}`.", "",
+                "| model | shape | scheme | activation | implementation | differing outputs | seconds |",
+                "|---|---|---|---|---|---|---|"]
+        faults = []
+        for m in d["models"]:
+            why = _not_run(m)
+            if why is not None:
+                out.append(f"| {m['model']} | | | | — | not run: {why} | |")
+                continue
+            s = m["shape"]
+            first = f"| {m['model']} | {_shape(s)} | {s['scheme']} | {s['activation']}"
+            for name, r in m["implementations"].items():
+                secs = f"{r['seconds']:.3f}" if "seconds" in r else ""
+                out.append(f"{first} | {_cell(name)} | {_differing(r)} | {secs} |")
+                first = "| | | |"
+            for name, r in m["faults"].items():
+                faults.append((m["model"], name, *_fault(r)))
+        if faults:
+            out += ["", "| model | planted fault | differing outputs | caught by equality |", "|---|---|---|---|"]
+            last = None
+            for model, name, diff, caught in faults:
+                out.append(f"| {model if model != last else ''} | {FAULT_NAMES.get(name, name)} | {diff} | {caught} |")
+                last = model
+    return "\n".join(out)
+
+
+def default_json() -> list:
+    """The committed benchmark JSON (what the docs tests check)."""
+    import glob
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "data")
+    return sorted(glob.glob(os.path.join(here, "exact_regimes_*.json")))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", nargs="*",
+                    help="bench_exact_regimes.py --out files (default: docs/data/exact_regimes_*.json)")
+    ap.add_argument("--docs", default=os.path.join(os.path.dirname(__file__), "..", "docs", "exact-regimes.md"))
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args(argv)
+    paths = args.json or default_json()
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    return update_page(args.docs, BEGIN, END, table(runs), check=args.check,
+                       remedy="run bench/report_exact_regimes.py " + " ".join(paths))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

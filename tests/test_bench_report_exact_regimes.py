@@ -1,0 +1,34 @@
+"""bench/report_exact_regimes.py renders docs/exact-regimes.md's measured tables from bench_exact_regimes.py's
+JSON: run on a small hand-written JSON (an implementation that raised, a fault that was not caught, a model that
+failed), the rendered rows are checked cell by cell."""
+from __future__ import annotations
+
+from bench import report_exact_regimes as report  # noqa: E402 (the repository root is on sys.path: conftest.py)
+from report_pages import rendered  # noqa: E402
+
+SHAPE = {"hidden": 256, "intermediate": 128, "experts": 8, "top_k": 2, "scheme": "fp8_1x128",
+         "activation": "silu_and_mul"}
+FAKE = {"date": "2026-12-01T09:05:59+00:00", "argv": ["--tokens", "16", "--out", "/x/r.json"], "torch": "9.9.0",
+        "gpu": "FakeGPU 9000", "models": [
+            {"model": "m1", "supported": True, "tokens": 16, "shape": SHAPE,
+             "bf16_reduced_precision_reduction": True,
+             "implementations": {"torch eager bf16": {"differing": 0, "of": 4096, "seconds": 0.5},
+                                 "bad | kernel": {"differing": 3, "of": 4096, "seconds": 12.25},
+                                 "raising": {"error": "ValueError: no\nGPU layer"}},
+             "faults": {"skipped_last_k_block": {"differing": 1234, "of": 4096, "seconds": 0.1, "caught": True},
+                        "invisible": {"differing": 0, "of": 4096, "seconds": 0.1, "caught": False}}},
+            {"model": "m2", "error": "Traceback ...\nRuntimeError: out of memory\n"}]}
+
+
+def test_report_renders_both_tables(tmp_path):
+    lines = rendered(report.main, tmp_path, FAKE, "exact-regimes").splitlines()
+    assert ("Measured on an FakeGPU 9000, 2026-12-01 09:05 UTC, torch 9.9.0 (cuBLAS bf16 reduced-precision "
+            "reduction allowed, torch's default): `python bench/bench_exact_regimes.py --tokens 16`.") in lines
+    assert ("| m1 | hidden 256, intermediate 128, 8 experts, top-2 | fp8_1x128 | silu_and_mul | torch eager bf16 "
+            "| **0 of 4,096** | 0.500 |") in lines
+    assert "| | | | | bad \\| kernel | 3 of 4,096 | 12.250 |" in lines  # not bold, the separator escaped
+    assert "| | | | | raising | not run: ValueError: no GPU layer |  |" in lines
+    assert "| m2 | | | | — | not run: RuntimeError: out of memory | |" in lines
+    assert "| m1 | last K block of GEMM1 skipped (busiest expert) | 1,234 of 4,096 | yes |" in lines
+    assert "|  | invisible | 0 of 4,096 | **no** |" in lines
+    assert not any("/x/r.json" in line for line in lines)
