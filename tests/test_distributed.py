@@ -146,6 +146,10 @@ def bad_input_task(g, case, engine="host"):
         ids[:, 0], ids[:, 1] = 0, 4 + np.arange(tokens)  # every token to expert 0 (rank 0): it receives 4 * 3 rows
     if case == "ids" and g.rank == 3:
         ids[1, 1] = 99
+    if case == "ll_repeat":
+        kw = dict(mode="low_latency", max_tokens_per_rank=4)
+        if g.rank == 2:
+            ids[0, 1] = ids[0, 0]
     x = make_tokens(tokens + (case in ("rows", "rows_layer") and g.rank == 2), hidden, seed=g.rank)
     if case == "rows_layer":  # the layer weighs the tokens first (top-1): the row check still reaches every rank
         ep_fused_moe(x, _layer(), w[:, :1], ids[:, :1], ep_placement(n_exp, ep_size, strategy), g,
@@ -162,6 +166,7 @@ def bad_input_task(g, case, engine="host"):
     ("hidden", "ranks disagree on the hidden size: {0: 8, 1: 8, 2: 16, 3: 8}", None),
     ("ll_bound", r"ranks \[1\] rejected their dispatch inputs", (1, "5 tokens on this rank, more than "
                                                                     "max_tokens_per_rank=4")),
+    ("ll_repeat", r"ranks \[2\] rejected their dispatch inputs", (2, r"rank 2: topk_ids row 0 names an expert twice")),
     ("recv_bound", r"rank 0 would receive 12 tokens \(from ranks \[3, 3, 3, 3\]\), more than the declared bound "
                    r"max_recv_tokens=6", None),
     ("ids", r"ranks \[3\] rejected their dispatch inputs", (3, r"rank 3: topk_ids\[1, 1\] = 99")),

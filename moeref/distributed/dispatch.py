@@ -182,6 +182,27 @@ def _check_quant(quant, x: np.ndarray, quantizer=None):
     return qt
 
 
+def _check_distinct_per_row(topk_ids) -> None:
+    """``ValueError`` unless every row of ``topk_ids`` (NumPy or torch, any device) names distinct experts
+    (-1 padding aside). Low-latency mode needs it: an expert's masked buffer holds ``R*M`` rows, one per
+    token of every rank, so a token sending two slots to one expert could overflow it on the receiver,
+    an error only that rank would see after the exchange; checked on the source, before the header, it
+    is raised on every rank."""
+    if hasattr(topk_ids, "sort") and not isinstance(topk_ids, np.ndarray):  # a torch tensor
+        s = topk_ids.sort(dim=1).values
+        dup = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).nonzero()
+        first = None if dup.numel() == 0 else (int(dup[0, 0]), s[dup[0, 0]].cpu().numpy())
+    else:
+        s = np.sort(np.asarray(topk_ids), axis=1)
+        dup = np.argwhere((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0))
+        first = None if dup.size == 0 else (int(dup[0, 0]), s[dup[0, 0]])
+    if first is not None:
+        t, row = first
+        raise ValueError(f"topk_ids row {t} names an expert twice ({sorted(int(v) for v in row)}): mode='low_latency' "
+                         "needs distinct experts per token (each expert's buffer holds one row per token); map "
+                         "logical ids with EPPlacement.to_physical, or use mode='normal'")
+
+
 def _agree(g: EPGroup, local_fn, placement: EPPlacement, mode: str, bound: int):
     """Run the local preparation, exchange the header, raise the same error on every rank."""
     r = g.world_size
@@ -282,6 +303,8 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
                 raise ValueError(f"{x.shape[0]} tokens on this rank, more than max_tokens_per_rank={m}")
         elif mode == "low_latency":
             raise ValueError("mode='low_latency' needs max_tokens_per_rank (the masked buffers have R*M rows)")
+        if mode == "low_latency":
+            _check_distinct_per_row(topk_ids)
         if engine == "device":
             qt = None if quant is None else quantize_rows(x, quant, _check_quant)
             w = to_group_device(topk_weights, group.device, "topk_weights", kind="float")
