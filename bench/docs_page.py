@@ -3,7 +3,18 @@ report script from a benchmark's JSON (never edited by hand), or checked against
 docs tests run every report that way on the committed JSON)."""
 from __future__ import annotations
 
+import glob
+import os
 import sys
+
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data")
+"""Where the committed benchmark JSON lives (what the report scripts and the docs tests read)."""
+
+
+def data_files(pattern: str) -> list[str]:
+    """The committed benchmark JSON files ``docs/data/<pattern>``, sorted (a report script's default input)."""
+    return sorted(glob.glob(os.path.join(DATA_DIR, pattern)))
 
 
 def replace_between(page: str, begin: str, end: str, body: str) -> str:

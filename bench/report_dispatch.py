@@ -13,23 +13,21 @@ the page differs from what the JSON gives. Schema: :func:`bench.interleaved.row_
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.docs_page import update_page  # noqa: E402
+from bench.docs_page import DATA_DIR, data_files, update_page  # noqa: E402
 
 BEGIN, END = "<!-- fastpath-dispatch:begin -->", "<!-- fastpath-dispatch:end -->"
-_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data")
 FLAG = "⚠"
 # The page's target, stated on the medians (issue 20): bold where met.
 TARGET_PCT_COPY = 90.0
 
 
 def default_json() -> list[str]:
-    return sorted(glob.glob(os.path.join(_DATA, "dispatch_*.json")))
+    return data_files("dispatch_*.json")
 
 
 def _flag(case: dict | None) -> str:
@@ -102,7 +100,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("json", nargs="*", help="bench_dispatch_gpu.py JSON files, one section each "
                     "(default: docs/data/dispatch_*.json)")
-    ap.add_argument("--docs", default=os.path.join(os.path.dirname(_DATA), "fastpaths-dispatch.md"))
+    ap.add_argument("--docs", default=os.path.join(os.path.dirname(DATA_DIR), "fastpaths-dispatch.md"))
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args(argv)
     files = args.json or default_json()

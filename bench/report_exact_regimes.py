@@ -17,7 +17,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.docs_page import update_page  # noqa: E402
+from bench.docs_page import data_files, update_page  # noqa: E402
 
 BEGIN, END = "<!-- exact-regimes:begin -->", "<!-- exact-regimes:end -->"
 
@@ -134,10 +134,7 @@ def table(runs: list) -> str:
 
 def default_json() -> list:
     """The committed benchmark JSON (what the docs tests check)."""
-    import glob
-
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "data")
-    return sorted(glob.glob(os.path.join(here, "exact_regimes_*.json")))
+    return data_files("exact_regimes_*.json")
 
 
 def main(argv=None) -> int:
