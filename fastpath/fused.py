@@ -41,7 +41,7 @@ from .quant import _preset_map as QP
 from .quant import _tiles as QT
 from .quant._jit_codes import _activation
 from .quant._kernels import _quant_kernel
-from .quant._layouts import SF_LAYOUT, returned_scales_shape
+from .quant._layouts import SF_LAYOUT, grid_of, returned_scales_shape
 from ._host import alloc as _alloc
 from ._host import SLOT, PlannedLaunch, cdiv, launch, next_pow2
 
@@ -64,12 +64,15 @@ def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_majo
         scheme = fp8_group(128)
     if scheme.element not in ("e4m3fn", "e5m2") or scheme.family != "blockwise":
         return False, "the fused kernels produce FP8 (E4M3/E5M2) codes only"
-    if Q._kind(scheme) != "rows":
-        return False, "the fused kernels quantize per-token or 1xG groups (no per-tensor pass)"
+    kind = Q._kind(scheme)
+    if kind not in ("rows", "per_tensor"):
+        return False, "the fused kernels quantize per-token, 1xG groups or per tensor"
     xx = None
     if x is not None:
         if x.shape[-1] % 2:
             return False, f"the gated input needs an even last axis (2N); got {x.shape[-1]}"
+        if kind == "per_tensor" and (x.dim() == 3 and x.shape[0] > 1):
+            return False, "a per-tensor scheme takes a 1-D or 2-D input here (one tensor amax)"
         xx = x[..., : x.shape[-1] // 2]
     return Q.supports(scheme, xx, scale_layout)
 
@@ -77,11 +80,14 @@ def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_majo
 @triton.jit
 def _act_kernel(x_ptr, stride_xm, stride_xk, o_ptr, amax_ptr, M, N, ACT: tl.constexpr, ALPHA: tl.constexpr,
                 LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AMAX: tl.constexpr,
-                NONFINITE: tl.constexpr):
+                NONFINITE: tl.constexpr, STORE: tl.constexpr = True, PARTIAL: tl.constexpr = False):
     """The float32 activation alone (the same device function the fused kernel uses). ``AMAX``:
-    also the tensor amax of the stored activation, as the quantizer's amax pass reduces it
-    (``|out|`` bit patterns, NaN above Inf unless ``NONFINITE`` 1 drops it): each program's max
-    joins ``amax_ptr`` (int32, zeroed first) by an atomic max, exact in any order."""
+    also the tensor amax of the activation, as the quantizer's amax pass reduces it (``|out|`` bit
+    patterns, NaN above Inf unless ``NONFINITE`` 1 drops it): each program's max joins ``amax_ptr``
+    (int32, zeroed first) by an atomic max, exact in any order; with ``PARTIAL`` each program stores
+    its max at ``amax_ptr[pid_m * num_programs(1) + pid_n]`` instead (the amax pass's partials, which
+    the per-tensor scale kernel reduces). ``STORE`` False: the activation is not written (the amax
+    pass of the fused per-tensor quantizer, which computes the activation again in its data pass)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     j = tl.arange(0, BLOCK_N // 2)
     t = tl.arange(0, 2)
@@ -90,12 +96,17 @@ def _act_kernel(x_ptr, stride_xm, stride_xk, o_ptr, amax_ptr, M, N, ACT: tl.cons
     m = (rows < M)[:, None, None, None] & (cols4 < N)
     xb = x_ptr + rows.to(tl.int64)[:, None, None, None] * stride_xm
     out = _activation(xb, cols4, stride_xk, N, m, ACT, ALPHA, LIMIT)
-    tl.store(o_ptr + rows.to(tl.int64)[:, None, None, None] * N + cols4, out, mask=m)
+    if STORE:
+        tl.store(o_ptr + rows.to(tl.int64)[:, None, None, None] * N + cols4, out, mask=m)
     if AMAX:
         a = tl.where(m, out.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
         if NONFINITE == 1:
             a = tl.where(a > 0x7F800000, 0, a)
-        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.max(tl.max(a, axis=3), axis=2), axis=1), axis=0))
+        a_max = tl.max(tl.max(tl.max(tl.max(a, axis=3), axis=2), axis=1), axis=0)
+        if PARTIAL:
+            tl.store(amax_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), a_max)
+        else:
+            tl.atomic_max(amax_ptr, a_max)
 
 
 def _flat2(x: torch.Tensor) -> torch.Tensor:
@@ -190,6 +201,11 @@ class _FusedPlan:
             hw_fp8 = dev.type == "cuda"
         ce = QP.constexprs(scheme, hw_fp8)
         cs = QPL._strides((B, M, N))
+        self.per_tensor = Q._kind(scheme) == "per_tensor"
+        if self.per_tensor:
+            self._plan_per_tensor(x3, act, alpha, limit, scheme, ce, cs, skip_rows, block_m, groups_per_program,
+                                  num_warps, tuning)
+            return
         gs = scheme.resolve_block(shape)[-1]
         ng = cdiv(N, gs)
         sshape, self.sdt, (m_pad, ng_pad, ssm, ssg) = Q.scale_storage_shape((B, M, N), scheme, scale_layout)
@@ -230,7 +246,81 @@ class _FusedPlan:
             ACT_ALPHA=float(alpha), ACT_LIMIT=float(limit), PAIR=pair, IN16=in16,
             **QL._launch_knobs(ce, gb, gpp, bm, num_warps, tuning or QT.DEFAULT_TUNING))
 
+    def _plan_per_tensor(self, x3, act, alpha, limit, scheme, ce, cs, skip_rows, block_m, groups_per_program,
+                         num_warps, tuning):
+        """Per-tensor FP8: two passes over the gated input, three launches: the activation's amax
+        (:func:`_act_kernel` without its store, one partial per program), the scale kernel (reduces the
+        partials, stores the amax and the scale: :func:`fastpath.quant._plan.per_tensor_scale_launches`),
+        then the data pass (:func:`_quant_kernel` with ``ACT`` and ``AMAX_SRC=1``), which computes the same
+        float32 activation again. Bit for bit :func:`fastpath.quant.quantize` of :func:`silu_and_mul`'s
+        output: the same device function gives the same activation in both passes."""
+        if skip_rows is not None:
+            raise ValueError("skip_rows applies to per-token and 1xG schemes (a per-tensor amax reads every row)")
+        if self.scale_layout != "row_major":
+            raise ValueError(f"a per-tensor scale has the row-major layout only; got {self.scale_layout!r}")
+        B, M, two_n = (int(d) for d in x3.shape)
+        N = two_n // 2
+        dev = self.dev
+        p = scheme.preset
+        self.row_skip, self.pair_words = False, False
+        static = scheme.static_scale
+        static_t = _alloc(1, dtype=torch.float32, device=dev)  # never read unless static
+        if static is not None:
+            sv = float(np.float32(static)) if scheme.scale_format == "fp32" else \
+                float(int(np.frexp(static)[1]) - 1 + 127)
+            static_t = torch.full((1,), sv, dtype=torch.float32, device=dev)
+        self.need_amax = static is None or p.nonfinite == "nan_block"
+        self.sdt = torch.float32 if scheme.scale_format == "fp32" else torch.uint8
+        self.scales_shape = grid_of(self.shape, scheme)
+        if self.need_amax:
+            bm_a, bn_a = 4, min(1024, max(2, next_pow2(max(N, 1))))
+            grid_a = (cdiv(M, bm_a), cdiv(N, bn_a))
+            self.nprog = grid_a[0] * grid_a[1]
+            x2 = x3.reshape(M, two_n) if B == 1 else None  # B is 1 here (supports); the call passes _flat2(x)
+            self.amax_launch = PlannedLaunch(
+                _act_kernel, grid_a, SLOT, x2.stride(0), x2.stride(1), static_t, SLOT, M, N, ACT=_ACT[act],
+                ALPHA=float(alpha),
+                LIMIT=float(limit), BLOCK_M=bm_a, BLOCK_N=bn_a, AMAX=True, NONFINITE=ce["NONFINITE"], STORE=False,
+                PARTIAL=True)
+        else:
+            self.zero_amax = torch.zeros(1, dtype=torch.float32, device=dev)  # read only
+        self.scale_launch, self.scale_reduce_launch = QPL.per_tensor_scale_launches(
+            ce, static_t, static is not None, 1, self.nprog if self.need_amax else None)
+        gs = next_pow2(min(N, 128))
+        ng = cdiv(N, gs)
+        gb, gpp, bm = QT._tile(gs, block_m, groups_per_program, "row_major", ng, role="fused")
+        xk, pair, in16 = QL._pair_view(x3, act == "swigluoai")
+        self.pair_words = pair == 1
+        if pair == 2:
+            pair = 0
+        self.quant_launch = PlannedLaunch(
+            _quant_kernel, (cdiv(M, bm), cdiv(ng, gpp), B),
+            SLOT, xk.stride(0), xk.stride(1), xk.stride(2), SLOT, cs[0], cs[1],
+            static_t, 0, 0, 0, SLOT, static_t, static_t, static_t, M, N, ng, M, ng, M,
+            GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=0, AMAX_SRC=1, STATIC=static is not None,
+            TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=False, ROW_SKIP=False, ACT=_ACT[act],
+            ACT_ALPHA=float(alpha), ACT_LIMIT=float(limit), PAIR=pair, IN16=in16,
+            **QL._launch_knobs(ce, gb, gpp, bm, num_warps, tuning or QT.DEFAULT_TUNING))
+
+    def _call_per_tensor(self, x: torch.Tensor) -> Q.FastQuantized:
+        codes = _alloc(self.shape, dtype=torch.uint8, device=self.dev)
+        scales = _alloc(self.scales_shape, dtype=self.sdt, device=self.dev)
+        if self.need_amax:
+            x2 = _flat2(x)
+            part = _alloc(self.nprog, dtype=torch.int32, device=self.dev)
+            self.amax_launch(_flat2(x), part)
+            amax = _alloc(1, dtype=torch.float32, device=self.dev)
+            self.scale_reduce_launch(amax, scales, part)
+        else:
+            amax = self.zero_amax
+            self.scale_launch(amax, scales, amax)
+        xk = x.view(torch.int32) if self.pair_words else x
+        self.quant_launch(xk, codes, amax)
+        return Q.FastQuantized(codes, scales, "row_major", self.scheme, self.shape)
+
     def __call__(self, x: torch.Tensor, skip_rows=None) -> Q.FastQuantized:
+        if self.per_tensor:
+            return self._call_per_tensor(x)
         codes = _alloc(self.shape, dtype=torch.uint8, device=self.dev)
         scales = _alloc(self.scales_shape, dtype=self.sdt, device=self.dev)
         xk = x.view(torch.int32) if self.pair_words else x

@@ -460,6 +460,41 @@ def test_fused_activation_quant(op, M, N, dtype, layout, ue8m0, seed):
     assert d.max(initial=0) <= 1 and d.mean() < 0.02
 
 
+@SETTINGS
+@given(st.sampled_from(("silu_and_mul", "swigluoai")), st.integers(1, MAX_M),
+       st.integers(1, MAX_K // 2), st.sampled_from(("float32", "bfloat16")),
+       st.sampled_from(("fp32", "ue8m0", "static")), st.sampled_from(("none", "finite", "all")),
+       st.integers(0, 2**32 - 1))
+def test_fused_activation_quant_per_tensor(op, M, N, dtype, scale, special, seed):
+    """The two-pass fused per-tensor quantizer (activation amax pass, then the data pass computing the
+    activation again) equals the reference quantizer of the float32 activation, bit for bit, scale and
+    codes, with NaN and Inf inputs and a static scale."""
+    scheme = {"fp32": fp8_per_tensor(), "ue8m0": fp8_per_tensor(scale="ue8m0"),
+              "static": fp8_per_tensor(static_scale=0.75)}[scale]
+    xn = make_input(seed, (M, 2 * N), dtype, 2.0, special)
+    x = to_device(xn)
+    with poisoned():
+        if op == "silu_and_mul":
+            got = F.silu_and_mul_quant_fp8(x, scheme)
+            act = F.silu_and_mul(x).cpu().numpy()
+        else:
+            got = F.swigluoai_quant_fp8(x, 1.702, 7.0, scheme)
+            act = F.swigluoai(x).cpu().numpy()
+    ref = ref_quantize(act, scheme)
+    what = f"{op}/{scheme.name}/{special}"
+    assert_same_codes(got.codes.cpu().numpy(), ref.codes, "e4m3fn", what)
+    assert_same_scales(got.scales_logical(), ref.scales, what)
+
+
+def test_fused_per_tensor_refuses_batched_input_and_skip_rows():
+    x = to_device(np.ones((2, 3, 256), np.float32))
+    with pytest.raises(ValueError, match="per-tensor"):
+        F.silu_and_mul_quant_fp8(x, fp8_per_tensor())
+    with pytest.raises(ValueError, match="skip_rows"):
+        F.silu_and_mul_quant_fp8(x[0], fp8_per_tensor(), skip_rows=torch.zeros(3, dtype=torch.int32,
+                                                                                     device=x.device))
+
+
 # ----------------------------------------------------------------------------- registry
 
 def test_registry_lists_and_refuses_with_reason():

@@ -90,6 +90,20 @@ def _x3(x: torch.Tensor) -> torch.Tensor:
     return x.reshape((1, 1) + tuple(x.shape)) if x.dim() == 1 else (x.unsqueeze(0) if x.dim() == 2 else x)
 
 
+def per_tensor_scale_launches(ce: dict, static_t, static: bool, B: int, nprog: int | None):
+    """The per-tensor scale kernel's two planned launches ``(scale, scale_reduce)``: ``scale(amax, scales,
+    amax)`` from ``B`` amaxes given (or none needed); ``scale_reduce(amax_out, scales, partials)`` reduces an
+    amax pass's ``nprog`` int32 partials per matrix first and stores the amaxes (None when ``nprog`` is None).
+    Shared by :class:`QuantPlan` and the fused activation's per-tensor plan (:mod:`fastpath.fused`)."""
+    keys = ("ELEM_MAX", "INV_M", "EMAX", "MBITS", "SCALE_KIND", "FP32_RULE", "FP32_POW2",
+            "E8_RULE", "E8_LO", "E8_HI", "E8_NF", "AMAX_FLOOR", "ZERO_BLOCK", "NONFINITE", "APPLY")
+    sk = dict(BLOCK=_next_pow2(max(B, 2)), STATIC=static, **{k_: ce[k_] for k_ in keys})
+    scale = PlannedLaunch(_per_tensor_scale_kernel, (1,), SLOT, SLOT, static_t, B, SLOT, 0, P_ITERS=0, **sk)
+    reduce = None if nprog is None else PlannedLaunch(_per_tensor_scale_kernel, (1,), SLOT, SLOT, static_t, B,
+                                                      SLOT, nprog, P_ITERS=cdiv(nprog, 1024), **sk)
+    return scale, reduce
+
+
 class QuantPlan:
     """Everything :func:`~fastpath.quant.quantize` computes from its key; ``plan(x, amax,
     global_scale)`` runs one call (x of the key's dtype, shape, strides and device)."""
@@ -141,17 +155,8 @@ class QuantPlan:
                 self.zero_amax = torch.zeros(B, dtype=torch.float32, device=dev)  # read only
             self.sdt = torch.float32 if scheme.scale_format == "fp32" else torch.uint8
             self.scales_shape = grid_of(shape, scheme)  # the (B, 1, 1) storage, reshaped
-            keys = ("ELEM_MAX", "INV_M", "EMAX", "MBITS", "SCALE_KIND", "FP32_RULE", "FP32_POW2",
-                    "E8_RULE", "E8_LO", "E8_HI", "E8_NF", "AMAX_FLOOR", "ZERO_BLOCK", "NONFINITE", "APPLY")
-            sk = dict(BLOCK=_next_pow2(max(B, 2)), STATIC=static is not None, **{k_: ce[k_] for k_ in keys})
-            # amax given (or none needed): (amax, scales, amax); else the amax pass's partials are
-            # reduced by the scale kernel, which stores the amaxes: (amax out, scales, partials)
-            self.scale_launch = PlannedLaunch(_per_tensor_scale_kernel, (1,), SLOT, SLOT, static_t, B, SLOT, 0,
-                                              P_ITERS=0, **sk)
-            if self.need_amax:
-                n = self.amax_plan.nprog
-                self.scale_reduce_launch = PlannedLaunch(_per_tensor_scale_kernel, (1,), SLOT, SLOT, static_t, B,
-                                                         SLOT, n, P_ITERS=cdiv(n, 1024), **sk)
+            self.scale_launch, self.scale_reduce_launch = per_tensor_scale_launches(
+                ce, static_t, static is not None, B, self.amax_plan.nprog if self.need_amax else None)
             gs = min(K, 128) if not packed else max(2, min(_next_pow2(K), 128))
             gs = _next_pow2(gs)
             ng = cdiv(K, gs)
