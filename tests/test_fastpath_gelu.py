@@ -158,7 +158,8 @@ def test_fastpath_moe_gelu_fp8_layer_within_declared_profile(approximate):
     :func:`fastpath.moe.reference_config` declares, under its declared profile (HOPPER_FP8_DEEPGEMM_DATA);
     on a GPU also under the emulated ``exact_profile`` of the Triton GEMM, whose ``act_unit`` (16 float32
     ulps) the fused GELU's float32 evaluation must fit (the interpreter's FP8 dot is not Hopper's, which that
-    profile predicts). A halved w2 scale block fails the declared profile."""
+    profile predicts). The layer with one expert's GEMM2 dropped (its w2 scales zeroed) fails the declared
+    profile."""
     from fastpath.moe import FastMoEWeights, exact_profile, fast_weights, fused_moe, reference_config
 
     rng = np.random.default_rng(5)
@@ -262,3 +263,35 @@ def test_fastpath_moe_gelu_bf16_exact_layer_equals_the_reference_and_catches_tan
     bad = fused_moe(*args, activation="gelu_and_mul", activation_params={"approximate": "tanh"}, layout=layout)
     with pytest.raises(AssertionError, match="differ from the reference"):
         assert_moe_close(bad.cpu(), lay, regime="exact")
+
+
+@pytest.mark.parametrize("w4_activations", ["bfloat16", "float8_e4m3fn"])
+def test_fastpath_moe_gelu_w4_layer_within_fp32_bound(w4_activations):
+    """MXFP4 weights with GELU and float32 hidden states (the CPU path of the 4-bit layer: float32 stores):
+    W4A16 (the plain GELU kernel) and W4A8 (a1 and a2 FP8 1x128, the fused GELU + FP8 kernel), against
+    ``run_moe`` with :func:`fastpath.moe.reference_config`'s quantizers under FP32_ACCUM (W4A8: with the
+    ``act_unit`` of its declared BF16_OUTPUT_FP32_ACT); a layer whose w2 nibbles are swapped fails it."""
+    from dataclasses import replace
+
+    from fastpath.moe import FastMoEWeights, fast_weights, fused_moe, reference_config
+    from moeref.quant import mxfp4
+
+    rng = np.random.default_rng(11)
+    lw = quantize_weights(make_layer(3, 256, 128, seed=11), mxfp4())
+    x = make_tokens(7, 256, seed=12)
+    ids, tw = _routing(rng, 7, 3, 2)
+    fw = fast_weights(lw, DEV, w4_activations=w4_activations)
+    cfg = reference_config(fw)
+    prof = PROFILES["FP32_ACCUM"]
+    if cfg.pop("profile") == "BF16_OUTPUT_FP32_ACT":
+        prof = replace(prof, act_unit=PROFILES["BF16_OUTPUT_FP32_ACT"].act_unit)
+    args = (torch.as_tensor(x, device=DEV), fw, torch.as_tensor(tw, device=DEV), torch.as_tensor(ids, device=DEV))
+    kw = dict(activation="gelu_and_mul", alignment=16, out_dtype=torch.float32)
+    got = fused_moe(*args, **kw)
+    quant = {"quant": cfg["quant"]} if "quant" in cfg else {}
+    run = run_moe(x, lw, tw, ids, activation="gelu_and_mul", gemm1_out_dtype="float32", act_out_dtype="float32",
+                  out_dtype="float32", **quant)
+    assert compare(got.cpu(), run, prof).passed
+    bad = FastMoEWeights(fw.w13, replace(fw.w2, codes=((fw.w2.codes >> 4) | (fw.w2.codes << 4)).to(torch.uint8)),
+                         fw.w13_layout, w4_activations=w4_activations)
+    assert not compare(fused_moe(args[0], bad, *args[2:], **kw).cpu(), run, prof).passed
