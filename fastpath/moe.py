@@ -160,9 +160,10 @@ def reference_config(weights: FastMoEWeights, *, apply_router_weight_on_input: b
     """The :func:`moeref.moe.run_moe` keyword arguments whose declared stores match this layer, and the
     :mod:`moeref.compare` profile name under ``"profile"`` (4-bit layers: for bf16 hidden states; float32
     hidden states store in float32 under ``FP32_ACCUM``), for every activation of :data:`ACTIVATIONS` (their
-    float32 evaluation is inside the profiles' ``act_unit``: module docstring). ``apply_router_weight_on_input``: the layer run
-    with it; for bf16/fp16 GEMM operands the weighted float32 rows are declared stored in that dtype (an a1
-    quantizer that rounds them, :func:`stored_as`; module docstring)."""
+    float32 evaluation is inside the profiles' ``act_unit``: module docstring).
+    ``apply_router_weight_on_input``: the layer run with it; for bf16/fp16 GEMM operands the weighted float32
+    rows are declared stored in that dtype (an a1 quantizer that rounds them, :func:`stored_as`; module
+    docstring)."""
     from moeref.moe import MoEQuant
     from moeref.quant import fp8_group
 
