@@ -13,7 +13,8 @@ Models (``--models``):
 
 Implementations, each in its own try/except (the error is recorded, the run goes on):
 
-* ``fastpath.moe`` (Triton; DeepGEMM when ``deep_gemm`` imports), contiguous and masked, and capturable;
+* ``fastpath.moe`` (Triton; DeepGEMM when ``deep_gemm`` imports), contiguous and masked, and capturable, with the
+  layer's activation and its parameters (GELU: erf, as the GELU model declares);
 * ``torch eager bf16``: the layer written here in torch (cuBLAS bf16 GEMMs, FP32 accumulation, bf16 stores,
   FP8 re-quantization in float32 with torch's float8 cast), and honest variants of it (split-K GEMM1 in two
   halves summed in FP32, the top-k sum in reverse slot order, tokens in chunks of 32);
@@ -24,7 +25,8 @@ The reference is ``moeref.moe.run_moe(device="cuda")`` (the device engine, bit-i
 Each result: the number of bf16 outputs that differ from the reference (0 expected). Planted faults on the torch
 eager pipeline (skipped last K block, halved w2 scale block, swapped top-k weights of one token, gate/up swapped in
 one expert, renormalised router weights, one token routed to a neighbouring expert, last-bit noise on 0.5% of the
-outputs, tanh GELU for the GELU model): the number of differing outputs and whether equality caught it.
+outputs, tanh GELU for the GELU model), and on the GPU one in ``fastpath.moe`` (the GELU model's layer run with tanh
+GELU where erf is declared, ``fastpath_tanh_gelu``): the number of differing outputs and whether equality caught it.
 
     python bench/bench_exact_regimes.py [--models deepseek_v3 qwen3_30b_a3b] [--tokens 128] [--out FILE]
     python bench/bench_exact_regimes.py --tiny --device cpu     # the CPU-runnable parts at tiny shapes (CI)
@@ -61,6 +63,8 @@ MODELS = {
 TINY = dict(hidden=256, intermediate=256, experts=8, top_k=2)
 FAULTS = ("skipped_last_k_block", "halved_w2_scale_block", "swapped_topk_weights", "gate_up_swapped",
           "renormalized_weights", "neighbour_expert", "last_bit_noise", "tanh_gelu")
+FASTPATH_FAULTS = ("fastpath_tanh_gelu",)
+"""Faults planted in fastpath.moe itself (GPU only): the GELU layer run with tanh GELU where erf is declared."""
 
 
 def parse_args(argv=None):
@@ -281,8 +285,9 @@ class TorchLayer:
 # ------------------------------------------------------------------ fastpath.moe
 
 
-def fastpath_runs(lay, dev):
-    """``{name: callable -> bf16 tensor}`` for fastpath.moe's implementations that can run here."""
+def fastpath_runs(lay, dev, activation_params=None):
+    """``{name: callable -> bf16 tensor}`` for fastpath.moe's implementations that can run here, with the layer's
+    activation and ``activation_params`` (default: the layer's own, ``lay.config.activation_params``)."""
     import torch
 
     from fastpath.moe import fast_weights, fused_moe
@@ -308,14 +313,15 @@ def fastpath_runs(lay, dev):
             impls.append("deep_gemm")
     except Exception:  # noqa: BLE001 - DeepGEMM is optional
         pass
+    params = dict(lay.config.activation_params if activation_params is None else activation_params)
     runs = {}
     for impl in impls:
         for layout in ("contiguous", "masked"):
             for capturable in (False, True):
                 name = f"fastpath.moe {impl} {layout}" + (" capturable" if capturable else "")
                 runs[name] = (lambda impl=impl, layout=layout, capturable=capturable: fused_moe(
-                    hidden, fw, tw, ids, impl=impl, activation=lay.config.activation, layout=layout,
-                    shared_experts=shared, capturable=capturable))
+                    hidden, fw, tw, ids, impl=impl, activation=lay.config.activation, activation_params=params,
+                    layout=layout, shared_experts=shared, capturable=capturable))
     return runs
 
 
@@ -393,7 +399,11 @@ def run_model(model: str, args, log) -> dict:
         if fault == "tanh_gelu" and lay.config.activation != "gelu_and_mul":
             continue
         record(res["faults"], fault, lambda fault=fault: tl.run("bf16", fault=fault))
-        f = res["faults"][fault]
+    if args.device != "cpu" and lay.config.activation == "gelu_and_mul" \
+            and lay.config.activation_params.get("approximate", "none") == "none":
+        record(res["faults"], "fastpath_tanh_gelu",
+               lambda: fastpath_runs(lay, dev, {"approximate": "tanh"})["fastpath.moe triton contiguous"]())
+    for f in res["faults"].values():
         if "differing" in f:
             f["caught"] = f["differing"] > 0
     return res

@@ -31,6 +31,7 @@ FAULT_NAMES = {
     "neighbour_expert": "token 0, slot 0 routed to the neighbouring expert",
     "last_bit_noise": "last bit flipped in 0.5% of the outputs",
     "tanh_gelu": "tanh GELU for erf GELU",
+    "fastpath_tanh_gelu": "fastpath.moe computing tanh GELU for erf GELU",
 }
 
 
@@ -96,7 +97,8 @@ def table(runs: list) -> str:
            "(`run_moe(device=\"cuda\")`, bit-identical to the host reference), in which every declared store "
            "rounds an exact value once. In a regime every conforming kernel must give **0** differing outputs. "
            "Seconds: the one call, compilation and autotuning included (not a speed figure). The planted faults "
-           "are made in the torch eager layer."]
+           "are made in the torch eager layer, except the one named `fastpath.moe` (the fast path's GELU layer run "
+           "with tanh GELU where erf is declared)."]
     for d in runs:
         gpu = d.get("gpu", "no GPU")
         reduced = {m.get("bf16_reduced_precision_reduction") for m in d["models"]} - {None}

@@ -7,7 +7,7 @@
 * :mod:`fastpath._packed_fp4` — E2M1 rounding in inline PTX (GPU only; the interpreter keeps the
   integer rounding of :mod:`fastpath._triton_rounding`): MXFP4 on packed bf16x2 pairs, NVFP4 and
   the other FP4 inputs one float32 lane at a time.
-* :mod:`fastpath.fused` — ``silu_and_mul`` / ``swigluoai`` + FP8 group quantization in one kernel.
+* :mod:`fastpath.fused` — ``silu_and_mul`` / ``gelu_and_mul`` / ``swigluoai`` + FP8 group quantization in one kernel.
 * :mod:`fastpath.dispatch` — ``moe_align_block_size``, permute / unpermute-and-reduce, the DeepGEMM
   contiguous and masked layouts, the batched layout, finalize (same signatures as
   :mod:`moeref.dispatch`).

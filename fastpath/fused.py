@@ -1,4 +1,5 @@
-"""Gated activation + FP8 group quantization in one kernel (``silu_and_mul`` / ``swigluoai`` -> 1xG).
+"""Gated activation + FP8 group quantization in one kernel (``silu_and_mul`` / ``gelu_and_mul`` /
+``swigluoai`` -> 1xG).
 
 The MoE expert's first GEMM produces ``h[..., 2N]``; the second GEMM wants FP8 codes of
 ``act(h)[..., N]`` with per-token-group scales (DeepGEMM / vLLM 1x128). Fusing saves writing the
@@ -14,14 +15,15 @@ What is proven, and how (tests: ``property_tests/test_fastpath_quant.py``):
 * The quantization is exact: ``fused(x)`` equals, bit for bit, the reference quantizer
   (:func:`moeref.quant.quantize`) applied to the float32 activation this module computes
   (:func:`silu_and_mul` / :func:`swigluoai`, the same device function in an unfused kernel).
-* The activation is float32 arithmetic (``exp`` is the GPU's fast ``ex2``), so it matches the
+* The activation is float32 arithmetic (``exp`` is the GPU's fast ``ex2``; GELU's ``erf`` is libdevice's
+  ``__nv_erff``, its tanh form a sigmoid: :func:`fastpath.quant._jit_codes._gelu`), so it matches the
   float64 reference (:mod:`moeref.activations`) to a few float32 ulps, not bitwise; the tests
   bound it (relative 1e-5 plus an absolute floor). Consequently the fused codes equal the codes of
   the exact reference activation except where the float32 activation sits next to an FP8 rounding
   boundary: those differ by one code, and the tests bound how many.
 
-Layouts: ``silu_and_mul`` reads ``gate = h[..., :N]``, ``up = h[..., N:]`` (vLLM ``SiluAndMul``,
-``layout="gate_up"``); ``swigluoai`` reads interleaved pairs ``gate = h[..., 0::2]``,
+Layouts: ``silu_and_mul`` and ``gelu_and_mul`` read ``gate = h[..., :N]``, ``up = h[..., N:]`` (vLLM
+``SiluAndMul`` / ``GeluAndMul``, ``layout="gate_up"``); ``swigluoai`` reads interleaved pairs ``gate = h[..., 0::2]``,
 ``up = h[..., 1::2]`` (gpt-oss, ``layout="interleaved"``), with ``alpha``/``limit``.
 """
 from __future__ import annotations
@@ -31,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeref._checks import check_choice
+from moeref.activations import GELU_APPROXIMATIONS
 from moeref.quant import fp8_group
 from moeref.quant.scheme import Scheme
 
@@ -47,15 +51,28 @@ from ._host import SLOT, PlannedLaunch, cdiv, launch, next_pow2
 
 __all__ = [
     "silu_and_mul_quant_fp8",
+    "gelu_and_mul_quant_fp8",
     "swigluoai_quant_fp8",
     "silu_and_mul",
+    "gelu_and_mul",
     "swigluoai",
     "reference_silu_and_mul_quant_fp8",
+    "reference_gelu_and_mul_quant_fp8",
     "reference_swigluoai_quant_fp8",
     "supports",
 ]
 
-_ACT = {"silu_and_mul": 1, "swigluoai": 2}
+_ACT = {"silu_and_mul": 1, "swigluoai": 2, "gelu_and_mul": 3, "gelu_tanh_and_mul": 4}
+"""The kernels' ``ACT`` code of each activation (:func:`fastpath.quant._jit_codes._activation`); the two GELU
+forms are two codes (:func:`_gelu_key`)."""
+_GATE_UP = ("silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul")
+
+
+def _gelu_key(approximate: str) -> str:
+    """The ``_ACT`` key of GELU with ``approximate`` (``"none"``: erf, ``"tanh"``), as
+    :data:`moeref.activations.GELU_APPROXIMATIONS` names them (``ValueError`` otherwise)."""
+    check_choice(approximate, GELU_APPROXIMATIONS, "approximate")
+    return "gelu_tanh_and_mul" if approximate == "tanh" else "gelu_and_mul"
 
 
 def supports(scheme: Scheme | None = None, x=None, scale_layout: str = "row_major", **_) -> tuple[bool, str]:
@@ -151,6 +168,14 @@ def silu_and_mul(x: torch.Tensor, *, amax_for: Scheme | None = None):
     return _activation_torch(x, "silu_and_mul", 0.0, 0.0, amax_for)
 
 
+def gelu_and_mul(x: torch.Tensor, approximate: str = "none", *, amax_for: Scheme | None = None):
+    """float32 ``gelu(x[..., :N], approximate) * x[..., N:]`` computed by the fused kernel's activation code
+    (:func:`fastpath.quant._jit_codes._gelu`: ``approximate="none"`` the erf form, ``"tanh"`` PyTorch's tanh
+    approximation; the semantics of :func:`moeref.activations.gelu_and_mul`); ``amax_for`` as in
+    :func:`silu_and_mul`."""
+    return _activation_torch(x, _gelu_key(approximate), 0.0, 0.0, amax_for)
+
+
 def swigluoai(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0, *, amax_for: Scheme | None = None):
     """float32 gpt-oss SwiGLU of interleaved ``x[..., 2N]`` by the fused kernel's activation code;
     ``amax_for`` as in :func:`silu_and_mul`."""
@@ -214,10 +239,11 @@ class _FusedPlan:
         tile = QT._device_tile("fused", dev, scale_layout, ce, gs, ng, (block_m, groups_per_program, num_warps))
         if tile is not None:  # a device's own tile (fastpath.quant._tiles._DEVICE_TILES)
             groups_per_program, block_m, num_warps = tile
-        elif act == "silu_and_mul" and gs == 128 and block_m is None and groups_per_program is None \
+        elif act in _GATE_UP and gs == 128 and block_m is None and groups_per_program is None \
                 and num_warps is None:
             # the general tile (devices without their own): two loads per element (gate, up), 4 rows
-            # x 8 groups on 8 warps (docs/performance.md, "Tuning history of the quantization kernels")
+            # x 8 groups on 8 warps (docs/performance.md, "Tuning history of the quantization kernels";
+            # measured with SiLU, used for GELU's same loads)
             num_warps = 8
         gb, gpp, bm = QT._tile(gs, block_m, groups_per_program, scale_layout, ng, role="fused")
         dummy = _alloc(1, dtype=torch.float32, device=dev)  # never read or written by the kernel
@@ -350,6 +376,15 @@ def silu_and_mul_quant_fp8(x: torch.Tensor, scheme: Scheme | None = None, *,
     return _fused(x, "silu_and_mul", 0.0, 0.0, scheme, scale_layout, hw_fp8, **tile)
 
 
+def gelu_and_mul_quant_fp8(x: torch.Tensor, approximate: str = "none", scheme: Scheme | None = None, *,
+                           scale_layout: str = "row_major", hw_fp8: bool | None = None,
+                           **tile) -> Q.FastQuantized:
+    """FP8 group quantization of ``gelu(x[..., :N], approximate) * x[..., N:]`` in one kernel: the float32
+    activation of :func:`gelu_and_mul` (``approximate``: ``"none"`` erf, ``"tanh"``), then the group
+    quantizer; arguments as :func:`silu_and_mul_quant_fp8`."""
+    return _fused(x, _gelu_key(approximate), 0.0, 0.0, scheme, scale_layout, hw_fp8, **tile)
+
+
 def swigluoai_quant_fp8(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0,
                         scheme: Scheme | None = None, *, scale_layout: str = "row_major",
                         hw_fp8: bool | None = None, **tile) -> Q.FastQuantized:
@@ -363,6 +398,14 @@ def reference_silu_and_mul_quant_fp8(x, scheme: Scheme | None = None):
     from moeref.activations import silu_and_mul as act
     from moeref.quant import quantize
     return quantize(np.asarray(act(x), np.float32), fp8_group(128) if scheme is None else scheme)
+
+
+def reference_gelu_and_mul_quant_fp8(x, approximate: str = "none", scheme: Scheme | None = None):
+    """The specification: :func:`moeref.activations.gelu_and_mul` (float64, rounded to float32), then
+    :func:`moeref.quant.quantize`."""
+    from moeref.activations import gelu_and_mul as act
+    from moeref.quant import quantize
+    return quantize(np.asarray(act(x, approximate), np.float32), fp8_group(128) if scheme is None else scheme)
 
 
 def reference_swigluoai_quant_fp8(x, alpha: float = 1.702, limit: float = 7.0,

@@ -11,9 +11,9 @@ Stages (each an existing fast path or :mod:`fastpath.grouped_gemm`):
    Triton kernel reads them through ``src`` (no scatter);
 2. GEMM1 ``h = a @ W13[e].T`` (``impl``: ``"triton"`` or ``"deep_gemm"``), stored bf16;
 3. activation in FP32 and, for FP8 layers, the 1x128 re-quantization in the same kernel
-   (:func:`fastpath.fused.silu_and_mul_quant_fp8`, :func:`fastpath.fused.swigluoai_quant_fp8`, tiles of
-   padding rows skipped through ``skip_rows=src``); float
-   layers keep the activation in bf16 (:func:`fastpath.fused.silu_and_mul` / ``swigluoai``);
+   (:func:`fastpath.fused.silu_and_mul_quant_fp8`, :func:`fastpath.fused.gelu_and_mul_quant_fp8`,
+   :func:`fastpath.fused.swigluoai_quant_fp8`, tiles of padding rows skipped through ``skip_rows=src``); float
+   layers keep the activation in bf16 (:func:`fastpath.fused.silu_and_mul` / ``gelu_and_mul`` / ``swigluoai``);
 4. GEMM2 ``y = xq @ W2[e].T``, stored bf16;
 5. ``out[t] = sum_j w[t, j] y[slot t*k+j]`` (:func:`fastpath.dispatch.weight_and_reduce`, FP32 sum in
    slot order), stored in ``out_dtype``.
@@ -30,7 +30,20 @@ expert, weight 1, added to the routed FP32 sum). 4-bit weights (:class:`fastpath
 MXFP4 incl. gpt-oss checkpoints, NVFP4, INT4 groups) run W4A16: bf16 hidden states, GEMM outputs and activation
 stored bf16, profile ``BF16_OUTPUT`` (float32 hidden states, the CI path: float32 stores, ``FP32_ACCUM``);
 ``impl="triton"`` only; with ``w4_activations="float8_e4m3fn"`` (W4A8) the a1/a2 FP8 1x128 quantization of
-the FP8 layer, profile ``BF16_OUTPUT_FP32_ACT``. Activations ``silu_and_mul`` and ``swigluoai``.
+the FP8 layer, profile ``BF16_OUTPUT_FP32_ACT``.
+
+Activations (:data:`ACTIVATIONS`): ``silu_and_mul`` and ``gelu_and_mul`` (w13 ``gate_up``) and ``swigluoai``
+(w13 ``interleaved``, ``activation_params`` ``alpha``, ``limit``). GELU follows
+:func:`moeref.activations.gelu_and_mul`: ``activation_params={"approximate": "none"}`` (the default: erf,
+``0.5 g (1 + erf(g / sqrt 2))``, PyTorch ``F.gelu`` and vLLM ``gelu_and_mul``) or ``{"approximate": "tanh"}``
+(PyTorch's ``approximate="tanh"``, vLLM ``gelu_tanh_and_mul``), in float32 as
+:func:`fastpath.quant._jit_codes._gelu` evaluates it (libdevice's ``erf``, which may differ from torch's by an
+ulp or two; the tanh form through ``sigmoid(2 z)``). Every activation is evaluated within a few float32 ulps
+of ``|gate| |up|``: erf GELU within about 2 (CUDA's 2-ulp ``erff``, the argument's and the three products'
+roundings), tanh GELU within about 8 (the fast ``exp`` of the sigmoid, as SiLU); under Triton's interpreter
+both measure below 3. That is inside the ``act_unit`` of 16 float32 ulps of ``|x| + |gate| |up|`` that every
+profile :func:`reference_config` declares (:mod:`moeref.compare.bounds`, stage 3), so the declarations hold for
+GELU as for SiLU.
 
 Router weight on the input (``apply_router_weight_on_input=True``, top-1 only, as the reference and vLLM, whose
 kernels serve it for ``top_k == 1`` only, Llama 4): the reference's semantics (:func:`moeref.moe.fused_moe`,
@@ -56,7 +69,8 @@ from .grouped_gemm_w4 import W4Experts, w4_supports
 
 __all__ = ["FastMoEWeights", "fused_moe", "reference_config", "fast_weights", "stored_as", "exact_profile"]
 
-ACTIVATIONS = ("silu_and_mul", "swigluoai")
+ACTIVATIONS = ("silu_and_mul", "gelu_and_mul", "swigluoai")
+"""The activations with a GPU layer (module docstring)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,9 +159,11 @@ _W4_ELEMENTS = ("e2m1", "int4", "uint4")
 def reference_config(weights: FastMoEWeights, *, apply_router_weight_on_input: bool = False) -> dict:
     """The :func:`moeref.moe.run_moe` keyword arguments whose declared stores match this layer, and the
     :mod:`moeref.compare` profile name under ``"profile"`` (4-bit layers: for bf16 hidden states; float32
-    hidden states store in float32 under ``FP32_ACCUM``). ``apply_router_weight_on_input``: the layer run
-    with it; for bf16/fp16 GEMM operands the weighted float32 rows are declared stored in that dtype (an a1
-    quantizer that rounds them, :func:`stored_as`; module docstring)."""
+    hidden states store in float32 under ``FP32_ACCUM``), for every activation of :data:`ACTIVATIONS` (their
+    float32 evaluation is inside the profiles' ``act_unit``: module docstring).
+    ``apply_router_weight_on_input``: the layer run with it; for bf16/fp16 GEMM operands the weighted float32
+    rows are declared stored in that dtype (an a1 quantizer that rounds them, :func:`stored_as`; module
+    docstring)."""
     from moeref.moe import MoEQuant
     from moeref.quant import fp8_group
 
@@ -202,12 +218,12 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
     refused (the dispatch uploads it per call). The result is the same bits either way."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} has no GPU layer; supported: {ACTIVATIONS}")
+    params = _activation_params(activation, activation_params)
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} has no GPU layer; supported: {LAYOUTS}")
     if apply_router_weight_on_input and int(topk_ids.shape[1]) != 1:
         raise ValueError("apply_router_weight_on_input needs top_k == 1 (weight-on-input is exact only then); "
                          f"got top_k={int(topk_ids.shape[1])}")
-    params = dict(activation_params or {})
     for w in (weights,) if shared_experts is None else (weights, shared_experts):
         need = params.get("layout", "interleaved" if activation == "swigluoai" else "gate_up")
         if w.w13_layout != need:
@@ -234,7 +250,7 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
     chunk = m if chunk_size is None else int(chunk_size)
     if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
-    kw = dict(impl=impl, activation=activation, act_kw={k: v for k, v in params.items() if k in ("alpha", "limit")},
+    kw = dict(impl=impl, activation=activation, act_kw={k: v for k, v in params.items() if k != "layout"},
               layout=layout, alignment=alignment, max_m=max_m, capturable=capturable)
     ids_all = topk_ids.to(hidden.device)
     tw_all = topk_weights.to(hidden.device)
@@ -263,6 +279,27 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
         return result
     return torch.cat(parts, dim=0).to(out_dtype)
 
+
+
+def _activation_params(activation: str, activation_params) -> dict:
+    """``activation_params`` checked as the reference checks them: the keyword arguments of the activation's
+    function in :data:`moeref.activations.ACTIVATIONS` (``TypeError`` for another name, as
+    :func:`moeref.activations.activation_values` raises; so a misspelt ``approximate`` never runs erf
+    GELU silently) and GELU's ``approximate`` one of :data:`moeref.activations.GELU_APPROXIMATIONS`."""
+    import inspect
+
+    from moeref._checks import check_choice
+    from moeref.activations import ACTIVATIONS as REFERENCE_ACTIVATIONS
+    from moeref.activations import GELU_APPROXIMATIONS
+
+    params = dict(activation_params or {})
+    try:
+        inspect.signature(REFERENCE_ACTIVATIONS[activation].function).bind(None, **params)
+    except TypeError as e:
+        raise TypeError(f"activation_params {sorted(params)} for {activation!r}: {e}") from None
+    if activation == "gelu_and_mul":
+        check_choice(params.get("approximate", "none"), GELU_APPROXIMATIONS, "approximate")
+    return params
 
 
 _SIDE: dict = {}
@@ -302,7 +339,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
     from fastpath import dispatch
     from fastpath._dispatch_kernels import _invert_kernel
     from fastpath._host import alloc, cdiv, launch
-    from fastpath.fused import silu_and_mul_quant_fp8, swigluoai_quant_fp8
+    from fastpath.fused import gelu_and_mul_quant_fp8, silu_and_mul_quant_fp8, swigluoai_quant_fp8
     from fastpath.grouped_gemm import default_tiles, grouped_gemm_masked
     from fastpath.quant import quantize
     from moeref.quant import fp8_group
@@ -403,15 +440,17 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         tiles = default_tiles("fp8_block" if weights.fp8 else "float", expected_m, x.device.type)
     h = gemm(a, weights.w13, sa, weights.w13_scales, weights.b13, a_src=src if gather else None)
     if weights.fp8_activations:
-        fq = silu_and_mul_quant_fp8(h, scheme, skip_rows=src_flat) if activation == "silu_and_mul" else \
-            swigluoai_quant_fp8(h, scheme=scheme, skip_rows=src_flat, **act_kw)
+        fused = {"silu_and_mul": silu_and_mul_quant_fp8, "gelu_and_mul": gelu_and_mul_quant_fp8,
+                 "swigluoai": swigluoai_quant_fp8}[activation]
+        fq = fused(h, scheme=scheme, skip_rows=src_flat, **act_kw)
         n = int(h.shape[1]) // 2
         xq = fq.codes.reshape(-1, n).view(torch.float8_e4m3fn)
         sx = fq.scales.reshape(xq.shape[0], -1)
     else:
-        from fastpath.fused import silu_and_mul, swigluoai
+        from fastpath.fused import gelu_and_mul, silu_and_mul, swigluoai
 
-        xq = (silu_and_mul(h) if activation == "silu_and_mul" else swigluoai(h, **act_kw)).to(store)
+        plain = {"silu_and_mul": silu_and_mul, "gelu_and_mul": gelu_and_mul, "swigluoai": swigluoai}[activation]
+        xq = plain(h, **act_kw).to(store)
         sx = None
     y = gemm(xq, weights.w2, sx, weights.w2_scales, weights.b2)
     shape = (int(topk_weights.shape[0]), int(y.shape[-1]))
@@ -432,8 +471,9 @@ def profile_of(impl: str, weights: FastMoEWeights) -> str:
 def exact_profile(impl: str, weights: FastMoEWeights, *, apply_router_weight_on_input: bool = False):
     """The equality-level :class:`moeref.compare.Profile` of the FP8 layer through ``impl``
     (:data:`fastpath.grouped_gemm.EXACT_PROFILE_OF`: both GEMMs predicted bit for bit on Hopper) with the stores
-    :func:`reference_config` declares (GEMM outputs, activation, output). ``ValueError`` for layers without one
-    (bf16 and 4-bit weights: their GEMMs are not emulated)."""
+    :func:`reference_config` declares (GEMM outputs, activation, output), for every activation of
+    :data:`ACTIVATIONS` (``act_unit`` 16 float32 ulps, the activation's evaluation: module docstring).
+    ``ValueError`` for layers without one (bf16 and 4-bit weights: their GEMMs are not emulated)."""
     from dataclasses import replace
 
     from moeref.compare.kernel_profiles import get_profile

@@ -224,7 +224,7 @@ def _ensure_loaded() -> None:
         register(op, "triton", f"fastpath.grouped_gemm_w4:{op}",
                  _triton_supports("fastpath.grouped_gemm_w4", "w4_supports"),
                  "Triton grouped GEMM, MXFP4/NVFP4/INT4 weights decoded in the K loop x bf16 activations")
-    for op in ("silu_and_mul_quant_fp8", "swigluoai_quant_fp8"):
+    for op in ("silu_and_mul_quant_fp8", "gelu_and_mul_quant_fp8", "swigluoai_quant_fp8"):
         register(op, "reference", f"fastpath.fused:reference_{op}", _reference_supports,
                  "moeref.activations (float64) then moeref.quant.quantize")
         register(op, "triton", f"fastpath.fused:{op}", _triton_supports("fastpath.fused"),

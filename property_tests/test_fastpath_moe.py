@@ -171,10 +171,11 @@ def fp8_block_layer(rng, e, k, n):
 @pytest.mark.gpu
 @settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(routings(max_tokens=200, max_experts=8, max_top_k=4), st.sampled_from(["triton", "deep_gemm"]),
-       st.integers(0, 2**16), st.sampled_from(["contiguous", "masked"]))
-def test_fastpath_moe_fp8_layer_within_declared_profile(r, impl, seed, layout):
-    """FP8 1x128 x 128x128 layer (DeepGEMM recipe) at K = 512, N = 256: every example passes under the
-    declared profile, with the Triton kernel and with DeepGEMM."""
+       st.integers(0, 2**16), st.sampled_from(["contiguous", "masked"]),
+       st.sampled_from([("silu_and_mul", {}), ("gelu_and_mul", {}), ("gelu_and_mul", {"approximate": "tanh"})]))
+def test_fastpath_moe_fp8_layer_within_declared_profile(r, impl, seed, layout, act):
+    """FP8 1x128 x 128x128 layer (DeepGEMM recipe) at K = 512, N = 256, SiLU or erf / tanh GELU: every example
+    passes under the declared profile, with the Triton kernel and with DeepGEMM."""
     from fastpath.grouped_gemm import grouped_gemm_supports
     from fastpath.moe import fast_weights, fused_moe, profile_of, reference_config
 
@@ -185,12 +186,13 @@ def test_fastpath_moe_fp8_layer_within_declared_profile(r, impl, seed, layout):
     x = make_tokens(r.num_tokens, 512, seed=seed)
     fw = fast_weights(weights, "cuda")
     got = fused_moe(torch.as_tensor(x, device="cuda").to(torch.bfloat16), fw, torch.as_tensor(r.weights, device="cuda"),
-                    torch.as_tensor(r.ids, device="cuda"), impl=impl, layout=layout)
+                    torch.as_tensor(r.ids, device="cuda"), impl=impl, layout=layout, activation=act[0],
+                    activation_params=act[1])
     cfg = reference_config(fw)
     prof = PROFILES[cfg.pop("profile")]
     assert prof.name == profile_of(impl, fw)
     x_seen = torch.as_tensor(x).to(torch.bfloat16).float().numpy()  # the kernel's input, as it sees it
-    run = run_moe(x_seen, weights, r.weights, r.ids, **cfg)
+    run = run_moe(x_seen, weights, r.weights, r.ids, activation=act[0], activation_params=act[1], **cfg)
     rep = compare(got.float().cpu(), run, prof)
     assert rep.passed, rep
 

@@ -140,7 +140,7 @@ def test_device_tiles_leave_other_devices_alone(monkeypatch):
 
 
 @SETTINGS
-@given(op=st.sampled_from(("silu_and_mul", "swigluoai")), M=st.integers(1, 5),
+@given(op=st.sampled_from(("silu_and_mul", "swigluoai", "gelu_and_mul")), M=st.integers(1, 5),
        groups=st.integers(1, 12), tail=st.integers(0, 127),
        layout=st.sampled_from(("row_major", "mn_major")), preset=st.sampled_from(("default", "deepgemm")),
        seed=st.integers(0, 2**31))
@@ -157,9 +157,12 @@ def test_fused_device_tiles_match_reference(monkeypatch, op, M, groups, tail, la
     if op == "silu_and_mul":
         got = F.silu_and_mul_quant_fp8(x, scheme, scale_layout=layout)
         act = F.silu_and_mul(x).cpu().numpy()
-    else:
+    elif op == "swigluoai":
         got = F.swigluoai_quant_fp8(x, 1.702, 7.0, scheme, scale_layout=layout)
         act = F.swigluoai(x).cpu().numpy()
+    else:
+        got = F.gelu_and_mul_quant_fp8(x, "none", scheme, scale_layout=layout)
+        act = F.gelu_and_mul(x, "none").cpu().numpy()
     ref = ref_quantize(act, scheme)
     what = f"{op}/{preset}/{layout}"
     assert_same_codes(got.codes.cpu().numpy(), ref.codes, "e4m3fn", what)

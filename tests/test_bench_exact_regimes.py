@@ -43,3 +43,21 @@ def test_tiny_run_honest_equal_faults_caught(tmp_path):
         assert set(faults) == set(bench.FAULTS) - {"tanh_gelu"}
         assert all(f.get("caught") for f in faults.values()), faults
         assert np.isfinite(model["reference_seconds"])
+
+
+def test_fastpath_runs_take_the_layers_activation_and_its_parameters():
+    """bench.fastpath_runs hands fastpath.moe the layer's activation and parameters (the GELU model's rows, and
+    its ``fastpath_tanh_gelu`` fault through ``activation_params``): on a tiny FP8 GELU layer under the
+    interpreter the reference's bits; a bad ``approximate`` reaches the layer's check."""
+    import torch
+
+    from moeref.regimes import exact_layer
+
+    lay = exact_layer(8, 256, 256, 4, 2, scheme="fp8_1x128", activation="gelu_and_mul", seed=0)
+    dev = torch.device("cpu")
+    runs = bench.fastpath_runs(lay, dev)
+    assert {"fastpath.moe triton contiguous", "fastpath.moe triton masked capturable"} <= set(runs)
+    ref = np.asarray(lay.reference().out, np.float32)
+    assert bench._count(ref, runs["fastpath.moe triton contiguous"]()) == 0
+    with pytest.raises(ValueError, match="'erf'"):
+        bench.fastpath_runs(lay, dev, {"approximate": "erf"})["fastpath.moe triton contiguous"]()

@@ -6,7 +6,7 @@
 * element codes (FP8 by the integer rounding of :mod:`fastpath._triton_rounding` or the hardware
   cast; E2M1 by the integer rounding or the lane encode of :mod:`fastpath._packed_fp4`), then the
   block policies (NaN blocks, signed zeros);
-* the gated activations the fused kernels apply while loading (``_activation``, ``_swiglu``).
+* the gated activations the fused kernels apply while loading (``_activation``, ``_swiglu``, ``_gelu``).
 
 Integer constexprs are positions in the tuples of :mod:`moeref.quant.scheme`
 (:mod:`fastpath.quant._preset_map`).
@@ -61,6 +61,34 @@ def _swiglu(g, u, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
 
 
 @triton.jit
+def _gelu(g, ACT: tl.constexpr):
+    """GELU of float32 gates ``g``, the formulas of PyTorch's CUDA kernel (``GeluCUDAKernelImpl``,
+    ``at::native``, float32 opmath) and vLLM's ``gelu_kernel`` / ``gelu_tanh_kernel``
+    (``csrc/activation_kernels.cu``), every constant a float32 literal as there:
+
+    ACT 3 (erf, ``approximate="none"``): ``g * 0.5 * (1 + erf(g * M_SQRT1_2))``. ``tl.math.erf`` is
+    libdevice's ``__nv_erff`` on the GPU (CUDA documents at most 2 ulp; torch and vLLM call the CUDA math
+    library's ``erff``, the same bound: the two can differ by an ulp or two of ``erf``) and, under Triton's
+    interpreter, float64 ``math.erf`` rounded to float32.
+
+    ACT 4 (tanh, ``approximate="tanh"``): ``0.5 g (1 + tanh(z))``, ``z = sqrt(2/pi) (g + 0.044715 g^3)``
+    (``g * g * g``), evaluated through the identity ``0.5 (1 + tanh(z)) = sigmoid(2 z)`` as
+    ``g * sigmoid(2 z)``: Triton has no portable ``tanh`` (libdevice's ``tanhf`` is GPU-only and the
+    interpreter runs no extern function), and the identity has no cancellation where ``1 + tanh(z)`` does
+    (negative gates). The value is the formula's; its float32 evaluation differs from torch's ``tanhf``
+    form by a few float32 ulps of ``|g|``.
+
+    Both stay within the declared activation unit of the layer's profiles (16 float32 ulps of
+    ``|g| |u|``; :func:`fastpath.moe.reference_config`)."""
+    if ACT == 4:
+        z = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+        out = g * tl.sigmoid(2.0 * z)
+    else:
+        out = g * 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    return out
+
+
+@triton.jit
 def _activation(rp, k, stride_xk, N, mask, ACT: tl.constexpr, ALPHA: tl.constexpr,
                 LIMIT: tl.constexpr):
     """Gated activation in float32 at output columns ``k`` (any tile shape; ``rp`` the row
@@ -71,11 +99,16 @@ def _activation(rp, k, stride_xk, N, mask, ACT: tl.constexpr, ALPHA: tl.constexp
     ACT 2: gpt-oss ``swigluoai``: gate = x[:, 0::2], up = x[:, 1::2] (:func:`moeref.activations.swigluoai`,
     layout "interleaved"); this generic path loads them with stride 2 (the fast path reads
     16-bit pairs as int32 words, see ``PAIR``).
+    ACT 3 / 4: ``gelu(gate) * up``, erf / tanh GELU (:func:`_gelu`), layout "gate_up" (vLLM ``GeluAndMul``,
+    :func:`moeref.activations.gelu_and_mul`).
     """
-    if ACT == 1:
+    if ACT != 2:
         g = tl.load(rp + k * stride_xk, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(rp + (k + N) * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        out = g * tl.sigmoid(g) * u
+        if ACT == 1:
+            out = g * tl.sigmoid(g) * u
+        else:
+            out = _gelu(g, ACT) * u
     else:
         g = tl.load(rp + (2 * k) * stride_xk, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(rp + (2 * k + 1) * stride_xk, mask=mask, other=0.0).to(tl.float32)

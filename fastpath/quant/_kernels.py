@@ -50,7 +50,8 @@ def _quant_kernel(
 
     AMAX_SRC: 0 = block amax from the tile, 1 = per-scale amax read from ``amax_ptr`` (per-tensor:
     one amax per ROWS_PER_SCALE rows). ACT: 0 = x is the input; 1 = silu_and_mul of a gate_up
-    input [.., 2K]; 2 = swigluoai of an interleaved input [.., 2K] (fastpath.fused).
+    input [.., 2K]; 2 = swigluoai of an interleaved input [.., 2K]; 3 / 4 = erf / tanh gelu_and_mul of a
+    gate_up input (fastpath.fused).
 
     PAIR picks how element pairs are read (FP4 packs pairs into a byte; swigluoai's (gate, up) are
     adjacent): 0 = plain [BLOCK_M, GPP, GB] tiles (FP8); 1 = 16-bit input read as int32 words,
@@ -130,7 +131,7 @@ def _quant_kernel(
         k3 = k[None, :, :]
         if ACT == 0:
             x = tl.load(rp + k3 * stride_xk, mask=m3, other=0.0).to(tl.float32)
-        elif ACT == 1:
+        elif ACT != 2:  # the gate_up activations (SiLU, GELU)
             x = _activation(rp, k3, stride_xk, K, m3, ACT, ACT_ALPHA, ACT_LIMIT)
         elif PAIR == 1:  # swigluoai from int32 words: word k = (gate_k, up_k)
             words = tl.load(rp + k3 * stride_xk, mask=m3, other=0)
