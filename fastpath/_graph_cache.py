@@ -32,6 +32,7 @@ from collections import OrderedDict
 __all__ = ["GraphCache", "GraphEntry", "weights_signature"]
 
 _FIELDS: dict = {}  # dataclass type -> its field names
+_PLAIN = frozenset((str, int, float, bool, type(None)))
 
 
 def weights_signature(obj) -> tuple | None:
@@ -50,7 +51,9 @@ def weights_signature(obj) -> tuple | None:
     out = [id(obj)]
     for n in names:
         v = getattr(obj, n)
-        if hasattr(v, "data_ptr") and hasattr(v, "stride"):
+        if type(v) in _PLAIN:
+            out.append(v)
+        elif hasattr(v, "data_ptr") and hasattr(v, "stride"):
             out.append((v.data_ptr(), v.shape, v.stride(), v.dtype))
         elif dataclasses.is_dataclass(v) and not isinstance(v, type):
             out.append(weights_signature(v))

@@ -311,7 +311,7 @@ def _graph_call(key, hidden, weights, topk_weights, topk_ids, opts: dict, captur
             # call sizes the capacity from the counts
             return _fused_moe(hidden, weights, topk_weights, topk_ids, expert_map=None, capturable=False, **opts)
     if entry is not None:
-        with GRAPH_CACHE.lock:
+        with GRAPH_CACHE.lock, torch.no_grad():  # one replay at a time; the copies record no autograd history
             x, tw, ids = entry.inputs
             x.copy_(hidden)
             tw.copy_(topk_weights)
