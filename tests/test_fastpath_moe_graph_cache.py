@@ -225,3 +225,26 @@ def test_cached_call_without_the_cache_and_for_other_weights(stand_in_cache):
     del fw2
     gc.collect()
     assert len(stand_in_cache) == 1
+
+
+def test_a_failed_capture_is_recorded_warned_once_and_not_retried(monkeypatch):
+    """``_capture`` on tensors it cannot capture (CPU tensors: no CUDA stream) records the reason, warns, and the
+    key is not captured again; the call's own result is unaffected (returned before the capture)."""
+    import warnings
+
+    import fastpath.moe as fm
+
+    cache = GraphCache(size=4)
+    monkeypatch.setattr(fm, "GRAPH_CACHE", cache)
+    monkeypatch.setattr(fm.torch.cuda, "current_stream", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("no CUDA stream here")))
+    x, fw, tw, ids = _layer_case(5)
+    opts = _opts()
+    key = fm.graph_key(x, fw, tw, ids, opts, 0)
+    with pytest.warns(RuntimeWarning, match="could not capture"):
+        fm._capture(key, x, fw, tw, ids, opts, (fw,))
+    info = cache.info()
+    assert info["entries"] == 0 and info["failures"] == ["RuntimeError: no CUDA stream here"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not any(cache.want_capture(key) for _ in range(3))
