@@ -19,8 +19,8 @@ What this module holds is the bookkeeping, with no CUDA in it (so the CPU tests 
   objects of its key: when one is collected its entries go (its graph would read freed memory), and a
   hit checks that the objects are the ones the key names (an id can be reused after collection). A key
   whose capture failed is not tried again (:meth:`GraphCache.fail`; the reason is in :meth:`info`).
-  The cache's ``lock`` serialises a replay's copy-in, launch and copy-out, so two threads sharing one
-  entry do not interleave their inputs.
+  The cache's ``lock`` guards its dictionaries and serialises a replay's copy-in, launch and copy-out, so
+  two threads sharing one entry do not interleave their inputs.
 """
 from __future__ import annotations
 
@@ -93,41 +93,44 @@ class GraphCache:
         """The entry of ``key`` (now the most recently used), or None (a miss). ``objs``: the weights
         objects the key names, in the order given to :meth:`put`; an entry whose objects are not these
         (collected, their ids reused) is dropped and the call is a miss."""
-        e = self._entries.get(key)
-        if e is not None and (len(e.refs) != len(objs) or any(r() is not o for r, o in zip(e.refs, objs))):
-            self._entries.pop(key, None)
-            e = None
-        if e is None:
-            self.misses += 1
-            return None
-        self._entries.move_to_end(key)
-        self.hits += 1
-        return e
+        with self.lock:
+            e = self._entries.get(key)
+            if e is not None and (len(e.refs) != len(objs) or any(r() is not o for r, o in zip(e.refs, objs))):
+                self._entries.pop(key, None)
+                e = None
+            if e is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return e
 
     def want_capture(self, key) -> bool:
         """Count one uncached call of ``key``: True when this call should capture it (its
         ``capture_after``-th call; never for a key whose capture failed, or with ``size`` 0)."""
-        if self.size <= 0 or key in self._failed:
+        with self.lock:
+            if self.size <= 0 or key in self._failed:
+                return False
+            n = self._seen.pop(key, 0) + 1
+            if n >= self.capture_after:
+                return True
+            self._seen[key] = n
+            while len(self._seen) > max(64, 4 * self.size):
+                self._seen.popitem(last=False)
             return False
-        n = self._seen.pop(key, 0) + 1
-        if n >= self.capture_after:
-            return True
-        self._seen[key] = n
-        while len(self._seen) > max(64, 4 * self.size):
-            self._seen.popitem(last=False)
-        return False
 
     def put(self, key, entry: GraphEntry, objs=()) -> None:
         """Store ``entry`` under ``key``, weakly referencing ``objs`` (``TypeError`` if one cannot be
         weakly referenced; nothing is stored then); evict the least recently used beyond ``size``."""
         entry.refs = tuple(weakref.ref(o, self._dropper(key)) for o in objs)
-        self._entries[key] = entry
-        self._entries.move_to_end(key)
-        self._seen.pop(key, None)
-        self.captures += 1
-        while len(self._entries) > max(self.size, 0):
-            self._entries.popitem(last=False)
-            self.evictions += 1
+        with self.lock:
+            self._entries[key] = entry
+            self._entries.move_to_end(key)
+            self._seen.pop(key, None)
+            self.captures += 1
+            while len(self._entries) > max(self.size, 0):
+                self._entries.popitem(last=False)
+                self.evictions += 1
 
     def _dropper(self, key):
         me = weakref.ref(self)
@@ -140,10 +143,11 @@ class GraphCache:
 
     def fail(self, key, reason: str) -> None:
         """Record that capturing ``key`` failed (it is not tried again; :meth:`info` gives the reason)."""
-        self._seen.pop(key, None)
-        if len(self._failed) >= 256:
-            self._failed.clear()
-        self._failed[key] = reason
+        with self.lock:
+            self._seen.pop(key, None)
+            if len(self._failed) >= 256:
+                self._failed.clear()
+            self._failed[key] = reason
 
     def clear(self) -> None:
         """Drop every entry (their graphs and memory), the call counts and the failure records."""
