@@ -300,7 +300,6 @@ def _graph_call(key, hidden, weights, topk_weights, topk_ids, opts: dict, captur
     shared = opts["shared_experts"]
     objs = (weights,) if shared is None else (weights, shared)
     entry = GRAPH_CACHE.get(key, objs)
-    ids_host = None
     if entry is not None and not capturable:  # the default call's check of the ids (the one host sync)
         from moeref._interop import to_numpy
         from moeref.routing.ids import check_topk_ids
