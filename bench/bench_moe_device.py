@@ -448,6 +448,9 @@ def bench_fast_layer(weights, cases, rounds: int, calls: int = 3, before: str | 
     * decode (``<= DECODE_MAX`` tokens): ``layer_{impl}_masked`` (masked layout, capturable, eager) and
       ``graph_{impl}_{layout}``: the capturable call captured in a CUDA graph and replayed (the host's launch
       cost removed; this machine's host adds 50-400 us per launch);
+    * up to ``fastpath.moe.GRAPH_CACHE_MAX_TOKENS``: ``layer_{impl}_cached`` and ``layer_{impl}_masked_cached``,
+      the default and the masked capturable call served by the layer's graph cache (the other ``layer_*`` cases
+      pass ``graph_cache=False``);
     * ``gemms_{impl}``: the two grouped GEMMs alone on the tight contiguous layout, called as the layer calls
       them (DeepGEMM through its psum layout, ``psum=``; the baseline of the prefill criterion; per-round
       ratios ``gemms / layer``);
@@ -500,7 +503,7 @@ def _layer_row(m, x, tw, ids, fw, impls, old, torch_fn, w13t, w2t, pool, bw, rou
     from bench.interleaved import CudaEventClock, time_interleaved
     from fastpath import dispatch
     from fastpath.grouped_gemm import grouped_gemm_contiguous
-    from fastpath.moe import fused_moe
+    from fastpath.moe import GRAPH_CACHE_MAX_TOKENS, fused_moe
 
     experts = int(fw.w13.shape[0])
     ids_t = torch.as_tensor(ids, device="cuda")
@@ -514,12 +517,22 @@ def _layer_row(m, x, tw, ids, fw, impls, old, torch_fn, w13t, w2t, pool, bw, rou
     wbytes = touched * (4096 * 7168 + 7168 * 2048)
     fns: dict = {}
     row_notes: dict = {}
-    for impl in impls:
-        fns[f"layer_{impl}"] = lambda impl=impl: fused_moe(x, fw, tw, ids_t, impl=impl)
-        fns[f"layer_{impl}_capturable"] = lambda impl=impl: fused_moe(x, fw, tw, ids_t, impl=impl, capturable=True)
+    for impl in impls:  # the eager cases without the graph cache (graph_cache=False): every launch of the call
+        fns[f"layer_{impl}"] = lambda impl=impl: fused_moe(x, fw, tw, ids_t, impl=impl, graph_cache=False)
+        fns[f"layer_{impl}_capturable"] = lambda impl=impl: fused_moe(x, fw, tw, ids_t, impl=impl, capturable=True,
+                                                                      graph_cache=False)
         if m <= DECODE_MAX:
             fns[f"layer_{impl}_masked"] = lambda impl=impl: fused_moe(x, fw, tw, ids_t, impl=impl, layout="masked",
-                                                                      capturable=True)
+                                                                      capturable=True, graph_cache=False)
+        if m <= GRAPH_CACHE_MAX_TOKENS:  # the same calls served by fastpath.moe's graph cache (its default)
+            fns[f"layer_{impl}_cached"] = lambda impl=impl: fused_moe(x, fw, tw, ids_t, impl=impl)
+            fns[f"layer_{impl}_masked_cached"] = lambda impl=impl: fused_moe(x, fw, tw, ids_t, impl=impl,
+                                                                             layout="masked", capturable=True)
+            for name in (f"layer_{impl}_cached", f"layer_{impl}_masked_cached"):
+                for _ in range(2):  # a key is captured on its second call
+                    fns[name]()
+                row_notes[f"{name[6:]}_equals_default"] = bool(torch.equal(fns[name](), fused_moe(
+                    x, fw, tw, ids_t, impl=impl, graph_cache=False)))
         fns[f"gemms_{impl}"] = lambda impl=impl: (  # called as the layer calls them (DeepGEMM: psum layout)
             grouped_gemm_contiguous(a, fw.w13, lay.m_indices, impl=impl, a_scales=sa, b_scales=fw.w13_scales,
                                     psum=lay.psum),
@@ -527,25 +540,25 @@ def _layer_row(m, x, tw, ids, fw, impls, old, torch_fn, w13t, w2t, pool, bw, rou
                                     psum=lay.psum))
         if old is not None:
             fns[f"before_{impl}"] = lambda impl=impl: old(x, fw, tw, ids_t, impl=impl)
-    want = fused_moe(x, fw, tw, ids_t, impl=impls[-1])
+    want = fused_moe(x, fw, tw, ids_t, impl=impls[-1], graph_cache=False)
     if m <= DECODE_MAX:
         for impl in impls:
             for layout in ("contiguous", "masked"):
                 fn = (lambda impl=impl, layout=layout:
-                      fused_moe(x, fw, tw, ids_t, impl=impl, layout=layout, capturable=True))
+                      fused_moe(x, fw, tw, ids_t, impl=impl, layout=layout, capturable=True, graph_cache=False))
                 try:
                     g, out = capture(fn, pool=pool)
                     g.replay()
                     torch.cuda.synchronize()
-                    ref = fused_moe(x, fw, tw, ids_t, impl=impl, layout=layout)
+                    ref = fused_moe(x, fw, tw, ids_t, impl=impl, layout=layout, graph_cache=False)
                     row_notes[f"graph_{impl}_{layout}_equals_eager"] = bool(torch.equal(out, ref))
                     fns[f"graph_{impl}_{layout}"] = g.replay
                 except Exception as e:
                     row_notes[f"graph_{impl}_{layout}"] = f"{type(e).__name__}: {str(e)[:300]}"
     for impl in impls:  # the layouts and the capturable path give the same bits as the default call
-        ref = fused_moe(x, fw, tw, ids_t, impl=impl)
+        ref = fused_moe(x, fw, tw, ids_t, impl=impl, graph_cache=False)
         row_notes[f"{impl}_capturable_equals_default"] = bool(torch.equal(
-            fused_moe(x, fw, tw, ids_t, impl=impl, capturable=True), ref))
+            fused_moe(x, fw, tw, ids_t, impl=impl, capturable=True, graph_cache=False), ref))
         if old is not None:
             row_notes[f"{impl}_equals_before"] = bool(torch.equal(old(x, fw, tw, ids_t, impl=impl), ref))
     if torch_fn is not None:

@@ -100,6 +100,8 @@ CASE_TEXT = {
     "layer": "eager, default call (2 host syncs)",
     "layer_capturable": "eager, `capturable=True`",
     "layer_masked": "eager, masked, `capturable=True`",
+    "layer_cached": "eager, default call, graph cache (1 host sync)",
+    "layer_masked_cached": "eager, masked, `capturable=True`, graph cache",
     "graph_contiguous": "CUDA graph, contiguous",
     "graph_masked": "CUDA graph, masked",
     "gemms": "the two grouped GEMMs alone",

@@ -86,7 +86,7 @@ def _launch_key(kernel, args, kwargs):
     if not runtime_names.isdisjoint(kwargs):
         raise TypeError("a runtime argument given by name")  # keyed by value it would pin tensors
     return (kernel, torch.cuda.current_device(),
-            tuple(("c", a) if i in pos else _arg_key(a) for i, a in enumerate(args)),
+            tuple([("c", a) if i in pos else _arg_key(a) for i, a in enumerate(args)]),
             tuple(kwargs.items()))
 
 

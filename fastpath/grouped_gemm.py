@@ -34,6 +34,8 @@ import triton.language as tl
 
 from moeref._interop import triton_interpreted
 
+from ._host import cdiv, launch, next_pow2
+
 __all__ = ["GROUPED_GEMM_IMPLEMENTATIONS", "GemmTiles", "default_tiles", "grouped_gemm_contiguous",
            "grouped_gemm_masked", "grouped_gemm_supports", "PROFILE_OF", "EXACT_PROFILE_OF"]
 
@@ -287,7 +289,7 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
     if alignment % t.block_m:
         t = replace(t, block_m=64 if alignment % 64 == 0 else 16)
     _launch_triton(a, b, d, m_indices.to(torch.int32).contiguous(), a_scales, b_scales, bias, t,
-                   grid_m=triton.cdiv(m, t.block_m), a_src=a_src, top_k=top_k)
+                   grid_m=cdiv(m, t.block_m), a_src=a_src, top_k=top_k)
     return d
 
 
@@ -310,19 +312,18 @@ def _launch_triton(a, b, d, m_idx, a_scales, b_scales, bias, t: GemmTiles, *, gr
     dummy = torch.empty(1, dtype=torch.float32, device=a.device)
     sa = a_scales.contiguous() if fp8 else dummy
     sb = b_scales.contiguous() if fp8 else dummy
-    grid = (triton.cdiv(n, t.block_n), grid_m)
+    grid = (cdiv(n, t.block_n), grid_m)
     bias_t = bias.to(torch.float32).contiguous() if bias is not None else dummy
     ng = int(m_idx.numel()) if masked_cap else 0
     src = a_src.reshape(-1).contiguous() if a_src is not None else m_idx
-    _grouped_gemm_kernel[grid](a, b, d, m_idx, sa, sb, bias_t, src, m, n, k,
-                               a.stride(0), b.stride(0), b.stride(1), d.stride(0),
-                               sa.stride(0) if fp8 else 0, sb.stride(0) if fp8 else 0, sb.stride(1) if fp8 else 0,
-                               ng, masked_cap, int(top_k),
-                               FP8=fp8, SCALE_BLOCK=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                               K_ITERS=triton.cdiv(k, t.block_k), EVEN_K=k % t.block_k == 0, HAS_BIAS=bias is not None,
-                               SWAP_AB=t.swap_ab, MASKED=masked_cap > 0, NG_POW2=triton.next_power_of_2(max(ng, 1)),
-                               GATHER=a_src is not None,
-                               num_warps=t.num_warps, num_stages=t.num_stages)
+    launch(_grouped_gemm_kernel, grid, a, b, d, m_idx, sa, sb, bias_t, src, m, n, k,
+           a.stride(0), b.stride(0), b.stride(1), d.stride(0),
+           sa.stride(0) if fp8 else 0, sb.stride(0) if fp8 else 0, sb.stride(1) if fp8 else 0,
+           ng, masked_cap, int(top_k),
+           FP8=fp8, SCALE_BLOCK=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+           K_ITERS=cdiv(k, t.block_k), EVEN_K=k % t.block_k == 0, HAS_BIAS=bias is not None,
+           SWAP_AB=t.swap_ab, MASKED=masked_cap > 0, NG_POW2=next_pow2(max(ng, 1)),
+           GATHER=a_src is not None, num_warps=t.num_warps, num_stages=t.num_stages)
 
 
 def grouped_gemm_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *, impl: str, a_scales=None,
@@ -379,6 +380,6 @@ def grouped_gemm_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     rows = -1 if a_src is not None else e * max_m
     sa = None if a_scales is None else a_scales.reshape(rows, a_scales.shape[-1])
     _launch_triton(a.reshape(rows, k), b, d.view(e * max_m, n), masked_m.to(torch.int32).contiguous(), sa,
-                   b_scales, bias, t, grid_m=groups * triton.cdiv(max_m, t.block_m), masked_cap=max_m,
+                   b_scales, bias, t, grid_m=groups * cdiv(max_m, t.block_m), masked_cap=max_m,
                    a_src=a_src, top_k=top_k)
     return d

@@ -56,6 +56,7 @@ dtype (bf16/fp16: one more rounding, which :func:`reference_config` declares as 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,11 +64,13 @@ import torch
 
 from moeref.gemm import StackedExperts
 
+from ._graph_cache import GraphCache, GraphEntry, weights_signature
 from .grouped_gemm import EXACT_PROFILE_OF, PROFILE_OF, grouped_gemm_contiguous, grouped_gemm_supports
 from .grouped_gemm_w4 import PROFILE_OF as W4_PROFILE_OF
 from .grouped_gemm_w4 import W4Experts, w4_supports
 
-__all__ = ["FastMoEWeights", "fused_moe", "reference_config", "fast_weights", "stored_as", "exact_profile"]
+__all__ = ["FastMoEWeights", "fused_moe", "reference_config", "fast_weights", "stored_as", "exact_profile",
+           "clear_graph_cache", "graph_cache_info"]
 
 ACTIVATIONS = ("silu_and_mul", "gelu_and_mul", "swigluoai")
 """The activations with a GPU layer (module docstring)."""
@@ -197,12 +200,36 @@ def stored_as(dtype: str):
 LAYOUTS = ("contiguous", "masked")
 
 
+GRAPH_CACHE = GraphCache(size=16)
+"""The graph cache of eager :func:`fused_moe` calls (:mod:`fastpath._graph_cache`): at most ``GRAPH_CACHE.size``
+captured calls (16; set it to 0 to turn the cache off in the whole process), least recently used evicted; a
+key is captured on its second call (``GRAPH_CACHE.capture_after``)."""
+GRAPH_CACHE_MAX_TOKENS = 64
+"""The most tokens an eager call has for the graph cache to serve it (decode sizes: the host time of a call is
+about constant, its GPU time grows with the tokens; past a few dozen tokens the call is GPU-bound)."""
+_GRAPH_POOLS: dict = {}
+"""One CUDA graph memory pool per (device, stream) for the cache's graphs (their replays on one stream never
+overlap, so one graph's intermediate buffers can reuse another's)."""
+
+
+def clear_graph_cache() -> None:
+    """Drop every graph of :func:`fused_moe`'s graph cache (and the memory its buffers hold)."""
+    GRAPH_CACHE.clear()
+
+
+def graph_cache_info() -> dict:
+    """Counts of :func:`fused_moe`'s graph cache: ``entries``, ``size``, ``hits``, ``misses``, ``captures``,
+    ``evictions``, ``failures`` (why a capture failed; such a call runs uncached)."""
+    return GRAPH_CACHE.info()
+
+
 def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
               impl: str = "triton", activation: str = "silu_and_mul", activation_params: dict | None = None,
               layout: str = "contiguous", alignment: int = 128, max_m: int | None = None, out_dtype=torch.bfloat16,
               expert_map=None, num_experts: int | None = None, chunk_size: int | None = None,
               shared_experts: FastMoEWeights | None = None,
-              apply_router_weight_on_input: bool = False, capturable: bool = False) -> torch.Tensor:
+              apply_router_weight_on_input: bool = False, capturable: bool = False,
+              graph_cache: bool = True) -> torch.Tensor:
     """The MoE layer on the GPU (module docstring). ``hidden`` ``[M, K]`` (bf16 for the FP8 layer; the weights'
     dtype for float layers), ``topk_weights`` float ``[M, k]``, ``topk_ids`` int ``[M, k]`` (-1 padding; global
     ids with ``expert_map``). Returns ``out_dtype [M, K]``.
@@ -215,7 +242,157 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
     as in vLLM's kernels), the contiguous buffer has vLLM's worst-case size ``round_up(M*k + E*(alignment-1),
     alignment)`` rows (the extra tiles are padding, skipped by both GEMMs), the masked layout a capacity of
     ``max_m`` (default: the chunk's tokens) with ``expected_m = ceil(M*k / E)``; an ``expert_map`` is
-    refused (the dispatch uploads it per call). The result is the same bits either way."""
+    refused (the dispatch uploads it per call). The result is the same bits either way.
+
+    ``graph_cache=True`` (default): an eager call at decode sizes (CUDA tensors, ``1 <= M <=``
+    :data:`GRAPH_CACHE_MAX_TOKENS`, no ``expert_map``, the current stream not capturing a graph, no launch
+    hooks, the default allocator) is served from a per-key CUDA graph of its ``capturable=True`` form
+    (:data:`GRAPH_CACHE`, :mod:`fastpath._graph_cache`): from a key's second call on, the inputs are copied
+    into the graph's buffers, the graph is replayed and its output copied into a fresh tensor. The key is the
+    options, the inputs' shapes and dtypes, the device, the current stream, and the weights objects with the
+    address, shape, strides and dtype of each of their tensors: weights written in place are read by the
+    replay as by an eager call; another weights object is another key. The result is the same bits as the
+    uncached call. ``capturable=False`` keeps its checks: the ids are checked on the host per call (the one
+    sync left), and a masked call whose routing repeats an expert within a token runs uncached (its capacity
+    is sized from the counts). ``graph_cache=False``: every call runs its launches."""
+    opts = dict(impl=impl, activation=activation, activation_params=activation_params, layout=layout,
+                alignment=alignment, max_m=max_m, out_dtype=out_dtype, num_experts=num_experts, chunk_size=chunk_size,
+                shared_experts=shared_experts, apply_router_weight_on_input=apply_router_weight_on_input)
+    if graph_cache and expert_map is None:
+        key = _graph_key(hidden, weights, topk_weights, topk_ids, opts)
+        if key is not None:
+            return _graph_call(key, hidden, weights, topk_weights, topk_ids, opts, capturable)
+    return _fused_moe(hidden, weights, topk_weights, topk_ids, expert_map=expert_map, capturable=capturable, **opts)
+
+
+def graph_key(hidden, weights, topk_weights, topk_ids, opts: dict, stream: int) -> tuple:
+    """The graph cache's key of a call (:func:`fused_moe`; ``opts``: its options but ``expert_map`` and
+    ``capturable``, which the cached graph does not depend on): the inputs' shapes, dtypes and device, the
+    ``stream``, the options, and :func:`fastpath._graph_cache.weights_signature` of the weights and the shared
+    experts. ``TypeError`` where a part is not hashable."""
+    params = opts["activation_params"]
+    key = (hidden.shape, hidden.dtype, hidden.device, stream, topk_weights.shape, topk_weights.dtype,
+           topk_ids.shape, topk_ids.dtype, opts["impl"], opts["activation"],
+           tuple(sorted(params.items())) if params else None, opts["layout"], opts["alignment"], opts["max_m"],
+           opts["out_dtype"], opts["num_experts"], opts["chunk_size"], opts["apply_router_weight_on_input"],
+           weights_signature(weights), weights_signature(opts["shared_experts"]))
+    hash(key)
+    return key
+
+
+def _graph_key(hidden, weights, topk_weights, topk_ids, opts: dict):
+    """:func:`graph_key` of a call the graph cache serves (:func:`fused_moe`'s docstring), else None."""
+    if GRAPH_CACHE.size <= 0 or not (isinstance(hidden, torch.Tensor) and hidden.is_cuda and hidden.dim() == 2
+                                     and isinstance(topk_weights, torch.Tensor)
+                                     and isinstance(topk_ids, torch.Tensor)):
+        return None
+    m = int(hidden.shape[0])
+    if not 1 <= m <= GRAPH_CACHE_MAX_TOKENS:
+        return None
+    max_m = opts["max_m"]
+    if opts["layout"] == "masked" and max_m is not None and not (type(max_m) is int and max_m >= m):
+        return None  # the capturable form needs max_m >= M (the uncached call checks the counts instead)
+    from fastpath import _host
+
+    if _host._ALLOCATOR is not torch.empty or _host._hooks_installed():
+        return None  # poisoned buffers (tests) or launch hooks (profilers) see every call's own launches
+    if hidden.device.index != torch.cuda.current_device() or torch.cuda.is_current_stream_capturing():
+        return None
+    try:
+        return graph_key(hidden, weights, topk_weights, topk_ids, opts, torch.cuda.current_stream().cuda_stream)
+    except (TypeError, AttributeError):  # an unhashable option or an unknown weights type: the uncached call
+        return None
+
+
+def _repeats_an_expert(ids: np.ndarray) -> bool:
+    """Whether a row of ``ids`` names one expert (>= 0) twice."""
+    s = np.sort(ids, axis=1)
+    return bool(np.any((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)))
+
+
+def _graph_call(key, hidden, weights, topk_weights, topk_ids, opts: dict, capturable: bool) -> torch.Tensor:
+    """A call the graph cache serves: the replay of its entry, else the uncached call (and, on the key's
+    second call, its capture)."""
+    shared = opts["shared_experts"]
+    objs = (weights,) if shared is None else (weights, shared)
+    entry = GRAPH_CACHE.get(key, objs)
+    if entry is not None and not capturable:  # the default call's check of the ids (the one host sync)
+        from moeref._interop import to_numpy
+        from moeref.routing.ids import check_topk_ids
+
+        ids_host = check_topk_ids(to_numpy(topk_ids), entry.extra)
+        if opts["layout"] == "masked" and _repeats_an_expert(ids_host):
+            # the capturable form's capacity is the tokens: a repeated expert could overflow it; the uncached
+            # call sizes the capacity from the counts
+            return _fused_moe(hidden, weights, topk_weights, topk_ids, expert_map=None, capturable=False, **opts)
+    if entry is not None:
+        with GRAPH_CACHE.lock, torch.no_grad():  # one replay at a time; the copies record no autograd history
+            x, tw, ids = entry.inputs
+            x.copy_(hidden)
+            tw.copy_(topk_weights)
+            ids.copy_(topk_ids)
+            entry.graph.replay()
+            return entry.output.clone()
+    out = _fused_moe(hidden, weights, topk_weights, topk_ids, expert_map=None, capturable=capturable, **opts)
+    if GRAPH_CACHE.want_capture(key):
+        if opts["layout"] == "masked" and not capturable:
+            from moeref._interop import to_numpy
+
+            if _repeats_an_expert(to_numpy(topk_ids)):
+                return out  # the capturable form could overflow its capacity on these ids: no capture now
+        _capture(key, hidden, weights, topk_weights, topk_ids, opts, objs)
+    return out
+
+
+def _graph_pool(device, stream: int):
+    pool = _GRAPH_POOLS.get((device, stream))
+    if pool is None:
+        pool = _GRAPH_POOLS[(device, stream)] = torch.cuda.graph_pool_handle()
+    return pool
+
+
+def _capture(key, hidden, weights, topk_weights, topk_ids, opts: dict, objs) -> None:
+    """Capture the ``capturable=True`` form of the call in a CUDA graph reading its own input buffers (two
+    warm-up calls first, on a side stream, as ``torch.cuda.graph`` asks: they compile the kernels and record
+    the launch plans) and store it in :data:`GRAPH_CACHE`. A failure is recorded (the key then runs
+    uncached) and reported once as a ``RuntimeWarning``."""
+    dev = hidden.device
+    bufs = tuple(torch.empty(t.shape, dtype=t.dtype, device=dev) for t in (hidden, topk_weights, topk_ids))
+    for b, t in zip(bufs, (hidden, topk_weights, topk_ids)):
+        b.copy_(t)
+    x, tw, ids = bufs
+
+    def run():
+        return _fused_moe(x, weights, tw, ids, expert_map=None, capturable=True, **opts)
+
+    try:
+        main = torch.cuda.current_stream(dev)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        main.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=_graph_pool(dev, key[3]), capture_error_mode="thread_local"):
+            out = run()
+        num_experts = weights.num_experts if opts["num_experts"] is None else int(opts["num_experts"])
+        GRAPH_CACHE.put(key, GraphEntry(graph, bufs, out, num_experts), objs)
+    except Exception as e:  # noqa: BLE001 - any failure leaves the key uncached, with the reason recorded
+        import warnings
+
+        reason = f"{type(e).__name__}: {e}"[:300]
+        GRAPH_CACHE.fail(key, reason)
+        warnings.warn(f"fastpath.moe: the graph cache could not capture this call ({reason}); calls of this "
+                      "shape run uncached", RuntimeWarning, stacklevel=4)
+
+
+def _fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+               impl: str, activation: str, activation_params: dict | None, layout: str, alignment: int,
+               max_m: int | None, out_dtype, expert_map, num_experts: int | None, chunk_size: int | None,
+               shared_experts: FastMoEWeights | None, apply_router_weight_on_input: bool,
+               capturable: bool) -> torch.Tensor:
+    """:func:`fused_moe` without the graph cache: every launch of the call."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} has no GPU layer; supported: {ACTIVATIONS}")
     params = _activation_params(activation, activation_params)
@@ -306,6 +483,17 @@ _SIDE: dict = {}
 """One side stream per device for the graph branch of :func:`_routed` (created on first capture)."""
 
 
+@functools.lru_cache(maxsize=256)
+def _activation_scheme():
+    """The a1 / a2 scheme of the FP8 layer (FP8 E4M3 1x128, FP32 scales), made once: the quantizers keep
+    their per-shape plans keyed by the scheme object (:mod:`fastpath.quant._plan`), so a scheme made per
+    call would build the plans (block resolution, tiles, launch arguments) on every call."""
+    from moeref.quant import fp8_group
+
+    return fp8_group()
+
+
+@functools.lru_cache(maxsize=256)
 def _used_rows_bound(slots: int, num_experts: int, alignment: int) -> int:
     """Most rows the contiguous layout of ``slots`` slots over ``num_experts`` experts can use: each
     present expert's segment is its count rounded up to ``alignment``, at most ``alignment - 1`` rows
@@ -342,14 +530,13 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
     from fastpath.fused import gelu_and_mul_quant_fp8, silu_and_mul_quant_fp8, swigluoai_quant_fp8
     from fastpath.grouped_gemm import default_tiles, grouped_gemm_masked
     from fastpath.quant import quantize
-    from moeref.quant import fp8_group
 
     m, k = (int(d) for d in x.shape)
     top_k = int(topk_ids.shape[1])
     expected_m = max(1, -(-m * top_k // num_experts))  # rows per expert on average (host ints: no sync)
     if weight_on_input:  # top-1 (checked): the float32 rows x * w; the reduce then sums (module docstring)
         x = dispatch.apply_router_weight_on_input(x, topk_weights)
-    scheme = fp8_group()
+    scheme = _activation_scheme()
     gather = impl == "triton" and not weights.w4  # GEMM1 reads the token rows through src: no scatter
     side = None
     if weights.fp8_activations and gather and x.is_cuda and torch.cuda.is_current_stream_capturing():
