@@ -148,6 +148,8 @@ def test_fastpath_moe_gelu_float32_layer_within_fp32_bound(approximate, layout):
 
         prof = replace(prof, accum_unit=2.0**-10)
     assert compare(got.cpu(), run, prof).passed
+    if on_gpu():  # TF32's bound (2^-10 a product) is wider than erf - tanh GELU here; the exact-regime
+        return    # check sees that fault on the GPU (bench/bench_exact_regimes.py, fastpath_tanh_gelu)
     other = fused_moe(*args, activation_params={"approximate": "tanh" if approximate == "none" else "none"}, **kw)
     assert not compare(other.cpu(), run, prof).passed
 

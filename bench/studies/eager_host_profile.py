@@ -227,6 +227,9 @@ def table(data: dict) -> str:
     return "\n".join(out)
 
 
+BEGIN, END = "<!-- eager-host-profile:begin -->", "<!-- eager-host-profile:end -->"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -237,11 +240,24 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-calls", type=int, default=50)
     ap.add_argument("--out", default="bench_out/eager_host_profile.json")
     ap.add_argument("--table", default=None, help="print the tables of this JSON file and exit (no GPU needed)")
+    ap.add_argument("json", nargs="*", help="with --docs: the JSON file whose tables the page shows")
+    ap.add_argument("--docs", default=None, help="write the tables of the JSON given into this page (between "
+                    f"{BEGIN} and {END}) and exit (no GPU needed)")
+    ap.add_argument("--check", action="store_true", help="with --docs: write nothing, exit 1 if the page differs")
     args = ap.parse_args(argv)
     if args.table:
         with open(args.table) as f:
             print(table(json.load(f)))
         return 0
+    if args.docs:
+        from bench.docs_page import update_page
+
+        if len(args.json) != 1:
+            ap.error("--docs takes one JSON file")
+        with open(args.json[0]) as f:
+            body = table(json.load(f))
+        return update_page(args.docs, BEGIN, END, body, check=args.check,
+                           remedy=f"run python bench/studies/eager_host_profile.py {args.json[0]} --docs {args.docs}")
     from bench.interleaved import machine_meta
     from fastpath.grouped_gemm import grouped_gemm_supports
 
