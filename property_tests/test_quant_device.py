@@ -59,6 +59,18 @@ SCHEMES = _schemes()
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
+@pytest.fixture(autouse=True, scope="module", params=["torch", "kernel"])
+def engine(request):
+    """Every test twice: the torch path, and the one-pass Triton kernel (:mod:`moeref.quant._device_kernels`;
+    on CPU under TRITON_INTERPRET=1) wherever it applies."""
+    import moeref.quant.device as qd
+
+    before = qd._KERNEL
+    qd._KERNEL = request.param == "kernel"
+    yield request.param
+    qd._KERNEL = before
+
+
 def _np_dtype(name):
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 

@@ -36,6 +36,7 @@ the sizes of the index selections) and one per combine (the header); the rest is
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -135,10 +136,21 @@ class DevicePlan:
     slots_to: np.ndarray
 
 
+# placement -> {device name: (owner, local_id) tensors}; a placement's arrays are read-only, so its tables never
+# change; weak keys: the tables go with the placement
+_PLACEMENT_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _placement_tables(placement, device):
+    """The placement's ``owner`` and ``local_id`` as int64 tensors on ``device``, copied there once per
+    (placement, device) and reused (a copy is a host synchronization)."""
     torch = _torch()
-    return (torch.tensor(placement.owner, dtype=torch.int64, device=device),
-            torch.tensor(placement.local_id, dtype=torch.int64, device=device))
+    per_device = _PLACEMENT_TABLES.setdefault(placement, {})
+    key = str(torch.device(device))
+    if key not in per_device:
+        per_device[key] = (torch.tensor(placement.owner, dtype=torch.int64, device=device),
+                           torch.tensor(placement.local_id, dtype=torch.int64, device=device))
+    return per_device[key]
 
 
 def device_send_plan(topk_ids, topk_weights, placement, device) -> DevicePlan:

@@ -191,59 +191,71 @@ def device_quantize(x, scheme: Scheme, **static) -> DeviceQuantized:
     in_np = _numpy_dtype(x.dtype)
     w = working_dtype(np.zeros(0, in_np))
 
-    # 1. block amax from the bit patterns of the input dtype (sign cleared, NaN patterns above Inf)
+    # 1. block amax from the bit patterns of the input dtype (sign cleared; NaN patterns sort above Inf)
     ibits = _bit_view(x)
     nbits = 8 * x.element_size()
+    inf_bits = int(np.array(np.inf, in_np).view(_uint(nbits)))
     mag = _block_view(ibits, block) & ((1 << (nbits - 1)) - 1)
-    if p.nonfinite == "ignore_nan":
-        inf_bits = int(np.array(np.inf, in_np).view(_uint(nbits)))
+    raw = mag.amax(dim=_block_axes(mag.dim(), k)).cpu().numpy().view(_uint(nbits))
+    nonfinite_blocks = raw >= inf_bits  # a NaN or an Inf in the block
+    if p.nonfinite == "ignore_nan" and bool((raw > inf_bits).any()):  # NaN patterns dropped from the amax
         mag = torch.where(mag > inf_bits, torch.zeros((), dtype=mag.dtype, device=dev), mag)
-    amax_bits = mag.amax(dim=_block_axes(mag.dim(), k))
-    amax = amax_bits.cpu().numpy().view(_uint(nbits)).view(in_np)
+        raw = mag.amax(dim=_block_axes(mag.dim(), k)).cpu().numpy().view(_uint(nbits))
+    amax = raw.view(in_np)
 
     # 2. the NumPy quantizer's scale step on the grid
     res, _ = scales_from_amax(amax, scheme, w, rule=rule, static_scale=fixed)
 
-    # 3. the data scaled in the working dtype (the factor in float64 where the rule fell back to it)
-    tw = torch.float64 if w == np.float64 else torch.float32
-    xb = _block_view(x.to(tw), block)
+    # 3.-4. the data scaled in the working dtype (the factor in float64 where the rule fell back to it), then
+    # the element codes through the codec's table, NaN signs as on the host
     fac = np.asarray(res.factor if res.factor.dtype == np.float64 else res.factor.astype(w))
-    fb = _broadcast_to_blocks(to_device(fac, dev), k)
-    scaled = xb * fb if res.op == "mul" else xb / fb
     nan_blocks = np.isnan(res.decode)
-    nb = None
-    if nan_blocks.any():  # a NaN-scale block decodes to NaN whatever its codes: cast zeros, fill NaN codes
-        nb = _broadcast_to_blocks(to_device(nan_blocks, dev), k)
-        scaled = torch.where(nb, torch.zeros((), dtype=scaled.dtype, device=dev), scaled)
-
-    # 4. element codes through the codec's table, NaN signs as on the host
     cast = element_cast(el, p, nan_free=p.nonfinite == "nan_block")
-    f32 = scaled if scaled.dtype == torch.float32 else round_to_odd_f32(scaled)
-    u = f32.view(torch.int32)
-    nan = torch.isnan(scaled)
-    host_neg = _HOST_NAN_NEGATIVE[np.dtype(np.float64 if scaled.dtype == torch.float64 else np.float32)][
+    shift, table, marked = _table(el, cast, dev)
+    host_neg = _HOST_NAN_NEGATIVE[np.dtype(np.float64 if fac.dtype == np.float64 else np.float32)][
         "mul" if res.op == "mul" else "div"]
-    in_neg = _block_view(ibits, block) < 0  # the input's sign bit
-    neg = torch.where(torch.isnan(xb), in_neg, torch.full((), host_neg, device=dev))
-    canon = torch.where(neg, torch.full((), _NEG_NAN_BITS, dtype=torch.int32, device=dev),
-                        torch.full((), 0x7FC00000, dtype=torch.int32, device=dev))
-    u = torch.where(nan, canon, u)  # the quiet NaN of that sign
-    codes = _lookup(u, el, cast, dev)
-    if codes is None:
-        _raise_as_host(x, scheme, static)  # a value the format cannot encode: the codec's error
+    grid = shape[: len(shape) - k] + tuple(-(-d // b) for d, b in zip(shape[len(shape) - k:], block))
+    if _use_kernel(x, fac, grid, k, nan_blocks, el):  # the one-pass Triton kernel (moeref.quant._device_kernels)
+        from ._device_kernels import scaled_codes
 
-    # 5. NaN blocks, dropped zero signs, TE's exact-zero code, crop, pack
-    if nb is not None:
-        codes = torch.where(nb, torch.full((), nan_block_code(el, p), dtype=torch.uint8, device=dev), codes)
-    if p.signed_zero_for(el) == "drop" and el.has_negative_zero:
-        codes = torch.where(codes == el.sign_mask, torch.zeros((), dtype=torch.uint8, device=dev), codes)
-    if scheme.family == "nvfp4" and p.option("nvfp4_order") == "te":
-        # TE cast_to_fp4x2 (moeref.quant.nvfp4.quantize_nvfp4): an exact zero product is code 0x0, not 0x8
-        codes = torch.where((codes == 0x8) & (scaled == 0), torch.zeros((), dtype=torch.uint8, device=dev), codes)
-    lead = shape[: len(shape) - k]
-    grid = res.stored.shape
-    padded = lead + tuple(n * b for n, b in zip(grid[len(grid) - k:], block))
-    codes = codes.reshape(padded)[(...,) + tuple(slice(0, d) for d in shape[len(shape) - k:])]
+        codes, flags = scaled_codes(x, to_device(fac, dev), block, res.op, table, shift, host_negative=host_neg,
+                                    drop_negative_zero=p.signed_zero_for(el) == "drop" and el.has_negative_zero,
+                                    sign_mask=int(el.sign_mask))
+        if flags is not None and bool(flags.any()):
+            _raise_as_host(x, scheme, static)  # a value the format cannot encode: the codec's error
+    else:
+        nb = None
+        tw = torch.float64 if w == np.float64 else torch.float32
+        xb = _block_view(x.to(tw), block)
+        fb = _broadcast_to_blocks(to_device(fac, dev), k)
+        scaled = xb * fb if res.op == "mul" else xb / fb
+        if nan_blocks.any():  # a NaN-scale block decodes to NaN whatever its codes: cast zeros, fill NaN codes
+            nb = _broadcast_to_blocks(to_device(nan_blocks, dev), k)
+            scaled = torch.where(nb, torch.zeros((), dtype=scaled.dtype, device=dev), scaled)
+        f32 = scaled if scaled.dtype == torch.float32 else round_to_odd_f32(scaled)
+        u = f32.view(torch.int32)
+        # NaN-free (module docstring): no block holds a NaN or an Inf, every factor is finite and nonzero
+        if nonfinite_blocks.any() or not (np.isfinite(fac).all() and (fac != 0).all()):
+            nan = torch.isnan(scaled)
+            in_neg = _block_view(ibits, block) < 0  # the input's sign bit
+            neg = torch.where(torch.isnan(xb), in_neg, torch.full((), host_neg, device=dev))
+            canon = torch.where(neg, torch.full((), _NEG_NAN_BITS, dtype=torch.int32, device=dev),
+                                torch.full((), 0x7FC00000, dtype=torch.int32, device=dev))
+            u = torch.where(nan, canon, u)  # the quiet NaN of that sign
+        codes = _lookup(u, shift, table, marked)
+        if codes is None:
+            _raise_as_host(x, scheme, static)  # a value the format cannot encode: the codec's error
+
+        # 5. NaN blocks, dropped zero signs, TE's exact-zero code
+        if nb is not None:
+            codes = torch.where(nb, torch.full((), nan_block_code(el, p), dtype=torch.uint8, device=dev), codes)
+        if p.signed_zero_for(el) == "drop" and el.has_negative_zero:
+            codes = torch.where(codes == el.sign_mask, torch.zeros((), dtype=torch.uint8, device=dev), codes)
+        if scheme.family == "nvfp4" and p.option("nvfp4_order") == "te":
+            # TE cast_to_fp4x2 (moeref.quant.nvfp4.quantize_nvfp4): an exact zero product is code 0x0, not 0x8
+            codes = torch.where((codes == 0x8) & (scaled == 0), torch.zeros((), dtype=torch.uint8, device=dev),
+                                codes)
+        codes = _crop(codes, shape, block, res.stored.shape)
     if el.bits == 4:
         if shape[-1] % 2:
             codes = torch.cat([codes, torch.zeros(codes.shape[:-1] + (1,), dtype=torch.uint8, device=dev)], dim=-1)
@@ -311,9 +323,9 @@ def _broadcast_to_blocks(grid, k: int):
 _TABLES: dict = {}
 
 
-def _lookup(u, el, cast: dict, dev):
-    """uint8 codes of the float32 bit patterns ``u`` (int32 tensor) from the codec's table; None when a
-    value has no code under ``cast`` (the codec raises there)."""
+def _table(el, cast: dict, dev):
+    """The codec's code table of ``el`` under ``cast`` on ``dev``, copied there once: ``(shift, table, marked)``
+    (uint8, or int16 with negative markers where a value has no code: ``marked``)."""
     torch = _torch()
     key = (el.name, cast["rounding"], cast["overflow"], cast["nan_code"], str(dev))
     if key not in _TABLES:
@@ -321,7 +333,13 @@ def _lookup(u, el, cast: dict, dev):
         marked = bool((codes < 0).any())
         table = torch.as_tensor(np.array(codes if marked else codes.astype(np.uint8)), device=dev)
         _TABLES[key] = (shift, table, marked)
-    shift, table, marked = _TABLES[key]
+    return _TABLES[key]
+
+
+def _lookup(u, shift: int, table, marked: bool):
+    """uint8 codes of the float32 bit patterns ``u`` (int32 tensor) from a code table (:func:`_table`); None
+    when a value has no code (the codec raises there)."""
+    torch = _torch()
     hi = (u >> shift) & ((1 << (32 - shift)) - 1)  # a logical shift of the uint32 bits
     idx = (hi << 1) | ((u & ((1 << shift) - 1)) != 0).to(torch.int32)
     codes = table.index_select(0, idx.reshape(-1)).reshape(idx.shape)
@@ -330,6 +348,36 @@ def _lookup(u, el, cast: dict, dev):
             return None
         codes = codes.to(torch.uint8)
     return codes
+
+
+def _crop(codes, shape: tuple, block: tuple, grid: tuple):
+    """Codes of the zero-padded block view, reshaped to the padded shape and cropped to ``shape``."""
+    k = len(block)
+    lead = shape[: len(shape) - k]
+    padded = lead + tuple(n * b for n, b in zip(grid[len(grid) - k:], block))
+    return codes.reshape(padded)[(...,) + tuple(slice(0, d) for d in shape[len(shape) - k:])]
+
+
+# None: the kernel where it applies on CUDA; True / False: forced (tests run it under TRITON_INTERPRET=1 on CPU)
+_KERNEL: bool | None = None
+
+
+def _use_kernel(x, fac: np.ndarray, grid: tuple, k: int, nan_blocks: np.ndarray, el) -> bool:
+    """Whether :func:`device_quantize` takes the one-pass kernel (:mod:`moeref.quant._device_kernels`): on CUDA
+    with Triton, float32 factors on the whole block ``grid`` (so a float32 working dtype), no NaN-scale block, one
+    code per byte, blocks over the last ``k`` = one or two axes."""
+    if _KERNEL is False or fac.dtype != np.float32 or tuple(fac.shape) != tuple(grid) or nan_blocks.any():
+        return False
+    if el.bits <= 4 or x.dtype == _torch().float64 or k not in (1, 2):
+        return False
+    if _KERNEL is None:
+        if not x.is_cuda:
+            return False
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False
+    return True
 
 
 def round_to_odd_f32(x):
