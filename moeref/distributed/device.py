@@ -282,11 +282,12 @@ def receive_normal(got_fields, r: int, me: int, rows_matrix: np.ndarray, n_local
 
 
 def receive_low_latency(payload, tok, loc, r: int, me: int, slots_matrix: np.ndarray, n_local: int, cap: int,
-                        device):
+                        device, buffer=None):
     """The masked receive buffers from the messages (``payload`` list, source ``tok``, local expert ``loc``):
     ``(masked payload list, recv_count int32, src_info int32, src_rank int32, layout_range, return_index)``.
     Rows of an expert in arrival order (source rank, then the sender's slot order), as
-    :func:`moeref.dispatch.to_masked` of the messages."""
+    :func:`moeref.dispatch.to_masked` of the messages. ``buffer``: a
+    :class:`~moeref.distributed.dispatch.LowLatencyBuffer` written instead of fresh zeroed tensors."""
     torch = _torch()
     q = int(tok.shape[0])
     n_from = slots_matrix[:, me]
@@ -310,8 +311,11 @@ def receive_low_latency(payload, tok, loc, r: int, me: int, slots_matrix: np.nda
     per = torch.bincount(loc * r + msg_rank, minlength=n_local * r).reshape(n_local, r)
     layout_range = ((torch.cumsum(per, 1) - per) << 32) | per
     ret_index = loc * cap + pos  # message q lives at flat entry ret_index[q]
-    masked = [scatter_rows(zeros((n_local, cap) + tuple(part.shape[1:]), part.dtype, device), ret_index, part)
-              for part in payload]
+    if buffer is not None:
+        masked = list(buffer.receive(ret_index, payload))
+    else:
+        masked = [scatter_rows(zeros((n_local, cap) + tuple(part.shape[1:]), part.dtype, device), ret_index, part)
+                  for part in payload]
     return masked, counts.to(torch.int32), src_info, src_rank, layout_range, ret_index
 
 

@@ -73,10 +73,12 @@ __all__ = [
     "COMBINE_ORDERS",
     "DISPATCH_MODES",
     "CombineHandle",
+    "LowLatencyBuffer",
     "LowLatencyDispatch",
     "NormalDispatch",
     "ep_combine",
     "ep_dispatch",
+    "ep_low_latency_buffer",
     "reduce_local_slots",
 ]
 
@@ -155,6 +157,86 @@ class LowLatencyDispatch:
     @property
     def num_local_experts(self) -> int:
         return int(self.recv_count.size)
+
+
+@dataclass(eq=False)
+class LowLatencyBuffer:
+    """A reusable receive buffer of low-latency dispatch on the device (DeepEP ``Buffer``'s low-latency receive
+    buffer): made by :func:`ep_low_latency_buffer`, passed as ``ep_dispatch(..., recv_buffer=)``.
+
+    ``parts``: the masked receive tensors ``[E_local, R*M, ...]`` on ``device``, one per payload field (the rows;
+    or the codes, then the scales, with ``quant``), zero outside the rows of the last dispatch; ``specs``: their
+    ``(torch dtype, row shape)``; ``written``: the flat rows (int64 tensor) the last dispatch wrote, None before
+    the first. A dispatch through it zeroes ``written`` again and writes its own rows, so its result equals a
+    fresh buffer's; the result's ``x`` / ``xq`` **are** these tensors, valid until the next dispatch with the
+    buffer (DeepEP's ``low_latency_dispatch`` has the same contract). Don't write into them: the rows past
+    ``recv_count`` are zero because only a dispatch writes there."""
+
+    parts: tuple
+    specs: tuple
+    num_local_experts: int
+    capacity: int
+    device: str
+    quant: object = None
+    written: object = None
+
+    def receive(self, index, payload) -> tuple:
+        """Zero the rows of the last dispatch, write ``payload`` (one tensor ``[Q, ...]`` per part) at the flat rows
+        ``index`` (int64 ``[Q]``, distinct), remember them; returns ``parts``."""
+        from .device import scatter_rows
+
+        if self.written is not None and self.written.numel():
+            for buf in self.parts:
+                buf.view(self.num_local_experts * self.capacity, -1).index_fill_(0, self.written, 0)
+        self.written = None
+        for buf, part in zip(self.parts, payload):
+            scatter_rows(buf, index, part)
+        self.written = index
+        return self.parts
+
+
+def ep_low_latency_buffer(placement: EPPlacement, group: EPGroup, *, max_tokens_per_rank: int, hidden_size: int,
+                          dtype="bfloat16", quant=None) -> LowLatencyBuffer:
+    """A :class:`LowLatencyBuffer` for ``ep_dispatch(mode="low_latency", engine="device", recv_buffer=...)`` on this
+    rank: ``E_local = placement.num_local(group.rank)`` experts, ``R*M`` rows each (``M = max_tokens_per_rank``),
+    rows of ``hidden_size`` elements of ``dtype`` (``"bfloat16"``, ``"float16"``, ``"float32"``, ``"float64"``), or
+    with ``quant`` (a row-local :class:`moeref.quant.Scheme`) its codes and scales. Allocated zeroed once, on
+    ``group.device``; a dispatch with other sizes, dtype or scheme raises ``ValueError`` naming both."""
+    import torch
+
+    from .. import _interop
+    from .device import zeros
+
+    if not isinstance(placement, EPPlacement):
+        raise TypeError(f"placement must be an EPPlacement; got {type(placement).__name__}")
+    placement.check_world_size(group.world_size)
+    m = check_positive_int(max_tokens_per_rank, "max_tokens_per_rank")
+    h = check_positive_int(hidden_size, "hidden_size")
+    if not isinstance(dtype, (str, np.dtype, type)):  # a torch dtype
+        dtype = str(dtype).replace("torch.", "")
+    name = str(_dtype(dtype))
+    if name not in _FLOAT_DTYPES:
+        raise TypeError(f"dtype must be one of {', '.join(_FLOAT_DTYPES)}; got {name}")
+    if quant is None:
+        specs = ((getattr(torch, name), (h,)),)
+    else:
+        qt = _check_quant(quant, np.zeros((1, h), _dtype(dtype)))  # the scheme's checks; the shapes of a row
+        specs = ((torch.uint8, tuple(qt.codes.shape[1:])),
+                 (_interop.to_torch(np.zeros(0, qt.scales.dtype)).dtype, tuple(qt.scales.shape[1:])))
+    n_local, cap = placement.num_local(group.rank), group.world_size * m
+    parts = tuple(zeros((n_local, cap) + tail, dt, group.device) for dt, tail in specs)
+    return LowLatencyBuffer(parts, specs, n_local, cap, str(group.device), quant)
+
+
+def _check_buffer(buf, specs, n_local: int, cap: int, device, quant) -> None:
+    """``TypeError``/``ValueError`` unless ``buf`` is a :class:`LowLatencyBuffer` for this dispatch."""
+    if not isinstance(buf, LowLatencyBuffer):
+        raise TypeError(f"recv_buffer must be a LowLatencyBuffer (ep_low_latency_buffer); got {type(buf).__name__}")
+    got = (buf.num_local_experts, buf.capacity, tuple(buf.specs), str(buf.device))
+    want = (n_local, cap, tuple((dt, tuple(t)) for dt, t in specs), str(device))
+    if got != want or buf.quant is not quant and buf.quant != quant:
+        raise ValueError(f"recv_buffer holds (E_local, R*M, fields, device, quant) = {got + (buf.quant,)}; this "
+                         f"dispatch needs {want + (quant,)}: make it with ep_low_latency_buffer for these sizes")
 
 
 _FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -245,7 +327,7 @@ def _agree(g: EPGroup, local_fn, placement: EPPlacement, mode: str, bound: int):
 
 def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: EPGroup, *, mode: str = "normal",
                 quant=None, max_tokens_per_rank: int | None = None, max_recv_tokens: int | None = None,
-                pad_to_max_recv: bool = False, expert_alignment: int = 1, engine: str = "host"):
+                pad_to_max_recv: bool = False, expert_alignment: int = 1, engine: str = "host", recv_buffer=None):
     """Send this rank's tokens to the ranks owning their experts; return the receive buffers.
 
     Args:
@@ -268,6 +350,11 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
         engine: ``"host"`` (NumPy arrays in and out) or ``"device"`` (torch tensors on ``group.device``, the
             same results bit for bit: :mod:`moeref.distributed.device`); :func:`ep_combine` follows the
             dispatch's engine.
+        recv_buffer: a :class:`LowLatencyBuffer` (:func:`ep_low_latency_buffer`) to receive into, for
+            ``mode="low_latency"`` with ``engine="device"``: instead of zeroing a fresh ``E_local x R*M x H``
+            buffer, the dispatch zeroes the rows the buffer's last dispatch wrote and writes its own. The result
+            is the same; its ``x`` / ``xq`` are the buffer's tensors, **valid until the next dispatch with the
+            buffer** (DeepEP's ``low_latency_dispatch`` contract). None (default): fresh buffers.
 
     Every rank raises the same ``ValueError``/``TypeError`` for a bad input on any rank; a peer that
     never joins raises :class:`~moeref.distributed.EPTimeoutError` after the group's timeout.
@@ -305,9 +392,16 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
             raise ValueError("mode='low_latency' needs max_tokens_per_rank (the masked buffers have R*M rows)")
         if mode == "low_latency":
             _check_distinct_per_row(topk_ids)
+        if recv_buffer is not None and (mode != "low_latency" or engine != "device"):
+            raise ValueError(f"recv_buffer is for mode='low_latency' with engine='device'; got mode={mode!r}, "
+                             f"engine={engine!r}")
         if engine == "device":
             qt = None if quant is None else quantize_rows(x, quant, _check_quant)
             w = to_group_device(topk_weights, group.device, "topk_weights", kind="float")
+            if recv_buffer is not None and mode == "low_latency" and placement.ep_size == group.world_size:
+                specs = _device_specs(x, qt, x.shape[1])
+                _check_buffer(recv_buffer, specs, placement.num_local(group.rank), group.world_size * m,
+                              group.device, quant)
         else:
             qt = None if quant is None else _check_quant(quant, x)
             w = np.asarray(as_float_array(topk_weights, "topk_weights"))
@@ -328,7 +422,7 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
                              f"more than the declared bound max_recv_tokens={bound}")
     if engine == "device":
         return _dispatch_device(group, placement, prep, rows, slots, mode, quant, bound if pad_to_max_recv else None,
-                                expert_alignment)
+                                expert_alignment, recv_buffer)
     x, qt, k, h = prep["x"], prep["qt"], prep["k"], prep["H"]
     if qt is None:
         specs = [(x.dtype, (h,))]
@@ -391,7 +485,7 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
 
 
 def _dispatch_device(group: EPGroup, placement: EPPlacement, prep: dict, rows: np.ndarray, slots: np.ndarray,
-                     mode: str, quant, pad_to: int | None, expert_alignment: int):
+                     mode: str, quant, pad_to: int | None, expert_alignment: int, recv_buffer=None):
     """The receive side of :func:`ep_dispatch` with ``engine="device"`` (:mod:`moeref.distributed.device`)."""
     import torch
 
@@ -402,13 +496,12 @@ def _dispatch_device(group: EPGroup, placement: EPPlacement, prep: dict, rows: n
     x, qt, k, h, w = prep["x"], prep["qt"], prep["k"], prep["H"], prep["w"]
     plan = prep["plan"]
     engines = ()
+    specs = _device_specs(x, qt, h)
     if qt is None:
-        specs = [(x.dtype, (h,))]
         token_fields = lambda idx: [x[idx]]  # noqa: E731
     else:
         codes, scales, qengine = qt
         engines = (f"quantize: {qengine}",)
-        specs = [(torch.uint8, tuple(codes.shape[1:])), (scales.dtype, tuple(scales.shape[1:]))]
         token_fields = lambda idx: [codes[idx], scales[idx]]  # noqa: E731
     n_local = placement.num_local(me)
     what = "the dispatch all_to_all_single"
@@ -431,10 +524,20 @@ def _dispatch_device(group: EPGroup, placement: EPPlacement, prep: dict, rows: n
     *payload, tok, loc = dv.unpack(got, specs + [(torch.int64, ()), (torch.int64, ())])
     cap = r * m
     masked, recv_count, src_info, src_rank, layout_range, ret_index = dv.receive_low_latency(
-        payload, tok, loc, r, me, slots, n_local, cap, dev)
+        payload, tok, loc, r, me, slots, n_local, cap, dev, recv_buffer)
     handle = CombineHandle(mode, plan, w, ret_index, slots[:, me].copy(), slots[:, me].copy(), "device")
     xr, xq = _received_device(masked, qt, quant, (n_local, cap, h))
     return LowLatencyDispatch(xr, xq, recv_count, src_info, src_rank, layout_range, handle, engines)
+
+
+def _device_specs(x, qt, h: int) -> list:
+    """The device engine's payload fields: ``[(torch dtype, row shape), ...]`` (the rows, or codes and scales)."""
+    import torch
+
+    if qt is None:
+        return [(x.dtype, (h,))]
+    codes, scales, _ = qt
+    return [(torch.uint8, tuple(codes.shape[1:])), (scales.dtype, tuple(scales.shape[1:]))]
 
 
 def _received_device(payload, qt, quant, shape):

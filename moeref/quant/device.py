@@ -7,9 +7,10 @@ code or torch elementwise operations whose result is fixed by IEEE 754, so a fas
 a device run is checked against an independent computation. The steps are those of the blockwise engine
 (:func:`moeref.quant.blockwise.quantize_blockwise`), in its order:
 
-1. **block amax** on the device, from the input's bit patterns: the sign bit cleared, NaN patterns dropped
-   for NaN-ignoring presets, the integer maximum over each zero-padded block (what
-   :func:`moeref.quant.blocks.block_amax` does; exact, in the input dtype);
+1. **block amax** on the device, from the input's bit patterns: the sign bit cleared, the integer maximum over
+   each zero-padded block (what :func:`moeref.quant.blocks.block_amax` does; exact, in the input dtype; NaN
+   patterns sort above Inf, so the grid also says which blocks hold a NaN or an Inf); for NaN-ignoring presets
+   the NaN patterns are dropped and the maximum taken again, when a block holds a NaN;
 2. **scales on the host**: the amax grid (one number per block, in the input dtype) is copied to the host
    and goes through the NumPy quantizer's scale step, :func:`moeref.quant.blockwise.scales_from_amax` with
    the scheme's rule (the generic FP32/UE8M0 rules, or NVFP4's two-level rule with its global scale): the
@@ -27,6 +28,22 @@ a device run is checked against an independent computation. The steps are those 
    which every element format saturates or flushes as it would the float64 value;
 5. NaN-scale blocks' codes, dropped zero signs (``signed_zero="drop"``), the TE NVFP4 order's code 0x0 for
    an exact zero product, cropping and nibble packing: as the NumPy engine.
+
+**One pass on CUDA.** Steps 3-5 for the common case (float32 working dtype and factors, no NaN-scale block,
+formats of more than 4 bits: one code per byte; FP8, FP6, INT8) run as one Triton kernel owned by this module,
+:mod:`moeref.quant._device_kernels`: it reads each input element once, widens it to float32, applies the same one
+IEEE operation with its block's factor (a product, or a correctly rounded ``div_rn``; no fused multiply-add), gives
+a NaN the same sign, looks the code up in the same codec table and writes it. Elsewhere, and on the CPU, the torch
+operations above run; ``property_tests/test_quant_device.py`` runs every case on both and checks the kernel
+against them and :func:`moeref.quant.quantize` bit for bit (on CPU under ``TRITON_INTERPRET=1``) on drawn ties,
+subnormals, saturating and special values.
+
+**NaN-free shortcut** (torch path). The NaN-sign passes of step 4 are skipped when the host grids show that no
+NaN can reach the cast: no block holds a NaN or an Inf (step 1's grid) and every factor is finite and nonzero.
+Then every element of the padded blocks is finite (padding is zero) and each is multiplied or divided by a finite
+nonzero number; an IEEE product or quotient is NaN only for a NaN operand, ``0 * Inf``, ``Inf * 0``, ``0 / 0`` or
+``Inf / Inf``, none of which can occur, and rounding a non-NaN float64 value to odd in float32 gives no NaN. A
+product may overflow to Inf, which the table encodes as it does on the host.
 
 A NaN element that reaches the cast (NaN-ignoring or NaN-propagating presets whose block scale is finite)
 has the sign NumPy's multiply gives it on the host: the input NaN's sign, or, for a NaN the operation
