@@ -31,8 +31,12 @@ handle keeps the split sizes (``return_counts``, ``rows_from`` and the plan's ``
 its position, not necessarily its payload bits (CUDA writes one canonical NaN).
 
 Cost: a few host synchronizations per dispatch (the plan's counts with the ids' range check, the header,
-the sizes of the index selections) and one per combine (the header); the rest is queued on the device. Memory: the low-latency buffers are ``E_local x R*M x H``
-(zeroed), the slot-order combine holds ``T*k x H`` rows of the travel dtype and ``T x H`` float64.
+the sizes of the index selections; with ``quant=``, the quantizer's amax grid) and one per combine (the
+header); the rest is queued on the device. The placement's tables are copied to a device once per
+(placement, device). Memory: the low-latency buffers are ``E_local x R*M x H``, zeroed: fresh per dispatch,
+or one :class:`~moeref.distributed.dispatch.LowLatencyBuffer` reused (``recv_buffer=``: only the rows its
+last dispatch wrote are zeroed again); the slot-order combine holds ``T*k x H`` rows of the travel dtype and
+``T x H`` float64.
 """
 from __future__ import annotations
 

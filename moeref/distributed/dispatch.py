@@ -27,7 +27,9 @@ Receive layouts:
   ``-1`` padding) and ``layout_range [E_local, R]`` (``begin << 32 | count`` of each source rank's
   block). The reference's order within an expert is source rank, then token; DeepEP's depends on
   arrival (atomics), so compare through ``(src_rank, src_info)``, never by position
-  (:func:`moeref.distributed.validate_ep_kernel` does).
+  (:func:`moeref.distributed.validate_ep_kernel` does). ``recv_buffer=`` (:func:`ep_low_latency_buffer`, the
+  device engine): receive into one reused buffer, as DeepEP's ``Buffer``; the result is valid until the next
+  dispatch with it.
 
 Optional quantization before dispatch (``quant=``, e.g. ``moeref.quant.fp8_group(128)``, the 1x128
 FP8 cast of DeepEP's low-latency dispatch): the source runs :func:`moeref.quant.quantize` and sends
