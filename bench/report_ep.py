@@ -37,6 +37,10 @@ def _machine(m: dict) -> str:
     return m["gpu"] + (f", load {load:.1f}" if load is not None and m["backend"] == "gloo" else "")
 
 
+def _mode(row: dict) -> str:
+    return MODE_NAMES.get(row["mode"], row["mode"]) + (", reused receive buffer" if row.get("recv_buffer") else "")
+
+
 def table(runs: list) -> str:
     """The markdown table of ``runs`` (bench_ep_gpu.py JSON documents, any order)."""
     runs = sorted(runs, key=lambda d: (d["meta"]["world_size"], d["meta"]["date"]))
@@ -56,8 +60,7 @@ def table(runs: list) -> str:
             c = r["cases"]
             flagged = ", ".join(r["flagged"]) if r["flagged"] else "-"
             out.append(f"| {m['date']} | {_machine(m)} | {m['backend']}, {m['world_size']} | {m['tree']} | {r['engine']} "
-                       f"| {MODE_NAMES.get(r['mode'], r['mode'])}{', reused receive buffer' if r.get('recv_buffer') else ''} "
-                       f"| {r['tokens_per_rank']} | {_ms(c['dispatch'])} | "
+                       f"| {_mode(r)} | {r['tokens_per_rank']} | {_ms(c['dispatch'])} | "
                        f"{_ms(c['plain_dispatch'])} | **{r['dispatch_over_plain']:.1f}x** | {_ms(c['combine'])} | "
                        f"{_ms(c['plain_combine'])} | **{r['combine_over_plain']:.1f}x** | {flagged} |")
     return "\n".join(out)

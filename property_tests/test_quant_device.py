@@ -273,6 +273,7 @@ def test_kernel_equals_torch_path_and_quantize(scheme, dtype, rows, cols, exp, s
         f"kernel ran {len(calls)} times; NaN-scale blocks: {nan_scale}, float64 factors: {factor64}"
     for got, name in ((by_kernel, "kernel"), (by_torch, "torch path")):
         bad = np.flatnonzero(got.codes.ravel() != ref.codes.ravel())
-        assert bad.size == 0, (f"{name}: {scheme.name} ({scheme.preset.name}) {dtype}: {bad.size} codes differ, first "
-                               f"x = {x.ravel()[bad[0]]!r}: {got.codes.ravel()[bad[0]]:#x} vs {ref.codes.ravel()[bad[0]]:#x}")
+        assert bad.size == 0, (f"{name}: {scheme.name} ({scheme.preset.name}) {dtype}: {bad.size} codes differ, "
+                               f"first x = {x.ravel()[bad[0]]!r}: {got.codes.ravel()[bad[0]]:#x} vs "
+                               f"{ref.codes.ravel()[bad[0]]:#x}")
         assert np.array_equal(_bits(got.scales), _bits(ref.scales)), name

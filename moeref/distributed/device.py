@@ -188,35 +188,53 @@ def device_send_plan(topk_ids, topk_weights, placement, device) -> DevicePlan:
                         bad.any().reshape(1).to(torch.int64)]).cpu().numpy()
     if counts[-1]:
         check_topk_ids(ids.cpu().numpy(), p)  # raises the NumPy engine's message
-    row_dest, row_token = torch.nonzero(hit[:, :r].t().contiguous(), as_tuple=True)  # by rank, then token
+    # the (rank, token) pairs of hit.T in row-major order (by rank, then token): the first S of a stable sort
+    # that puts the hits first (S from the counts: no further synchronization)
+    pos = first_true(hit[:, :r].t().reshape(-1), int(counts[:r].sum()))
+    row_dest = torch.div(pos, max(t, 1), rounding_mode="floor")
+    row_token = pos - row_dest * t
     here = dest[row_token] == row_dest[:, None]
     row_local = torch.where(here, local[row_token], -1)
     row_w = torch.where(here, w[row_token].to(torch.float32), 0.0).to(torch.float32)
-    slot_valid = torch.nonzero(flat_dest >= 0, as_tuple=True)[0]
-    order = torch.sort(flat_dest[slot_valid], stable=True).indices
-    slot_src = slot_valid[order]
+    # the valid slots by destination, then flat slot: a stable sort with the padding slots' key r after every rank
+    slot_src = torch.sort(torch.where(flat_dest >= 0, flat_dest, r), stable=True).indices[:int(counts[r:2 * r].sum())]
     return DevicePlan(t, k, dest, row_token, row_dest, counts[:r].astype(np.int64), row_local, row_w, slot_src,
                       flat_dest[slot_src], local.reshape(-1)[slot_src], counts[r:2 * r].astype(np.int64))
+
+
+def first_true(mask, n: int):
+    """The indices of the ``n`` True entries of the 1-D bool tensor ``mask``, ascending (``torch.nonzero`` when
+    the caller knows ``n``: a stable sort of the keys 0 for True, 1 for False, with no host synchronization)."""
+    torch = _torch()
+    return torch.sort((~mask).to(torch.uint8), stable=True).indices[:n]
+
+
+def bincount(values, n: int):
+    """``torch.bincount(values[values >= 0], minlength=n)`` for values in ``-1 .. n-1``, without the host
+    synchronizations of a boolean selection and of ``bincount``'s size (integer sums: exact in any order)."""
+    torch = _torch()
+    flat = values.reshape(-1)
+    out = torch.zeros(n + 1, dtype=torch.int64, device=values.device)
+    out.scatter_add_(0, torch.where(flat >= 0, flat, n), torch.ones_like(flat, dtype=torch.int64))
+    return out[:n]
 
 
 def quantize_rows(x, quant, check_quant):
     """Quantize ``x [T, H]`` (device tensor) before dispatch -> ``(codes, scales, engine)`` on x's device.
     ``check_quant(scheme, x, quantizer=None)``: the NumPy engine's checks around a quantizer (default: the NumPy
     one; module docstring)."""
-    torch = _torch()
     from .. import _interop
-
     from ..quant import Scheme
 
     if x.is_cuda and isinstance(quant, Scheme):  # (anything else: the NumPy engine's TypeError below)
         from ..quant.device import device_quantize, device_quantize_unavailable
 
         why = device_quantize_unavailable(quant, x, {})
+        if why is None and quant.packed:
+            why = "its codes are packed (the host engine sends one byte an element)"
         if why is None:
             dq = check_quant(quant, x, lambda v: device_quantize(v, quant))
-            if tuple(dq.codes.shape) == tuple(x.shape) and dq.codes.dtype == torch.uint8:
-                return dq.codes, dq.scales, f"moeref.quant.device ({quant.name})"
-            why = "its codes are packed (the host engine sends one byte an element)"
+            return dq.codes, dq.scales, f"moeref.quant.device ({quant.name})"
         engine = f"moeref.quant on a host copy ({why})"
     else:
         engine = "moeref.quant"
@@ -260,20 +278,20 @@ def unpack(rows, specs):
     return out
 
 
-def receive_normal(got_fields, r: int, me: int, rows_matrix: np.ndarray, n_local: int, k: int,
-                   expert_alignment: int, pad_to: int | None, device):
+def receive_normal(got_fields, r: int, me: int, rows_matrix: np.ndarray, slots_matrix: np.ndarray, n_local: int,
+                   k: int, expert_alignment: int, pad_to: int | None, device):
     """The normal-mode receive buffers from the unpacked fields ``(payload..., token, ids, weights)``:
     ``(payload list, ids, weights, src_rank, token, counts, return_index)`` (the returned slots per source
-    are the header's count matrix: no device work)."""
+    are the header's count matrix: no device work; so is the number of valid slots received, the header's
+    ``slots_matrix[:, me]``, which sizes ``return_index``)."""
     torch = _torch()
+    from .._interop import to_device
+
     *payload, tok, ids, wts = got_fields
-    counts = torch.bincount(ids[ids >= 0], minlength=n_local) if n_local else \
-        torch.zeros(0, dtype=torch.int64, device=device)
+    counts = bincount(ids, n_local)
     counts = torch.div(counts + (expert_alignment - 1), expert_alignment, rounding_mode="floor") * expert_alignment
-    src_rank = torch.repeat_interleave(torch.arange(r, dtype=torch.int64, device=device),
-                                       torch.as_tensor(rows_matrix[:, me], dtype=torch.int64).to(device),
-                                       output_size=int(tok.shape[0]))
-    ret_index = torch.nonzero(ids.reshape(-1) >= 0, as_tuple=True)[0]
+    src_rank = to_device(np.repeat(np.arange(r, dtype=np.int64), rows_matrix[:, me]), device)
+    ret_index = first_true(ids.reshape(-1) >= 0, int(slots_matrix[:, me].sum()))
     if pad_to is not None:  # DeepEP num_worst_tokens: real rows first, then -1 / 0 padding
         pad = pad_to - int(tok.shape[0])
         payload = [torch.cat([p, torch.zeros((pad,) + tuple(p.shape[1:]), dtype=p.dtype, device=device)])
@@ -293,11 +311,11 @@ def receive_low_latency(payload, tok, loc, r: int, me: int, slots_matrix: np.nda
     :func:`moeref.dispatch.to_masked` of the messages. ``buffer``: a
     :class:`~moeref.distributed.dispatch.LowLatencyBuffer` written instead of fresh zeroed tensors."""
     torch = _torch()
+    from .._interop import to_device
+
     q = int(tok.shape[0])
-    n_from = slots_matrix[:, me]
-    msg_rank = torch.repeat_interleave(torch.arange(r, dtype=torch.int64, device=device),
-                                       torch.as_tensor(n_from, dtype=torch.int64).to(device), output_size=q)
-    counts = torch.bincount(loc, minlength=n_local) if n_local else torch.zeros(0, dtype=torch.int64, device=device)
+    msg_rank = to_device(np.repeat(np.arange(r, dtype=np.int64), slots_matrix[:, me]), device)
+    counts = bincount(loc, n_local)
     if q and bool((counts > cap).any()):  # an expert repeated within a row: the masked layout's error
         e = int(torch.nonzero(counts > cap)[0, 0])
         raise ValueError(f"local expert {e} has {int(counts[e])} rows, more than the capacity {cap}")
@@ -312,7 +330,7 @@ def receive_low_latency(payload, tok, loc, r: int, me: int, slots_matrix: np.nda
         src[loc, pos] = torch.arange(q, dtype=torch.int64, device=device)
         src_info[loc, pos] = tok.to(torch.int32)
         src_rank[loc, pos] = msg_rank.to(torch.int32)
-    per = torch.bincount(loc * r + msg_rank, minlength=n_local * r).reshape(n_local, r)
+    per = bincount(loc * r + msg_rank, n_local * r).reshape(n_local, r)
     layout_range = ((torch.cumsum(per, 1) - per) << 32) | per
     ret_index = loc * cap + pos  # message q lives at flat entry ret_index[q]
     if buffer is not None:

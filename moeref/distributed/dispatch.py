@@ -491,6 +491,7 @@ def _dispatch_device(group: EPGroup, placement: EPPlacement, prep: dict, rows: n
     """The receive side of :func:`ep_dispatch` with ``engine="device"`` (:mod:`moeref.distributed.device`)."""
     import torch
 
+    from .._interop import to_device
     from . import device as dv
     from .group import all_to_all_rows
 
@@ -513,11 +514,11 @@ def _dispatch_device(group: EPGroup, placement: EPPlacement, prep: dict, rows: n
         got = all_to_all_rows(group, send, rows[me], rows[:, me], what)
         fields = dv.unpack(got, specs + [(torch.int64, ()), (torch.int64, (k,)), (torch.float32, (k,))])
         payload, ids, wts, src_rank, tok, counts, ret_index = dv.receive_normal(
-            fields, r, me, rows, n_local, k, expert_alignment, pad_to, dev)
+            fields, r, me, rows, slots, n_local, k, expert_alignment, pad_to, dev)
         handle = CombineHandle(mode, plan, w, ret_index, slots[:, me].copy(), rows[:, me].copy(), "device")
         n_rows = int(ids.shape[0])
         xr, xq = _received_device(payload, qt, quant, (n_rows, h))
-        prefix = torch.as_tensor(np.cumsum(rows, axis=0)).to(dev)
+        prefix = to_device(np.cumsum(rows, axis=0), dev)
         return NormalDispatch(xr, xq, ids, wts, src_rank, tok, prefix, counts, handle, engines)
     m = prep["M"]
     src_tok = torch.div(plan.slot_src, max(k, 1), rounding_mode="floor")

@@ -1,7 +1,8 @@
 """The one Triton kernel of :mod:`moeref.quant.device`: scaling and element codes in one pass over the input.
 
-:func:`scaled_codes` computes, per element, exactly the torch steps 3 and 4 of :func:`moeref.quant.device.device_quantize`
-(its module docstring), fused so the input is read once and the codes written once:
+:func:`scaled_codes` computes, per element, exactly the torch steps 3 to 5 of
+:func:`moeref.quant.device.device_quantize` (its module docstring), fused so the input is read once and the codes
+written once:
 
 1. load the element (float16, bfloat16 or float32) and widen it to float32 (exact; bfloat16 by its bits, the high
    half of a float32, since the Triton interpreter's bfloat16 conversion loses subnormals);

@@ -59,7 +59,8 @@ copy, so the message is the reference's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -103,7 +104,8 @@ class DeviceQuantized:
         scales: the stored block scales on the block grid (float32, or uint8 UE8M0/UE4M3 codes).
         scheme, shape, global_scale: as in :class:`~moeref.quant.QuantizedTensor`.
         scale_values: float64 decode multiplier per block (global factor included):
-            :func:`moeref.quant.quantized.scale_values` of ``scales``, on the device.
+            :func:`moeref.quant.quantized.scale_values` of ``scales``, on the device; computed from the host
+            copy of the scales on first use (a dispatch that only sends codes and scales never pays for it).
     """
 
     codes: object
@@ -111,7 +113,12 @@ class DeviceQuantized:
     scheme: Scheme
     shape: tuple
     global_scale: float | None
-    scale_values: object
+    host_scales: np.ndarray = field(repr=False, default=None)  # the stored scales on the host (scale_values)
+
+    @cached_property
+    def scale_values(self):
+        stored = self.scales.cpu().numpy() if self.host_scales is None else self.host_scales
+        return to_device(scale_values(self.scheme, stored, self.global_scale), self.scales.device)
 
     @property
     def device(self):
@@ -232,10 +239,11 @@ def device_quantize(x, scheme: Scheme, **static) -> DeviceQuantized:
     host_neg = _HOST_NAN_NEGATIVE[np.dtype(np.float64 if fac.dtype == np.float64 else np.float32)][
         "mul" if res.op == "mul" else "div"]
     grid = shape[: len(shape) - k] + tuple(-(-d // b) for d, b in zip(shape[len(shape) - k:], block))
+    fac_dev = to_device(fac, dev)
     if _use_kernel(x, fac, grid, k, nan_blocks, el):  # the one-pass Triton kernel (moeref.quant._device_kernels)
         from ._device_kernels import scaled_codes
 
-        codes, flags = scaled_codes(x, to_device(fac, dev), block, res.op, table, shift, host_negative=host_neg,
+        codes, flags = scaled_codes(x, fac_dev, block, res.op, table, shift, host_negative=host_neg,
                                     drop_negative_zero=p.signed_zero_for(el) == "drop" and el.has_negative_zero,
                                     sign_mask=int(el.sign_mask))
         if flags is not None and bool(flags.any()):
@@ -244,7 +252,7 @@ def device_quantize(x, scheme: Scheme, **static) -> DeviceQuantized:
         nb = None
         tw = torch.float64 if w == np.float64 else torch.float32
         xb = _block_view(x.to(tw), block)
-        fb = _broadcast_to_blocks(to_device(fac, dev), k)
+        fb = _broadcast_to_blocks(fac_dev, k)
         scaled = xb * fb if res.op == "mul" else xb / fb
         if nan_blocks.any():  # a NaN-scale block decodes to NaN whatever its codes: cast zeros, fill NaN codes
             nb = _broadcast_to_blocks(to_device(nan_blocks, dev), k)
@@ -280,8 +288,12 @@ def device_quantize(x, scheme: Scheme, **static) -> DeviceQuantized:
     codes = codes.contiguous()
     stored = np.ascontiguousarray(res.stored)
     glob = None if res.global_scale is None else float(res.global_scale)
-    sv = scale_values(scheme, stored, glob)
-    return DeviceQuantized(codes, to_device(stored, dev), scheme, shape, glob, to_device(sv, dev))
+    if fac.dtype == stored.dtype and fac.shape == stored.shape and \
+            np.array_equal(fac.view(_uint(8 * fac.itemsize)), stored.view(_uint(8 * stored.itemsize))):
+        scales_dev = fac_dev  # the factor is the stored scale, bit for bit (x / s): one copy to the device
+    else:
+        scales_dev = to_device(stored, dev)
+    return DeviceQuantized(codes, scales_dev, scheme, shape, glob, stored)
 
 
 _NEG_NAN_BITS = int(np.array(0xFFC00000, np.uint32).view(np.int32))
