@@ -99,6 +99,16 @@ def scatter_rows(buf, index, rows):
     return buf
 
 
+def scatter_row_bytes(buf, rows_per_entry: int, index, row_bytes):
+    """Write the byte rows ``row_bytes`` (uint8 ``[Q, nbytes]``, may be strided) at the flat rows ``index`` of
+    ``buf`` (``[..., row...]`` contiguous, ``rows_per_entry`` rows of ``nbytes`` bytes in all): ``index_copy_`` on
+    its bytes."""
+    torch = _torch()
+    if index.numel():
+        buf.view(rows_per_entry, -1).view(torch.uint8).index_copy_(0, index, row_bytes)
+    return buf
+
+
 def float_name(x) -> str:
     """The NumPy-style dtype name of a float tensor (``"bfloat16"``, ``"float32"``, ...)."""
     return str(x.dtype).replace("torch.", "")
@@ -252,10 +262,42 @@ def as_bytes(t, rows: int):
 
 
 def pack(rows: int, *fields):
-    """:func:`moeref.distributed.group.pack_rows` on the device (the same byte layout)."""
+    """:func:`moeref.distributed.group.pack_rows` on the device (the same byte layout). A field is a tensor
+    ``[rows, ...]``, or ``(source, index)``: the rows ``source[index]``, gathered straight into the packed rows
+    (one pass over the payload, not a gather and then a concatenation)."""
     torch = _torch()
-    parts = [as_bytes(f, rows) for f in fields]
-    return torch.cat(parts, dim=1) if parts else torch.zeros((rows, 0), dtype=torch.uint8)
+    parts = []
+    for f in fields:
+        src, idx = f if isinstance(f, tuple) else (f, None)
+        tail = tuple(src.shape[1:])
+        width = int(np.prod(tail, dtype=np.int64)) * src.element_size()
+        parts.append((src, idx, width))
+    total = sum(w for _, _, w in parts)
+    device = parts[0][0].device if parts else None
+    out = torch.empty((rows, total), dtype=torch.uint8, device=device)
+    at = 0
+    for src, idx, width in parts:
+        if rows and width:
+            dst = out[:, at:at + width]
+            if idx is None:
+                dst.copy_(as_bytes(src, rows))
+            else:
+                torch.index_select(as_bytes(src, int(src.shape[0])), 0, idx, out=dst)
+        at += width
+    return out
+
+
+def field_bytes(rows, specs) -> list:
+    """The packed rows' fields as uint8 views ``[N, nbytes]`` (strided: no copy), ``specs`` as :func:`unpack`."""
+    torch = _torch()
+    out, at = [], 0
+    for dtype, tail in specs:
+        width = int(np.prod(tail, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        out.append(rows[:, at:at + width])
+        at += width
+    if at != rows.shape[1]:
+        raise ValueError(f"packed rows have {rows.shape[1]} bytes but the fields take {at}")
+    return out
 
 
 def unpack(rows, specs):
@@ -303,9 +345,10 @@ def receive_normal(got_fields, r: int, me: int, rows_matrix: np.ndarray, slots_m
     return payload, ids, wts, src_rank, tok, counts, ret_index
 
 
-def receive_low_latency(payload, tok, loc, r: int, me: int, slots_matrix: np.ndarray, n_local: int, cap: int,
-                        device, buffer=None):
-    """The masked receive buffers from the messages (``payload`` list, source ``tok``, local expert ``loc``):
+def receive_low_latency(payload, specs, tok, loc, r: int, me: int, slots_matrix: np.ndarray, n_local: int,
+                        cap: int, device, buffer=None):
+    """The masked receive buffers from the messages (``payload``: each field's bytes, uint8 ``[Q, nbytes]``, of
+    ``specs``' dtype and row shape; source ``tok``, local expert ``loc``):
     ``(masked payload list, recv_count int32, src_info int32, src_rank int32, layout_range, return_index)``.
     Rows of an expert in arrival order (source rank, then the sender's slot order), as
     :func:`moeref.dispatch.to_masked` of the messages. ``buffer``: a
@@ -336,8 +379,8 @@ def receive_low_latency(payload, tok, loc, r: int, me: int, slots_matrix: np.nda
     if buffer is not None:
         masked = list(buffer.receive(ret_index, payload))
     else:
-        masked = [scatter_rows(zeros((n_local, cap) + tuple(part.shape[1:]), part.dtype, device), ret_index, part)
-                  for part in payload]
+        masked = [scatter_row_bytes(zeros((n_local, cap) + tuple(tail), dtype, device), n_local * cap, ret_index, part)
+                  for (dtype, tail), part in zip(specs, payload)]
     return masked, counts.to(torch.int32), src_info, src_rank, layout_range, ret_index
 
 

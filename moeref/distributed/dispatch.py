@@ -183,16 +183,17 @@ class LowLatencyBuffer:
     written: object = None
 
     def receive(self, index, payload) -> tuple:
-        """Zero the rows of the last dispatch, write ``payload`` (one tensor ``[Q, ...]`` per part) at the flat rows
-        ``index`` (int64 ``[Q]``, distinct), remember them; returns ``parts``."""
-        from .device import scatter_rows
+        """Zero the rows of the last dispatch, write ``payload`` (each part's rows as bytes, uint8 ``[Q, nbytes]``)
+        at the flat rows ``index`` (int64 ``[Q]``, distinct), remember them; returns ``parts``."""
+        from .device import scatter_row_bytes
 
+        rows = self.num_local_experts * self.capacity
         if self.written is not None and self.written.numel():
             for buf in self.parts:
-                buf.view(self.num_local_experts * self.capacity, -1).index_fill_(0, self.written, 0)
+                buf.view(rows, -1).index_fill_(0, self.written, 0)
         self.written = None
         for buf, part in zip(self.parts, payload):
-            scatter_rows(buf, index, part)
+            scatter_row_bytes(buf, rows, index, part)
         self.written = index
         return self.parts
 
@@ -501,11 +502,11 @@ def _dispatch_device(group: EPGroup, placement: EPPlacement, prep: dict, rows: n
     engines = ()
     specs = _device_specs(x, qt, h)
     if qt is None:
-        token_fields = lambda idx: [x[idx]]  # noqa: E731
+        token_fields = lambda idx: [(x, idx)]  # noqa: E731 (gathered into the packed rows)
     else:
         codes, scales, qengine = qt
         engines = (f"quantize: {qengine}",)
-        token_fields = lambda idx: [codes[idx], scales[idx]]  # noqa: E731
+        token_fields = lambda idx: [(codes, idx), (scales, idx)]  # noqa: E731
     n_local = placement.num_local(me)
     what = "the dispatch all_to_all_single"
     if mode == "normal":
@@ -524,10 +525,12 @@ def _dispatch_device(group: EPGroup, placement: EPPlacement, prep: dict, rows: n
     src_tok = torch.div(plan.slot_src, max(k, 1), rounding_mode="floor")
     send = dv.pack(int(src_tok.shape[0]), *token_fields(src_tok), src_tok, plan.slot_local)
     got = all_to_all_rows(group, send, slots[me], slots[:, me], what)
-    *payload, tok, loc = dv.unpack(got, specs + [(torch.int64, ()), (torch.int64, ())])
+    meta = [(torch.int64, ()), (torch.int64, ())]
+    *payload, _, _ = dv.field_bytes(got, specs + meta)  # scattered from the received rows, no copy first
+    tok, loc = dv.unpack(got[:, sum(int(p.shape[1]) for p in payload):], meta)
     cap = r * m
     masked, recv_count, src_info, src_rank, layout_range, ret_index = dv.receive_low_latency(
-        payload, tok, loc, r, me, slots, n_local, cap, dev, recv_buffer)
+        payload, specs, tok, loc, r, me, slots, n_local, cap, dev, recv_buffer)
     handle = CombineHandle(mode, plan, w, ret_index, slots[:, me].copy(), slots[:, me].copy(), "device")
     xr, xq = _received_device(masked, qt, quant, (n_local, cap, h))
     return LowLatencyDispatch(xr, xq, recv_count, src_info, src_rank, layout_range, handle, engines)
