@@ -29,6 +29,8 @@ path and :func:`moeref.quant.quantize`).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -99,7 +101,8 @@ def scaled_codes(x, factor, block, op: str, table, shift: int, *, host_negative:
         host_negative: the sign of a NaN the operation creates (the host NumPy's).
         drop_negative_zero: ``signed_zero="drop"``: the code ``sign_mask`` becomes 0.
 
-    ``flags``: None for an unmarked table, else an int32 tensor, nonzero where a program met a marker.
+    ``flags``: None for an unmarked table, else an int32 tensor, nonzero where a program met a marker (the
+    flag pointer of an unmarked launch is ``out``, never written through).
     """
     k = len(block)
     if k not in (1, 2) or x.dim() < k:
@@ -119,12 +122,14 @@ def scaled_codes(x, factor, block, op: str, table, shift: int, *, host_negative:
     out = torch.empty(shape, dtype=torch.uint8, device=x.device)
     marked = table.dtype != torch.uint8
     tiles = -(-n1_len // _BLOCK)
-    flags = torch.zeros(rows * tiles if marked else 1, dtype=torch.int32, device=x.device)
+    flags = torch.zeros(rows * tiles, dtype=torch.int32, device=x.device) if marked else None
     if x.numel():
-        _scaled_codes_kernel[(rows, tiles)](
-            x.contiguous(), factor.contiguous(), table, out, flags, n0_len, n1_len, g0, g1, b0, b1, tiles,
-            SHIFT=int(shift), DIV=op == "div", HOST_NEG=bool(host_negative), IN_BITS=8 * x.element_size(),
-            IN_BF16=x.dtype == torch.bfloat16,
-            MARKED=marked, DROP_NEG_ZERO=bool(drop_negative_zero), SIGN_MASK=int(sign_mask), BLOCK=_BLOCK,
-            enable_fp_fusion=False)
-    return out, (flags if marked else None)
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on
+            # the current device
+            _scaled_codes_kernel[(rows, tiles)](
+                x.contiguous(), factor.contiguous(), table, out, out if flags is None else flags, n0_len, n1_len,
+                g0, g1, b0, b1, tiles, SHIFT=int(shift), DIV=op == "div", HOST_NEG=bool(host_negative),
+                IN_BITS=8 * x.element_size(), IN_BF16=x.dtype == torch.bfloat16, MARKED=marked,
+                DROP_NEG_ZERO=bool(drop_negative_zero), SIGN_MASK=int(sign_mask), BLOCK=_BLOCK,
+                enable_fp_fusion=False)
+    return out, flags
