@@ -30,9 +30,12 @@ handle keeps the split sizes (``return_counts``, ``rows_from`` and the plan's ``
 ``slots_to``) as host int64 arrays, since ``all_to_all_single`` takes them as host lists. A NaN keeps
 its position, not necessarily its payload bits (CUDA writes one canonical NaN).
 
-Cost: a few host synchronizations per dispatch (the plan's counts with the ids' range check, the header,
-the sizes of the index selections; with ``quant=``, the quantizer's amax grid) and one per combine (the
-header); the rest is queued on the device. The placement's tables are copied to a device once per
+Cost: two host synchronizations per dispatch (the plan's counts, with the ids' range check and, in
+low-latency mode, the repeated-expert check; the header), a third with ``quant=`` on CUDA (the quantizer's
+amax grid) and one more in low-latency mode (the masked layout's capacity check); one per combine (the
+header). Every other size comes from the counts on the host (the orders are stable sorts sized by them),
+and the rest is queued on the device: the payload is gathered straight into the packed send rows and, in
+low-latency mode, scattered from the received rows into the masked buffers. The placement's tables are copied to a device once per
 (placement, device). Memory: the low-latency buffers are ``E_local x R*M x H``, zeroed: fresh per dispatch,
 or one :class:`~moeref.distributed.dispatch.LowLatencyBuffer` reused (``recv_buffer=``: only the rows its
 last dispatch wrote are zeroed again); the slot-order combine holds ``T*k x H`` rows of the travel dtype and
@@ -148,6 +151,7 @@ class DevicePlan:
     slot_dest: object
     slot_local: object
     slots_to: np.ndarray
+    repeats: bool | None = None  # a row names an expert twice (None: not checked)
 
 
 # placement -> {device name: (owner, local_id) tensors}; a placement's arrays are read-only, so its tables never
@@ -167,10 +171,11 @@ def _placement_tables(placement, device):
     return per_device[key]
 
 
-def device_send_plan(topk_ids, topk_weights, placement, device) -> DevicePlan:
-    """:func:`~moeref.distributed.send_plan` on ``device`` (the same orders and values). Host
-    synchronizations: the counts with the range check of the ids (a bad id raises the NumPy engine's
-    ``ValueError``, index and value), and the sizes of the two index selections."""
+def device_send_plan(topk_ids, topk_weights, placement, device, *, check_repeats: bool = False) -> DevicePlan:
+    """:func:`~moeref.distributed.send_plan` on ``device`` (the same orders and values). One host
+    synchronization: the counts with the range check of the ids (a bad id raises the NumPy engine's
+    ``ValueError``, index and value) and, with ``check_repeats``, whether a row names an expert twice
+    (``DevicePlan.repeats``); the orders are sized by the counts."""
     torch = _torch()
     from ..routing.ids import check_topk_ids
 
@@ -194,9 +199,12 @@ def device_send_plan(topk_ids, topk_weights, placement, device) -> DevicePlan:
     hit = torch.zeros((t, r + 1), dtype=torch.bool, device=device)  # column r collects padding slots
     hit.scatter_(1, torch.where(dest >= 0, dest, r), True)
     flat_dest = dest.reshape(-1)
-    counts = torch.cat([hit[:, :r].sum(0), torch.bincount(flat_dest[flat_dest >= 0], minlength=r),
-                        bad.any().reshape(1).to(torch.int64)]).cpu().numpy()
-    if counts[-1]:
+    flags = [bad.any().reshape(1).to(torch.int64)]
+    if check_repeats and t and k > 1:  # the sorted row holds two equal ids (padding aside)
+        srt = ids.sort(dim=1).values
+        flags.append(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any().reshape(1).to(torch.int64))
+    counts = torch.cat([hit[:, :r].sum(0), bincount(flat_dest, r), *flags]).cpu().numpy()
+    if counts[2 * r]:
         check_topk_ids(ids.cpu().numpy(), p)  # raises the NumPy engine's message
     # the (rank, token) pairs of hit.T in row-major order (by rank, then token): the first S of a stable sort
     # that puts the hits first (S from the counts: no further synchronization)
@@ -209,7 +217,8 @@ def device_send_plan(topk_ids, topk_weights, placement, device) -> DevicePlan:
     # the valid slots by destination, then flat slot: a stable sort with the padding slots' key r after every rank
     slot_src = torch.sort(torch.where(flat_dest >= 0, flat_dest, r), stable=True).indices[:int(counts[r:2 * r].sum())]
     return DevicePlan(t, k, dest, row_token, row_dest, counts[:r].astype(np.int64), row_local, row_w, slot_src,
-                      flat_dest[slot_src], local.reshape(-1)[slot_src], counts[r:2 * r].astype(np.int64))
+                      flat_dest[slot_src], local.reshape(-1)[slot_src], counts[r:2 * r].astype(np.int64),
+                      bool(counts[2 * r + 1]) if len(flags) > 1 else (False if check_repeats else None))
 
 
 def first_true(mask, n: int):

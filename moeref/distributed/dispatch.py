@@ -383,7 +383,8 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
             raise TypeError(f"hidden must be one of {', '.join(_FLOAT_DTYPES)}; got {name}")
         check_token_rows(x, topk_weights, topk_ids)
         if engine == "device":
-            plan = device_send_plan(topk_ids, topk_weights, placement, group.device)
+            plan = device_send_plan(topk_ids, topk_weights, placement, group.device,
+                                    check_repeats=mode == "low_latency")
         else:
             plan = send_plan(topk_ids, topk_weights, placement)
         m = -1
@@ -393,7 +394,7 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
                 raise ValueError(f"{x.shape[0]} tokens on this rank, more than max_tokens_per_rank={m}")
         elif mode == "low_latency":
             raise ValueError("mode='low_latency' needs max_tokens_per_rank (the masked buffers have R*M rows)")
-        if mode == "low_latency":
+        if mode == "low_latency" and (engine != "device" or plan.repeats):  # (the device plan checked it)
             _check_distinct_per_row(topk_ids)
         if recv_buffer is not None and (mode != "low_latency" or engine != "device"):
             raise ValueError(f"recv_buffer is for mode='low_latency' with engine='device'; got mode={mode!r}, "
