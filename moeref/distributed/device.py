@@ -35,11 +35,11 @@ low-latency mode, the repeated-expert check; the header), a third with ``quant=`
 amax grid) and one more in low-latency mode (the masked layout's capacity check); one per combine (the
 header). Every other size comes from the counts on the host (the orders are stable sorts sized by them),
 and the rest is queued on the device: the payload is gathered straight into the packed send rows and, in
-low-latency mode, scattered from the received rows into the masked buffers. The placement's tables are copied to a device once per
-(placement, device). Memory: the low-latency buffers are ``E_local x R*M x H``, zeroed: fresh per dispatch,
-or one :class:`~moeref.distributed.dispatch.LowLatencyBuffer` reused (``recv_buffer=``: only the rows its
-last dispatch wrote are zeroed again); the slot-order combine holds ``T*k x H`` rows of the travel dtype and
-``T x H`` float64.
+low-latency mode, scattered from the received rows into the masked buffers. The placement's tables are
+copied to a device once per (placement, device). Memory: the low-latency buffers are ``E_local x R*M x H``,
+zeroed: fresh per dispatch, or one :class:`~moeref.distributed.dispatch.LowLatencyBuffer` reused
+(``recv_buffer=``: only the rows its last dispatch wrote are zeroed again); the slot-order combine holds
+``T*k x H`` rows of the travel dtype and ``T x H`` float64.
 """
 from __future__ import annotations
 
