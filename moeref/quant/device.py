@@ -3,8 +3,9 @@ for bit, without copying the elements to the host. The MoE reference's device en
 and ``a2`` activations with it (:mod:`moeref.moe.device`).
 
 It shares no kernel with the fast paths (:mod:`fastpath`): every step is either the NumPy quantizer's own
-code or torch elementwise operations whose result is fixed by IEEE 754, so a fast quantizer checked against
-a device run is checked against an independent computation. The steps are those of the blockwise engine
+code or elementwise operations whose result is fixed by IEEE 754 (torch's, or the same operations in this
+module's own Triton kernel, below), so a fast quantizer checked against a device run is checked against an
+independent computation. The steps are those of the blockwise engine
 (:func:`moeref.quant.blockwise.quantize_blockwise`), in its order:
 
 1. **block amax** on the device, from the input's bit patterns: the sign bit cleared, the integer maximum over
