@@ -37,6 +37,10 @@ def _machine(m: dict) -> str:
     return m["gpu"] + (f", load {load:.1f}" if load is not None and m["backend"] == "gloo" else "")
 
 
+def _mode(row: dict) -> str:
+    return MODE_NAMES.get(row["mode"], row["mode"]) + (", reused receive buffer" if row.get("recv_buffer") else "")
+
+
 def table(runs: list) -> str:
     """The markdown table of ``runs`` (bench_ep_gpu.py JSON documents, any order)."""
     runs = sorted(runs, key=lambda d: (d["meta"]["world_size"], d["meta"]["date"]))
@@ -44,7 +48,9 @@ def table(runs: list) -> str:
            "linear placement), one process per rank; per case the slowest rank's time, median over the interleaved "
            "rounds (min-max) in ms; *plain*: one `all_to_all_single` of the same bytes with the same split sizes in "
            "the same rounds; *x*: reference / plain, the median of the per-round ratios (target: within 10x at 4096 "
-           "tokens per rank).", "",
+           "tokens per rank); *reused receive buffer*: the low-latency dispatch receives into one "
+           "`ep_low_latency_buffer` made before the rounds (DeepEP's `Buffer`), zeroing only the rows the previous "
+           "dispatch wrote (rows without it zero a fresh `E_local x R*M x H` buffer per dispatch).", "",
            "| measured | machine | backend, ranks | tree | engine | mode | tokens per rank | dispatch, ms | plain, ms "
            "| x | combine (bf16), ms | plain, ms | x | spread > 10% |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -54,7 +60,7 @@ def table(runs: list) -> str:
             c = r["cases"]
             flagged = ", ".join(r["flagged"]) if r["flagged"] else "-"
             out.append(f"| {m['date']} | {_machine(m)} | {m['backend']}, {m['world_size']} | {m['tree']} | {r['engine']} "
-                       f"| {MODE_NAMES.get(r['mode'], r['mode'])} | {r['tokens_per_rank']} | {_ms(c['dispatch'])} | "
+                       f"| {_mode(r)} | {r['tokens_per_rank']} | {_ms(c['dispatch'])} | "
                        f"{_ms(c['plain_dispatch'])} | **{r['dispatch_over_plain']:.1f}x** | {_ms(c['combine'])} | "
                        f"{_ms(c['plain_combine'])} | **{r['combine_over_plain']:.1f}x** | {flagged} |")
     return "\n".join(out)

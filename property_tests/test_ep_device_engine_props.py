@@ -209,3 +209,121 @@ def test_assert_same_bits_sees_one_bit_and_a_moved_nan():
         assert_same_bits(a, np.array([np.nan, 1.0, 2.0], np.float32), "nan")
     with pytest.raises(AssertionError, match="dtype"):
         assert_same_bits(a, a.astype(np.float64), "dtype")
+
+
+@st.composite
+def buffer_sequences(draw, max_world: int):
+    """Two or three routings over one placement (the world, experts and top-k fixed), each split over the ranks:
+    what one reusable low-latency buffer receives in a row."""
+    ranks = draw(st.integers(1, max_world))
+    num_experts = draw(st.integers(1, 7))
+    top_k = draw(st.integers(1, min(3, num_experts)))
+    strategy = draw(st.sampled_from(EP_STRATEGIES))
+    redundant = draw(st.integers(0, 2))
+    pl = ep_placement(num_experts, ranks, strategy, num_redundant=redundant)
+    steps = []
+    for _ in range(draw(st.integers(2, 3))):
+        r = draw(routings(max_tokens=10, num_experts=num_experts, top_k=top_k, allow_zero_tokens=True,
+                          kinds=ROUTING_KINDS + OPT_IN_KINDS))
+        ids = r.ids.astype(np.int64)
+        cuts = sorted(draw(st.lists(st.integers(0, r.num_tokens), min_size=ranks - 1, max_size=ranks - 1)))
+        steps.append(dict(ids=pl.to_physical(ids) if ids.size else ids, weights=r.weights,
+                          sizes=np.diff([0, *cuts, r.num_tokens]).tolist(),
+                          x=draw(values((r.num_tokens, H), "float32", specials=True))))
+    m = max(max(max(s["sizes"]) for s in steps), 1)
+    return dict(ranks=ranks, num_logical=num_experts, strategy=strategy, redundant=redundant, steps=steps, M=m)
+
+
+def buffer_task(g, seq, dtype, quant):
+    """Each routing of ``seq`` dispatched into fresh buffers and through one reusable buffer, in a row; every
+    field (read before the next dispatch), whether the result is the buffer's tensors, and the slot combine."""
+    import torch
+
+    from moeref.distributed import ep_low_latency_buffer
+
+    pl = ep_placement(seq["num_logical"], g.world_size, seq["strategy"], num_redundant=seq["redundant"])
+    buf = ep_low_latency_buffer(pl, g, max_tokens_per_rank=seq["M"], hidden_size=H, dtype=dtype, quant=QUANTS[quant])
+    out = []
+    for step in seq["steps"]:
+        sl = _slices(step["sizes"])[g.rank]
+        x = _interop.to_torch(np.ascontiguousarray(step["x"][sl].astype(DTYPES[dtype]))).to(g.device)
+        ids = torch.from_numpy(np.ascontiguousarray(step["ids"][sl])).to(g.device)
+        w = torch.from_numpy(np.ascontiguousarray(step["weights"][sl])).to(g.device)
+        per = {}
+        for name, kw in (("fresh", {}), ("buffer", {"recv_buffer": buf})):
+            got = _run(lambda: ep_dispatch(x, ids, w, pl, g, mode="low_latency", quant=QUANTS[quant],
+                                           max_tokens_per_rank=seq["M"], engine="device", **kw))
+            if got[0] == "error":
+                per[name] = got
+                continue
+            d = got[1]
+            copy = lambda v: None if v is None else np.array(_host(v), copy=True)  # noqa: E731 (not a view: the
+            # buffer's next dispatch overwrites its tensors)
+            fields = {f: copy(getattr(d, f)) for f in ("x", "recv_count", "src_info", "src_rank", "layout_range")}
+            if d.xq is not None:
+                fields["codes"], fields["scales"] = copy(d.xq.codes), copy(d.xq.scales)
+            fields["return_index"] = copy(d.handle.return_index)
+            first = d.x if d.xq is None else d.xq.codes
+            fields["is_buffer"] = bool(first is buf.parts[0])
+            y = (np.random.default_rng(7).standard_normal(tuple(d.src_info.shape) + (H,)) * 3).astype(np.float32)
+            fields["slot"] = _run(lambda: _host(ep_combine(y, d, g)))
+            per[name] = ("ok", fields)
+        out.append(per)
+    return out
+
+
+@FEW
+@given(data=st.data(), dtype=st.sampled_from(["bfloat16", "float32"]), quant=st.sampled_from([None, "fp8 1x128"]))
+def test_low_latency_buffer_reuse_equals_fresh_buffers(world, data, dtype, quant):
+    """Dispatches in a row through one :func:`ep_low_latency_buffer` (different routings, some refused) equal
+    fresh-buffer dispatches field for field, bit for bit; a buffered result is the buffer's tensors."""
+    world, max_ranks = world
+    seq = data.draw(buffer_sequences(max_ranks))
+    res = world.run(buffer_task, seq, dtype, quant, world_size=seq["ranks"])
+    for rank, steps in enumerate(res):
+        for i, per in enumerate(steps):
+            fresh, reused = per["fresh"], per["buffer"]
+            event(f"step: {fresh[0]}")
+            assert fresh[0] == reused[0], f"rank {rank} step {i}: fresh {fresh} vs buffer {reused}"
+            if fresh[0] == "error":
+                assert fresh[1] == reused[1]
+                continue
+            ff, bf = fresh[1], reused[1]
+            assert ff.pop("is_buffer") is False and bf.pop("is_buffer") is True, f"rank {rank} step {i}: aliasing"
+            assert sorted(ff) == sorted(bf)
+            for name in ff:
+                if isinstance(ff[name], tuple):
+                    assert ff[name][0] == bf[name][0] == "ok", f"rank {rank} step {i} {name}"
+                    assert_same_bits(ff[name][1], bf[name][1], f"rank {rank} step {i} {name}")
+                elif ff[name] is None:
+                    assert bf[name] is None
+                else:
+                    assert_same_bits(ff[name], bf[name], f"rank {rank} step {i} {name}")
+
+
+def buffer_misuse_task(g):
+    import torch
+
+    from moeref.distributed import ep_low_latency_buffer
+
+    pl = ep_placement(4, g.world_size)
+    x = torch.ones((2, H), dtype=torch.bfloat16, device=g.device)
+    ids = torch.tensor([[0, 1], [2, 3]], device=g.device) % pl.num_physical
+    w = torch.full((2, 2), 0.5, device=g.device)
+    buf = ep_low_latency_buffer(pl, g, max_tokens_per_rank=2, hidden_size=H, dtype="float32")
+    out = [_run(lambda: ep_dispatch(x, ids, w, pl, g, mode="low_latency", max_tokens_per_rank=2, engine="device",
+                                    recv_buffer=buf)),
+           _run(lambda: ep_dispatch(x, ids, w, pl, g, mode="normal", engine="device", recv_buffer=buf)),
+           _run(lambda: ep_dispatch(x, ids, w, pl, g, mode="low_latency", max_tokens_per_rank=2, engine="device",
+                                    recv_buffer="buffer"))]
+    return [o if o[0] == "error" else ("ok", None) for o in out]
+
+
+def test_low_latency_buffer_misuse_raises_on_every_rank(world):
+    """A buffer of another dtype, a buffer in normal mode, not a buffer: every rank raises, naming it."""
+    world, max_ranks = world
+    for rank, (dtype_err, mode_err, type_err) in enumerate(world.run(buffer_misuse_task, world_size=max_ranks)):
+        assert dtype_err[0] == "error" and "ValueError" in dtype_err[1] and "recv_buffer holds" in dtype_err[1] \
+            and "bfloat16" in dtype_err[1], dtype_err
+        assert mode_err[0] == "error" and "recv_buffer is for mode='low_latency'" in mode_err[1], mode_err
+        assert type_err[0] == "error" and "TypeError" in type_err[1] and "LowLatencyBuffer" in type_err[1], type_err

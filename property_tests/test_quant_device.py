@@ -14,7 +14,7 @@ import re
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
@@ -57,6 +57,18 @@ def _schemes():
 
 SCHEMES = _schemes()
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+@pytest.fixture(autouse=True, scope="module", params=["torch", "kernel"])
+def engine(request):
+    """Every test twice: the torch path, and the one-pass Triton kernel (:mod:`moeref.quant._device_kernels`;
+    on CPU under TRITON_INTERPRET=1) wherever it applies."""
+    import moeref.quant.device as qd
+
+    before = qd._KERNEL
+    qd._KERNEL = request.param == "kernel"
+    yield request.param
+    qd._KERNEL = before
 
 
 def _np_dtype(name):
@@ -199,3 +211,71 @@ def test_the_device_operand_decodes_to_the_dequantized_values():
         cols = torch.arange(c, device=op.device) // op.block[1]
         vals = op.decode() * op.scales[rows][:, cols]
         assert np.array_equal(vals.cpu().numpy(), quantize(x, scheme).dequantize(np.float64))
+
+
+# the schemes the one-pass kernel claims (moeref.quant._device_kernels): one code per byte (FP8, FP6, INT8)
+KERNEL_SCHEMES = [s for s in SCHEMES if s.family == "blockwise" and s.element_format.bits > 4] + [
+    fp8_per_tensor(2.0**-3), fp8_per_tensor(2.0**-9, preset="deepgemm"), fp8_per_tensor(0.75, preset="vllm")]
+_SUBNORMAL = {"float32": 2.0**-149, "bfloat16": 2.0**-133, "float16": 2.0**-24}
+_MAX = {"float32": float(np.finfo(np.float32).max), "bfloat16": float(ml_dtypes.finfo(ml_dtypes.bfloat16).max),
+        "float16": 65504.0}
+
+
+def _kernel_values(rng, rows: int, cols: int, dtype: str, exp: int, specials: bool) -> np.ndarray:
+    """Values that hit the cast's edges: few-bit dyadic values ``m * 2^e`` (exact ties of the element grids
+    under power-of-two scales), subnormals of the input dtype, its largest values (saturation), zeros of
+    both signs, and (``specials``) NaN and +-Inf."""
+    x = rng.integers(-64, 65, (rows, cols)) * np.exp2(exp + rng.integers(-3, 4, (rows, 1)))
+    pick = rng.random((rows, cols))
+    x = np.where(pick < 0.1, rng.integers(-7, 8, (rows, cols)) * _SUBNORMAL[dtype], x)
+    x = np.where((pick >= 0.1) & (pick < 0.14), np.where(pick < 0.12, 1.0, -1.0) * _MAX[dtype], x)
+    x = np.where((pick >= 0.14) & (pick < 0.2), np.where(pick < 0.17, 0.0, -0.0), x)
+    if specials:
+        x = np.where((pick >= 0.2) & (pick < 0.203), np.nan, x)
+        x = np.where((pick >= 0.203) & (pick < 0.206), -np.nan, x)
+        x = np.where((pick >= 0.206) & (pick < 0.21), np.where(pick < 0.208, np.inf, -np.inf), x)
+    with np.errstate(over="ignore"):
+        return x.astype(_np_dtype(dtype))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(KERNEL_SCHEMES), st.sampled_from(["float32", "bfloat16", "float16"]), st.integers(1, 24),
+       st.integers(1, 1100), st.integers(-30, 12), st.booleans(), st.integers(0, 2**32 - 1))
+def test_kernel_equals_torch_path_and_quantize(engine, scheme, dtype, rows, cols, exp, specials, seed):
+    """The one-pass kernel's codes equal the torch path's and :func:`moeref.quant.quantize`'s, bit for bit, on
+    drawn ties, subnormals, saturating and special values (rows wider than one program's 1024 columns too); it
+    runs wherever no block's scale is NaN."""
+    if engine != "kernel":
+        pytest.skip("runs both paths itself: once, under the module's 'kernel' parameter")
+    import moeref.quant._device_kernels as kernels
+    import moeref.quant.device as qd
+
+    x = _kernel_values(np.random.default_rng(seed), rows, cols, dtype, exp, specials)
+    try:
+        ref = quantize(x, scheme)
+    except ValueError:  # the input the reference refuses: the error is checked by _check_equal above
+        return
+    calls = []
+    orig, before = kernels.scaled_codes, qd._KERNEL
+    kernels.scaled_codes = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    try:
+        qd._KERNEL = True
+        by_kernel = device_quantize(to_torch(x, DEV), scheme).to_host()
+        qd._KERNEL = False
+        by_torch = device_quantize(to_torch(x, DEV), scheme).to_host()
+    finally:
+        kernels.scaled_codes, qd._KERNEL = orig, before
+    nan_scale = bool(np.isnan(ref.scale_values()).any())
+    # scale_rules.finalize_scales: an FP32 scale that underflows is stored as 2^-149 and, for x * (1/s), those
+    # blocks are scaled by 2^149 in float64 (the torch path's float64 working dtype)
+    factor64 = (scheme.scale_format == "fp32" and scheme.preset.apply == "mul_recip" and scheme.static_scale is None
+                and bool((ref.scales == np.float32(2.0**-149)).any()))
+    event(f"kernel ran: {bool(calls)}")
+    assert bool(calls) == (not nan_scale and not factor64), \
+        f"kernel ran {len(calls)} times; NaN-scale blocks: {nan_scale}, float64 factors: {factor64}"
+    for got, name in ((by_kernel, "kernel"), (by_torch, "torch path")):
+        bad = np.flatnonzero(got.codes.ravel() != ref.codes.ravel())
+        assert bad.size == 0, (f"{name}: {scheme.name} ({scheme.preset.name}) {dtype}: {bad.size} codes differ, "
+                               f"first x = {x.ravel()[bad[0]]!r}: {got.codes.ravel()[bad[0]]:#x} vs "
+                               f"{ref.codes.ravel()[bad[0]]:#x}")
+        assert np.array_equal(_bits(got.scales), _bits(ref.scales)), name

@@ -91,6 +91,7 @@ def test_bench_ep_gloo_smoke(tmp_path):
     assert doc["meta"]["backend"] == "gloo" and doc["meta"]["world_size"] == 2
     assert [(r["mode"], r["engine"]) for r in doc["rows"]] == [("normal", "device"), ("normal_fp8", "device"),
                                                               ("low_latency", "device")]
+    assert [r["recv_buffer"] for r in doc["rows"]] == [False, False, True]  # low latency: one reused buffer
     for r in doc["rows"]:
         assert r["rounds"] >= 7 and set(r["cases"]) == {"dispatch", "combine", "plain_dispatch", "plain_combine"}
         assert all(len(c["seconds"]) == r["rounds"] and c["min_s"] <= c["median_s"] <= c["max_s"]

@@ -21,10 +21,12 @@ from .dispatch import (
     COMBINE_ORDERS,
     DISPATCH_MODES,
     CombineHandle,
+    LowLatencyBuffer,
     LowLatencyDispatch,
     NormalDispatch,
     ep_combine,
     ep_dispatch,
+    ep_low_latency_buffer,
     reduce_local_slots,
 )
 from .layer import ep_fused_moe, local_weights
@@ -47,6 +49,7 @@ __all__ = [
     "EPTimeoutError",
     "EPValidation",
     "LocalWorld",
+    "LowLatencyBuffer",
     "LowLatencyDispatch",
     "NormalDispatch",
     "RankCheck",
@@ -57,6 +60,7 @@ __all__ = [
     "ep_dispatch",
     "ep_fused_moe",
     "ep_group",
+    "ep_low_latency_buffer",
     "ep_placement",
     "local_weights",
     "reduce_local_slots",

@@ -30,12 +30,20 @@ handle keeps the split sizes (``return_counts``, ``rows_from`` and the plan's ``
 ``slots_to``) as host int64 arrays, since ``all_to_all_single`` takes them as host lists. A NaN keeps
 its position, not necessarily its payload bits (CUDA writes one canonical NaN).
 
-Cost: a few host synchronizations per dispatch (the plan's counts with the ids' range check, the header,
-the sizes of the index selections) and one per combine (the header); the rest is queued on the device. Memory: the low-latency buffers are ``E_local x R*M x H``
-(zeroed), the slot-order combine holds ``T*k x H`` rows of the travel dtype and ``T x H`` float64.
+Cost: two host synchronizations per dispatch (the plan's counts, with the ids' range check and, in
+low-latency mode, the repeated-expert check; the header), a third with ``quant=`` on CUDA (the quantizer's
+amax grid) and one more in low-latency mode (the masked layout's capacity check); one per combine (the
+header). Every other size comes from the counts on the host (the orders are stable sorts sized by them),
+and the rest is queued on the device: the payload is gathered straight into the packed send rows and, in
+low-latency mode, scattered from the received rows into the masked buffers. The placement's tables are
+copied to a device once per (placement, device). Memory: the low-latency buffers are ``E_local x R*M x H``,
+zeroed: fresh per dispatch, or one :class:`~moeref.distributed.dispatch.LowLatencyBuffer` reused
+(``recv_buffer=``: only the rows its last dispatch wrote are zeroed again); the slot-order combine holds
+``T*k x H`` rows of the travel dtype and ``T x H`` float64.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,6 +102,16 @@ def scatter_rows(buf, index, rows):
     return buf
 
 
+def scatter_row_bytes(buf, rows_per_entry: int, index, row_bytes):
+    """Write the byte rows ``row_bytes`` (uint8 ``[Q, nbytes]``, may be strided) at the flat rows ``index`` of
+    ``buf`` (``[..., row...]`` contiguous, ``rows_per_entry`` rows of ``nbytes`` bytes in all): ``index_copy_`` on
+    its bytes."""
+    torch = _torch()
+    if index.numel():
+        buf.view(rows_per_entry, -1).view(torch.uint8).index_copy_(0, index, row_bytes)
+    return buf
+
+
 def float_name(x) -> str:
     """The NumPy-style dtype name of a float tensor (``"bfloat16"``, ``"float32"``, ...)."""
     return str(x.dtype).replace("torch.", "")
@@ -133,18 +151,31 @@ class DevicePlan:
     slot_dest: object
     slot_local: object
     slots_to: np.ndarray
+    repeats: bool | None = None  # a row names an expert twice (None: not checked)
+
+
+# placement -> {device name: (owner, local_id) tensors}; a placement's arrays are read-only, so its tables never
+# change; weak keys: the tables go with the placement
+_PLACEMENT_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _placement_tables(placement, device):
+    """The placement's ``owner`` and ``local_id`` as int64 tensors on ``device``, copied there once per
+    (placement, device) and reused (a copy is a host synchronization)."""
     torch = _torch()
-    return (torch.tensor(placement.owner, dtype=torch.int64, device=device),
-            torch.tensor(placement.local_id, dtype=torch.int64, device=device))
+    per_device = _PLACEMENT_TABLES.setdefault(placement, {})
+    key = str(torch.device(device))
+    if key not in per_device:
+        per_device[key] = (torch.tensor(placement.owner, dtype=torch.int64, device=device),
+                           torch.tensor(placement.local_id, dtype=torch.int64, device=device))
+    return per_device[key]
 
 
-def device_send_plan(topk_ids, topk_weights, placement, device) -> DevicePlan:
-    """:func:`~moeref.distributed.send_plan` on ``device`` (the same orders and values). Host
-    synchronizations: the counts with the range check of the ids (a bad id raises the NumPy engine's
-    ``ValueError``, index and value), and the sizes of the two index selections."""
+def device_send_plan(topk_ids, topk_weights, placement, device, *, check_repeats: bool = False) -> DevicePlan:
+    """:func:`~moeref.distributed.send_plan` on ``device`` (the same orders and values). One host
+    synchronization: the counts with the range check of the ids (a bad id raises the NumPy engine's
+    ``ValueError``, index and value) and, with ``check_repeats``, whether a row names an expert twice
+    (``DevicePlan.repeats``); the orders are sized by the counts."""
     torch = _torch()
     from ..routing.ids import check_topk_ids
 
@@ -168,39 +199,61 @@ def device_send_plan(topk_ids, topk_weights, placement, device) -> DevicePlan:
     hit = torch.zeros((t, r + 1), dtype=torch.bool, device=device)  # column r collects padding slots
     hit.scatter_(1, torch.where(dest >= 0, dest, r), True)
     flat_dest = dest.reshape(-1)
-    counts = torch.cat([hit[:, :r].sum(0), torch.bincount(flat_dest[flat_dest >= 0], minlength=r),
-                        bad.any().reshape(1).to(torch.int64)]).cpu().numpy()
-    if counts[-1]:
+    flags = [bad.any().reshape(1).to(torch.int64)]
+    if check_repeats and t and k > 1:  # the sorted row holds two equal ids (padding aside)
+        srt = ids.sort(dim=1).values
+        flags.append(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any().reshape(1).to(torch.int64))
+    counts = torch.cat([hit[:, :r].sum(0), bincount(flat_dest, r), *flags]).cpu().numpy()
+    if counts[2 * r]:
         check_topk_ids(ids.cpu().numpy(), p)  # raises the NumPy engine's message
-    row_dest, row_token = torch.nonzero(hit[:, :r].t().contiguous(), as_tuple=True)  # by rank, then token
+    # the (rank, token) pairs of hit.T in row-major order (by rank, then token): the first S of a stable sort
+    # that puts the hits first (S from the counts: no further synchronization)
+    pos = first_true(hit[:, :r].t().reshape(-1), int(counts[:r].sum()))
+    row_dest = torch.div(pos, max(t, 1), rounding_mode="floor")
+    row_token = pos - row_dest * t
     here = dest[row_token] == row_dest[:, None]
     row_local = torch.where(here, local[row_token], -1)
     row_w = torch.where(here, w[row_token].to(torch.float32), 0.0).to(torch.float32)
-    slot_valid = torch.nonzero(flat_dest >= 0, as_tuple=True)[0]
-    order = torch.sort(flat_dest[slot_valid], stable=True).indices
-    slot_src = slot_valid[order]
+    # the valid slots by destination, then flat slot: a stable sort with the padding slots' key r after every rank
+    slot_src = torch.sort(torch.where(flat_dest >= 0, flat_dest, r), stable=True).indices[:int(counts[r:2 * r].sum())]
     return DevicePlan(t, k, dest, row_token, row_dest, counts[:r].astype(np.int64), row_local, row_w, slot_src,
-                      flat_dest[slot_src], local.reshape(-1)[slot_src], counts[r:2 * r].astype(np.int64))
+                      flat_dest[slot_src], local.reshape(-1)[slot_src], counts[r:2 * r].astype(np.int64),
+                      bool(counts[2 * r + 1]) if len(flags) > 1 else (False if check_repeats else None))
+
+
+def first_true(mask, n: int):
+    """The indices of the ``n`` True entries of the 1-D bool tensor ``mask``, ascending (``torch.nonzero`` when
+    the caller knows ``n``: a stable sort of the keys 0 for True, 1 for False, with no host synchronization)."""
+    torch = _torch()
+    return torch.sort((~mask).to(torch.uint8), stable=True).indices[:n]
+
+
+def bincount(values, n: int):
+    """``torch.bincount(values[values >= 0], minlength=n)`` for values in ``-1 .. n-1``, without the host
+    synchronizations of a boolean selection and of ``bincount``'s size (integer sums: exact in any order)."""
+    torch = _torch()
+    flat = values.reshape(-1)
+    out = torch.zeros(n + 1, dtype=torch.int64, device=values.device)
+    out.scatter_add_(0, torch.where(flat >= 0, flat, n), torch.ones_like(flat, dtype=torch.int64))
+    return out[:n]
 
 
 def quantize_rows(x, quant, check_quant):
     """Quantize ``x [T, H]`` (device tensor) before dispatch -> ``(codes, scales, engine)`` on x's device.
     ``check_quant(scheme, x, quantizer=None)``: the NumPy engine's checks around a quantizer (default: the NumPy
     one; module docstring)."""
-    torch = _torch()
     from .. import _interop
-
     from ..quant import Scheme
 
     if x.is_cuda and isinstance(quant, Scheme):  # (anything else: the NumPy engine's TypeError below)
         from ..quant.device import device_quantize, device_quantize_unavailable
 
         why = device_quantize_unavailable(quant, x, {})
+        if why is None and quant.packed:
+            why = "its codes are packed (the host engine sends one byte an element)"
         if why is None:
             dq = check_quant(quant, x, lambda v: device_quantize(v, quant))
-            if tuple(dq.codes.shape) == tuple(x.shape) and dq.codes.dtype == torch.uint8:
-                return dq.codes, dq.scales, f"moeref.quant.device ({quant.name})"
-            why = "its codes are packed (the host engine sends one byte an element)"
+            return dq.codes, dq.scales, f"moeref.quant.device ({quant.name})"
         engine = f"moeref.quant on a host copy ({why})"
     else:
         engine = "moeref.quant"
@@ -218,10 +271,42 @@ def as_bytes(t, rows: int):
 
 
 def pack(rows: int, *fields):
-    """:func:`moeref.distributed.group.pack_rows` on the device (the same byte layout)."""
+    """:func:`moeref.distributed.group.pack_rows` on the device (the same byte layout). A field is a tensor
+    ``[rows, ...]``, or ``(source, index)``: the rows ``source[index]``, gathered straight into the packed rows
+    (one pass over the payload, not a gather and then a concatenation)."""
     torch = _torch()
-    parts = [as_bytes(f, rows) for f in fields]
-    return torch.cat(parts, dim=1) if parts else torch.zeros((rows, 0), dtype=torch.uint8)
+    parts = []
+    for f in fields:
+        src, idx = f if isinstance(f, tuple) else (f, None)
+        tail = tuple(src.shape[1:])
+        width = int(np.prod(tail, dtype=np.int64)) * src.element_size()
+        parts.append((src, idx, width))
+    total = sum(w for _, _, w in parts)
+    device = parts[0][0].device if parts else None
+    out = torch.empty((rows, total), dtype=torch.uint8, device=device)
+    at = 0
+    for src, idx, width in parts:
+        if rows and width:
+            dst = out[:, at:at + width]
+            if idx is None:
+                dst.copy_(as_bytes(src, rows))
+            else:
+                torch.index_select(as_bytes(src, int(src.shape[0])), 0, idx, out=dst)
+        at += width
+    return out
+
+
+def field_bytes(rows, specs) -> list:
+    """The packed rows' fields as uint8 views ``[N, nbytes]`` (strided: no copy), ``specs`` as :func:`unpack`."""
+    torch = _torch()
+    out, at = [], 0
+    for dtype, tail in specs:
+        width = int(np.prod(tail, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        out.append(rows[:, at:at + width])
+        at += width
+    if at != rows.shape[1]:
+        raise ValueError(f"packed rows have {rows.shape[1]} bytes but the fields take {at}")
+    return out
 
 
 def unpack(rows, specs):
@@ -244,20 +329,20 @@ def unpack(rows, specs):
     return out
 
 
-def receive_normal(got_fields, r: int, me: int, rows_matrix: np.ndarray, n_local: int, k: int,
-                   expert_alignment: int, pad_to: int | None, device):
+def receive_normal(got_fields, r: int, me: int, rows_matrix: np.ndarray, slots_matrix: np.ndarray, n_local: int,
+                   k: int, expert_alignment: int, pad_to: int | None, device):
     """The normal-mode receive buffers from the unpacked fields ``(payload..., token, ids, weights)``:
     ``(payload list, ids, weights, src_rank, token, counts, return_index)`` (the returned slots per source
-    are the header's count matrix: no device work)."""
+    are the header's count matrix: no device work; so is the number of valid slots received, the header's
+    ``slots_matrix[:, me]``, which sizes ``return_index``)."""
     torch = _torch()
+    from .._interop import to_device
+
     *payload, tok, ids, wts = got_fields
-    counts = torch.bincount(ids[ids >= 0], minlength=n_local) if n_local else \
-        torch.zeros(0, dtype=torch.int64, device=device)
+    counts = bincount(ids, n_local)
     counts = torch.div(counts + (expert_alignment - 1), expert_alignment, rounding_mode="floor") * expert_alignment
-    src_rank = torch.repeat_interleave(torch.arange(r, dtype=torch.int64, device=device),
-                                       torch.as_tensor(rows_matrix[:, me], dtype=torch.int64).to(device),
-                                       output_size=int(tok.shape[0]))
-    ret_index = torch.nonzero(ids.reshape(-1) >= 0, as_tuple=True)[0]
+    src_rank = to_device(np.repeat(np.arange(r, dtype=np.int64), rows_matrix[:, me]), device)
+    ret_index = first_true(ids.reshape(-1) >= 0, int(slots_matrix[:, me].sum()))
     if pad_to is not None:  # DeepEP num_worst_tokens: real rows first, then -1 / 0 padding
         pad = pad_to - int(tok.shape[0])
         payload = [torch.cat([p, torch.zeros((pad,) + tuple(p.shape[1:]), dtype=p.dtype, device=device)])
@@ -269,18 +354,20 @@ def receive_normal(got_fields, r: int, me: int, rows_matrix: np.ndarray, n_local
     return payload, ids, wts, src_rank, tok, counts, ret_index
 
 
-def receive_low_latency(payload, tok, loc, r: int, me: int, slots_matrix: np.ndarray, n_local: int, cap: int,
-                        device):
-    """The masked receive buffers from the messages (``payload`` list, source ``tok``, local expert ``loc``):
+def receive_low_latency(payload, specs, tok, loc, r: int, me: int, slots_matrix: np.ndarray, n_local: int,
+                        cap: int, device, buffer=None):
+    """The masked receive buffers from the messages (``payload``: each field's bytes, uint8 ``[Q, nbytes]``, of
+    ``specs``' dtype and row shape; source ``tok``, local expert ``loc``):
     ``(masked payload list, recv_count int32, src_info int32, src_rank int32, layout_range, return_index)``.
     Rows of an expert in arrival order (source rank, then the sender's slot order), as
-    :func:`moeref.dispatch.to_masked` of the messages."""
+    :func:`moeref.dispatch.to_masked` of the messages. ``buffer``: a
+    :class:`~moeref.distributed.dispatch.LowLatencyBuffer` written instead of fresh zeroed tensors."""
     torch = _torch()
+    from .._interop import to_device
+
     q = int(tok.shape[0])
-    n_from = slots_matrix[:, me]
-    msg_rank = torch.repeat_interleave(torch.arange(r, dtype=torch.int64, device=device),
-                                       torch.as_tensor(n_from, dtype=torch.int64).to(device), output_size=q)
-    counts = torch.bincount(loc, minlength=n_local) if n_local else torch.zeros(0, dtype=torch.int64, device=device)
+    msg_rank = to_device(np.repeat(np.arange(r, dtype=np.int64), slots_matrix[:, me]), device)
+    counts = bincount(loc, n_local)
     if q and bool((counts > cap).any()):  # an expert repeated within a row: the masked layout's error
         e = int(torch.nonzero(counts > cap)[0, 0])
         raise ValueError(f"local expert {e} has {int(counts[e])} rows, more than the capacity {cap}")
@@ -295,11 +382,14 @@ def receive_low_latency(payload, tok, loc, r: int, me: int, slots_matrix: np.nda
         src[loc, pos] = torch.arange(q, dtype=torch.int64, device=device)
         src_info[loc, pos] = tok.to(torch.int32)
         src_rank[loc, pos] = msg_rank.to(torch.int32)
-    per = torch.bincount(loc * r + msg_rank, minlength=n_local * r).reshape(n_local, r)
+    per = bincount(loc * r + msg_rank, n_local * r).reshape(n_local, r)
     layout_range = ((torch.cumsum(per, 1) - per) << 32) | per
     ret_index = loc * cap + pos  # message q lives at flat entry ret_index[q]
-    masked = [scatter_rows(zeros((n_local, cap) + tuple(part.shape[1:]), part.dtype, device), ret_index, part)
-              for part in payload]
+    if buffer is not None:
+        masked = list(buffer.receive(ret_index, payload))
+    else:
+        masked = [scatter_row_bytes(zeros((n_local, cap) + tuple(tail), dtype, device), n_local * cap, ret_index, part)
+                  for (dtype, tail), part in zip(specs, payload)]
     return masked, counts.to(torch.int32), src_info, src_rank, layout_range, ret_index
 
 

@@ -27,7 +27,9 @@ Receive layouts:
   ``-1`` padding) and ``layout_range [E_local, R]`` (``begin << 32 | count`` of each source rank's
   block). The reference's order within an expert is source rank, then token; DeepEP's depends on
   arrival (atomics), so compare through ``(src_rank, src_info)``, never by position
-  (:func:`moeref.distributed.validate_ep_kernel` does).
+  (:func:`moeref.distributed.validate_ep_kernel` does). ``recv_buffer=`` (:func:`ep_low_latency_buffer`, the
+  device engine): receive into one reused buffer, as DeepEP's ``Buffer``; the result is valid until the next
+  dispatch with it.
 
 Optional quantization before dispatch (``quant=``, e.g. ``moeref.quant.fp8_group(128)``, the 1x128
 FP8 cast of DeepEP's low-latency dispatch): the source runs :func:`moeref.quant.quantize` and sends
@@ -73,10 +75,12 @@ __all__ = [
     "COMBINE_ORDERS",
     "DISPATCH_MODES",
     "CombineHandle",
+    "LowLatencyBuffer",
     "LowLatencyDispatch",
     "NormalDispatch",
     "ep_combine",
     "ep_dispatch",
+    "ep_low_latency_buffer",
     "reduce_local_slots",
 ]
 
@@ -155,6 +159,87 @@ class LowLatencyDispatch:
     @property
     def num_local_experts(self) -> int:
         return int(self.recv_count.size)
+
+
+@dataclass(eq=False)
+class LowLatencyBuffer:
+    """A reusable receive buffer of low-latency dispatch on the device (DeepEP ``Buffer``'s low-latency receive
+    buffer): made by :func:`ep_low_latency_buffer`, passed as ``ep_dispatch(..., recv_buffer=)``.
+
+    ``parts``: the masked receive tensors ``[E_local, R*M, ...]`` on ``device``, one per payload field (the rows;
+    or the codes, then the scales, with ``quant``), zero outside the rows of the last dispatch; ``specs``: their
+    ``(torch dtype, row shape)``; ``written``: the flat rows (int64 tensor) the last dispatch wrote, None before
+    the first. A dispatch through it zeroes ``written`` again and writes its own rows, so its result equals a
+    fresh buffer's; the result's ``x`` / ``xq`` **are** these tensors, valid until the next dispatch with the
+    buffer (DeepEP's ``low_latency_dispatch`` has the same contract). Don't write into them: the rows past
+    ``recv_count`` are zero because only a dispatch writes there."""
+
+    parts: tuple
+    specs: tuple
+    num_local_experts: int
+    capacity: int
+    device: str
+    quant: object = None
+    written: object = None
+
+    def receive(self, index, payload) -> tuple:
+        """Zero the rows of the last dispatch, write ``payload`` (each part's rows as bytes, uint8 ``[Q, nbytes]``)
+        at the flat rows ``index`` (int64 ``[Q]``, distinct), remember them; returns ``parts``."""
+        from .device import scatter_row_bytes
+
+        rows = self.num_local_experts * self.capacity
+        if self.written is not None and self.written.numel():
+            for buf in self.parts:
+                buf.view(rows, -1).index_fill_(0, self.written, 0)
+        self.written = None
+        for buf, part in zip(self.parts, payload):
+            scatter_row_bytes(buf, rows, index, part)
+        self.written = index
+        return self.parts
+
+
+def ep_low_latency_buffer(placement: EPPlacement, group: EPGroup, *, max_tokens_per_rank: int, hidden_size: int,
+                          dtype="bfloat16", quant=None) -> LowLatencyBuffer:
+    """A :class:`LowLatencyBuffer` for ``ep_dispatch(mode="low_latency", engine="device", recv_buffer=...)`` on this
+    rank: ``E_local = placement.num_local(group.rank)`` experts, ``R*M`` rows each (``M = max_tokens_per_rank``),
+    rows of ``hidden_size`` elements of ``dtype`` (``"bfloat16"``, ``"float16"``, ``"float32"``, ``"float64"``), or
+    with ``quant`` (a row-local :class:`moeref.quant.Scheme`) its codes and scales. Allocated zeroed once, on
+    ``group.device``; a dispatch with other sizes, dtype or scheme raises ``ValueError`` naming both."""
+    import torch
+
+    from .. import _interop
+    from .device import zeros
+
+    if not isinstance(placement, EPPlacement):
+        raise TypeError(f"placement must be an EPPlacement; got {type(placement).__name__}")
+    placement.check_world_size(group.world_size)
+    m = check_positive_int(max_tokens_per_rank, "max_tokens_per_rank")
+    h = check_positive_int(hidden_size, "hidden_size")
+    if not isinstance(dtype, (str, np.dtype, type)):  # a torch dtype
+        dtype = str(dtype).replace("torch.", "")
+    name = str(_dtype(dtype))
+    if name not in _FLOAT_DTYPES:
+        raise TypeError(f"dtype must be one of {', '.join(_FLOAT_DTYPES)}; got {name}")
+    if quant is None:
+        specs = ((getattr(torch, name), (h,)),)
+    else:
+        qt = _check_quant(quant, np.zeros((1, h), _dtype(dtype)))  # the scheme's checks; the shapes of a row
+        specs = ((torch.uint8, tuple(qt.codes.shape[1:])),
+                 (_interop.to_torch(np.zeros(0, qt.scales.dtype)).dtype, tuple(qt.scales.shape[1:])))
+    n_local, cap = placement.num_local(group.rank), group.world_size * m
+    parts = tuple(zeros((n_local, cap) + tail, dt, group.device) for dt, tail in specs)
+    return LowLatencyBuffer(parts, specs, n_local, cap, str(group.device), quant)
+
+
+def _check_buffer(buf, specs, n_local: int, cap: int, device, quant) -> None:
+    """``TypeError``/``ValueError`` unless ``buf`` is a :class:`LowLatencyBuffer` for this dispatch."""
+    if not isinstance(buf, LowLatencyBuffer):
+        raise TypeError(f"recv_buffer must be a LowLatencyBuffer (ep_low_latency_buffer); got {type(buf).__name__}")
+    got = (buf.num_local_experts, buf.capacity, tuple(buf.specs), str(buf.device))
+    want = (n_local, cap, tuple((dt, tuple(t)) for dt, t in specs), str(device))
+    if got != want or buf.quant is not quant and buf.quant != quant:
+        raise ValueError(f"recv_buffer holds (E_local, R*M, fields, device, quant) = {got + (buf.quant,)}; this "
+                         f"dispatch needs {want + (quant,)}: make it with ep_low_latency_buffer for these sizes")
 
 
 _FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -245,7 +330,7 @@ def _agree(g: EPGroup, local_fn, placement: EPPlacement, mode: str, bound: int):
 
 def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: EPGroup, *, mode: str = "normal",
                 quant=None, max_tokens_per_rank: int | None = None, max_recv_tokens: int | None = None,
-                pad_to_max_recv: bool = False, expert_alignment: int = 1, engine: str = "host"):
+                pad_to_max_recv: bool = False, expert_alignment: int = 1, engine: str = "host", recv_buffer=None):
     """Send this rank's tokens to the ranks owning their experts; return the receive buffers.
 
     Args:
@@ -268,6 +353,11 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
         engine: ``"host"`` (NumPy arrays in and out) or ``"device"`` (torch tensors on ``group.device``, the
             same results bit for bit: :mod:`moeref.distributed.device`); :func:`ep_combine` follows the
             dispatch's engine.
+        recv_buffer: a :class:`LowLatencyBuffer` (:func:`ep_low_latency_buffer`) to receive into, for
+            ``mode="low_latency"`` with ``engine="device"``: instead of zeroing a fresh ``E_local x R*M x H``
+            buffer, the dispatch zeroes the rows the buffer's last dispatch wrote and writes its own. The result
+            is the same; its ``x`` / ``xq`` are the buffer's tensors, **valid until the next dispatch with the
+            buffer** (DeepEP's ``low_latency_dispatch`` contract). None (default): fresh buffers.
 
     Every rank raises the same ``ValueError``/``TypeError`` for a bad input on any rank; a peer that
     never joins raises :class:`~moeref.distributed.EPTimeoutError` after the group's timeout.
@@ -293,7 +383,8 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
             raise TypeError(f"hidden must be one of {', '.join(_FLOAT_DTYPES)}; got {name}")
         check_token_rows(x, topk_weights, topk_ids)
         if engine == "device":
-            plan = device_send_plan(topk_ids, topk_weights, placement, group.device)
+            plan = device_send_plan(topk_ids, topk_weights, placement, group.device,
+                                    check_repeats=mode == "low_latency")
         else:
             plan = send_plan(topk_ids, topk_weights, placement)
         m = -1
@@ -303,11 +394,18 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
                 raise ValueError(f"{x.shape[0]} tokens on this rank, more than max_tokens_per_rank={m}")
         elif mode == "low_latency":
             raise ValueError("mode='low_latency' needs max_tokens_per_rank (the masked buffers have R*M rows)")
-        if mode == "low_latency":
+        if mode == "low_latency" and (engine != "device" or plan.repeats):  # (the device plan checked it)
             _check_distinct_per_row(topk_ids)
+        if recv_buffer is not None and (mode != "low_latency" or engine != "device"):
+            raise ValueError(f"recv_buffer is for mode='low_latency' with engine='device'; got mode={mode!r}, "
+                             f"engine={engine!r}")
         if engine == "device":
             qt = None if quant is None else quantize_rows(x, quant, _check_quant)
             w = to_group_device(topk_weights, group.device, "topk_weights", kind="float")
+            if recv_buffer is not None and mode == "low_latency" and placement.ep_size == group.world_size:
+                specs = _device_specs(x, qt, x.shape[1])
+                _check_buffer(recv_buffer, specs, placement.num_local(group.rank), group.world_size * m,
+                              group.device, quant)
         else:
             qt = None if quant is None else _check_quant(quant, x)
             w = np.asarray(as_float_array(topk_weights, "topk_weights"))
@@ -328,7 +426,7 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
                              f"more than the declared bound max_recv_tokens={bound}")
     if engine == "device":
         return _dispatch_device(group, placement, prep, rows, slots, mode, quant, bound if pad_to_max_recv else None,
-                                expert_alignment)
+                                expert_alignment, recv_buffer)
     x, qt, k, h = prep["x"], prep["qt"], prep["k"], prep["H"]
     if qt is None:
         specs = [(x.dtype, (h,))]
@@ -391,10 +489,11 @@ def ep_dispatch(hidden, topk_ids, topk_weights, placement: EPPlacement, group: E
 
 
 def _dispatch_device(group: EPGroup, placement: EPPlacement, prep: dict, rows: np.ndarray, slots: np.ndarray,
-                     mode: str, quant, pad_to: int | None, expert_alignment: int):
+                     mode: str, quant, pad_to: int | None, expert_alignment: int, recv_buffer=None):
     """The receive side of :func:`ep_dispatch` with ``engine="device"`` (:mod:`moeref.distributed.device`)."""
     import torch
 
+    from .._interop import to_device
     from . import device as dv
     from .group import all_to_all_rows
 
@@ -402,14 +501,13 @@ def _dispatch_device(group: EPGroup, placement: EPPlacement, prep: dict, rows: n
     x, qt, k, h, w = prep["x"], prep["qt"], prep["k"], prep["H"], prep["w"]
     plan = prep["plan"]
     engines = ()
+    specs = _device_specs(x, qt, h)
     if qt is None:
-        specs = [(x.dtype, (h,))]
-        token_fields = lambda idx: [x[idx]]  # noqa: E731
+        token_fields = lambda idx: [(x, idx)]  # noqa: E731 (gathered into the packed rows)
     else:
         codes, scales, qengine = qt
         engines = (f"quantize: {qengine}",)
-        specs = [(torch.uint8, tuple(codes.shape[1:])), (scales.dtype, tuple(scales.shape[1:]))]
-        token_fields = lambda idx: [codes[idx], scales[idx]]  # noqa: E731
+        token_fields = lambda idx: [(codes, idx), (scales, idx)]  # noqa: E731
     n_local = placement.num_local(me)
     what = "the dispatch all_to_all_single"
     if mode == "normal":
@@ -418,23 +516,35 @@ def _dispatch_device(group: EPGroup, placement: EPPlacement, prep: dict, rows: n
         got = all_to_all_rows(group, send, rows[me], rows[:, me], what)
         fields = dv.unpack(got, specs + [(torch.int64, ()), (torch.int64, (k,)), (torch.float32, (k,))])
         payload, ids, wts, src_rank, tok, counts, ret_index = dv.receive_normal(
-            fields, r, me, rows, n_local, k, expert_alignment, pad_to, dev)
+            fields, r, me, rows, slots, n_local, k, expert_alignment, pad_to, dev)
         handle = CombineHandle(mode, plan, w, ret_index, slots[:, me].copy(), rows[:, me].copy(), "device")
         n_rows = int(ids.shape[0])
         xr, xq = _received_device(payload, qt, quant, (n_rows, h))
-        prefix = torch.as_tensor(np.cumsum(rows, axis=0)).to(dev)
+        prefix = to_device(np.cumsum(rows, axis=0), dev)
         return NormalDispatch(xr, xq, ids, wts, src_rank, tok, prefix, counts, handle, engines)
     m = prep["M"]
     src_tok = torch.div(plan.slot_src, max(k, 1), rounding_mode="floor")
     send = dv.pack(int(src_tok.shape[0]), *token_fields(src_tok), src_tok, plan.slot_local)
     got = all_to_all_rows(group, send, slots[me], slots[:, me], what)
-    *payload, tok, loc = dv.unpack(got, specs + [(torch.int64, ()), (torch.int64, ())])
+    meta = [(torch.int64, ()), (torch.int64, ())]
+    *payload, _, _ = dv.field_bytes(got, specs + meta)  # scattered from the received rows, no copy first
+    tok, loc = dv.unpack(got[:, sum(int(p.shape[1]) for p in payload):], meta)
     cap = r * m
     masked, recv_count, src_info, src_rank, layout_range, ret_index = dv.receive_low_latency(
-        payload, tok, loc, r, me, slots, n_local, cap, dev)
+        payload, specs, tok, loc, r, me, slots, n_local, cap, dev, recv_buffer)
     handle = CombineHandle(mode, plan, w, ret_index, slots[:, me].copy(), slots[:, me].copy(), "device")
     xr, xq = _received_device(masked, qt, quant, (n_local, cap, h))
     return LowLatencyDispatch(xr, xq, recv_count, src_info, src_rank, layout_range, handle, engines)
+
+
+def _device_specs(x, qt, h: int) -> list:
+    """The device engine's payload fields: ``[(torch dtype, row shape), ...]`` (the rows, or codes and scales)."""
+    import torch
+
+    if qt is None:
+        return [(x.dtype, (h,))]
+    codes, scales, _ = qt
+    return [(torch.uint8, tuple(codes.shape[1:])), (scales.dtype, tuple(scales.shape[1:]))]
 
 
 def _received_device(payload, qt, quant, shape):

@@ -3,13 +3,15 @@ for bit, without copying the elements to the host. The MoE reference's device en
 and ``a2`` activations with it (:mod:`moeref.moe.device`).
 
 It shares no kernel with the fast paths (:mod:`fastpath`): every step is either the NumPy quantizer's own
-code or torch elementwise operations whose result is fixed by IEEE 754, so a fast quantizer checked against
-a device run is checked against an independent computation. The steps are those of the blockwise engine
+code or elementwise operations whose result is fixed by IEEE 754 (torch's, or the same operations in this
+module's own Triton kernel, below), so a fast quantizer checked against a device run is checked against an
+independent computation. The steps are those of the blockwise engine
 (:func:`moeref.quant.blockwise.quantize_blockwise`), in its order:
 
-1. **block amax** on the device, from the input's bit patterns: the sign bit cleared, NaN patterns dropped
-   for NaN-ignoring presets, the integer maximum over each zero-padded block (what
-   :func:`moeref.quant.blocks.block_amax` does; exact, in the input dtype);
+1. **block amax** on the device, from the input's bit patterns: the sign bit cleared, the integer maximum over
+   each zero-padded block (what :func:`moeref.quant.blocks.block_amax` does; exact, in the input dtype; NaN
+   patterns sort above Inf, so the grid also says which blocks hold a NaN or an Inf); for NaN-ignoring presets
+   the NaN patterns are dropped and the maximum taken again, when a block holds a NaN;
 2. **scales on the host**: the amax grid (one number per block, in the input dtype) is copied to the host
    and goes through the NumPy quantizer's scale step, :func:`moeref.quant.blockwise.scales_from_amax` with
    the scheme's rule (the generic FP32/UE8M0 rules, or NVFP4's two-level rule with its global scale): the
@@ -28,6 +30,22 @@ a device run is checked against an independent computation. The steps are those 
 5. NaN-scale blocks' codes, dropped zero signs (``signed_zero="drop"``), the TE NVFP4 order's code 0x0 for
    an exact zero product, cropping and nibble packing: as the NumPy engine.
 
+**One pass on CUDA.** Steps 3-5 for the common case (float32 working dtype and factors, no NaN-scale block,
+formats of more than 4 bits: one code per byte; FP8, FP6, INT8) run as one Triton kernel owned by this module,
+:mod:`moeref.quant._device_kernels`: it reads each input element once, widens it to float32, applies the same one
+IEEE operation with its block's factor (a product, or a correctly rounded ``div_rn``; no fused multiply-add), gives
+a NaN the same sign, looks the code up in the same codec table and writes it. Elsewhere, and on the CPU, the torch
+operations above run; ``property_tests/test_quant_device.py`` runs every case on both and checks the kernel
+against them and :func:`moeref.quant.quantize` bit for bit (on CPU under ``TRITON_INTERPRET=1``) on drawn ties,
+subnormals, saturating and special values.
+
+**NaN-free shortcut** (torch path). The NaN-sign passes of step 4 are skipped when the host grids show that no
+NaN can reach the cast: no block holds a NaN or an Inf (step 1's grid) and every factor is finite and nonzero.
+Then every element of the padded blocks is finite (padding is zero) and each is multiplied or divided by a finite
+nonzero number; an IEEE product or quotient is NaN only for a NaN operand, ``0 * Inf``, ``Inf * 0``, ``0 / 0`` or
+``Inf / Inf``, none of which can occur, and rounding a non-NaN float64 value to odd in float32 gives no NaN. A
+product may overflow to Inf, which the table encodes as it does on the host.
+
 A NaN element that reaches the cast (NaN-ignoring or NaN-propagating presets whose block scale is finite)
 has the sign NumPy's multiply gives it on the host: the input NaN's sign, or, for a NaN the operation
 creates (``0 * Inf``), the host's default NaN (negative on x86-64), read once from NumPy at import. The
@@ -42,7 +60,8 @@ copy, so the message is the reference's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -86,7 +105,8 @@ class DeviceQuantized:
         scales: the stored block scales on the block grid (float32, or uint8 UE8M0/UE4M3 codes).
         scheme, shape, global_scale: as in :class:`~moeref.quant.QuantizedTensor`.
         scale_values: float64 decode multiplier per block (global factor included):
-            :func:`moeref.quant.quantized.scale_values` of ``scales``, on the device.
+            :func:`moeref.quant.quantized.scale_values` of ``scales``, on the device; computed from the host
+            copy of the scales on first use (a dispatch that only sends codes and scales never pays for it).
     """
 
     codes: object
@@ -94,7 +114,12 @@ class DeviceQuantized:
     scheme: Scheme
     shape: tuple
     global_scale: float | None
-    scale_values: object
+    host_scales: np.ndarray = field(repr=False, default=None)  # the stored scales on the host (scale_values)
+
+    @cached_property
+    def scale_values(self):
+        stored = self.scales.cpu().numpy() if self.host_scales is None else self.host_scales
+        return to_device(scale_values(self.scheme, stored, self.global_scale), self.scales.device)
 
     @property
     def device(self):
@@ -191,59 +216,72 @@ def device_quantize(x, scheme: Scheme, **static) -> DeviceQuantized:
     in_np = _numpy_dtype(x.dtype)
     w = working_dtype(np.zeros(0, in_np))
 
-    # 1. block amax from the bit patterns of the input dtype (sign cleared, NaN patterns above Inf)
+    # 1. block amax from the bit patterns of the input dtype (sign cleared; NaN patterns sort above Inf)
     ibits = _bit_view(x)
     nbits = 8 * x.element_size()
+    inf_bits = int(np.array(np.inf, in_np).view(_uint(nbits)))
     mag = _block_view(ibits, block) & ((1 << (nbits - 1)) - 1)
-    if p.nonfinite == "ignore_nan":
-        inf_bits = int(np.array(np.inf, in_np).view(_uint(nbits)))
+    raw = mag.amax(dim=_block_axes(mag.dim(), k)).cpu().numpy().view(_uint(nbits))
+    nonfinite_blocks = raw >= inf_bits  # a NaN or an Inf in the block
+    if p.nonfinite == "ignore_nan" and bool((raw > inf_bits).any()):  # NaN patterns dropped from the amax
         mag = torch.where(mag > inf_bits, torch.zeros((), dtype=mag.dtype, device=dev), mag)
-    amax_bits = mag.amax(dim=_block_axes(mag.dim(), k))
-    amax = amax_bits.cpu().numpy().view(_uint(nbits)).view(in_np)
+        raw = mag.amax(dim=_block_axes(mag.dim(), k)).cpu().numpy().view(_uint(nbits))
+    amax = raw.view(in_np)
 
     # 2. the NumPy quantizer's scale step on the grid
     res, _ = scales_from_amax(amax, scheme, w, rule=rule, static_scale=fixed)
 
-    # 3. the data scaled in the working dtype (the factor in float64 where the rule fell back to it)
-    tw = torch.float64 if w == np.float64 else torch.float32
-    xb = _block_view(x.to(tw), block)
+    # 3.-4. the data scaled in the working dtype (the factor in float64 where the rule fell back to it), then
+    # the element codes through the codec's table, NaN signs as on the host
     fac = np.asarray(res.factor if res.factor.dtype == np.float64 else res.factor.astype(w))
-    fb = _broadcast_to_blocks(to_device(fac, dev), k)
-    scaled = xb * fb if res.op == "mul" else xb / fb
     nan_blocks = np.isnan(res.decode)
-    nb = None
-    if nan_blocks.any():  # a NaN-scale block decodes to NaN whatever its codes: cast zeros, fill NaN codes
-        nb = _broadcast_to_blocks(to_device(nan_blocks, dev), k)
-        scaled = torch.where(nb, torch.zeros((), dtype=scaled.dtype, device=dev), scaled)
-
-    # 4. element codes through the codec's table, NaN signs as on the host
     cast = element_cast(el, p, nan_free=p.nonfinite == "nan_block")
-    f32 = scaled if scaled.dtype == torch.float32 else round_to_odd_f32(scaled)
-    u = f32.view(torch.int32)
-    nan = torch.isnan(scaled)
-    host_neg = _HOST_NAN_NEGATIVE[np.dtype(np.float64 if scaled.dtype == torch.float64 else np.float32)][
+    shift, table, marked = _table(el, cast, dev)
+    host_neg = _HOST_NAN_NEGATIVE[np.dtype(np.float64 if fac.dtype == np.float64 else np.float32)][
         "mul" if res.op == "mul" else "div"]
-    in_neg = _block_view(ibits, block) < 0  # the input's sign bit
-    neg = torch.where(torch.isnan(xb), in_neg, torch.full((), host_neg, device=dev))
-    canon = torch.where(neg, torch.full((), _NEG_NAN_BITS, dtype=torch.int32, device=dev),
-                        torch.full((), 0x7FC00000, dtype=torch.int32, device=dev))
-    u = torch.where(nan, canon, u)  # the quiet NaN of that sign
-    codes = _lookup(u, el, cast, dev)
-    if codes is None:
-        _raise_as_host(x, scheme, static)  # a value the format cannot encode: the codec's error
+    grid = shape[: len(shape) - k] + tuple(-(-d // b) for d, b in zip(shape[len(shape) - k:], block))
+    fac_dev = to_device(fac, dev)
+    if _use_kernel(x, fac, grid, k, nan_blocks, el):  # the one-pass Triton kernel (moeref.quant._device_kernels)
+        from ._device_kernels import scaled_codes
 
-    # 5. NaN blocks, dropped zero signs, TE's exact-zero code, crop, pack
-    if nb is not None:
-        codes = torch.where(nb, torch.full((), nan_block_code(el, p), dtype=torch.uint8, device=dev), codes)
-    if p.signed_zero_for(el) == "drop" and el.has_negative_zero:
-        codes = torch.where(codes == el.sign_mask, torch.zeros((), dtype=torch.uint8, device=dev), codes)
-    if scheme.family == "nvfp4" and p.option("nvfp4_order") == "te":
-        # TE cast_to_fp4x2 (moeref.quant.nvfp4.quantize_nvfp4): an exact zero product is code 0x0, not 0x8
-        codes = torch.where((codes == 0x8) & (scaled == 0), torch.zeros((), dtype=torch.uint8, device=dev), codes)
-    lead = shape[: len(shape) - k]
-    grid = res.stored.shape
-    padded = lead + tuple(n * b for n, b in zip(grid[len(grid) - k:], block))
-    codes = codes.reshape(padded)[(...,) + tuple(slice(0, d) for d in shape[len(shape) - k:])]
+        codes, flags = scaled_codes(x, fac_dev, block, res.op, table, shift, host_negative=host_neg,
+                                    drop_negative_zero=p.signed_zero_for(el) == "drop" and el.has_negative_zero,
+                                    sign_mask=int(el.sign_mask))
+        if flags is not None and bool(flags.any()):
+            _raise_as_host(x, scheme, static)  # a value the format cannot encode: the codec's error
+    else:
+        nb = None
+        tw = torch.float64 if w == np.float64 else torch.float32
+        xb = _block_view(x.to(tw), block)
+        fb = _broadcast_to_blocks(fac_dev, k)
+        scaled = xb * fb if res.op == "mul" else xb / fb
+        if nan_blocks.any():  # a NaN-scale block decodes to NaN whatever its codes: cast zeros, fill NaN codes
+            nb = _broadcast_to_blocks(to_device(nan_blocks, dev), k)
+            scaled = torch.where(nb, torch.zeros((), dtype=scaled.dtype, device=dev), scaled)
+        f32 = scaled if scaled.dtype == torch.float32 else round_to_odd_f32(scaled)
+        u = f32.view(torch.int32)
+        # NaN-free (module docstring): no block holds a NaN or an Inf, every factor is finite and nonzero
+        if nonfinite_blocks.any() or not (np.isfinite(fac).all() and (fac != 0).all()):
+            nan = torch.isnan(scaled)
+            in_neg = _block_view(ibits, block) < 0  # the input's sign bit
+            neg = torch.where(torch.isnan(xb), in_neg, torch.full((), host_neg, device=dev))
+            canon = torch.where(neg, torch.full((), _NEG_NAN_BITS, dtype=torch.int32, device=dev),
+                                torch.full((), 0x7FC00000, dtype=torch.int32, device=dev))
+            u = torch.where(nan, canon, u)  # the quiet NaN of that sign
+        codes = _lookup(u, shift, table, marked)
+        if codes is None:
+            _raise_as_host(x, scheme, static)  # a value the format cannot encode: the codec's error
+
+        # 5. NaN blocks, dropped zero signs, TE's exact-zero code
+        if nb is not None:
+            codes = torch.where(nb, torch.full((), nan_block_code(el, p), dtype=torch.uint8, device=dev), codes)
+        if p.signed_zero_for(el) == "drop" and el.has_negative_zero:
+            codes = torch.where(codes == el.sign_mask, torch.zeros((), dtype=torch.uint8, device=dev), codes)
+        if scheme.family == "nvfp4" and p.option("nvfp4_order") == "te":
+            # TE cast_to_fp4x2 (moeref.quant.nvfp4.quantize_nvfp4): an exact zero product is code 0x0, not 0x8
+            codes = torch.where((codes == 0x8) & (scaled == 0), torch.zeros((), dtype=torch.uint8, device=dev),
+                                codes)
+        codes = _crop(codes, shape, block, res.stored.shape)
     if el.bits == 4:
         if shape[-1] % 2:
             codes = torch.cat([codes, torch.zeros(codes.shape[:-1] + (1,), dtype=torch.uint8, device=dev)], dim=-1)
@@ -251,8 +289,12 @@ def device_quantize(x, scheme: Scheme, **static) -> DeviceQuantized:
     codes = codes.contiguous()
     stored = np.ascontiguousarray(res.stored)
     glob = None if res.global_scale is None else float(res.global_scale)
-    sv = scale_values(scheme, stored, glob)
-    return DeviceQuantized(codes, to_device(stored, dev), scheme, shape, glob, to_device(sv, dev))
+    if fac.dtype == stored.dtype and fac.shape == stored.shape and \
+            np.array_equal(fac.view(_uint(8 * fac.itemsize)), stored.view(_uint(8 * stored.itemsize))):
+        scales_dev = fac_dev  # the factor is the stored scale, bit for bit (x / s): one copy to the device
+    else:
+        scales_dev = to_device(stored, dev)
+    return DeviceQuantized(codes, scales_dev, scheme, shape, glob, stored)
 
 
 _NEG_NAN_BITS = int(np.array(0xFFC00000, np.uint32).view(np.int32))
@@ -311,9 +353,9 @@ def _broadcast_to_blocks(grid, k: int):
 _TABLES: dict = {}
 
 
-def _lookup(u, el, cast: dict, dev):
-    """uint8 codes of the float32 bit patterns ``u`` (int32 tensor) from the codec's table; None when a
-    value has no code under ``cast`` (the codec raises there)."""
+def _table(el, cast: dict, dev):
+    """The codec's code table of ``el`` under ``cast`` on ``dev``, copied there once: ``(shift, table, marked)``
+    (uint8, or int16 with negative markers where a value has no code: ``marked``)."""
     torch = _torch()
     key = (el.name, cast["rounding"], cast["overflow"], cast["nan_code"], str(dev))
     if key not in _TABLES:
@@ -321,7 +363,13 @@ def _lookup(u, el, cast: dict, dev):
         marked = bool((codes < 0).any())
         table = torch.as_tensor(np.array(codes if marked else codes.astype(np.uint8)), device=dev)
         _TABLES[key] = (shift, table, marked)
-    shift, table, marked = _TABLES[key]
+    return _TABLES[key]
+
+
+def _lookup(u, shift: int, table, marked: bool):
+    """uint8 codes of the float32 bit patterns ``u`` (int32 tensor) from a code table (:func:`_table`); None
+    when a value has no code (the codec raises there)."""
+    torch = _torch()
     hi = (u >> shift) & ((1 << (32 - shift)) - 1)  # a logical shift of the uint32 bits
     idx = (hi << 1) | ((u & ((1 << shift) - 1)) != 0).to(torch.int32)
     codes = table.index_select(0, idx.reshape(-1)).reshape(idx.shape)
@@ -330,6 +378,36 @@ def _lookup(u, el, cast: dict, dev):
             return None
         codes = codes.to(torch.uint8)
     return codes
+
+
+def _crop(codes, shape: tuple, block: tuple, grid: tuple):
+    """Codes of the zero-padded block view, reshaped to the padded shape and cropped to ``shape``."""
+    k = len(block)
+    lead = shape[: len(shape) - k]
+    padded = lead + tuple(n * b for n, b in zip(grid[len(grid) - k:], block))
+    return codes.reshape(padded)[(...,) + tuple(slice(0, d) for d in shape[len(shape) - k:])]
+
+
+# None: the kernel where it applies on CUDA; True / False: forced (tests run it under TRITON_INTERPRET=1 on CPU)
+_KERNEL: bool | None = None
+
+
+def _use_kernel(x, fac: np.ndarray, grid: tuple, k: int, nan_blocks: np.ndarray, el) -> bool:
+    """Whether :func:`device_quantize` takes the one-pass kernel (:mod:`moeref.quant._device_kernels`): on CUDA
+    with Triton, float32 factors on the whole block ``grid`` (so a float32 working dtype), no NaN-scale block, one
+    code per byte, blocks over the last ``k`` = one or two axes."""
+    if _KERNEL is False or fac.dtype != np.float32 or tuple(fac.shape) != tuple(grid) or nan_blocks.any():
+        return False
+    if el.bits <= 4 or x.dtype == _torch().float64 or k not in (1, 2):
+        return False
+    if _KERNEL is None:
+        if not x.is_cuda:
+            return False
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False
+    return True
 
 
 def round_to_odd_f32(x):
