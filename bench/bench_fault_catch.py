@@ -21,7 +21,8 @@ sum to 1):
 * ``fp8_ue8m0``: the same with UE8M0 scales (no emulated profile);
 * ``bf16_gelu``: bf16 weights, erf GELU; declared profile ``BF16_OUTPUT`` (no emulated profile).
 
-Checks, per fault and honest variant: ``exact`` (equality on the exact-regime case,
+Per fault and honest variant, ``changed``: the outputs it changes against the honest layer on each case (a
+fault changes some). Checks: ``exact`` (equality on the exact-regime case,
 :func:`moeref.regimes.moe_equality_report`), ``declared`` (the declared profile's bound on the general case,
 :func:`moeref.compare.bounds.layer_bound`, computed once per case), ``emulated`` (input faults and honest variants
 around the emulated kernel, under its profile, where the layer has one) and ``mixed`` = exact or declared (what the
@@ -846,6 +847,7 @@ def run_layer(layer: str, shape: dict, args, log, chosen_faults, chosen_honest) 
         except Exception as exc:  # noqa: BLE001 - recorded, the study goes on without it
             ck.info["emulated_error"] = f"{type(exc).__name__}: {exc}"[:400]
             emu = None
+    honest_out = {kind: _host(tl.run(case)) for kind, case in ck.cases.items()}
     fault_rows, honest_rows = [], []
     for group, variants, rows in (("fault", chosen_faults, fault_rows), ("honest", chosen_honest, honest_rows)):
         for v in variants:
@@ -855,9 +857,11 @@ def run_layer(layer: str, shape: dict, args, log, chosen_faults, chosen_honest) 
             hooks = v.hooks or Hooks()
             t0 = time.perf_counter()
             try:
-                row["checks"]["exact"] = ck.equality(_apply(v, ck.cases["exact"], lambda c: tl.run(c, hooks)))
-                row["checks"]["declared"] = ck.bound(_apply(v, ck.cases["general"], lambda c: tl.run(c, hooks)),
-                                                     "declared")
+                outs = {kind: _apply(v, case, lambda c: tl.run(c, hooks)) for kind, case in ck.cases.items()}
+                # how many outputs the variant changes against the honest layer (a fault must change some)
+                row["changed"] = {kind: int(np.count_nonzero(_host(o) != honest_out[kind])) for kind, o in outs.items()}
+                row["checks"]["exact"] = ck.equality(outs["exact"])
+                row["checks"]["declared"] = ck.bound(outs["general"], "declared")
                 if emu is not None and (v.level == "inputs" or v.hooks in (Hooks(), Hooks(chunk=shape["chunk"]))):
                     if v.hooks is not None and v.hooks.chunk:
                         def kernel(c, ch=v.hooks.chunk):

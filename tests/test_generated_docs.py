@@ -19,6 +19,7 @@ PAGES = [  # (report script in bench/, JSON under docs/data/, page under docs/, 
     ("report_ep", "ep_*.json", "expert-parallel.md", None),  # bench/bench_ep_gpu.py
     ("report_ep", "ep_*.json", "performance.md", None),  # bench/bench_ep_gpu.py
     ("report_exact_regimes", "exact_regimes_*.json", "exact-regimes.md", None),  # bench/bench_exact_regimes.py
+    ("report_fault_catch", "fault_catch_*.json", "error-bounds.md", None),  # bench/bench_fault_catch.py
 ]
 
 
