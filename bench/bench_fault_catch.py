@@ -720,14 +720,46 @@ def honest(shape: dict) -> list:
 
 
 class Emulated:
-    """The emulated honest kernel of a layer and its profile: on the CPU moeref's DeepGEMM emulation
-    (:func:`moeref.compare.subtle_faults._deepgemm_candidate`, ``DEEPGEMM_FP8_EXACT``), on a GPU the Triton layer
-    (``fastpath.moe.fused_moe``, ``fastpath.moe.exact_profile("triton")``)."""
+    """The emulated honest kernel of a layer, its profile and the reference run that profile is declared against:
+    on the CPU moeref's DeepGEMM emulation (:func:`moeref.compare.subtle_faults._deepgemm_candidate`,
+    ``DEEPGEMM_FP8_EXACT``, the general case's own reference); on a GPU the Triton layer (``fastpath.moe.fused_moe``,
+    ``fastpath.moe.exact_profile("triton")``, the reference run with ``fastpath.moe.reference_config``'s options).
+    On a GPU each distinct expert tensor is uploaded once; a call stacks the experts on the device."""
 
     def __init__(self, device: str):
         self.device = device
-        self.profile = None
-        self._fast = {}
+        self._dev: dict = {}
+
+    def setup(self, case: Case):
+        """``(profile, reference run)`` for the general ``case``."""
+        if self.device == "cpu":
+            return "DEEPGEMM_FP8_EXACT", None  # the general case's own run
+        from fastpath.moe import exact_profile, reference_config
+        from moeref.moe import run_moe
+
+        fw = self._fast(case.weights)
+        opts = {k: v for k, v in reference_config(fw).items() if k != "profile"}
+        run = run_moe(case.hidden, case.weights, case.topk_weights, case.topk_ids, device=self.device,
+                      activation=case.activation, **opts)
+        return exact_profile("triton", fw), run
+
+    def _fast(self, weights):
+        import torch
+
+        from fastpath.moe import FastMoEWeights
+
+        def dev(q):
+            hit = self._dev.get(id(q))
+            if hit is None or hit[0] is not q:
+                codes = torch.from_numpy(np.array(q.codes)).to(self.device).view(torch.float8_e4m3fn)
+                scales = torch.from_numpy(np.asarray(q.scale_values(), np.float32).copy()).to(self.device)
+                hit = self._dev[id(q)] = (q, codes, scales)
+            return hit[1], hit[2]
+
+        w13 = [dev(q) for q in weights.w13]
+        w2 = [dev(q) for q in weights.w2]
+        return FastMoEWeights(torch.stack([c for c, _ in w13]), torch.stack([c for c, _ in w2]), weights.w13_layout,
+                              torch.stack([s for _, s in w13]), torch.stack([s for _, s in w2]))
 
     def run(self, case: Case):
         import torch
@@ -736,19 +768,12 @@ class Emulated:
             from moeref.compare.faults import LayerCase
             from moeref.compare.subtle_faults import _deepgemm_candidate
 
-            self.profile = "DEEPGEMM_FP8_EXACT"
             lc = LayerCase(case.hidden, case.weights, case.topk_weights, case.topk_ids, dict(case.options))
-            out = _deepgemm_candidate(lc)
-            return torch.from_numpy(np.asarray(out, np.float32)).to(torch.bfloat16)
-        from fastpath.moe import exact_profile, fast_weights, fused_moe
+            return torch.from_numpy(np.asarray(_deepgemm_candidate(lc), np.float32)).to(torch.bfloat16)
+        from fastpath.moe import fused_moe
 
-        key = (id(case.weights.w13), id(case.weights.w2))
-        if key not in self._fast:
-            self._fast = {key: (case.weights, fast_weights(case.weights, self.device))}  # one at a time (memory)
-        fw = self._fast[key][1]
-        self.profile = exact_profile("triton", fw)
         dev = torch.device(self.device)
-        return fused_moe(torch.from_numpy(case.hidden).to(dev).to(torch.bfloat16), fw,
+        return fused_moe(torch.from_numpy(case.hidden).to(dev).to(torch.bfloat16), self._fast(case.weights),
                          torch.from_numpy(case.topk_weights).to(dev), torch.from_numpy(case.topk_ids).to(dev),
                          impl="triton", activation=case.activation)
 
@@ -782,23 +807,24 @@ class Checker:
             self.runs[kind] = reference(case, self.device)
             _sync(self.device)
             self.info["reference_seconds"][kind] = time.perf_counter() - t0
-        self.output = _host(self.runs["general"].output)
         self.bounds, self.info["bound_seconds"] = {}, {}
-        self._bound("declared", LAYERS[layer]["declared"], layer_bound)
+        self._bound("declared", LAYERS[layer]["declared"], self.runs["general"], layer_bound)
         self.info["emulated"] = None
 
-    def _bound(self, name: str, profile, layer_bound):
+    def _bound(self, name: str, profile, run, layer_bound):
+        layer_bound(run, profile)  # warm-up (device kernels' compilation)
         _sync(self.device)
         t0 = time.perf_counter()
-        b = layer_bound(self.runs["general"], profile).bound
+        b = layer_bound(run, profile).bound
         _sync(self.device)
         self.info["bound_seconds"][name] = time.perf_counter() - t0
-        self.bounds[name] = _host(b)
+        self.bounds[name] = (_host(run.output), _host(b))
 
-    def add_emulated(self, profile):
+    def add_emulated(self, profile, run=None):
+        """The emulated profile's bound around ``run`` (default: the general case's reference run)."""
         from moeref.compare.bounds import layer_bound
 
-        self._bound("emulated", profile, layer_bound)
+        self._bound("emulated", profile, self.runs["general"] if run is None else run, layer_bound)
         self.info["emulated"] = getattr(profile, "name", str(profile))
 
     def equality(self, cand) -> dict:
@@ -810,10 +836,10 @@ class Checker:
 
     def bound(self, cand, which: str) -> dict:
         t0 = time.perf_counter()
-        c = _host(cand).astype(np.float64)
-        err = np.abs(c - self.output)
+        output, bound = self.bounds[which]
+        err = np.abs(_host(cand) - output)
         with np.errstate(invalid="ignore"):
-            bad = ~(err <= self.bounds[which])
+            bad = ~(err <= bound)
         n = int(np.count_nonzero(bad))
         return {"caught": n > 0, "violations": n,
                 "seconds": time.perf_counter() - t0 + self.info["bound_seconds"][which]}
@@ -842,8 +868,8 @@ def run_layer(layer: str, shape: dict, args, log, chosen_faults, chosen_honest) 
     if LAYERS[layer]["emulated"] and not args.no_emulated:
         try:
             emu = Emulated(args.device)
-            emu.run(ck.cases["general"])
-            ck.add_emulated(emu.profile)
+            ck.add_emulated(*emu.setup(ck.cases["general"]))
+            emu.run(ck.cases["general"])  # warm-up (compilation, autotuning)
         except Exception as exc:  # noqa: BLE001 - recorded, the study goes on without it
             ck.info["emulated_error"] = f"{type(exc).__name__}: {exc}"[:400]
             emu = None
