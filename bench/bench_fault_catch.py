@@ -728,11 +728,12 @@ class Emulated:
 
     def __init__(self, device: str):
         self.device = device
+        self.fastpath = device != "cpu"  # the Triton layer (a GPU; on the CPU only under TRITON_INTERPRET=1)
         self._dev: dict = {}
 
     def setup(self, case: Case):
         """``(profile, reference run)`` for the general ``case``."""
-        if self.device == "cpu":
+        if not self.fastpath:
             return "DEEPGEMM_FP8_EXACT", None  # the general case's own run
         from fastpath.moe import exact_profile, reference_config
         from moeref.moe import run_moe
@@ -764,7 +765,7 @@ class Emulated:
     def run(self, case: Case):
         import torch
 
-        if self.device == "cpu":
+        if not self.fastpath:
             from moeref.compare.faults import LayerCase
             from moeref.compare.subtle_faults import _deepgemm_candidate
 
@@ -792,7 +793,7 @@ class Checker:
     """The reference runs, bounds and equality of one layer (both cases), each timed once."""
 
     def __init__(self, layer: str, shape: dict, args, log):
-        from moeref.compare.bounds import layer_bound
+        from moeref.compare import layer_bound
 
         self.layer, self.device, self.log = layer, args.device, log
         self.info = {"layer": layer, **{k: LAYERS[layer][k] for k in ("scheme", "activation", "declared")}}
@@ -822,7 +823,7 @@ class Checker:
 
     def add_emulated(self, profile, run=None):
         """The emulated profile's bound around ``run`` (default: the general case's reference run)."""
-        from moeref.compare.bounds import layer_bound
+        from moeref.compare import layer_bound
 
         self._bound("emulated", profile, self.runs["general"] if run is None else run, layer_bound)
         self.info["emulated"] = getattr(profile, "name", str(profile))
