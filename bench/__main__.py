@@ -45,6 +45,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
                       "GPU"),
     "oracle-power": ("bench_oracle_power.py", "planted faults each compare profile catches, and its tightness",
                      "CPU"),
+    "fault-catch": ("bench_fault_catch.py", "31 planted faults, 7 honest variants: what the mixed default, the "
+                    "exact regime, declared and emulated profiles catch", "CPU/GPU"),
     # report scripts: a benchmark's JSON -> the generated table of a docs page (--check compares)
     "report-quant": ("report_quant.py", "docs/fastpaths.md tables from quant JSON", "any"),
     "report-dispatch": ("report_dispatch.py", "docs/fastpaths-dispatch.md tables from dispatch JSON", "any"),
@@ -55,6 +57,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "report-ep": ("report_ep.py", "docs/expert-parallel.md and docs/performance.md EP tables from EP JSON", "any"),
     "report-exact-regimes": ("report_exact_regimes.py", "docs/exact-regimes.md tables from exact-regimes JSON",
                              "any"),
+    "report-fault-catch": ("report_fault_catch.py", "docs/error-bounds.md planted-fault tables from fault-catch JSON",
+                           "any"),
     # tools
     "sass-identity": ("sass_identity.py", "SHA-256 of every quantization kernel's SASS (refactors: same code?)",
                       "CPU"),

@@ -47,8 +47,8 @@ def _date(iso: str) -> str:
     return iso
 
 
-def _command(argv: list) -> str:
-    """The benchmark's command line without its ``--out`` (a path on the measuring machine)."""
+def _command(argv: list, script: str = "bench/bench_exact_regimes.py") -> str:
+    """The benchmark's (``script``'s) command line without its ``--out`` (a path on the measuring machine)."""
     args, skip = [], False
     for a in argv:
         if skip:
@@ -57,7 +57,7 @@ def _command(argv: list) -> str:
             skip = True
         elif not a.startswith("--out="):
             args.append(a)
-    return " ".join(["python bench/bench_exact_regimes.py", *args])
+    return " ".join(["python " + script, *args])
 
 
 def _shape(s: dict) -> str:

@@ -38,6 +38,26 @@ def eager_bf16_moe(hidden_states, w1, w2, topk_weights, topk_ids, *, w13_layout=
     return out
 
 
+def fp32_sum_bf16_moe(hidden_states, w1, w2, topk_weights, topk_ids, *, bug=None):
+    """A bf16 MoE layer in eager torch with BF16_OUTPUT's arithmetic: bf16 matmuls (FP32 accumulation, bf16
+    stores), ``silu(gate) * up`` in float32 stored once in bf16, the weighted top-k sum in float32, one bf16
+    store. ``bug="last_bit"``: the last bit of output element ``[0, 0]`` flipped."""
+    x = hidden_states.to(BF16)
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for j in range(topk_ids.shape[1]):
+        for e in torch.unique(topk_ids[:, j]).tolist():
+            if e < 0:
+                continue
+            rows = (topk_ids[:, j] == e).nonzero().flatten()
+            gate, up = (x[rows] @ w1[e].to(BF16).T).chunk(2, dim=-1)
+            a = (F.silu(gate.float()) * up.float()).to(BF16)
+            out[rows] += (a @ w2[e].to(BF16).T).float() * topk_weights[rows, j, None].float()
+    out = out.to(BF16)
+    if bug == "last_bit":
+        out.view(torch.int16)[0, 0] ^= 1
+    return out
+
+
 def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu", quant_config=None,
                   apply_router_weight_on_input=False, global_num_experts=-1, expert_map=None):
     """Stand-in with vLLM ``fused_experts``' signature (unquantized bf16, expert_map supported)."""

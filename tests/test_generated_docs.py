@@ -20,6 +20,7 @@ PAGES = [  # (report script in bench/, JSON under docs/data/, page under docs/, 
     ("report_ep", "ep_*.json", "performance.md", None),  # bench/bench_ep_gpu.py
     ("report_exact_regimes", "exact_regimes_*.json", "exact-regimes.md", None),  # bench/bench_exact_regimes.py
     ("studies.eager_host_profile", "eager_host_profile_*.json", "moe-gpu.md", 1),  # the eager study
+    ("report_fault_catch", "fault_catch_*.json", "error-bounds.md", None),  # bench/bench_fault_catch.py
 ]
 
 

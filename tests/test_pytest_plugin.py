@@ -77,6 +77,45 @@ def test_thorough_mode_draws_more_cases(kernel_dir):
     res.stdout.fnmatch_lines(["64 tests collected*"])
 
 
+MIXED_TEST = """
+from kernels_for_tests import fp32_sum_bf16_moe
+
+BUG = {bug!r}
+
+def test_my_kernel(moe_case, moe_check):
+    moe_check(fp32_sum_bf16_moe(**moe_case.torch(), bug=BUG), moe_case)
+"""
+
+
+def test_the_default_mix_checks_exact_cases_by_equality_and_general_cases_under_the_bound(kernel_dir, capsys):
+    from moeref.cli import main
+
+    kernel_dir.makepyfile(test_m=MIXED_TEST.format(bug=None))
+    res = kernel_dir.runpytest("-p", "moeref.testing.plugin", "-v")
+    res.assert_outcomes(passed=8)  # an honest BF16_OUTPUT kernel passes both kinds
+    res.stdout.fnmatch_lines(["*case0-bounds-*PASSED*", "*case1-exact-*PASSED*"])
+    # one flipped last bit of one output element: equality sees it on every exact-regime case
+    kernel_dir.makepyfile(test_m=MIXED_TEST.format(bug="last_bit"))
+    res = kernel_dir.runpytest("-p", "moeref.testing.plugin", "-v", "--moeref-repro-dir", "repro")
+    failed = [line for line in res.stdout.lines if line.startswith("FAILED") and "::test_my_kernel[" in line]
+    assert sum("-exact-" in line for line in failed) == 4, failed  # every exact-regime case of the eight
+    res.stdout.fnmatch_lines(["*elements differ from the reference (exact regime*", "*moeref replay repro*json*"])
+    files = sorted((kernel_dir.path / "repro").glob("*exact*.json"))
+    assert files
+    assert main(["replay", str(files[0]), "--json"]) == 1  # replayed by equality in the saved bf16
+    assert '"num_differences": 1' in capsys.readouterr().out
+
+
+def test_regime_option_draws_one_kind_only(kernel_dir):
+    kernel_dir.makepyfile(test_t="def test_t(moe_case):\n    assert moe_case.hidden.shape[0] >= 1\n")
+    for regime in ("exact", "bounds"):
+        res = kernel_dir.runpytest("-p", "moeref.testing.plugin", "--moeref-regime", regime, "--collect-only", "-q")
+        ids = [line for line in res.stdout.lines if "test_t[" in line]
+        assert len(ids) == 8 and all(f"-{regime}-" in line for line in ids), ids
+    res = kernel_dir.runpytest("-p", "moeref.testing.plugin", "--moeref-regime", "nope")
+    assert res.ret != 0
+
+
 LEAK_TEST = """
 import pytest
 

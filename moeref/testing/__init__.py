@@ -10,8 +10,11 @@ reference's inputs exactly as the kernel sees them, drawn cases, reproducers, an
 * :func:`save_reproducer`, :func:`load_reproducer`, :func:`replay` (:mod:`.reproducer`).
 * :func:`mutation_score` (:mod:`.mutation`): how many of the library's planted faults a user's check
   catches.
+* :class:`CheckMix`, :func:`check_case`, :func:`exact_case` (:mod:`.regime`, :mod:`.cases`): the default mix of exact-regime
+  cases checked by equality and general cases checked under the profile's bound.
 * The pytest plugin (:mod:`.plugin`, entry point ``pytest11``): ``moe_case``, ``moe_profile``,
-  ``moe_check`` fixtures, ``--moeref-profile``, ``--moeref-thorough``, reproducers on failure.
+  ``moe_check``, ``moe_regime`` fixtures, ``--moeref-regime``, ``--moeref-profile``, ``--moeref-thorough``,
+  reproducers on failure.
 
 Kernel-signature adapters live in :mod:`moeref.moe.mapping`; operands from a kernel's own tensors in
 :mod:`moeref.gemm.from_kernel`. Guide: docs/test-your-kernel.md.
@@ -20,21 +23,26 @@ from __future__ import annotations
 
 from .asserts import GEMM_LAYOUTS, MoEMismatch, assert_grouped_gemm_close, assert_moe_close, grouped_gemm_report
 from .inputs import KernelInputs, as_kernel_sees, kernel_inputs
+from .regime import REGIMES, CheckMix, check_case
 from .reproducer import load_reproducer, replay, save_reproducer
 
 __all__ = [
+    "CheckMix",
     "GEMM_LAYOUTS",
     "KernelInputs",
     "MoEMismatch",
     "as_kernel_sees",
     "assert_grouped_gemm_close",
     "assert_moe_close",
+    "check_case",
     "draw_cases",
+    "exact_case",
     "grouped_gemm_report",
     "kernel_inputs",
     "load_reproducer",
     "moe_cases",
     "mutation_score",
+    "REGIMES",
     "replay",
     "save_reproducer",
 ]
@@ -45,7 +53,7 @@ def __dir__():  # dir() lists the lazy exports too (PEP 562)
 
 
 def __getattr__(name):  # the Hypothesis-backed helpers load on first use (hypothesis is the test extra)
-    if name in ("moe_cases", "draw_cases"):
+    if name in ("moe_cases", "draw_cases", "exact_case"):
         from . import cases
 
         return getattr(cases, name)

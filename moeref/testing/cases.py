@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["moe_cases", "draw_cases", "CASE_KINDS", "DEFAULT_MAX_TOKENS"]
+__all__ = ["moe_cases", "draw_cases", "exact_case", "CASE_KINDS", "DEFAULT_MAX_TOKENS"]
 
 CASE_KINDS = ("uniform", "hot1", "all_to_one", "zipf", "empty_experts", "tied_logits", "negative_logits",
               "skewed_logits")
@@ -94,6 +94,35 @@ def _case(num_tokens, hidden, intermediate, num_experts, top_k, kind, seed, dtyp
     ki = kernel_inputs(make_tokens(num_tokens, hidden, seed=seed + 1), lw, w, ids, dtype=dtype)
     meta = dict(num_tokens=int(num_tokens), hidden=int(hidden), intermediate=int(intermediate),
                 num_experts=int(num_experts), top_k=int(top_k), routing=kind, seed=int(seed), dtype=dtype)
+    return ki.with_(meta=meta)
+
+
+def exact_case(num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int, kind: str, seed: int,
+               *, dtype: str = "bfloat16", allow_padding: bool = False):
+    """A :class:`~moeref.testing.KernelInputs` in the exact regime: the layer of
+    :func:`moeref.regimes.exact_layer` (bf16 tokens and weights, SiLU-and-mul; every product and partial sum
+    exact in FP32, every stored value exact in bf16), routed by the ids of routing ``kind``
+    (:data:`CASE_KINDS`) with top-k weights ``2^-e`` (:func:`moeref.regimes.exact_topk_weights`).
+    ``meta`` records the sizes, kind, seed and ``regime="exact"``. Only ``dtype="bfloat16"`` is built.
+
+    >>> ki = exact_case(5, 64, 32, 4, 2, "uniform", 0)
+    >>> ki.meta["regime"], ki.hidden.dtype.name, ki.reference().out.shape
+    ('exact', 'bfloat16', (5, 64))
+    """
+    from ..regimes import exact_layer, exact_topk_weights
+    from .inputs import kernel_inputs
+
+    if dtype != "bfloat16":
+        raise ValueError(f"exact_case builds bf16 layers (moeref.regimes.exact_layer, scheme 'bf16'); got dtype "
+                         f"{dtype!r}: use moeref.regimes.exact_layer for other schemes")
+    rng = np.random.default_rng([seed, 7])
+    _, ids = _routing(kind, num_tokens, num_experts, top_k, rng, allow_padding)
+    lay = exact_layer(num_tokens, hidden, intermediate, num_experts, top_k, scheme="bf16", seed=rng, topk_ids=ids,
+                      topk_weights=exact_topk_weights(ids.shape, seed=rng))
+    ki = kernel_inputs(lay.hidden, lay.weights, lay.topk_weights, lay.topk_ids, dtype=dtype)
+    meta = dict(num_tokens=int(num_tokens), hidden=int(hidden), intermediate=int(intermediate),
+                num_experts=int(num_experts), top_k=int(top_k), routing=kind, seed=int(seed), dtype=dtype,
+                regime="exact")
     return ki.with_(meta=meta)
 
 
@@ -172,7 +201,7 @@ def _spread(values, n: int, rng) -> list:
 
 def draw_cases(n: int, strategy=None, *, seed: int = 0, max_tokens: int = DEFAULT_MAX_TOKENS,
                max_experts: int = 8, max_top_k: int = 4, hidden=(64, 128, 256), intermediate=(32, 64, 128),
-               dtype: str = "bfloat16", kinds=CASE_KINDS, allow_padding: bool = False) -> list:
+               dtype: str = "bfloat16", kinds=CASE_KINDS, allow_padding: bool = False, mix=None) -> list:
     """``n`` layer calls, deterministic for a given ``seed``, spread over the sizes a kernel must get right.
 
     By default (no ``strategy``): token counts spread over ``[1, max_tokens]`` on a log scale leaning to the
@@ -183,6 +212,12 @@ def draw_cases(n: int, strategy=None, *, seed: int = 0, max_tokens: int = DEFAUL
     ascending token count. Raise ``max_tokens`` (e.g. 4096) where the kernel and the reference are fast:
     the tiles a bug lives in need rows.
 
+    ``mix``: a :class:`moeref.testing.regime.CheckMix` or a regime name (``"mixed"``, ``"exact"``,
+    ``"bounds"``; None, the default here, is ``"bounds"``: every case general). The cases :meth:`CheckMix.kinds`
+    marks ``"exact"`` are built in the exact regime instead, with the same sizes, routing kind and seed
+    (:func:`exact_case`; ``meta["regime"] == "exact"``); the pytest plugin draws
+    ``"mixed"`` by default. Not with a ``strategy``.
+
     With a Hypothesis ``strategy`` (e.g. :func:`moe_cases` with other choices): ``n`` distinct examples drawn
     with ``derandomize`` (``seed`` skips the first ``seed``); Hypothesis (>= 6.131) mixes constants found in
     the imported modules into some draws, so another set of imported modules can draw other cases. A failing
@@ -192,7 +227,15 @@ def draw_cases(n: int, strategy=None, *, seed: int = 0, max_tokens: int = DEFAUL
 
     n = check_positive_int(n, "n")
     seed = check_positive_int(seed, "seed", allow_zero=True)
+    kinds_of = None
+    if mix is not None:
+        from .regime import CheckMix
+
+        kinds_of = CheckMix.of(mix).kinds(n)
     if strategy is not None:
+        if kinds_of is not None and "exact" in kinds_of:
+            raise ValueError("draw_cases: a Hypothesis strategy draws its own cases; give mix only without a "
+                             "strategy (exact-regime strategies: moeref.regimes.strategies)")
         return _hypothesis_draws(n, strategy, seed)
     max_tokens, max_experts, max_top_k = _check_sizes(max_tokens, max_experts, max_top_k)
     kinds = _check_kinds(kinds)
@@ -202,9 +245,14 @@ def draw_cases(n: int, strategy=None, *, seed: int = 0, max_tokens: int = DEFAUL
     experts = _spread(ladder + [max_experts], n, rng)
     ks = _spread(range(1, max_top_k + 1), n, rng)
     out = []
-    for m, e, k, kind, kh, nn, s in zip(counts, experts, ks, _spread(kinds, n, rng), _spread(hidden, n, rng),
-                                        _spread(intermediate, n, rng), rng.integers(0, 2**16, size=n)):
-        out.append(_case(int(m), kh, nn, e, min(k, e), kind, int(s), dtype, allow_padding))
+    for i, (m, e, k, kind, kh, nn, s) in enumerate(zip(counts, experts, ks, _spread(kinds, n, rng),
+                                                       _spread(hidden, n, rng), _spread(intermediate, n, rng),
+                                                       rng.integers(0, 2**16, size=n))):
+        if kinds_of is not None and kinds_of[i] == "exact":
+            out.append(exact_case(int(m), kh, nn, e, min(k, e), kind, int(s), dtype=dtype,
+                                  allow_padding=allow_padding))
+        else:
+            out.append(_case(int(m), kh, nn, e, min(k, e), kind, int(s), dtype, allow_padding))
     return out
 
 

@@ -8,7 +8,9 @@
   or FlashInfer's ``input``, ``fc1_expert_weights``, ``fc2_expert_weights``, ``token_final_scales``,
   ``token_selected_experts``; FP8 weights with ``w1_scale``/``w2_scale`` and ``--block-shape``) against a
   saved output (``.safetensors`` with one tensor or ``out``/``output``, or ``.npy``); the profile is
-  ``--profile`` or suggested from the dtypes (:func:`moeref.compare.suggest_profile`). Exit 1 if it fails.
+  ``--profile`` or suggested from the dtypes (:func:`moeref.compare.suggest_profile`). ``--regime``
+  (:data:`moeref.testing.regime.REGIMES`): ``mixed`` (default) checks the bound, and equality as well when the
+  inputs are in an exact regime; ``exact`` equality only; ``bounds`` the bound only. Exit 1 if it fails.
 * ``moeref mutate MODULE:FUNCTION``: the mutation score of a kernel wrapper (``KernelInputs -> output``)
   under ``--check MODULE:FUNCTION`` (default: the bound check with ``--profile``, else the profile
   :func:`moeref.compare.suggest_profile` gives for the cases' dtype).
@@ -47,7 +49,7 @@ def _print(obj) -> None:
         return
     from .._console import console
 
-    console().print(obj)
+    console().print(obj if hasattr(obj, "__rich__") or not hasattr(obj, "summary") else obj.summary())
 
 
 def _print_json(data) -> None:
@@ -139,13 +141,55 @@ def _cmd_check(args) -> int:
         profile = suggest_profile(w13.dtype.name, cand.dtype.name, kernel=args.kernel)
         why = f"suggested from the dtypes (weights {w13.dtype.name}, output {cand.dtype.name}); --profile to choose"
     check_candidate_dtype(cand, profile)
-    report = compare(cand, run_moe(**kw), profile, label=f"{cand_path.name} vs {inputs.name}")
+    run = run_moe(**kw)
+    label = f"{cand_path.name} vs {inputs.name}"
+    equality, regime_why = _regime_check(args.regime, cand, run, kw, profile, label)
+    report = compare(cand, run, profile, label=label) if args.regime != "exact" else None
+    passed = (report is None or report.passed) and (equality is None or equality.passed)
     if args.json:
-        _print_json(dict(report.to_dict(), profile_choice=why))
+        data = dict(report.to_dict(), profile_choice=why) if report is not None else {"profile_choice": why}
+        data.update(passed=passed, regime=args.regime, regime_choice=regime_why,
+                    equality=None if equality is None else equality.to_dict())
+        _print_json(data)
     else:
         print(f"profile {profile.name}: {why}")
-        _print(report)
-    return 0 if report.passed else 1
+        print(f"regime {args.regime}: {regime_why}")
+        for r in (equality, report):
+            if r is not None:
+                _print(r)
+    return 0 if passed else 1
+
+
+def _regime_check(regime: str, cand, run, kw: dict, profile, label: str):
+    """``(equality report or None, why)`` of ``moeref check --regime``: ``bounds``: none; ``exact``: always
+    (the user states the inputs are in an exact regime); ``mixed``: when the inputs are in the exact regime of
+    the profile's accumulator (:func:`moeref.regimes.layer_in_exact_regime`) and equality applies to the
+    profile (:func:`moeref.testing.regime.equality_applies`), besides the bound."""
+    from ..regimes.equality import moe_equality_report
+    from .regime import equality_applies
+
+    if regime == "bounds":
+        return None, "the profile's bound only"
+    if regime == "exact":
+        return moe_equality_report(cand, run, label=label), "equality (the inputs are declared exact-regime)"
+    from ..moe import LayerConfig
+    from ..regimes.layer import ExactLayer, layer_in_exact_regime
+
+    applies, why_not = equality_applies(profile)
+    if not applies:
+        return None, f"the profile's bound only: {why_not}"
+    arithmetic = "hopper_fp8" if profile.promote_every else "fp32"
+    opts = {k: v for k, v in kw.items() if k not in ("hidden", "weights", "topk_weights", "topk_ids")}
+    for store, declared in (("gemm1_out_dtype", profile.gemm_out_dtype), ("act_out_dtype", profile.act_out_dtype)):
+        if opts.get(store) is None and declared is not None:  # the profile's declared stores are the kernel's
+            opts[store] = declared
+    lay = ExactLayer(kw["hidden"], kw["weights"], kw["topk_weights"], kw["topk_ids"], LayerConfig.build(**opts),
+                     "given")
+    check = layer_in_exact_regime(lay, arithmetic)
+    if not check.ok:
+        return None, (f"the profile's bound only: the inputs are not in the {arithmetic} exact regime "
+                      f"({check.reasons[0]})")
+    return moe_equality_report(cand, run, label=label), f"equality (inputs in the {arithmetic} exact regime) and the bound"
 
 
 def _import(spec: str):
@@ -228,6 +272,9 @@ def add_subcommands(sub) -> None:
                         "always up then gate")
     p.add_argument("--block-shape", help="FP8 weight block 'bn,bk' (e.g. 128,128) when w1_scale is given")
     p.add_argument("--per-token", action="store_true", help="FP8 per-token activations / per-channel weights")
+    p.add_argument("--regime", choices=("mixed", "exact", "bounds"), default="mixed",
+                   help="mixed (default): the profile's bound, and equality too when the inputs are in an exact "
+                        "regime (moeref.regimes); exact: equality only; bounds: the bound only")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_check)
 

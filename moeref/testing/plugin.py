@@ -4,16 +4,21 @@ loads it explicitly).
 
 Fixtures:
 
-* ``moe_case``: parametrizes the test over layer calls drawn deterministically from
-  :func:`moeref.testing.moe_cases` (a :class:`~moeref.testing.KernelInputs`, already in bf16): 8 cases,
+* ``moe_case``: parametrizes the test over layer calls drawn deterministically by
+  :func:`moeref.testing.draw_cases` (a :class:`~moeref.testing.KernelInputs`, already in bf16): 8 cases,
   64 with ``--moeref-thorough`` (or ``MOEREF_HYPOTHESIS_PROFILE=thorough``), ``--moeref-cases N`` to set;
-  token counts up to 256, ``--moeref-max-tokens N`` to set (:func:`moeref.testing.draw_cases`).
-  For Hypothesis shrinking use ``@given(moe_cases())`` instead.
+  token counts up to 256, ``--moeref-max-tokens N`` to set. ``--moeref-regime`` (a
+  :class:`moeref.testing.regime.CheckMix`): ``mixed`` (the default) draws every other case in the exact regime
+  (:func:`moeref.testing.cases.exact_case`, checked by equality) and the others general (checked under the
+  profile's bound), ``exact`` only exact-regime cases, ``bounds`` only general ones. The test id names each
+  case's regime. For Hypothesis shrinking use ``@given(moe_cases())`` instead.
 * ``moe_profile``: the :class:`~moeref.compare.Profile` to check with: ``--moeref-profile NAME``, else the
   test's ``@pytest.mark.moeref_profile("NAME")``, else the package's default for the case's dtype
   (:func:`moeref.compare.suggest_profile`, the decision table's row: ``BF16_OUTPUT`` for the bf16 cases).
-* ``moe_check``: ``moe_check(output, case, profile=None)``: :func:`moeref.testing.assert_moe_close`
-  with ``moe_profile`` by default.
+* ``moe_check``: ``moe_check(output, case, profile=None)``: :func:`moeref.testing.regime.check_case`:
+  equality for an exact-regime case, :func:`moeref.testing.assert_moe_close` under ``moe_profile`` (or
+  ``profile``) for a general one.
+* ``moe_regime``: the run's :class:`~moeref.testing.regime.CheckMix`.
 
 On failure: when the exception is a :class:`~moeref.testing.MoEMismatch` that knows its case (the
 reference was given as a ``KernelInputs`` or ``LayerCase``), the plugin writes a reproducer
@@ -41,6 +46,9 @@ def pytest_addoption(parser):
     group.addoption("--moeref-max-tokens", type=int, default=None,
                     help="largest token count of the moe_case cases (default 256; thousands where the kernel "
                          "and the reference are fast)")
+    group.addoption("--moeref-regime", default=None, choices=("mixed", "exact", "bounds"),
+                    help="which cases moe_case draws: mixed (default: exact-regime cases checked by equality and "
+                         "general cases checked under the profile's bound), exact (equality only) or bounds")
     group.addoption("--moeref-repro-dir", default="moeref-repro", help="where failing cases are saved")
 
 
@@ -65,14 +73,21 @@ def _max_tokens(config) -> dict:
     return {} if n is None else {"max_tokens": n}
 
 
+def _mix(config):
+    from .regime import DEFAULT_REGIME, CheckMix
+
+    return CheckMix(config.getoption("--moeref-regime") or DEFAULT_REGIME)
+
+
 def pytest_generate_tests(metafunc):
     if "moe_case" not in metafunc.fixturenames:
         return
     from .cases import draw_cases
+    from .regime import case_regime
 
-    cases = draw_cases(_num_cases(metafunc.config), **_max_tokens(metafunc.config))
-    ids = [f"case{i}-M{c.hidden.shape[0]}-E{c.w13.shape[0]}-k{c.topk_ids.shape[1]}-{c.meta.get('routing', '')}"
-           for i, c in enumerate(cases)]
+    cases = draw_cases(_num_cases(metafunc.config), mix=_mix(metafunc.config), **_max_tokens(metafunc.config))
+    ids = [f"case{i}-{case_regime(c)}-M{c.hidden.shape[0]}-E{c.w13.shape[0]}-k{c.topk_ids.shape[1]}-"
+           f"{c.meta.get('routing', '')}" for i, c in enumerate(cases)]
     metafunc.parametrize("moe_case", cases, ids=ids)
 
 
@@ -97,12 +112,19 @@ def moe_profile(request):
 
 
 @pytest.fixture
+def moe_regime(request):
+    """The run's :class:`~moeref.testing.regime.CheckMix` (``--moeref-regime``, default mixed)."""
+    return _mix(request.config)
+
+
+@pytest.fixture
 def moe_check(moe_profile):
-    """``moe_check(output, case, profile=None)``: assert_moe_close under ``moe_profile`` (or ``profile``)."""
-    from .asserts import assert_moe_close
+    """``moe_check(output, case, profile=None)``: :func:`moeref.testing.regime.check_case` (equality for an
+    exact-regime case, assert_moe_close under ``moe_profile`` or ``profile`` for a general one)."""
+    from .regime import check_case
 
     def check(output, case, profile=None, *, label: str = ""):
-        return assert_moe_close(output, case, moe_profile if profile is None else profile, label=label)
+        return check_case(output, case, moe_profile if profile is None else profile, label=label)
 
     return check
 
@@ -122,9 +144,13 @@ def pytest_runtest_makereport(item, call):
 
     stem = re.sub(r"[^A-Za-z0-9_-]+", "_", item.nodeid)[-150:]
     path = os.path.join(str(item.config.getoption("--moeref-repro-dir")), stem)
+    extra = {"test": item.nodeid}
+    profile = getattr(exc.report, "profile", None)
+    if profile is None:  # an equality report (exact regime): replayed by equality in the candidate's dtype
+        extra.update(regime="exact", candidate_dtype=str(exc.candidate.dtype))
+        profile = "EXACT"
     try:
-        st, js = save_reproducer(path, exc.case, exc.candidate, exc.report.profile, label=item.nodeid,
-                                 extra={"test": item.nodeid})
+        st, js = save_reproducer(path, exc.case, exc.candidate, profile, label=item.nodeid, extra=extra)
         text = f"{exc.report.summary()}\nreproducer: {js} (+ {st.name})\nreplay: moeref replay {js}"
     except (ValueError, TypeError, OSError) as err:
         text = f"{exc.report.summary()}\n(no reproducer: {err})"

@@ -159,9 +159,18 @@ def load_reproducer(path):
 
 def replay(path, profile=None):
     """Re-run a reproducer: the :class:`moeref.compare.Report` of its candidate against the reference
-    computed from its inputs, under its profile (or ``profile``)."""
+    computed from its inputs, under its profile (or ``profile``). A reproducer of an exact-regime case
+    (``extra["regime"] == "exact"``, written by the pytest plugin) is replayed by equality: the
+    :class:`moeref.regimes.EqualityReport` of the candidate in its saved dtype (``profile`` overrides that)."""
     from ..compare import compare
     from ..compare.faults import reference
 
     case, cand, prof, config = load_reproducer(path)
+    extra = config.get("extra", {})
+    if profile is None and extra.get("regime") == "exact":
+        from ..regimes.equality import moe_equality_report
+        from .inputs import as_kernel_sees
+
+        return moe_equality_report(as_kernel_sees(cand.astype(np.float32), extra.get("candidate_dtype", "bfloat16")),
+                                   reference(case), label=config.get("label", ""))
     return compare(cand, reference(case), profile or prof, label=config.get("label", ""))

@@ -1,0 +1,103 @@
+"""moeref.testing.regime: the mix of exact-regime cases (equality) and general cases (the profile's bound) that
+the pytest plugin and ``moeref check`` use by default."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from kernels_for_tests import eager_bf16_moe, fp32_sum_bf16_moe
+from moeref.regimes import exact_layer, exact_topk_weights, layer_in_exact_regime
+from moeref.testing import MoEMismatch, draw_cases
+from moeref.testing.cases import _routing
+from moeref.testing.regime import CheckMix, case_regime, check_case, equality_applies
+
+
+def test_check_mix_is_typed_and_splits_evenly():
+    assert CheckMix().regime == "mixed"
+    assert CheckMix().kinds(4) == ["bounds", "exact", "bounds", "exact"]
+    assert CheckMix("mixed", 0.25).kinds(8).count("exact") == 2
+    assert CheckMix().kinds(1) == ["bounds"]  # one case: the sound bound on general data
+    assert CheckMix("mixed", 0.99).kinds(2) == ["bounds", "exact"]  # each kind at least once
+    with pytest.raises(ValueError, match="regime.*mixed"):
+        CheckMix("both")
+    with pytest.raises(ValueError, match="exact_fraction"):
+        CheckMix("mixed", 1.0)
+    with pytest.raises(TypeError, match="CheckMix or a regime name"):
+        CheckMix.of(3)
+
+
+def test_mixed_draws_keep_sizes_and_kinds_and_build_exact_cases_in_the_regime():
+    general, mixed = draw_cases(6), draw_cases(6, mix="mixed")
+    for g, m in zip(general, mixed):
+        for key in ("num_tokens", "hidden", "intermediate", "num_experts", "top_k", "routing", "seed"):
+            assert g.meta[key] == m.meta[key]
+    assert [case_regime(c) for c in mixed] == CheckMix().kinds(6)
+    for c in mixed:
+        if case_regime(c) != "exact":
+            continue
+        # rebuilt here from the same draw: the layer is in the regime of an FP32-accumulating kernel
+        meta = c.meta
+        rng = np.random.default_rng([meta["seed"], 7])
+        _, ids = _routing(meta["routing"], meta["num_tokens"], meta["num_experts"], meta["top_k"], rng, False)
+        lay = exact_layer(meta["num_tokens"], meta["hidden"], meta["intermediate"], meta["num_experts"],
+                          meta["top_k"], scheme="bf16", seed=rng, topk_ids=ids,
+                          topk_weights=exact_topk_weights(ids.shape, seed=rng))
+        assert np.array_equal(lay.hidden.astype(np.float32), c.hidden.astype(np.float32))
+        assert layer_in_exact_regime(lay, "fp32").ok
+        assert set(np.unique(c.topk_weights)) <= {0.125, 0.25, 0.5, 1.0}
+
+
+def test_check_case_uses_equality_on_exact_cases_where_the_profile_allows():
+    cases = draw_cases(4, mix="exact", max_tokens=40)
+    for c in cases:
+        out = fp32_sum_bf16_moe(**c.torch())
+        assert type(check_case(out, c, "BF16_OUTPUT")).__name__ == "EqualityReport"
+        bad = out.clone()
+        bad.view(torch.int16)[0, 0] ^= 1
+        with pytest.raises(MoEMismatch, match="exact regime"):
+            check_case(bad, c, "BF16_OUTPUT")
+    # a bf16 top-k sum is outside the regime's arithmetic: the bound of its profile, which it passes
+    assert not equality_applies("TORCH_EAGER_BF16")[0] and equality_applies("DEEPGEMM_FP8")[0]
+    for c in cases:
+        assert check_case(eager_bf16_moe(**c.torch()), c, "TORCH_EAGER_BF16").passed
+
+
+def test_draw_cases_refuses_a_mix_with_a_strategy():
+    from moeref.testing import moe_cases
+
+    with pytest.raises(ValueError, match="strategy"):
+        draw_cases(2, moe_cases(max_tokens=4), mix="exact")
+
+
+def test_moeref_check_regime_option(tmp_path):
+    from safetensors.torch import save_file
+
+    from moeref.cli import main
+
+    def run(case, out, regime):
+        save_file(case.torch(), os.path.join(tmp_path, "in.safetensors"))
+        save_file({"out": out}, os.path.join(tmp_path, "out.safetensors"))
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            status = main(["check", str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors"),
+                           "--regime", regime, "--json"])
+        return status, json.loads(printed.getvalue())
+
+    general, exact = draw_cases(2, mix="mixed", max_tokens=30)
+    out = fp32_sum_bf16_moe(**exact.torch())
+    status, js = run(exact, out, "mixed")  # the default: in the regime, so equality and the bound
+    assert status == 0 and js["equality"]["passed"] and js["violations"] == 0
+    assert js["regime_choice"].startswith("equality (inputs in the fp32 exact regime)")
+    bad = out.clone()
+    bad.view(torch.int16)[0, 0] ^= 1
+    status, js = run(exact, bad, "mixed")
+    assert status == 1 and js["equality"]["num_differences"] == 1 and js["equality"]["differing"][0]["token"] == 0
+    status, js = run(general, fp32_sum_bf16_moe(**general.torch()), "mixed")  # general data: the bound only
+    assert status == 0 and js["equality"] is None and "not in the fp32 exact regime" in js["regime_choice"]
+    status, js = run(exact, bad, "exact")
+    assert status == 1 and "violations" not in js
