@@ -17,11 +17,16 @@ keeps what it measured):
    float32, as ``fastpath.moe.exact_profile`` declares it) also ``emulated``: GEMM2's rows by path (certain,
    enumerated, data-dependent fallback), the combinations promoted and the 128-column blocks emulated for them,
    against the whole-row emulations enumerating each row's combinations would take;
-3. ``--sweep``: GEMM1's and GEMM2's bound alone under tile variants of :data:`moeref.compare.device._adder_mma.TILE`.
+3. ``--sweep``: GEMM1's and GEMM2's bound alone under tile variants of :data:`moeref.compare.device._adder_mma.TILE`;
+4. ``--emulator-sweep``: GEMM1's emulation alone (:func:`moeref.gemm.device_hopper_fp8.device_deepgemm_rows`, the
+   rows of a random top-8 routing) under the variants :data:`EMULATOR_SWEEP` of its work items
+   (:data:`~moeref.gemm.device_hopper_fp8.TILES` ``"many"``) and of its cut (float64 or int32,
+   :data:`~moeref.gemm.device_hopper_fp8.INTEGER_ALIGN`), each checked bit for bit against the first.
 
     python bench/bench_compare_device.py [--tokens 128 4096] [--rounds 7] [--check-rows 2] [--sweep] [--out FILE]
     python bench/bench_compare_device.py --profile DEEPGEMM_FP8_EXACT --check-rows 0 --max-seconds 120 --rounds 3
     python bench/bench_compare_device.py --sweep-only [--variants "16x64 w4" ...]   # the tile sweep at each --tokens
+    python bench/bench_compare_device.py --emulator-sweep --tokens 4096 --check-rows 0 --rounds 0
 """
 from __future__ import annotations
 
@@ -45,6 +50,44 @@ SWEEP = {"16x64 w4": (16, 64, 4), "16x128 w4": (16, 128, 4), "16x64 w8": (16, 64
          "32x64 w4": (32, 64, 4), "16x32 w2": (16, 32, 2), "16x64 w4 r168": (16, 64, 4, 168),
          "16x64 w4 r128": (16, 64, 4, 128), "32x64 w4 r168": (32, 64, 4, 168)}
 """Tile variants ``(rows, BN, warps[, maxnreg])`` of :data:`moeref.compare.device._adder_mma.TILE` timed by ``--sweep``."""
+
+
+EMULATOR_SWEEP = {"16x16 w8 float64": (16, 16, 8, False), "16x16 w8 int32": (16, 16, 8, True),
+                  "16x32 w8 int32": (16, 32, 8, True), "32x16 w8 int32": (32, 16, 8, True),
+                  "16x16 w4 int32": (16, 16, 4, True), "8x32 w4 int32": (8, 32, 4, True),
+                  "32x32 w8 int32": (32, 32, 8, True)}
+"""Variants ``(rows, BLOCK_N, warps, int32 cut)`` of the device emulator timed by ``--emulator-sweep``."""
+
+
+def emulator_sweep(weights, tokens: int, gen) -> dict:
+    """GEMM1's emulation (random E4M3 rows of a random top-8 routing) under each :data:`EMULATOR_SWEEP` variant."""
+    import moeref.gemm.device_hopper_fp8 as dh
+    from bench.bench_moe_device import routing
+
+    _, ids = routing(tokens, int(weights.w13.codes.shape[0]), 8, gen, DEV)
+    row_e = np.sort(np.asarray(ids).reshape(-1)).astype(np.int64)
+    codes, scales = _random_rows(row_e.size, int(weights.w13.shape[1]), gen)
+    a = _operand(codes, scales)
+    res, base = {}, None
+    saved = dict(dh.TILES), dh.INTEGER_ALIGN
+    try:
+        for name, (rows, bn, warps, integer) in EMULATOR_SWEEP.items():
+            dh.TILES["many"], dh.INTEGER_ALIGN = (rows, bn, warps), integer
+            t0 = time.perf_counter()
+            got = dh.device_deepgemm_rows(a, row_e, weights.w13)
+            _sync()
+            first = time.perf_counter() - t0
+            base = got if base is None else base
+            t0 = time.perf_counter()
+            dh.device_deepgemm_rows(a, row_e, weights.w13)
+            _sync()
+            res[name] = dict(first_s=first, s=time.perf_counter() - t0, same_bits=bool(torch.equal(base, got)),
+                             rows=int(row_e.size))
+            print(f"  emulator sweep {tokens} {name}: {res[name]}", flush=True)
+    finally:
+        dh.TILES.update(saved[0])
+        dh.INTEGER_ALIGN = saved[1]
+    return res
 
 
 def _operand(codes, scales):
@@ -234,6 +277,8 @@ def main(argv=None) -> int:
                     help="only the tile sweep, at every --tokens (no check, no timed rounds)")
     ap.add_argument("--max-seconds", type=float, default=4.0,
                     help="a compare slower than this is timed once, without rounds or sweep (a lease's budget)")
+    ap.add_argument("--emulator-sweep", action="store_true",
+                    help="time GEMM1's device emulation under EMULATOR_SWEEP's variants at every --tokens (then stop)")
     ap.add_argument("--small", action="store_true", help="a small layer on --device (a smoke test of this script)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", default="HOPPER_FP8_DEEPGEMM_DATA",
@@ -272,6 +317,15 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
+    if args.emulator_sweep:
+        for m in args.tokens:
+            try:
+                result[f"emulator_sweep_{m}"] = emulator_sweep(weights, m, gen)
+            except Exception as e:  # noqa: BLE001
+                result[f"emulator_sweep_{m}_error"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            save()
+        return 0
     for m in ([] if args.sweep_only else args.tokens):
         row = dict(tokens=m)
         result["rows"].append(row)

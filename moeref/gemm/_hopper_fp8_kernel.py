@@ -59,11 +59,11 @@ def _fma32(a, b, c):
 
 
 @triton.jit
-def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr, coef_ptr,
+def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr, coef_ptr,
              acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o, stride_ds, NB,
              W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr,
              SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr, STEPS: tl.constexpr,
-             INST: tl.constexpr, STORE_ACC: tl.constexpr):
+             INST: tl.constexpr, STORE_ACC: tl.constexpr, INTEGER: tl.constexpr):
     """One work item (``item_ptr``: expert, first row, row count) = up to ROWS rows of the gathered operand
     ``a`` (float64 E4M3 values) against BLOCK_N columns of that expert's codes (read through the float64
     decode table ``table_ptr``). Per 128-column K block: STEPS chained MMAs of INST columns from a cleared
@@ -94,14 +94,32 @@ def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out
             a = tl.load(a_ptr + r[:, None] * stride_a + (k0 + kk)[None, :], mask=rm[:, None], other=0.0)
             c = tl.load(codes_ptr + e * stride_ce + n[:, None].to(tl.int64) * stride_cn + (k0 + kk)[None, :],
                         mask=nm[:, None], other=0)
-            b = tl.load(table_ptr + c.to(tl.int32))
-            p = a[:, None, :] * b[None, :, :]
-            ep = _operand_expo(a)[:, None, :] + _operand_expo(b)[None, :, :]
-            emax = tl.max(ep, axis=2)
-            emax = tl.maximum(emax, tl.where(acc != 0, _expo(acc), -2000))
-            q = tl.maximum(emax, -60) - ALIGN  # -60: an all-zero step (no addend sets the alignment)
-            inv = _pow2(-q)
-            ssum = tl.sum((p * inv[:, :, None]).to(tl.int64), axis=2) + (acc * inv).to(tl.int64)
+            if INTEGER:
+                # a product is sign * m * 2^(e - 6), m = |A| |B| < 2^8 (the significands as integers), e the sum of
+                # the operand exponents; cut to the grid 2^q, q = E - ALIGN: (m << 14) >> (E - e + 20 - ALIGN)
+                ea = _operand_expo(a).to(tl.int32)
+                am = tl.where(a != 0, tl.abs(a) * _pow2(3 - ea.to(tl.int64)), 0.0).to(tl.int32)
+                ci = c.to(tl.int32)
+                bm = tl.load(itab_ptr + ci)
+                ep = ea[:, None, :] + tl.load(itab_ptr + 256 + ci)[None, :, :]
+                emax = tl.max(ep, axis=2).to(tl.int64)
+                emax = tl.maximum(emax, tl.where(acc != 0, _expo(acc), -2000))
+                top = tl.maximum(emax, -60)  # -60: an all-zero step (no addend sets the alignment)
+                q = top - ALIGN
+                inv = _pow2(-q)
+                sh = tl.minimum(top.to(tl.int32)[:, :, None] - ep + (20 - ALIGN), 31)
+                mag = ((am[:, None, :] * bm[None, :, :]) << 14) >> sh
+                neg = (a < 0)[:, None, :] != (ci >= 128)[None, :, :]
+                ssum = tl.sum(tl.where(neg, -mag, mag), axis=2).to(tl.int64) + (acc * inv).to(tl.int64)
+            else:
+                b = tl.load(table_ptr + c.to(tl.int32))
+                p = a[:, None, :] * b[None, :, :]
+                ep = _operand_expo(a)[:, None, :] + _operand_expo(b)[None, :, :]
+                emax = tl.max(ep, axis=2)
+                emax = tl.maximum(emax, tl.where(acc != 0, _expo(acc), -2000))
+                q = tl.maximum(emax, -60) - ALIGN  # -60: an all-zero step (no addend sets the alignment)
+                inv = _pow2(-q)
+                ssum = tl.sum((p * inv[:, :, None]).to(tl.int64), axis=2) + (acc * inv).to(tl.int64)
             v = ssum.to(tl.float64) * _pow2(q)
             ev = tl.where(v != 0, _expo(v), -60)
             acc = (v * _pow2((NORM - 1) - ev)).to(tl.int64).to(tl.float64) * _pow2(ev - (NORM - 1))
@@ -132,28 +150,30 @@ def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out
 
 
 @triton.jit
-def hopper_fp8_kernel(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr,
+def hopper_fp8_kernel(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr,
                       st_ptr, coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn,
                       stride_o, stride_ds, NB, W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                       PROMO: tl.constexpr, SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr,
-                      STEPS: tl.constexpr, INST: tl.constexpr, STORE_ACC: tl.constexpr):
+                      STEPS: tl.constexpr, INST: tl.constexpr, STORE_ACC: tl.constexpr,
+                      INTEGER: tl.constexpr):
     """The compiled kernel: the number of K blocks ``NB`` is a runtime argument (one compilation for every K)."""
-    _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr,
+    _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr,
              coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o,
-             stride_ds, NB, W_BN, ROWS, BLOCK_N, PROMO, SCALE_TERM, ALIGN, NORM, STEPS, INST, STORE_ACC)
+             stride_ds, NB, W_BN, ROWS, BLOCK_N, PROMO, SCALE_TERM, ALIGN, NORM, STEPS, INST, STORE_ACC, INTEGER)
 
 
 @triton.jit
-def hopper_fp8_kernel_interpreted(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr,
+def hopper_fp8_kernel_interpreted(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr,
                                   shi_ptr, st_ptr, coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn,
                                   stride_sbe, stride_sbn, stride_o, stride_ds, NB: tl.constexpr, W_BN: tl.constexpr,
                                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr,
                                   SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr,
-                                  STEPS: tl.constexpr, INST: tl.constexpr, STORE_ACC: tl.constexpr):
+                                  STEPS: tl.constexpr, INST: tl.constexpr, STORE_ACC: tl.constexpr,
+                                  INTEGER: tl.constexpr):
     """The same under ``TRITON_INTERPRET=1``, whose loops need a constexpr bound."""
-    _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr,
+    _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr,
              coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o,
-             stride_ds, NB, W_BN, ROWS, BLOCK_N, PROMO, SCALE_TERM, ALIGN, NORM, STEPS, INST, STORE_ACC)
+             stride_ds, NB, W_BN, ROWS, BLOCK_N, PROMO, SCALE_TERM, ALIGN, NORM, STEPS, INST, STORE_ACC, INTEGER)
 
 
 @triton.jit

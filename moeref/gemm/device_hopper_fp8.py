@@ -23,6 +23,31 @@ from .hopper_fp8 import HOPPER_FP8_MMA, MmaModel, _PROMOTIONS
 __all__ = ["device_deepgemm_rows", "device_promote_combinations", "check_emulated_operands"]
 
 
+TILES = {"many": (16, 16, 8), "few": (4, 64, 8)}
+"""Work items of :func:`device_deepgemm_rows` ``(rows, BLOCK_N, warps)``: ``"many"`` where the experts have more
+than 8 rows on average, else ``"few"`` (decode: about one row each)."""
+
+INTEGER_ALIGN = True
+"""Align and cut the products in int32 (``m << 14 >> shift`` of the significands' product ``m < 2^8``) rather
+than in float64 (``(p * 2^-q).to(int64)``): the same integers (module :mod:`moeref.gemm._hopper_fp8_kernel`),
+fewer and narrower operations per product."""
+
+
+def _integer_table(dev):
+    """int32 ``[2, 256]``: per E4M3 code, the magnitude's significand as an integer (``|x| 2^(3 - e)``: 8..15
+    normal, 1..7 subnormal, 0 for a zero) and the operand exponent ``e``
+    (:func:`moeref.gemm.hopper_fp8.operand_exponents`: -6 for subnormals, -1000 for zeros; NaN codes as
+    zeros: the operands never hold them)."""
+    from ..formats import decode_table
+    from .hopper_fp8 import operand_exponents
+
+    v = np.abs(np.array(decode_table("e4m3fn"), dtype=np.float64))
+    v = np.where(np.isfinite(v), v, 0.0)
+    e = operand_exponents(v)
+    m = np.where(v != 0, v * np.exp2(3.0 - np.where(v != 0, e, 0)), 0.0)
+    return _torch().as_tensor(np.stack([m, e]).astype(np.int32), device=dev)
+
+
 def _torch():
     import torch
 
@@ -152,8 +177,7 @@ def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm",
     codes = weights.codes
     if codes.stride(2) != 1:
         codes = codes.contiguous()
-    big = float(counts.mean()) > 8  # 16-row items where experts have many rows, else 4 (decode: ~1 row each)
-    rows_per, block_n, warps = (16, 16, 8) if big else (4, 64, 8)
+    rows_per, block_n, warps = TILES["many" if float(counts.mean()) > 8 else "few"]
     per, first_row, cnt = _items(starts, counts, rows_per)
     items = torch.as_tensor(np.stack([np.repeat(experts, per), first_row, cnt], axis=1).astype(np.int32), device=dev)
     res = torch.empty((order.size, n), dtype=torch.float64, device=dev)
@@ -170,11 +194,12 @@ def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm",
     acc = torch.empty((order.size, nb, n), dtype=torch.float32, device=dev) if block_acc else res
     grid = (int(items.shape[0]), triton.cdiv(n, block_n))
     kernel = hopper_fp8_kernel if dev.type == "cuda" else hopper_fp8_kernel_interpreted
-    kernel[grid](av.contiguous(), sa, codes, table, sb, sb_raw, items, res, ds, s_hi, st, coef_t, acc, n, k, nb,
+    kernel[grid](av.contiguous(), sa, codes, table, _integer_table(dev), sb, sb_raw, items, res, ds, s_hi, st, coef_t, acc, n, k, nb,
                  codes.stride(0), codes.stride(1), sb.stride(0), sb.stride(1), n, nb, NB=nb,
                  W_BN=int(weights.block[0]), ROWS=rows_per, BLOCK_N=block_n, PROMO=0 if promotion == "deepgemm" else 1,
                  SCALE_TERM=scale_term is not None, ALIGN=int(model.align_bits), NORM=int(model.norm_bits),
-                 STEPS=128 // model.inst_k, INST=int(model.inst_k), STORE_ACC=block_acc, num_warps=warps,
+                 STEPS=128 // model.inst_k, INST=int(model.inst_k), STORE_ACC=block_acc,
+                 INTEGER=bool(INTEGER_ALIGN), num_warps=warps,
                  enable_fp_fusion=False)
     out[order_t] = res
     if scale_term is not None:
