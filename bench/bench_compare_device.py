@@ -26,7 +26,7 @@ keeps what it measured):
     python bench/bench_compare_device.py [--tokens 128 4096] [--rounds 7] [--check-rows 2] [--sweep] [--out FILE]
     python bench/bench_compare_device.py --profile DEEPGEMM_FP8_EXACT --check-rows 0 --max-seconds 120 --rounds 3
     python bench/bench_compare_device.py --sweep-only [--variants "16x64 w4" ...]   # the tile sweep at each --tokens
-    python bench/bench_compare_device.py --emulator-sweep --tokens 4096 --check-rows 0 --rounds 0
+    python bench/bench_compare_device.py --emulator-sweep --tokens 4096
 """
 from __future__ import annotations
 
@@ -282,7 +282,8 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="a small layer on --device (a smoke test of this script)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", default="HOPPER_FP8_DEEPGEMM_DATA",
-                    help="the compare profile (DEEPGEMM_FP8_EXACT / TRITON_FP8_BLOCK_EXACT: emulated, act store float32)")
+                    help="the compare profile (DEEPGEMM_FP8_EXACT / TRITON_FP8_BLOCK_EXACT: emulated, "
+                    "act store float32)")
     ap.add_argument("--tree", default="", help="what the measured tree is (the docs table's tree column)")
     ap.add_argument("--out", default="bench_out/compare_device.json")
     args = ap.parse_args(argv)

@@ -7,7 +7,12 @@ Every step is exact or one declared rounding, so the order of evaluation cannot 
 * products of E4M3 values are exact in float64; a step's operand exponents come from the float64 bits
   (``floor(log2 |x|)``, clamped to E4M3's ``emin = -6``; zeros never set the alignment);
 * each aligned addend ``x * 2^-q`` (a power-of-two scaling) is cut toward zero by the float64 -> int64
-  conversion (C semantics), and the addends are summed as integers (below 2^22 in magnitude);
+  conversion (C semantics), and the addends are summed as integers (below 2^22 in magnitude); or (``INTEGER``)
+  the same integer in int32: a product of E4M3 values is ``sign * m * 2^(e - 6)`` with ``m = |A| |B| < 2^8`` the
+  product of the significands as integers (``|x| 2^(3 - e_x)``: 8..15, 1..7 for subnormals) and ``e`` the sum
+  of the operand exponents, so ``trunc(p * 2^-q) = sign * ((m << 14) >> (E - e + 20 - ALIGN))`` with
+  ``q = E - ALIGN`` (a right shift of a non-negative integer is the floor; shifts past 31 clamped, which gives 0
+  as any shift past 22 does; ``m << 14 < 2^22``, the sum of 32 below 2^27);
 * the normalisation to 14 significant bits is one more power-of-two scaling and int64 conversion;
 * the FP32 promotion is :func:`moeref.gemm.hopper_fp8.fp32_fma`'s: an exact float64 product, an error-free
   sum (compiled without FMA contraction: ``enable_fp_fusion=False``), round-to-odd on the float64 bits,
@@ -59,11 +64,11 @@ def _fma32(a, b, c):
 
 
 @triton.jit
-def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr, coef_ptr,
-             acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o, stride_ds, NB,
-             W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr,
-             SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr, STEPS: tl.constexpr,
-             INST: tl.constexpr, STORE_ACC: tl.constexpr, INTEGER: tl.constexpr):
+def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr,
+             coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o,
+             stride_ds, NB, W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr,
+             SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr, STEPS: tl.constexpr, INST: tl.constexpr,
+             STORE_ACC: tl.constexpr, INTEGER: tl.constexpr):
     """One work item (``item_ptr``: expert, first row, row count) = up to ROWS rows of the gathered operand
     ``a`` (float64 E4M3 values) against BLOCK_N columns of that expert's codes (read through the float64
     decode table ``table_ptr``). Per 128-column K block: STEPS chained MMAs of INST columns from a cleared
@@ -98,7 +103,7 @@ def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, ite
                 # a product is sign * m * 2^(e - 6), m = |A| |B| < 2^8 (the significands as integers), e the sum of
                 # the operand exponents; cut to the grid 2^q, q = E - ALIGN: (m << 14) >> (E - e + 20 - ALIGN)
                 ea = _operand_expo(a).to(tl.int32)
-                am = tl.where(a != 0, tl.abs(a) * _pow2(3 - ea.to(tl.int64)), 0.0).to(tl.int32)
+                am = tl.where(a != 0, tl.abs(a) * _pow2(3 - ea.to(tl.int64)), 0.0).to(tl.int32) << 14
                 ci = c.to(tl.int32)
                 bm = tl.load(itab_ptr + ci)
                 ep = ea[:, None, :] + tl.load(itab_ptr + 256 + ci)[None, :, :]
@@ -107,8 +112,8 @@ def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, ite
                 top = tl.maximum(emax, -60)  # -60: an all-zero step (no addend sets the alignment)
                 q = top - ALIGN
                 inv = _pow2(-q)
-                sh = tl.minimum(top.to(tl.int32)[:, :, None] - ep + (20 - ALIGN), 31)
-                mag = ((am[:, None, :] * bm[None, :, :]) << 14) >> sh
+                sh = tl.minimum((top + (20 - ALIGN)).to(tl.int32)[:, :, None] - ep, 31)
+                mag = (am[:, None, :] * bm[None, :, :]) >> sh
                 neg = (a < 0)[:, None, :] != (ci >= 128)[None, :, :]
                 ssum = tl.sum(tl.where(neg, -mag, mag), axis=2).to(tl.int64) + (acc * inv).to(tl.int64)
             else:
@@ -150,12 +155,12 @@ def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, ite
 
 
 @triton.jit
-def hopper_fp8_kernel(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr,
-                      st_ptr, coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn,
-                      stride_o, stride_ds, NB, W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                      PROMO: tl.constexpr, SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr,
-                      STEPS: tl.constexpr, INST: tl.constexpr, STORE_ACC: tl.constexpr,
-                      INTEGER: tl.constexpr):
+def hopper_fp8_kernel(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr,
+                      shi_ptr, st_ptr, coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe,
+                      stride_sbn, stride_o, stride_ds, NB, W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N:
+                      tl.constexpr, PROMO: tl.constexpr, SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM:
+                      tl.constexpr, STEPS: tl.constexpr, INST: tl.constexpr, STORE_ACC: tl.constexpr, INTEGER:
+                      tl.constexpr):
     """The compiled kernel: the number of K blocks ``NB`` is a runtime argument (one compilation for every K)."""
     _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr,
              coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o,
@@ -163,13 +168,12 @@ def hopper_fp8_kernel(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr
 
 
 @triton.jit
-def hopper_fp8_kernel_interpreted(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr,
-                                  shi_ptr, st_ptr, coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn,
-                                  stride_sbe, stride_sbn, stride_o, stride_ds, NB: tl.constexpr, W_BN: tl.constexpr,
-                                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr,
-                                  SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr,
-                                  STEPS: tl.constexpr, INST: tl.constexpr, STORE_ACC: tl.constexpr,
-                                  INTEGER: tl.constexpr):
+def hopper_fp8_kernel_interpreted(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr,
+                                  ds_ptr, shi_ptr, st_ptr, coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce,
+                                  stride_cn, stride_sbe, stride_sbn, stride_o, stride_ds, NB: tl.constexpr, W_BN:
+                                  tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr,
+                                  SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr, STEPS:
+                                  tl.constexpr, INST: tl.constexpr, STORE_ACC: tl.constexpr, INTEGER: tl.constexpr):
     """The same under ``TRITON_INTERPRET=1``, whose loops need a constexpr bound."""
     _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr,
              coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o,

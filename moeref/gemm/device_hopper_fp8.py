@@ -10,6 +10,10 @@ promotion (``"deepgemm"``: ``fma(fl(sa*sb), acc, final)``; ``"a_then_b"``: ``fma
 our Triton FP8 grouped GEMM), in K-block order from 0. The result is the FP32 value before the kernel's bf16
 store (float64 tensor), as the NumPy engine returns it.
 
+The products are aligned and cut in int32 (:data:`INTEGER_ALIGN`; the float64 cut remains as the kernel's
+other form, the same integers), and the block accumulators can be returned (``block_acc``) for
+:func:`device_promote_combinations`, which replays the promotion with some blocks replaced.
+
 Memory: the expert weights are read as their uint8 codes through the E4M3 decode table (never decoded to
 float64); the operand rows are gathered once, sorted by expert, as float64 values ``[R, K]``. One launch
 covers every expert (work items of up to 16 rows of one expert).
@@ -194,7 +198,8 @@ def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm",
     acc = torch.empty((order.size, nb, n), dtype=torch.float32, device=dev) if block_acc else res
     grid = (int(items.shape[0]), triton.cdiv(n, block_n))
     kernel = hopper_fp8_kernel if dev.type == "cuda" else hopper_fp8_kernel_interpreted
-    kernel[grid](av.contiguous(), sa, codes, table, _integer_table(dev), sb, sb_raw, items, res, ds, s_hi, st, coef_t, acc, n, k, nb,
+    kernel[grid](av.contiguous(), sa, codes, table, _integer_table(dev), sb, sb_raw, items, res, ds, s_hi, st, coef_t,
+                 acc, n, k, nb,
                  codes.stride(0), codes.stride(1), sb.stride(0), sb.stride(1), n, nb, NB=nb,
                  W_BN=int(weights.block[0]), ROWS=rows_per, BLOCK_N=block_n, PROMO=0 if promotion == "deepgemm" else 1,
                  SCALE_TERM=scale_term is not None, ALIGN=int(model.align_bits), NORM=int(model.norm_bits),

@@ -5,18 +5,26 @@ tensors, the same ``(center, radius)`` bit for bit.
 * center: the kernel's FP32 result on the center operand, predicted by the device emulator
   (:func:`moeref.gemm.device_hopper_fp8.device_deepgemm_rows`, the NumPy emulator's bits);
 * GEMM2's uncertain rows (the re-quantized intermediate, ``a_radius > 0``): a row with at most
-  :data:`moeref.compare.bounds._MAX_ENUMERATED` uncertain codes, each one of two neighbouring E4M3 values, is
-  emulated for every combination of them, plus the scale term ``sum_b |ds_b| |sb_b acc_b| + 2 gamma(S + 2,
-  u_fp32) sum_b s_hi_b |sb_b acc_b|`` (computed by the emulator kernel itself, in block order, as the host
-  sums it). A row with no uncertain code is its center row: one pass. The host runs, per expert, every
-  combination of the expert's largest count on all its rows; the surplus combinations of a row with fewer
-  uncertain codes repeat one of its own, so taking only a row's own ``2^n`` combinations gives the same
-  maximum. Any other uncertain row: the distance from the center to the exact product, ``|W| a_radius`` and
-  the data-dependent bound (:mod:`moeref.compare.device.bounds`, the host's bits);
+  :data:`moeref.compare.bounds._MAX_ENUMERATED` uncertain codes, each one of two neighbouring E4M3 values, takes
+  the largest, over every combination of them, of the distance from the center plus the scale term
+  ``sum_b |ds_b| |sb_b acc_b| + 2 gamma(S + 2, u_fp32) sum_b s_hi_b |sb_b acc_b|`` (a row with no uncertain
+  code: its one combination, the center, so the scale term alone). Any other uncertain row: the distance from
+  the center to the exact product, ``|W| a_radius`` and the data-dependent bound
+  (:mod:`moeref.compare.device.bounds`, the host's bits);
 * the bias: added in float64 after the product, radius ``u_fp32 (|center| + radius)``.
 
-Work: one emulator launch for the centers, one for the rows without an uncertain code, and one per
-combination (at most 16) over the rows that have that many.
+How the combinations are formed without emulating a row once per combination: each 128-column block's
+accumulator starts cleared, so it depends on that block's codes only. The enumerated rows are emulated once,
+keeping every block accumulator (:func:`~moeref.gemm.device_hopper_fp8.device_deepgemm_rows` with
+``block_acc=True``); each block that holds uncertain codes is emulated alone for each combination of *its* codes
+(``2^n_b`` emulations of 128 columns, unit scales, so the result is the accumulator itself); then
+:func:`~moeref.gemm.device_hopper_fp8.device_promote_combinations` replays, per combination of the row, the FP32
+promotion and the scale term over the blocks, the same operations in the same order as the emulator, with the
+varied blocks' accumulators swapped in. Same accumulators, same promotion: the bits of emulating every
+combination over the whole row (``tests/test_device_emulated_blocks.py`` checks them against the host's
+enumeration). Work: one emulation of every row (GEMM2's center), plus one 128-column block per combination of
+each uncertain block; rows are taken in chunks so that their block accumulators stay under
+:data:`_CHUNK_ELEMS` float32 values.
 """
 from __future__ import annotations
 
