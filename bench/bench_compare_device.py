@@ -247,8 +247,8 @@ class EmulatedPaths:
                 st["blocks_per_row"] = int(a.shape[1]) // 128
             return gemm(a, a_radius, row_expert, weights, bias, profile, codes)
 
-        def variants_(sub, lo, hi, rows_c, weights, promotion):
-            out = variants(sub, lo, hi, rows_c, weights, promotion)
+        def variants_(sub, lo, hi, rows_c, weights, promotion, blocks=None):
+            out = variants(sub, lo, hi, rows_c, weights, promotion, blocks)
             ncomb = (1 << out[4]).sum()
             st["combinations"] += int(ncomb)
             st["block_emulations"] += int(out[0].shape[0]) + int(lo.shape[0]) * (int(lo.shape[1]) // 128)

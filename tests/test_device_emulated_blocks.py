@@ -111,7 +111,11 @@ def test_block_enumeration_equals_host(seed, promotion, kinds, with_bias):
             f"{name}: {int(np.sum(h != d))} of {h.size} differ (kinds {kinds})"
 
 
-def test_block_enumeration_every_kind():
-    """Every kind of row at once (the property may not draw them all together), one seed per promotion."""
-    for promotion in ("deepgemm", "a_then_b"):
-        test_block_enumeration_equals_host.hypothesis.inner_test(3, promotion, KINDS, True)
+def test_block_enumeration_every_kind(monkeypatch):
+    """Every kind of row at once (the property may not draw them all together), one seed per promotion; the
+    second in chunks of two rows (``_CHUNK_ELEMS``: each chunk's block accumulators and variants of its own)."""
+    import moeref.compare.device.emulated as em
+
+    test_block_enumeration_equals_host.hypothesis.inner_test(3, "deepgemm", KINDS, True)
+    monkeypatch.setattr(em, "_CHUNK_ELEMS", 2 * 3 * 160)  # K/128 = 3 blocks, N = 160
+    test_block_enumeration_equals_host.hypothesis.inner_test(4, "a_then_b", KINDS, True)

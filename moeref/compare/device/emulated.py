@@ -106,7 +106,7 @@ def _enumerable(codes) -> np.ndarray:
     return ok.cpu().numpy()
 
 
-_CHUNK_ELEMS = 1 << 28
+_CHUNK_ELEMS = 1 << 29
 """Block accumulators (float32) held at once by :func:`_enumerate_codes`: rows are taken in chunks of
 ``_CHUNK_ELEMS // (K/128 * N)``."""
 
@@ -130,6 +130,7 @@ def _enumerate_codes(a, codes, rows, ok, weights, profile, center, radius) -> No
     promotion = profile.promotion_order
     idx_all = np.flatnonzero(ok)
     step = max(1, _CHUNK_ELEMS // max(1, nb * n))
+    blocks = {}  # the weights' 128-column blocks with unit scales, made once (their checks are cached on them)
     for c0 in range(0, idx_all.size, step):
         idx = idx_all[c0:c0 + step]
         it = torch.as_tensor(idx, device=dev)
@@ -137,7 +138,7 @@ def _enumerate_codes(a, codes, rows, ok, weights, profile, center, radius) -> No
         rows_c = rows[idx]
         y, _, acc = device_deepgemm_rows(sub, rows_c, weights, promotion=promotion, block_acc=True)
         variants, vbase, j0, nbit, nvar = _block_variants(sub, lo.index_select(0, it), hi.index_select(0, it),
-                                                         rows_c, weights, promotion)
+                                                         rows_c, weights, promotion, blocks)
         worst = device_promote_combinations(acc, variants, vbase, j0, nbit, 1 << nvar, rows_c, sub.scales, weights,
                                             (ds.index_select(0, it), s_hi.index_select(0, it), coef), y,
                                             promotion=promotion)
@@ -145,14 +146,15 @@ def _enumerate_codes(a, codes, rows, ok, weights, profile, center, radius) -> No
         radius[it] = worst
 
 
-def _block_variants(sub, lo, hi, rows_c, weights, promotion):
+def _block_variants(sub, lo, hi, rows_c, weights, promotion, blocks=None):
     """The block accumulators of every combination of each uncertain block's codes: ``(variants [V, N],
     vbase, j0, nbit [Rc, NB] int64, nvar [Rc] int64)`` as
     :func:`moeref.gemm.device_hopper_fp8.device_promote_combinations` reads them. The row's uncertain codes are
     ranked in column order (the ``j``-th takes bit ``j`` of a combination, as the host enumerates them); block
     ``kb`` holds ranks ``j0 .. j0 + nbit - 1``, so its sub-combination is ``(c >> j0) & (2^nbit - 1)``; its
     ``2^nbit`` accumulators are variant rows ``vbase ..``, each the emulation of the block's 128 columns alone
-    (unit scales: the FP32 promotion of one block from 0 with scale 1 returns the accumulator itself)."""
+    (unit scales: the FP32 promotion of one block from 0 with scale 1 returns the accumulator itself). ``blocks``:
+    a dict of those one-block weights by block index, filled here and reused across calls."""
     torch = _torch()
     from ...gemm import StackedExperts
     from ...gemm.device import DeviceOperand
@@ -186,12 +188,15 @@ def _block_variants(sub, lo, hi, rows_c, weights, promotion):
     e_all = torch.as_tensor(rows_c, device=dev).index_select(0, vr).cpu().numpy()
     vk_h = vk.cpu().numpy()
     bn = int(weights.block[0])
-    ones_w = torch.ones((int(weights.codes.shape[0]), -(-n // bn), 1), dtype=torch.float64, device=dev)
+    blocks = {} if blocks is None else blocks
     for kb in np.unique(vk_h).tolist():  # a loop over K blocks (at most K/128)
         sel = np.flatnonzero(vk_h == kb)
         st = torch.as_tensor(sel, device=dev)
-        w_b = StackedExperts(weights.codes[:, :, kb * 128:(kb + 1) * 128], ones_w, weights.element, weights.block,
-                             (n, 128))
+        if kb not in blocks:
+            ones_w = torch.ones((int(weights.codes.shape[0]), -(-n // bn), 1), dtype=torch.float64, device=dev)
+            blocks[kb] = StackedExperts(weights.codes[:, :, kb * 128:(kb + 1) * 128], ones_w, weights.element,
+                                        weights.block, (n, 128))
+        w_b = blocks[kb]
         op = DeviceOperand(None, torch.zeros((sel.size, 128), dtype=torch.uint8, device=dev), "e4m3fn",
                            torch.ones((sel.size, 1), dtype=torch.float64, device=dev), (1, 128), True)
         variants[st] = device_deepgemm_rows(op, e_all[sel], w_b, promotion=promotion, values=vals.index_select(0, st))
