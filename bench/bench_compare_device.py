@@ -10,13 +10,23 @@ keeps what it measured):
 1. ``check``: rows of one expert through GEMM1's bound (the exact form, no radius) and GEMM2's (the steps form, a
    radius ``2^-9 |value|``, and its radius term) on the GPU against the NumPy bound (``gemm_error_bound``,
    ``radius_dot``) on the same operands, bit for bit;
-2. ``timing``: ``run_moe(device="cuda")`` and ``compare`` under ``HOPPER_FP8_DEEPGEMM_DATA`` (the candidate is the
-   reference's own bf16 output: compare's work does not depend on its values), interleaved rounds
-   (``bench.interleaved``, CUDA events), the per-round ratio compare / reference, peak GPU memory;
-3. ``--sweep``: GEMM1's and GEMM2's bound alone under tile variants of :data:`moeref.compare.device._adder_mma.TILE`.
+2. ``timing``: ``run_moe(device="cuda")`` and ``compare`` under ``--profile`` (default ``HOPPER_FP8_DEEPGEMM_DATA``;
+   the candidate is the reference's own bf16 output: compare's work does not depend on its values), interleaved
+   rounds (``bench.interleaved``, CUDA events), the per-round ratio compare / reference, peak GPU memory. Under an
+   emulated profile (``DEEPGEMM_FP8_EXACT``, ``TRITON_FP8_BLOCK_EXACT``: the activation store set to the run's
+   float32, as ``fastpath.moe.exact_profile`` declares it) also ``emulated``: GEMM2's rows by path (certain,
+   enumerated, data-dependent fallback), the combinations promoted and the 128-column blocks emulated for them,
+   against the whole-row emulations enumerating each row's combinations would take;
+3. ``--sweep``: GEMM1's and GEMM2's bound alone under tile variants of :data:`moeref.compare.device._adder_mma.TILE`;
+4. ``--emulator-sweep``: GEMM1's emulation alone (:func:`moeref.gemm.device_hopper_fp8.device_deepgemm_rows`, the
+   rows of a random top-8 routing) under the variants :data:`EMULATOR_SWEEP` of its work items
+   (:data:`~moeref.gemm.device_hopper_fp8.TILES` ``"many"``) and of its cut (float64 or int32,
+   :data:`~moeref.gemm.device_hopper_fp8.INTEGER_ALIGN`), each checked bit for bit against the first.
 
     python bench/bench_compare_device.py [--tokens 128 4096] [--rounds 7] [--check-rows 2] [--sweep] [--out FILE]
+    python bench/bench_compare_device.py --profile DEEPGEMM_FP8_EXACT --check-rows 0 --max-seconds 120 --rounds 3
     python bench/bench_compare_device.py --sweep-only [--variants "16x64 w4" ...]   # the tile sweep at each --tokens
+    python bench/bench_compare_device.py --emulator-sweep --tokens 4096
 """
 from __future__ import annotations
 
@@ -40,6 +50,44 @@ SWEEP = {"16x64 w4": (16, 64, 4), "16x128 w4": (16, 128, 4), "16x64 w8": (16, 64
          "32x64 w4": (32, 64, 4), "16x32 w2": (16, 32, 2), "16x64 w4 r168": (16, 64, 4, 168),
          "16x64 w4 r128": (16, 64, 4, 128), "32x64 w4 r168": (32, 64, 4, 168)}
 """Tile variants ``(rows, BN, warps[, maxnreg])`` of :data:`moeref.compare.device._adder_mma.TILE` timed by ``--sweep``."""
+
+
+EMULATOR_SWEEP = {"16x16 w8 float64": (16, 16, 8, False), "16x16 w8 int32": (16, 16, 8, True),
+                  "16x32 w8 int32": (16, 32, 8, True), "32x16 w8 int32": (32, 16, 8, True),
+                  "16x16 w4 int32": (16, 16, 4, True), "8x32 w4 int32": (8, 32, 4, True),
+                  "32x32 w8 int32": (32, 32, 8, True)}
+"""Variants ``(rows, BLOCK_N, warps, int32 cut)`` of the device emulator timed by ``--emulator-sweep``."""
+
+
+def emulator_sweep(weights, tokens: int, gen) -> dict:
+    """GEMM1's emulation (random E4M3 rows of a random top-8 routing) under each :data:`EMULATOR_SWEEP` variant."""
+    import moeref.gemm.device_hopper_fp8 as dh
+    from bench.bench_moe_device import routing
+
+    _, ids = routing(tokens, int(weights.w13.codes.shape[0]), 8, gen, DEV)
+    row_e = np.sort(np.asarray(ids).reshape(-1)).astype(np.int64)
+    codes, scales = _random_rows(row_e.size, int(weights.w13.shape[1]), gen)
+    a = _operand(codes, scales)
+    res, base = {}, None
+    saved = dict(dh.TILES), dh.INTEGER_ALIGN
+    try:
+        for name, (rows, bn, warps, integer) in EMULATOR_SWEEP.items():
+            dh.TILES["many"], dh.INTEGER_ALIGN = (rows, bn, warps), integer
+            t0 = time.perf_counter()
+            got = dh.device_deepgemm_rows(a, row_e, weights.w13)
+            _sync()
+            first = time.perf_counter() - t0
+            base = got if base is None else base
+            t0 = time.perf_counter()
+            dh.device_deepgemm_rows(a, row_e, weights.w13)
+            _sync()
+            res[name] = dict(first_s=first, s=time.perf_counter() - t0, same_bits=bool(torch.equal(base, got)),
+                             rows=int(row_e.size))
+            print(f"  emulator sweep {tokens} {name}: {res[name]}", flush=True)
+    finally:
+        dh.TILES.update(saved[0])
+        dh.INTEGER_ALIGN = saved[1]
+    return res
 
 
 def _operand(codes, scales):
@@ -171,6 +219,53 @@ def sweep(weights, tokens: int, gen, variants=None) -> dict:
     return res
 
 
+class EmulatedPaths:
+    """Counts, over the compares run inside it, what :mod:`moeref.compare.device.emulated` did for GEMM2's rows (a
+    wrapper around its ``device_emulated_gemm`` and ``_block_variants``; nothing is changed)."""
+
+    def __init__(self):
+        self.stats = dict(gemm2_rows=0, uncertain_rows=0, enumerated_rows=0, fallback_rows=0, combinations=0,
+                          block_emulations=0, blocks_per_row=0, whole_row_block_emulations=0)
+
+    def __enter__(self):
+        import moeref.compare.device.emulated as em
+        import moeref.compare.device.layer as layer
+
+        self._saved = (em.device_emulated_gemm, em._block_variants, layer.device_emulated_gemm)
+        gemm, variants = em.device_emulated_gemm, em._block_variants
+        st = self.stats
+
+        def gemm_(a, a_radius, row_expert, weights, bias, profile, codes=None):
+            if a_radius is not None:
+                rows = np.asarray(row_expert)
+                unsure = (a_radius.amax(dim=1) > 0).cpu().numpy() & (rows >= 0)
+                ok = unsure & em._enumerable(codes) if codes is not None else np.zeros_like(unsure)
+                st["gemm2_rows"] += int((rows >= 0).sum())
+                st["uncertain_rows"] += int(unsure.sum())
+                st["enumerated_rows"] += int(ok.sum())
+                st["fallback_rows"] += int((unsure & ~ok).sum())
+                st["blocks_per_row"] = int(a.shape[1]) // 128
+            return gemm(a, a_radius, row_expert, weights, bias, profile, codes)
+
+        def variants_(sub, lo, hi, rows_c, weights, promotion, blocks=None):
+            out = variants(sub, lo, hi, rows_c, weights, promotion, blocks)
+            ncomb = (1 << out[4]).sum()
+            st["combinations"] += int(ncomb)
+            st["block_emulations"] += int(out[0].shape[0]) + int(lo.shape[0]) * (int(lo.shape[1]) // 128)
+            st["whole_row_block_emulations"] += (int(ncomb) + int(lo.shape[0])) * (int(lo.shape[1]) // 128)
+            return out
+
+        em.device_emulated_gemm, em._block_variants, layer.device_emulated_gemm = gemm_, variants_, gemm_
+        return self
+
+    def __exit__(self, *exc):
+        import moeref.compare.device.emulated as em
+        import moeref.compare.device.layer as layer
+
+        em.device_emulated_gemm, em._block_variants, layer.device_emulated_gemm = self._saved
+        return False
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
@@ -182,20 +277,28 @@ def main(argv=None) -> int:
                     help="only the tile sweep, at every --tokens (no check, no timed rounds)")
     ap.add_argument("--max-seconds", type=float, default=4.0,
                     help="a compare slower than this is timed once, without rounds or sweep (a lease's budget)")
+    ap.add_argument("--emulator-sweep", action="store_true",
+                    help="time GEMM1's device emulation under EMULATOR_SWEEP's variants at every --tokens (then stop)")
     ap.add_argument("--small", action="store_true", help="a small layer on --device (a smoke test of this script)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", default="HOPPER_FP8_DEEPGEMM_DATA",
+                    help="the compare profile (DEEPGEMM_FP8_EXACT / TRITON_FP8_BLOCK_EXACT: emulated, "
+                    "act store float32)")
     ap.add_argument("--tree", default="", help="what the measured tree is (the docs table's tree column)")
     ap.add_argument("--out", default="bench_out/compare_device.json")
     args = ap.parse_args(argv)
     global DEV
     DEV = args.device
     from bench.bench_moe_device import deepseek_v3_layer, routing
-    from moeref.compare import PROFILES, compare
+    from moeref.compare import compare, get_profile
     from moeref.moe import MoEQuant, run_moe
     from moeref.quant import fp8_group
     import triton
 
-    prof = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
+    prof = get_profile(args.profile)
+    emulated = prof.accum_model == "emulated"
+    if emulated:  # the run stores the activation in float32 (kw below), as fastpath.moe.exact_profile declares
+        prof = dataclasses.replace(prof, act_out_dtype="float32")
     gen = torch.Generator(device=DEV).manual_seed(0)
     weights = small_layer(8, gen) if args.small else deepseek_v3_layer(256, gen)
     n_exp = int(weights.w13.codes.shape[0])
@@ -215,6 +318,15 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
+    if args.emulator_sweep:
+        for m in args.tokens:
+            try:
+                result[f"emulator_sweep_{m}"] = emulator_sweep(weights, m, gen)
+            except Exception as e:  # noqa: BLE001
+                result[f"emulator_sweep_{m}_error"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            save()
+        return 0
     for m in ([] if args.sweep_only else args.tokens):
         row = dict(tokens=m)
         result["rows"].append(row)
@@ -238,6 +350,11 @@ def main(argv=None) -> int:
             _sync()
             row["second_compare_s"] = time.perf_counter() - t0
             print(f"    second compare {row['second_compare_s']:.3f} s", flush=True)
+            if emulated:
+                with EmulatedPaths() as paths:
+                    compare(run.out, run, prof)
+                row["emulated"] = paths.stats
+                print(f"    emulated GEMM2 paths: {paths.stats}", flush=True)
             if row["second_compare_s"] > args.max_seconds:
                 row["skipped"] = f"compare took {row['second_compare_s']:.1f} s > --max-seconds: no rounds"
                 args.sweep = False

@@ -25,6 +25,7 @@ from hypothesis import strategies as st  # noqa: E402
 from fastpath.testing import device, on_gpu  # noqa: E402
 from moeref.gemm import StackedExperts  # noqa: E402
 from moeref.gemm.device import DeviceOperand  # noqa: E402
+import moeref.gemm.device_hopper_fp8 as dh  # noqa: E402
 from moeref.gemm.device_hopper_fp8 import device_deepgemm_rows  # noqa: E402
 from moeref.gemm.hopper_fp8 import deepgemm_block_accumulators, promote  # noqa: E402
 from tests.test_hopper_fp8_gpu import _hopper, _values  # noqa: E402
@@ -87,11 +88,18 @@ def _check_equal(data, ks, rows_max, n_choices):
     ds = rng.random((rows.size, a.shape[1] // 128)) * 2.0**-20
     s_hi = rng.random((rows.size, a.shape[1] // 128))
     coef = 3.0 * 2.0**-24
-    got, st_got = device_deepgemm_rows(ad, rows, w, promotion=promotion,
-                                       scale_term=(torch.as_tensor(ds, device=DEV), torch.as_tensor(s_hi, device=DEV),
-                                                   coef))
+    integer = data.draw(st.booleans(), label="integer alignment")  # both cuts: moeref.gemm.device_hopper_fp8
+    block_acc = data.draw(st.booleans(), label="block accumulators")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dh, "INTEGER_ALIGN", integer)
+        got, st_got, *acc_got = device_deepgemm_rows(
+            ad, rows, w, promotion=promotion, block_acc=block_acc,
+            scale_term=(torch.as_tensor(ds, device=DEV), torch.as_tensor(s_hi, device=DEV), coef))
     got = got.cpu().numpy()
     assert np.array_equal(got, ref), f"{int(np.sum(got != ref))} of {ref.size} outputs differ from the NumPy emulator"
+    if block_acc:  # [R, K/128, N] float32: the NumPy emulator's block accumulators (0 on padding rows)
+        want = np.where((rows >= 0)[:, None, None], acc.transpose(0, 2, 1), 0.0)
+        assert np.array_equal(acc_got[0].cpu().numpy().astype(np.float64), want)
     # the scale term, summed here in block order from 0 (the declared order)
     mag = np.abs(acc) * np.abs(sbs)
     t1 = np.zeros(ref.shape)

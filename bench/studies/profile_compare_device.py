@@ -5,7 +5,8 @@ The layer of ``bench/bench_moe_device.py`` (hidden 7168, intermediate 2048, 256 
 top-8 routing. Per token count:
 
 * seconds (median of ``--rounds`` after one warm-up): the reference ``run_moe(device="cuda")``, ``layer_bound``
-  and ``compare`` under ``HOPPER_FP8_DEEPGEMM_DATA``, and compare minus the bound (the report's extras);
+  and ``compare`` under ``--profile`` (default ``HOPPER_FP8_DEEPGEMM_DATA``), and compare minus the bound (the
+  report's extras);
 * host synchronizations of the CUDA stream in ``layer_bound`` and in ``compare`` (torch's sync debug mode), with
   the moeref source lines that asked for them (``--sync-sites``);
 * per-stage wall seconds of ``layer_bound`` (each stage function of :mod:`moeref.compare.device.layer` timed
@@ -43,6 +44,9 @@ def _args(argv):
                     help="the checkout whose moeref is profiled (default: this script's)")
     ap.add_argument("--label", default="", help="a name for this tree in the JSON (e.g. baseline / changed)")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per profile")
+    ap.add_argument("--profile", default="HOPPER_FP8_DEEPGEMM_DATA",
+                    help="the compare profile; an emulated one (DEEPGEMM_FP8_EXACT, TRITON_FP8_BLOCK_EXACT) with the "
+                    "run's float32 activation store")
     ap.add_argument("--sync-sites", type=int, default=15, help="source lines of host syncs listed")
     ap.add_argument("--out", default="bench_out/profile_compare.json")
     return ap.parse_args(argv)
@@ -51,7 +55,8 @@ def _args(argv):
 STAGES = {  # module -> functions timed as stages of layer_bound (those that exist in the profiled tree)
     "moeref.compare.device.layer": ["device_rows_error_bound", "device_store_interval", "device_requant",
                                     "activation_error", "activation_magnitude", "_weight_and_reduce",
-                                    "weighted_slot_sums_t", "gated_silu_stage_t", "_same_operand"],
+                                    "weighted_slot_sums_t", "gated_silu_stage_t", "_same_operand",
+                                    "device_emulated_gemm"],
     "moeref.compare.device.emulated": [],
     "moeref.moe.device": ["_weights_gemm"],
     "moeref.moe.pipeline": ["_activation"],
@@ -154,11 +159,15 @@ def main(argv=None) -> int:
 
     import moeref
     from bench.bench_moe_device import deepseek_v3_layer, routing
-    from moeref.compare import PROFILES, compare, layer_bound
+    from dataclasses import replace
+
+    from moeref.compare import compare, get_profile, layer_bound
     from moeref.moe import MoEQuant, run_moe
     from moeref.quant import fp8_group
 
-    prof = PROFILES["HOPPER_FP8_DEEPGEMM_DATA"]
+    prof = get_profile(args.profile)
+    if prof.accum_model == "emulated":  # the run below stores the activation in float32
+        prof = replace(prof, act_out_dtype="float32")
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = deepseek_v3_layer(args.experts, gen)
     quant = MoEQuant(fp8_group(), fp8_group(), "fp8 1x128 (DeepGEMM)")

@@ -7,7 +7,12 @@ Every step is exact or one declared rounding, so the order of evaluation cannot 
 * products of E4M3 values are exact in float64; a step's operand exponents come from the float64 bits
   (``floor(log2 |x|)``, clamped to E4M3's ``emin = -6``; zeros never set the alignment);
 * each aligned addend ``x * 2^-q`` (a power-of-two scaling) is cut toward zero by the float64 -> int64
-  conversion (C semantics), and the addends are summed as integers (below 2^22 in magnitude);
+  conversion (C semantics), and the addends are summed as integers (below 2^22 in magnitude); or (``INTEGER``)
+  the same integer in int32: a product of E4M3 values is ``sign * m * 2^(e - 6)`` with ``m = |A| |B| < 2^8`` the
+  product of the significands as integers (``|x| 2^(3 - e_x)``: 8..15, 1..7 for subnormals) and ``e`` the sum
+  of the operand exponents, so ``trunc(p * 2^-q) = sign * ((m << 14) >> (E - e + 20 - ALIGN))`` with
+  ``q = E - ALIGN`` (a right shift of a non-negative integer is the floor; shifts past 31 clamped, which gives 0
+  as any shift past 22 does; ``m << 14 < 2^22``, the sum of 32 below 2^27);
 * the normalisation to 14 significant bits is one more power-of-two scaling and int64 conversion;
 * the FP32 promotion is :func:`moeref.gemm.hopper_fp8.fp32_fma`'s: an exact float64 product, an error-free
   sum (compiled without FMA contraction: ``enable_fp_fusion=False``), round-to-odd on the float64 bits,
@@ -59,18 +64,19 @@ def _fma32(a, b, c):
 
 
 @triton.jit
-def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr, coef_ptr,
-             N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o, stride_ds, NB,
-             W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr,
-             SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr, STEPS: tl.constexpr,
-             INST: tl.constexpr):
+def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr,
+             coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o,
+             stride_ds, NB, W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr,
+             SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr, STEPS: tl.constexpr, INST: tl.constexpr,
+             STORE_ACC: tl.constexpr, INTEGER: tl.constexpr):
     """One work item (``item_ptr``: expert, first row, row count) = up to ROWS rows of the gathered operand
     ``a`` (float64 E4M3 values) against BLOCK_N columns of that expert's codes (read through the float64
     decode table ``table_ptr``). Per 128-column K block: STEPS chained MMAs of INST columns from a cleared
     accumulator, then the promotion (PROMO 0: ``fma(fl(sa*sb), acc, final)``, 1: ``fma(fl(acc*sa), sb,
     final)``; ``sb``: the weight scales rounded to FP32, as the kernel reads them). ``out[r, n]`` = the FP32
     result. SCALE_TERM: also ``st[r, n] = sum_b m_b ds[r, b] + coef * sum_b m_b shi[r, b]`` with
-    ``m_b = |acc_b| * |sbr_b|`` (``sbr``: the weight scales as given), sums in block order from 0."""
+    ``m_b = |acc_b| * |sbr_b|`` (``sbr``: the weight scales as given), sums in block order from 0. STORE_ACC:
+    also ``acc[r, kb, n]`` (float32 ``[rows, NB, N]``), every block accumulator (an FP32 value: exact)."""
     it = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(item_ptr + 3 * it).to(tl.int64)
@@ -93,17 +99,38 @@ def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out
             a = tl.load(a_ptr + r[:, None] * stride_a + (k0 + kk)[None, :], mask=rm[:, None], other=0.0)
             c = tl.load(codes_ptr + e * stride_ce + n[:, None].to(tl.int64) * stride_cn + (k0 + kk)[None, :],
                         mask=nm[:, None], other=0)
-            b = tl.load(table_ptr + c.to(tl.int32))
-            p = a[:, None, :] * b[None, :, :]
-            ep = _operand_expo(a)[:, None, :] + _operand_expo(b)[None, :, :]
-            emax = tl.max(ep, axis=2)
-            emax = tl.maximum(emax, tl.where(acc != 0, _expo(acc), -2000))
-            q = tl.maximum(emax, -60) - ALIGN  # -60: an all-zero step (no addend sets the alignment)
-            inv = _pow2(-q)
-            ssum = tl.sum((p * inv[:, :, None]).to(tl.int64), axis=2) + (acc * inv).to(tl.int64)
+            if INTEGER:
+                # a product is sign * m * 2^(e - 6), m = |A| |B| < 2^8 (the significands as integers), e the sum of
+                # the operand exponents; cut to the grid 2^q, q = E - ALIGN: (m << 14) >> (E - e + 20 - ALIGN)
+                ea = _operand_expo(a).to(tl.int32)
+                am = tl.where(a != 0, tl.abs(a) * _pow2(3 - ea.to(tl.int64)), 0.0).to(tl.int32) << 14
+                ci = c.to(tl.int32)
+                bm = tl.load(itab_ptr + ci)
+                ep = ea[:, None, :] + tl.load(itab_ptr + 256 + ci)[None, :, :]
+                emax = tl.max(ep, axis=2).to(tl.int64)
+                emax = tl.maximum(emax, tl.where(acc != 0, _expo(acc), -2000))
+                top = tl.maximum(emax, -60)  # -60: an all-zero step (no addend sets the alignment)
+                q = top - ALIGN
+                inv = _pow2(-q)
+                sh = tl.minimum((top + (20 - ALIGN)).to(tl.int32)[:, :, None] - ep, 31)
+                mag = (am[:, None, :] * bm[None, :, :]) >> sh
+                neg = (a < 0)[:, None, :] != (ci >= 128)[None, :, :]
+                ssum = tl.sum(tl.where(neg, -mag, mag), axis=2).to(tl.int64) + (acc * inv).to(tl.int64)
+            else:
+                b = tl.load(table_ptr + c.to(tl.int32))
+                p = a[:, None, :] * b[None, :, :]
+                ep = _operand_expo(a)[:, None, :] + _operand_expo(b)[None, :, :]
+                emax = tl.max(ep, axis=2)
+                emax = tl.maximum(emax, tl.where(acc != 0, _expo(acc), -2000))
+                q = tl.maximum(emax, -60) - ALIGN  # -60: an all-zero step (no addend sets the alignment)
+                inv = _pow2(-q)
+                ssum = tl.sum((p * inv[:, :, None]).to(tl.int64), axis=2) + (acc * inv).to(tl.int64)
             v = ssum.to(tl.float64) * _pow2(q)
             ev = tl.where(v != 0, _expo(v), -60)
             acc = (v * _pow2((NORM - 1) - ev)).to(tl.int64).to(tl.float64) * _pow2(ev - (NORM - 1))
+        if STORE_ACC:
+            tl.store(acc_ptr + (r[:, None] * NB + kb) * N + n[None, :], acc.to(tl.float32),
+                     mask=rm[:, None] & nm[None, :])
         sa = tl.load(sa_ptr + r * stride_sa + kb, mask=rm, other=0.0)
         sb = tl.load(sb_ptr + e * stride_sbe + (n // W_BN).to(tl.int64) * stride_sbn + kb, mask=nm, other=0.0)
         if PROMO == 0:
@@ -128,25 +155,101 @@ def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out
 
 
 @triton.jit
-def hopper_fp8_kernel(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr,
-                      st_ptr, coef_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o,
-                      stride_ds, NB, W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                      PROMO: tl.constexpr, SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr,
-                      STEPS: tl.constexpr, INST: tl.constexpr):
+def hopper_fp8_kernel(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr,
+                      shi_ptr, st_ptr, coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe,
+                      stride_sbn, stride_o, stride_ds, NB, W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N:
+                      tl.constexpr, PROMO: tl.constexpr, SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM:
+                      tl.constexpr, STEPS: tl.constexpr, INST: tl.constexpr, STORE_ACC: tl.constexpr, INTEGER:
+                      tl.constexpr):
     """The compiled kernel: the number of K blocks ``NB`` is a runtime argument (one compilation for every K)."""
-    _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr,
-             coef_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o, stride_ds, NB,
-             W_BN, ROWS, BLOCK_N, PROMO, SCALE_TERM, ALIGN, NORM, STEPS, INST)
+    _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr,
+             coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o,
+             stride_ds, NB, W_BN, ROWS, BLOCK_N, PROMO, SCALE_TERM, ALIGN, NORM, STEPS, INST, STORE_ACC, INTEGER)
 
 
 @triton.jit
-def hopper_fp8_kernel_interpreted(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr,
-                                  shi_ptr, st_ptr, coef_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe,
-                                  stride_sbn, stride_o, stride_ds, NB: tl.constexpr, W_BN: tl.constexpr,
-                                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr,
-                                  SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr,
-                                  STEPS: tl.constexpr, INST: tl.constexpr):
+def hopper_fp8_kernel_interpreted(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr,
+                                  ds_ptr, shi_ptr, st_ptr, coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce,
+                                  stride_cn, stride_sbe, stride_sbn, stride_o, stride_ds, NB: tl.constexpr, W_BN:
+                                  tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr,
+                                  SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr, STEPS:
+                                  tl.constexpr, INST: tl.constexpr, STORE_ACC: tl.constexpr, INTEGER: tl.constexpr):
     """The same under ``TRITON_INTERPRET=1``, whose loops need a constexpr bound."""
-    _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr,
-             coef_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o, stride_ds, NB,
-             W_BN, ROWS, BLOCK_N, PROMO, SCALE_TERM, ALIGN, NORM, STEPS, INST)
+    _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr,
+             coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o,
+             stride_ds, NB, W_BN, ROWS, BLOCK_N, PROMO, SCALE_TERM, ALIGN, NORM, STEPS, INST, STORE_ACC, INTEGER)
+
+
+@triton.jit
+def _combos(acc_ptr, var_ptr, vbase_ptr, j0_ptr, nbit_ptr, ncomb_ptr, cmax, row_e_ptr, sa_ptr, sb_ptr, sbr_ptr,
+            ds_ptr, shi_ptr, coef_ptr, center_ptr, worst_ptr, R, N, stride_sbe, stride_sbn, NB,
+            W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr):
+    """The promotion of every combination of a row's uncertain codes from its block accumulators, without
+    emulating a block twice: ``acc[r, kb, n]`` (float32) are the center's blocks; block ``kb`` of row ``r``
+    with uncertain codes (``vbase[r, kb] >= 0``) takes, under combination ``c``, the variant accumulator row
+    ``vbase + ((c >> j0[r, kb]) & (2^nbit[r, kb] - 1))`` of ``var`` (float64 ``[V, N]``): the block's own bits of
+    ``c``. Per combination ``c < ncomb[r]``: ``y`` and the scale term ``st`` exactly as :func:`_emulate` forms
+    them (the same operations, in block order from 0), ``worst[r, n] = max_c(|y - center| + st)`` from 0."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    r = pid_m * ROWS + tl.arange(0, ROWS)
+    rm = r < R
+    r64 = r.to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    mask = rm[:, None] & nm[None, :]
+    e = tl.load(row_e_ptr + r, mask=rm, other=0).to(tl.int64)
+    ncomb = tl.load(ncomb_ptr + r, mask=rm, other=0)
+    coef = tl.load(coef_ptr)
+    center = tl.load(center_ptr + r64[:, None] * N + n[None, :], mask=mask, other=0.0)
+    worst = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
+    nb_ = (n // W_BN).to(tl.int64)
+    for c in range(0, cmax):
+        final = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
+        t1 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
+        t2 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
+        for kb in range(0, NB):
+            acc = tl.load(acc_ptr + (r64[:, None] * NB + kb) * N + n[None, :], mask=mask, other=0.0).to(tl.float64)
+            vb = tl.load(vbase_ptr + r64 * NB + kb, mask=rm, other=-1)
+            j0 = tl.load(j0_ptr + r64 * NB + kb, mask=rm, other=0)
+            nbit = tl.load(nbit_ptr + r64 * NB + kb, mask=rm, other=0)
+            vrow = (vb + ((c >> j0) & ((1 << nbit) - 1))).to(tl.int64)
+            has = vb >= 0
+            va = tl.load(var_ptr + vrow[:, None] * N + n[None, :], mask=mask & has[:, None], other=0.0)
+            acc = tl.where(has[:, None], va, acc)
+            sa = tl.load(sa_ptr + r64 * NB + kb, mask=rm, other=0.0)
+            sb = tl.load(sb_ptr + e[:, None] * stride_sbe + nb_[None, :] * stride_sbn + kb, mask=mask, other=0.0)
+            if PROMO == 0:
+                final = _fma32(_f32(sa[:, None] * sb), acc, final)
+            else:
+                final = _fma32(_f32(acc * sa[:, None]), sb, final)
+            sbr = tl.load(sbr_ptr + e[:, None] * stride_sbe + nb_[None, :] * stride_sbn + kb, mask=mask, other=0.0)
+            m = tl.abs(acc) * tl.abs(sbr)
+            d = tl.load(ds_ptr + r64 * NB + kb, mask=rm, other=0.0)
+            h = tl.load(shi_ptr + r64 * NB + kb, mask=rm, other=0.0)
+            t1 = t1 + m * d[:, None]
+            t2 = t2 + m * h[:, None]
+        cand = tl.abs(final - center) + (t1 + coef * t2)
+        worst = tl.where((c < ncomb)[:, None], tl.maximum(worst, cand), worst)
+    tl.store(worst_ptr + r64[:, None] * N + n[None, :], worst, mask=mask)
+
+
+@triton.jit
+def combos_kernel(acc_ptr, var_ptr, vbase_ptr, j0_ptr, nbit_ptr, ncomb_ptr, cmax, row_e_ptr, sa_ptr, sb_ptr, sbr_ptr,
+                  ds_ptr, shi_ptr, coef_ptr, center_ptr, worst_ptr, R, N, stride_sbe, stride_sbn, NB,
+                  W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr):
+    """The compiled :func:`_combos`: the combination count ``cmax`` and ``NB`` are runtime arguments."""
+    _combos(acc_ptr, var_ptr, vbase_ptr, j0_ptr, nbit_ptr, ncomb_ptr, cmax, row_e_ptr, sa_ptr, sb_ptr, sbr_ptr,
+            ds_ptr, shi_ptr, coef_ptr, center_ptr, worst_ptr, R, N, stride_sbe, stride_sbn, NB, W_BN, ROWS, BLOCK_N,
+            PROMO)
+
+
+@triton.jit
+def combos_kernel_interpreted(acc_ptr, var_ptr, vbase_ptr, j0_ptr, nbit_ptr, ncomb_ptr, cmax: tl.constexpr, row_e_ptr,
+                              sa_ptr, sb_ptr, sbr_ptr, ds_ptr, shi_ptr, coef_ptr, center_ptr, worst_ptr, R, N,
+                              stride_sbe, stride_sbn, NB: tl.constexpr, W_BN: tl.constexpr, ROWS: tl.constexpr,
+                              BLOCK_N: tl.constexpr, PROMO: tl.constexpr):
+    """The same under ``TRITON_INTERPRET=1`` (constexpr loop bounds)."""
+    _combos(acc_ptr, var_ptr, vbase_ptr, j0_ptr, nbit_ptr, ncomb_ptr, cmax, row_e_ptr, sa_ptr, sb_ptr, sbr_ptr,
+            ds_ptr, shi_ptr, coef_ptr, center_ptr, worst_ptr, R, N, stride_sbe, stride_sbn, NB, W_BN, ROWS, BLOCK_N,
+            PROMO)

@@ -10,6 +10,10 @@ promotion (``"deepgemm"``: ``fma(fl(sa*sb), acc, final)``; ``"a_then_b"``: ``fma
 our Triton FP8 grouped GEMM), in K-block order from 0. The result is the FP32 value before the kernel's bf16
 store (float64 tensor), as the NumPy engine returns it.
 
+The products are aligned and cut in int32 (:data:`INTEGER_ALIGN`; the float64 cut remains as the kernel's
+other form, the same integers), and the block accumulators can be returned (``block_acc``) for
+:func:`device_promote_combinations`, which replays the promotion with some blocks replaced.
+
 Memory: the expert weights are read as their uint8 codes through the E4M3 decode table (never decoded to
 float64); the operand rows are gathered once, sorted by expert, as float64 values ``[R, K]``. One launch
 covers every expert (work items of up to 16 rows of one expert).
@@ -20,7 +24,32 @@ import numpy as np
 
 from .hopper_fp8 import HOPPER_FP8_MMA, MmaModel, _PROMOTIONS
 
-__all__ = ["device_deepgemm_rows", "check_emulated_operands"]
+__all__ = ["device_deepgemm_rows", "device_promote_combinations", "check_emulated_operands"]
+
+
+TILES = {"many": (16, 16, 8), "few": (4, 64, 8)}
+"""Work items of :func:`device_deepgemm_rows` ``(rows, BLOCK_N, warps)``: ``"many"`` where the experts have more
+than 8 rows on average, else ``"few"`` (decode: about one row each)."""
+
+INTEGER_ALIGN = True
+"""Align and cut the products in int32 (``m << 14 >> shift`` of the significands' product ``m < 2^8``) rather
+than in float64 (``(p * 2^-q).to(int64)``): the same integers (module :mod:`moeref.gemm._hopper_fp8_kernel`),
+fewer and narrower operations per product."""
+
+
+def _integer_table(dev):
+    """int32 ``[2, 256]``: per E4M3 code, the magnitude's significand as an integer (``|x| 2^(3 - e)``: 8..15
+    normal, 1..7 subnormal, 0 for a zero) and the operand exponent ``e``
+    (:func:`moeref.gemm.hopper_fp8.operand_exponents`: -6 for subnormals, -1000 for zeros; NaN codes as
+    zeros: the operands never hold them)."""
+    from ..formats import decode_table
+    from .hopper_fp8 import operand_exponents
+
+    v = np.abs(np.array(decode_table("e4m3fn"), dtype=np.float64))
+    v = np.where(np.isfinite(v), v, 0.0)
+    e = operand_exponents(v)
+    m = np.where(v != 0, v * np.exp2(3.0 - np.where(v != 0, e, 0)), 0.0)
+    return _torch().as_tensor(np.stack([m, e]).astype(np.int32), device=dev)
 
 
 def _torch():
@@ -81,7 +110,7 @@ def _fp32(x):
 
 
 def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm", model: MmaModel = HOPPER_FP8_MMA,
-                         values=None, scale_term=None):
+                         values=None, scale_term=None, block_acc: bool = False):
     """``out[r] = a[r] @ W[row_expert[r]].T`` as DeepGEMM's FP8 GEMM computes it before its output store:
     :func:`moeref.gemm.expert_rows_gemm` with ``gemm=deepgemm_engine(model, promotion)``, bit for bit, on the
     weights' device. 0 on rows with ``row_expert == -1``.
@@ -122,11 +151,18 @@ def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm",
     r_all = rows.size
     out = torch.zeros((r_all, n), dtype=torch.float64, device=dev)
     st_out = torch.zeros_like(out) if scale_term is not None else None
+    acc_out = torch.zeros((r_all, nb, n), dtype=torch.float32, device=dev) if block_acc else None
+
+    def result():
+        if block_acc:
+            return out, st_out, acc_out
+        return (out, st_out) if scale_term is not None else out
+
     order = np.argsort(rows, kind="stable")
     first = int(np.searchsorted(rows[order], 0))
     order = order[first:]
     if order.size == 0 or n == 0:
-        return (out, st_out) if scale_term is not None else out
+        return result()
     experts, starts, counts = np.unique(rows[order], return_index=True, return_counts=True)
     order_t = torch.as_tensor(order, device=dev)
     av = (a.decode() if values is None else values.to(device=dev, dtype=torch.float64)).index_select(0, order_t)
@@ -145,8 +181,7 @@ def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm",
     codes = weights.codes
     if codes.stride(2) != 1:
         codes = codes.contiguous()
-    big = float(counts.mean()) > 8  # 16-row items where experts have many rows, else 4 (decode: ~1 row each)
-    rows_per, block_n, warps = (16, 16, 8) if big else (4, 64, 8)
+    rows_per, block_n, warps = TILES["many" if float(counts.mean()) > 8 else "few"]
     per, first_row, cnt = _items(starts, counts, rows_per)
     items = torch.as_tensor(np.stack([np.repeat(experts, per), first_row, cnt], axis=1).astype(np.int32), device=dev)
     res = torch.empty((order.size, n), dtype=torch.float64, device=dev)
@@ -160,15 +195,73 @@ def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm",
         coef_t = torch.tensor([float(coef)], dtype=torch.float64, device=dev)
     else:
         ds = s_hi = st = coef_t = res  # dummy pointers (SCALE_TERM is False)
+    acc = torch.empty((order.size, nb, n), dtype=torch.float32, device=dev) if block_acc else res
     grid = (int(items.shape[0]), triton.cdiv(n, block_n))
     kernel = hopper_fp8_kernel if dev.type == "cuda" else hopper_fp8_kernel_interpreted
-    kernel[grid](av.contiguous(), sa, codes, table, sb, sb_raw, items, res, ds, s_hi, st, coef_t, n, k, nb,
+    kernel[grid](av.contiguous(), sa, codes, table, _integer_table(dev), sb, sb_raw, items, res, ds, s_hi, st, coef_t,
+                 acc, n, k, nb,
                  codes.stride(0), codes.stride(1), sb.stride(0), sb.stride(1), n, nb, NB=nb,
                  W_BN=int(weights.block[0]), ROWS=rows_per, BLOCK_N=block_n, PROMO=0 if promotion == "deepgemm" else 1,
                  SCALE_TERM=scale_term is not None, ALIGN=int(model.align_bits), NORM=int(model.norm_bits),
-                 STEPS=128 // model.inst_k, INST=int(model.inst_k), num_warps=warps, enable_fp_fusion=False)
+                 STEPS=128 // model.inst_k, INST=int(model.inst_k), STORE_ACC=block_acc,
+                 INTEGER=bool(INTEGER_ALIGN), num_warps=warps,
+                 enable_fp_fusion=False)
     out[order_t] = res
-    if scale_term is None:
-        return out
-    st_out[order_t] = st
-    return out, st_out
+    if scale_term is not None:
+        st_out[order_t] = st
+    if block_acc:
+        acc_out[order_t] = acc
+    return result()
+
+
+def device_promote_combinations(acc, variants, vbase, j0, nbit, ncomb, row_expert, sa, weights, scale_term, center, *,
+                                promotion: str = "deepgemm"):
+    """``worst[r, n] = max_c (|y_c[r, n] - center[r, n]| + st_c[r, n])`` over the combinations ``c < ncomb[r]``
+    of row ``r``'s uncertain codes, where ``y_c`` and ``st_c`` are what :func:`device_deepgemm_rows` (with
+    ``scale_term``) returns for the row's operand under combination ``c``, bit for bit, computed from block
+    accumulators instead of emulating the row again: a block's accumulator depends only on that block's codes
+    (each block starts from a cleared accumulator), so only the blocks holding uncertain codes are emulated per
+    combination (by the caller, once per distinct block content), and the FP32 promotion and the scale term are
+    replayed here with the same operations in block order.
+
+    Args:
+        acc: float32 ``[R, NB, N]``, the center's block accumulators (``device_deepgemm_rows(block_acc=True)``).
+        variants: float64 ``[V, N]`` block accumulators of the uncertain blocks' combinations.
+        vbase, j0, nbit: int32 ``[R, NB]``: block ``kb`` of row ``r`` takes, under combination ``c``, the
+            variant row ``vbase + ((c >> j0) & (2^nbit - 1))`` where ``vbase >= 0``, else ``acc[r, kb]``.
+        ncomb: int32 ``[R]``, the row's number of combinations (``2^(uncertain codes)``).
+        row_expert: int ``[R]`` (>= 0), sa: the rows' scales ``[R, NB]`` as the operand holds them,
+        weights: the device :class:`moeref.gemm.StackedExperts` (its scales are read),
+        scale_term: ``(ds, s_hi, coef)`` as :func:`device_deepgemm_rows` takes it,
+        center: float64 ``[R, N]``.
+
+    Returns: float64 ``[R, N]``.
+    """
+    torch = _torch()
+    import triton
+
+    from ._hopper_fp8_kernel import combos_kernel, combos_kernel_interpreted
+
+    if promotion not in ("deepgemm", "a_then_b"):
+        raise ValueError(f"promotion must be 'deepgemm' or 'a_then_b' on the device; got {promotion!r}")
+    r, nb, n = (int(d) for d in acc.shape)
+    dev = acc.device
+    worst = torch.zeros((r, n), dtype=torch.float64, device=dev)
+    if r == 0 or n == 0:
+        return worst
+    ds, s_hi, coef = scale_term
+    sb_raw = weights.scales.to(torch.float64).contiguous()
+    sb = _fp32(sb_raw)
+    i32 = lambda t: torch.as_tensor(t, device=dev).to(torch.int32).contiguous()  # noqa: E731
+    cmax = int(ncomb.max()) if torch.is_tensor(ncomb) else int(np.max(ncomb))
+    rows_per, block_n = 16, 32
+    grid = (triton.cdiv(r, rows_per), triton.cdiv(n, block_n))
+    kernel = combos_kernel if dev.type == "cuda" else combos_kernel_interpreted
+    var = variants if variants.numel() else torch.zeros((1, n), dtype=torch.float64, device=dev)
+    kernel[grid](acc.contiguous(), var.contiguous(), i32(vbase), i32(j0), i32(nbit), i32(ncomb), cmax, i32(row_expert),
+                 _fp32(sa.to(torch.float64)).contiguous(), sb, sb_raw, ds.to(torch.float64).contiguous(),
+                 s_hi.to(torch.float64).contiguous(),
+                 torch.tensor([float(coef)], dtype=torch.float64, device=dev), center.contiguous(), worst, r, n,
+                 sb.stride(0), sb.stride(1), nb, W_BN=int(weights.block[0]), ROWS=rows_per, BLOCK_N=block_n,
+                 PROMO=0 if promotion == "deepgemm" else 1, num_warps=4, enable_fp_fusion=False)
+    return worst

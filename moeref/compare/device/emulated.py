@@ -5,18 +5,26 @@ tensors, the same ``(center, radius)`` bit for bit.
 * center: the kernel's FP32 result on the center operand, predicted by the device emulator
   (:func:`moeref.gemm.device_hopper_fp8.device_deepgemm_rows`, the NumPy emulator's bits);
 * GEMM2's uncertain rows (the re-quantized intermediate, ``a_radius > 0``): a row with at most
-  :data:`moeref.compare.bounds._MAX_ENUMERATED` uncertain codes, each one of two neighbouring E4M3 values, is
-  emulated for every combination of them, plus the scale term ``sum_b |ds_b| |sb_b acc_b| + 2 gamma(S + 2,
-  u_fp32) sum_b s_hi_b |sb_b acc_b|`` (computed by the emulator kernel itself, in block order, as the host
-  sums it). A row with no uncertain code is its center row: one pass. The host runs, per expert, every
-  combination of the expert's largest count on all its rows; the surplus combinations of a row with fewer
-  uncertain codes repeat one of its own, so taking only a row's own ``2^n`` combinations gives the same
-  maximum. Any other uncertain row: the distance from the center to the exact product, ``|W| a_radius`` and
-  the data-dependent bound (:mod:`moeref.compare.device.bounds`, the host's bits);
+  :data:`moeref.compare.bounds._MAX_ENUMERATED` uncertain codes, each one of two neighbouring E4M3 values, takes
+  the largest, over every combination of them, of the distance from the center plus the scale term
+  ``sum_b |ds_b| |sb_b acc_b| + 2 gamma(S + 2, u_fp32) sum_b s_hi_b |sb_b acc_b|`` (a row with no uncertain
+  code: its one combination, the center, so the scale term alone). Any other uncertain row: the distance from
+  the center to the exact product, ``|W| a_radius`` and the data-dependent bound
+  (:mod:`moeref.compare.device.bounds`, the host's bits);
 * the bias: added in float64 after the product, radius ``u_fp32 (|center| + radius)``.
 
-Work: one emulator launch for the centers, one for the rows without an uncertain code, and one per
-combination (at most 16) over the rows that have that many.
+How the combinations are formed without emulating a row once per combination: each 128-column block's
+accumulator starts cleared, so it depends on that block's codes only. The enumerated rows are emulated once,
+keeping every block accumulator (:func:`~moeref.gemm.device_hopper_fp8.device_deepgemm_rows` with
+``block_acc=True``); each block that holds uncertain codes is emulated alone for each combination of *its* codes
+(``2^n_b`` emulations of 128 columns, unit scales, so the result is the accumulator itself); then
+:func:`~moeref.gemm.device_hopper_fp8.device_promote_combinations` replays, per combination of the row, the FP32
+promotion and the scale term over the blocks, the same operations in the same order as the emulator, with the
+varied blocks' accumulators swapped in. Same accumulators, same promotion: the bits of emulating every
+combination over the whole row (``tests/test_device_emulated_blocks.py`` checks them against the host's
+enumeration). Work: one emulation of every row (GEMM2's center), plus one 128-column block per combination of
+each uncertain block; rows are taken in chunks so that their block accumulators stay under
+:data:`_CHUNK_ELEMS` float32 values.
 """
 from __future__ import annotations
 
@@ -50,23 +58,25 @@ def device_emulated_gemm(a, a_radius, row_expert, weights, bias, profile, codes=
 
     rows = np.asarray(row_expert, dtype=np.int64)
     promotion = profile.promotion_order
-    center = device_deepgemm_rows(a, rows, weights, promotion=promotion)
-    radius = torch.zeros_like(center)
-    dev = center.device
+    unsure = ok = np.zeros(rows.size, dtype=bool)
     if a_radius is not None:
         unsure = ((a_radius.amax(dim=1) > 0).cpu().numpy() if a_radius.shape[1] else np.zeros(rows.size, bool)) \
             & (rows >= 0)
-        fallback = unsure.copy()
         if codes is not None and unsure.any():
-            done = _enumerate_codes(a, codes, rows, unsure, weights, profile, center, radius)
-            fallback &= ~done
+            ok = unsure & _enumerable(codes)
+    center = device_deepgemm_rows(a, np.where(ok, -1, rows), weights, promotion=promotion)  # enumerated: below
+    radius = torch.zeros_like(center)
+    dev = center.device
+    if ok.any():
+        _enumerate_codes(a, codes, rows, ok, weights, profile, center, radius)
+    fallback = unsure & ~ok
+    if fallback.any():
         rows_u = np.where(fallback, rows, -1)
-        if (rows_u >= 0).any():
-            exact = device_expert_rows_gemm(a, rows_u, weights)
-            data = replace(profile, accum_model="data_dependent")
-            rad, bnd = device_rows_error_bound(a, a_radius, rows_u, weights, None, data, radius_term=True)
-            far = (center - exact).abs() + rad + bnd
-            radius = torch.where(torch.as_tensor(fallback, device=dev)[:, None], far, radius)
+        exact = device_expert_rows_gemm(a, rows_u, weights)
+        data = replace(profile, accum_model="data_dependent")
+        rad, bnd = device_rows_error_bound(a, a_radius, rows_u, weights, None, data, radius_term=True)
+        far = (center - exact).abs() + rad + bnd
+        radius = torch.where(torch.as_tensor(fallback, device=dev)[:, None], far, radius)
     if bias is not None:
         valid = np.flatnonzero(rows >= 0)
         vt = torch.as_tensor(valid, device=dev)
@@ -87,43 +97,107 @@ def _adjacent_e4m3(lo, hi):
     return ((lo >= 0) & (mh - ml == 1)) | ((hi <= 0) & (ml - mh == 1))
 
 
-def _enumerate_codes(a, codes, rows, unsure, weights, profile, center, radius) -> np.ndarray:
-    """Fills ``radius`` (in place) on the rows it can enumerate (module docstring); returns their mask."""
+def _enumerable(codes) -> np.ndarray:
+    """Rows whose uncertain codes are at most :data:`moeref.compare.bounds._MAX_ENUMERATED`, each one of two
+    neighbouring E4M3 values (NumPy bool ``[R]``)."""
+    lo, hi = codes["code_lo"], codes["code_hi"]
+    var = lo != hi
+    ok = (var.sum(dim=1) <= _host._MAX_ENUMERATED) & (~var | _adjacent_e4m3(lo, hi)).all(dim=1)
+    return ok.cpu().numpy()
+
+
+_CHUNK_ELEMS = 1 << 29
+"""Block accumulators (float32) held at once by :func:`_enumerate_codes`: rows are taken in chunks of
+``_CHUNK_ELEMS // (K/128 * N)``."""
+
+
+def _enumerate_codes(a, codes, rows, ok, weights, profile, center, radius) -> None:
+    """Fills ``center`` and ``radius`` (in place) on the rows ``ok`` (module docstring), a chunk of rows at a time:
+    the rows' block accumulators (one emulation), every combination of each uncertain block's codes (one
+    emulation of that 128-column block each), then the promotion of every combination of the row
+    (:func:`moeref.gemm.device_hopper_fp8.device_promote_combinations`)."""
     torch = _torch()
-    from ...gemm.device_hopper_fp8 import device_deepgemm_rows
+    from ...gemm.device_hopper_fp8 import device_deepgemm_rows, device_promote_combinations
 
     dev = center.device
     lo, hi = codes["code_lo"], codes["code_hi"]
-    var = lo != hi
-    nvar = var.sum(dim=1)
-    ok_t = (nvar <= _host._MAX_ENUMERATED) & (~var | _adjacent_e4m3(lo, hi)).all(dim=1)
-    ok = unsure & ok_t.cpu().numpy()
-    if not ok.any():
-        return ok
     r, k = a.shape
+    n = int(weights.shape[0])
     nb = k // 128
     ds = (codes["scale_hi"] - codes["scale_lo"]).reshape(r, nb, -1).amax(dim=2)
     s_hi = codes["scale_hi"].reshape(r, nb, -1).amax(dim=2)
-    term = (ds, s_hi, 2 * gamma(nb + 2, profile.promote_unit))
+    coef = 2 * gamma(nb + 2, profile.promote_unit)
     promotion = profile.promotion_order
-    nv = nvar.cpu().numpy()
-    worst = torch.zeros_like(center)
-    zero = ok & (nv == 0)  # the center's own codes: one combination
-    if zero.any():
-        y, st = device_deepgemm_rows(a, np.where(zero, rows, -1), weights, promotion=promotion, scale_term=term)
-        worst = torch.where(torch.as_tensor(zero, device=dev)[:, None], (y - center).abs() + st, worst)
-    some = ok & (nv > 0)
-    if some.any():
-        base = a.decode()
-        rank = torch.cumsum(var.to(torch.int64), dim=1) - 1  # the j-th uncertain column of its row has rank j
-        for combo in range(1 << int(nv[some].max())):  # <= 2^4 emulations
-            sel = some & (combo < (1 << nv))
-            bit = ((combo >> rank.clamp(min=0)) & 1) == 1
-            vals = torch.where(var, torch.where(bit, hi, lo), base)
-            y, st = device_deepgemm_rows(a, np.where(sel, rows, -1), weights, promotion=promotion, values=vals,
-                                         scale_term=term)
-            cand = torch.maximum(worst, (y - center).abs() + st)
-            worst = torch.where(torch.as_tensor(sel, device=dev)[:, None], cand, worst)
-    okt = torch.as_tensor(ok, device=dev)[:, None]
-    radius.copy_(torch.where(okt, worst, radius))
-    return ok
+    idx_all = np.flatnonzero(ok)
+    step = max(1, _CHUNK_ELEMS // max(1, nb * n))
+    blocks = {}  # the weights' 128-column blocks with unit scales, made once (their checks are cached on them)
+    for c0 in range(0, idx_all.size, step):
+        idx = idx_all[c0:c0 + step]
+        it = torch.as_tensor(idx, device=dev)
+        sub = a.take_rows(it)
+        rows_c = rows[idx]
+        y, _, acc = device_deepgemm_rows(sub, rows_c, weights, promotion=promotion, block_acc=True)
+        variants, vbase, j0, nbit, nvar = _block_variants(sub, lo.index_select(0, it), hi.index_select(0, it),
+                                                         rows_c, weights, promotion, blocks)
+        worst = device_promote_combinations(acc, variants, vbase, j0, nbit, 1 << nvar, rows_c, sub.scales, weights,
+                                            (ds.index_select(0, it), s_hi.index_select(0, it), coef), y,
+                                            promotion=promotion)
+        center[it] = y
+        radius[it] = worst
+
+
+def _block_variants(sub, lo, hi, rows_c, weights, promotion, blocks=None):
+    """The block accumulators of every combination of each uncertain block's codes: ``(variants [V, N],
+    vbase, j0, nbit [Rc, NB] int64, nvar [Rc] int64)`` as
+    :func:`moeref.gemm.device_hopper_fp8.device_promote_combinations` reads them. The row's uncertain codes are
+    ranked in column order (the ``j``-th takes bit ``j`` of a combination, as the host enumerates them); block
+    ``kb`` holds ranks ``j0 .. j0 + nbit - 1``, so its sub-combination is ``(c >> j0) & (2^nbit - 1)``; its
+    ``2^nbit`` accumulators are variant rows ``vbase ..``, each the emulation of the block's 128 columns alone
+    (unit scales: the FP32 promotion of one block from 0 with scale 1 returns the accumulator itself). ``blocks``:
+    a dict of those one-block weights by block index, filled here and reused across calls."""
+    torch = _torch()
+    from ...gemm import StackedExperts
+    from ...gemm.device import DeviceOperand
+    from ...gemm.device_hopper_fp8 import device_deepgemm_rows
+
+    dev = lo.device
+    rc, k = (int(d) for d in lo.shape)
+    nb = k // 128
+    n = int(weights.shape[0])
+    var = lo != hi
+    per_block = var.reshape(rc, nb, 128).sum(dim=2)                       # uncertain codes of each block
+    j0 = torch.cumsum(per_block, dim=1) - per_block
+    count = torch.where(per_block > 0, torch.ones_like(per_block) << per_block, torch.zeros_like(per_block))
+    flat = count.reshape(-1)
+    vbase = torch.where(per_block > 0, (torch.cumsum(flat, 0) - flat).reshape(rc, nb), torch.full_like(per_block, -1))
+    nvar = per_block.sum(dim=1)
+    total = int(flat.sum())
+    variants = torch.zeros((total, n), dtype=torch.float64, device=dev)
+    if total == 0:
+        return variants, vbase, j0, per_block, nvar
+    pr, pb = torch.nonzero(per_block > 0, as_tuple=True)                # (row, block) pairs with uncertain codes
+    pair = torch.repeat_interleave(torch.arange(pr.numel(), device=dev), count[pr, pb])
+    t = torch.arange(total, device=dev) - vbase[pr, pb].index_select(0, pair)   # the block's sub-combination
+    vr, vk = pr.index_select(0, pair), pb.index_select(0, pair)
+    cols = vk[:, None] * 128 + torch.arange(128, device=dev)[None, :]
+    take = lambda x: x[vr[:, None], cols]  # noqa: E731 - [V, 128]: the variant's block of its row
+    vvar = take(var)
+    local = torch.cumsum(vvar.to(torch.int64), dim=1) - 1                 # rank of the code within its block
+    bit = ((t[:, None] >> local.clamp(min=0)) & 1) == 1
+    vals = torch.where(vvar, torch.where(bit, take(hi), take(lo)), take(sub.decode()))
+    e_all = torch.as_tensor(rows_c, device=dev).index_select(0, vr).cpu().numpy()
+    vk_h = vk.cpu().numpy()
+    bn = int(weights.block[0])
+    blocks = {} if blocks is None else blocks
+    for kb in np.unique(vk_h).tolist():  # a loop over K blocks (at most K/128)
+        sel = np.flatnonzero(vk_h == kb)
+        st = torch.as_tensor(sel, device=dev)
+        if kb not in blocks:
+            ones_w = torch.ones((int(weights.codes.shape[0]), -(-n // bn), 1), dtype=torch.float64, device=dev)
+            blocks[kb] = StackedExperts(weights.codes[:, :, kb * 128:(kb + 1) * 128], ones_w, weights.element,
+                                        weights.block, (n, 128))
+        w_b = blocks[kb]
+        op = DeviceOperand(None, torch.zeros((sel.size, 128), dtype=torch.uint8, device=dev), "e4m3fn",
+                           torch.ones((sel.size, 1), dtype=torch.float64, device=dev), (1, 128), True)
+        variants[st] = device_deepgemm_rows(op, e_all[sel], w_b, promotion=promotion, values=vals.index_select(0, st))
+    return variants, vbase, j0, per_block, nvar
