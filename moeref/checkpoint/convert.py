@@ -27,7 +27,9 @@ import fnmatch
 import hashlib
 import json
 import os
+import queue
 import shutil
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -35,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..quant import quantize_and_report, requantize
+from ..quant.tensor import sum_of_squares
 from .engines import ENGINES, check_engine, choose_engine, engine_name, source_quantizer
 from .layouts import LAYOUTS, ModuleData, detect_layout, get_layout
 from .report import ConversionReport, ModuleReport, ShardRecord
@@ -75,6 +78,14 @@ class ConvertOptions:
             one global scale, as ModelOpt exports them (``preprocess_linear_fusion``: the max of
             the members' amax) and as vLLM (w1's for w13) and TensorRT-LLM (asserts equality)
             load them; a source whose members already share one keeps it.
+        report_device: where the report is computed: ``"auto"`` (default: a CUDA GPU where torch sees one,
+            else the host), ``"host"`` (NumPy, the path for machines without a GPU), or a torch device name
+            (``"cuda"``, ``"cuda:1"``, ``"cpu"``): :func:`moeref.quant.device_report.device_requantize`,
+            bit-identical to the host report (``tests/test_device_report.py``), and the shard read, converted
+            and written as a pipeline (a reader thread, the conversion, a writer thread). Modules whose
+            lossless candidates must be tried, and schemes with zero points or channel scales, are measured
+            on the host; every module's note says where its report was computed. It changes no byte
+            written and no figure of the report.
         scale_layout: ``"linear"`` (default: what every real layout stores) or ``"swizzled"``
             (NVFP4 / compressed-tensors MXFP4 targets: ``weight_scale`` in the 128x4 swizzle,
             marked in the config; :mod:`.scale_layout` says which consumers want it: none of
@@ -95,6 +106,7 @@ class ConvertOptions:
     engine: object = "auto"
     share_global: bool = True
     scale_layout: str = "linear"
+    report_device: str = "auto"
 
     def __post_init__(self):
         get_layout(self.target)
@@ -108,12 +120,41 @@ class ConvertOptions:
         if self.target == "bf16" and self.preset is not None:
             raise ValueError("the bf16 target has no preset")
         get_layout(self.target).scheme(self.preset)  # validates the preset
+        _check_report_device(self.report_device)
         if self.scale_layout not in SCALE_LAYOUTS:
             raise ValueError(f"scale_layout must be one of {', '.join(SCALE_LAYOUTS)}; got "
                              f"{self.scale_layout!r}")
         if self.scale_layout == "swizzled" and self.target not in SWIZZLE_TARGETS:
             raise ValueError(f"scale_layout 'swizzled' is for the {', '.join(SWIZZLE_TARGETS)} "
                              f"targets; {self.target!r} has no 1-byte 2-D block scale to swizzle")
+
+
+def _check_report_device(name) -> None:
+    ok = isinstance(name, str) and bool(name)
+    if ok and name not in ("auto", "host"):
+        try:
+            import torch
+
+            torch.device(name)
+        except (ImportError, RuntimeError):
+            ok = False
+    if not ok:
+        raise ValueError(f"report_device must be 'auto', 'host' or a torch device name such as 'cuda' (with "
+                         f"torch installed); got {name!r}")
+
+
+def report_device(opts: ConvertOptions) -> str | None:
+    """The torch device the report of ``opts`` is computed on, or None for the host (NumPy)."""
+    from .engines import cuda_available
+
+    name = opts.report_device
+    if name == "host":
+        return None
+    if name == "auto":
+        return "cuda" if cuda_available() else None
+    if name.startswith("cuda") and not cuda_available():
+        raise CheckpointError(f"report_device {name!r}: torch sees no CUDA GPU (use 'auto' or 'host')")
+    return name
 
 
 @dataclass
@@ -241,7 +282,10 @@ class _ShardJob:
         return sl.read(module, roles, reading_view(ck, sl.name, roles, self.source_scale_layout))
 
 
-def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
+def _convert_module(data: ModuleData, job: _ShardJob, ck, device: str | None = None,
+                    group_global=None) -> tuple:
+    """``(tensors, ModuleReport)`` of one module; ``device``: where the report is computed (None: the host);
+    ``group_global(members, scheme)``: the fused group's shared global (default :func:`_group_global`)."""
     tl = LAYOUTS[job.opts.target]
     t0 = time.perf_counter()
     scheme = tl.scheme(job.opts.preset)
@@ -255,10 +299,24 @@ def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
         quantizer = fused or quantizer
     static = None
     if data.module in job.groups:
-        static, how = _group_global(job.groups[data.module], job, ck, scheme)
+        members = job.groups[data.module]
+        static, how = (group_global(members, scheme) if group_global is not None
+                       else _group_global(members, job, ck, scheme))
         if static is not None:
             why += f"; global scale shared with {', '.join(job.groups[data.module])} ({how})"
-    if data.q is not None:
+    result = None
+    if device is not None:
+        from ..quant.device_report import device_report_unavailable, device_requantize
+
+        not_here = device_report_unavailable(scheme, data.q)
+        if not_here is None:
+            result = device_requantize(data.q, scheme, device=device, values=data.values,
+                                       precision=job.opts.precision, quantizer=quantizer, global_scale=static)
+        why += (f"; report on {device}" if result is not None else
+                f"; report on the host ({not_here or 'the rule is lossy and the lossless candidates may apply'})")
+    if result is not None:
+        q, rep = result
+    elif data.q is not None:
         q, rep = requantize(data.q, scheme, precision=job.opts.precision, quantizer=quantizer,
                             global_scale=static)
     else:
@@ -279,7 +337,8 @@ def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
     return tensors, mr
 
 
-def _group_global(members, job: _ShardJob, ck, scheme) -> tuple:
+def _group_global(members, job: _ShardJob, ck, scheme, datas: list | None = None,
+                  device: str | None = None) -> tuple:
     """``(static global scale in the preset's convention, how)`` shared by a fused group, or
     ``(None, reason)`` for an all-zero group (each member then quantizes as zeros on its own).
 
@@ -292,7 +351,8 @@ def _group_global(members, job: _ShardJob, ck, scheme) -> tuple:
     from ..quant.nvfp4 import global_factors
 
     conv = scheme.preset.option("global_convention")
-    datas = [job.read_source(m, job.group_roles[m], ck) for m in members]
+    if datas is None:
+        datas = [job.read_source(m, job.group_roles[m], ck) for m in members]
     qs = [d.q for d in datas]
     if all(q is not None and q.scheme.family == "nvfp4" for q in qs):
         gs = {float(q.global_scale) for q in qs}
@@ -302,6 +362,9 @@ def _group_global(members, job: _ShardJob, ck, scheme) -> tuple:
                     "amax": float(np.float32(g * 2688.0))}[conv], "the source's shared global"
     amax = 0.0
     for d in datas:
+        if device is not None:  # the same numbers on the device: a max is exact in any order
+            amax = max(amax, _device_amax(d, job.opts.precision, device))
+            continue
         if d.q is not None:
             v = d.q.dequantize(np.float32 if job.opts.precision == "float32" else np.float64)
         else:
@@ -317,13 +380,32 @@ def _group_global(members, job: _ShardJob, ck, scheme) -> tuple:
         "max of the members' amax"
 
 
+def _device_amax(d: ModuleData, precision: str, device: str) -> float:
+    """``max |v|`` of :func:`_group_global`'s member values ``v`` (the source decoded to float32, or
+    float64 for ``precision="exact"``; float values as float32), computed on ``device``."""
+    import torch
+
+    from .._interop import to_device, to_torch
+    from ..quant.device_report import device_dequantize, upload
+
+    if d.q is not None:
+        if d.q.zero_points is not None or d.q.channel_scales is not None:
+            v = torch.from_numpy(d.q.dequantize(np.float32 if precision == "float32" else np.float64))
+        else:
+            v = device_dequantize(*upload(d.q, device), d.q.scheme, d.q.shape, d.q.global_scale)
+            v = v.to(torch.float32) if precision == "float32" else v
+    else:
+        v = to_device(to_torch(np.asarray(d.values)), device).to(torch.float32)
+    return float(v.abs().max()) if v.numel() else 0.0
+
+
 def _dequantize_module(data: ModuleData, job: _ShardJob) -> tuple:
     t0 = time.perf_counter()
     bf = LAYOUTS["bf16"]
     tensors = bf.write(data.module, data)
     x = data.q.dequantize(np.float64) if data.q is not None else np.asarray(data.values, np.float64)
     err = tensors[0][1].astype(np.float64) - x
-    e2, x2 = float(np.dot(err.ravel(), err.ravel())), float(np.dot(x.ravel(), x.ravel()))
+    e2, x2 = sum_of_squares(err), sum_of_squares(x)
     mr = ModuleReport(data.module, job.shard, list(data.shape), job.source_layout, "bf16",
                       "dequantize" if data.q is not None else "copy", "bf16", e2 == 0,
                       float(np.max(np.abs(err))) if err.size else 0.0,
@@ -334,7 +416,11 @@ def _dequantize_module(data: ModuleData, job: _ShardJob) -> tuple:
 
 
 def _run_shard(job: _ShardJob) -> ShardRecord:
-    """Convert one shard (runs in a worker process when ``workers > 1``)."""
+    """Convert one shard (runs in a worker process when ``workers > 1``): in turn on the host, or as a
+    pipeline where the report is computed on a device (:func:`_run_shard_pipelined`)."""
+    device = report_device(job.opts)
+    if device is not None:
+        return _run_shard_pipelined(job, device)
     ck = SafetensorsCheckpoint.open(job.src)
     path = os.path.join(job.dst, job.shard)
     writer = ShardWriter(path, {"format": "pt", "converted_by": "moeref convert",
@@ -360,11 +446,154 @@ def _run_shard(job: _ShardJob) -> ShardRecord:
         raise
     finally:
         ck.close()
+    return _finish_shard(job, path, copied, reports)
+
+
+def _finish_shard(job: _ShardJob, path: str, copied: int, reports: list) -> ShardRecord:
     rec = ShardRecord(job.shard, os.path.getsize(path), _sha256(path), False, copied, reports)
     if job.opts.verify:
         verify_shard(job.src, job.dst, rec, job)
         rec.verified = True
     return rec
+
+
+PIPELINE_DEPTH = 2
+"""Modules read ahead of the conversion, and converted modules queued for the writer, in a pipelined shard."""
+
+_DONE = object()
+
+
+class _Stage(threading.Thread):
+    """A pipeline thread: runs ``fn``, keeps its exception for the main thread."""
+
+    def __init__(self, fn, name):
+        super().__init__(name=name, daemon=True)
+        self.fn, self.error = fn, None
+
+    def run(self):
+        try:
+            self.fn()
+        except BaseException as e:  # re-raised by the main thread
+            self.error = e
+
+
+def _put(q, item, stop) -> bool:
+    """Put ``item`` into the bounded queue ``q`` unless ``stop`` is set first (the other side failed)."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _run_shard_pipelined(job: _ShardJob, device: str) -> ShardRecord:
+    """One shard as a bounded pipeline: a reader thread (safetensors reads, :data:`PIPELINE_DEPTH` modules
+    ahead; a module of a fused group brings its group's members, read once), the conversion and the report
+    on ``device`` in this thread, and a writer thread (the :class:`ShardWriter`), so that reading, converting
+    and writing overlap. The same tensors in the same order as :func:`_run_shard`'s host loop; the group's
+    shared global is computed once per group, from the members read with it, on the device."""
+    ck = SafetensorsCheckpoint.open(job.src)
+    path = os.path.join(job.dst, job.shard)
+    writer = ShardWriter(path, {"format": "pt", "converted_by": "moeref convert",
+                                "target_layout": job.opts.target})
+    stop = threading.Event()
+    to_convert, to_write = queue.Queue(PIPELINE_DEPTH), queue.Queue(PIPELINE_DEPTH)
+    held = {}  # group members read ahead, by module
+
+    def read():
+        groups_read = set()
+        for name, action, _ in job.actions:
+            if stop.is_set():
+                return
+            if action == "copy":
+                item = (name, action, ck.read(name), None)
+            else:
+                data = held.pop(name, None) or job.read_source(name, job.modules[name], ck)
+                members = None
+                if action == "convert" and name in job.groups:
+                    members = {}
+                    if job.groups[name] in groups_read:  # its global is known: nothing more to read
+                        item = (name, action, data, members)
+                        if not _put(to_convert, item, stop):
+                            return
+                        continue
+                    groups_read.add(job.groups[name])
+                    for m in job.groups[name]:
+                        members[m] = data if m == name else held.get(m) or job.read_source(
+                            m, job.group_roles[m], ck)
+                        if m != name and m in job.modules:
+                            held[m] = members[m]
+                item = (name, action, data, members)
+            if not _put(to_convert, item, stop):
+                return
+        _put(to_convert, _DONE, stop)
+
+    def write():
+        while not stop.is_set():
+            try:
+                item = to_write.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if item is _DONE:
+                return
+            for tname, arr in item:
+                writer.add(tname, arr)
+    reader, writer_thread = _Stage(read, "moeref-convert-read"), _Stage(write, "moeref-convert-write")
+    reports, copied, globals_ = [], 0, {}
+
+    def group_global(datas):
+        def fn(members, scheme):
+            if members not in globals_:
+                globals_[members] = _group_global(members, job, ck, scheme,
+                                                  datas=[datas[m] for m in members], device=device)
+            return globals_[members]
+        return fn
+
+    reader.start()
+    writer_thread.start()
+    try:
+        while True:
+            try:
+                item = to_convert.get(timeout=0.1)
+            except queue.Empty:
+                if reader.error is not None:
+                    raise reader.error
+                if writer_thread.error is not None:
+                    raise writer_thread.error
+                continue
+            if item is _DONE:
+                break
+            name, action, data, members = item
+            if action == "copy":
+                tensors = [(name, data)]
+                copied += 1
+            elif action == "convert":
+                tensors, mr = _convert_module(data, job, ck, device,
+                                              group_global(members) if members is not None else None)
+                reports.append(mr)
+            else:
+                tensors, mr = _dequantize_module(data, job)
+                reports.append(mr)
+            if not _put(to_write, tensors, stop):
+                break
+        _put(to_write, _DONE, stop)
+        writer_thread.join()
+        for t in (reader, writer_thread):
+            if t.error is not None:
+                raise t.error
+        writer.close()
+    except BaseException:
+        stop.set()
+        reader.join()
+        writer_thread.join()
+        writer.abort()
+        raise
+    finally:
+        held.clear()
+        ck.close()
+    return _finish_shard(job, path, copied, reports)
 
 
 def _sha256(path: str) -> str:
@@ -470,7 +699,7 @@ def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None) 
     t0 = time.perf_counter()
     plan = plan_conversion(src, opts)
     settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts).items()
-                if k not in ("workers", "verify", "overwrite", "resume", "dry_run")}
+                if k not in ("workers", "verify", "overwrite", "resume", "dry_run", "report_device")}
     settings["engine"] = engine_name(opts.engine)
     settings["source_layout"] = plan.source_layout
     done = _prepare_destination(src, dst, opts, settings)
