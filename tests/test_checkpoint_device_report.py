@@ -106,3 +106,26 @@ def test_report_device_is_checked():
             convert_mod.report_device(ConvertOptions(target="ct-mxfp4", report_device="cuda"))
         assert convert_mod.report_device(ConvertOptions(target="ct-mxfp4")) is None  # auto: the host
     assert convert_mod.report_device(ConvertOptions(target="ct-mxfp4", report_device="host")) is None
+
+
+@pytest.mark.parametrize("reserve", [0, 8, 4096])
+def test_shard_writer_reserve_writes_a_file_safetensors_reads(tmp_path, reserve):
+    """``reserve``: the header written in place (padded with spaces), or, when it does not fit (8 bytes),
+    the exact header in a second file; safetensors reads every tensor back either way."""
+    from safetensors.numpy import load_file
+
+    from moeref.checkpoint import ShardWriter
+
+    arrays = {"a.weight": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.arange(5, dtype=np.uint8)}
+    path = str(tmp_path / "x.safetensors")
+    w = ShardWriter(path, reserve=reserve)
+    for n, a in arrays.items():
+        w.add(n, a)
+    w.close()
+    got = load_file(path)
+    assert set(got) == set(arrays) and all(np.array_equal(got[n], arrays[n]) for n in arrays)
+    assert os.listdir(tmp_path) == ["x.safetensors"]
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+    assert n == (4096 if reserve == 4096 else n) and n % 8 == 0
+    assert (n == 4096) == (reserve == 4096)

@@ -424,7 +424,7 @@ def _run_shard(job: _ShardJob) -> ShardRecord:
     ck = SafetensorsCheckpoint.open(job.src)
     path = os.path.join(job.dst, job.shard)
     writer = ShardWriter(path, {"format": "pt", "converted_by": "moeref convert",
-                                "target_layout": job.opts.target})
+                                "target_layout": job.opts.target}, reserve=header_reserve(job))
     reports, copied = [], 0
     try:
         for name, action, _ in job.actions:
@@ -447,6 +447,17 @@ def _run_shard(job: _ShardJob) -> ShardRecord:
     finally:
         ck.close()
     return _finish_shard(job, path, copied, reports)
+
+
+def header_reserve(job: _ShardJob) -> int:
+    """Bytes to leave for a shard's safetensors header (:class:`ShardWriter`'s ``reserve``): an upper bound
+    from the plan, the same on the host and the device path, so both write the same bytes. Per tensor its
+    name and 160 bytes of dtype, shape and offsets; a module writes at most 6 tensors, named after it with a
+    suffix of at most 32 characters; 1 KiB of metadata."""
+    n = 1024
+    for name, action, _ in job.actions:
+        n += len(name.encode()) + 160 if action == "copy" else 6 * (len(name.encode()) + 32 + 160)
+    return n
 
 
 def _finish_shard(job: _ShardJob, path: str, copied: int, reports: list) -> ShardRecord:
@@ -497,7 +508,7 @@ def _run_shard_pipelined(job: _ShardJob, device: str) -> ShardRecord:
     ck = SafetensorsCheckpoint.open(job.src)
     path = os.path.join(job.dst, job.shard)
     writer = ShardWriter(path, {"format": "pt", "converted_by": "moeref convert",
-                                "target_layout": job.opts.target})
+                                "target_layout": job.opts.target}, reserve=header_reserve(job))
     stop = threading.Event()
     to_convert, to_write = queue.Queue(PIPELINE_DEPTH), queue.Queue(PIPELINE_DEPTH)
     held = {}  # group members read ahead, by module
