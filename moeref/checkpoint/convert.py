@@ -415,12 +415,13 @@ def _dequantize_module(data: ModuleData, job: _ShardJob) -> tuple:
     return tensors, mr
 
 
-def _run_shard(job: _ShardJob) -> ShardRecord:
+def _run_shard(job: _ShardJob, hash_later: bool = False) -> ShardRecord:
     """Convert one shard (runs in a worker process when ``workers > 1``): in turn on the host, or as a
-    pipeline where the report is computed on a device (:func:`_run_shard_pipelined`)."""
+    pipeline where the report is computed on a device (:func:`_run_shard_pipelined`). ``hash_later``: the
+    record's ``sha256`` is left empty for the caller to fill (the pipelined path hashes in a thread)."""
     device = report_device(job.opts)
     if device is not None:
-        return _run_shard_pipelined(job, device)
+        return _run_shard_pipelined(job, device, hash_later)
     ck = SafetensorsCheckpoint.open(job.src)
     path = os.path.join(job.dst, job.shard)
     writer = ShardWriter(path, {"format": "pt", "converted_by": "moeref convert",
@@ -460,8 +461,9 @@ def header_reserve(job: _ShardJob) -> int:
     return n
 
 
-def _finish_shard(job: _ShardJob, path: str, copied: int, reports: list) -> ShardRecord:
-    rec = ShardRecord(job.shard, os.path.getsize(path), _sha256(path), False, copied, reports)
+def _finish_shard(job: _ShardJob, path: str, copied: int, reports: list, hash_later: bool = False) -> ShardRecord:
+    rec = ShardRecord(job.shard, os.path.getsize(path), "" if hash_later else _sha256(path), False, copied,
+                      reports)
     if job.opts.verify:
         verify_shard(job.src, job.dst, rec, job)
         rec.verified = True
@@ -499,7 +501,7 @@ def _put(q, item, stop) -> bool:
     return False
 
 
-def _run_shard_pipelined(job: _ShardJob, device: str) -> ShardRecord:
+def _run_shard_pipelined(job: _ShardJob, device: str, hash_later: bool = False) -> ShardRecord:
     """One shard as a bounded pipeline: a reader thread (safetensors reads, :data:`PIPELINE_DEPTH` modules
     ahead; a module of a fused group brings its group's members, read once), the conversion and the report
     on ``device`` in this thread, and a writer thread (the :class:`ShardWriter`), so that reading, converting
@@ -604,7 +606,7 @@ def _run_shard_pipelined(job: _ShardJob, device: str) -> ShardRecord:
     finally:
         held.clear()
         ck.close()
-    return _finish_shard(job, path, copied, reports)
+    return _finish_shard(job, path, copied, reports, hash_later)
 
 
 def _sha256(path: str) -> str:
@@ -767,6 +769,24 @@ def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None) 
                 count += len(rec.modules)
                 if progress:
                     progress(count, total, rec.shard)
+    elif jobs and report_device(opts) is not None:
+        # the pipelined path: a shard's SHA-256 (a read of the file just written) is computed in a thread
+        # while the next shard converts; a shard is recorded once its hash is known, in shard order
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1, thread_name_prefix="moeref-convert-hash") as hasher:
+            pending = []
+            for i, job in enumerate(jobs):
+                rec = _run_shard(job, hash_later=True)
+                pending.append((rec, hasher.submit(_sha256, os.path.join(dst, rec.shard))))
+                while pending and (pending[0][1].done() or i == len(jobs) - 1):
+                    rec, fut = pending.pop(0)
+                    rec.sha256 = fut.result()
+                    records[rec.shard] = rec
+                    save()
+                    count += len(rec.modules)
+                    if progress:
+                        progress(count, total, rec.shard)
     else:
         for job in jobs:
             rec = _run_shard(job)
