@@ -275,6 +275,8 @@ class _ShardJob:
     groups: dict = field(default_factory=dict)      # module -> members sharing a global scale
     group_roles: dict = field(default_factory=dict)  # member -> its source tensors
     source_scale_layout: str = "linear"
+    device: str | None = None  # where the report is computed (the pipelined path), None: the host
+    group_state: dict | None = None  # the pipelined path: {"datas": member -> ModuleData, "globals": members -> ...}
 
     def read_source(self, module: str, roles: dict, ck) -> ModuleData:
         """One source module (its ``weight_scale`` unswizzled where the source is swizzled)."""
@@ -282,10 +284,11 @@ class _ShardJob:
         return sl.read(module, roles, reading_view(ck, sl.name, roles, self.source_scale_layout))
 
 
-def _convert_module(data: ModuleData, job: _ShardJob, ck, device: str | None = None,
-                    group_global=None) -> tuple:
-    """``(tensors, ModuleReport)`` of one module; ``device``: where the report is computed (None: the host);
-    ``group_global(members, scheme)``: the fused group's shared global (default :func:`_group_global`)."""
+def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
+    """``(tensors, ModuleReport)`` of one module; the report on ``job.device`` (None: the host). A fused group's
+    shared global: :func:`_group_global`, once per group from the members the reader brought where
+    ``job.group_state`` holds them (the pipelined path), else read here."""
+    device = job.device
     tl = LAYOUTS[job.opts.target]
     t0 = time.perf_counter()
     scheme = tl.scheme(job.opts.preset)
@@ -300,8 +303,14 @@ def _convert_module(data: ModuleData, job: _ShardJob, ck, device: str | None = N
     static = None
     if data.module in job.groups:
         members = job.groups[data.module]
-        static, how = (group_global(members, scheme) if group_global is not None
-                       else _group_global(members, job, ck, scheme))
+        st = job.group_state
+        if st is None:
+            static, how = _group_global(members, job, ck, scheme)
+        else:
+            if members not in st["globals"]:
+                st["globals"][members] = _group_global(members, job, ck, scheme,
+                                                       datas=[st["datas"].pop(m) for m in members], device=device)
+            static, how = st["globals"][members]
         if static is not None:
             why += f"; global scale shared with {', '.join(job.groups[data.module])} ({how})"
     result = None
@@ -507,6 +516,9 @@ def _run_shard_pipelined(job: _ShardJob, device: str, hash_later: bool = False) 
     on ``device`` in this thread, and a writer thread (the :class:`ShardWriter`), so that reading, converting
     and writing overlap. The same tensors in the same order as :func:`_run_shard`'s host loop; the group's
     shared global is computed once per group, from the members read with it, on the device."""
+    import dataclasses
+
+    job = dataclasses.replace(job, device=device, group_state={"datas": {}, "globals": {}})
     ck = SafetensorsCheckpoint.open(job.src)
     path = os.path.join(job.dst, job.shard)
     writer = ShardWriter(path, {"format": "pt", "converted_by": "moeref convert",
@@ -521,24 +533,17 @@ def _run_shard_pipelined(job: _ShardJob, device: str, hash_later: bool = False) 
             if stop.is_set():
                 return
             if action == "copy":
-                item = (name, action, ck.read(name), None)
+                item = (name, action, ck.read(name))
             else:
                 data = held.pop(name, None) or job.read_source(name, job.modules[name], ck)
-                members = None
-                if action == "convert" and name in job.groups:
-                    members = {}
-                    if job.groups[name] in groups_read:  # its global is known: nothing more to read
-                        item = (name, action, data, members)
-                        if not _put(to_convert, item, stop):
-                            return
-                        continue
-                    groups_read.add(job.groups[name])
+                if action == "convert" and name in job.groups and job.groups[name] not in groups_read:
+                    groups_read.add(job.groups[name])  # the group's members, read once, for its global
                     for m in job.groups[name]:
-                        members[m] = data if m == name else held.get(m) or job.read_source(
-                            m, job.group_roles[m], ck)
+                        md = data if m == name else held.get(m) or job.read_source(m, job.group_roles[m], ck)
+                        job.group_state["datas"][m] = md
                         if m != name and m in job.modules:
-                            held[m] = members[m]
-                item = (name, action, data, members)
+                            held[m] = md
+                item = (name, action, data)
             if not _put(to_convert, item, stop):
                 return
         _put(to_convert, _DONE, stop)
@@ -554,15 +559,7 @@ def _run_shard_pipelined(job: _ShardJob, device: str, hash_later: bool = False) 
             for tname, arr in item:
                 writer.add(tname, arr)
     reader, writer_thread = _Stage(read, "moeref-convert-read"), _Stage(write, "moeref-convert-write")
-    reports, copied, globals_ = [], 0, {}
-
-    def group_global(datas):
-        def fn(members, scheme):
-            if members not in globals_:
-                globals_[members] = _group_global(members, job, ck, scheme,
-                                                  datas=[datas[m] for m in members], device=device)
-            return globals_[members]
-        return fn
+    reports, copied = [], 0
 
     reader.start()
     writer_thread.start()
@@ -578,13 +575,12 @@ def _run_shard_pipelined(job: _ShardJob, device: str, hash_later: bool = False) 
                 continue
             if item is _DONE:
                 break
-            name, action, data, members = item
+            name, action, data = item
             if action == "copy":
                 tensors = [(name, data)]
                 copied += 1
             elif action == "convert":
-                tensors, mr = _convert_module(data, job, ck, device,
-                                              group_global(members) if members is not None else None)
+                tensors, mr = _convert_module(data, job, ck)
                 reports.append(mr)
             else:
                 tensors, mr = _dequantize_module(data, job)
@@ -605,6 +601,7 @@ def _run_shard_pipelined(job: _ShardJob, device: str, hash_later: bool = False) 
         raise
     finally:
         held.clear()
+        job.group_state["datas"].clear()
         ck.close()
     return _finish_shard(job, path, copied, reports, hash_later)
 
@@ -761,7 +758,8 @@ def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None) 
 
         from .engines import cuda_available
 
-        ctx = mp.get_context("spawn" if cuda_available() else "fork")
+        # spawn where torch works in the parent (CUDA, or a device report's torch threads): a forked torch hangs
+        ctx = mp.get_context("spawn" if cuda_available() or report_device(opts) is not None else "fork")
         with ProcessPoolExecutor(max_workers=opts.workers, mp_context=ctx) as ex:
             for rec in ex.map(_run_shard, jobs):
                 records[rec.shard] = rec
@@ -776,10 +774,10 @@ def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None) 
 
         with ThreadPoolExecutor(1, thread_name_prefix="moeref-convert-hash") as hasher:
             pending = []
-            for i, job in enumerate(jobs):
-                rec = _run_shard(job, hash_later=True)
-                pending.append((rec, hasher.submit(_sha256, os.path.join(dst, rec.shard))))
-                while pending and (pending[0][1].done() or i == len(jobs) - 1):
+
+            def record(wait: bool):
+                nonlocal count
+                while pending and (wait or pending[0][1].done()):
                     rec, fut = pending.pop(0)
                     rec.sha256 = fut.result()
                     records[rec.shard] = rec
@@ -787,6 +785,14 @@ def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None) 
                     count += len(rec.modules)
                     if progress:
                         progress(count, total, rec.shard)
+
+            try:
+                for job in jobs:
+                    rec = _run_shard(job, hash_later=True)
+                    pending.append((rec, hasher.submit(_sha256, os.path.join(dst, rec.shard))))
+                    record(wait=False)
+            finally:  # the shards finished before a failure are recorded (resume skips them)
+                record(wait=True)
     else:
         for job in jobs:
             rec = _run_shard(job)
