@@ -600,8 +600,11 @@ def _run_shard_pipelined(job: _ShardJob, device: str, hash_later: bool = False) 
         writer.abort()
         raise
     finally:
+        from ..quant.device_report import clear_uploads
+
         held.clear()
         job.group_state["datas"].clear()
+        clear_uploads()
         ck.close()
     return _finish_shard(job, path, copied, reports, hash_later)
 

@@ -42,7 +42,7 @@ from .scheme import Scheme
 from .tensor import ReportSums, RequantReport, _sum_row, _halve_rows, quantize, report_from_sums
 
 __all__ = ["device_sum_of_squares", "device_dequantize", "device_report", "device_requantize",
-           "device_report_unavailable"]
+           "device_report_unavailable", "upload", "clear_uploads"]
 
 
 def _torch():
@@ -124,13 +124,35 @@ def device_report_unavailable(target: Scheme, source=None) -> str | None:
     return None
 
 
+_UPLOADS: dict = {}
+UPLOADS_KEPT = 4
+"""Uploads :func:`upload` keeps (the converter uploads a fused group's members for their shared global, then
+for their reports: the same host tensors)."""
+
+
+def clear_uploads() -> None:
+    """Drop the uploads :func:`upload` keeps (the converter does at the end of a shard)."""
+    _UPLOADS.clear()
+
+
 def upload(q: QuantizedTensor, device):
-    """``(codes, scales)`` of the host tensor ``q`` on ``device``."""
+    """``(codes, scales)`` of the host tensor ``q`` on ``device``; the last :data:`UPLOADS_KEPT` uploads are
+    kept and given back for the same ``q`` (a QuantizedTensor's arrays are read-only)."""
     from .._interop import to_device
 
+    key = (id(q), str(device))
+    hit = _UPLOADS.pop(key, None)
+    if hit is not None and hit[0] is q:
+        _UPLOADS[key] = hit  # most recent last
+        return hit[1], hit[2]
     if _torch().device(device).type == "cpu":  # torch refuses to share a read-only array
-        return to_device(np.array(q.codes), device), to_device(np.array(q.scales), device)
-    return to_device(q.codes, device), to_device(q.scales, device)
+        codes, scales = to_device(np.array(q.codes), device), to_device(np.array(q.scales), device)
+    else:
+        codes, scales = to_device(q.codes, device), to_device(q.scales, device)
+    _UPLOADS[key] = (q, codes, scales)
+    while len(_UPLOADS) > UPLOADS_KEPT:
+        _UPLOADS.pop(next(iter(_UPLOADS)))
+    return codes, scales
 
 
 def device_report(target: QuantizedTensor, x, method: str, precision: str = "exact",
