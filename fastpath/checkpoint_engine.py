@@ -123,7 +123,10 @@ def fused_source_quantizer(q, scheme, device: str | None = None) -> tuple:
             from moeref._interop import to_numpy
             from moeref.quant import quantize  # the reference refuses non-finite NVFP4 input: its error
             return quantize(to_numpy(values), target, **static)
-        codes, scales, block = requant.from_reference(q, device)
+        from moeref.quant.device_report import upload
+
+        codes, _ = upload(q, device)  # the converter's device report uploads the same source: once
+        codes, scales, block = requant.from_reference(q, device, codes=codes)
         return requant.fp8_block_to_fp4(codes, scales, block, target, **static).to_reference()
 
     quantizer.device_values = True  # reads the values (a host array or a device tensor) for finiteness only
