@@ -204,6 +204,24 @@ def disk_bandwidth(directory: str, nbytes: int, chunk: int = 64 << 20) -> dict:
             "write_GBps": n * chunk / tw / 1e9, "read_GBps": n * chunk / tr / 1e9}
 
 
+def filesystem(path: str) -> dict:
+    """The mount holding ``path`` (from /proc/mounts: device, mount point, type) and its size and free space:
+    a tmpfs would measure memory, not a disk."""
+    real = os.path.realpath(path)
+    best = ("?", "/", "?")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, typ = line.split()[:3]
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[1]):
+                    best = (dev, mnt, typ)
+    except OSError:
+        pass
+    st = os.statvfs(real)
+    return {"device": best[0], "mount": best[1], "type": best[2], "size_bytes": st.f_frsize * st.f_blocks,
+            "free_bytes": st.f_frsize * st.f_bavail}
+
+
 def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
 
@@ -266,7 +284,11 @@ def run(args) -> dict:
     layers = list(range(args.first_layer, args.first_layer + args.layers))
     root = tempfile.mkdtemp(prefix="moeref-convert-v3-", dir=args.dir)
     try:
+        fs = filesystem(root)
+        print(f"writing under {root}: {fs['type']} {fs['device']} on {fs['mount']}, "
+              f"{fs['free_bytes'] / 1e9:.0f} GB free of {fs['size_bytes'] / 1e9:.0f} GB", flush=True)
         disk = disk_bandwidth(root, int(args.bandwidth_gib * GIB))
+        disk["filesystem"] = fs
         print(f"disk: write {disk['write_GBps']:.2f} GB/s, read {disk['read_GBps']:.2f} GB/s "
               f"({disk['bytes'] / GIB:.1f} GiB, fsync'd, page cache dropped)", flush=True)
         rows = []

@@ -38,6 +38,11 @@ def _secs(s: float) -> str:
     return f"{s / 60:.1f} min" if s >= 600 else f"{s:.1f} s" if s >= 1 else f"{s * 1e3:.0f} ms"
 
 
+def _fs(disk: dict) -> str:
+    fs = disk.get("filesystem")
+    return f"{fs['type']} on `{fs['mount']}`, " if fs else ""
+
+
 def section(d: dict) -> str:
     m, disk, proj, rows = d["meta"], d["disk"], d["projection"], d["layers"]
     dims = d["dims"]
@@ -57,7 +62,7 @@ def section(d: dict) -> str:
             f"{dims['hidden']}, MLA attention), FP8 128x128 -> `{d['target']}`, `--engine {d['engine']}`, "
             f"`--report-device {d['report_device']}`; report computed on: "
             + ", ".join(f"{k} ({v} modules)" for k, v in sorted(where.items()))
-            + f". Disk: {disk['write_GBps']:.2f} GB/s write, {disk['read_GBps']:.2f} GB/s read "
+            + f". Disk: {_fs(disk)}{disk['write_GBps']:.2f} GB/s write, {disk['read_GBps']:.2f} GB/s read "
             f"({disk['bytes'] / 2**30:.1f} GiB file, fsync'd, page cache dropped before the read). Disk bound: "
             "bytes read / read bandwidth + bytes written / write bandwidth.")
     out = [head, "",
