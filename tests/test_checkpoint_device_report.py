@@ -129,3 +129,19 @@ def test_shard_writer_reserve_writes_a_file_safetensors_reads(tmp_path, reserve)
         n = int.from_bytes(f.read(8), "little")
     assert n == (4096 if reserve == 4096 else n) and n % 8 == 0
     assert (n == 4096) == (reserve == 4096)
+
+
+def test_a_failing_writer_stops_the_pipeline(tmp_path, monkeypatch):
+    """The writer thread's error reaches the caller (the conversion does not wait on a full queue)."""
+    from moeref.checkpoint import ShardWriter
+
+    src = str(tmp_path / "src")
+    F.deepseek_fp8(src, np.random.default_rng(2), shards=1)
+
+    def broken_add(self, name, array):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ShardWriter, "add", broken_add)
+    with pytest.raises(OSError, match="disk full"):
+        convert_checkpoint(src, str(tmp_path / "dst"), ConvertOptions(target="ct-mxfp4", report_device="cpu"))
+    assert not [f for f in os.listdir(tmp_path / "dst") if f.endswith((".safetensors", ".data", ".partial"))]

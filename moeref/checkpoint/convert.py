@@ -486,17 +486,19 @@ _DONE = object()
 
 
 class _Stage(threading.Thread):
-    """A pipeline thread: runs ``fn``, keeps its exception for the main thread."""
+    """A pipeline thread: runs ``fn``; on an exception keeps it for the main thread and sets ``stop``, so that
+    no stage waits on a queue the failed one no longer serves."""
 
-    def __init__(self, fn, name):
+    def __init__(self, fn, name, stop):
         super().__init__(name=name, daemon=True)
-        self.fn, self.error = fn, None
+        self.fn, self.error, self.stop = fn, None, stop
 
     def run(self):
         try:
             self.fn()
         except BaseException as e:  # re-raised by the main thread
             self.error = e
+            self.stop.set()
 
 
 def _put(q, item, stop) -> bool:
@@ -582,7 +584,9 @@ def _run_shard_pipelined(job: _ShardJob, device: str, hash_later: bool = False) 
                 return
             for tname, arr in item:
                 writer.add(tname, arr)
-    reader, writer_thread = _Stage(read, "moeref-convert-read"), _Stage(write, "moeref-convert-write")
+
+    reader = _Stage(read, "moeref-convert-read", stop)
+    writer_thread = _Stage(write, "moeref-convert-write", stop)
     reports, copied = [], 0
 
     _prefetch(ck.file(job.shard))
