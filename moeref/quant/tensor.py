@@ -156,7 +156,7 @@ def sum_of_squares(v: np.ndarray) -> float:
         r = _sum_row(n)
         rows = -(-n // r)
         sums = np.empty(rows, np.float64)
-        per = max(1, (1 << 20) // r)  # 1 Mi elements (8 MB) at a time
+        per = max(1, (1 << 18) // r)  # 256 Ki elements (2 MB, in cache) at a time
         buf = np.empty((min(per, rows), r), np.float64)
         with np.errstate(over="ignore", invalid="ignore"):
             for r0 in range(0, rows, per):
