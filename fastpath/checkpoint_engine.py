@@ -48,7 +48,18 @@ def _quantizer(x, scheme, **static):
     from .quant import quantize
 
     xt = x if torch.is_tensor(x) else torch.from_numpy(np.ascontiguousarray(x))
-    return quantize(xt.to(_triton_device()), scheme, **static).to_reference()
+    return _host_copy(quantize(xt.to(_triton_device()), scheme, **static))
+
+
+def _host_copy(fq):
+    """``fq.to_reference()``, its device codes and scales recorded with moeref's device report
+    (:func:`moeref.quant.device_report.remember_upload`: the report reads them there, not a second copy)."""
+    from moeref.quant.device_report import remember_upload
+
+    ref = fq.to_reference()
+    if fq.scale_layout == "row_major":
+        remember_upload(ref, fq.codes, fq.scales.reshape(ref.scales.shape))
+    return ref
 
 
 _quantizer.device_values = True  # takes the values as a device tensor (moeref.checkpoint.engines)
@@ -127,7 +138,7 @@ def fused_source_quantizer(q, scheme, device: str | None = None) -> tuple:
 
         codes, _ = upload(q, device)  # the converter's device report uploads the same source: once
         codes, scales, block = requant.from_reference(q, device, codes=codes)
-        return requant.fp8_block_to_fp4(codes, scales, block, target, **static).to_reference()
+        return _host_copy(requant.fp8_block_to_fp4(codes, scales, block, target, **static))
 
     quantizer.device_values = True  # reads the values (a host array or a device tensor) for finiteness only
     return quantizer, "fused FP8-block decode + quantize (fastpath.requant)"

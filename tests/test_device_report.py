@@ -191,3 +191,20 @@ def test_device_report_of_a_deepseek_sized_weight(device):
         _compare(requantize(q, target, precision="float32"),
                  device_requantize(q, target, device=device, precision="float32"))
 
+
+
+def test_remember_upload_takes_only_tensors_laid_out_as_the_host_copy():
+    """A device quantizer's tensors stand in for an upload only when they have the host arrays' layout."""
+    from moeref.quant.device_report import clear_uploads, remember_upload, upload
+
+    q = quantize(np.linspace(-1, 1, 4 * 64, dtype=np.float32).reshape(4, 64), nvfp4())
+    clear_uploads()
+    codes, scales = torch.from_numpy(np.array(q.codes)), torch.from_numpy(np.array(q.scales))
+    assert not remember_upload(q, codes, scales.view(torch.int8))  # another dtype: refused
+    assert not remember_upload(q, codes.reshape(-1), scales)  # another shape: refused
+    assert remember_upload(q, codes, scales)
+    got = upload(q, "cpu")
+    assert got[0] is codes and got[1] is scales
+    clear_uploads()
+    fresh = upload(q, "cpu")
+    assert fresh[0] is not codes and torch.equal(fresh[0], codes) and torch.equal(fresh[1], scales)

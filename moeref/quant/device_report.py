@@ -42,7 +42,7 @@ from .scheme import Scheme
 from .tensor import ReportSums, RequantReport, _sum_row, _halve_rows, quantize, report_from_sums
 
 __all__ = ["device_sum_of_squares", "device_dequantize", "device_report", "device_requantize",
-           "device_report_unavailable", "upload", "clear_uploads"]
+           "device_report_unavailable", "upload", "remember_upload", "clear_uploads"]
 
 
 def _torch():
@@ -130,9 +130,36 @@ UPLOADS_KEPT = 4
 for their reports: the same host tensors)."""
 
 
+def _device_key(device) -> str:
+    """``device`` as one string for each device (``"cuda"`` is the current CUDA device, ``"cuda:0"`` there)."""
+    torch = _torch()
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return str(d)
+
+
 def clear_uploads() -> None:
     """Drop the uploads :func:`upload` keeps (the converter does at the end of a shard)."""
     _UPLOADS.clear()
+
+
+def remember_upload(q: QuantizedTensor, codes, scales) -> bool:
+    """Record that the device tensors ``codes`` and ``scales`` hold ``q``'s codes and scales (a device
+    quantizer's result, whose host copy ``q`` is), so that :func:`upload` gives them back instead of copying
+    ``q`` to the device again. Only tensors laid out as ``q``'s arrays are taken (uint8 codes of
+    ``q.codes``' shape, scales of ``q.scales``' shape and dtype); returns whether they were."""
+    torch = _torch()
+    ok = (torch.is_tensor(codes) and torch.is_tensor(scales) and codes.dtype == torch.uint8
+          and tuple(codes.shape) == q.codes.shape and tuple(scales.shape) == q.scales.shape
+          and str(scales.dtype).replace("torch.", "") == q.scales.dtype.name and codes.device == scales.device)
+    if ok:
+        key = (id(q), _device_key(codes.device))
+        _UPLOADS.pop(key, None)
+        _UPLOADS[key] = (q, codes, scales)
+        while len(_UPLOADS) > UPLOADS_KEPT:
+            _UPLOADS.pop(next(iter(_UPLOADS)))
+    return ok
 
 
 def upload(q: QuantizedTensor, device):
@@ -140,7 +167,7 @@ def upload(q: QuantizedTensor, device):
     kept and given back for the same ``q`` (a QuantizedTensor's arrays are read-only)."""
     from .._interop import to_device
 
-    key = (id(q), str(device))
+    key = (id(q), _device_key(device))
     hit = _UPLOADS.pop(key, None)
     if hit is not None and hit[0] is q:
         _UPLOADS[key] = hit  # most recent last
