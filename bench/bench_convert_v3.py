@@ -12,7 +12,8 @@ it from the disk. Then ``moeref convert`` (:func:`moeref.checkpoint.convert_chec
 ``--report-device`` as the command's, default ``auto``: on a GPU the Triton engine and the device report with
 reading, converting and writing overlapped) converts the layer into ``--dir``; timed: that call only (reads,
 conversion, report, writes with their fsync, hashing, index). Then both directories are deleted, so the disk
-holds one layer's source and output at a time (about 11.5 + 6.5 GB for NVFP4).
+holds one layer's source and output at a time (about 11.5 + 6.5 GB for NVFP4). Before the timed layers, one
+untimed conversion of a small checkpoint with the same shapes compiles the kernels.
 
 Disk bandwidth, in the same run: one ``--bandwidth-gib`` GiB file written sequentially (64 MiB writes,
 fsync'd), dropped from the page cache, read back sequentially, deleted. The disk bound of a layer is its
@@ -117,7 +118,7 @@ def _arrays(name, kind, shape, gen, dev):
     from moeref._interop import to_numpy
 
     if kind == "fp8":
-        w = torch.randn(shape, generator=gen, device=dev).mul_(48).to(torch.float8_e4m3fn)
+        w = torch.randn(shape, generator=gen, device=dev).mul_(48).clamp_(-448, 448).to(torch.float8_e4m3fn)
         s = (torch.rand((-(-shape[0] // 128), -(-shape[1] // 128)), generator=gen, device=dev) * 1.5 + 0.5) \
             * 2.0 ** -9
         return [(name + ".weight", to_numpy(w)), (name + ".weight_scale_inv", to_numpy(s))]
@@ -258,6 +259,24 @@ def convert_layer(root: str, layer: int, d: dict, args) -> dict:
             "sqnr_db_median": float(np.median([m.sqnr_db for m in mods])) if mods else None}
 
 
+def warm_up(root: str, d: dict, args) -> float:
+    """One untimed conversion of a small checkpoint with the layer's real shapes (the attention projections,
+    one routed and the shared expert), so that the kernels are compiled before the timed layers: seconds."""
+    from moeref.checkpoint import ConvertOptions, convert_checkpoint
+
+    keep = [t for t in layer_tensors(args.first_layer, d) if ".experts." not in t[0] or ".experts.0." in t[0]]
+    src, dst = os.path.join(root, "warm-src"), os.path.join(root, "warm-dst")
+    t0 = time.perf_counter()
+    try:
+        write_source(src, keep, int(args.shard_gib * GIB), seed=0)
+        convert_checkpoint(src, dst, ConvertOptions(target=args.target, engine=args.engine,
+                                                    report_device=args.report_device))
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.rmtree(dst, ignore_errors=True)
+    return time.perf_counter() - t0
+
+
 def _meta() -> dict:
     import platform
 
@@ -291,6 +310,8 @@ def run(args) -> dict:
         disk["filesystem"] = fs
         print(f"disk: write {disk['write_GBps']:.2f} GB/s, read {disk['read_GBps']:.2f} GB/s "
               f"({disk['bytes'] / GIB:.1f} GiB, fsync'd, page cache dropped)", flush=True)
+        warm = warm_up(root, d, args)
+        print(f"warm-up (kernels compiled, untimed): {warm:.1f} s", flush=True)
         rows = []
         for layer in layers:
             r = convert_layer(root, layer, d, args)
@@ -321,7 +342,8 @@ def run(args) -> dict:
           f"{proj['disk_bound_seconds'] / 60:.1f} min, overlapped {proj['disk_bound_overlapped_seconds'] / 60:.1f} "
           "min)", flush=True)
     return {"meta": _meta(), "dims": d, "tiny": bool(args.tiny), "target": args.target, "engine": args.engine,
-            "report_device": args.report_device, "shard_gib": args.shard_gib, "disk": disk, "layers": rows,
+            "report_device": args.report_device, "shard_gib": args.shard_gib, "disk": disk,
+            "warm_up_seconds": warm, "layers": rows,
             "projection": proj}
 
 

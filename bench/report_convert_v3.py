@@ -64,7 +64,9 @@ def section(d: dict) -> str:
             + ", ".join(f"{k} ({v} modules)" for k, v in sorted(where.items()))
             + f". Disk: {_fs(disk)}{disk['write_GBps']:.2f} GB/s write, {disk['read_GBps']:.2f} GB/s read "
             f"({disk['bytes'] / 2**30:.1f} GiB file, fsync'd, page cache dropped before the read). Disk bound: "
-            "bytes read / read bandwidth + bytes written / write bandwidth.")
+            "bytes read / read bandwidth + bytes written / write bandwidth."
+            + (f" The kernels were compiled by an untimed warm-up ({_secs(d['warm_up_seconds'])})."
+               if "warm_up_seconds" in d else ""))
     out = [head, "",
            "| layer | modules | read | written | time | read / time | disk bound | time / disk bound |",
            "|---|---|---|---|---|---|---|---|"]
