@@ -10,7 +10,8 @@ verify_shard`), so no figure of the report comes from this code.
 * :meth:`TritonEngine.choose`: :func:`fastpath.quant.quantize` where ``fastpath.quant.supports`` accepts
   the scheme and shape (``fastpath/registry.py`` lists what is supported); on a CUDA GPU, or under
   ``TRITON_INTERPRET=1`` on the CPU when asked for by name (the CPU test suite runs ``engine="triton"``
-  this way). ``"auto"`` takes it only on a CUDA GPU.
+  this way). ``"auto"`` takes it only on a CUDA GPU. Its quantizers take the values as a host array or as a
+  torch tensor (``quantizer.device_values``: the converter's device report keeps them on the device).
 * :meth:`TritonEngine.source_quantizer`: the fused FP8-block decode + FP4 quantize of
   :mod:`fastpath.requant` for an FP8 block-scaled source (:func:`fused_source_quantizer`).
 """
@@ -39,13 +40,39 @@ def _triton_device() -> str | None:
 
 
 def _quantizer(x, scheme, **static):
-    """``fastpath.quant.quantize`` of the host array ``x`` on the engine's device, as a host QuantizedTensor."""
+    """``fastpath.quant.quantize`` of ``x`` (a host array, or a torch tensor: the values
+    :func:`moeref.quant.device_report.device_requantize` keeps on the device) on the engine's device, as a
+    host QuantizedTensor."""
     import torch
 
     from .quant import quantize
 
-    xt = torch.from_numpy(np.ascontiguousarray(x)).to(_triton_device())
-    return quantize(xt, scheme, **static).to_reference()
+    xt = x if torch.is_tensor(x) else torch.from_numpy(np.ascontiguousarray(x))
+    return _host_copy(quantize(xt.to(_triton_device()), scheme, **static))
+
+
+def _host_copy(fq):
+    """``fq.to_reference()``, its device codes and scales recorded with moeref's device report
+    (:func:`moeref.quant.device_report.remember_upload`: the report reads them there, not a second copy)."""
+    from moeref.quant.device_report import remember_upload
+
+    ref = fq.to_reference()
+    if fq.scale_layout == "row_major":
+        remember_upload(ref, fq.codes, fq.scales.reshape(ref.scales.shape))
+    return ref
+
+
+_quantizer.device_values = True  # takes the values as a device tensor (moeref.checkpoint.engines)
+
+
+def _all_finite(values) -> bool:
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None and torch.is_tensor(values):
+        return bool(torch.isfinite(values).all())
+    return bool(np.all(np.isfinite(values)))
 
 
 class TritonEngine:
@@ -103,10 +130,15 @@ def fused_source_quantizer(q, scheme, device: str | None = None) -> tuple:
         return None, why
 
     def quantizer(values, target, **static):
-        if target.family == "nvfp4" and values is not None and not np.all(np.isfinite(values)):
+        if target.family == "nvfp4" and values is not None and not _all_finite(values):
+            from moeref._interop import to_numpy
             from moeref.quant import quantize  # the reference refuses non-finite NVFP4 input: its error
-            return quantize(values, target, **static)
-        codes, scales, block = requant.from_reference(q, device)
-        return requant.fp8_block_to_fp4(codes, scales, block, target, **static).to_reference()
+            return quantize(to_numpy(values), target, **static)
+        from moeref.quant.device_report import upload
 
+        codes, _ = upload(q, device)  # the converter's device report uploads the same source: once
+        codes, scales, block = requant.from_reference(q, device, codes=codes)
+        return _host_copy(requant.fp8_block_to_fp4(codes, scales, block, target, **static))
+
+    quantizer.device_values = True  # reads the values (a host array or a device tensor) for finiteness only
     return quantizer, "fused FP8-block decode + quantize (fastpath.requant)"

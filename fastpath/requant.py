@@ -461,11 +461,13 @@ def fp8_block_to_fp4(codes: torch.Tensor, scales: torch.Tensor, src_block, targe
                             global_scale=glob if two_level else None)
 
 
-def from_reference(q, device) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+def from_reference(q, device, codes=None) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """``(codes, scale values, block)`` of a reference FP8 block ``QuantizedTensor`` on ``device``
     (the arguments :func:`fp8_block_to_fp4` takes; the float32 scale values are exact: FP32
-    scales as stored, UE8M0 ones as their powers of two)."""
-    codes = torch.from_numpy(np.array(q.codes, copy=True).view(np.uint8)).to(device)
+    scales as stored, UE8M0 ones as their powers of two). ``codes``: ``q.codes`` already on
+    ``device`` (uint8), used instead of a copy."""
+    if codes is None:
+        codes = torch.from_numpy(np.array(q.codes, copy=True).view(np.uint8)).to(device)
     sv = np.ascontiguousarray(q.scale_values(), dtype=np.float64)
     s32 = sv.astype(np.float32)
     if not np.array_equal(s32.astype(np.float64), sv, equal_nan=True):

@@ -16,6 +16,7 @@ PAGES = [  # (report script in bench/, JSON under docs/data/, page under docs/, 
     ("report_moe_device", "moe_device_*.json", "moe-gpu.md", None),  # bench/bench_moe_device.py
     ("report_compare_device", "compare_device_*.json", "moe-gpu.md", None),  # bench/bench_compare_device.py
     ("report_convert", "convert_gpu_*.json", "convert.md", 1),  # bench/bench_convert.py --gpu
+    ("report_convert_v3", "convert_v3_*.json", "convert.md", None),  # bench/bench_convert_v3.py
     ("report_ep", "ep_*.json", "expert-parallel.md", None),  # bench/bench_ep_gpu.py
     ("report_ep", "ep_*.json", "performance.md", None),  # bench/bench_ep_gpu.py
     ("report_exact_regimes", "exact_regimes_*.json", "exact-regimes.md", None),  # bench/bench_exact_regimes.py

@@ -38,6 +38,10 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=int, default=1, help="processes converting shards")
     p.add_argument("--engine", choices=("auto", "numpy", "triton"), default="auto",
                    help="auto: the Triton fast path on a CUDA GPU where supported, else NumPy")
+    p.add_argument("--report-device", default="auto", metavar="DEVICE",
+                   help="where the report is computed: auto (a CUDA GPU where there is one, with reading, "
+                        "converting and writing overlapped; else the host), host (NumPy), or a torch device "
+                        "(cuda, cuda:1); the same figures bit for bit")
     p.add_argument("--no-share-global", dest="share_global", action="store_false",
                    help="NVFP4: do not give fused gate/up and q/k/v one global scale")
     p.add_argument("--scale-layout", choices=("linear", "swizzled"), default="linear",
@@ -65,7 +69,8 @@ def run(args) -> int:
                           precision=args.precision, only=tuple(args.only), skip=tuple(args.skip),
                           workers=args.workers, verify=args.verify, overwrite=args.overwrite,
                           resume=args.resume, dry_run=args.dry_run, engine=args.engine,
-                          share_global=args.share_global, scale_layout=args.scale_layout)
+                          share_global=args.share_global, scale_layout=args.scale_layout,
+                          report_device=args.report_device)
     console = None
     if not (args.quiet or args.json):
         from .._console import console as make_console

@@ -27,7 +27,9 @@ import fnmatch
 import hashlib
 import json
 import os
+import queue
 import shutil
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -35,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..quant import quantize_and_report, requantize
+from ..quant.tensor import sum_of_squares
 from .engines import ENGINES, check_engine, choose_engine, engine_name, source_quantizer
 from .layouts import LAYOUTS, ModuleData, detect_layout, get_layout
 from .report import ConversionReport, ModuleReport, ShardRecord
@@ -75,6 +78,14 @@ class ConvertOptions:
             one global scale, as ModelOpt exports them (``preprocess_linear_fusion``: the max of
             the members' amax) and as vLLM (w1's for w13) and TensorRT-LLM (asserts equality)
             load them; a source whose members already share one keeps it.
+        report_device: where the report is computed: ``"auto"`` (default: a CUDA GPU where torch sees one,
+            else the host), ``"host"`` (NumPy, the path for machines without a GPU), or a torch device name
+            (``"cuda"``, ``"cuda:1"``, ``"cpu"``): :func:`moeref.quant.device_report.device_requantize`,
+            bit-identical to the host report (``tests/test_device_report.py``), and the shard read, converted
+            and written as a pipeline (a reader thread, the conversion, a writer thread). Modules whose
+            lossless candidates must be tried, and schemes with zero points or channel scales, are measured
+            on the host; every module's note says where its report was computed. It changes no byte
+            written and no figure of the report.
         scale_layout: ``"linear"`` (default: what every real layout stores) or ``"swizzled"``
             (NVFP4 / compressed-tensors MXFP4 targets: ``weight_scale`` in the 128x4 swizzle,
             marked in the config; :mod:`.scale_layout` says which consumers want it: none of
@@ -95,6 +106,7 @@ class ConvertOptions:
     engine: object = "auto"
     share_global: bool = True
     scale_layout: str = "linear"
+    report_device: str = "auto"
 
     def __post_init__(self):
         get_layout(self.target)
@@ -108,12 +120,41 @@ class ConvertOptions:
         if self.target == "bf16" and self.preset is not None:
             raise ValueError("the bf16 target has no preset")
         get_layout(self.target).scheme(self.preset)  # validates the preset
+        _check_report_device(self.report_device)
         if self.scale_layout not in SCALE_LAYOUTS:
             raise ValueError(f"scale_layout must be one of {', '.join(SCALE_LAYOUTS)}; got "
                              f"{self.scale_layout!r}")
         if self.scale_layout == "swizzled" and self.target not in SWIZZLE_TARGETS:
             raise ValueError(f"scale_layout 'swizzled' is for the {', '.join(SWIZZLE_TARGETS)} "
                              f"targets; {self.target!r} has no 1-byte 2-D block scale to swizzle")
+
+
+def _check_report_device(name) -> None:
+    ok = isinstance(name, str) and bool(name)
+    if ok and name not in ("auto", "host"):
+        try:
+            import torch
+
+            torch.device(name)
+        except (ImportError, RuntimeError):
+            ok = False
+    if not ok:
+        raise ValueError(f"report_device must be 'auto', 'host' or a torch device name such as 'cuda' (with "
+                         f"torch installed); got {name!r}")
+
+
+def report_device(opts: ConvertOptions) -> str | None:
+    """The torch device the report of ``opts`` is computed on, or None for the host (NumPy)."""
+    from .engines import cuda_available
+
+    name = opts.report_device
+    if name == "host":
+        return None
+    if name == "auto":
+        return "cuda" if cuda_available() else None
+    if name.startswith("cuda") and not cuda_available():
+        raise CheckpointError(f"report_device {name!r}: torch sees no CUDA GPU (use 'auto' or 'host')")
+    return name
 
 
 @dataclass
@@ -234,6 +275,8 @@ class _ShardJob:
     groups: dict = field(default_factory=dict)      # module -> members sharing a global scale
     group_roles: dict = field(default_factory=dict)  # member -> its source tensors
     source_scale_layout: str = "linear"
+    device: str | None = None  # where the report is computed (the pipelined path), None: the host
+    group_state: dict | None = None  # the pipelined path: {"datas": member -> ModuleData, "globals": members -> ...}
 
     def read_source(self, module: str, roles: dict, ck) -> ModuleData:
         """One source module (its ``weight_scale`` unswizzled where the source is swizzled)."""
@@ -242,6 +285,10 @@ class _ShardJob:
 
 
 def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
+    """``(tensors, ModuleReport)`` of one module; the report on ``job.device`` (None: the host). A fused group's
+    shared global: :func:`_group_global`, once per group from the members the reader brought where
+    ``job.group_state`` holds them (the pipelined path), else read here."""
+    device = job.device
     tl = LAYOUTS[job.opts.target]
     t0 = time.perf_counter()
     scheme = tl.scheme(job.opts.preset)
@@ -255,10 +302,30 @@ def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
         quantizer = fused or quantizer
     static = None
     if data.module in job.groups:
-        static, how = _group_global(job.groups[data.module], job, ck, scheme)
+        members = job.groups[data.module]
+        st = job.group_state
+        if st is None:
+            static, how = _group_global(members, job, ck, scheme)
+        else:
+            if members not in st["globals"]:
+                st["globals"][members] = _group_global(members, job, ck, scheme,
+                                                       datas=[st["datas"].pop(m) for m in members], device=device)
+            static, how = st["globals"][members]
         if static is not None:
             why += f"; global scale shared with {', '.join(job.groups[data.module])} ({how})"
-    if data.q is not None:
+    result = None
+    if device is not None:
+        from ..quant.device_report import device_report_unavailable, device_requantize
+
+        not_here = device_report_unavailable(scheme, data.q)
+        if not_here is None:
+            result = device_requantize(data.q, scheme, device=device, values=data.values,
+                                       precision=job.opts.precision, quantizer=quantizer, global_scale=static)
+        why += (f"; report on {device}" if result is not None else
+                f"; report on the host ({not_here or 'the rule is lossy and the lossless candidates may apply'})")
+    if result is not None:
+        q, rep = result
+    elif data.q is not None:
         q, rep = requantize(data.q, scheme, precision=job.opts.precision, quantizer=quantizer,
                             global_scale=static)
     else:
@@ -279,7 +346,8 @@ def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
     return tensors, mr
 
 
-def _group_global(members, job: _ShardJob, ck, scheme) -> tuple:
+def _group_global(members, job: _ShardJob, ck, scheme, datas: list | None = None,
+                  device: str | None = None) -> tuple:
     """``(static global scale in the preset's convention, how)`` shared by a fused group, or
     ``(None, reason)`` for an all-zero group (each member then quantizes as zeros on its own).
 
@@ -292,7 +360,8 @@ def _group_global(members, job: _ShardJob, ck, scheme) -> tuple:
     from ..quant.nvfp4 import global_factors
 
     conv = scheme.preset.option("global_convention")
-    datas = [job.read_source(m, job.group_roles[m], ck) for m in members]
+    if datas is None:
+        datas = [job.read_source(m, job.group_roles[m], ck) for m in members]
     qs = [d.q for d in datas]
     if all(q is not None and q.scheme.family == "nvfp4" for q in qs):
         gs = {float(q.global_scale) for q in qs}
@@ -302,6 +371,9 @@ def _group_global(members, job: _ShardJob, ck, scheme) -> tuple:
                     "amax": float(np.float32(g * 2688.0))}[conv], "the source's shared global"
     amax = 0.0
     for d in datas:
+        if device is not None:  # the same numbers on the device: a max is exact in any order
+            amax = max(amax, _device_amax(d, job.opts.precision, device))
+            continue
         if d.q is not None:
             v = d.q.dequantize(np.float32 if job.opts.precision == "float32" else np.float64)
         else:
@@ -317,13 +389,32 @@ def _group_global(members, job: _ShardJob, ck, scheme) -> tuple:
         "max of the members' amax"
 
 
+def _device_amax(d: ModuleData, precision: str, device: str) -> float:
+    """``max |v|`` of :func:`_group_global`'s member values ``v`` (the source decoded to float32, or
+    float64 for ``precision="exact"``; float values as float32), computed on ``device``."""
+    import torch
+
+    from .._interop import to_device, to_torch
+    from ..quant.device_report import device_dequantize, upload
+
+    if d.q is not None:
+        if d.q.zero_points is not None or d.q.channel_scales is not None:
+            v = torch.from_numpy(d.q.dequantize(np.float32 if precision == "float32" else np.float64))
+        else:
+            v = device_dequantize(*upload(d.q, device), d.q.scheme, d.q.shape, d.q.global_scale)
+            v = v.to(torch.float32) if precision == "float32" else v
+    else:
+        v = to_device(to_torch(np.asarray(d.values)), device).to(torch.float32)
+    return float(v.abs().max()) if v.numel() else 0.0
+
+
 def _dequantize_module(data: ModuleData, job: _ShardJob) -> tuple:
     t0 = time.perf_counter()
     bf = LAYOUTS["bf16"]
     tensors = bf.write(data.module, data)
     x = data.q.dequantize(np.float64) if data.q is not None else np.asarray(data.values, np.float64)
     err = tensors[0][1].astype(np.float64) - x
-    e2, x2 = float(np.dot(err.ravel(), err.ravel())), float(np.dot(x.ravel(), x.ravel()))
+    e2, x2 = sum_of_squares(err), sum_of_squares(x)
     mr = ModuleReport(data.module, job.shard, list(data.shape), job.source_layout, "bf16",
                       "dequantize" if data.q is not None else "copy", "bf16", e2 == 0,
                       float(np.max(np.abs(err))) if err.size else 0.0,
@@ -333,12 +424,17 @@ def _dequantize_module(data: ModuleData, job: _ShardJob) -> tuple:
     return tensors, mr
 
 
-def _run_shard(job: _ShardJob) -> ShardRecord:
-    """Convert one shard (runs in a worker process when ``workers > 1``)."""
+def _run_shard(job: _ShardJob, hash_later: bool = False) -> ShardRecord:
+    """Convert one shard (runs in a worker process when ``workers > 1``): in turn on the host, or as a
+    pipeline where the report is computed on a device (:func:`_run_shard_pipelined`). ``hash_later``: the
+    record's ``sha256`` is left empty for the caller to fill (the pipelined path hashes in a thread)."""
+    device = report_device(job.opts)
+    if device is not None:
+        return _run_shard_pipelined(job, device, hash_later)
     ck = SafetensorsCheckpoint.open(job.src)
     path = os.path.join(job.dst, job.shard)
     writer = ShardWriter(path, {"format": "pt", "converted_by": "moeref convert",
-                                "target_layout": job.opts.target})
+                                "target_layout": job.opts.target}, reserve=header_reserve(job))
     reports, copied = [], 0
     try:
         for name, action, _ in job.actions:
@@ -360,11 +456,186 @@ def _run_shard(job: _ShardJob) -> ShardRecord:
         raise
     finally:
         ck.close()
-    rec = ShardRecord(job.shard, os.path.getsize(path), _sha256(path), False, copied, reports)
+    return _finish_shard(job, path, copied, reports)
+
+
+def header_reserve(job: _ShardJob) -> int:
+    """Bytes to leave for a shard's safetensors header (:class:`ShardWriter`'s ``reserve``): an upper bound
+    from the plan, the same on the host and the device path, so both write the same bytes. Per tensor its
+    name and 160 bytes of dtype, shape and offsets; a module writes at most 6 tensors, named after it with a
+    suffix of at most 32 characters; 1 KiB of metadata."""
+    n = 1024
+    for name, action, _ in job.actions:
+        n += len(name.encode()) + 160 if action == "copy" else 6 * (len(name.encode()) + 32 + 160)
+    return n
+
+
+def _finish_shard(job: _ShardJob, path: str, copied: int, reports: list, hash_later: bool = False) -> ShardRecord:
+    rec = ShardRecord(job.shard, os.path.getsize(path), "" if hash_later else _sha256(path), False, copied,
+                      reports)
     if job.opts.verify:
         verify_shard(job.src, job.dst, rec, job)
         rec.verified = True
     return rec
+
+
+PIPELINE_DEPTH = 2
+"""Modules read ahead of the conversion, and converted modules queued for the writer, in a pipelined shard."""
+
+_DONE = object()
+
+
+class _Stage(threading.Thread):
+    """A pipeline thread: runs ``fn``; on an exception keeps it for the main thread and sets ``stop``, so that
+    no stage waits on a queue the failed one no longer serves."""
+
+    def __init__(self, fn, name, stop):
+        super().__init__(name=name, daemon=True)
+        self.fn, self.error, self.stop = fn, None, stop
+
+    def run(self):
+        try:
+            self.fn()
+        except BaseException as e:  # re-raised by the main thread
+            self.error = e
+            self.stop.set()
+
+
+def _put(q, item, stop) -> bool:
+    """Put ``item`` into the bounded queue ``q`` unless ``stop`` is set first (the other side failed)."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _prefetch(path: str) -> None:
+    """Ask the kernel to read the file ``path`` into the page cache, sequentially, in the background
+    (``posix_fadvise(WILLNEED)`` from a daemon thread; nothing where the call does not exist). safetensors
+    maps a shard and reads it by page faults as its tensors are touched; this turns that into one sequential
+    read at the disk's bandwidth, ahead of the reader."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+
+    def advise():
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    threading.Thread(target=advise, name="moeref-convert-prefetch", daemon=True).start()
+
+
+def _run_shard_pipelined(job: _ShardJob, device: str, hash_later: bool = False) -> ShardRecord:
+    """One shard as a bounded pipeline: a reader thread (safetensors reads, :data:`PIPELINE_DEPTH` modules
+    ahead, the shard's file prefetched into the page cache by :func:`_prefetch`; a module of a fused group
+    brings its group's members, read once), the conversion and the report
+    on ``device`` in this thread, and a writer thread (the :class:`ShardWriter`), so that reading, converting
+    and writing overlap. The same tensors in the same order as :func:`_run_shard`'s host loop; the group's
+    shared global is computed once per group, from the members read with it, on the device."""
+    import dataclasses
+
+    job = dataclasses.replace(job, device=device, group_state={"datas": {}, "globals": {}})
+    ck = SafetensorsCheckpoint.open(job.src)
+    path = os.path.join(job.dst, job.shard)
+    writer = ShardWriter(path, {"format": "pt", "converted_by": "moeref convert",
+                                "target_layout": job.opts.target}, reserve=header_reserve(job))
+    stop = threading.Event()
+    to_convert, to_write = queue.Queue(PIPELINE_DEPTH), queue.Queue(PIPELINE_DEPTH)
+    held = {}  # group members read ahead, by module
+
+    def read():
+        groups_read = set()
+        for name, action, _ in job.actions:
+            if stop.is_set():
+                return
+            if action == "copy":
+                item = (name, action, ck.read(name))
+            else:
+                data = held.pop(name, None) or job.read_source(name, job.modules[name], ck)
+                if action == "convert" and name in job.groups and job.groups[name] not in groups_read:
+                    groups_read.add(job.groups[name])  # the group's members, read once, for its global
+                    for m in job.groups[name]:
+                        md = data if m == name else held.get(m) or job.read_source(m, job.group_roles[m], ck)
+                        job.group_state["datas"][m] = md
+                        if m != name and m in job.modules:
+                            held[m] = md
+                item = (name, action, data)
+            if not _put(to_convert, item, stop):
+                return
+        _put(to_convert, _DONE, stop)
+
+    def write():
+        while not stop.is_set():
+            try:
+                item = to_write.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if item is _DONE:
+                return
+            for tname, arr in item:
+                writer.add(tname, arr)
+
+    reader = _Stage(read, "moeref-convert-read", stop)
+    writer_thread = _Stage(write, "moeref-convert-write", stop)
+    reports, copied = [], 0
+
+    _prefetch(ck.file(job.shard))
+    reader.start()
+    writer_thread.start()
+    try:
+        while True:
+            try:
+                item = to_convert.get(timeout=0.1)
+            except queue.Empty:
+                if reader.error is not None:
+                    raise reader.error
+                if writer_thread.error is not None:
+                    raise writer_thread.error
+                continue
+            if item is _DONE:
+                break
+            name, action, data = item
+            if action == "copy":
+                tensors = [(name, data)]
+                copied += 1
+            elif action == "convert":
+                tensors, mr = _convert_module(data, job, ck)
+                reports.append(mr)
+            else:
+                tensors, mr = _dequantize_module(data, job)
+                reports.append(mr)
+            if not _put(to_write, tensors, stop):
+                break
+        _put(to_write, _DONE, stop)
+        writer_thread.join()
+        for t in (reader, writer_thread):
+            if t.error is not None:
+                raise t.error
+        writer.close()
+    except BaseException:
+        stop.set()
+        reader.join()
+        writer_thread.join()
+        writer.abort()
+        raise
+    finally:
+        from ..quant.device_report import clear_uploads
+
+        held.clear()
+        job.group_state["datas"].clear()
+        clear_uploads()
+        ck.close()
+    return _finish_shard(job, path, copied, reports, hash_later)
 
 
 def _sha256(path: str) -> str:
@@ -470,7 +741,7 @@ def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None) 
     t0 = time.perf_counter()
     plan = plan_conversion(src, opts)
     settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts).items()
-                if k not in ("workers", "verify", "overwrite", "resume", "dry_run")}
+                if k not in ("workers", "verify", "overwrite", "resume", "dry_run", "report_device")}
     settings["engine"] = engine_name(opts.engine)
     settings["source_layout"] = plan.source_layout
     done = _prepare_destination(src, dst, opts, settings)
@@ -519,7 +790,8 @@ def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None) 
 
         from .engines import cuda_available
 
-        ctx = mp.get_context("spawn" if cuda_available() else "fork")
+        # spawn where torch works in the parent (CUDA, or a device report's torch threads): a forked torch hangs
+        ctx = mp.get_context("spawn" if cuda_available() or report_device(opts) is not None else "fork")
         with ProcessPoolExecutor(max_workers=opts.workers, mp_context=ctx) as ex:
             for rec in ex.map(_run_shard, jobs):
                 records[rec.shard] = rec
@@ -527,6 +799,32 @@ def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None) 
                 count += len(rec.modules)
                 if progress:
                     progress(count, total, rec.shard)
+    elif jobs and report_device(opts) is not None:
+        # the pipelined path: a shard's SHA-256 (a read of the file just written) is computed in a thread
+        # while the next shard converts; a shard is recorded once its hash is known, in shard order
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1, thread_name_prefix="moeref-convert-hash") as hasher:
+            pending = []
+
+            def record(wait: bool):
+                nonlocal count
+                while pending and (wait or pending[0][1].done()):
+                    rec, fut = pending.pop(0)
+                    rec.sha256 = fut.result()
+                    records[rec.shard] = rec
+                    save()
+                    count += len(rec.modules)
+                    if progress:
+                        progress(count, total, rec.shard)
+
+            try:
+                for job in jobs:
+                    rec = _run_shard(job, hash_later=True)
+                    pending.append((rec, hasher.submit(_sha256, os.path.join(dst, rec.shard))))
+                    record(wait=False)
+            finally:  # the shards finished before a failure are recorded (resume skips them)
+                record(wait=True)
     else:
         for job in jobs:
             rec = _run_shard(job)

@@ -4,9 +4,10 @@ moeref holds the reference only. A fast engine is a plug-in: a package offers it
 point group :data:`ENTRY_POINT_GROUP` (``moeref.checkpoint_engines``; this repository's ``pyproject.toml``
 declares ``triton = "fastpath.checkpoint_engine:ENGINE"``, the Triton fast path), or the caller passes the
 engine object itself (``ConvertOptions(engine=ENGINE)``). Whatever computes the codes, the report is the
-NumPy reference's: :func:`moeref.quant.requantize` measures the engine's result against the exact source
-values, and ``--verify`` re-reads the written files with NumPy, so no figure of the report (and no check of
-it) runs the engine's code.
+NumPy reference's: :func:`moeref.quant.requantize` (or its device twin,
+:func:`moeref.quant.device_report.device_requantize`, bit-identical) measures the engine's result against the
+exact source values, and ``--verify`` re-reads the written files with NumPy, so no figure of the report (and
+no check of it) runs the engine's code.
 
 ``engine`` (:attr:`ConvertOptions.engine <moeref.checkpoint.ConvertOptions>`): ``"numpy"`` is the reference;
 ``"triton"`` (or the name of another installed engine, or an engine object) asks for that engine and raises
@@ -17,11 +18,15 @@ An engine has a ``name`` and two methods:
 
 * ``choose(scheme, shape, *, auto) -> (ok, reason, quantizer or None)``: whether it quantizes a tensor of
   ``shape`` into ``scheme`` here (``auto``: not asked for by name), and the quantizer
-  ``quantizer(values, target, **static) -> QuantizedTensor`` (host arrays in, a host tensor out);
+  ``quantizer(values, target, **static) -> QuantizedTensor`` (host arrays in, a host tensor out; a
+  quantizer with a true attribute ``device_values`` also takes the values as a torch tensor on the device
+  where the converter computes its report, :func:`moeref.quant.device_report.device_requantize`);
 * ``source_quantizer(q, scheme, device=None) -> (quantizer or None, reason)``: optionally, a quantizer that
   reads a quantized source ``q`` directly (the same values :func:`moeref.quant.requantize` hands it).
 """
 from __future__ import annotations
+
+import functools
 
 from .safetensors_io import CheckpointError
 
@@ -42,11 +47,19 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def installed_engines() -> dict:
-    """``{name: entry point}`` of the fast engines installed in :data:`ENTRY_POINT_GROUP` (nothing loaded)."""
+@functools.lru_cache(maxsize=1)
+def _entry_points() -> tuple:
+    """The entry points of :data:`ENTRY_POINT_GROUP`, read once per process (a scan of every installed
+    distribution's metadata: milliseconds, which the converter would otherwise pay per module)."""
     from importlib.metadata import entry_points
 
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return tuple(entry_points(group=ENTRY_POINT_GROUP))
+
+
+def installed_engines() -> dict:
+    """``{name: entry point}`` of the fast engines installed in :data:`ENTRY_POINT_GROUP` (nothing loaded;
+    read once per process)."""
+    return {ep.name: ep for ep in _entry_points()}
 
 
 def find_engine(name: str):

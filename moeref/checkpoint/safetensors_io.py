@@ -153,16 +153,30 @@ class SafetensorsCheckpoint:
 class ShardWriter:
     """Write one safetensors shard tensor by tensor; atomic on :meth:`close`.
 
-    ``add(name, array)`` appends the bytes to ``<path>.data``; ``close()`` writes header + data to
-    ``<path>.partial``, fsyncs and renames it to ``<path>``; ``abort()`` removes both side files.
+    ``reserve=0``: ``add(name, array)`` appends the bytes to ``<path>.data``; ``close()`` writes header + data
+    to ``<path>.partial``, fsyncs and renames it to ``<path>`` (every byte written twice).
+
+    ``reserve=N > 0`` (what the converter passes: an upper bound of the header's size from the plan): the
+    data go straight into ``<path>.partial`` after ``8 + N`` bytes left for the header; ``close()`` writes the
+    header there, padded with spaces to ``N`` bytes (the safetensors format allows trailing spaces in the
+    header), fsyncs and renames: every byte written once. A header longer than ``N`` falls back to a second
+    file with the exact header, as ``reserve=0`` writes it. ``N`` is a multiple of 8 (data stay 8-byte
+    aligned). ``abort()`` removes the side files.
     """
 
-    def __init__(self, path: str, metadata: dict | None = None):
+    def __init__(self, path: str, metadata: dict | None = None, reserve: int = 0):
         self.path = os.fspath(path)
         self.metadata = dict(metadata or {"format": "pt"})
         self._entries: list = []
         self._offset = 0
-        self._data = open(self.path + ".data", "wb")
+        if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+            raise ValueError(f"reserve must be a non-negative int; got {reserve!r}")
+        self.reserve = -(-reserve // 8) * 8
+        if self.reserve:
+            self._data = open(self.path + ".partial", "wb")
+            self._data.seek(8 + self.reserve)
+        else:
+            self._data = open(self.path + ".data", "wb")
 
     def add(self, name: str, array) -> None:
         a = np.asarray(array)
@@ -170,7 +184,7 @@ class ShardWriter:
         if any(e[0] == name for e in self._entries):
             raise CheckpointError(f"tensor {name!r} written twice to {self.path}")
         raw = a.reshape(-1).view(np.uint8) if a.size else np.zeros(0, np.uint8)
-        self._data.write(raw.tobytes())
+        self._data.write(memoryview(raw))
         self._entries.append((name, dtype_name(a.dtype), list(a.shape), self._offset,
                               self._offset + raw.size))
         self._offset += raw.size
@@ -179,15 +193,33 @@ class ShardWriter:
     def nbytes(self) -> int:
         return self._offset
 
-    def close(self) -> None:
-        self._data.close()
+    def _header(self) -> bytes:
         header = {"__metadata__": {str(k): str(v) for k, v in self.metadata.items()}}
         for name, dt, shape, b, e in self._entries:
             header[name] = {"dtype": dt, "shape": shape, "data_offsets": [b, e]}
         hb = json.dumps(header, separators=(",", ":")).encode()
-        hb += b" " * (-len(hb) % 8)
+        return hb + b" " * (-len(hb) % 8)
+
+    def close(self) -> None:
+        hb = self._header()
         tmp = self.path + ".partial"
-        with open(tmp, "wb") as out, open(self.path + ".data", "rb") as data:
+        if self.reserve and len(hb) <= self.reserve:
+            out = self._data
+            out.seek(0)
+            out.write(self.reserve.to_bytes(8, "little"))
+            out.write(hb + b" " * (self.reserve - len(hb)))
+            out.flush()
+            os.fsync(out.fileno())
+            out.close()
+            os.replace(tmp, self.path)
+            return
+        self._data.close()
+        data_path, skip = (tmp, 8 + self.reserve) if self.reserve else (self.path + ".data", 0)
+        if self.reserve:  # the header did not fit: the data move to a file with the exact header
+            os.replace(tmp, self.path + ".data")
+            data_path = self.path + ".data"
+        with open(tmp, "wb") as out, open(data_path, "rb") as data:
+            data.seek(skip)
             out.write(len(hb).to_bytes(8, "little"))
             out.write(hb)
             shutil.copyfileobj(data, out, 16 << 20)

@@ -35,7 +35,8 @@ from .blocks import block_amax, block_view, broadcast_to_blocks, expand_to_eleme
 from .quantized import QuantizedTensor
 from .scheme import Scheme
 
-__all__ = ["find_lossless", "top_binade_values", "global_storable", "sample_blocks_representable"]
+__all__ = ["find_lossless", "top_binade_values", "global_storable", "sample_blocks_representable", "sample_blocks",
+           "sample_block_representable"]
 
 
 def global_storable(g: float, target: Scheme) -> bool:
@@ -169,36 +170,56 @@ def _searchable(x: np.ndarray, target: Scheme) -> bool:
     return target.scale_format != "ue4m3" or bool(target.global_scale)
 
 
+def sample_blocks(shape: tuple, target: Scheme) -> list:
+    """Where :func:`sample_blocks_representable` looks: the first, middle and last blocks of the target's grid
+    for a tensor of ``shape``, each as ``(index, block)``: ``index`` a tuple of ints (leading axes) and
+    slices (blocked axes) of the tensor, ``block`` the block extents (the slices may be shorter at the end
+    of an axis; :func:`sample_block_representable` pads them with zeros, as the block view does)."""
+    block = tuple(int(b) for b in target.resolve_block(tuple(shape)))
+    k = len(block)
+    nlead = len(shape) - k
+    grid = tuple(shape[:nlead]) + tuple(-(-d // b) for d, b in zip(shape[nlead:], block))
+    n = int(np.prod(grid))
+    out = []
+    for flat in sorted({0, (n - 1) // 2, n - 1}):
+        g = np.unravel_index(flat, grid)
+        out.append((tuple(int(i) for i in g[:nlead]) + tuple(
+            slice(int(i) * b, min((int(i) + 1) * b, d)) for i, b, d in zip(g[nlead:], block, shape[nlead:])),
+            block))
+    return out
+
+
+def sample_block_representable(xs: np.ndarray, block: tuple, target: Scheme) -> bool:
+    """Whether the one block ``xs`` (float64, the tensor's elements at an index of :func:`sample_blocks`) can
+    be held exactly with some scale of its candidate set (True for a block with NaN or Inf: undecided)."""
+    k = len(block)
+    xp = np.zeros(tuple(block), np.float64)
+    xp[tuple(slice(0, d) for d in xs.shape)] = xs
+    xs = xp.reshape(tuple(v for b in block for v in (1, b)))
+    if not np.all(np.isfinite(xs)):
+        return True  # NaN/Inf blocks: undecided here (the candidates handle them)
+    a = block_amax(xs, k)
+    if target.scale_format == "ue4m3":
+        vals = decode_table(target.element)
+        cands = [np.where(a == 0, 1.0, a / v)
+                 for v in np.unique(vals[np.isfinite(vals) & (vals > 0)])]
+    else:
+        cands = _per_block_candidates(a, target)
+    return bool(cands) and _choose(xs, k, target.element_format, cands) is not None
+
+
 def sample_blocks_representable(x: np.ndarray, target: Scheme) -> bool:
     """A cheap necessary condition for any lossless encoding of ``x`` in ``target``: the first,
-    middle and last target blocks can each be held exactly with some scale of the block's
-    candidate set (FP32 / UE8M0: the complete sets above; UE4M3 x global: ``a / v`` for every
+    middle and last target blocks (:func:`sample_blocks`) can each be held exactly with some scale of the
+    block's candidate set (FP32 / UE8M0: the complete sets above; UE4M3 x global: ``a / v`` for every
     element value ``v``, the global left free). False means no lossless encoding exists;
-    True means nothing. A few blocks: microseconds, so lossy tensors skip the search."""
+    True means nothing. A few blocks: microseconds, so lossy tensors skip the search. (The device report,
+    :mod:`moeref.quant.device_report`, copies the same blocks to the host and asks
+    :func:`sample_block_representable` the same question.)"""
     if not _searchable(x, target) or x.size == 0:
         return False
-    block = target.resolve_block(x.shape)
-    k = len(block)
-    nlead = x.ndim - k
-    xb = block_view(x, block)
-    grid = xb.shape[:nlead] + xb.shape[nlead::2]
-    for flat in {0, (int(np.prod(grid)) - 1) // 2, int(np.prod(grid)) - 1}:
-        g = np.unravel_index(flat, grid)
-        idx = tuple(slice(i, i + 1) for i in g[:nlead]) + tuple(
-            s for i in g[nlead:] for s in (slice(i, i + 1), slice(None)))
-        xs = xb[idx]
-        if not np.all(np.isfinite(xs)):
-            continue  # NaN/Inf blocks: undecided here (the candidates handle them)
-        a = block_amax(xs, k)
-        if target.scale_format == "ue4m3":
-            vals = decode_table(target.element)
-            cands = [np.where(a == 0, 1.0, a / v)
-                     for v in np.unique(vals[np.isfinite(vals) & (vals > 0)])]
-        else:
-            cands = _per_block_candidates(a, target)
-        if not cands or _choose(xs, k, target.element_format, cands) is None:
-            return False
-    return True
+    return all(sample_block_representable(np.asarray(x[idx], np.float64), block, target)
+               for idx, block in sample_blocks(x.shape, target))
 
 
 def find_lossless(x: np.ndarray, target: Scheme, global_factor: float | None = None):

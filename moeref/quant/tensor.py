@@ -27,6 +27,7 @@ __all__ = [
     "register_quantizer",
     "PRECISIONS",
     "quantize_and_report",
+    "sum_of_squares",
 ]
 
 # ---- quantize dispatch -------------------------------------------------------------------------
@@ -93,7 +94,8 @@ class RequantReport:
             ``"lossless_search"`` (:func:`moeref.quant.lossless.find_lossless` found scales that
             make every element exact).
         rel_l2: ``||error||_2 / ||source||_2`` over finite elements (0.0 for a zero source).
-        sqnr_db: ``10 log10(||source||^2 / ||error||^2)`` (``inf`` when lossless).
+        sqnr_db: ``10 log10(||source||^2 / ||error||^2)`` (``inf`` when lossless). Both norms are
+            :func:`sum_of_squares` (a fixed summation order, so the device report gives the same float).
         worst_block: index (on the target's block grid) of the block holding the first element
             (C order) of largest |error|, i.e. a block with the largest max |error|; None when
             lossless.
@@ -110,13 +112,111 @@ class RequantReport:
     precision: str = "exact"
 
 
+SUM_ROW = 1 << 14
+"""Row length of :func:`sum_of_squares`' fixed summation order (a power of two)."""
+
+
+def _sum_row(n: int) -> int:
+    """The row length of a fixed-order sum of ``n >= 1`` terms: the power of two at least ``n``, at most
+    :data:`SUM_ROW`."""
+    return min(SUM_ROW, 1 << max(0, (n - 1).bit_length()))
+
+
+def _halve_rows(b) -> None:
+    """Row sums into column 0 of the 2-D array ``b`` (NumPy, or a torch tensor: the same operations), whose
+    row length is a power of two: ``b[:, :h] += b[:, h:2h]`` for ``h`` = half the row, a quarter, ..., 1."""
+    h = b.shape[1] // 2
+    while h:
+        b[:, :h] += b[:, h:2 * h]
+        h //= 2
+
+
+def sum_of_squares(v: np.ndarray) -> float:
+    """``sum(v * v)`` over the float64 array ``v`` (any shape, C order), in a fixed order that any IEEE 754
+    implementation reproduces bit for bit: the report's ``||x||^2`` and ``||err||^2``.
+
+    Each square is one correctly rounded product; the squares, zero-padded to whole rows of
+    ``r = _sum_row(n)`` elements (a power of two, at most :data:`SUM_ROW`), are summed within each row by
+    halving (element ``i`` plus element ``i + r/2``, then ``i + r/4``, ...: a pairwise tree), and the row
+    sums, as a new sequence, the same way, until one number is left. Every step is an elementwise IEEE
+    addition, so the device report (:func:`moeref.quant.device_report.device_sum_of_squares`, torch on a
+    GPU or the CPU) gives the same float64 as this one, where a BLAS ``dot`` (the order of its SIMD lanes
+    and blocks) would not. The pairwise tree's error bound is ``log2(n) * eps`` relative (Higham,
+    *Accuracy and Stability of Numerical Algorithms*, section 4.2). Squares are computed a block of rows
+    at a time, so the host reads ``v`` once. Zero for an empty ``v``; NaN or Inf when a square is (or the
+    sum overflows)."""
+    a = np.asarray(v, np.float64).reshape(-1)
+    square = True
+    while True:
+        n = a.size
+        if n == 0:
+            return 0.0
+        if n == 1 and not square:
+            return float(a[0])
+        r = _sum_row(n)
+        rows = -(-n // r)
+        sums = np.empty(rows, np.float64)
+        per = max(1, (1 << 18) // r)  # 256 Ki elements (2 MB, in cache) at a time
+        buf = np.empty((min(per, rows), r), np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            for r0 in range(0, rows, per):
+                r1 = min(rows, r0 + per)
+                b = buf[: r1 - r0]
+                flat = b.reshape(-1)
+                e0, e1 = r0 * r, min(n, r1 * r)
+                if square:
+                    np.multiply(a[e0:e1], a[e0:e1], out=flat[: e1 - e0])
+                else:
+                    flat[: e1 - e0] = a[e0:e1]
+                flat[e1 - e0:] = 0.0
+                _halve_rows(b)
+                sums[r0:r1] = b[:, 0]
+        a, square = sums, False
+
+
+@dataclass(frozen=True)
+class ReportSums:
+    """The array part of a report, as host numbers (what the host and the device report compute alike).
+
+    ``lossless``: no element of the error is nonzero (NaN counts); ``hi``/``lo``: max/min of the finite
+    errors (non-finite ones as 0); ``flat``: C-order index of the first element of largest ``|error|``
+    (``argmax`` where ``hi >= -lo``, else ``argmin``); ``e2``/``x2``: :func:`sum_of_squares` of the finite
+    errors and of the source values there (of all elements when both sums are finite)."""
+
+    lossless: bool
+    hi: float
+    lo: float
+    flat: int
+    e2: float
+    x2: float
+
+
+def report_from_sums(sums: ReportSums, error, shape: tuple, block: tuple, method: str,
+                     precision: str) -> RequantReport:
+    """The :class:`RequantReport` of ``sums`` (scalar arithmetic on host floats only, shared by the host
+    and the device report, so the two give the same figures): ``max_abs_error = max(hi, -lo)`` (+0.0 for
+    a zero), ``worst_block`` from ``flat`` on the grid of ``block``, ``rel_l2 = sqrt(e2 / x2)``,
+    ``sqnr_db = 10 log10(x2 / e2)``."""
+    mx, rel, sqnr, worst = 0.0, 0.0, float("inf"), None
+    if not sums.lossless:
+        hi, lo, e2, x2 = sums.hi, sums.lo, sums.e2, sums.x2
+        mx = max(hi, -lo) + 0.0  # +0.0 whatever the sign of a zero maximum
+        pos = np.unravel_index(sums.flat, shape)
+        nl = len(shape) - len(block)
+        worst = tuple(int(p) for p in pos[:nl]) + tuple(
+            int(p) // b for p, b in zip(pos[nl:], block))
+        rel = float(np.sqrt(e2 / x2)) if x2 > 0 else float("inf")
+        sqnr = float(10 * np.log10(x2 / e2)) if e2 > 0 and x2 > 0 else float("inf")
+    return RequantReport(lossless=bool(sums.lossless), max_abs_error=mx, error=error, method=method,
+                         rel_l2=rel, sqnr_db=sqnr, worst_block=worst, precision=precision)
+
+
 def _report(target: QuantizedTensor, x: np.ndarray, method: str, precision: str = "exact") -> RequantReport:
     err = target.dequantize(np.float64)  # y, then y - x in place
     with np.errstate(invalid="ignore", over="ignore"):
         np.subtract(err, x, out=err)
-        xf = x.reshape(-1)
-        x2 = float(np.dot(xf, xf))
-        e2 = float(np.dot(err.reshape(-1), err.reshape(-1)))
+        x2 = sum_of_squares(x)
+        e2 = sum_of_squares(err)
     allfin = np.isfinite(x2) and np.isfinite(e2)  # a NaN/Inf anywhere makes a sum non-finite
     if not allfin:
         y = err + x
@@ -124,24 +224,18 @@ def _report(target: QuantizedTensor, x: np.ndarray, method: str, precision: str 
         err = np.where(both_nan | (np.isinf(x) & (x == y)), 0.0, err)
         fin = np.isfinite(err)
         ef, xf = err[fin], np.where(fin, x, 0.0)[fin]
-        e2, x2 = float(np.dot(ef, ef)), float(np.dot(xf, xf))
+        with np.errstate(invalid="ignore", over="ignore"):
+            e2, x2 = sum_of_squares(ef), sum_of_squares(xf)
     lossless = not np.any(err)  # NaN counts as an error
-    mx, rel, sqnr, worst = 0.0, 0.0, float("inf"), None
+    hi = lo = 0.0
+    flat = 0
     if not lossless:
         ef = err if allfin else np.where(np.isfinite(err), err, 0.0)
         hi, lo = float(ef.max()), float(ef.min())
-        mx = max(hi, -lo)
         flat = int(np.argmax(ef)) if hi >= -lo else int(np.argmin(ef))  # first largest |err|
-        pos = np.unravel_index(flat, ef.shape)
-        block = target.block_shape
-        nl = ef.ndim - len(block)
-        worst = tuple(int(p) for p in pos[:nl]) + tuple(
-            int(p) // b for p, b in zip(pos[nl:], block))
-        rel = float(np.sqrt(e2 / x2)) if x2 > 0 else float("inf")
-        sqnr = float(10 * np.log10(x2 / e2)) if e2 > 0 and x2 > 0 else float("inf")
     err.setflags(write=False)
-    return RequantReport(lossless=bool(lossless), max_abs_error=mx, error=err, method=method,
-                         rel_l2=rel, sqnr_db=sqnr, worst_block=worst, precision=precision)
+    return report_from_sums(ReportSums(bool(lossless), hi, lo, flat, float(e2), float(x2)), err,
+                            tuple(err.shape), tuple(target.block_shape), method, precision)
 
 
 PRECISIONS = ("exact", "float32")

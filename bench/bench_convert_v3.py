@@ -1,0 +1,373 @@
+"""A DeepSeek-V3-sized checkpoint conversion: real layer names and shapes, random weights, the whole command.
+
+For each of ``--layers`` MoE layers of DeepSeek-V3 671B (config_671B.json: hidden 7168, 256 routed + 1 shared
+expert of intermediate 2048, MLA attention with q_lora_rank 1536, kv_lora_rank 512, 128 heads of 128 + 64
+(rope) query/key and 128 value dimensions), the script writes a source checkpoint in DeepSeek's own FP8 layout
+(``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`` F8_E4M3 + ``weight_scale_inv`` F32 per 128x128
+block, the attention projections likewise, BF16 norms and router, the F32 router bias; shards of at most
+``--shard-gib`` GiB, as the published checkpoint's ~4.3 GB) into ``--dir``, with random weights generated on
+the fly (on the GPU where there is one: N(0, 1) x 48 cast to E4M3, scales uniform in [0.5, 2] x 2^-9). Each
+source shard is fsync'd and dropped from the page cache (``posix_fadvise(DONTNEED)``), so the conversion reads
+it from the disk. Then ``moeref convert`` (:func:`moeref.checkpoint.convert_checkpoint`; ``--engine`` and
+``--report-device`` as the command's, default ``auto``: on a GPU the Triton engine and the device report with
+reading, converting and writing overlapped) converts the layer into ``--dir``; timed: that call only (reads,
+conversion, report, writes with their fsync, hashing, index). Then both directories are deleted, so the disk
+holds one layer's source and output at a time (about 11.5 + 6.5 GB for NVFP4). Before the timed layers, one
+untimed conversion of a small checkpoint with the same shapes compiles the kernels.
+
+Disk bandwidth, in the same run: one ``--bandwidth-gib`` GiB file written sequentially (64 MiB writes,
+fsync'd), dropped from the page cache, read back sequentially, deleted. The disk bound of a layer is its
+bytes read / read bandwidth + bytes written / write bandwidth (one disk does both), and, for a disk that
+overlaps them perfectly, the larger of the two.
+
+Projection to the whole model: the measured seconds per source byte times the source bytes of all 61 layers
+plus the embedding and ``lm_head`` (the same tensor list, not generated), next to the disk bound of the whole
+model at the measured bandwidths.
+
+Run (GPU; about 11.5 GB of disk per layer at a time, 8 layers = 1/8 of the model)::
+
+    python -m bench convert-v3 --layers 8 --json docs/data/convert_v3_h200_DATE.json
+
+``--tiny`` shrinks every dimension (same names, same structure) for a CPU test run in seconds; its JSON is a
+measurement of nothing but the mechanics. ``bench/report_convert_v3.py`` turns the JSON into the table of
+docs/convert.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+V3 = dict(hidden=7168, moe_inter=2048, dense_inter=18432, experts=256, shared=1, q_lora=1536, kv_lora=512,
+          heads=128, nope=128, rope=64, v_head=128, vocab=129280, layers=61, dense_layers=3)
+"""DeepSeek-V3 671B (deepseek-ai/DeepSeek-V3 inference/configs/config_671B.json)."""
+
+TINY = dict(hidden=256, moe_inter=128, dense_inter=384, experts=4, shared=1, q_lora=128, kv_lora=128,
+            heads=2, nope=64, rope=64, v_head=64, vocab=512, layers=61, dense_layers=3)
+"""Every dimension shrunk (multiples of 128 and 16: the same blocks), for the CPU test."""
+
+GIB = 1 << 30
+
+
+def layer_tensors(layer: int, d: dict) -> list:
+    """``(name, kind, shape)`` of one decoder layer in the DeepSeek-V3 Hugging Face checkpoint, kind ``"fp8"``
+    (a quantized linear: ``.weight`` F8_E4M3 + ``.weight_scale_inv`` F32), ``"bf16"`` or ``"f32"``."""
+    H, p = d["hidden"], f"model.layers.{layer}."
+    out = [(p + "input_layernorm.weight", "bf16", (H,)),
+           (p + "self_attn.q_a_proj", "fp8", (d["q_lora"], H)),
+           (p + "self_attn.q_a_layernorm.weight", "bf16", (d["q_lora"],)),
+           (p + "self_attn.q_b_proj", "fp8", (d["heads"] * (d["nope"] + d["rope"]), d["q_lora"])),
+           (p + "self_attn.kv_a_proj_with_mqa", "fp8", (d["kv_lora"] + d["rope"], H)),
+           (p + "self_attn.kv_a_layernorm.weight", "bf16", (d["kv_lora"],)),
+           (p + "self_attn.kv_b_proj", "fp8", (d["heads"] * (d["nope"] + d["v_head"]), d["kv_lora"])),
+           (p + "self_attn.o_proj", "fp8", (H, d["heads"] * d["v_head"])),
+           (p + "post_attention_layernorm.weight", "bf16", (H,))]
+    if layer < d["dense_layers"]:
+        inter = d["dense_inter"]
+        return out + [(p + f"mlp.{w}", "fp8", (inter, H) if w != "down_proj" else (H, inter))
+                      for w in ("gate_proj", "up_proj", "down_proj")]
+    out += [(p + "mlp.gate.weight", "bf16", (d["experts"], H)),
+            (p + "mlp.gate.e_score_correction_bias", "f32", (d["experts"],))]
+    inter = d["moe_inter"]
+    for e in [f"experts.{i}" for i in range(d["experts"])] + ["shared_experts"] * d["shared"]:
+        out += [(p + f"mlp.{e}.{w}", "fp8", (inter, H) if w != "down_proj" else (H, inter))
+                for w in ("gate_proj", "up_proj", "down_proj")]
+    return out
+
+
+def global_tensors(d: dict) -> list:
+    return [("model.embed_tokens.weight", "bf16", (d["vocab"], d["hidden"])),
+            ("model.norm.weight", "bf16", (d["hidden"],)), ("lm_head.weight", "bf16", (d["vocab"], d["hidden"]))]
+
+
+def source_bytes(tensors: list) -> int:
+    """Bytes of the source tensors (FP8 weights with their F32 block scales, BF16, F32)."""
+    n = 0
+    for _, kind, shape in tensors:
+        size = int(np.prod(shape))
+        if kind == "fp8":
+            n += size + 4 * (-(-shape[0] // 128)) * (-(-shape[1] // 128))
+        else:
+            n += size * (2 if kind == "bf16" else 4)
+    return n
+
+
+def model_source_bytes(d: dict) -> int:
+    return sum(source_bytes(layer_tensors(i, d)) for i in range(d["layers"])) + source_bytes(global_tensors(d))
+
+
+def _device():
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _arrays(name, kind, shape, gen, dev):
+    """``[(tensor name, host array)]`` of one tensor of :func:`layer_tensors`, random, made on ``dev``."""
+    import torch
+
+    from moeref._interop import to_numpy
+
+    if kind == "fp8":
+        w = torch.randn(shape, generator=gen, device=dev).mul_(48).clamp_(-448, 448).to(torch.float8_e4m3fn)
+        s = (torch.rand((-(-shape[0] // 128), -(-shape[1] // 128)), generator=gen, device=dev) * 1.5 + 0.5) \
+            * 2.0 ** -9
+        return [(name + ".weight", to_numpy(w)), (name + ".weight_scale_inv", to_numpy(s))]
+    t = torch.randn(shape, generator=gen, device=dev)
+    return [(name, to_numpy(t.to(torch.bfloat16) if kind == "bf16" else t))]
+
+
+def _drop_cache(path: str) -> None:
+    """Evict ``path``'s pages from the page cache (written and fsync'd: clean pages), so the next read of it
+    comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def write_source(path: str, tensors: list, shard_bytes: int, seed: int) -> int:
+    """The DeepSeek FP8 checkpoint of ``tensors`` in ``path`` (shards of at most ``shard_bytes``, index,
+    config), every shard fsync'd and dropped from the page cache. Returns the bytes written."""
+    import torch
+
+    from moeref.checkpoint import ShardWriter
+
+    os.makedirs(path)
+    dev = _device()
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    groups, cur, size = [], [], 0
+    for t in tensors:
+        b = source_bytes([t])
+        if cur and size + b > shard_bytes:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(t)
+        size += b
+    groups.append(cur)
+    wm, total = {}, 0
+    for i, group in enumerate(groups):
+        shard = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        fn = os.path.join(path, shard)
+        w = ShardWriter(fn, {"format": "pt"}, reserve=1024 + 256 * 2 * len(group))
+        for name, kind, shape in group:
+            for tname, arr in _arrays(name, kind, shape, gen, dev):
+                w.add(tname, arr)
+                wm[tname] = shard
+        w.close()
+        _drop_cache(fn)
+        total += os.path.getsize(fn)
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": wm}, f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                   "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                           "weight_block_size": [128, 128]}}, f)
+    return total
+
+
+def disk_bandwidth(directory: str, nbytes: int, chunk: int = 64 << 20) -> dict:
+    """Sequential write (fsync'd) and read (after dropping the page cache) of one ``nbytes`` file, in
+    ``chunk``-byte calls: GB/s each way."""
+    path = os.path.join(directory, "bandwidth.bin")
+    chunk = min(chunk, nbytes)
+    buf = np.random.default_rng(0).integers(0, 256, chunk, dtype=np.uint8)
+    n = max(1, nbytes // chunk)
+    try:
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            for _ in range(n):
+                f.write(memoryview(buf))
+            f.flush()
+            os.fsync(f.fileno())
+        tw = time.perf_counter() - t0
+        _drop_cache(path)
+        out = bytearray(chunk)
+        t0 = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(out):
+                pass
+        tr = time.perf_counter() - t0
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    return {"bytes": n * chunk, "chunk": chunk, "write_seconds": tw, "read_seconds": tr,
+            "write_GBps": n * chunk / tw / 1e9, "read_GBps": n * chunk / tr / 1e9}
+
+
+def filesystem(path: str) -> dict:
+    """The mount holding ``path`` (from /proc/mounts: device, mount point, type) and its size and free space:
+    a tmpfs would measure memory, not a disk."""
+    real = os.path.realpath(path)
+    best = ("?", "/", "?")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, typ = line.split()[:3]
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[1]):
+                    best = (dev, mnt, typ)
+    except OSError:
+        pass
+    st = os.statvfs(real)
+    return {"device": best[0], "mount": best[1], "type": best[2], "size_bytes": st.f_frsize * st.f_blocks,
+            "free_bytes": st.f_frsize * st.f_bavail}
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def convert_layer(root: str, layer: int, d: dict, args) -> dict:
+    """Write one layer's source, convert it (timed), delete both; the row of the JSON."""
+    from moeref.checkpoint import ConvertOptions, convert_checkpoint
+
+    src, dst = os.path.join(root, f"src-{layer}"), os.path.join(root, f"dst-{layer}")
+    tensors = layer_tensors(layer, d)
+    try:
+        t0 = time.perf_counter()
+        read = write_source(src, tensors, int(args.shard_gib * GIB), seed=layer)
+        t_src = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        rep = convert_checkpoint(src, dst, ConvertOptions(target=args.target, engine=args.engine,
+                                                          report_device=args.report_device))
+        wall = time.perf_counter() - t0
+        written = _dir_bytes(dst)
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.rmtree(dst, ignore_errors=True)
+    mods = rep.modules
+    where = {}
+    for m in mods:
+        w = m.note.rsplit("report on ", 1)[-1].split(" (")[0] if "report on " in m.note else "host"
+        where[w] = where.get(w, 0) + 1
+    return {"layer": layer, "shards": len(rep.shards), "modules": len(mods),
+            "copied": sum(s.copied for s in rep.shards), "bytes_read": read, "bytes_written": written,
+            "seconds": wall, "source_write_seconds": t_src,
+            "module_seconds": sum(m.seconds for m in mods),
+            "engines": sorted({m.engine for m in mods}), "report_on": where,
+            "lossless_modules": sum(m.lossless for m in mods),
+            "sqnr_db_median": float(np.median([m.sqnr_db for m in mods])) if mods else None}
+
+
+def warm_up(root: str, d: dict, args) -> float:
+    """One untimed conversion of a small checkpoint with the layer's real shapes (the attention projections,
+    one routed and the shared expert), so that the kernels are compiled before the timed layers: seconds."""
+    from moeref.checkpoint import ConvertOptions, convert_checkpoint
+
+    keep = [t for t in layer_tensors(args.first_layer, d) if ".experts." not in t[0] or ".experts.0." in t[0]]
+    src, dst = os.path.join(root, "warm-src"), os.path.join(root, "warm-dst")
+    t0 = time.perf_counter()
+    try:
+        write_source(src, keep, int(args.shard_gib * GIB), seed=0)
+        convert_checkpoint(src, dst, ConvertOptions(target=args.target, engine=args.engine,
+                                                    report_device=args.report_device))
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.rmtree(dst, ignore_errors=True)
+    return time.perf_counter() - t0
+
+
+def _meta() -> dict:
+    import platform
+
+    import torch
+
+    tree = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    if torch.cuda.is_available():
+        from bench.interleaved import machine_meta
+
+        meta = machine_meta()
+    else:
+        import datetime
+
+        meta = {"gpu": "none (CPU)", "driver": "-", "cuda": torch.version.cuda, "torch": torch.__version__,
+                "python": sys.version.split()[0],
+                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    meta.update(tree=tree, cpu=platform.processor() or platform.machine(), cpus=os.cpu_count())
+    return meta
+
+
+def run(args) -> dict:
+    d = dict(TINY if args.tiny else V3)
+    layers = list(range(args.first_layer, args.first_layer + args.layers))
+    root = tempfile.mkdtemp(prefix="moeref-convert-v3-", dir=args.dir)
+    try:
+        fs = filesystem(root)
+        print(f"writing under {root}: {fs['type']} {fs['device']} on {fs['mount']}, "
+              f"{fs['free_bytes'] / 1e9:.0f} GB free of {fs['size_bytes'] / 1e9:.0f} GB", flush=True)
+        disk = disk_bandwidth(root, int(args.bandwidth_gib * GIB))
+        disk["filesystem"] = fs
+        print(f"disk: write {disk['write_GBps']:.2f} GB/s, read {disk['read_GBps']:.2f} GB/s "
+              f"({disk['bytes'] / GIB:.1f} GiB, fsync'd, page cache dropped)", flush=True)
+        warm = warm_up(root, d, args)
+        print(f"warm-up (kernels compiled, untimed): {warm:.1f} s", flush=True)
+        rows = []
+        for layer in layers:
+            r = convert_layer(root, layer, d, args)
+            r["disk_bound_seconds"] = r["bytes_read"] / disk["read_GBps"] / 1e9 + \
+                r["bytes_written"] / disk["write_GBps"] / 1e9
+            r["disk_bound_overlapped_seconds"] = max(r["bytes_read"] / disk["read_GBps"],
+                                                     r["bytes_written"] / disk["write_GBps"]) / 1e9
+            rows.append(r)
+            print(f"layer {layer}: {r['modules']} modules, read {r['bytes_read'] / 1e9:.2f} GB, wrote "
+                  f"{r['bytes_written'] / 1e9:.2f} GB in {r['seconds']:.2f} s (disk bound "
+                  f"{r['disk_bound_seconds']:.2f} s, overlapped {r['disk_bound_overlapped_seconds']:.2f} s); "
+                  f"engines {r['engines']}, report on {r['report_on']}; source written in "
+                  f"{r['source_write_seconds']:.1f} s", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    read = sum(r["bytes_read"] for r in rows)
+    written = sum(r["bytes_written"] for r in rows)
+    secs = sum(r["seconds"] for r in rows)
+    total = model_source_bytes(d)
+    out_ratio = written / read
+    proj = {"model_source_bytes": total, "fraction_converted": read / total,
+            "seconds": secs * total / read,
+            "disk_bound_seconds": total / disk["read_GBps"] / 1e9 + total * out_ratio / disk["write_GBps"] / 1e9,
+            "disk_bound_overlapped_seconds": max(total / disk["read_GBps"],
+                                                 total * out_ratio / disk["write_GBps"]) / 1e9}
+    print(f"{len(rows)} layers, {read / 1e9:.1f} GB of {total / 1e9:.0f} GB ({100 * read / total:.1f}% of the "
+          f"model) in {secs:.1f} s; whole model: {proj['seconds'] / 60:.1f} min (disk bound "
+          f"{proj['disk_bound_seconds'] / 60:.1f} min, overlapped {proj['disk_bound_overlapped_seconds'] / 60:.1f} "
+          "min)", flush=True)
+    return {"meta": _meta(), "dims": d, "tiny": bool(args.tiny), "target": args.target, "engine": args.engine,
+            "report_device": args.report_device, "shard_gib": args.shard_gib, "disk": disk,
+            "warm_up_seconds": warm, "layers": rows,
+            "projection": proj}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8, help="MoE layers to convert (8 = 1/8 of the model)")
+    ap.add_argument("--first-layer", type=int, default=3, help="the first one (3: the first MoE layer)")
+    ap.add_argument("--target", default="ct-nvfp4", help="target layout (moeref convert --to)")
+    ap.add_argument("--engine", default="auto", help="moeref convert --engine")
+    ap.add_argument("--report-device", default="auto", help="moeref convert --report-device")
+    ap.add_argument("--dir", default=None, help="where to write (default: the system's temp dir)")
+    ap.add_argument("--shard-gib", type=float, default=4.0, help="source shard size bound, GiB")
+    ap.add_argument("--bandwidth-gib", type=float, default=8.0, help="size of the bandwidth test file, GiB")
+    ap.add_argument("--tiny", action="store_true", help="every dimension shrunk: a CPU test of the mechanics")
+    ap.add_argument("--json", default=None, help="write the result here")
+    args = ap.parse_args(argv)
+    if args.layers < 1 or args.first_layer < 0 or args.first_layer + args.layers > 61:
+        ap.error(f"layers {args.first_layer}..{args.first_layer + args.layers - 1}: DeepSeek-V3 has layers 0..60")
+    res = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

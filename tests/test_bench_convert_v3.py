@@ -1,0 +1,53 @@
+"""bench/bench_convert_v3.py: DeepSeek-V3's real tensor names and shapes, and a tiny run of the whole script
+(the GPU run is the lead's: the command is in docs/convert.md)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+from bench import bench_convert, bench_convert_v3 as B  # noqa: E402
+
+
+def test_layer_tensors_are_deepseek_v3s():
+    """Names and shapes as in the DeepSeek-V3 Hugging Face checkpoint (shared notes, checkpoint-formats.md
+    section 1: gate/up [2048, 7168], down [7168, 2048], kv_a_proj_with_mqa N = 512 + 64)."""
+    t = {n: (k, s) for n, k, s in B.layer_tensors(5, B.V3)}
+    p = "model.layers.5."
+    assert t[p + "mlp.experts.255.gate_proj"] == ("fp8", (2048, 7168))
+    assert t[p + "mlp.experts.0.down_proj"] == ("fp8", (7168, 2048))
+    assert t[p + "mlp.shared_experts.up_proj"] == ("fp8", (2048, 7168))
+    assert t[p + "self_attn.kv_a_proj_with_mqa"] == ("fp8", (576, 7168))
+    assert t[p + "self_attn.q_b_proj"] == ("fp8", (128 * 192, 1536))
+    assert t[p + "self_attn.o_proj"] == ("fp8", (7168, 128 * 128))
+    assert t[p + "mlp.gate.weight"] == ("bf16", (256, 7168))
+    assert t[p + "mlp.gate.e_score_correction_bias"] == ("f32", (256,))
+    assert sum(k == "fp8" for k, _ in t.values()) == 5 + 257 * 3
+    dense = {n: s for n, k, s in B.layer_tensors(0, B.V3)}
+    assert dense["model.layers.0.mlp.gate_proj"] == (18432, 7168) and "model.layers.0.mlp.gate.weight" not in dense
+    # the FP8 elements of all 61 layers: bench_convert's independent count from config_671B.json
+    fp8 = sum(s[0] * s[1] for i in range(61) for _, k, s in B.layer_tensors(i, B.V3) if k == "fp8")
+    assert fp8 == bench_convert.deepseek_v3_quantized_elements()
+
+
+def test_tiny_run_writes_the_json_and_leaves_nothing(tmp_path):
+    out = tmp_path / "run.json"
+    work = tmp_path / "work"
+    work.mkdir()
+    assert B.main(["--tiny", "--layers", "2", "--bandwidth-gib", "0.01", "--dir", str(work),
+                   "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert os.listdir(work) == []  # sources, outputs and the bandwidth file deleted
+    assert [r["layer"] for r in d["layers"]] == [3, 4]
+    tiny_layer = B.source_bytes(B.layer_tensors(3, B.TINY))
+    for r in d["layers"]:
+        assert r["modules"] == 5 + 3 * (B.TINY["experts"] + 1) and r["copied"] == 6
+        assert tiny_layer < r["bytes_read"] < tiny_layer + 65536  # the tensors plus headers and padding
+        assert 0 < r["bytes_written"] < r["bytes_read"] and r["seconds"] > 0
+    assert d["projection"]["model_source_bytes"] == B.model_source_bytes(B.TINY)
+    assert set(d["meta"]) >= {"gpu", "date", "torch", "cuda", "tree"}
+    assert d["disk"]["write_GBps"] > 0 and d["disk"]["read_GBps"] > 0
