@@ -29,7 +29,8 @@ outputs, tanh GELU for the GELU model): the number of differing outputs and whet
     python bench/bench_exact_regimes.py [--models deepseek_v3 qwen3_30b_a3b] [--tokens 128] [--out FILE]
     python bench/bench_exact_regimes.py --tiny --device cpu     # the CPU-runnable parts at tiny shapes (CI)
 
-Writes JSON to ``--out`` (default ``$OUT/exact_regimes.json``, else ``bench/results/exact_regimes.json``).
+Writes JSON to ``--out`` (meta: date, argv, torch, CUDA (``torch.version.cuda``), DeepGEMM's version or
+``"absent"``, GPU) (default ``$OUT/exact_regimes.json``, else ``bench/results/exact_regimes.json``).
 Budget: about a minute per model on one H200 (weights from a pool of 8 distinct experts).
 """
 from __future__ import annotations
@@ -322,6 +323,15 @@ def fastpath_runs(lay, dev):
 # ------------------------------------------------------------------ driver
 
 
+def deep_gemm_version() -> str:
+    """``deep_gemm.__version__`` (``"unknown"`` when it has none), or ``"absent"`` when it does not import."""
+    try:
+        import deep_gemm
+    except Exception:  # noqa: BLE001 - DeepGEMM is optional
+        return "absent"
+    return str(getattr(deep_gemm, "__version__", "unknown"))
+
+
 def _count(ref: np.ndarray, got) -> int:
     g = np.asarray(got.float().cpu().numpy() if hasattr(got, "cpu") else got, dtype=np.float32)
     return int(np.count_nonzero(~((ref == g) | (np.isnan(ref) & np.isnan(g)))))
@@ -409,10 +419,12 @@ def main(argv=None) -> dict:
         import torch
 
         result["torch"] = torch.__version__
+        result["cuda"] = torch.version.cuda or "absent"  # None on a CPU-only build
         if torch.cuda.is_available():
             result["gpu"] = torch.cuda.get_device_name(0)
     except Exception:  # noqa: BLE001
         pass
+    result["deep_gemm"] = deep_gemm_version()
 
     def log(msg):
         print(msg, flush=True)

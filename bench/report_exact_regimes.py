@@ -39,6 +39,16 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
+def _versions(d: dict) -> str:
+    """", CUDA 13.0, DeepGEMM 2.8.2" from the run's meta (runs recorded before the bench kept them: "")."""
+    out = ""
+    if d.get("cuda") not in (None, "absent"):
+        out += f", CUDA {d['cuda']}"
+    if d.get("deep_gemm") is not None:
+        out += ", DeepGEMM " + ("absent" if d["deep_gemm"] == "absent" else d["deep_gemm"])
+    return out
+
+
 def _date(iso: str) -> str:
     """``2026-11-28T18:46:35+00:00`` -> ``2026-11-28 18:46 UTC`` (other strings unchanged)."""
     if len(iso) >= 16 and iso[10] == "T" and iso.endswith("+00:00"):
@@ -105,7 +115,7 @@ def table(runs: list) -> str:
             note = " (cuBLAS bf16 reduced-precision reduction allowed, torch's default)"
         elif reduced == {False}:
             note = " (cuBLAS bf16 reduced-precision reduction off)"
-        out += ["", f"Measured on an {gpu}, {_date(d['date'])}, torch {d.get('torch', '?')}{note}: "
+        out += ["", f"Measured on an {gpu}, {_date(d['date'])}, torch {d.get('torch', '?')}{_versions(d)}{note}: "
                 f"`{_command(d.get('argv', []))}`.", "",
                 "| model | shape | scheme | activation | implementation | differing outputs | seconds |",
                 "|---|---|---|---|---|---|---|"]

@@ -34,6 +34,7 @@ def test_tiny_run_honest_equal_faults_caught(tmp_path):
     bench.main(["--tiny", "--device", "cpu", "--tokens", "24", "--models", "deepseek_v3", "gpt_oss_120b_mxfp4",
                 "--out", str(out)])
     res = json.loads(out.read_text())
+    assert res["cuda"] and res["deep_gemm"]  # "absent" when torch has no CUDA / DeepGEMM does not import
     for model in res["models"]:
         assert model["supported"] and model["in_regime"]["ok"], model
         honest = [v for v in model["implementations"].values() if "differing" in v]
