@@ -29,6 +29,12 @@ outputs, tanh GELU for the GELU model): the number of differing outputs and whet
     python bench/bench_exact_regimes.py [--models deepseek_v3 qwen3_30b_a3b] [--tokens 128] [--out FILE]
     python bench/bench_exact_regimes.py --tiny --device cpu     # the CPU-runnable parts at tiny shapes (CI)
 
+``--time-check`` times the exact-regime check itself instead (:func:`time_check`: reference alone against
+reference + in-regime + equality, interleaved rounds; ``--time-values`` adds the in-regime check from the values):
+
+    python bench/bench_exact_regimes.py --time-check --models deepseek_v3 --tokens 128 --expert-pool 0   # GPU
+    python bench/bench_exact_regimes.py --time-check --device cpu --models deepseek_v3 --shape 2048 768 32 8 --tokens 64
+
 Writes JSON to ``--out`` (meta: date, argv, torch, CUDA (``torch.version.cuda``), DeepGEMM's version or
 ``"absent"``, GPU) (default ``$OUT/exact_regimes.json``, else ``bench/results/exact_regimes.json``).
 Budget: about a minute per model on one H200 (weights from a pool of 8 distinct experts).
@@ -74,17 +80,28 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (hidden 256, 8 experts): CPU-runnable")
     p.add_argument("--out", default=None)
+    p.add_argument("--time-check", action="store_true",
+                   help="time the exact-regime check (reference + in-regime + equality) against the reference alone "
+                        "instead of running the implementations")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds of --time-check")
+    p.add_argument("--shape", nargs=4, type=int, default=None, metavar=("HIDDEN", "INTERMEDIATE", "EXPERTS", "TOP_K"),
+                   help="override the model's shape (e.g. a mid shape on the CPU)")
+    p.add_argument("--time-values", action="store_true",
+                   help="with --time-check, also time the in-regime check from the values (once; slow at large shapes)")
     return p.parse_args(argv)
 
 
-def make_case(model: str, tokens: int, *, tiny: bool = False, seed: int = 0, expert_pool: int = 8):
-    """The exact layer of ``model`` (``tiny``: hidden 256, intermediate 256, 8 experts, top-2) with a skewed
-    (Zipf) routing and token 0's first two weights made different."""
+def make_case(model: str, tokens: int, *, tiny: bool = False, seed: int = 0, expert_pool: int = 8, shape=None):
+    """The exact layer of ``model`` (``tiny``: hidden 256, intermediate 256, 8 experts, top-2; ``shape``:
+    ``(hidden, intermediate, experts, top_k)``) with a skewed (Zipf) routing and token 0's first two weights made
+    different. ``expert_pool`` 0: every expert distinct."""
     from moeref.regimes import exact_layer, exact_topk_weights
 
     spec = dict(MODELS[model])
     if tiny:
         spec.update(TINY)
+    if shape is not None:
+        spec.update(zip(("hidden", "intermediate", "experts", "top_k"), (int(v) for v in shape)))
     rng = np.random.default_rng(seed)
     e, k = spec["experts"], spec["top_k"]
     p = 1.0 / np.arange(1, e + 1) ** 1.2
@@ -95,7 +112,7 @@ def make_case(model: str, tokens: int, *, tiny: bool = False, seed: int = 0, exp
         tw[0, :2] = [1.0, 0.25]
     return exact_layer(tokens, spec["hidden"], spec["intermediate"], e, k, scheme=spec["scheme"],
                        activation=spec["activation"], seed=rng, topk_ids=ids, topk_weights=tw,
-                       expert_pool=min(expert_pool, e), bias=spec.get("bias", False))
+                       expert_pool=min(expert_pool, e) if expert_pool else None, bias=spec.get("bias", False))
 
 
 # ------------------------------------------------------------------ the torch pipeline
@@ -409,10 +426,83 @@ def run_model(model: str, args, log) -> dict:
     return res
 
 
+def time_check(model: str, args, log) -> dict:
+    """Interleaved rounds (bench.interleaved, wall clock) of the reference alone against the exact-regime check:
+    the reference, then :func:`moeref.regimes.layer_in_exact_regime` (``hopper_fp8``; the layer's certificate)
+    and :func:`moeref.regimes.moe_equality_report` of a candidate output (a copy of the reference's, where a
+    kernel's output would go). On a GPU the reference is ``run_moe(device=...)`` and the candidate a device
+    tensor; on the CPU the NumPy reference. ``check_over_reference``: the median per-round ratio."""
+    from bench.interleaved import WallClock, time_interleaved
+    from moeref.moe import run_moe
+    from moeref.regimes import layer_in_exact_regime, moe_equality_report
+
+    t0 = time.perf_counter()
+    lay = make_case(model, args.tokens, tiny=args.tiny, seed=args.seed, expert_pool=args.expert_pool,
+                    shape=args.shape)
+    res = {"model": model, "tokens": args.tokens, "expert_pool": args.expert_pool or "distinct",
+           "case_seconds": round(time.perf_counter() - t0, 2), "device": args.device,
+           "shape": dict(hidden=int(lay.hidden.shape[1]), intermediate=int(np.asarray(lay.weights.w2[0].shape)[1]),
+                         experts=len(lay.weights.w13), top_k=int(lay.topk_ids.shape[1]), scheme=lay.scheme),
+           "certificate": lay.certificate is not None}
+    if args.device == "cpu":
+        def reference():
+            return lay.reference()
+
+        def sync():
+            pass
+    else:
+        import torch
+
+        def reference():
+            return run_moe(lay.hidden, lay.weights, lay.topk_weights, lay.topk_ids, lay.config, device=args.device)
+
+        def sync():
+            torch.cuda.synchronize()
+    first = reference()
+    sync()
+    out = first.out
+    candidate = out.clone() if hasattr(out, "clone") else np.array(out, copy=True)
+
+    def ref_case():
+        reference()
+        sync()
+
+    verdicts = []
+
+    def check_case():
+        run = reference()
+        ok = layer_in_exact_regime(lay, "hopper_fp8", run=run if args.device == "cpu" else None)
+        rep = moe_equality_report(candidate, run)
+        sync()
+        verdicts.append(bool(ok.ok) and rep.passed)
+
+    r = time_interleaved({"reference": ref_case, "check": check_case}, baselines=["reference"], rounds=args.rounds,
+                         clock=WallClock())
+    ratio = r.ratios["check"]["reference"].median
+    res.update(reference_s=r.cases["reference"].median_s, check_s=r.cases["check"].median_s,
+               check_over_reference=round(1.0 / ratio, 4) if ratio > 0 else None,
+               check_passed=all(verdicts), flagged=r.flagged, rounds=args.rounds)
+    for name, fn in (("in_regime_certificate_s", lambda: layer_in_exact_regime(lay, "hopper_fp8")),
+                     ("equality_s", lambda: moe_equality_report(candidate, first))):
+        t = time.perf_counter()
+        fn()
+        res[name] = time.perf_counter() - t
+    if args.time_values:
+        t = time.perf_counter()
+        host_run = lay.reference()
+        res["host_reference_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        ok = layer_in_exact_regime(lay, "hopper_fp8", run=host_run, from_values=True)
+        res["in_regime_from_values_s"] = time.perf_counter() - t
+        res["in_regime_from_values_ok"] = bool(ok.ok)
+    log(f"{model}: {res}")
+    return res
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     out_path = args.out or os.path.join(os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results")),
-                                        "exact_regimes.json")
+                                        "exact_regimes_check_time.json" if args.time_check else "exact_regimes.json")
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "argv": sys.argv[1:] if argv is None else list(argv), "models": []}
     try:
@@ -436,7 +526,7 @@ def main(argv=None) -> dict:
 
     for model in args.models:
         try:
-            result["models"].append(run_model(model, args, log))
+            result["models"].append((time_check if args.time_check else run_model)(model, args, log))
         except Exception:  # noqa: BLE001
             result["models"].append({"model": model, "error": traceback.format_exc()[-1500:]})
         save()

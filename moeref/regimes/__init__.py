@@ -28,11 +28,11 @@ __all__ = [
     "RegimeCheck", "in_exact_regime", "lsb_exponents", "significant_bits",
     "EXACT_SCHEMES", "FLOAT_DTYPES", "element_choices", "exact_operand",
 ]
-from .layer import (LAYER_ACTIVATIONS, LAYER_SCHEMES, ExactLayer, exact_layer, exact_topk_weights,  # noqa: E402
-                    layer_in_exact_regime)
+from .layer import (LAYER_ACTIVATIONS, LAYER_SCHEMES, ExactLayer, RegimeCertificate, exact_layer,  # noqa: E402
+                    exact_topk_weights, layer_in_exact_regime)
 
-__all__ += ["LAYER_ACTIVATIONS", "LAYER_SCHEMES", "ExactLayer", "exact_layer", "exact_topk_weights",
-            "layer_in_exact_regime"]
+__all__ += ["LAYER_ACTIVATIONS", "LAYER_SCHEMES", "ExactLayer", "RegimeCertificate", "exact_layer",
+            "exact_topk_weights", "layer_in_exact_regime"]
 from .equality import EqualityReport, ExactMismatch, gemm_equality_report, moe_equality_report  # noqa: E402
 
 __all__ += ["EqualityReport", "ExactMismatch", "gemm_equality_report", "moe_equality_report"]

@@ -61,10 +61,10 @@ from ..moe.pipeline import round_to_dtype
 from ..formats import pack_nibbles
 from ..quant import QuantizedTensor, fp8_block, fp8_group, fp8_per_channel, fp8_per_token, mxfp4
 from .arithmetic import Arithmetic, get_arithmetic
-from .checker import RegimeCheck, in_exact_regime, lsb_exponents
+from .checker import RegimeCheck, in_exact_regime, lsb_exponents, significant_bits
 
-__all__ = ["LAYER_SCHEMES", "LAYER_ACTIVATIONS", "ExactLayer", "exact_layer", "layer_in_exact_regime",
-           "exact_topk_weights"]
+__all__ = ["LAYER_SCHEMES", "LAYER_ACTIVATIONS", "ExactLayer", "RegimeCertificate", "exact_layer",
+           "layer_in_exact_regime", "exact_topk_weights"]
 
 LAYER_SCHEMES = ("bf16", "fp8_1x128", "fp8_1x128_ue8m0", "fp8_per_token", "mxfp4_w4a16")
 """``bf16``: bf16 tokens and weights, no quantization; ``fp8_1x128`` / ``fp8_1x128_ue8m0``: DeepSeek-V3
@@ -89,7 +89,9 @@ class ExactLayer:
     ``topk_ids`` int32 ``[M, k]``; ``config`` the :class:`moeref.moe.LayerConfig` with the declared stores
     (bf16 output; bf16 GEMM1 and activation stores for bf16 layers and SwiGLU-OAI). ``token_exponents``:
     int ``[M]``, each token's scale ``2^k``. Run it with :meth:`reference` or pass :attr:`case` to
-    :func:`moeref.testing.assert_moe_close`.
+    :func:`moeref.testing.assert_moe_close`. ``certificate``: the construction's own proof
+    (:class:`RegimeCertificate`, set by :func:`exact_layer`; None on a layer built any other way, and
+    ``dataclasses.replace`` drops it), which :func:`layer_in_exact_regime` reads instead of the values.
     """
 
     hidden: np.ndarray
@@ -99,6 +101,7 @@ class ExactLayer:
     config: LayerConfig
     scheme: str
     token_exponents: np.ndarray = field(repr=False, default=None)
+    certificate: object = field(repr=False, default=None, init=False, compare=False)
 
     @property
     def options(self) -> dict:
@@ -332,7 +335,10 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
     if scheme in ("bf16", "mxfp4_w4a16") or activation == "swigluoai" or probes:
         stores.update(gemm1_out_dtype="bfloat16", act_out_dtype="bfloat16")
     cfg = LayerConfig.build(activation=activation, quant=quant, shared_experts=shared, **stores, **options)
-    return ExactLayer(x, weights, tw, ids, cfg, scheme, kt)
+    lay = ExactLayer(x, weights, tw, ids, cfg, scheme, kt)
+    object.__setattr__(lay, "certificate", _certificate(lay, token_exponents=token_exponents, up_budget=up_budget,
+                                                        probes=probes))
+    return lay
 
 
 def _join_quantized(qg: QuantizedTensor, qu: QuantizedTensor, layout: str, scheme) -> QuantizedTensor:
@@ -343,6 +349,133 @@ def _join_quantized(qg: QuantizedTensor, qu: QuantizedTensor, layout: str, schem
     codes = join_w13(qg.codes, qu.codes, layout, axis=-2)
     scales = join_w13(qg.scales, qu.scales, layout, axis=-2)
     return QuantizedTensor(codes, scales, scheme, (codes.shape[0], qg.shape[1]))
+
+
+# ------------------------------------------------------------------------------------------ certificate
+
+
+@dataclass(frozen=True, eq=False)
+class RegimeCertificate:
+    """What :func:`exact_layer`'s construction proves about a layer it built, from its parameters (module
+    docstring; docs/exact-regimes.md, "Checks at speed"), so that :func:`layer_in_exact_regime` need not
+    recompute it from the values. Every ratio is an upper bound, over all outputs, of ``S / Q``: the sum of
+    the magnitudes of the terms over a whole K (so of every partial sum, in every order, split and
+    promotion interval) divided by the smallest term's lowest set bit.
+
+    Attributes:
+        gemm1_ratio, gemm2_ratio: the bound for GEMM1 and GEMM2 (an accumulator of ``p`` bits is exact when
+            ``log2(ratio) <= p``).
+        a2_ratio: the largest GEMM2 input of a token over the lowest set bit of any of its nonzero inputs.
+        w2_ratio: the largest ``|w2|`` over the lowest set bit of any nonzero ``w2`` (one nonzero per row).
+        invariant_stores: the optional stores (``"gemm1"``, ``"act"``, ``"gemm2"``) that round nothing.
+        act_values: float64, the exact activation values that are not saturated (GELU probes,
+            SwiGLU-OAI's clamped gate), rounded by the declared ``act_out_dtype`` store; empty when none.
+        binding: the identities of the layer's arrays, weights and config, and ``digest``: a hash of the
+            token-sized arrays (``hidden``, ``topk_ids``, ``topk_weights``). A layer whose arrays were
+            replaced or edited no longer matches, and the check reads its values. The weights' codes are
+            bound by identity only (hashing them would cost as much as the check it replaces).
+    """
+
+    gemm1_ratio: float
+    gemm2_ratio: float
+    a2_ratio: float
+    w2_ratio: float
+    invariant_stores: tuple
+    act_values: np.ndarray
+    binding: tuple
+    digest: bytes
+
+
+def _binding(lay) -> tuple:
+    w = lay.weights
+    shared = lay.config.shared_experts
+    return (id(lay.hidden), id(lay.topk_ids), id(lay.topk_weights), id(lay.config), id(w),
+            tuple(id(x) for x in w.w13), tuple(id(x) for x in w.w2), id(w.b13), id(w.b2),
+            None if shared is None else (id(shared.w13), id(shared.w2)))
+
+
+def _digest(lay) -> bytes:
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for arr in (lay.hidden, lay.topk_ids, lay.topk_weights):
+        a = np.ascontiguousarray(arr)
+        h.update(str((a.dtype.str, a.shape)).encode())
+        h.update(a.view(np.uint8).reshape(-1).data if a.size else b"")
+    return h.digest()
+
+
+def _unsaturated_act_values(activation: str, probes: bool) -> np.ndarray:
+    """The exact activation values the construction leaves unsaturated: the GELU probe ``gelu(0.875) * 119``;
+    SwiGLU-OAI's ``(u + 1) * 7 * sigmoid(1.702 * 7)`` for every clamped up value ``u`` in -7..7."""
+    if activation == "gelu_and_mul" and probes:
+        h = np.array([[_PROBE_GATE, 119.0]])
+    elif activation == "swigluoai":
+        h = np.stack([np.full(15, 56.0), np.arange(-7.0, 8.0)], axis=1)
+    else:
+        return np.zeros(0)
+    return activation_values(activation, h, "gate_up", {}).reshape(-1)
+
+
+def _certificate(lay: ExactLayer, *, token_exponents, up_budget: int, probes: bool):
+    """The :class:`RegimeCertificate` of a layer :func:`exact_layer` just built, or None where the construction's
+    argument is not written out (then the check reads the values)."""
+    cfg = lay.config
+    kmin, kmax = int(min(token_exponents)), int(max(token_exponents))
+    fp8_a2 = cfg.quant.a2 is not None
+    if (cfg.activation_params or cfg.apply_router_weight_on_input or not 0 <= kmin <= kmax <= 20
+            or (cfg.activation == "swigluoai" and fp8_a2)):
+        return None
+    # GEMM1: gate rows hold one term of 3 significant bits (odd part <= 7); up rows sum at most up_budget
+    # token quanta (|t w| summed <= up_budget 2^k, lowest bits >= 2^k); GELU probes: 448/4 + 8 * 7/8 = 119.
+    gemm1 = max(7.0, float(up_budget), 119.0 if probes else 0.0)
+    if fp8_a2:
+        # a2 codes: |x| >= 56 2^k (gate) * 1 (integer up) over the scale 16 4^k: |x / 2^j| >= 3.5 2^-k, so a
+        # nonzero code's lowest bit is at least E4M3's step in that binade; the largest code is 448.
+        vmin = 3.5 * 2.0**-kmax
+        a2_ratio = 448.0 / 2.0 ** (np.floor(np.log2(vmin)) - 3)
+        gemm2 = 15.0  # one term: a 4-bit code times a power of two
+    else:
+        # bf16 intermediates: x = g u, lowest bit >= 8 2^k, largest the anchor 7168 4^k; probes: bf16(84.3...)
+        # has lowest bit >= 1/2; SwiGLU-OAI: (u + 1) * 7 stored, integers up to 56
+        a2_ratio = 56.0 if cfg.activation == "swigluoai" else max(896.0 * 2.0**kmax, 14336.0 if probes else 0.0)
+        gemm2 = 255.0  # one term: an 8-bit bf16 value times a power of two
+    return RegimeCertificate(gemm1, gemm2, a2_ratio, 16.0, ("gemm1", "act", "gemm2"),
+                             _unsaturated_act_values(cfg.activation, probes), _binding(lay), _digest(lay))
+
+
+def _certified(layer: ExactLayer, ar: Arithmetic) -> bool:
+    """True when ``layer``'s certificate proves it in the regime of ``ar``; False: read the values."""
+    cert = layer.certificate
+    if not isinstance(cert, RegimeCertificate) or cert.binding != _binding(layer) or cert.digest != _digest(layer):
+        return False
+    cfg = layer.config
+    declared = {"gemm1": cfg.gemm1_out_dtype, "act": cfg.act_out_dtype}
+    optional = {s for s in ar.optional_stores if declared.get(s) is None}
+    if not optional <= set(cert.invariant_stores) or ar.accumulator not in ("fp32", "hopper_fp8", "fp8_unpromoted"):
+        return False
+    bits = 24 if ar.accumulator == "fp32" else ar.mma_bits
+    if np.log2(cert.gemm1_ratio) > bits or np.log2(cert.gemm2_ratio) > bits:
+        return False
+    if cert.act_values.size:
+        if cfg.act_out_dtype is None:
+            return False
+        _, same = _robust_round(cert.act_values, np.zeros(cert.act_values.shape, bool),
+                                ar.activation_ulps * 2.0**-24, lambda v: round_to_dtype(v, cfg.act_out_dtype))
+        if not same:
+            return False
+    # the top-k sum in FP32: powers-of-two weights; slots x a2 x w2 x weight ratio within 24 bits
+    ids, tw = np.asarray(layer.topk_ids), np.asarray(layer.topk_weights, np.float64)
+    w = tw[(ids >= 0) & (tw != 0)]
+    if cfg.shared_experts is not None:
+        w = np.append(w, 1.0)
+    if w.size == 0:
+        return True
+    if not np.all(np.isfinite(w)) or np.any(significant_bits(w) != 1):
+        return False
+    slots = ids.shape[1] + (cfg.shared_experts is not None)
+    ratio = slots * cert.a2_ratio * cert.w2_ratio * float(np.abs(w).max() / np.abs(w).min())
+    return bool(np.log2(ratio) <= 24)
 
 
 # ------------------------------------------------------------------------------------------ checker
@@ -365,7 +498,7 @@ def _saturated(name: str, h: np.ndarray, layout: str, params: dict) -> np.ndarra
     return hi | (g <= -750.0) | (g == 0.0)
 
 
-def layer_in_exact_regime(layer: ExactLayer, arithmetic="fp32") -> RegimeCheck:
+def layer_in_exact_regime(layer: ExactLayer, arithmetic="fp32", *, run=None, from_values: bool = False) -> RegimeCheck:
     """Whether ``layer`` (an :class:`ExactLayer`) is in the exact regime of ``arithmetic``, and why not.
 
     Stage by stage, from the values of the reference's own trace: GEMM1 and GEMM2 with
@@ -376,10 +509,18 @@ def layer_in_exact_regime(layer: ExactLayer, arithmetic="fp32") -> RegimeCheck:
     GEMM2 output exact in bf16 when its store is optional; the top-k weighted sum and the shared experts
     exact in FP32 in any order. Then every stage's result, and the output's single rounding, are the
     same for every such kernel.
+
+    A layer :func:`exact_layer` built carries its :class:`RegimeCertificate`: when the certificate proves the
+    layer in the regime of ``arithmetic`` (and the layer's arrays are still the ones it was built with), the
+    answer comes from it in O(tokens x top-k), without a reference run. Otherwise (and with
+    ``from_values=True``) every stage is checked from the values; ``run``: the layer's traced NumPy reference
+    run (:meth:`ExactLayer.reference`) when you have it, so it is not computed twice.
     """
     ar = get_arithmetic(arithmetic)
     cfg = layer.config
-    run = layer.reference()
+    if not from_values and _certified(layer, ar):
+        return RegimeCheck(True, [])
+    run = layer.reference() if run is None else run
     reasons: list = []
     delta = ar.activation_ulps * 2.0**-24
     parts = [(run.chunks, layer.weights, "routed")]
@@ -395,8 +536,11 @@ def layer_in_exact_regime(layer: ExactLayer, arithmetic="fp32") -> RegimeCheck:
             valid = p.row_expert >= 0
             if not valid.any():
                 continue
-            c = expert_rows_gemm(p.a, p.row_expert, w13)
-            h = c if weights.b13 is None else c + np.asarray(weights.b13, np.float64)[np.maximum(p.row_expert, 0)]
+            if weights.b13 is None:  # the GEMM1 output the run kept (after the declared store, which
+                h = np.asarray(eo.h, np.float64)  # _activation_paths applies again, idempotent): no second GEMM
+            else:
+                c = expert_rows_gemm(p.a, p.row_expert, w13)
+                h = c if weights.b13 is None else c + np.asarray(weights.b13, np.float64)[np.maximum(p.row_expert, 0)]
             if weights.b13 is not None:
                 h32 = c.astype(np.float32) + np.asarray(weights.b13, np.float32)[np.maximum(p.row_expert, 0)]
                 if not np.array_equal(h32.astype(np.float64)[valid], h[valid]):
