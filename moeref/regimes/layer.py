@@ -92,6 +92,10 @@ class ExactLayer:
     :func:`moeref.testing.assert_moe_close`. ``certificate``: the construction's own proof
     (:class:`RegimeCertificate`, set by :func:`exact_layer`; None on a layer built any other way, and
     ``dataclasses.replace`` drops it), which :func:`layer_in_exact_regime` reads instead of the values.
+    ``excluded_stores``: optional stores (of :attr:`Arithmetic.optional_stores`) that this layer's declared
+    arithmetic forbids, because they round (:func:`~moeref.regimes.single_rounding_layer`: ``("gemm2",)``, a
+    bf16 store of GEMM2's output before the top-k sum): a kernel that makes one is not conforming, and the
+    regime check does not ask for invariance under it.
     """
 
     hidden: np.ndarray
@@ -101,6 +105,7 @@ class ExactLayer:
     config: LayerConfig
     scheme: str
     token_exponents: np.ndarray = field(repr=False, default=None)
+    excluded_stores: tuple = ()
     certificate: object = field(repr=False, default=None, init=False, compare=False)
 
     @property
@@ -265,7 +270,7 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
     if k < 2:
         raise ValueError(f"hidden must be at least 2 (two constant token columns); got {k}")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-    a1_scheme, w_scheme = _schemes(scheme)
+    _, w_scheme = _schemes(scheme)
     group1 = 128 if scheme.startswith("fp8_1x128") else k
     group2 = 128 if scheme.startswith("fp8_1x128") else n
     interleave = activation == "swigluoai" and scheme in ("bf16", "fp8_per_token", "mxfp4_w4a16")
@@ -278,20 +283,50 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
     up_budget = (31 - bias_max) // (1 << max(kmax - int(min(token_exponents)), 0)) if bias else 31
     if activation == "swigluoai":
         up_budget = min(up_budget, 6)  # |u| <= 7 stays inside the clamp: (u + 1) * 7 has <= 6 bits
-    # tokens
-    kt = rng.integers(int(min(token_exponents)), kmax + 1, size=m)
+    x, kt = _tokens(rng, m, k, group1, token_max, token_exponents)
+
+    def expert(r):
+        return _expert(r, k, n, scheme=w_scheme, group1=group1, group2=group2, token_max=token_max,
+                       up_budget=up_budget, bias_max=bias_max, activation=activation, off_fraction=off_fraction,
+                       probes=probes)
+
+    stores = dict(out_dtype="bfloat16")
+    if scheme in ("bf16", "mxfp4_w4a16") or activation == "swigluoai" or probes:
+        stores.update(gemm1_out_dtype="bfloat16", act_out_dtype="bfloat16")
+    lay = _assemble(rng, expert, x, kt, num_experts=e, top_k=top, scheme=scheme, layout=layout, bias=bias,
+                    expert_pool=expert_pool, shared_experts=shared_experts, topk_ids=topk_ids,
+                    topk_weights=topk_weights, config=dict(activation=activation, **stores, **options))
+    object.__setattr__(lay, "certificate", _certificate(lay, token_exponents=token_exponents, up_budget=up_budget,
+                                                        probes=probes))
+    return lay
+
+
+def _tokens(rng, m: int, k: int, group1: int, token_max: int, token_exponents) -> tuple[np.ndarray, np.ndarray]:
+    """float32 tokens ``[m, k]``: integers ``|t| <= token_max`` times ``2^k`` per token (``k`` drawn from
+    ``token_exponents``' range), ``448 * 2^k`` in the first column of every ``group1`` columns, ``8 * 2^k`` in
+    column 1; and the exponents ``k`` ``[m]``."""
+    kt = rng.integers(int(min(token_exponents)), int(max(token_exponents)) + 1, size=m)
     t = rng.integers(-token_max, token_max + 1, size=(m, k)).astype(np.float64)
     t[:, _anchor_columns(k, group1)] = 448.0
     t[:, 1] = 8.0
-    x = np.ldexp(t, kt[:, None]).astype(np.float32)
-    # experts
+    return np.ldexp(t, kt[:, None]).astype(np.float32), kt
+
+
+def _assemble(rng, expert, x: np.ndarray, kt: np.ndarray, *, num_experts: int, top_k: int, scheme: str, layout: str,
+              bias: bool, expert_pool, shared_experts: bool, topk_ids, topk_weights, config: dict,
+              excluded_stores: tuple = ()) -> ExactLayer:
+    """An :class:`ExactLayer` from tokens ``x`` and a per-expert builder ``expert(rng) -> (gate [n, k], up [n, k],
+    w2 [k, n], (gate, up, w2 block-scale exponents), up bias [n])`` (real values): the weights (bf16 or quantized
+    with ``scheme``'s weight scheme, from a pool with ``expert_pool``), a shared expert, the routing (uniform, or
+    ``topk_ids``) and exact top-k weights, and the :class:`moeref.moe.LayerConfig` of ``config`` with the
+    scheme's quantizers."""
+    m, e, top = x.shape[0], num_experts, top_k
+    a1_scheme, w_scheme = _schemes(scheme)
+
     def build(count):
         w13, w2, b13, b2 = [], [], [], []
         for _ in range(count):
-            gate, up, w2r, (sg, su, s2), b_up = _expert(
-                rng, k, n, scheme=w_scheme, group1=group1, group2=group2, token_max=token_max,
-                up_budget=up_budget, bias_max=bias_max, activation=activation, off_fraction=off_fraction,
-                probes=probes)
+            gate, up, w2r, (sg, su, s2), b_up = expert(rng)
             if w_scheme is None:
                 w13.append(join_w13(gate, up, layout, axis=-2).astype(_BF16))
                 w2.append(w2r.astype(_BF16))
@@ -300,8 +335,8 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
                 qu = _quantized(up, w_scheme, su)
                 w13.append(_join_quantized(qg, qu, layout, w_scheme))
                 w2.append(_quantized(w2r, w_scheme, s2))
-            b13.append(join_w13_bias(np.zeros(n), b_up, layout))
-            b2.append(np.zeros(k))
+            b13.append(join_w13_bias(np.zeros(gate.shape[0]), b_up, layout))
+            b2.append(np.zeros(w2r.shape[0]))
         return w13, w2, np.asarray(b13, np.float32), np.asarray(b2, np.float32)
 
     if expert_pool is None:
@@ -316,7 +351,6 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
     if shared_experts:
         sw13, sw2, _, _ = build(1)
         shared = SharedExperts(sw13[0], sw2[0], layout)
-    # routing
     if topk_ids is None:
         if top > e:
             raise ValueError(f"top_k={top} > num_experts={e} (give topk_ids to route with repeats)")
@@ -331,14 +365,8 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
         tw = np.asarray(topk_weights, dtype=np.float32)
     tw = np.where(ids >= 0, tw, np.float32(0.0)).astype(np.float32)
     quant = MoEQuant() if a1_scheme is None else MoEQuant(a1_scheme, a1_scheme, name=scheme)
-    stores = dict(out_dtype="bfloat16")
-    if scheme in ("bf16", "mxfp4_w4a16") or activation == "swigluoai" or probes:
-        stores.update(gemm1_out_dtype="bfloat16", act_out_dtype="bfloat16")
-    cfg = LayerConfig.build(activation=activation, quant=quant, shared_experts=shared, **stores, **options)
-    lay = ExactLayer(x, weights, tw, ids, cfg, scheme, kt)
-    object.__setattr__(lay, "certificate", _certificate(lay, token_exponents=token_exponents, up_budget=up_budget,
-                                                        probes=probes))
-    return lay
+    cfg = LayerConfig.build(quant=quant, shared_experts=shared, **config)
+    return ExactLayer(x, weights, tw, ids, cfg, scheme, kt, excluded_stores)
 
 
 def _join_quantized(qg: QuantizedTensor, qu: QuantizedTensor, layout: str, scheme) -> QuantizedTensor:
@@ -517,6 +545,8 @@ def layer_in_exact_regime(layer: ExactLayer, arithmetic="fp32", *, run=None, fro
     run (:meth:`ExactLayer.reference`) when you have it, so it is not computed twice.
     """
     ar = get_arithmetic(arithmetic)
+    if layer.excluded_stores:
+        ar = ar.with_(optional_stores=tuple(x for x in ar.optional_stores if x not in layer.excluded_stores))
     cfg = layer.config
     if not from_values and _certified(layer, ar):
         return RegimeCheck(True, [])
