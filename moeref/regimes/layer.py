@@ -393,8 +393,8 @@ class RegimeCertificate:
     Attributes:
         gemm1_ratio, gemm2_ratio: the bound for GEMM1 and GEMM2 (an accumulator of ``p`` bits is exact when
             ``log2(ratio) <= p``).
-        a2_ratio: the largest GEMM2 input of a token over the lowest set bit of any of its nonzero inputs.
-        w2_ratio: the largest ``|w2|`` over the lowest set bit of any nonzero ``w2`` (one nonzero per row).
+        y_ratio: the largest ``|y|`` of a token's GEMM2 outputs (every expert, every column) over the lowest set
+            bit of any of them: with the top-k weights' own ratio and the slot count, it bounds the FP32 top-k sum.
         invariant_stores: the optional stores (``"gemm1"``, ``"act"``, ``"gemm2"``) that round nothing.
         act_values: float64, the exact activation values that are not saturated (GELU probes,
             SwiGLU-OAI's clamped gate), rounded by the declared ``act_out_dtype`` store; empty when none.
@@ -406,8 +406,7 @@ class RegimeCertificate:
 
     gemm1_ratio: float
     gemm2_ratio: float
-    a2_ratio: float
-    w2_ratio: float
+    y_ratio: float
     invariant_stores: tuple
     act_values: np.ndarray
     binding: tuple
@@ -468,8 +467,16 @@ def _certificate(lay: ExactLayer, *, token_exponents, up_budget: int, probes: bo
         # has lowest bit >= 1/2; SwiGLU-OAI: (u + 1) * 7 stored, integers up to 56
         a2_ratio = 56.0 if cfg.activation == "swigluoai" else max(896.0 * 2.0**kmax, 14336.0 if probes else 0.0)
         gemm2 = 255.0  # one term: an 8-bit bf16 value times a power of two
-    return RegimeCertificate(gemm1, gemm2, a2_ratio, 16.0, ("gemm1", "act", "gemm2"),
-                             _unsaturated_act_values(cfg.activation, probes), _binding(lay), _digest(lay))
+    # y = a2 * w2 (one nonzero per w2 row: +-1, 2, 4 times 2^s2, s2 in -1..1: largest 8, lowest bit 1/2)
+    return certify(lay, gemm1, gemm2, a2_ratio * 16.0, ("gemm1", "act", "gemm2"),
+                   _unsaturated_act_values(cfg.activation, probes))
+
+
+def certify(lay: ExactLayer, gemm1_ratio: float, gemm2_ratio: float, y_ratio: float, invariant_stores: tuple,
+            act_values=np.zeros(0)) -> RegimeCertificate:
+    """A :class:`RegimeCertificate` with these bounds, bound to ``lay``'s arrays (for a generator's proof)."""
+    return RegimeCertificate(float(gemm1_ratio), float(gemm2_ratio), float(y_ratio), tuple(invariant_stores),
+                             np.asarray(act_values, np.float64), _binding(lay), _digest(lay))
 
 
 def _certified(layer: ExactLayer, ar: Arithmetic) -> bool:
@@ -492,7 +499,7 @@ def _certified(layer: ExactLayer, ar: Arithmetic) -> bool:
                                 ar.activation_ulps * 2.0**-24, lambda v: round_to_dtype(v, cfg.act_out_dtype))
         if not same:
             return False
-    # the top-k sum in FP32: powers-of-two weights; slots x a2 x w2 x weight ratio within 24 bits
+    # the top-k sum in FP32: powers-of-two weights; slots x y ratio x weight ratio within 24 bits
     ids, tw = np.asarray(layer.topk_ids), np.asarray(layer.topk_weights, np.float64)
     w = tw[(ids >= 0) & (tw != 0)]
     if cfg.shared_experts is not None:
@@ -502,7 +509,7 @@ def _certified(layer: ExactLayer, ar: Arithmetic) -> bool:
     if not np.all(np.isfinite(w)) or np.any(significant_bits(w) != 1):
         return False
     slots = ids.shape[1] + (cfg.shared_experts is not None)
-    ratio = slots * cert.a2_ratio * cert.w2_ratio * float(np.abs(w).max() / np.abs(w).min())
+    ratio = slots * cert.y_ratio * float(np.abs(w).max() / np.abs(w).min())
     return bool(np.log2(ratio) <= 24)
 
 

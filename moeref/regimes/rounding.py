@@ -182,7 +182,7 @@ def single_rounding_layer(num_tokens: int, hidden: int, intermediate: int, num_e
     ('bfloat16', ('gemm2',), True)
     """
     from .._checks import check_choice
-    from .layer import _assemble, _schemes, _tokens
+    from .layer import _assemble, _schemes, _tokens, certify
 
     m = check_positive_int(num_tokens, "num_tokens", allow_zero=True)
     k = check_positive_int(hidden, "hidden")
@@ -214,7 +214,16 @@ def single_rounding_layer(num_tokens: int, hidden: int, intermediate: int, num_e
     stores = dict(out_dtype="bfloat16", gemm1_out_dtype="bfloat16")
     if scheme == "bf16":
         stores["act_out_dtype"] = "bfloat16"
-    return _assemble(rng, expert, x, kt, num_experts=e, top_k=top, scheme=scheme, layout="gate_up", bias=False,
-                     expert_pool=expert_pool, shared_experts=shared_experts, topk_ids=topk_ids,
-                     topk_weights=topk_weights, config=dict(activation=activation, **stores, **options),
-                     excluded_stores=("gemm2",))
+    lay = _assemble(rng, expert, x, kt, num_experts=e, top_k=top, scheme=scheme, layout="gate_up", bias=False,
+                    expert_pool=expert_pool, shared_experts=shared_experts, topk_ids=topk_ids,
+                    topk_weights=topk_weights, config=dict(activation=activation, **stores, **options),
+                    excluded_stores=("gemm2",))
+    if lay.config.activation_params or lay.config.apply_router_weight_on_input:
+        return lay
+    # the construction's bounds (RegimeCertificate): GEMM1 up rows sum at most 3712 + 32 * 4 = 3840 quanta 2^k;
+    # GEMM2 (FP8): codes G U / 2^12 in [56, 448] (lowest bit >= 4) times w2 (largest 16 * 2, lowest bit 1/2):
+    # |y| / 2^j <= 448 * 32 + 8 * 240 * 4 = 22016 over a quantum of 2; bf16: x = g bf16(u) >= 56 * 3584 4^k has
+    # lowest bit >= 2^10 4^k, the anchor 256 * 7168 4^k is the largest: (1835008 * 32 + 8 * 224 * 3840 * 4) / 512
+    gemm2 = 22016.0 / 2.0 if scheme != "bf16" else (1835008.0 * 32 + 8 * 224 * 3840 * 4) / 512.0
+    object.__setattr__(lay, "certificate", certify(lay, 3840.0, gemm2, gemm2, ("act",)))
+    return lay
