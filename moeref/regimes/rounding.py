@@ -79,7 +79,7 @@ ROUNDING_LAYER_SCHEMES = ("bf16", "fp8_1x128", "fp8_1x128_ue8m0", "fp8_per_token
 32-element blocks cannot hold the up rows' large and small weights under one scale)."""
 ROUNDING_LAYER_ACTIVATIONS = ("silu_and_mul", "gelu_and_mul")
 
-_UP_BIG, _UP_MID = 8.0, 16.0  # up rows: 448 * 8 + 8 * 16 = 3712 from columns 0 and 1; |u| in [3584, 3840]
+_UP_FIRST, _UP_MID, _UP_LAST = 4.0, 16.0, 224.0  # up rows: 448 * 4 + 8 * 16 + 8 * 224 = 3712 (columns 0, 1, -1)
 _UP_SMALL = 32  # small terms per up row: t * w with |t| <= 2, |w| <= 2
 _ANCHOR_GATE2, _ANCHOR_UP2 = 32.0, 16.0  # anchor x = (8 * 32) * (448 * 16) = 448 * 4096
 _W2_BIG = 16.0
@@ -106,9 +106,10 @@ def _rounding_expert(rng, k: int, n: int, *, scheme, group1: int, group2: int, b
         gate[~on, 0] = -2.0
     up = np.zeros((n, k))
     sign = rng.choice(np.array([-1.0, 1.0]), size=n)
-    up[:, 0] = sign * _UP_BIG  # 448 * 8 = 3584 ...
-    up[:, 1] = sign * _UP_MID  # ... + 8 * 16 = 3712: an E4M3 midpoint of every FP8 code's binade (see below)
-    free = np.setdiff1d(np.arange(k), np.concatenate([_anchor_columns(k, group1), [1]]))
+    up[:, 0] = sign * _UP_FIRST  # 448 * 4 = 1792 at the start of K ...
+    up[:, 1] = sign * _UP_MID  # ... 8 * 16 = 128 ...
+    up[:, k - 1] = sign * _UP_LAST  # ... and 8 * 224 = 1792 at its end: 3712, a midpoint of E4M3 codes (below)
+    free = np.setdiff1d(np.arange(k), np.concatenate([_anchor_columns(k, group1), [1, k - 1]]))
     if free.size:
         cols = free[rng.integers(0, free.size, size=(n, _UP_SMALL))]  # a repeated column keeps one term
         vals = rng.choice(np.array([-2.0, -1.0, 1.0, 2.0]), size=cols.shape)
@@ -146,9 +147,10 @@ def single_rounding_layer(num_tokens: int, hidden: int, intermediate: int, num_e
 
     * **GEMM1, declared bf16 store** (``gemm1_out_dtype="bfloat16"``). Tokens as in ``exact_layer``
       (``|t| <= 2`` times ``2^k``, ``448 * 2^k`` in the first column of every 128, ``8 * 2^k`` in column 1). Up
-      rows: ``+-(448 * 8 + 8 * 16) * 2^k = +-3712 * 2^k`` from columns 0 and 1 plus 32 small terms
-      ``t * (+-1, +-2)``: ``|u| / 2^k`` in ``[3584, 3840]``, an integer of 12 bits that the bf16 store rounds to
-      8 (step 16). Gates read one column:
+      rows: ``+-(448 * 4 + 8 * 16 + 8 * 224) * 2^k = +-3712 * 2^k`` from columns 0, 1 and the last one (also
+      ``8 * 2^k`` here), plus 32 small terms ``t * (+-1, +-2)``: ``|u| / 2^k`` in ``[3584, 3840]``, an integer of
+      12 bits that the bf16 store rounds to 8 (step 16). With large terms at both ends of K, a bf16
+      accumulator loses the small terms whether it runs forward or backward. Gates read one column:
       ``{64, 128, 256} * 2^k`` (powers of two) for FP8 schemes, ``{56, 112, 224} * 2^k`` (three bits) for bf16;
       one in eight is ``-896 * 2^k`` (output exactly 0). Every gate saturates SiLU and GELU (``|g| >= 40``).
     * **The intermediate.** FP8 schemes: ``x = g * bf16(u)`` has 8 bits (exact in bf16, so the optional
@@ -174,7 +176,8 @@ def single_rounding_layer(num_tokens: int, hidden: int, intermediate: int, num_e
     What it cannot separate is in docs/exact-regimes.md.
 
     Args: as :func:`~moeref.regimes.exact_layer` (``scheme`` one of :data:`ROUNDING_LAYER_SCHEMES`,
-    ``activation`` one of :data:`ROUNDING_LAYER_ACTIVATIONS`; ``hidden`` at least 32; no biases).
+    ``activation`` one of :data:`ROUNDING_LAYER_ACTIVATIONS`; ``hidden`` at least 32; no biases). Tokens as
+    ``exact_layer``'s, with their last column ``8 * 2^k`` too.
 
     >>> from moeref.regimes import layer_in_exact_regime
     >>> lay = single_rounding_layer(4, 256, 256, 4, 2, seed=0)
@@ -206,6 +209,7 @@ def single_rounding_layer(num_tokens: int, hidden: int, intermediate: int, num_e
     group1 = 128 if scheme.startswith("fp8_1x128") else k
     group2 = 128 if scheme.startswith("fp8_1x128") else n
     x, kt = _tokens(rng, m, k, group1, 2, exps)
+    x[:, k - 1] = np.ldexp(np.float32(8.0), kt)  # a second constant column, at the end of K
 
     def expert(r):
         return _rounding_expert(r, k, n, scheme=w_scheme, group1=group1, group2=group2,
