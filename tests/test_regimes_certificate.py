@@ -128,3 +128,50 @@ def test_run_is_reused():
     run = lay.reference()
     assert layer_in_exact_regime(lay, "fp32", run=run, from_values=True) == layer_in_exact_regime(
         lay, "fp32", from_values=True)
+
+
+# ------------------------------------------------------------------ the equality report's bit comparison
+
+
+def test_equality_from_bits_keeps_signed_zeros_and_nans_equal():
+    import ml_dtypes
+
+    from moeref.regimes import moe_equality_report
+
+    lay = exact_layer(6, 256, 256, 4, 2, scheme="fp8_1x128", seed=2)
+    run = lay.reference()
+    ref = run.out
+    assert ref.dtype == np.dtype(ml_dtypes.bfloat16)
+    cand = ref.copy()
+    bits = cand.view(np.uint16)
+    zero = np.flatnonzero(ref.reshape(-1).astype(np.float64) == 0)
+    assert zero.size
+    bits.reshape(-1)[zero[0]] ^= 0x8000  # +0 <-> -0: no declared sign, equal
+    assert moe_equality_report(cand, run).passed
+    bits.reshape(-1)[7] ^= 1  # one last bit: differs
+    r = moe_equality_report(cand, run)
+    assert r.num_differences == 1 and r.differing[0]["index"] == np.unravel_index(7, ref.shape)
+    assert r.by_expert == {int(e): 1 for e in lay.topk_ids[r.differing[0]["token"]] if e >= 0}
+    nan_ref = dataclasses.replace(run, out=np.full_like(ref, np.nan))
+    nan_cand = np.full_like(ref, np.nan)
+    nan_cand.view(np.uint16)[:] = 0x7FC1  # another NaN payload
+    assert moe_equality_report(nan_cand, nan_ref).passed
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_bit_comparison_equals_the_value_comparison(dtype):
+    """Random bit patterns (NaNs, infinities, both zeros, subnormals included) against their float64 values."""
+    import ml_dtypes
+
+    from moeref.regimes.equality import _differ, _differ_native
+
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    ui = np.dtype(f"u{dt.itemsize}")
+    rng = np.random.default_rng(0)
+    pool = rng.integers(0, np.iinfo(ui).max, size=64, dtype=ui, endpoint=True)
+    pool[:4] = [0, 1 << (8 * dt.itemsize - 1), pool[4], pool[4] ^ 1]
+    a = pool[rng.integers(0, pool.size, size=(50, 40))].view(dt)
+    b = pool[rng.integers(0, pool.size, size=(50, 40))].view(dt)
+    with np.errstate(invalid="ignore"):
+        expected = _differ(a.astype(np.float64), b.astype(np.float64))
+    assert np.array_equal(_differ_native(a, b), expected)

@@ -54,7 +54,7 @@ import numpy as np
 
 from .._checks import check_choice, check_positive_int
 from ..activations import activation_values, join_w13, join_w13_bias, split_w13
-from ..formats import encode
+from ..formats import decode, encode
 from ..gemm.grouped import ExpertOperands, expert_rows_gemm
 from ..moe import LayerConfig, MoEQuant, MoEWeights, SharedExperts, run_moe
 from ..moe.pipeline import round_to_dtype
@@ -160,21 +160,20 @@ def _quantized(real: np.ndarray, scheme, exps: np.ndarray) -> QuantizedTensor:
         r, c = real.shape
         mx = np.abs(real).reshape(r, c // block[1], block[1]).max(axis=-1)
         exps = np.where(mx > 0, np.frexp(np.where(mx > 0, mx, 1.0))[1] - 1 - 2, 0)
-    s = np.repeat(np.repeat(exps, block[0], axis=0)[: real.shape[0]], block[1], axis=1)[:, : real.shape[1]]
-    elem = np.ldexp(real, -s)
-    nz = elem != 0  # the weights are sparse: encode the nonzeros (E4M3's code 0 is +0)
+    rows, cols = np.nonzero(real)  # the weights are sparse: encode the nonzeros (code 0 is +0)
+    elem = np.ldexp(real[rows, cols], -exps[rows // block[0], cols // block[1]])
+    nz_codes = np.asarray(encode(elem, scheme.element, overflow="error"), dtype=np.uint8)
+    if not np.array_equal(decode(nz_codes, scheme.element, np.float64), elem):
+        raise AssertionError("an exact-layer weight is not representable (a bug in the construction)")
     codes = np.zeros(real.shape, np.uint8)
-    codes[nz] = np.asarray(encode(elem[nz], scheme.element, overflow="error"), dtype=np.uint8)
+    codes[rows, cols] = nz_codes
     if scheme.scale_format == "fp32":
         scales = np.ldexp(np.float32(1.0), exps).astype(np.float32)
     else:
         scales = (exps + 127).astype(np.uint8)
     if scheme.packed:
         codes = pack_nibbles(codes)
-    q = QuantizedTensor(codes, scales, scheme, real.shape)
-    if not np.array_equal(q.element_values(), elem):
-        raise AssertionError("an exact-layer weight is not representable (a bug in the construction)")
-    return q
+    return QuantizedTensor(codes, scales, scheme, real.shape)
 
 
 def _expert(rng, k: int, n: int, *, scheme, group1: int, group2: int, token_max: int, up_budget: int,
