@@ -44,3 +44,13 @@ def test_tiny_run_honest_equal_faults_caught(tmp_path):
         assert set(faults) == set(bench.FAULTS) - {"tanh_gelu"}
         assert all(f.get("caught") for f in faults.values()), faults
         assert np.isfinite(model["reference_seconds"])
+
+
+def test_time_check_tiny(tmp_path):
+    out = tmp_path / "t.json"
+    bench.main(["--time-check", "--tiny", "--device", "cpu", "--tokens", "8", "--models", "deepseek_v3",
+                "--time-values", "--out", str(out)])
+    (m,) = json.loads(out.read_text())["models"]
+    assert m["certificate"] and m["check_passed"] and m["in_regime_from_values_ok"]
+    assert m["rounds"] == 7 and m["reference_s"] > 0 and m["check_s"] > 0
+    assert 0 < m["in_regime_certificate_s"] < m["in_regime_from_values_s"]
