@@ -28,6 +28,12 @@ outputs, tanh GELU for the GELU model): the number of differing outputs and whet
 
     python bench/bench_exact_regimes.py [--models deepseek_v3 qwen3_30b_a3b] [--tokens 128] [--out FILE]
     python bench/bench_exact_regimes.py --tiny --device cpu     # the CPU-runnable parts at tiny shapes (CI)
+    python bench/bench_exact_regimes.py --regime single_rounding --models deepseek_v3 qwen3_30b_a3b
+
+``--regime single_rounding`` runs :func:`moeref.regimes.single_rounding_layer` instead (FP8 and bf16 models): every
+declared store rounds, and GEMM2's output goes into the top-k sum in FP32, so the torch pipeline keeps it in FP32,
+the implementations that store it in bf16 (``torch._grouped_mm``, ``torch._scaled_mm`` here; any kernel that does)
+differ by design, and :data:`SINGLE_ROUNDING_FAULTS` are planted too.
 
 ``--time-check`` times the exact-regime check itself instead (:func:`time_check`: reference alone against
 reference + in-regime + equality, interleaved rounds; ``--time-values`` adds the in-regime check from the values):
@@ -68,6 +74,9 @@ MODELS = {
 TINY = dict(hidden=256, intermediate=256, experts=8, top_k=2)
 FAULTS = ("skipped_last_k_block", "halved_w2_scale_block", "swapped_topk_weights", "gate_up_swapped",
           "renormalized_weights", "neighbour_expert", "last_bit_noise", "tanh_gelu")
+SINGLE_ROUNDING_FAULTS = ("rz_gemm1_store", "rz_intermediate", "rz_output_store", "second_gemm2_store")
+"""Faults only ``--regime single_rounding`` sees: a store rounding toward zero (GEMM1's, the FP8 codes or bf16
+activation store, the output's) and GEMM2's output stored in bf16 before the top-k sum."""
 
 
 def parse_args(argv=None):
@@ -80,6 +89,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (hidden 256, 8 experts): CPU-runnable")
     p.add_argument("--out", default=None)
+    p.add_argument("--regime", default="exact", choices=("exact", "single_rounding"),
+                   help="single_rounding: moeref.regimes.single_rounding_layer (every declared store rounds, no GEMM2 "
+                        "store), with its faults (round-toward-zero stores, a second store)")
     p.add_argument("--time-check", action="store_true",
                    help="time the exact-regime check (reference + in-regime + equality) against the reference alone "
                         "instead of running the implementations")
@@ -91,11 +103,13 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def make_case(model: str, tokens: int, *, tiny: bool = False, seed: int = 0, expert_pool: int = 8, shape=None):
+def make_case(model: str, tokens: int, *, tiny: bool = False, seed: int = 0, expert_pool: int = 8, shape=None,
+              regime: str = "exact"):
     """The exact layer of ``model`` (``tiny``: hidden 256, intermediate 256, 8 experts, top-2; ``shape``:
     ``(hidden, intermediate, experts, top_k)``) with a skewed (Zipf) routing and token 0's first two weights made
-    different. ``expert_pool`` 0: every expert distinct."""
-    from moeref.regimes import exact_layer, exact_topk_weights
+    different. ``expert_pool`` 0: every expert distinct. ``regime="single_rounding"``:
+    :func:`moeref.regimes.single_rounding_layer` (no biases)."""
+    from moeref.regimes import exact_layer, exact_topk_weights, single_rounding_layer
 
     spec = dict(MODELS[model])
     if tiny:
@@ -110,9 +124,14 @@ def make_case(model: str, tokens: int, *, tiny: bool = False, seed: int = 0, exp
     tw = exact_topk_weights((tokens, k), seed=rng)
     if tokens and k > 1:
         tw[0, :2] = [1.0, 0.25]
+    pool = min(expert_pool, e) if expert_pool else None
+    if regime == "single_rounding":
+        return single_rounding_layer(tokens, spec["hidden"], spec["intermediate"], e, k, scheme=spec["scheme"],
+                                     activation=spec["activation"], seed=rng, topk_ids=ids, topk_weights=tw,
+                                     expert_pool=pool)
     return exact_layer(tokens, spec["hidden"], spec["intermediate"], e, k, scheme=spec["scheme"],
                        activation=spec["activation"], seed=rng, topk_ids=ids, topk_weights=tw,
-                       expert_pool=min(expert_pool, e) if expert_pool else None, bias=spec.get("bias", False))
+                       expert_pool=pool, bias=spec.get("bias", False))
 
 
 # ------------------------------------------------------------------ the torch pipeline
@@ -141,14 +160,26 @@ def _stack_weights(ws, torch, dev):
     return torch.stack(out)
 
 
-def _fp8_groups(torch, x, group: int, ue8m0: bool):
-    """Dynamic FP8 per ``group`` columns in float32: (dequantized values, E4M3 codes, scales [M, C/group])."""
+def _toward_zero(torch, x, fmt: str):
+    """float32 ``x`` rounded toward zero to bf16 (the low 16 bits cut) or to E4M3 (3 fraction bits, exponents
+    >= -6), as float32: a truncating store, the fault model."""
+    x = x.float().contiguous()
+    if fmt == "bfloat16":
+        return (x.view(torch.int32) & -65536).view(torch.float32)
+    _, ex = torch.frexp(x)
+    step = torch.exp2((torch.clamp(ex - 1, min=-6) - 3).float())
+    return torch.trunc(x / step) * step
+
+
+def _fp8_groups(torch, x, group: int, ue8m0: bool, toward_zero: bool = False):
+    """Dynamic FP8 per ``group`` columns in float32: (dequantized values, E4M3 codes, scales [M, C/group]);
+    ``toward_zero``: the codes rounded toward zero (a fault)."""
     m, k = x.shape
     xg = x.reshape(m, k // group, group)
     s = xg.abs().amax(-1, keepdim=True).clamp(min=1e-4) / 448.0
     if ue8m0:
         s = torch.exp2(torch.ceil(torch.log2(s)))
-    codes = (xg / s).to(torch.float8_e4m3fn)
+    codes = (_toward_zero(torch, xg / s, "e4m3") if toward_zero else xg / s).to(torch.float8_e4m3fn)
     return (codes.float() * s).reshape(m, k), codes.reshape(m, k), s.reshape(m, -1)
 
 
@@ -173,11 +204,17 @@ class TorchLayer:
         self.w = torch.from_numpy(lay.topk_weights.astype(np.float32)).to(dev)
         counts = np.bincount(lay.topk_ids[lay.topk_ids >= 0], minlength=len(lay.weights.w13))
         self.busiest = int(counts.argmax())
+        self.gemm2_store = "gemm2" not in lay.excluded_stores  # single_rounding_layer: GEMM2 into the sum in FP32
 
-    def _gemm(self, a, w, rows_expert, kind, faulty_rows=None, k_cut=None):
-        """``a [R, C]`` float32 (exact bf16 or FP8 values) times ``w[e] [N, C]`` per row's expert, bf16 output."""
+    def _gemm(self, a, w, rows_expert, kind, faulty_rows=None, k_cut=None, out_dtype=None):
+        """``a [R, C]`` float32 (exact bf16 or FP8 values) times ``w[e] [N, C]`` per row's expert, bf16 output
+        (``out_dtype=torch.float32``: FP32 output, ``bf16`` and ``split_k`` kinds only)."""
         torch = self.torch
-        out = torch.empty(a.shape[0], w.shape[1], dtype=torch.bfloat16, device=a.device)
+        out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+        if out_dtype != torch.bfloat16 and kind not in ("bf16", "split_k"):
+            raise ValueError(f"{kind} stores its output in bf16, and single_rounding_layer declares GEMM2's output "
+                             "unstored (FP32 into the top-k sum)")
+        out = torch.empty(a.shape[0], w.shape[1], dtype=out_dtype, device=a.device)
         experts = torch.unique(rows_expert).tolist()
         if kind == "grouped_mm":
             order = torch.argsort(rows_expert, stable=True)
@@ -191,13 +228,15 @@ class TorchLayer:
             ae, we = a[sel], w[e]
             if k_cut is not None and e == faulty_rows:
                 ae, we = ae[:, :k_cut], we[:, :k_cut]
-            if kind == "bf16":
+            if kind == "bf16" and out_dtype == torch.float32:  # FP32 GEMM of bf16-exact values (TF32 off)
+                out[sel] = ae.to(torch.bfloat16).float() @ we.float().T
+            elif kind == "bf16":
                 out[sel] = ae.to(torch.bfloat16) @ we.T
             elif kind == "split_k":
                 half = ae.shape[1] // 2
                 p1 = ae[:, :half].to(torch.bfloat16).float() @ we[:, :half].float().T
                 p2 = ae[:, half:].to(torch.bfloat16).float() @ we[:, half:].float().T
-                out[sel] = (p2 + p1).to(torch.bfloat16)
+                out[sel] = (p2 + p1).to(out_dtype)
             elif kind.startswith("scaled_mm"):
                 # rowwise FP8: per-row scale 2^ceil(log2(amax / 448)) (exact: every row's amax is 448 * 2^j)
                 amax = ae.abs().amax(1, keepdim=True).clamp(min=1e-30)
@@ -248,6 +287,8 @@ class TorchLayer:
             out = out + self._mlp(a, zero, self.shared[0], self.shared[1], gemm, None, variant,
                                   cfg.shared_experts.as_weights()).float()
         res = out.to(torch.bfloat16)
+        if fault == "rz_output_store":
+            res = _toward_zero(torch, out, "bfloat16").to(torch.bfloat16)
         if fault == "last_bit_noise":
             flat = res.view(torch.int16).reshape(-1)
             gen = torch.Generator(device="cpu").manual_seed(1)
@@ -261,7 +302,10 @@ class TorchLayer:
         n = w2.shape[2]
         kind1 = "split_k" if variant == "split_k" else gemm
         k_cut = a.shape[1] - 128 if fault == "skipped_last_k_block" else None
-        h = self._gemm(a, w13, ex, kind1, self.busiest, k_cut).float()
+        if fault == "rz_gemm1_store":  # FP32 GEMM1, then a truncating bf16 store
+            h = _toward_zero(torch, self._gemm(a, w13, ex, kind1, out_dtype=torch.float32), "bfloat16")
+        else:
+            h = self._gemm(a, w13, ex, kind1, self.busiest, k_cut).float()
         if weights.b13 is not None:
             h = h + torch.from_numpy(np.asarray(weights.b13, np.float32)).to(self.dev)[ex]
         h = h.to(torch.bfloat16).float()
@@ -283,17 +327,20 @@ class TorchLayer:
             gc = gate.clamp(max=7.0)
             x = (up.clamp(-7.0, 7.0) + 1) * gc * torch.sigmoid(1.702 * gc)
         if cfg.act_out_dtype is not None or not self.fp8:
-            x = x.to(torch.bfloat16).float()
+            x = _toward_zero(torch, x, "bfloat16") if fault == "rz_intermediate" and not self.fp8 else \
+                x.to(torch.bfloat16).float()
         if self.fp8:
-            x = _fp8_groups(torch, x, 128 if lay.scheme.startswith("fp8_1x128") else n, self.ue8m0)[0]
+            x = _fp8_groups(torch, x, 128 if lay.scheme.startswith("fp8_1x128") else n, self.ue8m0,
+                            toward_zero=fault == "rz_intermediate")[0]
         w2u = w2
         if fault == "halved_w2_scale_block":
             w2u = w2.clone()
             w2u[self.busiest, :128, :128] *= 0.5
-        y = self._gemm(x, w2u, ex, gemm).float()
+        stored = self.gemm2_store or fault == "second_gemm2_store"
+        y = self._gemm(x, w2u, ex, gemm, out_dtype=None if stored else torch.float32).float()
         if weights.b2 is not None:
             y = y + torch.from_numpy(np.asarray(weights.b2, np.float32)).to(self.dev)[ex]
-        return y.to(torch.bfloat16)
+        return y.to(torch.bfloat16) if stored else y
 
 
 # ------------------------------------------------------------------ fastpath.moe
@@ -360,18 +407,26 @@ def run_model(model: str, args, log) -> dict:
                 "why": "moeref.regimes.exact_layer has no MXFP4 W4A16 construction yet"}
     import torch
 
-    from moeref.regimes import layer_in_exact_regime
+    from moeref.regimes import ROUNDING_LAYER_ACTIVATIONS, ROUNDING_LAYER_SCHEMES, layer_in_exact_regime
 
-    res = {"model": model, "supported": True, "tokens": args.tokens, "implementations": {}, "faults": {},
+    single = args.regime == "single_rounding"
+    spec = MODELS[model]
+    if single and (spec["scheme"] not in ROUNDING_LAYER_SCHEMES or spec["activation"] not in ROUNDING_LAYER_ACTIVATIONS
+                   or spec.get("bias")):
+        return {"model": model, "regime": args.regime, "supported": False,
+                "why": f"single_rounding_layer has no {spec['scheme']} / {spec['activation']} / bias construction"}
+    res = {"model": model, "regime": args.regime, "supported": True, "tokens": args.tokens, "implementations": {},
+           "faults": {},
            "bf16_reduced_precision_reduction": bool(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)}
     t0 = time.time()
-    lay = make_case(model, args.tokens, tiny=args.tiny, seed=args.seed, expert_pool=args.expert_pool)
+    lay = make_case(model, args.tokens, tiny=args.tiny, seed=args.seed, expert_pool=args.expert_pool,
+                    regime=args.regime)
     res["case_seconds"] = round(time.time() - t0, 2)
     res["shape"] = dict(hidden=int(lay.hidden.shape[1]), intermediate=int(np.asarray(lay.weights.w2[0].shape)[1]),
                         experts=len(lay.weights.w13), top_k=int(lay.topk_ids.shape[1]), scheme=lay.scheme,
                         activation=lay.config.activation)
     if args.tiny:
-        ok, why = layer_in_exact_regime(lay, "hopper_fp8")
+        ok, why = layer_in_exact_regime(lay, "fp32" if single and lay.scheme == "bf16" else "hopper_fp8")
         res["in_regime"] = {"ok": bool(ok), "reasons": why[:3]}
     t0 = time.time()
     device = args.device if args.device != "cpu" else None
@@ -416,9 +471,9 @@ def run_model(model: str, args, log) -> dict:
                 record(impl, name, fn)
         except Exception as exc:  # noqa: BLE001
             impl["fastpath.moe"] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
-    for fault in FAULTS:
-        if fault == "tanh_gelu" and lay.config.activation != "gelu_and_mul":
-            continue
+    for fault in FAULTS + (SINGLE_ROUNDING_FAULTS if single else ()):
+        if fault == "tanh_gelu" and (lay.config.activation != "gelu_and_mul" or single):
+            continue  # single_rounding_layer has no GELU probes: every gate is saturated
         record(res["faults"], fault, lambda fault=fault: tl.run("bf16", fault=fault))
         f = res["faults"][fault]
         if "differing" in f:
