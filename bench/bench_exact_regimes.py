@@ -485,17 +485,21 @@ def time_check(model: str, args, log) -> dict:
     """Interleaved rounds (bench.interleaved, wall clock) of the reference alone against the exact-regime check:
     the reference, then :func:`moeref.regimes.layer_in_exact_regime` (``hopper_fp8``; the layer's certificate)
     and :func:`moeref.regimes.moe_equality_report` of a candidate output (a copy of the reference's, where a
-    kernel's output would go). On a GPU the reference is ``run_moe(device=...)`` and the candidate a device
-    tensor; on the CPU the NumPy reference. ``check_over_reference``: the median per-round ratio;
-    ``added_over_reference``: the regime check and the comparison, timed alone, over the reference's median."""
+    kernel's output would go). On a GPU the reference is ``run_moe(device=...)`` on weights stacked on the
+    device once (``weights_to_device_s``) and the candidate a device tensor; on the CPU the NumPy reference.
+    ``check_over_reference``: the median per-round ratio; ``added_over_reference``: the regime check and the
+    comparison, timed alone, over the reference's median. The arithmetic: ``hopper_fp8`` for FP8 layers, ``fp32``
+    for bf16 ones; ``--regime single_rounding`` times :func:`moeref.regimes.single_rounding_layer`."""
     from bench.interleaved import WallClock, time_interleaved
     from moeref.moe import run_moe
     from moeref.regimes import layer_in_exact_regime, moe_equality_report
 
     t0 = time.perf_counter()
     lay = make_case(model, args.tokens, tiny=args.tiny, seed=args.seed, expert_pool=args.expert_pool,
-                    shape=args.shape)
-    res = {"model": model, "tokens": args.tokens, "expert_pool": args.expert_pool or "distinct",
+                    shape=args.shape, regime=args.regime)
+    arithmetic = "hopper_fp8" if lay.scheme.startswith("fp8") else "fp32"
+    res = {"model": model, "regime": args.regime, "arithmetic": arithmetic, "tokens": args.tokens,
+           "expert_pool": args.expert_pool or "distinct",
            "case_seconds": round(time.perf_counter() - t0, 2), "device": args.device,
            "shape": dict(hidden=int(lay.hidden.shape[1]), intermediate=int(np.asarray(lay.weights.w2[0].shape)[1]),
                          experts=len(lay.weights.w13), top_k=int(lay.topk_ids.shape[1]), scheme=lay.scheme),
@@ -509,8 +513,14 @@ def time_check(model: str, args, log) -> dict:
     else:
         import torch
 
+        from moeref.moe.device import device_weights
+
+        t = time.perf_counter()
+        on_device = device_weights(lay.weights, args.device)  # stacked once, as a kernel's weights would be
+        res["weights_to_device_s"] = time.perf_counter() - t
+
         def reference():
-            return run_moe(lay.hidden, lay.weights, lay.topk_weights, lay.topk_ids, lay.config, device=args.device)
+            return run_moe(lay.hidden, on_device, lay.topk_weights, lay.topk_ids, lay.config, device=args.device)
 
         def sync():
             torch.cuda.synchronize()
@@ -527,7 +537,7 @@ def time_check(model: str, args, log) -> dict:
 
     def check_case():
         run = reference()
-        ok = layer_in_exact_regime(lay, "hopper_fp8", run=run if args.device == "cpu" else None)
+        ok = layer_in_exact_regime(lay, arithmetic, run=run if args.device == "cpu" else None)
         rep = moe_equality_report(candidate, run)
         sync()
         verdicts.append(bool(ok.ok) and rep.passed)
@@ -538,7 +548,7 @@ def time_check(model: str, args, log) -> dict:
     res.update(reference_s=r.cases["reference"].median_s, check_s=r.cases["check"].median_s,
                check_over_reference=round(1.0 / ratio, 4) if ratio > 0 else None,
                check_passed=all(verdicts), flagged=r.flagged, rounds=args.rounds)
-    for name, fn in (("in_regime_certificate_s", lambda: layer_in_exact_regime(lay, "hopper_fp8")),
+    for name, fn in (("in_regime_certificate_s", lambda: layer_in_exact_regime(lay, arithmetic)),
                      ("equality_s", lambda: moe_equality_report(candidate, first))):
         t = time.perf_counter()
         fn()
@@ -550,7 +560,7 @@ def time_check(model: str, args, log) -> dict:
         host_run = lay.reference()
         res["host_reference_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        ok = layer_in_exact_regime(lay, "hopper_fp8", run=host_run, from_values=True)
+        ok = layer_in_exact_regime(lay, arithmetic, run=host_run, from_values=True)
         res["in_regime_from_values_s"] = time.perf_counter() - t
         res["in_regime_from_values_ok"] = bool(ok.ok)
     log(f"{model}: {res}")

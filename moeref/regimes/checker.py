@@ -18,8 +18,9 @@ The checks are sufficient, not necessary, and conservative in one more way: ``Q`
 per output element by ``min_k lsb(a[m, k]) * min_k lsb(w[n, k])``. A first test needs no matmul: ``S`` is at
 most ``max_k |a[m, k]| * sum_k |w[n, k]|`` (per promotion interval: that interval's sum), so when the largest
 ``log2(max|a[m]| / lsb a[m])`` plus the largest ``log2(sum|w[n]| / lsb w[n])`` fits the accumulator, every
-output does; only when it does not are ``S`` and ``Q`` formed per output (two matmuls per interval). Everything is float64 NumPy, exact
-(sums of non-negative terms far below 2^53 ulps of slack only decide a comparison with a power of two).
+output does; only when it does not are ``S`` and ``Q`` formed per output (two matmuls per interval).
+Everything is float64 NumPy, exact (sums of non-negative terms far below 2^53 ulps of slack only decide a
+comparison with a power of two).
 """
 from __future__ import annotations
 

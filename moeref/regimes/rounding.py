@@ -200,7 +200,8 @@ def single_rounding_layer(num_tokens: int, hidden: int, intermediate: int, num_e
         raise ValueError(f"hidden must be at least 32 (room for 16 small up terms); got {k}")
     exps = tuple(int(v) for v in token_exponents)
     if not exps or min(exps) < 0 or max(exps) > 20:
-        raise ValueError(f"token_exponents must be integers in 0..20 (saturated gates need 2^k >= 1); got {token_exponents}")
+        raise ValueError(f"token_exponents must be integers in 0..20 (saturated gates need 2^k >= 1); "
+                         f"got {token_exponents}")
     bad = sorted(set(options) & {"bias", "w13_layout", "token_max", "activation", "quant"})
     if bad:
         raise TypeError(f"single_rounding_layer takes no {bad} (no biases, gate_up w13, tokens |t| <= 2)")
