@@ -106,8 +106,8 @@ def torch_layer(lay, *, gemm1="fp32", gemm2="fp32", gemm1_store="rne", act_store
     """The layer in float32 torch eager. ``act_store``: None (FP8: no store; bf16: the declared RNE store), or a
     rounding mode for a bf16 store of the activation. ``a2_mode``: the FP8 re-quantization's rounding.
     ``gemm2_store``: GEMM2's output stored in bf16 before the top-k sum (a second store). ``trace``: a dict
-    that receives the unrounded values each store rounds (``up``: GEMM1's up half, ``a2_in``: the FP8 quantizer's scaled input or
-    the activation before its bf16 store, ``y``, ``out``)."""
+    that receives the unrounded values each store rounds (``up``: GEMM1's up half, ``a2_in``: the FP8
+    quantizer's scaled input or the activation before its bf16 store, ``y``, ``out``)."""
     tr = trace if trace is not None else {}
     for name in ("up", "a2_in", "y"):
         tr[name] = []
@@ -160,7 +160,8 @@ def torch_layer(lay, *, gemm1="fp32", gemm2="fp32", gemm1_store="rne", act_store
         for e in np.unique(local[local >= 0]):
             sel = np.flatnonzero(local == e)
             y = mlp(a[torch.from_numpy(slots_t[sel])], lay.weights, int(e))
-            contrib[torch.from_numpy(sel)] = tw[torch.from_numpy(slots_t[sel]), torch.from_numpy(slots_j[sel])][:, None] * y
+            weight = tw[torch.from_numpy(slots_t[sel]), torch.from_numpy(slots_j[sel])]
+            contrib[torch.from_numpy(sel)] = weight[:, None] * y
         keep = torch.from_numpy(local >= 0)
         order = sorted(range(ids.shape[1]), reverse=reverse_topk)
         for j in order:  # the top-k sum slot by slot (index_add_ in FP32: exact in any order here)
