@@ -175,3 +175,14 @@ def test_bit_comparison_equals_the_value_comparison(dtype):
     with np.errstate(invalid="ignore"):
         expected = _differ(a.astype(np.float64), b.astype(np.float64))
     assert np.array_equal(_differ_native(a, b), expected)
+
+
+def test_a_float16_gemm_store_is_judged_from_the_values():
+    """The certificate covers bf16 and FP32 stores; float16's range (65504) is checked on the values."""
+    from moeref.regimes import get_arithmetic
+
+    lay = exact_layer(4, 256, 256, 4, 2, scheme="fp8_1x128", seed=1, token_exponents=(3, 4))
+    ar = get_arithmetic("hopper_fp8").with_(gemm_store="float16")
+    ok, why = layer_in_exact_regime(lay, ar)
+    assert not ok and any("beyond the float16 range" in r for r in why)
+    assert layer_in_exact_regime(lay, "hopper_fp8").ok

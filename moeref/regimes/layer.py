@@ -488,6 +488,8 @@ def _certified(layer: ExactLayer, ar: Arithmetic) -> bool:
     optional = {s for s in ar.optional_stores if declared.get(s) is None}
     if not optional <= set(cert.invariant_stores) or ar.accumulator not in ("fp32", "hopper_fp8", "fp8_unpromoted"):
         return False
+    if ar.gemm_store not in (None, "bfloat16", "float32"):  # float16's range: the values decide
+        return False
     bits = 24 if ar.accumulator == "fp32" else ar.mma_bits
     if np.log2(cert.gemm1_ratio) > bits or np.log2(cert.gemm2_ratio) > bits:
         return False
