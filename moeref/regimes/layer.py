@@ -397,10 +397,11 @@ class RegimeCertificate:
         invariant_stores: the optional stores (``"gemm1"``, ``"act"``, ``"gemm2"``) that round nothing.
         act_values: float64, the exact activation values that are not saturated (GELU probes,
             SwiGLU-OAI's clamped gate), rounded by the declared ``act_out_dtype`` store; empty when none.
-        binding: the identities of the layer's arrays, weights and config, and ``digest``: a hash of the
-            token-sized arrays (``hidden``, ``topk_ids``, ``topk_weights``). A layer whose arrays were
-            replaced or edited no longer matches, and the check reads its values. The weights' codes are
-            bound by identity only (hashing them would cost as much as the check it replaces).
+        binding: the identities of the layer's arrays, weights and config, and ``token_arrays``: copies of
+            the bit patterns of the token-sized arrays (``hidden``, ``topk_ids``, ``topk_weights``; one more
+            ``hidden`` in memory). A layer whose arrays were replaced or edited no longer matches, and the
+            check reads its values. The weights are bound by identity only (comparing their codes would cost
+            as much as the check it replaces).
     """
 
     gemm1_ratio: float
@@ -409,7 +410,7 @@ class RegimeCertificate:
     invariant_stores: tuple
     act_values: np.ndarray
     binding: tuple
-    digest: bytes
+    token_arrays: tuple
 
 
 def _binding(lay) -> tuple:
@@ -420,15 +421,24 @@ def _binding(lay) -> tuple:
             None if shared is None else (id(shared.w13), id(shared.w2)))
 
 
-def _digest(lay) -> bytes:
-    import hashlib
-
-    h = hashlib.blake2b(digest_size=16)
+def _token_arrays(lay) -> tuple:
+    """Bit-pattern copies of the token-sized arrays (``hidden``, ``topk_ids``, ``topk_weights``): comparing them
+    is exact (no hash collisions) and faster than hashing."""
+    out = []
     for arr in (lay.hidden, lay.topk_ids, lay.topk_weights):
         a = np.ascontiguousarray(arr)
-        h.update(str((a.dtype.str, a.shape)).encode())
-        h.update(a.view(np.uint8).reshape(-1).data if a.size else b"")
-    return h.digest()
+        out.append(a.view(np.dtype(f"u{a.dtype.itemsize}")).copy() if a.dtype.itemsize in (1, 2, 4, 8) else a.copy())
+    return tuple(out)
+
+
+def _same_token_arrays(lay, saved: tuple) -> bool:
+    for arr, kept in zip((lay.hidden, lay.topk_ids, lay.topk_weights), saved):
+        a = np.ascontiguousarray(arr)
+        if a.dtype.itemsize in (1, 2, 4, 8):
+            a = a.view(np.dtype(f"u{a.dtype.itemsize}"))
+        if a.shape != kept.shape or a.dtype != kept.dtype or not np.array_equal(a, kept):
+            return False
+    return True
 
 
 def _unsaturated_act_values(activation: str, probes: bool) -> np.ndarray:
@@ -475,13 +485,14 @@ def certify(lay: ExactLayer, gemm1_ratio: float, gemm2_ratio: float, y_ratio: fl
             act_values=np.zeros(0)) -> RegimeCertificate:
     """A :class:`RegimeCertificate` with these bounds, bound to ``lay``'s arrays (for a generator's proof)."""
     return RegimeCertificate(float(gemm1_ratio), float(gemm2_ratio), float(y_ratio), tuple(invariant_stores),
-                             np.asarray(act_values, np.float64), _binding(lay), _digest(lay))
+                             np.asarray(act_values, np.float64), _binding(lay), _token_arrays(lay))
 
 
 def _certified(layer: ExactLayer, ar: Arithmetic) -> bool:
     """True when ``layer``'s certificate proves it in the regime of ``ar``; False: read the values."""
     cert = layer.certificate
-    if not isinstance(cert, RegimeCertificate) or cert.binding != _binding(layer) or cert.digest != _digest(layer):
+    if (not isinstance(cert, RegimeCertificate) or cert.binding != _binding(layer)
+            or not _same_token_arrays(layer, cert.token_arrays)):
         return False
     cfg = layer.config
     declared = {"gemm1": cfg.gemm1_out_dtype, "act": cfg.act_out_dtype}
