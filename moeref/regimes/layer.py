@@ -295,8 +295,8 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
     lay = _assemble(rng, expert, x, kt, num_experts=e, top_k=top, scheme=scheme, layout=layout, bias=bias,
                     expert_pool=expert_pool, shared_experts=shared_experts, topk_ids=topk_ids,
                     topk_weights=topk_weights, config=dict(activation=activation, **stores, **options))
-    object.__setattr__(lay, "certificate", _certificate(lay, token_exponents=token_exponents, up_budget=up_budget,
-                                                        probes=probes))
+    object.__setattr__(lay, "certificate", _certificate(lay, token_exponents=token_exponents, token_max=token_max,
+                                                        up_budget=up_budget, probes=probes))
     return lay
 
 
@@ -453,15 +453,15 @@ def _unsaturated_act_values(activation: str, probes: bool) -> np.ndarray:
     return activation_values(activation, h, "gate_up", {}).reshape(-1)
 
 
-def _certificate(lay: ExactLayer, *, token_exponents, up_budget: int, probes: bool):
+def _certificate(lay: ExactLayer, *, token_exponents, token_max: int, up_budget: int, probes: bool):
     """The :class:`RegimeCertificate` of a layer :func:`exact_layer` just built, or None where the construction's
     argument is not written out (then the check reads the values)."""
     cfg = lay.config
     kmin, kmax = int(min(token_exponents)), int(max(token_exponents))
     fp8_a2 = cfg.quant.a2 is not None
     if (cfg.activation_params or cfg.apply_router_weight_on_input or not 0 <= kmin <= kmax <= 20
-            or (cfg.activation == "swigluoai" and fp8_a2)):
-        return None
+            or not 0 <= token_max <= 16 or (cfg.activation == "swigluoai" and fp8_a2)):
+        return None  # (token elements above 16 are not all E4M3 values: the FP8 tokens would round)
     # GEMM1: gate rows hold one term of 3 significant bits (odd part <= 7); up rows sum at most up_budget
     # token quanta (|t w| summed <= up_budget 2^k, lowest bits >= 2^k); GELU probes: 448/4 + 8 * 7/8 = 119.
     gemm1 = max(7.0, float(up_budget), 119.0 if probes else 0.0)
@@ -477,11 +477,11 @@ def _certificate(lay: ExactLayer, *, token_exponents, up_budget: int, probes: bo
         a2_ratio = 56.0 if cfg.activation == "swigluoai" else max(896.0 * 2.0**kmax, 14336.0 if probes else 0.0)
         gemm2 = 255.0  # one term: an 8-bit bf16 value times a power of two
     # y = a2 * w2 (one nonzero per w2 row: +-1, 2, 4 times 2^s2, s2 in -1..1: largest 8, lowest bit 1/2)
-    return certify(lay, gemm1, gemm2, a2_ratio * 16.0, ("gemm1", "act", "gemm2"),
+    return _certify(lay, gemm1, gemm2, a2_ratio * 16.0, ("gemm1", "act", "gemm2"),
                    _unsaturated_act_values(cfg.activation, probes))
 
 
-def certify(lay: ExactLayer, gemm1_ratio: float, gemm2_ratio: float, y_ratio: float, invariant_stores: tuple,
+def _certify(lay: ExactLayer, gemm1_ratio: float, gemm2_ratio: float, y_ratio: float, invariant_stores: tuple,
             act_values=np.zeros(0)) -> RegimeCertificate:
     """A :class:`RegimeCertificate` with these bounds, bound to ``lay``'s arrays (for a generator's proof)."""
     return RegimeCertificate(float(gemm1_ratio), float(gemm2_ratio), float(y_ratio), tuple(invariant_stores),

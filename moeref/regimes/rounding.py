@@ -185,7 +185,7 @@ def single_rounding_layer(num_tokens: int, hidden: int, intermediate: int, num_e
     ('bfloat16', ('gemm2',), True)
     """
     from .._checks import check_choice
-    from .layer import _assemble, _schemes, _tokens, certify
+    from .layer import _assemble, _certify, _schemes, _tokens
 
     m = check_positive_int(num_tokens, "num_tokens", allow_zero=True)
     k = check_positive_int(hidden, "hidden")
@@ -230,5 +230,5 @@ def single_rounding_layer(num_tokens: int, hidden: int, intermediate: int, num_e
     # |y| / 2^j <= 448 * 32 + 8 * 240 * 4 = 22016 over a quantum of 2; bf16: x = g bf16(u) >= 56 * 3584 4^k has
     # lowest bit >= 2^10 4^k, the anchor 256 * 7168 4^k is the largest: (1835008 * 32 + 8 * 224 * 3840 * 4) / 512
     gemm2 = 22016.0 / 2.0 if scheme != "bf16" else (1835008.0 * 32 + 8 * 224 * 3840 * 4) / 512.0
-    object.__setattr__(lay, "certificate", certify(lay, 3840.0, gemm2, gemm2, ("act",)))
+    object.__setattr__(lay, "certificate", _certify(lay, 3840.0, gemm2, gemm2, ("act",)))
     return lay
