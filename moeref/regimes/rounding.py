@@ -18,6 +18,10 @@ but whose sums need 12 to 13 significant bits:
 The construction: column 0 is ``64 x 64 = 4096`` for every output; ``ties=False`` adds small random integer
 terms (``|a|, |w| <= 4`` over ``k - 1 <= 127`` columns, at most 2032 in magnitude); ``ties=True`` adds one
 term ``1 x (16 + 32 i)``, ``i`` in 0..3.
+
+:func:`single_rounding_layer` does the same for a whole fused-MoE layer: GEMM1's bf16 store, the FP8
+re-quantization (or bf16's activation store) and the bf16 output each round an exact value once, GEMM2's
+output goes unrounded into the FP32 top-k sum, and every conforming order still gives the reference's bits.
 """
 from __future__ import annotations
 
