@@ -41,8 +41,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "latency": ("bench_latency_gpu.py", "decode-sized latency of every fast path, eager and CUDA graph", "GPU"),
     "convert": ("bench_convert.py", "checkpoint conversion speed, one expert and the whole model", "CPU/GPU"),
     "ep": ("bench_ep_gpu.py", "expert-parallel dispatch + combine over NCCL", "GPU"),
-    "exact-regimes": ("bench_exact_regimes.py", "kernels on exact-regime inputs: differing outputs, planted faults",
-                      "GPU"),
+    "exact-regimes": ("bench_exact_regimes.py", "kernels on exact-regime inputs: differing outputs, planted faults "
+                      "(--time-check: the check's cost against the reference's)", "GPU"),
     "oracle-power": ("bench_oracle_power.py", "planted faults each compare profile catches, and its tightness",
                      "CPU"),
     # report scripts: a benchmark's JSON -> the generated table of a docs page (--check compares)
