@@ -30,8 +30,21 @@ GELU where erf is declared, ``fastpath_tanh_gelu``): the number of differing out
 
     python bench/bench_exact_regimes.py [--models deepseek_v3 qwen3_30b_a3b] [--tokens 128] [--out FILE]
     python bench/bench_exact_regimes.py --tiny --device cpu     # the CPU-runnable parts at tiny shapes (CI)
+    python bench/bench_exact_regimes.py --regime single_rounding --models deepseek_v3 qwen3_30b_a3b
 
-Writes JSON to ``--out`` (default ``$OUT/exact_regimes.json``, else ``bench/results/exact_regimes.json``).
+``--regime single_rounding`` runs :func:`moeref.regimes.single_rounding_layer` instead (FP8 and bf16 models): every
+declared store rounds, and GEMM2's output goes into the top-k sum in FP32, so the torch pipeline keeps it in FP32,
+the implementations that store it in bf16 (``torch._grouped_mm``, ``torch._scaled_mm`` here; any kernel that does)
+differ by design, and :data:`SINGLE_ROUNDING_FAULTS` are planted too.
+
+``--time-check`` times the exact-regime check itself instead (:func:`time_check`: reference alone against
+reference + in-regime + equality, interleaved rounds; ``--time-values`` adds the in-regime check from the values):
+
+    python bench/bench_exact_regimes.py --time-check --models deepseek_v3 --tokens 128 --expert-pool 0   # GPU
+    python bench/bench_exact_regimes.py --time-check --device cpu --models deepseek_v3 --shape 2048 768 32 8 --tokens 64
+
+Writes JSON to ``--out`` (meta: date, argv, torch, CUDA (``torch.version.cuda``), DeepGEMM's version or
+``"absent"``, GPU) (default ``$OUT/exact_regimes.json``, else ``bench/results/exact_regimes.json``).
 Budget: about a minute per model on one H200 (weights from a pool of 8 distinct experts).
 """
 from __future__ import annotations
@@ -65,6 +78,9 @@ FAULTS = ("skipped_last_k_block", "halved_w2_scale_block", "swapped_topk_weights
           "renormalized_weights", "neighbour_expert", "last_bit_noise", "tanh_gelu")
 FASTPATH_FAULTS = ("fastpath_tanh_gelu",)
 """Faults planted in fastpath.moe itself (GPU only): the GELU layer run with tanh GELU where erf is declared."""
+SINGLE_ROUNDING_FAULTS = ("rz_gemm1_store", "rz_intermediate", "rz_output_store", "second_gemm2_store")
+"""Faults only ``--regime single_rounding`` sees: a store rounding toward zero (GEMM1's, the FP8 codes or bf16
+activation store, the output's) and GEMM2's output stored in bf16 before the top-k sum."""
 
 
 def parse_args(argv=None):
@@ -77,17 +93,33 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (hidden 256, 8 experts): CPU-runnable")
     p.add_argument("--out", default=None)
+    p.add_argument("--regime", default="exact", choices=("exact", "single_rounding"),
+                   help="single_rounding: moeref.regimes.single_rounding_layer (every declared store rounds, no GEMM2 "
+                        "store), with its faults (round-toward-zero stores, a second store)")
+    p.add_argument("--time-check", action="store_true",
+                   help="time the exact-regime check (reference + in-regime + equality) against the reference alone "
+                        "instead of running the implementations")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds of --time-check")
+    p.add_argument("--shape", nargs=4, type=int, default=None, metavar=("HIDDEN", "INTERMEDIATE", "EXPERTS", "TOP_K"),
+                   help="override the model's shape (e.g. a mid shape on the CPU)")
+    p.add_argument("--time-values", action="store_true",
+                   help="with --time-check, also time the in-regime check from the values (once; slow at large shapes)")
     return p.parse_args(argv)
 
 
-def make_case(model: str, tokens: int, *, tiny: bool = False, seed: int = 0, expert_pool: int = 8):
-    """The exact layer of ``model`` (``tiny``: hidden 256, intermediate 256, 8 experts, top-2) with a skewed
-    (Zipf) routing and token 0's first two weights made different."""
-    from moeref.regimes import exact_layer, exact_topk_weights
+def make_case(model: str, tokens: int, *, tiny: bool = False, seed: int = 0, expert_pool: int = 8, shape=None,
+              regime: str = "exact"):
+    """The exact layer of ``model`` (``tiny``: hidden 256, intermediate 256, 8 experts, top-2; ``shape``:
+    ``(hidden, intermediate, experts, top_k)``) with a skewed (Zipf) routing and token 0's first two weights made
+    different. ``expert_pool`` 0: every expert distinct. ``regime="single_rounding"``:
+    :func:`moeref.regimes.single_rounding_layer` (no biases)."""
+    from moeref.regimes import exact_layer, exact_topk_weights, single_rounding_layer
 
     spec = dict(MODELS[model])
     if tiny:
         spec.update(TINY)
+    if shape is not None:
+        spec.update(zip(("hidden", "intermediate", "experts", "top_k"), (int(v) for v in shape)))
     rng = np.random.default_rng(seed)
     e, k = spec["experts"], spec["top_k"]
     p = 1.0 / np.arange(1, e + 1) ** 1.2
@@ -96,9 +128,14 @@ def make_case(model: str, tokens: int, *, tiny: bool = False, seed: int = 0, exp
     tw = exact_topk_weights((tokens, k), seed=rng)
     if tokens and k > 1:
         tw[0, :2] = [1.0, 0.25]
+    pool = min(expert_pool, e) if expert_pool else None
+    if regime == "single_rounding":
+        return single_rounding_layer(tokens, spec["hidden"], spec["intermediate"], e, k, scheme=spec["scheme"],
+                                     activation=spec["activation"], seed=rng, topk_ids=ids, topk_weights=tw,
+                                     expert_pool=pool)
     return exact_layer(tokens, spec["hidden"], spec["intermediate"], e, k, scheme=spec["scheme"],
                        activation=spec["activation"], seed=rng, topk_ids=ids, topk_weights=tw,
-                       expert_pool=min(expert_pool, e), bias=spec.get("bias", False))
+                       expert_pool=pool, bias=spec.get("bias", False))
 
 
 # ------------------------------------------------------------------ the torch pipeline
@@ -127,14 +164,26 @@ def _stack_weights(ws, torch, dev):
     return torch.stack(out)
 
 
-def _fp8_groups(torch, x, group: int, ue8m0: bool):
-    """Dynamic FP8 per ``group`` columns in float32: (dequantized values, E4M3 codes, scales [M, C/group])."""
+def _toward_zero(torch, x, fmt: str):
+    """float32 ``x`` rounded toward zero to bf16 (the low 16 bits cut) or to E4M3 (3 fraction bits, exponents
+    >= -6), as float32: a truncating store, the fault model."""
+    x = x.float().contiguous()
+    if fmt == "bfloat16":
+        return (x.view(torch.int32) & -65536).view(torch.float32)
+    _, ex = torch.frexp(x)
+    step = torch.exp2((torch.clamp(ex - 1, min=-6) - 3).float())
+    return torch.trunc(x / step) * step
+
+
+def _fp8_groups(torch, x, group: int, ue8m0: bool, toward_zero: bool = False):
+    """Dynamic FP8 per ``group`` columns in float32: (dequantized values, E4M3 codes, scales [M, C/group]);
+    ``toward_zero``: the codes rounded toward zero (a fault)."""
     m, k = x.shape
     xg = x.reshape(m, k // group, group)
     s = xg.abs().amax(-1, keepdim=True).clamp(min=1e-4) / 448.0
     if ue8m0:
         s = torch.exp2(torch.ceil(torch.log2(s)))
-    codes = (xg / s).to(torch.float8_e4m3fn)
+    codes = (_toward_zero(torch, xg / s, "e4m3") if toward_zero else xg / s).to(torch.float8_e4m3fn)
     return (codes.float() * s).reshape(m, k), codes.reshape(m, k), s.reshape(m, -1)
 
 
@@ -159,11 +208,17 @@ class TorchLayer:
         self.w = torch.from_numpy(lay.topk_weights.astype(np.float32)).to(dev)
         counts = np.bincount(lay.topk_ids[lay.topk_ids >= 0], minlength=len(lay.weights.w13))
         self.busiest = int(counts.argmax())
+        self.gemm2_store = "gemm2" not in lay.excluded_stores  # single_rounding_layer: GEMM2 into the sum in FP32
 
-    def _gemm(self, a, w, rows_expert, kind, faulty_rows=None, k_cut=None):
-        """``a [R, C]`` float32 (exact bf16 or FP8 values) times ``w[e] [N, C]`` per row's expert, bf16 output."""
+    def _gemm(self, a, w, rows_expert, kind, faulty_rows=None, k_cut=None, out_dtype=None):
+        """``a [R, C]`` float32 (exact bf16 or FP8 values) times ``w[e] [N, C]`` per row's expert, bf16 output
+        (``out_dtype=torch.float32``: FP32 output, ``bf16`` and ``split_k`` kinds only)."""
         torch = self.torch
-        out = torch.empty(a.shape[0], w.shape[1], dtype=torch.bfloat16, device=a.device)
+        out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+        if out_dtype != torch.bfloat16 and kind not in ("bf16", "split_k"):
+            raise ValueError(f"{kind} stores its output in bf16, and single_rounding_layer declares GEMM2's output "
+                             "unstored (FP32 into the top-k sum)")
+        out = torch.empty(a.shape[0], w.shape[1], dtype=out_dtype, device=a.device)
         experts = torch.unique(rows_expert).tolist()
         if kind == "grouped_mm":
             order = torch.argsort(rows_expert, stable=True)
@@ -177,13 +232,15 @@ class TorchLayer:
             ae, we = a[sel], w[e]
             if k_cut is not None and e == faulty_rows:
                 ae, we = ae[:, :k_cut], we[:, :k_cut]
-            if kind == "bf16":
+            if kind == "bf16" and out_dtype == torch.float32:  # FP32 GEMM of bf16-exact values (TF32 off)
+                out[sel] = ae.to(torch.bfloat16).float() @ we.float().T
+            elif kind == "bf16":
                 out[sel] = ae.to(torch.bfloat16) @ we.T
             elif kind == "split_k":
                 half = ae.shape[1] // 2
                 p1 = ae[:, :half].to(torch.bfloat16).float() @ we[:, :half].float().T
                 p2 = ae[:, half:].to(torch.bfloat16).float() @ we[:, half:].float().T
-                out[sel] = (p2 + p1).to(torch.bfloat16)
+                out[sel] = (p2 + p1).to(out_dtype)
             elif kind.startswith("scaled_mm"):
                 # rowwise FP8: per-row scale 2^ceil(log2(amax / 448)) (exact: every row's amax is 448 * 2^j)
                 amax = ae.abs().amax(1, keepdim=True).clamp(min=1e-30)
@@ -234,6 +291,8 @@ class TorchLayer:
             out = out + self._mlp(a, zero, self.shared[0], self.shared[1], gemm, None, variant,
                                   cfg.shared_experts.as_weights()).float()
         res = out.to(torch.bfloat16)
+        if fault == "rz_output_store":
+            res = _toward_zero(torch, out, "bfloat16").to(torch.bfloat16)
         if fault == "last_bit_noise":
             flat = res.view(torch.int16).reshape(-1)
             gen = torch.Generator(device="cpu").manual_seed(1)
@@ -247,7 +306,10 @@ class TorchLayer:
         n = w2.shape[2]
         kind1 = "split_k" if variant == "split_k" else gemm
         k_cut = a.shape[1] - 128 if fault == "skipped_last_k_block" else None
-        h = self._gemm(a, w13, ex, kind1, self.busiest, k_cut).float()
+        if fault == "rz_gemm1_store":  # FP32 GEMM1, then a truncating bf16 store
+            h = _toward_zero(torch, self._gemm(a, w13, ex, kind1, out_dtype=torch.float32), "bfloat16")
+        else:
+            h = self._gemm(a, w13, ex, kind1, self.busiest, k_cut).float()
         if weights.b13 is not None:
             h = h + torch.from_numpy(np.asarray(weights.b13, np.float32)).to(self.dev)[ex]
         h = h.to(torch.bfloat16).float()
@@ -269,17 +331,20 @@ class TorchLayer:
             gc = gate.clamp(max=7.0)
             x = (up.clamp(-7.0, 7.0) + 1) * gc * torch.sigmoid(1.702 * gc)
         if cfg.act_out_dtype is not None or not self.fp8:
-            x = x.to(torch.bfloat16).float()
+            x = _toward_zero(torch, x, "bfloat16") if fault == "rz_intermediate" and not self.fp8 else \
+                x.to(torch.bfloat16).float()
         if self.fp8:
-            x = _fp8_groups(torch, x, 128 if lay.scheme.startswith("fp8_1x128") else n, self.ue8m0)[0]
+            x = _fp8_groups(torch, x, 128 if lay.scheme.startswith("fp8_1x128") else n, self.ue8m0,
+                            toward_zero=fault == "rz_intermediate")[0]
         w2u = w2
         if fault == "halved_w2_scale_block":
             w2u = w2.clone()
             w2u[self.busiest, :128, :128] *= 0.5
-        y = self._gemm(x, w2u, ex, gemm).float()
+        stored = self.gemm2_store or fault == "second_gemm2_store"
+        y = self._gemm(x, w2u, ex, gemm, out_dtype=None if stored else torch.float32).float()
         if weights.b2 is not None:
             y = y + torch.from_numpy(np.asarray(weights.b2, np.float32)).to(self.dev)[ex]
-        return y.to(torch.bfloat16)
+        return y.to(torch.bfloat16) if stored else y
 
 
 # ------------------------------------------------------------------ fastpath.moe
@@ -328,6 +393,15 @@ def fastpath_runs(lay, dev, activation_params=None):
 # ------------------------------------------------------------------ driver
 
 
+def deep_gemm_version() -> str:
+    """``deep_gemm.__version__`` (``"unknown"`` when it has none), or ``"absent"`` when it does not import."""
+    try:
+        import deep_gemm
+    except Exception:  # noqa: BLE001 - DeepGEMM is optional
+        return "absent"
+    return str(getattr(deep_gemm, "__version__", "unknown"))
+
+
 def _count(ref: np.ndarray, got) -> int:
     g = np.asarray(got.float().cpu().numpy() if hasattr(got, "cpu") else got, dtype=np.float32)
     return int(np.count_nonzero(~((ref == g) | (np.isnan(ref) & np.isnan(g)))))
@@ -339,18 +413,26 @@ def run_model(model: str, args, log) -> dict:
                 "why": "moeref.regimes.exact_layer has no MXFP4 W4A16 construction yet"}
     import torch
 
-    from moeref.regimes import layer_in_exact_regime
+    from moeref.regimes import ROUNDING_LAYER_ACTIVATIONS, ROUNDING_LAYER_SCHEMES, layer_in_exact_regime
 
-    res = {"model": model, "supported": True, "tokens": args.tokens, "implementations": {}, "faults": {},
+    single = args.regime == "single_rounding"
+    spec = MODELS[model]
+    if single and (spec["scheme"] not in ROUNDING_LAYER_SCHEMES or spec["activation"] not in ROUNDING_LAYER_ACTIVATIONS
+                   or spec.get("bias")):
+        return {"model": model, "regime": args.regime, "supported": False,
+                "why": f"single_rounding_layer has no {spec['scheme']} / {spec['activation']} / bias construction"}
+    res = {"model": model, "regime": args.regime, "supported": True, "tokens": args.tokens, "implementations": {},
+           "faults": {},
            "bf16_reduced_precision_reduction": bool(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)}
     t0 = time.time()
-    lay = make_case(model, args.tokens, tiny=args.tiny, seed=args.seed, expert_pool=args.expert_pool)
+    lay = make_case(model, args.tokens, tiny=args.tiny, seed=args.seed, expert_pool=args.expert_pool,
+                    regime=args.regime)
     res["case_seconds"] = round(time.time() - t0, 2)
     res["shape"] = dict(hidden=int(lay.hidden.shape[1]), intermediate=int(np.asarray(lay.weights.w2[0].shape)[1]),
                         experts=len(lay.weights.w13), top_k=int(lay.topk_ids.shape[1]), scheme=lay.scheme,
                         activation=lay.config.activation)
     if args.tiny:
-        ok, why = layer_in_exact_regime(lay, "hopper_fp8")
+        ok, why = layer_in_exact_regime(lay, "fp32" if single and lay.scheme == "bf16" else "hopper_fp8")
         res["in_regime"] = {"ok": bool(ok), "reasons": why[:3]}
     t0 = time.time()
     device = args.device if args.device != "cpu" else None
@@ -395,9 +477,9 @@ def run_model(model: str, args, log) -> dict:
                 record(impl, name, fn)
         except Exception as exc:  # noqa: BLE001
             impl["fastpath.moe"] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
-    for fault in FAULTS:
-        if fault == "tanh_gelu" and lay.config.activation != "gelu_and_mul":
-            continue
+    for fault in FAULTS + (SINGLE_ROUNDING_FAULTS if single else ()):
+        if fault == "tanh_gelu" and (lay.config.activation != "gelu_and_mul" or single):
+            continue  # single_rounding_layer has no GELU probes: every gate is saturated
         record(res["faults"], fault, lambda fault=fault: tl.run("bf16", fault=fault))
     if args.device != "cpu" and lay.config.activation == "gelu_and_mul" \
             and lay.config.activation_params.get("approximate", "none") == "none":
@@ -409,20 +491,108 @@ def run_model(model: str, args, log) -> dict:
     return res
 
 
+def time_check(model: str, args, log) -> dict:
+    """Interleaved rounds (bench.interleaved, wall clock) of the reference alone against the exact-regime check:
+    the reference, then :func:`moeref.regimes.layer_in_exact_regime` (``hopper_fp8``; the layer's certificate)
+    and :func:`moeref.regimes.moe_equality_report` of a candidate output (a copy of the reference's, where a
+    kernel's output would go). On a GPU the reference is ``run_moe(device=...)`` on weights stacked on the
+    device once (``weights_to_device_s``) and the candidate a device tensor; on the CPU the NumPy reference.
+    ``check_over_reference``: the median per-round ratio; ``added_over_reference``: the regime check and the
+    comparison, timed alone, over the reference's median. The arithmetic: ``hopper_fp8`` for FP8 layers, ``fp32``
+    for bf16 ones; ``--regime single_rounding`` times :func:`moeref.regimes.single_rounding_layer`."""
+    from bench.interleaved import WallClock, time_interleaved
+    from moeref.moe import run_moe
+    from moeref.regimes import layer_in_exact_regime, moe_equality_report
+
+    t0 = time.perf_counter()
+    lay = make_case(model, args.tokens, tiny=args.tiny, seed=args.seed, expert_pool=args.expert_pool,
+                    shape=args.shape, regime=args.regime)
+    arithmetic = "hopper_fp8" if lay.scheme.startswith("fp8") else "fp32"
+    res = {"model": model, "regime": args.regime, "arithmetic": arithmetic, "tokens": args.tokens,
+           "expert_pool": args.expert_pool or "distinct",
+           "case_seconds": round(time.perf_counter() - t0, 2), "device": args.device,
+           "shape": dict(hidden=int(lay.hidden.shape[1]), intermediate=int(np.asarray(lay.weights.w2[0].shape)[1]),
+                         experts=len(lay.weights.w13), top_k=int(lay.topk_ids.shape[1]), scheme=lay.scheme),
+           "certificate": lay.certificate is not None}
+    if args.device == "cpu":
+        def reference():
+            return lay.reference()
+
+        def sync():
+            pass
+    else:
+        import torch
+
+        from moeref.moe.device import device_weights
+
+        t = time.perf_counter()
+        on_device = device_weights(lay.weights, args.device)  # stacked once, as a kernel's weights would be
+        res["weights_to_device_s"] = time.perf_counter() - t
+
+        def reference():
+            return run_moe(lay.hidden, on_device, lay.topk_weights, lay.topk_ids, lay.config, device=args.device)
+
+        def sync():
+            torch.cuda.synchronize()
+    first = reference()
+    sync()
+    out = first.out
+    candidate = out.clone() if hasattr(out, "clone") else np.array(out, copy=True)
+
+    def ref_case():
+        reference()
+        sync()
+
+    verdicts = []
+
+    def check_case():
+        run = reference()
+        ok = layer_in_exact_regime(lay, arithmetic, run=run if args.device == "cpu" else None)
+        rep = moe_equality_report(candidate, run)
+        sync()
+        verdicts.append(bool(ok.ok) and rep.passed)
+
+    r = time_interleaved({"reference": ref_case, "check": check_case}, baselines=["reference"], rounds=args.rounds,
+                         clock=WallClock())
+    ratio = r.ratios["check"]["reference"].median
+    res.update(reference_s=r.cases["reference"].median_s, check_s=r.cases["check"].median_s,
+               check_over_reference=round(1.0 / ratio, 4) if ratio > 0 else None,
+               check_passed=all(verdicts), flagged=r.flagged, rounds=args.rounds)
+    for name, fn in (("in_regime_certificate_s", lambda: layer_in_exact_regime(lay, arithmetic)),
+                     ("equality_s", lambda: moe_equality_report(candidate, first))):
+        t = time.perf_counter()
+        fn()
+        res[name] = time.perf_counter() - t
+    # what the check adds to the reference, from its parts (robust where rounds are noisy)
+    res["added_over_reference"] = (res["in_regime_certificate_s"] + res["equality_s"]) / res["reference_s"]
+    if args.time_values:
+        t = time.perf_counter()
+        host_run = lay.reference()
+        res["host_reference_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        ok = layer_in_exact_regime(lay, arithmetic, run=host_run, from_values=True)
+        res["in_regime_from_values_s"] = time.perf_counter() - t
+        res["in_regime_from_values_ok"] = bool(ok.ok)
+    log(f"{model}: {res}")
+    return res
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     out_path = args.out or os.path.join(os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results")),
-                                        "exact_regimes.json")
+                                        "regime_check_time.json" if args.time_check else "exact_regimes.json")
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "argv": sys.argv[1:] if argv is None else list(argv), "models": []}
     try:
         import torch
 
         result["torch"] = torch.__version__
+        result["cuda"] = torch.version.cuda or "absent"  # None on a CPU-only build
         if torch.cuda.is_available():
             result["gpu"] = torch.cuda.get_device_name(0)
     except Exception:  # noqa: BLE001
         pass
+    result["deep_gemm"] = deep_gemm_version()
 
     def log(msg):
         print(msg, flush=True)
@@ -434,7 +604,7 @@ def main(argv=None) -> dict:
 
     for model in args.models:
         try:
-            result["models"].append(run_model(model, args, log))
+            result["models"].append((time_check if args.time_check else run_model)(model, args, log))
         except Exception:  # noqa: BLE001
             result["models"].append({"model": model, "error": traceback.format_exc()[-1500:]})
         save()

@@ -32,12 +32,26 @@ FAULT_NAMES = {
     "last_bit_noise": "last bit flipped in 0.5% of the outputs",
     "tanh_gelu": "tanh GELU for erf GELU",
     "fastpath_tanh_gelu": "fastpath.moe computing tanh GELU for erf GELU",
+    "rz_gemm1_store": "GEMM1 output stored rounding toward zero",
+    "rz_intermediate": "intermediate rounded toward zero (FP8 codes, or the bf16 activation store)",
+    "rz_output_store": "output stored rounding toward zero",
+    "second_gemm2_store": "GEMM2 output stored in bf16 before the top-k sum (two stores)",
 }
 
 
 def _cell(text: str) -> str:
     """``text`` safe inside a markdown table cell (one line, no column separators)."""
     return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _versions(d: dict) -> str:
+    """", CUDA 13.0, DeepGEMM 2.8.2" from the run's meta (runs recorded before the bench kept them: "")."""
+    out = ""
+    if d.get("cuda") not in (None, "absent"):
+        out += f", CUDA {d['cuda']}"
+    if d.get("deep_gemm") is not None:
+        out += ", DeepGEMM " + ("absent" if d["deep_gemm"] == "absent" else d["deep_gemm"])
+    return out
 
 
 def _date(iso: str) -> str:
@@ -107,24 +121,29 @@ def table(runs: list) -> str:
             note = " (cuBLAS bf16 reduced-precision reduction allowed, torch's default)"
         elif reduced == {False}:
             note = " (cuBLAS bf16 reduced-precision reduction off)"
-        out += ["", f"Measured on an {gpu}, {_date(d['date'])}, torch {d.get('torch', '?')}{note}: "
+        out += ["", f"Measured on an {gpu}, {_date(d['date'])}, torch {d.get('torch', '?')}{_versions(d)}{note}: "
                 f"`{_command(d.get('argv', []))}`.", "",
                 "| model | shape | scheme | activation | implementation | differing outputs | seconds |",
                 "|---|---|---|---|---|---|---|"]
         faults = []
+        if any(m.get("regime") == "single_rounding" for m in d["models"]):
+            out[-2:-2] = ["Models marked *(single rounding)* run `moeref.regimes.single_rounding_layer` instead: every "
+                          "declared store rounds, and GEMM2's output goes into the FP32 top-k sum unstored, so an "
+                          "implementation that stores it in bf16 differs by design.", ""]
         for m in d["models"]:
+            name = m["model"] + (" *(single rounding)*" if m.get("regime") == "single_rounding" else "")
             why = _not_run(m)
             if why is not None:
-                out.append(f"| {m['model']} | | | | — | not run: {why} | |")
+                out.append(f"| {name} | | | | — | not run: {why} | |")
                 continue
             s = m["shape"]
-            first = f"| {m['model']} | {_shape(s)} | {s['scheme']} | {s['activation']}"
-            for name, r in m["implementations"].items():
+            first = f"| {name} | {_shape(s)} | {s['scheme']} | {s['activation']}"
+            for impl, r in m["implementations"].items():
                 secs = f"{r['seconds']:.3f}" if "seconds" in r else ""
-                out.append(f"{first} | {_cell(name)} | {_differing(r)} | {secs} |")
+                out.append(f"{first} | {_cell(impl)} | {_differing(r)} | {secs} |")
                 first = "| | | |"
-            for name, r in m["faults"].items():
-                faults.append((m["model"], name, *_fault(r)))
+            for fault, r in m["faults"].items():
+                faults.append((name, fault, *_fault(r)))
         if faults:
             out += ["", "| model | planted fault | differing outputs | caught by equality |", "|---|---|---|---|"]
             last = None

@@ -34,6 +34,7 @@ def test_tiny_run_honest_equal_faults_caught(tmp_path):
     bench.main(["--tiny", "--device", "cpu", "--tokens", "24", "--models", "deepseek_v3", "gpt_oss_120b_mxfp4",
                 "--out", str(out)])
     res = json.loads(out.read_text())
+    assert res["cuda"] and res["deep_gemm"]  # "absent" when torch has no CUDA / DeepGEMM does not import
     for model in res["models"]:
         assert model["supported"] and model["in_regime"]["ok"], model
         honest = [v for v in model["implementations"].values() if "differing" in v]
@@ -61,3 +62,27 @@ def test_fastpath_runs_take_the_layers_activation_and_its_parameters():
     assert bench._count(ref, runs["fastpath.moe triton contiguous"]()) == 0
     with pytest.raises(ValueError, match="'erf'"):
         bench.fastpath_runs(lay, dev, {"approximate": "erf"})["fastpath.moe triton contiguous"]()
+
+
+def test_time_check_tiny(tmp_path):
+    out = tmp_path / "t.json"
+    bench.main(["--time-check", "--tiny", "--device", "cpu", "--tokens", "8", "--models", "deepseek_v3",
+                "--time-values", "--out", str(out)])
+    (m,) = json.loads(out.read_text())["models"]
+    assert m["certificate"] and m["check_passed"] and m["in_regime_from_values_ok"]
+    assert m["rounds"] == 7 and m["reference_s"] > 0 and m["check_s"] > 0
+    assert 0 < m["in_regime_certificate_s"] < m["in_regime_from_values_s"]
+
+
+def test_tiny_single_rounding_run(tmp_path):
+    out = tmp_path / "s.json"
+    bench.main(["--tiny", "--device", "cpu", "--tokens", "24", "--regime", "single_rounding", "--models",
+                "deepseek_v3", "gpt_oss_120b_mxfp4", "--out", str(out)])
+    fp8, mxfp4 = json.loads(out.read_text())["models"]
+    assert not mxfp4["supported"] and "single_rounding_layer" in mxfp4["why"]
+    assert fp8["regime"] == "single_rounding" and fp8["in_regime"]["ok"]
+    impl = fp8["implementations"]
+    assert all(impl[name]["differing"] == 0 for name in impl if name.startswith("torch eager"))
+    assert "declares GEMM2's output unstored" in impl["torch._grouped_mm (CUTLASS)"]["error"]
+    assert set(fp8["faults"]) == (set(bench.FAULTS) - {"tanh_gelu"}) | set(bench.SINGLE_ROUNDING_FAULTS)
+    assert all(f.get("caught") for f in fp8["faults"].values()), fp8["faults"]

@@ -32,3 +32,24 @@ def test_report_renders_both_tables(tmp_path):
     assert "| m1 | last K block of GEMM1 skipped (busiest expert) | 1,234 of 4,096 | yes |" in lines
     assert "|  | invisible | 0 of 4,096 | **no** |" in lines
     assert not any("/x/r.json" in line for line in lines)
+
+
+def test_caption_names_cuda_and_deep_gemm_when_recorded(tmp_path):
+    run = dict(FAKE, cuda="13.0", deep_gemm="2.8.2")
+    lines = rendered(report.main, tmp_path, run, "exact-regimes").splitlines()
+    assert any(line.startswith("Measured on an FakeGPU 9000, 2026-12-01 09:05 UTC, torch 9.9.0, CUDA 13.0, "
+                               "DeepGEMM 2.8.2 (cuBLAS") for line in lines)
+    lines = rendered(report.main, tmp_path, dict(FAKE, cuda="13.0", deep_gemm="absent"), "exact-regimes").splitlines()
+    assert any("torch 9.9.0, CUDA 13.0, DeepGEMM absent (cuBLAS" in line for line in lines)
+
+
+def test_single_rounding_models_are_marked(tmp_path):
+    m = dict(FAKE["models"][0], regime="single_rounding",
+             faults={"second_gemm2_store": {"differing": 7, "of": 4096, "seconds": 0.1, "caught": True}})
+    lines = rendered(report.main, tmp_path, dict(FAKE, models=[m]), "exact-regimes").splitlines()
+    assert any(line.startswith("Models marked *(single rounding)* run `moeref.regimes.single_rounding_layer`")
+               for line in lines)
+    assert ("| m1 *(single rounding)* | hidden 256, intermediate 128, 8 experts, top-2 | fp8_1x128 | silu_and_mul "
+            "| torch eager bf16 | **0 of 4,096** | 0.500 |") in lines
+    assert ("| m1 *(single rounding)* | GEMM2 output stored in bf16 before the top-k sum (two stores) | 7 of 4,096 "
+            "| yes |") in lines

@@ -9,11 +9,13 @@ allows, and every declared store rounds an exact value. Guide: docs/exact-regime
 * :mod:`.checker`: :func:`in_exact_regime` ``(inputs, arithmetic) -> (ok, reasons)`` for GEMMs.
 * :mod:`.operands`: :func:`exact_operand`, exact-regime operands for every scaling scheme.
 * :mod:`.layer`: :func:`exact_layer`, whole fused-MoE layers and inputs checked by equality, and
-  :func:`layer_in_exact_regime`.
+  :func:`layer_in_exact_regime` (from a generated layer's :class:`RegimeCertificate` in O(tokens x top-k),
+  else from the values).
 * :mod:`.equality`: :func:`moe_equality_report` / :func:`gemm_equality_report`, the differing elements
   with token, expert and slot (``regime="exact"`` of :mod:`moeref.testing`).
-* :mod:`.rounding`: :func:`rounding_gemm`, single-rounding regimes (exact FP32 sums a bf16 store must
-  round) that separate RNE from RZ stores, FP32 from bf16 accumulation, one store from two.
+* :mod:`.rounding`: :func:`rounding_gemm` and :func:`single_rounding_layer`, single-rounding regimes (exact
+  FP32 sums that each declared store must round) that separate RNE from RZ stores, FP32 from bf16
+  accumulation, one store from two, for a GEMM and for a whole layer.
 
 Hypothesis strategies: :mod:`moeref.regimes.strategies` (needs the ``test`` extra).
 """
@@ -28,14 +30,16 @@ __all__ = [
     "RegimeCheck", "in_exact_regime", "lsb_exponents", "significant_bits",
     "EXACT_SCHEMES", "FLOAT_DTYPES", "element_choices", "exact_operand",
 ]
-from .layer import (LAYER_ACTIVATIONS, LAYER_SCHEMES, ExactLayer, exact_layer, exact_topk_weights,  # noqa: E402
-                    layer_in_exact_regime)
+from .layer import (LAYER_ACTIVATIONS, LAYER_SCHEMES, ExactLayer, RegimeCertificate, exact_layer,  # noqa: E402
+                    exact_topk_weights, layer_in_exact_regime)
 
-__all__ += ["LAYER_ACTIVATIONS", "LAYER_SCHEMES", "ExactLayer", "exact_layer", "exact_topk_weights",
-            "layer_in_exact_regime"]
+__all__ += ["LAYER_ACTIVATIONS", "LAYER_SCHEMES", "ExactLayer", "RegimeCertificate", "exact_layer",
+            "exact_topk_weights", "layer_in_exact_regime"]
 from .equality import EqualityReport, ExactMismatch, gemm_equality_report, moe_equality_report  # noqa: E402
 
 __all__ += ["EqualityReport", "ExactMismatch", "gemm_equality_report", "moe_equality_report"]
-from .rounding import round_half_away_bf16, round_toward_zero_bf16, rounding_gemm  # noqa: E402
+from .rounding import (ROUNDING_LAYER_ACTIVATIONS, ROUNDING_LAYER_SCHEMES, round_half_away_bf16,  # noqa: E402
+                       round_toward_zero_bf16, rounding_gemm, single_rounding_layer)
 
-__all__ += ["round_half_away_bf16", "round_toward_zero_bf16", "rounding_gemm"]
+__all__ += ["round_half_away_bf16", "round_toward_zero_bf16", "rounding_gemm", "single_rounding_layer",
+            "ROUNDING_LAYER_SCHEMES", "ROUNDING_LAYER_ACTIVATIONS"]

@@ -15,8 +15,12 @@ same for every conforming kernel, and a declared store rounds that exact value o
 bits for every kernel again.
 
 The checks are sufficient, not necessary, and conservative in one more way: ``Q`` is bounded below
-per output element by ``min_k lsb(a[m, k]) * min_k lsb(w[n, k])``. Everything is float64 NumPy, exact
-(sums of non-negative terms far below 2^53 ulps of slack only decide a comparison with a power of two).
+per output element by ``min_k lsb(a[m, k]) * min_k lsb(w[n, k])``. A first test needs no matmul: ``S`` is at
+most ``max_k |a[m, k]| * sum_k |w[n, k]|`` (per promotion interval: that interval's sum), so when the largest
+``log2(max|a[m]| / lsb a[m])`` plus the largest ``log2(sum|w[n]| / lsb w[n])`` fits the accumulator, every
+output does; only when it does not are ``S`` and ``Q`` formed per output (two matmuls per interval).
+Everything is float64 NumPy, exact (sums of non-negative terms far below 2^53 ulps of slack only decide a
+comparison with a power of two).
 """
 from __future__ import annotations
 
@@ -47,19 +51,21 @@ class RegimeCheck(NamedTuple):
 
 def lsb_exponents(x) -> np.ndarray:
     """``e`` with ``x = odd * 2^e`` for every nonzero finite ``x`` (int64, ``x``'s shape); zeros get a huge
-    exponent (``2^20``: never the minimum). Exact: from the float64 bits.
+    exponent (``2^20``: never the minimum). Exact: from the float64 bits (the significand's trailing zeros;
+    subnormals included).
 
     >>> lsb_exponents(np.array([448.0, 0.375, 1.0, 0.0])).tolist()
     [6, -3, 0, 1048576]
     """
-    v = np.abs(np.asarray(x, dtype=np.float64))
+    v = np.asarray(x, dtype=np.float64)
     if not np.all(np.isfinite(v)):
         raise ValueError("values must be finite to have a lowest bit")
-    m, e = np.frexp(v)
-    mi = np.ldexp(m, 53).astype(np.int64)
-    low = mi & -mi
-    out = np.frexp(low.astype(np.float64))[1].astype(np.int64) - 1 + e.astype(np.int64) - 53
-    return np.where(v == 0, _ZERO_LSB, out)
+    bits = np.ascontiguousarray(v).reshape(v.shape).view(np.uint64) & np.uint64(0x7FFFFFFFFFFFFFFF)
+    field = (bits >> np.uint64(52)).astype(np.int64)  # biased exponent (0: zero or subnormal)
+    sig = (bits & np.uint64(0xFFFFFFFFFFFFF)) | np.where(field > 0, np.uint64(1 << 52), np.uint64(0))
+    low = sig & (~sig + np.uint64(1))  # the lowest set bit, a power of two, exact as a float64
+    tz = (low.astype(np.float64).view(np.uint64) >> np.uint64(52)).astype(np.int64) - 1023
+    return np.where(bits == 0, _ZERO_LSB, tz + np.maximum(field, 1) - 1075)
 
 
 def significant_bits(x) -> np.ndarray:
@@ -103,6 +109,48 @@ def _where(idx, shape) -> tuple:
     return tuple(int(i) for i in np.unravel_index(int(idx), shape))
 
 
+def _log2_ratio_max(mag: np.ndarray, lsb_min: np.ndarray) -> float:
+    """``max_r log2(mag[r] / 2^lsb_min[r])`` over rows with ``mag > 0`` (-inf when there are none)."""
+    nz = mag > 0
+    if not nz.any():
+        return -np.inf
+    return float(np.max(np.log2(mag[nz]) - lsb_min[nz]))
+
+
+def _cheap_bound_holds(av, wv, la, lw, ar: Arithmetic, fp32_bits: int) -> bool:
+    """A sufficient test in O(R K + N K): every term of output ``[r, n]`` has magnitude at most
+    ``amax(a[r]) |w[n, k]|``, so every partial sum (any subset, any order) is at most ``amax(a[r]) sum_k |w[n, k]|``
+    (over one promotion interval: that interval's sum), a multiple of ``2^(min lsb a[r] + min lsb w[n])``. With
+    ``A[r] = log2 amax(a[r]) - min lsb a[r]`` and ``W[n]`` likewise from the weight sums, every output is inside
+    the accumulator when ``max A + max W <= bits``: no matmul. Slack ``2^-30`` relative against float rounding
+    of the sums (a tie with the limit falls through to the exact test)."""
+    slack = 1e-9
+    la_min, lw_min = la.min(axis=1), lw.min(axis=1)
+    amax = np.abs(av).max(axis=1)
+    aw = np.abs(wv)
+    a_bits = _log2_ratio_max(amax, la_min)
+    if a_bits == -np.inf:
+        return True
+    w_bits = _log2_ratio_max(aw.sum(axis=1), lw_min)
+    if w_bits == -np.inf:
+        return True
+    if a_bits + w_bits > fp32_bits - slack:
+        return False
+    nz_a, nz_w = amax > 0, aw.max(axis=1) > 0
+    if int(la_min[nz_a].min()) + int(lw_min[nz_w].min()) < -126:
+        return False
+    store_max = min(_STORE_MAX[ar.gemm_store], 2.0**127)
+    if float(amax.max()) * float(aw.sum(axis=1).max()) * (1 + slack) >= store_max:
+        return False
+    if ar.accumulator == "fp32" or (ar.interval is None and fp32_bits == ar.mma_bits):
+        return True
+    k = aw.shape[1]
+    length = k if ar.interval is None else min(int(ar.interval), k)
+    pad = (-k) % length
+    blocks = np.pad(aw, ((0, 0), (0, pad))).reshape(aw.shape[0], -1, length).sum(axis=2)
+    return a_bits + _log2_ratio_max(blocks.max(axis=1), lw_min) <= ar.mma_bits - slack
+
+
 def _check_pair(a: BlockOperand, w: BlockOperand, ar: Arithmetic, label: str) -> list:
     reasons = []
     m, k = a.shape
@@ -113,11 +161,13 @@ def _check_pair(a: BlockOperand, w: BlockOperand, ar: Arithmetic, label: str) ->
         return reasons
     av, wv = operand_real_values(a), operand_real_values(w)
     la, lw = lsb_exponents(av), lsb_exponents(wv)
+    fp32_bits = 24 if ar.accumulator in ("fp32", "hopper_fp8", "fp8_unpromoted") else ar.mma_bits
+    if _cheap_bound_holds(av, wv, la, lw, ar, fp32_bits) and _scales_exact(a, w):
+        return reasons
     # FP32 over the whole K (the promoted accumulator, or the only one)
     qa, qw = la.min(axis=1), lw.min(axis=1)
     qexp = (qa[:, None] + qw[None, :]).astype(np.float64)
     s = _pos_neg_sums(av, wv)
-    fp32_bits = 24 if ar.accumulator in ("fp32", "hopper_fp8", "fp8_unpromoted") else ar.mma_bits
     x = _excess(s, qexp, fp32_bits)
     if np.any(x > 0):
         i = int(np.argmax(x))
@@ -132,12 +182,10 @@ def _check_pair(a: BlockOperand, w: BlockOperand, ar: Arithmetic, label: str) ->
     if np.any(s >= min(store_max, 2.0**127)):
         reasons.append(f"{label}: sums reach {float(s.max()):.4g}, beyond the {ar.gemm_store or 'FP32'} range")
     # scale products sa * sb, formed in FP32 by block-scaled kernels, must be exact
-    if a.scales.size and w.scales.size:
-        sb_a = int(significant_bits(a.scales).max())
-        sb_w = int(significant_bits(w.scales).max())
-        if sb_a + sb_w > 24 and min(sb_a, sb_w) > 1:
-            reasons.append(f"{label}: block scales of {sb_a} and {sb_w} significant bits: their FP32 product "
-                           f"is not exact (use powers of two, UE8M0 or UE4M3 scales)")
+    if not _scales_exact(a, w):
+        sb_a, sb_w = int(significant_bits(a.scales).max()), int(significant_bits(w.scales).max())
+        reasons.append(f"{label}: block scales of {sb_a} and {sb_w} significant bits: their FP32 product "
+                       f"is not exact (use powers of two, UE8M0 or UE4M3 scales)")
     # the low-precision MMA accumulator, per interval of K
     interval = ar.interval
     if ar.accumulator != "fp32" and not (interval is None and fp32_bits == ar.mma_bits):
@@ -160,6 +208,15 @@ def _check_pair(a: BlockOperand, w: BlockOperand, ar: Arithmetic, label: str) ->
                            f"sums of output [{r}, {c}] in K [{start}, {start + length}) reach 2^{np.log2(sv):.2f}, "
                            f"{worst[0] + bits:.2f} bits above their quantum 2^{qv}")
     return reasons
+
+
+def _scales_exact(a: BlockOperand, w: BlockOperand) -> bool:
+    """Whether the FP32 product of any block scale of ``a`` and any of ``w`` is exact."""
+    if not (a.scales.size and w.scales.size):
+        return True
+    sb_a = int(significant_bits(a.scales).max())
+    sb_w = int(significant_bits(w.scales).max())
+    return not (sb_a + sb_w > 24 and min(sb_a, sb_w) > 1)
 
 
 def in_exact_regime(inputs, arithmetic="fp32") -> RegimeCheck:

@@ -54,17 +54,17 @@ import numpy as np
 
 from .._checks import check_choice, check_positive_int
 from ..activations import activation_values, join_w13, join_w13_bias, split_w13
-from ..formats import encode
+from ..formats import decode, encode
 from ..gemm.grouped import ExpertOperands, expert_rows_gemm
 from ..moe import LayerConfig, MoEQuant, MoEWeights, SharedExperts, run_moe
 from ..moe.pipeline import round_to_dtype
 from ..formats import pack_nibbles
 from ..quant import QuantizedTensor, fp8_block, fp8_group, fp8_per_channel, fp8_per_token, mxfp4
 from .arithmetic import Arithmetic, get_arithmetic
-from .checker import RegimeCheck, in_exact_regime, lsb_exponents
+from .checker import RegimeCheck, in_exact_regime, lsb_exponents, significant_bits
 
-__all__ = ["LAYER_SCHEMES", "LAYER_ACTIVATIONS", "ExactLayer", "exact_layer", "layer_in_exact_regime",
-           "exact_topk_weights"]
+__all__ = ["LAYER_SCHEMES", "LAYER_ACTIVATIONS", "ExactLayer", "RegimeCertificate", "exact_layer",
+           "layer_in_exact_regime", "exact_topk_weights"]
 
 LAYER_SCHEMES = ("bf16", "fp8_1x128", "fp8_1x128_ue8m0", "fp8_per_token", "mxfp4_w4a16")
 """``bf16``: bf16 tokens and weights, no quantization; ``fp8_1x128`` / ``fp8_1x128_ue8m0``: DeepSeek-V3
@@ -89,7 +89,13 @@ class ExactLayer:
     ``topk_ids`` int32 ``[M, k]``; ``config`` the :class:`moeref.moe.LayerConfig` with the declared stores
     (bf16 output; bf16 GEMM1 and activation stores for bf16 layers and SwiGLU-OAI). ``token_exponents``:
     int ``[M]``, each token's scale ``2^k``. Run it with :meth:`reference` or pass :attr:`case` to
-    :func:`moeref.testing.assert_moe_close`.
+    :func:`moeref.testing.assert_moe_close`. ``certificate``: the construction's own proof
+    (:class:`RegimeCertificate`, set by :func:`exact_layer`; None on a layer built any other way, and
+    ``dataclasses.replace`` drops it), which :func:`layer_in_exact_regime` reads instead of the values.
+    ``excluded_stores``: optional stores (of :attr:`Arithmetic.optional_stores`) that this layer's declared
+    arithmetic forbids, because they round (:func:`~moeref.regimes.single_rounding_layer`: ``("gemm2",)``, a
+    bf16 store of GEMM2's output before the top-k sum): a kernel that makes one is not conforming, and the
+    regime check does not ask for invariance under it.
     """
 
     hidden: np.ndarray
@@ -99,6 +105,8 @@ class ExactLayer:
     config: LayerConfig
     scheme: str
     token_exponents: np.ndarray = field(repr=False, default=None)
+    excluded_stores: tuple = ()
+    certificate: object = field(repr=False, default=None, init=False, compare=False)
 
     @property
     def options(self) -> dict:
@@ -152,21 +160,20 @@ def _quantized(real: np.ndarray, scheme, exps: np.ndarray) -> QuantizedTensor:
         r, c = real.shape
         mx = np.abs(real).reshape(r, c // block[1], block[1]).max(axis=-1)
         exps = np.where(mx > 0, np.frexp(np.where(mx > 0, mx, 1.0))[1] - 1 - 2, 0)
-    s = np.repeat(np.repeat(exps, block[0], axis=0)[: real.shape[0]], block[1], axis=1)[:, : real.shape[1]]
-    elem = np.ldexp(real, -s)
-    nz = elem != 0  # the weights are sparse: encode the nonzeros (E4M3's code 0 is +0)
+    rows, cols = np.nonzero(real)  # the weights are sparse: encode the nonzeros (code 0 is +0)
+    elem = np.ldexp(real[rows, cols], -exps[rows // block[0], cols // block[1]])
+    nz_codes = np.asarray(encode(elem, scheme.element, overflow="error"), dtype=np.uint8)
+    if not np.array_equal(decode(nz_codes, scheme.element, np.float64), elem):
+        raise AssertionError("an exact-layer weight is not representable (a bug in the construction)")
     codes = np.zeros(real.shape, np.uint8)
-    codes[nz] = np.asarray(encode(elem[nz], scheme.element, overflow="error"), dtype=np.uint8)
+    codes[rows, cols] = nz_codes
     if scheme.scale_format == "fp32":
         scales = np.ldexp(np.float32(1.0), exps).astype(np.float32)
     else:
         scales = (exps + 127).astype(np.uint8)
     if scheme.packed:
         codes = pack_nibbles(codes)
-    q = QuantizedTensor(codes, scales, scheme, real.shape)
-    if not np.array_equal(q.element_values(), elem):
-        raise AssertionError("an exact-layer weight is not representable (a bug in the construction)")
-    return q
+    return QuantizedTensor(codes, scales, scheme, real.shape)
 
 
 def _expert(rng, k: int, n: int, *, scheme, group1: int, group2: int, token_max: int, up_budget: int,
@@ -262,7 +269,7 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
     if k < 2:
         raise ValueError(f"hidden must be at least 2 (two constant token columns); got {k}")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-    a1_scheme, w_scheme = _schemes(scheme)
+    _, w_scheme = _schemes(scheme)
     group1 = 128 if scheme.startswith("fp8_1x128") else k
     group2 = 128 if scheme.startswith("fp8_1x128") else n
     interleave = activation == "swigluoai" and scheme in ("bf16", "fp8_per_token", "mxfp4_w4a16")
@@ -275,20 +282,50 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
     up_budget = (31 - bias_max) // (1 << max(kmax - int(min(token_exponents)), 0)) if bias else 31
     if activation == "swigluoai":
         up_budget = min(up_budget, 6)  # |u| <= 7 stays inside the clamp: (u + 1) * 7 has <= 6 bits
-    # tokens
-    kt = rng.integers(int(min(token_exponents)), kmax + 1, size=m)
+    x, kt = _tokens(rng, m, k, group1, token_max, token_exponents)
+
+    def expert(r):
+        return _expert(r, k, n, scheme=w_scheme, group1=group1, group2=group2, token_max=token_max,
+                       up_budget=up_budget, bias_max=bias_max, activation=activation, off_fraction=off_fraction,
+                       probes=probes)
+
+    stores = dict(out_dtype="bfloat16")
+    if scheme in ("bf16", "mxfp4_w4a16") or activation == "swigluoai" or probes:
+        stores.update(gemm1_out_dtype="bfloat16", act_out_dtype="bfloat16")
+    lay = _assemble(rng, expert, x, kt, num_experts=e, top_k=top, scheme=scheme, layout=layout, bias=bias,
+                    expert_pool=expert_pool, shared_experts=shared_experts, topk_ids=topk_ids,
+                    topk_weights=topk_weights, config=dict(activation=activation, **stores, **options))
+    object.__setattr__(lay, "certificate", _certificate(lay, token_exponents=token_exponents, token_max=token_max,
+                                                        up_budget=up_budget, probes=probes))
+    return lay
+
+
+def _tokens(rng, m: int, k: int, group1: int, token_max: int, token_exponents) -> tuple[np.ndarray, np.ndarray]:
+    """float32 tokens ``[m, k]``: integers ``|t| <= token_max`` times ``2^k`` per token (``k`` drawn from
+    ``token_exponents``' range), ``448 * 2^k`` in the first column of every ``group1`` columns, ``8 * 2^k`` in
+    column 1; and the exponents ``k`` ``[m]``."""
+    kt = rng.integers(int(min(token_exponents)), int(max(token_exponents)) + 1, size=m)
     t = rng.integers(-token_max, token_max + 1, size=(m, k)).astype(np.float64)
     t[:, _anchor_columns(k, group1)] = 448.0
     t[:, 1] = 8.0
-    x = np.ldexp(t, kt[:, None]).astype(np.float32)
-    # experts
+    return np.ldexp(t, kt[:, None]).astype(np.float32), kt
+
+
+def _assemble(rng, expert, x: np.ndarray, kt: np.ndarray, *, num_experts: int, top_k: int, scheme: str, layout: str,
+              bias: bool, expert_pool, shared_experts: bool, topk_ids, topk_weights, config: dict,
+              excluded_stores: tuple = ()) -> ExactLayer:
+    """An :class:`ExactLayer` from tokens ``x`` and a per-expert builder ``expert(rng) -> (gate [n, k], up [n, k],
+    w2 [k, n], (gate, up, w2 block-scale exponents), up bias [n])`` (real values): the weights (bf16 or quantized
+    with ``scheme``'s weight scheme, from a pool with ``expert_pool``), a shared expert, the routing (uniform, or
+    ``topk_ids``) and exact top-k weights, and the :class:`moeref.moe.LayerConfig` of ``config`` with the
+    scheme's quantizers."""
+    m, e, top = x.shape[0], num_experts, top_k
+    a1_scheme, w_scheme = _schemes(scheme)
+
     def build(count):
         w13, w2, b13, b2 = [], [], [], []
         for _ in range(count):
-            gate, up, w2r, (sg, su, s2), b_up = _expert(
-                rng, k, n, scheme=w_scheme, group1=group1, group2=group2, token_max=token_max,
-                up_budget=up_budget, bias_max=bias_max, activation=activation, off_fraction=off_fraction,
-                probes=probes)
+            gate, up, w2r, (sg, su, s2), b_up = expert(rng)
             if w_scheme is None:
                 w13.append(join_w13(gate, up, layout, axis=-2).astype(_BF16))
                 w2.append(w2r.astype(_BF16))
@@ -297,8 +334,8 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
                 qu = _quantized(up, w_scheme, su)
                 w13.append(_join_quantized(qg, qu, layout, w_scheme))
                 w2.append(_quantized(w2r, w_scheme, s2))
-            b13.append(join_w13_bias(np.zeros(n), b_up, layout))
-            b2.append(np.zeros(k))
+            b13.append(join_w13_bias(np.zeros(gate.shape[0]), b_up, layout))
+            b2.append(np.zeros(w2r.shape[0]))
         return w13, w2, np.asarray(b13, np.float32), np.asarray(b2, np.float32)
 
     if expert_pool is None:
@@ -313,7 +350,6 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
     if shared_experts:
         sw13, sw2, _, _ = build(1)
         shared = SharedExperts(sw13[0], sw2[0], layout)
-    # routing
     if topk_ids is None:
         if top > e:
             raise ValueError(f"top_k={top} > num_experts={e} (give topk_ids to route with repeats)")
@@ -328,11 +364,8 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
         tw = np.asarray(topk_weights, dtype=np.float32)
     tw = np.where(ids >= 0, tw, np.float32(0.0)).astype(np.float32)
     quant = MoEQuant() if a1_scheme is None else MoEQuant(a1_scheme, a1_scheme, name=scheme)
-    stores = dict(out_dtype="bfloat16")
-    if scheme in ("bf16", "mxfp4_w4a16") or activation == "swigluoai" or probes:
-        stores.update(gemm1_out_dtype="bfloat16", act_out_dtype="bfloat16")
-    cfg = LayerConfig.build(activation=activation, quant=quant, shared_experts=shared, **stores, **options)
-    return ExactLayer(x, weights, tw, ids, cfg, scheme, kt)
+    cfg = LayerConfig.build(quant=quant, shared_experts=shared, **config)
+    return ExactLayer(x, weights, tw, ids, cfg, scheme, kt, excluded_stores)
 
 
 def _join_quantized(qg: QuantizedTensor, qu: QuantizedTensor, layout: str, scheme) -> QuantizedTensor:
@@ -343,6 +376,153 @@ def _join_quantized(qg: QuantizedTensor, qu: QuantizedTensor, layout: str, schem
     codes = join_w13(qg.codes, qu.codes, layout, axis=-2)
     scales = join_w13(qg.scales, qu.scales, layout, axis=-2)
     return QuantizedTensor(codes, scales, scheme, (codes.shape[0], qg.shape[1]))
+
+
+# ------------------------------------------------------------------------------------------ certificate
+
+
+@dataclass(frozen=True, eq=False)
+class RegimeCertificate:
+    """What :func:`exact_layer`'s construction proves about a layer it built, from its parameters (module
+    docstring; docs/exact-regimes.md, "Checks at speed"), so that :func:`layer_in_exact_regime` need not
+    recompute it from the values. Every ratio is an upper bound, over all outputs, of ``S / Q``: the sum of
+    the magnitudes of the terms over a whole K (so of every partial sum, in every order, split and
+    promotion interval) divided by the smallest term's lowest set bit.
+
+    Attributes:
+        gemm1_ratio, gemm2_ratio: the bound for GEMM1 and GEMM2 (an accumulator of ``p`` bits is exact when
+            ``log2(ratio) <= p``).
+        y_ratio: the largest ``|y|`` of a token's GEMM2 outputs (every expert, every column) over the lowest set
+            bit of any of them: with the top-k weights' own ratio and the slot count, it bounds the FP32 top-k sum.
+        invariant_stores: the optional stores (``"gemm1"``, ``"act"``, ``"gemm2"``) that round nothing.
+        act_values: float64, the exact activation values that are not saturated (GELU probes,
+            SwiGLU-OAI's clamped gate), rounded by the declared ``act_out_dtype`` store; empty when none.
+        binding: the identities of the layer's arrays, weights and config, and ``token_arrays``: copies of
+            the bit patterns of the token-sized arrays (``hidden``, ``topk_ids``, ``topk_weights``; one more
+            ``hidden`` in memory). A layer whose arrays were replaced or edited no longer matches, and the
+            check reads its values. The weights are bound by identity only (comparing their codes would cost
+            as much as the check it replaces).
+    """
+
+    gemm1_ratio: float
+    gemm2_ratio: float
+    y_ratio: float
+    invariant_stores: tuple
+    act_values: np.ndarray
+    binding: tuple
+    token_arrays: tuple
+
+
+def _binding(lay) -> tuple:
+    w = lay.weights
+    shared = lay.config.shared_experts
+    return (id(lay.hidden), id(lay.topk_ids), id(lay.topk_weights), id(lay.config), id(w),
+            tuple(id(x) for x in w.w13), tuple(id(x) for x in w.w2), id(w.b13), id(w.b2),
+            None if shared is None else (id(shared.w13), id(shared.w2)))
+
+
+def _token_arrays(lay) -> tuple:
+    """Bit-pattern copies of the token-sized arrays (``hidden``, ``topk_ids``, ``topk_weights``): comparing them
+    is exact (no hash collisions) and faster than hashing."""
+    out = []
+    for arr in (lay.hidden, lay.topk_ids, lay.topk_weights):
+        a = np.ascontiguousarray(arr)
+        out.append(a.view(np.dtype(f"u{a.dtype.itemsize}")).copy() if a.dtype.itemsize in (1, 2, 4, 8) else a.copy())
+    return tuple(out)
+
+
+def _same_token_arrays(lay, saved: tuple) -> bool:
+    for arr, kept in zip((lay.hidden, lay.topk_ids, lay.topk_weights), saved):
+        a = np.ascontiguousarray(arr)
+        if a.dtype.itemsize in (1, 2, 4, 8):
+            a = a.view(np.dtype(f"u{a.dtype.itemsize}"))
+        if a.shape != kept.shape or a.dtype != kept.dtype or not np.array_equal(a, kept):
+            return False
+    return True
+
+
+def _unsaturated_act_values(activation: str, probes: bool) -> np.ndarray:
+    """The exact activation values the construction leaves unsaturated: the GELU probe ``gelu(0.875) * 119``;
+    SwiGLU-OAI's ``(u + 1) * 7 * sigmoid(1.702 * 7)`` for every clamped up value ``u`` in -7..7."""
+    if activation == "gelu_and_mul" and probes:
+        h = np.array([[_PROBE_GATE, 119.0]])
+    elif activation == "swigluoai":
+        h = np.stack([np.full(15, 56.0), np.arange(-7.0, 8.0)], axis=1)
+    else:
+        return np.zeros(0)
+    return activation_values(activation, h, "gate_up", {}).reshape(-1)
+
+
+def _certificate(lay: ExactLayer, *, token_exponents, token_max: int, up_budget: int, probes: bool):
+    """The :class:`RegimeCertificate` of a layer :func:`exact_layer` just built, or None where the construction's
+    argument is not written out (then the check reads the values)."""
+    cfg = lay.config
+    kmin, kmax = int(min(token_exponents)), int(max(token_exponents))
+    fp8_a2 = cfg.quant.a2 is not None
+    if (cfg.activation_params or cfg.apply_router_weight_on_input or not 0 <= kmin <= kmax <= 20
+            or not 0 <= token_max <= 16 or (cfg.activation == "swigluoai" and fp8_a2)):
+        return None  # (token elements above 16 are not all E4M3 values: the FP8 tokens would round)
+    # GEMM1: gate rows hold one term of 3 significant bits (odd part <= 7); up rows sum at most up_budget
+    # token quanta (|t w| summed <= up_budget 2^k, lowest bits >= 2^k); GELU probes: 448/4 + 8 * 7/8 = 119.
+    gemm1 = max(7.0, float(up_budget), 119.0 if probes else 0.0)
+    if fp8_a2:
+        # a2 codes: |x| >= 56 2^k (gate) * 1 (integer up) over the scale 16 4^k: |x / 2^j| >= 3.5 2^-k, so a
+        # nonzero code's lowest bit is at least E4M3's step in that binade; the largest code is 448.
+        vmin = 3.5 * 2.0**-kmax
+        a2_ratio = 448.0 / 2.0 ** (np.floor(np.log2(vmin)) - 3)
+        gemm2 = 15.0  # one term: a 4-bit code times a power of two
+    else:
+        # bf16 intermediates: x = g u, lowest bit >= 8 2^k, largest the anchor 7168 4^k; probes: bf16(84.3...)
+        # has lowest bit >= 1/2; SwiGLU-OAI: (u + 1) * 7 stored, integers up to 56
+        a2_ratio = 56.0 if cfg.activation == "swigluoai" else max(896.0 * 2.0**kmax, 14336.0 if probes else 0.0)
+        gemm2 = 255.0  # one term: an 8-bit bf16 value times a power of two
+    # y = a2 * w2 (one nonzero per w2 row: +-1, 2, 4 times 2^s2, s2 in -1..1: largest 8, lowest bit 1/2)
+    return _certify(lay, gemm1, gemm2, a2_ratio * 16.0, ("gemm1", "act", "gemm2"),
+                   _unsaturated_act_values(cfg.activation, probes))
+
+
+def _certify(lay: ExactLayer, gemm1_ratio: float, gemm2_ratio: float, y_ratio: float, invariant_stores: tuple,
+            act_values=np.zeros(0)) -> RegimeCertificate:
+    """A :class:`RegimeCertificate` with these bounds, bound to ``lay``'s arrays (for a generator's proof)."""
+    return RegimeCertificate(float(gemm1_ratio), float(gemm2_ratio), float(y_ratio), tuple(invariant_stores),
+                             np.asarray(act_values, np.float64), _binding(lay), _token_arrays(lay))
+
+
+def _certified(layer: ExactLayer, ar: Arithmetic) -> bool:
+    """True when ``layer``'s certificate proves it in the regime of ``ar``; False: read the values."""
+    cert = layer.certificate
+    if (not isinstance(cert, RegimeCertificate) or cert.binding != _binding(layer)
+            or not _same_token_arrays(layer, cert.token_arrays)):
+        return False
+    cfg = layer.config
+    declared = {"gemm1": cfg.gemm1_out_dtype, "act": cfg.act_out_dtype}
+    optional = {s for s in ar.optional_stores if declared.get(s) is None}
+    if not optional <= set(cert.invariant_stores) or ar.accumulator not in ("fp32", "hopper_fp8", "fp8_unpromoted"):
+        return False
+    if ar.gemm_store not in (None, "bfloat16", "float32"):  # float16's range: the values decide
+        return False
+    bits = 24 if ar.accumulator == "fp32" else ar.mma_bits
+    if np.log2(cert.gemm1_ratio) > bits or np.log2(cert.gemm2_ratio) > bits:
+        return False
+    if cert.act_values.size:
+        if cfg.act_out_dtype is None:
+            return False
+        _, same = _robust_round(cert.act_values, np.zeros(cert.act_values.shape, bool),
+                                ar.activation_ulps * 2.0**-24, lambda v: round_to_dtype(v, cfg.act_out_dtype))
+        if not same:
+            return False
+    # the top-k sum in FP32: powers-of-two weights; slots x y ratio x weight ratio within 24 bits
+    ids, tw = np.asarray(layer.topk_ids), np.asarray(layer.topk_weights, np.float64)
+    w = tw[(ids >= 0) & (tw != 0)]
+    if cfg.shared_experts is not None:
+        w = np.append(w, 1.0)
+    if w.size == 0:
+        return True
+    if not np.all(np.isfinite(w)) or np.any(significant_bits(w) != 1):
+        return False
+    slots = ids.shape[1] + (cfg.shared_experts is not None)
+    ratio = slots * cert.y_ratio * float(np.abs(w).max() / np.abs(w).min())
+    return bool(np.log2(ratio) <= 24)
 
 
 # ------------------------------------------------------------------------------------------ checker
@@ -365,7 +545,7 @@ def _saturated(name: str, h: np.ndarray, layout: str, params: dict) -> np.ndarra
     return hi | (g <= -750.0) | (g == 0.0)
 
 
-def layer_in_exact_regime(layer: ExactLayer, arithmetic="fp32") -> RegimeCheck:
+def layer_in_exact_regime(layer: ExactLayer, arithmetic="fp32", *, run=None, from_values: bool = False) -> RegimeCheck:
     """Whether ``layer`` (an :class:`ExactLayer`) is in the exact regime of ``arithmetic``, and why not.
 
     Stage by stage, from the values of the reference's own trace: GEMM1 and GEMM2 with
@@ -376,10 +556,20 @@ def layer_in_exact_regime(layer: ExactLayer, arithmetic="fp32") -> RegimeCheck:
     GEMM2 output exact in bf16 when its store is optional; the top-k weighted sum and the shared experts
     exact in FP32 in any order. Then every stage's result, and the output's single rounding, are the
     same for every such kernel.
+
+    A layer :func:`exact_layer` built carries its :class:`RegimeCertificate`: when the certificate proves the
+    layer in the regime of ``arithmetic`` (and the layer's arrays are still the ones it was built with), the
+    answer comes from it in O(tokens x top-k), without a reference run. Otherwise (and with
+    ``from_values=True``) every stage is checked from the values; ``run``: the layer's traced NumPy reference
+    run (:meth:`ExactLayer.reference`) when you have it, so it is not computed twice.
     """
     ar = get_arithmetic(arithmetic)
+    if layer.excluded_stores:
+        ar = ar.with_(optional_stores=tuple(x for x in ar.optional_stores if x not in layer.excluded_stores))
     cfg = layer.config
-    run = layer.reference()
+    if not from_values and _certified(layer, ar):
+        return RegimeCheck(True, [])
+    run = layer.reference() if run is None else run
     reasons: list = []
     delta = ar.activation_ulps * 2.0**-24
     parts = [(run.chunks, layer.weights, "routed")]
@@ -395,8 +585,11 @@ def layer_in_exact_regime(layer: ExactLayer, arithmetic="fp32") -> RegimeCheck:
             valid = p.row_expert >= 0
             if not valid.any():
                 continue
-            c = expert_rows_gemm(p.a, p.row_expert, w13)
-            h = c if weights.b13 is None else c + np.asarray(weights.b13, np.float64)[np.maximum(p.row_expert, 0)]
+            if weights.b13 is None:  # the GEMM1 output the run kept (after the declared store, which
+                h = np.asarray(eo.h, np.float64)  # _activation_paths applies again, idempotent): no second GEMM
+            else:
+                c = expert_rows_gemm(p.a, p.row_expert, w13)
+                h = c if weights.b13 is None else c + np.asarray(weights.b13, np.float64)[np.maximum(p.row_expert, 0)]
             if weights.b13 is not None:
                 h32 = c.astype(np.float32) + np.asarray(weights.b13, np.float32)[np.maximum(p.row_expert, 0)]
                 if not np.array_equal(h32.astype(np.float64)[valid], h[valid]):

@@ -18,14 +18,20 @@ but whose sums need 12 to 13 significant bits:
 The construction: column 0 is ``64 x 64 = 4096`` for every output; ``ties=False`` adds small random integer
 terms (``|a|, |w| <= 4`` over ``k - 1 <= 127`` columns, at most 2032 in magnitude); ``ties=True`` adds one
 term ``1 x (16 + 32 i)``, ``i`` in 0..3.
+
+:func:`single_rounding_layer` does the same for a whole fused-MoE layer: GEMM1's bf16 store, the FP8
+re-quantization (or bf16's activation store) and the bf16 output each round an exact value once, GEMM2's
+output goes unrounded into the FP32 top-k sum, and every conforming order still gives the reference's bits.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .._checks import check_positive_int
+from .layer import _anchor_columns
 
-__all__ = ["rounding_gemm", "round_toward_zero_bf16", "round_half_away_bf16"]
+__all__ = ["rounding_gemm", "round_toward_zero_bf16", "round_half_away_bf16", "single_rounding_layer",
+           "ROUNDING_LAYER_SCHEMES", "ROUNDING_LAYER_ACTIVATIONS"]
 
 
 def rounding_gemm(m: int, n: int, k: int, *, ties: bool = False, seed=0) -> tuple[np.ndarray, np.ndarray]:
@@ -68,3 +74,165 @@ def round_half_away_bf16(x) -> np.ndarray:
     u = f.view(np.uint32).astype(np.uint64)
     r = ((u + 0x8000) & 0xFFFF0000).astype(np.uint32)
     return r.view(np.float32).astype(np.float64)
+
+
+# ------------------------------------------------------------------------------------------ whole layer
+
+ROUNDING_LAYER_SCHEMES = ("bf16", "fp8_1x128", "fp8_1x128_ue8m0", "fp8_per_token")
+"""Schemes of :func:`single_rounding_layer` (those of :data:`moeref.regimes.LAYER_SCHEMES` but MXFP4 W4A16, whose
+32-element blocks cannot hold the up rows' large and small weights under one scale)."""
+ROUNDING_LAYER_ACTIVATIONS = ("silu_and_mul", "gelu_and_mul")
+
+_UP_FIRST, _UP_MID, _UP_LAST = 4.0, 16.0, 224.0  # up rows: 448 * 4 + 8 * 16 + 8 * 224 = 3712 (columns 0, 1, -1)
+_UP_SMALL = 32  # small terms per up row: t * w with |t| <= 2, |w| <= 2
+_ANCHOR_GATE2, _ANCHOR_UP2 = 32.0, 16.0  # anchor x = (8 * 32) * (448 * 16) = 448 * 4096
+_W2_BIG = 16.0
+_W2_SMALL = 8
+
+
+def _rounding_expert(rng, k: int, n: int, *, scheme, group1: int, group2: int, bf16_gates: bool,
+                     off_fraction: float):
+    """One expert's real ``gate [n, k]``, ``up [n, k]``, ``w2 [k, n]``, block-scale exponents and (zero) up
+    bias for :func:`single_rounding_layer` (its docstring has the values). The gate and up values do not depend
+    on their 128x128 block scale ``2^s`` (``s`` in 0..1: the FP8 element is the value over it); ``w2``'s do
+    (times ``2^s2``, ``s2`` in -1..1)."""
+    br, bk = (128, 128) if scheme is None else scheme.resolve_block((n, k))
+    nb_rows, nb_cols = -(-n // br), -(-k // bk)
+    s_gate = rng.integers(0, 2, size=(nb_rows, nb_cols))
+    s_up = rng.integers(0, 2, size=(nb_rows, nb_cols))
+    rows = np.arange(n)
+    on = rng.random(n) >= off_fraction
+    gate = np.zeros((n, k))
+    if bf16_gates:  # g = 448 * 2^k * {1/8, 1/4, 1/2}: three significant bits, so x = g u needs the act store
+        gate[:, 0] = np.where(on, np.array([0.125, 0.25, 0.5])[rng.integers(0, 3, size=n)], -2.0)
+    else:  # g = 8 * 2^k * {8, 16, 32}: powers of two, so x = g u is exact in bf16
+        gate[:, 1] = np.where(on, np.array([8.0, 16.0, 32.0])[rng.integers(0, 3, size=n)], 0.0)
+        gate[~on, 0] = -2.0
+    up = np.zeros((n, k))
+    sign = rng.choice(np.array([-1.0, 1.0]), size=n)
+    up[:, 0] = sign * _UP_FIRST  # 448 * 4 = 1792 at the start of K ...
+    up[:, 1] = sign * _UP_MID  # ... 8 * 16 = 128 ...
+    up[:, k - 1] = sign * _UP_LAST  # ... and 8 * 224 = 1792 at its end: 3712, a midpoint of E4M3 codes (below)
+    free = np.setdiff1d(np.arange(k), np.concatenate([_anchor_columns(k, group1), [1, k - 1]]))
+    if free.size:
+        cols = free[rng.integers(0, free.size, size=(n, _UP_SMALL))]  # a repeated column keeps one term
+        vals = rng.choice(np.array([-2.0, -1.0, 1.0, 2.0]), size=cols.shape)
+        up[np.repeat(rows, cols.shape[1]), cols.reshape(-1)] = vals.reshape(-1)
+    anchors2 = _anchor_columns(n, group2)
+    gate[anchors2, :] = 0.0
+    gate[anchors2, 1] = _ANCHOR_GATE2
+    up[anchors2, :] = 0.0
+    up[anchors2, 0] = _ANCHOR_UP2
+    # w2 [k, n]: a large weight on intermediate column 0 (the anchor) and small ones elsewhere, per 128x128
+    # block times 2^s2
+    br2, bk2 = (128, 128) if scheme is None else scheme.resolve_block((k, n))
+    s2 = rng.integers(-1, 2, size=(-(-k // br2), -(-n // bk2)))
+    w2 = np.zeros((k, n))
+    w2[:, 0] = rng.choice(np.array([-_W2_BIG, _W2_BIG]), size=k)
+    free2 = np.setdiff1d(np.arange(n), anchors2)
+    if free2.size:
+        c2 = free2[rng.integers(0, free2.size, size=(k, _W2_SMALL))]
+        v2 = rng.choice(np.array([-2.0, -1.0, 1.0, 2.0]), size=c2.shape)
+        w2[np.repeat(np.arange(k), c2.shape[1]), c2.reshape(-1)] = v2.reshape(-1)
+    w2 *= np.ldexp(1.0, np.repeat(np.repeat(s2, br2, axis=0)[:k], bk2, axis=1)[:, :n])
+    return gate, up, w2, (s_gate, s_up, s2), np.zeros(n)
+
+
+def single_rounding_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
+                          scheme: str = "fp8_1x128", activation: str = "silu_and_mul", seed=0, topk_ids=None,
+                          topk_weights=None, shared_experts: bool = False, token_exponents=(0, 1),
+                          off_fraction: float = 0.125, expert_pool: int | None = None, **options):
+    """A whole fused-MoE layer whose every declared store rounds an exact value once, and rounds it for real.
+
+    On :func:`~moeref.regimes.exact_layer`'s layers every stage is exact, so a kernel that truncates (RZ) at
+    a store, accumulates in bf16 or stores GEMM2's output in bf16 before the top-k sum gives the reference's
+    bits all the same. Here every partial sum is still exact in FP32 (any order, split-K) and in Hopper's FP8
+    accumulator (every 128 K), but the values need more bits than the stores keep:
+
+    * **GEMM1, declared bf16 store** (``gemm1_out_dtype="bfloat16"``). Tokens as in ``exact_layer``
+      (``|t| <= 2`` times ``2^k``, ``448 * 2^k`` in the first column of every 128, ``8 * 2^k`` in column 1). Up
+      rows: ``+-(448 * 4 + 8 * 16 + 8 * 224) * 2^k = +-3712 * 2^k`` from columns 0, 1 and the last one (also
+      ``8 * 2^k`` here), plus 32 small terms ``t * (+-1, +-2)``: ``|u| / 2^k`` in ``[3584, 3840]``, an integer of
+      12 bits that the bf16 store rounds to 8 (step 16). With large terms at both ends of K, a bf16
+      accumulator loses the small terms whether it runs forward or backward. Gates read one column:
+      ``{64, 128, 256} * 2^k`` (powers of two) for FP8 schemes, ``{56, 112, 224} * 2^k`` (three bits) for bf16;
+      one in eight is ``-896 * 2^k`` (output exactly 0). Every gate saturates SiLU and GELU (``|g| >= 40``).
+    * **The intermediate.** FP8 schemes: ``x = g * bf16(u)`` has 8 bits (exact in bf16, so the optional
+      activation store changes nothing); an anchor per 128-column group (gate ``256 * 2^k``, up ``7168 * 2^k``,
+      ``x = 448 * 4096 * 4^k``, above every other ``|x| <= 256 * 3840 * 4^k``) makes each group's scale
+      ``2^(12 + 2k)`` exactly, and the E4M3 codes are one RNE rounding of ``x / 2^j`` (8 bits to 4). The up
+      values straddle 3712, where ``x / 2^j`` is the midpoint between two E4M3 codes (3584 and 3840 times
+      ``g / 2^j``): a change of one bf16 step in ``u`` (a GEMM1 store rounded the wrong way, a bf16
+      accumulator) moves the code, where 3584 (a code itself, half a code step from either boundary) would
+      hide it. bf16: ``x`` has up to 11 bits, and the declared bf16 activation store rounds it once.
+    * **GEMM2, no store.** Each ``w2`` row has ``+-16`` on the anchor column and 8 small weights ``+-1, +-2``,
+      times a power-of-two 128x128 block scale ``2^s2`` (``s2`` in -1..1): ``y`` needs up to 13 significant
+      bits, exact in FP32 and in the 14-bit FP8 accumulator (FP8 schemes), and goes into the FP32 top-k sum
+      unrounded: the layer's declared arithmetic has
+      no GEMM2 store (``excluded_stores=("gemm2",)``), so a kernel that stores ``y`` in bf16 first rounds twice.
+    * **The output, declared bf16 store.** Top-k weights ``2^-e``: the weighted sum (and a shared expert) is
+      exact in FP32 in any order and needs more than 8 bits; the bf16 store rounds it once.
+
+    Every conforming kernel (FP32 or FP8-promoted accumulation in any order, split-K, any top-k order or token
+    chunking, with or without the optional activation store) gives the reference's bits; a kernel that rounds
+    toward zero (or half away from zero) at any of the rounding stores, accumulates either GEMM in bf16 in K
+    order, or stores GEMM2's output in bf16 before the top-k sum does not (tests/test_regimes_single_rounding.py).
+    What it cannot separate is in docs/exact-regimes.md.
+
+    Args: as :func:`~moeref.regimes.exact_layer` (``scheme`` one of :data:`ROUNDING_LAYER_SCHEMES`,
+    ``activation`` one of :data:`ROUNDING_LAYER_ACTIVATIONS`; ``hidden`` at least 32; no biases). Tokens as
+    ``exact_layer``'s, with their last column ``8 * 2^k`` too.
+
+    >>> from moeref.regimes import layer_in_exact_regime
+    >>> lay = single_rounding_layer(4, 256, 256, 4, 2, seed=0)
+    >>> lay.config.gemm1_out_dtype, lay.excluded_stores, layer_in_exact_regime(lay, "hopper_fp8").ok
+    ('bfloat16', ('gemm2',), True)
+    """
+    from .._checks import check_choice
+    from .layer import _assemble, _certify, _schemes, _tokens
+
+    m = check_positive_int(num_tokens, "num_tokens", allow_zero=True)
+    k = check_positive_int(hidden, "hidden")
+    n = check_positive_int(intermediate, "intermediate")
+    e = check_positive_int(num_experts, "num_experts")
+    top = check_positive_int(top_k, "top_k")
+    check_choice(scheme, ROUNDING_LAYER_SCHEMES, "scheme")
+    check_choice(activation, ROUNDING_LAYER_ACTIVATIONS, "activation")
+    if scheme.startswith("fp8_1x128") and (k % 128 or n % 128):
+        raise ValueError(f"scheme {scheme!r} needs hidden and intermediate multiples of 128; got {k}, {n}")
+    if k < 32:
+        raise ValueError(f"hidden must be at least 32 (room for 16 small up terms); got {k}")
+    exps = tuple(int(v) for v in token_exponents)
+    if not exps or min(exps) < 0 or max(exps) > 20:
+        raise ValueError(f"token_exponents must be integers in 0..20 (saturated gates need 2^k >= 1); "
+                         f"got {token_exponents}")
+    bad = sorted(set(options) & {"bias", "w13_layout", "token_max", "activation", "quant"})
+    if bad:
+        raise TypeError(f"single_rounding_layer takes no {bad} (no biases, gate_up w13, tokens |t| <= 2)")
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    _, w_scheme = _schemes(scheme)
+    group1 = 128 if scheme.startswith("fp8_1x128") else k
+    group2 = 128 if scheme.startswith("fp8_1x128") else n
+    x, kt = _tokens(rng, m, k, group1, 2, exps)
+    x[:, k - 1] = np.ldexp(np.float32(8.0), kt)  # a second constant column, at the end of K
+
+    def expert(r):
+        return _rounding_expert(r, k, n, scheme=w_scheme, group1=group1, group2=group2,
+                                bf16_gates=scheme == "bf16", off_fraction=off_fraction)
+
+    stores = dict(out_dtype="bfloat16", gemm1_out_dtype="bfloat16")
+    if scheme == "bf16":
+        stores["act_out_dtype"] = "bfloat16"
+    lay = _assemble(rng, expert, x, kt, num_experts=e, top_k=top, scheme=scheme, layout="gate_up", bias=False,
+                    expert_pool=expert_pool, shared_experts=shared_experts, topk_ids=topk_ids,
+                    topk_weights=topk_weights, config=dict(activation=activation, **stores, **options),
+                    excluded_stores=("gemm2",))
+    if lay.config.activation_params or lay.config.apply_router_weight_on_input:
+        return lay
+    # the construction's bounds (RegimeCertificate): GEMM1 up rows sum at most 3712 + 32 * 4 = 3840 quanta 2^k;
+    # GEMM2 (FP8): codes G U / 2^12 in [56, 448] (lowest bit >= 4) times w2 (largest 16 * 2, lowest bit 1/2):
+    # |y| / 2^j <= 448 * 32 + 8 * 240 * 4 = 22016 over a quantum of 2; bf16: x = g bf16(u) >= 56 * 3584 4^k has
+    # lowest bit >= 2^10 4^k, the anchor 256 * 7168 4^k is the largest: (1835008 * 32 + 8 * 224 * 3840 * 4) / 512
+    gemm2 = 22016.0 / 2.0 if scheme != "bf16" else (1835008.0 * 32 + 8 * 224 * 3840 * 4) / 512.0
+    object.__setattr__(lay, "certificate", _certify(lay, 3840.0, gemm2, gemm2, ("act",)))
+    return lay

@@ -8,6 +8,8 @@
 * :func:`exact_layers`: :class:`~moeref.regimes.ExactLayer` cases over every routing kind, scheme and
   activation of :func:`~moeref.regimes.exact_layer`, with biases, shared experts, chunking, dispatch
   layouts and EP expert maps drawn.
+* :func:`single_rounding_layers`: :func:`~moeref.regimes.single_rounding_layer` cases (every declared store
+  rounds an exact value once), drawn the same way.
 
 The routings' ids are used as drawn; their weights are replaced by powers of two
 (:func:`~moeref.regimes.exact_topk_weights`): softmax weights are not exact in FP32 products.
@@ -26,8 +28,9 @@ from .arithmetic import get_arithmetic
 from .checker import in_exact_regime
 from .layer import LAYER_ACTIVATIONS, LAYER_SCHEMES, ExactLayer, exact_layer, exact_topk_weights
 from .operands import exact_operand
+from .rounding import ROUNDING_LAYER_ACTIVATIONS, ROUNDING_LAYER_SCHEMES, single_rounding_layer
 
-__all__ = ["GEMM_PAIRS", "ExactGroupedGemm", "exact_grouped_gemms", "exact_layers"]
+__all__ = ["GEMM_PAIRS", "ExactGroupedGemm", "exact_grouped_gemms", "exact_layers", "single_rounding_layers"]
 
 GEMM_PAIRS = {
     "fp8_per_tensor": ("fp8_per_tensor", "fp8_per_tensor"),
@@ -111,13 +114,36 @@ def exact_layers(draw, *, schemes=LAYER_SCHEMES, activations=LAYER_ACTIVATIONS, 
     (its ids; exact power-of-two weights), biases and a shared expert (drawn unless ``bias`` / ``shared``
     fix them), a chunk size, a dispatch layout and, with ``expert_maps``, one EP rank's expert map (the
     layer then holds that rank's experts and its output is the rank's partial sum)."""
+    with_bias = draw(st.booleans()) if bias is None else bool(bias)
+    return draw(_drawn_layers(exact_layer, dict(bias=with_bias), schemes=schemes, activations=activations,
+                              max_tokens=max_tokens, max_experts=max_experts, max_top_k=max_top_k, hidden=hidden,
+                              intermediate=intermediate, kinds=kinds, shared=shared, chunking=chunking,
+                              layouts=layouts, expert_maps=expert_maps))
+
+
+@st.composite
+def single_rounding_layers(draw, *, schemes=ROUNDING_LAYER_SCHEMES, activations=ROUNDING_LAYER_ACTIVATIONS,
+                           max_tokens: int = 12, max_experts: int = 6, max_top_k: int = 3, hidden=(256,),
+                           intermediate=(128, 256), kinds=_DRAWN_KINDS + OPT_IN_KINDS, shared=None,
+                           chunking: bool = True, layouts=("standard", "contiguous", "masked", "batched"),
+                           expert_maps: bool = True) -> ExactLayer:
+    """A :func:`~moeref.regimes.single_rounding_layer` (every declared store rounds an exact value once), drawn
+    like :func:`exact_layers` (no biases: the construction has none)."""
+    return draw(_drawn_layers(single_rounding_layer, {}, schemes=schemes, activations=activations,
+                              max_tokens=max_tokens, max_experts=max_experts, max_top_k=max_top_k, hidden=hidden,
+                              intermediate=intermediate, kinds=kinds, shared=shared, chunking=chunking,
+                              layouts=layouts, expert_maps=expert_maps))
+
+
+@st.composite
+def _drawn_layers(draw, build, fixed: dict, *, schemes, activations, max_tokens, max_experts, max_top_k, hidden,
+                  intermediate, kinds, shared, chunking, layouts, expert_maps) -> ExactLayer:
     scheme = draw(st.sampled_from(tuple(schemes)))
     activation = draw(st.sampled_from(tuple(activations)))
     r = draw(routings(max_tokens=max_tokens, max_experts=max_experts, max_top_k=max_top_k, kinds=tuple(kinds),
                       allow_padding=True))
     k = draw(st.sampled_from(tuple(hidden)))
     n = draw(st.sampled_from(tuple(intermediate)))
-    with_bias = draw(st.booleans()) if bias is None else bool(bias)
     with_shared = draw(st.booleans()) if shared is None else bool(shared)
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
@@ -125,8 +151,8 @@ def exact_layers(draw, *, schemes=LAYER_SCHEMES, activations=LAYER_ACTIVATIONS, 
     if chunking and r.num_tokens > 1 and draw(st.booleans()):
         options["chunk_size"] = draw(st.integers(1, r.num_tokens - 1))
     tw = exact_topk_weights(r.ids.shape, seed=rng)
-    lay = exact_layer(r.num_tokens, k, n, r.num_experts, r.top_k, scheme=scheme, activation=activation, seed=rng,
-                      topk_ids=r.ids, topk_weights=tw, bias=with_bias, shared_experts=with_shared, **options)
+    lay = build(r.num_tokens, k, n, r.num_experts, r.top_k, scheme=scheme, activation=activation, seed=rng,
+                topk_ids=r.ids, topk_weights=tw, shared_experts=with_shared, **fixed, **options)
     if expert_maps and r.num_experts > 1 and draw(st.booleans()):
         ep_size = draw(st.integers(2, min(4, r.num_experts)))
         ep_rank = draw(st.integers(0, ep_size - 1))
@@ -135,5 +161,5 @@ def exact_layers(draw, *, schemes=LAYER_SCHEMES, activations=LAYER_ACTIVATIONS, 
         local = np.flatnonzero(emap >= 0)[np.argsort(emap[emap >= 0])]
         cfg = LayerConfig.build(lay.config, expert_map=emap, num_experts=r.num_experts)
         lay = ExactLayer(lay.hidden, lay.weights.select(local), lay.topk_weights, lay.topk_ids, cfg, lay.scheme,
-                         lay.token_exponents)
+                         lay.token_exponents, lay.excluded_stores)
     return lay
