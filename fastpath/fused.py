@@ -1,5 +1,5 @@
-"""Gated activation + FP8 group quantization in one kernel (``silu_and_mul`` / ``gelu_and_mul`` /
-``swigluoai`` -> 1xG).
+"""Gated activation + FP8 quantization in one kernel (``silu_and_mul`` / ``gelu_and_mul`` /
+``swigluoai`` -> 1xG or per token; per tensor in two passes, the first for the tensor amax).
 
 The MoE expert's first GEMM produces ``h[..., 2N]``; the second GEMM wants FP8 codes of
 ``act(h)[..., N]`` with per-token-group scales (DeepGEMM / vLLM 1x128). Fusing saves writing the
@@ -364,8 +364,9 @@ def silu_and_mul_quant_fp8(x: torch.Tensor, scheme: Scheme | None = None, *,
 
     Args:
         x: float32/bfloat16/float16 ``[..., 2N]`` (1 to 3 dims, any strides).
-        scheme: an FP8 per-token or 1xG scheme (default ``fp8_group(128)``, moeref's default
-            preset; ``fp8_group(128, "ue8m0", "deepgemm")`` for DeepGEMM's recipe).
+        scheme: an FP8 per-token, 1xG or per-tensor scheme (default ``fp8_group(128)``, moeref's
+            default preset; ``fp8_group(128, "ue8m0", "deepgemm")`` for DeepGEMM's recipe). Per tensor:
+            two passes over x, the first for the tensor amax (:meth:`_FusedPlan._plan_per_tensor`).
         scale_layout: see :data:`fastpath.quant.SCALE_LAYOUTS`.
         tile: ``block_m``, ``groups_per_program``, ``num_warps`` (tile overrides) and ``tuning``
             (:class:`fastpath.quant.QuantTuning`), as :func:`fastpath.quant.quantize` takes them;
