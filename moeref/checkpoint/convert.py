@@ -27,9 +27,7 @@ import fnmatch
 import hashlib
 import json
 import os
-import queue
 import shutil
-import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -40,6 +38,7 @@ from ..quant import quantize_and_report, requantize
 from ..quant.tensor import sum_of_squares
 from .engines import ENGINES, check_engine, choose_engine, engine_name, source_quantizer
 from .layouts import LAYOUTS, ModuleData, detect_layout, get_layout
+from .pipeline import device_amax, hash_in_thread, run_pipeline
 from .report import ConversionReport, ModuleReport, ShardRecord
 from .scale_layout import (SCALE_LAYOUTS, SWIZZLE_TARGETS, mark_config, reading_view,
                            scale_layout_of, swizzle_tensors)
@@ -372,7 +371,7 @@ def _group_global(members, job: _ShardJob, ck, scheme, datas: list | None = None
     amax = 0.0
     for d in datas:
         if device is not None:  # the same numbers on the device: a max is exact in any order
-            amax = max(amax, _device_amax(d, job.opts.precision, device))
+            amax = max(amax, device_amax(d, job.opts.precision, device))
             continue
         if d.q is not None:
             v = d.q.dequantize(np.float32 if job.opts.precision == "float32" else np.float64)
@@ -387,25 +386,6 @@ def _group_global(members, job: _ShardJob, ck, scheme, datas: list | None = None
     s_enc, pts, _, _ = global_factors(scheme.preset, a32, None, np.float32)
     return {"amax": float(a32), "encode_scale": float(s_enc), "decode_scale": float(pts)}[conv], \
         "max of the members' amax"
-
-
-def _device_amax(d: ModuleData, precision: str, device: str) -> float:
-    """``max |v|`` of :func:`_group_global`'s member values ``v`` (the source decoded to float32, or
-    float64 for ``precision="exact"``; float values as float32), computed on ``device``."""
-    import torch
-
-    from .._interop import to_device, to_torch
-    from ..quant.device_report import device_dequantize, upload
-
-    if d.q is not None:
-        if d.q.zero_points is not None or d.q.channel_scales is not None:
-            v = torch.from_numpy(d.q.dequantize(np.float32 if precision == "float32" else np.float64))
-        else:
-            v = device_dequantize(*upload(d.q, device), d.q.scheme, d.q.shape, d.q.global_scale)
-            v = v.to(torch.float32) if precision == "float32" else v
-    else:
-        v = to_device(to_torch(np.asarray(d.values)), device).to(torch.float32)
-    return float(v.abs().max()) if v.numel() else 0.0
 
 
 def _dequantize_module(data: ModuleData, job: _ShardJob) -> tuple:
@@ -479,69 +459,11 @@ def _finish_shard(job: _ShardJob, path: str, copied: int, reports: list, hash_la
     return rec
 
 
-PIPELINE_DEPTH = 2
-"""Modules read ahead of the conversion, and converted modules queued for the writer, in a pipelined shard."""
-
-_DONE = object()
-
-
-class _Stage(threading.Thread):
-    """A pipeline thread: runs ``fn``; on an exception keeps it for the main thread and sets ``stop``, so that
-    no stage waits on a queue the failed one no longer serves."""
-
-    def __init__(self, fn, name, stop):
-        super().__init__(name=name, daemon=True)
-        self.fn, self.error, self.stop = fn, None, stop
-
-    def run(self):
-        try:
-            self.fn()
-        except BaseException as e:  # re-raised by the main thread
-            self.error = e
-            self.stop.set()
-
-
-def _put(q, item, stop) -> bool:
-    """Put ``item`` into the bounded queue ``q`` unless ``stop`` is set first (the other side failed)."""
-    while not stop.is_set():
-        try:
-            q.put(item, timeout=0.1)
-            return True
-        except queue.Full:
-            continue
-    return False
-
-
-def _prefetch(path: str) -> None:
-    """Ask the kernel to read the file ``path`` into the page cache, sequentially, in the background
-    (``posix_fadvise(WILLNEED)`` from a daemon thread; nothing where the call does not exist). safetensors
-    maps a shard and reads it by page faults as its tensors are touched; this turns that into one sequential
-    read at the disk's bandwidth, ahead of the reader."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-
-    def advise():
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
-    threading.Thread(target=advise, name="moeref-convert-prefetch", daemon=True).start()
-
-
 def _run_shard_pipelined(job: _ShardJob, device: str, hash_later: bool = False) -> ShardRecord:
-    """One shard as a bounded pipeline: a reader thread (safetensors reads, :data:`PIPELINE_DEPTH` modules
-    ahead, the shard's file prefetched into the page cache by :func:`_prefetch`; a module of a fused group
-    brings its group's members, read once), the conversion and the report
-    on ``device`` in this thread, and a writer thread (the :class:`ShardWriter`), so that reading, converting
-    and writing overlap. The same tensors in the same order as :func:`_run_shard`'s host loop; the group's
-    shared global is computed once per group, from the members read with it, on the device."""
+    """One shard as a bounded pipeline (:func:`.pipeline.run_pipeline`): a reader thread, the conversion and the
+    report on ``device`` in this thread, and a writer thread, so that reading, converting and writing overlap.
+    The same tensors in the same order as :func:`_run_shard`'s host loop; a fused group's shared global is
+    computed once per group, from the members read with it, on the device."""
     import dataclasses
 
     job = dataclasses.replace(job, device=device, group_state={"datas": {}, "globals": {}})
@@ -549,91 +471,9 @@ def _run_shard_pipelined(job: _ShardJob, device: str, hash_later: bool = False) 
     path = os.path.join(job.dst, job.shard)
     writer = ShardWriter(path, {"format": "pt", "converted_by": "moeref convert",
                                 "target_layout": job.opts.target}, reserve=header_reserve(job))
-    stop = threading.Event()
-    to_convert, to_write = queue.Queue(PIPELINE_DEPTH), queue.Queue(PIPELINE_DEPTH)
-    held = {}  # group members read ahead, by module
-
-    def read():
-        groups_read = set()
-        for name, action, _ in job.actions:
-            if stop.is_set():
-                return
-            if action == "copy":
-                item = (name, action, ck.read(name))
-            else:
-                data = held.pop(name, None) or job.read_source(name, job.modules[name], ck)
-                if action == "convert" and name in job.groups and job.groups[name] not in groups_read:
-                    groups_read.add(job.groups[name])  # the group's members, read once, for its global
-                    for m in job.groups[name]:
-                        md = data if m == name else held.get(m) or job.read_source(m, job.group_roles[m], ck)
-                        job.group_state["datas"][m] = md
-                        if m != name and m in job.modules:
-                            held[m] = md
-                item = (name, action, data)
-            if not _put(to_convert, item, stop):
-                return
-        _put(to_convert, _DONE, stop)
-
-    def write():
-        while not stop.is_set():
-            try:
-                item = to_write.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if item is _DONE:
-                return
-            for tname, arr in item:
-                writer.add(tname, arr)
-
-    reader = _Stage(read, "moeref-convert-read", stop)
-    writer_thread = _Stage(write, "moeref-convert-write", stop)
-    reports, copied = [], 0
-
-    _prefetch(ck.file(job.shard))
-    reader.start()
-    writer_thread.start()
     try:
-        while True:
-            try:
-                item = to_convert.get(timeout=0.1)
-            except queue.Empty:
-                if reader.error is not None:
-                    raise reader.error
-                if writer_thread.error is not None:
-                    raise writer_thread.error
-                continue
-            if item is _DONE:
-                break
-            name, action, data = item
-            if action == "copy":
-                tensors = [(name, data)]
-                copied += 1
-            elif action == "convert":
-                tensors, mr = _convert_module(data, job, ck)
-                reports.append(mr)
-            else:
-                tensors, mr = _dequantize_module(data, job)
-                reports.append(mr)
-            if not _put(to_write, tensors, stop):
-                break
-        _put(to_write, _DONE, stop)
-        writer_thread.join()
-        for t in (reader, writer_thread):
-            if t.error is not None:
-                raise t.error
-        writer.close()
-    except BaseException:
-        stop.set()
-        reader.join()
-        writer_thread.join()
-        writer.abort()
-        raise
+        copied, reports = run_pipeline(job, ck, writer, _convert_module, _dequantize_module)
     finally:
-        from ..quant.device_report import clear_uploads
-
-        held.clear()
-        job.group_state["datas"].clear()
-        clear_uploads()
         ck.close()
     return _finish_shard(job, path, copied, reports, hash_later)
 
@@ -785,6 +625,15 @@ def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None) 
     total = sum(1 for *_, a, _s in plan.rows() if a != "copy")
     count = sum(len(r.modules) for r in records.values())
     save()
+
+    def record(rec: ShardRecord) -> None:
+        nonlocal count
+        records[rec.shard] = rec
+        save()
+        count += len(rec.modules)
+        if progress:
+            progress(count, total, rec.shard)
+
     if opts.workers > 1 and len(jobs) > 1:
         import multiprocessing as mp
 
@@ -794,45 +643,13 @@ def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None) 
         ctx = mp.get_context("spawn" if cuda_available() or report_device(opts) is not None else "fork")
         with ProcessPoolExecutor(max_workers=opts.workers, mp_context=ctx) as ex:
             for rec in ex.map(_run_shard, jobs):
-                records[rec.shard] = rec
-                save()
-                count += len(rec.modules)
-                if progress:
-                    progress(count, total, rec.shard)
+                record(rec)
     elif jobs and report_device(opts) is not None:
-        # the pipelined path: a shard's SHA-256 (a read of the file just written) is computed in a thread
-        # while the next shard converts; a shard is recorded once its hash is known, in shard order
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(1, thread_name_prefix="moeref-convert-hash") as hasher:
-            pending = []
-
-            def record(wait: bool):
-                nonlocal count
-                while pending and (wait or pending[0][1].done()):
-                    rec, fut = pending.pop(0)
-                    rec.sha256 = fut.result()
-                    records[rec.shard] = rec
-                    save()
-                    count += len(rec.modules)
-                    if progress:
-                        progress(count, total, rec.shard)
-
-            try:
-                for job in jobs:
-                    rec = _run_shard(job, hash_later=True)
-                    pending.append((rec, hasher.submit(_sha256, os.path.join(dst, rec.shard))))
-                    record(wait=False)
-            finally:  # the shards finished before a failure are recorded (resume skips them)
-                record(wait=True)
+        # the pipelined path: a shard's SHA-256 is computed in a thread while the next shard converts
+        hash_in_thread(jobs, _run_shard, _sha256, dst, record)
     else:
         for job in jobs:
-            rec = _run_shard(job)
-            records[rec.shard] = rec
-            save()
-            count += len(rec.modules)
-            if progress:
-                progress(count, total, rec.shard)
+            record(_run_shard(job))
     report.shards = [records[s] for s in plan.shards]
     _finish(src, dst, plan, report, opts.scale_layout)
     report.seconds = round(time.perf_counter() - t0, 3)
