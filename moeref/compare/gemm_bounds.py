@@ -172,6 +172,9 @@ def _products_exact_in_fp32(a: BlockOperand, w: BlockOperand) -> bool:
 
     def bf16_exact(v):
         v = np.asarray(v, dtype=np.float64)
+        head = np.ascontiguousarray(v.reshape(-1)[:256]).view(np.int64)
+        if np.any(head & np.int64((1 << 45) - 1)):  # a significand bit below bf16's 8: not a bf16 value
+            return False
         return bool(np.all(np.isfinite(v)) and np.array_equal(v.astype(ml_dtypes.bfloat16).astype(np.float64), v))
 
     return bf16_exact(a.values) and bf16_exact(w.values)
@@ -290,10 +293,10 @@ def _lane_sums(at: np.ndarray, wt: np.ndarray, r0: int, r1: int):
     lanes = max(TREE_LANES)
     t = kp // lanes
     a3 = np.ascontiguousarray(at[:, r0:r1].reshape(t, lanes, r1 - r0).transpose(1, 2, 0))   # [32, rows, t]
-    w3 = np.ascontiguousarray(wt.reshape(t, lanes, n).transpose(1, 0, 2))                   # [32, t, N]
+    w3 = wt.reshape(t, lanes, n).transpose(1, 0, 2)             # [32, t, N] views (row stride 32 N: BLAS reads them)
     sp = np.empty((lanes, r1 - r0, n))
     sa = np.empty((lanes, r1 - r0, n))
-    a_abs, w_abs = np.abs(a3), np.abs(w3)
+    a_abs, w_abs = np.abs(a3), np.abs(wt).reshape(t, lanes, n).transpose(1, 0, 2)
     step = max(1, _CAP_MACS // max(1, n * t))
     for i in range(0, r1 - r0, step):
         np.matmul(a3[:, i:i + step], w3, out=sp[:, i:i + step])
