@@ -392,19 +392,22 @@ def _tree_walks(at: np.ndarray, wt: np.ndarray):
         walk_all = ~np.isfinite(wsum[c0:c1])
         for lane in sorted(TREE_LANES[len(_WALKED):], reverse=True):   # 32, 16, 8
             # (sum |p| + |sum p|) / 2 <= sum |p|: outputs whose every lane's sum |p| is low enough skip at once
-            maybe = ~(sa.max(axis=0) * grow + (kp + 16) * 2.0**-1074 <= out) | walk_all
-            oi = np.flatnonzero(maybe)
-            if oi.size:
-                cap = np.abs(sp.reshape(lane, -1)[:, oi])
-                cap += sa.reshape(lane, -1)[:, oi]
-                cap *= 0.5 * grow
-                cap += (kp + 16) * 2.0**-1074
-                li, j = np.nonzero(~(cap <= out.reshape(-1)[oi]) | walk_all.reshape(-1)[oi])
-                if li.size:  # the lanes that can still raise their output's range, gathered from the operands
-                    mi, ni = np.divmod(oi[j], n)
-                    q = np.take(at.reshape(kp // lane, lane * m), li * m + (mi + c0), axis=1)
-                    q *= np.take(wt.reshape(kp // lane, lane * n), li * n + ni, axis=1)
-                    np.maximum.at(out.reshape(-1), oi[j], _lane_top(q))
+            oi = np.flatnonzero(~(sa.max(axis=0) * grow + (kp + 16) * 2.0**-1074 <= out) | walk_all)
+            sa_o, sp_o, out_o, all_o = sa.reshape(lane, -1), sp.reshape(lane, -1), out.reshape(-1), walk_all.reshape(-1)
+            if 2 * oi.size < out.size:  # few outputs left: their lanes only (else every output, without a gather)
+                sa_o, sp_o, out_o, all_o = sa_o[:, oi], sp_o[:, oi], out_o[oi], all_o[oi]
+            else:
+                oi = np.arange(out.size)
+            cap = np.abs(sp_o)
+            cap += sa_o
+            cap *= 0.5 * grow
+            cap += (kp + 16) * 2.0**-1074
+            li, j = np.nonzero(~(cap <= out_o) | all_o)
+            if li.size:  # the lanes that can still raise their output's range, gathered from the operands
+                mi, ni = np.divmod(oi[j], n)
+                q = np.take(at.reshape(kp // lane, lane * m), li * m + (mi + c0), axis=1)
+                q *= np.take(wt.reshape(kp // lane, lane * n), li * n + ni, axis=1)
+                np.maximum.at(out.reshape(-1), oi[j], _lane_top(q))
             h = lane // 2
             sa, sp = sa[:h] + sa[h:], sp[:h] + sp[h:]                       # lane r of L/2: r and r + L/2 of L
     return rng, wsum, csum
