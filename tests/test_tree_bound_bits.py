@@ -11,10 +11,11 @@ whose ``(sum |p| + |sum p|) / 2`` (BLAS lane sums, with a float64 margin) cannot
 both branches (random signs, where the wide lane counts are skipped, and one-signed or structured products, where
 none is), several tiles (``_WALK_OUTPUTS`` made small, down to one output: NumPy sums a single column pairwise), K
 walked in chunks of 4 to 96 rows (the last one partial), lane sums split into many small BLAS products
-(``_CAP_MACS``), K not a multiple of the 32 lanes, a radius, a bias, zero rows and columns, inf and NaN elements
-(non-finite outputs take every lane), products that underflow (operands scaled by ``2^-520`` or ``2^-1000``),
-block-scaled FP8 operands and float operands whose products are or are not exact in FP32. Equal means the same
-float64 bits (NaN compared as NaN)."""
+(``_CAP_MACS``), the lanes walked one by one in batches down to one lane (``_LANE_ELEMS``), the wide lane counts
+walked for every output from a smaller K (``_WALK_ALL_FROM``: none, some or all of them), K not a multiple of the 32
+lanes, a radius, a bias, zero rows and columns, inf and NaN elements (non-finite outputs take every lane),
+products that underflow (operands scaled by ``2^-520`` or ``2^-1000``), block-scaled FP8 operands and float operands
+whose products are or are not exact in FP32. Equal means the same float64 bits (NaN compared as NaN)."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -113,12 +114,15 @@ def _values(rng, shape, kind):
        kind_a=st.sampled_from(["bf16", "f64", "positive", "drift", "int"]),
        kind_w=st.sampled_from(["bf16", "f64", "positive", "drift", "int"]),
        tile=st.sampled_from([1, 5, 16, 2048]), rows=st.sampled_from([4, 8, 12, 32, 64, 96]),
-       cap_macs=st.sampled_from([1, 100, 1 << 18]), with_radius=st.booleans(), with_bias=st.booleans(),
+       cap_macs=st.sampled_from([1, 100, 1 << 18]), lane_elems=st.sampled_from([1, 50, 1 << 21]),
+       walk_all_from=st.sampled_from([0, 1, 16, 64]),
+       with_radius=st.booleans(), with_bias=st.booleans(),
        zeros=st.booleans(), special=st.sampled_from([None, np.inf, -np.inf, np.nan]),
        scale=st.sampled_from([0, 0, -520, -1000]),
        profile=st.sampled_from([BF16_OUTPUT, FP32_ACCUM, IEEE]), seed=st.integers(0, 2**31 - 1))
-def test_float_operands_same_bits_as_the_definition(m, n, k, kind_a, kind_w, tile, rows, cap_macs, with_radius,
-                                                    with_bias, zeros, special, scale, profile, seed):
+def test_float_operands_same_bits_as_the_definition(m, n, k, kind_a, kind_w, tile, rows, cap_macs, lane_elems,
+                                                    walk_all_from, with_radius, with_bias, zeros, special, scale,
+                                                    profile, seed):
     rng = np.random.default_rng(seed)
     a = _values(rng, (m, k), kind_a) * 2.0**scale
     w = _values(rng, (n, k), kind_w) * 2.0**(scale // 2)
@@ -137,6 +141,8 @@ def test_float_operands_same_bits_as_the_definition(m, n, k, kind_a, kind_w, til
         mp.setattr(gb, "_WALK_OUTPUTS", tile)
         mp.setattr(gb, "_WALK_ROWS", rows)
         mp.setattr(gb, "_CAP_MACS", cap_macs)
+        mp.setattr(gb, "_LANE_ELEMS", lane_elems)
+        mp.setattr(gb, "_WALK_ALL_FROM", walk_all_from)
         got = gb.contiguous_tree_gemm_bound(A, W, profile, radius, b_abs)
     _same_bits(got, want)
 

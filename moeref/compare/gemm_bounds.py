@@ -233,9 +233,10 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     (``P_j = P_{j-1} + p_j`` from ``P_0 = p_0``: the bits of ``np.cumsum`` along K), ``W`` and the last prefix
     sum of ``L = 1`` in K order. Cost: per tile of :data:`_WALK_OUTPUTS` outputs and chunk of :data:`_WALK_ROWS` K
     rows, the products, ``|p|`` summed in K order (one ``np.add.reduce`` along K onto the running sum) and the
-    walks of ``L = 1, 2, 4`` with their maxima and minima; ``L = 8, 16, 32`` only for the lanes of the outputs
-    whose ``(sum |p| + |sum p|) / 2`` over the lane (:func:`_lane_sums`) leaves room above the range already
-    reached (the same bits as every lane walked for every output).
+    walks of ``L = 1, 2, 4`` (and of ``L`` from ``K >= 16 L^2``, :data:`_WALK_ALL_FROM`) with their maxima and minima;
+    the other lane counts only for the lanes of the outputs whose ``(sum |p| + |sum p|) / 2`` over the lane
+    (:func:`_lane_sums`) leaves room above the range already reached (the same bits as every lane walked for every
+    output).
     """
     m, k = a.values.shape
     n = w.values.shape[0]
@@ -272,11 +273,25 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
 
 _WALKED = (1, 2, 4)
 """Lane counts whose prefix sums :func:`_tree_walks` walks for every output (on random signs each one raises the
-range of 5-20 % of the outputs, so no cheap test skips them); the wider ones are walked lane by lane where needed."""
+range of 5-20 % of the outputs, so no cheap test skips them); the wider ones are walked lane by lane where needed,
+except ``L`` with ``kp >= _WALK_ALL_FROM * L^2`` (:func:`_walked_lanes`)."""
+_WALK_ALL_FROM = 16
+"""``L`` is walked for every output from ``K >= 16 L^2`` (``L = 8`` from ``K = 1024``, ``L = 16`` from 4096): on
+random signs the range of ``L = 1`` grows as ``sqrt(K)`` and a lane's ``(sum |p| + |sum p|) / 2`` as ``K / L``, so
+beyond that most lanes of ``L`` pass their cap and walking them one by one (gathered) costs more than walking them
+all (measured on the 2-core VM, 2026-11-28: 8 x 512 outputs at K = 7168, 0.17 s against 0.21 s with ``32 L^2``)."""
+_LANE_ELEMS = 1 << 21
+"""Products of the lanes walked one by one held at once (float64: 16 MiB)."""
 _CAP_MACS = 1 << 18
 """Multiply-adds of one BLAS product of :func:`_lane_sums` (at most): OpenBLAS runs a product of up to 2^18 on the
 calling thread, so an oversubscribed machine does not wait on BLAS threads (on the loaded 2-core VM, 2026-11-28, the
 lane sums as 32 whole-row products took the bound from 1.0 s to 4-13 s of CPU)."""
+
+
+def _walked_lanes(kp: int) -> tuple:
+    """The lane counts :func:`_tree_walks` walks for every output at ``K = kp`` (:data:`_WALKED`,
+    :data:`_WALK_ALL_FROM`)."""
+    return tuple(lane for lane in TREE_LANES if lane in _WALKED or kp >= _WALK_ALL_FROM * lane * lane)
 
 
 def _k_major(v: np.ndarray, kp: int) -> np.ndarray:
@@ -346,7 +361,8 @@ def _tree_walks(at: np.ndarray, wt: np.ndarray):
     csum = np.empty((m, n))
     nb = max(1, min(n, _WALK_OUTPUTS))
     rb = max(1, _WALK_OUTPUTS // nb)
-    rows = min(kp, _WALK_ROWS)  # a multiple of 4
+    walked = _walked_lanes(kp)
+    rows = min(kp, -(-_WALK_ROWS // walked[-1]) * walked[-1])  # a multiple of every walked lane count
     cap_rows = max(rb, (1 << 21) // max(1, lanes * n) // rb * rb)  # rows whose caps are held at once
     for c0 in range(0, m, cap_rows):
         c1 = min(c0 + cap_rows, m)
@@ -359,9 +375,9 @@ def _tree_walks(at: np.ndarray, wt: np.ndarray):
                 pa = np.zeros((rows + 1, max(x, 2)))  # two columns at least: NumPy sums one column pairwise
                 wb = np.empty((rows, x))
                 acc = np.zeros(pa.shape[1])
-                prev = {lane: np.empty(lane * x) for lane in _WALKED}
-                hi = {lane: np.full(lane * x, -np.inf) for lane in _WALKED}
-                lo = {lane: np.full(lane * x, np.inf) for lane in _WALKED}
+                prev = {lane: np.empty(lane * x) for lane in walked}
+                hi = {lane: np.full(lane * x, -np.inf) for lane in walked}
+                lo = {lane: np.full(lane * x, np.inf) for lane in walked}
                 for k0 in range(0, kp, rows):
                     r = min(rows, kp - k0)
                     np.multiply(at[k0:k0 + r, r0:r1, None], wt[k0:k0 + r, None, n0:n1],
@@ -369,11 +385,11 @@ def _tree_walks(at: np.ndarray, wt: np.ndarray):
                     pa[0] = acc
                     np.abs(pc[:r], out=pa[1:r + 1, :x])
                     np.add.reduce(pa[:r + 1], axis=0, out=acc)  # sum |p| in K order onto the running sum
-                    for lane in _WALKED:
+                    for lane in walked:
                         _walk_rows(pc[:r].reshape(r // lane, lane * x), wb[:r].reshape(r // lane, lane * x),
                                    prev[lane], hi[lane], lo[lane], k0 == 0)
                 best = np.zeros(x)
-                for lane in _WALKED:  # the maximum over lanes and lane counts does not depend on the order
+                for lane in walked:  # the maximum over lanes and lane counts does not depend on the order
                     top = np.maximum(hi[lane], 0.0)
                     top -= np.minimum(lo[lane], 0.0)
                     best = np.maximum(best, top.reshape(lane, x).max(axis=0))
@@ -386,11 +402,15 @@ def _tree_walks(at: np.ndarray, wt: np.ndarray):
         # C (1 + 4 gamma_kp)(1 + u) plus 2^-1075 for each product that underflows, and the cap below at least
         # C (1 - 2 gamma_kp)(1 - u)^2 grow (u = 2^-53): a lane whose cap is at most the range already reached
         # cannot raise it and is skipped. A non-finite output walks every lane (a NaN cap is never skipped).
+        if walked[-1] == lanes:
+            continue
         grow = 1.0 + 64.0 * (kp + 2) * U_F64
         sa, sp = _lane_sums(at, wt, c0, c1)                               # [32, rows, N]
         out = rng[c0:c1]
         walk_all = ~np.isfinite(wsum[c0:c1])
-        for lane in sorted(TREE_LANES[len(_WALKED):], reverse=True):   # 32, 16, 8
+        for lane in sorted(TREE_LANES, reverse=True):                  # 32, 16, 8 (those not walked)
+            if lane in walked:
+                break
             # (sum |p| + |sum p|) / 2 <= sum |p|: outputs whose every lane's sum |p| is low enough skip at once
             oi = np.flatnonzero(~(sa.max(axis=0) * grow + (kp + 16) * 2.0**-1074 <= out) | walk_all)
             sa_o, sp_o, out_o, all_o = sa.reshape(lane, -1), sp.reshape(lane, -1), out.reshape(-1), walk_all.reshape(-1)
@@ -403,11 +423,13 @@ def _tree_walks(at: np.ndarray, wt: np.ndarray):
             cap *= 0.5 * grow
             cap += (kp + 16) * 2.0**-1074
             li, j = np.nonzero(~(cap <= out_o) | all_o)
-            if li.size:  # the lanes that can still raise their output's range, gathered from the operands
-                mi, ni = np.divmod(oi[j], n)
-                q = np.take(at.reshape(kp // lane, lane * m), li * m + (mi + c0), axis=1)
-                q *= np.take(wt.reshape(kp // lane, lane * n), li * n + ni, axis=1)
-                np.maximum.at(out.reshape(-1), oi[j], _lane_top(q))
+            mi, ni = np.divmod(oi[j], n)
+            step = max(1, _LANE_ELEMS // (kp // lane))
+            for s in range(0, li.size, step):  # the lanes that can still raise their output's range, gathered
+                sl = slice(s, s + step)
+                q = np.take(at.reshape(kp // lane, lane * m), li[sl] * m + (mi[sl] + c0), axis=1)
+                q *= np.take(wt.reshape(kp // lane, lane * n), li[sl] * n + ni[sl], axis=1)
+                np.maximum.at(out.reshape(-1), oi[j[sl]], _lane_top(q))
             h = lane // 2
             sa, sp = sa[:h] + sa[h:], sp[:h] + sp[h:]                       # lane r of L/2: r and r + L/2 of L
     return rng, wsum, csum
