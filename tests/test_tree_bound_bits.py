@@ -1,14 +1,21 @@
 """The host contiguous-tree bound (:func:`moeref.compare.gemm_bounds.contiguous_tree_gemm_bound`) gives the bits of
 its definition as first written: ``np.cumsum`` of every lane count's products over ``[K, rows, cols]`` tiles, every
-lane count evaluated for every output.
+lane count evaluated for every output. So do the helpers its layer bound calls on the way, which were made faster
+the same way: :func:`moeref.compare.summation_order.ordered_dot`, the early ``None`` of
+:func:`moeref.compare.operand_radius.exact_radius` and the bf16 test of the products.
 
-Oracle: that implementation, kept here verbatim as the slow definition (:func:`_tree_oracle`). The implementation
-under test walks the lanes with in-order row adds and skips, per output, the lane counts whose every lane's
-``(sum |p| + |sum p|) / 2`` cannot raise the range already reached; the draws below cover both branches (random signs,
-where the wide lane counts are skipped, and one-signed or structured products, where none is), several tiles
-(``_WALK_OUTPUTS`` made small; K walked in chunks of 32, 64 or 96 rows, the last one partial), K not a multiple of
-the 32 lanes, a radius, a bias, zero rows and columns, inf and NaN elements (non-finite tiles take every lane
-count), block-scaled FP8 operands and float operands whose products are or are not exact in FP32. Equal means the same float64 bits (NaN compared as NaN)."""
+Oracles: those implementations, kept here verbatim as the slow definitions (:func:`_tree_oracle`,
+:func:`_ordered_dot_oracle`, ...). The tree bound under test walks ``L = 1, 2, 4`` chunk by chunk (in-order row adds),
+sums ``|p|`` with one in-order ``np.add.reduce`` along K per chunk, and walks ``L = 8, 16, 32`` only for the lanes
+whose ``(sum |p| + |sum p|) / 2`` (BLAS lane sums, with a float64 margin) cannot be ruled out; the draws below cover
+both branches (random signs, where the wide lane counts are skipped, and one-signed or structured products, where
+none is), several tiles (``_WALK_OUTPUTS`` made small, down to one output: NumPy sums a single column pairwise), K
+walked in chunks of 4 to 96 rows (the last one partial), lane sums split into many small BLAS products
+(``_CAP_MACS``), the lanes walked one by one in batches down to one lane (``_LANE_ELEMS``), the wide lane counts
+walked for every output from a smaller K (``_WALK_ALL_FROM``: none, some or all of them), K not a multiple of the 32
+lanes, a radius, a bias, zero rows and columns, inf and NaN elements (non-finite outputs take every lane),
+products that underflow (operands scaled by ``2^-520`` or ``2^-1000``), block-scaled FP8 operands and float operands
+whose products are or are not exact in FP32. Equal means the same float64 bits (NaN compared as NaN)."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -18,8 +25,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moeref.compare import gemm_bounds as gb
+from moeref.compare import operand_radius as orad
+from moeref.compare import summation_order as so
 from moeref.compare.bounds import BF16_OUTPUT, FP32_ACCUM, Profile
-from moeref.gemm.exact import as_operand
+from moeref.gemm.exact import as_operand, quantum_and_max
 from moeref.quant import fp8_block, fp8_group, quantize
 
 IEEE = Profile("IEEE_TREE", accum_model="contiguous_tree", adder_factor=1.0)
@@ -104,15 +113,19 @@ def _values(rng, shape, kind):
 @given(m=st.integers(1, 9), n=st.integers(1, 40), k=st.integers(1, 140),
        kind_a=st.sampled_from(["bf16", "f64", "positive", "drift", "int"]),
        kind_w=st.sampled_from(["bf16", "f64", "positive", "drift", "int"]),
-       tile=st.sampled_from([1, 5, 16, 2048]), rows=st.sampled_from([32, 64, 96]), with_radius=st.booleans(),
-       with_bias=st.booleans(),
+       tile=st.sampled_from([1, 5, 16, 2048]), rows=st.sampled_from([4, 8, 12, 32, 64, 96]),
+       cap_macs=st.sampled_from([1, 100, 1 << 18]), lane_elems=st.sampled_from([1, 50, 1 << 21]),
+       walk_all_from=st.sampled_from([0, 1, 16, 64]),
+       with_radius=st.booleans(), with_bias=st.booleans(),
        zeros=st.booleans(), special=st.sampled_from([None, np.inf, -np.inf, np.nan]),
+       scale=st.sampled_from([0, 0, -520, -1000]),
        profile=st.sampled_from([BF16_OUTPUT, FP32_ACCUM, IEEE]), seed=st.integers(0, 2**31 - 1))
-def test_float_operands_same_bits_as_the_definition(m, n, k, kind_a, kind_w, tile, rows, with_radius,
-                                                    with_bias, zeros, special, profile, seed):
+def test_float_operands_same_bits_as_the_definition(m, n, k, kind_a, kind_w, tile, rows, cap_macs, lane_elems,
+                                                    walk_all_from, with_radius, with_bias, zeros, special, scale,
+                                                    profile, seed):
     rng = np.random.default_rng(seed)
-    a = _values(rng, (m, k), kind_a)
-    w = _values(rng, (n, k), kind_w)
+    a = _values(rng, (m, k), kind_a) * 2.0**scale
+    w = _values(rng, (n, k), kind_w) * 2.0**(scale // 2)
     if zeros:
         a[rng.integers(0, m)] = 0.0
         w[:, rng.integers(0, k)] = 0.0
@@ -127,8 +140,25 @@ def test_float_operands_same_bits_as_the_definition(m, n, k, kind_a, kind_w, til
     with pytest.MonkeyPatch.context() as mp, np.errstate(invalid="ignore", over="ignore"):
         mp.setattr(gb, "_WALK_OUTPUTS", tile)
         mp.setattr(gb, "_WALK_ROWS", rows)
+        mp.setattr(gb, "_CAP_MACS", cap_macs)
+        mp.setattr(gb, "_LANE_ELEMS", lane_elems)
+        mp.setattr(gb, "_WALK_ALL_FROM", walk_all_from)
         got = gb.contiguous_tree_gemm_bound(A, W, profile, radius, b_abs)
     _same_bits(got, want)
+
+
+@given(m=st.integers(1, 4), n=st.integers(1, 24), k=st.sampled_from([256, 384, 512, 1000]),
+       seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(["bf16", "positive", "drift"]))
+def test_wide_lanes_walked_lane_by_lane_same_bits(m, n, k, seed, kind):
+    """Long K with few outputs: every lane count 8-32 has lanes that pass and lanes that fail their cap (one-signed
+    and drifting products raise the wide lanes' ranges; random signs do not)."""
+    rng = np.random.default_rng(seed)
+    a = _values(rng, (m, k), kind)
+    w = _values(rng, (n, k), "bf16")
+    w[:, rng.integers(0, k, size=k // 3)] = np.abs(w[:, rng.integers(0, k, size=k // 3)])
+    A, W = as_operand(a), as_operand(w)
+    b_abs = np.zeros(n)
+    _same_bits(gb.contiguous_tree_gemm_bound(A, W, IEEE, None, b_abs), _tree_oracle(A, W, IEEE, None, b_abs))
 
 
 @pytest.mark.parametrize("scheme", ["group", "block"])
@@ -183,3 +213,105 @@ def test_layer_bound_same_bits_with_the_definition():
     _same_bits(got.bound, want.bound)
     _same_bits(got.radius, want.radius)
     assert got.flips == want.flips
+
+
+def _ordered_dot_oracle(x, w, chunk=so.ORDER_CHUNK, step=so.ORDER_STEP):
+    """:func:`moeref.compare.summation_order.ordered_dot` as first written (gathered columns, a new array per add)."""
+    x = np.asarray(x, dtype=np.float64)
+    w = np.asarray(w, dtype=np.float64)
+    m, k = x.shape
+    n = w.shape[0]
+    out = np.zeros((m, n))
+    if m == 0 or n == 0 or k == 0:
+        return out
+    cols = so.grouped_columns(k, chunk, step)
+    xg, wg = so._gather_cols(x, cols), so._gather_cols(w, cols)
+    rb = max(1, so._BLOCK_ELEMS // max(1, n * cols.size))
+    for r0 in range(0, m, rb):
+        r1 = min(r0 + rb, m)
+        t = np.zeros((r1 - r0, n) + cols.shape[:2])
+        for i in range(cols.shape[2]):  # column order within a step
+            t = t + xg[r0:r1, None, :, :, i] * wg[None, :, :, :, i]
+        s = np.zeros(t.shape[:3])
+        for j in range(cols.shape[1]):
+            s = s + t[..., j]
+        tot = np.zeros((r1 - r0, n))
+        for c in range(cols.shape[0]):
+            tot = tot + s[..., c]
+        out[r0:r1] = tot
+    return out
+
+
+@given(m=st.integers(0, 7), n=st.integers(0, 30), k=st.integers(0, 300),
+       order=st.sampled_from([(so.ORDER_CHUNK, so.ORDER_STEP), (64, 16), (100, 32), (7, 3)]),
+       block=st.sampled_from([None, 1, 3]), special=st.sampled_from([None, np.inf, -np.inf, np.nan, -0.0]),
+       scale=st.sampled_from([0, -540, -1060]), seed=st.integers(0, 2**31 - 1))
+def test_ordered_dot_same_bits_as_the_definition(m, n, k, order, block, special, scale, seed):
+    rng = np.random.default_rng(seed)
+    x = np.abs(rng.standard_normal((m, k))) * np.exp2(rng.integers(-30, 30, (m, k)) + scale)
+    w = rng.standard_normal((n, k)) * np.exp2(rng.integers(-30, 30, (n, k)))
+    if special is not None and m and k:
+        x[rng.integers(0, m), rng.integers(0, k)] = special
+    with pytest.MonkeyPatch.context() as mp, np.errstate(invalid="ignore", over="ignore"):
+        if block is not None:  # row blocks of the [rows, N, K] tensor down to one row
+            mp.setattr(so, "_BLOCK_ELEMS", block)
+        got = so.ordered_dot(x, w, *order)
+        want = _ordered_dot_oracle(x, w, *order)
+    _same_bits(got, want)
+
+
+def _exact_radius_oracle(radius, w):
+    """:func:`moeref.compare.operand_radius.exact_radius` without its early ``None`` (the grid bits from
+    :func:`moeref.gemm.exact.quantum_and_max` always)."""
+    radius = np.asarray(radius, dtype=np.float64)
+    k = radius.shape[1]
+    if not (np.all(np.isfinite(radius)) and np.all(np.isfinite(w.scales)) and np.all(np.isfinite(w.values))):
+        return None
+    if not orad.chunk_scales_constant(k, w.block[1], orad.RADIUS_CHUNK):
+        return None
+    bits = orad.radius_grid_bits(quantum_and_max(w.values))
+    return None if bits is None else orad.rounded_radius(radius, bits)
+
+
+@given(n=st.integers(1, 6), k=st.integers(1, 300), spread=st.integers(0, 40), seed=st.integers(0, 2**31 - 1),
+       zeros=st.booleans(), kind=st.sampled_from(["grid", "float32"]))
+def test_exact_radius_early_none_same_as_the_definition(n, k, spread, seed, zeros, kind):
+    """Weights whose largest and smallest nonzero magnitudes are ``2^spread`` apart (around the 2^29 at which the
+    grid keeps fewer than MIN_GRID_BITS bits), on a power-of-two grid or arbitrary float32 values."""
+    rng = np.random.default_rng(seed)
+    if kind == "grid":
+        wv = rng.integers(1, 8, (n, k)) * np.exp2(-rng.integers(0, spread + 1, (n, k))) * rng.choice([-1, 1], (n, k))
+    else:
+        wv = (rng.standard_normal((n, k)) * np.exp2(-rng.integers(0, spread + 1, (n, k)))).astype(np.float32)
+    if zeros:
+        wv[rng.integers(0, n)] = 0.0
+    w = as_operand(np.asarray(wv, dtype=np.float64))
+    radius = np.abs(rng.standard_normal((2, k)))
+    got, want = orad.exact_radius(radius, w), _exact_radius_oracle(radius, w)
+    assert (got is None) == (want is None)
+    if want is not None:
+        _same_bits(got, want)
+
+
+def _bf16_products_oracle(a, w) -> bool:
+    def bf16_exact(v):
+        v = np.asarray(v, dtype=np.float64)
+        return bool(np.all(np.isfinite(v)) and np.array_equal(v.astype(ml_dtypes.bfloat16).astype(np.float64), v))
+
+    return bf16_exact(a.values) and bf16_exact(w.values)
+
+
+@given(shape=st.sampled_from([(1, 1), (3, 5), (4, 100), (2, 300)]), kind=st.sampled_from(["bf16", "f64", "int"]),
+       late=st.sampled_from([None, 0.1, 1.0 + 2.0**-20, 2.0**-140, np.inf, np.nan, -0.0]),
+       seed=st.integers(0, 2**31 - 1))
+def test_products_exact_in_fp32_same_as_the_definition(shape, kind, late, seed):
+    """bf16, float and integer elements, one element that is not bf16 (or non-finite, or -0) placed last, after the
+    elements the fast test reads first."""
+    rng = np.random.default_rng(seed)
+    a = _values(rng, shape, kind)
+    w = _values(rng, shape, "bf16")
+    if late is not None:
+        a[-1, -1] = late
+    A, W = as_operand(a), as_operand(w)
+    assert gb._products_exact_in_fp32(A, W) == _bf16_products_oracle(A, W)
+    assert gb._products_exact_in_fp32(W, A) == _bf16_products_oracle(W, A)

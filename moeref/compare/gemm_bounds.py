@@ -40,8 +40,8 @@ U_FP32 = 2.0**-24
 U_F64 = 2.0**-53
 TREE_LANES = (1, 2, 4, 8, 16, 32)
 """SIMD lane counts covered by :func:`contiguous_tree_gemm_bound` (interleaved accumulators)."""
-_WALK_OUTPUTS = 2048  # outputs of one [K, outputs] product tile of the contiguous-tree bound (measured)
-_WALK_ROWS = 64  # K rows of a tile walked at a time (a multiple of 32)
+_WALK_OUTPUTS = 4096  # outputs of one [K, outputs] product tile of the contiguous-tree bound (measured)
+_WALK_ROWS = 32  # K rows of a tile walked at a time (a multiple of 4)
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,9 @@ def _products_exact_in_fp32(a: BlockOperand, w: BlockOperand) -> bool:
 
     def bf16_exact(v):
         v = np.asarray(v, dtype=np.float64)
+        head = np.ascontiguousarray(v.reshape(-1)[:256]).view(np.int64)
+        if np.any(head & np.int64((1 << 45) - 1)):  # a significand bit below bf16's 8: not a bf16 value
+            return False
         return bool(np.all(np.isfinite(v)) and np.array_equal(v.astype(ml_dtypes.bfloat16).astype(np.float64), v))
 
     return bf16_exact(a.values) and bf16_exact(w.values)
@@ -226,9 +229,14 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     ``D = a_radius |W|^T``. The float64 evaluation (products, prefix sums) is covered by widening ``R``
     and ``W`` by ``2 gamma(K + 2, 2^-53) W``; FP32 underflow by ``(K + 2) 2^-149``.
 
-    Cost: the prefix sums of the ``[M, N, K]`` product tensor over ``L = 1`` and ``sum |p|`` (in-order row adds
-    over tiles of :data:`_WALK_OUTPUTS` outputs), and those of ``L >= 2`` only for the outputs whose lanes' sums
-    leave room for a larger range (the same bits as every lane count walked for every output).
+    Evaluation (float64, every output independent of the others): the prefix sums of each lane in K order
+    (``P_j = P_{j-1} + p_j`` from ``P_0 = p_0``: the bits of ``np.cumsum`` along K), ``W`` and the last prefix
+    sum of ``L = 1`` in K order. Cost: per tile of :data:`_WALK_OUTPUTS` outputs and chunk of :data:`_WALK_ROWS` K
+    rows, the products, ``|p|`` summed in K order (one ``np.add.reduce`` along K onto the running sum) and the
+    walks of ``L = 1, 2, 4`` (and of ``L`` from ``K >= 16 L^2``, :data:`_WALK_ALL_FROM`) with their maxima and minima;
+    the other lane counts only for the lanes of the outputs whose ``(sum |p| + |sum p|) / 2`` over the lane
+    (:func:`_lane_sums`) leaves room above the range already reached (the same bits as every lane walked for every
+    output).
     """
     m, k = a.values.shape
     n = w.values.shape[0]
@@ -240,95 +248,9 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     ad, wd = a.dequantize(), w.dequantize()
     lanes = max(TREE_LANES)
     kp = -(-max(k, 1) // lanes) * lanes
-    d = np.zeros((m, n)) if radius is None else ordered_dot(radius, np.abs(w.dequantize())) * (1.0 + gamma(k + 2, U_F64))
-    rng = np.zeros((m, n))
-    wsum = np.zeros((m, n))
-    csum = np.zeros((m, n))
-
-    def k_major(v):  # [R, k] -> [kp, R], zero columns k..kp: the walks run along axis 0 (16 rows at a time: 8x faster)
-        out = np.zeros((kp, v.shape[0]))
-        for i in range(0, v.shape[0], 16):
-            out[:k, i:i + 16] = v[i:i + 16].T
-        return out
-
-    at, wt = k_major(ad), k_major(wd)
-    nb = max(1, min(n, _WALK_OUTPUTS))
-    rb = max(1, _WALK_OUTPUTS // nb)
-    # A lane's range (max - min of its prefix sums, 0 included) is the sum of one contiguous run of its products,
-    # at most the larger of its positive and negative parts, C = (sum |p| + |sum p|) / 2. Computed, the range is at
-    # most C (1 + 4 gamma_kp)(1 + u) and the cap below at least C (1 - 2 gamma_kp)(1 - u)^2 grow (u = 2^-53, any
-    # summation order of the lane sums; 2^-1070 for the halving and the product underflowing): a lane count whose
-    # every lane's cap is at most the range already reached cannot raise it and is skipped for that output. Finite
-    # tiles only (a NaN cap is never skipped).
-    grow = 1.0 + 64.0 * (kp + 2) * U_F64
-
-    rows = min(kp, _WALK_ROWS)  # K rows walked at a time (a multiple of every lane count), cached between passes
-
-    def lane_range(q, lane, ends=None):
-        """Max over the lanes of ``max(max P, 0) - min(min P, 0)`` ``[X]`` of each lane's prefix sums ``P`` in K order
-        (``w[i] = w[i - 1] + q[i]`` from ``q[0]``: the bits of ``np.cumsum`` along K), ``q`` ``[kp, X]``, K in chunks
-        of ``rows`` rows; ``ends`` (``L = 1``) receives the last prefix sum."""
-        wb = np.empty((rows // lane, lane * q.shape[1]))
-        prev, hi, lo = None, None, None
-        for k0 in range(0, kp, rows):
-            ql = q[k0:k0 + rows].reshape(-1, wb.shape[1])
-            wc = wb[:ql.shape[0]]
-            i0 = 0
-            if prev is None:
-                wc[0] = ql[0]
-                prev, i0 = wc[0], 1
-            for i in range(i0, ql.shape[0]):  # sequential in K
-                np.add(prev, ql[i], out=wc[i])
-                prev = wc[i]
-            h, l_ = wc.max(axis=0), wc.min(axis=0)
-            hi = h if hi is None else np.maximum(hi, h, out=hi)  # exact: the order of the maxima does not matter
-            lo = l_ if lo is None else np.minimum(lo, l_, out=lo)
-        if ends is not None:
-            ends[...] = prev
-        top = np.maximum(hi, 0.0)
-        top -= np.minimum(lo, 0.0)
-        return top.reshape(lane, -1).max(axis=0)
-
-    for r0 in range(0, m, rb):  # tiles of [K, rb * nb] products
-        r1 = min(r0 + rb, m)
-        for n0 in range(0, n, nb):
-            n1 = min(n0 + nb, n)
-            x = (r1 - r0) * (n1 - n0)
-            p = np.empty((kp, x))
-            pa = np.empty((rows, x))
-            acc = np.empty(x)
-            sums = np.zeros((2, lanes, x))
-            for k0 in range(0, kp, rows):  # the products, sum |p| in K order and the lane sums, chunk by chunk
-                pc = p[k0:k0 + rows]
-                np.multiply(at[k0:k0 + rows, r0:r1, None], wt[k0:k0 + rows, None, n0:n1],
-                            out=pc.reshape(pc.shape[0], r1 - r0, n1 - n0))
-                pac = np.abs(pc, out=pa[:pc.shape[0]])
-                if k0 == 0:
-                    acc[...] = pac[0]
-                for i in range(1 if k0 == 0 else 0, pc.shape[0]):
-                    np.add(acc, pac[i], out=acc)
-                sums[0] += np.add.reduce(pc.reshape(-1, lanes, x), axis=0)
-                sums[1] += np.add.reduce(pac.reshape(-1, lanes, x), axis=0)
-            wsum[r0:r1, n0:n1] = acc.reshape(r1 - r0, n1 - n0)
-            ends = np.empty(x)
-            best = np.maximum(np.zeros(x), lane_range(p, 1, ends))
-            csum[r0:r1, n0:n1] = ends.reshape(r1 - r0, n1 - n0)
-            finite = bool(np.isfinite(acc).all())
-            caps = {}
-            sp, sa = sums
-            while finite and sa.shape[0] > 1:
-                caps[sa.shape[0]] = (0.5 * (sa + np.abs(sp))).max(axis=0) * grow + 2.0**-1070
-                h = sa.shape[0] // 2
-                sa, sp = sa[:h] + sa[h:], sp[:h] + sp[h:]                   # lane r of L: r and r + L of 2L
-            for lane in TREE_LANES[1:]:  # the other lane counts; their maximum does not depend on the order
-                need = np.flatnonzero(~(caps[lane] <= best)) if finite else np.arange(x)
-                if need.size == 0:
-                    continue
-                if 2 * need.size > x:
-                    best = np.maximum(best, lane_range(p, lane))
-                else:  # the few outputs the lane count can still raise
-                    best[need] = np.maximum(best[need], lane_range(np.take(p, need, axis=1), lane))
-            rng[r0:r1, n0:n1] = best.reshape(r1 - r0, n1 - n0)
+    d = np.zeros((m, n)) if radius is None else ordered_dot(radius, np.abs(wd)) * (1.0 + gamma(k + 2, U_F64))
+    at, wt = _k_major(ad, kp), _k_major(wd, kp)
+    rng, wsum, csum = _tree_walks(at, wt)
     slack = 2.0 * gamma(kp + 2, U_F64) * wsum
     r_hi = rng + slack + d
     w_hi = wsum * (1.0 + gamma(kp + 2, U_F64)) + d
@@ -347,6 +269,170 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
         acc = (t * r_hi + (sigma + u_prod) * w_hi) / np.float64(denom)
         out = acc + u_prom * (c_hi + acc + b_abs[None, :]) + (k + 2) * 2.0**-149
     return out * (1.0 + 1e-9)
+
+
+_WALKED = (1, 2, 4)
+"""Lane counts whose prefix sums :func:`_tree_walks` walks for every output (on random signs each one raises the
+range of 5-20 % of the outputs, so no cheap test skips them); the wider ones are walked lane by lane where needed,
+except ``L`` with ``kp >= _WALK_ALL_FROM * L^2`` (:func:`_walked_lanes`)."""
+_WALK_ALL_FROM = 16
+"""``L`` is walked for every output from ``K >= 16 L^2`` (``L = 8`` from ``K = 1024``, ``L = 16`` from 4096): on
+random signs the range of ``L = 1`` grows as ``sqrt(K)`` and a lane's ``(sum |p| + |sum p|) / 2`` as ``K / L``, so
+beyond that most lanes of ``L`` pass their cap and walking them one by one (gathered) costs more than walking them
+all (measured on the 2-core VM, 2026-11-28: 8 x 512 outputs at K = 7168, 0.17 s against 0.21 s with ``32 L^2``)."""
+_LANE_ELEMS = 1 << 21
+"""Products of the lanes walked one by one held at once (float64: 16 MiB)."""
+_CAP_MACS = 1 << 18
+"""Multiply-adds of one BLAS product of :func:`_lane_sums` (at most): OpenBLAS runs a product of up to 2^18 on the
+calling thread, so an oversubscribed machine does not wait on BLAS threads (on the loaded 2-core VM, 2026-11-28, the
+lane sums as 32 whole-row products took the bound from 1.0 s to 4-13 s of CPU)."""
+
+
+def _walked_lanes(kp: int) -> tuple:
+    """The lane counts :func:`_tree_walks` walks for every output at ``K = kp`` (:data:`_WALKED`,
+    :data:`_WALK_ALL_FROM`)."""
+    return tuple(lane for lane in TREE_LANES if lane in _WALKED or kp >= _WALK_ALL_FROM * lane * lane)
+
+
+def _k_major(v: np.ndarray, kp: int) -> np.ndarray:
+    """``[R, k] -> [kp, R]`` float64, zero rows ``k..kp`` (the walks run along axis 0)."""
+    out = np.zeros((kp, v.shape[0]))
+    for i in range(0, v.shape[0], 16):  # 16 rows at a time: 8x faster than one whole-array transposed copy
+        out[:v.shape[1], i:i + 16] = v[i:i + 16].T
+    return out
+
+
+def _lane_sums(at: np.ndarray, wt: np.ndarray, r0: int, r1: int):
+    """``(sum |p|, sum p)`` over each lane of 32 for rows ``r0:r1``, float64 ``[32, r1 - r0, N]`` each, from BLAS
+    (any order, with or without fused multiply-adds), at most :data:`_CAP_MACS` multiply-adds a product."""
+    kp, n = at.shape[0], wt.shape[1]
+    lanes = max(TREE_LANES)
+    t = kp // lanes
+    a3 = np.ascontiguousarray(at[:, r0:r1].reshape(t, lanes, r1 - r0).transpose(1, 2, 0))   # [32, rows, t]
+    w3 = wt.reshape(t, lanes, n).transpose(1, 0, 2)             # [32, t, N] views (row stride 32 N: BLAS reads them)
+    sp = np.empty((lanes, r1 - r0, n))
+    sa = np.empty((lanes, r1 - r0, n))
+    a_abs, w_abs = np.abs(a3), np.abs(wt).reshape(t, lanes, n).transpose(1, 0, 2)
+    step = max(1, _CAP_MACS // max(1, n * t))
+    for i in range(0, r1 - r0, step):
+        np.matmul(a3[:, i:i + step], w3, out=sp[:, i:i + step])
+        np.matmul(a_abs[:, i:i + step], w_abs, out=sa[:, i:i + step])
+    return sa, sp
+
+
+def _walk_rows(q, wb, prev, hi, lo, first: bool) -> None:
+    """One chunk of a walk: ``wb[i] = wb[i - 1] + q[i]`` from ``prev`` (the chunk before; ``q[0]`` itself when
+    ``first``), ``prev``, ``hi``, ``lo`` updated to the last row, the maxima and the minima (exact in any order)."""
+    i0, p = 0, prev
+    if first:
+        wb[0] = q[0]
+        i0, p = 1, wb[0]
+    for i in range(i0, q.shape[0]):  # sequential in K
+        np.add(p, q[i], out=wb[i])
+        p = wb[i]
+    np.maximum(hi, wb.max(axis=0), out=hi)
+    np.minimum(lo, wb.min(axis=0), out=lo)
+    prev[...] = wb[-1]
+
+
+def _lane_top(q: np.ndarray) -> np.ndarray:
+    """``max(max P, 0) - min(min P, 0)`` of the prefix sums ``P`` in K order of each column of ``q`` ``[R, X]``."""
+    wb = np.empty_like(q)
+    hi = np.full(q.shape[1], -np.inf)
+    lo = np.full(q.shape[1], np.inf)
+    prev = np.empty(q.shape[1])
+    rows = max(1, _WALK_ROWS)
+    for i0 in range(0, q.shape[0], rows):
+        _walk_rows(q[i0:i0 + rows], wb[i0:i0 + rows], prev, hi, lo, i0 == 0)
+    top = np.maximum(hi, 0.0)
+    top -= np.minimum(lo, 0.0)
+    return top
+
+
+def _tree_walks(at: np.ndarray, wt: np.ndarray):
+    """``(R, W, S)`` float64 ``[M, N]`` of :func:`contiguous_tree_gemm_bound` from the K-major operands ``at``
+    ``[kp, M]`` and ``wt`` ``[kp, N]`` (``kp`` a multiple of 32): the largest range over every lane of every lane
+    count, ``sum |p|`` and ``sum p`` in K order."""
+    kp, m = at.shape
+    n = wt.shape[1]
+    lanes = max(TREE_LANES)
+    rng = np.empty((m, n))
+    wsum = np.empty((m, n))
+    csum = np.empty((m, n))
+    nb = max(1, min(n, _WALK_OUTPUTS))
+    rb = max(1, _WALK_OUTPUTS // nb)
+    walked = _walked_lanes(kp)
+    rows = min(kp, -(-_WALK_ROWS // walked[-1]) * walked[-1])  # a multiple of every walked lane count
+    cap_rows = max(rb, (1 << 21) // max(1, lanes * n) // rb * rb)  # rows whose caps are held at once
+    for c0 in range(0, m, cap_rows):
+        c1 = min(c0 + cap_rows, m)
+        for r0 in range(c0, c1, rb):  # tiles of [K, rb * nb] products, K in chunks of `rows`
+            r1 = min(r0 + rb, c1)
+            for n0 in range(0, n, nb):
+                n1 = min(n0 + nb, n)
+                x = (r1 - r0) * (n1 - n0)
+                pc = np.empty((rows, x))
+                pa = np.zeros((rows + 1, max(x, 2)))  # two columns at least: NumPy sums one column pairwise
+                wb = np.empty((rows, x))
+                acc = np.zeros(pa.shape[1])
+                prev = {lane: np.empty(lane * x) for lane in walked}
+                hi = {lane: np.full(lane * x, -np.inf) for lane in walked}
+                lo = {lane: np.full(lane * x, np.inf) for lane in walked}
+                for k0 in range(0, kp, rows):
+                    r = min(rows, kp - k0)
+                    np.multiply(at[k0:k0 + r, r0:r1, None], wt[k0:k0 + r, None, n0:n1],
+                                out=pc[:r].reshape(r, r1 - r0, n1 - n0))
+                    pa[0] = acc
+                    np.abs(pc[:r], out=pa[1:r + 1, :x])
+                    np.add.reduce(pa[:r + 1], axis=0, out=acc)  # sum |p| in K order onto the running sum
+                    for lane in walked:
+                        _walk_rows(pc[:r].reshape(r // lane, lane * x), wb[:r].reshape(r // lane, lane * x),
+                                   prev[lane], hi[lane], lo[lane], k0 == 0)
+                best = np.zeros(x)
+                for lane in walked:  # the maximum over lanes and lane counts does not depend on the order
+                    top = np.maximum(hi[lane], 0.0)
+                    top -= np.minimum(lo[lane], 0.0)
+                    best = np.maximum(best, top.reshape(lane, x).max(axis=0))
+                wsum[r0:r1, n0:n1] = acc[:x].reshape(r1 - r0, n1 - n0)
+                csum[r0:r1, n0:n1] = prev[1].reshape(r1 - r0, n1 - n0)
+                rng[r0:r1, n0:n1] = best.reshape(r1 - r0, n1 - n0)
+        # A lane's range (max - min of its prefix sums, 0 included) is the sum of one contiguous run of its
+        # products, at most the larger of its positive and negative parts, C = (sum |p| + |sum p|) / 2. With the
+        # lane sums from BLAS (any order, products rounded or not), the computed range is at most
+        # C (1 + 4 gamma_kp)(1 + u) plus 2^-1075 for each product that underflows, and the cap below at least
+        # C (1 - 2 gamma_kp)(1 - u)^2 grow (u = 2^-53): a lane whose cap is at most the range already reached
+        # cannot raise it and is skipped. A non-finite output walks every lane (a NaN cap is never skipped).
+        if walked[-1] == lanes:
+            continue
+        grow = 1.0 + 64.0 * (kp + 2) * U_F64
+        sa, sp = _lane_sums(at, wt, c0, c1)                               # [32, rows, N]
+        out = rng[c0:c1]
+        walk_all = ~np.isfinite(wsum[c0:c1])
+        for lane in sorted(TREE_LANES, reverse=True):                  # 32, 16, 8 (those not walked)
+            if lane in walked:
+                break
+            # (sum |p| + |sum p|) / 2 <= sum |p|: outputs whose every lane's sum |p| is low enough skip at once
+            oi = np.flatnonzero(~(sa.max(axis=0) * grow + (kp + 16) * 2.0**-1074 <= out) | walk_all)
+            sa_o, sp_o, out_o, all_o = sa.reshape(lane, -1), sp.reshape(lane, -1), out.reshape(-1), walk_all.reshape(-1)
+            if 2 * oi.size < out.size:  # few outputs left: their lanes only (else every output, without a gather)
+                sa_o, sp_o, out_o, all_o = sa_o[:, oi], sp_o[:, oi], out_o[oi], all_o[oi]
+            else:
+                oi = np.arange(out.size)
+            cap = np.abs(sp_o)
+            cap += sa_o
+            cap *= 0.5 * grow
+            cap += (kp + 16) * 2.0**-1074
+            li, j = np.nonzero(~(cap <= out_o) | all_o)
+            mi, ni = np.divmod(oi[j], n)
+            step = max(1, _LANE_ELEMS // (kp // lane))
+            for s in range(0, li.size, step):  # the lanes that can still raise their output's range, gathered
+                sl = slice(s, s + step)
+                q = np.take(at.reshape(kp // lane, lane * m), li[sl] * m + (mi[sl] + c0), axis=1)
+                q *= np.take(wt.reshape(kp // lane, lane * n), li[sl] * n + ni[sl], axis=1)
+                np.maximum.at(out.reshape(-1), oi[j[sl]], _lane_top(q))
+            h = lane // 2
+            sa, sp = sa[:h] + sa[h:], sp[:h] + sp[h:]                       # lane r of L/2: r and r + L/2 of L
+    return rng, wsum, csum
 
 
 def aligned_adder_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius, b_abs) -> np.ndarray:

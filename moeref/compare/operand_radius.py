@@ -125,7 +125,11 @@ def exact_radius(radius, w):
         return None
     if not chunk_scales_constant(k, w.block[1], RADIUS_CHUNK):
         return None
-    bits = radius_grid_bits(quantum_and_max(w.values))
+    values = np.asarray(w.values, dtype=np.float64)
+    q_few, _ = quantum_and_max(values.reshape(-1)[:256])  # q_w divides these too, so q_w <= q_few
+    if values.size and float(np.abs(values).max()) > q_few * 2.0**(45 - MIN_GRID_BITS):
+        return None  # m_w / q_w > 2^(45 - MIN_GRID_BITS): fewer than MIN_GRID_BITS bits, without every quantum
+    bits = radius_grid_bits(quantum_and_max(values))
     return None if bits is None else rounded_radius(radius, bits)
 
 

@@ -38,6 +38,16 @@ def _gather_cols(x: np.ndarray, cols: np.ndarray) -> np.ndarray:
     return np.where(cols >= 0, x[:, np.maximum(cols, 0)], 0.0)
 
 
+def _step_major(x: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """``[R, K] -> [step, nch, steps, R]``, contiguous: :func:`_gather_cols` with each step's columns leading and
+    the rows last (no gather when the columns are ``0..K-1`` in order)."""
+    if cols.size == x.shape[1] and np.array_equal(cols.reshape(-1), np.arange(cols.size)):
+        g = x.reshape((x.shape[0],) + cols.shape)
+    else:
+        g = _gather_cols(x, cols)
+    return np.ascontiguousarray(g.transpose(3, 1, 2, 0))
+
+
 def ordered_dot(x, w, chunk: int = ORDER_CHUNK, step: int = ORDER_STEP) -> np.ndarray:
     """``x @ w.T`` (float64 ``[M, K]``, ``[N, K]``) summed in a declared order, so every engine gets the
     same bits (the device bounds, :mod:`moeref.compare.device.bounds`): per chunk of ``chunk`` columns
@@ -51,18 +61,20 @@ def ordered_dot(x, w, chunk: int = ORDER_CHUNK, step: int = ORDER_STEP) -> np.nd
     if m == 0 or n == 0 or k == 0:
         return out
     cols = grouped_columns(k, chunk, step)
-    xg, wg = _gather_cols(x, cols), _gather_cols(w, cols)
+    xg, wg = _step_major(x, cols), _step_major(w, cols)   # [step, nch, steps, M], [step, nch, steps, N]
     rb = max(1, _BLOCK_ELEMS // max(1, n * cols.size))
     for r0 in range(0, m, rb):
         r1 = min(r0 + rb, m)
-        t = np.zeros((r1 - r0, n) + cols.shape[:2])
+        t = np.zeros((r1 - r0,) + cols.shape[:2] + (n,))                     # [rows, nch, steps, N]
+        prod = np.empty_like(t)
         for i in range(cols.shape[2]):  # column order within a step
-            t = t + xg[r0:r1, None, :, :, i] * wg[None, :, :, :, i]
-        s = np.zeros(t.shape[:3])
+            np.multiply(np.moveaxis(xg[i, :, :, r0:r1], -1, 0)[..., None], wg[i][None], out=prod)
+            t += prod
+        s = np.zeros((r1 - r0, cols.shape[0], n))
         for j in range(cols.shape[1]):
-            s = s + t[..., j]
+            s += t[:, :, j]
         tot = np.zeros((r1 - r0, n))
         for c in range(cols.shape[0]):
-            tot = tot + s[..., c]
+            tot += s[:, c]
         out[r0:r1] = tot
     return out
