@@ -11,7 +11,9 @@ round-toward-zero store, tanh GELU, the intermediate's scale per token, a swizzl
 
 Layers (``--shape``: ``small``, hidden 256, intermediate 256, 8 experts, top-4, 40 tokens, for the CPU and the
 test; ``deepseek-v3``: hidden 7168, intermediate 2048, 256 experts, top-8, 128 tokens), each as one exact-regime
-case (:func:`moeref.regimes.exact_layer`, Zipf-skewed routing, expert weights from a pool of 8) and one general
+case (:func:`moeref.regimes.exact_layer`, Zipf-skewed routing, expert weights from a pool of 8), one
+single-rounding case where the declared profile admits one (:func:`moeref.regimes.single_rounding_layer` with the
+profile's stores, a bf16 GEMM2 store included: :func:`moeref.regimes.single_rounding_stores`) and one general
 case (random FP8 codes or bf16 weights from a pool of 8, N(0, 1) bf16 tokens, softmax top-k weights that do not
 sum to 1):
 
@@ -23,10 +25,11 @@ sum to 1):
 
 Per fault and honest variant, ``changed``: the outputs it changes against the honest layer on each case (a
 fault changes some). Checks: ``exact`` (equality on the exact-regime case,
-:func:`moeref.regimes.moe_equality_report`), ``declared`` (the declared profile's bound on the general case,
-:func:`moeref.compare.bounds.layer_bound`, computed once per case), ``emulated`` (input faults and honest variants
-around the emulated kernel, under its profile, where the layer has one) and ``mixed`` = exact or declared (what the
-pytest plugin's default runs). Recorded: per fault which checks caught it, false alarms per honest variant, each
+:func:`moeref.regimes.moe_equality_report`), ``single_rounding`` (equality on the single-rounding case),
+``declared`` (the declared profile's bound on the general case, :func:`moeref.compare.bounds.layer_bound`,
+computed once per case), ``emulated`` (input faults and honest variants around the emulated kernel, under its
+profile, where the layer has one) and ``mixed`` = exact or single-rounding or declared (what the pytest plugin's
+default runs). Recorded: per fault which checks caught it, false alarms per honest variant, each
 check's time (the bound's or the equality's own, per call) and the reference's own time per case.
 
     python bench/bench_fault_catch.py                                   # CPU, small shapes (minutes)
@@ -168,6 +171,29 @@ def boundary_groups(case: Case) -> Case:
     lay = case.meta["exact_layer"]
     lay = ExactLayer(hidden, weights, lay.topk_weights, lay.topk_ids, lay.config, lay.scheme, lay.token_exponents)
     return case.with_(hidden=hidden, weights=weights, meta={"exact_layer": lay})
+
+
+def single_rounding_case(layer: str, shape: dict, seed: int) -> tuple:
+    """``(case, note)``: the layer as :func:`moeref.regimes.single_rounding_layer` with the stores its declared
+    profile admits (:func:`moeref.regimes.single_rounding_stores`: a bf16 GEMM2 store for ``DEEPGEMM_FP8`` and
+    ``BF16_OUTPUT``), routed and weighted as :func:`exact_case`; ``(None, why not)`` where the profile admits none."""
+    from moeref.regimes import exact_topk_weights, single_rounding_layer, single_rounding_stores
+
+    spec = LAYERS[layer]
+    opts, why = single_rounding_stores(spec["declared"], spec["scheme"])
+    if opts is None:
+        return None, why
+    rng = np.random.default_rng([seed, 3])
+    ids = _zipf_ids(rng, shape["tokens"], shape["experts"], shape["top_k"])
+    tw = exact_topk_weights(ids.shape, seed=rng)
+    tw[0, :2] = [1.0, 0.25]
+    lay = single_rounding_layer(shape["tokens"], shape["hidden"], shape["intermediate"], shape["experts"],
+                                shape["top_k"], scheme=spec["scheme"], activation=spec["activation"], seed=rng,
+                                topk_ids=ids, topk_weights=tw, expert_pool=min(POOL, shape["experts"]), **opts)
+    case = Case(layer, "single_rounding", lay.hidden, lay.weights, lay.topk_weights, lay.topk_ids, lay.options,
+                spec["scheme"].startswith("fp8"), spec["scheme"].endswith("ue8m0"), spec["activation"],
+                meta={"exact_layer": lay})
+    return case, f"single_rounding_layer({', '.join(f'{k}={v!r}' for k, v in opts.items())})"
 
 
 def general_case(layer: str, shape: dict, seed: int) -> Case:
@@ -799,6 +825,9 @@ class Checker:
         self.info = {"layer": layer, **{k: LAYERS[layer][k] for k in ("scheme", "activation", "declared")}}
         t0 = time.perf_counter()
         self.cases = {"exact": exact_case(layer, shape, args.seed), "general": general_case(layer, shape, args.seed)}
+        sr, self.info["single_rounding"] = single_rounding_case(layer, shape, args.seed)
+        if sr is not None:
+            self.cases["single_rounding"] = sr
         self.info["case_seconds"] = round(time.perf_counter() - t0, 2)
         self.runs, self.info["reference_seconds"] = {}, {}
         for kind, case in self.cases.items():
@@ -828,11 +857,11 @@ class Checker:
         self._bound("emulated", profile, self.runs["general"] if run is None else run, layer_bound)
         self.info["emulated"] = getattr(profile, "name", str(profile))
 
-    def equality(self, cand) -> dict:
+    def equality(self, cand, kind: str = "exact") -> dict:
         from moeref.regimes import moe_equality_report
 
         t0 = time.perf_counter()
-        r = moe_equality_report(cand, self.runs["exact"])
+        r = moe_equality_report(cand, self.runs[kind])
         return {"caught": not r.passed, "differing": int(r.num_differences), "seconds": time.perf_counter() - t0}
 
     def bound(self, cand, which: str) -> dict:
@@ -888,6 +917,8 @@ def run_layer(layer: str, shape: dict, args, log, chosen_faults, chosen_honest) 
                 # how many outputs the variant changes against the honest layer (a fault must change some)
                 row["changed"] = {kind: int(np.count_nonzero(_host(o) != honest_out[kind])) for kind, o in outs.items()}
                 row["checks"]["exact"] = ck.equality(outs["exact"])
+                if "single_rounding" in outs:
+                    row["checks"]["single_rounding"] = ck.equality(outs["single_rounding"], "single_rounding")
                 row["checks"]["declared"] = ck.bound(outs["general"], "declared")
                 if emu is not None and (v.level == "inputs" or v.hooks in (Hooks(), Hooks(chunk=shape["chunk"]))):
                     if v.hooks is not None and v.hooks.chunk:
@@ -905,11 +936,11 @@ def run_layer(layer: str, shape: dict, args, log, chosen_faults, chosen_honest) 
                 row["error"] = f"{type(exc).__name__}: {exc}"[:400]
                 log(traceback.format_exc()[-1200:])
             ch = row["checks"]
-            if "exact" in ch and "declared" in ch:
-                ch["mixed"] = {"caught": ch["exact"]["caught"] or ch["declared"]["caught"],
-                               "seconds": ch["exact"]["seconds"] + ch["declared"]["seconds"]}
+            if "exact" in ch and "declared" in ch:  # the plugin's default: exact, single-rounding and general cases
+                parts = [ch[k] for k in MIXED if k in ch]
+                ch["mixed"] = {"caught": any(c["caught"] for c in parts), "seconds": sum(c["seconds"] for c in parts)}
             row["seconds"] = round(time.perf_counter() - t0, 3)
-            caught = [k for k in ("exact", "declared", "emulated") if ch.get(k, {}).get("caught")]
+            caught = [k for k in ("exact", "single_rounding", "declared", "emulated") if ch.get(k, {}).get("caught")]
             log(f"  {group} {v.name}: caught by {caught or 'none'} ({row['seconds']} s)")
             rows.append(row)
     info = dict(ck.info)
@@ -918,7 +949,10 @@ def run_layer(layer: str, shape: dict, args, log, chosen_faults, chosen_honest) 
     return info, fault_rows, honest_rows
 
 
-REGIMES = ("mixed", "exact", "declared", "emulated")
+REGIMES = ("mixed", "exact", "single_rounding", "declared", "emulated")
+MIXED = ("exact", "single_rounding", "declared")
+"""The checks of the mixed default (the pytest plugin's): equality on the exact-regime case, equality on the
+single-rounding case (where the declared profile admits one), the declared profile's bound on the general case."""
 
 
 def summarise(fault_rows: list, honest_rows: list, layers: list) -> dict:
