@@ -122,3 +122,20 @@ def test_bad_gemm2_store():
     with pytest.raises(ValueError, match="scheme"):
         single_rounding_stores("BF16_OUTPUT", "mxfp4_w4a16")
     assert np.isfinite(single_rounding_layer(2, 256, 256, 2, 1, gemm2_store="bfloat16").reference().output).all()
+
+
+@pytest.mark.parametrize("scheme", ["fp8_1x128", "bf16"])
+def test_a_weighted_gemm2_store_gives_the_same_bits(scheme):
+    """vLLM's epilogue multiplies by the top-k weight before the store (``gemm2_weighted_store``): with power-of-two
+    weights ``rnd(w y) = w rnd(y)``. Recomputed with moeref.compare.subtle_faults.finalize_in (GEMM2's epilogue and
+    an FP32 top-k sum written as a kernel does) from the same layer traced without the store."""
+    from moeref.compare.subtle_faults import finalize_in
+
+    kw = dict(scheme=scheme, seed=5)
+    plain = single_rounding_layer(24, 256, 256, 8, 4, **kw).reference()
+    want = single_rounding_layer(24, 256, 256, 8, 4, gemm2_store="bfloat16", **kw).reference().out.astype(np.float64)
+    for before in (False, True):
+        for reverse in (False, True):
+            got = finalize_in(plain, weight_before_store=before, reverse=reverse)
+            assert np.array_equal(got, want), (before, reverse)
+    assert not np.array_equal(finalize_in(plain, gemm_out_rounding="zero"), want)
