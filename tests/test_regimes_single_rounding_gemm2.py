@@ -139,3 +139,16 @@ def test_a_weighted_gemm2_store_gives_the_same_bits(scheme):
             got = finalize_in(plain, weight_before_store=before, reverse=reverse)
             assert np.array_equal(got, want), (before, reverse)
     assert not np.array_equal(finalize_in(plain, gemm_out_rounding="zero"), want)
+
+
+def test_the_device_engine_replays_the_gemm2_store():
+    """run_moe on a torch device (the CPU under TRITON_INTERPRET) makes the declared GEMM2 store as the NumPy engine
+    does: the same output bits, and other bits than the same layer without the store."""
+    from moeref.moe import run_moe
+
+    lay = single_rounding_layer(6, 256, 256, 4, 2, scheme="fp8_1x128", seed=2, gemm2_store="bfloat16")
+    host = lay.reference().out
+    dev = run_moe(lay.hidden, lay.weights, lay.topk_weights, lay.topk_ids, lay.config, device="cpu")
+    assert np.array_equal(np.asarray(dev.out.float().numpy()), host.astype(np.float32))
+    plain = lay.reference(gemm2_out_dtype=None).out
+    assert not np.array_equal(plain, host)
