@@ -11,7 +11,9 @@ round-toward-zero store, tanh GELU, the intermediate's scale per token, a swizzl
 
 Layers (``--shape``: ``small``, hidden 256, intermediate 256, 8 experts, top-4, 40 tokens, for the CPU and the
 test; ``deepseek-v3``: hidden 7168, intermediate 2048, 256 experts, top-8, 128 tokens), each as one exact-regime
-case (:func:`moeref.regimes.exact_layer`, Zipf-skewed routing, expert weights from a pool of 8) and one general
+case (:func:`moeref.regimes.exact_layer`, Zipf-skewed routing, expert weights from a pool of 8), one
+single-rounding case where the declared profile admits one (:func:`moeref.regimes.single_rounding_layer` with the
+profile's stores, a bf16 GEMM2 store included: :func:`moeref.regimes.single_rounding_stores`) and one general
 case (random FP8 codes or bf16 weights from a pool of 8, N(0, 1) bf16 tokens, softmax top-k weights that do not
 sum to 1):
 
@@ -23,10 +25,11 @@ sum to 1):
 
 Per fault and honest variant, ``changed``: the outputs it changes against the honest layer on each case (a
 fault changes some). Checks: ``exact`` (equality on the exact-regime case,
-:func:`moeref.regimes.moe_equality_report`), ``declared`` (the declared profile's bound on the general case,
-:func:`moeref.compare.bounds.layer_bound`, computed once per case), ``emulated`` (input faults and honest variants
-around the emulated kernel, under its profile, where the layer has one) and ``mixed`` = exact or declared (what the
-pytest plugin's default runs). Recorded: per fault which checks caught it, false alarms per honest variant, each
+:func:`moeref.regimes.moe_equality_report`), ``single_rounding`` (equality on the single-rounding case),
+``declared`` (the declared profile's bound on the general case, :func:`moeref.compare.bounds.layer_bound`,
+computed once per case), ``emulated`` (input faults and honest variants around the emulated kernel, under its
+profile, where the layer has one) and ``mixed`` = exact or single-rounding or declared (what the pytest plugin's
+default runs). Recorded: per fault which checks caught it, false alarms per honest variant, each
 check's time (the bound's or the equality's own, per call) and the reference's own time per case.
 
     python bench/bench_fault_catch.py                                   # CPU, small shapes (minutes)
@@ -54,7 +57,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.fault_catch.cases import LAYERS, SHAPES, Case, exact_case, general_case, reference  # noqa: E402
+from bench.fault_catch.cases import (LAYERS, SHAPES, Case, exact_case, general_case, reference,  # noqa: E402
+                                    single_rounding_case)
 from bench.fault_catch.layer import Hooks, TorchLayer, Variant, faults, honest  # noqa: E402
 
 
@@ -141,6 +145,9 @@ class Checker:
         self.info = {"layer": layer, **{k: LAYERS[layer][k] for k in ("scheme", "activation", "declared")}}
         t0 = time.perf_counter()
         self.cases = {"exact": exact_case(layer, shape, args.seed), "general": general_case(layer, shape, args.seed)}
+        sr, self.info["single_rounding"] = single_rounding_case(layer, shape, args.seed)
+        if sr is not None:
+            self.cases["single_rounding"] = sr
         self.info["case_seconds"] = round(time.perf_counter() - t0, 2)
         self.runs, self.info["reference_seconds"] = {}, {}
         for kind, case in self.cases.items():
@@ -170,11 +177,11 @@ class Checker:
         self._bound("emulated", profile, self.runs["general"] if run is None else run, layer_bound)
         self.info["emulated"] = getattr(profile, "name", str(profile))
 
-    def equality(self, cand) -> dict:
+    def equality(self, cand, kind: str = "exact") -> dict:
         from moeref.regimes import moe_equality_report
 
         t0 = time.perf_counter()
-        r = moe_equality_report(cand, self.runs["exact"])
+        r = moe_equality_report(cand, self.runs[kind])
         return {"caught": not r.passed, "differing": int(r.num_differences), "seconds": time.perf_counter() - t0}
 
     def bound(self, cand, which: str) -> dict:
@@ -230,6 +237,8 @@ def run_layer(layer: str, shape: dict, args, log, chosen_faults, chosen_honest) 
                 # how many outputs the variant changes against the honest layer (a fault must change some)
                 row["changed"] = {kind: int(np.count_nonzero(_host(o) != honest_out[kind])) for kind, o in outs.items()}
                 row["checks"]["exact"] = ck.equality(outs["exact"])
+                if "single_rounding" in outs:
+                    row["checks"]["single_rounding"] = ck.equality(outs["single_rounding"], "single_rounding")
                 row["checks"]["declared"] = ck.bound(outs["general"], "declared")
                 if emu is not None and (v.level == "inputs" or v.hooks in (Hooks(), Hooks(chunk=shape["chunk"]))):
                     if v.hooks is not None and v.hooks.chunk:
@@ -247,11 +256,11 @@ def run_layer(layer: str, shape: dict, args, log, chosen_faults, chosen_honest) 
                 row["error"] = f"{type(exc).__name__}: {exc}"[:400]
                 log(traceback.format_exc()[-1200:])
             ch = row["checks"]
-            if "exact" in ch and "declared" in ch:
-                ch["mixed"] = {"caught": ch["exact"]["caught"] or ch["declared"]["caught"],
-                               "seconds": ch["exact"]["seconds"] + ch["declared"]["seconds"]}
+            if "exact" in ch and "declared" in ch:  # the plugin's default: exact, single-rounding and general cases
+                parts = [ch[k] for k in MIXED if k in ch]
+                ch["mixed"] = {"caught": any(c["caught"] for c in parts), "seconds": sum(c["seconds"] for c in parts)}
             row["seconds"] = round(time.perf_counter() - t0, 3)
-            caught = [k for k in ("exact", "declared", "emulated") if ch.get(k, {}).get("caught")]
+            caught = [k for k in ("exact", "single_rounding", "declared", "emulated") if ch.get(k, {}).get("caught")]
             log(f"  {group} {v.name}: caught by {caught or 'none'} ({row['seconds']} s)")
             rows.append(row)
     info = dict(ck.info)
@@ -260,7 +269,10 @@ def run_layer(layer: str, shape: dict, args, log, chosen_faults, chosen_honest) 
     return info, fault_rows, honest_rows
 
 
-REGIMES = ("mixed", "exact", "declared", "emulated")
+REGIMES = ("mixed", "exact", "single_rounding", "declared", "emulated")
+MIXED = ("exact", "single_rounding", "declared")
+"""The checks of the mixed default (the pytest plugin's): equality on the exact-regime case, equality on the
+single-rounding case (where the declared profile admits one), the declared profile's bound on the general case."""
 
 
 def summarise(fault_rows: list, honest_rows: list, layers: list) -> dict:

@@ -41,17 +41,33 @@ def eager_bf16_moe(hidden_states, w1, w2, topk_weights, topk_ids, *, w13_layout=
 def fp32_sum_bf16_moe(hidden_states, w1, w2, topk_weights, topk_ids, *, bug=None):
     """A bf16 MoE layer in eager torch with BF16_OUTPUT's arithmetic: bf16 matmuls (FP32 accumulation, bf16
     stores), ``silu(gate) * up`` in float32 stored once in bf16, the weighted top-k sum in float32, one bf16
-    store. ``bug="last_bit"``: the last bit of output element ``[0, 0]`` flipped."""
+    store. ``bug="last_bit"``: the last bit of output element ``[0, 0]`` flipped; ``"rz_gemm2_store"``: GEMM2's
+    output stored in bf16 rounding toward zero (its FP32 result's low 16 bits cut); ``"bf16_k_blocks"``: each
+    GEMM's FP32 sums of 32-column K blocks added in a bf16 accumulator."""
     x = hidden_states.to(BF16)
     out = torch.zeros(x.shape, dtype=torch.float32)
+
+    def mm(a, w):
+        if bug != "bf16_k_blocks":
+            return a @ w.T
+        acc = torch.zeros(a.shape[0], w.shape[0], dtype=torch.float32)
+        for s in range(0, a.shape[1], 32):
+            acc = (acc + a[:, s:s + 32].float() @ w[:, s:s + 32].float().T).to(BF16).float()
+        return acc.to(BF16)
+
     for j in range(topk_ids.shape[1]):
         for e in torch.unique(topk_ids[:, j]).tolist():
             if e < 0:
                 continue
             rows = (topk_ids[:, j] == e).nonzero().flatten()
-            gate, up = (x[rows] @ w1[e].to(BF16).T).chunk(2, dim=-1)
+            gate, up = mm(x[rows], w1[e].to(BF16)).chunk(2, dim=-1)
             a = (F.silu(gate.float()) * up.float()).to(BF16)
-            out[rows] += (a @ w2[e].to(BF16).T).float() * topk_weights[rows, j, None].float()
+            if bug == "rz_gemm2_store":
+                y32 = a.float() @ w2[e].to(BF16).float().T
+                y = (y32.contiguous().view(torch.int32) & -65536).view(torch.float32)
+            else:
+                y = mm(a, w2[e].to(BF16)).float()
+            out[rows] += y * topk_weights[rows, j, None].float()
     out = out.to(BF16)
     if bug == "last_bit":
         out.view(torch.int16)[0, 0] ^= 1

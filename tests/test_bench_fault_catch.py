@@ -1,6 +1,7 @@
 """bench/bench_fault_catch.py on the CPU at small shapes: the planted faults are real (each changes the kernel's
-output), the honest variants never alarm under any check, the exact FP8 cases stay in the regime, and the report
-script renders the JSON."""
+output), the honest variants never alarm under any check, the exact FP8 cases stay in the regime, the
+single-rounding cases follow the declared profile's stores and stay in their regime, and the report script renders
+the JSON."""
 from __future__ import annotations
 
 import json
@@ -42,10 +43,25 @@ def test_exact_fp8_cases_with_groups_at_their_edges_stay_in_the_regime(layer):
     assert np.argmax(row[128:256]) == 127 and np.argmax(row[:128]) == 0
 
 
+@pytest.mark.parametrize("layer", list(bfc.LAYERS))
+def test_single_rounding_cases_take_the_declared_profiles_stores(layer):
+    from moeref.compare import get_profile
+    from moeref.regimes import layer_in_exact_regime
+
+    case, note = bfc.single_rounding_case(layer, bfc.SHAPES["small"], 0)
+    lay = case.meta["exact_layer"]
+    declared = get_profile(bfc.LAYERS[layer]["declared"])
+    # DEEPGEMM_FP8 and BF16_OUTPUT both declare bf16 GEMM outputs: GEMM2's store is made, and rounds
+    assert declared.gemm_out_dtype == "bfloat16" and lay.config.gemm2_out_dtype == "bfloat16"
+    assert "gemm2_store='bfloat16'" in note and lay.excluded_stores == ()
+    assert layer_in_exact_regime(lay, "fp32" if lay.scheme == "bf16" else "hopper_fp8").ok
+    assert np.array_equal(lay.hidden, case.hidden) and case.options["gemm2_out_dtype"] == "bfloat16"
+
+
 def test_a_small_cpu_run_catches_the_issue_faults_and_never_alarms_on_honest_variants(tmp_path):
     out = tmp_path / "fault_catch.json"
     res = bfc.main(["--layers", "fp8", "bf16_gelu", "--faults", *ISSUE_FAULTS, "tanh_gelu", "rz_gemm2_store",
-                    "--out", str(out)])
+                    "bf16_k_block_sum", "--out", str(out)])
     assert json.loads(out.read_text())["summary"] == res["summary"]
     assert {"date", "cpu", "torch", "tree", "argv"} <= set(res["meta"])
     assert all("error" not in info for info in res["layers"])
@@ -53,24 +69,30 @@ def test_a_small_cpu_run_catches_the_issue_faults_and_never_alarms_on_honest_var
     for h in res["honest"]:
         assert "error" not in h and not any(c["caught"] for c in h["checks"].values()), h
     by = {f["name"]: f for f in res["faults"]}
-    assert set(by) == set(ISSUE_FAULTS) | {"tanh_gelu", "rz_gemm2_store"}
+    assert set(by) == set(ISSUE_FAULTS) | {"tanh_gelu", "rz_gemm2_store", "bf16_k_block_sum"}
     for f in res["faults"]:
         assert sum(f["changed"].values()) > 0, f  # a planted fault changes the kernel's output
         ch = f["checks"]
-        assert ch["mixed"]["caught"] == (ch["exact"]["caught"] or ch["declared"]["caught"])
+        assert "single_rounding" in ch  # both layers' declared profiles admit a single-rounding case
+        assert ch["mixed"]["caught"] == (ch["exact"]["caught"] or ch["single_rounding"]["caught"]
+                                         or ch["declared"]["caught"])
     for name in ISSUE_FAULTS + ["tanh_gelu"]:
         assert by[name]["checks"]["exact"]["caught"], name
     for name in ISSUE_FAULTS:  # input faults around the emulated DeepGEMM layer: its exact profile sees them
         assert by[name]["checks"]["emulated"]["caught"], name
-    # the GEMM2 store is optional in the regime, so exact there: only a bound could see its rounding
-    assert by["rz_gemm2_store"]["changed"]["exact"] == 0 and not by["rz_gemm2_store"]["checks"]["exact"]["caught"]
+    # the GEMM2 store is optional in the exact regime, so exact there, and the exact regime's small integer sums
+    # fit a bf16 accumulator; the single-rounding case's declared GEMM2 store rounds, and its sums need 12 bits
+    for name in ("rz_gemm2_store", "bf16_k_block_sum"):
+        assert by[name]["changed"]["exact"] == 0 and not by[name]["checks"]["exact"]["caught"], name
+        assert by[name]["changed"]["single_rounding"] > 0 and by[name]["checks"]["single_rounding"]["caught"], name
     s = res["summary"]
-    assert s["mixed"]["faults"] == 7 and s["mixed"]["false_alarms"] == 0 and s["exact"]["caught"] == 6
+    assert s["mixed"]["faults"] == 8 and s["mixed"]["caught"] == 8 and s["mixed"]["false_alarms"] == 0
+    assert s["exact"]["caught"] == 6 and s["single_rounding"]["false_alarms"] == 0
 
     page = tmp_path / "page.md"
     shutil.copy(report_fault_catch.os.path.join(report_fault_catch.os.path.dirname(report_fault_catch.__file__),
                                                 "..", "docs", "error-bounds.md"), page)
     assert report_fault_catch.main([str(out), "--docs", str(page)]) == 0
     text = page.read_text()
-    assert "| mixed (the default) |" in text and "6 / 7 (86 %)" in text and "**missed**" in text
+    assert "| mixed (the default) |" in text and "8 / 8 (100 %)" in text and "| single-rounding regime only |" in text
     assert report_fault_catch.main([str(out), "--docs", str(page), "--check"]) == 0

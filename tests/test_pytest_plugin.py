@@ -93,17 +93,37 @@ def test_the_default_mix_checks_exact_cases_by_equality_and_general_cases_under_
     kernel_dir.makepyfile(test_m=MIXED_TEST.format(bug=None))
     res = kernel_dir.runpytest("-p", "moeref.testing.plugin", "-v")
     res.assert_outcomes(passed=8)  # an honest BF16_OUTPUT kernel passes both kinds
-    res.stdout.fnmatch_lines(["*case0-bounds-*PASSED*", "*case1-exact-*PASSED*"])
-    # one flipped last bit of one output element: equality sees it on every exact-regime case
+    res.stdout.fnmatch_lines(["*case0-bounds-*PASSED*", "*case1-exact-*PASSED*", "*case3-single_rounding-*PASSED*"])
+    # one flipped last bit of one output element: equality sees it on every exact-regime and single-rounding case
     kernel_dir.makepyfile(test_m=MIXED_TEST.format(bug="last_bit"))
     res = kernel_dir.runpytest("-p", "moeref.testing.plugin", "-v", "--moeref-repro-dir", "repro")
     failed = [line for line in res.stdout.lines if line.startswith("FAILED") and "::test_my_kernel[" in line]
-    assert sum("-exact-" in line for line in failed) == 4, failed  # every exact-regime case of the eight
+    assert sum("-exact-" in line for line in failed) == 2, failed  # every exact-regime case of the eight
+    assert sum("-single_rounding-" in line for line in failed) == 2, failed  # and every single-rounding one
+    # GEMM2's output stored rounding toward zero: exact sums hide it, the single-rounding cases see it
+    kernel_dir.makepyfile(test_m=MIXED_TEST.format(bug="rz_gemm2_store"))
+    rz = kernel_dir.runpytest("-p", "moeref.testing.plugin", "-v", "--moeref-repro-dir", "repro_rz")
+    rz_failed = [line for line in rz.stdout.lines if line.startswith("FAILED") and "::test_my_kernel[" in line]
+    assert sum("-single_rounding-" in line for line in rz_failed) == 2 and not any("-exact-" in x for x in rz_failed)
     res.stdout.fnmatch_lines(["*elements differ from the reference (exact regime*", "*moeref replay repro*json*"])
     files = sorted((kernel_dir.path / "repro").glob("*exact*.json"))
     assert files
     assert main(["replay", str(files[0]), "--json"]) == 1  # replayed by equality in the saved bf16
     assert '"num_differences": 1' in capsys.readouterr().out
+
+
+def test_a_profile_without_single_rounding_draws_exact_cases_in_their_place_and_says_so(kernel_dir):
+    kernel_dir.makepyfile(test_t="""
+import pytest
+
+@pytest.mark.moeref_profile("TORCH_EAGER_BF16")
+def test_t(moe_case):
+    assert moe_case.hidden.shape[0] >= 1
+""")
+    res = kernel_dir.runpytest("-p", "moeref.testing.plugin", "--collect-only", "-q")
+    ids = [line for line in res.stdout.lines if "test_t[" in line]
+    assert len(ids) == 8 and not any("-single_rounding-" in x for x in ids)
+    assert sum("-exact-no_single_rounding-" in x for x in ids) == 2, ids
 
 
 def test_regime_option_draws_one_kind_only(kernel_dir):

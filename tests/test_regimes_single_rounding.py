@@ -75,15 +75,17 @@ def gemm(a, w, kind: str, perm=None):
     """``a [R, C] @ w [N, C].T`` in float32: ``fp32`` (one matmul), ``split_k`` (two halves added in FP32),
     ``permuted`` (K in the order ``perm``, four chunks summed last-first), ``bf16_acc`` (a bf16 accumulator
     rounded after every column, K in order), ``bf16_acc_reversed`` (the same, K backward), ``bf16_acc_tiles``
-    (a bf16 accumulator rounded after every 16 columns)."""
+    (a bf16 accumulator rounded after every 16 columns), ``bf16_acc_blocks`` (FP32 sums of 128-column K blocks
+    added in a bf16 accumulator)."""
     if kind == "fp32":
         return a @ w.T
     if kind == "bf16_acc_reversed":
         return gemm(a.flip(1), w.flip(1), "bf16_acc")
-    if kind == "bf16_acc_tiles":  # FP32 products of 16 columns (one MMA k-step) added to a bf16 accumulator
+    if kind in ("bf16_acc_tiles", "bf16_acc_blocks"):  # FP32 products of 16 columns (one MMA k-step), or FP32
+        step = 16 if kind == "bf16_acc_tiles" else 128  # sums of 128-column K blocks, added to a bf16 accumulator
         acc = torch.zeros(a.shape[0], w.shape[0])
-        for j in range(0, a.shape[1], 16):
-            acc = bf16(acc + a[:, j:j + 16] @ w[:, j:j + 16].T)
+        for j in range(0, a.shape[1], step):
+            acc = bf16(acc + a[:, j:j + step] @ w[:, j:j + step].T)
         return acc
     if kind == "split_k":
         h = a.shape[1] // 2
@@ -105,7 +107,8 @@ def torch_layer(lay, *, gemm1="fp32", gemm2="fp32", gemm1_store="rne", act_store
                 gemm2_store=False, out_store="rne", reverse_topk=False, chunk=None, seed=0, trace=None):
     """The layer in float32 torch eager. ``act_store``: None (FP8: no store; bf16: the declared RNE store), or a
     rounding mode for a bf16 store of the activation. ``a2_mode``: the FP8 re-quantization's rounding.
-    ``gemm2_store``: GEMM2's output stored in bf16 before the top-k sum (a second store). ``trace``: a dict
+    ``gemm2_store``: GEMM2's output stored in bf16 before the top-k sum (True or ``"rne"``; ``"rz"``: toward
+    zero): a second store, or the declared one of a layer with ``gemm2_store="bfloat16"``. ``trace``: a dict
     that receives the unrounded values each store rounds (``up``: GEMM1's up half, ``a2_in``: the FP8
     quantizer's scaled input or the activation before its bf16 store, ``y``, ``out``)."""
     tr = trace if trace is not None else {}
@@ -146,7 +149,7 @@ def torch_layer(lay, *, gemm1="fp32", gemm2="fp32", gemm1_store="rne", act_store
             a2 = act
         y = gemm(a2, w2, gemm2, torch.randperm(n, generator=gen))
         tr["y"].append(y.reshape(-1))
-        return bf16(y) if gemm2_store else y
+        return bf16(y, gemm2_store if isinstance(gemm2_store, str) else "rne") if gemm2_store else y
 
     out = torch.zeros(m, k)
     starts = range(0, m, chunk or max(m, 1))

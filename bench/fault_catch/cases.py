@@ -123,6 +123,29 @@ def boundary_groups(case: Case) -> Case:
     return case.with_(hidden=hidden, weights=weights, meta={"exact_layer": lay})
 
 
+def single_rounding_case(layer: str, shape: dict, seed: int) -> tuple:
+    """``(case, note)``: the layer as :func:`moeref.regimes.single_rounding_layer` with the stores its declared
+    profile admits (:func:`moeref.regimes.single_rounding_stores`: a bf16 GEMM2 store for ``DEEPGEMM_FP8`` and
+    ``BF16_OUTPUT``), routed and weighted as :func:`exact_case`; ``(None, why not)`` where the profile admits none."""
+    from moeref.regimes import exact_topk_weights, single_rounding_layer, single_rounding_stores
+
+    spec = LAYERS[layer]
+    opts, why = single_rounding_stores(spec["declared"], spec["scheme"])
+    if opts is None:
+        return None, why
+    rng = np.random.default_rng([seed, 3])
+    ids = _zipf_ids(rng, shape["tokens"], shape["experts"], shape["top_k"])
+    tw = exact_topk_weights(ids.shape, seed=rng)
+    tw[0, :2] = [1.0, 0.25]
+    lay = single_rounding_layer(shape["tokens"], shape["hidden"], shape["intermediate"], shape["experts"],
+                                shape["top_k"], scheme=spec["scheme"], activation=spec["activation"], seed=rng,
+                                topk_ids=ids, topk_weights=tw, expert_pool=min(POOL, shape["experts"]), **opts)
+    case = Case(layer, "single_rounding", lay.hidden, lay.weights, lay.topk_weights, lay.topk_ids, lay.options,
+                spec["scheme"].startswith("fp8"), spec["scheme"].endswith("ue8m0"), spec["activation"],
+                meta={"exact_layer": lay})
+    return case, f"single_rounding_layer({', '.join(f'{k}={v!r}' for k, v in opts.items())})"
+
+
 def general_case(layer: str, shape: dict, seed: int) -> Case:
     """Random weights (a pool of 8 experts), N(0, 1) bf16 tokens, softmax top-k weights (not renormalised)."""
     import ml_dtypes

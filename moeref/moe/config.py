@@ -105,6 +105,8 @@ class LayerConfig:
         chunk_size: tokens per chunk (None: one chunk).
         shared_experts: :class:`moeref.moe.SharedExperts` added with weight 1.
         out_dtype, gemm1_out_dtype, act_out_dtype: declared stores (None: float64, no rounding).
+        gemm2_out_dtype: a declared store of GEMM2's output (bias included) before the top-k sum (DeepGEMM
+            pipelines, CUTLASS / torch bf16 layers: ``Profile.gemm_out_dtype``); None: float64 into the sum.
         alignment: contiguous layout's rows per expert segment; max_m: masked/batched capacity.
     """
 
@@ -122,6 +124,7 @@ class LayerConfig:
     max_m: int | None = None
     gemm1_out_dtype: object = None
     act_out_dtype: object = None
+    gemm2_out_dtype: object = None
 
     def __post_init__(self):
         from ..activations import ACTIVATIONS

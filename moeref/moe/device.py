@@ -17,7 +17,7 @@ runs the same stages as the NumPy engine, each with the same float64 arithmetic:
   scaled sum);
 * activations: :func:`moeref.activations.activation_values` on torch float64, whose ``exp``/``erf``
   are :mod:`moeref.elementary`'s portable ones (the same bits as on the CPU);
-* stores (``gemm1_out_dtype``, ``act_out_dtype``, ``out_dtype``): the NumPy engine's roundings
+* stores (``gemm1_out_dtype``, ``act_out_dtype``, ``gemm2_out_dtype``, ``out_dtype``): the NumPy engine's roundings
   (float64 -> float32 -> bfloat16 for bfloat16, as ml_dtypes; one rounding for float16 and float32);
 * finalize: ``sum_j w[t, j] * row(t*k + j)`` in float64, slot order, from +0.0.
 
@@ -192,7 +192,7 @@ def _prepare(x, w, ids, *, num_experts, layout, quant, expert_map, apply_router_
 
 
 def _experts(p: Prepared, weights: MoEWeights, *, activation, activation_params, quant, gemm1_out_dtype,
-             act_out_dtype, engines) -> ExpertsOutput:
+             act_out_dtype, engines, gemm2_out_dtype=None) -> ExpertsOutput:
     torch = _torch()
     valid = p.row_expert >= 0
     n_w = len(weights.w13)
@@ -217,7 +217,7 @@ def _experts(p: Prepared, weights: MoEWeights, *, activation, activation_params,
     pos = np.full(r, -1, dtype=np.int64)
     pos[vidx] = np.arange(vidx.size)
     xq = xq_valid.take_rows(to_device(pos, dev))
-    y = _weights_gemm(xq, p.row_expert, weights.w2, weights.b2)
+    y = round_on_device(_weights_gemm(xq, p.row_expert, weights.w2, weights.b2), gemm2_out_dtype)
     return ExpertsOutput(y, h, x, xq, a2, valid, h_pre)
 
 
@@ -277,7 +277,8 @@ def run_moe_device(hidden, weights: MoEWeights, topk_weights, topk_ids, config: 
     chunk = m if cfg.chunk_size is None else cfg.chunk_size
     engines: list = []
     kw = dict(activation=cfg.activation, activation_params=cfg.activation_params, quant=cfg.quant,
-              gemm1_out_dtype=cfg.gemm1_out_dtype, act_out_dtype=cfg.act_out_dtype, engines=engines)
+              gemm1_out_dtype=cfg.gemm1_out_dtype, act_out_dtype=cfg.act_out_dtype, engines=engines,
+              gemm2_out_dtype=cfg.gemm2_out_dtype)
     outs, chunks, shared_chunks, shared_parts = [], [], [], []
     sw = None if cfg.shared_experts is None else device_weights(cfg.shared_experts.as_weights(), dev)
     for start in range(0, max(m, 1), max(chunk, 1)):

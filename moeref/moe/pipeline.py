@@ -30,7 +30,7 @@ Semantics (each with its source):
   never read by finalize (their ``src`` is -1).
 * Everything is float64 from the exact GEMMs to the final sum (vLLM ``torch_experts`` reduces in
   fp32); the only roundings are the declared quantizers, the optional ``gemm1_out_dtype`` /
-  ``act_out_dtype`` stores (kernels keep these in bf16) and the final ``out_dtype``.
+  ``act_out_dtype`` / ``gemm2_out_dtype`` stores (kernels keep these in bf16) and the final ``out_dtype``.
 
 ``gemm``: the GEMM engine, ``(a_operand, w_operand) -> float array``; :func:`moeref.gemm.block_gemm`
 by default. Honest variants and planted faults (:mod:`moeref.compare.faults`) plug in here.
@@ -110,12 +110,14 @@ def prepare(hidden, topk_weights, topk_ids, *, num_experts: int, layout: str = "
 
 def experts(prepared: Prepared, weights: MoEWeights, *, activation: str = "silu_and_mul",
             activation_params: dict | None = None, quant: MoEQuant = NO_QUANT,
-            gemm1_out_dtype=None, act_out_dtype=None, gemm: Callable | None = None) -> ExpertsOutput:
+            gemm1_out_dtype=None, act_out_dtype=None, gemm: Callable | None = None,
+            gemm2_out_dtype=None) -> ExpertsOutput:
     """GEMM1 (+b13) -> activation (``weights.w13_layout``) -> re-quantize (``quant.a2``) -> GEMM2 (+b2).
 
     ``gemm1_out_dtype`` / ``act_out_dtype``: optional stores (e.g. ``"bfloat16"``) of the GEMM1 output
     and of the activation output, as kernels keep them (None: float64, no rounding); the ``a2``
     quantizer then receives the activation in ``act_out_dtype`` and works in its precision.
+    ``gemm2_out_dtype``: an optional store of GEMM2's output (``y``, bias included) before the top-k sum.
     """
     w13 = ExpertOperands(weights.w13, "w13")
     w2 = ExpertOperands(weights.w2, "w2")
@@ -139,7 +141,7 @@ def experts(prepared: Prepared, weights: MoEWeights, *, activation: str = "silu_
     pos = np.full(x.shape[0], -1, dtype=np.int64)
     pos[vidx] = np.arange(vidx.size)
     xq = xq_valid.take_rows(pos)
-    y = expert_rows_gemm(xq, prepared.row_expert, w2, weights.b2, gemm=gemm)
+    y = round_to_dtype(expert_rows_gemm(xq, prepared.row_expert, w2, weights.b2, gemm=gemm), gemm2_out_dtype)
     return ExpertsOutput(y, h, x, xq, a2, valid)
 
 
@@ -177,7 +179,8 @@ def run_moe(hidden, weights: MoEWeights, topk_weights, topk_ids, config: LayerCo
     w = np.asarray(topk_weights)
     ids = np.asarray(topk_ids)
     kw = dict(activation=cfg.activation, activation_params=cfg.activation_params, quant=cfg.quant,
-              gemm1_out_dtype=cfg.gemm1_out_dtype, act_out_dtype=cfg.act_out_dtype, gemm=gemm)
+              gemm1_out_dtype=cfg.gemm1_out_dtype, act_out_dtype=cfg.act_out_dtype, gemm=gemm,
+              gemm2_out_dtype=cfg.gemm2_out_dtype)
     outs, chunks, shared_chunks, shared_parts = [], [], [], []
     for start in range(0, max(m, 1), max(chunk, 1)):
         sl = slice(start, min(start + chunk, m))

@@ -15,7 +15,8 @@ allows, and every declared store rounds an exact value. Guide: docs/exact-regime
   with token, expert and slot (``regime="exact"`` of :mod:`moeref.testing`).
 * :mod:`.rounding`: :func:`rounding_gemm` and :func:`single_rounding_layer`, single-rounding regimes (exact
   FP32 sums that each declared store must round) that separate RNE from RZ stores, FP32 from bf16
-  accumulation, one store from two, for a GEMM and for a whole layer.
+  accumulation, one store from two, for a GEMM and for a whole layer (GEMM2's output unstored or stored once
+  in bf16: :func:`single_rounding_stores` picks the variant a declared profile admits).
 
 Hypothesis strategies: :mod:`moeref.regimes.strategies` (needs the ``test`` extra).
 """
@@ -38,8 +39,9 @@ __all__ += ["LAYER_ACTIVATIONS", "LAYER_SCHEMES", "ExactLayer", "RegimeCertifica
 from .equality import EqualityReport, ExactMismatch, gemm_equality_report, moe_equality_report  # noqa: E402
 
 __all__ += ["EqualityReport", "ExactMismatch", "gemm_equality_report", "moe_equality_report"]
-from .rounding import (ROUNDING_LAYER_ACTIVATIONS, ROUNDING_LAYER_SCHEMES, round_half_away_bf16,  # noqa: E402
-                       round_toward_zero_bf16, rounding_gemm, single_rounding_layer)
+from .rounding import (GEMM2_STORES, ROUNDING_LAYER_ACTIVATIONS, ROUNDING_LAYER_SCHEMES,  # noqa: E402
+                       round_half_away_bf16, round_toward_zero_bf16, rounding_gemm, single_rounding_layer,
+                       single_rounding_stores)
 
 __all__ += ["round_half_away_bf16", "round_toward_zero_bf16", "rounding_gemm", "single_rounding_layer",
-            "ROUNDING_LAYER_SCHEMES", "ROUNDING_LAYER_ACTIVATIONS"]
+            "single_rounding_stores", "ROUNDING_LAYER_SCHEMES", "ROUNDING_LAYER_ACTIVATIONS", "GEMM2_STORES"]

@@ -21,7 +21,9 @@ term ``1 x (16 + 32 i)``, ``i`` in 0..3.
 
 :func:`single_rounding_layer` does the same for a whole fused-MoE layer: GEMM1's bf16 store, the FP8
 re-quantization (or bf16's activation store) and the bf16 output each round an exact value once, GEMM2's
-output goes unrounded into the FP32 top-k sum, and every conforming order still gives the reference's bits.
+output goes unrounded into the FP32 top-k sum (or, with ``gemm2_store="bfloat16"``, is rounded once at its
+declared bf16 store and the top-k sum of the stored values stays exact), and every conforming order still
+gives the reference's bits. :func:`single_rounding_stores` says which variant a declared profile admits.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from .._checks import check_positive_int
 from .layer import _anchor_columns
 
 __all__ = ["rounding_gemm", "round_toward_zero_bf16", "round_half_away_bf16", "single_rounding_layer",
-           "ROUNDING_LAYER_SCHEMES", "ROUNDING_LAYER_ACTIVATIONS"]
+           "single_rounding_stores", "ROUNDING_LAYER_SCHEMES", "ROUNDING_LAYER_ACTIVATIONS", "GEMM2_STORES"]
 
 
 def rounding_gemm(m: int, n: int, k: int, *, ties: bool = False, seed=0) -> tuple[np.ndarray, np.ndarray]:
@@ -82,6 +84,9 @@ ROUNDING_LAYER_SCHEMES = ("bf16", "fp8_1x128", "fp8_1x128_ue8m0", "fp8_per_token
 """Schemes of :func:`single_rounding_layer` (those of :data:`moeref.regimes.LAYER_SCHEMES` but MXFP4 W4A16, whose
 32-element blocks cannot hold the up rows' large and small weights under one scale)."""
 ROUNDING_LAYER_ACTIVATIONS = ("silu_and_mul", "gelu_and_mul")
+GEMM2_STORES = (None, "bfloat16")
+"""GEMM2 output stores of :func:`single_rounding_layer`: None (FP32 into the top-k sum, ``excluded_stores=("gemm2",)``)
+or ``"bfloat16"`` (one declared RNE store before the top-k sum, ``config.gemm2_out_dtype``)."""
 
 _UP_FIRST, _UP_MID, _UP_LAST = 4.0, 16.0, 224.0  # up rows: 448 * 4 + 8 * 16 + 8 * 224 = 3712 (columns 0, 1, -1)
 _UP_SMALL = 32  # small terms per up row: t * w with |t| <= 2, |w| <= 2
@@ -141,7 +146,8 @@ def _rounding_expert(rng, k: int, n: int, *, scheme, group1: int, group2: int, b
 def single_rounding_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                           scheme: str = "fp8_1x128", activation: str = "silu_and_mul", seed=0, topk_ids=None,
                           topk_weights=None, shared_experts: bool = False, token_exponents=(0, 1),
-                          off_fraction: float = 0.125, expert_pool: int | None = None, **options):
+                          off_fraction: float = 0.125, expert_pool: int | None = None, gemm2_store: str | None = None,
+                          **options):
     """A whole fused-MoE layer whose every declared store rounds an exact value once, and rounds it for real.
 
     On :func:`~moeref.regimes.exact_layer`'s layers every stage is exact, so a kernel that truncates (RZ) at
@@ -165,28 +171,40 @@ def single_rounding_layer(num_tokens: int, hidden: int, intermediate: int, num_e
       ``g / 2^j``): a change of one bf16 step in ``u`` (a GEMM1 store rounded the wrong way, a bf16
       accumulator) moves the code, where 3584 (a code itself, half a code step from either boundary) would
       hide it. bf16: ``x`` has up to 11 bits, and the declared bf16 activation store rounds it once.
-    * **GEMM2, no store.** Each ``w2`` row has ``+-16`` on the anchor column and 8 small weights ``+-1, +-2``,
-      times a power-of-two 128x128 block scale ``2^s2`` (``s2`` in -1..1): ``y`` needs up to 13 significant
-      bits, exact in FP32 and in the 14-bit FP8 accumulator (FP8 schemes), and goes into the FP32 top-k sum
-      unrounded: the layer's declared arithmetic has
-      no GEMM2 store (``excluded_stores=("gemm2",)``), so a kernel that stores ``y`` in bf16 first rounds twice.
+    * **GEMM2, no store** (``gemm2_store=None``, the default). Each ``w2`` row has ``+-16`` on the anchor column
+      and 8 small weights ``+-1, +-2``, times a power-of-two 128x128 block scale ``2^s2`` (``s2`` in -1..1): ``y``
+      needs up to 13 significant bits, exact in FP32 and in the 14-bit FP8 accumulator (FP8 schemes), and goes
+      into the FP32 top-k sum unrounded: the layer's declared arithmetic has no GEMM2 store
+      (``excluded_stores=("gemm2",)``), so a kernel that stores ``y`` in bf16 first rounds twice.
+    * **GEMM2, declared bf16 store** (``gemm2_store="bfloat16"``: ``config.gemm2_out_dtype``, the arithmetic of
+      DeepGEMM pipelines and of CUTLASS / torch bf16 layers, ``Profile.gemm_out_dtype``). The same ``y``, exact
+      before the store, is rounded once by it (RNE, 13 bits to 8: a round-toward-zero store differs wherever
+      RNE rounds up); the stored values are multiples of the same quantum as ``y`` (rounding to a coarser grid
+      keeps them so) and at most twice as large, so their weighted top-k sum stays exact in FP32 in any order,
+      and the output store rounds it once. A kernel that skips the store (FP32 into the sum) now rounds at
+      another point and differs.
     * **The output, declared bf16 store.** Top-k weights ``2^-e``: the weighted sum (and a shared expert) is
       exact in FP32 in any order and needs more than 8 bits; the bf16 store rounds it once.
 
     Every conforming kernel (FP32 or FP8-promoted accumulation in any order, split-K, any top-k order or token
     chunking, with or without the optional activation store) gives the reference's bits; a kernel that rounds
     toward zero (or half away from zero) at any of the rounding stores, accumulates either GEMM in bf16 in K
-    order, or stores GEMM2's output in bf16 before the top-k sum does not (tests/test_regimes_single_rounding.py).
-    What it cannot separate is in docs/exact-regimes.md.
+    order (per column, per 16-column tile or per 128-column K block), or makes a GEMM2 store the layer does not
+    declare (or skips the one it declares) does not (tests/test_regimes_single_rounding.py,
+    tests/test_regimes_single_rounding_gemm2.py). What it cannot separate is in docs/exact-regimes.md.
 
     Args: as :func:`~moeref.regimes.exact_layer` (``scheme`` one of :data:`ROUNDING_LAYER_SCHEMES`,
     ``activation`` one of :data:`ROUNDING_LAYER_ACTIVATIONS`; ``hidden`` at least 32; no biases). Tokens as
-    ``exact_layer``'s, with their last column ``8 * 2^k`` too.
+    ``exact_layer``'s, with their last column ``8 * 2^k`` too. ``gemm2_store``: one of :data:`GEMM2_STORES`
+    (:func:`single_rounding_stores` picks it from a declared profile).
 
     >>> from moeref.regimes import layer_in_exact_regime
     >>> lay = single_rounding_layer(4, 256, 256, 4, 2, seed=0)
     >>> lay.config.gemm1_out_dtype, lay.excluded_stores, layer_in_exact_regime(lay, "hopper_fp8").ok
     ('bfloat16', ('gemm2',), True)
+    >>> lay2 = single_rounding_layer(4, 256, 256, 4, 2, seed=0, gemm2_store="bfloat16")
+    >>> lay2.config.gemm2_out_dtype, lay2.excluded_stores, layer_in_exact_regime(lay2, "hopper_fp8").ok
+    ('bfloat16', (), True)
     """
     from .._checks import check_choice
     from .layer import _assemble, _certify, _schemes, _tokens
@@ -198,6 +216,7 @@ def single_rounding_layer(num_tokens: int, hidden: int, intermediate: int, num_e
     top = check_positive_int(top_k, "top_k")
     check_choice(scheme, ROUNDING_LAYER_SCHEMES, "scheme")
     check_choice(activation, ROUNDING_LAYER_ACTIVATIONS, "activation")
+    check_choice(gemm2_store, GEMM2_STORES, "gemm2_store")
     if scheme.startswith("fp8_1x128") and (k % 128 or n % 128):
         raise ValueError(f"scheme {scheme!r} needs hidden and intermediate multiples of 128; got {k}, {n}")
     if k < 32:
@@ -223,10 +242,12 @@ def single_rounding_layer(num_tokens: int, hidden: int, intermediate: int, num_e
     stores = dict(out_dtype="bfloat16", gemm1_out_dtype="bfloat16")
     if scheme == "bf16":
         stores["act_out_dtype"] = "bfloat16"
+    if gemm2_store is not None:
+        stores["gemm2_out_dtype"] = gemm2_store
     lay = _assemble(rng, expert, x, kt, num_experts=e, top_k=top, scheme=scheme, layout="gate_up", bias=False,
                     expert_pool=expert_pool, shared_experts=shared_experts, topk_ids=topk_ids,
                     topk_weights=topk_weights, config=dict(activation=activation, **stores, **options),
-                    excluded_stores=("gemm2",))
+                    excluded_stores=("gemm2",) if gemm2_store is None else ())
     if lay.config.activation_params or lay.config.apply_router_weight_on_input:
         return lay
     # the construction's bounds (RegimeCertificate): GEMM1 up rows sum at most 3712 + 32 * 4 = 3840 quanta 2^k;
@@ -234,5 +255,50 @@ def single_rounding_layer(num_tokens: int, hidden: int, intermediate: int, num_e
     # |y| / 2^j <= 448 * 32 + 8 * 240 * 4 = 22016 over a quantum of 2; bf16: x = g bf16(u) >= 56 * 3584 4^k has
     # lowest bit >= 2^10 4^k, the anchor 256 * 7168 4^k is the largest: (1835008 * 32 + 8 * 224 * 3840 * 4) / 512
     gemm2 = 22016.0 / 2.0 if scheme != "bf16" else (1835008.0 * 32 + 8 * 224 * 3840 * 4) / 512.0
-    object.__setattr__(lay, "certificate", _certify(lay, 3840.0, gemm2, gemm2, ("act",)))
+    # a declared GEMM2 store: the stored y keeps y's quantum and is at most twice |y| (module docstring)
+    y_ratio = gemm2 if gemm2_store is None else 2.0 * gemm2
+    object.__setattr__(lay, "certificate", _certify(lay, 3840.0, gemm2, y_ratio, ("act",)))
     return lay
+
+
+def single_rounding_stores(profile, scheme: str = "bf16"):
+    """``(options, reason)``: the :func:`single_rounding_layer` keyword arguments whose declared stores are those of
+    ``profile`` (a :class:`moeref.compare.Profile` or its name) for ``scheme``, or ``(None, why not)`` where the
+    profile's arithmetic admits no single-rounding layer.
+
+    The layer declares a bf16 GEMM1 store, a bf16 output store, an FP32 top-k sum of power-of-two weights, no
+    biases, partial sums within 14 bits (exact in FP32 and in Hopper's FP8 accumulator) and, for ``bf16``, a bf16
+    activation store (FP8 schemes: the activation is exact in bf16, so the store is free). GEMM2's store follows
+    the profile's ``gemm_out_dtype``: ``"bfloat16"`` gives ``gemm2_store="bfloat16"``. A profile admits one when
+    it declares those stores (``gemm_out_dtype`` and ``out_dtype`` bf16, ``act_out_dtype`` bf16 for ``bf16``),
+    an FP32 top-k sum (``reduce_unit``) and an accumulator of at least 14 bits (``accum_unit``); a GEMM2 epilogue
+    that weights before its store (``gemm2_weighted_store``) is admitted too: a power-of-two weight commutes with
+    the rounding.
+
+    >>> single_rounding_stores("BF16_OUTPUT")
+    ({'gemm2_store': 'bfloat16'}, '')
+    >>> single_rounding_stores("DEEPGEMM_FP8", "fp8_1x128")
+    ({'gemm2_store': 'bfloat16'}, '')
+    >>> single_rounding_stores("TORCH_EAGER_BF16")[0] is None
+    True
+    """
+    from .._checks import check_choice
+    from ..compare.bounds import U_FP32
+    from ..compare.kernel_profiles import get_profile
+
+    check_choice(scheme, ROUNDING_LAYER_SCHEMES, "scheme")
+    p = get_profile(profile)
+    why = []
+    if p.gemm_out_dtype != "bfloat16":
+        why.append(f"GEMM outputs stored as {p.gemm_out_dtype!r} (the layer's GEMM1 store is bf16)")
+    if p.out_dtype != "bfloat16":
+        why.append(f"output stored as {p.out_dtype!r} (the layer's output store is bf16)")
+    if scheme == "bf16" and p.act_out_dtype != "bfloat16":
+        why.append(f"activation stored as {p.act_out_dtype!r} (a bf16 layer's activation store is bf16)")
+    if p.reduce_unit > U_FP32:
+        why.append(f"top-k sum rounded to a lower precision (reduce_unit {p.reduce_unit:g}; the layer's is FP32)")
+    if p.accum_unit > 2.0**-13:
+        why.append(f"accumulator of fewer than 14 bits (accum_unit {p.accum_unit:g})")
+    if why:
+        return None, f"profile {p.name} admits no single-rounding layer: " + "; ".join(why)
+    return {"gemm2_store": "bfloat16"}, ""

@@ -126,10 +126,11 @@ def single_rounding_layers(draw, *, schemes=ROUNDING_LAYER_SCHEMES, activations=
                            max_tokens: int = 12, max_experts: int = 6, max_top_k: int = 3, hidden=(256,),
                            intermediate=(128, 256), kinds=_DRAWN_KINDS + OPT_IN_KINDS, shared=None,
                            chunking: bool = True, layouts=("standard", "contiguous", "masked", "batched"),
-                           expert_maps: bool = True) -> ExactLayer:
+                           expert_maps: bool = True, gemm2_store: str | None = None) -> ExactLayer:
     """A :func:`~moeref.regimes.single_rounding_layer` (every declared store rounds an exact value once), drawn
-    like :func:`exact_layers` (no biases: the construction has none)."""
-    return draw(_drawn_layers(single_rounding_layer, {}, schemes=schemes, activations=activations,
+    like :func:`exact_layers` (no biases: the construction has none); ``gemm2_store``: GEMM2's declared store
+    (None: none; ``"bfloat16"``: one bf16 store before the top-k sum)."""
+    return draw(_drawn_layers(single_rounding_layer, {"gemm2_store": gemm2_store}, schemes=schemes, activations=activations,
                               max_tokens=max_tokens, max_experts=max_experts, max_top_k=max_top_k, hidden=hidden,
                               intermediate=intermediate, kinds=kinds, shared=shared, chunking=chunking,
                               layouts=layouts, expert_maps=expert_maps))

@@ -10,8 +10,9 @@ reference's inputs exactly as the kernel sees them, drawn cases, reproducers, an
 * :func:`save_reproducer`, :func:`load_reproducer`, :func:`replay` (:mod:`.reproducer`).
 * :func:`mutation_score` (:mod:`.mutation`): how many of the library's planted faults a user's check
   catches.
-* :class:`CheckMix`, :func:`check_case`, :func:`exact_case` (:mod:`.regime`, :mod:`.cases`): the default mix of exact-regime
-  cases checked by equality and general cases checked under the profile's bound.
+* :class:`CheckMix`, :func:`check_case`, :func:`exact_case`, :func:`single_rounding_case` (:mod:`.regime`,
+  :mod:`.cases`): the default mix of exact-regime and single-rounding cases checked by equality and general cases
+  checked under the profile's bound.
 * The pytest plugin (:mod:`.plugin`, entry point ``pytest11``): ``moe_case``, ``moe_profile``,
   ``moe_check``, ``moe_regime`` fixtures, ``--moeref-regime``, ``--moeref-profile``, ``--moeref-thorough``,
   reproducers on failure.
@@ -45,6 +46,7 @@ __all__ = [
     "REGIMES",
     "replay",
     "save_reproducer",
+    "single_rounding_case",
 ]
 
 
@@ -53,7 +55,7 @@ def __dir__():  # dir() lists the lazy exports too (PEP 562)
 
 
 def __getattr__(name):  # the Hypothesis-backed helpers load on first use (hypothesis is the test extra)
-    if name in ("moe_cases", "draw_cases", "exact_case"):
+    if name in ("moe_cases", "draw_cases", "exact_case", "single_rounding_case"):
         from . import cases
 
         return getattr(cases, name)

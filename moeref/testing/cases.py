@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["moe_cases", "draw_cases", "exact_case", "CASE_KINDS", "DEFAULT_MAX_TOKENS"]
+__all__ = ["moe_cases", "draw_cases", "exact_case", "single_rounding_case", "CASE_KINDS", "DEFAULT_MAX_TOKENS"]
 
 CASE_KINDS = ("uniform", "hot1", "all_to_one", "zipf", "empty_experts", "tied_logits", "negative_logits",
               "skewed_logits")
@@ -126,6 +126,43 @@ def exact_case(num_tokens: int, hidden: int, intermediate: int, num_experts: int
     return ki.with_(meta=meta)
 
 
+def single_rounding_case(num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int, kind: str,
+                         seed: int, *, dtype: str = "bfloat16", allow_padding: bool = False,
+                         profile="BF16_OUTPUT"):
+    """A :class:`~moeref.testing.KernelInputs` in the single-rounding regime: the layer of
+    :func:`moeref.regimes.single_rounding_layer` (bf16 tokens and weights, SiLU-and-mul; every partial sum exact
+    in FP32, and every store ``profile`` declares, GEMM2's bf16 store included, rounding an exact value once),
+    routed like :func:`exact_case`. ``meta`` records the sizes, kind, seed, ``regime="single_rounding"`` and
+    ``stores``: the declared stores (``gemm1_out_dtype``, ``act_out_dtype``, ``gemm2_out_dtype``) that the
+    reference replays (:func:`moeref.testing.regime.check_case`). ``ValueError`` when ``profile`` admits no
+    single-rounding layer (:func:`moeref.regimes.single_rounding_stores` says why); only ``dtype="bfloat16"``.
+
+    >>> ki = single_rounding_case(5, 64, 32, 4, 2, "uniform", 0)
+    >>> ki.meta["regime"], ki.meta["stores"]["gemm2_out_dtype"], ki.hidden.dtype.name
+    ('single_rounding', 'bfloat16', 'bfloat16')
+    """
+    from ..regimes import exact_topk_weights, single_rounding_layer, single_rounding_stores
+    from .inputs import kernel_inputs
+
+    if dtype != "bfloat16":
+        raise ValueError(f"single_rounding_case builds bf16 layers (moeref.regimes.single_rounding_layer, scheme "
+                         f"'bf16'); got dtype {dtype!r}: use moeref.regimes.single_rounding_layer for other schemes")
+    opts, why = single_rounding_stores(profile, "bf16")
+    if opts is None:
+        raise ValueError(why)
+    rng = np.random.default_rng([seed, 11])
+    _, ids = _routing(kind, num_tokens, num_experts, top_k, rng, allow_padding)
+    lay = single_rounding_layer(num_tokens, hidden, intermediate, num_experts, top_k, scheme="bf16", seed=rng,
+                                topk_ids=ids, topk_weights=exact_topk_weights(ids.shape, seed=rng), **opts)
+    ki = kernel_inputs(lay.hidden, lay.weights, lay.topk_weights, lay.topk_ids, dtype=dtype)
+    cfg = lay.config
+    stores = {k: getattr(cfg, k) for k in ("gemm1_out_dtype", "act_out_dtype", "gemm2_out_dtype")}
+    meta = dict(num_tokens=int(num_tokens), hidden=int(hidden), intermediate=int(intermediate),
+                num_experts=int(num_experts), top_k=int(top_k), routing=kind, seed=int(seed), dtype=dtype,
+                regime="single_rounding", stores=stores)
+    return ki.with_(meta=meta)
+
+
 def _check_kinds(kinds) -> tuple:
     from .._checks import check_choice
 
@@ -201,7 +238,8 @@ def _spread(values, n: int, rng) -> list:
 
 def draw_cases(n: int, strategy=None, *, seed: int = 0, max_tokens: int = DEFAULT_MAX_TOKENS,
                max_experts: int = 8, max_top_k: int = 4, hidden=(64, 128, 256), intermediate=(32, 64, 128),
-               dtype: str = "bfloat16", kinds=CASE_KINDS, allow_padding: bool = False, mix=None) -> list:
+               dtype: str = "bfloat16", kinds=CASE_KINDS, allow_padding: bool = False, mix=None,
+               profile=None) -> list:
     """``n`` layer calls, deterministic for a given ``seed``, spread over the sizes a kernel must get right.
 
     By default (no ``strategy``): token counts spread over ``[1, max_tokens]`` on a log scale leaning to the
@@ -215,8 +253,12 @@ def draw_cases(n: int, strategy=None, *, seed: int = 0, max_tokens: int = DEFAUL
     ``mix``: a :class:`moeref.testing.regime.CheckMix` or a regime name (``"mixed"``, ``"exact"``,
     ``"bounds"``; None, the default here, is ``"bounds"``: every case general). The cases :meth:`CheckMix.kinds`
     marks ``"exact"`` are built in the exact regime instead, with the same sizes, routing kind and seed
-    (:func:`exact_case`; ``meta["regime"] == "exact"``); the pytest plugin draws
-    ``"mixed"`` by default. Not with a ``strategy``.
+    (:func:`exact_case`; ``meta["regime"] == "exact"``), those it marks ``"single_rounding"`` in the
+    single-rounding regime with the stores ``profile`` declares (:func:`single_rounding_case`; ``profile``: the
+    profile the cases will be checked under, a Profile or its name, default the package's for ``dtype``,
+    :func:`moeref.compare.suggest_profile`). Where the profile admits no single-rounding layer those cases are
+    exact-regime cases with ``meta["single_rounding"]`` saying why. The pytest plugin draws ``"mixed"`` by
+    default. Not with a ``strategy``.
 
     With a Hypothesis ``strategy`` (e.g. :func:`moe_cases` with other choices): ``n`` distinct examples drawn
     with ``derandomize`` (``seed`` skips the first ``seed``); Hypothesis (>= 6.131) mixes constants found in
@@ -244,13 +286,23 @@ def draw_cases(n: int, strategy=None, *, seed: int = 0, max_tokens: int = DEFAUL
     ladder = [e for e in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if e < max_experts]
     experts = _spread(ladder + [max_experts], n, rng)
     ks = _spread(range(1, max_top_k + 1), n, rng)
+    refused = ""
+    if kinds_of is not None and "single_rounding" in kinds_of:
+        from ..compare.kernel_profiles import get_profile, suggest_profile
+        from ..regimes import single_rounding_stores
+
+        profile = suggest_profile(dtype) if profile is None else get_profile(profile)
+        refused = single_rounding_stores(profile, "bf16")[1]
     out = []
     for i, (m, e, k, kind, kh, nn, s) in enumerate(zip(counts, experts, ks, _spread(kinds, n, rng),
                                                        _spread(hidden, n, rng), _spread(intermediate, n, rng),
                                                        rng.integers(0, 2**16, size=n))):
-        if kinds_of is not None and kinds_of[i] == "exact":
-            out.append(exact_case(int(m), kh, nn, e, min(k, e), kind, int(s), dtype=dtype,
-                                  allow_padding=allow_padding))
+        if kinds_of is not None and kinds_of[i] == "single_rounding" and not refused:
+            out.append(single_rounding_case(int(m), kh, nn, e, min(k, e), kind, int(s), dtype=dtype,
+                                            allow_padding=allow_padding, profile=profile))
+        elif kinds_of is not None and kinds_of[i] in ("exact", "single_rounding"):
+            c = exact_case(int(m), kh, nn, e, min(k, e), kind, int(s), dtype=dtype, allow_padding=allow_padding)
+            out.append(c.with_(meta={**c.meta, "single_rounding": refused}) if kinds_of[i] != "exact" else c)
         else:
             out.append(_case(int(m), kh, nn, e, min(k, e), kind, int(s), dtype, allow_padding))
     return out

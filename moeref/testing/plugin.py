@@ -8,10 +8,14 @@ Fixtures:
   :func:`moeref.testing.draw_cases` (a :class:`~moeref.testing.KernelInputs`, already in bf16): 8 cases,
   64 with ``--moeref-thorough`` (or ``MOEREF_HYPOTHESIS_PROFILE=thorough``), ``--moeref-cases N`` to set;
   token counts up to 256, ``--moeref-max-tokens N`` to set. ``--moeref-regime`` (a
-  :class:`moeref.testing.regime.CheckMix`): ``mixed`` (the default) draws every other case in the exact regime
-  (:func:`moeref.testing.cases.exact_case`, checked by equality) and the others general (checked under the
-  profile's bound), ``exact`` only exact-regime cases, ``bounds`` only general ones. The test id names each
-  case's regime. For Hypothesis shrinking use ``@given(moe_cases())`` instead.
+  :class:`moeref.testing.regime.CheckMix`): ``mixed`` (the default) draws one case in four in the exact regime
+  (:func:`moeref.testing.cases.exact_case`, checked by equality), one in four in the single-rounding regime
+  with the stores of the test's profile (:func:`moeref.testing.cases.single_rounding_case`, checked by
+  equality; where the profile admits none, an exact-regime case instead, its id ending ``-no_single_rounding``)
+  and the others general (checked under the profile's bound), ``exact`` only exact-regime cases, ``bounds``
+  only general ones. The profile is known when the cases are drawn from ``--moeref-profile`` or the test's
+  marker, else the package's default for bf16. The test id names each case's regime. For Hypothesis shrinking
+  use ``@given(moe_cases())`` instead.
 * ``moe_profile``: the :class:`~moeref.compare.Profile` to check with: ``--moeref-profile NAME``, else the
   test's ``@pytest.mark.moeref_profile("NAME")``, else the package's default for the case's dtype
   (:func:`moeref.compare.suggest_profile`, the decision table's row: ``BF16_OUTPUT`` for the bf16 cases).
@@ -85,9 +89,18 @@ def pytest_generate_tests(metafunc):
     from .cases import draw_cases
     from .regime import case_regime
 
-    cases = draw_cases(_num_cases(metafunc.config), mix=_mix(metafunc.config), **_max_tokens(metafunc.config))
-    ids = [f"case{i}-{case_regime(c)}-M{c.hidden.shape[0]}-E{c.w13.shape[0]}-k{c.topk_ids.shape[1]}-"
-           f"{c.meta.get('routing', '')}" for i, c in enumerate(cases)]
+    name = metafunc.config.getoption("--moeref-profile")
+    mark = metafunc.definition.get_closest_marker("moeref_profile")
+    if name is None and mark is not None and mark.args:
+        name = mark.args[0]
+    try:
+        cases = draw_cases(_num_cases(metafunc.config), mix=_mix(metafunc.config), profile=name,
+                           **_max_tokens(metafunc.config))
+    except ValueError as exc:  # an unknown profile name
+        raise pytest.UsageError(str(exc)) from None
+    ids = [f"case{i}-{case_regime(c)}{'-no_single_rounding' if c.meta.get('single_rounding') else ''}-"
+           f"M{c.hidden.shape[0]}-E{c.w13.shape[0]}-k{c.topk_ids.shape[1]}-{c.meta.get('routing', '')}"
+           for i, c in enumerate(cases)]
     metafunc.parametrize("moe_case", cases, ids=ids)
 
 

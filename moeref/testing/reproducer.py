@@ -23,7 +23,8 @@ __all__ = ["FORMAT", "save_reproducer", "load_reproducer", "replay"]
 
 FORMAT = "moeref-reproducer/1"
 _OPTION_KEYS = ("activation", "activation_params", "layout", "out_dtype", "num_experts", "alignment", "max_m",
-                "apply_router_weight_on_input", "chunk_size", "gemm1_out_dtype", "act_out_dtype")
+                "apply_router_weight_on_input", "chunk_size", "gemm1_out_dtype", "act_out_dtype",
+                "gemm2_out_dtype")
 
 
 def _scheme_to_json(q):
@@ -113,7 +114,7 @@ def save_reproducer(path, case, candidate, profile, *, label: str = "", extra: d
     unknown = sorted(set(opts) - set(_OPTION_KEYS) - {"expert_map"})
     if unknown:
         raise ValueError(f"cannot save run_moe options {unknown}; savable: {', '.join(_OPTION_KEYS)}")
-    for k in ("out_dtype", "gemm1_out_dtype", "act_out_dtype"):
+    for k in ("out_dtype", "gemm1_out_dtype", "act_out_dtype", "gemm2_out_dtype"):
         if opts.get(k) is not None:
             dt = opts[k]
             opts[k] = str(getattr(dt, "__name__", getattr(dt, "name", dt))).replace("torch.", "")
