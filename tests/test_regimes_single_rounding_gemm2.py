@@ -152,3 +152,20 @@ def test_the_device_engine_replays_the_gemm2_store():
     assert np.array_equal(np.asarray(dev.out.float().numpy()), host.astype(np.float32))
     plain = lay.reference(gemm2_out_dtype=None).out
     assert not np.array_equal(plain, host)
+
+
+def test_layer_bound_refuses_a_run_with_a_gemm2_store():
+    """The bounds do not model a GEMM2 store: ``layer_bound`` (and so ``compare``) refuses such a run instead of
+    bounding a layer without it; the same layer without the store is bounded."""
+    from dataclasses import replace
+
+    from moeref.compare import layer_bound
+    from moeref.moe import run_moe
+
+    lay = single_rounding_layer(2, 256, 256, 2, 1, gemm2_store="bfloat16")
+    run = lay.reference()
+    with pytest.raises(ValueError, match="gemm2_out_dtype='bfloat16'"):
+        layer_bound(run, "BF16_OUTPUT")
+    cfg = replace(lay.config, gemm2_out_dtype=None)
+    plain = run_moe(lay.hidden, lay.weights, lay.topk_weights, lay.topk_ids, cfg)
+    assert np.isfinite(np.asarray(layer_bound(plain, "BF16_OUTPUT").bound, np.float64)).all()

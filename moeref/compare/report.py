@@ -32,6 +32,11 @@ def layer_bound(run, profile: Profile | str) -> LayerBound:
     that engine needs torch and Triton and is imported for such a run only). ``profile``: a
     :class:`Profile` or its name in :data:`moeref.compare.PROFILES`."""
     profile = get_profile(profile)
+    g2 = getattr(getattr(run, "config", None), "gemm2_out_dtype", None)
+    if g2 is not None:  # the bound's model has no GEMM2 store: refuse rather than bound a different layer
+        raise ValueError(f"layer_bound does not model a declared GEMM2 store (the run has gemm2_out_dtype={g2!r}); "
+                         "check such a run by equality in its regime (moeref.regimes.single_rounding_layer) or run "
+                         "the reference without gemm2_out_dtype")
     if _is_device_run(run):
         from .device.layer import device_layer_bound  # torch and triton: imported for a device run only
 
