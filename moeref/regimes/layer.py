@@ -226,6 +226,22 @@ def _expert(rng, k: int, n: int, *, scheme, group1: int, group2: int, token_max:
     return gate, up, w2, (s_gate, s_up, s2), b_up
 
 
+def _layer_sizes(num_tokens, hidden, intermediate, num_experts, top_k, scheme, activation, schemes, activations):
+    """The checked ``(M, K, N, E, k)`` of a regime layer's arguments, with ``scheme`` in ``schemes`` and
+    ``activation`` in ``activations`` (shared by :func:`exact_layer` and
+    :func:`moeref.regimes.single_rounding_layer`): ValueError names the argument and what is accepted."""
+    m = check_positive_int(num_tokens, "num_tokens", allow_zero=True)
+    k = check_positive_int(hidden, "hidden")
+    n = check_positive_int(intermediate, "intermediate")
+    e = check_positive_int(num_experts, "num_experts")
+    top = check_positive_int(top_k, "top_k")
+    check_choice(scheme, schemes, "scheme")
+    check_choice(activation, activations, "activation")
+    if scheme.startswith("fp8_1x128") and (k % 128 or n % 128):
+        raise ValueError(f"scheme {scheme!r} needs hidden and intermediate multiples of 128; got {k}, {n}")
+    return m, k, n, e, top
+
+
 def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                 scheme: str = "fp8_1x128", activation: str = "silu_and_mul", seed=0, topk_ids=None,
                 topk_weights=None, w13_layout: str | None = None, bias: bool = False, shared_experts: bool = False,
@@ -255,15 +271,8 @@ def exact_layer(num_tokens: int, hidden: int, intermediate: int, num_experts: in
     >>> lay.hidden.shape, lay.config.out_dtype, layer_in_exact_regime(lay, "hopper_fp8").ok
     ((4, 256), 'bfloat16', True)
     """
-    m = check_positive_int(num_tokens, "num_tokens", allow_zero=True)
-    k = check_positive_int(hidden, "hidden")
-    n = check_positive_int(intermediate, "intermediate")
-    e = check_positive_int(num_experts, "num_experts")
-    top = check_positive_int(top_k, "top_k")
-    check_choice(scheme, LAYER_SCHEMES, "scheme")
-    check_choice(activation, LAYER_ACTIVATIONS, "activation")
-    if scheme.startswith("fp8_1x128") and (k % 128 or n % 128):
-        raise ValueError(f"scheme {scheme!r} needs hidden and intermediate multiples of 128; got {k}, {n}")
+    m, k, n, e, top = _layer_sizes(num_tokens, hidden, intermediate, num_experts, top_k, scheme, activation,
+                                   LAYER_SCHEMES, LAYER_ACTIVATIONS)
     if scheme == "mxfp4_w4a16" and (k % 32 or n % 32):
         raise ValueError(f"scheme {scheme!r} needs hidden and intermediate multiples of 32; got {k}, {n}")
     if k < 2:

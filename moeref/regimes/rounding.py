@@ -207,18 +207,11 @@ def single_rounding_layer(num_tokens: int, hidden: int, intermediate: int, num_e
     ('bfloat16', (), True)
     """
     from .._checks import check_choice
-    from .layer import _assemble, _certify, _schemes, _tokens
+    from .layer import _assemble, _certify, _layer_sizes, _schemes, _tokens
 
-    m = check_positive_int(num_tokens, "num_tokens", allow_zero=True)
-    k = check_positive_int(hidden, "hidden")
-    n = check_positive_int(intermediate, "intermediate")
-    e = check_positive_int(num_experts, "num_experts")
-    top = check_positive_int(top_k, "top_k")
-    check_choice(scheme, ROUNDING_LAYER_SCHEMES, "scheme")
-    check_choice(activation, ROUNDING_LAYER_ACTIVATIONS, "activation")
+    m, k, n, e, top = _layer_sizes(num_tokens, hidden, intermediate, num_experts, top_k, scheme, activation,
+                                   ROUNDING_LAYER_SCHEMES, ROUNDING_LAYER_ACTIVATIONS)
     check_choice(gemm2_store, GEMM2_STORES, "gemm2_store")
-    if scheme.startswith("fp8_1x128") and (k % 128 or n % 128):
-        raise ValueError(f"scheme {scheme!r} needs hidden and intermediate multiples of 128; got {k}, {n}")
     if k < 32:
         raise ValueError(f"hidden must be at least 32 (room for 16 small up terms); got {k}")
     exps = tuple(int(v) for v in token_exponents)
