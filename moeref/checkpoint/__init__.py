@@ -3,7 +3,8 @@
 * :mod:`.safetensors_io` — sharded safetensors: lazy reader, streaming atomic shard writer.
 * :mod:`.layouts` — DeepSeek FP8 (FP32 and UE8M0 scales), gpt-oss MXFP4, ModelOpt NVFP4,
   compressed-tensors NVFP4 / MXFP4 / FP8 block, BF16: module <-> tensors, configs.
-* :mod:`.convert` — plan, convert shard by shard (workers, resume, verify), index and configs; with the
+* :mod:`.plan` — the conversion plan from headers and configs alone (:func:`plan_conversion`, ``--dry-run``).
+* :mod:`.convert` — convert shard by shard (workers, resume, verify), index and configs; with the
   report on a GPU (:mod:`moeref.quant.device_report`), each shard read, converted and written as a pipeline
   (:mod:`.pipeline`: the reader and writer threads, shards hashed in a thread, a fused group's amax on the device).
 * :mod:`.engines` — NumPy reference or Triton fast path per module (never silently).
