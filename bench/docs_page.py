@@ -3,7 +3,9 @@ report script from a benchmark's JSON (never edited by hand), or checked against
 docs tests run every report that way on the committed JSON)."""
 from __future__ import annotations
 
+import argparse
 import glob
+import json
 import os
 import sys
 
@@ -41,3 +43,31 @@ def update_page(path: str, begin: str, end: str, body: str, *, check: bool, reme
     with open(path, "w") as f:
         f.write(new)
     return 0
+
+
+def report_main(argv, *, description: str, script: str, pattern: str, pages, begin: str, end: str, render,
+                json_help: str) -> int:
+    """The command line every page report shares: ``[JSON ...] [--docs PAGE ...] [--check]``. The JSON files
+    given (default: the committed ``docs/data/<pattern>``; SystemExit when there are none) are loaded in order,
+    ``render(list of documents)`` gives the generated text, and each page (default ``pages``, names under
+    ``docs/``) gets it between ``begin`` and ``end`` (:func:`update_page`). Returns 0, or 1 when ``--check``
+    finds a page that differs."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("json", nargs="*", help=f"{json_help} (default: docs/data/{pattern})")
+    ap.add_argument("--docs", nargs="+", default=[os.path.join(os.path.dirname(DATA_DIR), p) for p in pages],
+                    help="the page(s) to write (default: " + ", ".join(f"docs/{p}" for p in pages) + ")")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page differs")
+    args = ap.parse_args(argv)
+    paths = args.json or data_files(pattern)
+    if not paths:
+        raise SystemExit(f"no JSON given and no docs/data/{pattern}")
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    body = render(runs)
+    status = 0
+    for page in args.docs:
+        status |= update_page(page, begin, end, body, check=args.check,
+                              remedy=f"run bench/{script} " + " ".join(paths))
+    return status

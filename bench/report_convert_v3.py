@@ -10,13 +10,11 @@ what the JSON gives (tests/test_generated_docs.py runs it on the committed JSON)
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.docs_page import data_files, update_page  # noqa: E402
+from bench.docs_page import data_files, report_main  # noqa: E402
 
 BEGIN, END = "<!-- convert-v3:begin -->", "<!-- convert-v3:end -->"
 
@@ -83,19 +81,15 @@ def section(d: dict) -> str:
     return "\n".join(out)
 
 
+def render(runs: list[dict]) -> str:
+    """The generated part of the page: one section per run, in order."""
+    return "\n\n".join(section(d) for d in runs)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", nargs="*", help="bench_convert_v3.py --json outputs (default: docs/data/convert_v3_*.json)")
-    ap.add_argument("--docs", default="docs/convert.md")
-    ap.add_argument("--check", action="store_true")
-    args = ap.parse_args(argv)
-    files = args.json or default_json()
-    parts = []
-    for fn in files:
-        with open(fn) as f:
-            parts.append(section(json.load(f)))
-    return update_page(args.docs, BEGIN, END, "\n\n".join(parts), check=args.check,
-                       remedy="run bench/report_convert_v3.py " + " ".join(files))
+    return report_main(argv, description=__doc__.splitlines()[0], script="report_convert_v3.py", pattern="convert_v3_*.json",
+                       pages=("convert.md",), begin=BEGIN, end=END, render=render,
+                       json_help="bench_convert_v3.py --json outputs")
 
 
 if __name__ == "__main__":

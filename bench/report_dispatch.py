@@ -12,13 +12,11 @@ the page differs from what the JSON gives. Schema: :func:`bench.interleaved.row_
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.docs_page import DATA_DIR, data_files, update_page  # noqa: E402
+from bench.docs_page import data_files, report_main  # noqa: E402
 
 BEGIN, END = "<!-- fastpath-dispatch:begin -->", "<!-- fastpath-dispatch:end -->"
 FLAG = "⚠"
@@ -97,21 +95,9 @@ def render(runs: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", nargs="*", help="bench_dispatch_gpu.py JSON files, one section each "
-                    "(default: docs/data/dispatch_*.json)")
-    ap.add_argument("--docs", default=os.path.join(os.path.dirname(DATA_DIR), "fastpaths-dispatch.md"))
-    ap.add_argument("--check", action="store_true")
-    args = ap.parse_args(argv)
-    files = args.json or default_json()
-    if not files:
-        raise SystemExit("no JSON given and no docs/data/dispatch_*.json")
-    runs = []
-    for path in files:
-        with open(path) as f:
-            runs.append(json.load(f))
-    return update_page(args.docs, BEGIN, END, render(runs), check=args.check,
-                       remedy="run bench/report_dispatch.py " + " ".join(files))
+    return report_main(argv, description=__doc__.splitlines()[0], script="report_dispatch.py", pattern="dispatch_*.json",
+                       pages=("fastpaths-dispatch.md",), begin=BEGIN, end=END, render=render,
+                       json_help="bench_dispatch_gpu.py JSON files, one section each")
 
 
 if __name__ == "__main__":

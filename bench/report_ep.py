@@ -11,13 +11,11 @@ the JSON gives (a test runs it on the committed JSON).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.docs_page import data_files, update_page  # noqa: E402
+from bench.docs_page import data_files, report_main  # noqa: E402
 
 BEGIN, END = "<!-- ep-reference:begin -->", "<!-- ep-reference:end -->"
 MODE_NAMES = {"normal": "normal (bf16)", "normal_fp8": "normal, FP8 1x128 before dispatch",
@@ -72,23 +70,9 @@ def default_json() -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", nargs="*", help="bench_ep_gpu.py --out files (default: docs/data/ep_*.json)")
-    ap.add_argument("--docs", nargs="+", default=[os.path.join(os.path.dirname(__file__), "..", "docs", p)
-                                                  for p in ("expert-parallel.md", "performance.md")])
-    ap.add_argument("--check", action="store_true")
-    args = ap.parse_args(argv)
-    paths = args.json or default_json()
-    runs = []
-    for path in paths:
-        with open(path) as f:
-            runs.append(json.load(f))
-    body = table(runs)
-    status = 0
-    for page in args.docs:
-        status |= update_page(page, BEGIN, END, body, check=args.check,
-                              remedy="run bench/report_ep.py " + " ".join(paths))
-    return status
+    return report_main(argv, description=__doc__.splitlines()[0], script="report_ep.py", pattern="ep_*.json",
+                       pages=("expert-parallel.md", "performance.md"), begin=BEGIN, end=END, render=table,
+                       json_help="bench_ep_gpu.py --out files")
 
 
 if __name__ == "__main__":

@@ -11,13 +11,11 @@ from what the JSON gives (a test runs it on the committed JSON).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.docs_page import data_files, update_page  # noqa: E402
+from bench.docs_page import data_files, report_main  # noqa: E402
 
 BEGIN, END = "<!-- exact-regimes:begin -->", "<!-- exact-regimes:end -->"
 
@@ -159,19 +157,9 @@ def default_json() -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", nargs="*",
-                    help="bench_exact_regimes.py --out files (default: docs/data/exact_regimes_*.json)")
-    ap.add_argument("--docs", default=os.path.join(os.path.dirname(__file__), "..", "docs", "exact-regimes.md"))
-    ap.add_argument("--check", action="store_true")
-    args = ap.parse_args(argv)
-    paths = args.json or default_json()
-    runs = []
-    for path in paths:
-        with open(path) as f:
-            runs.append(json.load(f))
-    return update_page(args.docs, BEGIN, END, table(runs), check=args.check,
-                       remedy="run bench/report_exact_regimes.py " + " ".join(paths))
+    return report_main(argv, description=__doc__.splitlines()[0], script="report_exact_regimes.py", pattern="exact_regimes_*.json",
+                       pages=("exact-regimes.md",), begin=BEGIN, end=END, render=table,
+                       json_help="bench_exact_regimes.py --out files")
 
 
 if __name__ == "__main__":

@@ -12,14 +12,12 @@ exits 1 when the page differs from what the JSON gives (a test runs it on the co
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.docs_page import data_files, update_page  # noqa: E402
+from bench.docs_page import data_files, report_main  # noqa: E402
 from bench.report_exact_regimes import _cell, _command, _date  # noqa: E402
 
 BEGIN, END = "<!-- fault-catch:begin -->", "<!-- fault-catch:end -->"
@@ -153,18 +151,9 @@ def default_json() -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", nargs="*", help="bench_fault_catch.py --out files (default: docs/data/fault_catch_*.json)")
-    ap.add_argument("--docs", default=os.path.join(os.path.dirname(__file__), "..", "docs", "error-bounds.md"))
-    ap.add_argument("--check", action="store_true")
-    args = ap.parse_args(argv)
-    paths = args.json or default_json()
-    runs = []
-    for path in paths:
-        with open(path) as f:
-            runs.append(json.load(f))
-    return update_page(args.docs, BEGIN, END, table(runs), check=args.check,
-                       remedy="run bench/report_fault_catch.py " + " ".join(paths))
+    return report_main(argv, description=__doc__.splitlines()[0], script="report_fault_catch.py", pattern="fault_catch_*.json",
+                       pages=("error-bounds.md",), begin=BEGIN, end=END, render=table,
+                       json_help="bench_fault_catch.py --out files")
 
 
 if __name__ == "__main__":
