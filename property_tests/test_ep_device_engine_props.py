@@ -160,6 +160,28 @@ def assert_same_bits(a, b, what):
                           f"{b[tuple(bad[0])]!r}"
 
 
+def assert_same_fields(a: dict, b: dict, what: str, *, combine_errors: bool = True) -> None:
+    """Two engines' (or two runs') result fields equal: the same names; per field the same bits
+    (:func:`assert_same_bits`), both None, or for a combine (``("ok", array)`` / ``("error", message)``) the same
+    outcome and bits or message (``combine_errors`` False: both must be ``"ok"``)."""
+    assert sorted(a) == sorted(b)
+    for name in a:
+        av, bv = a[name], b[name]
+        if isinstance(av, tuple):
+            if combine_errors:
+                assert av[0] == bv[0], f"{what} {name}: {av} vs {bv}"
+            else:
+                assert av[0] == bv[0] == "ok", f"{what} {name}"
+            if av[0] == "error":
+                assert av[1] == bv[1]
+            else:
+                assert_same_bits(av[1], bv[1], f"{what} {name}")
+        elif av is None or bv is None:
+            assert av is None and bv is None, f"{what} {name}: one side gave None"
+        else:
+            assert_same_bits(av, bv, f"{what} {name}")
+
+
 @FEW
 @given(data=st.data(), mode=st.sampled_from(["normal", "low_latency"]), quant=st.sampled_from(list(QUANTS)),
        alignment=st.sampled_from([1, 4]), pad=st.booleans(), y_dtype=st.sampled_from(list(DTYPES)),
@@ -181,20 +203,7 @@ def test_device_engine_is_bit_identical_to_host_engine(world, data, mode, quant,
         if host[0] == "error":
             assert host[1] == dev[1]
             continue
-        hf, df = host[1], dev[1]
-        assert sorted(hf) == sorted(df)
-        for name in hf:
-            hv, dv = hf[name], df[name]
-            if isinstance(hv, tuple):  # a combine: ("ok", array) or ("error", message)
-                assert hv[0] == dv[0], f"rank {rank} {name}: host {hv} vs device {dv}"
-                if hv[0] == "error":
-                    assert hv[1] == dv[1]
-                else:
-                    assert_same_bits(hv[1], dv[1], f"rank {rank} {name}")
-            elif hv is None or dv is None:
-                assert hv is None and dv is None, f"rank {rank} {name}: one engine gave None"
-            else:
-                assert_same_bits(hv, dv, f"rank {rank} {name}")
+        assert_same_fields(host[1], dev[1], f"rank {rank} (host vs device)")
 
 
 def test_assert_same_bits_sees_one_bit_and_a_moved_nan():
@@ -290,15 +299,7 @@ def test_low_latency_buffer_reuse_equals_fresh_buffers(world, data, dtype, quant
                 continue
             ff, bf = fresh[1], reused[1]
             assert ff.pop("is_buffer") is False and bf.pop("is_buffer") is True, f"rank {rank} step {i}: aliasing"
-            assert sorted(ff) == sorted(bf)
-            for name in ff:
-                if isinstance(ff[name], tuple):
-                    assert ff[name][0] == bf[name][0] == "ok", f"rank {rank} step {i} {name}"
-                    assert_same_bits(ff[name][1], bf[name][1], f"rank {rank} step {i} {name}")
-                elif ff[name] is None:
-                    assert bf[name] is None
-                else:
-                    assert_same_bits(ff[name], bf[name], f"rank {rank} step {i} {name}")
+            assert_same_fields(ff, bf, f"rank {rank} step {i} (fresh vs buffer)", combine_errors=False)
 
 
 def buffer_misuse_task(g):
