@@ -74,9 +74,13 @@ def to_device(a, device, dtype=None):
     A copy from pageable host memory makes the CPU wait for the stream (``cudaMemcpy`` semantics: torch's
     sync debug mode reports it); this one stages ``a`` in page-locked memory and copies with
     ``non_blocking=True``, so the copy is queued on the current stream in order with the kernels around it
-    (later kernels read the copied values; the staging buffer is held until the copy ends, by torch's
-    caching host allocator). The values are ``a``'s (``dtype``: a torch dtype to convert to first, on the
-    host). On a CPU device: ``torch.as_tensor``."""
+    (later kernels read the copied values). Arrays of up to :data:`STAGING_MAX_BYTES` are staged in a pool of
+    page-locked buffers kept by this module (:class:`_PinnedStaging`; a buffer is reused only once the copy that
+    last read it has completed, told by a CUDA event), because page-locking fresh memory per call costs about a
+    millisecond for a 1 MB array (H200, torch 2.11); larger arrays, and copies made while a CUDA graph is
+    being captured, are staged in fresh page-locked memory (``Tensor.pin_memory``, held by torch's caching host
+    allocator until the copy ends). The values are ``a``'s (``dtype``: a torch dtype to convert to first, on
+    the host). On a CPU device: ``torch.as_tensor``."""
     import torch
 
     t = a if torch.is_tensor(a) else torch.from_numpy(np.ascontiguousarray(a))
@@ -85,7 +89,60 @@ def to_device(a, device, dtype=None):
     dev = torch.device(device)
     if dev.type != "cuda":
         return t.to(dev)
-    return t.pin_memory().to(dev, non_blocking=True)
+    return _STAGING.copy(t.contiguous(), dev)
+
+
+STAGING_MAX_BYTES = 16 << 20
+"""Largest array :func:`to_device` stages in its pool of page-locked buffers."""
+
+
+class _PinnedStaging:
+    """Page-locked staging buffers for :func:`to_device`, per power-of-two size (at least 4 KiB), at most
+    ``per_size`` of each; a buffer is free when the CUDA event recorded after its last copy has completed."""
+
+    def __init__(self, per_size: int = 8):
+        import threading
+
+        self._free: dict[int, list] = {}
+        self._lock = threading.Lock()
+        self._per_size = per_size
+
+    def _buffer(self, nbytes: int):
+        import torch
+
+        size = max(4096, 1 << (nbytes - 1).bit_length())
+        with self._lock:
+            entries = self._free.setdefault(size, [])
+            for entry in entries:
+                if entry[1] is None or (entry[1] is not _IN_USE and entry[1].query()):
+                    entry[1] = _IN_USE
+                    return entry
+            if len(entries) >= self._per_size:
+                return None
+            entry = [torch.empty(size, dtype=torch.uint8, pin_memory=True), _IN_USE]
+            entries.append(entry)
+            return entry
+
+    def copy(self, t, dev):
+        import torch
+
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0 or nbytes > STAGING_MAX_BYTES or torch.cuda.is_current_stream_capturing():
+            return t.pin_memory().to(dev, non_blocking=True)
+        entry = self._buffer(nbytes)
+        if entry is None:  # every buffer of this size still being read
+            return t.pin_memory().to(dev, non_blocking=True)
+        staged = entry[0][:nbytes]
+        staged.copy_(t.reshape(-1).view(torch.uint8))
+        out = staged.view(t.dtype).view(t.shape).to(dev, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(dev))
+        entry[1] = event
+        return out
+
+
+_IN_USE = object()  # an entry's state while a thread fills it (before its copy's event exists)
+_STAGING = _PinnedStaging()
 
 
 def torch_e4m3_cast_saturates() -> bool:
