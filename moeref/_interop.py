@@ -83,7 +83,7 @@ def to_device(a, device, dtype=None):
     the host). On a CPU device: ``torch.as_tensor``."""
     import torch
 
-    t = a if torch.is_tensor(a) else torch.from_numpy(np.ascontiguousarray(a))
+    t = a if torch.is_tensor(a) else torch.from_numpy(np.ascontiguousarray(a).reshape(np.shape(a)))
     if dtype is not None:
         t = t.to(dtype)
     dev = torch.device(device)

@@ -11,6 +11,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="to_device's pag
 
 
 def test_cpu_device_values_and_dtype():
+    assert _interop.to_device(np.float64(2.5), "cpu").shape == ()  # a 0-d array stays 0-d
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
     t = _interop.to_device(a, "cpu")
     assert t.dtype == torch.float32 and t.shape == (3, 4)
