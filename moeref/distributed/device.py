@@ -48,6 +48,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..quant.device import DeviceQuantized  # the received FP8 rows: moeref.quant's device-side quantized tensor
+
 __all__ = ["DeviceQuantized"]
 
 
@@ -58,29 +60,6 @@ def _torch():
 
 
 _TORCH_FLOAT_NAMES = {"float64", "float32", "float16", "bfloat16"}
-
-
-@dataclass(frozen=True, eq=False)
-class DeviceQuantized:
-    """Quantized rows on the device: ``codes`` uint8 and ``scales`` (the scheme's scale dtype as a torch
-    tensor) with the host :class:`~moeref.quant.QuantizedTensor`'s shapes; ``shape`` the logical shape.
-    :meth:`to_host` gives the :class:`~moeref.quant.QuantizedTensor` (bitwise the same codes and scales)."""
-
-    codes: object
-    scales: object
-    scheme: object
-    shape: tuple
-
-    def to_host(self):
-        from .. import _interop
-        from ..quant import QuantizedTensor
-
-        return QuantizedTensor(_interop.to_numpy(self.codes), _interop.to_numpy(self.scales), self.scheme,
-                               tuple(self.shape))
-
-    def dequantize(self, dtype=np.float64):
-        """:meth:`QuantizedTensor.dequantize` of :meth:`to_host` (a host array)."""
-        return self.to_host().dequantize(dtype)
 
 
 def zeros(shape, dtype, device):

@@ -113,7 +113,7 @@ class DeviceQuantized:
     scales: object
     scheme: Scheme
     shape: tuple
-    global_scale: float | None
+    global_scale: float | None = None
     host_scales: np.ndarray = field(repr=False, default=None)  # the stored scales on the host (scale_values)
 
     @cached_property
@@ -139,9 +139,16 @@ class DeviceQuantized:
         return both[..., : self.shape[-1]]
 
     def to_host(self) -> QuantizedTensor:
-        """The same tensor as a :class:`~moeref.quant.QuantizedTensor` (codes and scales copied to the host)."""
-        return QuantizedTensor(codes=self.codes.cpu().numpy(), scales=self.scales.cpu().numpy(), scheme=self.scheme,
-                               shape=self.shape, global_scale=self.global_scale)
+        """The same tensor as a :class:`~moeref.quant.QuantizedTensor` (codes and scales copied to the host,
+        bit for bit)."""
+        from .._interop import to_numpy
+
+        return QuantizedTensor(codes=to_numpy(self.codes), scales=to_numpy(self.scales), scheme=self.scheme,
+                               shape=tuple(self.shape), global_scale=self.global_scale)
+
+    def dequantize(self, dtype=np.float64):
+        """:meth:`QuantizedTensor.dequantize` of :meth:`to_host` (a host array)."""
+        return self.to_host().dequantize(dtype)
 
 
 def _static_arg(scheme: Scheme, static: dict):
