@@ -46,17 +46,22 @@ def update_page(path: str, begin: str, end: str, body: str, *, check: bool, reme
 
 
 def report_main(argv, *, description: str, script: str, pattern: str, pages, begin: str, end: str, render,
-                json_help: str) -> int:
+                json_help: str, options: dict | None = None) -> int:
     """The command line every page report shares: ``[JSON ...] [--docs PAGE ...] [--check]``. The JSON files
     given (default: the committed ``docs/data/<pattern>``; SystemExit when there are none) are loaded in order,
     ``render(list of documents)`` gives the generated text, and each page (default ``pages``, names under
     ``docs/``) gets it between ``begin`` and ``end`` (:func:`update_page`). Returns 0, or 1 when ``--check``
-    finds a page that differs."""
+    finds a page that differs.
+
+    ``options`` adds a script's own options: ``{flag: keyword arguments of argparse's add_argument}``; each
+    one's parsed value reaches ``render`` as the keyword argument named by its ``dest`` (for instance
+    ``{"--plot": dict(dest="plot_png", default="")}`` calls ``render(runs, plot_png=...)``)."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("json", nargs="*", help=f"{json_help} (default: docs/data/{pattern})")
     ap.add_argument("--docs", nargs="+", default=[os.path.join(os.path.dirname(DATA_DIR), p) for p in pages],
                     help="the page(s) to write (default: " + ", ".join(f"docs/{p}" for p in pages) + ")")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page differs")
+    extra = [ap.add_argument(flag, **kwargs).dest for flag, kwargs in (options or {}).items()]
     args = ap.parse_args(argv)
     paths = args.json or data_files(pattern)
     if not paths:
@@ -65,7 +70,7 @@ def report_main(argv, *, description: str, script: str, pattern: str, pages, beg
     for path in paths:
         with open(path) as f:
             runs.append(json.load(f))
-    body = render(runs)
+    body = render(runs, **{dest: getattr(args, dest) for dest in extra})
     status = 0
     for page in args.docs:
         status |= update_page(page, begin, end, body, check=args.check,

@@ -1,21 +1,22 @@
 """Write the `compare` timing table of docs/moe-gpu.md from bench_compare_device.py's JSON (never edited by hand).
 
-    python bench/report_compare_device.py docs/data/compare_device_*.json [--docs docs/moe-gpu.md] [--check]
+    python bench/report_compare_device.py [RUN.json ...] [--docs docs/moe-gpu.md] [--check]
+
+(no JSON given: the committed runs, ``docs/data/compare_device_*.json``).
 
 One table per run (its GPU and date above it), oldest run first, one row per token count: the reference's and
 `compare`'s medians over the interleaved rounds (min-max), the median of the per-round ratios, peak extra GPU
-memory, whether the reference's own output passed. Superseded runs are kept in docs/data/history/. Replaces the text between ``<!-- compare-device:begin -->`` and ``<!-- compare-device:end -->``;
-``--check`` exits 1 when the page differs from what the JSON gives (a test runs it on the committed JSON).
+memory, whether the reference's own output passed. Superseded runs are kept in docs/data/history/. Replaces the
+text between ``<!-- compare-device:begin -->`` and ``<!-- compare-device:end -->``; ``--check`` exits 1 when the
+page differs from what the JSON gives (a test runs it on the committed JSON).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.docs_page import update_page  # noqa: E402
+from bench.docs_page import report_main  # noqa: E402
 
 BEGIN, END = "<!-- compare-device:begin -->", "<!-- compare-device:end -->"
 
@@ -46,17 +47,9 @@ def table(runs: list) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", nargs="+")
-    ap.add_argument("--docs", default=os.path.join(os.path.dirname(__file__), "..", "docs", "moe-gpu.md"))
-    ap.add_argument("--check", action="store_true")
-    args = ap.parse_args(argv)
-    runs = []
-    for path in args.json:
-        with open(path) as f:
-            runs.append(json.load(f))
-    return update_page(args.docs, BEGIN, END, table(runs), check=args.check,
-                       remedy="run bench/report_compare_device.py " + " ".join(args.json))
+    return report_main(argv, description=__doc__.splitlines()[0], script="report_compare_device.py",
+                       pattern="compare_device_*.json", pages=("moe-gpu.md",), begin=BEGIN, end=END, render=table,
+                       json_help="bench_compare_device.py --out files, one table each")
 
 
 if __name__ == "__main__":

@@ -1,25 +1,24 @@
 """Write the GPU conversion table of docs/convert.md from bench_convert.py's JSON (never edited by hand).
 
-    python bench/report_convert.py docs/data/convert_gpu_h100.json [--docs docs/convert.md] [--check]
+    python bench/report_convert.py [RUN.json ...] [--docs docs/convert.md] [--check]
 
-Replaces the text between ``<!-- convert-gpu:begin -->`` and ``<!-- convert-gpu:end -->``;
-``--check`` exits 1 when the page differs from what the JSON gives (a test runs it on the
-committed JSON).
+(no JSON given: the committed run, ``docs/data/convert_gpu_*.json``). One table per JSON file, in the order
+given. Replaces the text between ``<!-- convert-gpu:begin -->`` and ``<!-- convert-gpu:end -->``; ``--check``
+exits 1 when the page differs from what the JSON gives (a test runs it on the committed JSON).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.docs_page import update_page  # noqa: E402
+from bench.docs_page import report_main  # noqa: E402
 
 BEGIN, END = "<!-- convert-gpu:begin -->", "<!-- convert-gpu:end -->"
 
 
 def table(d: dict) -> str:
+    """The markdown table of one run (a bench_convert.py --gpu --json document), under its method line."""
     rows = d["rows"]
     cp = rows[0]
     per_round = ("% of copy: copy time / conversion time in the same round, median (min-max) over "
@@ -48,17 +47,15 @@ def table(d: dict) -> str:
     return "\n".join(out)
 
 
+def render(runs: list[dict]) -> str:
+    """The generated part of the page: the table of each run, in order."""
+    return "\n\n".join(table(d) for d in runs)
+
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", help="bench_convert.py --gpu --json output")
-    ap.add_argument("--docs", default="docs/convert.md")
-    ap.add_argument("--check", action="store_true")
-    args = ap.parse_args(argv)
-    with open(args.json) as f:
-        data = json.load(f)
-    return update_page(args.docs, BEGIN, END, table(data), check=args.check,
-                       remedy=f"run bench/report_convert.py {args.json}")
+    return report_main(argv, description=__doc__.splitlines()[0], script="report_convert.py",
+                       pattern="convert_gpu_*.json", pages=("convert.md",), begin=BEGIN, end=END, render=render,
+                       json_help="bench_convert.py --gpu --json files, one table each")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python bench/report_latency.py [RUN.json ...] [--docs docs/fastpaths-latency.md] [--check]
 
-(no JSON given: the page's own runs, :data:`DEFAULT_JSON`).
+(no JSON given: the page's run, ``docs/data/latency_*.json``; superseded runs are in docs/data/history/).
 
 One section per JSON file (one run each: a GPU, a code state), in the order given. Replaces the text
 between ``<!-- fastpath-latency:begin -->`` and ``<!-- fastpath-latency:end -->``; ``--check`` exits 1
@@ -11,18 +11,13 @@ rows under ``rows`` and :func:`bench.bench_latency_gpu.run_meta`'s ``meta``.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.docs_page import update_page  # noqa: E402
+from bench.docs_page import report_main  # noqa: E402
 
 BEGIN, END = "<!-- fastpath-latency:begin -->", "<!-- fastpath-latency:end -->"
-_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data")
-# the page's run (H100, 2026-11-24, launch plans); superseded runs are in docs/data/history/
-DEFAULT_JSON = [os.path.join(_DATA, f"latency_h100_{n}.json") for n in ("3df973c",)]
 FLAG = "⚠"
 
 
@@ -118,22 +113,15 @@ def tables(data: dict) -> str:
     return "\n".join(out)
 
 
-def render(paths: list[str]) -> str:
-    parts = []
-    for p in paths:
-        with open(p) as fh:
-            parts.append(tables(json.load(fh)))
-    return "\n\n".join(parts)
+def render(runs: list[dict]) -> str:
+    """The generated part of the page: the tables of each run, in order."""
+    return "\n\n".join(tables(d) for d in runs)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("json", nargs="*", default=DEFAULT_JSON)
-    ap.add_argument("--docs", default="docs/fastpaths-latency.md")
-    ap.add_argument("--check", action="store_true")
-    args = ap.parse_args(argv)
-    return update_page(args.docs, BEGIN, END, render(args.json), check=args.check,
-                       remedy="run bench/report_latency.py " + " ".join(args.json))
+    return report_main(argv, description=__doc__.splitlines()[0], script="report_latency.py",
+                       pattern="latency_*.json", pages=("fastpaths-latency.md",), begin=BEGIN, end=END,
+                       render=render, json_help="bench_latency_gpu.py JSON files, one section each")
 
 
 if __name__ == "__main__":

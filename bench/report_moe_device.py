@@ -1,20 +1,19 @@
 """Write the GPU MoE tables of docs/moe-gpu.md from bench_moe_device.py's JSON (never edited by hand).
 
-    python bench/report_moe_device.py bench_out/moe_device.json [--docs docs/moe-gpu.md] [--check]
+    python bench/report_moe_device.py [RUN.json ...] [--docs docs/moe-gpu.md] [--check]
 
-Replaces the text between ``<!-- moe-device:begin -->`` and ``<!-- moe-device:end -->``; ``--check``
-exits 1 when the page differs from what the JSON gives (a test runs it on the committed JSON).
+(no JSON given: the committed runs, ``docs/data/moe_device_*.json``, in name order). Later files add sections
+(:func:`merge`). Replaces the text between ``<!-- moe-device:begin -->`` and ``<!-- moe-device:end -->``;
+``--check`` exits 1 when the page differs from what the JSON gives (a test runs it on the committed JSON).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.docs_page import update_page  # noqa: E402
+from bench.docs_page import report_main  # noqa: E402
 
 BEGIN, END = "<!-- moe-device:begin -->", "<!-- moe-device:end -->"
 
@@ -158,24 +157,30 @@ def layer_tables(rows: list, meta: dict) -> list:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", nargs="+", help="bench_moe_device.py JSON files (later files add sections; each file's "
-                    "whole-layer run gets its own table, in the order given)")
-    ap.add_argument("--docs", default="docs/moe-gpu.md")
-    ap.add_argument("--check", action="store_true")
-    args = ap.parse_args(argv)
+def merge(runs: list[dict]) -> dict:
+    """One document from ``runs`` (bench_moe_device.py JSON, in order): a later run's non-empty sections replace
+    an earlier one's, except the whole-layer runs (``layer``, ``layer_meta``), which each keep their own table
+    (``layers``, in order); ``compare_meta`` is the ``meta`` of the run that gave the compare table."""
     data: dict = {"layers": []}
-    for path in args.json:
-        with open(path) as f:
-            part = json.load(f)
+    for part in runs:
         if part.get("layer"):  # each run of the whole layer keeps its own table
             data["layers"].append((part["layer"], part.get("layer_meta") or {}))
         if part.get("compare"):  # the compare table names its own run
             data["compare_meta"] = part["meta"]
         data.update({k: v for k, v in part.items() if v and k not in ("layer", "layer_meta")})
-    return update_page(args.docs, BEGIN, END, tables(data), check=args.check,
-                       remedy="run bench/report_moe_device.py " + " ".join(args.json))
+    return data
+
+
+def render(runs: list[dict]) -> str:
+    """The generated part of the page: the tables of the runs merged (:func:`merge`)."""
+    return tables(merge(runs))
+
+
+def main(argv=None) -> int:
+    return report_main(argv, description=__doc__.splitlines()[0], script="report_moe_device.py",
+                       pattern="moe_device_*.json", pages=("moe-gpu.md",), begin=BEGIN, end=END, render=render,
+                       json_help="bench_moe_device.py JSON files (later files add sections; each file's whole-layer "
+                       "run gets its own table, in the order given)")
 
 
 if __name__ == "__main__":

@@ -1,22 +1,21 @@
 """Write the quantization tables of docs/fastpaths.md from bench_quant_gpu.py's JSON (never edited by hand).
 
-    python bench/report_quant.py bench_out/bench_quant.json [more.json ...] [--docs docs/fastpaths.md] [--check]
+    python bench/report_quant.py [RUN.json ...] [--docs docs/fastpaths.md] [--check]
         [--plot docs/figures/fastpath_bandwidth.png]
 
-One section per JSON file (one GPU each), in the order given. Replaces the text between
-``<!-- fastpath-quant:begin -->`` and ``<!-- fastpath-quant:end -->``; ``--check`` exits 1 when the page
-differs from what the JSON gives. The JSON's schema is :func:`bench.bench_quant_gpu.row_record`'s rows
+(no JSON given: the committed runs, ``docs/data/quant_*.json``, in name order). One section per JSON file
+(one GPU each), in the order given; ``--plot`` also writes the bandwidth plot of the first. Replaces the text
+between ``<!-- fastpath-quant:begin -->`` and ``<!-- fastpath-quant:end -->``; ``--check`` exits 1 when the
+page differs from what the JSON gives. The JSON's schema is :func:`bench.bench_quant_gpu.row_record`'s rows
 under ``kernels[name]["rows"]`` and :func:`bench.bench_quant_gpu.run_meta`'s ``meta``.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.docs_page import update_page  # noqa: E402
+from bench.docs_page import report_main  # noqa: E402
 
 BEGIN, END = "<!-- fastpath-quant:begin -->", "<!-- fastpath-quant:end -->"
 FLAG = "⚠"
@@ -102,26 +101,20 @@ def plot(res: dict, path: str) -> None:
     plt.close(fig)
 
 
-def render(runs: list[dict]) -> str:
-    """The generated part of the page: the tables of each run, in order."""
+def render(runs: list[dict], plot_png: str = "") -> str:
+    """The generated part of the page: the tables of each run, in order; with ``plot_png``, also writes the
+    bandwidth plot of the first run there (:func:`plot`)."""
+    if plot_png:
+        plot(runs[0], plot_png)
     return "\n\n".join(tables(d) for d in runs)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", nargs="+", help="bench_quant_gpu.py JSON files, one section each")
-    ap.add_argument("--docs", default="docs/fastpaths.md")
-    ap.add_argument("--check", action="store_true")
-    ap.add_argument("--plot", default="", help="also write the bandwidth plot of the first JSON to this PNG")
-    args = ap.parse_args(argv)
-    runs = []
-    for path in args.json:
-        with open(path) as f:
-            runs.append(json.load(f))
-    if args.plot:
-        plot(runs[0], args.plot)
-    return update_page(args.docs, BEGIN, END, render(runs), check=args.check,
-                       remedy="run bench/report_quant.py " + " ".join(args.json))
+    return report_main(argv, description=__doc__.splitlines()[0], script="report_quant.py", pattern="quant_*.json",
+                       pages=("fastpaths.md",), begin=BEGIN, end=END, render=render,
+                       json_help="bench_quant_gpu.py JSON files, one section each",
+                       options={"--plot": dict(dest="plot_png", default="", metavar="PNG",
+                                               help="also write the bandwidth plot of the first JSON to this PNG")})
 
 
 if __name__ == "__main__":

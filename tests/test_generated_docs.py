@@ -13,6 +13,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 PAGES = [  # (report script in bench/, JSON under docs/data/, page under docs/, JSON files it takes: None any)
     ("report_quant", "quant_*.json", "fastpaths.md", None),  # bench/bench_quant_gpu.py
     ("report_dispatch", "dispatch_*.json", "fastpaths-dispatch.md", None),  # bench/bench_dispatch_gpu.py
+    ("report_latency", "latency_*.json", "fastpaths-latency.md", None),  # bench/bench_latency_gpu.py
     ("report_moe_device", "moe_device_*.json", "moe-gpu.md", None),  # bench/bench_moe_device.py
     ("report_compare_device", "compare_device_*.json", "moe-gpu.md", None),  # bench/bench_compare_device.py
     ("report_convert", "convert_gpu_*.json", "convert.md", 1),  # bench/bench_convert.py --gpu
