@@ -15,9 +15,13 @@ from bench import bench_exact_regimes as bench  # noqa: E402  (the repository ro
 
 def test_arguments():
     a = bench.parse_args(["--models", "deepseek_v3", "--tokens", "16", "--tiny", "--device", "cpu"])
-    assert a.models == ["deepseek_v3"] and a.tokens == 16 and a.tiny and a.device == "cpu"
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--models", "llama"])
+    assert a.models == ["deepseek_v3"] and a.tokens == [16] and a.tiny and a.device == "cpu" and a.draws == 0
+    a = bench.parse_args(["--tokens", "128", "512", "--draws", "3"])
+    assert a.tokens == [128, 512] and a.draws == 3
+    assert {"qwen3_30b_a3b_fp8", "mixtral_8x7b"} <= set(a.models)  # the default models include them
+    for bad in (["--models", "llama"], ["--tokens", "0"], ["--draws", "-1"], ["--ep-size", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
 
 
 def test_tiny_case_is_in_the_regime():
