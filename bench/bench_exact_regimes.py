@@ -493,15 +493,19 @@ class TorchLayer:
 # ------------------------------------------------------------------ fastpath.moe
 
 
-def fast_layer(lay, dev):
+def fast_layer(lay, dev, dev_weights=None):
     """``(weights, shared experts or None)`` of ``lay`` as :func:`fastpath.moe.fused_moe` takes them, on ``dev``
-    (stacked once per model; every case of the model's layer reuses them)."""
+    (stacked once per model; every case of the model's layer reuses them). ``dev_weights``: the layer's weights
+    already stacked on ``dev`` (:func:`moeref.moe.device.device_weights`, the reference's): FP8 and bf16 layers
+    use those tensors (no second host stack and upload); MXFP4 layers are packed from ``lay.weights``."""
     import torch
 
     from fastpath.moe import fast_weights
 
     weights = lay.weights
-    if lay.scheme == "bf16":  # fastpath takes float experts as stacked tensors (MXFP4 and FP8: quantized tensors)
+    if dev_weights is not None and not lay.scheme.startswith("mxfp4"):
+        weights = dev_weights
+    elif lay.scheme == "bf16":  # fastpath takes float experts as stacked tensors (MXFP4 and FP8: quantized tensors)
         from dataclasses import replace
 
         weights = replace(weights, w13=_stack_weights(list(weights.w13), torch, dev),
@@ -667,7 +671,7 @@ def run_model(model: str, args, log) -> dict:
 
         dev_weights = device_weights(base.weights, args.device)  # the reference's, stacked once
         try:
-            fast = fast_layer(base, dev)
+            fast = fast_layer(base, dev, dev_weights)
         except Exception as exc:  # noqa: BLE001 - recorded in every entry's fastpath row
             fast_error = f"{type(exc).__name__}: {exc}"[:400]
     common["weights_seconds"] = round(time.time() - t0, 2)
@@ -856,17 +860,21 @@ def time_check(model: str, args, log, tokens: int) -> dict:
 
 
 def _free_device_memory() -> None:
-    """Return the finished model's device memory to CUDA (the next model's weights need it)."""
+    """Return the finished model's device memory to CUDA (the next model's weights need it): fastpath.moe's graph
+    cache (whose keys hold the weights) is cleared first."""
     import gc
 
-    gc.collect()
     try:
         import torch
 
+        from fastpath.moe import clear_graph_cache
+
+        clear_graph_cache()
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    except Exception:  # noqa: BLE001 - no torch: nothing to free
-        pass
+    except Exception:  # noqa: BLE001 - no torch or no fastpath: nothing to free
+        gc.collect()
 
 
 def main(argv=None) -> dict:
