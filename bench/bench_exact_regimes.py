@@ -653,8 +653,8 @@ def run_model(model: str, args, log) -> dict:
     t0 = time.time()
     base = make_case(model, max(args.tokens), tiny=args.tiny, seed=args.seed, expert_pool=args.expert_pool,
                      regime=args.regime)
-    common = {"model": model, "regime": args.regime, "supported": True,
-              "bf16_reduced_precision_reduction": bool(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
+    reduced = bool(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
+    common = {"model": model, "regime": args.regime, "supported": True, "bf16_reduced_precision_reduction": reduced,
               "case_seconds": round(time.time() - t0, 2), "shape": _shape(base)}
     dev = torch.device(args.device)
     t0 = time.time()
@@ -687,14 +687,17 @@ def run_model(model: str, args, log) -> dict:
             lay, tl.on(lay), ctx, faults=i == 0, ep_torch=ep_placement(e, n_ep, "round_robin"),
             ep_fast=ep_placement(e, n_ep, "linear"))))
     draws = []
-    if args.draws:
-        for j, d in enumerate(drawn_parameters(args.draws, max(args.tokens), e, seed=args.seed)):
-            lay = drawn_case(base, d)
-            log(f" {model}, draw {j}: {d}")
-            pl = ep_placement(e, d.ep_size, d.ep_strategy)
-            draws.append(dict({"model": model, "regime": args.regime, "draw": j, "params": asdict(d),
-                               "tokens": d.tokens}, **_run_case(lay, tl.on(lay), ctx, faults=False, ep_torch=pl,
-                                                                ep_fast=pl)))
+    try:
+        params = drawn_parameters(args.draws, max(args.tokens), e, seed=args.seed) if args.draws else []
+    except Exception as exc:  # noqa: BLE001 - e.g. no Hypothesis here: the fixed cases stand
+        params = []
+        draws.append({"model": model, "regime": args.regime, "error": f"{type(exc).__name__}: {exc}"[:400]})
+    for j, d in enumerate(params):
+        lay = drawn_case(base, d)
+        log(f" {model}, draw {j}: {d}")
+        pl = ep_placement(e, d.ep_size, d.ep_strategy)
+        draws.append(dict({"model": model, "regime": args.regime, "draw": j, "params": asdict(d), "tokens": d.tokens},
+                          **_run_case(lay, tl.on(lay), ctx, faults=False, ep_torch=pl, ep_fast=pl)))
     seconds = round(time.time() - t_model, 2)
     log(f"{model}: {seconds} s")
     return {"entries": entries, "draws": draws, "seconds": seconds}

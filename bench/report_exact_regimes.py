@@ -7,9 +7,9 @@ time when recorded): (1) per model (shape, scheme, activation) and implementatio
 reference out of all outputs (0 in bold: the reference's bits everywhere) and the seconds of the one call, one pair
 of columns per token count when the run has several; an implementation that raised shows its error, one skipped
 (DeepGEMM absent) says why; (2) per model and planted fault, the outputs that differ and whether equality caught
-it; (3) the drawn cases (``--draws``): each draw's parameters and the implementations whose outputs differ. Replaces the text between
-``<!-- exact-regimes:begin -->`` and ``<!-- exact-regimes:end -->``; ``--check`` exits 1 when the page differs
-from what the JSON gives (a test runs it on the committed JSON).
+it; (3) the drawn cases (``--draws``): each draw's parameters and the implementations whose outputs differ.
+Replaces the text between ``<!-- exact-regimes:begin -->`` and ``<!-- exact-regimes:end -->``; ``--check`` exits 1
+when the page differs from what the JSON gives (a test runs it on the committed JSON).
 """
 from __future__ import annotations
 

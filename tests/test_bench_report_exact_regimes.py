@@ -74,7 +74,8 @@ def test_two_token_counts_draws_skipped_rows_and_model_seconds(tmp_path):
              {"model": "m1", "draw": 1, "tokens": 1,
               "params": {"tokens": 1, "routing": "uniform", "seed": 0, "padding": False, "ep_size": 1,
                          "ep_strategy": "round_robin"},
-              "implementations": {"a": {"differing": 0, "of": 256, "seconds": 0.1}}}]
+              "implementations": {"a": {"differing": 0, "of": 256, "seconds": 0.1}}},
+             {"model": "m2", "error": "ModuleNotFoundError: No module named 'hypothesis'"}]
     run = dict(FAKE, models=[m16, m64], draws=draws, model_seconds={"m1": 12.34})
     lines = rendered(report.main, tmp_path, run, "exact-regimes").splitlines()
     assert any(line.endswith("Wall time per model (layer construction, weight uploads, references and every call): "
@@ -89,3 +90,4 @@ def test_two_token_counts_draws_skipped_rows_and_model_seconds(tmp_path):
     assert ("| m1 | 0 | 3 | zipf, 7 | yes | 2 (linear) | 2 | b \\| c: 5 of 768; not run: d (RuntimeError: boom) |"
             in lines)
     assert "|  | 1 | 1 | uniform, 0 | no | 1 (round_robin) | 1 | **0** in each |" in lines
+    assert "| m2 |  | | | | | — | not run: ModuleNotFoundError: No module named 'hypothesis' |" in lines
