@@ -175,6 +175,14 @@ def test_moeref_check_mixed_recognises_single_rounding_inputs(tmp_path):
     assert "gemm2 bfloat16" in js["regime_choice"]
     status, js = run(fp32_sum_bf16_moe(**single.torch(), bug="rz_gemm2_store"))
     assert status == 1 and not js["equality"]["passed"] and js["equality"]["num_differences"] > 0
+    # top-k weights that are not powers of two (token 0's first weight 3/8): not single-rounding inputs
+    inputs = single.torch()
+    inputs["topk_weights"] = inputs["topk_weights"].clone()
+    inputs["topk_weights"][0, 0] = 0.375
+    save_file(inputs, os.path.join(tmp_path, "in.safetensors"))
+    status, js = run(fp32_sum_bf16_moe(**inputs))
+    assert js["equality"] is None and "nor in its single-rounding regime" in js["regime_choice"]
+    save_file(single.torch(), os.path.join(tmp_path, "in.safetensors"))
     # the same inputs under a profile that admits no single-rounding layer: the bound only, and it says why
     save_file({"out": eager_bf16_moe(**single.torch())}, os.path.join(tmp_path, "out.safetensors"))
     with contextlib.redirect_stdout(io.StringIO()) as printed:

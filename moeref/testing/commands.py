@@ -203,15 +203,22 @@ def _single_rounding_replay(cand, kw: dict, opts: dict, profile, arithmetic: str
     (:func:`moeref.regimes.single_rounding_layer`; the pytest plugin's mix checks these cases the same way,
     :func:`moeref.testing.regime.check_case`), else None. The profile must admit a single-rounding layer
     (:func:`moeref.regimes.single_rounding_stores`: its GEMM1, activation and output stores bf16, GEMM2's store
-    the one it declares); the inputs, with those stores declared, must be in the ``arithmetic`` regime
+    the one it declares); the routed top-k weights must be powers of two, as the construction's (a GEMM2
+    epilogue that weights before its store, which the profiles it admits may declare, commutes with the rounding
+    only then); and the inputs, with those stores declared, must be in the ``arithmetic`` regime
     (:func:`moeref.regimes.layer_in_exact_regime` from the values: every partial sum exact, every declared store
     one rounding of an exact value). The candidate is then compared by equality with the reference replayed
     with those stores."""
     from ..moe import LayerConfig, run_moe
-    from ..regimes import single_rounding_stores
+    from ..regimes import significant_bits, single_rounding_stores
     from ..regimes.equality import moe_equality_report
     from ..regimes.layer import ExactLayer, layer_in_exact_regime
 
+    ids = np.asarray(kw["topk_ids"])
+    w = np.asarray(kw["topk_weights"], np.float64)[ids >= 0]
+    w = w[w != 0]
+    if not np.all(np.isfinite(w)) or np.any(significant_bits(w) != 1):
+        return None
     quant = opts.get("quant")
     scheme = "bf16" if quant is None or quant.a2 is None else "fp8_1x128"  # bf16 needs the activation store
     stores, _ = single_rounding_stores(profile, scheme)
