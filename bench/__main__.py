@@ -43,8 +43,9 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "convert-v3": ("bench_convert_v3.py", "moeref convert on DeepSeek-V3 layers (real names and shapes) vs the disk",
                    "GPU"),
     "ep": ("bench_ep_gpu.py", "expert-parallel dispatch + combine over NCCL", "GPU"),
-    "exact-regimes": ("bench_exact_regimes.py", "kernels on exact-regime inputs: differing outputs, planted faults "
-                      "(--time-check: the check's cost against the reference's)", "GPU"),
+    "exact-regimes": ("bench_exact_regimes.py", "kernels on exact-regime inputs: differing outputs, planted faults, "
+                      "EP shards, Hypothesis-drawn cases (--time-check: the check's cost against the reference's)",
+                      "GPU"),
     "oracle-power": ("bench_oracle_power.py", "planted faults each compare profile catches, and its tightness",
                      "CPU"),
     "fault-catch": ("bench_fault_catch.py", "31 planted faults, 7 honest variants: what the mixed default, the "

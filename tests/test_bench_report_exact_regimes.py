@@ -53,3 +53,41 @@ def test_single_rounding_models_are_marked(tmp_path):
             "| torch eager bf16 | **0 of 4,096** | 0.500 |") in lines
     assert ("| m1 *(single rounding)* | GEMM2 output stored in bf16 before the top-k sum (two stores) | 7 of 4,096 "
             "| yes |") in lines
+
+
+def test_two_token_counts_draws_skipped_rows_and_model_seconds(tmp_path):
+    """A run with two token counts (one column pair each), a DeepGEMM row skipped, a pooled layer, drawn cases
+    (one with a differing and a raising implementation) and the per-model wall time."""
+    shape = dict(SHAPE, experts=8, distinct_experts=4)
+    impl = {"torch eager bf16": {"differing": 0, "of": 4096, "seconds": 0.5}}
+    m16 = {"model": "m1", "supported": True, "tokens": 16, "shape": shape, "implementations": dict(impl),
+           "skipped": {"fastpath.moe deep_gemm": "deep_gemm does not import (DeepGEMM absent)"},
+           "faults": {"skipped_last_k_block": {"differing": 9, "of": 4096, "seconds": 0.1, "caught": True}}}
+    m64 = dict(m16, tokens=64, implementations={"torch eager bf16": {"differing": 2, "of": 16384, "seconds": 1.0}},
+               faults={})
+    draws = [{"model": "m1", "draw": 0, "tokens": 3,
+              "params": {"tokens": 3, "routing": "zipf", "seed": 7, "padding": True, "ep_size": 2,
+                         "ep_strategy": "linear"},
+              "implementations": {"a": {"differing": 0, "of": 768, "seconds": 0.1},
+                                  "b | c": {"differing": 5, "of": 768, "seconds": 0.1},
+                                  "d": {"error": "RuntimeError: boom"}}},
+             {"model": "m1", "draw": 1, "tokens": 1,
+              "params": {"tokens": 1, "routing": "uniform", "seed": 0, "padding": False, "ep_size": 1,
+                         "ep_strategy": "round_robin"},
+              "implementations": {"a": {"differing": 0, "of": 256, "seconds": 0.1}}},
+             {"model": "m2", "error": "ModuleNotFoundError: No module named 'hypothesis'"}]
+    run = dict(FAKE, models=[m16, m64], draws=draws, model_seconds={"m1": 12.34})
+    lines = rendered(report.main, tmp_path, run, "exact-regimes").splitlines()
+    assert any(line.endswith("Wall time per model (layer construction, weight uploads, references and every call): "
+                             "m1 12.3 s; 12.3 s in all.") for line in lines)
+    assert ("| model | shape | scheme | activation | implementation | 16 tokens: differing outputs | seconds | "
+            "64 tokens: differing outputs | seconds |") in lines
+    assert ("| m1 | hidden 256, intermediate 128, 8 experts (4 distinct), top-2 | fp8_1x128 | silu_and_mul | "
+            "torch eager bf16 | **0 of 4,096** | 0.500 | 2 of 16,384 | 1.000 |") in lines
+    assert ("| | | | | fastpath.moe deep_gemm | skipped: deep_gemm does not import (DeepGEMM absent) |  | "
+            "skipped: deep_gemm does not import (DeepGEMM absent) |  |") in lines
+    assert "| m1 | last K block of GEMM1 skipped (busiest expert) | 9 of 4,096 | yes |" in lines  # the first count's
+    assert ("| m1 | 0 | 3 | zipf, 7 | yes | 2 (linear) | 2 | b \\| c: 5 of 768; not run: d (RuntimeError: boom) |"
+            in lines)
+    assert "|  | 1 | 1 | uniform, 0 | no | 1 (round_robin) | 1 | **0** in each |" in lines
+    assert "| m2 |  | | | | | — | not run: ModuleNotFoundError: No module named 'hypothesis' |" in lines

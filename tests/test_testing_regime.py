@@ -147,3 +147,46 @@ def test_moeref_check_regime_option(tmp_path):
     assert status == 0 and js["equality"] is None and "not in the fp32 exact regime" in js["regime_choice"]
     status, js = run(exact, bad, "exact")
     assert status == 1 and "violations" not in js
+
+
+def test_moeref_check_mixed_recognises_single_rounding_inputs(tmp_path):
+    """Saved inputs of a single-rounding case (``single_rounding_layer``, BF16_OUTPUT's stores): ``moeref check``
+    (``--regime mixed``, the default) checks them by equality against the reference replayed with the profile's
+    stores, as the plugin's mix does: a GEMM2 store rounding toward zero (invisible on exact-regime inputs) fails
+    it; under a profile that admits no single-rounding layer the same inputs get the bound only."""
+    from safetensors.torch import save_file
+
+    from moeref.cli import main
+
+    single = draw_cases(4, mix="mixed", max_tokens=60)[3]
+    assert case_regime(single) == "single_rounding"
+    save_file(single.torch(), os.path.join(tmp_path, "in.safetensors"))
+
+    def run(out):
+        save_file({"out": out}, os.path.join(tmp_path, "out.safetensors"))
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            status = main(["check", str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors"),
+                           "--profile", "BF16_OUTPUT", "--json"])
+        return status, json.loads(printed.getvalue())
+
+    status, js = run(fp32_sum_bf16_moe(**single.torch()))
+    assert status == 0 and js["equality"]["passed"] and js["violations"] == 0, js["regime_choice"]
+    assert js["regime_choice"].startswith("equality against the single-rounding replay")
+    assert "gemm2 bfloat16" in js["regime_choice"]
+    status, js = run(fp32_sum_bf16_moe(**single.torch(), bug="rz_gemm2_store"))
+    assert status == 1 and not js["equality"]["passed"] and js["equality"]["num_differences"] > 0
+    # top-k weights that are not powers of two (token 0's first weight 3/8): not single-rounding inputs
+    inputs = single.torch()
+    inputs["topk_weights"] = inputs["topk_weights"].clone()
+    inputs["topk_weights"][0, 0] = 0.375
+    save_file(inputs, os.path.join(tmp_path, "in.safetensors"))
+    status, js = run(fp32_sum_bf16_moe(**inputs))
+    assert js["equality"] is None and "nor in its single-rounding regime" in js["regime_choice"]
+    save_file(single.torch(), os.path.join(tmp_path, "in.safetensors"))
+    # the same inputs under a profile that admits no single-rounding layer: the bound only, and it says why
+    save_file({"out": eager_bf16_moe(**single.torch())}, os.path.join(tmp_path, "out.safetensors"))
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        status = main(["check", str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors"),
+                       "--profile", "TORCH_EAGER_BF16", "--json"])
+    js = json.loads(printed.getvalue())
+    assert status == 0 and js["equality"] is None and "bound only" in js["regime_choice"]

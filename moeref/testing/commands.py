@@ -10,7 +10,8 @@
   saved output (``.safetensors`` with one tensor or ``out``/``output``, or ``.npy``); the profile is
   ``--profile`` or suggested from the dtypes (:func:`moeref.compare.suggest_profile`). ``--regime``
   (:data:`moeref.testing.regime.REGIMES`): ``mixed`` (default) checks the bound, and equality as well when the
-  inputs are in an exact regime; ``exact`` equality only; ``bounds`` the bound only. Exit 1 if it fails.
+  inputs are in an exact regime, or in the single-rounding regime of the profile's stores (equality against the
+  reference replayed with them); ``exact`` equality only; ``bounds`` the bound only. Exit 1 if it fails.
 * ``moeref mutate MODULE:FUNCTION``: the mutation score of a kernel wrapper (``KernelInputs -> output``)
   under ``--check MODULE:FUNCTION`` (default: the bound check with ``--profile``, else the profile
   :func:`moeref.compare.suggest_profile` gives for the cases' dtype).
@@ -164,7 +165,8 @@ def _regime_check(regime: str, cand, run, kw: dict, profile, label: str):
     """``(equality report or None, why)`` of ``moeref check --regime``: ``bounds``: none; ``exact``: always
     (the user states the inputs are in an exact regime); ``mixed``: when the inputs are in the exact regime of
     the profile's accumulator (:func:`moeref.regimes.layer_in_exact_regime`) and equality applies to the
-    profile (:func:`moeref.testing.regime.equality_applies`), besides the bound."""
+    profile (:func:`moeref.testing.regime.equality_applies`), or else are single-rounding inputs of the profile
+    (:func:`_single_rounding_replay`), besides the bound."""
     from ..regimes.equality import moe_equality_report
     from .regime import equality_applies
 
@@ -186,10 +188,53 @@ def _regime_check(regime: str, cand, run, kw: dict, profile, label: str):
     lay = ExactLayer(kw["hidden"], kw["weights"], kw["topk_weights"], kw["topk_ids"], LayerConfig.build(**opts),
                      "given")
     check = layer_in_exact_regime(lay, arithmetic)
-    if not check.ok:
-        return None, (f"the profile's bound only: the inputs are not in the {arithmetic} exact regime "
-                      f"({check.reasons[0]})")
-    return moe_equality_report(cand, run, label=label), f"equality (inputs in the {arithmetic} exact regime) and the bound"
+    if check.ok:
+        return (moe_equality_report(cand, run, label=label),
+                f"equality (inputs in the {arithmetic} exact regime) and the bound")
+    single = _single_rounding_replay(cand, kw, opts, profile, arithmetic, label)
+    if single is not None:
+        return single
+    return None, (f"the profile's bound only: the inputs are not in the {arithmetic} exact regime "
+                  f"({check.reasons[0]}), nor in its single-rounding regime under the profile's stores")
+
+
+def _single_rounding_replay(cand, kw: dict, opts: dict, profile, arithmetic: str, label: str):
+    """``(equality report, why)`` when the inputs are single-rounding inputs of ``profile``
+    (:func:`moeref.regimes.single_rounding_layer`; the pytest plugin's mix checks these cases the same way,
+    :func:`moeref.testing.regime.check_case`), else None. The profile must admit a single-rounding layer
+    (:func:`moeref.regimes.single_rounding_stores`: its GEMM1, activation and output stores bf16, GEMM2's store
+    the one it declares); the routed top-k weights must be powers of two, as the construction's (a GEMM2
+    epilogue that weights before its store, which the profiles it admits may declare, commutes with the rounding
+    only then); and the inputs, with those stores declared, must be in the ``arithmetic`` regime
+    (:func:`moeref.regimes.layer_in_exact_regime` from the values: every partial sum exact, every declared store
+    one rounding of an exact value). The candidate is then compared by equality with the reference replayed
+    with those stores."""
+    from ..moe import LayerConfig, run_moe
+    from ..regimes import significant_bits, single_rounding_stores
+    from ..regimes.equality import moe_equality_report
+    from ..regimes.layer import ExactLayer, layer_in_exact_regime
+
+    ids = np.asarray(kw["topk_ids"])
+    w = np.asarray(kw["topk_weights"], np.float64)[ids >= 0]
+    w = w[w != 0]
+    if not np.all(np.isfinite(w)) or np.any(significant_bits(w) != 1):
+        return None
+    quant = opts.get("quant")
+    scheme = "bf16" if quant is None or quant.a2 is None else "fp8_1x128"  # bf16 needs the activation store
+    stores, _ = single_rounding_stores(profile, scheme)
+    if stores is None:
+        return None
+    declared = dict(opts, gemm2_out_dtype=stores["gemm2_store"])
+    lay = ExactLayer(kw["hidden"], kw["weights"], kw["topk_weights"], kw["topk_ids"], LayerConfig.build(**declared),
+                     "given")
+    if not layer_in_exact_regime(lay, arithmetic).ok:
+        return None
+    replay = run_moe(**dict(kw, **{k: declared[k] for k in ("gemm1_out_dtype", "act_out_dtype", "gemm2_out_dtype")}))
+    names = ", ".join(f"{k.split('_out')[0]} {declared[k]}" for k in ("gemm1_out_dtype", "act_out_dtype",
+                                                                      "gemm2_out_dtype"))
+    return (moe_equality_report(cand, replay, label=label),
+            f"equality against the single-rounding replay (inputs in the {arithmetic} regime with the profile's "
+            f"stores: {names}) and the bound")
 
 
 def _import(spec: str):
@@ -274,7 +319,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--per-token", action="store_true", help="FP8 per-token activations / per-channel weights")
     p.add_argument("--regime", choices=("mixed", "exact", "bounds"), default="mixed",
                    help="mixed (default): the profile's bound, and equality too when the inputs are in an exact "
-                        "regime (moeref.regimes); exact: equality only; bounds: the bound only")
+                        "regime or the single-rounding regime of the profile's stores (moeref.regimes); exact: "
+                        "equality only; bounds: the bound only")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_check)
 
