@@ -483,8 +483,10 @@ class TorchLayer:
                             toward_zero=fault == "rz_intermediate")[0]
         w2u = w2
         if fault == "halved_w2_scale_block":
-            w2u = w2.clone()
-            w2u[self.busiest, :128, :128] *= 0.5
+            w2u = w2.clone()  # the 128x128 block holding the busiest expert's first nonzero weight (exact-regime
+            nz = torch.nonzero(w2[self.busiest])  # w2 is sparse: a block of zeros halved would change nothing)
+            r0, c0 = (int(v) // 128 * 128 for v in nz[0]) if nz.shape[0] else (0, 0)
+            w2u[self.busiest, r0:r0 + 128, c0:c0 + 128] *= 0.5
         stored = self.gemm2_store or fault == "second_gemm2_store"
         y = self._gemm(x, w2u, ex, gemm, out_dtype=None if stored else torch.float32).float()
         if weights.b2 is not None:
