@@ -279,8 +279,13 @@ def convert_layer(root: str, layer: int, d: dict, args, rec: "Recorder") -> dict
         with rec.stage("source", src_times, "source_stages"):
             read = write_source(src, tensors, int(args.shard_gib * GIB), seed=layer, times=src_times)
         row["bytes_read"] = read
+        t_conv = time.perf_counter()
+        row["shards_done"] = []
 
         def shard_done(done, total, shard):
+            row["shards_done"].append({"shard": shard, "modules_done": done, "modules": total,
+                                       "source_bytes": os.path.getsize(os.path.join(src, shard)),
+                                       "seconds": round(time.perf_counter() - t_conv, 4)})
             rec.note(f"  layer {layer}: {shard} converted ({done}/{total} modules)", conv_times, "convert_stages")
 
         with rec.stage("convert", conv_times, "convert_stages"):
@@ -303,21 +308,29 @@ def convert_layer(root: str, layer: int, d: dict, args, rec: "Recorder") -> dict
     return row
 
 
-def warm_up(root: str, d: dict, args) -> float:
+def warm_up(root: str, d: dict, args, rec: "Recorder") -> float:
     """One untimed conversion of a small checkpoint with the layer's real shapes (the attention projections,
-    one routed and the shared expert), so that the kernels are compiled before the timed layers: seconds."""
+    one routed and the shared expert), so that the kernels are compiled before the timed layers: seconds. Its
+    stages go to ``rec.res["warm_up"]`` as a layer's do."""
     from moeref.checkpoint import ConvertOptions, convert_checkpoint
+    from moeref.checkpoint.report import StageTimes
 
     keep = [t for t in layer_tensors(args.first_layer, d) if ".experts." not in t[0] or ".experts.0." in t[0]]
     src, dst = os.path.join(root, "warm-src"), os.path.join(root, "warm-dst")
+    rec.res["warm_up"] = rec.start_layer("warm-up")
+    src_times, conv_times = StageTimes(), StageTimes()
     t0 = time.perf_counter()
     try:
-        write_source(src, keep, int(args.shard_gib * GIB), seed=0)
-        convert_checkpoint(src, dst, ConvertOptions(target=args.target, engine=args.engine,
-                                                    report_device=args.report_device))
+        with rec.stage("source", src_times, "source_stages"):
+            write_source(src, keep, int(args.shard_gib * GIB), seed=0, times=src_times)
+        with rec.stage("convert", conv_times, "convert_stages"):
+            convert_checkpoint(src, dst, ConvertOptions(target=args.target, engine=args.engine,
+                                                        report_device=args.report_device), timings=conv_times)
     finally:
-        shutil.rmtree(src, ignore_errors=True)
-        shutil.rmtree(dst, ignore_errors=True)
+        with rec.stage("delete"):
+            shutil.rmtree(src, ignore_errors=True)
+            shutil.rmtree(dst, ignore_errors=True)
+        rec.res["current"] = None
     return time.perf_counter() - t0
 
 
@@ -464,7 +477,7 @@ def dims(args) -> dict:
 def run(args) -> dict:
     d = dims(args)
     layers = list(range(args.first_layer, args.first_layer + args.layers))
-    res = {"meta": _meta(), "dims": d, "tiny": bool(args.tiny),
+    res = {"meta": None, "dims": d, "tiny": bool(args.tiny),
            "scaled": bool(args.experts is not None or args.heads is not None), "target": args.target,
            "engine": args.engine, "report_device": args.report_device, "shard_gib": args.shard_gib,
            "layers_asked": len(layers), "max_seconds": args.max_seconds, "complete": False, "stopped": None,
@@ -473,6 +486,8 @@ def run(args) -> dict:
     root = tempfile.mkdtemp(prefix="moeref-convert-v3-", dir=args.dir)
     rows = res["layers"]
     try:
+        res["meta"] = _meta()
+        rec.note(f"{res['meta']['gpu']}, torch {res['meta']['torch']}, {res['meta']['cpus']} CPUs (torch imported)")
         fs = filesystem(root)
         rec.note(f"writing under {root}: {fs['type']} {fs['device']} on {fs['mount']}, "
                  f"{fs['free_bytes'] / 1e9:.0f} GB free of {fs['size_bytes'] / 1e9:.0f} GB")
@@ -481,7 +496,7 @@ def run(args) -> dict:
         res["disk"] = disk
         rec.note(f"disk: write {disk['write_GBps']:.2f} GB/s, read {disk['read_GBps']:.2f} GB/s "
                  f"({disk['bytes'] / GIB:.1f} GiB, fsync'd, page cache dropped)")
-        res["warm_up_seconds"] = warm_up(root, d, args)
+        res["warm_up_seconds"] = warm_up(root, d, args, rec)
         rec.note(f"warm-up (kernels compiled, untimed): {res['warm_up_seconds']:.1f} s")
         for layer in layers:
             left = None if args.max_seconds is None else args.max_seconds - rec.elapsed()
@@ -507,6 +522,10 @@ def run(args) -> dict:
                      f"engines {r['engines']}, report on {r['report_on']}; source written in "
                      f"{r['source_write_seconds']:.1f} s")
         res["complete"] = len(rows) == len(layers)
+    except BaseException as e:  # a time limit (SIGINT, SIGTERM) or an error: the JSON says so, with what was done
+        res["stopped"] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        rec.note(f"stopped: {res['stopped']}; {len(rows)} layers converted")
+        raise
     finally:
         shutil.rmtree(root, ignore_errors=True)
         rec.close()
@@ -554,6 +573,12 @@ def main(argv=None) -> int:
         ap.error(f"--max-seconds must be positive; got {args.max_seconds}")
     if args.heartbeat <= 0:
         ap.error(f"--heartbeat must be positive; got {args.heartbeat}")
+    import signal
+
+    def _terminate(signum, frame):
+        raise SystemExit(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _terminate)  # `timeout` sends it: clean up and write the JSON, as for Ctrl-C
     if args.profile:
         import cProfile
 

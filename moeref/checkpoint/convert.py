@@ -172,7 +172,7 @@ class _ShardJob:
     group_roles: dict = field(default_factory=dict)  # member -> its source tensors
     source_scale_layout: str = "linear"
     device: str | None = None  # where the report is computed (the pipelined path), None: the host
-    group_state: dict | None = None  # the pipelined path: {"datas": member -> ModuleData, "globals": members -> ...}
+    group_state: dict | None = None  # {"globals": members -> (global, how)}, the pipelined path: and "datas"
     timings: StageTimes | None = field(default=None, compare=False, repr=False)  # convert_checkpoint(timings=)
 
     def read_source(self, module: str, roles: dict, ck) -> ModuleData:
@@ -183,8 +183,8 @@ class _ShardJob:
 
 def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
     """``(tensors, ModuleReport)`` of one module; the report on ``job.device`` (None: the host). A fused group's
-    shared global: :func:`_group_global`, once per group from the members the reader brought where
-    ``job.group_state`` holds them (the pipelined path), else read here."""
+    shared global: :func:`_group_global`, once per group where ``job.group_state`` keeps them (from the members
+    the reader brought on the pipelined path, from the members read here on the host path), else per module."""
     device = job.device
     tl = LAYOUTS[job.opts.target]
     t0 = time.perf_counter()
@@ -205,10 +205,10 @@ def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
         st = job.group_state
         if st is None:
             static, how = _group_global(members, job, ck, scheme)
-        else:
+        else:  # once per group: from the members the reader brought (the pipelined path), else read here
             if members not in st["globals"]:
-                st["globals"][members] = _group_global(members, job, ck, scheme,
-                                                       datas=[st["datas"].pop(m) for m in members], device=device)
+                datas = [st["datas"].pop(m) for m in members] if "datas" in st else None
+                st["globals"][members] = _group_global(members, job, ck, scheme, datas=datas, device=device)
             static, how = st["globals"][members]
         if static is not None:
             why += f"; global scale shared with {', '.join(job.groups[data.module])} ({how})"
@@ -345,6 +345,7 @@ def _run_shard(job: _ShardJob, hash_later: bool = False) -> ShardRecord:
     device = report_device(job.opts)
     if device is not None:
         return _run_shard_pipelined(job, device, hash_later)
+    job = dataclasses.replace(job, group_state={"globals": {}})  # a fused group's global: once per shard
     ck = SafetensorsCheckpoint.open(job.src)
     path = os.path.join(job.dst, job.shard)
     writer = ShardWriter(path, {"format": "pt", "converted_by": "moeref convert",
