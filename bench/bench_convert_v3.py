@@ -204,6 +204,46 @@ def write_source(path: str, tensors: list, shard_bytes: int, seed: int, times=No
     return total
 
 
+def rename_source(path: str, old: int, new: int, times=None) -> int:
+    """Give the source checkpoint in ``path`` (:func:`write_source`'s, of layer ``old``) the tensor names of layer
+    ``new``, its bytes unchanged: each shard's header rewritten in place (the same data offsets; the header
+    padded with spaces to the length the writer reserved, as the safetensors format allows), the index
+    rewritten; each shard fsync'd and dropped from the page cache, so the next read comes from the disk. Returns
+    the bytes of the shards. ``times`` receives ``rename`` and ``drop_cache``."""
+    from moeref.checkpoint.report import timed
+
+    a, b = f"model.layers.{old}.", f"model.layers.{new}."
+
+    def name(k):
+        return b + k[len(a):] if k.startswith(a) else k
+
+    idx = os.path.join(path, "model.safetensors.index.json")
+    with open(idx) as f:
+        index = json.load(f)
+    total = 0
+    for shard in dict.fromkeys(index["weight_map"].values()):
+        fn = os.path.join(path, shard)
+        with timed(times, "rename"):
+            with open(fn, "r+b") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+                text = json.dumps({name(k): v for k, v in header.items()}, separators=(",", ":")).encode()
+                if len(text) > n:
+                    raise ValueError(f"{fn}: the header of layer {new} ({len(text)} bytes) does not fit the "
+                                     f"{n} bytes reserved")
+                f.seek(8)
+                f.write(text + b" " * (n - len(text)))
+                f.flush()
+                os.fsync(f.fileno())
+        with timed(times, "drop_cache"):
+            _drop_cache(fn)
+        total += os.path.getsize(fn)
+    index["weight_map"] = {name(k): v for k, v in index["weight_map"].items()}
+    with open(idx, "w") as f:
+        json.dump(index, f)
+    return total
+
+
 def disk_bandwidth(directory: str, nbytes: int, chunk: int = 64 << 20) -> dict:
     """Sequential write (fsync'd) and read (after dropping the page cache) of one ``nbytes`` file, in
     ``chunk``-byte calls: GB/s each way."""
@@ -271,13 +311,19 @@ def convert_layer(root: str, layer: int, d: dict, args, rec: "Recorder") -> dict
     from moeref.checkpoint import ConvertOptions, convert_checkpoint
     from moeref.checkpoint.report import StageTimes
 
-    src, dst = os.path.join(root, f"src-{layer}"), os.path.join(root, f"dst-{layer}")
+    keep = args.same_weights
+    src, dst = os.path.join(root, "src" if keep else f"src-{layer}"), os.path.join(root, f"dst-{layer}")
     tensors = layer_tensors(layer, d)
     row = rec.start_layer(layer)
     src_times, conv_times = StageTimes(), StageTimes()
     try:
         with rec.stage("source", src_times, "source_stages"):
-            read = write_source(src, tensors, int(args.shard_gib * GIB), seed=layer, times=src_times)
+            if keep and rec.res.get("source_layer") is not None:
+                read = rename_source(src, rec.res["source_layer"], layer, times=src_times)
+            else:
+                read = write_source(src, tensors, int(args.shard_gib * GIB), seed=layer, times=src_times)
+            if keep:
+                rec.res["source_layer"] = layer
         row["bytes_read"] = read
         t_conv = time.perf_counter()
         row["shards_done"] = []
@@ -295,7 +341,8 @@ def convert_layer(root: str, layer: int, d: dict, args, rec: "Recorder") -> dict
         written = _dir_bytes(dst)
     finally:
         with rec.stage("delete"):
-            shutil.rmtree(src, ignore_errors=True)
+            if not keep:
+                shutil.rmtree(src, ignore_errors=True)
             shutil.rmtree(dst, ignore_errors=True)
     mods = rep.modules
     row.update({"shards": len(rep.shards), "modules": len(mods),
@@ -324,8 +371,13 @@ def warm_up(root: str, d: dict, args, rec: "Recorder") -> float:
         with rec.stage("source", src_times, "source_stages"):
             write_source(src, keep, int(args.shard_gib * GIB), seed=0, times=src_times)
         with rec.stage("convert", conv_times, "convert_stages"):
-            convert_checkpoint(src, dst, ConvertOptions(target=args.target, engine=args.engine,
-                                                        report_device=args.report_device), timings=conv_times)
+            rep = convert_checkpoint(src, dst, ConvertOptions(target=args.target, engine=args.engine,
+                                                              report_device=args.report_device), timings=conv_times)
+        mods = rep.modules
+        rec.res["warm_up"].update(engines=sorted({m.engine for m in mods}), report_on=_report_on(mods),
+                                  notes=sorted({m.note for m in mods}))
+        rec.note(f"warm-up: engines {rec.res['warm_up']['engines']}, report on {rec.res['warm_up']['report_on']}; "
+                 f"why: {rec.res['warm_up']['notes'][0]}")
     finally:
         with rec.stage("delete"):
             shutil.rmtree(src, ignore_errors=True)
@@ -480,7 +532,8 @@ def run(args) -> dict:
     res = {"meta": None, "dims": d, "tiny": bool(args.tiny),
            "scaled": bool(args.experts is not None or args.heads is not None), "target": args.target,
            "engine": args.engine, "report_device": args.report_device, "shard_gib": args.shard_gib,
-           "layers_asked": len(layers), "max_seconds": args.max_seconds, "complete": False, "stopped": None,
+           "layers_asked": len(layers), "max_seconds": args.max_seconds, "same_weights": bool(args.same_weights),
+           "complete": False, "stopped": None,
            "layers": [], "current": None, "projection": None}
     rec = Recorder(args.json, res, args.heartbeat)
     root = tempfile.mkdtemp(prefix="moeref-convert-v3-", dir=args.dir)
@@ -555,6 +608,10 @@ def main(argv=None) -> int:
                     help="routed experts per MoE layer (default 256; fewer: a layer of the real matrix shapes that "
                          "converts in seconds on a CPU)")
     ap.add_argument("--heads", type=int, default=None, help="attention heads (default 128)")
+    ap.add_argument("--same-weights", action="store_true",
+                    help="write the random source once and give it each next layer's names (its shard headers "
+                         "rewritten in place, fsync'd, dropped from the page cache): the conversion reads and "
+                         "writes the same bytes from and to the disk; the source is not written again each layer")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="start no layer once this many seconds have passed since the start, or when the last "
                          "layer would not fit in what is left; the JSON then holds the layers done")

@@ -64,13 +64,13 @@ def stage_table(rows: list) -> list[str]:
     def mean(get):
         return sum(get(r) for r in rows) / n
 
-    out = [f"Seconds per layer (mean of {n}) of each stage. With the report on a device the reads, the writes and "
-           "the hashing run in threads of their own, overlapped with the conversion (their sum exceeds its time); "
+    out = [f"Seconds per layer (mean of {n}) of each stage. With the report on a device the reads, the writes "
+           "and the hashing run in threads of their own, overlapped with the conversion (their sum exceeds its time); "
            "the `waited` rows are then the conversion thread's waits.", "", "| stage | seconds per layer |", "|---|---|"]
-    out.append(f"| source written (untimed): generated / written / fsync'd | "
+    out.append(f"| source written (untimed): generated / written / fsync'd / headers renamed | "
                f"{mean(lambda r: r['stages'].get('source', 0)):.2f} ("
                + " / ".join(f"{mean(lambda r: r['source_stages']['seconds'].get(k, 0)):.2f}"
-                            for k in ("generate", "write", "fsync")) + ") |")
+                            for k in ("generate", "write", "fsync", "rename")) + ") |")
     out.append(f"| **conversion (timed)** | **{mean(lambda r: r['seconds']):.2f}** |")
     for key, label in _CONVERT_STAGES:
         if any(key in r["convert_stages"]["seconds"] for r in rows):
@@ -86,6 +86,10 @@ def section(d: dict) -> str:
             "measurement of DeepSeek-V3. " if d["tiny"] else
             f"Scaled (`--experts`, `--heads`): {dims['experts']} routed experts, {dims['heads']} heads; the projection "
             "is to a model of these dimensions. " if d.get("scaled") else "")
+    if d.get("same_weights"):
+        what += ("`--same-weights`: the first layer's random source, given each next layer's names (shard headers "
+                 "rewritten in place, fsync'd, dropped from the page cache), so every conversion reads it from the "
+                 "disk. ")
     asked = d.get("layers_asked", len(rows))
     if len(rows) < asked:
         what += (f"**{len(rows)} of the {asked} layers asked for were converted** "

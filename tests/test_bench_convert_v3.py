@@ -106,3 +106,34 @@ def test_random_codes_are_finite_e4m3_and_reproducible():
     assert np.count_nonzero(counts) == 254  # every finite code occurs
     assert counts[0x7E] > 1.5 * counts[0x10]  # the largest codes take the NaN codes' share
     assert not np.array_equal(c, a[:1000])
+
+
+def test_rename_source_gives_the_next_layers_names_to_the_same_bytes(tmp_path):
+    """--same-weights: layer 9's source renamed to layer 10 (a longer name: the header grows into the reserved
+    space): every tensor of layer 10 is there with layer 9's bytes, the index too, and the data did not move."""
+    from moeref.checkpoint import SafetensorsCheckpoint
+
+    src = str(tmp_path / "src")
+    n = B.write_source(src, B.layer_tensors(9, B.TINY), 1 << 18, seed=1)
+    before = SafetensorsCheckpoint.open(src)
+    old = {k: before.read_bytes(k) for k in before.names()}
+    sizes = {f: os.path.getsize(os.path.join(src, f)) for f in os.listdir(src) if f.endswith(".safetensors")}
+    assert len(sizes) > 1  # several shards
+    assert B.rename_source(src, 9, 10) == n
+    after = SafetensorsCheckpoint.open(src)
+    want = {k.replace("model.layers.9.", "model.layers.10.", 1): v for k, v in old.items()}
+    assert sorted(after.names()) == sorted(want)
+    assert all(after.read_bytes(k) == v for k, v in want.items())
+    assert {f: os.path.getsize(os.path.join(src, f)) for f in sizes} == sizes
+
+
+def test_same_weights_run_renames_instead_of_writing(tmp_path):
+    out = tmp_path / "run.json"
+    assert B.main(["--tiny", "--layers", "2", "--same-weights", "--bandwidth-gib", "0.01", "--dir", str(tmp_path),
+                   "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    first, second = d["layers"]
+    assert "generate" in first["source_stages"]["seconds"] and "rename" not in first["source_stages"]["seconds"]
+    assert set(second["source_stages"]["seconds"]) == {"rename", "drop_cache"}
+    assert first["bytes_read"] == second["bytes_read"] and first["modules"] == second["modules"]
+    assert d["same_weights"] and [p.name for p in tmp_path.iterdir()] == ["run.json"]
