@@ -6,14 +6,28 @@ expert of intermediate 2048, MLA attention with q_lora_rank 1536, kv_lora_rank 5
 (``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`` F8_E4M3 + ``weight_scale_inv`` F32 per 128x128
 block, the attention projections likewise, BF16 norms and router, the F32 router bias; shards of at most
 ``--shard-gib`` GiB, as the published checkpoint's ~4.3 GB) into ``--dir``, with random weights generated on
-the fly (on the GPU where there is one: N(0, 1) x 48 cast to E4M3, scales uniform in [0.5, 2] x 2^-9). Each
-source shard is fsync'd and dropped from the page cache (``posix_fadvise(DONTNEED)``), so the conversion reads
-it from the disk. Then ``moeref convert`` (:func:`moeref.checkpoint.convert_checkpoint`; ``--engine`` and
-``--report-device`` as the command's, default ``auto``: on a GPU the Triton engine and the device report with
-reading, converting and writing overlapped) converts the layer into ``--dir``; timed: that call only (reads,
-conversion, report, writes with their fsync, hashing, index). Then both directories are deleted, so the disk
-holds one layer's source and output at a time (about 11.5 + 6.5 GB for NVFP4). Before the timed layers, one
-untimed conversion of a small checkpoint with the same shapes compiles the kernels.
+the fly on the host (:func:`_arrays`: E4M3 codes uniform over the finite codes from PCG64 random bytes, in
+threads; scales uniform in [0.5, 2] x 2^-9). Each source shard is fsync'd and dropped from the page cache
+(``posix_fadvise(DONTNEED)``), so the conversion reads it from the disk. Then ``moeref convert``
+(:func:`moeref.checkpoint.convert_checkpoint`; ``--engine`` and ``--report-device`` as the command's, default
+``auto``: on a GPU the Triton engine and the device report with reading, converting and writing overlapped)
+converts the layer into ``--dir``; timed: that call only (reads, conversion, report, writes with their fsync,
+hashing, index). Then both directories are deleted, so the disk holds one layer's source and output at a time
+(about 11.5 + 6.5 GB for NVFP4). ``--same-weights`` writes the source once and gives it each next layer's
+names (:func:`rename_source`: the shard headers rewritten in place, fsync'd, dropped from the page cache):
+the conversion reads and writes the same bytes, and the run does not spend the disk's write time on a new
+source each layer. Before the timed layers, one untimed conversion of a small checkpoint with the same shapes
+compiles the kernels.
+
+Where the time goes: every layer's row has ``stages`` (``source``, ``convert``, ``delete``), ``source_stages``
+(``generate``, ``write``, ``fsync``, ``drop_cache``; ``rename`` with ``--same-weights``) and ``convert_stages``
+(``moeref convert``'s own, :class:`moeref.checkpoint.report.StageTimes`: read, quantize, report, write, close
+with its fsync, hash, ..., and the waits of the pipelined path), the warm-up likewise. The JSON is rewritten
+after every stage, every shard and every ``--heartbeat`` seconds (``current``: the layer in progress), with a
+progress line on stdout each time, so a run stopped by a time limit still says where its time went (SIGTERM
+and Ctrl-C remove the directories and write the JSON). ``--max-seconds`` starts no layer once that many
+seconds have passed or when the last layer would not fit in what is left; the JSON then holds the layers done
+and says why it stopped (``stopped``; ``complete`` is false), and the projection is from those layers.
 
 Disk bandwidth, in the same run: one ``--bandwidth-gib`` GiB file written sequentially (64 MiB writes,
 fsync'd), dropped from the page cache, read back sequentially, deleted. The disk bound of a layer is its
@@ -24,13 +38,14 @@ Projection to the whole model: the measured seconds per source byte times the so
 plus the embedding and ``lm_head`` (the same tensor list, not generated), next to the disk bound of the whole
 model at the measured bandwidths.
 
-Run (GPU; about 11.5 GB of disk per layer at a time, 8 layers = 1/8 of the model)::
+Run (GPU; about 18 GB of disk at a time, 8 layers = 1/8 of the model)::
 
-    python -m bench convert-v3 --layers 8 --json docs/data/convert_v3_h200_DATE.json
+    python -m bench convert-v3 --layers 8 --same-weights --max-seconds 220 --json docs/data/convert_v3_h200_DATE.json
 
 ``--tiny`` shrinks every dimension (same names, same structure) for a CPU test run in seconds; its JSON is a
-measurement of nothing but the mechanics. ``bench/report_convert_v3.py`` turns the JSON into the table of
-docs/convert.md.
+measurement of nothing but the mechanics. ``--experts N`` and ``--heads N`` keep the real matrix shapes with
+fewer of them (a layer that converts in seconds on a CPU; ``--profile FILE`` cProfiles the run).
+``bench/report_convert_v3.py`` turns the JSON into the table of docs/convert.md.
 """
 from __future__ import annotations
 
