@@ -6,7 +6,8 @@
 * :mod:`.plan` — the conversion plan from headers and configs alone (:func:`plan_conversion`, ``--dry-run``).
 * :mod:`.convert` — convert shard by shard (workers, resume, verify), index and configs; with the
   report on a GPU (:mod:`moeref.quant.device_report`), each shard read, converted and written as a pipeline
-  (:mod:`.pipeline`: the reader and writer threads, shards hashed in a thread, a fused group's amax on the device).
+  (:mod:`.pipeline`: the reader and writer threads, a fused group's amax on the device; on either path the
+  shards hashed in a thread).
 * :mod:`.engines` — NumPy reference or Triton fast path per module (never silently).
 * :mod:`.report` — per-module report (lossless, max |err|, rel L2, SQNR, worst block, engine); where the
   time of a conversion went (:class:`.report.StageTimes`).

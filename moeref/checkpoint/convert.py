@@ -341,7 +341,8 @@ def _dequantize_module_timed(data: ModuleData, job: _ShardJob) -> tuple:
 def _run_shard(job: _ShardJob, hash_later: bool = False) -> ShardRecord:
     """Convert one shard (runs in a worker process when ``workers > 1``): in turn on the host, or as a
     pipeline where the report is computed on a device (:func:`_run_shard_pipelined`). ``hash_later``: the
-    record's ``sha256`` is left empty for the caller to fill (the pipelined path hashes in a thread)."""
+    record's ``sha256`` is left empty for the caller to fill (:func:`.pipeline.hash_in_thread` hashes it in a
+    thread)."""
     device = report_device(job.opts)
     if device is not None:
         return _run_shard_pipelined(job, device, hash_later)
@@ -377,7 +378,7 @@ def _run_shard(job: _ShardJob, hash_later: bool = False) -> ShardRecord:
         raise
     finally:
         ck.close()
-    return _finish_shard(job, path, copied, reports)
+    return _finish_shard(job, path, copied, reports, hash_later)
 
 
 def header_reserve(job: _ShardJob) -> int:
@@ -595,12 +596,8 @@ def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None,
         with ProcessPoolExecutor(max_workers=opts.workers, mp_context=ctx) as ex:
             for rec in ex.map(_run_shard, [dataclasses.replace(j, timings=None) for j in jobs]):
                 record(rec)
-    elif jobs and report_device(opts) is not None:
-        # the pipelined path: a shard's SHA-256 is computed in a thread while the next shard converts
+    elif jobs:  # a shard's SHA-256 is computed in a thread while the next shard converts
         hash_in_thread(jobs, _run_shard, _sha256, dst, record, timings)
-    else:
-        for job in jobs:
-            record(_run_shard(job))
     report.shards = [records[s] for s in plan.shards]
     with timed(timings, "finish"):
         _finish(src, dst, plan, report, opts.scale_layout)

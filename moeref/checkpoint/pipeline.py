@@ -1,6 +1,7 @@
 """The device-report path of ``moeref convert`` (:mod:`.convert` chooses it where the report is computed on a
-device, ``ConvertOptions.report_device``): a shard read, converted and written as a bounded pipeline, the
-written shards hashed in a thread while the next one converts, and a fused group's amax on the device.
+device, ``ConvertOptions.report_device``): a shard read, converted and written as a bounded pipeline, and a fused
+group's amax on the device; and, on either path, the written shards hashed in a thread while the next one
+converts (:func:`hash_in_thread`).
 
 :func:`run_pipeline` runs the threads of one shard: a reader thread (safetensors reads, :data:`PIPELINE_DEPTH`
 modules ahead, the shard's file prefetched into the page cache by :func:`prefetch`), the conversion and the

@@ -185,11 +185,12 @@ class StageTimes:
       ``dequantize``: modules written as BF16, with their report;
     * ``write``: tensor bytes handed to the shard file (:meth:`ShardWriter.add`: the page cache);
       ``close``: a shard's header written, the file fsync'd (its bytes reach the disk) and renamed;
-      ``hash``: its SHA-256 (the file read back); ``verify``: ``--verify``;
-    * the pipelined path (the report on a device) runs ``read`` in a reader thread, ``write`` in a writer
-      thread and ``hash`` in a hashing thread, overlapped with the conversion: there the stages' sum exceeds
-      the wall time, and ``wait_read`` (the conversion waited for the reader), ``wait_write`` (for room in the
-      writer's queue) and ``wait_hash`` (for the last shard's hash) say what the conversion thread waited for.
+      ``hash``: its SHA-256 (the file read back), in a thread while the next shard converts, and ``wait_hash``:
+      the wait for a hash (the last shard's); ``verify``: ``--verify``;
+    * the pipelined path (the report on a device) runs ``read`` in a reader thread and ``write`` in a writer
+      thread, overlapped with the conversion: there the stages' sum exceeds the wall time, and ``wait_read``
+      (the conversion waited for the reader) and ``wait_write`` (for room in the writer's queue) say what the
+      conversion thread waited for.
 
     With ``workers > 1`` the shards converted in worker processes are not timed (only ``plan``, ``record``
     and ``finish``)."""
