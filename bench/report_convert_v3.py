@@ -64,9 +64,10 @@ def stage_table(rows: list) -> list[str]:
     def mean(get):
         return sum(get(r) for r in rows) / n
 
-    out = [f"Seconds per layer (mean of {n}) of each stage. With the report on a device the reads, the writes "
-           "and the hashing run in threads of their own, overlapped with the conversion (their sum exceeds its time); "
-           "the `waited` rows are then the conversion thread's waits.", "", "| stage | seconds per layer |", "|---|---|"]
+    out = [f"Seconds per layer (mean of {n}) of each stage. A shard's SHA-256 is taken in a thread while the next "
+           "shard converts; with the report on a device the reads and the writes run in threads of their own too, "
+           "overlapped with the conversion (the stages' sum then exceeds its time); the `waited` rows are the "
+           "conversion thread's waits.", "", "| stage | seconds per layer |", "|---|---|"]
     out.append(f"| source written (untimed): generated / written / fsync'd / headers renamed | "
                f"{mean(lambda r: r['stages'].get('source', 0)):.2f} ("
                + " / ".join(f"{mean(lambda r: r['source_stages']['seconds'].get(k, 0)):.2f}"
