@@ -192,8 +192,10 @@ class StageTimes:
       (the conversion waited for the reader) and ``wait_write`` (for room in the writer's queue) say what the
       conversion thread waited for.
 
-    With ``workers > 1`` the shards converted in worker processes are not timed (only ``plan``, ``record``
-    and ``finish``)."""
+    On a GPU the work is queued: a stage that waits for a result (a copy to the host, a number) also waits for
+    the device work queued before it, so ``quantize`` (which ends with its codes copied to the host) holds part
+    of the device time of the source's decoding. With ``workers > 1`` the shards converted in worker
+    processes are not timed (only ``plan``, ``record`` and ``finish``)."""
 
     def __init__(self):
         self.seconds: dict = {}
