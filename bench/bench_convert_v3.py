@@ -6,14 +6,28 @@ expert of intermediate 2048, MLA attention with q_lora_rank 1536, kv_lora_rank 5
 (``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`` F8_E4M3 + ``weight_scale_inv`` F32 per 128x128
 block, the attention projections likewise, BF16 norms and router, the F32 router bias; shards of at most
 ``--shard-gib`` GiB, as the published checkpoint's ~4.3 GB) into ``--dir``, with random weights generated on
-the fly (on the GPU where there is one: N(0, 1) x 48 cast to E4M3, scales uniform in [0.5, 2] x 2^-9). Each
-source shard is fsync'd and dropped from the page cache (``posix_fadvise(DONTNEED)``), so the conversion reads
-it from the disk. Then ``moeref convert`` (:func:`moeref.checkpoint.convert_checkpoint`; ``--engine`` and
-``--report-device`` as the command's, default ``auto``: on a GPU the Triton engine and the device report with
-reading, converting and writing overlapped) converts the layer into ``--dir``; timed: that call only (reads,
-conversion, report, writes with their fsync, hashing, index). Then both directories are deleted, so the disk
-holds one layer's source and output at a time (about 11.5 + 6.5 GB for NVFP4). Before the timed layers, one
-untimed conversion of a small checkpoint with the same shapes compiles the kernels.
+the fly on the host (:func:`_arrays`: E4M3 codes uniform over the finite codes from PCG64 random bytes, in
+threads; scales uniform in [0.5, 2] x 2^-9). Each source shard is fsync'd and dropped from the page cache
+(``posix_fadvise(DONTNEED)``), so the conversion reads it from the disk. Then ``moeref convert``
+(:func:`moeref.checkpoint.convert_checkpoint`; ``--engine`` and ``--report-device`` as the command's, default
+``auto``: on a GPU the Triton engine and the device report with reading, converting and writing overlapped)
+converts the layer into ``--dir``; timed: that call only (reads, conversion, report, writes with their fsync,
+hashing, index). Then both directories are deleted, so the disk holds one layer's source and output at a time
+(about 11.5 + 6.5 GB for NVFP4). ``--same-weights`` writes the source once and gives it each next layer's
+names (:func:`rename_source`: the shard headers rewritten in place, fsync'd, dropped from the page cache):
+the conversion reads and writes the same bytes, and the run does not spend the disk's write time on a new
+source each layer. Before the timed layers, one untimed conversion of a small checkpoint with the same shapes
+compiles the kernels.
+
+Where the time goes: every layer's row has ``stages`` (``source``, ``convert``, ``delete``), ``source_stages``
+(``generate``, ``write``, ``fsync``, ``drop_cache``; ``rename`` with ``--same-weights``) and ``convert_stages``
+(``moeref convert``'s own, :class:`moeref.checkpoint.report.StageTimes`: read, quantize, report, write, close
+with its fsync, hash, ..., and the waits of the pipelined path), the warm-up likewise. The JSON is rewritten
+after every stage, every shard and every ``--heartbeat`` seconds (``current``: the layer in progress), with a
+progress line on stdout each time, so a run stopped by a time limit still says where its time went (SIGTERM
+and Ctrl-C remove the directories and write the JSON). ``--max-seconds`` starts no layer once that many
+seconds have passed or when the last layer would not fit in what is left; the JSON then holds the layers done
+and says why it stopped (``stopped``; ``complete`` is false), and the projection is from those layers.
 
 Disk bandwidth, in the same run: one ``--bandwidth-gib`` GiB file written sequentially (64 MiB writes,
 fsync'd), dropped from the page cache, read back sequentially, deleted. The disk bound of a layer is its
@@ -24,13 +38,14 @@ Projection to the whole model: the measured seconds per source byte times the so
 plus the embedding and ``lm_head`` (the same tensor list, not generated), next to the disk bound of the whole
 model at the measured bandwidths.
 
-Run (GPU; about 11.5 GB of disk per layer at a time, 8 layers = 1/8 of the model)::
+Run (GPU; about 18 GB of disk at a time, 8 layers = 1/8 of the model)::
 
-    python -m bench convert-v3 --layers 8 --json docs/data/convert_v3_h200_DATE.json
+    python -m bench convert-v3 --layers 8 --same-weights --max-seconds 220 --json docs/data/convert_v3_h200_DATE.json
 
 ``--tiny`` shrinks every dimension (same names, same structure) for a CPU test run in seconds; its JSON is a
-measurement of nothing but the mechanics. ``bench/report_convert_v3.py`` turns the JSON into the table of
-docs/convert.md.
+measurement of nothing but the mechanics. ``--experts N`` and ``--heads N`` keep the real matrix shapes with
+fewer of them (a layer that converts in seconds on a CPU; ``--profile FILE`` cProfiles the run).
+``bench/report_convert_v3.py`` turns the JSON into the table of docs/convert.md.
 """
 from __future__ import annotations
 
@@ -42,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -105,25 +121,43 @@ def model_source_bytes(d: dict) -> int:
     return sum(source_bytes(layer_tensors(i, d)) for i in range(d["layers"])) + source_bytes(global_tensors(d))
 
 
-def _device():
-    import torch
-
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+RANDOM_CHUNK = 16 << 20
+"""Bytes of random codes one generator thread makes at a time."""
 
 
-def _arrays(name, kind, shape, gen, dev):
-    """``[(tensor name, host array)]`` of one tensor of :func:`layer_tensors`, random, made on ``dev``."""
-    import torch
+def _random_codes(n: int, seed: tuple, pool) -> np.ndarray:
+    """``n`` random E4M3 codes (uint8), uniform over the 254 finite codes but for 0x7E and 0xFE (+-448), which
+    also take the NaN codes' share (0x7F, 0xFF become them): random bytes from PCG64 (``random_raw``, which
+    releases the GIL, so ``pool``'s threads each fill a chunk), the NaN codes moved down by one in place."""
+    out = np.empty(-(-n // 8) * 8, np.uint8)
+    chunks = [(lo, min(lo + RANDOM_CHUNK, out.size)) for lo in range(0, out.size, RANDOM_CHUNK)]
 
-    from moeref._interop import to_numpy
+    def fill(i):
+        lo, hi = chunks[i]
+        bits = np.random.PCG64(np.random.SeedSequence(seed + (i,))).random_raw((hi - lo) // 8)
+        c = bits.view(np.uint8)
+        np.subtract(c, (c & 0x7F) == 0x7F, out=c, casting="unsafe")  # a NaN code -> the largest finite one
+        out[lo:hi] = c
 
+    list(pool.map(fill, range(len(chunks))))
+    return out[:n]
+
+
+def _arrays(name, kind, shape, seed: tuple, pool):
+    """``[(tensor name, host array)]`` of one tensor of :func:`layer_tensors`, random: an FP8 weight's codes
+    uniform over the finite E4M3 codes (:func:`_random_codes`; magnitudes from 2^-9 to 448), its 128x128 block
+    scales uniform in [0.5, 2] x 2^-9 (float32), BF16 and F32 tensors N(0, 1)."""
+    import ml_dtypes
+
+    size = int(np.prod(shape))
     if kind == "fp8":
-        w = torch.randn(shape, generator=gen, device=dev).mul_(48).clamp_(-448, 448).to(torch.float8_e4m3fn)
-        s = (torch.rand((-(-shape[0] // 128), -(-shape[1] // 128)), generator=gen, device=dev) * 1.5 + 0.5) \
-            * 2.0 ** -9
-        return [(name + ".weight", to_numpy(w)), (name + ".weight_scale_inv", to_numpy(s))]
-    t = torch.randn(shape, generator=gen, device=dev)
-    return [(name, to_numpy(t.to(torch.bfloat16) if kind == "bf16" else t))]
+        w = _random_codes(size, seed, pool).reshape(shape).view(ml_dtypes.float8_e4m3fn)
+        rng = np.random.default_rng(np.random.SeedSequence(seed + (1 << 20,)))
+        grid = (-(-shape[0] // 128), -(-shape[1] // 128))
+        s = ((rng.random(grid, dtype=np.float32) * 1.5 + 0.5) * 2.0 ** -9).astype(np.float32)
+        return [(name + ".weight", w), (name + ".weight_scale_inv", s)]
+    t = np.random.default_rng(np.random.SeedSequence(seed)).standard_normal(shape, dtype=np.float32)
+    return [(name, t.astype(ml_dtypes.bfloat16) if kind == "bf16" else t)]
 
 
 def _drop_cache(path: str) -> None:
@@ -136,16 +170,17 @@ def _drop_cache(path: str) -> None:
         os.close(fd)
 
 
-def write_source(path: str, tensors: list, shard_bytes: int, seed: int) -> int:
+def write_source(path: str, tensors: list, shard_bytes: int, seed: int, times=None) -> int:
     """The DeepSeek FP8 checkpoint of ``tensors`` in ``path`` (shards of at most ``shard_bytes``, index,
-    config), every shard fsync'd and dropped from the page cache. Returns the bytes written."""
-    import torch
+    config), every shard fsync'd and dropped from the page cache. Returns the bytes written. ``times``: a
+    :class:`moeref.checkpoint.report.StageTimes` that receives ``generate`` (the random arrays), ``write``
+    (handed to the files), ``fsync`` (a shard's close: header, fsync, rename) and ``drop_cache``."""
+    from concurrent.futures import ThreadPoolExecutor
 
     from moeref.checkpoint import ShardWriter
+    from moeref.checkpoint.report import timed
 
     os.makedirs(path)
-    dev = _device()
-    gen = torch.Generator(device=dev).manual_seed(seed)
     groups, cur, size = [], [], 0
     for t in tensors:
         b = source_bytes([t])
@@ -155,24 +190,72 @@ def write_source(path: str, tensors: list, shard_bytes: int, seed: int) -> int:
         cur.append(t)
         size += b
     groups.append(cur)
-    wm, total = {}, 0
-    for i, group in enumerate(groups):
-        shard = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        fn = os.path.join(path, shard)
-        w = ShardWriter(fn, {"format": "pt"}, reserve=1024 + 256 * 2 * len(group))
-        for name, kind, shape in group:
-            for tname, arr in _arrays(name, kind, shape, gen, dev):
-                w.add(tname, arr)
-                wm[tname] = shard
-        w.close()
-        _drop_cache(fn)
-        total += os.path.getsize(fn)
+    wm, total, k = {}, 0, 0
+    with ThreadPoolExecutor(max(1, min(8, (os.cpu_count() or 1) // 2)), thread_name_prefix="convert-v3-random") \
+            as pool:
+        for i, group in enumerate(groups):
+            shard = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            fn = os.path.join(path, shard)
+            w = ShardWriter(fn, {"format": "pt"}, reserve=1024 + 256 * 2 * len(group))
+            for name, kind, shape in group:
+                with timed(times, "generate"):
+                    arrays = _arrays(name, kind, shape, (seed, k), pool)
+                k += 1
+                with timed(times, "write"):
+                    for tname, arr in arrays:
+                        w.add(tname, arr)
+                        wm[tname] = shard
+            with timed(times, "fsync"):
+                w.close()
+            with timed(times, "drop_cache"):
+                _drop_cache(fn)
+            total += os.path.getsize(fn)
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": wm}, f)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
                    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                            "weight_block_size": [128, 128]}}, f)
+    return total
+
+
+def rename_source(path: str, old: int, new: int, times=None) -> int:
+    """Give the source checkpoint in ``path`` (:func:`write_source`'s, of layer ``old``) the tensor names of layer
+    ``new``, its bytes unchanged: each shard's header rewritten in place (the same data offsets; the header
+    padded with spaces to the length the writer reserved, as the safetensors format allows), the index
+    rewritten; each shard fsync'd and dropped from the page cache, so the next read comes from the disk. Returns
+    the bytes of the shards. ``times`` receives ``rename`` and ``drop_cache``."""
+    from moeref.checkpoint.report import timed
+
+    a, b = f"model.layers.{old}.", f"model.layers.{new}."
+
+    def name(k):
+        return b + k[len(a):] if k.startswith(a) else k
+
+    idx = os.path.join(path, "model.safetensors.index.json")
+    with open(idx) as f:
+        index = json.load(f)
+    total = 0
+    for shard in dict.fromkeys(index["weight_map"].values()):
+        fn = os.path.join(path, shard)
+        with timed(times, "rename"):
+            with open(fn, "r+b") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+                text = json.dumps({name(k): v for k, v in header.items()}, separators=(",", ":")).encode()
+                if len(text) > n:
+                    raise ValueError(f"{fn}: the header of layer {new} ({len(text)} bytes) does not fit the "
+                                     f"{n} bytes reserved")
+                f.seek(8)
+                f.write(text + b" " * (n - len(text)))
+                f.flush()
+                os.fsync(f.fileno())
+        with timed(times, "drop_cache"):
+            _drop_cache(fn)
+        total += os.path.getsize(fn)
+    index["weight_map"] = {name(k): v for k, v in index["weight_map"].items()}
+    with open(idx, "w") as f:
+        json.dump(index, f)
     return total
 
 
@@ -227,54 +310,187 @@ def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
 
 
-def convert_layer(root: str, layer: int, d: dict, args) -> dict:
-    """Write one layer's source, convert it (timed), delete both; the row of the JSON."""
-    from moeref.checkpoint import ConvertOptions, convert_checkpoint
-
-    src, dst = os.path.join(root, f"src-{layer}"), os.path.join(root, f"dst-{layer}")
-    tensors = layer_tensors(layer, d)
-    try:
-        t0 = time.perf_counter()
-        read = write_source(src, tensors, int(args.shard_gib * GIB), seed=layer)
-        t_src = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        rep = convert_checkpoint(src, dst, ConvertOptions(target=args.target, engine=args.engine,
-                                                          report_device=args.report_device))
-        wall = time.perf_counter() - t0
-        written = _dir_bytes(dst)
-    finally:
-        shutil.rmtree(src, ignore_errors=True)
-        shutil.rmtree(dst, ignore_errors=True)
-    mods = rep.modules
+def _report_on(mods) -> dict:
     where = {}
     for m in mods:
         w = m.note.rsplit("report on ", 1)[-1].split(" (")[0] if "report on " in m.note else "host"
         where[w] = where.get(w, 0) + 1
-    return {"layer": layer, "shards": len(rep.shards), "modules": len(mods),
-            "copied": sum(s.copied for s in rep.shards), "bytes_read": read, "bytes_written": written,
-            "seconds": wall, "source_write_seconds": t_src,
-            "module_seconds": sum(m.seconds for m in mods),
-            "engines": sorted({m.engine for m in mods}), "report_on": where,
-            "lossless_modules": sum(m.lossless for m in mods),
-            "sqnr_db_median": float(np.median([m.sqnr_db for m in mods])) if mods else None}
+    return where
 
 
-def warm_up(root: str, d: dict, args) -> float:
-    """One untimed conversion of a small checkpoint with the layer's real shapes (the attention projections,
-    one routed and the shared expert), so that the kernels are compiled before the timed layers: seconds."""
+def convert_layer(root: str, layer: int, d: dict, args, rec: "Recorder") -> dict:
+    """Write one layer's source, convert it (timed), delete both; the row of the JSON. Every stage is timed
+    into ``rec.current`` (``stages``: ``source`` (the whole source written), ``convert``, ``delete``;
+    ``source_stages``: :func:`write_source`'s; ``convert_stages``: ``moeref convert``'s own,
+    :class:`moeref.checkpoint.report.StageTimes`), and ``rec`` rewrites the JSON after each."""
     from moeref.checkpoint import ConvertOptions, convert_checkpoint
+    from moeref.checkpoint.report import StageTimes
+
+    keep = args.same_weights
+    src, dst = os.path.join(root, "src" if keep else f"src-{layer}"), os.path.join(root, f"dst-{layer}")
+    tensors = layer_tensors(layer, d)
+    row = rec.start_layer(layer)
+    src_times, conv_times = StageTimes(), StageTimes()
+    try:
+        with rec.stage("source", src_times, "source_stages"):
+            if keep and rec.res.get("source_layer") is not None:
+                read = rename_source(src, rec.res["source_layer"], layer, times=src_times)
+            else:
+                read = write_source(src, tensors, int(args.shard_gib * GIB), seed=layer, times=src_times)
+            if keep:
+                rec.res["source_layer"] = layer
+        row["bytes_read"] = read
+        t_conv = time.perf_counter()
+        row["shards_done"] = []
+
+        def shard_done(done, total, shard):
+            row["shards_done"].append({"shard": shard, "modules_done": done, "modules": total,
+                                       "source_bytes": os.path.getsize(os.path.join(src, shard)),
+                                       "seconds": round(time.perf_counter() - t_conv, 4)})
+            rec.note(f"  layer {layer}: {shard} converted ({done}/{total} modules)", conv_times, "convert_stages")
+
+        with rec.stage("convert", conv_times, "convert_stages"):
+            rep = convert_checkpoint(src, dst, ConvertOptions(target=args.target, engine=args.engine,
+                                                              report_device=args.report_device),
+                                     progress=shard_done, timings=conv_times)
+        written = _dir_bytes(dst)
+    finally:
+        with rec.stage("delete"):
+            if not keep:
+                shutil.rmtree(src, ignore_errors=True)
+            shutil.rmtree(dst, ignore_errors=True)
+    mods = rep.modules
+    row.update({"shards": len(rep.shards), "modules": len(mods),
+                "copied": sum(s.copied for s in rep.shards), "bytes_read": read, "bytes_written": written,
+                "seconds": row["stages"]["convert"], "source_write_seconds": row["stages"]["source"],
+                "module_seconds": sum(m.seconds for m in mods),
+                "engines": sorted({m.engine for m in mods}), "report_on": _report_on(mods),
+                "lossless_modules": sum(m.lossless for m in mods),
+                "sqnr_db_median": float(np.median([m.sqnr_db for m in mods])) if mods else None})
+    return row
+
+
+def warm_up(root: str, d: dict, args, rec: "Recorder") -> float:
+    """One untimed conversion of a small checkpoint with the layer's real shapes (the attention projections,
+    one routed and the shared expert), so that the kernels are compiled before the timed layers: seconds. Its
+    stages go to ``rec.res["warm_up"]`` as a layer's do."""
+    from moeref.checkpoint import ConvertOptions, convert_checkpoint
+    from moeref.checkpoint.report import StageTimes
 
     keep = [t for t in layer_tensors(args.first_layer, d) if ".experts." not in t[0] or ".experts.0." in t[0]]
     src, dst = os.path.join(root, "warm-src"), os.path.join(root, "warm-dst")
+    rec.res["warm_up"] = rec.start_layer("warm-up")
+    src_times, conv_times = StageTimes(), StageTimes()
     t0 = time.perf_counter()
     try:
-        write_source(src, keep, int(args.shard_gib * GIB), seed=0)
-        convert_checkpoint(src, dst, ConvertOptions(target=args.target, engine=args.engine,
-                                                    report_device=args.report_device))
+        with rec.stage("source", src_times, "source_stages"):
+            write_source(src, keep, int(args.shard_gib * GIB), seed=0, times=src_times)
+        with rec.stage("convert", conv_times, "convert_stages"):
+            rep = convert_checkpoint(src, dst, ConvertOptions(target=args.target, engine=args.engine,
+                                                              report_device=args.report_device), timings=conv_times)
+        mods = rep.modules
+        rec.res["warm_up"].update(engines=sorted({m.engine for m in mods}), report_on=_report_on(mods),
+                                  notes=sorted({m.note for m in mods}))
+        rec.note(f"warm-up: engines {rec.res['warm_up']['engines']}, report on {rec.res['warm_up']['report_on']}; "
+                 f"why: {rec.res['warm_up']['notes'][0]}")
     finally:
-        shutil.rmtree(src, ignore_errors=True)
-        shutil.rmtree(dst, ignore_errors=True)
+        with rec.stage("delete"):
+            shutil.rmtree(src, ignore_errors=True)
+            shutil.rmtree(dst, ignore_errors=True)
+        rec.res["current"] = None
     return time.perf_counter() - t0
+
+
+class Recorder:
+    """The run's JSON (``res``) and its progress lines on stdout: the JSON is rewritten (a temporary file, then
+    renamed: a reader never sees half of it) after every stage, after every shard of a conversion, and every
+    ``heartbeat`` seconds while a stage runs (with the stage times gathered so far), so that a run stopped from
+    outside (a time limit) still says where its time went. ``res["current"]`` is the layer in progress, moved to
+    ``res["layers"]`` when it is complete."""
+
+    def __init__(self, path: str | None, res: dict, heartbeat: float = 10.0):
+        import threading
+
+        self.path, self.res, self.t0 = path, res, time.perf_counter()
+        self._lock = threading.Lock()
+        self._live = None  # (stage name, StageTimes or None, key in current, start)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(heartbeat,), name="convert-v3-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        with self._lock:
+            self.res["elapsed_seconds"] = round(self.elapsed(), 3)
+            text = json.dumps(self.res, indent=1)
+            tmp = self.path + ".partial"
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, self.path)
+
+    def start_layer(self, layer: int) -> dict:
+        row = {"layer": layer, "stages": {}}
+        self.res["current"] = row
+        return row
+
+    def _snapshot(self, times, key) -> None:
+        cur = self.res.get("current")
+        if times is not None and key and cur is not None:
+            cur[key] = times.as_json()
+
+    def note(self, line: str, times=None, key: str | None = None) -> None:
+        """Print ``line`` (with the run's elapsed time) and rewrite the JSON, ``times`` (a StageTimes) stored under
+        ``current[key]`` first."""
+        self._snapshot(times, key)
+        print(f"[{self.elapsed():6.1f} s] {line}", flush=True)
+        self.save()
+
+    @contextmanager
+    def stage(self, name: str, times=None, key: str | None = None):
+        """Time the block as stage ``name`` of the current layer (``current["stages"][name]``), its StageTimes
+        ``times`` stored under ``current[key]``; a progress line and the JSON after it, and every heartbeat
+        while it runs."""
+        cur = self.res.get("current")
+        t0 = time.perf_counter()
+        self._live = (name, times, key, t0)
+        try:
+            yield
+        finally:
+            self._live = None
+            dt = time.perf_counter() - t0
+            if cur is not None:
+                cur["stages"][name] = round(dt, 4)
+            self.note(f"  layer {cur['layer'] if cur else '-'}: {name} {dt:.2f} s" + _top(times), times, key)
+
+    def _beat(self, every: float) -> None:
+        while not self._stop.wait(every):
+            live = self._live
+            if live is None:
+                continue
+            name, times, key, t0 = live
+            try:
+                self.note(f"  ... {name} running for {time.perf_counter() - t0:.0f} s" + _top(times), times, key)
+            except (OSError, ValueError, RuntimeError):  # a heartbeat never stops the run
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _top(times, n: int = 6) -> str:
+    """``"; read 1.2 s, quantize 0.8 s, ..."``: the ``n`` longest stages of a StageTimes so far."""
+    if times is None:
+        return ""
+    sec = times.as_json()["seconds"]
+    if not sec:
+        return ""
+    return "; " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(sec.items(), key=lambda kv: -kv[1])[:n])
 
 
 def _meta() -> dict:
@@ -298,53 +514,98 @@ def _meta() -> dict:
     return meta
 
 
-def run(args) -> dict:
-    d = dict(TINY if args.tiny else V3)
-    layers = list(range(args.first_layer, args.first_layer + args.layers))
-    root = tempfile.mkdtemp(prefix="moeref-convert-v3-", dir=args.dir)
-    try:
-        fs = filesystem(root)
-        print(f"writing under {root}: {fs['type']} {fs['device']} on {fs['mount']}, "
-              f"{fs['free_bytes'] / 1e9:.0f} GB free of {fs['size_bytes'] / 1e9:.0f} GB", flush=True)
-        disk = disk_bandwidth(root, int(args.bandwidth_gib * GIB))
-        disk["filesystem"] = fs
-        print(f"disk: write {disk['write_GBps']:.2f} GB/s, read {disk['read_GBps']:.2f} GB/s "
-              f"({disk['bytes'] / GIB:.1f} GiB, fsync'd, page cache dropped)", flush=True)
-        warm = warm_up(root, d, args)
-        print(f"warm-up (kernels compiled, untimed): {warm:.1f} s", flush=True)
-        rows = []
-        for layer in layers:
-            r = convert_layer(root, layer, d, args)
-            r["disk_bound_seconds"] = r["bytes_read"] / disk["read_GBps"] / 1e9 + \
-                r["bytes_written"] / disk["write_GBps"] / 1e9
-            r["disk_bound_overlapped_seconds"] = max(r["bytes_read"] / disk["read_GBps"],
-                                                     r["bytes_written"] / disk["write_GBps"]) / 1e9
-            rows.append(r)
-            print(f"layer {layer}: {r['modules']} modules, read {r['bytes_read'] / 1e9:.2f} GB, wrote "
-                  f"{r['bytes_written'] / 1e9:.2f} GB in {r['seconds']:.2f} s (disk bound "
-                  f"{r['disk_bound_seconds']:.2f} s, overlapped {r['disk_bound_overlapped_seconds']:.2f} s); "
-                  f"engines {r['engines']}, report on {r['report_on']}; source written in "
-                  f"{r['source_write_seconds']:.1f} s", flush=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+def projection(rows: list, d: dict, disk: dict) -> dict | None:
+    """The whole model (``d``'s 61 layers, embedding and ``lm_head``) at the measured seconds per source byte of
+    the layers in ``rows`` (None before the first), next to its disk bound at the measured bandwidths."""
+    if not rows:
+        return None
     read = sum(r["bytes_read"] for r in rows)
     written = sum(r["bytes_written"] for r in rows)
     secs = sum(r["seconds"] for r in rows)
     total = model_source_bytes(d)
     out_ratio = written / read
-    proj = {"model_source_bytes": total, "fraction_converted": read / total,
+    return {"layers": len(rows), "model_source_bytes": total, "fraction_converted": read / total,
             "seconds": secs * total / read,
             "disk_bound_seconds": total / disk["read_GBps"] / 1e9 + total * out_ratio / disk["write_GBps"] / 1e9,
             "disk_bound_overlapped_seconds": max(total / disk["read_GBps"],
                                                  total * out_ratio / disk["write_GBps"]) / 1e9}
-    print(f"{len(rows)} layers, {read / 1e9:.1f} GB of {total / 1e9:.0f} GB ({100 * read / total:.1f}% of the "
-          f"model) in {secs:.1f} s; whole model: {proj['seconds'] / 60:.1f} min (disk bound "
-          f"{proj['disk_bound_seconds'] / 60:.1f} min, overlapped {proj['disk_bound_overlapped_seconds'] / 60:.1f} "
-          "min)", flush=True)
-    return {"meta": _meta(), "dims": d, "tiny": bool(args.tiny), "target": args.target, "engine": args.engine,
-            "report_device": args.report_device, "shard_gib": args.shard_gib, "disk": disk,
-            "warm_up_seconds": warm, "layers": rows,
-            "projection": proj}
+
+
+def dims(args) -> dict:
+    """DeepSeek-V3's dimensions (``--tiny``: every one shrunk), with ``--experts`` and ``--heads`` applied."""
+    d = dict(TINY if args.tiny else V3)
+    if args.experts is not None:
+        d["experts"] = args.experts
+    if args.heads is not None:
+        d["heads"] = args.heads
+    return d
+
+
+def run(args) -> dict:
+    d = dims(args)
+    layers = list(range(args.first_layer, args.first_layer + args.layers))
+    res = {"meta": None, "dims": d, "tiny": bool(args.tiny),
+           "scaled": bool(args.experts is not None or args.heads is not None), "target": args.target,
+           "engine": args.engine, "report_device": args.report_device, "shard_gib": args.shard_gib,
+           "layers_asked": len(layers), "max_seconds": args.max_seconds, "same_weights": bool(args.same_weights),
+           "complete": False, "stopped": None,
+           "layers": [], "current": None, "projection": None}
+    rec = Recorder(args.json, res, args.heartbeat)
+    root = tempfile.mkdtemp(prefix="moeref-convert-v3-", dir=args.dir)
+    rows = res["layers"]
+    try:
+        res["meta"] = _meta()
+        rec.note(f"{res['meta']['gpu']}, torch {res['meta']['torch']}, {res['meta']['cpus']} CPUs (torch imported)")
+        fs = filesystem(root)
+        rec.note(f"writing under {root}: {fs['type']} {fs['device']} on {fs['mount']}, "
+                 f"{fs['free_bytes'] / 1e9:.0f} GB free of {fs['size_bytes'] / 1e9:.0f} GB")
+        disk = disk_bandwidth(root, int(args.bandwidth_gib * GIB))
+        disk["filesystem"] = fs
+        res["disk"] = disk
+        rec.note(f"disk: write {disk['write_GBps']:.2f} GB/s, read {disk['read_GBps']:.2f} GB/s "
+                 f"({disk['bytes'] / GIB:.1f} GiB, fsync'd, page cache dropped)")
+        res["warm_up_seconds"] = warm_up(root, d, args, rec)
+        rec.note(f"warm-up (kernels compiled, untimed): {res['warm_up_seconds']:.1f} s")
+        for layer in layers:
+            left = None if args.max_seconds is None else args.max_seconds - rec.elapsed()
+            need = rows[-1]["total_seconds"] if rows else 0.0
+            if left is not None and left < need or left is not None and left <= 0:
+                res["stopped"] = (f"--max-seconds {args.max_seconds:g}: {rec.elapsed():.0f} s elapsed, the last layer "
+                                  f"took {need:.0f} s; {len(rows)} of {len(layers)} layers converted")
+                rec.note(res["stopped"])
+                break
+            t0 = time.perf_counter()
+            r = convert_layer(root, layer, d, args, rec)
+            r["total_seconds"] = time.perf_counter() - t0
+            r["disk_bound_seconds"] = r["bytes_read"] / disk["read_GBps"] / 1e9 + \
+                r["bytes_written"] / disk["write_GBps"] / 1e9
+            r["disk_bound_overlapped_seconds"] = max(r["bytes_read"] / disk["read_GBps"],
+                                                     r["bytes_written"] / disk["write_GBps"]) / 1e9
+            rows.append(r)
+            res["current"] = None
+            res["projection"] = projection(rows, d, disk)
+            rec.note(f"layer {layer}: {r['modules']} modules, read {r['bytes_read'] / 1e9:.2f} GB, wrote "
+                     f"{r['bytes_written'] / 1e9:.2f} GB in {r['seconds']:.2f} s (disk bound "
+                     f"{r['disk_bound_seconds']:.2f} s, overlapped {r['disk_bound_overlapped_seconds']:.2f} s); "
+                     f"engines {r['engines']}, report on {r['report_on']}; source written in "
+                     f"{r['source_write_seconds']:.1f} s")
+        res["complete"] = len(rows) == len(layers)
+    except BaseException as e:  # a time limit (SIGINT, SIGTERM) or an error: the JSON says so, with what was done
+        res["stopped"] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        rec.note(f"stopped: {res['stopped']}; {len(rows)} layers converted")
+        raise
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        rec.close()
+        rec.save()
+    proj = res["projection"]
+    if proj is not None:
+        read = sum(r["bytes_read"] for r in rows)
+        rec.note(f"{len(rows)} layers, {read / 1e9:.1f} GB of {proj['model_source_bytes'] / 1e9:.0f} GB "
+                 f"({100 * proj['fraction_converted']:.1f}% of the model) in {sum(r['seconds'] for r in rows):.1f} s; "
+                 f"whole model: {proj['seconds'] / 60:.1f} min (disk bound {proj['disk_bound_seconds'] / 60:.1f} min, "
+                 f"overlapped {proj['disk_bound_overlapped_seconds'] / 60:.1f} min)")
+    return res
 
 
 def main(argv=None) -> int:
@@ -358,14 +619,48 @@ def main(argv=None) -> int:
     ap.add_argument("--shard-gib", type=float, default=4.0, help="source shard size bound, GiB")
     ap.add_argument("--bandwidth-gib", type=float, default=8.0, help="size of the bandwidth test file, GiB")
     ap.add_argument("--tiny", action="store_true", help="every dimension shrunk: a CPU test of the mechanics")
-    ap.add_argument("--json", default=None, help="write the result here")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="routed experts per MoE layer (default 256; fewer: a layer of the real matrix shapes that "
+                         "converts in seconds on a CPU)")
+    ap.add_argument("--heads", type=int, default=None, help="attention heads (default 128)")
+    ap.add_argument("--same-weights", action="store_true",
+                    help="write the random source once and give it each next layer's names (its shard headers "
+                         "rewritten in place, fsync'd, dropped from the page cache): the conversion reads and "
+                         "writes the same bytes from and to the disk; the source is not written again each layer")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="start no layer once this many seconds have passed since the start, or when the last "
+                         "layer would not fit in what is left; the JSON then holds the layers done")
+    ap.add_argument("--heartbeat", type=float, default=10.0,
+                    help="seconds between progress lines (and JSON rewrites) while a stage runs")
+    ap.add_argument("--profile", default=None, metavar="FILE.pstats",
+                    help="cProfile the run (the main thread) into this file")
+    ap.add_argument("--json", default=None, help="write the result here (rewritten after every stage)")
     args = ap.parse_args(argv)
     if args.layers < 1 or args.first_layer < 0 or args.first_layer + args.layers > 61:
         ap.error(f"layers {args.first_layer}..{args.first_layer + args.layers - 1}: DeepSeek-V3 has layers 0..60")
-    res = run(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    for opt in ("experts", "heads"):
+        if getattr(args, opt) is not None and getattr(args, opt) < 1:
+            ap.error(f"--{opt} must be at least 1; got {getattr(args, opt)}")
+    if args.max_seconds is not None and args.max_seconds <= 0:
+        ap.error(f"--max-seconds must be positive; got {args.max_seconds}")
+    if args.heartbeat <= 0:
+        ap.error(f"--heartbeat must be positive; got {args.heartbeat}")
+    import signal
+
+    def _terminate(signum, frame):
+        raise SystemExit(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _terminate)  # `timeout` sends it: clean up and write the JSON, as for Ctrl-C
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        try:
+            prof.runcall(run, args)
+        finally:
+            prof.dump_stats(args.profile)
+    else:
+        run(args)
     return 0
 
 

@@ -284,6 +284,81 @@ def test_shard_writer_is_atomic_and_readable(tmp_path):
     assert os.listdir(tmp_path) == ["x.safetensors"]
 
 
+def test_shard_writer_starts_the_disk_writes_as_it_goes_and_writes_the_same_bytes(tmp_path, monkeypatch):
+    """Every WRITEBACK_BYTES of data the writer asks for the write-out of exactly the data written since the last
+    request (offsets in the file: after the 8-byte length and the reserved header); the file is the one the
+    writer gives without it."""
+    from moeref.checkpoint import safetensors_io as S
+
+    calls = []
+    monkeypatch.setattr(S, "WRITEBACK_BYTES", 1000)
+    monkeypatch.setattr(S, "start_writeback", lambda fd, off, n: calls.append((off, n)) or True)
+    arrays = [np.arange(n, dtype=np.uint8) for n in (600, 600, 2500, 10)]
+    w = ShardWriter(str(tmp_path / "a.safetensors"), reserve=1024)
+    for i, a in enumerate(arrays):
+        w.add(f"t{i}", a)
+    w.close()
+    assert calls == [(8 + 1024, 1200), (8 + 1024 + 1200, 2500)]
+    monkeypatch.setattr(S, "WRITEBACK_BYTES", 1 << 40)
+    w = ShardWriter(str(tmp_path / "b.safetensors"), reserve=1024)
+    for i, a in enumerate(arrays):
+        w.add(f"t{i}", a)
+    w.close()
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    with safe_open(str(tmp_path / "a.safetensors"), framework="pt") as f:
+        assert f.get_tensor("t2").numpy().tolist() == (np.arange(2500) % 256).tolist()
+
+
+def test_start_writeback_on_a_real_file(tmp_path):
+    """The system call itself (Linux): accepted on a file being written; nothing else to observe but that."""
+    from moeref.checkpoint.safetensors_io import _sync_file_range, start_writeback
+
+    with open(tmp_path / "f", "wb") as f:
+        f.write(b"x" * 8192)
+        f.flush()
+        assert start_writeback(f.fileno(), 0, 8192) == (_sync_file_range() is not None)
+        assert start_writeback(f.fileno(), 0, 0) is False
+
+
+@pytest.mark.parametrize("report_device", ["host", "cpu"])
+def test_stage_times_change_nothing_written_and_name_the_stages(tmp_path, report_device):
+    """convert_checkpoint(timings=StageTimes()): the same files (and report figures) as without; every stage of
+    the path that ran is there, with one run per module for the per-module stages."""
+    from moeref.checkpoint.report import StageTimes
+
+    src = str(tmp_path / "src")
+    F.deepseek_fp8(src, np.random.default_rng(3), shapes=((128, 256), (128, 256), (256, 128)),
+                   names=GATE_UP + ["model.layers.0.mlp.experts.0.down_proj"], shards=2)
+    opts = ConvertOptions(target="ct-nvfp4", report_device=report_device)
+    plain = convert_checkpoint(src, str(tmp_path / "plain"), opts)
+    tm = StageTimes()
+    timed_rep = convert_checkpoint(src, str(tmp_path / "timed"), opts, timings=tm)
+    for shard in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        assert (tmp_path / "plain" / shard).read_bytes() == (tmp_path / "timed" / shard).read_bytes()
+    assert [(m.module, m.max_abs_error, m.sqnr_db) for m in plain.modules] == \
+        [(m.module, m.max_abs_error, m.sqnr_db) for m in timed_rep.modules]
+    got = tm.as_json()
+    want = {"plan", "read", "quantize", "report", "layout", "group_global", "write", "close", "hash", "record",
+            "finish"}
+    if report_device == "cpu":  # the pipelined path: the conversion thread's waits
+        want |= {"wait_read", "wait_write", "wait_hash"}
+    assert want <= set(got["seconds"]) and all(v >= 0 for v in got["seconds"].values())
+    assert got["counts"]["quantize"] == got["counts"]["report"] == 3 and got["counts"]["group_global"] == 2
+    assert got["counts"]["close"] == got["counts"]["hash"] == 2 and got["counts"]["plan"] == 1
+
+
+def test_the_host_path_computes_a_fused_groups_global_once(tmp_path, monkeypatch):
+    """Per shard, a fused group's global is computed once (the members share it), not once per member."""
+    src = str(tmp_path / "src")
+    F.deepseek_fp8(src, np.random.default_rng(7), shapes=((128, 256), (128, 256)), names=GATE_UP)
+    calls = []
+    real = convert_mod._group_global
+    monkeypatch.setattr(convert_mod, "_group_global", lambda members, *a, **k: (calls.append(members),
+                                                                                real(members, *a, **k))[1])
+    convert_checkpoint(src, str(tmp_path / "dst"), ConvertOptions(target="ct-nvfp4", report_device="host"))
+    assert calls == [tuple(GATE_UP)]
+
+
 # ---- bad input ------------------------------------------------------------------------------
 
 def _tamper(src, drop=None, replace=None):

@@ -6,20 +6,22 @@
 * :mod:`.plan` — the conversion plan from headers and configs alone (:func:`plan_conversion`, ``--dry-run``).
 * :mod:`.convert` — convert shard by shard (workers, resume, verify), index and configs; with the
   report on a GPU (:mod:`moeref.quant.device_report`), each shard read, converted and written as a pipeline
-  (:mod:`.pipeline`: the reader and writer threads, shards hashed in a thread, a fused group's amax on the device).
+  (:mod:`.pipeline`: the reader and writer threads, a fused group's amax on the device; on either path the
+  shards hashed in a thread).
 * :mod:`.engines` — NumPy reference or Triton fast path per module (never silently).
-* :mod:`.report` — per-module report (lossless, max |err|, rel L2, SQNR, worst block, engine).
+* :mod:`.report` — per-module report (lossless, max |err|, rel L2, SQNR, worst block, engine); where the
+  time of a conversion went (:class:`.report.StageTimes`).
 * :mod:`.cli` — ``moeref convert``.
 """
 from __future__ import annotations
 
 from .convert import ConvertOptions, Plan, convert_checkpoint, plan_conversion, verify_shard
 from .layouts import LAYOUTS, Layout, ModuleData, detect_layout, get_layout
-from .report import ConversionReport, ModuleReport, ShardRecord
+from .report import ConversionReport, ModuleReport, ShardRecord, StageTimes
 from .safetensors_io import CheckpointError, SafetensorsCheckpoint, ShardWriter
 
 __all__ = [
     "CheckpointError", "ConversionReport", "ConvertOptions", "LAYOUTS", "Layout", "ModuleData",
-    "ModuleReport", "Plan", "SafetensorsCheckpoint", "ShardRecord", "ShardWriter",
+    "ModuleReport", "Plan", "SafetensorsCheckpoint", "ShardRecord", "ShardWriter", "StageTimes",
     "convert_checkpoint", "detect_layout", "get_layout", "plan_conversion", "verify_shard",
 ]

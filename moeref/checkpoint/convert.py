@@ -23,6 +23,7 @@ ignore list), and every unquantized ``*.weight`` with two or more axes is listed
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -39,7 +40,7 @@ from .engines import ENGINES, check_engine, choose_engine, engine_name, source_q
 from .layouts import LAYOUTS, ModuleData, get_layout
 from .pipeline import device_amax, hash_in_thread, run_pipeline
 from .plan import Plan, _load_json, plan_conversion
-from .report import ConversionReport, ModuleReport, ShardRecord
+from .report import ConversionReport, ModuleReport, ShardRecord, StageTimes, timed
 from .scale_layout import (SCALE_LAYOUTS, SWIZZLE_TARGETS, mark_config, reading_view,
                            swizzle_tensors)
 from .safetensors_io import (DTYPE_NAMES, INDEX_NAME, CheckpointError, SafetensorsCheckpoint,
@@ -171,7 +172,8 @@ class _ShardJob:
     group_roles: dict = field(default_factory=dict)  # member -> its source tensors
     source_scale_layout: str = "linear"
     device: str | None = None  # where the report is computed (the pipelined path), None: the host
-    group_state: dict | None = None  # the pipelined path: {"datas": member -> ModuleData, "globals": members -> ...}
+    group_state: dict | None = None  # {"globals": members -> (global, how)}, the pipelined path: and "datas"
+    timings: StageTimes | None = field(default=None, compare=False, repr=False)  # convert_checkpoint(timings=)
 
     def read_source(self, module: str, roles: dict, ck) -> ModuleData:
         """One source module (its ``weight_scale`` unswizzled where the source is swizzled)."""
@@ -181,11 +183,12 @@ class _ShardJob:
 
 def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
     """``(tensors, ModuleReport)`` of one module; the report on ``job.device`` (None: the host). A fused group's
-    shared global: :func:`_group_global`, once per group from the members the reader brought where
-    ``job.group_state`` holds them (the pipelined path), else read here."""
+    shared global: :func:`_group_global`, once per group where ``job.group_state`` keeps them (from the members
+    the reader brought on the pipelined path, from the members read here on the host path), else per module."""
     device = job.device
     tl = LAYOUTS[job.opts.target]
     t0 = time.perf_counter()
+    spent = {"group_global": 0.0, "quantize": 0.0, "report": 0.0}  # the rest of the time: "layout"
     scheme = tl.scheme(job.opts.preset)
     engine, why, quantizer = choose_engine(job.opts.engine, scheme, data.shape)
     if quantizer is not None and data.q is not None and job.opts.precision == "exact":
@@ -196,18 +199,23 @@ def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
         why += f"; {how}" if fused is not None else f"; source decoded on the host ({how})"
         quantizer = fused or quantizer
     static = None
+    t1 = time.perf_counter()
     if data.module in job.groups:
         members = job.groups[data.module]
         st = job.group_state
         if st is None:
             static, how = _group_global(members, job, ck, scheme)
-        else:
+        else:  # once per group: from the members the reader brought (the pipelined path), else read here
             if members not in st["globals"]:
-                st["globals"][members] = _group_global(members, job, ck, scheme,
-                                                       datas=[st["datas"].pop(m) for m in members], device=device)
+                datas = [st["datas"].pop(m) for m in members] if "datas" in st else None
+                st["globals"][members] = _group_global(members, job, ck, scheme, datas=datas, device=device)
             static, how = st["globals"][members]
         if static is not None:
             why += f"; global scale shared with {', '.join(job.groups[data.module])} ({how})"
+    spent["group_global"] = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    if job.timings is not None:
+        quantizer = _timed_quantizer(quantizer, spent)
     result = None
     if device is not None:
         from ..quant.device_report import device_report_unavailable, device_requantize
@@ -225,6 +233,7 @@ def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
                             global_scale=static)
     else:
         q, rep = quantize_and_report(data.values, scheme, quantizer=quantizer, global_scale=static)
+    spent["report"] = time.perf_counter() - t1 - spent["quantize"]
     out = ModuleData(data.module, {}, q=q, input_scale=data.input_scale)
     kept = tl.stored_input_scale(data.input_scale)
     if data.input_scale is not None:
@@ -238,7 +247,31 @@ def _convert_module(data: ModuleData, job: _ShardJob, ck) -> tuple:
     tensors = tl.write(data.module, out)
     if job.opts.scale_layout == "swizzled":
         tensors = swizzle_tensors(tl.name, tensors)
+    if job.timings is not None:
+        for k, v in spent.items():
+            if k != "group_global" or data.module in job.groups:
+                job.timings.add(k, v)
+        job.timings.add("layout", time.perf_counter() - t0 - sum(spent.values()))
     return tensors, mr
+
+
+def _timed_quantizer(quantizer, spent: dict):
+    """``quantizer`` (None: the NumPy :func:`~moeref.quant.quantize`, what ``requantize`` calls for None) with
+    its seconds added to ``spent["quantize"]``; the same calls, the same results (``device_values`` kept)."""
+    from ..quant import quantize
+
+    fn = quantizer or quantize
+
+    def run(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent["quantize"] += time.perf_counter() - t0
+
+    if getattr(fn, "device_values", False):
+        run.device_values = True
+    return run
 
 
 def _group_global(members, job: _ShardJob, ck, scheme, datas: list | None = None,
@@ -285,6 +318,11 @@ def _group_global(members, job: _ShardJob, ck, scheme, datas: list | None = None
 
 
 def _dequantize_module(data: ModuleData, job: _ShardJob) -> tuple:
+    with timed(job.timings, "dequantize"):
+        return _dequantize_module_timed(data, job)
+
+
+def _dequantize_module_timed(data: ModuleData, job: _ShardJob) -> tuple:
     t0 = time.perf_counter()
     bf = LAYOUTS["bf16"]
     tensors = bf.write(data.module, data)
@@ -303,36 +341,44 @@ def _dequantize_module(data: ModuleData, job: _ShardJob) -> tuple:
 def _run_shard(job: _ShardJob, hash_later: bool = False) -> ShardRecord:
     """Convert one shard (runs in a worker process when ``workers > 1``): in turn on the host, or as a
     pipeline where the report is computed on a device (:func:`_run_shard_pipelined`). ``hash_later``: the
-    record's ``sha256`` is left empty for the caller to fill (the pipelined path hashes in a thread)."""
+    record's ``sha256`` is left empty for the caller to fill (:func:`.pipeline.hash_in_thread` hashes it in a
+    thread)."""
     device = report_device(job.opts)
     if device is not None:
         return _run_shard_pipelined(job, device, hash_later)
+    job = dataclasses.replace(job, group_state={"globals": {}})  # a fused group's global: once per shard
     ck = SafetensorsCheckpoint.open(job.src)
     path = os.path.join(job.dst, job.shard)
     writer = ShardWriter(path, {"format": "pt", "converted_by": "moeref convert",
                                 "target_layout": job.opts.target}, reserve=header_reserve(job))
-    reports, copied = [], 0
+    reports, copied, tm = [], 0, job.timings
     try:
         for name, action, _ in job.actions:
             if action == "copy":
-                writer.add(name, ck.read(name))
+                with timed(tm, "read"):
+                    arr = ck.read(name)
+                with timed(tm, "write"):
+                    writer.add(name, arr)
                 copied += 1
                 continue
-            data = job.read_source(name, job.modules[name], ck)
+            with timed(tm, "read"):
+                data = job.read_source(name, job.modules[name], ck)
             if action == "convert":
                 tensors, mr = _convert_module(data, job, ck)
             else:
                 tensors, mr = _dequantize_module(data, job)
-            for tname, arr in tensors:
-                writer.add(tname, arr)
+            with timed(tm, "write"):
+                for tname, arr in tensors:
+                    writer.add(tname, arr)
             reports.append(mr)
-        writer.close()
+        with timed(tm, "close"):
+            writer.close()
     except BaseException:
         writer.abort()
         raise
     finally:
         ck.close()
-    return _finish_shard(job, path, copied, reports)
+    return _finish_shard(job, path, copied, reports, hash_later)
 
 
 def header_reserve(job: _ShardJob) -> int:
@@ -347,10 +393,14 @@ def header_reserve(job: _ShardJob) -> int:
 
 
 def _finish_shard(job: _ShardJob, path: str, copied: int, reports: list, hash_later: bool = False) -> ShardRecord:
-    rec = ShardRecord(job.shard, os.path.getsize(path), "" if hash_later else _sha256(path), False, copied,
-                      reports)
+    digest = ""
+    if not hash_later:
+        with timed(job.timings, "hash"):
+            digest = _sha256(path)
+    rec = ShardRecord(job.shard, os.path.getsize(path), digest, False, copied, reports)
     if job.opts.verify:
-        verify_shard(job.src, job.dst, rec, job)
+        with timed(job.timings, "verify"):
+            verify_shard(job.src, job.dst, rec, job)
         rec.verified = True
     return rec
 
@@ -360,8 +410,6 @@ def _run_shard_pipelined(job: _ShardJob, device: str, hash_later: bool = False) 
     report on ``device`` in this thread, and a writer thread, so that reading, converting and writing overlap.
     The same tensors in the same order as :func:`_run_shard`'s host loop; a fused group's shared global is
     computed once per group, from the members read with it, on the device."""
-    import dataclasses
-
     job = dataclasses.replace(job, device=device, group_state={"datas": {}, "globals": {}})
     ck = SafetensorsCheckpoint.open(job.src)
     path = os.path.join(job.dst, job.shard)
@@ -424,12 +472,13 @@ def verify_shard(src: str, dst: str, rec: ShardRecord, job: _ShardJob) -> None:
 
 # ---- the whole checkpoint ------------------------------------------------------------------
 
-def _job(src: str, dst: str, shard: str, opts: ConvertOptions, plan: Plan) -> _ShardJob:
+def _job(src: str, dst: str, shard: str, opts: ConvertOptions, plan: Plan,
+         timings: StageTimes | None = None) -> _ShardJob:
     mods = {n: plan.modules[n] for n, a, _ in plan.actions[shard] if a != "copy"}
     groups = {m: plan.groups[m] for m in mods if m in plan.groups}
     roles = {x: plan.modules[x] for members in groups.values() for x in members}
     return _ShardJob(src, dst, shard, opts, plan.source_layout, tuple(plan.actions[shard]), mods,
-                     groups, roles, plan.source_scale_layout)
+                     groups, roles, plan.source_scale_layout, timings=timings)
 
 
 def _prepare_destination(src: str, dst: str, opts: ConvertOptions, settings: dict) -> dict:
@@ -467,15 +516,20 @@ def _write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
-def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None) -> ConversionReport:
+def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None,
+                       timings: StageTimes | None = None) -> ConversionReport:
     """Convert the checkpoint in directory ``src`` into ``dst`` (module docstring).
 
-    ``progress(done_modules, total_modules, shard)`` is called after each shard. Returns the
+    ``progress(done_modules, total_modules, shard)`` is called after each shard. ``timings``: a
+    :class:`.report.StageTimes` that receives the seconds of each stage (read, quantize, report, write,
+    close and fsync, hash, index; its docstring lists them) as the conversion goes; it changes nothing
+    written. Returns the
     :class:`.report.ConversionReport` (also written to ``dst/moeref-convert.json``); with
     ``opts.dry_run`` nothing is written and the report's shards list the plan with no figures.
     """
     t0 = time.perf_counter()
-    plan = plan_conversion(src, opts)
+    with timed(timings, "plan"):
+        plan = plan_conversion(src, opts)
     settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts).items()
                 if k not in ("workers", "verify", "overwrite", "resume", "dry_run", "report_device")}
     settings["engine"] = engine_name(opts.engine)
@@ -505,18 +559,20 @@ def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None) 
                 and _sha256(path) == r.sha256:
             records[shard] = r
             continue
-        jobs.append(_job(src, dst, shard, opts, plan))
+        jobs.append(_job(src, dst, shard, opts, plan, timings))
     record_path = os.path.join(dst, RECORD_NAME)
 
     def save(complete=False):
-        _write_json(record_path, {"settings": settings, "complete": complete,
-                                  "shards": {s: records[s].as_json() for s in plan.shards
-                                             if s in records},
-                                  **({"report": report.as_json()} if complete else {})})
+        with timed(timings, "record"):
+            _write_json(record_path, {"settings": settings, "complete": complete,
+                                      "shards": {s: records[s].as_json() for s in plan.shards
+                                                 if s in records},
+                                      **({"report": report.as_json()} if complete else {})})
 
     for shard, r in list(records.items()):  # resumed shards that still need --verify
         if opts.verify and not r.verified:
-            verify_shard(src, dst, r, _job(src, dst, shard, opts, plan))
+            with timed(timings, "verify"):
+                verify_shard(src, dst, r, _job(src, dst, shard, opts, plan))
             r.verified = True
     total = sum(1 for *_, a, _s in plan.rows() if a != "copy")
     count = sum(len(r.modules) for r in records.values())
@@ -538,16 +594,13 @@ def convert_checkpoint(src: str, dst: str, opts: ConvertOptions, progress=None) 
         # spawn where torch works in the parent (CUDA, or a device report's torch threads): a forked torch hangs
         ctx = mp.get_context("spawn" if cuda_available() or report_device(opts) is not None else "fork")
         with ProcessPoolExecutor(max_workers=opts.workers, mp_context=ctx) as ex:
-            for rec in ex.map(_run_shard, jobs):
+            for rec in ex.map(_run_shard, [dataclasses.replace(j, timings=None) for j in jobs]):
                 record(rec)
-    elif jobs and report_device(opts) is not None:
-        # the pipelined path: a shard's SHA-256 is computed in a thread while the next shard converts
-        hash_in_thread(jobs, _run_shard, _sha256, dst, record)
-    else:
-        for job in jobs:
-            record(_run_shard(job))
+    elif jobs:  # a shard's SHA-256 is computed in a thread while the next shard converts
+        hash_in_thread(jobs, _run_shard, _sha256, dst, record, timings)
     report.shards = [records[s] for s in plan.shards]
-    _finish(src, dst, plan, report, opts.scale_layout)
+    with timed(timings, "finish"):
+        _finish(src, dst, plan, report, opts.scale_layout)
     report.seconds = round(time.perf_counter() - t0, 3)
     save(complete=True)
     return report

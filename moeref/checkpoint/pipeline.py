@@ -1,6 +1,7 @@
 """The device-report path of ``moeref convert`` (:mod:`.convert` chooses it where the report is computed on a
-device, ``ConvertOptions.report_device``): a shard read, converted and written as a bounded pipeline, the
-written shards hashed in a thread while the next one converts, and a fused group's amax on the device.
+device, ``ConvertOptions.report_device``): a shard read, converted and written as a bounded pipeline, and a fused
+group's amax on the device; and, on either path, the written shards hashed in a thread while the next one
+converts (:func:`hash_in_thread`).
 
 :func:`run_pipeline` runs the threads of one shard: a reader thread (safetensors reads, :data:`PIPELINE_DEPTH`
 modules ahead, the shard's file prefetched into the page cache by :func:`prefetch`), the conversion and the
@@ -14,10 +15,12 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 
 import numpy as np
 
 from .layouts import ModuleData
+from .report import timed
 
 PIPELINE_DEPTH = 2
 """Modules read ahead of the conversion, and converted modules queued for the writer, in a pipelined shard."""
@@ -82,8 +85,11 @@ def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[in
     fused group brings its group's members, read once, into ``job.group_state["datas"]`` (``convert_module``
     computes the group's shared global once, from them, on the device). The writer is closed when the shard is
     complete; on an error in any stage both threads stop, the writer is aborted (no partial file is left) and the
-    error is raised here. The members held and the device uploads are cleared at the end; ``ck`` stays open."""
+    error is raised here. The members held and the device uploads are cleared at the end; ``ck`` stays open.
+    ``job.timings`` (a :class:`.report.StageTimes`, or None) receives ``read`` (the reader thread), ``write``
+    (the writer thread), ``close``, and the conversion thread's ``wait_read`` and ``wait_write``."""
     stop = threading.Event()
+    tm = job.timings
     to_convert, to_write = queue.Queue(PIPELINE_DEPTH), queue.Queue(PIPELINE_DEPTH)
     held = {}  # group members read ahead, by module
 
@@ -92,6 +98,7 @@ def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[in
         for name, action, _ in job.actions:
             if stop.is_set():
                 return
+            t0 = time.perf_counter()
             if action == "copy":
                 item = (name, action, ck.read(name))
             else:
@@ -104,6 +111,8 @@ def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[in
                         if m != name and m in job.modules:
                             held[m] = md
                 item = (name, action, data)
+            if tm is not None:
+                tm.add("read", time.perf_counter() - t0)
             if not _put(to_convert, item, stop):
                 return
         _put(to_convert, _DONE, stop)
@@ -116,8 +125,9 @@ def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[in
                 continue
             if item is _DONE:
                 return
-            for tname, arr in item:
-                writer.add(tname, arr)
+            with timed(tm, "write"):
+                for tname, arr in item:
+                    writer.add(tname, arr)
 
     reader = _Stage(read, "moeref-convert-read", stop)
     writer_thread = _Stage(write, "moeref-convert-write", stop)
@@ -128,14 +138,19 @@ def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[in
     writer_thread.start()
     try:
         while True:
+            t0 = time.perf_counter()
             try:
                 item = to_convert.get(timeout=0.1)
             except queue.Empty:
+                if tm is not None:
+                    tm.add("wait_read", time.perf_counter() - t0, 0)
                 if reader.error is not None:
                     raise reader.error
                 if writer_thread.error is not None:
                     raise writer_thread.error
                 continue
+            if tm is not None:
+                tm.add("wait_read", time.perf_counter() - t0)
             if item is _DONE:
                 break
             name, action, data = item
@@ -148,14 +163,17 @@ def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[in
             else:
                 tensors, mr = dequantize_module(data, job)
                 reports.append(mr)
-            if not _put(to_write, tensors, stop):
-                break
-        _put(to_write, _DONE, stop)
-        writer_thread.join()
+            with timed(tm, "wait_write"):
+                if not _put(to_write, tensors, stop):
+                    break
+        with timed(tm, "wait_write"):
+            _put(to_write, _DONE, stop)
+            writer_thread.join()
         for t in (reader, writer_thread):
             if t.error is not None:
                 raise t.error
-        writer.close()
+        with timed(tm, "close"):
+            writer.close()
     except BaseException:
         stop.set()
         reader.join()
@@ -190,26 +208,32 @@ def device_amax(d: ModuleData, precision: str, device: str) -> float:
     return float(v.abs().max()) if v.numel() else 0.0
 
 
-def hash_in_thread(jobs, run_shard, sha256, dst: str, record) -> None:
+def hash_in_thread(jobs, run_shard, sha256, dst: str, record, timings=None) -> None:
     """Run ``run_shard(job, hash_later=True)`` for each of ``jobs`` in turn; a shard's SHA-256 (``sha256`` of the
     file just written, under ``dst``) is computed in a thread while the next shard converts, and ``record(rec)``
     is called once its hash is known, in shard order. The shards finished before a failure are recorded (a
-    resumed run skips them)."""
+    resumed run skips them). ``timings`` (a :class:`.report.StageTimes`, or None) receives ``hash`` (the
+    hashing thread) and ``wait_hash`` (this thread waiting for a hash)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(1, thread_name_prefix="moeref-convert-hash") as hasher:
         pending = []
 
+        def hashed(path):
+            with timed(timings, "hash"):
+                return sha256(path)
+
         def done(wait: bool):
             while pending and (wait or pending[0][1].done()):
                 rec, fut = pending.pop(0)
-                rec.sha256 = fut.result()
+                with timed(timings, "wait_hash"):
+                    rec.sha256 = fut.result()
                 record(rec)
 
         try:
             for job in jobs:
                 rec = run_shard(job, hash_later=True)
-                pending.append((rec, hasher.submit(sha256, os.path.join(dst, rec.shard))))
+                pending.append((rec, hasher.submit(hashed, os.path.join(dst, rec.shard))))
                 done(wait=False)
         finally:
             done(wait=True)

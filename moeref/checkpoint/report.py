@@ -11,14 +11,20 @@ float64), whatever precision the target's rule ran in (:func:`moeref.quant.requa
 * ``engine``: what computed the codes: ``"numpy"`` (the moeref reference) or ``"triton"``
   (:mod:`fastpath.quant` on a CUDA GPU, bit-identical to the reference: tested), with the reason
   the other one was not used; ``"copy"``/``"dequantize"`` for modules that were not requantized.
+
+:class:`StageTimes` is not part of the report: where the time of a conversion went (read, quantize, report,
+write, close and fsync, hash, index), for a caller that asks for it (``convert_checkpoint(..., timings=)``).
 """
 from __future__ import annotations
 
 import json
 import math
+import threading
+import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["ModuleReport", "ShardRecord", "ConversionReport"]
+__all__ = ["ModuleReport", "ShardRecord", "ConversionReport", "StageTimes", "timed"]
 
 
 @dataclass
@@ -159,3 +165,71 @@ class ConversionReport:
             narrow.add_row(*c)
         wide.caption = narrow.caption = more
         return Fit(wide, narrow)
+
+
+class StageTimes:
+    """Wall-clock seconds spent in each stage of a conversion, summed over modules and shards, with the number of
+    times each stage ran; ``convert_checkpoint(src, dst, opts, timings=StageTimes())`` fills it as it goes (it is
+    thread-safe: a caller may read :meth:`as_json` from another thread while the conversion runs). Nothing of
+    the conversion depends on it.
+
+    The stages :func:`moeref.checkpoint.convert_checkpoint` records:
+
+    * ``plan``: headers and configs read, the plan made; ``record``: ``moeref-convert.json`` written (after
+      each shard); ``finish``: the index, configs and other files, at the end;
+    * ``read``: source tensors read (safetensors) into host arrays; ``group_global``: a fused group's
+      shared NVFP4 global (its members' amax); ``quantize``: the rule step (the engine's quantizer, or the
+      NumPy one), the device-to-host copy of its codes included; ``report``: the rest of the requantization:
+      the source decoded, the error report (host or device), the lossless candidates where they are tried;
+      ``layout``: the engine chosen, the target tensors laid out (:meth:`Layout.write`), the module's row;
+      ``dequantize``: modules written as BF16, with their report;
+    * ``write``: tensor bytes handed to the shard file (:meth:`ShardWriter.add`: the page cache);
+      ``close``: a shard's header written, the file fsync'd (its bytes reach the disk) and renamed;
+      ``hash``: its SHA-256 (the file read back), in a thread while the next shard converts, and ``wait_hash``:
+      the wait for a hash (the last shard's); ``verify``: ``--verify``;
+    * the pipelined path (the report on a device) runs ``read`` in a reader thread and ``write`` in a writer
+      thread, overlapped with the conversion: there the stages' sum exceeds the wall time, and ``wait_read``
+      (the conversion waited for the reader) and ``wait_write`` (for room in the writer's queue) say what the
+      conversion thread waited for.
+
+    On a GPU the work is queued: a stage that waits for a result (a copy to the host, a number) also waits for
+    the device work queued before it, so ``quantize`` (which ends with its codes copied to the host) holds part
+    of the device time of the source's decoding. With ``workers > 1`` the shards converted in worker
+    processes are not timed (only ``plan``, ``record`` and ``finish``)."""
+
+    def __init__(self):
+        self.seconds: dict = {}
+        self.counts: dict = {}
+        self._lock = threading.Lock()
+
+    def add(self, stage: str, seconds: float, count: int = 1) -> None:
+        """Add ``seconds`` (and ``count`` runs) to ``stage``."""
+        with self._lock:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+            self.counts[stage] = self.counts.get(stage, 0) + count
+
+    @contextmanager
+    def stage(self, name: str):
+        """Time the ``with`` block as one run of stage ``name`` (added even when the block raises)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+
+    def as_json(self) -> dict:
+        """``{"seconds": {stage: s}, "counts": {stage: n}}``, a copy."""
+        with self._lock:
+            return {"seconds": {k: round(v, 6) for k, v in self.seconds.items()}, "counts": dict(self.counts)}
+
+    def __getstate__(self):  # picklable (a job sent to a worker process); the lock is not
+        return {"seconds": dict(self.seconds), "counts": dict(self.counts)}
+
+    def __setstate__(self, state):
+        self.__init__()
+        self.seconds, self.counts = state["seconds"], state["counts"]
+
+
+def timed(timings: StageTimes | None, stage: str):
+    """``timings.stage(stage)``, or a context that does nothing where ``timings`` is None."""
+    return nullcontext() if timings is None else timings.stage(stage)
