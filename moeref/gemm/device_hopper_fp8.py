@@ -33,9 +33,10 @@ still the model's has three parts:
 2. measured: on an NVIDIA H200 (2026-11-28, ``bench/studies/wgmma_block_accumulators.py --rows 4096 --cols 2048
    --k 7168``, random codes over the whole E4M3 range) the tensor cores' block accumulators equal the emulator's,
    0 differing of 469,762,048 (1.0 ms on the tensor cores, 175 ms emulated);
-3. proved on every call: the rows :func:`proof_rows` picks (each expert's first row and :data:`CHECK_ROWS` rows
-   spread evenly, ``check_rows``) are computed again with the emulator and compared bit for bit with what the
-   tensor cores gave: every output, block accumulator (``block_acc``) and scale term of those rows. A difference
+3. proved on every call: the rows :func:`proof_rows` picks (runs of rows spread evenly over the call's rows in
+   expert order, :data:`CHECK_FRACTION` of them and at least :data:`CHECK_ROWS`; ``check_fraction``,
+   ``check_rows``) are computed again with the emulator and compared bit for bit with what the tensor cores gave:
+   every output, block accumulator (``block_acc``) and scale term of those rows. A difference
    raises :class:`AccumulatorMismatchError` naming the row, the column and both values; nothing falls back
    silently.
 
@@ -43,6 +44,8 @@ Everywhere else (the CPU, Triton's interpreter, whose ``tl.dot`` is not Hopper's
 model other than :data:`~moeref.gemm.hopper_fp8.HOPPER_FP8_MMA`, ``"auto"`` runs the emulator on every row.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -71,10 +74,19 @@ integer emulation, everywhere) or ``"auto"``: the tensor cores where available a
 SOURCES = ("auto", "tensor_cores", "emulator")
 """The values :data:`ACCUMULATOR_SOURCE` and ``source`` accept."""
 
-CHECK_ROWS = 256
-"""Rows, spread evenly over a call's rows, that :func:`device_deepgemm_rows` computes again with the emulator
-to prove the tensor cores' result, in addition to each expert's first row (:func:`proof_rows`); the ``check_rows``
-keyword overrides it per call. At DeepSeek-V3's 4096 tokens (32,768 rows over 256 experts) about 512 rows."""
+CHECK_ROWS = 32
+"""The fewest rows of a call that :func:`device_deepgemm_rows` proves with the emulator when the tensor cores
+compute it (all of them when the call has fewer); the ``check_rows`` keyword overrides it per call."""
+
+CHECK_FRACTION = 1 / 128
+"""The share of a call's rows proved with the emulator when that is more than :data:`CHECK_ROWS`
+(:func:`proof_rows`); the ``check_fraction`` keyword overrides it per call. At DeepSeek-V3's 4096 tokens GEMM1's
+32,768 rows prove 256: about 1 % of the emulation's cost (the emulator runs at about 85 us per row of GEMM1 on an
+H200)."""
+
+PROOF_RUN = 4
+"""The proved rows come in runs of this many consecutive rows in expert order: whole work items of the
+emulator (:data:`TILES` ``"few"``), so that proving costs what the rows cost."""
 
 TC_TILE = (64, 64, 4)
 """Work items of the tensor-core form ``(rows, BLOCK_N, warps)``: 64 rows of one expert (one warpgroup's
@@ -122,22 +134,33 @@ def _use_tensor_cores(source, model: MmaModel, dev) -> bool:
     return True
 
 
-def proof_rows(row_expert, check_rows: int = CHECK_ROWS) -> np.ndarray:
-    """The rows :func:`device_deepgemm_rows` proves with the emulator when the tensor cores compute them:
-    sorted int64 indices into ``row_expert`` (int ``[R]``, -1 padding), never a padding row, deterministic. With
-    ``V`` the non-padding rows in index order and ``m = min(check_rows, len(V))``: each expert's first row and the
-    rows ``V[floor(i len(V) / m)]``, ``i = 0 .. m - 1`` (evenly spread, the first included). ``check_rows >=
-    len(V)``: every row; 0: each expert's first row only."""
+def proof_rows(row_expert, check_rows: int = CHECK_ROWS, check_fraction: float = CHECK_FRACTION) -> np.ndarray:
+    """The rows :func:`device_deepgemm_rows` proves with the emulator when the tensor cores compute them: sorted
+    int64 indices into ``row_expert`` (int ``[R]``, -1 padding), never a padding row, deterministic.
+
+    With ``S`` the ``V`` non-padding rows sorted by expert (index order within an expert), ``m = min(V,
+    max(check_rows, ceil(check_fraction V)))`` and ``u = ceil(m / PROOF_RUN)`` runs: run ``j`` is ``S[p]`` for
+    ``p = floor(j V / u) + t``, ``t = 0 .. PROOF_RUN - 1``, ``p < V``. So the runs are spread evenly from the first
+    row in expert order, at least ``m`` rows are proved (``m = V``: every row), and fewer than ``m + PROOF_RUN``;
+    ``check_rows >= 1``, so a call with a row always proves one.
+    """
     if isinstance(check_rows, bool) or not isinstance(check_rows, (int, np.integer)):
         raise TypeError(f"check_rows must be an int; got {type(check_rows).__name__}")
-    if check_rows < 0:
-        raise ValueError(f"check_rows must be >= 0; got {check_rows}")
+    if isinstance(check_fraction, bool) or not isinstance(check_fraction, (int, float, np.floating, np.integer)):
+        raise TypeError(f"check_fraction must be a float; got {type(check_fraction).__name__}")
+    if check_rows < 1 or not 0 <= check_fraction <= 1:
+        raise ValueError(f"check_rows must be >= 1 (every call proves a row) and check_fraction in [0, 1]; got "
+                         f"{check_rows} and {check_fraction}")
     rows = np.asarray(row_expert).reshape(-1)
     valid = np.flatnonzero(rows >= 0)
-    m = min(int(check_rows), valid.size)
-    _, first = np.unique(rows[valid], return_index=True)
-    spread = (np.arange(m, dtype=np.int64) * valid.size) // max(m, 1)
-    return np.union1d(valid[first], valid[spread]).astype(np.int64)
+    v = valid.size
+    m = min(v, max(int(check_rows), math.ceil(float(check_fraction) * v)))
+    if m == 0:  # no row to compute
+        return np.zeros(0, dtype=np.int64)
+    srt = valid[np.argsort(rows[valid], kind="stable")]
+    u = -(-m // PROOF_RUN)
+    pos = ((np.arange(u, dtype=np.int64) * v) // u)[:, None] + np.arange(PROOF_RUN)[None, :]
+    return np.sort(srt[np.unique(pos[pos < v])]).astype(np.int64)
 
 
 def _integer_table(dev):
@@ -214,7 +237,7 @@ def _fp32(x):
 
 def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm", model: MmaModel = HOPPER_FP8_MMA,
                          values=None, scale_term=None, block_acc: bool = False, source: str | None = None,
-                         check_rows: int | None = None):
+                         check_rows: int | None = None, check_fraction: float | None = None):
     """``out[r] = a[r] @ W[row_expert[r]].T`` as DeepGEMM's FP8 GEMM computes it before its output store:
     :func:`moeref.gemm.expert_rows_gemm` with ``gemm=deepgemm_engine(model, promotion)``, bit for bit, on the
     weights' device. 0 on rows with ``row_expert == -1``.
@@ -233,8 +256,9 @@ def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm",
         block_acc: also return every block accumulator, float32 ``[R, K/128, N]``.
         source: where the block accumulators come from: ``"tensor_cores"``, ``"emulator"`` or ``"auto"``; None:
             :data:`ACCUMULATOR_SOURCE` (module docstring). The result is the same bits either way.
-        check_rows: with the tensor cores, the rows spread evenly over the call's rows that are proved with the
-            emulator besides each expert's first row (:func:`proof_rows`); None: :data:`CHECK_ROWS`.
+        check_rows, check_fraction: with the tensor cores, at least ``max(check_rows, ceil(check_fraction V))``
+            of the call's ``V`` rows (all when fewer) are computed again with the emulator and compared bit for bit
+            (:func:`proof_rows`); None: :data:`CHECK_ROWS`, :data:`CHECK_FRACTION`.
 
     Returns: float64 ``[R, N]`` tensor of FP32 values (and ``st`` with ``scale_term``; ``(out, st, acc)`` with
     ``block_acc``, ``st`` None without ``scale_term``).
@@ -256,7 +280,8 @@ def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm",
     rows = check_row_expert(row_expert.cpu().numpy() if torch.is_tensor(row_expert) else row_expert, a.shape[0],
                             len(weights))
     tc = _use_tensor_cores(source, model, dev)
-    proved = proof_rows(rows, CHECK_ROWS if check_rows is None else check_rows) if tc else None
+    proved = proof_rows(rows, CHECK_ROWS if check_rows is None else check_rows,
+                        CHECK_FRACTION if check_fraction is None else check_fraction) if tc else None
     got = _rows(a, rows, weights, promotion, model, values, scale_term, block_acc, tc)
     if tc:
         _prove(got, a, rows, proved, weights, promotion, values, scale_term, block_acc)
