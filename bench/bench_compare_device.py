@@ -21,8 +21,8 @@ keeps what it measured):
 4. ``--sources tensor_cores emulator`` (an emulated profile): instead of 2's rounds, ``compare`` with the block
    accumulators from each source (:data:`moeref.gemm.device_hopper_fp8.ACCUMULATOR_SOURCE`) and the reference,
    interleaved rounds; first whether the reports of the sources are the same bits (bound, error) and, for each
-   source but the emulator, where its time goes (:class:`SourceCost`: the accumulator kernels, the proof's emulation of the proved
-   rows), with ``--check-fraction``/``--min-check-rows`` setting the proof's size;
+   source but the emulator, where its time goes (:class:`SourceCost`: the accumulator kernels, the proof's
+   emulation of the proved rows), with ``--check-fraction``/``--min-check-rows`` setting the proof's size;
 5. ``--emulator-sweep``: GEMM1's emulation alone (:func:`moeref.gemm.device_hopper_fp8.device_deepgemm_rows`, the
    rows of a random top-8 routing) under the variants :data:`EMULATOR_SWEEP` of its work items
    (:data:`~moeref.gemm.device_hopper_fp8.TILES` ``"many"``) and of its cut (float64 or int32,
@@ -340,7 +340,8 @@ def time_sources(run, reference, prof, sources, rounds: int) -> dict:
             _sync()
             out[f"first_compare_s {s}"] = time.perf_counter() - t0
             out[f"passed {s}"] = bool(reports[s].passed)
-            print(f"    first compare ({s}) {out[f'first_compare_s {s}']:.2f} s, passed {reports[s].passed}", flush=True)
+            print(f"    first compare ({s}) {out[f'first_compare_s {s}']:.2f} s, passed {reports[s].passed}",
+                  flush=True)
         base = reports[sources[0]]
         out["same_bits"] = {s: bool(np.array_equal(base.bound.view(np.int64), r.bound.view(np.int64))
                                     and np.array_equal(base.error.view(np.int64), r.error.view(np.int64)))
@@ -415,7 +416,8 @@ def main(argv=None) -> int:
     if emulated:  # the run stores the activation in float32 (kw below), as fastpath.moe.exact_profile declares
         prof = dataclasses.replace(prof, act_out_dtype="float32")
     if args.sources and not emulated:
-        ap.error(f"--sources needs an emulated profile (DEEPGEMM_FP8_EXACT, TRITON_FP8_BLOCK_EXACT); got {prof.name}")
+        ap.error(f"--sources needs an emulated profile (DEEPGEMM_FP8_EXACT, TRITON_FP8_BLOCK_EXACT); "
+                 f"got {prof.name}")
     import moeref.gemm.device_hopper_fp8 as dh
     if args.check_fraction is not None:
         dh.CHECK_FRACTION = args.check_fraction

@@ -220,7 +220,8 @@ def test_planted_disagreement_in_a_block_accumulator_raises(monkeypatch):
     a, sa, b, sb, rows = _small(kind="normal")
     ad, w = _operands(a, sa, b, sb)
     _planted(monkeypatch, 4, 60, block=1)
-    with pytest.raises(AccumulatorMismatchError, match=r"block accumulator .* row 4 \(expert 0\), column 60, K block 1"):
+    with pytest.raises(AccumulatorMismatchError,
+                       match=r"block accumulator .* row 4 \(expert 0\), column 60, K block 1"):
         device_deepgemm_rows(ad, rows, w, block_acc=True, check_rows=1, check_fraction=0.0)
 
 

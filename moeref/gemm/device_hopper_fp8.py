@@ -52,7 +52,7 @@ import numpy as np
 from .hopper_fp8 import HOPPER_FP8_MMA, MmaModel, _PROMOTIONS
 
 __all__ = ["device_deepgemm_rows", "device_promote_combinations", "check_emulated_operands", "ACCUMULATOR_SOURCE",
-           "CHECK_ROWS", "AccumulatorMismatchError", "tensor_cores_available", "proof_rows"]
+           "CHECK_ROWS", "CHECK_FRACTION", "AccumulatorMismatchError", "tensor_cores_available", "proof_rows"]
 
 
 TILES = {"many": (16, 16, 8), "few": (4, 64, 8)}
@@ -81,8 +81,7 @@ compute it (all of them when the call has fewer); the ``check_rows`` keyword ove
 CHECK_FRACTION = 1 / 128
 """The share of a call's rows proved with the emulator when that is more than :data:`CHECK_ROWS`
 (:func:`proof_rows`); the ``check_fraction`` keyword overrides it per call. At DeepSeek-V3's 4096 tokens GEMM1's
-32,768 rows prove 256: about 1 % of the emulation's cost (the emulator runs at about 85 us per row of GEMM1 on an
-H200)."""
+32,768 rows prove 256, so the proof costs 1/128 of emulating the GEMM."""
 
 PROOF_RUN = 4
 """The proved rows come in runs of this many consecutive rows in expert order: whole work items of the
