@@ -156,7 +156,7 @@ def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, ite
     r = first + i
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
-    final = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
+    final = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)  # FP32 values (_fma32 rounds to them): float32, fewer registers
     if SCALE_TERM:
         t1 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
         t2 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
@@ -172,10 +172,10 @@ def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, ite
         sa = tl.load(sa_ptr + r * stride_sa + kb, mask=rm, other=0.0)
         sb = tl.load(sb_ptr + e * stride_sbe + (n // W_BN).to(tl.int64) * stride_sbn + kb, mask=nm, other=0.0)
         if PROMO == 0:
-            final = _fma32(_f32(sa[:, None] * sb[None, :]), acc, final)
+            final = _fma32(_f32(sa[:, None] * sb[None, :]), acc, final.to(tl.float64)).to(tl.float32)
         else:
             final = _fma32(_f32(acc * sa[:, None]), sb[None, :] + tl.zeros((ROWS, BLOCK_N), dtype=tl.float64),
-                           final)
+                           final.to(tl.float64)).to(tl.float32)
         if SCALE_TERM:
             sbr = tl.load(sbr_ptr + e * stride_sbe + (n // W_BN).to(tl.int64) * stride_sbn + kb, mask=nm,
                           other=0.0)
@@ -186,7 +186,7 @@ def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, ite
             t2 = t2 + m * h[:, None]
     mask = rm[:, None] & nm[None, :]
     offs = r[:, None] * stride_o + n[None, :]
-    tl.store(out_ptr + offs, final, mask=mask)
+    tl.store(out_ptr + offs, final.to(tl.float64), mask=mask)
     if SCALE_TERM:
         coef = tl.load(coef_ptr)
         tl.store(st_ptr + offs, t1 + coef * t2, mask=mask)
