@@ -6,10 +6,14 @@
   column and both values (the tensor cores' result stood in for by the emulator's with one value changed), and the
   tensor-core form of the kernel run by the interpreter on data where every sum is exact (the interpreter's
   ``tl.dot`` is exact, Hopper's adder too on such data) against the NumPy emulator.
+* CPU, compiled for sm_90a without a GPU: the tensor-core form is four chained ``wgmma ... k32`` from a cleared
+  accumulator.
 * GPU (Hopper only): the tensor-core source equals the emulator bit for bit on every output, block accumulator
   and scale term of moderate shapes at DeepSeek-V3's K (random data of tests/test_hopper_fp8_gpu.py).
 """
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -267,3 +271,48 @@ def test_tensor_cores_equal_emulator_on_full_data():
             assert differ == 0, f"{differ} of {x.numel()} {name} values differ (K={k}, {kind}, {promotion})"
         total += tc[2].numel()
     print(f"\n[tensor cores] {total} block accumulators at K = 2048/7168, all equal to the emulator")
+
+
+_COMPILE_SM90 = r'''
+import json, os, re
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from moeref.gemm._hopper_fp8_kernel import hopper_fp8_kernel as fn
+from moeref.gemm.device_hopper_fp8 import TC_TILE
+ptrs = dict(a_ptr="*u8", sa_ptr="*fp64", codes_ptr="*u8", table_ptr="*fp64", itab_ptr="*i32", sb_ptr="*fp64",
+            sbr_ptr="*fp64", item_ptr="*i32", out_ptr="*fp64", ds_ptr="*fp64", shi_ptr="*fp64", st_ptr="*fp64",
+            coef_ptr="*fp64", acc_ptr="*fp32")
+rows, bn, warps = TC_TILE
+const = dict(W_BN=128, ROWS=rows, BLOCK_N=bn, PROMO=0, SCALE_TERM=False, ALIGN=13, NORM=14, STEPS=4, INST=32,
+             STORE_ACC=True, INTEGER=True, TC=True)
+sig = {a: ("constexpr" if a in const else ptrs.get(a, "i32")) for a in fn.arg_names}
+src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=const)
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, enable_fp_fusion=False))
+print(json.dumps(re.findall(r"wgmma\.mma_async\S*[^;]*;", k.asm["ptx"])))
+'''
+
+
+def test_tensor_core_form_compiles_to_four_chained_wgmma_k32():
+    """Compiled for sm_90a (no GPU needed: Triton's NVIDIA backend and its ptxas), a block accumulator of the
+    tensor-core form is four ``wgmma.mma_async ... k32.f32.e4m3.e4m3`` on one accumulator, the first with
+    ``scale-d = 0`` (a cleared accumulator), the others accumulating: the instruction sequence the emulator's
+    model was calibrated on. (A Triton that split the K = 128 dot, e.g. promoting partial sums on fp8 dots, fails
+    here.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90], capture_output=True, text=True, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
+    if proc.returncode and ("ptxas" in proc.stderr and "not found" in proc.stderr.lower()):
+        pytest.skip(f"Triton's NVIDIA toolchain is not installed here: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    mma = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(mma) == 4 and all(re.search(r"\.m64n\d+k32\.f32\.e4m3\.e4m3 ", m) for m in mma), mma
+    accs = {re.search(r"\{[^}]*\}", m).group(0) for m in mma}
+    assert len(accs) == 1, "the four MMAs must chain on one accumulator"
+    scale_d = [re.split(r",\s*", m.rstrip(";"))[-3].strip() for m in mma]
+    assert scale_d[0] == "0" and all(s != "0" for s in scale_d[1:]), scale_d

@@ -22,8 +22,10 @@ With ``TC`` the block accumulators come from the tensor cores instead (:data:`mo
 ACCUMULATOR_SOURCE`): per 128-column K block one ``tl.dot`` of two E4M3 tiles (uint8 codes bit-cast to
 ``float8e4nv``) with K = 128 into a cleared FP32 accumulator, which Triton lowers on sm_90 to four chained
 ``wgmma ... k32`` instructions, the instruction the emulator's model was calibrated on; a zero accumulator is
-made ``+0`` as the emulator's integer sum gives it. The promotion, the scale term and the stores that follow are
-the same code in both forms. The interpreter's ``tl.dot`` is not the tensor core (it is not Hopper's adder).
+made ``+0`` as the emulator's integer sum gives it. Compiled for sm_90a (Triton 3.6) that dot is four
+``wgmma.mma_async ... k32.f32.e4m3.e4m3`` on one accumulator, the first with ``scale-d = 0``
+(``tests/test_device_hopper_fp8_tensor_cores.py`` compiles it and checks). The promotion, the scale term and the
+stores that follow are the same code in both forms. The interpreter's ``tl.dot`` is not the tensor core (it is not Hopper's adder).
 
 Powers of two are built from their exponent field (``(k + 1023) << 52``), never through ``exp2``/``ldexp``.
 Runs under ``TRITON_INTERPRET=1`` on CPU tensors (CI).
