@@ -18,7 +18,12 @@ keeps what it measured):
    enumerated, data-dependent fallback), the combinations promoted and the 128-column blocks emulated for them,
    against the whole-row emulations enumerating each row's combinations would take;
 3. ``--sweep``: GEMM1's and GEMM2's bound alone under tile variants of :data:`moeref.compare.device._adder_mma.TILE`;
-4. ``--emulator-sweep``: GEMM1's emulation alone (:func:`moeref.gemm.device_hopper_fp8.device_deepgemm_rows`, the
+4. ``--sources tensor_cores emulator`` (an emulated profile): instead of 2's rounds, ``compare`` with the block
+   accumulators from each source (:data:`moeref.gemm.device_hopper_fp8.ACCUMULATOR_SOURCE`) and the reference,
+   interleaved rounds; first whether the reports of the sources are the same bits (bound, error) and, for each
+   source but the emulator, where its time goes (:class:`SourceCost`: the accumulator kernels, the proof's
+   emulation of the proved rows), with ``--check-fraction``/``--min-check-rows`` setting the proof's size;
+5. ``--emulator-sweep``: GEMM1's emulation alone (:func:`moeref.gemm.device_hopper_fp8.device_deepgemm_rows`, the
    rows of a random top-8 routing) under the variants :data:`EMULATOR_SWEEP` of its work items
    (:data:`~moeref.gemm.device_hopper_fp8.TILES` ``"many"``) and of its cut (float64 or int32,
    :data:`~moeref.gemm.device_hopper_fp8.INTEGER_ALIGN`), each checked bit for bit against the first.
@@ -27,6 +32,8 @@ keeps what it measured):
     python bench/bench_compare_device.py --profile DEEPGEMM_FP8_EXACT --check-rows 0 --max-seconds 120 --rounds 3
     python bench/bench_compare_device.py --sweep-only [--variants "16x64 w4" ...]   # the tile sweep at each --tokens
     python bench/bench_compare_device.py --emulator-sweep --tokens 4096
+    python bench/bench_compare_device.py --profile DEEPGEMM_FP8_EXACT --tokens 4096 --check-rows 0 \
+        --sources tensor_cores emulator --out bench_out/compare_sources.json
 """
 from __future__ import annotations
 
@@ -74,12 +81,12 @@ def emulator_sweep(weights, tokens: int, gen) -> dict:
         for name, (rows, bn, warps, integer) in EMULATOR_SWEEP.items():
             dh.TILES["many"], dh.INTEGER_ALIGN = (rows, bn, warps), integer
             t0 = time.perf_counter()
-            got = dh.device_deepgemm_rows(a, row_e, weights.w13)
+            got = dh.device_deepgemm_rows(a, row_e, weights.w13, source="emulator")
             _sync()
             first = time.perf_counter() - t0
             base = got if base is None else base
             t0 = time.perf_counter()
-            dh.device_deepgemm_rows(a, row_e, weights.w13)
+            dh.device_deepgemm_rows(a, row_e, weights.w13, source="emulator")
             _sync()
             res[name] = dict(first_s=first, s=time.perf_counter() - t0, same_bits=bool(torch.equal(base, got)),
                              rows=int(row_e.size))
@@ -266,6 +273,108 @@ class EmulatedPaths:
         return False
 
 
+class SourceCost:
+    """Where :func:`moeref.gemm.device_hopper_fp8.device_deepgemm_rows`'s time goes over the compares run inside
+    it: per source, the kernel runs (``_rows``: calls, rows, seconds) and the proofs (``_prove``: calls, proved
+    rows, seconds, its emulator run included), each timed between two device synchronisations (so only in a call
+    that is not itself timed)."""
+
+    def __init__(self):
+        self.stats = dict(tensor_core_calls=0, tensor_core_rows=0, tensor_core_s=0.0, emulator_calls=0,
+                          emulator_rows=0, emulator_s=0.0, proof_calls=0, proved_rows=0, proof_s=0.0)
+
+    def __enter__(self):
+        import moeref.gemm.device_hopper_fp8 as dh
+
+        self._saved = (dh._rows, dh._prove)
+        rows_fn, prove_fn = self._saved
+        st = self.stats
+
+        def timed(fn):
+            _sync()
+            t0 = time.perf_counter()
+            out = fn()
+            _sync()
+            return out, time.perf_counter() - t0
+
+        def rows_(a, rows, weights, promotion, model, values, scale_term, block_acc, tc):
+            out, dt = timed(lambda: rows_fn(a, rows, weights, promotion, model, values, scale_term, block_acc, tc))
+            key = "tensor_core" if tc else "emulator"
+            st[f"{key}_calls"] += 1
+            st[f"{key}_rows"] += int((np.asarray(rows) >= 0).sum())
+            st[f"{key}_s"] += dt
+            return out
+
+        def prove_(got, a, rows, proved, *args):
+            _, dt = timed(lambda: prove_fn(got, a, rows, proved, *args))
+            st["proof_calls"] += 1
+            st["proved_rows"] += int(proved.size)
+            st["proof_s"] += dt
+
+        dh._rows, dh._prove = rows_, prove_
+        return self
+
+    def __exit__(self, *exc):
+        import moeref.gemm.device_hopper_fp8 as dh
+
+        dh._rows, dh._prove = self._saved
+        return False
+
+
+def time_sources(run, reference, prof, sources, rounds: int) -> dict:
+    """``compare(run.out, run, prof)`` with the block accumulators from each of ``sources`` against ``reference``
+    (the run itself), interleaved rounds; before them one compare per source (compilation), whether the reports
+    are the same bits, and :class:`SourceCost` of one more compare per source but ``"emulator"``."""
+    import moeref.gemm.device_hopper_fp8 as dh
+    from moeref.compare import compare
+
+    out = dict(sources=list(sources), tensor_cores_available=bool(dh.tensor_cores_available(DEV)),
+               check_fraction=dh.CHECK_FRACTION, min_check_rows=dh.CHECK_ROWS)
+    saved = dh.ACCUMULATOR_SOURCE
+    try:
+        reports = {}
+        for s in sources:
+            dh.ACCUMULATOR_SOURCE = s
+            t0 = time.perf_counter()
+            reports[s] = compare(run.out, run, prof)
+            _sync()
+            out[f"first_compare_s {s}"] = time.perf_counter() - t0
+            out[f"passed {s}"] = bool(reports[s].passed)
+            print(f"    first compare ({s}) {out[f'first_compare_s {s}']:.2f} s, passed {reports[s].passed}",
+                  flush=True)
+        base = reports[sources[0]]
+        out["same_bits"] = {s: bool(np.array_equal(base.bound.view(np.int64), r.bound.view(np.int64))
+                                    and np.array_equal(base.error.view(np.int64), r.error.view(np.int64)))
+                            for s, r in reports.items()}
+        print(f"    reports the same bits as {sources[0]}'s: {out['same_bits']}", flush=True)
+        reports = base = None
+        for s in [s for s in sources if s != "emulator"]:  # the emulator's time is all emulation
+            dh.ACCUMULATOR_SOURCE = s
+            with SourceCost() as cost:
+                compare(run.out, run, prof)
+            out[f"cost {s}"] = cost.stats
+            print(f"    where compare ({s})'s emulated GEMMs go: {cost.stats}", flush=True)
+        cases = {"reference": reference}
+        for s in sources:
+            def case(s=s):
+                dh.ACCUMULATOR_SOURCE = s
+                return compare(run.out, run, prof)
+            cases[f"compare {s}"] = case
+        res = time_interleaved(cases, baselines=["reference"], rounds=rounds, warmup=0,
+                               clock=CudaEventClock() if DEV == "cuda" else None)
+    finally:
+        dh.ACCUMULATOR_SOURCE = saved
+    out["timing"] = res.to_json()
+    r = res.cases["reference"]
+    print(f"    reference {r.median_s:.3f} s ({r.min_s:.3f}-{r.max_s:.3f})", flush=True)
+    for s in sources:
+        c = res.cases[f"compare {s}"]
+        out[f"compare_over_reference {s}"] = 1.0 / res.ratios[f"compare {s}"]["reference"].median
+        print(f"    compare ({s}) {c.median_s:.3f} s ({c.min_s:.3f}-{c.max_s:.3f}): compare / reference "
+              f"{out[f'compare_over_reference {s}']:.2f}x (median of per-round ratios)", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
@@ -284,6 +393,13 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default="HOPPER_FP8_DEEPGEMM_DATA",
                     help="the compare profile (DEEPGEMM_FP8_EXACT / TRITON_FP8_BLOCK_EXACT: emulated, "
                     "act store float32)")
+    ap.add_argument("--sources", nargs="+", default=None, choices=["tensor_cores", "emulator", "auto"],
+                    help="under an emulated profile: time compare with the block accumulators from each source "
+                    "(moeref.gemm.device_hopper_fp8.ACCUMULATOR_SOURCE) against the reference, interleaved")
+    ap.add_argument("--check-fraction", type=float, default=None,
+                    help="device_hopper_fp8.CHECK_FRACTION: the share of rows the tensor cores' proof emulates")
+    ap.add_argument("--min-check-rows", type=int, default=None,
+                    help="device_hopper_fp8.CHECK_ROWS: the fewest rows the tensor cores' proof emulates per call")
     ap.add_argument("--tree", default="", help="what the measured tree is (the docs table's tree column)")
     ap.add_argument("--out", default="bench_out/compare_device.json")
     args = ap.parse_args(argv)
@@ -299,6 +415,14 @@ def main(argv=None) -> int:
     emulated = prof.accum_model == "emulated"
     if emulated:  # the run stores the activation in float32 (kw below), as fastpath.moe.exact_profile declares
         prof = dataclasses.replace(prof, act_out_dtype="float32")
+    if args.sources and not emulated:
+        ap.error(f"--sources needs an emulated profile (DEEPGEMM_FP8_EXACT, TRITON_FP8_BLOCK_EXACT); "
+                 f"got {prof.name}")
+    import moeref.gemm.device_hopper_fp8 as dh
+    if args.check_fraction is not None:
+        dh.CHECK_FRACTION = args.check_fraction
+    if args.min_check_rows is not None:
+        dh.CHECK_ROWS = args.min_check_rows
     gen = torch.Generator(device=DEV).manual_seed(0)
     weights = small_layer(8, gen) if args.small else deepseek_v3_layer(256, gen)
     n_exp = int(weights.w13.codes.shape[0])
@@ -340,6 +464,14 @@ def main(argv=None) -> int:
             _sync()
             t0 = time.perf_counter()
             run = run_moe(x, weights, tw, ids, device=DEV, **kw)
+            if args.sources:
+                _sync()
+                row["first_reference_s"] = time.perf_counter() - t0
+                row.update(time_sources(run, lambda: run_moe(x, weights, tw, ids, device=DEV, **kw), prof,
+                                        args.sources, args.rounds))
+                save()
+                run = None
+                continue
             rep = compare(run.out, run, prof)
             _sync()
             row["first_call_s"] = time.perf_counter() - t0

@@ -6,7 +6,8 @@ the NumPy emulator (:func:`~moeref.gemm.hopper_fp8.deepgemm_block_accumulators` 
   orders, the data of tests/test_hopper_fp8_gpu.py (Gaussian with per-block magnitudes, outlier columns,
   same-sign rows, random codes over the whole E4M3 range), non-power-of-two FP32 scales, -1 padding rows,
   and the enumeration's scale term against an in-order NumPy sum written here.
-* GPU: the same at DeepSeek-V3's K (2048, 7168); and against real DeepGEMM
+* GPU: the same at DeepSeek-V3's K (2048, 7168), with the block accumulators from the emulator or (``"auto"``, on
+  Hopper) the tensor cores; and against real DeepGEMM
   (``m_grouped_fp8_gemm_nt_contiguous``, ``"deepgemm"`` promotion) and our Triton FP8 grouped GEMM
   (``"a_then_b"``) at those K: the emulator's FP32 result rounded to bf16 equals the kernels' bf16 output.
 Every comparison is by equality.
@@ -90,10 +91,12 @@ def _check_equal(data, ks, rows_max, n_choices):
     coef = 3.0 * 2.0**-24
     integer = data.draw(st.booleans(), label="integer alignment")  # both cuts: moeref.gemm.device_hopper_fp8
     block_acc = data.draw(st.booleans(), label="block accumulators")
+    # "auto": the tensor cores on a Hopper GPU (proved on a sample by the emulator), else the emulator
+    source = data.draw(st.sampled_from(["emulator", "auto"]), label="source")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(dh, "INTEGER_ALIGN", integer)
         got, st_got, *acc_got = device_deepgemm_rows(
-            ad, rows, w, promotion=promotion, block_acc=block_acc,
+            ad, rows, w, promotion=promotion, block_acc=block_acc, source=source,
             scale_term=(torch.as_tensor(ds, device=DEV), torch.as_tensor(s_hi, device=DEV), coef))
     got = got.cpu().numpy()
     assert np.array_equal(got, ref), f"{int(np.sum(got != ref))} of {ref.size} outputs differ from the NumPy emulator"

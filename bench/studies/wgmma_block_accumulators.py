@@ -6,9 +6,10 @@ a few integer operations per product on the CUDA cores). On sm_90 a Triton ``tl.
 K = 128 into a cleared FP32 accumulator is four chained ``wgmma ... k32`` instructions, the instruction the
 emulator's model was calibrated on (docs/hopper-fp8-accumulation.md). This script computes the block accumulators
 both ways on random E4M3 codes over the whole range (``--rows`` x ``--cols``, K = ``--k``), counts the
-accumulators that differ (expected: 0) and times both. If they agree, a compare could take the accumulators from
-the tensor cores on Hopper and prove them per call on a sample of rows with the emulator, at the cost of an FP8
-GEMM instead of an emulation; that is a decision about what the emulated profile rests on, not made here.
+accumulators that differ (expected: 0) and times both. On their agreement rests
+:data:`moeref.gemm.device_hopper_fp8.ACCUMULATOR_SOURCE`: on Hopper ``device_deepgemm_rows`` takes the
+accumulators from the tensor cores and proves them per call on a sample of rows with the emulator; this study
+asks it for the emulator (``source="emulator"``) on every row.
 
     python bench/studies/wgmma_block_accumulators.py [--rows 4096] [--cols 4096] [--k 7168] [--out FILE]
 
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
     rows = np.zeros(m, dtype=np.int64)
 
     def emulator():
-        return device_deepgemm_rows(op, rows, w, block_acc=True)[2]  # [m, nb, n]
+        return device_deepgemm_rows(op, rows, w, block_acc=True, source="emulator")[2]  # [m, nb, n]
 
     res = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter: plumbing only)",
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rows=m, cols=n, k=k, torch=torch.__version__,

@@ -18,6 +18,15 @@ Every step is exact or one declared rounding, so the order of evaluation cannot 
   sum (compiled without FMA contraction: ``enable_fp_fusion=False``), round-to-odd on the float64 bits,
   one float64 -> float32 conversion (round to nearest even, on the GPU and in the interpreter alike).
 
+With ``TC`` the block accumulators come from the tensor cores instead (:data:`moeref.gemm.device_hopper_fp8.
+ACCUMULATOR_SOURCE`): per 128-column K block one ``tl.dot`` of two E4M3 tiles (uint8 codes bit-cast to
+``float8e4nv``) with K = 128 into a cleared FP32 accumulator, which Triton lowers on sm_90 to four chained
+``wgmma ... k32`` instructions, the instruction the emulator's model was calibrated on; a zero accumulator is
+made ``+0`` as the emulator's integer sum gives it. Compiled for sm_90a (Triton 3.6) that dot is four
+``wgmma.mma_async ... k32.f32.e4m3.e4m3`` on one accumulator, the first with ``scale-d = 0``
+(``tests/test_device_hopper_fp8_tensor_cores.py`` compiles it and checks). The promotion, the scale term and the
+stores that follow are the same code in both forms. The interpreter's ``tl.dot`` is not the tensor core (it is not Hopper's adder).
+
 Powers of two are built from their exponent field (``(k + 1023) << 52``), never through ``exp2``/``ldexp``.
 Runs under ``TRITON_INTERPRET=1`` on CPU tensors (CI).
 """
@@ -64,11 +73,71 @@ def _fma32(a, b, c):
 
 
 @triton.jit
+def _emulated_block(a_ptr, codes_ptr, table_ptr, itab_ptr, r, rm, n, nm, e, kb, stride_a, stride_ce, stride_cn,
+                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr,
+                    STEPS: tl.constexpr, INST: tl.constexpr, INTEGER: tl.constexpr):
+    """Block ``kb``'s accumulator (float64 ``[ROWS, BLOCK_N]``, FP32 values) emulated: STEPS chained MMAs of INST
+    columns from a cleared accumulator, ``a`` float64 E4M3 values, the weights' codes through ``table_ptr``
+    (float64) or ``itab_ptr`` (``INTEGER``: significands and exponents, int32)."""
+    kk = tl.arange(0, INST)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
+    for s in tl.static_range(STEPS):
+        k0 = kb * (STEPS * INST) + s * INST
+        a = tl.load(a_ptr + r[:, None] * stride_a + (k0 + kk)[None, :], mask=rm[:, None], other=0.0)
+        c = tl.load(codes_ptr + e * stride_ce + n[:, None].to(tl.int64) * stride_cn + (k0 + kk)[None, :],
+                    mask=nm[:, None], other=0)
+        if INTEGER:
+            # a product is sign * m * 2^(e - 6), m = |A| |B| < 2^8 (the significands as integers), e the sum of
+            # the operand exponents; cut to the grid 2^q, q = E - ALIGN: (m << 14) >> (E - e + 20 - ALIGN)
+            ea = _operand_expo(a).to(tl.int32)
+            am = tl.where(a != 0, tl.abs(a) * _pow2(3 - ea.to(tl.int64)), 0.0).to(tl.int32) << 14
+            ci = c.to(tl.int32)
+            bm = tl.load(itab_ptr + ci)
+            ep = ea[:, None, :] + tl.load(itab_ptr + 256 + ci)[None, :, :]
+            emax = tl.max(ep, axis=2).to(tl.int64)
+            emax = tl.maximum(emax, tl.where(acc != 0, _expo(acc), -2000))
+            top = tl.maximum(emax, -60)  # -60: an all-zero step (no addend sets the alignment)
+            q = top - ALIGN
+            inv = _pow2(-q)
+            sh = tl.minimum((top + (20 - ALIGN)).to(tl.int32)[:, :, None] - ep, 31)
+            mag = (am[:, None, :] * bm[None, :, :]) >> sh
+            neg = (a < 0)[:, None, :] != (ci >= 128)[None, :, :]
+            ssum = tl.sum(tl.where(neg, -mag, mag), axis=2).to(tl.int64) + (acc * inv).to(tl.int64)
+        else:
+            b = tl.load(table_ptr + c.to(tl.int32))
+            p = a[:, None, :] * b[None, :, :]
+            ep = _operand_expo(a)[:, None, :] + _operand_expo(b)[None, :, :]
+            emax = tl.max(ep, axis=2)
+            emax = tl.maximum(emax, tl.where(acc != 0, _expo(acc), -2000))
+            q = tl.maximum(emax, -60) - ALIGN  # -60: an all-zero step (no addend sets the alignment)
+            inv = _pow2(-q)
+            ssum = tl.sum((p * inv[:, :, None]).to(tl.int64), axis=2) + (acc * inv).to(tl.int64)
+        v = ssum.to(tl.float64) * _pow2(q)
+        ev = tl.where(v != 0, _expo(v), -60)
+        acc = (v * _pow2((NORM - 1) - ev)).to(tl.int64).to(tl.float64) * _pow2(ev - (NORM - 1))
+    return acc
+
+
+@triton.jit
+def _tensor_core_block(a_ptr, codes_ptr, r, rm, n, nm, e, kb, stride_a, stride_ce, stride_cn):
+    """Block ``kb``'s accumulator (float64 ``[ROWS, BLOCK_N]``, FP32 values) from the tensor cores: one ``tl.dot``
+    of the rows' E4M3 codes (``a``, uint8) and the expert's (uint8) with K = 128 into a cleared FP32 accumulator
+    (sm_90: four chained ``wgmma ... k32``); a zero made ``+0``."""
+    kc = kb * 128 + tl.arange(0, 128)
+    a8 = tl.load(a_ptr + r[:, None] * stride_a + kc[None, :], mask=rm[:, None], other=0)
+    c8 = tl.load(codes_ptr + e * stride_ce + n[:, None].to(tl.int64) * stride_cn + kc[None, :], mask=nm[:, None],
+                 other=0)
+    acc = tl.dot(a8.to(tl.float8e4nv, bitcast=True), tl.trans(c8.to(tl.float8e4nv, bitcast=True)),
+                 out_dtype=tl.float32)
+    return tl.where(acc == 0, 0.0, acc).to(tl.float64)
+
+
+@triton.jit
 def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr,
              coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o,
              stride_ds, NB, W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr,
              SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr, STEPS: tl.constexpr, INST: tl.constexpr,
-             STORE_ACC: tl.constexpr, INTEGER: tl.constexpr):
+             STORE_ACC: tl.constexpr, INTEGER: tl.constexpr, TC: tl.constexpr):
     """One work item (``item_ptr``: expert, first row, row count) = up to ROWS rows of the gathered operand
     ``a`` (float64 E4M3 values) against BLOCK_N columns of that expert's codes (read through the float64
     decode table ``table_ptr``). Per 128-column K block: STEPS chained MMAs of INST columns from a cleared
@@ -76,7 +145,9 @@ def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, ite
     final)``; ``sb``: the weight scales rounded to FP32, as the kernel reads them). ``out[r, n]`` = the FP32
     result. SCALE_TERM: also ``st[r, n] = sum_b m_b ds[r, b] + coef * sum_b m_b shi[r, b]`` with
     ``m_b = |acc_b| * |sbr_b|`` (``sbr``: the weight scales as given), sums in block order from 0. STORE_ACC:
-    also ``acc[r, kb, n]`` (float32 ``[rows, NB, N]``), every block accumulator (an FP32 value: exact)."""
+    also ``acc[r, kb, n]`` (float32 ``[rows, NB, N]``), every block accumulator (an FP32 value: exact). TC: ``a``
+    holds the rows' uint8 E4M3 codes and each block accumulator is one ``tl.dot`` of K = 128 on the tensor cores
+    from a cleared accumulator (module docstring); the rest is unchanged."""
     it = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(item_ptr + 3 * it).to(tl.int64)
@@ -87,57 +158,26 @@ def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, ite
     r = first + i
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
-    kk = tl.arange(0, INST)
-    final = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
+    final = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)  # FP32 values (_fma32 rounds to them): float32, fewer registers
     if SCALE_TERM:
         t1 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
         t2 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
     for kb in range(0, NB):
-        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
-        for s in tl.static_range(STEPS):
-            k0 = kb * (STEPS * INST) + s * INST
-            a = tl.load(a_ptr + r[:, None] * stride_a + (k0 + kk)[None, :], mask=rm[:, None], other=0.0)
-            c = tl.load(codes_ptr + e * stride_ce + n[:, None].to(tl.int64) * stride_cn + (k0 + kk)[None, :],
-                        mask=nm[:, None], other=0)
-            if INTEGER:
-                # a product is sign * m * 2^(e - 6), m = |A| |B| < 2^8 (the significands as integers), e the sum of
-                # the operand exponents; cut to the grid 2^q, q = E - ALIGN: (m << 14) >> (E - e + 20 - ALIGN)
-                ea = _operand_expo(a).to(tl.int32)
-                am = tl.where(a != 0, tl.abs(a) * _pow2(3 - ea.to(tl.int64)), 0.0).to(tl.int32) << 14
-                ci = c.to(tl.int32)
-                bm = tl.load(itab_ptr + ci)
-                ep = ea[:, None, :] + tl.load(itab_ptr + 256 + ci)[None, :, :]
-                emax = tl.max(ep, axis=2).to(tl.int64)
-                emax = tl.maximum(emax, tl.where(acc != 0, _expo(acc), -2000))
-                top = tl.maximum(emax, -60)  # -60: an all-zero step (no addend sets the alignment)
-                q = top - ALIGN
-                inv = _pow2(-q)
-                sh = tl.minimum((top + (20 - ALIGN)).to(tl.int32)[:, :, None] - ep, 31)
-                mag = (am[:, None, :] * bm[None, :, :]) >> sh
-                neg = (a < 0)[:, None, :] != (ci >= 128)[None, :, :]
-                ssum = tl.sum(tl.where(neg, -mag, mag), axis=2).to(tl.int64) + (acc * inv).to(tl.int64)
-            else:
-                b = tl.load(table_ptr + c.to(tl.int32))
-                p = a[:, None, :] * b[None, :, :]
-                ep = _operand_expo(a)[:, None, :] + _operand_expo(b)[None, :, :]
-                emax = tl.max(ep, axis=2)
-                emax = tl.maximum(emax, tl.where(acc != 0, _expo(acc), -2000))
-                q = tl.maximum(emax, -60) - ALIGN  # -60: an all-zero step (no addend sets the alignment)
-                inv = _pow2(-q)
-                ssum = tl.sum((p * inv[:, :, None]).to(tl.int64), axis=2) + (acc * inv).to(tl.int64)
-            v = ssum.to(tl.float64) * _pow2(q)
-            ev = tl.where(v != 0, _expo(v), -60)
-            acc = (v * _pow2((NORM - 1) - ev)).to(tl.int64).to(tl.float64) * _pow2(ev - (NORM - 1))
+        if TC:
+            acc = _tensor_core_block(a_ptr, codes_ptr, r, rm, n, nm, e, kb, stride_a, stride_ce, stride_cn)
+        else:
+            acc = _emulated_block(a_ptr, codes_ptr, table_ptr, itab_ptr, r, rm, n, nm, e, kb, stride_a, stride_ce,
+                                  stride_cn, ROWS, BLOCK_N, ALIGN, NORM, STEPS, INST, INTEGER)
         if STORE_ACC:
             tl.store(acc_ptr + (r[:, None] * NB + kb) * N + n[None, :], acc.to(tl.float32),
                      mask=rm[:, None] & nm[None, :])
         sa = tl.load(sa_ptr + r * stride_sa + kb, mask=rm, other=0.0)
         sb = tl.load(sb_ptr + e * stride_sbe + (n // W_BN).to(tl.int64) * stride_sbn + kb, mask=nm, other=0.0)
         if PROMO == 0:
-            final = _fma32(_f32(sa[:, None] * sb[None, :]), acc, final)
+            final = _fma32(_f32(sa[:, None] * sb[None, :]), acc, final.to(tl.float64)).to(tl.float32)
         else:
             final = _fma32(_f32(acc * sa[:, None]), sb[None, :] + tl.zeros((ROWS, BLOCK_N), dtype=tl.float64),
-                           final)
+                           final.to(tl.float64)).to(tl.float32)
         if SCALE_TERM:
             sbr = tl.load(sbr_ptr + e * stride_sbe + (n // W_BN).to(tl.int64) * stride_sbn + kb, mask=nm,
                           other=0.0)
@@ -148,7 +188,7 @@ def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, ite
             t2 = t2 + m * h[:, None]
     mask = rm[:, None] & nm[None, :]
     offs = r[:, None] * stride_o + n[None, :]
-    tl.store(out_ptr + offs, final, mask=mask)
+    tl.store(out_ptr + offs, final.to(tl.float64), mask=mask)
     if SCALE_TERM:
         coef = tl.load(coef_ptr)
         tl.store(st_ptr + offs, t1 + coef * t2, mask=mask)
@@ -160,11 +200,12 @@ def hopper_fp8_kernel(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr
                       stride_sbn, stride_o, stride_ds, NB, W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N:
                       tl.constexpr, PROMO: tl.constexpr, SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM:
                       tl.constexpr, STEPS: tl.constexpr, INST: tl.constexpr, STORE_ACC: tl.constexpr, INTEGER:
-                      tl.constexpr):
+                      tl.constexpr, TC: tl.constexpr):
     """The compiled kernel: the number of K blocks ``NB`` is a runtime argument (one compilation for every K)."""
     _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr,
              coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o,
-             stride_ds, NB, W_BN, ROWS, BLOCK_N, PROMO, SCALE_TERM, ALIGN, NORM, STEPS, INST, STORE_ACC, INTEGER)
+             stride_ds, NB, W_BN, ROWS, BLOCK_N, PROMO, SCALE_TERM, ALIGN, NORM, STEPS, INST, STORE_ACC, INTEGER,
+             TC)
 
 
 @triton.jit
@@ -173,11 +214,13 @@ def hopper_fp8_kernel_interpreted(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr,
                                   stride_cn, stride_sbe, stride_sbn, stride_o, stride_ds, NB: tl.constexpr, W_BN:
                                   tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr,
                                   SCALE_TERM: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr, STEPS:
-                                  tl.constexpr, INST: tl.constexpr, STORE_ACC: tl.constexpr, INTEGER: tl.constexpr):
+                                  tl.constexpr, INST: tl.constexpr, STORE_ACC: tl.constexpr, INTEGER: tl.constexpr,
+                                  TC: tl.constexpr):
     """The same under ``TRITON_INTERPRET=1``, whose loops need a constexpr bound."""
     _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, item_ptr, out_ptr, ds_ptr, shi_ptr, st_ptr,
              coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o,
-             stride_ds, NB, W_BN, ROWS, BLOCK_N, PROMO, SCALE_TERM, ALIGN, NORM, STEPS, INST, STORE_ACC, INTEGER)
+             stride_ds, NB, W_BN, ROWS, BLOCK_N, PROMO, SCALE_TERM, ALIGN, NORM, STEPS, INST, STORE_ACC, INTEGER,
+             TC)
 
 
 @triton.jit

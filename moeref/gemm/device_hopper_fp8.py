@@ -15,16 +15,44 @@ other form, the same integers), and the block accumulators can be returned (``bl
 :func:`device_promote_combinations`, which replays the promotion with some blocks replaced.
 
 Memory: the expert weights are read as their uint8 codes through the E4M3 decode table (never decoded to
-float64); the operand rows are gathered once, sorted by expert, as float64 values ``[R, K]``. One launch
-covers every expert (work items of up to 16 rows of one expert).
+float64); the operand rows are gathered once, sorted by expert, as float64 values ``[R, K]`` (as uint8 codes
+for the tensor cores). One launch covers every expert (work items of up to 16 rows of one expert; 64 for the
+tensor cores, :data:`TC_TILE`).
+
+**Where the block accumulators come from** (:data:`ACCUMULATOR_SOURCE`, or the ``source`` keyword). The
+emulator is the specification: per 128-column block four 32-column MMA steps with integer alignment and
+truncation, a few integer operations per product on the CUDA cores. On Hopper (a CUDA device of capability
+exactly (9, 0), kernels compiled, not interpreted) the same kernel takes each block accumulator from the tensor
+cores instead: a Triton ``tl.dot`` of the two E4M3 tiles with K = 128 into a cleared FP32 accumulator, which
+sm_90 executes as four chained ``wgmma ... k32``, the instruction the model was calibrated on; the FP32
+promotion, the scale term and the stores are the same code on the same values. The argument that the result is
+still the model's has three parts:
+
+1. the emulator is the specification (the NumPy emulator's bits, checked against DeepGEMM's and our Triton
+   kernel's outputs: docs/hopper-fp8-accumulation.md);
+2. measured: on an NVIDIA H200 (2026-11-28, ``bench/studies/wgmma_block_accumulators.py --rows 4096 --cols 2048
+   --k 7168``, random codes over the whole E4M3 range) the tensor cores' block accumulators equal the emulator's,
+   0 differing of 469,762,048 (1.0 ms on the tensor cores, 175 ms emulated);
+3. proved on every call: the rows :func:`proof_rows` picks (runs of rows spread evenly over the call's rows in
+   expert order, :data:`CHECK_FRACTION` of them and at least :data:`CHECK_ROWS`; ``check_fraction``,
+   ``check_rows``) are computed again with the emulator and compared bit for bit with what the tensor cores gave:
+   every output, block accumulator (``block_acc``) and scale term of those rows. A difference
+   raises :class:`AccumulatorMismatchError` naming the row, the column and both values; nothing falls back
+   silently.
+
+Everywhere else (the CPU, Triton's interpreter, whose ``tl.dot`` is not Hopper's adder, any other GPU) and for a
+model other than :data:`~moeref.gemm.hopper_fp8.HOPPER_FP8_MMA`, ``"auto"`` runs the emulator on every row.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from .hopper_fp8 import HOPPER_FP8_MMA, MmaModel, _PROMOTIONS
 
-__all__ = ["device_deepgemm_rows", "device_promote_combinations", "check_emulated_operands"]
+__all__ = ["device_deepgemm_rows", "device_promote_combinations", "check_emulated_operands", "ACCUMULATOR_SOURCE",
+           "CHECK_ROWS", "CHECK_FRACTION", "AccumulatorMismatchError", "tensor_cores_available", "proof_rows"]
 
 
 TILES = {"many": (16, 16, 8), "few": (4, 64, 8)}
@@ -35,6 +63,105 @@ INTEGER_ALIGN = True
 """Align and cut the products in int32 (``m << 14 >> shift`` of the significands' product ``m < 2^8``) rather
 than in float64 (``(p * 2^-q).to(int64)``): the same integers (module :mod:`moeref.gemm._hopper_fp8_kernel`),
 fewer and narrower operations per product."""
+
+
+ACCUMULATOR_SOURCE = "auto"
+"""Where :func:`device_deepgemm_rows` takes the block accumulators from when its ``source`` is None:
+``"tensor_cores"`` (a Hopper GPU: :func:`tensor_cores_available`; else ``ValueError``), ``"emulator"`` (the
+integer emulation, everywhere) or ``"auto"``: the tensor cores where available and the model is
+:data:`~moeref.gemm.hopper_fp8.HOPPER_FP8_MMA`, else the emulator (module docstring)."""
+
+SOURCES = ("auto", "tensor_cores", "emulator")
+"""The values :data:`ACCUMULATOR_SOURCE` and ``source`` accept."""
+
+CHECK_ROWS = 32
+"""The fewest rows of a call that :func:`device_deepgemm_rows` proves with the emulator when the tensor cores
+compute it (all of them when the call has fewer); the ``check_rows`` keyword overrides it per call."""
+
+CHECK_FRACTION = 1 / 128
+"""The share of a call's rows proved with the emulator when that is more than :data:`CHECK_ROWS`
+(:func:`proof_rows`); the ``check_fraction`` keyword overrides it per call. At DeepSeek-V3's 4096 tokens GEMM1's
+32,768 rows prove 256, so the proof costs 1/128 of emulating the GEMM."""
+
+PROOF_RUN = 4
+"""The proved rows come in runs of this many consecutive rows in expert order: whole work items of the
+emulator (:data:`TILES` ``"few"``), so that proving costs what the rows cost."""
+
+TC_TILE = (64, 64, 8)
+"""Work items of the tensor-core form ``(rows, BLOCK_N, warps)``: 64 rows of one expert (``wgmma``'s M) by 64
+columns, two warpgroups (``m64n32k32`` each). The FP32 promotion runs in float64 on the accumulator's registers;
+of the tiles compiled for sm_90a (Triton 3.6, ptxas), this one spills least inside the K-block loop (34 local
+memory operations per block, against 137 for 64 x 64 on 4 warps and 236 for 128 x 128 on 8)."""
+
+
+class AccumulatorMismatchError(RuntimeError):
+    """The tensor cores' result differs from the emulator's on a proved row (:func:`device_deepgemm_rows`): the
+    Hopper FP8 accumulation model does not hold there. Nothing is returned; ``source="emulator"`` computes the
+    model without the tensor cores."""
+
+
+def tensor_cores_available(device) -> bool:
+    """Whether :func:`device_deepgemm_rows` can take block accumulators from the tensor cores on ``device`` (a
+    torch device or its name): a CUDA device of capability exactly (9, 0) (Hopper: H100, H200, H800, GH200),
+    with Triton's kernels compiled (``TRITON_INTERPRET`` not ``1``: the interpreter's ``tl.dot`` is not Hopper's
+    adder)."""
+    from .._interop import triton_interpreted
+
+    torch = _torch()
+    dev = torch.device(device)
+    if dev.type != "cuda" or triton_interpreted() or not torch.cuda.is_available():
+        return False
+    return tuple(torch.cuda.get_device_capability(dev)) == (9, 0)
+
+
+def _use_tensor_cores(source, model: MmaModel, dev) -> bool:
+    """``source`` (None: :data:`ACCUMULATOR_SOURCE`) resolved for ``model`` on ``dev``."""
+    src = ACCUMULATOR_SOURCE if source is None else source
+    if not isinstance(src, str) or src not in SOURCES:
+        raise ValueError(f"source must be one of {SOURCES} (or None: ACCUMULATOR_SOURCE); got {src!r}")
+    if src == "emulator":
+        return False
+    if src == "auto":
+        return model == HOPPER_FP8_MMA and tensor_cores_available(dev)
+    if not tensor_cores_available(dev):
+        torch = _torch()
+        where = (f"{torch.cuda.get_device_name(dev)} (capability {tuple(torch.cuda.get_device_capability(dev))})"
+                 if torch.device(dev).type == "cuda" and torch.cuda.is_available() else str(dev))
+        raise ValueError(f"source='tensor_cores' needs a Hopper GPU (CUDA capability (9, 0)) with compiled Triton "
+                         f"kernels (TRITON_INTERPRET not 1); the weights are on {where}: use 'auto' or 'emulator'")
+    if model != HOPPER_FP8_MMA:
+        raise ValueError(f"the tensor cores compute the calibrated model HOPPER_FP8_MMA only; got {model}: use "
+                         f"source='emulator'")
+    return True
+
+
+def proof_rows(row_expert, check_rows: int = CHECK_ROWS, check_fraction: float = CHECK_FRACTION) -> np.ndarray:
+    """The rows :func:`device_deepgemm_rows` proves with the emulator when the tensor cores compute them: sorted
+    int64 indices into ``row_expert`` (int ``[R]``, -1 padding), never a padding row, deterministic.
+
+    With ``S`` the ``V`` non-padding rows sorted by expert (index order within an expert), ``m = min(V,
+    max(check_rows, ceil(check_fraction V)))`` and ``u = ceil(m / PROOF_RUN)`` runs: run ``j`` is ``S[p]`` for
+    ``p = floor(j V / u) + t``, ``t = 0 .. PROOF_RUN - 1``, ``p < V``. So the runs are spread evenly from the first
+    row in expert order, at least ``m`` rows are proved (``m = V``: every row), and fewer than ``m + PROOF_RUN``;
+    ``check_rows >= 1``, so a call with a row always proves one.
+    """
+    if isinstance(check_rows, bool) or not isinstance(check_rows, (int, np.integer)):
+        raise TypeError(f"check_rows must be an int; got {type(check_rows).__name__}")
+    if isinstance(check_fraction, bool) or not isinstance(check_fraction, (int, float, np.floating, np.integer)):
+        raise TypeError(f"check_fraction must be a float; got {type(check_fraction).__name__}")
+    if check_rows < 1 or not 0 <= check_fraction <= 1:
+        raise ValueError(f"check_rows must be >= 1 (every call proves a row) and check_fraction in [0, 1]; got "
+                         f"{check_rows} and {check_fraction}")
+    rows = np.asarray(row_expert).reshape(-1)
+    valid = np.flatnonzero(rows >= 0)
+    v = valid.size
+    m = min(v, max(int(check_rows), math.ceil(float(check_fraction) * v)))
+    if m == 0:  # no row to compute
+        return np.zeros(0, dtype=np.int64)
+    srt = valid[np.argsort(rows[valid], kind="stable")]
+    u = -(-m // PROOF_RUN)
+    pos = ((np.arange(u, dtype=np.int64) * v) // u)[:, None] + np.arange(PROOF_RUN)[None, :]
+    return np.sort(srt[np.unique(pos[pos < v])]).astype(np.int64)
 
 
 def _integer_table(dev):
@@ -110,7 +237,8 @@ def _fp32(x):
 
 
 def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm", model: MmaModel = HOPPER_FP8_MMA,
-                         values=None, scale_term=None, block_acc: bool = False):
+                         values=None, scale_term=None, block_acc: bool = False, source: str | None = None,
+                         check_rows: int | None = None, check_fraction: float | None = None):
     """``out[r] = a[r] @ W[row_expert[r]].T`` as DeepGEMM's FP8 GEMM computes it before its output store:
     :func:`moeref.gemm.expert_rows_gemm` with ``gemm=deepgemm_engine(model, promotion)``, bit for bit, on the
     weights' device. 0 on rows with ``row_expert == -1``.
@@ -126,15 +254,21 @@ def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm",
             returns ``st[r, n] = sum_b m_b ds[r, b] + coef * sum_b m_b s_hi[r, b]``, ``m_b = |acc_b| |sb_b|``
             (block accumulator ``acc_b``, weight scale ``sb_b`` as given, not rounded to FP32), sums in block
             order from 0 (:func:`moeref.compare.bounds._emulated_gemm`'s scale term).
+        block_acc: also return every block accumulator, float32 ``[R, K/128, N]``.
+        source: where the block accumulators come from: ``"tensor_cores"``, ``"emulator"`` or ``"auto"``; None:
+            :data:`ACCUMULATOR_SOURCE` (module docstring). The result is the same bits either way.
+        check_rows, check_fraction: with the tensor cores, at least ``max(check_rows, ceil(check_fraction V))``
+            of the call's ``V`` rows (all when fewer) are computed again with the emulator and compared bit for bit
+            (:func:`proof_rows`); None: :data:`CHECK_ROWS`, :data:`CHECK_FRACTION`.
 
-    Returns: float64 ``[R, N]`` tensor of FP32 values (and ``st`` with ``scale_term``).
+    Returns: float64 ``[R, N]`` tensor of FP32 values (and ``st`` with ``scale_term``; ``(out, st, acc)`` with
+    ``block_acc``, ``st`` None without ``scale_term``).
+
+    Raises:
+        AccumulatorMismatchError: the tensor cores' result differs from the emulator's on a proved row.
     """
     torch = _torch()
-    import triton
-
-    from ..formats import decode_table
-    from ._hopper_fp8_kernel import hopper_fp8_kernel, hopper_fp8_kernel_interpreted
-    from .device import _items, device_operand
+    from .device import device_operand
     from .grouped import check_row_expert
 
     if promotion not in ("deepgemm", "a_then_b"):
@@ -146,6 +280,59 @@ def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm",
     check_emulated_operands(a, weights)
     rows = check_row_expert(row_expert.cpu().numpy() if torch.is_tensor(row_expert) else row_expert, a.shape[0],
                             len(weights))
+    tc = _use_tensor_cores(source, model, dev)
+    proved = proof_rows(rows, CHECK_ROWS if check_rows is None else check_rows,
+                        CHECK_FRACTION if check_fraction is None else check_fraction) if tc else None
+    got = _rows(a, rows, weights, promotion, model, values, scale_term, block_acc, tc)
+    if tc:
+        _prove(got, a, rows, proved, weights, promotion, values, scale_term, block_acc)
+    return got
+
+
+def _prove(got, a, rows, proved, weights, promotion, values, scale_term, block_acc) -> None:
+    """Computes the rows ``proved`` again with the emulator and compares every returned tensor on them bit for
+    bit with ``got`` (the tensor cores' result); :class:`AccumulatorMismatchError` at the first difference."""
+    torch = _torch()
+    if proved.size == 0:
+        return
+    dev = weights.codes.device
+    it = torch.as_tensor(proved, device=dev)
+    sub_values = None if values is None else values.index_select(0, it)
+    sub_st = None if scale_term is None else (scale_term[0].index_select(0, it), scale_term[1].index_select(0, it),
+                                              scale_term[2])
+    want = _rows(a.take_rows(it), rows[proved], weights, promotion, HOPPER_FP8_MMA, sub_values, sub_st, block_acc,
+                 False)
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    names = ("output", "scale term", "block accumulator")
+    for name, g, w in sorted(zip(names, got, want), key=lambda t: t[0] != "block accumulator"):
+        if g is None:
+            continue
+        g = g.index_select(0, it)
+        bits = torch.int64 if g.dtype == torch.float64 else torch.int32
+        diff = g.view(bits) != w.view(bits)
+        if bool(diff.any()):
+            pos = [int(x) for x in torch.nonzero(diff)[0].tolist()]
+            row = int(proved[pos[0]])
+            where = f"column {pos[-1]}" + (f", K block {pos[1]}" if len(pos) == 3 else "")
+            raise AccumulatorMismatchError(
+                f"the tensor cores' {name} differs from the emulator's at row {row} (expert {int(rows[row])}), "
+                f"{where}: {float(g[tuple(pos)])!r} != {float(w[tuple(pos)])!r} ({int(diff.sum())} of "
+                f"{diff.numel()} values of the {proved.size} proved rows differ): the Hopper FP8 accumulation model "
+                f"does not hold here; source='emulator' computes the model without the tensor cores")
+
+
+def _rows(a, rows, weights, promotion, model, values, scale_term, block_acc, tc):
+    """:func:`device_deepgemm_rows` on checked arguments, the block accumulators from the tensor cores (``tc``)
+    or the emulator."""
+    torch = _torch()
+    import triton
+
+    from ..formats import decode_table
+    from ._hopper_fp8_kernel import hopper_fp8_kernel, hopper_fp8_kernel_interpreted
+    from .device import _items
+
+    dev = weights.codes.device
     n, k = weights.shape
     nb = k // 128
     r_all = rows.size
@@ -165,13 +352,19 @@ def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm",
         return result()
     experts, starts, counts = np.unique(rows[order], return_index=True, return_counts=True)
     order_t = torch.as_tensor(order, device=dev)
-    av = (a.decode() if values is None else values.to(device=dev, dtype=torch.float64)).index_select(0, order_t)
-    if values is not None:
-        if tuple(values.shape) != a.shape:
-            raise ValueError(f"values must have a's shape {a.shape}; got {tuple(values.shape)}")
-        _check_values(av)
-    elif a.values is not None:
-        _check_values(av)
+    if tc and values is None and a.codes is not None:  # the codes themselves (E4M3: check_emulated_operands)
+        av = a.codes.index_select(0, order_t)
+        av = av & 0x7F if a.magnitude else av
+    else:
+        av = (a.decode() if values is None else values.to(device=dev, dtype=torch.float64)).index_select(0, order_t)
+        if values is not None:
+            if tuple(values.shape) != a.shape:
+                raise ValueError(f"values must have a's shape {a.shape}; got {tuple(values.shape)}")
+            _check_values(av)
+        elif a.values is not None:
+            _check_values(av)
+        if tc:  # E4M3 values (checked): their codes, exactly
+            av = av.to(torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)
     sa = a.scales if a.scales.shape[0] == a.shape[0] else a.scales.expand(a.shape[0], -1)
     sa = _fp32(sa.index_select(0, order_t)).contiguous()
     sb_raw = weights.scales.to(torch.float64).contiguous()
@@ -181,7 +374,7 @@ def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm",
     codes = weights.codes
     if codes.stride(2) != 1:
         codes = codes.contiguous()
-    rows_per, block_n, warps = TILES["many" if float(counts.mean()) > 8 else "few"]
+    rows_per, block_n, warps = TC_TILE if tc else TILES["many" if float(counts.mean()) > 8 else "few"]
     per, first_row, cnt = _items(starts, counts, rows_per)
     items = torch.as_tensor(np.stack([np.repeat(experts, per), first_row, cnt], axis=1).astype(np.int32), device=dev)
     res = torch.empty((order.size, n), dtype=torch.float64, device=dev)
@@ -204,7 +397,7 @@ def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm",
                  W_BN=int(weights.block[0]), ROWS=rows_per, BLOCK_N=block_n, PROMO=0 if promotion == "deepgemm" else 1,
                  SCALE_TERM=scale_term is not None, ALIGN=int(model.align_bits), NORM=int(model.norm_bits),
                  STEPS=128 // model.inst_k, INST=int(model.inst_k), STORE_ACC=block_acc,
-                 INTEGER=bool(INTEGER_ALIGN), num_warps=warps,
+                 INTEGER=bool(INTEGER_ALIGN), TC=bool(tc), num_warps=warps,
                  enable_fp_fusion=False)
     out[order_t] = res
     if scale_term is not None:

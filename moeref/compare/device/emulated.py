@@ -3,7 +3,8 @@ its ``promotion_order="a_then_b"`` variant) on a device: :func:`moeref.compare.b
 tensors, the same ``(center, radius)`` bit for bit.
 
 * center: the kernel's FP32 result on the center operand, predicted by the device emulator
-  (:func:`moeref.gemm.device_hopper_fp8.device_deepgemm_rows`, the NumPy emulator's bits);
+  (:func:`moeref.gemm.device_hopper_fp8.device_deepgemm_rows`, the NumPy emulator's bits; on a Hopper GPU its
+  block accumulators come from the tensor cores, proved against the emulator on a sample of rows every call);
 * GEMM2's uncertain rows (the re-quantized intermediate, ``a_radius > 0``): a row with at most
   :data:`moeref.compare.bounds._MAX_ENUMERATED` uncertain codes, each one of two neighbouring E4M3 values, takes
   the largest, over every combination of them, of the distance from the center plus the scale term
