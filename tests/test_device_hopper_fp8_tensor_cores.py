@@ -30,6 +30,7 @@ from moeref.gemm.hopper_fp8 import MmaModel, deepgemm_block_accumulators, promot
 from tests.test_hopper_fp8_gpu import _values  # noqa: E402
 
 DEV = device()
+_TC_HERE = dh.tensor_cores_available(DEV)
 
 
 def _operands(a, sa, b, sb, dev=DEV):
@@ -98,6 +99,7 @@ def test_proof_rows_refuses_bad_sizes():
         proof_rows(rows, 2, "all")
 
 
+@pytest.mark.skipif(_TC_HERE, reason="this machine has Hopper tensor cores: the next test covers it")
 def test_source_switch_on_cpu(sources, monkeypatch):
     """Here (no Hopper GPU) ``"auto"`` runs the emulator; ``"tensor_cores"`` is refused naming what it needs; an
     unknown source is refused; the module switch is read when ``source`` is None."""
