@@ -39,8 +39,9 @@ from moeref._interop import triton_interpreted
 
 from ._host import cdiv, launch, next_pow2
 
-__all__ = ["GROUPED_GEMM_IMPLEMENTATIONS", "FP8_PREFILL_CANDIDATES", "GemmTiles", "default_tiles", "grouped_gemm_contiguous",
-           "grouped_gemm_masked", "grouped_gemm_supports", "PROFILE_OF", "EXACT_PROFILE_OF"]
+__all__ = ["GROUPED_GEMM_IMPLEMENTATIONS", "FP8_PREFILL_CANDIDATES", "GemmTiles", "default_tiles",
+           "grouped_gemm_contiguous", "grouped_gemm_masked", "grouped_gemm_supports", "PROFILE_OF",
+           "EXACT_PROFILE_OF"]
 
 GROUPED_GEMM_IMPLEMENTATIONS = ("triton", "deep_gemm")
 PROFILE_OF = {("triton", "float"): "BF16_OUTPUT", ("triton", "fp8_block"): "HOPPER_FP8_DEEPGEMM_DATA",
