@@ -216,7 +216,7 @@ def _gpu_operands(k: int, n: int, seed: int):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["64x128 w4 s4 (default)", "64x128 w4 s3", "128x128 w8 s3", "64x128 w4 s4 g4",
-                                  "64x128 w4 s4 tma", "64x128 w4 s4 tma g4", "64x128 w4 s4 pers2 g4",
+                                  "64x128 w4 s4 pers2 g4", "64x128 w4 s4 tma", "64x128 w4 s4 tma g4",
                                   "64x128 w4 s4 pers2 tma g4", "64x128 w4 s4 pers2 tma flat g4",
                                   "64x128 w4 s3 tma ws", "64x128 w4 s3 pers1 tma ws g4", "128x128 w8 s3 tma g2",
                                   "128x128 w8 s3 pers2 tma g2", "128x128 w4 s3 tma ws g2",

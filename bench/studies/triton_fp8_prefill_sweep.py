@@ -18,14 +18,18 @@ read through ``a_src`` (no scatter; TMA then loads B only), for the default and 
 
 Each tile's first call compiles it (timed, reported); a tile that fails to compile or run (shared memory,
 an unsupported combination) is recorded with its error, not fatal. Compilation of a new tile stops when
-``--budget-s`` seconds have passed since the start (the rest are recorded as skipped), so the whole run
-stays within about 240 s on an H200. Per compiled kernel the JSON records whether its IR has Triton's warp
+``--budget-s`` (150) seconds have passed since the start (the rest are recorded as skipped; the ``a_src``
+phase's two tiles may start up to 30 s later), so the whole run stays within about 240 s on an H200. Per compiled kernel the JSON records whether its IR has Triton's warp
 specialization and TMA loads, its registers, spills and shared memory.
 
     python bench/studies/triton_fp8_prefill_sweep.py --out bench_out/triton_fp8_prefill_sweep.json \\
-        [--tokens 4096] [--rounds 7] [--routings uniform skewed] [--configs NAME ...] [--budget-s 170]
+        [--tokens 4096] [--rounds 7] [--routings uniform skewed] [--configs NAME ...] [--budget-s 150]
 
 Prints a table per routing and GEMM and the best tile per GEMM (median ratio to DeepGEMM, bit-equal tiles only).
+
+Without a GPU, under ``TRITON_INTERPRET=1``, it runs at a tiny shape (hidden 128, intermediate 128, 4 experts,
+top-2, 16 tokens) with each candidate's options on 16 x 32 tiles, wall-clock rounds and no DeepGEMM: it checks
+the script's plumbing and the bits, not speed.
 """
 from __future__ import annotations
 
@@ -41,15 +45,21 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import torch  # noqa: E402
 
-HIDDEN, INTER, EXPERTS, TOP_K = 7168, 2048, 256, 8
-GEMMS = {"gemm1": (2 * INTER, HIDDEN), "gemm2": (HIDDEN, INTER)}  # name -> (N, K)
+DEEPSEEK_V3 = {"hidden": 7168, "inter": 2048, "experts": 256, "top_k": 8}
+TINY = {"hidden": 128, "inter": 128, "experts": 4, "top_k": 2}  # the interpreter's plumbing run
 DEFAULT_NAME = "default"
+GATHER_EXTRA_S = 30.0  # the a_src phase may compile its two tiles up to this long past --budget-s
+
+
+def _gemms(shape: dict) -> dict:
+    """name -> (N, K) of the two grouped GEMMs."""
+    return {"gemm1": (2 * shape["inter"], shape["hidden"]), "gemm2": (shape["hidden"], shape["inter"])}
 
 
 def _codes(shape, gen, chunk: int = 16) -> torch.Tensor:
     """Random E4M3 codes over the whole finite range (NaN codes 0x7F / 0xFF moved to 0x7E / 0xFE), made in
-    chunks of the leading dimension."""
-    out = torch.empty(shape, dtype=torch.uint8, device="cuda")
+    chunks of the leading dimension on the generator's device."""
+    out = torch.empty(shape, dtype=torch.uint8, device=gen.device)
     for i in range(0, shape[0], chunk):
         c = out[i:i + chunk]
         c.random_(0, 256, generator=gen)
@@ -57,17 +67,17 @@ def _codes(shape, gen, chunk: int = 16) -> torch.Tensor:
     return out.view(torch.float8_e4m3fn)
 
 
-def routing(kind: str, tokens: int, gen, skew: float) -> torch.Tensor:
-    """``topk_ids`` int32 ``[tokens, 8]``: ``uniform`` a random top-8 of 256 per token; ``skewed`` a Gumbel top-8
+def routing(kind: str, tokens: int, experts: int, top_k: int, gen, skew: float) -> torch.Tensor:
+    """``topk_ids`` int32 ``[tokens, top_k]``: ``uniform`` a random top-k per token; ``skewed`` a Gumbel top-k
     over the log of Zipf popularities ``rank^-skew`` (ranks a random permutation of the experts)."""
-    scores = torch.rand((tokens, EXPERTS), device="cuda", generator=gen)
+    scores = torch.rand((tokens, experts), device=gen.device, generator=gen)
     if kind == "skewed":
-        rank = torch.randperm(EXPERTS, device="cuda", generator=gen).to(torch.float64) + 1.0
+        rank = torch.randperm(experts, device=gen.device, generator=gen).to(torch.float64) + 1.0
         logp = (-skew * torch.log(rank)).to(torch.float32)
         scores = logp[None, :] - torch.log(-torch.log(scores.clamp_min(1e-12)))
     elif kind != "uniform":
         raise ValueError(f"routing must be 'uniform' or 'skewed'; got {kind!r}")
-    return scores.topk(TOP_K, dim=1).indices.to(torch.int32)
+    return scores.topk(top_k, dim=1).indices.to(torch.int32)
 
 
 def _compiled_info(before: set) -> list[dict]:
@@ -78,7 +88,7 @@ def _compiled_info(before: set) -> list[dict]:
     out = []
     for key in set(_host._LAUNCH_CACHE) - before:
         compiled = _host._LAUNCH_CACHE[key][0]
-        info = {"kernel": getattr(key[0], "__name__", str(key[0]))}
+        info = {"kernel": getattr(key[0], "__name__", None) or str(key[0])}
         try:
             ttgir = compiled.asm.get("ttgir", "")
             info["warp_specialized"] = "ttg.warp_specialize" in ttgir
@@ -104,141 +114,110 @@ def _ratio(res, name: str) -> float | None:
     return None if r is None else r.median
 
 
+def _interpreter_tiles(t):
+    """A candidate's options on interpreter-sized tiles: 16 x 32 for every candidate, since the interpreter's
+    dot of FP8 codes (NumPy's float32 matmul) may round differently at another tile width (the tile-loop
+    kernel's 256-wide path is checked bit for bit by tests/test_grouped_gemm_tile_loop.py on exact dots)."""
+    from dataclasses import replace
+
+    return replace(t, block_m=16, block_n=32, num_warps=1, num_stages=1)
+
+
+def _time(cases: dict, args, on_gpu: bool):
+    """Interleaved rounds: :func:`bench.interleaved.time_row` on the GPU (DeepGEMM the baseline when present),
+    one wall-clock call per case and round under the interpreter."""
+    from bench.interleaved import MIN_ROUNDS, WallClock, time_interleaved, time_row
+
+    base = ["deep_gemm"] if "deep_gemm" in cases else []
+    if on_gpu:
+        return time_row(cases, base, args.rounds, args.round_ms * 1e-3)
+    return time_interleaved(cases, baselines=base, rounds=max(args.rounds, MIN_ROUNDS), clock=WallClock(), warmup=0)
+
+
+def _first_call(key, fn, status, compiled, budget_s: float, t_start: float) -> dict:
+    """Run ``fn`` once (compiling its kernel): ``{"status": "ok", "first_call_s", "compiled"}``, or the
+    failure / budget skip (kept in ``status`` so a later routing does not retry it)."""
+    from fastpath import _host
+
+    if key not in status and time.perf_counter() - t_start > budget_s:
+        status[key] = f"skipped: the compile budget ({budget_s:.0f} s) was spent"
+    if key in status and status[key] != "ok":
+        return {"status": status[key]}
+    before = set(_host._LAUNCH_CACHE)
+    t0 = time.perf_counter()
+    try:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    except Exception as e:  # a tile that does not compile or run: recorded, not fatal
+        status[key] = f"failed: {type(e).__name__}: {str(e)[:400]}"
+        print(f"  {key[1]} {key[0]}: {status[key][:160]}", flush=True)
+        return {"status": status[key], "traceback": traceback.format_exc()[-1500:]}
+    first = time.perf_counter() - t0
+    print(f"  first call {key[1]} {key[0]}: {first:.1f} s (at {time.perf_counter() - t_start:.0f} s)", flush=True)
+    status[key] = "ok"
+    if key not in compiled:
+        compiled[key] = _compiled_info(before)
+    return {"status": "ok", "first_call_s": first, "compiled": compiled[key]}
+
+
 def main(argv=None) -> int:
-    from bench.interleaved import machine_meta, time_row
-    from fastpath import _host, dispatch
-    from fastpath.grouped_gemm import (DEFAULT_TILES, FP8_PREFILL_CANDIDATES, grouped_gemm_contiguous,
-                                       grouped_gemm_supports)
+    from fastpath.grouped_gemm import DEFAULT_TILES, FP8_PREFILL_CANDIDATES, grouped_gemm_supports
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
-    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=None, help="tokens (default 4096; 16 under the interpreter)")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (at least 7)")
-    ap.add_argument("--round-ms", type=float, default=15.0, help="target length of one case's round")
+    ap.add_argument("--round-ms", type=float, default=15.0, help="target length of one case's round (GPU)")
     ap.add_argument("--routings", nargs="+", default=["uniform", "skewed"], choices=["uniform", "skewed"])
     ap.add_argument("--skew", type=float, default=0.3, help="Zipf exponent of the skewed routing")
     ap.add_argument("--configs", nargs="+", default=None,
                     help=f"names from FP8_PREFILL_CANDIDATES (default all): {list(FP8_PREFILL_CANDIDATES)}")
-    ap.add_argument("--budget-s", type=float, default=170.0,
-                    help="no new tile is compiled after this many seconds from the start")
+    ap.add_argument("--budget-s", type=float, default=150.0,
+                    help="no new tile is compiled after this many seconds from the start (the a_src phase: "
+                         f"{GATHER_EXTRA_S:.0f} s more)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU (Hopper): the sweep times DeepGEMM and the compiled Triton kernels")
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("needs a CUDA GPU (Hopper), or TRITON_INTERPRET=1 for the tiny plumbing run")
     names = list(FP8_PREFILL_CANDIDATES) if args.configs is None else args.configs
     unknown = [n for n in names if n not in FP8_PREFILL_CANDIDATES]
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; known: {list(FP8_PREFILL_CANDIDATES)}")
     configs = {DEFAULT_NAME: DEFAULT_TILES["fp8_block"]}
     configs.update((n, FP8_PREFILL_CANDIDATES[n]) for n in names if FP8_PREFILL_CANDIDATES[n] != configs[DEFAULT_NAME])
+    if not on_gpu:
+        configs = {n: _interpreter_tiles(t) for n, t in configs.items()}
+    shape = DEEPSEEK_V3 if on_gpu else TINY
+    tokens = args.tokens if args.tokens is not None else (4096 if on_gpu else 16)
+    gemms = _gemms(shape)
+    dev = "cuda" if on_gpu else "cpu"
     have_dg, why_dg = grouped_gemm_supports("deep_gemm")
-    result = {"meta": machine_meta(), "args": vars(args),
-              "sms": torch.cuda.get_device_properties(0).multi_processor_count,
-              "deep_gemm": have_dg if have_dg else why_dg,
+    have_dg = have_dg and on_gpu
+    if on_gpu:
+        from bench.interleaved import machine_meta
+
+        meta = machine_meta()
+        meta["sms"] = torch.cuda.get_device_properties(0).multi_processor_count
+    else:
+        meta = {"gpu": "none: TRITON_INTERPRET=1, a plumbing run (not a measurement)"}
+    result = {"meta": meta, "args": vars(args), "tokens": tokens, "shape": shape,
+              "deep_gemm": True if have_dg else why_dg if on_gpu else "not under the interpreter",
               "configs": {n: repr(t) for n, t in configs.items()}, "routings": {}}
-    print(f"{result['meta']['gpu']}, triton {result['meta']['triton']}, torch {result['meta']['torch']}; "
-          f"{len(configs)} Triton tiles; deep_gemm: {result['deep_gemm']}", flush=True)
+    print(f"{meta['gpu']}; {len(configs)} Triton tiles; deep_gemm: {result['deep_gemm']}", flush=True)
 
-    gen = torch.Generator(device="cuda").manual_seed(args.seed)
-    weights = {}
-    for g, (n, k) in GEMMS.items():
-        weights[g] = (_codes((EXPERTS, n, k), gen),
-                      (1e-4 * (1 + torch.rand((EXPERTS, n // 128, k // 128), device="cuda", generator=gen))))
-    x = _codes((args.tokens, HIDDEN), gen)
-    sx = torch.rand((args.tokens, HIDDEN // 128), device="cuda", generator=gen) + 0.5
-    status: dict = {}  # (config, gemm) -> "ok" | error text | "skipped ..."
-    compiled: dict = {}  # (config, gemm or "gemm1_a_src") -> kernel info
-
-    for rname in args.routings:
-        ids = routing(rname, args.tokens, gen, args.skew)
-        counts = torch.bincount(ids.reshape(-1).long(), minlength=EXPERTS)
-        lay_x = dispatch.to_contiguous(x.view(torch.uint8), ids, EXPERTS, 128)
-        lay_s = dispatch.to_contiguous(sx, ids, EXPERTS, 128)
-        m_idx, valid = lay_x.m_indices, lay_x.m_indices >= 0
-        rows, real = int(m_idx.numel()), int(counts.sum())
-        h_codes = _codes((rows, INTER), gen)
-        h_scales = torch.rand((rows, INTER // 128), device="cuda", generator=gen) + 0.5
-        operands = {"gemm1": (lay_x.a.view(torch.float8_e4m3fn), lay_s.a), "gemm2": (h_codes, h_scales)}
-        c = counts.float()
-        rrec = {"layout_rows": rows, "real_rows": real,
-                "rows_per_expert": {"max": int(counts.max()), "mean": float(c.mean()), "min": int(counts.min()),
-                                    "zero_experts": int((counts == 0).sum())},
-                "row_tiles": {bm: int(((counts + bm - 1) // bm).sum()) for bm in (64, 128)}, "gemms": {}}
-        result["routings"][rname] = rrec
-        print(f"\n== routing {rname}: {real} routed rows in {rows} layout rows; rows per expert max "
-              f"{int(counts.max())}, min {int(counts.min())}", flush=True)
-        per_round: dict = {}
-        for g, (n, k) in GEMMS.items():
-            a, sa = operands[g]
-            b, sb = weights[g]
-            outs = {}
-
-            def call(t, out, a=a, sa=sa, b=b, sb=sb):
-                return grouped_gemm_contiguous(a, b, m_idx, impl="triton", a_scales=sa, b_scales=sb, tiles=t, out=out)
-
-            cases, grec = {}, {}
-            if have_dg:
-                dg_out = torch.empty((rows, n), dtype=torch.bfloat16, device="cuda")
-                cases["deep_gemm"] = (lambda a=a, sa=sa, b=b, sb=sb, o=dg_out: grouped_gemm_contiguous(
-                    a, b, m_idx, impl="deep_gemm", a_scales=sa, b_scales=sb, psum=lay_x.psum, out=o))
-                t0 = time.perf_counter()
-                cases["deep_gemm"]()
-                torch.cuda.synchronize()
-                grec["deep_gemm"] = {"first_call_s": time.perf_counter() - t0}
-            for cname, t in configs.items():
-                key = (cname, g)
-                if key in status and status[key] != "ok":
-                    grec[cname] = {"status": status[key]}
-                    continue
-                if key not in status and time.perf_counter() - t_start > args.budget_s:
-                    status[key] = f"skipped: the compile budget ({args.budget_s:.0f} s) was spent"
-                    grec[cname] = {"status": status[key]}
-                    continue
-                out = torch.empty((rows, n), dtype=torch.bfloat16, device="cuda")
-                before = set(_host._LAUNCH_CACHE)
-                t0 = time.perf_counter()
-                try:
-                    call(t, out)
-                    torch.cuda.synchronize()
-                except Exception as e:  # a tile that does not compile or run: recorded, not fatal
-                    status[key] = f"failed: {type(e).__name__}: {str(e)[:400]}"
-                    grec[cname] = {"status": status[key], "traceback": traceback.format_exc()[-1500:]}
-                    print(f"  {g} {cname}: {status[key][:160]}", flush=True)
-                    continue
-                first = time.perf_counter() - t0
-                if key not in compiled:
-                    compiled[key] = _compiled_info(before)
-                status[key] = "ok"
-                outs[cname] = out
-                grec[cname] = {"status": "ok", "first_call_s": first, "compiled": compiled[key]}
-                cases[cname] = lambda t=t, out=out: call(t, out)
-            if DEFAULT_NAME in outs:
-                want = outs[DEFAULT_NAME][valid]
-                for cname, out in outs.items():
-                    grec[cname]["bits_equal_default"] = bool(torch.equal(out[valid], want))
-            if len(cases) > 1:
-                res = time_row(cases, ["deep_gemm"] if have_dg else [], args.rounds, args.round_ms * 1e-3)
-                flops = 2.0 * real * n * k
-                for cname in cases:
-                    grec[cname].update(_stats(res, cname))
-                    grec[cname]["tflops_real_rows"] = flops / res.cases[cname].median_s / 1e12
-                    if cname != "deep_gemm":
-                        grec[cname]["x_deep_gemm"] = _ratio(res, cname)
-                per_round[g] = {cname: res.cases[cname].seconds for cname in cases}
-            rrec["gemms"][g] = grec
-            _print_table(rname, g, grec)
-        rrec["together"] = _together(per_round, rrec["gemms"])
-        if rrec["together"]:
-            _print_together(rname, rrec["together"])
-        rrec["gemm1_a_src"] = _gather_phase(rrec, x, sx, operands["gemm1"], lay_x, weights, configs, args, t_start,
-                                            status, compiled, have_dg)
-    result["best"] = {r: {g: _best(rec["gemms"].get(g, {})) for g in GEMMS} for r, rec in result["routings"].items()}
-    result["wall_s"] = time.perf_counter() - t_start
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    print("\nbest tile per GEMM (median x DeepGEMM, bit-equal to the default tiles):")
+    try:
+        _sweep(result, args, configs, shape, tokens, gemms, dev, have_dg, on_gpu, t_start)
+    except BaseException as e:  # the JSON keeps what was measured (a single GPU run is precious)
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()[-3000:]
+        _write(result, args.out, t_start)
+        raise
+    result["best"] = {r: {g: _best(rec["gemms"].get(g, {})) for g in gemms} for r, rec in result["routings"].items()}
+    _write(result, args.out, t_start)
+    print("\nbest tile per GEMM (median x DeepGEMM, among tiles with the default tiles' bits):")
     for r, by_g in result["best"].items():
         for g, best in by_g.items():
             print(f"  {r:8s} {g}: {best}")
@@ -246,96 +225,174 @@ def main(argv=None) -> int:
     return 0
 
 
+def _write(result: dict, path: str, t_start: float) -> None:
+    result["wall_s"] = time.perf_counter() - t_start
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+
+
+def _sweep(result, args, configs, shape, tokens, gemms, dev, have_dg, on_gpu, t_start) -> None:
+    """The routings' layouts, first calls, bit checks and timings into ``result["routings"]`` (written to
+    ``args.out`` after each step)."""
+    from fastpath import dispatch
+    from fastpath.grouped_gemm import grouped_gemm_contiguous
+
+    experts, top_k = shape["experts"], shape["top_k"]
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    weights = {}
+    for g, (n, k) in gemms.items():
+        weights[g] = (_codes((experts, n, k), gen),
+                      1e-4 * (1 + torch.rand((experts, n // 128, k // 128), device=dev, generator=gen)))
+    x = _codes((tokens, shape["hidden"]), gen)
+    sx = torch.rand((tokens, shape["hidden"] // 128), device=dev, generator=gen) + 0.5
+    status: dict = {}  # (config, gemm) -> "ok" | "failed: ..." | "skipped: ..."
+    compiled: dict = {}  # (config, gemm) -> what its compiled kernels have
+    for rname in args.routings:
+        ids = routing(rname, tokens, experts, top_k, gen, args.skew)
+        counts = torch.bincount(ids.reshape(-1).long(), minlength=experts)
+        lay_x = dispatch.to_contiguous(x.view(torch.uint8), ids, experts, 128)
+        lay_s = dispatch.to_contiguous(sx, ids, experts, 128)
+        m_idx, valid = lay_x.m_indices, lay_x.m_indices >= 0
+        rows, real = int(m_idx.numel()), int(counts.sum())
+        operands = {"gemm1": (lay_x.a.view(torch.float8_e4m3fn), lay_s.a),
+                    "gemm2": (_codes((rows, shape["inter"]), gen),
+                              torch.rand((rows, shape["inter"] // 128), device=dev, generator=gen) + 0.5)}
+        rrec = {"layout_rows": rows, "real_rows": real,
+                "rows_per_expert": {"max": int(counts.max()), "mean": float(counts.float().mean()),
+                                    "min": int(counts.min()), "zero_experts": int((counts == 0).sum())},
+                "row_tiles": {bm: int(((counts + bm - 1) // bm).sum()) for bm in (64, 128)}, "gemms": {}}
+        result["routings"][rname] = rrec
+        print(f"\n== routing {rname}: {real} routed rows in {rows} layout rows; rows per expert max "
+              f"{int(counts.max())}, min {int(counts.min())}", flush=True)
+        per_round: dict = {}
+        cases = {g: {} for g in gemms}
+        grecs = {g: {} for g in gemms}
+        outs = {g: {} for g in gemms}
+        if have_dg:
+            for g, (n, k) in gemms.items():
+                (a, sa), (b, sb) = operands[g], weights[g]
+                dg_out = torch.empty((rows, n), dtype=torch.bfloat16, device=dev)
+                cases[g]["deep_gemm"] = (lambda a=a, sa=sa, b=b, sb=sb, o=dg_out: grouped_gemm_contiguous(
+                    a, b, m_idx, impl="deep_gemm", a_scales=sa, b_scales=sb, psum=lay_x.psum, out=o))
+                t0 = time.perf_counter()
+                cases[g]["deep_gemm"]()
+                torch.cuda.synchronize()
+                grecs[g]["deep_gemm"] = {"status": "ok", "first_call_s": time.perf_counter() - t0}
+        for cname, t in configs.items():  # tile-major: a tile cut by the budget misses both GEMMs, not GEMM2 only
+            for g, (n, k) in gemms.items():
+                (a, sa), (b, sb) = operands[g], weights[g]
+                out = torch.empty((rows, n), dtype=torch.bfloat16, device=dev)
+                fn = (lambda t=t, out=out, a=a, sa=sa, b=b, sb=sb: grouped_gemm_contiguous(
+                    a, b, m_idx, impl="triton", a_scales=sa, b_scales=sb, tiles=t, out=out))
+                grecs[g][cname] = _first_call((cname, g), fn, status, compiled, args.budget_s, t_start)
+                if grecs[g][cname]["status"] == "ok":
+                    outs[g][cname], cases[g][cname] = out, fn
+                rrec["gemms"][g] = grecs[g]
+            _write(result, args.out, t_start)
+        for g, (n, k) in gemms.items():
+            grec, outs_g, cases_g = grecs[g], outs[g], cases[g]
+            if DEFAULT_NAME in outs_g:
+                want = outs_g[DEFAULT_NAME][valid]
+                for cname, out in outs_g.items():
+                    grec[cname]["bits_equal_default"] = bool(torch.equal(out[valid], want))
+            if len(cases_g) > 1:
+                res = _time(cases_g, args, on_gpu)
+                flops = 2.0 * real * n * k
+                for cname in cases_g:
+                    grec[cname].update(_stats(res, cname))
+                    grec[cname]["tflops_real_rows"] = flops / res.cases[cname].median_s / 1e12
+                    if cname != "deep_gemm":
+                        grec[cname]["x_deep_gemm"] = _ratio(res, cname)
+                per_round[g] = {cname: res.cases[cname].seconds for cname in cases_g}
+            rrec["gemms"][g] = grec
+            _print_table(rname, g, grec)
+        rrec["together"] = _together(per_round, rrec["gemms"])
+        if rrec["together"]:
+            _print_together(rname, rrec["together"])
+        _write(result, args.out, t_start)
+        rrec["gemm1_a_src"] = _gather_phase(rrec, x, sx, operands["gemm1"], lay_x, weights["gemm1"], configs, top_k,
+                                            args, t_start, status, compiled, have_dg, on_gpu)
+        _write(result, args.out, t_start)
+
+
 def _best(grec: dict):
-    ok = [(v["x_deep_gemm"], n) for n, v in grec.items()
-          if n != "deep_gemm" and v.get("x_deep_gemm") is not None and v.get("bits_equal_default")]
+    """The bit-equal tile with the highest median ratio to DeepGEMM (the lowest median time without it)."""
+    ok = [((v["x_deep_gemm"] if v.get("x_deep_gemm") is not None else -v["median_ms"]), n)
+          for n, v in grec.items() if n != "deep_gemm" and "median_ms" in v and v.get("bits_equal_default")]
     if not ok:
         return None
-    r, n = max(ok)
-    return {"config": n, "x_deep_gemm": r, "median_ms": grec[n]["median_ms"]}
+    _, n = max(ok)
+    return {"config": n, "x_deep_gemm": grec[n].get("x_deep_gemm"), "median_ms": grec[n]["median_ms"]}
 
 
 def _together(per_round: dict, gemms: dict) -> dict:
-    """Per config timed in both GEMMs: the per-round sums against DeepGEMM's; plus the best GEMM1 tile with the
-    best GEMM2 tile."""
-    if set(per_round) != set(GEMMS) or any("deep_gemm" not in v for v in per_round.values()):
+    """Per tile timed in both GEMMs: the per-round sums of its two times (against DeepGEMM's where present),
+    and the best GEMM1 tile with the best GEMM2 tile."""
+    if set(per_round) != {"gemm1", "gemm2"}:
         return {}
-    dg = [a + b for a, b in zip(per_round["gemm1"]["deep_gemm"], per_round["gemm2"]["deep_gemm"])]
+    p1, p2 = per_round["gemm1"], per_round["gemm2"]
+    dg = [a + b for a, b in zip(p1["deep_gemm"], p2["deep_gemm"])] if "deep_gemm" in p1 and "deep_gemm" in p2 else None
 
     def rec(s1, s2):
         both = [a + b for a, b in zip(s1, s2)]
-        return {"median_ms": statistics.median(both) * 1e3, "min_ms": min(both) * 1e3, "max_ms": max(both) * 1e3,
-                "x_deep_gemm": statistics.median([d / t for d, t in zip(dg, both)])}
+        r = {"median_ms": statistics.median(both) * 1e3, "min_ms": min(both) * 1e3, "max_ms": max(both) * 1e3}
+        if dg is not None:
+            r["x_deep_gemm"] = statistics.median([d / t for d, t in zip(dg, both)])
+        return r
 
-    out = {"deep_gemm": {"median_ms": statistics.median(dg) * 1e3, "min_ms": min(dg) * 1e3, "max_ms": max(dg) * 1e3}}
-    for cname in per_round["gemm1"]:
-        if cname != "deep_gemm" and cname in per_round["gemm2"]:
-            out[cname] = rec(per_round["gemm1"][cname], per_round["gemm2"][cname])
+    out = {n: rec(p1[n], p2[n]) for n in p1 if n != "deep_gemm" and n in p2}
+    if dg is not None:
+        out["deep_gemm"] = {"median_ms": statistics.median(dg) * 1e3, "min_ms": min(dg) * 1e3,
+                            "max_ms": max(dg) * 1e3}
     b1, b2 = _best(gemms["gemm1"]), _best(gemms["gemm2"])
     if b1 and b2:
-        out["best_pair"] = {"gemm1": b1["config"], "gemm2": b2["config"],
-                            **rec(per_round["gemm1"][b1["config"]], per_round["gemm2"][b2["config"]])}
+        out["best_pair"] = {"gemm1": b1["config"], "gemm2": b2["config"], **rec(p1[b1["config"]], p2[b2["config"]])}
     return out
 
 
-def _gather_phase(rrec, x, sx, layout_rows, lay_x, weights, configs, args, t_start, status, compiled,
-                  have_dg) -> dict:
+def _gather_phase(rrec, x, sx, layout_rows, lay_x, weight, configs, top_k, args, t_start, status, compiled,
+                  have_dg, on_gpu) -> dict:
     """GEMM1 as the Triton layer runs it (token rows ``x`` read through ``a_src``) for the default tile and the
     fastest GEMM1 tile: bits against the same tile on ``layout_rows`` (the token rows and scales scattered into
     the layout), timed with DeepGEMM on ``layout_rows``."""
-    from bench.interleaved import time_row
-    from fastpath import _host
     from fastpath.grouped_gemm import grouped_gemm_contiguous
 
     best = _best(rrec["gemms"].get("gemm1", {}))
     picks = [DEFAULT_NAME] + ([best["config"]] if best and best["config"] != DEFAULT_NAME else [])
-    b, sb = weights["gemm1"]
+    b, sb = weight
     m_idx, valid = lay_x.m_indices, lay_x.m_indices >= 0
-    rows, n = int(m_idx.numel()), GEMMS["gemm1"][0]
+    rows, n, dev = int(m_idx.numel()), int(b.shape[1]), x.device
     out_rec, cases = {}, {}
     for cname in picks:
-        key = (cname, "gemm1_a_src")
-        if key not in status and time.perf_counter() - t_start > args.budget_s:
-            status[key] = f"skipped: the compile budget ({args.budget_s:.0f} s) was spent"
-        if key in status and status[key] != "ok":
-            out_rec[cname] = {"status": status[key]}
-            continue
         t = configs[cname]
-        out = torch.empty((rows, n), dtype=torch.bfloat16, device="cuda")
+        out = torch.empty((rows, n), dtype=torch.bfloat16, device=dev)
         fn = (lambda t=t, out=out: grouped_gemm_contiguous(x, b, m_idx, impl="triton", a_scales=sx, b_scales=sb,
-                                                           tiles=t, out=out, a_src=lay_x.src, top_k=TOP_K))
-        before = set(_host._LAUNCH_CACHE)
-        try:
-            fn()
-            torch.cuda.synchronize()
-        except Exception as e:
-            status[key] = f"failed: {type(e).__name__}: {str(e)[:400]}"
-            out_rec[cname] = {"status": status[key]}
+                                                           tiles=t, out=out, a_src=lay_x.src, top_k=top_k))
+        out_rec[cname] = _first_call((cname, "gemm1_a_src"), fn, status, compiled, args.budget_s + GATHER_EXTRA_S,
+                                     t_start)
+        if out_rec[cname]["status"] != "ok":
             continue
-        status[key] = "ok"
-        compiled.setdefault(key, _compiled_info(before))
         scat = grouped_gemm_contiguous(layout_rows[0], b, m_idx, impl="triton", a_scales=layout_rows[1],
                                        b_scales=sb, tiles=t)
-        out_rec[cname] = {"status": "ok", "compiled": compiled[key],
-                          "bits_equal_scattered_rows": bool(torch.equal(out[valid], scat[valid]))}
-        cases[cname + " a_src"] = fn
-    if cases:
-        if have_dg:
-            a1, sa1 = layout_rows
-            dg_out = torch.empty((rows, n), dtype=torch.bfloat16, device="cuda")
-            cases["deep_gemm"] = lambda: grouped_gemm_contiguous(a1, b, m_idx, impl="deep_gemm", a_scales=sa1,
-                                                                 b_scales=sb, psum=lay_x.psum, out=dg_out)
-        res = time_row(cases, ["deep_gemm"] if have_dg else [], args.rounds, args.round_ms * 1e-3)
-        for cname in picks:
-            if cname + " a_src" in res.cases:
-                out_rec[cname].update(_stats(res, cname + " a_src"))
-                out_rec[cname]["x_deep_gemm"] = _ratio(res, cname + " a_src")
-        if have_dg:
-            out_rec["deep_gemm"] = _stats(res, "deep_gemm")
-        for cname, v in out_rec.items():
-            if "median_ms" in v:
-                print(f"  gemm1 a_src {cname:34s} {v['median_ms']:7.3f} ms  x{v.get('x_deep_gemm') or 0:.2f} DeepGEMM",
-                      flush=True)
+        out_rec[cname]["bits_equal_scattered_rows"] = bool(torch.equal(out[valid], scat[valid]))
+        cases[cname] = fn
+    if not cases:
+        return out_rec
+    if have_dg:
+        dg_out = torch.empty((rows, n), dtype=torch.bfloat16, device=dev)
+        cases["deep_gemm"] = lambda: grouped_gemm_contiguous(layout_rows[0], b, m_idx, impl="deep_gemm",
+                                                             a_scales=layout_rows[1], b_scales=sb, psum=lay_x.psum,
+                                                             out=dg_out)
+        out_rec["deep_gemm"] = {"status": "ok"}
+    res = _time(cases, args, on_gpu)
+    for cname in cases:
+        out_rec[cname].update(_stats(res, cname))
+        if cname != "deep_gemm":
+            out_rec[cname]["x_deep_gemm"] = _ratio(res, cname)
+        x_dg = out_rec[cname].get("x_deep_gemm")
+        print(f"  gemm1 a_src {cname:34s} {out_rec[cname]['median_ms']:7.3f} ms"
+              f"{'' if x_dg is None else f'  x{x_dg:.2f} DeepGEMM'}", flush=True)
     return out_rec
 
 
@@ -356,11 +413,13 @@ def _print_table(rname: str, g: str, grec: dict) -> None:
 
 
 def _print_together(rname: str, tog: dict) -> None:
-    print(f"-- {rname} both GEMMs (per-round sums): DeepGEMM {tog['deep_gemm']['median_ms']:.3f} ms")
+    dg = f": DeepGEMM {tog['deep_gemm']['median_ms']:.3f} ms" if "deep_gemm" in tog else ""
+    print(f"-- {rname} both GEMMs (per-round sums){dg}")
     rows = sorted(((n, v) for n, v in tog.items() if n != "deep_gemm"), key=lambda kv: kv[1]["median_ms"])
     for cname, v in rows[:6]:
         extra = f" ({v['gemm1']} + {v['gemm2']})" if cname == "best_pair" else ""
-        print(f"  {cname:34s} {v['median_ms']:7.3f} ms  x{v['x_deep_gemm']:.2f}{extra}", flush=True)
+        x = f"  x{v['x_deep_gemm']:.2f}" if "x_deep_gemm" in v else ""
+        print(f"  {cname:34s} {v['median_ms']:7.3f} ms{x}{extra}", flush=True)
 
 
 if __name__ == "__main__":
