@@ -134,9 +134,20 @@ def _time(cases: dict, args, on_gpu: bool):
     return time_interleaved(cases, baselines=base, rounds=max(args.rounds, MIN_ROUNDS), clock=WallClock(), warmup=0)
 
 
-def _first_call(key, fn, status, compiled, budget_s: float, t_start: float) -> dict:
+def _group(t) -> int:
+    """Timing group of a tile: 0 the pointer-load kernels, 1 TMA, 2 warp-specialized (compiled, checked and
+    timed after the groups before it, so a failure there cannot cost their measurements)."""
+    return 2 if t.warp_specialize else 1 if t.tma else 0
+
+
+class Fatal(RuntimeError):
+    """A first call that hung or left a sticky CUDA error: nothing after it can run in this process."""
+
+
+def _first_call(key, fn, status, compiled, budget_s: float, t_start: float, hang_s: float) -> dict:
     """Run ``fn`` once (compiling its kernel): ``{"status": "ok", "first_call_s", "compiled"}``, or the
-    failure / budget skip (kept in ``status`` so a later routing does not retry it)."""
+    failure / budget skip (kept in ``status`` so a later routing does not retry it). A kernel still running
+    ``hang_s`` seconds after its launch, or a CUDA error (sticky: the context is lost), raises :class:`Fatal`."""
     from fastpath import _host
 
     if key not in status and time.perf_counter() - t_start > budget_s:
@@ -148,10 +159,22 @@ def _first_call(key, fn, status, compiled, budget_s: float, t_start: float) -> d
     try:
         fn()
         if torch.cuda.is_available():
+            done = torch.cuda.Event()
+            done.record()
+            t1 = time.perf_counter()
+            while not done.query():
+                if time.perf_counter() - t1 > hang_s:
+                    status[key] = f"hung: still running {hang_s:.0f} s after its launch"
+                    raise Fatal(f"{key}: {status[key]}")
+                time.sleep(0.002)
             torch.cuda.synchronize()
+    except Fatal:
+        raise
     except Exception as e:  # a tile that does not compile or run: recorded, not fatal
         status[key] = f"failed: {type(e).__name__}: {str(e)[:400]}"
         print(f"  {key[1]} {key[0]}: {status[key][:160]}", flush=True)
+        if "CUDA error" in str(e) or "illegal" in str(e).lower():
+            raise Fatal(f"{key}: {status[key]}") from e
         return {"status": status[key], "traceback": traceback.format_exc()[-1500:]}
     first = time.perf_counter() - t0
     print(f"  first call {key[1]} {key[0]}: {first:.1f} s (at {time.perf_counter() - t_start:.0f} s)", flush=True)
@@ -176,6 +199,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=150.0,
                     help="no new tile is compiled after this many seconds from the start (the a_src phase: "
                          f"{GATHER_EXTRA_S:.0f} s more)")
+    ap.add_argument("--hang-s", type=float, default=20.0,
+                    help="a first call still running this long after its launch stops the run (JSON kept)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -210,6 +235,13 @@ def main(argv=None) -> int:
 
     try:
         _sweep(result, args, configs, shape, tokens, gemms, dev, have_dg, on_gpu, t_start)
+    except Fatal as e:  # what was measured before it stays in the JSON; the process cannot go on
+        result["fatal"] = str(e)
+        result["best"] = {r: {g: _best(rec["gemms"].get(g, {})) for g in gemms}
+                          for r, rec in result["routings"].items()}
+        _write(result, args.out, t_start)
+        print(f"FATAL {e}; wrote {args.out}", flush=True)
+        os._exit(3)
     except BaseException as e:  # the JSON keeps what was measured (a single GPU run is precious)
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()[-3000:]
@@ -265,48 +297,64 @@ def _sweep(result, args, configs, shape, tokens, gemms, dev, have_dg, on_gpu, t_
         result["routings"][rname] = rrec
         print(f"\n== routing {rname}: {real} routed rows in {rows} layout rows; rows per expert max "
               f"{int(counts.max())}, min {int(counts.min())}", flush=True)
-        per_round: dict = {}
-        cases = {g: {} for g in gemms}
+        per_round = {g: {} for g in gemms}  # gemm -> tile -> (seconds per round, DeepGEMM's in its group)
         grecs = {g: {} for g in gemms}
-        outs = {g: {} for g in gemms}
+        for g in gemms:
+            rrec["gemms"][g] = grecs[g]
+        dg_fns = {}
         if have_dg:
             for g, (n, k) in gemms.items():
                 (a, sa), (b, sb) = operands[g], weights[g]
                 dg_out = torch.empty((rows, n), dtype=torch.bfloat16, device=dev)
-                cases[g]["deep_gemm"] = (lambda a=a, sa=sa, b=b, sb=sb, o=dg_out: grouped_gemm_contiguous(
+                dg_fns[g] = (lambda a=a, sa=sa, b=b, sb=sb, o=dg_out: grouped_gemm_contiguous(
                     a, b, m_idx, impl="deep_gemm", a_scales=sa, b_scales=sb, psum=lay_x.psum, out=o))
                 t0 = time.perf_counter()
-                cases[g]["deep_gemm"]()
+                dg_fns[g]()
                 torch.cuda.synchronize()
-                grecs[g]["deep_gemm"] = {"status": "ok", "first_call_s": time.perf_counter() - t0}
-        for cname, t in configs.items():  # tile-major: a tile cut by the budget misses both GEMMs, not GEMM2 only
+                grecs[g]["deep_gemm"] = {"status": "ok", "first_call_s": time.perf_counter() - t0, "by_group": {}}
+        want = {}
+        for grp in sorted({_group(t) for t in configs.values()}):
+            members = {c: t for c, t in configs.items() if _group(t) == grp}
+            cases = {g: {} for g in gemms}
+            outs = {g: {} for g in gemms}
+            for cname, t in members.items():  # tile-major: a tile cut by the budget misses both GEMMs
+                for g, (n, k) in gemms.items():
+                    (a, sa), (b, sb) = operands[g], weights[g]
+                    out = torch.empty((rows, n), dtype=torch.bfloat16, device=dev)
+                    fn = (lambda t=t, out=out, a=a, sa=sa, b=b, sb=sb: grouped_gemm_contiguous(
+                        a, b, m_idx, impl="triton", a_scales=sa, b_scales=sb, tiles=t, out=out))
+                    grecs[g][cname] = _first_call((cname, g), fn, status, compiled, args.budget_s, t_start,
+                                                  args.hang_s)
+                    grecs[g][cname]["group"] = grp
+                    if grecs[g][cname]["status"] == "ok":
+                        outs[g][cname], cases[g][cname] = out, fn
+                _write(result, args.out, t_start)
             for g, (n, k) in gemms.items():
-                (a, sa), (b, sb) = operands[g], weights[g]
-                out = torch.empty((rows, n), dtype=torch.bfloat16, device=dev)
-                fn = (lambda t=t, out=out, a=a, sa=sa, b=b, sb=sb: grouped_gemm_contiguous(
-                    a, b, m_idx, impl="triton", a_scales=sa, b_scales=sb, tiles=t, out=out))
-                grecs[g][cname] = _first_call((cname, g), fn, status, compiled, args.budget_s, t_start)
-                if grecs[g][cname]["status"] == "ok":
-                    outs[g][cname], cases[g][cname] = out, fn
-                rrec["gemms"][g] = grecs[g]
-            _write(result, args.out, t_start)
-        for g, (n, k) in gemms.items():
-            grec, outs_g, cases_g = grecs[g], outs[g], cases[g]
-            if DEFAULT_NAME in outs_g:
-                want = outs_g[DEFAULT_NAME][valid]
-                for cname, out in outs_g.items():
-                    grec[cname]["bits_equal_default"] = bool(torch.equal(out[valid], want))
-            if len(cases_g) > 1:
-                res = _time(cases_g, args, on_gpu)
+                grec = grecs[g]
+                if DEFAULT_NAME in outs[g]:
+                    want[g] = outs[g][DEFAULT_NAME][valid]
+                for cname, out in outs[g].items():
+                    if g in want:
+                        grec[cname]["bits_equal_default"] = bool(torch.equal(out[valid], want[g]))
+                if not cases[g]:
+                    continue
+                if have_dg:
+                    cases[g]["deep_gemm"] = dg_fns[g]
+                res = _time(cases[g], args, on_gpu)
                 flops = 2.0 * real * n * k
-                for cname in cases_g:
-                    grec[cname].update(_stats(res, cname))
-                    grec[cname]["tflops_real_rows"] = flops / res.cases[cname].median_s / 1e12
-                    if cname != "deep_gemm":
-                        grec[cname]["x_deep_gemm"] = _ratio(res, cname)
-                per_round[g] = {cname: res.cases[cname].seconds for cname in cases_g}
-            rrec["gemms"][g] = grec
-            _print_table(rname, g, grec)
+                dg_s = res.cases["deep_gemm"].seconds if have_dg else None
+                for cname in cases[g]:
+                    st = _stats(res, cname)
+                    st["tflops_real_rows"] = flops / res.cases[cname].median_s / 1e12
+                    if cname == "deep_gemm":
+                        grec["deep_gemm"]["by_group"][grp] = st
+                        continue
+                    grec[cname].update(st)
+                    grec[cname]["x_deep_gemm"] = _ratio(res, cname)
+                    per_round[g][cname] = (res.cases[cname].seconds, dg_s)
+            _write(result, args.out, t_start)
+        for g in gemms:
+            _print_table(rname, g, grecs[g])
         rrec["together"] = _together(per_round, rrec["gemms"])
         if rrec["together"]:
             _print_together(rname, rrec["together"])
@@ -327,27 +375,24 @@ def _best(grec: dict):
 
 
 def _together(per_round: dict, gemms: dict) -> dict:
-    """Per tile timed in both GEMMs: the per-round sums of its two times (against DeepGEMM's where present),
-    and the best GEMM1 tile with the best GEMM2 tile."""
-    if set(per_round) != {"gemm1", "gemm2"}:
-        return {}
-    p1, p2 = per_round["gemm1"], per_round["gemm2"]
-    dg = [a + b for a, b in zip(p1["deep_gemm"], p2["deep_gemm"])] if "deep_gemm" in p1 and "deep_gemm" in p2 else None
+    """Per tile timed in both GEMMs: the per-round sums of its two times, against the per-round sums of
+    DeepGEMM's times in the same timing groups; and the best GEMM1 tile with the best GEMM2 tile."""
+    p1, p2 = per_round.get("gemm1", {}), per_round.get("gemm2", {})
 
-    def rec(s1, s2):
+    def rec(c1, c2):
+        (s1, d1), (s2, d2) = p1[c1], p2[c2]
         both = [a + b for a, b in zip(s1, s2)]
         r = {"median_ms": statistics.median(both) * 1e3, "min_ms": min(both) * 1e3, "max_ms": max(both) * 1e3}
-        if dg is not None:
+        if d1 is not None and d2 is not None:
+            dg = [a + b for a, b in zip(d1, d2)]
+            r["deep_gemm_median_ms"] = statistics.median(dg) * 1e3
             r["x_deep_gemm"] = statistics.median([d / t for d, t in zip(dg, both)])
         return r
 
-    out = {n: rec(p1[n], p2[n]) for n in p1 if n != "deep_gemm" and n in p2}
-    if dg is not None:
-        out["deep_gemm"] = {"median_ms": statistics.median(dg) * 1e3, "min_ms": min(dg) * 1e3,
-                            "max_ms": max(dg) * 1e3}
-    b1, b2 = _best(gemms["gemm1"]), _best(gemms["gemm2"])
-    if b1 and b2:
-        out["best_pair"] = {"gemm1": b1["config"], "gemm2": b2["config"], **rec(p1[b1["config"]], p2[b2["config"]])}
+    out = {n: rec(n, n) for n in p1 if n in p2}
+    b1, b2 = _best(gemms.get("gemm1", {})), _best(gemms.get("gemm2", {}))
+    if b1 and b2 and b1["config"] in p1 and b2["config"] in p2:
+        out["best_pair"] = {"gemm1": b1["config"], "gemm2": b2["config"], **rec(b1["config"], b2["config"])}
     return out
 
 
@@ -370,7 +415,7 @@ def _gather_phase(rrec, x, sx, layout_rows, lay_x, weight, configs, top_k, args,
         fn = (lambda t=t, out=out: grouped_gemm_contiguous(x, b, m_idx, impl="triton", a_scales=sx, b_scales=sb,
                                                            tiles=t, out=out, a_src=lay_x.src, top_k=top_k))
         out_rec[cname] = _first_call((cname, "gemm1_a_src"), fn, status, compiled, args.budget_s + GATHER_EXTRA_S,
-                                     t_start)
+                                     t_start, args.hang_s)
         if out_rec[cname]["status"] != "ok":
             continue
         scat = grouped_gemm_contiguous(layout_rows[0], b, m_idx, impl="triton", a_scales=layout_rows[1],
@@ -400,6 +445,10 @@ def _print_table(rname: str, g: str, grec: dict) -> None:
     print(f"-- {rname} {g}: median ms (min-max), x DeepGEMM (median of per-round ratios), bits = default?")
     rows = sorted(grec.items(), key=lambda kv: kv[1].get("median_ms", float("inf")))
     for cname, v in rows:
+        if cname == "deep_gemm":
+            meds = ", ".join(f"{st['median_ms']:.3f}" for st in v.get("by_group", {}).values())
+            print(f"  {'deep_gemm':34s} {meds} (one timing per group: pointer loads, TMA, warp-specialized)")
+            continue
         if "median_ms" not in v:
             print(f"  {cname:34s} {v.get('status', '')[:100]}")
             continue
@@ -413,9 +462,10 @@ def _print_table(rname: str, g: str, grec: dict) -> None:
 
 
 def _print_together(rname: str, tog: dict) -> None:
-    dg = f": DeepGEMM {tog['deep_gemm']['median_ms']:.3f} ms" if "deep_gemm" in tog else ""
-    print(f"-- {rname} both GEMMs (per-round sums){dg}")
-    rows = sorted(((n, v) for n, v in tog.items() if n != "deep_gemm"), key=lambda kv: kv[1]["median_ms"])
+    dg = [v["deep_gemm_median_ms"] for v in tog.values() if "deep_gemm_median_ms" in v]
+    dg_text = f": DeepGEMM {statistics.median(dg):.3f} ms (median over the timing groups)" if dg else ""
+    print(f"-- {rname} both GEMMs (per-round sums){dg_text}")
+    rows = sorted(tog.items(), key=lambda kv: kv[1]["median_ms"])
     for cname, v in rows[:6]:
         extra = f" ({v['gemm1']} + {v['gemm2']})" if cname == "best_pair" else ""
         x = f"  x{v['x_deep_gemm']:.2f}" if "x_deep_gemm" in v else ""
