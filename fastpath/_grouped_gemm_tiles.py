@@ -34,7 +34,13 @@ import torch
 import triton
 import triton.language as tl
 
+from moeref._interop import triton_interpreted
+
 __all__ = ["ensure_allocator"]
+
+_INTERPRETED = triton_interpreted()
+"""Whether the kernels run under Triton's interpreter (the ``while`` loops; bench/sass_report.py's recorder sets
+it False to compile the GPU form on a machine without one)."""
 
 
 def _torch_scratch(size: int, alignment: int, stream):
@@ -108,8 +114,8 @@ def _tile(pid_m, pid_n, e, a_ptr, a_desc, b_ptr, b_desc, d_ptr, sa_ptr, sb_ptr, 
           BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
           GATHER: tl.constexpr, TMA: tl.constexpr, DYNAMIC_K: tl.constexpr, WS_K: tl.constexpr,
           INTERPRETED: tl.constexpr):
-    """One output tile. ``DYNAMIC_K`` (persistent programs): a tile of padding rows (``e < 0``) runs no K
-    block and stores nothing; otherwise the caller has returned on it."""
+    """One output tile. ``DYNAMIC_K``: a tile of padding rows (``e < 0``) runs no K block and stores nothing
+    (otherwise the caller has returned on it); ``WS_K``: the K loop warp-specialized."""
     live = e >= 0
     e64 = tl.maximum(e, 0).to(tl.int64)
     row0 = pid_m * BLOCK_M
@@ -141,12 +147,12 @@ def _tile(pid_m, pid_n, e, a_ptr, a_desc, b_ptr, b_desc, d_ptr, sa_ptr, sb_ptr, 
                                BLOCK_K, EVEN_K, TMA_A, TMA, SCALAR_SB)
                 it += 1
         else:
-            for it in tl.range(0, n_iters):
+            for it in tl.range(0, n_iters, warp_specialize=WS_K):
                 acc = _k_block(acc, it, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0,
                                cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, FP8, SCALE_BLOCK,
                                BLOCK_K, EVEN_K, TMA_A, TMA, SCALAR_SB)
     else:
-        for it in tl.range(0, K_ITERS, warp_specialize=WS_K):
+        for it in tl.range(0, K_ITERS):
             acc = _k_block(acc, it, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0,
                            cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, FP8, SCALE_BLOCK,
                            BLOCK_K, EVEN_K, TMA_A, TMA, SCALAR_SB)
@@ -201,6 +207,14 @@ def _grouped_gemm_tile_loop_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_pt
                       M, N, K, stride_am, stride_be, stride_bn, stride_dm, stride_sam, stride_sbe, stride_sbn, TOPK,
                       FP8, SCALE_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, EVEN_K, HAS_BIAS, GATHER, TMA,
                       True, False, INTERPRETED)
+    elif WARP_SPECIALIZE:  # no early return (Hopper's warp specialization fails on it): a padding tile runs
+        # no K block and stores nothing
+        pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        e = tl.load(m_idx_ptr + pid_m * BLOCK_M)
+        _tile(pid_m, pid_n, e, a_ptr, a_desc, b_ptr, b_desc, d_ptr, sa_ptr, sb_ptr, bias_ptr, src_ptr,
+              M, N, K, stride_am, stride_be, stride_bn, stride_dm, stride_sam, stride_sbe, stride_sbn, TOPK,
+              FP8, SCALE_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, EVEN_K, HAS_BIAS, GATHER, TMA,
+              True, True, INTERPRETED)
     else:
         pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         e = tl.load(m_idx_ptr + pid_m * BLOCK_M)
@@ -209,4 +223,4 @@ def _grouped_gemm_tile_loop_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_pt
         _tile(pid_m, pid_n, e, a_ptr, a_desc, b_ptr, b_desc, d_ptr, sa_ptr, sb_ptr, bias_ptr, src_ptr,
               M, N, K, stride_am, stride_be, stride_bn, stride_dm, stride_sam, stride_sbe, stride_sbn, TOPK,
               FP8, SCALE_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, EVEN_K, HAS_BIAS, GATHER, TMA,
-              False, WARP_SPECIALIZE, INTERPRETED)
+              False, False, INTERPRETED)

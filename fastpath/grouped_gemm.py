@@ -37,6 +37,8 @@ import triton.language as tl
 
 from moeref._interop import triton_interpreted
 
+from . import _grouped_gemm_tiles
+from ._grouped_gemm_tiles import _grouped_gemm_tile_loop_kernel, ensure_allocator
 from ._host import cdiv, launch, next_pow2
 
 __all__ = ["GROUPED_GEMM_IMPLEMENTATIONS", "FP8_PREFILL_CANDIDATES", "GemmTiles", "default_tiles",
@@ -118,6 +120,9 @@ FP8_PREFILL_CANDIDATES = {
     "64x128 w4 s4 pers2 g4": GemmTiles(64, 128, 128, 4, 4, persistent=True, programs_per_sm=2, group_m=4),
     "64x128 w4 s4 tma": GemmTiles(64, 128, 128, 4, 4, tma=True),
     "64x128 w4 s4 tma g4": GemmTiles(64, 128, 128, 4, 4, tma=True, group_m=4),
+    "64x128 w4 s3 tma g4": GemmTiles(64, 128, 128, 4, 3, tma=True, group_m=4),
+    "64x128 w4 s3 pers3 tma g4": GemmTiles(64, 128, 128, 4, 3, persistent=True, programs_per_sm=3, tma=True,
+                                           group_m=4),
     "64x128 w4 s4 pers2 tma g4": GemmTiles(64, 128, 128, 4, 4, persistent=True, programs_per_sm=2, tma=True,
                                            group_m=4),
     "64x128 w4 s4 pers2 tma flat g4": GemmTiles(64, 128, 128, 4, 4, persistent=True, programs_per_sm=2, tma=True,
@@ -126,10 +131,11 @@ FP8_PREFILL_CANDIDATES = {
     "64x128 w4 s3 pers1 tma ws g4": GemmTiles(64, 128, 128, 4, 3, persistent=True, tma=True, warp_specialize=True,
                                               group_m=4),
     "128x128 w8 s3 tma g2": GemmTiles(128, 128, 128, 8, 3, tma=True, group_m=2),
-    "128x128 w8 s3 pers2 tma g2": GemmTiles(128, 128, 128, 8, 3, persistent=True, programs_per_sm=2, tma=True,
-                                            group_m=2),
+    "128x128 w8 s3 pers1 tma g2": GemmTiles(128, 128, 128, 8, 3, persistent=True, tma=True, group_m=2),
     "128x128 w4 s3 tma ws g2": GemmTiles(128, 128, 128, 4, 3, tma=True, warp_specialize=True, group_m=2),
     "128x128 w4 s3 pers1 tma ws g2": GemmTiles(128, 128, 128, 4, 3, persistent=True, tma=True, warp_specialize=True,
+                                               group_m=2),
+    "128x128 w4 s4 pers1 tma ws g2": GemmTiles(128, 128, 128, 4, 4, persistent=True, tma=True, warp_specialize=True,
                                                group_m=2),
     "64x256 w8 s3 tma g4": GemmTiles(64, 256, 128, 8, 3, tma=True, group_m=4),
 }
@@ -411,8 +417,6 @@ def _sm_count(device: torch.device) -> int:
 
 def _launch_tile_loop(a, b, d, m_idx, sa, sb, bias_t, src, t: GemmTiles, m, n, k, e, fp8, has_bias, gather, top_k):
     """One launch of :func:`fastpath._grouped_gemm_tiles._grouped_gemm_tile_loop_kernel` (contiguous layout)."""
-    from ._grouped_gemm_tiles import _grouped_gemm_tile_loop_kernel, ensure_allocator
-
     if t.tma:
         esize = a.element_size()
         bad = [f"{name} (address {x.data_ptr()})" for name, x in (("a", a), ("b", b)) if x.data_ptr() % 16]
@@ -429,7 +433,7 @@ def _launch_tile_loop(a, b, d, m_idx, sa, sb, bias_t, src, t: GemmTiles, m, n, k
            FP8=fp8, SCALE_BLOCK=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
            K_ITERS=cdiv(k, t.block_k), EVEN_K=k % t.block_k == 0, HAS_BIAS=has_bias, GATHER=gather,
            PERSISTENT=t.persistent, TMA=t.tma, WARP_SPECIALIZE=t.warp_specialize, FLATTEN=t.flatten,
-           GROUP_M=t.group_m, INTERPRETED=a.device.type != "cuda", num_warps=t.num_warps, num_stages=t.num_stages)
+           GROUP_M=t.group_m, INTERPRETED=_grouped_gemm_tiles._INTERPRETED, num_warps=t.num_warps, num_stages=t.num_stages)
 
 
 def grouped_gemm_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *, impl: str, a_scales=None,
