@@ -9,11 +9,14 @@ comparison checks the tiling, the tile order and loop bounds, the descriptor loa
 not the hardware's accumulation (the interpreter's dot is NumPy's). There ``warp_specialize`` and
 ``flatten`` are accepted and ignored, and a persistent program's loops are ``while`` loops over the same
 bounds (:mod:`fastpath._grouped_gemm_tiles`): the ``tl.range`` forms, the Hopper warp specialization and the
-TMA engine are checked only by the GPU test, which runs every tile of
-:data:`fastpath.grouped_gemm.FP8_PREFILL_CANDIDATES` on random E4M3 codes over the whole range against
-:data:`~fastpath.grouped_gemm.DEFAULT_TILES` bit for bit.
+TMA engine run only in the GPU test, which runs every tile of :data:`fastpath.grouped_gemm.FP8_PREFILL_CANDIDATES`
+on random E4M3 codes over the whole range against :data:`~fastpath.grouped_gemm.DEFAULT_TILES` bit for bit. On
+the CPU each of those tiles is compiled for sm_90a (Triton's ptxas) and its IR and SASS inspected.
 """
 from __future__ import annotations
+
+import json
+import os
 
 import numpy as np
 import pytest
@@ -251,3 +254,35 @@ def test_gpu_test_names_every_candidate():
 
     mark = next(m for m in test_gpu_prefill_candidates_give_the_default_bits.pytestmark if m.name == "parametrize")
     assert list(mark.args[1]) == list(FP8_PREFILL_CANDIDATES)
+
+
+@pytest.mark.slow
+def test_every_candidate_compiles_for_hopper_with_its_options(tmp_path):
+    """Every FP8 prefill candidate compiles for sm_90a on the CPU (Triton's ptxas; bench/studies/
+    triton_fp8_prefill_compile.py in a process of its own, the kernels compiled rather than interpreted), at
+    GEMM2's shape: warp specialization in the IR exactly where asked (Hopper applies it with 4 warps), TMA loads
+    exactly where asked, no spills, as many FP32 multiplies as fused multiply-adds in the SASS, a multiple of a
+    thread's outputs (the promotion ``fma(fl(part * sa), sb, acc)``, as in the default tiles), and a persistent
+    grid's programs per SM co-resident (registers and shared memory)."""
+    import subprocess
+    import sys
+
+    from fastpath.grouped_gemm import FP8_PREFILL_CANDIDATES
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    out = tmp_path / "c.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "bench/studies/triton_fp8_prefill_compile.py", "--gemms", "gemm2",
+                          "--out", str(out)], cwd=root, env=env, capture_output=True, text=True, timeout=800)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert list(got) == list(FP8_PREFILL_CANDIDATES)
+    for name, t in FP8_PREFILL_CANDIDATES.items():
+        r = got[name]["gemm2"]
+        assert r["warp_specialized"] == t.warp_specialize, name
+        assert r["tma_loads"] == t.tma, name
+        assert r["stack_bytes"] == 0, name
+        outputs_per_thread = t.block_m * t.block_n // (32 * t.num_warps)
+        assert r["fmul"] == r["ffma"] and r["fmul"] % outputs_per_thread == 0 and r["fmul"] > 0, (name, r)
+        if t.persistent:
+            assert r["programs_per_sm_fit"] >= t.programs_per_sm, name
