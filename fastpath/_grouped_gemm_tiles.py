@@ -13,7 +13,8 @@
   (``tl.make_tensor_descriptor``; their scratch comes from the allocator given to ``triton.set_allocator``,
   :func:`ensure_allocator`). Out-of-bounds rows and K columns read as zeros, as the masked loads do.
 * ``warp_specialize``: ``tl.range(..., warp_specialize=True)`` on the tile loop (persistent) or on the
-  K loop. Triton 3.6 applies it on Hopper with 4 warps only (with 8 it compiles without; the compiled IR
+  K loop; not with ``a_src`` (pointer-loaded A fails Triton 3.6's Hopper warp specialization pass; the host
+  refuses it). Triton 3.6 applies it on Hopper with 4 warps only (with 8 it compiles without; the compiled IR
   shows which, recorded by bench/studies/triton_fp8_prefill_sweep.py).
 * ``flatten``: ``tl.range(..., flatten=True)`` on the tile loop (persistent only).
 

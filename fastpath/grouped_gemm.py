@@ -79,7 +79,8 @@ class GemmTiles:
     warp_specialize: bool = False
     """``tl.range(..., warp_specialize=True)`` on the tile loop (persistent) or the K loop. Triton 3.6 applies it
     on Hopper with 4 warps only and compiles without it otherwise (the compiled IR shows which:
-    bench/studies/triton_fp8_prefill_sweep.py records it)."""
+    bench/studies/triton_fp8_prefill_compile.py); with ``tma`` only, and not with ``a_src`` (a ``ValueError``):
+    its producer takes TMA loads, and gathered rows are pointer loads."""
     flatten: bool = False
     """``tl.range(..., flatten=True)`` on a persistent program's tile loop."""
     group_m: int = 1
@@ -97,6 +98,8 @@ class GemmTiles:
         if self.swap_ab and self.tile_loop:
             raise ValueError("the tile-loop options (persistent, tma, warp_specialize, flatten, group_m > 1) compute "
                              f"a @ B^T tiles; swap_ab=True has none; got {self}")
+        if self.warp_specialize and not self.tma:
+            raise ValueError(f"warp_specialize needs tma=True (its producer issues TMA loads); got {self}")
         if not self.persistent and (self.flatten or self.programs_per_sm != 1):
             raise ValueError(f"flatten and programs_per_sm are options of persistent=True tiles; got {self}")
 
@@ -417,6 +420,10 @@ def _sm_count(device: torch.device) -> int:
 
 def _launch_tile_loop(a, b, d, m_idx, sa, sb, bias_t, src, t: GemmTiles, m, n, k, e, fp8, has_bias, gather, top_k):
     """One launch of :func:`fastpath._grouped_gemm_tiles._grouped_gemm_tile_loop_kernel` (contiguous layout)."""
+    if t.warp_specialize and gather:
+        raise ValueError("warp_specialize tiles need both operands through TMA, and rows read through a_src are "
+                         "gathered by pointer loads (Hopper's TMA has no row gather; Triton 3.6's warp "
+                         f"specialization does not compile them): pass the layout's rows, or tiles without it; got {t}")
     if t.tma:
         esize = a.element_size()
         bad = [f"{name} (address {x.data_ptr()})" for name, x in (("a", a), ("b", b)) if x.data_ptr() % 16]
@@ -433,7 +440,8 @@ def _launch_tile_loop(a, b, d, m_idx, sa, sb, bias_t, src, t: GemmTiles, m, n, k
            FP8=fp8, SCALE_BLOCK=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
            K_ITERS=cdiv(k, t.block_k), EVEN_K=k % t.block_k == 0, HAS_BIAS=has_bias, GATHER=gather,
            PERSISTENT=t.persistent, TMA=t.tma, WARP_SPECIALIZE=t.warp_specialize, FLATTEN=t.flatten,
-           GROUP_M=t.group_m, INTERPRETED=_grouped_gemm_tiles._INTERPRETED, num_warps=t.num_warps, num_stages=t.num_stages)
+           GROUP_M=t.group_m, INTERPRETED=_grouped_gemm_tiles._INTERPRETED, num_warps=t.num_warps,
+           num_stages=t.num_stages)
 
 
 def grouped_gemm_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *, impl: str, a_scales=None,

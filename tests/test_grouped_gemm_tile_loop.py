@@ -137,6 +137,10 @@ def test_tile_loop_variants_give_the_one_tile_kernel_bits(kind):
             t = GemmTiles(t.block_m, t.block_n, 32, 1, 1, persistent=t.persistent, programs_per_sm=t.programs_per_sm,
                           tma=t.tma, warp_specialize=t.warp_specialize, flatten=t.flatten, group_m=t.group_m)
         one = GemmTiles(t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages)
+        if t.warp_specialize and "a_src" in kw:  # refused on the host, as on the GPU (no pointer loads there)
+            with pytest.raises(ValueError, match="a_src"):
+                grouped_gemm_contiguous(a, b, lay.m_indices, impl="triton", tiles=t, **kw)
+            continue
         outs = []
         for tiles in (one, t):
             out = torch.full((int(valid.numel()), b.shape[1]), float("nan"))
@@ -178,6 +182,8 @@ def test_tile_loop_options_are_checked():
         GemmTiles(64, 128, 128, 4, 3, group_m=0)
     with pytest.raises(TypeError, match="tma"):
         GemmTiles(64, 128, 128, 4, 3, tma=1)
+    with pytest.raises(ValueError, match="tma=True"):
+        GemmTiles(64, 128, 128, 4, 3, warp_specialize=True)
     assert not GemmTiles().tile_loop and GemmTiles(group_m=2).tile_loop
     if on_gpu():
         return
@@ -228,7 +234,8 @@ def _gpu_operands(k: int, n: int, seed: int):
 def test_gpu_prefill_candidates_give_the_default_bits(name):
     """Each FP8 prefill candidate (:data:`fastpath.grouped_gemm.FP8_PREFILL_CANDIDATES`) gives the bits of the
     default tiles on every routed row: GEMM1-like (K = 7168, N = 512) and GEMM2-like (K = 2048, N = 384, a
-    column tail for 256-wide tiles) on the layout's rows, and token rows through ``a_src`` with a bias."""
+    column tail for 256-wide tiles) on the layout's rows, and token rows through ``a_src`` with a bias (the
+    layout's rows with a bias for warp-specialized tiles, which refuse ``a_src``)."""
     if not on_gpu():
         pytest.skip("needs a CUDA GPU (Hopper for TMA and warp specialization): run `pytest -m gpu` on a GPU machine")
     from fastpath.grouped_gemm import DEFAULT_TILES, FP8_PREFILL_CANDIDATES, grouped_gemm_contiguous
@@ -243,9 +250,14 @@ def test_gpu_prefill_candidates_give_the_default_bits(name):
         got = grouped_gemm_contiguous(a, b, lay.m_indices, impl="triton", a_scales=sa, b_scales=sb, tiles=t)
         assert torch.equal(got[valid], want[valid]), (name, k, n)
         kw = dict(impl="triton", a_scales=sx, b_scales=sb, bias=bias, a_src=lay.src, top_k=4)
+        if t.warp_specialize:  # refused: the gathered rows are pointer loads
+            with pytest.raises(ValueError, match="a_src"):
+                grouped_gemm_contiguous(x, b, lay.m_indices, tiles=t, **kw)
+            kw.pop("a_src")
+            x, kw["a_scales"] = a, sa  # the layout's rows with the bias instead
         want = grouped_gemm_contiguous(x, b, lay.m_indices, tiles=DEFAULT_TILES["fp8_block"], **kw)
         got = grouped_gemm_contiguous(x, b, lay.m_indices, tiles=t, **kw)
-        assert torch.equal(got[valid], want[valid]), (name, k, n, "a_src, bias")
+        assert torch.equal(got[valid], want[valid]), (name, k, n, "bias" + ("" if t.warp_specialize else ", a_src"))
 
 
 def test_gpu_test_names_every_candidate():

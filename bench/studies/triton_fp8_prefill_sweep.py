@@ -14,13 +14,17 @@ events, calls per round calibrated to ``--round-ms``, clocks spun up; medians an
 per-round sum of the two GEMMs' times (round ``i`` of GEMM1 with round ``i`` of GEMM2) against DeepGEMM's.
 Each Triton output is checked bit for bit against the default tiles (:data:`fastpath.grouped_gemm.DEFAULT_TILES`)
 on every routed row of the same data. GEMM1 is also timed the way the Triton layer runs it, the token rows
-read through ``a_src`` (no scatter; TMA then loads B only), for the default and the fastest GEMM1 tile.
+read through ``a_src`` (no scatter; TMA then loads B only; warp-specialized tiles refuse it), for the default,
+the fastest GEMM1 tile and the fastest without warp specialization.
 
 Each tile's first call compiles it (timed, reported); a tile that fails to compile or run (shared memory,
 an unsupported combination) is recorded with its error, not fatal. Compilation of a new tile stops when
 ``--budget-s`` (150) seconds have passed since the start (the rest are recorded as skipped; the ``a_src``
-phase's two tiles may start up to 30 s later), so the whole run stays within about 240 s on an H200. Per compiled kernel the JSON records whether its IR has Triton's warp
-specialization and TMA loads, its registers, spills and shared memory.
+phase's tiles may start up to 30 s later), so the whole run stays within about 240 s on an H200. Per compiled
+kernel the JSON records whether its IR has Triton's warp specialization and TMA loads, its registers, spills
+and shared memory. Tiles are compiled and timed in three groups (pointer loads, TMA, warp-specialized), each
+with DeepGEMM in its rounds; a first call that hangs (``--hang-s``) or leaves a CUDA error stops the run with
+the JSON written (exit status 3).
 
     python bench/studies/triton_fp8_prefill_sweep.py --out bench_out/triton_fp8_prefill_sweep.json \\
         [--tokens 4096] [--rounds 7] [--routings uniform skewed] [--configs NAME ...] [--budget-s 150]
@@ -398,13 +402,17 @@ def _together(per_round: dict, gemms: dict) -> dict:
 
 def _gather_phase(rrec, x, sx, layout_rows, lay_x, weight, configs, top_k, args, t_start, status, compiled,
                   have_dg, on_gpu) -> dict:
-    """GEMM1 as the Triton layer runs it (token rows ``x`` read through ``a_src``) for the default tile and the
-    fastest GEMM1 tile: bits against the same tile on ``layout_rows`` (the token rows and scales scattered into
-    the layout), timed with DeepGEMM on ``layout_rows``."""
+    """GEMM1 as the Triton layer runs it (token rows ``x`` read through ``a_src``) for the default tile, the
+    fastest GEMM1 tile and the fastest without warp specialization (which refuses ``a_src``: recorded): bits
+    against the same tile on ``layout_rows`` (the token rows and scales scattered into the layout), timed with
+    DeepGEMM on ``layout_rows``."""
     from fastpath.grouped_gemm import grouped_gemm_contiguous
 
-    best = _best(rrec["gemms"].get("gemm1", {}))
-    picks = [DEFAULT_NAME] + ([best["config"]] if best and best["config"] != DEFAULT_NAME else [])
+    g1 = rrec["gemms"].get("gemm1", {})
+    best = _best(g1)  # the fastest tile, and the fastest without warp specialization (which refuses a_src)
+    best_plain = _best({c: v for c, v in g1.items() if c in configs and not configs[c].warp_specialize})
+    picks = [DEFAULT_NAME] + [b["config"] for b in (best, best_plain) if b and b["config"] != DEFAULT_NAME]
+    picks = list(dict.fromkeys(picks))
     b, sb = weight
     m_idx, valid = lay_x.m_indices, lay_x.m_indices >= 0
     rows, n, dev = int(m_idx.numel()), int(b.shape[1]), x.device
