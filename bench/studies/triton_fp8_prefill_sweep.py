@@ -244,6 +244,9 @@ def main(argv=None) -> int:
         result["best"] = {r: {g: _best(rec["gemms"].get(g, {})) for g in gemms}
                           for r, rec in result["routings"].items()}
         _write(result, args.out, t_start)
+        for r, rec in result["routings"].items():
+            for g, grec in rec["gemms"].items():
+                _print_table(r, g, grec)
         print(f"FATAL {e}; wrote {args.out}", flush=True)
         os._exit(3)
     except BaseException as e:  # the JSON keeps what was measured (a single GPU run is precious)
@@ -310,12 +313,25 @@ def _sweep(result, args, configs, shape, tokens, gemms, dev, have_dg, on_gpu, t_
             for g, (n, k) in gemms.items():
                 (a, sa), (b, sb) = operands[g], weights[g]
                 dg_out = torch.empty((rows, n), dtype=torch.bfloat16, device=dev)
-                dg_fns[g] = (lambda a=a, sa=sa, b=b, sb=sb, o=dg_out: grouped_gemm_contiguous(
-                    a, b, m_idx, impl="deep_gemm", a_scales=sa, b_scales=sb, psum=lay_x.psum, out=o))
-                t0 = time.perf_counter()
-                dg_fns[g]()
-                torch.cuda.synchronize()
-                grecs[g]["deep_gemm"] = {"status": "ok", "first_call_s": time.perf_counter() - t0, "by_group": {}}
+                errors = []
+                for psum in (lay_x.psum, None):  # the layer's psum layout; m_indices if this build has none
+                    fn = (lambda a=a, sa=sa, b=b, sb=sb, o=dg_out, p=psum: grouped_gemm_contiguous(
+                        a, b, m_idx, impl="deep_gemm", a_scales=sa, b_scales=sb, psum=p, out=o))
+                    t0 = time.perf_counter()
+                    try:
+                        fn()
+                        torch.cuda.synchronize()
+                    except Exception as e:  # recorded; the Triton tiles are still measured
+                        errors.append(f"{'psum' if psum is not None else 'm_indices'}: {type(e).__name__}: {e}"[:400])
+                        continue
+                    dg_fns[g] = fn
+                    grecs[g]["deep_gemm"] = {"status": "ok", "first_call_s": time.perf_counter() - t0,
+                                             "layout": "psum" if psum is not None else "m_indices",
+                                             "errors": errors, "by_group": {}}
+                    break
+                else:
+                    grecs[g]["deep_gemm"] = {"status": "failed", "errors": errors}
+                    print(f"  deep_gemm {g} failed: {errors}", flush=True)
         want = {}
         for grp in sorted({_group(t) for t in configs.values()}):
             members = {c: t for c, t in configs.items() if _group(t) == grp}
@@ -342,11 +358,11 @@ def _sweep(result, args, configs, shape, tokens, gemms, dev, have_dg, on_gpu, t_
                         grec[cname]["bits_equal_default"] = bool(torch.equal(out[valid], want[g]))
                 if not cases[g]:
                     continue
-                if have_dg:
+                if g in dg_fns:
                     cases[g]["deep_gemm"] = dg_fns[g]
                 res = _time(cases[g], args, on_gpu)
                 flops = 2.0 * real * n * k
-                dg_s = res.cases["deep_gemm"].seconds if have_dg else None
+                dg_s = res.cases["deep_gemm"].seconds if g in dg_fns else None
                 for cname in cases[g]:
                     st = _stats(res, cname)
                     st["tflops_real_rows"] = flops / res.cases[cname].median_s / 1e12
@@ -364,7 +380,7 @@ def _sweep(result, args, configs, shape, tokens, gemms, dev, have_dg, on_gpu, t_
             _print_together(rname, rrec["together"])
         _write(result, args.out, t_start)
         rrec["gemm1_a_src"] = _gather_phase(rrec, x, sx, operands["gemm1"], lay_x, weights["gemm1"], configs, top_k,
-                                            args, t_start, status, compiled, have_dg, on_gpu)
+                                            args, t_start, status, compiled, dg_fns.get("gemm1"), on_gpu)
         _write(result, args.out, t_start)
 
 
@@ -401,7 +417,7 @@ def _together(per_round: dict, gemms: dict) -> dict:
 
 
 def _gather_phase(rrec, x, sx, layout_rows, lay_x, weight, configs, top_k, args, t_start, status, compiled,
-                  have_dg, on_gpu) -> dict:
+                  dg_fn, on_gpu) -> dict:
     """GEMM1 as the Triton layer runs it (token rows ``x`` read through ``a_src``) for the default tile, the
     fastest GEMM1 tile and the fastest without warp specialization (which refuses ``a_src``: recorded): bits
     against the same tile on ``layout_rows`` (the token rows and scales scattered into the layout), timed with
@@ -432,11 +448,8 @@ def _gather_phase(rrec, x, sx, layout_rows, lay_x, weight, configs, top_k, args,
         cases[cname] = fn
     if not cases:
         return out_rec
-    if have_dg:
-        dg_out = torch.empty((rows, n), dtype=torch.bfloat16, device=dev)
-        cases["deep_gemm"] = lambda: grouped_gemm_contiguous(layout_rows[0], b, m_idx, impl="deep_gemm",
-                                                             a_scales=layout_rows[1], b_scales=sb, psum=lay_x.psum,
-                                                             out=dg_out)
+    if dg_fn is not None:  # DeepGEMM's GEMM1 as timed above (the layout's rows)
+        cases["deep_gemm"] = dg_fn
         out_rec["deep_gemm"] = {"status": "ok"}
     res = _time(cases, args, on_gpu)
     for cname in cases:
