@@ -61,7 +61,9 @@ _FP8 = (torch.float8_e4m3fn,)
 class GemmTiles:
     """Launch configuration of the Triton kernel (``block_m`` must divide the layout's alignment; FP8
     needs ``block_k == 128``, one scale block per step). Defaults: :data:`DEFAULT_TILES`; measured
-    alternatives and their times are in docs/performance.md."""
+    alternatives and their times are in docs/performance.md. The tile-loop options (``persistent``, ``tma``,
+    ``warp_specialize``, ``flatten``, ``group_m``; contiguous layout, not with ``swap_ab``) run
+    :mod:`fastpath._grouped_gemm_tiles`' kernel: the same FP32 operations per output, so the same bits."""
 
     block_m: int = 128
     block_n: int = 128
@@ -88,7 +90,7 @@ class GemmTiles:
     read each B tile together); 1: column tiles fastest, the one-tile-per-program kernel's order."""
 
     def __post_init__(self):
-        for name in ("swap_ab", "persistent", "tma", "warp_specialize", "flatten"):
+        for name in ("persistent", "tma", "warp_specialize", "flatten"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GemmTiles.{name} must be a bool; got {getattr(self, name)!r}")
         for name in ("programs_per_sm", "group_m"):
