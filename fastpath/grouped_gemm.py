@@ -137,6 +137,7 @@ FP8_PREFILL_CANDIDATES = {
                                               group_m=4),
     "128x128 w8 s3 tma g2": GemmTiles(128, 128, 128, 8, 3, tma=True, group_m=2),
     "128x128 w8 s3 pers1 tma g2": GemmTiles(128, 128, 128, 8, 3, persistent=True, tma=True, group_m=2),
+    "128x64 w4 s4 tma g2": GemmTiles(128, 64, 128, 4, 4, tma=True, group_m=2),
     "128x128 w4 s3 tma ws g2": GemmTiles(128, 128, 128, 4, 3, tma=True, warp_specialize=True, group_m=2),
     "128x128 w4 s3 pers1 tma ws g2": GemmTiles(128, 128, 128, 4, 3, persistent=True, tma=True, warp_specialize=True,
                                                group_m=2),

@@ -229,7 +229,7 @@ def _gpu_operands(k: int, n: int, seed: int):
                                   "64x128 w4 s3 tma g4", "64x128 w4 s3 pers3 tma g4", "64x128 w4 s4 pers2 tma g4",
                                   "64x128 w4 s4 pers2 tma flat g4", "64x128 w4 s3 tma ws",
                                   "64x128 w4 s3 pers1 tma ws g4", "128x128 w8 s3 tma g2", "128x128 w8 s3 pers1 tma g2",
-                                  "128x128 w4 s3 tma ws g2", "128x128 w4 s3 pers1 tma ws g2",
+                                  "128x64 w4 s4 tma g2", "128x128 w4 s3 tma ws g2", "128x128 w4 s3 pers1 tma ws g2",
                                   "128x128 w4 s4 pers1 tma ws g2", "64x256 w8 s3 tma g4"])
 def test_gpu_prefill_candidates_give_the_default_bits(name):
     """Each FP8 prefill candidate (:data:`fastpath.grouped_gemm.FP8_PREFILL_CANDIDATES`) gives the bits of the
