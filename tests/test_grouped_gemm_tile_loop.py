@@ -185,6 +185,10 @@ def test_tile_loop_options_are_checked():
     with pytest.raises(ValueError, match="tma=True"):
         GemmTiles(64, 128, 128, 4, 3, warp_specialize=True)
     assert not GemmTiles().tile_loop and GemmTiles(group_m=2).tile_loop
+    from fastpath.grouped_gemm_w4 import _tiles_for
+
+    with pytest.raises(ValueError, match="4-bit kernel"):  # the W4 kernel has no tile loop: refused, not dropped
+        _tiles_for(None, None, GemmTiles(64, 128, 64, 4, 3, group_m=2), 128)
     if on_gpu():
         return
     m_idx = torch.zeros(32, dtype=torch.int32)
