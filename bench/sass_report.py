@@ -40,7 +40,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 _TARGET = GPUTarget("cuda", 90, 32)
 _TY = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.uint8: "*u8",
-       torch.int32: "*i32", torch.int64: "*i64", torch.int8: "*i8", torch.float64: "*fp64"}
+       torch.int32: "*i32", torch.int64: "*i64", torch.int8: "*i8", torch.float64: "*fp64",
+       torch.float8_e4m3fn: "*fp8e4nv"}
 
 
 class _Recorder:

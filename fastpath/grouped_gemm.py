@@ -16,6 +16,9 @@ cannot run), each declaring the :mod:`moeref.compare` profile its arithmetic sat
     block a fresh ``tl.dot`` (Hopper WGMMA: ~14-bit aligned accumulation inside the block), multiplied
     by the block's two scales and added to an FP32 accumulator: promotion every 128 K, DeepGEMM's
     recipe (profile ``HOPPER_FP8_DEEPGEMM_DATA``).
+  - :class:`GemmTiles` with a tile-loop option (``group_m``, ``persistent``, ``tma``, ``warp_specialize``,
+    ``flatten``; contiguous layout) run the same arithmetic in :mod:`fastpath._grouped_gemm_tiles`' kernel: the
+    same bits, another tile order, grid and load path (candidates: :data:`FP8_PREFILL_CANDIDATES`).
 * ``"deep_gemm"``: ``deep_gemm.m_grouped_fp8_gemm_nt_contiguous`` (FP8 1x128 x 128x128, FP32 scales;
   profile ``HOPPER_FP8_DEEPGEMM_DATA``), when the package is importable.
 
@@ -34,10 +37,13 @@ import triton.language as tl
 
 from moeref._interop import triton_interpreted
 
+from . import _grouped_gemm_tiles
+from ._grouped_gemm_tiles import _grouped_gemm_tile_loop_kernel, ensure_allocator
 from ._host import cdiv, launch, next_pow2
 
-__all__ = ["GROUPED_GEMM_IMPLEMENTATIONS", "GemmTiles", "default_tiles", "grouped_gemm_contiguous",
-           "grouped_gemm_masked", "grouped_gemm_supports", "PROFILE_OF", "EXACT_PROFILE_OF"]
+__all__ = ["GROUPED_GEMM_IMPLEMENTATIONS", "FP8_PREFILL_CANDIDATES", "GemmTiles", "default_tiles",
+           "grouped_gemm_contiguous", "grouped_gemm_masked", "grouped_gemm_supports", "PROFILE_OF",
+           "EXACT_PROFILE_OF"]
 
 GROUPED_GEMM_IMPLEMENTATIONS = ("triton", "deep_gemm")
 PROFILE_OF = {("triton", "float"): "BF16_OUTPUT", ("triton", "fp8_block"): "HOPPER_FP8_DEEPGEMM_DATA",
@@ -55,7 +61,9 @@ _FP8 = (torch.float8_e4m3fn,)
 class GemmTiles:
     """Launch configuration of the Triton kernel (``block_m`` must divide the layout's alignment; FP8
     needs ``block_k == 128``, one scale block per step). Defaults: :data:`DEFAULT_TILES`; measured
-    alternatives and their times are in docs/performance.md."""
+    alternatives and their times are in docs/performance.md. The tile-loop options (``persistent``, ``tma``,
+    ``warp_specialize``, ``flatten``, ``group_m``; contiguous layout, not with ``swap_ab``) run
+    :mod:`fastpath._grouped_gemm_tiles`' kernel: the same FP32 operations per output, so the same bits."""
 
     block_m: int = 128
     block_n: int = 128
@@ -65,6 +73,42 @@ class GemmTiles:
     swap_ab: bool = False
     """Compute each tile transposed (``B @ a^T``: the weights are the MMA's wide M side, the rows its
     narrow N side, 16 at decode); the same products and K order as ``a @ B^T``."""
+    persistent: bool = False
+    """``programs_per_sm`` programs per SM, each looping over output tiles (the tile-loop kernel)."""
+    programs_per_sm: int = 1
+    tma: bool = False
+    """Load B, and A unless it is read through ``a_src``, with TMA tensor descriptors made in the kernel."""
+    warp_specialize: bool = False
+    """``tl.range(..., warp_specialize=True)`` on the tile loop (persistent) or the K loop. Triton 3.6 applies it
+    on Hopper with 4 warps only and compiles without it otherwise (the compiled IR shows which:
+    bench/studies/triton_fp8_prefill_compile.py); with ``tma`` only, and not with ``a_src`` (a ``ValueError``):
+    its producer takes TMA loads, and gathered rows are pointer loads."""
+    flatten: bool = False
+    """``tl.range(..., flatten=True)`` on a persistent program's tile loop."""
+    group_m: int = 1
+    """Tile order: groups of ``group_m`` row tiles, row tiles fastest inside a group (an expert's row tiles
+    read each B tile together); 1: column tiles fastest, the one-tile-per-program kernel's order."""
+
+    def __post_init__(self):
+        for name in ("persistent", "tma", "warp_specialize", "flatten"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"GemmTiles.{name} must be a bool; got {getattr(self, name)!r}")
+        for name in ("programs_per_sm", "group_m"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"GemmTiles.{name} must be an int >= 1; got {v!r}")
+        if self.swap_ab and self.tile_loop:
+            raise ValueError("the tile-loop options (persistent, tma, warp_specialize, flatten, group_m > 1) compute "
+                             f"a @ B^T tiles; swap_ab=True has none; got {self}")
+        if self.warp_specialize and not self.tma:
+            raise ValueError(f"warp_specialize needs tma=True (its producer issues TMA loads); got {self}")
+        if not self.persistent and (self.flatten or self.programs_per_sm != 1):
+            raise ValueError(f"flatten and programs_per_sm are options of persistent=True tiles; got {self}")
+
+    @property
+    def tile_loop(self) -> bool:
+        """Whether these tiles run :mod:`fastpath._grouped_gemm_tiles`' kernel (contiguous layout only)."""
+        return self.persistent or self.tma or self.warp_specialize or self.flatten or self.group_m != 1
 
 
 DEFAULT_TILES = {"fp8_block": GemmTiles(64, 128, 128, 4, 4), "float": GemmTiles(128, 256, 64, 8, 3),
@@ -73,6 +117,37 @@ DEFAULT_TILES = {"fp8_block": GemmTiles(64, 128, 128, 4, 4), "float": GemmTiles(
 (:func:`default_tiles`). Measured in docs/moe-gpu.md."""
 _INTERPRETER_TILES = {"fp8_block": GemmTiles(16, 32, 128, 1, 1), "float": GemmTiles(16, 32, 32, 1, 1),
                       "fp8_block_decode": GemmTiles(16, 32, 128, 1, 1, swap_ab=True)}
+FP8_PREFILL_CANDIDATES = {
+    "64x128 w4 s4 (default)": GemmTiles(64, 128, 128, 4, 4),
+    "64x128 w4 s3": GemmTiles(64, 128, 128, 4, 3),
+    "128x128 w8 s3": GemmTiles(128, 128, 128, 8, 3),
+    "64x128 w4 s4 g4": GemmTiles(64, 128, 128, 4, 4, group_m=4),
+    "64x128 w4 s4 pers2 g4": GemmTiles(64, 128, 128, 4, 4, persistent=True, programs_per_sm=2, group_m=4),
+    "64x128 w4 s4 tma": GemmTiles(64, 128, 128, 4, 4, tma=True),
+    "64x128 w4 s4 tma g4": GemmTiles(64, 128, 128, 4, 4, tma=True, group_m=4),
+    "64x128 w4 s3 tma g4": GemmTiles(64, 128, 128, 4, 3, tma=True, group_m=4),
+    "64x128 w4 s3 pers3 tma g4": GemmTiles(64, 128, 128, 4, 3, persistent=True, programs_per_sm=3, tma=True,
+                                           group_m=4),
+    "64x128 w4 s4 pers2 tma g4": GemmTiles(64, 128, 128, 4, 4, persistent=True, programs_per_sm=2, tma=True,
+                                           group_m=4),
+    "64x128 w4 s4 pers2 tma flat g4": GemmTiles(64, 128, 128, 4, 4, persistent=True, programs_per_sm=2, tma=True,
+                                                flatten=True, group_m=4),
+    "64x128 w4 s3 tma ws": GemmTiles(64, 128, 128, 4, 3, tma=True, warp_specialize=True),
+    "64x128 w4 s3 pers1 tma ws g4": GemmTiles(64, 128, 128, 4, 3, persistent=True, tma=True, warp_specialize=True,
+                                              group_m=4),
+    "128x128 w8 s3 tma g2": GemmTiles(128, 128, 128, 8, 3, tma=True, group_m=2),
+    "128x128 w8 s3 pers1 tma g2": GemmTiles(128, 128, 128, 8, 3, persistent=True, tma=True, group_m=2),
+    "128x64 w4 s4 tma g2": GemmTiles(128, 64, 128, 4, 4, tma=True, group_m=2),
+    "128x128 w4 s3 tma ws g2": GemmTiles(128, 128, 128, 4, 3, tma=True, warp_specialize=True, group_m=2),
+    "128x128 w4 s3 pers1 tma ws g2": GemmTiles(128, 128, 128, 4, 3, persistent=True, tma=True, warp_specialize=True,
+                                               group_m=2),
+    "128x128 w4 s4 pers1 tma ws g2": GemmTiles(128, 128, 128, 4, 4, persistent=True, tma=True, warp_specialize=True,
+                                               group_m=2),
+    "64x256 w8 s3 tma g4": GemmTiles(64, 256, 128, 8, 3, tma=True, group_m=4),
+}
+"""FP8 prefill tiles (``wN`` warps, ``sN`` stages, ``gN`` group_m, ``persN`` persistent with N programs per SM,
+``flat`` flatten, ``ws`` warp_specialize): what bench/studies/triton_fp8_prefill_sweep.py times against DeepGEMM
+at DeepSeek-V3's 4096-token shapes, and what the GPU test checks bit for bit against :data:`DEFAULT_TILES`."""
 DECODE_ROWS_PER_EXPERT = 16
 """FP8 operands with at most this many rows per expert on average take the decode tiles."""
 
@@ -312,10 +387,16 @@ def _launch_triton(a, b, d, m_idx, a_scales, b_scales, bias, t: GemmTiles, *, gr
     dummy = torch.empty(1, dtype=torch.float32, device=a.device)
     sa = a_scales.contiguous() if fp8 else dummy
     sb = b_scales.contiguous() if fp8 else dummy
-    grid = (cdiv(n, t.block_n), grid_m)
     bias_t = bias.to(torch.float32).contiguous() if bias is not None else dummy
     ng = int(m_idx.numel()) if masked_cap else 0
     src = a_src.reshape(-1).contiguous() if a_src is not None else m_idx
+    if t.tile_loop:
+        if masked_cap:
+            raise ValueError(f"the tile-loop options run on the contiguous layout only; got {t} for the masked layout")
+        _launch_tile_loop(a, b, d, m_idx, sa, sb, bias_t, src, t, m, n, k, e, fp8, bias is not None,
+                          a_src is not None, top_k)
+        return
+    grid = (cdiv(n, t.block_n), grid_m)
     launch(_grouped_gemm_kernel, grid, a, b, d, m_idx, sa, sb, bias_t, src, m, n, k,
            a.stride(0), b.stride(0), b.stride(1), d.stride(0),
            sa.stride(0) if fp8 else 0, sb.stride(0) if fp8 else 0, sb.stride(1) if fp8 else 0,
@@ -324,6 +405,46 @@ def _launch_triton(a, b, d, m_idx, a_scales, b_scales, bias, t: GemmTiles, *, gr
            K_ITERS=cdiv(k, t.block_k), EVEN_K=k % t.block_k == 0, HAS_BIAS=bias is not None,
            SWAP_AB=t.swap_ab, MASKED=masked_cap > 0, NG_POW2=next_pow2(max(ng, 1)),
            GATHER=a_src is not None, num_warps=t.num_warps, num_stages=t.num_stages)
+
+
+_SM_COUNT: dict = {}
+INTERPRETER_SMS = 2
+"""The SM count a persistent grid assumes under ``TRITON_INTERPRET=1`` (programs run one after another)."""
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = int(torch.cuda.get_device_properties(i).multi_processor_count)
+    return _SM_COUNT[i]
+
+
+def _launch_tile_loop(a, b, d, m_idx, sa, sb, bias_t, src, t: GemmTiles, m, n, k, e, fp8, has_bias, gather, top_k):
+    """One launch of :func:`fastpath._grouped_gemm_tiles._grouped_gemm_tile_loop_kernel` (contiguous layout)."""
+    if t.warp_specialize and gather:
+        raise ValueError("warp_specialize tiles need both operands through TMA, and rows read through a_src are "
+                         "gathered by pointer loads (Hopper's TMA has no row gather; Triton 3.6's warp "
+                         f"specialization does not compile them): pass the layout's rows, or tiles without it; got {t}")
+    if t.tma:
+        esize = a.element_size()
+        bad = [f"{name} (address {x.data_ptr()})" for name, x in (("a", a), ("b", b)) if x.data_ptr() % 16]
+        if (k * esize) % 16 or bad:
+            raise ValueError(f"TMA tiles need 16-byte aligned rows and bases: K = {k} of {a.dtype} is {k * esize} "
+                             f"bytes a row{'; unaligned: ' + ', '.join(bad) if bad else ''}")
+        if a.device.type == "cuda":
+            ensure_allocator()
+    tiles = cdiv(m, t.block_m) * cdiv(n, t.block_n)
+    programs = min(tiles, _sm_count(a.device) * t.programs_per_sm) if t.persistent else tiles
+    launch(_grouped_gemm_tile_loop_kernel, (programs,), a, b, d, m_idx, sa, sb, bias_t, src, m, n, k, e,
+           a.stride(0), b.stride(0), b.stride(1), d.stride(0),
+           sa.stride(0) if fp8 else 0, sb.stride(0) if fp8 else 0, sb.stride(1) if fp8 else 0, int(top_k), programs,
+           FP8=fp8, SCALE_BLOCK=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+           K_ITERS=cdiv(k, t.block_k), EVEN_K=k % t.block_k == 0, HAS_BIAS=has_bias, GATHER=gather,
+           PERSISTENT=t.persistent, TMA=t.tma, WARP_SPECIALIZE=t.warp_specialize, FLATTEN=t.flatten,
+           GROUP_M=t.group_m, INTERPRETED=_grouped_gemm_tiles._INTERPRETED, num_warps=t.num_warps,
+           num_stages=t.num_stages)
 
 
 def grouped_gemm_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *, impl: str, a_scales=None,

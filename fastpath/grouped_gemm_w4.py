@@ -473,6 +473,9 @@ def rows_per_expert(m_sum: int, num_experts: int, alignment: int, expected_m: in
 
 def _tiles_for(w: W4Experts, a: torch.Tensor, tiles: GemmTiles | None, alignment: int,
                expected_m: int | None = None) -> W4Tiles:
+    if tiles is not None and tiles.tile_loop:
+        raise ValueError(f"the tile-loop options of GemmTiles belong to the FP8/float grouped GEMM; the 4-bit kernel "
+                         f"takes block sizes, warps, stages and swap_ab; got {tiles}")
     if tiles is None:
         r = rows_per_expert(int(a.shape[0]), w.num_experts, alignment, expected_m)
         tiles = _INTERPRETER_TILES if a.device.type == "cpu" else DEFAULT_W4_TILE_RULE.tiles(r, w.kind)

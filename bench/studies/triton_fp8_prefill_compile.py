@@ -1,0 +1,107 @@
+"""Compile every FP8 prefill candidate tile for Hopper (sm_90a) on a machine without a GPU: does it compile, with
+what registers, spills, shared memory and warps, does its IR have Triton's warp specialization and TMA loads, and
+how many FP32 multiplies and fused multiply-adds its SASS has per output (the promotion ``fma(fl(part * sa), sb,
+acc)``: one of each)? The programs per SM that fit follow from the registers and shared memory. A static check
+before spending device time (issue 33; bench/studies/triton_fp8_prefill_sweep.py measures); it runs nothing.
+
+    python bench/studies/triton_fp8_prefill_compile.py [--gemms gemm1 gemm2] [--configs NAME ...] [--out FILE]
+
+The launches are recorded on CPU tensors (bench/sass_report.py's recorder: pointers and sizes specialised as a
+launch on aligned tensors specialises them) and compiled with the ptxas bundled with Triton's wheel.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from bench.sass_report import _TARGET, _signature, count, record  # noqa: E402  (pops TRITON_INTERPRET first)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+GEMMS = {"gemm1": (4096, 7168), "gemm2": (7168, 2048)}  # DeepSeek-V3: name -> (N, K)
+SM_REGISTERS, SM_SHARED = 65536, 227 * 1024  # Hopper, per SM (shared: the most one SM gives its blocks)
+
+
+def compile_tile(tiles, n: int, k: int, experts: int = 16, rows: int = 4096) -> dict:
+    """Compile the Triton grouped GEMM's launch for ``tiles`` at ``(N, K)`` (FP8 operands, bf16 output) and
+    describe the kernel."""
+    from fastpath import _host
+    from fastpath.grouped_gemm import grouped_gemm_contiguous
+
+    a = torch.empty(rows, k, dtype=torch.float8_e4m3fn)
+    b = torch.empty(experts, n, k, dtype=torch.float8_e4m3fn)
+    sa, sb = torch.empty(rows, k // 128), torch.empty(experts, n // 128, k // 128)
+    m_idx = torch.zeros(rows, dtype=torch.int32)
+    cache_on = _host.LAUNCH_CACHE_ON
+    _host.LAUNCH_CACHE_ON = False  # kernel[grid] directly: the recorder takes it (no CUDA device to key on)
+    try:
+        log = record(lambda: grouped_gemm_contiguous(a, b, m_idx, impl="triton", a_scales=sa, b_scales=sb,
+                                                     tiles=tiles))
+    finally:
+        _host.LAUNCH_CACHE_ON = cache_on
+    fn, _, args, kw = log[-1]
+    sig, consts, attrs, nw, ns, _ = _signature(fn, args, kw)
+    ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=_TARGET,
+                        options={"num_warps": nw, "num_stages": ns})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    ops = count(sass)
+    regs = int(res.split("REG:")[1].split()[0])
+    stack = int(res.split("STACK:")[1].split()[0])
+    warps = int(ck.metadata.num_warps)
+    per_warp = -(-regs * 32 // 256) * 256  # registers are given to warps in units of 256
+    fit = min(SM_REGISTERS // (per_warp * warps), SM_SHARED // max(int(ck.metadata.shared), 1))
+    ttgir = ck.asm["ttgir"]
+    return {"kernel": fn.__name__, "registers": regs, "stack_bytes": stack, "shared_bytes": int(ck.metadata.shared),
+            "warps": warps, "programs_per_sm_fit": fit, "warp_specialized": "ttg.warp_specialize" in ttgir,
+            "tma_loads": "async_tma_copy_global_to_local" in ttgir, "wgmma": ops.get("QGMMA", 0),
+            "fmul": ops.get("FMUL", 0), "ffma": ops.get("FFMA", 0), "fadd": ops.get("FADD", 0)}
+
+
+def main(argv=None) -> int:
+    from fastpath.grouped_gemm import FP8_PREFILL_CANDIDATES
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gemms", nargs="+", default=list(GEMMS), choices=list(GEMMS))
+    ap.add_argument("--configs", nargs="+", default=list(FP8_PREFILL_CANDIDATES))
+    ap.add_argument("--out", default=None, help="JSON file to write")
+    args = ap.parse_args(argv)
+    unknown = [c for c in args.configs if c not in FP8_PREFILL_CANDIDATES]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; known: {list(FP8_PREFILL_CANDIDATES)}")
+    out: dict = {}
+    print(f"{'tile':34s} gemm   regs stack shared warps fit ws tma wgmma fmul ffma")
+    for name in args.configs:
+        t = FP8_PREFILL_CANDIDATES[name]
+        for g in args.gemms:
+            try:
+                r = compile_tile(t, *GEMMS[g])
+            except Exception as e:  # recorded, not fatal
+                r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                print(f"{name:34s} {g}  FAILED {r['error'][:120]}", flush=True)
+            else:
+                print(f"{name:34s} {g} {r['registers']:4d} {r['stack_bytes']:5d} {r['shared_bytes']:6d} "
+                      f"{r['warps']:5d} {r['programs_per_sm_fit']:3d} {r['warp_specialized']:d}  {r['tma_loads']:d}  "
+                      f"{r['wgmma']:5d} {r['fmul']:4d} {r['ffma']:4d}", flush=True)
+            out.setdefault(name, {})[g] = r
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return 1 if any("error" in r for v in out.values() for r in v.values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
