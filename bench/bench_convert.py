@@ -2,7 +2,7 @@
 
 CPU (one core, NumPy): a 7168 x 2048 FP8 weight (float8_e4m3fn + 128x128 FP32 ``weight_scale_inv``,
 as DeepSeek-V3 ships ``down_proj``) converted to each target layout the way ``moeref convert``
-does it (:func:`moeref.checkpoint.convert._convert_module`'s two steps), timed separately:
+does it (:func:`moeref.checkpoint.shard._convert_module`'s two steps), timed separately:
 
 * ``convert``: source decode (float32, ``precision="float32"``) + the target's quantizer + the
   layout's tensors (what is written);

@@ -1,22 +1,22 @@
 """A DeepSeek-V3-sized checkpoint conversion: real layer names and shapes, random weights, the whole command.
 
 For each of ``--layers`` MoE layers of DeepSeek-V3 671B (config_671B.json: hidden 7168, 256 routed + 1 shared
-expert of intermediate 2048, MLA attention with q_lora_rank 1536, kv_lora_rank 512, 128 heads of 128 + 64
-(rope) query/key and 128 value dimensions), the script writes a source checkpoint in DeepSeek's own FP8 layout
-(``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`` F8_E4M3 + ``weight_scale_inv`` F32 per 128x128
-block, the attention projections likewise, BF16 norms and router, the F32 router bias; shards of at most
-``--shard-gib`` GiB, as the published checkpoint's ~4.3 GB) into ``--dir``, with random weights generated on
-the fly on the host (:func:`_arrays`: E4M3 codes uniform over the finite codes from PCG64 random bytes, in
+expert of intermediate 2048, MLA attention with q_lora_rank 1536, kv_lora_rank 512, 128 heads of 128 + 64 (rope)
+query/key and 128 value dimensions), the script writes a source checkpoint in DeepSeek's own FP8 layout
+(``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`` F8_E4M3 + ``weight_scale_inv`` F32 per 128x128 block,
+the attention projections likewise, BF16 norms and router, the F32 router bias; shards of at most ``--shard-gib``
+GiB, as the published checkpoint's ~4.3 GB) into ``--dir``, with random weights generated on the fly on the host
+(:func:`bench.convert_v3.source._arrays`: E4M3 codes uniform over the finite codes from PCG64 random bytes, in
 threads; scales uniform in [0.5, 2] x 2^-9). Each source shard is fsync'd and dropped from the page cache
 (``posix_fadvise(DONTNEED)``), so the conversion reads it from the disk. Then ``moeref convert``
 (:func:`moeref.checkpoint.convert_checkpoint`; ``--engine`` and ``--report-device`` as the command's, default
 ``auto``: on a GPU the Triton engine and the device report with reading, converting and writing overlapped)
 converts the layer into ``--dir``; timed: that call only (reads, conversion, report, writes with their fsync,
 hashing, index). Then both directories are deleted, so the disk holds one layer's source and output at a time
-(about 11.5 + 6.5 GB for NVFP4). ``--same-weights`` writes the source once and gives it each next layer's
-names (:func:`rename_source`: the shard headers rewritten in place, fsync'd, dropped from the page cache):
-the conversion reads and writes the same bytes, and the run does not spend the disk's write time on a new
-source each layer. Before the timed layers, one untimed conversion of a small checkpoint with the same shapes
+(about 11.5 + 6.5 GB for NVFP4). ``--same-weights`` writes the source once and gives it each next layer's names
+(:func:`~bench.convert_v3.source.rename_source`: the shard headers rewritten in place, fsync'd, dropped from the
+page cache): the conversion reads and writes the same bytes, and the run does not spend the disk's write time on a
+new source each layer. Before the timed layers, one untimed conversion of a small checkpoint with the same shapes
 compiles the kernels.
 
 Where the time goes: every layer's row has ``stages`` (``source``, ``convert``, ``delete``), ``source_stages``
@@ -46,264 +46,31 @@ Run (GPU; about 18 GB of disk at a time, 8 layers = 1/8 of the model)::
 measurement of nothing but the mechanics. ``--experts N`` and ``--heads N`` keep the real matrix shapes with
 fewer of them (a layer that converts in seconds on a CPU; ``--profile FILE`` cProfiles the run).
 ``bench/report_convert_v3.py`` turns the JSON into the table of docs/convert.md.
+
+This script is the driver (the timed conversion of each layer, the warm-up, the projection, the arguments); its
+parts are the package ``bench/convert_v3/``: the tensor list and the random source writer in ``source.py``, the disk
+bandwidth and the page-cache drop in ``disk.py``, the JSON rewritten as the run goes in ``recorder.py``.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-V3 = dict(hidden=7168, moe_inter=2048, dense_inter=18432, experts=256, shared=1, q_lora=1536, kv_lora=512,
-          heads=128, nope=128, rope=64, v_head=128, vocab=129280, layers=61, dense_layers=3)
-"""DeepSeek-V3 671B (deepseek-ai/DeepSeek-V3 inference/configs/config_671B.json)."""
-
-TINY = dict(hidden=256, moe_inter=128, dense_inter=384, experts=4, shared=1, q_lora=128, kv_lora=128,
-            heads=2, nope=64, rope=64, v_head=64, vocab=512, layers=61, dense_layers=3)
-"""Every dimension shrunk (multiples of 128 and 16: the same blocks), for the CPU test."""
+from bench.convert_v3.disk import disk_bandwidth, filesystem  # noqa: E402
+from bench.convert_v3.recorder import Recorder  # noqa: E402
+from bench.convert_v3.source import (TINY, V3, layer_tensors, model_source_bytes, rename_source,  # noqa: E402
+                                     write_source)
 
 GIB = 1 << 30
-
-
-def layer_tensors(layer: int, d: dict) -> list:
-    """``(name, kind, shape)`` of one decoder layer in the DeepSeek-V3 Hugging Face checkpoint, kind ``"fp8"``
-    (a quantized linear: ``.weight`` F8_E4M3 + ``.weight_scale_inv`` F32), ``"bf16"`` or ``"f32"``."""
-    H, p = d["hidden"], f"model.layers.{layer}."
-    out = [(p + "input_layernorm.weight", "bf16", (H,)),
-           (p + "self_attn.q_a_proj", "fp8", (d["q_lora"], H)),
-           (p + "self_attn.q_a_layernorm.weight", "bf16", (d["q_lora"],)),
-           (p + "self_attn.q_b_proj", "fp8", (d["heads"] * (d["nope"] + d["rope"]), d["q_lora"])),
-           (p + "self_attn.kv_a_proj_with_mqa", "fp8", (d["kv_lora"] + d["rope"], H)),
-           (p + "self_attn.kv_a_layernorm.weight", "bf16", (d["kv_lora"],)),
-           (p + "self_attn.kv_b_proj", "fp8", (d["heads"] * (d["nope"] + d["v_head"]), d["kv_lora"])),
-           (p + "self_attn.o_proj", "fp8", (H, d["heads"] * d["v_head"])),
-           (p + "post_attention_layernorm.weight", "bf16", (H,))]
-    if layer < d["dense_layers"]:
-        inter = d["dense_inter"]
-        return out + [(p + f"mlp.{w}", "fp8", (inter, H) if w != "down_proj" else (H, inter))
-                      for w in ("gate_proj", "up_proj", "down_proj")]
-    out += [(p + "mlp.gate.weight", "bf16", (d["experts"], H)),
-            (p + "mlp.gate.e_score_correction_bias", "f32", (d["experts"],))]
-    inter = d["moe_inter"]
-    for e in [f"experts.{i}" for i in range(d["experts"])] + ["shared_experts"] * d["shared"]:
-        out += [(p + f"mlp.{e}.{w}", "fp8", (inter, H) if w != "down_proj" else (H, inter))
-                for w in ("gate_proj", "up_proj", "down_proj")]
-    return out
-
-
-def global_tensors(d: dict) -> list:
-    return [("model.embed_tokens.weight", "bf16", (d["vocab"], d["hidden"])),
-            ("model.norm.weight", "bf16", (d["hidden"],)), ("lm_head.weight", "bf16", (d["vocab"], d["hidden"]))]
-
-
-def source_bytes(tensors: list) -> int:
-    """Bytes of the source tensors (FP8 weights with their F32 block scales, BF16, F32)."""
-    n = 0
-    for _, kind, shape in tensors:
-        size = int(np.prod(shape))
-        if kind == "fp8":
-            n += size + 4 * (-(-shape[0] // 128)) * (-(-shape[1] // 128))
-        else:
-            n += size * (2 if kind == "bf16" else 4)
-    return n
-
-
-def model_source_bytes(d: dict) -> int:
-    return sum(source_bytes(layer_tensors(i, d)) for i in range(d["layers"])) + source_bytes(global_tensors(d))
-
-
-RANDOM_CHUNK = 16 << 20
-"""Bytes of random codes one generator thread makes at a time."""
-
-
-def _random_codes(n: int, seed: tuple, pool) -> np.ndarray:
-    """``n`` random E4M3 codes (uint8), uniform over the 254 finite codes but for 0x7E and 0xFE (+-448), which
-    also take the NaN codes' share (0x7F, 0xFF become them): random bytes from PCG64 (``random_raw``, which
-    releases the GIL, so ``pool``'s threads each fill a chunk), the NaN codes moved down by one in place."""
-    out = np.empty(-(-n // 8) * 8, np.uint8)
-    chunks = [(lo, min(lo + RANDOM_CHUNK, out.size)) for lo in range(0, out.size, RANDOM_CHUNK)]
-
-    def fill(i):
-        lo, hi = chunks[i]
-        bits = np.random.PCG64(np.random.SeedSequence(seed + (i,))).random_raw((hi - lo) // 8)
-        c = bits.view(np.uint8)
-        np.subtract(c, (c & 0x7F) == 0x7F, out=c, casting="unsafe")  # a NaN code -> the largest finite one
-        out[lo:hi] = c
-
-    list(pool.map(fill, range(len(chunks))))
-    return out[:n]
-
-
-def _arrays(name, kind, shape, seed: tuple, pool):
-    """``[(tensor name, host array)]`` of one tensor of :func:`layer_tensors`, random: an FP8 weight's codes
-    uniform over the finite E4M3 codes (:func:`_random_codes`; magnitudes from 2^-9 to 448), its 128x128 block
-    scales uniform in [0.5, 2] x 2^-9 (float32), BF16 and F32 tensors N(0, 1)."""
-    import ml_dtypes
-
-    size = int(np.prod(shape))
-    if kind == "fp8":
-        w = _random_codes(size, seed, pool).reshape(shape).view(ml_dtypes.float8_e4m3fn)
-        rng = np.random.default_rng(np.random.SeedSequence(seed + (1 << 20,)))
-        grid = (-(-shape[0] // 128), -(-shape[1] // 128))
-        s = ((rng.random(grid, dtype=np.float32) * 1.5 + 0.5) * 2.0 ** -9).astype(np.float32)
-        return [(name + ".weight", w), (name + ".weight_scale_inv", s)]
-    t = np.random.default_rng(np.random.SeedSequence(seed)).standard_normal(shape, dtype=np.float32)
-    return [(name, t.astype(ml_dtypes.bfloat16) if kind == "bf16" else t)]
-
-
-def _drop_cache(path: str) -> None:
-    """Evict ``path``'s pages from the page cache (written and fsync'd: clean pages), so the next read of it
-    comes from the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def write_source(path: str, tensors: list, shard_bytes: int, seed: int, times=None) -> int:
-    """The DeepSeek FP8 checkpoint of ``tensors`` in ``path`` (shards of at most ``shard_bytes``, index,
-    config), every shard fsync'd and dropped from the page cache. Returns the bytes written. ``times``: a
-    :class:`moeref.checkpoint.report.StageTimes` that receives ``generate`` (the random arrays), ``write``
-    (handed to the files), ``fsync`` (a shard's close: header, fsync, rename) and ``drop_cache``."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from moeref.checkpoint import ShardWriter
-    from moeref.checkpoint.report import timed
-
-    os.makedirs(path)
-    groups, cur, size = [], [], 0
-    for t in tensors:
-        b = source_bytes([t])
-        if cur and size + b > shard_bytes:
-            groups.append(cur)
-            cur, size = [], 0
-        cur.append(t)
-        size += b
-    groups.append(cur)
-    wm, total, k = {}, 0, 0
-    with ThreadPoolExecutor(max(1, min(8, (os.cpu_count() or 1) // 2)), thread_name_prefix="convert-v3-random") \
-            as pool:
-        for i, group in enumerate(groups):
-            shard = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            fn = os.path.join(path, shard)
-            w = ShardWriter(fn, {"format": "pt"}, reserve=1024 + 256 * 2 * len(group))
-            for name, kind, shape in group:
-                with timed(times, "generate"):
-                    arrays = _arrays(name, kind, shape, (seed, k), pool)
-                k += 1
-                with timed(times, "write"):
-                    for tname, arr in arrays:
-                        w.add(tname, arr)
-                        wm[tname] = shard
-            with timed(times, "fsync"):
-                w.close()
-            with timed(times, "drop_cache"):
-                _drop_cache(fn)
-            total += os.path.getsize(fn)
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": wm}, f)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-                   "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                           "weight_block_size": [128, 128]}}, f)
-    return total
-
-
-def rename_source(path: str, old: int, new: int, times=None) -> int:
-    """Give the source checkpoint in ``path`` (:func:`write_source`'s, of layer ``old``) the tensor names of layer
-    ``new``, its bytes unchanged: each shard's header rewritten in place (the same data offsets; the header
-    padded with spaces to the length the writer reserved, as the safetensors format allows), the index
-    rewritten; each shard fsync'd and dropped from the page cache, so the next read comes from the disk. Returns
-    the bytes of the shards. ``times`` receives ``rename`` and ``drop_cache``."""
-    from moeref.checkpoint.report import timed
-
-    a, b = f"model.layers.{old}.", f"model.layers.{new}."
-
-    def name(k):
-        return b + k[len(a):] if k.startswith(a) else k
-
-    idx = os.path.join(path, "model.safetensors.index.json")
-    with open(idx) as f:
-        index = json.load(f)
-    total = 0
-    for shard in dict.fromkeys(index["weight_map"].values()):
-        fn = os.path.join(path, shard)
-        with timed(times, "rename"):
-            with open(fn, "r+b") as f:
-                n = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(n))
-                text = json.dumps({name(k): v for k, v in header.items()}, separators=(",", ":")).encode()
-                if len(text) > n:
-                    raise ValueError(f"{fn}: the header of layer {new} ({len(text)} bytes) does not fit the "
-                                     f"{n} bytes reserved")
-                f.seek(8)
-                f.write(text + b" " * (n - len(text)))
-                f.flush()
-                os.fsync(f.fileno())
-        with timed(times, "drop_cache"):
-            _drop_cache(fn)
-        total += os.path.getsize(fn)
-    index["weight_map"] = {name(k): v for k, v in index["weight_map"].items()}
-    with open(idx, "w") as f:
-        json.dump(index, f)
-    return total
-
-
-def disk_bandwidth(directory: str, nbytes: int, chunk: int = 64 << 20) -> dict:
-    """Sequential write (fsync'd) and read (after dropping the page cache) of one ``nbytes`` file, in
-    ``chunk``-byte calls: GB/s each way."""
-    path = os.path.join(directory, "bandwidth.bin")
-    chunk = min(chunk, nbytes)
-    buf = np.random.default_rng(0).integers(0, 256, chunk, dtype=np.uint8)
-    n = max(1, nbytes // chunk)
-    try:
-        t0 = time.perf_counter()
-        with open(path, "wb") as f:
-            for _ in range(n):
-                f.write(memoryview(buf))
-            f.flush()
-            os.fsync(f.fileno())
-        tw = time.perf_counter() - t0
-        _drop_cache(path)
-        out = bytearray(chunk)
-        t0 = time.perf_counter()
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(out):
-                pass
-        tr = time.perf_counter() - t0
-    finally:
-        if os.path.exists(path):
-            os.remove(path)
-    return {"bytes": n * chunk, "chunk": chunk, "write_seconds": tw, "read_seconds": tr,
-            "write_GBps": n * chunk / tw / 1e9, "read_GBps": n * chunk / tr / 1e9}
-
-
-def filesystem(path: str) -> dict:
-    """The mount holding ``path`` (from /proc/mounts: device, mount point, type) and its size and free space:
-    a tmpfs would measure memory, not a disk."""
-    real = os.path.realpath(path)
-    best = ("?", "/", "?")
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                dev, mnt, typ = line.split()[:3]
-                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[1]):
-                    best = (dev, mnt, typ)
-    except OSError:
-        pass
-    st = os.statvfs(real)
-    return {"device": best[0], "mount": best[1], "type": best[2], "size_bytes": st.f_frsize * st.f_blocks,
-            "free_bytes": st.f_frsize * st.f_bavail}
 
 
 def _dir_bytes(path: str) -> int:
@@ -399,98 +166,6 @@ def warm_up(root: str, d: dict, args, rec: "Recorder") -> float:
             shutil.rmtree(dst, ignore_errors=True)
         rec.res["current"] = None
     return time.perf_counter() - t0
-
-
-class Recorder:
-    """The run's JSON (``res``) and its progress lines on stdout: the JSON is rewritten (a temporary file, then
-    renamed: a reader never sees half of it) after every stage, after every shard of a conversion, and every
-    ``heartbeat`` seconds while a stage runs (with the stage times gathered so far), so that a run stopped from
-    outside (a time limit) still says where its time went. ``res["current"]`` is the layer in progress, moved to
-    ``res["layers"]`` when it is complete."""
-
-    def __init__(self, path: str | None, res: dict, heartbeat: float = 10.0):
-        import threading
-
-        self.path, self.res, self.t0 = path, res, time.perf_counter()
-        self._lock = threading.Lock()
-        self._live = None  # (stage name, StageTimes or None, key in current, start)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, args=(heartbeat,), name="convert-v3-heartbeat",
-                                        daemon=True)
-        self._thread.start()
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def save(self) -> None:
-        if self.path is None:
-            return
-        with self._lock:
-            self.res["elapsed_seconds"] = round(self.elapsed(), 3)
-            text = json.dumps(self.res, indent=1)
-            tmp = self.path + ".partial"
-            with open(tmp, "w") as f:
-                f.write(text)
-            os.replace(tmp, self.path)
-
-    def start_layer(self, layer: int) -> dict:
-        row = {"layer": layer, "stages": {}}
-        self.res["current"] = row
-        return row
-
-    def _snapshot(self, times, key) -> None:
-        cur = self.res.get("current")
-        if times is not None and key and cur is not None:
-            cur[key] = times.as_json()
-
-    def note(self, line: str, times=None, key: str | None = None) -> None:
-        """Print ``line`` (with the run's elapsed time) and rewrite the JSON, ``times`` (a StageTimes) stored under
-        ``current[key]`` first."""
-        self._snapshot(times, key)
-        print(f"[{self.elapsed():6.1f} s] {line}", flush=True)
-        self.save()
-
-    @contextmanager
-    def stage(self, name: str, times=None, key: str | None = None):
-        """Time the block as stage ``name`` of the current layer (``current["stages"][name]``), its StageTimes
-        ``times`` stored under ``current[key]``; a progress line and the JSON after it, and every heartbeat
-        while it runs."""
-        cur = self.res.get("current")
-        t0 = time.perf_counter()
-        self._live = (name, times, key, t0)
-        try:
-            yield
-        finally:
-            self._live = None
-            dt = time.perf_counter() - t0
-            if cur is not None:
-                cur["stages"][name] = round(dt, 4)
-            self.note(f"  layer {cur['layer'] if cur else '-'}: {name} {dt:.2f} s" + _top(times), times, key)
-
-    def _beat(self, every: float) -> None:
-        while not self._stop.wait(every):
-            live = self._live
-            if live is None:
-                continue
-            name, times, key, t0 = live
-            try:
-                self.note(f"  ... {name} running for {time.perf_counter() - t0:.0f} s" + _top(times), times, key)
-            except (OSError, ValueError, RuntimeError):  # a heartbeat never stops the run
-                pass
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def _top(times, n: int = 6) -> str:
-    """``"; read 1.2 s, quantize 0.8 s, ..."``: the ``n`` longest stages of a StageTimes so far."""
-    if times is None:
-        return ""
-    sec = times.as_json()["seconds"]
-    if not sec:
-        return ""
-    return "; " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(sec.items(), key=lambda kv: -kv[1])[:n])
 
 
 def _meta() -> dict:

@@ -12,6 +12,7 @@ pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
 from bench import bench_convert, bench_convert_v3 as B  # noqa: E402
+from bench.convert_v3 import source as S  # noqa: E402
 
 
 def test_layer_tensors_are_deepseek_v3s():
@@ -44,7 +45,7 @@ def test_tiny_run_writes_the_json_and_leaves_nothing(tmp_path):
     d = json.loads(out.read_text())
     assert os.listdir(work) == []  # sources, outputs and the bandwidth file deleted
     assert [r["layer"] for r in d["layers"]] == [3, 4]
-    tiny_layer = B.source_bytes(B.layer_tensors(3, B.TINY))
+    tiny_layer = S.source_bytes(B.layer_tensors(3, B.TINY))
     for r in d["layers"]:
         assert r["modules"] == 5 + 3 * (B.TINY["experts"] + 1) and r["copied"] == 6
         assert tiny_layer < r["bytes_read"] < tiny_layer + 65536  # the tensors plus headers and padding
@@ -97,10 +98,10 @@ def test_random_codes_are_finite_e4m3_and_reproducible():
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(2) as pool:
-        a = B._random_codes(3 * B.RANDOM_CHUNK + 5, (1, 2), pool)
-        b = B._random_codes(3 * B.RANDOM_CHUNK + 5, (1, 2), pool)
-        c = B._random_codes(1000, (1, 3), pool)
-    assert a.dtype == np.uint8 and a.size == 3 * B.RANDOM_CHUNK + 5 and np.array_equal(a, b)
+        a = S._random_codes(3 * S.RANDOM_CHUNK + 5, (1, 2), pool)
+        b = S._random_codes(3 * S.RANDOM_CHUNK + 5, (1, 2), pool)
+        c = S._random_codes(1000, (1, 3), pool)
+    assert a.dtype == np.uint8 and a.size == 3 * S.RANDOM_CHUNK + 5 and np.array_equal(a, b)
     assert not np.any((a & 0x7F) == 0x7F)  # no NaN code
     counts = np.bincount(a, minlength=256)
     assert np.count_nonzero(counts) == 254  # every finite code occurs

@@ -11,6 +11,8 @@ import pytest
 pytest.importorskip("torch")
 
 from bench import bench_exact_regimes as bench  # noqa: E402  (the repository root is on sys.path: conftest.py)
+from bench.exact_regimes.fastpath_runs import shard_weights  # noqa: E402
+from bench.exact_regimes.models import TINY  # noqa: E402
 
 
 def test_arguments():
@@ -28,7 +30,7 @@ def test_tiny_case_is_in_the_regime():
     from moeref.regimes import layer_in_exact_regime
 
     lay = bench.make_case("deepseek_v3", 12, tiny=True, seed=3)
-    assert lay.hidden.shape == (12, bench.TINY["hidden"])
+    assert lay.hidden.shape == (12, TINY["hidden"])
     assert lay.topk_weights[0, 0] != lay.topk_weights[0, 1]  # the swapped-weights fault is a change
     assert layer_in_exact_regime(lay, "hopper_fp8").ok
 
@@ -112,7 +114,7 @@ def test_tiny_run_two_token_counts_and_draws(tmp_path):
         assert set(m["faults"]) == (set(bench.FAULTS) - {"tanh_gelu"} if m["tokens"] == 24 else set())
         assert all(f["caught"] for f in m["faults"].values())
     mixtral = res["models"][2]["shape"]
-    assert (mixtral["experts"], mixtral["distinct_experts"], mixtral["hidden"]) == (8, 4, bench.TINY["hidden"])
+    assert (mixtral["experts"], mixtral["distinct_experts"], mixtral["hidden"]) == (8, 4, TINY["hidden"])
     assert [(d["model"], d["draw"]) for d in res["draws"]] == [(m, j) for m in ("qwen3_30b_a3b_fp8", "mixtral_8x7b")
                                                                for j in range(3)]
     for d in res["draws"]:
@@ -168,7 +170,7 @@ def test_fastpath_ep_shards_sum_to_the_reference():
     assert bench._count(ref, next(iter(runs.values()))()) == 0
     fw, _ = fast
     local = torch.as_tensor(pl.local_logical_experts(0))
-    shard = bench.shard_weights(fw, local)
+    shard = shard_weights(fw, local)
     assert torch.equal(shard.w13, fw.w13[local]) and torch.equal(shard.w2_scales, fw.w2_scales[local])
     part = fused_moe(torch.from_numpy(lay.hidden).to(torch.bfloat16), shard, torch.from_numpy(lay.topk_weights),
                      torch.from_numpy(lay.topk_ids), expert_map=pl.expert_map(0), num_experts=4,

@@ -22,6 +22,7 @@ from safetensors import safe_open  # noqa: E402
 from moeref.checkpoint import (LAYOUTS, CheckpointError, ConvertOptions, SafetensorsCheckpoint,  # noqa: E402
                                ShardWriter, convert_checkpoint, get_layout, plan_conversion)
 from moeref.checkpoint import convert as convert_mod  # noqa: E402
+from moeref.checkpoint import shard as shard_mod  # noqa: E402
 from moeref.cli import main  # noqa: E402
 
 
@@ -224,7 +225,7 @@ def test_a_dying_run_leaves_no_complete_looking_file_and_resume_finishes(tmp_pat
     dst = str(tmp_path / "dst")
     ck = SafetensorsCheckpoint.open(src)
     assert len(ck.shards) == 2
-    real = convert_mod._convert_module
+    real = shard_mod._convert_module
     calls = []
 
     def dies_on_second_shard(data, job, ck_):
@@ -233,7 +234,7 @@ def test_a_dying_run_leaves_no_complete_looking_file_and_resume_finishes(tmp_pat
         calls.append(job.shard)
         return real(data, job, ck_)
 
-    monkeypatch.setattr(convert_mod, "_convert_module", dies_on_second_shard)
+    monkeypatch.setattr(shard_mod, "_convert_module", dies_on_second_shard)
     opts = ConvertOptions(target="ct-nvfp4", verify=True)
     with pytest.raises(RuntimeError, match="killed"):
         convert_checkpoint(src, dst, opts)
@@ -244,7 +245,7 @@ def test_a_dying_run_leaves_no_complete_looking_file_and_resume_finishes(tmp_pat
     assert rec["complete"] is False and list(rec["shards"]) == [ck.shards[0]]
     with pytest.raises(CheckpointError, match="--overwrite"):
         convert_checkpoint(src, dst, opts)
-    monkeypatch.setattr(convert_mod, "_convert_module", lambda d, j, c: (calls.append(j.shard), real(d, j, c))[1])
+    monkeypatch.setattr(shard_mod, "_convert_module", lambda d, j, c: (calls.append(j.shard), real(d, j, c))[1])
     calls.clear()
     rep = convert_checkpoint(src, dst, ConvertOptions(target="ct-nvfp4", verify=True, resume=True))
     assert ck.shards[0] not in calls and ck.shards[1] in calls  # the finished shard was skipped
@@ -352,8 +353,8 @@ def test_the_host_path_computes_a_fused_groups_global_once(tmp_path, monkeypatch
     src = str(tmp_path / "src")
     F.deepseek_fp8(src, np.random.default_rng(7), shapes=((128, 256), (128, 256)), names=GATE_UP)
     calls = []
-    real = convert_mod._group_global
-    monkeypatch.setattr(convert_mod, "_group_global", lambda members, *a, **k: (calls.append(members),
+    real = shard_mod._group_global
+    monkeypatch.setattr(shard_mod, "_group_global", lambda members, *a, **k: (calls.append(members),
                                                                                 real(members, *a, **k))[1])
     convert_checkpoint(src, str(tmp_path / "dst"), ConvertOptions(target="ct-nvfp4", report_device="host"))
     assert calls == [tuple(GATE_UP)]
@@ -510,8 +511,8 @@ def test_resume_with_verify_checks_shards_written_without_it(tmp_path, monkeypat
     first = convert_checkpoint(src, dst, ConvertOptions(target="ct-mxfp4"))
     assert not any(s.verified for s in first.shards)
     converted = []
-    real = convert_mod._convert_module
-    monkeypatch.setattr(convert_mod, "_convert_module",
+    real = shard_mod._convert_module
+    monkeypatch.setattr(shard_mod, "_convert_module",
                         lambda d, j, c: (converted.append(d.module), real(d, j, c))[1])
     again = convert_checkpoint(src, dst, ConvertOptions(target="ct-mxfp4", verify=True, resume=True))
     assert converted == [] and all(s.verified for s in again.shards)

@@ -20,6 +20,7 @@ import checkpoint_fixtures as F  # noqa: E402
 
 from moeref.checkpoint import CheckpointError, ConvertOptions, convert_checkpoint  # noqa: E402
 from moeref.checkpoint import convert as convert_mod  # noqa: E402
+from moeref.checkpoint import shard as shard_mod  # noqa: E402
 
 GATE_UP = ["model.layers.0.mlp.experts.0.gate_proj", "model.layers.0.mlp.experts.0.up_proj"]
 FIELDS = ("module", "shard", "shape", "source", "target", "engine", "method", "lossless", "worst_block")
@@ -91,7 +92,7 @@ def test_a_failing_pipeline_leaves_no_shard(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("conversion failed")
 
-    monkeypatch.setattr(convert_mod, "_convert_module", boom)
+    monkeypatch.setattr(shard_mod, "_convert_module", boom)
     dst = tmp_path / "dst"
     with pytest.raises(RuntimeError, match="conversion failed"):
         convert_checkpoint(src, str(dst), ConvertOptions(target="ct-mxfp4", report_device="cpu"))

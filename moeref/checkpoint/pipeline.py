@@ -1,14 +1,14 @@
-"""The device-report path of ``moeref convert`` (:mod:`.convert` chooses it where the report is computed on a
+"""The device-report path of ``moeref convert`` (:mod:`.shard` chooses it where the report is computed on a
 device, ``ConvertOptions.report_device``): a shard read, converted and written as a bounded pipeline, and a fused
 group's amax on the device; and, on either path, the written shards hashed in a thread while the next one
 converts (:func:`hash_in_thread`).
 
 :func:`run_pipeline` runs the threads of one shard: a reader thread (safetensors reads, :data:`PIPELINE_DEPTH`
 modules ahead, the shard's file prefetched into the page cache by :func:`prefetch`), the conversion and the
-report in the calling thread (the steps :mod:`.convert` passes in), and a writer thread (the
+report in the calling thread (the steps :mod:`.shard` passes in), and a writer thread (the
 :class:`.safetensors_io.ShardWriter`). It writes the same tensors in the same order as the host loop of
-:mod:`.convert`, so both paths write the same bytes. This module imports nothing of :mod:`.convert`; the
-conversion's steps come in as arguments.
+:mod:`.shard`, so both paths write the same bytes. This module imports nothing of :mod:`.shard` or
+:mod:`.convert`; the conversion's steps come in as arguments.
 """
 from __future__ import annotations
 
@@ -79,10 +79,10 @@ def prefetch(path: str) -> None:
 
 
 def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[int, list]:
-    """Read, convert and write the shard of ``job`` (a ``_ShardJob`` with ``device`` and ``group_state`` set) from
-    the open checkpoint ``ck`` into ``writer``; ``(tensors copied, ModuleReports)``. ``convert_module(data, job,
-    ck)`` and ``dequantize_module(data, job)`` each give ``(tensors, ModuleReport)`` of one module. A module of a
-    fused group brings its group's members, read once, into ``job.group_state["datas"]`` (``convert_module``
+    """Read, convert and write the shard of ``job`` (a :class:`.shard.ShardJob` with ``device`` and ``group_state``
+    set) from the open checkpoint ``ck`` into ``writer``; ``(tensors copied, ModuleReports)``. ``convert_module(data,
+    job, ck)`` and ``dequantize_module(data, job)`` each give ``(tensors, ModuleReport)`` of one module. A module of
+    a fused group brings its group's members, read once, into ``job.group_state["datas"]`` (``convert_module``
     computes the group's shared global once, from them, on the device). The writer is closed when the shard is
     complete; on an error in any stage both threads stop, the writer is aborted (no partial file is left) and the
     error is raised here. The members held and the device uploads are cleared at the end; ``ck`` stays open.
@@ -190,7 +190,7 @@ def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[in
 
 
 def device_amax(d: ModuleData, precision: str, device: str) -> float:
-    """``max |v|`` of :func:`.convert._group_global`'s member values ``v`` (the source decoded to float32, or
+    """``max |v|`` of :func:`.shard._group_global`'s member values ``v`` (the source decoded to float32, or
     float64 for ``precision="exact"``; float values as float32), computed on ``device``."""
     import torch
 
