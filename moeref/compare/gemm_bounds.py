@@ -33,6 +33,7 @@ __all__ = [
     "worst_case_gemm_bound",
     "contiguous_tree_gemm_bound",
     "aligned_adder_gemm_bound",
+    "contiguous_tree_parts",
     "TREE_LANES",
 ]
 
@@ -134,6 +135,17 @@ def gemm_error_bound(a, w, profile, *, a_radius=None, bias=None) -> np.ndarray:
     >>> round(float(gemm_error_bound(a, w, hop)[0, 0]) / 2.0**-13, 4)  # 2 products, M = 1: 2 * 2 u_acc
     4.001
     """
+    a, w, radius, b_abs = _checked(a, w, a_radius, bias)
+    models = {"worst_case": worst_case_gemm_bound, "contiguous_tree": contiguous_tree_gemm_bound,
+              "data_dependent": aligned_adder_gemm_bound}
+    if profile.accum_model not in models:
+        raise ValueError(f"accum_model must be one of {sorted(models)}; got {profile.accum_model!r}")
+    return models[profile.accum_model](a, w, profile, radius, b_abs)
+
+
+def _checked(a, w, a_radius, bias):
+    """:func:`gemm_error_bound`'s inputs validated: ``(a, w, radius, |bias|)`` (operands, float64 radius or None,
+    float64 ``[N]``)."""
     a = as_operand(a, "a")
     w = as_operand(w, "w")
     m, k = a.values.shape
@@ -150,11 +162,19 @@ def gemm_error_bound(a, w, profile, *, a_radius=None, bias=None) -> np.ndarray:
             raise ValueError(f"a_radius must have the shape of a, ({m}, {k}); got {radius.shape}")
         if np.any(radius < 0):
             raise ValueError("a_radius must be >= 0")
-    models = {"worst_case": worst_case_gemm_bound, "contiguous_tree": contiguous_tree_gemm_bound,
-              "data_dependent": aligned_adder_gemm_bound}
-    if profile.accum_model not in models:
-        raise ValueError(f"accum_model must be one of {sorted(models)}; got {profile.accum_model!r}")
-    return models[profile.accum_model](a, w, profile, radius, b_abs)
+    return a, w, radius, b_abs
+
+
+def contiguous_tree_parts(a, w, profile, *, a_radius=None, bias=None):
+    """:func:`gemm_error_bound` under ``accum_model="contiguous_tree"`` with two by-products of its walk, the
+    same inputs: ``(bound, total, radius_dot)``, float64 ``[M, N]`` each. ``total``: ``sum_k a_k w_k`` of the
+    dequantized operands, in K order from the first product (every add rounded; the last prefix sum of the walk of
+    ``L = 1``); ``radius_dot``: :func:`moeref.compare.summation_order.ordered_dot` of ``a_radius`` and ``|W|``
+    (None without a radius). A caller that needs either (the GEMM's in-order sum, the operand's own uncertainty)
+    takes it from here instead of computing it again."""
+    if profile.accum_model != "contiguous_tree":
+        raise ValueError(f"contiguous_tree_parts needs accum_model='contiguous_tree'; got {profile.accum_model!r}")
+    return _contiguous_tree(*_checked(a, w, a_radius, bias), profile)
 
 
 def worst_case_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius, b_abs) -> np.ndarray:
@@ -238,17 +258,23 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     (:func:`_lane_sums`) leaves room above the range already reached (the same bits as every lane walked for every
     output).
     """
+    return _contiguous_tree(a, w, radius, b_abs, profile)[0]
+
+
+def _contiguous_tree(a: BlockOperand, w: BlockOperand, radius, b_abs, profile):
+    """``(bound, total, radius_dot)`` of :func:`contiguous_tree_parts` for validated inputs."""
     m, k = a.values.shape
     n = w.values.shape[0]
     if m == 0 or n == 0:
-        return np.zeros((m, n))
+        return np.zeros((m, n)), np.zeros((m, n)), None if radius is None else np.zeros((m, n))
     u = float(profile.accum_unit)
     rho = float(profile.adder_factor)
     u_prom = float(profile.promote_unit)
     ad, wd = a.dequantize(), w.dequantize()
     lanes = max(TREE_LANES)
     kp = -(-max(k, 1) // lanes) * lanes
-    d = np.zeros((m, n)) if radius is None else ordered_dot(radius, np.abs(wd)) * (1.0 + gamma(k + 2, U_F64))
+    rdot = None if radius is None else ordered_dot(radius, np.abs(wd))
+    d = np.zeros((m, n)) if radius is None else rdot * (1.0 + gamma(k + 2, U_F64))
     at, wt = _k_major(ad, kp), _k_major(wd, kp)
     rng, wsum, csum = _tree_walks(at, wt)
     slack = 2.0 * gamma(kp + 2, U_F64) * wsum
@@ -261,14 +287,14 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     t = rho * max(k - 1 + int(init), 0) * u
     denom = 1.0 - t - sigma
     if denom <= 0:
-        return np.full((m, n), np.inf)
+        return np.full((m, n), np.inf), csum, rdot
     if init:  # the bias is the tree's first leaf: one more add, every node holding it within |b| + R
         acc = (t * (r_hi + b_abs[None, :]) + (sigma + u_prod) * w_hi) / np.float64(denom)
         out = acc + (k + 2) * 2.0**-149
     else:
         acc = (t * r_hi + (sigma + u_prod) * w_hi) / np.float64(denom)
         out = acc + u_prom * (c_hi + acc + b_abs[None, :]) + (k + 2) * 2.0**-149
-    return out * (1.0 + 1e-9)
+    return out * (1.0 + 1e-9), csum, rdot
 
 
 _WALKED = (1, 2, 4)
