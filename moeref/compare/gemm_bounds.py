@@ -273,9 +273,9 @@ def _contiguous_tree(a: BlockOperand, w: BlockOperand, radius, b_abs, profile):
     ad, wd = a.dequantize(), w.dequantize()
     lanes = max(TREE_LANES)
     kp = -(-max(k, 1) // lanes) * lanes
-    rdot = None if radius is None else ordered_dot(radius, np.abs(wd))
-    d = np.zeros((m, n)) if radius is None else rdot * (1.0 + gamma(k + 2, U_F64))
     at, wt = _k_major(ad, kp), _k_major(wd, kp)
+    rdot = None if radius is None else ordered_dot(radius, None, w_t=np.abs(wt))
+    d = np.zeros((m, n)) if radius is None else rdot * (1.0 + gamma(k + 2, U_F64))
     rng, wsum, csum = _tree_walks(at, wt)
     slack = 2.0 * gamma(kp + 2, U_F64) * wsum
     r_hi = rng + slack + d

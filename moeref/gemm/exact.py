@@ -149,6 +149,8 @@ class BlockOperand:
 
     def dequantize(self) -> np.ndarray:
         """float64 ``[R, K]``: every element times its block scale."""
+        if self.scales.size == 1:  # one block: the same products, without the expanded scale array
+            return self.values * np.float64(self.scales.reshape(-1)[0])
         r, k = self.shape
         br, bk = self.block
         s = np.repeat(np.repeat(self.scales, br, axis=0)[:r], bk, axis=1)[:, :k]
