@@ -15,7 +15,9 @@ walked in chunks of 4 to 96 rows (the last one partial), lane sums split into ma
 walked for every output from a smaller K (``_WALK_ALL_FROM``: none, some or all of them), K not a multiple of the 32
 lanes, a radius, a bias, zero rows and columns, inf and NaN elements (non-finite outputs take every lane),
 products that underflow (operands scaled by ``2^-520`` or ``2^-1000``), block-scaled FP8 operands and float operands
-whose products are or are not exact in FP32. Equal means the same float64 bits (NaN compared as NaN)."""
+whose products are or are not exact in FP32. The layer bound's GEMM interval, which takes the GEMM's center from the
+walk of ``L = 1`` (``in_order_sum``) and the radius term from the bound's ``ordered_dot``, is checked against the
+three computed apart (:func:`_rows_gemm_interval_apart`). Equal means the same float64 bits (NaN compared as NaN)."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -24,6 +26,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from moeref.compare import bounds as bounds_mod
 from moeref.compare import gemm_bounds as gb
 from moeref.compare import operand_radius as orad
 from moeref.compare import summation_order as so
@@ -209,10 +212,102 @@ def test_layer_bound_same_bits_with_the_definition():
     got = layer_bound(run, "BF16_OUTPUT")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gb, "contiguous_tree_gemm_bound", _tree_oracle)
+        mp.setattr(bounds_mod, "_rows_gemm_interval", _rows_gemm_interval_apart)
         want = layer_bound(run, "BF16_OUTPUT")
     _same_bits(got.bound, want.bound)
     _same_bits(got.radius, want.radius)
+    _same_bits(got.center, want.center)
     assert got.flips == want.flips
+
+
+def _rows_gemm_interval_apart(a, a_radius, row_expert, weights, bias, profile):
+    """The GEMM interval of the layer bound as first written: the center from its own GEMM
+    (``expert_rows_gemm``), the bound per expert through ``gemm_error_bound``, the radius term from ``radius_dot``."""
+    from moeref.gemm import expert_rows_gemm
+
+    center = expert_rows_gemm(a, row_expert, weights, bias)
+    bound = bounds_mod._rows_error_bound(a, a_radius, row_expert, weights, bias, profile)
+    return center, bound if a_radius is None else bounds_mod._rows_radius_term(a_radius, row_expert, weights) + bound
+
+
+@given(rows=st.integers(0, 12), experts=st.integers(1, 4), n=st.integers(1, 16), k=st.integers(1, 200),
+       kind=st.sampled_from(["bf16", "f64", "int"]), with_radius=st.booleans(), with_bias=st.booleans(),
+       fp8=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_rows_gemm_interval_same_bits_as_apart(rows, experts, n, k, kind, with_radius, with_bias, fp8, seed):
+    """The layer bound's GEMM interval (center from the walk where ``in_order_sum`` holds, radius term from the
+    bound's ``ordered_dot``) against the center, bound and radius term computed apart: the same bits, padding rows
+    (-1) and experts without rows included; FP8 operands take ``block_gemm`` for the center."""
+    rng = np.random.default_rng(seed)
+    a = _values(rng, (rows, k), kind)
+    weights = [_values(rng, (n, k), kind) for _ in range(experts)]
+    if fp8:
+        a = quantize(a.astype(np.float32), fp8_group(min(128, k)))
+        weights = [quantize(wi.astype(np.float32), fp8_block()) for wi in weights]
+    row_expert = rng.integers(-1, experts, rows)
+    radius = None
+    if with_radius:
+        radius = np.abs(rng.standard_normal((rows, k))) * 2.0**-9
+        radius[rng.random((rows, k)) < 0.5] = 0.0
+    bias = rng.standard_normal((experts, n)) if with_bias else None
+    got = bounds_mod._rows_gemm_interval(a, radius, row_expert, weights, bias, BF16_OUTPUT)
+    want = _rows_gemm_interval_apart(a, radius, row_expert, weights, bias, BF16_OUTPUT)
+    _same_bits(got[0], want[0])
+    _same_bits(got[1], want[1])
+
+
+@given(m=st.integers(1, 6), n=st.integers(1, 20), k=st.integers(1, 300),
+       kind_a=st.sampled_from(["bf16", "f64", "drift", "int"]), kind_w=st.sampled_from(["bf16", "f64", "int"]),
+       zeros=st.booleans(), special=st.sampled_from([None, np.inf, np.nan]), with_radius=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_tree_parts_give_the_gemm_and_the_radius_dot(m, n, k, kind_a, kind_w, zeros, special, with_radius, seed):
+    """``contiguous_tree_parts``: its bound is ``gemm_error_bound``'s, its in-order sum plus +0.0 is ``block_gemm``'s
+    result for a float pair (``in_order_sum``; oracle: the products' ``np.cumsum`` along K from +0.0), its radius dot
+    ``ordered_dot``'s; zero products of either sign (a zero row, a -0.0 row of w) and inf / NaN elements included."""
+    from moeref.gemm.exact import block_gemm, in_order_sum
+
+    rng = np.random.default_rng(seed)
+    a, w = _values(rng, (m, k), kind_a), _values(rng, (n, k), kind_w)
+    if zeros:
+        a[rng.integers(0, m)] = 0.0
+        w[rng.integers(0, n)] = -0.0
+    if special is not None:
+        a[rng.integers(0, m), rng.integers(0, k)] = special
+    radius = np.abs(rng.standard_normal((m, k))) * 1e-3 if with_radius else None
+    A, W = as_operand(a), as_operand(w)
+    assert in_order_sum(A, W)
+    with np.errstate(invalid="ignore", over="ignore"):
+        bound, total, rdot = gb.contiguous_tree_parts(A, W, BF16_OUTPUT, a_radius=radius)
+        _same_bits(bound, gb.gemm_error_bound(A, W, BF16_OUTPUT, a_radius=radius))
+        prods = np.concatenate([np.zeros((m, n, 1)), a[:, None, :] * w[None, :, :]], axis=2)
+        _same_bits(total + 0.0, np.cumsum(prods, axis=2)[..., -1] + 0.0)
+        _same_bits(total + 0.0, block_gemm(A, W))
+    if radius is None:
+        assert rdot is None
+    else:
+        _same_bits(rdot, _ordered_dot_oracle(radius, np.abs(w)))
+
+
+@pytest.mark.parametrize("k,order", [(256, (so.ORDER_CHUNK, so.ORDER_STEP)), (1024, (so.ORDER_CHUNK, so.ORDER_STEP)),
+                                     (192, (64, 16))])
+def test_ordered_dot_reads_a_k_major_w_in_place_same_bits(k, order):
+    """Whole chunks (``K`` a multiple of the chunk): ``w_t`` is read as a view; the bits are the definition's."""
+    rng = np.random.default_rng(k)
+    x = np.abs(rng.standard_normal((5, k))) * np.exp2(rng.integers(-30, 30, (5, k)))
+    w = rng.standard_normal((33, k)) * np.exp2(rng.integers(-30, 30, (33, k)))
+    w_t = np.ascontiguousarray(np.pad(w, ((0, 0), (0, 32)), constant_values=np.nan).T)
+    _same_bits(so.ordered_dot(x, None, *order, w_t=w_t), _ordered_dot_oracle(x, w, *order))
+
+
+def test_in_order_sum_only_for_one_segment_with_unit_scales():
+    from moeref.gemm.exact import BlockOperand, in_order_sum
+
+    f = as_operand(np.ones((2, 256), dtype=np.float32))
+    q = as_operand(quantize(np.ones((2, 256), dtype=np.float32), fp8_group(128)))
+    assert in_order_sum(f, f)
+    assert not in_order_sum(q, f)  # two segments of 128 (the FP8 group)
+    assert not in_order_sum(q, q)  # the blocked path (BLAS on exact partial dots)
+    assert not in_order_sum(f, BlockOperand(np.ones((2, 256)), np.full((1, 1), 2.0), (2, 256), False))
+    assert not in_order_sum(as_operand(np.ones((2, 0))), as_operand(np.ones((3, 0))))
 
 
 def _ordered_dot_oracle(x, w, chunk=so.ORDER_CHUNK, step=so.ORDER_STEP):
@@ -254,10 +349,14 @@ def test_ordered_dot_same_bits_as_the_definition(m, n, k, order, block, special,
         x[rng.integers(0, m), rng.integers(0, k)] = special
     with pytest.MonkeyPatch.context() as mp, np.errstate(invalid="ignore", over="ignore"):
         if block is not None:  # row blocks of the [rows, N, K] tensor down to one row
-            mp.setattr(so, "_BLOCK_ELEMS", block)
+            mp.setattr(so, "_ORDER_BLOCK_ELEMS", block)
         got = so.ordered_dot(x, w, *order)
         want = _ordered_dot_oracle(x, w, *order)
+        # w given K-major (w_t=), with rows beyond K that are not read (read in place for whole chunks)
+        w_t = np.ascontiguousarray(np.pad(w, ((0, 0), (0, int(rng.integers(0, 40)))), constant_values=7.0).T)
+        got_t = so.ordered_dot(x, None, *order, w_t=w_t)
     _same_bits(got, want)
+    _same_bits(got_t, want)
 
 
 def _exact_radius_oracle(radius, w):

@@ -47,17 +47,18 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..dispatch import weight_and_reduce
-from ..gemm.exact import as_operand
-from ..gemm.grouped import ExpertOperands, expert_rows_gemm
+from ..gemm.exact import as_operand, block_gemm, in_order_sum
+from ..gemm.grouped import ExpertOperands, check_row_expert, expert_rows_gemm
 from .gemm_bounds import (
     aligned_adder_gemm_bound,
     contiguous_tree_gemm_bound,
+    contiguous_tree_parts,
     gamma,
     gemm_coefficient,
     gemm_error_bound,
     worst_case_gemm_bound,
 )
-from .operand_radius import radius_dot
+from .operand_radius import exact_radius, radius_dot
 from .stage_bounds import activation_error, activation_magnitude, lipschitz_on, requant_uncertainty
 
 __all__ = [
@@ -311,6 +312,41 @@ def _rows_error_bound(a, a_radius, row_expert, weights, bias, profile: Profile) 
     return out
 
 
+def _rows_gemm_interval(a, a_radius, row_expert, weights, bias, profile: Profile):
+    """``(center, radius)`` float64 ``[R, N]`` of a GEMM's interval before its store: the center
+    :func:`moeref.gemm.grouped.expert_rows_gemm` of ``a`` (with ``bias``), the radius ``_rows_radius_term`` (with
+    ``a_radius``) plus :func:`_rows_error_bound`; 0 on padding rows. The same bits, with one pass over the products
+    where they coincide: under ``"contiguous_tree"`` the walk's in-order sum is the center wherever
+    :func:`moeref.gemm.exact.in_order_sum` holds, and its ``ordered_dot`` of the radius is the radius term wherever
+    :func:`moeref.compare.operand_radius.exact_radius` is None (:func:`moeref.compare.operand_radius.radius_dot`)."""
+    if profile.accum_model != "contiguous_tree":
+        center = expert_rows_gemm(a, row_expert, weights, bias)
+        bound = _rows_error_bound(a, a_radius, row_expert, weights, bias, profile)
+        return center, bound if a_radius is None else _rows_radius_term(a_radius, row_expert, weights) + bound
+    a = as_operand(a, "a")
+    w = ExpertOperands(weights)
+    rows = check_row_expert(row_expert, a.shape[0], len(w))
+    b = None if bias is None else np.asarray(bias, dtype=np.float64)
+    n = w[0].shape[0] if len(w) else 0
+    center = np.zeros((rows.size, n))
+    radius = np.zeros((rows.size, n))
+    for e in np.unique(rows[rows >= 0]).tolist():  # a loop over experts
+        idx = np.flatnonzero(rows == e)
+        a_e, r_e = a.take_rows(idx), None if a_radius is None else a_radius[idx]
+        bound, total, rdot = contiguous_tree_parts(a_e, w[e], profile, a_radius=r_e,
+                                                   bias=None if b is None else b[e])
+        center[idx] = total + 0.0 if in_order_sum(a_e, w[e]) else block_gemm(a_e, w[e])
+        if r_e is not None:
+            if r_e.shape[1] and n and exact_radius(r_e, w[e]) is not None:  # radius_dot's grid
+                rdot = radius_dot(r_e, w[e])
+            bound = rdot + bound
+        radius[idx] = bound
+    if b is not None:
+        valid = rows >= 0
+        center[valid] += b[rows[valid]]
+    return center, radius
+
+
 def _add_bias_after_store(stored, radius, row_expert, bias, profile: Profile):
     """``bias_add="after_store"``: the stored GEMM output (interval ``stored`` +- ``radius``, float64
     ``[R, N]``) plus its row's expert bias (``bias`` ``[E, N]``), added in FP32: center ``stored + b``,
@@ -457,8 +493,7 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
                                          profile.gemm_out_dtype, profile.gemm_out_unit)
         h_pre, dh = _add_bias_after_store(h0, dh0, rows, weights.b13, profile)
     else:
-        h_pre = expert_rows_gemm(p.a, rows, w13, weights.b13)
-        dh = _rows_error_bound(p.a, None, rows, w13, weights.b13, profile)
+        h_pre, dh = _rows_gemm_interval(p.a, None, rows, w13, weights.b13, profile)
     h, dh, flip_h = store_interval(h_pre, dh, profile.gemm_out_dtype, profile.gemm_out_unit)
     if flip_0 is not None:
         flip_h = flip_h | flip_0
@@ -499,8 +534,7 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
                                     profile.gemm_out_dtype, profile.gemm_out_unit)
         y_pre, dy = _add_bias_after_store(y0, dy0, rows, weights.b2, profile)
     else:
-        y_pre = expert_rows_gemm(xq, rows, w2, weights.b2)
-        dy = _rows_radius_term(unc, rows, w2) + _rows_error_bound(xq, unc, rows, w2, weights.b2, profile)
+        y_pre, dy = _rows_gemm_interval(xq, unc, rows, w2, weights.b2, profile)
     weigh = p.apply_weights
     if profile.gemm2_weighted_store and weigh:  # the epilogue weights (one FP32 multiply), then stores
         w_row = np.where(valid, np.asarray(p.topk_weights, np.float64).reshape(-1)[np.maximum(p.src, 0)], 0.0)

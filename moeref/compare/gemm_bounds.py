@@ -33,6 +33,7 @@ __all__ = [
     "worst_case_gemm_bound",
     "contiguous_tree_gemm_bound",
     "aligned_adder_gemm_bound",
+    "contiguous_tree_parts",
     "TREE_LANES",
 ]
 
@@ -134,6 +135,17 @@ def gemm_error_bound(a, w, profile, *, a_radius=None, bias=None) -> np.ndarray:
     >>> round(float(gemm_error_bound(a, w, hop)[0, 0]) / 2.0**-13, 4)  # 2 products, M = 1: 2 * 2 u_acc
     4.001
     """
+    a, w, radius, b_abs = _checked(a, w, a_radius, bias)
+    models = {"worst_case": worst_case_gemm_bound, "contiguous_tree": contiguous_tree_gemm_bound,
+              "data_dependent": aligned_adder_gemm_bound}
+    if profile.accum_model not in models:
+        raise ValueError(f"accum_model must be one of {sorted(models)}; got {profile.accum_model!r}")
+    return models[profile.accum_model](a, w, profile, radius, b_abs)
+
+
+def _checked(a, w, a_radius, bias):
+    """:func:`gemm_error_bound`'s inputs validated: ``(a, w, radius, |bias|)`` (operands, float64 radius or None,
+    float64 ``[N]``)."""
     a = as_operand(a, "a")
     w = as_operand(w, "w")
     m, k = a.values.shape
@@ -150,11 +162,19 @@ def gemm_error_bound(a, w, profile, *, a_radius=None, bias=None) -> np.ndarray:
             raise ValueError(f"a_radius must have the shape of a, ({m}, {k}); got {radius.shape}")
         if np.any(radius < 0):
             raise ValueError("a_radius must be >= 0")
-    models = {"worst_case": worst_case_gemm_bound, "contiguous_tree": contiguous_tree_gemm_bound,
-              "data_dependent": aligned_adder_gemm_bound}
-    if profile.accum_model not in models:
-        raise ValueError(f"accum_model must be one of {sorted(models)}; got {profile.accum_model!r}")
-    return models[profile.accum_model](a, w, profile, radius, b_abs)
+    return a, w, radius, b_abs
+
+
+def contiguous_tree_parts(a, w, profile, *, a_radius=None, bias=None):
+    """:func:`gemm_error_bound` under ``accum_model="contiguous_tree"`` with two by-products of its walk, the
+    same inputs: ``(bound, total, radius_dot)``, float64 ``[M, N]`` each. ``total``: ``sum_k a_k w_k`` of the
+    dequantized operands, in K order from the first product (every add rounded; the last prefix sum of the walk of
+    ``L = 1``); ``radius_dot``: :func:`moeref.compare.summation_order.ordered_dot` of ``a_radius`` and ``|W|``
+    (None without a radius). A caller that needs either (the GEMM's in-order sum, the operand's own uncertainty)
+    takes it from here instead of computing it again."""
+    if profile.accum_model != "contiguous_tree":
+        raise ValueError(f"contiguous_tree_parts needs accum_model='contiguous_tree'; got {profile.accum_model!r}")
+    return _contiguous_tree(*_checked(a, w, a_radius, bias), profile)
 
 
 def worst_case_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius, b_abs) -> np.ndarray:
@@ -238,18 +258,24 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     (:func:`_lane_sums`) leaves room above the range already reached (the same bits as every lane walked for every
     output).
     """
+    return _contiguous_tree(a, w, radius, b_abs, profile)[0]
+
+
+def _contiguous_tree(a: BlockOperand, w: BlockOperand, radius, b_abs, profile):
+    """``(bound, total, radius_dot)`` of :func:`contiguous_tree_parts` for validated inputs."""
     m, k = a.values.shape
     n = w.values.shape[0]
     if m == 0 or n == 0:
-        return np.zeros((m, n))
+        return np.zeros((m, n)), np.zeros((m, n)), None if radius is None else np.zeros((m, n))
     u = float(profile.accum_unit)
     rho = float(profile.adder_factor)
     u_prom = float(profile.promote_unit)
     ad, wd = a.dequantize(), w.dequantize()
     lanes = max(TREE_LANES)
     kp = -(-max(k, 1) // lanes) * lanes
-    d = np.zeros((m, n)) if radius is None else ordered_dot(radius, np.abs(wd)) * (1.0 + gamma(k + 2, U_F64))
     at, wt = _k_major(ad, kp), _k_major(wd, kp)
+    rdot = None if radius is None else ordered_dot(radius, None, w_t=np.abs(wt))
+    d = np.zeros((m, n)) if radius is None else rdot * (1.0 + gamma(k + 2, U_F64))
     rng, wsum, csum = _tree_walks(at, wt)
     slack = 2.0 * gamma(kp + 2, U_F64) * wsum
     r_hi = rng + slack + d
@@ -261,14 +287,14 @@ def contiguous_tree_gemm_bound(a: BlockOperand, w: BlockOperand, profile, radius
     t = rho * max(k - 1 + int(init), 0) * u
     denom = 1.0 - t - sigma
     if denom <= 0:
-        return np.full((m, n), np.inf)
+        return np.full((m, n), np.inf), csum, rdot
     if init:  # the bias is the tree's first leaf: one more add, every node holding it within |b| + R
         acc = (t * (r_hi + b_abs[None, :]) + (sigma + u_prod) * w_hi) / np.float64(denom)
         out = acc + (k + 2) * 2.0**-149
     else:
         acc = (t * r_hi + (sigma + u_prod) * w_hi) / np.float64(denom)
         out = acc + u_prom * (c_hi + acc + b_abs[None, :]) + (k + 2) * 2.0**-149
-    return out * (1.0 + 1e-9)
+    return out * (1.0 + 1e-9), csum, rdot
 
 
 _WALKED = (1, 2, 4)
@@ -349,6 +375,80 @@ def _lane_top(q: np.ndarray) -> np.ndarray:
     return top
 
 
+class _WalkTile:
+    """The buffers of :func:`_tree_walks` for tiles of ``x`` outputs and chunks of ``rows`` K rows, with the row views
+    of every walked lane count made once (a tile of the same width reuses them): the products ``pc``, ``|p|`` under
+    the running ``sum |p|`` (``pa``), the walk ``wb``, and per lane count the last prefix sums, maxima and minima."""
+
+    def __init__(self, rows: int, x: int, walked: tuple):
+        self.x = x
+        self.pc = np.empty((rows, x))
+        self.pa = np.zeros((rows + 1, max(x, 2)))  # two columns at least: NumPy sums one column pairwise
+        self.wb = np.empty((rows, x))
+        self.acc = np.zeros(self.pa.shape[1])
+        self.tmp = np.empty(max(walked) * x)
+        self.walked = walked
+        self.prev = {lane: np.empty(lane * x) for lane in walked}
+        self.hi = {lane: np.empty(lane * x) for lane in walked}
+        self.lo = {lane: np.empty(lane * x) for lane in walked}
+        self._views = {}
+
+    def _rows(self, r: int, lane: int):
+        """Row lists of ``pc[:r]`` and ``wb[:r]`` as ``[r / lane, lane x]`` (lane ``i`` of ``lane`` at column block
+        ``i``), and the second as one array."""
+        v = self._views.get((r, lane))
+        if v is None:
+            q = self.pc[:r].reshape(r // lane, lane * self.x)
+            w = self.wb[:r].reshape(r // lane, lane * self.x)
+            v = self._views[(r, lane)] = (list(q), list(w), w)
+        return v
+
+    def start(self) -> None:
+        self.acc.fill(0.0)
+        for lane in self.walked:
+            self.hi[lane].fill(-np.inf)
+            self.lo[lane].fill(np.inf)
+
+    def chunk(self, a_rows: np.ndarray, w_rows: np.ndarray, first: bool) -> None:
+        """K rows ``a_rows`` ``[r, tile rows]`` x ``w_rows`` ``[r, tile columns]``: their products (``einsum``:
+        ``a w`` each, a zero product possibly +0.0, which no range, sum or bound below tells from -0.0), ``sum |p|``
+        in K order onto the running sum, and every walked lane count's walk ``wb[i] = wb[i - 1] + q[i]`` from the
+        chunk before (``q[0]`` itself when ``first``), with its maxima and minima (exact in any order)."""
+        r = a_rows.shape[0]
+        x = self.x
+        pc = self.pc[:r]
+        np.einsum("kr,kn->krn", a_rows, w_rows, out=pc.reshape(r, a_rows.shape[1], w_rows.shape[1]))
+        self.pa[0] = self.acc
+        np.abs(pc, out=self.pa[1:r + 1, :x])
+        np.add.reduce(self.pa[:r + 1], axis=0, out=self.acc)  # sum |p| in K order onto the running sum
+        add = np.add
+        for lane in self.walked:
+            qv, wv, w = self._rows(r, lane)
+            prev, tmp = self.prev[lane], self.tmp[:lane * x]
+            if first:
+                wv[0][...] = qv[0]
+            else:
+                add(prev, qv[0], out=wv[0])
+            p = wv[0]
+            for i in range(1, len(qv)):  # sequential in K
+                add(p, qv[i], out=wv[i])
+                p = wv[i]
+            prev[...] = p
+            np.maximum.reduce(w, axis=0, out=tmp)
+            np.maximum(self.hi[lane], tmp, out=self.hi[lane])
+            np.minimum.reduce(w, axis=0, out=tmp)
+            np.minimum(self.lo[lane], tmp, out=self.lo[lane])
+
+    def ranges(self) -> np.ndarray:
+        """The largest ``max(max P, 0) - min(min P, 0)`` over every walked lane, ``[x]``."""
+        best = np.zeros(self.x)
+        for lane in self.walked:  # the maximum over lanes and lane counts does not depend on the order
+            top = np.maximum(self.hi[lane], 0.0)
+            top -= np.minimum(self.lo[lane], 0.0)
+            best = np.maximum(best, top.reshape(lane, self.x).max(axis=0))
+        return best
+
+
 def _tree_walks(at: np.ndarray, wt: np.ndarray):
     """``(R, W, S)`` float64 ``[M, N]`` of :func:`contiguous_tree_gemm_bound` from the K-major operands ``at``
     ``[kp, M]`` and ``wt`` ``[kp, N]`` (``kp`` a multiple of 32): the largest range over every lane of every lane
@@ -363,47 +463,34 @@ def _tree_walks(at: np.ndarray, wt: np.ndarray):
     rb = max(1, _WALK_OUTPUTS // nb)
     walked = _walked_lanes(kp)
     rows = min(kp, -(-_WALK_ROWS // walked[-1]) * walked[-1])  # a multiple of every walked lane count
+    tiles = {}
+    for r0 in range(0, m, rb):  # tiles of [K, rb * nb] products, K in chunks of `rows`
+        r1 = min(r0 + rb, m)
+        for n0 in range(0, n, nb):
+            n1 = min(n0 + nb, n)
+            x = (r1 - r0) * (n1 - n0)
+            tile = tiles.get(x)
+            if tile is None:
+                tile = tiles[x] = _WalkTile(rows, x, walked)
+            tile.start()
+            for k0 in range(0, kp, rows):
+                r = min(rows, kp - k0)
+                tile.chunk(at[k0:k0 + r, r0:r1], wt[k0:k0 + r, n0:n1], k0 == 0)
+            wsum[r0:r1, n0:n1] = tile.acc[:x].reshape(r1 - r0, n1 - n0)
+            csum[r0:r1, n0:n1] = tile.prev[1].reshape(r1 - r0, n1 - n0)
+            rng[r0:r1, n0:n1] = tile.ranges().reshape(r1 - r0, n1 - n0)
+    if walked[-1] == lanes:
+        return rng, wsum, csum
+    rb = max(1, _WALK_OUTPUTS // nb)
     cap_rows = max(rb, (1 << 21) // max(1, lanes * n) // rb * rb)  # rows whose caps are held at once
     for c0 in range(0, m, cap_rows):
         c1 = min(c0 + cap_rows, m)
-        for r0 in range(c0, c1, rb):  # tiles of [K, rb * nb] products, K in chunks of `rows`
-            r1 = min(r0 + rb, c1)
-            for n0 in range(0, n, nb):
-                n1 = min(n0 + nb, n)
-                x = (r1 - r0) * (n1 - n0)
-                pc = np.empty((rows, x))
-                pa = np.zeros((rows + 1, max(x, 2)))  # two columns at least: NumPy sums one column pairwise
-                wb = np.empty((rows, x))
-                acc = np.zeros(pa.shape[1])
-                prev = {lane: np.empty(lane * x) for lane in walked}
-                hi = {lane: np.full(lane * x, -np.inf) for lane in walked}
-                lo = {lane: np.full(lane * x, np.inf) for lane in walked}
-                for k0 in range(0, kp, rows):
-                    r = min(rows, kp - k0)
-                    np.multiply(at[k0:k0 + r, r0:r1, None], wt[k0:k0 + r, None, n0:n1],
-                                out=pc[:r].reshape(r, r1 - r0, n1 - n0))
-                    pa[0] = acc
-                    np.abs(pc[:r], out=pa[1:r + 1, :x])
-                    np.add.reduce(pa[:r + 1], axis=0, out=acc)  # sum |p| in K order onto the running sum
-                    for lane in walked:
-                        _walk_rows(pc[:r].reshape(r // lane, lane * x), wb[:r].reshape(r // lane, lane * x),
-                                   prev[lane], hi[lane], lo[lane], k0 == 0)
-                best = np.zeros(x)
-                for lane in walked:  # the maximum over lanes and lane counts does not depend on the order
-                    top = np.maximum(hi[lane], 0.0)
-                    top -= np.minimum(lo[lane], 0.0)
-                    best = np.maximum(best, top.reshape(lane, x).max(axis=0))
-                wsum[r0:r1, n0:n1] = acc[:x].reshape(r1 - r0, n1 - n0)
-                csum[r0:r1, n0:n1] = prev[1].reshape(r1 - r0, n1 - n0)
-                rng[r0:r1, n0:n1] = best.reshape(r1 - r0, n1 - n0)
         # A lane's range (max - min of its prefix sums, 0 included) is the sum of one contiguous run of its
         # products, at most the larger of its positive and negative parts, C = (sum |p| + |sum p|) / 2. With the
         # lane sums from BLAS (any order, products rounded or not), the computed range is at most
         # C (1 + 4 gamma_kp)(1 + u) plus 2^-1075 for each product that underflows, and the cap below at least
         # C (1 - 2 gamma_kp)(1 - u)^2 grow (u = 2^-53): a lane whose cap is at most the range already reached
         # cannot raise it and is skipped. A non-finite output walks every lane (a NaN cap is never skipped).
-        if walked[-1] == lanes:
-            continue
         grow = 1.0 + 64.0 * (kp + 2) * U_F64
         sa, sp = _lane_sums(at, wt, c0, c1)                               # [32, rows, N]
         out = rng[c0:c1]

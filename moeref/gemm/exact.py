@@ -70,8 +70,8 @@ import numpy as np
 from .. import _interop
 from .._checks import as_float_array, check_ndim
 
-__all__ = ["BlockOperand", "as_operand", "block_gemm", "get_num_threads", "partial_dots_exact", "quantum_and_max",
-           "set_num_threads"]
+__all__ = ["BlockOperand", "as_operand", "block_gemm", "get_num_threads", "in_order_sum", "partial_dots_exact",
+           "quantum_and_max", "set_num_threads"]
 
 
 class BlockOperand:
@@ -149,6 +149,8 @@ class BlockOperand:
 
     def dequantize(self) -> np.ndarray:
         """float64 ``[R, K]``: every element times its block scale."""
+        if self.scales.size == 1:  # one block: the same products, without the expanded scale array
+            return self.values * np.float64(self.scales.reshape(-1)[0])
         r, k = self.shape
         br, bk = self.block
         s = np.repeat(np.repeat(self.scales, br, axis=0)[:r], bk, axis=1)[:, :k]
@@ -332,6 +334,18 @@ def partial_dots_exact(a: BlockOperand, b: BlockOperand) -> bool:
         return True
     g = _segment(a, b)
     return g * ma * mb <= 2.0**53 * qa * qb
+
+
+def in_order_sum(a: BlockOperand, b: BlockOperand) -> bool:
+    """Whether :func:`block_gemm` computes this pair as one in-order sum: the per-segment loop over a single
+    segment (an operand not quantized, ``K`` columns in one block of each) with every scale 1, so
+    ``C[m, n] = +0.0 + P`` with ``P`` the products ``a[m, k] * b[n, k]`` added in ``k`` order from +0.0, every add
+    rounded. A sequential float64 sum of the same products in ``k`` order that starts at the first product, with
+    or without zero products after the last, differs from ``P`` at most in the sign of a zero: ``+ 0.0`` gives it
+    ``C``'s bits."""
+    k = a.shape[1]
+    return (not (a.quantized and b.quantized) and k >= 1 and _segment(a, b) >= k
+            and bool(np.all(a.scales == 1.0)) and bool(np.all(b.scales == 1.0)))
 
 
 def block_gemm(a, b, *, name_a: str = "a", name_b: str = "b") -> np.ndarray:
