@@ -29,6 +29,7 @@ selection, padding, scale indexing) against the exact reference.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -102,6 +103,10 @@ class GemmTiles:
                              f"a @ B^T tiles; swap_ab=True has none; got {self}")
         if self.warp_specialize and not self.tma:
             raise ValueError(f"warp_specialize needs tma=True (its producer issues TMA loads); got {self}")
+        if self.warp_specialize and self.block_m > 64:
+            raise ValueError("warp_specialize with block_m > 64 gave wrong outputs on an H200 (Triton 3.6, 2026-11-28: "
+                             "128x128 tiles, persistent or not, differed from the default tiles in whole rows); "
+                             f"use block_m <= 64; got {self}")
         if not self.persistent and (self.flatten or self.programs_per_sm != 1):
             raise ValueError(f"flatten and programs_per_sm are options of persistent=True tiles; got {self}")
 
@@ -112,9 +117,12 @@ class GemmTiles:
 
 
 DEFAULT_TILES = {"fp8_block": GemmTiles(64, 128, 128, 4, 4), "float": GemmTiles(128, 256, 64, 8, 3),
-                 "fp8_block_decode": GemmTiles(16, 128, 128, 4, 3, swap_ab=True)}
-"""Tiles when none are given; ``"fp8_block_decode"`` for FP8 operands with few rows per expert
-(:func:`default_tiles`). Measured in docs/moe-gpu.md."""
+                 "fp8_block_decode": GemmTiles(16, 128, 128, 4, 3, swap_ab=True),
+                 "fp8_block_contiguous_tma": GemmTiles(64, 128, 128, 4, 4, tma=True)}
+"""Tiles when none are given (:func:`default_tiles`): ``"fp8_block_decode"`` for FP8 operands with few rows per
+expert; ``"fp8_block_contiguous_tma"`` for FP8 prefill in the contiguous layout on a GPU with TMA (compute
+capability 9 or more), the fastest tiles of bench/studies/triton_fp8_prefill_sweep.py with the same bits as
+``"fp8_block"`` (docs/moe-gpu.md); ``"fp8_block"`` elsewhere (the masked layout, older GPUs)."""
 _INTERPRETER_TILES = {"fp8_block": GemmTiles(16, 32, 128, 1, 1), "float": GemmTiles(16, 32, 32, 1, 1),
                       "fp8_block_decode": GemmTiles(16, 32, 128, 1, 1, swap_ab=True)}
 FP8_PREFILL_CANDIDATES = {
@@ -138,11 +146,6 @@ FP8_PREFILL_CANDIDATES = {
     "128x128 w8 s3 tma g2": GemmTiles(128, 128, 128, 8, 3, tma=True, group_m=2),
     "128x128 w8 s3 pers1 tma g2": GemmTiles(128, 128, 128, 8, 3, persistent=True, tma=True, group_m=2),
     "128x64 w4 s4 tma g2": GemmTiles(128, 64, 128, 4, 4, tma=True, group_m=2),
-    "128x128 w4 s3 tma ws g2": GemmTiles(128, 128, 128, 4, 3, tma=True, warp_specialize=True, group_m=2),
-    "128x128 w4 s3 pers1 tma ws g2": GemmTiles(128, 128, 128, 4, 3, persistent=True, tma=True, warp_specialize=True,
-                                               group_m=2),
-    "128x128 w4 s4 pers1 tma ws g2": GemmTiles(128, 128, 128, 4, 4, persistent=True, tma=True, warp_specialize=True,
-                                               group_m=2),
     "64x256 w8 s3 tma g4": GemmTiles(64, 256, 128, 8, 3, tma=True, group_m=4),
 }
 """FP8 prefill tiles (``wN`` warps, ``sN`` stages, ``gN`` group_m, ``persN`` persistent with N programs per SM,
@@ -152,14 +155,26 @@ DECODE_ROWS_PER_EXPERT = 16
 """FP8 operands with at most this many rows per expert on average take the decode tiles."""
 
 
-def default_tiles(kind: str, rows_per_expert: float, device_type: str = "cuda") -> GemmTiles:
+def default_tiles(kind: str, rows_per_expert: float, device_type: str = "cuda", layout: str = "contiguous") -> GemmTiles:
     """The Triton kernel's tiles for operand ``kind`` (``"fp8_block"`` or ``"float"``) when the experts
     have ``rows_per_expert`` rows on average: FP8 with at most :data:`DECODE_ROWS_PER_EXPERT` takes the
-    decode tiles (a 16-row swapped tile: the weights stream through the wide side of the MMA)."""
+    decode tiles (a 16-row swapped tile: the weights stream through the wide side of the MMA); FP8 above it in
+    the ``"contiguous"`` layout on a CUDA GPU with TMA takes the TMA tiles (the tile-loop kernel, contiguous
+    layout only; ``layout="masked"`` keeps ``"fp8_block"``)."""
+    if layout not in ("contiguous", "masked"):
+        raise ValueError(f"layout must be 'contiguous' or 'masked'; got {layout!r}")
     table = _INTERPRETER_TILES if device_type == "cpu" else DEFAULT_TILES
     if kind == "fp8_block" and rows_per_expert <= DECODE_ROWS_PER_EXPERT:
         return table["fp8_block_decode"]
+    if kind == "fp8_block" and layout == "contiguous" and device_type == "cuda" and _has_tma():
+        return table["fp8_block_contiguous_tma"]
     return table[kind]
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma() -> bool:
+    """Whether the current CUDA device has TMA (compute capability 9.0 or more)."""
+    return torch.cuda.get_device_capability()[0] >= 9
 
 
 @triton.jit
@@ -360,7 +375,7 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
         deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, a_scales), (b, b_scales), d, m_indices.to(torch.int32),
                                                    disable_ue8m0_cast=True)
         return d
-    t = tiles or _tiles_of(a, 0 if m <= e * alignment else m / e)  # at most one segment an expert: decode
+    t = tiles or _tiles_of(a, 0 if m <= e * alignment else m / e, "contiguous")  # one segment an expert: decode
     if alignment % t.block_m:
         t = replace(t, block_m=64 if alignment % 64 == 0 else 16)
     _launch_triton(a, b, d, m_indices.to(torch.int32).contiguous(), a_scales, b_scales, bias, t,
@@ -368,8 +383,8 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
     return d
 
 
-def _tiles_of(a: torch.Tensor, rows_per_expert: float) -> GemmTiles:
-    return default_tiles(_kind(a), rows_per_expert, a.device.type)
+def _tiles_of(a: torch.Tensor, rows_per_expert: float, layout: str) -> GemmTiles:
+    return default_tiles(_kind(a), rows_per_expert, a.device.type, layout)
 
 
 def _launch_triton(a, b, d, m_idx, a_scales, b_scales, bias, t: GemmTiles, *, grid_m: int, masked_cap: int = 0,
@@ -497,7 +512,7 @@ def grouped_gemm_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     d = torch.empty((e, max_m, n), dtype=out_dtype, device=a.device)
     if groups == 0 or max_m == 0:
         return d
-    t = tiles or _tiles_of(a, max_m if expected_m is None else expected_m)
+    t = tiles or _tiles_of(a, max_m if expected_m is None else expected_m, "masked")
     rows = -1 if a_src is not None else e * max_m
     sa = None if a_scales is None else a_scales.reshape(rows, a_scales.shape[-1])
     _launch_triton(a.reshape(rows, k), b, d.view(e * max_m, n), masked_m.to(torch.int32).contiguous(), sa,

@@ -624,7 +624,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
 
     tiles = None  # the Triton kernel's tiles, by rows per expert (the same for both GEMMs and every path)
     if impl == "triton" and not weights.w4:
-        tiles = default_tiles("fp8_block" if weights.fp8 else "float", expected_m, x.device.type)
+        tiles = default_tiles("fp8_block" if weights.fp8 else "float", expected_m, x.device.type, layout)
     h = gemm(a, weights.w13, sa, weights.w13_scales, weights.b13, a_src=src if gather else None)
     if weights.fp8_activations:
         fused = {"silu_and_mul": silu_and_mul_quant_fp8, "gelu_and_mul": gelu_and_mul_quant_fp8,

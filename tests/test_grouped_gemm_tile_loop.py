@@ -184,6 +184,8 @@ def test_tile_loop_options_are_checked():
         GemmTiles(64, 128, 128, 4, 3, tma=1)
     with pytest.raises(ValueError, match="tma=True"):
         GemmTiles(64, 128, 128, 4, 3, warp_specialize=True)
+    with pytest.raises(ValueError, match="block_m <= 64"):
+        GemmTiles(128, 128, 128, 4, 3, tma=True, warp_specialize=True)
     assert not GemmTiles().tile_loop and GemmTiles(group_m=2).tile_loop
     from fastpath.grouped_gemm_w4 import _tiles_for
 
@@ -233,8 +235,7 @@ def _gpu_operands(k: int, n: int, seed: int):
                                   "64x128 w4 s3 tma g4", "64x128 w4 s3 pers3 tma g4", "64x128 w4 s4 pers2 tma g4",
                                   "64x128 w4 s4 pers2 tma flat g4", "64x128 w4 s3 tma ws",
                                   "64x128 w4 s3 pers1 tma ws g4", "128x128 w8 s3 tma g2", "128x128 w8 s3 pers1 tma g2",
-                                  "128x64 w4 s4 tma g2", "128x128 w4 s3 tma ws g2", "128x128 w4 s3 pers1 tma ws g2",
-                                  "128x128 w4 s4 pers1 tma ws g2", "64x256 w8 s3 tma g4"])
+                                  "128x64 w4 s4 tma g2", "64x256 w8 s3 tma g4"])
 def test_gpu_prefill_candidates_give_the_default_bits(name):
     """Each FP8 prefill candidate (:data:`fastpath.grouped_gemm.FP8_PREFILL_CANDIDATES`) gives the bits of the
     default tiles on every routed row: GEMM1-like (K = 7168, N = 512) and GEMM2-like (K = 2048, N = 384, a
@@ -302,3 +303,21 @@ def test_every_candidate_compiles_for_hopper_with_its_options(tmp_path):
         assert r["fmul"] == r["ffma"] and r["fmul"] % outputs_per_thread == 0 and r["fmul"] > 0, (name, r)
         if t.persistent:
             assert r["programs_per_sm_fit"] >= t.programs_per_sm, name
+
+
+def test_default_tiles_by_layout(monkeypatch):
+    """FP8 prefill in the contiguous layout on a GPU with TMA takes the TMA tiles; the masked layout (which the
+    tile-loop kernel does not run), a GPU without TMA, decode sizes and the interpreter keep theirs."""
+    import fastpath.grouped_gemm as gg
+
+    monkeypatch.setattr(gg, "_has_tma", lambda: True)
+    t = gg.default_tiles("fp8_block", 64, "cuda", "contiguous")
+    assert t == gg.DEFAULT_TILES["fp8_block_contiguous_tma"] and t.tma and t.tile_loop
+    assert gg.default_tiles("fp8_block", 64, "cuda", "masked") == gg.DEFAULT_TILES["fp8_block"]
+    assert gg.default_tiles("fp8_block", 4, "cuda", "contiguous") == gg.DEFAULT_TILES["fp8_block_decode"]
+    assert gg.default_tiles("float", 64, "cuda", "contiguous") == gg.DEFAULT_TILES["float"]
+    assert not gg.default_tiles("fp8_block", 64, "cpu", "contiguous").tile_loop
+    monkeypatch.setattr(gg, "_has_tma", lambda: False)
+    assert gg.default_tiles("fp8_block", 64, "cuda", "contiguous") == gg.DEFAULT_TILES["fp8_block"]
+    with pytest.raises(ValueError, match="layout"):
+        gg.default_tiles("fp8_block", 64, "cuda", "ragged")
