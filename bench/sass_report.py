@@ -93,8 +93,8 @@ def _signature(fn, args, kw):
     return sig, consts, attrs, num_warps, num_stages, maxnreg
 
 
-def compile_sass(fn, args, kw, maxnreg=None):
-    """SASS text, registers, stack bytes, warps and shared memory of one recorded launch;
+def compile_kernel(fn, args, kw, maxnreg=None):
+    """Compile one recorded launch for sm_90a: ``(compiled kernel, SASS text, registers, stack bytes)``;
     ``maxnreg`` overrides the launch's register cap (ptxas ``.maxnreg``)."""
     sig, consts, attrs, nw, ns, cap = _signature(fn, args, kw)
     opts = {"num_warps": nw, "num_stages": ns}
@@ -110,7 +110,14 @@ def compile_sass(fn, args, kw, maxnreg=None):
         res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     stack = int(re.search(r"STACK:(\d+)", res).group(1))
-    return sass, regs, stack, nw, ck.metadata.shared
+    return ck, sass, regs, stack
+
+
+def compile_sass(fn, args, kw, maxnreg=None):
+    """SASS text, registers, stack bytes, warps and shared memory of one recorded launch
+    (:func:`compile_kernel`)."""
+    ck, sass, regs, stack = compile_kernel(fn, args, kw, maxnreg)
+    return sass, regs, stack, int(ck.metadata.num_warps), ck.metadata.shared
 
 
 def count(sass: str):

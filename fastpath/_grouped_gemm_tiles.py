@@ -75,6 +75,20 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _a_rows(src_ptr, rows, rmask, TOPK, GATHER: tl.constexpr):
+    """``(mask, int64 row of a)`` of layout rows ``rows``: themselves, or (``GATHER``) token ``src[r] // TOPK``
+    (``src < 0``: padding, masked). Both grouped GEMM kernels read ``a`` through it."""
+    if GATHER:
+        slot = tl.load(src_ptr + rows, mask=rmask, other=-1)
+        amask = rmask & (slot >= 0)
+        arow = tl.where(amask, slot // TOPK, 0).to(tl.int64)
+    else:
+        amask = rmask
+        arow = rows.to(tl.int64)
+    return amask, arow
+
+
+@triton.jit
 def _k_block(acc, it, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0, cols,
              sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
              FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -125,13 +139,7 @@ def _tile(pid_m, pid_n, e, a_ptr, a_desc, b_ptr, b_desc, d_ptr, sa_ptr, sb_ptr, 
     rmask = rows < M
     cols = n0 + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    if GATHER:
-        slot = tl.load(src_ptr + rows, mask=rmask, other=-1)
-        amask = rmask & (slot >= 0)
-        arow = tl.where(amask, slot // TOPK, 0).to(tl.int64)
-    else:
-        amask = rmask
-        arow = rows.to(tl.int64)
+    amask, arow = _a_rows(src_ptr, rows, rmask, TOPK, GATHER)
     a_base = a_ptr + arow[:, None] * stride_am
     b_base = b_ptr + e64 * stride_be + cols[None, :].to(tl.int64) * stride_bn
     brow0 = (e64 * N + n0).to(tl.int32)

@@ -39,7 +39,7 @@ import triton.language as tl
 from moeref._interop import triton_interpreted
 
 from . import _grouped_gemm_tiles
-from ._grouped_gemm_tiles import _grouped_gemm_tile_loop_kernel, ensure_allocator
+from ._grouped_gemm_tiles import _a_rows, _grouped_gemm_tile_loop_kernel, ensure_allocator
 from ._host import cdiv, launch, next_pow2
 
 __all__ = ["GROUPED_GEMM_IMPLEMENTATIONS", "FP8_PREFILL_CANDIDATES", "GemmTiles", "default_tiles",
@@ -217,13 +217,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_pt
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     ks = tl.arange(0, BLOCK_K)
-    if GATHER:
-        slot = tl.load(src_ptr + rows, mask=rmask, other=-1)
-        amask = rmask & (slot >= 0)
-        arow = tl.where(amask, slot // TOPK, 0).to(tl.int64)
-    else:
-        amask = rmask
-        arow = rows.to(tl.int64)
+    amask, arow = _a_rows(src_ptr, rows, rmask, TOPK, GATHER)
     a_base = a_ptr + arow[:, None] * stride_am
     if SWAP_AB:
         b_base = b_ptr + e.to(tl.int64) * stride_be + cols[:, None].to(tl.int64) * stride_bn

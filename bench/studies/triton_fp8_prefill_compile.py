@@ -14,17 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from bench.sass_report import _TARGET, _signature, count, record  # noqa: E402  (pops TRITON_INTERPRET first)
+from bench.sass_report import compile_kernel, count, record  # noqa: E402  (pops TRITON_INTERPRET first)
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 GEMMS = {"gemm1": (4096, 7168), "gemm2": (7168, 2048)}  # DeepSeek-V3: name -> (N, K)
 SM_REGISTERS, SM_SHARED = 65536, 227 * 1024  # Hopper, per SM (shared: the most one SM gives its blocks)
@@ -48,18 +44,8 @@ def compile_tile(tiles, n: int, k: int, experts: int = 16, rows: int = 4096) -> 
     finally:
         _host.LAUNCH_CACHE_ON = cache_on
     fn, _, args, kw = log[-1]
-    sig, consts, attrs, nw, ns, _ = _signature(fn, args, kw)
-    ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=_TARGET,
-                        options={"num_warps": nw, "num_stages": ns})
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(ck.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    ck, sass, regs, stack = compile_kernel(fn, args, kw)
     ops = count(sass)
-    regs = int(res.split("REG:")[1].split()[0])
-    stack = int(res.split("STACK:")[1].split()[0])
     warps = int(ck.metadata.num_warps)
     per_warp = -(-regs * 32 // 256) * 256  # registers are given to warps in units of 256
     fit = min(SM_REGISTERS // (per_warp * warps), SM_SHARED // max(int(ck.metadata.shared), 1))
