@@ -1,7 +1,8 @@
 """Write the cost table of an emulated profile's `compare` (docs/hopper-fp8-accumulation.md) from
 bench_compare_device.py ``--sources`` JSON (never edited by hand).
 
-    python bench/report_compare_sources.py [docs/data/compare_sources_*.json] [--docs docs/hopper-fp8-accumulation.md] [--check]
+    python bench/report_compare_sources.py [docs/data/compare_sources_*.json] \\
+        [--docs docs/hopper-fp8-accumulation.md] [--check]
 
 Per run (oldest first) a caption naming its GPU, date, torch and Triton versions, tree, profile and command, then
 one row per token count and source of the block accumulators (:data:`moeref.gemm.device_hopper_fp8.ACCUMULATOR_SOURCE`):
@@ -38,7 +39,8 @@ def command(d: dict) -> str:
     """The benchmark's command line, rebuilt from what the JSON records (``--check-rows 0`` where no row has the
     bound's check)."""
     m, rows = d["meta"], d["rows"]
-    args = ["python -m bench compare", f"--profile {m['profile']}", "--tokens " + " ".join(str(r["tokens"]) for r in rows)]
+    args = ["python -m bench compare", f"--profile {m['profile']}",
+            "--tokens " + " ".join(str(r["tokens"]) for r in rows)]
     if not any("check" in r for r in rows):
         args.append("--check-rows 0")
     args += ["--sources " + " ".join(rows[0]["sources"]), f"--rounds {m['rounds']}"]
@@ -47,8 +49,9 @@ def command(d: dict) -> str:
 
 def section(d: dict) -> list:
     m = d["meta"]
-    out = [f"Measured on an {m['gpu']}, {_date(m['date'])}, torch {m.get('torch', '?')}, triton {m.get('triton', '?')}, "
-           f"tree {m.get('tree', '?')}: `{command(d)}`. The reference is `run_moe(device=\"cuda\")`; `compare` of its "
+    out = [f"Measured on an {m['gpu']}, {_date(m['date'])}, torch {m.get('torch', '?')}, "
+           f"triton {m.get('triton', '?')}, tree {m.get('tree', '?')}: `{command(d)}`. The reference is "
+           "`run_moe(device=\"cuda\")`; `compare` of its "
            f"run under `{m['profile']}`, median (min-max) of {m['rounds']} interleaved rounds in seconds; *x*: the "
            "median of the per-round ratios compare / reference. The candidate is the reference's own bf16 output "
            "(`compare`'s work does not depend on its values; under an equality-level profile it fails, not being "
@@ -75,7 +78,8 @@ def section(d: dict) -> list:
         out += ["", "Where one more `compare` with the tensor cores spends its emulated GEMMs (each part timed between "
                 "two device synchronisations, in a call outside the rounds); *rest*: the median compare less the "
                 "tensor-core kernels and the proofs: compare's other stages (the re-quantization, the combinations of "
-                "GEMM2's uncertain codes and their promotion, the centers, the check of the elements), not broken down by this run:", "",
+                "GEMM2's uncertain codes and their promotion, the centers, the check of the elements), not broken "
+                "down by this run:", "",
                 "| tokens | source | accumulator kernels: calls, rows, s | proofs: calls, rows, s (their emulator run) "
                 "| rest of the median compare, s |", "|---|---|---|---|---|"]
         for tokens, s, c, med in costs:

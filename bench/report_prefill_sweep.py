@@ -119,13 +119,13 @@ def routing_rows(rname: str, rec: dict, roles: dict, configs: dict) -> list:
     anchor = next((n for n in shown if roles.get(n) == DEFAULT_KEYS[0]), shown[0] if shown else None)
     group = g1[anchor].get("group") if anchor else None
     dg1, dg2 = _deep_gemm(g1, group), _deep_gemm(g2, group)
-    dg_both = {"median_ms": both[anchor]["deep_gemm_median_ms"]} if anchor and "deep_gemm_median_ms" in both[
-        anchor] else None
-    out = [f"| {label} | DeepGEMM (in the rounds of {_tile_name(anchor, {}, configs) if anchor else '—'}) | | {_ms(dg1)} | | "
-           f"{_ms(dg2)} | | {_num(dg_both['median_ms']) if dg_both else '—'} | |"]
+    dg_both = (both.get(anchor) or {}).get("deep_gemm_median_ms")
+    rounds_of = _tile_name(anchor, {}, configs) if anchor else "—"
+    out = [f"| {label} | DeepGEMM (in the rounds of {rounds_of}) | | {_ms(dg1)} | | {_ms(dg2)} | | "
+           f"{_num(dg_both) if dg_both is not None else '—'} | |"]
     for n in shown:
-        out.append(f"| | {_tile_name(n, roles, configs)} | yes | {_ms(g1[n])} | {_x(g1[n])} | {_ms(g2[n])} | {_x(g2[n])} | "
-                   f"{_ms(both[n])} | **{_x(both[n])}** |")
+        out.append(f"| | {_tile_name(n, roles, configs)} | yes | {_ms(g1[n])} | {_x(g1[n])} | {_ms(g2[n])} | "
+                   f"{_x(g2[n])} | {_ms(both[n])} | **{_x(both[n])}** |")
     pair = both.get("best_pair")
     if pair and (pair["gemm1"] != pair["gemm2"]):
         a, b = g1[pair["gemm1"]], g2[pair["gemm2"]]
@@ -148,8 +148,9 @@ def section(d: dict) -> list:
     not_run = sorted({n for rec in d["routings"].values() for g in rec["gemms"].values() for n, v in g.items()
                       if n != "deep_gemm" and v.get("status") != "ok"})
     rounds = d.get("args", {}).get("rounds", "?")
-    out = [f"Measured on an {m['gpu']}, {_date(m['date'])}, torch {m.get('torch', '?')}, triton {m.get('triton', '?')}, "
-           f"tree {m.get('tree', '?')}: `{_command_of(d)}`. DeepSeek-V3 at {d['tokens']} tokens (top-{s['top_k']} of "
+    out = [f"Measured on an {m['gpu']}, {_date(m['date'])}, torch {m.get('torch', '?')}, "
+           f"triton {m.get('triton', '?')}, tree {m.get('tree', '?')}: `{_command_of(d)}`. DeepSeek-V3 at "
+           f"{d['tokens']} tokens (top-{s['top_k']} of "
            f"{s['experts']} experts, 128-row contiguous layout; GEMM1 N {2 * s['inter']}, K {s['hidden']}; GEMM2 "
            f"N {s['hidden']}, K {s['inter']}), FP8 1x128 x 128x128. Median (min-max) of {rounds} interleaved rounds "
            "in ms, each tile timed in the same rounds as DeepGEMM; *both*: the per-round sums of the two GEMMs; "
