@@ -64,6 +64,10 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
                              "any"),
     "report-fault-catch": ("report_fault_catch.py", "docs/error-bounds.md planted-fault tables from fault-catch JSON",
                            "any"),
+    "report-prefill-sweep": ("report_prefill_sweep.py", "docs/moe-gpu.md Triton FP8 prefill tile table from the "
+                             "studies/triton_fp8_prefill_sweep.py JSON", "any"),
+    "report-compare-sources": ("report_compare_sources.py", "docs/hopper-fp8-accumulation.md cost table from "
+                               "compare --sources JSON", "any"),
     # tools
     "sass-identity": ("sass_identity.py", "SHA-256 of every quantization kernel's SASS (refactors: same code?)",
                       "CPU"),

@@ -23,6 +23,8 @@ PAGES = [  # (report script in bench/, JSON under docs/data/, page under docs/, 
     ("report_exact_regimes", "exact_regimes_*.json", "exact-regimes.md", None),  # bench/bench_exact_regimes.py
     ("studies.eager_host_profile", "eager_host_profile_*.json", "moe-gpu.md", 1),  # the eager study
     ("report_fault_catch", "fault_catch_*.json", "error-bounds.md", None),  # bench/bench_fault_catch.py
+    ("report_prefill_sweep", "triton_fp8_prefill_sweep_*.json", "moe-gpu.md", None),  # studies/triton_fp8_prefill_sweep.py
+    ("report_compare_sources", "compare_sources_*.json", "hopper-fp8-accumulation.md", None),  # compare --sources
 ]
 
 
