@@ -1,0 +1,580 @@
+"""Where the decode time of ``fastpath.moe`` goes in a CUDA graph, and which Triton tiles serve each of its two
+grouped GEMMs (issue 33). DeepSeek-V3 FP8 layer (hidden 7168, intermediate 2048, 256 experts, top-8, FP8 1x128
+activations x 128x128 weights, random codes and routing: ``bench/bench_moe_device.py``), masked layout,
+``capturable=True``, ``impl="triton"``.
+
+Phases (each case guarded: an error is recorded and the others run; ``--budget-s`` stops starting new cases):
+
+1. ``copy``: device-to-device copies of the bytes each case reads (the touched experts' FP8 weight codes of
+   GEMM1, of GEMM2, of both), timed in the same interleaved rounds as the cases (``bench.interleaved``). The
+   roofline of a case is its bytes read once at that copy's bandwidth (read + written bytes per second, as
+   docs/moe-gpu.md defines it): half the copy's time; ``of_roofline`` is the median over rounds of the
+   per-round ratio roofline / case.
+2. ``breakdown``: the default layer at 1 token (and the best tiles found, at the end) as a one-call graph,
+   ``--profile-replays`` replays under ``torch.profiler`` (CUDA activity): per kernel of a replay (labelled
+   a1 quant, dispatch, GEMM1, act+requant, GEMM2, finalize by their order) its median duration, its start
+   from the replay's first kernel and the idle gap before it (no kernel running); the replay's span; beside
+   it the replay's own time (CUDA events, no profiler) and ``node_floor_us``: the time per kernel of a graph
+   of 16 one-element kernels in a chain (what any kernel of the graph costs at least).
+3. ``gemm_sweep``: each grouped GEMM alone with the layer's own operands (its two ``grouped_gemm_masked`` calls
+   recorded from one eager call at 1 token) over the tiles ``GemmTiles(16, BLOCK_N, 128, warps, stages,
+   swap_ab=True)``, BLOCK_N 64/128/256, 4/8 warps, 3-6 stages (the kernel has no split-K): a graph of
+   ``--gemm-calls`` back-to-back calls per tile, interleaved rounds; each tile's output on the routed rows
+   checked bit for bit against the default tile's (``bits_equal_default``; only equal tiles are ranked).
+4. ``layer``: the whole layer (``fused_moe(..., tiles=(gemm1, gemm2))``) with the default tiles and
+   combinations of the ``--top`` fastest tiles of each GEMM, a graph of ``--calls`` back-to-back calls per
+   combination, interleaved rounds; the output checked bit for bit against the default tiles' layer.
+5. ``tokens``: at each of ``--tokens`` (1, 4, 8), the default and the best combination: a one-call graph
+   replayed (the figure of docs/moe-gpu.md) and a ``--calls`` graph, interleaved with the copy of the
+   touched experts' bytes.
+
+Kernels are compiled in parallel before the sweep (Triton's ``AsyncCompileMode``; ``--serial-compile`` turns it
+off). ONE JSON to ``--out``, and a table of the best tile per GEMM, the layer combinations and the breakdown.
+
+    python bench/studies/decode_graph_sweep.py --out bench_out/decode_graph_sweep.json
+    python bench/studies/decode_graph_sweep.py --smoke   # CPU, TRITON_INTERPRET=1, tiny layer: the code paths
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from bench.interleaved import CudaEventClock, WallClock, spin_clocks, time_interleaved  # noqa: E402
+from fastpath.grouped_gemm import GemmTiles, default_tiles  # noqa: E402
+
+SHAPE = dict(hidden=7168, inter=2048, experts=256, top_k=8)
+SMOKE_SHAPE = dict(hidden=256, inter=128, experts=16, top_k=4)
+
+
+def sweep_tiles(smoke: bool) -> list[GemmTiles]:
+    if smoke:  # interpreter: small tiles, warps/stages are launch options it ignores
+        return [GemmTiles(16, 32, 128, 4, 3, swap_ab=True), GemmTiles(16, 64, 128, 4, 4, swap_ab=True)]
+    return [GemmTiles(16, bn, 128, w, s, swap_ab=True) for bn in (64, 128, 256) for w in (4, 8) for s in (3, 4, 5, 6)]
+
+
+def short(t: GemmTiles | None) -> str:
+    """``n128 w4 s3`` (BLOCK_N, warps, stages of a 16-row swapped tile), else the dataclass's repr."""
+    if t is None:
+        return "default"
+    if t.block_m == 16 and t.block_k == 128 and t.swap_ab:
+        return f"n{t.block_n} w{t.num_warps} s{t.num_stages}"
+    return str(t)
+
+
+class Run:
+    """The device, clock, capture and time budget of the run (CUDA, or the CPU smoke run without graphs)."""
+
+    def __init__(self, args):
+        self.smoke, self.args, self.t0 = args.smoke, args, time.perf_counter()
+        self.dev = "cpu" if self.smoke else "cuda"
+        self.clock = WallClock() if self.smoke else CudaEventClock()
+        self.rounds = args.rounds
+        self.default = default_tiles("fp8_block", 1, self.dev)  # the decode tiles (interpreter: its own)
+
+    def reps(self, n: int) -> int:
+        return 1 if self.smoke else n
+
+    def left(self) -> float:
+        return self.args.budget_s - (time.perf_counter() - self.t0)
+
+    def sync(self):
+        if not self.smoke:
+            torch.cuda.synchronize()
+
+    def capture(self, fn, calls: int):
+        """(replay, result): ``calls`` back-to-back calls of ``fn`` in one CUDA graph (smoke: plain calls)."""
+        if self.smoke:
+            out = fn()
+            return (lambda: [fn() for _ in range(calls)]), out
+        from bench.latency_cases import capture
+
+        g, out = capture(fn, calls=calls)
+        g.replay()
+        torch.cuda.synchronize()
+        return g.replay, out
+
+    def time(self, cases: dict, per_call: dict, reps: int) -> dict:
+        """Interleaved rounds of ``cases`` (``reps`` calls each a round); seconds per unit of work
+        (``per_call[name]`` units a call): name -> list of per-round seconds."""
+        if not self.smoke:
+            spin_clocks(150)
+        res = time_interleaved(cases, rounds=self.rounds, calls_per_round=reps, warmup=1, clock=self.clock)
+        return {n: [s / per_call.get(n, 1) for s in c.seconds] for n, c in res.cases.items()}
+
+
+def stats(seconds: list, roof_s: list | None = None) -> dict:
+    """us: median/min/max/spread; with the copy's roofline per round, of_roofline (median of per-round ratios)."""
+    med = statistics.median(seconds)
+    out = dict(median_us=med * 1e6, min_us=min(seconds) * 1e6, max_us=max(seconds) * 1e6,
+               spread=(max(seconds) - min(seconds)) / med if med > 0 else None)
+    if roof_s:
+        out["of_roofline"] = statistics.median(r / s for r, s in zip(roof_s, seconds))
+        out["roofline_us"] = statistics.median(roof_s) * 1e6
+    return out
+
+
+def copy_case(nbytes: int, dev: str):
+    src = torch.empty(max(1, nbytes), dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def err(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"[:400]
+
+
+# --------------------------------------------------------------------------------------------- the layer
+
+def build(run: Run, shape: dict, tokens: list[int]):
+    """(FastMoEWeights, {tokens: (x, topk_weights, topk_ids)}) of the FP8 layer."""
+    from fastpath.moe import FastMoEWeights
+
+    gen = torch.Generator(device=run.dev).manual_seed(0)
+    h, n, e, k = shape["hidden"], shape["inter"], shape["experts"], shape["top_k"]
+
+    def experts(rows, cols):
+        codes = torch.randint(0, 256, (e, rows, cols), dtype=torch.uint8, device=run.dev, generator=gen)
+        codes[(codes & 0x7F) == 0x7F] -= 1  # no NaN codes
+        s = 1e-4 * (1.0 + torch.rand((e, -(-rows // 128), -(-cols // 128)), device=run.dev, generator=gen))
+        return codes.view(torch.float8_e4m3fn), s.to(torch.float32)
+
+    w13, s13 = experts(2 * n, h)
+    w2, s2 = experts(h, n)
+    fw = FastMoEWeights(w13, w2, "gate_up", s13, s2)
+    cases = {}
+    for m in tokens:
+        x = torch.randn((m, h), device=run.dev, generator=gen).to(torch.bfloat16)
+        ids = torch.rand((m, e), device=run.dev, generator=gen).topk(k, dim=1).indices.to(torch.int32)
+        tw = torch.rand((m, k), device=run.dev, generator=gen)
+        cases[m] = (x, (tw / tw.sum(dim=1, keepdim=True)).float(), ids)
+    return fw, cases
+
+
+def layer_fn(fw, case, tiles=None):
+    from fastpath.moe import fused_moe
+
+    x, tw, ids = case
+    return lambda: fused_moe(x, fw, tw, ids, impl="triton", layout="masked", capturable=True, graph_cache=False,
+                             tiles=tiles)
+
+
+def weight_bytes(fw, ids) -> dict:
+    touched = int(torch.unique(ids[ids >= 0]).numel())
+    b1 = touched * int(fw.w13.shape[1]) * int(fw.w13.shape[2])
+    b2 = touched * int(fw.w2.shape[1]) * int(fw.w2.shape[2])
+    return dict(touched=touched, gemm1=b1, gemm2=b2, layer=b1 + b2)
+
+
+def record_gemms(fw, case):
+    """The layer's two ``grouped_gemm_masked`` calls (args, kwargs, output) from one eager call."""
+    import fastpath.grouped_gemm as gg
+
+    calls, orig = [], gg.grouped_gemm_masked
+
+    def rec(*a, **kw):
+        out = orig(*a, **kw)
+        calls.append((a, kw, out))
+        return out
+
+    gg.grouped_gemm_masked = rec
+    try:
+        layer_fn(fw, case)()
+    finally:
+        gg.grouped_gemm_masked = orig
+    if len(calls) != 2:
+        raise RuntimeError(f"expected the layer's 2 masked grouped GEMMs, recorded {len(calls)}")
+    return calls
+
+
+def gemm_fn(call, tiles):
+    import fastpath.grouped_gemm as gg
+
+    a, kw, _ = call
+    return lambda: gg.grouped_gemm_masked(*a, **dict(kw, tiles=tiles))
+
+
+def routed_rows(call):
+    a, kw, out = call
+    masked_m = a[2]
+    cap = int(out.shape[1])
+    return torch.arange(cap, device=masked_m.device)[None, :] < masked_m.to(torch.int64)[:, None]
+
+
+@contextlib.contextmanager
+def compile_in_parallel(run: Run):
+    """Launches of the grouped GEMM inside become ``warmup`` compiles on a thread pool (Triton's AsyncCompileMode;
+    nothing runs); the kernels are in Triton's cache after the block."""
+    if run.smoke or run.args.serial_compile:
+        yield False
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    import fastpath.grouped_gemm as gg
+    from triton.runtime import _async_compile
+
+    orig = gg.launch
+
+    def warm(kernel, grid, *a, **kw):
+        kernel.warmup(*a, grid=grid, **kw)
+
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as ex:
+        mode = _async_compile.AsyncCompileMode(ex, ignore_errors=True)
+        gg.launch = warm
+        try:
+            with mode:
+                yield True
+        finally:
+            gg.launch = orig
+
+
+# ---------------------------------------------------------------------------------------------- phases
+
+def node_floor(run: Run) -> dict:
+    """Time per kernel of a graph of 16 dependent one-element kernels (``t.add_(1)``)."""
+    if run.smoke:
+        return {}
+    t = torch.zeros(1, device="cuda")
+    replay, _ = run.capture(lambda: t.add_(1), 16)
+    s = run.time({"chain16": replay}, {"chain16": 16}, run.reps(50))["chain16"]
+    return dict(node_floor_us=statistics.median(s) * 1e6, min_us=min(s) * 1e6, max_us=max(s) * 1e6)
+
+
+def _labels(names: list[str]) -> list[str]:
+    """Stage of each kernel of one replay (in start order), by its place around the two grouped GEMMs: before
+    GEMM1 the a1 quantization (a quantization kernel) or the dispatch (anything else), between them the
+    activation + a2 re-quantization, after GEMM2 the finalize (weight-and-reduce)."""
+    gemms = [i for i, n in enumerate(names) if "grouped_gemm" in n]
+    if len(gemms) != 2:
+        return ["other"] * len(names)
+    out = []
+    for i, n in enumerate(names):
+        if i == gemms[0] or i == gemms[1]:
+            out.append("GEMM1" if i == gemms[0] else "GEMM2")
+        elif i < gemms[0]:
+            out.append("a1 quant" if ("quant" in n or "row_loop" in n) else "dispatch")
+        else:
+            out.append("act+requant" if i < gemms[1] else "finalize")
+    return out
+
+
+def timeline(kernels: list[tuple[str, float, float]], replays: int) -> dict:
+    """Per-replay kernel timeline from ``(name, start_us, end_us)`` of ``replays`` replays: the kernels sorted by
+    start, cut into equal groups (one a replay); per position: name, stage (:func:`_labels`), median duration,
+    start from the replay's first kernel, idle gap before it (no kernel of the replay running). Also the
+    medians of the span (first start to last end), the busy time (span less the gaps) and the idle time, and
+    the summed durations per stage (kernels on the a1 branch overlap the dispatch: stages may sum past busy)."""
+    ks = sorted(kernels, key=lambda r: r[1])
+    if not ks or len(ks) % replays:
+        return dict(error=f"{len(ks)} kernel records for {replays} replays")
+    per = len(ks) // replays
+    groups = [ks[i * per:(i + 1) * per] for i in range(replays)]
+    names0 = [n for n, _, _ in groups[0]]
+    consistent = all(sorted(n for n, _, _ in g) == sorted(names0) for g in groups)
+    spans, idles = [], []
+    by_pos = [[] for _ in range(per)]
+    for g in groups:
+        t0, busy_end, idle = g[0][1], g[0][1], 0.0
+        for i, ((n, s, e), lab) in enumerate(zip(g, _labels([r[0] for r in g]))):
+            gap = max(0.0, s - busy_end)
+            idle += gap
+            busy_end = max(busy_end, e)
+            by_pos[i].append((n, lab, e - s, s - t0, gap))
+        spans.append(busy_end - t0)
+        idles.append(idle)
+    rows = [dict(kernel=recs[0][0][:80], stage=recs[0][1], dur_us=statistics.median(r[2] for r in recs),
+                 start_us=statistics.median(r[3] for r in recs), gap_before_us=statistics.median(r[4] for r in recs))
+            for recs in by_pos]
+    stage_us: dict = {}
+    for r in rows:
+        stage_us[r["stage"]] = stage_us.get(r["stage"], 0.0) + r["dur_us"]
+    return dict(kernels_per_replay=per, consistent=consistent, span_us=statistics.median(spans),
+                idle_us=statistics.median(idles), busy_us=statistics.median(s - i for s, i in zip(spans, idles)),
+                stage_us=stage_us, kernels=rows)
+
+
+def breakdown(run: Run, fn, replays: int) -> dict:
+    """One-call graph of ``fn``: replay time (events) and the profiler's kernel timeline."""
+    replay, _ = run.capture(fn, 1)
+    out = dict(replay=stats(run.time({"replay": replay}, {}, run.reps(20))["replay"]))
+    if run.smoke:
+        return out
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            replay()
+        torch.cuda.synchronize()
+    ks = [(ev.name, float(ev.time_range.start), float(ev.time_range.end)) for ev in prof.events()
+          if ev.device_type == torch.autograd.DeviceType.CUDA]
+    out["timeline"] = timeline(ks, replays)
+    return out
+
+
+def gemm_sweep(run: Run, fw, case, tiles: list, gemm_calls: int, reps: int) -> dict:
+    calls = record_gemms(fw, case)
+    wb = weight_bytes(fw, case[2])
+    out = {}
+    for gi, gname in enumerate(("gemm1", "gemm2")):
+        call = calls[gi]
+        rows = routed_rows(call)
+        cases, meta, ref = {}, {}, None
+        default_t = run.default
+        order = [default_t] + [t for t in tiles if t != default_t]
+        for t in order:
+            if run.left() < 40:
+                meta[str(t)] = dict(tiles=str(t), short=short(t), skipped="time budget")
+                continue
+            try:
+                replay, res = run.capture(gemm_fn(call, t), gemm_calls)
+                got = res[rows]
+                if ref is None:
+                    ref = got.clone()
+                cases[str(t)] = replay
+                meta[str(t)] = dict(tiles=str(t), short=short(t), bits_equal_default=bool(torch.equal(got, ref)),
+                                    default=t == default_t)
+            except Exception as e:  # noqa: BLE001 - recorded, the others run
+                meta[str(t)] = dict(tiles=str(t), short=short(t), error=err(e))
+        cases["copy"] = copy_case(wb[gname], run.dev)
+        try:
+            secs = run.time(cases, {n: gemm_calls for n in cases if n != "copy"}, reps)
+            roof = [c / 2 for c in secs["copy"]]
+            for n, s in secs.items():
+                if n != "copy":
+                    meta[n].update(stats(s, roof))
+            meta["copy"] = stats(secs["copy"])
+        except Exception as e:  # noqa: BLE001
+            meta["timing_error"] = err(e)
+        out[gname] = dict(tokens=int(case[0].shape[0]), touched=wb["touched"], bytes=wb[gname], rows=[v for k, v in meta.items() if k != "copy" and k != "timing_error"],
+                          copy=meta.get("copy"), timing_error=meta.get("timing_error"))
+    return out
+
+
+def ranked(rows: list, top: int) -> list:
+    ok = [r for r in rows if "median_us" in r and r.get("bits_equal_default")]
+    return sorted(ok, key=lambda r: r["median_us"])[:top]
+
+
+def layer_sweep(run: Run, fw, case, combos: dict, calls: int, reps: int, ref_out=None) -> dict:
+    """``combos``: name -> (gemm1 tiles, gemm2 tiles); a graph of ``calls`` layer calls each, interleaved with
+    the copy of the touched experts' bytes."""
+    wb = weight_bytes(fw, case[2])
+    cases, meta, ref = {}, {}, ref_out
+    for name, (t1, t2) in combos.items():
+        if run.left() < 15:
+            meta[name] = dict(skipped="time budget")
+            continue
+        try:
+            replay, res = run.capture(layer_fn(fw, case, (t1, t2)), calls)
+            if ref is None:
+                ref = res.clone()
+            cases[name] = replay
+            meta[name] = dict(gemm1=str(t1), gemm2=str(t2), bits_equal_default=bool(torch.equal(res, ref)))
+        except Exception as e:  # noqa: BLE001
+            meta[name] = dict(gemm1=str(t1), gemm2=str(t2), error=err(e))
+    cases["copy"] = copy_case(wb["layer"], run.dev)
+    try:
+        secs = run.time(cases, {n: calls for n in cases if n != "copy"}, reps)
+        roof = [c / 2 for c in secs["copy"]]
+        for n, s in secs.items():
+            if n != "copy":
+                meta[n].update(stats(s, roof))
+        meta["copy"] = stats(secs["copy"])
+    except Exception as e:  # noqa: BLE001
+        meta["timing_error"] = err(e)
+    return dict(tokens=int(case[0].shape[0]), bytes=wb, calls_per_graph=calls, cases=meta), ref
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=4, help="layer calls per graph in the layer sweep")
+    ap.add_argument("--gemm-calls", type=int, default=8, help="GEMM calls per graph in the GEMM sweep")
+    ap.add_argument("--reps", type=int, default=10, help="graph replays per case and round")
+    ap.add_argument("--profile-replays", type=int, default=20)
+    ap.add_argument("--top", type=int, default=3, help="fastest bit-equal tiles per GEMM combined in the layer")
+    ap.add_argument("--budget-s", type=float, default=185.0, help="no new case starts past this (s from start)")
+    ap.add_argument("--serial-compile", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny layer, no graphs")
+    ap.add_argument("--out", default="bench_out/decode_graph_sweep.json")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.reps, args.gemm_calls, args.calls, args.tokens = 7, 1, 1, 1, [1, 2]
+        args.profile_replays, args.budget_s = 1, 3600.0
+    run = Run(args)
+    res: dict = dict(meta={}, args=vars(args))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+
+    def save():
+        res["meta"]["wall_s"] = time.perf_counter() - run.t0
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+    if not args.smoke:
+        from bench.interleaved import machine_meta
+
+        res["meta"].update(machine_meta())
+    shape = SMOKE_SHAPE if args.smoke else SHAPE
+    res["meta"]["shape"] = shape
+    tiles = sweep_tiles(args.smoke)
+    fw, cases = build(run, shape, sorted(set(args.tokens) | {1}))
+    one = cases[1]
+    res["meta"]["touched_experts"] = {m: weight_bytes(fw, c[2])["touched"] for m, c in cases.items()}
+
+    # compile every GEMM tile in parallel (the layer's other kernels compile on its first call)
+    t = time.perf_counter()
+    try:
+        calls = record_gemms(fw, one)
+        with compile_in_parallel(run):
+            for call, tl_ in itertools.product(calls, tiles):
+                try:
+                    gemm_fn(call, tl_)()
+                except Exception:  # noqa: BLE001 - a tile that cannot compile fails again, recorded, in the sweep
+                    pass
+        del calls
+        res["meta"]["compile_s"] = time.perf_counter() - t
+    except Exception as e:  # noqa: BLE001
+        res["meta"]["compile_error"] = err(e)
+    run.sync()
+
+    res["node_floor"] = node_floor(run)
+    try:
+        res["breakdown"] = {"default": breakdown(run, layer_fn(fw, one), args.profile_replays)}
+    except Exception as e:  # noqa: BLE001
+        res["breakdown"] = {"default": dict(error=err(e))}
+    save()
+
+    res["gemm_sweep"] = gemm_sweep(run, fw, one, tiles, args.gemm_calls, args.reps)
+    save()
+
+    best = {g: ranked(res["gemm_sweep"][g]["rows"], args.top) for g in ("gemm1", "gemm2")}
+    default = run.default
+    by_str = {str(t_): t_ for t_ in tiles}
+    b1 = [by_str.get(r["tiles"]) for r in best["gemm1"] if r["tiles"] in by_str]
+    b2 = [by_str.get(r["tiles"]) for r in best["gemm2"] if r["tiles"] in by_str]
+    combos = {"default": (default, default)}
+    for x, y in itertools.product(b1 or [default], b2 or [default]):
+        combos.setdefault(f"{short(x)} | {short(y)}", (x, y))
+    if b1:
+        combos.setdefault(f"{short(b1[0])} | {short(default)}", (b1[0], default))
+    if b2:
+        combos.setdefault(f"{short(default)} | {short(b2[0])}", (default, b2[0]))
+    res["layer"], ref1 = layer_sweep(run, fw, one, combos, args.calls, args.reps)
+    save()
+
+    lay = res["layer"]["cases"]
+    ok = [(n, c) for n, c in lay.items() if n != "copy" and "median_us" in c and c.get("bits_equal_default")]
+    best_name = min(ok, key=lambda nc: nc[1]["median_us"])[0] if ok else "default"
+    best_pair = combos.get(best_name, (default, default))
+    res["best"] = dict(name=best_name, gemm1=str(best_pair[0]), gemm2=str(best_pair[1]))
+    g1 = next((r for r in res["gemm_sweep"]["gemm1"]["rows"] if r.get("default") and "median_us" in r), None)
+    g2 = next((r for r in res["gemm_sweep"]["gemm2"]["rows"] if r.get("default") and "median_us" in r), None)
+    if g1 and g2 and "median_us" in lay.get("default", {}):
+        res["summary"] = dict(layer_us=lay["default"]["median_us"], gemm1_alone_us=g1["median_us"],
+                              gemm2_alone_us=g2["median_us"],
+                              outside_gemms_us=lay["default"]["median_us"] - g1["median_us"] - g2["median_us"],
+                              layer_roofline_us=lay["default"].get("roofline_us"),
+                              gemm1_roofline_us=g1.get("roofline_us"), gemm2_roofline_us=g2.get("roofline_us"))
+    if best_name != "default" and run.left() > 20:
+        try:
+            res["breakdown"]["best"] = breakdown(run, layer_fn(fw, one, best_pair), args.profile_replays)
+        except Exception as e:  # noqa: BLE001
+            res["breakdown"]["best"] = dict(error=err(e))
+    save()
+
+    res["tokens"] = []
+    for m in sorted(args.tokens):
+        if run.left() < 10:
+            res["tokens"].append(dict(tokens=m, skipped="time budget"))
+            continue
+        pairs = {"default": (default, default)}
+        if best_name != "default":
+            pairs["best"] = best_pair
+        row, _ = layer_sweep(run, fw, cases[m], pairs, args.calls, args.reps)
+        one_call = {}
+        for n, p in pairs.items():
+            try:
+                replay, _ = run.capture(layer_fn(fw, cases[m], p), 1)
+                one_call[n] = replay
+            except Exception as e:  # noqa: BLE001
+                row["cases"].setdefault(n, {})["one_call_error"] = err(e)
+        if one_call:
+            one_call["copy"] = copy_case(row["bytes"]["layer"], run.dev)
+            secs = run.time(one_call, {}, run.reps(20))
+            roof = [c / 2 for c in secs.pop("copy")]
+            for n, s in secs.items():
+                row["cases"][n]["one_call_graph"] = stats(s, roof)
+        res["tokens"].append(row)
+        save()
+    m = max(args.tokens)
+    if m != 1 and run.left() > 45:  # the GEMM tiles at the largest token count (compiled already)
+        try:
+            res["gemm_sweep_tokens"] = gemm_sweep(run, fw, cases[m], tiles, args.gemm_calls, args.reps)
+        except Exception as e:  # noqa: BLE001
+            res["gemm_sweep_tokens"] = dict(error=err(e))
+    save()
+    report(res)
+    return 0
+
+
+def report(res: dict) -> None:
+    m = res["meta"]
+    print(f"{m.get('gpu', 'CPU smoke')} {m.get('date', '')} compile {m.get('compile_s', 0):.0f} s, "
+          f"wall {m.get('wall_s', 0):.0f} s; graph node floor {res.get('node_floor', {}).get('node_floor_us', 0):.2f} us")
+    sweeps = [(g, sw) for g, sw in res.get("gemm_sweep", {}).items()]
+    sweeps += [(g, sw) for g, sw in res.get("gemm_sweep_tokens", {}).items() if isinstance(sw, dict)]
+    for g, sw in sweeps:
+        rows = [r for r in sw["rows"] if "median_us" in r]
+        dflt = next((r for r in rows if r.get("default")), None)
+        head = f"{g} at {sw['tokens']} token(s), {sw['touched']} experts, {sw['bytes'] / 1e6:.0f} MB"
+        print(f"{head}: default {dflt['median_us']:.1f} us ({dflt.get('of_roofline', 0):.0%} of "
+              f"{dflt.get('roofline_us', 0):.1f} us)" if dflt else f"{head}: no default timing")
+        for r in ranked(sw["rows"], 3):
+            print(f"    {r['median_us']:7.1f} us ({r['min_us']:.1f}-{r['max_us']:.1f}) {r.get('of_roofline', 0):4.0%}  {r['short']}")
+        bad = [r["short"] for r in sw["rows"] if r.get("bits_equal_default") is False]
+        errs = [r["short"] for r in sw["rows"] if "error" in r]
+        if bad or errs:
+            print(f"    other bits: {bad}  errors: {errs}")
+    lay = res.get("layer", {}).get("cases", {})
+    print(f"layer, 1 token, graph of {res.get('layer', {}).get('calls_per_graph')} calls (us per call):")
+    for n, c in sorted(((n, c) for n, c in lay.items() if n != "copy" and "median_us" in c), key=lambda nc: nc[1]["median_us"]):
+        print(f"    {c['median_us']:7.1f} us ({c['min_us']:.1f}-{c['max_us']:.1f}) {c.get('of_roofline', 0):4.0%} "
+              f"eq={c.get('bits_equal_default')}  {n}")
+    for name, b in res.get("breakdown", {}).items():
+        tl_ = b.get("timeline", {})
+        rep = b.get("replay", {})
+        print(f"breakdown {name}: replay {rep.get('median_us', 0):.1f} us; span {tl_.get('span_us', 0):.1f} us, busy "
+              f"{tl_.get('busy_us', 0):.1f}, idle {tl_.get('idle_us', 0):.1f}; {tl_.get('error', b.get('error', ''))}")
+        if tl_.get("stage_us"):
+            print("    by stage: " + ", ".join(f"{k} {v:.1f}" for k, v in tl_["stage_us"].items()))
+        for k in tl_.get("kernels", []):
+            print(f"    {k['start_us']:7.1f} +{k['dur_us']:6.1f} us (gap {k['gap_before_us']:4.1f})  {k['stage']:12s} {k['kernel'][:50]}")
+    if res.get("summary"):
+        print("summary (us): " + ", ".join(f"{k} {v:.1f}" for k, v in res["summary"].items() if v is not None))
+    for row in res.get("tokens", []):
+        for n, c in row.get("cases", {}).items():
+            if n == "copy" or "median_us" not in c:
+                continue
+            oc = c.get("one_call_graph", {})
+            print(f"tokens {row['tokens']} {n:8s}: {c['median_us']:7.1f} us/call ({c.get('of_roofline', 0):.0%}), "
+                  f"one-call graph {oc.get('median_us', 0):.1f} us ({oc.get('of_roofline', 0):.0%}) eq={c.get('bits_equal_default')}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
