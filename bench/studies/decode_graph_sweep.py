@@ -49,6 +49,8 @@ if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -242,14 +244,53 @@ def compile_in_parallel(run: Run):
 
 # ---------------------------------------------------------------------------------------------- phases
 
+@triton.jit
+def _chain_kernel(p, PDL: tl.constexpr):
+    """One link of a chain: each program adds 1 to its own word. ``PDL``: launched with Programmatic
+    Dependent Launch, it lets its dependent launch at once and waits for the kernel before it
+    (``griddepcontrol.wait``) before it reads."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    w = p + tl.program_id(0)
+    tl.store(w, tl.load(w) + 1)
+
+
 def node_floor(run: Run) -> dict:
-    """Time per kernel of a graph of 16 dependent one-element kernels (``t.add_(1)``)."""
+    """Time per kernel of a graph of 16 dependent kernels doing nothing (each program adds 1 to a word): one
+    ``t.add_(1)`` (torch), and a Triton kernel of 1 program and of one program per SM, launched plainly or with
+    PDL (``launch_pdl``, trigger at once, wait before the read). What each kernel node of the layer's graph costs
+    at least, and what PDL would take off each boundary; ``count_ok``: every word counted every link (PDL kept
+    the order)."""
     if run.smoke:
         return {}
+    out = {}
     t = torch.zeros(1, device="cuda")
-    replay, _ = run.capture(lambda: t.add_(1), 16)
-    s = run.time({"chain16": replay}, {"chain16": 16}, run.reps(50))["chain16"]
-    return dict(node_floor_us=statistics.median(s) * 1e6, min_us=min(s) * 1e6, max_us=max(s) * 1e6)
+    cases, words = {"torch add_": (lambda: t.add_(1))}, {}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for progs in (1, sms):
+        for pdl in (False, True):
+            w = torch.zeros(progs, dtype=torch.int32, device="cuda")
+            name = f"triton {progs} program(s){' pdl' if pdl else ''}"
+            words[name] = w
+            cases[name] = (lambda w=w, progs=progs, pdl=pdl: _chain_kernel[(progs,)](w, PDL=pdl, launch_pdl=pdl))
+    replays = {}
+    for name, fn in cases.items():
+        try:
+            replays[name], _ = run.capture(fn, 16)
+            if name in words:
+                words[name].zero_()  # counted from here: 16 a replay
+        except Exception as e:  # noqa: BLE001
+            out[name] = dict(error=err(e))
+    secs = run.time(replays, {n: 16 for n in replays}, run.reps(50))
+    torch.cuda.synchronize()
+    for name, s in secs.items():
+        out[name] = dict(us_per_kernel=statistics.median(s) * 1e6, min_us=min(s) * 1e6, max_us=max(s) * 1e6)
+        if name in words:  # every call of the graph adds 16 to each word: all equal, a multiple of 16
+            w = words[name]
+            out[name]["count_ok"] = bool((w == w[0]).all()) and int(w[0]) % 16 == 0 and int(w[0]) > 0
+    out["node_floor_us"] = out.get("torch add_", {}).get("us_per_kernel")
+    return out
 
 
 def _labels(names: list[str]) -> list[str]:
@@ -270,37 +311,50 @@ def _labels(names: list[str]) -> list[str]:
     return out
 
 
-def timeline(kernels: list[tuple[str, float, float]], replays: int) -> dict:
-    """Per-replay kernel timeline from ``(name, start_us, end_us)`` of ``replays`` replays: the kernels sorted by
-    start, cut into equal groups (one a replay); per position: name, stage (:func:`_labels`), median duration,
-    start from the replay's first kernel, idle gap before it (no kernel of the replay running). Also the
-    medians of the span (first start to last end), the busy time (span less the gaps) and the idle time, and
-    the summed durations per stage (kernels on the a1 branch overlap the dispatch: stages may sum past busy)."""
+def timeline(kernels: list[tuple[str, float, float]], split_us: float = 100.0) -> dict:
+    """Per-replay kernel timeline from ``(name, start_us, end_us)`` records of replays separated by idle time:
+    the kernels sorted by start, cut into replays where no kernel runs for more than ``split_us``; the replays
+    with the most common number of kernels are kept (``dropped``: the others; ``consistent``: all kept replays
+    ran the same kernels). Per kernel (its name and occurrence in the replay, so a branch that starts in
+    another order from replay to replay is still one row), in the order of the median start: stage
+    (:func:`_labels`), median duration, start from the replay's first kernel, idle gap before it (no kernel of
+    the replay running). Also the medians of the span (first start to last end), the busy time (span less the
+    gaps) and the idle time, and the summed durations per stage (kernels on the a1 branch overlap the
+    dispatch: stages may sum past busy)."""
     ks = sorted(kernels, key=lambda r: r[1])
-    if not ks or len(ks) % replays:
-        return dict(error=f"{len(ks)} kernel records for {replays} replays")
-    per = len(ks) // replays
-    groups = [ks[i * per:(i + 1) * per] for i in range(replays)]
-    names0 = [n for n, _, _ in groups[0]]
-    consistent = all(sorted(n for n, _, _ in g) == sorted(names0) for g in groups)
+    if not ks:
+        return dict(error="no kernel records")
+    segs, end = [[ks[0]]], ks[0][2]
+    for r in ks[1:]:
+        if r[1] - end > split_us:
+            segs.append([])
+        segs[-1].append(r)
+        end = max(end, r[2])
+    per = statistics.mode(len(g) for g in segs)
+    groups = [g for g in segs if len(g) == per]
+    names0 = sorted(n for n, _, _ in groups[0])
+    consistent = all(sorted(n for n, _, _ in g) == names0 for g in groups)
     spans, idles = [], []
-    by_pos = [[] for _ in range(per)]
+    by_key: dict = {}
     for g in groups:
-        t0, busy_end, idle = g[0][1], g[0][1], 0.0
-        for i, ((n, s, e), lab) in enumerate(zip(g, _labels([r[0] for r in g]))):
+        t0, busy_end, idle, seen = g[0][1], g[0][1], 0.0, {}
+        for (n, s, e), lab in zip(g, _labels([r[0] for r in g])):
             gap = max(0.0, s - busy_end)
             idle += gap
             busy_end = max(busy_end, e)
-            by_pos[i].append((n, lab, e - s, s - t0, gap))
+            seen[n] = seen.get(n, -1) + 1
+            by_key.setdefault((n, seen[n]), []).append((lab, e - s, s - t0, gap))
         spans.append(busy_end - t0)
         idles.append(idle)
-    rows = [dict(kernel=recs[0][0][:80], stage=recs[0][1], dur_us=statistics.median(r[2] for r in recs),
-                 start_us=statistics.median(r[3] for r in recs), gap_before_us=statistics.median(r[4] for r in recs))
-            for recs in by_pos]
+    rows = sorted((dict(kernel=n[:80], stage=recs[0][0], dur_us=statistics.median(r[1] for r in recs),
+                        start_us=statistics.median(r[2] for r in recs),
+                        gap_before_us=statistics.median(r[3] for r in recs)) for (n, _), recs in by_key.items()),
+                  key=lambda r: r["start_us"])
     stage_us: dict = {}
     for r in rows:
         stage_us[r["stage"]] = stage_us.get(r["stage"], 0.0) + r["dur_us"]
-    return dict(kernels_per_replay=per, consistent=consistent, span_us=statistics.median(spans),
+    return dict(kernels_per_replay=per, replays=len(groups), dropped=len(segs) - len(groups), consistent=consistent,
+                span_us=statistics.median(spans),
                 idle_us=statistics.median(idles), busy_us=statistics.median(s - i for s, i in zip(spans, idles)),
                 stage_us=stage_us, kernels=rows)
 
@@ -315,12 +369,13 @@ def breakdown(run: Run, fn, replays: int) -> dict:
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
+        for _ in range(replays):  # replays apart (the timeline cuts them at the idle time)
             replay()
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
+            time.sleep(0.001)
     ks = [(ev.name, float(ev.time_range.start), float(ev.time_range.end)) for ev in prof.events()
           if ev.device_type == torch.autograd.DeviceType.CUDA]
-    out["timeline"] = timeline(ks, replays)
+    out["timeline"] = timeline(ks)
     return out
 
 
@@ -453,7 +508,10 @@ def main(argv=None) -> int:
         res["meta"]["compile_error"] = err(e)
     run.sync()
 
-    res["node_floor"] = node_floor(run)
+    try:
+        res["node_floor"] = node_floor(run)
+    except Exception as e:  # noqa: BLE001
+        res["node_floor"] = dict(error=err(e))
     try:
         res["breakdown"] = {"default": breakdown(run, layer_fn(fw, one), args.profile_replays)}
     except Exception as e:  # noqa: BLE001
@@ -470,10 +528,11 @@ def main(argv=None) -> int:
     b2 = [by_str.get(r["tiles"]) for r in best["gemm2"] if r["tiles"] in by_str]
     combos = {"default": (default, default)}
     for x, y in itertools.product(b1 or [default], b2 or [default]):
-        combos.setdefault(f"{short(x)} | {short(y)}", (x, y))
-    if b1:
+        if (x, y) != (default, default):
+            combos.setdefault(f"{short(x)} | {short(y)}", (x, y))
+    if b1 and b1[0] != default:
         combos.setdefault(f"{short(b1[0])} | {short(default)}", (b1[0], default))
-    if b2:
+    if b2 and b2[0] != default:
         combos.setdefault(f"{short(default)} | {short(b2[0])}", (default, b2[0]))
     res["layer"], ref1 = layer_sweep(run, fw, one, combos, args.calls, args.reps)
     save()
@@ -556,6 +615,10 @@ def report(res: dict) -> None:
     for n, c in sorted(((n, c) for n, c in lay.items() if n != "copy" and "median_us" in c), key=lambda nc: nc[1]["median_us"]):
         print(f"    {c['median_us']:7.1f} us ({c['min_us']:.1f}-{c['max_us']:.1f}) {c.get('of_roofline', 0):4.0%} "
               f"eq={c.get('bits_equal_default')}  {n}")
+    for name, c in res.get("node_floor", {}).items():
+        if isinstance(c, dict) and name != "error":
+            print(f"    graph chain, {name}: {c.get('us_per_kernel', 0):.2f} us a kernel {c.get('error', '')}"
+                  f"{'' if c.get('count_ok', True) else ' COUNT WRONG'}")
     for name, b in res.get("breakdown", {}).items():
         tl_ = b.get("timeline", {})
         rep = b.get("replay", {})
