@@ -180,25 +180,61 @@ def weight_bytes(fw, ids) -> dict:
     return dict(touched=touched, gemm1=b1, gemm2=b2, layer=b1 + b2)
 
 
-def record_gemms(fw, case):
-    """The layer's two ``grouped_gemm_masked`` calls (args, kwargs, output) from one eager call."""
+def record_stages(fw, case) -> dict:
+    """The calls after the dispatch of one eager layer call, recorded as ``(args, kwargs, output)`` with the
+    layer's own operands: ``gemm1``, ``gemm2`` (``fastpath.grouped_gemm.grouped_gemm_masked``), ``act`` (the
+    fused SiLU + a2 quantization, ``fastpath.fused.silu_and_mul_quant_fp8``), ``reduce``
+    (``fastpath.dispatch._reduce``). Each is called again as :func:`stage_fn` gives it."""
+    import fastpath.dispatch as dp
+    import fastpath.fused as fu
     import fastpath.grouped_gemm as gg
 
-    calls, orig = [], gg.grouped_gemm_masked
+    rec: dict = {"gemms": []}
+    origs = {(gg, "grouped_gemm_masked"): "gemms", (fu, "silu_and_mul_quant_fp8"): "act", (dp, "_reduce"): "reduce"}
+    saved = {k: getattr(*k) for k in origs}
 
-    def rec(*a, **kw):
-        out = orig(*a, **kw)
-        calls.append((a, kw, out))
-        return out
+    def recorder(key):
+        orig = saved[key]
 
-    gg.grouped_gemm_masked = rec
+        def call(*a, **kw):
+            out = orig(*a, **kw)
+            if origs[key] == "gemms":
+                rec["gemms"].append((a, kw, out))
+            else:
+                rec[origs[key]] = (a, kw, out)
+            return out
+        return call
+
+    for (mod, name) in origs:
+        setattr(mod, name, recorder((mod, name)))
     try:
         layer_fn(fw, case)()
     finally:
-        gg.grouped_gemm_masked = orig
-    if len(calls) != 2:
-        raise RuntimeError(f"expected the layer's 2 masked grouped GEMMs, recorded {len(calls)}")
-    return calls
+        for (mod, name), f in saved.items():
+            setattr(mod, name, f)
+    if len(rec["gemms"]) != 2 or "act" not in rec or "reduce" not in rec:
+        raise RuntimeError(f"expected 2 masked GEMMs, the fused activation and the reduce; recorded "
+                           f"{len(rec['gemms'])} GEMMs and {sorted(k for k in rec if k != 'gemms')}")
+    return dict(gemm1=rec["gemms"][0], gemm2=rec["gemms"][1], act=rec["act"], reduce=rec["reduce"])
+
+
+def stage_fn(name: str, call, tiles=None):
+    """A zero-argument call of a recorded stage (:func:`record_stages`), the GEMMs with ``tiles`` if given."""
+    import fastpath.dispatch as dp
+    import fastpath.fused as fu
+    import fastpath.grouped_gemm as gg
+
+    a, kw, _ = call
+    if name in ("gemm1", "gemm2"):
+        return lambda: gg.grouped_gemm_masked(*a, **(kw if tiles is None else dict(kw, tiles=tiles)))
+    f = {"act": fu.silu_and_mul_quant_fp8, "reduce": dp._reduce}[name]
+    return lambda: f(*a, **kw)
+
+
+def record_gemms(fw, case):
+    """The layer's two ``grouped_gemm_masked`` calls (args, kwargs, output) from one eager call."""
+    st = record_stages(fw, case)
+    return [st["gemm1"], st["gemm2"]]
 
 
 def gemm_fn(call, tiles):
@@ -418,6 +454,47 @@ def gemm_sweep(run: Run, fw, case, tiles: list, gemm_calls: int, reps: int) -> d
     return out
 
 
+def ablation(run: Run, fw, case, tiles: tuple, calls: int, reps: int) -> dict:
+    """The layer and the same launches with stages left out, each a graph of ``calls`` repetitions, in the same
+    interleaved rounds (with the copy of the touched experts' bytes): ``layer`` (a1 quant + dispatch + the four
+    below), ``post-dispatch`` (GEMM1, act+requant, GEMM2, reduce on the recorded operands), ``gemm1+act+gemm2``,
+    ``gemm1+gemm2``, ``gemm1``, ``gemm2``. Differences of medians (``derived``): what the a1 quant and the
+    dispatch cost the graph (layer - post-dispatch), the reduce (post-dispatch - gemm1+act+gemm2), the
+    act+requant (gemm1+act+gemm2 - gemm1+gemm2), and the GEMMs' sum against their pair."""
+    st = record_stages(fw, case)
+    t1, t2 = tiles
+    f = dict(gemm1=stage_fn("gemm1", st["gemm1"], t1), gemm2=stage_fn("gemm2", st["gemm2"], t2),
+             act=stage_fn("act", st["act"]), reduce=stage_fn("reduce", st["reduce"]))
+
+    def seq(*names):
+        fs = [f[n] for n in names]
+        return lambda: [g() for g in fs][-1]
+
+    variants = {"layer": layer_fn(fw, case, tiles), "post-dispatch": seq("gemm1", "act", "gemm2", "reduce"),
+                "gemm1+act+gemm2": seq("gemm1", "act", "gemm2"), "gemm1+gemm2": seq("gemm1", "gemm2"),
+                "gemm1": f["gemm1"], "gemm2": f["gemm2"]}
+    wb = weight_bytes(fw, case[2])
+    cases, out = {}, {}
+    for name, fn in variants.items():
+        try:
+            cases[name], _ = run.capture(fn, calls)
+        except Exception as e:  # noqa: BLE001
+            out[name] = dict(error=err(e))
+    cases["copy"] = copy_case(wb["layer"], run.dev)
+    secs = run.time(cases, {n: calls for n in cases if n != "copy"}, reps)
+    roof = [c / 2 for c in secs["copy"]]
+    for n, sec in secs.items():
+        out[n] = stats(sec, roof if n != "copy" else None)
+    med = {n: out[n]["median_us"] for n in variants if "median_us" in out.get(n, {})}
+    pairs = {"a1 quant + dispatch": ("layer", "post-dispatch"), "reduce": ("post-dispatch", "gemm1+act+gemm2"),
+             "act+requant": ("gemm1+act+gemm2", "gemm1+gemm2")}
+    derived = {k: med[a] - med[b] for k, (a, b) in pairs.items() if a in med and b in med}
+    if all(n in med for n in ("gemm1", "gemm2", "gemm1+gemm2")):
+        derived["gemm1+gemm2 - (gemm1 + gemm2)"] = med["gemm1+gemm2"] - med["gemm1"] - med["gemm2"]
+    return dict(tokens=int(case[0].shape[0]), gemm1=str(t1), gemm2=str(t2), calls_per_graph=calls, cases=out,
+                derived_us=derived)
+
+
 def ranked(rows: list, top: int) -> list:
     ok = [r for r in rows if "median_us" in r and r.get("bits_equal_default")]
     return sorted(ok, key=lambda r: r["median_us"])[:top]
@@ -488,6 +565,7 @@ def main(argv=None) -> int:
     shape = SMOKE_SHAPE if args.smoke else SHAPE
     res["meta"]["shape"] = shape
     tiles = sweep_tiles(args.smoke)
+    default = run.default
     fw, cases = build(run, shape, sorted(set(args.tokens) | {1}))
     one = cases[1]
     res["meta"]["touched_experts"] = {m: weight_bytes(fw, c[2])["touched"] for m, c in cases.items()}
@@ -518,11 +596,19 @@ def main(argv=None) -> int:
         res["breakdown"] = {"default": dict(error=err(e))}
     save()
 
-    res["gemm_sweep"] = gemm_sweep(run, fw, one, tiles, args.gemm_calls, args.reps)
+    try:
+        res["ablation"] = {"default": ablation(run, fw, one, (default, default), args.calls, args.reps)}
+    except Exception as e:  # noqa: BLE001
+        res["ablation"] = {"default": dict(error=err(e))}
+    save()
+
+    try:
+        res["gemm_sweep"] = gemm_sweep(run, fw, one, tiles, args.gemm_calls, args.reps)
+    except Exception as e:  # noqa: BLE001
+        res["gemm_sweep"] = {g: dict(error=err(e), rows=[], tokens=1, touched=0, bytes=0) for g in ("gemm1", "gemm2")}
     save()
 
     best = {g: ranked(res["gemm_sweep"][g]["rows"], args.top) for g in ("gemm1", "gemm2")}
-    default = run.default
     by_str = {str(t_): t_ for t_ in tiles}
     b1 = [by_str.get(r["tiles"]) for r in best["gemm1"] if r["tiles"] in by_str]
     b2 = [by_str.get(r["tiles"]) for r in best["gemm2"] if r["tiles"] in by_str]
@@ -555,6 +641,10 @@ def main(argv=None) -> int:
             res["breakdown"]["best"] = breakdown(run, layer_fn(fw, one, best_pair), args.profile_replays)
         except Exception as e:  # noqa: BLE001
             res["breakdown"]["best"] = dict(error=err(e))
+        try:
+            res["ablation"]["best"] = ablation(run, fw, one, best_pair, args.calls, args.reps)
+        except Exception as e:  # noqa: BLE001
+            res["ablation"]["best"] = dict(error=err(e))
     save()
 
     res["tokens"] = []
@@ -628,6 +718,12 @@ def report(res: dict) -> None:
             print("    by stage: " + ", ".join(f"{k} {v:.1f}" for k, v in tl_["stage_us"].items()))
         for k in tl_.get("kernels", []):
             print(f"    {k['start_us']:7.1f} +{k['dur_us']:6.1f} us (gap {k['gap_before_us']:4.1f})  {k['stage']:12s} {k['kernel'][:50]}")
+    for name, ab in res.get("ablation", {}).items():
+        cs = ab.get("cases", {})
+        print(f"ablation {name} (graph of {ab.get('calls_per_graph')}, us a call): " + ", ".join(
+            f"{n} {c['median_us']:.1f}" for n, c in cs.items() if "median_us" in c) + f" {ab.get('error', '')}")
+        if ab.get("derived_us"):
+            print("    derived: " + ", ".join(f"{k} {v:.1f}" for k, v in ab["derived_us"].items()))
     if res.get("summary"):
         print("summary (us): " + ", ".join(f"{k} {v:.1f}" for k, v in res["summary"].items() if v is not None))
     for row in res.get("tokens", []):
