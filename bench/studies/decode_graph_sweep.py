@@ -3,30 +3,34 @@ grouped GEMMs (issue 33). DeepSeek-V3 FP8 layer (hidden 7168, intermediate 2048,
 activations x 128x128 weights, random codes and routing: ``bench/bench_moe_device.py``), masked layout,
 ``capturable=True``, ``impl="triton"``.
 
-Phases (each case guarded: an error is recorded and the others run; ``--budget-s`` stops starting new cases):
+Phases, in this order (each case guarded: an error is recorded and the others run; ``--budget-s`` stops
+starting new cases). Every timing is interleaved rounds (``bench.interleaved``, medians and min-max) with a
+device-to-device copy of the bytes the case reads (the touched experts' FP8 weight codes) in the same rounds:
+the case's roofline is those bytes read once at the copy's bandwidth (read + written bytes per second, as
+docs/moe-gpu.md defines it), half the copy's time; ``of_roofline`` is the median of the per-round ratios.
 
-1. ``copy``: device-to-device copies of the bytes each case reads (the touched experts' FP8 weight codes of
-   GEMM1, of GEMM2, of both), timed in the same interleaved rounds as the cases (``bench.interleaved``). The
-   roofline of a case is its bytes read once at that copy's bandwidth (read + written bytes per second, as
-   docs/moe-gpu.md defines it): half the copy's time; ``of_roofline`` is the median over rounds of the
-   per-round ratio roofline / case.
-2. ``breakdown``: the default layer at 1 token (and the best tiles found, at the end) as a one-call graph,
-   ``--profile-replays`` replays under ``torch.profiler`` (CUDA activity): per kernel of a replay (labelled
-   a1 quant, dispatch, GEMM1, act+requant, GEMM2, finalize by their order) its median duration, its start
-   from the replay's first kernel and the idle gap before it (no kernel running); the replay's span; beside
-   it the replay's own time (CUDA events, no profiler) and ``node_floor_us``: the time per kernel of a graph
-   of 16 one-element kernels in a chain (what any kernel of the graph costs at least).
-3. ``gemm_sweep``: each grouped GEMM alone with the layer's own operands (its two ``grouped_gemm_masked`` calls
-   recorded from one eager call at 1 token) over the tiles ``GemmTiles(16, BLOCK_N, 128, warps, stages,
-   swap_ab=True)``, BLOCK_N 64/128/256, 4/8 warps, 3-6 stages (the kernel has no split-K): a graph of
-   ``--gemm-calls`` back-to-back calls per tile, interleaved rounds; each tile's output on the routed rows
-   checked bit for bit against the default tile's (``bits_equal_default``; only equal tiles are ranked).
-4. ``layer``: the whole layer (``fused_moe(..., tiles=(gemm1, gemm2))``) with the default tiles and
-   combinations of the ``--top`` fastest tiles of each GEMM, a graph of ``--calls`` back-to-back calls per
-   combination, interleaved rounds; the output checked bit for bit against the default tiles' layer.
-5. ``tokens``: at each of ``--tokens`` (1, 4, 8), the default and the best combination: a one-call graph
-   replayed (the figure of docs/moe-gpu.md) and a ``--calls`` graph, interleaved with the copy of the
-   touched experts' bytes.
+1. ``node_floor``: a graph of 16 dependent kernels doing nothing (``t.add_(1)``; a Triton kernel of 1 program
+   and of one program per SM, plainly and with PDL): what each kernel node of the layer's graph costs at
+   least, and what Programmatic Dependent Launch would take off each boundary.
+2. ``breakdown``: the default layer at 1 token as a one-call graph, its replay time (CUDA events), and the
+   kernel timeline of ``--profile-replays`` replays under ``torch.profiler`` (CUDA activity): per kernel its
+   stage (a1 quant, dispatch, GEMM1, act+requant, GEMM2, finalize, by place), median duration, start and the
+   idle gap before it; the span, busy and idle time of a replay.
+3. ``ablation``: the layer against the same launches with stages left out (post-dispatch, GEMM1+act+GEMM2,
+   GEMM1+GEMM2, each GEMM), on the operands recorded from one eager call; differences give what the a1 quant
+   and the dispatch, the reduce and the activation cost the graph.
+4. ``dispatch_ab``: the layer with the masked dispatch's sort, rank and fill as three launches and as one
+   (``fastpath._dispatch_sort.SMALL_CAPACITY_FUSED``), outputs compared bit for bit, the one-launch timeline.
+5. ``gemm_sweep``: each grouped GEMM alone with the layer's own operands over the tiles ``GemmTiles(16,
+   BLOCK_N, 128, warps, stages, swap_ab=True)``, BLOCK_N 64/128/256, 4/8 warps, 3-6 stages (the kernel has
+   no split-K), a graph of ``--gemm-calls`` calls per tile; each tile's output on the routed rows checked bit
+   for bit against the default tile's (only equal tiles are ranked).
+6. ``layer``: the whole layer (``fused_moe(..., tiles=(gemm1, gemm2))``) with the default tiles and the
+   combinations of the ``--top`` fastest tiles of each GEMM, a graph of ``--calls`` calls each, outputs
+   checked bit for bit against the default's; then the best combination's breakdown and ablation.
+7. ``tokens``: at each of ``--tokens`` (1, 4, 8), the default and the best combination as a one-call graph
+   replayed (the figure of docs/moe-gpu.md) and as a ``--calls`` graph; ``gemm_sweep_tokens``: the GEMM
+   sweep at the largest token count, if time is left.
 
 Kernels are compiled in parallel before the sweep (Triton's ``AsyncCompileMode``; ``--serial-compile`` turns it
 off). ONE JSON to ``--out``, and a table of the best tile per GEMM, the layer combinations and the breakdown.
@@ -495,6 +499,51 @@ def ablation(run: Run, fw, case, tiles: tuple, calls: int, reps: int) -> dict:
                 derived_us=derived)
 
 
+@contextlib.contextmanager
+def one_program_dispatch(on: bool):
+    """``fastpath._dispatch_sort.SMALL_CAPACITY_FUSED`` set to ``on`` inside (the masked layout's sort, rank and
+    fill as one launch)."""
+    import fastpath._dispatch_sort as ds
+
+    old = ds.SMALL_CAPACITY_FUSED
+    ds.SMALL_CAPACITY_FUSED = on
+    try:
+        yield
+    finally:
+        ds.SMALL_CAPACITY_FUSED = old
+
+
+def dispatch_ab(run: Run, fw, case, tiles: tuple, calls: int, reps: int, profile_replays: int) -> dict:
+    """The layer with the masked layout's dispatch as three launches and as one (``SMALL_CAPACITY_FUSED``), each
+    a graph of ``calls`` calls, interleaved with the copy of the touched experts' bytes; the outputs compared
+    bit for bit; the one-launch layer's kernel timeline."""
+    cases, outs, out = {}, {}, {}
+    for on in (False, True):
+        name = "one-launch dispatch" if on else "three-launch dispatch"
+        try:
+            with one_program_dispatch(on):
+                cases[name], res = run.capture(layer_fn(fw, case, tiles), calls)
+            outs[name] = res.clone()
+        except Exception as e:  # noqa: BLE001
+            out[name] = dict(error=err(e))
+    wb = weight_bytes(fw, case[2])
+    cases["copy"] = copy_case(wb["layer"], run.dev)
+    secs = run.time(cases, {n: calls for n in cases if n != "copy"}, reps)
+    roof = [c / 2 for c in secs.pop("copy")]
+    for n, sec in secs.items():
+        out[n] = stats(sec, roof)
+    if len(outs) == 2:
+        a, b = outs.values()
+        out["bits_equal"] = bool(torch.equal(a, b))
+    if "one-launch dispatch" in outs and run.left() > 30:
+        try:
+            with one_program_dispatch(True):
+                out["breakdown"] = breakdown(run, layer_fn(fw, case, tiles), profile_replays)
+        except Exception as e:  # noqa: BLE001
+            out["breakdown"] = dict(error=err(e))
+    return out
+
+
 def ranked(rows: list, top: int) -> list:
     ok = [r for r in rows if "median_us" in r and r.get("bits_equal_default")]
     return sorted(ok, key=lambda r: r["median_us"])[:top]
@@ -600,6 +649,12 @@ def main(argv=None) -> int:
         res["ablation"] = {"default": ablation(run, fw, one, (default, default), args.calls, args.reps)}
     except Exception as e:  # noqa: BLE001
         res["ablation"] = {"default": dict(error=err(e))}
+    save()
+
+    try:
+        res["dispatch_ab"] = dispatch_ab(run, fw, one, (default, default), args.calls, args.reps, args.profile_replays)
+    except Exception as e:  # noqa: BLE001
+        res["dispatch_ab"] = dict(error=err(e))
     save()
 
     try:
@@ -724,6 +779,15 @@ def report(res: dict) -> None:
             f"{n} {c['median_us']:.1f}" for n, c in cs.items() if "median_us" in c) + f" {ab.get('error', '')}")
         if ab.get("derived_us"):
             print("    derived: " + ", ".join(f"{k} {v:.1f}" for k, v in ab["derived_us"].items()))
+    ab = res.get("dispatch_ab", {})
+    if ab:
+        print("dispatch A/B (us a call): " + ", ".join(f"{n} {c['median_us']:.1f} ({c['min_us']:.1f}-{c['max_us']:.1f})"
+                                                     for n, c in ab.items() if isinstance(c, dict) and "median_us" in c)
+              + f"; bits equal {ab.get('bits_equal')} {ab.get('error', '')}")
+        tl_ = ab.get("breakdown", {}).get("timeline", {})
+        if tl_.get("kernels"):
+            print(f"    one-launch dispatch: span {tl_['span_us']:.1f} us, idle {tl_['idle_us']:.1f}; " + ", ".join(
+                f"{k['stage']} {k['dur_us']:.1f}" for k in tl_["kernels"]))
     if res.get("summary"):
         print("summary (us): " + ", ".join(f"{k} {v:.1f}" for k, v in res["summary"].items() if v is not None))
     for row in res.get("tokens", []):
