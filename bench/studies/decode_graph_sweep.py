@@ -19,18 +19,20 @@ docs/moe-gpu.md defines it), half the copy's time; ``of_roofline`` is the median
 3. ``ablation``: the layer against the same launches with stages left out (post-dispatch, GEMM1+act+GEMM2,
    GEMM1+GEMM2, each GEMM), on the operands recorded from one eager call; differences give what the a1 quant
    and the dispatch, the reduce and the activation cost the graph.
-4. ``dispatch_ab``: the layer with the masked dispatch's sort, rank and fill as three launches and as one
-   (``fastpath._dispatch_sort.SMALL_CAPACITY_FUSED``), outputs compared bit for bit, the one-launch timeline.
-5. ``gemm_sweep``: each grouped GEMM alone with the layer's own operands over the tiles ``GemmTiles(16,
+4. ``gemm_sweep``: each grouped GEMM alone with the layer's own operands over the tiles ``GemmTiles(16,
    BLOCK_N, 128, warps, stages, swap_ab=True)``, BLOCK_N 64/128/256, 4/8 warps, 3-6 stages (the kernel has
    no split-K), a graph of ``--gemm-calls`` calls per tile; each tile's output on the routed rows checked bit
    for bit against the default tile's (only equal tiles are ranked).
-6. ``layer``: the whole layer (``fused_moe(..., tiles=(gemm1, gemm2))``) with the default tiles and the
+5. ``layer``: the whole layer (``fused_moe(..., tiles=(gemm1, gemm2))``) with the default tiles and the
    combinations of the ``--top`` fastest tiles of each GEMM, a graph of ``--calls`` calls each, outputs
    checked bit for bit against the default's; then the best combination's breakdown and ablation.
-7. ``tokens``: at each of ``--tokens`` (1, 4, 8), the default and the best combination as a one-call graph
-   replayed (the figure of docs/moe-gpu.md) and as a ``--calls`` graph; ``gemm_sweep_tokens``: the GEMM
-   sweep at the largest token count, if time is left.
+6. ``tokens``: at each of ``--tokens`` (1, 4, 8), the default and the best combination as a one-call graph
+   replayed (the figure of docs/moe-gpu.md) and as a ``--calls`` graph.
+7. ``dispatch_ab``: the masked layout's sort, rank and fill as one launch
+   (``fastpath._dispatch_sort.SMALL_CAPACITY_FUSED``) against three: the layouts compared first (the layer
+   runs only if they are equal), then the layer with each, outputs compared bit for bit, and the one-launch
+   layer's timeline. Last, because a wrong layout could fault the GEMMs.
+8. ``gemm_sweep_tokens``: the GEMM sweep at the largest token count, if time is left.
 
 Kernels are compiled in parallel before the sweep (Triton's ``AsyncCompileMode``; ``--serial-compile`` turns it
 off). ONE JSON to ``--out``, and a table of the best tile per GEMM, the layer combinations and the breakdown.
@@ -517,7 +519,20 @@ def dispatch_ab(run: Run, fw, case, tiles: tuple, calls: int, reps: int, profile
     """The layer with the masked layout's dispatch as three launches and as one (``SMALL_CAPACITY_FUSED``), each
     a graph of ``calls`` calls, interleaved with the copy of the touched experts' bytes; the outputs compared
     bit for bit; the one-launch layer's kernel timeline."""
-    cases, outs, out = {}, {}, {}
+    from fastpath import dispatch
+
+    x, tw, ids = case
+    e = int(fw.w13.shape[0])
+    cap = -(-int(x.shape[0]) // 16) * 16  # the layer's masked capacity (Triton: the tokens rounded to 16)
+    lays = []
+    for on in (False, True):
+        with one_program_dispatch(on):
+            lay, dst = dispatch.to_masked(None, ids, e, cap, expected_m=1, validate=False, slot_rows=True)
+        lays.append((lay.masked_m.clone(), lay.src.clone(), dst.clone()))
+    same = all(torch.equal(a, b) for a, b in zip(*lays))
+    if not same:
+        return dict(layout_equal=False, error="the one-launch masked layout differs from the three launches': not run")
+    cases, outs, out = {}, {}, dict(layout_equal=True)
     for on in (False, True):
         name = "one-launch dispatch" if on else "three-launch dispatch"
         try:
@@ -652,12 +667,6 @@ def main(argv=None) -> int:
     save()
 
     try:
-        res["dispatch_ab"] = dispatch_ab(run, fw, one, (default, default), args.calls, args.reps, args.profile_replays)
-    except Exception as e:  # noqa: BLE001
-        res["dispatch_ab"] = dict(error=err(e))
-    save()
-
-    try:
         res["gemm_sweep"] = gemm_sweep(run, fw, one, tiles, args.gemm_calls, args.reps)
     except Exception as e:  # noqa: BLE001
         res["gemm_sweep"] = {g: dict(error=err(e), rows=[], tokens=1, touched=0, bytes=0) for g in ("gemm1", "gemm2")}
@@ -725,6 +734,14 @@ def main(argv=None) -> int:
             for n, s in secs.items():
                 row["cases"][n]["one_call_graph"] = stats(s, roof)
         res["tokens"].append(row)
+        save()
+    # last: a wrong one-launch layout could fault the GEMMs (the layouts are compared before any layer runs)
+    if run.left() > 15:
+        try:
+            res["dispatch_ab"] = dispatch_ab(run, fw, one, (default, default), args.calls, args.reps,
+                                             args.profile_replays)
+        except Exception as e:  # noqa: BLE001
+            res["dispatch_ab"] = dict(error=err(e))
         save()
     m = max(args.tokens)
     if m != 1 and run.left() > 45:  # the GEMM tiles at the largest token count (compiled already)
