@@ -65,7 +65,7 @@ import torch
 from moeref.gemm import StackedExperts
 
 from ._graph_cache import GraphCache, GraphEntry, weights_signature
-from .grouped_gemm import EXACT_PROFILE_OF, PROFILE_OF, grouped_gemm_contiguous, grouped_gemm_supports
+from .grouped_gemm import EXACT_PROFILE_OF, PROFILE_OF, GemmTiles, grouped_gemm_contiguous, grouped_gemm_supports
 from .grouped_gemm_w4 import PROFILE_OF as W4_PROFILE_OF
 from .grouped_gemm_w4 import W4Experts, w4_supports
 
@@ -277,8 +277,9 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
 def graph_key(hidden, weights, topk_weights, topk_ids, opts: dict, stream: int) -> tuple:
     """The graph cache's key of a call (:func:`fused_moe`; ``opts``: its options but ``expert_map`` and
     ``capturable``, which the cached graph does not depend on): the inputs' shapes, dtypes and device, the
-    ``stream``, the options (``tiles`` as :func:`gemm_tiles` gives them), and :func:`fastpath._graph_cache.weights_signature` of the weights and the shared
-    experts. ``TypeError`` where a part is not hashable."""
+    ``stream``, the options (``tiles`` as :func:`gemm_tiles` gives them), and
+    :func:`fastpath._graph_cache.weights_signature` of the weights and the shared experts. ``TypeError`` where a
+    part is not hashable."""
     params = opts["activation_params"]
     key = (hidden.shape, hidden.dtype, hidden.device, stream, topk_weights.shape, topk_weights.dtype,
            topk_ids.shape, topk_ids.dtype, opts["impl"], opts["activation"],
@@ -416,7 +417,8 @@ def _fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torc
             raise ValueError(f"the fused {activation} kernel reads w13 in the {need!r} layout; the weights are "
                              f"{w.w13_layout!r} (convert them with moeref.activations.convert_w13)")
     tiles = gemm_tiles(tiles)
-    if tiles != (None, None) and (impl != "triton" or weights.w4 or (shared_experts is not None and shared_experts.w4)):
+    if tiles != (None, None) and (impl != "triton" or weights.w4
+                                  or (shared_experts is not None and shared_experts.w4)):
         raise ValueError(f"tiles are the Triton FP8/float grouped GEMM's (GemmTiles); impl {impl!r} with "
                          f"{'4-bit' if weights.w4 else 'these'} weights takes none (got {tiles})")
     supports = w4_supports if weights.w4 else grouped_gemm_supports
@@ -475,8 +477,6 @@ def gemm_tiles(tiles) -> tuple:
     """``(gemm1, gemm2)`` of :func:`fused_moe`'s ``tiles``: None gives ``(None, None)`` (the defaults), one
     :class:`fastpath.grouped_gemm.GemmTiles` ``(t, t)``, a pair (list or tuple) of ``GemmTiles`` or None itself.
     ``TypeError`` for anything else, ``ValueError`` for a sequence that is not a pair."""
-    from fastpath.grouped_gemm import GemmTiles
-
     if tiles is None:
         return (None, None)
     if isinstance(tiles, GemmTiles):
