@@ -100,9 +100,19 @@ def _small_sort_kernel(ids_ptr, emap_ptr, hist_ptr, totals_ptr, starts_ptr, ends
                        meta_ptr, psum_ptr, N, E, G, NK, C, PAD, CAP,
                        USE_MAP: tl.constexpr, S: tl.constexpr, NKP: tl.constexpr, MODE: tl.constexpr,
                        WRITE_PSUM: tl.constexpr):
-    """Steps 1-3 in one program, for few chunks (decode sizes: one launch instead of three): each
-    chunk's histogram in turn, the running sum before it stored as its prefix (what
-    ``_chunk_scan_kernel`` writes), then :func:`_write_starts` from the totals."""
+    """Steps 1-3 in one program, for few chunks (decode sizes: one launch instead of three):
+    :func:`_small_sort`."""
+    _small_sort(ids_ptr, emap_ptr, hist_ptr, totals_ptr, starts_ptr, ends_ptr, offsets_ptr, meta_ptr, psum_ptr,
+                N, E, G, NK, C, PAD, CAP, USE_MAP, S, NKP, MODE, WRITE_PSUM)
+
+
+@triton.jit
+def _small_sort(ids_ptr, emap_ptr, hist_ptr, totals_ptr, starts_ptr, ends_ptr, offsets_ptr,
+                meta_ptr, psum_ptr, N, E, G, NK, C, PAD, CAP,
+                USE_MAP: tl.constexpr, S: tl.constexpr, NKP: tl.constexpr, MODE: tl.constexpr,
+                WRITE_PSUM: tl.constexpr):
+    """Steps 1-3 by one program: each chunk's histogram in turn, the running sum before it stored as
+    its prefix (what ``_chunk_scan_kernel`` writes), then :func:`_write_starts` from the totals."""
     g = tl.arange(0, NKP)
     gm = g < NK
     carry = tl.zeros([NKP], dtype=tl.int32)
@@ -125,10 +135,19 @@ def _rank_kernel(ids_ptr, emap_ptr, base_ptr, starts_ptr, dst_ptr, list_ptr, grp
                  N, E, G, NK, SENTINEL,
                  USE_MAP: tl.constexpr, S: tl.constexpr,
                  DST_MODE: tl.constexpr, LIST_MODE: tl.constexpr, WRITE_GRP: tl.constexpr):
-    """DST_MODE 0: none, 1: dst[s] = row (present) or -1, 2: dst[s] = row for every slot.
-    LIST_MODE 0: none, 1: list[row] = s (present), 2: list[row] = s (present) or SENTINEL (absent).
-    WRITE_GRP: grp[row] = local expert (present)."""
-    c = tl.program_id(0)
+    """Step 4, one program a chunk: :func:`_rank_chunk`."""
+    _rank_chunk(tl.program_id(0), ids_ptr, emap_ptr, base_ptr, starts_ptr, dst_ptr, list_ptr, grp_ptr,
+                N, E, G, NK, SENTINEL, USE_MAP, S, DST_MODE, LIST_MODE, WRITE_GRP)
+
+
+@triton.jit
+def _rank_chunk(c, ids_ptr, emap_ptr, base_ptr, starts_ptr, dst_ptr, list_ptr, grp_ptr,
+                N, E, G, NK, SENTINEL,
+                USE_MAP: tl.constexpr, S: tl.constexpr,
+                DST_MODE: tl.constexpr, LIST_MODE: tl.constexpr, WRITE_GRP: tl.constexpr):
+    """The rows of chunk ``c``'s slots. DST_MODE 0: none, 1: dst[s] = row (present) or -1, 2: dst[s] = row
+    for every slot. LIST_MODE 0: none, 1: list[row] = s (present), 2: list[row] = s (present) or SENTINEL
+    (absent). WRITE_GRP: grp[row] = local expert (present)."""
     i = tl.arange(0, S)
     offs = c * S + i
     mask = offs < N
@@ -172,9 +191,22 @@ def _fill_kernel(starts_ptr, ends_ptr, totals_ptr, meta_ptr, label_ptr,
                  MODE: tl.constexpr, LOG_G: tl.constexpr, BLOCK_P: tl.constexpr,
                  WRITE_LIST: tl.constexpr, WRITE_GRP: tl.constexpr, WRITE_BLK: tl.constexpr,
                  HAS_LABEL: tl.constexpr, ZERO_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Padding positions ``p < P`` of a padded layout: list[p] = LIST_PAD, grp[p] = -1, zero rows;
-    and block labels blk[b] for ``b < NBLK`` (block b starts at position b*BS)."""
-    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    """Step 5, one program a block of ``BLOCK_P`` positions: :func:`_fill_block`."""
+    _fill_block(tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P), starts_ptr, ends_ptr, totals_ptr, meta_ptr,
+                label_ptr, list_ptr, grp_ptr, blk_ptr, rows_ptr, P, NBLK, G, CAP, BS, LIST_PAD, K, stride_rm,
+                MODE, LOG_G, BLOCK_P, WRITE_LIST, WRITE_GRP, WRITE_BLK, HAS_LABEL, ZERO_ROWS, BLOCK_K)
+
+
+@triton.jit
+def _fill_block(p, starts_ptr, ends_ptr, totals_ptr, meta_ptr, label_ptr,
+                list_ptr, grp_ptr, blk_ptr, rows_ptr,
+                P, NBLK, G, CAP, BS, LIST_PAD, K, stride_rm,
+                MODE: tl.constexpr, LOG_G: tl.constexpr, BLOCK_P: tl.constexpr,
+                WRITE_LIST: tl.constexpr, WRITE_GRP: tl.constexpr, WRITE_BLK: tl.constexpr,
+                HAS_LABEL: tl.constexpr, ZERO_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Positions ``p`` (``BLOCK_P`` of them): padding positions ``p < P`` of a padded layout: list[p] =
+    LIST_PAD, grp[p] = -1, zero rows; and block labels blk[b] for ``b < NBLK`` (block b starts at position
+    b*BS)."""
     if MODE == 1:
         g = p // CAP
         inside = g < G
@@ -207,6 +239,33 @@ def _fill_kernel(starts_ptr, ends_ptr, totals_ptr, meta_ptr, label_ptr,
             z = tl.zeros([BLOCK_P, BLOCK_K], dtype=rows_ptr.dtype.element_ty)
             tl.store(rows_ptr + prow[:, None] + k[None, :], z, mask=pad[:, None] & (k[None, :] < K))
             k0 += BLOCK_K
+
+
+@triton.jit
+def _small_capacity_kernel(ids_ptr, emap_ptr, hist_ptr, totals_ptr, starts_ptr, ends_ptr, offsets_ptr, meta_ptr,
+                           dst_ptr, list_ptr, N, E, G, NK, C, CAP, P,
+                           USE_MAP: tl.constexpr, S: tl.constexpr, NKP: tl.constexpr, LOG_G: tl.constexpr,
+                           BLOCK_P: tl.constexpr):
+    """A capacity layout's steps 1-5 in one program (decode sizes, no rows to copy: one launch instead of
+    three): :func:`_small_sort` (capacity mode), a barrier (the rank and the fill read the starts, totals and
+    chunk prefixes the sort stored, from other threads of this program), each chunk's :func:`_rank_chunk`
+    (``dst`` and the row -> slot list), then :func:`_fill_block` over the ``P`` positions (list padding -1).
+    The same device functions in the same order as the three launches: the same outputs. The rank and the
+    fill write disjoint positions (slots' rows, padding rows)."""
+    _small_sort(ids_ptr, emap_ptr, hist_ptr, totals_ptr, starts_ptr, ends_ptr, offsets_ptr, meta_ptr, meta_ptr,
+                N, E, G, NK, C, 1, CAP, USE_MAP, S, NKP, 1, False)
+    tl.debug_barrier()
+    c = 0
+    while c < C:
+        _rank_chunk(c, ids_ptr, emap_ptr, hist_ptr, starts_ptr, dst_ptr, list_ptr, meta_ptr, N, E, G, NK, 0,
+                    USE_MAP, S, 1, 1, False)
+        c += 1
+    p0 = 0
+    while p0 < P:
+        _fill_block(p0 + tl.arange(0, BLOCK_P), starts_ptr, ends_ptr, totals_ptr, meta_ptr, meta_ptr, list_ptr,
+                    meta_ptr, meta_ptr, meta_ptr, P, 0, G, CAP, 1, -1, 0, 0, 1, LOG_G, BLOCK_P, True, False, False,
+                    False, False, 16)
+        p0 += BLOCK_P
 
 
 @triton.jit

@@ -20,6 +20,7 @@ from ._dispatch_kernels import (
     _hist_kernel,
     _rank_kernel,
     _scatter_rows_kernel,
+    _small_capacity_kernel,
     _small_sort_kernel,
 )
 from . import _launch_plan as _plan
@@ -32,6 +33,13 @@ CHUNK = 128
 SMALL_SORT_CHUNKS = 4
 """Up to this many chunks (``M * k <= 512`` slots: decode sizes), steps 1-3 run as one program
 (``_small_sort_kernel``): two launches fewer, whose host cost dominates a decode-sized call (issue 20)."""
+
+SMALL_CAPACITY_FUSED = False
+"""Capacity layouts (masked, batched) built without a host sync, with no token rows to copy, at most
+``SMALL_SORT_CHUNKS`` chunks and a capacity of at least ``M * k`` (no expert can overflow it): the sort, the
+rank and the fill as one program (``_small_capacity_kernel``: one launch, one CUDA-graph node, instead of
+three; the same device functions, the same outputs). Off by default until measured on a GPU
+(``bench/studies/decode_graph_sweep.py`` times both)."""
 
 # Layout modes of _group_starts_kernel / _fill_kernel.
 _PADDED = 0  # group g starts at the sum of round_up(count, PAD) of the groups before it
@@ -67,7 +75,8 @@ def _cuda(*ts) -> bool:
 def _cuda_key(*parts):
     """A plan key (:mod:`fastpath._launch_plan`): ``parts`` plus the module's knobs and the current
     CUDA device (the last element)."""
-    return parts + (SMALL_SORT_CHUNKS, ROW_CONFIG["scatter"], ROW_CONFIG["reduce"], torch.cuda.current_device())
+    return parts + (SMALL_SORT_CHUNKS, SMALL_CAPACITY_FUSED, ROW_CONFIG["scatter"], ROW_CONFIG["reduce"],
+                    torch.cuda.current_device())
 
 
 def _ints(*xs) -> bool:
@@ -222,6 +231,25 @@ def _sort(topk_ids, emap, ss: _SortShape, ws: torch.Tensor, lay: Layout, *, mode
         _launch(_group_starts_kernel, (1,), s.totals, s.starts, s.ends, s.offsets, s.meta, psum,
                 ss.G, ss.NK, pad, cap, MODE=mode, WRITE_PSUM=ss.want_psum, NKP=ss.NKP)
     return s
+
+
+def _capacity_fused(topk_ids, hidden, bound) -> bool:
+    """Whether a capacity layout of these arguments is built by ``_small_capacity_kernel``
+    (:data:`SMALL_CAPACITY_FUSED`): a capacity ``bound`` given (no host sync), no ``hidden`` rows, and
+    ``0 < M * k <= bound`` slots in at most ``SMALL_SORT_CHUNKS`` chunks."""
+    if not SMALL_CAPACITY_FUSED or bound is None or hidden is not None or not torch.is_tensor(topk_ids):
+        return False
+    n = int(topk_ids.numel())
+    return 0 < n <= bound and cdiv(n, CHUNK) <= SMALL_SORT_CHUNKS
+
+
+def _small_capacity(topk_ids, emap, ss: _SortShape, ws: torch.Tensor, lay: Layout, cap: int, dst, src) -> None:
+    """Steps 1-5 of a capacity layout in one launch (:func:`_capacity_fused` holds): ``dst`` (slot -> row,
+    -1 absent) and ``src`` (``[G, cap]`` row -> slot, -1 padding), the counts in the workspace."""
+    s = _sorted(topk_ids, emap, ss, ws, lay)
+    _launch(_small_capacity_kernel, (1,), s.ids, s.emap, s.base, s.totals, s.starts, s.ends, s.offsets, s.meta,
+            dst, src, ss.n, ss.E, ss.G, ss.NK, s.C, cap, int(src.numel()), USE_MAP=ss.use_map, S=CHUNK,
+            NKP=ss.NKP, LOG_G=max(0, int(ss.G).bit_length()), BLOCK_P=1024)
 
 
 def _sort_ws(topk_ids, emap, ss: _SortShape, device, **kw) -> _Sorted:

@@ -116,6 +116,7 @@ from ._dispatch_sort import (  # noqa: F401 (CHUNK, SMALL_SORT_CHUNKS, ROW_CONFI
     _Sorted,
     _tkey,
 )
+from . import _dispatch_sort as _sort_host  # its knobs read at call time (SMALL_CAPACITY_FUSED)
 from . import _launch_plan as _plan
 from ._host import cdiv
 from ._launch_plan import Layout
@@ -380,9 +381,11 @@ def _to_capacity(kind, hidden, topk_ids, num_experts, expert_map, validate, capa
     key = None
     if bound is not None and expert_map is None and _ints(num_experts, bound) and _cuda(topk_ids, hidden):
         key = _cuda_key(kind, _tkey(topk_ids), _tkey(hidden), num_experts, bound)
-    plan, plan1 = _plan.lookup(key and (key, 0)), _plan.lookup(key and (key, 1))  # sort, then placement
+    fused = _sort_host._capacity_fused(topk_ids, hidden, bound)  # sort and placement in one launch
+    plan = _plan.lookup(key and (key, 0))  # sort (fused: and placement), then placement
+    plan1 = None if fused else _plan.lookup(key and (key, 1))
     emap = ss = None
-    if plan is None or plan1 is None:
+    if plan is None or (plan1 is None and not fused):
         plan = plan1 = None
         num_experts = check_positive_int(num_experts, "num_experts")
         topk_ids, emap, n_local = _prepare_routing(topk_ids, num_experts, expert_map, hidden, validate)
@@ -406,6 +409,11 @@ def _to_capacity(kind, hidden, topk_ids, num_experts, expert_map, validate, capa
     a = None if hidden is None else _alloc((G, cap, hidden.shape[1]), hidden.dtype, device)
     bases = (topk_ids, ws, src) if a is None else (topk_ids, ws, src, hidden, a)
     dev = key and key[-1]
+    if fused:  # M * k <= cap: no expert can overflow, nothing to check between the steps
+        _plan.execute(key and (key, 0), plan, bases, dev,
+                      lambda: _sort_host._small_capacity(topk_ids, emap, ss, ws, lay, cap, lay.view(ws, "dst"), src),
+                      layout)
+        return counts, cap, a, src, m, k, None, lay.view(ws, "dst")
     _plan.execute(key and (key, 0), plan, bases, dev,
                   lambda: _sort(topk_ids, emap, ss, ws, lay, mode=_CAPACITY, cap=cap), layout)
     if cap < m * k:  # a token repeating an expert can overflow: checked on the device, no sync

@@ -65,12 +65,12 @@ import torch
 from moeref.gemm import StackedExperts
 
 from ._graph_cache import GraphCache, GraphEntry, weights_signature
-from .grouped_gemm import EXACT_PROFILE_OF, PROFILE_OF, grouped_gemm_contiguous, grouped_gemm_supports
+from .grouped_gemm import EXACT_PROFILE_OF, PROFILE_OF, GemmTiles, grouped_gemm_contiguous, grouped_gemm_supports
 from .grouped_gemm_w4 import PROFILE_OF as W4_PROFILE_OF
 from .grouped_gemm_w4 import W4Experts, w4_supports
 
 __all__ = ["FastMoEWeights", "fused_moe", "reference_config", "fast_weights", "stored_as", "exact_profile",
-           "clear_graph_cache", "graph_cache_info"]
+           "clear_graph_cache", "graph_cache_info", "gemm_tiles"]
 
 ACTIVATIONS = ("silu_and_mul", "gelu_and_mul", "swigluoai")
 """The activations with a GPU layer (module docstring)."""
@@ -229,7 +229,7 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
               expert_map=None, num_experts: int | None = None, chunk_size: int | None = None,
               shared_experts: FastMoEWeights | None = None,
               apply_router_weight_on_input: bool = False, capturable: bool = False,
-              graph_cache: bool = True) -> torch.Tensor:
+              graph_cache: bool = True, tiles=None) -> torch.Tensor:
     """The MoE layer on the GPU (module docstring). ``hidden`` ``[M, K]`` (bf16 for the FP8 layer; the weights'
     dtype for float layers), ``topk_weights`` float ``[M, k]``, ``topk_ids`` int ``[M, k]`` (-1 padding; global
     ids with ``expert_map``). Returns ``out_dtype [M, K]``.
@@ -254,10 +254,19 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
     replay as by an eager call; another weights object is another key. The result is the same bits as the
     uncached call. ``capturable=False`` keeps its checks: the ids are checked on the host per call (the one
     sync left), and a masked call whose routing repeats an expert within a token runs uncached (its capacity
-    is sized from the counts). ``graph_cache=False``: every call runs its launches."""
+    is sized from the counts). ``graph_cache=False``: every call runs its launches.
+
+    ``tiles`` (``impl="triton"``, FP8 and float weights): the Triton grouped GEMM's launch tiles
+    (:class:`fastpath.grouped_gemm.GemmTiles`): None (default: :func:`fastpath.grouped_gemm.default_tiles` by
+    rows per expert, the same for both GEMMs), one ``GemmTiles`` for both GEMMs, or a pair ``(gemm1, gemm2)``
+    whose ``None`` entry takes the default (:func:`gemm_tiles`). Tiles change the speed, not the products: FP8
+    tiles (``block_k`` 128) compute the same per-block products promoted in the same K order (bit equality
+    of decode tiles: ``tests/test_grouped_gemm_decode.py``, ``bench/studies/decode_graph_sweep.py``); float
+    operands sum K in ``block_k`` pieces, so another ``block_k`` may change the last bits."""
     opts = dict(impl=impl, activation=activation, activation_params=activation_params, layout=layout,
                 alignment=alignment, max_m=max_m, out_dtype=out_dtype, num_experts=num_experts, chunk_size=chunk_size,
-                shared_experts=shared_experts, apply_router_weight_on_input=apply_router_weight_on_input)
+                shared_experts=shared_experts, apply_router_weight_on_input=apply_router_weight_on_input,
+                tiles=gemm_tiles(tiles))
     if graph_cache and expert_map is None:
         key = _graph_key(hidden, weights, topk_weights, topk_ids, opts)
         if key is not None:
@@ -268,14 +277,15 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
 def graph_key(hidden, weights, topk_weights, topk_ids, opts: dict, stream: int) -> tuple:
     """The graph cache's key of a call (:func:`fused_moe`; ``opts``: its options but ``expert_map`` and
     ``capturable``, which the cached graph does not depend on): the inputs' shapes, dtypes and device, the
-    ``stream``, the options, and :func:`fastpath._graph_cache.weights_signature` of the weights and the shared
-    experts. ``TypeError`` where a part is not hashable."""
+    ``stream``, the options (``tiles`` as :func:`gemm_tiles` gives them), and
+    :func:`fastpath._graph_cache.weights_signature` of the weights and the shared experts. ``TypeError`` where a
+    part is not hashable."""
     params = opts["activation_params"]
     key = (hidden.shape, hidden.dtype, hidden.device, stream, topk_weights.shape, topk_weights.dtype,
            topk_ids.shape, topk_ids.dtype, opts["impl"], opts["activation"],
            tuple(sorted(params.items())) if params else None, opts["layout"], opts["alignment"], opts["max_m"],
            opts["out_dtype"], opts["num_experts"], opts["chunk_size"], opts["apply_router_weight_on_input"],
-           weights_signature(weights), weights_signature(opts["shared_experts"]))
+           weights_signature(weights), weights_signature(opts["shared_experts"]), opts.get("tiles"))
     hash(key)
     return key
 
@@ -391,7 +401,7 @@ def _fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torc
                impl: str, activation: str, activation_params: dict | None, layout: str, alignment: int,
                max_m: int | None, out_dtype, expert_map, num_experts: int | None, chunk_size: int | None,
                shared_experts: FastMoEWeights | None, apply_router_weight_on_input: bool,
-               capturable: bool) -> torch.Tensor:
+               capturable: bool, tiles=None) -> torch.Tensor:
     """:func:`fused_moe` without the graph cache: every launch of the call."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} has no GPU layer; supported: {ACTIVATIONS}")
@@ -406,6 +416,11 @@ def _fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torc
         if w.w13_layout != need:
             raise ValueError(f"the fused {activation} kernel reads w13 in the {need!r} layout; the weights are "
                              f"{w.w13_layout!r} (convert them with moeref.activations.convert_w13)")
+    tiles = gemm_tiles(tiles)
+    if tiles != (None, None) and (impl != "triton" or weights.w4
+                                  or (shared_experts is not None and shared_experts.w4)):
+        raise ValueError(f"tiles are the Triton FP8/float grouped GEMM's (GemmTiles); impl {impl!r} with "
+                         f"{'4-bit' if weights.w4 else 'these'} weights takes none (got {tiles})")
     supports = w4_supports if weights.w4 else grouped_gemm_supports
     ok, why = supports(impl, alignment=alignment if layout == "contiguous" else None)
     if not ok:
@@ -428,7 +443,7 @@ def _fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torc
     if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
     kw = dict(impl=impl, activation=activation, act_kw={k: v for k, v in params.items() if k != "layout"},
-              layout=layout, alignment=alignment, max_m=max_m, capturable=capturable)
+              layout=layout, alignment=alignment, max_m=max_m, capturable=capturable, tiles=tiles)
     ids_all = topk_ids.to(hidden.device)
     tw_all = topk_weights.to(hidden.device)
     # without shared experts, each chunk's weighted sum is stored by the reduce kernel straight into its rows
@@ -456,6 +471,24 @@ def _fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torc
         return result
     return torch.cat(parts, dim=0).to(out_dtype)
 
+
+
+def gemm_tiles(tiles) -> tuple:
+    """``(gemm1, gemm2)`` of :func:`fused_moe`'s ``tiles``: None gives ``(None, None)`` (the defaults), one
+    :class:`fastpath.grouped_gemm.GemmTiles` ``(t, t)``, a pair (list or tuple) of ``GemmTiles`` or None itself.
+    ``TypeError`` for anything else, ``ValueError`` for a sequence that is not a pair."""
+    if tiles is None:
+        return (None, None)
+    if isinstance(tiles, GemmTiles):
+        return (tiles, tiles)
+    if isinstance(tiles, (tuple, list)):
+        if len(tiles) != 2:
+            raise ValueError(f"tiles must be one GemmTiles or a pair (gemm1, gemm2); got {len(tiles)} entries")
+        for i, t in enumerate(tiles):
+            if t is not None and not isinstance(t, GemmTiles):
+                raise TypeError(f"tiles[{i}] must be a GemmTiles or None; got {type(t).__name__}")
+        return tuple(tiles)
+    raise TypeError(f"tiles must be None, a GemmTiles or a pair (gemm1, gemm2) of them; got {type(tiles).__name__}")
 
 
 def _activation_params(activation: str, activation_params) -> dict:
@@ -506,7 +539,8 @@ def _used_rows_bound(slots: int, num_experts: int, alignment: int) -> int:
 
 
 def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, expert_map, *, impl, activation, act_kw,
-            layout, alignment, max_m, capturable, weight_on_input: bool = False, into=None) -> torch.Tensor:
+            layout, alignment, max_m, capturable, weight_on_input: bool = False, into=None,
+            tiles=(None, None)) -> torch.Tensor:
     """One chunk of the routed experts: float32 ``[m, K]`` (the weighted sum before the output store), or
     ``into`` (float32 or bfloat16 ``[m, K]``) with the sum stored in its dtype by the reduce kernel.
 
@@ -600,7 +634,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         xs = x.to(store).contiguous()
         a, sa = (xs if gather else to_rows(xs)), None
 
-    def gemm(a, b, sa, sb, bias, a_src=None):
+    def gemm(a, b, sa, sb, bias, tiles, a_src=None):
         if isinstance(b, W4Experts):
             from fastpath.grouped_gemm_w4 import grouped_gemm_w4_contiguous, grouped_gemm_w4_masked
 
@@ -622,10 +656,11 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
                                    expected_m=lay.expected_m, out_dtype=store, bias=bias, tiles=tiles,
                                    max_groups=min(e, m * top_k), a_src=a_src, top_k=top_k).reshape(e * mm, -1)
 
-    tiles = None  # the Triton kernel's tiles, by rows per expert (the same for both GEMMs and every path)
+    tiles1 = tiles2 = None  # the Triton kernel's tiles: given (fused_moe's tiles), else by rows per expert
     if impl == "triton" and not weights.w4:
-        tiles = default_tiles("fp8_block" if weights.fp8 else "float", expected_m, x.device.type, layout)
-    h = gemm(a, weights.w13, sa, weights.w13_scales, weights.b13, a_src=src if gather else None)
+        default = default_tiles("fp8_block" if weights.fp8 else "float", expected_m, x.device.type, layout)
+        tiles1, tiles2 = (default if t is None else t for t in tiles)
+    h = gemm(a, weights.w13, sa, weights.w13_scales, weights.b13, tiles1, a_src=src if gather else None)
     if weights.fp8_activations:
         fused = {"silu_and_mul": silu_and_mul_quant_fp8, "gelu_and_mul": gelu_and_mul_quant_fp8,
                  "swigluoai": swigluoai_quant_fp8}[activation]
@@ -639,7 +674,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         plain = {"silu_and_mul": silu_and_mul, "gelu_and_mul": gelu_and_mul, "swigluoai": swigluoai}[activation]
         xq = plain(h, **act_kw).to(store)
         sx = None
-    y = gemm(xq, weights.w2, sx, weights.w2_scales, weights.b2)
+    y = gemm(xq, weights.w2, sx, weights.w2_scales, weights.b2, tiles2)
     shape = (int(topk_weights.shape[0]), int(y.shape[-1]))
     if into is not None and tuple(into.shape) != shape:
         raise ValueError(f"the layer's output rows have shape {tuple(into.shape)}; the reduce gives {shape}")

@@ -1,0 +1,95 @@
+"""fastpath.dispatch's one-program capacity layout (``SMALL_CAPACITY_FUSED``: sort, rank and fill in
+``_small_capacity_kernel``, one launch instead of three, for the decode step's masked layout) gives the outputs
+of the three launches and the reference's, and runs exactly where it applies: a capacity given (no host sync),
+no token rows, ``0 < M * k <= capacity`` slots in at most ``SMALL_SORT_CHUNKS`` chunks. On CPU the kernels run
+under Triton's interpreter (conftest sets TRITON_INTERPRET=1)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import moeref.dispatch as ref  # noqa: E402
+
+import fastpath._dispatch_sort as sort_host  # noqa: E402
+import fastpath.dispatch as fast  # noqa: E402
+from fastpath.testing import poisoned  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.interp
+
+
+@pytest.fixture
+def fused_launches(monkeypatch):
+    """The grids of ``_small_capacity_kernel`` launches while the fused path is on."""
+    calls = []
+
+    class Counted:
+        def __getitem__(self, grid, kernel=sort_host._small_capacity_kernel):
+            calls.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(sort_host, "_small_capacity_kernel", Counted())
+    monkeypatch.setattr(sort_host, "SMALL_CAPACITY_FUSED", True)
+    return calls
+
+
+def _ids(m, k, e, seed, repeat=False):
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(m)]).astype(np.int32)
+    if m > 1:
+        ids[rng.random(m) < 0.2, 0] = -1  # padding slots
+    if repeat:
+        ids[0, :] = ids[0, 1] if ids[0, 1] >= 0 else 3  # one token naming one expert k times
+    return ids
+
+
+def _masked(ids, e, cap, emap=None):
+    i = torch.from_numpy(ids).to(DEVICE)
+    lay, dst = fast.to_masked(None, i, e, cap, emap, expected_m=1, validate=False, slot_rows=True)
+    return lay, dst
+
+
+@pytest.mark.parametrize("m,k,e,cap,repeat,with_map", [
+    (1, 8, 256, 16, False, False),  # the DeepSeek-V3 decode step: 8 slots, 16-row capacity
+    (1, 8, 20, 8, True, False),  # all eight slots on one expert: exactly the capacity
+    (5, 4, 12, 20, False, True),
+    (64, 8, 40, 512, True, False),  # 512 slots: four chunks, the last the fused path takes
+])
+def test_one_program_gives_the_three_launches_outputs(fused_launches, monkeypatch, m, k, e, cap, repeat, with_map):
+    ids = _ids(m, k, e, seed=m * 7 + e, repeat=repeat)
+    emap = None
+    if with_map:
+        emap = np.where(np.arange(e) % 3 == 0, -1, np.cumsum(np.arange(e) % 3 != 0) - 1).astype(np.int32)
+    with poisoned():
+        lay, dst = _masked(ids, e, cap, emap)
+        assert len(fused_launches) == 1
+        monkeypatch.setattr(sort_host, "SMALL_CAPACITY_FUSED", False)
+        want, want_dst = _masked(ids, e, cap, emap)
+    assert len(fused_launches) == 1
+    for got, exp in ((lay.masked_m, want.masked_m), (lay.src, want.src), (dst, want_dst)):
+        assert torch.equal(got.cpu(), exp.cpu())
+    # an independent statement: the reference's masked layout (rows in slot order per local expert)
+    r = ref.to_masked(None, ids, e, cap, emap)
+    np.testing.assert_array_equal(lay.src.cpu().numpy(), r.src)
+    np.testing.assert_array_equal(lay.masked_m.cpu().numpy(), r.masked_m)
+    flat = lay.src.reshape(-1).cpu().numpy()
+    d = dst.cpu().numpy()
+    assert np.array_equal(flat[d[d >= 0]], np.flatnonzero(d >= 0))  # dst inverts src
+
+
+def test_taken_only_where_it_applies(fused_launches):
+    i = torch.from_numpy(_ids(4, 8, 64, seed=1)).to(DEVICE)
+    fast.to_masked(None, i, 64, 31, expected_m=1, validate=False)  # 32 slots over a capacity of 31
+    fast.to_masked(torch.zeros((4, 8), device=DEVICE), i, 64, 32, expected_m=1, validate=False)  # token rows
+    fast.to_masked(None, i, 64, 32, validate=False)  # no expected_m: capacity checked on the host
+    big = torch.from_numpy(_ids(65, 8, 64, seed=2)).to(DEVICE)  # 520 slots: five chunks
+    fast.to_masked(None, big, 64, 520, expected_m=1, validate=False)
+    assert fused_launches == []
+    fast.to_masked(None, i, 64, 32, expected_m=1, validate=False)
+    b = fast.to_batched(None, i, 64, 32, validate=False)  # the batched layout: the same capacity path
+    assert len(fused_launches) == 2
+    np.testing.assert_array_equal(b.expert_num_tokens.cpu().numpy(),
+                                  ref.to_batched(None, i.cpu().numpy(), 64, 32).expert_num_tokens)
