@@ -3,7 +3,7 @@
 * swapped tiles (``GemmTiles.swap_ab``: each tile computed as ``B @ a^T``, the rows the MMA's narrow side);
 * the Triton kernel's masked mode (``grouped_gemm_masked(impl="triton")``: program row ``p`` finds the
   ``p``-th expert with rows from ``masked_m``, so ``max_groups`` sizes the grid without a host sync);
-* the layer's bound on the rows a contiguous layout can use (:func:`fastpath.moe._used_rows_bound`), which
+* the layer's bound on the rows a contiguous layout can use (:func:`fastpath._moe_layer._used_rows_bound`), which
   cuts vLLM's worst-case buffer;
 * the dispatch's slot -> row map (``slot_rows=True``), the inverse of ``src``.
 
@@ -140,7 +140,7 @@ def test_used_rows_bound_covers_every_routing_and_is_attained():
     """The tight contiguous size of any routing of ``slots`` slots is at most the bound (random, skewed,
     all-to-one and -1-padded routings), and at decode sizes (slots <= experts) a routing of distinct experts
     with one slot each attains it."""
-    from fastpath.moe import _used_rows_bound
+    from fastpath._moe_layer import _used_rows_bound
     from moeref.dispatch.contiguous import contiguous_m_sum
 
     rng = np.random.default_rng(0)

@@ -105,7 +105,7 @@ def main(argv=None) -> int:
         args.no_smi = True
     import deep_gemm
 
-    import fastpath.moe as fm
+    import fastpath._moe_layer as fm  # where _routed looks up grouped_gemm_contiguous
     from fastpath import dispatch
     from fastpath.grouped_gemm import grouped_gemm_contiguous
     from fastpath.moe import FastMoEWeights, fused_moe
