@@ -27,6 +27,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moeref.compare import bounds as bounds_mod
+from moeref.compare import contiguous_tree as ct
 from moeref.compare import gemm_bounds as gb
 from moeref.compare import operand_radius as orad
 from moeref.compare import summation_order as so
@@ -82,7 +83,7 @@ def _tree_oracle(a, w, profile, radius, b_abs) -> np.ndarray:
     w_hi = wsum * (1.0 + gb.gamma(kp + 2, gb.U_F64)) + d
     c_hi = np.abs(csum) + slack + d
     sigma = gb.gamma(2, u_prom)
-    u_prod = 0.0 if gb._products_exact_in_fp32(a, w) else 2.0 * u
+    u_prod = 0.0 if ct._products_exact_in_fp32(a, w) else 2.0 * u
     t = rho * max(k - 1, 0) * u
     denom = 1.0 - t - sigma
     if denom <= 0:
@@ -141,11 +142,11 @@ def test_float_operands_same_bits_as_the_definition(m, n, k, kind_a, kind_w, til
     with np.errstate(invalid="ignore", over="ignore"):
         want = _tree_oracle(A, W, profile, radius, b_abs)
     with pytest.MonkeyPatch.context() as mp, np.errstate(invalid="ignore", over="ignore"):
-        mp.setattr(gb, "_WALK_OUTPUTS", tile)
-        mp.setattr(gb, "_WALK_ROWS", rows)
-        mp.setattr(gb, "_CAP_MACS", cap_macs)
-        mp.setattr(gb, "_LANE_ELEMS", lane_elems)
-        mp.setattr(gb, "_WALK_ALL_FROM", walk_all_from)
+        mp.setattr(ct, "_WALK_OUTPUTS", tile)
+        mp.setattr(ct, "_WALK_ROWS", rows)
+        mp.setattr(ct, "_CAP_MACS", cap_macs)
+        mp.setattr(ct, "_LANE_ELEMS", lane_elems)
+        mp.setattr(ct, "_WALK_ALL_FROM", walk_all_from)
         got = gb.contiguous_tree_gemm_bound(A, W, profile, radius, b_abs)
     _same_bits(got, want)
 
@@ -412,5 +413,5 @@ def test_products_exact_in_fp32_same_as_the_definition(shape, kind, late, seed):
     if late is not None:
         a[-1, -1] = late
     A, W = as_operand(a), as_operand(w)
-    assert gb._products_exact_in_fp32(A, W) == _bf16_products_oracle(A, W)
-    assert gb._products_exact_in_fp32(W, A) == _bf16_products_oracle(W, A)
+    assert ct._products_exact_in_fp32(A, W) == _bf16_products_oracle(A, W)
+    assert ct._products_exact_in_fp32(W, A) == _bf16_products_oracle(W, A)

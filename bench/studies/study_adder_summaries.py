@@ -53,7 +53,7 @@ import time
 import numpy as np
 
 import moeref.compare.gemm_bounds as gb
-from moeref.compare.gemm_bounds import _grid_exact, _grid_scaled, adder_operands, adder_rows, adder_step_sums
+from moeref.compare.aligned_adder import _grid_exact, _grid_scaled, adder_operands, adder_rows, adder_step_sums
 
 VARIANTS = ("rank1", "expsum", "expsum_minn", "min_both")
 LIBRARY = gb.aligned_adder_gemm_bound

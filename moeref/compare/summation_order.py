@@ -1,6 +1,7 @@
 """The declared summation order of a float64 dot product, so every engine gets the same bits: :func:`ordered_dot`
 (``x @ w.T`` in chunks of :data:`ORDER_CHUNK` columns cut into steps of :data:`ORDER_STEP`) and the column
-grouping it and the aligned-adder bound read (:func:`grouped_columns`).
+grouping it and the aligned-adder bound read (:func:`grouped_columns`), and the rounding-error factor of a sum
+that every bound states its roundings with (:func:`gamma`, Higham's ``gamma_n``; ``U_F64`` the float64 unit).
 
 A float64 sum's bits depend on its order; the bounds that sum in float64 (the worst-case and contiguous-tree
 models of :mod:`moeref.compare.gemm_bounds`, the operand radius of :mod:`moeref.compare.operand_radius` where its
@@ -9,9 +10,11 @@ of :mod:`moeref.compare.device._bound_kernels` and :mod:`moeref.compare.device._
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-__all__ = ["ORDER_CHUNK", "ORDER_STEP", "grouped_columns", "ordered_dot"]
+__all__ = ["ORDER_CHUNK", "ORDER_STEP", "grouped_columns", "ordered_dot", "gamma", "U_F64"]
 
 _BLOCK_ELEMS = 1 << 22  # elements of the [rows, N, K] product tensor held at once
 _ORDER_BLOCK_ELEMS = 1 << 20
@@ -93,3 +96,16 @@ def ordered_dot(x, w, chunk: int = ORDER_CHUNK, step: int = ORDER_STEP, *, w_t=N
             tot += s[:, c]
         out[r0:r1] = tot
     return out
+
+
+U_F64 = 2.0**-53
+
+
+def gamma(n, u: float) -> float:
+    """``n u / (1 - n u)`` (Higham's gamma_n); ``inf`` when ``n u >= 1``.
+
+    >>> gamma(128, 2.0**-24) < 128 * 2.0**-24 * 1.00001
+    True
+    """
+    nu = float(n) * u
+    return math.inf if nu >= 1 else nu / (1.0 - nu)

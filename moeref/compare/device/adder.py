@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..gemm_bounds import _MIN_NORMAL, adder_exact, adder_setup
+from ..aligned_adder import _MIN_NORMAL, adder_exact, adder_setup
 from ..summation_order import ORDER_CHUNK, ORDER_STEP
 from ._constants import float64_constants
 from .operands import (
