@@ -118,7 +118,7 @@ def test_edited_topk_weights_and_swapped_weights_are_seen():
     lay2 = exact_layer(4, 256, 256, 4, 2, scheme="fp8_1x128", seed=1)
     cert = lay2.certificate
     lay2.weights.w13[0] = other.weights.w13[0]  # a different object: the binding no longer matches
-    from moeref.regimes.layer import _binding
+    from moeref.regimes.layer_check import _binding
 
     assert cert.binding != _binding(lay2)
 

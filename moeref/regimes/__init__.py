@@ -9,8 +9,8 @@ allows, and every declared store rounds an exact value. Guide: docs/exact-regime
 * :mod:`.checker`: :func:`in_exact_regime` ``(inputs, arithmetic) -> (ok, reasons)`` for GEMMs.
 * :mod:`.operands`: :func:`exact_operand`, exact-regime operands for every scaling scheme.
 * :mod:`.layer`: :func:`exact_layer`, whole fused-MoE layers and inputs checked by equality, and
-  :func:`layer_in_exact_regime` (from a generated layer's :class:`RegimeCertificate` in O(tokens x top-k),
-  else from the values).
+  :func:`layer_in_exact_regime` (:mod:`.layer_check`: from a generated layer's :class:`RegimeCertificate` in
+  O(tokens x top-k), else from the values).
 * :mod:`.equality`: :func:`moe_equality_report` / :func:`gemm_equality_report`, the differing elements
   with token, expert and slot (``regime="exact"`` of :mod:`moeref.testing`).
 * :mod:`.rounding`: :func:`rounding_gemm` and :func:`single_rounding_layer`, single-rounding regimes (exact

@@ -207,7 +207,8 @@ def single_rounding_layer(num_tokens: int, hidden: int, intermediate: int, num_e
     ('bfloat16', (), True)
     """
     from .._checks import check_choice
-    from .layer import _assemble, _certify, _layer_sizes, _schemes, _tokens
+    from .layer import _assemble, _layer_sizes, _schemes, _tokens
+    from .layer_check import _certify
 
     m, k, n, e, top = _layer_sizes(num_tokens, hidden, intermediate, num_experts, top_k, scheme, activation,
                                    ROUNDING_LAYER_SCHEMES, ROUNDING_LAYER_ACTIVATIONS)
