@@ -19,6 +19,17 @@ def data_files(pattern: str) -> list[str]:
     return sorted(glob.glob(os.path.join(DATA_DIR, pattern)))
 
 
+def runs_oldest_first(runs, section, *, date, head=()) -> str:
+    """The lines ``head`` and then ``section(d)`` (a list of lines) of each document ``d`` in ``runs``, oldest
+    first by ``date(d)`` (a stable sort: runs of one date keep their order), joined by newlines with one blank
+    line between the head and each section. ``date`` is a callable because the benchmarks keep the date in
+    different places (``d["date"]``, ``d["meta"]["date"]``); any sortable key works."""
+    out = list(head)
+    for d in sorted(runs, key=date):
+        out += ([""] if out else []) + section(d)
+    return "\n".join(out)
+
+
 def replace_between(page: str, begin: str, end: str, body: str) -> str:
     """``page`` with the text between ``begin`` and ``end`` replaced by ``body`` (on lines of its own);
     ``ValueError`` when the markers are missing or out of order."""

@@ -16,7 +16,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.docs_page import report_main  # noqa: E402
+from bench.docs_page import report_main, runs_oldest_first  # noqa: E402
 
 BEGIN, END = "<!-- compare-device:begin -->", "<!-- compare-device:end -->"
 
@@ -25,25 +25,28 @@ def _case(row: dict, name: str) -> dict:
     return row["timing"]["cases"][name]
 
 
+def section(d: dict) -> list:
+    """The lines of one run: the line naming its GPU and date, then its table."""
+    m = d["meta"]
+    out = [f"Measured on an {m['gpu']}, {m['date']}:", "",
+           "| tokens | reference, s | compare, s | compare / reference | peak extra GPU memory | passed |",
+           "|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        ref, cmp_ = _case(r, "reference"), _case(r, "compare")
+        out.append(f"| {r['tokens']} | {ref['median_s']:.3f} | {cmp_['median_s']:.3f} ({cmp_['min_s']:.3f}-"
+                   f"{cmp_['max_s']:.3f}) | **{r['compare_over_reference']:.2f}x** | {r['peak_extra_gib']:.1f} GiB | "
+                   f"{r['passed']} |")
+    return out
+
+
 def table(runs: list) -> str:
     """The markdown tables of ``runs`` (the JSON documents, any order): one per run, oldest first, each under a
     line naming its GPU and date."""
-    runs = sorted(runs, key=lambda d: d["meta"]["date"])
-    out = ["`compare` of a device-engine reference run under `HOPPER_FP8_DEEPGEMM_DATA`, beside the reference's own "
-           "time (`python -m bench compare`: DeepSeek-V3 layer, 256 experts, top-8, FP8 1x128 x 128x128, random "
-           "routing; the candidate is the reference's own bf16 output). Median of the interleaved rounds (min-max); "
-           "the ratio is the median of the per-round ratios."]
-    for d in runs:
-        m = d["meta"]
-        out += ["", f"Measured on an {m['gpu']}, {m['date']}:", "",
-                "| tokens | reference, s | compare, s | compare / reference | peak extra GPU memory | passed |",
-                "|---|---|---|---|---|---|"]
-        for r in d["rows"]:
-            ref, cmp_ = _case(r, "reference"), _case(r, "compare")
-            out.append(f"| {r['tokens']} | {ref['median_s']:.3f} | {cmp_['median_s']:.3f} ({cmp_['min_s']:.3f}-"
-                       f"{cmp_['max_s']:.3f}) | **{r['compare_over_reference']:.2f}x** | {r['peak_extra_gib']:.1f} GiB | "
-                       f"{r['passed']} |")
-    return "\n".join(out)
+    head = ["`compare` of a device-engine reference run under `HOPPER_FP8_DEEPGEMM_DATA`, beside the reference's own "
+            "time (`python -m bench compare`: DeepSeek-V3 layer, 256 experts, top-8, FP8 1x128 x 128x128, random "
+            "routing; the candidate is the reference's own bf16 output). Median of the interleaved rounds (min-max); "
+            "the ratio is the median of the per-round ratios."]
+    return runs_oldest_first(runs, section, date=lambda d: d["meta"]["date"], head=head)
 
 
 def main(argv=None) -> int:

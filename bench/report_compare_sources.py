@@ -19,10 +19,11 @@ import sys
 from fractions import Fraction
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.docs_page import data_files, report_main  # noqa: E402
+from bench.docs_page import data_files, report_main, runs_oldest_first  # noqa: E402
 from bench.report_exact_regimes import _date  # noqa: E402
 
 BEGIN, END = "<!-- compare-sources:begin -->", "<!-- compare-sources:end -->"
+PATTERN = "compare_sources_*.json"
 SOURCE_NAMES = {"tensor_cores": "tensor cores", "emulator": "emulator (CUDA cores)"}
 
 
@@ -92,20 +93,17 @@ def section(d: dict) -> list:
 
 def table(runs: list) -> str:
     """The markdown of ``runs`` (bench_compare_device.py ``--sources`` JSON documents, any order), oldest first."""
-    out = []
-    for d in sorted(runs, key=lambda d: d["meta"]["date"]):
-        out += ([""] if out else []) + section(d)
-    return "\n".join(out)
+    return runs_oldest_first(runs, section, date=lambda d: d["meta"]["date"])
 
 
 def default_json() -> list:
     """The committed benchmark JSON (what the docs tests check)."""
-    return data_files("compare_sources_*.json")
+    return data_files(PATTERN)
 
 
 def main(argv=None) -> int:
     return report_main(argv, description=__doc__.splitlines()[0], script="report_compare_sources.py",
-                       pattern="compare_sources_*.json", pages=("hopper-fp8-accumulation.md",), begin=BEGIN, end=END,
+                       pattern=PATTERN, pages=("hopper-fp8-accumulation.md",), begin=BEGIN, end=END,
                        render=table, json_help="bench_compare_device.py --sources --out files")
 
 

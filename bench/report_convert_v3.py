@@ -19,10 +19,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.docs_page import data_files, report_main  # noqa: E402
 
 BEGIN, END = "<!-- convert-v3:begin -->", "<!-- convert-v3:end -->"
+PATTERN = "convert_v3_*.json"
 
 
 def default_json() -> list[str]:
-    return data_files("convert_v3_*.json")
+    return data_files(PATTERN)
 
 
 def _gb(n: float) -> str:
@@ -148,7 +149,7 @@ def render(runs: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    return report_main(argv, description=__doc__.splitlines()[0], script="report_convert_v3.py", pattern="convert_v3_*.json",
+    return report_main(argv, description=__doc__.splitlines()[0], script="report_convert_v3.py", pattern=PATTERN,
                        pages=("convert.md",), begin=BEGIN, end=END, render=render,
                        json_help="bench_convert_v3.py --json outputs")
 

@@ -19,13 +19,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.docs_page import data_files, report_main  # noqa: E402
 
 BEGIN, END = "<!-- fastpath-dispatch:begin -->", "<!-- fastpath-dispatch:end -->"
+PATTERN = "dispatch_*.json"
 FLAG = "⚠"
 # The page's target, stated on the medians (issue 20): bold where met.
 TARGET_PCT_COPY = 90.0
 
 
 def default_json() -> list[str]:
-    return data_files("dispatch_*.json")
+    return data_files(PATTERN)
 
 
 def _flag(case: dict | None) -> str:
@@ -95,7 +96,7 @@ def render(runs: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    return report_main(argv, description=__doc__.splitlines()[0], script="report_dispatch.py", pattern="dispatch_*.json",
+    return report_main(argv, description=__doc__.splitlines()[0], script="report_dispatch.py", pattern=PATTERN,
                        pages=("fastpaths-dispatch.md",), begin=BEGIN, end=END, render=render,
                        json_help="bench_dispatch_gpu.py JSON files, one section each")
 

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.docs_page import data_files, report_main  # noqa: E402
 
 BEGIN, END = "<!-- ep-reference:begin -->", "<!-- ep-reference:end -->"
+PATTERN = "ep_*.json"
 MODE_NAMES = {"normal": "normal (bf16)", "normal_fp8": "normal, FP8 1x128 before dispatch",
               "low_latency": "low latency (bf16)"}
 
@@ -66,11 +67,11 @@ def table(runs: list) -> str:
 
 def default_json() -> list:
     """The committed benchmark JSON (what the docs tests check)."""
-    return data_files("ep_*.json")
+    return data_files(PATTERN)
 
 
 def main(argv=None) -> int:
-    return report_main(argv, description=__doc__.splitlines()[0], script="report_ep.py", pattern="ep_*.json",
+    return report_main(argv, description=__doc__.splitlines()[0], script="report_ep.py", pattern=PATTERN,
                        pages=("expert-parallel.md", "performance.md"), begin=BEGIN, end=END, render=table,
                        json_help="bench_ep_gpu.py --out files")
 

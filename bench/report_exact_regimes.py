@@ -17,9 +17,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.docs_page import data_files, report_main  # noqa: E402
+from bench.docs_page import data_files, report_main, runs_oldest_first  # noqa: E402
 
 BEGIN, END = "<!-- exact-regimes:begin -->", "<!-- exact-regimes:end -->"
+PATTERN = "exact_regimes_*.json"
 
 # bench_exact_regimes.py's planted faults (FAULTS), as the table names them
 FAULT_NAMES = {
@@ -182,73 +183,76 @@ def _draws(draws: list) -> list:
     return out
 
 
+def section(d: dict) -> list:
+    """The lines of one run: the line naming its GPU, date and command, then its tables."""
+    gpu = d.get("gpu", "no GPU")
+    reduced = {m.get("bf16_reduced_precision_reduction") for m in d["models"]} - {None}
+    note = ""
+    if reduced == {True}:
+        note = " (cuBLAS bf16 reduced-precision reduction allowed, torch's default)"
+    elif reduced == {False}:
+        note = " (cuBLAS bf16 reduced-precision reduction off)"
+    groups = _by_model(d["models"])
+    counts = []
+    if any(len(v) > 1 for v in groups.values()):
+        counts = list(dict.fromkeys(m["tokens"] for m in d["models"] if "tokens" in m))
+    out = [f"Measured on an {gpu}, {_date(d['date'])}, torch {d.get('torch', '?')}{_versions(d)}{note}: "
+           f"`{_command(d.get('argv', []))}`."]
+    if d.get("model_seconds"):
+        secs = d["model_seconds"]
+        out[-1] += (" Wall time per model (layer construction, weight uploads, references and every call): "
+                    + ", ".join(f"{k} {v:.1f} s" for k, v in secs.items())
+                    + f"; {sum(secs.values()):.1f} s in all.")
+    if any(m.get("regime") == "single_rounding" for m in d["models"]):
+        out += ["", "Models marked *(single rounding)* run `moeref.regimes.single_rounding_layer` instead: every "
+                "declared store rounds, and GEMM2's output goes into the FP32 top-k sum unstored, so an "
+                "implementation that stores it in bf16 differs by design."]
+    if counts:
+        out += ["", "Each model's layer is built once at the largest token count; a smaller count runs its "
+                "first tokens. Planted faults run at the first count."]
+        head = "".join(f" {t} tokens: differing outputs | seconds |" for t in counts)
+        out += ["", "| model | shape | scheme | activation | implementation |" + head,
+                "|---|---|---|---|---" + "|---|---" * len(counts) + "|"]
+    else:
+        out += ["", "| model | shape | scheme | activation | implementation | differing outputs | seconds |",
+                "|---|---|---|---|---|---|---|"]
+    faults = []
+    for name, entries in groups.items():
+        out += _rows(name, entries, counts)
+        for m in entries:
+            for fault, r in m.get("faults", {}).items():
+                faults.append((name, fault, *_fault(r)))
+    if faults:
+        out += ["", "| model | planted fault | differing outputs | caught by equality |", "|---|---|---|---|"]
+        last = None
+        for model, name, diff, caught in faults:
+            out.append(f"| {model if model != last else ''} | {FAULT_NAMES.get(name, name)} | {diff} | {caught} |")
+            last = model
+    if d.get("draws"):
+        out += _draws(d["draws"])
+    return out
+
+
 def table(runs: list) -> str:
     """The markdown tables of ``runs`` (bench_exact_regimes.py JSON documents, any order), oldest run first."""
-    runs = sorted(runs, key=lambda d: d["date"])
-    out = ["Each implementation runs the same exact-regime layer (`moeref.regimes.exact_layer`; skewed random "
-           "routing, expert weights from a pool of distinct experts, `--expert-pool`) and its bf16 outputs are "
-           "compared by equality with the reference: moeref's exact layer on the GPU "
-           "(`run_moe(device=\"cuda\")`, bit-identical to the host reference), in which every declared store "
-           "rounds an exact value once. In a regime every conforming kernel must give **0** differing outputs. "
-           "Seconds: the one call, compilation and autotuning included (not a speed figure). The planted faults "
-           "are made in the torch eager layer, except the one named `fastpath.moe` (the fast path's GELU layer run "
-           "with tanh GELU where erf is declared)."]
-    for d in runs:
-        gpu = d.get("gpu", "no GPU")
-        reduced = {m.get("bf16_reduced_precision_reduction") for m in d["models"]} - {None}
-        note = ""
-        if reduced == {True}:
-            note = " (cuBLAS bf16 reduced-precision reduction allowed, torch's default)"
-        elif reduced == {False}:
-            note = " (cuBLAS bf16 reduced-precision reduction off)"
-        groups = _by_model(d["models"])
-        counts = []
-        if any(len(v) > 1 for v in groups.values()):
-            counts = list(dict.fromkeys(m["tokens"] for m in d["models"] if "tokens" in m))
-        out += ["", f"Measured on an {gpu}, {_date(d['date'])}, torch {d.get('torch', '?')}{_versions(d)}{note}: "
-                f"`{_command(d.get('argv', []))}`."]
-        if d.get("model_seconds"):
-            secs = d["model_seconds"]
-            out[-1] += (" Wall time per model (layer construction, weight uploads, references and every call): "
-                        + ", ".join(f"{k} {v:.1f} s" for k, v in secs.items())
-                        + f"; {sum(secs.values()):.1f} s in all.")
-        if any(m.get("regime") == "single_rounding" for m in d["models"]):
-            out += ["", "Models marked *(single rounding)* run `moeref.regimes.single_rounding_layer` instead: every "
-                    "declared store rounds, and GEMM2's output goes into the FP32 top-k sum unstored, so an "
-                    "implementation that stores it in bf16 differs by design."]
-        if counts:
-            out += ["", "Each model's layer is built once at the largest token count; a smaller count runs its "
-                    "first tokens. Planted faults run at the first count."]
-            head = "".join(f" {t} tokens: differing outputs | seconds |" for t in counts)
-            out += ["", "| model | shape | scheme | activation | implementation |" + head,
-                    "|---|---|---|---|---" + "|---|---" * len(counts) + "|"]
-        else:
-            out += ["", "| model | shape | scheme | activation | implementation | differing outputs | seconds |",
-                    "|---|---|---|---|---|---|---|"]
-        faults = []
-        for name, entries in groups.items():
-            out += _rows(name, entries, counts)
-            for m in entries:
-                for fault, r in m.get("faults", {}).items():
-                    faults.append((name, fault, *_fault(r)))
-        if faults:
-            out += ["", "| model | planted fault | differing outputs | caught by equality |", "|---|---|---|---|"]
-            last = None
-            for model, name, diff, caught in faults:
-                out.append(f"| {model if model != last else ''} | {FAULT_NAMES.get(name, name)} | {diff} | {caught} |")
-                last = model
-        if d.get("draws"):
-            out += _draws(d["draws"])
-    return "\n".join(out)
+    head = ["Each implementation runs the same exact-regime layer (`moeref.regimes.exact_layer`; skewed random "
+            "routing, expert weights from a pool of distinct experts, `--expert-pool`) and its bf16 outputs are "
+            "compared by equality with the reference: moeref's exact layer on the GPU "
+            "(`run_moe(device=\"cuda\")`, bit-identical to the host reference), in which every declared store "
+            "rounds an exact value once. In a regime every conforming kernel must give **0** differing outputs. "
+            "Seconds: the one call, compilation and autotuning included (not a speed figure). The planted faults "
+            "are made in the torch eager layer, except the one named `fastpath.moe` (the fast path's GELU layer run "
+            "with tanh GELU where erf is declared)."]
+    return runs_oldest_first(runs, section, date=lambda d: d["date"], head=head)
 
 
 def default_json() -> list:
     """The committed benchmark JSON (what the docs tests check)."""
-    return data_files("exact_regimes_*.json")
+    return data_files(PATTERN)
 
 
 def main(argv=None) -> int:
-    return report_main(argv, description=__doc__.splitlines()[0], script="report_exact_regimes.py", pattern="exact_regimes_*.json",
+    return report_main(argv, description=__doc__.splitlines()[0], script="report_exact_regimes.py", pattern=PATTERN,
                        pages=("exact-regimes.md",), begin=BEGIN, end=END, render=table,
                        json_help="bench_exact_regimes.py --out files")
 

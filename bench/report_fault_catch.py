@@ -17,10 +17,11 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.docs_page import data_files, report_main  # noqa: E402
+from bench.docs_page import data_files, report_main, runs_oldest_first  # noqa: E402
 from bench.report_exact_regimes import _cell, _command, _date  # noqa: E402
 
 BEGIN, END = "<!-- fault-catch:begin -->", "<!-- fault-catch:end -->"
+PATTERN = "fault_catch_*.json"
 
 CHECKS = {  # JSON key -> (name in the tables, what it runs)
     "mixed": ("mixed (the default)", "equality on the exact-regime and single-rounding cases, and the declared "
@@ -127,31 +128,28 @@ def section(d: dict) -> list:
 
 def table(runs: list) -> str:
     """The markdown of ``runs`` (bench_fault_catch.py JSON documents, any order), oldest run first."""
-    runs = sorted(runs, key=lambda d: d["meta"]["date"])
-    out = ["Each planted fault and honest variant runs on up to three cases per layer: one in the exact regime "
-           "(`moeref.regimes.exact_layer`, Zipf-skewed routing, experts from a pool of 8; in the FP8 layers the "
-           "odd quantization groups reversed and their scales staggered, `boundary_groups`), one in the "
-           "single-rounding regime where the declared profile admits one (`moeref.regimes.single_rounding_layer` "
-           "with the profile's stores, GEMM2's bf16 store included: `single_rounding_stores`) and one general "
-           "(random weights, N(0, 1) bf16 tokens, top-k weights that do not sum to 1). *Caught*: an exact-regime or "
-           "single-rounding output differs from the reference's bits, or an element of the general output lies "
-           "beyond the bound. "
-           "Time per check: the equality, or the bound (computed once per case) and the comparison; the "
-           "reference's own time is one `run_moe` call. *inputs* faults change what the kernel is given or "
-           "returns (so they also wrap the emulated kernel); *internal* faults replace one step of the torch "
-           "layer."]
-    for d in runs:
-        out += [""] + section(d)
-    return "\n".join(out)
+    head = ["Each planted fault and honest variant runs on up to three cases per layer: one in the exact regime "
+            "(`moeref.regimes.exact_layer`, Zipf-skewed routing, experts from a pool of 8; in the FP8 layers the "
+            "odd quantization groups reversed and their scales staggered, `boundary_groups`), one in the "
+            "single-rounding regime where the declared profile admits one (`moeref.regimes.single_rounding_layer` "
+            "with the profile's stores, GEMM2's bf16 store included: `single_rounding_stores`) and one general "
+            "(random weights, N(0, 1) bf16 tokens, top-k weights that do not sum to 1). *Caught*: an exact-regime or "
+            "single-rounding output differs from the reference's bits, or an element of the general output lies "
+            "beyond the bound. "
+            "Time per check: the equality, or the bound (computed once per case) and the comparison; the "
+            "reference's own time is one `run_moe` call. *inputs* faults change what the kernel is given or "
+            "returns (so they also wrap the emulated kernel); *internal* faults replace one step of the torch "
+            "layer."]
+    return runs_oldest_first(runs, section, date=lambda d: d["meta"]["date"], head=head)
 
 
 def default_json() -> list:
     """The committed benchmark JSON (what the docs tests check)."""
-    return data_files("fault_catch_*.json")
+    return data_files(PATTERN)
 
 
 def main(argv=None) -> int:
-    return report_main(argv, description=__doc__.splitlines()[0], script="report_fault_catch.py", pattern="fault_catch_*.json",
+    return report_main(argv, description=__doc__.splitlines()[0], script="report_fault_catch.py", pattern=PATTERN,
                        pages=("error-bounds.md",), begin=BEGIN, end=END, render=table,
                        json_help="bench_fault_catch.py --out files")
 

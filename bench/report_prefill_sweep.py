@@ -19,10 +19,11 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.docs_page import data_files, report_main  # noqa: E402
+from bench.docs_page import data_files, report_main, runs_oldest_first  # noqa: E402
 from bench.report_exact_regimes import _command, _date  # noqa: E402
 
 BEGIN, END = "<!-- prefill-sweep:begin -->", "<!-- prefill-sweep:end -->"
+PATTERN = "triton_fp8_prefill_sweep_*.json"
 SCRIPT = "bench/studies/triton_fp8_prefill_sweep.py"
 N_BEST = 3
 """How many of the fastest bit-equal tiles each routing shows (besides the default tiles)."""
@@ -180,20 +181,17 @@ def section(d: dict) -> list:
 
 def table(runs: list) -> str:
     """The markdown of ``runs`` (triton_fp8_prefill_sweep.py JSON documents, any order), oldest run first."""
-    out = []
-    for d in sorted(runs, key=lambda d: d["meta"]["date"]):
-        out += ([""] if out else []) + section(d)
-    return "\n".join(out)
+    return runs_oldest_first(runs, section, date=lambda d: d["meta"]["date"])
 
 
 def default_json() -> list:
     """The committed benchmark JSON (what the docs tests check)."""
-    return data_files("triton_fp8_prefill_sweep_*.json")
+    return data_files(PATTERN)
 
 
 def main(argv=None) -> int:
     return report_main(argv, description=__doc__.splitlines()[0], script="report_prefill_sweep.py",
-                       pattern="triton_fp8_prefill_sweep_*.json", pages=("moe-gpu.md",), begin=BEGIN, end=END,
+                       pattern=PATTERN, pages=("moe-gpu.md",), begin=BEGIN, end=END,
                        render=table, json_help="triton_fp8_prefill_sweep.py --out files")
 
 
