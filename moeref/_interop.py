@@ -98,7 +98,9 @@ STAGING_MAX_BYTES = 16 << 20
 
 class _PinnedStaging:
     """Page-locked staging buffers for :func:`to_device`, per power-of-two size (at least 4 KiB), at most
-    ``per_size`` of each; a buffer is free when the CUDA event recorded after its last copy has completed."""
+    ``per_size`` of each (with the default 8 and :data:`STAGING_MAX_BYTES`, under 256 MiB of page-locked memory
+    in all, kept for the life of the process); a buffer is free when the CUDA event recorded after its last copy
+    has completed. When every buffer of a size is still being read, the copy takes fresh page-locked memory."""
 
     def __init__(self, per_size: int = 8):
         import threading
