@@ -140,6 +140,18 @@ def copy_case(nbytes: int, dev: str):
     return lambda: dst.copy_(src)
 
 
+def time_with_roofline(run, cases: dict, nbytes: int, calls: int, reps: int) -> dict:
+    """``cases`` (name -> a graph replay of ``calls`` calls) timed in interleaved rounds with a device copy of
+    ``nbytes`` (the bytes the cases must read): ``{name: stats per call with the roofline of each round (the
+    copy's time / 2: one read of the bytes)}`` plus ``"copy"``: the copy's own stats."""
+    secs = run.time(dict(cases, copy=copy_case(nbytes, run.dev)), {n: calls for n in cases}, reps)
+    copy = secs.pop("copy")
+    roof = [c / 2 for c in copy]
+    out = {n: stats(sec, roof) for n, sec in secs.items()}
+    out["copy"] = stats(copy)
+    return out
+
+
 def err(e: Exception) -> str:
     return f"{type(e).__name__}: {e}"[:400]
 
@@ -445,14 +457,11 @@ def gemm_sweep(run: Run, fw, case, tiles: list, gemm_calls: int, reps: int) -> d
                                     default=t == default_t)
             except Exception as e:  # noqa: BLE001 - recorded, the others run
                 meta[str(t)] = dict(tiles=str(t), short=short(t), error=err(e))
-        cases["copy"] = copy_case(wb[gname], run.dev)
         try:
-            secs = run.time(cases, {n: gemm_calls for n in cases if n != "copy"}, reps)
-            roof = [c / 2 for c in secs["copy"]]
-            for n, s in secs.items():
-                if n != "copy":
-                    meta[n].update(stats(s, roof))
-            meta["copy"] = stats(secs["copy"])
+            timed = time_with_roofline(run, cases, wb[gname], gemm_calls, reps)
+            meta["copy"] = timed.pop("copy")
+            for n, st in timed.items():
+                meta[n].update(st)
         except Exception as e:  # noqa: BLE001
             meta["timing_error"] = err(e)
         out[gname] = dict(tokens=int(case[0].shape[0]), touched=wb["touched"], bytes=wb[gname],
@@ -487,11 +496,7 @@ def ablation(run: Run, fw, case, tiles: tuple, calls: int, reps: int) -> dict:
             cases[name], _ = run.capture(fn, calls)
         except Exception as e:  # noqa: BLE001
             out[name] = dict(error=err(e))
-    cases["copy"] = copy_case(wb["layer"], run.dev)
-    secs = run.time(cases, {n: calls for n in cases if n != "copy"}, reps)
-    roof = [c / 2 for c in secs["copy"]]
-    for n, sec in secs.items():
-        out[n] = stats(sec, roof if n != "copy" else None)
+    out.update(time_with_roofline(run, cases, wb["layer"], calls, reps))
     med = {n: out[n]["median_us"] for n in variants if "median_us" in out.get(n, {})}
     pairs = {"a1 quant + dispatch": ("layer", "post-dispatch"), "reduce": ("post-dispatch", "gemm1+act+gemm2"),
              "act+requant": ("gemm1+act+gemm2", "gemm1+gemm2")}
@@ -543,11 +548,9 @@ def dispatch_ab(run: Run, fw, case, tiles: tuple, calls: int, reps: int, profile
         except Exception as e:  # noqa: BLE001
             out[name] = dict(error=err(e))
     wb = weight_bytes(fw, case[2])
-    cases["copy"] = copy_case(wb["layer"], run.dev)
-    secs = run.time(cases, {n: calls for n in cases if n != "copy"}, reps)
-    roof = [c / 2 for c in secs.pop("copy")]
-    for n, sec in secs.items():
-        out[n] = stats(sec, roof)
+    timed = time_with_roofline(run, cases, wb["layer"], calls, reps)
+    del timed["copy"]
+    out.update(timed)
     if len(outs) == 2:
         a, b = outs.values()
         out["bits_equal"] = bool(torch.equal(a, b))
@@ -582,14 +585,11 @@ def layer_sweep(run: Run, fw, case, combos: dict, calls: int, reps: int, ref_out
             meta[name] = dict(gemm1=str(t1), gemm2=str(t2), bits_equal_default=bool(torch.equal(res, ref)))
         except Exception as e:  # noqa: BLE001
             meta[name] = dict(gemm1=str(t1), gemm2=str(t2), error=err(e))
-    cases["copy"] = copy_case(wb["layer"], run.dev)
     try:
-        secs = run.time(cases, {n: calls for n in cases if n != "copy"}, reps)
-        roof = [c / 2 for c in secs["copy"]]
-        for n, s in secs.items():
-            if n != "copy":
-                meta[n].update(stats(s, roof))
-        meta["copy"] = stats(secs["copy"])
+        timed = time_with_roofline(run, cases, wb["layer"], calls, reps)
+        meta["copy"] = timed.pop("copy")
+        for n, st in timed.items():
+            meta[n].update(st)
     except Exception as e:  # noqa: BLE001
         meta["timing_error"] = err(e)
     return dict(tokens=int(case[0].shape[0]), bytes=wb, calls_per_graph=calls, cases=meta), ref
@@ -729,11 +729,10 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001
                 row["cases"].setdefault(n, {})["one_call_error"] = err(e)
         if one_call:
-            one_call["copy"] = copy_case(row["bytes"]["layer"], run.dev)
-            secs = run.time(one_call, {}, run.reps(20))
-            roof = [c / 2 for c in secs.pop("copy")]
-            for n, s in secs.items():
-                row["cases"][n]["one_call_graph"] = stats(s, roof)
+            timed = time_with_roofline(run, one_call, row["bytes"]["layer"], 1, run.reps(20))
+            del timed["copy"]
+            for n, st in timed.items():
+                row["cases"][n]["one_call_graph"] = st
         res["tokens"].append(row)
         save()
     # last: a wrong one-launch layout could fault the GEMMs (the layouts are compared before any layer runs)
