@@ -13,20 +13,14 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from fastpath.testing import device  # noqa: E402
-from moeref.moe import make_layer, make_tokens  # noqa: E402
+from tests.test_fastpath_moe_graph_cache import _layer_case as graph_cache_case  # noqa: E402
 
 DEV = device()
 
 
-def _layer_case(seed: int = 0, tokens: int = 5, experts: int = 6, top_k: int = 2):
-    from fastpath.moe import fast_weights
-
-    rng = np.random.default_rng(seed)
-    lw = make_layer(experts, 32, 16, seed=seed)
-    x = torch.as_tensor(make_tokens(tokens, 32, seed=seed + 1), device=DEV)
-    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
-    tw = rng.random((tokens, top_k)).astype(np.float32)
-    return x, fast_weights(lw, DEV), torch.as_tensor(tw, device=DEV), torch.as_tensor(ids, device=DEV)
+def _layer_case():
+    """5 tokens of a 6-expert float layer, top-2 (the graph-cache tests' case builder)."""
+    return graph_cache_case(0, tokens=5, experts=6)
 
 
 @pytest.fixture
