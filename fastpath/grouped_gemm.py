@@ -171,10 +171,14 @@ def default_tiles(kind: str, rows_per_expert: float, device_type: str = "cuda", 
     return table[kind]
 
 
-@functools.lru_cache(maxsize=None)
 def _has_tma() -> bool:
-    """Whether the current CUDA device has TMA (compute capability 9.0 or more)."""
-    return torch.cuda.get_device_capability()[0] >= 9
+    """Whether the current CUDA device (where the kernels launch) has TMA (compute capability 9.0 or more)."""
+    return _capability_major(torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 @triton.jit
