@@ -115,7 +115,9 @@ class Report:
     ``{token: (slot j, global expert, correlation)}`` for violating tokens, the top-k slot whose weighted
     contribution ``w[t, j] * y[t, j]`` best explains the token's error vector ``candidate[t] - reference[t]``
     (largest ``|cos|``; a dropped slot gives -1, a slot routed to the wrong expert or computed wrong
-    correlates with its own contribution); a GEMM-level report names the row and its expert instead.
+    correlates with its own contribution; the cosine's sums are taken in one fixed pairwise order, so a run of
+    either engine gives the same float64 value: :func:`_slot_correlations`); a GEMM-level report names the row
+    and its expert instead.
     """
 
     profile: Profile
