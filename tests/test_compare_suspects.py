@@ -136,3 +136,40 @@ def test_device_suspects_equal_the_host_suspects_and_the_oracle(monkeypatch):
         oracle = [_oracle_correlation(host, diff, t, jj) for jj in range(ids.shape[1])]
         assert corr == oracle[j], (t, corr, oracle)
         assert j == int(np.argmax(np.abs(oracle))) and e == int(ids[t, j])
+
+
+def test_device_suspects_equal_the_host_suspects_on_many_tokens():
+    """256 violating tokens, top-8 over 64 experts, K = 300 (not a power of two), rows in expert order with padding
+    and a dropped slot per 16 tokens, float32 weights: ``_slot_suspects`` of torch tensors (the device path) gives
+    the NumPy path's dict exactly, every token's correlation to the bit (a last-bit difference in any operation of
+    the formula, e.g. a library ``sqrt`` that is not correctly rounded, shows on some of the 256)."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(11)
+    n, k, kdim, e = 256, 8, 300, 64
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
+    slots = np.argsort(ids.ravel(), kind="stable")
+    slots = slots[slots % (16 * k) != 3]                        # slot 3 of every 16th token: no row (dropped)
+    src = np.concatenate([slots, np.full(40, -1)])
+    rng.shuffle(src)
+    y = rng.standard_normal((src.size, kdim)) * np.exp2(rng.integers(-8, 8, (src.size, 1)))
+    tw = rng.random((n, k)).astype(np.float32)
+    diff = rng.standard_normal((n, kdim))
+    diff[5] = np.nan
+    diff[9, :7] = np.inf
+
+    def run(on_device):
+        w = torch.as_tensor(tw, dtype=torch.float64, device=DEV) if on_device else tw
+        p = SimpleNamespace(num_tokens=n, top_k=k, src=src, apply_weights=True, topk_weights=w, topk_ids=ids)
+        return SimpleNamespace(chunks=[(p, SimpleNamespace(y=torch.as_tensor(y, device=DEV) if on_device else y))])
+
+    tokens = np.arange(n)
+    hs = report_module._slot_suspects(run(False), diff, tokens)
+    ds = report_module._slot_suspects(run(True), torch.as_tensor(diff, device=DEV), tokens)
+    assert len(hs) == n - 1 and 5 not in hs                     # the NaN token names no slot
+    assert ds == hs
+    for t in (0, 9, 16, 255):                                   # 9: Inf columns; 16: its slot 3 a zero row
+        oracle = [_oracle_correlation(run(False), diff, t, j) for j in range(k)]
+        j = int(np.argmax(np.abs(oracle)))
+        assert hs[t] == (j, int(ids[t, j]), oracle[j]), (t, hs[t], oracle)
+    assert _oracle_correlation(run(False), diff, 16, 3) == 0.0

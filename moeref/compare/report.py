@@ -319,57 +319,54 @@ def _slot_correlations(y, slot_rows: np.ndarray, weights, local: np.ndarray, dif
     j]]`` (a zero row where ``slot_rows`` is -1), times ``weights[local[t], j]`` unless ``weights`` is None, and
     the error vectors ``d[t] = diff[tokens[t]]`` with NaN and +-Inf set to 0.
 
-    One formula on NumPy arrays and on torch tensors (``y``, ``weights`` and ``diff`` on one device; the result
-    comes back to the host): elementwise products, the sums by :func:`_halving_sum`, ``sqrt`` and one division,
-    each a correctly rounded IEEE float64 operation in both libraries, so a device-engine run's correlations are
-    the NumPy engine's bit for bit (a library reduction, ``einsum``/``norm``/``torch.sum``, would sum in its own
-    order)."""
+    One formula on NumPy arrays and on torch tensors (``y``, ``weights`` and ``diff`` on one device): the
+    elementwise products and the sums by :func:`_halving_sum` where the data are (multiplications and additions
+    only: correctly rounded float64 operations in both libraries, on any device), then the three ``[T, k]`` /
+    ``[T]`` sums on the host, where NumPy takes the square roots and the quotient. So a device-engine run's
+    correlations are the NumPy engine's bit for bit: a library reduction (``einsum``, ``norm``, ``torch.sum``)
+    would sum in its own order, and torch's CPU ``sqrt`` is not correctly rounded (torch 2.13, AVX-512: one
+    result in about a hundred differs from NumPy's in the last bit)."""
     from .. import _interop
 
-    on_device = _interop.is_torch_tensor(diff)
-    if on_device:
+    if _interop.is_torch_tensor(diff):
         import torch
 
         dev = diff.device
-        y = y.to(torch.float64)
-        w = None if weights is None else weights.to(device=dev, dtype=torch.float64)
-        put = (lambda a: _interop.to_device(a, dev))
+        lib, batch_elements = torch, _SUSPECT_BATCH_ELEMENTS["device"]
+        put = (lambda a: _interop.to_device(a, dev))  # a host index array on the device
+
+        def take(a, idx):  # float64 rows idx of a (idx [T] or [T, k]) on the device
+            return a.index_select(0, put(idx.ravel())).view(*idx.shape, -1).to(torch.float64)
     else:
-        y = _host(y)
-        w = None if weights is None else np.asarray(_host(weights), dtype=np.float64)
+        lib, batch_elements = np, _SUSPECT_BATCH_ELEMENTS["host"]
+        y, weights = _host(y), None if weights is None else _host(weights)
+        put = (lambda a: a)
+
+        def take(a, idx):  # a float64 copy of the rows idx of a
+            return np.asarray(a[idx], dtype=np.float64)
     t_all, k = slot_rows.shape
-    kdim = int(y.shape[1])
-    batch = max(1, _SUSPECT_BATCH_ELEMENTS["device" if on_device else "host"] // max(k * kdim, 1))
-    parts = []
-    if on_device:
-        d = torch.nan_to_num(diff.index_select(0, put(tokens)).to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0)
-        d_norm = torch.sqrt(_halving_sum(d * d))
+    batch = max(1, batch_elements // max(k * int(y.shape[1]), 1))
+    dots, squares = [], []
+    with np.errstate(all="ignore"):  # overflow, 0 * Inf: the NaN/Inf conventions above
+        d = lib.nan_to_num(take(diff, tokens), nan=0.0, posinf=0.0, neginf=0.0)    # [T, K]
+        d_squares = _halving_sum(d * d)
         for b0 in range(0, t_all, batch):
-            rows, b1 = slot_rows[b0:b0 + batch], min(b0 + batch, t_all)
-            missing = rows < 0
-            c = y.index_select(0, put(np.where(missing, 0, rows).ravel())).view(b1 - b0, k, kdim)
+            b1 = min(b0 + batch, t_all)
+            missing = slot_rows[b0:b1] < 0
+            c = take(y, np.where(missing, 0, slot_rows[b0:b1]))                     # [Tb, k, K], written below
             if missing.any():
-                c.masked_fill_(put(missing)[:, :, None], 0.0)
-            if w is not None:
-                c.mul_(w.index_select(0, put(local[b0:b1]))[:, :, None])
-            dot = _halving_sum(c * d[b0:b1, None, :])
-            c_norm = torch.sqrt(_halving_sum(c.mul_(c)))
-            parts.append(dot / (c_norm * d_norm[b0:b1, None]))
-        return _to_host(torch.cat(parts, dim=0))[0]
-    with np.errstate(all="ignore"):  # overflow, 0 * Inf, 0 / 0: the NaN/Inf conventions above
-        d = np.nan_to_num(np.asarray(diff[tokens], dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
-        d_norm = np.sqrt(_halving_sum(d * d))
-        for b0 in range(0, t_all, batch):
-            rows, b1 = slot_rows[b0:b0 + batch], min(b0 + batch, t_all)
-            missing = rows < 0
-            c = np.asarray(y[np.where(missing, 0, rows)], dtype=np.float64)  # a copy: written below
-            c[missing] = 0.0
-            if w is not None:
-                c *= w[local[b0:b1]][:, :, None]
-            dot = _halving_sum(c * d[b0:b1, None, :])
-            c_norm = np.sqrt(_halving_sum(np.multiply(c, c, out=c)))
-            parts.append(dot / (c_norm * d_norm[b0:b1, None]))
-    return np.concatenate(parts, axis=0)
+                c[put(missing)] = 0.0
+            if weights is not None:
+                c *= take(weights, local[b0:b1])[:, :, None]
+            dots.append(_halving_sum(c * d[b0:b1, None, :]))
+            c *= c
+            squares.append(_halving_sum(c))
+    if lib is np:
+        dot, c_squares = np.concatenate(dots, axis=0), np.concatenate(squares, axis=0)
+    else:
+        dot, c_squares, d_squares = _to_host(torch.cat(dots, dim=0), torch.cat(squares, dim=0), d_squares)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return dot / (np.sqrt(c_squares) * np.sqrt(d_squares)[:, None])
 
 
 def _halving_sum(x):
