@@ -333,17 +333,21 @@ def _slot_correlations(y, slot_rows: np.ndarray, weights, local: np.ndarray, dif
 
         dev = diff.device
         lib, batch_elements = torch, _SUSPECT_BATCH_ELEMENTS["device"]
-        put = (lambda a: _interop.to_device(a, dev))  # a host index array on the device
 
-        def take(a, idx):  # float64 rows idx of a (idx [T] or [T, k]) on the device
-            return a.index_select(0, put(idx.ravel())).view(*idx.shape, -1).to(torch.float64)
+        def take(a, idx):  # float64 rows idx of a (idx [T] or [T, k], host) on the device
+            return a.index_select(0, _interop.to_device(idx.ravel(), dev)).view(*idx.shape, -1).to(torch.float64)
+
+        def clear(c, rows):  # zero the slots rows [T, k] (host) of c (no mask indexing: it would wait for the device)
+            c.masked_fill_(_interop.to_device(rows, dev)[:, :, None], 0.0)
     else:
         lib, batch_elements = np, _SUSPECT_BATCH_ELEMENTS["host"]
         y, weights = _host(y), None if weights is None else _host(weights)
-        put = (lambda a: a)
 
         def take(a, idx):  # a float64 copy of the rows idx of a
             return np.asarray(a[idx], dtype=np.float64)
+
+        def clear(c, rows):
+            c[rows] = 0.0
     t_all, k = slot_rows.shape
     batch = max(1, batch_elements // max(k * int(y.shape[1]), 1))
     dots, squares = [], []
@@ -355,7 +359,7 @@ def _slot_correlations(y, slot_rows: np.ndarray, weights, local: np.ndarray, dif
             missing = slot_rows[b0:b1] < 0
             c = take(y, np.where(missing, 0, slot_rows[b0:b1]))                     # [Tb, k, K], written below
             if missing.any():
-                c[put(missing)] = 0.0
+                clear(c, missing)
             if weights is not None:
                 c *= take(weights, local[b0:b1])[:, :, None]
             dots.append(_halving_sum(c * d[b0:b1, None, :]))
