@@ -2,9 +2,9 @@
 
 Protocol (the same on every rank, gloo or NCCL):
 
-1. **Header** (``all_gather`` of a small int64 vector per rank): input validity, the placement's
-   ``ep_size`` and fingerprint, ``T``/``k``/``H``, a payload fingerprint (dtype, quantization, mode)
-   and the per-destination counts. Every rank thus sees the whole count matrix ``C[src, dst]`` and
+1. **Header** (:mod:`moeref.distributed.header`; ``all_gather`` of a small int64 vector per rank): input
+   validity, the placement's ``ep_size`` and fingerprint, ``T``/``k``/``H``, a payload fingerprint (dtype,
+   quantization, mode) and the per-destination counts. Every rank thus sees the whole count matrix ``C[src, dst]`` and
    raises the **same** error for a bad input anywhere (mismatched world size / placement / shapes, a
    rank over ``max_tokens_per_rank`` or ``max_recv_tokens``) instead of leaving peers waiting.
 2. **Rows** (one ``all_to_all_single`` of packed bytes, :func:`moeref.distributed.group.pack_rows`):
