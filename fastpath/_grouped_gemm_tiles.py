@@ -169,6 +169,14 @@ def _k_partial(it, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0
 
 
 @triton.jit
+def _ordered(x):
+    """``x`` unchanged (a ``mov.b32`` of each element's bits in inline PTX, not pure), so the operations that make
+    ``x`` stay before the next side-effecting operation (an MMA's issue): an ordering barrier for LLVM's scheduler.
+    The compiled kernels only (the interpreter runs no PTX)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _k_loop_lagged(acc, n_iters, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0, cols,
                    sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
                    SCALE_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA_A: tl.constexpr,
@@ -250,10 +258,12 @@ def _k_loop_lagged_pair(acc, n_iters, a_base, a_desc, b_base, b_desc, amask, cma
     last block alone. The form Triton 3.6's Hopper MMA pipeliner keeps in flight: block ``2j + 1``'s product is
     waited for at once (its promotion follows unconditionally), that wait also completes the carried product,
     and block ``2j + 2``'s MMA, used only in the next iteration, stays in flight during block ``2j + 1``'s
-    promotion (the carried product is read before that MMA is issued, so the two share registers: no copy of
-    an in-flight accumulator, which ptxas would serialize). Block 0's product is computed even when
-    ``n_iters == 0`` (a padding tile, whose store is masked). The same partials and promotions in the same
-    order as :func:`_k_block`'s loop: the same bits."""
+    promotion. Block ``2j``'s promotion passes through :func:`_ordered` before block ``2j + 2``'s MMA is issued:
+    otherwise LLVM schedules it after that MMA, the carried product and block ``2j + 2``'s then need registers of
+    their own, and the copy between them at the loop's end reads an MMA's accumulator while it runs, so ptxas
+    serializes every MMA (its C7514 note) and spills at 4 warps (Triton 3.6, sm_90a). Block 0's product is
+    computed even when ``n_iters == 0`` (a padding tile, whose store is masked). The same partials and
+    promotions in the same order as :func:`_k_block`'s loop: the same bits."""
     part, sa, sb = _k_partial(0, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0, cols,
                               sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK, BLOCK_K, EVEN_K,
                               TMA_A, TMA_B, SCALAR_SB)
@@ -276,6 +286,7 @@ def _k_loop_lagged_pair(acc, n_iters, a_base, a_desc, b_base, b_desc, amask, cma
                                       brow0, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
                                       SCALE_BLOCK, BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
             acc = _promote(acc, part, sa, sb, SCALAR_SB)
+            acc = _ordered(acc)  # block 2j's promotion before block 2j + 2's MMA (see the docstring)
             p2, sa2, sb2 = _k_partial(2 * j + 2, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0,
                                       brow0, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
                                       SCALE_BLOCK, BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)

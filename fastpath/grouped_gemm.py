@@ -99,11 +99,11 @@ class GemmTiles:
     block ``k + 1``'s product issued before block ``k``'s promotion (the previous product carried in registers).
     ``"pair"``: two blocks an iteration, both products, then both promotions. ``"lagged_pair"``: per iteration
     block ``2j + 1``'s product, block ``2j``'s promotion, block ``2j + 2``'s product (carried), block ``2j + 1``'s
-    promotion: the form Triton 3.6's Hopper MMA pipeliner leaves in flight past the promotion. Every order makes
+    promotion: the form Triton 3.6's Hopper MMA pipeliner leaves in flight past a promotion. Every order makes
     the same products (each block's dot from zero) and the same promotions in K-block order: the same bits. Where
-    the compiled MMAs wait: bench/studies/triton_fp8_prefill_compile.py (on Triton 3.6 for sm_90a, ``"lagged"``
-    and ``"pair"`` still wait for each MMA at once, and ptxas serializes ``"lagged_pair"``'s MMAs: it copies the
-    carried product while its MMA runs)."""
+    the compiled MMAs wait: bench/studies/triton_fp8_prefill_compile.py (Triton 3.6, sm_90a: ``"lagged"`` and
+    ``"pair"`` still wait for each MMA right after it; ``"lagged_pair"`` runs block ``2j + 2``'s MMA during block
+    ``2j + 1``'s promotion)."""
 
     def __post_init__(self):
         for name in ("persistent", "tma", "warp_specialize", "flatten"):
@@ -171,11 +171,11 @@ FP8_PREFILL_CANDIDATES = {
     "64x128 w8 s4 tma": GemmTiles(64, 128, 128, 8, 4, tma=True),
     "64x128 w4 s4 tma lag": GemmTiles(64, 128, 128, 4, 4, tma=True, promotion="lagged"),
     "64x128 w4 s3 tma g4 lag": GemmTiles(64, 128, 128, 4, 3, tma=True, group_m=4, promotion="lagged"),
-    "64x128 w8 s4 tma lag": GemmTiles(64, 128, 128, 8, 4, tma=True, promotion="lagged"),
-    "128x128 w8 s3 tma g2 lag": GemmTiles(128, 128, 128, 8, 3, tma=True, group_m=2, promotion="lagged"),
     "64x128 w4 s2 tma pair": GemmTiles(64, 128, 128, 4, 2, tma=True, promotion="pair"),
-    "64x128 w8 s2 tma pair": GemmTiles(64, 128, 128, 8, 2, tma=True, promotion="pair"),
-    "64x128 w8 s3 tma lagpair": GemmTiles(64, 128, 128, 8, 3, tma=True, promotion="lagged_pair"),
+    "64x128 w4 s2 tma lagpair": GemmTiles(64, 128, 128, 4, 2, tma=True, promotion="lagged_pair"),
+    "64x128 w4 s3 tma g4 lagpair": GemmTiles(64, 128, 128, 4, 3, tma=True, group_m=4, promotion="lagged_pair"),
+    "64x128 w8 s2 tma lagpair": GemmTiles(64, 128, 128, 8, 2, tma=True, promotion="lagged_pair"),
+    "128x128 w8 s2 tma g2 lagpair": GemmTiles(128, 128, 128, 8, 2, tma=True, group_m=2, promotion="lagged_pair"),
 }
 """FP8 prefill tiles (``wN`` warps, ``sN`` stages, ``gN`` group_m, ``persN`` persistent with N programs per SM,
 ``flat`` flatten, ``ws`` warp_specialize; ``lag``, ``pair``, ``lagpair``: ``promotion`` ``"lagged"``, ``"pair"``,
