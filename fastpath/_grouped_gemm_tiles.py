@@ -252,48 +252,52 @@ def _k_loop_lagged_pair(acc, n_iters, a_base, a_desc, b_base, b_desc, amask, cma
                         SCALE_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA_A: tl.constexpr,
                         TMA_B: tl.constexpr, SCALAR_SB: tl.constexpr, WS_K: tl.constexpr,
                         INTERPRETED: tl.constexpr):
-    """``acc`` after K blocks ``0 .. n_iters - 1`` (FP8, ``promotion="lagged_pair"``): block 0's product first;
-    then per iteration block ``2j + 1``'s product, the promotion of block ``2j`` (carried from the iteration
-    before), block ``2j + 2``'s product (carried to the next), the promotion of block ``2j + 1``; an even count's
-    last block alone. The form Triton 3.6's Hopper MMA pipeliner keeps in flight: block ``2j + 1``'s product is
-    waited for at once (its promotion follows unconditionally), that wait also completes the carried product,
-    and block ``2j + 2``'s MMA, used only in the next iteration, stays in flight during block ``2j + 1``'s
-    promotion. Block ``2j``'s promotion passes through :func:`_ordered` before block ``2j + 2``'s MMA is issued:
-    otherwise LLVM schedules it after that MMA, the carried product and block ``2j + 2``'s then need registers of
-    their own, and the copy between them at the loop's end reads an MMA's accumulator while it runs, so ptxas
-    serializes every MMA (its C7514 note) and spills at 4 warps (Triton 3.6, sm_90a). Block 0's product is
-    computed even when ``n_iters == 0`` (a padding tile, whose store is masked). The same partials and
-    promotions in the same order as :func:`_k_block`'s loop: the same bits."""
-    part, sa, sb = _k_partial(0, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0, cols,
-                              sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK, BLOCK_K, EVEN_K,
-                              TMA_A, TMA_B, SCALAR_SB)
+    """``acc`` (the tile's zeros) after K blocks ``0 .. n_iters - 1`` (FP8, ``promotion="lagged_pair"``): per
+    iteration block ``2j``'s product, the promotion of block ``2j - 1`` (carried from the iteration before), block
+    ``2j + 1``'s product (carried to the next), the promotion of block ``2j``; then the last carried block's
+    promotion and an odd count's last block. The first iteration's carried block is zeros with zero scales: its
+    promotion adds +0 to the zeros (no operation on the data), and no product is computed before the loop, whose
+    operands would take shared memory of their own. The form Triton 3.6's Hopper MMA pipeliner keeps in flight:
+    block ``2j``'s product is waited for at once (its promotion follows unconditionally), that wait also
+    completes the carried product, and block ``2j + 1``'s MMA, used only in the next iteration, stays in flight
+    during block ``2j``'s promotion. Block ``2j - 1``'s promotion passes through :func:`_ordered` before block
+    ``2j + 1``'s MMA is issued: otherwise LLVM schedules it after that MMA, the carried product and block
+    ``2j + 1``'s then need registers of their own, and the copy between them at the loop's end reads an MMA's
+    accumulator while it runs, so ptxas serializes every MMA (its C7514 note) and spills at 4 warps (Triton 3.6,
+    sm_90a). The same partials and promotions in the same order as :func:`_k_block`'s loop: the same bits."""
+    part = tl.zeros_like(acc)
+    sa = tl.zeros((acc.shape[0],), dtype=tl.float32)
+    if SCALAR_SB:
+        sb = tl.full((), 0.0, dtype=tl.float32)
+    else:
+        sb = tl.zeros((acc.shape[1],), dtype=tl.float32)
     if INTERPRETED:
         j = 0
-        while j < (n_iters - 1) // 2:
-            p1, sa1, sb1 = _k_partial(2 * j + 1, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0,
-                                      brow0, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
-                                      SCALE_BLOCK, BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
+        while j < n_iters // 2:
+            p1, sa1, sb1 = _k_partial(2 * j, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0,
+                                      n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
+                                      BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
             acc = _promote(acc, part, sa, sb, SCALAR_SB)
-            p2, sa2, sb2 = _k_partial(2 * j + 2, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0,
+            p2, sa2, sb2 = _k_partial(2 * j + 1, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0,
                                       brow0, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
                                       SCALE_BLOCK, BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
             acc = _promote(acc, p1, sa1, sb1, SCALAR_SB)
             part, sa, sb = p2, sa2, sb2
             j += 1
     else:
-        for j in tl.range(0, (n_iters - 1) // 2, warp_specialize=WS_K):
-            p1, sa1, sb1 = _k_partial(2 * j + 1, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0,
-                                      brow0, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
-                                      SCALE_BLOCK, BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
+        for j in tl.range(0, n_iters // 2, warp_specialize=WS_K):
+            p1, sa1, sb1 = _k_partial(2 * j, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0,
+                                      n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
+                                      BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
             acc = _promote(acc, part, sa, sb, SCALAR_SB)
-            acc = _ordered(acc)  # block 2j's promotion before block 2j + 2's MMA (see the docstring)
-            p2, sa2, sb2 = _k_partial(2 * j + 2, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0,
+            acc = _ordered(acc)  # block 2j - 1's promotion before block 2j + 1's MMA (see the docstring)
+            p2, sa2, sb2 = _k_partial(2 * j + 1, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0,
                                       brow0, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
                                       SCALE_BLOCK, BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
             acc = _promote(acc, p1, sa1, sb1, SCALAR_SB)
             part, sa, sb = p2, sa2, sb2
     acc = _promote(acc, part, sa, sb, SCALAR_SB)
-    if n_iters % 2 == 0 and n_iters > 0:  # the last block, after the pairs
+    if n_iters % 2 == 1:  # the last block, after the pairs
         part, sa, sb = _k_partial(n_iters - 1, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0,
                                   n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
                                   BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)

@@ -98,12 +98,13 @@ class GemmTiles:
     ``"inline"``: each 128-column block's product, then its promotion ``acc += (part * sa) * sb``. ``"lagged"``:
     block ``k + 1``'s product issued before block ``k``'s promotion (the previous product carried in registers).
     ``"pair"``: two blocks an iteration, both products, then both promotions. ``"lagged_pair"``: per iteration
-    block ``2j + 1``'s product, block ``2j``'s promotion, block ``2j + 2``'s product (carried), block ``2j + 1``'s
-    promotion: the form Triton 3.6's Hopper MMA pipeliner leaves in flight past a promotion. Every order makes
+    block ``2j``'s product, block ``2j - 1``'s promotion (carried), block ``2j + 1``'s product (carried to the next
+    iteration), block ``2j``'s promotion: the form Triton 3.6's Hopper MMA pipeliner leaves in flight past a
+    promotion. Every order makes
     the same products (each block's dot from zero) and the same promotions in K-block order: the same bits. Where
     the compiled MMAs wait: bench/studies/triton_fp8_prefill_compile.py (Triton 3.6, sm_90a: ``"lagged"`` and
-    ``"pair"`` still wait for each MMA right after it; ``"lagged_pair"`` runs block ``2j + 2``'s MMA during block
-    ``2j + 1``'s promotion)."""
+    ``"pair"`` still wait for each MMA right after it; ``"lagged_pair"`` runs block ``2j + 1``'s MMA during block
+    ``2j``'s promotion)."""
 
     def __post_init__(self):
         for name in ("persistent", "tma", "warp_specialize", "flatten"):
@@ -173,7 +174,7 @@ FP8_PREFILL_CANDIDATES = {
     "64x128 w4 s3 tma g4 lag": GemmTiles(64, 128, 128, 4, 3, tma=True, group_m=4, promotion="lagged"),
     "64x128 w4 s2 tma pair": GemmTiles(64, 128, 128, 4, 2, tma=True, promotion="pair"),
     "64x128 w4 s2 tma lagpair": GemmTiles(64, 128, 128, 4, 2, tma=True, promotion="lagged_pair"),
-    "64x128 w4 s3 tma g4 lagpair": GemmTiles(64, 128, 128, 4, 3, tma=True, group_m=4, promotion="lagged_pair"),
+    "64x128 w4 s2 tma g4 lagpair": GemmTiles(64, 128, 128, 4, 2, tma=True, group_m=4, promotion="lagged_pair"),
     "64x128 w8 s2 tma lagpair": GemmTiles(64, 128, 128, 8, 2, tma=True, promotion="lagged_pair"),
     "128x128 w8 s2 tma g2 lagpair": GemmTiles(128, 128, 128, 8, 2, tma=True, group_m=2, promotion="lagged_pair"),
 }

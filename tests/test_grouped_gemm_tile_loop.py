@@ -238,7 +238,7 @@ def _gpu_operands(k: int, n: int, seed: int):
                                   "64x128 w4 s3 pers1 tma ws g4", "128x128 w8 s3 tma g2", "128x128 w8 s3 pers1 tma g2",
                                   "128x64 w4 s4 tma g2", "64x256 w8 s3 tma g4", "64x128 w8 s4 tma",
                                   "64x128 w4 s4 tma lag", "64x128 w4 s3 tma g4 lag", "64x128 w4 s2 tma pair",
-                                  "64x128 w4 s2 tma lagpair", "64x128 w4 s3 tma g4 lagpair", "64x128 w8 s2 tma lagpair",
+                                  "64x128 w4 s2 tma lagpair", "64x128 w4 s2 tma g4 lagpair", "64x128 w8 s2 tma lagpair",
                                   "128x128 w8 s2 tma g2 lagpair"])
 def test_gpu_prefill_candidates_give_the_default_bits(name):
     """Each FP8 prefill candidate (:data:`fastpath.grouped_gemm.FP8_PREFILL_CANDIDATES`) gives the bits of the
