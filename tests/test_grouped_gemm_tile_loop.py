@@ -329,9 +329,9 @@ def test_default_tiles_by_layout(monkeypatch):
 
 def _promotion_case(k: int, gather: bool, seed: int = 0):
     """FP8 operands of a small contiguous layout: 6 experts with ragged row counts (16-row padding tiles inside the
-    32-row segments, an expert with none), N = 200 (two weight-scale blocks, a column tail), ``k`` columns; small integer codes (each 128-column block's
-    dot exact in FP32) and random FP32 scales over [0.25, 1.25) (the FP32 rounding of the promotions depends on
-    their order). ``gather``: token rows through ``a_src``."""
+    32-row segments, an expert with none), N = 200 (two weight-scale blocks, a column tail), ``k`` columns; small
+    integer codes (each 128-column block's dot exact in FP32) and random FP32 scales over [0.25, 1.25) (the FP32
+    rounding of the promotions depends on their order). ``gather``: token rows through ``a_src``."""
     from fastpath import dispatch
 
     g = torch.Generator().manual_seed(seed)
@@ -354,11 +354,11 @@ def _promotion_case(k: int, gather: bool, seed: int = 0):
     return a, ints(e, n, k), lay, kw
 
 
-def _float32_promotions(a, b, lay, kw, block_n):
+def _float32_promotions(a, b, lay, kw):
     """Independent statement of the promotion's FP32 arithmetic on every routed row, per output: ``acc = 0``, then
     for each 128-column block in K order ``acc = fl(acc + fl(fl(part * sa) * sb))`` with ``part`` the block's exact
-    dot, all in float32 (the interpreter's NumPy does no fused multiply-add); ``block_n`` > 128 reads one weight
-    scale per 128 columns."""
+    dot and ``sb`` the weight scale of the output's 128-column block, all in float32 (the interpreter's NumPy does
+    no fused multiply-add)."""
     m_idx = lay.m_indices.numpy()
     src = kw.get("a_src")
     top_k = kw.get("top_k", 1)
@@ -384,7 +384,7 @@ def _float32_promotions(a, b, lay, kw, block_n):
 def test_promotion_orders_give_the_inline_bits(k, gather):
     """``promotion="lagged"``, ``"pair"`` and ``"lagged_pair"`` (the same promotions, the MMAs issued earlier) write
     every routed row with the bits of ``"inline"`` tiles of the same sizes and of the one-tile-per-program kernel,
-    and those bits are the float32 statement of the promotions in K-block order: 1 to 4 K blocks (odd and even
+    and those bits are the float32 statement of the promotions in K-block order: 1 to 5 K blocks (odd and even
     counts: the loops' tails), K = 448 a partial last block, pointer and TMA loads, persistent programs (padding
     tiles run no K block), 256-column tiles (a weight scale per 128 columns)."""
     from fastpath.grouped_gemm import GemmTiles, grouped_gemm_contiguous
@@ -392,11 +392,11 @@ def test_promotion_orders_give_the_inline_bits(k, gather):
     _cpu_only()
     a, b, lay, kw = _promotion_case(k, gather)
     valid = lay.m_indices >= 0
+    ref = _float32_promotions(a, b, lay, kw)
+    want_rows = torch.from_numpy(np.stack([ref[r] for r in sorted(ref)]))
     for base in (GemmTiles(16, 32, 128, 1, 1), GemmTiles(16, 32, 128, 1, 1, tma=True),
                  GemmTiles(16, 32, 128, 1, 1, persistent=True, programs_per_sm=2, group_m=2),
                  GemmTiles(32, 256, 128, 1, 1, tma=True)):
-        ref = _float32_promotions(a, b, lay, kw, base.block_n)
-        want_rows = torch.from_numpy(np.stack([ref[r] for r in sorted(ref)]))
         one = GemmTiles(base.block_m, base.block_n, 128, 1, 1)
         for promotion in ("inline", "lagged", "pair", "lagged_pair"):
             t = replace(base, promotion=promotion)

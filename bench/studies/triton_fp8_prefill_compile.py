@@ -74,7 +74,8 @@ def compile_tile(tiles, n: int, k: int, experts: int = 16, rows: int = 4096) -> 
     fit = min(SM_REGISTERS // (per_warp * warps), SM_SHARED // max(int(ck.metadata.shared), 1))
     ttgir = ck.asm["ttgir"]
     waits, overlap = mma_waits(sass)
-    return {"mma_waits": waits, "fp32_ops_before_wait": overlap, "kernel": fn.__name__, "registers": regs, "stack_bytes": stack, "shared_bytes": int(ck.metadata.shared),
+    return {"mma_waits": waits, "fp32_ops_before_wait": overlap,
+            "kernel": fn.__name__, "registers": regs, "stack_bytes": stack, "shared_bytes": int(ck.metadata.shared),
             "warps": warps, "programs_per_sm_fit": fit, "warp_specialized": "ttg.warp_specialize" in ttgir,
             "tma_loads": "async_tma_copy_global_to_local" in ttgir, "wgmma": ops.get("QGMMA", 0),
             "fmul": ops.get("FMUL", 0), "ffma": ops.get("FFMA", 0), "fadd": ops.get("FADD", 0)}
@@ -92,7 +93,8 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; known: {list(FP8_PREFILL_CANDIDATES)}")
     out: dict = {}
-    print(f"{'tile':34s} gemm   regs stack shared warps fit ws tma wgmma fmul ffma  waits{{N: count}} fp32_ops_before_wait")
+    print(f"{'tile':34s} gemm   regs stack shared warps fit ws tma wgmma fmul ffma  waits{{N: count}} "
+          "fp32_ops_before_wait")
     for name in args.configs:
         t = FP8_PREFILL_CANDIDATES[name]
         for g in args.gemms:
