@@ -415,7 +415,12 @@ def device_promote_combinations(acc, variants, vbase, j0, nbit, ncomb, row_exper
     accumulators instead of emulating the row again: a block's accumulator depends only on that block's codes
     (each block starts from a cleared accumulator), so only the blocks holding uncertain codes are emulated per
     combination (by the caller, once per distinct block content), and the FP32 promotion and the scale term are
-    replayed here with the same operations in block order.
+    replayed here with the same operations in block order. The blocks before a row's first varied block are the
+    same under every combination: they are promoted once, and each combination continues the chain from there.
+    The rows are taken in order of combination count, then first varied block, so that on a GPU each program of
+    rows loops to its own largest count and from its own smallest first block (the interpreter: to the call's
+    largest count, the steps outside a row's own bounds masked off); a row with one combination costs one pass
+    over its blocks.
 
     Args:
         acc: float32 ``[R, NB, N]``, the center's block accumulators (``device_deepgemm_rows(block_acc=True)``).
@@ -446,15 +451,24 @@ def device_promote_combinations(acc, variants, vbase, j0, nbit, ncomb, row_exper
     sb_raw = weights.scales.to(torch.float64).contiguous()
     sb = _fp32(sb_raw)
     i32 = lambda t: torch.as_tensor(t, device=dev).to(torch.int32).contiguous()  # noqa: E731
-    cmax = int(ncomb.max()) if torch.is_tensor(ncomb) else int(np.max(ncomb))
+    vbase_t, ncomb_t = i32(vbase), i32(ncomb)
+    # each row's first varied block (NB: none), and the rows' order: by combination count, then first varied
+    # block, so that the rows of a program share their loop bounds (the compiled kernel reads them per program)
+    blk = torch.arange(nb, device=dev, dtype=torch.int32)
+    first = torch.where(vbase_t >= 0, blk[None, :], torch.full_like(vbase_t, nb)).amin(dim=1).to(torch.int32)
+    order = torch.argsort(ncomb_t.to(torch.int64) * (nb + 1) + first, stable=True).to(torch.int32)
     rows_per, block_n = 16, 32
     grid = (triton.cdiv(r, rows_per), triton.cdiv(n, block_n))
-    kernel = combos_kernel if dev.type == "cuda" else combos_kernel_interpreted
     var = variants if variants.numel() else torch.zeros((1, n), dtype=torch.float64, device=dev)
-    kernel[grid](acc.contiguous(), var.contiguous(), i32(vbase), i32(j0), i32(nbit), i32(ncomb), cmax, i32(row_expert),
-                 _fp32(sa.to(torch.float64)).contiguous(), sb, sb_raw, ds.to(torch.float64).contiguous(),
-                 s_hi.to(torch.float64).contiguous(),
-                 torch.tensor([float(coef)], dtype=torch.float64, device=dev), center.contiguous(), worst, r, n,
-                 sb.stride(0), sb.stride(1), nb, W_BN=int(weights.block[0]), ROWS=rows_per, BLOCK_N=block_n,
-                 PROMO=0 if promotion == "deepgemm" else 1, num_warps=4, enable_fp_fusion=False)
+    args = (acc.contiguous(), var.contiguous(), vbase_t, i32(j0), i32(nbit), ncomb_t, first.contiguous(), order,
+            i32(row_expert), _fp32(sa.to(torch.float64)).contiguous(), sb, sb_raw, ds.to(torch.float64).contiguous(),
+            s_hi.to(torch.float64).contiguous(), torch.tensor([float(coef)], dtype=torch.float64, device=dev),
+            center.contiguous(), worst, r, n, sb.stride(0), sb.stride(1), nb)
+    meta = dict(W_BN=int(weights.block[0]), ROWS=rows_per, BLOCK_N=block_n, PROMO=0 if promotion == "deepgemm" else 1,
+                num_warps=4, enable_fp_fusion=False)
+    if dev.type == "cuda":
+        combos_kernel[grid](*args, **meta)
+    else:  # the interpreter's loops: constexpr bounds (the launch's largest ncomb, NB)
+        cmax = int(ncomb_t.max())
+        combos_kernel_interpreted[grid](*args, CMAX=cmax, **meta)
     return worst
