@@ -260,8 +260,8 @@ class EmulatedPaths:
                 st["whole_row_block_emulations"] += 2 * one * nb
             return gemm(a, a_radius, row_expert, weights, bias, profile, codes)
 
-        def variants_(sub, lo, hi, rows_c, weights, promotion, blocks=None):
-            out = variants(sub, lo, hi, rows_c, weights, promotion, blocks)
+        def variants_(sub, lo, hi, rows_c, weights):
+            out = variants(sub, lo, hi, rows_c, weights)
             ncomb = (1 << out[4]).sum()
             st["combinations"] += int(ncomb)
             st["block_emulations"] += int(out[0].shape[0]) + int(lo.shape[0]) * (int(lo.shape[1]) // 128)

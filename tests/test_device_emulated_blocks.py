@@ -190,3 +190,36 @@ def test_promote_combinations_equals_plain_loop(promotion):
     assert np.array_equal(want.view(np.int64), got.view(np.int64)), \
         f"{int(np.sum(want != got))} of {want.size} differ"
     assert np.all(want > 0)
+
+
+def test_block_accumulators_equal_numpy_emulator():
+    """:func:`moeref.gemm.device_hopper_fp8.device_block_accumulators` (one 128-column block per row, every
+    (expert, K block) pair in one launch, rows in any order, a padding row) equals the NumPy emulator's block
+    accumulator (:func:`moeref.gemm.hopper_fp8.deepgemm_block_accumulators`) of that block, bit for bit."""
+    from moeref.gemm.device_hopper_fp8 import device_block_accumulators
+    from moeref.gemm.hopper_fp8 import deepgemm_block_accumulators
+
+    rng = np.random.default_rng(5)
+    e, nb, n, r_all = 3, 3, 40, 13
+    wcodes = rng.integers(0, 126, (e, n, nb * 128), dtype=np.uint8) | (rng.integers(0, 2, (e, n, nb * 128),
+                                                                                     dtype=np.uint8) << 7)
+    codes = rng.integers(0, 126, (r_all, 128), dtype=np.uint8) | (rng.integers(0, 2, (r_all, 128),
+                                                                               dtype=np.uint8) << 7)
+    vals = TABLE[codes]
+    row_e = rng.integers(0, e, r_all)
+    row_e[4] = -1
+    kb = rng.integers(0, nb, r_all)
+    want = np.zeros((r_all, n))
+    for r in range(r_all):  # a plain loop over rows: each row's block against its expert's block
+        if row_e[r] >= 0:
+            w_blk = TABLE[wcodes[row_e[r], :, kb[r] * 128:(kb[r] + 1) * 128]]
+            want[r] = deepgemm_block_accumulators(vals[r][None], w_blk)[0, :, 0]
+    t = lambda x: torch.as_tensor(x, device=DEV)  # noqa: E731
+    w_d = StackedExperts(t(wcodes), t(np.ones((e, 1, nb))), "e4m3fn", (128, 128), (n, nb * 128))
+    got = device_block_accumulators(t(vals), row_e, kb, w_d).cpu().numpy()
+    assert np.array_equal(want.view(np.int64), got.view(np.int64)), f"{int(np.sum(want != got))} differ"
+    assert np.count_nonzero(want) > want.size // 2
+    with pytest.raises(ValueError, match=r"k_block\[0\] = 3"):
+        device_block_accumulators(t(vals), row_e, np.full(r_all, nb), w_d)
+    with pytest.raises(ValueError, match=r"\[R, 128\]"):
+        device_block_accumulators(t(vals[:, :64]), row_e, kb, w_d)

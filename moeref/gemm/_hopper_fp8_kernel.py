@@ -73,17 +73,19 @@ def _fma32(a, b, c):
 
 
 @triton.jit
-def _emulated_block(a_ptr, codes_ptr, table_ptr, itab_ptr, r, rm, n, nm, e, kb, stride_a, stride_ce, stride_cn,
+def _emulated_block(a_ptr, codes_ptr, table_ptr, itab_ptr, r, rm, n, nm, e, ka, kb, stride_a, stride_ce, stride_cn,
                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr,
                     STEPS: tl.constexpr, INST: tl.constexpr, INTEGER: tl.constexpr):
-    """Block ``kb``'s accumulator (float64 ``[ROWS, BLOCK_N]``, FP32 values) emulated: STEPS chained MMAs of INST
-    columns from a cleared accumulator, ``a`` float64 E4M3 values, the weights' codes through ``table_ptr``
-    (float64) or ``itab_ptr`` (``INTEGER``: significands and exponents, int32)."""
+    """The accumulator (float64 ``[ROWS, BLOCK_N]``, FP32 values) of ``a``'s K block ``ka`` with the weights' K
+    block ``kb`` emulated: STEPS chained MMAs of INST columns from a cleared accumulator, ``a`` float64 E4M3
+    values, the weights' codes through ``table_ptr`` (float64) or ``itab_ptr`` (``INTEGER``: significands and
+    exponents, int32)."""
     kk = tl.arange(0, INST)
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
     for s in tl.static_range(STEPS):
+        ka0 = ka * (STEPS * INST) + s * INST
         k0 = kb * (STEPS * INST) + s * INST
-        a = tl.load(a_ptr + r[:, None] * stride_a + (k0 + kk)[None, :], mask=rm[:, None], other=0.0)
+        a = tl.load(a_ptr + r[:, None] * stride_a + (ka0 + kk)[None, :], mask=rm[:, None], other=0.0)
         c = tl.load(codes_ptr + e * stride_ce + n[:, None].to(tl.int64) * stride_cn + (k0 + kk)[None, :],
                     mask=nm[:, None], other=0)
         if INTEGER:
@@ -119,12 +121,13 @@ def _emulated_block(a_ptr, codes_ptr, table_ptr, itab_ptr, r, rm, n, nm, e, kb, 
 
 
 @triton.jit
-def _tensor_core_block(a_ptr, codes_ptr, r, rm, n, nm, e, kb, stride_a, stride_ce, stride_cn):
-    """Block ``kb``'s accumulator (float64 ``[ROWS, BLOCK_N]``, FP32 values) from the tensor cores: one ``tl.dot``
-    of the rows' E4M3 codes (``a``, uint8) and the expert's (uint8) with K = 128 into a cleared FP32 accumulator
-    (sm_90: four chained ``wgmma ... k32``); a zero made ``+0``."""
+def _tensor_core_block(a_ptr, codes_ptr, r, rm, n, nm, e, ka, kb, stride_a, stride_ce, stride_cn):
+    """The accumulator (float64 ``[ROWS, BLOCK_N]``, FP32 values) of ``a``'s K block ``ka`` with the weights' K
+    block ``kb`` from the tensor cores: one ``tl.dot`` of the rows' E4M3 codes (``a``, uint8) and the expert's
+    (uint8) with K = 128 into a cleared FP32 accumulator (sm_90: four chained ``wgmma ... k32``); a zero made
+    ``+0``."""
     kc = kb * 128 + tl.arange(0, 128)
-    a8 = tl.load(a_ptr + r[:, None] * stride_a + kc[None, :], mask=rm[:, None], other=0)
+    a8 = tl.load(a_ptr + r[:, None] * stride_a + (ka * 128 + tl.arange(0, 128))[None, :], mask=rm[:, None], other=0)
     c8 = tl.load(codes_ptr + e * stride_ce + n[:, None].to(tl.int64) * stride_cn + kc[None, :], mask=nm[:, None],
                  other=0)
     acc = tl.dot(a8.to(tl.float8e4nv, bitcast=True), tl.trans(c8.to(tl.float8e4nv, bitcast=True)),
@@ -164,10 +167,10 @@ def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, ite
         t2 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
     for kb in range(0, NB):
         if TC:
-            acc = _tensor_core_block(a_ptr, codes_ptr, r, rm, n, nm, e, kb, stride_a, stride_ce, stride_cn)
+            acc = _tensor_core_block(a_ptr, codes_ptr, r, rm, n, nm, e, kb, kb, stride_a, stride_ce, stride_cn)
         else:
-            acc = _emulated_block(a_ptr, codes_ptr, table_ptr, itab_ptr, r, rm, n, nm, e, kb, stride_a, stride_ce,
-                                  stride_cn, ROWS, BLOCK_N, ALIGN, NORM, STEPS, INST, INTEGER)
+            acc = _emulated_block(a_ptr, codes_ptr, table_ptr, itab_ptr, r, rm, n, nm, e, kb, kb, stride_a,
+                                  stride_ce, stride_cn, ROWS, BLOCK_N, ALIGN, NORM, STEPS, INST, INTEGER)
         if STORE_ACC:
             tl.store(acc_ptr + (r[:, None] * NB + kb) * N + n[None, :], acc.to(tl.float32),
                      mask=rm[:, None] & nm[None, :])
@@ -221,6 +224,35 @@ def hopper_fp8_kernel_interpreted(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr,
              coef_ptr, acc_ptr, N, stride_a, stride_sa, stride_ce, stride_cn, stride_sbe, stride_sbn, stride_o,
              stride_ds, NB, W_BN, ROWS, BLOCK_N, PROMO, SCALE_TERM, ALIGN, NORM, STEPS, INST, STORE_ACC, INTEGER,
              TC)
+
+
+@triton.jit
+def hopper_fp8_block_kernel(a_ptr, codes_ptr, table_ptr, itab_ptr, item_ptr, out_ptr, N, stride_a, stride_ce,
+                            stride_cn, stride_o, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
+                            NORM: tl.constexpr, STEPS: tl.constexpr, INST: tl.constexpr, INTEGER: tl.constexpr,
+                            TC: tl.constexpr):
+    """One 128-column K block per row: a work item (``item_ptr``: expert, first row, row count, the weights' K block
+    ``kb``) = up to ROWS rows of ``a`` (128 columns: float64 E4M3 values, or with TC their uint8 codes) against
+    BLOCK_N columns of that expert's K block ``kb``; ``out[r, n]`` = the block's accumulator (float64, FP32 values),
+    the one :func:`_emulate` forms for that block (the same block functions), neither scaled nor promoted. Compiled
+    and interpreted alike (no loop)."""
+    it = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(item_ptr + 4 * it).to(tl.int64)
+    first = tl.load(item_ptr + 4 * it + 1).to(tl.int64)
+    cnt = tl.load(item_ptr + 4 * it + 2)
+    kb = tl.load(item_ptr + 4 * it + 3).to(tl.int64)
+    i = tl.arange(0, ROWS)
+    rm = i < cnt
+    r = first + i
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    if TC:
+        acc = _tensor_core_block(a_ptr, codes_ptr, r, rm, n, nm, e, 0, kb, stride_a, stride_ce, stride_cn)
+    else:
+        acc = _emulated_block(a_ptr, codes_ptr, table_ptr, itab_ptr, r, rm, n, nm, e, 0, kb, stride_a, stride_ce,
+                              stride_cn, ROWS, BLOCK_N, ALIGN, NORM, STEPS, INST, INTEGER)
+    tl.store(out_ptr + r[:, None] * stride_o + n[None, :], acc, mask=rm[:, None] & nm[None, :])
 
 
 @triton.jit

@@ -406,13 +406,6 @@ def _has_nan_codes(codes, element: str) -> bool:
     return _cached_on(codes, "_moeref_has_nan", compute)
 
 
-def _nan_check_of_part(part, codes, element: str) -> None:
-    """Caches on ``part`` (a view of some of ``codes``) that it holds no NaN code when ``codes`` hold none
-    (:func:`_has_nan_codes`, itself cached): a part of NaN-free codes is NaN-free, so it is not scanned again."""
-    if not _has_nan_codes(codes, element):
-        _cached_on(part, "_moeref_has_nan", lambda: False)
-
-
 def _digits_path(a: DeviceOperand, w: StackedExperts, g: int, device) -> bool:
     """The int8-digit kernel applies: both operands are codes of integer-valued formats (E4M3, E2M1, INT8,
     INT4, FP6 ...: :func:`_integer_table`), no NaN code present, segments a multiple of 32 columns."""

@@ -18,7 +18,8 @@ How the combinations are formed without emulating a row once per combination: ea
 accumulator starts cleared, so it depends on that block's codes only. The enumerated rows are emulated once,
 keeping every block accumulator (:func:`~moeref.gemm.device_hopper_fp8.device_deepgemm_rows` with
 ``block_acc=True``); each block that holds uncertain codes is emulated alone for each combination of *its* codes
-(``2^n_b`` emulations of 128 columns, unit scales, so the result is the accumulator itself); then
+(``2^n_b`` emulations of 128 columns: :func:`~moeref.gemm.device_hopper_fp8.device_block_accumulators`, every
+block of a chunk in one call); then
 :func:`~moeref.gemm.device_hopper_fp8.device_promote_combinations` replays, per combination of the row, the FP32
 promotion and the scale term over the blocks, the same operations in the same order as the emulator, with the
 varied blocks' accumulators swapped in (the blocks before the row's first varied block promoted once for all its
@@ -160,7 +161,6 @@ def _enumerate_codes(a, codes, rows, ok, weights, profile, center, radius) -> No
     promotion = profile.promotion_order
     idx_all = np.flatnonzero(ok)
     step = max(1, _CHUNK_ELEMS // max(1, nb * n))
-    blocks = {}  # the weights' 128-column blocks with unit scales, made once per call
     for c0 in range(0, idx_all.size, step):
         idx = idx_all[c0:c0 + step]
         it = torch.as_tensor(idx, device=dev)
@@ -168,7 +168,7 @@ def _enumerate_codes(a, codes, rows, ok, weights, profile, center, radius) -> No
         rows_c = rows[idx]
         y, _, acc = device_deepgemm_rows(sub, rows_c, weights, promotion=promotion, block_acc=True)
         variants, vbase, j0, nbit, nvar = _block_variants(sub, lo.index_select(0, it), hi.index_select(0, it),
-                                                         rows_c, weights, promotion, blocks)
+                                                         rows_c, weights)
         worst = device_promote_combinations(acc, variants, vbase, j0, nbit, 1 << nvar, rows_c, sub.scales, weights,
                                             (ds.index_select(0, it), s_hi.index_select(0, it), coef), y,
                                             promotion=promotion)
@@ -176,20 +176,17 @@ def _enumerate_codes(a, codes, rows, ok, weights, profile, center, radius) -> No
         radius[it] = worst
 
 
-def _block_variants(sub, lo, hi, rows_c, weights, promotion, blocks=None):
+def _block_variants(sub, lo, hi, rows_c, weights):
     """The block accumulators of every combination of each uncertain block's codes: ``(variants [V, N],
     vbase, j0, nbit [Rc, NB] int64, nvar [Rc] int64)`` as
     :func:`moeref.gemm.device_hopper_fp8.device_promote_combinations` reads them. The row's uncertain codes are
     ranked in column order (the ``j``-th takes bit ``j`` of a combination, as the host enumerates them); block
     ``kb`` holds ranks ``j0 .. j0 + nbit - 1``, so its sub-combination is ``(c >> j0) & (2^nbit - 1)``; its
-    ``2^nbit`` accumulators are variant rows ``vbase ..``, each the emulation of the block's 128 columns alone
-    (unit scales: the FP32 promotion of one block from 0 with scale 1 returns the accumulator itself). ``blocks``:
-    a dict of those one-block weights by block index, filled here and reused across calls (views of the weights'
-    codes, which take the weights' cached NaN-code check instead of scanning their block again)."""
+    ``2^nbit`` accumulators are variant rows ``vbase ..``, each the block's 128 columns alone against the
+    weights' same block (:func:`moeref.gemm.device_hopper_fp8.device_block_accumulators`: one launch for every
+    block of the chunk, the accumulator itself, neither scaled nor promoted)."""
     torch = _torch()
-    from ...gemm import StackedExperts
-    from ...gemm.device import DeviceOperand, _nan_check_of_part
-    from ...gemm.device_hopper_fp8 import device_deepgemm_rows
+    from ...gemm.device_hopper_fp8 import device_block_accumulators
 
     dev = lo.device
     rc, k = (int(d) for d in lo.shape)
@@ -203,9 +200,8 @@ def _block_variants(sub, lo, hi, rows_c, weights, promotion, blocks=None):
     vbase = torch.where(per_block > 0, (torch.cumsum(flat, 0) - flat).reshape(rc, nb), torch.full_like(per_block, -1))
     nvar = per_block.sum(dim=1)
     total = int(flat.sum())
-    variants = torch.zeros((total, n), dtype=torch.float64, device=dev)
     if total == 0:
-        return variants, vbase, j0, per_block, nvar
+        return torch.zeros((0, n), dtype=torch.float64, device=dev), vbase, j0, per_block, nvar
     pr, pb = torch.nonzero(per_block > 0, as_tuple=True)                # (row, block) pairs with uncertain codes
     pair = torch.repeat_interleave(torch.arange(pr.numel(), device=dev), count[pr, pb])
     t = torch.arange(total, device=dev) - vbase[pr, pb].index_select(0, pair)   # the block's sub-combination
@@ -216,20 +212,6 @@ def _block_variants(sub, lo, hi, rows_c, weights, promotion, blocks=None):
     local = torch.cumsum(vvar.to(torch.int64), dim=1) - 1                 # rank of the code within its block
     bit = ((t[:, None] >> local.clamp(min=0)) & 1) == 1
     vals = torch.where(vvar, torch.where(bit, take(hi), take(lo)), take(sub.decode()))
-    e_all = torch.as_tensor(rows_c, device=dev).index_select(0, vr).cpu().numpy()
-    vk_h = vk.cpu().numpy()
-    bn = int(weights.block[0])
-    blocks = {} if blocks is None else blocks
-    for kb in np.unique(vk_h).tolist():  # a loop over K blocks (at most K/128)
-        sel = np.flatnonzero(vk_h == kb)
-        st = torch.as_tensor(sel, device=dev)
-        if kb not in blocks:
-            ones_w = torch.ones((int(weights.codes.shape[0]), -(-n // bn), 1), dtype=torch.float64, device=dev)
-            part = weights.codes[:, :, kb * 128:(kb + 1) * 128]
-            _nan_check_of_part(part, weights.codes, weights.element)  # the weights' check holds for the block
-            blocks[kb] = StackedExperts(part, ones_w, weights.element, weights.block, (n, 128))
-        w_b = blocks[kb]
-        op = DeviceOperand(None, torch.zeros((sel.size, 128), dtype=torch.uint8, device=dev), "e4m3fn",
-                           torch.ones((sel.size, 1), dtype=torch.float64, device=dev), (1, 128), True)
-        variants[st] = device_deepgemm_rows(op, e_all[sel], w_b, promotion=promotion, values=vals.index_select(0, st))
+    e_all = np.asarray(rows_c, dtype=np.int64)[vr.cpu().numpy()]
+    variants = device_block_accumulators(vals, e_all, vk, weights)
     return variants, vbase, j0, per_block, nvar
