@@ -12,7 +12,9 @@ store (float64 tensor), as the NumPy engine returns it.
 
 The products are aligned and cut in int32 (:data:`INTEGER_ALIGN`; the float64 cut remains as the kernel's
 other form, the same integers), and the block accumulators can be returned (``block_acc``) for
-:func:`device_promote_combinations`, which replays the promotion with some blocks replaced.
+:func:`device_promote_combinations`, which replays the promotion with some blocks replaced by accumulators of
+single 128-column blocks (:func:`device_block_accumulators`: the same block step, one launch for any mix of
+experts and K blocks).
 
 Memory: the expert weights are read as their uint8 codes through the E4M3 decode table (never decoded to
 float64); the operand rows are gathered once, sorted by expert, as float64 values ``[R, K]`` (as uint8 codes
