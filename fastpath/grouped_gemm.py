@@ -182,6 +182,55 @@ def _capability_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
+ACT_ROWS_ONE_BY_ONE = 2
+"""The act prologue's row-by-row form: a tile whose held rows all lie in its first this many rows computes their
+activation and quantization one row at a time (a decode tile holds a row or two, so the work is the rows', not the
+tile's: one element a thread a row instead of ``BLOCK_M``); other tiles compute the whole ``BLOCK_M``-row tile. The
+same values either way (elementwise functions and a max). Compiled for sm_90a (the DeepSeek-V3 GEMM2 at the decode
+tiles, bench/studies/gemm2_act_prologue_compile.py): 1 gives 131-149 registers, 2 gives 146 (SiLU, GELU) to 181
+(SwiGLU-OAI), against 88 without the prologue."""
+
+
+@triton.jit
+def _act_operand(h_ptr, arow, amask, n_rows, stride_hm, k, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ONE_BY_ONE: tl.constexpr,
+                 ACT: tl.constexpr, ACT_ALPHA: tl.constexpr, ACT_LIMIT: tl.constexpr, Q_ELEM: tl.constexpr,
+                 Q_ELEM_MAX: tl.constexpr, Q_INV_M: tl.constexpr, Q_FP32_RULE: tl.constexpr,
+                 Q_FP32_POW2: tl.constexpr, Q_AMAX_FLOOR: tl.constexpr, Q_ZERO_BLOCK: tl.constexpr,
+                 Q_NONFINITE: tl.constexpr, Q_APPLY: tl.constexpr, Q_SATURATE: tl.constexpr, Q_ROUND: tl.constexpr,
+                 Q_DROP_NEG_ZERO: tl.constexpr, Q_NAN_CODE: tl.constexpr, Q_FILL_CODE: tl.constexpr,
+                 Q_HW_FP8: tl.constexpr, Q_DIV: tl.constexpr):
+    """The FP8 A operand (``[BLOCK_M, BLOCK_K]`` float8e4nv) and its scales (``[BLOCK_M]``) of output columns ``k``
+    (``[BLOCK_K]``): :func:`fastpath.fused._gated_fp8_group` of h's rows ``arow`` (columns ``k`` of the gate and up
+    halves) where ``amask``; other rows are code 0 (scale 0 in the row-by-row form), as the plain kernel's masked
+    loads give them. ``n_rows`` (1 + the last held row) <= ``ONE_BY_ONE``: row by row (an unrolled loop of
+    ``ONE_BY_ONE`` rows, each a ``[1, BLOCK_K]`` tile), else the whole tile. No runtime loop: a nested loop would
+    stop the K loop around it from being software-pipelined (its weight loads then wait, compiled for sm_90a)."""
+    kk = k[None, :]
+    kmask = kk < K
+    if n_rows <= ONE_BY_ONE:
+        ridx = tl.arange(0, BLOCK_M)
+        codes = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.uint8)
+        sa = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for i in tl.static_range(ONE_BY_ONE):
+            hit = (ridx == i) & amask
+            held = tl.sum(hit.to(tl.int32)) > 0
+            row = tl.sum(tl.where(ridx == i, arow, 0))
+            rp = h_ptr + row * stride_hm + tl.zeros((1, 1), dtype=tl.int64)
+            c_i, s_i = _gated_fp8_group(rp, kk, K, kmask & held, ACT, ACT_ALPHA, ACT_LIMIT, Q_ELEM, Q_ELEM_MAX,
+                                        Q_INV_M, Q_FP32_RULE, Q_FP32_POW2, Q_AMAX_FLOOR, Q_ZERO_BLOCK, Q_NONFINITE,
+                                        Q_APPLY, Q_SATURATE, Q_ROUND, Q_DROP_NEG_ZERO, Q_NAN_CODE, Q_FILL_CODE,
+                                        Q_HW_FP8, Q_DIV)
+            codes = tl.where(hit[:, None], c_i, codes)
+            sa = tl.where(hit, s_i, sa)
+    else:
+        codes, sa = _gated_fp8_group(h_ptr + arow[:, None] * stride_hm, kk, K, amask[:, None] & kmask, ACT,
+                                     ACT_ALPHA, ACT_LIMIT, Q_ELEM, Q_ELEM_MAX, Q_INV_M, Q_FP32_RULE, Q_FP32_POW2,
+                                     Q_AMAX_FLOOR, Q_ZERO_BLOCK, Q_NONFINITE, Q_APPLY, Q_SATURATE, Q_ROUND,
+                                     Q_DROP_NEG_ZERO, Q_NAN_CODE, Q_FILL_CODE, Q_HW_FP8, Q_DIV)
+    return codes.to(tl.float8e4nv, bitcast=True), sa
+
+
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_ptr, src_ptr, M, N, K,
                          stride_am, stride_be, stride_bn, stride_dm, stride_sam, stride_sbe, stride_sbn,
@@ -197,12 +246,12 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_pt
                          Q_NONFINITE: tl.constexpr = 0, Q_APPLY: tl.constexpr = 0, Q_SATURATE: tl.constexpr = True,
                          Q_ROUND: tl.constexpr = 0, Q_DROP_NEG_ZERO: tl.constexpr = False,
                          Q_NAN_CODE: tl.constexpr = 0, Q_FILL_CODE: tl.constexpr = 0, Q_HW_FP8: tl.constexpr = False,
-                         Q_DIV: tl.constexpr = 0):
+                         Q_DIV: tl.constexpr = 0, ACT_ROWS: tl.constexpr = 0):
     # ACT > 0 (the act_prologue; FP8 only, not GATHER): a_ptr is the bf16/fp16/fp32 gated input h [rows, 2K] and
-    # each K block's A operand (FP8 codes) and its scales are computed from it in registers by
-    # fastpath.fused._gated_fp8_group (the fused act+quant kernel's device functions and knobs Q_*): the codes
-    # and scales that kernel stores, and that the loads below would read. Rows the layout does not hold (padding
-    # inside a tile) are read as zeros (their outputs are unspecified either way).
+    # each K block's A operand (FP8 codes) and its scales are computed from it in registers, row by row, by
+    # _act_operand (fastpath.fused._gated_fp8_group: the fused act+quant kernel's device functions and knobs Q_*):
+    # the codes and scales that kernel stores, and that the loads below would read. Rows the layout does not hold
+    # (padding inside a tile) are code 0, scale 0 (their outputs are unspecified either way).
     # MASKED: m_idx_ptr is masked_m [NG] of the masked layout (rows e * CAP + i) and
     # program row p * ceil(CAP / BLOCK_M) + t computes tile t of the p-th expert with rows (in expert order), so
     # the grid needs only as many experts as can have rows; otherwise m_idx_ptr is the row -> expert map.
@@ -250,6 +299,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_pt
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if ACT > 0:
         amask = amask & held
+        act_rows = tl.max(tl.where(amask, tl.arange(0, BLOCK_M) + 1, 0))  # 1 + the tile's last held row
     for it in range(K_ITERS):
         k0 = it * BLOCK_K
         if EVEN_K:
@@ -268,11 +318,10 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_pt
             else:
                 b = tl.load(b_base + (k0 + ks)[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
         if ACT > 0:  # the A operand and its scales as the fused act+quant kernel stores them
-            codes, sa = _gated_fp8_group(a_base, (k0 + ks)[None, :], K, amask[:, None] & ((k0 + ks) < K)[None, :],
-                                         ACT, ACT_ALPHA, ACT_LIMIT, Q_ELEM, Q_ELEM_MAX, Q_INV_M, Q_FP32_RULE,
-                                         Q_FP32_POW2, Q_AMAX_FLOOR, Q_ZERO_BLOCK, Q_NONFINITE, Q_APPLY, Q_SATURATE,
-                                         Q_ROUND, Q_DROP_NEG_ZERO, Q_NAN_CODE, Q_FILL_CODE, Q_HW_FP8, Q_DIV)
-            a = codes.to(tl.float8e4nv, bitcast=True)
+            a, sa = _act_operand(a_ptr, arow, amask, act_rows, stride_am, k0 + ks, K, BLOCK_M, BLOCK_K, ACT_ROWS,
+                                 ACT, ACT_ALPHA, ACT_LIMIT, Q_ELEM, Q_ELEM_MAX, Q_INV_M, Q_FP32_RULE, Q_FP32_POW2,
+                                 Q_AMAX_FLOOR, Q_ZERO_BLOCK, Q_NONFINITE, Q_APPLY, Q_SATURATE, Q_ROUND,
+                                 Q_DROP_NEG_ZERO, Q_NAN_CODE, Q_FILL_CODE, Q_HW_FP8, Q_DIV)
         if FP8:
             # promotion: a fresh product per 128-column block, scaled and added in FP32 (DeepGEMM)
             if ACT == 0:
@@ -490,7 +539,7 @@ def _launch_triton(a, b, d, m_idx, a_scales, b_scales, bias, t: GemmTiles, *, gr
            K_ITERS=cdiv(k, t.block_k), EVEN_K=k % t.block_k == 0, HAS_BIAS=bias is not None,
            SWAP_AB=t.swap_ab, MASKED=masked_cap > 0, NG_POW2=next_pow2(max(ng, 1)),
            GATHER=a_src is not None, num_warps=t.num_warps, num_stages=t.num_stages,
-           **({} if act is None else act.kernel_knobs(a.device)))
+           **({} if act is None else dict(act.kernel_knobs(a.device), ACT_ROWS=ACT_ROWS_ONE_BY_ONE)))
 
 
 _SM_COUNT: dict = {}

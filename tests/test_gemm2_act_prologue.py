@@ -70,16 +70,17 @@ def _quantized(h2: torch.Tensor, act: str, params: dict, skip=None):
 @pytest.mark.parametrize("act,params", ACTS)
 @pytest.mark.parametrize("swap_ab", [True, False])
 def test_masked_gemm2_prologue_gives_the_fused_kernels_bits(act, params, swap_ab):
-    """Masked layout, 4 experts x 16 rows (held counts 5, 0, 1, 16), K = 256 (two K blocks), N = 256: the rows the
-    layout holds are the bits of GEMM2 on the fused kernel's codes and scales; NaN in the rows past each count (the
-    layout's padding, never written by GEMM1) changes nothing."""
+    """Masked layout, 5 experts x 16 rows (held counts 5, 0, 1, 16, 2: the whole-tile and the row-by-row forms of
+    the prologue, ``ACT_ROWS_ONE_BY_ONE``), K = 256 (two K blocks), N = 256: the rows the layout holds are the bits
+    of GEMM2 on the fused kernel's codes and scales; NaN in the rows past each count (the layout's padding, never
+    written by GEMM1) changes nothing."""
     from fastpath.fused import GatedQuant
     from fastpath.grouped_gemm import GemmTiles, grouped_gemm_masked
 
-    e, cap, k, n = 4, 16, 256, 256
+    e, cap, k, n = 5, 16, 256, 256
     b, sb = _weights(e, n, k, seed=1)
     h = _gated_input(e * cap, k, seed=2).reshape(e, cap, 2 * k)
-    counts = torch.tensor([5, 0, 1, 16], dtype=torch.int32, device=DEV)
+    counts = torch.tensor([5, 0, 1, 16, 2], dtype=torch.int32, device=DEV)
     tiles = GemmTiles(16, 128, 128, 4, 1, swap_ab=swap_ab)
     xq, sx = _quantized(h.reshape(e * cap, 2 * k), act, params)
     want = grouped_gemm_masked(xq.reshape(e, cap, k), b, counts, impl="triton", a_scales=sx.reshape(e, cap, -1),
@@ -100,14 +101,15 @@ def test_masked_gemm2_prologue_gives_the_fused_kernels_bits(act, params, swap_ab
 
 @pytest.mark.parametrize("act,params", [ACTS[0], ACTS[3]])
 def test_contiguous_gemm2_prologue_gives_the_fused_kernels_bits(act, params):
-    """Contiguous layout, alignment 16: experts 2 (3 rows), 0 (16 rows), 5 (1 row), with -1 rows (padding, NaN in
-    h) inside the segments and a whole padding tile; K = 384 (three K blocks), N = 128."""
+    """Contiguous layout, alignment 16: experts 2 (3 rows), 0 (16 rows), 5 (1 row), 1 (2 rows), 4 (rows 0 and 2 of
+    its tile, a -1 row between), with -1 rows (padding, NaN in h) inside the segments and a whole padding tile;
+    K = 384 (three K blocks), N = 128."""
     from fastpath.fused import GatedQuant
     from fastpath.grouped_gemm import grouped_gemm_contiguous
 
     k, n = 384, 128
     b, sb = _weights(6, n, k, seed=3)
-    labels = [2] * 3 + [-1] * 13 + [0] * 16 + [-1] * 16 + [5] + [-1] * 15
+    labels = [2] * 3 + [-1] * 13 + [0] * 16 + [-1] * 16 + [5] + [-1] * 15 + [1] * 2 + [-1] * 14 + [4, -1, 4] + [-1] * 13
     m_idx = torch.tensor(labels, dtype=torch.int32, device=DEV)
     h = _gated_input(len(labels), k, seed=4)
     held = m_idx >= 0
