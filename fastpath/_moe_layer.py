@@ -167,6 +167,15 @@ def _activation_scheme():
     return fp8_group()
 
 
+@functools.lru_cache(maxsize=64)
+def _gated_quant(activation: str, act_kw: tuple):
+    """The :class:`fastpath.fused.GatedQuant` of the layer's activation (its parameters as sorted ``(name, value)``
+    pairs) with the a2 scheme, made once (its checks and knobs are per call otherwise)."""
+    from fastpath.fused import GatedQuant
+
+    return GatedQuant(activation, scheme=_activation_scheme(), **dict(act_kw))
+
+
 @functools.lru_cache(maxsize=256)
 def _used_rows_bound(slots: int, num_experts: int, alignment: int) -> int:
     """Most rows the contiguous layout of ``slots`` slots over ``num_experts`` experts can use: each
@@ -206,7 +215,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
     from fastpath import dispatch
     from fastpath._dispatch_kernels import _invert_kernel
     from fastpath._host import alloc, cdiv, launch
-    from fastpath.fused import GatedQuant, gelu_and_mul_quant_fp8, silu_and_mul_quant_fp8, swigluoai_quant_fp8
+    from fastpath.fused import gelu_and_mul_quant_fp8, silu_and_mul_quant_fp8, swigluoai_quant_fp8
     from fastpath.grouped_gemm import DECODE_ROWS_PER_EXPERT, default_tiles, grouped_gemm_masked
     from fastpath.quant import quantize
 
@@ -311,7 +320,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         act_prologue = ACT_PROLOGUE_AT_DECODE and gather and weights.fp8_activations \
             and expected_m <= DECODE_ROWS_PER_EXPERT and not tiles2.tile_loop
     if act_prologue:  # GEMM2 computes the activation and its quantization from h (same bits, one launch fewer)
-        act = GatedQuant(activation, scheme=scheme, **act_kw)
+        act = _gated_quant(activation, tuple(sorted(act_kw.items())))
         y = gemm(h, weights.w2, None, weights.w2_scales, weights.b2, tiles2, act=act)
     elif weights.fp8_activations:
         fused = {"silu_and_mul": silu_and_mul_quant_fp8, "gelu_and_mul": gelu_and_mul_quant_fp8,

@@ -28,6 +28,7 @@ Layouts: ``silu_and_mul`` and ``gelu_and_mul`` read ``gate = h[..., :N]``, ``up 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -170,14 +171,21 @@ class GatedQuant:
     def kernel_knobs(self, device: torch.device) -> dict:
         """The consumer kernel's constexprs: ``ACT``, ``ACT_ALPHA``, ``ACT_LIMIT`` as the fused kernel gets them,
         and the preset's knobs of :func:`_gated_fp8_group` prefixed ``Q_`` (:func:`fastpath.quant._preset_map.
-        constexprs` of the scheme)."""
+        constexprs` of the scheme); a new dict each call."""
         hw = (device.type == "cuda") if self.hw_fp8 is None else bool(self.hw_fp8)
-        ce = QP.constexprs(fp8_group(128) if self.scheme is None else self.scheme, hw)
-        swiglu = self.activation == "swigluoai"
-        knobs = dict(ACT=_ACT[self.act_key()], ACT_ALPHA=float(self.alpha) if swiglu else 0.0,
-                     ACT_LIMIT=float(self.limit) if swiglu else 0.0)
-        knobs.update({"Q_" + k: ce[k] for k in _GATED_QUANT_KNOBS})
-        return knobs
+        return dict(_gated_knobs(self, hw, QP._INTERPRETED))
+
+
+@functools.lru_cache(maxsize=64)
+def _gated_knobs(gq: GatedQuant, hw_fp8: bool, interpreted: bool) -> tuple:
+    """:meth:`GatedQuant.kernel_knobs` as ``(name, value)`` pairs (cached: a decode call asks for them per launch;
+    ``interpreted`` keys the interpreter's knobs apart, as :func:`fastpath.quant._preset_map.constexprs` does)."""
+    ce = QP.constexprs(fp8_group(128) if gq.scheme is None else gq.scheme, hw_fp8)
+    swiglu = gq.activation == "swigluoai"
+    knobs = dict(ACT=_ACT[gq.act_key()], ACT_ALPHA=float(gq.alpha) if swiglu else 0.0,
+                 ACT_LIMIT=float(gq.limit) if swiglu else 0.0)
+    knobs.update({"Q_" + k: ce[k] for k in _GATED_QUANT_KNOBS})
+    return tuple(knobs.items())
 
 
 _GATED_QUANT_KNOBS = ("ELEM", "ELEM_MAX", "INV_M", "FP32_RULE", "FP32_POW2", "AMAX_FLOOR", "ZERO_BLOCK", "NONFINITE",
