@@ -187,12 +187,13 @@ ACT_ROWS_ONE_BY_ONE = 2
 activation and quantization one row at a time (a decode tile holds a row or two, so the work is the rows', not the
 tile's: one element a thread a row instead of ``BLOCK_M``); other tiles compute the whole ``BLOCK_M``-row tile. The
 same values either way (elementwise functions and a max). Compiled for sm_90a (the DeepSeek-V3 GEMM2 at the decode
-tiles, bench/studies/gemm2_act_prologue_compile.py): 1 gives 131-149 registers, 2 gives 146 (SiLU, GELU) to 181
-(SwiGLU-OAI), against 88 without the prologue."""
+tiles, bench/studies/gemm2_act_prologue_compile.py, Triton 3.6): 1 gives 130-145 registers, 2 gives 144 (SiLU,
+GELU) and 178 (SwiGLU-OAI), against 88 without the prologue; no spills."""
 
 
 @triton.jit
-def _act_operand(h_ptr, arow, amask, n_rows, stride_hm, k, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+def _act_operand(h_ptr, arow, amask, n_rows, arow0, held_bits, stride_hm, k, K, BLOCK_M: tl.constexpr,
+                 BLOCK_K: tl.constexpr,
                  ONE_BY_ONE: tl.constexpr,
                  ACT: tl.constexpr, ACT_ALPHA: tl.constexpr, ACT_LIMIT: tl.constexpr, Q_ELEM: tl.constexpr,
                  Q_ELEM_MAX: tl.constexpr, Q_INV_M: tl.constexpr, Q_FP32_RULE: tl.constexpr,
@@ -204,8 +205,10 @@ def _act_operand(h_ptr, arow, amask, n_rows, stride_hm, k, K, BLOCK_M: tl.conste
     (``[BLOCK_K]``): :func:`fastpath.fused._gated_fp8_group` of h's rows ``arow`` (columns ``k`` of the gate and up
     halves) where ``amask``; other rows are code 0 (scale 0 in the row-by-row form), as the plain kernel's masked
     loads give them. ``n_rows`` (1 + the last held row) <= ``ONE_BY_ONE``: row by row (an unrolled loop of
-    ``ONE_BY_ONE`` rows, each a ``[1, BLOCK_K]`` tile), else the whole tile. No runtime loop: a nested loop would
-    stop the K loop around it from being software-pipelined (its weight loads then wait, compiled for sm_90a)."""
+    ``ONE_BY_ONE`` rows, each a ``[1, BLOCK_K]`` tile; row ``i`` is h's row ``arow0 + i``, held where bit ``i`` of
+    ``held_bits`` is set: scalars the caller computes once, outside its K loop), else the whole tile. No runtime
+    loop: a nested loop would stop the K loop around it from being software-pipelined (its weight loads then
+    wait, compiled for sm_90a)."""
     kk = k[None, :]
     kmask = kk < K
     if n_rows <= ONE_BY_ONE:
@@ -213,10 +216,9 @@ def _act_operand(h_ptr, arow, amask, n_rows, stride_hm, k, K, BLOCK_M: tl.conste
         codes = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.uint8)
         sa = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for i in tl.static_range(ONE_BY_ONE):
-            hit = (ridx == i) & amask
-            held = tl.sum(hit.to(tl.int32)) > 0
-            row = tl.sum(tl.where(ridx == i, arow, 0))
-            rp = h_ptr + row * stride_hm + tl.zeros((1, 1), dtype=tl.int64)
+            held = ((held_bits >> i) & 1) != 0
+            hit = (ridx == i) & held
+            rp = h_ptr + (arow0 + i) * stride_hm + tl.zeros((1, 1), dtype=tl.int64)
             c_i, s_i = _gated_fp8_group(rp, kk, K, kmask & held, ACT, ACT_ALPHA, ACT_LIMIT, Q_ELEM, Q_ELEM_MAX,
                                         Q_INV_M, Q_FP32_RULE, Q_FP32_POW2, Q_AMAX_FLOOR, Q_ZERO_BLOCK, Q_NONFINITE,
                                         Q_APPLY, Q_SATURATE, Q_ROUND, Q_DROP_NEG_ZERO, Q_NAN_CODE, Q_FILL_CODE,
@@ -299,7 +301,10 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_pt
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if ACT > 0:
         amask = amask & held
-        act_rows = tl.max(tl.where(amask, tl.arange(0, BLOCK_M) + 1, 0))  # 1 + the tile's last held row
+        ridx = tl.arange(0, BLOCK_M)
+        act_rows = tl.max(tl.where(amask, ridx + 1, 0))  # 1 + the tile's last held row
+        arow0 = tl.sum(tl.where(ridx == 0, arow, 0))  # the tile's rows are arow0 + i (no GATHER here)
+        held_bits = tl.sum(tl.where(amask & (ridx < ACT_ROWS), 1 << tl.minimum(ridx, 30), 0))
     for it in range(K_ITERS):
         k0 = it * BLOCK_K
         if EVEN_K:
@@ -318,7 +323,8 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_pt
             else:
                 b = tl.load(b_base + (k0 + ks)[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
         if ACT > 0:  # the A operand and its scales as the fused act+quant kernel stores them
-            a, sa = _act_operand(a_ptr, arow, amask, act_rows, stride_am, k0 + ks, K, BLOCK_M, BLOCK_K, ACT_ROWS,
+            a, sa = _act_operand(a_ptr, arow, amask, act_rows, arow0, held_bits, stride_am, k0 + ks, K, BLOCK_M,
+                                 BLOCK_K, ACT_ROWS,
                                  ACT, ACT_ALPHA, ACT_LIMIT, Q_ELEM, Q_ELEM_MAX, Q_INV_M, Q_FP32_RULE, Q_FP32_POW2,
                                  Q_AMAX_FLOOR, Q_ZERO_BLOCK, Q_NONFINITE, Q_APPLY, Q_SATURATE, Q_ROUND,
                                  Q_DROP_NEG_ZERO, Q_NAN_CODE, Q_FILL_CODE, Q_HW_FP8, Q_DIV)
