@@ -246,17 +246,12 @@ def test_the_prologue_is_in_the_graph_key():
     assert len(keys) == 3
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["masked", "contiguous"])
-@pytest.mark.parametrize("act,params", [ACTS[0], ACTS[2], ACTS[3]])
-def test_gpu_layer_with_the_prologue_gives_the_default_bits(layout, act, params):
-    """The DeepSeek-V3-sized FP8 layer (hidden 7168, intermediate 2048, 256 experts, top-8; random codes and
-    routing as bench/studies/decode_graph_sweep.py builds it) at 1, 4 and 8 tokens, ``capturable=True``: the
-    prologue's output equals the default's bit for bit, eager and replayed from a CUDA graph."""
-    from fastpath.moe import FastMoEWeights, fused_moe
-
+@pytest.fixture(scope="module")
+def deepseek_experts():
+    """Random FP8 experts of the DeepSeek-V3 layer's shapes (hidden 7168, intermediate 2048, 256 experts; no NaN
+    codes, FP32 block scales 1e-4..2e-4), as bench/studies/decode_graph_sweep.py builds them: (w13, s13, w2, s2)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    h, n, e, k = 7168, 2048, 256, 8
+    h, n, e = 7168, 2048, 256
 
     def experts(rows, cols):
         codes = torch.randint(0, 256, (e, rows, cols), dtype=torch.uint8, device="cuda", generator=gen)
@@ -264,17 +259,26 @@ def test_gpu_layer_with_the_prologue_gives_the_default_bits(layout, act, params)
         s = 1e-4 * (1.0 + torch.rand((e, -(-rows // 128), -(-cols // 128)), device="cuda", generator=gen))
         return codes.view(torch.float8_e4m3fn), s.float()
 
-    w13, s13 = experts(2 * n, h)
-    w2, s2 = experts(h, n)
-    if act == "swigluoai":
-        fw = FastMoEWeights(w13, w2, "interleaved", s13, s2)
-    else:
-        fw = FastMoEWeights(w13, w2, "gate_up", s13, s2)
+    return experts(2 * n, h) + experts(h, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["masked", "contiguous"])
+@pytest.mark.parametrize("act,params", [ACTS[0], ACTS[2], ACTS[3]])
+def test_gpu_layer_with_the_prologue_gives_the_default_bits(deepseek_experts, layout, act, params):
+    """The DeepSeek-V3-sized FP8 layer (top-8 of 256 experts, random routing) at 1, 4 and 8 tokens,
+    ``capturable=True``: the prologue's output equals the default's bit for bit, eager and replayed from a CUDA
+    graph. (The experts' codes are read as interleaved w13 for SwiGLU-OAI.)"""
+    from fastpath.moe import FastMoEWeights, fused_moe
+
+    w13, s13, w2, s2 = deepseek_experts
+    fw = FastMoEWeights(w13, w2, "interleaved" if act == "swigluoai" else "gate_up", s13, s2)
+    gen = torch.Generator(device="cuda").manual_seed(1)
     for m in (1, 4, 8):
-        x = torch.randn((m, h), device="cuda", generator=gen).to(torch.bfloat16)
-        x[0, :3] = torch.tensor([3e4, -1e4, 6e4])  # large inputs: saturating activations
-        ids = torch.rand((m, e), device="cuda", generator=gen).topk(k, dim=1).indices.to(torch.int32)
-        tw = torch.rand((m, k), device="cuda", generator=gen)
+        x = torch.randn((m, 7168), device="cuda", generator=gen).to(torch.bfloat16)
+        x[0, :3] = torch.tensor([3e4, -1e4, 6e4], device="cuda")  # large inputs: large activations
+        ids = torch.rand((m, 256), device="cuda", generator=gen).topk(8, dim=1).indices.to(torch.int32)
+        tw = torch.rand((m, 8), device="cuda", generator=gen)
         kw = dict(impl="triton", layout=layout, capturable=True, graph_cache=False, activation=act,
                   activation_params=params)
         want = fused_moe(x, fw, tw, ids, act_prologue=False, **kw)
