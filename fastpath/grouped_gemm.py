@@ -19,6 +19,10 @@ cannot run), each declaring the :mod:`moeref.compare` profile its arithmetic sat
   - :class:`GemmTiles` with a tile-loop option (``group_m``, ``persistent``, ``tma``, ``warp_specialize``,
     ``flatten``; contiguous layout) run the same arithmetic in :mod:`fastpath._grouped_gemm_tiles`' kernel: the
     same bits, another tile order, grid and load path (candidates: :data:`FP8_PREFILL_CANDIDATES`).
+  - ``act_prologue`` (a :class:`fastpath.fused.GatedQuant`; FP8 weights, decode): ``a`` is the gated input
+    ``h [rows, 2K]`` and each K block's FP8 A operand and 1x128 scales are computed in registers with the fused
+    act+quant kernel's device functions (:func:`_act_operand`), the bits that kernel stores: GEMM2 of the MoE
+    layer without the activation's own launch.
 * ``"deep_gemm"``: ``deep_gemm.m_grouped_fp8_gemm_nt_contiguous`` (FP8 1x128 x 128x128, FP32 scales;
   profile ``HOPPER_FP8_DEEPGEMM_DATA``), when the package is importable.
 
