@@ -191,8 +191,17 @@ ACT_ROWS_ONE_BY_ONE = 2
 activation and quantization one row at a time (a decode tile holds a row or two, so the work is the rows', not the
 tile's: one element a thread a row instead of ``BLOCK_M``); other tiles compute the whole ``BLOCK_M``-row tile. The
 same values either way (elementwise functions and a max). Compiled for sm_90a (the DeepSeek-V3 GEMM2 at the decode
-tiles, bench/studies/gemm2_act_prologue_compile.py, Triton 3.6): 1 gives 130-145 registers, 2 gives 144 (SiLU,
-GELU) and 178 (SwiGLU-OAI), against 88 without the prologue; no spills."""
+tiles, bench/studies/gemm2_act_prologue_compile.py --maxnreg 0, Triton 3.6, no register cap): 1 gives 130-145
+registers, 2 gives 144 (SiLU, GELU) and 178 (SwiGLU-OAI), against 88 without the prologue; no spills
+(:data:`ACT_PROLOGUE_MAXNREG` caps them)."""
+
+
+ACT_PROLOGUE_MAXNREG = 128
+"""Register cap (ptxas ``.maxnreg``) of a GEMM launch with the act prologue on a GPU (None: none). Uncapped, the
+DeepSeek-V3 GEMM2 at the decode tiles takes 144 registers with SiLU (3 programs of 4 warps per SM fit, against 4
+without the prologue: at 1 token its 448 programs then need a second wave); at 128 it has no spills with SiLU and
+GELU (8 bytes of stack with SwiGLU-OAI) and 4 programs fit (bench/studies/gemm2_act_prologue_compile.py, sm_90a,
+Triton 3.6)."""
 
 
 @triton.jit
@@ -549,7 +558,16 @@ def _launch_triton(a, b, d, m_idx, a_scales, b_scales, bias, t: GemmTiles, *, gr
            K_ITERS=cdiv(k, t.block_k), EVEN_K=k % t.block_k == 0, HAS_BIAS=bias is not None,
            SWAP_AB=t.swap_ab, MASKED=masked_cap > 0, NG_POW2=next_pow2(max(ng, 1)),
            GATHER=a_src is not None, num_warps=t.num_warps, num_stages=t.num_stages,
-           **({} if act is None else dict(act.kernel_knobs(a.device), ACT_ROWS=ACT_ROWS_ONE_BY_ONE)))
+           **({} if act is None else _act_launch_knobs(act, a.device)))
+
+
+def _act_launch_knobs(act: GatedQuant, device: torch.device) -> dict:
+    """The act prologue's constexprs (:meth:`fastpath.fused.GatedQuant.kernel_knobs`, :data:`ACT_ROWS_ONE_BY_ONE`)
+    and, on a GPU, :data:`ACT_PROLOGUE_MAXNREG`."""
+    knobs = dict(act.kernel_knobs(device), ACT_ROWS=ACT_ROWS_ONE_BY_ONE)
+    if ACT_PROLOGUE_MAXNREG is not None and not _grouped_gemm_tiles._INTERPRETED:
+        knobs["maxnreg"] = int(ACT_PROLOGUE_MAXNREG)
+    return knobs
 
 
 _SM_COUNT: dict = {}

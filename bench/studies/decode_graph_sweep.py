@@ -569,26 +569,45 @@ def dispatch_ab(run: Run, fw, case, tiles: tuple, calls: int, reps: int, profile
     return out
 
 
-ACT_AB = {False: "act+requant launch", True: "act in GEMM2 prologue"}
+ACT_AB = {"act+requant launch": (False, None), "act in GEMM2 prologue": (True, "default"),
+          "act in GEMM2 prologue, no register cap": (True, None)}
+"""The act A/B's cases: name -> (``act_prologue``, ``fastpath.grouped_gemm.ACT_PROLOGUE_MAXNREG`` for the case:
+"default" keeps the module's)."""
+
+
+@contextlib.contextmanager
+def prologue_maxnreg(cap):
+    """``fastpath.grouped_gemm.ACT_PROLOGUE_MAXNREG`` set to ``cap`` inside ("default": unchanged)."""
+    import fastpath.grouped_gemm as gg
+
+    old = gg.ACT_PROLOGUE_MAXNREG
+    if cap != "default":
+        gg.ACT_PROLOGUE_MAXNREG = cap
+    try:
+        yield
+    finally:
+        gg.ACT_PROLOGUE_MAXNREG = old
 
 
 def act_prologue_ab(run: Run, fw, cases: dict, tiles: tuple, calls: int, reps: int, profile_replays: int) -> dict:
     """At each token count of ``cases``: the layer with the act+requant launch (``act_prologue=False``, the
-    default) and with the activation and its quantization in GEMM2's operand loads (``act_prologue=True``), each a
-    graph of ``calls`` calls and a one-call graph, interleaved with the copy of the touched experts' bytes; the
-    outputs compared bit for bit (``bits_equal``), ``saved_us`` the difference of the medians; at 1 token the
-    prologue layer's kernel timeline (``breakdown``)."""
+    default) and with the activation and its quantization in GEMM2's operand loads (``act_prologue=True``, with
+    the module's register cap and without one: :data:`ACT_AB`), each a graph of ``calls`` calls and a one-call
+    graph, interleaved with the copy of the touched experts' bytes; the outputs compared bit for bit with the
+    default's (``bits_equal``: all equal), ``saved_us`` the default's median less the capped prologue's; at 1
+    token the capped prologue layer's kernel timeline (``breakdown``)."""
     out: dict = {}
     for m, case in sorted(cases.items()):
         if run.left() < 15:
             out[m] = dict(skipped="time budget")
             continue
         row, outs, graphs, ones = {}, {}, {}, {}
-        for on, name in ACT_AB.items():
+        for name, (on, cap) in ACT_AB.items():
             try:
-                graphs[name], res = run.capture(layer_fn(fw, case, tiles, act_prologue=on), calls)
-                outs[name] = res.clone()
-                ones[name], _ = run.capture(layer_fn(fw, case, tiles, act_prologue=on), 1)
+                with prologue_maxnreg(cap):  # compiled and captured with the case's cap (a graph keeps it)
+                    graphs[name], res = run.capture(layer_fn(fw, case, tiles, act_prologue=on), calls)
+                    outs[name] = res.clone()
+                    ones[name], _ = run.capture(layer_fn(fw, case, tiles, act_prologue=on), 1)
             except Exception as e:  # noqa: BLE001
                 row[name] = dict(error=err(e))
         wb = weight_bytes(fw, case[2])
@@ -602,12 +621,12 @@ def act_prologue_ab(run: Run, fw, cases: dict, tiles: tuple, calls: int, reps: i
                 row[n]["one_call_graph"] = st
         except Exception as e:  # noqa: BLE001
             row["timing_error"] = err(e)
-        if len(outs) == 2:
-            a, b = outs.values()
-            row["bits_equal"] = bool(torch.equal(a, b))
-        med = {n: row[n]["median_us"] for n in ACT_AB.values() if "median_us" in row.get(n, {})}
-        if len(med) == 2:
-            row["saved_us"] = med[ACT_AB[False]] - med[ACT_AB[True]]
+        base = outs.get("act+requant launch")
+        if base is not None and len(outs) > 1:
+            row["bits_equal"] = all(bool(torch.equal(base, o)) for o in outs.values())
+        med = {n: row[n]["median_us"] for n in ACT_AB if "median_us" in row.get(n, {})}
+        if "act+requant launch" in med and "act in GEMM2 prologue" in med:
+            row["saved_us"] = med["act+requant launch"] - med["act in GEMM2 prologue"]
         out[m] = dict(row, tokens=m, bytes=wb, calls_per_graph=calls)
     if 1 in cases and run.left() > 30:
         try:

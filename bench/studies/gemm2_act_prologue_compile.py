@@ -27,8 +27,9 @@ ACTS = {"plain": None, "silu": ("silu_and_mul", {}), "gelu": ("gelu_and_mul", {}
         "gelu_tanh": ("gelu_and_mul", {"approximate": "tanh"}), "swigluoai": ("swigluoai", {})}
 
 
-def compile_gemm2(act, tiles) -> dict:
-    """Compile the masked GEMM2 launch (``act`` None: FP8 operand from memory) and describe the kernel."""
+def compile_gemm2(act, tiles, maxnreg=None) -> dict:
+    """Compile the masked GEMM2 launch (``act`` None: FP8 operand from memory) and describe the kernel; ``maxnreg``
+    overrides the launch's register cap (0: none)."""
     from fastpath import _host
     from fastpath.fused import GatedQuant
     from fastpath.grouped_gemm import grouped_gemm_masked
@@ -50,7 +51,9 @@ def compile_gemm2(act, tiles) -> dict:
     finally:
         _host.LAUNCH_CACHE_ON = cache_on
     fn, _, args, kwargs = log[-1]
-    ck, sass, regs, stack = compile_kernel(fn, args, kwargs)
+    if maxnreg == 0:
+        kwargs = {k_: v for k_, v in kwargs.items() if k_ != "maxnreg"}
+    ck, sass, regs, stack = compile_kernel(fn, args, kwargs, maxnreg or None)
     ops = count(sass)
     return {"registers": regs, "stack_bytes": stack, "shared_bytes": int(ck.metadata.shared),
             "warps": int(ck.metadata.num_warps), "instructions": sum(ops.values()),
@@ -64,15 +67,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiles", choices=["decode", "plain"], default="decode",
                     help="decode: the default decode tiles (16-row swapped); plain: GemmTiles(16, 128, 128, 4, 3)")
+    ap.add_argument("--maxnreg", type=int, default=None,
+                    help="cap registers per thread (ptxas .maxnreg; default: the launch's own, "
+                         "fastpath.grouped_gemm.ACT_PROLOGUE_MAXNREG for the prologue; 0: no cap)")
     ap.add_argument("--out", default=None, help="JSON file to write")
     args = ap.parse_args(argv)
     tiles = DEFAULT_TILES["fp8_block_decode"] if args.tiles == "decode" else GemmTiles(16, 128, 128, 4, 3)
-    out: dict = {"tiles": str(tiles), "shape": SHAPE, "cases": {}}
+    out: dict = {"tiles": str(tiles), "shape": SHAPE, "maxnreg": args.maxnreg, "cases": {}}
     print(f"GEMM2 {SHAPE}, tiles {tiles}")
     print(f"{'case':10s} regs stack shared warps  instr qgmma mufu  ffma  fmul  ldg ldgsts  lds  sts  bar")
     for name, act in ACTS.items():
         try:
-            r = compile_gemm2(act, tiles)
+            r = compile_gemm2(act, tiles, args.maxnreg)
         except Exception as e:  # recorded, not fatal
             r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(f"{name:10s} FAILED {r['error'][:200]}", flush=True)
