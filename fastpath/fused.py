@@ -46,7 +46,7 @@ from .quant import _launch as QL
 from .quant import _plan as QPL
 from .quant import _preset_map as QP
 from .quant import _tiles as QT
-from .quant._jit_codes import _activation, _fp8_codes
+from .quant._jit_codes import _activation, _fp8_codes, _swiglu, _unpack_pair
 from .quant._jit_scales import _amax3, _block_scales
 from .quant._kernels import _quant_kernel
 from .quant._layouts import SF_LAYOUT, grid_of, returned_scales_shape
@@ -200,15 +200,22 @@ def _gated_fp8_group(rp, k, K, mask, ACT: tl.constexpr, ACT_ALPHA: tl.constexpr,
                      FP32_POW2: tl.constexpr, AMAX_FLOOR: tl.constexpr, ZERO_BLOCK: tl.constexpr,
                      NONFINITE: tl.constexpr, APPLY: tl.constexpr, SATURATE: tl.constexpr, ROUND: tl.constexpr,
                      DROP_NEG_ZERO: tl.constexpr, NAN_CODE: tl.constexpr, FILL_CODE: tl.constexpr,
-                     HW_FP8: tl.constexpr, DIV: tl.constexpr):
+                     HW_FP8: tl.constexpr, DIV: tl.constexpr, IN16: tl.constexpr = 0):
     """FP8 codes (uint8 ``[BM, G]``) and FP32 scales (``[BM]``) of one 1xG group per row of the gated activation:
     ``rp`` ``[BM, 1]`` row pointers of ``x[..., 2K]`` (unit column stride), ``k`` ``[1, G]`` the group's output
     columns, ``mask`` ``[BM, G]`` (masked elements read as 0, as the fused kernel's masked loads). The fused
     kernel's steps on a ``[BM, 1, G]`` tile (:func:`fastpath.quant._kernels._quant_kernel` with ``ACT``): the
     float32 activation (:func:`fastpath.quant._jit_codes._activation`), the block amax
     (:func:`fastpath.quant._jit_scales._amax3`), the scale rule (``_block_scales``, FP32 scales, dynamic) and the
-    codes (:func:`fastpath.quant._jit_codes._fp8_codes`); the scale returned is the one the fused kernel stores."""
-    x = _activation(rp[:, :, None], k[:, None, :], 1, K, mask[:, None, :], ACT, ACT_ALPHA, ACT_LIMIT)
+    codes (:func:`fastpath.quant._jit_codes._fp8_codes`); the scale returned is the one the fused kernel stores.
+    ``IN16`` (SwiGLU-OAI only; 1 bfloat16, 2 float16): ``rp`` points at int32 words, word ``k`` the pair
+    (gate_k, up_k), read as the fused kernel reads 16-bit pairs (``PAIR`` 1: one load a pair, the same values)."""
+    if ACT == 2 and IN16 > 0:
+        words = tl.load(rp[:, :, None] + k[:, None, :], mask=mask[:, None, :], other=0)
+        g, u = _unpack_pair(words, IN16)
+        x = _swiglu(g, u, ACT_ALPHA, ACT_LIMIT)
+    else:
+        x = _activation(rp[:, :, None], k[:, None, :], 1, K, mask[:, None, :], ACT, ACT_ALPHA, ACT_LIMIT)
     amax = _amax3(x, NONFINITE)
     stored, _, factor, nan_block = _block_scales(
         amax, ELEM_MAX, INV_M, 8, 3, 0, FP32_RULE, FP32_POW2, 0, 0, 254, 0, AMAX_FLOOR, ZERO_BLOCK, NONFINITE, APPLY,

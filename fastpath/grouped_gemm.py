@@ -46,6 +46,7 @@ from . import _grouped_gemm_tiles
 from ._grouped_gemm_tiles import _a_rows, _grouped_gemm_tile_loop_kernel, ensure_allocator
 from ._host import cdiv, launch, next_pow2
 from .fused import GatedQuant, _gated_fp8_group
+from .quant._launch import _pair_view
 
 __all__ = ["GROUPED_GEMM_IMPLEMENTATIONS", "FP8_PREFILL_CANDIDATES", "GemmTiles", "default_tiles",
            "grouped_gemm_contiguous", "grouped_gemm_masked", "grouped_gemm_supports", "PROFILE_OF",
@@ -191,17 +192,16 @@ ACT_ROWS_ONE_BY_ONE = 2
 activation and quantization one row at a time (a decode tile holds a row or two, so the work is the rows', not the
 tile's: one element a thread a row instead of ``BLOCK_M``); other tiles compute the whole ``BLOCK_M``-row tile. The
 same values either way (elementwise functions and a max). Compiled for sm_90a (the DeepSeek-V3 GEMM2 at the decode
-tiles, bench/studies/gemm2_act_prologue_compile.py --maxnreg 0, Triton 3.6, no register cap): 1 gives 130-145
-registers, 2 gives 144 (SiLU, GELU) and 178 (SwiGLU-OAI), against 88 without the prologue; no spills
+tiles, bench/studies/gemm2_act_prologue_compile.py --maxnreg 0, Triton 3.6, no register cap): with SiLU and GELU
+1 gives 130-145 registers, 2 gives 144 (SwiGLU-OAI 143), against 88 without the prologue; no spills
 (:data:`ACT_PROLOGUE_MAXNREG` caps them)."""
 
 
 ACT_PROLOGUE_MAXNREG = 128
 """Register cap (ptxas ``.maxnreg``) of a GEMM launch with the act prologue on a GPU (None: none). Uncapped, the
 DeepSeek-V3 GEMM2 at the decode tiles takes 144 registers with SiLU (3 programs of 4 warps per SM fit, against 4
-without the prologue: at 1 token its 448 programs then need a second wave); at 128 it has no spills with SiLU and
-GELU (8 bytes of stack with SwiGLU-OAI) and 4 programs fit (bench/studies/gemm2_act_prologue_compile.py, sm_90a,
-Triton 3.6)."""
+without the prologue: at 1 token its 448 programs then need a second wave); at 128 it has no spills (SiLU, GELU,
+SwiGLU-OAI) and 4 programs fit (bench/studies/gemm2_act_prologue_compile.py, sm_90a, Triton 3.6)."""
 
 
 @triton.jit
@@ -213,7 +213,7 @@ def _act_operand(h_ptr, arow, amask, n_rows, arow0, held_bits, stride_hm, k, K, 
                  Q_FP32_POW2: tl.constexpr, Q_AMAX_FLOOR: tl.constexpr, Q_ZERO_BLOCK: tl.constexpr,
                  Q_NONFINITE: tl.constexpr, Q_APPLY: tl.constexpr, Q_SATURATE: tl.constexpr, Q_ROUND: tl.constexpr,
                  Q_DROP_NEG_ZERO: tl.constexpr, Q_NAN_CODE: tl.constexpr, Q_FILL_CODE: tl.constexpr,
-                 Q_HW_FP8: tl.constexpr, Q_DIV: tl.constexpr):
+                 Q_HW_FP8: tl.constexpr, Q_DIV: tl.constexpr, ACT_IN16: tl.constexpr):
     """The FP8 A operand (``[BLOCK_M, BLOCK_K]`` float8e4nv) and its scales (``[BLOCK_M]``) of output columns ``k``
     (``[BLOCK_K]``): :func:`fastpath.fused._gated_fp8_group` of h's rows ``arow`` (columns ``k`` of the gate and up
     halves) where ``amask``; other rows are code 0 (scale 0 in the row-by-row form), as the plain kernel's masked
@@ -235,14 +235,14 @@ def _act_operand(h_ptr, arow, amask, n_rows, arow0, held_bits, stride_hm, k, K, 
             c_i, s_i = _gated_fp8_group(rp, kk, K, kmask & held, ACT, ACT_ALPHA, ACT_LIMIT, Q_ELEM, Q_ELEM_MAX,
                                         Q_INV_M, Q_FP32_RULE, Q_FP32_POW2, Q_AMAX_FLOOR, Q_ZERO_BLOCK, Q_NONFINITE,
                                         Q_APPLY, Q_SATURATE, Q_ROUND, Q_DROP_NEG_ZERO, Q_NAN_CODE, Q_FILL_CODE,
-                                        Q_HW_FP8, Q_DIV)
+                                        Q_HW_FP8, Q_DIV, ACT_IN16)
             codes = tl.where(hit[:, None], c_i, codes)
             sa = tl.where(hit, s_i, sa)
     else:
         codes, sa = _gated_fp8_group(h_ptr + arow[:, None] * stride_hm, kk, K, amask[:, None] & kmask, ACT,
                                      ACT_ALPHA, ACT_LIMIT, Q_ELEM, Q_ELEM_MAX, Q_INV_M, Q_FP32_RULE, Q_FP32_POW2,
                                      Q_AMAX_FLOOR, Q_ZERO_BLOCK, Q_NONFINITE, Q_APPLY, Q_SATURATE, Q_ROUND,
-                                     Q_DROP_NEG_ZERO, Q_NAN_CODE, Q_FILL_CODE, Q_HW_FP8, Q_DIV)
+                                     Q_DROP_NEG_ZERO, Q_NAN_CODE, Q_FILL_CODE, Q_HW_FP8, Q_DIV, ACT_IN16)
     return codes.to(tl.float8e4nv, bitcast=True), sa
 
 
@@ -261,7 +261,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_pt
                          Q_NONFINITE: tl.constexpr = 0, Q_APPLY: tl.constexpr = 0, Q_SATURATE: tl.constexpr = True,
                          Q_ROUND: tl.constexpr = 0, Q_DROP_NEG_ZERO: tl.constexpr = False,
                          Q_NAN_CODE: tl.constexpr = 0, Q_FILL_CODE: tl.constexpr = 0, Q_HW_FP8: tl.constexpr = False,
-                         Q_DIV: tl.constexpr = 0, ACT_ROWS: tl.constexpr = 0):
+                         Q_DIV: tl.constexpr = 0, ACT_ROWS: tl.constexpr = 0, ACT_IN16: tl.constexpr = 0):
     # ACT > 0 (the act_prologue; FP8 only, not GATHER): a_ptr is the bf16/fp16/fp32 gated input h [rows, 2K] and
     # each K block's A operand (FP8 codes) and its scales are computed from it in registers, row by row, by
     # _act_operand (fastpath.fused._gated_fp8_group: the fused act+quant kernel's device functions and knobs Q_*):
@@ -340,7 +340,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_pt
                                  BLOCK_K, ACT_ROWS,
                                  ACT, ACT_ALPHA, ACT_LIMIT, Q_ELEM, Q_ELEM_MAX, Q_INV_M, Q_FP32_RULE, Q_FP32_POW2,
                                  Q_AMAX_FLOOR, Q_ZERO_BLOCK, Q_NONFINITE, Q_APPLY, Q_SATURATE, Q_ROUND,
-                                 Q_DROP_NEG_ZERO, Q_NAN_CODE, Q_FILL_CODE, Q_HW_FP8, Q_DIV)
+                                 Q_DROP_NEG_ZERO, Q_NAN_CODE, Q_FILL_CODE, Q_HW_FP8, Q_DIV, ACT_IN16)
         if FP8:
             # promotion: a fresh product per 128-column block, scaled and added in FP32 (DeepGEMM)
             if ACT == 0:
@@ -536,6 +536,10 @@ def _launch_triton(a, b, d, m_idx, a_scales, b_scales, bias, t: GemmTiles, *, gr
         raise ValueError("act_prologue runs in the one-tile-per-program kernel on the layout's rows (decode): not "
                          f"with the tile-loop options or a_src; got {t}, a_src {'given' if a_src is not None else None}")
     a = a.contiguous()
+    in16 = 0
+    if act is not None and act.activation == "swigluoai":  # 16-bit (gate, up) pairs as int32 words, when they are
+        a3, pair, in16 = _pair_view(a.unsqueeze(0), True)  # (the fused kernel's view of its input)
+        a, in16 = (a3[0], in16) if pair == 1 else (a, 0)
     b = b.contiguous()
     dummy = torch.empty(1, dtype=torch.float32, device=a.device)
     sa = a_scales.contiguous() if fp8 and act is None else dummy
@@ -558,13 +562,14 @@ def _launch_triton(a, b, d, m_idx, a_scales, b_scales, bias, t: GemmTiles, *, gr
            K_ITERS=cdiv(k, t.block_k), EVEN_K=k % t.block_k == 0, HAS_BIAS=bias is not None,
            SWAP_AB=t.swap_ab, MASKED=masked_cap > 0, NG_POW2=next_pow2(max(ng, 1)),
            GATHER=a_src is not None, num_warps=t.num_warps, num_stages=t.num_stages,
-           **({} if act is None else _act_launch_knobs(act, a.device)))
+           **({} if act is None else _act_launch_knobs(act, a.device, in16)))
 
 
-def _act_launch_knobs(act: GatedQuant, device: torch.device) -> dict:
-    """The act prologue's constexprs (:meth:`fastpath.fused.GatedQuant.kernel_knobs`, :data:`ACT_ROWS_ONE_BY_ONE`)
-    and, on a GPU, :data:`ACT_PROLOGUE_MAXNREG`."""
-    knobs = dict(act.kernel_knobs(device), ACT_ROWS=ACT_ROWS_ONE_BY_ONE)
+def _act_launch_knobs(act: GatedQuant, device: torch.device, in16: int = 0) -> dict:
+    """The act prologue's constexprs (:meth:`fastpath.fused.GatedQuant.kernel_knobs`, :data:`ACT_ROWS_ONE_BY_ONE`,
+    ``ACT_IN16``: SwiGLU-OAI's pairs read as int32 words of 16-bit floats, 1 bfloat16, 2 float16) and, on a GPU,
+    :data:`ACT_PROLOGUE_MAXNREG`."""
+    knobs = dict(act.kernel_knobs(device), ACT_ROWS=ACT_ROWS_ONE_BY_ONE, ACT_IN16=in16)
     if ACT_PROLOGUE_MAXNREG is not None and not _grouped_gemm_tiles._INTERPRETED:
         knobs["maxnreg"] = int(ACT_PROLOGUE_MAXNREG)
     return knobs
