@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import os
 import re
 import subprocess
@@ -61,7 +62,8 @@ class _Recorder:
 
 def _signature(fn, args, kw):
     names = fn.arg_names
-    vals = dict(zip(names, args))
+    vals = {p.name: p.default for p in fn.params if p.default is not inspect.Parameter.empty}  # defaults
+    vals.update(zip(names, args))
     vals.update(kw)
     num_warps = vals.pop("num_warps", 4)
     num_stages = vals.pop("num_stages", 3)
