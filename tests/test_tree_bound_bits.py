@@ -221,9 +221,10 @@ def test_layer_bound_same_bits_with_the_definition():
     assert got.flips == want.flips
 
 
-def _rows_gemm_interval_apart(a, a_radius, row_expert, weights, bias, profile):
+def _rows_gemm_interval_apart(a, a_radius, row_expert, weights, bias, profile, ends=None):
     """The GEMM interval of the layer bound as first written: the center from its own GEMM
-    (``expert_rows_gemm``), the bound per expert through ``gemm_error_bound``, the radius term from ``radius_dot``."""
+    (``expert_rows_gemm``), the bound per expert through ``gemm_error_bound``, the radius term from ``radius_dot``
+    (the exact radius everywhere, whatever the store's ``ends``)."""
     from moeref.gemm import expert_rows_gemm
 
     center = expert_rows_gemm(a, row_expert, weights, bias)

@@ -264,24 +264,31 @@ def store_interval(value, radius, dtype: str | None, unit: float = 0.0):
     >>> ((c - 1) * 2**8).tolist(), (r * 2**8).tolist(), f.tolist()  # the first straddles, the second is known
     ([1.0, 0.0], [1.0, 0.0], [True, False])
     """
-    from ..moe.pipeline import round_to_dtype
-
     value = np.asarray(value, dtype=np.float64)
     radius = np.asarray(radius, dtype=np.float64)
     if dtype is None:
         return value, radius + unit * (np.abs(value) + radius), np.zeros(value.shape, dtype=bool)
     if dtype not in STORE_DTYPES:
         raise ValueError(f"dtype must be None or one of {', '.join(STORE_DTYPES)}; got {dtype!r}")
+    lo, hi = _store_ends(value, radius, dtype)
     with np.errstate(over="ignore", invalid="ignore"):
-        wide = radius * (1.0 + 2.0**-40) + np.abs(value) * 2.0**-52
-        lo = round_to_dtype(value - wide, dtype)
-        hi = round_to_dtype(value + wide, dtype)
         center = 0.5 * lo + 0.5 * hi        # exact: both are representable, halving is exact
         half = 0.5 * hi - 0.5 * lo
     bad = ~np.isfinite(half) & np.isfinite(value)
     center = np.where(bad, value, center)
     half = np.where(bad, np.inf, half)
     return center, half, lo != hi
+
+
+def _store_ends(value, radius, dtype: str):
+    """The two ends :func:`store_interval` rounds for a store to ``dtype`` (one of :data:`STORE_DTYPES`):
+    ``(rnd(value - wide), rnd(value + wide))``, float64, ``wide`` the radius widened for the float64 evaluation; the
+    first nonincreasing and the second nondecreasing in ``radius``."""
+    from ..moe.pipeline import round_to_dtype
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        wide = radius * (1.0 + 2.0**-40) + np.abs(value) * 2.0**-52
+        return round_to_dtype(value - wide, dtype), round_to_dtype(value + wide, dtype)
 
 
 @dataclass(frozen=True, eq=False)
@@ -312,13 +319,22 @@ def _rows_error_bound(a, a_radius, row_expert, weights, bias, profile: Profile) 
     return out
 
 
-def _rows_gemm_interval(a, a_radius, row_expert, weights, bias, profile: Profile):
+def _rows_gemm_interval(a, a_radius, row_expert, weights, bias, profile: Profile, ends=None):
     """``(center, radius)`` float64 ``[R, N]`` of a GEMM's interval before its store: the center
     :func:`moeref.gemm.grouped.expert_rows_gemm` of ``a`` (with ``bias``), the radius ``_rows_radius_term`` (with
     ``a_radius``) plus :func:`_rows_error_bound`; 0 on padding rows. The same bits, with one pass over the products
     where they coincide: under ``"contiguous_tree"`` the walk's in-order sum is the center wherever
     :func:`moeref.gemm.exact.in_order_sum` holds, and its ``ordered_dot`` of the radius is the radius term wherever
-    :func:`moeref.compare.operand_radius.exact_radius` is None (:func:`moeref.compare.operand_radius.radius_dot`)."""
+    :func:`moeref.compare.operand_radius.exact_radius` is None (:func:`moeref.compare.operand_radius.radius_dot`).
+
+    ``ends``: optional, for a caller that only stores the interval: ``ends(idx, center, radius)`` -> the two ends
+    the store rounds (:func:`_store_ends`, after any elementwise step between) for rows ``idx`` of the interval, each
+    nondecreasing or each nonincreasing in ``radius``. Under ``"contiguous_tree"`` the radius is then exact where its
+    ends depend on it, and elsewhere a value with the same ends: the bound's brackets
+    (:func:`moeref.compare.contiguous_tree._contiguous_tree_brackets`, which skip the walks of ``L >= 2``) give the
+    same ends (both signs of zero told apart, every bracket finite), so they are the exact radius's ends; the other
+    outputs get the exact radius (their walks only, or the whole GEMM's where they are more than
+    :data:`_EXACT_ALL_FROM` of them)."""
     if profile.accum_model != "contiguous_tree":
         center = expert_rows_gemm(a, row_expert, weights, bias)
         bound = _rows_error_bound(a, a_radius, row_expert, weights, bias, profile)
@@ -333,18 +349,64 @@ def _rows_gemm_interval(a, a_radius, row_expert, weights, bias, profile: Profile
     for e in np.unique(rows[rows >= 0]).tolist():  # a loop over experts
         idx = np.flatnonzero(rows == e)
         a_e, r_e = a.take_rows(idx), None if a_radius is None else a_radius[idx]
-        bound, total, rdot = contiguous_tree_parts(a_e, w[e], profile, a_radius=r_e,
-                                                   bias=None if b is None else b[e])
-        center[idx] = total + 0.0 if in_order_sum(a_e, w[e]) else block_gemm(a_e, w[e])
-        if r_e is not None:
-            if r_e.shape[1] and n and exact_radius(r_e, w[e]) is not None:  # radius_dot's grid
-                rdot = radius_dot(r_e, w[e])
-            bound = rdot + bound
-        radius[idx] = bound
-    if b is not None:
-        valid = rows >= 0
-        center[valid] += b[rows[valid]]
+        b_e = None if b is None else b[e]
+        grid = r_e is not None and r_e.shape[1] and n and exact_radius(r_e, w[e]) is not None
+        if ends is not None and n:
+            c_e, rad = _tree_interval_by_ends(a_e, w[e], r_e, b_e, profile, grid, lambda c, r: ends(idx, c, r))
+        else:
+            bound, total, rdot = contiguous_tree_parts(a_e, w[e], profile, a_radius=r_e, bias=b_e)
+            c_e = total + 0.0 if in_order_sum(a_e, w[e]) else block_gemm(a_e, w[e])
+            if b_e is not None:
+                c_e += b_e
+            rad = bound
+            if r_e is not None:
+                if grid:  # radius_dot's grid
+                    rdot = radius_dot(r_e, w[e])
+                rad = rdot + bound
+        center[idx] = c_e
+        radius[idx] = rad
     return center, radius
+
+
+_EXACT_ALL_FROM = 0.25
+"""Fraction of a GEMM's outputs whose store ends the brackets leave open from which :func:`_rows_gemm_interval` walks
+the whole GEMM (:func:`contiguous_tree_parts`) instead of those outputs' products gathered."""
+
+
+def _tree_interval_by_ends(a_e, w_e, r_e, b_e, profile: Profile, grid: bool, ends):
+    """One expert's ``(center, radius)`` of :func:`_rows_gemm_interval` with ``ends(center, radius)``: the exact
+    radius where the brackets' ends differ, the upper bracket elsewhere."""
+    from .contiguous_tree import _contiguous_tree_brackets
+    from .gemm_bounds import _checked
+
+    a_c, w_c, radius, b_abs = _checked(a_e, w_e, r_e, b_e)
+    lo, hi, total, rd, exact = _contiguous_tree_brackets(a_c, w_c, radius, b_abs, profile)
+    center = total + 0.0 if in_order_sum(a_e, w_e) else block_gemm(a_e, w_e)
+    if b_e is not None:
+        center += b_e
+    rdot = None
+    if r_e is not None:
+        if grid:
+            rdot = radius_dot(r_e, w_e)
+            lo, hi = rdot + lo, rdot + hi
+        else:
+            lo, hi = rd[0] + lo, rd[1] + hi
+    with np.errstate(invalid="ignore"):
+        open_ = ~(np.isfinite(lo) & np.isfinite(hi))
+        for x, y in zip(ends(center, lo), ends(center, hi)):
+            open_ |= ~((x == y) & (np.signbit(x) == np.signbit(y)))
+    mi, ni = np.nonzero(open_)
+    if mi.size > _EXACT_ALL_FROM * open_.size:
+        bound, _, rdot_all = contiguous_tree_parts(a_e, w_e, profile, a_radius=r_e, bias=b_e)
+        if r_e is None:
+            return center, bound
+        return center, (rdot if grid else rdot_all) + bound
+    if mi.size:
+        bound, rdot_p = exact(mi, ni)
+        if r_e is not None:
+            bound = (rdot[mi, ni] if grid else rdot_p) + bound
+        hi[mi, ni] = bound
+    return center, hi
 
 
 def _add_bias_after_store(stored, radius, row_expert, bias, profile: Profile):
@@ -493,7 +555,8 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
                                          profile.gemm_out_dtype, profile.gemm_out_unit)
         h_pre, dh = _add_bias_after_store(h0, dh0, rows, weights.b13, profile)
     else:
-        h_pre, dh = _rows_gemm_interval(p.a, None, rows, w13, weights.b13, profile)
+        h_pre, dh = _rows_gemm_interval(p.a, None, rows, w13, weights.b13, profile,
+                                        ends=_ends_of(profile.gemm_out_dtype))
     h, dh, flip_h = store_interval(h_pre, dh, profile.gemm_out_dtype, profile.gemm_out_unit)
     if flip_0 is not None:
         flip_h = flip_h | flip_0
@@ -526,6 +589,10 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
         pos[vidx] = np.arange(vidx.size)
         xq = xq_valid.take_rows(pos)
     # stage 5: GEMM2 and its store
+    weigh = p.apply_weights
+    w_row = None
+    if profile.gemm2_weighted_store and weigh:  # the epilogue weights (one FP32 multiply), then stores
+        w_row = np.where(valid, np.asarray(p.topk_weights, np.float64).reshape(-1)[np.maximum(p.src, 0)], 0.0)
     if profile.accum_model == "emulated":
         y_pre, dy = _emulated_gemm(xq, unc, rows, w2, weights.b2, profile, codes)
     elif profile.bias_add == "after_store" and weights.b2 is not None:
@@ -534,12 +601,10 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
                                     profile.gemm_out_dtype, profile.gemm_out_unit)
         y_pre, dy = _add_bias_after_store(y0, dy0, rows, weights.b2, profile)
     else:
-        y_pre, dy = _rows_gemm_interval(xq, unc, rows, w2, weights.b2, profile)
-    weigh = p.apply_weights
-    if profile.gemm2_weighted_store and weigh:  # the epilogue weights (one FP32 multiply), then stores
-        w_row = np.where(valid, np.asarray(p.topk_weights, np.float64).reshape(-1)[np.maximum(p.src, 0)], 0.0)
-        y_pre, dy = w_row[:, None] * y_pre, np.abs(w_row)[:, None] * dy
-        dy = dy + profile.reduce_unit * (np.abs(y_pre) + dy)
+        y_pre, dy = _rows_gemm_interval(xq, unc, rows, w2, weights.b2, profile,
+                                        ends=_ends_of(profile.gemm_out_dtype, w_row, profile.reduce_unit))
+    if w_row is not None:
+        y_pre, dy = _weighted(w_row, y_pre, dy, profile.reduce_unit)
         weigh = False
     y, dy, _ = store_interval(y_pre, dy, profile.gemm_out_dtype, profile.gemm_out_unit)
     y[~valid] = 0.0
@@ -550,6 +615,27 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
     d_tok = weight_and_reduce(dy, p.src, w_abs, p.num_tokens, apply_weights=weigh, out_dtype=np.float64)
     mag = weight_and_reduce(np.abs(y) + dy, p.src, w_abs, p.num_tokens, apply_weights=weigh, out_dtype=np.float64)
     return center, d_tok + gamma(p.top_k + 2, profile.reduce_unit) * mag, flips
+
+
+def _weighted(w_row, y_pre, dy, reduce_unit: float):
+    """GEMM2's interval times its rows' top-k weights ``w_row`` ``[R]`` in the epilogue (one FP32 multiply,
+    ``gemm2_weighted_store``): ``(w y, |w| dy + reduce_unit (|w y| + |w| dy))``."""
+    y_pre, dy = w_row[:, None] * y_pre, np.abs(w_row)[:, None] * dy
+    return y_pre, dy + reduce_unit * (np.abs(y_pre) + dy)
+
+
+def _ends_of(dtype, w_row=None, reduce_unit: float = 0.0):
+    """``ends(idx, center, radius)`` of :func:`_rows_gemm_interval` for a store to ``dtype`` (None: no store that
+    rounds, so no ends: None), after :func:`_weighted` by ``w_row`` where given."""
+    if dtype is None:
+        return None
+
+    def ends(idx, center, radius):
+        if w_row is not None:
+            center, radius = _weighted(w_row[idx], center, radius, reduce_unit)
+        return _store_ends(center, radius, dtype)
+
+    return ends
 
 
 def _is_device_run(run) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..gemm.exact import BlockOperand
-from .summation_order import U_F64, gamma, ordered_dot
+from .summation_order import U_F64, gamma, ordered_dot, ordered_dot_pairs
 
 __all__ = ["TREE_LANES", "contiguous_tree_gemm_bound"]
 
@@ -101,9 +101,6 @@ def _contiguous_tree(a: BlockOperand, w: BlockOperand, radius, b_abs, profile):
     n = w.values.shape[0]
     if m == 0 or n == 0:
         return np.zeros((m, n)), np.zeros((m, n)), None if radius is None else np.zeros((m, n))
-    u = float(profile.accum_unit)
-    rho = float(profile.adder_factor)
-    u_prom = float(profile.promote_unit)
     ad, wd = a.dequantize(), w.dequantize()
     lanes = max(TREE_LANES)
     kp = -(-max(k, 1) // lanes) * lanes
@@ -111,24 +108,163 @@ def _contiguous_tree(a: BlockOperand, w: BlockOperand, radius, b_abs, profile):
     rdot = None if radius is None else ordered_dot(radius, None, w_t=np.abs(wt))
     d = np.zeros((m, n)) if radius is None else rdot * (1.0 + gamma(k + 2, U_F64))
     rng, wsum, csum = _tree_walks(at, wt)
+    return _tree_bound(rng, wsum, np.abs(csum), d, b_abs[None, :], _bias_init(profile, b_abs), k, kp, profile,
+                       _products_exact_in_fp32(a, w)), csum, rdot
+
+
+def _contiguous_tree_brackets(a: BlockOperand, w: BlockOperand, radius, b_abs, profile):
+    """Bounds on :func:`_contiguous_tree`'s outputs without the walks of ``L >= 2``, for validated inputs:
+    ``(lo, hi, total, rdot, exact)``. ``lo <= bound <= hi`` elementwise (float64 ``[M, N]``; NaN where an input is not
+    finite); ``total``: the same bits as :func:`_contiguous_tree`'s; ``rdot``: ``(lo, hi)`` around its radius dot (None
+    without a radius); ``exact(mi, ni)``: ``(bound, radius_dot)`` at the outputs ``(mi[j], ni[j])``, the bits of
+    :func:`_contiguous_tree` (``radius_dot`` None without a radius).
+
+    The bound is nondecreasing in the walks' range ``R``, ``W = sum |p|``, and the radius dot (:func:`_tree_bound`), so
+    brackets of those bracket it. ``R``: at least the range of the walk of ``L = 1`` (its exact bits: ``R`` is the
+    largest range over the lane counts), at most that or the caps ``(sum |p| + |sum p|) / 2`` of every lane of
+    ``L >= 2`` from BLAS (:func:`_lane_caps`). ``W`` and the radius dot: sums of nonnegative products, within
+    ``gamma_K`` of their exact value in any order (BLAS, any blocking, fused or not, and the in-order sums alike)
+    plus ``2^-1075`` a product for underflow, so within :data:`_GROW` and :func:`_tiny` of the BLAS sum."""
+    m, k = a.values.shape
+    n = w.values.shape[0]
+    ad, wd = a.dequantize(), w.dequantize()
+    lanes = max(TREE_LANES)
+    kp = -(-max(k, 1) // lanes) * lanes
+    at, wt = _k_major(ad, kp), _k_major(wd, kp)
+    r1, _, csum = _tree_walks(at, wt, first_only=True)
+    cap, wblas = _lane_caps(at, wt)
+    grow, tiny = _grow(kp), _tiny(kp)
+    w_lo, w_hi = np.maximum(wblas / grow - tiny, 0.0), wblas * grow + tiny
+    zero = np.zeros((m, n))
+    rd = d_lo = d_hi = None
+    if radius is None:
+        d_lo = d_hi = zero
+    else:
+        w_abs = np.abs(wt[:k])
+        rblas = _blas_dot(radius, w_abs)
+        rd = (np.maximum(rblas / _grow(k) - _tiny(k), 0.0), rblas * _grow(k) + _tiny(k))
+        d_lo, d_hi = rd[0] * (1.0 + gamma(k + 2, U_F64)), rd[1] * (1.0 + gamma(k + 2, U_F64))
+    c_abs = np.abs(csum)
+    init = _bias_init(profile, b_abs)
+    exact_products = _products_exact_in_fp32(a, w)
+    lo = _tree_bound(r1, w_lo, c_abs, d_lo, b_abs[None, :], init, k, kp, profile, exact_products)
+    hi = _tree_bound(np.maximum(r1, cap), w_hi, c_abs, d_hi, b_abs[None, :], init, k, kp, profile, exact_products)
+
+    def exact(mi, ni):
+        bound = np.empty(mi.size)
+        rdot = None if radius is None else np.empty(mi.size)
+        step = max(2, _LANE_ELEMS // kp)
+        for s in range(0, mi.size, step):  # the outputs' products, gathered, a batch at a time
+            i, j = mi[s:s + step], ni[s:s + step]
+            q = np.take(at, i, axis=1)
+            q *= np.take(wt, j, axis=1)
+            rng, wsum = _pair_walks(q)
+            d = 0.0
+            if radius is not None:
+                rdot[s:s + step] = ordered_dot_pairs(radius[i], np.take(w_abs, j, axis=1).T)
+                d = rdot[s:s + step] * (1.0 + gamma(k + 2, U_F64))
+            bound[s:s + step] = _tree_bound(rng, wsum, c_abs[i, j], d, b_abs[j], init, k, kp, profile, exact_products)
+        return bound, rdot
+
+    return lo, hi, csum, rd, exact
+
+
+def _grow(k: int) -> float:
+    """Relative margin of a bracket around a sum of ``k`` products (``1 + 64 (k + 2) 2^-53``: the ``gamma_k`` of two
+    summation orders and the roundings of the margin itself, with room)."""
+    return 1.0 + 64.0 * (k + 2) * U_F64
+
+
+def _tiny(k: int) -> float:
+    """Absolute margin of a bracket around a sum of ``k`` products for their underflow (``2^-1075`` a product in each
+    of two orders, with room)."""
+    return (k + 16) * 2.0**-1072
+
+
+def _blas_dot(x: np.ndarray, y_t: np.ndarray) -> np.ndarray:
+    """``x @ y_t`` (float64 ``[M, K]`` and ``[K, N]``) from BLAS, at most :data:`_CAP_MACS` multiply-adds a product."""
+    m, k = x.shape
+    n = y_t.shape[1]
+    out = np.empty((m, n))
+    step = max(1, _CAP_MACS // max(1, n * k))
+    for i in range(0, m, step):
+        np.matmul(x[i:i + step], y_t, out=out[i:i + step])
+    return out
+
+
+def _lane_caps(at: np.ndarray, wt: np.ndarray):
+    """``(cap, W)`` float64 ``[M, N]``: ``cap`` at least the computed range of every lane of every ``L >= 2`` (the
+    largest ``(sum |p| + |sum p|) / 2`` of :func:`_contiguous_tree`'s skip test, with its margins), ``W`` the BLAS
+    ``sum |p|`` (:func:`_lane_sums`, the lanes added pairwise)."""
+    kp, m = at.shape
+    n = wt.shape[1]
+    lanes = max(TREE_LANES)
+    grow = 1.0 + 64.0 * (kp + 2) * U_F64
+    cap = np.zeros((m, n))
+    wsum = np.empty((m, n))
+    rows = max(1, (1 << 21) // max(1, lanes * n))
+    for c0 in range(0, m, rows):
+        c1 = min(c0 + rows, m)
+        sa, sp = _lane_sums(at, wt, c0, c1)                           # [32, rows, N]
+        out = cap[c0:c1]
+        while sa.shape[0] > 1:                                        # L = 32, 16, ..., 2
+            c = np.abs(sp)
+            c += sa
+            c *= 0.5 * grow
+            c += (kp + 16) * 2.0**-1074
+            np.maximum(out, c.max(axis=0), out=out)
+            h = sa.shape[0] // 2
+            sa, sp = sa[:h] + sa[h:], sp[:h] + sp[h:]                   # lane r of L/2: r and r + L/2 of L
+        wsum[c0:c1] = sa[0]
+    return cap, wsum
+
+
+def _pair_walks(q: np.ndarray):
+    """``(R, W)`` float64 ``[X]`` of the products ``q`` ``[kp, X]`` (column ``x`` one output's products in K order):
+    the largest range over every lane of every lane count (:func:`_lane_top`) and ``sum |p|`` in K order from +0.0,
+    the bits of :func:`_tree_walks`."""
+    kp, x = q.shape
+    best = np.zeros(x)
+    for lane in TREE_LANES:
+        top = _lane_top(q.reshape(kp // lane, lane * x))
+        best = np.maximum(best, top.reshape(lane, x).max(axis=0))
+    pa = np.zeros((kp + 1, max(x, 2)))  # two columns at least: NumPy sums one column pairwise
+    np.abs(q, out=pa[1:, :x])
+    return best, np.add.reduce(pa, axis=0)[:x]
+
+
+def _bias_init(profile, b_abs) -> bool:
+    """Whether the bias is the accumulator's initial value (``bias_add="accumulator_init"`` and a nonzero bias)."""
+    return getattr(profile, "bias_add", "epilogue") == "accumulator_init" and bool(b_abs.any())
+
+
+def _tree_bound(rng, wsum, c_abs, d, b_abs, init: bool, k: int, kp: int, profile, exact_products: bool) -> np.ndarray:
+    """The bound of :func:`contiguous_tree_gemm_bound` from its walks, elementwise (any shape, broadcast): the range
+    ``rng``, ``wsum`` (``sum |p|``), ``c_abs`` (``|sum p|``), ``d`` (the radius term ``a_radius |W|^T`` widened for
+    its float64 evaluation, 0 without a radius) and ``b_abs`` (``|bias|``); ``init``: :func:`_bias_init` of the GEMM's
+    whole bias. Nondecreasing in each of them (every
+    operation an add, a product with a nonnegative constant or a division by a positive one, each rounded to
+    nearest), so inputs that bracket the walks' values bracket the bound."""
+    u = float(profile.accum_unit)
+    rho = float(profile.adder_factor)
+    u_prom = float(profile.promote_unit)
     slack = 2.0 * gamma(kp + 2, U_F64) * wsum
     r_hi = rng + slack + d
     w_hi = wsum * (1.0 + gamma(kp + 2, U_F64)) + d
-    c_hi = np.abs(csum) + slack + d
+    c_hi = c_abs + slack + d
     sigma = gamma(2, u_prom)
-    u_prod = 0.0 if _products_exact_in_fp32(a, w) else 2.0 * u
-    init = getattr(profile, "bias_add", "epilogue") == "accumulator_init" and bool(b_abs.any())
+    u_prod = 0.0 if exact_products else 2.0 * u
     t = rho * max(k - 1 + int(init), 0) * u
     denom = 1.0 - t - sigma
     if denom <= 0:
-        return np.full((m, n), np.inf), csum, rdot
+        return np.full(np.broadcast(rng, b_abs).shape, np.inf)
     if init:  # the bias is the tree's first leaf: one more add, every node holding it within |b| + R
-        acc = (t * (r_hi + b_abs[None, :]) + (sigma + u_prod) * w_hi) / np.float64(denom)
+        acc = (t * (r_hi + b_abs) + (sigma + u_prod) * w_hi) / np.float64(denom)
         out = acc + (k + 2) * 2.0**-149
     else:
         acc = (t * r_hi + (sigma + u_prod) * w_hi) / np.float64(denom)
-        out = acc + u_prom * (c_hi + acc + b_abs[None, :]) + (k + 2) * 2.0**-149
-    return out * (1.0 + 1e-9), csum, rdot
+        out = acc + u_prom * (c_hi + acc + b_abs) + (k + 2) * 2.0**-149
+    return out * (1.0 + 1e-9)
 
 
 _WALKED = (1, 2, 4)
@@ -214,8 +350,9 @@ class _WalkTile:
     of every walked lane count made once (a tile of the same width reuses them): the products ``pc``, ``|p|`` under
     the running ``sum |p|`` (``pa``), the walk ``wb``, and per lane count the last prefix sums, maxima and minima."""
 
-    def __init__(self, rows: int, x: int, walked: tuple):
+    def __init__(self, rows: int, x: int, walked: tuple, abs_sum: bool = True):
         self.x = x
+        self.abs_sum = abs_sum
         self.pc = np.empty((rows, x))
         self.pa = np.zeros((rows + 1, max(x, 2)))  # two columns at least: NumPy sums one column pairwise
         self.wb = np.empty((rows, x))
@@ -252,9 +389,10 @@ class _WalkTile:
         x = self.x
         pc = self.pc[:r]
         np.einsum("kr,kn->krn", a_rows, w_rows, out=pc.reshape(r, a_rows.shape[1], w_rows.shape[1]))
-        self.pa[0] = self.acc
-        np.abs(pc, out=self.pa[1:r + 1, :x])
-        np.add.reduce(self.pa[:r + 1], axis=0, out=self.acc)  # sum |p| in K order onto the running sum
+        if self.abs_sum:
+            self.pa[0] = self.acc
+            np.abs(pc, out=self.pa[1:r + 1, :x])
+            np.add.reduce(self.pa[:r + 1], axis=0, out=self.acc)  # sum |p| in K order onto the running sum
         add = np.add
         for lane in self.walked:
             qv, wv, w = self._rows(r, lane)
@@ -283,10 +421,11 @@ class _WalkTile:
         return best
 
 
-def _tree_walks(at: np.ndarray, wt: np.ndarray):
+def _tree_walks(at: np.ndarray, wt: np.ndarray, first_only: bool = False):
     """``(R, W, S)`` float64 ``[M, N]`` of :func:`contiguous_tree_gemm_bound` from the K-major operands ``at``
     ``[kp, M]`` and ``wt`` ``[kp, N]`` (``kp`` a multiple of 32): the largest range over every lane of every lane
-    count, ``sum |p|`` and ``sum p`` in K order."""
+    count, ``sum |p|`` and ``sum p`` in K order. ``first_only``: the walk of ``L = 1`` alone, ``(R_1, None, S)``
+    (its range, a lower bound of ``R``, and the same ``S``)."""
     kp, m = at.shape
     n = wt.shape[1]
     lanes = max(TREE_LANES)
@@ -295,7 +434,7 @@ def _tree_walks(at: np.ndarray, wt: np.ndarray):
     csum = np.empty((m, n))
     nb = max(1, min(n, _WALK_OUTPUTS))
     rb = max(1, _WALK_OUTPUTS // nb)
-    walked = _walked_lanes(kp)
+    walked = (1,) if first_only else _walked_lanes(kp)
     rows = min(kp, -(-_WALK_ROWS // walked[-1]) * walked[-1])  # a multiple of every walked lane count
     tiles = {}
     for r0 in range(0, m, rb):  # tiles of [K, rb * nb] products, K in chunks of `rows`
@@ -305,14 +444,17 @@ def _tree_walks(at: np.ndarray, wt: np.ndarray):
             x = (r1 - r0) * (n1 - n0)
             tile = tiles.get(x)
             if tile is None:
-                tile = tiles[x] = _WalkTile(rows, x, walked)
+                tile = tiles[x] = _WalkTile(rows, x, walked, not first_only)
             tile.start()
             for k0 in range(0, kp, rows):
                 r = min(rows, kp - k0)
                 tile.chunk(at[k0:k0 + r, r0:r1], wt[k0:k0 + r, n0:n1], k0 == 0)
-            wsum[r0:r1, n0:n1] = tile.acc[:x].reshape(r1 - r0, n1 - n0)
+            if not first_only:
+                wsum[r0:r1, n0:n1] = tile.acc[:x].reshape(r1 - r0, n1 - n0)
             csum[r0:r1, n0:n1] = tile.prev[1].reshape(r1 - r0, n1 - n0)
             rng[r0:r1, n0:n1] = tile.ranges().reshape(r1 - r0, n1 - n0)
+    if first_only:
+        return rng, None, csum
     if walked[-1] == lanes:
         return rng, wsum, csum
     rb = max(1, _WALK_OUTPUTS // nb)
