@@ -327,14 +327,16 @@ def _rows_gemm_interval(a, a_radius, row_expert, weights, bias, profile: Profile
     :func:`moeref.gemm.exact.in_order_sum` holds, and its ``ordered_dot`` of the radius is the radius term wherever
     :func:`moeref.compare.operand_radius.exact_radius` is None (:func:`moeref.compare.operand_radius.radius_dot`).
 
-    ``ends``: optional, for a caller that only stores the interval: ``ends(idx, center, radius)`` -> the two ends
-    the store rounds (:func:`_store_ends`, after any elementwise step between) for rows ``idx`` of the interval, each
+    ``ends``: optional, for a caller that only stores the interval: ``ends(rows, center, radius)`` -> the two ends
+    the store rounds (:func:`_store_ends`, after any elementwise step between) for elements of the rows ``rows``
+    (broadcast against ``center``), each
     nondecreasing or each nonincreasing in ``radius``. Under ``"contiguous_tree"`` the radius is then exact where its
     ends depend on it, and elsewhere a value with the same ends: the bound's brackets
     (:func:`moeref.compare.contiguous_tree._contiguous_tree_brackets`, which skip the walks of ``L >= 2``) give the
     same ends (both signs of zero told apart, every bracket finite), so they are the exact radius's ends; the other
-    outputs get the exact radius (their walks only, or the whole GEMM's where they are more than
-    :data:`_EXACT_ALL_FROM` of them)."""
+    outputs walk the next lane count and are bracketed again, and those still open after every lane count get the
+    exact radius (or the whole GEMM is walked where more than :data:`_EXACT_ALL_FROM` of its outputs are open at
+    first)."""
     if profile.accum_model != "contiguous_tree":
         center = expert_rows_gemm(a, row_expert, weights, bias)
         bound = _rows_error_bound(a, a_radius, row_expert, weights, bias, profile)
@@ -352,7 +354,7 @@ def _rows_gemm_interval(a, a_radius, row_expert, weights, bias, profile: Profile
         b_e = None if b is None else b[e]
         grid = r_e is not None and r_e.shape[1] and n and exact_radius(r_e, w[e]) is not None
         if ends is not None and n:
-            c_e, rad = _tree_interval_by_ends(a_e, w[e], r_e, b_e, profile, grid, lambda c, r: ends(idx, c, r))
+            c_e, rad = _tree_interval_by_ends(a_e, w[e], r_e, b_e, profile, grid, ends, idx)
         else:
             bound, total, rdot = contiguous_tree_parts(a_e, w[e], profile, a_radius=r_e, bias=b_e)
             c_e = total + 0.0 if in_order_sum(a_e, w[e]) else block_gemm(a_e, w[e])
@@ -368,45 +370,65 @@ def _rows_gemm_interval(a, a_radius, row_expert, weights, bias, profile: Profile
     return center, radius
 
 
-_EXACT_ALL_FROM = 0.25
-"""Fraction of a GEMM's outputs whose store ends the brackets leave open from which :func:`_rows_gemm_interval` walks
-the whole GEMM (:func:`contiguous_tree_parts`) instead of those outputs' products gathered."""
+_EXACT_ALL_FROM = 0.5
+"""Fraction of a GEMM's outputs whose store ends the first brackets leave open from which :func:`_rows_gemm_interval`
+walks the whole GEMM (:func:`contiguous_tree_parts`) instead of those outputs' products gathered."""
 
 
-def _tree_interval_by_ends(a_e, w_e, r_e, b_e, profile: Profile, grid: bool, ends):
-    """One expert's ``(center, radius)`` of :func:`_rows_gemm_interval` with ``ends(center, radius)``: the exact
-    radius where the brackets' ends differ, the upper bracket elsewhere."""
-    from .contiguous_tree import _contiguous_tree_brackets
+def _open_ends(ends, rows, center, lo, hi) -> np.ndarray:
+    """Where the radius brackets ``lo <= radius <= hi`` leave the store's ends open (either end differs, a zero's sign
+    included, or a bracket is not finite), bool of ``center``'s shape."""
+    with np.errstate(invalid="ignore"):
+        out = ~(np.isfinite(lo) & np.isfinite(hi))
+        for x, y in zip(ends(rows, center, lo), ends(rows, center, hi)):
+            out |= ~((x == y) & (np.signbit(x) == np.signbit(y)))
+    return out
+
+
+def _tree_interval_by_ends(a_e, w_e, r_e, b_e, profile: Profile, grid: bool, ends, idx):
+    """One expert's ``(center, radius)`` of :func:`_rows_gemm_interval` with ``ends`` (rows ``idx``): the exact
+    radius where the brackets' ends differ after every lane count is walked, the upper bracket of the first lane count
+    that closes them elsewhere."""
+    from .contiguous_tree import TREE_LANES, _TreeBrackets
     from .gemm_bounds import _checked
 
     a_c, w_c, radius, b_abs = _checked(a_e, w_e, r_e, b_e)
-    lo, hi, total, rd, exact = _contiguous_tree_brackets(a_c, w_c, radius, b_abs, profile)
-    center = total + 0.0 if in_order_sum(a_e, w_e) else block_gemm(a_e, w_e)
+    tree = _TreeBrackets(a_c, w_c, radius, b_abs, profile)
+    center = tree.total + 0.0 if in_order_sum(a_e, w_e) else block_gemm(a_e, w_e)
     if b_e is not None:
         center += b_e
-    rdot = None
-    if r_e is not None:
-        if grid:
-            rdot = radius_dot(r_e, w_e)
-            lo, hi = rdot + lo, rdot + hi
-        else:
-            lo, hi = rd[0] + lo, rd[1] + hi
-    with np.errstate(invalid="ignore"):
-        open_ = ~(np.isfinite(lo) & np.isfinite(hi))
-        for x, y in zip(ends(center, lo), ends(center, hi)):
-            open_ |= ~((x == y) & (np.signbit(x) == np.signbit(y)))
-    mi, ni = np.nonzero(open_)
-    if mi.size > _EXACT_ALL_FROM * open_.size:
-        bound, _, rdot_all = contiguous_tree_parts(a_e, w_e, profile, a_radius=r_e, bias=b_e)
+    rdot = radius_dot(r_e, w_e) if grid else None
+
+    def with_rdot(lo, hi, at=None):
         if r_e is None:
-            return center, bound
-        return center, (rdot if grid else rdot_all) + bound
+            return lo, hi
+        if grid:
+            rd = rdot if at is None else rdot[at]
+            return rd + lo, rd + hi
+        return tuple((v if at is None else v[at]) + x for v, x in zip(tree.rdot, (lo, hi)))
+
+    lo, hi = with_rdot(*tree.bounds(1))
+    open_ = _open_ends(ends, idx[:, None], center, lo, hi)
+    if np.count_nonzero(open_) > _EXACT_ALL_FROM * open_.size:
+        bound, _, rdot_all = contiguous_tree_parts(a_e, w_e, profile, a_radius=r_e, bias=b_e)
+        return center, bound if r_e is None else (rdot if grid else rdot_all) + bound
+    radius = hi
+    mi, ni = np.nonzero(open_)
+    r = tree.r1[mi, ni]
+    for lane in TREE_LANES[1:]:  # walk the next lane count where the ends are still open
+        if not mi.size:
+            break
+        r = tree.walk(lane, mi, ni, r)
+        if lane == TREE_LANES[-1]:
+            break
+        lo, hi = with_rdot(*tree.bounds(lane, mi, ni, r), at=(mi, ni))
+        shut = ~_open_ends(ends, idx[mi], center[mi, ni], lo, hi)
+        radius[mi[shut], ni[shut]] = hi[shut]
+        mi, ni, r = mi[~shut], ni[~shut], r[~shut]
     if mi.size:
-        bound, rdot_p = exact(mi, ni)
-        if r_e is not None:
-            bound = (rdot[mi, ni] if grid else rdot_p) + bound
-        hi[mi, ni] = bound
-    return center, hi
+        bound, rdot_p = tree.exact(mi, ni, r)
+        radius[mi, ni] = bound if r_e is None else (rdot[mi, ni] if grid else rdot_p) + bound
+    return center, radius
 
 
 def _add_bias_after_store(stored, radius, row_expert, bias, profile: Profile):
@@ -604,7 +626,7 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
         y_pre, dy = _rows_gemm_interval(xq, unc, rows, w2, weights.b2, profile,
                                         ends=_ends_of(profile.gemm_out_dtype, w_row, profile.reduce_unit))
     if w_row is not None:
-        y_pre, dy = _weighted(w_row, y_pre, dy, profile.reduce_unit)
+        y_pre, dy = _weighted(w_row[:, None], y_pre, dy, profile.reduce_unit)
         weigh = False
     y, dy, _ = store_interval(y_pre, dy, profile.gemm_out_dtype, profile.gemm_out_unit)
     y[~valid] = 0.0
@@ -617,10 +639,10 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
     return center, d_tok + gamma(p.top_k + 2, profile.reduce_unit) * mag, flips
 
 
-def _weighted(w_row, y_pre, dy, reduce_unit: float):
-    """GEMM2's interval times its rows' top-k weights ``w_row`` ``[R]`` in the epilogue (one FP32 multiply,
-    ``gemm2_weighted_store``): ``(w y, |w| dy + reduce_unit (|w y| + |w| dy))``."""
-    y_pre, dy = w_row[:, None] * y_pre, np.abs(w_row)[:, None] * dy
+def _weighted(w, y_pre, dy, reduce_unit: float):
+    """GEMM2's interval times its rows' top-k weights ``w`` (broadcast against ``y_pre``) in the epilogue (one FP32
+    multiply, ``gemm2_weighted_store``), elementwise: ``(w y, |w| dy + reduce_unit (|w y| + |w| dy))``."""
+    y_pre, dy = w * y_pre, np.abs(w) * dy
     return y_pre, dy + reduce_unit * (np.abs(y_pre) + dy)
 
 
@@ -630,9 +652,9 @@ def _ends_of(dtype, w_row=None, reduce_unit: float = 0.0):
     if dtype is None:
         return None
 
-    def ends(idx, center, radius):
+    def ends(rows, center, radius):
         if w_row is not None:
-            center, radius = _weighted(w_row[idx], center, radius, reduce_unit)
+            center, radius = _weighted(w_row[rows], center, radius, reduce_unit)
         return _store_ends(center, radius, dtype)
 
     return ends

@@ -112,61 +112,102 @@ def _contiguous_tree(a: BlockOperand, w: BlockOperand, radius, b_abs, profile):
                        _products_exact_in_fp32(a, w)), csum, rdot
 
 
-def _contiguous_tree_brackets(a: BlockOperand, w: BlockOperand, radius, b_abs, profile):
-    """Bounds on :func:`_contiguous_tree`'s outputs without the walks of ``L >= 2``, for validated inputs:
-    ``(lo, hi, total, rdot, exact)``. ``lo <= bound <= hi`` elementwise (float64 ``[M, N]``; NaN where an input is not
-    finite); ``total``: the same bits as :func:`_contiguous_tree`'s; ``rdot``: ``(lo, hi)`` around its radius dot (None
-    without a radius); ``exact(mi, ni)``: ``(bound, radius_dot)`` at the outputs ``(mi[j], ni[j])``, the bits of
-    :func:`_contiguous_tree` (``radius_dot`` None without a radius).
+class _TreeBrackets:
+    """Brackets of :func:`_contiguous_tree`'s bound without the walks of ``L >= 2``, refined on request, for validated
+    inputs (``a`` ``[M, K]``, ``w`` ``[N, K]``, ``M, N >= 1``).
 
-    The bound is nondecreasing in the walks' range ``R``, ``W = sum |p|``, and the radius dot (:func:`_tree_bound`), so
-    brackets of those bracket it. ``R``: at least the range of the walk of ``L = 1`` (its exact bits: ``R`` is the
-    largest range over the lane counts), at most that or the caps ``(sum |p| + |sum p|) / 2`` of every lane of
-    ``L >= 2`` from BLAS (:func:`_lane_caps`). ``W`` and the radius dot: sums of nonnegative products, within
-    ``gamma_K`` of their exact value in any order (BLAS, any blocking, fused or not, and the in-order sums alike)
-    plus ``2^-1075`` a product for underflow, so within :data:`_GROW` and :func:`_tiny` of the BLAS sum."""
-    m, k = a.values.shape
-    n = w.values.shape[0]
-    ad, wd = a.dequantize(), w.dequantize()
-    lanes = max(TREE_LANES)
-    kp = -(-max(k, 1) // lanes) * lanes
-    at, wt = _k_major(ad, kp), _k_major(wd, kp)
-    r1, _, csum = _tree_walks(at, wt, first_only=True)
-    cap, wblas = _lane_caps(at, wt)
-    grow, tiny = _grow(kp), _tiny(kp)
-    w_lo, w_hi = np.maximum(wblas / grow - tiny, 0.0), wblas * grow + tiny
-    zero = np.zeros((m, n))
-    rd = d_lo = d_hi = None
-    if radius is None:
+    The bound is nondecreasing in the walks' range ``R``, in ``W = sum |p|`` and in the radius dot
+    (:func:`_tree_bound`), so brackets of those bracket it. ``R`` is the largest range over the lane counts: at least
+    the range of the walks done so far (their exact bits: the walk of ``L = 1`` for every output, then
+    :meth:`walk`), at most that or the caps ``(sum |p| + |sum p|) / 2`` of every lane of the lane counts not walked
+    (BLAS lane sums with the margins of :func:`_tree_walks`' skip test, :func:`_lane_caps`). ``W`` and the radius dot
+    are sums of nonnegative products, within ``gamma_K`` of their exact value in any order (BLAS, any blocking, fused
+    or not, and the in-order sums alike) plus ``2^-1075`` a product for underflow: within :func:`_grow` and
+    :func:`_tiny` of the BLAS sums.
+
+    Attributes: ``total`` (the bits of :func:`_contiguous_tree`'s), ``r1`` (the range of ``L = 1``), ``rdot``
+    (``(lo, hi)`` around the radius dot, None without a radius), all float64 ``[M, N]``. A non-finite input gives
+    NaN or infinite brackets."""
+
+    def __init__(self, a: BlockOperand, w: BlockOperand, radius, b_abs, profile):
+        m, k = a.values.shape
+        self.k = k
+        self.kp = kp = -(-max(k, 1) // max(TREE_LANES)) * max(TREE_LANES)
+        self.ad, self.wd = a.dequantize(), w.dequantize()
+        self.at, self.wt = _k_major(self.ad, kp), _k_major(self.wd, kp)
+        self.r1, _, self.total = _tree_walks(self.at, self.wt, first_only=True)
+        self.caps, wblas = _lane_caps(self.at, self.wt)
+        grow, tiny = _grow(kp), _tiny(kp)
+        self.w = (np.maximum(wblas / grow - tiny, 0.0), wblas * grow + tiny)
+        self.radius = radius
+        self.rdot = None
+        if radius is not None:
+            self.w_abs = np.abs(self.wt[:k])
+            rblas = _blas_dot(radius, self.w_abs)
+            self.rdot = (np.maximum(rblas / _grow(k) - _tiny(k), 0.0), rblas * _grow(k) + _tiny(k))
+        self.c_abs = np.abs(self.total)
+        self.b_abs = b_abs
+        self.args = (_bias_init(profile, b_abs), k, kp, profile, _products_exact_in_fp32(a, w))
+
+    def _cap_above(self, lane: int, at=None):
+        caps = [c if at is None else c[at] for lane_, c in self.caps.items() if lane_ > lane]
+        return np.maximum.reduce(caps) if caps else None
+
+    def bounds(self, lane: int, mi=None, ni=None, r=None):
+        """``(lo, hi)`` of the bound (float64 ``[M, N]``, or ``[X]`` at the outputs ``(mi, ni)`` with ``r`` their
+        largest range over the lane counts up to ``lane``, walked)."""
+        at = None if mi is None else (mi, ni)
+        if r is None:
+            r = self.r1
+        cap = self._cap_above(lane, at)
+        r_hi = r if cap is None else np.maximum(r, cap)
+        pick = (lambda v: v) if at is None else (lambda v: v[at])
+        b = self.b_abs[None, :] if at is None else self.b_abs[ni]
+        zero = 0.0
         d_lo = d_hi = zero
-    else:
-        w_abs = np.abs(wt[:k])
-        rblas = _blas_dot(radius, w_abs)
-        rd = (np.maximum(rblas / _grow(k) - _tiny(k), 0.0), rblas * _grow(k) + _tiny(k))
-        d_lo, d_hi = rd[0] * (1.0 + gamma(k + 2, U_F64)), rd[1] * (1.0 + gamma(k + 2, U_F64))
-    c_abs = np.abs(csum)
-    init = _bias_init(profile, b_abs)
-    exact_products = _products_exact_in_fp32(a, w)
-    lo = _tree_bound(r1, w_lo, c_abs, d_lo, b_abs[None, :], init, k, kp, profile, exact_products)
-    hi = _tree_bound(np.maximum(r1, cap), w_hi, c_abs, d_hi, b_abs[None, :], init, k, kp, profile, exact_products)
+        if self.rdot is not None:
+            d_lo, d_hi = (pick(v) * (1.0 + gamma(self.k + 2, U_F64)) for v in self.rdot)
+        lo = _tree_bound(r, pick(self.w[0]), pick(self.c_abs), d_lo, b, *self.args)
+        hi = _tree_bound(r_hi, pick(self.w[1]), pick(self.c_abs), d_hi, b, *self.args)
+        return lo, hi
 
-    def exact(mi, ni):
+    def _products(self, i, j) -> np.ndarray:
+        """The products of the outputs ``(i, j)`` in K order, float64 ``[kp, X]`` (zero rows from ``K``)."""
+        q = np.take(self.ad, i, axis=0)
+        q *= np.take(self.wd, j, axis=0)
+        return _k_major(q, self.kp)
+
+    def _batches(self, mi):
+        step = max(2, _LANE_ELEMS // self.kp)
+        return [slice(s, s + step) for s in range(0, mi.size, step)]
+
+    def walk(self, lane: int, mi, ni, r) -> np.ndarray:
+        """``max(r, the largest range over the lanes of lane)`` at the outputs ``(mi, ni)`` (the walks' bits)."""
+        out = np.array(r, dtype=np.float64)
+        for sl in self._batches(mi):
+            q = self._products(mi[sl], ni[sl])
+            x = q.shape[1]
+            top = _lane_top(q.reshape(self.kp // lane, lane * x)).reshape(lane, x).max(axis=0)
+            out[sl] = np.maximum(out[sl], top)
+        return out
+
+    def exact(self, mi, ni, r):
+        """``(bound, radius_dot)`` at the outputs ``(mi, ni)`` given ``r``, their largest range over every lane count
+        (:meth:`walk` up to 32): the bits of :func:`_contiguous_tree` (``radius_dot`` None without a radius)."""
         bound = np.empty(mi.size)
-        rdot = None if radius is None else np.empty(mi.size)
-        step = max(2, _LANE_ELEMS // kp)
-        for s in range(0, mi.size, step):  # the outputs' products, gathered, a batch at a time
-            i, j = mi[s:s + step], ni[s:s + step]
-            q = np.take(at, i, axis=1)
-            q *= np.take(wt, j, axis=1)
-            rng, wsum = _pair_walks(q)
+        rdot = None if self.radius is None else np.empty(mi.size)
+        for sl in self._batches(mi):
+            i, j = mi[sl], ni[sl]
+            q = self._products(i, j)
+            pa = np.zeros((self.kp + 1, max(q.shape[1], 2)))  # two columns at least: NumPy sums one column pairwise
+            np.abs(q, out=pa[1:, :q.shape[1]])
+            wsum = np.add.reduce(pa, axis=0)[:q.shape[1]]    # sum |p| in K order from +0.0
             d = 0.0
-            if radius is not None:
-                rdot[s:s + step] = ordered_dot_pairs(radius[i], np.take(w_abs, j, axis=1).T)
-                d = rdot[s:s + step] * (1.0 + gamma(k + 2, U_F64))
-            bound[s:s + step] = _tree_bound(rng, wsum, c_abs[i, j], d, b_abs[j], init, k, kp, profile, exact_products)
+            if self.radius is not None:
+                rdot[sl] = ordered_dot_pairs(self.radius[i], np.take(self.w_abs, j, axis=1).T)
+                d = rdot[sl] * (1.0 + gamma(self.k + 2, U_F64))
+            bound[sl] = _tree_bound(r[sl], wsum, self.c_abs[i, j], d, self.b_abs[j], *self.args)
         return bound, rdot
-
-    return lo, hi, csum, rd, exact
 
 
 def _grow(k: int) -> float:
@@ -186,51 +227,45 @@ def _blas_dot(x: np.ndarray, y_t: np.ndarray) -> np.ndarray:
     m, k = x.shape
     n = y_t.shape[1]
     out = np.empty((m, n))
-    step = max(1, _CAP_MACS // max(1, n * k))
-    for i in range(0, m, step):
-        np.matmul(x[i:i + step], y_t, out=out[i:i + step])
+    if m >= n:
+        step = max(1, _CAP_MACS // max(1, n * k))
+        for i in range(0, m, step):
+            np.matmul(x[i:i + step], y_t, out=out[i:i + step])
+    else:  # column blocks: each product reads x once
+        step = max(1, _CAP_MACS // max(1, m * k))
+        for j in range(0, n, step):
+            np.matmul(x, y_t[:, j:j + step], out=out[:, j:j + step])
     return out
 
 
 def _lane_caps(at: np.ndarray, wt: np.ndarray):
-    """``(cap, W)`` float64 ``[M, N]``: ``cap`` at least the computed range of every lane of every ``L >= 2`` (the
-    largest ``(sum |p| + |sum p|) / 2`` of :func:`_contiguous_tree`'s skip test, with its margins), ``W`` the BLAS
-    ``sum |p|`` (:func:`_lane_sums`, the lanes added pairwise)."""
+    """``(caps, W)``: ``caps[L]`` float64 ``[M, N]`` for ``L = 2, ..., 32``, at least the computed range of every lane
+    of ``L`` (the largest ``(sum |p| + |sum p|) / 2`` of :func:`_tree_walks`' skip test with its margins, applied after
+    the maximum: they are nondecreasing), and ``W`` the BLAS ``sum |p|`` (:func:`_lane_sums`, lanes added pairwise)."""
     kp, m = at.shape
     n = wt.shape[1]
     lanes = max(TREE_LANES)
     grow = 1.0 + 64.0 * (kp + 2) * U_F64
-    cap = np.zeros((m, n))
+    caps = {lane: np.empty((m, n)) for lane in TREE_LANES if lane > 1}
     wsum = np.empty((m, n))
     rows = max(1, (1 << 21) // max(1, lanes * n))
     for c0 in range(0, m, rows):
         c1 = min(c0 + rows, m)
         sa, sp = _lane_sums(at, wt, c0, c1)                           # [32, rows, N]
-        out = cap[c0:c1]
+        c = np.empty_like(sp)
         while sa.shape[0] > 1:                                        # L = 32, 16, ..., 2
-            c = np.abs(sp)
-            c += sa
-            c *= 0.5 * grow
-            c += (kp + 16) * 2.0**-1074
-            np.maximum(out, c.max(axis=0), out=out)
-            h = sa.shape[0] // 2
+            lane = sa.shape[0]
+            t = c[:lane]
+            np.abs(sp, out=t)
+            t += sa
+            out = caps[lane][c0:c1]
+            np.maximum.reduce(t, axis=0, out=out)
+            out *= 0.5 * grow
+            out += (kp + 16) * 2.0**-1074
+            h = lane // 2
             sa, sp = sa[:h] + sa[h:], sp[:h] + sp[h:]                   # lane r of L/2: r and r + L/2 of L
         wsum[c0:c1] = sa[0]
-    return cap, wsum
-
-
-def _pair_walks(q: np.ndarray):
-    """``(R, W)`` float64 ``[X]`` of the products ``q`` ``[kp, X]`` (column ``x`` one output's products in K order):
-    the largest range over every lane of every lane count (:func:`_lane_top`) and ``sum |p|`` in K order from +0.0,
-    the bits of :func:`_tree_walks`."""
-    kp, x = q.shape
-    best = np.zeros(x)
-    for lane in TREE_LANES:
-        top = _lane_top(q.reshape(kp // lane, lane * x))
-        best = np.maximum(best, top.reshape(lane, x).max(axis=0))
-    pa = np.zeros((kp + 1, max(x, 2)))  # two columns at least: NumPy sums one column pairwise
-    np.abs(q, out=pa[1:, :x])
-    return best, np.add.reduce(pa, axis=0)[:x]
+    return caps, wsum
 
 
 def _bias_init(profile, b_abs) -> bool:
@@ -355,7 +390,8 @@ class _WalkTile:
         self.abs_sum = abs_sum
         self.pc = np.empty((rows, x))
         self.pa = np.zeros((rows + 1, max(x, 2)))  # two columns at least: NumPy sums one column pairwise
-        self.wb = np.empty((rows, x))
+        # one walk and no sum |p|: the walk overwrites the products in place (half the tile's memory)
+        self.wb = self.pc if walked == (1,) and not abs_sum else np.empty((rows, x))
         self.acc = np.zeros(self.pa.shape[1])
         self.tmp = np.empty(max(walked) * x)
         self.walked = walked
