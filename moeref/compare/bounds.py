@@ -389,7 +389,7 @@ def _tree_interval_by_ends(a_e, w_e, r_e, b_e, profile: Profile, grid: bool, end
     """One expert's ``(center, radius)`` of :func:`_rows_gemm_interval` with ``ends`` (rows ``idx``): the exact
     radius where the brackets' ends differ after every lane count is walked, the upper bracket of the first lane count
     that closes them elsewhere."""
-    from .contiguous_tree import TREE_LANES, _TreeBrackets
+    from .contiguous_tree import _TreeBrackets
     from .gemm_bounds import _checked
 
     a_c, w_c, radius, b_abs = _checked(a_e, w_e, r_e, b_e)
@@ -413,20 +413,15 @@ def _tree_interval_by_ends(a_e, w_e, r_e, b_e, profile: Profile, grid: bool, end
         bound, _, rdot_all = contiguous_tree_parts(a_e, w_e, profile, a_radius=r_e, bias=b_e)
         return center, bound if r_e is None else (rdot if grid else rdot_all) + bound
     radius = hi
-    mi, ni = np.nonzero(open_)
-    r = tree.r1[mi, ni]
-    for lane in TREE_LANES[1:]:  # walk the next lane count where the ends are still open
-        if not mi.size:
-            break
-        r = tree.walk(lane, mi, ni, r)
-        if lane == TREE_LANES[-1]:
-            break
-        lo, hi = with_rdot(*tree.bounds(lane, mi, ni, r), at=(mi, ni))
+
+    def settle(mi, ni, lo, hi):
+        lo, hi = with_rdot(lo, hi, at=(mi, ni))
         shut = ~_open_ends(ends, idx[mi], center[mi, ni], lo, hi)
         radius[mi[shut], ni[shut]] = hi[shut]
-        mi, ni, r = mi[~shut], ni[~shut], r[~shut]
+        return shut
+
+    mi, ni, bound, rdot_p = tree.refine(*np.nonzero(open_), settle)
     if mi.size:
-        bound, rdot_p = tree.exact(mi, ni, r)
         radius[mi, ni] = bound if r_e is None else (rdot[mi, ni] if grid else rdot_p) + bound
     return center, radius
 

@@ -177,37 +177,46 @@ class _TreeBrackets:
         q *= np.take(self.wd, j, axis=0)
         return _k_major(q, self.kp)
 
-    def _batches(self, mi):
+    def refine(self, mi, ni, settle):
+        """Walks ``L = 2, 4, ..., 32`` in turn for the outputs ``(mi, ni)``, bracketing their bound again after each
+        (:meth:`bounds`) and asking ``settle(mi, ni, lo, hi)`` which of them no longer need the exact bound (a bool
+        mask); the exact ``(bound, radius_dot)`` of the others (the bits of :func:`_contiguous_tree`, ``radius_dot``
+        None without a radius) are returned as ``(mi, ni, bound, radius_dot)``."""
+        rest = []
         step = max(2, _LANE_ELEMS // self.kp)
-        return [slice(s, s + step) for s in range(0, mi.size, step)]
-
-    def walk(self, lane: int, mi, ni, r) -> np.ndarray:
-        """``max(r, the largest range over the lanes of lane)`` at the outputs ``(mi, ni)`` (the walks' bits)."""
-        out = np.array(r, dtype=np.float64)
-        for sl in self._batches(mi):
-            q = self._products(mi[sl], ni[sl])
-            x = q.shape[1]
-            top = _lane_top(q.reshape(self.kp // lane, lane * x)).reshape(lane, x).max(axis=0)
-            out[sl] = np.maximum(out[sl], top)
-        return out
-
-    def exact(self, mi, ni, r):
-        """``(bound, radius_dot)`` at the outputs ``(mi, ni)`` given ``r``, their largest range over every lane count
-        (:meth:`walk` up to 32): the bits of :func:`_contiguous_tree` (``radius_dot`` None without a radius)."""
-        bound = np.empty(mi.size)
-        rdot = None if self.radius is None else np.empty(mi.size)
-        for sl in self._batches(mi):
-            i, j = mi[sl], ni[sl]
+        for s in range(0, mi.size, step):  # the outputs' products gathered once per batch
+            i, j = mi[s:s + step], ni[s:s + step]
             q = self._products(i, j)
-            pa = np.zeros((self.kp + 1, max(q.shape[1], 2)))  # two columns at least: NumPy sums one column pairwise
-            np.abs(q, out=pa[1:, :q.shape[1]])
-            wsum = np.add.reduce(pa, axis=0)[:q.shape[1]]    # sum |p| in K order from +0.0
-            d = 0.0
-            if self.radius is not None:
-                rdot[sl] = ordered_dot_pairs(self.radius[i], np.take(self.w_abs, j, axis=1).T)
-                d = rdot[sl] * (1.0 + gamma(self.k + 2, U_F64))
-            bound[sl] = _tree_bound(r[sl], wsum, self.c_abs[i, j], d, self.b_abs[j], *self.args)
-        return bound, rdot
+            r = self.r1[i, j]
+            for lane in TREE_LANES[1:]:
+                x = q.shape[1]
+                r = np.maximum(r, _lane_top(q.reshape(self.kp // lane, lane * x)).reshape(lane, x).max(axis=0))
+                if lane == TREE_LANES[-1]:  # every lane count walked: r is the range
+                    rest.append((i, j) + self._exact(q, i, j, r))
+                    break
+                keep = ~settle(i, j, *self.bounds(lane, i, j, r))
+                if not keep.any():
+                    break
+                if not keep.all():
+                    i, j, r, q = i[keep], j[keep], r[keep], np.take(q, np.flatnonzero(keep), axis=1)
+        if not rest:
+            return mi[:0], ni[:0], np.zeros(0), None if self.radius is None else np.zeros(0)
+        parts = list(zip(*rest))
+        return (np.concatenate(parts[0]), np.concatenate(parts[1]), np.concatenate(parts[2]),
+                None if self.radius is None else np.concatenate(parts[3]))
+
+    def _exact(self, q, i, j, r):
+        """``(bound, radius_dot)`` at the outputs ``(i, j)`` from their products ``q`` ``[kp, X]`` and ``r``, their
+        largest range over every lane count."""
+        x = q.shape[1]
+        pa = np.zeros((self.kp + 1, max(x, 2)))  # two columns at least: NumPy sums one column pairwise
+        np.abs(q, out=pa[1:, :x])
+        wsum = np.add.reduce(pa, axis=0)[:x]    # sum |p| in K order from +0.0
+        d, rdot = 0.0, None
+        if self.radius is not None:
+            rdot = ordered_dot_pairs(self.radius[i], np.take(self.w_abs, j, axis=1).T)
+            d = rdot * (1.0 + gamma(self.k + 2, U_F64))
+        return _tree_bound(r, wsum, self.c_abs[i, j], d, self.b_abs[j], *self.args), rdot
 
 
 def _grow(k: int) -> float:
@@ -238,22 +247,35 @@ def _blas_dot(x: np.ndarray, y_t: np.ndarray) -> np.ndarray:
     return out
 
 
+_CAP_LANES = 16
+"""Lane count of the BLAS lane sums of :func:`_lane_caps` (the narrower ones by adding lanes pairwise; the lanes of
+32 capped by the lane of 16 that holds them)."""
+
+
 def _lane_caps(at: np.ndarray, wt: np.ndarray):
     """``(caps, W)``: ``caps[L]`` float64 ``[M, N]`` for ``L = 2, ..., 32``, at least the computed range of every lane
-    of ``L`` (the largest ``(sum |p| + |sum p|) / 2`` of :func:`_tree_walks`' skip test with its margins, applied after
-    the maximum: they are nondecreasing), and ``W`` the BLAS ``sum |p|`` (:func:`_lane_sums`, lanes added pairwise)."""
+    of ``L``, and ``W`` the BLAS ``sum |p|``. From the BLAS lane sums of :data:`_CAP_LANES` lanes (:func:`_lane_sums`),
+    lanes added pairwise for the narrower lane counts: ``caps[L]`` is the largest ``(sum |p| + |sum p|) / 2`` over the
+    lanes of ``L`` with the margins of :func:`_tree_walks`' skip test, applied after the maximum (they are
+    nondecreasing); a lane of a wider ``L`` lies in a lane of :data:`_CAP_LANES`, its range at most that lane's
+    ``sum |p|`` (with :func:`_grow` and :func:`_tiny`)."""
     kp, m = at.shape
     n = wt.shape[1]
-    lanes = max(TREE_LANES)
     grow = 1.0 + 64.0 * (kp + 2) * U_F64
     caps = {lane: np.empty((m, n)) for lane in TREE_LANES if lane > 1}
     wsum = np.empty((m, n))
-    rows = max(1, (1 << 21) // max(1, lanes * n))
+    rows = max(1, (1 << 18) // max(1, _CAP_LANES * n))  # [lanes, rows, N] tiles of 2^18 elements
     for c0 in range(0, m, rows):
         c1 = min(c0 + rows, m)
-        sa, sp = _lane_sums(at, wt, c0, c1)                           # [32, rows, N]
+        sa, sp = _lane_sums(at, wt, c0, c1, _CAP_LANES)                # [16, rows, N]
+        for lane in TREE_LANES:
+            if lane > _CAP_LANES:
+                out = caps[lane][c0:c1]
+                np.maximum.reduce(sa, axis=0, out=out)
+                out *= _grow(kp)
+                out += _tiny(kp)
         c = np.empty_like(sp)
-        while sa.shape[0] > 1:                                        # L = 32, 16, ..., 2
+        while sa.shape[0] > 1:                                        # L = 16, 8, 4, 2
             lane = sa.shape[0]
             t = c[:lane]
             np.abs(sp, out=t)
@@ -333,14 +355,14 @@ def _k_major(v: np.ndarray, kp: int) -> np.ndarray:
     return out
 
 
-def _lane_sums(at: np.ndarray, wt: np.ndarray, r0: int, r1: int):
-    """``(sum |p|, sum p)`` over each lane of 32 for rows ``r0:r1``, float64 ``[32, r1 - r0, N]`` each, from BLAS
-    (any order, with or without fused multiply-adds), at most :data:`_CAP_MACS` multiply-adds a product."""
+def _lane_sums(at: np.ndarray, wt: np.ndarray, r0: int, r1: int, lanes: int = max(TREE_LANES)):
+    """``(sum |p|, sum p)`` over each lane of ``lanes`` (default 32) for rows ``r0:r1``, float64 ``[lanes, r1 - r0, N]``
+    each, from BLAS (any order, with or without fused multiply-adds), at most :data:`_CAP_MACS` multiply-adds a
+    product."""
     kp, n = at.shape[0], wt.shape[1]
-    lanes = max(TREE_LANES)
     t = kp // lanes
-    a3 = np.ascontiguousarray(at[:, r0:r1].reshape(t, lanes, r1 - r0).transpose(1, 2, 0))   # [32, rows, t]
-    w3 = wt.reshape(t, lanes, n).transpose(1, 0, 2)             # [32, t, N] views (row stride 32 N: BLAS reads them)
+    a3 = np.ascontiguousarray(at[:, r0:r1].reshape(t, lanes, r1 - r0).transpose(1, 2, 0))   # [lanes, rows, t]
+    w3 = wt.reshape(t, lanes, n).transpose(1, 0, 2)        # [lanes, t, N] views (row stride lanes N: BLAS reads them)
     sp = np.empty((lanes, r1 - r0, n))
     sa = np.empty((lanes, r1 - r0, n))
     a_abs, w_abs = np.abs(a3), np.abs(wt).reshape(t, lanes, n).transpose(1, 0, 2)
