@@ -460,7 +460,7 @@ def test_rows_gemm_interval_with_ends_stores_the_same_bits(rows, experts, n, k, 
     ends = bounds_mod._ends_of(dtype, w_row, BF16_OUTPUT.reduce_unit)
     with pytest.MonkeyPatch.context() as mp, np.errstate(invalid="ignore", over="ignore"):
         mp.setattr(bounds_mod, "_EXACT_ALL_FROM", exact_all_from)
-        mp.setattr(ct, "_LANE_ELEMS", lane_elems)
+        mp.setattr(ct, "_REFINE_ELEMS", lane_elems)
         got = bounds_mod._rows_gemm_interval(a, radius, row_expert, weights, bias, profile, ends=ends)
         want = _rows_gemm_interval_apart(a, radius, row_expert, weights, bias, profile)
         _same_bits(got[0], want[0])

@@ -133,8 +133,7 @@ class _TreeBrackets:
         m, k = a.values.shape
         self.k = k
         self.kp = kp = -(-max(k, 1) // max(TREE_LANES)) * max(TREE_LANES)
-        self.ad, self.wd = a.dequantize(), w.dequantize()
-        self.at, self.wt = _k_major(self.ad, kp), _k_major(self.wd, kp)
+        self.at, self.wt = _k_major(a.dequantize(), kp), _k_major(w.dequantize(), kp)
         self.r1, _, self.total = _tree_walks(self.at, self.wt, first_only=True)
         self.caps, wblas = _lane_caps(self.at, self.wt)
         grow, tiny = _grow(kp), _tiny(kp)
@@ -172,10 +171,15 @@ class _TreeBrackets:
         return lo, hi
 
     def _products(self, i, j) -> np.ndarray:
-        """The products of the outputs ``(i, j)`` in K order, float64 ``[kp, X]`` (zero rows from ``K``)."""
-        q = np.take(self.ad, i, axis=0)
-        q *= np.take(self.wd, j, axis=0)
-        return _k_major(q, self.kp)
+        """The products of the outputs ``(i, j)`` in K order, float64 ``[kp, X]`` (zero rows from ``K``); ``i`` sorted
+        (row-major outputs) repeats each row's column of ``a`` instead of gathering it."""
+        if i.size and np.all(i[1:] >= i[:-1]):
+            rows, first = np.unique(i, return_index=True)
+            q = np.repeat(self.at[:, rows], np.diff(np.append(first, i.size)), axis=1)
+        else:
+            q = np.take(self.at, i, axis=1)
+        q *= np.take(self.wt, j, axis=1)
+        return q
 
     def refine(self, mi, ni, settle):
         """Walks ``L = 2, 4, ..., 32`` in turn for the outputs ``(mi, ni)``, bracketing their bound again after each
@@ -183,7 +187,7 @@ class _TreeBrackets:
         mask); the exact ``(bound, radius_dot)`` of the others (the bits of :func:`_contiguous_tree`, ``radius_dot``
         None without a radius) are returned as ``(mi, ni, bound, radius_dot)``."""
         rest = []
-        step = max(2, _LANE_ELEMS // self.kp)
+        step = max(2, _REFINE_ELEMS // self.kp)
         for s in range(0, mi.size, step):  # the outputs' products gathered once per batch
             i, j = mi[s:s + step], ni[s:s + step]
             q = self._products(i, j)
@@ -247,6 +251,9 @@ def _blas_dot(x: np.ndarray, y_t: np.ndarray) -> np.ndarray:
     return out
 
 
+_REFINE_ELEMS = 1 << 19
+"""Products of the outputs :meth:`_TreeBrackets.refine` gathers at a time (float64: 4 MiB, reused across lane
+counts; larger batches spend their time in fresh pages, measured on the 2-core VM, 2026-11-29)."""
 _CAP_LANES = 16
 """Lane count of the BLAS lane sums of :func:`_lane_caps` (the narrower ones by adding lanes pairwise; the lanes of
 32 capped by the lane of 16 that holds them)."""
