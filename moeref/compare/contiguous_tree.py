@@ -191,10 +191,12 @@ class _TreeBrackets:
         for s in range(0, mi.size, step):  # the outputs' products gathered once per batch
             i, j = mi[s:s + step], ni[s:s + step]
             q = self._products(i, j)
+            buf = np.empty(q.size)
             r = self.r1[i, j]
             for lane in TREE_LANES[1:]:
                 x = q.shape[1]
-                r = np.maximum(r, _lane_top(q.reshape(self.kp // lane, lane * x)).reshape(lane, x).max(axis=0))
+                top = _lane_top(q.reshape(self.kp // lane, lane * x), buf)
+                r = np.maximum(r, top.reshape(lane, x).max(axis=0))
                 if lane == TREE_LANES[-1]:  # every lane count walked: r is the range
                     rest.append((i, j) + self._exact(q, i, j, r))
                     break
@@ -395,9 +397,10 @@ def _walk_rows(q, wb, prev, hi, lo, first: bool) -> None:
     prev[...] = wb[-1]
 
 
-def _lane_top(q: np.ndarray) -> np.ndarray:
-    """``max(max P, 0) - min(min P, 0)`` of the prefix sums ``P`` in K order of each column of ``q`` ``[R, X]``."""
-    wb = np.empty_like(q)
+def _lane_top(q: np.ndarray, buf: np.ndarray | None = None) -> np.ndarray:
+    """``max(max P, 0) - min(min P, 0)`` of the prefix sums ``P`` in K order of each column of ``q`` ``[R, X]``;
+    ``buf``: optional float64 work space of at least ``q.size`` elements."""
+    wb = np.empty_like(q) if buf is None else buf[:q.size].reshape(q.shape)
     hi = np.full(q.shape[1], -np.inf)
     lo = np.full(q.shape[1], np.inf)
     prev = np.empty(q.shape[1])
