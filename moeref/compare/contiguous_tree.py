@@ -274,19 +274,20 @@ def _lane_caps(at: np.ndarray, wt: np.ndarray):
     caps = {lane: np.empty((m, n)) for lane in TREE_LANES if lane > 1}
     wsum = np.empty((m, n))
     rows = max(1, (1 << 18) // max(1, _CAP_LANES * n))  # [lanes, rows, N] tiles of 2^18 elements
+    size = _CAP_LANES * min(rows, m) * n
+    bufs = np.empty(size), np.empty(size), np.empty(size)  # reused: fresh pages cost more than the arithmetic
     for c0 in range(0, m, rows):
         c1 = min(c0 + rows, m)
-        sa, sp = _lane_sums(at, wt, c0, c1, _CAP_LANES)                # [16, rows, N]
+        sa, sp = _lane_sums(at, wt, c0, c1, _CAP_LANES, bufs[:2])     # [16, rows, N]
         for lane in TREE_LANES:
             if lane > _CAP_LANES:
                 out = caps[lane][c0:c1]
                 np.maximum.reduce(sa, axis=0, out=out)
                 out *= _grow(kp)
                 out += _tiny(kp)
-        c = np.empty_like(sp)
         while sa.shape[0] > 1:                                        # L = 16, 8, 4, 2
             lane = sa.shape[0]
-            t = c[:lane]
+            t = bufs[2][:sp.size].reshape(sp.shape)
             np.abs(sp, out=t)
             t += sa
             out = caps[lane][c0:c1]
@@ -294,7 +295,9 @@ def _lane_caps(at: np.ndarray, wt: np.ndarray):
             out *= 0.5 * grow
             out += (kp + 16) * 2.0**-1074
             h = lane // 2
-            sa, sp = sa[:h] + sa[h:], sp[:h] + sp[h:]                   # lane r of L/2: r and r + L/2 of L
+            sa[:h] += sa[h:]                                          # lane r of L/2: r and r + L/2 of L
+            sp[:h] += sp[h:]
+            sa, sp = sa[:h], sp[:h]
         wsum[c0:c1] = sa[0]
     return caps, wsum
 
@@ -364,16 +367,21 @@ def _k_major(v: np.ndarray, kp: int) -> np.ndarray:
     return out
 
 
-def _lane_sums(at: np.ndarray, wt: np.ndarray, r0: int, r1: int, lanes: int = max(TREE_LANES)):
+def _lane_sums(at: np.ndarray, wt: np.ndarray, r0: int, r1: int, lanes: int = max(TREE_LANES), out=None):
     """``(sum |p|, sum p)`` over each lane of ``lanes`` (default 32) for rows ``r0:r1``, float64 ``[lanes, r1 - r0, N]``
     each, from BLAS (any order, with or without fused multiply-adds), at most :data:`_CAP_MACS` multiply-adds a
-    product."""
+    product; ``out``: optional pair of float64 buffers of at least that many elements each (written, and returned as
+    views)."""
     kp, n = at.shape[0], wt.shape[1]
     t = kp // lanes
     a3 = np.ascontiguousarray(at[:, r0:r1].reshape(t, lanes, r1 - r0).transpose(1, 2, 0))   # [lanes, rows, t]
     w3 = wt.reshape(t, lanes, n).transpose(1, 0, 2)        # [lanes, t, N] views (row stride lanes N: BLAS reads them)
-    sp = np.empty((lanes, r1 - r0, n))
-    sa = np.empty((lanes, r1 - r0, n))
+    shape = (lanes, r1 - r0, n)
+    if out is None:
+        sp, sa = np.empty(shape), np.empty(shape)
+    else:
+        size = lanes * (r1 - r0) * n
+        sa, sp = out[0][:size].reshape(shape), out[1][:size].reshape(shape)
     a_abs, w_abs = np.abs(a3), np.abs(wt).reshape(t, lanes, n).transpose(1, 0, 2)
     step = max(1, _CAP_MACS // max(1, n * t))
     for i in range(0, r1 - r0, step):
