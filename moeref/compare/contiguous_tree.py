@@ -258,7 +258,7 @@ _REFINE_ELEMS = 1 << 19
 counts; larger batches spend their time in fresh pages, measured on the 2-core VM, 2026-11-29)."""
 _CAP_LANES = 16
 """Lane count of the BLAS lane sums of :func:`_lane_caps` (the narrower ones by adding lanes pairwise; the lanes of
-32 capped by the lane of 16 that holds them)."""
+16 and 32 capped by the ``sum |p|`` of the lane of 16 that holds them)."""
 
 
 def _lane_caps(at: np.ndarray, wt: np.ndarray):
@@ -266,8 +266,9 @@ def _lane_caps(at: np.ndarray, wt: np.ndarray):
     of ``L``, and ``W`` the BLAS ``sum |p|``. From the BLAS lane sums of :data:`_CAP_LANES` lanes (:func:`_lane_sums`),
     lanes added pairwise for the narrower lane counts: ``caps[L]`` is the largest ``(sum |p| + |sum p|) / 2`` over the
     lanes of ``L`` with the margins of :func:`_tree_walks`' skip test, applied after the maximum (they are
-    nondecreasing); a lane of a wider ``L`` lies in a lane of :data:`_CAP_LANES`, its range at most that lane's
-    ``sum |p|`` (with :func:`_grow` and :func:`_tiny`)."""
+    nondecreasing); for ``L >= _CAP_LANES`` the largest ``sum |p|`` over the lanes of :data:`_CAP_LANES` (a lane of
+    ``L`` lies in one of them, and its range is at most its own ``sum |p|``; with :func:`_grow` and :func:`_tiny`),
+    which at these lane counts is still below the range of ``L = 1`` on random signs."""
     kp, m = at.shape
     n = wt.shape[1]
     grow = 1.0 + 64.0 * (kp + 2) * U_F64
@@ -280,21 +281,22 @@ def _lane_caps(at: np.ndarray, wt: np.ndarray):
         c1 = min(c0 + rows, m)
         sa, sp = _lane_sums(at, wt, c0, c1, _CAP_LANES, bufs[:2])     # [16, rows, N]
         for lane in TREE_LANES:
-            if lane > _CAP_LANES:
+            if lane >= _CAP_LANES:
                 out = caps[lane][c0:c1]
                 np.maximum.reduce(sa, axis=0, out=out)
                 out *= _grow(kp)
                 out += _tiny(kp)
-        while sa.shape[0] > 1:                                        # L = 16, 8, 4, 2
-            lane = sa.shape[0]
-            t = bufs[2][:sp.size].reshape(sp.shape)
-            np.abs(sp, out=t)
-            t += sa
-            out = caps[lane][c0:c1]
-            np.maximum.reduce(t, axis=0, out=out)
-            out *= 0.5 * grow
-            out += (kp + 16) * 2.0**-1074
-            h = lane // 2
+        while sa.shape[0] > 1:                                        # L = 8, 4, 2
+            if sa.shape[0] < _CAP_LANES:
+                lane = sa.shape[0]
+                t = bufs[2][:sp.size].reshape(sp.shape)
+                np.abs(sp, out=t)
+                t += sa
+                out = caps[lane][c0:c1]
+                np.maximum.reduce(t, axis=0, out=out)
+                out *= 0.5 * grow
+                out += (kp + 16) * 2.0**-1074
+            h = sa.shape[0] // 2
             sa[:h] += sa[h:]                                          # lane r of L/2: r and r + L/2 of L
             sp[:h] += sp[h:]
             sa, sp = sa[:h], sp[:h]
