@@ -457,7 +457,10 @@ def test_rows_gemm_interval_with_ends_stores_the_same_bits(rows, experts, n, k, 
         radius[rng.random((rows, k)) < 0.5] = 0.0
     bias = rng.standard_normal((experts, n)) if with_bias else None
     w_row = rng.random(rows) if weighted else None
-    ends = bounds_mod._ends_of(dtype, w_row, BF16_OUTPUT.reduce_unit)
+    with pytest.MonkeyPatch.context() as mp:  # every store dtype bracketed (FP16 and FP32 leave most ends open)
+        mp.setattr(bounds_mod, "_BRACKETED_STORES", (dtype,))
+        ends = bounds_mod._ends_of(dtype, w_row, BF16_OUTPUT.reduce_unit)
+    assert ends is not None
     with pytest.MonkeyPatch.context() as mp, np.errstate(invalid="ignore", over="ignore"):
         mp.setattr(bounds_mod, "_EXACT_ALL_FROM", exact_all_from)
         mp.setattr(ct, "_REFINE_ELEMS", lane_elems)

@@ -641,10 +641,18 @@ def _weighted(w, y_pre, dy, reduce_unit: float):
     return y_pre, dy + reduce_unit * (np.abs(y_pre) + dy)
 
 
+_BRACKETED_STORES = ("bfloat16",)
+"""Store dtypes whose GEMM intervals :func:`_rows_gemm_interval` brackets (``ends``): a bf16 ulp is wide against the
+contiguous-tree bound, so a small fraction of the stores' ends depend on its exact bits (on the layers of
+``bench/studies/bench_layer_bound_cpu.py``, 19 % at K = 512 and 4 % at K = 256 before any walk of ``L >= 2``); an
+FP32 or FP16 ulp is not, and their GEMMs would mostly be walked twice."""
+
+
 def _ends_of(dtype, w_row=None, reduce_unit: float = 0.0):
-    """``ends(idx, center, radius)`` of :func:`_rows_gemm_interval` for a store to ``dtype`` (None: no store that
-    rounds, so no ends: None), after :func:`_weighted` by ``w_row`` where given."""
-    if dtype is None:
+    """``ends(rows, center, radius)`` of :func:`_rows_gemm_interval` for a store to ``dtype``, after :func:`_weighted`
+    by ``w_row`` where given; None (every radius exact) for a store that does not round (``dtype`` None) or one not
+    in :data:`_BRACKETED_STORES`."""
+    if dtype not in _BRACKETED_STORES:
         return None
 
     def ends(rows, center, radius):
