@@ -135,7 +135,11 @@ class _TreeBrackets:
         self.kp = kp = -(-max(k, 1) // max(TREE_LANES)) * max(TREE_LANES)
         self.at, self.wt = _k_major(a.dequantize(), kp), _k_major(w.dequantize(), kp)
         self.r1, _, self.total = _tree_walks(self.at, self.wt, first_only=True)
-        self.caps, wblas = _lane_caps(self.at, self.wt)
+        caps, wblas = _lane_caps(self.at, self.wt)
+        self.caps = {}  # caps[L]: the largest cap of the lane counts above L
+        for lane in TREE_LANES[::-1][1:]:
+            above = caps[2 * lane]
+            self.caps[lane] = above if 2 * lane == TREE_LANES[-1] else np.maximum(above, self.caps[2 * lane])
         grow, tiny = _grow(kp), _tiny(kp)
         self.w = (np.maximum(wblas / grow - tiny, 0.0), wblas * grow + tiny)
         self.radius = radius
@@ -149,8 +153,8 @@ class _TreeBrackets:
         self.args = (_bias_init(profile, b_abs), k, kp, profile, _products_exact_in_fp32(a, w))
 
     def _cap_above(self, lane: int, at=None):
-        caps = [c if at is None else c[at] for lane_, c in self.caps.items() if lane_ > lane]
-        return np.maximum.reduce(caps) if caps else None
+        cap = self.caps.get(lane)
+        return cap if cap is None or at is None else cap[at]
 
     def bounds(self, lane: int, mi=None, ni=None, r=None):
         """``(lo, hi)`` of the bound (float64 ``[M, N]``, or ``[X]`` at the outputs ``(mi, ni)`` with ``r`` their
