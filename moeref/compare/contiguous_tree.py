@@ -1,8 +1,11 @@
 """The contiguous-tree model of :mod:`moeref.compare.gemm_bounds` (``accum_model="contiguous_tree"``):
 :func:`contiguous_tree_gemm_bound`, FP32 accumulation over any tree whose nodes sum contiguous K ranges (or SIMD
 lanes of them), bounded from the ranges the exact partial sums reach, and the walks of the prefix sums that give
-those ranges (:func:`_tree_walks`). Its inputs are validated by :func:`moeref.compare.gemm_bounds.gemm_error_bound`
-(or :func:`~moeref.compare.gemm_bounds.contiguous_tree_parts`), which re-exports the public names.
+those ranges (:func:`_tree_walks`), and brackets of that bound from the walk of ``L = 1`` and BLAS lane sums, narrowed
+one lane count at a time for the outputs that need it (:class:`_TreeBrackets`: the layer bound's GEMM intervals before
+a bf16 store, :func:`moeref.compare.bounds._rows_gemm_interval`). Its inputs are validated by
+:func:`moeref.compare.gemm_bounds.gemm_error_bound` (or :func:`~moeref.compare.gemm_bounds.contiguous_tree_parts`),
+which re-exports the public names.
 """
 from __future__ import annotations
 
