@@ -221,9 +221,10 @@ def test_layer_bound_same_bits_with_the_definition():
     assert got.flips == want.flips
 
 
-def _rows_gemm_interval_apart(a, a_radius, row_expert, weights, bias, profile):
+def _rows_gemm_interval_apart(a, a_radius, row_expert, weights, bias, profile, ends=None):
     """The GEMM interval of the layer bound as first written: the center from its own GEMM
-    (``expert_rows_gemm``), the bound per expert through ``gemm_error_bound``, the radius term from ``radius_dot``."""
+    (``expert_rows_gemm``), the bound per expert through ``gemm_error_bound``, the radius term from ``radius_dot``
+    (the exact radius everywhere, whatever the store's ``ends``)."""
     from moeref.gemm import expert_rows_gemm
 
     center = expert_rows_gemm(a, row_expert, weights, bias)
@@ -415,3 +416,105 @@ def test_products_exact_in_fp32_same_as_the_definition(shape, kind, late, seed):
     A, W = as_operand(a), as_operand(w)
     assert ct._products_exact_in_fp32(A, W) == _bf16_products_oracle(A, W)
     assert ct._products_exact_in_fp32(W, A) == _bf16_products_oracle(W, A)
+
+
+def _stored(center, radius, dtype, w_row):
+    """The store of a GEMM interval as ``_chunk_interval`` makes it (after the epilogue weights where given)."""
+    if w_row is not None:
+        center, radius = bounds_mod._weighted(w_row[:, None], center, radius, BF16_OUTPUT.reduce_unit)
+    return bounds_mod.store_interval(center, radius, dtype)
+
+
+@given(rows=st.integers(1, 24), experts=st.integers(1, 3), n=st.integers(1, 40), k=st.integers(1, 300),
+       kind=st.sampled_from(["bf16", "f64", "drift", "int"]), with_radius=st.booleans(), with_bias=st.booleans(),
+       fp8=st.booleans(), special=st.sampled_from([None, None, np.inf, np.nan]),
+       dtype=st.sampled_from(["bfloat16", "bfloat16", "float16", "float32"]), weighted=st.booleans(),
+       exact_all_from=st.sampled_from([0.0, 0.5, 1.0]), lane_elems=st.sampled_from([1, 600, 1 << 21]),
+       init=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_rows_gemm_interval_with_ends_stores_the_same_bits(rows, experts, n, k, kind, with_radius, with_bias, fp8,
+                                                           special, dtype, weighted, exact_all_from, lane_elems, init,
+                                                           seed):
+    """With the store's ``ends`` the GEMM interval brackets the radius and walks the lane counts only where the
+    store's ends stay open: its store (center, half-width, flips), after the epilogue weights or not, has the bits of
+    the store of the exact interval (oracle: the interval computed apart, every lane walked for every output),
+    whether the open outputs are refined one lane count at a time (in batches down to two outputs) or the whole GEMM
+    is walked (``_EXACT_ALL_FROM``); the center is the same either way."""
+    from moeref.compare.kernel_profiles import BF16_OUTPUT_BIAS_INIT
+
+    profile = BF16_OUTPUT_BIAS_INIT if init else BF16_OUTPUT
+    rng = np.random.default_rng(seed)
+    a = _values(rng, (rows, k), kind)
+    weights = [0.05 * _values(rng, (n, k), kind) for _ in range(experts)]
+    if special is not None and not fp8:
+        a[rng.integers(0, rows), rng.integers(0, k)] = special
+    if fp8:
+        a = quantize(a.astype(np.float32), fp8_group(min(128, k)))
+        weights = [quantize(wi.astype(np.float32), fp8_block()) for wi in weights]
+    row_expert = rng.integers(-1, experts, rows)
+    radius = None
+    if with_radius:
+        radius = np.abs(rng.standard_normal((rows, k))) * 2.0**-9
+        radius[rng.random((rows, k)) < 0.5] = 0.0
+    bias = rng.standard_normal((experts, n)) if with_bias else None
+    w_row = rng.random(rows) if weighted else None
+    with pytest.MonkeyPatch.context() as mp:  # every store dtype bracketed (FP16 and FP32 leave most ends open)
+        mp.setattr(bounds_mod, "_BRACKETED_STORES", (dtype,))
+        ends = bounds_mod._ends_of(dtype, w_row, BF16_OUTPUT.reduce_unit)
+    assert ends is not None
+    with pytest.MonkeyPatch.context() as mp, np.errstate(invalid="ignore", over="ignore"):
+        mp.setattr(bounds_mod, "_EXACT_ALL_FROM", exact_all_from)
+        mp.setattr(ct, "_REFINE_ELEMS", lane_elems)
+        got = bounds_mod._rows_gemm_interval(a, radius, row_expert, weights, bias, profile, ends=ends)
+        want = _rows_gemm_interval_apart(a, radius, row_expert, weights, bias, profile)
+        _same_bits(got[0], want[0])
+        for x, y in zip(_stored(*got, dtype, w_row), _stored(*want, dtype, w_row)):
+            if x.dtype == bool:
+                assert np.array_equal(x, y)
+            else:
+                _same_bits(x, y)
+
+
+@given(m=st.integers(1, 8), n=st.integers(1, 30), k=st.integers(1, 400),
+       kind_a=st.sampled_from(["bf16", "f64", "positive", "drift", "int"]),
+       kind_w=st.sampled_from(["bf16", "f64", "positive", "drift", "int"]),
+       with_radius=st.booleans(), with_bias=st.booleans(), scale=st.sampled_from([0, 0, -520, -1000]),
+       seed=st.integers(0, 2**31 - 1))
+def test_tree_brackets_hold_the_bound(m, n, k, kind_a, kind_w, with_radius, with_bias, scale, seed):
+    """``_TreeBrackets``: ``lo <= bound <= hi`` (the bound of the definition) before any walk of ``L >= 2`` and after
+    each lane count walked (``refine``), including products that underflow; after every lane count, refine's bounds
+    are the definition's bits. Its in-order sum is the definition's walk's (``block_gemm``'s for a float pair)."""
+    rng = np.random.default_rng(seed)
+    a = _values(rng, (m, k), kind_a) * 2.0**scale
+    w = _values(rng, (n, k), kind_w) * 2.0**(scale // 2)
+    radius = np.abs(rng.standard_normal((m, k))) * 1e-3 if with_radius else None
+    b_abs = np.abs(rng.standard_normal(n)) if with_bias else np.zeros(n)
+    A, W = as_operand(a), as_operand(w)
+    want = _tree_oracle(A, W, BF16_OUTPUT, radius, b_abs)
+    tree = ct._TreeBrackets(A, W, radius, b_abs, BF16_OUTPUT)
+    lo, hi = tree.bounds(1)
+    assert np.all(lo <= want) and np.all(want <= hi)
+    from moeref.gemm.exact import block_gemm
+
+    _same_bits(tree.total + 0.0, block_gemm(A, W))
+    levels = []
+
+    def settle(mi, ni, lo, hi):
+        levels.append(len(levels))
+        assert np.all(lo <= want[mi, ni]) and np.all(want[mi, ni] <= hi)
+        return rng.random(mi.size) < 0.3  # some settle at each lane count, the others go on
+
+    mi, ni = np.nonzero(np.ones((m, n), dtype=bool))
+    gi, gj, bound, rdot = tree.refine(mi, ni, settle)
+    assert len(levels) >= 1
+    _same_bits(bound, want[gi, gj])
+    if with_radius:
+        _same_bits(rdot, _ordered_dot_oracle(radius, np.abs(w))[gi, gj])
+
+
+@given(x=st.integers(1, 30), k=st.integers(1, 700), seed=st.integers(0, 2**31 - 1))
+def test_ordered_dot_pairs_is_ordered_dot_per_output(x, k, seed):
+    rng = np.random.default_rng(seed)
+    a = np.abs(rng.standard_normal((x, k))) * np.exp2(rng.integers(-30, 30, (x, k)))
+    b = rng.standard_normal((x, k)) * np.exp2(rng.integers(-30, 30, (x, k)))
+    want = np.array([_ordered_dot_oracle(a[i:i + 1], b[i:i + 1])[0, 0] for i in range(x)])
+    _same_bits(so.ordered_dot_pairs(a, b), want)

@@ -264,24 +264,31 @@ def store_interval(value, radius, dtype: str | None, unit: float = 0.0):
     >>> ((c - 1) * 2**8).tolist(), (r * 2**8).tolist(), f.tolist()  # the first straddles, the second is known
     ([1.0, 0.0], [1.0, 0.0], [True, False])
     """
-    from ..moe.pipeline import round_to_dtype
-
     value = np.asarray(value, dtype=np.float64)
     radius = np.asarray(radius, dtype=np.float64)
     if dtype is None:
         return value, radius + unit * (np.abs(value) + radius), np.zeros(value.shape, dtype=bool)
     if dtype not in STORE_DTYPES:
         raise ValueError(f"dtype must be None or one of {', '.join(STORE_DTYPES)}; got {dtype!r}")
+    lo, hi = _store_ends(value, radius, dtype)
     with np.errstate(over="ignore", invalid="ignore"):
-        wide = radius * (1.0 + 2.0**-40) + np.abs(value) * 2.0**-52
-        lo = round_to_dtype(value - wide, dtype)
-        hi = round_to_dtype(value + wide, dtype)
         center = 0.5 * lo + 0.5 * hi        # exact: both are representable, halving is exact
         half = 0.5 * hi - 0.5 * lo
     bad = ~np.isfinite(half) & np.isfinite(value)
     center = np.where(bad, value, center)
     half = np.where(bad, np.inf, half)
     return center, half, lo != hi
+
+
+def _store_ends(value, radius, dtype: str):
+    """The two ends :func:`store_interval` rounds for a store to ``dtype`` (one of :data:`STORE_DTYPES`):
+    ``(rnd(value - wide), rnd(value + wide))``, float64, ``wide`` the radius widened for the float64 evaluation; the
+    first nonincreasing and the second nondecreasing in ``radius``."""
+    from ..moe.pipeline import round_to_dtype
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        wide = radius * (1.0 + 2.0**-40) + np.abs(value) * 2.0**-52
+        return round_to_dtype(value - wide, dtype), round_to_dtype(value + wide, dtype)
 
 
 @dataclass(frozen=True, eq=False)
@@ -312,13 +319,24 @@ def _rows_error_bound(a, a_radius, row_expert, weights, bias, profile: Profile) 
     return out
 
 
-def _rows_gemm_interval(a, a_radius, row_expert, weights, bias, profile: Profile):
+def _rows_gemm_interval(a, a_radius, row_expert, weights, bias, profile: Profile, ends=None):
     """``(center, radius)`` float64 ``[R, N]`` of a GEMM's interval before its store: the center
     :func:`moeref.gemm.grouped.expert_rows_gemm` of ``a`` (with ``bias``), the radius ``_rows_radius_term`` (with
     ``a_radius``) plus :func:`_rows_error_bound`; 0 on padding rows. The same bits, with one pass over the products
     where they coincide: under ``"contiguous_tree"`` the walk's in-order sum is the center wherever
     :func:`moeref.gemm.exact.in_order_sum` holds, and its ``ordered_dot`` of the radius is the radius term wherever
-    :func:`moeref.compare.operand_radius.exact_radius` is None (:func:`moeref.compare.operand_radius.radius_dot`)."""
+    :func:`moeref.compare.operand_radius.exact_radius` is None (:func:`moeref.compare.operand_radius.radius_dot`).
+
+    ``ends``: optional, for a caller that only stores the interval: ``ends(rows, center, radius)`` -> the two ends
+    the store rounds (:func:`_store_ends`, after any elementwise step between) for elements of the rows ``rows``
+    (broadcast against ``center``), each
+    nondecreasing or each nonincreasing in ``radius``. Under ``"contiguous_tree"`` the radius is then exact where its
+    ends depend on it, and elsewhere a value with the same ends: the bound's brackets
+    (:func:`moeref.compare.contiguous_tree._contiguous_tree_brackets`, which skip the walks of ``L >= 2``) give the
+    same ends (both signs of zero told apart, every bracket finite), so they are the exact radius's ends; the other
+    outputs walk the next lane count and are bracketed again, and those still open after every lane count get the
+    exact radius (or the whole GEMM is walked where more than :data:`_EXACT_ALL_FROM` of its outputs are open at
+    first)."""
     if profile.accum_model != "contiguous_tree":
         center = expert_rows_gemm(a, row_expert, weights, bias)
         bound = _rows_error_bound(a, a_radius, row_expert, weights, bias, profile)
@@ -333,17 +351,78 @@ def _rows_gemm_interval(a, a_radius, row_expert, weights, bias, profile: Profile
     for e in np.unique(rows[rows >= 0]).tolist():  # a loop over experts
         idx = np.flatnonzero(rows == e)
         a_e, r_e = a.take_rows(idx), None if a_radius is None else a_radius[idx]
-        bound, total, rdot = contiguous_tree_parts(a_e, w[e], profile, a_radius=r_e,
-                                                   bias=None if b is None else b[e])
-        center[idx] = total + 0.0 if in_order_sum(a_e, w[e]) else block_gemm(a_e, w[e])
-        if r_e is not None:
-            if r_e.shape[1] and n and exact_radius(r_e, w[e]) is not None:  # radius_dot's grid
-                rdot = radius_dot(r_e, w[e])
-            bound = rdot + bound
-        radius[idx] = bound
-    if b is not None:
-        valid = rows >= 0
-        center[valid] += b[rows[valid]]
+        b_e = None if b is None else b[e]
+        grid = r_e is not None and r_e.shape[1] and n and exact_radius(r_e, w[e]) is not None
+        if ends is not None and n:
+            c_e, rad = _tree_interval_by_ends(a_e, w[e], r_e, b_e, profile, grid, ends, idx)
+        else:
+            bound, total, rdot = contiguous_tree_parts(a_e, w[e], profile, a_radius=r_e, bias=b_e)
+            c_e = total + 0.0 if in_order_sum(a_e, w[e]) else block_gemm(a_e, w[e])
+            if b_e is not None:
+                c_e += b_e
+            rad = bound
+            if r_e is not None:
+                if grid:  # radius_dot's grid
+                    rdot = radius_dot(r_e, w[e])
+                rad = rdot + bound
+        center[idx] = c_e
+        radius[idx] = rad
+    return center, radius
+
+
+_EXACT_ALL_FROM = 0.5
+"""Fraction of a GEMM's outputs whose store ends the first brackets leave open from which :func:`_rows_gemm_interval`
+walks the whole GEMM (:func:`contiguous_tree_parts`) instead of those outputs' products gathered."""
+
+
+def _open_ends(ends, rows, center, lo, hi) -> np.ndarray:
+    """Where the radius brackets ``lo <= radius <= hi`` leave the store's ends open (either end differs, a zero's sign
+    included, or a bracket is not finite), bool of ``center``'s shape."""
+    with np.errstate(invalid="ignore"):
+        out = ~(np.isfinite(lo) & np.isfinite(hi))
+        for x, y in zip(ends(rows, center, lo), ends(rows, center, hi)):
+            out |= ~((x == y) & (np.signbit(x) == np.signbit(y)))
+    return out
+
+
+def _tree_interval_by_ends(a_e, w_e, r_e, b_e, profile: Profile, grid: bool, ends, idx):
+    """One expert's ``(center, radius)`` of :func:`_rows_gemm_interval` with ``ends`` (rows ``idx``): the exact
+    radius where the brackets' ends differ after every lane count is walked, the upper bracket of the first lane count
+    that closes them elsewhere."""
+    from .contiguous_tree import _TreeBrackets
+    from .gemm_bounds import _checked
+
+    a_c, w_c, radius, b_abs = _checked(a_e, w_e, r_e, b_e)
+    tree = _TreeBrackets(a_c, w_c, radius, b_abs, profile)
+    center = tree.total + 0.0 if in_order_sum(a_e, w_e) else block_gemm(a_e, w_e)
+    if b_e is not None:
+        center += b_e
+    rdot = radius_dot(r_e, w_e) if grid else None
+
+    def with_rdot(lo, hi, at=None):
+        if r_e is None:
+            return lo, hi
+        if grid:
+            rd = rdot if at is None else rdot[at]
+            return rd + lo, rd + hi
+        return tuple((v if at is None else v[at]) + x for v, x in zip(tree.rdot, (lo, hi)))
+
+    lo, hi = with_rdot(*tree.bounds(1))
+    open_ = _open_ends(ends, idx[:, None], center, lo, hi)
+    if np.count_nonzero(open_) > _EXACT_ALL_FROM * open_.size:
+        bound, _, rdot_all = contiguous_tree_parts(a_e, w_e, profile, a_radius=r_e, bias=b_e)
+        return center, bound if r_e is None else (rdot if grid else rdot_all) + bound
+    radius = hi
+
+    def settle(mi, ni, lo, hi):
+        lo, hi = with_rdot(lo, hi, at=(mi, ni))
+        shut = ~_open_ends(ends, idx[mi], center[mi, ni], lo, hi)
+        radius[mi[shut], ni[shut]] = hi[shut]
+        return shut
+
+    mi, ni, bound, rdot_p = tree.refine(*np.nonzero(open_), settle)
+    if mi.size:
+        radius[mi, ni] = bound if r_e is None else (rdot[mi, ni] if grid else rdot_p) + bound
     return center, radius
 
 
@@ -493,7 +572,8 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
                                          profile.gemm_out_dtype, profile.gemm_out_unit)
         h_pre, dh = _add_bias_after_store(h0, dh0, rows, weights.b13, profile)
     else:
-        h_pre, dh = _rows_gemm_interval(p.a, None, rows, w13, weights.b13, profile)
+        h_pre, dh = _rows_gemm_interval(p.a, None, rows, w13, weights.b13, profile,
+                                        ends=_ends_of(profile.gemm_out_dtype))
     h, dh, flip_h = store_interval(h_pre, dh, profile.gemm_out_dtype, profile.gemm_out_unit)
     if flip_0 is not None:
         flip_h = flip_h | flip_0
@@ -526,6 +606,10 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
         pos[vidx] = np.arange(vidx.size)
         xq = xq_valid.take_rows(pos)
     # stage 5: GEMM2 and its store
+    weigh = p.apply_weights
+    w_row = None
+    if profile.gemm2_weighted_store and weigh:  # the epilogue weights (one FP32 multiply), then stores
+        w_row = np.where(valid, np.asarray(p.topk_weights, np.float64).reshape(-1)[np.maximum(p.src, 0)], 0.0)
     if profile.accum_model == "emulated":
         y_pre, dy = _emulated_gemm(xq, unc, rows, w2, weights.b2, profile, codes)
     elif profile.bias_add == "after_store" and weights.b2 is not None:
@@ -534,12 +618,10 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
                                     profile.gemm_out_dtype, profile.gemm_out_unit)
         y_pre, dy = _add_bias_after_store(y0, dy0, rows, weights.b2, profile)
     else:
-        y_pre, dy = _rows_gemm_interval(xq, unc, rows, w2, weights.b2, profile)
-    weigh = p.apply_weights
-    if profile.gemm2_weighted_store and weigh:  # the epilogue weights (one FP32 multiply), then stores
-        w_row = np.where(valid, np.asarray(p.topk_weights, np.float64).reshape(-1)[np.maximum(p.src, 0)], 0.0)
-        y_pre, dy = w_row[:, None] * y_pre, np.abs(w_row)[:, None] * dy
-        dy = dy + profile.reduce_unit * (np.abs(y_pre) + dy)
+        y_pre, dy = _rows_gemm_interval(xq, unc, rows, w2, weights.b2, profile,
+                                        ends=_ends_of(profile.gemm_out_dtype, w_row, profile.reduce_unit))
+    if w_row is not None:
+        y_pre, dy = _weighted(w_row[:, None], y_pre, dy, profile.reduce_unit)
         weigh = False
     y, dy, _ = store_interval(y_pre, dy, profile.gemm_out_dtype, profile.gemm_out_unit)
     y[~valid] = 0.0
@@ -550,6 +632,35 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
     d_tok = weight_and_reduce(dy, p.src, w_abs, p.num_tokens, apply_weights=weigh, out_dtype=np.float64)
     mag = weight_and_reduce(np.abs(y) + dy, p.src, w_abs, p.num_tokens, apply_weights=weigh, out_dtype=np.float64)
     return center, d_tok + gamma(p.top_k + 2, profile.reduce_unit) * mag, flips
+
+
+def _weighted(w, y_pre, dy, reduce_unit: float):
+    """GEMM2's interval times its rows' top-k weights ``w`` (broadcast against ``y_pre``) in the epilogue (one FP32
+    multiply, ``gemm2_weighted_store``), elementwise: ``(w y, |w| dy + reduce_unit (|w y| + |w| dy))``."""
+    y_pre, dy = w * y_pre, np.abs(w) * dy
+    return y_pre, dy + reduce_unit * (np.abs(y_pre) + dy)
+
+
+_BRACKETED_STORES = ("bfloat16",)
+"""Store dtypes whose GEMM intervals :func:`_rows_gemm_interval` brackets (``ends``): a bf16 ulp is wide against the
+contiguous-tree bound, so a small fraction of the stores' ends depend on its exact bits (on the layers of
+``bench/studies/bench_layer_bound_cpu.py``, 19 % at K = 512 and 4 % at K = 256 before any walk of ``L >= 2``); an
+FP32 or FP16 ulp is not, and their GEMMs would mostly be walked twice."""
+
+
+def _ends_of(dtype, w_row=None, reduce_unit: float = 0.0):
+    """``ends(rows, center, radius)`` of :func:`_rows_gemm_interval` for a store to ``dtype``, after :func:`_weighted`
+    by ``w_row`` where given; None (every radius exact) for a store that does not round (``dtype`` None) or one not
+    in :data:`_BRACKETED_STORES`."""
+    if dtype not in _BRACKETED_STORES:
+        return None
+
+    def ends(rows, center, radius):
+        if w_row is not None:
+            center, radius = _weighted(w_row[rows], center, radius, reduce_unit)
+        return _store_ends(center, radius, dtype)
+
+    return ends
 
 
 def _is_device_run(run) -> bool:

@@ -1,15 +1,18 @@
 """The contiguous-tree model of :mod:`moeref.compare.gemm_bounds` (``accum_model="contiguous_tree"``):
 :func:`contiguous_tree_gemm_bound`, FP32 accumulation over any tree whose nodes sum contiguous K ranges (or SIMD
 lanes of them), bounded from the ranges the exact partial sums reach, and the walks of the prefix sums that give
-those ranges (:func:`_tree_walks`). Its inputs are validated by :func:`moeref.compare.gemm_bounds.gemm_error_bound`
-(or :func:`~moeref.compare.gemm_bounds.contiguous_tree_parts`), which re-exports the public names.
+those ranges (:func:`_tree_walks`), and brackets of that bound from the walk of ``L = 1`` and BLAS lane sums, narrowed
+one lane count at a time for the outputs that need it (:class:`_TreeBrackets`: the layer bound's GEMM intervals before
+a bf16 store, :func:`moeref.compare.bounds._rows_gemm_interval`). Its inputs are validated by
+:func:`moeref.compare.gemm_bounds.gemm_error_bound` (or :func:`~moeref.compare.gemm_bounds.contiguous_tree_parts`),
+which re-exports the public names.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..gemm.exact import BlockOperand
-from .summation_order import U_F64, gamma, ordered_dot
+from .summation_order import U_F64, gamma, ordered_dot, ordered_dot_pairs
 
 __all__ = ["TREE_LANES", "contiguous_tree_gemm_bound"]
 
@@ -101,9 +104,6 @@ def _contiguous_tree(a: BlockOperand, w: BlockOperand, radius, b_abs, profile):
     n = w.values.shape[0]
     if m == 0 or n == 0:
         return np.zeros((m, n)), np.zeros((m, n)), None if radius is None else np.zeros((m, n))
-    u = float(profile.accum_unit)
-    rho = float(profile.adder_factor)
-    u_prom = float(profile.promote_unit)
     ad, wd = a.dequantize(), w.dequantize()
     lanes = max(TREE_LANES)
     kp = -(-max(k, 1) // lanes) * lanes
@@ -111,24 +111,238 @@ def _contiguous_tree(a: BlockOperand, w: BlockOperand, radius, b_abs, profile):
     rdot = None if radius is None else ordered_dot(radius, None, w_t=np.abs(wt))
     d = np.zeros((m, n)) if radius is None else rdot * (1.0 + gamma(k + 2, U_F64))
     rng, wsum, csum = _tree_walks(at, wt)
+    return _tree_bound(rng, wsum, np.abs(csum), d, b_abs[None, :], _bias_init(profile, b_abs), k, kp, profile,
+                       _products_exact_in_fp32(a, w)), csum, rdot
+
+
+class _TreeBrackets:
+    """Brackets of :func:`_contiguous_tree`'s bound without the walks of ``L >= 2``, refined on request, for validated
+    inputs (``a`` ``[M, K]``, ``w`` ``[N, K]``, ``M, N >= 1``).
+
+    The bound is nondecreasing in the walks' range ``R``, in ``W = sum |p|`` and in the radius dot
+    (:func:`_tree_bound`), so brackets of those bracket it. ``R`` is the largest range over the lane counts: at least
+    the range of the walks done so far (their exact bits: the walk of ``L = 1`` for every output, then
+    :meth:`walk`), at most that or the caps ``(sum |p| + |sum p|) / 2`` of every lane of the lane counts not walked
+    (BLAS lane sums with the margins of :func:`_tree_walks`' skip test, :func:`_lane_caps`). ``W`` and the radius dot
+    are sums of nonnegative products, within ``gamma_K`` of their exact value in any order (BLAS, any blocking, fused
+    or not, and the in-order sums alike) plus ``2^-1075`` a product for underflow: within :func:`_grow` and
+    :func:`_tiny` of the BLAS sums.
+
+    Attributes: ``total`` (the bits of :func:`_contiguous_tree`'s), ``r1`` (the range of ``L = 1``), ``rdot``
+    (``(lo, hi)`` around the radius dot, None without a radius), all float64 ``[M, N]``. A non-finite input gives
+    NaN or infinite brackets."""
+
+    def __init__(self, a: BlockOperand, w: BlockOperand, radius, b_abs, profile):
+        m, k = a.values.shape
+        self.k = k
+        self.kp = kp = -(-max(k, 1) // max(TREE_LANES)) * max(TREE_LANES)
+        self.at, self.wt = _k_major(a.dequantize(), kp), _k_major(w.dequantize(), kp)
+        self.r1, _, self.total = _tree_walks(self.at, self.wt, first_only=True)
+        caps, wblas = _lane_caps(self.at, self.wt)
+        self.caps = {}  # caps[L]: the largest cap of the lane counts above L
+        for lane in TREE_LANES[::-1][1:]:
+            above = caps[2 * lane]
+            self.caps[lane] = above if 2 * lane == TREE_LANES[-1] else np.maximum(above, self.caps[2 * lane])
+        grow, tiny = _grow(kp), _tiny(kp)
+        self.w = (np.maximum(wblas / grow - tiny, 0.0), wblas * grow + tiny)
+        self.radius = radius
+        self.rdot = None
+        if radius is not None:
+            self.w_abs = np.abs(self.wt[:k])
+            rblas = _blas_dot(radius, self.w_abs)
+            self.rdot = (np.maximum(rblas / _grow(k) - _tiny(k), 0.0), rblas * _grow(k) + _tiny(k))
+        self.c_abs = np.abs(self.total)
+        self.b_abs = b_abs
+        self.args = (_bias_init(profile, b_abs), k, kp, profile, _products_exact_in_fp32(a, w))
+
+    def _cap_above(self, lane: int, at=None):
+        cap = self.caps.get(lane)
+        return cap if cap is None or at is None else cap[at]
+
+    def bounds(self, lane: int, mi=None, ni=None, r=None):
+        """``(lo, hi)`` of the bound (float64 ``[M, N]``, or ``[X]`` at the outputs ``(mi, ni)`` with ``r`` their
+        largest range over the lane counts up to ``lane``, walked)."""
+        at = None if mi is None else (mi, ni)
+        if r is None:
+            r = self.r1
+        cap = self._cap_above(lane, at)
+        r_hi = r if cap is None else np.maximum(r, cap)
+        pick = (lambda v: v) if at is None else (lambda v: v[at])
+        b = self.b_abs[None, :] if at is None else self.b_abs[ni]
+        zero = 0.0
+        d_lo = d_hi = zero
+        if self.rdot is not None:
+            d_lo, d_hi = (pick(v) * (1.0 + gamma(self.k + 2, U_F64)) for v in self.rdot)
+        lo = _tree_bound(r, pick(self.w[0]), pick(self.c_abs), d_lo, b, *self.args)
+        hi = _tree_bound(r_hi, pick(self.w[1]), pick(self.c_abs), d_hi, b, *self.args)
+        return lo, hi
+
+    def _products(self, i, j) -> np.ndarray:
+        """The products of the outputs ``(i, j)`` in K order, float64 ``[kp, X]`` (zero rows from ``K``); ``i`` sorted
+        (row-major outputs) repeats each row's column of ``a`` instead of gathering it."""
+        if i.size and np.all(i[1:] >= i[:-1]):
+            rows, first = np.unique(i, return_index=True)
+            q = np.repeat(self.at[:, rows], np.diff(np.append(first, i.size)), axis=1)
+        else:
+            q = np.take(self.at, i, axis=1)
+        q *= np.take(self.wt, j, axis=1)
+        return q
+
+    def refine(self, mi, ni, settle):
+        """Walks ``L = 2, 4, ..., 32`` in turn for the outputs ``(mi, ni)``, bracketing their bound again after each
+        (:meth:`bounds`) and asking ``settle(mi, ni, lo, hi)`` which of them no longer need the exact bound (a bool
+        mask); the exact ``(bound, radius_dot)`` of the others (the bits of :func:`_contiguous_tree`, ``radius_dot``
+        None without a radius) are returned as ``(mi, ni, bound, radius_dot)``."""
+        rest = []
+        step = max(2, _REFINE_ELEMS // self.kp)
+        for s in range(0, mi.size, step):  # the outputs' products gathered once per batch
+            i, j = mi[s:s + step], ni[s:s + step]
+            q = self._products(i, j)
+            buf = np.empty(q.size)
+            r = self.r1[i, j]
+            for lane in TREE_LANES[1:]:
+                x = q.shape[1]
+                top = _lane_top(q.reshape(self.kp // lane, lane * x), buf)
+                r = np.maximum(r, top.reshape(lane, x).max(axis=0))
+                if lane == TREE_LANES[-1]:  # every lane count walked: r is the range
+                    rest.append((i, j) + self._exact(q, i, j, r))
+                    break
+                keep = ~settle(i, j, *self.bounds(lane, i, j, r))
+                if not keep.any():
+                    break
+                if not keep.all():
+                    i, j, r, q = i[keep], j[keep], r[keep], np.take(q, np.flatnonzero(keep), axis=1)
+        if not rest:
+            return mi[:0], ni[:0], np.zeros(0), None if self.radius is None else np.zeros(0)
+        parts = list(zip(*rest))
+        return (np.concatenate(parts[0]), np.concatenate(parts[1]), np.concatenate(parts[2]),
+                None if self.radius is None else np.concatenate(parts[3]))
+
+    def _exact(self, q, i, j, r):
+        """``(bound, radius_dot)`` at the outputs ``(i, j)`` from their products ``q`` ``[kp, X]`` and ``r``, their
+        largest range over every lane count."""
+        x = q.shape[1]
+        pa = np.zeros((self.kp + 1, max(x, 2)))  # two columns at least: NumPy sums one column pairwise
+        np.abs(q, out=pa[1:, :x])
+        wsum = np.add.reduce(pa, axis=0)[:x]    # sum |p| in K order from +0.0
+        d, rdot = 0.0, None
+        if self.radius is not None:
+            rdot = ordered_dot_pairs(self.radius[i], np.take(self.w_abs, j, axis=1).T)
+            d = rdot * (1.0 + gamma(self.k + 2, U_F64))
+        return _tree_bound(r, wsum, self.c_abs[i, j], d, self.b_abs[j], *self.args), rdot
+
+
+def _grow(k: int) -> float:
+    """Relative margin of a bracket around a sum of ``k`` products (``1 + 64 (k + 2) 2^-53``: the ``gamma_k`` of two
+    summation orders and the roundings of the margin itself, with room)."""
+    return 1.0 + 64.0 * (k + 2) * U_F64
+
+
+def _tiny(k: int) -> float:
+    """Absolute margin of a bracket around a sum of ``k`` products for their underflow (``2^-1075`` a product in each
+    of two orders, with room)."""
+    return (k + 16) * 2.0**-1072
+
+
+def _blas_dot(x: np.ndarray, y_t: np.ndarray) -> np.ndarray:
+    """``x @ y_t`` (float64 ``[M, K]`` and ``[K, N]``) from BLAS, at most :data:`_CAP_MACS` multiply-adds a product."""
+    m, k = x.shape
+    n = y_t.shape[1]
+    out = np.empty((m, n))
+    if m >= n:
+        step = max(1, _CAP_MACS // max(1, n * k))
+        for i in range(0, m, step):
+            np.matmul(x[i:i + step], y_t, out=out[i:i + step])
+    else:  # column blocks: each product reads x once
+        step = max(1, _CAP_MACS // max(1, m * k))
+        for j in range(0, n, step):
+            np.matmul(x, y_t[:, j:j + step], out=out[:, j:j + step])
+    return out
+
+
+_REFINE_ELEMS = 1 << 19
+"""Products of the outputs :meth:`_TreeBrackets.refine` gathers at a time (float64: 4 MiB, reused across lane
+counts; larger batches spend their time in fresh pages, measured on the 2-core VM, 2026-11-29)."""
+_CAP_LANES = 16
+"""Lane count of the BLAS lane sums of :func:`_lane_caps` (the narrower ones by adding lanes pairwise; the lanes of
+16 and 32 capped by the ``sum |p|`` of the lane of 16 that holds them)."""
+
+
+def _lane_caps(at: np.ndarray, wt: np.ndarray):
+    """``(caps, W)``: ``caps[L]`` float64 ``[M, N]`` for ``L = 2, ..., 32``, at least the computed range of every lane
+    of ``L``, and ``W`` the BLAS ``sum |p|``. From the BLAS lane sums of :data:`_CAP_LANES` lanes (:func:`_lane_sums`),
+    lanes added pairwise for the narrower lane counts: ``caps[L]`` is the largest ``(sum |p| + |sum p|) / 2`` over the
+    lanes of ``L`` with the margins of :func:`_tree_walks`' skip test, applied after the maximum (they are
+    nondecreasing); for ``L >= _CAP_LANES`` the largest ``sum |p|`` over the lanes of :data:`_CAP_LANES` (a lane of
+    ``L`` lies in one of them, and its range is at most its own ``sum |p|``; with :func:`_grow` and :func:`_tiny`),
+    which at these lane counts is still below the range of ``L = 1`` on random signs."""
+    kp, m = at.shape
+    n = wt.shape[1]
+    grow = 1.0 + 64.0 * (kp + 2) * U_F64
+    caps = {lane: np.empty((m, n)) for lane in TREE_LANES if lane > 1}
+    wsum = np.empty((m, n))
+    rows = max(1, (1 << 18) // max(1, _CAP_LANES * n))  # [lanes, rows, N] tiles of 2^18 elements
+    size = _CAP_LANES * min(rows, m) * n
+    bufs = np.empty(size), np.empty(size), np.empty(size)  # reused: fresh pages cost more than the arithmetic
+    for c0 in range(0, m, rows):
+        c1 = min(c0 + rows, m)
+        sa, sp = _lane_sums(at, wt, c0, c1, _CAP_LANES, bufs[:2])     # [16, rows, N]
+        for lane in TREE_LANES:
+            if lane >= _CAP_LANES:
+                out = caps[lane][c0:c1]
+                np.maximum.reduce(sa, axis=0, out=out)
+                out *= _grow(kp)
+                out += _tiny(kp)
+        while sa.shape[0] > 1:                                        # L = 8, 4, 2
+            if sa.shape[0] < _CAP_LANES:
+                lane = sa.shape[0]
+                t = bufs[2][:sp.size].reshape(sp.shape)
+                np.abs(sp, out=t)
+                t += sa
+                out = caps[lane][c0:c1]
+                np.maximum.reduce(t, axis=0, out=out)
+                out *= 0.5 * grow
+                out += (kp + 16) * 2.0**-1074
+            h = sa.shape[0] // 2
+            sa[:h] += sa[h:]                                          # lane r of L/2: r and r + L/2 of L
+            sp[:h] += sp[h:]
+            sa, sp = sa[:h], sp[:h]
+        wsum[c0:c1] = sa[0]
+    return caps, wsum
+
+
+def _bias_init(profile, b_abs) -> bool:
+    """Whether the bias is the accumulator's initial value (``bias_add="accumulator_init"`` and a nonzero bias)."""
+    return getattr(profile, "bias_add", "epilogue") == "accumulator_init" and bool(b_abs.any())
+
+
+def _tree_bound(rng, wsum, c_abs, d, b_abs, init: bool, k: int, kp: int, profile, exact_products: bool) -> np.ndarray:
+    """The bound of :func:`contiguous_tree_gemm_bound` from its walks, elementwise (any shape, broadcast): the range
+    ``rng``, ``wsum`` (``sum |p|``), ``c_abs`` (``|sum p|``), ``d`` (the radius term ``a_radius |W|^T`` widened for
+    its float64 evaluation, 0 without a radius) and ``b_abs`` (``|bias|``); ``init``: :func:`_bias_init` of the GEMM's
+    whole bias. Nondecreasing in each of them (every
+    operation an add, a product with a nonnegative constant or a division by a positive one, each rounded to
+    nearest), so inputs that bracket the walks' values bracket the bound."""
+    u = float(profile.accum_unit)
+    rho = float(profile.adder_factor)
+    u_prom = float(profile.promote_unit)
     slack = 2.0 * gamma(kp + 2, U_F64) * wsum
     r_hi = rng + slack + d
     w_hi = wsum * (1.0 + gamma(kp + 2, U_F64)) + d
-    c_hi = np.abs(csum) + slack + d
+    c_hi = c_abs + slack + d
     sigma = gamma(2, u_prom)
-    u_prod = 0.0 if _products_exact_in_fp32(a, w) else 2.0 * u
-    init = getattr(profile, "bias_add", "epilogue") == "accumulator_init" and bool(b_abs.any())
+    u_prod = 0.0 if exact_products else 2.0 * u
     t = rho * max(k - 1 + int(init), 0) * u
     denom = 1.0 - t - sigma
     if denom <= 0:
-        return np.full((m, n), np.inf), csum, rdot
+        return np.full(np.broadcast(rng, b_abs).shape, np.inf)
     if init:  # the bias is the tree's first leaf: one more add, every node holding it within |b| + R
-        acc = (t * (r_hi + b_abs[None, :]) + (sigma + u_prod) * w_hi) / np.float64(denom)
+        acc = (t * (r_hi + b_abs) + (sigma + u_prod) * w_hi) / np.float64(denom)
         out = acc + (k + 2) * 2.0**-149
     else:
         acc = (t * r_hi + (sigma + u_prod) * w_hi) / np.float64(denom)
-        out = acc + u_prom * (c_hi + acc + b_abs[None, :]) + (k + 2) * 2.0**-149
-    return out * (1.0 + 1e-9), csum, rdot
+        out = acc + u_prom * (c_hi + acc + b_abs) + (k + 2) * 2.0**-149
+    return out * (1.0 + 1e-9)
 
 
 _WALKED = (1, 2, 4)
@@ -162,16 +376,21 @@ def _k_major(v: np.ndarray, kp: int) -> np.ndarray:
     return out
 
 
-def _lane_sums(at: np.ndarray, wt: np.ndarray, r0: int, r1: int):
-    """``(sum |p|, sum p)`` over each lane of 32 for rows ``r0:r1``, float64 ``[32, r1 - r0, N]`` each, from BLAS
-    (any order, with or without fused multiply-adds), at most :data:`_CAP_MACS` multiply-adds a product."""
+def _lane_sums(at: np.ndarray, wt: np.ndarray, r0: int, r1: int, lanes: int = max(TREE_LANES), out=None):
+    """``(sum |p|, sum p)`` over each lane of ``lanes`` (default 32) for rows ``r0:r1``, float64 ``[lanes, r1 - r0, N]``
+    each, from BLAS (any order, with or without fused multiply-adds), at most :data:`_CAP_MACS` multiply-adds a
+    product; ``out``: optional pair of float64 buffers of at least that many elements each (written, and returned as
+    views)."""
     kp, n = at.shape[0], wt.shape[1]
-    lanes = max(TREE_LANES)
     t = kp // lanes
-    a3 = np.ascontiguousarray(at[:, r0:r1].reshape(t, lanes, r1 - r0).transpose(1, 2, 0))   # [32, rows, t]
-    w3 = wt.reshape(t, lanes, n).transpose(1, 0, 2)             # [32, t, N] views (row stride 32 N: BLAS reads them)
-    sp = np.empty((lanes, r1 - r0, n))
-    sa = np.empty((lanes, r1 - r0, n))
+    a3 = np.ascontiguousarray(at[:, r0:r1].reshape(t, lanes, r1 - r0).transpose(1, 2, 0))   # [lanes, rows, t]
+    w3 = wt.reshape(t, lanes, n).transpose(1, 0, 2)        # [lanes, t, N] views (row stride lanes N: BLAS reads them)
+    shape = (lanes, r1 - r0, n)
+    if out is None:
+        sp, sa = np.empty(shape), np.empty(shape)
+    else:
+        size = lanes * (r1 - r0) * n
+        sa, sp = out[0][:size].reshape(shape), out[1][:size].reshape(shape)
     a_abs, w_abs = np.abs(a3), np.abs(wt).reshape(t, lanes, n).transpose(1, 0, 2)
     step = max(1, _CAP_MACS // max(1, n * t))
     for i in range(0, r1 - r0, step):
@@ -195,9 +414,10 @@ def _walk_rows(q, wb, prev, hi, lo, first: bool) -> None:
     prev[...] = wb[-1]
 
 
-def _lane_top(q: np.ndarray) -> np.ndarray:
-    """``max(max P, 0) - min(min P, 0)`` of the prefix sums ``P`` in K order of each column of ``q`` ``[R, X]``."""
-    wb = np.empty_like(q)
+def _lane_top(q: np.ndarray, buf: np.ndarray | None = None) -> np.ndarray:
+    """``max(max P, 0) - min(min P, 0)`` of the prefix sums ``P`` in K order of each column of ``q`` ``[R, X]``;
+    ``buf``: optional float64 work space of at least ``q.size`` elements."""
+    wb = np.empty_like(q) if buf is None else buf[:q.size].reshape(q.shape)
     hi = np.full(q.shape[1], -np.inf)
     lo = np.full(q.shape[1], np.inf)
     prev = np.empty(q.shape[1])
@@ -214,11 +434,13 @@ class _WalkTile:
     of every walked lane count made once (a tile of the same width reuses them): the products ``pc``, ``|p|`` under
     the running ``sum |p|`` (``pa``), the walk ``wb``, and per lane count the last prefix sums, maxima and minima."""
 
-    def __init__(self, rows: int, x: int, walked: tuple):
+    def __init__(self, rows: int, x: int, walked: tuple, abs_sum: bool = True):
         self.x = x
+        self.abs_sum = abs_sum
         self.pc = np.empty((rows, x))
         self.pa = np.zeros((rows + 1, max(x, 2)))  # two columns at least: NumPy sums one column pairwise
-        self.wb = np.empty((rows, x))
+        # one walk and no sum |p|: the walk overwrites the products in place (half the tile's memory)
+        self.wb = self.pc if walked == (1,) and not abs_sum else np.empty((rows, x))
         self.acc = np.zeros(self.pa.shape[1])
         self.tmp = np.empty(max(walked) * x)
         self.walked = walked
@@ -252,9 +474,10 @@ class _WalkTile:
         x = self.x
         pc = self.pc[:r]
         np.einsum("kr,kn->krn", a_rows, w_rows, out=pc.reshape(r, a_rows.shape[1], w_rows.shape[1]))
-        self.pa[0] = self.acc
-        np.abs(pc, out=self.pa[1:r + 1, :x])
-        np.add.reduce(self.pa[:r + 1], axis=0, out=self.acc)  # sum |p| in K order onto the running sum
+        if self.abs_sum:
+            self.pa[0] = self.acc
+            np.abs(pc, out=self.pa[1:r + 1, :x])
+            np.add.reduce(self.pa[:r + 1], axis=0, out=self.acc)  # sum |p| in K order onto the running sum
         add = np.add
         for lane in self.walked:
             qv, wv, w = self._rows(r, lane)
@@ -283,10 +506,11 @@ class _WalkTile:
         return best
 
 
-def _tree_walks(at: np.ndarray, wt: np.ndarray):
+def _tree_walks(at: np.ndarray, wt: np.ndarray, first_only: bool = False):
     """``(R, W, S)`` float64 ``[M, N]`` of :func:`contiguous_tree_gemm_bound` from the K-major operands ``at``
     ``[kp, M]`` and ``wt`` ``[kp, N]`` (``kp`` a multiple of 32): the largest range over every lane of every lane
-    count, ``sum |p|`` and ``sum p`` in K order."""
+    count, ``sum |p|`` and ``sum p`` in K order. ``first_only``: the walk of ``L = 1`` alone, ``(R_1, None, S)``
+    (its range, a lower bound of ``R``, and the same ``S``)."""
     kp, m = at.shape
     n = wt.shape[1]
     lanes = max(TREE_LANES)
@@ -295,7 +519,7 @@ def _tree_walks(at: np.ndarray, wt: np.ndarray):
     csum = np.empty((m, n))
     nb = max(1, min(n, _WALK_OUTPUTS))
     rb = max(1, _WALK_OUTPUTS // nb)
-    walked = _walked_lanes(kp)
+    walked = (1,) if first_only else _walked_lanes(kp)
     rows = min(kp, -(-_WALK_ROWS // walked[-1]) * walked[-1])  # a multiple of every walked lane count
     tiles = {}
     for r0 in range(0, m, rb):  # tiles of [K, rb * nb] products, K in chunks of `rows`
@@ -305,14 +529,17 @@ def _tree_walks(at: np.ndarray, wt: np.ndarray):
             x = (r1 - r0) * (n1 - n0)
             tile = tiles.get(x)
             if tile is None:
-                tile = tiles[x] = _WalkTile(rows, x, walked)
+                tile = tiles[x] = _WalkTile(rows, x, walked, not first_only)
             tile.start()
             for k0 in range(0, kp, rows):
                 r = min(rows, kp - k0)
                 tile.chunk(at[k0:k0 + r, r0:r1], wt[k0:k0 + r, n0:n1], k0 == 0)
-            wsum[r0:r1, n0:n1] = tile.acc[:x].reshape(r1 - r0, n1 - n0)
+            if not first_only:
+                wsum[r0:r1, n0:n1] = tile.acc[:x].reshape(r1 - r0, n1 - n0)
             csum[r0:r1, n0:n1] = tile.prev[1].reshape(r1 - r0, n1 - n0)
             rng[r0:r1, n0:n1] = tile.ranges().reshape(r1 - r0, n1 - n0)
+    if first_only:
+        return rng, None, csum
     if walked[-1] == lanes:
         return rng, wsum, csum
     rb = max(1, _WALK_OUTPUTS // nb)

@@ -90,6 +90,20 @@ _GATED = {  # name -> (gate family, layout override, |up offset| param)
 }
 
 
+def _lipschitz_where_needed(fam: str, alpha: float, g, dg):
+    """:func:`lipschitz_on` of ``alpha [g - dg, g + dg]``, NumPy or torch float64; on NumPy 0 instead where ``dg`` is
+    0 and ``g`` finite (the constant is finite there and only ever multiplies ``dg``: the same bits, +0.0)."""
+    if _is_torch(g):
+        return lipschitz_on(fam, alpha * (g - dg), alpha * (g + dg))
+    need = (dg != 0) | ~np.isfinite(g)
+    if need.all():
+        return lipschitz_on(fam, alpha * (g - dg), alpha * (g + dg))
+    lip = np.zeros(np.broadcast(g, dg).shape)
+    gn, dn = g[need], dg[need]
+    lip[need] = lipschitz_on(fam, alpha * (gn - dn), alpha * (gn + dn))
+    return lip
+
+
 def activation_error(name: str, h: np.ndarray, dh: np.ndarray, w13_layout: str, params: dict | None = None) -> np.ndarray:
     """Bound on ``|act(h~) - act(h)|`` for ``|h~ - h| <= dh`` (stage 2), shape of the activation output.
 
@@ -110,7 +124,7 @@ def activation_error(name: str, h: np.ndarray, dh: np.ndarray, w13_layout: str, 
             lip = _LIPSCHITZ["gelu"]
         else:
             alpha = float(params.get("alpha", 1.702 if name == "swigluoai" else 1.0))
-            lip = lipschitz_on(fam, alpha * (g - dg), alpha * (g + dg))
+            lip = _lipschitz_where_needed(fam, alpha, g, dg)
         return lip * dg * (_abs(u) + b) + (_abs(g) + dg) * du
     if name == "relu2_no_mul":
         return dh * (2.0 * _abs(h) + dh)

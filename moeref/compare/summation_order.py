@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-__all__ = ["ORDER_CHUNK", "ORDER_STEP", "grouped_columns", "ordered_dot", "gamma", "U_F64"]
+__all__ = ["ORDER_CHUNK", "ORDER_STEP", "grouped_columns", "ordered_dot", "ordered_dot_pairs", "gamma", "U_F64"]
 
 _BLOCK_ELEMS = 1 << 22  # elements of the [rows, N, K] product tensor held at once
 _ORDER_BLOCK_ELEMS = 1 << 20
@@ -95,6 +95,29 @@ def ordered_dot(x, w, chunk: int = ORDER_CHUNK, step: int = ORDER_STEP, *, w_t=N
         for c in range(cols.shape[0]):
             tot += s[:, c]
         out[r0:r1] = tot
+    return out
+
+
+def ordered_dot_pairs(x, w, chunk: int = ORDER_CHUNK, step: int = ORDER_STEP) -> np.ndarray:
+    """``sum_k x[i, k] w[i, k]`` for each row ``i`` of float64 ``x``, ``w`` ``[X, K]``, float64 ``[X]``, in the order of
+    :func:`ordered_dot` (``ordered_dot(x[i:i+1], w[i:i+1])[0, 0]`` for each ``i``, the same bits): for a caller that
+    needs a few scattered outputs ``(m, n)`` of ``ordered_dot`` and passes the rows ``x[m]``, ``w[n]``."""
+    x = np.asarray(x, dtype=np.float64)
+    w = np.asarray(w, dtype=np.float64)
+    rows, k = x.shape
+    out = np.zeros(rows)
+    if rows == 0 or k == 0:
+        return out
+    cols = grouped_columns(k, chunk, step)
+    xg, wg = _gather_cols(x, cols), _gather_cols(w, cols)                # [X, nch, steps, step]
+    t = np.zeros(xg.shape[:3])
+    for i in range(cols.shape[2]):  # column order within a step
+        t += xg[..., i] * wg[..., i]
+    s = np.zeros(xg.shape[:2])
+    for j in range(cols.shape[1]):
+        s += t[:, :, j]
+    for c in range(cols.shape[0]):
+        out += s[:, c]
     return out
 
 
