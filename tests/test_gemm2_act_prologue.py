@@ -295,3 +295,21 @@ def test_gpu_layer_with_the_prologue_gives_the_default_bits(deepseek_experts, la
         g.replay()
         torch.cuda.synchronize()
         assert same_bits(out, want), (m, layout, act, "graph")
+
+
+def test_the_prologue_launch_caps_registers_on_the_gpu_only(monkeypatch):
+    """The GPU form of the launch carries ``ACT_PROLOGUE_MAXNREG`` (None: no cap); the interpreter's none."""
+    import fastpath._grouped_gemm_tiles as gt
+    import fastpath.grouped_gemm as gg
+    from fastpath.fused import GatedQuant
+
+    gq = GatedQuant("swigluoai")
+    monkeypatch.setattr(gt, "_INTERPRETED", False)
+    knobs = gg._act_launch_knobs(gq, torch.device("cuda"), 1)
+    assert knobs["maxnreg"] == 128 and knobs["ACT"] == 2 and knobs["ACT_IN16"] == 1
+    assert (knobs["ACT_ALPHA"], knobs["ACT_LIMIT"]) == (1.702, 7.0) and knobs["Q_HW_FP8"]
+    monkeypatch.setattr(gg, "ACT_PROLOGUE_MAXNREG", None)
+    assert "maxnreg" not in gg._act_launch_knobs(gq, torch.device("cuda"))
+    monkeypatch.setattr(gt, "_INTERPRETED", True)
+    monkeypatch.setattr(gg, "ACT_PROLOGUE_MAXNREG", 128)
+    assert "maxnreg" not in gg._act_launch_knobs(gq, torch.device("cpu"))
