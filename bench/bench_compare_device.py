@@ -251,11 +251,17 @@ class EmulatedPaths:
                 st["uncertain_rows"] += int(unsure.sum())
                 st["enumerated_rows"] += int(ok.sum())
                 st["fallback_rows"] += int((unsure & ~ok).sum())
-                st["blocks_per_row"] = int(a.shape[1]) // 128
+                st["blocks_per_row"] = nb = int(a.shape[1]) // 128
+                # enumerated rows without an uncertain code (one combination, the center: their blocks are emulated
+                # with the center, not through _block_variants; whole-row enumeration emulates them twice)
+                one = int((ok & (em._code_counts(codes)[0] == 0)).sum()) if codes is not None else 0
+                st["combinations"] += one
+                st["block_emulations"] += one * nb
+                st["whole_row_block_emulations"] += 2 * one * nb
             return gemm(a, a_radius, row_expert, weights, bias, profile, codes)
 
-        def variants_(sub, lo, hi, rows_c, weights, promotion, blocks=None):
-            out = variants(sub, lo, hi, rows_c, weights, promotion, blocks)
+        def variants_(sub, lo, hi, rows_c, weights):
+            out = variants(sub, lo, hi, rows_c, weights)
             ncomb = (1 << out[4]).sum()
             st["combinations"] += int(ncomb)
             st["block_emulations"] += int(out[0].shape[0]) + int(lo.shape[0]) * (int(lo.shape[1]) // 128)

@@ -39,14 +39,17 @@ def _fields(text: str) -> dict:
 def default_names(configs: dict) -> dict:
     """The sweep's tile names that are ``DEFAULT_TILES[key]`` for a key of :data:`DEFAULT_KEYS`: ``{name: key}``.
     A recorded tile matches on the fields it records (a field added to ``GemmTiles`` later keeps its default)."""
-    from fastpath.grouped_gemm import DEFAULT_TILES
+    from dataclasses import fields
 
+    from fastpath.grouped_gemm import DEFAULT_TILES, GemmTiles
+
+    unrecorded = {f.name: repr(f.default) for f in fields(GemmTiles)}  # what a field the JSON lacks was
     out = {}
     for key in DEFAULT_KEYS:
         want = {k: repr(v) for k, v in vars(DEFAULT_TILES[key]).items()}
         for name, text in configs.items():
             got = _fields(text)
-            if name not in out and got and all(want.get(k) == v for k, v in got.items()):
+            if name not in out and got and all(got.get(k, unrecorded[k]) == v for k, v in want.items()):
                 out[name] = key
                 break
     return out
@@ -90,7 +93,8 @@ def _command_of(d: dict) -> str:
 def short_name(text: str) -> str:
     """A recorded ``GemmTiles(...)`` in :data:`fastpath.grouped_gemm.FP8_PREFILL_CANDIDATES`' naming: ``MxN``,
     ``wN`` warps, ``sN`` stages, ``persN`` persistent with N programs per SM, ``tma``, ``flat``, ``ws``, ``gN``
-    group_m, ``swap``."""
+    group_m, ``swap``, then ``lag`` / ``pair`` / ``lagpair`` for ``promotion`` ``"lagged"`` / ``"pair"`` /
+    ``"lagged_pair"``."""
     f = _fields(text)
     on = lambda k: f.get(k) == "True"  # noqa: E731
     parts = [f"{f['block_m']}x{f['block_n']}", f"w{f['num_warps']}", f"s{f['num_stages']}"]
@@ -98,6 +102,8 @@ def short_name(text: str) -> str:
     parts += [k for k, name in (("tma", "tma"), ("flat", "flatten"), ("ws", "warp_specialize"), ("swap", "swap_ab"))
               if on(name)]
     parts += [f"g{f['group_m']}"] if f.get("group_m", "1") != "1" else []
+    promotion = f.get("promotion", "'inline'").strip("'\"")
+    parts += [] if promotion == "inline" else [{"lagged": "lag", "lagged_pair": "lagpair"}.get(promotion, promotion)]
     return " ".join(parts)
 
 

@@ -17,6 +17,9 @@
   refuses it). Triton 3.6 applies it on Hopper with 4 warps only (with 8 it compiles without; the compiled IR
   shows which, recorded by bench/studies/triton_fp8_prefill_sweep.py).
 * ``flatten``: ``tl.range(..., flatten=True)`` on the tile loop (persistent only).
+* ``promotion`` (FP8): the K loop's order of MMAs and promotions: :func:`_k_block` per block (``"inline"``),
+  :func:`_k_loop_lagged`, :func:`_k_loop_pair` or :func:`_k_loop_lagged_pair` (each block's product made by
+  :func:`_k_partial`, promoted by :func:`_promote`).
 
 Every output is computed with the FP32 operations of the one-tile-per-program kernel in the same order:
 per 128-column K block a fresh ``tl.dot`` of the same operands, ``acc += (part * sa) * sb`` (FP8) in K-block
@@ -89,11 +92,9 @@ def _a_rows(src_ptr, rows, rmask, TOPK, GATHER: tl.constexpr):
 
 
 @triton.jit
-def _k_block(acc, it, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0, cols,
-             sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
-             FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-             TMA_A: tl.constexpr, TMA_B: tl.constexpr, SCALAR_SB: tl.constexpr):
-    """``acc`` after K block ``it``: the one-tile-per-program kernel's step (same operands, same FP32 ops)."""
+def _k_operands(it, a_base, a_desc, b_base, b_desc, amask, cmask, row0, brow0, K, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr):
+    """``(a [BLOCK_M, BLOCK_K], b [BLOCK_K, BLOCK_N])`` of K block ``it`` (out-of-bounds rows and K columns zero)."""
     k0 = it * BLOCK_K
     ks = tl.arange(0, BLOCK_K)
     if TMA_A:
@@ -108,17 +109,199 @@ def _k_block(acc, it, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, r
         b = tl.load(b_base + (k0 + ks)[:, None], mask=cmask[None, :], other=0.0)
     else:
         b = tl.load(b_base + (k0 + ks)[:, None], mask=((k0 + ks) < K)[:, None] & cmask[None, :], other=0.0)
+    return a, b
+
+
+@triton.jit
+def _k_scales(it, amask, cmask, arow, e64, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn,
+              SCALE_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, SCALAR_SB: tl.constexpr):
+    """``(sa [BLOCK_M], sb)`` of K block ``it``: ``sb`` one number when the tile's columns lie in one 128-column
+    scale block (``SCALAR_SB``), else ``[BLOCK_N]``."""
+    k0 = it * BLOCK_K
+    sa = tl.load(sa_ptr + arow * stride_sam + k0 // SCALE_BLOCK, mask=amask, other=0.0)
+    if SCALAR_SB:
+        sb = tl.load(sb_ptr + e64 * stride_sbe + (n0 // SCALE_BLOCK) * stride_sbn + k0 // SCALE_BLOCK)
+    else:
+        sb = tl.load(sb_ptr + e64 * stride_sbe + (cols // SCALE_BLOCK) * stride_sbn + k0 // SCALE_BLOCK,
+                     mask=cmask, other=0.0)
+    return sa, sb
+
+
+@triton.jit
+def _promote(acc, part, sa, sb, SCALAR_SB: tl.constexpr):
+    """The promotion of one K block's partial product: ``acc + (part * sa) * sb`` in FP32."""
+    if SCALAR_SB:
+        acc += part * sa[:, None] * sb
+    else:
+        acc += part * sa[:, None] * sb[None, :]
+    return acc
+
+
+@triton.jit
+def _k_block(acc, it, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0, cols,
+             sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
+             FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+             TMA_A: tl.constexpr, TMA_B: tl.constexpr, SCALAR_SB: tl.constexpr):
+    """``acc`` after K block ``it``: the one-tile-per-program kernel's step (same operands, same FP32 ops)."""
+    a, b = _k_operands(it, a_base, a_desc, b_base, b_desc, amask, cmask, row0, brow0, K, BLOCK_K, EVEN_K, TMA_A,
+                       TMA_B)
     if FP8:  # promotion: a fresh product per 128-column block, (part * sa) * sb added in FP32, K-block order
-        sa = tl.load(sa_ptr + arow * stride_sam + k0 // SCALE_BLOCK, mask=amask, other=0.0)
-        if SCALAR_SB:  # the tile's columns lie in one 128-column scale block: one weight scale
-            sb = tl.load(sb_ptr + e64 * stride_sbe + (n0 // SCALE_BLOCK) * stride_sbn + k0 // SCALE_BLOCK)
-            acc += tl.dot(a, b) * sa[:, None] * sb
-        else:
-            sb = tl.load(sb_ptr + e64 * stride_sbe + (cols // SCALE_BLOCK) * stride_sbn + k0 // SCALE_BLOCK,
-                         mask=cmask, other=0.0)
-            acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+        sa, sb = _k_scales(it, amask, cmask, arow, e64, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe,
+                           stride_sbn, SCALE_BLOCK, BLOCK_K, SCALAR_SB)
+        acc = _promote(acc, tl.dot(a, b), sa, sb, SCALAR_SB)
     else:
         acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _k_partial(it, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0, cols,
+               sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
+               SCALE_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               TMA_A: tl.constexpr, TMA_B: tl.constexpr, SCALAR_SB: tl.constexpr):
+    """``(part, sa, sb)`` of FP8 K block ``it``: its fresh product and its scales, promoted later
+    (:func:`_promote`) by the ``"lagged"`` and ``"pair"`` K loops."""
+    a, b = _k_operands(it, a_base, a_desc, b_base, b_desc, amask, cmask, row0, brow0, K, BLOCK_K, EVEN_K, TMA_A,
+                       TMA_B)
+    sa, sb = _k_scales(it, amask, cmask, arow, e64, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn,
+                       SCALE_BLOCK, BLOCK_K, SCALAR_SB)
+    return tl.dot(a, b), sa, sb
+
+
+@triton.jit
+def _ordered(x):
+    """``x`` unchanged (a ``mov.b32`` of each element's bits in inline PTX, not pure), so the operations that make
+    ``x`` stay before the next side-effecting operation (an MMA's issue): an ordering barrier for LLVM's scheduler.
+    The compiled kernels only (the interpreter runs no PTX)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _k_loop_lagged(acc, n_iters, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0, cols,
+                   sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
+                   SCALE_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA_A: tl.constexpr,
+                   TMA_B: tl.constexpr, SCALAR_SB: tl.constexpr, WS_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``acc`` after K blocks ``0 .. n_iters - 1`` (FP8, ``promotion="lagged"``): the product of block ``it + 1`` is
+    issued before block ``it``'s is promoted (software pipelining: the MMA runs while the previous partial is
+    scaled and added). Block 0's product is computed even when ``n_iters == 0`` (a padding tile, whose store is
+    masked). The same partials and promotions in the same order as :func:`_k_block`'s loop: the same bits."""
+    part, sa, sb = _k_partial(0, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0, cols,
+                              sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK, BLOCK_K, EVEN_K,
+                              TMA_A, TMA_B, SCALAR_SB)
+    if INTERPRETED:
+        it = 1
+        while it < n_iters:
+            nxt, nsa, nsb = _k_partial(it, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0,
+                                       cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
+                                       BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
+            acc = _promote(acc, part, sa, sb, SCALAR_SB)
+            part, sa, sb = nxt, nsa, nsb
+            it += 1
+    else:
+        for it in tl.range(1, n_iters, warp_specialize=WS_K):
+            nxt, nsa, nsb = _k_partial(it, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0,
+                                       cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
+                                       BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
+            acc = _promote(acc, part, sa, sb, SCALAR_SB)
+            part, sa, sb = nxt, nsa, nsb
+    return _promote(acc, part, sa, sb, SCALAR_SB)
+
+
+@triton.jit
+def _k_loop_pair(acc, n_iters, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0, cols,
+                 sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
+                 SCALE_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA_A: tl.constexpr,
+                 TMA_B: tl.constexpr, SCALAR_SB: tl.constexpr, WS_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``acc`` after K blocks ``0 .. n_iters - 1`` (FP8, ``promotion="pair"``): two K blocks an iteration, both
+    products issued before either is promoted (block ``2j`` is scaled and added while block ``2j + 1``'s MMA
+    runs), the promotions in block order; an odd last block alone. The same partials and promotions in the
+    same order as :func:`_k_block`'s loop: the same bits."""
+    if INTERPRETED:
+        j = 0
+        while j < n_iters // 2:
+            p0, sa0, sb0 = _k_partial(2 * j, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0,
+                                      cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
+                                      BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
+            p1, sa1, sb1 = _k_partial(2 * j + 1, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0,
+                                      brow0, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
+                                      SCALE_BLOCK, BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
+            acc = _promote(acc, p0, sa0, sb0, SCALAR_SB)
+            acc = _promote(acc, p1, sa1, sb1, SCALAR_SB)
+            j += 1
+    else:
+        for j in tl.range(0, n_iters // 2, warp_specialize=WS_K):
+            p0, sa0, sb0 = _k_partial(2 * j, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0,
+                                      cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
+                                      BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
+            p1, sa1, sb1 = _k_partial(2 * j + 1, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0,
+                                      brow0, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
+                                      SCALE_BLOCK, BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
+            acc = _promote(acc, p0, sa0, sb0, SCALAR_SB)
+            acc = _promote(acc, p1, sa1, sb1, SCALAR_SB)
+    if n_iters % 2 == 1:
+        part, sa, sb = _k_partial(n_iters - 1, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0,
+                                  n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
+                                  BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
+        acc = _promote(acc, part, sa, sb, SCALAR_SB)
+    return acc
+
+
+@triton.jit
+def _k_loop_lagged_pair(acc, n_iters, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0,
+                        cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
+                        SCALE_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA_A: tl.constexpr,
+                        TMA_B: tl.constexpr, SCALAR_SB: tl.constexpr, WS_K: tl.constexpr,
+                        INTERPRETED: tl.constexpr):
+    """``acc`` (the tile's zeros) after K blocks ``0 .. n_iters - 1`` (FP8, ``promotion="lagged_pair"``): per
+    iteration block ``2j``'s product, the promotion of block ``2j - 1`` (carried from the iteration before), block
+    ``2j + 1``'s product (carried to the next), the promotion of block ``2j``; then the last carried block's
+    promotion and an odd count's last block. The first iteration's carried block is zeros with zero scales: its
+    promotion adds +0 to the zeros (no operation on the data), and no product is computed before the loop, whose
+    operands would take shared memory of their own. The form Triton 3.6's Hopper MMA pipeliner keeps in flight:
+    block ``2j``'s product is waited for at once (its promotion follows unconditionally), that wait also
+    completes the carried product, and block ``2j + 1``'s MMA, used only in the next iteration, stays in flight
+    during block ``2j``'s promotion. Block ``2j - 1``'s promotion passes through :func:`_ordered` before block
+    ``2j + 1``'s MMA is issued: otherwise LLVM schedules it after that MMA, the carried product and block
+    ``2j + 1``'s then need registers of their own, and the copy between them at the loop's end reads an MMA's
+    accumulator while it runs, so ptxas serializes every MMA (its C7514 note) and spills at 4 warps (Triton 3.6,
+    sm_90a). The same partials and promotions in the same order as :func:`_k_block`'s loop: the same bits."""
+    part = tl.zeros_like(acc)
+    sa = tl.zeros((acc.shape[0],), dtype=tl.float32)
+    if SCALAR_SB:
+        sb = tl.full((), 0.0, dtype=tl.float32)
+    else:
+        sb = tl.zeros((acc.shape[1],), dtype=tl.float32)
+    if INTERPRETED:
+        j = 0
+        while j < n_iters // 2:
+            p1, sa1, sb1 = _k_partial(2 * j, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0,
+                                      n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
+                                      BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
+            acc = _promote(acc, part, sa, sb, SCALAR_SB)
+            p2, sa2, sb2 = _k_partial(2 * j + 1, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0,
+                                      brow0, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
+                                      SCALE_BLOCK, BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
+            acc = _promote(acc, p1, sa1, sb1, SCALAR_SB)
+            part, sa, sb = p2, sa2, sb2
+            j += 1
+    else:
+        for j in tl.range(0, n_iters // 2, warp_specialize=WS_K):
+            p1, sa1, sb1 = _k_partial(2 * j, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0,
+                                      n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
+                                      BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
+            acc = _promote(acc, part, sa, sb, SCALAR_SB)
+            acc = _ordered(acc)  # block 2j - 1's promotion before block 2j + 1's MMA (see the docstring)
+            p2, sa2, sb2 = _k_partial(2 * j + 1, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0,
+                                      brow0, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
+                                      SCALE_BLOCK, BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
+            acc = _promote(acc, p1, sa1, sb1, SCALAR_SB)
+            part, sa, sb = p2, sa2, sb2
+    acc = _promote(acc, part, sa, sb, SCALAR_SB)
+    if n_iters % 2 == 1:  # the last block, after the pairs
+        part, sa, sb = _k_partial(n_iters - 1, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0,
+                                  n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
+                                  BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
+        acc = _promote(acc, part, sa, sb, SCALAR_SB)
     return acc
 
 
@@ -128,9 +311,11 @@ def _tile(pid_m, pid_n, e, a_ptr, a_desc, b_ptr, b_desc, d_ptr, sa_ptr, sb_ptr, 
           FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
           GATHER: tl.constexpr, TMA: tl.constexpr, DYNAMIC_K: tl.constexpr, WS_K: tl.constexpr,
-          INTERPRETED: tl.constexpr):
+          INTERPRETED: tl.constexpr, PROMOTION: tl.constexpr):
     """One output tile. ``DYNAMIC_K``: a tile of padding rows (``e < 0``) runs no K block and stores nothing
-    (otherwise the caller has returned on it); ``WS_K``: the K loop warp-specialized."""
+    (otherwise the caller has returned on it); ``WS_K``: the K loop warp-specialized; ``PROMOTION`` (FP8): the
+    K loop's order of MMAs and promotions, 0 :func:`_k_block`'s, 1 :func:`_k_loop_lagged`'s, 2
+    :func:`_k_loop_pair`'s, 3 :func:`_k_loop_lagged_pair`'s."""
     live = e >= 0
     e64 = tl.maximum(e, 0).to(tl.int64)
     row0 = pid_m * BLOCK_M
@@ -146,7 +331,24 @@ def _tile(pid_m, pid_n, e, a_ptr, a_desc, b_ptr, b_desc, d_ptr, sa_ptr, sb_ptr, 
     TMA_A: tl.constexpr = TMA and not GATHER
     SCALAR_SB: tl.constexpr = (SCALE_BLOCK % BLOCK_N) == 0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if DYNAMIC_K:
+    if PROMOTION != 0:
+        if DYNAMIC_K:
+            n_blocks = tl.where(live, K_ITERS, 0)
+        else:
+            n_blocks = K_ITERS
+        if PROMOTION == 3:
+            acc = _k_loop_lagged_pair(acc, n_blocks, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0,
+                                      brow0, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
+                                      SCALE_BLOCK, BLOCK_K, EVEN_K, TMA_A, TMA, SCALAR_SB, WS_K, INTERPRETED)
+        elif PROMOTION == 1:
+            acc = _k_loop_lagged(acc, n_blocks, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0,
+                                 n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
+                                 BLOCK_K, EVEN_K, TMA_A, TMA, SCALAR_SB, WS_K, INTERPRETED)
+        else:
+            acc = _k_loop_pair(acc, n_blocks, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0,
+                               n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
+                               BLOCK_K, EVEN_K, TMA_A, TMA, SCALAR_SB, WS_K, INTERPRETED)
+    elif DYNAMIC_K:
         n_iters = tl.where(live, K_ITERS, 0)
         if INTERPRETED:
             it = 0
@@ -179,7 +381,8 @@ def _grouped_gemm_tile_loop_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_pt
                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
                                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
                                    PERSISTENT: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                                   FLATTEN: tl.constexpr, GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr):
+                                   FLATTEN: tl.constexpr, GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr,
+                                   PROMOTION: tl.constexpr):
     # m_idx_ptr: the row -> expert map of the contiguous layout (-1: padding); each BLOCK_M rows one expert.
     # GATHER: a (and its scales) are token rows; layout row r reads token src[r] // TOPK (src < 0: zeros).
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -205,7 +408,7 @@ def _grouped_gemm_tile_loop_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_pt
                 _tile(pid_m, pid_n, e, a_ptr, a_desc, b_ptr, b_desc, d_ptr, sa_ptr, sb_ptr, bias_ptr, src_ptr,
                       M, N, K, stride_am, stride_be, stride_bn, stride_dm, stride_sam, stride_sbe, stride_sbn, TOPK,
                       FP8, SCALE_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, EVEN_K, HAS_BIAS, GATHER, TMA,
-                      True, False, INTERPRETED)
+                      True, False, INTERPRETED, PROMOTION)
                 tile += NUM_PROGRAMS
         else:
             for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE,
@@ -215,7 +418,7 @@ def _grouped_gemm_tile_loop_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_pt
                 _tile(pid_m, pid_n, e, a_ptr, a_desc, b_ptr, b_desc, d_ptr, sa_ptr, sb_ptr, bias_ptr, src_ptr,
                       M, N, K, stride_am, stride_be, stride_bn, stride_dm, stride_sam, stride_sbe, stride_sbn, TOPK,
                       FP8, SCALE_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, EVEN_K, HAS_BIAS, GATHER, TMA,
-                      True, False, INTERPRETED)
+                      True, False, INTERPRETED, PROMOTION)
     elif WARP_SPECIALIZE:  # no early return (Hopper's warp specialization fails on it): a padding tile runs
         # no K block and stores nothing
         pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
@@ -223,7 +426,7 @@ def _grouped_gemm_tile_loop_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_pt
         _tile(pid_m, pid_n, e, a_ptr, a_desc, b_ptr, b_desc, d_ptr, sa_ptr, sb_ptr, bias_ptr, src_ptr,
               M, N, K, stride_am, stride_be, stride_bn, stride_dm, stride_sam, stride_sbe, stride_sbn, TOPK,
               FP8, SCALE_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, EVEN_K, HAS_BIAS, GATHER, TMA,
-              True, True, INTERPRETED)
+              True, True, INTERPRETED, PROMOTION)
     else:
         pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         e = tl.load(m_idx_ptr + pid_m * BLOCK_M)
@@ -232,4 +435,4 @@ def _grouped_gemm_tile_loop_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_pt
         _tile(pid_m, pid_n, e, a_ptr, a_desc, b_ptr, b_desc, d_ptr, sa_ptr, sb_ptr, bias_ptr, src_ptr,
               M, N, K, stride_am, stride_be, stride_bn, stride_dm, stride_sam, stride_sbe, stride_sbn, TOPK,
               FP8, SCALE_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K, K_ITERS, EVEN_K, HAS_BIAS, GATHER, TMA,
-              False, False, INTERPRETED)
+              False, False, INTERPRETED, PROMOTION)

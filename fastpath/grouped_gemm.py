@@ -17,8 +17,9 @@ cannot run), each declaring the :mod:`moeref.compare` profile its arithmetic sat
     by the block's two scales and added to an FP32 accumulator: promotion every 128 K, DeepGEMM's
     recipe (profile ``HOPPER_FP8_DEEPGEMM_DATA``).
   - :class:`GemmTiles` with a tile-loop option (``group_m``, ``persistent``, ``tma``, ``warp_specialize``,
-    ``flatten``; contiguous layout) run the same arithmetic in :mod:`fastpath._grouped_gemm_tiles`' kernel: the
-    same bits, another tile order, grid and load path (candidates: :data:`FP8_PREFILL_CANDIDATES`).
+    ``flatten``, ``promotion``; contiguous layout) run the same arithmetic in :mod:`fastpath._grouped_gemm_tiles`'
+    kernel: the same bits, another tile order, grid, load path or order of MMAs and promotions (candidates:
+    :data:`FP8_PREFILL_CANDIDATES`).
   - ``act_prologue`` (a :class:`fastpath.fused.GatedQuant`; FP8 weights, decode): ``a`` is the gated input
     ``h [rows, 2K]`` and each K block's FP8 A operand and 1x128 scales are computed in registers with the fused
     act+quant kernel's device functions (:func:`_act_operand`), the bits that kernel stores: GEMM2 of the MoE
@@ -62,6 +63,9 @@ bit (``accum_model="emulated"``; Hopper only: the emulator models sm_90's FP8 WG
 honest kernel passes both, and a fault the declared bound cannot see (one misrouted token at K = 7168) fails it."""
 
 _FP8 = (torch.float8_e4m3fn,)
+PROMOTIONS = ("inline", "lagged", "pair", "lagged_pair")
+"""The K-loop orders of :attr:`GemmTiles.promotion` (FP8; one set of bits)."""
+_PROMOTION_CODE = {"inline": 0, "lagged": 1, "pair": 2, "lagged_pair": 3}  # the tile-loop kernel's PROMOTION constexpr
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,7 @@ class GemmTiles:
     """Launch configuration of the Triton kernel (``block_m`` must divide the layout's alignment; FP8
     needs ``block_k == 128``, one scale block per step). Defaults: :data:`DEFAULT_TILES`; measured
     alternatives and their times are in docs/performance.md. The tile-loop options (``persistent``, ``tma``,
-    ``warp_specialize``, ``flatten``, ``group_m``; contiguous layout, not with ``swap_ab``) run
+    ``warp_specialize``, ``flatten``, ``group_m``, ``promotion``; contiguous layout, not with ``swap_ab``) run
     :mod:`fastpath._grouped_gemm_tiles`' kernel: the same FP32 operations per output, so the same bits."""
 
     block_m: int = 128
@@ -95,17 +99,34 @@ class GemmTiles:
     group_m: int = 1
     """Tile order: groups of ``group_m`` row tiles, row tiles fastest inside a group (an expert's row tiles
     read each B tile together); 1: column tiles fastest, the one-tile-per-program kernel's order."""
+    promotion: str = "inline"
+    """FP8 only: the order of the K loop's MMAs and promotions (:data:`PROMOTIONS`; the tile-loop kernel).
+    ``"inline"``: each 128-column block's product, then its promotion ``acc += (part * sa) * sb``. ``"lagged"``:
+    block ``k + 1``'s product issued before block ``k``'s promotion (the previous product carried in registers).
+    ``"pair"``: two blocks an iteration, both products, then both promotions. ``"lagged_pair"``: per iteration
+    block ``2j``'s product, block ``2j - 1``'s promotion (carried), block ``2j + 1``'s product (carried to the next
+    iteration), block ``2j``'s promotion: the form Triton 3.6's Hopper MMA pipeliner leaves in flight past a
+    promotion. Every order makes
+    the same products (each block's dot from zero) and the same promotions in K-block order: the same bits. Where
+    the compiled MMAs wait: bench/studies/triton_fp8_prefill_compile.py (Triton 3.6, sm_90a: ``"lagged"`` and
+    ``"pair"`` still wait for each MMA right after it; ``"lagged_pair"`` runs block ``2j + 1``'s MMA during block
+    ``2j``'s promotion)."""
 
     def __post_init__(self):
         for name in ("persistent", "tma", "warp_specialize", "flatten"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GemmTiles.{name} must be a bool; got {getattr(self, name)!r}")
+        if not isinstance(self.promotion, str):
+            raise TypeError(f"GemmTiles.promotion must be a str, one of {PROMOTIONS}; got {self.promotion!r}")
+        if self.promotion not in PROMOTIONS:
+            raise ValueError(f"GemmTiles.promotion must be one of {PROMOTIONS}; got {self.promotion!r}")
         for name in ("programs_per_sm", "group_m"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"GemmTiles.{name} must be an int >= 1; got {v!r}")
         if self.swap_ab and self.tile_loop:
-            raise ValueError("the tile-loop options (persistent, tma, warp_specialize, flatten, group_m > 1) compute "
+            raise ValueError("the tile-loop options (persistent, tma, warp_specialize, flatten, group_m > 1, "
+                             "promotion other than 'inline') compute "
                              f"a @ B^T tiles; swap_ab=True has none; got {self}")
         if self.warp_specialize and not self.tma:
             raise ValueError(f"warp_specialize needs tma=True (its producer issues TMA loads); got {self}")
@@ -119,7 +140,8 @@ class GemmTiles:
     @property
     def tile_loop(self) -> bool:
         """Whether these tiles run :mod:`fastpath._grouped_gemm_tiles`' kernel (contiguous layout only)."""
-        return self.persistent or self.tma or self.warp_specialize or self.flatten or self.group_m != 1
+        return (self.persistent or self.tma or self.warp_specialize or self.flatten or self.group_m != 1
+                or self.promotion != "inline")
 
 
 DEFAULT_TILES = {"fp8_block": GemmTiles(64, 128, 128, 4, 4), "float": GemmTiles(128, 256, 64, 8, 3),
@@ -132,7 +154,7 @@ capability 9 or more), the fastest tiles of bench/studies/triton_fp8_prefill_swe
 _INTERPRETER_TILES = {"fp8_block": GemmTiles(16, 32, 128, 1, 1), "float": GemmTiles(16, 32, 32, 1, 1),
                       "fp8_block_decode": GemmTiles(16, 32, 128, 1, 1, swap_ab=True)}
 FP8_PREFILL_CANDIDATES = {
-    "64x128 w4 s4 (default)": GemmTiles(64, 128, 128, 4, 4),
+    "64x128 w4 s4": GemmTiles(64, 128, 128, 4, 4),
     "64x128 w4 s3": GemmTiles(64, 128, 128, 4, 3),
     "128x128 w8 s3": GemmTiles(128, 128, 128, 8, 3),
     "64x128 w4 s4 g4": GemmTiles(64, 128, 128, 4, 4, group_m=4),
@@ -153,10 +175,21 @@ FP8_PREFILL_CANDIDATES = {
     "128x128 w8 s3 pers1 tma g2": GemmTiles(128, 128, 128, 8, 3, persistent=True, tma=True, group_m=2),
     "128x64 w4 s4 tma g2": GemmTiles(128, 64, 128, 4, 4, tma=True, group_m=2),
     "64x256 w8 s3 tma g4": GemmTiles(64, 256, 128, 8, 3, tma=True, group_m=4),
+    "64x128 w8 s4 tma": GemmTiles(64, 128, 128, 8, 4, tma=True),
+    "64x128 w4 s4 tma lag": GemmTiles(64, 128, 128, 4, 4, tma=True, promotion="lagged"),
+    "64x128 w4 s3 tma g4 lag": GemmTiles(64, 128, 128, 4, 3, tma=True, group_m=4, promotion="lagged"),
+    "64x128 w4 s2 tma pair": GemmTiles(64, 128, 128, 4, 2, tma=True, promotion="pair"),
+    "64x128 w4 s2 tma lagpair": GemmTiles(64, 128, 128, 4, 2, tma=True, promotion="lagged_pair"),
+    "64x128 w4 s2 tma g4 lagpair": GemmTiles(64, 128, 128, 4, 2, tma=True, group_m=4, promotion="lagged_pair"),
+    "64x128 w8 s2 tma lagpair": GemmTiles(64, 128, 128, 8, 2, tma=True, promotion="lagged_pair"),
+    "128x128 w8 s2 tma g2 lagpair": GemmTiles(128, 128, 128, 8, 2, tma=True, group_m=2, promotion="lagged_pair"),
 }
 """FP8 prefill tiles (``wN`` warps, ``sN`` stages, ``gN`` group_m, ``persN`` persistent with N programs per SM,
-``flat`` flatten, ``ws`` warp_specialize): what bench/studies/triton_fp8_prefill_sweep.py times against DeepGEMM
-at DeepSeek-V3's 4096-token shapes, and what the GPU test checks bit for bit against :data:`DEFAULT_TILES`."""
+``flat`` flatten, ``ws`` warp_specialize; ``lag``, ``pair``, ``lagpair``: ``promotion`` ``"lagged"``, ``"pair"``,
+``"lagged_pair"``): what bench/studies/triton_fp8_prefill_sweep.py times against DeepGEMM at DeepSeek-V3's
+4096-token shapes, and what the GPU test checks bit for bit against :data:`DEFAULT_TILES`. ``"64x128 w4 s4"`` is
+``DEFAULT_TILES["fp8_block"]`` (the sweep's bit reference), ``"64x128 w4 s4 tma"``
+``DEFAULT_TILES["fp8_block_contiguous_tma"]``."""
 DECODE_ROWS_PER_EXPERT = 16
 """FP8 operands with at most this many rows per expert on average take the decode tiles."""
 
@@ -591,6 +624,9 @@ def _sm_count(device: torch.device) -> int:
 
 def _launch_tile_loop(a, b, d, m_idx, sa, sb, bias_t, src, t: GemmTiles, m, n, k, e, fp8, has_bias, gather, top_k):
     """One launch of :func:`fastpath._grouped_gemm_tiles._grouped_gemm_tile_loop_kernel` (contiguous layout)."""
+    if t.promotion != "inline" and not fp8:
+        raise ValueError(f"promotion={t.promotion!r} orders the FP8 kernel's per-block promotions; {a.dtype} operands "
+                         f"accumulate in the MMA (no promotion): use promotion='inline'; got {t}")
     if t.warp_specialize and gather:
         raise ValueError("warp_specialize tiles need both operands through TMA, and rows read through a_src are "
                          "gathered by pointer loads (Hopper's TMA has no row gather; Triton 3.6's warp "
@@ -611,8 +647,8 @@ def _launch_tile_loop(a, b, d, m_idx, sa, sb, bias_t, src, t: GemmTiles, m, n, k
            FP8=fp8, SCALE_BLOCK=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
            K_ITERS=cdiv(k, t.block_k), EVEN_K=k % t.block_k == 0, HAS_BIAS=has_bias, GATHER=gather,
            PERSISTENT=t.persistent, TMA=t.tma, WARP_SPECIALIZE=t.warp_specialize, FLATTEN=t.flatten,
-           GROUP_M=t.group_m, INTERPRETED=_grouped_gemm_tiles._INTERPRETED, num_warps=t.num_warps,
-           num_stages=t.num_stages)
+           GROUP_M=t.group_m, INTERPRETED=_grouped_gemm_tiles._INTERPRETED, PROMOTION=_PROMOTION_CODE[t.promotion],
+           num_warps=t.num_warps, num_stages=t.num_stages)
 
 
 def grouped_gemm_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *, impl: str, a_scales=None,

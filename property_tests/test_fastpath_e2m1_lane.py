@@ -6,7 +6,7 @@ The CPU proof (tests/test_mxfp4_packed_encode.py) emulates the PTX text against
 elsewhere: Triton's interpreter cannot run inline PTX) over EVERY float32 bit pattern (2^32),
 in both variants (signed zeros kept; TE's +0), against the integer helper
 :func:`fastpath._triton_rounding.encode_e2m1` in the same kernel (itself equal to the reference
-on every bfloat16 pattern and random float32 values, tests/test_triton_rounding*): every
+on every bfloat16 pattern and random float32 values, property_tests/test_fastpath_rounding.py): every
 non-NaN lane has that code (bits 0-2, sign bit 9, bits 3-8 and 10+ zero), every NaN lane is
 ``NAN_LANE``. End to end, the quantizer with the lane encode equals the integer path
 (``hw_fp8=False``) and the reference: :mod:`property_tests.test_fastpath_quant` (NVFP4 every

@@ -44,24 +44,25 @@ def _profile(promotion: str):
 
 
 class _Paths:
-    """Counts the device path's calls: enumerated combinations (``values=``) and data-dependent fallbacks."""
+    """Counts the device path's calls: enumerated combinations (the uncertain blocks' accumulators,
+    ``device_block_accumulators``) and data-dependent fallbacks."""
 
     def __init__(self, monkeypatch):
         import moeref.compare.device.emulated as de
         import moeref.gemm.device_hopper_fp8 as dh
 
         self.enumerated = self.fallback = 0
-        rows, bound = dh.device_deepgemm_rows, de.device_rows_error_bound
+        blocks, bound = dh.device_block_accumulators, de.device_rows_error_bound
 
-        def rows_(*a, **k):
-            self.enumerated += k.get("values") is not None
-            return rows(*a, **k)
+        def blocks_(*a, **k):
+            self.enumerated += 1
+            return blocks(*a, **k)
 
         def bound_(*a, **k):
             self.fallback += 1
             return bound(*a, **k)
 
-        monkeypatch.setattr(dh, "device_deepgemm_rows", rows_)
+        monkeypatch.setattr(dh, "device_block_accumulators", blocks_)
         monkeypatch.setattr(de, "device_rows_error_bound", bound_)
 
 

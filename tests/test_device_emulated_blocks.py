@@ -119,3 +119,107 @@ def test_block_enumeration_every_kind(monkeypatch):
     test_block_enumeration_equals_host.hypothesis.inner_test(3, "deepgemm", KINDS, True)
     monkeypatch.setattr(em, "_CHUNK_ELEMS", 2 * 3 * 160)  # K/128 = 3 blocks, N = 160
     test_block_enumeration_equals_host.hypothesis.inner_test(4, "a_then_b", KINDS, True)
+
+
+def _replay_oracle(acc, variants, vbase, j0, nbit, ncomb, row_e, sa, wsc, ds, s_hi, coef, center, promotion):
+    """``max_c (|y_c - center| + st_c)`` written out: per row and combination, the row's block accumulators with
+    the varied blocks swapped in, the NumPy promotion (:func:`moeref.gemm.hopper_fp8.promote`) and the scale
+    term summed in block order from 0."""
+    from moeref.gemm.hopper_fp8 import promote
+
+    r_all, nb, n = acc.shape
+    worst = np.zeros((r_all, n))
+    for r in range(r_all):  # a plain loop over rows and combinations
+        sbr = np.repeat(wsc[row_e[r]], 128, axis=0)[:n]  # [N, NB], the weight scales as given
+        for c in range(int(ncomb[r])):
+            blocks = acc[r].astype(np.float64).copy()
+            for kb in range(nb):
+                if vbase[r, kb] >= 0:
+                    blocks[kb] = variants[vbase[r, kb] + ((c >> j0[r, kb]) & ((1 << nbit[r, kb]) - 1))]
+            y = promote(blocks.T[None], sa[r][None], sbr, promotion)[0]
+            t1 = np.zeros(n)
+            t2 = np.zeros(n)
+            for kb in range(nb):
+                m = np.abs(blocks[kb]) * np.abs(sbr[:, kb])
+                t1 = t1 + m * ds[r, kb]
+                t2 = t2 + m * s_hi[r, kb]
+            worst[r] = np.maximum(worst[r], np.abs(y - center[r]) + (t1 + coef * t2))
+    return worst
+
+
+@pytest.mark.parametrize("promotion", ["deepgemm", "a_then_b"])
+def test_promote_combinations_equals_plain_loop(promotion):
+    """:func:`moeref.gemm.device_hopper_fp8.device_promote_combinations` (rows sorted by combination count and
+    first varied block, the blocks before it promoted once) equals a plain loop over every combination, bit for
+    bit: rows with no varied block, with one in the first or the last block, with two varied blocks of one and
+    two codes; more rows than one program, N not a multiple of the column tile."""
+    from moeref.gemm.device_hopper_fp8 import device_promote_combinations
+
+    rng = np.random.default_rng(11)
+    e, nb, n = 2, 3, 40
+    # (varied blocks, their code counts) per row
+    plans = [(), ((0, 1),), ((2, 1),), ((1, 2),), ((0, 1), (2, 2)), ((1, 3),), ((0, 2), (1, 2)), ((2, 4),)] * 3
+    r_all = len(plans)
+    f32 = lambda x: x.astype(np.float32).astype(np.float64)  # noqa: E731
+    acc = f32(rng.standard_normal((r_all, nb, n)) * 100).astype(np.float32)
+    vbase = np.full((r_all, nb), -1, dtype=np.int64)
+    j0 = np.zeros((r_all, nb), dtype=np.int64)
+    nbit = np.zeros((r_all, nb), dtype=np.int64)
+    ncomb = np.ones(r_all, dtype=np.int64)
+    v = 0
+    for r, plan in enumerate(plans):
+        j = 0
+        for kb, bits in plan:
+            vbase[r, kb], j0[r, kb], nbit[r, kb] = v, j, bits
+            v += 1 << bits
+            j += bits
+        ncomb[r] = 1 << j
+    variants = f32(rng.standard_normal((v, n)) * 100)
+    row_e = rng.integers(0, e, r_all)
+    sa = np.exp2(rng.integers(-9, -5, (r_all, nb))) * rng.choice([1.0, 1.5, 1.0 + 2.0**-30], (r_all, nb))
+    wsc = np.exp2(rng.integers(-8, -4, (e, 1, nb))) * (1 + rng.random((e, 1, nb)))
+    ds = rng.random((r_all, nb)) * 2.0**-12
+    s_hi = rng.random((r_all, nb)) * 2.0**-6
+    coef = 3.0 * 2.0**-24
+    center = f32(rng.standard_normal((r_all, n)))
+    want = _replay_oracle(acc, variants, vbase, j0, nbit, ncomb, row_e, sa, wsc, ds, s_hi, coef, center, promotion)
+    t = lambda x: torch.as_tensor(x, device=DEV)  # noqa: E731
+    w_d = StackedExperts(t(np.zeros((e, n, nb * 128), dtype=np.uint8)), t(wsc), "e4m3fn", (128, 128), (n, nb * 128))
+    got = device_promote_combinations(t(acc), t(variants), t(vbase), t(j0), t(nbit), t(ncomb), row_e, t(sa), w_d,
+                                      (t(ds), t(s_hi), coef), t(center), promotion=promotion).cpu().numpy()
+    assert np.array_equal(want.view(np.int64), got.view(np.int64)), \
+        f"{int(np.sum(want != got))} of {want.size} differ"
+    assert np.all(want > 0)
+
+
+def test_block_accumulators_equal_numpy_emulator():
+    """:func:`moeref.gemm.device_hopper_fp8.device_block_accumulators` (one 128-column block per row, every
+    (expert, K block) pair in one launch, rows in any order, a padding row) equals the NumPy emulator's block
+    accumulator (:func:`moeref.gemm.hopper_fp8.deepgemm_block_accumulators`) of that block, bit for bit."""
+    from moeref.gemm.device_hopper_fp8 import device_block_accumulators
+    from moeref.gemm.hopper_fp8 import deepgemm_block_accumulators
+
+    rng = np.random.default_rng(5)
+    e, nb, n, r_all = 3, 3, 40, 13
+    wcodes = rng.integers(0, 126, (e, n, nb * 128), dtype=np.uint8) | (rng.integers(0, 2, (e, n, nb * 128),
+                                                                                     dtype=np.uint8) << 7)
+    codes = rng.integers(0, 126, (r_all, 128), dtype=np.uint8) | (rng.integers(0, 2, (r_all, 128),
+                                                                               dtype=np.uint8) << 7)
+    vals = TABLE[codes]
+    row_e = rng.integers(0, e, r_all)
+    row_e[4] = -1
+    kb = rng.integers(0, nb, r_all)
+    want = np.zeros((r_all, n))
+    for r in range(r_all):  # a plain loop over rows: each row's block against its expert's block
+        if row_e[r] >= 0:
+            w_blk = TABLE[wcodes[row_e[r], :, kb[r] * 128:(kb[r] + 1) * 128]]
+            want[r] = deepgemm_block_accumulators(vals[r][None], w_blk)[0, :, 0]
+    t = lambda x: torch.as_tensor(x, device=DEV)  # noqa: E731
+    w_d = StackedExperts(t(wcodes), t(np.ones((e, 1, nb))), "e4m3fn", (128, 128), (n, nb * 128))
+    got = device_block_accumulators(t(vals), row_e, kb, w_d).cpu().numpy()
+    assert np.array_equal(want.view(np.int64), got.view(np.int64)), f"{int(np.sum(want != got))} differ"
+    assert np.count_nonzero(want) > want.size // 2
+    with pytest.raises(ValueError, match=r"k_block\[0\] = 3"):
+        device_block_accumulators(t(vals), row_e, np.full(r_all, nb), w_d)
+    with pytest.raises(ValueError, match=r"\[R, 128\]"):
+        device_block_accumulators(t(vals[:, :64]), row_e, kb, w_d)

@@ -291,15 +291,21 @@ const = dict(W_BN=128, ROWS=rows, BLOCK_N=bn, PROMO=0, SCALE_TERM=False, ALIGN=1
 sig = {a: ("constexpr" if a in const else ptrs.get(a, "i32")) for a in fn.arg_names}
 src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=const)
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, enable_fp_fusion=False))
-print(json.dumps(re.findall(r"wgmma\.mma_async\S*[^;]*;", k.asm["ptx"])))
+from moeref.gemm._hopper_fp8_kernel import hopper_fp8_block_kernel as fb  # the uncertain blocks' accumulators
+cb = dict(ROWS=rows, BLOCK_N=bn, ALIGN=13, NORM=14, STEPS=4, INST=32, INTEGER=True, TC=True)
+sb = {a: ("constexpr" if a in cb else ptrs.get(a, "i32")) for a in fb.arg_names}
+kb = triton.compile(triton.compiler.ASTSource(fn=fb, signature=sb, constexprs=cb), target=GPUTarget("cuda", 90, 32),
+                    options=dict(num_warps=warps, enable_fp_fusion=False))
+print(json.dumps([re.findall(r"wgmma\.mma_async\S*[^;]*;", x.asm["ptx"]) for x in (k, kb)]))
 '''
 
 
 def test_tensor_core_form_compiles_to_four_chained_wgmma_k32():
     """Compiled for sm_90a (no GPU needed: Triton's NVIDIA backend and its ptxas), a block accumulator of the
-    tensor-core form is four ``wgmma.mma_async ... k32.f32.e4m3.e4m3`` on one accumulator, the first with
-    ``scale-d = 0`` (a cleared accumulator), the others accumulating: the instruction sequence the emulator's
-    model was calibrated on. (A Triton that split the K = 128 dot, e.g. promoting partial sums on fp8 dots, fails
+    tensor-core form (the GEMM's kernel, and the one-block kernel of the uncertain blocks) is four
+    ``wgmma.mma_async ... k32.f32.e4m3.e4m3`` on one accumulator, the first with ``scale-d = 0`` (a cleared
+    accumulator), the others accumulating: the instruction sequence the emulator's model was calibrated on. (A
+    Triton that split the K = 128 dot, e.g. promoting partial sums on fp8 dots, fails
     here.)"""
     import json
     import os
@@ -312,9 +318,9 @@ def test_tensor_core_form_compiles_to_four_chained_wgmma_k32():
     if proc.returncode and ("ptxas" in proc.stderr and "not found" in proc.stderr.lower()):
         pytest.skip(f"Triton's NVIDIA toolchain is not installed here: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    mma = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(mma) == 4 and all(re.search(r"\.m64n\d+k32\.f32\.e4m3\.e4m3 ", m) for m in mma), mma
-    accs = {re.search(r"\{[^}]*\}", m).group(0) for m in mma}
-    assert len(accs) == 1, "the four MMAs must chain on one accumulator"
-    scale_d = [re.split(r",\s*", m.rstrip(";"))[-3].strip() for m in mma]
-    assert scale_d[0] == "0" and all(s != "0" for s in scale_d[1:]), scale_d
+    for mma in json.loads(proc.stdout.strip().splitlines()[-1]):  # the GEMM's kernel, the one-block kernel
+        assert len(mma) == 4 and all(re.search(r"\.m64n\d+k32\.f32\.e4m3\.e4m3 ", m) for m in mma), mma
+        accs = {re.search(r"\{[^}]*\}", m).group(0) for m in mma}
+        assert len(accs) == 1, "the four MMAs must chain on one accumulator"
+        scale_d = [re.split(r",\s*", m.rstrip(";"))[-3].strip() for m in mma]
+        assert scale_d[0] == "0" and all(s != "0" for s in scale_d[1:]), scale_d

@@ -27,7 +27,7 @@ The argument (also in ``_div_exact``'s docstring), checked here in exact rationa
 
 The arithmetic is scale-invariant inside the kernel's window (every intermediate a normal
 float32), so the list covers every exponent. The Triton helper itself is tested against the
-reference's division in property_tests/test_fastpath_quant.py (interpreter on CPU, hardware
+reference's division in property_tests/test_fastpath_rounding.py (interpreter on CPU, hardware
 FMA on the GPU).
 """
 from __future__ import annotations

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -230,12 +231,15 @@ def _gpu_operands(k: int, n: int, seed: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["64x128 w4 s4 (default)", "64x128 w4 s3", "128x128 w8 s3", "64x128 w4 s4 g4",
+@pytest.mark.parametrize("name", ["64x128 w4 s4", "64x128 w4 s3", "128x128 w8 s3", "64x128 w4 s4 g4",
                                   "64x128 w4 s4 pers2 g4", "64x128 w4 s4 tma", "64x128 w4 s4 tma g4",
                                   "64x128 w4 s3 tma g4", "64x128 w4 s3 pers3 tma g4", "64x128 w4 s4 pers2 tma g4",
                                   "64x128 w4 s4 pers2 tma flat g4", "64x128 w4 s3 tma ws",
                                   "64x128 w4 s3 pers1 tma ws g4", "128x128 w8 s3 tma g2", "128x128 w8 s3 pers1 tma g2",
-                                  "128x64 w4 s4 tma g2", "64x256 w8 s3 tma g4"])
+                                  "128x64 w4 s4 tma g2", "64x256 w8 s3 tma g4", "64x128 w8 s4 tma",
+                                  "64x128 w4 s4 tma lag", "64x128 w4 s3 tma g4 lag", "64x128 w4 s2 tma pair",
+                                  "64x128 w4 s2 tma lagpair", "64x128 w4 s2 tma g4 lagpair", "64x128 w8 s2 tma lagpair",
+                                  "128x128 w8 s2 tma g2 lagpair"])
 def test_gpu_prefill_candidates_give_the_default_bits(name):
     """Each FP8 prefill candidate (:data:`fastpath.grouped_gemm.FP8_PREFILL_CANDIDATES`) gives the bits of the
     default tiles on every routed row: GEMM1-like (K = 7168, N = 512) and GEMM2-like (K = 2048, N = 384, a
@@ -321,3 +325,102 @@ def test_default_tiles_by_layout(monkeypatch):
     assert gg.default_tiles("fp8_block", 64, "cuda", "contiguous") == gg.DEFAULT_TILES["fp8_block"]
     with pytest.raises(ValueError, match="layout"):
         gg.default_tiles("fp8_block", 64, "cuda", "ragged")
+
+
+def _promotion_case(k: int, gather: bool, seed: int = 0):
+    """FP8 operands of a small contiguous layout: 6 experts with ragged row counts (16-row padding tiles inside the
+    32-row segments, an expert with none), N = 200 (two weight-scale blocks, a column tail), ``k`` columns; small
+    integer codes (each 128-column block's dot exact in FP32) and random FP32 scales over [0.25, 1.25) (the FP32
+    rounding of the promotions depends on their order). ``gather``: token rows through ``a_src``."""
+    from fastpath import dispatch
+
+    g = torch.Generator().manual_seed(seed)
+    e, top_k, tokens, n = 6, 2, 11, 200
+    ids = torch.stack([torch.randperm(e - 1, generator=g)[:top_k] for _ in range(tokens)]).to(torch.int32)
+    ids[ids == 2] = 5  # expert 2 has no rows; expert 5 (the last segment) has some
+    lay = dispatch.to_contiguous(None, ids, e, 32)
+    rows, kb = int(lay.m_indices.numel()), -(-k // 128)
+
+    def ints(*shape):
+        return torch.randint(-8, 9, shape, generator=g).float().to(torch.float8_e4m3fn)
+
+    kw = {"alignment": 32, "out_dtype": torch.float32, "b_scales": torch.rand(e, 2, kb, generator=g) + 0.25}
+    if gather:
+        a = ints(tokens, k)
+        kw.update(a_src=lay.src, top_k=top_k, a_scales=torch.rand(tokens, kb, generator=g) + 0.25)
+    else:
+        a = ints(rows, k)
+        kw["a_scales"] = torch.rand(rows, kb, generator=g) + 0.25
+    return a, ints(e, n, k), lay, kw
+
+
+def _float32_promotions(a, b, lay, kw):
+    """Independent statement of the promotion's FP32 arithmetic on every routed row, per output: ``acc = 0``, then
+    for each 128-column block in K order ``acc = fl(acc + fl(fl(part * sa) * sb))`` with ``part`` the block's exact
+    dot and ``sb`` the weight scale of the output's 128-column block, all in float32 (the interpreter's NumPy does
+    no fused multiply-add)."""
+    m_idx = lay.m_indices.numpy()
+    src = kw.get("a_src")
+    top_k = kw.get("top_k", 1)
+    a64, b64 = a.float().double().numpy(), b.float().double().numpy()
+    sa_all, sb_all = kw["a_scales"].numpy(), kw["b_scales"].numpy()
+    n, k = b.shape[1], b.shape[2]
+    out = {}
+    for r in np.flatnonzero(m_idx >= 0):
+        e = int(m_idx[r])
+        t = int(src[r]) // top_k if src is not None else r
+        acc = np.zeros(n, dtype=np.float32)
+        for j in range(-(-k // 128)):
+            ks = slice(j * 128, (j + 1) * 128)
+            part = (b64[e][:, ks] @ a64[t][ks]).astype(np.float32)  # exact: small integers
+            sb = np.repeat(sb_all[e][:, j], 128)[:n].astype(np.float32)
+            acc = (acc + (part * np.float32(sa_all[t][j])) * sb).astype(np.float32)
+        out[r] = acc
+    return out
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["layout rows", "token rows via a_src"])
+@pytest.mark.parametrize("k", [128, 256, 384, 448, 640], ids=lambda k: f"K{k}")
+def test_promotion_orders_give_the_inline_bits(k, gather):
+    """``promotion="lagged"``, ``"pair"`` and ``"lagged_pair"`` (the same promotions, the MMAs issued earlier) write
+    every routed row with the bits of ``"inline"`` tiles of the same sizes and of the one-tile-per-program kernel,
+    and those bits are the float32 statement of the promotions in K-block order: 1 to 5 K blocks (odd and even
+    counts: the loops' tails), K = 448 a partial last block, pointer and TMA loads, persistent programs (padding
+    tiles run no K block), 256-column tiles (a weight scale per 128 columns)."""
+    from fastpath.grouped_gemm import GemmTiles, grouped_gemm_contiguous
+
+    _cpu_only()
+    a, b, lay, kw = _promotion_case(k, gather)
+    valid = lay.m_indices >= 0
+    ref = _float32_promotions(a, b, lay, kw)
+    want_rows = torch.from_numpy(np.stack([ref[r] for r in sorted(ref)]))
+    for base in (GemmTiles(16, 32, 128, 1, 1), GemmTiles(16, 32, 128, 1, 1, tma=True),
+                 GemmTiles(16, 32, 128, 1, 1, persistent=True, programs_per_sm=2, group_m=2),
+                 GemmTiles(32, 256, 128, 1, 1, tma=True)):
+        one = GemmTiles(base.block_m, base.block_n, 128, 1, 1)
+        for promotion in ("inline", "lagged", "pair", "lagged_pair"):
+            t = replace(base, promotion=promotion)
+            out = torch.full((int(valid.numel()), b.shape[1]), float("nan"))
+            grouped_gemm_contiguous(a, b, lay.m_indices, impl="triton", tiles=t, out=out, **kw)
+            assert torch.equal(out[valid], want_rows), (t, k, gather)
+        out = grouped_gemm_contiguous(a, b, lay.m_indices, impl="triton", tiles=one, **kw)
+        assert torch.equal(out[valid], want_rows), (one, k, gather)
+
+
+def test_promotion_option_is_checked():
+    from fastpath.grouped_gemm import PROMOTIONS, GemmTiles, grouped_gemm_contiguous
+
+    assert PROMOTIONS == ("inline", "lagged", "pair", "lagged_pair")
+    with pytest.raises(TypeError, match="promotion"):
+        GemmTiles(64, 128, 128, 4, 3, promotion=1)
+    with pytest.raises(ValueError, match="'lagged'"):
+        GemmTiles(64, 128, 128, 4, 3, promotion="lag")
+    with pytest.raises(ValueError, match="swap_ab"):
+        GemmTiles(16, 128, 128, 4, 3, swap_ab=True, promotion="lagged")
+    assert GemmTiles(promotion="pair").tile_loop and not GemmTiles(promotion="inline").tile_loop
+    if on_gpu():
+        return
+    m_idx = torch.zeros(32, dtype=torch.int32)
+    with pytest.raises(ValueError, match="promotion='inline'"):  # float operands have no promotion to reorder
+        grouped_gemm_contiguous(torch.ones(32, 32), torch.ones(1, 32, 32), m_idx, impl="triton", alignment=32,
+                                tiles=GemmTiles(16, 32, 32, 1, 1, promotion="lagged"))

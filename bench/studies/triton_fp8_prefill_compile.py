@@ -1,8 +1,12 @@
 """Compile every FP8 prefill candidate tile for Hopper (sm_90a) on a machine without a GPU: does it compile, with
 what registers, spills, shared memory and warps, does its IR have Triton's warp specialization and TMA loads, and
 how many FP32 multiplies and fused multiply-adds its SASS has per output (the promotion ``fma(fl(part * sa), sb,
-acc)``: one of each)? The programs per SM that fit follow from the registers and shared memory. A static check
-before spending device time (issue 33; bench/studies/triton_fp8_prefill_sweep.py measures); it runs nothing.
+acc)``: one of each)? The programs per SM that fit follow from the registers and shared memory. Where the MMAs wait:
+the SASS's ``WARPGROUP.DEPBAR.LE gsb0, N`` per N (``wgmma.wait_group N``: wait until at most N MMA groups are in
+flight), and the most FP32 multiplies and FMAs scheduled between an MMA and the wait after it (the promotion work
+done while an MMA runs; about a thread's outputs when a whole promotion overlaps an MMA, a handful when each MMA is
+waited for at once). A static check before spending device time (issue 33; bench/studies/triton_fp8_prefill_sweep.py
+measures); it runs nothing.
 
     python bench/studies/triton_fp8_prefill_compile.py [--gemms gemm1 gemm2] [--configs NAME ...] [--out FILE]
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -24,6 +29,24 @@ import torch  # noqa: E402
 
 GEMMS = {"gemm1": (4096, 7168), "gemm2": (7168, 2048)}  # DeepSeek-V3: name -> (N, K)
 SM_REGISTERS, SM_SHARED = 65536, 227 * 1024  # Hopper, per SM (shared: the most one SM gives its blocks)
+
+
+def mma_waits(sass: str) -> tuple[dict, int]:
+    """``({N: count of "WARPGROUP.DEPBAR.LE gsb0, N"}, the most FMUL/FFMA between an MMA (QGMMA/HGMMA) and the
+    next such wait)`` of a SASS listing, in listing order."""
+    waits: dict = {}
+    most, run = 0, None
+    for line in sass.splitlines():
+        if re.search(r"\b[QH]GMMA\.", line):
+            run = 0
+        elif "WARPGROUP.DEPBAR" in line:
+            m = re.search(r"gsb0, (0x[0-9a-f]+|\d+)", line)
+            n = int(m.group(1), 0) if m else -1
+            waits[n] = waits.get(n, 0) + 1
+            most, run = max(most, run or 0), None
+        elif run is not None and re.search(r"\b(FFMA|FMUL)\b", line):
+            run += 1
+    return waits, most
 
 
 def compile_tile(tiles, n: int, k: int, experts: int = 16, rows: int = 4096) -> dict:
@@ -50,7 +73,9 @@ def compile_tile(tiles, n: int, k: int, experts: int = 16, rows: int = 4096) -> 
     per_warp = -(-regs * 32 // 256) * 256  # registers are given to warps in units of 256
     fit = min(SM_REGISTERS // (per_warp * warps), SM_SHARED // max(int(ck.metadata.shared), 1))
     ttgir = ck.asm["ttgir"]
-    return {"kernel": fn.__name__, "registers": regs, "stack_bytes": stack, "shared_bytes": int(ck.metadata.shared),
+    waits, overlap = mma_waits(sass)
+    return {"mma_waits": waits, "fp32_ops_before_wait": overlap,
+            "kernel": fn.__name__, "registers": regs, "stack_bytes": stack, "shared_bytes": int(ck.metadata.shared),
             "warps": warps, "programs_per_sm_fit": fit, "warp_specialized": "ttg.warp_specialize" in ttgir,
             "tma_loads": "async_tma_copy_global_to_local" in ttgir, "wgmma": ops.get("QGMMA", 0),
             "fmul": ops.get("FMUL", 0), "ffma": ops.get("FFMA", 0), "fadd": ops.get("FADD", 0)}
@@ -68,7 +93,8 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; known: {list(FP8_PREFILL_CANDIDATES)}")
     out: dict = {}
-    print(f"{'tile':34s} gemm   regs stack shared warps fit ws tma wgmma fmul ffma")
+    print(f"{'tile':34s} gemm   regs stack shared warps fit ws tma wgmma fmul ffma  waits{{N: count}} "
+          "fp32_ops_before_wait")
     for name in args.configs:
         t = FP8_PREFILL_CANDIDATES[name]
         for g in args.gemms:
@@ -80,7 +106,8 @@ def main(argv=None) -> int:
             else:
                 print(f"{name:34s} {g} {r['registers']:4d} {r['stack_bytes']:5d} {r['shared_bytes']:6d} "
                       f"{r['warps']:5d} {r['programs_per_sm_fit']:3d} {r['warp_specialized']:d}  {r['tma_loads']:d}  "
-                      f"{r['wgmma']:5d} {r['fmul']:4d} {r['ffma']:4d}", flush=True)
+                      f"{r['wgmma']:5d} {r['fmul']:4d} {r['ffma']:4d}  {r['mma_waits']} {r['fp32_ops_before_wait']}",
+                      flush=True)
             out.setdefault(name, {})[g] = r
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

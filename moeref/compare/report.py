@@ -115,7 +115,9 @@ class Report:
     ``{token: (slot j, global expert, correlation)}`` for violating tokens, the top-k slot whose weighted
     contribution ``w[t, j] * y[t, j]`` best explains the token's error vector ``candidate[t] - reference[t]``
     (largest ``|cos|``; a dropped slot gives -1, a slot routed to the wrong expert or computed wrong
-    correlates with its own contribution); a GEMM-level report names the row and its expert instead.
+    correlates with its own contribution; the cosine's sums are taken in one fixed pairwise order, so a run of
+    either engine gives the same float64 value: :func:`_slot_correlations`); a GEMM-level report names the row
+    and its expert instead.
     """
 
     profile: Profile
@@ -274,26 +276,34 @@ def _jsonable(obj):
     return obj
 
 
-def _slot_suspects(reference, diff: np.ndarray, tokens: np.ndarray) -> dict:
+_SUSPECT_BATCH_ELEMENTS = {"host": 1 << 18, "device": 1 << 25}
+"""Elements of one token batch's ``[T, k, K]`` slot contributions in :func:`_slot_correlations`: on the host a
+batch that stays in the CPU's cache (2 MiB of float64; a larger one runs about twice as long), on a device one
+large enough that kernel launches do not dominate (256 MiB). The result does not depend on it: each token's
+sums are its own."""
+
+
+def _slot_suspects(reference, diff, tokens: np.ndarray) -> dict:
     """``{token: (slot j, global expert, correlation)}``: per violating token, the slot whose weighted
-    contribution has the largest ``|cos|`` with the token's error vector ``diff[t]`` (see :class:`Report`)."""
+    contribution has the largest ``|cos|`` with the token's error vector ``diff[t]`` (see :class:`Report`).
+
+    ``diff``: ``candidate - reference`` ``[M, K]``, a NumPy array (a NumPy-engine run) or a tensor on the run's
+    device (a device-engine run: the contributions are gathered, weighted and reduced there, and only the
+    ``[T, k]`` correlations come back). Either way only the violating ``tokens``' slot rows are read: slot
+    ``t*k + j``'s layout row is found by inverting ``p.src`` (a slot no row holds, dropped or mapped to no local
+    expert, contributes a zero row), multiplied by ``w[t, j]`` where the chunk applies the weights; the
+    correlation is :func:`_slot_correlations`' (one formula on both engines, so the same float64 value)."""
     out: dict = {}
     start = 0
     for p, e in reference.chunks:
         n, k = p.num_tokens, p.top_k
         sel = tokens[(tokens >= start) & (tokens < start + n)]
         if sel.size and k and int(np.prod(e.y.shape)):
-            y = _host(e.y)
-            contrib = np.zeros((n * k, y.shape[1]))
+            slot_row = np.full(n * k, -1, dtype=np.int64)  # layout row holding slot t*k + j, -1 none
             rows = np.flatnonzero(p.src >= 0)
-            contrib[p.src[rows]] = y[rows]
-            contrib = contrib.reshape(n, k, -1)
-            if p.apply_weights:
-                contrib = contrib * np.asarray(_host(p.topk_weights), dtype=np.float64)[:, :, None]
-            c = contrib[sel - start]                                       # [T, k, K]
-            d = np.nan_to_num(diff[sel], nan=0.0, posinf=0.0, neginf=0.0)  # [T, K]
-            with np.errstate(divide="ignore", invalid="ignore"):
-                corr = np.einsum("tjk,tk->tj", c, d) / (np.linalg.norm(c, axis=2) * np.linalg.norm(d, axis=1)[:, None])
+            slot_row[p.src[rows]] = rows
+            corr = _slot_correlations(e.y, slot_row.reshape(n, k)[sel - start],
+                                      p.topk_weights if p.apply_weights else None, sel - start, diff, sel)
             corr = np.nan_to_num(corr, nan=0.0)
             j = np.argmax(np.abs(corr), axis=1)
             for t, jj, cc in zip(sel.tolist(), j.tolist(), corr[np.arange(sel.size), j].tolist()):
@@ -301,6 +311,83 @@ def _slot_suspects(reference, diff: np.ndarray, tokens: np.ndarray) -> dict:
                     out[t] = (int(jj), int(p.topk_ids[t - start, jj]), float(cc))
         start += n
     return out
+
+
+def _slot_correlations(y, slot_rows: np.ndarray, weights, local: np.ndarray, diff, tokens: np.ndarray) -> np.ndarray:
+    """float64 ``[T, k]``: ``cos(c[t, j], d[t]) = sum(c d) / (sqrt(sum(c c)) sqrt(sum(d d)))`` (NaN where a norm
+    is zero or a value is not finite; the caller maps NaN to 0) of the slot contributions ``c[t, j] = y[slot_rows[t,
+    j]]`` (a zero row where ``slot_rows`` is -1), times ``weights[local[t], j]`` unless ``weights`` is None, and
+    the error vectors ``d[t] = diff[tokens[t]]`` with NaN and +-Inf set to 0.
+
+    One formula on NumPy arrays and on torch tensors (``y``, ``weights`` and ``diff`` on one device): the
+    elementwise products and the sums by :func:`_halving_sum` where the data are (multiplications and additions
+    only: correctly rounded float64 operations in both libraries, on any device), then the three ``[T, k]`` /
+    ``[T]`` sums on the host, where NumPy takes the square roots and the quotient. So a device-engine run's
+    correlations are the NumPy engine's bit for bit: a library reduction (``einsum``, ``norm``, ``torch.sum``)
+    would sum in its own order, and torch's CPU ``sqrt`` is not correctly rounded (torch 2.13, AVX-512: one
+    result in about a hundred differs from NumPy's in the last bit)."""
+    from .. import _interop
+
+    if _interop.is_torch_tensor(diff):
+        import torch
+
+        dev = diff.device
+        lib, batch_elements = torch, _SUSPECT_BATCH_ELEMENTS["device"]
+
+        def take(a, idx):  # float64 rows idx of a (idx [T] or [T, k], host) on the device
+            return a.index_select(0, _interop.to_device(idx.ravel(), dev)).view(*idx.shape, -1).to(torch.float64)
+
+        def clear(c, rows):  # zero the slots rows [T, k] (host) of c (no mask indexing: it would wait for the device)
+            c.masked_fill_(_interop.to_device(rows, dev)[:, :, None], 0.0)
+    else:
+        lib, batch_elements = np, _SUSPECT_BATCH_ELEMENTS["host"]
+        y, weights = _host(y), None if weights is None else _host(weights)
+
+        def take(a, idx):  # a float64 copy of the rows idx of a
+            return np.asarray(a[idx], dtype=np.float64)
+
+        def clear(c, rows):
+            c[rows] = 0.0
+    t_all, k = slot_rows.shape
+    batch = max(1, batch_elements // max(k * int(y.shape[1]), 1))
+    dots, squares = [], []
+    with np.errstate(all="ignore"):  # overflow, 0 * Inf: the NaN/Inf conventions above
+        d = lib.nan_to_num(take(diff, tokens), nan=0.0, posinf=0.0, neginf=0.0)    # [T, K]
+        d_squares = _halving_sum(d * d)
+        for b0 in range(0, t_all, batch):
+            b1 = min(b0 + batch, t_all)
+            missing = slot_rows[b0:b1] < 0
+            c = take(y, np.where(missing, 0, slot_rows[b0:b1]))                     # [Tb, k, K], written below
+            if missing.any():
+                clear(c, missing)
+            if weights is not None:
+                c *= take(weights, local[b0:b1])[:, :, None]
+            dots.append(_halving_sum(c * d[b0:b1, None, :]))
+            c *= c
+            squares.append(_halving_sum(c))
+    if lib is np:
+        dot, c_squares = np.concatenate(dots, axis=0), np.concatenate(squares, axis=0)
+    else:
+        dot, c_squares, d_squares = _to_host(torch.cat(dots, dim=0), torch.cat(squares, dim=0), d_squares)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return dot / (np.sqrt(c_squares) * np.sqrt(d_squares)[:, None])
+
+
+def _halving_sum(x):
+    """``x`` summed over its last axis (n > 0 elements) in one fixed order, the same for a NumPy array and a torch
+    tensor on any device: with ``h`` the largest power of two below ``n``, element ``i < n - h`` gets element
+    ``i + h`` added, and so on over the first ``h`` elements until one is left (a pairwise sum: its rounding
+    error grows with ``log2 n``, as NumPy's). ``x`` is overwritten (a fresh array or tensor of the caller's)."""
+    n = int(x.shape[-1])
+    while n > 1:
+        h = 1 << ((n - 1).bit_length() - 1)
+        a, b = x[..., :n - h], x[..., h:n]
+        if isinstance(x, np.ndarray):
+            np.add(a, b, out=a)
+        else:
+            a.add_(b)
+        n = h
+    return x[..., 0].copy() if isinstance(x, np.ndarray) else x[..., 0].clone()
 
 
 def _host(x) -> np.ndarray:
@@ -362,8 +449,9 @@ def check_compare_args(candidate, reference, *, call: str = "compare(candidate, 
 
 
 def _report(profile, reference, err, bound, viol, m, checks, flips, label, diff, tok=None) -> Report:
-    """The :class:`Report` of the element checks (NumPy arrays); ``diff()``: ``candidate - reference`` on the
-    host, asked for only when a token violates (the suspects); ``tok``: the violations per token when the caller
+    """The :class:`Report` of the element checks (NumPy arrays); ``diff()``: ``candidate - reference`` (a NumPy
+    array, or a tensor on a device-engine run's device, never copied whole to the host), asked for only when a
+    token violates (the suspects: :func:`_slot_suspects`); ``tok``: the violations per token when the caller
     counted them (on the device), else counted here."""
     if tok is None:
         tok = viol.sum(axis=1) if viol.ndim == 2 else viol.astype(np.int64)
@@ -409,7 +497,7 @@ def _compare_on_device(candidate, reference, profile, label: str) -> Report:
     checks = _checks([bool(x) for x in host[6:]], m["calc_diff"])
     tok = viol.sum(dim=1) if viol.dim() == 2 else viol.to(torch.int64)  # int64, as NumPy's sum of bools
     err_h, bound_h, viol_h, tok_h = _to_host(err, lb.bound, viol, tok)
-    return _report(profile, reference, err_h, bound_h, viol_h, m, checks, lb.flips, label, lambda: d.cpu().numpy(),
+    return _report(profile, reference, err_h, bound_h, viol_h, m, checks, lb.flips, label, lambda: d,
                    tok_h)
 
 

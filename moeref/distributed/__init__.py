@@ -6,7 +6,11 @@ single-process one, and validation of a user's distributed kernel. See docs/expe
   redundant replicas).
 * :mod:`.plan`: what a source rank sends where (NumPy; DeepEP ``get_dispatch_layout``).
 * :mod:`.group`: :class:`EPGroup`, the collectives used, their errors and timeouts.
-* :mod:`.dispatch`: :func:`ep_dispatch` / :func:`ep_combine` (``engine="host"``: NumPy).
+* :mod:`.dispatch`: :func:`ep_dispatch`, the protocol and its receive layouts (``engine="host"``: NumPy);
+  :mod:`.header` its header exchange and input checks; :mod:`.receive` what it returns
+  (:class:`NormalDispatch`, :class:`LowLatencyDispatch`, :class:`CombineHandle`); :mod:`.recv_buffer`
+  :class:`LowLatencyBuffer`, the reused low-latency receive buffer.
+* :mod:`.combine`: :func:`ep_combine`, :func:`reduce_local_slots`.
 * :mod:`.device`: the same on each rank's device (``engine="device"``: torch tensors, the same bits).
 * :mod:`.layer`: :func:`ep_fused_moe`.
 * :mod:`.validate`: :func:`validate_ep_kernel`.
@@ -17,18 +21,10 @@ torch is imported only when a process group is used.
 """
 from __future__ import annotations
 
-from .dispatch import (
-    COMBINE_ORDERS,
-    DISPATCH_MODES,
-    CombineHandle,
-    LowLatencyBuffer,
-    LowLatencyDispatch,
-    NormalDispatch,
-    ep_combine,
-    ep_dispatch,
-    ep_low_latency_buffer,
-    reduce_local_slots,
-)
+from .combine import COMBINE_ORDERS, ep_combine, reduce_local_slots
+from .dispatch import ep_dispatch
+from .receive import DISPATCH_MODES, CombineHandle, LowLatencyDispatch, NormalDispatch
+from .recv_buffer import LowLatencyBuffer, ep_low_latency_buffer
 from .layer import ep_fused_moe, local_weights
 from .group import EPCommError, EPGroup, EPPeerError, EPTimeoutError, ep_group
 from .placement import EPPlacement, ep_placement

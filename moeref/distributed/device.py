@@ -37,7 +37,7 @@ header). Every other size comes from the counts on the host (the orders are stab
 and the rest is queued on the device: the payload is gathered straight into the packed send rows and, in
 low-latency mode, scattered from the received rows into the masked buffers. The placement's tables are
 copied to a device once per (placement, device). Memory: the low-latency buffers are ``E_local x R*M x H``,
-zeroed: fresh per dispatch, or one :class:`~moeref.distributed.dispatch.LowLatencyBuffer` reused
+zeroed: fresh per dispatch, or one :class:`~moeref.distributed.LowLatencyBuffer` reused
 (``recv_buffer=``: only the rows its last dispatch wrote are zeroed again); the slot-order combine holds
 ``T*k x H`` rows of the travel dtype and ``T x H`` float64.
 """
@@ -49,6 +49,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..quant.device import DeviceQuantized  # the received FP8 rows: moeref.quant's device-side quantized tensor
+from .group import EPGroup, all_to_all_rows
+from .placement import EPPlacement
+from .receive import CombineHandle, LowLatencyDispatch, NormalDispatch
 
 __all__ = ["DeviceQuantized"]
 
@@ -340,7 +343,7 @@ def receive_low_latency(payload, specs, tok, loc, r: int, me: int, slots_matrix:
     ``(masked payload list, recv_count int32, src_info int32, src_rank int32, layout_range, return_index)``.
     Rows of an expert in arrival order (source rank, then the sender's slot order), as
     :func:`moeref.dispatch.to_masked` of the messages. ``buffer``: a
-    :class:`~moeref.distributed.dispatch.LowLatencyBuffer` written instead of fresh zeroed tensors."""
+    :class:`~moeref.distributed.LowLatencyBuffer` written instead of fresh zeroed tensors."""
     torch = _torch()
     from .._interop import to_device
 
@@ -427,3 +430,69 @@ def reduce_ranks(back, row_token, rows_to: np.ndarray, num_tokens: int):
             idx = row_token[a:b]
             out[idx] = out[idx] + back[a:b]
     return out
+
+
+def payload_specs(x, qt, h: int) -> list:
+    """The device engine's payload fields: ``[(torch dtype, row shape), ...]`` (the rows, or codes and scales)."""
+    import torch
+
+    if qt is None:
+        return [(x.dtype, (h,))]
+    codes, scales, _ = qt
+    return [(torch.uint8, tuple(codes.shape[1:])), (scales.dtype, tuple(scales.shape[1:]))]
+
+
+def receive_dispatch(group: EPGroup, placement: EPPlacement, prep: dict, rows: np.ndarray, slots: np.ndarray,
+                     mode: str, quant, pad_to: int | None, expert_alignment: int, recv_buffer=None):
+    """The receive side of :func:`~moeref.distributed.ep_dispatch` with ``engine="device"``: ``prep`` is this rank's
+    prepared inputs (tokens, quantized payload, plan, weights), ``rows`` / ``slots`` the agreed count matrices
+    ``[src, dst]``; returns the :class:`~moeref.distributed.NormalDispatch` or
+    :class:`~moeref.distributed.LowLatencyDispatch` of this rank."""
+    import torch
+
+    from .._interop import to_device
+
+    r, me, dev = group.world_size, group.rank, group.device
+    x, qt, k, h, w = prep["x"], prep["qt"], prep["k"], prep["H"], prep["w"]
+    plan = prep["plan"]
+    engines = ()
+    specs = payload_specs(x, qt, h)
+    if qt is None:
+        token_fields = lambda idx: [(x, idx)]  # noqa: E731 (gathered into the packed rows)
+    else:
+        codes, scales, qengine = qt
+        engines = (f"quantize: {qengine}",)
+        token_fields = lambda idx: [(codes, idx), (scales, idx)]  # noqa: E731
+    n_local = placement.num_local(me)
+    what = "the dispatch all_to_all_single"
+    if mode == "normal":
+        n_send = int(plan.row_token.shape[0])
+        send = pack(n_send, *token_fields(plan.row_token), plan.row_token, plan.row_local_ids, plan.row_weights)
+        got = all_to_all_rows(group, send, rows[me], rows[:, me], what)
+        fields = unpack(got, specs + [(torch.int64, ()), (torch.int64, (k,)), (torch.float32, (k,))])
+        payload, ids, wts, src_rank, tok, counts, ret_index = receive_normal(
+            fields, r, me, rows, slots, n_local, k, expert_alignment, pad_to, dev)
+        handle = CombineHandle(mode, plan, w, ret_index, slots[:, me].copy(), rows[:, me].copy(), "device")
+        n_rows = int(ids.shape[0])
+        xr, xq = _received(payload, qt, quant, (n_rows, h))
+        prefix = to_device(np.cumsum(rows, axis=0), dev)
+        return NormalDispatch(xr, xq, ids, wts, src_rank, tok, prefix, counts, handle, engines)
+    m = prep["M"]
+    src_tok = torch.div(plan.slot_src, max(k, 1), rounding_mode="floor")
+    send = pack(int(src_tok.shape[0]), *token_fields(src_tok), src_tok, plan.slot_local)
+    got = all_to_all_rows(group, send, slots[me], slots[:, me], what)
+    meta = [(torch.int64, ()), (torch.int64, ())]
+    *payload, _, _ = field_bytes(got, specs + meta)  # scattered from the received rows, no copy first
+    tok, loc = unpack(got[:, sum(int(p.shape[1]) for p in payload):], meta)
+    cap = r * m
+    masked, recv_count, src_info, src_rank, layout_range, ret_index = receive_low_latency(
+        payload, specs, tok, loc, r, me, slots, n_local, cap, dev, recv_buffer)
+    handle = CombineHandle(mode, plan, w, ret_index, slots[:, me].copy(), slots[:, me].copy(), "device")
+    xr, xq = _received(masked, qt, quant, (n_local, cap, h))
+    return LowLatencyDispatch(xr, xq, recv_count, src_info, src_rank, layout_range, handle, engines)
+
+
+def _received(payload, qt, quant, shape):
+    if qt is None:
+        return payload[0], None
+    return None, DeviceQuantized(payload[0], payload[1], quant, shape)

@@ -43,7 +43,8 @@ from .._checks import as_float_array, check_ndim
 from ..dispatch import apply_router_weight_on_input as _weight_input
 from ..moe.pipeline import NO_QUANT, MoEQuant, _dtype, experts, finalize, prepare
 from ..moe.weights import MoEWeights, SharedExperts
-from .dispatch import ep_combine, ep_dispatch
+from .combine import ep_combine
+from .dispatch import ep_dispatch
 from .group import EPGroup
 from .placement import EPPlacement
 

@@ -25,9 +25,10 @@ import numpy as np
 from .. import _interop
 from ..compare import Profile, compare
 from ..moe.pipeline import run_moe
-from .dispatch import LowLatencyDispatch, ep_dispatch
+from .dispatch import ep_dispatch
 from .group import EPGroup, _collective
 from .placement import EPPlacement
+from .receive import LowLatencyDispatch
 
 __all__ = ["EPKernelOutput", "EPValidation", "RankCheck", "validate_ep_kernel"]
 

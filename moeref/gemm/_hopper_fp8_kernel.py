@@ -73,17 +73,19 @@ def _fma32(a, b, c):
 
 
 @triton.jit
-def _emulated_block(a_ptr, codes_ptr, table_ptr, itab_ptr, r, rm, n, nm, e, kb, stride_a, stride_ce, stride_cn,
+def _emulated_block(a_ptr, codes_ptr, table_ptr, itab_ptr, r, rm, n, nm, e, ka, kb, stride_a, stride_ce, stride_cn,
                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr, NORM: tl.constexpr,
                     STEPS: tl.constexpr, INST: tl.constexpr, INTEGER: tl.constexpr):
-    """Block ``kb``'s accumulator (float64 ``[ROWS, BLOCK_N]``, FP32 values) emulated: STEPS chained MMAs of INST
-    columns from a cleared accumulator, ``a`` float64 E4M3 values, the weights' codes through ``table_ptr``
-    (float64) or ``itab_ptr`` (``INTEGER``: significands and exponents, int32)."""
+    """The accumulator (float64 ``[ROWS, BLOCK_N]``, FP32 values) of ``a``'s K block ``ka`` with the weights' K
+    block ``kb`` emulated: STEPS chained MMAs of INST columns from a cleared accumulator, ``a`` float64 E4M3
+    values, the weights' codes through ``table_ptr`` (float64) or ``itab_ptr`` (``INTEGER``: significands and
+    exponents, int32)."""
     kk = tl.arange(0, INST)
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
     for s in tl.static_range(STEPS):
+        ka0 = ka * (STEPS * INST) + s * INST
         k0 = kb * (STEPS * INST) + s * INST
-        a = tl.load(a_ptr + r[:, None] * stride_a + (k0 + kk)[None, :], mask=rm[:, None], other=0.0)
+        a = tl.load(a_ptr + r[:, None] * stride_a + (ka0 + kk)[None, :], mask=rm[:, None], other=0.0)
         c = tl.load(codes_ptr + e * stride_ce + n[:, None].to(tl.int64) * stride_cn + (k0 + kk)[None, :],
                     mask=nm[:, None], other=0)
         if INTEGER:
@@ -119,12 +121,13 @@ def _emulated_block(a_ptr, codes_ptr, table_ptr, itab_ptr, r, rm, n, nm, e, kb, 
 
 
 @triton.jit
-def _tensor_core_block(a_ptr, codes_ptr, r, rm, n, nm, e, kb, stride_a, stride_ce, stride_cn):
-    """Block ``kb``'s accumulator (float64 ``[ROWS, BLOCK_N]``, FP32 values) from the tensor cores: one ``tl.dot``
-    of the rows' E4M3 codes (``a``, uint8) and the expert's (uint8) with K = 128 into a cleared FP32 accumulator
-    (sm_90: four chained ``wgmma ... k32``); a zero made ``+0``."""
+def _tensor_core_block(a_ptr, codes_ptr, r, rm, n, nm, e, ka, kb, stride_a, stride_ce, stride_cn):
+    """The accumulator (float64 ``[ROWS, BLOCK_N]``, FP32 values) of ``a``'s K block ``ka`` with the weights' K
+    block ``kb`` from the tensor cores: one ``tl.dot`` of the rows' E4M3 codes (``a``, uint8) and the expert's
+    (uint8) with K = 128 into a cleared FP32 accumulator (sm_90: four chained ``wgmma ... k32``); a zero made
+    ``+0``."""
     kc = kb * 128 + tl.arange(0, 128)
-    a8 = tl.load(a_ptr + r[:, None] * stride_a + kc[None, :], mask=rm[:, None], other=0)
+    a8 = tl.load(a_ptr + r[:, None] * stride_a + (ka * 128 + tl.arange(0, 128))[None, :], mask=rm[:, None], other=0)
     c8 = tl.load(codes_ptr + e * stride_ce + n[:, None].to(tl.int64) * stride_cn + kc[None, :], mask=nm[:, None],
                  other=0)
     acc = tl.dot(a8.to(tl.float8e4nv, bitcast=True), tl.trans(c8.to(tl.float8e4nv, bitcast=True)),
@@ -164,10 +167,10 @@ def _emulate(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr, sb_ptr, sbr_ptr, ite
         t2 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
     for kb in range(0, NB):
         if TC:
-            acc = _tensor_core_block(a_ptr, codes_ptr, r, rm, n, nm, e, kb, stride_a, stride_ce, stride_cn)
+            acc = _tensor_core_block(a_ptr, codes_ptr, r, rm, n, nm, e, kb, kb, stride_a, stride_ce, stride_cn)
         else:
-            acc = _emulated_block(a_ptr, codes_ptr, table_ptr, itab_ptr, r, rm, n, nm, e, kb, stride_a, stride_ce,
-                                  stride_cn, ROWS, BLOCK_N, ALIGN, NORM, STEPS, INST, INTEGER)
+            acc = _emulated_block(a_ptr, codes_ptr, table_ptr, itab_ptr, r, rm, n, nm, e, kb, kb, stride_a,
+                                  stride_ce, stride_cn, ROWS, BLOCK_N, ALIGN, NORM, STEPS, INST, INTEGER)
         if STORE_ACC:
             tl.store(acc_ptr + (r[:, None] * NB + kb) * N + n[None, :], acc.to(tl.float32),
                      mask=rm[:, None] & nm[None, :])
@@ -224,75 +227,176 @@ def hopper_fp8_kernel_interpreted(a_ptr, sa_ptr, codes_ptr, table_ptr, itab_ptr,
 
 
 @triton.jit
-def _combos(acc_ptr, var_ptr, vbase_ptr, j0_ptr, nbit_ptr, ncomb_ptr, cmax, row_e_ptr, sa_ptr, sb_ptr, sbr_ptr,
-            ds_ptr, shi_ptr, coef_ptr, center_ptr, worst_ptr, R, N, stride_sbe, stride_sbn, NB,
-            W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr):
+def hopper_fp8_block_kernel(a_ptr, codes_ptr, table_ptr, itab_ptr, item_ptr, out_ptr, N, stride_a, stride_ce,
+                            stride_cn, stride_o, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
+                            NORM: tl.constexpr, STEPS: tl.constexpr, INST: tl.constexpr, INTEGER: tl.constexpr,
+                            TC: tl.constexpr):
+    """One 128-column K block per row: a work item (``item_ptr``: expert, first row, row count, the weights' K block
+    ``kb``) = up to ROWS rows of ``a`` (128 columns: float64 E4M3 values, or with TC their uint8 codes) against
+    BLOCK_N columns of that expert's K block ``kb``; ``out[r, n]`` = the block's accumulator (float64, FP32 values),
+    the one :func:`_emulate` forms for that block (the same block functions), neither scaled nor promoted. Compiled
+    and interpreted alike (no loop)."""
+    it = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(item_ptr + 4 * it).to(tl.int64)
+    first = tl.load(item_ptr + 4 * it + 1).to(tl.int64)
+    cnt = tl.load(item_ptr + 4 * it + 2)
+    kb = tl.load(item_ptr + 4 * it + 3).to(tl.int64)
+    i = tl.arange(0, ROWS)
+    rm = i < cnt
+    r = first + i
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    if TC:
+        acc = _tensor_core_block(a_ptr, codes_ptr, r, rm, n, nm, e, 0, kb, stride_a, stride_ce, stride_cn)
+    else:
+        acc = _emulated_block(a_ptr, codes_ptr, table_ptr, itab_ptr, r, rm, n, nm, e, 0, kb, stride_a, stride_ce,
+                              stride_cn, ROWS, BLOCK_N, ALIGN, NORM, STEPS, INST, INTEGER)
+    tl.store(out_ptr + r[:, None] * stride_o + n[None, :], acc, mask=rm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _replay_block(final, t1, t2, kb, c, r64, rm, mask, n, e, nb_, acc_ptr, var_ptr, vbase_ptr, j0_ptr, nbit_ptr,
+                  sa_ptr, sb_ptr, sbr_ptr, ds_ptr, shi_ptr, N, NB, stride_sbe, stride_sbn, PROMO: tl.constexpr):
+    """One K block of :func:`_combos`' replay: block ``kb``'s accumulator (the center's ``acc[r, kb]``, or where
+    ``vbase[r, kb] >= 0`` the variant row of combination ``c``) promoted into ``final`` and added to the scale sums
+    ``t1``, ``t2``: the operations of :func:`_emulate`'s block step. Returns ``(final, t1, t2)``."""
+    acc = tl.load(acc_ptr + (r64[:, None] * NB + kb) * N + n[None, :], mask=mask, other=0.0).to(tl.float64)
+    vb = tl.load(vbase_ptr + r64 * NB + kb, mask=rm, other=-1)
+    j0 = tl.load(j0_ptr + r64 * NB + kb, mask=rm, other=0)
+    nbit = tl.load(nbit_ptr + r64 * NB + kb, mask=rm, other=0)
+    vrow = (vb + ((c >> j0) & ((1 << nbit) - 1))).to(tl.int64)
+    has = vb >= 0
+    va = tl.load(var_ptr + vrow[:, None] * N + n[None, :], mask=mask & has[:, None], other=0.0)
+    acc = tl.where(has[:, None], va, acc)
+    sa = tl.load(sa_ptr + r64 * NB + kb, mask=rm, other=0.0)
+    sb = tl.load(sb_ptr + e[:, None] * stride_sbe + nb_[None, :] * stride_sbn + kb, mask=mask, other=0.0)
+    if PROMO == 0:
+        final = _fma32(_f32(sa[:, None] * sb), acc, final)
+    else:
+        final = _fma32(_f32(acc * sa[:, None]), sb, final)
+    sbr = tl.load(sbr_ptr + e[:, None] * stride_sbe + nb_[None, :] * stride_sbn + kb, mask=mask, other=0.0)
+    m = tl.abs(acc) * tl.abs(sbr)
+    d = tl.load(ds_ptr + r64 * NB + kb, mask=rm, other=0.0)
+    h = tl.load(shi_ptr + r64 * NB + kb, mask=rm, other=0.0)
+    return final, t1 + m * d[:, None], t2 + m * h[:, None]
+
+
+@triton.jit
+def _prefix(ptrs, rws, k_pre, N, NB, stride_sbe, stride_sbn, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+            PROMO: tl.constexpr):
+    """:func:`_combos`' shared prefix: ``(final, t1, t2)`` after the blocks ``kb < first[r]`` (the loop runs to
+    ``k_pre``, at least every row's ``first``; a row takes a block's step only below its own ``first``)."""
+    acc_ptr, var_ptr, vbase_ptr, j0_ptr, nbit_ptr, sa_ptr, sb_ptr, sbr_ptr, ds_ptr, shi_ptr = ptrs
+    r64, rm, mask, n, e, nb_, first, ncomb = rws
+    final = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
+    t1 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
+    t2 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
+    no_combo = ncomb * 0  # the prefix's blocks hold no varied code: any combination reads the center's
+    for kb in range(0, k_pre):
+        f_, a_, b_ = _replay_block(final, t1, t2, kb, no_combo, r64, rm, mask, n, e, nb_, acc_ptr, var_ptr, vbase_ptr,
+                                   j0_ptr, nbit_ptr, sa_ptr, sb_ptr, sbr_ptr, ds_ptr, shi_ptr, N, NB, stride_sbe,
+                                   stride_sbn, PROMO)
+        take = (kb < first)[:, None]
+        final = tl.where(take, f_, final)
+        t1 = tl.where(take, a_, t1)
+        t2 = tl.where(take, b_, t2)
+    return final, t1, t2
+
+
+@triton.jit
+def _combinations(ptrs, rws, final, t1, t2, center, coef, k_lo, c_hi, N, NB, stride_sbe, stride_sbn,
+                  PROMO: tl.constexpr):
+    """:func:`_combos`' combinations ``c < c_hi`` (at least every row's ``ncomb``; ``c < ncomb[r]`` kept): each
+    continues the prefix ``(final, t1, t2)`` over the blocks from ``k_lo`` (at most every row's ``first``; a row
+    takes a block's step only from its own ``first``) to ``NB``. Returns ``worst`` (float64 ``[ROWS, BLOCK_N]``)."""
+    acc_ptr, var_ptr, vbase_ptr, j0_ptr, nbit_ptr, sa_ptr, sb_ptr, sbr_ptr, ds_ptr, shi_ptr = ptrs
+    r64, rm, mask, n, e, nb_, first, ncomb = rws
+    worst = final * 0.0
+    for c in range(0, c_hi):
+        fc = final
+        u1 = t1
+        u2 = t2
+        for kb in range(k_lo, NB):
+            f_, a_, b_ = _replay_block(fc, u1, u2, kb, c, r64, rm, mask, n, e, nb_, acc_ptr, var_ptr, vbase_ptr,
+                                       j0_ptr, nbit_ptr, sa_ptr, sb_ptr, sbr_ptr, ds_ptr, shi_ptr, N, NB, stride_sbe,
+                                       stride_sbn, PROMO)
+            take = (kb >= first)[:, None]
+            fc = tl.where(take, f_, fc)
+            u1 = tl.where(take, a_, u1)
+            u2 = tl.where(take, b_, u2)
+        cand = tl.abs(fc - center) + (u1 + coef * u2)
+        worst = tl.where((c < ncomb)[:, None], tl.maximum(worst, cand), worst)
+    return worst
+
+
+@triton.jit
+def _combos(acc_ptr, var_ptr, vbase_ptr, j0_ptr, nbit_ptr, ncomb_ptr, first_ptr, order_ptr, row_e_ptr, sa_ptr, sb_ptr,
+            sbr_ptr, ds_ptr, shi_ptr, coef_ptr, center_ptr, worst_ptr, R, N, stride_sbe, stride_sbn, NB, CMAX,
+            W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr,
+            DYNAMIC: tl.constexpr):
     """The promotion of every combination of a row's uncertain codes from its block accumulators, without
     emulating a block twice: ``acc[r, kb, n]`` (float32) are the center's blocks; block ``kb`` of row ``r``
     with uncertain codes (``vbase[r, kb] >= 0``) takes, under combination ``c``, the variant accumulator row
     ``vbase + ((c >> j0[r, kb]) & (2^nbit[r, kb] - 1))`` of ``var`` (float64 ``[V, N]``): the block's own bits of
     ``c``. Per combination ``c < ncomb[r]``: ``y`` and the scale term ``st`` exactly as :func:`_emulate` forms
-    them (the same operations, in block order from 0), ``worst[r, n] = max_c(|y - center| + st)`` from 0."""
+    them (the same operations, in block order from 0), ``worst[r, n] = max_c(|y - center| + st)`` from 0.
+
+    The blocks before the row's first varied block ``first[r]`` (``NB``: none) are the same under every
+    combination: they are promoted once (``final``, ``t1``, ``t2`` up to ``first[r]``), and each combination
+    continues that chain from block ``first[r]`` (the chain is sequential in block order, so only this prefix is
+    shared; a row takes a block's step only on its own side of ``first[r]``, the steps and their order are those
+    of the whole chain). A program takes the ``ROWS`` rows ``order[pid * ROWS ..]`` (the caller sorts them by
+    ``ncomb`` and ``first``). DYNAMIC (compiled): the loops run to the program's own bounds, read from its rows
+    (combinations to its largest ``ncomb``, the prefix to its largest ``first``, the combinations' blocks from its
+    smallest ``first``); else (the interpreter, whose loops need constexpr bounds) to ``CMAX`` and ``NB``, the
+    steps past a row's bounds masked off either way: the same values."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    r = pid_m * ROWS + tl.arange(0, ROWS)
-    rm = r < R
-    r64 = r.to(tl.int64)
+    slot = pid_m * ROWS + tl.arange(0, ROWS)
+    rm = slot < R
+    r64 = tl.load(order_ptr + slot, mask=rm, other=0).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
     mask = rm[:, None] & nm[None, :]
-    e = tl.load(row_e_ptr + r, mask=rm, other=0).to(tl.int64)
-    ncomb = tl.load(ncomb_ptr + r, mask=rm, other=0)
+    e = tl.load(row_e_ptr + r64, mask=rm, other=0).to(tl.int64)
+    ncomb = tl.load(ncomb_ptr + r64, mask=rm, other=0)
+    first = tl.load(first_ptr + r64, mask=rm, other=NB)
     coef = tl.load(coef_ptr)
     center = tl.load(center_ptr + r64[:, None] * N + n[None, :], mask=mask, other=0.0)
-    worst = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
     nb_ = (n // W_BN).to(tl.int64)
-    for c in range(0, cmax):
-        final = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
-        t1 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
-        t2 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
-        for kb in range(0, NB):
-            acc = tl.load(acc_ptr + (r64[:, None] * NB + kb) * N + n[None, :], mask=mask, other=0.0).to(tl.float64)
-            vb = tl.load(vbase_ptr + r64 * NB + kb, mask=rm, other=-1)
-            j0 = tl.load(j0_ptr + r64 * NB + kb, mask=rm, other=0)
-            nbit = tl.load(nbit_ptr + r64 * NB + kb, mask=rm, other=0)
-            vrow = (vb + ((c >> j0) & ((1 << nbit) - 1))).to(tl.int64)
-            has = vb >= 0
-            va = tl.load(var_ptr + vrow[:, None] * N + n[None, :], mask=mask & has[:, None], other=0.0)
-            acc = tl.where(has[:, None], va, acc)
-            sa = tl.load(sa_ptr + r64 * NB + kb, mask=rm, other=0.0)
-            sb = tl.load(sb_ptr + e[:, None] * stride_sbe + nb_[None, :] * stride_sbn + kb, mask=mask, other=0.0)
-            if PROMO == 0:
-                final = _fma32(_f32(sa[:, None] * sb), acc, final)
-            else:
-                final = _fma32(_f32(acc * sa[:, None]), sb, final)
-            sbr = tl.load(sbr_ptr + e[:, None] * stride_sbe + nb_[None, :] * stride_sbn + kb, mask=mask, other=0.0)
-            m = tl.abs(acc) * tl.abs(sbr)
-            d = tl.load(ds_ptr + r64 * NB + kb, mask=rm, other=0.0)
-            h = tl.load(shi_ptr + r64 * NB + kb, mask=rm, other=0.0)
-            t1 = t1 + m * d[:, None]
-            t2 = t2 + m * h[:, None]
-        cand = tl.abs(final - center) + (t1 + coef * t2)
-        worst = tl.where((c < ncomb)[:, None], tl.maximum(worst, cand), worst)
+    ptrs = (acc_ptr, var_ptr, vbase_ptr, j0_ptr, nbit_ptr, sa_ptr, sb_ptr, sbr_ptr, ds_ptr, shi_ptr)
+    rws = (r64, rm, mask, n, e, nb_, first, ncomb)
+    # the loop bounds are passed straight to the loops' functions: the interpreter keeps a constexpr argument a
+    # constexpr, not one assigned to a name
+    if DYNAMIC:
+        final, t1, t2 = _prefix(ptrs, rws, tl.max(tl.where(rm, first, 0), axis=0), N, NB, stride_sbe, stride_sbn,
+                                ROWS, BLOCK_N, PROMO)
+        worst = _combinations(ptrs, rws, final, t1, t2, center, coef, tl.min(first, axis=0), tl.max(ncomb, axis=0),
+                              N, NB, stride_sbe, stride_sbn, PROMO)
+    else:
+        final, t1, t2 = _prefix(ptrs, rws, NB, N, NB, stride_sbe, stride_sbn, ROWS, BLOCK_N, PROMO)
+        worst = _combinations(ptrs, rws, final, t1, t2, center, coef, 0, CMAX, N, NB, stride_sbe, stride_sbn, PROMO)
     tl.store(worst_ptr + r64[:, None] * N + n[None, :], worst, mask=mask)
 
 
 @triton.jit
-def combos_kernel(acc_ptr, var_ptr, vbase_ptr, j0_ptr, nbit_ptr, ncomb_ptr, cmax, row_e_ptr, sa_ptr, sb_ptr, sbr_ptr,
-                  ds_ptr, shi_ptr, coef_ptr, center_ptr, worst_ptr, R, N, stride_sbe, stride_sbn, NB,
+def combos_kernel(acc_ptr, var_ptr, vbase_ptr, j0_ptr, nbit_ptr, ncomb_ptr, first_ptr, order_ptr, row_e_ptr, sa_ptr,
+                  sb_ptr, sbr_ptr, ds_ptr, shi_ptr, coef_ptr, center_ptr, worst_ptr, R, N, stride_sbe, stride_sbn, NB,
                   W_BN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr):
-    """The compiled :func:`_combos`: the combination count ``cmax`` and ``NB`` are runtime arguments."""
-    _combos(acc_ptr, var_ptr, vbase_ptr, j0_ptr, nbit_ptr, ncomb_ptr, cmax, row_e_ptr, sa_ptr, sb_ptr, sbr_ptr,
-            ds_ptr, shi_ptr, coef_ptr, center_ptr, worst_ptr, R, N, stride_sbe, stride_sbn, NB, W_BN, ROWS, BLOCK_N,
-            PROMO)
+    """The compiled :func:`_combos`: ``NB`` a runtime argument, each program's loop bounds read from its rows."""
+    _combos(acc_ptr, var_ptr, vbase_ptr, j0_ptr, nbit_ptr, ncomb_ptr, first_ptr, order_ptr, row_e_ptr, sa_ptr, sb_ptr,
+            sbr_ptr, ds_ptr, shi_ptr, coef_ptr, center_ptr, worst_ptr, R, N, stride_sbe, stride_sbn, NB, 0, W_BN,
+            ROWS, BLOCK_N, PROMO, True)
 
 
 @triton.jit
-def combos_kernel_interpreted(acc_ptr, var_ptr, vbase_ptr, j0_ptr, nbit_ptr, ncomb_ptr, cmax: tl.constexpr, row_e_ptr,
-                              sa_ptr, sb_ptr, sbr_ptr, ds_ptr, shi_ptr, coef_ptr, center_ptr, worst_ptr, R, N,
-                              stride_sbe, stride_sbn, NB: tl.constexpr, W_BN: tl.constexpr, ROWS: tl.constexpr,
-                              BLOCK_N: tl.constexpr, PROMO: tl.constexpr):
-    """The same under ``TRITON_INTERPRET=1`` (constexpr loop bounds)."""
-    _combos(acc_ptr, var_ptr, vbase_ptr, j0_ptr, nbit_ptr, ncomb_ptr, cmax, row_e_ptr, sa_ptr, sb_ptr, sbr_ptr,
-            ds_ptr, shi_ptr, coef_ptr, center_ptr, worst_ptr, R, N, stride_sbe, stride_sbn, NB, W_BN, ROWS, BLOCK_N,
-            PROMO)
+def combos_kernel_interpreted(acc_ptr, var_ptr, vbase_ptr, j0_ptr, nbit_ptr, ncomb_ptr, first_ptr, order_ptr,
+                              row_e_ptr, sa_ptr, sb_ptr, sbr_ptr, ds_ptr, shi_ptr, coef_ptr, center_ptr, worst_ptr, R,
+                              N, stride_sbe, stride_sbn, NB: tl.constexpr, CMAX: tl.constexpr, W_BN: tl.constexpr,
+                              ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROMO: tl.constexpr):
+    """The same under ``TRITON_INTERPRET=1`` (constexpr loop bounds: ``CMAX``, the launch's largest ``ncomb``, and
+    ``NB``)."""
+    _combos(acc_ptr, var_ptr, vbase_ptr, j0_ptr, nbit_ptr, ncomb_ptr, first_ptr, order_ptr, row_e_ptr, sa_ptr, sb_ptr,
+            sbr_ptr, ds_ptr, shi_ptr, coef_ptr, center_ptr, worst_ptr, R, N, stride_sbe, stride_sbn, NB, CMAX, W_BN,
+            ROWS, BLOCK_N, PROMO, False)

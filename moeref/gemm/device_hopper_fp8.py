@@ -12,7 +12,9 @@ store (float64 tensor), as the NumPy engine returns it.
 
 The products are aligned and cut in int32 (:data:`INTEGER_ALIGN`; the float64 cut remains as the kernel's
 other form, the same integers), and the block accumulators can be returned (``block_acc``) for
-:func:`device_promote_combinations`, which replays the promotion with some blocks replaced.
+:func:`device_promote_combinations`, which replays the promotion with some blocks replaced by accumulators of
+single 128-column blocks (:func:`device_block_accumulators`: the same block step, one launch for any mix of
+experts and K blocks).
 
 Memory: the expert weights are read as their uint8 codes through the E4M3 decode table (never decoded to
 float64); the operand rows are gathered once, sorted by expert, as float64 values ``[R, K]`` (as uint8 codes
@@ -51,8 +53,9 @@ import numpy as np
 
 from .hopper_fp8 import HOPPER_FP8_MMA, MmaModel, _PROMOTIONS
 
-__all__ = ["device_deepgemm_rows", "device_promote_combinations", "check_emulated_operands", "ACCUMULATOR_SOURCE",
-           "CHECK_ROWS", "CHECK_FRACTION", "AccumulatorMismatchError", "tensor_cores_available", "proof_rows"]
+__all__ = ["device_deepgemm_rows", "device_block_accumulators", "device_promote_combinations", "check_emulated_operands",
+           "ACCUMULATOR_SOURCE", "CHECK_ROWS", "CHECK_FRACTION", "AccumulatorMismatchError", "tensor_cores_available",
+           "proof_rows"]
 
 
 TILES = {"many": (16, 16, 8), "few": (4, 64, 8)}
@@ -179,6 +182,15 @@ def _integer_table(dev):
     return _torch().as_tensor(np.stack([m, e]).astype(np.int32), device=dev)
 
 
+def _decode_table(dev):
+    """float64 ``[256]``: the E4M3 value of every code on ``dev``, NaN codes as 0 (the operands never hold them)."""
+    from ..formats import decode_table
+
+    torch = _torch()
+    table = torch.as_tensor(np.array(decode_table("e4m3fn")), dtype=torch.float64, device=dev)
+    return torch.where(torch.isfinite(table), table, torch.zeros((), dtype=torch.float64, device=dev))
+
+
 def _torch():
     import torch
 
@@ -200,6 +212,20 @@ def check_emulated_operands(a, weights) -> None:
     (:class:`moeref.gemm.device.DeviceOperand`) and a device :class:`moeref.gemm.StackedExperts`: E4M3
     elements, ``a`` with 1x128 scale blocks, the weights with 128x128 blocks, K a multiple of 128, no NaN
     code in the weights. ``ValueError``/``TypeError`` naming what is wrong."""
+    _check_emulated_weights(weights)
+    k = weights.shape[1]
+    if not a.quantized or (a.codes is not None and a.element != "e4m3fn"):
+        raise ValueError("the emulated DeepGEMM GEMM needs quantized E4M3 operands "
+                         f"(got element {a.element!r}, quantized={a.quantized})")
+    if a.block[1] != 128 or (a.block[0] != 1 and a.shape[0] > 1):
+        raise ValueError(f"a must have 1x128 scale blocks (DeepGEMM's activations); got blocks {a.block}")
+    if a.shape[1] != k:
+        raise ValueError(f"a has K={a.shape[1]} but the experts have K={k}")
+
+
+def _check_emulated_weights(weights) -> None:
+    """:func:`check_emulated_operands`' part on the weights: a device :class:`moeref.gemm.StackedExperts` of E4M3
+    codes with 128x128 scale blocks, K a multiple of 128, no NaN code (checked once per codes tensor)."""
     from .device import _has_nan_codes
     from .stacked import StackedExperts
 
@@ -212,13 +238,6 @@ def check_emulated_operands(a, weights) -> None:
         raise ValueError(f"w must have 128x128 scale blocks (DeepGEMM's weights); got blocks {weights.block}")
     if k % 128:
         raise ValueError(f"DeepGEMM's FP8 GEMM needs K to be a multiple of 128; got K={k}")
-    if not a.quantized or (a.codes is not None and a.element != "e4m3fn"):
-        raise ValueError("the emulated DeepGEMM GEMM needs quantized E4M3 operands "
-                         f"(got element {a.element!r}, quantized={a.quantized})")
-    if a.block[1] != 128 or (a.block[0] != 1 and a.shape[0] > 1):
-        raise ValueError(f"a must have 1x128 scale blocks (DeepGEMM's activations); got blocks {a.block}")
-    if a.shape[1] != k:
-        raise ValueError(f"a has K={a.shape[1]} but the experts have K={k}")
     if _has_nan_codes(weights.codes, "e4m3fn"):
         raise ValueError("w holds NaN codes; E4M3 operands must be finite")
 
@@ -304,11 +323,18 @@ def _prove(got, a, rows, proved, weights, promotion, values, scale_term, block_a
                  False)
     got = got if isinstance(got, tuple) else (got,)
     want = want if isinstance(want, tuple) else (want,)
-    names = ("output", "scale term", "block accumulator")
-    for name, g, w in sorted(zip(names, got, want), key=lambda t: t[0] != "block accumulator"):
+    _compare_proved(zip(("output", "scale term", "block accumulator"), got, want), proved, rows)
+
+
+def _compare_proved(named, proved, rows) -> None:
+    """``named``: ``(name, got, want)``, ``got`` the tensor cores' tensor over the call's rows and ``want`` the
+    emulator's over the rows ``proved``; :class:`AccumulatorMismatchError` at the first difference (block
+    accumulators first)."""
+    torch = _torch()
+    for name, g, w in sorted(named, key=lambda t: t[0] != "block accumulator"):
         if g is None:
             continue
-        g = g.index_select(0, it)
+        g = g.index_select(0, torch.as_tensor(proved, device=g.device))
         bits = torch.int64 if g.dtype == torch.float64 else torch.int32
         diff = g.view(bits) != w.view(bits)
         if bool(diff.any()):
@@ -328,7 +354,6 @@ def _rows(a, rows, weights, promotion, model, values, scale_term, block_acc, tc)
     torch = _torch()
     import triton
 
-    from ..formats import decode_table
     from ._hopper_fp8_kernel import hopper_fp8_kernel, hopper_fp8_kernel_interpreted
     from .device import _items
 
@@ -369,8 +394,7 @@ def _rows(a, rows, weights, promotion, model, values, scale_term, block_acc, tc)
     sa = _fp32(sa.index_select(0, order_t)).contiguous()
     sb_raw = weights.scales.to(torch.float64).contiguous()
     sb = _fp32(sb_raw)
-    table = torch.as_tensor(np.array(decode_table("e4m3fn")), dtype=torch.float64, device=dev)
-    table = torch.where(torch.isfinite(table), table, torch.zeros((), dtype=torch.float64, device=dev))
+    table = _decode_table(dev)
     codes = weights.codes
     if codes.stride(2) != 1:
         codes = codes.contiguous()
@@ -407,6 +431,105 @@ def _rows(a, rows, weights, promotion, model, values, scale_term, block_acc, tc)
     return result()
 
 
+def device_block_accumulators(values, row_expert, k_block, weights, *, model: MmaModel = HOPPER_FP8_MMA,
+                              source: str | None = None, check_rows: int | None = None,
+                              check_fraction: float | None = None):
+    """``acc[r, n]``: the accumulator of one 128-column K block, row ``r``'s E4M3 values ``values[r]`` against the
+    columns ``128 k_block[r] ..`` of expert ``row_expert[r]``'s weights, from a cleared accumulator: the block
+    accumulator :func:`device_deepgemm_rows` returns (``block_acc``) for block ``k_block[r]`` of a whole row whose
+    block holds these values (a block's accumulator depends on its own columns alone), bit for bit. 0 on rows with
+    ``row_expert == -1``. One launch for every (expert, block) pair; the weights' codes are read in place.
+
+    Args:
+        values: float64 ``[R, 128]`` E4M3 values (unscaled).
+        row_expert: int ``[R]`` (NumPy or torch), -1 padding.
+        k_block: int ``[R]`` (NumPy or torch), each row's K block of the weights, ``0 <= k_block < K/128``.
+        weights: a device :class:`moeref.gemm.StackedExperts` of E4M3 codes with 128x128 scales (the scales are
+            not read).
+        model, source, check_rows, check_fraction: as :func:`device_deepgemm_rows` (with the tensor cores, the
+            proved rows are computed again with the emulator and compared bit for bit).
+
+    Returns: float64 ``[R, N]`` tensor of FP32 values.
+
+    Raises:
+        AccumulatorMismatchError: the tensor cores' result differs from the emulator's on a proved row.
+    """
+    torch = _torch()
+    from .grouped import check_row_expert
+
+    _check_model(model)
+    _check_emulated_weights(weights)
+    dev = weights.codes.device
+    nb = int(weights.shape[1]) // 128
+    if not torch.is_tensor(values):
+        raise TypeError(f"values must be a float64 [R, 128] tensor; got {type(values).__name__}")
+    if values.ndim != 2 or int(values.shape[1]) != 128:
+        raise ValueError(f"values must be a float64 [R, 128] tensor; got shape {tuple(values.shape)}")
+    values = values.to(device=dev, dtype=torch.float64)
+    rows = check_row_expert(row_expert.cpu().numpy() if torch.is_tensor(row_expert) else row_expert,
+                            int(values.shape[0]), len(weights))
+    kb = np.asarray(k_block.cpu().numpy() if torch.is_tensor(k_block) else k_block).reshape(-1)
+    if kb.shape != rows.shape or not np.issubdtype(kb.dtype, np.integer):
+        raise ValueError(f"k_block must be int [{rows.size}]; got {kb.dtype} {kb.shape}")
+    bad = np.flatnonzero((rows >= 0) & ((kb < 0) | (kb >= nb)))
+    if bad.size:
+        raise ValueError(f"k_block must be in [0, {nb}) (K/128) on non-padding rows; got k_block[{int(bad[0])}] = "
+                         f"{int(kb[bad[0]])}")
+    kb = kb.astype(np.int64)
+    _check_values(values)
+    tc = _use_tensor_cores(source, model, dev)
+    got = _block_rows(values, rows, kb, weights, model, tc)
+    if tc:
+        proved = proof_rows(rows, CHECK_ROWS if check_rows is None else check_rows,
+                            CHECK_FRACTION if check_fraction is None else check_fraction)
+        if proved.size:
+            want = _block_rows(values.index_select(0, torch.as_tensor(proved, device=dev)), rows[proved],
+                               kb[proved], weights, HOPPER_FP8_MMA, False)
+            _compare_proved([("block accumulator", got, want)], proved, rows)
+    return got
+
+
+def _block_rows(values, rows, kb, weights, model, tc):
+    """:func:`device_block_accumulators` on checked arguments: the rows sorted by (expert, K block), work items of
+    one pair each (:func:`moeref.gemm._hopper_fp8_kernel.hopper_fp8_block_kernel`)."""
+    torch = _torch()
+    import triton
+
+    from ._hopper_fp8_kernel import hopper_fp8_block_kernel
+    from .device import _items
+
+    dev = weights.codes.device
+    n, k = weights.shape
+    nb = k // 128
+    out = torch.zeros((rows.size, n), dtype=torch.float64, device=dev)
+    valid = np.flatnonzero(rows >= 0)
+    if valid.size == 0 or n == 0:
+        return out
+    key = rows[valid] * nb + kb[valid]
+    order = valid[np.argsort(key, kind="stable")]
+    pairs, starts, counts = np.unique(rows[order] * nb + kb[order], return_index=True, return_counts=True)
+    order_t = torch.as_tensor(order, device=dev)
+    av = values.index_select(0, order_t)
+    if tc:  # E4M3 values (checked): their codes, exactly
+        av = av.to(torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)
+    codes = weights.codes
+    if codes.stride(2) != 1:
+        codes = codes.contiguous()
+    rows_per, block_n, warps = TC_TILE if tc else TILES["many" if float(counts.mean()) > 8 else "few"]
+    per, first_row, cnt = _items(starts, counts, rows_per)
+    items = torch.as_tensor(np.stack([np.repeat(pairs // nb, per), first_row, cnt, np.repeat(pairs % nb, per)],
+                                     axis=1).astype(np.int32), device=dev)
+    res = torch.empty((order.size, n), dtype=torch.float64, device=dev)
+    grid = (int(items.shape[0]), triton.cdiv(n, block_n))
+    hopper_fp8_block_kernel[grid](av.contiguous(), codes, _decode_table(dev), _integer_table(dev), items, res, n, 128,
+                                  codes.stride(0), codes.stride(1), n, ROWS=rows_per, BLOCK_N=block_n,
+                                  ALIGN=int(model.align_bits), NORM=int(model.norm_bits), STEPS=128 // model.inst_k,
+                                  INST=int(model.inst_k), INTEGER=bool(INTEGER_ALIGN), TC=bool(tc), num_warps=warps,
+                                  enable_fp_fusion=False)
+    out[order_t] = res
+    return out
+
+
 def device_promote_combinations(acc, variants, vbase, j0, nbit, ncomb, row_expert, sa, weights, scale_term, center, *,
                                 promotion: str = "deepgemm"):
     """``worst[r, n] = max_c (|y_c[r, n] - center[r, n]| + st_c[r, n])`` over the combinations ``c < ncomb[r]``
@@ -415,7 +538,12 @@ def device_promote_combinations(acc, variants, vbase, j0, nbit, ncomb, row_exper
     accumulators instead of emulating the row again: a block's accumulator depends only on that block's codes
     (each block starts from a cleared accumulator), so only the blocks holding uncertain codes are emulated per
     combination (by the caller, once per distinct block content), and the FP32 promotion and the scale term are
-    replayed here with the same operations in block order.
+    replayed here with the same operations in block order. The blocks before a row's first varied block are the
+    same under every combination: they are promoted once, and each combination continues the chain from there.
+    The rows are taken in order of combination count, then first varied block, so that on a GPU each program of
+    rows loops to its own largest count and from its own smallest first block (the interpreter: to the call's
+    largest count, the steps outside a row's own bounds masked off); a row with one combination costs one pass
+    over its blocks.
 
     Args:
         acc: float32 ``[R, NB, N]``, the center's block accumulators (``device_deepgemm_rows(block_acc=True)``).
@@ -446,15 +574,24 @@ def device_promote_combinations(acc, variants, vbase, j0, nbit, ncomb, row_exper
     sb_raw = weights.scales.to(torch.float64).contiguous()
     sb = _fp32(sb_raw)
     i32 = lambda t: torch.as_tensor(t, device=dev).to(torch.int32).contiguous()  # noqa: E731
-    cmax = int(ncomb.max()) if torch.is_tensor(ncomb) else int(np.max(ncomb))
+    vbase_t, ncomb_t = i32(vbase), i32(ncomb)
+    # each row's first varied block (NB: none), and the rows' order: by combination count, then first varied
+    # block, so that the rows of a program share their loop bounds (the compiled kernel reads them per program)
+    blk = torch.arange(nb, device=dev, dtype=torch.int32)
+    first = torch.where(vbase_t >= 0, blk[None, :], torch.full_like(vbase_t, nb)).amin(dim=1).to(torch.int32)
+    order = torch.argsort(ncomb_t.to(torch.int64) * (nb + 1) + first, stable=True).to(torch.int32)
     rows_per, block_n = 16, 32
     grid = (triton.cdiv(r, rows_per), triton.cdiv(n, block_n))
-    kernel = combos_kernel if dev.type == "cuda" else combos_kernel_interpreted
     var = variants if variants.numel() else torch.zeros((1, n), dtype=torch.float64, device=dev)
-    kernel[grid](acc.contiguous(), var.contiguous(), i32(vbase), i32(j0), i32(nbit), i32(ncomb), cmax, i32(row_expert),
-                 _fp32(sa.to(torch.float64)).contiguous(), sb, sb_raw, ds.to(torch.float64).contiguous(),
-                 s_hi.to(torch.float64).contiguous(),
-                 torch.tensor([float(coef)], dtype=torch.float64, device=dev), center.contiguous(), worst, r, n,
-                 sb.stride(0), sb.stride(1), nb, W_BN=int(weights.block[0]), ROWS=rows_per, BLOCK_N=block_n,
-                 PROMO=0 if promotion == "deepgemm" else 1, num_warps=4, enable_fp_fusion=False)
+    args = (acc.contiguous(), var.contiguous(), vbase_t, i32(j0), i32(nbit), ncomb_t, first.contiguous(), order,
+            i32(row_expert), _fp32(sa.to(torch.float64)).contiguous(), sb, sb_raw, ds.to(torch.float64).contiguous(),
+            s_hi.to(torch.float64).contiguous(), torch.tensor([float(coef)], dtype=torch.float64, device=dev),
+            center.contiguous(), worst, r, n, sb.stride(0), sb.stride(1), nb)
+    meta = dict(W_BN=int(weights.block[0]), ROWS=rows_per, BLOCK_N=block_n, PROMO=0 if promotion == "deepgemm" else 1,
+                num_warps=4, enable_fp_fusion=False)
+    if dev.type == "cuda":
+        combos_kernel[grid](*args, **meta)
+    else:  # the interpreter's loops: constexpr bounds (the launch's largest ncomb, NB)
+        cmax = int(ncomb_t.max())
+        combos_kernel_interpreted[grid](*args, CMAX=cmax, **meta)
     return worst

@@ -18,14 +18,18 @@ How the combinations are formed without emulating a row once per combination: ea
 accumulator starts cleared, so it depends on that block's codes only. The enumerated rows are emulated once,
 keeping every block accumulator (:func:`~moeref.gemm.device_hopper_fp8.device_deepgemm_rows` with
 ``block_acc=True``); each block that holds uncertain codes is emulated alone for each combination of *its* codes
-(``2^n_b`` emulations of 128 columns, unit scales, so the result is the accumulator itself); then
+(``2^n_b`` emulations of 128 columns: :func:`~moeref.gemm.device_hopper_fp8.device_block_accumulators`, every
+block of a chunk in one call); then
 :func:`~moeref.gemm.device_hopper_fp8.device_promote_combinations` replays, per combination of the row, the FP32
 promotion and the scale term over the blocks, the same operations in the same order as the emulator, with the
-varied blocks' accumulators swapped in. Same accumulators, same promotion: the bits of emulating every
-combination over the whole row (``tests/test_device_emulated_blocks.py`` checks them against the host's
-enumeration). Work: one emulation of every row (GEMM2's center), plus one 128-column block per combination of
-each uncertain block; rows are taken in chunks so that their block accumulators stay under
-:data:`_CHUNK_ELEMS` float32 values.
+varied blocks' accumulators swapped in (the blocks before the row's first varied block promoted once for all its
+combinations). Same accumulators, same promotion: the bits of emulating every combination over the whole row
+(``tests/test_device_emulated_blocks.py`` checks them against the host's enumeration). A row with no uncertain
+code (its scale alone is uncertain) has one combination, the center: its radius is the scale term the center's
+emulation returns with it (``scale_term``), the same operations on the same accumulators, so it keeps no block
+accumulator and takes no replay. Work: one emulation of every row (GEMM2's center), plus one 128-column block per
+combination of each uncertain block; the rows with uncertain codes are taken in chunks so that their block
+accumulators stay under :data:`_CHUNK_ELEMS` float32 values.
 """
 from __future__ import annotations
 
@@ -59,17 +63,25 @@ def device_emulated_gemm(a, a_radius, row_expert, weights, bias, profile, codes=
 
     rows = np.asarray(row_expert, dtype=np.int64)
     promotion = profile.promotion_order
-    unsure = ok = np.zeros(rows.size, dtype=bool)
+    unsure = ok = varied = np.zeros(rows.size, dtype=bool)
     if a_radius is not None:
         unsure = ((a_radius.amax(dim=1) > 0).cpu().numpy() if a_radius.shape[1] else np.zeros(rows.size, bool)) \
             & (rows >= 0)
         if codes is not None and unsure.any():
-            ok = unsure & _enumerable(codes)
-    center = device_deepgemm_rows(a, np.where(ok, -1, rows), weights, promotion=promotion)  # enumerated: below
-    radius = torch.zeros_like(center)
+            nvar, adjacent = _code_counts(codes)
+            ok = unsure & (nvar <= _host._MAX_ENUMERATED) & adjacent
+            varied = ok & (nvar > 0)
+    one = ok & ~varied  # enumerated rows of one combination, the center: their radius is its scale term
+    if one.any():  # the center with its scale term (computed on every row of the call, kept on these)
+        center, st = device_deepgemm_rows(a, np.where(varied, -1, rows), weights, promotion=promotion,
+                                          scale_term=_scale_term(codes, profile))
+        radius = torch.where(torch.as_tensor(one, device=st.device)[:, None], st, torch.zeros_like(st))
+    else:
+        center = device_deepgemm_rows(a, np.where(varied, -1, rows), weights, promotion=promotion)
+        radius = torch.zeros_like(center)
     dev = center.device
-    if ok.any():
-        _enumerate_codes(a, codes, rows, ok, weights, profile, center, radius)
+    if varied.any():  # their center and radius: below
+        _enumerate_codes(a, codes, rows, varied, weights, profile, center, radius)
     fallback = unsure & ~ok
     if fallback.any():
         rows_u = np.where(fallback, rows, -1)
@@ -98,13 +110,32 @@ def _adjacent_e4m3(lo, hi):
     return ((lo >= 0) & (mh - ml == 1)) | ((hi <= 0) & (ml - mh == 1))
 
 
+def _code_counts(codes) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, its number of uncertain codes (``code_lo != code_hi``; NumPy int64 ``[R]``) and whether each is one
+    of two neighbouring E4M3 values (NumPy bool ``[R]``)."""
+    torch = _torch()
+    lo, hi = codes["code_lo"], codes["code_hi"]
+    var = lo != hi
+    both = torch.stack([var.sum(dim=1), (~var | _adjacent_e4m3(lo, hi)).all(dim=1).to(torch.int64)]).cpu().numpy()
+    return both[0], both[1].astype(bool)
+
+
 def _enumerable(codes) -> np.ndarray:
     """Rows whose uncertain codes are at most :data:`moeref.compare.bounds._MAX_ENUMERATED`, each one of two
     neighbouring E4M3 values (NumPy bool ``[R]``)."""
-    lo, hi = codes["code_lo"], codes["code_hi"]
-    var = lo != hi
-    ok = (var.sum(dim=1) <= _host._MAX_ENUMERATED) & (~var | _adjacent_e4m3(lo, hi)).all(dim=1)
-    return ok.cpu().numpy()
+    nvar, adjacent = _code_counts(codes)
+    return (nvar <= _host._MAX_ENUMERATED) & adjacent
+
+
+def _scale_term(codes, profile):
+    """``(ds, s_hi, coef)`` of the scale term (module docstring) as
+    :func:`moeref.gemm.device_hopper_fp8.device_deepgemm_rows` takes it: per row and 128-column block the largest
+    scale difference and the largest scale (float64 ``[R, K/128]``), ``coef = 2 gamma(K/128 + 2, u_fp32)``."""
+    r, k = codes["scale_hi"].shape
+    nb = k // 128
+    ds = (codes["scale_hi"] - codes["scale_lo"]).reshape(r, nb, -1).amax(dim=2)
+    s_hi = codes["scale_hi"].reshape(r, nb, -1).amax(dim=2)
+    return ds, s_hi, 2 * gamma(nb + 2, profile.promote_unit)
 
 
 _CHUNK_ELEMS = 1 << 29
@@ -113,7 +144,8 @@ _CHUNK_ELEMS = 1 << 29
 
 
 def _enumerate_codes(a, codes, rows, ok, weights, profile, center, radius) -> None:
-    """Fills ``center`` and ``radius`` (in place) on the rows ``ok`` (module docstring), a chunk of rows at a time:
+    """Fills ``center`` and ``radius`` (in place) on the rows ``ok`` (module docstring; the caller passes the rows
+    with uncertain codes), a chunk of rows at a time:
     the rows' block accumulators (one emulation), every combination of each uncertain block's codes (one
     emulation of that 128-column block each), then the promotion of every combination of the row
     (:func:`moeref.gemm.device_hopper_fp8.device_promote_combinations`)."""
@@ -125,13 +157,10 @@ def _enumerate_codes(a, codes, rows, ok, weights, profile, center, radius) -> No
     r, k = a.shape
     n = int(weights.shape[0])
     nb = k // 128
-    ds = (codes["scale_hi"] - codes["scale_lo"]).reshape(r, nb, -1).amax(dim=2)
-    s_hi = codes["scale_hi"].reshape(r, nb, -1).amax(dim=2)
-    coef = 2 * gamma(nb + 2, profile.promote_unit)
+    ds, s_hi, coef = _scale_term(codes, profile)
     promotion = profile.promotion_order
     idx_all = np.flatnonzero(ok)
     step = max(1, _CHUNK_ELEMS // max(1, nb * n))
-    blocks = {}  # the weights' 128-column blocks with unit scales, made once (their checks are cached on them)
     for c0 in range(0, idx_all.size, step):
         idx = idx_all[c0:c0 + step]
         it = torch.as_tensor(idx, device=dev)
@@ -139,7 +168,7 @@ def _enumerate_codes(a, codes, rows, ok, weights, profile, center, radius) -> No
         rows_c = rows[idx]
         y, _, acc = device_deepgemm_rows(sub, rows_c, weights, promotion=promotion, block_acc=True)
         variants, vbase, j0, nbit, nvar = _block_variants(sub, lo.index_select(0, it), hi.index_select(0, it),
-                                                         rows_c, weights, promotion, blocks)
+                                                         rows_c, weights)
         worst = device_promote_combinations(acc, variants, vbase, j0, nbit, 1 << nvar, rows_c, sub.scales, weights,
                                             (ds.index_select(0, it), s_hi.index_select(0, it), coef), y,
                                             promotion=promotion)
@@ -147,19 +176,17 @@ def _enumerate_codes(a, codes, rows, ok, weights, profile, center, radius) -> No
         radius[it] = worst
 
 
-def _block_variants(sub, lo, hi, rows_c, weights, promotion, blocks=None):
+def _block_variants(sub, lo, hi, rows_c, weights):
     """The block accumulators of every combination of each uncertain block's codes: ``(variants [V, N],
     vbase, j0, nbit [Rc, NB] int64, nvar [Rc] int64)`` as
     :func:`moeref.gemm.device_hopper_fp8.device_promote_combinations` reads them. The row's uncertain codes are
     ranked in column order (the ``j``-th takes bit ``j`` of a combination, as the host enumerates them); block
     ``kb`` holds ranks ``j0 .. j0 + nbit - 1``, so its sub-combination is ``(c >> j0) & (2^nbit - 1)``; its
-    ``2^nbit`` accumulators are variant rows ``vbase ..``, each the emulation of the block's 128 columns alone
-    (unit scales: the FP32 promotion of one block from 0 with scale 1 returns the accumulator itself). ``blocks``:
-    a dict of those one-block weights by block index, filled here and reused across calls."""
+    ``2^nbit`` accumulators are variant rows ``vbase ..``, each the block's 128 columns alone against the
+    weights' same block (:func:`moeref.gemm.device_hopper_fp8.device_block_accumulators`: one launch for every
+    block of the chunk, the accumulator itself, neither scaled nor promoted)."""
     torch = _torch()
-    from ...gemm import StackedExperts
-    from ...gemm.device import DeviceOperand
-    from ...gemm.device_hopper_fp8 import device_deepgemm_rows
+    from ...gemm.device_hopper_fp8 import device_block_accumulators
 
     dev = lo.device
     rc, k = (int(d) for d in lo.shape)
@@ -173,9 +200,8 @@ def _block_variants(sub, lo, hi, rows_c, weights, promotion, blocks=None):
     vbase = torch.where(per_block > 0, (torch.cumsum(flat, 0) - flat).reshape(rc, nb), torch.full_like(per_block, -1))
     nvar = per_block.sum(dim=1)
     total = int(flat.sum())
-    variants = torch.zeros((total, n), dtype=torch.float64, device=dev)
     if total == 0:
-        return variants, vbase, j0, per_block, nvar
+        return torch.zeros((0, n), dtype=torch.float64, device=dev), vbase, j0, per_block, nvar
     pr, pb = torch.nonzero(per_block > 0, as_tuple=True)                # (row, block) pairs with uncertain codes
     pair = torch.repeat_interleave(torch.arange(pr.numel(), device=dev), count[pr, pb])
     t = torch.arange(total, device=dev) - vbase[pr, pb].index_select(0, pair)   # the block's sub-combination
@@ -186,19 +212,6 @@ def _block_variants(sub, lo, hi, rows_c, weights, promotion, blocks=None):
     local = torch.cumsum(vvar.to(torch.int64), dim=1) - 1                 # rank of the code within its block
     bit = ((t[:, None] >> local.clamp(min=0)) & 1) == 1
     vals = torch.where(vvar, torch.where(bit, take(hi), take(lo)), take(sub.decode()))
-    e_all = torch.as_tensor(rows_c, device=dev).index_select(0, vr).cpu().numpy()
-    vk_h = vk.cpu().numpy()
-    bn = int(weights.block[0])
-    blocks = {} if blocks is None else blocks
-    for kb in np.unique(vk_h).tolist():  # a loop over K blocks (at most K/128)
-        sel = np.flatnonzero(vk_h == kb)
-        st = torch.as_tensor(sel, device=dev)
-        if kb not in blocks:
-            ones_w = torch.ones((int(weights.codes.shape[0]), -(-n // bn), 1), dtype=torch.float64, device=dev)
-            blocks[kb] = StackedExperts(weights.codes[:, :, kb * 128:(kb + 1) * 128], ones_w, weights.element,
-                                        weights.block, (n, 128))
-        w_b = blocks[kb]
-        op = DeviceOperand(None, torch.zeros((sel.size, 128), dtype=torch.uint8, device=dev), "e4m3fn",
-                           torch.ones((sel.size, 1), dtype=torch.float64, device=dev), (1, 128), True)
-        variants[st] = device_deepgemm_rows(op, e_all[sel], w_b, promotion=promotion, values=vals.index_select(0, st))
+    e_all = np.asarray(rows_c, dtype=np.int64)[vr.cpu().numpy()]
+    variants = device_block_accumulators(vals, e_all, vk, weights)
     return variants, vbase, j0, per_block, nvar
