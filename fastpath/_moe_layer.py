@@ -315,6 +315,8 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
     if impl == "triton" and not weights.w4:
         default = default_tiles("fp8_block" if weights.fp8 else "float", expected_m, x.device.type, layout)
         tiles1, tiles2 = (default if t is None else t for t in tiles)
+        if act_prologue and tiles[1] is None:  # GEMM2 with the prologue: the one-tile kernel's default tiles
+            tiles2 = default_tiles("fp8_block", expected_m, x.device.type, "masked")
     h = gemm(a, weights.w13, sa, weights.w13_scales, weights.b13, tiles1, a_src=src if gather else None)
     if act_prologue is None:  # the module's default: at decode sizes, where GEMM2 runs the one-tile kernel
         act_prologue = ACT_PROLOGUE_AT_DECODE and gather and weights.fp8_activations \

@@ -472,7 +472,8 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
             the device functions of :func:`fastpath.fused.silu_and_mul_quant_fp8` & co. (no ``a_scales``): the
             codes and scales that kernel stores, so the same bits as quantizing first (rows whose ``m_indices`` is
             -1 read as zeros). Every column tile recomputes its rows' activation: a decode option (few rows per
-            expert), in the one-tile-per-program kernel (not with the tile-loop options or ``a_src``).
+            expert), in the one-tile-per-program kernel (not with the tile-loop options or ``a_src``; without
+            ``tiles``, that kernel's default tiles: :func:`default_tiles` of the masked layout).
     """
     if act_prologue is not None:
         _check_act_prologue(impl, a, b, a_scales, b_scales, act_prologue, alignment)
@@ -514,8 +515,10 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
         deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, a_scales), (b, b_scales), d, m_indices.to(torch.int32),
                                                    disable_ue8m0_cast=True)
         return d
-    t = tiles or _tiles_of(a, 0 if m <= e * alignment else m / e, "contiguous",  # one segment an expert: decode
-                           fp8=act_prologue is not None)
+    # one segment an expert: decode; the act prologue runs on the one-tile-per-program kernel, whose default tiles
+    # are the masked layout's (the contiguous layout's may be TMA tile-loop tiles)
+    t = tiles or _tiles_of(a, 0 if m <= e * alignment else m / e,
+                           "contiguous" if act_prologue is None else "masked", fp8=act_prologue is not None)
     if alignment % t.block_m:
         t = replace(t, block_m=64 if alignment % 64 == 0 else 16)
     _launch_triton(a, b, d, m_indices.to(torch.int32).contiguous(), a_scales, b_scales, bias, t,

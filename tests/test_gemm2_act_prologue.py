@@ -166,6 +166,41 @@ def test_layer_with_the_prologue_gives_the_default_bits(layout, act, params, tok
     assert rep.passed, rep
 
 
+def test_layer_with_the_prologue_above_decode_rows_gives_the_default_bits(launched):
+    """48 tokens, top-4 of 8 experts (24 rows per expert on average: not the decode tiles), default tiles: GEMM2 with
+    the prologue runs the one-tile-per-program kernel's default tiles (those of the masked layout; the contiguous
+    layout's may be TMA tile-loop tiles, which refuse the prologue) on whole tiles of rows, the same bits as the
+    default layer."""
+    from fastpath.grouped_gemm import default_tiles
+    from fastpath.moe import fused_moe
+
+    q, fw, x, tw, ids = _layer(17, 48, "silu_and_mul", top_k=4)
+    args = (torch.as_tensor(x).to(torch.bfloat16).to(DEV), fw, torch.as_tensor(tw, device=DEV),
+            torch.as_tensor(ids, device=DEV))
+    kw = dict(layout="contiguous", alignment=16, capturable=False, graph_cache=False)
+    want = fused_moe(*args, act_prologue=False, **kw)
+    launched.clear()
+    got = fused_moe(*args, act_prologue=True, **kw)
+    assert same_bits(got, want) and want.abs().max() > 0
+    assert launched[-1] == default_tiles("fp8_block", 24, DEV, "masked") and not launched[-1].tile_loop
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The tiles of every Triton grouped GEMM launch, in order."""
+    import fastpath.grouped_gemm as gg
+
+    seen = []
+    orig = gg._launch_triton
+
+    def record(a, b, d, m_idx, a_scales, b_scales, bias, t, **kw):
+        seen.append(t)
+        return orig(a, b, d, m_idx, a_scales, b_scales, bias, t, **kw)
+
+    monkeypatch.setattr(gg, "_launch_triton", record)
+    return seen
+
+
 def test_the_prologue_takes_the_act_launch_out_and_the_module_default_picks_it(monkeypatch):
     """With the prologue no fused act+quant call is made (the launch is gone); ``act_prologue=None`` follows
     ``ACT_PROLOGUE_AT_DECODE`` at decode sizes (False: the fused kernel; True: the prologue)."""
@@ -295,3 +330,21 @@ def test_gpu_layer_with_the_prologue_gives_the_default_bits(deepseek_experts, la
         g.replay()
         torch.cuda.synchronize()
         assert same_bits(out, want), (m, layout, act, "graph")
+
+
+def test_the_prologue_launch_caps_registers_on_the_gpu_only(monkeypatch):
+    """The GPU form of the launch carries ``ACT_PROLOGUE_MAXNREG`` (None: no cap); the interpreter's none."""
+    import fastpath._grouped_gemm_tiles as gt
+    import fastpath.grouped_gemm as gg
+    from fastpath.fused import GatedQuant
+
+    gq = GatedQuant("swigluoai")
+    monkeypatch.setattr(gt, "_INTERPRETED", False)
+    knobs = gg._act_launch_knobs(gq, torch.device("cuda"), 1)
+    assert knobs["maxnreg"] == 128 and knobs["ACT"] == 2 and knobs["ACT_IN16"] == 1
+    assert (knobs["ACT_ALPHA"], knobs["ACT_LIMIT"]) == (1.702, 7.0) and knobs["Q_HW_FP8"]
+    monkeypatch.setattr(gg, "ACT_PROLOGUE_MAXNREG", None)
+    assert "maxnreg" not in gg._act_launch_knobs(gq, torch.device("cuda"))
+    monkeypatch.setattr(gt, "_INTERPRETED", True)
+    monkeypatch.setattr(gg, "ACT_PROLOGUE_MAXNREG", 128)
+    assert "maxnreg" not in gg._act_launch_knobs(gq, torch.device("cpu"))

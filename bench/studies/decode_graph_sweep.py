@@ -35,8 +35,9 @@ docs/moe-gpu.md defines it), half the copy's time; ``of_roofline`` is the median
 8. ``gemm_sweep_tokens``: the GEMM sweep at the largest token count, if time is left.
 9. ``act_prologue_ab`` ("act in GEMM2 prologue"): at each of ``--tokens``, the layer with the activation and its
    FP8 re-quantization as their own launch (the fused act+quant kernel, the default) and computed in GEMM2's
-   operand loads (``fused_moe(act_prologue=True)``), each a graph of ``--calls`` calls and a one-call graph,
-   interleaved with the copy; outputs compared bit for bit; at 1 token the prologue layer's kernel timeline.
+   operand loads (``fused_moe(act_prologue=True)``; with its register cap, without one, and with the one-launch
+   dispatch as well), each a graph of ``--calls`` calls and a one-call graph, interleaved with the copy; outputs
+   compared bit for bit; at 1 token the prologue layer's kernel timeline.
    ``--only act_prologue_ab`` runs this phase alone (no tile sweep: a few minutes of device time less).
 
 Kernels are compiled in parallel before the sweep (Triton's ``AsyncCompileMode``; ``--serial-compile`` turns it
@@ -527,10 +528,9 @@ def one_program_dispatch(on: bool):
         ds.SMALL_CAPACITY_FUSED = old
 
 
-def dispatch_ab(run: Run, fw, case, tiles: tuple, calls: int, reps: int, profile_replays: int) -> dict:
-    """The layer with the masked layout's dispatch as three launches and as one (``SMALL_CAPACITY_FUSED``), each
-    a graph of ``calls`` calls, interleaved with the copy of the touched experts' bytes; the outputs compared
-    bit for bit; the one-launch layer's kernel timeline."""
+def one_launch_layout_equal(fw, case) -> bool:
+    """Whether the masked layout (counts, slots, slot rows) of ``case``'s routing is the same with the dispatch as
+    one launch (``SMALL_CAPACITY_FUSED``) as with three (checked before a layer runs with it)."""
     from fastpath import dispatch
 
     x, tw, ids = case
@@ -541,8 +541,14 @@ def dispatch_ab(run: Run, fw, case, tiles: tuple, calls: int, reps: int, profile
         with one_program_dispatch(on):
             lay, dst = dispatch.to_masked(None, ids, e, cap, expected_m=1, validate=False, slot_rows=True)
         lays.append((lay.masked_m.clone(), lay.src.clone(), dst.clone()))
-    same = all(torch.equal(a, b) for a, b in zip(*lays))
-    if not same:
+    return all(torch.equal(a, b) for a, b in zip(*lays))
+
+
+def dispatch_ab(run: Run, fw, case, tiles: tuple, calls: int, reps: int, profile_replays: int) -> dict:
+    """The layer with the masked layout's dispatch as three launches and as one (``SMALL_CAPACITY_FUSED``), each
+    a graph of ``calls`` calls, interleaved with the copy of the touched experts' bytes; the outputs compared
+    bit for bit; the one-launch layer's kernel timeline."""
+    if not one_launch_layout_equal(fw, case):
         return dict(layout_equal=False, error="the one-launch masked layout differs from the three launches': not run")
     cases, outs, out = {}, {}, dict(layout_equal=True)
     for on in (False, True):
@@ -569,10 +575,12 @@ def dispatch_ab(run: Run, fw, case, tiles: tuple, calls: int, reps: int, profile
     return out
 
 
-ACT_AB = {"act+requant launch": (False, None), "act in GEMM2 prologue": (True, "default"),
-          "act in GEMM2 prologue, no register cap": (True, None)}
-"""The act A/B's cases: name -> (``act_prologue``, ``fastpath.grouped_gemm.ACT_PROLOGUE_MAXNREG`` for the case:
-"default" keeps the module's)."""
+ACT_AB = {"act+requant launch": (False, None, False), "act in GEMM2 prologue": (True, "default", False),
+          "act in GEMM2 prologue, no register cap": (True, None, False),
+          "act in GEMM2 prologue + one-launch dispatch": (True, "default", True)}
+"""The act A/B's cases: name -> (``act_prologue``, ``fastpath.grouped_gemm.ACT_PROLOGUE_MAXNREG`` for the case
+("default" keeps the module's), ``fastpath._dispatch_sort.SMALL_CAPACITY_FUSED``: the last case is both launches
+taken out, run only where the one-launch layout equals the three launches')."""
 
 
 @contextlib.contextmanager
@@ -593,18 +601,21 @@ def act_prologue_ab(run: Run, fw, cases: dict, tiles: tuple, calls: int, reps: i
     """At each token count of ``cases``: the layer with the act+requant launch (``act_prologue=False``, the
     default) and with the activation and its quantization in GEMM2's operand loads (``act_prologue=True``, with
     the module's register cap and without one: :data:`ACT_AB`), each a graph of ``calls`` calls and a one-call
-    graph, interleaved with the copy of the touched experts' bytes; the outputs compared bit for bit with the
-    default's (``bits_equal``: all equal), ``saved_us`` the default's median less the capped prologue's; at 1
-    token the capped prologue layer's kernel timeline (``breakdown``)."""
+    graph, interleaved with the copy of the touched experts' bytes; and with the one-launch dispatch as well; the
+    outputs compared bit for bit with the default's (``bits_equal``: all equal), ``saved_us`` the default's median
+    less the capped prologue's; at 1 token the capped prologue layer's kernel timeline (``breakdown``)."""
     out: dict = {}
     for m, case in sorted(cases.items()):
         if run.left() < 15:
             out[m] = dict(skipped="time budget")
             continue
         row, outs, graphs, ones = {}, {}, {}, {}
-        for name, (on, cap) in ACT_AB.items():
-            try:
-                with prologue_maxnreg(cap):  # compiled and captured with the case's cap (a graph keeps it)
+        for name, (on, cap, one_launch) in ACT_AB.items():
+            if one_launch and not one_launch_layout_equal(fw, case):
+                row[name] = dict(error="the one-launch masked layout differs from the three launches': not run")
+                continue
+            try:  # compiled and captured with the case's settings (a graph keeps them)
+                with prologue_maxnreg(cap), one_program_dispatch(one_launch):
                     graphs[name], res = run.capture(layer_fn(fw, case, tiles, act_prologue=on), calls)
                     outs[name] = res.clone()
                     ones[name], _ = run.capture(layer_fn(fw, case, tiles, act_prologue=on), 1)
