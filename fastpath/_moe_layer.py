@@ -28,6 +28,16 @@ GEMM2's operand loads (``act_prologue=True``: one launch fewer, the same bits), 
 kernel between the GEMMs. A cached graph keeps the form it was captured with (``clear_graph_cache()`` after
 changing this); the same bits either way."""
 
+ACT_ROUTED_ROWS_AT_DECODE = True
+"""Whether the fused act+quant launch of an FP8 layer covers only the routed rows at decode sizes (at most
+:data:`fastpath.grouped_gemm.DECODE_ROWS_PER_EXPERT` rows per expert on average): True gives it the slot -> row
+map (``rows=`` of :func:`fastpath.fused.silu_and_mul_quant_fp8`: ``cdiv(m * top_k, block_m)`` row programs, each
+gathering its rows), False the layout's row labels (``skip_rows=``: a program per tile of all the layout's rows,
+the padding tiles returning at once; at 1 token of a 256-expert masked layout 4096 rows for 8 routed). The routed
+rows' codes and scales are the same bits either way, and they are all that GEMM2 (a row's output depends on that
+row alone) and the reduce (the slot -> row map) use; the padding rows are left unwritten. A cached graph keeps the
+form it was captured with (``clear_graph_cache()`` after changing this)."""
+
 
 def _fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                impl: str, activation: str, activation_params: dict | None, layout: str, alignment: int,
@@ -211,7 +221,9 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
 
     ``act_prologue`` (FP8 Triton layers): GEMM2 reads GEMM1's output ``h`` and computes the activation and its
     FP8 1x128 quantization in its operand loads (:class:`fastpath.fused.GatedQuant`) instead of the fused
-    act+quant launch; None: :data:`ACT_PROLOGUE_AT_DECODE` at decode sizes."""
+    act+quant launch; None: :data:`ACT_PROLOGUE_AT_DECODE` at decode sizes. The act+quant launch covers the
+    routed rows only at decode sizes (:data:`ACT_ROUTED_ROWS_AT_DECODE`), else every tile of the layout's rows
+    with a routed row."""
     from fastpath import dispatch
     from fastpath._dispatch_kernels import _invert_kernel
     from fastpath._host import alloc, cdiv, launch
@@ -327,7 +339,10 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
     elif weights.fp8_activations:
         fused = {"silu_and_mul": silu_and_mul_quant_fp8, "gelu_and_mul": gelu_and_mul_quant_fp8,
                  "swigluoai": swigluoai_quant_fp8}[activation]
-        fq = fused(h, scheme=scheme, skip_rows=src_flat, **act_kw)
+        if ACT_ROUTED_ROWS_AT_DECODE and expected_m <= DECODE_ROWS_PER_EXPERT and m * top_k < n_rows:
+            fq = fused(h, scheme=scheme, rows=dst, **act_kw)  # the routed rows only: a program per block of slots
+        else:
+            fq = fused(h, scheme=scheme, skip_rows=src_flat, **act_kw)
         n = int(h.shape[1]) // 2
         xq = fq.codes.reshape(-1, n).view(torch.float8_e4m3fn)
         sx = fq.scales.reshape(xq.shape[0], -1)

@@ -285,31 +285,35 @@ def swigluoai(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0, *, amax
 
 def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme | None,
            scale_layout: str, hw_fp8: bool | None, block_m=None, groups_per_program=None,
-           num_warps=None, tuning: Q.QuantTuning | None = None, skip_rows=None) -> Q.FastQuantized:
+           num_warps=None, tuning: Q.QuantTuning | None = None, skip_rows=None, rows=None) -> Q.FastQuantized:
     try:  # the plan's key (fastpath.quant._plan): ids of the scheme and tuning, which the plan keeps
         skip_key = None if skip_rows is None else (skip_rows.dtype, skip_rows.shape, skip_rows.device)
+        if rows is not None:
+            skip_key = (skip_key, "rows", rows.dtype, rows.shape, rows.device)
         key = ("fused", act, alpha, limit, id(scheme), scale_layout, hw_fp8, block_m, groups_per_program,
                num_warps, id(tuning), x.dtype, x.shape, x.stride(), x.data_ptr() & 15, x.device, skip_key)
         plan = QPL._PLANS.get(key)
         if plan is not None:
-            return plan(x, skip_rows)
+            return plan(x, skip_rows, rows)
         if not (QPL.plain(alpha) and QPL.plain(limit)):
             key = None
     except (AttributeError, TypeError):  # not a tensor, unhashable options: validated below
         key = None
     plan = _FusedPlan(x, act, alpha, limit, scheme, scale_layout, hw_fp8, block_m, groups_per_program,
-                      num_warps, tuning, skip_rows)
+                      num_warps, tuning, skip_rows, rows)
     plan.kept = (scheme, tuning)  # the key holds their ids
-    return QPL.keep(key, plan, x.device)(x, skip_rows)
+    return QPL.keep(key, plan, x.device)(x, skip_rows, rows)
 
 
 class _FusedPlan:
     """Everything :func:`_fused` computes from its key (fastpath.quant._plan); ``plan(x)`` runs
     one call: two allocations and one planned launch. ``skip_rows`` (a MoE layout's row labels) is
-    checked here against x's shape, which the key fixes with its own dtype, shape and device."""
+    checked here against x's shape, which the key fixes with its own dtype, shape and device; so is ``rows``
+    (row indices of a 2-D x: the grid covers them, ``ROW_GATHER`` of :func:`fastpath.quant._kernels.
+    _quant_kernel`)."""
 
     def __init__(self, x, act, alpha, limit, scheme, scale_layout, hw_fp8, block_m, groups_per_program,
-                 num_warps, tuning, skip_rows=None):
+                 num_warps, tuning, skip_rows=None, rows=None):
         scheme = fp8_group(128) if scheme is None else scheme
         if tuning is not None and not isinstance(tuning, Q.QuantTuning):
             raise TypeError(f"tuning must be a fastpath.quant.QuantTuning or None; got {type(tuning).__name__}")
@@ -329,6 +333,8 @@ class _FusedPlan:
         cs = QPL._strides((B, M, N))
         self.per_tensor = Q._kind(scheme) == "per_tensor"
         if self.per_tensor:
+            if rows is not None:
+                raise ValueError("rows applies to per-token and 1xG schemes (a per-tensor amax reads every row)")
             self._plan_per_tensor(x3, act, alpha, limit, scheme, ce, cs, skip_rows, block_m, groups_per_program,
                                   num_warps, tuning)
             return
@@ -350,6 +356,21 @@ class _FusedPlan:
         dummy = _alloc(1, dtype=torch.float32, device=dev)  # never read or written by the kernel
         grid = (cdiv(m_pad, bm), cdiv(ng_pad, gpp), B)
         self.row_skip = skip_rows is not None
+        self.row_gather = 0 if rows is None else int(rows.numel()) if torch.is_tensor(rows) else -1
+        if rows is not None:
+            if skip_rows is not None:
+                raise ValueError("give skip_rows (labels of every row) or rows (the rows to compute), not both")
+            if not torch.is_tensor(rows) or rows.dtype not in (torch.int32, torch.int64) or rows.dim() != 1:
+                raise TypeError("rows must be a 1-D int32/int64 tensor of row indices of x (< 0: none); got "
+                                f"{type(rows).__name__ if not torch.is_tensor(rows) else (rows.dtype, tuple(rows.shape))}")
+            if B != 1 or scale_layout != "row_major" or m_pad != M:
+                raise ValueError("rows needs a 1-D or 2-D x with row-major scales (the rows not listed are not "
+                                 f"written); got x of shape {shape_in}, scale_layout {scale_layout!r}")
+            if rows.device != dev:
+                raise ValueError(f"rows is on {rows.device} but x is on {dev}")
+            if self.row_gather == 0:
+                raise ValueError("rows must list at least one entry")
+            grid = (cdiv(self.row_gather, bm), cdiv(ng_pad, gpp), 1)
         if self.row_skip:
             if scale_layout != "row_major":
                 raise ValueError(f"skip_rows needs row-major scales (a skipped tile writes no scale); got {scale_layout!r}")
@@ -367,11 +388,13 @@ class _FusedPlan:
         self.launch = PlannedLaunch(
             _quant_kernel, grid,
             SLOT, xk.stride(0), xk.stride(1), xk.stride(2), SLOT, cs[0], cs[1],
-            SLOT, ssb, ssm, ssg, dummy, dummy, dummy, SLOT if self.row_skip else dummy, M, N, ng, m_pad, ng_pad, 1,
+            SLOT, ssb, ssm, ssg, dummy, dummy, dummy, SLOT if self.row_skip or self.row_gather else dummy, M, N, ng,
+            m_pad, ng_pad, 1,
             GS=gs, GB=gb, GPP=gpp, BLOCK_M=bm, SF_LAYOUT=SF_LAYOUT[scale_layout], AMAX_SRC=0,
             STATIC=False, TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=True, ROW_SKIP=self.row_skip, ACT=_ACT[act],
             ACT_ALPHA=float(alpha), ACT_LIMIT=float(limit), PAIR=pair, IN16=in16,
-            **QL._launch_knobs(ce, gb, gpp, bm, num_warps, tuning or QT.DEFAULT_TUNING))
+            **QL._launch_knobs(ce, gb, gpp, bm, num_warps, tuning or QT.DEFAULT_TUNING),
+            **({"ROW_GATHER": self.row_gather} if self.row_gather else {}))
 
     def _plan_per_tensor(self, x3, act, alpha, limit, scheme, ce, cs, skip_rows, block_m, groups_per_program,
                          num_warps, tuning):
@@ -389,7 +412,7 @@ class _FusedPlan:
         N = two_n // 2
         dev = self.dev
         p = scheme.preset
-        self.row_skip, self.pair_words = False, False
+        self.row_skip, self.row_gather, self.pair_words = False, 0, False
         static = scheme.static_scale
         static_t = _alloc(1, dtype=torch.float32, device=dev)  # never read unless static
         if static is not None:
@@ -445,7 +468,7 @@ class _FusedPlan:
         self.quant_launch(xk, codes, amax)
         return Q.FastQuantized(codes, scales, "row_major", self.scheme, self.shape)
 
-    def __call__(self, x: torch.Tensor, skip_rows=None) -> Q.FastQuantized:
+    def __call__(self, x: torch.Tensor, skip_rows=None, rows=None) -> Q.FastQuantized:
         if self.per_tensor:
             return self._call_per_tensor(x)
         codes = _alloc(self.shape, dtype=torch.uint8, device=self.dev)
@@ -453,6 +476,8 @@ class _FusedPlan:
         xk = x.view(torch.int32) if self.pair_words else x
         if self.row_skip:
             self.launch(xk, codes, scales, skip_rows.reshape(-1).contiguous())
+        elif self.row_gather:
+            self.launch(xk, codes, scales, rows.contiguous())
         else:
             self.launch(xk, codes, scales)
         return Q.FastQuantized(codes, scales, self.scale_layout, self.scheme, self.shape)
@@ -473,7 +498,11 @@ def silu_and_mul_quant_fp8(x: torch.Tensor, scheme: Scheme | None = None, *,
             (:class:`fastpath.quant.QuantTuning`), as :func:`fastpath.quant.quantize` takes them;
             ``skip_rows``: int tensor, one label per row of ``x``: a tile of rows whose labels are all < 0
             (a MoE layout's padding rows, ``src`` of :func:`fastpath.dispatch.to_contiguous`) is not
-            computed, its codes and scales are left unspecified (row-major scales only).
+            computed, its codes and scales are left unspecified (row-major scales only); ``rows``: 1-D int
+            tensor of row indices of a 1-D or 2-D ``x`` (entries < 0 ignored; a MoE layer's slot -> row map):
+            the grid covers these entries instead of x's rows, each listed row gets the codes and scales of
+            the whole-x launch and every other row is left unspecified (row-major scales only; not with
+            ``skip_rows``).
     """
     return _fused(x, "silu_and_mul", 0.0, 0.0, scheme, scale_layout, hw_fp8, **tile)
 

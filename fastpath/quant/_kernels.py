@@ -44,7 +44,7 @@ def _quant_kernel(
     TWO_LEVEL: tl.constexpr, NV_ORDER: tl.constexpr, WRITE_SCALES: tl.constexpr, ROW_SKIP: tl.constexpr,
     ACT: tl.constexpr, ACT_ALPHA: tl.constexpr, ACT_LIMIT: tl.constexpr,
     PAIR: tl.constexpr, IN16: tl.constexpr, DIV: tl.constexpr, PACKED_BF16: tl.constexpr,
-    E2M1_PTX: tl.constexpr, HW_SCALE: tl.constexpr, WORD_RUN: tl.constexpr,
+    E2M1_PTX: tl.constexpr, HW_SCALE: tl.constexpr, WORD_RUN: tl.constexpr, ROW_GATHER: tl.constexpr = 0,
 ):
     """Quantize a [BLOCK_M, GPP groups of GS] tile of one matrix of x; see the module docstring.
 
@@ -67,6 +67,12 @@ def _quant_kernel(
     ROW_SKIP: ``skip_ptr`` holds one int label per row of x (``[B, M]``); a program whose rows all have a
     label < 0 (layout padding: :mod:`fastpath.moe`) returns at once, writing no code and no scale.
 
+    ROW_GATHER > 0 (one matrix, row-major scales with ``M_PAD == M``; not with ROW_SKIP): ``skip_ptr`` holds
+    ROW_GATHER row indices of x (a MoE layer's slot -> row map; < 0: no row), program ``pid_m`` quantizes the
+    rows of entries ``pid_m * BLOCK_M ...`` (the grid covers the entries, not x's rows); every other row is
+    left unwritten. Each row's codes and scales are the full grid's (rows are independent). 0: the code is
+    compiled out.
+
     E2M1_PTX (GPU only): the other FP4 paths (NVFP4, float16/float32 input) encode each scaled
     float32 value with :func:`fastpath._packed_fp4.e2m1_lane_f32` (``xorsign`` min/max, one FMA,
     integer steps: about 7 instructions, the sign carried along) instead of the integer path,
@@ -77,6 +83,11 @@ def _quant_kernel(
     pid_g = tl.program_id(1)
     pid_b = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if ROW_GATHER > 0:  # rows from the index list; an entry < 0 (or past the list) is row M: masked off
+        sel = tl.load(skip_ptr + rows, mask=rows < ROW_GATHER, other=-1)
+        rows = tl.where(sel >= 0, sel, M)
+        if tl.min(rows, axis=0) >= M:
+            return
     gidx = pid_g * GPP + tl.arange(0, GPP)
     rmask = rows < M
     if ROW_SKIP:
