@@ -39,6 +39,12 @@ docs/moe-gpu.md defines it), half the copy's time; ``of_roofline`` is the median
    dispatch as well), each a graph of ``--calls`` calls and a one-call graph, interleaved with the copy; outputs
    compared bit for bit; at 1 token the prologue layer's kernel timeline.
    ``--only act_prologue_ab`` runs this phase alone (no tile sweep: a few minutes of device time less).
+10. ``act_rows_ab`` ("act over routed rows"): at each of ``--tokens``, the layer with the fused act+quant launch
+   over the layout's row tiles (``skip_rows``: a program per tile of 4096 rows at 1 token, padding tiles returning
+   at once) and over the routed rows only (``rows``: a program per tile of the ``m * top_k`` slots;
+   ``fastpath._moe_layer.ACT_ROUTED_ROWS_AT_DECODE``), each a graph of ``--calls`` calls and a one-call graph,
+   interleaved with the copy; outputs compared bit for bit; at 1 token the routed-rows layer's kernel timeline.
+   ``--only act_rows_ab`` runs this phase alone.
 
 Kernels are compiled in parallel before the sweep (Triton's ``AsyncCompileMode``; ``--serial-compile`` turns it
 off). ONE JSON to ``--out``, and a table of the best tile per GEMM, the layer combinations and the breakdown.
@@ -46,6 +52,7 @@ off). ONE JSON to ``--out``, and a table of the best tile per GEMM, the layer co
     python bench/studies/decode_graph_sweep.py --out bench_out/decode_graph_sweep.json
     python bench/studies/decode_graph_sweep.py --smoke   # CPU, TRITON_INTERPRET=1, tiny layer: the code paths
     python bench/studies/decode_graph_sweep.py --only act_prologue_ab --out bench_out/act_prologue_ab.json
+    python bench/studies/decode_graph_sweep.py --only act_rows_ab --out bench_out/act_rows_ab.json
 """
 from __future__ import annotations
 
@@ -647,6 +654,70 @@ def act_prologue_ab(run: Run, fw, cases: dict, tiles: tuple, calls: int, reps: i
     return out
 
 
+@contextlib.contextmanager
+def act_routed_rows(on: bool):
+    """``fastpath._moe_layer.ACT_ROUTED_ROWS_AT_DECODE`` set to ``on`` inside."""
+    import fastpath._moe_layer as ml
+
+    old = ml.ACT_ROUTED_ROWS_AT_DECODE
+    ml.ACT_ROUTED_ROWS_AT_DECODE = on
+    try:
+        yield
+    finally:
+        ml.ACT_ROUTED_ROWS_AT_DECODE = old
+
+
+ACT_ROWS_AB = {"act over layout tiles": False, "act over routed rows": True}
+"""The act-rows A/B's cases: name -> ``ACT_ROUTED_ROWS_AT_DECODE``."""
+
+
+def act_rows_ab(run: Run, fw, cases: dict, tiles: tuple, calls: int, reps: int, profile_replays: int) -> dict:
+    """At each token count of ``cases``: the layer (``act_prologue=False``: the fused act+quant launch) with that
+    launch over the layout's row tiles and over the routed rows only (:data:`ACT_ROWS_AB`), each a graph of
+    ``calls`` calls and a one-call graph, interleaved with the copy of the touched experts' bytes; the outputs
+    compared bit for bit (``bits_equal``), ``saved_us`` the tiles' median less the routed rows'; at 1 token the
+    routed-rows layer's kernel timeline (``breakdown``)."""
+    out: dict = {}
+    for m, case in sorted(cases.items()):
+        if run.left() < 15:
+            out[m] = dict(skipped="time budget")
+            continue
+        row, outs, graphs, ones = {}, {}, {}, {}
+        for name, on in ACT_ROWS_AB.items():
+            try:  # captured with the case's setting (a graph keeps it)
+                with act_routed_rows(on):
+                    graphs[name], res = run.capture(layer_fn(fw, case, tiles, act_prologue=False), calls)
+                    outs[name] = res.clone()
+                    ones[name], _ = run.capture(layer_fn(fw, case, tiles, act_prologue=False), 1)
+            except Exception as e:  # noqa: BLE001
+                row[name] = dict(error=err(e))
+        wb = weight_bytes(fw, case[2])
+        try:
+            timed = time_with_roofline(run, graphs, wb["layer"], calls, reps)
+            del timed["copy"]
+            row.update(timed)
+            one = time_with_roofline(run, ones, wb["layer"], 1, run.reps(20))
+            del one["copy"]
+            for n, st in one.items():
+                row[n]["one_call_graph"] = st
+        except Exception as e:  # noqa: BLE001
+            row["timing_error"] = err(e)
+        if len(outs) == 2:
+            a, b = outs.values()
+            row["bits_equal"] = bool(torch.equal(a, b))
+        med = {n: row[n]["median_us"] for n in ACT_ROWS_AB if "median_us" in row.get(n, {})}
+        if len(med) == 2:
+            row["saved_us"] = med["act over layout tiles"] - med["act over routed rows"]
+        out[m] = dict(row, tokens=m, bytes=wb, calls_per_graph=calls)
+    if 1 in cases and run.left() > 30:
+        try:
+            with act_routed_rows(True):
+                out["breakdown"] = breakdown(run, layer_fn(fw, cases[1], tiles, act_prologue=False), profile_replays)
+        except Exception as e:  # noqa: BLE001
+            out["breakdown"] = dict(error=err(e))
+    return out
+
+
 def ranked(rows: list, top: int) -> list:
     ok = [r for r in rows if "median_us" in r and r.get("bits_equal_default")]
     return sorted(ok, key=lambda r: r["median_us"])[:top]
@@ -694,7 +765,7 @@ def main(argv=None) -> int:
     ap.add_argument("--serial-compile", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny layer, no graphs")
     ap.add_argument("--out", default="bench_out/decode_graph_sweep.json")
-    ap.add_argument("--only", choices=["act_prologue_ab"], default=None, help="run this phase alone")
+    ap.add_argument("--only", choices=["act_prologue_ab", "act_rows_ab"], default=None, help="run this phase alone")
     args = ap.parse_args(argv)
     if args.smoke:
         args.rounds, args.reps, args.gemm_calls, args.calls, args.tokens = 7, 1, 1, 1, [1, 2]
@@ -722,6 +793,12 @@ def main(argv=None) -> int:
     if args.only == "act_prologue_ab":
         res["act_prologue_ab"] = act_prologue_ab(run, fw, {m: cases[m] for m in sorted(set(args.tokens))},
                                                  (default, default), args.calls, args.reps, args.profile_replays)
+        save()
+        report(res)
+        return 0
+    if args.only == "act_rows_ab":
+        res["act_rows_ab"] = act_rows_ab(run, fw, {m: cases[m] for m in sorted(set(args.tokens))},
+                                         (default, default), args.calls, args.reps, args.profile_replays)
         save()
         report(res)
         return 0
@@ -841,6 +918,13 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             res["act_prologue_ab"] = dict(error=err(e))
         save()
+    if run.left() > 15:
+        try:
+            res["act_rows_ab"] = act_rows_ab(run, fw, {m: cases[m] for m in sorted(set(args.tokens))},
+                                             (default, default), args.calls, args.reps, args.profile_replays)
+        except Exception as e:  # noqa: BLE001
+            res["act_rows_ab"] = dict(error=err(e))
+        save()
     m = max(args.tokens)
     if m != 1 and run.left() > 45:  # the GEMM tiles at the largest token count (compiled already)
         try:
@@ -924,6 +1008,23 @@ def report(res: dict) -> None:
     tl_ = res.get("act_prologue_ab", {}).get("breakdown", {}).get("timeline", {})
     if tl_.get("kernels"):
         print(f"    act in GEMM2 prologue, 1 token: span {tl_['span_us']:.1f} us, idle {tl_['idle_us']:.1f}; "
+              + ", ".join(f"{k['stage']} {k['dur_us']:.1f}" for k in tl_["kernels"]))
+    for m_, row in res.get("act_rows_ab", {}).items():
+        if not isinstance(row, dict) or m_ == "breakdown":
+            continue
+        if "tokens" not in row:
+            print(f"act rows A/B: {row}")
+            continue
+        print(f"act rows A/B, {row['tokens']} token(s) (us a call, graph of {row['calls_per_graph']} | one-call graph): "
+              + ", ".join(f"{n} {c['median_us']:.1f} ({c['min_us']:.1f}-{c['max_us']:.1f}, "
+                          f"{c.get('of_roofline', 0):.0%}) | {c.get('one_call_graph', {}).get('median_us', 0):.1f} "
+                          f"({c.get('one_call_graph', {}).get('of_roofline', 0):.0%})"
+                          for n, c in row.items() if isinstance(c, dict) and "median_us" in c)
+              + f"; saved {row.get('saved_us', float('nan')):.1f} us; bits equal {row.get('bits_equal')} "
+              + " ".join(f"{n}: {c['error']}" for n, c in row.items() if isinstance(c, dict) and "error" in c))
+    tl_ = res.get("act_rows_ab", {}).get("breakdown", {}).get("timeline", {})
+    if tl_.get("kernels"):
+        print(f"    act over routed rows, 1 token: span {tl_['span_us']:.1f} us, idle {tl_['idle_us']:.1f}; "
               + ", ".join(f"{k['stage']} {k['dur_us']:.1f}" for k in tl_["kernels"]))
     if res.get("summary"):
         print("summary (us): " + ", ".join(f"{k} {v:.1f}" for k, v in res["summary"].items() if v is not None))
