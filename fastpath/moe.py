@@ -12,7 +12,9 @@ Stages (each an existing fast path or :mod:`fastpath.grouped_gemm`):
 2. GEMM1 ``h = a @ W13[e].T`` (``impl``: ``"triton"`` or ``"deep_gemm"``), stored bf16;
 3. activation in FP32 and, for FP8 layers, the 1x128 re-quantization in the same kernel
    (:func:`fastpath.fused.silu_and_mul_quant_fp8`, :func:`fastpath.fused.gelu_and_mul_quant_fp8`,
-   :func:`fastpath.fused.swigluoai_quant_fp8`, tiles of padding rows skipped through ``skip_rows=src``); float
+   :func:`fastpath.fused.swigluoai_quant_fp8`, tiles of padding rows skipped through ``skip_rows=src``; at
+   decode sizes only the routed rows, through ``rows=`` the slot -> row map:
+   :data:`fastpath._moe_layer.ACT_ROUTED_ROWS_AT_DECODE`); float
    layers keep the activation in bf16 (:func:`fastpath.fused.silu_and_mul` / ``gelu_and_mul`` / ``swigluoai``);
 4. GEMM2 ``y = xq @ W2[e].T``, stored bf16;
 5. ``out[t] = sum_j w[t, j] y[slot t*k+j]`` (:func:`fastpath.dispatch.weight_and_reduce`, FP32 sum in
