@@ -38,6 +38,13 @@ rows' codes and scales are the same bits either way, and they are all that GEMM2
 row alone) and the reduce (the slot -> row map) use; the padding rows are left unwritten. A cached graph keeps the
 form it was captured with (``clear_graph_cache()`` after changing this)."""
 
+ACT_ROUTED_ROWS_TILE: dict | None = None
+"""The tile of the routed-rows act+quant launch (:data:`ACT_ROUTED_ROWS_AT_DECODE`): None the fused kernel's
+(the device's own tile where it has one), else ``block_m``, ``groups_per_program``, ``num_warps`` as
+:func:`fastpath.fused.silu_and_mul_quant_fp8` takes them (e.g. ``dict(block_m=1, groups_per_program=2,
+num_warps=1)``: more, smaller programs over a few rows). The same bits with any tile (each row's 1x128 groups are
+computed alone)."""
+
 
 def _fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                impl: str, activation: str, activation_params: dict | None, layout: str, alignment: int,
@@ -340,7 +347,8 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         fused = {"silu_and_mul": silu_and_mul_quant_fp8, "gelu_and_mul": gelu_and_mul_quant_fp8,
                  "swigluoai": swigluoai_quant_fp8}[activation]
         if ACT_ROUTED_ROWS_AT_DECODE and expected_m <= DECODE_ROWS_PER_EXPERT and m * top_k < n_rows:
-            fq = fused(h, scheme=scheme, rows=dst, **act_kw)  # the routed rows only: a program per block of slots
+            tile = ACT_ROUTED_ROWS_TILE or {}  # the routed rows only: a program per block of slots
+            fq = fused(h, scheme=scheme, rows=dst, **tile, **act_kw)
         else:
             fq = fused(h, scheme=scheme, skip_rows=src_flat, **act_kw)
         n = int(h.shape[1]) // 2

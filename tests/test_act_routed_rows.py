@@ -200,6 +200,22 @@ def test_layer_with_routed_rows_and_an_expert_map_gives_the_same_bits(monkeypatc
     assert torch.equal(off.view(torch.int16), on.view(torch.int16)) and off.abs().max() > 0
 
 
+@pytest.mark.parametrize("tile", [dict(block_m=1, groups_per_program=1, num_warps=1),
+                                  dict(block_m=2, groups_per_program=2, num_warps=2)])
+def test_layer_with_routed_rows_on_another_tile_gives_the_same_bits(monkeypatch, act_calls, tile):
+    """``ACT_ROUTED_ROWS_TILE`` (smaller programs over the routed rows): the same bits, 3 tokens of top-2, masked
+    (2 groups of 128 per row: 1 or 2 groups a program)."""
+    import fastpath._moe_layer as ml
+
+    monkeypatch.setattr(ml, "ACT_ROUTED_ROWS_TILE", tile)
+    fw, x, tw, ids = _layer(29, 3, "silu_and_mul")
+    args = (torch.as_tensor(x).to(torch.bfloat16).to(DEV), fw, torch.as_tensor(tw, device=DEV),
+            torch.as_tensor(ids, device=DEV))
+    (off, on), forms = _both(monkeypatch, act_calls, args, layout="masked", capturable=True, act_prologue=False)
+    assert forms == [["skip_rows"], ["rows"]]
+    assert torch.equal(off.view(torch.int16), on.view(torch.int16)) and off.abs().max() > 0
+
+
 def test_routed_rows_are_for_decode_sizes_only(monkeypatch, act_calls):
     """48 tokens of top-4 over 8 experts (24 rows per expert on average, above ``DECODE_ROWS_PER_EXPERT``): the
     layout's tiles are launched with the option on, the same bits."""

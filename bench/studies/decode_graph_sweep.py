@@ -43,7 +43,8 @@ docs/moe-gpu.md defines it), half the copy's time; ``of_roofline`` is the median
    over the layout's row tiles (``skip_rows``: a program per tile of 4096 rows at 1 token, padding tiles returning
    at once) and over the routed rows only (``rows``: a program per tile of the ``m * top_k`` slots;
    ``fastpath._moe_layer.ACT_ROUTED_ROWS_AT_DECODE``), each a graph of ``--calls`` calls and a one-call graph,
-   interleaved with the copy; outputs compared bit for bit; at 1 token the routed-rows layer's kernel timeline.
+   interleaved with the copy, and the routed rows on smaller tiles (:data:`ACT_ROWS_AB`); outputs compared bit
+   for bit; at 1 token the routed-rows layer's kernel timeline.
    ``--only act_rows_ab`` runs this phase alone.
 
 Kernels are compiled in parallel before the sweep (Triton's ``AsyncCompileMode``; ``--serial-compile`` turns it
@@ -655,27 +656,31 @@ def act_prologue_ab(run: Run, fw, cases: dict, tiles: tuple, calls: int, reps: i
 
 
 @contextlib.contextmanager
-def act_routed_rows(on: bool):
-    """``fastpath._moe_layer.ACT_ROUTED_ROWS_AT_DECODE`` set to ``on`` inside."""
+def act_routed_rows(on: bool, tile=None):
+    """``fastpath._moe_layer.ACT_ROUTED_ROWS_AT_DECODE`` set to ``on`` and ``ACT_ROUTED_ROWS_TILE`` to ``tile``
+    inside."""
     import fastpath._moe_layer as ml
 
-    old = ml.ACT_ROUTED_ROWS_AT_DECODE
-    ml.ACT_ROUTED_ROWS_AT_DECODE = on
+    old = ml.ACT_ROUTED_ROWS_AT_DECODE, ml.ACT_ROUTED_ROWS_TILE
+    ml.ACT_ROUTED_ROWS_AT_DECODE, ml.ACT_ROUTED_ROWS_TILE = on, tile
     try:
         yield
     finally:
-        ml.ACT_ROUTED_ROWS_AT_DECODE = old
+        ml.ACT_ROUTED_ROWS_AT_DECODE, ml.ACT_ROUTED_ROWS_TILE = old
 
 
-ACT_ROWS_AB = {"act over layout tiles": False, "act over routed rows": True}
-"""The act-rows A/B's cases: name -> ``ACT_ROUTED_ROWS_AT_DECODE``."""
+ACT_ROWS_AB = {"act over layout tiles": (False, None), "act over routed rows": (True, None),
+               "act over routed rows, 2-group tiles": (True, dict(block_m=1, groups_per_program=2, num_warps=1))}
+"""The act-rows A/B's cases: name -> (``ACT_ROUTED_ROWS_AT_DECODE``, ``ACT_ROUTED_ROWS_TILE``): the last one
+splits each row's 16 groups over 8 programs of one warp (64 programs at 1 token instead of 16 with the H200's
+fused tile of 8 groups)."""
 
 
 def act_rows_ab(run: Run, fw, cases: dict, tiles: tuple, calls: int, reps: int, profile_replays: int) -> dict:
     """At each token count of ``cases``: the layer (``act_prologue=False``: the fused act+quant launch) with that
     launch over the layout's row tiles and over the routed rows only (:data:`ACT_ROWS_AB`), each a graph of
     ``calls`` calls and a one-call graph, interleaved with the copy of the touched experts' bytes; the outputs
-    compared bit for bit (``bits_equal``), ``saved_us`` the tiles' median less the routed rows'; at 1 token the
+    compared bit for bit (``bits_equal``: all equal), ``saved_us`` the tiles' median less the routed rows'; at 1 token the
     routed-rows layer's kernel timeline (``breakdown``)."""
     out: dict = {}
     for m, case in sorted(cases.items()):
@@ -683,9 +688,9 @@ def act_rows_ab(run: Run, fw, cases: dict, tiles: tuple, calls: int, reps: int, 
             out[m] = dict(skipped="time budget")
             continue
         row, outs, graphs, ones = {}, {}, {}, {}
-        for name, on in ACT_ROWS_AB.items():
+        for name, (on, tile) in ACT_ROWS_AB.items():
             try:  # captured with the case's setting (a graph keeps it)
-                with act_routed_rows(on):
+                with act_routed_rows(on, tile):
                     graphs[name], res = run.capture(layer_fn(fw, case, tiles, act_prologue=False), calls)
                     outs[name] = res.clone()
                     ones[name], _ = run.capture(layer_fn(fw, case, tiles, act_prologue=False), 1)
@@ -702,11 +707,11 @@ def act_rows_ab(run: Run, fw, cases: dict, tiles: tuple, calls: int, reps: int, 
                 row[n]["one_call_graph"] = st
         except Exception as e:  # noqa: BLE001
             row["timing_error"] = err(e)
-        if len(outs) == 2:
-            a, b = outs.values()
-            row["bits_equal"] = bool(torch.equal(a, b))
+        base = outs.get("act over layout tiles")
+        if base is not None and len(outs) > 1:
+            row["bits_equal"] = all(bool(torch.equal(base, o)) for o in outs.values())
         med = {n: row[n]["median_us"] for n in ACT_ROWS_AB if "median_us" in row.get(n, {})}
-        if len(med) == 2:
+        if "act over layout tiles" in med and "act over routed rows" in med:
             row["saved_us"] = med["act over layout tiles"] - med["act over routed rows"]
         out[m] = dict(row, tokens=m, bytes=wb, calls_per_graph=calls)
     if 1 in cases and run.left() > 30:
