@@ -346,7 +346,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
     elif weights.fp8_activations:
         fused = {"silu_and_mul": silu_and_mul_quant_fp8, "gelu_and_mul": gelu_and_mul_quant_fp8,
                  "swigluoai": swigluoai_quant_fp8}[activation]
-        if ACT_ROUTED_ROWS_AT_DECODE and expected_m <= DECODE_ROWS_PER_EXPERT and m * top_k < n_rows:
+        if ACT_ROUTED_ROWS_AT_DECODE and expected_m <= DECODE_ROWS_PER_EXPERT and 0 < m * top_k < n_rows:
             tile = ACT_ROUTED_ROWS_TILE or {}  # the routed rows only: a program per block of slots
             fq = fused(h, scheme=scheme, rows=dst, **tile, **act_kw)
         else:

@@ -271,3 +271,4 @@ def test_gpu_layer_with_routed_rows_gives_the_same_bits(monkeypatch, layout, act
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.view(torch.int16), want.view(torch.int16)), (m, layout, act, "graph")
+
