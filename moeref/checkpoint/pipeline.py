@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from .layouts import ModuleData
+from .layouts import LAYOUTS, ModuleData
 from .report import timed
 
 PIPELINE_DEPTH = 2
@@ -88,10 +88,14 @@ def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[in
     error is raised here. The members held and the device uploads are cleared at the end; ``ck`` stays open.
     ``job.timings`` (a :class:`.report.StageTimes`, or None) receives ``read`` (the reader thread), ``write``
     (the writer thread), ``close``, and the conversion thread's ``wait_read`` and ``wait_write``."""
+    from ..quant.device_report import remember_upload
+
     stop = threading.Event()
     tm = job.timings
     to_convert, to_write = queue.Queue(PIPELINE_DEPTH), queue.Queue(PIPELINE_DEPTH)
     held = {}  # group members read ahead, by module
+
+    copy_ahead = _copier(job)
 
     def read():
         groups_read = set()
@@ -100,17 +104,21 @@ def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[in
                 return
             t0 = time.perf_counter()
             if action == "copy":
-                item = (name, action, ck.read(name))
+                item = (name, action, ck.read(name), ())
             else:
+                fresh = name not in held
                 data = held.pop(name, None) or job.read_source(name, job.modules[name], ck)
+                copies = [copy_ahead(data)] if action == "convert" and fresh else []
                 if action == "convert" and name in job.groups and job.groups[name] not in groups_read:
                     groups_read.add(job.groups[name])  # the group's members, read once, for its global
                     for m in job.groups[name]:
                         md = data if m == name else held.get(m) or job.read_source(m, job.group_roles[m], ck)
+                        if m != name:
+                            copies.append(copy_ahead(md))
                         job.group_state["datas"][m] = md
                         if m != name and m in job.modules:
                             held[m] = md
-                item = (name, action, data)
+                item = (name, action, data, copies)
             if tm is not None:
                 tm.add("read", time.perf_counter() - t0)
             if not _put(to_convert, item, stop):
@@ -153,7 +161,10 @@ def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[in
                 tm.add("wait_read", time.perf_counter() - t0)
             if item is _DONE:
                 break
-            name, action, data = item
+            name, action, data, copies = item
+            for c in copies:  # the device copies the reader made: upload() gives them back
+                if c is not None:
+                    remember_upload(*c)
             if action == "copy":
                 tensors = [(name, data)]
                 copied += 1
@@ -187,6 +198,26 @@ def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[in
         job.group_state["datas"].clear()
         clear_uploads()
     return copied, reports
+
+
+def _copier(job):
+    """``copy(data) -> (q, codes, scales) or None``: the reader thread's copy of a module's source codes and
+    scales to ``job.device`` (:func:`moeref.quant.device_report.device_copy`; queued on the device's stream in
+    the reader thread, so that the conversion thread does not stage them), for a quantized source whose
+    report and group amax read them there (:func:`~moeref.quant.device_report.device_report_unavailable`);
+    None for the others."""
+    from ..quant.device_report import _device_key, device_copy, device_report_unavailable
+
+    target = LAYOUTS[job.opts.target].scheme(job.opts.preset)
+    device = _device_key(job.device)  # "cuda" read here: the conversion thread's current device
+
+    def copy(data):
+        q = data.q
+        if q is None or device_report_unavailable(target, q) is not None:
+            return None
+        return (q, *device_copy(q, device))
+
+    return copy
 
 
 def device_amax(d: ModuleData, precision: str, device: str) -> float:

@@ -42,7 +42,7 @@ from .scheme import Scheme
 from .tensor import ReportSums, RequantReport, _sum_row, _halve_rows, quantize, report_from_sums
 
 __all__ = ["device_sum_of_squares", "device_dequantize", "device_codes_amax", "device_report", "device_requantize",
-           "device_report_unavailable", "upload", "remember_upload", "clear_uploads"]
+           "device_report_unavailable", "device_copy", "upload", "remember_upload", "clear_uploads"]
 
 
 def _torch():
@@ -230,20 +230,27 @@ def remember_upload(q: QuantizedTensor, codes, scales) -> bool:
     return ok
 
 
+def device_copy(q: QuantizedTensor, device):
+    """``(codes, scales)`` of the host tensor ``q`` copied to ``device`` (:func:`moeref._interop.to_device`:
+    queued on the current stream, the host not waiting), not kept: :func:`upload` keeps its copies; the
+    converter's reader thread copies a module ahead with this and hands the copies to :func:`remember_upload`
+    in the conversion thread."""
+    from .._interop import to_device
+
+    if _torch().device(device).type == "cpu":  # torch refuses to share a read-only array
+        return to_device(np.array(q.codes), device), to_device(np.array(q.scales), device)
+    return to_device(q.codes, device), to_device(q.scales, device)
+
+
 def upload(q: QuantizedTensor, device):
     """``(codes, scales)`` of the host tensor ``q`` on ``device``; the last :data:`UPLOADS_KEPT` uploads are
     kept and given back for the same ``q`` (a QuantizedTensor's arrays are read-only)."""
-    from .._interop import to_device
-
     key = (id(q), _device_key(device))
     hit = _UPLOADS.pop(key, None)
     if hit is not None and hit[0] is q:
         _UPLOADS[key] = hit  # most recent last
         return hit[1], hit[2]
-    if _torch().device(device).type == "cpu":  # torch refuses to share a read-only array
-        codes, scales = to_device(np.array(q.codes), device), to_device(np.array(q.scales), device)
-    else:
-        codes, scales = to_device(q.codes, device), to_device(q.scales, device)
+    codes, scales = device_copy(q, device)
     _UPLOADS[key] = (q, codes, scales)
     while len(_UPLOADS) > UPLOADS_KEPT:
         _UPLOADS.pop(next(iter(_UPLOADS)))
