@@ -85,8 +85,13 @@ def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[in
     a fused group brings its group's members, read once, into ``job.group_state["datas"]`` (``convert_module``
     computes the group's shared global once, from them, on the device). The writer is closed when the shard is
     complete; on an error in any stage both threads stop, the writer is aborted (no partial file is left) and the
-    error is raised here. The members held and the device uploads are cleared at the end; ``ck`` stays open.
-    ``job.timings`` (a :class:`.report.StageTimes`, or None) receives ``read`` (the reader thread), ``write``
+    error is raised here. The reader copies each converted module's source codes and scales to the device
+    (:func:`_copier`) and the conversion thread hands them to :func:`~moeref.quant.device_report.upload`
+    (:func:`~moeref.quant.device_report.remember_upload`), so that the group amax, the engine and the report read
+    them without staging them again. The members held and the device uploads are cleared at the end; ``ck``
+    stays open.
+    ``job.timings`` (a :class:`.report.StageTimes`, or None) receives ``read`` (the reader thread: the reads
+    and the sources' copies to the device, :func:`_copier`), ``write``
     (the writer thread), ``close``, and the conversion thread's ``wait_read`` and ``wait_write``."""
     from ..quant.device_report import remember_upload
 
