@@ -20,14 +20,6 @@ ACTIVATIONS = ("silu_and_mul", "gelu_and_mul", "swigluoai")
 
 LAYOUTS = ("contiguous", "masked")
 
-ACT_PROLOGUE_AT_DECODE = False
-"""What :func:`fastpath.moe.fused_moe`'s ``act_prologue=None`` (the default) does for an FP8 layer with
-``impl="triton"`` at decode sizes (at most :data:`fastpath.grouped_gemm.DECODE_ROWS_PER_EXPERT` rows per expert on
-average, GEMM2 on the one-tile-per-program kernel): True computes the activation and its FP8 1x128 quantization in
-GEMM2's operand loads (``act_prologue=True``: one launch fewer, the same bits), False launches the fused act+quant
-kernel between the GEMMs. A cached graph keeps the form it was captured with (``clear_graph_cache()`` after
-changing this); the same bits either way."""
-
 ACT_ROUTED_ROWS_AT_DECODE = True
 """Whether the fused act+quant launch of an FP8 layer covers only the routed rows at decode sizes (at most
 :data:`fastpath.grouped_gemm.DECODE_ROWS_PER_EXPERT` rows per expert on average): True gives it the slot -> row
@@ -50,16 +42,8 @@ def _fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torc
                impl: str, activation: str, activation_params: dict | None, layout: str, alignment: int,
                max_m: int | None, out_dtype, expert_map, num_experts: int | None, chunk_size: int | None,
                shared_experts: FastMoEWeights | None, apply_router_weight_on_input: bool,
-               capturable: bool, tiles=None, act_prologue: bool | None = None) -> torch.Tensor:
+               capturable: bool, tiles=None) -> torch.Tensor:
     """:func:`fused_moe` without the graph cache: every launch of the call."""
-    if act_prologue is not None and not isinstance(act_prologue, bool):
-        raise TypeError(f"act_prologue must be True, False or None; got {act_prologue!r}")
-    if act_prologue:
-        for w in (weights,) if shared_experts is None else (weights, shared_experts):
-            if impl != "triton" or w.w4 or not w.fp8_activations:
-                raise ValueError("act_prologue=True computes the FP8 activation quantization in the Triton GEMM2's "
-                                 f"operand loads: FP8 weights and impl='triton' only; got impl {impl!r} with "
-                                 f"{'4-bit' if w.w4 else 'FP8' if w.fp8_activations else 'float'} weights")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} has no GPU layer; supported: {ACTIVATIONS}")
     params = _activation_params(activation, activation_params)
@@ -100,8 +84,7 @@ def _fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torc
     if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
     kw = dict(impl=impl, activation=activation, act_kw={k: v for k, v in params.items() if k != "layout"},
-              layout=layout, alignment=alignment, max_m=max_m, capturable=capturable, tiles=tiles,
-              act_prologue=act_prologue)
+              layout=layout, alignment=alignment, max_m=max_m, capturable=capturable, tiles=tiles)
     ids_all = topk_ids.to(hidden.device)
     tw_all = topk_weights.to(hidden.device)
     # without shared experts, each chunk's weighted sum is stored by the reduce kernel straight into its rows
@@ -184,15 +167,6 @@ def _activation_scheme():
     return fp8_group()
 
 
-@functools.lru_cache(maxsize=64)
-def _gated_quant(activation: str, act_kw: tuple):
-    """The :class:`fastpath.fused.GatedQuant` of the layer's activation (its parameters as sorted ``(name, value)``
-    pairs) with the a2 scheme, made once (its checks and knobs are per call otherwise)."""
-    from fastpath.fused import GatedQuant
-
-    return GatedQuant(activation, scheme=_activation_scheme(), **dict(act_kw))
-
-
 @functools.lru_cache(maxsize=256)
 def _used_rows_bound(slots: int, num_experts: int, alignment: int) -> int:
     """Most rows the contiguous layout of ``slots`` slots over ``num_experts`` experts can use: each
@@ -207,7 +181,7 @@ def _used_rows_bound(slots: int, num_experts: int, alignment: int) -> int:
 
 def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, expert_map, *, impl, activation, act_kw,
             layout, alignment, max_m, capturable, weight_on_input: bool = False, into=None,
-            tiles=(None, None), act_prologue: bool | None = None) -> torch.Tensor:
+            tiles=(None, None)) -> torch.Tensor:
     """One chunk of the routed experts: float32 ``[m, K]`` (the weighted sum before the output store), or
     ``into`` (float32 or bfloat16 ``[m, K]``) with the sum stored in its dtype by the reduce kernel.
 
@@ -224,13 +198,8 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
     (:func:`_used_rows_bound`; vLLM's worst-case buffer is sized for every expert's padding, which the
     GEMMs' and the activation's grids would otherwise cover), and the masked capacity is rounded to the
     row tile of the GEMM that reads it (16 rows for the Triton kernel, whose masked grid covers at most
-    ``min(E, m * top_k)`` experts; 128 for DeepGEMM).
-
-    ``act_prologue`` (FP8 Triton layers): GEMM2 reads GEMM1's output ``h`` and computes the activation and its
-    FP8 1x128 quantization in its operand loads (:class:`fastpath.fused.GatedQuant`) instead of the fused
-    act+quant launch; None: :data:`ACT_PROLOGUE_AT_DECODE` at decode sizes. The act+quant launch covers the
-    routed rows only at decode sizes (:data:`ACT_ROUTED_ROWS_AT_DECODE`), else every tile of the layout's rows
-    with a routed row."""
+    ``min(E, m * top_k)`` experts; 128 for DeepGEMM). The FP8 act+quant launch covers the routed rows only at
+    decode sizes (:data:`ACT_ROUTED_ROWS_AT_DECODE`), else every tile of the layout's rows with a routed row."""
     from fastpath import dispatch
     from fastpath._dispatch_kernels import _invert_kernel
     from fastpath._host import alloc, cdiv, launch
@@ -307,7 +276,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         xs = x.to(store).contiguous()
         a, sa = (xs if gather else to_rows(xs)), None
 
-    def gemm(a, b, sa, sb, bias, tiles, a_src=None, act=None):
+    def gemm(a, b, sa, sb, bias, tiles, a_src=None):
         if isinstance(b, W4Experts):
             from fastpath.grouped_gemm_w4 import grouped_gemm_w4_contiguous, grouped_gemm_w4_masked
 
@@ -321,29 +290,20 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         if layout == "contiguous":
             return grouped_gemm_contiguous(a, b, m_idx, impl=impl, a_scales=sa, b_scales=sb,
                                            alignment=alignment, out_dtype=store, bias=bias, tiles=tiles,
-                                           psum=lay.psum, a_src=a_src, top_k=top_k, act_prologue=act)
+                                           psum=lay.psum, a_src=a_src, top_k=top_k)
         e, mm = (int(d) for d in src.shape)
         if a_src is None:
             a, sa = a.reshape(e, mm, -1), None if sa is None else sa.reshape(e, mm, -1)
         return grouped_gemm_masked(a, b, lay.masked_m, impl=impl, a_scales=sa, b_scales=sb,
                                    expected_m=lay.expected_m, out_dtype=store, bias=bias, tiles=tiles,
-                                   max_groups=min(e, m * top_k), a_src=a_src, top_k=top_k,
-                                   act_prologue=act).reshape(e * mm, -1)
+                                   max_groups=min(e, m * top_k), a_src=a_src, top_k=top_k).reshape(e * mm, -1)
 
     tiles1 = tiles2 = None  # the Triton kernel's tiles: given (fused_moe's tiles), else by rows per expert
     if impl == "triton" and not weights.w4:
         default = default_tiles("fp8_block" if weights.fp8 else "float", expected_m, x.device.type, layout)
         tiles1, tiles2 = (default if t is None else t for t in tiles)
-        if act_prologue and tiles[1] is None:  # GEMM2 with the prologue: the one-tile kernel's default tiles
-            tiles2 = default_tiles("fp8_block", expected_m, x.device.type, "masked")
     h = gemm(a, weights.w13, sa, weights.w13_scales, weights.b13, tiles1, a_src=src if gather else None)
-    if act_prologue is None:  # the module's default: at decode sizes, where GEMM2 runs the one-tile kernel
-        act_prologue = ACT_PROLOGUE_AT_DECODE and gather and weights.fp8_activations \
-            and expected_m <= DECODE_ROWS_PER_EXPERT and not tiles2.tile_loop
-    if act_prologue:  # GEMM2 computes the activation and its quantization from h (same bits, one launch fewer)
-        act = _gated_quant(activation, tuple(sorted(act_kw.items())))
-        y = gemm(h, weights.w2, None, weights.w2_scales, weights.b2, tiles2, act=act)
-    elif weights.fp8_activations:
+    if weights.fp8_activations:
         fused = {"silu_and_mul": silu_and_mul_quant_fp8, "gelu_and_mul": gelu_and_mul_quant_fp8,
                  "swigluoai": swigluoai_quant_fp8}[activation]
         if ACT_ROUTED_ROWS_AT_DECODE and expected_m <= DECODE_ROWS_PER_EXPERT and 0 < m * top_k < n_rows:
@@ -360,8 +320,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         plain = {"silu_and_mul": silu_and_mul, "gelu_and_mul": gelu_and_mul, "swigluoai": swigluoai}[activation]
         xq = plain(h, **act_kw).to(store)
         sx = None
-    if not act_prologue:
-        y = gemm(xq, weights.w2, sx, weights.w2_scales, weights.b2, tiles2)
+    y = gemm(xq, weights.w2, sx, weights.w2_scales, weights.b2, tiles2)
     shape = (int(topk_weights.shape[0]), int(y.shape[-1]))
     if into is not None and tuple(into.shape) != shape:
         raise ValueError(f"the layer's output rows have shape {tuple(into.shape)}; the reduce gives {shape}")

@@ -28,9 +28,6 @@ Layouts: ``silu_and_mul`` and ``gelu_and_mul`` read ``gate = h[..., :N]``, ``up 
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 import triton
@@ -46,8 +43,7 @@ from .quant import _launch as QL
 from .quant import _plan as QPL
 from .quant import _preset_map as QP
 from .quant import _tiles as QT
-from .quant._jit_codes import _activation, _fp8_codes, _swiglu, _unpack_pair
-from .quant._jit_scales import _amax3, _block_scales
+from .quant._jit_codes import _activation
 from .quant._kernels import _quant_kernel
 from .quant._layouts import SF_LAYOUT, grid_of, returned_scales_shape
 from ._host import alloc as _alloc
@@ -64,7 +60,6 @@ __all__ = [
     "reference_gelu_and_mul_quant_fp8",
     "reference_swigluoai_quant_fp8",
     "supports",
-    "GatedQuant",
 ]
 
 _ACT = {"silu_and_mul": 1, "swigluoai": 2, "gelu_and_mul": 3, "gelu_tanh_and_mul": 4}
@@ -129,102 +124,6 @@ def _act_kernel(x_ptr, stride_xm, stride_xk, o_ptr, amax_ptr, M, N, ACT: tl.cons
             tl.store(amax_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), a_max)
         else:
             tl.atomic_max(amax_ptr, a_max)
-
-
-@dataclass(frozen=True)
-class GatedQuant:
-    """The gated activation and FP8 1x128 quantization of :func:`silu_and_mul_quant_fp8`,
-    :func:`gelu_and_mul_quant_fp8` and :func:`swigluoai_quant_fp8`, described for a consumer kernel that
-    computes it itself from ``x[..., 2N]`` while loading its operand (the prologue of
-    :func:`fastpath.grouped_gemm.grouped_gemm_masked` / ``grouped_gemm_contiguous``'s ``act_prologue``, and
-    :func:`fastpath.moe.fused_moe`'s ``act_prologue``): the kernel calls :func:`_gated_fp8_group`, the same device
-    functions (activation, block amax, scale rule, element codes) with the same compile-time knobs as the fused
-    kernel, so its codes and scales are the fused kernel's bits.
-
-    ``activation``: ``"silu_and_mul"``, ``"gelu_and_mul"`` (``approximate`` ``"none"`` or ``"tanh"``) or
-    ``"swigluoai"`` (``alpha``, ``limit``); ``scheme``: FP8 E4M3 1x128 with FP32 scales, dynamic (default
-    ``fp8_group(128)``; what the grouped GEMM reads); ``hw_fp8``: the hardware E4M3 cast as the fused functions'
-    ``hw_fp8`` (None: on CUDA tensors)."""
-
-    activation: str = "silu_and_mul"
-    scheme: Scheme | None = None
-    approximate: str = "none"
-    alpha: float = 1.702
-    limit: float = 7.0
-    hw_fp8: bool | None = None
-
-    def __post_init__(self):
-        check_choice(self.activation, ("silu_and_mul", "gelu_and_mul", "swigluoai"), "GatedQuant.activation")
-        _gelu_key(self.approximate)
-        s = fp8_group(128) if self.scheme is None else self.scheme
-        if not isinstance(s, Scheme):
-            raise TypeError(f"GatedQuant.scheme must be a moeref Scheme or None; got {type(s).__name__}")
-        if s.element != "e4m3fn" or s.scale_format != "fp32" or s.family != "blockwise" \
-                or s.static_scale is not None or Q._kind(s) != "rows" or s.resolve_block((1, 128))[-1] != 128:
-            raise ValueError("GatedQuant feeds a grouped GEMM that reads FP8 E4M3 codes with dynamic FP32 1x128 "
-                             f"scales; got scheme {s.name!r} ({s.element}, {s.scale_format} scales, block {s.block})")
-
-    def act_key(self) -> str:
-        """The kernels' ``_ACT`` key (the two GELU forms are two codes)."""
-        return _gelu_key(self.approximate) if self.activation == "gelu_and_mul" else self.activation
-
-    def kernel_knobs(self, device: torch.device) -> dict:
-        """The consumer kernel's constexprs: ``ACT``, ``ACT_ALPHA``, ``ACT_LIMIT`` as the fused kernel gets them,
-        and the preset's knobs of :func:`_gated_fp8_group` prefixed ``Q_`` (:func:`fastpath.quant._preset_map.
-        constexprs` of the scheme); a new dict each call."""
-        hw = (device.type == "cuda") if self.hw_fp8 is None else bool(self.hw_fp8)
-        return dict(_gated_knobs(self, hw, QP._INTERPRETED))
-
-
-@functools.lru_cache(maxsize=64)
-def _gated_knobs(gq: GatedQuant, hw_fp8: bool, interpreted: bool) -> tuple:
-    """:meth:`GatedQuant.kernel_knobs` as ``(name, value)`` pairs (cached: a decode call asks for them per launch;
-    ``interpreted`` keys the interpreter's knobs apart, as :func:`fastpath.quant._preset_map.constexprs` does)."""
-    ce = QP.constexprs(fp8_group(128) if gq.scheme is None else gq.scheme, hw_fp8)
-    swiglu = gq.activation == "swigluoai"
-    knobs = dict(ACT=_ACT[gq.act_key()], ACT_ALPHA=float(gq.alpha) if swiglu else 0.0,
-                 ACT_LIMIT=float(gq.limit) if swiglu else 0.0)
-    knobs.update({"Q_" + k: ce[k] for k in _GATED_QUANT_KNOBS})
-    return tuple(knobs.items())
-
-
-_GATED_QUANT_KNOBS = ("ELEM", "ELEM_MAX", "INV_M", "FP32_RULE", "FP32_POW2", "AMAX_FLOOR", "ZERO_BLOCK", "NONFINITE",
-                      "APPLY", "SATURATE", "ROUND", "DROP_NEG_ZERO", "NAN_CODE", "FILL_CODE", "HW_FP8", "DIV")
-"""The preset's knobs :func:`_gated_fp8_group` takes (FP32 dynamic scales: the E8M0, UE4M3, static and two-level
-knobs of :func:`fastpath.quant._jit_scales._block_scales` have fixed values there)."""
-
-
-@triton.jit
-def _gated_fp8_group(rp, k, K, mask, ACT: tl.constexpr, ACT_ALPHA: tl.constexpr, ACT_LIMIT: tl.constexpr,
-                     ELEM: tl.constexpr, ELEM_MAX: tl.constexpr, INV_M: tl.constexpr, FP32_RULE: tl.constexpr,
-                     FP32_POW2: tl.constexpr, AMAX_FLOOR: tl.constexpr, ZERO_BLOCK: tl.constexpr,
-                     NONFINITE: tl.constexpr, APPLY: tl.constexpr, SATURATE: tl.constexpr, ROUND: tl.constexpr,
-                     DROP_NEG_ZERO: tl.constexpr, NAN_CODE: tl.constexpr, FILL_CODE: tl.constexpr,
-                     HW_FP8: tl.constexpr, DIV: tl.constexpr, IN16: tl.constexpr = 0):
-    """FP8 codes (uint8 ``[BM, G]``) and FP32 scales (``[BM]``) of one 1xG group per row of the gated activation:
-    ``rp`` ``[BM, 1]`` row pointers of ``x[..., 2K]`` (unit column stride), ``k`` ``[1, G]`` the group's output
-    columns, ``mask`` ``[BM, G]`` (masked elements read as 0, as the fused kernel's masked loads). The fused
-    kernel's steps on a ``[BM, 1, G]`` tile (:func:`fastpath.quant._kernels._quant_kernel` with ``ACT``): the
-    float32 activation (:func:`fastpath.quant._jit_codes._activation`), the block amax
-    (:func:`fastpath.quant._jit_scales._amax3`), the scale rule (``_block_scales``, FP32 scales, dynamic) and the
-    codes (:func:`fastpath.quant._jit_codes._fp8_codes`); the scale returned is the one the fused kernel stores.
-    ``IN16`` (SwiGLU-OAI only; 1 bfloat16, 2 float16): ``rp`` points at int32 words, word ``k`` the pair
-    (gate_k, up_k), read as the fused kernel reads 16-bit pairs (``PAIR`` 1: one load a pair, the same values)."""
-    if ACT == 2 and IN16 > 0:
-        words = tl.load(rp[:, :, None] + k[:, None, :], mask=mask[:, None, :], other=0)
-        g, u = _unpack_pair(words, IN16)
-        x = _swiglu(g, u, ACT_ALPHA, ACT_LIMIT)
-    else:
-        x = _activation(rp[:, :, None], k[:, None, :], 1, K, mask[:, None, :], ACT, ACT_ALPHA, ACT_LIMIT)
-    amax = _amax3(x, NONFINITE)
-    stored, _, factor, nan_block = _block_scales(
-        amax, ELEM_MAX, INV_M, 8, 3, 0, FP32_RULE, FP32_POW2, 0, 0, 254, 0, AMAX_FLOOR, ZERO_BLOCK, NONFINITE, APPLY,
-        False, 0.0, 1.0, 1.0, 0, 0, False)
-    codes = _fp8_codes(x, factor, nan_block, ELEM, SATURATE, ROUND, NAN_CODE, HW_FP8, NONFINITE, FILL_CODE,
-                       DROP_NEG_ZERO, 0, APPLY, DIV, False)
-    BM: tl.constexpr = codes.shape[0]
-    G: tl.constexpr = codes.shape[2]
-    return tl.reshape(codes, (BM, G)), tl.reshape(stored, (BM,))
 
 
 def _flat2(x: torch.Tensor) -> torch.Tensor:

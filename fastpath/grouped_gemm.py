@@ -20,10 +20,6 @@ cannot run), each declaring the :mod:`moeref.compare` profile its arithmetic sat
     ``flatten``, ``promotion``; contiguous layout) run the same arithmetic in :mod:`fastpath._grouped_gemm_tiles`'
     kernel: the same bits, another tile order, grid, load path or order of MMAs and promotions (candidates:
     :data:`FP8_PREFILL_CANDIDATES`).
-  - ``act_prologue`` (a :class:`fastpath.fused.GatedQuant`; FP8 weights, decode): ``a`` is the gated input
-    ``h [rows, 2K]`` and each K block's FP8 A operand and 1x128 scales are computed in registers with the fused
-    act+quant kernel's device functions (:func:`_act_operand`), the bits that kernel stores: GEMM2 of the MoE
-    layer without the activation's own launch.
 * ``"deep_gemm"``: ``deep_gemm.m_grouped_fp8_gemm_nt_contiguous`` (FP8 1x128 x 128x128, FP32 scales;
   profile ``HOPPER_FP8_DEEPGEMM_DATA``), when the package is importable.
 
@@ -46,8 +42,6 @@ from moeref._interop import triton_interpreted
 from . import _grouped_gemm_tiles
 from ._grouped_gemm_tiles import _a_rows, _grouped_gemm_tile_loop_kernel, ensure_allocator
 from ._host import cdiv, launch, next_pow2
-from .fused import GatedQuant, _gated_fp8_group
-from .quant._launch import _pair_view
 
 __all__ = ["GROUPED_GEMM_IMPLEMENTATIONS", "FP8_PREFILL_CANDIDATES", "GemmTiles", "default_tiles",
            "grouped_gemm_contiguous", "grouped_gemm_masked", "grouped_gemm_supports", "PROFILE_OF",
@@ -220,65 +214,6 @@ def _capability_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
-ACT_ROWS_ONE_BY_ONE = 2
-"""The act prologue's row-by-row form: a tile whose held rows all lie in its first this many rows computes their
-activation and quantization one row at a time (a decode tile holds a row or two, so the work is the rows', not the
-tile's: one element a thread a row instead of ``BLOCK_M``); other tiles compute the whole ``BLOCK_M``-row tile. The
-same values either way (elementwise functions and a max). Compiled for sm_90a (the DeepSeek-V3 GEMM2 at the decode
-tiles, bench/studies/gemm2_act_prologue_compile.py --maxnreg 0, Triton 3.6, no register cap): with SiLU and GELU
-1 gives 130-145 registers, 2 gives 144 (SwiGLU-OAI 143), against 88 without the prologue; no spills
-(:data:`ACT_PROLOGUE_MAXNREG` caps them)."""
-
-
-ACT_PROLOGUE_MAXNREG = 128
-"""Register cap (ptxas ``.maxnreg``) of a GEMM launch with the act prologue on a GPU (None: none). Uncapped, the
-DeepSeek-V3 GEMM2 at the decode tiles takes 144 registers with SiLU (3 programs of 4 warps per SM fit, against 4
-without the prologue: at 1 token its 448 programs then need a second wave); at 128 it has no spills (SiLU, GELU,
-SwiGLU-OAI) and 4 programs fit (bench/studies/gemm2_act_prologue_compile.py, sm_90a, Triton 3.6)."""
-
-
-@triton.jit
-def _act_operand(h_ptr, arow, amask, n_rows, arow0, held_bits, stride_hm, k, K, BLOCK_M: tl.constexpr,
-                 BLOCK_K: tl.constexpr,
-                 ONE_BY_ONE: tl.constexpr,
-                 ACT: tl.constexpr, ACT_ALPHA: tl.constexpr, ACT_LIMIT: tl.constexpr, Q_ELEM: tl.constexpr,
-                 Q_ELEM_MAX: tl.constexpr, Q_INV_M: tl.constexpr, Q_FP32_RULE: tl.constexpr,
-                 Q_FP32_POW2: tl.constexpr, Q_AMAX_FLOOR: tl.constexpr, Q_ZERO_BLOCK: tl.constexpr,
-                 Q_NONFINITE: tl.constexpr, Q_APPLY: tl.constexpr, Q_SATURATE: tl.constexpr, Q_ROUND: tl.constexpr,
-                 Q_DROP_NEG_ZERO: tl.constexpr, Q_NAN_CODE: tl.constexpr, Q_FILL_CODE: tl.constexpr,
-                 Q_HW_FP8: tl.constexpr, Q_DIV: tl.constexpr, ACT_IN16: tl.constexpr):
-    """The FP8 A operand (``[BLOCK_M, BLOCK_K]`` float8e4nv) and its scales (``[BLOCK_M]``) of output columns ``k``
-    (``[BLOCK_K]``): :func:`fastpath.fused._gated_fp8_group` of h's rows ``arow`` (columns ``k`` of the gate and up
-    halves) where ``amask``; other rows are code 0 (scale 0 in the row-by-row form), as the plain kernel's masked
-    loads give them. ``n_rows`` (1 + the last held row) <= ``ONE_BY_ONE``: row by row (an unrolled loop of
-    ``ONE_BY_ONE`` rows, each a ``[1, BLOCK_K]`` tile; row ``i`` is h's row ``arow0 + i``, held where bit ``i`` of
-    ``held_bits`` is set: scalars the caller computes once, outside its K loop), else the whole tile. No runtime
-    loop: a nested loop would stop the K loop around it from being software-pipelined (its weight loads then
-    wait, compiled for sm_90a)."""
-    kk = k[None, :]
-    kmask = kk < K
-    if n_rows <= ONE_BY_ONE:
-        ridx = tl.arange(0, BLOCK_M)
-        codes = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.uint8)
-        sa = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for i in tl.static_range(ONE_BY_ONE):
-            held = ((held_bits >> i) & 1) != 0
-            hit = (ridx == i) & held
-            rp = h_ptr + (arow0 + i) * stride_hm + tl.zeros((1, 1), dtype=tl.int64)
-            c_i, s_i = _gated_fp8_group(rp, kk, K, kmask & held, ACT, ACT_ALPHA, ACT_LIMIT, Q_ELEM, Q_ELEM_MAX,
-                                        Q_INV_M, Q_FP32_RULE, Q_FP32_POW2, Q_AMAX_FLOOR, Q_ZERO_BLOCK, Q_NONFINITE,
-                                        Q_APPLY, Q_SATURATE, Q_ROUND, Q_DROP_NEG_ZERO, Q_NAN_CODE, Q_FILL_CODE,
-                                        Q_HW_FP8, Q_DIV, ACT_IN16)
-            codes = tl.where(hit[:, None], c_i, codes)
-            sa = tl.where(hit, s_i, sa)
-    else:
-        codes, sa = _gated_fp8_group(h_ptr + arow[:, None] * stride_hm, kk, K, amask[:, None] & kmask, ACT,
-                                     ACT_ALPHA, ACT_LIMIT, Q_ELEM, Q_ELEM_MAX, Q_INV_M, Q_FP32_RULE, Q_FP32_POW2,
-                                     Q_AMAX_FLOOR, Q_ZERO_BLOCK, Q_NONFINITE, Q_APPLY, Q_SATURATE, Q_ROUND,
-                                     Q_DROP_NEG_ZERO, Q_NAN_CODE, Q_FILL_CODE, Q_HW_FP8, Q_DIV, ACT_IN16)
-    return codes.to(tl.float8e4nv, bitcast=True), sa
-
-
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_ptr, src_ptr, M, N, K,
                          stride_am, stride_be, stride_bn, stride_dm, stride_sam, stride_sbe, stride_sbn,
@@ -286,20 +221,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_pt
                          FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
                          EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr,
-                         MASKED: tl.constexpr, NG_POW2: tl.constexpr, GATHER: tl.constexpr,
-                         ACT: tl.constexpr = 0, ACT_ALPHA: tl.constexpr = 0.0, ACT_LIMIT: tl.constexpr = 0.0,
-                         Q_ELEM: tl.constexpr = 0, Q_ELEM_MAX: tl.constexpr = 0.0, Q_INV_M: tl.constexpr = 0.0,
-                         Q_FP32_RULE: tl.constexpr = 0, Q_FP32_POW2: tl.constexpr = False,
-                         Q_AMAX_FLOOR: tl.constexpr = 0.0, Q_ZERO_BLOCK: tl.constexpr = 0,
-                         Q_NONFINITE: tl.constexpr = 0, Q_APPLY: tl.constexpr = 0, Q_SATURATE: tl.constexpr = True,
-                         Q_ROUND: tl.constexpr = 0, Q_DROP_NEG_ZERO: tl.constexpr = False,
-                         Q_NAN_CODE: tl.constexpr = 0, Q_FILL_CODE: tl.constexpr = 0, Q_HW_FP8: tl.constexpr = False,
-                         Q_DIV: tl.constexpr = 0, ACT_ROWS: tl.constexpr = 0, ACT_IN16: tl.constexpr = 0):
-    # ACT > 0 (the act_prologue; FP8 only, not GATHER): a_ptr is the bf16/fp16/fp32 gated input h [rows, 2K] and
-    # each K block's A operand (FP8 codes) and its scales are computed from it in registers, row by row, by
-    # _act_operand (fastpath.fused._gated_fp8_group: the fused act+quant kernel's device functions and knobs Q_*):
-    # the codes and scales that kernel stores, and that the loads below would read. Rows the layout does not hold
-    # (padding inside a tile) are code 0, scale 0 (their outputs are unspecified either way).
+                         MASKED: tl.constexpr, NG_POW2: tl.constexpr, GATHER: tl.constexpr):
     # MASKED: m_idx_ptr is masked_m [NG] of the masked layout (rows e * CAP + i) and
     # program row p * ceil(CAP / BLOCK_M) + t computes tile t of the p-th expert with rows (in expert order), so
     # the grid needs only as many experts as can have rows; otherwise m_idx_ptr is the row -> expert map.
@@ -317,14 +239,11 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_pt
         cnt = tl.load(m_idx_ptr + g, mask=g < NG, other=0)
         hit = (cnt > 0) & (tl.cumsum((cnt > 0).to(tl.int32), 0) == p + 1)
         e = tl.sum(tl.where(hit, g, 0))
-        count = tl.sum(tl.where(hit, cnt, 0))
-        if t * BLOCK_M >= count:  # past the expert's rows, or no p-th expert
+        if t * BLOCK_M >= tl.sum(tl.where(hit, cnt, 0)):  # past the expert's rows, or no p-th expert
             return
         local = t * BLOCK_M + tl.arange(0, BLOCK_M)
         rows = e * CAP + local
         rmask = local < CAP  # the tile stays inside its expert's rows (any CAP)
-        if ACT > 0:
-            held = local < count
     else:
         row0 = pid_m * BLOCK_M
         e = tl.load(m_idx_ptr + row0)
@@ -332,8 +251,6 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_pt
             return
         rows = row0 + tl.arange(0, BLOCK_M)
         rmask = rows < M
-        if ACT > 0:
-            held = tl.load(m_idx_ptr + rows, mask=rmask, other=-1) >= 0
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     ks = tl.arange(0, BLOCK_K)
@@ -345,39 +262,24 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_pt
     else:
         b_base = b_ptr + e.to(tl.int64) * stride_be + cols[None, :].to(tl.int64) * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if ACT > 0:
-        amask = amask & held
-        ridx = tl.arange(0, BLOCK_M)
-        act_rows = tl.max(tl.where(amask, ridx + 1, 0))  # 1 + the tile's last held row
-        arow0 = tl.sum(tl.where(ridx == 0, arow, 0))  # the tile's rows are arow0 + i (no GATHER here)
-        held_bits = tl.sum(tl.where(amask & (ridx < ACT_ROWS), 1 << tl.minimum(ridx, 30), 0))
     for it in range(K_ITERS):
         k0 = it * BLOCK_K
         if EVEN_K:
-            if ACT == 0:
-                a = tl.load(a_base + (k0 + ks)[None, :], mask=amask[:, None], other=0.0)
+            a = tl.load(a_base + (k0 + ks)[None, :], mask=amask[:, None], other=0.0)
             if SWAP_AB:
                 b = tl.load(b_base + (k0 + ks)[None, :], mask=cmask[:, None], other=0.0)
             else:
                 b = tl.load(b_base + (k0 + ks)[:, None], mask=cmask[None, :], other=0.0)
         else:
             kmask = (k0 + ks) < K
-            if ACT == 0:
-                a = tl.load(a_base + (k0 + ks)[None, :], mask=amask[:, None] & kmask[None, :], other=0.0)
+            a = tl.load(a_base + (k0 + ks)[None, :], mask=amask[:, None] & kmask[None, :], other=0.0)
             if SWAP_AB:
                 b = tl.load(b_base + (k0 + ks)[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
             else:
                 b = tl.load(b_base + (k0 + ks)[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
-        if ACT > 0:  # the A operand and its scales as the fused act+quant kernel stores them
-            a, sa = _act_operand(a_ptr, arow, amask, act_rows, arow0, held_bits, stride_am, k0 + ks, K, BLOCK_M,
-                                 BLOCK_K, ACT_ROWS,
-                                 ACT, ACT_ALPHA, ACT_LIMIT, Q_ELEM, Q_ELEM_MAX, Q_INV_M, Q_FP32_RULE, Q_FP32_POW2,
-                                 Q_AMAX_FLOOR, Q_ZERO_BLOCK, Q_NONFINITE, Q_APPLY, Q_SATURATE, Q_ROUND,
-                                 Q_DROP_NEG_ZERO, Q_NAN_CODE, Q_FILL_CODE, Q_HW_FP8, Q_DIV, ACT_IN16)
         if FP8:
             # promotion: a fresh product per 128-column block, scaled and added in FP32 (DeepGEMM)
-            if ACT == 0:
-                sa = tl.load(sa_ptr + arow * stride_sam + k0 // SCALE_BLOCK, mask=amask, other=0.0)
+            sa = tl.load(sa_ptr + arow * stride_sam + k0 // SCALE_BLOCK, mask=amask, other=0.0)
             sb = tl.load(sb_ptr + e.to(tl.int64) * stride_sbe + (cols // SCALE_BLOCK) * stride_sbn
                          + k0 // SCALE_BLOCK, mask=cmask, other=0.0)
             if SWAP_AB:  # the same FP32 operations in the same order: (part * sa) * sb, then the sum
@@ -442,7 +344,7 @@ def grouped_gemm_supports(impl: str, a=None, b=None, *, a_scales=None, b_scales=
 def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.Tensor, *, impl: str,
                             a_scales=None, b_scales=None, out_dtype=torch.bfloat16, alignment: int = 128,
                             out=None, tiles: GemmTiles | None = None, bias=None, psum=None, a_src=None,
-                            top_k: int = 1, act_prologue: GatedQuant | None = None) -> torch.Tensor:
+                            top_k: int = 1) -> torch.Tensor:
     """``d [M_sum, N] = a @ b[m_indices].T`` per row (padding rows unspecified).
 
     Args:
@@ -466,22 +368,11 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
             ``[M_sum]`` is the layout's slot of each row (-1: padding; :func:`fastpath.dispatch.to_contiguous`'s
             ``src``): row ``r`` reads token ``a_src[r] // top_k``, so the token rows need no scatter into the
             layout (the same operands reach the same products: the same bits).
-        act_prologue: (Triton only; FP8 weights) a :class:`fastpath.fused.GatedQuant`: ``a`` is the gated input
-            ``h [M_sum, 2K]`` (bf16/fp16/fp32, GEMM1's output) and the kernel computes, for each 128-column K
-            block it multiplies, the block's gated activation and its FP8 1x128 quantization in registers with
-            the device functions of :func:`fastpath.fused.silu_and_mul_quant_fp8` & co. (no ``a_scales``): the
-            codes and scales that kernel stores, so the same bits as quantizing first (rows whose ``m_indices`` is
-            -1 read as zeros). Every column tile recomputes its rows' activation: a decode option (few rows per
-            expert), in the one-tile-per-program kernel (not with the tile-loop options or ``a_src``; without
-            ``tiles``, that kernel's default tiles: :func:`default_tiles` of the masked layout).
     """
-    if act_prologue is not None:
-        _check_act_prologue(impl, a, b, a_scales, b_scales, act_prologue, alignment)
-    else:
-        ok, why = grouped_gemm_supports(impl, a, b, a_scales=a_scales, b_scales=b_scales, alignment=alignment)
-        if not ok:
-            raise ValueError(f"grouped GEMM {impl!r} cannot run: {why}")
-    k = int(a.shape[1]) if act_prologue is None else int(b.shape[2])
+    ok, why = grouped_gemm_supports(impl, a, b, a_scales=a_scales, b_scales=b_scales, alignment=alignment)
+    if not ok:
+        raise ValueError(f"grouped GEMM {impl!r} cannot run: {why}")
+    k = int(a.shape[1])
     m = int(a.shape[0]) if a_src is None else int(m_indices.numel())
     e, n, kb = (int(d) for d in b.shape)
     if kb != k:
@@ -515,70 +406,32 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
         deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, a_scales), (b, b_scales), d, m_indices.to(torch.int32),
                                                    disable_ue8m0_cast=True)
         return d
-    # one segment an expert: decode; the act prologue runs on the one-tile-per-program kernel, whose default tiles
-    # are the masked layout's (the contiguous layout's may be TMA tile-loop tiles)
-    t = tiles or _tiles_of(a, 0 if m <= e * alignment else m / e,
-                           "contiguous" if act_prologue is None else "masked", fp8=act_prologue is not None)
+    t = tiles or _tiles_of(a, 0 if m <= e * alignment else m / e, "contiguous")  # one segment an expert: decode
     if alignment % t.block_m:
         t = replace(t, block_m=64 if alignment % 64 == 0 else 16)
     _launch_triton(a, b, d, m_indices.to(torch.int32).contiguous(), a_scales, b_scales, bias, t,
-                   grid_m=cdiv(m, t.block_m), a_src=a_src, top_k=top_k, act=act_prologue)
+                   grid_m=cdiv(m, t.block_m), a_src=a_src, top_k=top_k)
     return d
 
 
-def _check_act_prologue(impl, h, b, a_scales, b_scales, act, alignment=None) -> None:
-    """``ValueError``/``TypeError`` unless ``act`` (a :class:`fastpath.fused.GatedQuant`) can feed the Triton
-    kernel: FP8 E4M3 weights with FP32 block scales, a gated input ``h [..., 2K]`` of a float dtype, no
-    ``a_scales``."""
-    if not isinstance(act, GatedQuant):
-        raise TypeError(f"act_prologue must be a fastpath.fused.GatedQuant or None; got {type(act).__name__}")
-    if impl != "triton":
-        raise ValueError(f"act_prologue is a Triton-kernel option (the activation runs in its operand loads); got "
-                         f"impl={impl!r}")
-    ok, why = grouped_gemm_supports(impl, alignment=alignment)
-    if not ok:
-        raise ValueError(f"grouped GEMM {impl!r} cannot run: {why}")
-    if h.device.type == "cpu" and not triton_interpreted():
-        raise ValueError("h is a CPU tensor and TRITON_INTERPRET=1 is not set")
-    if b.dtype not in _FP8 or b_scales is None or b_scales.dtype != torch.float32:
-        raise ValueError(f"act_prologue feeds FP8 codes to the dot: b must be float8_e4m3fn with FP32 b_scales; got "
-                         f"{b.dtype}, b_scales {None if b_scales is None else b_scales.dtype}")
-    if h.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"act_prologue reads the gated input h (bf16/fp16/fp32, GEMM1's output); got {h.dtype}")
-    if int(h.shape[-1]) != 2 * int(b.shape[2]):
-        raise ValueError(f"act_prologue needs h with 2K = {2 * int(b.shape[2])} columns (gate and up of b's K = "
-                         f"{int(b.shape[2])}); got {int(h.shape[-1])}")
-    if a_scales is not None:
-        raise ValueError("act_prologue computes the A scales in the kernel; a_scales must be None")
-
-
-def _tiles_of(a: torch.Tensor, rows_per_expert: float, layout: str, fp8: bool = False) -> GemmTiles:
-    return default_tiles("fp8_block" if fp8 else _kind(a), rows_per_expert, a.device.type, layout)
+def _tiles_of(a: torch.Tensor, rows_per_expert: float, layout: str) -> GemmTiles:
+    return default_tiles(_kind(a), rows_per_expert, a.device.type, layout)
 
 
 def _launch_triton(a, b, d, m_idx, a_scales, b_scales, bias, t: GemmTiles, *, grid_m: int, masked_cap: int = 0,
-                   a_src=None, top_k: int = 1, act: GatedQuant | None = None):
+                   a_src=None, top_k: int = 1):
     """One launch of :func:`_grouped_gemm_kernel`: ``m_idx`` the row -> expert map, or (``masked_cap > 0``)
     the masked layout's ``masked_m`` with ``masked_cap`` rows per expert; ``a_src`` (``[d rows]``): ``a`` holds
-    token rows, layout row ``r`` reads token ``a_src[r] // top_k``; ``act``: ``a`` is the gated input
-    ``[rows, 2K]`` whose FP8 quantization the kernel computes (:func:`_check_act_prologue` has checked it)."""
-    m = int(d.shape[0])
-    k = int(b.shape[2]) if act is not None else int(a.shape[1])
+    token rows, layout row ``r`` reads token ``a_src[r] // top_k``."""
+    m, k = int(d.shape[0]), int(a.shape[1])
     e, n = (int(x) for x in b.shape[:2])
-    fp8 = a.dtype in _FP8 or act is not None
+    fp8 = a.dtype in _FP8
     if fp8 and t.block_k != 128:
         raise ValueError(f"FP8 tiles need block_k = 128 (one scale block a step); got {t.block_k}")
-    if act is not None and (t.tile_loop or a_src is not None):
-        raise ValueError("act_prologue runs in the one-tile-per-program kernel on the layout's rows (decode): not "
-                         f"with the tile-loop options or a_src; got {t}, a_src {'given' if a_src is not None else None}")
     a = a.contiguous()
-    in16 = 0
-    if act is not None and act.activation == "swigluoai":  # 16-bit (gate, up) pairs as int32 words, when they are
-        a3, pair, in16 = _pair_view(a.unsqueeze(0), True)  # (the fused kernel's view of its input)
-        a, in16 = (a3[0], in16) if pair == 1 else (a, 0)
     b = b.contiguous()
     dummy = torch.empty(1, dtype=torch.float32, device=a.device)
-    sa = a_scales.contiguous() if fp8 and act is None else dummy
+    sa = a_scales.contiguous() if fp8 else dummy
     sb = b_scales.contiguous() if fp8 else dummy
     bias_t = bias.to(torch.float32).contiguous() if bias is not None else dummy
     ng = int(m_idx.numel()) if masked_cap else 0
@@ -592,23 +445,12 @@ def _launch_triton(a, b, d, m_idx, a_scales, b_scales, bias, t: GemmTiles, *, gr
     grid = (cdiv(n, t.block_n), grid_m)
     launch(_grouped_gemm_kernel, grid, a, b, d, m_idx, sa, sb, bias_t, src, m, n, k,
            a.stride(0), b.stride(0), b.stride(1), d.stride(0),
-           sa.stride(0) if fp8 and act is None else 0, sb.stride(0) if fp8 else 0, sb.stride(1) if fp8 else 0,
+           sa.stride(0) if fp8 else 0, sb.stride(0) if fp8 else 0, sb.stride(1) if fp8 else 0,
            ng, masked_cap, int(top_k),
            FP8=fp8, SCALE_BLOCK=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
            K_ITERS=cdiv(k, t.block_k), EVEN_K=k % t.block_k == 0, HAS_BIAS=bias is not None,
            SWAP_AB=t.swap_ab, MASKED=masked_cap > 0, NG_POW2=next_pow2(max(ng, 1)),
-           GATHER=a_src is not None, num_warps=t.num_warps, num_stages=t.num_stages,
-           **({} if act is None else _act_launch_knobs(act, a.device, in16)))
-
-
-def _act_launch_knobs(act: GatedQuant, device: torch.device, in16: int = 0) -> dict:
-    """The act prologue's constexprs (:meth:`fastpath.fused.GatedQuant.kernel_knobs`, :data:`ACT_ROWS_ONE_BY_ONE`,
-    ``ACT_IN16``: SwiGLU-OAI's pairs read as int32 words of 16-bit floats, 1 bfloat16, 2 float16) and, on a GPU,
-    :data:`ACT_PROLOGUE_MAXNREG`."""
-    knobs = dict(act.kernel_knobs(device), ACT_ROWS=ACT_ROWS_ONE_BY_ONE, ACT_IN16=in16)
-    if ACT_PROLOGUE_MAXNREG is not None and not _grouped_gemm_tiles._INTERPRETED:
-        knobs["maxnreg"] = int(ACT_PROLOGUE_MAXNREG)
-    return knobs
+           GATHER=a_src is not None, num_warps=t.num_warps, num_stages=t.num_stages)
 
 
 _SM_COUNT: dict = {}
@@ -657,7 +499,7 @@ def _launch_tile_loop(a, b, d, m_idx, sa, sb, bias_t, src, t: GemmTiles, m, n, k
 def grouped_gemm_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *, impl: str, a_scales=None,
                         b_scales=None, expected_m: int | None = None, out_dtype=torch.bfloat16,
                         tiles: GemmTiles | None = None, bias=None, max_groups: int | None = None, a_src=None,
-                        top_k: int = 1, act_prologue: GatedQuant | None = None) -> torch.Tensor:
+                        top_k: int = 1) -> torch.Tensor:
     """DeepGEMM's masked layout: ``d[e, i] = a[e, i] @ b[e].T`` for ``i < masked_m[e]`` (rows past it
     unspecified). ``a [E, max_m, K]`` (FP8 with ``a_scales [E, max_m, K/128]``), ``b [E, N, K]``.
     ``"deep_gemm"`` calls ``m_grouped_fp8_gemm_nt_masked``; ``"triton"`` runs the kernel in its masked mode:
@@ -666,15 +508,7 @@ def grouped_gemm_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     ``max_groups`` (an upper bound on the experts with rows, e.g. ``min(E, tokens * top_k)``; default ``E``)
     sizes the grid without a host sync. Rows are computed exactly as in the contiguous layout. Tiles default
     to :func:`default_tiles` with ``expected_m`` (else ``max_m``) rows per expert. ``a_src`` ``[E, max_m]``
-    (Triton): ``a`` holds token rows ``[T, K]`` read through the layout (:func:`grouped_gemm_contiguous`).
-    ``act_prologue`` (Triton, FP8 weights): ``a`` is the gated input ``h [E, max_m, 2K]`` whose activation and FP8
-    1x128 quantization the kernel computes per K block (:func:`grouped_gemm_contiguous`; rows past
-    ``masked_m[e]`` read as zeros)."""
-    if act_prologue is not None:
-        if a_src is not None or a.dim() != 3:
-            raise ValueError(f"act_prologue reads the layout's rows h [E, max_m, 2K]; got a of shape "
-                             f"{tuple(a.shape)}{' and a_src' if a_src is not None else ''}")
-        _check_act_prologue(impl, a, b, a_scales, b_scales, act_prologue)
+    (Triton): ``a`` holds token rows ``[T, K]`` read through the layout (:func:`grouped_gemm_contiguous`)."""
     if a_src is not None:
         if impl != "triton" or a_src.dim() != 2:
             raise ValueError("a_src (token rows read through the layout, [E, max_m]) is a Triton-kernel option")
@@ -701,12 +535,9 @@ def grouped_gemm_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         return d
     if bias is not None and tuple(bias.shape) != (int(b.shape[0]), n):
         raise ValueError(f"bias must have shape ({int(b.shape[0])}, {n}); got {tuple(bias.shape)}")
-    if act_prologue is not None:
-        k = int(b.shape[2])  # checked above (_check_act_prologue)
-    else:
-        ok, why = grouped_gemm_supports(impl, a.reshape(-1, k), b, a_scales=a_scales, b_scales=b_scales)
-        if not ok:
-            raise ValueError(f"grouped GEMM {impl!r} cannot run: {why}")
+    ok, why = grouped_gemm_supports(impl, a.reshape(-1, k), b, a_scales=a_scales, b_scales=b_scales)
+    if not ok:
+        raise ValueError(f"grouped GEMM {impl!r} cannot run: {why}")
     if a_src is not None and a_src.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"a_src must be int32/int64; got {a_src.dtype}")
     if int(masked_m.numel()) != e or int(b.shape[0]) != e or int(b.shape[2]) != k:
@@ -715,10 +546,10 @@ def grouped_gemm_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     d = torch.empty((e, max_m, n), dtype=out_dtype, device=a.device)
     if groups == 0 or max_m == 0:
         return d
-    t = tiles or _tiles_of(a, max_m if expected_m is None else expected_m, "masked", fp8=act_prologue is not None)
+    t = tiles or _tiles_of(a, max_m if expected_m is None else expected_m, "masked")
     rows = -1 if a_src is not None else e * max_m
     sa = None if a_scales is None else a_scales.reshape(rows, a_scales.shape[-1])
-    _launch_triton(a.reshape(rows, int(a.shape[-1])), b, d.view(e * max_m, n), masked_m.to(torch.int32).contiguous(),
-                   sa, b_scales, bias, t, grid_m=groups * cdiv(max_m, t.block_m), masked_cap=max_m,
-                   a_src=a_src, top_k=top_k, act=act_prologue)
+    _launch_triton(a.reshape(rows, k), b, d.view(e * max_m, n), masked_m.to(torch.int32).contiguous(), sa,
+                   b_scales, bias, t, grid_m=groups * cdiv(max_m, t.block_m), masked_cap=max_m,
+                   a_src=a_src, top_k=top_k)
     return d

@@ -100,7 +100,7 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
               expert_map=None, num_experts: int | None = None, chunk_size: int | None = None,
               shared_experts: FastMoEWeights | None = None,
               apply_router_weight_on_input: bool = False, capturable: bool = False,
-              graph_cache: bool = True, tiles=None, act_prologue: bool | None = None) -> torch.Tensor:
+              graph_cache: bool = True, tiles=None) -> torch.Tensor:
     """The MoE layer on the GPU (module docstring). ``hidden`` ``[M, K]`` (bf16 for the FP8 layer; the weights'
     dtype for float layers), ``topk_weights`` float ``[M, k]``, ``topk_ids`` int ``[M, k]`` (-1 padding; global
     ids with ``expert_map``). Returns ``out_dtype [M, K]``.
@@ -133,19 +133,11 @@ def fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch
     whose ``None`` entry takes the default (:func:`gemm_tiles`). Tiles change the speed, not the products: FP8
     tiles (``block_k`` 128) compute the same per-block products promoted in the same K order (bit equality
     of decode tiles: ``tests/test_grouped_gemm_decode.py``, ``bench/studies/decode_graph_sweep.py``); float
-    operands sum K in ``block_k`` pieces, so another ``block_k`` may change the last bits.
-
-    ``act_prologue`` (FP8 weights, ``impl="triton"``): True: GEMM2 computes the activation and its FP8 1x128
-    quantization itself, per 128-column K block of GEMM1's bf16 output, with the device functions and knobs of
-    the fused act+quant kernel (:class:`fastpath.fused.GatedQuant`), so the layer has one launch fewer and the
-    same bits (``tests/test_gemm2_act_prologue.py``); each of GEMM2's column tiles recomputes its rows'
-    activation, a decode option (GEMM2 on the one-tile-per-program kernel; the tile-loop tiles refuse it).
-    False: the fused act+quant kernel between the GEMMs. None (default): :data:`fastpath._moe_layer.
-    ACT_PROLOGUE_AT_DECODE` decides at decode sizes (currently False: the fused kernel)."""
+    operands sum K in ``block_k`` pieces, so another ``block_k`` may change the last bits."""
     opts = dict(impl=impl, activation=activation, activation_params=activation_params, layout=layout,
                 alignment=alignment, max_m=max_m, out_dtype=out_dtype, num_experts=num_experts, chunk_size=chunk_size,
                 shared_experts=shared_experts, apply_router_weight_on_input=apply_router_weight_on_input,
-                tiles=gemm_tiles(tiles), act_prologue=act_prologue)
+                tiles=gemm_tiles(tiles))
     if graph_cache and expert_map is None:
         key = _graph_key(hidden, weights, topk_weights, topk_ids, opts)
         if key is not None:
@@ -164,8 +156,7 @@ def graph_key(hidden, weights, topk_weights, topk_ids, opts: dict, stream: int) 
            topk_ids.shape, topk_ids.dtype, opts["impl"], opts["activation"],
            tuple(sorted(params.items())) if params else None, opts["layout"], opts["alignment"], opts["max_m"],
            opts["out_dtype"], opts["num_experts"], opts["chunk_size"], opts["apply_router_weight_on_input"],
-           weights_signature(weights), weights_signature(opts["shared_experts"]), opts.get("tiles"),
-           opts.get("act_prologue"))
+           weights_signature(weights), weights_signature(opts["shared_experts"]), opts.get("tiles"))
     hash(key)
     return key
 

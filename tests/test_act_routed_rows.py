@@ -180,7 +180,7 @@ def test_layer_with_routed_rows_gives_the_same_bits(monkeypatch, act_calls, layo
     args = (torch.as_tensor(x).to(torch.bfloat16).to(DEV), fw, torch.as_tensor(tw, device=DEV),
             torch.as_tensor(ids, device=DEV))
     (off, on), forms = _both(monkeypatch, act_calls, args, layout=layout, alignment=16, capturable=capturable,
-                             activation=act, activation_params=params, act_prologue=False)
+                             activation=act, activation_params=params)
     assert forms == [["skip_rows"], ["rows"]]
     assert torch.equal(off.view(torch.int16), on.view(torch.int16)) and off.abs().max() > 0
 
@@ -195,7 +195,7 @@ def test_layer_with_routed_rows_and_an_expert_map_gives_the_same_bits(monkeypatc
     args = (torch.as_tensor(x).to(torch.bfloat16).to(DEV), fw, torch.as_tensor(tw, device=DEV),
             torch.as_tensor(ids, device=DEV))
     (off, on), forms = _both(monkeypatch, act_calls, args, layout=layout, alignment=16, capturable=False,
-                             expert_map=emap, num_experts=8, act_prologue=False)
+                             expert_map=emap, num_experts=8)
     assert forms == [["skip_rows"], ["rows"]]
     assert torch.equal(off.view(torch.int16), on.view(torch.int16)) and off.abs().max() > 0
 
@@ -211,7 +211,7 @@ def test_layer_with_routed_rows_on_another_tile_gives_the_same_bits(monkeypatch,
     fw, x, tw, ids = _layer(29, 3, "silu_and_mul")
     args = (torch.as_tensor(x).to(torch.bfloat16).to(DEV), fw, torch.as_tensor(tw, device=DEV),
             torch.as_tensor(ids, device=DEV))
-    (off, on), forms = _both(monkeypatch, act_calls, args, layout="masked", capturable=True, act_prologue=False)
+    (off, on), forms = _both(monkeypatch, act_calls, args, layout="masked", capturable=True)
     assert forms == [["skip_rows"], ["rows"]]
     assert torch.equal(off.view(torch.int16), on.view(torch.int16)) and off.abs().max() > 0
 
@@ -222,7 +222,7 @@ def test_routed_rows_are_for_decode_sizes_only(monkeypatch, act_calls):
     fw, x, tw, ids = _layer(17, 48, "silu_and_mul", top_k=4)
     args = (torch.as_tensor(x).to(torch.bfloat16).to(DEV), fw, torch.as_tensor(tw, device=DEV),
             torch.as_tensor(ids, device=DEV))
-    (off, on), forms = _both(monkeypatch, act_calls, args, layout="masked", capturable=True, act_prologue=False)
+    (off, on), forms = _both(monkeypatch, act_calls, args, layout="masked", capturable=True)
     assert forms == [["skip_rows"], ["skip_rows"]]
     assert torch.equal(off.view(torch.int16), on.view(torch.int16))
 
@@ -254,7 +254,7 @@ def test_gpu_layer_with_routed_rows_gives_the_same_bits(monkeypatch, layout, act
         ids = torch.rand((m, e), device="cuda", generator=gen).topk(8, dim=1).indices.to(torch.int32)
         tw = torch.rand((m, 8), device="cuda", generator=gen)
         kw = dict(impl="triton", layout=layout, capturable=True, graph_cache=False, activation=act,
-                  activation_params=params, act_prologue=False)
+                  activation_params=params)
         monkeypatch.setattr(ml, "ACT_ROUTED_ROWS_AT_DECODE", False)
         want = fused_moe(x, fw, tw, ids, **kw)
         monkeypatch.setattr(ml, "ACT_ROUTED_ROWS_AT_DECODE", True)

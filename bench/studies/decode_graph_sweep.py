@@ -33,26 +33,19 @@ docs/moe-gpu.md defines it), half the copy's time; ``of_roofline`` is the median
    runs only if they are equal), then the layer with each, outputs compared bit for bit, and the one-launch
    layer's timeline. Last, because a wrong layout could fault the GEMMs.
 8. ``gemm_sweep_tokens``: the GEMM sweep at the largest token count, if time is left.
-9. ``act_prologue_ab`` ("act in GEMM2 prologue"): at each of ``--tokens``, the layer with the activation and its
-   FP8 re-quantization as their own launch (the fused act+quant kernel, the default) and computed in GEMM2's
-   operand loads (``fused_moe(act_prologue=True)``; with its register cap, without one, and with the one-launch
-   dispatch as well), each a graph of ``--calls`` calls and a one-call graph, interleaved with the copy; outputs
-   compared bit for bit; at 1 token the prologue layer's kernel timeline.
-   ``--only act_prologue_ab`` runs this phase alone (no tile sweep: a few minutes of device time less).
-10. ``act_rows_ab`` ("act over routed rows"): at each of ``--tokens``, the layer with the fused act+quant launch
+9. ``act_rows_ab`` ("act over routed rows"): at each of ``--tokens``, the layer with the fused act+quant launch
    over the layout's row tiles (``skip_rows``: a program per tile of 4096 rows at 1 token, padding tiles returning
    at once) and over the routed rows only (``rows``: a program per tile of the ``m * top_k`` slots;
    ``fastpath._moe_layer.ACT_ROUTED_ROWS_AT_DECODE``), each a graph of ``--calls`` calls and a one-call graph,
    interleaved with the copy, and the routed rows on smaller tiles (:data:`ACT_ROWS_AB`); outputs compared bit
-   for bit; at 1 token the routed-rows layer's kernel timeline.
-   ``--only act_rows_ab`` runs this phase alone.
+   for bit; at 1 token the routed-rows layer's kernel timeline. ``--only act_rows_ab`` runs this phase alone (no
+   tile sweep: a few minutes of device time less).
 
 Kernels are compiled in parallel before the sweep (Triton's ``AsyncCompileMode``; ``--serial-compile`` turns it
 off). ONE JSON to ``--out``, and a table of the best tile per GEMM, the layer combinations and the breakdown.
 
     python bench/studies/decode_graph_sweep.py --out bench_out/decode_graph_sweep.json
     python bench/studies/decode_graph_sweep.py --smoke   # CPU, TRITON_INTERPRET=1, tiny layer: the code paths
-    python bench/studies/decode_graph_sweep.py --only act_prologue_ab --out bench_out/act_prologue_ab.json
     python bench/studies/decode_graph_sweep.py --only act_rows_ab --out bench_out/act_rows_ab.json
 """
 from __future__ import annotations
@@ -198,12 +191,12 @@ def build(run: Run, shape: dict, tokens: list[int]):
     return fw, cases
 
 
-def layer_fn(fw, case, tiles=None, act_prologue=None):
+def layer_fn(fw, case, tiles=None):
     from fastpath.moe import fused_moe
 
     x, tw, ids = case
     return lambda: fused_moe(x, fw, tw, ids, impl="triton", layout="masked", capturable=True, graph_cache=False,
-                             tiles=tiles, act_prologue=act_prologue)
+                             tiles=tiles)
 
 
 def weight_bytes(fw, ids) -> dict:
@@ -536,9 +529,10 @@ def one_program_dispatch(on: bool):
         ds.SMALL_CAPACITY_FUSED = old
 
 
-def one_launch_layout_equal(fw, case) -> bool:
-    """Whether the masked layout (counts, slots, slot rows) of ``case``'s routing is the same with the dispatch as
-    one launch (``SMALL_CAPACITY_FUSED``) as with three (checked before a layer runs with it)."""
+def dispatch_ab(run: Run, fw, case, tiles: tuple, calls: int, reps: int, profile_replays: int) -> dict:
+    """The layer with the masked layout's dispatch as three launches and as one (``SMALL_CAPACITY_FUSED``), each
+    a graph of ``calls`` calls, interleaved with the copy of the touched experts' bytes; the outputs compared
+    bit for bit; the one-launch layer's kernel timeline."""
     from fastpath import dispatch
 
     x, tw, ids = case
@@ -549,14 +543,8 @@ def one_launch_layout_equal(fw, case) -> bool:
         with one_program_dispatch(on):
             lay, dst = dispatch.to_masked(None, ids, e, cap, expected_m=1, validate=False, slot_rows=True)
         lays.append((lay.masked_m.clone(), lay.src.clone(), dst.clone()))
-    return all(torch.equal(a, b) for a, b in zip(*lays))
-
-
-def dispatch_ab(run: Run, fw, case, tiles: tuple, calls: int, reps: int, profile_replays: int) -> dict:
-    """The layer with the masked layout's dispatch as three launches and as one (``SMALL_CAPACITY_FUSED``), each
-    a graph of ``calls`` calls, interleaved with the copy of the touched experts' bytes; the outputs compared
-    bit for bit; the one-launch layer's kernel timeline."""
-    if not one_launch_layout_equal(fw, case):
+    same = all(torch.equal(a, b) for a, b in zip(*lays))
+    if not same:
         return dict(layout_equal=False, error="the one-launch masked layout differs from the three launches': not run")
     cases, outs, out = {}, {}, dict(layout_equal=True)
     for on in (False, True):
@@ -578,78 +566,6 @@ def dispatch_ab(run: Run, fw, case, tiles: tuple, calls: int, reps: int, profile
         try:
             with one_program_dispatch(True):
                 out["breakdown"] = breakdown(run, layer_fn(fw, case, tiles), profile_replays)
-        except Exception as e:  # noqa: BLE001
-            out["breakdown"] = dict(error=err(e))
-    return out
-
-
-ACT_AB = {"act+requant launch": (False, None, False), "act in GEMM2 prologue": (True, "default", False),
-          "act in GEMM2 prologue, no register cap": (True, None, False),
-          "act in GEMM2 prologue + one-launch dispatch": (True, "default", True)}
-"""The act A/B's cases: name -> (``act_prologue``, ``fastpath.grouped_gemm.ACT_PROLOGUE_MAXNREG`` for the case
-("default" keeps the module's), ``fastpath._dispatch_sort.SMALL_CAPACITY_FUSED``: the last case is both launches
-taken out, run only where the one-launch layout equals the three launches')."""
-
-
-@contextlib.contextmanager
-def prologue_maxnreg(cap):
-    """``fastpath.grouped_gemm.ACT_PROLOGUE_MAXNREG`` set to ``cap`` inside ("default": unchanged)."""
-    import fastpath.grouped_gemm as gg
-
-    old = gg.ACT_PROLOGUE_MAXNREG
-    if cap != "default":
-        gg.ACT_PROLOGUE_MAXNREG = cap
-    try:
-        yield
-    finally:
-        gg.ACT_PROLOGUE_MAXNREG = old
-
-
-def act_prologue_ab(run: Run, fw, cases: dict, tiles: tuple, calls: int, reps: int, profile_replays: int) -> dict:
-    """At each token count of ``cases``: the layer with the act+requant launch (``act_prologue=False``, the
-    default) and with the activation and its quantization in GEMM2's operand loads (``act_prologue=True``, with
-    the module's register cap and without one: :data:`ACT_AB`), each a graph of ``calls`` calls and a one-call
-    graph, interleaved with the copy of the touched experts' bytes; and with the one-launch dispatch as well; the
-    outputs compared bit for bit with the default's (``bits_equal``: all equal), ``saved_us`` the default's median
-    less the capped prologue's; at 1 token the capped prologue layer's kernel timeline (``breakdown``)."""
-    out: dict = {}
-    for m, case in sorted(cases.items()):
-        if run.left() < 15:
-            out[m] = dict(skipped="time budget")
-            continue
-        row, outs, graphs, ones = {}, {}, {}, {}
-        for name, (on, cap, one_launch) in ACT_AB.items():
-            if one_launch and not one_launch_layout_equal(fw, case):
-                row[name] = dict(error="the one-launch masked layout differs from the three launches': not run")
-                continue
-            try:  # compiled and captured with the case's settings (a graph keeps them)
-                with prologue_maxnreg(cap), one_program_dispatch(one_launch):
-                    graphs[name], res = run.capture(layer_fn(fw, case, tiles, act_prologue=on), calls)
-                    outs[name] = res.clone()
-                    ones[name], _ = run.capture(layer_fn(fw, case, tiles, act_prologue=on), 1)
-            except Exception as e:  # noqa: BLE001
-                row[name] = dict(error=err(e))
-        wb = weight_bytes(fw, case[2])
-        try:
-            timed = time_with_roofline(run, graphs, wb["layer"], calls, reps)
-            del timed["copy"]
-            row.update(timed)
-            one = time_with_roofline(run, ones, wb["layer"], 1, run.reps(20))
-            del one["copy"]
-            for n, st in one.items():
-                row[n]["one_call_graph"] = st
-        except Exception as e:  # noqa: BLE001
-            row["timing_error"] = err(e)
-        base = outs.get("act+requant launch")
-        if base is not None and len(outs) > 1:
-            row["bits_equal"] = all(bool(torch.equal(base, o)) for o in outs.values())
-        med = {n: row[n]["median_us"] for n in ACT_AB if "median_us" in row.get(n, {})}
-        if "act+requant launch" in med and "act in GEMM2 prologue" in med:
-            row["saved_us"] = med["act+requant launch"] - med["act in GEMM2 prologue"]
-        out[m] = dict(row, tokens=m, bytes=wb, calls_per_graph=calls)
-    if 1 in cases and run.left() > 30:
-        try:
-            out["breakdown"] = breakdown(run, layer_fn(fw, cases[1], tiles, act_prologue=True), profile_replays)
         except Exception as e:  # noqa: BLE001
             out["breakdown"] = dict(error=err(e))
     return out
@@ -677,11 +593,11 @@ fused tile of 8 groups)."""
 
 
 def act_rows_ab(run: Run, fw, cases: dict, tiles: tuple, calls: int, reps: int, profile_replays: int) -> dict:
-    """At each token count of ``cases``: the layer (``act_prologue=False``: the fused act+quant launch) with that
-    launch over the layout's row tiles and over the routed rows only (:data:`ACT_ROWS_AB`), each a graph of
-    ``calls`` calls and a one-call graph, interleaved with the copy of the touched experts' bytes; the outputs
-    compared bit for bit (``bits_equal``: all equal), ``saved_us`` the tiles' median less the routed rows'; at 1 token the
-    routed-rows layer's kernel timeline (``breakdown``)."""
+    """At each token count of ``cases``: the layer with the fused act+quant launch over the layout's row tiles
+    and over the routed rows only (:data:`ACT_ROWS_AB`), each a graph of ``calls`` calls and a one-call graph,
+    interleaved with the copy of the touched experts' bytes; the outputs compared bit for bit (``bits_equal``: all
+    equal), ``saved_us`` the tiles' median less the routed rows'; at 1 token the routed-rows layer's kernel
+    timeline (``breakdown``)."""
     out: dict = {}
     for m, case in sorted(cases.items()):
         if run.left() < 15:
@@ -691,9 +607,9 @@ def act_rows_ab(run: Run, fw, cases: dict, tiles: tuple, calls: int, reps: int, 
         for name, (on, tile) in ACT_ROWS_AB.items():
             try:  # captured with the case's setting (a graph keeps it)
                 with act_routed_rows(on, tile):
-                    graphs[name], res = run.capture(layer_fn(fw, case, tiles, act_prologue=False), calls)
+                    graphs[name], res = run.capture(layer_fn(fw, case, tiles), calls)
                     outs[name] = res.clone()
-                    ones[name], _ = run.capture(layer_fn(fw, case, tiles, act_prologue=False), 1)
+                    ones[name], _ = run.capture(layer_fn(fw, case, tiles), 1)
             except Exception as e:  # noqa: BLE001
                 row[name] = dict(error=err(e))
         wb = weight_bytes(fw, case[2])
@@ -717,7 +633,7 @@ def act_rows_ab(run: Run, fw, cases: dict, tiles: tuple, calls: int, reps: int, 
     if 1 in cases and run.left() > 30:
         try:
             with act_routed_rows(True):
-                out["breakdown"] = breakdown(run, layer_fn(fw, cases[1], tiles, act_prologue=False), profile_replays)
+                out["breakdown"] = breakdown(run, layer_fn(fw, cases[1], tiles), profile_replays)
         except Exception as e:  # noqa: BLE001
             out["breakdown"] = dict(error=err(e))
     return out
@@ -770,7 +686,7 @@ def main(argv=None) -> int:
     ap.add_argument("--serial-compile", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny layer, no graphs")
     ap.add_argument("--out", default="bench_out/decode_graph_sweep.json")
-    ap.add_argument("--only", choices=["act_prologue_ab", "act_rows_ab"], default=None, help="run this phase alone")
+    ap.add_argument("--only", choices=["act_rows_ab"], default=None, help="run this phase alone")
     args = ap.parse_args(argv)
     if args.smoke:
         args.rounds, args.reps, args.gemm_calls, args.calls, args.tokens = 7, 1, 1, 1, [1, 2]
@@ -795,12 +711,6 @@ def main(argv=None) -> int:
     fw, cases = build(run, shape, sorted(set(args.tokens) | {1}))
     one = cases[1]
     res["meta"]["touched_experts"] = {m: weight_bytes(fw, c[2])["touched"] for m, c in cases.items()}
-    if args.only == "act_prologue_ab":
-        res["act_prologue_ab"] = act_prologue_ab(run, fw, {m: cases[m] for m in sorted(set(args.tokens))},
-                                                 (default, default), args.calls, args.reps, args.profile_replays)
-        save()
-        report(res)
-        return 0
     if args.only == "act_rows_ab":
         res["act_rows_ab"] = act_rows_ab(run, fw, {m: cases[m] for m in sorted(set(args.tokens))},
                                          (default, default), args.calls, args.reps, args.profile_replays)
@@ -918,13 +828,6 @@ def main(argv=None) -> int:
         save()
     if run.left() > 15:
         try:
-            res["act_prologue_ab"] = act_prologue_ab(run, fw, {m: cases[m] for m in sorted(set(args.tokens))},
-                                                     (default, default), args.calls, args.reps, args.profile_replays)
-        except Exception as e:  # noqa: BLE001
-            res["act_prologue_ab"] = dict(error=err(e))
-        save()
-    if run.left() > 15:
-        try:
             res["act_rows_ab"] = act_rows_ab(run, fw, {m: cases[m] for m in sorted(set(args.tokens))},
                                              (default, default), args.calls, args.reps, args.profile_replays)
         except Exception as e:  # noqa: BLE001
@@ -962,8 +865,7 @@ def report(res: dict) -> None:
         if bad or errs:
             print(f"    other bits: {bad}  errors: {errs}")
     lay = res.get("layer", {}).get("cases", {})
-    if lay:
-        print(f"layer, 1 token, graph of {res.get('layer', {}).get('calls_per_graph')} calls (us per call):")
+    print(f"layer, 1 token, graph of {res.get('layer', {}).get('calls_per_graph')} calls (us per call):")
     timed = [(n, c) for n, c in lay.items() if n != "copy" and "median_us" in c]
     for n, c in sorted(timed, key=lambda nc: nc[1]["median_us"]):
         print(f"    {c['median_us']:7.1f} us ({c['min_us']:.1f}-{c['max_us']:.1f}) {c.get('of_roofline', 0):4.0%} "
@@ -997,23 +899,6 @@ def report(res: dict) -> None:
         if tl_.get("kernels"):
             print(f"    one-launch dispatch: span {tl_['span_us']:.1f} us, idle {tl_['idle_us']:.1f}; " + ", ".join(
                 f"{k['stage']} {k['dur_us']:.1f}" for k in tl_["kernels"]))
-    for m_, row in res.get("act_prologue_ab", {}).items():
-        if not isinstance(row, dict) or m_ == "breakdown":
-            continue
-        if "tokens" not in row:
-            print(f"act A/B: {row}")
-            continue
-        print(f"act A/B, {row['tokens']} token(s) (us a call, graph of {row['calls_per_graph']} | one-call graph): "
-              + ", ".join(f"{n} {c['median_us']:.1f} ({c['min_us']:.1f}-{c['max_us']:.1f}, "
-                          f"{c.get('of_roofline', 0):.0%}) | {c.get('one_call_graph', {}).get('median_us', 0):.1f} "
-                          f"({c.get('one_call_graph', {}).get('of_roofline', 0):.0%})"
-                          for n, c in row.items() if isinstance(c, dict) and "median_us" in c)
-              + f"; saved {row.get('saved_us', float('nan')):.1f} us; bits equal {row.get('bits_equal')} "
-              + " ".join(f"{n}: {c['error']}" for n, c in row.items() if isinstance(c, dict) and "error" in c))
-    tl_ = res.get("act_prologue_ab", {}).get("breakdown", {}).get("timeline", {})
-    if tl_.get("kernels"):
-        print(f"    act in GEMM2 prologue, 1 token: span {tl_['span_us']:.1f} us, idle {tl_['idle_us']:.1f}; "
-              + ", ".join(f"{k['stage']} {k['dur_us']:.1f}" for k in tl_["kernels"]))
     for m_, row in res.get("act_rows_ab", {}).items():
         if not isinstance(row, dict) or m_ == "breakdown":
             continue
