@@ -865,7 +865,8 @@ def report(res: dict) -> None:
         if bad or errs:
             print(f"    other bits: {bad}  errors: {errs}")
     lay = res.get("layer", {}).get("cases", {})
-    print(f"layer, 1 token, graph of {res.get('layer', {}).get('calls_per_graph')} calls (us per call):")
+    if lay:
+        print(f"layer, 1 token, graph of {res.get('layer', {}).get('calls_per_graph')} calls (us per call):")
     timed = [(n, c) for n, c in lay.items() if n != "copy" and "median_us" in c]
     for n, c in sorted(timed, key=lambda nc: nc[1]["median_us"]):
         print(f"    {c['median_us']:7.1f} us ({c['min_us']:.1f}-{c['max_us']:.1f}) {c.get('of_roofline', 0):4.0%} "
