@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from .layouts import LAYOUTS, ModuleData
+from .layouts import ModuleData
 from .report import timed
 
 PIPELINE_DEPTH = 2
@@ -85,22 +85,13 @@ def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[in
     a fused group brings its group's members, read once, into ``job.group_state["datas"]`` (``convert_module``
     computes the group's shared global once, from them, on the device). The writer is closed when the shard is
     complete; on an error in any stage both threads stop, the writer is aborted (no partial file is left) and the
-    error is raised here. The reader copies each converted module's source codes and scales to the device
-    (:func:`_copier`) and the conversion thread hands them to :func:`~moeref.quant.device_report.upload`
-    (:func:`~moeref.quant.device_report.remember_upload`), so that the group amax, the engine and the report read
-    them without staging them again. The members held and the device uploads are cleared at the end; ``ck``
-    stays open.
-    ``job.timings`` (a :class:`.report.StageTimes`, or None) receives ``read`` (the reader thread: the reads
-    and the sources' copies to the device, :func:`_copier`), ``write``
+    error is raised here. The members held and the device uploads are cleared at the end; ``ck`` stays open.
+    ``job.timings`` (a :class:`.report.StageTimes`, or None) receives ``read`` (the reader thread), ``write``
     (the writer thread), ``close``, and the conversion thread's ``wait_read`` and ``wait_write``."""
-    from ..quant.device_report import remember_upload
-
     stop = threading.Event()
     tm = job.timings
     to_convert, to_write = queue.Queue(PIPELINE_DEPTH), queue.Queue(PIPELINE_DEPTH)
     held = {}  # group members read ahead, by module
-
-    copy_ahead = _copier(job)
 
     def read():
         groups_read = set()
@@ -109,21 +100,17 @@ def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[in
                 return
             t0 = time.perf_counter()
             if action == "copy":
-                item = (name, action, ck.read(name), ())
+                item = (name, action, ck.read(name))
             else:
-                fresh = name not in held
                 data = held.pop(name, None) or job.read_source(name, job.modules[name], ck)
-                copies = [copy_ahead(data)] if action == "convert" and fresh else []
                 if action == "convert" and name in job.groups and job.groups[name] not in groups_read:
                     groups_read.add(job.groups[name])  # the group's members, read once, for its global
                     for m in job.groups[name]:
                         md = data if m == name else held.get(m) or job.read_source(m, job.group_roles[m], ck)
-                        if m != name:
-                            copies.append(copy_ahead(md))
                         job.group_state["datas"][m] = md
                         if m != name and m in job.modules:
                             held[m] = md
-                item = (name, action, data, copies)
+                item = (name, action, data)
             if tm is not None:
                 tm.add("read", time.perf_counter() - t0)
             if not _put(to_convert, item, stop):
@@ -166,10 +153,7 @@ def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[in
                 tm.add("wait_read", time.perf_counter() - t0)
             if item is _DONE:
                 break
-            name, action, data, copies = item
-            for c in copies:  # the device copies the reader made: upload() gives them back
-                if c is not None:
-                    remember_upload(*c)
+            name, action, data = item
             if action == "copy":
                 tensors = [(name, data)]
                 copied += 1
@@ -205,65 +189,23 @@ def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[in
     return copied, reports
 
 
-def _copier(job):
-    """``copy(data) -> (q, codes, scales) or None``: the reader thread's copy of a module's source codes and
-    scales to ``job.device`` (:func:`moeref.quant.device_report.device_copy`; queued on the device's stream in
-    the reader thread, so that the conversion thread does not stage them), for a quantized source whose
-    report and group amax read them there (:func:`~moeref.quant.device_report.device_report_unavailable`);
-    None for the others."""
-    from ..quant.device_report import _device_key, device_copy, device_report_unavailable
-
-    target = LAYOUTS[job.opts.target].scheme(job.opts.preset)
-    device = _device_key(job.device)  # "cuda" read here: the conversion thread's current device
-
-    def copy(data):
-        q = data.q
-        if q is None or device_report_unavailable(target, q) is not None:
-            return None
-        return (q, *device_copy(q, device))
-
-    return copy
-
-
 def device_amax(d: ModuleData, precision: str, device: str) -> float:
     """``max |v|`` of :func:`.shard._group_global`'s member values ``v`` (the source decoded to float32, or
-    float64 for ``precision="exact"``; float values as float32), computed on ``device``: the one member of
-    :func:`device_amaxes`."""
-    return device_amaxes([d], precision, device)[0]
-
-
-def device_amaxes(datas: list, precision: str, device: str) -> list:
-    """``[max |v|]`` of each of ``datas`` (:func:`device_amax`'s values; NaN where a value is NaN, 0.0 for an
-    empty tensor), computed on ``device`` and brought to the host together (one wait for the device per fused
-    group). A quantized source's maximum comes from its codes and block scales
-    (:func:`moeref.quant.device_report.device_codes_amax`, the same float without decoding the tensor), else
-    from the decoded values."""
+    float64 for ``precision="exact"``; float values as float32), computed on ``device``."""
     import torch
 
     from .._interop import to_device, to_torch
-    from ..quant.device_report import device_codes_amax, device_dequantize, upload
+    from ..quant.device_report import device_dequantize, upload
 
-    f32 = precision == "float32"
-    out = []
-    for d in datas:
-        if d.q is not None:
-            if d.q.zero_points is not None or d.q.channel_scales is not None:
-                v = torch.from_numpy(d.q.dequantize(np.float32 if f32 else np.float64))
-            else:
-                codes, scales = upload(d.q, device)
-                m = device_codes_amax(codes, scales, d.q.scheme, d.q.shape, d.q.global_scale, float32=f32)
-                if m is not None:
-                    out.append(m)
-                    continue
-                v = device_dequantize(codes, scales, d.q.scheme, d.q.shape, d.q.global_scale)
-                v = v.to(torch.float32) if f32 else v
+    if d.q is not None:
+        if d.q.zero_points is not None or d.q.channel_scales is not None:
+            v = torch.from_numpy(d.q.dequantize(np.float32 if precision == "float32" else np.float64))
         else:
-            v = to_device(to_torch(np.asarray(d.values)), device).to(torch.float32)
-        out.append(v.abs().max() if v.numel() else None)
-    on_device = [m for m in out if m is not None]
-    got = iter(torch.stack([m.to(device=device, dtype=torch.float64) for m in on_device]).tolist()
-               if on_device else [])  # float32 to float64: exact
-    return [0.0 if m is None else next(got) for m in out]
+            v = device_dequantize(*upload(d.q, device), d.q.scheme, d.q.shape, d.q.global_scale)
+            v = v.to(torch.float32) if precision == "float32" else v
+    else:
+        v = to_device(to_torch(np.asarray(d.values)), device).to(torch.float32)
+    return float(v.abs().max()) if v.numel() else 0.0
 
 
 def hash_in_thread(jobs, run_shard, sha256, dst: str, record, timings=None) -> None:

@@ -41,8 +41,8 @@ from .quantized import QuantizedTensor
 from .scheme import Scheme
 from .tensor import ReportSums, RequantReport, _sum_row, _halve_rows, quantize, report_from_sums
 
-__all__ = ["device_sum_of_squares", "device_dequantize", "device_codes_amax", "device_report", "device_requantize",
-           "device_report_unavailable", "device_copy", "upload", "remember_upload", "clear_uploads"]
+__all__ = ["device_sum_of_squares", "device_dequantize", "device_report", "device_requantize",
+           "device_report_unavailable", "upload", "remember_upload", "clear_uploads"]
 
 
 def _torch():
@@ -54,20 +54,15 @@ def _torch():
 def device_sum_of_squares(t) -> float:
     """:func:`moeref.quant.tensor.sum_of_squares` of the float64 tensor ``t``, on its device, in the same
     order (the same float64)."""
-    return float(_sum_of_squares(t))
-
-
-def _sum_of_squares(t):
-    """:func:`device_sum_of_squares` as a 0-d float64 tensor on ``t``'s device (the host does not wait)."""
     torch = _torch()
     a = t.reshape(-1)
     square = True
     while True:
         n = a.numel()
         if n == 0:
-            return torch.zeros((), dtype=torch.float64, device=a.device)
+            return 0.0
         if n == 1 and not square:
-            return a[0]
+            return float(a[0])
         r = _sum_row(n)
         rows = -(-n // r)
         b = torch.zeros(rows * r, dtype=torch.float64, device=a.device)
@@ -107,82 +102,14 @@ def device_dequantize(codes, scales, scheme: Scheme, shape: tuple, global_scale:
         s = scales.to(torch.float64)
     else:
         s = _table("e8m0" if fmt == "ue8m0" else "ue4m3", dev)[scales.to(torch.int64)]
-    if global_scale is not None:  # a Python float: no host-to-device copy (the float64 product is the same)
-        s = s * float(global_scale)
+    if global_scale is not None:
+        s = s * torch.tensor(float(global_scale), dtype=torch.float64, device=dev)
     block = tuple(int(b) for b in scheme.resolve_block(shape))
     k = len(block)
     nl = len(shape) - k
     for i, b in enumerate(block):  # the block scale of every element (cropped at the end of an axis)
         s = torch.repeat_interleave(s, b, dim=nl + i).narrow(nl + i, 0, shape[nl + i])
     return v * s
-
-
-_MAGNITUDES: dict = {}
-
-
-def _magnitude_table(name: str, device):
-    """``|decode(k)|`` for the low 7 bits ``k`` of the 8-bit element format ``name`` (float64, NaN for NaN
-    codes) where the format is sign-magnitude in the sense :func:`device_codes_amax` needs: the code ``k | 0x80``
-    has the magnitude of ``k``, the magnitudes do not decrease with ``k`` and the NaN codes are the largest
-    ``k``; else None. Read off the decode table (:func:`moeref.formats.decode_table`), not assumed."""
-    key = (name, str(device))
-    if key not in _MAGNITUDES:
-        t = np.abs(np.array(decode_table(name), np.float64))
-        ok = t.size == 256
-        if ok:
-            lo, hi = t[:128], t[128:]
-            nan = np.isnan(lo)
-            first_nan = int(np.argmax(nan)) if nan.any() else 128
-            ok = (np.array_equal(lo, hi, equal_nan=True) and bool(nan[first_nan:].all())
-                  and bool(np.all(np.diff(lo[:first_nan]) >= 0)))
-        _MAGNITUDES[key] = _torch().as_tensor(t[:128], device=device) if ok else None
-    return _MAGNITUDES[key]
-
-
-def device_codes_amax(codes, scales, scheme: Scheme, shape: tuple, global_scale: float | None = None,
-                float32: bool = False):
-    """``device_dequantize(codes, scales, ...).abs().max()`` (``float32``: of the values rounded to float32)
-    as a 0-d tensor on the codes' device, without decoding the tensor: from each block's largest and smallest
-    code magnitude (one byte per element read) and the block's scale. None where this does not apply (then
-    decode): packed 4-bit codes, an element format that is not sign-magnitude (:func:`_magnitude_table`), a
-    shape that is not a whole number of blocks, an empty tensor.
-
-    Exact, the same float as the decoded maximum, NaN included: an element's value is ``decode(code) *
-    scale`` (float64, :func:`device_dequantize`), whose magnitude ``|decode(code)| * |scale|`` (rounding is
-    symmetric in sign) does not decrease with ``|decode(code)|`` for a fixed scale (rounding, to float64 and
-    then to float32, is monotone), so a block's largest magnitude is its largest code magnitude times
-    ``|scale|``; an element is NaN where its code is (the NaN codes have the largest ``k``: a block holding
-    one has a NaN maximum), where its scale is, and for a zero code times an infinite scale (a block whose
-    smallest magnitude is 0 with an infinite scale gives NaN) or an infinite code times a zero scale (the
-    largest magnitude, inf, times 0: NaN). ``torch.max`` propagates NaN, as the decoded maximum does."""
-    torch = _torch()
-    dev = codes.device
-    shape = tuple(int(d) for d in shape)
-    if scheme.packed or codes.dtype != torch.uint8 or tuple(codes.shape) != shape or codes.numel() == 0:
-        return None
-    mags = _magnitude_table(scheme.element, dev)
-    block = tuple(int(b) for b in scheme.resolve_block(shape))
-    nl = len(shape) - len(block)
-    if mags is None or any(shape[nl + i] % b for i, b in enumerate(block)):
-        return None
-    view = shape[:nl] + tuple(d for i, b in enumerate(block) for d in (shape[nl + i] // b, b))
-    inner = tuple(nl + 2 * i + 1 for i in range(len(block)))
-    k = torch.bitwise_and(codes, 0x7F).reshape(view)
-    kmax, kmin = k.amax(dim=inner), k.amin(dim=inner)
-    fmt = scheme.scale_format
-    if fmt == "fp32":
-        s = scales.to(torch.float64)
-    else:
-        s = _table("e8m0" if fmt == "ue8m0" else "ue4m3", dev)[scales.to(torch.int64)]
-    if global_scale is not None:  # a Python float: no host-to-device copy (the float64 product is the same)
-        s = s * float(global_scale)
-    s = s.reshape(kmax.shape)
-    top = mags[kmax.to(torch.int64)] * s.abs()
-    zero_by_inf = (mags[kmin.to(torch.int64)] == 0) & torch.isinf(s)
-    top = torch.where(zero_by_inf, torch.full((), float("nan"), dtype=torch.float64, device=dev), top)
-    if float32:
-        top = top.to(torch.float32)
-    return top.max()
 
 
 def device_report_unavailable(target: Scheme, source=None) -> str | None:
@@ -235,27 +162,20 @@ def remember_upload(q: QuantizedTensor, codes, scales) -> bool:
     return ok
 
 
-def device_copy(q: QuantizedTensor, device):
-    """``(codes, scales)`` of the host tensor ``q`` copied to ``device`` (:func:`moeref._interop.to_device`:
-    queued on the current stream, the host not waiting), not kept: :func:`upload` keeps its copies; the
-    converter's reader thread copies a module ahead with this and hands the copies to :func:`remember_upload`
-    in the conversion thread."""
-    from .._interop import to_device
-
-    if _torch().device(device).type == "cpu":  # torch refuses to share a read-only array
-        return to_device(np.array(q.codes), device), to_device(np.array(q.scales), device)
-    return to_device(q.codes, device), to_device(q.scales, device)
-
-
 def upload(q: QuantizedTensor, device):
     """``(codes, scales)`` of the host tensor ``q`` on ``device``; the last :data:`UPLOADS_KEPT` uploads are
     kept and given back for the same ``q`` (a QuantizedTensor's arrays are read-only)."""
+    from .._interop import to_device
+
     key = (id(q), _device_key(device))
     hit = _UPLOADS.pop(key, None)
     if hit is not None and hit[0] is q:
         _UPLOADS[key] = hit  # most recent last
         return hit[1], hit[2]
-    codes, scales = device_copy(q, device)
+    if _torch().device(device).type == "cpu":  # torch refuses to share a read-only array
+        codes, scales = to_device(np.array(q.codes), device), to_device(np.array(q.scales), device)
+    else:
+        codes, scales = to_device(q.codes, device), to_device(q.scales, device)
     _UPLOADS[key] = (q, codes, scales)
     while len(_UPLOADS) > UPLOADS_KEPT:
         _UPLOADS.pop(next(iter(_UPLOADS)))
@@ -274,35 +194,21 @@ def device_report(target: QuantizedTensor, x, method: str, precision: str = "exa
     y = device_dequantize(codes, scales, target.scheme, target.shape, target.global_scale)
     err = torch.sub(y, x, out=y)
     del y
-    # the sums and, for a finite error, the extremes and their first indices: one copy to the host
-    sums = [_sum_of_squares(x), _sum_of_squares(err)]
-    if err.numel():
-        flat_err = err.reshape(-1)
-        sums += [(err != 0).any(), err.max(), err.min(), flat_err.argmax(), flat_err.argmin()]
-    got = torch.stack([v.to(torch.float64) for v in sums]).tolist()  # exact: indices < 2**53
-    x2, e2 = got[0], got[1]
+    x2, e2 = device_sum_of_squares(x), device_sum_of_squares(err)
     allfin = np.isfinite(x2) and np.isfinite(e2)
-    if allfin:
-        lossless = len(got) == 2 or not got[2]  # NaN counts as an error (a NaN makes the sums non-finite)
-        hi = lo = 0.0
-        flat = 0
-        if not lossless:
-            hi, lo = got[3], got[4]
-            flat = int(got[5]) if hi >= -lo else int(got[6])
-        return report_from_sums(ReportSums(lossless, hi, lo, flat, float(e2), float(x2)), err,
-                                tuple(target.shape), tuple(target.block_shape), method, precision)
-    # a NaN or Inf somewhere: the host's handling, operation for operation
-    yy = err + x
-    both_nan = torch.isnan(x) & torch.isnan(yy)
-    err = torch.where(both_nan | (torch.isinf(x) & (x == yy)), torch.zeros((), dtype=err.dtype,
-                                                                           device=err.device), err)
-    fin = torch.isfinite(err)
-    e2, x2 = device_sum_of_squares(err[fin]), device_sum_of_squares(x[fin])
+    if not allfin:  # the host's handling, operation for operation
+        yy = err + x
+        both_nan = torch.isnan(x) & torch.isnan(yy)
+        err = torch.where(both_nan | (torch.isinf(x) & (x == yy)), torch.zeros((), dtype=err.dtype,
+                                                                               device=err.device), err)
+        fin = torch.isfinite(err)
+        e2, x2 = device_sum_of_squares(err[fin]), device_sum_of_squares(x[fin])
     lossless = not bool((err != 0).any())  # NaN counts as an error
     hi = lo = 0.0
     flat = 0
     if not lossless:
-        ef = torch.where(torch.isfinite(err), err, torch.zeros((), dtype=err.dtype, device=err.device))
+        ef = err if allfin else torch.where(torch.isfinite(err), err, torch.zeros((), dtype=err.dtype,
+                                                                                  device=err.device))
         hi, lo = float(ef.max()), float(ef.min())
         flat = int(ef.reshape(-1).argmax()) if hi >= -lo else int(ef.reshape(-1).argmin())
     return report_from_sums(ReportSums(lossless, hi, lo, flat, float(e2), float(x2)), err,
@@ -365,13 +271,8 @@ def device_requantize(q, target: Scheme, *, device, values=None, precision: str 
         return first, rep
     if not _searchable(None, target) or x.numel() == 0:
         return first, rep
-    samples = sample_blocks(tuple(x.shape), target)
-    parts = [x[idx] for idx, _ in samples]
-    host = torch.cat([p.reshape(-1) for p in parts]).cpu().numpy()  # the blocks in one copy
-    at = 0
-    for (_, block), p in zip(samples, parts):
-        xs = host[at:at + p.numel()].reshape(tuple(p.shape))
-        at += p.numel()
+    for idx, block in sample_blocks(tuple(x.shape), target):
+        xs = x[idx].cpu().numpy()
         if not sample_block_representable(xs, block, target):
             return first, rep  # no lossless encoding exists: neither candidate can be
     return None
