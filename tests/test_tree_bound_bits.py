@@ -113,6 +113,28 @@ def _values(rng, shape, kind):
         return 0.3 + rng.standard_normal(shape)
     return rng.integers(-3, 4, shape).astype(np.float64)
 
+def _gemm_case(rng, rows, k, n, experts, kind, fp8, with_radius, with_bias, weight_scale=1.0, special=None):
+    """``(a, weights, row_expert, radius, bias)`` of a grouped GEMM drawn from ``rng``: values of ``kind``
+    (weights times ``weight_scale``; ``special`` written into one element of ``a`` unless FP8), FP8 1x128 / 128x128
+    when ``fp8``, row experts in ``-1 .. experts - 1`` (-1: padding), half the radius entries zero when
+    ``with_radius``, a normal bias when ``with_bias``."""
+    a = _values(rng, (rows, k), kind)
+    weights = [_values(rng, (n, k), kind) for _ in range(experts)]
+    if weight_scale != 1.0:
+        weights = [weight_scale * wi for wi in weights]
+    if special is not None and not fp8:
+        a[rng.integers(0, rows), rng.integers(0, k)] = special
+    if fp8:
+        a = quantize(a.astype(np.float32), fp8_group(min(128, k)))
+        weights = [quantize(wi.astype(np.float32), fp8_block()) for wi in weights]
+    row_expert = rng.integers(-1, experts, rows)
+    radius = None
+    if with_radius:
+        radius = np.abs(rng.standard_normal((rows, k))) * 2.0**-9
+        radius[rng.random((rows, k)) < 0.5] = 0.0
+    bias = rng.standard_normal((experts, n)) if with_bias else None
+    return a, weights, row_expert, radius, bias
+
 
 @given(m=st.integers(1, 9), n=st.integers(1, 40), k=st.integers(1, 140),
        kind_a=st.sampled_from(["bf16", "f64", "positive", "drift", "int"]),
@@ -240,17 +262,7 @@ def test_rows_gemm_interval_same_bits_as_apart(rows, experts, n, k, kind, with_r
     bound's ``ordered_dot``) against the center, bound and radius term computed apart: the same bits, padding rows
     (-1) and experts without rows included; FP8 operands take ``block_gemm`` for the center."""
     rng = np.random.default_rng(seed)
-    a = _values(rng, (rows, k), kind)
-    weights = [_values(rng, (n, k), kind) for _ in range(experts)]
-    if fp8:
-        a = quantize(a.astype(np.float32), fp8_group(min(128, k)))
-        weights = [quantize(wi.astype(np.float32), fp8_block()) for wi in weights]
-    row_expert = rng.integers(-1, experts, rows)
-    radius = None
-    if with_radius:
-        radius = np.abs(rng.standard_normal((rows, k))) * 2.0**-9
-        radius[rng.random((rows, k)) < 0.5] = 0.0
-    bias = rng.standard_normal((experts, n)) if with_bias else None
+    a, weights, row_expert, radius, bias = _gemm_case(rng, rows, k, n, experts, kind, fp8, with_radius, with_bias)
     got = bounds_mod._rows_gemm_interval(a, radius, row_expert, weights, bias, BF16_OUTPUT)
     want = _rows_gemm_interval_apart(a, radius, row_expert, weights, bias, BF16_OUTPUT)
     _same_bits(got[0], want[0])
@@ -443,19 +455,8 @@ def test_rows_gemm_interval_with_ends_stores_the_same_bits(rows, experts, n, k, 
 
     profile = BF16_OUTPUT_BIAS_INIT if init else BF16_OUTPUT
     rng = np.random.default_rng(seed)
-    a = _values(rng, (rows, k), kind)
-    weights = [0.05 * _values(rng, (n, k), kind) for _ in range(experts)]
-    if special is not None and not fp8:
-        a[rng.integers(0, rows), rng.integers(0, k)] = special
-    if fp8:
-        a = quantize(a.astype(np.float32), fp8_group(min(128, k)))
-        weights = [quantize(wi.astype(np.float32), fp8_block()) for wi in weights]
-    row_expert = rng.integers(-1, experts, rows)
-    radius = None
-    if with_radius:
-        radius = np.abs(rng.standard_normal((rows, k))) * 2.0**-9
-        radius[rng.random((rows, k)) < 0.5] = 0.0
-    bias = rng.standard_normal((experts, n)) if with_bias else None
+    a, weights, row_expert, radius, bias = _gemm_case(rng, rows, k, n, experts, kind, fp8, with_radius, with_bias,
+                                                      weight_scale=0.05, special=special)
     w_row = rng.random(rows) if weighted else None
     with pytest.MonkeyPatch.context() as mp:  # every store dtype bracketed (FP16 and FP32 leave most ends open)
         mp.setattr(bounds_mod, "_BRACKETED_STORES", (dtype,))
