@@ -80,9 +80,9 @@ def _fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torc
         if torch.is_tensor(expert_map):
             expert_map = to_numpy(expert_map)  # a host map: the dispatch validates it, with no device count
     m = int(hidden.shape[0])
-    chunk = m if chunk_size is None else int(chunk_size)
-    if chunk < 1:
+    if chunk_size is not None and int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
+    chunk = max(m, 1) if chunk_size is None else int(chunk_size)  # no tokens: one empty chunk
     kw = dict(impl=impl, activation=activation, act_kw={k: v for k, v in params.items() if k != "layout"},
               layout=layout, alignment=alignment, max_m=max_m, capturable=capturable, tiles=tiles)
     ids_all = topk_ids.to(hidden.device)
