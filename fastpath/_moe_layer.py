@@ -248,7 +248,7 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
             src, dst = torch.nn.functional.pad(lay.src, (0, pad), value=-1), None
     if side is not None:  # join the quantization branch (after the dispatch's launches, which it overlaps)
         main.wait_stream(side)
-    if src.numel() == 0:  # no slot of this chunk is routed to a local expert (a host-known shape: no sync)
+    if src.numel() == 0 or m == 0:  # no slot of this chunk is routed to a local expert (a host-known shape: no sync)
         return torch.zeros((m, k), dtype=torch.float32, device=x.device) if into is None else into.zero_()
     src_flat = src.reshape(-1)
     n_rows = int(src_flat.numel())
