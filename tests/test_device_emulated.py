@@ -86,12 +86,12 @@ _SEEN = {"enumerated": 0, "fallback": 0}
 
 
 def _run(promotion, tokens, enumerate_codes, seed, k, n):
-    import moeref.compare.bounds as host_bounds
+    import moeref.compare.emulated_gemm as host_emulated
 
     with pytest.MonkeyPatch.context() as mp:
         paths = _Paths(mp)
         if not enumerate_codes:
-            mp.setattr(host_bounds, "_MAX_ENUMERATED", 0)
+            mp.setattr(host_emulated, "_MAX_ENUMERATED", 0)
         _same_bound(*_layer(3, k, n, tokens, 2, seed), promotion)
     _SEEN["enumerated" if enumerate_codes else "fallback"] += paths.enumerated if enumerate_codes else paths.fallback
 

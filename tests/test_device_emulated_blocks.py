@@ -1,6 +1,6 @@
 """GEMM2 of an emulated profile at the GEMM level: :func:`moeref.compare.device.emulated.device_emulated_gemm`
 (uncertain codes enumerated per 128-column block, the promotion of every combination replayed from block
-accumulators) against the host's :func:`moeref.compare.bounds._emulated_gemm` (every combination of a row's codes
+accumulators) against the host's :func:`moeref.compare.emulated_gemm._emulated_gemm` (every combination of a row's codes
 emulated over the whole row, NumPy emulator), bit for bit.
 
 Drawn operands put up to four uncertain codes in one block or spread over blocks, rows whose codes are certain but

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from moeref.compare import bounds as bounds_mod
 from moeref.compare import contiguous_tree as ct
 from moeref.compare import gemm_bounds as gb
+from moeref.compare import gemm_intervals as gint
 from moeref.compare import operand_radius as orad
 from moeref.compare import summation_order as so
 from moeref.compare.bounds import BF16_OUTPUT, FP32_ACCUM, Profile
@@ -459,11 +460,11 @@ def test_rows_gemm_interval_with_ends_stores_the_same_bits(rows, experts, n, k, 
                                                       weight_scale=0.05, special=special)
     w_row = rng.random(rows) if weighted else None
     with pytest.MonkeyPatch.context() as mp:  # every store dtype bracketed (FP16 and FP32 leave most ends open)
-        mp.setattr(bounds_mod, "_BRACKETED_STORES", (dtype,))
+        mp.setattr(gint, "_BRACKETED_STORES", (dtype,))
         ends = bounds_mod._ends_of(dtype, w_row, BF16_OUTPUT.reduce_unit)
     assert ends is not None
     with pytest.MonkeyPatch.context() as mp, np.errstate(invalid="ignore", over="ignore"):
-        mp.setattr(bounds_mod, "_EXACT_ALL_FROM", exact_all_from)
+        mp.setattr(gint, "_EXACT_ALL_FROM", exact_all_from)
         mp.setattr(ct, "_REFINE_ELEMS", lane_elems)
         got = bounds_mod._rows_gemm_interval(a, radius, row_expert, weights, bias, profile, ends=ends)
         want = _rows_gemm_interval_apart(a, radius, row_expert, weights, bias, profile)

@@ -8,7 +8,7 @@ GEMM2 of the layer: 256 experts of w2 ``[7168, 2048]`` (random E4M3 codes, 128x1
 re-quantization's uncertainty). Times both trees' bound as interleaved rounds (>= 7, CUDA events), reports the
 median and min-max, the peak GPU memory of one call of each, the ratio of the two bounds (the new definition
 of 2026-11-25 is looser: per-step summaries) and a spot check: the new bound of two experts' rows on 256
-output columns equals the NumPy bound (:func:`moeref.compare.bounds._rows_error_bound`) bit for bit.
+output columns equals the NumPy bound (:func:`moeref.compare.gemm_intervals._rows_error_bound`) bit for bit.
 
     python bench/studies/bench_adder_radius.py --old ../moeref/compare --out $OUT/adder_radius.json
 

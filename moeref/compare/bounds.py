@@ -47,19 +47,27 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..dispatch import weight_and_reduce
-from ..gemm.exact import as_operand, block_gemm, in_order_sum
-from ..gemm.grouped import ExpertOperands, check_row_expert, expert_rows_gemm
+from ..gemm.exact import as_operand
+from ..gemm.grouped import ExpertOperands, expert_rows_gemm
+from .emulated_gemm import _emulated_gemm
 from .gemm_bounds import (
     aligned_adder_gemm_bound,
     contiguous_tree_gemm_bound,
-    contiguous_tree_parts,
     gamma,
     gemm_coefficient,
     gemm_error_bound,
     worst_case_gemm_bound,
 )
-from .operand_radius import exact_radius, radius_dot
+from .gemm_intervals import (
+    _add_bias_after_store,
+    _ends_of,
+    _rows_error_bound,
+    _rows_gemm_interval,
+    _rows_radius_term,
+    _weighted,
+)
 from .stage_bounds import activation_error, activation_magnitude, lipschitz_on, requant_uncertainty
+from .stores import STORE_DTYPES, store_interval
 
 __all__ = [
     "Profile",
@@ -91,8 +99,6 @@ __all__ = [
 U_FP32 = 2.0**-24
 U_BF16 = 2.0**-8
 ACCUM_MODELS = ("worst_case", "contiguous_tree", "data_dependent", "emulated")
-STORE_DTYPES = ("bfloat16", "float16", "float32")
-"""Dtypes a :class:`Profile` can declare for a replayed store (round to nearest-even)."""
 BIAS_ADDS = ("epilogue", "after_store", "accumulator_init")
 """Where a :class:`Profile` declares the GEMM bias is added (:attr:`Profile.bias_add`)."""
 
@@ -242,55 +248,6 @@ def get_profile(profile) -> Profile:
     return PROFILES[key]
 
 
-def store_interval(value, radius, dtype: str | None, unit: float = 0.0):
-    """One declared store, as an interval: ``(center, radius, may_flip)``.
-
-    ``value``: float64 array, the center of what the kernel holds before the store; ``radius``: float64
-    (same shape, >= 0), the bound on the kernel's deviation from it; ``dtype``: one of
-    :data:`STORE_DTYPES` (the kernel rounds to nearest-even in it) or None (the store is bounded by
-    ``unit (|value| + radius)`` instead and the center stays ``value``).
-
-    Round to nearest is monotone, so the stored ``rnd(v~)`` for ``|v~ - value| <= radius`` lies in
-    ``[rnd(value - radius), rnd(value + radius)]``; the result is that interval as its midpoint and
-    half-width. Where both ends round alike the radius is exactly 0 (the stored value is known); where
-    they straddle a rounding boundary the interval is one ulp of ``dtype`` wide (more for a wide
-    input) and ``may_flip`` is set. The rounding is the float64 -> ``dtype`` cast of
-    :func:`moeref.moe.round_to_dtype` (ml_dtypes rounds through float32 first: on an FP32 value, as a
-    kernel holds it, that is the kernel's rounding; on a float64 value it is still monotone, which is all
-    the interval needs). The ends are widened by ``2^-40`` relative for the float64 ``value -+ radius``.
-
-    >>> v = np.array([1.0 + 2**-8 + 2**-12, 1.0 + 2**-9])    # bf16 ulp at 1: 2^-7, tie at 1 + 2^-8
-    >>> c, r, f = store_interval(v, np.array([2**-11, 2**-30]), "bfloat16")
-    >>> ((c - 1) * 2**8).tolist(), (r * 2**8).tolist(), f.tolist()  # the first straddles, the second is known
-    ([1.0, 0.0], [1.0, 0.0], [True, False])
-    """
-    value = np.asarray(value, dtype=np.float64)
-    radius = np.asarray(radius, dtype=np.float64)
-    if dtype is None:
-        return value, radius + unit * (np.abs(value) + radius), np.zeros(value.shape, dtype=bool)
-    if dtype not in STORE_DTYPES:
-        raise ValueError(f"dtype must be None or one of {', '.join(STORE_DTYPES)}; got {dtype!r}")
-    lo, hi = _store_ends(value, radius, dtype)
-    with np.errstate(over="ignore", invalid="ignore"):
-        center = 0.5 * lo + 0.5 * hi        # exact: both are representable, halving is exact
-        half = 0.5 * hi - 0.5 * lo
-    bad = ~np.isfinite(half) & np.isfinite(value)
-    center = np.where(bad, value, center)
-    half = np.where(bad, np.inf, half)
-    return center, half, lo != hi
-
-
-def _store_ends(value, radius, dtype: str):
-    """The two ends :func:`store_interval` rounds for a store to ``dtype`` (one of :data:`STORE_DTYPES`):
-    ``(rnd(value - wide), rnd(value + wide))``, float64, ``wide`` the radius widened for the float64 evaluation; the
-    first nonincreasing and the second nondecreasing in ``radius``."""
-    from ..moe.pipeline import round_to_dtype
-
-    with np.errstate(over="ignore", invalid="ignore"):
-        wide = radius * (1.0 + 2.0**-40) + np.abs(value) * 2.0**-52
-        return round_to_dtype(value - wide, dtype), round_to_dtype(value + wide, dtype)
-
-
 @dataclass(frozen=True, eq=False)
 class LayerBound:
     """``bound``: float64 ``[M, K]`` per-element bound on ``|candidate - reference output|``; ``flips``:
@@ -302,249 +259,6 @@ class LayerBound:
     flips: int
     center: np.ndarray | None = None
     radius: np.ndarray | None = None
-
-
-def _rows_error_bound(a, a_radius, row_expert, weights, bias, profile: Profile) -> np.ndarray:
-    """:func:`gemm_error_bound` of every row against its expert's weights (the row -> expert map of
-    :func:`moeref.gemm.grouped.expert_rows_gemm`), float64 ``[R, N]``, 0 on padding rows."""
-    a = as_operand(a, "a")
-    w = ExpertOperands(weights)
-    b = None if bias is None else np.asarray(bias, dtype=np.float64)
-    out = np.zeros((row_expert.size, w[0].shape[0] if len(w) else 0))
-    for e in np.unique(row_expert[row_expert >= 0]).tolist():  # a loop over experts
-        idx = np.flatnonzero(row_expert == e)
-        out[idx] = gemm_error_bound(a.take_rows(idx), w[e], profile,
-                                    a_radius=None if a_radius is None else a_radius[idx],
-                                    bias=None if b is None else b[e])
-    return out
-
-
-def _rows_gemm_interval(a, a_radius, row_expert, weights, bias, profile: Profile, ends=None):
-    """``(center, radius)`` float64 ``[R, N]`` of a GEMM's interval before its store: the center
-    :func:`moeref.gemm.grouped.expert_rows_gemm` of ``a`` (with ``bias``), the radius ``_rows_radius_term`` (with
-    ``a_radius``) plus :func:`_rows_error_bound`; 0 on padding rows. The same bits, with one pass over the products
-    where they coincide: under ``"contiguous_tree"`` the walk's in-order sum is the center wherever
-    :func:`moeref.gemm.exact.in_order_sum` holds, and its ``ordered_dot`` of the radius is the radius term wherever
-    :func:`moeref.compare.operand_radius.exact_radius` is None (:func:`moeref.compare.operand_radius.radius_dot`).
-
-    ``ends``: optional, for a caller that only stores the interval: ``ends(rows, center, radius)`` -> the two ends
-    the store rounds (:func:`_store_ends`, after any elementwise step between) for elements of the rows ``rows``
-    (broadcast against ``center``), each
-    nondecreasing or each nonincreasing in ``radius``. Under ``"contiguous_tree"`` the radius is then exact where its
-    ends depend on it, and elsewhere a value with the same ends: the bound's brackets
-    (:func:`moeref.compare.contiguous_tree._contiguous_tree_brackets`, which skip the walks of ``L >= 2``) give the
-    same ends (both signs of zero told apart, every bracket finite), so they are the exact radius's ends; the other
-    outputs walk the next lane count and are bracketed again, and those still open after every lane count get the
-    exact radius (or the whole GEMM is walked where more than :data:`_EXACT_ALL_FROM` of its outputs are open at
-    first)."""
-    if profile.accum_model != "contiguous_tree":
-        center = expert_rows_gemm(a, row_expert, weights, bias)
-        bound = _rows_error_bound(a, a_radius, row_expert, weights, bias, profile)
-        return center, bound if a_radius is None else _rows_radius_term(a_radius, row_expert, weights) + bound
-    a = as_operand(a, "a")
-    w = ExpertOperands(weights)
-    rows = check_row_expert(row_expert, a.shape[0], len(w))
-    b = None if bias is None else np.asarray(bias, dtype=np.float64)
-    n = w[0].shape[0] if len(w) else 0
-    center = np.zeros((rows.size, n))
-    radius = np.zeros((rows.size, n))
-    for e in np.unique(rows[rows >= 0]).tolist():  # a loop over experts
-        idx = np.flatnonzero(rows == e)
-        a_e, r_e = a.take_rows(idx), None if a_radius is None else a_radius[idx]
-        b_e = None if b is None else b[e]
-        grid = r_e is not None and r_e.shape[1] and n and exact_radius(r_e, w[e]) is not None
-        if ends is not None and n:
-            c_e, rad = _tree_interval_by_ends(a_e, w[e], r_e, b_e, profile, grid, ends, idx)
-        else:
-            bound, total, rdot = contiguous_tree_parts(a_e, w[e], profile, a_radius=r_e, bias=b_e)
-            c_e = total + 0.0 if in_order_sum(a_e, w[e]) else block_gemm(a_e, w[e])
-            if b_e is not None:
-                c_e += b_e
-            rad = bound
-            if r_e is not None:
-                if grid:  # radius_dot's grid
-                    rdot = radius_dot(r_e, w[e])
-                rad = rdot + bound
-        center[idx] = c_e
-        radius[idx] = rad
-    return center, radius
-
-
-_EXACT_ALL_FROM = 0.5
-"""Fraction of a GEMM's outputs whose store ends the first brackets leave open from which :func:`_rows_gemm_interval`
-walks the whole GEMM (:func:`contiguous_tree_parts`) instead of those outputs' products gathered."""
-
-
-def _open_ends(ends, rows, center, lo, hi) -> np.ndarray:
-    """Where the radius brackets ``lo <= radius <= hi`` leave the store's ends open (either end differs, a zero's sign
-    included, or a bracket is not finite), bool of ``center``'s shape."""
-    with np.errstate(invalid="ignore"):
-        out = ~(np.isfinite(lo) & np.isfinite(hi))
-        for x, y in zip(ends(rows, center, lo), ends(rows, center, hi)):
-            out |= ~((x == y) & (np.signbit(x) == np.signbit(y)))
-    return out
-
-
-def _tree_interval_by_ends(a_e, w_e, r_e, b_e, profile: Profile, grid: bool, ends, idx):
-    """One expert's ``(center, radius)`` of :func:`_rows_gemm_interval` with ``ends`` (rows ``idx``): the exact
-    radius where the brackets' ends differ after every lane count is walked, the upper bracket of the first lane count
-    that closes them elsewhere."""
-    from .contiguous_tree import _TreeBrackets
-    from .gemm_bounds import _checked
-
-    a_c, w_c, radius, b_abs = _checked(a_e, w_e, r_e, b_e)
-    tree = _TreeBrackets(a_c, w_c, radius, b_abs, profile)
-    center = tree.total + 0.0 if in_order_sum(a_e, w_e) else block_gemm(a_e, w_e)
-    if b_e is not None:
-        center += b_e
-    rdot = radius_dot(r_e, w_e) if grid else None
-
-    def with_rdot(lo, hi, at=None):
-        if r_e is None:
-            return lo, hi
-        if grid:
-            rd = rdot if at is None else rdot[at]
-            return rd + lo, rd + hi
-        return tuple((v if at is None else v[at]) + x for v, x in zip(tree.rdot, (lo, hi)))
-
-    lo, hi = with_rdot(*tree.bounds(1))
-    open_ = _open_ends(ends, idx[:, None], center, lo, hi)
-    if np.count_nonzero(open_) > _EXACT_ALL_FROM * open_.size:
-        bound, _, rdot_all = contiguous_tree_parts(a_e, w_e, profile, a_radius=r_e, bias=b_e)
-        return center, bound if r_e is None else (rdot if grid else rdot_all) + bound
-    radius = hi
-
-    def settle(mi, ni, lo, hi):
-        lo, hi = with_rdot(lo, hi, at=(mi, ni))
-        shut = ~_open_ends(ends, idx[mi], center[mi, ni], lo, hi)
-        radius[mi[shut], ni[shut]] = hi[shut]
-        return shut
-
-    mi, ni, bound, rdot_p = tree.refine(*np.nonzero(open_), settle)
-    if mi.size:
-        radius[mi, ni] = bound if r_e is None else (rdot[mi, ni] if grid else rdot_p) + bound
-    return center, radius
-
-
-def _add_bias_after_store(stored, radius, row_expert, bias, profile: Profile):
-    """``bias_add="after_store"``: the stored GEMM output (interval ``stored`` +- ``radius``, float64
-    ``[R, N]``) plus its row's expert bias (``bias`` ``[E, N]``), added in FP32: center ``stored + b``,
-    radius ``radius + promote_unit (|stored + b| + radius)`` (one FP32 rounding of the sum); padding rows
-    (``row_expert`` -1) stay 0. The caller stores the result again."""
-    center = np.array(stored, dtype=np.float64)
-    valid = np.asarray(row_expert) >= 0
-    center[valid] += np.asarray(bias, dtype=np.float64)[np.asarray(row_expert)[valid]]
-    return center, radius + profile.promote_unit * (np.abs(center) + radius)
-
-
-def _rows_radius_term(radius, row_expert, weights) -> np.ndarray:
-    """``radius[r] @ |W[e(r)]|^T`` (the operand's own uncertainty through GEMM2), float64 ``[R, N]``:
-    :func:`moeref.compare.operand_radius.radius_dot` (exact chunk sums on the radius's grid, else
-    :func:`moeref.compare.summation_order.ordered_dot`'s order), so the device bound gets the same bits."""
-    w = ExpertOperands(weights)
-    out = np.zeros((row_expert.size, w[0].shape[0] if len(w) else 0))
-    for e in np.unique(row_expert[row_expert >= 0]).tolist():  # a loop over experts
-        idx = np.flatnonzero(row_expert == e)
-        out[idx] = radius_dot(radius[idx], w[e])
-    return out
-
-
-_MAX_ENUMERATED = 4
-"""Rows of GEMM2's operand with at most this many elements of uncertain code are emulated for every
-combination of their codes; rows with more fall back to the data-dependent bound."""
-
-
-def _emulated_gemm(a, a_radius, row_expert, weights, bias, profile: Profile, codes=None):
-    """``(center, radius)`` of a GEMM of a known kernel (``accum_model="emulated"``): the center is the
-    kernel's FP32 result on the center operand, predicted bit for bit
-    (:func:`moeref.gemm.hopper_fp8.deepgemm_engine`), plus the bias in FP32 (radius ``u_fp32 |center|``
-    for that add, 0 without a bias).
-
-    Where the operand is uncertain (GEMM2: ``a_radius > 0``, the re-quantized intermediate; ``codes`` from
-    :func:`requant_uncertainty` with ``detail=True``): the tensor cores see only the element codes, the
-    scales enter in the FP32 promotion. A row whose uncertain codes are at most :data:`_MAX_ENUMERATED`,
-    each one of two neighbours, is emulated for every combination of them (block accumulators exact);
-    the scale range adds ``sum_b |ds_b| |sb_b acc_b| + 2 gamma(S + 2, u_fp32) sum_b s_hi_b |sb_b acc_b|`` (the
-    scale difference, and both kernels' promotion roundings). Any other uncertain row gets the distance
-    from the center to the exact product, ``|W| a_radius`` and the data-dependent arithmetic bound."""
-    from ..gemm.hopper_fp8 import deepgemm_block_accumulators, deepgemm_engine, promote
-
-    eng = deepgemm_engine(promotion=profile.promotion_order)
-    center = expert_rows_gemm(a, row_expert, weights, None, gemm=eng)
-    radius = np.zeros_like(center)
-    rows_all = np.asarray(row_expert)
-    if a_radius is not None:
-        unsure = (np.asarray(a_radius).max(axis=1, initial=0.0) > 0) & (rows_all >= 0)
-        fallback = unsure.copy()
-        if codes is not None and unsure.any():
-            done = _enumerate_codes(a, codes, rows_all, unsure, weights, profile, center, radius,
-                                    deepgemm_block_accumulators, promote)
-            fallback &= ~done
-        rows_u = np.where(fallback, rows_all, -1)
-        if (rows_u >= 0).any():
-            exact = expert_rows_gemm(a, rows_u, weights, None)
-            data = replace(profile, accum_model="data_dependent")
-            far = (np.abs(center - exact) + _rows_radius_term(a_radius, rows_u, weights)
-                   + _rows_error_bound(a, a_radius, rows_u, weights, None, data))
-            radius = np.where(fallback[:, None], far, radius)
-    if bias is not None:
-        valid = rows_all >= 0
-        center[valid] += np.asarray(bias, dtype=np.float64)[rows_all[valid]]
-        radius = radius + profile.promote_unit * (np.abs(center) + radius)
-    return center, radius
-
-
-def _adjacent_e4m3(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """``lo < hi`` are neighbouring E4M3 values (no value between them)."""
-    import ml_dtypes
-
-    mag = lambda v: (np.abs(v).astype(ml_dtypes.float8_e4m3fn).view(np.uint8) & 0x7F).astype(np.int64)  # noqa: E731
-    ml, mh = mag(lo), mag(hi)
-    return (((lo >= 0) & (mh - ml == 1)) | ((hi <= 0) & (ml - mh == 1)))
-
-
-def _enumerate_codes(a, codes, rows_all, unsure, weights, profile, center, radius, block_acc, promote) -> np.ndarray:
-    """Fills ``radius`` of the uncertain rows it can enumerate (see :func:`_emulated_gemm`); returns
-    their mask."""
-    a = as_operand(a, "a")
-    w = ExpertOperands(weights)
-    lo, hi = codes["code_lo"], codes["code_hi"]
-    var = lo != hi
-    nvar = var.sum(axis=1)
-    ok = unsure & (nvar <= _MAX_ENUMERATED) & np.all(~var | _adjacent_e4m3(lo, hi), axis=1)
-    base = a.values  # the center's element values (codes), unscaled
-    for e in np.unique(rows_all[ok]).tolist():  # a loop over experts
-        idx = np.flatnonzero(ok & (rows_all == e))
-        we = w[e]
-        k = a.shape[1]
-        nb = k // 128
-        sa = a.scales[idx] if a.scales.shape[0] == a.shape[0] else np.repeat(a.scales, idx.size, axis=0)
-        sb = np.repeat(np.asarray(we.scales, dtype=np.float64), we.block[0], axis=0)[: we.shape[0]]
-        ds = (codes["scale_hi"][idx] - codes["scale_lo"][idx]).reshape(idx.size, nb, -1).max(axis=2)
-        s_hi = codes["scale_hi"][idx].reshape(idx.size, nb, -1).max(axis=2)
-        pos = [np.flatnonzero(var[r]) for r in idx]
-        worst = np.zeros((idx.size, we.shape[0]))
-        for combo in range(1 << int(nvar[idx].max())):  # <= 2^4 emulations of these rows
-            vals = np.array(base[idx], dtype=np.float64)
-            for i, p_ in enumerate(pos):  # a loop over this expert's enumerated rows (a few uncertain codes each)
-                for j, col in enumerate(p_):
-                    vals[i, col] = hi[idx[i], col] if (combo >> j) & 1 else lo[idx[i], col]
-            acc = block_acc(vals, we.values)
-            y = promote(acc, sa, sb, profile.promotion_order)
-            mag = np.abs(acc) * np.abs(sb)[None, :, :]
-            scale_term = (_block_sum(mag, ds) + 2 * gamma(nb + 2, profile.promote_unit) * _block_sum(mag, s_hi))
-            worst = np.maximum(worst, np.abs(y - center[idx]) + scale_term)
-        radius[idx] = worst
-    return ok
-
-
-def _block_sum(mag: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """``sum_b mag[r, n, b] * w[r, b]`` in block order from 0 (the order the device emulator sums in,
-    :mod:`moeref.compare.device.emulated`: the same bits)."""
-    out = np.zeros(mag.shape[:2])
-    for b in range(mag.shape[2]):  # a loop over K blocks
-        out = out + mag[:, :, b] * w[:, None, b]
-    return out
 
 
 def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, np.ndarray, int]:
@@ -634,33 +348,6 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
     return center, d_tok + gamma(p.top_k + 2, profile.reduce_unit) * mag, flips
 
 
-def _weighted(w, y_pre, dy, reduce_unit: float):
-    """GEMM2's interval times its rows' top-k weights ``w`` (broadcast against ``y_pre``) in the epilogue (one FP32
-    multiply, ``gemm2_weighted_store``), elementwise: ``(w y, |w| dy + reduce_unit (|w y| + |w| dy))``."""
-    y_pre, dy = w * y_pre, np.abs(w) * dy
-    return y_pre, dy + reduce_unit * (np.abs(y_pre) + dy)
-
-
-_BRACKETED_STORES = ("bfloat16",)
-"""Store dtypes whose GEMM intervals :func:`_rows_gemm_interval` brackets (``ends``): a bf16 ulp is wide against the
-contiguous-tree bound, so a small fraction of the stores' ends depend on its exact bits (on the layers of
-``bench/studies/bench_layer_bound_cpu.py``, 19 % at K = 512 and 4 % at K = 256 before any walk of ``L >= 2``); an
-FP32 or FP16 ulp is not, and their GEMMs would mostly be walked twice."""
-
-
-def _ends_of(dtype, w_row=None, reduce_unit: float = 0.0):
-    """``ends(rows, center, radius)`` of :func:`_rows_gemm_interval` for a store to ``dtype``, after :func:`_weighted`
-    by ``w_row`` where given; None (every radius exact) for a store that does not round (``dtype`` None) or one not
-    in :data:`_BRACKETED_STORES`."""
-    if dtype not in _BRACKETED_STORES:
-        return None
-
-    def ends(rows, center, radius):
-        if w_row is not None:
-            center, radius = _weighted(w_row[rows], center, radius, reduce_unit)
-        return _store_ends(center, radius, dtype)
-
-    return ends
 
 
 def _is_device_run(run) -> bool:

@@ -3,7 +3,7 @@
 lanes of them), bounded from the ranges the exact partial sums reach, and the walks of the prefix sums that give
 those ranges (:func:`_tree_walks`), and brackets of that bound from the walk of ``L = 1`` and BLAS lane sums, narrowed
 one lane count at a time for the outputs that need it (:class:`_TreeBrackets`: the layer bound's GEMM intervals before
-a bf16 store, :func:`moeref.compare.bounds._rows_gemm_interval`). Its inputs are validated by
+a bf16 store, :func:`moeref.compare.gemm_intervals._rows_gemm_interval`). Its inputs are validated by
 :func:`moeref.compare.gemm_bounds.gemm_error_bound` (or :func:`~moeref.compare.gemm_bounds.contiguous_tree_parts`),
 which re-exports the public names.
 """

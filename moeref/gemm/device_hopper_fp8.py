@@ -272,7 +272,7 @@ def device_deepgemm_rows(a, row_expert, weights, *, promotion: str = "deepgemm",
         scale_term: optional ``(ds, s_hi, coef)``: float64 ``[R, K/128]`` tensors and a float; then also
             returns ``st[r, n] = sum_b m_b ds[r, b] + coef * sum_b m_b s_hi[r, b]``, ``m_b = |acc_b| |sb_b|``
             (block accumulator ``acc_b``, weight scale ``sb_b`` as given, not rounded to FP32), sums in block
-            order from 0 (:func:`moeref.compare.bounds._emulated_gemm`'s scale term).
+            order from 0 (:func:`moeref.compare.emulated_gemm._emulated_gemm`'s scale term).
         block_acc: also return every block accumulator, float32 ``[R, K/128, N]``.
         source: where the block accumulators come from: ``"tensor_cores"``, ``"emulator"`` or ``"auto"``; None:
             :data:`ACCUMULATOR_SOURCE` (module docstring). The result is the same bits either way.

@@ -188,7 +188,7 @@ def _expert_groups(row_expert, weights, profile=None):
 
 def device_rows_error_bound(a, a_radius, row_expert, weights, bias, profile, *, radius_term: bool = False,
                             center: bool = False):
-    """:func:`moeref.compare.bounds._rows_error_bound` on a device: ``a`` a
+    """:func:`moeref.compare.gemm_intervals._rows_error_bound` on a device: ``a`` a
     :class:`moeref.gemm.device.DeviceOperand` ``[R, K]``, ``a_radius`` float64 ``[R, K]`` or None,
     ``row_expert`` int ``[R]`` (NumPy), ``weights`` a device stack, ``bias`` float64 ``[E, N]`` or None.
     Returns float64 ``[R, N]``, 0 on padding rows. ``radius_term=True`` (with ``a_radius``) returns
@@ -231,7 +231,7 @@ def device_rows_error_bound(a, a_radius, row_expert, weights, bias, profile, *, 
 
 
 def device_rows_radius_term(radius, row_expert, weights):
-    """:func:`moeref.compare.bounds._rows_radius_term` on a device: ``radius[r] @ |W[e(r)]|^T`` as
+    """:func:`moeref.compare.gemm_intervals._rows_radius_term` on a device: ``radius[r] @ |W[e(r)]|^T`` as
     :func:`moeref.compare.operand_radius.radius_dot` sums it, float64 ``[R, N]``."""
     torch = _torch()
     n = _n_out(weights)

@@ -1,12 +1,12 @@
 """The GEMMs of an emulated profile (``accum_model="emulated"``: :data:`moeref.compare.DEEPGEMM_FP8_EXACT` and
-its ``promotion_order="a_then_b"`` variant) on a device: :func:`moeref.compare.bounds._emulated_gemm` on torch
+its ``promotion_order="a_then_b"`` variant) on a device: :func:`moeref.compare.emulated_gemm._emulated_gemm` on torch
 tensors, the same ``(center, radius)`` bit for bit.
 
 * center: the kernel's FP32 result on the center operand, predicted by the device emulator
   (:func:`moeref.gemm.device_hopper_fp8.device_deepgemm_rows`, the NumPy emulator's bits; on a Hopper GPU its
   block accumulators come from the tensor cores, proved against the emulator on a sample of rows every call);
 * GEMM2's uncertain rows (the re-quantized intermediate, ``a_radius > 0``): a row with at most
-  :data:`moeref.compare.bounds._MAX_ENUMERATED` uncertain codes, each one of two neighbouring E4M3 values, takes
+  :data:`moeref.compare.emulated_gemm._MAX_ENUMERATED` uncertain codes, each one of two neighbouring E4M3 values, takes
   the largest, over every combination of them, of the distance from the center plus the scale term
   ``sum_b |ds_b| |sb_b acc_b| + 2 gamma(S + 2, u_fp32) sum_b s_hi_b |sb_b acc_b|`` (a row with no uncertain
   code: its one combination, the center, so the scale term alone). Any other uncertain row: the distance from
@@ -37,7 +37,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .. import bounds as _host
+from .. import emulated_gemm as _host
 from ..bounds import gamma
 from .bounds import device_rows_error_bound
 
@@ -51,7 +51,7 @@ def _torch():
 
 
 def device_emulated_gemm(a, a_radius, row_expert, weights, bias, profile, codes=None):
-    """:func:`moeref.compare.bounds._emulated_gemm` on a device: ``a`` a
+    """:func:`moeref.compare.emulated_gemm._emulated_gemm` on a device: ``a`` a
     :class:`moeref.gemm.device.DeviceOperand` ``[R, K]`` (E4M3, 1x128 scales), ``a_radius`` float64 ``[R, K]``
     or None, ``row_expert`` int ``[R]`` (NumPy), ``weights`` a device :class:`moeref.gemm.StackedExperts` (E4M3,
     128x128 scales), ``bias`` float64 ``[E, N]`` or None, ``codes`` the dict of
@@ -100,7 +100,7 @@ def device_emulated_gemm(a, a_radius, row_expert, weights, bias, profile, codes=
 
 
 def _adjacent_e4m3(lo, hi):
-    """:func:`moeref.compare.bounds._adjacent_e4m3` on tensors: ``lo < hi`` are neighbouring E4M3 values."""
+    """:func:`moeref.compare.emulated_gemm._adjacent_e4m3` on tensors: ``lo < hi`` are neighbouring E4M3 values."""
     torch = _torch()
 
     def mag(v):
@@ -121,7 +121,7 @@ def _code_counts(codes) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _enumerable(codes) -> np.ndarray:
-    """Rows whose uncertain codes are at most :data:`moeref.compare.bounds._MAX_ENUMERATED`, each one of two
+    """Rows whose uncertain codes are at most :data:`moeref.compare.emulated_gemm._MAX_ENUMERATED`, each one of two
     neighbouring E4M3 values (NumPy bool ``[R]``)."""
     nvar, adjacent = _code_counts(codes)
     return (nvar <= _host._MAX_ENUMERATED) & adjacent

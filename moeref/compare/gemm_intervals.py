@@ -1,0 +1,184 @@
+"""A GEMM's interval before its store (stage 1 of :mod:`moeref.compare.bounds`), bracketed by the store's ends."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..gemm.exact import as_operand, block_gemm, in_order_sum
+from ..gemm.grouped import ExpertOperands, check_row_expert, expert_rows_gemm
+from .gemm_bounds import contiguous_tree_parts, gemm_error_bound
+from .operand_radius import exact_radius, radius_dot
+from .stores import _store_ends
+
+
+def _rows_error_bound(a, a_radius, row_expert, weights, bias, profile) -> np.ndarray:
+    """:func:`gemm_error_bound` of every row against its expert's weights (the row -> expert map of
+    :func:`moeref.gemm.grouped.expert_rows_gemm`), float64 ``[R, N]``, 0 on padding rows."""
+    a = as_operand(a, "a")
+    w = ExpertOperands(weights)
+    b = None if bias is None else np.asarray(bias, dtype=np.float64)
+    out = np.zeros((row_expert.size, w[0].shape[0] if len(w) else 0))
+    for e in np.unique(row_expert[row_expert >= 0]).tolist():  # a loop over experts
+        idx = np.flatnonzero(row_expert == e)
+        out[idx] = gemm_error_bound(a.take_rows(idx), w[e], profile,
+                                    a_radius=None if a_radius is None else a_radius[idx],
+                                    bias=None if b is None else b[e])
+    return out
+
+
+def _rows_gemm_interval(a, a_radius, row_expert, weights, bias, profile, ends=None):
+    """``(center, radius)`` float64 ``[R, N]`` of a GEMM's interval before its store: the center
+    :func:`moeref.gemm.grouped.expert_rows_gemm` of ``a`` (with ``bias``), the radius ``_rows_radius_term`` (with
+    ``a_radius``) plus :func:`_rows_error_bound`; 0 on padding rows. The same bits, with one pass over the products
+    where they coincide: under ``"contiguous_tree"`` the walk's in-order sum is the center wherever
+    :func:`moeref.gemm.exact.in_order_sum` holds, and its ``ordered_dot`` of the radius is the radius term wherever
+    :func:`moeref.compare.operand_radius.exact_radius` is None (:func:`moeref.compare.operand_radius.radius_dot`).
+
+    ``ends``: optional, for a caller that only stores the interval: ``ends(rows, center, radius)`` -> the two ends
+    the store rounds (:func:`_store_ends`, after any elementwise step between) for elements of the rows ``rows``
+    (broadcast against ``center``), each
+    nondecreasing or each nonincreasing in ``radius``. Under ``"contiguous_tree"`` the radius is then exact where its
+    ends depend on it, and elsewhere a value with the same ends: the bound's brackets
+    (:func:`moeref.compare.contiguous_tree._contiguous_tree_brackets`, which skip the walks of ``L >= 2``) give the
+    same ends (both signs of zero told apart, every bracket finite), so they are the exact radius's ends; the other
+    outputs walk the next lane count and are bracketed again, and those still open after every lane count get the
+    exact radius (or the whole GEMM is walked where more than :data:`_EXACT_ALL_FROM` of its outputs are open at
+    first)."""
+    if profile.accum_model != "contiguous_tree":
+        center = expert_rows_gemm(a, row_expert, weights, bias)
+        bound = _rows_error_bound(a, a_radius, row_expert, weights, bias, profile)
+        return center, bound if a_radius is None else _rows_radius_term(a_radius, row_expert, weights) + bound
+    a = as_operand(a, "a")
+    w = ExpertOperands(weights)
+    rows = check_row_expert(row_expert, a.shape[0], len(w))
+    b = None if bias is None else np.asarray(bias, dtype=np.float64)
+    n = w[0].shape[0] if len(w) else 0
+    center = np.zeros((rows.size, n))
+    radius = np.zeros((rows.size, n))
+    for e in np.unique(rows[rows >= 0]).tolist():  # a loop over experts
+        idx = np.flatnonzero(rows == e)
+        a_e, r_e = a.take_rows(idx), None if a_radius is None else a_radius[idx]
+        b_e = None if b is None else b[e]
+        grid = r_e is not None and r_e.shape[1] and n and exact_radius(r_e, w[e]) is not None
+        if ends is not None and n:
+            c_e, rad = _tree_interval_by_ends(a_e, w[e], r_e, b_e, profile, grid, ends, idx)
+        else:
+            bound, total, rdot = contiguous_tree_parts(a_e, w[e], profile, a_radius=r_e, bias=b_e)
+            c_e = total + 0.0 if in_order_sum(a_e, w[e]) else block_gemm(a_e, w[e])
+            if b_e is not None:
+                c_e += b_e
+            rad = bound
+            if r_e is not None:
+                if grid:  # radius_dot's grid
+                    rdot = radius_dot(r_e, w[e])
+                rad = rdot + bound
+        center[idx] = c_e
+        radius[idx] = rad
+    return center, radius
+
+
+_EXACT_ALL_FROM = 0.5
+"""Fraction of a GEMM's outputs whose store ends the first brackets leave open from which :func:`_rows_gemm_interval`
+walks the whole GEMM (:func:`contiguous_tree_parts`) instead of those outputs' products gathered."""
+
+
+def _open_ends(ends, rows, center, lo, hi) -> np.ndarray:
+    """Where the radius brackets ``lo <= radius <= hi`` leave the store's ends open (either end differs, a zero's sign
+    included, or a bracket is not finite), bool of ``center``'s shape."""
+    with np.errstate(invalid="ignore"):
+        out = ~(np.isfinite(lo) & np.isfinite(hi))
+        for x, y in zip(ends(rows, center, lo), ends(rows, center, hi)):
+            out |= ~((x == y) & (np.signbit(x) == np.signbit(y)))
+    return out
+
+
+def _tree_interval_by_ends(a_e, w_e, r_e, b_e, profile, grid: bool, ends, idx):
+    """One expert's ``(center, radius)`` of :func:`_rows_gemm_interval` with ``ends`` (rows ``idx``): the exact
+    radius where the brackets' ends differ after every lane count is walked, the upper bracket of the first lane count
+    that closes them elsewhere."""
+    from .contiguous_tree import _TreeBrackets
+    from .gemm_bounds import _checked
+
+    a_c, w_c, radius, b_abs = _checked(a_e, w_e, r_e, b_e)
+    tree = _TreeBrackets(a_c, w_c, radius, b_abs, profile)
+    center = tree.total + 0.0 if in_order_sum(a_e, w_e) else block_gemm(a_e, w_e)
+    if b_e is not None:
+        center += b_e
+    rdot = radius_dot(r_e, w_e) if grid else None
+
+    def with_rdot(lo, hi, at=None):
+        if r_e is None:
+            return lo, hi
+        if grid:
+            rd = rdot if at is None else rdot[at]
+            return rd + lo, rd + hi
+        return tuple((v if at is None else v[at]) + x for v, x in zip(tree.rdot, (lo, hi)))
+
+    lo, hi = with_rdot(*tree.bounds(1))
+    open_ = _open_ends(ends, idx[:, None], center, lo, hi)
+    if np.count_nonzero(open_) > _EXACT_ALL_FROM * open_.size:
+        bound, _, rdot_all = contiguous_tree_parts(a_e, w_e, profile, a_radius=r_e, bias=b_e)
+        return center, bound if r_e is None else (rdot if grid else rdot_all) + bound
+    radius = hi
+
+    def settle(mi, ni, lo, hi):
+        lo, hi = with_rdot(lo, hi, at=(mi, ni))
+        shut = ~_open_ends(ends, idx[mi], center[mi, ni], lo, hi)
+        radius[mi[shut], ni[shut]] = hi[shut]
+        return shut
+
+    mi, ni, bound, rdot_p = tree.refine(*np.nonzero(open_), settle)
+    if mi.size:
+        radius[mi, ni] = bound if r_e is None else (rdot[mi, ni] if grid else rdot_p) + bound
+    return center, radius
+
+
+def _add_bias_after_store(stored, radius, row_expert, bias, profile):
+    """``bias_add="after_store"``: the stored GEMM output (interval ``stored`` +- ``radius``, float64
+    ``[R, N]``) plus its row's expert bias (``bias`` ``[E, N]``), added in FP32: center ``stored + b``,
+    radius ``radius + promote_unit (|stored + b| + radius)`` (one FP32 rounding of the sum); padding rows
+    (``row_expert`` -1) stay 0. The caller stores the result again."""
+    center = np.array(stored, dtype=np.float64)
+    valid = np.asarray(row_expert) >= 0
+    center[valid] += np.asarray(bias, dtype=np.float64)[np.asarray(row_expert)[valid]]
+    return center, radius + profile.promote_unit * (np.abs(center) + radius)
+
+
+def _rows_radius_term(radius, row_expert, weights) -> np.ndarray:
+    """``radius[r] @ |W[e(r)]|^T`` (the operand's own uncertainty through GEMM2), float64 ``[R, N]``:
+    :func:`moeref.compare.operand_radius.radius_dot` (exact chunk sums on the radius's grid, else
+    :func:`moeref.compare.summation_order.ordered_dot`'s order), so the device bound gets the same bits."""
+    w = ExpertOperands(weights)
+    out = np.zeros((row_expert.size, w[0].shape[0] if len(w) else 0))
+    for e in np.unique(row_expert[row_expert >= 0]).tolist():  # a loop over experts
+        idx = np.flatnonzero(row_expert == e)
+        out[idx] = radius_dot(radius[idx], w[e])
+    return out
+
+
+def _weighted(w, y_pre, dy, reduce_unit: float):
+    """GEMM2's interval times its rows' top-k weights ``w`` (broadcast against ``y_pre``) in the epilogue (one FP32
+    multiply, ``gemm2_weighted_store``), elementwise: ``(w y, |w| dy + reduce_unit (|w y| + |w| dy))``."""
+    y_pre, dy = w * y_pre, np.abs(w) * dy
+    return y_pre, dy + reduce_unit * (np.abs(y_pre) + dy)
+
+
+_BRACKETED_STORES = ("bfloat16",)
+"""Store dtypes whose GEMM intervals :func:`_rows_gemm_interval` brackets (``ends``): a bf16 ulp is wide against the
+contiguous-tree bound, so a small fraction of the stores' ends depend on its exact bits (on the layers of
+``bench/studies/bench_layer_bound_cpu.py``, 19 % at K = 512 and 4 % at K = 256 before any walk of ``L >= 2``); an
+FP32 or FP16 ulp is not, and their GEMMs would mostly be walked twice."""
+
+
+def _ends_of(dtype, w_row=None, reduce_unit: float = 0.0):
+    """``ends(rows, center, radius)`` of :func:`_rows_gemm_interval` for a store to ``dtype``, after :func:`_weighted`
+    by ``w_row`` where given; None (every radius exact) for a store that does not round (``dtype`` None) or one not
+    in :data:`_BRACKETED_STORES`."""
+    if dtype not in _BRACKETED_STORES:
+        return None
+
+    def ends(rows, center, radius):
+        if w_row is not None:
+            center, radius = _weighted(w_row[rows], center, radius, reduce_unit)
+        return _store_ends(center, radius, dtype)
+
+    return ends
