@@ -18,8 +18,8 @@
   shows which, recorded by bench/studies/triton_fp8_prefill_sweep.py).
 * ``flatten``: ``tl.range(..., flatten=True)`` on the tile loop (persistent only).
 * ``promotion`` (FP8): the K loop's order of MMAs and promotions: :func:`_k_block` per block (``"inline"``),
-  :func:`_k_loop_lagged`, :func:`_k_loop_pair` or :func:`_k_loop_lagged_pair` (each block's product made by
-  :func:`_k_partial`, promoted by :func:`_promote`).
+  or :func:`_k_loop_lagged_pair` (``"lagged_pair"``: each block's product made by :func:`_k_partial`, promoted
+  by :func:`_promote`).
 
 Every output is computed with the FP32 operations of the one-tile-per-program kernel in the same order:
 per 128-column K block a fresh ``tl.dot`` of the same operands, ``acc += (part * sa) * sb`` (FP8) in K-block
@@ -160,7 +160,7 @@ def _k_partial(it, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0
                SCALE_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                TMA_A: tl.constexpr, TMA_B: tl.constexpr, SCALAR_SB: tl.constexpr):
     """``(part, sa, sb)`` of FP8 K block ``it``: its fresh product and its scales, promoted later
-    (:func:`_promote`) by the ``"lagged"`` and ``"pair"`` K loops."""
+    (:func:`_promote`) by the ``"lagged_pair"`` K loop."""
     a, b = _k_operands(it, a_base, a_desc, b_base, b_desc, amask, cmask, row0, brow0, K, BLOCK_K, EVEN_K, TMA_A,
                        TMA_B)
     sa, sb = _k_scales(it, amask, cmask, arow, e64, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn,
@@ -174,76 +174,6 @@ def _ordered(x):
     ``x`` stay before the next side-effecting operation (an MMA's issue): an ordering barrier for LLVM's scheduler.
     The compiled kernels only (the interpreter runs no PTX)."""
     return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _k_loop_lagged(acc, n_iters, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0, cols,
-                   sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
-                   SCALE_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA_A: tl.constexpr,
-                   TMA_B: tl.constexpr, SCALAR_SB: tl.constexpr, WS_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    """``acc`` after K blocks ``0 .. n_iters - 1`` (FP8, ``promotion="lagged"``): the product of block ``it + 1`` is
-    issued before block ``it``'s is promoted (software pipelining: the MMA runs while the previous partial is
-    scaled and added). Block 0's product is computed even when ``n_iters == 0`` (a padding tile, whose store is
-    masked). The same partials and promotions in the same order as :func:`_k_block`'s loop: the same bits."""
-    part, sa, sb = _k_partial(0, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0, cols,
-                              sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK, BLOCK_K, EVEN_K,
-                              TMA_A, TMA_B, SCALAR_SB)
-    if INTERPRETED:
-        it = 1
-        while it < n_iters:
-            nxt, nsa, nsb = _k_partial(it, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0,
-                                       cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
-                                       BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
-            acc = _promote(acc, part, sa, sb, SCALAR_SB)
-            part, sa, sb = nxt, nsa, nsb
-            it += 1
-    else:
-        for it in tl.range(1, n_iters, warp_specialize=WS_K):
-            nxt, nsa, nsb = _k_partial(it, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0,
-                                       cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
-                                       BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
-            acc = _promote(acc, part, sa, sb, SCALAR_SB)
-            part, sa, sb = nxt, nsa, nsb
-    return _promote(acc, part, sa, sb, SCALAR_SB)
-
-
-@triton.jit
-def _k_loop_pair(acc, n_iters, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0, cols,
-                 sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
-                 SCALE_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA_A: tl.constexpr,
-                 TMA_B: tl.constexpr, SCALAR_SB: tl.constexpr, WS_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    """``acc`` after K blocks ``0 .. n_iters - 1`` (FP8, ``promotion="pair"``): two K blocks an iteration, both
-    products issued before either is promoted (block ``2j`` is scaled and added while block ``2j + 1``'s MMA
-    runs), the promotions in block order; an odd last block alone. The same partials and promotions in the
-    same order as :func:`_k_block`'s loop: the same bits."""
-    if INTERPRETED:
-        j = 0
-        while j < n_iters // 2:
-            p0, sa0, sb0 = _k_partial(2 * j, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0,
-                                      cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
-                                      BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
-            p1, sa1, sb1 = _k_partial(2 * j + 1, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0,
-                                      brow0, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
-                                      SCALE_BLOCK, BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
-            acc = _promote(acc, p0, sa0, sb0, SCALAR_SB)
-            acc = _promote(acc, p1, sa1, sb1, SCALAR_SB)
-            j += 1
-    else:
-        for j in tl.range(0, n_iters // 2, warp_specialize=WS_K):
-            p0, sa0, sb0 = _k_partial(2 * j, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0, n0,
-                                      cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
-                                      BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
-            p1, sa1, sb1 = _k_partial(2 * j + 1, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0,
-                                      brow0, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
-                                      SCALE_BLOCK, BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
-            acc = _promote(acc, p0, sa0, sb0, SCALAR_SB)
-            acc = _promote(acc, p1, sa1, sb1, SCALAR_SB)
-    if n_iters % 2 == 1:
-        part, sa, sb = _k_partial(n_iters - 1, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0,
-                                  n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
-                                  BLOCK_K, EVEN_K, TMA_A, TMA_B, SCALAR_SB)
-        acc = _promote(acc, part, sa, sb, SCALAR_SB)
-    return acc
 
 
 @triton.jit
@@ -314,8 +244,7 @@ def _tile(pid_m, pid_n, e, a_ptr, a_desc, b_ptr, b_desc, d_ptr, sa_ptr, sb_ptr, 
           INTERPRETED: tl.constexpr, PROMOTION: tl.constexpr):
     """One output tile. ``DYNAMIC_K``: a tile of padding rows (``e < 0``) runs no K block and stores nothing
     (otherwise the caller has returned on it); ``WS_K``: the K loop warp-specialized; ``PROMOTION`` (FP8): the
-    K loop's order of MMAs and promotions, 0 :func:`_k_block`'s, 1 :func:`_k_loop_lagged`'s, 2
-    :func:`_k_loop_pair`'s, 3 :func:`_k_loop_lagged_pair`'s."""
+    K loop's order of MMAs and promotions, 0 :func:`_k_block`'s, 1 :func:`_k_loop_lagged_pair`'s."""
     live = e >= 0
     e64 = tl.maximum(e, 0).to(tl.int64)
     row0 = pid_m * BLOCK_M
@@ -336,18 +265,9 @@ def _tile(pid_m, pid_n, e, a_ptr, a_desc, b_ptr, b_desc, d_ptr, sa_ptr, sb_ptr, 
             n_blocks = tl.where(live, K_ITERS, 0)
         else:
             n_blocks = K_ITERS
-        if PROMOTION == 3:
-            acc = _k_loop_lagged_pair(acc, n_blocks, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0,
-                                      brow0, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
-                                      SCALE_BLOCK, BLOCK_K, EVEN_K, TMA_A, TMA, SCALAR_SB, WS_K, INTERPRETED)
-        elif PROMOTION == 1:
-            acc = _k_loop_lagged(acc, n_blocks, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0,
-                                 n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
-                                 BLOCK_K, EVEN_K, TMA_A, TMA, SCALAR_SB, WS_K, INTERPRETED)
-        else:
-            acc = _k_loop_pair(acc, n_blocks, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0, brow0,
-                               n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K, SCALE_BLOCK,
-                               BLOCK_K, EVEN_K, TMA_A, TMA, SCALAR_SB, WS_K, INTERPRETED)
+        acc = _k_loop_lagged_pair(acc, n_blocks, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, row0,
+                                  brow0, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe, stride_sbn, K,
+                                  SCALE_BLOCK, BLOCK_K, EVEN_K, TMA_A, TMA, SCALAR_SB, WS_K, INTERPRETED)
     elif DYNAMIC_K:
         n_iters = tl.where(live, K_ITERS, 0)
         if INTERPRETED:

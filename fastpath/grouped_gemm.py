@@ -57,9 +57,9 @@ bit (``accum_model="emulated"``; Hopper only: the emulator models sm_90's FP8 WG
 honest kernel passes both, and a fault the declared bound cannot see (one misrouted token at K = 7168) fails it."""
 
 _FP8 = (torch.float8_e4m3fn,)
-PROMOTIONS = ("inline", "lagged", "pair", "lagged_pair")
+PROMOTIONS = ("inline", "lagged_pair")
 """The K-loop orders of :attr:`GemmTiles.promotion` (FP8; one set of bits)."""
-_PROMOTION_CODE = {"inline": 0, "lagged": 1, "pair": 2, "lagged_pair": 3}  # the tile-loop kernel's PROMOTION constexpr
+_PROMOTION_CODE = {"inline": 0, "lagged_pair": 1}  # the tile-loop kernel's PROMOTION constexpr
 
 
 @dataclass(frozen=True)
@@ -95,16 +95,14 @@ class GemmTiles:
     read each B tile together); 1: column tiles fastest, the one-tile-per-program kernel's order."""
     promotion: str = "inline"
     """FP8 only: the order of the K loop's MMAs and promotions (:data:`PROMOTIONS`; the tile-loop kernel).
-    ``"inline"``: each 128-column block's product, then its promotion ``acc += (part * sa) * sb``. ``"lagged"``:
-    block ``k + 1``'s product issued before block ``k``'s promotion (the previous product carried in registers).
-    ``"pair"``: two blocks an iteration, both products, then both promotions. ``"lagged_pair"``: per iteration
-    block ``2j``'s product, block ``2j - 1``'s promotion (carried), block ``2j + 1``'s product (carried to the next
-    iteration), block ``2j``'s promotion: the form Triton 3.6's Hopper MMA pipeliner leaves in flight past a
-    promotion. Every order makes
-    the same products (each block's dot from zero) and the same promotions in K-block order: the same bits. Where
-    the compiled MMAs wait: bench/studies/triton_fp8_prefill_compile.py (Triton 3.6, sm_90a: ``"lagged"`` and
-    ``"pair"`` still wait for each MMA right after it; ``"lagged_pair"`` runs block ``2j + 1``'s MMA during block
-    ``2j``'s promotion)."""
+    ``"inline"``: each 128-column block's product, then its promotion ``acc += (part * sa) * sb``.
+    ``"lagged_pair"``: per iteration block ``2j``'s product, block ``2j - 1``'s promotion (carried), block
+    ``2j + 1``'s product (carried to the next iteration), block ``2j``'s promotion: the form Triton 3.6's Hopper MMA
+    pipeliner leaves in flight past a promotion (bench/studies/triton_fp8_prefill_compile.py shows where the
+    compiled MMAs wait). Both orders make the same products (each block's dot from zero) and the same promotions in
+    K-block order: the same bits. Simpler orders (block ``k + 1``'s product before block ``k``'s promotion; two
+    products, then two promotions) compiled to a wait after each MMA on Triton 3.6 and were dropped; on an H200
+    ``"lagged_pair"`` ran slower than ``"inline"`` (docs/moe-gpu.md)."""
 
     def __post_init__(self):
         for name in ("persistent", "tma", "warp_specialize", "flatten"):
@@ -170,17 +168,13 @@ FP8_PREFILL_CANDIDATES = {
     "128x64 w4 s4 tma g2": GemmTiles(128, 64, 128, 4, 4, tma=True, group_m=2),
     "64x256 w8 s3 tma g4": GemmTiles(64, 256, 128, 8, 3, tma=True, group_m=4),
     "64x128 w8 s4 tma": GemmTiles(64, 128, 128, 8, 4, tma=True),
-    "64x128 w4 s4 tma lag": GemmTiles(64, 128, 128, 4, 4, tma=True, promotion="lagged"),
-    "64x128 w4 s3 tma g4 lag": GemmTiles(64, 128, 128, 4, 3, tma=True, group_m=4, promotion="lagged"),
-    "64x128 w4 s2 tma pair": GemmTiles(64, 128, 128, 4, 2, tma=True, promotion="pair"),
     "64x128 w4 s2 tma lagpair": GemmTiles(64, 128, 128, 4, 2, tma=True, promotion="lagged_pair"),
     "64x128 w4 s2 tma g4 lagpair": GemmTiles(64, 128, 128, 4, 2, tma=True, group_m=4, promotion="lagged_pair"),
     "64x128 w8 s2 tma lagpair": GemmTiles(64, 128, 128, 8, 2, tma=True, promotion="lagged_pair"),
     "128x128 w8 s2 tma g2 lagpair": GemmTiles(128, 128, 128, 8, 2, tma=True, group_m=2, promotion="lagged_pair"),
 }
 """FP8 prefill tiles (``wN`` warps, ``sN`` stages, ``gN`` group_m, ``persN`` persistent with N programs per SM,
-``flat`` flatten, ``ws`` warp_specialize; ``lag``, ``pair``, ``lagpair``: ``promotion`` ``"lagged"``, ``"pair"``,
-``"lagged_pair"``): what bench/studies/triton_fp8_prefill_sweep.py times against DeepGEMM at DeepSeek-V3's
+``flat`` flatten, ``ws`` warp_specialize; ``lagpair``: ``promotion="lagged_pair"``): what bench/studies/triton_fp8_prefill_sweep.py times against DeepGEMM at DeepSeek-V3's
 4096-token shapes, and what the GPU test checks bit for bit against :data:`DEFAULT_TILES`. ``"64x128 w4 s4"`` is
 ``DEFAULT_TILES["fp8_block"]`` (the sweep's bit reference), ``"64x128 w4 s4 tma"``
 ``DEFAULT_TILES["fp8_block_contiguous_tma"]``."""

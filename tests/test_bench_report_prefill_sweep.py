@@ -49,7 +49,7 @@ def test_the_default_tiles_are_named_and_their_ratios_are_the_per_round_medians(
     recorded = report._fields(d["configs"]["64x128 w4 s4 tma"])  # the JSON predates GemmTiles.promotion
     assert recorded == {k: repr(v) for k, v in vars(GemmTiles(64, 128, 128, 4, 4, tma=True)).items() if k in recorded}
     assert "promotion" not in recorded and GemmTiles.promotion == "inline"
-    lagged = {**d["configs"], "64x128 w4 s4 tma": repr(GemmTiles(64, 128, 128, 4, 4, tma=True, promotion="lagged"))}
+    lagged = {**d["configs"], "64x128 w4 s4 tma": repr(GemmTiles(64, 128, 128, 4, 4, tma=True, promotion="lagged_pair"))}
     assert report.default_names(lagged) == {"default": "fp8_block"}  # another promotion is not the default
     text = report.table([d])
     uni = d["routings"]["uniform"]

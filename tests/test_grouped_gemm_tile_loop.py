@@ -237,7 +237,6 @@ def _gpu_operands(k: int, n: int, seed: int):
                                   "64x128 w4 s4 pers2 tma flat g4", "64x128 w4 s3 tma ws",
                                   "64x128 w4 s3 pers1 tma ws g4", "128x128 w8 s3 tma g2", "128x128 w8 s3 pers1 tma g2",
                                   "128x64 w4 s4 tma g2", "64x256 w8 s3 tma g4", "64x128 w8 s4 tma",
-                                  "64x128 w4 s4 tma lag", "64x128 w4 s3 tma g4 lag", "64x128 w4 s2 tma pair",
                                   "64x128 w4 s2 tma lagpair", "64x128 w4 s2 tma g4 lagpair", "64x128 w8 s2 tma lagpair",
                                   "128x128 w8 s2 tma g2 lagpair"])
 def test_gpu_prefill_candidates_give_the_default_bits(name):
@@ -382,7 +381,7 @@ def _float32_promotions(a, b, lay, kw):
 @pytest.mark.parametrize("gather", [False, True], ids=["layout rows", "token rows via a_src"])
 @pytest.mark.parametrize("k", [128, 256, 384, 448, 640], ids=lambda k: f"K{k}")
 def test_promotion_orders_give_the_inline_bits(k, gather):
-    """``promotion="lagged"``, ``"pair"`` and ``"lagged_pair"`` (the same promotions, the MMAs issued earlier) write
+    """``promotion="lagged_pair"`` (the same promotions, the MMAs issued earlier) writes
     every routed row with the bits of ``"inline"`` tiles of the same sizes and of the one-tile-per-program kernel,
     and those bits are the float32 statement of the promotions in K-block order: 1 to 5 K blocks (odd and even
     counts: the loops' tails), K = 448 a partial last block, pointer and TMA loads, persistent programs (padding
@@ -398,7 +397,7 @@ def test_promotion_orders_give_the_inline_bits(k, gather):
                  GemmTiles(16, 32, 128, 1, 1, persistent=True, programs_per_sm=2, group_m=2),
                  GemmTiles(32, 256, 128, 1, 1, tma=True)):
         one = GemmTiles(base.block_m, base.block_n, 128, 1, 1)
-        for promotion in ("inline", "lagged", "pair", "lagged_pair"):
+        for promotion in ("inline", "lagged_pair"):
             t = replace(base, promotion=promotion)
             out = torch.full((int(valid.numel()), b.shape[1]), float("nan"))
             grouped_gemm_contiguous(a, b, lay.m_indices, impl="triton", tiles=t, out=out, **kw)
@@ -410,17 +409,18 @@ def test_promotion_orders_give_the_inline_bits(k, gather):
 def test_promotion_option_is_checked():
     from fastpath.grouped_gemm import PROMOTIONS, GemmTiles, grouped_gemm_contiguous
 
-    assert PROMOTIONS == ("inline", "lagged", "pair", "lagged_pair")
+    assert PROMOTIONS == ("inline", "lagged_pair")
     with pytest.raises(TypeError, match="promotion"):
         GemmTiles(64, 128, 128, 4, 3, promotion=1)
-    with pytest.raises(ValueError, match="'lagged'"):
-        GemmTiles(64, 128, 128, 4, 3, promotion="lag")
+    for dropped in ("lag", "lagged", "pair"):
+        with pytest.raises(ValueError, match="'lagged_pair'"):
+            GemmTiles(64, 128, 128, 4, 3, promotion=dropped)
     with pytest.raises(ValueError, match="swap_ab"):
-        GemmTiles(16, 128, 128, 4, 3, swap_ab=True, promotion="lagged")
-    assert GemmTiles(promotion="pair").tile_loop and not GemmTiles(promotion="inline").tile_loop
+        GemmTiles(16, 128, 128, 4, 3, swap_ab=True, promotion="lagged_pair")
+    assert GemmTiles(promotion="lagged_pair").tile_loop and not GemmTiles(promotion="inline").tile_loop
     if on_gpu():
         return
     m_idx = torch.zeros(32, dtype=torch.int32)
     with pytest.raises(ValueError, match="promotion='inline'"):  # float operands have no promotion to reorder
         grouped_gemm_contiguous(torch.ones(32, 32), torch.ones(1, 32, 32), m_idx, impl="triton", alignment=32,
-                                tiles=GemmTiles(16, 32, 32, 1, 1, promotion="lagged"))
+                                tiles=GemmTiles(16, 32, 32, 1, 1, promotion="lagged_pair"))
