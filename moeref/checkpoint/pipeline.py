@@ -191,21 +191,43 @@ def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[in
 
 def device_amax(d: ModuleData, precision: str, device: str) -> float:
     """``max |v|`` of :func:`.shard._group_global`'s member values ``v`` (the source decoded to float32, or
-    float64 for ``precision="exact"``; float values as float32), computed on ``device``."""
+    float64 for ``precision="exact"``; float values as float32), computed on ``device``: the one member of
+    :func:`device_amaxes`."""
+    return device_amaxes([d], precision, device)[0]
+
+
+def device_amaxes(datas: list, precision: str, device: str) -> list:
+    """``[max |v|]`` of each of ``datas`` (:func:`device_amax`'s values; NaN where a value is NaN, 0.0 for an
+    empty tensor), computed on ``device`` and brought to the host together (one wait for the device per fused
+    group). A quantized source's maximum comes from its codes and block scales
+    (:func:`moeref.quant.device_report.device_codes_amax`, the same float without decoding the tensor), else
+    from the decoded values."""
     import torch
 
     from .._interop import to_device, to_torch
-    from ..quant.device_report import device_dequantize, upload
+    from ..quant.device_report import device_codes_amax, device_dequantize, upload
 
-    if d.q is not None:
-        if d.q.zero_points is not None or d.q.channel_scales is not None:
-            v = torch.from_numpy(d.q.dequantize(np.float32 if precision == "float32" else np.float64))
+    f32 = precision == "float32"
+    out = []
+    for d in datas:
+        if d.q is not None:
+            if d.q.zero_points is not None or d.q.channel_scales is not None:
+                v = torch.from_numpy(d.q.dequantize(np.float32 if f32 else np.float64))
+            else:
+                codes, scales = upload(d.q, device)
+                m = device_codes_amax(codes, scales, d.q.scheme, d.q.shape, d.q.global_scale, float32=f32)
+                if m is not None:
+                    out.append(m)
+                    continue
+                v = device_dequantize(codes, scales, d.q.scheme, d.q.shape, d.q.global_scale)
+                v = v.to(torch.float32) if f32 else v
         else:
-            v = device_dequantize(*upload(d.q, device), d.q.scheme, d.q.shape, d.q.global_scale)
-            v = v.to(torch.float32) if precision == "float32" else v
-    else:
-        v = to_device(to_torch(np.asarray(d.values)), device).to(torch.float32)
-    return float(v.abs().max()) if v.numel() else 0.0
+            v = to_device(to_torch(np.asarray(d.values)), device).to(torch.float32)
+        out.append(v.abs().max() if v.numel() else None)
+    on_device = [m for m in out if m is not None]
+    got = iter(torch.stack([m.to(device=device, dtype=torch.float64) for m in on_device]).tolist()
+               if on_device else [])  # float32 to float64: exact
+    return [0.0 if m is None else next(got) for m in out]
 
 
 def hash_in_thread(jobs, run_shard, sha256, dst: str, record, timings=None) -> None:

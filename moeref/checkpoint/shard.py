@@ -22,7 +22,7 @@ from ..quant import quantize_and_report, requantize
 from ..quant.tensor import sum_of_squares
 from .engines import choose_engine, source_quantizer
 from .layouts import LAYOUTS, ModuleData
-from .pipeline import device_amax, run_pipeline
+from .pipeline import device_amaxes, run_pipeline
 from .report import ModuleReport, ShardRecord, StageTimes, timed
 from .scale_layout import reading_view, swizzle_tensors
 from .safetensors_io import CheckpointError, SafetensorsCheckpoint, ShardWriter
@@ -186,10 +186,10 @@ def _group_global(members, job: ShardJob, ck, scheme, datas: list | None = None,
             return {"decode_scale": g, "encode_scale": float(np.float32(1.0 / g)),
                     "amax": float(np.float32(g * 2688.0))}[conv], "the source's shared global"
     amax = 0.0
-    for d in datas:
-        if device is not None:  # the same numbers on the device: a max is exact in any order
-            amax = max(amax, device_amax(d, job.opts.precision, device))
-            continue
+    if device is not None:  # the same numbers on the device: a max is exact in any order
+        for a in device_amaxes(datas, job.opts.precision, device):
+            amax = max(amax, a)
+    for d in datas if device is None else ():
         if d.q is not None:
             v = d.q.dequantize(np.float32 if job.opts.precision == "float32" else np.float64)
         else:

@@ -41,7 +41,7 @@ from .quantized import QuantizedTensor
 from .scheme import Scheme
 from .tensor import ReportSums, RequantReport, _sum_row, _halve_rows, quantize, report_from_sums
 
-__all__ = ["device_sum_of_squares", "device_dequantize", "device_report", "device_requantize",
+__all__ = ["device_sum_of_squares", "device_dequantize", "device_codes_amax", "device_report", "device_requantize",
            "device_report_unavailable", "upload", "remember_upload", "clear_uploads"]
 
 
@@ -102,14 +102,82 @@ def device_dequantize(codes, scales, scheme: Scheme, shape: tuple, global_scale:
         s = scales.to(torch.float64)
     else:
         s = _table("e8m0" if fmt == "ue8m0" else "ue4m3", dev)[scales.to(torch.int64)]
-    if global_scale is not None:
-        s = s * torch.tensor(float(global_scale), dtype=torch.float64, device=dev)
+    if global_scale is not None:  # a Python float: no host-to-device copy (the float64 product is the same)
+        s = s * float(global_scale)
     block = tuple(int(b) for b in scheme.resolve_block(shape))
     k = len(block)
     nl = len(shape) - k
     for i, b in enumerate(block):  # the block scale of every element (cropped at the end of an axis)
         s = torch.repeat_interleave(s, b, dim=nl + i).narrow(nl + i, 0, shape[nl + i])
     return v * s
+
+
+_MAGNITUDES: dict = {}
+
+
+def _magnitude_table(name: str, device):
+    """``|decode(k)|`` for the low 7 bits ``k`` of the 8-bit element format ``name`` (float64, NaN for NaN
+    codes) where the format is sign-magnitude in the sense :func:`device_codes_amax` needs: the code ``k | 0x80``
+    has the magnitude of ``k``, the magnitudes do not decrease with ``k`` and the NaN codes are the largest
+    ``k``; else None. Read off the decode table (:func:`moeref.formats.decode_table`), not assumed."""
+    key = (name, str(device))
+    if key not in _MAGNITUDES:
+        t = np.abs(np.array(decode_table(name), np.float64))
+        ok = t.size == 256
+        if ok:
+            lo, hi = t[:128], t[128:]
+            nan = np.isnan(lo)
+            first_nan = int(np.argmax(nan)) if nan.any() else 128
+            ok = (np.array_equal(lo, hi, equal_nan=True) and bool(nan[first_nan:].all())
+                  and bool(np.all(np.diff(lo[:first_nan]) >= 0)))
+        _MAGNITUDES[key] = _torch().as_tensor(t[:128], device=device) if ok else None
+    return _MAGNITUDES[key]
+
+
+def device_codes_amax(codes, scales, scheme: Scheme, shape: tuple, global_scale: float | None = None,
+                float32: bool = False):
+    """``device_dequantize(codes, scales, ...).abs().max()`` (``float32``: of the values rounded to float32)
+    as a 0-d tensor on the codes' device, without decoding the tensor: from each block's largest and smallest
+    code magnitude (one byte per element read) and the block's scale. None where this does not apply (then
+    decode): packed 4-bit codes, an element format that is not sign-magnitude (:func:`_magnitude_table`), a
+    shape that is not a whole number of blocks, an empty tensor.
+
+    Exact, the same float as the decoded maximum, NaN included: an element's value is ``decode(code) *
+    scale`` (float64, :func:`device_dequantize`), whose magnitude ``|decode(code)| * |scale|`` (rounding is
+    symmetric in sign) does not decrease with ``|decode(code)|`` for a fixed scale (rounding, to float64 and
+    then to float32, is monotone), so a block's largest magnitude is its largest code magnitude times
+    ``|scale|``; an element is NaN where its code is (the NaN codes have the largest ``k``: a block holding
+    one has a NaN maximum), where its scale is, and for a zero code times an infinite scale (a block whose
+    smallest magnitude is 0 with an infinite scale gives NaN) or an infinite code times a zero scale (the
+    largest magnitude, inf, times 0: NaN). ``torch.max`` propagates NaN, as the decoded maximum does."""
+    torch = _torch()
+    dev = codes.device
+    shape = tuple(int(d) for d in shape)
+    if scheme.packed or codes.dtype != torch.uint8 or tuple(codes.shape) != shape or codes.numel() == 0:
+        return None
+    mags = _magnitude_table(scheme.element, dev)
+    block = tuple(int(b) for b in scheme.resolve_block(shape))
+    nl = len(shape) - len(block)
+    if mags is None or any(shape[nl + i] % b for i, b in enumerate(block)):
+        return None
+    view = shape[:nl] + tuple(d for i, b in enumerate(block) for d in (shape[nl + i] // b, b))
+    inner = tuple(nl + 2 * i + 1 for i in range(len(block)))
+    k = torch.bitwise_and(codes, 0x7F).reshape(view)
+    kmax, kmin = k.amax(dim=inner), k.amin(dim=inner)
+    fmt = scheme.scale_format
+    if fmt == "fp32":
+        s = scales.to(torch.float64)
+    else:
+        s = _table("e8m0" if fmt == "ue8m0" else "ue4m3", dev)[scales.to(torch.int64)]
+    if global_scale is not None:  # a Python float: no host-to-device copy (the float64 product is the same)
+        s = s * float(global_scale)
+    s = s.reshape(kmax.shape)
+    top = mags[kmax.to(torch.int64)] * s.abs()
+    zero_by_inf = (mags[kmin.to(torch.int64)] == 0) & torch.isinf(s)
+    top = torch.where(zero_by_inf, torch.full((), float("nan"), dtype=torch.float64, device=dev), top)
+    if float32:
+        top = top.to(torch.float32)
+    return top.max()
 
 
 def device_report_unavailable(target: Scheme, source=None) -> str | None:
