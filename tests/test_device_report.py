@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 torch = pytest.importorskip("torch")
 
 from moeref.checkpoint import get_layout  # noqa: E402
-from moeref.quant import fp8_block, mxfp4, nvfp4, quantize, quantize_and_report, requantize  # noqa: E402
+from moeref.quant import QuantizedTensor, fp8_block, mxfp4, nvfp4, quantize, quantize_and_report, requantize  # noqa: E402
 from moeref.quant.device_report import device_requantize, device_sum_of_squares  # noqa: E402
 from moeref.quant.lossless import sample_blocks_representable  # noqa: E402
 from moeref.quant.tensor import SUM_ROW, sum_of_squares  # noqa: E402
@@ -208,3 +208,55 @@ def test_remember_upload_takes_only_tensors_laid_out_as_the_host_copy():
     clear_uploads()
     fresh = upload(q, "cpu")
     assert fresh[0] is not codes and torch.equal(fresh[0], codes) and torch.equal(fresh[1], scales)
+
+
+def _amax_cases():
+    """FP8 128x128 sources (FP32 and UE8M0 scales) with the cases that decide the maximum: NaN codes (both
+    signs), an infinite scale over a block with and without a zero code, a NaN scale, negative scales,
+    an all-zero tensor, scales near float32's limit, and a leading batch axis."""
+    rng = np.random.default_rng(7)
+    for trial in range(28):
+        fmt = ("fp32", "ue8m0")[trial % 2]
+        shape = (256, 384) if trial % 3 else (2, 128, 256)
+        codes = rng.integers(0, 256, size=shape, dtype=np.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 1  # NaN codes only where a case puts them
+        grid = shape[:-2] + (shape[-2] // 128, shape[-1] // 128)
+        if fmt == "fp32":
+            scales = (rng.standard_normal(grid) * 10.0 ** rng.integers(-30, 30, size=grid)).astype(np.float32)
+        else:
+            scales = rng.integers(0, 256, size=grid, dtype=np.uint8)
+        case = trial % 7
+        if case == 1:
+            codes.reshape(-1)[rng.integers(codes.size)] = 0x7F | (0x80 * (trial % 2))
+        if case in (2, 3) and fmt == "fp32":
+            scales.reshape(-1)[0] = np.inf
+            if case == 3:  # no zero code in the infinite block: inf, not NaN
+                codes[..., :128, :128] = rng.integers(1, 0x7F, size=codes[..., :128, :128].shape, dtype=np.uint8)
+        if case == 4 and fmt == "fp32":
+            scales.reshape(-1)[-1] = np.nan
+        if case == 5:
+            codes[...] = 0
+        if case == 6 and fmt == "fp32":
+            scales[...] = np.float32(3e38)
+        yield QuantizedTensor(codes=codes, scales=scales, scheme=fp8_block((128, 128), fmt), shape=shape)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_codes_amax_is_the_decoded_maximum(device):
+    """The maximum from block code maxima x scales equals NumPy's max |dequantize| (float64 and float32),
+    NaN where that is NaN; shapes that are not whole blocks and packed codes are left to the decode (None)."""
+    from moeref.quant.device_report import device_codes_amax, upload
+
+    seen_nan = seen_inf = False
+    for q in _amax_cases():
+        codes, scales = upload(q, device)
+        for f32 in (False, True):
+            want = float(np.max(np.abs(q.dequantize(np.float32 if f32 else np.float64))))
+            got = float(device_codes_amax(codes, scales, q.scheme, q.shape, None, float32=f32))
+            assert bits(got) == bits(want) or (math.isnan(got) and math.isnan(want)), (want, got)
+            seen_nan, seen_inf = seen_nan or math.isnan(want), seen_inf or math.isinf(want)
+    assert seen_nan and seen_inf
+    ragged = quantize(np.ones((130, 128), np.float32), fp8_block((128, 128), "fp32"))
+    assert device_codes_amax(*upload(ragged, device), ragged.scheme, ragged.shape) is None
+    packed = quantize(np.ones((4, 64), np.float32), nvfp4())
+    assert device_codes_amax(*upload(packed, device), packed.scheme, packed.shape, packed.global_scale) is None
