@@ -54,15 +54,20 @@ def _torch():
 def device_sum_of_squares(t) -> float:
     """:func:`moeref.quant.tensor.sum_of_squares` of the float64 tensor ``t``, on its device, in the same
     order (the same float64)."""
+    return float(_sum_of_squares(t))
+
+
+def _sum_of_squares(t):
+    """:func:`device_sum_of_squares` as a 0-d float64 tensor on ``t``'s device (the host does not wait)."""
     torch = _torch()
     a = t.reshape(-1)
     square = True
     while True:
         n = a.numel()
         if n == 0:
-            return 0.0
+            return torch.zeros((), dtype=torch.float64, device=a.device)
         if n == 1 and not square:
-            return float(a[0])
+            return a[0]
         r = _sum_row(n)
         rows = -(-n // r)
         b = torch.zeros(rows * r, dtype=torch.float64, device=a.device)
@@ -262,21 +267,35 @@ def device_report(target: QuantizedTensor, x, method: str, precision: str = "exa
     y = device_dequantize(codes, scales, target.scheme, target.shape, target.global_scale)
     err = torch.sub(y, x, out=y)
     del y
-    x2, e2 = device_sum_of_squares(x), device_sum_of_squares(err)
+    # the sums and, for a finite error, the extremes and their first indices: one copy to the host
+    sums = [_sum_of_squares(x), _sum_of_squares(err)]
+    if err.numel():
+        flat_err = err.reshape(-1)
+        sums += [(err != 0).any(), err.max(), err.min(), flat_err.argmax(), flat_err.argmin()]
+    got = torch.stack([v.to(torch.float64) for v in sums]).tolist()  # exact: indices < 2**53
+    x2, e2 = got[0], got[1]
     allfin = np.isfinite(x2) and np.isfinite(e2)
-    if not allfin:  # the host's handling, operation for operation
-        yy = err + x
-        both_nan = torch.isnan(x) & torch.isnan(yy)
-        err = torch.where(both_nan | (torch.isinf(x) & (x == yy)), torch.zeros((), dtype=err.dtype,
-                                                                               device=err.device), err)
-        fin = torch.isfinite(err)
-        e2, x2 = device_sum_of_squares(err[fin]), device_sum_of_squares(x[fin])
+    if allfin:
+        lossless = len(got) == 2 or not got[2]  # NaN counts as an error (a NaN makes the sums non-finite)
+        hi = lo = 0.0
+        flat = 0
+        if not lossless:
+            hi, lo = got[3], got[4]
+            flat = int(got[5]) if hi >= -lo else int(got[6])
+        return report_from_sums(ReportSums(lossless, hi, lo, flat, float(e2), float(x2)), err,
+                                tuple(target.shape), tuple(target.block_shape), method, precision)
+    # a NaN or Inf somewhere: the host's handling, operation for operation
+    yy = err + x
+    both_nan = torch.isnan(x) & torch.isnan(yy)
+    err = torch.where(both_nan | (torch.isinf(x) & (x == yy)), torch.zeros((), dtype=err.dtype,
+                                                                           device=err.device), err)
+    fin = torch.isfinite(err)
+    e2, x2 = device_sum_of_squares(err[fin]), device_sum_of_squares(x[fin])
     lossless = not bool((err != 0).any())  # NaN counts as an error
     hi = lo = 0.0
     flat = 0
     if not lossless:
-        ef = err if allfin else torch.where(torch.isfinite(err), err, torch.zeros((), dtype=err.dtype,
-                                                                                  device=err.device))
+        ef = torch.where(torch.isfinite(err), err, torch.zeros((), dtype=err.dtype, device=err.device))
         hi, lo = float(ef.max()), float(ef.min())
         flat = int(ef.reshape(-1).argmax()) if hi >= -lo else int(ef.reshape(-1).argmin())
     return report_from_sums(ReportSums(lossless, hi, lo, flat, float(e2), float(x2)), err,
@@ -339,8 +358,13 @@ def device_requantize(q, target: Scheme, *, device, values=None, precision: str 
         return first, rep
     if not _searchable(None, target) or x.numel() == 0:
         return first, rep
-    for idx, block in sample_blocks(tuple(x.shape), target):
-        xs = x[idx].cpu().numpy()
+    samples = sample_blocks(tuple(x.shape), target)
+    parts = [x[idx] for idx, _ in samples]
+    host = torch.cat([p.reshape(-1) for p in parts]).cpu().numpy()  # the blocks in one copy
+    at = 0
+    for (_, block), p in zip(samples, parts):
+        xs = host[at:at + p.numel()].reshape(tuple(p.shape))
+        at += p.numel()
         if not sample_block_representable(xs, block, target):
             return first, rep  # no lossless encoding exists: neither candidate can be
     return None
