@@ -65,13 +65,15 @@ def _host_copy(fq):
 _quantizer.device_values = True  # takes the values as a device tensor (moeref.checkpoint.engines)
 
 
-def _all_finite(values) -> bool:
+def _finite_flag(values):
+    """Whether every element of ``values`` is finite: True or False for a host array, a 0-d bool tensor on the
+    device for a torch tensor (computed there; the host reads it later)."""
     try:
         import torch
     except ImportError:
         torch = None
     if torch is not None and torch.is_tensor(values):
-        return bool(torch.isfinite(values).all())
+        return torch.isfinite(values).all()
     return bool(np.all(np.isfinite(values)))
 
 
@@ -130,15 +132,22 @@ def fused_source_quantizer(q, scheme, device: str | None = None) -> tuple:
         return None, why
 
     def quantizer(values, target, **static):
-        if target.family == "nvfp4" and values is not None and not _all_finite(values):
-            from moeref._interop import to_numpy
-            from moeref.quant import quantize  # the reference refuses non-finite NVFP4 input: its error
-            return quantize(to_numpy(values), target, **static)
+        from moeref._interop import to_numpy
+        from moeref.quant import quantize  # the reference refuses non-finite NVFP4 input: its error
+
+        finite = None  # a device tensor's check is read once the codes are back (no wait of its own)
+        if target.family == "nvfp4" and values is not None:
+            finite = _finite_flag(values)
+            if finite is False:
+                return quantize(to_numpy(values), target, **static)
         from moeref.quant.device_report import upload
 
         codes, _ = upload(q, device)  # the converter's device report uploads the same source: once
         codes, scales, block = requant.from_reference(q, device, codes=codes)
-        return _host_copy(requant.fp8_block_to_fp4(codes, scales, block, target, **static))
+        ref = _host_copy(requant.fp8_block_to_fp4(codes, scales, block, target, **static))
+        if finite is not None and finite is not True and not bool(finite):
+            return quantize(to_numpy(values), target, **static)
+        return ref
 
     quantizer.device_values = True  # reads the values (a host array or a device tensor) for finiteness only
     return quantizer, "fused FP8-block decode + quantize (fastpath.requant)"

@@ -79,7 +79,8 @@ def to_device(a, device, dtype=None):
     last read it has completed, told by a CUDA event), because page-locking fresh memory per call costs about a
     millisecond for a 1 MB array (H200, torch 2.11); larger arrays, and copies made while a CUDA graph is
     being captured, are staged in fresh page-locked memory (``Tensor.pin_memory``, held by torch's caching host
-    allocator until the copy ends). The values are ``a``'s (``dtype``: a torch dtype to convert to first, on
+    allocator until the copy ends). A read-only array that is in page-locked memory already is copied from where
+    it is, without staging (:func:`_read_only_pinned`). The values are ``a``'s (``dtype``: a torch dtype to convert to first, on
     the host). On a CPU device: ``torch.as_tensor``."""
     import torch
 
@@ -89,7 +90,24 @@ def to_device(a, device, dtype=None):
     dev = torch.device(device)
     if dev.type != "cuda":
         return t.to(dev)
+    if dtype is None and _read_only_pinned(a, t):
+        return t.to(dev, non_blocking=True)
     return _STAGING.copy(t.contiguous(), dev)
+
+
+def _read_only_pinned(a, t) -> bool:
+    """Whether ``a`` is a read-only C-contiguous NumPy array (``t`` its tensor) in page-locked memory, read-only
+    along its whole chain of NumPy bases (nothing writes it through NumPy while the copy runs): :func:`to_device`
+    then copies from where it is, without staging (e.g. a tensor that
+    :meth:`moeref.checkpoint.SafetensorsCheckpoint.read_into` read into page-locked memory)."""
+    if not isinstance(a, np.ndarray) or not a.flags.c_contiguous or a.size == 0:
+        return False
+    b = a
+    while isinstance(b, np.ndarray):
+        if b.flags.writeable:
+            return False
+        b = b.base
+    return bool(t.is_pinned())
 
 
 STAGING_MAX_BYTES = 16 << 20

@@ -126,11 +126,15 @@ class FastQuantized:
 
     def scales_logical(self) -> np.ndarray:
         """The scales as the reference's grid (NumPy), read back through moeref.layouts inverses."""
-        from moeref import layouts
         from moeref._interop import to_numpy
 
+        return self._logical(to_numpy(self.scales.cpu()))
+
+    def _logical(self, s: np.ndarray) -> np.ndarray:
+        """:meth:`scales_logical` of the host copy ``s`` of the scale storage."""
+        from moeref import layouts
+
         g = self.grid
-        s = to_numpy(self.scales.cpu())
         if self.scale_layout == "row_major":
             return np.ascontiguousarray(s).reshape(g)
         mn, ng = g[-2], g[-1]
@@ -142,9 +146,21 @@ class FastQuantized:
         return layouts.unswizzle_128x4(s, mn, ng).reshape(g)
 
     def to_reference(self):
-        """A :class:`moeref.quant.QuantizedTensor` with these codes and scales (host copies)."""
+        """A :class:`moeref.quant.QuantizedTensor` with these codes and scales (host copies; from a CUDA device
+        copied into page-locked memory, with one wait for the device)."""
         from moeref.quant import QuantizedTensor
 
+        if self.codes.device.type == "cuda":  # one wait: the copies queued into page-locked memory first
+            from moeref._interop import to_numpy
+
+            codes = self.codes.to("cpu", non_blocking=True)
+            scales = self.scales.to("cpu", non_blocking=True)
+            g = None if self.global_scale is None else self.global_scale.reshape(-1)[:1].to("cpu", non_blocking=True)
+            torch.cuda.current_stream(self.codes.device).synchronize()
+            c = codes.numpy()
+            c.setflags(write=False)  # nothing else holds this copy: the QuantizedTensor takes it as it is
+            return QuantizedTensor(codes=c, scales=self._logical(to_numpy(scales)), scheme=self.scheme,
+                                   shape=self.shape, global_scale=None if g is None else float(g[0]))
         gs = None
         if self.global_scale is not None:
             gs = float(self.global_scale.reshape(-1)[0].item())

@@ -3,8 +3,10 @@ device, ``ConvertOptions.report_device``): a shard read, converted and written a
 group's amax on the device; and, on either path, the written shards hashed in a thread while the next one
 converts (:func:`hash_in_thread`).
 
-:func:`run_pipeline` runs the threads of one shard: a reader thread (safetensors reads, :data:`PIPELINE_DEPTH`
-modules ahead, the shard's file prefetched into the page cache by :func:`prefetch`), the conversion and the
+:func:`run_pipeline` runs the threads of one shard: a reader thread (:data:`PIPELINE_DEPTH` modules ahead, each
+tensor read with one ``os.preadv`` into page-locked memory where the report's device is a CUDA GPU, which the
+device copies then read directly (:class:`DirectReads`); the shard's file prefetched into the page cache by
+:func:`prefetch`), the conversion and the
 report in the calling thread (the steps :mod:`.shard` passes in), and a writer thread (the
 :class:`.safetensors_io.ShardWriter`). It writes the same tensors in the same order as the host loop of
 :mod:`.shard`, so both paths write the same bytes. This module imports nothing of :mod:`.shard` or
@@ -55,6 +57,34 @@ def _put(q, item, stop) -> bool:
     return False
 
 
+class DirectReads:
+    """A view of a :class:`.safetensors_io.SafetensorsCheckpoint` whose ``read`` is
+    :meth:`~.safetensors_io.SafetensorsCheckpoint.read_into`: each tensor read with ``os.preadv`` (the interpreter
+    lock released while the disk or the page cache delivers) into fresh memory, page-locked where ``device`` is a
+    CUDA device (``torch.empty(..., pin_memory=True)``: torch's caching host allocator reuses a block once the
+    tensors on it are dropped and the copies that read it have ended), so that the device copies of the report
+    read it at the bus's speed, without a staging copy (:func:`moeref._interop.to_device`); plain NumPy memory
+    elsewhere. The arrays are read-only (a :class:`~moeref.quant.QuantizedTensor` takes them without a copy);
+    the same values as ``read``. Everything else is the checkpoint's."""
+
+    def __init__(self, ck, device: str | None):
+        self._ck = ck
+        self._pinned = device is not None and str(device).startswith("cuda")
+
+    def __getattr__(self, name):
+        return getattr(self._ck, name)
+
+    def _alloc(self, nbytes: int) -> np.ndarray:
+        if self._pinned:
+            import torch
+
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+        return np.empty(nbytes, np.uint8)
+
+    def read(self, name: str) -> np.ndarray:
+        return self._ck.read_into(name, self._alloc)
+
+
 def prefetch(path: str) -> None:
     """Ask the kernel to read the file ``path`` into the page cache, sequentially, in the background
     (``posix_fadvise(WILLNEED)`` from a daemon thread; nothing where the call does not exist). safetensors
@@ -92,6 +122,7 @@ def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[in
     tm = job.timings
     to_convert, to_write = queue.Queue(PIPELINE_DEPTH), queue.Queue(PIPELINE_DEPTH)
     held = {}  # group members read ahead, by module
+    src = DirectReads(ck, job.device)
 
     def read():
         groups_read = set()
@@ -100,13 +131,13 @@ def run_pipeline(job, ck, writer, convert_module, dequantize_module) -> tuple[in
                 return
             t0 = time.perf_counter()
             if action == "copy":
-                item = (name, action, ck.read(name))
+                item = (name, action, src.read(name))
             else:
-                data = held.pop(name, None) or job.read_source(name, job.modules[name], ck)
+                data = held.pop(name, None) or job.read_source(name, job.modules[name], src)
                 if action == "convert" and name in job.groups and job.groups[name] not in groups_read:
                     groups_read.add(job.groups[name])  # the group's members, read once, for its global
                     for m in job.groups[name]:
-                        md = data if m == name else held.get(m) or job.read_source(m, job.group_roles[m], ck)
+                        md = data if m == name else held.get(m) or job.read_source(m, job.group_roles[m], src)
                         job.group_state["datas"][m] = md
                         if m != name and m in job.modules:
                             held[m] = md

@@ -81,6 +81,8 @@ class SafetensorsCheckpoint:
     indexed: bool
     _handles: dict = field(default_factory=dict, repr=False)
     _headers: dict = field(default_factory=dict, repr=False)
+    _spans: dict = field(default_factory=dict, repr=False)  # shard -> {name: (first byte, end) in the file}
+    _fds: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(cls, path: str) -> "SafetensorsCheckpoint":
@@ -122,6 +124,8 @@ class SafetensorsCheckpoint:
                 raise CheckpointError(f"{fn}: not a safetensors file ({e})") from None
             h.pop("__metadata__", None)
             self._headers[shard] = {k: (v["dtype"], tuple(v["shape"])) for k, v in h.items()}
+            self._spans[shard] = {k: (8 + n + int(v["data_offsets"][0]), 8 + n + int(v["data_offsets"][1]))
+                                  for k, v in h.items() if isinstance(v, dict) and "data_offsets" in v}
         return self._headers[shard]
 
     def names(self, shard: str | None = None) -> list:
@@ -153,6 +157,38 @@ class SafetensorsCheckpoint:
             self._handles[shard] = safe_open(self.file(shard), framework="pt")
         return to_numpy(self._handles[shard].get_tensor(name))
 
+    def read_into(self, name: str, alloc) -> np.ndarray:
+        """The tensor of :meth:`read` (the same values), read with ``os.preadv`` from its shard into memory that
+        ``alloc(nbytes)`` gives (a writable 1-D uint8 NumPy array of at least ``nbytes`` bytes; e.g. page-locked
+        memory that a device copy then reads directly), not through a memory map: one sequential read of its
+        bytes, in which the interpreter lock is released, where :meth:`read`'s memory map reads by page faults
+        wherever the bytes are first touched. The array is a read-only view of ``alloc``'s memory (nothing
+        writes it afterwards, so :class:`~moeref.quant.QuantizedTensor` takes it without a copy)."""
+        shard = self.shard_of(name)
+        dt, shape = self.info(name)
+        if dt not in DTYPE_NAMES:
+            raise CheckpointError(f"tensor {name!r} in {self.file(shard)}: dtype {dt} has no NumPy dtype; "
+                                  f"accepted: {', '.join(DTYPE_NAMES)}")
+        begin, end = self._spans[shard][name]
+        dtype = DTYPE_NAMES[dt]
+        nbytes = end - begin
+        if nbytes != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            raise CheckpointError(f"tensor {name!r} in {self.file(shard)}: {nbytes} bytes for shape {shape} "
+                                  f"of {dt}")
+        raw = alloc(nbytes)
+        buf = raw[:nbytes]
+        if shard not in self._fds:
+            self._fds[shard] = os.open(self.file(shard), os.O_RDONLY)
+        fd, done, view = self._fds[shard], 0, memoryview(buf)
+        while done < nbytes:  # Linux reads at most 2 GiB - 4 KiB per call
+            got = os.preadv(fd, [view[done:]], begin + done)
+            if got <= 0:
+                raise CheckpointError(f"tensor {name!r}: {self.file(shard)} ends before byte {end}")
+            done += got
+        del view, buf
+        raw.setflags(write=False)  # then the views taken of it are read-only too
+        return raw[:nbytes].view(dtype).reshape(shape)
+
     def read_bytes(self, name: str) -> bytes:
         """The raw little-endian payload of a tensor (for bit-exact copies and comparisons)."""
         a = np.ascontiguousarray(self.read(name))
@@ -160,6 +196,9 @@ class SafetensorsCheckpoint:
 
     def close(self) -> None:
         self._handles.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 @functools.lru_cache(maxsize=1)

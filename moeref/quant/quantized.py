@@ -24,8 +24,18 @@ _SCALE_DTYPE = {"fp32": np.dtype(np.float32), "ue8m0": np.dtype(np.uint8), "ue4m
 
 
 def _frozen(a, dtype=None):
+    """``a`` as a read-only C-contiguous array of ``dtype``: a copy, except where ``a`` is such an array already
+    and read-only along its whole chain of NumPy bases (a QuantizedTensor's own array, an array that
+    :meth:`moeref.checkpoint.SafetensorsCheckpoint.read_into` read), which nothing can write through NumPy: it is
+    taken as it is."""
     if a is None:
         return None
+    if isinstance(a, np.ndarray) and a.flags.c_contiguous and (dtype is None or a.dtype == np.dtype(dtype)):
+        b = a
+        while isinstance(b, np.ndarray) and not b.flags.writeable:
+            b = b.base
+        if not isinstance(b, np.ndarray):
+            return a
     a = np.array(a, dtype=dtype, copy=True, order="C")
     a.setflags(write=False)
     return a
@@ -83,7 +93,9 @@ class QuantizedTensor:
         zero_points: integer zero points per block (asymmetric INT), grid-shaped int16, or None;
             element value = code - zero point.
 
-    All arrays are copies, set read-only.
+    All arrays are read-only copies, except an array given read-only along its whole chain of NumPy bases
+    (another QuantizedTensor's, one that :meth:`moeref.checkpoint.SafetensorsCheckpoint.read_into` read), which
+    is kept as it is.
     """
 
     codes: np.ndarray
