@@ -146,3 +146,82 @@ def test_a_failing_writer_stops_the_pipeline(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         convert_checkpoint(src, str(tmp_path / "dst"), ConvertOptions(target="ct-mxfp4", report_device="cpu"))
     assert not [f for f in os.listdir(tmp_path / "dst") if f.endswith((".safetensors", ".data", ".partial"))]
+
+
+def test_read_into_gives_what_read_gives_read_only(tmp_path):
+    """SafetensorsCheckpoint.read_into (the pipelined reader's os.preadv reads) against the safetensors library's
+    read, for every kind of tensor a checkpoint holds; a file cut short is named."""
+    import hashlib
+
+    import ml_dtypes
+
+    from moeref.checkpoint.safetensors_io import SafetensorsCheckpoint, ShardWriter
+
+    rng = np.random.default_rng(3)
+    arrays = {"f32": rng.standard_normal((3, 5)).astype(np.float32),
+              "e4m3": rng.integers(0, 256, (4, 64), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn),
+              "bf16": rng.standard_normal((2, 7)).astype(ml_dtypes.bfloat16),
+              "scalar": np.array(1.5, np.float32), "empty": np.zeros((0, 3), np.int16),
+              "u8": rng.integers(0, 256, 1001, dtype=np.uint8)}
+    w = ShardWriter(str(tmp_path / "model.safetensors"))
+    for k, v in arrays.items():
+        w.add(k, v)
+    w.close()
+    ck = SafetensorsCheckpoint.open(str(tmp_path))
+    sizes = []
+    for k, v in arrays.items():
+        got = ck.read_into(k, lambda n: sizes.append(n) or np.empty(n + 5, np.uint8))  # a larger buffer is fine
+        want = ck.read(k)
+        assert got.dtype == v.dtype == want.dtype and got.shape == v.shape == want.shape
+        assert got.tobytes() == v.tobytes() == want.tobytes()
+        assert not got.flags.writeable
+        if k == "u8":  # read-only down to the buffer: a QuantizedTensor keeps it without a copy
+            from moeref.quant import QuantizedTensor, fp8_block
+
+            q = QuantizedTensor(codes=got.reshape(1, 1001), scales=np.ones((1, 8), np.float32),
+                                scheme=fp8_block((128, 128), "fp32"), shape=(1, 1001))
+            assert np.shares_memory(q.codes, got)
+    assert sizes == [v.nbytes for v in arrays.values()]
+    ck.close()
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:-600])  # u8's last 600 bytes gone
+    ck = SafetensorsCheckpoint.open(str(tmp_path))
+    with pytest.raises(CheckpointError, match="'u8'.*ends before byte"):
+        ck.read_into("u8", lambda n: np.empty(n, np.uint8))
+    ck.close()
+    assert hashlib.sha256(data[:-600]).hexdigest() == shard_mod.sha256_file(str(path))
+
+
+def test_quantized_tensor_keeps_a_read_only_array_and_copies_what_can_change():
+    """The reader's read-only arrays go into a QuantizedTensor without a copy; an array that can still be
+    written through NumPy (itself, or a base of a read-only view) is copied, as before."""
+    from moeref.quant import QuantizedTensor, fp8_block
+
+    def make(codes):
+        return QuantizedTensor(codes=codes, scales=np.ones((1, 1), np.float32), scheme=fp8_block((128, 128), "fp32"),
+                               shape=(4, 8))
+
+    ro = np.arange(32, dtype=np.uint8).reshape(4, 8).copy()  # owns its memory
+    ro.setflags(write=False)
+    assert make(ro).codes is ro
+    base = np.arange(32, dtype=np.uint8).reshape(4, 8)
+    view = base[:]
+    view.setflags(write=False)
+    q = make(view)
+    assert not np.shares_memory(q.codes, base)
+    base[0, 0] = 200
+    assert q.codes[0, 0] == 0 and not q.codes.flags.writeable
+    q2 = make(base)
+    assert not np.shares_memory(q2.codes, base) and q2.codes[0, 0] == 200
+
+
+def test_sha256_file_is_hashlibs_over_piece_boundaries(tmp_path):
+    import hashlib
+
+    rng = np.random.default_rng(4)
+    for n in (0, 1, (16 << 20) - 1, (16 << 20), (32 << 20) + 12345):
+        p = tmp_path / f"f{n}"
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        p.write_bytes(data)
+        assert shard_mod.sha256_file(str(p)) == hashlib.sha256(data).hexdigest()

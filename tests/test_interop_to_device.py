@@ -51,3 +51,27 @@ def test_cuda_buffer_not_reused_while_its_copy_waits():
 def test_cuda_large_array_takes_fresh_pinned_memory():
     a = np.arange((_interop.STAGING_MAX_BYTES // 8) + 3, dtype=np.float64)
     assert np.array_equal(_interop.to_device(a, "cuda").cpu().numpy(), a)
+
+
+@cuda
+def test_cuda_read_only_pinned_array_is_copied_from_where_it_is():
+    """A read-only array in page-locked memory (what the converter's reader gives) is copied without staging:
+    the values arrive; a writable one, or a read-only view of a writable one, is still staged (a later write
+    to it cannot reach the copy)."""
+    n = 1 << 20
+    buf = torch.empty(n * 4, dtype=torch.uint8, pin_memory=True).numpy()
+    buf.view(np.float32)[:] = np.arange(n, dtype=np.float32)
+    buf.setflags(write=False)
+    a = buf.view(np.float32)
+    assert _interop._read_only_pinned(a, torch.from_numpy(a))
+    got = _interop.to_device(a, "cuda")
+    torch.cuda.synchronize()
+    assert np.array_equal(got.cpu().numpy(), np.arange(n, dtype=np.float32))
+    w = torch.empty(16, dtype=torch.float32, pin_memory=True).numpy()
+    v = w[:]
+    v.setflags(write=False)
+    assert not _interop._read_only_pinned(w, torch.from_numpy(w))
+    assert not _interop._read_only_pinned(v, torch.from_numpy(v))
+    plain = np.arange(16, dtype=np.float32)
+    plain.setflags(write=False)
+    assert not _interop._read_only_pinned(plain, torch.from_numpy(plain))
