@@ -61,9 +61,13 @@ def test_device_report_writes_the_host_bytes_and_figures(tmp_path, source, targe
     F.BUILDERS[source](src, np.random.default_rng(11))
     a = convert_checkpoint(src, str(tmp_path / "host"), ConvertOptions(target=target, engine="numpy",
                                                                         report_device="host"))
+    from moeref.checkpoint.report import StageTimes
+
+    tm = StageTimes()
     b = convert_checkpoint(src, str(tmp_path / "dev"), ConvertOptions(target=target, engine="numpy",
-                                                                       report_device=device, verify=True))
-    same_reports(a, b, device)
+                                                                       report_device=device, verify=True), timings=tm)
+    same_reports(a, b, device)  # the host path hashes the files it wrote after closing them
+    assert tm.as_json()["counts"].get("hash", 0) == 0  # here every shard was hashed as it was written
 
 
 @pytest.mark.parametrize("target", ["ct-nvfp4", "modelopt-nvfp4"])
@@ -225,3 +229,31 @@ def test_sha256_file_is_hashlibs_over_piece_boundaries(tmp_path):
         data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
         p.write_bytes(data)
         assert shard_mod.sha256_file(str(p)) == hashlib.sha256(data).hexdigest()
+
+
+def test_shard_writer_hashes_as_it_writes_only_what_was_predicted(tmp_path):
+    """ShardWriter(expect=...): the SHA-256 of the file when every tensor is the predicted one; None (the caller
+    hashes the file) for a wrong dtype, shape, name or count, or a header longer than the room left for it. The
+    bytes written never depend on the prediction."""
+    import hashlib
+
+    from moeref.checkpoint.safetensors_io import ShardWriter
+
+    tensors = [("a", np.arange(6, dtype=np.float32).reshape(2, 3)), ("b", np.arange(5, dtype=np.uint8)),
+               ("c", np.array(2.0, np.float32))]
+    right = [("a", "F32", [2, 3]), ("b", "U8", [5]), ("c", "F32", [])]
+    cases = {"right": (right, 4096), "dtype": ([right[0], ("b", "I8", [5]), right[2]], 4096),
+             "shape": ([right[0], ("b", "U8", [1, 5]), right[2]], 4096), "name": (right[:2] + [("d", "F32", [])], 4096),
+             "fewer": (right[:2], 4096), "more": (right + [("d", "F32", [])], 4096), "no room": (right, 64)}
+    files = {}
+    for case, (expect, reserve) in cases.items():
+        path = str(tmp_path / f"{case}.safetensors")
+        w = ShardWriter(path, reserve=reserve, expect=expect)
+        for name, arr in tensors:
+            w.add(name, arr)
+        w.close()
+        data = open(path, "rb").read()
+        files[case] = data
+        want = hashlib.sha256(data).hexdigest() if case == "right" else None
+        assert w.sha256 == want, case
+    assert all(files[c] == files["right"] for c in cases if c != "no room")

@@ -1,16 +1,16 @@
 """The device-report path of ``moeref convert`` (:mod:`.shard` chooses it where the report is computed on a
 device, ``ConvertOptions.report_device``): a shard read, converted and written as a bounded pipeline, and a fused
 group's amax on the device; and, on either path, the written shards hashed in a thread while the next one
-converts (:func:`hash_in_thread`).
+converts (:func:`hash_in_thread`) where they were not hashed as they were written.
 
 :func:`run_pipeline` runs the threads of one shard: a reader thread (:data:`PIPELINE_DEPTH` modules ahead, each
 tensor read with one ``os.preadv`` into page-locked memory where the report's device is a CUDA GPU, which the
 device copies then read directly (:class:`DirectReads`); the shard's file prefetched into the page cache by
-:func:`prefetch`), the conversion and the
-report in the calling thread (the steps :mod:`.shard` passes in), and a writer thread (the
-:class:`.safetensors_io.ShardWriter`). It writes the same tensors in the same order as the host loop of
-:mod:`.shard`, so both paths write the same bytes. This module imports nothing of :mod:`.shard` or
-:mod:`.convert`; the conversion's steps come in as arguments.
+:func:`prefetch`), the conversion and the report in the calling thread (the steps :mod:`.shard` passes in), and a
+writer thread (the :class:`.safetensors_io.ShardWriter`, which hashes the file as it writes it where :mod:`.shard`
+predicted its tensors from the plan, so that no shard is read back to be hashed). It writes the same tensors in
+the same order as the host loop of :mod:`.shard`, so both paths write the same bytes. This module imports nothing
+of :mod:`.shard` or :mod:`.convert`; the conversion's steps come in as arguments.
 """
 from __future__ import annotations
 
@@ -264,9 +264,11 @@ def device_amaxes(datas: list, precision: str, device: str) -> list:
 def hash_in_thread(jobs, run_shard, sha256, dst: str, record, timings=None) -> None:
     """Run ``run_shard(job, hash_later=True)`` for each of ``jobs`` in turn; a shard's SHA-256 (``sha256`` of the
     file just written, under ``dst``) is computed in a thread while the next shard converts, and ``record(rec)``
-    is called once its hash is known, in shard order. The shards finished before a failure are recorded (a
-    resumed run skips them). ``timings`` (a :class:`.report.StageTimes`, or None) receives ``hash`` (the
-    hashing thread) and ``wait_hash`` (this thread waiting for a hash)."""
+    is called once its hash is known, in shard order; a record that comes with its ``sha256`` already (the
+    writer hashed the file as it wrote it: :class:`.safetensors_io.ShardWriter`'s ``expect``) is not hashed again.
+    The shards finished before a failure are recorded (a resumed run skips them). ``timings`` (a
+    :class:`.report.StageTimes`, or None) receives ``hash`` (the hashing thread) and ``wait_hash`` (this thread
+    waiting for a hash)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(1, thread_name_prefix="moeref-convert-hash") as hasher:
@@ -277,16 +279,17 @@ def hash_in_thread(jobs, run_shard, sha256, dst: str, record, timings=None) -> N
                 return sha256(path)
 
         def done(wait: bool):
-            while pending and (wait or pending[0][1].done()):
+            while pending and (wait or pending[0][1] is None or pending[0][1].done()):
                 rec, fut = pending.pop(0)
-                with timed(timings, "wait_hash"):
-                    rec.sha256 = fut.result()
+                if fut is not None:
+                    with timed(timings, "wait_hash"):
+                        rec.sha256 = fut.result()
                 record(rec)
 
         try:
             for job in jobs:
                 rec = run_shard(job, hash_later=True)
-                pending.append((rec, hasher.submit(hashed, os.path.join(dst, rec.shard))))
+                pending.append((rec, None if rec.sha256 else hasher.submit(hashed, os.path.join(dst, rec.shard))))
                 done(wait=False)
         finally:
             done(wait=True)

@@ -186,7 +186,9 @@ class StageTimes:
     * ``write``: tensor bytes handed to the shard file (:meth:`ShardWriter.add`: the page cache);
       ``close``: a shard's header written, the file fsync'd (its bytes reach the disk) and renamed;
       ``hash``: its SHA-256 (the file read back), in a thread while the next shard converts, and ``wait_hash``:
-      the wait for a hash (the last shard's); ``verify``: ``--verify``;
+      the wait for a hash (the last shard's); on the pipelined path the writer hashes a shard as it writes it,
+      inside ``write``, where the shard's tensors were predicted from the plan (:func:`.shard.expected_entries`),
+      and ``hash`` counts only the shards that were not; ``verify``: ``--verify``;
     * the pipelined path (the report on a device) runs ``read`` in a reader thread and ``write`` in a writer
       thread, overlapped with the conversion: there the stages' sum exceeds the wall time, and ``wait_read``
       (the conversion waited for the reader) and ``wait_write`` (for room in the writer's queue) say what the

@@ -243,17 +243,38 @@ class ShardWriter:
 
     Every :data:`WRITEBACK_BYTES` of data, the writer starts the disk writes of what it has written
     (:func:`start_writeback`; module docstring).
+
+    ``expect`` (with ``reserve``): the ``[(name, dtype string, shape)]`` the shard is predicted to hold, in order.
+    The writer then hashes the file as it writes it: the header those entries give, then each tensor's bytes as
+    they are added; :attr:`sha256` is that SHA-256 (hex) after :meth:`close` when the header written is the one
+    predicted, else None (a wrong prediction, or a header longer than ``reserve``: the caller hashes the file).
+    The bytes written do not depend on ``expect``.
     """
 
-    def __init__(self, path: str, metadata: dict | None = None, reserve: int = 0):
+    def __init__(self, path: str, metadata: dict | None = None, reserve: int = 0, expect: list | None = None):
         self.path = os.fspath(path)
         self.metadata = dict(metadata or {"format": "pt"})
         self._entries: list = []
+        self._names: set = set()
         self._offset = 0
         self._flushed = 0  # data bytes whose write-out was started (start_writeback)
         if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
             raise ValueError(f"reserve must be a non-negative int; got {reserve!r}")
         self.reserve = -(-reserve // 8) * 8
+        self.sha256: str | None = None
+        self._sha, self._expected = None, None
+        if expect is not None and self.reserve and all(e[1] in DTYPE_NAMES for e in expect):
+            entries, at = [], 0
+            for name, dt, shape in expect:
+                n = int(np.prod(shape, dtype=np.int64)) * DTYPE_NAMES[dt].itemsize
+                entries.append((name, dt, list(shape), at, at + n))
+                at += n
+            hb = self._header(entries)
+            if len(hb) <= self.reserve:
+                import hashlib
+
+                self._expected = entries
+                self._sha = hashlib.sha256(self.reserve.to_bytes(8, "little") + hb + b" " * (self.reserve - len(hb)))
         if self.reserve:
             self._data = open(self.path + ".partial", "wb")
             self._data.seek(8 + self.reserve)
@@ -263,12 +284,19 @@ class ShardWriter:
     def add(self, name: str, array) -> None:
         a = np.asarray(array)
         a = a if a.flags.c_contiguous else a.copy(order="C")  # (ascontiguousarray makes 0-d 1-d)
-        if any(e[0] == name for e in self._entries):
+        if name in self._names:
             raise CheckpointError(f"tensor {name!r} written twice to {self.path}")
         raw = a.reshape(-1).view(np.uint8) if a.size else np.zeros(0, np.uint8)
         self._data.write(memoryview(raw))
-        self._entries.append((name, dtype_name(a.dtype), list(a.shape), self._offset,
-                              self._offset + raw.size))
+        entry = (name, dtype_name(a.dtype), list(a.shape), self._offset, self._offset + raw.size)
+        if self._sha is not None:  # the predicted entry, else the prediction is wrong: hash no further
+            i = len(self._entries)
+            if i < len(self._expected) and self._expected[i] == entry:
+                self._sha.update(memoryview(raw))
+            else:
+                self._sha = None
+        self._entries.append(entry)
+        self._names.add(name)
         self._offset += raw.size
         if self._offset - self._flushed >= WRITEBACK_BYTES:
             self._data.flush()
@@ -280,9 +308,9 @@ class ShardWriter:
     def nbytes(self) -> int:
         return self._offset
 
-    def _header(self) -> bytes:
+    def _header(self, entries: list | None = None) -> bytes:
         header = {"__metadata__": {str(k): str(v) for k, v in self.metadata.items()}}
-        for name, dt, shape, b, e in self._entries:
+        for name, dt, shape, b, e in self._entries if entries is None else entries:
             header[name] = {"dtype": dt, "shape": shape, "data_offsets": [b, e]}
         hb = json.dumps(header, separators=(",", ":")).encode()
         return hb + b" " * (-len(hb) % 8)
@@ -295,6 +323,8 @@ class ShardWriter:
             out.seek(0)
             out.write(self.reserve.to_bytes(8, "little"))
             out.write(hb + b" " * (self.reserve - len(hb)))
+            if self._sha is not None and len(self._entries) == len(self._expected):
+                self.sha256 = self._sha.hexdigest()  # the header written is the one hashed first
             out.flush()
             os.fsync(out.fileno())
             out.close()

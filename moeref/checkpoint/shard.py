@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..quant import quantize_and_report, requantize
+from ..quant import QuantizedTensor, quantize_and_report, requantize
 from ..quant.tensor import sum_of_squares
 from .engines import choose_engine, source_quantizer
 from .layouts import LAYOUTS, ModuleData
@@ -280,9 +280,72 @@ def header_reserve(job: ShardJob) -> int:
     return n
 
 
-def _finish_shard(job: ShardJob, path: str, copied: int, reports: list, hash_later: bool = False) -> ShardRecord:
-    digest = ""
-    if not hash_later:
+def expected_entries(job: ShardJob, ck) -> list | None:
+    """``[(tensor name, dtype string, shape)]`` the shard of ``job`` will hold, in the order it is written,
+    predicted from the plan alone (for :class:`ShardWriter`'s ``expect``: the file hashed as it is written), or
+    None where a module's tensors cannot be predicted. A copied tensor keeps the source's dtype and shape; a
+    module written as BF16 is its ``.weight``; a converted module gives what the target layout writes (and
+    :func:`swizzle_tensors`) for a module of its shape with zero codes and scales (a static input scale where the
+    source has one), its names following the module's. A wrong prediction costs only time: the writer checks
+    every tensor against it and the shard is then hashed after it is closed."""
+    tl = LAYOUTS[job.opts.target]
+    scheme = tl.scheme(job.opts.preset)
+    patterns: dict = {}
+    out = []
+    for name, action, shape in job.actions:
+        if action == "copy":
+            dt, sh = ck.info(name)
+            out.append((name, dt, list(sh)))
+            continue
+        shape = tuple(int(d) for d in shape)
+        if action != "convert":
+            out.append((name + ".weight", "BF16", list(shape)))
+            continue
+        key = (shape, "input" in job.modules.get(name, {}))
+        if key not in patterns:
+            patterns[key] = _written_pattern(tl, scheme, shape, key[1], job.opts.scale_layout)
+        if patterns[key] is None:
+            return None
+        out += [(name + suffix, dt, sh) for suffix, dt, sh in patterns[key]]
+    return out
+
+
+def _written_pattern(tl, scheme, shape: tuple, has_input: bool, scale_layout: str) -> list | None:
+    """``[(name suffix, dtype string, shape)]`` of what ``tl`` writes for a module of ``shape`` in ``scheme``
+    (:func:`expected_entries`), from a module of zero codes and scales; None where it cannot be told."""
+    from ..quant.blocks import grid_shape
+    from .safetensors_io import dtype_name
+
+    probe = "moeref.probe"
+    try:
+        packed = shape[:-1] + ((shape[-1] + 1) // 2,) if scheme.packed else shape
+        grid = grid_shape(shape, scheme.resolve_block(shape))
+        codes = np.zeros(packed, np.uint8)
+        scales = np.ones(grid, np.float32) if scheme.scale_format == "fp32" else np.zeros(grid, np.uint8)
+        for a in (codes, scales):
+            a.setflags(write=False)  # taken without a copy
+        q = QuantizedTensor(codes=codes, scales=scales, scheme=scheme, shape=shape,
+                            global_scale=1.0 if scheme.global_scale else None)
+        tensors = tl.write(probe, ModuleData(probe, {}, q=q, input_scale=1.0 if has_input else None))
+        if scale_layout == "swizzled":
+            tensors = swizzle_tensors(tl.name, tensors)
+    except (ValueError, TypeError, CheckpointError):
+        return None
+    pattern = []
+    for tname, arr in tensors:
+        if not tname.startswith(probe):
+            return None
+        a = np.asarray(arr)
+        pattern.append((tname[len(probe):], dtype_name(a.dtype), list(a.shape)))
+    return pattern
+
+
+def _finish_shard(job: ShardJob, path: str, copied: int, reports: list, hash_later: bool = False,
+                  digest: str | None = None) -> ShardRecord:
+    """The shard's record; ``digest``: its SHA-256 where the writer hashed it as it wrote it, else the file is
+    hashed here (or, ``hash_later``, by the caller)."""
+    digest = digest or ""
+    if not digest and not hash_later:
         with timed(job.timings, "hash"):
             digest = sha256_file(path)
     rec = ShardRecord(job.shard, os.path.getsize(path), digest, False, copied, reports)
@@ -302,12 +365,13 @@ def _run_shard_pipelined(job: ShardJob, device: str, hash_later: bool = False) -
     ck = SafetensorsCheckpoint.open(job.src)
     path = os.path.join(job.dst, job.shard)
     writer = ShardWriter(path, {"format": "pt", "converted_by": "moeref convert",
-                                "target_layout": job.opts.target}, reserve=header_reserve(job))
+                                "target_layout": job.opts.target}, reserve=header_reserve(job),
+                         expect=expected_entries(job, ck))
     try:
         copied, reports = run_pipeline(job, ck, writer, _convert_module, _dequantize_module)
     finally:
         ck.close()
-    return _finish_shard(job, path, copied, reports, hash_later)
+    return _finish_shard(job, path, copied, reports, hash_later, writer.sha256)
 
 
 def sha256_file(path: str) -> str:
