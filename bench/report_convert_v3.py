@@ -65,16 +65,22 @@ def stage_table(rows: list) -> list[str]:
     def mean(get):
         return sum(get(r) for r in rows) / n
 
-    out = [f"Seconds per layer (mean of {n}) of each stage. A shard's SHA-256 is taken in a thread while the next "
-           "shard converts; with the report on a device the reads and the writes run in threads of their own too, "
-           "overlapped with the conversion (the stages' sum then exceeds its time); the `waited` rows are the "
-           "conversion thread's waits.", "", "| stage | seconds per layer |", "|---|---|"]
+    hashed_after = any("hash" in r["convert_stages"]["seconds"] for r in rows)
+    how = ("A shard's SHA-256 is taken in a thread while the next shard converts; with the report on a device the "
+           "reads and the writes run in threads of their own too" if hashed_after else
+           "The report on a device: the reads and the writes run in threads of their own, and the writer takes each "
+           "shard's SHA-256 as it writes it (in `write`; no shard is read back)")
+    out = [f"Seconds per layer (mean of {n}) of each stage. {how}, overlapped with the conversion (the stages' sum "
+           "then exceeds its time); the `waited` rows are the conversion thread's waits.", "",
+           "| stage | seconds per layer |", "|---|---|"]
     out.append(f"| source written (untimed): generated / written / fsync'd / headers renamed | "
                f"{mean(lambda r: r['stages'].get('source', 0)):.2f} ("
                + " / ".join(f"{mean(lambda r: r['source_stages']['seconds'].get(k, 0)):.2f}"
                             for k in ("generate", "write", "fsync", "rename")) + ") |")
     out.append(f"| **conversion (timed)** | **{mean(lambda r: r['seconds']):.2f}** |")
     for key, label in _CONVERT_STAGES:
+        if key == "write" and not hashed_after:
+            label += ", SHA-256 as written"
         if any(key in r["convert_stages"]["seconds"] for r in rows):
             out.append(f"| {label} | {mean(lambda r: r['convert_stages']['seconds'].get(key, 0)):.2f} |")
     out.append(f"| directories deleted (untimed) | {mean(lambda r: r['stages'].get('delete', 0)):.2f} |")
