@@ -31,6 +31,7 @@ selection, padding, scale indexing) against the exact reference.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -60,6 +61,9 @@ _FP8 = (torch.float8_e4m3fn,)
 PROMOTIONS = ("inline", "lagged_pair")
 """The K-loop orders of :attr:`GemmTiles.promotion` (FP8; one set of bits)."""
 _PROMOTION_CODE = {"inline": 0, "lagged_pair": 1}  # the tile-loop kernel's PROMOTION constexpr
+KERNELS = ("triton", "gluon")
+"""The kernels of :attr:`GemmTiles.kernel`: the Triton kernels, or the Gluon FP8 kernel of the contiguous layout
+(:mod:`fastpath._grouped_gemm_gluon`)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,13 @@ class GemmTiles:
     K-block order: the same bits. Simpler orders (block ``k + 1``'s product before block ``k``'s promotion; two
     products, then two promotions) compiled to a wait after each MMA on Triton 3.6 and were dropped; on an H200
     ``"lagged_pair"`` ran slower than ``"inline"`` (docs/moe-gpu.md)."""
+    kernel: str = "triton"
+    """:data:`KERNELS`. ``"gluon"``: :mod:`fastpath._grouped_gemm_gluon`'s Hopper kernel (FP8 operands in the
+    contiguous layout, layout rows (no ``a_src``), sm_90 only; a ``ValueError`` elsewhere): a persistent grid of
+    ``block_m x block_n`` tiles (128 x 128; ``num_warps=4`` warps in each of its two math warpgroups, plus one
+    TMA warp), ``num_stages`` shared-memory stages, tile order ``group_m``; the same bits as the Triton kernel. The
+    Triton tile-loop options (``persistent``, ``tma``, ``warp_specialize``, ``flatten``, ``promotion``) are its
+    design and are not taken with it."""
 
     def __post_init__(self):
         for name in ("persistent", "tma", "warp_specialize", "flatten"):
@@ -116,6 +127,18 @@ class GemmTiles:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"GemmTiles.{name} must be an int >= 1; got {v!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"GemmTiles.kernel must be one of {KERNELS}; got {self.kernel!r}")
+        if self.kernel == "gluon":
+            if (self.block_m, self.block_n, self.block_k, self.num_warps) != (128, 128, 128, 4):
+                raise ValueError("kernel='gluon' takes 128 x 128 tiles, block_k 128 and num_warps 4 (each of its two "
+                                 f"math warpgroups); got {self}")
+            if self.swap_ab or self.tile_loop_options or self.programs_per_sm != 1:
+                raise ValueError("kernel='gluon' is persistent, TMA-loaded and warp-specialized by design; the Triton "
+                                 "options swap_ab, persistent, programs_per_sm, tma, warp_specialize, flatten and "
+                                 f"promotion are not taken with it; got {self}")
+            if self.num_stages < 2:
+                raise ValueError(f"kernel='gluon' needs num_stages >= 2; got {self}")
         if self.swap_ab and self.tile_loop:
             raise ValueError("the tile-loop options (persistent, tma, warp_specialize, flatten, group_m > 1, "
                              "promotion other than 'inline') compute "
@@ -130,10 +153,14 @@ class GemmTiles:
             raise ValueError(f"flatten and programs_per_sm are options of persistent=True tiles; got {self}")
 
     @property
+    def tile_loop_options(self) -> bool:
+        """Whether any Triton tile-loop option other than ``group_m`` is set."""
+        return self.persistent or self.tma or self.warp_specialize or self.flatten or self.promotion != "inline"
+
+    @property
     def tile_loop(self) -> bool:
         """Whether these tiles run :mod:`fastpath._grouped_gemm_tiles`' kernel (contiguous layout only)."""
-        return (self.persistent or self.tma or self.warp_specialize or self.flatten or self.group_m != 1
-                or self.promotion != "inline")
+        return self.kernel == "triton" and (self.tile_loop_options or self.group_m != 1)
 
 
 DEFAULT_TILES = {"fp8_block": GemmTiles(64, 128, 128, 4, 4), "float": GemmTiles(128, 256, 64, 8, 3),
@@ -401,6 +428,9 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
                                                    disable_ue8m0_cast=True)
         return d
     t = tiles or _tiles_of(a, 0 if m <= e * alignment else m / e, "contiguous")  # one segment an expert: decode
+    if t.kernel == "gluon" and alignment % t.block_m:
+        raise ValueError(f"kernel='gluon' tiles have {t.block_m} rows, which must divide the layout's alignment; got "
+                         f"alignment {alignment}")
     if alignment % t.block_m:
         t = replace(t, block_m=64 if alignment % 64 == 0 else 16)
     _launch_triton(a, b, d, m_indices.to(torch.int32).contiguous(), a_scales, b_scales, bias, t,
@@ -430,6 +460,10 @@ def _launch_triton(a, b, d, m_idx, a_scales, b_scales, bias, t: GemmTiles, *, gr
     bias_t = bias.to(torch.float32).contiguous() if bias is not None else dummy
     ng = int(m_idx.numel()) if masked_cap else 0
     src = a_src.reshape(-1).contiguous() if a_src is not None else m_idx
+    if t.kernel == "gluon":
+        _launch_gluon(a, b, d, m_idx, sa, sb, bias_t if bias is not None else None, t, m, n, k, e, fp8,
+                      masked=masked_cap > 0, gather=a_src is not None)
+        return
     if t.tile_loop:
         if masked_cap:
             raise ValueError(f"the tile-loop options run on the contiguous layout only; got {t} for the masked layout")
@@ -459,6 +493,31 @@ def _sm_count(device: torch.device) -> int:
     if i not in _SM_COUNT:
         _SM_COUNT[i] = int(torch.cuda.get_device_properties(i).multi_processor_count)
     return _SM_COUNT[i]
+
+
+def _launch_gluon(a, b, d, m_idx, sa, sb, bias, t: GemmTiles, m, n, k, e, fp8, *, masked, gather):
+    """One launch of :mod:`fastpath._grouped_gemm_gluon`'s kernel, after the checks of what it runs: FP8, the
+    contiguous layout's rows, 16-byte aligned rows (TMA), a CUDA GPU of compute capability 9.0 (wgmma, setmaxnreg;
+    Gluon has no interpreter)."""
+    if not fp8 or masked or gather:
+        what = "a_src (gathered token rows: Hopper's TMA has no row gather)" if gather else \
+            "the masked layout" if masked else f"{a.dtype} operands"
+        raise ValueError(f"kernel='gluon' runs FP8 E4M3 operands with 1x128 / 128x128 scales on the contiguous "
+                         f"layout's rows; got {what}: use kernel='triton' tiles")
+    if a.device.type != "cuda" or triton_interpreted():
+        raise ValueError("kernel='gluon' needs a CUDA GPU (Gluon kernels have no interpreter; TRITON_INTERPRET="
+                         f"{os.environ.get('TRITON_INTERPRET')!r}, device {a.device})")
+    cap = torch.cuda.get_device_capability(a.device)
+    if cap != (9, 0):
+        raise ValueError(f"kernel='gluon' is a Hopper (sm_90) kernel (wgmma, setmaxnreg); this GPU is sm_{cap[0]}{cap[1]}")
+    bad = [f"{name} (address {x.data_ptr()})" for name, x in (("a", a), ("b", b)) if x.data_ptr() % 16]
+    if k % 16 or bad:
+        raise ValueError(f"kernel='gluon' loads through TMA: 16-byte aligned rows and bases; K = {k} FP8 bytes a row"
+                         f"{'; unaligned: ' + ', '.join(bad) if bad else ''}")
+    from ._grouped_gemm_gluon import launch_gluon
+
+    launch_gluon(a, b, d, m_idx, sa, sb, bias, t, m, n, k, e, min(cdiv(m, t.block_m) * cdiv(n, t.block_n),
+                                                                  _sm_count(a.device)))
 
 
 def _launch_tile_loop(a, b, d, m_idx, sa, sb, bias_t, src, t: GemmTiles, m, n, k, e, fp8, has_bias, gather, top_k):
