@@ -112,8 +112,6 @@ def _math(a_bufs, b_bufs, ready, empty, d_ptr, sa_ptr, sb_ptr, bias_ptr, m_idx_p
     HM: gl.constexpr = BLOCK_M // 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     zero = gl.zeros([HM, BLOCK_N], gl.float32, mma)
-    p = zero  # the two products' registers, carried from tile to tile (see _issue)
-    q = zero
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     c = 0
@@ -126,8 +124,9 @@ def _math(a_bufs, b_bufs, ready, empty, d_ptr, sa_ptr, sb_ptr, bias_ptr, m_idx_p
             sa_row = sa_ptr + rows.to(gl.int64) * stride_sam
             sb_base = sb_ptr + e.to(gl.int64) * stride_sbe + ((pid_n * BLOCK_N) // 128) * stride_sbn
             acc = zero
-            p = _issue(a_bufs, b_bufs, ready, c, p, HALF, STAGES)
+            p = _issue(a_bufs, b_bufs, ready, c, zero, HALF, STAGES)
             sa_p, sb_p = _scales(sa_row, rmask, sb_base, 0)
+            q = zero
             for j in gl.static_range((K_ITERS - 1) // 2):  # p: block 2j in flight
                 q = _issue(a_bufs, b_bufs, ready, c + 1, q, HALF, STAGES)
                 sa_q, sb_q = _scales(sa_row, rmask, sb_base, 2 * j + 1)
