@@ -94,7 +94,7 @@ def short_name(text: str) -> str:
     """A recorded ``GemmTiles(...)`` in :data:`fastpath.grouped_gemm.FP8_PREFILL_CANDIDATES`' naming: ``MxN``,
     ``wN`` warps, ``sN`` stages, ``persN`` persistent with N programs per SM, ``tma``, ``flat``, ``ws``, ``gN``
     group_m, ``swap``, then ``lagpair`` for ``promotion="lagged_pair"`` (another recorded promotion by its
-    name)."""
+    name) and ``gluon`` for ``kernel="gluon"``."""
     f = _fields(text)
     on = lambda k: f.get(k) == "True"  # noqa: E731
     parts = [f"{f['block_m']}x{f['block_n']}", f"w{f['num_warps']}", f"s{f['num_stages']}"]
@@ -104,6 +104,7 @@ def short_name(text: str) -> str:
     parts += [f"g{f['group_m']}"] if f.get("group_m", "1") != "1" else []
     promotion = f.get("promotion", "'inline'").strip("'\"")
     parts += [] if promotion == "inline" else [{"lagged_pair": "lagpair"}.get(promotion, promotion)]
+    parts += [] if f.get("kernel", "'triton'").strip("'\"") == "triton" else [f.get("kernel").strip("'\"")]
     return " ".join(parts)
 
 

@@ -139,9 +139,9 @@ def _time(cases: dict, args, on_gpu: bool):
 
 
 def _group(t) -> int:
-    """Timing group of a tile: 0 the pointer-load kernels, 1 TMA, 2 warp-specialized (compiled, checked and
-    timed after the groups before it, so a failure there cannot cost their measurements)."""
-    return 2 if t.warp_specialize else 1 if t.tma else 0
+    """Timing group of a tile: 0 the pointer-load kernels, 1 TMA, 2 warp-specialized, 3 the Gluon kernel (compiled,
+    checked and timed after the groups before it, so a failure there cannot cost their measurements)."""
+    return 3 if t.kernel == "gluon" else 2 if t.warp_specialize else 1 if t.tma else 0
 
 
 class Fatal(RuntimeError):
@@ -425,8 +425,9 @@ def _gather_phase(rrec, x, sx, layout_rows, lay_x, weight, configs, top_k, args,
     from fastpath.grouped_gemm import grouped_gemm_contiguous
 
     g1 = rrec["gemms"].get("gemm1", {})
-    best = _best(g1)  # the fastest tile, and the fastest without warp specialization (which refuses a_src)
-    best_plain = _best({c: v for c, v in g1.items() if c in configs and not configs[c].warp_specialize})
+    best = _best(g1)  # the fastest tile, and the fastest taking a_src (warp-specialized and Gluon tiles refuse it)
+    best_plain = _best({c: v for c, v in g1.items() if c in configs and not configs[c].warp_specialize
+                        and configs[c].kernel != "gluon"})  # (the Gluon kernel refuses a_src too)
     picks = [DEFAULT_NAME] + [b["config"] for b in (best, best_plain) if b and b["config"] != DEFAULT_NAME]
     picks = list(dict.fromkeys(picks))
     b, sb = weight
