@@ -38,7 +38,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from ._grouped_gemm_tiles import _tile_coords
+from ._grouped_gemm_tiles import _ordered, _tile_coords
 
 __all__ = ["launch_gluon"]
 
@@ -48,7 +48,12 @@ PRODUCER_REGISTERS, MATH_REGISTERS, KERNEL_MAXNREG = gl.constexpr(40), gl.conste
 """Registers per thread: the TMA warp's and the second math warpgroup's (``setmaxnreg``; the first math warpgroup,
 the default partition, gets what is left of ``KERNEL_MAXNREG`` times the 12 warps the kernel is given, 232)."""
 
+K_UNROLL = 8
+"""K blocks per iteration of a math warpgroup's K loop (unrolled; no MMA in flight between iterations)."""
+
 _tile_coords_g = gluon.jit(_tile_coords.fn)  # the tile-loop kernel's tile order, compiled as a Gluon function
+_ordered_g = gluon.jit(_ordered.fn)  # its ordering barrier: a promotion done before the next MMA is issued (else
+# LLVM moves it past that MMA, whose accumulator then needs a third register set, and ptxas spills)
 
 
 @gluon.jit
@@ -101,13 +106,52 @@ def _retire(acc, part, sa, sb, empty, c, STAGES: gl.constexpr, OUTSTANDING: gl.c
     ``(acc + (part * sa) * sb, part)`` (the Triton kernel's ``acc += part * sa[:, None] * sb``)."""
     part = warpgroup_mma_wait(OUTSTANDING, deps=(part,))
     mbarrier.arrive(empty.index(c % STAGES), count=1)
-    return acc + part * gl.expand_dims(sa, 1) * sb, part
+    return _ordered_g(acc + part * gl.expand_dims(sa, 1) * sb), part
+
+
+@gluon.jit
+def _zeros_here(like):
+    """Zeros shaped as ``like``, made here (a ``mov`` per element in inline PTX, not pure): a zero tensor made once
+    outside the K loop would be kept live through it (64 more registers a thread), and ptxas then spills."""
+    return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [like], dtype=gl.float32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _k_run(acc, a_bufs, b_bufs, ready, empty, sa_row, rmask, sb_base, k0, c, NB: gl.constexpr,
+           HALF: gl.constexpr, STAGES: gl.constexpr):
+    """``(acc, c)`` after K blocks ``k0 .. k0 + NB - 1`` (global block count ``c ..``), from no MMA in flight to
+    none: products alternate between two register sets ``p`` and ``q`` (the first MMA of each from ``zero``, then
+    from a retired product), block ``k + 1``'s MMA issued before block ``k``'s wait (``warpgroup_mma_wait(1)``)
+    and promotion."""
+    zero = _zeros_here(acc)
+    p = _issue(a_bufs, b_bufs, ready, c, zero, HALF, STAGES)
+    q = zero
+    sa_p, sb_p = _scales(sa_row, rmask, sb_base, k0)
+    for j in gl.static_range((NB - 1) // 2):  # p: block k0 + 2j in flight
+        q = _issue(a_bufs, b_bufs, ready, c + 1, q, HALF, STAGES)
+        sa_q, sb_q = _scales(sa_row, rmask, sb_base, k0 + 2 * j + 1)
+        acc, p = _retire(acc, p, sa_p, sb_p, empty, c, STAGES, 1)
+        p = _issue(a_bufs, b_bufs, ready, c + 2, p, HALF, STAGES)
+        sa_p, sb_p = _scales(sa_row, rmask, sb_base, k0 + 2 * j + 2)
+        acc, q = _retire(acc, q, sa_q, sb_q, empty, c + 1, STAGES, 1)
+        c += 2
+    if NB % 2 == 0:  # the last two blocks
+        q = _issue(a_bufs, b_bufs, ready, c + 1, q, HALF, STAGES)
+        sa_q, sb_q = _scales(sa_row, rmask, sb_base, k0 + NB - 1)
+        acc, p = _retire(acc, p, sa_p, sb_p, empty, c, STAGES, 1)
+        acc, q = _retire(acc, q, sa_q, sb_q, empty, c + 1, STAGES, 0)
+        c += 2
+    else:
+        acc, p = _retire(acc, p, sa_p, sb_p, empty, c, STAGES, 0)
+        c += 1
+    return acc, c
 
 
 @gluon.jit
 def _math(a_bufs, b_bufs, ready, empty, d_ptr, sa_ptr, sb_ptr, bias_ptr, m_idx_ptr, M, N, stride_dm, stride_sam,
           stride_sbe, stride_sbn, NUM_PROGRAMS, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          K_ITERS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr):
+          K_ITERS: gl.constexpr, K_UNROLL: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+          HAS_BIAS: gl.constexpr):
     """A math warpgroup: rows ``HALF * BLOCK_M / 2 ..`` of each live tile, K blocks in pairs (see the module)."""
     HM: gl.constexpr = BLOCK_M // 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
@@ -124,26 +168,12 @@ def _math(a_bufs, b_bufs, ready, empty, d_ptr, sa_ptr, sb_ptr, bias_ptr, m_idx_p
             sa_row = sa_ptr + rows.to(gl.int64) * stride_sam
             sb_base = sb_ptr + e.to(gl.int64) * stride_sbe + ((pid_n * BLOCK_N) // 128) * stride_sbn
             acc = zero
-            p = _issue(a_bufs, b_bufs, ready, c, zero, HALF, STAGES)
-            sa_p, sb_p = _scales(sa_row, rmask, sb_base, 0)
-            q = zero
-            for j in gl.static_range((K_ITERS - 1) // 2):  # p: block 2j in flight
-                q = _issue(a_bufs, b_bufs, ready, c + 1, q, HALF, STAGES)
-                sa_q, sb_q = _scales(sa_row, rmask, sb_base, 2 * j + 1)
-                acc, p = _retire(acc, p, sa_p, sb_p, empty, c, STAGES, 1)
-                p = _issue(a_bufs, b_bufs, ready, c + 2, p, HALF, STAGES)
-                sa_p, sb_p = _scales(sa_row, rmask, sb_base, 2 * j + 2)
-                acc, q = _retire(acc, q, sa_q, sb_q, empty, c + 1, STAGES, 1)
-                c += 2
-            if K_ITERS % 2 == 0:  # the last two blocks
-                q = _issue(a_bufs, b_bufs, ready, c + 1, q, HALF, STAGES)
-                sa_q, sb_q = _scales(sa_row, rmask, sb_base, K_ITERS - 1)
-                acc, p = _retire(acc, p, sa_p, sb_p, empty, c, STAGES, 1)
-                acc, q = _retire(acc, q, sa_q, sb_q, empty, c + 1, STAGES, 0)
-                c += 2
-            else:
-                acc, p = _retire(acc, p, sa_p, sb_p, empty, c, STAGES, 0)
-                c += 1
+            for kc in range(K_ITERS // K_UNROLL):  # chunks of K_UNROLL blocks, each ending with no MMA in flight
+                acc, c = _k_run(acc, a_bufs, b_bufs, ready, empty, sa_row, rmask, sb_base, kc * K_UNROLL, c,
+                                K_UNROLL, HALF, STAGES)
+            if K_ITERS % K_UNROLL != 0:
+                acc, c = _k_run(acc, a_bufs, b_bufs, ready, empty, sa_row, rmask, sb_base,
+                                (K_ITERS // K_UNROLL) * K_UNROLL, c, K_ITERS % K_UNROLL, HALF, STAGES)
             cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
             if HAS_BIAS:  # FP32 epilogue: bias[e, n] added to the accumulator before the store (as the Triton kernel)
                 acc = acc + gl.expand_dims(gl.load(bias_ptr + e.to(gl.int64) * N + cols, mask=cols < N, other=0.0), 0)
@@ -156,8 +186,8 @@ def _math(a_bufs, b_bufs, ready, empty, d_ptr, sa_ptr, sb_ptr, bias_ptr, m_idx_p
 def _gluon_fp8_grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, E,
                                    stride_am, stride_bn, stride_dm, stride_sam, stride_sbe, stride_sbn, NUM_PROGRAMS,
                                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                                   K_ITERS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                                   HAS_BIAS: gl.constexpr):
+                                   K_ITERS: gl.constexpr, K_UNROLL: gl.constexpr, STAGES: gl.constexpr,
+                                   GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr):
     smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K], smem)
     b_desc = tma.make_tensor_descriptor(b_ptr, [E * N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K], smem)
@@ -170,10 +200,10 @@ def _gluon_fp8_grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_pt
         mbarrier.init(empty.index(i), count=2)  # one arrival per math warpgroup
     gl.warp_specialize([
         (_math, (a_bufs, b_bufs, ready, empty, d_ptr, sa_ptr, sb_ptr, bias_ptr, m_idx_ptr, M, N, stride_dm, stride_sam,
-                 stride_sbe, stride_sbn, NUM_PROGRAMS, gl.constexpr(0), BLOCK_M, BLOCK_N, K_ITERS, STAGES, GROUP_M,
+                 stride_sbe, stride_sbn, NUM_PROGRAMS, gl.constexpr(0), BLOCK_M, BLOCK_N, K_ITERS, K_UNROLL, STAGES, GROUP_M,
                  HAS_BIAS)),
         (_math, (a_bufs, b_bufs, ready, empty, d_ptr, sa_ptr, sb_ptr, bias_ptr, m_idx_ptr, M, N, stride_dm, stride_sam,
-                 stride_sbe, stride_sbn, NUM_PROGRAMS, gl.constexpr(1), BLOCK_M, BLOCK_N, K_ITERS, STAGES, GROUP_M,
+                 stride_sbe, stride_sbn, NUM_PROGRAMS, gl.constexpr(1), BLOCK_M, BLOCK_N, K_ITERS, K_UNROLL, STAGES, GROUP_M,
                  HAS_BIAS)),
         (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, m_idx_ptr, M, N, NUM_PROGRAMS, BLOCK_M, BLOCK_N,
                      BLOCK_K, K_ITERS, STAGES, GROUP_M)),
@@ -189,5 +219,5 @@ def launch_gluon(a, b, d, m_idx, sa, sb, bias, t, m: int, n: int, k: int, e: int
     ensure_allocator()  # the in-kernel tensor descriptors' scratch
     launch(_gluon_fp8_grouped_gemm_kernel, (programs,), a, b, d, m_idx, sa, sb, sa if bias is None else bias, m, n, k, e,
            a.stride(0), b.stride(1), d.stride(0), sa.stride(0), sb.stride(0), sb.stride(1), programs,
-           BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=SCALE_BLOCK, K_ITERS=-(-k // SCALE_BLOCK),
+           BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=SCALE_BLOCK, K_ITERS=-(-k // SCALE_BLOCK), K_UNROLL=K_UNROLL,
            STAGES=t.num_stages, GROUP_M=t.group_m, HAS_BIAS=bias is not None, num_warps=4, maxnreg=KERNEL_MAXNREG)
