@@ -4,7 +4,8 @@
 
 Per run (oldest first) a caption naming the GPU, date, torch and Triton versions, tree and command, then one table:
 per routing, DeepGEMM's times, the tiles :data:`fastpath.grouped_gemm.DEFAULT_TILES` gives the contiguous layout
-(``"fp8_block_contiguous_tma"`` on GPUs with TMA, ``"fp8_block"`` elsewhere; matched by the tiles the JSON records),
+(``"fp8_block_contiguous_gluon"`` on Hopper, ``"fp8_block_contiguous_tma"`` on GPUs with TMA, ``"fp8_block"`` elsewhere;
+matched by the tiles the JSON records),
 the :data:`N_BEST` fastest tiles with the ``"fp8_block"`` tiles' bits (both GEMMs together), the fastest GEMM1 tile
 with the fastest GEMM2 tile, and the fastest tile whose bits differ where it beats them all; GEMM1, GEMM2 and both,
 median (min-max) in ms and x DeepGEMM (the median of the per-round ratios DeepGEMM / Triton: 1.00 is as fast).
@@ -27,7 +28,7 @@ PATTERN = "triton_fp8_prefill_sweep_*.json"
 SCRIPT = "bench/studies/triton_fp8_prefill_sweep.py"
 N_BEST = 3
 """How many of the fastest bit-equal tiles each routing shows (besides the default tiles)."""
-DEFAULT_KEYS = ("fp8_block_contiguous_tma", "fp8_block")
+DEFAULT_KEYS = ("fp8_block_contiguous_gluon", "fp8_block_contiguous_tma", "fp8_block")
 """The keys of :data:`fastpath.grouped_gemm.DEFAULT_TILES` whose tiles the table names, first match first."""
 
 

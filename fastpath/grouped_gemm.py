@@ -165,11 +165,14 @@ class GemmTiles:
 
 DEFAULT_TILES = {"fp8_block": GemmTiles(64, 128, 128, 4, 4), "float": GemmTiles(128, 256, 64, 8, 3),
                  "fp8_block_decode": GemmTiles(16, 128, 128, 4, 3, swap_ab=True),
-                 "fp8_block_contiguous_tma": GemmTiles(64, 128, 128, 4, 4, tma=True)}
+                 "fp8_block_contiguous_tma": GemmTiles(64, 128, 128, 4, 4, tma=True),
+                 "fp8_block_contiguous_gluon": GemmTiles(128, 128, 128, 4, 6, group_m=8, kernel="gluon")}
 """Tiles when none are given (:func:`default_tiles`): ``"fp8_block_decode"`` for FP8 operands with few rows per
-expert; ``"fp8_block_contiguous_tma"`` for FP8 prefill in the contiguous layout on a GPU with TMA (compute
-capability 9 or more), the fastest tiles of bench/studies/triton_fp8_prefill_sweep.py with the same bits as
-``"fp8_block"`` (docs/moe-gpu.md); ``"fp8_block"`` elsewhere (the masked layout, older GPUs)."""
+expert; ``"fp8_block_contiguous_gluon"`` (the Gluon kernel) for FP8 prefill in the contiguous layout on a Hopper
+GPU (sm_90) where it runs (the layout's rows, an alignment that is a multiple of 128); ``"fp8_block_contiguous_tma"``
+for the rest of FP8 prefill in the contiguous layout on a GPU with TMA (compute capability 9 or more; token rows
+read through ``a_src``); both faster than ``"fp8_block"`` on an H200 with the same bits (docs/moe-gpu.md);
+``"fp8_block"`` elsewhere (the masked layout, older GPUs)."""
 _INTERPRETER_TILES = {"fp8_block": GemmTiles(16, 32, 128, 1, 1), "float": GemmTiles(16, 32, 32, 1, 1),
                       "fp8_block_decode": GemmTiles(16, 32, 128, 1, 1, swap_ab=True)}
 FP8_PREFILL_CANDIDATES = {
@@ -199,29 +202,34 @@ FP8_PREFILL_CANDIDATES = {
     "64x128 w4 s2 tma g4 lagpair": GemmTiles(64, 128, 128, 4, 2, tma=True, group_m=4, promotion="lagged_pair"),
     "64x128 w8 s2 tma lagpair": GemmTiles(64, 128, 128, 8, 2, tma=True, promotion="lagged_pair"),
     "128x128 w8 s2 tma g2 lagpair": GemmTiles(128, 128, 128, 8, 2, tma=True, group_m=2, promotion="lagged_pair"),
-    "128x128 w4 s5 g8 gluon": GemmTiles(128, 128, 128, 4, 5, group_m=8, kernel="gluon"),
+    "128x128 w4 s6 g8 gluon": GemmTiles(128, 128, 128, 4, 6, group_m=8, kernel="gluon"),
 }
 """FP8 prefill tiles (``wN`` warps, ``sN`` stages, ``gN`` group_m, ``persN`` persistent with N programs per SM,
 ``flat`` flatten, ``ws`` warp_specialize; ``lagpair``: ``promotion="lagged_pair"``; ``gluon``: ``kernel="gluon"``, Hopper only): what bench/studies/triton_fp8_prefill_sweep.py times against DeepGEMM at DeepSeek-V3's
 4096-token shapes, and what the GPU test checks bit for bit against :data:`DEFAULT_TILES`. ``"64x128 w4 s4"`` is
 ``DEFAULT_TILES["fp8_block"]`` (the sweep's bit reference), ``"64x128 w4 s4 tma"``
-``DEFAULT_TILES["fp8_block_contiguous_tma"]``."""
+``DEFAULT_TILES["fp8_block_contiguous_tma"]``, ``"128x128 w4 s6 g8 gluon"`` ``DEFAULT_TILES["fp8_block_contiguous_gluon"]``."""
 DECODE_ROWS_PER_EXPERT = 16
 """FP8 operands with at most this many rows per expert on average take the decode tiles."""
 
 
-def default_tiles(kind: str, rows_per_expert: float, device_type: str = "cuda", layout: str = "contiguous") -> GemmTiles:
+def default_tiles(kind: str, rows_per_expert: float, device_type: str = "cuda", layout: str = "contiguous", *,
+                  gather: bool = False, alignment: int = 128) -> GemmTiles:
     """The Triton kernel's tiles for operand ``kind`` (``"fp8_block"`` or ``"float"``) when the experts
     have ``rows_per_expert`` rows on average: FP8 with at most :data:`DECODE_ROWS_PER_EXPERT` takes the
     decode tiles (a 16-row swapped tile: the weights stream through the wide side of the MMA); FP8 above it in
-    the ``"contiguous"`` layout on a CUDA GPU with TMA takes the TMA tiles (the tile-loop kernel, contiguous
-    layout only; ``layout="masked"`` keeps ``"fp8_block"``)."""
+    the ``"contiguous"`` layout on a Hopper GPU (sm_90) takes the Gluon kernel's tiles, unless the rows are
+    gathered through ``a_src`` (``gather``) or ``alignment`` is not a multiple of its 128-row tiles; those, and
+    other GPUs with TMA, take the TMA tiles (the tile-loop kernel, contiguous layout only; ``layout="masked"`` keeps
+    ``"fp8_block"``)."""
     if layout not in ("contiguous", "masked"):
         raise ValueError(f"layout must be 'contiguous' or 'masked'; got {layout!r}")
     table = _INTERPRETER_TILES if device_type == "cpu" else DEFAULT_TILES
     if kind == "fp8_block" and rows_per_expert <= DECODE_ROWS_PER_EXPERT:
         return table["fp8_block_decode"]
     if kind == "fp8_block" and layout == "contiguous" and device_type == "cuda" and _has_tma():
+        if not gather and alignment % 128 == 0 and _is_sm90():
+            return table["fp8_block_contiguous_gluon"]
         return table["fp8_block_contiguous_tma"]
     return table[kind]
 
@@ -231,9 +239,18 @@ def _has_tma() -> bool:
     return _capability_major(torch.cuda.current_device()) >= 9
 
 
-@functools.lru_cache(maxsize=None)
+def _is_sm90() -> bool:
+    """Whether the current CUDA device is a Hopper GPU of compute capability 9.0 (the Gluon kernel's target)."""
+    return _capability(torch.cuda.current_device()) == (9, 0)
+
+
 def _capability_major(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
+    return _capability(device_index)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple:
+    return tuple(torch.cuda.get_device_capability(device_index))
 
 
 @triton.jit
@@ -428,7 +445,8 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
         deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, a_scales), (b, b_scales), d, m_indices.to(torch.int32),
                                                    disable_ue8m0_cast=True)
         return d
-    t = tiles or _tiles_of(a, 0 if m <= e * alignment else m / e, "contiguous")  # one segment an expert: decode
+    t = tiles or default_tiles(_kind(a), 0 if m <= e * alignment else m / e, a.device.type, "contiguous",
+                               gather=a_src is not None, alignment=alignment)  # one segment an expert: decode
     if t.kernel == "gluon" and alignment % t.block_m:
         raise ValueError(f"kernel='gluon' tiles have {t.block_m} rows, which must divide the layout's alignment; got "
                          f"alignment {alignment}")
@@ -508,7 +526,7 @@ def _launch_gluon(a, b, d, m_idx, sa, sb, bias, t: GemmTiles, m, n, k, e, fp8, *
     if a.device.type != "cuda" or triton_interpreted():
         raise ValueError("kernel='gluon' needs a CUDA GPU (Gluon kernels have no interpreter; TRITON_INTERPRET="
                          f"{os.environ.get('TRITON_INTERPRET')!r}, device {a.device})")
-    cap = torch.cuda.get_device_capability(a.device)
+    cap = _capability(a.device.index if a.device.index is not None else torch.cuda.current_device())
     if cap != (9, 0):
         raise ValueError(f"kernel='gluon' is a Hopper (sm_90) kernel (wgmma, setmaxnreg); this GPU is sm_{cap[0]}{cap[1]}")
     bad = [f"{name} (address {x.data_ptr()})" for name, x in (("a", a), ("b", b)) if x.data_ptr() % 16]

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 from fastpath.testing import on_gpu  # noqa: E402
 
-GLUON = "128x128 w4 s5 g8 gluon"  # the candidate of FP8_PREFILL_CANDIDATES checked here
+GLUON = "128x128 w4 s6 g8 gluon"  # the candidate of FP8_PREFILL_CANDIDATES checked here
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
@@ -32,11 +32,12 @@ def _fp8(*shape):
 def test_gluon_options_are_checked():
     """``kernel`` is one of :data:`~fastpath.grouped_gemm.KERNELS`; the Gluon kernel takes 128 x 128 tiles with 4 warps
     a math warpgroup and at least two stages, and none of the Triton tile-loop options (its design has them)."""
-    from fastpath.grouped_gemm import FP8_PREFILL_CANDIDATES, KERNELS, GemmTiles
+    from fastpath.grouped_gemm import DEFAULT_TILES, FP8_PREFILL_CANDIDATES, KERNELS, GemmTiles
 
     assert KERNELS == ("triton", "gluon")
     t = FP8_PREFILL_CANDIDATES[GLUON]
-    assert (t.kernel, t.block_m, t.block_n, t.num_warps, t.num_stages, t.group_m) == ("gluon", 128, 128, 4, 5, 8)
+    assert (t.kernel, t.block_m, t.block_n, t.num_warps, t.num_stages, t.group_m) == ("gluon", 128, 128, 4, 6, 8)
+    assert DEFAULT_TILES["fp8_block_contiguous_gluon"] == t
     assert not t.tile_loop  # the Gluon launcher, not the Triton tile-loop kernel
     with pytest.raises(ValueError, match="kernel must be one of"):
         GemmTiles(kernel="cuda")
@@ -78,10 +79,14 @@ def test_gluon_refuses_what_it_does_not_run():
 
 def test_gluon_kernel_compiles_for_hopper(tmp_path):
     """The kernel compiles for sm_90a without a GPU (bench/studies/triton_fp8_prefill_compile.py in a process of
-    its own) at GEMM2's shape (K = 2048: 16 K blocks): warp-specialized with TMA loads; 2 math warpgroups x 16 blocks
-    x 4 wgmma (``m64n128k32``); per warpgroup 15 waits that leave one MMA in flight (block k + 1's MMA runs while
-    block k is promoted) and one full wait at the tile's end; one FMUL and one FFMA per output and K block; the math
-    warpgroups given 232 registers; shared memory for 5 stages of 32 KiB."""
+    its own) at GEMM2's shape (K = 2048: 16 K blocks, run in chunks of ``K_UNROLL``): warp-specialized with TMA
+    loads; in the code, 2 math warpgroups x ``K_UNROLL`` blocks x 4 wgmma (``m64n128k32``); per warpgroup and chunk,
+    a wait that leaves one MMA in flight after each MMA but the last (block k + 1's MMA runs while block k is
+    promoted) and one full wait; one FMUL and one FFMA per output and K block; no spills; the math warpgroups given
+    232 registers; shared memory for 6 stages of 32 KiB."""
+    from fastpath._grouped_gemm_gluon import K_UNROLL
+
+    assert 16 % K_UNROLL == 0  # the counts below: chunks without a tail at K = 2048
     out = tmp_path / "c.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "bench/studies/triton_fp8_prefill_compile.py", "--gemms", "gemm2",
@@ -91,12 +96,12 @@ def test_gluon_kernel_compiles_for_hopper(tmp_path):
     r = json.loads(out.read_text())[GLUON]["gemm2"]
     assert r["kernel"] == "_gluon_fp8_grouped_gemm_kernel"
     assert r["warp_specialized"] and r["tma_loads"]
-    assert r["wgmma"] == 2 * 16 * 4
-    assert r["mma_waits"] == {"1": 2 * 15, "0": 2} or r["mma_waits"] == {1: 2 * 15, 0: 2}
-    assert r["fmul"] == r["ffma"] == 2 * 16 * 64  # 64 outputs a thread (64 x 128 rows of a warpgroup, 128 threads)
+    assert r["wgmma"] == 2 * K_UNROLL * 4
+    assert {int(n): c for n, c in r["mma_waits"].items()} == {1: 2 * (K_UNROLL - 1), 0: 2}
+    assert r["fmul"] == r["ffma"] == 2 * K_UNROLL * 64  # 64 outputs a thread (64 x 128 of a warpgroup, 128 threads)
+    assert r["stack_bytes"] == 0
     assert 232 in r["math_registers"]
-    assert r["shared_bytes"] >= 5 * (128 + 128) * 128
-    assert r["stack_bytes"] <= 16  # a word or two per tile at most (ptxas keeps a tile's flag on the stack)
+    assert r["shared_bytes"] >= 6 * (128 + 128) * 128
 
 
 def _operands(k: int, n: int, seed: int, live: int):
