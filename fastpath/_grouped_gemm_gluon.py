@@ -33,10 +33,13 @@ tests compile it for sm_90a on the CPU instead (:func:`compile_for_hopper`).
 """
 from __future__ import annotations
 
-import torch
+import os
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from moeref._interop import triton_interpreted
 
 from ._grouped_gemm_tiles import _ordered, _tile_coords
 
@@ -201,25 +204,51 @@ def _gluon_fp8_grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_pt
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per math warpgroup
     gl.warp_specialize([
-        (_math, (a_bufs, b_bufs, ready, empty, d_ptr, sa_ptr, sb_ptr, bias_ptr, m_idx_ptr, M, N, stride_dm, stride_sam,
-                 stride_sbe, stride_sbn, NUM_PROGRAMS, gl.constexpr(0), BLOCK_M, BLOCK_N, K_ITERS, K_UNROLL, STAGES, GROUP_M,
-                 HAS_BIAS)),
-        (_math, (a_bufs, b_bufs, ready, empty, d_ptr, sa_ptr, sb_ptr, bias_ptr, m_idx_ptr, M, N, stride_dm, stride_sam,
-                 stride_sbe, stride_sbn, NUM_PROGRAMS, gl.constexpr(1), BLOCK_M, BLOCK_N, K_ITERS, K_UNROLL, STAGES, GROUP_M,
-                 HAS_BIAS)),
+        (_math, (a_bufs, b_bufs, ready, empty, d_ptr, sa_ptr, sb_ptr, bias_ptr, m_idx_ptr, M, N, stride_dm,
+                 stride_sam, stride_sbe, stride_sbn, NUM_PROGRAMS, gl.constexpr(0), BLOCK_M, BLOCK_N, K_ITERS,
+                 K_UNROLL, STAGES, GROUP_M, HAS_BIAS)),
+        (_math, (a_bufs, b_bufs, ready, empty, d_ptr, sa_ptr, sb_ptr, bias_ptr, m_idx_ptr, M, N, stride_dm,
+                 stride_sam, stride_sbe, stride_sbn, NUM_PROGRAMS, gl.constexpr(1), BLOCK_M, BLOCK_N, K_ITERS,
+                 K_UNROLL, STAGES, GROUP_M, HAS_BIAS)),
         (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, m_idx_ptr, M, N, NUM_PROGRAMS, BLOCK_M, BLOCK_N,
                      BLOCK_K, K_ITERS, STAGES, GROUP_M)),
     ], [4, 1], [MATH_REGISTERS, PRODUCER_REGISTERS])
 
 
-def launch_gluon(a, b, d, m_idx, sa, sb, bias, t, m: int, n: int, k: int, e: int, programs: int) -> None:
-    """One launch of :func:`_gluon_fp8_grouped_gemm_kernel` on ``programs`` programs: ``d [m, n] = a @ b[m_idx].T``
-    (``bias`` FP32 ``[e, n]`` or None; operands checked by :func:`fastpath.grouped_gemm._launch_gluon`)."""
+def launch_gluon(a, b, d, m_idx, sa, sb, bias, t, m: int, n: int, k: int, e: int, *, fp8: bool, masked: bool,
+                 gather: bool, capability: tuple | None, sm_count: int) -> None:
+    """``d [m, n] = a @ b[m_idx].T`` (+ ``bias`` FP32 ``[e, n]`` if given) by :func:`_gluon_fp8_grouped_gemm_kernel`
+    for tiles ``t`` (``kernel="gluon"``), after the checks of what it runs (a ``ValueError`` naming what was given):
+    FP8 operands, the contiguous layout's rows (not ``masked``, not ``gather``-ed through ``a_src``), a CUDA GPU
+    of compute capability 9.0 (``capability`` of ``a``'s GPU; wgmma, setmaxnreg; Gluon has no interpreter), 16-byte
+    aligned rows and bases (TMA). The grid: ``min(tiles, sm_count)`` programs."""
+    if not fp8 or masked or gather:
+        what = "a_src (gathered token rows: Hopper's TMA has no row gather)" if gather else \
+            "the masked layout" if masked else f"{a.dtype} operands"
+        raise ValueError(f"kernel='gluon' runs FP8 E4M3 operands with 1x128 / 128x128 scales on the contiguous "
+                         f"layout's rows; got {what}: use kernel='triton' tiles")
+    if a.device.type != "cuda" or triton_interpreted():
+        raise ValueError("kernel='gluon' needs a CUDA GPU (Gluon kernels have no interpreter; TRITON_INTERPRET="
+                         f"{os.environ.get('TRITON_INTERPRET')!r}, device {a.device})")
+    if tuple(capability) != (9, 0):
+        raise ValueError(f"kernel='gluon' is a Hopper (sm_90) kernel (wgmma, setmaxnreg); this GPU is "
+                         f"sm_{capability[0]}{capability[1]}")
+    bad = [f"{name} (address {x.data_ptr()})" for name, x in (("a", a), ("b", b)) if x.data_ptr() % 16]
+    if k % 16 or bad:
+        raise ValueError(f"kernel='gluon' loads through TMA: 16-byte aligned rows and bases; K = {k} FP8 bytes a row"
+                         f"{'; unaligned: ' + ', '.join(bad) if bad else ''}")
+    programs = min(-(-m // t.block_m) * -(-n // t.block_n), sm_count)
+    _launch(a, b, d, m_idx, sa, sb, bias, t, m, n, k, e, programs)
+
+
+def _launch(a, b, d, m_idx, sa, sb, bias, t, m: int, n: int, k: int, e: int, programs: int) -> None:
+    """One launch of :func:`_gluon_fp8_grouped_gemm_kernel` on ``programs`` programs (no checks: the sm_90a compile
+    study records it on CPU tensors)."""
     from ._grouped_gemm_tiles import ensure_allocator
     from ._host import launch
 
     ensure_allocator()  # the in-kernel tensor descriptors' scratch
-    launch(_gluon_fp8_grouped_gemm_kernel, (programs,), a, b, d, m_idx, sa, sb, sa if bias is None else bias, m, n, k, e,
-           a.stride(0), b.stride(1), d.stride(0), sa.stride(0), sb.stride(0), sb.stride(1), programs,
+    launch(_gluon_fp8_grouped_gemm_kernel, (programs,), a, b, d, m_idx, sa, sb, sa if bias is None else bias, m, n,
+           k, e, a.stride(0), b.stride(1), d.stride(0), sa.stride(0), sb.stride(0), sb.stride(1), programs,
            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=SCALE_BLOCK, K_ITERS=-(-k // SCALE_BLOCK), K_UNROLL=K_UNROLL,
            STAGES=t.num_stages, GROUP_M=t.group_m, HAS_BIAS=bias is not None, num_warps=4, maxnreg=KERNEL_MAXNREG)

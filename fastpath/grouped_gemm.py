@@ -31,7 +31,6 @@ selection, padding, scale indexing) against the exact reference.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -205,10 +204,12 @@ FP8_PREFILL_CANDIDATES = {
     "128x128 w4 s6 g8 gluon": GemmTiles(128, 128, 128, 4, 6, group_m=8, kernel="gluon"),
 }
 """FP8 prefill tiles (``wN`` warps, ``sN`` stages, ``gN`` group_m, ``persN`` persistent with N programs per SM,
-``flat`` flatten, ``ws`` warp_specialize; ``lagpair``: ``promotion="lagged_pair"``; ``gluon``: ``kernel="gluon"``, Hopper only): what bench/studies/triton_fp8_prefill_sweep.py times against DeepGEMM at DeepSeek-V3's
+``flat`` flatten, ``ws`` warp_specialize; ``lagpair``: ``promotion="lagged_pair"``; ``gluon``: ``kernel="gluon"``,
+sm_90 only): what bench/studies/triton_fp8_prefill_sweep.py times against DeepGEMM at DeepSeek-V3's
 4096-token shapes, and what the GPU test checks bit for bit against :data:`DEFAULT_TILES`. ``"64x128 w4 s4"`` is
 ``DEFAULT_TILES["fp8_block"]`` (the sweep's bit reference), ``"64x128 w4 s4 tma"``
-``DEFAULT_TILES["fp8_block_contiguous_tma"]``, ``"128x128 w4 s6 g8 gluon"`` ``DEFAULT_TILES["fp8_block_contiguous_gluon"]``."""
+``DEFAULT_TILES["fp8_block_contiguous_tma"]``, ``"128x128 w4 s6 g8 gluon"``
+``DEFAULT_TILES["fp8_block_contiguous_gluon"]``."""
 DECODE_ROWS_PER_EXPERT = 16
 """FP8 operands with at most this many rows per expert on average take the decode tiles."""
 
@@ -480,8 +481,12 @@ def _launch_triton(a, b, d, m_idx, a_scales, b_scales, bias, t: GemmTiles, *, gr
     ng = int(m_idx.numel()) if masked_cap else 0
     src = a_src.reshape(-1).contiguous() if a_src is not None else m_idx
     if t.kernel == "gluon":
-        _launch_gluon(a, b, d, m_idx, sa, sb, bias_t if bias is not None else None, t, m, n, k, e, fp8,
-                      masked=masked_cap > 0, gather=a_src is not None)
+        from ._grouped_gemm_gluon import launch_gluon
+
+        cap = _capability(torch.cuda.current_device() if a.device.index is None else a.device.index) \
+            if a.device.type == "cuda" else None
+        launch_gluon(a, b, d, m_idx, sa, sb, bias_t if bias is not None else None, t, m, n, k, e, fp8=fp8,
+                     masked=masked_cap > 0, gather=a_src is not None, capability=cap, sm_count=_sm_count(a.device))
         return
     if t.tile_loop:
         if masked_cap:
@@ -512,31 +517,6 @@ def _sm_count(device: torch.device) -> int:
     if i not in _SM_COUNT:
         _SM_COUNT[i] = int(torch.cuda.get_device_properties(i).multi_processor_count)
     return _SM_COUNT[i]
-
-
-def _launch_gluon(a, b, d, m_idx, sa, sb, bias, t: GemmTiles, m, n, k, e, fp8, *, masked, gather):
-    """One launch of :mod:`fastpath._grouped_gemm_gluon`'s kernel, after the checks of what it runs: FP8, the
-    contiguous layout's rows, 16-byte aligned rows (TMA), a CUDA GPU of compute capability 9.0 (wgmma, setmaxnreg;
-    Gluon has no interpreter)."""
-    if not fp8 or masked or gather:
-        what = "a_src (gathered token rows: Hopper's TMA has no row gather)" if gather else \
-            "the masked layout" if masked else f"{a.dtype} operands"
-        raise ValueError(f"kernel='gluon' runs FP8 E4M3 operands with 1x128 / 128x128 scales on the contiguous "
-                         f"layout's rows; got {what}: use kernel='triton' tiles")
-    if a.device.type != "cuda" or triton_interpreted():
-        raise ValueError("kernel='gluon' needs a CUDA GPU (Gluon kernels have no interpreter; TRITON_INTERPRET="
-                         f"{os.environ.get('TRITON_INTERPRET')!r}, device {a.device})")
-    cap = _capability(a.device.index if a.device.index is not None else torch.cuda.current_device())
-    if cap != (9, 0):
-        raise ValueError(f"kernel='gluon' is a Hopper (sm_90) kernel (wgmma, setmaxnreg); this GPU is sm_{cap[0]}{cap[1]}")
-    bad = [f"{name} (address {x.data_ptr()})" for name, x in (("a", a), ("b", b)) if x.data_ptr() % 16]
-    if k % 16 or bad:
-        raise ValueError(f"kernel='gluon' loads through TMA: 16-byte aligned rows and bases; K = {k} FP8 bytes a row"
-                         f"{'; unaligned: ' + ', '.join(bad) if bad else ''}")
-    from ._grouped_gemm_gluon import launch_gluon
-
-    launch_gluon(a, b, d, m_idx, sa, sb, bias, t, m, n, k, e, min(cdiv(m, t.block_m) * cdiv(n, t.block_n),
-                                                                  _sm_count(a.device)))
 
 
 def _launch_tile_loop(a, b, d, m_idx, sa, sb, bias_t, src, t: GemmTiles, m, n, k, e, fp8, has_bias, gather, top_k):

@@ -74,10 +74,11 @@ def compile_tile(tiles, n: int, k: int, experts: int = 16, rows: int = 4096) -> 
     _host.LAUNCH_CACHE_ON = False  # kernel[grid] directly: the recorder takes it (no CUDA device to key on)
     try:
         if tiles.kernel == "gluon":  # its launcher below the host checks (which want a Hopper GPU)
-            from fastpath._grouped_gemm_gluon import launch_gluon
+            from fastpath import _grouped_gemm_gluon
 
             d = torch.empty(rows, n, dtype=torch.bfloat16)
-            log = record(lambda: launch_gluon(a, b, d, m_idx, sa, sb, None, tiles, rows, n, k, experts, 132))
+            log = record(lambda: _grouped_gemm_gluon._launch(a, b, d, m_idx, sa, sb, None, tiles, rows, n, k, experts,
+                                                             132))
         else:
             log = record(lambda: grouped_gemm_contiguous(a, b, m_idx, impl="triton", a_scales=sa, b_scales=sb,
                                                          tiles=tiles))
