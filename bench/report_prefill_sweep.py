@@ -125,7 +125,8 @@ def routing_rows(rname: str, rec: dict, roles: dict, configs: dict) -> list:
     equal = [n for n in timed if _bits(g1[n], g2[n]) == "yes"]
     rank = sorted(equal, key=lambda n: -both[n].get("x_deep_gemm", 0.0))
     shown = [n for n in rank if n in roles or n in rank[:N_BEST]]
-    anchor = next((n for n in shown if roles.get(n) == DEFAULT_KEYS[0]), shown[0] if shown else None)
+    anchor = next((n for key in DEFAULT_KEYS[:-1] for n in shown if roles.get(n) == key),  # the contiguous default
+                  shown[0] if shown else None)
     group = g1[anchor].get("group") if anchor else None
     dg1, dg2 = _deep_gemm(g1, group), _deep_gemm(g2, group)
     dg_both = (both.get(anchor) or {}).get("deep_gemm_median_ms")
