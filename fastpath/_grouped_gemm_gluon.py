@@ -17,8 +17,10 @@ each 128-column K block), written with Triton's Gluon (``triton.experimental.glu
   ``0 .. BLOCK_M/2 - 1`` and ``BLOCK_M/2 ..`` of the tile) each issue per K block an asynchronous wgmma
   (``m64nBLOCK_Nk32`` instructions) into a fresh accumulator (``use_acc=False``), then wait until at most one
   MMA is in flight (``warpgroup_mma_wait(1)``), so block ``k + 1``'s MMA runs while block ``k`` is promoted
-  (``acc + (part * sa) * sb`` in FP32, its stage released first); the K loop is unrolled by two so that the
-  in-flight products alternate between two register sets (no copy of a running MMA's accumulator);
+  (``acc + (part * sa) * sb`` in FP32, its stage released first). The K loop runs in chunks of :data:`K_UNROLL`
+  blocks, unrolled, each ending with no MMA in flight: inside a chunk the in-flight products alternate between
+  two register sets, written by MMAs only (ptxas serializes every wgmma of a kernel that copies or zeroes a
+  running MMA's accumulator registers, its note C7515, or that runs short of registers, C7512);
 * the FP32 accumulator is rounded to the output dtype and stored from registers (rows ``< M``, columns
   ``< N``).
 
@@ -29,7 +31,8 @@ compiled promotion is ``fma(fl(part * sa), sb, acc)`` in both), rounded once at 
 (``TRITON_FP8_BLOCK_EXACT`` holds for both; tests/test_grouped_gemm_gluon.py checks them on a GPU).
 
 Gluon has no interpreter: under ``TRITON_INTERPRET=1`` the kernel cannot run (the launcher refuses), and
-tests compile it for sm_90a on the CPU instead (:func:`compile_for_hopper`).
+tests compile it for sm_90a on the CPU instead (bench/studies/triton_fp8_prefill_compile.py, which records
+:func:`_launch` on CPU tensors).
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ the default partition, gets what is left of ``KERNEL_MAXNREG`` times the 12 warp
 K_UNROLL = 4
 """K blocks per iteration of a math warpgroup's K loop (unrolled; no MMA in flight between iterations). On an H200
 (2026-11-29) 4 ran GEMM1 (K = 7168) in 3.44 ms, 8 in 3.67 ms and the whole K loop unrolled (56 blocks, 343 KB of
-code) in 7.8 ms: the instruction cache; 2 ran as fast as 4 (3.41 ms; GEMM2 2.06 against 2.01 ms)."""
+code) in 7.8 ms (the instruction cache, presumably); 2 ran as fast as 4 (3.41 ms; GEMM2 2.06 against 2.01 ms)."""
 
 _tile_coords_g = gluon.jit(_tile_coords.fn)  # the tile-loop kernel's tile order, compiled as a Gluon function
 _ordered_g = gluon.jit(_ordered.fn)  # its ordering barrier: a promotion done before the next MMA is issued (else
@@ -116,8 +119,10 @@ def _retire(acc, part, sa, sb, empty, c, STAGES: gl.constexpr, OUTSTANDING: gl.c
 
 @gluon.jit
 def _zeros_here(like):
-    """Zeros shaped as ``like``, made here (a ``mov`` per element in inline PTX, not pure): a zero tensor made once
-    outside the K loop would be kept live through it (64 more registers a thread), and ptxas then spills."""
+    """Zeros shaped as ``like``, made here (a ``mov`` per element in inline PTX, not pure, so LLVM neither hoists
+    them out of the K loop nor shares them between the two register sets). ``gl.zeros_like`` compiles without
+    spills too (the ordering of :func:`_retire` is what keeps the register sets at two); this form is the one
+    measured on the H200."""
     return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [like], dtype=gl.float32, is_pure=False, pack=1)
 
 
@@ -157,7 +162,7 @@ def _math(a_bufs, b_bufs, ready, empty, d_ptr, sa_ptr, sb_ptr, bias_ptr, m_idx_p
           stride_sbe, stride_sbn, NUM_PROGRAMS, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
           K_ITERS: gl.constexpr, K_UNROLL: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
           HAS_BIAS: gl.constexpr):
-    """A math warpgroup: rows ``HALF * BLOCK_M / 2 ..`` of each live tile, K blocks in pairs (see the module)."""
+    """A math warpgroup: rows ``HALF * BLOCK_M / 2 ..`` of each live tile, K blocks in chunks (see the module)."""
     HM: gl.constexpr = BLOCK_M // 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     zero = gl.zeros([HM, BLOCK_N], gl.float32, mma)
