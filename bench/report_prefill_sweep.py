@@ -4,7 +4,8 @@
 
 Per run (oldest first) a caption naming the GPU, date, torch and Triton versions, tree and command, then one table:
 per routing, DeepGEMM's times, the tiles :data:`fastpath.grouped_gemm.DEFAULT_TILES` gives the contiguous layout
-(``"fp8_block_contiguous_tma"`` on GPUs with TMA, ``"fp8_block"`` elsewhere; matched by the tiles the JSON records),
+(``"fp8_block_contiguous_gluon"`` on Hopper, ``"fp8_block_contiguous_tma"`` on GPUs with TMA, ``"fp8_block"`` elsewhere;
+matched by the tiles the JSON records),
 the :data:`N_BEST` fastest tiles with the ``"fp8_block"`` tiles' bits (both GEMMs together), the fastest GEMM1 tile
 with the fastest GEMM2 tile, and the fastest tile whose bits differ where it beats them all; GEMM1, GEMM2 and both,
 median (min-max) in ms and x DeepGEMM (the median of the per-round ratios DeepGEMM / Triton: 1.00 is as fast).
@@ -27,7 +28,7 @@ PATTERN = "triton_fp8_prefill_sweep_*.json"
 SCRIPT = "bench/studies/triton_fp8_prefill_sweep.py"
 N_BEST = 3
 """How many of the fastest bit-equal tiles each routing shows (besides the default tiles)."""
-DEFAULT_KEYS = ("fp8_block_contiguous_tma", "fp8_block")
+DEFAULT_KEYS = ("fp8_block_contiguous_gluon", "fp8_block_contiguous_tma", "fp8_block")
 """The keys of :data:`fastpath.grouped_gemm.DEFAULT_TILES` whose tiles the table names, first match first."""
 
 
@@ -94,7 +95,7 @@ def short_name(text: str) -> str:
     """A recorded ``GemmTiles(...)`` in :data:`fastpath.grouped_gemm.FP8_PREFILL_CANDIDATES`' naming: ``MxN``,
     ``wN`` warps, ``sN`` stages, ``persN`` persistent with N programs per SM, ``tma``, ``flat``, ``ws``, ``gN``
     group_m, ``swap``, then ``lagpair`` for ``promotion="lagged_pair"`` (another recorded promotion by its
-    name)."""
+    name) and ``gluon`` for ``kernel="gluon"``."""
     f = _fields(text)
     on = lambda k: f.get(k) == "True"  # noqa: E731
     parts = [f"{f['block_m']}x{f['block_n']}", f"w{f['num_warps']}", f"s{f['num_stages']}"]
@@ -104,6 +105,7 @@ def short_name(text: str) -> str:
     parts += [f"g{f['group_m']}"] if f.get("group_m", "1") != "1" else []
     promotion = f.get("promotion", "'inline'").strip("'\"")
     parts += [] if promotion == "inline" else [{"lagged_pair": "lagpair"}.get(promotion, promotion)]
+    parts += [] if f.get("kernel", "'triton'").strip("'\"") == "triton" else [f.get("kernel").strip("'\"")]
     return " ".join(parts)
 
 
@@ -123,7 +125,8 @@ def routing_rows(rname: str, rec: dict, roles: dict, configs: dict) -> list:
     equal = [n for n in timed if _bits(g1[n], g2[n]) == "yes"]
     rank = sorted(equal, key=lambda n: -both[n].get("x_deep_gemm", 0.0))
     shown = [n for n in rank if n in roles or n in rank[:N_BEST]]
-    anchor = next((n for n in shown if roles.get(n) == DEFAULT_KEYS[0]), shown[0] if shown else None)
+    anchor = next((n for key in DEFAULT_KEYS[:-1] for n in shown if roles.get(n) == key),  # the contiguous default
+                  shown[0] if shown else None)
     group = g1[anchor].get("group") if anchor else None
     dg1, dg2 = _deep_gemm(g1, group), _deep_gemm(g2, group)
     dg_both = (both.get(anchor) or {}).get("deep_gemm_median_ms")

@@ -102,7 +102,10 @@ def compile_kernel(fn, args, kw, maxnreg=None):
     opts = {"num_warps": nw, "num_stages": ns}
     if maxnreg or cap:
         opts["maxnreg"] = maxnreg or cap
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    src_type = ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():  # a Gluon kernel: its IR is built by Gluon's source type
+        from triton.experimental.gluon._runtime import GluonASTSource as src_type
+    src = src_type(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     ck = triton.compile(src, target=_TARGET, options=opts)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

@@ -300,8 +300,9 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
 
     tiles1 = tiles2 = None  # the Triton kernel's tiles: given (fused_moe's tiles), else by rows per expert
     if impl == "triton" and not weights.w4:
-        default = default_tiles("fp8_block" if weights.fp8 else "float", expected_m, x.device.type, layout)
-        tiles1, tiles2 = (default if t is None else t for t in tiles)
+        kind = "fp8_block" if weights.fp8 else "float"  # GEMM1 reads gathered token rows where gather is set
+        tiles1, tiles2 = (default_tiles(kind, expected_m, x.device.type, layout, gather=g, alignment=alignment)
+                          if t is None else t for t, g in zip(tiles, (gather, False)))
     h = gemm(a, weights.w13, sa, weights.w13_scales, weights.b13, tiles1, a_src=src if gather else None)
     if weights.fp8_activations:
         fused = {"silu_and_mul": silu_and_mul_quant_fp8, "gelu_and_mul": gelu_and_mul_quant_fp8,

@@ -60,6 +60,9 @@ _FP8 = (torch.float8_e4m3fn,)
 PROMOTIONS = ("inline", "lagged_pair")
 """The K-loop orders of :attr:`GemmTiles.promotion` (FP8; one set of bits)."""
 _PROMOTION_CODE = {"inline": 0, "lagged_pair": 1}  # the tile-loop kernel's PROMOTION constexpr
+KERNELS = ("triton", "gluon")
+"""The kernels of :attr:`GemmTiles.kernel`: the Triton kernels, or the Gluon FP8 kernel of the contiguous layout
+(:mod:`fastpath._grouped_gemm_gluon`)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,13 @@ class GemmTiles:
     K-block order: the same bits. Simpler orders (block ``k + 1``'s product before block ``k``'s promotion; two
     products, then two promotions) compiled to a wait after each MMA on Triton 3.6 and were dropped; on an H200
     ``"lagged_pair"`` ran slower than ``"inline"`` (docs/moe-gpu.md)."""
+    kernel: str = "triton"
+    """:data:`KERNELS`. ``"gluon"``: :mod:`fastpath._grouped_gemm_gluon`'s Hopper kernel (FP8 operands in the
+    contiguous layout, layout rows (no ``a_src``), sm_90 only; a ``ValueError`` elsewhere): a persistent grid of
+    ``block_m x block_n`` tiles (128 x 128; ``num_warps=4`` warps in each of its two math warpgroups, plus one
+    TMA warp), ``num_stages`` shared-memory stages, tile order ``group_m``; the same bits as the Triton kernel. The
+    Triton tile-loop options (``persistent``, ``tma``, ``warp_specialize``, ``flatten``, ``promotion``) are its
+    design and are not taken with it."""
 
     def __post_init__(self):
         for name in ("persistent", "tma", "warp_specialize", "flatten"):
@@ -116,6 +126,18 @@ class GemmTiles:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"GemmTiles.{name} must be an int >= 1; got {v!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"GemmTiles.kernel must be one of {KERNELS}; got {self.kernel!r}")
+        if self.kernel == "gluon":
+            if (self.block_m, self.block_n, self.block_k, self.num_warps) != (128, 128, 128, 4):
+                raise ValueError("kernel='gluon' takes 128 x 128 tiles, block_k 128 and num_warps 4 (each of its two "
+                                 f"math warpgroups); got {self}")
+            if self.swap_ab or self.tile_loop_options or self.programs_per_sm != 1:
+                raise ValueError("kernel='gluon' is persistent, TMA-loaded and warp-specialized by design; the Triton "
+                                 "options swap_ab, persistent, programs_per_sm, tma, warp_specialize, flatten and "
+                                 f"promotion are not taken with it; got {self}")
+            if self.num_stages < 2:
+                raise ValueError(f"kernel='gluon' needs num_stages >= 2; got {self}")
         if self.swap_ab and self.tile_loop:
             raise ValueError("the tile-loop options (persistent, tma, warp_specialize, flatten, group_m > 1, "
                              "promotion other than 'inline') compute "
@@ -130,19 +152,26 @@ class GemmTiles:
             raise ValueError(f"flatten and programs_per_sm are options of persistent=True tiles; got {self}")
 
     @property
+    def tile_loop_options(self) -> bool:
+        """Whether any Triton tile-loop option other than ``group_m`` is set."""
+        return self.persistent or self.tma or self.warp_specialize or self.flatten or self.promotion != "inline"
+
+    @property
     def tile_loop(self) -> bool:
         """Whether these tiles run :mod:`fastpath._grouped_gemm_tiles`' kernel (contiguous layout only)."""
-        return (self.persistent or self.tma or self.warp_specialize or self.flatten or self.group_m != 1
-                or self.promotion != "inline")
+        return self.kernel == "triton" and (self.tile_loop_options or self.group_m != 1)
 
 
 DEFAULT_TILES = {"fp8_block": GemmTiles(64, 128, 128, 4, 4), "float": GemmTiles(128, 256, 64, 8, 3),
                  "fp8_block_decode": GemmTiles(16, 128, 128, 4, 3, swap_ab=True),
-                 "fp8_block_contiguous_tma": GemmTiles(64, 128, 128, 4, 4, tma=True)}
+                 "fp8_block_contiguous_tma": GemmTiles(64, 128, 128, 4, 4, tma=True),
+                 "fp8_block_contiguous_gluon": GemmTiles(128, 128, 128, 4, 6, group_m=8, kernel="gluon")}
 """Tiles when none are given (:func:`default_tiles`): ``"fp8_block_decode"`` for FP8 operands with few rows per
-expert; ``"fp8_block_contiguous_tma"`` for FP8 prefill in the contiguous layout on a GPU with TMA (compute
-capability 9 or more), the fastest tiles of bench/studies/triton_fp8_prefill_sweep.py with the same bits as
-``"fp8_block"`` (docs/moe-gpu.md); ``"fp8_block"`` elsewhere (the masked layout, older GPUs)."""
+expert; ``"fp8_block_contiguous_gluon"`` (the Gluon kernel) for FP8 prefill in the contiguous layout on a Hopper
+GPU (sm_90) where it runs (the layout's rows, an alignment that is a multiple of 128); ``"fp8_block_contiguous_tma"``
+for the rest of FP8 prefill in the contiguous layout on a GPU with TMA (compute capability 9 or more; token rows
+read through ``a_src``); both faster than ``"fp8_block"`` on an H200 with the same bits (docs/moe-gpu.md);
+``"fp8_block"`` elsewhere (the masked layout, older GPUs)."""
 _INTERPRETER_TILES = {"fp8_block": GemmTiles(16, 32, 128, 1, 1), "float": GemmTiles(16, 32, 32, 1, 1),
                       "fp8_block_decode": GemmTiles(16, 32, 128, 1, 1, swap_ab=True)}
 FP8_PREFILL_CANDIDATES = {
@@ -172,28 +201,36 @@ FP8_PREFILL_CANDIDATES = {
     "64x128 w4 s2 tma g4 lagpair": GemmTiles(64, 128, 128, 4, 2, tma=True, group_m=4, promotion="lagged_pair"),
     "64x128 w8 s2 tma lagpair": GemmTiles(64, 128, 128, 8, 2, tma=True, promotion="lagged_pair"),
     "128x128 w8 s2 tma g2 lagpair": GemmTiles(128, 128, 128, 8, 2, tma=True, group_m=2, promotion="lagged_pair"),
+    "128x128 w4 s6 g8 gluon": GemmTiles(128, 128, 128, 4, 6, group_m=8, kernel="gluon"),
 }
 """FP8 prefill tiles (``wN`` warps, ``sN`` stages, ``gN`` group_m, ``persN`` persistent with N programs per SM,
-``flat`` flatten, ``ws`` warp_specialize; ``lagpair``: ``promotion="lagged_pair"``): what bench/studies/triton_fp8_prefill_sweep.py times against DeepGEMM at DeepSeek-V3's
+``flat`` flatten, ``ws`` warp_specialize; ``lagpair``: ``promotion="lagged_pair"``; ``gluon``: ``kernel="gluon"``,
+sm_90 only): what bench/studies/triton_fp8_prefill_sweep.py times against DeepGEMM at DeepSeek-V3's
 4096-token shapes, and what the GPU test checks bit for bit against :data:`DEFAULT_TILES`. ``"64x128 w4 s4"`` is
 ``DEFAULT_TILES["fp8_block"]`` (the sweep's bit reference), ``"64x128 w4 s4 tma"``
-``DEFAULT_TILES["fp8_block_contiguous_tma"]``."""
+``DEFAULT_TILES["fp8_block_contiguous_tma"]``, ``"128x128 w4 s6 g8 gluon"``
+``DEFAULT_TILES["fp8_block_contiguous_gluon"]``."""
 DECODE_ROWS_PER_EXPERT = 16
 """FP8 operands with at most this many rows per expert on average take the decode tiles."""
 
 
-def default_tiles(kind: str, rows_per_expert: float, device_type: str = "cuda", layout: str = "contiguous") -> GemmTiles:
+def default_tiles(kind: str, rows_per_expert: float, device_type: str = "cuda", layout: str = "contiguous", *,
+                  gather: bool = False, alignment: int = 128) -> GemmTiles:
     """The Triton kernel's tiles for operand ``kind`` (``"fp8_block"`` or ``"float"``) when the experts
     have ``rows_per_expert`` rows on average: FP8 with at most :data:`DECODE_ROWS_PER_EXPERT` takes the
     decode tiles (a 16-row swapped tile: the weights stream through the wide side of the MMA); FP8 above it in
-    the ``"contiguous"`` layout on a CUDA GPU with TMA takes the TMA tiles (the tile-loop kernel, contiguous
-    layout only; ``layout="masked"`` keeps ``"fp8_block"``)."""
+    the ``"contiguous"`` layout on a Hopper GPU (sm_90) takes the Gluon kernel's tiles, unless the rows are
+    gathered through ``a_src`` (``gather``) or ``alignment`` is not a multiple of its 128-row tiles; those, and
+    other GPUs with TMA, take the TMA tiles (the tile-loop kernel, contiguous layout only; ``layout="masked"`` keeps
+    ``"fp8_block"``)."""
     if layout not in ("contiguous", "masked"):
         raise ValueError(f"layout must be 'contiguous' or 'masked'; got {layout!r}")
     table = _INTERPRETER_TILES if device_type == "cpu" else DEFAULT_TILES
     if kind == "fp8_block" and rows_per_expert <= DECODE_ROWS_PER_EXPERT:
         return table["fp8_block_decode"]
     if kind == "fp8_block" and layout == "contiguous" and device_type == "cuda" and _has_tma():
+        if not gather and alignment % 128 == 0 and _is_sm90():
+            return table["fp8_block_contiguous_gluon"]
         return table["fp8_block_contiguous_tma"]
     return table[kind]
 
@@ -203,9 +240,18 @@ def _has_tma() -> bool:
     return _capability_major(torch.cuda.current_device()) >= 9
 
 
-@functools.lru_cache(maxsize=None)
+def _is_sm90() -> bool:
+    """Whether the current CUDA device is a Hopper GPU of compute capability 9.0 (the Gluon kernel's target)."""
+    return _capability(torch.cuda.current_device()) == (9, 0)
+
+
 def _capability_major(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
+    return _capability(device_index)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple:
+    return tuple(torch.cuda.get_device_capability(device_index))
 
 
 @triton.jit
@@ -400,7 +446,11 @@ def grouped_gemm_contiguous(a: torch.Tensor, b: torch.Tensor, m_indices: torch.T
         deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, a_scales), (b, b_scales), d, m_indices.to(torch.int32),
                                                    disable_ue8m0_cast=True)
         return d
-    t = tiles or _tiles_of(a, 0 if m <= e * alignment else m / e, "contiguous")  # one segment an expert: decode
+    t = tiles or default_tiles(_kind(a), 0 if m <= e * alignment else m / e, a.device.type, "contiguous",
+                               gather=a_src is not None, alignment=alignment)  # one segment an expert: decode
+    if t.kernel == "gluon" and alignment % t.block_m:
+        raise ValueError(f"kernel='gluon' tiles have {t.block_m} rows, which must divide the layout's alignment; got "
+                         f"alignment {alignment}")
     if alignment % t.block_m:
         t = replace(t, block_m=64 if alignment % 64 == 0 else 16)
     _launch_triton(a, b, d, m_indices.to(torch.int32).contiguous(), a_scales, b_scales, bias, t,
@@ -430,6 +480,14 @@ def _launch_triton(a, b, d, m_idx, a_scales, b_scales, bias, t: GemmTiles, *, gr
     bias_t = bias.to(torch.float32).contiguous() if bias is not None else dummy
     ng = int(m_idx.numel()) if masked_cap else 0
     src = a_src.reshape(-1).contiguous() if a_src is not None else m_idx
+    if t.kernel == "gluon":
+        from ._grouped_gemm_gluon import launch_gluon
+
+        cap = _capability(torch.cuda.current_device() if a.device.index is None else a.device.index) \
+            if a.device.type == "cuda" else None
+        launch_gluon(a, b, d, m_idx, sa, sb, bias_t if bias is not None else None, t, m, n, k, e, fp8=fp8,
+                     masked=masked_cap > 0, gather=a_src is not None, capability=cap, sm_count=_sm_count(a.device))
+        return
     if t.tile_loop:
         if masked_cap:
             raise ValueError(f"the tile-loop options run on the contiguous layout only; got {t} for the masked layout")

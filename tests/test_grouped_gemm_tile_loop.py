@@ -238,7 +238,7 @@ def _gpu_operands(k: int, n: int, seed: int):
                                   "64x128 w4 s3 pers1 tma ws g4", "128x128 w8 s3 tma g2", "128x128 w8 s3 pers1 tma g2",
                                   "128x64 w4 s4 tma g2", "64x256 w8 s3 tma g4", "64x128 w8 s4 tma",
                                   "64x128 w4 s2 tma lagpair", "64x128 w4 s2 tma g4 lagpair", "64x128 w8 s2 tma lagpair",
-                                  "128x128 w8 s2 tma g2 lagpair"])
+                                  "128x128 w8 s2 tma g2 lagpair", "128x128 w4 s6 g8 gluon"])
 def test_gpu_prefill_candidates_give_the_default_bits(name):
     """Each FP8 prefill candidate (:data:`fastpath.grouped_gemm.FP8_PREFILL_CANDIDATES`) gives the bits of the
     default tiles on every routed row: GEMM1-like (K = 7168, N = 512) and GEMM2-like (K = 2048, N = 384, a
@@ -258,14 +258,14 @@ def test_gpu_prefill_candidates_give_the_default_bits(name):
         got = grouped_gemm_contiguous(a, b, lay.m_indices, impl="triton", a_scales=sa, b_scales=sb, tiles=t)
         assert torch.equal(got[valid], want[valid]), (name, k, n)
         kw = dict(impl="triton", a_scales=sx, b_scales=sb, bias=bias, a_src=lay.src, top_k=4)
-        if t.warp_specialize:  # refused: the gathered rows are pointer loads
+        if t.warp_specialize or t.kernel == "gluon":  # refused: the gathered rows are pointer loads
             with pytest.raises(ValueError, match="a_src"):
                 grouped_gemm_contiguous(x, b, lay.m_indices, tiles=t, **kw)
             kw.pop("a_src")
             x, kw["a_scales"] = a, sa  # the layout's rows with the bias instead
         want = grouped_gemm_contiguous(x, b, lay.m_indices, tiles=DEFAULT_TILES["fp8_block"], **kw)
         got = grouped_gemm_contiguous(x, b, lay.m_indices, tiles=t, **kw)
-        assert torch.equal(got[valid], want[valid]), (name, k, n, "bias" + ("" if t.warp_specialize else ", a_src"))
+        assert torch.equal(got[valid], want[valid]), (name, k, n, "bias" + ("" if "a_src" not in kw else ", a_src"))
 
 
 def test_gpu_test_names_every_candidate():
@@ -298,6 +298,8 @@ def test_every_candidate_compiles_for_hopper_with_its_options(tmp_path):
     got = json.loads(out.read_text())
     assert list(got) == list(FP8_PREFILL_CANDIDATES)
     for name, t in FP8_PREFILL_CANDIDATES.items():
+        if t.kernel == "gluon":  # its own design (warp-specialized, TMA): tests/test_grouped_gemm_gluon.py
+            continue
         r = got[name]["gemm2"]
         assert r["warp_specialized"] == t.warp_specialize, name
         assert r["tma_loads"] == t.tma, name
@@ -309,11 +311,21 @@ def test_every_candidate_compiles_for_hopper_with_its_options(tmp_path):
 
 
 def test_default_tiles_by_layout(monkeypatch):
-    """FP8 prefill in the contiguous layout on a GPU with TMA takes the TMA tiles; the masked layout (which the
-    tile-loop kernel does not run), a GPU without TMA, decode sizes and the interpreter keep theirs."""
+    """FP8 prefill in the contiguous layout on a Hopper GPU (sm_90) takes the Gluon kernel's tiles, except for
+    token rows read through ``a_src`` and an alignment its 128-row tiles do not divide, which take the TMA tiles, as
+    does another GPU with TMA; the masked layout (which neither runs), a GPU without TMA, decode sizes and the
+    interpreter keep theirs."""
     import fastpath.grouped_gemm as gg
 
     monkeypatch.setattr(gg, "_has_tma", lambda: True)
+    monkeypatch.setattr(gg, "_is_sm90", lambda: True)
+    t = gg.default_tiles("fp8_block", 64, "cuda", "contiguous")
+    assert t == gg.DEFAULT_TILES["fp8_block_contiguous_gluon"] and t.kernel == "gluon" and not t.tile_loop
+    for kw in ({"gather": True}, {"alignment": 64}):
+        t = gg.default_tiles("fp8_block", 64, "cuda", "contiguous", **kw)
+        assert t == gg.DEFAULT_TILES["fp8_block_contiguous_tma"] and t.tma and t.tile_loop, kw
+    assert gg.default_tiles("fp8_block", 64, "cuda", "contiguous", alignment=256).kernel == "gluon"
+    monkeypatch.setattr(gg, "_is_sm90", lambda: False)  # e.g. sm_100: TMA, no wgmma
     t = gg.default_tiles("fp8_block", 64, "cuda", "contiguous")
     assert t == gg.DEFAULT_TILES["fp8_block_contiguous_tma"] and t.tma and t.tile_loop
     assert gg.default_tiles("fp8_block", 64, "cuda", "masked") == gg.DEFAULT_TILES["fp8_block"]

@@ -32,8 +32,8 @@ the JSON written (exit status 3).
 Prints a table per routing and GEMM and the best tile per GEMM (median ratio to DeepGEMM, bit-equal tiles only).
 
 Without a GPU, under ``TRITON_INTERPRET=1``, it runs at a tiny shape (hidden 128, intermediate 128, 4 experts,
-top-2, 16 tokens) with each candidate's options on 16 x 32 tiles, wall-clock rounds and no DeepGEMM: it checks
-the script's plumbing and the bits, not speed.
+top-2, 16 tokens) with each candidate's options on 16 x 32 tiles (the Gluon kernel's left out: it has no
+interpreter), wall-clock rounds and no DeepGEMM: it checks the script's plumbing and the bits, not speed.
 """
 from __future__ import annotations
 
@@ -139,9 +139,9 @@ def _time(cases: dict, args, on_gpu: bool):
 
 
 def _group(t) -> int:
-    """Timing group of a tile: 0 the pointer-load kernels, 1 TMA, 2 warp-specialized (compiled, checked and
-    timed after the groups before it, so a failure there cannot cost their measurements)."""
-    return 2 if t.warp_specialize else 1 if t.tma else 0
+    """Timing group of a tile: 0 the pointer-load kernels, 1 TMA, 2 warp-specialized, 3 the Gluon kernel (compiled,
+    checked and timed after the groups before it, so a failure there cannot cost their measurements)."""
+    return 3 if t.kernel == "gluon" else 2 if t.warp_specialize else 1 if t.tma else 0
 
 
 class Fatal(RuntimeError):
@@ -217,8 +217,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown configs {unknown}; known: {list(FP8_PREFILL_CANDIDATES)}")
     configs = {DEFAULT_NAME: DEFAULT_TILES["fp8_block"]}
     configs.update((n, FP8_PREFILL_CANDIDATES[n]) for n in names if FP8_PREFILL_CANDIDATES[n] != configs[DEFAULT_NAME])
-    if not on_gpu:
-        configs = {n: _interpreter_tiles(t) for n, t in configs.items()}
+    if not on_gpu:  # (the Gluon kernel has no interpreter: its tiles are left out there)
+        configs = {n: _interpreter_tiles(t) for n, t in configs.items() if t.kernel != "gluon"}
     shape = DEEPSEEK_V3 if on_gpu else TINY
     tokens = args.tokens if args.tokens is not None else (4096 if on_gpu else 16)
     gemms = _gemms(shape)
@@ -425,8 +425,9 @@ def _gather_phase(rrec, x, sx, layout_rows, lay_x, weight, configs, top_k, args,
     from fastpath.grouped_gemm import grouped_gemm_contiguous
 
     g1 = rrec["gemms"].get("gemm1", {})
-    best = _best(g1)  # the fastest tile, and the fastest without warp specialization (which refuses a_src)
-    best_plain = _best({c: v for c, v in g1.items() if c in configs and not configs[c].warp_specialize})
+    best = _best(g1)  # the fastest tile, and the fastest taking a_src (warp-specialized and Gluon tiles refuse it)
+    best_plain = _best({c: v for c, v in g1.items() if c in configs and not configs[c].warp_specialize
+                        and configs[c].kernel != "gluon"})  # (the Gluon kernel refuses a_src too)
     picks = [DEFAULT_NAME] + [b["config"] for b in (best, best_plain) if b and b["config"] != DEFAULT_NAME]
     picks = list(dict.fromkeys(picks))
     b, sb = weight

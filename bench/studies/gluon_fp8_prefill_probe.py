@@ -1,0 +1,122 @@
+"""Study (Hopper GPU, issue 33): the Gluon FP8 grouped GEMM's bits and speed against the Triton TMA tiles, without
+DeepGEMM (a quick probe; bench/studies/triton_fp8_prefill_sweep.py is the full sweep with DeepGEMM).
+
+1. Bits: ``GemmTiles(kernel="gluon")`` (the first ``--variants`` entry) against ``DEFAULT_TILES["fp8_block"]`` on
+   small contiguous layouts (16 experts, top-4 of 61 tokens; K 7168 / 2048; N 512, 384, 320, 200: partial column
+   tiles; experts with no rows), with and without a bias: every routed row bit for bit.
+2. Speed: DeepSeek-V3's two grouped GEMMs at 4096 tokens (uniform top-8 of 256 experts, 128-row layout; GEMM1
+   N 4096 K 7168, GEMM2 N 7168 K 2048; E4M3 codes over the whole range) for ``DEFAULT_TILES
+   ["fp8_block_contiguous_tma"]`` and each variant ``stages,group_m,k_unroll`` (``k_unroll`` sets
+   :data:`fastpath._grouped_gemm_gluon.K_UNROLL` for its calls): ``--rounds`` interleaved rounds of 10 calls between
+   CUDA events after a warm-up call; median ms, TFLOP/s over the routed rows, bits against the TMA tiles.
+
+    python bench/studies/gluon_fp8_prefill_probe.py --variants 6,8,4 5,8,4 5,8,2 --out bench_out/probe.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import torch  # noqa: E402
+
+
+def _small(k: int, n: int, seed: int, live: int, e: int = 16, tokens: int = 61, top_k: int = 4):
+    from fastpath import dispatch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.stack([torch.randperm(live, device="cuda", generator=g)[:top_k] for _ in range(tokens)])
+    lay = dispatch.to_contiguous(None, ids.to(torch.int32), e, 128)
+
+    def codes(*shape):
+        c = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=g)
+        c[(c & 0x7F) == 0x7F] -= 1
+        return c.view(torch.float8_e4m3fn)
+
+    rows, kb = int(lay.m_indices.numel()), -(-k // 128)
+    b, sb = codes(e, n, k), torch.rand((e, -(-n // 128), kb), device="cuda", generator=g) * 1e-3
+    a, sa = codes(rows, k), torch.rand((rows, kb), device="cuda", generator=g) * 1e-3
+    return lay, a, sa, b, sb, torch.randn((e, n), device="cuda", generator=g)
+
+
+def main(argv=None) -> int:
+    import fastpath._grouped_gemm_gluon as G
+    from bench.studies.triton_fp8_prefill_sweep import _codes, routing
+    from fastpath import dispatch
+    from fastpath.grouped_gemm import DEFAULT_TILES, GemmTiles, grouped_gemm_contiguous
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", nargs="+", default=["6,8,4"], help="stages,group_m,k_unroll of each Gluon variant")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    res = {"meta": {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "torch": torch.__version__, "tree": tree, "argv": sys.argv[1:]}, "bits": {}, "times": {}}
+    cands, gluon = {"tma": (DEFAULT_TILES["fp8_block_contiguous_tma"], G.K_UNROLL)}, []
+    for v in args.variants:
+        s, g, ku = (int(x) for x in v.split(","))
+        gluon.append((GemmTiles(128, 128, 128, 4, s, group_m=g, kernel="gluon"), ku))
+        cands[f"gluon s{s} g{g} ku{ku}"] = gluon[-1]
+    first, G.K_UNROLL = gluon[0]
+    for k, n, seed, live in ((7168, 512, 0, 16), (2048, 384, 1, 16), (2048, 320, 2, 12), (7168, 200, 3, 11)):
+        lay, a, sa, b, sb, bias = _small(k, n, seed, live)
+        valid = lay.m_indices >= 0
+        for bias_or_none in (None, bias):
+            kw = dict(impl="triton", a_scales=sa, b_scales=sb, bias=bias_or_none)
+            want = grouped_gemm_contiguous(a, b, lay.m_indices, tiles=DEFAULT_TILES["fp8_block"], **kw)
+            got = grouped_gemm_contiguous(a, b, lay.m_indices, tiles=first, **kw)
+            res["bits"][f"k{k} n{n} live{live} bias{int(bias_or_none is not None)}"] = bool(
+                torch.equal(got[valid], want[valid]))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    e, tokens = 256, 4096
+    ids = routing("uniform", tokens, e, 8, gen, 0.3)
+    x, sx = _codes((tokens, 7168), gen), torch.rand((tokens, 56), device="cuda", generator=gen) + 0.5
+    lay_x, lay_s = dispatch.to_contiguous(x.view(torch.uint8), ids, e, 128), dispatch.to_contiguous(sx, ids, e, 128)
+    m_idx = lay_x.m_indices
+    rows, valid = int(m_idx.numel()), m_idx >= 0
+    real = int(valid.sum())
+    res["meta"].update(layout_rows=rows, routed_rows=real)
+    ops = {"gemm1": (4096, 7168, lay_x.a.view(torch.float8_e4m3fn), lay_s.a),
+           "gemm2": (7168, 2048, _codes((rows, 2048), gen), torch.rand((rows, 16), device="cuda", generator=gen) + .5)}
+    for gname, (n, k, a, sa) in ops.items():
+        b, sb = _codes((e, n, k), gen), 1e-4 * (1 + torch.rand((e, n // 128, k // 128), device="cuda", generator=gen))
+        outs, times = {}, {}
+        for name, (t, ku) in cands.items():
+            o = torch.empty((rows, n), dtype=torch.bfloat16, device="cuda")
+
+            def fn(t=t, ku=ku, o=o, b=b, sb=sb, a=a, sa=sa):
+                G.K_UNROLL = ku
+                grouped_gemm_contiguous(a, b, m_idx, impl="triton", a_scales=sa, b_scales=sb, tiles=t, out=o)
+            fn()
+            outs[name], times[name] = (o, fn), []
+        for _ in range(args.rounds):
+            for name, (o, fn) in outs.items():
+                fn()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(10):
+                    fn()
+                end.record()
+                torch.cuda.synchronize()
+                times[name].append(start.elapsed_time(end) / 10)
+        for name, (o, _) in outs.items():
+            med = sorted(times[name])[len(times[name]) // 2]
+            res["times"].setdefault(gname, {})[name] = {
+                "median_ms": med, "ms": times[name], "tflops_routed_rows": 2.0 * real * n * k / (med * 1e-3) / 1e12,
+                "bits_equal_tma": bool(torch.equal(o[valid], outs["tma"][0][valid]))}
+            print(f"{gname} {name:18s} {med:7.3f} ms", flush=True)
+    print("bits", res["bits"])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0 if all(res["bits"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

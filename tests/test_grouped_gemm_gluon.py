@@ -1,0 +1,147 @@
+"""The Gluon FP8 grouped GEMM (``GemmTiles(kernel="gluon")``, :mod:`fastpath._grouped_gemm_gluon`, issue 33).
+
+CPU: the options and the operands it refuses, and the kernel compiled for sm_90a with Triton's ptxas (Gluon has no
+interpreter, so nothing runs): warp-specialized, TMA loads, the wgmma count of two math warpgroups, every MMA but
+a tile's last waited with one MMA still in flight, one FP32 multiply and one fused multiply-add per output and K
+block (the promotion ``fma(fl(part * sa), sb, acc)`` of the Triton kernel). GPU (Hopper): the bits of
+:data:`fastpath.grouped_gemm.DEFAULT_TILES` ``["fp8_block"]`` on every routed row, with N not a multiple of the tile,
+experts with no rows, a bias, K = 7168 and 2048.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from fastpath.testing import on_gpu  # noqa: E402
+
+GLUON = "128x128 w4 s6 g8 gluon"  # the candidate of FP8_PREFILL_CANDIDATES checked here
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def _fp8(*shape):
+    return torch.zeros(shape, dtype=torch.float8_e4m3fn)
+
+
+def test_gluon_options_are_checked():
+    """``kernel`` is one of :data:`~fastpath.grouped_gemm.KERNELS`; the Gluon kernel takes 128 x 128 tiles with 4 warps
+    a math warpgroup and at least two stages, and none of the Triton tile-loop options (its design has them)."""
+    from fastpath.grouped_gemm import DEFAULT_TILES, FP8_PREFILL_CANDIDATES, KERNELS, GemmTiles
+
+    assert KERNELS == ("triton", "gluon")
+    t = FP8_PREFILL_CANDIDATES[GLUON]
+    assert (t.kernel, t.block_m, t.block_n, t.num_warps, t.num_stages, t.group_m) == ("gluon", 128, 128, 4, 6, 8)
+    assert DEFAULT_TILES["fp8_block_contiguous_gluon"] == t
+    assert not t.tile_loop  # the Gluon launcher, not the Triton tile-loop kernel
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        GemmTiles(kernel="cuda")
+    with pytest.raises(ValueError, match="128 x 128 tiles"):
+        GemmTiles(64, 128, 128, 4, 4, kernel="gluon")
+    with pytest.raises(ValueError, match="128 x 128 tiles"):
+        GemmTiles(128, 128, 128, 8, 4, kernel="gluon")
+    for kw in ({"tma": True}, {"persistent": True}, {"promotion": "lagged_pair"}, {"swap_ab": True}):
+        with pytest.raises(ValueError, match="not taken with it"):
+            GemmTiles(128, 128, 128, 4, 4, kernel="gluon", **kw)
+    with pytest.raises(ValueError, match="num_stages >= 2"):
+        GemmTiles(128, 128, 128, 4, 1, kernel="gluon")
+
+
+def test_gluon_refuses_what_it_does_not_run():
+    """Float operands, the masked layout, token rows through ``a_src``, an alignment its 128-row tiles do not
+    divide, and (here) a machine without a Hopper GPU: each a ``ValueError`` naming what was given."""
+    from fastpath.grouped_gemm import FP8_PREFILL_CANDIDATES, grouped_gemm_contiguous, grouped_gemm_masked
+
+    t = FP8_PREFILL_CANDIDATES[GLUON]
+    dev = "cuda" if on_gpu() else "cpu"
+    a, b = _fp8(256, 256).to(dev), _fp8(2, 128, 256).to(dev)
+    sa, sb = torch.ones(256, 2, device=dev), torch.ones(2, 1, 2, device=dev)
+    m_idx = torch.zeros(256, dtype=torch.int32, device=dev)
+    with pytest.raises(ValueError, match="float32 operands"):
+        grouped_gemm_contiguous(a.float(), b.float(), m_idx, impl="triton", tiles=t)
+    with pytest.raises(ValueError, match="a_src"):
+        grouped_gemm_contiguous(a, b, m_idx, impl="triton", a_scales=sa, b_scales=sb, tiles=t,
+                                a_src=torch.arange(256, device=dev), top_k=1)
+    with pytest.raises(ValueError, match="masked layout"):
+        grouped_gemm_masked(a.reshape(2, 128, 256), b, torch.tensor([3, 5], dtype=torch.int32, device=dev),
+                            impl="triton", a_scales=sa.reshape(2, 128, 2), b_scales=sb, tiles=t)
+    with pytest.raises(ValueError, match="alignment 64"):
+        grouped_gemm_contiguous(a, b, m_idx, impl="triton", a_scales=sa, b_scales=sb, tiles=t, alignment=64)
+    if not on_gpu():
+        with pytest.raises(ValueError, match="no interpreter"):
+            grouped_gemm_contiguous(a, b, m_idx, impl="triton", a_scales=sa, b_scales=sb, tiles=t)
+
+
+def test_gluon_kernel_compiles_for_hopper(tmp_path):
+    """The kernel compiles for sm_90a without a GPU (bench/studies/triton_fp8_prefill_compile.py in a process of
+    its own) at GEMM2's shape (K = 2048: 16 K blocks, run in chunks of ``K_UNROLL``): warp-specialized with TMA
+    loads; in the code, 2 math warpgroups x ``K_UNROLL`` blocks x 4 wgmma (``m64n128k32``); per warpgroup and chunk,
+    a wait that leaves one MMA in flight after each MMA but the last (block k + 1's MMA runs while block k is
+    promoted) and one full wait; one FMUL and one FFMA per output and K block; no spills; the math warpgroups given
+    232 registers; shared memory for 6 stages of 32 KiB."""
+    from fastpath._grouped_gemm_gluon import K_UNROLL
+
+    assert 16 % K_UNROLL == 0  # the counts below: chunks without a tail at K = 2048
+    out = tmp_path / "c.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "bench/studies/triton_fp8_prefill_compile.py", "--gemms", "gemm2",
+                          "--configs", GLUON, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    r = json.loads(out.read_text())[GLUON]["gemm2"]
+    assert r["kernel"] == "_gluon_fp8_grouped_gemm_kernel"
+    assert r["warp_specialized"] and r["tma_loads"]
+    assert r["wgmma"] == 2 * K_UNROLL * 4
+    assert {int(n): c for n, c in r["mma_waits"].items()} == {1: 2 * (K_UNROLL - 1), 0: 2}
+    assert r["fmul"] == r["ffma"] == 2 * K_UNROLL * 64  # 64 outputs a thread (64 x 128 of a warpgroup, 128 threads)
+    assert r["stack_bytes"] == 0
+    assert 232 in r["math_registers"]
+    assert r["shared_bytes"] >= 6 * (128 + 128) * 128
+
+
+def _operands(k: int, n: int, seed: int, live: int):
+    """Random E4M3 codes over the whole finite range, FP32 scales and a bias; a top-4 routing of 61 tokens over
+    the first ``live`` of 16 experts (the others get no rows) in the 128-row contiguous layout."""
+    from fastpath import dispatch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    e, tokens, top_k = 16, 61, 4
+    ids = torch.stack([torch.randperm(live, device="cuda", generator=g)[:top_k] for _ in range(tokens)])
+    lay = dispatch.to_contiguous(None, ids.to(torch.int32), e, 128)
+
+    def codes(*shape):
+        c = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=g)
+        c[(c & 0x7F) == 0x7F] -= 1  # no NaN codes
+        return c.view(torch.float8_e4m3fn)
+
+    rows, kb = int(lay.m_indices.numel()), -(-k // 128)
+    b, sb = codes(e, n, k), torch.rand((e, -(-n // 128), kb), device="cuda", generator=g) * 1e-3
+    a, sa = codes(rows, k), torch.rand((rows, kb), device="cuda", generator=g) * 1e-3
+    bias = torch.randn((e, n), device="cuda", generator=g)
+    return lay, a, sa, b, sb, bias
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k, n, live", [(7168, 512, 16), (2048, 384, 16), (2048, 320, 12), (7168, 448, 11)])
+def test_gpu_gluon_gives_the_default_bits(k, n, live):
+    """The Gluon kernel's outputs equal the Triton default tiles' bit for bit on every routed row (N = 320, 448: a
+    partial last column tile; ``live`` < 16: experts with no rows), without and with a bias."""
+    if not on_gpu() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs a Hopper (sm_90) GPU: Gluon kernels have no interpreter (the CPU test compiles it)")
+    from fastpath.grouped_gemm import DEFAULT_TILES, FP8_PREFILL_CANDIDATES, grouped_gemm_contiguous
+
+    lay, a, sa, b, sb, bias = _operands(k, n, k + n, live)
+    valid = lay.m_indices >= 0
+    counts = torch.bincount(lay.m_indices[valid].long(), minlength=16)
+    assert (counts[live:] == 0).all() and (counts[:live] > 0).all()
+    for bias_or_none in (None, bias):
+        kw = dict(impl="triton", a_scales=sa, b_scales=sb, bias=bias_or_none)
+        want = grouped_gemm_contiguous(a, b, lay.m_indices, tiles=DEFAULT_TILES["fp8_block"], **kw)
+        assert torch.isfinite(want[valid].float()).all() and want[valid].float().abs().max() > 0
+        got = grouped_gemm_contiguous(a, b, lay.m_indices, tiles=FP8_PREFILL_CANDIDATES[GLUON], **kw)
+        assert torch.equal(got[valid], want[valid]), (k, n, live, bias_or_none is not None)
