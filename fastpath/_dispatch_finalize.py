@@ -23,7 +23,7 @@ def _reduce(rows: torch.Tensor, dst: torch.Tensor, topk_weights: torch.Tensor, o
             nvalid_ptr=None, nvalid: int = 0, apply_weights: bool = True) -> None:
     m, k = topk_weights.shape
     K = rows.shape[1]
-    bt, bk, nw = _row_config("reduce", K, max(rows.element_size(), 2))
+    bt, bk, nw = _row_config("reduce", K, max(rows.element_size(), 2), m)
     out_bf16 = out.dtype == torch.bfloat16
     _launch(_reduce_kernel, (cdiv(m, bt), cdiv(K, bk)), rows, topk_weights, dst,
             nvalid_ptr if nvalid_ptr is not None else dst, out.view(torch.int16) if out_bf16 else out, m, K, nvalid,
