@@ -277,7 +277,8 @@ def _decode_capacity_kernel(ids_ptr, emap_ptr, totals_ptr, meta_ptr, dst_ptr, li
     ``key * CAP + rank``; then ``list[p]`` for its ``BLOCK_P`` positions is the slot whose row is ``p``, else -1
     (a ``BLOCK_P x NP`` comparison; nothing read back from memory). Program 0 also writes ``dst`` (slot -> row,
     -1 absent), the counts of the ``G`` local experts (``totals``) and ``meta`` (rows ``G * CAP``, present
-    slots, 1 if every expert fits: always, as the host takes this kernel only for ``N <= CAP``). The outputs of
+    slots, 1 if every expert fits its ``CAP`` rows: the flag the host checks on the device where ``CAP < N``; a
+    slot past its expert's capacity gets no row, so no other expert's row is written). The outputs of
     ``_small_capacity_kernel`` (and of the sort, rank and fill launches) by the same definition; the sort's
     scratch (chunk prefixes, starts, offsets) is not written."""
     s = tl.arange(0, NP)
@@ -287,7 +288,7 @@ def _decode_capacity_kernel(ids_ptr, emap_ptr, totals_ptr, meta_ptr, dst_ptr, li
     keyv = tl.where(present, key, -1)
     same = (keyv[:, None] == keyv[None, :]) & (s[None, :] < s[:, None])
     rank = tl.sum(same.to(tl.int32), axis=1)
-    row = tl.where(present, key * CAP + rank, -1)
+    row = tl.where(present & (rank < CAP), key * CAP + rank, -1)  # an overflowing slot: no row (meta[2] = 0)
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     hit = row[None, :] == p[:, None]
     slot = tl.max(tl.where(hit, s[None, :], -1), axis=1)

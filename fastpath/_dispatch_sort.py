@@ -44,7 +44,7 @@ three; the same device functions, the same outputs). Off by default until measur
 
 DECODE_CAPACITY_SLOTS = 64
 """Capacity layouts (masked, batched) built without a host sync, with no token rows to copy and a capacity of at
-least ``M * k`` slots, of at most this many slots (8 tokens of top-8): built by ``_decode_capacity_kernel`` in one
+most this many slots (8 tokens of top-8): built by ``_decode_capacity_kernel`` in one
 launch whose programs each hold every slot in registers (their keys, their ranks among the earlier slots of
 their expert: an ``M*k x M*k`` comparison) and fill their own block of the ``[G, capacity]`` row -> slot list
 from them, with one read of ``topk_ids`` and no scratch read back: against the three launches (or the one
@@ -248,15 +248,16 @@ def _sort(topk_ids, emap, ss: _SortShape, ws: torch.Tensor, lay: Layout, *, mode
 
 def _capacity_fused(topk_ids, hidden, bound) -> bool:
     """Whether a capacity layout of these arguments is built in one launch: a capacity ``bound`` given (no host
-    sync), no ``hidden`` rows, ``0 < M * k <= bound`` slots, and either at most :data:`DECODE_CAPACITY_SLOTS`
-    slots (``_decode_capacity_kernel``) or :data:`SMALL_CAPACITY_FUSED` on and at most ``SMALL_SORT_CHUNKS``
-    chunks (``_small_capacity_kernel``)."""
+    sync), no ``hidden`` rows, ``M * k > 0`` slots, and either at most :data:`DECODE_CAPACITY_SLOTS` slots
+    (``_decode_capacity_kernel``; below ``M * k`` rows the caller checks the capacity on the device after it)
+    or :data:`SMALL_CAPACITY_FUSED` on, at most ``bound`` slots (no expert can overflow) in at most
+    ``SMALL_SORT_CHUNKS`` chunks (``_small_capacity_kernel``)."""
     if bound is None or hidden is not None or not torch.is_tensor(topk_ids):
         return False
     n = int(topk_ids.numel())
-    if not 0 < n <= bound:
+    if n <= 0:
         return False
-    return n <= DECODE_CAPACITY_SLOTS or (SMALL_CAPACITY_FUSED and cdiv(n, CHUNK) <= SMALL_SORT_CHUNKS)
+    return n <= DECODE_CAPACITY_SLOTS or (SMALL_CAPACITY_FUSED and n <= bound and cdiv(n, CHUNK) <= SMALL_SORT_CHUNKS)
 
 
 def _small_capacity(topk_ids, emap, ss: _SortShape, ws: torch.Tensor, lay: Layout, cap: int, dst, src) -> None:

@@ -409,10 +409,12 @@ def _to_capacity(kind, hidden, topk_ids, num_experts, expert_map, validate, capa
     a = None if hidden is None else _alloc((G, cap, hidden.shape[1]), hidden.dtype, device)
     bases = (topk_ids, ws, src) if a is None else (topk_ids, ws, src, hidden, a)
     dev = key and key[-1]
-    if fused:  # M * k <= cap: no expert can overflow, nothing to check between the steps
+    if fused:  # one launch; an overflow (cap < M * k) is checked after it (the decode kernel drops such rows)
         _plan.execute(key and (key, 0), plan, bases, dev,
                       lambda: _sort_host._small_capacity(topk_ids, emap, ss, ws, lay, cap, lay.view(ws, "dst"), src),
                       layout)
+        if cap < m * k:
+            torch._assert_async(fits, f"{what}: a local expert has more rows than {bound_name}={cap}")
         return counts, cap, a, src, m, k, None, lay.view(ws, "dst")
     _plan.execute(key and (key, 0), plan, bases, dev,
                   lambda: _sort(topk_ids, emap, ss, ws, lay, mode=_CAPACITY, cap=cap), layout)

@@ -123,6 +123,7 @@ def _emap(e):
     (8, 8, 256, 64, True, True),  # 64 slots, the bound; a token repeating an expert
     (3, 8, 7, 24, False, False),  # more slots than experts: full experts
     (2, 1, 5, 2, False, False),  # top-1, 2 slots
+    (8, 8, 256, 16, False, False),  # the layer at 8 tokens: 64 slots over a 16-row capacity (checked on the device)
 ])
 def test_decode_kernel_gives_the_three_launches_and_the_reference(decode_launches, monkeypatch, m, k, e, cap,
                                                                     repeat, with_map):
@@ -149,7 +150,6 @@ def test_decode_kernel_gives_the_three_launches_and_the_reference(decode_launche
 
 def test_decode_kernel_taken_only_where_it_applies(decode_launches):
     i = torch.from_numpy(_ids(4, 8, 64, seed=1)).to(DEVICE)
-    fast.to_masked(None, i, 64, 31, expected_m=1, validate=False)  # 32 slots over a capacity of 31
     fast.to_masked(torch.zeros((4, 8), device=DEVICE), i, 64, 32, expected_m=1, validate=False)  # token rows
     fast.to_masked(None, i, 64, 32, validate=False)  # no expected_m: capacity checked on the host
     nine = torch.from_numpy(_ids(9, 8, 64, seed=3)).to(DEVICE)  # 72 slots: over the bound
@@ -162,3 +162,17 @@ def test_decode_kernel_taken_only_where_it_applies(decode_launches):
     want = ref.to_batched(None, i.cpu().numpy(), 64, 32)
     np.testing.assert_array_equal(b.expert_num_tokens.cpu().numpy(), want.expert_num_tokens)
     np.testing.assert_array_equal(b.src.cpu().numpy(), want.src)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="a device-side assert ends the CUDA context (test_fastpath_masked_nosync "
+                                            "checks it in a child process)")
+def test_decode_kernel_overflow_is_caught_on_the_device(decode_launches):
+    """3 tokens naming expert 1 five times in all, capacity 3: the decode kernel runs, its fits flag is 0 and the
+    device-side check raises (CPU: RuntimeError); with capacity 5 every slot has its row, in slot order
+    (hand-derived)."""
+    rep = torch.tensor([[1, 1], [1, 0], [1, 1]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="more rows than max_m=3"):
+        fast.to_masked(None, rep, 2, 3, expected_m=1, validate=False)
+    assert len(decode_launches) == 1
+    got = fast.to_masked(None, rep, 2, 5, expected_m=1, validate=False)
+    assert got.masked_m.tolist() == [1, 5] and got.src.tolist() == [[3, -1, -1, -1, -1], [0, 1, 2, 4, 5]]
