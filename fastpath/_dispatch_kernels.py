@@ -344,9 +344,13 @@ def _bf16_bits_rne(x):
 def _reduce_kernel(y_ptr, w_ptr, dst_ptr, nvalid_ptr, out_ptr, M, K, NV,
                    stride_ym, stride_yk, stride_wm, stride_wk, stride_om,
                    TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                   APPLY_W: tl.constexpr, NV_FROM_PTR: tl.constexpr, OUT_BF16: tl.constexpr):
+                   APPLY_W: tl.constexpr, NV_FROM_PTR: tl.constexpr, OUT_BF16: tl.constexpr,
+                   GDC_WAIT: tl.constexpr = False):
     """out[t] = sum_j w[t,j] * y[dst[t*k+j]] in float32, j ascending; slots with dst outside
-    [0, nvalid) contribute 0 (their rows are never read)."""
+    [0, nvalid) contribute 0 (their rows are never read). GDC_WAIT (launched with Programmatic Dependent
+    Launch): every program waits for the kernel before it (``griddepcontrol.wait``) before its first load."""
+    if GDC_WAIT:
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     tm = t < M

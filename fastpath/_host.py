@@ -6,6 +6,7 @@
   with a poison byte, so an element no kernel wrote is caught by the comparison with the reference.
 * :func:`launch`: ``kernel[grid](...)`` through a per-launch-key cache of compiled kernels (the
   host cost of a decode-sized call; see the comment above it).
+* :func:`pdl_available`: whether a launch may use Programmatic Dependent Launch here.
 * :func:`next_pow2`, :func:`cdiv`: launch-size arithmetic in plain Python (``triton.cdiv`` is a
   constexpr function: called from host code it unwraps its arguments first, about a microsecond
   per call, and a decode-sized call makes several; issue 20).
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["alloc", "cdiv", "launch", "next_pow2"]
+__all__ = ["alloc", "cdiv", "launch", "next_pow2", "pdl_available"]
 
 _ALLOCATOR = torch.empty
 
@@ -22,6 +23,15 @@ _ALLOCATOR = torch.empty
 def alloc(*shape, **kw) -> torch.Tensor:
     """``torch.empty(*shape, **kw)`` through the swappable :data:`_ALLOCATOR`."""
     return _ALLOCATOR(*shape, **kw)
+
+
+def pdl_available(dev: torch.device) -> bool:
+    """Whether Programmatic Dependent Launch (Triton's ``launch_pdl``, ``griddepcontrol`` in the kernels) runs
+    here: a CUDA device of compute capability 9.0 or newer (``griddepcontrol`` is sm_90's), not Triton's
+    interpreter (which runs no inline asm)."""
+    from moeref._interop import triton_interpreted
+
+    return dev.type == "cuda" and not triton_interpreted() and torch.cuda.get_device_capability(dev)[0] >= 9
 
 
 def next_pow2(n: int) -> int:
