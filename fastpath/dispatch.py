@@ -17,7 +17,10 @@ implement the reference's one stable sort (``moeref.dispatch.grouping``: slots `
    layout (unpadded offsets, block- or alignment-padded starts, or ``g * capacity``) and writes the
    layout's metadata (``expert_first_token_offset``, ``num_tokens_post_padded``, ``psum``).
    Up to ``SMALL_SORT_CHUNKS`` chunks (decode sizes), ``_small_sort_kernel`` does steps 1-3 in one
-   program, chunk after chunk: the same outputs, one launch instead of three.
+   program, chunk after chunk: the same outputs, one launch instead of three. A capacity layout (masked,
+   batched) without token rows and without a host sync, of at most ``DECODE_CAPACITY_SLOTS`` slots (the
+   decode step), skips steps 1-5: ``_decode_capacity_kernel`` ranks every slot in registers and each of its
+   programs fills its block of the layout from them (one launch, the same outputs).
 4. ``_rank_kernel``: one program per chunk gives each slot its rank among the equal-key slots of
    the chunk (a ``CHUNK x CHUNK`` comparison), adds the chunk's prefix and the group's start, and
    writes the slot -> row map (``inv_permuted_idx``) and the row -> slot lists (``sorted_token_ids``,

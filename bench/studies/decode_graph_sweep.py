@@ -278,8 +278,9 @@ def main(argv=None) -> int:
         save()
     if run.left() > 20:
         try:
-            res["decode_ab"] = decode_ab(run, fw, {m: cases[m] for m in sorted(set(args.tokens))},
-                                         (default, default), args.calls, args.reps, args.profile_replays)
+            ms = [1] if args.smoke else sorted(set(args.tokens))  # smoke: the code paths once
+            res["decode_ab"] = decode_ab(run, fw, {m: cases[m] for m in ms}, (default, default), args.calls,
+                                         args.reps, args.profile_replays)
         except Exception as e:  # noqa: BLE001
             res["decode_ab"] = dict(error=err(e))
         save()
