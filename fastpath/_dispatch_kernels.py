@@ -348,8 +348,10 @@ def _reduce_kernel(y_ptr, w_ptr, dst_ptr, nvalid_ptr, out_ptr, M, K, NV,
                    GDC_WAIT: tl.constexpr = False):
     """out[t] = sum_j w[t,j] * y[dst[t*k+j]] in float32, j ascending; slots with dst outside
     [0, nvalid) contribute 0 (their rows are never read). GDC_WAIT (launched with Programmatic Dependent
-    Launch): every program waits for the kernel before it (``griddepcontrol.wait``) before its first load."""
+    Launch): every program first lets the kernel after it launch and waits for the kernel before it
+    (:func:`fastpath._host.pdl_launch`)."""
     if GDC_WAIT:
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)

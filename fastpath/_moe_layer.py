@@ -49,8 +49,9 @@ DECODE_PDL: tuple = ()
 """The stages of a Triton FP8 layer at decode sizes (at most :data:`fastpath.grouped_gemm.DECODE_ROWS_PER_EXPERT`
 rows per expert on average) launched with Programmatic Dependent Launch where it runs
 (:func:`fastpath._host.pdl_available`; elsewhere ignored): any of ``"gemm1"``, ``"act"``, ``"gemm2"``,
-``"reduce"``. Each such kernel may start while the kernel before it on the stream finishes and waits for it
-(``griddepcontrol.wait``) at its start: it saves part of each boundary's launch latency (a graph's kernel node
+``"reduce"``. Each such kernel may start while the kernel before it on the stream runs; its programs let the
+kernel after them launch and wait for the kernel before them at their start (:func:`fastpath._host.pdl_launch`):
+it saves part of each boundary's launch latency (a graph's kernel node
 costs about 1.0 us, 0.67 us with PDL on an H200: ``node_floor`` of the decode sweep), the same arithmetic, the
 same bits. ``"gemm1"`` follows the join of the a1 quantization branch (:data:`A1_QUANT_BRANCH`) in a graph.
 Empty (off) until measured on a GPU; tiles given to ``fused_moe`` get ``pdl`` from here too. A cached graph

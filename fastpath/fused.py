@@ -47,7 +47,7 @@ from .quant._jit_codes import _activation
 from .quant._kernels import _quant_kernel
 from .quant._layouts import SF_LAYOUT, grid_of, returned_scales_shape
 from ._host import alloc as _alloc
-from ._host import SLOT, PlannedLaunch, cdiv, launch, next_pow2, pdl_available
+from ._host import SLOT, PlannedLaunch, cdiv, launch, next_pow2, pdl_launch
 
 __all__ = [
     "silu_and_mul_quant_fp8",
@@ -300,7 +300,7 @@ class _FusedPlan:
             ACT_ALPHA=float(alpha), ACT_LIMIT=float(limit), PAIR=pair, IN16=in16,
             **QL._launch_knobs(ce, gb, gpp, bm, num_warps, tuning or QT.DEFAULT_TUNING),
             **({"ROW_GATHER": self.row_gather} if self.row_gather else {}),
-            **({"GDC_WAIT": True, "launch_pdl": True} if pdl and pdl_available(dev) else {}))
+            **pdl_launch(dev, pdl))
 
     def _plan_per_tensor(self, x3, act, alpha, limit, scheme, ce, cs, skip_rows, block_m, groups_per_program,
                          num_warps, tuning):
@@ -409,9 +409,10 @@ def silu_and_mul_quant_fp8(x: torch.Tensor, scheme: Scheme | None = None, *,
             the grid covers these entries instead of x's rows, each listed row gets the codes and scales of
             the whole-x launch and every other row is left unspecified (row-major scales only; not with
             ``skip_rows``); ``pdl`` (per-token and 1xG schemes): launched with Programmatic Dependent Launch
-            where it runs (:func:`fastpath._host.pdl_available`; elsewhere ignored): it may start while the
-            kernel before it on the stream finishes, every program waiting for it (``griddepcontrol.wait``)
-            before its first load; the same codes and scales.
+            where it runs (sm_90+, not the interpreter; elsewhere ignored): it may start while the kernel
+            before it on the stream runs, every program letting the kernel after it launch and waiting for the
+            kernel before it before its first load (:func:`fastpath._host.pdl_launch`); the same codes and
+            scales.
     """
     return _fused(x, "silu_and_mul", 0.0, 0.0, scheme, scale_layout, hw_fp8, **tile)
 

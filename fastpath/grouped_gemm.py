@@ -41,7 +41,7 @@ from moeref._interop import triton_interpreted
 
 from . import _grouped_gemm_tiles
 from ._grouped_gemm_tiles import _a_rows, _grouped_gemm_tile_loop_kernel, ensure_allocator
-from ._host import cdiv, launch, next_pow2, pdl_available
+from ._host import cdiv, launch, next_pow2, pdl_launch
 
 __all__ = ["GROUPED_GEMM_IMPLEMENTATIONS", "FP8_PREFILL_CANDIDATES", "GemmTiles", "default_tiles",
            "grouped_gemm_contiguous", "grouped_gemm_masked", "grouped_gemm_supports", "PROFILE_OF",
@@ -105,9 +105,9 @@ class GemmTiles:
     ``"lagged_pair"`` ran slower than ``"inline"`` (docs/moe-gpu.md)."""
     pdl: bool = False
     """Launch with Programmatic Dependent Launch (Triton's ``launch_pdl``) where it runs
-    (:func:`fastpath._host.pdl_available`: sm_90+, not the interpreter; elsewhere ignored): the kernel may start
-    while the kernel before it on the stream finishes, and every program waits for it (``griddepcontrol.wait``)
-    before its first load; what is computed is unchanged (the same bits). The one-tile-per-program kernel only
+    (sm_90+, not the interpreter; elsewhere ignored): the kernel may start while the kernel before it on the
+    stream runs; every program lets the kernel after it launch and waits for the kernel before it before its
+    first load (:func:`fastpath._host.pdl_launch`); what is computed is unchanged (the same bits). The one-tile-per-program kernel only
     (not the tile-loop options: ``ValueError``). :mod:`fastpath.moe` sets it at decode sizes where
     ``fastpath._moe_layer.DECODE_PDL`` names the GEMM."""
 
@@ -234,8 +234,10 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_pt
     # weights are the MMA's wide side, the few rows its narrow N side); same products, same K order.
     # GATHER: a (and its scales) are token rows; layout row r reads token src[r] // TOPK (src < 0: padding,
     # read as zeros), the scatter of the token rows into the layout done by the loads.
-    # GDC_WAIT: launched with PDL (GemmTiles.pdl), every program waits for the kernel before it first.
+    # GDC_WAIT: launched with PDL (GemmTiles.pdl), every program first lets the kernel after it launch and waits
+    # for the kernel before it (fastpath._host.pdl_launch).
     if GDC_WAIT:
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)  # n fastest: neighbouring programs share the expert's rows (A stays in L2)
     pid_m = tl.program_id(1)
@@ -451,7 +453,7 @@ def _launch_triton(a, b, d, m_idx, a_scales, b_scales, bias, t: GemmTiles, *, gr
                           a_src is not None, top_k)
         return
     grid = (cdiv(n, t.block_n), grid_m)
-    pdl = {"GDC_WAIT": True, "launch_pdl": True} if t.pdl and pdl_available(a.device) else {}
+    pdl = pdl_launch(a.device, t.pdl)
     launch(_grouped_gemm_kernel, grid, a, b, d, m_idx, sa, sb, bias_t, src, m, n, k,
            a.stride(0), b.stride(0), b.stride(1), d.stride(0),
            sa.stride(0) if fp8 else 0, sb.stride(0) if fp8 else 0, sb.stride(1) if fp8 else 0,

@@ -75,7 +75,7 @@ def _quant_kernel(
     compiled out.
 
     GDC_WAIT (launched with Programmatic Dependent Launch: ``pdl`` of :mod:`fastpath.fused`): every program
-    waits for the kernel before it (``griddepcontrol.wait``) before its first load.
+    first lets the kernel after it launch and waits for the kernel before it (:func:`fastpath._host.pdl_launch`).
 
     E2M1_PTX (GPU only): the other FP4 paths (NVFP4, float16/float32 input) encode each scaled
     float32 value with :func:`fastpath._packed_fp4.e2m1_lane_f32` (``xorsign`` min/max, one FMA,
@@ -84,6 +84,7 @@ def _quant_kernel(
     CPU, compared with the integer path on the GPU).
     """
     if GDC_WAIT:
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
