@@ -38,11 +38,12 @@ def pdl_available(dev: torch.device) -> bool:
 def pdl_launch(dev: torch.device, on: bool) -> dict:
     """The launch arguments of a kernel with a ``GDC_WAIT`` constexpr (the decode stages of :mod:`fastpath.moe`:
     the grouped GEMM, the fused act+quant kernel, the reduce) launched with Programmatic Dependent Launch:
-    ``launch_pdl`` and ``GDC_WAIT`` where ``on`` and :func:`pdl_available`, else none. Such a kernel's programs
+    ``launch_pdl`` and ``GDC_WAIT`` where ``on`` and :func:`pdl_available`, else ``GDC_WAIT=False`` (every
+    argument of the kernel given: what the launch plans' replay records). Such a kernel's programs
     first let the kernel after them launch (``griddepcontrol.launch_dependents``: it may then start, and waits
     itself) and wait for the kernel before them to complete (``griddepcontrol.wait``) before any load: what
     they compute is unchanged."""
-    return {"GDC_WAIT": True, "launch_pdl": True} if on and pdl_available(dev) else {}
+    return {"GDC_WAIT": True, "launch_pdl": True} if on and pdl_available(dev) else {"GDC_WAIT": False}
 
 
 def next_pow2(n: int) -> int:
