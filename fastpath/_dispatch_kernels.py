@@ -270,15 +270,16 @@ def _small_capacity_kernel(ids_ptr, emap_ptr, hist_ptr, totals_ptr, starts_ptr, 
 
 @triton.jit
 def _decode_capacity_kernel(ids_ptr, emap_ptr, totals_ptr, meta_ptr, dst_ptr, list_ptr, N, E, G, CAP, P,
-                            USE_MAP: tl.constexpr, NP: tl.constexpr, NKP: tl.constexpr, BLOCK_P: tl.constexpr):
+                            USE_MAP: tl.constexpr, NP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
     """A capacity layout of at most ``NP`` slots (decode sizes), in registers, one memory round trip: every
     program reads all ``N`` slots' keys (:func:`_slot_keys`) and ranks each present slot among the earlier
     slots of its key (an ``NP x NP`` comparison: the reference's stable order), so slot ``s`` has row
     ``key * CAP + rank``; then ``list[p]`` for its ``BLOCK_P`` positions is the slot whose row is ``p``, else -1
     (a ``BLOCK_P x NP`` comparison; nothing read back from memory). Program 0 also writes ``dst`` (slot -> row,
-    -1 absent), the counts of the ``G`` local experts (``totals``) and ``meta`` (rows ``G * CAP``, present
-    slots, 1 if every expert fits its ``CAP`` rows: the flag the host checks on the device where ``CAP < N``; a
-    slot past its expert's capacity gets no row, so no other expert's row is written). The outputs of
+    -1 absent), the counts of the ``G`` local experts (``totals``, ``BLOCK_G x NP`` comparisons at a time) and
+    ``meta`` (rows ``G * CAP``, present slots, 1 if every expert fits its ``CAP`` rows: the flag the host checks
+    on the device where ``CAP < N``; a slot past its expert's capacity gets no row, so no other expert's row is
+    written). The outputs of
     ``_small_capacity_kernel`` (and of the sort, rank and fill launches) by the same definition; the sort's
     scratch (chunk prefixes, starts, offsets) is not written."""
     s = tl.arange(0, NP)
@@ -295,13 +296,15 @@ def _decode_capacity_kernel(ids_ptr, emap_ptr, totals_ptr, meta_ptr, dst_ptr, li
     tl.store(list_ptr + p, slot.to(tl.int64), mask=p < P)
     if tl.program_id(0) == 0:
         tl.store(dst_ptr + s, row, mask=sm)
-        g = tl.arange(0, NKP)
-        cnt = tl.histogram(tl.where(present, key, 0), NKP, mask=present)
-        tl.store(totals_ptr + g, cnt, mask=g < G)
-        n_present = tl.sum(present.to(tl.int32), axis=0)
+        g0 = 0
+        while g0 < G:  # counts by comparison, BLOCK_G experts at a time (no tl.histogram of a few slots)
+            g = g0 + tl.arange(0, BLOCK_G)
+            cnt = tl.sum(((keyv[None, :] == g[:, None]) & present[None, :]).to(tl.int32), axis=1)
+            tl.store(totals_ptr + g, cnt, mask=g < G)
+            g0 += BLOCK_G
         tl.store(meta_ptr, G * CAP)
-        tl.store(meta_ptr + 1, n_present)
-        tl.store(meta_ptr + 2, (tl.max(cnt, axis=0) <= CAP).to(tl.int32))
+        tl.store(meta_ptr + 1, tl.sum(present.to(tl.int32), axis=0))
+        tl.store(meta_ptr + 2, (tl.max(tl.where(present, rank, 0), axis=0) < CAP).to(tl.int32))
 
 
 @triton.jit

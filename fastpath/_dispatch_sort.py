@@ -89,7 +89,8 @@ def _cuda_key(*parts):
     """A plan key (:mod:`fastpath._launch_plan`): ``parts`` plus the module's knobs and the current
     CUDA device (the last element)."""
     return parts + (SMALL_SORT_CHUNKS, SMALL_CAPACITY_FUSED, DECODE_CAPACITY_SLOTS, ROW_CONFIG["scatter"],
-                    ROW_CONFIG["reduce"], ROW_CONFIG["reduce_decode"], REDUCE_DECODE_TOKENS, torch.cuda.current_device())
+                    ROW_CONFIG["reduce"], ROW_CONFIG["reduce_decode"], REDUCE_DECODE_TOKENS,
+                    torch.cuda.current_device())
 
 
 def _ints(*xs) -> bool:
@@ -270,7 +271,8 @@ def _small_capacity(topk_ids, emap, ss: _SortShape, ws: torch.Tensor, lay: Layou
         np_ = max(16, next_pow2(ss.n))
         block_p = max(128, min(1024, 8192 // np_))  # a block_p x np_ comparison per program
         _launch(_decode_capacity_kernel, (cdiv(n_pos, block_p),), s.ids, s.emap, s.totals, s.meta, dst, src,
-                ss.n, ss.E, ss.G, cap, n_pos, USE_MAP=ss.use_map, NP=np_, NKP=ss.NKP, BLOCK_P=block_p)
+                ss.n, ss.E, ss.G, cap, n_pos, USE_MAP=ss.use_map, NP=np_, BLOCK_G=max(16, 2048 // np_),
+                BLOCK_P=block_p)
         return
     _launch(_small_capacity_kernel, (1,), s.ids, s.emap, s.base, s.totals, s.starts, s.ends, s.offsets, s.meta,
             dst, src, ss.n, ss.E, ss.G, ss.NK, s.C, cap, int(src.numel()), USE_MAP=ss.use_map, S=CHUNK,

@@ -104,11 +104,11 @@ class GemmTiles:
     products, then two promotions) compiled to a wait after each MMA on Triton 3.6 and were dropped; on an H200
     ``"lagged_pair"`` ran slower than ``"inline"`` (docs/moe-gpu.md)."""
     pdl: bool = False
-    """Launch with Programmatic Dependent Launch (Triton's ``launch_pdl``) where it runs
-    (sm_90+, not the interpreter; elsewhere ignored): the kernel may start while the kernel before it on the
-    stream runs; every program lets the kernel after it launch and waits for the kernel before it before its
-    first load (:func:`fastpath._host.pdl_launch`); what is computed is unchanged (the same bits). The one-tile-per-program kernel only
-    (not the tile-loop options: ``ValueError``). :mod:`fastpath.moe` sets it at decode sizes where
+    """Launch with Programmatic Dependent Launch (Triton's ``launch_pdl``) where it runs (sm_90+, not the
+    interpreter; elsewhere ignored): the kernel may start while the kernel before it on the stream runs; every
+    program lets the kernel after it launch and waits for the kernel before it before its first load
+    (:func:`fastpath._host.pdl_launch`); what is computed is unchanged (the same bits). The
+    one-tile-per-program kernel only (not the tile-loop options: ``ValueError``). :mod:`fastpath.moe` sets it at decode sizes where
     ``fastpath._moe_layer.DECODE_PDL`` names the GEMM."""
 
     def __post_init__(self):

@@ -375,7 +375,8 @@ def report(res: dict) -> None:
         for n, c in row.items():
             if isinstance(c, dict) and "median_us" in c:
                 oc = c.get("one_call_graph", {})
-                print(f"    {c['median_us']:7.1f} ({c['min_us']:.1f}-{c['max_us']:.1f}, {c.get('of_roofline', 0):.0%}) | "
+                print(f"    {c['median_us']:7.1f} ({c['min_us']:.1f}-{c['max_us']:.1f}, "
+                      f"{c.get('of_roofline', 0):.0%}) | "
                       f"{oc.get('median_us', 0):7.1f} ({oc.get('of_roofline', 0):.0%}) eq={c.get('bits_equal')}  {n}")
             elif isinstance(c, dict) and "error" in c:
                 print(f"    error {n}: {c['error']}")
