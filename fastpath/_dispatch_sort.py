@@ -43,9 +43,8 @@ three; the same device functions, the same outputs). Off by default until measur
 (``bench/studies/decode_graph_sweep.py`` times both)."""
 
 DECODE_CAPACITY_SLOTS = 64
-"""Capacity layouts (masked, batched) built without a host sync, with no token rows to copy and a capacity of at
-most this many slots (8 tokens of top-8): built by ``_decode_capacity_kernel`` in one
-launch whose programs each hold every slot in registers (their keys, their ranks among the earlier slots of
+"""Capacity layouts (masked, batched) built without a host sync and with no token rows to copy, of at most this
+many slots (8 tokens of top-8): built by ``_decode_capacity_kernel`` in one launch whose programs each hold every slot in registers (their keys, their ranks among the earlier slots of
 their expert: an ``M*k x M*k`` comparison) and fill their own block of the ``[G, capacity]`` row -> slot list
 from them, with one read of ``topk_ids`` and no scratch read back: against the three launches (or the one
 program of :data:`SMALL_CAPACITY_FUSED`), each a chain of dependent memory round trips, the decode step's
@@ -258,7 +257,8 @@ def _capacity_fused(topk_ids, hidden, bound) -> bool:
     n = int(topk_ids.numel())
     if n <= 0:
         return False
-    return n <= DECODE_CAPACITY_SLOTS or (SMALL_CAPACITY_FUSED and n <= bound and cdiv(n, CHUNK) <= SMALL_SORT_CHUNKS)
+    return n <= DECODE_CAPACITY_SLOTS or (SMALL_CAPACITY_FUSED and n <= bound
+                                          and cdiv(n, CHUNK) <= SMALL_SORT_CHUNKS)
 
 
 def _small_capacity(topk_ids, emap, ss: _SortShape, ws: torch.Tensor, lay: Layout, cap: int, dst, src) -> None:
