@@ -64,6 +64,7 @@ def launches(monkeypatch):
             return orig(kernel, grid, *a, **kw)
         return call
 
+    monkeypatch.setattr(host, "LAUNCH_CACHE_ON", False)  # a GPU too: every launch through these, once each
     monkeypatch.setattr(ds, "launch", spy(ds.launch))
     monkeypatch.setattr(gg, "launch", spy(gg.launch))
     monkeypatch.setattr(host, "launch_for_replay", spy(host.launch_for_replay))
@@ -188,3 +189,33 @@ def test_pdl_options_are_checked():
     b = F.silu_and_mul_quant_fp8(h + 1, hw_fp8=False)
     if DEV == "cpu":
         assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_gpu_decode_switches_in_a_cuda_graph_give_the_same_bits(monkeypatch, tokens):
+    """On a GPU, in a CUDA graph (the a1 quantization on its branch, PDL launched for real where the device has it):
+    the layer with every stage launched with PDL, with the a1 quantization in line, and with the three dispatch
+    launches and the wide reduce tile, each captured and replayed on new routing ids and weights written into the
+    captured inputs: the output bits of the eager layer without PDL on the new inputs."""
+    import fastpath._dispatch_sort as ds
+    import fastpath._moe_layer as ml
+    from bench.latency_cases import capture
+
+    x, fw, tw, ids = _layer(31 + tokens, tokens, experts=16, top_k=8)
+    _, _, tw2, ids2 = _layer(47 + tokens, tokens, experts=16, top_k=8)
+    want = _run((x, fw, tw2, ids2)).clone()
+    cases = {"pdl": dict(DECODE_PDL=("gemm1", "act", "gemm2", "reduce")),
+             "pdl, a1 in line": dict(DECODE_PDL=("gemm1", "act", "gemm2", "reduce"), A1_QUANT_BRANCH=False),
+             "three launches, wide reduce": dict(DECODE_CAPACITY_SLOTS=0, REDUCE_DECODE_TOKENS=0)}
+    for name, kv in cases.items():
+        with monkeypatch.context() as mp:
+            for k, v in kv.items():
+                mp.setattr(ds if hasattr(ds, k) else ml, k, v)
+            ids_in, tw_in = ids.clone(), tw.clone()
+            g, out = capture(lambda: _run((x, fw, tw_in, ids_in)))
+            ids_in.copy_(ids2)
+            tw_in.copy_(tw2)
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out.view(torch.int16), want.view(torch.int16)), name
