@@ -387,7 +387,8 @@ def report(res: dict) -> None:
                   f"{tl_['span_us']:.1f}, idle {tl_['idle_us']:.1f}; " + ", ".join(
                       f"{k['stage']} {k['dur_us']:.1f} (gap {k['gap_before_us']:.1f})" for k in tl_["kernels"]))
         elif b:
-            print(f"    {name}: {b.get('error', tl_.get('error', ''))}")
+            print(f"    {name}: replay {b.get('replay', {}).get('median_us', 0):.1f} us; no timeline "
+                  f"{b.get('error', tl_.get('error', ''))}")
     tl_ = res.get("act_rows_ab", {}).get("breakdown", {}).get("timeline", {})
     if tl_.get("kernels"):
         print(f"    act over routed rows, 1 token: span {tl_['span_us']:.1f} us, idle {tl_['idle_us']:.1f}; "
