@@ -88,15 +88,16 @@ def ablation(run: Run, fw, case, tiles: tuple, calls: int, reps: int) -> dict:
 @contextlib.contextmanager
 def one_program_dispatch(on: bool):
     """``fastpath._dispatch_sort.SMALL_CAPACITY_FUSED`` set to ``on`` inside (the masked layout's sort, rank and
-    fill as one launch)."""
+    fill as one launch), with the decode dispatch kernel off (``DECODE_CAPACITY_SLOTS = 0``: it would take the
+    layout either way; ``decode_ab`` times it)."""
     import fastpath._dispatch_sort as ds
 
-    old = ds.SMALL_CAPACITY_FUSED
-    ds.SMALL_CAPACITY_FUSED = on
+    old = ds.SMALL_CAPACITY_FUSED, ds.DECODE_CAPACITY_SLOTS
+    ds.SMALL_CAPACITY_FUSED, ds.DECODE_CAPACITY_SLOTS = on, 0
     try:
         yield
     finally:
-        ds.SMALL_CAPACITY_FUSED = old
+        ds.SMALL_CAPACITY_FUSED, ds.DECODE_CAPACITY_SLOTS = old
 
 
 def dispatch_ab(run: Run, fw, case, tiles: tuple, calls: int, reps: int, profile_replays: int) -> dict:
