@@ -66,6 +66,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
                            "any"),
     "report-prefill-sweep": ("report_prefill_sweep.py", "docs/moe-gpu.md Triton FP8 prefill tile table from the "
                              "studies/triton_fp8_prefill_sweep.py JSON", "any"),
+    "report-decode-ab": ("report_decode_ab.py", "docs/moe-gpu.md decode A/B table from the "
+                         "studies/decode_graph_sweep.py --only decode_ab JSON", "any"),
     "report-compare-sources": ("report_compare_sources.py", "docs/hopper-fp8-accumulation.md cost table from "
                                "compare --sources JSON", "any"),
     # tools

@@ -14,22 +14,25 @@ from moeref.dispatch.finalize import weight_and_reduce as _ref_weight_and_reduce
 from . import _launch_plan as _plan
 from ._dispatch_kernels import _invert_kernel, _reduce_kernel
 from ._dispatch_sort import _alloc, _check_int, _cuda, _cuda_key, _full, _ints, _launch, _row_config, _tkey
-from ._host import cdiv
+from ._host import cdiv, pdl_launch
 
 __all__ = ["apply_router_weight_on_input", "moe_unpermute", "weight_and_reduce"]
 
 
 def _reduce(rows: torch.Tensor, dst: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, *,
-            nvalid_ptr=None, nvalid: int = 0, apply_weights: bool = True) -> None:
+            nvalid_ptr=None, nvalid: int = 0, apply_weights: bool = True, pdl: bool = False) -> None:
+    """``_reduce_kernel`` into ``out``; ``pdl``: launched with Programmatic Dependent Launch where it runs
+    (:func:`fastpath._host.pdl_launch`; the same sums)."""
     m, k = topk_weights.shape
     K = rows.shape[1]
-    bt, bk, nw = _row_config("reduce", K, max(rows.element_size(), 2))
+    bt, bk, nw = _row_config("reduce", K, max(rows.element_size(), 2), m)
     out_bf16 = out.dtype == torch.bfloat16
     _launch(_reduce_kernel, (cdiv(m, bt), cdiv(K, bk)), rows, topk_weights, dst,
             nvalid_ptr if nvalid_ptr is not None else dst, out.view(torch.int16) if out_bf16 else out, m, K, nvalid,
             rows.stride(0), rows.stride(1), topk_weights.stride(0), topk_weights.stride(1), K,
             TOPK=k, BLOCK_T=bt, BLOCK_K=bk, APPLY_W=apply_weights, NV_FROM_PTR=nvalid_ptr is not None,
-            OUT_BF16=out_bf16, num_warps=nw)
+            OUT_BF16=out_bf16, num_warps=nw,
+            **pdl_launch(out.device, pdl))
 
 
 def _out_dtype(out_dtype) -> torch.dtype:

@@ -269,6 +269,45 @@ def _small_capacity_kernel(ids_ptr, emap_ptr, hist_ptr, totals_ptr, starts_ptr, 
 
 
 @triton.jit
+def _decode_capacity_kernel(ids_ptr, emap_ptr, totals_ptr, meta_ptr, dst_ptr, list_ptr, N, E, G, CAP, P,
+                            USE_MAP: tl.constexpr, NP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
+    """A capacity layout of at most ``NP`` slots (decode sizes), in registers, one memory round trip: every
+    program reads all ``N`` slots' keys (:func:`_slot_keys`) and ranks each present slot among the earlier
+    slots of its key (an ``NP x NP`` comparison: the reference's stable order), so slot ``s`` has row
+    ``key * CAP + rank``; then ``list[p]`` for its ``BLOCK_P`` positions is the slot whose row is ``p``, else -1
+    (a ``BLOCK_P x NP`` comparison; nothing read back from memory). Program 0 also writes ``dst`` (slot -> row,
+    -1 absent), the counts of the ``G`` local experts (``totals``, ``BLOCK_G x NP`` comparisons at a time) and
+    ``meta`` (rows ``G * CAP``, present slots, 1 if every expert fits its ``CAP`` rows: the flag the host checks
+    on the device where ``CAP < N``; a slot past its expert's capacity gets no row, so no other expert's row is
+    written). The outputs of
+    ``_small_capacity_kernel`` (and of the sort, rank and fill launches) by the same definition; the sort's
+    scratch (chunk prefixes, starts, offsets) is not written."""
+    s = tl.arange(0, NP)
+    sm = s < N
+    key = _slot_keys(ids_ptr, emap_ptr, s, sm, E, G, USE_MAP)
+    present = sm & (key < G)
+    keyv = tl.where(present, key, -1)
+    same = (keyv[:, None] == keyv[None, :]) & (s[None, :] < s[:, None])
+    rank = tl.sum(same.to(tl.int32), axis=1)
+    row = tl.where(present & (rank < CAP), key * CAP + rank, -1)  # an overflowing slot: no row (meta[2] = 0)
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    hit = row[None, :] == p[:, None]
+    slot = tl.max(tl.where(hit, s[None, :], -1), axis=1)
+    tl.store(list_ptr + p, slot.to(tl.int64), mask=p < P)
+    if tl.program_id(0) == 0:
+        tl.store(dst_ptr + s, row, mask=sm)
+        g0 = 0
+        while g0 < G:  # counts by comparison, BLOCK_G experts at a time (no tl.histogram of a few slots)
+            g = g0 + tl.arange(0, BLOCK_G)
+            cnt = tl.sum(((keyv[None, :] == g[:, None]) & present[None, :]).to(tl.int32), axis=1)
+            tl.store(totals_ptr + g, cnt, mask=g < G)
+            g0 += BLOCK_G
+        tl.store(meta_ptr, G * CAP)
+        tl.store(meta_ptr + 1, tl.sum(present.to(tl.int32), axis=0))
+        tl.store(meta_ptr + 2, (tl.max(tl.where(present, rank, 0), axis=0) < CAP).to(tl.int32))
+
+
+@triton.jit
 def _scatter_rows_kernel(x_ptr, dst_ptr, out_ptr, nvalid_ptr, M, K, stride_xm, stride_xk, stride_om,
                          TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                          ZERO_ABSENT: tl.constexpr):
@@ -308,9 +347,15 @@ def _bf16_bits_rne(x):
 def _reduce_kernel(y_ptr, w_ptr, dst_ptr, nvalid_ptr, out_ptr, M, K, NV,
                    stride_ym, stride_yk, stride_wm, stride_wk, stride_om,
                    TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                   APPLY_W: tl.constexpr, NV_FROM_PTR: tl.constexpr, OUT_BF16: tl.constexpr):
+                   APPLY_W: tl.constexpr, NV_FROM_PTR: tl.constexpr, OUT_BF16: tl.constexpr,
+                   GDC_WAIT: tl.constexpr = False):
     """out[t] = sum_j w[t,j] * y[dst[t*k+j]] in float32, j ascending; slots with dst outside
-    [0, nvalid) contribute 0 (their rows are never read)."""
+    [0, nvalid) contribute 0 (their rows are never read). GDC_WAIT (launched with Programmatic Dependent
+    Launch): every program first lets the kernel after it launch and waits for the kernel before it
+    (:func:`fastpath._host.pdl_launch`)."""
+    if GDC_WAIT:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     tm = t < M

@@ -15,6 +15,7 @@ from moeref.routing.ids import check_topk_ids
 
 from ._dispatch_kernels import (
     _chunk_scan_kernel,
+    _decode_capacity_kernel,
     _fill_kernel,
     _group_starts_kernel,
     _hist_kernel,
@@ -40,6 +41,17 @@ SMALL_CAPACITY_FUSED = False
 rank and the fill as one program (``_small_capacity_kernel``: one launch, one CUDA-graph node, instead of
 three; the same device functions, the same outputs). Off by default until measured on a GPU
 (``bench/studies/decode_graph_sweep.py`` times both)."""
+
+DECODE_CAPACITY_SLOTS = 64
+"""Capacity layouts (masked, batched) built without a host sync and with no token rows to copy, of at most this
+many slots (8 tokens of top-8): built by ``_decode_capacity_kernel`` in one launch whose programs each hold every slot in registers (their keys, their ranks among the earlier slots of
+their expert: an ``M*k x M*k`` comparison) and fill their own block of the ``[G, capacity]`` row -> slot list
+from them, with one read of ``topk_ids`` and no scratch read back: against the three launches (or the one
+program of :data:`SMALL_CAPACITY_FUSED`), each a chain of dependent memory round trips, the decode step's
+dispatch is one short kernel. The outputs (``masked_m`` / ``expert_num_tokens``, ``src``, the slot -> row map)
+are the same integers by definition (the reference's stable order), checked against the reference and the three
+launches by ``tests/test_fastpath_small_capacity.py``. 0 turns it off. Takes precedence over
+:data:`SMALL_CAPACITY_FUSED` where both apply."""
 
 # Layout modes of _group_starts_kernel / _fill_kernel.
 _PADDED = 0  # group g starts at the sum of round_up(count, PAD) of the groups before it
@@ -75,7 +87,8 @@ def _cuda(*ts) -> bool:
 def _cuda_key(*parts):
     """A plan key (:mod:`fastpath._launch_plan`): ``parts`` plus the module's knobs and the current
     CUDA device (the last element)."""
-    return parts + (SMALL_SORT_CHUNKS, SMALL_CAPACITY_FUSED, ROW_CONFIG["scatter"], ROW_CONFIG["reduce"],
+    return parts + (SMALL_SORT_CHUNKS, SMALL_CAPACITY_FUSED, DECODE_CAPACITY_SLOTS, ROW_CONFIG["scatter"],
+                    ROW_CONFIG["reduce"], ROW_CONFIG["reduce_decode"], REDUCE_DECODE_TOKENS,
                     torch.cuda.current_device())
 
 
@@ -234,19 +247,33 @@ def _sort(topk_ids, emap, ss: _SortShape, ws: torch.Tensor, lay: Layout, *, mode
 
 
 def _capacity_fused(topk_ids, hidden, bound) -> bool:
-    """Whether a capacity layout of these arguments is built by ``_small_capacity_kernel``
-    (:data:`SMALL_CAPACITY_FUSED`): a capacity ``bound`` given (no host sync), no ``hidden`` rows, and
-    ``0 < M * k <= bound`` slots in at most ``SMALL_SORT_CHUNKS`` chunks."""
-    if not SMALL_CAPACITY_FUSED or bound is None or hidden is not None or not torch.is_tensor(topk_ids):
+    """Whether a capacity layout of these arguments is built in one launch: a capacity ``bound`` given (no host
+    sync), no ``hidden`` rows, ``M * k > 0`` slots, and either at most :data:`DECODE_CAPACITY_SLOTS` slots
+    (``_decode_capacity_kernel``; below ``M * k`` rows the caller checks the capacity on the device after it)
+    or :data:`SMALL_CAPACITY_FUSED` on, at most ``bound`` slots (no expert can overflow) in at most
+    ``SMALL_SORT_CHUNKS`` chunks (``_small_capacity_kernel``)."""
+    if bound is None or hidden is not None or not torch.is_tensor(topk_ids):
         return False
     n = int(topk_ids.numel())
-    return 0 < n <= bound and cdiv(n, CHUNK) <= SMALL_SORT_CHUNKS
+    if n <= 0:
+        return False
+    return n <= DECODE_CAPACITY_SLOTS or (SMALL_CAPACITY_FUSED and n <= bound
+                                          and cdiv(n, CHUNK) <= SMALL_SORT_CHUNKS)
 
 
 def _small_capacity(topk_ids, emap, ss: _SortShape, ws: torch.Tensor, lay: Layout, cap: int, dst, src) -> None:
     """Steps 1-5 of a capacity layout in one launch (:func:`_capacity_fused` holds): ``dst`` (slot -> row,
-    -1 absent) and ``src`` (``[G, cap]`` row -> slot, -1 padding), the counts in the workspace."""
+    -1 absent) and ``src`` (``[G, cap]`` row -> slot, -1 padding), the counts in the workspace; by
+    ``_decode_capacity_kernel`` up to :data:`DECODE_CAPACITY_SLOTS` slots, else ``_small_capacity_kernel``."""
     s = _sorted(topk_ids, emap, ss, ws, lay)
+    if ss.n <= DECODE_CAPACITY_SLOTS:
+        n_pos = int(src.numel())
+        np_ = max(16, next_pow2(ss.n))
+        block_p = max(128, min(1024, 8192 // np_))  # a block_p x np_ comparison per program
+        _launch(_decode_capacity_kernel, (cdiv(n_pos, block_p),), s.ids, s.emap, s.totals, s.meta, dst, src,
+                ss.n, ss.E, ss.G, cap, n_pos, USE_MAP=ss.use_map, NP=np_, BLOCK_G=max(16, 2048 // np_),
+                BLOCK_P=block_p)
+        return
     _launch(_small_capacity_kernel, (1,), s.ids, s.emap, s.base, s.totals, s.starts, s.ends, s.offsets, s.meta,
             dst, src, ss.n, ss.E, ss.G, ss.NK, s.C, cap, int(src.numel()), USE_MAP=ss.use_map, S=CHUNK,
             NKP=ss.NKP, LOG_G=max(0, int(ss.G).bit_length()), BLOCK_P=1024)
@@ -292,7 +319,16 @@ ROW_CONFIG: dict[str, tuple[int, int, int]] = {
     # interpreter a program costs ~ms whatever its size: BLOCK_T 32, whole rows up to 256 elements.
     "scatter": (1, 8192, 8),
     "reduce": (1, 8192, 8),
+    # the reduce of at most REDUCE_DECODE_TOKENS tokens: at 1 token x 7168 the 8 KB tile above is 2 programs,
+    # each reading 8 rows of 4096 elements on one SM; 1 KB (512 bf16 columns) on 2 warps is 14 programs
+    "reduce_decode": (1, 1024, 2),
 }
+
+REDUCE_DECODE_TOKENS = 16
+"""Up to this many tokens the weighted reduce takes ``ROW_CONFIG["reduce_decode"]`` (more, smaller column
+blocks: at decode sizes the kernel's time is its latency, spread over more SMs); 0: always ``"reduce"``. Each
+output element's sum is the same operations in the same order with any tile (``_reduce_kernel``): the same
+bits."""
 
 
 
@@ -300,10 +336,13 @@ def _interpreting() -> bool:
     return _interop.triton_interpreted()
 
 
-def _row_config(kind: str, K: int, elem: int):
-    """(BLOCK_T, BLOCK_K, num_warps) for the row kernels."""
+def _row_config(kind: str, K: int, elem: int, rows: int | None = None):
+    """(BLOCK_T, BLOCK_K, num_warps) for the row kernels (the reduce of at most :data:`REDUCE_DECODE_TOKENS`
+    ``rows``: ``ROW_CONFIG["reduce_decode"]``)."""
     if _interpreting():
         return 32, min(next_pow2(max(K, 1)), 256), 4
+    if kind == "reduce" and rows is not None and rows <= REDUCE_DECODE_TOKENS:
+        kind = "reduce_decode"
     bt, row_bytes, nw = ROW_CONFIG[kind]
     return bt, min(next_pow2(max(K, 1)), max(16, row_bytes // elem)), nw
 

@@ -6,6 +6,8 @@
   with a poison byte, so an element no kernel wrote is caught by the comparison with the reference.
 * :func:`launch`: ``kernel[grid](...)`` through a per-launch-key cache of compiled kernels (the
   host cost of a decode-sized call; see the comment above it).
+* :func:`pdl_available`, :func:`pdl_launch`: whether a launch may use Programmatic Dependent Launch here,
+  and the launch arguments of a kernel that takes it.
 * :func:`next_pow2`, :func:`cdiv`: launch-size arithmetic in plain Python (``triton.cdiv`` is a
   constexpr function: called from host code it unwraps its arguments first, about a microsecond
   per call, and a decode-sized call makes several; issue 20).
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["alloc", "cdiv", "launch", "next_pow2"]
+__all__ = ["alloc", "cdiv", "launch", "next_pow2", "pdl_available", "pdl_launch"]
 
 _ALLOCATOR = torch.empty
 
@@ -22,6 +24,26 @@ _ALLOCATOR = torch.empty
 def alloc(*shape, **kw) -> torch.Tensor:
     """``torch.empty(*shape, **kw)`` through the swappable :data:`_ALLOCATOR`."""
     return _ALLOCATOR(*shape, **kw)
+
+
+def pdl_available(dev: torch.device) -> bool:
+    """Whether Programmatic Dependent Launch (Triton's ``launch_pdl``, ``griddepcontrol`` in the kernels) runs
+    here: a CUDA device of compute capability 9.0 or newer (``griddepcontrol`` is sm_90's), not Triton's
+    interpreter (which runs no inline asm)."""
+    from moeref._interop import triton_interpreted
+
+    return dev.type == "cuda" and not triton_interpreted() and torch.cuda.get_device_capability(dev)[0] >= 9
+
+
+def pdl_launch(dev: torch.device, on: bool) -> dict:
+    """The launch arguments of a kernel with a ``GDC_WAIT`` constexpr (the decode stages of :mod:`fastpath.moe`:
+    the grouped GEMM, the fused act+quant kernel, the reduce) launched with Programmatic Dependent Launch:
+    ``launch_pdl`` and ``GDC_WAIT`` where ``on`` and :func:`pdl_available`, else ``GDC_WAIT=False`` (every
+    argument of the kernel given: what the launch plans' replay records). Such a kernel's programs
+    first let the kernel after them launch (``griddepcontrol.launch_dependents``: it may then start, and waits
+    itself) and wait for the kernel before them to complete (``griddepcontrol.wait``) before any load: what
+    they compute is unchanged."""
+    return {"GDC_WAIT": True, "launch_pdl": True} if on and pdl_available(dev) else {"GDC_WAIT": False}
 
 
 def next_pow2(n: int) -> int:

@@ -38,6 +38,29 @@ num_warps=1)``: more, smaller programs over a few rows). The same bits with any 
 computed alone)."""
 
 
+A1_QUANT_BRANCH = True
+"""Whether, in a CUDA graph capture, the a1 quantization of the Triton FP8 layer (which does not depend on the
+routing) runs on a side stream beside the dispatch, joined before GEMM1 (a parallel branch of the graph); False:
+on the main stream before the dispatch. The same kernels, the same bits; which is faster depends on the
+dispatch's length against the join's cost (``bench/studies/decode_graph_sweep.py --only decode_ab`` times
+both). A cached graph keeps the form it was captured with."""
+
+DECODE_PDL: tuple = ("gemm1", "act", "gemm2", "reduce")
+"""The stages of a Triton FP8 layer at decode sizes (at most :data:`fastpath.grouped_gemm.DECODE_ROWS_PER_EXPERT`
+rows per expert on average) launched with Programmatic Dependent Launch where it runs
+(:func:`fastpath._host.pdl_available`; elsewhere ignored): any of ``"gemm1"``, ``"act"``, ``"gemm2"``,
+``"reduce"``. Each such kernel may start while the kernel before it on the stream runs; its programs let the
+kernel after them launch and wait for the kernel before them at their start (:func:`fastpath._host.pdl_launch`):
+it saves part of each boundary's launch latency (a graph's kernel node
+costs about 1.0 us, 0.67 us with PDL on an H200: ``node_floor`` of the decode sweep), the same arithmetic, the
+same bits. ``"gemm1"`` follows the join of the a1 quantization branch (:data:`A1_QUANT_BRANCH`) in a graph.
+All four by default: on an H200 (2026-11-29, 1 token of the DeepSeek-V3 layer, a graph of 4 calls) 104.3 us a
+call against 106.8 without PDL, the same bits (``docs/data/decode_ab_h200_2026-11-29.json``); ``()`` turns it off.
+Tiles given to ``fused_moe`` get ``pdl`` from here too. A cached graph keeps the form it was captured with."""
+
+DECODE_PDL_STAGES = ("gemm1", "act", "gemm2", "reduce")
+
+
 def _fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                impl: str, activation: str, activation_params: dict | None, layout: str, alignment: int,
                max_m: int | None, out_dtype, expert_map, num_experts: int | None, chunk_size: int | None,
@@ -215,7 +238,8 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
     scheme = _activation_scheme()
     gather = impl == "triton" and not weights.w4  # GEMM1 reads the token rows through src: no scatter
     side = None
-    if weights.fp8_activations and gather and x.is_cuda and torch.cuda.is_current_stream_capturing():
+    if A1_QUANT_BRANCH and weights.fp8_activations and gather and x.is_cuda \
+            and torch.cuda.is_current_stream_capturing():
         # in a CUDA graph the a1 quantization (independent of the routing) is a parallel branch beside the
         # dispatch's sort / rank / fill, joined before GEMM1: the same kernels and bits, one step shorter
         main = torch.cuda.current_stream(x.device)
@@ -298,20 +322,34 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
                                    expected_m=lay.expected_m, out_dtype=store, bias=bias, tiles=tiles,
                                    max_groups=min(e, m * top_k), a_src=a_src, top_k=top_k).reshape(e * mm, -1)
 
+    pdl = set()  # the stages launched with PDL (DECODE_PDL): FP8 Triton layers at decode sizes
+    if DECODE_PDL and impl == "triton" and weights.fp8_activations and expected_m <= DECODE_ROWS_PER_EXPERT:
+        bad = set(DECODE_PDL) - set(DECODE_PDL_STAGES)
+        if bad:
+            raise ValueError(f"DECODE_PDL names stages {sorted(bad)}; the stages are {DECODE_PDL_STAGES}")
+        pdl = set(DECODE_PDL)
     tiles1 = tiles2 = None  # the Triton kernel's tiles: given (fused_moe's tiles), else by rows per expert
     if impl == "triton" and not weights.w4:
         kind = "fp8_block" if weights.fp8 else "float"  # GEMM1 reads gathered token rows where gather is set
         tiles1, tiles2 = (default_tiles(kind, expected_m, x.device.type, layout, gather=g, alignment=alignment)
                           if t is None else t for t, g in zip(tiles, (gather, False)))
+        if pdl:
+            from dataclasses import replace
+
+            def plain(t):  # the one-tile-per-program Triton kernel takes pdl
+                return not t.tile_loop and t.kernel == "triton"
+
+            tiles1 = replace(tiles1, pdl=True) if "gemm1" in pdl and plain(tiles1) else tiles1
+            tiles2 = replace(tiles2, pdl=True) if "gemm2" in pdl and plain(tiles2) else tiles2
     h = gemm(a, weights.w13, sa, weights.w13_scales, weights.b13, tiles1, a_src=src if gather else None)
     if weights.fp8_activations:
         fused = {"silu_and_mul": silu_and_mul_quant_fp8, "gelu_and_mul": gelu_and_mul_quant_fp8,
                  "swigluoai": swigluoai_quant_fp8}[activation]
         if ACT_ROUTED_ROWS_AT_DECODE and expected_m <= DECODE_ROWS_PER_EXPERT and 0 < m * top_k < n_rows:
             tile = ACT_ROUTED_ROWS_TILE or {}  # the routed rows only: a program per block of slots
-            fq = fused(h, scheme=scheme, rows=dst, **tile, **act_kw)
+            fq = fused(h, scheme=scheme, rows=dst, **tile, **act_kw, **({"pdl": True} if "act" in pdl else {}))
         else:
-            fq = fused(h, scheme=scheme, skip_rows=src_flat, **act_kw)
+            fq = fused(h, scheme=scheme, skip_rows=src_flat, **act_kw, **({"pdl": True} if "act" in pdl else {}))
         n = int(h.shape[1]) // 2
         xq = fq.codes.reshape(-1, n).view(torch.float8_e4m3fn)
         sx = fq.scales.reshape(xq.shape[0], -1)
@@ -326,5 +364,6 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
     if into is not None and tuple(into.shape) != shape:
         raise ValueError(f"the layer's output rows have shape {tuple(into.shape)}; the reduce gives {shape}")
     out = alloc(shape, dtype=torch.float32, device=y.device) if into is None else into
-    dispatch._reduce(y.reshape(n_rows, -1), dst, topk_weights, out, nvalid=n_rows, apply_weights=not weight_on_input)
+    dispatch._reduce(y.reshape(n_rows, -1), dst, topk_weights, out, nvalid=n_rows, apply_weights=not weight_on_input,
+                     pdl="reduce" in pdl)
     return out

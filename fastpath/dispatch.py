@@ -17,7 +17,10 @@ implement the reference's one stable sort (``moeref.dispatch.grouping``: slots `
    layout (unpadded offsets, block- or alignment-padded starts, or ``g * capacity``) and writes the
    layout's metadata (``expert_first_token_offset``, ``num_tokens_post_padded``, ``psum``).
    Up to ``SMALL_SORT_CHUNKS`` chunks (decode sizes), ``_small_sort_kernel`` does steps 1-3 in one
-   program, chunk after chunk: the same outputs, one launch instead of three.
+   program, chunk after chunk: the same outputs, one launch instead of three. A capacity layout (masked,
+   batched) without token rows and without a host sync, of at most ``DECODE_CAPACITY_SLOTS`` slots (the
+   decode step), skips steps 1-5: ``_decode_capacity_kernel`` ranks every slot in registers and each of its
+   programs fills its block of the layout from them (one launch, the same outputs).
 4. ``_rank_kernel``: one program per chunk gives each slot its rank among the equal-key slots of
    the chunk (a ``CHUNK x CHUNK`` comparison), adds the chunk's prefix and the group's start, and
    writes the slot -> row map (``inv_permuted_idx``) and the row -> slot lists (``sorted_token_ids``,
@@ -409,10 +412,12 @@ def _to_capacity(kind, hidden, topk_ids, num_experts, expert_map, validate, capa
     a = None if hidden is None else _alloc((G, cap, hidden.shape[1]), hidden.dtype, device)
     bases = (topk_ids, ws, src) if a is None else (topk_ids, ws, src, hidden, a)
     dev = key and key[-1]
-    if fused:  # M * k <= cap: no expert can overflow, nothing to check between the steps
+    if fused:  # one launch; an overflow (cap < M * k) is checked after it (the decode kernel drops such rows)
         _plan.execute(key and (key, 0), plan, bases, dev,
                       lambda: _sort_host._small_capacity(topk_ids, emap, ss, ws, lay, cap, lay.view(ws, "dst"), src),
                       layout)
+        if cap < m * k:
+            torch._assert_async(fits, f"{what}: a local expert has more rows than {bound_name}={cap}")
         return counts, cap, a, src, m, k, None, lay.view(ws, "dst")
     _plan.execute(key and (key, 0), plan, bases, dev,
                   lambda: _sort(topk_ids, emap, ss, ws, lay, mode=_CAPACITY, cap=cap), layout)

@@ -47,7 +47,7 @@ from .quant._jit_codes import _activation
 from .quant._kernels import _quant_kernel
 from .quant._layouts import SF_LAYOUT, grid_of, returned_scales_shape
 from ._host import alloc as _alloc
-from ._host import SLOT, PlannedLaunch, cdiv, launch, next_pow2
+from ._host import SLOT, PlannedLaunch, cdiv, launch, next_pow2, pdl_launch
 
 __all__ = [
     "silu_and_mul_quant_fp8",
@@ -184,13 +184,14 @@ def swigluoai(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0, *, amax
 
 def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme | None,
            scale_layout: str, hw_fp8: bool | None, block_m=None, groups_per_program=None,
-           num_warps=None, tuning: Q.QuantTuning | None = None, skip_rows=None, rows=None) -> Q.FastQuantized:
+           num_warps=None, tuning: Q.QuantTuning | None = None, skip_rows=None, rows=None,
+           pdl: bool = False) -> Q.FastQuantized:
     try:  # the plan's key (fastpath.quant._plan): ids of the scheme and tuning, which the plan keeps
         skip_key = None if skip_rows is None else (skip_rows.dtype, skip_rows.shape, skip_rows.device)
         if rows is not None:
             skip_key = (skip_key, "rows", rows.dtype, rows.shape, rows.device)
         key = ("fused", act, alpha, limit, id(scheme), scale_layout, hw_fp8, block_m, groups_per_program,
-               num_warps, id(tuning), x.dtype, x.shape, x.stride(), x.data_ptr() & 15, x.device, skip_key)
+               num_warps, id(tuning), x.dtype, x.shape, x.stride(), x.data_ptr() & 15, x.device, skip_key, pdl)
         plan = QPL._PLANS.get(key)
         if plan is not None:
             return plan(x, skip_rows, rows)
@@ -199,7 +200,7 @@ def _fused(x: torch.Tensor, act: str, alpha: float, limit: float, scheme: Scheme
     except (AttributeError, TypeError):  # not a tensor, unhashable options: validated below
         key = None
     plan = _FusedPlan(x, act, alpha, limit, scheme, scale_layout, hw_fp8, block_m, groups_per_program,
-                      num_warps, tuning, skip_rows, rows)
+                      num_warps, tuning, skip_rows, rows, pdl)
     plan.kept = (scheme, tuning)  # the key holds their ids
     return QPL.keep(key, plan, x.device)(x, skip_rows, rows)
 
@@ -212,8 +213,10 @@ class _FusedPlan:
     _quant_kernel`)."""
 
     def __init__(self, x, act, alpha, limit, scheme, scale_layout, hw_fp8, block_m, groups_per_program,
-                 num_warps, tuning, skip_rows=None, rows=None):
+                 num_warps, tuning, skip_rows=None, rows=None, pdl=False):
         scheme = fp8_group(128) if scheme is None else scheme
+        if not isinstance(pdl, bool):
+            raise TypeError(f"pdl must be a bool; got {pdl!r}")
         if tuning is not None and not isinstance(tuning, Q.QuantTuning):
             raise TypeError(f"tuning must be a fastpath.quant.QuantTuning or None; got {type(tuning).__name__}")
         ok, why = supports(scheme, x, scale_layout)
@@ -234,6 +237,9 @@ class _FusedPlan:
         if self.per_tensor:
             if rows is not None:
                 raise ValueError("rows applies to per-token and 1xG schemes (a per-tensor amax reads every row)")
+            if pdl:
+                raise ValueError("pdl applies to per-token and 1xG schemes (one launch); a per-tensor scheme's three "
+                                 "launches take none")
             self._plan_per_tensor(x3, act, alpha, limit, scheme, ce, cs, skip_rows, block_m, groups_per_program,
                                   num_warps, tuning)
             return
@@ -293,7 +299,8 @@ class _FusedPlan:
             STATIC=False, TWO_LEVEL=False, NV_ORDER=0, WRITE_SCALES=True, ROW_SKIP=self.row_skip, ACT=_ACT[act],
             ACT_ALPHA=float(alpha), ACT_LIMIT=float(limit), PAIR=pair, IN16=in16,
             **QL._launch_knobs(ce, gb, gpp, bm, num_warps, tuning or QT.DEFAULT_TUNING),
-            **({"ROW_GATHER": self.row_gather} if self.row_gather else {}))
+            **({"ROW_GATHER": self.row_gather} if self.row_gather else {}),
+            **pdl_launch(dev, pdl))
 
     def _plan_per_tensor(self, x3, act, alpha, limit, scheme, ce, cs, skip_rows, block_m, groups_per_program,
                          num_warps, tuning):
@@ -401,7 +408,11 @@ def silu_and_mul_quant_fp8(x: torch.Tensor, scheme: Scheme | None = None, *,
             tensor of row indices of a 1-D or 2-D ``x`` (entries < 0 ignored; a MoE layer's slot -> row map):
             the grid covers these entries instead of x's rows, each listed row gets the codes and scales of
             the whole-x launch and every other row is left unspecified (row-major scales only; not with
-            ``skip_rows``).
+            ``skip_rows``); ``pdl`` (per-token and 1xG schemes): launched with Programmatic Dependent Launch
+            where it runs (sm_90+, not the interpreter; elsewhere ignored): it may start while the kernel
+            before it on the stream runs, every program letting the kernel after it launch and waiting for the
+            kernel before it before its first load (:func:`fastpath._host.pdl_launch`); the same codes and
+            scales.
     """
     return _fused(x, "silu_and_mul", 0.0, 0.0, scheme, scale_layout, hw_fp8, **tile)
 

@@ -41,7 +41,7 @@ from moeref._interop import triton_interpreted
 
 from . import _grouped_gemm_tiles
 from ._grouped_gemm_tiles import _a_rows, _grouped_gemm_tile_loop_kernel, ensure_allocator
-from ._host import cdiv, launch, next_pow2
+from ._host import cdiv, launch, next_pow2, pdl_launch
 
 __all__ = ["GROUPED_GEMM_IMPLEMENTATIONS", "FP8_PREFILL_CANDIDATES", "GemmTiles", "default_tiles",
            "grouped_gemm_contiguous", "grouped_gemm_masked", "grouped_gemm_supports", "PROFILE_OF",
@@ -113,9 +113,16 @@ class GemmTiles:
     TMA warp), ``num_stages`` shared-memory stages, tile order ``group_m``; the same bits as the Triton kernel. The
     Triton tile-loop options (``persistent``, ``tma``, ``warp_specialize``, ``flatten``, ``promotion``) are its
     design and are not taken with it."""
+    pdl: bool = False
+    """Launch with Programmatic Dependent Launch (Triton's ``launch_pdl``) where it runs (sm_90+, not the
+    interpreter; elsewhere ignored): the kernel may start while the kernel before it on the stream runs; every
+    program lets the kernel after it launch and waits for the kernel before it before its first load
+    (:func:`fastpath._host.pdl_launch`); what is computed is unchanged (the same bits). The
+    one-tile-per-program kernel only (not the tile-loop options: ``ValueError``). :mod:`fastpath.moe` sets it at decode sizes where
+    ``fastpath._moe_layer.DECODE_PDL`` names the GEMM."""
 
     def __post_init__(self):
-        for name in ("persistent", "tma", "warp_specialize", "flatten"):
+        for name in ("persistent", "tma", "warp_specialize", "flatten", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GemmTiles.{name} must be a bool; got {getattr(self, name)!r}")
         if not isinstance(self.promotion, str):
@@ -150,6 +157,9 @@ class GemmTiles:
                              f"use block_m <= 64; got {self}")
         if not self.persistent and (self.flatten or self.programs_per_sm != 1):
             raise ValueError(f"flatten and programs_per_sm are options of persistent=True tiles; got {self}")
+        if self.pdl and (self.tile_loop or self.kernel != "triton"):
+            raise ValueError(f"pdl is an option of the one-tile-per-program kernel, not of the tile-loop options; "
+                             f"got {self}")
 
     @property
     def tile_loop_options(self) -> bool:
@@ -261,7 +271,8 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_pt
                          FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
                          EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr,
-                         MASKED: tl.constexpr, NG_POW2: tl.constexpr, GATHER: tl.constexpr):
+                         MASKED: tl.constexpr, NG_POW2: tl.constexpr, GATHER: tl.constexpr,
+                         GDC_WAIT: tl.constexpr = False):
     # MASKED: m_idx_ptr is masked_m [NG] of the masked layout (rows e * CAP + i) and
     # program row p * ceil(CAP / BLOCK_M) + t computes tile t of the p-th expert with rows (in expert order), so
     # the grid needs only as many experts as can have rows; otherwise m_idx_ptr is the row -> expert map.
@@ -269,6 +280,11 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_pt
     # weights are the MMA's wide side, the few rows its narrow N side); same products, same K order.
     # GATHER: a (and its scales) are token rows; layout row r reads token src[r] // TOPK (src < 0: padding,
     # read as zeros), the scatter of the token rows into the layout done by the loads.
+    # GDC_WAIT: launched with PDL (GemmTiles.pdl), every program first lets the kernel after it launch and waits
+    # for the kernel before it (fastpath._host.pdl_launch).
+    if GDC_WAIT:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)  # n fastest: neighbouring programs share the expert's rows (A stays in L2)
     pid_m = tl.program_id(1)
     if MASKED:
@@ -495,6 +511,7 @@ def _launch_triton(a, b, d, m_idx, a_scales, b_scales, bias, t: GemmTiles, *, gr
                           a_src is not None, top_k)
         return
     grid = (cdiv(n, t.block_n), grid_m)
+    pdl = pdl_launch(a.device, t.pdl)
     launch(_grouped_gemm_kernel, grid, a, b, d, m_idx, sa, sb, bias_t, src, m, n, k,
            a.stride(0), b.stride(0), b.stride(1), d.stride(0),
            sa.stride(0) if fp8 else 0, sb.stride(0) if fp8 else 0, sb.stride(1) if fp8 else 0,
@@ -502,7 +519,7 @@ def _launch_triton(a, b, d, m_idx, a_scales, b_scales, bias, t: GemmTiles, *, gr
            FP8=fp8, SCALE_BLOCK=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
            K_ITERS=cdiv(k, t.block_k), EVEN_K=k % t.block_k == 0, HAS_BIAS=bias is not None,
            SWAP_AB=t.swap_ab, MASKED=masked_cap > 0, NG_POW2=next_pow2(max(ng, 1)),
-           GATHER=a_src is not None, num_warps=t.num_warps, num_stages=t.num_stages)
+           GATHER=a_src is not None, num_warps=t.num_warps, num_stages=t.num_stages, **pdl)
 
 
 _SM_COUNT: dict = {}

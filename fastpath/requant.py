@@ -55,7 +55,7 @@ from moeref.quant.scheme import Scheme
 
 from . import _triton_rounding as R
 from . import quant as FQ
-from ._host import alloc
+from ._host import alloc, pdl_available
 from ._requant_tiles import _block_scale, _data_tile, _e4m3_times
 from .quant import _kernels as KN
 from .quant import _launch as L
@@ -177,11 +177,9 @@ def _hw_decode(dev: torch.device) -> bool:
 
 
 def _pdl_available(dev: torch.device) -> bool:
-    """Whether Programmatic Dependent Launch runs here: a CUDA device of compute capability 9.0
-    or newer (``griddepcontrol`` is sm_90's), not Triton's interpreter (which runs no inline
-    asm)."""
-    return (dev.type == "cuda" and not P._INTERPRETED
-            and torch.cuda.get_device_capability(dev)[0] >= 9)
+    """Whether Programmatic Dependent Launch runs here: :func:`fastpath._host.pdl_available` (the tests swap
+    this name)."""
+    return pdl_available(dev)
 
 
 # With PDL, the amax kernel too is launched dependent on the kernel before it, the zeroing of its

@@ -256,6 +256,29 @@ def test_row_layouts_equal_reference(data):
         _assert_same(f"batched.{name}", getattr(want, name), getattr(got, name))
 
 
+@settings(max_examples=N_EXAMPLES, **SLOW)
+@given(cases(allow_zero=False), st.integers(0, 3), st.data())
+def test_sync_free_capacity_layouts_equal_the_reference(case, extra, data):
+    """``to_masked(..., expected_m=1)`` and ``to_batched(..., validate=False)`` without token rows (no host sync;
+    up to ``DECODE_CAPACITY_SLOTS`` slots one launch, ``_decode_capacity_kernel``, else the sort, rank and fill):
+    the reference's counts and ``src``, and the slot -> row map inverts ``src``; the capacity is at least the
+    tokens and the largest expert's rows (no overflow), ``extra`` rows more."""
+    r, emap, dt = case
+    ids = r.ids.astype(dt)
+    e = r.num_experts
+    cap = max(1, r.num_tokens, int(ref.group_slots(ids, e, emap).counts.max(initial=0))) + extra
+    want = ref.to_masked(None, ids, e, cap, emap)
+    got, dst = fast.to_masked(None, _t(ids), e, cap, emap, expected_m=1, validate=False, slot_rows=True)
+    for name in ("masked_m", "src"):
+        _assert_same(f"masked.{name}", getattr(want, name), getattr(got, name))
+    d, flat = _np(dst), want.src.reshape(-1)
+    assert np.array_equal(flat[d[d >= 0]], np.flatnonzero(d >= 0)) and (d >= 0).sum() == want.masked_m.sum()
+    want = ref.to_batched(None, ids, e, cap, 1, emap)
+    got = fast.to_batched(None, _t(ids), e, cap, 1, emap, validate=False)
+    for name in ("expert_num_tokens", "src"):
+        _assert_same(f"batched.{name}", getattr(want, name), getattr(got, name))
+
+
 # ----------------------------------------------------------------------------------------------
 # Reductions: unpermute and weight-and-reduce within the sound float32 bound
 # ----------------------------------------------------------------------------------------------

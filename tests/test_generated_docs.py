@@ -24,6 +24,7 @@ PAGES = [  # (report script in bench/, JSON under docs/data/, page under docs/, 
     ("studies.eager_host_profile", "eager_host_profile_*.json", "moe-gpu.md", 1),  # the eager study
     ("report_fault_catch", "fault_catch_*.json", "error-bounds.md", None),  # bench/bench_fault_catch.py
     ("report_prefill_sweep", "triton_fp8_prefill_sweep_*.json", "moe-gpu.md", None),  # studies/triton_fp8_prefill_sweep.py
+    ("report_decode_ab", "decode_ab_*.json", "moe-gpu.md", None),  # studies/decode_graph_sweep.py --only decode_ab
     ("report_compare_sources", "compare_sources_*.json", "hopper-fp8-accumulation.md", None),  # compare --sources
 ]
 

@@ -40,6 +40,14 @@ docs/moe-gpu.md defines it), half the copy's time; ``of_roofline`` is the median
    interleaved with the copy, and the routed rows on smaller tiles (:data:`ACT_ROWS_AB`); outputs compared bit
    for bit; at 1 token the routed-rows layer's kernel timeline. ``--only act_rows_ab`` runs this phase alone (no
    tile sweep: a few minutes of device time less).
+10. ``decode_ab``: at each of ``--tokens``, the layer with the switches of
+   ``bench.studies.decode_graph.phases.DECODE_AB`` (the decode dispatch kernel,
+   ``fastpath._dispatch_sort.DECODE_CAPACITY_SLOTS``; the decode reduce tile, ``REDUCE_DECODE_TOKENS``; the a1
+   quantization branch, ``fastpath._moe_layer.A1_QUANT_BRANCH``; Programmatic Dependent Launch, ``DECODE_PDL``)
+   against the layer without the first two, each a graph of ``--calls`` calls and a one-call graph, interleaved
+   with the copy; the layouts compared before any layer runs, every output compared bit for bit; at 1 token the
+   kernel timelines with the defaults and with PDL. ``--only decode_ab`` runs the graph node floor and this phase
+   alone.
 
 Kernels are compiled in parallel before the sweep (Triton's ``AsyncCompileMode``; ``--serial-compile`` turns it
 off). ONE JSON to ``--out``, and a table of the best tile per GEMM, the layer combinations and the breakdown.
@@ -49,6 +57,7 @@ The timing, the layer and the phases are in ``bench/studies/decode_graph/`` (``t
     python bench/studies/decode_graph_sweep.py --out bench_out/decode_graph_sweep.json
     python bench/studies/decode_graph_sweep.py --smoke   # CPU, TRITON_INTERPRET=1, tiny layer: the code paths
     python bench/studies/decode_graph_sweep.py --only act_rows_ab --out bench_out/act_rows_ab.json
+    python bench/studies/decode_graph_sweep.py --only decode_ab --out bench_out/decode_ab.json
 """
 from __future__ import annotations
 
@@ -79,9 +88,11 @@ from bench.studies.decode_graph.layer import (  # noqa: E402,F401 - re-exported:
 )
 from bench.studies.decode_graph.phases import (  # noqa: E402,F401
     ACT_ROWS_AB,
+    DECODE_AB,
     ablation,
     act_routed_rows,
     act_rows_ab,
+    decode_ab,
     dispatch_ab,
     gemm_sweep,
     layer_sweep,
@@ -108,7 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--serial-compile", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny layer, no graphs")
     ap.add_argument("--out", default="bench_out/decode_graph_sweep.json")
-    ap.add_argument("--only", choices=["act_rows_ab"], default=None, help="run this phase alone")
+    ap.add_argument("--only", choices=["act_rows_ab", "decode_ab"], default=None, help="run this phase alone")
     args = ap.parse_args(argv)
     if args.smoke:
         args.rounds, args.reps, args.gemm_calls, args.calls, args.tokens = 7, 1, 1, 1, [1, 2]
@@ -136,6 +147,16 @@ def main(argv=None) -> int:
     if args.only == "act_rows_ab":
         res["act_rows_ab"] = act_rows_ab(run, fw, {m: cases[m] for m in sorted(set(args.tokens))},
                                          (default, default), args.calls, args.reps, args.profile_replays)
+        save()
+        report(res)
+        return 0
+    if args.only == "decode_ab":
+        try:
+            res["node_floor"] = node_floor(run)
+        except Exception as e:  # noqa: BLE001
+            res["node_floor"] = dict(error=err(e))
+        res["decode_ab"] = decode_ab(run, fw, {m: cases[m] for m in sorted(set(args.tokens))},
+                                     (default, default), args.calls, args.reps, args.profile_replays)
         save()
         report(res)
         return 0
@@ -255,6 +276,14 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             res["act_rows_ab"] = dict(error=err(e))
         save()
+    if run.left() > 20:
+        try:
+            ms = [1] if args.smoke else sorted(set(args.tokens))  # smoke: the code paths once
+            res["decode_ab"] = decode_ab(run, fw, {m: cases[m] for m in ms}, (default, default), args.calls,
+                                         args.reps, args.profile_replays)
+        except Exception as e:  # noqa: BLE001
+            res["decode_ab"] = dict(error=err(e))
+        save()
     m = max(args.tokens)
     if m != 1 and run.left() > 45:  # the GEMM tiles at the largest token count (compiled already)
         try:
@@ -335,6 +364,31 @@ def report(res: dict) -> None:
                           for n, c in row.items() if isinstance(c, dict) and "median_us" in c)
               + f"; saved {row.get('saved_us', float('nan')):.1f} us; bits equal {row.get('bits_equal')} "
               + " ".join(f"{n}: {c['error']}" for n, c in row.items() if isinstance(c, dict) and "error" in c))
+    for m_, row in res.get("decode_ab", {}).items():
+        if m_ == "breakdown" or not isinstance(row, dict):
+            continue
+        if "tokens" not in row or "layout_equal" not in row:
+            print(f"decode A/B: {row}")
+            continue
+        print(f"decode A/B, {row['tokens']} token(s) (us a call, graph of {row['calls_per_graph']} | one-call graph; "
+              f"bits equal to the first: all {row.get('all_bits_equal')}):")
+        for n, c in row.items():
+            if isinstance(c, dict) and "median_us" in c:
+                oc = c.get("one_call_graph", {})
+                print(f"    {c['median_us']:7.1f} ({c['min_us']:.1f}-{c['max_us']:.1f}, "
+                      f"{c.get('of_roofline', 0):.0%}) | "
+                      f"{oc.get('median_us', 0):7.1f} ({oc.get('of_roofline', 0):.0%}) eq={c.get('bits_equal')}  {n}")
+            elif isinstance(c, dict) and "error" in c:
+                print(f"    error {n}: {c['error']}")
+    for name, b in res.get("decode_ab", {}).get("breakdown", {}).items():
+        tl_ = b.get("timeline", {})
+        if tl_.get("kernels"):
+            print(f"    {name}, 1 token: replay {b.get('replay', {}).get('median_us', 0):.1f} us, span "
+                  f"{tl_['span_us']:.1f}, idle {tl_['idle_us']:.1f}; " + ", ".join(
+                      f"{k['stage']} {k['dur_us']:.1f} (gap {k['gap_before_us']:.1f})" for k in tl_["kernels"]))
+        elif b:
+            print(f"    {name}: replay {b.get('replay', {}).get('median_us', 0):.1f} us; no timeline "
+                  f"{b.get('error', tl_.get('error', ''))}")
     tl_ = res.get("act_rows_ab", {}).get("breakdown", {}).get("timeline", {})
     if tl_.get("kernels"):
         print(f"    act over routed rows, 1 token: span {tl_['span_us']:.1f} us, idle {tl_['idle_us']:.1f}; "

@@ -45,6 +45,7 @@ def _quant_kernel(
     ACT: tl.constexpr, ACT_ALPHA: tl.constexpr, ACT_LIMIT: tl.constexpr,
     PAIR: tl.constexpr, IN16: tl.constexpr, DIV: tl.constexpr, PACKED_BF16: tl.constexpr,
     E2M1_PTX: tl.constexpr, HW_SCALE: tl.constexpr, WORD_RUN: tl.constexpr, ROW_GATHER: tl.constexpr = 0,
+    GDC_WAIT: tl.constexpr = False,
 ):
     """Quantize a [BLOCK_M, GPP groups of GS] tile of one matrix of x; see the module docstring.
 
@@ -73,12 +74,18 @@ def _quant_kernel(
     left unwritten. Each row's codes and scales are the full grid's (rows are independent). 0: the code is
     compiled out.
 
+    GDC_WAIT (launched with Programmatic Dependent Launch: ``pdl`` of :mod:`fastpath.fused`): every program
+    first lets the kernel after it launch and waits for the kernel before it (:func:`fastpath._host.pdl_launch`).
+
     E2M1_PTX (GPU only): the other FP4 paths (NVFP4, float16/float32 input) encode each scaled
     float32 value with :func:`fastpath._packed_fp4.e2m1_lane_f32` (``xorsign`` min/max, one FMA,
     integer steps: about 7 instructions, the sign carried along) instead of the integer path,
     and bfloat16 words take the block amax with ``amax_bf16x2``; same codes (emulated on the
     CPU, compared with the integer path on the GPU).
     """
+    if GDC_WAIT:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
     pid_b = tl.program_id(2)

@@ -1,4 +1,5 @@
-"""The decode sweep's phases on the layer: GEMM tile sweep, ablation, layer sweep, dispatch and act-rows A/Bs."""
+"""The decode sweep's phases on the layer: GEMM tile sweep, ablation, layer sweep, dispatch, act-rows and decode
+A/Bs."""
 from __future__ import annotations
 
 import contextlib
@@ -87,15 +88,16 @@ def ablation(run: Run, fw, case, tiles: tuple, calls: int, reps: int) -> dict:
 @contextlib.contextmanager
 def one_program_dispatch(on: bool):
     """``fastpath._dispatch_sort.SMALL_CAPACITY_FUSED`` set to ``on`` inside (the masked layout's sort, rank and
-    fill as one launch)."""
+    fill as one launch), with the decode dispatch kernel off (``DECODE_CAPACITY_SLOTS = 0``: it would take the
+    layout either way; ``decode_ab`` times it)."""
     import fastpath._dispatch_sort as ds
 
-    old = ds.SMALL_CAPACITY_FUSED
-    ds.SMALL_CAPACITY_FUSED = on
+    old = ds.SMALL_CAPACITY_FUSED, ds.DECODE_CAPACITY_SLOTS
+    ds.SMALL_CAPACITY_FUSED, ds.DECODE_CAPACITY_SLOTS = on, 0
     try:
         yield
     finally:
-        ds.SMALL_CAPACITY_FUSED = old
+        ds.SMALL_CAPACITY_FUSED, ds.DECODE_CAPACITY_SLOTS = old
 
 
 def dispatch_ab(run: Run, fw, case, tiles: tuple, calls: int, reps: int, profile_replays: int) -> dict:
@@ -205,6 +207,112 @@ def act_rows_ab(run: Run, fw, cases: dict, tiles: tuple, calls: int, reps: int, 
                 out["breakdown"] = breakdown(run, layer_fn(fw, cases[1], tiles), profile_replays)
         except Exception as e:  # noqa: BLE001
             out["breakdown"] = dict(error=err(e))
+    return out
+
+
+_KNOBS = {"DECODE_CAPACITY_SLOTS": "fastpath._dispatch_sort", "SMALL_CAPACITY_FUSED": "fastpath._dispatch_sort",
+          "REDUCE_DECODE_TOKENS": "fastpath._dispatch_sort", "A1_QUANT_BRANCH": "fastpath._moe_layer",
+          "DECODE_PDL": "fastpath._moe_layer", "ACT_ROUTED_ROWS_TILE": "fastpath._moe_layer"}
+
+
+@contextlib.contextmanager
+def knobs(**values):
+    """The layer's module switches (:data:`_KNOBS`: name -> module) set to ``values`` inside."""
+    import importlib
+
+    mods = {n: importlib.import_module(_KNOBS[n]) for n in values}
+    old = {n: getattr(m, n) for n, m in mods.items()}
+    try:
+        for n, v in values.items():
+            setattr(mods[n], n, v)
+        yield
+    finally:
+        for n, v in old.items():
+            setattr(mods[n], n, v)
+
+
+_PDL_ALL = ("gemm1", "act", "gemm2", "reduce")
+DECODE_AB = {
+    "three-launch dispatch, wide reduce": dict(DECODE_CAPACITY_SLOTS=0, REDUCE_DECODE_TOKENS=0, DECODE_PDL=()),
+    "decode dispatch": dict(REDUCE_DECODE_TOKENS=0, DECODE_PDL=()),
+    "decode reduce": dict(DECODE_CAPACITY_SLOTS=0, DECODE_PDL=()),
+    "defaults": dict(DECODE_PDL=()),
+    "defaults, a1 quant in line": dict(A1_QUANT_BRANCH=False, DECODE_PDL=()),
+    "defaults + pdl after gemm1": dict(DECODE_PDL=("act", "gemm2", "reduce")),
+    "defaults + pdl": dict(DECODE_PDL=_PDL_ALL),
+    "defaults + pdl, a1 quant in line": dict(DECODE_PDL=_PDL_ALL, A1_QUANT_BRANCH=False),
+    "defaults + pdl, act 2-group tiles": dict(DECODE_PDL=_PDL_ALL,
+                                              ACT_ROUTED_ROWS_TILE=dict(block_m=1, groups_per_program=2, num_warps=1)),
+}
+"""The decode A/B's cases: name -> the switches (:data:`_KNOBS`) it sets. ``defaults``: the shipped
+``DECODE_CAPACITY_SLOTS`` and ``REDUCE_DECODE_TOKENS`` with PDL off and the a1 branch on; ``defaults + pdl`` is the
+shipped layer (``DECODE_PDL`` names all four stages). The first is the layer before the decode dispatch kernel and the decode reduce tile, every output compared with it."""
+
+
+def decode_ab(run: Run, fw, cases: dict, tiles: tuple, calls: int, reps: int, profile_replays: int) -> dict:
+    """At each token count of ``cases``: the masked layouts of the three-launch and the decode dispatch compared
+    first (the layers run only if equal: a wrong layout could fault the GEMMs); then the layer with each of
+    :data:`DECODE_AB`, a graph of ``calls`` calls and a one-call graph each, interleaved with the copy of the
+    touched experts' bytes; outputs compared bit for bit with the first case (``bits_equal``: each case,
+    ``all_bits_equal``); at 1 token the kernel timelines of ``defaults`` and ``defaults + pdl``."""
+    from fastpath import dispatch
+
+    out: dict = {}
+    e = int(fw.w13.shape[0])
+    for m, case in sorted(cases.items()):
+        if run.left() < 20:
+            out[m] = dict(skipped="time budget")
+            continue
+        ids = case[2]
+        cap = -(-int(ids.shape[0]) // 16) * 16  # the layer's masked capacity (Triton: the tokens rounded to 16)
+        lays = []
+        for slots in (0, 64):
+            with knobs(DECODE_CAPACITY_SLOTS=slots):
+                lay, dst = dispatch.to_masked(None, ids, e, cap, expected_m=1, validate=False, slot_rows=True)
+            lays.append((lay.masked_m.clone(), lay.src.clone(), dst.clone()))
+        if not all(torch.equal(a, b) for a, b in zip(*lays)):
+            out[m] = dict(tokens=m, layout_equal=False, error="the decode dispatch's layout differs: not run")
+            continue
+        row, outs, graphs, ones = dict(layout_equal=True), {}, {}, {}
+        for name, kv in DECODE_AB.items():
+            try:  # captured with the case's switches (a graph keeps them)
+                with knobs(**kv):
+                    graphs[name], res = run.capture(layer_fn(fw, case, tiles), calls)
+                    outs[name] = res.clone()
+                    ones[name], _ = run.capture(layer_fn(fw, case, tiles), 1)
+            except Exception as e_:  # noqa: BLE001
+                row[name] = dict(error=err(e_))
+        wb = weight_bytes(fw, case[2])
+        try:
+            timed = time_with_roofline(run, graphs, wb["layer"], calls, reps)
+            del timed["copy"]
+            row.update(timed)
+            one = time_with_roofline(run, ones, wb["layer"], 1, run.reps(20))
+            del one["copy"]
+            for n, st in one.items():
+                row[n]["one_call_graph"] = st
+        except Exception as e_:  # noqa: BLE001
+            row["timing_error"] = err(e_)
+        base_name = next(iter(DECODE_AB))
+        base = outs.get(base_name)
+        if base is not None:
+            for n, o in outs.items():
+                row.setdefault(n, {})["bits_equal"] = bool(torch.equal(base, o))
+            row["all_bits_equal"] = len(outs) == len(DECODE_AB) and all(torch.equal(base, o) for o in outs.values())
+        med = {n: row[n]["median_us"] for n in DECODE_AB if "median_us" in row.get(n, {})}
+        if base_name in med:
+            row["saved_us"] = {n: med[base_name] - v for n, v in med.items() if n != base_name}
+        out[m] = dict(row, tokens=m, bytes=wb, calls_per_graph=calls)
+    if 1 in cases:
+        out["breakdown"] = {}
+        for name in ("defaults", "defaults + pdl"):
+            if run.left() < 30:
+                break
+            try:
+                with knobs(**DECODE_AB[name]):
+                    out["breakdown"][name] = breakdown(run, layer_fn(fw, cases[1], tiles), profile_replays)
+            except Exception as e_:  # noqa: BLE001
+                out["breakdown"][name] = dict(error=err(e_))
     return out
 
 
