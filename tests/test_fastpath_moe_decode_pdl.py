@@ -99,6 +99,7 @@ def test_decode_pdl_marks_exactly_the_named_stages_and_keeps_the_bits(monkeypatc
     import fastpath._moe_layer as ml
 
     args = _layer(3, 1)
+    monkeypatch.setattr(ml, "DECODE_PDL", ())  # the layer without PDL (the default names all four stages)
     want = _run(args)
     assert _marked(launches).keys() >= {"a1 quant", "dispatch", "gemm1", "act", "gemm2", "reduce"}
     assert not any(p for _, p, _ in launches)
@@ -204,7 +205,9 @@ def test_gpu_decode_switches_in_a_cuda_graph_give_the_same_bits(monkeypatch, tok
 
     x, fw, tw, ids = _layer(31 + tokens, tokens, experts=16, top_k=8)
     _, _, tw2, ids2 = _layer(47 + tokens, tokens, experts=16, top_k=8)
-    want = _run((x, fw, tw2, ids2)).clone()
+    with monkeypatch.context() as mp:
+        mp.setattr(ml, "DECODE_PDL", ())  # the default names all four stages
+        want = _run((x, fw, tw2, ids2)).clone()
     cases = {"pdl": dict(DECODE_PDL=("gemm1", "act", "gemm2", "reduce")),
              "pdl, a1 in line": dict(DECODE_PDL=("gemm1", "act", "gemm2", "reduce"), A1_QUANT_BRANCH=False),
              "three launches, wide reduce": dict(DECODE_CAPACITY_SLOTS=0, REDUCE_DECODE_TOKENS=0)}
