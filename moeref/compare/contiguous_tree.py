@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..gemm.exact import BlockOperand
+from .stores import _abs_range
 from .summation_order import U_F64, gamma, ordered_dot, ordered_dot_pairs
 
 __all__ = ["TREE_LANES", "contiguous_tree_gemm_bound"]
@@ -116,28 +117,34 @@ def _contiguous_tree(a: BlockOperand, w: BlockOperand, radius, b_abs, profile):
 
 
 class _TreeBrackets:
-    """Brackets of :func:`_contiguous_tree`'s bound without the walks of ``L >= 2``, refined on request, for validated
-    inputs (``a`` ``[M, K]``, ``w`` ``[N, K]``, ``M, N >= 1``).
+    """Brackets of :func:`_contiguous_tree`'s bound without the walks of ``L >= 2`` (and, with ``walk_first`` False,
+    without the walk of ``L = 1``), refined on request, for validated inputs (``a`` ``[M, K]``, ``w`` ``[N, K]``,
+    ``M, N >= 1``).
 
-    The bound is nondecreasing in the walks' range ``R``, in ``W = sum |p|`` and in the radius dot
-    (:func:`_tree_bound`), so brackets of those bracket it. ``R`` is the largest range over the lane counts: at least
-    the range of the walks done so far (their exact bits: the walk of ``L = 1`` for every output, then
-    :meth:`walk`), at most that or the caps ``(sum |p| + |sum p|) / 2`` of every lane of the lane counts not walked
-    (BLAS lane sums with the margins of :func:`_tree_walks`' skip test, :func:`_lane_caps`). ``W`` and the radius dot
-    are sums of nonnegative products, within ``gamma_K`` of their exact value in any order (BLAS, any blocking, fused
-    or not, and the in-order sums alike) plus ``2^-1075`` a product for underflow: within :func:`_grow` and
-    :func:`_tiny` of the BLAS sums.
+    The bound is nondecreasing in the walks' range ``R``, in ``W = sum |p|``, in ``|S|`` (``S`` the in-order sum, the
+    last prefix sum of ``L = 1``) and in the radius dot (:func:`_tree_bound`), so brackets of those bracket it. ``R``
+    is the largest range over the lane counts: at least the range of ``L = 1`` (its exact bits where it was walked,
+    else the lower bracket of :func:`_walk_brackets`), or of the lane counts walked so far (:meth:`refine`), at most
+    that (the upper bracket of ``L = 1`` where it was not walked) or the caps ``(sum |p| + |sum p|) / 2`` of every lane
+    of the lane counts not walked (BLAS lane sums with the margins of :func:`_tree_walks`' skip test,
+    :func:`_lane_caps`). ``W`` and the radius dot are sums of nonnegative products, within ``gamma_K`` of their exact
+    value in any order (BLAS, any blocking, fused or not, and the in-order sums alike) plus ``2^-1075`` a product for
+    underflow: within :func:`_grow` and :func:`_tiny` of the BLAS sums. ``S`` is bracketed with the range of ``L = 1``
+    (:func:`_walk_brackets`) where it was not walked.
 
-    Attributes: ``total`` (the bits of :func:`_contiguous_tree`'s), ``r1`` (the range of ``L = 1``), ``rdot``
-    (``(lo, hi)`` around the radius dot, None without a radius), all float64 ``[M, N]``. A non-finite input gives
-    NaN or infinite brackets."""
+    ``walk_first``: the walk of ``L = 1`` for every output at once (every ``S`` and range of ``L = 1`` exact from the
+    start); else :meth:`refine` walks it for the outputs it is given first.
 
-    def __init__(self, a: BlockOperand, w: BlockOperand, radius, b_abs, profile):
+    Attributes: ``total`` (``S``, the bits of :func:`_contiguous_tree`'s where ``L = 1`` was walked, elsewhere the BLAS
+    sum of :func:`_walk_brackets`), ``c`` and ``c_abs`` (``(lo, hi)`` around ``S`` and ``|S|``), ``r1`` (``(lo, hi)``
+    around the range of ``L = 1``), ``rdot`` (``(lo, hi)`` around the radius dot, None without a radius), all float64
+    ``[M, N]`` (a pair of one array where exact). A non-finite input gives NaN or infinite brackets."""
+
+    def __init__(self, a: BlockOperand, w: BlockOperand, radius, b_abs, profile, walk_first: bool = True):
         m, k = a.values.shape
         self.k = k
         self.kp = kp = -(-max(k, 1) // max(TREE_LANES)) * max(TREE_LANES)
         self.at, self.wt = _k_major(a.dequantize(), kp), _k_major(w.dequantize(), kp)
-        self.r1, _, self.total = _tree_walks(self.at, self.wt, first_only=True)
         caps, wblas = _lane_caps(self.at, self.wt)
         self.caps = {}  # caps[L]: the largest cap of the lane counts above L
         for lane in TREE_LANES[::-1][1:]:
@@ -145,36 +152,52 @@ class _TreeBrackets:
             self.caps[lane] = above if 2 * lane == TREE_LANES[-1] else np.maximum(above, self.caps[2 * lane])
         grow, tiny = _grow(kp), _tiny(kp)
         self.w = (np.maximum(wblas / grow - tiny, 0.0), wblas * grow + tiny)
+        self.walked = walk_first  # whether every output's L = 1 is walked
+        if walk_first:
+            r1, _, self.total = _tree_walks(self.at, self.wt, first_only=True)
+            c_abs = np.abs(self.total)
+            self.r1, self.c, self.c_abs = (r1, r1), (self.total, self.total), (c_abs, c_abs)
+        else:
+            self.c, self.r1, self.total = _walk_brackets(self.at, self.wt, self.w[1])
+            self.c_abs = _abs_range(*self.c)
         self.radius = radius
         self.rdot = None
         if radius is not None:
             self.w_abs = np.abs(self.wt[:k])
             rblas = _blas_dot(radius, self.w_abs)
             self.rdot = (np.maximum(rblas / _grow(k) - _tiny(k), 0.0), rblas * _grow(k) + _tiny(k))
-        self.c_abs = np.abs(self.total)
         self.b_abs = b_abs
         self.args = (_bias_init(profile, b_abs), k, kp, profile, _products_exact_in_fp32(a, w))
+
+    def _walked_first(self, i, j, total, r1) -> None:
+        """The walk of ``L = 1`` at the outputs ``(i, j)``: their in-order sums ``total`` and ranges ``r1``, exact."""
+        self.total[i, j] = total
+        for v in self.c:
+            v[i, j] = total
+        for v in self.r1:
+            v[i, j] = r1
+        for v in self.c_abs:
+            v[i, j] = np.abs(total)
 
     def _cap_above(self, lane: int, at=None):
         cap = self.caps.get(lane)
         return cap if cap is None or at is None else cap[at]
 
     def bounds(self, lane: int, mi=None, ni=None, r=None):
-        """``(lo, hi)`` of the bound (float64 ``[M, N]``, or ``[X]`` at the outputs ``(mi, ni)`` with ``r`` their
-        largest range over the lane counts up to ``lane``, walked)."""
+        """``(lo, hi)`` of the bound (float64 ``[M, N]``, or ``[X]`` at the outputs ``(mi, ni)``) with ``r`` their
+        largest range over the lane counts up to ``lane``, walked (default: the brackets of the range of ``L = 1``)."""
         at = None if mi is None else (mi, ni)
-        if r is None:
-            r = self.r1
-        cap = self._cap_above(lane, at)
-        r_hi = r if cap is None else np.maximum(r, cap)
         pick = (lambda v: v) if at is None else (lambda v: v[at])
+        r, r_top = (pick(self.r1[0]), pick(self.r1[1])) if r is None else (r, r)
+        cap = self._cap_above(lane, at)
+        r_hi = r_top if cap is None else np.maximum(r_top, cap)
         b = self.b_abs[None, :] if at is None else self.b_abs[ni]
         zero = 0.0
         d_lo = d_hi = zero
         if self.rdot is not None:
             d_lo, d_hi = (pick(v) * (1.0 + gamma(self.k + 2, U_F64)) for v in self.rdot)
-        lo = _tree_bound(r, pick(self.w[0]), pick(self.c_abs), d_lo, b, *self.args)
-        hi = _tree_bound(r_hi, pick(self.w[1]), pick(self.c_abs), d_hi, b, *self.args)
+        lo = _tree_bound(r, pick(self.w[0]), pick(self.c_abs[0]), d_lo, b, *self.args)
+        hi = _tree_bound(r_hi, pick(self.w[1]), pick(self.c_abs[1]), d_hi, b, *self.args)
         return lo, hi
 
     def _products(self, i, j) -> np.ndarray:
@@ -189,21 +212,27 @@ class _TreeBrackets:
         return q
 
     def refine(self, mi, ni, settle):
-        """Walks ``L = 2, 4, ..., 32`` in turn for the outputs ``(mi, ni)``, bracketing their bound again after each
-        (:meth:`bounds`) and asking ``settle(mi, ni, lo, hi)`` which of them no longer need the exact bound (a bool
-        mask); the exact ``(bound, radius_dot)`` of the others (the bits of :func:`_contiguous_tree`, ``radius_dot``
-        None without a radius) are returned as ``(mi, ni, bound, radius_dot)``."""
+        """Walks ``L = 1`` (unless walked at first, ``walk_first``: then ``total``, ``c``, ``c_abs`` and ``r1`` hold
+        their exact values there), ``2, 4, ..., 32`` in turn for the outputs ``(mi, ni)``, bracketing their bound again
+        after each (:meth:`bounds`) and asking ``settle(mi, ni, lo, hi)`` which of them no longer need the exact bound
+        (a bool mask); the exact ``(bound, radius_dot)`` of the others (the bits of :func:`_contiguous_tree`,
+        ``radius_dot`` None without a radius) are returned as ``(mi, ni, bound, radius_dot)``."""
         rest = []
         step = max(2, _REFINE_ELEMS // self.kp)
         for s in range(0, mi.size, step):  # the outputs' products gathered once per batch
             i, j = mi[s:s + step], ni[s:s + step]
             q = self._products(i, j)
             buf = np.empty(q.size)
-            r = self.r1[i, j]
-            for lane in TREE_LANES[1:]:
+            r = self.r1[0][i, j]
+            for lane in TREE_LANES[1:] if self.walked else TREE_LANES:
                 x = q.shape[1]
-                top = _lane_top(q.reshape(self.kp // lane, lane * x), buf)
-                r = np.maximum(r, top.reshape(lane, x).max(axis=0))
+                if lane == 1:  # the in-order sums and ranges of L = 1 (the bits of _tree_walks')
+                    total = np.empty(x)
+                    r = _lane_top(q, buf, total)
+                    self._walked_first(i, j, total, r)
+                else:
+                    top = _lane_top(q.reshape(self.kp // lane, lane * x), buf)
+                    r = np.maximum(r, top.reshape(lane, x).max(axis=0))
                 if lane == TREE_LANES[-1]:  # every lane count walked: r is the range
                     rest.append((i, j) + self._exact(q, i, j, r))
                     break
@@ -229,7 +258,7 @@ class _TreeBrackets:
         if self.radius is not None:
             rdot = ordered_dot_pairs(self.radius[i], np.take(self.w_abs, j, axis=1).T)
             d = rdot * (1.0 + gamma(self.k + 2, U_F64))
-        return _tree_bound(r, wsum, self.c_abs[i, j], d, self.b_abs[j], *self.args), rdot
+        return _tree_bound(r, wsum, self.c_abs[0][i, j], d, self.b_abs[j], *self.args), rdot
 
 
 def _grow(k: int) -> float:
@@ -309,6 +338,71 @@ def _lane_caps(at: np.ndarray, wt: np.ndarray):
             sa, sp = sa[:h], sp[:h]
         wsum[c0:c1] = sa[0]
     return caps, wsum
+
+
+_BLOCK = 32
+"""K rows of one block of the BLAS block sums of :func:`_walk_brackets` (a divisor of 32, so of ``kp``)."""
+
+
+def _walk_brackets(at: np.ndarray, wt: np.ndarray, w_hi: np.ndarray):
+    """``((c_lo, c_hi), (r_lo, r_hi), c)``, float64 ``[M, N]`` each: brackets of what the walk of ``L = 1``
+    (:func:`_tree_walks`) computes, the in-order sum ``S~`` (its last prefix sum) and its range ``R~_1 = max(max P~,
+    0) - min(min P~, 0)``, and ``c`` a float64 sum of the products in another order (inside the first bracket), from
+    BLAS sums over blocks of :data:`_BLOCK` rows of K; ``w_hi`` at least the exact ``W = sum |p|``.
+
+    With ``s_j`` and ``A_j`` the exact sums of ``p`` and ``|p|`` over block ``j`` and ``Q_j = s_0 + ... + s_{j-1}``,
+    every exact prefix sum inside block ``j`` lies in ``[Q_j - (A_j - s_j) / 2, Q_j + (A_j + s_j) / 2]`` (the block's
+    negative and positive parts), and ``Q_1, ..., Q_nb`` are exact prefix sums (``Q_nb = S``): the exact range lies
+    between ``max(max_j Q_j, 0) - min(min_j Q_j, 0)`` and ``max(max_j (Q_j + (A_j + s_j) / 2), 0) - min(min_j (Q_j -
+    (A_j - s_j) / 2), 0)``. Each computed value is off its exact value by at most: ``gamma_kp W`` (the walk's prefix
+    sums, products rounded or not); ``gamma_B A_j`` (BLAS block sums, in any order, fused or not) and ``gamma_nb``
+    of ``sum |s_j|`` for ``np.cumsum`` of them; ``u`` of each later operation (at most ``2 W`` in magnitude); plus
+    ``2^-1075`` for each product that underflows in each of the two sums. Both sides of a range together:
+    ``2 (kp + 3 B + nb + 8) u W`` and ``4 kp 2^-1075``, below the margin ``64 (kp + 2) u w_hi + (kp + 16) 2^-1072``
+    (:func:`_grow`, :func:`_tiny`), which also covers the margin's own roundings (``u`` of at most ``4 W``). Cost: two
+    BLAS products of the operands' blocks (as :func:`_lane_sums`) and about 14 passes over ``[kp / B, M, N]``. A
+    non-finite element gives NaN or infinite brackets."""
+    kp, m = at.shape
+    n = wt.shape[1]
+    nb = kp // _BLOCK
+    c = np.empty((m, n))
+    top_lo, bot_hi, top_hi, bot_lo = (np.empty((m, n)) for _ in range(4))
+    w3 = wt.reshape(nb, _BLOCK, n)                              # [nb, B, N] views (BLAS reads them)
+    w3_abs = np.abs(w3)
+    rows = max(1, (1 << 18) // max(1, nb * n))                  # [nb, rows, N] tiles of 2^18 elements
+    step = max(1, _CAP_MACS // max(1, _BLOCK * n))
+    size = nb * min(rows, m) * n
+    bufs = [np.empty(size) for _ in range(4)]                   # reused: fresh pages cost more than the arithmetic
+    for c0 in range(0, m, rows):
+        c1 = min(c0 + rows, m)
+        a3 = np.ascontiguousarray(at[:, c0:c1].reshape(nb, _BLOCK, c1 - c0).transpose(0, 2, 1))  # [nb, rows, B]
+        a3_abs = np.abs(a3)
+        sp, sa, q, t = (v[:nb * (c1 - c0) * n].reshape(nb, c1 - c0, n) for v in bufs)
+        for i in range(0, c1 - c0, step):
+            np.matmul(a3[:, i:i + step], w3, out=sp[:, i:i + step])
+            np.matmul(a3_abs[:, i:i + step], w3_abs, out=sa[:, i:i + step])
+        q[0] = sp[0]                                            # q[j] = Q_{j+1} (np.cumsum along axis 0 is slow)
+        for j in range(1, nb):
+            np.add(q[j - 1], sp[j], out=q[j])
+        c[c0:c1] = q[-1]
+        np.maximum(np.max(q, axis=0), 0.0, out=top_lo[c0:c1])
+        np.minimum(np.min(q, axis=0), 0.0, out=bot_hi[c0:c1])
+        np.add(sa, sp, out=t)                                   # Q_j + (A_j + s_j) / 2
+        t *= 0.5
+        t[1:] += q[:-1]
+        np.maximum(np.max(t, axis=0), 0.0, out=top_hi[c0:c1])
+        np.subtract(sa, sp, out=t)                              # Q_j - (A_j - s_j) / 2
+        t *= 0.5
+        np.subtract(q[:-1], t[1:], out=t[1:])
+        np.negative(t[0], out=t[0])
+        np.minimum(np.min(t, axis=0), 0.0, out=bot_lo[c0:c1])
+    margin = w_hi * (64.0 * (kp + 2) * U_F64) + _tiny(kp)
+    top_lo -= bot_hi
+    top_lo -= margin
+    r_lo = np.maximum(top_lo, 0.0)
+    top_hi -= bot_lo
+    top_hi += margin
+    return (c - margin, c + margin), (r_lo, top_hi), c
 
 
 def _bias_init(profile, b_abs) -> bool:
@@ -414,9 +508,10 @@ def _walk_rows(q, wb, prev, hi, lo, first: bool) -> None:
     prev[...] = wb[-1]
 
 
-def _lane_top(q: np.ndarray, buf: np.ndarray | None = None) -> np.ndarray:
+def _lane_top(q: np.ndarray, buf: np.ndarray | None = None, last: np.ndarray | None = None) -> np.ndarray:
     """``max(max P, 0) - min(min P, 0)`` of the prefix sums ``P`` in K order of each column of ``q`` ``[R, X]``;
-    ``buf``: optional float64 work space of at least ``q.size`` elements."""
+    ``buf``: optional float64 work space of at least ``q.size`` elements; ``last``: optional ``[X]``, written with the
+    last prefix sums."""
     wb = np.empty_like(q) if buf is None else buf[:q.size].reshape(q.shape)
     hi = np.full(q.shape[1], -np.inf)
     lo = np.full(q.shape[1], np.inf)
@@ -424,6 +519,8 @@ def _lane_top(q: np.ndarray, buf: np.ndarray | None = None) -> np.ndarray:
     rows = max(1, _WALK_ROWS)
     for i0 in range(0, q.shape[0], rows):
         _walk_rows(q[i0:i0 + rows], wb[i0:i0 + rows], prev, hi, lo, i0 == 0)
+    if last is not None:
+        last[...] = prev
     top = np.maximum(hi, 0.0)
     top -= np.minimum(lo, 0.0)
     return top
