@@ -9,6 +9,8 @@ which re-exports the public names.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..gemm.exact import BlockOperand
@@ -145,58 +147,80 @@ class _TreeBrackets:
         self.k = k
         self.kp = kp = -(-max(k, 1) // max(TREE_LANES)) * max(TREE_LANES)
         self.at, self.wt = _k_major(a.dequantize(), kp), _k_major(w.dequantize(), kp)
-        caps, wblas = _lane_caps(self.at, self.wt)
-        self.caps = {}  # caps[L]: the largest cap of the lane counts above L
-        for lane in TREE_LANES[::-1][1:]:
-            above = caps[2 * lane]
-            self.caps[lane] = above if 2 * lane == TREE_LANES[-1] else np.maximum(above, self.caps[2 * lane])
+        self.wt_abs = wt_abs = np.abs(self.wt)
+        caps, wblas = _lane_caps(self.at, self.wt, wt_abs)
         grow, tiny = _grow(kp), _tiny(kp)
         self.w = (np.maximum(wblas / grow - tiny, 0.0), wblas * grow + tiny)
         self.walked = walk_first  # whether every output's L = 1 is walked
+        self.order = list(TREE_LANES[1:])  # the lane counts refine walks, in turn
+        self.r_lo, self.r_hi = {}, dict(caps)  # brackets of each lane count's range not walked at first
         if walk_first:
             r1, _, self.total = _tree_walks(self.at, self.wt, first_only=True)
             c_abs = np.abs(self.total)
-            self.r1, self.c, self.c_abs = (r1, r1), (self.total, self.total), (c_abs, c_abs)
+            self.r1, self.c, self.c_abs = r1, (self.total, self.total), (c_abs, c_abs)
         else:
-            self.c, self.r1, self.total = _walk_brackets(self.at, self.wt, self.w[1])
+            self.order.insert(self.order.index(_FIRST_AFTER) + 1 if _FIRST_AFTER in self.order else 0, 1)
+            self._pending = list(_BRACKET_BLOCKS.items())
+            self.bracket_more()  # L = 1: the in-order sum's brackets
             self.c_abs = _abs_range(*self.c)
         self.radius = radius
         self.rdot = None
         if radius is not None:
-            self.w_abs = np.abs(self.wt[:k])
+            self.w_abs = wt_abs[:k]
             rblas = _blas_dot(radius, self.w_abs)
             self.rdot = (np.maximum(rblas / _grow(k) - _tiny(k), 0.0), rblas * _grow(k) + _tiny(k))
         self.b_abs = b_abs
         self.args = (_bias_init(profile, b_abs), k, kp, profile, _products_exact_in_fp32(a, w))
 
-    def _walked_first(self, i, j, total, r1) -> None:
-        """The walk of ``L = 1`` at the outputs ``(i, j)``: their in-order sums ``total`` and ranges ``r1``, exact."""
+    def bracket_more(self) -> bool:
+        """Brackets the range of the next lane count of :data:`_BRACKET_BLOCKS` from block sums (:func:`_walk_brackets`;
+        ``L = 1`` with the in-order sum at first), in place of its caps where lower; False when none is left (or
+        ``walk_first``)."""
+        if self.walked or not self._pending:
+            return False
+        lane, block = self._pending.pop(0)
+        r, c, total = _walk_brackets(self.at, self.wt, self.wt_abs, self.w[1], lane, block)
+        if r[0] is not None:
+            self.r_lo[lane] = r[0]
+        self.r_hi[lane] = r[1] if lane not in self.r_hi else np.minimum(r[1], self.r_hi[lane])
+        if lane == 1:
+            self.c, self.total = c, total
+        return True
+
+    def _walked_first(self, i, j, total) -> None:
+        """The walk of ``L = 1`` at the outputs ``(i, j)``: their in-order sums ``total``, exact."""
         self.total[i, j] = total
         for v in self.c:
             v[i, j] = total
-        for v in self.r1:
-            v[i, j] = r1
         for v in self.c_abs:
             v[i, j] = np.abs(total)
 
-    def _cap_above(self, lane: int, at=None):
-        cap = self.caps.get(lane)
-        return cap if cap is None or at is None else cap[at]
-
     def bounds(self, lane: int, mi=None, ni=None, r=None):
         """``(lo, hi)`` of the bound (float64 ``[M, N]``, or ``[X]`` at the outputs ``(mi, ni)``) with ``r`` their
-        largest range over the lane counts up to ``lane``, walked (default: the brackets of the range of ``L = 1``)."""
+        largest range over the lane counts :meth:`refine` has walked, through ``lane`` in its order (None: as at first,
+        ``lane`` ignored; ``L = 1`` exact where ``walk_first``): every other lane count's range within its brackets
+        (``r_lo``, ``r_hi``: block sums, :func:`_walk_brackets`, or lane caps, :func:`_lane_caps`)."""
         at = None if mi is None else (mi, ni)
         pick = (lambda v: v) if at is None else (lambda v: v[at])
-        r, r_top = (pick(self.r1[0]), pick(self.r1[1])) if r is None else (r, r)
-        cap = self._cap_above(lane, at)
-        r_hi = r_top if cap is None else np.maximum(r_top, cap)
+        if r is None:
+            rest = self.r_hi.keys()
+            if self.walked:
+                r = pick(self.r1)
+        else:
+            rest = self.order[self.order.index(lane) + 1:]
+        r_lo, r_hi = r, r
+        for other in rest:
+            if other in self.r_lo:
+                v = pick(self.r_lo[other])
+                r_lo = v if r_lo is None else np.maximum(r_lo, v)
+            v = pick(self.r_hi[other])
+            r_hi = v if r_hi is None else np.maximum(r_hi, v)
         b = self.b_abs[None, :] if at is None else self.b_abs[ni]
         zero = 0.0
         d_lo = d_hi = zero
         if self.rdot is not None:
             d_lo, d_hi = (pick(v) * (1.0 + gamma(self.k + 2, U_F64)) for v in self.rdot)
-        lo = _tree_bound(r, pick(self.w[0]), pick(self.c_abs[0]), d_lo, b, *self.args)
+        lo = _tree_bound(r_lo, pick(self.w[0]), pick(self.c_abs[0]), d_lo, b, *self.args)
         hi = _tree_bound(r_hi, pick(self.w[1]), pick(self.c_abs[1]), d_hi, b, *self.args)
         return lo, hi
 
@@ -212,28 +236,29 @@ class _TreeBrackets:
         return q
 
     def refine(self, mi, ni, settle):
-        """Walks ``L = 1`` (unless walked at first, ``walk_first``: then ``total``, ``c``, ``c_abs`` and ``r1`` hold
-        their exact values there), ``2, 4, ..., 32`` in turn for the outputs ``(mi, ni)``, bracketing their bound again
-        after each (:meth:`bounds`) and asking ``settle(mi, ni, lo, hi)`` which of them no longer need the exact bound
-        (a bool mask); the exact ``(bound, radius_dot)`` of the others (the bits of :func:`_contiguous_tree`,
-        ``radius_dot`` None without a radius) are returned as ``(mi, ni, bound, radius_dot)``."""
+        """Walks the lane counts in turn for the outputs ``(mi, ni)`` (``order``: ``2, 4, ..., 32``, and ``L = 1``
+        after :data:`_FIRST_AFTER` unless walked at first, ``walk_first``; once walked, ``total``, ``c`` and ``c_abs``
+        hold their exact values there), bracketing their bound again after each (:meth:`bounds`) and asking
+        ``settle(mi, ni, lo, hi)`` which of them no longer need the exact bound (a bool mask); the exact ``(bound,
+        radius_dot)`` of the others (the bits of :func:`_contiguous_tree`, ``radius_dot`` None without a radius) are
+        returned as ``(mi, ni, bound, radius_dot)``."""
         rest = []
         step = max(2, _REFINE_ELEMS // self.kp)
         for s in range(0, mi.size, step):  # the outputs' products gathered once per batch
             i, j = mi[s:s + step], ni[s:s + step]
             q = self._products(i, j)
             buf = np.empty(q.size)
-            r = self.r1[0][i, j]
-            for lane in TREE_LANES[1:] if self.walked else TREE_LANES:
+            r = self.r1[i, j] if self.walked else None
+            for n_walked, lane in enumerate(self.order, 1):
                 x = q.shape[1]
                 if lane == 1:  # the in-order sums and ranges of L = 1 (the bits of _tree_walks')
                     total = np.empty(x)
-                    r = _lane_top(q, buf, total)
-                    self._walked_first(i, j, total, r)
+                    top = _lane_top(q, buf, total)
+                    self._walked_first(i, j, total)
                 else:
-                    top = _lane_top(q.reshape(self.kp // lane, lane * x), buf)
-                    r = np.maximum(r, top.reshape(lane, x).max(axis=0))
-                if lane == TREE_LANES[-1]:  # every lane count walked: r is the range
+                    top = _lane_top(q.reshape(self.kp // lane, lane * x), buf).reshape(lane, x).max(axis=0)
+                r = top if r is None else np.maximum(r, top)
+                if n_walked == len(self.order):  # every lane count walked: r is the range
                     rest.append((i, j) + self._exact(q, i, j, r))
                     break
                 keep = ~settle(i, j, *self.bounds(lane, i, j, r))
@@ -297,14 +322,14 @@ _CAP_LANES = 16
 16 and 32 capped by the ``sum |p|`` of the lane of 16 that holds them)."""
 
 
-def _lane_caps(at: np.ndarray, wt: np.ndarray):
+def _lane_caps(at: np.ndarray, wt: np.ndarray, wt_abs: np.ndarray):
     """``(caps, W)``: ``caps[L]`` float64 ``[M, N]`` for ``L = 2, ..., 32``, at least the computed range of every lane
     of ``L``, and ``W`` the BLAS ``sum |p|``. From the BLAS lane sums of :data:`_CAP_LANES` lanes (:func:`_lane_sums`),
     lanes added pairwise for the narrower lane counts: ``caps[L]`` is the largest ``(sum |p| + |sum p|) / 2`` over the
     lanes of ``L`` with the margins of :func:`_tree_walks`' skip test, applied after the maximum (they are
     nondecreasing); for ``L >= _CAP_LANES`` the largest ``sum |p|`` over the lanes of :data:`_CAP_LANES` (a lane of
     ``L`` lies in one of them, and its range is at most its own ``sum |p|``; with :func:`_grow` and :func:`_tiny`),
-    which at these lane counts is still below the range of ``L = 1`` on random signs."""
+    which at these lane counts is still below the range of ``L = 1`` on random signs. ``wt_abs``: ``|wt|``."""
     kp, m = at.shape
     n = wt.shape[1]
     grow = 1.0 + 64.0 * (kp + 2) * U_F64
@@ -315,7 +340,7 @@ def _lane_caps(at: np.ndarray, wt: np.ndarray):
     bufs = np.empty(size), np.empty(size), np.empty(size)  # reused: fresh pages cost more than the arithmetic
     for c0 in range(0, m, rows):
         c1 = min(c0 + rows, m)
-        sa, sp = _lane_sums(at, wt, c0, c1, _CAP_LANES, bufs[:2])     # [16, rows, N]
+        sa, sp = _lane_sums(at, wt, c0, c1, _CAP_LANES, bufs[:2], wt_abs)  # [16, rows, N]
         for lane in TREE_LANES:
             if lane >= _CAP_LANES:
                 out = caps[lane][c0:c1]
@@ -340,69 +365,84 @@ def _lane_caps(at: np.ndarray, wt: np.ndarray):
     return caps, wsum
 
 
-_BLOCK = 32
-"""K rows of one block of the BLAS block sums of :func:`_walk_brackets` (a divisor of 32, so of ``kp``)."""
+_FIRST_AFTER = 2
+"""The lane count after which :meth:`_TreeBrackets.refine` walks ``L = 1`` where it was not walked at first (0:
+before every other)."""
+_BRACKET_BLOCKS = {1: 32, 2: 64, 4: 128}
+"""Lane counts whose ranges :class:`_TreeBrackets` brackets from BLAS block sums (:func:`_walk_brackets`) when
+``L = 1`` is not walked at first, and their blocks' K rows (32 products of a lane a block: one BLAS product of inner
+size 32 each)."""
 
 
-def _walk_brackets(at: np.ndarray, wt: np.ndarray, w_hi: np.ndarray):
-    """``((c_lo, c_hi), (r_lo, r_hi), c)``, float64 ``[M, N]`` each: brackets of what the walk of ``L = 1``
-    (:func:`_tree_walks`) computes, the in-order sum ``S~`` (its last prefix sum) and its range ``R~_1 = max(max P~,
-    0) - min(min P~, 0)``, and ``c`` a float64 sum of the products in another order (inside the first bracket), from
-    BLAS sums over blocks of :data:`_BLOCK` rows of K; ``w_hi`` at least the exact ``W = sum |p|``.
+def _walk_brackets(at: np.ndarray, wt: np.ndarray, wt_abs: np.ndarray, w_hi: np.ndarray, lane: int = 1,
+                   block: int = 32):
+    """``((r_lo, r_hi), (c_lo, c_hi), c)``, float64 ``[M, N]`` each: brackets of what the walks of :func:`_tree_walks`
+    and :func:`_lane_top` compute for the lanes of ``lane``: the largest range over the lanes, ``R~ = max(max P~, 0) -
+    min(min P~, 0)`` of each lane's prefix sums ``P~`` in K order, and for ``lane = 1`` the in-order sum ``S~`` (the
+    last prefix sum; ``c`` a float64 sum of the products in another order, inside its bracket; None otherwise), from
+    BLAS sums over blocks of ``block`` rows of K (a divisor of ``kp`` and a multiple of ``lane``); ``w_hi`` at least the
+    exact ``W = sum |p|``; ``wt_abs``: ``|wt|``.
 
-    With ``s_j`` and ``A_j`` the exact sums of ``p`` and ``|p|`` over block ``j`` and ``Q_j = s_0 + ... + s_{j-1}``,
-    every exact prefix sum inside block ``j`` lies in ``[Q_j - (A_j - s_j) / 2, Q_j + (A_j + s_j) / 2]`` (the block's
-    negative and positive parts), and ``Q_1, ..., Q_nb`` are exact prefix sums (``Q_nb = S``): the exact range lies
-    between ``max(max_j Q_j, 0) - min(min_j Q_j, 0)`` and ``max(max_j (Q_j + (A_j + s_j) / 2), 0) - min(min_j (Q_j -
-    (A_j - s_j) / 2), 0)``. Each computed value is off its exact value by at most: ``gamma_kp W`` (the walk's prefix
-    sums, products rounded or not); ``gamma_B A_j`` (BLAS block sums, in any order, fused or not) and ``gamma_nb``
-    of ``sum |s_j|`` for ``np.cumsum`` of them; ``u`` of each later operation (at most ``2 W`` in magnitude); plus
-    ``2^-1075`` for each product that underflows in each of the two sums. Both sides of a range together:
-    ``2 (kp + 3 B + nb + 8) u W`` and ``4 kp 2^-1075``, below the margin ``64 (kp + 2) u w_hi + (kp + 16) 2^-1072``
-    (:func:`_grow`, :func:`_tiny`), which also covers the margin's own roundings (``u`` of at most ``4 W``). Cost: two
-    BLAS products of the operands' blocks (as :func:`_lane_sums`) and about 14 passes over ``[kp / B, M, N]``. A
-    non-finite element gives NaN or infinite brackets."""
+    With ``s_j`` and ``A_j`` the exact sums of a lane's ``p`` and ``|p|`` over block ``j`` and ``Q_j = s_0 + ... +
+    s_{j-1}``, every exact prefix sum of the lane inside block ``j`` lies in ``[Q_j - (A_j - s_j) / 2, Q_j + (A_j + s_j)
+    / 2]`` (the block's negative and positive parts), and ``Q_1, ..., Q_nb`` are exact prefix sums (``Q_nb`` the lane's
+    sum): the exact range lies between ``max(max_j Q_j, 0) - min(min_j Q_j, 0)`` and ``max(max_j (Q_j + (A_j + s_j) /
+    2), 0) - min(min_j (Q_j - (A_j - s_j) / 2), 0)``. Each computed value is off its exact value by at most: ``gamma_kp
+    W`` (the walk's prefix sums, products rounded or not); ``gamma_t A_j`` (BLAS sums of ``t = block / lane``
+    products, in any order, fused or not) and ``gamma_nb`` of ``sum |s_j|`` for the running sum of them; ``u`` of each
+    later operation (at most ``2 W`` in magnitude); plus ``2^-1075`` for each product that underflows in each of the
+    two sums. Both sides of a range together: ``2 (kp + 3 t + nb + 8) u W`` and ``4 kp 2^-1075``, below the margin
+    ``64 (kp + 2) u w_hi + (kp + 16) 2^-1072`` (:func:`_grow`, :func:`_tiny`), which also covers the margin's own
+    roundings (``u`` of at most ``4 W``). Cost: two BLAS products of the operands' blocks (as :func:`_lane_sums`) and
+    about 14 passes over ``[kp / t, M, N]``. A non-finite element gives NaN or infinite brackets."""
     kp, m = at.shape
     n = wt.shape[1]
-    nb = kp // _BLOCK
-    c = np.empty((m, n))
-    top_lo, bot_hi, top_hi, bot_lo = (np.empty((m, n)) for _ in range(4))
-    w3 = wt.reshape(nb, _BLOCK, n)                              # [nb, B, N] views (BLAS reads them)
-    w3_abs = np.abs(w3)
-    rows = max(1, (1 << 18) // max(1, nb * n))                  # [nb, rows, N] tiles of 2^18 elements
-    step = max(1, _CAP_MACS // max(1, _BLOCK * n))
-    size = nb * min(rows, m) * n
+    block = math.gcd(kp, block)  # powers of two: the largest one up to block that divides kp (32 at least)
+    nb, t = kp // block, block // lane
+    c = np.empty((m, n)) if lane == 1 else None
+    top_lo, bot_hi = (np.empty((1, m, n)) for _ in range(2))
+    top_hi, bot_lo = (np.empty((lane, m, n)) for _ in range(2))
+    w4 = wt.reshape(nb, t, lane, n).transpose(0, 2, 1, 3)      # [nb, lane, t, N] views (BLAS reads them)
+    w4_abs = wt_abs.reshape(nb, t, lane, n).transpose(0, 2, 1, 3)
+    rows = max(1, (1 << 18) // max(1, nb * lane * n))           # [nb, lane, rows, N] tiles of 2^18 elements
+    step = max(1, _CAP_MACS // max(1, t * n))
+    size = nb * lane * min(rows, m) * n
     bufs = [np.empty(size) for _ in range(4)]                   # reused: fresh pages cost more than the arithmetic
     for c0 in range(0, m, rows):
         c1 = min(c0 + rows, m)
-        a3 = np.ascontiguousarray(at[:, c0:c1].reshape(nb, _BLOCK, c1 - c0).transpose(0, 2, 1))  # [nb, rows, B]
-        a3_abs = np.abs(a3)
-        sp, sa, q, t = (v[:nb * (c1 - c0) * n].reshape(nb, c1 - c0, n) for v in bufs)
+        a4 = np.ascontiguousarray(at[:, c0:c1].reshape(nb, t, lane, c1 - c0).transpose(0, 2, 3, 1))  # [nb, L, r, t]
+        a4_abs = np.abs(a4)
+        sp, sa, q, u = (v[:nb * lane * (c1 - c0) * n].reshape(nb, lane, c1 - c0, n) for v in bufs)
         for i in range(0, c1 - c0, step):
-            np.matmul(a3[:, i:i + step], w3, out=sp[:, i:i + step])
-            np.matmul(a3_abs[:, i:i + step], w3_abs, out=sa[:, i:i + step])
+            np.matmul(a4[:, :, i:i + step], w4, out=sp[:, :, i:i + step])
+            np.matmul(a4_abs[:, :, i:i + step], w4_abs, out=sa[:, :, i:i + step])
         q[0] = sp[0]                                            # q[j] = Q_{j+1} (np.cumsum along axis 0 is slow)
         for j in range(1, nb):
             np.add(q[j - 1], sp[j], out=q[j])
-        c[c0:c1] = q[-1]
-        np.maximum(np.max(q, axis=0), 0.0, out=top_lo[c0:c1])
-        np.minimum(np.min(q, axis=0), 0.0, out=bot_hi[c0:c1])
-        np.add(sa, sp, out=t)                                   # Q_j + (A_j + s_j) / 2
-        t *= 0.5
-        t[1:] += q[:-1]
-        np.maximum(np.max(t, axis=0), 0.0, out=top_hi[c0:c1])
-        np.subtract(sa, sp, out=t)                              # Q_j - (A_j - s_j) / 2
-        t *= 0.5
-        np.subtract(q[:-1], t[1:], out=t[1:])
-        np.negative(t[0], out=t[0])
-        np.minimum(np.min(t, axis=0), 0.0, out=bot_lo[c0:c1])
+        if c is not None:  # one lane: the sum and the lower bracket (for more lanes, that of L = 1 will do)
+            c[c0:c1] = q[-1, 0]
+            np.maximum(np.max(q, axis=0), 0.0, out=top_lo[:, c0:c1])
+            np.minimum(np.min(q, axis=0), 0.0, out=bot_hi[:, c0:c1])
+        np.add(sa, sp, out=u)                                   # Q_j + (A_j + s_j) / 2
+        u *= 0.5
+        u[1:] += q[:-1]
+        np.maximum(np.max(u, axis=0), 0.0, out=top_hi[:, c0:c1])
+        np.subtract(sa, sp, out=u)                              # Q_j - (A_j - s_j) / 2
+        u *= 0.5
+        np.subtract(q[:-1], u[1:], out=u[1:])
+        np.negative(u[0], out=u[0])
+        np.minimum(np.min(u, axis=0), 0.0, out=bot_lo[:, c0:c1])
     margin = w_hi * (64.0 * (kp + 2) * U_F64) + _tiny(kp)
-    top_lo -= bot_hi
-    top_lo -= margin
-    r_lo = np.maximum(top_lo, 0.0)
     top_hi -= bot_lo
-    top_hi += margin
-    return (c - margin, c + margin), (r_lo, top_hi), c
+    r_hi = np.max(top_hi, axis=0)
+    r_hi += margin
+    if c is None:
+        return (None, r_hi), None, None
+    top_lo -= bot_hi
+    r_lo = top_lo[0]
+    r_lo -= margin
+    np.maximum(r_lo, 0.0, out=r_lo)
+    return (r_lo, r_hi), (c - margin, c + margin), c
 
 
 def _bias_init(profile, b_abs) -> bool:
@@ -470,11 +510,12 @@ def _k_major(v: np.ndarray, kp: int) -> np.ndarray:
     return out
 
 
-def _lane_sums(at: np.ndarray, wt: np.ndarray, r0: int, r1: int, lanes: int = max(TREE_LANES), out=None):
+def _lane_sums(at: np.ndarray, wt: np.ndarray, r0: int, r1: int, lanes: int = max(TREE_LANES), out=None,
+               wt_abs=None):
     """``(sum |p|, sum p)`` over each lane of ``lanes`` (default 32) for rows ``r0:r1``, float64 ``[lanes, r1 - r0, N]``
     each, from BLAS (any order, with or without fused multiply-adds), at most :data:`_CAP_MACS` multiply-adds a
     product; ``out``: optional pair of float64 buffers of at least that many elements each (written, and returned as
-    views)."""
+    views); ``wt_abs``: optional ``|wt|``, computed once by a caller that has it."""
     kp, n = at.shape[0], wt.shape[1]
     t = kp // lanes
     a3 = np.ascontiguousarray(at[:, r0:r1].reshape(t, lanes, r1 - r0).transpose(1, 2, 0))   # [lanes, rows, t]
@@ -485,7 +526,8 @@ def _lane_sums(at: np.ndarray, wt: np.ndarray, r0: int, r1: int, lanes: int = ma
     else:
         size = lanes * (r1 - r0) * n
         sa, sp = out[0][:size].reshape(shape), out[1][:size].reshape(shape)
-    a_abs, w_abs = np.abs(a3), np.abs(wt).reshape(t, lanes, n).transpose(1, 0, 2)
+    a_abs = np.abs(a3)
+    w_abs = (np.abs(wt) if wt_abs is None else wt_abs).reshape(t, lanes, n).transpose(1, 0, 2)
     step = max(1, _CAP_MACS // max(1, n * t))
     for i in range(0, r1 - r0, step):
         np.matmul(a3[:, i:i + step], w3, out=sp[:, i:i + step])

@@ -80,6 +80,11 @@ def _rows_gemm_interval(a, a_radius, row_expert, weights, bias, profile, ends=No
     return center, radius
 
 
+_BRACKET_MORE = 0.06
+"""Fraction of a GEMM's outputs whose store ends the brackets leave open from which :func:`_tree_interval_by_ends`
+brackets one more lane count from block sums (:meth:`moeref.compare.contiguous_tree._TreeBrackets.bracket_more`, for
+every output: it costs about what walking one lane count for 3 % of the outputs does, and on random signs halves the
+open outputs; measured on the layers of ``bench/studies/bench_layer_bound_cpu.py``, 2026-11-29)."""
 _EXACT_ALL_FROM = 0.5
 """Fraction of a GEMM's outputs whose store ends the first brackets leave open from which :func:`_rows_gemm_interval`
 walks the whole GEMM (:func:`contiguous_tree_parts`) instead of those outputs' products gathered."""
@@ -128,8 +133,11 @@ def _tree_interval_by_ends(a_e, w_e, r_e, b_e, profile, grid: bool, ends, idx):
             return rd + lo, rd + hi
         return tuple((v if at is None else v[at]) + x for v, x in zip(tree.rdot, (lo, hi)))
 
-    lo, hi = with_rdot(*tree.bounds(1))
-    open_ = _open_ends(ends, idx[:, None], *(centers(v) for v in tree.c), lo, hi)
+    while True:  # more lane counts bracketed while many outputs are open
+        lo, hi = with_rdot(*tree.bounds(1))
+        open_ = _open_ends(ends, idx[:, None], *(centers(v) for v in tree.c), lo, hi)
+        if not (np.count_nonzero(open_) > _BRACKET_MORE * open_.size and tree.bracket_more()):
+            break
     if np.count_nonzero(open_) > _EXACT_ALL_FROM * open_.size:
         bound, total, rdot_all = contiguous_tree_parts(a_e, w_e, profile, a_radius=r_e, bias=b_e)
         return centers(total), bound if r_e is None else (rdot if grid else rdot_all) + bound
