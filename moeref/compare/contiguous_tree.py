@@ -368,6 +368,9 @@ def _lane_caps(at: np.ndarray, wt: np.ndarray, wt_abs: np.ndarray):
 _FIRST_AFTER = 2
 """The lane count after which :meth:`_TreeBrackets.refine` walks ``L = 1`` where it was not walked at first (0:
 before every other)."""
+_BRACKET_TILE = 1 << 16
+"""Elements of one ``[blocks, lanes, rows, columns]`` tile of :func:`_walk_brackets` (four float64 buffers of 512 KiB:
+larger tiles spend their time in the cache misses of their passes, measured on the 2-core VM, 2026-11-29)."""
 _BRACKET_BLOCKS = {1: 32, 2: 64, 4: 128}
 """Lane counts whose ranges :class:`_TreeBrackets` brackets from BLAS block sums (:func:`_walk_brackets`) when
 ``L = 1`` is not walked at first, and their blocks' K rows (32 products of a lane a block: one BLAS product of inner
@@ -404,34 +407,37 @@ def _walk_brackets(at: np.ndarray, wt: np.ndarray, wt_abs: np.ndarray, w_hi: np.
     top_hi, bot_lo = (np.empty((lane, m, n)) for _ in range(2))
     w4 = wt.reshape(nb, t, lane, n).transpose(0, 2, 1, 3)      # [nb, lane, t, N] views (BLAS reads them)
     w4_abs = wt_abs.reshape(nb, t, lane, n).transpose(0, 2, 1, 3)
-    rows = max(1, (1 << 18) // max(1, nb * lane * n))           # [nb, lane, rows, N] tiles of 2^18 elements
-    step = max(1, _CAP_MACS // max(1, t * n))
-    size = nb * lane * min(rows, m) * n
-    bufs = [np.empty(size) for _ in range(4)]                   # reused: fresh pages cost more than the arithmetic
-    for c0 in range(0, m, rows):
-        c1 = min(c0 + rows, m)
-        a4 = np.ascontiguousarray(at[:, c0:c1].reshape(nb, t, lane, c1 - c0).transpose(0, 2, 3, 1))  # [nb, L, r, t]
+    cols = min(n, max(1, _BRACKET_TILE // (nb * lane * min(m, 8))))  # [nb, lane, rows, cols] tiles
+    rows = min(m, max(1, _BRACKET_TILE // (nb * lane * cols)))
+    step = max(1, _CAP_MACS // max(1, t * cols))
+    bufs = [np.empty(nb * lane * rows * cols) for _ in range(4)]  # reused: fresh pages cost more than the arithmetic
+    for r0 in range(0, m, rows):
+        r1 = min(r0 + rows, m)
+        a4 = np.ascontiguousarray(at[:, r0:r1].reshape(nb, t, lane, r1 - r0).transpose(0, 2, 3, 1))  # [nb, L, r, t]
         a4_abs = np.abs(a4)
-        sp, sa, q, u = (v[:nb * lane * (c1 - c0) * n].reshape(nb, lane, c1 - c0, n) for v in bufs)
-        for i in range(0, c1 - c0, step):
-            np.matmul(a4[:, :, i:i + step], w4, out=sp[:, :, i:i + step])
-            np.matmul(a4_abs[:, :, i:i + step], w4_abs, out=sa[:, :, i:i + step])
-        q[0] = sp[0]                                            # q[j] = Q_{j+1} (np.cumsum along axis 0 is slow)
-        for j in range(1, nb):
-            np.add(q[j - 1], sp[j], out=q[j])
-        if c is not None:  # one lane: the sum and the lower bracket (for more lanes, that of L = 1 will do)
-            c[c0:c1] = q[-1, 0]
-            np.maximum(np.max(q, axis=0), 0.0, out=top_lo[:, c0:c1])
-            np.minimum(np.min(q, axis=0), 0.0, out=bot_hi[:, c0:c1])
-        np.add(sa, sp, out=u)                                   # Q_j + (A_j + s_j) / 2
-        u *= 0.5
-        u[1:] += q[:-1]
-        np.maximum(np.max(u, axis=0), 0.0, out=top_hi[:, c0:c1])
-        np.subtract(sa, sp, out=u)                              # Q_j - (A_j - s_j) / 2
-        u *= 0.5
-        np.subtract(q[:-1], u[1:], out=u[1:])
-        np.negative(u[0], out=u[0])
-        np.minimum(np.min(u, axis=0), 0.0, out=bot_lo[:, c0:c1])
+        for c0 in range(0, n, cols):
+            c1 = min(c0 + cols, n)
+            at_ = (slice(None), slice(r0, r1), slice(c0, c1))
+            sp, sa, q, u = (v[:nb * lane * (r1 - r0) * (c1 - c0)].reshape(nb, lane, r1 - r0, c1 - c0) for v in bufs)
+            for i in range(0, r1 - r0, step):
+                np.matmul(a4[:, :, i:i + step], w4[..., c0:c1], out=sp[:, :, i:i + step])
+                np.matmul(a4_abs[:, :, i:i + step], w4_abs[..., c0:c1], out=sa[:, :, i:i + step])
+            q[0] = sp[0]                                        # q[j] = Q_{j+1} (np.cumsum along axis 0 is slow)
+            for j in range(1, nb):
+                np.add(q[j - 1], sp[j], out=q[j])
+            if c is not None:  # one lane: the sum and the lower bracket (for more lanes, that of L = 1 will do)
+                c[r0:r1, c0:c1] = q[-1, 0]
+                np.maximum(np.max(q, axis=0), 0.0, out=top_lo[at_])
+                np.minimum(np.min(q, axis=0), 0.0, out=bot_hi[at_])
+            np.add(sa, sp, out=u)                               # Q_j + (A_j + s_j) / 2
+            u *= 0.5
+            u[1:] += q[:-1]
+            np.maximum(np.max(u, axis=0), 0.0, out=top_hi[at_])
+            np.subtract(sa, sp, out=u)                          # Q_j - (A_j - s_j) / 2
+            u *= 0.5
+            np.subtract(q[:-1], u[1:], out=u[1:])
+            np.negative(u[0], out=u[0])
+            np.minimum(np.min(u, axis=0), 0.0, out=bot_lo[at_])
     margin = w_hi * (64.0 * (kp + 2) * U_F64) + _tiny(kp)
     top_hi -= bot_lo
     r_hi = np.max(top_hi, axis=0)

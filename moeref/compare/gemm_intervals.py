@@ -133,14 +133,8 @@ def _tree_interval_by_ends(a_e, w_e, r_e, b_e, profile, grid: bool, ends, idx):
             return rd + lo, rd + hi
         return tuple((v if at is None else v[at]) + x for v, x in zip(tree.rdot, (lo, hi)))
 
-    while True:  # more lane counts bracketed while many outputs are open
-        lo, hi = with_rdot(*tree.bounds(1))
-        open_ = _open_ends(ends, idx[:, None], *(centers(v) for v in tree.c), lo, hi)
-        if not (np.count_nonzero(open_) > _BRACKET_MORE * open_.size and tree.bracket_more()):
-            break
-    if np.count_nonzero(open_) > _EXACT_ALL_FROM * open_.size:
-        bound, total, rdot_all = contiguous_tree_parts(a_e, w_e, profile, a_radius=r_e, bias=b_e)
-        return centers(total), bound if r_e is None else (rdot if grid else rdot_all) + bound
+    lo, hi = with_rdot(*tree.bounds(1))
+    open_ = _open_ends(ends, idx[:, None], *(centers(v) for v in tree.c), lo, hi)
     radius = hi
 
     def settle(mi, ni, lo, hi):
@@ -149,7 +143,15 @@ def _tree_interval_by_ends(a_e, w_e, r_e, b_e, profile, grid: bool, ends, idx):
         radius[mi[shut], ni[shut]] = hi[shut]
         return shut
 
-    mi, ni, bound, rdot_p = tree.refine(*np.nonzero(open_), settle)
+    mi, ni = np.nonzero(open_)
+    # more lane counts bracketed while many outputs are open (brackets only narrow: the others stay settled)
+    while mi.size > _BRACKET_MORE * open_.size and tree.bracket_more():
+        keep = ~settle(mi, ni, *tree.bounds(1, mi, ni))
+        mi, ni = mi[keep], ni[keep]
+    if mi.size > _EXACT_ALL_FROM * open_.size:
+        bound, total, rdot_all = contiguous_tree_parts(a_e, w_e, profile, a_radius=r_e, bias=b_e)
+        return centers(total), bound if r_e is None else (rdot if grid else rdot_all) + bound
+    mi, ni, bound, rdot_p = tree.refine(mi, ni, settle)
     if mi.size:
         radius[mi, ni] = bound if r_e is None else (rdot[mi, ni] if grid else rdot_p) + bound
     return centers(tree.total), radius
