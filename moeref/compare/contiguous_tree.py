@@ -1,9 +1,10 @@
 """The contiguous-tree model of :mod:`moeref.compare.gemm_bounds` (``accum_model="contiguous_tree"``):
 :func:`contiguous_tree_gemm_bound`, FP32 accumulation over any tree whose nodes sum contiguous K ranges (or SIMD
 lanes of them), bounded from the ranges the exact partial sums reach, and the walks of the prefix sums that give
-those ranges (:func:`_tree_walks`), and brackets of that bound from the walk of ``L = 1`` and BLAS lane sums, narrowed
-one lane count at a time for the outputs that need it (:class:`_TreeBrackets`: the layer bound's GEMM intervals before
-a bf16 store, :func:`moeref.compare.gemm_intervals._rows_gemm_interval`). Its inputs are validated by
+those ranges (:func:`_tree_walks`), and brackets of that bound from the walk of ``L = 1`` (or BLAS block sums,
+:func:`_walk_brackets`) and BLAS lane sums, narrowed one lane count at a time for the outputs that need it
+(:class:`_TreeBrackets`: the layer bound's GEMM intervals before a bf16 store,
+:func:`moeref.compare.gemm_intervals._rows_gemm_interval`). Its inputs are validated by
 :func:`moeref.compare.gemm_bounds.gemm_error_bound` (or :func:`~moeref.compare.gemm_bounds.contiguous_tree_parts`),
 which re-exports the public names.
 """
@@ -365,9 +366,9 @@ def _lane_caps(at: np.ndarray, wt: np.ndarray, wt_abs: np.ndarray):
     return caps, wsum
 
 
-_FIRST_AFTER = 2
+_FIRST_AFTER = 0
 """The lane count after which :meth:`_TreeBrackets.refine` walks ``L = 1`` where it was not walked at first (0:
-before every other)."""
+before every other; after 2 or 4 measured the same, after 32 slower: 2-core VM, 2026-11-29)."""
 _BRACKET_TILE = 1 << 16
 """Elements of one ``[blocks, lanes, rows, columns]`` tile of :func:`_walk_brackets` (four float64 buffers of 512 KiB:
 larger tiles spend their time in the cache misses of their passes, measured on the 2-core VM, 2026-11-29)."""

@@ -83,8 +83,9 @@ def _rows_gemm_interval(a, a_radius, row_expert, weights, bias, profile, ends=No
 _BRACKET_MORE = 0.06
 """Fraction of a GEMM's outputs whose store ends the brackets leave open from which :func:`_tree_interval_by_ends`
 brackets one more lane count from block sums (:meth:`moeref.compare.contiguous_tree._TreeBrackets.bracket_more`, for
-every output: it costs about what walking one lane count for 3 % of the outputs does, and on random signs halves the
-open outputs; measured on the layers of ``bench/studies/bench_layer_bound_cpu.py``, 2026-11-29)."""
+every output: it costs about what refining 3 % of the outputs does; on the layers of
+``bench/studies/bench_layer_bound_cpu.py`` ``L = 2`` takes the open outputs from 20-27 % to 10-13 % at K = 512 and
+1024, ``L = 4`` to 8 %, while at K = 256 5 % are open with ``L = 1`` alone; measured on the 2-core VM, 2026-11-29)."""
 _EXACT_ALL_FROM = 0.5
 """Fraction of a GEMM's outputs whose store ends the first brackets leave open from which :func:`_rows_gemm_interval`
 walks the whole GEMM (:func:`contiguous_tree_parts`) instead of those outputs' products gathered."""
@@ -195,8 +196,8 @@ def _weighted_radius(dy, mag, reduce_unit: float):
 _BRACKETED_STORES = ("bfloat16",)
 """Store dtypes whose GEMM intervals :func:`_rows_gemm_interval` brackets (``ends``): a bf16 ulp is wide against the
 contiguous-tree bound, so a small fraction of the stores' ends depend on its exact bits (on the layers of
-``bench/studies/bench_layer_bound_cpu.py``, 19 % at K = 512 and 4 % at K = 256 before any walk of ``L >= 2``); an
-FP32 or FP16 ulp is not, and their GEMMs would mostly be walked twice."""
+``bench/studies/bench_layer_bound_cpu.py``, 8 % at K = 512 and 1024 and 5 % at K = 256 before any walk); an FP32 or
+FP16 ulp is not, and their GEMMs would mostly be walked twice."""
 
 
 def _weighted_box(w, c_lo, c_hi, r_lo, r_hi, reduce_unit: float):
