@@ -139,9 +139,11 @@ class _TreeBrackets:
     start); else :meth:`refine` walks it for the outputs it is given first.
 
     Attributes: ``total`` (``S``, the bits of :func:`_contiguous_tree`'s where ``L = 1`` was walked, elsewhere the BLAS
-    sum of :func:`_walk_brackets`), ``c`` and ``c_abs`` (``(lo, hi)`` around ``S`` and ``|S|``), ``r1`` (``(lo, hi)``
-    around the range of ``L = 1``), ``rdot`` (``(lo, hi)`` around the radius dot, None without a radius), all float64
-    ``[M, N]`` (a pair of one array where exact). A non-finite input gives NaN or infinite brackets."""
+    sum of :func:`_walk_brackets`), ``c`` and ``c_abs`` (``(lo, hi)`` around ``S`` and ``|S|``; a pair of one array
+    with ``walk_first``), ``r1`` (with ``walk_first``: the range of ``L = 1``), ``r_lo`` and ``r_hi`` (lane count ->
+    lower and upper bracket of its range, for the lane counts not walked at first; lower ones only from block sums),
+    ``rdot`` (``(lo, hi)`` around the radius dot, None without a radius), all float64 ``[M, N]``. A non-finite input
+    gives NaN or infinite brackets."""
 
     def __init__(self, a: BlockOperand, w: BlockOperand, radius, b_abs, profile, walk_first: bool = True):
         m, k = a.values.shape
@@ -384,8 +386,8 @@ def _walk_brackets(at: np.ndarray, wt: np.ndarray, wt_abs: np.ndarray, w_hi: np.
     and :func:`_lane_top` compute for the lanes of ``lane``: the largest range over the lanes, ``R~ = max(max P~, 0) -
     min(min P~, 0)`` of each lane's prefix sums ``P~`` in K order, and for ``lane = 1`` the in-order sum ``S~`` (the
     last prefix sum; ``c`` a float64 sum of the products in another order, inside its bracket; None otherwise), from
-    BLAS sums over blocks of ``block`` rows of K (a divisor of ``kp`` and a multiple of ``lane``); ``w_hi`` at least the
-    exact ``W = sum |p|``; ``wt_abs``: ``|wt|``.
+    BLAS sums over blocks of ``block`` rows of K (a power of two from 32, lowered to the largest one that divides
+    ``kp``); ``w_hi`` at least the exact ``W = sum |p|``; ``wt_abs``: ``|wt|``.
 
     With ``s_j`` and ``A_j`` the exact sums of a lane's ``p`` and ``|p|`` over block ``j`` and ``Q_j = s_0 + ... +
     s_{j-1}``, every exact prefix sum of the lane inside block ``j`` lies in ``[Q_j - (A_j - s_j) / 2, Q_j + (A_j + s_j)
