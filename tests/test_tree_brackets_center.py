@@ -3,7 +3,7 @@
 exact interval, whatever the brackets leave open; and the pieces that argument rests on hold on their own.
 
 * :func:`moeref.compare.contiguous_tree._walk_brackets`: its brackets hold the walk's in-order sum and the range of
-  every lane (oracle: the walk itself, :func:`moeref.compare.contiguous_tree._lane_top`), on cancelling sums, one-signed
+  every lane (oracle: the walk's definition, ``np.cumsum`` of the products along K), on cancelling sums, one-signed
   drifts, huge and tiny magnitudes (products that underflow), zeros.
 * :func:`moeref.compare.stores._store_ends_box` and the weighted store's box (``_StoreEnds`` with ``w_row``): every
   center and radius drawn inside the box (its corners included) stores ends between the box's least and greatest,
@@ -80,12 +80,11 @@ def test_walk_brackets_hold_the_walk(m, n, k, kind, adv, lane, seed):
     with np.errstate(over="ignore", invalid="ignore"):
         (r_lo, r_hi), c, total = ct._walk_brackets(at, wt, np.abs(wt), w_hi, lane, ct._BRACKET_BLOCKS[lane])
     q = at[:, :, None] * wt[:, None, :]  # [kp, m, n]
-    top = ct._lane_top(q.reshape(kp // lane, lane * m * n)).reshape(lane, m, n).max(axis=0)
+    walk = np.cumsum(q.reshape(kp // lane, lane, m, n), axis=0)  # each lane's prefix sums in K order
+    top = (np.maximum(walk.max(axis=0), 0.0) - np.minimum(walk.min(axis=0), 0.0)).max(axis=0)
     assert np.all(top <= r_hi)
     if lane == 1:
-        last = np.empty(m * n)
-        ct._lane_top(q.reshape(kp, m * n), None, last)
-        last = last.reshape(m, n)
+        last = walk[-1, 0]
         assert np.all(r_lo <= top)
         assert np.all(c[0] <= last) and np.all(last <= c[1])
         assert np.all(c[0] <= total) and np.all(total <= c[1])
