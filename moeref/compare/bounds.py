@@ -287,7 +287,7 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
         h_pre, dh = _add_bias_after_store(h0, dh0, rows, weights.b13, profile)
     else:
         h_pre, dh = _rows_gemm_interval(p.a, None, rows, w13, weights.b13, profile,
-                                        ends=_ends_of(profile.gemm_out_dtype))
+                                        ends=_ends_of(profile.gemm_out_dtype, exact_center=False))
     h, dh, flip_h = store_interval(h_pre, dh, profile.gemm_out_dtype, profile.gemm_out_unit)
     if flip_0 is not None:
         flip_h = flip_h | flip_0
@@ -333,7 +333,8 @@ def _chunk_interval(p, e, weights, profile: Profile, cfg) -> tuple[np.ndarray, n
         y_pre, dy = _add_bias_after_store(y0, dy0, rows, weights.b2, profile)
     else:
         y_pre, dy = _rows_gemm_interval(xq, unc, rows, w2, weights.b2, profile,
-                                        ends=_ends_of(profile.gemm_out_dtype, w_row, profile.reduce_unit))
+                                        ends=_ends_of(profile.gemm_out_dtype, w_row, profile.reduce_unit,
+                                                      exact_center=False))
     if w_row is not None:
         y_pre, dy = _weighted(w_row[:, None], y_pre, dy, profile.reduce_unit)
         weigh = False

@@ -1,17 +1,21 @@
 """The contiguous-tree model of :mod:`moeref.compare.gemm_bounds` (``accum_model="contiguous_tree"``):
 :func:`contiguous_tree_gemm_bound`, FP32 accumulation over any tree whose nodes sum contiguous K ranges (or SIMD
 lanes of them), bounded from the ranges the exact partial sums reach, and the walks of the prefix sums that give
-those ranges (:func:`_tree_walks`), and brackets of that bound from the walk of ``L = 1`` and BLAS lane sums, narrowed
-one lane count at a time for the outputs that need it (:class:`_TreeBrackets`: the layer bound's GEMM intervals before
-a bf16 store, :func:`moeref.compare.gemm_intervals._rows_gemm_interval`). Its inputs are validated by
+those ranges (:func:`_tree_walks`), and brackets of that bound from the walk of ``L = 1`` (or BLAS block sums,
+:func:`_walk_brackets`) and BLAS lane sums, narrowed one lane count at a time for the outputs that need it
+(:class:`_TreeBrackets`: the layer bound's GEMM intervals before a bf16 store,
+:func:`moeref.compare.gemm_intervals._rows_gemm_interval`). Its inputs are validated by
 :func:`moeref.compare.gemm_bounds.gemm_error_bound` (or :func:`~moeref.compare.gemm_bounds.contiguous_tree_parts`),
 which re-exports the public names.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..gemm.exact import BlockOperand
+from .stores import _abs_range
 from .summation_order import U_F64, gamma, ordered_dot, ordered_dot_pairs
 
 __all__ = ["TREE_LANES", "contiguous_tree_gemm_bound"]
@@ -116,65 +120,111 @@ def _contiguous_tree(a: BlockOperand, w: BlockOperand, radius, b_abs, profile):
 
 
 class _TreeBrackets:
-    """Brackets of :func:`_contiguous_tree`'s bound without the walks of ``L >= 2``, refined on request, for validated
-    inputs (``a`` ``[M, K]``, ``w`` ``[N, K]``, ``M, N >= 1``).
+    """Brackets of :func:`_contiguous_tree`'s bound without the walks of ``L >= 2`` (and, with ``walk_first`` False,
+    without the walk of ``L = 1``), refined on request, for validated inputs (``a`` ``[M, K]``, ``w`` ``[N, K]``,
+    ``M, N >= 1``).
 
-    The bound is nondecreasing in the walks' range ``R``, in ``W = sum |p|`` and in the radius dot
-    (:func:`_tree_bound`), so brackets of those bracket it. ``R`` is the largest range over the lane counts: at least
-    the range of the walks done so far (their exact bits: the walk of ``L = 1`` for every output, then
-    :meth:`walk`), at most that or the caps ``(sum |p| + |sum p|) / 2`` of every lane of the lane counts not walked
-    (BLAS lane sums with the margins of :func:`_tree_walks`' skip test, :func:`_lane_caps`). ``W`` and the radius dot
-    are sums of nonnegative products, within ``gamma_K`` of their exact value in any order (BLAS, any blocking, fused
-    or not, and the in-order sums alike) plus ``2^-1075`` a product for underflow: within :func:`_grow` and
-    :func:`_tiny` of the BLAS sums.
+    The bound is nondecreasing in the walks' range ``R``, in ``W = sum |p|``, in ``|S|`` (``S`` the in-order sum, the
+    last prefix sum of ``L = 1``) and in the radius dot (:func:`_tree_bound`), so brackets of those bracket it. ``R``
+    is the largest range over the lane counts: at least the range of ``L = 1`` (its exact bits where it was walked,
+    else the lower bracket of :func:`_walk_brackets`), or of the lane counts walked so far (:meth:`refine`), at most
+    that (the upper bracket of ``L = 1`` where it was not walked) or the caps ``(sum |p| + |sum p|) / 2`` of every lane
+    of the lane counts not walked (BLAS lane sums with the margins of :func:`_tree_walks`' skip test,
+    :func:`_lane_caps`). ``W`` and the radius dot are sums of nonnegative products, within ``gamma_K`` of their exact
+    value in any order (BLAS, any blocking, fused or not, and the in-order sums alike) plus ``2^-1075`` a product for
+    underflow: within :func:`_grow` and :func:`_tiny` of the BLAS sums. ``S`` is bracketed with the range of ``L = 1``
+    (:func:`_walk_brackets`) where it was not walked.
 
-    Attributes: ``total`` (the bits of :func:`_contiguous_tree`'s), ``r1`` (the range of ``L = 1``), ``rdot``
-    (``(lo, hi)`` around the radius dot, None without a radius), all float64 ``[M, N]``. A non-finite input gives
-    NaN or infinite brackets."""
+    ``walk_first``: the walk of ``L = 1`` for every output at once (every ``S`` and range of ``L = 1`` exact from the
+    start); else :meth:`refine` walks it for the outputs it is given first.
 
-    def __init__(self, a: BlockOperand, w: BlockOperand, radius, b_abs, profile):
+    Attributes: ``total`` (``S``, the bits of :func:`_contiguous_tree`'s where ``L = 1`` was walked, elsewhere the BLAS
+    sum of :func:`_walk_brackets`), ``c`` and ``c_abs`` (``(lo, hi)`` around ``S`` and ``|S|``; a pair of one array
+    with ``walk_first``), ``r1`` (with ``walk_first``: the range of ``L = 1``), ``r_lo`` and ``r_hi`` (lane count ->
+    lower and upper bracket of its range, for the lane counts not walked at first; lower ones only from block sums),
+    ``rdot`` (``(lo, hi)`` around the radius dot, None without a radius), all float64 ``[M, N]``. A non-finite input
+    gives NaN or infinite brackets."""
+
+    def __init__(self, a: BlockOperand, w: BlockOperand, radius, b_abs, profile, walk_first: bool = True):
         m, k = a.values.shape
         self.k = k
         self.kp = kp = -(-max(k, 1) // max(TREE_LANES)) * max(TREE_LANES)
         self.at, self.wt = _k_major(a.dequantize(), kp), _k_major(w.dequantize(), kp)
-        self.r1, _, self.total = _tree_walks(self.at, self.wt, first_only=True)
-        caps, wblas = _lane_caps(self.at, self.wt)
-        self.caps = {}  # caps[L]: the largest cap of the lane counts above L
-        for lane in TREE_LANES[::-1][1:]:
-            above = caps[2 * lane]
-            self.caps[lane] = above if 2 * lane == TREE_LANES[-1] else np.maximum(above, self.caps[2 * lane])
+        self.wt_abs = wt_abs = np.abs(self.wt)
+        caps, wblas = _lane_caps(self.at, self.wt, wt_abs)
         grow, tiny = _grow(kp), _tiny(kp)
         self.w = (np.maximum(wblas / grow - tiny, 0.0), wblas * grow + tiny)
+        self.walked = walk_first  # whether every output's L = 1 is walked
+        self.order = list(TREE_LANES[1:])  # the lane counts refine walks, in turn
+        self.r_lo, self.r_hi = {}, dict(caps)  # brackets of each lane count's range not walked at first
+        if walk_first:
+            r1, _, self.total = _tree_walks(self.at, self.wt, first_only=True)
+            c_abs = np.abs(self.total)
+            self.r1, self.c, self.c_abs = r1, (self.total, self.total), (c_abs, c_abs)
+        else:
+            self.order.insert(self.order.index(_FIRST_AFTER) + 1 if _FIRST_AFTER in self.order else 0, 1)
+            self._pending = list(_BRACKET_BLOCKS.items())
+            self.bracket_more()  # L = 1: the in-order sum's brackets
+            self.c_abs = _abs_range(*self.c)
         self.radius = radius
         self.rdot = None
         if radius is not None:
-            self.w_abs = np.abs(self.wt[:k])
+            self.w_abs = wt_abs[:k]
             rblas = _blas_dot(radius, self.w_abs)
             self.rdot = (np.maximum(rblas / _grow(k) - _tiny(k), 0.0), rblas * _grow(k) + _tiny(k))
-        self.c_abs = np.abs(self.total)
         self.b_abs = b_abs
         self.args = (_bias_init(profile, b_abs), k, kp, profile, _products_exact_in_fp32(a, w))
 
-    def _cap_above(self, lane: int, at=None):
-        cap = self.caps.get(lane)
-        return cap if cap is None or at is None else cap[at]
+    def bracket_more(self) -> bool:
+        """Brackets the range of the next lane count of :data:`_BRACKET_BLOCKS` from block sums (:func:`_walk_brackets`;
+        ``L = 1`` with the in-order sum at first), in place of its caps where lower; False when none is left (or
+        ``walk_first``)."""
+        if self.walked or not self._pending:
+            return False
+        lane, block = self._pending.pop(0)
+        r, c, total = _walk_brackets(self.at, self.wt, self.wt_abs, self.w[1], lane, block)
+        if r[0] is not None:
+            self.r_lo[lane] = r[0]
+        self.r_hi[lane] = r[1] if lane not in self.r_hi else np.minimum(r[1], self.r_hi[lane])
+        if lane == 1:
+            self.c, self.total = c, total
+        return True
+
+    def _walked_first(self, i, j, total) -> None:
+        """The walk of ``L = 1`` at the outputs ``(i, j)``: their in-order sums ``total``, exact."""
+        self.total[i, j] = total
+        for v in self.c:
+            v[i, j] = total
+        for v in self.c_abs:
+            v[i, j] = np.abs(total)
 
     def bounds(self, lane: int, mi=None, ni=None, r=None):
-        """``(lo, hi)`` of the bound (float64 ``[M, N]``, or ``[X]`` at the outputs ``(mi, ni)`` with ``r`` their
-        largest range over the lane counts up to ``lane``, walked)."""
+        """``(lo, hi)`` of the bound (float64 ``[M, N]``, or ``[X]`` at the outputs ``(mi, ni)``) with ``r`` their
+        largest range over the lane counts :meth:`refine` has walked, through ``lane`` in its order (None: as at first,
+        ``lane`` ignored; ``L = 1`` exact where ``walk_first``): every other lane count's range within its brackets
+        (``r_lo``, ``r_hi``: block sums, :func:`_walk_brackets`, or lane caps, :func:`_lane_caps`)."""
         at = None if mi is None else (mi, ni)
-        if r is None:
-            r = self.r1
-        cap = self._cap_above(lane, at)
-        r_hi = r if cap is None else np.maximum(r, cap)
         pick = (lambda v: v) if at is None else (lambda v: v[at])
+        if r is None:
+            rest = self.r_hi.keys()
+            if self.walked:
+                r = pick(self.r1)
+        else:
+            rest = self.order[self.order.index(lane) + 1:]
+        r_lo, r_hi = r, r
+        for other in rest:
+            if other in self.r_lo:
+                v = pick(self.r_lo[other])
+                r_lo = v if r_lo is None else np.maximum(r_lo, v)
+            v = pick(self.r_hi[other])
+            r_hi = v if r_hi is None else np.maximum(r_hi, v)
         b = self.b_abs[None, :] if at is None else self.b_abs[ni]
         zero = 0.0
         d_lo = d_hi = zero
         if self.rdot is not None:
             d_lo, d_hi = (pick(v) * (1.0 + gamma(self.k + 2, U_F64)) for v in self.rdot)
-        lo = _tree_bound(r, pick(self.w[0]), pick(self.c_abs), d_lo, b, *self.args)
-        hi = _tree_bound(r_hi, pick(self.w[1]), pick(self.c_abs), d_hi, b, *self.args)
+        lo = _tree_bound(r_lo, pick(self.w[0]), pick(self.c_abs[0]), d_lo, b, *self.args)
+        hi = _tree_bound(r_hi, pick(self.w[1]), pick(self.c_abs[1]), d_hi, b, *self.args)
         return lo, hi
 
     def _products(self, i, j) -> np.ndarray:
@@ -189,22 +239,29 @@ class _TreeBrackets:
         return q
 
     def refine(self, mi, ni, settle):
-        """Walks ``L = 2, 4, ..., 32`` in turn for the outputs ``(mi, ni)``, bracketing their bound again after each
-        (:meth:`bounds`) and asking ``settle(mi, ni, lo, hi)`` which of them no longer need the exact bound (a bool
-        mask); the exact ``(bound, radius_dot)`` of the others (the bits of :func:`_contiguous_tree`, ``radius_dot``
-        None without a radius) are returned as ``(mi, ni, bound, radius_dot)``."""
+        """Walks the lane counts in turn for the outputs ``(mi, ni)`` (``order``: ``2, 4, ..., 32``, and ``L = 1``
+        after :data:`_FIRST_AFTER` unless walked at first, ``walk_first``; once walked, ``total``, ``c`` and ``c_abs``
+        hold their exact values there), bracketing their bound again after each (:meth:`bounds`) and asking
+        ``settle(mi, ni, lo, hi)`` which of them no longer need the exact bound (a bool mask); the exact ``(bound,
+        radius_dot)`` of the others (the bits of :func:`_contiguous_tree`, ``radius_dot`` None without a radius) are
+        returned as ``(mi, ni, bound, radius_dot)``."""
         rest = []
         step = max(2, _REFINE_ELEMS // self.kp)
         for s in range(0, mi.size, step):  # the outputs' products gathered once per batch
             i, j = mi[s:s + step], ni[s:s + step]
             q = self._products(i, j)
             buf = np.empty(q.size)
-            r = self.r1[i, j]
-            for lane in TREE_LANES[1:]:
+            r = self.r1[i, j] if self.walked else None
+            for n_walked, lane in enumerate(self.order, 1):
                 x = q.shape[1]
-                top = _lane_top(q.reshape(self.kp // lane, lane * x), buf)
-                r = np.maximum(r, top.reshape(lane, x).max(axis=0))
-                if lane == TREE_LANES[-1]:  # every lane count walked: r is the range
+                if lane == 1:  # the in-order sums and ranges of L = 1 (the bits of _tree_walks')
+                    total = np.empty(x)
+                    top = _lane_top(q, buf, total)
+                    self._walked_first(i, j, total)
+                else:
+                    top = _lane_top(q.reshape(self.kp // lane, lane * x), buf).reshape(lane, x).max(axis=0)
+                r = top if r is None else np.maximum(r, top)
+                if n_walked == len(self.order):  # every lane count walked: r is the range
                     rest.append((i, j) + self._exact(q, i, j, r))
                     break
                 keep = ~settle(i, j, *self.bounds(lane, i, j, r))
@@ -229,7 +286,7 @@ class _TreeBrackets:
         if self.radius is not None:
             rdot = ordered_dot_pairs(self.radius[i], np.take(self.w_abs, j, axis=1).T)
             d = rdot * (1.0 + gamma(self.k + 2, U_F64))
-        return _tree_bound(r, wsum, self.c_abs[i, j], d, self.b_abs[j], *self.args), rdot
+        return _tree_bound(r, wsum, self.c_abs[0][i, j], d, self.b_abs[j], *self.args), rdot
 
 
 def _grow(k: int) -> float:
@@ -268,14 +325,14 @@ _CAP_LANES = 16
 16 and 32 capped by the ``sum |p|`` of the lane of 16 that holds them)."""
 
 
-def _lane_caps(at: np.ndarray, wt: np.ndarray):
+def _lane_caps(at: np.ndarray, wt: np.ndarray, wt_abs: np.ndarray):
     """``(caps, W)``: ``caps[L]`` float64 ``[M, N]`` for ``L = 2, ..., 32``, at least the computed range of every lane
     of ``L``, and ``W`` the BLAS ``sum |p|``. From the BLAS lane sums of :data:`_CAP_LANES` lanes (:func:`_lane_sums`),
     lanes added pairwise for the narrower lane counts: ``caps[L]`` is the largest ``(sum |p| + |sum p|) / 2`` over the
     lanes of ``L`` with the margins of :func:`_tree_walks`' skip test, applied after the maximum (they are
     nondecreasing); for ``L >= _CAP_LANES`` the largest ``sum |p|`` over the lanes of :data:`_CAP_LANES` (a lane of
     ``L`` lies in one of them, and its range is at most its own ``sum |p|``; with :func:`_grow` and :func:`_tiny`),
-    which at these lane counts is still below the range of ``L = 1`` on random signs."""
+    which at these lane counts is still below the range of ``L = 1`` on random signs. ``wt_abs``: ``|wt|``."""
     kp, m = at.shape
     n = wt.shape[1]
     grow = 1.0 + 64.0 * (kp + 2) * U_F64
@@ -286,7 +343,7 @@ def _lane_caps(at: np.ndarray, wt: np.ndarray):
     bufs = np.empty(size), np.empty(size), np.empty(size)  # reused: fresh pages cost more than the arithmetic
     for c0 in range(0, m, rows):
         c1 = min(c0 + rows, m)
-        sa, sp = _lane_sums(at, wt, c0, c1, _CAP_LANES, bufs[:2])     # [16, rows, N]
+        sa, sp = _lane_sums(at, wt, c0, c1, _CAP_LANES, bufs[:2], wt_abs)  # [16, rows, N]
         for lane in TREE_LANES:
             if lane >= _CAP_LANES:
                 out = caps[lane][c0:c1]
@@ -309,6 +366,92 @@ def _lane_caps(at: np.ndarray, wt: np.ndarray):
             sa, sp = sa[:h], sp[:h]
         wsum[c0:c1] = sa[0]
     return caps, wsum
+
+
+_FIRST_AFTER = 0
+"""The lane count after which :meth:`_TreeBrackets.refine` walks ``L = 1`` where it was not walked at first (0:
+before every other; after 2 or 4 measured the same, after 32 slower: 2-core VM, 2026-11-29)."""
+_BRACKET_TILE = 1 << 16
+"""Elements of one ``[blocks, lanes, rows, columns]`` tile of :func:`_walk_brackets` (four float64 buffers of 512 KiB:
+larger tiles spend their time in the cache misses of their passes, measured on the 2-core VM, 2026-11-29)."""
+_BRACKET_BLOCKS = {1: 32, 2: 64, 4: 128}
+"""Lane counts whose ranges :class:`_TreeBrackets` brackets from BLAS block sums (:func:`_walk_brackets`) when
+``L = 1`` is not walked at first, and their blocks' K rows (32 products of a lane a block: one BLAS product of inner
+size 32 each)."""
+
+
+def _walk_brackets(at: np.ndarray, wt: np.ndarray, wt_abs: np.ndarray, w_hi: np.ndarray, lane: int = 1,
+                   block: int = 32):
+    """``((r_lo, r_hi), (c_lo, c_hi), c)``, float64 ``[M, N]`` each: brackets of what the walks of :func:`_tree_walks`
+    and :func:`_lane_top` compute for the lanes of ``lane``: the largest range over the lanes, ``R~ = max(max P~, 0) -
+    min(min P~, 0)`` of each lane's prefix sums ``P~`` in K order, and for ``lane = 1`` the in-order sum ``S~`` (the
+    last prefix sum; ``c`` a float64 sum of the products in another order, inside its bracket; None otherwise), from
+    BLAS sums over blocks of ``block`` rows of K (a power of two from 32, lowered to the largest one that divides
+    ``kp``); ``w_hi`` at least the exact ``W = sum |p|``; ``wt_abs``: ``|wt|``.
+
+    With ``s_j`` and ``A_j`` the exact sums of a lane's ``p`` and ``|p|`` over block ``j`` and ``Q_j = s_0 + ... +
+    s_{j-1}``, every exact prefix sum of the lane inside block ``j`` lies in ``[Q_j - (A_j - s_j) / 2, Q_j + (A_j + s_j)
+    / 2]`` (the block's negative and positive parts), and ``Q_1, ..., Q_nb`` are exact prefix sums (``Q_nb`` the lane's
+    sum): the exact range lies between ``max(max_j Q_j, 0) - min(min_j Q_j, 0)`` and ``max(max_j (Q_j + (A_j + s_j) /
+    2), 0) - min(min_j (Q_j - (A_j - s_j) / 2), 0)``. Each computed value is off its exact value by at most: ``gamma_kp
+    W`` (the walk's prefix sums, products rounded or not); ``gamma_t A_j`` (BLAS sums of ``t = block / lane``
+    products, in any order, fused or not) and ``gamma_nb`` of ``sum |s_j|`` for the running sum of them; ``u`` of each
+    later operation (at most ``2 W`` in magnitude); plus ``2^-1075`` for each product that underflows in each of the
+    two sums. Both sides of a range together: ``2 (kp + 3 t + nb + 8) u W`` and ``4 kp 2^-1075``, below the margin
+    ``64 (kp + 2) u w_hi + (kp + 16) 2^-1072`` (:func:`_grow`, :func:`_tiny`), which also covers the margin's own
+    roundings (``u`` of at most ``4 W``). Cost: two BLAS products of the operands' blocks (as :func:`_lane_sums`) and
+    about 14 passes over ``[kp / t, M, N]``. A non-finite element gives NaN or infinite brackets."""
+    kp, m = at.shape
+    n = wt.shape[1]
+    block = math.gcd(kp, block)  # powers of two: the largest one up to block that divides kp (32 at least)
+    nb, t = kp // block, block // lane
+    c = np.empty((m, n)) if lane == 1 else None
+    top_lo, bot_hi = (np.empty((1, m, n)) for _ in range(2))
+    top_hi, bot_lo = (np.empty((lane, m, n)) for _ in range(2))
+    w4 = wt.reshape(nb, t, lane, n).transpose(0, 2, 1, 3)      # [nb, lane, t, N] views (BLAS reads them)
+    w4_abs = wt_abs.reshape(nb, t, lane, n).transpose(0, 2, 1, 3)
+    cols = min(n, max(1, _BRACKET_TILE // (nb * lane * min(m, 8))))  # [nb, lane, rows, cols] tiles
+    rows = min(m, max(1, _BRACKET_TILE // (nb * lane * cols)))
+    step = max(1, _CAP_MACS // max(1, t * cols))
+    bufs = [np.empty(nb * lane * rows * cols) for _ in range(4)]  # reused: fresh pages cost more than the arithmetic
+    for r0 in range(0, m, rows):
+        r1 = min(r0 + rows, m)
+        a4 = np.ascontiguousarray(at[:, r0:r1].reshape(nb, t, lane, r1 - r0).transpose(0, 2, 3, 1))  # [nb, L, r, t]
+        a4_abs = np.abs(a4)
+        for c0 in range(0, n, cols):
+            c1 = min(c0 + cols, n)
+            at_ = (slice(None), slice(r0, r1), slice(c0, c1))
+            sp, sa, q, u = (v[:nb * lane * (r1 - r0) * (c1 - c0)].reshape(nb, lane, r1 - r0, c1 - c0) for v in bufs)
+            for i in range(0, r1 - r0, step):
+                np.matmul(a4[:, :, i:i + step], w4[..., c0:c1], out=sp[:, :, i:i + step])
+                np.matmul(a4_abs[:, :, i:i + step], w4_abs[..., c0:c1], out=sa[:, :, i:i + step])
+            q[0] = sp[0]                                        # q[j] = Q_{j+1} (np.cumsum along axis 0 is slow)
+            for j in range(1, nb):
+                np.add(q[j - 1], sp[j], out=q[j])
+            if c is not None:  # one lane: the sum and the lower bracket (for more lanes, that of L = 1 will do)
+                c[r0:r1, c0:c1] = q[-1, 0]
+                np.maximum(np.max(q, axis=0), 0.0, out=top_lo[at_])
+                np.minimum(np.min(q, axis=0), 0.0, out=bot_hi[at_])
+            np.add(sa, sp, out=u)                               # Q_j + (A_j + s_j) / 2
+            u *= 0.5
+            u[1:] += q[:-1]
+            np.maximum(np.max(u, axis=0), 0.0, out=top_hi[at_])
+            np.subtract(sa, sp, out=u)                          # Q_j - (A_j - s_j) / 2
+            u *= 0.5
+            np.subtract(q[:-1], u[1:], out=u[1:])
+            np.negative(u[0], out=u[0])
+            np.minimum(np.min(u, axis=0), 0.0, out=bot_lo[at_])
+    margin = w_hi * (64.0 * (kp + 2) * U_F64) + _tiny(kp)
+    top_hi -= bot_lo
+    r_hi = np.max(top_hi, axis=0)
+    r_hi += margin
+    if c is None:
+        return (None, r_hi), None, None
+    top_lo -= bot_hi
+    r_lo = top_lo[0]
+    r_lo -= margin
+    np.maximum(r_lo, 0.0, out=r_lo)
+    return (r_lo, r_hi), (c - margin, c + margin), c
 
 
 def _bias_init(profile, b_abs) -> bool:
@@ -376,11 +519,12 @@ def _k_major(v: np.ndarray, kp: int) -> np.ndarray:
     return out
 
 
-def _lane_sums(at: np.ndarray, wt: np.ndarray, r0: int, r1: int, lanes: int = max(TREE_LANES), out=None):
+def _lane_sums(at: np.ndarray, wt: np.ndarray, r0: int, r1: int, lanes: int = max(TREE_LANES), out=None,
+               wt_abs=None):
     """``(sum |p|, sum p)`` over each lane of ``lanes`` (default 32) for rows ``r0:r1``, float64 ``[lanes, r1 - r0, N]``
     each, from BLAS (any order, with or without fused multiply-adds), at most :data:`_CAP_MACS` multiply-adds a
     product; ``out``: optional pair of float64 buffers of at least that many elements each (written, and returned as
-    views)."""
+    views); ``wt_abs``: optional ``|wt|``, computed once by a caller that has it."""
     kp, n = at.shape[0], wt.shape[1]
     t = kp // lanes
     a3 = np.ascontiguousarray(at[:, r0:r1].reshape(t, lanes, r1 - r0).transpose(1, 2, 0))   # [lanes, rows, t]
@@ -391,7 +535,8 @@ def _lane_sums(at: np.ndarray, wt: np.ndarray, r0: int, r1: int, lanes: int = ma
     else:
         size = lanes * (r1 - r0) * n
         sa, sp = out[0][:size].reshape(shape), out[1][:size].reshape(shape)
-    a_abs, w_abs = np.abs(a3), np.abs(wt).reshape(t, lanes, n).transpose(1, 0, 2)
+    a_abs = np.abs(a3)
+    w_abs = (np.abs(wt) if wt_abs is None else wt_abs).reshape(t, lanes, n).transpose(1, 0, 2)
     step = max(1, _CAP_MACS // max(1, n * t))
     for i in range(0, r1 - r0, step):
         np.matmul(a3[:, i:i + step], w3, out=sp[:, i:i + step])
@@ -414,9 +559,10 @@ def _walk_rows(q, wb, prev, hi, lo, first: bool) -> None:
     prev[...] = wb[-1]
 
 
-def _lane_top(q: np.ndarray, buf: np.ndarray | None = None) -> np.ndarray:
+def _lane_top(q: np.ndarray, buf: np.ndarray | None = None, last: np.ndarray | None = None) -> np.ndarray:
     """``max(max P, 0) - min(min P, 0)`` of the prefix sums ``P`` in K order of each column of ``q`` ``[R, X]``;
-    ``buf``: optional float64 work space of at least ``q.size`` elements."""
+    ``buf``: optional float64 work space of at least ``q.size`` elements; ``last``: optional ``[X]``, written with the
+    last prefix sums."""
     wb = np.empty_like(q) if buf is None else buf[:q.size].reshape(q.shape)
     hi = np.full(q.shape[1], -np.inf)
     lo = np.full(q.shape[1], np.inf)
@@ -424,6 +570,8 @@ def _lane_top(q: np.ndarray, buf: np.ndarray | None = None) -> np.ndarray:
     rows = max(1, _WALK_ROWS)
     for i0 in range(0, q.shape[0], rows):
         _walk_rows(q[i0:i0 + rows], wb[i0:i0 + rows], prev, hi, lo, i0 == 0)
+    if last is not None:
+        last[...] = prev
     top = np.maximum(hi, 0.0)
     top -= np.minimum(lo, 0.0)
     return top

@@ -52,5 +52,37 @@ def _store_ends(value, radius, dtype: str):
     from ..moe.pipeline import round_to_dtype
 
     with np.errstate(over="ignore", invalid="ignore"):
-        wide = radius * (1.0 + 2.0**-40) + np.abs(value) * 2.0**-52
+        wide = _wide(radius, np.abs(value))
         return round_to_dtype(value - wide, dtype), round_to_dtype(value + wide, dtype)
+
+
+def _wide(radius, mag):
+    """The half-width :func:`_store_ends` rounds about a value of magnitude ``mag``: ``radius (1 + 2^-40) + mag
+    2^-52`` (every operation rounded to nearest, so nondecreasing in ``radius`` and in ``mag``)."""
+    return radius * (1.0 + 2.0**-40) + mag * 2.0**-52
+
+
+def _abs_range(lo, hi):
+    """``(min |v|, max |v|)`` over ``lo <= v <= hi`` (float64, elementwise, NaN where an end is NaN; a zero of either
+    sign for the first where the interval holds 0): ``max(0, lo, -hi)`` and ``max(|lo|, |hi|)``."""
+    return np.maximum(np.maximum(lo, -hi), 0.0), np.maximum(np.abs(lo), np.abs(hi))
+
+
+def _store_ends_box(v_lo, v_hi, r_lo, r_hi, dtype: str):
+    """``(lo_min, lo_max, hi_min, hi_max)``: the least and greatest of each end of :func:`_store_ends` over every
+    ``value`` in ``[v_lo, v_hi]`` and ``radius`` in ``[r_lo, r_hi]`` (float64, elementwise; ``v_lo == v_hi`` gives
+    :func:`_store_ends` at ``r_hi`` and ``r_lo`` with their bits; NaN for ``lo_max`` and ``hi_min`` where ``r_lo``
+    is not positive, so that no caller takes those ends as known). Every float64 operation of
+    :func:`_store_ends` is monotone in each of its operands (rounding to nearest is), and so is the rounding to
+    ``dtype``: ``wide`` lies between :func:`_wide` of the least radius and magnitude and of the greatest, and
+    ``value - wide`` (``value + wide``) between its values at the corners of ``value`` and ``wide``. A zero end keeps
+    its sign over the box: with ``wide > 0`` the computed ``value -+ wide`` is never -0.0, so an end that is the same
+    zero at both corners has arguments of one sign between them."""
+    from ..moe.pipeline import round_to_dtype
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        m_lo, m_hi = _abs_range(v_lo, v_hi)
+        r_lo = np.where(r_lo > 0, r_lo, np.nan)
+        w_lo, w_hi = _wide(r_lo, m_lo), _wide(r_hi, m_hi)
+        return (round_to_dtype(v_lo - w_hi, dtype), round_to_dtype(v_hi - w_lo, dtype),
+                round_to_dtype(v_lo + w_lo, dtype), round_to_dtype(v_hi + w_hi, dtype))
