@@ -90,6 +90,21 @@ def _table(name: str, device):
     return _DECODE[key]
 
 
+def _device_scales(scales, scheme: Scheme, global_scale, dev):
+    """The block scales of ``scheme`` as float64 on ``dev`` (FP32 scales converted, E8M0 / UE4M3 codes decoded
+    by table), times ``global_scale`` where given (a Python float: no host-to-device copy; the float64 product is
+    the same)."""
+    torch = _torch()
+    fmt = scheme.scale_format
+    if fmt == "fp32":
+        s = scales.to(torch.float64)
+    else:
+        s = _table("e8m0" if fmt == "ue8m0" else "ue4m3", dev)[scales.to(torch.int64)]
+    if global_scale is not None:
+        s = s * float(global_scale)
+    return s
+
+
 def device_dequantize(codes, scales, scheme: Scheme, shape: tuple, global_scale: float | None = None):
     """:meth:`QuantizedTensor.dequantize(np.float64) <moeref.quant.QuantizedTensor.dequantize>` of the codes
     and stored scales (torch tensors on one device, laid out as ``QuantizedTensor``'s) on their device: the
@@ -102,13 +117,7 @@ def device_dequantize(codes, scales, scheme: Scheme, shape: tuple, global_scale:
     if scheme.packed:  # even element in the low nibble
         c = torch.stack([c & 0xF, c >> 4], dim=-1).reshape(*c.shape[:-1], 2 * c.shape[-1])[..., : shape[-1]]
     v = _table(scheme.element, dev)[c]
-    fmt = scheme.scale_format
-    if fmt == "fp32":
-        s = scales.to(torch.float64)
-    else:
-        s = _table("e8m0" if fmt == "ue8m0" else "ue4m3", dev)[scales.to(torch.int64)]
-    if global_scale is not None:  # a Python float: no host-to-device copy (the float64 product is the same)
-        s = s * float(global_scale)
+    s = _device_scales(scales, scheme, global_scale, dev)
     block = tuple(int(b) for b in scheme.resolve_block(shape))
     k = len(block)
     nl = len(shape) - k
@@ -169,13 +178,7 @@ def device_codes_amax(codes, scales, scheme: Scheme, shape: tuple, global_scale:
     inner = tuple(nl + 2 * i + 1 for i in range(len(block)))
     k = torch.bitwise_and(codes, 0x7F).reshape(view)
     kmax, kmin = k.amax(dim=inner), k.amin(dim=inner)
-    fmt = scheme.scale_format
-    if fmt == "fp32":
-        s = scales.to(torch.float64)
-    else:
-        s = _table("e8m0" if fmt == "ue8m0" else "ue4m3", dev)[scales.to(torch.int64)]
-    if global_scale is not None:  # a Python float: no host-to-device copy (the float64 product is the same)
-        s = s * float(global_scale)
+    s = _device_scales(scales, scheme, global_scale, dev)
     s = s.reshape(kmax.shape)
     top = mags[kmax.to(torch.int64)] * s.abs()
     zero_by_inf = (mags[kmin.to(torch.int64)] == 0) & torch.isinf(s)

@@ -156,6 +156,35 @@ def act_routed_rows(on: bool, tile=None):
         ml.ACT_ROUTED_ROWS_AT_DECODE, ml.ACT_ROUTED_ROWS_TILE = old
 
 
+def _captured_and_timed(run: Run, fw, case, tiles: tuple, settings: dict, calls: int, reps: int) -> tuple:
+    """``(row, outputs, weight bytes)``: the layer of ``case`` captured under each of ``settings`` (name -> a
+    callable giving the context manager that sets it; a graph keeps the setting it was captured with), a graph of
+    ``calls`` calls and a one-call graph each, timed interleaved with the copy of the touched experts' bytes
+    (:func:`time_with_roofline`); ``row[name]`` holds the timing (``one_call_graph`` inside) or the capture's
+    error, ``row["timing_error"]`` a timing failure; ``outputs[name]`` the graph's output."""
+    row, outs, graphs, ones = {}, {}, {}, {}
+    for name, setting in settings.items():
+        try:
+            with setting():
+                graphs[name], res = run.capture(layer_fn(fw, case, tiles), calls)
+                outs[name] = res.clone()
+                ones[name], _ = run.capture(layer_fn(fw, case, tiles), 1)
+        except Exception as e:  # noqa: BLE001
+            row[name] = dict(error=err(e))
+    wb = weight_bytes(fw, case[2])
+    try:
+        timed = time_with_roofline(run, graphs, wb["layer"], calls, reps)
+        del timed["copy"]
+        row.update(timed)
+        one = time_with_roofline(run, ones, wb["layer"], 1, run.reps(20))
+        del one["copy"]
+        for n, st in one.items():
+            row[n]["one_call_graph"] = st
+    except Exception as e:  # noqa: BLE001
+        row["timing_error"] = err(e)
+    return row, outs, wb
+
+
 ACT_ROWS_AB = {"act over layout tiles": (False, None), "act over routed rows": (True, None),
                "act over routed rows, 2-group tiles": (True, dict(block_m=1, groups_per_program=2, num_warps=1))}
 """The act-rows A/B's cases: name -> (``ACT_ROUTED_ROWS_AT_DECODE``, ``ACT_ROUTED_ROWS_TILE``): the last one
@@ -174,26 +203,9 @@ def act_rows_ab(run: Run, fw, cases: dict, tiles: tuple, calls: int, reps: int, 
         if run.left() < 15:
             out[m] = dict(skipped="time budget")
             continue
-        row, outs, graphs, ones = {}, {}, {}, {}
-        for name, (on, tile) in ACT_ROWS_AB.items():
-            try:  # captured with the case's setting (a graph keeps it)
-                with act_routed_rows(on, tile):
-                    graphs[name], res = run.capture(layer_fn(fw, case, tiles), calls)
-                    outs[name] = res.clone()
-                    ones[name], _ = run.capture(layer_fn(fw, case, tiles), 1)
-            except Exception as e:  # noqa: BLE001
-                row[name] = dict(error=err(e))
-        wb = weight_bytes(fw, case[2])
-        try:
-            timed = time_with_roofline(run, graphs, wb["layer"], calls, reps)
-            del timed["copy"]
-            row.update(timed)
-            one = time_with_roofline(run, ones, wb["layer"], 1, run.reps(20))
-            del one["copy"]
-            for n, st in one.items():
-                row[n]["one_call_graph"] = st
-        except Exception as e:  # noqa: BLE001
-            row["timing_error"] = err(e)
+        settings = {name: (lambda on=on, tile=tile: act_routed_rows(on, tile))
+                    for name, (on, tile) in ACT_ROWS_AB.items()}
+        row, outs, wb = _captured_and_timed(run, fw, case, tiles, settings, calls, reps)
         base = outs.get("act over layout tiles")
         if base is not None and len(outs) > 1:
             row["bits_equal"] = all(bool(torch.equal(base, o)) for o in outs.values())
@@ -273,26 +285,9 @@ def decode_ab(run: Run, fw, cases: dict, tiles: tuple, calls: int, reps: int, pr
         if not all(torch.equal(a, b) for a, b in zip(*lays)):
             out[m] = dict(tokens=m, layout_equal=False, error="the decode dispatch's layout differs: not run")
             continue
-        row, outs, graphs, ones = dict(layout_equal=True), {}, {}, {}
-        for name, kv in DECODE_AB.items():
-            try:  # captured with the case's switches (a graph keeps them)
-                with knobs(**kv):
-                    graphs[name], res = run.capture(layer_fn(fw, case, tiles), calls)
-                    outs[name] = res.clone()
-                    ones[name], _ = run.capture(layer_fn(fw, case, tiles), 1)
-            except Exception as e_:  # noqa: BLE001
-                row[name] = dict(error=err(e_))
-        wb = weight_bytes(fw, case[2])
-        try:
-            timed = time_with_roofline(run, graphs, wb["layer"], calls, reps)
-            del timed["copy"]
-            row.update(timed)
-            one = time_with_roofline(run, ones, wb["layer"], 1, run.reps(20))
-            del one["copy"]
-            for n, st in one.items():
-                row[n]["one_call_graph"] = st
-        except Exception as e_:  # noqa: BLE001
-            row["timing_error"] = err(e_)
+        settings = {name: (lambda kv=kv: knobs(**kv)) for name, kv in DECODE_AB.items()}
+        row, outs, wb = _captured_and_timed(run, fw, case, tiles, settings, calls, reps)
+        row = dict(layout_equal=True, **row)
         base_name = next(iter(DECODE_AB))
         base = outs.get(base_name)
         if base is not None:
