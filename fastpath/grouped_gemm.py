@@ -113,6 +113,10 @@ class GemmTiles:
     TMA warp), ``num_stages`` shared-memory stages, tile order ``group_m``; the same bits as the Triton kernel. The
     Triton tile-loop options (``persistent``, ``tma``, ``warp_specialize``, ``flatten``, ``promotion``) are its
     design and are not taken with it."""
+    epilogue: str = "store"
+    """``kernel="gluon"`` only: ``"store"`` (the outputs stored from registers) or ``"tma"`` (through shared memory
+    and a TMA store that runs on during the next tile; bf16 / fp16 outputs with 16-byte aligned rows, else
+    ``"store"``). The same values either way."""
     pdl: bool = False
     """Launch with Programmatic Dependent Launch (Triton's ``launch_pdl``) where it runs (sm_90+, not the
     interpreter; elsewhere ignored): the kernel may start while the kernel before it on the stream runs; every
@@ -133,12 +137,14 @@ class GemmTiles:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"GemmTiles.{name} must be an int >= 1; got {v!r}")
+        if self.epilogue not in ("store", "tma") or (self.epilogue == "tma" and self.kernel != "gluon"):
+            raise ValueError(f"GemmTiles.epilogue is 'store', or 'tma' with kernel='gluon'; got {self}")
         if self.kernel not in KERNELS:
             raise ValueError(f"GemmTiles.kernel must be one of {KERNELS}; got {self.kernel!r}")
         if self.kernel == "gluon":
-            if (self.block_m, self.block_n, self.block_k, self.num_warps) != (128, 128, 128, 4):
-                raise ValueError("kernel='gluon' takes 128 x 128 tiles, block_k 128 and num_warps 4 (each of its two "
-                                 f"math warpgroups); got {self}")
+            if (self.block_m, self.block_k, self.num_warps) != (128, 128, 4) or self.block_n not in (128, 192, 256):
+                raise ValueError("kernel='gluon' takes 128 x 128, 128 x 192 or 128 x 256 tiles, block_k 128 and "
+                                 f"num_warps 4 (each of its two math warpgroups); got {self}")
             if self.swap_ab or self.tile_loop_options or self.programs_per_sm != 1:
                 raise ValueError("kernel='gluon' is persistent, TMA-loaded and warp-specialized by design; the Triton "
                                  "options swap_ab, persistent, programs_per_sm, tma, warp_specialize, flatten and "
