@@ -21,12 +21,20 @@ each 128-column K block), written with Triton's Gluon (``triton.experimental.glu
   blocks, unrolled, each ending with no MMA in flight: inside a chunk the in-flight products alternate between
   two register sets, written by MMAs only (ptxas serializes every wgmma of a kernel that copies or zeroes a
   running MMA's accumulator registers, its note C7515, or that runs short of registers, C7512);
-* the FP32 accumulator is rounded to the output dtype and stored from registers (rows ``< M``, columns
-  ``< N``).
+* 128 x 192 tiles (``block_n=192``; Gluon's tensors, shared buffers and TMA boxes are powers of two): B in three
+  64-row TMA boxes, the two of one 128-column weight-scale block into a 128-row buffer and the third into a
+  64-row one, so each math warpgroup runs per K block an ``m64n128k32`` and an ``m64n64k32`` product, each with
+  one weight scale, and waits for both before promoting (one product in flight: a third register set does not
+  fit; :func:`_tile192`);
+* the FP32 accumulator is rounded to the output dtype and stored (rows ``< M``, columns ``< N``) from registers
+  (``epilogue="store"``), or (``epilogue="tma"``) into a shared-memory buffer per math warpgroup and from there
+  by a TMA store, which runs on while the next tile's MMAs do (the warpgroup waits for it before it writes the
+  buffer again).
 
 Bits: every output is made with the FP32 operations of the Triton kernel's default tiles (``DEFAULT_TILES
 ["fp8_block"]``, :mod:`fastpath.grouped_gemm`): per 128-column K block the same wgmma instructions
-(``m64n128k32``, K order, from a zeroed accumulator) and then ``acc += (part * sa) * sb`` in K-block order (the
+(``m64n128k32``, K order, from a zeroed accumulator; 128 x 192 tiles' ``m64n64k32`` gave the same bits on an
+H200) and then ``acc += (part * sa) * sb`` in K-block order (the
 compiled promotion is ``fma(fl(part * sa), sb, acc)`` in both), rounded once at the store; so the same bits
 (``TRITON_FP8_BLOCK_EXACT`` holds for both; tests/test_grouped_gemm_gluon.py checks them on a GPU).
 
@@ -61,9 +69,10 @@ K_UNROLL = 4
 code) in 7.8 ms (the instruction cache, presumably); 2 ran as fast as 4 (3.41 ms; GEMM2 2.06 against 2.01 ms)."""
 
 IN_FLIGHT = None
-"""Products in flight in a math warpgroup's K loop: 2 (block ``k + 1``'s MMA runs while block ``k`` is promoted) or
-1 (each MMA waited for before its promotion; the other warpgroup's MMA overlaps it, DeepGEMM's order); ``None``: 2
-for 128-column tiles, 1 for wider ones (a third 64 x ``block_n`` FP32 register set does not fit)."""
+"""Products in flight in a math warpgroup's K loop of 128 x 128 tiles: 2 (block ``k + 1``'s MMA runs while block
+``k`` is promoted) or 1 (each MMA waited for before its promotion; only the other warpgroup's MMA overlaps it,
+DeepGEMM's order); ``None``: 2 (128 x 192 tiles: always 1). On an H200 (2026-11-29, DeepSeek-V3 at 4096 tokens)
+1 ran GEMM1 in 3.67 ms and GEMM2 in 2.21 ms against 2's 3.46 / 1.97 ms."""
 
 _tile_coords_g = gluon.jit(_tile_coords.fn)  # the tile-loop kernel's tile order, compiled as a Gluon function
 _ordered_g = gluon.jit(_ordered.fn)  # its ordering barrier: a promotion done before the next MMA is issued (else
@@ -119,16 +128,9 @@ def _issue(a_bufs, b_bufs, ready, c, regs, HALF: gl.constexpr, STAGES: gl.conste
 
 
 @gluon.jit
-def _scales(sa_row, rmask, sb_base, k, sb_sel):
-    """``(sa [rows], sb)`` of K block ``k``: the rows' activation scales and the tile's weight scale; for tiles
-    wider than a 128-column scale block, ``sb_sel = (first [1, BLOCK_N], stride to the next block, has a next
-    block)``: ``sb [1, BLOCK_N]`` takes the first block's scale where ``first``, the next block's elsewhere
-    (``first`` None: 128-column tiles, one scale)."""
-    sa = gl.load(sa_row + k, mask=rmask, other=0.0)
-    sb = gl.load(sb_base + k)
-    if sb_sel[0] is not None:
-        sb = gl.where(sb_sel[0], sb, gl.load(sb_base + sb_sel[1] + k, mask=sb_sel[2], other=0.0))
-    return sa, sb
+def _scales(sa_row, rmask, sb_base, k):
+    """``(sa [rows], sb)`` of K block ``k``: the rows' activation scales and the tile's weight scale."""
+    return gl.load(sa_row + k, mask=rmask, other=0.0), gl.load(sb_base + k)
 
 
 @gluon.jit
@@ -150,7 +152,7 @@ def _zeros_here(like):
 
 
 @gluon.jit
-def _k_run(acc, a_bufs, b_bufs, ready, empty, sa_row, rmask, sb_base, sb_sel, k0, c, NB: gl.constexpr,
+def _k_run(acc, a_bufs, b_bufs, ready, empty, sa_row, rmask, sb_base, k0, c, NB: gl.constexpr,
            HALF: gl.constexpr, STAGES: gl.constexpr):
     """``(acc, c)`` after K blocks ``k0 .. k0 + NB - 1`` (global block count ``c ..``), from no MMA in flight to
     none: products alternate between two register sets ``p`` and ``q`` (the first MMA of each from ``zero``, then
@@ -159,18 +161,18 @@ def _k_run(acc, a_bufs, b_bufs, ready, empty, sa_row, rmask, sb_base, sb_sel, k0
     zero = _zeros_here(acc)
     p = _issue(a_bufs, b_bufs, ready, c, zero, HALF, STAGES)
     q = zero
-    sa_p, sb_p = _scales(sa_row, rmask, sb_base, k0, sb_sel)
+    sa_p, sb_p = _scales(sa_row, rmask, sb_base, k0)
     for j in gl.static_range((NB - 1) // 2):  # p: block k0 + 2j in flight
         q = _issue(a_bufs, b_bufs, ready, c + 1, q, HALF, STAGES)
-        sa_q, sb_q = _scales(sa_row, rmask, sb_base, k0 + 2 * j + 1, sb_sel)
+        sa_q, sb_q = _scales(sa_row, rmask, sb_base, k0 + 2 * j + 1)
         acc, p = _retire(acc, p, sa_p, sb_p, empty, c, STAGES, 1)
         p = _issue(a_bufs, b_bufs, ready, c + 2, p, HALF, STAGES)
-        sa_p, sb_p = _scales(sa_row, rmask, sb_base, k0 + 2 * j + 2, sb_sel)
+        sa_p, sb_p = _scales(sa_row, rmask, sb_base, k0 + 2 * j + 2)
         acc, q = _retire(acc, q, sa_q, sb_q, empty, c + 1, STAGES, 1)
         c += 2
     if NB % 2 == 0:  # the last two blocks
         q = _issue(a_bufs, b_bufs, ready, c + 1, q, HALF, STAGES)
-        sa_q, sb_q = _scales(sa_row, rmask, sb_base, k0 + NB - 1, sb_sel)
+        sa_q, sb_q = _scales(sa_row, rmask, sb_base, k0 + NB - 1)
         acc, p = _retire(acc, p, sa_p, sb_p, empty, c, STAGES, 1)
         acc, q = _retire(acc, q, sa_q, sb_q, empty, c + 1, STAGES, 0)
         c += 2
@@ -181,13 +183,13 @@ def _k_run(acc, a_bufs, b_bufs, ready, empty, sa_row, rmask, sb_base, sb_sel, k0
 
 
 @gluon.jit
-def _k_run1(acc, part, a_bufs, b_bufs, ready, empty, sa_row, rmask, sb_base, sb_sel, k0, c, NB: gl.constexpr,
+def _k_run1(acc, part, a_bufs, b_bufs, ready, empty, sa_row, rmask, sb_base, k0, c, NB: gl.constexpr,
             HALF: gl.constexpr, STAGES: gl.constexpr):
     """``(acc, part, c)`` after K blocks ``k0 .. k0 + NB - 1`` with one product in flight (:data:`IN_FLIGHT` 1):
     per block, its MMA into the retired product's registers ``part``, a full wait, its promotion."""
     for j in gl.static_range(NB):
         part = _issue(a_bufs, b_bufs, ready, c, part, HALF, STAGES)
-        sa, sb = _scales(sa_row, rmask, sb_base, k0 + j, sb_sel)
+        sa, sb = _scales(sa_row, rmask, sb_base, k0 + j)
         acc, part = _retire(acc, part, sa, sb, empty, c, STAGES, 0)
         c += 1
     return acc, part, c
@@ -247,8 +249,8 @@ def _store(acc, d_ptr, bias_ptr, e, rows, rmask, col0, N, stride_dm, HAS_BIAS: g
 
 
 @gluon.jit
-def _math(a_bufs, b_bufs, b2_bufs, ready, empty, d_ptr, d_desc, c_smem, sa_ptr, sb_ptr, bias_ptr, m_idx_ptr, M, N, stride_dm,
-          stride_sam, stride_sbe, stride_sbn, NUM_PROGRAMS, HALF: gl.constexpr, BLOCK_M: gl.constexpr,
+def _math(a_bufs, b_bufs, b2_bufs, ready, empty, d_ptr, d_desc, c_smem, sa_ptr, sb_ptr, bias_ptr, m_idx_ptr, M, N,
+          stride_dm, stride_sam, stride_sbe, stride_sbn, NUM_PROGRAMS, HALF: gl.constexpr, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr, K_ITERS: gl.constexpr, K_UNROLL: gl.constexpr, STAGES: gl.constexpr,
           GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr, INFLIGHT: gl.constexpr, EPI_TMA: gl.constexpr):
     """A math warpgroup: rows ``HALF * BLOCK_M / 2 ..`` of each live tile, K blocks in chunks (see the module)."""
@@ -272,27 +274,21 @@ def _math(a_bufs, b_bufs, b2_bufs, ready, empty, d_ptr, d_desc, c_smem, sa_ptr, 
             rmask = rows < M
             sa_row = sa_ptr + rows.to(gl.int64) * stride_sam
             sb_base = sb_ptr + e.to(gl.int64) * stride_sbe + ((pid_n * BLOCK_N) // 128) * stride_sbn
-            if BLOCK_N > 128:  # the tile's columns span two 128-column scale blocks: the first's ends at `split`
-                split = 128 - (pid_n * BLOCK_N) % 128
-                first = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma)) < split, 0)
-                sb_sel = (first, stride_sbn, pid_n * BLOCK_N + split < N)
-            else:
-                sb_sel = (None, 0, False)
             acc = zero
             if INFLIGHT == 1:
                 part = zero
                 for kc in range(K_ITERS // K_UNROLL):
-                    acc, part, c = _k_run1(acc, part, a_bufs, b_bufs, ready, empty, sa_row, rmask, sb_base, sb_sel,
+                    acc, part, c = _k_run1(acc, part, a_bufs, b_bufs, ready, empty, sa_row, rmask, sb_base,
                                            kc * K_UNROLL, c, K_UNROLL, HALF, STAGES)
                 if K_ITERS % K_UNROLL != 0:
-                    acc, part, c = _k_run1(acc, part, a_bufs, b_bufs, ready, empty, sa_row, rmask, sb_base, sb_sel,
+                    acc, part, c = _k_run1(acc, part, a_bufs, b_bufs, ready, empty, sa_row, rmask, sb_base,
                                            (K_ITERS // K_UNROLL) * K_UNROLL, c, K_ITERS % K_UNROLL, HALF, STAGES)
             else:
                 for kc in range(K_ITERS // K_UNROLL):  # chunks of K_UNROLL blocks, each ending with no MMA in flight
-                    acc, c = _k_run(acc, a_bufs, b_bufs, ready, empty, sa_row, rmask, sb_base, sb_sel, kc * K_UNROLL,
+                    acc, c = _k_run(acc, a_bufs, b_bufs, ready, empty, sa_row, rmask, sb_base, kc * K_UNROLL,
                                     c, K_UNROLL, HALF, STAGES)
                 if K_ITERS % K_UNROLL != 0:
-                    acc, c = _k_run(acc, a_bufs, b_bufs, ready, empty, sa_row, rmask, sb_base, sb_sel,
+                    acc, c = _k_run(acc, a_bufs, b_bufs, ready, empty, sa_row, rmask, sb_base,
                                     (K_ITERS // K_UNROLL) * K_UNROLL, c, K_ITERS % K_UNROLL, HALF, STAGES)
             if EPI_TMA:  # through shared memory: the TMA store runs on while the next tile's MMAs do
                 if HAS_BIAS:  # FP32: bias[e, n] added to the accumulator before the store (as the Triton kernel)
@@ -341,14 +337,14 @@ def _gluon_fp8_grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_pt
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per math warpgroup
     gl.warp_specialize([
-        (_math, (a_bufs, b_bufs, b2_bufs, ready, empty, d_ptr, d_desc, c_smem, sa_ptr, sb_ptr, bias_ptr, m_idx_ptr, M, N,
-                 stride_dm, stride_sam, stride_sbe, stride_sbn, NUM_PROGRAMS, gl.constexpr(0), BLOCK_M, BLOCK_N,
+        (_math, (a_bufs, b_bufs, b2_bufs, ready, empty, d_ptr, d_desc, c_smem, sa_ptr, sb_ptr, bias_ptr, m_idx_ptr, M,
+                 N, stride_dm, stride_sam, stride_sbe, stride_sbn, NUM_PROGRAMS, gl.constexpr(0), BLOCK_M, BLOCK_N,
                  K_ITERS, K_UNROLL, STAGES, GROUP_M, HAS_BIAS, INFLIGHT, EPI_TMA)),
-        (_math, (a_bufs, b_bufs, b2_bufs, ready, empty, d_ptr, d_desc, c_smem, sa_ptr, sb_ptr, bias_ptr, m_idx_ptr, M, N,
-                 stride_dm, stride_sam, stride_sbe, stride_sbn, NUM_PROGRAMS, gl.constexpr(1), BLOCK_M, BLOCK_N,
+        (_math, (a_bufs, b_bufs, b2_bufs, ready, empty, d_ptr, d_desc, c_smem, sa_ptr, sb_ptr, bias_ptr, m_idx_ptr, M,
+                 N, stride_dm, stride_sam, stride_sbe, stride_sbn, NUM_PROGRAMS, gl.constexpr(1), BLOCK_M, BLOCK_N,
                  K_ITERS, K_UNROLL, STAGES, GROUP_M, HAS_BIAS, INFLIGHT, EPI_TMA)),
-        (_producer, (a_desc, b_desc, a_bufs, b_bufs, b2_bufs, ready, empty, m_idx_ptr, M, N, NUM_PROGRAMS, BLOCK_M, BLOCK_N,
-                     BLOCK_K, K_ITERS, STAGES, GROUP_M)),
+        (_producer, (a_desc, b_desc, a_bufs, b_bufs, b2_bufs, ready, empty, m_idx_ptr, M, N, NUM_PROGRAMS, BLOCK_M,
+                     BLOCK_N, BLOCK_K, K_ITERS, STAGES, GROUP_M)),
     ], [4, 1], [MATH_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -385,11 +381,10 @@ def _launch(a, b, d, m_idx, sa, sb, bias, t, m: int, n: int, k: int, e: int, pro
     from ._host import launch
 
     ensure_allocator()  # the in-kernel tensor descriptors' scratch
-    inflight = IN_FLIGHT or (2 if t.block_n <= 128 else 1)
     launch(_gluon_fp8_grouped_gemm_kernel, (programs,), a, b, d, m_idx, sa, sb, sa if bias is None else bias, m, n,
            k, e, a.stride(0), b.stride(1), d.stride(0), sa.stride(0), sb.stride(0), sb.stride(1), programs,
            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=SCALE_BLOCK, K_ITERS=-(-k // SCALE_BLOCK), K_UNROLL=K_UNROLL,
-           STAGES=t.num_stages, GROUP_M=t.group_m, HAS_BIAS=bias is not None, INFLIGHT=inflight,
+           STAGES=t.num_stages, GROUP_M=t.group_m, HAS_BIAS=bias is not None, INFLIGHT=IN_FLIGHT or 2,
            C_LAYOUT=_tma_store_layout(d, t), num_warps=4, maxnreg=KERNEL_MAXNREG)
 
 
@@ -400,7 +395,7 @@ def _tma_store_layout(d, t):
     import torch
 
     dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}.get(d.dtype)
-    if t.epilogue != "tma" or t.block_n == 192 or dtype is None or d.stride(1) != 1 or d.data_ptr() % 16 or \
+    if t.epilogue != "tma" or dtype is None or d.stride(1) != 1 or d.data_ptr() % 16 or \
             (d.stride(0) * d.element_size()) % 16:
         return None
     return gl.NVMMASharedLayout.get_default_for([t.block_m // 2, t.block_n], dtype)
