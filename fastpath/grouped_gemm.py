@@ -113,10 +113,6 @@ class GemmTiles:
     one TMA warp), ``num_stages`` shared-memory stages, tile order ``group_m``; the same bits as the Triton kernel. The
     Triton tile-loop options (``persistent``, ``tma``, ``warp_specialize``, ``flatten``, ``promotion``) are its
     design and are not taken with it."""
-    epilogue: str = "store"
-    """``"store"`` (the outputs stored from registers) or, with ``kernel="gluon"`` and ``block_n`` 128, ``"tma"``
-    (through shared memory and a TMA store that runs on during the next tile's MMAs; bf16 / fp16 outputs with
-    16-byte aligned rows, others stored from registers). The same values either way."""
     pdl: bool = False
     """Launch with Programmatic Dependent Launch (Triton's ``launch_pdl``) where it runs (sm_90+, not the
     interpreter; elsewhere ignored): the kernel may start while the kernel before it on the stream runs; every
@@ -124,6 +120,10 @@ class GemmTiles:
     (:func:`fastpath._host.pdl_launch`); what is computed is unchanged (the same bits). The
     one-tile-per-program kernel only (not the tile-loop options: ``ValueError``). :mod:`fastpath.moe` sets it at decode sizes where
     ``fastpath._moe_layer.DECODE_PDL`` names the GEMM."""
+    epilogue: str = "store"
+    """``"store"`` (the outputs stored from registers) or, with ``kernel="gluon"`` and ``block_n`` 128, ``"tma"``
+    (through shared memory and a TMA store that runs on during the next tile's MMAs; bf16 / fp16 outputs with
+    16-byte aligned rows, others stored from registers). The same values either way."""
 
     def __post_init__(self):
         for name in ("persistent", "tma", "warp_specialize", "flatten", "pdl"):

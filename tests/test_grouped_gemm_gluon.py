@@ -1,11 +1,11 @@
 """The Gluon FP8 grouped GEMM (``GemmTiles(kernel="gluon")``, :mod:`fastpath._grouped_gemm_gluon`, issue 33).
 
 CPU: the options and the operands it refuses, and the kernel compiled for sm_90a with Triton's ptxas (Gluon has no
-interpreter, so nothing runs): warp-specialized, TMA loads, the wgmma count of two math warpgroups, every MMA but
-a tile's last waited with one MMA still in flight, one FP32 multiply and one fused multiply-add per output and K
-block (the promotion ``fma(fl(part * sa), sb, acc)`` of the Triton kernel). GPU (Hopper): the bits of
-:data:`fastpath.grouped_gemm.DEFAULT_TILES` ``["fp8_block"]`` on every routed row, with N not a multiple of the tile,
-experts with no rows, a bias, K = 7168 and 2048.
+interpreter, so nothing runs), the default tiles (TMA store epilogue) and the 128 x 192 tiles: warp-specialized, TMA
+loads, the wgmma count of two math warpgroups, where the MMAs wait, one FP32 multiply and one fused multiply-add
+per output and K block (the promotion ``fma(fl(part * sa), sb, acc)`` of the Triton kernel). GPU (Hopper): the bits
+of :data:`fastpath.grouped_gemm.DEFAULT_TILES` ``["fp8_block"]`` on every routed row for each Gluon candidate, with
+N not a multiple of the tile, experts with no rows, a bias, K = 7168 and 2048.
 """
 from __future__ import annotations
 
