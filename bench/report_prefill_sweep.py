@@ -95,7 +95,7 @@ def short_name(text: str) -> str:
     """A recorded ``GemmTiles(...)`` in :data:`fastpath.grouped_gemm.FP8_PREFILL_CANDIDATES`' naming: ``MxN``,
     ``wN`` warps, ``sN`` stages, ``persN`` persistent with N programs per SM, ``tma``, ``flat``, ``ws``, ``gN``
     group_m, ``swap``, then ``lagpair`` for ``promotion="lagged_pair"`` (another recorded promotion by its
-    name) and ``gluon`` for ``kernel="gluon"``."""
+    name), ``gluon`` for ``kernel="gluon"`` and ``tmastore`` for ``epilogue="tma"``."""
     f = _fields(text)
     on = lambda k: f.get(k) == "True"  # noqa: E731
     parts = [f"{f['block_m']}x{f['block_n']}", f"w{f['num_warps']}", f"s{f['num_stages']}"]
@@ -106,6 +106,7 @@ def short_name(text: str) -> str:
     promotion = f.get("promotion", "'inline'").strip("'\"")
     parts += [] if promotion == "inline" else [{"lagged_pair": "lagpair"}.get(promotion, promotion)]
     parts += [] if f.get("kernel", "'triton'").strip("'\"") == "triton" else [f.get("kernel").strip("'\"")]
+    parts += ["tmastore"] if f.get("epilogue", "'store'").strip("'\"") == "tma" else []
     return " ".join(parts)
 
 

@@ -109,8 +109,8 @@ class GemmTiles:
     kernel: str = "triton"
     """:data:`KERNELS`. ``"gluon"``: :mod:`fastpath._grouped_gemm_gluon`'s Hopper kernel (FP8 operands in the
     contiguous layout, layout rows (no ``a_src``), sm_90 only; a ``ValueError`` elsewhere): a persistent grid of
-    ``block_m x block_n`` tiles (128 x 128; ``num_warps=4`` warps in each of its two math warpgroups, plus one
-    TMA warp), ``num_stages`` shared-memory stages, tile order ``group_m``; the same bits as the Triton kernel. The
+    ``block_m x block_n`` tiles (128 x 128 or 128 x 192; ``num_warps=4`` warps in each of its two math warpgroups, plus
+    one TMA warp), ``num_stages`` shared-memory stages, tile order ``group_m``; the same bits as the Triton kernel. The
     Triton tile-loop options (``persistent``, ``tma``, ``warp_specialize``, ``flatten``, ``promotion``) are its
     design and are not taken with it."""
     pdl: bool = False
@@ -120,6 +120,10 @@ class GemmTiles:
     (:func:`fastpath._host.pdl_launch`); what is computed is unchanged (the same bits). The
     one-tile-per-program kernel only (not the tile-loop options: ``ValueError``). :mod:`fastpath.moe` sets it at decode sizes where
     ``fastpath._moe_layer.DECODE_PDL`` names the GEMM."""
+    epilogue: str = "store"
+    """``"store"`` (the outputs stored from registers) or, with ``kernel="gluon"`` and ``block_n`` 128, ``"tma"``
+    (through shared memory and a TMA store that runs on during the next tile's MMAs; bf16 / fp16 outputs with
+    16-byte aligned rows, others stored from registers). The same values either way."""
 
     def __post_init__(self):
         for name in ("persistent", "tma", "warp_specialize", "flatten", "pdl"):
@@ -133,12 +137,15 @@ class GemmTiles:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"GemmTiles.{name} must be an int >= 1; got {v!r}")
+        if self.epilogue not in ("store", "tma") or \
+                (self.epilogue == "tma" and (self.kernel, self.block_n) != ("gluon", 128)):
+            raise ValueError(f"GemmTiles.epilogue is 'store', or 'tma' with kernel='gluon', block_n 128; got {self}")
         if self.kernel not in KERNELS:
             raise ValueError(f"GemmTiles.kernel must be one of {KERNELS}; got {self.kernel!r}")
         if self.kernel == "gluon":
-            if (self.block_m, self.block_n, self.block_k, self.num_warps) != (128, 128, 128, 4):
-                raise ValueError("kernel='gluon' takes 128 x 128 tiles, block_k 128 and num_warps 4 (each of its two "
-                                 f"math warpgroups); got {self}")
+            if (self.block_m, self.block_k, self.num_warps) != (128, 128, 4) or self.block_n not in (128, 192):
+                raise ValueError("kernel='gluon' takes 128 x 128 or 128 x 192 tiles, block_k 128 and num_warps 4 "
+                                 f"(each of its two math warpgroups); got {self}")
             if self.swap_ab or self.tile_loop_options or self.programs_per_sm != 1:
                 raise ValueError("kernel='gluon' is persistent, TMA-loaded and warp-specialized by design; the Triton "
                                  "options swap_ab, persistent, programs_per_sm, tma, warp_specialize, flatten and "
@@ -175,7 +182,8 @@ class GemmTiles:
 DEFAULT_TILES = {"fp8_block": GemmTiles(64, 128, 128, 4, 4), "float": GemmTiles(128, 256, 64, 8, 3),
                  "fp8_block_decode": GemmTiles(16, 128, 128, 4, 3, swap_ab=True),
                  "fp8_block_contiguous_tma": GemmTiles(64, 128, 128, 4, 4, tma=True),
-                 "fp8_block_contiguous_gluon": GemmTiles(128, 128, 128, 4, 6, group_m=8, kernel="gluon")}
+                 "fp8_block_contiguous_gluon": GemmTiles(128, 128, 128, 4, 6, group_m=8, kernel="gluon",
+                                                         epilogue="tma")}
 """Tiles when none are given (:func:`default_tiles`): ``"fp8_block_decode"`` for FP8 operands with few rows per
 expert; ``"fp8_block_contiguous_gluon"`` (the Gluon kernel) for FP8 prefill in the contiguous layout on a Hopper
 GPU (sm_90) where it runs (the layout's rows, an alignment that is a multiple of 128); ``"fp8_block_contiguous_tma"``
@@ -212,13 +220,16 @@ FP8_PREFILL_CANDIDATES = {
     "64x128 w8 s2 tma lagpair": GemmTiles(64, 128, 128, 8, 2, tma=True, promotion="lagged_pair"),
     "128x128 w8 s2 tma g2 lagpair": GemmTiles(128, 128, 128, 8, 2, tma=True, group_m=2, promotion="lagged_pair"),
     "128x128 w4 s6 g8 gluon": GemmTiles(128, 128, 128, 4, 6, group_m=8, kernel="gluon"),
+    "128x128 w4 s6 g8 gluon tmastore": GemmTiles(128, 128, 128, 4, 6, group_m=8, kernel="gluon", epilogue="tma"),
+    "128x192 w4 s4 g8 gluon": GemmTiles(128, 192, 128, 4, 4, group_m=8, kernel="gluon"),
 }
 """FP8 prefill tiles (``wN`` warps, ``sN`` stages, ``gN`` group_m, ``persN`` persistent with N programs per SM,
-``flat`` flatten, ``ws`` warp_specialize; ``lagpair``: ``promotion="lagged_pair"``; ``gluon``: ``kernel="gluon"``,
+``flat`` flatten, ``ws`` warp_specialize; ``lagpair``: ``promotion="lagged_pair"``; ``gluon``: ``kernel="gluon"``
+(``tmastore``: ``epilogue="tma"``),
 sm_90 only): what bench/studies/triton_fp8_prefill_sweep.py times against DeepGEMM at DeepSeek-V3's
 4096-token shapes, and what the GPU test checks bit for bit against :data:`DEFAULT_TILES`. ``"64x128 w4 s4"`` is
 ``DEFAULT_TILES["fp8_block"]`` (the sweep's bit reference), ``"64x128 w4 s4 tma"``
-``DEFAULT_TILES["fp8_block_contiguous_tma"]``, ``"128x128 w4 s6 g8 gluon"``
+``DEFAULT_TILES["fp8_block_contiguous_tma"]``, ``"128x128 w4 s6 g8 gluon tmastore"``
 ``DEFAULT_TILES["fp8_block_contiguous_gluon"]``."""
 DECODE_ROWS_PER_EXPERT = 16
 """FP8 operands with at most this many rows per expert on average take the decode tiles."""

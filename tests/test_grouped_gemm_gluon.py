@@ -1,11 +1,11 @@
 """The Gluon FP8 grouped GEMM (``GemmTiles(kernel="gluon")``, :mod:`fastpath._grouped_gemm_gluon`, issue 33).
 
 CPU: the options and the operands it refuses, and the kernel compiled for sm_90a with Triton's ptxas (Gluon has no
-interpreter, so nothing runs): warp-specialized, TMA loads, the wgmma count of two math warpgroups, every MMA but
-a tile's last waited with one MMA still in flight, one FP32 multiply and one fused multiply-add per output and K
-block (the promotion ``fma(fl(part * sa), sb, acc)`` of the Triton kernel). GPU (Hopper): the bits of
-:data:`fastpath.grouped_gemm.DEFAULT_TILES` ``["fp8_block"]`` on every routed row, with N not a multiple of the tile,
-experts with no rows, a bias, K = 7168 and 2048.
+interpreter, so nothing runs), the default tiles (TMA store epilogue) and the 128 x 192 tiles: warp-specialized, TMA
+loads, the wgmma count of two math warpgroups, where the MMAs wait, one FP32 multiply and one fused multiply-add
+per output and K block (the promotion ``fma(fl(part * sa), sb, acc)`` of the Triton kernel). GPU (Hopper): the bits
+of :data:`fastpath.grouped_gemm.DEFAULT_TILES` ``["fp8_block"]`` on every routed row for each Gluon candidate, with
+N not a multiple of the tile, experts with no rows, a bias, K = 7168 and 2048.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ pytest.importorskip("triton")
 
 from fastpath.testing import on_gpu  # noqa: E402
 
-GLUON = "128x128 w4 s6 g8 gluon"  # the candidate of FP8_PREFILL_CANDIDATES checked here
+GLUON = "128x128 w4 s6 g8 gluon tmastore"  # the default's candidate in FP8_PREFILL_CANDIDATES
+GLUON_192 = "128x192 w4 s4 g8 gluon"
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
@@ -30,21 +31,28 @@ def _fp8(*shape):
 
 
 def test_gluon_options_are_checked():
-    """``kernel`` is one of :data:`~fastpath.grouped_gemm.KERNELS`; the Gluon kernel takes 128 x 128 tiles with 4 warps
-    a math warpgroup and at least two stages, and none of the Triton tile-loop options (its design has them)."""
+    """``kernel`` is one of :data:`~fastpath.grouped_gemm.KERNELS`; the Gluon kernel takes 128 x 128 or 128 x 192
+    tiles with 4 warps a math warpgroup and at least two stages, and none of the Triton tile-loop options (its design
+    has them); ``epilogue="tma"`` is an option of its 128 x 128 tiles only."""
     from fastpath.grouped_gemm import DEFAULT_TILES, FP8_PREFILL_CANDIDATES, KERNELS, GemmTiles
 
     assert KERNELS == ("triton", "gluon")
     t = FP8_PREFILL_CANDIDATES[GLUON]
-    assert (t.kernel, t.block_m, t.block_n, t.num_warps, t.num_stages, t.group_m) == ("gluon", 128, 128, 4, 6, 8)
+    assert (t.kernel, t.block_m, t.block_n, t.num_warps, t.num_stages, t.group_m, t.epilogue) == \
+        ("gluon", 128, 128, 4, 6, 8, "tma")
+    assert GemmTiles(128, 192, 128, 4, 4, kernel="gluon").epilogue == "store"
     assert DEFAULT_TILES["fp8_block_contiguous_gluon"] == t
     assert not t.tile_loop  # the Gluon launcher, not the Triton tile-loop kernel
     with pytest.raises(ValueError, match="kernel must be one of"):
         GemmTiles(kernel="cuda")
-    with pytest.raises(ValueError, match="128 x 128 tiles"):
-        GemmTiles(64, 128, 128, 4, 4, kernel="gluon")
-    with pytest.raises(ValueError, match="128 x 128 tiles"):
-        GemmTiles(128, 128, 128, 8, 4, kernel="gluon")
+    for shape in ((64, 128, 128, 4), (128, 128, 128, 8), (128, 256, 128, 4), (128, 64, 128, 4)):
+        with pytest.raises(ValueError, match="128 x 192 tiles"):
+            GemmTiles(*shape, 4, kernel="gluon")
+    for kw in ({"epilogue": "smem", "kernel": "gluon"}, {"epilogue": "tma"}, {"epilogue": "tma", "tma": True}):
+        with pytest.raises(ValueError, match="epilogue"):
+            GemmTiles(128, 128, 128, 4, 4, **kw)
+    with pytest.raises(ValueError, match="block_n 128"):
+        GemmTiles(128, 192, 128, 4, 4, kernel="gluon", epilogue="tma")
     for kw in ({"tma": True}, {"persistent": True}, {"promotion": "lagged_pair"}, {"swap_ab": True}):
         with pytest.raises(ValueError, match="not taken with it"):
             GemmTiles(128, 128, 128, 4, 4, kernel="gluon", **kw)
@@ -78,30 +86,43 @@ def test_gluon_refuses_what_it_does_not_run():
 
 
 def test_gluon_kernel_compiles_for_hopper(tmp_path):
-    """The kernel compiles for sm_90a without a GPU (bench/studies/triton_fp8_prefill_compile.py in a process of
-    its own) at GEMM2's shape (K = 2048: 16 K blocks, run in chunks of ``K_UNROLL``): warp-specialized with TMA
-    loads; in the code, 2 math warpgroups x ``K_UNROLL`` blocks x 4 wgmma (``m64n128k32``); per warpgroup and chunk,
-    a wait that leaves one MMA in flight after each MMA but the last (block k + 1's MMA runs while block k is
-    promoted) and one full wait; one FMUL and one FFMA per output and K block; no spills; the math warpgroups given
-    232 registers; shared memory for 6 stages of 32 KiB."""
+    """The default tiles' kernel and the 128 x 192 tiles' compile for sm_90a without a GPU
+    (bench/studies/triton_fp8_prefill_compile.py in a process of its own) at GEMM2's shape (K = 2048: 16 K blocks),
+    warp-specialized with TMA loads, no spills, the math warpgroups given 232 registers. The default: K blocks in
+    chunks of ``K_UNROLL``, in the code 2 math warpgroups x ``K_UNROLL`` blocks x 4 wgmma (``m64n128k32``); per
+    warpgroup and chunk, a wait that leaves one MMA in flight after each MMA but the last (block k + 1's MMA runs
+    while block k is promoted) and one full wait; one FMUL and one FFMA per output and K block; a TMA store; shared
+    memory for 6 stages of 32 KiB and the 32 KiB of bf16 outputs. 128 x 192: per warpgroup and K block (a loop not
+    unrolled) 4 ``m64n128k32`` and 4 ``m64n64k32`` wgmma and one full wait; 96 outputs a thread, one FMUL and one
+    FFMA each; shared memory for 4 stages of 40 KiB."""
     from fastpath._grouped_gemm_gluon import K_UNROLL
 
     assert 16 % K_UNROLL == 0  # the counts below: chunks without a tail at K = 2048
     out = tmp_path / "c.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "bench/studies/triton_fp8_prefill_compile.py", "--gemms", "gemm2",
-                          "--configs", GLUON, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
+                          "--configs", GLUON, GLUON_192, "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    r = json.loads(out.read_text())[GLUON]["gemm2"]
-    assert r["kernel"] == "_gluon_fp8_grouped_gemm_kernel"
-    assert r["warp_specialized"] and r["tma_loads"]
+    res = json.loads(out.read_text())
+    for name in (GLUON, GLUON_192):
+        r = res[name]["gemm2"]
+        assert r["kernel"] == "_gluon_fp8_grouped_gemm_kernel"
+        assert r["warp_specialized"] and r["tma_loads"]
+        assert r["stack_bytes"] == 0
+        assert 232 in r["math_registers"]
+    r = res[GLUON]["gemm2"]
     assert r["wgmma"] == 2 * K_UNROLL * 4
     assert {int(n): c for n, c in r["mma_waits"].items()} == {1: 2 * (K_UNROLL - 1), 0: 2}
     assert r["fmul"] == r["ffma"] == 2 * K_UNROLL * 64  # 64 outputs a thread (64 x 128 of a warpgroup, 128 threads)
-    assert r["stack_bytes"] == 0
-    assert 232 in r["math_registers"]
-    assert r["shared_bytes"] >= 6 * (128 + 128) * 128
+    assert r["tma_stores"]
+    assert r["shared_bytes"] >= 6 * (128 + 128) * 128 + 128 * 128 * 2
+    r = res[GLUON_192]["gemm2"]
+    assert r["wgmma"] == 2 * (4 + 4)
+    assert {int(n): c for n, c in r["mma_waits"].items()} == {0: 2}
+    assert r["fmul"] == r["ffma"] == 2 * 96
+    assert not r["tma_stores"]
+    assert r["shared_bytes"] >= 4 * (128 + 192) * 128
 
 
 def _operands(k: int, n: int, seed: int, live: int):
@@ -127,10 +148,12 @@ def _operands(k: int, n: int, seed: int, live: int):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", [GLUON, "128x128 w4 s6 g8 gluon", GLUON_192])
 @pytest.mark.parametrize("k, n, live", [(7168, 512, 16), (2048, 384, 16), (2048, 320, 12), (7168, 448, 11)])
-def test_gpu_gluon_gives_the_default_bits(k, n, live):
-    """The Gluon kernel's outputs equal the Triton default tiles' bit for bit on every routed row (N = 320, 448: a
-    partial last column tile; ``live`` < 16: experts with no rows), without and with a bias."""
+def test_gpu_gluon_gives_the_default_bits(name, k, n, live):
+    """The Gluon kernel's outputs (TMA and register epilogues, 128 x 192 tiles) equal the Triton default tiles' bit
+    for bit on every routed row (N = 320, 448: a partial last column tile, 192-column tiles that start inside a
+    weight-scale block; ``live`` < 16: experts with no rows), without and with a bias."""
     if not on_gpu() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs a Hopper (sm_90) GPU: Gluon kernels have no interpreter (the CPU test compiles it)")
     from fastpath.grouped_gemm import DEFAULT_TILES, FP8_PREFILL_CANDIDATES, grouped_gemm_contiguous
@@ -143,5 +166,5 @@ def test_gpu_gluon_gives_the_default_bits(k, n, live):
         kw = dict(impl="triton", a_scales=sa, b_scales=sb, bias=bias_or_none)
         want = grouped_gemm_contiguous(a, b, lay.m_indices, tiles=DEFAULT_TILES["fp8_block"], **kw)
         assert torch.isfinite(want[valid].float()).all() and want[valid].float().abs().max() > 0
-        got = grouped_gemm_contiguous(a, b, lay.m_indices, tiles=FP8_PREFILL_CANDIDATES[GLUON], **kw)
-        assert torch.equal(got[valid], want[valid]), (k, n, live, bias_or_none is not None)
+        got = grouped_gemm_contiguous(a, b, lay.m_indices, tiles=FP8_PREFILL_CANDIDATES[name], **kw)
+        assert torch.equal(got[valid], want[valid]), (name, k, n, live, bias_or_none is not None)

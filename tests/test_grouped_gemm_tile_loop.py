@@ -238,7 +238,8 @@ def _gpu_operands(k: int, n: int, seed: int):
                                   "64x128 w4 s3 pers1 tma ws g4", "128x128 w8 s3 tma g2", "128x128 w8 s3 pers1 tma g2",
                                   "128x64 w4 s4 tma g2", "64x256 w8 s3 tma g4", "64x128 w8 s4 tma",
                                   "64x128 w4 s2 tma lagpair", "64x128 w4 s2 tma g4 lagpair", "64x128 w8 s2 tma lagpair",
-                                  "128x128 w8 s2 tma g2 lagpair", "128x128 w4 s6 g8 gluon"])
+                                  "128x128 w8 s2 tma g2 lagpair", "128x128 w4 s6 g8 gluon",
+                                  "128x128 w4 s6 g8 gluon tmastore", "128x192 w4 s4 g8 gluon"])
 def test_gpu_prefill_candidates_give_the_default_bits(name):
     """Each FP8 prefill candidate (:data:`fastpath.grouped_gemm.FP8_PREFILL_CANDIDATES`) gives the bits of the
     default tiles on every routed row: GEMM1-like (K = 7168, N = 512) and GEMM2-like (K = 2048, N = 384, a

@@ -1,16 +1,17 @@
 """Study (Hopper GPU, issue 33): the Gluon FP8 grouped GEMM's bits and speed against the Triton TMA tiles, without
 DeepGEMM (a quick probe; bench/studies/triton_fp8_prefill_sweep.py is the full sweep with DeepGEMM).
 
-1. Bits: ``GemmTiles(kernel="gluon")`` (the first ``--variants`` entry) against ``DEFAULT_TILES["fp8_block"]`` on
+1. Bits: each ``--variants`` entry against ``DEFAULT_TILES["fp8_block"]`` on
    small contiguous layouts (16 experts, top-4 of 61 tokens; K 7168 / 2048; N 512, 384, 320, 200: partial column
    tiles; experts with no rows), with and without a bias: every routed row bit for bit.
 2. Speed: DeepSeek-V3's two grouped GEMMs at 4096 tokens (uniform top-8 of 256 experts, 128-row layout; GEMM1
    N 4096 K 7168, GEMM2 N 7168 K 2048; E4M3 codes over the whole range) for ``DEFAULT_TILES
-   ["fp8_block_contiguous_tma"]`` and each variant ``stages,group_m,k_unroll`` (``k_unroll`` sets
-   :data:`fastpath._grouped_gemm_gluon.K_UNROLL` for its calls): ``--rounds`` interleaved rounds of 10 calls between
+   ["fp8_block_contiguous_tma"]`` and each variant ``block_n,stages,group_m,k_unroll[,in_flight[,epilogue]]``
+   (``k_unroll`` and ``in_flight`` set :data:`fastpath._grouped_gemm_gluon.K_UNROLL` and ``IN_FLIGHT`` for its calls,
+   0 the default; ``epilogue``: :attr:`GemmTiles.epilogue`): ``--rounds`` interleaved rounds of 10 calls between
    CUDA events after a warm-up call; median ms, TFLOP/s over the routed rows, bits against the TMA tiles.
 
-    python bench/studies/gluon_fp8_prefill_probe.py --variants 6,8,4 5,8,4 5,8,2 --out bench_out/probe.json
+    python bench/studies/gluon_fp8_prefill_probe.py --variants 128,6,8,4 128,6,8,4,0,tma 192,5,8,4 --out probe.json
 """
 from __future__ import annotations
 
@@ -51,28 +52,35 @@ def main(argv=None) -> int:
     from fastpath.grouped_gemm import DEFAULT_TILES, GemmTiles, grouped_gemm_contiguous
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", nargs="+", default=["6,8,4"], help="stages,group_m,k_unroll of each Gluon variant")
+    ap.add_argument("--variants", nargs="+", default=["128,6,8,4"],
+                    help="block_n,stages,group_m,k_unroll[,in_flight[,epilogue]] of each Gluon variant")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--tree", default=None, help="the commit measured (default: git rev-parse HEAD here)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    tree = args.tree or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True).stdout.strip()
     res = {"meta": {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                     "torch": torch.__version__, "tree": tree, "argv": sys.argv[1:]}, "bits": {}, "times": {}}
-    cands, gluon = {"tma": (DEFAULT_TILES["fp8_block_contiguous_tma"], G.K_UNROLL)}, []
+    cands = {"tma": (DEFAULT_TILES["fp8_block_contiguous_tma"], G.K_UNROLL, None)}
     for v in args.variants:
-        s, g, ku = (int(x) for x in v.split(","))
-        gluon.append((GemmTiles(128, 128, 128, 4, s, group_m=g, kernel="gluon"), ku))
-        cands[f"gluon s{s} g{g} ku{ku}"] = gluon[-1]
-    first, G.K_UNROLL = gluon[0]
+        f = v.split(",")
+        bn, s, g, ku = (int(x) for x in f[:4])
+        inf, epi = int(f[4]) if len(f) > 4 else 0, f[5] if len(f) > 5 else "store"
+        cands[f"gluon {bn} s{s} g{g} ku{ku} if{inf} {epi}"] = (
+            GemmTiles(128, bn, 128, 4, s, group_m=g, kernel="gluon", epilogue=epi), ku, inf or None)
     for k, n, seed, live in ((7168, 512, 0, 16), (2048, 384, 1, 16), (2048, 320, 2, 12), (7168, 200, 3, 11)):
         lay, a, sa, b, sb, bias = _small(k, n, seed, live)
         valid = lay.m_indices >= 0
         for bias_or_none in (None, bias):
             kw = dict(impl="triton", a_scales=sa, b_scales=sb, bias=bias_or_none)
             want = grouped_gemm_contiguous(a, b, lay.m_indices, tiles=DEFAULT_TILES["fp8_block"], **kw)
-            got = grouped_gemm_contiguous(a, b, lay.m_indices, tiles=first, **kw)
-            res["bits"][f"k{k} n{n} live{live} bias{int(bias_or_none is not None)}"] = bool(
-                torch.equal(got[valid], want[valid]))
+            for name, (t, ku, inf) in cands.items():
+                if name != "tma":
+                    G.K_UNROLL, G.IN_FLIGHT = ku, inf
+                    got = grouped_gemm_contiguous(a, b, lay.m_indices, tiles=t, **kw)
+                    res["bits"][f"{name}: k{k} n{n} live{live} bias{int(bias_or_none is not None)}"] = bool(
+                        torch.equal(got[valid], want[valid]))
     gen = torch.Generator(device="cuda").manual_seed(0)
     e, tokens = 256, 4096
     ids = routing("uniform", tokens, e, 8, gen, 0.3)
@@ -87,11 +95,11 @@ def main(argv=None) -> int:
     for gname, (n, k, a, sa) in ops.items():
         b, sb = _codes((e, n, k), gen), 1e-4 * (1 + torch.rand((e, n // 128, k // 128), device="cuda", generator=gen))
         outs, times = {}, {}
-        for name, (t, ku) in cands.items():
+        for name, (t, ku, inf) in cands.items():
             o = torch.empty((rows, n), dtype=torch.bfloat16, device="cuda")
 
-            def fn(t=t, ku=ku, o=o, b=b, sb=sb, a=a, sa=sa):
-                G.K_UNROLL = ku
+            def fn(t=t, ku=ku, inf=inf, o=o, b=b, sb=sb, a=a, sa=sa):
+                G.K_UNROLL, G.IN_FLIGHT = ku, inf
                 grouped_gemm_contiguous(a, b, m_idx, impl="triton", a_scales=sa, b_scales=sb, tiles=t, out=o)
             fn()
             outs[name], times[name] = (o, fn), []
@@ -110,8 +118,10 @@ def main(argv=None) -> int:
             res["times"].setdefault(gname, {})[name] = {
                 "median_ms": med, "ms": times[name], "tflops_routed_rows": 2.0 * real * n * k / (med * 1e-3) / 1e12,
                 "bits_equal_tma": bool(torch.equal(o[valid], outs["tma"][0][valid]))}
-            print(f"{gname} {name:18s} {med:7.3f} ms", flush=True)
-    print("bits", res["bits"])
+            print(f"{gname} {name:32s} {med:7.3f} ms {res['times'][gname][name]['tflops_routed_rows']:5.0f} TFLOP/s "
+                  f"bits {res['times'][gname][name]['bits_equal_tma']}", flush=True)
+    bad = [key for key, ok in res["bits"].items() if not ok]
+    print(f"bits vs DEFAULT_TILES['fp8_block']: {len(res['bits']) - len(bad)}/{len(res['bits'])} equal; unequal: {bad}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

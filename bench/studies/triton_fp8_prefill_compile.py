@@ -96,7 +96,8 @@ def compile_tile(tiles, n: int, k: int, experts: int = 16, rows: int = 4096) -> 
             "kernel": fn.__name__, "registers": regs, "stack_bytes": stack, "shared_bytes": int(ck.metadata.shared),
             "warps": warps, "programs_per_sm_fit": fit, "warp_specialized": "ttg.warp_specialize" in ttgir,
             "math_registers": _setmaxnreg(sass),
-            "tma_loads": "async_tma_copy_global_to_local" in ttgir, "wgmma": ops.get("QGMMA", 0),
+            "tma_loads": "async_tma_copy_global_to_local" in ttgir,
+            "tma_stores": "async_tma_copy_local_to_global" in ttgir, "wgmma": ops.get("QGMMA", 0),
             "fmul": ops.get("FMUL", 0), "ffma": ops.get("FFMA", 0), "fadd": ops.get("FADD", 0)}
 
 
