@@ -316,24 +316,25 @@ def test_default_tiles_by_layout(monkeypatch):
     token rows read through ``a_src`` and an alignment its 128-row tiles do not divide, which take the TMA tiles, as
     does another GPU with TMA; the masked layout (which neither runs), a GPU without TMA, decode sizes and the
     interpreter keep theirs."""
+    import fastpath._grouped_gemm_table as table
     import fastpath.grouped_gemm as gg
 
-    monkeypatch.setattr(gg, "_has_tma", lambda: True)
-    monkeypatch.setattr(gg, "_is_sm90", lambda: True)
+    monkeypatch.setattr(table, "_has_tma", lambda: True)
+    monkeypatch.setattr(table, "_is_sm90", lambda: True)
     t = gg.default_tiles("fp8_block", 64, "cuda", "contiguous")
     assert t == gg.DEFAULT_TILES["fp8_block_contiguous_gluon"] and t.kernel == "gluon" and not t.tile_loop
     for kw in ({"gather": True}, {"alignment": 64}):
         t = gg.default_tiles("fp8_block", 64, "cuda", "contiguous", **kw)
         assert t == gg.DEFAULT_TILES["fp8_block_contiguous_tma"] and t.tma and t.tile_loop, kw
     assert gg.default_tiles("fp8_block", 64, "cuda", "contiguous", alignment=256).kernel == "gluon"
-    monkeypatch.setattr(gg, "_is_sm90", lambda: False)  # e.g. sm_100: TMA, no wgmma
+    monkeypatch.setattr(table, "_is_sm90", lambda: False)  # e.g. sm_100: TMA, no wgmma
     t = gg.default_tiles("fp8_block", 64, "cuda", "contiguous")
     assert t == gg.DEFAULT_TILES["fp8_block_contiguous_tma"] and t.tma and t.tile_loop
     assert gg.default_tiles("fp8_block", 64, "cuda", "masked") == gg.DEFAULT_TILES["fp8_block"]
     assert gg.default_tiles("fp8_block", 4, "cuda", "contiguous") == gg.DEFAULT_TILES["fp8_block_decode"]
     assert gg.default_tiles("float", 64, "cuda", "contiguous") == gg.DEFAULT_TILES["float"]
     assert not gg.default_tiles("fp8_block", 64, "cpu", "contiguous").tile_loop
-    monkeypatch.setattr(gg, "_has_tma", lambda: False)
+    monkeypatch.setattr(table, "_has_tma", lambda: False)
     assert gg.default_tiles("fp8_block", 64, "cuda", "contiguous") == gg.DEFAULT_TILES["fp8_block"]
     with pytest.raises(ValueError, match="layout"):
         gg.default_tiles("fp8_block", 64, "cuda", "ragged")
