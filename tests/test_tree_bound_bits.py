@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from moeref.compare import bounds as bounds_mod
 from moeref.compare import contiguous_tree as ct
+from moeref.compare import tree_brackets as tb
 from moeref.compare import gemm_bounds as gb
 from moeref.compare import gemm_intervals as gint
 from moeref.compare import operand_radius as orad
@@ -465,7 +466,7 @@ def test_rows_gemm_interval_with_ends_stores_the_same_bits(rows, experts, n, k, 
     assert ends is not None
     with pytest.MonkeyPatch.context() as mp, np.errstate(invalid="ignore", over="ignore"):
         mp.setattr(gint, "_EXACT_ALL_FROM", exact_all_from)
-        mp.setattr(ct, "_REFINE_ELEMS", lane_elems)
+        mp.setattr(tb, "_REFINE_ELEMS", lane_elems)
         got = bounds_mod._rows_gemm_interval(a, radius, row_expert, weights, bias, profile, ends=ends)
         want = _rows_gemm_interval_apart(a, radius, row_expert, weights, bias, profile)
         _same_bits(got[0], want[0])
@@ -492,7 +493,7 @@ def test_tree_brackets_hold_the_bound(m, n, k, kind_a, kind_w, with_radius, with
     b_abs = np.abs(rng.standard_normal(n)) if with_bias else np.zeros(n)
     A, W = as_operand(a), as_operand(w)
     want = _tree_oracle(A, W, BF16_OUTPUT, radius, b_abs)
-    tree = ct._TreeBrackets(A, W, radius, b_abs, BF16_OUTPUT)
+    tree = tb._TreeBrackets(A, W, radius, b_abs, BF16_OUTPUT)
     lo, hi = tree.bounds(1)
     assert np.all(lo <= want) and np.all(want <= hi)
     from moeref.gemm.exact import block_gemm

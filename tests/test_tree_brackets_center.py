@@ -2,7 +2,7 @@
 :func:`moeref.compare.gemm_intervals._rows_gemm_interval`): the store of the interval has the bits of the store of the
 exact interval, whatever the brackets leave open; and the pieces that argument rests on hold on their own.
 
-* :func:`moeref.compare.contiguous_tree._walk_brackets`: its brackets hold the walk's in-order sum and the range of
+* :func:`moeref.compare.tree_brackets._walk_brackets`: its brackets hold the walk's in-order sum and the range of
   every lane (oracle: the walk's definition, ``np.cumsum`` of the products along K), on cancelling sums, one-signed
   drifts, huge and tiny magnitudes (products that underflow), zeros.
 * :func:`moeref.compare.stores._store_ends_box` and the weighted store's box (``_StoreEnds`` with ``w_row``): every
@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from moeref.compare import bounds as bounds_mod
 from moeref.compare import contiguous_tree as ct
+from moeref.compare import tree_brackets as tb
 from moeref.compare import gemm_intervals as gint
 from moeref.compare import stores
 from moeref.compare.bounds import BF16_OUTPUT
@@ -66,7 +67,7 @@ def _adversarial(rng, m, k, kind):
 @given(m=st.integers(1, 6), n=st.integers(1, 40), k=st.integers(1, 300),
        kind=st.sampled_from(["bf16", "f64", "positive", "drift", "int"]),
        adv=st.sampled_from([None, "cancel", "tiny", "huge", "drift", "zeros"]),
-       lane=st.sampled_from(sorted(ct._BRACKET_BLOCKS)), seed=st.integers(0, 2**31 - 1))
+       lane=st.sampled_from(sorted(tb._BRACKET_BLOCKS)), seed=st.integers(0, 2**31 - 1))
 def test_walk_brackets_hold_the_walk(m, n, k, kind, adv, lane, seed):
     rng = np.random.default_rng(seed)
     if adv is None:
@@ -76,9 +77,9 @@ def test_walk_brackets_hold_the_walk(m, n, k, kind, adv, lane, seed):
         n = w.shape[0]
     kp = -(-k // 32) * 32
     at, wt = ct._k_major(a, kp), ct._k_major(w, kp)
-    w_hi = np.abs(a) @ np.abs(w).T * ct._grow(kp) + ct._tiny(kp)  # at least sum |p|
+    w_hi = np.abs(a) @ np.abs(w).T * tb._grow(kp) + tb._tiny(kp)  # at least sum |p|
     with np.errstate(over="ignore", invalid="ignore"):
-        (r_lo, r_hi), c, total = ct._walk_brackets(at, wt, np.abs(wt), w_hi, lane, ct._BRACKET_BLOCKS[lane])
+        (r_lo, r_hi), c, total = tb._walk_brackets(at, wt, np.abs(wt), w_hi, lane, tb._BRACKET_BLOCKS[lane])
     q = at[:, :, None] * wt[:, None, :]  # [kp, m, n]
     walk = np.cumsum(q.reshape(kp // lane, lane, m, n), axis=0)  # each lane's prefix sums in K order
     top = (np.maximum(walk.max(axis=0), 0.0) - np.minimum(walk.min(axis=0), 0.0)).max(axis=0)
@@ -190,9 +191,9 @@ def test_bracketed_center_stores_the_same_bits(rows, experts, n, k, kind, adv, w
     assert not fast.exact_center and exact.exact_center
     with pytest.MonkeyPatch.context() as mp, np.errstate(invalid="ignore", over="ignore"):
         mp.setattr(gint, "_BRACKET_MORE", more)
-        mp.setattr(ct, "_FIRST_AFTER", first_after)
+        mp.setattr(tb, "_FIRST_AFTER", first_after)
         mp.setattr(gint, "_EXACT_ALL_FROM", exact_all_from)
-        mp.setattr(ct, "_REFINE_ELEMS", refine_elems)
+        mp.setattr(tb, "_REFINE_ELEMS", refine_elems)
         got = bounds_mod._rows_gemm_interval(a, radius, row_expert, weights, bias, profile, ends=fast)
         walked = bounds_mod._rows_gemm_interval(a, radius, row_expert, weights, bias, profile, ends=exact)
         want = _rows_gemm_interval_apart(a, radius, row_expert, weights, bias, profile)

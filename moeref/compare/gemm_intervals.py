@@ -38,7 +38,7 @@ def _rows_gemm_interval(a, a_radius, row_expert, weights, bias, profile, ends=No
     ``ends``: optional, for a caller that only stores the interval: a :class:`_StoreEnds` (:func:`_ends_of`), the
     least and greatest of the two ends the store rounds (after any elementwise step between) over brackets of the
     center and of the radius. Under ``"contiguous_tree"`` the radius is then exact where its ends depend on it, and
-    elsewhere a value with the same ends: the bound's brackets (:class:`moeref.compare.contiguous_tree._TreeBrackets`,
+    elsewhere a value with the same ends: the bound's brackets (:class:`moeref.compare.tree_brackets._TreeBrackets`,
     which skip the walks of ``L >= 2``) give the same ends (both signs of zero told apart, every bracket and end
     finite, the radius brackets positive), so they are the exact radius's ends; the other outputs walk the next lane
     count and are bracketed again, and those still open after every lane count get the exact radius (or the whole GEMM
@@ -82,7 +82,7 @@ def _rows_gemm_interval(a, a_radius, row_expert, weights, bias, profile, ends=No
 
 _BRACKET_MORE = 0.06
 """Fraction of a GEMM's outputs whose store ends the brackets leave open from which :func:`_tree_interval_by_ends`
-brackets one more lane count from block sums (:meth:`moeref.compare.contiguous_tree._TreeBrackets.bracket_more`, for
+brackets one more lane count from block sums (:meth:`moeref.compare.tree_brackets._TreeBrackets.bracket_more`, for
 every output: it costs about what refining 3 % of the outputs does; on the layers of
 ``bench/studies/bench_layer_bound_cpu.py`` ``L = 2`` takes the open outputs from 20-27 % to 10-13 % at K = 512 and
 1024, ``L = 4`` to 8 %, while at K = 256 5 % are open with ``L = 1`` alone; measured on the 2-core VM, 2026-11-29)."""
@@ -107,7 +107,7 @@ def _tree_interval_by_ends(a_e, w_e, r_e, b_e, profile, grid: bool, ends, idx):
     """One expert's ``(center, radius)`` of :func:`_rows_gemm_interval` with ``ends`` (rows ``idx``): the exact
     radius where the brackets' ends differ after every lane count is walked, the upper bracket of the first lane count
     that closes them elsewhere; the center's bits where ``ends.exact_center`` or the walk of ``L = 1`` was needed."""
-    from .contiguous_tree import _TreeBrackets
+    from .tree_brackets import _TreeBrackets
     from .gemm_bounds import _checked
 
     a_c, w_c, radius, b_abs = _checked(a_e, w_e, r_e, b_e)
