@@ -68,6 +68,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
                              "studies/triton_fp8_prefill_sweep.py JSON", "any"),
     "report-decode-ab": ("report_decode_ab.py", "docs/moe-gpu.md decode A/B table from the "
                          "studies/decode_graph_sweep.py --only decode_ab JSON", "any"),
+    "report-gluon-probe": ("report_gluon_probe.py", "docs/moe-gpu.md Gluon FP8 prefill table from the "
+                           "studies/gluon_fp8_prefill_probe.py JSON", "any"),
     "report-compare-sources": ("report_compare_sources.py", "docs/hopper-fp8-accumulation.md cost table from "
                                "compare --sources JSON", "any"),
     # tools

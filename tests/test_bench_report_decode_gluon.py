@@ -1,0 +1,41 @@
+"""bench/report_decode_ab.py and bench/report_gluon_probe.py render their docs tables from the benchmark JSON: every
+case measured is a row, in the JSON's order, and a case whose bits differ says so."""
+from __future__ import annotations
+
+from bench import report_decode_ab, report_gluon_probe  # noqa: E402 (the repository root is on sys.path: conftest.py)
+
+
+def _case(us: float, equal: bool) -> dict:
+    return dict(median_us=us, min_us=us - 1, max_us=us + 1, of_roofline=80.0 / us, bits_equal=equal,
+                one_call_graph=dict(median_us=us + 2, of_roofline=80.0 / (us + 2)))
+
+
+def test_decode_ab_rows_follow_the_json_and_flag_other_bits():
+    doc = dict(meta=dict(gpu="GPU X", date="2026-01-01 00:00 UTC", torch="t", triton="3.6.0", tree="abc"),
+               args=dict(rounds=3, calls=4),
+               decode_ab={"1": {"layout_equal": True, "first": _case(100.0, True), "second": _case(90.0, False),
+                                "all_bits_equal": False, "calls_per_graph": 4},
+                          "breakdown": {}})
+    text = report_decode_ab.render([doc])
+    rows = [line for line in text.splitlines() if line.startswith("| 1 |")]
+    assert rows == ["| 1 | first | 100.0 (99.0-101.0) | 80% | 102.0 | 78% | yes |",
+                    "| 1 | second | 90.0 (89.0-91.0) | 89% | 92.0 | 87% | **no** |"]
+    assert "GPU X, 2026-01-01 00:00 UTC" in text and "graph of 4" in text
+
+
+def test_gluon_probe_shows_current_runs_only_and_checks_every_bit(monkeypatch):
+    monkeypatch.setattr(report_gluon_probe, "deep_gemm_ms", lambda: (2.0, 1.0, "2026-01-01"))
+
+    def t(ms, equal=True):
+        return dict(median_ms=ms, ms=[ms - 0.1, ms, ms + 0.2], tflops_routed_rows=100.0 / ms, bits_equal_tma=equal)
+
+    current = dict(gpu="GPU X", date="2026-01-02", torch="t", head="abc", command="python3 probe.py",
+                   bits={"v1: k7168 n512": True, "v2: k7168 n512": False},
+                   times=dict(gemm1={"v1": t(4.0), "v2": t(2.0)}, gemm2={"v1": t(2.0), "v2": t(1.0)}))
+    earlier = dict(current, command=None)
+    del earlier["torch"]
+    text = report_gluon_probe.render([dict(runs=[earlier, current])])
+    rows = [line for line in text.splitlines() if line.startswith(("| v1", "| v2"))]
+    assert rows == ["| v1 | 4.00 (3.90-4.20) | 25 | 0.50x | 2.00 (1.90-2.20) | 50 | 0.50x | yes |",
+                    "| v2 | 2.00 (1.90-2.20) | 50 | 1.00x | 1.00 (0.90-1.20) | 100 | 1.00x | **no** |"]
+    assert text.count("Measured on") == 1
