@@ -70,6 +70,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
                          "studies/decode_graph_sweep.py --only decode_ab JSON", "any"),
     "report-gluon-probe": ("report_gluon_probe.py", "docs/moe-gpu.md Gluon FP8 prefill table from the "
                            "studies/gluon_fp8_prefill_probe.py JSON", "any"),
+    "report-layer-bound-cpu": ("report_layer_bound_cpu.py", "docs/error-bounds.md CPU cost table from the "
+                               "studies/bench_layer_bound_cpu.py JSON", "any"),
     "report-compare-sources": ("report_compare_sources.py", "docs/hopper-fp8-accumulation.md cost table from "
                                "compare --sources JSON", "any"),
     # tools

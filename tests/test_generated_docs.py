@@ -26,6 +26,7 @@ PAGES = [  # (report script in bench/, JSON under docs/data/, page under docs/, 
     ("report_prefill_sweep", "triton_fp8_prefill_sweep_*.json", "moe-gpu.md", None),  # studies/triton_fp8_prefill_sweep.py
     ("report_decode_ab", "decode_ab_*.json", "moe-gpu.md", None),  # studies/decode_graph_sweep.py --only decode_ab
     ("report_gluon_probe", "gluon_fp8_prefill_probe_*.json", "moe-gpu.md", None),  # studies/gluon_fp8_prefill_probe.py
+    ("report_layer_bound_cpu", "layer_bound_cpu_*.json", "error-bounds.md", None),  # studies/bench_layer_bound_cpu.py
     ("report_compare_sources", "compare_sources_*.json", "hopper-fp8-accumulation.md", None),  # compare --sources
 ]
 

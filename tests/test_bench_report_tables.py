@@ -1,8 +1,9 @@
-"""bench/report_decode_ab.py and bench/report_gluon_probe.py render their docs tables from the benchmark JSON: every
-case measured is a row, in the JSON's order, and a case whose bits differ says so."""
+"""bench/report_decode_ab.py, bench/report_gluon_probe.py and bench/report_layer_bound_cpu.py render their docs tables
+from the benchmark JSON: every case measured is a row, in the JSON's order, a case whose bits differ says so, and
+ratios are the medians and ranges of the rounds' own ratios."""
 from __future__ import annotations
 
-from bench import report_decode_ab, report_gluon_probe  # noqa: E402 (the repository root is on sys.path: conftest.py)
+from bench import report_decode_ab, report_gluon_probe, report_layer_bound_cpu  # noqa: E402 (the repository root is on sys.path: conftest.py)
 
 
 def _case(us: float, equal: bool) -> dict:
@@ -39,3 +40,21 @@ def test_gluon_probe_shows_current_runs_only_and_checks_every_bit(monkeypatch):
     assert rows == ["| v1 | 4.00 (3.90-4.20) | 25 | 0.50x | 2.00 (1.90-2.20) | 50 | 0.50x | yes |",
                     "| v2 | 2.00 (1.90-2.20) | 50 | 1.00x | 1.00 (0.90-1.20) | 100 | 1.00x | **no** |"]
     assert text.count("Measured on") == 1
+
+
+def test_layer_bound_cpu_shows_the_last_tree_with_per_round_ratios():
+    def rnd(ref, bound):
+        return {"8:64:32": dict(ref_wall=ref, ref_cpu=ref, bound_wall=bound, bound_cpu=bound)}
+
+    base = [rnd(1.0, 9.0), rnd(1.0, 9.0), rnd(1.0, 9.0)]
+    this = [rnd(1.0, 2.0), rnd(2.0, 3.0), rnd(1.0, 4.0)]  # ratios 2.0, 1.5, 4.0: median 2.0, range 1.5-4.0
+    summary = {"base": {"8:64:32": dict(ref_wall=1.0, ref_cpu=1.0, bound_wall=9.0, bound_cpu=9.0, ratio_wall=9.0,
+                                        ratio_cpu=9.0)},
+               "this": {"8:64:32": dict(ref_wall=1.0, ref_cpu=1.0, bound_wall=3.0, bound_cpu=3.0, ratio_wall=2.0,
+                                        ratio_cpu=2.0)}}
+    doc = dict(meta=dict(date="2026-01-01T00:00:00+00:00", machine="x86_64", cpus=2, profile="BF16_OUTPUT",
+                         cases=["8:64:32"], rounds=3),
+               rounds={"base": base, "this": this}, summary=summary)
+    rows = [line for line in report_layer_bound_cpu.render([doc]).splitlines() if line.startswith("| 8 tokens")]
+    assert rows == ["| 8 tokens, hidden 64, intermediate 32, 32 experts, top-4 | 1.00 s (1.00 s) | 3.00 s (3.00 s) "
+                    "| 2.0x (2.0x) | 1.5-4.0x (1.5-4.0x) |"]
