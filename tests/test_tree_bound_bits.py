@@ -28,11 +28,11 @@ from hypothesis import strategies as st
 
 from moeref.compare import bounds as bounds_mod
 from moeref.compare import contiguous_tree as ct
-from moeref.compare import tree_brackets as tb
 from moeref.compare import gemm_bounds as gb
 from moeref.compare import gemm_intervals as gint
 from moeref.compare import operand_radius as orad
 from moeref.compare import summation_order as so
+from moeref.compare import tree_brackets as tb
 from moeref.compare.bounds import BF16_OUTPUT, FP32_ACCUM, Profile
 from moeref.gemm.exact import as_operand, quantum_and_max
 from moeref.quant import fp8_block, fp8_group, quantize
@@ -129,13 +129,20 @@ def _gemm_case(rng, rows, k, n, experts, kind, fp8, with_radius, with_bias, weig
     if fp8:
         a = quantize(a.astype(np.float32), fp8_group(min(128, k)))
         weights = [quantize(wi.astype(np.float32), fp8_block()) for wi in weights]
+    return (a, weights, *_routing_radius_bias(rng, rows, k, n, experts, with_radius, with_bias))
+
+
+def _routing_radius_bias(rng, rows, k, n, experts, with_radius, with_bias, radius_scale=2.0**-9):
+    """``(row_expert, radius, bias)`` drawn from ``rng`` in that order: row experts in ``-1 .. experts - 1``, a
+    ``[rows, k]`` radius of ``|normal| * radius_scale`` with half its entries zero (None unless ``with_radius``), a
+    normal ``[experts, n]`` bias (None unless ``with_bias``)."""
     row_expert = rng.integers(-1, experts, rows)
     radius = None
     if with_radius:
-        radius = np.abs(rng.standard_normal((rows, k))) * 2.0**-9
+        radius = np.abs(rng.standard_normal((rows, k))) * radius_scale
         radius[rng.random((rows, k)) < 0.5] = 0.0
     bias = rng.standard_normal((experts, n)) if with_bias else None
-    return a, weights, row_expert, radius, bias
+    return row_expert, radius, bias
 
 
 @given(m=st.integers(1, 9), n=st.integers(1, 40), k=st.integers(1, 140),

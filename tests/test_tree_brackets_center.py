@@ -25,11 +25,12 @@ from hypothesis import strategies as st
 
 from moeref.compare import bounds as bounds_mod
 from moeref.compare import contiguous_tree as ct
-from moeref.compare import tree_brackets as tb
 from moeref.compare import gemm_intervals as gint
 from moeref.compare import stores
+from moeref.compare import tree_brackets as tb
 from moeref.compare.bounds import BF16_OUTPUT
-from test_tree_bound_bits import _gemm_case, _rows_gemm_interval_apart, _same_bits, _stored, _values
+from test_tree_bound_bits import (_gemm_case, _routing_radius_bias, _rows_gemm_interval_apart, _same_bits, _stored,
+                                  _values)
 
 TIE = 1.0 + 2.0**-8  # halfway between the bf16 values 1 and 1 + 2^-7
 
@@ -151,12 +152,7 @@ def _adversarial_case(rng, rows, k, n, experts, adv, with_radius, with_bias):
         weights.append(_adversarial(rng, rows, k, adv)[1][:n] if 2 * rows >= n else np.resize(w0, (n, k)))
     if adv in ("tie", "near_tie"):
         weights = [np.ascontiguousarray(wi) for wi in weights]
-    row_expert = rng.integers(-1, experts, rows)
-    radius = None
-    if with_radius:
-        radius = np.abs(rng.standard_normal((rows, k))) * 2.0**-12
-        radius[rng.random((rows, k)) < 0.5] = 0.0
-    bias = rng.standard_normal((experts, n)) if with_bias else None
+    row_expert, radius, bias = _routing_radius_bias(rng, rows, k, n, experts, with_radius, with_bias, 2.0**-12)
     if adv in ("tie", "near_tie") and bias is not None:
         bias[:] = 0.0
     return a, weights, row_expert, radius, bias
