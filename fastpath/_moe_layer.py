@@ -347,9 +347,9 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
                  "swigluoai": swigluoai_quant_fp8}[activation]
         if ACT_ROUTED_ROWS_AT_DECODE and expected_m <= DECODE_ROWS_PER_EXPERT and 0 < m * top_k < n_rows:
             tile = ACT_ROUTED_ROWS_TILE or {}  # the routed rows only: a program per block of slots
-            fq = fused(h, scheme=scheme, rows=dst, **tile, **act_kw, **({"pdl": True} if "act" in pdl else {}))
+            fq = fused(h, scheme=scheme, rows=dst, **tile, **act_kw, pdl="act" in pdl)
         else:
-            fq = fused(h, scheme=scheme, skip_rows=src_flat, **act_kw, **({"pdl": True} if "act" in pdl else {}))
+            fq = fused(h, scheme=scheme, skip_rows=src_flat, **act_kw, pdl="act" in pdl)
         n = int(h.shape[1]) // 2
         xq = fq.codes.reshape(-1, n).view(torch.float8_e4m3fn)
         sx = fq.scales.reshape(xq.shape[0], -1)
