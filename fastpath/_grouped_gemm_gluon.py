@@ -17,7 +17,7 @@ each 128-column K block), written with Triton's Gluon (``triton.experimental.glu
   ``0 .. BLOCK_M/2 - 1`` and ``BLOCK_M/2 ..`` of the tile) each issue per K block an asynchronous wgmma
   (``m64nBLOCK_Nk32`` instructions) into a fresh accumulator (``use_acc=False``), then wait until at most one
   MMA is in flight (``warpgroup_mma_wait(1)``), so block ``k + 1``'s MMA runs while block ``k`` is promoted
-  (``acc + (part * sa) * sb`` in FP32, its stage released first). The K loop runs in chunks of :data:`K_UNROLL`
+  (``acc + part * fl(sa * sb)`` in FP32, its stage released first). The K loop runs in chunks of :data:`K_UNROLL`
   blocks, unrolled, each ending with no MMA in flight: inside a chunk the in-flight products alternate between
   two register sets, written by MMAs only (ptxas serializes every wgmma of a kernel that copies or zeroes a
   running MMA's accumulator registers, its note C7515, or that runs short of registers, C7512);
@@ -32,11 +32,12 @@ each 128-column K block), written with Triton's Gluon (``triton.experimental.glu
   buffer again).
 
 Bits: every output is made with the FP32 operations of the Triton kernel's default tiles (``DEFAULT_TILES
-["fp8_block"]``, :mod:`fastpath.grouped_gemm`): per 128-column K block the same wgmma instructions
-(``m64n128k32``, K order, from a zeroed accumulator; 128 x 192 tiles' ``m64n64k32`` gave the same bits on an
-H200) and then ``acc += (part * sa) * sb`` in K-block order (the
-compiled promotion is ``fma(fl(part * sa), sb, acc)`` in both), rounded once at the store; so the same bits
-(``TRITON_FP8_BLOCK_EXACT`` holds for both; tests/test_grouped_gemm_gluon.py checks them on a GPU).
+["fp8_block"]``, :mod:`fastpath.grouped_gemm`) and of DeepGEMM's SM90 kernel: per 128-column K block the same
+wgmma instructions (``m64n128k32``, K order, from a zeroed accumulator; 128 x 192 tiles' ``m64n64k32`` gave the
+same bits on an H200) and then DeepGEMM's promotion ``acc = fma(part, fl(sa * sb), acc)`` in K-block order, rounded
+once at the store; so the same bits (``TRITON_FP8_BLOCK_EXACT`` = ``DEEPGEMM_FP8_EXACT`` holds for all three;
+tests/test_grouped_gemm_gluon.py checks them on a GPU, against the Triton tiles and against DeepGEMM where it is
+installed).
 
 Gluon has no interpreter: under ``TRITON_INTERPRET=1`` the kernel cannot run (the launcher refuses), and
 tests compile it for sm_90a on the CPU instead (bench/studies/triton_fp8_prefill_compile.py, which records
@@ -136,10 +137,10 @@ def _scales(sa_row, rmask, sb_base, k):
 @gluon.jit
 def _retire(acc, part, sa, sb, empty, c, STAGES: gl.constexpr, OUTSTANDING: gl.constexpr):
     """Wait for block ``c``'s product (``OUTSTANDING`` later MMAs may still run), release its stage, promote it:
-    ``(acc + (part * sa) * sb, part)`` (the Triton kernel's ``acc += part * sa[:, None] * sb``)."""
+    ``(fma(part, fl(sa * sb), acc), part)`` (DeepGEMM's promotion and the Triton kernel's)."""
     part = warpgroup_mma_wait(OUTSTANDING, deps=(part,))
     mbarrier.arrive(empty.index(c % STAGES), count=1)
-    return _ordered_g(acc + part * gl.expand_dims(sa, 1) * sb), part
+    return _ordered_g(acc + part * gl.expand_dims(sa * sb, 1)), part
 
 
 @gluon.jit
@@ -227,8 +228,8 @@ def _tile192(a_bufs, b_bufs, b2_bufs, ready, empty, d_ptr, sa_ptr, sb_ptr, bias_
         sbq = gl.load(sb_q + k, mask=col_q < N, other=0.0)
         p, q = warpgroup_mma_wait(0, deps=(p, q))
         mbarrier.arrive(empty.index(s), count=1)
-        acc_p = _ordered_g(acc_p + p * gl.expand_dims(sa, 1) * sbp)
-        acc_q = _ordered_g(acc_q + q * gl.expand_dims(gl.convert_layout(sa, gl.SliceLayout(1, lq)), 1) * sbq)
+        acc_p = _ordered_g(acc_p + p * gl.expand_dims(sa * sbp, 1))
+        acc_q = _ordered_g(acc_q + q * gl.expand_dims(gl.convert_layout(sa, gl.SliceLayout(1, lq)) * sbq, 1))
         c += 1
     _store(acc_p, d_ptr, bias_ptr, e, rows, rmask, col_p, N, stride_dm, HAS_BIAS)
     _store(acc_q, d_ptr, bias_ptr, e, gl.convert_layout(rows, gl.SliceLayout(1, lq)),

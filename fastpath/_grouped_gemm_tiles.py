@@ -129,11 +129,12 @@ def _k_scales(it, amask, cmask, arow, e64, n0, cols, sa_ptr, sb_ptr, stride_sam,
 
 @triton.jit
 def _promote(acc, part, sa, sb, SCALAR_SB: tl.constexpr):
-    """The promotion of one K block's partial product: ``acc + (part * sa) * sb`` in FP32."""
+    """The promotion of one K block's partial product: ``acc + part * fl(sa * sb)`` in FP32 (compiled to
+    ``fma(part, fl(sa * sb), acc)``, DeepGEMM's promotion)."""
     if SCALAR_SB:
-        acc += part * sa[:, None] * sb
+        acc += part * (sa * sb)[:, None]
     else:
-        acc += part * sa[:, None] * sb[None, :]
+        acc += part * (sa[:, None] * sb[None, :])
     return acc
 
 

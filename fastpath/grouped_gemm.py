@@ -135,10 +135,10 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, d_ptr, m_idx_ptr, sa_ptr, sb_ptr, bias_pt
             sa = tl.load(sa_ptr + arow * stride_sam + k0 // SCALE_BLOCK, mask=amask, other=0.0)
             sb = tl.load(sb_ptr + e.to(tl.int64) * stride_sbe + (cols // SCALE_BLOCK) * stride_sbn
                          + k0 // SCALE_BLOCK, mask=cmask, other=0.0)
-            if SWAP_AB:  # the same FP32 operations in the same order: (part * sa) * sb, then the sum
-                acc += tl.dot(b, tl.trans(a)) * sa[None, :] * sb[:, None]
+            if SWAP_AB:  # the same FP32 operations: fl(sa * sb), then fma(part, that, acc)
+                acc += tl.dot(b, tl.trans(a)) * (sa[None, :] * sb[:, None])
             else:
-                acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+                acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
         elif SWAP_AB:
             acc = tl.dot(b, tl.trans(a), acc)
         else:

@@ -128,14 +128,14 @@ def test_device_emulated_refuses_float_weights():
 
 def test_fastpath_exact_profile_declared_per_implementation():
     """``fastpath.moe.exact_profile``: DeepGEMM -> DEEPGEMM_FP8_EXACT (``"deepgemm"`` promotion), the Triton FP8 GEMM
-    -> TRITON_FP8_BLOCK_EXACT (``"a_then_b"``), both emulated, with the stores ``reference_config`` declares; a bf16
+    -> TRITON_FP8_BLOCK_EXACT (the same ``"deepgemm"`` promotion), both emulated, with the stores ``reference_config`` declares; a bf16
     layer has none."""
     from fastpath.moe import exact_profile, fast_weights, reference_config
 
     fw = fast_weights(quantize_weights(make_layer(2, 128, 128, seed=0), fp8_block()), DEV)
     cfg = reference_config(fw)
     for impl, name, order in (("deep_gemm", "DEEPGEMM_FP8_EXACT", "deepgemm"),
-                              ("triton", "TRITON_FP8_BLOCK_EXACT", "a_then_b")):
+                              ("triton", "TRITON_FP8_BLOCK_EXACT", "deepgemm")):
         p = exact_profile(impl, fw)
         assert (p.name, p.accum_model, p.promotion_order) == (name, "emulated", order)
         assert (p.gemm_out_dtype, p.act_out_dtype, p.out_dtype) == (cfg["gemm1_out_dtype"], cfg["act_out_dtype"],

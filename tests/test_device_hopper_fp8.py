@@ -8,8 +8,7 @@ the NumPy emulator (:func:`~moeref.gemm.hopper_fp8.deepgemm_block_accumulators` 
   and the enumeration's scale term against an in-order NumPy sum written here.
 * GPU: the same at DeepSeek-V3's K (2048, 7168), with the block accumulators from the emulator or (``"auto"``, on
   Hopper) the tensor cores; and against real DeepGEMM
-  (``m_grouped_fp8_gemm_nt_contiguous``, ``"deepgemm"`` promotion) and our Triton FP8 grouped GEMM
-  (``"a_then_b"``) at those K: the emulator's FP32 result rounded to bf16 equals the kernels' bf16 output.
+  (``m_grouped_fp8_gemm_nt_contiguous``) and our Triton FP8 grouped GEMM, both ``"deepgemm"`` promotion, at those K: the emulator's FP32 result rounded to bf16 equals the kernels' bf16 output.
 Every comparison is by equality.
 """
 from __future__ import annotations
@@ -192,7 +191,7 @@ def test_device_emulator_equals_real_deepgemm():
 @pytest.mark.gpu
 def test_device_emulator_equals_triton_fp8_grouped_gemm():
     _hopper()
-    _check_kernel("triton", "a_then_b", 40)
+    _check_kernel("triton", "deepgemm", 40)
 
 
 def test_device_emulator_refuses_what_it_does_not_emulate():

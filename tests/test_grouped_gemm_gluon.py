@@ -91,10 +91,11 @@ def test_gluon_kernel_compiles_for_hopper(tmp_path):
     warp-specialized with TMA loads, no spills, the math warpgroups given 232 registers. The default: K blocks in
     chunks of ``K_UNROLL``, in the code 2 math warpgroups x ``K_UNROLL`` blocks x 4 wgmma (``m64n128k32``); per
     warpgroup and chunk, a wait that leaves one MMA in flight after each MMA but the last (block k + 1's MMA runs
-    while block k is promoted) and one full wait; one FMUL and one FFMA per output and K block; a TMA store; shared
+    while block k is promoted) and one full wait; DeepGEMM's promotion: one FFMA per output and K block, one FMUL
+    (``sa * sb``) per row of a thread (2: rows r and r + 8 of an ``m64`` MMA's warp) and K block; a TMA store; shared
     memory for 6 stages of 32 KiB and the 32 KiB of bf16 outputs. 128 x 192: per warpgroup and K block (a loop not
-    unrolled) 4 ``m64n128k32`` and 4 ``m64n64k32`` wgmma and one full wait; 96 outputs a thread, one FMUL and one
-    FFMA each; shared memory for 4 stages of 40 KiB."""
+    unrolled) 4 ``m64n128k32`` and 4 ``m64n64k32`` wgmma and one full wait; 96 outputs a thread, one FFMA each, and
+    one FMUL per row and product (2 x 2); shared memory for 4 stages of 40 KiB."""
     from fastpath._grouped_gemm_gluon import K_UNROLL
 
     assert 16 % K_UNROLL == 0  # the counts below: chunks without a tail at K = 2048
@@ -114,13 +115,15 @@ def test_gluon_kernel_compiles_for_hopper(tmp_path):
     r = res[GLUON]["gemm2"]
     assert r["wgmma"] == 2 * K_UNROLL * 4
     assert {int(n): c for n, c in r["mma_waits"].items()} == {1: 2 * (K_UNROLL - 1), 0: 2}
-    assert r["fmul"] == r["ffma"] == 2 * K_UNROLL * 64  # 64 outputs a thread (64 x 128 of a warpgroup, 128 threads)
+    assert r["ffma"] == 2 * K_UNROLL * 64  # 64 outputs a thread (64 x 128 of a warpgroup, 128 threads)
+    assert r["fmul"] == 2 * K_UNROLL * 2  # fl(sa * sb) of a thread's 2 rows
     assert r["tma_stores"]
     assert r["shared_bytes"] >= 6 * (128 + 128) * 128 + 128 * 128 * 2
     r = res[GLUON_192]["gemm2"]
     assert r["wgmma"] == 2 * (4 + 4)
     assert {int(n): c for n, c in r["mma_waits"].items()} == {0: 2}
-    assert r["fmul"] == r["ffma"] == 2 * 96
+    assert r["ffma"] == 2 * 96
+    assert r["fmul"] == 2 * 2 * 2
     assert not r["tma_stores"]
     assert r["shared_bytes"] >= 4 * (128 + 192) * 128
 

@@ -282,8 +282,9 @@ def test_every_candidate_compiles_for_hopper_with_its_options(tmp_path):
     """Every FP8 prefill candidate compiles for sm_90a on the CPU (Triton's ptxas; bench/studies/
     triton_fp8_prefill_compile.py in a process of its own, the kernels compiled rather than interpreted), at
     GEMM2's shape: warp specialization in the IR exactly where asked (Hopper applies it with 4 warps), TMA loads
-    exactly where asked, no spills, as many FP32 multiplies as fused multiply-adds in the SASS, a multiple of a
-    thread's outputs (the promotion ``fma(fl(part * sa), sb, acc)``, as in the default tiles), and a persistent
+    exactly where asked, no spills, fused multiply-adds in the SASS a multiple of a thread's outputs and no fewer
+    than its FP32 multiplies (DeepGEMM's promotion ``fma(part, fl(sa * sb), acc)``, as in the default tiles: one
+    FFMA an output, one FMUL a row with a scalar weight scale, an output with a vector of them), and a persistent
     grid's programs per SM co-resident (registers and shared memory)."""
     import subprocess
     import sys
@@ -306,7 +307,7 @@ def test_every_candidate_compiles_for_hopper_with_its_options(tmp_path):
         assert r["tma_loads"] == t.tma, name
         assert r["stack_bytes"] == 0, name
         outputs_per_thread = t.block_m * t.block_n // (32 * t.num_warps)
-        assert r["fmul"] == r["ffma"] and r["fmul"] % outputs_per_thread == 0 and r["fmul"] > 0, (name, r)
+        assert r["ffma"] % outputs_per_thread == 0 and r["ffma"] > 0 and r["fmul"] <= r["ffma"], (name, r)
         if t.persistent:
             assert r["programs_per_sm_fit"] >= t.programs_per_sm, name
 
@@ -369,9 +370,9 @@ def _promotion_case(k: int, gather: bool, seed: int = 0):
 
 def _float32_promotions(a, b, lay, kw):
     """Independent statement of the promotion's FP32 arithmetic on every routed row, per output: ``acc = 0``, then
-    for each 128-column block in K order ``acc = fl(acc + fl(fl(part * sa) * sb))`` with ``part`` the block's exact
-    dot and ``sb`` the weight scale of the output's 128-column block, all in float32 (the interpreter's NumPy does
-    no fused multiply-add)."""
+    for each 128-column block in K order ``acc = fl(acc + fl(part * fl(sa * sb)))`` (DeepGEMM's order; on the GPU
+    the last two fused, ``fma(part, fl(sa * sb), acc)``) with ``part`` the block's exact dot and ``sb`` the weight
+    scale of the output's 128-column block, all in float32 (the interpreter's NumPy does no fused multiply-add)."""
     m_idx = lay.m_indices.numpy()
     src = kw.get("a_src")
     top_k = kw.get("top_k", 1)
@@ -387,7 +388,7 @@ def _float32_promotions(a, b, lay, kw):
             ks = slice(j * 128, (j + 1) * 128)
             part = (b64[e][:, ks] @ a64[t][ks]).astype(np.float32)  # exact: small integers
             sb = np.repeat(sb_all[e][:, j], 128)[:n].astype(np.float32)
-            acc = (acc + (part * np.float32(sa_all[t][j])) * sb).astype(np.float32)
+            acc = (acc + part * (np.float32(sa_all[t][j]) * sb)).astype(np.float32)
         out[r] = acc
     return out
 

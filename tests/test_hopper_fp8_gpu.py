@@ -6,7 +6,8 @@ skipped on CPU machines, saying so; on a Hopper GPU they run for real).
 * DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` (bf16 out) against
   :func:`~moeref.gemm.hopper_fp8.deepgemm_grouped_contiguous` and under the equality profile
   ``DEEPGEMM_FP8_EXACT`` (:func:`moeref.testing.grouped_gemm_report`);
-* our Triton FP8 grouped GEMM (:mod:`fastpath.grouped_gemm`) against the ``"a_then_b"`` promotion.
+* our Triton and Gluon FP8 grouped GEMMs (:mod:`fastpath.grouped_gemm`, each default tile kind) against the same
+  ``"deepgemm"`` promotion, and against DeepGEMM's outputs themselves where DeepGEMM is installed.
 
 Data are Hypothesis-drawn: shapes (DeepSeek-V3's K = 2048 and 7168 among them), Gaussian data with
 per-block magnitudes, outlier columns, same-sign rows, random codes over the whole E4M3 range, and
@@ -134,7 +135,8 @@ def _deepgemm_case(data, align: int):
     return a, sa, b, sb, m_idx.astype(np.int32)
 
 
-def _check_grouped(impl: str, promotion: str, profile: str | None, max_examples: int):
+def _check_grouped(impl: str, promotion: str, profile: str | None, max_examples: int, tiles=None,
+                   against_deep_gemm: bool = False):
     from fastpath.grouped_gemm import grouped_gemm_contiguous
 
     align = 128
@@ -147,11 +149,15 @@ def _check_grouped(impl: str, promotion: str, profile: str | None, max_examples:
         at, bt = _cuda_f8(a), _cuda_f8(b)
         sat, sbt = torch.from_numpy(sa).cuda(), torch.from_numpy(sb).cuda()
         mi = torch.from_numpy(m_idx).cuda()
-        d = grouped_gemm_contiguous(at, bt, mi, impl=impl, a_scales=sat, b_scales=sbt, alignment=align)
+        d = grouped_gemm_contiguous(at, bt, mi, impl=impl, a_scales=sat, b_scales=sbt, alignment=align, tiles=tiles)
         torch.cuda.synchronize()
+        valid = m_idx >= 0
+        if against_deep_gemm:  # DeepGEMM's own outputs, bit for bit
+            dg = grouped_gemm_contiguous(at, bt, mi, impl="deep_gemm", a_scales=sat, b_scales=sbt, alignment=align)
+            vt = torch.from_numpy(valid).cuda()
+            assert torch.equal(d[vt], dg[vt]), f"{int((d[vt] != dg[vt]).sum())} outputs differ from DeepGEMM's"
         got = d.float().cpu().numpy().astype(np.float64)
         pred = deepgemm_grouped_contiguous(a, sa, b, sb, m_idx, promotion=promotion).astype(np.float64)
-        valid = m_idx >= 0
         mism = int(np.sum(got[valid] != pred[valid]))
         seen.append(int(valid.sum()) * got.shape[1])
         assert mism == 0, f"{mism} of {seen[-1]} outputs differ from the emulation"
@@ -163,7 +169,8 @@ def _check_grouped(impl: str, promotion: str, profile: str | None, max_examples:
             assert rep.passed, rep.summary()
 
     run()
-    print(f"\n[{impl}] {sum(seen)} bf16 outputs, all equal to the emulator ({promotion} promotion)")
+    print(f"\n[{impl} {tiles}] {sum(seen)} bf16 outputs, all equal to the emulator ({promotion} promotion)"
+          f"{' and to DeepGEMM' if against_deep_gemm else ''}")
 
 
 def test_deepgemm_grouped_contiguous_equals_the_emulator():
@@ -172,9 +179,26 @@ def test_deepgemm_grouped_contiguous_equals_the_emulator():
     _check_grouped("deep_gemm", "deepgemm", "DEEPGEMM_FP8_EXACT", 40)
 
 
-def test_triton_fp8_grouped_gemm_equals_the_emulator():
+TILE_KINDS = ("fp8_block", "fp8_block_decode", "fp8_block_contiguous_tma", "fp8_block_contiguous_gluon")
+
+
+@pytest.mark.parametrize("kind", TILE_KINDS)
+def test_triton_fp8_grouped_gemm_equals_the_emulator(kind):
+    """Each default tile kind promotes as DeepGEMM does: ``fma(part, fl(sa * sb), acc)``."""
+    from fastpath.grouped_gemm import DEFAULT_TILES
+
     _hopper()
-    _check_grouped("triton", "a_then_b", None, 25)
+    _check_grouped("triton", "deepgemm", "TRITON_FP8_BLOCK_EXACT", 25, tiles=DEFAULT_TILES[kind])
+
+
+@pytest.mark.parametrize("kind", TILE_KINDS)
+def test_triton_fp8_grouped_gemm_equals_deep_gemm(kind):
+    """Our FP8 grouped GEMM's outputs are DeepGEMM's, bit for bit, on the same Hypothesis-drawn cases."""
+    from fastpath.grouped_gemm import DEFAULT_TILES
+
+    _hopper()
+    pytest.importorskip("deep_gemm", reason="DeepGEMM is not installed (source .gpu/deep_gemm/install.sh builds it)")
+    _check_grouped("triton", "deepgemm", None, 15, tiles=DEFAULT_TILES[kind], against_deep_gemm=True)
 
 
 def _exact_layer_profile(cfg):

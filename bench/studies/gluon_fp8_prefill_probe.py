@@ -54,6 +54,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", nargs="+", default=["128,6,8,4"],
                     help="block_n,stages,group_m,k_unroll[,in_flight[,epilogue]] of each Gluon variant")
+    ap.add_argument("--deep-gemm", action="store_true",
+                    help="time deep_gemm.m_grouped_fp8_gemm_nt_contiguous in the same rounds (psum layout, as the "
+                         "layer calls it) and compare every output with it bit for bit")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--tree", default=None, help="the commit measured (default: git rev-parse HEAD here)")
     ap.add_argument("--out", default=None)
@@ -103,6 +106,14 @@ def main(argv=None) -> int:
                 grouped_gemm_contiguous(a, b, m_idx, impl="triton", a_scales=sa, b_scales=sb, tiles=t, out=o)
             fn()
             outs[name], times[name] = (o, fn), []
+        if args.deep_gemm:
+            o = torch.empty((rows, n), dtype=torch.bfloat16, device="cuda")
+
+            def fn(o=o, b=b, sb=sb, a=a, sa=sa):
+                grouped_gemm_contiguous(a, b, m_idx, impl="deep_gemm", a_scales=sa, b_scales=sb, psum=lay_x.psum,
+                                        out=o)
+            fn()
+            outs["deep_gemm"], times["deep_gemm"] = (o, fn), []
         for _ in range(args.rounds):
             for name, (o, fn) in outs.items():
                 fn()
@@ -118,8 +129,14 @@ def main(argv=None) -> int:
             res["times"].setdefault(gname, {})[name] = {
                 "median_ms": med, "ms": times[name], "tflops_routed_rows": 2.0 * real * n * k / (med * 1e-3) / 1e12,
                 "bits_equal_tma": bool(torch.equal(o[valid], outs["tma"][0][valid]))}
-            print(f"{gname} {name:32s} {med:7.3f} ms {res['times'][gname][name]['tflops_routed_rows']:5.0f} TFLOP/s "
-                  f"bits {res['times'][gname][name]['bits_equal_tma']}", flush=True)
+            r = res["times"][gname][name]
+            if "deep_gemm" in outs:  # per round: DeepGEMM's time over this one's (> 1: faster than DeepGEMM)
+                r["bits_equal_deep_gemm"] = bool(torch.equal(o[valid], outs["deep_gemm"][0][valid]))
+                r["x_deep_gemm_per_round"] = [d / t for d, t in zip(times["deep_gemm"], times[name])]
+                r["x_deep_gemm"] = sorted(r["x_deep_gemm_per_round"])[len(times[name]) // 2]
+            print(f"{gname} {name:32s} {med:7.3f} ms {r['tflops_routed_rows']:5.0f} TFLOP/s bits: tma "
+                  f"{r['bits_equal_tma']}, deep_gemm {r.get('bits_equal_deep_gemm')}; x DeepGEMM "
+                  f"{r.get('x_deep_gemm')}", flush=True)
     bad = [key for key, ok in res["bits"].items() if not ok]
     print(f"bits vs DEFAULT_TILES['fp8_block']: {len(res['bits']) - len(bad)}/{len(res['bits'])} equal; unequal: {bad}")
     if args.out:

@@ -67,11 +67,13 @@ Derivations (``u`` is a unit roundoff; ``2^-24`` round-to-nearest FP32, ``2^-23`
   ``R + |b|``). An epilogue bias is rounded once; a bias of a thousand times the products at K = 256 puts an
   honest FP32 chain 5x over that bound (tests/test_bias_profiles.py).
 
-* :data:`TRITON_FP8_BLOCK_EXACT`: our Triton FP8 block grouped GEMM (``fastpath.grouped_gemm``, ``impl="triton"``)
-  predicted bit for bit (``accum_model="emulated"``): the WGMMA accumulation of
-  :data:`~moeref.compare.DEEPGEMM_FP8_EXACT`, the promotion ``acc += (part * sa) * sb`` contracted to
-  ``fma(fl(part*sa), sb, acc)`` (``promotion_order="a_then_b"``; docs/hopper-fp8-accumulation.md; the kernel's
-  output equals the emulator's on an H100, tests/test_hopper_fp8_gpu.py).
+* :data:`TRITON_FP8_BLOCK_EXACT`: our Triton and Gluon FP8 block grouped GEMMs (``fastpath.grouped_gemm``,
+  ``impl="triton"``) predicted bit for bit (``accum_model="emulated"``): the arithmetic of
+  :data:`~moeref.compare.DEEPGEMM_FP8_EXACT` (its WGMMA accumulation and its promotion ``acc += part * (sa * sb)``
+  contracted to ``fma(part, fl(sa*sb), acc)``, ``promotion_order="deepgemm"``; docs/hopper-fp8-accumulation.md);
+  the kernels' outputs equal the emulator's and DeepGEMM's on an H200 (tests/test_hopper_fp8_gpu.py). The
+  emulator keeps the other order, ``"a_then_b"`` (``fma(fl(part*sa), sb, acc)``), which these kernels ran before
+  2026-11-29.
 
 Every profile is a :class:`~moeref.compare.bounds.Profile`; the two bias placements are its ``bias_add`` field.
 """
@@ -156,10 +158,10 @@ BF16_OUTPUT_BIAS_INIT = replace(
     "stored in bf16")
 
 TRITON_FP8_BLOCK_EXACT = replace(
-    DEEPGEMM_FP8_EXACT, name="TRITON_FP8_BLOCK_EXACT", promotion_order="a_then_b",
-    description="fastpath.grouped_gemm's Triton FP8 block GEMM (1x128 x 128x128, FP32 scales) on Hopper, emulated "
-    "bit for bit: DeepGEMM's WGMMA accumulation per 128 K, promoted as fma(fl(acc*sa), sb, final); stores as "
-    "DEEPGEMM_FP8_EXACT")
+    DEEPGEMM_FP8_EXACT, name="TRITON_FP8_BLOCK_EXACT",
+    description="fastpath.grouped_gemm's Triton and Gluon FP8 block GEMMs (1x128 x 128x128, FP32 scales) on Hopper, "
+    "emulated bit for bit: DeepGEMM's arithmetic (WGMMA accumulation per 128 K, promoted as fma(acc, fl(sa*sb), "
+    "final)) and stores, so DEEPGEMM_FP8_EXACT's predictions")
 
 KERNEL_PROFILES = {p.name: p for p in (DEEPGEMM_FP8, CUBLAS_FP8, CUBLAS_FP8_FAST_ACCUM, CUTLASS_BF16_GROUPED_MM,
                                        TORCH_EAGER_BF16, VLLM_MOE_SUM_BF16, BF16_OUTPUT_FP32_ACT,
