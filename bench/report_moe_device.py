@@ -104,7 +104,7 @@ CASE_TEXT = {
     "graph_contiguous": "CUDA graph, contiguous",
     "graph_masked": "CUDA graph, masked",
     "gemms": "the two grouped GEMMs alone",
-    "before": "an older `fastpath.moe` (`--before`), eager",
+    "before": "the `--before` layer, eager",
 }
 IMPL_TEXT = {"deep_gemm": "DeepGEMM", "triton": "Triton", "torch": "torch"}
 
@@ -128,7 +128,9 @@ def layer_tables(rows: list, meta: dict) -> list:
            "token count): the touched experts' FP8 weight codes read once at the measured copy bandwidth; of roofline "
            "= roofline / time. GEMMs / layer: the median of the per-round ratios of the two grouped GEMMs alone (same "
            "implementation) to the case. The default call checks `topk_ids` on the host and sizes the layout from the "
-           "counts (two host syncs); `capturable=True` has no host sync."]
+           "counts (two host syncs); `capturable=True` has no host sync."
+           + (f" Tree: {meta['tree']}." if meta.get("tree") else "")
+           + (f" The `--before` layer: `{meta['before']}`." if meta.get("before") else "")]
     impls = sorted({_case_label(n)[0] for r in rows if "cases" in r for n in r["cases"]})
     for impl_name in impls:
         out += ["", f"{IMPL_TEXT.get(impl_name, impl_name)}:", "",

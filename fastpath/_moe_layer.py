@@ -60,6 +60,14 @@ Tiles given to ``fused_moe`` get ``pdl`` from here too. A cached graph keeps the
 
 DECODE_PDL_STAGES = ("gemm1", "act", "gemm2", "reduce")
 
+GEMM1_SCATTER_FOR_GLUON = True
+"""Whether an FP8 Triton layer whose GEMM1 takes the Gluon kernel's tiles (prefill sizes, contiguous layout, a
+Hopper GPU: :func:`fastpath.grouped_gemm.default_tiles` without ``gather``, or Gluon tiles given to ``fused_moe``)
+scatters the token rows' codes and scales to their layout rows first (:func:`fastpath.dispatch._scatter_rows`, as
+the DeepGEMM layer does) and runs the Gluon kernel on them; False: GEMM1 reads the token rows through ``a_src``
+with the TMA tiles (the Gluon kernel loads A by TMA, which has no row gather). The same arithmetic, the same
+bits."""
+
 
 def _fused_moe(hidden: torch.Tensor, weights: FastMoEWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                impl: str, activation: str, activation_params: dict | None, layout: str, alignment: int,
@@ -237,6 +245,10 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
         x = dispatch.apply_router_weight_on_input(x, topk_weights)
     scheme = _activation_scheme()
     gather = impl == "triton" and not weights.w4  # GEMM1 reads the token rows through src: no scatter
+    if gather and GEMM1_SCATTER_FOR_GLUON and weights.fp8_activations and layout == "contiguous":
+        t1 = tiles[0] if tiles[0] is not None else default_tiles("fp8_block", expected_m, x.device.type, layout,
+                                                                  alignment=alignment)
+        gather = t1.kernel != "gluon"  # the Gluon kernel reads layout rows: the token rows are scattered to them
     side = None
     if A1_QUANT_BRANCH and weights.fp8_activations and gather and x.is_cuda \
             and torch.cuda.is_current_stream_capturing():

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -171,3 +172,55 @@ def test_gpu_gluon_gives_the_default_bits(name, k, n, live):
         assert torch.isfinite(want[valid].float()).all() and want[valid].float().abs().max() > 0
         got = grouped_gemm_contiguous(a, b, lay.m_indices, tiles=FP8_PREFILL_CANDIDATES[name], **kw)
         assert torch.equal(got[valid], want[valid]), (name, k, n, live, bias_or_none is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("given_tiles", [False, True], ids=["default tiles", "Gluon tiles given"])
+def test_gpu_layer_gemm1_on_gluon_gives_the_gather_bits(monkeypatch, given_tiles):
+    """``fastpath.moe.fused_moe`` at a prefill size (FP8, 16 experts, hidden 512, intermediate 256, 1024 tokens of
+    top-4: 256 rows an expert on average): with :data:`fastpath._moe_layer.GEMM1_SCATTER_FOR_GLUON` GEMM1 runs the
+    Gluon kernel on scattered layout rows (no ``a_src``), without it the TMA tiles on the token rows through
+    ``a_src``; the outputs are the same bits and not all zero. Gluon tiles given to ``fused_moe`` for GEMM1 run
+    (Gluon loads A by TMA, which has no gather: the rows are scattered for it)."""
+    if not on_gpu() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs a Hopper (sm_90) GPU: Gluon kernels have no interpreter (the CPU test compiles it)")
+    import fastpath._moe_layer as ml
+    from fastpath.grouped_gemm import DEFAULT_TILES
+    from fastpath.moe import fast_weights, fused_moe
+    from moeref.moe import make_layer, make_tokens, quantize_weights
+    from moeref.quant import fp8_block
+
+    rng = np.random.default_rng(5)
+    e, tokens, top_k = 16, 1024, 4
+    fw = fast_weights(quantize_weights(make_layer(e, 512, 256, seed=5), fp8_block()), "cuda")
+    x = torch.as_tensor(make_tokens(tokens, 512, seed=6)).to(torch.bfloat16).cuda()
+    ids = torch.as_tensor(np.stack([rng.choice(e, top_k, replace=False) for _ in range(tokens)]).astype(np.int32),
+                          device="cuda")
+    tw = torch.as_tensor(rng.random((tokens, top_k)).astype(np.float32), device="cuda")
+    calls = []
+    real = ml.grouped_gemm_contiguous
+
+    def spy(*args, **kw):
+        calls.append((kw["tiles"].kernel, kw.get("a_src") is not None))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ml, "grouped_gemm_contiguous", spy)
+    tiles = (DEFAULT_TILES["fp8_block_contiguous_gluon"], None) if given_tiles else None
+    outs = []
+    for flag in (False, True):
+        monkeypatch.setattr(ml, "GEMM1_SCATTER_FOR_GLUON", flag)
+        calls.clear()
+        if flag or not given_tiles:
+            outs.append(fused_moe(x, fw, tw, ids, impl="triton", graph_cache=False, tiles=tiles))
+            assert calls[0] == (("gluon", False) if flag else ("triton", True)), calls
+            assert calls[1] == ("gluon", False), calls  # GEMM2: layout rows on the Gluon kernel
+        else:  # Gluon tiles on gathered rows: refused, naming a_src
+            with pytest.raises(ValueError, match="a_src"):
+                fused_moe(x, fw, tw, ids, impl="triton", graph_cache=False, tiles=tiles)
+    if not given_tiles:
+        assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)) and outs[1].abs().max() > 0
+    else:  # against the TMA tiles on gathered rows
+        monkeypatch.setattr(ml, "GEMM1_SCATTER_FOR_GLUON", False)
+        want = fused_moe(x, fw, tw, ids, impl="triton", graph_cache=False)
+        assert calls[-2] == ("triton", True), calls
+        assert torch.equal(outs[0].view(torch.int16), want.view(torch.int16)) and want.abs().max() > 0
