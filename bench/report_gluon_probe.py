@@ -2,53 +2,40 @@
 
     python bench/report_gluon_probe.py [docs/data/gluon_fp8_prefill_probe_*.json] [--docs docs/moe-gpu.md] [--check]
 
-The probe's JSON holds several runs; the table shows each run made by the probe's current form (those with a
-``torch`` version and a command line), oldest first: per variant, GEMM1's and GEMM2's median (min-max) in ms over
-the interleaved rounds, TFLOP/s over the routed rows, and x DeepGEMM: DeepGEMM's median in the latest
-``docs/data/triton_fp8_prefill_sweep_*.json`` (uniform routing, the rounds of the TMA tiles ``64x128 w4 s4 tma``:
-the probe does not run DeepGEMM) over the variant's median; *same bits*: every output of every small layout equals
-``DEFAULT_TILES["fp8_block"]``'s and the 4096-token outputs equal the TMA tiles'. Replaces the text between
-``<!-- gluon-probe:begin -->`` and ``<!-- gluon-probe:end -->``; ``--check`` exits 1 when the page differs.
+The newest file (name order; earlier ones are in ``docs/data/history/``) holds one or more runs of the probe with
+DeepGEMM in its rounds (``--deep-gemm``); the table shows each, oldest first: per variant, GEMM1's and GEMM2's median
+(min-max) in ms over the interleaved rounds, TFLOP/s over the routed rows, and *x DeepGEMM*: the median over rounds
+of DeepGEMM's time in that round over the variant's (above 1: faster than DeepGEMM), for each GEMM and for the two
+together (the sums of a round's two times). *Bits*: ``= TMA`` when every small layout's outputs equal the reference
+of the probe's bit check and the 4096-token outputs equal the Triton TMA tiles'; ``= DeepGEMM`` when the 4096-token
+outputs equal DeepGEMM's. Replaces the text between ``<!-- gluon-probe:begin -->`` and ``<!-- gluon-probe:end -->``;
+``--check`` exits 1 when the page differs.
 """
 from __future__ import annotations
 
-import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.docs_page import data_files, report_main  # noqa: E402
+from bench.docs_page import report_main  # noqa: E402
 
 BEGIN, END = "<!-- gluon-probe:begin -->", "<!-- gluon-probe:end -->"
 PATTERN = "gluon_fp8_prefill_probe_*.json"
 SCRIPT = "bench/studies/gluon_fp8_prefill_probe.py"
-DEEPGEMM_ROUNDS_OF = "64x128 w4 s4 tma"
-"""The sweep's tiles in whose rounds DeepGEMM's time is taken (the TMA tiles the probe also times)."""
-
-
-def deep_gemm_ms() -> tuple:
-    """``(gemm1 ms, gemm2 ms, sweep date)``: DeepGEMM's medians at uniform routing in the latest prefill sweep JSON."""
-    path = data_files("triton_fp8_prefill_sweep_*.json")[-1]
-    with open(path) as f:
-        d = json.load(f)
-    gemms = d["routings"]["uniform"]["gemms"]
-    out = []
-    for g in ("gemm1", "gemm2"):
-        group = str(gemms[g][DEEPGEMM_ROUNDS_OF]["group"])
-        out.append(gemms[g]["deep_gemm"]["by_group"][group]["median_ms"])
-    return out[0], out[1], d["meta"]["date"]
+DEEP_GEMM = "deep_gemm"
 
 
 def _variant_name(key: str) -> str:
-    if key == "tma":
-        return 'Triton TMA tiles (`"fp8_block_contiguous_tma"`)'
-    return key
+    return {"tma": 'Triton TMA tiles (`"fp8_block_contiguous_tma"`)', DEEP_GEMM: "DeepGEMM"}.get(key, key)
 
 
-def _bits(run: dict, key: str) -> bool:
+def _bits(run: dict, key: str) -> str:
     small = [v for k, v in run.get("bits", {}).items() if k.split(":")[0] == key]
-    big = [run["times"][g][key].get("bits_equal_tma", False) for g in ("gemm1", "gemm2")]
-    return all(small) and all(big)
+    t = [run["times"][g][key] for g in ("gemm1", "gemm2")]
+    marks = [m for m, ok in (("= TMA", all(small) and all(x.get("bits_equal_tma", False) for x in t)),
+                             ("= DeepGEMM", all(x.get("bits_equal_deep_gemm", False) for x in t))) if ok]
+    return ", ".join(marks) or "**neither**"
 
 
 def _ms(t: dict) -> str:
@@ -56,30 +43,36 @@ def _ms(t: dict) -> str:
     return f"{t['median_ms']:.2f} ({min(ms):.2f}-{max(ms):.2f})"
 
 
-def render(runs: list) -> str:
-    dg1, dg2, dg_date = deep_gemm_ms()
+def _both(run: dict, key: str) -> float:
+    """The median over rounds of DeepGEMM's GEMM1 + GEMM2 time over the variant's."""
+    t1, t2 = run["times"]["gemm1"], run["times"]["gemm2"]
+    dg = [a + b for a, b in zip(t1[DEEP_GEMM]["ms"], t2[DEEP_GEMM]["ms"])]
+    return statistics.median(d / (a + b) for d, a, b in zip(dg, t1[key]["ms"], t2[key]["ms"]))
+
+
+def _section(run: dict) -> list:
+    t1, t2 = run["times"]["gemm1"], run["times"]["gemm2"]
+    lines = [f"Measured on an {run['gpu']}, {run['date']}, torch {run['torch']}, tree {run['head']}: `{run['command']}` "
+             f"(DeepSeek-V3 at 4096 tokens, uniform routing, {len(t1[DEEP_GEMM]['ms'])} interleaved rounds of 10 calls). "
+             f"{run['note']}. Variants `gluon {{block_n}} s{{stages}} g{{group_m}} ku{{K_UNROLL}} if{{IN_FLIGHT, 0: the "
+             "default} {tma: the TMA-store epilogue | store}`.", "",
+             "| variant | GEMM1 ms | TFLOP/s | x DeepGEMM | GEMM2 ms | TFLOP/s | x DeepGEMM | both, x DeepGEMM | bits |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for key in t1:
+        a, b = t1[key], t2[key]
+        x1, x2, xb = (("1.00x",) * 3 if key == DEEP_GEMM else
+                      (f"{a['x_deep_gemm']:.2f}x", f"{b['x_deep_gemm']:.2f}x", f"{_both(run, key):.2f}x"))
+        bits = "" if key == DEEP_GEMM else _bits(run, key)
+        lines.append(f"| {_variant_name(key)} | {_ms(a)} | {a['tflops_routed_rows']:.0f} | {x1} | {_ms(b)} | "
+                     f"{b['tflops_routed_rows']:.0f} | {x2} | {xb} | {bits} |")
+    return lines
+
+
+def render(docs: list) -> str:
+    """The table of each run of the newest document (``docs`` in name order), oldest run first."""
     lines = []
-    for doc in runs:
-        for run in doc["runs"]:
-            if "torch" not in run or "command" not in run:
-                continue  # the probe's earlier forms: kept in the JSON, not shown
-            lines += ([""] if lines else []) + [
-                f"Measured on an {run['gpu']}, {run['date']}, torch {run['torch']}, tree {run['head']}: "
-                f"`{run['command'].replace('cd .hx/gluon2 && ', '')}` (DeepSeek-V3 at 4096 tokens, uniform routing). "
-                f"Variants `gluon {{block_n}} s{{stages}} g{{group_m}} ku{{K_UNROLL}} if{{IN_FLIGHT, 0: the default}} "
-                f"[tma]` (`tma`: `epilogue=\"tma\"`). *x DeepGEMM*: DeepGEMM's {dg1:.2f} / {dg2:.2f} ms (GEMM1 / GEMM2) "
-                f"of the prefill sweep of {dg_date} over the variant's median.",
-                "",
-                "| variant | GEMM1 ms | TFLOP/s | x DeepGEMM | GEMM2 ms | TFLOP/s | x DeepGEMM | same bits |",
-                "|---|---|---|---|---|---|---|---|"]
-            t1, t2 = run["times"]["gemm1"], run["times"]["gemm2"]
-            for key in t1:
-                if key not in t2 or "median_ms" not in t1[key] or "median_ms" not in t2[key]:
-                    continue
-                a, b = t1[key], t2[key]
-                lines.append(f"| {_variant_name(key)} | {_ms(a)} | {a['tflops_routed_rows']:.0f} | "
-                             f"{dg1 / a['median_ms']:.2f}x | {_ms(b)} | {b['tflops_routed_rows']:.0f} | "
-                             f"{dg2 / b['median_ms']:.2f}x | {'yes' if _bits(run, key) else '**no**'} |")
+    for run in docs[-1]["runs"]:
+        lines += ([""] if lines else []) + _section(run)
     return "\n".join(lines)
 
 

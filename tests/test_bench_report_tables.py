@@ -24,22 +24,25 @@ def test_decode_ab_rows_follow_the_json_and_flag_other_bits():
     assert "GPU X, 2026-01-01 00:00 UTC" in text and "graph of 4" in text
 
 
-def test_gluon_probe_shows_current_runs_only_and_checks_every_bit(monkeypatch):
-    monkeypatch.setattr(report_gluon_probe, "deep_gemm_ms", lambda: (2.0, 1.0, "2026-01-01"))
+def test_gluon_probe_shows_the_newest_file_with_per_round_ratios_and_every_bit():
+    def t(ms, equal_tma=True, equal_dg=False):
+        return dict(median_ms=ms[1], ms=ms, tflops_routed_rows=100.0 / ms[1], bits_equal_tma=equal_tma,
+                    bits_equal_deep_gemm=equal_dg, x_deep_gemm=0.5)  # x_deep_gemm: the probe's own median, shown
 
-    def t(ms, equal=True):
-        return dict(median_ms=ms, ms=[ms - 0.1, ms, ms + 0.2], tflops_routed_rows=100.0 / ms, bits_equal_tma=equal)
-
-    current = dict(gpu="GPU X", date="2026-01-02", torch="t", head="abc", command="python3 probe.py",
-                   bits={"v1: k7168 n512": True, "v2: k7168 n512": False},
-                   times=dict(gemm1={"v1": t(4.0), "v2": t(2.0)}, gemm2={"v1": t(2.0), "v2": t(1.0)}))
-    earlier = dict(current, command=None)
-    del earlier["torch"]
-    text = report_gluon_probe.render([dict(runs=[earlier, current])])
-    rows = [line for line in text.splitlines() if line.startswith(("| v1", "| v2"))]
-    assert rows == ["| v1 | 4.00 (3.90-4.20) | 25 | 0.50x | 2.00 (1.90-2.20) | 50 | 0.50x | yes |",
-                    "| v2 | 2.00 (1.90-2.20) | 50 | 1.00x | 1.00 (0.90-1.20) | 100 | 1.00x | **no** |"]
-    assert text.count("Measured on") == 1
+    dg1, dg2 = [2.0, 2.0, 2.0], [1.0, 1.0, 1.0]
+    v1 = (t([4.0, 4.0, 4.0], equal_dg=True), t([2.0, 2.0, 2.0], equal_dg=True))
+    v2 = (t([2.0, 3.0, 4.0]), t([1.0, 1.0, 2.0]))  # rounds: 3/3, 3/4, 3/6 of DeepGEMM's 3 -> median 0.75
+    run = dict(gpu="GPU X", date="2026-01-02", torch="t", head="abc", command="python3 probe.py", note="A note",
+               bits={"v1: k7168 n512": True, "v2: k7168 n512": False},
+               times=dict(gemm1={"v1": v1[0], "v2": v2[0], "deep_gemm": t(dg1)},
+                          gemm2={"v1": v1[1], "v2": v2[1], "deep_gemm": t(dg2)}))
+    older = dict(runs=[dict(run, gpu="GPU OLD")])
+    text = report_gluon_probe.render([older, dict(runs=[run])])
+    rows = [line for line in text.splitlines() if line.startswith(("| v1", "| v2", "| DeepGEMM"))]
+    assert rows == ["| v1 | 4.00 (4.00-4.00) | 25 | 0.50x | 2.00 (2.00-2.00) | 50 | 0.50x | 0.50x | = TMA, = DeepGEMM |",
+                    "| v2 | 3.00 (2.00-4.00) | 33 | 0.50x | 1.00 (1.00-2.00) | 100 | 0.50x | 0.75x | **neither** |",
+                    "| DeepGEMM | 2.00 (2.00-2.00) | 50 | 1.00x | 1.00 (1.00-1.00) | 100 | 1.00x | 1.00x |  |"]
+    assert text.count("Measured on") == 1 and "GPU OLD" not in text and "A note." in text
 
 
 def test_layer_bound_cpu_shows_the_last_tree_with_per_round_ratios():

@@ -1,5 +1,6 @@
-"""Study (Hopper GPU, issue 33): the Gluon FP8 grouped GEMM's bits and speed against the Triton TMA tiles, without
-DeepGEMM (a quick probe; bench/studies/triton_fp8_prefill_sweep.py is the full sweep with DeepGEMM).
+"""Study (Hopper GPU, issue 33): the Gluon FP8 grouped GEMM's bits and speed against the Triton TMA tiles and, with
+``--deep-gemm``, DeepGEMM (a quick probe; bench/studies/triton_fp8_prefill_sweep.py is the full sweep of the Triton
+tiles).
 
 1. Bits: each ``--variants`` entry against ``DEFAULT_TILES["fp8_block"]`` on
    small contiguous layouts (16 experts, top-4 of 61 tokens; K 7168 / 2048; N 512, 384, 320, 200: partial column
@@ -9,9 +10,13 @@ DeepGEMM (a quick probe; bench/studies/triton_fp8_prefill_sweep.py is the full s
    ["fp8_block_contiguous_tma"]`` and each variant ``block_n,stages,group_m,k_unroll[,in_flight[,epilogue]]``
    (``k_unroll`` and ``in_flight`` set :data:`fastpath._grouped_gemm_gluon.K_UNROLL` and ``IN_FLIGHT`` for its calls,
    0 the default; ``epilogue``: :attr:`GemmTiles.epilogue`): ``--rounds`` interleaved rounds of 10 calls between
-   CUDA events after a warm-up call; median ms, TFLOP/s over the routed rows, bits against the TMA tiles.
+   CUDA events after a warm-up call; median ms, TFLOP/s over the routed rows, bits against the TMA tiles. With
+   ``--deep-gemm``, ``deep_gemm.m_grouped_fp8_gemm_nt_contiguous`` (psum layout, as the layer calls it) in the same
+   rounds: each output compared with DeepGEMM's bit for bit, and per round DeepGEMM's time over each variant's
+   (``x_deep_gemm``: the median of those).
 
-    python bench/studies/gluon_fp8_prefill_probe.py --variants 128,6,8,4 128,6,8,4,0,tma 192,5,8,4 --out probe.json
+    python bench/studies/gluon_fp8_prefill_probe.py --deep-gemm --variants 128,6,8,4,0,tma 128,6,8,2,0,tma \
+        --out probe.json
 """
 from __future__ import annotations
 
