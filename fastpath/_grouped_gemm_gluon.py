@@ -36,8 +36,8 @@ Bits: every output is made with the FP32 operations of the Triton kernel's defau
 wgmma instructions (``m64n128k32``, K order, from a zeroed accumulator; 128 x 192 tiles' ``m64n64k32`` gave the
 same bits on an H200) and then DeepGEMM's promotion ``acc = fma(part, fl(sa * sb), acc)`` in K-block order, rounded
 once at the store; so the same bits (``TRITON_FP8_BLOCK_EXACT`` = ``DEEPGEMM_FP8_EXACT`` holds for all three;
-tests/test_grouped_gemm_gluon.py checks them on a GPU, against the Triton tiles and against DeepGEMM where it is
-installed).
+on a GPU tests/test_grouped_gemm_gluon.py checks them against the Triton tiles, and tests/test_hopper_fp8_gpu.py
+against the emulator and against DeepGEMM where it is installed).
 
 Gluon has no interpreter: under ``TRITON_INTERPRET=1`` the kernel cannot run (the launcher refuses), and
 tests compile it for sm_90a on the CPU instead (bench/studies/triton_fp8_prefill_compile.py, which records

@@ -50,7 +50,8 @@ class GemmTiles:
     read each B tile together); 1: column tiles fastest, the one-tile-per-program kernel's order."""
     promotion: str = "inline"
     """FP8 only: the order of the K loop's MMAs and promotions (:data:`PROMOTIONS`; the tile-loop kernel).
-    ``"inline"``: each 128-column block's product, then its promotion ``acc += (part * sa) * sb``.
+    ``"inline"``: each 128-column block's product, then its promotion ``acc = fma(part, fl(sa * sb), acc)``
+    (DeepGEMM's).
     ``"lagged_pair"``: per iteration block ``2j``'s product, block ``2j - 1``'s promotion (carried), block
     ``2j + 1``'s product (carried to the next iteration), block ``2j``'s promotion: the form Triton 3.6's Hopper MMA
     pipeliner leaves in flight past a promotion (bench/studies/triton_fp8_prefill_compile.py shows where the

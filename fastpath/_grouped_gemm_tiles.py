@@ -22,10 +22,10 @@
   by :func:`_promote`).
 
 Every output is computed with the FP32 operations of the one-tile-per-program kernel in the same order:
-per 128-column K block a fresh ``tl.dot`` of the same operands, ``acc += (part * sa) * sb`` (FP8) in K-block
-order, bias and store unchanged; so the same bits (``TRITON_FP8_BLOCK_EXACT`` holds for both). With
-``BLOCK_N <= 128`` the weight scale of a tile and K block is one number, loaded once as a scalar and
-broadcast: the same product per output.
+per 128-column K block a fresh ``tl.dot`` of the same operands, then (FP8) DeepGEMM's promotion
+``acc = fma(part, fl(sa * sb), acc)`` in K-block order, bias and store unchanged; so the same bits
+(``TRITON_FP8_BLOCK_EXACT`` holds for both). With ``BLOCK_N <= 128`` the weight scale of a tile and K block is
+one number, loaded once as a scalar and broadcast: the same product per output.
 
 Under ``TRITON_INTERPRET=1`` a loop over a runtime bound cannot use ``range`` (NumPy 2.4 refuses the
 interpreter's one-element arrays as an index), so there the tile loop and a persistent program's K loop
@@ -146,7 +146,7 @@ def _k_block(acc, it, a_base, a_desc, b_base, b_desc, amask, cmask, arow, e64, r
     """``acc`` after K block ``it``: the one-tile-per-program kernel's step (same operands, same FP32 ops)."""
     a, b = _k_operands(it, a_base, a_desc, b_base, b_desc, amask, cmask, row0, brow0, K, BLOCK_K, EVEN_K, TMA_A,
                        TMA_B)
-    if FP8:  # promotion: a fresh product per 128-column block, (part * sa) * sb added in FP32, K-block order
+    if FP8:  # promotion: a fresh product per 128-column block, fma(part, fl(sa * sb), acc) in FP32, K-block order
         sa, sb = _k_scales(it, amask, cmask, arow, e64, n0, cols, sa_ptr, sb_ptr, stride_sam, stride_sbe,
                            stride_sbn, SCALE_BLOCK, BLOCK_K, SCALAR_SB)
         acc = _promote(acc, tl.dot(a, b), sa, sb, SCALAR_SB)

@@ -13,13 +13,15 @@ cannot run), each declaring the :mod:`moeref.compare` profile its arithmetic sat
   - bf16/fp16 operands: ``tl.dot`` accumulating in FP32 over all of K, output rounded once to bf16
     (profile ``BF16_OUTPUT``).
   - FP8 E4M3 operands with 1x128 activation scales and 128x128 weight scales (FP32): per 128-column K
-    block a fresh ``tl.dot`` (Hopper WGMMA: ~14-bit aligned accumulation inside the block), multiplied
-    by the block's two scales and added to an FP32 accumulator: promotion every 128 K, DeepGEMM's
-    recipe (profile ``HOPPER_FP8_DEEPGEMM_DATA``).
+    block a fresh ``tl.dot`` (Hopper WGMMA: ~14-bit aligned accumulation inside the block), promoted into
+    an FP32 accumulator as DeepGEMM does: the two scales multiplied in FP32, then one FP32 FMA,
+    ``acc = fma(part, fl(sa * sb), acc)``, in K-block order (profile ``HOPPER_FP8_DEEPGEMM_DATA``; exact
+    profile ``TRITON_FP8_BLOCK_EXACT``, which predicts DeepGEMM's bits).
   - :class:`GemmTiles` with a tile-loop option (``group_m``, ``persistent``, ``tma``, ``warp_specialize``,
     ``flatten``, ``promotion``; contiguous layout) run the same arithmetic in :mod:`fastpath._grouped_gemm_tiles`'
     kernel: the same bits, another tile order, grid, load path or order of MMAs and promotions (candidates:
-    :data:`FP8_PREFILL_CANDIDATES`).
+    :data:`FP8_PREFILL_CANDIDATES`). ``GemmTiles(kernel="gluon")`` runs the same arithmetic in
+    :mod:`fastpath._grouped_gemm_gluon`'s Hopper kernel: the same bits.
 * ``"deep_gemm"``: ``deep_gemm.m_grouped_fp8_gemm_nt_contiguous`` (FP8 1x128 x 128x128, FP32 scales;
   profile ``HOPPER_FP8_DEEPGEMM_DATA``), when the package is importable.
 

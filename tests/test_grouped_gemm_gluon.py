@@ -2,10 +2,10 @@
 
 CPU: the options and the operands it refuses, and the kernel compiled for sm_90a with Triton's ptxas (Gluon has no
 interpreter, so nothing runs), the default tiles (TMA store epilogue) and the 128 x 192 tiles: warp-specialized, TMA
-loads, the wgmma count of two math warpgroups, where the MMAs wait, one FP32 multiply and one fused multiply-add
-per output and K block (the promotion ``fma(fl(part * sa), sb, acc)`` of the Triton kernel). GPU (Hopper): the bits
-of :data:`fastpath.grouped_gemm.DEFAULT_TILES` ``["fp8_block"]`` on every routed row for each Gluon candidate, with
-N not a multiple of the tile, experts with no rows, a bias, K = 7168 and 2048.
+loads, the wgmma count of two math warpgroups, where the MMAs wait, one fused multiply-add per output and K block
+and one FP32 multiply per row (DeepGEMM's promotion ``fma(part, fl(sa * sb), acc)``, the Triton kernel's too). GPU
+(Hopper): the bits of :data:`fastpath.grouped_gemm.DEFAULT_TILES` ``["fp8_block"]`` on every routed row for each
+Gluon candidate, with N not a multiple of the tile, experts with no rows, a bias, K = 7168 and 2048.
 """
 from __future__ import annotations
 

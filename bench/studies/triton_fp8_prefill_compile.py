@@ -1,7 +1,8 @@
 """Compile every FP8 prefill candidate tile for Hopper (sm_90a) on a machine without a GPU: does it compile, with
 what registers, spills, shared memory and warps, does its IR have Triton's warp specialization and TMA loads, and
-how many FP32 multiplies and fused multiply-adds its SASS has per output (the promotion ``fma(fl(part * sa), sb,
-acc)``: one of each)? The programs per SM that fit follow from the registers and shared memory. Where the MMAs wait:
+how many FP32 multiplies and fused multiply-adds its SASS has (the promotion ``fma(part, fl(sa * sb), acc)``: one
+FFMA per output and K block, and one FMUL per row with a scalar weight scale, per output with a vector of them)?
+The programs per SM that fit follow from the registers and shared memory. Where the MMAs wait:
 the SASS's ``WARPGROUP.DEPBAR.LE gsb0, N`` per N (``wgmma.wait_group N``: wait until at most N MMA groups are in
 flight), and the most FP32 multiplies and FMAs scheduled between an MMA and the wait after it (the promotion work
 done while an MMA runs; about a thread's outputs when a whole promotion overlaps an MMA, a handful when each MMA is

@@ -141,7 +141,8 @@ class Profile:
             ``MUL_ROUTED_WEIGHT``, then ``moe_sum``); False: the unweighted GEMM2 output is stored
             (CUTLASS / ``torch._grouped_mm`` layers, DeepGEMM).
         promotion_order: ``"emulated"`` only: the FP32 promotion (:func:`moeref.gemm.hopper_fp8.promote`):
-            ``"deepgemm"`` (``fma(sa*sb, acc, final)``) or ``"a_then_b"`` (our Triton kernel).
+            ``"deepgemm"`` (``fma(sa*sb, acc, final)``: DeepGEMM, and our Triton and Gluon FP8 block
+            GEMMs) or ``"a_then_b"`` (``fma(acc*sa, sb, final)``).
         bias_add: where a GEMM's bias (``b13``, ``b2``) enters (:data:`BIAS_ADDS`; no effect on a layer
             without biases). ``"epilogue"``: added in FP32 to the accumulated result before the GEMM
             output store (CUTLASS / Triton epilogues); ``"after_store"``: the GEMM output is stored in

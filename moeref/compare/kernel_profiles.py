@@ -72,8 +72,8 @@ Derivations (``u`` is a unit roundoff; ``2^-24`` round-to-nearest FP32, ``2^-23`
   :data:`~moeref.compare.DEEPGEMM_FP8_EXACT` (its WGMMA accumulation and its promotion ``acc += part * (sa * sb)``
   contracted to ``fma(part, fl(sa*sb), acc)``, ``promotion_order="deepgemm"``; docs/hopper-fp8-accumulation.md);
   the kernels' outputs equal the emulator's and DeepGEMM's on an H200 (tests/test_hopper_fp8_gpu.py). The
-  emulator keeps the other order, ``"a_then_b"`` (``fma(fl(part*sa), sb, acc)``), which these kernels ran before
-  2026-11-29.
+  emulator also offers the order ``"a_then_b"`` (``fma(fl(part*sa), sb, acc)``) for kernels that scale by the
+  activation scale first.
 
 Every profile is a :class:`~moeref.compare.bounds.Profile`; the two bias placements are its ``bias_add`` field.
 """
@@ -242,7 +242,7 @@ DECISION_TABLE = (
      "`torch._scaled_mm` FP8 `use_fast_accum=True`"),
     (dict(accumulator="deepgemm_emulated"), "DEEPGEMM_FP8_EXACT", "DeepGEMM's FP8 GEMM, predicted bit for bit"),
     (dict(accumulator="triton_fp8_emulated"), "TRITON_FP8_BLOCK_EXACT",
-     "`fastpath.grouped_gemm`'s Triton FP8 block GEMM, predicted bit for bit"),
+     "`fastpath.grouped_gemm`'s Triton and Gluon FP8 block GEMMs, predicted bit for bit (DeepGEMM's bits)"),
 )
 """The one rule from a kernel's arithmetic to its profile: ``(fields, profile name, kernels)`` rows, where
 ``fields`` are the :class:`Arithmetic` fields that differ from its defaults (a tuple: any of those

@@ -28,8 +28,10 @@ into a cleared accumulator (the first wgmma's scale-d is 0), then promotes on th
     final[m, n] += scale * acc                    (contracted to one FP32 FMA by nvcc)
 
 from ``final = 0`` in K order, and stores ``__float22bfloat162_rn(final)`` (bf16, round to nearest
-even). Our Triton grouped GEMM (:mod:`fastpath.grouped_gemm`) computes ``acc += part * sa * sb``:
-``promotion="a_then_b"`` models it as ``fma(fl(part * sa), sb, acc)``.
+even). Our FP8 block grouped GEMMs (:mod:`fastpath.grouped_gemm`: the Triton and Gluon kernels) promote the
+same way, ``final = fma(acc, fl(sa * sb), final)`` (``promotion="deepgemm"``). The other orders of
+:func:`promote` (``"a_then_b"``: ``fma(fl(acc * sa), sb, final)``; ``"separate"``) model kernels that scale
+differently.
 
 Everything is float64 arithmetic that is exact: aligned addends are integers times a power of two of
 at most ``align_bits + 1 + log2(group + 1)`` bits; FP32 multiply-adds are rounded once through an
@@ -233,7 +235,8 @@ _PROMOTIONS = ("deepgemm", "a_then_b", "separate")
 def promote(acc: np.ndarray, sa: np.ndarray, sb: np.ndarray, promotion: str = "deepgemm") -> np.ndarray:
     """FP32 promotion of block accumulators ``acc [M, N, S]`` with scales ``sa [M, S]``,
     ``sb [N, S]`` (FP32 values), in K-block order from 0. ``"deepgemm"``: ``final = fma(fl(sa·sb),
-    acc, final)``; ``"a_then_b"``: ``final = fma(fl(acc·sa), sb, final)`` (our Triton kernel);
+    acc, final)`` (DeepGEMM's SM90 kernel, and our Triton and Gluon FP8 block GEMMs); ``"a_then_b"``:
+    ``final = fma(fl(acc·sa), sb, final)`` (the activation scale first, then the weight scale);
     ``"separate"``: ``final = fl(final + fl(fl(sa·sb)·acc))`` (no contraction). Returns float64
     ``[M, N]`` holding FP32 values."""
     if promotion not in _PROMOTIONS:
@@ -339,7 +342,9 @@ def deepgemm_engine(model: MmaModel = HOPPER_FP8_MMA, promotion: str = "deepgemm
     :func:`moeref.gemm.expert_rows_gemm` and :func:`moeref.moe.run_moe` (``gemm=``): DeepGEMM's FP8 GEMM
     on block operands (:class:`moeref.gemm.BlockOperand`: E4M3 elements, ``a`` with 1x128 scales, ``w``
     with 128x128 scales; scales rounded to FP32 as the kernel reads them), predicted bit for bit before
-    the output store. ``promotion="a_then_b"``: our Triton kernel's promotion (:func:`promote`)."""
+    the output store; the default ``promotion="deepgemm"`` is also our Triton and Gluon FP8 block GEMMs'
+    (:mod:`fastpath.grouped_gemm`). ``promotion="a_then_b"`` or ``"separate"``: the other orders of
+    :func:`promote`."""
     if promotion not in _PROMOTIONS:
         raise ValueError(f"promotion must be one of {_PROMOTIONS}; got {promotion!r}")
 

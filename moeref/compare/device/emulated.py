@@ -1,6 +1,6 @@
-"""The GEMMs of an emulated profile (``accum_model="emulated"``: :data:`moeref.compare.DEEPGEMM_FP8_EXACT` and
-its ``promotion_order="a_then_b"`` variant) on a device: :func:`moeref.compare.emulated_gemm._emulated_gemm` on torch
-tensors, the same ``(center, radius)`` bit for bit.
+"""The GEMMs of an emulated profile (``accum_model="emulated"``: :data:`moeref.compare.DEEPGEMM_FP8_EXACT`,
+:data:`~moeref.compare.TRITON_FP8_BLOCK_EXACT`, or a profile with ``promotion_order="a_then_b"``) on a device:
+:func:`moeref.compare.emulated_gemm._emulated_gemm` on torch tensors, the same ``(center, radius)`` bit for bit.
 
 * center: the kernel's FP32 result on the center operand, predicted by the device emulator
   (:func:`moeref.gemm.device_hopper_fp8.device_deepgemm_rows`, the NumPy emulator's bits; on a Hopper GPU its
