@@ -7,8 +7,8 @@ The NumPy emulator (:func:`~moeref.gemm.hopper_fp8.deepgemm_block_accumulators` 
 block, four 32-column MMA steps from a cleared accumulator (addends aligned to the largest operand-exponent
 sum, cut toward zero to ``2^(e - 13)``, summed exactly, the sum cut to 14 significant bits), then the FP32
 promotion (``"deepgemm"``: ``fma(fl(sa*sb), acc, final)``, DeepGEMM's and our Triton and Gluon FP8 block
-GEMMs'; ``"a_then_b"``: ``fma(fl(acc*sa), sb, final)``), in K-block order from 0. The result is the FP32 value before the kernel's bf16
-store (float64 tensor), as the NumPy engine returns it.
+GEMMs'; ``"a_then_b"``: ``fma(fl(acc*sa), sb, final)``), in K-block order from 0. The result is the FP32
+value before the kernel's bf16 store (float64 tensor), as the NumPy engine returns it.
 
 The products are aligned and cut in int32 (:data:`INTEGER_ALIGN`; the float64 cut remains as the kernel's
 other form, the same integers), and the block accumulators can be returned (``block_acc``) for
