@@ -7,8 +7,10 @@ Stages (each an existing fast path or :mod:`fastpath.grouped_gemm`):
    rows, then the DeepGEMM contiguous layout (:func:`fastpath.dispatch.to_contiguous`: counting sort,
    ``alignment``-row expert segments, ``m_indices`` with -1 padding, ``src`` slot per row); the token rows
    (codes and scales) are scattered to their slots' rows for DeepGEMM, padding rows are left unwritten
-   (DeepGEMM's contract leaves their outputs unspecified; rows are independent in both GEMMs), while the
-   Triton kernel reads them through ``src`` (no scatter);
+   (DeepGEMM's contract leaves their outputs unspecified; rows are independent in both GEMMs), and for the
+   Triton layer's Gluon GEMM1 (FP8 prefill in the contiguous layout on a Hopper GPU:
+   :data:`fastpath._moe_layer.GEMM1_SCATTER_FOR_GLUON`), while the Triton kernel's other tiles read them through
+   ``src`` (no scatter);
 2. GEMM1 ``h = a @ W13[e].T`` (``impl``: ``"triton"`` or ``"deep_gemm"``), stored bf16;
 3. activation in FP32 and, for FP8 layers, the 1x128 re-quantization in the same kernel
    (:func:`fastpath.fused.silu_and_mul_quant_fp8`, :func:`fastpath.fused.gelu_and_mul_quant_fp8`,
