@@ -52,12 +52,13 @@ def _both(run: dict, key: str) -> float:
 
 def _section(run: dict) -> list:
     t1, t2 = run["times"]["gemm1"], run["times"]["gemm2"]
-    lines = [f"Measured on an {run['gpu']}, {run['date']}, torch {run['torch']}, tree {run['head']}: `{run['command']}` "
-             f"(DeepSeek-V3 at 4096 tokens, uniform routing, {len(t1[DEEP_GEMM]['ms'])} interleaved rounds of 10 calls). "
-             f"{run['note']}. Variants `gluon {{block_n}} s{{stages}} g{{group_m}} ku{{K_UNROLL}} if{{IN_FLIGHT, 0: the "
-             "default} {tma: the TMA-store epilogue | store}`.", "",
-             "| variant | GEMM1 ms | TFLOP/s | x DeepGEMM | GEMM2 ms | TFLOP/s | x DeepGEMM | both, x DeepGEMM | bits |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    rounds = len(t1[DEEP_GEMM]["ms"])
+    lines = [f"Measured on an {run['gpu']}, {run['date']}, torch {run['torch']}, tree {run['head']}: "
+             f"`{run['command']}` (DeepSeek-V3 at 4096 tokens, uniform routing, {rounds} interleaved rounds of 10 "
+             f"calls). {run['note']}. Variants `gluon {{block_n}} s{{stages}} g{{group_m}} ku{{K_UNROLL}} "
+             "if{IN_FLIGHT, 0: the default} {tma: the TMA-store epilogue | store}`.", "",
+             "| variant | GEMM1 ms | TFLOP/s | x DeepGEMM | GEMM2 ms | TFLOP/s | x DeepGEMM | both, x DeepGEMM "
+             "| bits |", "|---|---|---|---|---|---|---|---|---|"]
     for key in t1:
         a, b = t1[key], t2[key]
         x1, x2, xb = (("1.00x",) * 3 if key == DEEP_GEMM else

@@ -218,8 +218,9 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
 
     Only the routed rows of the layout are written and read outside the GEMMs: the Triton GEMM1 reads the token
     rows (FP8 codes and scales, or float rows) through the layout's ``src`` (``a_src``), and for DeepGEMM, the
-    4-bit kernels and a Gluon GEMM1 (:data:`GEMM1_SCATTER_FOR_GLUON`) they are scattered to their slots' rows (:func:`fastpath.dispatch._scatter_rows`, each
-    token read once, padding rows never written, as DeepGEMM leaves them unspecified); the reduce reads
+    4-bit kernels and a Gluon GEMM1 (:data:`GEMM1_SCATTER_FOR_GLUON`) they are scattered to their slots' rows
+    (:func:`fastpath.dispatch._scatter_rows`, each token read once, padding rows never written, as DeepGEMM leaves
+    them unspecified); the reduce reads
     each slot's row through the slot -> row map that the dispatch's placement computed (``slot_rows=True``;
     inverted from ``src`` instead where the masked rows are padded here), with the kernel of
     :func:`fastpath.dispatch.weight_and_reduce` (whose host check that each slot appears once is skipped:
