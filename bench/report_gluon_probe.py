@@ -18,7 +18,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.docs_page import report_main  # noqa: E402
+from bench.docs_page import report_main, runs_oldest_first  # noqa: E402
 
 BEGIN, END = "<!-- gluon-probe:begin -->", "<!-- gluon-probe:end -->"
 PATTERN = "gluon_fp8_prefill_probe_*.json"
@@ -71,10 +71,7 @@ def _section(run: dict) -> list:
 
 def render(docs: list) -> str:
     """The table of each run of the newest document (``docs`` in name order), oldest run first."""
-    lines = []
-    for run in docs[-1]["runs"]:
-        lines += ([""] if lines else []) + _section(run)
-    return "\n".join(lines)
+    return runs_oldest_first(docs[-1]["runs"], _section, date=lambda run: run["date"])
 
 
 def main(argv=None) -> int:
