@@ -21,17 +21,23 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.interp
 
 
-@pytest.fixture
-def fused_launches(monkeypatch):
-    """The grids of ``_small_capacity_kernel`` launches while the fused path is on."""
+def _counted_launches(monkeypatch, name: str) -> list:
+    """The grids of every launch of ``fastpath._dispatch_sort``'s kernel ``name`` from now on (each still runs)."""
     calls = []
 
     class Counted:
-        def __getitem__(self, grid, kernel=sort_host._small_capacity_kernel):
+        def __getitem__(self, grid, kernel=getattr(sort_host, name)):
             calls.append(grid)
             return kernel[grid]
 
-    monkeypatch.setattr(sort_host, "_small_capacity_kernel", Counted())
+    monkeypatch.setattr(sort_host, name, Counted())
+    return calls
+
+
+@pytest.fixture
+def fused_launches(monkeypatch):
+    """The grids of ``_small_capacity_kernel`` launches while the fused path is on."""
+    calls = _counted_launches(monkeypatch, "_small_capacity_kernel")
     monkeypatch.setattr(sort_host, "SMALL_CAPACITY_FUSED", True)
     monkeypatch.setattr(sort_host, "DECODE_CAPACITY_SLOTS", 0)  # the one-program kernel alone
     return calls
@@ -40,14 +46,7 @@ def fused_launches(monkeypatch):
 @pytest.fixture
 def decode_launches(monkeypatch):
     """The grids of ``_decode_capacity_kernel`` launches (on by default up to ``DECODE_CAPACITY_SLOTS``)."""
-    calls = []
-
-    class Counted:
-        def __getitem__(self, grid, kernel=sort_host._decode_capacity_kernel):
-            calls.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(sort_host, "_decode_capacity_kernel", Counted())
+    calls = _counted_launches(monkeypatch, "_decode_capacity_kernel")
     monkeypatch.setattr(sort_host, "SMALL_CAPACITY_FUSED", False)
     assert sort_host.DECODE_CAPACITY_SLOTS == 64  # the shipped bound: 8 tokens of top-8
     return calls
