@@ -249,7 +249,8 @@ def _routed(x, weights: FastMoEWeights, topk_weights, topk_ids, num_experts, exp
     if gather and GEMM1_SCATTER_FOR_GLUON and weights.fp8_activations and layout == "contiguous":
         t1 = tiles[0] if tiles[0] is not None else default_tiles("fp8_block", expected_m, x.device.type, layout,
                                                                   alignment=alignment)
-        gather = t1.kernel != "gluon"  # the Gluon kernel reads layout rows: the token rows are scattered to them
+        if t1.kernel == "gluon":  # the Gluon kernel reads layout rows: the token rows are scattered to them
+            gather, tiles = False, (t1, tiles[1])  # GEMM1's tiles chosen here, not again below
     side = None
     if A1_QUANT_BRANCH and weights.fp8_activations and gather and x.is_cuda \
             and torch.cuda.is_current_stream_capturing():
